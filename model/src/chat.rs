@@ -1,0 +1,130 @@
+//! Chat templates: the model's Jinja template rendered with minijinja the way HF transformers
+//! renders it (`trim_blocks`, `lstrip_blocks`, `raise_exception`, `tojson`, Python string methods,
+//! loop controls), so a template written for HF produces the same prompt here.
+
+use minijinja::{Environment, Error as JinjaError, ErrorKind, Value};
+use serde::{Deserialize, Serialize};
+
+use crate::ModelError;
+
+/// One chat message. `content` is text; richer content parts are flattened by the caller.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+/// A compiled chat template.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    bos_token: String,
+    eos_token: String,
+}
+
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ChatTemplate")
+    }
+}
+
+fn raise_exception(msg: String) -> Result<Value, JinjaError> {
+    Err(JinjaError::new(ErrorKind::InvalidOperation, msg))
+}
+
+fn strftime_now(fmt: String) -> Result<Value, JinjaError> {
+    // Templates use this for "today's date" in system prompts; days since the epoch in UTC suffice.
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let (y, m, d) = civil_from_days((secs / 86400) as i64);
+    const MONTHS: [&str; 12] = ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November", "December"];
+    let out = fmt
+        .replace("%Y", &format!("{y:04}"))
+        .replace("%m", &format!("{m:02}"))
+        .replace("%d", &format!("{d:02}"))
+        .replace("%B", MONTHS[(m - 1) as usize])
+        .replace("%b", &MONTHS[(m - 1) as usize][..3]);
+    Ok(Value::from(out))
+}
+
+/// Gregorian date from days since 1970-01-01 (Howard Hinnant's algorithm).
+fn civil_from_days(z: i64) -> (i64, u32, u32) {
+    let z = z + 719468;
+    let era = z.div_euclid(146097);
+    let doe = z.rem_euclid(146097);
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    (yoe + era * 400 + if m <= 2 { 1 } else { 0 }, m, d)
+}
+
+impl ChatTemplate {
+    pub fn new(source: &str, bos_token: Option<&str>, eos_token: Option<&str>) -> Result<Self, ModelError> {
+        let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_keep_trailing_newline(false);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", strftime_now);
+        env.add_template_owned("chat", source.to_string())
+            .map_err(|e| ModelError::Template(format!("chat template does not compile: {e}")))?;
+        Ok(Self { env, bos_token: bos_token.unwrap_or("").into(), eos_token: eos_token.unwrap_or("").into() })
+    }
+
+    /// Renders the conversation; with `add_generation_prompt` the text ends where the assistant's
+    /// answer begins.
+    pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, ModelError> {
+        if messages.is_empty() {
+            return Err(ModelError::Template("messages must not be empty".into()));
+        }
+        let tmpl = self.env.get_template("chat").map_err(|e| ModelError::Template(e.to_string()))?;
+        tmpl.render(minijinja::context! {
+            messages => messages,
+            add_generation_prompt => add_generation_prompt,
+            bos_token => self.bos_token,
+            eos_token => self.eos_token,
+        })
+        .map_err(|e| {
+            let detail = e.detail().map(str::to_string).unwrap_or_else(|| e.to_string());
+            ModelError::Template(format!("chat template error: {detail}"))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn msgs(v: &[(&str, &str)]) -> Vec<ChatMessage> {
+        v.iter().map(|(r, c)| ChatMessage { role: r.to_string(), content: c.to_string() }).collect()
+    }
+
+    #[test]
+    fn hf_features() {
+        let src = r#"{{ bos_token }}{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools') }}{% endif %}
+{% if loop.index0 > 2 %}{% break %}{% endif %}{% if m.role == 'skip' %}{% continue %}{% endif %}
+[{{ m.role | upper }}]{{ m.content.strip() }}|{{ m | tojson }}
+{% endfor %}{% if add_generation_prompt %}<gen>{% endif %}"#;
+        let t = ChatTemplate::new(src, Some("<s>"), Some("</s>")).unwrap();
+        let out = t.render(&msgs(&[("user", "  hi "), ("skip", "x"), ("assistant", "yo"), ("user", "late")]), true).unwrap();
+        assert_eq!(
+            out,
+            "<s>[USER]hi|{\"role\":\"user\",\"content\":\"  hi \"}\n[ASSISTANT]yo|{\"role\":\"assistant\",\"content\":\"yo\"}\n<gen>"
+        );
+        let err = t.render(&msgs(&[("tool", "x")]), false).unwrap_err();
+        assert!(err.to_string().contains("no tools"), "{err}");
+        assert!(t.render(&[], true).is_err());
+    }
+
+    #[test]
+    fn bad_template_is_an_error() {
+        assert!(ChatTemplate::new("{% for %}", None, None).is_err());
+    }
+
+    #[test]
+    fn dates() {
+        assert_eq!(civil_from_days(0), (1970, 1, 1));
+        assert_eq!(civil_from_days(20_778), (2026, 11, 21));
+    }
+}

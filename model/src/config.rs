@@ -1,0 +1,262 @@
+//! Llama-family model configuration (Llama 2/3, SmolLM2, Mistral), read from GGUF metadata or an HF
+//! `config.json`, and the rotary-embedding frequencies it implies.
+
+use serde::Deserialize;
+
+use crate::gguf::GgufFile;
+use crate::ModelError;
+
+/// How rotary frequencies are rescaled for long contexts.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RopeScaling {
+    /// Positions divided by `factor` (HF `rope_type: linear`).
+    Linear { factor: f32 },
+    /// Llama 3.1's frequency-dependent scaling (HF `rope_type: llama3`).
+    Llama3 { factor: f32, low_freq_factor: f32, high_freq_factor: f32, original_max_position_embeddings: usize },
+    /// Per-frequency divisors given as a tensor (GGUF `rope_freqs.weight`).
+    Factors(Vec<f32>),
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct LlamaConfig {
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab_size: usize,
+    /// The context the model supports (capped by a sliding window when the model has one).
+    pub max_position_embeddings: usize,
+    pub rms_norm_eps: f32,
+    pub rope_theta: f32,
+    pub rope_scaling: Option<RopeScaling>,
+    pub tie_word_embeddings: bool,
+}
+
+impl LlamaConfig {
+    pub fn validate(&self) -> Result<(), ModelError> {
+        let bad = |m: String| Err(ModelError::Config(m));
+        if self.num_heads == 0 || self.num_kv_heads == 0 || self.num_layers == 0 || self.hidden_size == 0 {
+            return bad(format!("zero-sized dimension in {self:?}"));
+        }
+        if self.num_heads % self.num_kv_heads != 0 {
+            return bad(format!("{} attention heads is not a multiple of {} KV heads", self.num_heads, self.num_kv_heads));
+        }
+        if self.head_dim % 2 != 0 {
+            return bad(format!("head_dim {} must be even for rotary embeddings", self.head_dim));
+        }
+        Ok(())
+    }
+
+    /// Inverse rotary frequencies, one per pair of dimensions, computed in f32 as HF transformers
+    /// does so that long positions round the same way.
+    pub fn rope_inv_freq(&self) -> Vec<f32> {
+        let dim = self.head_dim;
+        let base: Vec<f32> = (0..dim / 2)
+            .map(|i| 1.0f32 / self.rope_theta.powf((2 * i) as f32 / dim as f32))
+            .collect();
+        match &self.rope_scaling {
+            None => base,
+            Some(RopeScaling::Linear { .. }) => base,
+            Some(RopeScaling::Factors(f)) => base.iter().zip(f).map(|(b, f)| b / f).collect(),
+            Some(RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings }) => {
+                let old = *original_max_position_embeddings as f32;
+                let low_wavelen = old / low_freq_factor;
+                let high_wavelen = old / high_freq_factor;
+                base.iter()
+                    .map(|&f| {
+                        let wavelen = 2.0 * std::f32::consts::PI / f;
+                        if wavelen < high_wavelen {
+                            f
+                        } else if wavelen > low_wavelen {
+                            f / factor
+                        } else {
+                            let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                            (1.0 - smooth) * f / factor + smooth * f
+                        }
+                    })
+                    .collect()
+            }
+        }
+    }
+
+    /// Positions are divided by this before taking angles (linear scaling), else 1.
+    pub fn rope_position_scale(&self) -> f32 {
+        match self.rope_scaling {
+            Some(RopeScaling::Linear { factor }) => 1.0 / factor,
+            _ => 1.0,
+        }
+    }
+
+    /// Reads the `llama.*` keys of a GGUF file.
+    pub fn from_gguf(g: &GgufFile) -> Result<Self, ModelError> {
+        let arch = g.get("general.architecture").and_then(|v| v.as_str()).unwrap_or("llama").to_string();
+        if !matches!(arch.as_str(), "llama" | "mistral") {
+            return Err(ModelError::Unsupported(format!("architecture {arch:?}; Tandem runs Llama-family models")));
+        }
+        let key = |k: &str| format!("{arch}.{k}");
+        let req = |k: &str| -> Result<usize, ModelError> {
+            g.get(&key(k))
+                .and_then(|v| v.as_u64())
+                .map(|v| v as usize)
+                .ok_or_else(|| ModelError::Config(format!("GGUF metadata {} is missing", key(k))))
+        };
+        let hidden_size = req("embedding_length")?;
+        let num_heads = req("attention.head_count")?;
+        let num_kv_heads = req("attention.head_count_kv").unwrap_or(num_heads);
+        let head_dim = req("attention.key_length").or_else(|_| req("rope.dimension_count")).unwrap_or(hidden_size / num_heads.max(1));
+        let vocab_size = match req("vocab_size") {
+            Ok(v) => v,
+            Err(_) => g.get("tokenizer.ggml.tokens").and_then(|v| v.as_array()).map(|a| a.len()).ok_or_else(|| {
+                ModelError::Config("GGUF has neither llama.vocab_size nor tokenizer.ggml.tokens".into())
+            })?,
+        };
+        let f = |k: &str| g.get(&key(k)).and_then(|v| v.as_f64());
+        let rope_scaling = match g.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
+            Some("linear") => Some(RopeScaling::Linear { factor: f("rope.scaling.factor").unwrap_or(1.0) as f32 }),
+            Some("none") | None => None,
+            Some(other) => return Err(ModelError::Unsupported(format!("rope scaling {other:?}"))),
+        };
+        let cfg = Self {
+            hidden_size,
+            intermediate_size: req("feed_forward_length")?,
+            num_layers: req("block_count")?,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            vocab_size,
+            max_position_embeddings: req("context_length").unwrap_or(4096),
+            rms_norm_eps: f("attention.layer_norm_rms_epsilon").unwrap_or(1e-5) as f32,
+            rope_theta: f("rope.freq_base").unwrap_or(10000.0) as f32,
+            rope_scaling,
+            // A GGUF without output.weight ties the head to the embedding; the loader decides.
+            tie_word_embeddings: g.tensor("output.weight").is_none(),
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Parses an HF `config.json`.
+    pub fn from_hf_json(text: &str) -> Result<Self, ModelError> {
+        let c: HfConfig = serde_json::from_str(text).map_err(|e| ModelError::Config(format!("config.json: {e}")))?;
+        if let Some(mt) = &c.model_type {
+            if !matches!(mt.as_str(), "llama" | "mistral") {
+                return Err(ModelError::Unsupported(format!("model_type {mt:?}; Tandem runs Llama-family models")));
+            }
+        }
+        let num_kv_heads = c.num_key_value_heads.unwrap_or(c.num_attention_heads);
+        let head_dim = c.head_dim.unwrap_or(c.hidden_size / c.num_attention_heads.max(1));
+        let scaling = c.rope_scaling.as_ref().or(c.rope_parameters.as_ref());
+        let rope_theta = c
+            .rope_theta
+            .or_else(|| scaling.and_then(|s| s.get("rope_theta")).and_then(|v| v.as_f64()))
+            .unwrap_or(10000.0) as f32;
+        let rope_scaling = match scaling {
+            None => None,
+            Some(s) => {
+                let ty = s.get("rope_type").or_else(|| s.get("type")).and_then(|v| v.as_str()).unwrap_or("default");
+                let num = |k: &str, d: f64| s.get(k).and_then(|v| v.as_f64()).unwrap_or(d) as f32;
+                match ty {
+                    "default" => None,
+                    "linear" => Some(RopeScaling::Linear { factor: num("factor", 1.0) }),
+                    "llama3" => Some(RopeScaling::Llama3 {
+                        factor: num("factor", 8.0),
+                        low_freq_factor: num("low_freq_factor", 1.0),
+                        high_freq_factor: num("high_freq_factor", 4.0),
+                        original_max_position_embeddings: num("original_max_position_embeddings", 8192.0) as usize,
+                    }),
+                    other => return Err(ModelError::Unsupported(format!("rope scaling type {other:?}"))),
+                }
+            }
+        };
+        let mut max_pos = c.max_position_embeddings.unwrap_or(4096);
+        if let Some(w) = c.sliding_window {
+            // We attend over the full context; beyond the window that would differ from the model.
+            max_pos = max_pos.min(w);
+        }
+        let cfg = Self {
+            hidden_size: c.hidden_size,
+            intermediate_size: c.intermediate_size,
+            num_layers: c.num_hidden_layers,
+            num_heads: c.num_attention_heads,
+            num_kv_heads,
+            head_dim,
+            vocab_size: c.vocab_size,
+            max_position_embeddings: max_pos,
+            rms_norm_eps: c.rms_norm_eps.unwrap_or(1e-6) as f32,
+            rope_theta,
+            rope_scaling,
+            tie_word_embeddings: c.tie_word_embeddings.unwrap_or(false),
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+}
+
+#[derive(Deserialize)]
+struct HfConfig {
+    model_type: Option<String>,
+    hidden_size: usize,
+    intermediate_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    vocab_size: usize,
+    max_position_embeddings: Option<usize>,
+    rms_norm_eps: Option<f64>,
+    rope_theta: Option<f64>,
+    rope_scaling: Option<serde_json::Map<String, serde_json::Value>>,
+    rope_parameters: Option<serde_json::Map<String, serde_json::Value>>,
+    tie_word_embeddings: Option<bool>,
+    sliding_window: Option<usize>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hf_config_smollm2_like() {
+        let c = LlamaConfig::from_hf_json(
+            r#"{"model_type":"llama","hidden_size":576,"intermediate_size":1536,"num_hidden_layers":30,
+            "num_attention_heads":9,"num_key_value_heads":3,"vocab_size":49152,"rms_norm_eps":1e-5,
+            "rope_theta":100000.0,"tie_word_embeddings":true,"max_position_embeddings":8192}"#,
+        )
+        .unwrap();
+        assert_eq!((c.head_dim, c.num_kv_heads, c.tie_word_embeddings), (64, 3, true));
+        let f = c.rope_inv_freq();
+        assert_eq!(f.len(), 32);
+        assert_eq!(f[0], 1.0);
+        assert!((f[1] - 100000f32.powf(-2.0 / 64.0)).abs() < 1e-9);
+    }
+
+    #[test]
+    fn llama3_scaling_keeps_high_and_divides_low_frequencies() {
+        let c = LlamaConfig::from_hf_json(
+            r#"{"model_type":"llama","hidden_size":4096,"intermediate_size":14336,"num_hidden_layers":32,
+            "num_attention_heads":32,"num_key_value_heads":8,"vocab_size":128256,"rope_theta":500000.0,
+            "rope_scaling":{"factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,
+            "original_max_position_embeddings":8192,"rope_type":"llama3"}}"#,
+        )
+        .unwrap();
+        let f = c.rope_inv_freq();
+        let base = LlamaConfig { rope_scaling: None, ..c.clone() }.rope_inv_freq();
+        assert_eq!(f[0], base[0]);
+        assert!((f[63] - base[63] / 8.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn rejects_bad_configs() {
+        assert!(LlamaConfig::from_hf_json("{}").is_err());
+        assert!(LlamaConfig::from_hf_json(
+            r#"{"model_type":"gpt2","hidden_size":8,"intermediate_size":8,"num_hidden_layers":1,"num_attention_heads":2,"vocab_size":10}"#
+        )
+        .is_err());
+        assert!(LlamaConfig::from_hf_json(
+            r#"{"hidden_size":8,"intermediate_size":8,"num_hidden_layers":1,"num_attention_heads":3,"num_key_value_heads":2,"vocab_size":10}"#
+        )
+        .is_err());
+    }
+}

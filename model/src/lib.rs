@@ -1,0 +1,261 @@
+//! tandem-model: everything about a model that is files and text, and no compute.
+//!
+//! Owns: reading GGUF (v2/v3, over mmap) and HF directories (config.json, safetensors single or
+//! sharded, tokenizer files, generation config); GGML block formats and their dequantization;
+//! the Llama-family [`LlamaConfig`]; the [`Tokenizer`] (HF `tokenizers`, or built from GGUF
+//! metadata) with incremental detokenization; chat templates ([`ChatTemplate`], minijinja); and the
+//! chained block hash ([`hash`]) that the engine's prefix cache and the router's KV index share.
+//!
+//! Does not own: any arithmetic on activations (tandem-kernels), or the model's forward pass
+//! (tandem-engine).
+//!
+//! Entry point: [`load`] gives a [`LoadedModel`] with tensors under canonical (GGUF-style) names,
+//! already converted to one convention: q/k projection rows in HF order, so the engine applies
+//! HF's `rotate_half` rotary embedding whatever the file format.
+
+pub mod chat;
+pub mod config;
+pub mod gguf;
+pub mod hash;
+mod hf;
+pub mod quant;
+pub mod tokenizer;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+pub use chat::{ChatMessage, ChatTemplate};
+pub use config::{LlamaConfig, RopeScaling};
+pub use hash::{block_hashes, hash_block, BlockHash};
+pub use quant::GgmlType;
+pub use tokenizer::{IncrementalDecoder, Tokenizer};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error("{path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("model file not found at {0}: pass --model PATH or run `tandem model fetch`")]
+    NotFound(PathBuf),
+    #[error("malformed model file: {0}")]
+    Format(String),
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+    #[error("model config: {0}")]
+    Config(String),
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    #[error("{0}")]
+    Template(String),
+    #[error("tensor {0} is missing from the model file")]
+    MissingTensor(String),
+}
+
+impl ModelError {
+    pub(crate) fn io(path: &Path, source: std::io::Error) -> Self {
+        if source.kind() == std::io::ErrorKind::NotFound {
+            Self::NotFound(path.to_path_buf())
+        } else {
+            Self::Io { path: path.to_path_buf(), source }
+        }
+    }
+}
+
+/// One weight tensor: its element type, row-major shape (`[rows, cols]` for a matrix) and bytes.
+#[derive(Clone, Debug)]
+pub struct TensorData {
+    pub ty: GgmlType,
+    pub shape: Vec<usize>,
+    pub data: Vec<u8>,
+}
+
+impl TensorData {
+    pub fn elems(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Decodes the whole tensor to f32.
+    pub fn to_f32(&self) -> Result<Vec<f32>, ModelError> {
+        let mut out = vec![0f32; self.elems()];
+        quant::dequantize(self.ty, &self.data, &mut out)?;
+        Ok(out)
+    }
+}
+
+/// Sampling defaults a model ships with (HF `generation_config.json`).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct GenerationDefaults {
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<u32>,
+}
+
+/// A model read from disk: configuration, text handling and weights under canonical names
+/// (`token_embd.weight`, `blk.N.attn_q.weight`, ..., `output.weight` when not tied).
+pub struct LoadedModel {
+    pub config: LlamaConfig,
+    pub tokenizer: Tokenizer,
+    pub chat_template: Option<ChatTemplate>,
+    pub generation: GenerationDefaults,
+    pub tensors: BTreeMap<String, TensorData>,
+    /// A name for the model: the file stem or directory name.
+    pub name: String,
+}
+
+impl LoadedModel {
+    pub fn tensor(&self, name: &str) -> Result<&TensorData, ModelError> {
+        self.tensors.get(name).ok_or_else(|| ModelError::MissingTensor(name.to_string()))
+    }
+}
+
+/// Loads a GGUF file or an HF model directory.
+pub fn load(path: &Path) -> Result<LoadedModel, ModelError> {
+    if !path.exists() {
+        return Err(ModelError::NotFound(path.to_path_buf()));
+    }
+    let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
+    if path.is_dir() {
+        hf::load_dir(path, name)
+    } else {
+        load_gguf(path, name)
+    }
+}
+
+fn load_gguf(path: &Path, name: String) -> Result<LoadedModel, ModelError> {
+    let g = gguf::GgufFile::open(path)?;
+    let config = LlamaConfig::from_gguf(&g)?;
+    let tokenizer = Tokenizer::from_gguf(&g)?;
+    let chat_template = match g.get("tokenizer.chat_template").and_then(|v| v.as_str()) {
+        Some(src) => Some(ChatTemplate::new(src, tokenizer.bos_token.as_deref(), tokenizer.eos_token.as_deref())?),
+        None => None,
+    };
+    let mut tensors = BTreeMap::new();
+    let mut config = config;
+    for t in &g.tensors {
+        let mut data = TensorData { ty: t.ty, shape: t.shape(), data: g.tensor_bytes(t).to_vec() };
+        if t.name.ends_with(".attn_q.weight") {
+            unpermute_rope_rows(&mut data, config.num_heads, config.head_dim)?;
+        } else if t.name.ends_with(".attn_k.weight") {
+            unpermute_rope_rows(&mut data, config.num_kv_heads, config.head_dim)?;
+        }
+        if t.name == "rope_freqs.weight" {
+            config.rope_scaling = Some(RopeScaling::Factors(data.to_f32()?));
+            continue;
+        }
+        tensors.insert(t.name.clone(), data);
+    }
+    let model = LoadedModel { config, tokenizer, chat_template, generation: GenerationDefaults::default(), tensors, name };
+    check_shapes(&model)?;
+    Ok(model)
+}
+
+/// GGUF files store each head's q/k rows interleaved (row 2b+a holds HF row a·hd/2+b) for
+/// llama.cpp's adjacent-pair RoPE. Rows are whole quantized blocks, so they move without decoding.
+fn unpermute_rope_rows(t: &mut TensorData, n_head: usize, head_dim: usize) -> Result<(), ModelError> {
+    let rows = t.shape.first().copied().unwrap_or(0);
+    if t.shape.len() != 2 || rows != n_head * head_dim {
+        return Err(ModelError::Format(format!("q/k projection has shape {:?}, expected [{}, _]", t.shape, n_head * head_dim)));
+    }
+    let row_bytes = t.data.len() / rows;
+    let half = head_dim / 2;
+    let mut out = vec![0u8; t.data.len()];
+    for h in 0..n_head {
+        for r in 0..head_dim {
+            let src = h * head_dim + 2 * (r % half) + r / half;
+            let dst = h * head_dim + r;
+            out[dst * row_bytes..(dst + 1) * row_bytes].copy_from_slice(&t.data[src * row_bytes..(src + 1) * row_bytes]);
+        }
+    }
+    t.data = out;
+    Ok(())
+}
+
+/// Checks that every tensor the forward pass needs is there with the shape the config implies.
+fn check_shapes(m: &LoadedModel) -> Result<(), ModelError> {
+    let c = &m.config;
+    let (h, q, kv, ff) = (c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size);
+    let mut want: Vec<(String, Vec<usize>)> = vec![
+        ("token_embd.weight".into(), vec![c.vocab_size, h]),
+        ("output_norm.weight".into(), vec![h]),
+    ];
+    if !c.tie_word_embeddings {
+        want.push(("output.weight".into(), vec![c.vocab_size, h]));
+    }
+    for i in 0..c.num_layers {
+        for (n, s) in [
+            ("attn_norm", vec![h]),
+            ("attn_q", vec![q, h]),
+            ("attn_k", vec![kv, h]),
+            ("attn_v", vec![kv, h]),
+            ("attn_output", vec![h, q]),
+            ("ffn_norm", vec![h]),
+            ("ffn_gate", vec![ff, h]),
+            ("ffn_up", vec![ff, h]),
+            ("ffn_down", vec![h, ff]),
+        ] {
+            want.push((format!("blk.{i}.{n}.weight"), s));
+        }
+    }
+    for (name, shape) in want {
+        let t = m.tensor(&name)?;
+        if t.shape != shape {
+            return Err(ModelError::Format(format!("tensor {name} has shape {:?}, the config implies {shape:?}", t.shape)));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unpermute_inverts_llama_cpp_permute() {
+        // 2 heads of dim 4, rows of one f32 each holding their HF row index.
+        let n_head = 2;
+        let hd = 4;
+        let hf_rows: Vec<f32> = (0..8).map(|i| i as f32).collect();
+        // llama.cpp: reshape(n_head, 2, hd/2).swapaxes(1,2)
+        let mut gguf_rows = vec![0f32; 8];
+        for h in 0..n_head {
+            for a in 0..2 {
+                for b in 0..hd / 2 {
+                    gguf_rows[h * hd + 2 * b + a] = hf_rows[h * hd + a * hd / 2 + b];
+                }
+            }
+        }
+        let mut t = TensorData {
+            ty: GgmlType::F32,
+            shape: vec![8, 1],
+            data: gguf_rows.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        };
+        unpermute_rope_rows(&mut t, n_head, hd).unwrap();
+        assert_eq!(t.to_f32().unwrap(), hf_rows);
+    }
+
+    #[test]
+    fn missing_file_says_what_to_do() {
+        let e = load(Path::new("/nonexistent/model.gguf")).err().unwrap();
+        assert!(e.to_string().contains("tandem model fetch"), "{e}");
+    }
+}
+
+/// The default model's file name inside the model cache.
+pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// Where fetched models live: `$TANDEM_MODEL_CACHE`, else `$XDG_CACHE_HOME/tandem/models`, else
+/// `~/.cache/tandem/models`.
+pub fn model_cache_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("TANDEM_MODEL_CACHE") {
+        return PathBuf::from(d);
+    }
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .unwrap_or_else(|| PathBuf::from(".cache"));
+    base.join("tandem").join("models")
+}
+
+/// The model a command uses when given none: `$TANDEM_MODEL`, else the default in the cache.
+pub fn default_model_path() -> PathBuf {
+    std::env::var_os("TANDEM_MODEL").map(PathBuf::from).unwrap_or_else(|| model_cache_dir().join(DEFAULT_MODEL_FILE))
+}

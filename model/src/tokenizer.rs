@@ -1,0 +1,219 @@
+//! Text ⇄ token ids: HF `tokenizers` loaded from `tokenizer.json`, or built from GGUF metadata, and
+//! incremental detokenization for streaming.
+//!
+//! For GGUF we assemble the equivalent `tokenizer.json` in memory (byte-level BPE, the vocabulary and
+//! merges from `tokenizer.ggml.*`, special tokens as added tokens) and hand it to `tokenizers`, so
+//! both sources run the same, well-tested code. The pre-tokenizer is chosen by `tokenizer.ggml.pre`
+//! as llama.cpp does: `smollm` splits every digit on its own before the GPT-2 regex.
+
+use serde_json::{json, Value};
+
+use crate::gguf::GgufFile;
+use crate::ModelError;
+
+/// Llama 3's pre-tokenizer regex (`tokenizer.ggml.pre = llama-bpe`).
+const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// GGUF `tokenizer.ggml.token_type` values.
+const TOKEN_TYPE_CONTROL: u64 = 3;
+const TOKEN_TYPE_USER_DEFINED: u64 = 4;
+
+#[derive(Clone)]
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    pub bos_token_id: Option<u32>,
+    /// Token ids that end generation (EOS, and end-of-turn tokens the model declares).
+    pub eos_token_ids: Vec<u32>,
+    pub add_bos: bool,
+    pub bos_token: Option<String>,
+    pub eos_token: Option<String>,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("vocab", &self.vocab_size())
+            .field("bos", &self.bos_token_id)
+            .field("eos", &self.eos_token_ids)
+            .finish()
+    }
+}
+
+fn tk_err(e: tokenizers::Error) -> ModelError {
+    ModelError::Tokenizer(e.to_string())
+}
+
+impl Tokenizer {
+    /// Wraps a `tokenizers` tokenizer; `bos`/`eos` name tokens by their text.
+    pub fn from_hf(
+        inner: tokenizers::Tokenizer,
+        bos: Option<String>,
+        eos: Option<String>,
+        extra_eos_ids: &[u32],
+        add_bos: bool,
+    ) -> Self {
+        let bos_token_id = bos.as_deref().and_then(|t| inner.token_to_id(t));
+        let mut eos_token_ids: Vec<u32> = eos.as_deref().and_then(|t| inner.token_to_id(t)).into_iter().collect();
+        for &e in extra_eos_ids {
+            if !eos_token_ids.contains(&e) {
+                eos_token_ids.push(e);
+            }
+        }
+        Self { inner, bos_token_id, eos_token_ids, add_bos, bos_token: bos, eos_token: eos }
+    }
+
+    /// Builds the tokenizer described by a GGUF file's `tokenizer.ggml.*` keys.
+    pub fn from_gguf(g: &GgufFile) -> Result<Self, ModelError> {
+        let s = |k: &str| g.get(k).and_then(|v| v.as_str());
+        let model = s("tokenizer.ggml.model").ok_or_else(|| ModelError::Tokenizer("GGUF has no tokenizer.ggml.model".into()))?;
+        if model != "gpt2" {
+            return Err(ModelError::Unsupported(format!(
+                "GGUF tokenizer model {model:?}; byte-level BPE (gpt2) is supported, or pass an HF directory with tokenizer.json"
+            )));
+        }
+        let tokens = g
+            .get("tokenizer.ggml.tokens")
+            .and_then(|v| v.as_array())
+            .ok_or_else(|| ModelError::Tokenizer("GGUF has no tokenizer.ggml.tokens".into()))?;
+        let merges = g
+            .get("tokenizer.ggml.merges")
+            .and_then(|v| v.as_array())
+            .ok_or_else(|| ModelError::Tokenizer("GGUF has no tokenizer.ggml.merges".into()))?;
+        let types = g.get("tokenizer.ggml.token_type").and_then(|v| v.as_array());
+        let mut vocab = serde_json::Map::with_capacity(tokens.len());
+        let mut added = Vec::new();
+        for (i, t) in tokens.iter().enumerate() {
+            let t = t.as_str().ok_or_else(|| ModelError::Tokenizer(format!("token {i} is not a string")))?;
+            vocab.insert(t.to_string(), json!(i));
+            let ty = types.and_then(|a| a.get(i)).and_then(|v| v.as_u64()).unwrap_or(1);
+            if ty == TOKEN_TYPE_CONTROL || ty == TOKEN_TYPE_USER_DEFINED {
+                added.push(json!({"id": i, "content": t, "single_word": false, "lstrip": false, "rstrip": false,
+                    "normalized": false, "special": ty == TOKEN_TYPE_CONTROL}));
+            }
+        }
+        let merges: Vec<Value> = merges.iter().filter_map(|m| m.as_str()).map(|m| json!(m)).collect();
+        let pre = s("tokenizer.ggml.pre").unwrap_or("default");
+        let byte_level = |use_regex: bool| json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex});
+        let pre_tokenizer = match pre {
+            "default" | "gpt2" | "gpt-2" => byte_level(true),
+            "smollm" => json!({"type": "Sequence", "pretokenizers": [
+                {"type": "Digits", "individual_digits": true}, byte_level(true)]}),
+            "llama-bpe" | "llama3" | "llama-v3" => json!({"type": "Sequence", "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": LLAMA3_PATTERN}, "behavior": "Isolated", "invert": false},
+                byte_level(false)]}),
+            other => {
+                return Err(ModelError::Unsupported(format!(
+                    "GGUF pre-tokenizer {other:?} (supported: default/gpt2, smollm, llama-bpe); pass an HF directory with tokenizer.json instead"
+                )))
+            }
+        };
+        let spec = json!({
+            "version": "1.0", "truncation": null, "padding": null,
+            "added_tokens": added, "normalizer": null, "pre_tokenizer": pre_tokenizer, "post_processor": null,
+            "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+            "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                "vocab": vocab, "merges": merges}
+        });
+        let inner: tokenizers::Tokenizer = serde_json::from_value(spec).map_err(|e| ModelError::Tokenizer(format!("building from GGUF: {e}")))?;
+        let id = |k: &str| g.get(k).and_then(|v| v.as_u64()).map(|v| v as u32);
+        let bos_token_id = id("tokenizer.ggml.bos_token_id");
+        let mut eos_token_ids: Vec<u32> = id("tokenizer.ggml.eos_token_id").into_iter().collect();
+        if let Some(eot) = id("tokenizer.ggml.eot_token_id") {
+            if !eos_token_ids.contains(&eot) {
+                eos_token_ids.push(eot);
+            }
+        }
+        let name = |i: Option<u32>| i.and_then(|i| inner.id_to_token(i));
+        Ok(Self {
+            bos_token: name(bos_token_id),
+            eos_token: name(eos_token_ids.first().copied()),
+            add_bos: g.get("tokenizer.ggml.add_bos_token").and_then(|v| v.as_bool()).unwrap_or(false),
+            bos_token_id,
+            eos_token_ids,
+            inner,
+        })
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// Encodes text. Special tokens written in the text (`<|im_start|>`) become their ids; BOS is
+    /// prepended when the model asks for it and `add_special` is set.
+    pub fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>, ModelError> {
+        let enc = self.inner.encode_fast(text, false).map_err(tk_err)?;
+        let mut ids = Vec::with_capacity(enc.len() + 1);
+        if add_special && self.add_bos {
+            if let Some(b) = self.bos_token_id {
+                ids.push(b);
+            }
+        }
+        ids.extend_from_slice(enc.get_ids());
+        Ok(ids)
+    }
+
+    /// Decodes ids to text. Ids outside the vocabulary are an error, not a panic.
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String, ModelError> {
+        let vocab = self.vocab_size() as u32;
+        if let Some(bad) = ids.iter().find(|&&i| i >= vocab) {
+            return Err(ModelError::Tokenizer(format!("token id {bad} is outside the vocabulary of {vocab}")));
+        }
+        self.inner.decode(ids, skip_special).map_err(tk_err)
+    }
+
+    pub fn id_to_token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
+    pub fn token_to_id(&self, t: &str) -> Option<u32> {
+        self.inner.token_to_id(t)
+    }
+
+    pub fn is_eos(&self, id: u32) -> bool {
+        self.eos_token_ids.contains(&id)
+    }
+}
+
+/// Turns a growing list of token ids into text pieces without ever cutting a UTF-8 character.
+///
+/// Decodes a short window of recent tokens twice (with and without the newest) and emits the
+/// difference once it no longer ends in a replacement character: byte-level BPE can split one
+/// character across tokens, and a word-initial space depends on the previous token.
+#[derive(Debug, Clone)]
+pub struct IncrementalDecoder {
+    ids: Vec<u32>,
+    prefix_offset: usize,
+    read_offset: usize,
+    skip_special: bool,
+}
+
+impl IncrementalDecoder {
+    pub fn new(skip_special: bool) -> Self {
+        Self { ids: Vec::new(), prefix_offset: 0, read_offset: 0, skip_special }
+    }
+
+    /// Adds one token; returns the new text it completes, possibly empty.
+    pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<String, ModelError> {
+        self.ids.push(id);
+        let prefix = tok.decode(&self.ids[self.prefix_offset..self.read_offset], self.skip_special)?;
+        let full = tok.decode(&self.ids[self.prefix_offset..], self.skip_special)?;
+        if full.len() > prefix.len() && !full.ends_with('\u{FFFD}') && full.is_char_boundary(prefix.len()) {
+            let piece = full[prefix.len()..].to_string();
+            self.prefix_offset = self.read_offset;
+            self.read_offset = self.ids.len();
+            Ok(piece)
+        } else {
+            Ok(String::new())
+        }
+    }
+
+    /// Text still held back at the end of the stream (an incomplete character decodes lossily).
+    pub fn finish(&mut self, tok: &Tokenizer) -> Result<String, ModelError> {
+        let prefix = tok.decode(&self.ids[self.prefix_offset..self.read_offset], self.skip_special)?;
+        let full = tok.decode(&self.ids[self.prefix_offset..], self.skip_special)?;
+        self.prefix_offset = self.ids.len();
+        self.read_offset = self.ids.len();
+        Ok(full.get(prefix.len()..).unwrap_or("").to_string())
+    }
+}
