@@ -1,0 +1,47 @@
+//! tandem-kernels: devices, buffers and the op set the engine writes its model against.
+//!
+//! Owns: the CPU implementations of matmul (dense f32 through `gemm`; quantized weights kept
+//! quantized in memory and dequantized on the fly with AVX2/FMA kernels chosen at run time, with a
+//! portable fallback), rms_norm, rotary embedding, silu·mul, embedding gather, writes into the paged
+//! KV cache, paged attention (packed variable-length prefill over a cached prefix, and single-query
+//! decode), and logits helpers. Activations are f32 throughout so the CPU path is the numerical
+//! reference the GPU kernels are checked against.
+//!
+//! Does not own: model structure (tandem-engine) or file formats (tandem-model).
+//!
+//! Main types: [`Weight`] (a matrix in its storage format), [`KvLayout`] (how one layer's KV
+//! blocks are laid out), [`SeqAttn`] (one sequence's slice of a packed batch).
+
+pub mod attention;
+pub mod matmul;
+pub mod ops;
+pub mod simd;
+mod weight;
+
+pub use attention::{paged_attention, reference_attention, write_kv, KvLayout, SeqAttn};
+pub use matmul::matmul;
+pub use weight::Weight;
+
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    #[error("shape mismatch: {0}")]
+    Shape(String),
+    #[error(transparent)]
+    Model(#[from] tandem_model::ModelError),
+}
+
+/// Sizes rayon's global pool to `threads` (default: the machine's cores). Call once, early; later
+/// calls keep the first size.
+pub fn init_threads(threads: Option<usize>) {
+    let n = threads.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
+    let _ = rayon::ThreadPoolBuilder::new().num_threads(n).build_global();
+}
+
+/// Which SIMD path the quantized kernels take on this machine.
+pub fn simd_level() -> &'static str {
+    if simd::has_avx2_fma() {
+        "avx2+fma"
+    } else {
+        "portable"
+    }
+}

@@ -1,0 +1,168 @@
+//! Element-wise and row-wise ops: RMS norm, rotary embedding, SiLU·mul, embedding gather, and the
+//! logits helpers (softmax, log-softmax, argmax).
+
+use rayon::prelude::*;
+
+use crate::Weight;
+
+/// `out = x / sqrt(mean(x²) + eps) · w`, row by row (`x` is rows × w.len()), as HF's LlamaRMSNorm.
+pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let d = w.len();
+    for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+        let ss: f32 = crate::simd::dot_f32(xr, xr) / d as f32;
+        let inv = 1.0 / (ss + eps).sqrt();
+        for i in 0..d {
+            or[i] = w[i] * (xr[i] * inv);
+        }
+    }
+}
+
+/// Cosines and sines of every (position, frequency) pair up to a maximum position.
+#[derive(Clone, Debug)]
+pub struct RopeTable {
+    half: usize,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+impl RopeTable {
+    /// `inv_freq` has head_dim/2 entries; angles are `(pos · pos_scale) · inv_freq` in f32, the way
+    /// HF computes them, so long positions round the same way.
+    pub fn new(inv_freq: &[f32], pos_scale: f32, max_pos: usize) -> Self {
+        let half = inv_freq.len();
+        let mut cos = vec![0f32; max_pos * half];
+        let mut sin = vec![0f32; max_pos * half];
+        cos.par_chunks_mut(half).zip(sin.par_chunks_mut(half)).enumerate().for_each(|(p, (c, s))| {
+            let pos = p as f32 * pos_scale;
+            for i in 0..half {
+                let a = (pos * inv_freq[i]) as f64;
+                c[i] = a.cos() as f32;
+                s[i] = a.sin() as f32;
+            }
+        });
+        Self { half, cos, sin }
+    }
+
+    pub fn max_pos(&self) -> usize {
+        self.cos.len() / self.half.max(1)
+    }
+}
+
+/// Applies HF's `rotate_half` rotary embedding in place. `x` is tokens × (n_heads·head_dim);
+/// `positions[t]` is token t's position.
+pub fn rope(x: &mut [f32], positions: &[usize], n_heads: usize, table: &RopeTable) {
+    let half = table.half;
+    let hd = 2 * half;
+    for (t, row) in x.chunks_exact_mut(n_heads * hd).enumerate() {
+        let p = positions[t];
+        let c = &table.cos[p * half..(p + 1) * half];
+        let s = &table.sin[p * half..(p + 1) * half];
+        for h in row.chunks_exact_mut(hd) {
+            let (a, b) = h.split_at_mut(half);
+            for i in 0..half {
+                let (x0, x1) = (a[i], b[i]);
+                a[i] = x0 * c[i] - x1 * s[i];
+                b[i] = x1 * c[i] + x0 * s[i];
+            }
+        }
+    }
+}
+
+/// `gate[i] = silu(gate[i]) · up[i]`.
+pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    for (g, u) in gate.iter_mut().zip(up) {
+        let v = *g;
+        *g = v / (1.0 + (-v).exp()) * u;
+    }
+}
+
+/// Gathers embedding rows for `ids` into `out` (ids.len() × dim). Ids must be < table rows.
+pub fn embedding(ids: &[u32], table: &Weight, out: &mut [f32]) {
+    let d = table.cols();
+    for (id, o) in ids.iter().zip(out.chunks_exact_mut(d)) {
+        table.row_f32(*id as usize, o);
+    }
+}
+
+/// Index of the largest value; the first one on ties (as `torch.argmax`).
+pub fn argmax(x: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &v) in x.iter().enumerate() {
+        if v > x[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+/// In-place softmax.
+pub fn softmax(x: &mut [f32]) {
+    let max = x.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    let mut sum = 0f32;
+    for v in x.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    let inv = 1.0 / sum;
+    for v in x.iter_mut() {
+        *v *= inv;
+    }
+}
+
+/// `log(softmax(x))` written into `out`, computed stably.
+pub fn log_softmax(x: &[f32], out: &mut [f32]) {
+    let max = x.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    let lse = max + x.iter().map(|&v| ((v - max) as f64).exp()).sum::<f64>().ln() as f32;
+    for (o, &v) in out.iter_mut().zip(x) {
+        *o = v - lse;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rms_norm_values() {
+        let x = [1.0f32, 2.0, 3.0, 4.0];
+        let w = [1.0f32, 1.0, 2.0, 0.5];
+        let mut out = [0f32; 4];
+        rms_norm(&x, &w, 0.0, &mut out);
+        let r = (30.0f32 / 4.0).sqrt();
+        assert!((out[0] - 1.0 / r).abs() < 1e-6);
+        assert!((out[2] - 6.0 / r).abs() < 1e-6);
+        assert!((out[3] - 2.0 / r).abs() < 1e-6);
+    }
+
+    #[test]
+    fn rope_rotates_pairs_half_apart() {
+        let inv = [1.0f32, 0.5];
+        let t = RopeTable::new(&inv, 1.0, 4);
+        let mut x = vec![1.0f32, 0.0, 0.0, 1.0];
+        rope(&mut x, &[2], 1, &t);
+        // pair (x0, x2) rotated by 2 rad, pair (x1, x3) by 1 rad
+        assert!((x[0] - 2f32.cos()).abs() < 1e-6 && (x[2] - 2f32.sin()).abs() < 1e-6);
+        assert!((x[1] + 1f32.sin()).abs() < 1e-6 && (x[3] - 1f32.cos()).abs() < 1e-6);
+        let mut y = vec![0.3f32, -0.2, 0.9, 0.1];
+        let before = y.clone();
+        rope(&mut y, &[0], 1, &t);
+        assert_eq!(y, before, "position 0 is the identity");
+    }
+
+    #[test]
+    fn logits_helpers() {
+        assert_eq!(argmax(&[1.0, 3.0, 3.0, 2.0]), 1);
+        let mut p = [1.0f32, 2.0, 3.0];
+        softmax(&mut p);
+        assert!((p.iter().sum::<f32>() - 1.0).abs() < 1e-6);
+        let mut l = [0f32; 3];
+        log_softmax(&[1.0, 2.0, 3.0], &mut l);
+        for i in 0..3 {
+            assert!((l[i] - p[i].ln()).abs() < 1e-6);
+        }
+        let mut g = [0.0f32, 2.0];
+        silu_mul(&mut g, &[3.0, 1.0]);
+        assert_eq!(g[0], 0.0);
+        assert!((g[1] - 2.0 / (1.0 + (-2f32).exp())).abs() < 1e-6);
+    }
+}
