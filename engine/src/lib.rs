@@ -1,0 +1,39 @@
+//! tandem-engine: the model forward over a paged KV cache, and the loop that serves requests.
+//!
+//! Owns: [`LlamaModel`] (the Llama forward written once against tandem-kernels' op set), the KV
+//! pool and its block allocator ([`kv_cache`]), the [`Sampler`], and the [`Engine`] that packs the
+//! new tokens of many sequences into one forward per step. There is no contiguous-cache path: every
+//! token's K/V lives in paged blocks, prefill and decode alike.
+//!
+//! Does not own: networking (the workers), file formats and text (tandem-model), or arithmetic
+//! kernels (tandem-kernels).
+
+pub mod engine;
+pub mod kv_cache;
+pub mod model;
+pub mod sampler;
+
+pub use engine::{Engine, EngineConfig, FinishReason, Output, Request, StepStats, TokenEvent};
+pub use kv_cache::{BlockAllocator, BlockList, KvPool};
+pub use model::{LlamaModel, SeqBatch, WeightFormat};
+pub use sampler::{Sampled, Sampler, SamplingParams};
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
+    #[error("prompt and output need {tokens} tokens but the model's context is {max}")]
+    ContextOverflow { tokens: usize, max: usize },
+    #[error("token id {id} is outside the vocabulary of {vocab}")]
+    BadToken { id: u32, vocab: usize },
+    #[error("request needs {need} KV blocks but the pool has only {total}: raise --kv-cache-mb or shorten the request")]
+    TooLargeForCache { need: usize, total: usize },
+    #[error("model: {0}")]
+    Model(String),
+    #[error(transparent)]
+    Kernel(#[from] tandem_kernels::KernelError),
+    #[error(transparent)]
+    Files(#[from] tandem_model::ModelError),
+    #[error("internal: {0}")]
+    Internal(String),
+}

@@ -1,0 +1,234 @@
+//! The Llama forward pass over the paged KV cache, written once against the kernels op set.
+//!
+//! A step runs one packed batch: the new tokens of every scheduled sequence, one after another
+//! (prefill chunks and single decode tokens alike). Each token carries its position and the cache
+//! slot its K/V goes to; attention reads each sequence's blocks through its block table. Logits
+//! are computed only for the rows that need a next token.
+
+use tandem_kernels::ops::{self, RopeTable};
+use tandem_kernels::{matmul, paged_attention, write_kv, KvLayout, SeqAttn, Weight};
+use tandem_model::{LlamaConfig, LoadedModel};
+
+use crate::kv_cache::KvPool;
+use crate::EngineError;
+
+/// How weights are held in memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum WeightFormat {
+    /// As stored in the file (quantized stays quantized).
+    #[default]
+    Native,
+    /// Everything decoded to f32 at load.
+    F32,
+}
+
+
+impl std::str::FromStr for WeightFormat {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "native" => Ok(Self::Native),
+            "f32" => Ok(Self::F32),
+            o => Err(format!("unknown weight format {o:?} (native|f32)")),
+        }
+    }
+}
+
+struct Layer {
+    attn_norm: Vec<f32>,
+    /// q, k and v projections stacked by rows: one product per layer instead of three.
+    qkv: Weight,
+    o: Weight,
+    ffn_norm: Vec<f32>,
+    /// gate and up projections stacked by rows.
+    gate_up: Weight,
+    down: Weight,
+}
+
+pub struct LlamaModel {
+    pub config: LlamaConfig,
+    layers: Vec<Layer>,
+    embed: Weight,
+    /// None when the head is tied to the embedding.
+    lm_head: Option<Weight>,
+    norm: Vec<f32>,
+    rope: RopeTable,
+}
+
+/// One sequence's part of a step.
+#[derive(Clone, Debug)]
+pub struct SeqBatch<'a> {
+    /// New token ids this step.
+    pub tokens: &'a [u32],
+    /// Tokens already in the cache before this step.
+    pub cached: usize,
+    pub block_table: &'a [u32],
+    /// Whether this step must produce logits for the sequence's last new token.
+    pub want_logits: bool,
+}
+
+fn stack_rows(parts: &[&Weight]) -> Result<Weight, EngineError> {
+    let cols = parts[0].cols();
+    let rows = parts.iter().map(|w| w.rows()).sum();
+    match parts[0] {
+        Weight::F32 { .. } => {
+            let mut data = Vec::with_capacity(rows * cols);
+            for p in parts {
+                match p {
+                    Weight::F32 { data: d, .. } => data.extend_from_slice(d),
+                    _ => return Err(EngineError::Model("mixed weight types in one fused projection".into())),
+                }
+            }
+            Ok(Weight::F32 { data, rows, cols })
+        }
+        Weight::Quant { ty, .. } => {
+            let mut data = Vec::new();
+            for p in parts {
+                match p {
+                    Weight::Quant { ty: t, data: d, .. } if t == ty => data.extend_from_slice(d),
+                    // Different quant types in q/k/v (some GGUF mixes do this): decode to f32.
+                    _ => {
+                        let dense: Vec<Weight> = parts
+                            .iter()
+                            .map(|w| {
+                                let mut d = vec![0f32; w.rows() * w.cols()];
+                                for r in 0..w.rows() {
+                                    w.row_f32(r, &mut d[r * cols..(r + 1) * cols]);
+                                }
+                                Weight::F32 { data: d, rows: w.rows(), cols }
+                            })
+                            .collect();
+                        return stack_rows(&dense.iter().collect::<Vec<_>>());
+                    }
+                }
+            }
+            Ok(Weight::Quant { ty: *ty, data, rows, cols })
+        }
+    }
+}
+
+impl LlamaModel {
+    pub fn new(m: &LoadedModel, format: WeightFormat) -> Result<Self, EngineError> {
+        let c = m.config.clone();
+        let f32w = format == WeightFormat::F32;
+        let w = |name: &str| -> Result<Weight, EngineError> { Ok(Weight::from_tensor(m.tensor(name)?, f32w)?) };
+        let v = |name: &str| -> Result<Vec<f32>, EngineError> { Ok(m.tensor(name)?.to_f32()?) };
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for i in 0..c.num_layers {
+            let p = |s: &str| format!("blk.{i}.{s}.weight");
+            layers.push(Layer {
+                attn_norm: v(&p("attn_norm"))?,
+                qkv: stack_rows(&[&w(&p("attn_q"))?, &w(&p("attn_k"))?, &w(&p("attn_v"))?])?,
+                o: w(&p("attn_output"))?,
+                ffn_norm: v(&p("ffn_norm"))?,
+                gate_up: stack_rows(&[&w(&p("ffn_gate"))?, &w(&p("ffn_up"))?])?,
+                down: w(&p("ffn_down"))?,
+            });
+        }
+        let lm_head = if c.tie_word_embeddings { None } else { Some(w("output.weight")?) };
+        let rope = RopeTable::new(&c.rope_inv_freq(), c.rope_position_scale(), c.max_position_embeddings);
+        Ok(Self { layers, embed: w("token_embd.weight")?, lm_head, norm: v("output_norm.weight")?, rope, config: c })
+    }
+
+    pub fn kv_layout(&self, block_size: usize) -> KvLayout {
+        KvLayout { block_size, num_kv_heads: self.config.num_kv_heads, head_dim: self.config.head_dim }
+    }
+
+    /// Bytes of weights one decode step reads (every matrix once; norms are negligible).
+    pub fn weight_bytes(&self) -> usize {
+        let layers: usize = self.layers.iter().map(|l| l.qkv.bytes() + l.o.bytes() + l.gate_up.bytes() + l.down.bytes()).sum();
+        layers + self.lm_head.as_ref().unwrap_or(&self.embed).bytes()
+    }
+
+    /// Runs one packed step; returns logits (vocab each) for the sequences with `want_logits`, in
+    /// order.
+    pub fn forward(&self, seqs: &[SeqBatch<'_>], kv: &mut KvPool) -> Result<Vec<f32>, EngineError> {
+        let c = &self.config;
+        let (h, hd) = (c.hidden_size, c.head_dim);
+        let (qd, kvd) = (c.num_heads * hd, c.num_kv_heads * hd);
+        let bs = kv.layout.block_size;
+        let t: usize = seqs.iter().map(|s| s.tokens.len()).sum();
+        if t == 0 {
+            return Ok(Vec::new());
+        }
+        let mut tokens = Vec::with_capacity(t);
+        let mut positions = Vec::with_capacity(t);
+        let mut slots = Vec::with_capacity(t);
+        let mut attn = Vec::with_capacity(seqs.len());
+        let mut logit_rows = Vec::new();
+        for s in seqs {
+            let q_start = tokens.len();
+            let ctx = s.cached + s.tokens.len();
+            if ctx > self.rope.max_pos() {
+                return Err(EngineError::ContextOverflow { tokens: ctx, max: self.rope.max_pos() });
+            }
+            if ctx > s.block_table.len() * bs {
+                return Err(EngineError::Internal(format!("{ctx} tokens but {} blocks", s.block_table.len())));
+            }
+            for (i, &tok) in s.tokens.iter().enumerate() {
+                if tok as usize >= c.vocab_size {
+                    return Err(EngineError::BadToken { id: tok, vocab: c.vocab_size });
+                }
+                let p = s.cached + i;
+                tokens.push(tok);
+                positions.push(p);
+                slots.push(s.block_table[p / bs] as usize * bs + p % bs);
+            }
+            attn.push(SeqAttn { q_start, q_len: s.tokens.len(), context_len: ctx, block_table: s.block_table });
+            if s.want_logits && !s.tokens.is_empty() {
+                logit_rows.push(tokens.len() - 1);
+            }
+        }
+
+        let mut x = vec![0f32; t * h];
+        ops::embedding(&tokens, &self.embed, &mut x);
+        let mut hbuf = vec![0f32; t * h];
+        let mut qkv = vec![0f32; t * (qd + 2 * kvd)];
+        let (mut q, mut k, mut v) = (vec![0f32; t * qd], vec![0f32; t * kvd], vec![0f32; t * kvd]);
+        let mut att = vec![0f32; t * qd];
+        let mut proj = vec![0f32; t * h];
+        let ff = c.intermediate_size;
+        let mut gu = vec![0f32; t * 2 * ff];
+        let mut act = vec![0f32; t * ff];
+        let scale = 1.0 / (hd as f32).sqrt();
+        let layout = kv.layout;
+        for (li, l) in self.layers.iter().enumerate() {
+            ops::rms_norm(&x, &l.attn_norm, c.rms_norm_eps, &mut hbuf);
+            matmul(&hbuf, t, &l.qkv, &mut qkv)?;
+            for r in 0..t {
+                let row = &qkv[r * (qd + 2 * kvd)..(r + 1) * (qd + 2 * kvd)];
+                q[r * qd..(r + 1) * qd].copy_from_slice(&row[..qd]);
+                k[r * kvd..(r + 1) * kvd].copy_from_slice(&row[qd..qd + kvd]);
+                v[r * kvd..(r + 1) * kvd].copy_from_slice(&row[qd + kvd..]);
+            }
+            ops::rope(&mut q, &positions, c.num_heads, &self.rope);
+            ops::rope(&mut k, &positions, c.num_kv_heads, &self.rope);
+            let cache = kv.layer_mut(li);
+            write_kv(cache, layout, &k, &v, &slots)?;
+            paged_attention(&q, c.num_heads, cache, layout, &attn, scale, &mut att)?;
+            matmul(&att, t, &l.o, &mut proj)?;
+            x.iter_mut().zip(&proj).for_each(|(a, b)| *a += b);
+
+            ops::rms_norm(&x, &l.ffn_norm, c.rms_norm_eps, &mut hbuf);
+            matmul(&hbuf, t, &l.gate_up, &mut gu)?;
+            for r in 0..t {
+                let (g, u) = gu[r * 2 * ff..(r + 1) * 2 * ff].split_at(ff);
+                let a = &mut act[r * ff..(r + 1) * ff];
+                a.copy_from_slice(g);
+                ops::silu_mul(a, u);
+            }
+            matmul(&act, t, &l.down, &mut proj)?;
+            x.iter_mut().zip(&proj).for_each(|(a, b)| *a += b);
+        }
+
+        let n = logit_rows.len();
+        let mut last = vec![0f32; n * h];
+        for (i, &r) in logit_rows.iter().enumerate() {
+            ops::rms_norm(&x[r * h..(r + 1) * h], &self.norm, c.rms_norm_eps, &mut last[i * h..(i + 1) * h]);
+        }
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        let mut logits = vec![0f32; n * c.vocab_size];
+        matmul(&last, n, head, &mut logits)?;
+        Ok(logits)
+    }
+}

@@ -1,0 +1,290 @@
+//! Turning logits into the next token: penalties, temperature, top-k, top-p, min-p, seeded
+//! sampling, and log-probabilities.
+//!
+//! Order (as vLLM/HF): repetition penalty (prompt and output tokens), presence/frequency penalties
+//! (output tokens), then greedy argmax when temperature is 0, else temperature, top-k, top-p,
+//! min-p and a draw from a per-request ChaCha8 stream, so the same seed gives the same tokens.
+//! Log-probabilities are of the model's raw distribution (log-softmax of unmodified logits).
+
+use std::collections::HashMap;
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+use tandem_kernels::ops;
+
+use crate::EngineError;
+
+/// How to pick tokens and when to stop. Defaults: greedy, 16 tokens, stop at EOS.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SamplingParams {
+    pub temperature: f32,
+    /// 0 means no top-k filter.
+    pub top_k: u32,
+    pub top_p: f32,
+    pub min_p: f32,
+    pub repetition_penalty: f32,
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    pub seed: Option<u64>,
+    /// Number of most likely alternatives to report with each token (0: just the token's own).
+    pub top_logprobs: u32,
+    pub max_tokens: u32,
+    pub stop_token_ids: Vec<u32>,
+    /// Keep generating after EOS (EOS may still be produced; it is not banned).
+    pub ignore_eos: bool,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            seed: None,
+            top_logprobs: 0,
+            max_tokens: 16,
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+        }
+    }
+}
+
+/// Largest `top_logprobs` accepted (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: u32 = 20;
+
+impl SamplingParams {
+    /// Checks ranges; the message names the field and the allowed range.
+    pub fn validate(&self) -> Result<(), EngineError> {
+        let bad = |m: String| Err(EngineError::InvalidRequest(m));
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return bad(format!("temperature must be >= 0, got {}", self.temperature));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad(format!("top_p must be in (0, 1], got {}", self.top_p));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return bad(format!("min_p must be in [0, 1], got {}", self.min_p));
+        }
+        if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
+            return bad(format!("repetition_penalty must be > 0, got {}", self.repetition_penalty));
+        }
+        for (name, v) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
+            if !(-2.0..=2.0).contains(&v) {
+                return bad(format!("{name} must be in [-2, 2], got {v}"));
+            }
+        }
+        if self.top_logprobs > MAX_TOP_LOGPROBS {
+            return bad(format!("top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {}", self.top_logprobs));
+        }
+        if self.max_tokens == 0 {
+            return bad("max_tokens must be at least 1".into());
+        }
+        Ok(())
+    }
+
+    fn is_greedy(&self) -> bool {
+        self.temperature == 0.0 || self.top_k == 1
+    }
+}
+
+/// A sampled token with its log-probability and the most likely alternatives.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Sampled {
+    pub token: u32,
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
+}
+
+/// Per-sequence sampling state.
+pub struct Sampler {
+    params: SamplingParams,
+    rng: ChaCha8Rng,
+    /// Output token counts, for presence/frequency penalties.
+    counts: HashMap<u32, u32>,
+    /// Prompt and output tokens seen, for the repetition penalty.
+    seen: std::collections::HashSet<u32>,
+}
+
+impl Sampler {
+    pub fn new(params: SamplingParams, prompt: &[u32]) -> Self {
+        let seed = params.seed.unwrap_or_else(rand::random);
+        let seen = if params.repetition_penalty != 1.0 { prompt.iter().copied().collect() } else { Default::default() };
+        Self { rng: ChaCha8Rng::seed_from_u64(seed), counts: HashMap::new(), seen, params }
+    }
+
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// Picks the next token from `logits` (one vocabulary row) and records it.
+    pub fn sample(&mut self, logits: &[f32]) -> Sampled {
+        let p = &self.params;
+        let mut lp = vec![0f32; logits.len()];
+        ops::log_softmax(logits, &mut lp);
+        let penalized = p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0;
+        let mut l: Vec<f32>;
+        let logits = if penalized {
+            l = logits.to_vec();
+            if p.repetition_penalty != 1.0 {
+                for &t in &self.seen {
+                    let v = &mut l[t as usize];
+                    *v = if *v > 0.0 { *v / p.repetition_penalty } else { *v * p.repetition_penalty };
+                }
+            }
+            for (&t, &n) in &self.counts {
+                l[t as usize] -= p.presence_penalty + p.frequency_penalty * n as f32;
+            }
+            &l[..]
+        } else {
+            logits
+        };
+        let (greedy, n_top, rep) = (p.is_greedy(), p.top_logprobs as usize, p.repetition_penalty);
+        let token = if greedy { ops::argmax(logits) as u32 } else { self.draw(logits) };
+        let top = top_n(&lp, n_top);
+        if rep != 1.0 {
+            self.seen.insert(token);
+        }
+        *self.counts.entry(token).or_insert(0) += 1;
+        Sampled { token, logprob: lp[token as usize], top }
+    }
+
+    fn draw(&mut self, logits: &[f32]) -> u32 {
+        let p = &self.params;
+        let inv_t = 1.0 / p.temperature;
+        // Candidates sorted by logit, descending; top-k trims the list before the softmax.
+        let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
+        let k = if p.top_k > 0 { (p.top_k as usize).min(idx.len()) } else { idx.len() };
+        if k < idx.len() {
+            idx.select_nth_unstable_by(k - 1, |&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
+            idx.truncate(k);
+        }
+        idx.sort_unstable_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
+        let max = logits[idx[0] as usize];
+        let mut probs: Vec<f32> = idx.iter().map(|&i| ((logits[i as usize] - max) * inv_t).exp()).collect();
+        let sum: f32 = probs.iter().sum();
+        probs.iter_mut().for_each(|x| *x /= sum);
+        // top-p: keep the smallest prefix whose mass reaches top_p (always at least one token).
+        let mut keep = probs.len();
+        if p.top_p < 1.0 {
+            let mut acc = 0.0;
+            for (i, &pr) in probs.iter().enumerate() {
+                acc += pr;
+                if acc >= p.top_p {
+                    keep = i + 1;
+                    break;
+                }
+            }
+        }
+        // min-p: drop tokens less likely than min_p × the most likely one.
+        if p.min_p > 0.0 {
+            let floor = p.min_p * probs[0];
+            keep = keep.min(probs.iter().take_while(|&&x| x >= floor).count().max(1));
+        }
+        let total: f32 = probs[..keep].iter().sum();
+        let mut r = self.rng.gen::<f32>() * total;
+        for i in 0..keep {
+            r -= probs[i];
+            if r <= 0.0 {
+                return idx[i];
+            }
+        }
+        idx[keep - 1]
+    }
+}
+
+/// The `n` largest entries as (index, value), largest first.
+fn top_n(lp: &[f32], n: usize) -> Vec<(u32, f32)> {
+    if n == 0 {
+        return Vec::new();
+    }
+    let mut idx: Vec<u32> = (0..lp.len() as u32).collect();
+    let n = n.min(idx.len());
+    idx.select_nth_unstable_by(n - 1, |&a, &b| lp[b as usize].total_cmp(&lp[a as usize]));
+    idx.truncate(n);
+    idx.sort_by(|&a, &b| lp[b as usize].total_cmp(&lp[a as usize]).then(a.cmp(&b)));
+    idx.into_iter().map(|i| (i, lp[i as usize])).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn logits() -> Vec<f32> {
+        vec![1.0, 3.0, 2.5, -1.0, 0.0, 2.9]
+    }
+
+    #[test]
+    fn greedy_and_logprobs() {
+        let mut s = Sampler::new(SamplingParams { top_logprobs: 2, ..Default::default() }, &[]);
+        let out = s.sample(&logits());
+        assert_eq!(out.token, 1);
+        let mut lp = vec![0f32; 6];
+        ops::log_softmax(&logits(), &mut lp);
+        assert_eq!(out.logprob, lp[1]);
+        assert_eq!(out.top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![1, 5]);
+    }
+
+    #[test]
+    fn same_seed_same_tokens() {
+        let p = SamplingParams { temperature: 1.5, seed: Some(42), ..Default::default() };
+        let run = |p: &SamplingParams| {
+            let mut s = Sampler::new(p.clone(), &[]);
+            (0..50).map(|_| s.sample(&logits()).token).collect::<Vec<_>>()
+        };
+        assert_eq!(run(&p), run(&p));
+        assert_ne!(run(&p), run(&SamplingParams { seed: Some(43), ..p.clone() }));
+        // High temperature visits more than one token.
+        let toks = run(&p);
+        assert!(toks.iter().any(|&t| t != toks[0]));
+    }
+
+    #[test]
+    fn filters_restrict_the_support() {
+        let draw = |p: SamplingParams| {
+            let mut s = Sampler::new(p, &[]);
+            (0..200).map(|_| s.sample(&logits()).token).collect::<std::collections::BTreeSet<_>>()
+        };
+        let base = SamplingParams { temperature: 1.0, seed: Some(1), ..Default::default() };
+        assert_eq!(draw(SamplingParams { top_k: 2, ..base.clone() }), [1, 5].into());
+        // top-p 0.5: token 1 (p≈0.37) and 5 (p≈0.34) are needed to reach 0.5.
+        assert_eq!(draw(SamplingParams { top_p: 0.5, ..base.clone() }), [1, 5].into());
+        // min-p 0.7: tokens within 70% of the best: 1 and 5 (e^-0.1≈0.90), not 2 (e^-0.5≈0.61).
+        assert_eq!(draw(SamplingParams { min_p: 0.7, ..base.clone() }), [1, 5].into());
+    }
+
+    #[test]
+    fn penalties_change_the_greedy_choice() {
+        // Repetition penalty on a prompt token that is the argmax.
+        let mut s = Sampler::new(SamplingParams { repetition_penalty: 2.0, ..Default::default() }, &[1]);
+        assert_eq!(s.sample(&logits()).token, 5);
+        // Frequency penalty: after emitting 1 once, 1 is penalized by 0.5 → 2.5 < 2.9.
+        let mut s = Sampler::new(SamplingParams { frequency_penalty: 0.5, ..Default::default() }, &[]);
+        assert_eq!(s.sample(&logits()).token, 1);
+        assert_eq!(s.sample(&logits()).token, 5);
+        let mut s = Sampler::new(SamplingParams { presence_penalty: 1.0, ..Default::default() }, &[]);
+        assert_eq!(s.sample(&logits()).token, 1);
+        assert_eq!(s.sample(&logits()).token, 5);
+    }
+
+    #[test]
+    fn validation() {
+        assert!(SamplingParams::default().validate().is_ok());
+        for p in [
+            SamplingParams { temperature: -1.0, ..Default::default() },
+            SamplingParams { top_p: 0.0, ..Default::default() },
+            SamplingParams { min_p: 1.5, ..Default::default() },
+            SamplingParams { presence_penalty: 3.0, ..Default::default() },
+            SamplingParams { top_logprobs: 21, ..Default::default() },
+            SamplingParams { max_tokens: 0, ..Default::default() },
+            SamplingParams { repetition_penalty: 0.0, ..Default::default() },
+        ] {
+            assert!(p.validate().is_err(), "{p:?}");
+        }
+    }
+}
