@@ -1,0 +1,125 @@
+//! tandem-bench: benchmarks that print numbers and ratios. For now the engine benchmark
+//! (`tandem bench engine`): prefill and decode throughput of the engine in this process, next to
+//! this machine's roofline measured in the same run (memory bandwidth by a large copy, f32 compute
+//! by a large GEMM), so every figure comes with how far it is from what the hardware allows.
+//! Later: the load generator for clusters, reports and plots.
+
+pub mod roofline;
+
+use std::time::Instant;
+
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+use tandem_engine::{Engine, EngineError, KvPool, Request, SamplingParams};
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct EngineBench {
+    pub batch: usize,
+    pub prompt_len: usize,
+    pub gen_len: usize,
+    pub seed: u64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct EngineReport {
+    pub batch: usize,
+    pub prompt_len: usize,
+    pub gen_len: usize,
+    pub weights: String,
+    pub threads: usize,
+    pub simd: &'static str,
+    /// Prompt tokens per second over the steps that prefilled.
+    pub prefill_tok_s: f64,
+    /// Generated tokens per second, all sequences together, over the pure decode steps.
+    pub decode_tok_s: f64,
+    pub step_ms_p50: f64,
+    pub step_ms_p90: f64,
+    pub mem_bw_gb_s: f64,
+    pub f32_gflops: f64,
+    /// Bytes one decode step must read: all weights once, plus every sequence's KV at the median
+    /// context length.
+    pub decode_bytes_per_step: f64,
+    /// decode_bytes_per_step / step_ms_p50 / mem_bw_gb_s.
+    pub decode_bw_efficiency: f64,
+    /// Prefill FLOP rate as a fraction of the GEMM roofline.
+    pub prefill_flop_efficiency: f64,
+    pub wall_s: f64,
+}
+
+fn percentile(v: &mut [f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    v[((v.len() - 1) as f64 * p).round() as usize]
+}
+
+/// Runs the benchmark on `engine` (weights label for the report only).
+pub fn run_engine_bench(engine: &mut Engine, b: &EngineBench, weights: &str) -> Result<EngineReport, EngineError> {
+    let vocab = engine.model.config.vocab_size as u32;
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(b.seed);
+    // Random ids above the special-token range: realistic attention and no early stop.
+    let requests: Vec<Request> = (0..b.batch)
+        .map(|_| Request {
+            prompt: (0..b.prompt_len).map(|_| rng.gen_range(100..vocab)).collect(),
+            params: SamplingParams { max_tokens: b.gen_len as u32, ignore_eos: true, ..Default::default() },
+        })
+        .collect();
+    let mut prefill = (0usize, 0f64);
+    let mut decode = (0usize, 0f64);
+    let mut steps = Vec::new();
+    let t0 = Instant::now();
+    engine.generate(
+        requests,
+        |_| {},
+        |s| {
+            if s.prefill_tokens > 0 {
+                prefill.0 += s.prefill_tokens;
+                prefill.1 += s.seconds;
+            } else {
+                decode.0 += s.decode_tokens;
+                decode.1 += s.seconds;
+                steps.push(s.seconds * 1e3);
+            }
+        },
+    )?;
+    let wall_s = t0.elapsed().as_secs_f64();
+    let roof = roofline::measure();
+    let step_ms_p50 = percentile(&mut steps, 0.5);
+    let step_ms_p90 = percentile(&mut steps, 0.9);
+    let cfg = &engine.model.config;
+    let kv_per_token = KvPool::bytes_per_token(engine.model.kv_layout(engine.config.block_size), cfg.num_layers) as f64;
+    let median_ctx = b.prompt_len as f64 + b.gen_len as f64 / 2.0;
+    let decode_bytes = engine.model.weight_bytes() as f64 + b.batch as f64 * median_ctx * kv_per_token;
+    let prefill_tok_s = if prefill.1 > 0.0 { prefill.0 as f64 / prefill.1 } else { 0.0 };
+    // 2 FLOPs per weight per token for the projections (the head runs once per sequence).
+    let flops_per_token = 2.0 * (engine.model.weight_bytes() as f64).max(0.0) / bytes_per_weight(engine) as f64;
+    Ok(EngineReport {
+        batch: b.batch,
+        prompt_len: b.prompt_len,
+        gen_len: b.gen_len,
+        weights: weights.to_string(),
+        threads: rayon::current_num_threads(),
+        simd: tandem_kernels::simd_level(),
+        prefill_tok_s,
+        decode_tok_s: if decode.1 > 0.0 { decode.0 as f64 / decode.1 } else { 0.0 },
+        step_ms_p50,
+        step_ms_p90,
+        mem_bw_gb_s: roof.mem_bw_gb_s,
+        f32_gflops: roof.f32_gflops,
+        decode_bytes_per_step: decode_bytes,
+        decode_bw_efficiency: if step_ms_p50 > 0.0 { decode_bytes / (step_ms_p50 / 1e3) / (roof.mem_bw_gb_s * 1e9) } else { 0.0 },
+        prefill_flop_efficiency: prefill_tok_s * flops_per_token / (roof.f32_gflops * 1e9),
+        wall_s,
+    })
+}
+
+/// Average bytes per weight (for FLOP counts from byte counts).
+fn bytes_per_weight(engine: &Engine) -> f64 {
+    let c = &engine.model.config;
+    let (h, ff, hd) = (c.hidden_size, c.intermediate_size, c.head_dim);
+    let per_layer = h * (c.num_heads * hd) * 2 + h * (c.num_kv_heads * hd) * 2 + 3 * h * ff;
+    let params = c.num_layers * per_layer + c.vocab_size * h;
+    engine.model.weight_bytes() as f64 / params as f64
+}

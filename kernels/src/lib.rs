@@ -39,7 +39,9 @@ pub fn init_threads(threads: Option<usize>) {
 
 /// Which SIMD path the quantized kernels take on this machine.
 pub fn simd_level() -> &'static str {
-    if simd::has_avx2_fma() {
+    if simd::has_avx512() {
+        "avx512f"
+    } else if simd::has_avx2_fma() {
         "avx2+fma"
     } else {
         "portable"

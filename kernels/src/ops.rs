@@ -112,7 +112,7 @@ pub fn softmax(x: &mut [f32]) {
 /// `log(softmax(x))` written into `out`, computed stably.
 pub fn log_softmax(x: &[f32], out: &mut [f32]) {
     let max = x.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-    let lse = max + x.iter().map(|&v| ((v - max) as f64).exp()).sum::<f64>().ln() as f32;
+    let lse = max + x.iter().map(|&v| (v - max).exp()).sum::<f32>().ln();
     for (o, &v) in out.iter_mut().zip(x) {
         *o = v - lse;
     }

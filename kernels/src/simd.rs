@@ -23,6 +23,19 @@ pub fn has_avx2_fma() -> bool {
     }
 }
 
+/// Whether the AVX-512F kernels can run here.
+#[inline]
+pub fn has_avx512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        is_x86_feature_detected!("avx512f") && has_avx2_fma()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 /// Portable dot product with 8 independent lanes so the compiler can vectorize it.
 fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
@@ -44,8 +57,11 @@ fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
 pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
     #[cfg(target_arch = "x86_64")]
-    if has_avx2_fma() {
+    if has_avx512() {
         // SAFETY: the CPU supports the features the function is compiled for.
+        return unsafe { avx512::dot(a, b) };
+    } else if has_avx2_fma() {
+        // SAFETY: as above.
         return unsafe { avx2::dot(a, b) };
     }
     dot_portable(a, b)
@@ -74,7 +90,14 @@ pub fn block_sums(x: &[f32]) -> Vec<f32> {
 #[inline]
 pub fn dot_quant_row(ty: GgmlType, row: &[u8], x: &[f32], xsum: &[f32], scratch: &mut [f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if has_avx2_fma() {
+    if has_avx512() {
+        match ty {
+            // SAFETY: as above; row lengths are validated when the weight is built.
+            GgmlType::Q4_1 => return unsafe { avx512::dot_q4_1(row, x, xsum) },
+            GgmlType::Q8_0 => return unsafe { avx512::dot_q8_0(row, x) },
+            _ => {}
+        }
+    } else if has_avx2_fma() {
         match ty {
             // SAFETY: as above; row lengths are validated when the weight is built.
             GgmlType::Q4_1 => return unsafe { avx2::dot_q4_1(row, x, xsum) },
@@ -101,8 +124,96 @@ pub fn dequant_row(ty: GgmlType, row: &[u8], out: &mut [f32]) {
 }
 
 #[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::*;
+
+    const PREFETCH_AHEAD: usize = 1024;
+
+    /// d and m (two f16 at `p`) as f32.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn f16_pair(p: *const u8) -> (f32, f32) {
+        let v = _mm_cvtph_ps(_mm_cvtsi32_si128((p as *const i32).read_unaligned()));
+        (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_movehdup_ps(v)))
+    }
+
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len();
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        let mut acc0 = _mm512_setzero_ps();
+        let mut acc1 = _mm512_setzero_ps();
+        let mut i = 0;
+        while i + 32 <= n {
+            acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i)), _mm512_loadu_ps(pb.add(i)), acc0);
+            acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i + 16)), _mm512_loadu_ps(pb.add(i + 16)), acc1);
+            i += 32;
+        }
+        if i + 16 <= n {
+            acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i)), _mm512_loadu_ps(pb.add(i)), acc0);
+            i += 16;
+        }
+        let mut s = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+        while i < n {
+            s += *pa.add(i) * *pb.add(i);
+            i += 1;
+        }
+        s
+    }
+
+    /// Two blocks per iteration with separate accumulators, so the FMA latency chains overlap.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub unsafe fn dot_q4_1(row: &[u8], x: &[f32], xsum: &[f32]) -> f32 {
+        let nb = row.len() / 20;
+        debug_assert!(x.len() >= nb * 32 && xsum.len() >= nb);
+        let mask = _mm_set1_epi8(0x0f);
+        let mut acc = [_mm512_setzero_ps(); 2];
+        let mut macc = [0f32; 2];
+        let (pr, px) = (row.as_ptr(), x.as_ptr());
+        for b in 0..nb {
+            let blk = pr.add(b * 20);
+            _mm_prefetch::<_MM_HINT_T0>(blk.add(PREFETCH_AHEAD) as *const i8);
+            let (d, m) = f16_pair(blk);
+            let q = _mm_loadu_si128(blk.add(4) as *const __m128i);
+            let lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, mask)));
+            let hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), mask)));
+            let xb = px.add(b * 32);
+            let s = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb.add(16)), _mm512_mul_ps(lo, _mm512_loadu_ps(xb)));
+            let j = b & 1;
+            acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(d), s, acc[j]);
+            macc[j] += m * *xsum.get_unchecked(b);
+        }
+        _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) + macc[0] + macc[1]
+    }
+
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub unsafe fn dot_q8_0(row: &[u8], x: &[f32]) -> f32 {
+        let nb = row.len() / 34;
+        debug_assert!(x.len() >= nb * 32);
+        let mut acc = [_mm512_setzero_ps(); 2];
+        let (pr, px) = (row.as_ptr(), x.as_ptr());
+        for b in 0..nb {
+            let blk = pr.add(b * 34);
+            _mm_prefetch::<_MM_HINT_T0>(blk.add(PREFETCH_AHEAD) as *const i8);
+            let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128((blk as *const u16).read_unaligned() as i32)));
+            let q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(blk.add(2) as *const __m128i)));
+            let q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(blk.add(18) as *const __m128i)));
+            let xb = px.add(b * 32);
+            let s = _mm512_fmadd_ps(q1, _mm512_loadu_ps(xb.add(16)), _mm512_mul_ps(q0, _mm512_loadu_ps(xb)));
+            let j = b & 1;
+            acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(d), s, acc[j]);
+        }
+        _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]))
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::*;
+
+    /// How far ahead of the current block the weight stream is prefetched. Prefetching past the
+    /// end of a row is harmless (a hint, never a fault) and warms the next row of the same task.
+    const PREFETCH_AHEAD: usize = 1024;
 
     #[inline]
     #[target_feature(enable = "avx2,fma")]
@@ -200,6 +311,7 @@ mod avx2 {
         let (pr, px) = (row.as_ptr(), x.as_ptr());
         for b in 0..nb {
             let blk = pr.add(b * 20);
+            _mm_prefetch::<_MM_HINT_T0>(blk.add(PREFETCH_AHEAD) as *const i8);
             let d = f16_load(blk);
             let m = f16_load(blk.add(2));
             let q = nibbles(blk.add(4));
@@ -222,6 +334,7 @@ mod avx2 {
         let (pr, px) = (row.as_ptr(), x.as_ptr());
         for b in 0..nb {
             let blk = pr.add(b * 34);
+            _mm_prefetch::<_MM_HINT_T0>(blk.add(PREFETCH_AHEAD) as *const i8);
             let d = f16_load(blk);
             let q = bytes_i8(blk.add(2));
             let xb = px.add(b * 32);

@@ -1,0 +1,96 @@
+//! End to end: `tandem generate --jsonl` as a user runs it, against the golden file.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+
+use serde_json::Value;
+
+fn golden() -> Vec<Value> {
+    let dir = std::env::var_os("TANDEM_GOLDEN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/golden"));
+    let text = std::fs::read_to_string(dir.join("smollm2_greedy.jsonl")).expect("golden file");
+    text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+fn generate(args: &[&str], stdin: &str) -> (Vec<Value>, bool, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .arg("generate")
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run tandem");
+    child.stdin.take().unwrap().write_all(stdin.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let lines = String::from_utf8(out.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    (lines, out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+#[test]
+fn jsonl_reproduces_golden_for_every_record() {
+    let recs = golden();
+    // One invocation per output length, prompts given as text, ids and chat messages.
+    for n_new in [32, 64] {
+        let batch: Vec<&Value> = recs.iter().filter(|r| r["n_new"] == n_new).collect();
+        let mut input = String::new();
+        for (i, r) in batch.iter().enumerate() {
+            let line = match (i % 2, r["chat"].as_array()) {
+                (_, Some(chat)) => serde_json::json!({ "messages": chat }),
+                (0, None) => serde_json::json!({ "prompt": r["prompt"] }),
+                _ => serde_json::json!({ "prompt_ids": r["prompt_ids"] }),
+            };
+            input += &format!("{line}\n");
+        }
+        let n = n_new.to_string();
+        let (out, ok, err) = generate(&["--max-tokens", &n, "--ignore-eos", "--jsonl"], &input);
+        assert!(ok, "tandem generate failed: {err}");
+        assert_eq!(out.len(), batch.len());
+        for (r, o) in batch.iter().zip(&out) {
+            assert_eq!(o["prompt_ids"], r["prompt_ids"], "{}", r["id"]);
+            assert_eq!(o["output_ids"], r["generated_ids"], "{}", r["id"]);
+            assert_eq!(o["text"], r["generated_text"], "{}", r["id"]);
+            assert_eq!(o["finish_reason"], "length");
+        }
+    }
+}
+
+#[test]
+fn without_ignore_eos_generation_stops_at_the_first_eos() {
+    let recs = golden();
+    let r = recs.iter().find(|r| r["id"] == "dev_short_fact").unwrap();
+    let eos_at = r["first_eos_index"].as_u64().unwrap() as usize;
+    let input = format!("{}\n", serde_json::json!({ "prompt_ids": r["prompt_ids"] }));
+    let (out, ok, err) = generate(&["--max-tokens", "32", "--jsonl"], &input);
+    assert!(ok, "{err}");
+    let want: Vec<Value> = r["generated_ids"].as_array().unwrap()[..=eos_at].to_vec();
+    assert_eq!(out[0]["output_ids"].as_array().unwrap(), &want);
+    assert_eq!(out[0]["finish_reason"], "stop");
+}
+
+#[test]
+fn bad_lines_get_errors_in_place_and_the_rest_is_served() {
+    let input = "{\"prompt\": \"Hello\"}\nnot json\n{\"prompt_ids\": [99999999]}\n{\"prompt_ids\": []}\n{\"messages\": []}\n";
+    let (out, ok, _) = generate(&["--max-tokens", "3", "--jsonl"], input);
+    assert!(!ok, "exit status reports the failed lines");
+    assert_eq!(out.len(), 5);
+    assert_eq!(out[0]["output_ids"].as_array().unwrap().len(), 3);
+    assert!(out[1]["error"].as_str().unwrap().contains("line 2"));
+    assert!(out[2]["error"].as_str().unwrap().contains("outside the vocabulary"));
+    assert!(out[3]["error"].as_str().unwrap().contains("empty"));
+    assert!(out[4]["error"].as_str().unwrap().contains("empty"));
+}
+
+#[test]
+fn same_seed_same_sample() {
+    let input = "{\"prompt\": \"Once upon a time\"}\n";
+    let args = ["--max-tokens", "16", "--temperature", "0.9", "--top-p", "0.95", "--seed", "7", "--jsonl"];
+    let (a, ok, err) = generate(&args, input);
+    assert!(ok, "{err}");
+    let (b, _, _) = generate(&args, input);
+    assert_eq!(a[0]["output_ids"], b[0]["output_ids"]);
+    let (bad, ok, err) = generate(&["--temperature", "-1", "--jsonl"], input);
+    assert!(!ok && bad.is_empty() && err.contains("temperature"), "{err}");
+}
