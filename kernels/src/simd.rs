@@ -412,6 +412,46 @@ mod tests {
         }
     }
 
+    /// Each SIMD level this CPU has, called directly (dispatch picks only the widest one).
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn every_simd_level_matches_the_portable_code() {
+        let k = 320;
+        let w = rnd(k, 5);
+        let x = rnd(k, 6);
+        let xs = block_sums(&x);
+        let q41 = quantize_q4_1(&w);
+        let q80 = quantize_q8_0(&w);
+        let mut d41 = vec![0f32; k];
+        dequantize(GgmlType::Q4_1, &q41, &mut d41).unwrap();
+        let mut d80 = vec![0f32; k];
+        dequantize(GgmlType::Q8_0, &q80, &mut d80).unwrap();
+        let want41 = dot_portable(&d41, &x);
+        let want80 = dot_portable(&d80, &x);
+        let wantf = dot_portable(&w, &x);
+        if has_avx2_fma() {
+            // SAFETY: guarded by the feature check.
+            unsafe {
+                assert!(close(avx2::dot_q4_1(&q41, &x, &xs), want41));
+                assert!(close(avx2::dot_q8_0(&q80, &x), want80));
+                assert!(close(avx2::dot(&w, &x), wantf));
+                let mut o = vec![0f32; k];
+                avx2::dequant_q4_1(&q41, &mut o);
+                assert!(o.iter().zip(&d41).all(|(a, b)| close(*a, *b)));
+                avx2::dequant_q8_0(&q80, &mut o);
+                assert!(o.iter().zip(&d80).all(|(a, b)| close(*a, *b)));
+            }
+        }
+        if has_avx512() {
+            // SAFETY: guarded by the feature check.
+            unsafe {
+                assert!(close(avx512::dot_q4_1(&q41, &x, &xs), want41));
+                assert!(close(avx512::dot_q8_0(&q80, &x), want80));
+                assert!(close(avx512::dot(&w, &x), wantf));
+            }
+        }
+    }
+
     #[test]
     fn quantized_dots_match_dequantized_reference() {
         let k = 256;
