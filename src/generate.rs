@@ -84,13 +84,17 @@ impl GenerateArgs {
 }
 
 fn chat_prompt(m: &LoadedModel, messages: &[ChatMessage]) -> Result<Vec<u32>> {
-    let t = m.chat_template.as_ref().context("this model has no chat template: send \"prompt\" instead of \"messages\"")?;
+    let t = m
+        .chat_template
+        .as_ref()
+        .context("this model has no chat template: send \"prompt\" instead of \"messages\"")?;
     let text = t.render(messages, true)?;
     Ok(m.tokenizer.encode(&text, false)?)
 }
 
 fn parse_line(m: &LoadedModel, line: &str) -> Result<Vec<u32>> {
-    let input: Input = serde_json::from_str(line).context("not a JSON object with \"prompt\", \"prompt_ids\" or \"messages\"")?;
+    let input: Input = serde_json::from_str(line)
+        .context("not a JSON object with \"prompt\", \"prompt_ids\" or \"messages\"")?;
     match (input.prompt, input.prompt_ids, input.messages) {
         (Some(p), None, None) => Ok(m.tokenizer.encode(&p, true)?),
         (None, Some(ids), None) => Ok(ids),
@@ -113,7 +117,10 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         if line.trim().is_empty() {
             continue;
         }
-        let req = parse_line(&model, &line).map(|prompt| Request { prompt, params: a.params() });
+        let req = parse_line(&model, &line).map(|prompt| Request {
+            prompt,
+            params: a.params(),
+        });
         match req.and_then(|r| engine.validate(&r).map(|_| r).map_err(Into::into)) {
             Ok(r) => {
                 slots.push(Ok(requests.len()));
@@ -150,7 +157,11 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     Ok(())
 }
 
-fn run_text(a: &GenerateArgs, engine: &mut tandem_engine::Engine, model: &LoadedModel) -> Result<()> {
+fn run_text(
+    a: &GenerateArgs,
+    engine: &mut tandem_engine::Engine,
+    model: &LoadedModel,
+) -> Result<()> {
     let text = match &a.prompt {
         Some(p) => p.clone(),
         None => {
@@ -160,7 +171,13 @@ fn run_text(a: &GenerateArgs, engine: &mut tandem_engine::Engine, model: &Loaded
         }
     };
     let prompt = if a.chat {
-        chat_prompt(model, &[ChatMessage { role: "user".into(), content: text }])?
+        chat_prompt(
+            model,
+            &[ChatMessage {
+                role: "user".into(),
+                content: text,
+            }],
+        )?
     } else {
         model.tokenizer.encode(&text, true)?
     };
@@ -168,7 +185,10 @@ fn run_text(a: &GenerateArgs, engine: &mut tandem_engine::Engine, model: &Loaded
     let mut out = std::io::stdout().lock();
     let mut err = None;
     let res = engine.generate(
-        vec![Request { prompt, params: a.params() }],
+        vec![Request {
+            prompt,
+            params: a.params(),
+        }],
         |ev| {
             if err.is_some() {
                 return;
@@ -188,6 +208,10 @@ fn run_text(a: &GenerateArgs, engine: &mut tandem_engine::Engine, model: &Loaded
     }
     write!(out, "{}", dec.finish(&model.tokenizer)?)?;
     writeln!(out)?;
-    eprintln!("[{} tokens, finish: {:?}]", res[0].output_ids.len(), res[0].finish_reason);
+    eprintln!(
+        "[{} tokens, finish: {:?}]",
+        res[0].output_ids.len(),
+        res[0].finish_reason
+    );
     Ok(())
 }

@@ -11,7 +11,11 @@ use clap::{Args, Parser, Subcommand};
 use tandem_engine::{Engine, EngineConfig, LlamaModel, WeightFormat};
 
 #[derive(Parser)]
-#[command(name = "tandem", version, about = "Disaggregated LLM serving: router, prefill and decode workers")]
+#[command(
+    name = "tandem",
+    version,
+    about = "Disaggregated LLM serving: router, prefill and decode workers"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -83,7 +87,8 @@ impl EngineArgs {
             Some(p) => p.clone(),
             None => fetch::ensure_default_model()?,
         };
-        let loaded = tandem_model::load(&path).with_context(|| format!("loading {}", path.display()))?;
+        let loaded =
+            tandem_model::load(&path).with_context(|| format!("loading {}", path.display()))?;
         let model = LlamaModel::new(&loaded, self.weights)?;
         let cfg = EngineConfig {
             block_size: self.block_size,
@@ -119,32 +124,64 @@ struct BenchEngineArgs {
 
 fn bench_engine(a: BenchEngineArgs) -> Result<()> {
     let (mut engine, _) = a.engine.build()?;
-    let b = tandem_bench::EngineBench { batch: a.batch, prompt_len: a.prompt_len, gen_len: a.gen_len, seed: a.seed };
+    let b = tandem_bench::EngineBench {
+        batch: a.batch,
+        prompt_len: a.prompt_len,
+        gen_len: a.gen_len,
+        seed: a.seed,
+    };
     let weights = format!("{:?}", a.engine.weights).to_lowercase();
     let r = tandem_bench::run_engine_bench(&mut engine, &b, &weights)?;
     if a.json {
         println!("{}", serde_json::to_string(&r)?);
     } else {
-        println!("engine bench: batch {} prompt {} gen {} weights {} threads {} ({})", r.batch, r.prompt_len, r.gen_len, r.weights, r.threads, r.simd);
-        println!("  prefill        {:>10.1} tok/s   ({:.0}% of the f32 GEMM roofline)", r.prefill_tok_s, 100.0 * r.prefill_flop_efficiency);
-        println!("  decode         {:>10.1} tok/s   (all sequences)", r.decode_tok_s);
-        println!("  step p50/p90   {:>10.2} / {:.2} ms", r.step_ms_p50, r.step_ms_p90);
-        println!("  roofline       {:>10.1} GB/s copy, {:.1} GFLOP/s f32 GEMM", r.mem_bw_gb_s, r.f32_gflops);
-        println!("  decode reads   {:>10.1} MB/step = {:.0}% of bandwidth", r.decode_bytes_per_step / 1e6, 100.0 * r.decode_bw_efficiency);
+        println!(
+            "engine bench: batch {} prompt {} gen {} weights {} threads {} ({})",
+            r.batch, r.prompt_len, r.gen_len, r.weights, r.threads, r.simd
+        );
+        println!(
+            "  prefill        {:>10.1} tok/s   ({:.0}% of the f32 GEMM roofline)",
+            r.prefill_tok_s,
+            100.0 * r.prefill_flop_efficiency
+        );
+        println!(
+            "  decode         {:>10.1} tok/s   (all sequences)",
+            r.decode_tok_s
+        );
+        println!(
+            "  step p50/p90   {:>10.2} / {:.2} ms",
+            r.step_ms_p50, r.step_ms_p90
+        );
+        println!(
+            "  roofline       {:>10.1} GB/s copy, {:.1} GFLOP/s f32 GEMM",
+            r.mem_bw_gb_s, r.f32_gflops
+        );
+        println!(
+            "  decode reads   {:>10.1} MB/step = {:.0}% of bandwidth",
+            r.decode_bytes_per_step / 1e6,
+            100.0 * r.decode_bw_efficiency
+        );
     }
     Ok(())
 }
 
 fn main() {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("TANDEM_LOG").unwrap_or_else(|_| "warn".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("TANDEM_LOG")
+                .unwrap_or_else(|_| "warn".into()),
+        )
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
     let res = match cli.command {
         Command::Generate(a) => generate::run(a),
-        Command::Bench { what: BenchCommand::Engine(a) } => bench_engine(a),
-        Command::Model { what: ModelCommand::Fetch { force } } => fetch::fetch_default(force).map(|p| println!("{}", p.display())),
+        Command::Bench {
+            what: BenchCommand::Engine(a),
+        } => bench_engine(a),
+        Command::Model {
+            what: ModelCommand::Fetch { force },
+        } => fetch::fetch_default(force).map(|p| println!("{}", p.display())),
     };
     if let Err(e) = res {
         eprintln!("error: {e:#}");

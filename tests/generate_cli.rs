@@ -11,7 +11,9 @@ fn golden() -> Vec<Value> {
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/golden"));
     let text = std::fs::read_to_string(dir.join("smollm2_greedy.jsonl")).expect("golden file");
-    text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+    text.lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
 }
 
 fn generate(args: &[&str], stdin: &str) -> (Vec<Value>, bool, String) {
@@ -23,10 +25,23 @@ fn generate(args: &[&str], stdin: &str) -> (Vec<Value>, bool, String) {
         .stderr(Stdio::piped())
         .spawn()
         .expect("run tandem");
-    child.stdin.take().unwrap().write_all(stdin.as_bytes()).unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(stdin.as_bytes())
+        .unwrap();
     let out = child.wait_with_output().unwrap();
-    let lines = String::from_utf8(out.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
-    (lines, out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
+    let lines = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    (
+        lines,
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
 #[test]
@@ -78,7 +93,10 @@ fn bad_lines_get_errors_in_place_and_the_rest_is_served() {
     assert_eq!(out.len(), 5);
     assert_eq!(out[0]["output_ids"].as_array().unwrap().len(), 3);
     assert!(out[1]["error"].as_str().unwrap().contains("line 2"));
-    assert!(out[2]["error"].as_str().unwrap().contains("outside the vocabulary"));
+    assert!(out[2]["error"]
+        .as_str()
+        .unwrap()
+        .contains("outside the vocabulary"));
     assert!(out[3]["error"].as_str().unwrap().contains("empty"));
     assert!(out[4]["error"].as_str().unwrap().contains("empty"));
 }
@@ -86,11 +104,24 @@ fn bad_lines_get_errors_in_place_and_the_rest_is_served() {
 #[test]
 fn same_seed_same_sample() {
     let input = "{\"prompt\": \"Once upon a time\"}\n";
-    let args = ["--max-tokens", "16", "--temperature", "0.9", "--top-p", "0.95", "--seed", "7", "--jsonl"];
+    let args = [
+        "--max-tokens",
+        "16",
+        "--temperature",
+        "0.9",
+        "--top-p",
+        "0.95",
+        "--seed",
+        "7",
+        "--jsonl",
+    ];
     let (a, ok, err) = generate(&args, input);
     assert!(ok, "{err}");
     let (b, _, _) = generate(&args, input);
     assert_eq!(a[0]["output_ids"], b[0]["output_ids"]);
     let (bad, ok, err) = generate(&["--temperature", "-1", "--jsonl"], input);
-    assert!(!ok && bad.is_empty() && err.contains("temperature"), "{err}");
+    assert!(
+        !ok && bad.is_empty() && err.contains("temperature"),
+        "{err}"
+    );
 }

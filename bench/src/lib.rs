@@ -56,14 +56,24 @@ fn percentile(v: &mut [f64], p: f64) -> f64 {
 }
 
 /// Runs the benchmark on `engine` (weights label for the report only).
-pub fn run_engine_bench(engine: &mut Engine, b: &EngineBench, weights: &str) -> Result<EngineReport, EngineError> {
+pub fn run_engine_bench(
+    engine: &mut Engine,
+    b: &EngineBench,
+    weights: &str,
+) -> Result<EngineReport, EngineError> {
     let vocab = engine.model.config.vocab_size as u32;
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(b.seed);
     // Random ids above the special-token range: realistic attention and no early stop.
     let requests: Vec<Request> = (0..b.batch)
         .map(|_| Request {
-            prompt: (0..b.prompt_len).map(|_| rng.gen_range(100..vocab)).collect(),
-            params: SamplingParams { max_tokens: b.gen_len as u32, ignore_eos: true, ..Default::default() },
+            prompt: (0..b.prompt_len)
+                .map(|_| rng.gen_range(100..vocab))
+                .collect(),
+            params: SamplingParams {
+                max_tokens: b.gen_len as u32,
+                ignore_eos: true,
+                ..Default::default()
+            },
         })
         .collect();
     let mut prefill = (0usize, 0f64);
@@ -89,12 +99,21 @@ pub fn run_engine_bench(engine: &mut Engine, b: &EngineBench, weights: &str) -> 
     let step_ms_p50 = percentile(&mut steps, 0.5);
     let step_ms_p90 = percentile(&mut steps, 0.9);
     let cfg = &engine.model.config;
-    let kv_per_token = KvPool::bytes_per_token(engine.model.kv_layout(engine.config.block_size), cfg.num_layers) as f64;
+    let kv_per_token = KvPool::bytes_per_token(
+        engine.model.kv_layout(engine.config.block_size),
+        cfg.num_layers,
+    ) as f64;
     let median_ctx = b.prompt_len as f64 + b.gen_len as f64 / 2.0;
-    let decode_bytes = engine.model.weight_bytes() as f64 + b.batch as f64 * median_ctx * kv_per_token;
-    let prefill_tok_s = if prefill.1 > 0.0 { prefill.0 as f64 / prefill.1 } else { 0.0 };
+    let decode_bytes =
+        engine.model.weight_bytes() as f64 + b.batch as f64 * median_ctx * kv_per_token;
+    let prefill_tok_s = if prefill.1 > 0.0 {
+        prefill.0 as f64 / prefill.1
+    } else {
+        0.0
+    };
     // 2 FLOPs per weight per token for the projections (the head runs once per sequence).
-    let flops_per_token = 2.0 * (engine.model.weight_bytes() as f64).max(0.0) / bytes_per_weight(engine) as f64;
+    let flops_per_token =
+        2.0 * (engine.model.weight_bytes() as f64).max(0.0) / bytes_per_weight(engine) as f64;
     Ok(EngineReport {
         batch: b.batch,
         prompt_len: b.prompt_len,
@@ -103,13 +122,21 @@ pub fn run_engine_bench(engine: &mut Engine, b: &EngineBench, weights: &str) -> 
         threads: rayon::current_num_threads(),
         simd: tandem_kernels::simd_level(),
         prefill_tok_s,
-        decode_tok_s: if decode.1 > 0.0 { decode.0 as f64 / decode.1 } else { 0.0 },
+        decode_tok_s: if decode.1 > 0.0 {
+            decode.0 as f64 / decode.1
+        } else {
+            0.0
+        },
         step_ms_p50,
         step_ms_p90,
         mem_bw_gb_s: roof.mem_bw_gb_s,
         f32_gflops: roof.f32_gflops,
         decode_bytes_per_step: decode_bytes,
-        decode_bw_efficiency: if step_ms_p50 > 0.0 { decode_bytes / (step_ms_p50 / 1e3) / (roof.mem_bw_gb_s * 1e9) } else { 0.0 },
+        decode_bw_efficiency: if step_ms_p50 > 0.0 {
+            decode_bytes / (step_ms_p50 / 1e3) / (roof.mem_bw_gb_s * 1e9)
+        } else {
+            0.0
+        },
         prefill_flop_efficiency: prefill_tok_s * flops_per_token / (roof.f32_gflops * 1e9),
         wall_s,
     })

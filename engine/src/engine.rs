@@ -31,7 +31,12 @@ pub struct EngineConfig {
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        Self { block_size: 16, kv_cache_mb: 1024, max_batched_tokens: 2048, max_seqs: 256 }
+        Self {
+            block_size: 16,
+            kv_cache_mb: 1024,
+            max_batched_tokens: 2048,
+            max_seqs: 256,
+        }
     }
 }
 
@@ -102,15 +107,28 @@ pub struct Engine {
 
 impl Engine {
     /// `eos` lists the token ids that end generation unless a request ignores EOS.
-    pub fn new(model: LlamaModel, config: EngineConfig, eos: Vec<u32>) -> Result<Self, EngineError> {
+    pub fn new(
+        model: LlamaModel,
+        config: EngineConfig,
+        eos: Vec<u32>,
+    ) -> Result<Self, EngineError> {
         if config.block_size == 0 || config.max_batched_tokens == 0 || config.max_seqs == 0 {
-            return Err(EngineError::InvalidRequest("block size, batch budget and max seqs must be positive".into()));
+            return Err(EngineError::InvalidRequest(
+                "block size, batch budget and max seqs must be positive".into(),
+            ));
         }
         let layout = model.kv_layout(config.block_size);
-        let block_bytes = KvPool::bytes_per_token(layout, model.config.num_layers) * config.block_size;
+        let block_bytes =
+            KvPool::bytes_per_token(layout, model.config.num_layers) * config.block_size;
         let num_blocks = (config.kv_cache_mb * (1 << 20) / block_bytes).max(1);
         let kv = KvPool::new(layout, model.config.num_layers, num_blocks);
-        Ok(Self { alloc: BlockAllocator::new(num_blocks), kv, model, config, eos })
+        Ok(Self {
+            alloc: BlockAllocator::new(num_blocks),
+            kv,
+            model,
+            config,
+            eos,
+        })
     }
 
     pub fn kv_pool(&self) -> &KvPool {
@@ -137,11 +155,17 @@ impl Engine {
         }
         let max = self.model.config.max_position_embeddings;
         if r.prompt.len() >= max {
-            return Err(EngineError::ContextOverflow { tokens: r.prompt.len() + 1, max });
+            return Err(EngineError::ContextOverflow {
+                tokens: r.prompt.len() + 1,
+                max,
+            });
         }
         let need = self.blocks_for((r.prompt.len() + r.params.max_tokens as usize).min(max));
         if need > self.alloc.total_blocks() {
-            return Err(EngineError::TooLargeForCache { need, total: self.alloc.total_blocks() });
+            return Err(EngineError::TooLargeForCache {
+                need,
+                total: self.alloc.total_blocks(),
+            });
         }
         Ok(())
     }
@@ -167,8 +191,11 @@ impl Engine {
             // Admit in arrival order while the pool can hold a whole request.
             while running.len() < self.config.max_seqs {
                 let Some((_, r)) = waiting.front() else { break };
-                let need = self.blocks_for((r.prompt.len() + r.params.max_tokens as usize).min(max_ctx));
-                let Some(blocks) = self.alloc.allocate(need) else { break };
+                let need =
+                    self.blocks_for((r.prompt.len() + r.params.max_tokens as usize).min(max_ctx));
+                let Some(blocks) = self.alloc.allocate(need) else {
+                    break;
+                };
                 let (idx, r) = waiting.pop_front().expect("front exists");
                 running.push(Seq {
                     idx,
@@ -182,7 +209,9 @@ impl Engine {
                 });
             }
             if running.is_empty() {
-                return Err(EngineError::Internal("no request fits in the KV pool".into()));
+                return Err(EngineError::Internal(
+                    "no request fits in the KV pool".into(),
+                ));
             }
             // Decode tokens first, then prompt chunks within the budget.
             let mut budget = self.config.max_batched_tokens;
@@ -235,14 +264,20 @@ impl Engine {
                 s.logprobs.push(sampled.logprob);
                 let p = s.sampler.params();
                 let generated = s.tokens.len() - s.prompt_len;
-                let finish = if p.stop_token_ids.contains(&sampled.token) || (!p.ignore_eos && self.eos.contains(&sampled.token)) {
+                let finish = if p.stop_token_ids.contains(&sampled.token)
+                    || (!p.ignore_eos && self.eos.contains(&sampled.token))
+                {
                     Some(FinishReason::Stop)
                 } else if generated >= p.max_tokens as usize || s.tokens.len() >= max_ctx {
                     Some(FinishReason::Length)
                 } else {
                     None
                 };
-                on_token(&TokenEvent { request: s.idx, sampled, finish });
+                on_token(&TokenEvent {
+                    request: s.idx,
+                    sampled,
+                    finish,
+                });
                 if let Some(reason) = finish {
                     done[s.idx] = Some(Output {
                         prompt_ids: s.tokens[..s.prompt_len].to_vec(),
@@ -254,19 +289,42 @@ impl Engine {
                     });
                 }
             }
-            on_step(&StepStats { prefill_tokens, decode_tokens, seconds: t0.elapsed().as_secs_f64() });
+            on_step(&StepStats {
+                prefill_tokens,
+                decode_tokens,
+                seconds: t0.elapsed().as_secs_f64(),
+            });
             // Finished sequences drop here, returning their blocks.
             running.retain(|s| done[s.idx].is_none());
         }
-        done.into_iter().map(|o| o.ok_or_else(|| EngineError::Internal("request lost".into()))).collect()
+        done.into_iter()
+            .map(|o| o.ok_or_else(|| EngineError::Internal("request lost".into())))
+            .collect()
     }
 
     /// Last-position logits of a prompt (one prefill, nothing kept): for checks against a reference.
     pub fn prompt_logits(&mut self, prompt: &[u32]) -> Result<Vec<f32>, EngineError> {
-        self.validate(&Request { prompt: prompt.to_vec(), params: SamplingParams { max_tokens: 1, ..Default::default() } })?;
+        self.validate(&Request {
+            prompt: prompt.to_vec(),
+            params: SamplingParams {
+                max_tokens: 1,
+                ..Default::default()
+            },
+        })?;
         let need = self.blocks_for(prompt.len());
-        let blocks = self.alloc.allocate(need).ok_or(EngineError::TooLargeForCache { need, total: self.alloc.total_blocks() })?;
-        let batch = [SeqBatch { tokens: prompt, cached: 0, block_table: blocks.ids(), want_logits: true }];
+        let blocks = self
+            .alloc
+            .allocate(need)
+            .ok_or(EngineError::TooLargeForCache {
+                need,
+                total: self.alloc.total_blocks(),
+            })?;
+        let batch = [SeqBatch {
+            tokens: prompt,
+            cached: 0,
+            block_table: blocks.ids(),
+            want_logits: true,
+        }];
         self.model.forward(&batch, &mut self.kv)
     }
 }

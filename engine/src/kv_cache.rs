@@ -21,7 +21,12 @@ pub struct KvPool {
 impl KvPool {
     pub fn new(layout: KvLayout, num_layers: usize, num_blocks: usize) -> Self {
         let data = vec![0f32; num_layers * num_blocks * layout.block_floats()];
-        Self { layout, num_layers, num_blocks, data }
+        Self {
+            layout,
+            num_layers,
+            num_blocks,
+            data,
+        }
     }
 
     /// Bytes of cache one token takes across all layers.
@@ -57,7 +62,9 @@ impl BlockAllocator {
     pub fn new(total: usize) -> Self {
         // Hand out low block ids first (pop from the back of a reversed list).
         let free = (0..total as u32).rev().collect();
-        Self { inner: Rc::new(RefCell::new(FreeList { free, total })) }
+        Self {
+            inner: Rc::new(RefCell::new(FreeList { free, total })),
+        }
     }
 
     pub fn free_blocks(&self) -> usize {
@@ -76,7 +83,10 @@ impl BlockAllocator {
         }
         let at = fl.free.len() - n;
         let blocks = fl.free.split_off(at);
-        Some(BlockList { blocks, alloc: self.clone() })
+        Some(BlockList {
+            blocks,
+            alloc: self.clone(),
+        })
     }
 }
 
@@ -133,7 +143,11 @@ mod tests {
 
     #[test]
     fn pool_sizes() {
-        let l = KvLayout { block_size: 16, num_kv_heads: 3, head_dim: 64 };
+        let l = KvLayout {
+            block_size: 16,
+            num_kv_heads: 3,
+            head_dim: 64,
+        };
         let p = KvPool::new(l, 30, 4);
         assert_eq!(p.bytes(), 30 * 4 * 2 * 3 * 16 * 64 * 4);
         assert_eq!(KvPool::bytes_per_token(l, 30), 2 * 3 * 64 * 4 * 30);

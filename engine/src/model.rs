@@ -22,7 +22,6 @@ pub enum WeightFormat {
     F32,
 }
 
-
 impl std::str::FromStr for WeightFormat {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
@@ -76,7 +75,11 @@ fn stack_rows(parts: &[&Weight]) -> Result<Weight, EngineError> {
             for p in parts {
                 match p {
                     Weight::F32 { data: d, .. } => data.extend_from_slice(d),
-                    _ => return Err(EngineError::Model("mixed weight types in one fused projection".into())),
+                    _ => {
+                        return Err(EngineError::Model(
+                            "mixed weight types in one fused projection".into(),
+                        ))
+                    }
                 }
             }
             Ok(Weight::F32 { data, rows, cols })
@@ -95,14 +98,23 @@ fn stack_rows(parts: &[&Weight]) -> Result<Weight, EngineError> {
                                 for r in 0..w.rows() {
                                     w.row_f32(r, &mut d[r * cols..(r + 1) * cols]);
                                 }
-                                Weight::F32 { data: d, rows: w.rows(), cols }
+                                Weight::F32 {
+                                    data: d,
+                                    rows: w.rows(),
+                                    cols,
+                                }
                             })
                             .collect();
                         return stack_rows(&dense.iter().collect::<Vec<_>>());
                     }
                 }
             }
-            Ok(Weight::Quant { ty: *ty, data, rows, cols })
+            Ok(Weight::Quant {
+                ty: *ty,
+                data,
+                rows,
+                cols,
+            })
         }
     }
 }
@@ -111,7 +123,9 @@ impl LlamaModel {
     pub fn new(m: &LoadedModel, format: WeightFormat) -> Result<Self, EngineError> {
         let c = m.config.clone();
         let f32w = format == WeightFormat::F32;
-        let w = |name: &str| -> Result<Weight, EngineError> { Ok(Weight::from_tensor(m.tensor(name)?, f32w)?) };
+        let w = |name: &str| -> Result<Weight, EngineError> {
+            Ok(Weight::from_tensor(m.tensor(name)?, f32w)?)
+        };
         let v = |name: &str| -> Result<Vec<f32>, EngineError> { Ok(m.tensor(name)?.to_f32()?) };
         let mut layers = Vec::with_capacity(c.num_layers);
         for i in 0..c.num_layers {
@@ -125,18 +139,41 @@ impl LlamaModel {
                 down: w(&p("ffn_down"))?,
             });
         }
-        let lm_head = if c.tie_word_embeddings { None } else { Some(w("output.weight")?) };
-        let rope = RopeTable::new(&c.rope_inv_freq(), c.rope_position_scale(), c.max_position_embeddings);
-        Ok(Self { layers, embed: w("token_embd.weight")?, lm_head, norm: v("output_norm.weight")?, rope, config: c })
+        let lm_head = if c.tie_word_embeddings {
+            None
+        } else {
+            Some(w("output.weight")?)
+        };
+        let rope = RopeTable::new(
+            &c.rope_inv_freq(),
+            c.rope_position_scale(),
+            c.max_position_embeddings,
+        );
+        Ok(Self {
+            layers,
+            embed: w("token_embd.weight")?,
+            lm_head,
+            norm: v("output_norm.weight")?,
+            rope,
+            config: c,
+        })
     }
 
     pub fn kv_layout(&self, block_size: usize) -> KvLayout {
-        KvLayout { block_size, num_kv_heads: self.config.num_kv_heads, head_dim: self.config.head_dim }
+        KvLayout {
+            block_size,
+            num_kv_heads: self.config.num_kv_heads,
+            head_dim: self.config.head_dim,
+        }
     }
 
     /// Bytes of weights one decode step reads (every matrix once; norms are negligible).
     pub fn weight_bytes(&self) -> usize {
-        let layers: usize = self.layers.iter().map(|l| l.qkv.bytes() + l.o.bytes() + l.gate_up.bytes() + l.down.bytes()).sum();
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| l.qkv.bytes() + l.o.bytes() + l.gate_up.bytes() + l.down.bytes())
+            .sum();
         layers + self.lm_head.as_ref().unwrap_or(&self.embed).bytes()
     }
 
@@ -160,21 +197,35 @@ impl LlamaModel {
             let q_start = tokens.len();
             let ctx = s.cached + s.tokens.len();
             if ctx > self.rope.max_pos() {
-                return Err(EngineError::ContextOverflow { tokens: ctx, max: self.rope.max_pos() });
+                return Err(EngineError::ContextOverflow {
+                    tokens: ctx,
+                    max: self.rope.max_pos(),
+                });
             }
             if ctx > s.block_table.len() * bs {
-                return Err(EngineError::Internal(format!("{ctx} tokens but {} blocks", s.block_table.len())));
+                return Err(EngineError::Internal(format!(
+                    "{ctx} tokens but {} blocks",
+                    s.block_table.len()
+                )));
             }
             for (i, &tok) in s.tokens.iter().enumerate() {
                 if tok as usize >= c.vocab_size {
-                    return Err(EngineError::BadToken { id: tok, vocab: c.vocab_size });
+                    return Err(EngineError::BadToken {
+                        id: tok,
+                        vocab: c.vocab_size,
+                    });
                 }
                 let p = s.cached + i;
                 tokens.push(tok);
                 positions.push(p);
                 slots.push(s.block_table[p / bs] as usize * bs + p % bs);
             }
-            attn.push(SeqAttn { q_start, q_len: s.tokens.len(), context_len: ctx, block_table: s.block_table });
+            attn.push(SeqAttn {
+                q_start,
+                q_len: s.tokens.len(),
+                context_len: ctx,
+                block_table: s.block_table,
+            });
             if s.want_logits && !s.tokens.is_empty() {
                 logit_rows.push(tokens.len() - 1);
             }
@@ -224,7 +275,12 @@ impl LlamaModel {
         let n = logit_rows.len();
         let mut last = vec![0f32; n * h];
         for (i, &r) in logit_rows.iter().enumerate() {
-            ops::rms_norm(&x[r * h..(r + 1) * h], &self.norm, c.rms_norm_eps, &mut last[i * h..(i + 1) * h]);
+            ops::rms_norm(
+                &x[r * h..(r + 1) * h],
+                &self.norm,
+                c.rms_norm_eps,
+                &mut last[i * h..(i + 1) * h],
+            );
         }
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         let mut logits = vec![0f32; n * c.vocab_size];

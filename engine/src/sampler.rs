@@ -63,7 +63,10 @@ impl SamplingParams {
     pub fn validate(&self) -> Result<(), EngineError> {
         let bad = |m: String| Err(EngineError::InvalidRequest(m));
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
-            return bad(format!("temperature must be >= 0, got {}", self.temperature));
+            return bad(format!(
+                "temperature must be >= 0, got {}",
+                self.temperature
+            ));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return bad(format!("top_p must be in (0, 1], got {}", self.top_p));
@@ -72,15 +75,24 @@ impl SamplingParams {
             return bad(format!("min_p must be in [0, 1], got {}", self.min_p));
         }
         if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
-            return bad(format!("repetition_penalty must be > 0, got {}", self.repetition_penalty));
+            return bad(format!(
+                "repetition_penalty must be > 0, got {}",
+                self.repetition_penalty
+            ));
         }
-        for (name, v) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
+        for (name, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
             if !(-2.0..=2.0).contains(&v) {
                 return bad(format!("{name} must be in [-2, 2], got {v}"));
             }
         }
         if self.top_logprobs > MAX_TOP_LOGPROBS {
-            return bad(format!("top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {}", self.top_logprobs));
+            return bad(format!(
+                "top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {}",
+                self.top_logprobs
+            ));
         }
         if self.max_tokens == 0 {
             return bad("max_tokens must be at least 1".into());
@@ -114,8 +126,17 @@ pub struct Sampler {
 impl Sampler {
     pub fn new(params: SamplingParams, prompt: &[u32]) -> Self {
         let seed = params.seed.unwrap_or_else(rand::random);
-        let seen = if params.repetition_penalty != 1.0 { prompt.iter().copied().collect() } else { Default::default() };
-        Self { rng: ChaCha8Rng::seed_from_u64(seed), counts: HashMap::new(), seen, params }
+        let seen = if params.repetition_penalty != 1.0 {
+            prompt.iter().copied().collect()
+        } else {
+            Default::default()
+        };
+        Self {
+            rng: ChaCha8Rng::seed_from_u64(seed),
+            counts: HashMap::new(),
+            seen,
+            params,
+        }
     }
 
     pub fn params(&self) -> &SamplingParams {
@@ -127,14 +148,19 @@ impl Sampler {
         let p = &self.params;
         let mut lp = vec![0f32; logits.len()];
         ops::log_softmax(logits, &mut lp);
-        let penalized = p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0;
+        let penalized =
+            p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0;
         let mut l: Vec<f32>;
         let logits = if penalized {
             l = logits.to_vec();
             if p.repetition_penalty != 1.0 {
                 for &t in &self.seen {
                     let v = &mut l[t as usize];
-                    *v = if *v > 0.0 { *v / p.repetition_penalty } else { *v * p.repetition_penalty };
+                    *v = if *v > 0.0 {
+                        *v / p.repetition_penalty
+                    } else {
+                        *v * p.repetition_penalty
+                    };
                 }
             }
             for (&t, &n) in &self.counts {
@@ -145,13 +171,21 @@ impl Sampler {
             logits
         };
         let (greedy, n_top, rep) = (p.is_greedy(), p.top_logprobs as usize, p.repetition_penalty);
-        let token = if greedy { ops::argmax(logits) as u32 } else { self.draw(logits) };
+        let token = if greedy {
+            ops::argmax(logits) as u32
+        } else {
+            self.draw(logits)
+        };
         let top = top_n(&lp, n_top);
         if rep != 1.0 {
             self.seen.insert(token);
         }
         *self.counts.entry(token).or_insert(0) += 1;
-        Sampled { token, logprob: lp[token as usize], top }
+        Sampled {
+            token,
+            logprob: lp[token as usize],
+            top,
+        }
     }
 
     fn draw(&mut self, logits: &[f32]) -> u32 {
@@ -159,14 +193,23 @@ impl Sampler {
         let inv_t = 1.0 / p.temperature;
         // Candidates sorted by logit, descending; top-k trims the list before the softmax.
         let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
-        let k = if p.top_k > 0 { (p.top_k as usize).min(idx.len()) } else { idx.len() };
+        let k = if p.top_k > 0 {
+            (p.top_k as usize).min(idx.len())
+        } else {
+            idx.len()
+        };
         if k < idx.len() {
-            idx.select_nth_unstable_by(k - 1, |&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
+            idx.select_nth_unstable_by(k - 1, |&a, &b| {
+                logits[b as usize].total_cmp(&logits[a as usize])
+            });
             idx.truncate(k);
         }
         idx.sort_unstable_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
         let max = logits[idx[0] as usize];
-        let mut probs: Vec<f32> = idx.iter().map(|&i| ((logits[i as usize] - max) * inv_t).exp()).collect();
+        let mut probs: Vec<f32> = idx
+            .iter()
+            .map(|&i| ((logits[i as usize] - max) * inv_t).exp())
+            .collect();
         let sum: f32 = probs.iter().sum();
         probs.iter_mut().for_each(|x| *x /= sum);
         // top-p: keep the smallest prefix whose mass reaches top_p (always at least one token).
@@ -221,7 +264,13 @@ mod tests {
 
     #[test]
     fn greedy_and_logprobs() {
-        let mut s = Sampler::new(SamplingParams { top_logprobs: 2, ..Default::default() }, &[]);
+        let mut s = Sampler::new(
+            SamplingParams {
+                top_logprobs: 2,
+                ..Default::default()
+            },
+            &[],
+        );
         let out = s.sample(&logits());
         assert_eq!(out.token, 1);
         let mut lp = vec![0f32; 6];
@@ -232,13 +281,25 @@ mod tests {
 
     #[test]
     fn same_seed_same_tokens() {
-        let p = SamplingParams { temperature: 1.5, seed: Some(42), ..Default::default() };
+        let p = SamplingParams {
+            temperature: 1.5,
+            seed: Some(42),
+            ..Default::default()
+        };
         let run = |p: &SamplingParams| {
             let mut s = Sampler::new(p.clone(), &[]);
-            (0..50).map(|_| s.sample(&logits()).token).collect::<Vec<_>>()
+            (0..50)
+                .map(|_| s.sample(&logits()).token)
+                .collect::<Vec<_>>()
         };
         assert_eq!(run(&p), run(&p));
-        assert_ne!(run(&p), run(&SamplingParams { seed: Some(43), ..p.clone() }));
+        assert_ne!(
+            run(&p),
+            run(&SamplingParams {
+                seed: Some(43),
+                ..p.clone()
+            })
+        );
         // High temperature visits more than one token.
         let toks = run(&p);
         assert!(toks.iter().any(|&t| t != toks[0]));
@@ -248,26 +309,68 @@ mod tests {
     fn filters_restrict_the_support() {
         let draw = |p: SamplingParams| {
             let mut s = Sampler::new(p, &[]);
-            (0..200).map(|_| s.sample(&logits()).token).collect::<std::collections::BTreeSet<_>>()
+            (0..200)
+                .map(|_| s.sample(&logits()).token)
+                .collect::<std::collections::BTreeSet<_>>()
         };
-        let base = SamplingParams { temperature: 1.0, seed: Some(1), ..Default::default() };
-        assert_eq!(draw(SamplingParams { top_k: 2, ..base.clone() }), [1, 5].into());
+        let base = SamplingParams {
+            temperature: 1.0,
+            seed: Some(1),
+            ..Default::default()
+        };
+        assert_eq!(
+            draw(SamplingParams {
+                top_k: 2,
+                ..base.clone()
+            }),
+            [1, 5].into()
+        );
         // top-p 0.5: token 1 (p≈0.37) and 5 (p≈0.34) are needed to reach 0.5.
-        assert_eq!(draw(SamplingParams { top_p: 0.5, ..base.clone() }), [1, 5].into());
+        assert_eq!(
+            draw(SamplingParams {
+                top_p: 0.5,
+                ..base.clone()
+            }),
+            [1, 5].into()
+        );
         // min-p 0.7: tokens within 70% of the best: 1 and 5 (e^-0.1≈0.90), not 2 (e^-0.5≈0.61).
-        assert_eq!(draw(SamplingParams { min_p: 0.7, ..base.clone() }), [1, 5].into());
+        assert_eq!(
+            draw(SamplingParams {
+                min_p: 0.7,
+                ..base.clone()
+            }),
+            [1, 5].into()
+        );
     }
 
     #[test]
     fn penalties_change_the_greedy_choice() {
         // Repetition penalty on a prompt token that is the argmax.
-        let mut s = Sampler::new(SamplingParams { repetition_penalty: 2.0, ..Default::default() }, &[1]);
+        let mut s = Sampler::new(
+            SamplingParams {
+                repetition_penalty: 2.0,
+                ..Default::default()
+            },
+            &[1],
+        );
         assert_eq!(s.sample(&logits()).token, 5);
         // Frequency penalty: after emitting 1 once, 1 is penalized by 0.5 → 2.5 < 2.9.
-        let mut s = Sampler::new(SamplingParams { frequency_penalty: 0.5, ..Default::default() }, &[]);
+        let mut s = Sampler::new(
+            SamplingParams {
+                frequency_penalty: 0.5,
+                ..Default::default()
+            },
+            &[],
+        );
         assert_eq!(s.sample(&logits()).token, 1);
         assert_eq!(s.sample(&logits()).token, 5);
-        let mut s = Sampler::new(SamplingParams { presence_penalty: 1.0, ..Default::default() }, &[]);
+        let mut s = Sampler::new(
+            SamplingParams {
+                presence_penalty: 1.0,
+                ..Default::default()
+            },
+            &[],
+        );
         assert_eq!(s.sample(&logits()).token, 1);
         assert_eq!(s.sample(&logits()).token, 5);
     }
@@ -276,13 +379,34 @@ mod tests {
     fn validation() {
         assert!(SamplingParams::default().validate().is_ok());
         for p in [
-            SamplingParams { temperature: -1.0, ..Default::default() },
-            SamplingParams { top_p: 0.0, ..Default::default() },
-            SamplingParams { min_p: 1.5, ..Default::default() },
-            SamplingParams { presence_penalty: 3.0, ..Default::default() },
-            SamplingParams { top_logprobs: 21, ..Default::default() },
-            SamplingParams { max_tokens: 0, ..Default::default() },
-            SamplingParams { repetition_penalty: 0.0, ..Default::default() },
+            SamplingParams {
+                temperature: -1.0,
+                ..Default::default()
+            },
+            SamplingParams {
+                top_p: 0.0,
+                ..Default::default()
+            },
+            SamplingParams {
+                min_p: 1.5,
+                ..Default::default()
+            },
+            SamplingParams {
+                presence_penalty: 3.0,
+                ..Default::default()
+            },
+            SamplingParams {
+                top_logprobs: 21,
+                ..Default::default()
+            },
+            SamplingParams {
+                max_tokens: 0,
+                ..Default::default()
+            },
+            SamplingParams {
+                repetition_penalty: 0.0,
+                ..Default::default()
+            },
         ] {
             assert!(p.validate().is_err(), "{p:?}");
         }

@@ -20,7 +20,10 @@ const LAYERS: usize = 2;
 const VOCAB: usize = 32;
 
 fn vocab() -> Vec<String> {
-    let mut v: Vec<String> = ["<|endoftext|>", "a", "b", "c", "d", "ab", "cd", "abcd"].iter().map(|s| s.to_string()).collect();
+    let mut v: Vec<String> = ["<|endoftext|>", "a", "b", "c", "d", "ab", "cd", "abcd"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
     while v.len() < VOCAB {
         v.push(format!("t{}", v.len()));
     }
@@ -32,18 +35,46 @@ fn random_model(seed: u64, tied: bool) -> Vec<(String, Vec<usize>, Vec<f32>)> {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let mut t = |name: String, shape: Vec<usize>, norm: bool| {
         let n: usize = shape.iter().product();
-        let v = (0..n).map(|_| if norm { 1.0 + rng.gen_range(-0.1..0.1) } else { rng.gen_range(-0.3..0.3) }).collect();
+        let v = (0..n)
+            .map(|_| {
+                if norm {
+                    1.0 + rng.gen_range(-0.1..0.1)
+                } else {
+                    rng.gen_range(-0.3..0.3)
+                }
+            })
+            .collect();
         (name, shape, v)
     };
     let mut out = vec![t("model.embed_tokens.weight".into(), vec![VOCAB, H], false)];
     for i in 0..LAYERS {
         let p = format!("model.layers.{i}.");
         out.push(t(p.clone() + "input_layernorm.weight", vec![H], true));
-        out.push(t(p.clone() + "self_attn.q_proj.weight", vec![HEADS * HD, H], false));
-        out.push(t(p.clone() + "self_attn.k_proj.weight", vec![KV_HEADS * HD, H], false));
-        out.push(t(p.clone() + "self_attn.v_proj.weight", vec![KV_HEADS * HD, H], false));
-        out.push(t(p.clone() + "self_attn.o_proj.weight", vec![H, HEADS * HD], false));
-        out.push(t(p.clone() + "post_attention_layernorm.weight", vec![H], true));
+        out.push(t(
+            p.clone() + "self_attn.q_proj.weight",
+            vec![HEADS * HD, H],
+            false,
+        ));
+        out.push(t(
+            p.clone() + "self_attn.k_proj.weight",
+            vec![KV_HEADS * HD, H],
+            false,
+        ));
+        out.push(t(
+            p.clone() + "self_attn.v_proj.weight",
+            vec![KV_HEADS * HD, H],
+            false,
+        ));
+        out.push(t(
+            p.clone() + "self_attn.o_proj.weight",
+            vec![H, HEADS * HD],
+            false,
+        ));
+        out.push(t(
+            p.clone() + "post_attention_layernorm.weight",
+            vec![H],
+            true,
+        ));
         out.push(t(p.clone() + "mlp.gate_proj.weight", vec![FF, H], false));
         out.push(t(p.clone() + "mlp.up_proj.weight", vec![FF, H], false));
         out.push(t(p.clone() + "mlp.down_proj.weight", vec![H, FF], false));
@@ -112,12 +143,28 @@ fn write_gguf(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)]) {
         ("llama.attention.head_count_kv".into(), u(KV_HEADS as u32)),
         ("llama.context_length".into(), u(256)),
         ("llama.rope.freq_base".into(), MetaValue::F32(10000.0)),
-        ("llama.attention.layer_norm_rms_epsilon".into(), MetaValue::F32(1e-5)),
+        (
+            "llama.attention.layer_norm_rms_epsilon".into(),
+            MetaValue::F32(1e-5),
+        ),
         ("tokenizer.ggml.model".into(), s("gpt2")),
         ("tokenizer.ggml.pre".into(), s("default")),
-        ("tokenizer.ggml.tokens".into(), MetaValue::Array(vocab().iter().map(|t| s(t)).collect())),
-        ("tokenizer.ggml.token_type".into(), MetaValue::Array((0..VOCAB).map(|i| MetaValue::I32(if i == 0 { 3 } else { 1 })).collect())),
-        ("tokenizer.ggml.merges".into(), MetaValue::Array(["a b", "c d", "ab cd"].iter().map(|m| s(m)).collect())),
+        (
+            "tokenizer.ggml.tokens".into(),
+            MetaValue::Array(vocab().iter().map(|t| s(t)).collect()),
+        ),
+        (
+            "tokenizer.ggml.token_type".into(),
+            MetaValue::Array(
+                (0..VOCAB)
+                    .map(|i| MetaValue::I32(if i == 0 { 3 } else { 1 }))
+                    .collect(),
+            ),
+        ),
+        (
+            "tokenizer.ggml.merges".into(),
+            MetaValue::Array(["a b", "c d", "ab cd"].iter().map(|m| s(m)).collect()),
+        ),
         ("tokenizer.ggml.eos_token_id".into(), u(0)),
     ];
     let encoded: Vec<(String, Vec<u64>, Vec<u8>)> = tensors
@@ -131,11 +178,22 @@ fn write_gguf(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)]) {
             } else {
                 v.clone()
             };
-            (g, shape.iter().rev().map(|&d| d as u64).collect(), bytes(&v))
+            (
+                g,
+                shape.iter().rev().map(|&d| d as u64).collect(),
+                bytes(&v),
+            )
         })
         .collect();
-    let tw: Vec<TensorToWrite<'_>> =
-        encoded.iter().map(|(n, d, b)| TensorToWrite { name: n.clone(), dims: d.clone(), ty: GgmlType::F32, data: b }).collect();
+    let tw: Vec<TensorToWrite<'_>> = encoded
+        .iter()
+        .map(|(n, d, b)| TensorToWrite {
+            name: n.clone(),
+            dims: d.clone(),
+            ty: GgmlType::F32,
+            data: b,
+        })
+        .collect();
     gguf::write(path, &md, &tw).unwrap();
 }
 
@@ -145,14 +203,27 @@ fn write_hf(dir: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)], tied: bool, 
         "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "vocab_size": VOCAB, "max_position_embeddings": 256,
         "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": tied});
     std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
-    let data: Vec<(String, Vec<usize>, Vec<u8>)> = tensors.iter().map(|(n, s, v)| (n.clone(), s.clone(), bytes(v))).collect();
+    let data: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+        .iter()
+        .map(|(n, s, v)| (n.clone(), s.clone(), bytes(v)))
+        .collect();
     let per = data.len().div_ceil(shards);
     let mut weight_map = serde_json::Map::new();
     for (i, chunk) in data.chunks(per).enumerate() {
-        let file = if shards == 1 { "model.safetensors".to_string() } else { format!("model-{:05}-of-{shards:05}.safetensors", i + 1) };
+        let file = if shards == 1 {
+            "model.safetensors".to_string()
+        } else {
+            format!("model-{:05}-of-{shards:05}.safetensors", i + 1)
+        };
         let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = chunk
             .iter()
-            .map(|(n, s, b)| (n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b).unwrap()))
+            .map(|(n, s, b)| {
+                (
+                    n.clone(),
+                    safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
+                        .unwrap(),
+                )
+            })
             .collect();
         safetensors::serialize_to_file(views, None, &dir.join(&file)).unwrap();
         for (n, _, _) in chunk {
@@ -160,9 +231,17 @@ fn write_hf(dir: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)], tied: bool, 
         }
     }
     if shards > 1 {
-        std::fs::write(dir.join("model.safetensors.index.json"), json!({"metadata": {}, "weight_map": weight_map}).to_string()).unwrap();
+        std::fs::write(
+            dir.join("model.safetensors.index.json"),
+            json!({"metadata": {}, "weight_map": weight_map}).to_string(),
+        )
+        .unwrap();
     }
-    let v: HashMap<String, usize> = vocab().into_iter().enumerate().map(|(i, t)| (t, i)).collect();
+    let v: HashMap<String, usize> = vocab()
+        .into_iter()
+        .enumerate()
+        .map(|(i, t)| (t, i))
+        .collect();
     let tok = json!({"version": "1.0", "truncation": null, "padding": null,
         "added_tokens": [{"id": 0, "content": "<|endoftext|>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}],
         "normalizer": null, "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
@@ -175,12 +254,25 @@ fn write_hf(dir: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)], tied: bool, 
         json!({"eos_token": "<|endoftext|>", "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"}).to_string(),
     )
     .unwrap();
-    std::fs::write(dir.join("generation_config.json"), json!({"eos_token_id": [0, 7], "temperature": 0.6}).to_string()).unwrap();
+    std::fs::write(
+        dir.join("generation_config.json"),
+        json!({"eos_token_id": [0, 7], "temperature": 0.6}).to_string(),
+    )
+    .unwrap();
 }
 
 fn logits(path: &Path, prompt: &[u32]) -> (Vec<f32>, tandem_model::LoadedModel) {
     let m = tandem_model::load(path).unwrap();
-    let mut e = Engine::new(LlamaModel::new(&m, WeightFormat::Native).unwrap(), EngineConfig { block_size: 4, kv_cache_mb: 4, ..Default::default() }, vec![0]).unwrap();
+    let mut e = Engine::new(
+        LlamaModel::new(&m, WeightFormat::Native).unwrap(),
+        EngineConfig {
+            block_size: 4,
+            kv_cache_mb: 4,
+            ..Default::default()
+        },
+        vec![0],
+    )
+    .unwrap();
     (e.prompt_logits(prompt).unwrap(), m)
 }
 
@@ -197,18 +289,37 @@ fn gguf_and_safetensors_give_the_same_logits() {
         let (a, gm) = logits(&g, &prompt);
         let (b, hm) = logits(&hf, &prompt);
         assert_eq!(a.len(), VOCAB);
-        assert!(a.iter().any(|&x| x.abs() > 1e-3), "logits are not trivially zero");
+        assert!(
+            a.iter().any(|&x| x.abs() > 1e-3),
+            "logits are not trivially zero"
+        );
         for (x, y) in a.iter().zip(&b) {
-            assert!((x - y).abs() <= 1e-5 * (1.0 + y.abs()), "tied={tied} shards={shards}: {x} vs {y}");
+            assert!(
+                (x - y).abs() <= 1e-5 * (1.0 + y.abs()),
+                "tied={tied} shards={shards}: {x} vs {y}"
+            );
         }
         // Both tokenizers agree, and the HF side read its config files.
-        assert_eq!(gm.tokenizer.encode("abcd ab", false).unwrap(), hm.tokenizer.encode("abcd ab", false).unwrap());
+        assert_eq!(
+            gm.tokenizer.encode("abcd ab", false).unwrap(),
+            hm.tokenizer.encode("abcd ab", false).unwrap()
+        );
         assert_eq!(gm.tokenizer.encode("abcd", false).unwrap(), vec![7]);
         assert_eq!(hm.tokenizer.eos_token_ids, vec![0, 7]);
         assert_eq!(hm.generation.temperature, Some(0.6));
         assert_eq!(gm.config.tie_word_embeddings, tied);
-        let msgs = [tandem_model::ChatMessage { role: "user".into(), content: "ab".into() }];
-        assert_eq!(hm.chat_template.as_ref().unwrap().render(&msgs, true).unwrap(), "ab");
+        let msgs = [tandem_model::ChatMessage {
+            role: "user".into(),
+            content: "ab".into(),
+        }];
+        assert_eq!(
+            hm.chat_template
+                .as_ref()
+                .unwrap()
+                .render(&msgs, true)
+                .unwrap(),
+            "ab"
+        );
     }
 }
 
@@ -220,7 +331,12 @@ fn a_truncated_gguf_is_an_error_not_a_panic() {
     let full = std::fs::read(&g).unwrap();
     for cut in [10, 100, 1000, full.len() / 2, full.len() - 1] {
         std::fs::write(&g, &full[..cut]).unwrap();
-        let e = tandem_model::load(&g).err().expect("truncated file must not load");
-        assert!(e.to_string().contains("malformed") || e.to_string().contains("truncated"), "{e}");
+        let e = tandem_model::load(&g)
+            .err()
+            .expect("truncated file must not load");
+        assert!(
+            e.to_string().contains("malformed") || e.to_string().contains("truncated"),
+            "{e}"
+        );
     }
 }

@@ -54,16 +54,28 @@ pub struct SeqAttn<'a> {
 
 /// Writes K and V rows (tokens × kv_heads·head_dim) into their cache slots
 /// (`slot = physical_block · block_size + offset`).
-pub fn write_kv(cache: &mut [f32], layout: KvLayout, k: &[f32], v: &[f32], slots: &[usize]) -> Result<(), KernelError> {
+pub fn write_kv(
+    cache: &mut [f32],
+    layout: KvLayout,
+    k: &[f32],
+    v: &[f32],
+    slots: &[usize],
+) -> Result<(), KernelError> {
     let row = layout.num_kv_heads * layout.head_dim;
     if k.len() != slots.len() * row || v.len() != k.len() {
-        return Err(KernelError::Shape(format!("write_kv: {} slots for {} K values", slots.len(), k.len())));
+        return Err(KernelError::Shape(format!(
+            "write_kv: {} slots for {} K values",
+            slots.len(),
+            k.len()
+        )));
     }
     let hd = layout.head_dim;
     for (t, &slot) in slots.iter().enumerate() {
         let (b, s) = (slot / layout.block_size, slot % layout.block_size);
         if (b + 1) * layout.block_floats() > cache.len() {
-            return Err(KernelError::Shape(format!("write_kv: slot {slot} is outside the cache")));
+            return Err(KernelError::Shape(format!(
+                "write_kv: slot {slot} is outside the cache"
+            )));
         }
         for h in 0..layout.num_kv_heads {
             let src = t * row + h * hd;
@@ -90,17 +102,25 @@ pub fn paged_attention(
     let hd = layout.head_dim;
     let width = n_heads * hd;
     if n_heads % layout.num_kv_heads != 0 {
-        return Err(KernelError::Shape(format!("{n_heads} heads over {} KV heads", layout.num_kv_heads)));
+        return Err(KernelError::Shape(format!(
+            "{n_heads} heads over {} KV heads",
+            layout.num_kv_heads
+        )));
     }
     let group = n_heads / layout.num_kv_heads;
     let rows = q.len() / width;
     if q.len() != out.len() || q.len() % width != 0 {
-        return Err(KernelError::Shape("paged_attention: q and out differ".into()));
+        return Err(KernelError::Shape(
+            "paged_attention: q and out differ".into(),
+        ));
     }
     // Which sequence (and which of its new tokens) each query row is.
     let mut owner = vec![(usize::MAX, 0usize); rows];
     for (si, s) in seqs.iter().enumerate() {
-        if s.q_len > s.context_len || s.context_len > s.block_table.len() * layout.block_size || s.q_start + s.q_len > rows {
+        if s.q_len > s.context_len
+            || s.context_len > s.block_table.len() * layout.block_size
+            || s.q_start + s.q_len > rows
+        {
             return Err(KernelError::Shape(format!(
                 "sequence {si}: {} new of {} tokens with {} blocks of {}",
                 s.q_len,
@@ -109,53 +129,69 @@ pub fn paged_attention(
                 layout.block_size
             )));
         }
-        if s.block_table.iter().any(|&b| (b as usize + 1) * layout.block_floats() > cache.len()) {
-            return Err(KernelError::Shape(format!("sequence {si}: block table points outside the cache")));
+        if s.block_table
+            .iter()
+            .any(|&b| (b as usize + 1) * layout.block_floats() > cache.len())
+        {
+            return Err(KernelError::Shape(format!(
+                "sequence {si}: block table points outside the cache"
+            )));
         }
         for i in 0..s.q_len {
             owner[s.q_start + i] = (si, i);
         }
     }
-    out.par_chunks_mut(width).zip(q.par_chunks(width)).enumerate().for_each(|(r, (o, qr))| {
-        let (si, i) = owner[r];
-        if si == usize::MAX {
-            o.fill(0.0);
-            return;
-        }
-        let s = &seqs[si];
-        let n_ctx = s.context_len - s.q_len + i + 1;
-        let mut scores = vec![0f32; n_ctx];
-        for h in 0..n_heads {
-            let kvh = h / group;
-            let qh = &qr[h * hd..(h + 1) * hd];
-            let mut max = f32::NEG_INFINITY;
-            for (j, sc) in scores.iter_mut().enumerate() {
-                let b = s.block_table[j / layout.block_size] as usize;
-                let ko = layout.k_at(b, kvh, j % layout.block_size);
-                *sc = dot_f32(qh, &cache[ko..ko + hd]) * scale;
-                max = max.max(*sc);
+    out.par_chunks_mut(width)
+        .zip(q.par_chunks(width))
+        .enumerate()
+        .for_each(|(r, (o, qr))| {
+            let (si, i) = owner[r];
+            if si == usize::MAX {
+                o.fill(0.0);
+                return;
             }
-            let mut sum = 0f32;
-            for sc in scores.iter_mut() {
-                *sc = (*sc - max).exp();
-                sum += *sc;
+            let s = &seqs[si];
+            let n_ctx = s.context_len - s.q_len + i + 1;
+            let mut scores = vec![0f32; n_ctx];
+            for h in 0..n_heads {
+                let kvh = h / group;
+                let qh = &qr[h * hd..(h + 1) * hd];
+                let mut max = f32::NEG_INFINITY;
+                for (j, sc) in scores.iter_mut().enumerate() {
+                    let b = s.block_table[j / layout.block_size] as usize;
+                    let ko = layout.k_at(b, kvh, j % layout.block_size);
+                    *sc = dot_f32(qh, &cache[ko..ko + hd]) * scale;
+                    max = max.max(*sc);
+                }
+                let mut sum = 0f32;
+                for sc in scores.iter_mut() {
+                    *sc = (*sc - max).exp();
+                    sum += *sc;
+                }
+                let inv = 1.0 / sum;
+                let oh = &mut o[h * hd..(h + 1) * hd];
+                oh.fill(0.0);
+                for (j, &p) in scores.iter().enumerate() {
+                    let b = s.block_table[j / layout.block_size] as usize;
+                    let vo = layout.v_at(b, kvh, j % layout.block_size);
+                    axpy(p * inv, &cache[vo..vo + hd], oh);
+                }
             }
-            let inv = 1.0 / sum;
-            let oh = &mut o[h * hd..(h + 1) * hd];
-            oh.fill(0.0);
-            for (j, &p) in scores.iter().enumerate() {
-                let b = s.block_table[j / layout.block_size] as usize;
-                let vo = layout.v_at(b, kvh, j % layout.block_size);
-                axpy(p * inv, &cache[vo..vo + hd], oh);
-            }
-        }
-    });
+        });
     Ok(())
 }
 
 /// Plain attention over contiguous K/V (context × kv_heads·head_dim) for `q_len` queries that are
 /// the last of the context. The reference the paged kernel is tested against.
-pub fn reference_attention(q: &[f32], n_heads: usize, k: &[f32], v: &[f32], num_kv_heads: usize, head_dim: usize, scale: f32) -> Vec<f32> {
+pub fn reference_attention(
+    q: &[f32],
+    n_heads: usize,
+    k: &[f32],
+    v: &[f32],
+    num_kv_heads: usize,
+    head_dim: usize,
+    scale: f32,
+) -> Vec<f32> {
     let width = n_heads * head_dim;
     let kw = num_kv_heads * head_dim;
     let q_len = q.len() / width;
@@ -170,14 +206,20 @@ pub fn reference_attention(q: &[f32], n_heads: usize, k: &[f32], v: &[f32], num_
             let s: Vec<f64> = (0..n)
                 .map(|j| {
                     let kj = &k[j * kw + kvh * head_dim..j * kw + (kvh + 1) * head_dim];
-                    qh.iter().zip(kj).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale as f64
+                    qh.iter()
+                        .zip(kj)
+                        .map(|(a, b)| *a as f64 * *b as f64)
+                        .sum::<f64>()
+                        * scale as f64
                 })
                 .collect();
             let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
             let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
             let z: f64 = e.iter().sum();
             for d in 0..head_dim {
-                let acc: f64 = (0..n).map(|j| e[j] / z * v[j * kw + kvh * head_dim + d] as f64).sum();
+                let acc: f64 = (0..n)
+                    .map(|j| e[j] / z * v[j * kw + kvh * head_dim + d] as f64)
+                    .sum();
                 out[i * width + h * head_dim + d] = acc as f32;
             }
         }
@@ -250,15 +292,29 @@ mod tests {
 
     #[test]
     fn bad_tables_are_errors() {
-        let layout = KvLayout { block_size: 2, num_kv_heads: 1, head_dim: 4 };
+        let layout = KvLayout {
+            block_size: 2,
+            num_kv_heads: 1,
+            head_dim: 4,
+        };
         let cache = vec![0f32; 2 * layout.block_floats()];
         let q = vec![0f32; 4];
         let mut out = vec![0f32; 4];
         let table = [5u32];
-        let s = [SeqAttn { q_start: 0, q_len: 1, context_len: 1, block_table: &table }];
+        let s = [SeqAttn {
+            q_start: 0,
+            q_len: 1,
+            context_len: 1,
+            block_table: &table,
+        }];
         assert!(paged_attention(&q, 1, &cache, layout, &s, 1.0, &mut out).is_err());
         let table = [0u32];
-        let s = [SeqAttn { q_start: 0, q_len: 1, context_len: 3, block_table: &table }];
+        let s = [SeqAttn {
+            q_start: 0,
+            q_len: 1,
+            context_len: 3,
+            block_table: &table,
+        }];
         assert!(paged_attention(&q, 1, &cache, layout, &s, 1.0, &mut out).is_err());
     }
 }

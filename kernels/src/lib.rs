@@ -33,8 +33,14 @@ pub enum KernelError {
 /// Sizes rayon's global pool to `threads` (default: the machine's cores). Call once, early; later
 /// calls keep the first size.
 pub fn init_threads(threads: Option<usize>) {
-    let n = threads.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
-    let _ = rayon::ThreadPoolBuilder::new().num_threads(n).build_global();
+    let n = threads.unwrap_or_else(|| {
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+    });
+    let _ = rayon::ThreadPoolBuilder::new()
+        .num_threads(n)
+        .build_global();
 }
 
 /// Which SIMD path the quantized kernels take on this machine.

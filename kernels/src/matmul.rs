@@ -51,17 +51,24 @@ pub fn matmul(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) -> Result<(), Ke
 fn dequantize_all(w: &Weight) -> Vec<f32> {
     let (n, k) = (w.rows(), w.cols());
     let mut dense = vec![0f32; n * k];
-    dense.par_chunks_mut(k * ROWS_PER_TASK).enumerate().for_each(|(c, chunk)| {
-        for (i, row) in chunk.chunks_mut(k).enumerate() {
-            w.row_f32(c * ROWS_PER_TASK + i, row);
-        }
-    });
+    dense
+        .par_chunks_mut(k * ROWS_PER_TASK)
+        .enumerate()
+        .for_each(|(c, chunk)| {
+            for (i, row) in chunk.chunks_mut(k).enumerate() {
+                w.row_f32(c * ROWS_PER_TASK + i, row);
+            }
+        });
     dense
 }
 
 fn gemm_xwt(x: &[f32], m: usize, w: &[f32], n: usize, k: usize, out: &mut [f32]) {
     let threads = rayon::current_num_threads();
-    let par = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
+    let par = if threads > 1 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
     // SAFETY: the pointers cover m×n (dst), m×k (lhs) and, read as a k×n column-major matrix, n×k
     // (rhs), as the length checks in `matmul` guarantee.
     unsafe {
@@ -95,33 +102,36 @@ fn rowwise(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
     let (n, k) = (w.rows(), w.cols());
     let xsums: Vec<Vec<f32>> = (0..m).map(|i| block_sums(&x[i * k..(i + 1) * k])).collect();
     let mut out_t = vec![0f32; n * m];
-    out_t.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(|(c, chunk)| {
-        let mut scratch = vec![0f32; k];
-        let r0 = c * ROWS_PER_TASK;
-        for (i, o) in chunk.chunks_mut(m).enumerate() {
-            let r = r0 + i;
-            match w {
-                Weight::F32 { data, .. } => {
-                    let wr = &data[r * k..(r + 1) * k];
-                    for (j, oj) in o.iter_mut().enumerate() {
-                        *oj = dot_f32(wr, &x[j * k..(j + 1) * k]);
-                    }
-                }
-                Weight::Quant { ty, data, .. } => {
-                    let rb = data.len() / n;
-                    let wr = &data[r * rb..(r + 1) * rb];
-                    if m == 1 {
-                        o[0] = dot_quant_row(*ty, wr, x, &xsums[0], &mut scratch);
-                    } else {
-                        dequant_row(*ty, wr, &mut scratch);
+    out_t
+        .par_chunks_mut(ROWS_PER_TASK * m)
+        .enumerate()
+        .for_each(|(c, chunk)| {
+            let mut scratch = vec![0f32; k];
+            let r0 = c * ROWS_PER_TASK;
+            for (i, o) in chunk.chunks_mut(m).enumerate() {
+                let r = r0 + i;
+                match w {
+                    Weight::F32 { data, .. } => {
+                        let wr = &data[r * k..(r + 1) * k];
                         for (j, oj) in o.iter_mut().enumerate() {
-                            *oj = dot_f32(&scratch, &x[j * k..(j + 1) * k]);
+                            *oj = dot_f32(wr, &x[j * k..(j + 1) * k]);
+                        }
+                    }
+                    Weight::Quant { ty, data, .. } => {
+                        let rb = data.len() / n;
+                        let wr = &data[r * rb..(r + 1) * rb];
+                        if m == 1 {
+                            o[0] = dot_quant_row(*ty, wr, x, &xsums[0], &mut scratch);
+                        } else {
+                            dequant_row(*ty, wr, &mut scratch);
+                            for (j, oj) in o.iter_mut().enumerate() {
+                                *oj = dot_f32(&scratch, &x[j * k..(j + 1) * k]);
+                            }
                         }
                     }
                 }
             }
-        }
-    });
+        });
     if m == 1 {
         out.copy_from_slice(&out_t);
     } else {
@@ -149,7 +159,9 @@ mod tests {
         let mut o = vec![0f32; m * n];
         for i in 0..m {
             for j in 0..n {
-                o[i * n + j] = (0..k).map(|t| x[i * k + t] as f64 * w[j * k + t] as f64).sum::<f64>() as f32;
+                o[i * n + j] = (0..k)
+                    .map(|t| x[i * k + t] as f64 * w[j * k + t] as f64)
+                    .sum::<f64>() as f32;
             }
         }
         o
@@ -160,9 +172,23 @@ mod tests {
         let (n, k) = (96, 128);
         let wf = rnd(n * k, 7);
         let weights = [
-            Weight::F32 { data: wf.clone(), rows: n, cols: k },
-            Weight::Quant { ty: GgmlType::Q4_1, data: quantize_q4_1(&wf), rows: n, cols: k },
-            Weight::Quant { ty: GgmlType::Q8_0, data: quantize_q8_0(&wf), rows: n, cols: k },
+            Weight::F32 {
+                data: wf.clone(),
+                rows: n,
+                cols: k,
+            },
+            Weight::Quant {
+                ty: GgmlType::Q4_1,
+                data: quantize_q4_1(&wf),
+                rows: n,
+                cols: k,
+            },
+            Weight::Quant {
+                ty: GgmlType::Q8_0,
+                data: quantize_q8_0(&wf),
+                rows: n,
+                cols: k,
+            },
         ];
         for w in &weights {
             let mut dense = vec![0f32; n * k];
@@ -175,7 +201,11 @@ mod tests {
                 matmul(&x, m, w, &mut out).unwrap();
                 let want = naive(&x, m, &dense, n, k);
                 for (a, b) in out.iter().zip(&want) {
-                    assert!((a - b).abs() < 1e-4 * (1.0 + b.abs()), "{:?} m={m}: {a} vs {b}", w.dtype());
+                    assert!(
+                        (a - b).abs() < 1e-4 * (1.0 + b.abs()),
+                        "{:?} m={m}: {a} vs {b}",
+                        w.dtype()
+                    );
                 }
             }
         }
@@ -183,7 +213,11 @@ mod tests {
 
     #[test]
     fn shape_errors() {
-        let w = Weight::F32 { data: vec![0.0; 6], rows: 2, cols: 3 };
+        let w = Weight::F32 {
+            data: vec![0.0; 6],
+            rows: 2,
+            cols: 3,
+        };
         let mut out = vec![0f32; 2];
         assert!(matmul(&[0.0; 4], 1, &w, &mut out).is_err());
     }

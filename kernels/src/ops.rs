@@ -32,14 +32,17 @@ impl RopeTable {
         let half = inv_freq.len();
         let mut cos = vec![0f32; max_pos * half];
         let mut sin = vec![0f32; max_pos * half];
-        cos.par_chunks_mut(half).zip(sin.par_chunks_mut(half)).enumerate().for_each(|(p, (c, s))| {
-            let pos = p as f32 * pos_scale;
-            for i in 0..half {
-                let a = (pos * inv_freq[i]) as f64;
-                c[i] = a.cos() as f32;
-                s[i] = a.sin() as f32;
-            }
-        });
+        cos.par_chunks_mut(half)
+            .zip(sin.par_chunks_mut(half))
+            .enumerate()
+            .for_each(|(p, (c, s))| {
+                let pos = p as f32 * pos_scale;
+                for i in 0..half {
+                    let a = (pos * inv_freq[i]) as f64;
+                    c[i] = a.cos() as f32;
+                    s[i] = a.sin() as f32;
+                }
+            });
         Self { half, cos, sin }
     }
 

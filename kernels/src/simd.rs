@@ -15,7 +15,9 @@ use std::arch::x86_64::*;
 pub fn has_avx2_fma() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+        is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -88,7 +90,13 @@ pub fn block_sums(x: &[f32]) -> Vec<f32> {
 
 /// Dot of one quantized row with f32 activations `x`. `xsum` holds `block_sums(x)` (used by Q4_1).
 #[inline]
-pub fn dot_quant_row(ty: GgmlType, row: &[u8], x: &[f32], xsum: &[f32], scratch: &mut [f32]) -> f32 {
+pub fn dot_quant_row(
+    ty: GgmlType,
+    row: &[u8],
+    x: &[f32],
+    xsum: &[f32],
+    scratch: &mut [f32],
+) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if has_avx512() {
         match ty {
@@ -146,7 +154,11 @@ mod avx512 {
         let mut i = 0;
         while i + 32 <= n {
             acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i)), _mm512_loadu_ps(pb.add(i)), acc0);
-            acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i + 16)), _mm512_loadu_ps(pb.add(i + 16)), acc1);
+            acc1 = _mm512_fmadd_ps(
+                _mm512_loadu_ps(pa.add(i + 16)),
+                _mm512_loadu_ps(pb.add(i + 16)),
+                acc1,
+            );
             i += 32;
         }
         if i + 16 <= n {
@@ -176,9 +188,16 @@ mod avx512 {
             let (d, m) = f16_pair(blk);
             let q = _mm_loadu_si128(blk.add(4) as *const __m128i);
             let lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, mask)));
-            let hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), mask)));
+            let hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(
+                _mm_srli_epi16(q, 4),
+                mask,
+            )));
             let xb = px.add(b * 32);
-            let s = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb.add(16)), _mm512_mul_ps(lo, _mm512_loadu_ps(xb)));
+            let s = _mm512_fmadd_ps(
+                hi,
+                _mm512_loadu_ps(xb.add(16)),
+                _mm512_mul_ps(lo, _mm512_loadu_ps(xb)),
+            );
             let j = b & 1;
             acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(d), s, acc[j]);
             macc[j] += m * *xsum.get_unchecked(b);
@@ -195,11 +214,21 @@ mod avx512 {
         for b in 0..nb {
             let blk = pr.add(b * 34);
             _mm_prefetch::<_MM_HINT_T0>(blk.add(PREFETCH_AHEAD) as *const i8);
-            let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128((blk as *const u16).read_unaligned() as i32)));
-            let q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(blk.add(2) as *const __m128i)));
-            let q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(blk.add(18) as *const __m128i)));
+            let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
+                (blk as *const u16).read_unaligned() as i32,
+            )));
+            let q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                blk.add(2) as *const __m128i
+            )));
+            let q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                blk.add(18) as *const __m128i
+            )));
             let xb = px.add(b * 32);
-            let s = _mm512_fmadd_ps(q1, _mm512_loadu_ps(xb.add(16)), _mm512_mul_ps(q0, _mm512_loadu_ps(xb)));
+            let s = _mm512_fmadd_ps(
+                q1,
+                _mm512_loadu_ps(xb.add(16)),
+                _mm512_mul_ps(q0, _mm512_loadu_ps(xb)),
+            );
             let j = b & 1;
             acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(d), s, acc[j]);
         }
@@ -242,7 +271,11 @@ mod avx2 {
         let mut i = 0;
         while i + 16 <= n {
             acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc0);
-            acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i + 8)), _mm256_loadu_ps(pb.add(i + 8)), acc1);
+            acc1 = _mm256_fmadd_ps(
+                _mm256_loadu_ps(pa.add(i + 8)),
+                _mm256_loadu_ps(pb.add(i + 8)),
+                acc1,
+            );
             i += 16;
         }
         if i + 8 <= n {
@@ -264,7 +297,10 @@ mod avx2 {
         let (px, py) = (x.as_ptr(), y.as_mut_ptr());
         let mut i = 0;
         while i + 8 <= n {
-            _mm256_storeu_ps(py.add(i), _mm256_fmadd_ps(av, _mm256_loadu_ps(px.add(i)), _mm256_loadu_ps(py.add(i))));
+            _mm256_storeu_ps(
+                py.add(i),
+                _mm256_fmadd_ps(av, _mm256_loadu_ps(px.add(i)), _mm256_loadu_ps(py.add(i))),
+            );
             i += 8;
         }
         while i < n {
@@ -459,7 +495,10 @@ mod tests {
         let x = rnd(k, 4);
         let xs = block_sums(&x);
         let mut scratch = vec![0f32; k];
-        for (ty, q) in [(GgmlType::Q4_1, quantize_q4_1(&w)), (GgmlType::Q8_0, quantize_q8_0(&w))] {
+        for (ty, q) in [
+            (GgmlType::Q4_1, quantize_q4_1(&w)),
+            (GgmlType::Q8_0, quantize_q8_0(&w)),
+        ] {
             let mut deq = vec![0f32; k];
             dequantize(ty, &q, &mut deq).unwrap();
             let want: f32 = deq.iter().zip(&x).map(|(a, b)| a * b).sum();

@@ -8,9 +8,18 @@ use crate::KernelError;
 #[derive(Clone, Debug)]
 pub enum Weight {
     /// Dense f32, row-major.
-    F32 { data: Vec<f32>, rows: usize, cols: usize },
+    F32 {
+        data: Vec<f32>,
+        rows: usize,
+        cols: usize,
+    },
     /// GGML-quantized rows, kept quantized in memory.
-    Quant { ty: GgmlType, data: Vec<u8>, rows: usize, cols: usize },
+    Quant {
+        ty: GgmlType,
+        data: Vec<u8>,
+        rows: usize,
+        cols: usize,
+    },
 }
 
 impl Weight {
@@ -20,15 +29,33 @@ impl Weight {
         let (rows, cols) = match t.shape[..] {
             [r, c] => (r, c),
             [c] => (1, c),
-            _ => return Err(KernelError::Shape(format!("weight of rank {} ({:?})", t.shape.len(), t.shape))),
+            _ => {
+                return Err(KernelError::Shape(format!(
+                    "weight of rank {} ({:?})",
+                    t.shape.len(),
+                    t.shape
+                )))
+            }
         };
         if t.ty.is_quantized() && !force_f32 {
             if cols % t.ty.block_elems() != 0 {
-                return Err(KernelError::Shape(format!("{} columns is not a whole number of {} blocks", cols, t.ty)));
+                return Err(KernelError::Shape(format!(
+                    "{} columns is not a whole number of {} blocks",
+                    cols, t.ty
+                )));
             }
-            return Ok(Self::Quant { ty: t.ty, data: t.data.clone(), rows, cols });
+            return Ok(Self::Quant {
+                ty: t.ty,
+                data: t.data.clone(),
+                rows,
+                cols,
+            });
         }
-        Ok(Self::F32 { data: t.to_f32()?, rows, cols })
+        Ok(Self::F32 {
+            data: t.to_f32()?,
+            rows,
+            cols,
+        })
     }
 
     pub fn rows(&self) -> usize {

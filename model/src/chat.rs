@@ -33,9 +33,25 @@ fn raise_exception(msg: String) -> Result<Value, JinjaError> {
 
 fn strftime_now(fmt: String) -> Result<Value, JinjaError> {
     // Templates use this for "today's date" in system prompts; days since the epoch in UTC suffice.
-    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
     let (y, m, d) = civil_from_days((secs / 86400) as i64);
-    const MONTHS: [&str; 12] = ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November", "December"];
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
     let out = fmt
         .replace("%Y", &format!("{y:04}"))
         .replace("%m", &format!("{m:02}"))
@@ -59,7 +75,11 @@ fn civil_from_days(z: i64) -> (i64, u32, u32) {
 }
 
 impl ChatTemplate {
-    pub fn new(source: &str, bos_token: Option<&str>, eos_token: Option<&str>) -> Result<Self, ModelError> {
+    pub fn new(
+        source: &str,
+        bos_token: Option<&str>,
+        eos_token: Option<&str>,
+    ) -> Result<Self, ModelError> {
         let mut env = Environment::new();
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
@@ -69,16 +89,27 @@ impl ChatTemplate {
         env.add_function("strftime_now", strftime_now);
         env.add_template_owned("chat", source.to_string())
             .map_err(|e| ModelError::Template(format!("chat template does not compile: {e}")))?;
-        Ok(Self { env, bos_token: bos_token.unwrap_or("").into(), eos_token: eos_token.unwrap_or("").into() })
+        Ok(Self {
+            env,
+            bos_token: bos_token.unwrap_or("").into(),
+            eos_token: eos_token.unwrap_or("").into(),
+        })
     }
 
     /// Renders the conversation; with `add_generation_prompt` the text ends where the assistant's
     /// answer begins.
-    pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, ModelError> {
+    pub fn render(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, ModelError> {
         if messages.is_empty() {
             return Err(ModelError::Template("messages must not be empty".into()));
         }
-        let tmpl = self.env.get_template("chat").map_err(|e| ModelError::Template(e.to_string()))?;
+        let tmpl = self
+            .env
+            .get_template("chat")
+            .map_err(|e| ModelError::Template(e.to_string()))?;
         tmpl.render(minijinja::context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,
@@ -86,7 +117,10 @@ impl ChatTemplate {
             eos_token => self.eos_token,
         })
         .map_err(|e| {
-            let detail = e.detail().map(str::to_string).unwrap_or_else(|| e.to_string());
+            let detail = e
+                .detail()
+                .map(str::to_string)
+                .unwrap_or_else(|| e.to_string());
             ModelError::Template(format!("chat template error: {detail}"))
         })
     }
@@ -97,7 +131,12 @@ mod tests {
     use super::*;
 
     fn msgs(v: &[(&str, &str)]) -> Vec<ChatMessage> {
-        v.iter().map(|(r, c)| ChatMessage { role: r.to_string(), content: c.to_string() }).collect()
+        v.iter()
+            .map(|(r, c)| ChatMessage {
+                role: r.to_string(),
+                content: c.to_string(),
+            })
+            .collect()
     }
 
     #[test]
@@ -107,7 +146,17 @@ mod tests {
 [{{ m.role | upper }}]{{ m.content.strip() }}|{{ m | tojson }}
 {% endfor %}{% if add_generation_prompt %}<gen>{% endif %}"#;
         let t = ChatTemplate::new(src, Some("<s>"), Some("</s>")).unwrap();
-        let out = t.render(&msgs(&[("user", "  hi "), ("skip", "x"), ("assistant", "yo"), ("user", "late")]), true).unwrap();
+        let out = t
+            .render(
+                &msgs(&[
+                    ("user", "  hi "),
+                    ("skip", "x"),
+                    ("assistant", "yo"),
+                    ("user", "late"),
+                ]),
+                true,
+            )
+            .unwrap();
         assert_eq!(
             out,
             "<s>[USER]hi|{\"role\":\"user\",\"content\":\"  hi \"}\n[ASSISTANT]yo|{\"role\":\"assistant\",\"content\":\"yo\"}\n<gen>"

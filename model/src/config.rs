@@ -12,7 +12,12 @@ pub enum RopeScaling {
     /// Positions divided by `factor` (HF `rope_type: linear`).
     Linear { factor: f32 },
     /// Llama 3.1's frequency-dependent scaling (HF `rope_type: llama3`).
-    Llama3 { factor: f32, low_freq_factor: f32, high_freq_factor: f32, original_max_position_embeddings: usize },
+    Llama3 {
+        factor: f32,
+        low_freq_factor: f32,
+        high_freq_factor: f32,
+        original_max_position_embeddings: usize,
+    },
     /// Per-frequency divisors given as a tensor (GGUF `rope_freqs.weight`).
     Factors(Vec<f32>),
 }
@@ -37,14 +42,24 @@ pub struct LlamaConfig {
 impl LlamaConfig {
     pub fn validate(&self) -> Result<(), ModelError> {
         let bad = |m: String| Err(ModelError::Config(m));
-        if self.num_heads == 0 || self.num_kv_heads == 0 || self.num_layers == 0 || self.hidden_size == 0 {
+        if self.num_heads == 0
+            || self.num_kv_heads == 0
+            || self.num_layers == 0
+            || self.hidden_size == 0
+        {
             return bad(format!("zero-sized dimension in {self:?}"));
         }
         if self.num_heads % self.num_kv_heads != 0 {
-            return bad(format!("{} attention heads is not a multiple of {} KV heads", self.num_heads, self.num_kv_heads));
+            return bad(format!(
+                "{} attention heads is not a multiple of {} KV heads",
+                self.num_heads, self.num_kv_heads
+            ));
         }
         if self.head_dim % 2 != 0 {
-            return bad(format!("head_dim {} must be even for rotary embeddings", self.head_dim));
+            return bad(format!(
+                "head_dim {} must be even for rotary embeddings",
+                self.head_dim
+            ));
         }
         Ok(())
     }
@@ -60,7 +75,12 @@ impl LlamaConfig {
             None => base,
             Some(RopeScaling::Linear { .. }) => base,
             Some(RopeScaling::Factors(f)) => base.iter().zip(f).map(|(b, f)| b / f).collect(),
-            Some(RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings }) => {
+            Some(RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            }) => {
                 let old = *original_max_position_embeddings as f32;
                 let low_wavelen = old / low_freq_factor;
                 let high_wavelen = old / high_freq_factor;
@@ -72,7 +92,8 @@ impl LlamaConfig {
                         } else if wavelen > low_wavelen {
                             f / factor
                         } else {
-                            let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                            let smooth = (old / wavelen - low_freq_factor)
+                                / (high_freq_factor - low_freq_factor);
                             (1.0 - smooth) * f / factor + smooth * f
                         }
                     })
@@ -91,9 +112,15 @@ impl LlamaConfig {
 
     /// Reads the `llama.*` keys of a GGUF file.
     pub fn from_gguf(g: &GgufFile) -> Result<Self, ModelError> {
-        let arch = g.get("general.architecture").and_then(|v| v.as_str()).unwrap_or("llama").to_string();
+        let arch = g
+            .get("general.architecture")
+            .and_then(|v| v.as_str())
+            .unwrap_or("llama")
+            .to_string();
         if !matches!(arch.as_str(), "llama" | "mistral") {
-            return Err(ModelError::Unsupported(format!("architecture {arch:?}; Tandem runs Llama-family models")));
+            return Err(ModelError::Unsupported(format!(
+                "architecture {arch:?}; Tandem runs Llama-family models"
+            )));
         }
         let key = |k: &str| format!("{arch}.{k}");
         let req = |k: &str| -> Result<usize, ModelError> {
@@ -105,16 +132,26 @@ impl LlamaConfig {
         let hidden_size = req("embedding_length")?;
         let num_heads = req("attention.head_count")?;
         let num_kv_heads = req("attention.head_count_kv").unwrap_or(num_heads);
-        let head_dim = req("attention.key_length").or_else(|_| req("rope.dimension_count")).unwrap_or(hidden_size / num_heads.max(1));
+        let head_dim = req("attention.key_length")
+            .or_else(|_| req("rope.dimension_count"))
+            .unwrap_or(hidden_size / num_heads.max(1));
         let vocab_size = match req("vocab_size") {
             Ok(v) => v,
-            Err(_) => g.get("tokenizer.ggml.tokens").and_then(|v| v.as_array()).map(|a| a.len()).ok_or_else(|| {
-                ModelError::Config("GGUF has neither llama.vocab_size nor tokenizer.ggml.tokens".into())
-            })?,
+            Err(_) => g
+                .get("tokenizer.ggml.tokens")
+                .and_then(|v| v.as_array())
+                .map(|a| a.len())
+                .ok_or_else(|| {
+                    ModelError::Config(
+                        "GGUF has neither llama.vocab_size nor tokenizer.ggml.tokens".into(),
+                    )
+                })?,
         };
         let f = |k: &str| g.get(&key(k)).and_then(|v| v.as_f64());
         let rope_scaling = match g.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
-            Some("linear") => Some(RopeScaling::Linear { factor: f("rope.scaling.factor").unwrap_or(1.0) as f32 }),
+            Some("linear") => Some(RopeScaling::Linear {
+                factor: f("rope.scaling.factor").unwrap_or(1.0) as f32,
+            }),
             Some("none") | None => None,
             Some(other) => return Err(ModelError::Unsupported(format!("rope scaling {other:?}"))),
         };
@@ -139,34 +176,56 @@ impl LlamaConfig {
 
     /// Parses an HF `config.json`.
     pub fn from_hf_json(text: &str) -> Result<Self, ModelError> {
-        let c: HfConfig = serde_json::from_str(text).map_err(|e| ModelError::Config(format!("config.json: {e}")))?;
+        let c: HfConfig = serde_json::from_str(text)
+            .map_err(|e| ModelError::Config(format!("config.json: {e}")))?;
         if let Some(mt) = &c.model_type {
             if !matches!(mt.as_str(), "llama" | "mistral") {
-                return Err(ModelError::Unsupported(format!("model_type {mt:?}; Tandem runs Llama-family models")));
+                return Err(ModelError::Unsupported(format!(
+                    "model_type {mt:?}; Tandem runs Llama-family models"
+                )));
             }
         }
         let num_kv_heads = c.num_key_value_heads.unwrap_or(c.num_attention_heads);
-        let head_dim = c.head_dim.unwrap_or(c.hidden_size / c.num_attention_heads.max(1));
+        let head_dim = c
+            .head_dim
+            .unwrap_or(c.hidden_size / c.num_attention_heads.max(1));
         let scaling = c.rope_scaling.as_ref().or(c.rope_parameters.as_ref());
         let rope_theta = c
             .rope_theta
-            .or_else(|| scaling.and_then(|s| s.get("rope_theta")).and_then(|v| v.as_f64()))
+            .or_else(|| {
+                scaling
+                    .and_then(|s| s.get("rope_theta"))
+                    .and_then(|v| v.as_f64())
+            })
             .unwrap_or(10000.0) as f32;
         let rope_scaling = match scaling {
             None => None,
             Some(s) => {
-                let ty = s.get("rope_type").or_else(|| s.get("type")).and_then(|v| v.as_str()).unwrap_or("default");
+                let ty = s
+                    .get("rope_type")
+                    .or_else(|| s.get("type"))
+                    .and_then(|v| v.as_str())
+                    .unwrap_or("default");
                 let num = |k: &str, d: f64| s.get(k).and_then(|v| v.as_f64()).unwrap_or(d) as f32;
                 match ty {
                     "default" => None,
-                    "linear" => Some(RopeScaling::Linear { factor: num("factor", 1.0) }),
+                    "linear" => Some(RopeScaling::Linear {
+                        factor: num("factor", 1.0),
+                    }),
                     "llama3" => Some(RopeScaling::Llama3 {
                         factor: num("factor", 8.0),
                         low_freq_factor: num("low_freq_factor", 1.0),
                         high_freq_factor: num("high_freq_factor", 4.0),
-                        original_max_position_embeddings: num("original_max_position_embeddings", 8192.0) as usize,
+                        original_max_position_embeddings: num(
+                            "original_max_position_embeddings",
+                            8192.0,
+                        ) as usize,
                     }),
-                    other => return Err(ModelError::Unsupported(format!("rope scaling type {other:?}"))),
+                    other => {
+                        return Err(ModelError::Unsupported(format!(
+                            "rope scaling type {other:?}"
+                        )))
+                    }
                 }
             }
         };
@@ -225,7 +284,10 @@ mod tests {
             "rope_theta":100000.0,"tie_word_embeddings":true,"max_position_embeddings":8192}"#,
         )
         .unwrap();
-        assert_eq!((c.head_dim, c.num_kv_heads, c.tie_word_embeddings), (64, 3, true));
+        assert_eq!(
+            (c.head_dim, c.num_kv_heads, c.tie_word_embeddings),
+            (64, 3, true)
+        );
         let f = c.rope_inv_freq();
         assert_eq!(f.len(), 32);
         assert_eq!(f[0], 1.0);
@@ -242,7 +304,11 @@ mod tests {
         )
         .unwrap();
         let f = c.rope_inv_freq();
-        let base = LlamaConfig { rope_scaling: None, ..c.clone() }.rope_inv_freq();
+        let base = LlamaConfig {
+            rope_scaling: None,
+            ..c.clone()
+        }
+        .rope_inv_freq();
         assert_eq!(f[0], base[0]);
         assert!((f[63] - base[63] / 8.0).abs() < 1e-12);
     }

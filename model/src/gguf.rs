@@ -147,11 +147,19 @@ struct Cursor<'a> {
 
 impl<'a> Cursor<'a> {
     fn err(&self, what: &str) -> ModelError {
-        ModelError::Format(format!("GGUF: {what} at byte {} (file is {} bytes)", self.pos, self.buf.len()))
+        ModelError::Format(format!(
+            "GGUF: {what} at byte {} (file is {} bytes)",
+            self.pos,
+            self.buf.len()
+        ))
     }
 
     fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8], ModelError> {
-        let end = self.pos.checked_add(n).filter(|&e| e <= self.buf.len()).ok_or_else(|| self.err(&format!("truncated {what}")))?;
+        let end = self
+            .pos
+            .checked_add(n)
+            .filter(|&e| e <= self.buf.len())
+            .ok_or_else(|| self.err(&format!("truncated {what}")))?;
         let s = &self.buf[self.pos..end];
         self.pos = end;
         Ok(s)
@@ -240,7 +248,13 @@ impl GgufFile {
 
     fn parse(map: Arc<Mmap>) -> Result<Self, ModelError> {
         let (version, metadata, tensors, alignment) = parse_bytes(&map)?;
-        Ok(Self { version, metadata, tensors, alignment, map })
+        Ok(Self {
+            version,
+            metadata,
+            tensors,
+            alignment,
+            map,
+        })
     }
 
     /// The bytes of a tensor, borrowed from the map.
@@ -264,7 +278,9 @@ pub fn parse_bytes(buf: &[u8]) -> Result<Parsed, ModelError> {
     let mut c = Cursor { buf, pos: 0 };
     let magic = c.take(4, "magic")?;
     if magic != MAGIC {
-        return Err(ModelError::Format(format!("not a GGUF file (magic {magic:02x?})")));
+        return Err(ModelError::Format(format!(
+            "not a GGUF file (magic {magic:02x?})"
+        )));
     }
     let version = c.u32()?;
     if !(2..=3).contains(&version) {
@@ -276,7 +292,9 @@ pub fn parse_bytes(buf: &[u8]) -> Result<Parsed, ModelError> {
     let n_kv = c.u64()?;
     // A KV pair takes at least 8+1+4+1 bytes, a tensor info at least 8+1+4+8+4+8.
     if n_kv > c.remaining() as u64 / 14 || n_tensors > c.remaining() as u64 / 33 {
-        return Err(c.err(&format!("{n_kv} metadata entries / {n_tensors} tensors cannot fit in the file")));
+        return Err(c.err(&format!(
+            "{n_kv} metadata entries / {n_tensors} tensors cannot fit in the file"
+        )));
     }
     let mut metadata = BTreeMap::new();
     for _ in 0..n_kv {
@@ -289,7 +307,11 @@ pub fn parse_bytes(buf: &[u8]) -> Result<Parsed, ModelError> {
         None => DEFAULT_ALIGNMENT,
         Some(v) => match v.as_u64() {
             Some(a) if a > 0 && a.is_power_of_two() && a <= 1 << 20 => a,
-            _ => return Err(ModelError::Format(format!("GGUF: bad general.alignment {v:?}"))),
+            _ => {
+                return Err(ModelError::Format(format!(
+                    "GGUF: bad general.alignment {v:?}"
+                )))
+            }
         },
     };
     let mut raw = Vec::with_capacity(n_tensors as usize);
@@ -304,7 +326,8 @@ pub fn parse_bytes(buf: &[u8]) -> Result<Parsed, ModelError> {
             dims.push(c.u64()?);
         }
         let ty_id = c.u32()?;
-        let ty = GgmlType::from_id(ty_id).map_err(|e| ModelError::Format(format!("tensor {name}: {e}")))?;
+        let ty = GgmlType::from_id(ty_id)
+            .map_err(|e| ModelError::Format(format!("tensor {name}: {e}")))?;
         let offset = c.u64()?;
         raw.push((name, dims, ty, offset));
     }
@@ -315,9 +338,15 @@ pub fn parse_bytes(buf: &[u8]) -> Result<Parsed, ModelError> {
         let len = n
             .and_then(|n| usize::try_from(n).ok())
             .and_then(|n| ty.bytes_for(n))
-            .ok_or_else(|| ModelError::Format(format!("GGUF: tensor {name}: shape {dims:?} invalid for {ty}")))?;
+            .ok_or_else(|| {
+                ModelError::Format(format!(
+                    "GGUF: tensor {name}: shape {dims:?} invalid for {ty}"
+                ))
+            })?;
         if offset % alignment != 0 {
-            return Err(ModelError::Format(format!("GGUF: tensor {name}: offset {offset} not aligned to {alignment}")));
+            return Err(ModelError::Format(format!(
+                "GGUF: tensor {name}: offset {offset} not aligned to {alignment}"
+            )));
         }
         let start = data_start
             .checked_add(offset)
@@ -329,7 +358,13 @@ pub fn parse_bytes(buf: &[u8]) -> Result<Parsed, ModelError> {
                     buf.len()
                 ))
             })?;
-        tensors.push(TensorInfo { name, dims, ty, start, len });
+        tensors.push(TensorInfo {
+            name,
+            dims,
+            ty,
+            start,
+            len,
+        });
     }
     Ok((version, metadata, tensors, alignment))
 }
@@ -408,7 +443,11 @@ pub fn encode(metadata: &[(String, MetaValue)], tensors: &[TensorToWrite<'_>]) -
 }
 
 /// Writes a GGUF v3 file.
-pub fn write(path: &Path, metadata: &[(String, MetaValue)], tensors: &[TensorToWrite<'_>]) -> Result<(), ModelError> {
+pub fn write(
+    path: &Path,
+    metadata: &[(String, MetaValue)],
+    tensors: &[TensorToWrite<'_>],
+) -> Result<(), ModelError> {
     let bytes = encode(metadata, tensors);
     let mut f = File::create(path).map_err(|e| ModelError::io(path, e))?;
     f.write_all(&bytes).map_err(|e| ModelError::io(path, e))
@@ -421,7 +460,10 @@ mod tests {
 
     fn sample() -> Vec<u8> {
         let md = vec![
-            ("general.architecture".to_string(), MetaValue::String("llama".into())),
+            (
+                "general.architecture".to_string(),
+                MetaValue::String("llama".into()),
+            ),
             ("a.u8".into(), MetaValue::U8(7)),
             ("a.i8".into(), MetaValue::I8(-7)),
             ("a.u16".into(), MetaValue::U16(700)),
@@ -433,15 +475,34 @@ mod tests {
             ("a.u64".into(), MetaValue::U64(1 << 40)),
             ("a.i64".into(), MetaValue::I64(-(1 << 40))),
             ("a.f64".into(), MetaValue::F64(-2.5)),
-            ("a.arr".into(), MetaValue::Array(vec![MetaValue::String("x".into()), MetaValue::String("yz".into())])),
+            (
+                "a.arr".into(),
+                MetaValue::Array(vec![
+                    MetaValue::String("x".into()),
+                    MetaValue::String("yz".into()),
+                ]),
+            ),
         ];
-        let f: Vec<u8> = [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let f: Vec<u8> = [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
         let q = crate::quant::quantize_q8_0(&(0..64).map(|i| i as f32).collect::<Vec<_>>());
         encode(
             &md,
             &[
-                TensorToWrite { name: "t.f32".into(), dims: vec![3, 2], ty: GgmlType::F32, data: &f },
-                TensorToWrite { name: "t.q8".into(), dims: vec![32, 2], ty: GgmlType::Q8_0, data: &q },
+                TensorToWrite {
+                    name: "t.f32".into(),
+                    dims: vec![3, 2],
+                    ty: GgmlType::F32,
+                    data: &f,
+                },
+                TensorToWrite {
+                    name: "t.q8".into(),
+                    dims: vec![32, 2],
+                    ty: GgmlType::Q8_0,
+                    data: &q,
+                },
             ],
         )
     }
@@ -467,7 +528,10 @@ mod tests {
         assert_eq!(tensors.len(), 2);
         assert_eq!(tensors[0].shape(), vec![2, 3]);
         assert_eq!(tensors[0].start % 32, 0);
-        assert_eq!(&buf[tensors[0].start..tensors[0].start + 4], &1.0f32.to_le_bytes());
+        assert_eq!(
+            &buf[tensors[0].start..tensors[0].start + 4],
+            &1.0f32.to_le_bytes()
+        );
         assert_eq!(tensors[1].ty, GgmlType::Q8_0);
         assert_eq!(tensors[1].len, 68);
         assert_eq!(tensors[1].start % 32, 0);
@@ -477,7 +541,10 @@ mod tests {
     fn every_truncation_is_an_error() {
         let buf = sample();
         for n in 0..buf.len() {
-            assert!(parse_bytes(&buf[..n]).is_err(), "truncated to {n} bytes parsed");
+            assert!(
+                parse_bytes(&buf[..n]).is_err(),
+                "truncated to {n} bytes parsed"
+            );
         }
     }
 

@@ -44,8 +44,12 @@ mod tests {
     fn matches_one_shot_xxh3_over_the_documented_bytes() {
         let toks = [1u32, 2, 3, 70000];
         let mut bytes = 0u64.to_le_bytes().to_vec();
-        toks.iter().for_each(|t| bytes.extend_from_slice(&t.to_le_bytes()));
-        assert_eq!(hash_block(ROOT, &toks).0, xxhash_rust::xxh3::xxh3_64(&bytes));
+        toks.iter()
+            .for_each(|t| bytes.extend_from_slice(&t.to_le_bytes()));
+        assert_eq!(
+            hash_block(ROOT, &toks).0,
+            xxhash_rust::xxh3::xxh3_64(&bytes)
+        );
     }
 
     #[test]

@@ -8,11 +8,15 @@ use std::path::Path;
 use serde_json::Value;
 
 use crate::quant::GgmlType;
-use crate::{ChatTemplate, GenerationDefaults, LlamaConfig, LoadedModel, ModelError, TensorData, Tokenizer};
+use crate::{
+    ChatTemplate, GenerationDefaults, LlamaConfig, LoadedModel, ModelError, TensorData, Tokenizer,
+};
 
 fn read_json(path: &Path) -> Result<Option<Value>, ModelError> {
     match std::fs::read_to_string(path) {
-        Ok(s) => serde_json::from_str(&s).map(Some).map_err(|e| ModelError::Format(format!("{}: {e}", path.display()))),
+        Ok(s) => serde_json::from_str(&s)
+            .map(Some)
+            .map_err(|e| ModelError::Format(format!("{}: {e}", path.display()))),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(ModelError::io(path, e)),
     }
@@ -22,7 +26,10 @@ fn read_json(path: &Path) -> Result<Option<Value>, ModelError> {
 fn token_text(v: Option<&Value>) -> Option<String> {
     match v? {
         Value::String(s) => Some(s.clone()),
-        Value::Object(o) => o.get("content").and_then(|c| c.as_str()).map(str::to_string),
+        Value::Object(o) => o
+            .get("content")
+            .and_then(|c| c.as_str())
+            .map(str::to_string),
         _ => None,
     }
 }
@@ -58,7 +65,8 @@ pub(crate) fn load_dir(dir: &Path, name: String) -> Result<LoadedModel, ModelErr
     let cfg_path = dir.join("config.json");
     let cfg_text = std::fs::read_to_string(&cfg_path).map_err(|e| ModelError::io(&cfg_path, e))?;
     let config = LlamaConfig::from_hf_json(&cfg_text)?;
-    let cfg_json: Value = serde_json::from_str(&cfg_text).map_err(|e| ModelError::Config(e.to_string()))?;
+    let cfg_json: Value =
+        serde_json::from_str(&cfg_text).map_err(|e| ModelError::Config(e.to_string()))?;
 
     // Weights: one file, or shards named by the index.
     let files: Vec<String> = match read_json(&dir.join("model.safetensors.index.json"))? {
@@ -66,8 +74,13 @@ pub(crate) fn load_dir(dir: &Path, name: String) -> Result<LoadedModel, ModelErr
             let map = index
                 .get("weight_map")
                 .and_then(|m| m.as_object())
-                .ok_or_else(|| ModelError::Format("model.safetensors.index.json has no weight_map".into()))?;
-            let mut f: Vec<String> = map.values().filter_map(|v| v.as_str().map(str::to_string)).collect();
+                .ok_or_else(|| {
+                    ModelError::Format("model.safetensors.index.json has no weight_map".into())
+                })?;
+            let mut f: Vec<String> = map
+                .values()
+                .filter_map(|v| v.as_str().map(str::to_string))
+                .collect();
             f.sort();
             f.dedup();
             f
@@ -77,22 +90,38 @@ pub(crate) fn load_dir(dir: &Path, name: String) -> Result<LoadedModel, ModelErr
     let mut tensors = BTreeMap::new();
     for f in files {
         if f.contains('/') || f.contains("..") {
-            return Err(ModelError::Format(format!("shard name {f:?} points outside the model directory")));
+            return Err(ModelError::Format(format!(
+                "shard name {f:?} points outside the model directory"
+            )));
         }
         let path = dir.join(&f);
         let file = File::open(&path).map_err(|e| ModelError::io(&path, e))?;
         // SAFETY: read-only map of a model file, as in the GGUF reader.
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| ModelError::io(&path, e))?;
-        let st = safetensors::SafeTensors::deserialize(&map).map_err(|e| ModelError::Format(format!("{}: {e}", path.display())))?;
+        let st = safetensors::SafeTensors::deserialize(&map)
+            .map_err(|e| ModelError::Format(format!("{}: {e}", path.display())))?;
         for (tname, view) in st.tensors() {
-            let Some(canon) = canonical_name(&tname) else { continue };
+            let Some(canon) = canonical_name(&tname) else {
+                continue;
+            };
             let ty = match view.dtype() {
                 safetensors::Dtype::F32 => GgmlType::F32,
                 safetensors::Dtype::F16 => GgmlType::F16,
                 safetensors::Dtype::BF16 => GgmlType::BF16,
-                other => return Err(ModelError::Unsupported(format!("tensor {tname} has dtype {other:?}"))),
+                other => {
+                    return Err(ModelError::Unsupported(format!(
+                        "tensor {tname} has dtype {other:?}"
+                    )))
+                }
             };
-            tensors.insert(canon, TensorData { ty, shape: view.shape().to_vec(), data: view.data().to_vec() });
+            tensors.insert(
+                canon,
+                TensorData {
+                    ty,
+                    shape: view.shape().to_vec(),
+                    data: view.data().to_vec(),
+                },
+            );
         }
     }
 
@@ -100,13 +129,18 @@ pub(crate) fn load_dir(dir: &Path, name: String) -> Result<LoadedModel, ModelErr
     if !tok_path.exists() {
         return Err(ModelError::NotFound(tok_path));
     }
-    let inner = tokenizers::Tokenizer::from_file(&tok_path).map_err(|e| ModelError::Tokenizer(format!("{}: {e}", tok_path.display())))?;
+    let inner = tokenizers::Tokenizer::from_file(&tok_path)
+        .map_err(|e| ModelError::Tokenizer(format!("{}: {e}", tok_path.display())))?;
     let tcfg = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or(Value::Null);
     let gcfg = read_json(&dir.join("generation_config.json"))?.unwrap_or(Value::Null);
     let ids = |v: Option<&Value>| -> Vec<u32> {
         match v {
             Some(Value::Number(n)) => n.as_u64().map(|n| vec![n as u32]).unwrap_or_default(),
-            Some(Value::Array(a)) => a.iter().filter_map(|x| x.as_u64()).map(|n| n as u32).collect(),
+            Some(Value::Array(a)) => a
+                .iter()
+                .filter_map(|x| x.as_u64())
+                .map(|n| n as u32)
+                .collect(),
             _ => vec![],
         }
     };
@@ -114,7 +148,10 @@ pub(crate) fn load_dir(dir: &Path, name: String) -> Result<LoadedModel, ModelErr
     extra_eos.extend(ids(cfg_json.get("eos_token_id")));
     let bos = token_text(tcfg.get("bos_token"));
     let eos = token_text(tcfg.get("eos_token"));
-    let add_bos = tcfg.get("add_bos_token").and_then(|v| v.as_bool()).unwrap_or(false);
+    let add_bos = tcfg
+        .get("add_bos_token")
+        .and_then(|v| v.as_bool())
+        .unwrap_or(false);
     let tokenizer = Tokenizer::from_hf(inner, bos, eos, &extra_eos, add_bos);
     let template_src = match tcfg.get("chat_template") {
         Some(Value::String(s)) => Some(s.clone()),
@@ -127,16 +164,33 @@ pub(crate) fn load_dir(dir: &Path, name: String) -> Result<LoadedModel, ModelErr
         _ => std::fs::read_to_string(dir.join("chat_template.jinja")).ok(),
     };
     let chat_template = match template_src {
-        Some(src) => Some(ChatTemplate::new(&src, tokenizer.bos_token.as_deref(), tokenizer.eos_token.as_deref())?),
+        Some(src) => Some(ChatTemplate::new(
+            &src,
+            tokenizer.bos_token.as_deref(),
+            tokenizer.eos_token.as_deref(),
+        )?),
         None => None,
     };
     let generation = GenerationDefaults {
-        temperature: gcfg.get("temperature").and_then(|v| v.as_f64()).map(|v| v as f32),
+        temperature: gcfg
+            .get("temperature")
+            .and_then(|v| v.as_f64())
+            .map(|v| v as f32),
         top_p: gcfg.get("top_p").and_then(|v| v.as_f64()).map(|v| v as f32),
         top_k: gcfg.get("top_k").and_then(|v| v.as_u64()).map(|v| v as u32),
     };
-    let name = dir.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or(name);
-    let model = LoadedModel { config, tokenizer, chat_template, generation, tensors, name };
+    let name = dir
+        .file_name()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or(name);
+    let model = LoadedModel {
+        config,
+        tokenizer,
+        chat_template,
+        generation,
+        tensors,
+        name,
+    };
     crate::check_shapes(&model)?;
     Ok(model)
 }
@@ -147,9 +201,21 @@ mod tests {
 
     #[test]
     fn names() {
-        assert_eq!(canonical_name("model.layers.12.mlp.down_proj.weight").as_deref(), Some("blk.12.ffn_down.weight"));
-        assert_eq!(canonical_name("model.embed_tokens.weight").as_deref(), Some("token_embd.weight"));
-        assert_eq!(canonical_name("lm_head.weight").as_deref(), Some("output.weight"));
-        assert_eq!(canonical_name("model.layers.0.self_attn.rotary_emb.inv_freq"), None);
+        assert_eq!(
+            canonical_name("model.layers.12.mlp.down_proj.weight").as_deref(),
+            Some("blk.12.ffn_down.weight")
+        );
+        assert_eq!(
+            canonical_name("model.embed_tokens.weight").as_deref(),
+            Some("token_embd.weight")
+        );
+        assert_eq!(
+            canonical_name("lm_head.weight").as_deref(),
+            Some("output.weight")
+        );
+        assert_eq!(
+            canonical_name("model.layers.0.self_attn.rotary_emb.inv_freq"),
+            None
+        );
     }
 }

@@ -33,7 +33,10 @@ pub use tokenizer::{IncrementalDecoder, Tokenizer};
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
     #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("model file not found at {0}: pass --model PATH or run `tandem model fetch`")]
     NotFound(PathBuf),
     #[error("malformed model file: {0}")]
@@ -55,7 +58,10 @@ impl ModelError {
         if source.kind() == std::io::ErrorKind::NotFound {
             Self::NotFound(path.to_path_buf())
         } else {
-            Self::Io { path: path.to_path_buf(), source }
+            Self::Io {
+                path: path.to_path_buf(),
+                source,
+            }
         }
     }
 }
@@ -103,7 +109,9 @@ pub struct LoadedModel {
 
 impl LoadedModel {
     pub fn tensor(&self, name: &str) -> Result<&TensorData, ModelError> {
-        self.tensors.get(name).ok_or_else(|| ModelError::MissingTensor(name.to_string()))
+        self.tensors
+            .get(name)
+            .ok_or_else(|| ModelError::MissingTensor(name.to_string()))
     }
 }
 
@@ -112,7 +120,10 @@ pub fn load(path: &Path) -> Result<LoadedModel, ModelError> {
     if !path.exists() {
         return Err(ModelError::NotFound(path.to_path_buf()));
     }
-    let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
+    let name = path
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "model".into());
     if path.is_dir() {
         hf::load_dir(path, name)
     } else {
@@ -125,13 +136,21 @@ fn load_gguf(path: &Path, name: String) -> Result<LoadedModel, ModelError> {
     let config = LlamaConfig::from_gguf(&g)?;
     let tokenizer = Tokenizer::from_gguf(&g)?;
     let chat_template = match g.get("tokenizer.chat_template").and_then(|v| v.as_str()) {
-        Some(src) => Some(ChatTemplate::new(src, tokenizer.bos_token.as_deref(), tokenizer.eos_token.as_deref())?),
+        Some(src) => Some(ChatTemplate::new(
+            src,
+            tokenizer.bos_token.as_deref(),
+            tokenizer.eos_token.as_deref(),
+        )?),
         None => None,
     };
     let mut tensors = BTreeMap::new();
     let mut config = config;
     for t in &g.tensors {
-        let mut data = TensorData { ty: t.ty, shape: t.shape(), data: g.tensor_bytes(t).to_vec() };
+        let mut data = TensorData {
+            ty: t.ty,
+            shape: t.shape(),
+            data: g.tensor_bytes(t).to_vec(),
+        };
         if t.name.ends_with(".attn_q.weight") {
             unpermute_rope_rows(&mut data, config.num_heads, config.head_dim)?;
         } else if t.name.ends_with(".attn_k.weight") {
@@ -143,17 +162,32 @@ fn load_gguf(path: &Path, name: String) -> Result<LoadedModel, ModelError> {
         }
         tensors.insert(t.name.clone(), data);
     }
-    let model = LoadedModel { config, tokenizer, chat_template, generation: GenerationDefaults::default(), tensors, name };
+    let model = LoadedModel {
+        config,
+        tokenizer,
+        chat_template,
+        generation: GenerationDefaults::default(),
+        tensors,
+        name,
+    };
     check_shapes(&model)?;
     Ok(model)
 }
 
 /// GGUF files store each head's q/k rows interleaved (row 2b+a holds HF row a·hd/2+b) for
 /// llama.cpp's adjacent-pair RoPE. Rows are whole quantized blocks, so they move without decoding.
-fn unpermute_rope_rows(t: &mut TensorData, n_head: usize, head_dim: usize) -> Result<(), ModelError> {
+fn unpermute_rope_rows(
+    t: &mut TensorData,
+    n_head: usize,
+    head_dim: usize,
+) -> Result<(), ModelError> {
     let rows = t.shape.first().copied().unwrap_or(0);
     if t.shape.len() != 2 || rows != n_head * head_dim {
-        return Err(ModelError::Format(format!("q/k projection has shape {:?}, expected [{}, _]", t.shape, n_head * head_dim)));
+        return Err(ModelError::Format(format!(
+            "q/k projection has shape {:?}, expected [{}, _]",
+            t.shape,
+            n_head * head_dim
+        )));
     }
     let row_bytes = t.data.len() / rows;
     let half = head_dim / 2;
@@ -162,7 +196,8 @@ fn unpermute_rope_rows(t: &mut TensorData, n_head: usize, head_dim: usize) -> Re
         for r in 0..head_dim {
             let src = h * head_dim + 2 * (r % half) + r / half;
             let dst = h * head_dim + r;
-            out[dst * row_bytes..(dst + 1) * row_bytes].copy_from_slice(&t.data[src * row_bytes..(src + 1) * row_bytes]);
+            out[dst * row_bytes..(dst + 1) * row_bytes]
+                .copy_from_slice(&t.data[src * row_bytes..(src + 1) * row_bytes]);
         }
     }
     t.data = out;
@@ -172,7 +207,12 @@ fn unpermute_rope_rows(t: &mut TensorData, n_head: usize, head_dim: usize) -> Re
 /// Checks that every tensor the forward pass needs is there with the shape the config implies.
 fn check_shapes(m: &LoadedModel) -> Result<(), ModelError> {
     let c = &m.config;
-    let (h, q, kv, ff) = (c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size);
+    let (h, q, kv, ff) = (
+        c.hidden_size,
+        c.num_heads * c.head_dim,
+        c.num_kv_heads * c.head_dim,
+        c.intermediate_size,
+    );
     let mut want: Vec<(String, Vec<usize>)> = vec![
         ("token_embd.weight".into(), vec![c.vocab_size, h]),
         ("output_norm.weight".into(), vec![h]),
@@ -198,7 +238,10 @@ fn check_shapes(m: &LoadedModel) -> Result<(), ModelError> {
     for (name, shape) in want {
         let t = m.tensor(&name)?;
         if t.shape != shape {
-            return Err(ModelError::Format(format!("tensor {name} has shape {:?}, the config implies {shape:?}", t.shape)));
+            return Err(ModelError::Format(format!(
+                "tensor {name} has shape {:?}, the config implies {shape:?}",
+                t.shape
+            )));
         }
     }
     Ok(())
@@ -257,5 +300,7 @@ pub fn model_cache_dir() -> PathBuf {
 
 /// The model a command uses when given none: `$TANDEM_MODEL`, else the default in the cache.
 pub fn default_model_path() -> PathBuf {
-    std::env::var_os("TANDEM_MODEL").map(PathBuf::from).unwrap_or_else(|| model_cache_dir().join(DEFAULT_MODEL_FILE))
+    std::env::var_os("TANDEM_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| model_cache_dir().join(DEFAULT_MODEL_FILE))
 }

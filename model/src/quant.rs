@@ -141,9 +141,12 @@ fn f16_at(b: &[u8], i: usize) -> f32 {
 /// Dequantizes `src` (a whole number of blocks of `ty`) into `dst`, whose length must be the element
 /// count those blocks hold.
 pub fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), ModelError> {
-    let need = ty
-        .bytes_for(dst.len())
-        .ok_or_else(|| ModelError::Format(format!("{} elements is not a whole number of {ty} blocks", dst.len())))?;
+    let need = ty.bytes_for(dst.len()).ok_or_else(|| {
+        ModelError::Format(format!(
+            "{} elements is not a whole number of {ty} blocks",
+            dst.len()
+        ))
+    })?;
     if src.len() != need {
         return Err(ModelError::Format(format!(
             "{ty}: {} bytes given for {} elements, expected {need}",
@@ -301,7 +304,10 @@ fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {
-        ((q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
+        (
+            (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
     }
 }
 
@@ -365,7 +371,9 @@ mod tests {
         v.iter().for_each(|x| b.extend_from_slice(&h(*x)));
         assert_eq!(deq(GgmlType::F16, &b), v);
         let mut b = Vec::new();
-        [1.5f32, -2.25, 0.0, 3.0e38].iter().for_each(|x| b.extend_from_slice(&bf16::from_f32(*x).to_le_bytes()));
+        [1.5f32, -2.25, 0.0, 3.0e38]
+            .iter()
+            .for_each(|x| b.extend_from_slice(&bf16::from_f32(*x).to_le_bytes()));
         let y = deq(GgmlType::BF16, &b);
         assert_eq!(&y[..3], &[1.5, -2.25, 0.0]);
         assert_eq!(y[3], bf16::from_f32(3.0e38).to_f32());
@@ -479,8 +487,14 @@ mod tests {
                 let lo = (l % 16) as f32;
                 let hi = ((l + s) % 16) as f32;
                 let (i1, i2) = (2 * s, 2 * s + 1);
-                assert_eq!(y[s * 64 + l], 0.5 * sc[i1] as f32 * lo - 0.25 * mn[i1] as f32);
-                assert_eq!(y[s * 64 + 32 + l], 0.5 * sc[i2] as f32 * hi - 0.25 * mn[i2] as f32);
+                assert_eq!(
+                    y[s * 64 + l],
+                    0.5 * sc[i1] as f32 * lo - 0.25 * mn[i1] as f32
+                );
+                assert_eq!(
+                    y[s * 64 + 32 + l],
+                    0.5 * sc[i2] as f32 * hi - 0.25 * mn[i2] as f32
+                );
             }
         }
     }
@@ -528,7 +542,9 @@ mod tests {
         let mut b = Vec::new();
         b.extend(std::iter::repeat(0x88u8).take(128)); // low nibbles 8, high nibbles 8
         b.extend(std::iter::repeat(0b1010_1010u8).take(64)); // 2 high bits = 2 -> +32
-        let scales: [i8; 16] = [1, -2, 3, -4, 5, -6, 7, -8, 9, -10, 11, -12, 13, -14, 15, -16];
+        let scales: [i8; 16] = [
+            1, -2, 3, -4, 5, -6, 7, -8, 9, -10, 11, -12, 13, -14, 15, -16,
+        ];
         b.extend(scales.iter().map(|&s| s as u8));
         b.extend_from_slice(&h(0.5));
         let y = deq(GgmlType::Q6K, &b);

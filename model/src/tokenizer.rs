@@ -53,19 +53,31 @@ impl Tokenizer {
         add_bos: bool,
     ) -> Self {
         let bos_token_id = bos.as_deref().and_then(|t| inner.token_to_id(t));
-        let mut eos_token_ids: Vec<u32> = eos.as_deref().and_then(|t| inner.token_to_id(t)).into_iter().collect();
+        let mut eos_token_ids: Vec<u32> = eos
+            .as_deref()
+            .and_then(|t| inner.token_to_id(t))
+            .into_iter()
+            .collect();
         for &e in extra_eos_ids {
             if !eos_token_ids.contains(&e) {
                 eos_token_ids.push(e);
             }
         }
-        Self { inner, bos_token_id, eos_token_ids, add_bos, bos_token: bos, eos_token: eos }
+        Self {
+            inner,
+            bos_token_id,
+            eos_token_ids,
+            add_bos,
+            bos_token: bos,
+            eos_token: eos,
+        }
     }
 
     /// Builds the tokenizer described by a GGUF file's `tokenizer.ggml.*` keys.
     pub fn from_gguf(g: &GgufFile) -> Result<Self, ModelError> {
         let s = |k: &str| g.get(k).and_then(|v| v.as_str());
-        let model = s("tokenizer.ggml.model").ok_or_else(|| ModelError::Tokenizer("GGUF has no tokenizer.ggml.model".into()))?;
+        let model = s("tokenizer.ggml.model")
+            .ok_or_else(|| ModelError::Tokenizer("GGUF has no tokenizer.ggml.model".into()))?;
         if model != "gpt2" {
             return Err(ModelError::Unsupported(format!(
                 "GGUF tokenizer model {model:?}; byte-level BPE (gpt2) is supported, or pass an HF directory with tokenizer.json"
@@ -79,19 +91,30 @@ impl Tokenizer {
             .get("tokenizer.ggml.merges")
             .and_then(|v| v.as_array())
             .ok_or_else(|| ModelError::Tokenizer("GGUF has no tokenizer.ggml.merges".into()))?;
-        let types = g.get("tokenizer.ggml.token_type").and_then(|v| v.as_array());
+        let types = g
+            .get("tokenizer.ggml.token_type")
+            .and_then(|v| v.as_array());
         let mut vocab = serde_json::Map::with_capacity(tokens.len());
         let mut added = Vec::new();
         for (i, t) in tokens.iter().enumerate() {
-            let t = t.as_str().ok_or_else(|| ModelError::Tokenizer(format!("token {i} is not a string")))?;
+            let t = t
+                .as_str()
+                .ok_or_else(|| ModelError::Tokenizer(format!("token {i} is not a string")))?;
             vocab.insert(t.to_string(), json!(i));
-            let ty = types.and_then(|a| a.get(i)).and_then(|v| v.as_u64()).unwrap_or(1);
+            let ty = types
+                .and_then(|a| a.get(i))
+                .and_then(|v| v.as_u64())
+                .unwrap_or(1);
             if ty == TOKEN_TYPE_CONTROL || ty == TOKEN_TYPE_USER_DEFINED {
                 added.push(json!({"id": i, "content": t, "single_word": false, "lstrip": false, "rstrip": false,
                     "normalized": false, "special": ty == TOKEN_TYPE_CONTROL}));
             }
         }
-        let merges: Vec<Value> = merges.iter().filter_map(|m| m.as_str()).map(|m| json!(m)).collect();
+        let merges: Vec<Value> = merges
+            .iter()
+            .filter_map(|m| m.as_str())
+            .map(|m| json!(m))
+            .collect();
         let pre = s("tokenizer.ggml.pre").unwrap_or("default");
         let byte_level = |use_regex: bool| json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex});
         let pre_tokenizer = match pre {
@@ -115,7 +138,8 @@ impl Tokenizer {
                 "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
                 "vocab": vocab, "merges": merges}
         });
-        let inner: tokenizers::Tokenizer = serde_json::from_value(spec).map_err(|e| ModelError::Tokenizer(format!("building from GGUF: {e}")))?;
+        let inner: tokenizers::Tokenizer = serde_json::from_value(spec)
+            .map_err(|e| ModelError::Tokenizer(format!("building from GGUF: {e}")))?;
         let id = |k: &str| g.get(k).and_then(|v| v.as_u64()).map(|v| v as u32);
         let bos_token_id = id("tokenizer.ggml.bos_token_id");
         let mut eos_token_ids: Vec<u32> = id("tokenizer.ggml.eos_token_id").into_iter().collect();
@@ -128,7 +152,10 @@ impl Tokenizer {
         Ok(Self {
             bos_token: name(bos_token_id),
             eos_token: name(eos_token_ids.first().copied()),
-            add_bos: g.get("tokenizer.ggml.add_bos_token").and_then(|v| v.as_bool()).unwrap_or(false),
+            add_bos: g
+                .get("tokenizer.ggml.add_bos_token")
+                .and_then(|v| v.as_bool())
+                .unwrap_or(false),
             bos_token_id,
             eos_token_ids,
             inner,
@@ -157,7 +184,9 @@ impl Tokenizer {
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String, ModelError> {
         let vocab = self.vocab_size() as u32;
         if let Some(bad) = ids.iter().find(|&&i| i >= vocab) {
-            return Err(ModelError::Tokenizer(format!("token id {bad} is outside the vocabulary of {vocab}")));
+            return Err(ModelError::Tokenizer(format!(
+                "token id {bad} is outside the vocabulary of {vocab}"
+            )));
         }
         self.inner.decode(ids, skip_special).map_err(tk_err)
     }
@@ -190,15 +219,26 @@ pub struct IncrementalDecoder {
 
 impl IncrementalDecoder {
     pub fn new(skip_special: bool) -> Self {
-        Self { ids: Vec::new(), prefix_offset: 0, read_offset: 0, skip_special }
+        Self {
+            ids: Vec::new(),
+            prefix_offset: 0,
+            read_offset: 0,
+            skip_special,
+        }
     }
 
     /// Adds one token; returns the new text it completes, possibly empty.
     pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<String, ModelError> {
         self.ids.push(id);
-        let prefix = tok.decode(&self.ids[self.prefix_offset..self.read_offset], self.skip_special)?;
+        let prefix = tok.decode(
+            &self.ids[self.prefix_offset..self.read_offset],
+            self.skip_special,
+        )?;
         let full = tok.decode(&self.ids[self.prefix_offset..], self.skip_special)?;
-        if full.len() > prefix.len() && !full.ends_with('\u{FFFD}') && full.is_char_boundary(prefix.len()) {
+        if full.len() > prefix.len()
+            && !full.ends_with('\u{FFFD}')
+            && full.is_char_boundary(prefix.len())
+        {
             let piece = full[prefix.len()..].to_string();
             self.prefix_offset = self.read_offset;
             self.read_offset = self.ids.len();
@@ -210,7 +250,10 @@ impl IncrementalDecoder {
 
     /// Text still held back at the end of the stream (an incomplete character decodes lossily).
     pub fn finish(&mut self, tok: &Tokenizer) -> Result<String, ModelError> {
-        let prefix = tok.decode(&self.ids[self.prefix_offset..self.read_offset], self.skip_special)?;
+        let prefix = tok.decode(
+            &self.ids[self.prefix_offset..self.read_offset],
+            self.skip_special,
+        )?;
         let full = tok.decode(&self.ids[self.prefix_offset..], self.skip_special)?;
         self.prefix_offset = self.ids.len();
         self.read_offset = self.ids.len();
