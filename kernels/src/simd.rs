@@ -135,7 +135,9 @@ pub fn dequant_row(ty: GgmlType, row: &[u8], out: &mut [f32]) {
 mod avx512 {
     use super::*;
 
-    const PREFETCH_AHEAD: usize = 1024;
+    /// Prefetch distance for the weight stream. Measured on the 2-core VM (batch-1 decode, same
+    /// background load): 1 KiB 35 tok/s, 4 KiB 44 tok/s, 8 KiB 30-35 tok/s; no prefetch 16 tok/s.
+    const PREFETCH_AHEAD: usize = 4096;
 
     /// d and m (two f16 at `p`) as f32.
     #[inline]
@@ -242,7 +244,7 @@ mod avx2 {
 
     /// How far ahead of the current block the weight stream is prefetched. Prefetching past the
     /// end of a row is harmless (a hint, never a fault) and warms the next row of the same task.
-    const PREFETCH_AHEAD: usize = 1024;
+    const PREFETCH_AHEAD: usize = 4096;
 
     #[inline]
     #[target_feature(enable = "avx2,fma")]
