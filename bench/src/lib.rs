@@ -112,8 +112,7 @@ pub fn run_engine_bench(
         0.0
     };
     // 2 FLOPs per weight per token for the projections (the head runs once per sequence).
-    let flops_per_token =
-        2.0 * (engine.model.weight_bytes() as f64).max(0.0) / bytes_per_weight(engine) as f64;
+    let flops_per_token = 2.0 * param_count(engine) as f64;
     Ok(EngineReport {
         batch: b.batch,
         prompt_len: b.prompt_len,
@@ -142,11 +141,10 @@ pub fn run_engine_bench(
     })
 }
 
-/// Average bytes per weight (for FLOP counts from byte counts).
-fn bytes_per_weight(engine: &Engine) -> f64 {
+/// Weights in the projections and the head: two FLOPs each per token.
+fn param_count(engine: &Engine) -> usize {
     let c = &engine.model.config;
     let (h, ff, hd) = (c.hidden_size, c.intermediate_size, c.head_dim);
     let per_layer = h * (c.num_heads * hd) * 2 + h * (c.num_kv_heads * hd) * 2 + 3 * h * ff;
-    let params = c.num_layers * per_layer + c.vocab_size * h;
-    engine.model.weight_bytes() as f64 / params as f64
+    c.num_layers * per_layer + c.vocab_size * h
 }

@@ -3,6 +3,7 @@
 use std::time::Instant;
 
 use rayon::prelude::*;
+use tandem_kernels::{matmul, Weight};
 
 #[derive(Clone, Copy, Debug)]
 pub struct Roofline {
@@ -38,44 +39,20 @@ fn copy_bandwidth(bytes: usize, reps: usize) -> f64 {
 }
 
 fn gemm_gflops(n: usize, reps: usize) -> f64 {
-    let a: Vec<f32> = (0..n * n).map(|i| (i % 7) as f32 * 0.1).collect();
-    let b: Vec<f32> = (0..n * n).map(|i| (i % 5) as f32 * 0.1).collect();
-    let mut c = vec![0f32; n * n];
-    let threads = rayon::current_num_threads();
-    let par = if threads > 1 {
-        gemm::Parallelism::Rayon(threads)
-    } else {
-        gemm::Parallelism::None
+    // Through the kernels' matmul, so the roofline is the GEMM path prefill itself takes.
+    let x: Vec<f32> = (0..n * n).map(|i| (i % 7) as f32 * 0.1).collect();
+    let w = Weight::F32 {
+        data: (0..n * n).map(|i| (i % 5) as f32 * 0.1).collect(),
+        rows: n,
+        cols: n,
     };
+    let mut out = vec![0f32; n * n];
     let mut best = f64::MAX;
     for _ in 0..reps {
         let t = Instant::now();
-        // SAFETY: three n×n row-major buffers.
-        unsafe {
-            gemm::gemm(
-                n,
-                n,
-                n,
-                c.as_mut_ptr(),
-                1,
-                n as isize,
-                false,
-                a.as_ptr(),
-                1,
-                n as isize,
-                b.as_ptr(),
-                1,
-                n as isize,
-                0.0,
-                1.0,
-                false,
-                false,
-                false,
-                par,
-            );
-        }
+        matmul(&x, n, &w, &mut out).expect("square shapes agree");
         best = best.min(t.elapsed().as_secs_f64());
     }
-    std::hint::black_box(&c);
+    std::hint::black_box(&out);
     2.0 * (n * n * n) as f64 / best / 1e9
 }

@@ -100,7 +100,8 @@ fn gemm_xwt(x: &[f32], m: usize, w: &[f32], n: usize, k: usize, out: &mut [f32])
 /// result is scattered into `out`'s row-major layout (a copy of m×n floats, tiny next to W).
 fn rowwise(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
     let (n, k) = (w.rows(), w.cols());
-    let xsums: Vec<Vec<f32>> = (0..m).map(|i| block_sums(&x[i * k..(i + 1) * k])).collect();
+    // Σx per block is used only by the one-row fused Q4_1 dot.
+    let xsum = if m == 1 { block_sums(x) } else { Vec::new() };
     let mut out_t = vec![0f32; n * m];
     out_t
         .par_chunks_mut(ROWS_PER_TASK * m)
@@ -121,7 +122,7 @@ fn rowwise(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
                         let rb = data.len() / n;
                         let wr = &data[r * rb..(r + 1) * rb];
                         if m == 1 {
-                            o[0] = dot_quant_row(*ty, wr, x, &xsums[0], &mut scratch);
+                            o[0] = dot_quant_row(*ty, wr, x, &xsum, &mut scratch);
                         } else {
                             dequant_row(*ty, wr, &mut scratch);
                             for (j, oj) in o.iter_mut().enumerate() {
