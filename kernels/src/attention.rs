@@ -12,7 +12,7 @@
 
 use rayon::prelude::*;
 
-use crate::simd::{axpy, dot_f32};
+use crate::simd::{axpy, axpy_rows_group, dot_rows_group, exp_shifted_sum};
 use crate::KernelError;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -101,7 +101,7 @@ pub fn paged_attention(
 ) -> Result<(), KernelError> {
     let hd = layout.head_dim;
     let width = n_heads * hd;
-    if n_heads % layout.num_kv_heads != 0 {
+    if !n_heads.is_multiple_of(layout.num_kv_heads) {
         return Err(KernelError::Shape(format!(
             "{n_heads} heads over {} KV heads",
             layout.num_kv_heads
@@ -109,7 +109,7 @@ pub fn paged_attention(
     }
     let group = n_heads / layout.num_kv_heads;
     let rows = q.len() / width;
-    if q.len() != out.len() || q.len() % width != 0 {
+    if q.len() != out.len() || !q.len().is_multiple_of(width) {
         return Err(KernelError::Shape(
             "paged_attention: q and out differ".into(),
         ));
@@ -141,44 +141,148 @@ pub fn paged_attention(
             owner[s.q_start + i] = (si, i);
         }
     }
-    out.par_chunks_mut(width)
-        .zip(q.par_chunks(width))
-        .enumerate()
-        .for_each(|(r, (o, qr))| {
-            let (si, i) = owner[r];
-            if si == usize::MAX {
-                o.fill(0.0);
-                return;
+    // Work items: one per (query row, KV head, context split). The query heads that share a KV head
+    // are done together so each key and value row is read once for the whole group. Long contexts
+    // with few rows (decode) are split so every core has work; the splits' partial softmaxes are
+    // merged afterwards (flash-decoding).
+    let kvh_n = layout.num_kv_heads;
+    let target = 4 * rayon::current_num_threads();
+    let pairs = rows * kvh_n;
+    let mut items = Vec::new();
+    for (r, &(si, i)) in owner.iter().enumerate() {
+        if si == usize::MAX {
+            continue;
+        }
+        let s = &seqs[si];
+        let n_ctx = s.context_len - s.q_len + i + 1;
+        let splits = if pairs >= target {
+            1
+        } else {
+            target.div_ceil(pairs).min(n_ctx.div_ceil(MIN_SPLIT)).max(1)
+        };
+        let len = n_ctx.div_ceil(splits);
+        for kvh in 0..kvh_n {
+            for j0 in (0..n_ctx).step_by(len) {
+                items.push(Item {
+                    row: r,
+                    seq: si,
+                    kvh,
+                    j0,
+                    j1: (j0 + len).min(n_ctx),
+                });
             }
-            let s = &seqs[si];
-            let n_ctx = s.context_len - s.q_len + i + 1;
-            let mut scores = vec![0f32; n_ctx];
-            for h in 0..n_heads {
-                let kvh = h / group;
-                let qh = &qr[h * hd..(h + 1) * hd];
-                let mut max = f32::NEG_INFINITY;
-                for (j, sc) in scores.iter_mut().enumerate() {
-                    let b = s.block_table[j / layout.block_size] as usize;
-                    let ko = layout.k_at(b, kvh, j % layout.block_size);
-                    *sc = dot_f32(qh, &cache[ko..ko + hd]) * scale;
-                    max = max.max(*sc);
-                }
-                let mut sum = 0f32;
-                for sc in scores.iter_mut() {
-                    *sc = (*sc - max).exp();
-                    sum += *sc;
-                }
-                let inv = 1.0 / sum;
-                let oh = &mut o[h * hd..(h + 1) * hd];
-                oh.fill(0.0);
-                for (j, &p) in scores.iter().enumerate() {
-                    let b = s.block_table[j / layout.block_size] as usize;
-                    let vo = layout.v_at(b, kvh, j % layout.block_size);
-                    axpy(p * inv, &cache[vo..vo + hd], oh);
-                }
-            }
-        });
+        }
+    }
+    let parts: Vec<Vec<f32>> = items
+        .par_iter()
+        .map(|it| {
+            let qr = &q[it.row * width..(it.row + 1) * width];
+            let qg = &qr[it.kvh * group * hd..(it.kvh + 1) * group * hd];
+            attend_part(qg, group, cache, layout, &seqs[it.seq], it, scale)
+        })
+        .collect();
+    // Rows without a sequence stay zero; the others are overwritten by the merge below.
+    out.fill(0.0);
+    let mut k = 0;
+    while k < items.len() {
+        let (row, kvh) = (items[k].row, items[k].kvh);
+        let mut e = k;
+        while e < items.len() && items[e].row == row && items[e].kvh == kvh {
+            e += 1;
+        }
+        let o = &mut out[row * width + kvh * group * hd..row * width + (kvh + 1) * group * hd];
+        merge_parts(&parts[k..e], group, hd, o);
+        k = e;
+    }
     Ok(())
+}
+
+/// Shortest context slice worth a task of its own.
+const MIN_SPLIT: usize = 64;
+
+struct Item {
+    row: usize,
+    seq: usize,
+    kvh: usize,
+    j0: usize,
+    j1: usize,
+}
+
+/// Softmax attention of `g` query heads (`qg`, g×hd) over keys `j0..j1` of one KV head. Returns, per
+/// query head, the running max, the sum of exponentials and the unnormalized output
+/// (`g × (2 + hd)` values).
+fn attend_part(
+    qg: &[f32],
+    g: usize,
+    cache: &[f32],
+    layout: KvLayout,
+    s: &SeqAttn<'_>,
+    it: &Item,
+    scale: f32,
+) -> Vec<f32> {
+    let (hd, bs) = (layout.head_dim, layout.block_size);
+    let n = it.j1 - it.j0;
+    let mut scores = vec![0f32; g * n];
+    let mut j = it.j0;
+    while j < it.j1 {
+        let (blk, off) = (s.block_table[j / bs] as usize, j % bs);
+        let run = (bs - off).min(it.j1 - j);
+        let ko = layout.k_at(blk, it.kvh, off);
+        let at = j - it.j0;
+        dot_rows_group(
+            qg,
+            g,
+            &cache[ko..ko + run * hd],
+            scale,
+            &mut scores[at..],
+            n,
+        );
+        j += run;
+    }
+    // [max; g] [sum; g] [output; g×hd]
+    let mut part = vec![0f32; g * (2 + hd)];
+    for h in 0..g {
+        let sc = &mut scores[h * n..(h + 1) * n];
+        let max = sc.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+        part[h] = max;
+        part[g + h] = exp_shifted_sum(sc, max);
+    }
+    let acc = &mut part[2 * g..];
+    let mut j = it.j0;
+    while j < it.j1 {
+        let (blk, off) = (s.block_table[j / bs] as usize, j % bs);
+        let run = (bs - off).min(it.j1 - j);
+        let vo = layout.v_at(blk, it.kvh, off);
+        let at = j - it.j0;
+        axpy_rows_group(&scores[at..], n, &cache[vo..vo + run * hd], acc, g);
+        j += run;
+    }
+    part
+}
+
+/// Combines the partial softmaxes of one (row, KV head) into normalized outputs `o` (g×hd).
+fn merge_parts(parts: &[Vec<f32>], g: usize, hd: usize, o: &mut [f32]) {
+    for h in 0..g {
+        let oh = &mut o[h * hd..(h + 1) * hd];
+        let acc = 2 * g + h * hd..2 * g + (h + 1) * hd;
+        if let [p] = parts {
+            let inv = 1.0 / p[g + h];
+            for (y, x) in oh.iter_mut().zip(&p[acc.clone()]) {
+                *y = x * inv;
+            }
+            continue;
+        }
+        let max = parts.iter().map(|p| p[h]).fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0f32;
+        oh.fill(0.0);
+        for p in parts {
+            let w = (p[h] - max).exp();
+            sum += w * p[g + h];
+            axpy(w, &p[acc.clone()], oh);
+        }
+        let inv = 1.0 / sum;
+        oh.iter_mut().for_each(|y| *y *= inv);
+    }
 }
 
 /// Plain attention over contiguous K/V (context × kv_heads·head_dim) for `q_len` queries that are

@@ -4,6 +4,10 @@
 //! multiplied with the f32 activations. (llama.cpp instead rounds activations to 8 bits, which is
 //! faster but no longer matches an f32 reference token for token.) Q4_1 uses
 //! `Σ (d·q + m)·x = d·Σ q·x + m·Σ x` with the per-block `Σ x` computed once per activation row.
+//!
+//! Q4_1 and Q8_0 rows are kept in a *split* layout (see [`split_row`]): a row's block scales (and
+//! Q4_1 mins) first, then its quants. Same bytes as GGML's interleaved blocks, but sixteen scales
+//! convert with one instruction and the quants stream without gaps.
 
 use tandem_model::quant::{dequantize, GgmlType};
 
@@ -83,9 +87,254 @@ pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
     }
 }
 
+/// `out[t] = scale · (q · rows[t])` for the `out.len()` rows of `rows` (each `q.len()` long): one
+/// query against a run of keys.
+pub fn dot_rows(q: &[f32], rows: &[f32], scale: f32, out: &mut [f32]) {
+    let d = q.len();
+    debug_assert_eq!(rows.len(), out.len() * d);
+    #[cfg(target_arch = "x86_64")]
+    if d.is_multiple_of(16) && has_avx512() {
+        // SAFETY: the CPU supports the features; lengths checked above.
+        return unsafe { avx512::dot_rows(q, rows, scale, out) };
+    }
+    for (o, r) in out.iter_mut().zip(rows.chunks_exact(d)) {
+        *o = dot_f32(q, r) * scale;
+    }
+}
+
+/// `acc += Σ_t p[t] · rows[t]` for the `p.len()` rows of `rows` (each `acc.len()` long): a run of
+/// value rows weighted by attention probabilities.
+pub fn axpy_rows(p: &[f32], rows: &[f32], acc: &mut [f32]) {
+    let d = acc.len();
+    debug_assert_eq!(rows.len(), p.len() * d);
+    #[cfg(target_arch = "x86_64")]
+    if d.is_multiple_of(64) && has_avx512() {
+        // SAFETY: as above.
+        return unsafe { avx512::axpy_rows(p, rows, acc) };
+    }
+    for (&pt, r) in p.iter().zip(rows.chunks_exact(d)) {
+        axpy(pt, r, acc);
+    }
+}
+
+/// [`dot_rows`] for `g` query heads (`qg`, g×d) against the same rows, each row read once:
+/// `out[h·stride + t] = scale · (q_h · rows[t])`.
+pub fn dot_rows_group(
+    qg: &[f32],
+    g: usize,
+    rows: &[f32],
+    scale: f32,
+    out: &mut [f32],
+    stride: usize,
+) {
+    let d = qg.len() / g;
+    let n = rows.len() / d;
+    debug_assert!(g == 0 || out.len() >= (g - 1) * stride + n);
+    #[cfg(target_arch = "x86_64")]
+    if d.is_multiple_of(64) && has_avx512() {
+        // SAFETY: the CPU supports the features; shapes checked above.
+        unsafe {
+            match g {
+                1 => return avx512::dot_rows_g::<1>(qg, rows, scale, out, stride),
+                2 => return avx512::dot_rows_g::<2>(qg, rows, scale, out, stride),
+                3 => return avx512::dot_rows_g::<3>(qg, rows, scale, out, stride),
+                4 => return avx512::dot_rows_g::<4>(qg, rows, scale, out, stride),
+                _ => {}
+            }
+        }
+    }
+    for h in 0..g {
+        dot_rows(
+            &qg[h * d..(h + 1) * d],
+            rows,
+            scale,
+            &mut out[h * stride..h * stride + n],
+        );
+    }
+}
+
+/// [`axpy_rows`] for `g` heads sharing the rows: `acc[h] += Σ_t p[h·stride + t] · rows[t]` with
+/// `acc` g×d.
+pub fn axpy_rows_group(p: &[f32], stride: usize, rows: &[f32], acc: &mut [f32], g: usize) {
+    let d = acc.len() / g;
+    let n = rows.len() / d;
+    debug_assert!(g == 0 || p.len() >= (g - 1) * stride + n);
+    #[cfg(target_arch = "x86_64")]
+    if d.is_multiple_of(64) && has_avx512() {
+        // SAFETY: as above.
+        unsafe {
+            match g {
+                1 => return avx512::axpy_rows_g::<1>(p, stride, rows, acc),
+                2 => return avx512::axpy_rows_g::<2>(p, stride, rows, acc),
+                3 => return avx512::axpy_rows_g::<3>(p, stride, rows, acc),
+                4 => return avx512::axpy_rows_g::<4>(p, stride, rows, acc),
+                _ => {}
+            }
+        }
+    }
+    for h in 0..g {
+        axpy_rows(
+            &p[h * stride..h * stride + n],
+            rows,
+            &mut acc[h * d..(h + 1) * d],
+        );
+    }
+}
+
+/// Dot products of four rows `w` with two rows `x` (all of length `k`), `out[i][j] = w[i] · x[j]`:
+/// the register tile of the few-row matmul, eight independent accumulators so the FMA units
+/// never wait on each other.
+pub fn dot_4x2(w: [&[f32]; 4], x: [&[f32]; 2]) -> [[f32; 2]; 4] {
+    let k = x[0].len();
+    debug_assert!(w.iter().chain(&x).all(|r| r.len() == k));
+    #[cfg(target_arch = "x86_64")]
+    if k.is_multiple_of(16) && has_avx512() {
+        // SAFETY: the CPU supports the features; all rows have length k.
+        return unsafe { avx512::dot_4x2(w, x) };
+    }
+    let mut out = [[0f32; 2]; 4];
+    for (o, wi) in out.iter_mut().zip(w) {
+        for (oj, xj) in o.iter_mut().zip(x) {
+            *oj = dot_f32(wi, xj);
+        }
+    }
+    out
+}
+
+/// Most activation rows [`dot_quant_rows`] takes at once.
+pub const MAX_FUSED_ROWS: usize = 8;
+
+/// Whether [`dot_quant_rows`] has a kernel for `ty` on this machine.
+pub fn has_fused_rows(ty: GgmlType) -> bool {
+    is_split(ty) && has_avx512()
+}
+
+/// Dots of one quantized row with up to [`MAX_FUSED_ROWS`] activation rows (`x` is
+/// `out.len()` rows of the row's length): each weight block is decoded once, in registers, and
+/// used for every activation row. Only where [`has_fused_rows`]; otherwise (or with more rows)
+/// it panics.
+pub fn dot_quant_rows(ty: GgmlType, row: &[u8], x: &[f32], out: &mut [f32]) {
+    assert!(
+        has_fused_rows(ty) && out.len() <= MAX_FUSED_ROWS,
+        "no fused {ty} kernel for {} rows",
+        out.len()
+    );
+    #[cfg(target_arch = "x86_64")]
+    {
+        macro_rules! rows {
+            ($f:ident) => {
+                // SAFETY: the CPU supports the features; `x` holds out.len() rows of the row's
+                // length (checked by the debug assertion in the kernel).
+                unsafe {
+                    match out.len() {
+                        1 => avx512::$f::<1>(row, x, out),
+                        2 => avx512::$f::<2>(row, x, out),
+                        3 => avx512::$f::<3>(row, x, out),
+                        4 => avx512::$f::<4>(row, x, out),
+                        5 => avx512::$f::<5>(row, x, out),
+                        6 => avx512::$f::<6>(row, x, out),
+                        7 => avx512::$f::<7>(row, x, out),
+                        8 => avx512::$f::<8>(row, x, out),
+                        _ => {}
+                    }
+                }
+            };
+        }
+        match ty {
+            GgmlType::Q4_1 => rows!(dot_q4_1_rows),
+            GgmlType::Q8_0 => rows!(dot_q8_0_rows),
+            _ => unreachable!("checked above"),
+        }
+    }
+}
+
+/// `x[i] = exp(x[i] - max)`, returning `Σ x[i]` (the softmax numerators and denominator).
+pub fn exp_shifted_sum(x: &mut [f32], max: f32) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() {
+        // SAFETY: the CPU supports the features.
+        return unsafe { avx512::exp_shifted_sum(x, max) };
+    }
+    let mut sum = 0f32;
+    for v in x.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    sum
+}
+
 /// Sums of each 32-element block of `x` (the `Σ x` term of the Q4_1 dot).
 pub fn block_sums(x: &[f32]) -> Vec<f32> {
     x.chunks(32).map(|c| c.iter().sum()).collect()
+}
+
+/// Whether rows of `ty` are stored in the split layout.
+pub fn is_split(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::Q4_1 | GgmlType::Q8_0)
+}
+
+/// Rewrites one GGML row of `ty` (interleaved blocks) into the kernels' layout: for Q4_1
+/// `[d; nb] [m; nb] [qs; nb]` (f16, f16, 16 bytes each), for Q8_0 `[d; nb] [qs; nb]` (f16, 32
+/// bytes each). Other types are copied unchanged. `out` has the length of `ggml`.
+pub fn split_row(ty: GgmlType, ggml: &[u8], out: &mut [u8]) {
+    debug_assert_eq!(ggml.len(), out.len());
+    match ty {
+        GgmlType::Q4_1 => {
+            let nb = ggml.len() / 20;
+            let (dm, qs) = out.split_at_mut(4 * nb);
+            let (d, m) = dm.split_at_mut(2 * nb);
+            for (b, blk) in ggml.chunks_exact(20).enumerate() {
+                d[2 * b..2 * b + 2].copy_from_slice(&blk[..2]);
+                m[2 * b..2 * b + 2].copy_from_slice(&blk[2..4]);
+                qs[16 * b..16 * b + 16].copy_from_slice(&blk[4..]);
+            }
+        }
+        GgmlType::Q8_0 => {
+            let nb = ggml.len() / 34;
+            let (d, qs) = out.split_at_mut(2 * nb);
+            for (b, blk) in ggml.chunks_exact(34).enumerate() {
+                d[2 * b..2 * b + 2].copy_from_slice(&blk[..2]);
+                qs[32 * b..32 * b + 32].copy_from_slice(&blk[2..]);
+            }
+        }
+        _ => out.copy_from_slice(ggml),
+    }
+}
+
+fn f16_at(p: &[u8], i: usize) -> f32 {
+    half::f16::from_le_bytes([p[2 * i], p[2 * i + 1]]).to_f32()
+}
+
+/// Portable decode of a split Q4_1 or Q8_0 row (the same values GGML's dequantization gives).
+fn dequant_split_portable(ty: GgmlType, row: &[u8], out: &mut [f32]) {
+    match ty {
+        GgmlType::Q4_1 => {
+            let nb = row.len() / 20;
+            let qs = &row[4 * nb..];
+            for b in 0..nb {
+                let (d, m) = (f16_at(row, b), f16_at(row, nb + b));
+                let o = &mut out[32 * b..32 * b + 32];
+                for (j, &q) in qs[16 * b..16 * b + 16].iter().enumerate() {
+                    o[j] = (q & 0x0f) as f32 * d + m;
+                    o[j + 16] = (q >> 4) as f32 * d + m;
+                }
+            }
+        }
+        GgmlType::Q8_0 => {
+            let nb = row.len() / 34;
+            let qs = &row[2 * nb..];
+            for b in 0..nb {
+                let d = f16_at(row, b);
+                for (o, &q) in out[32 * b..32 * b + 32]
+                    .iter_mut()
+                    .zip(&qs[32 * b..32 * b + 32])
+                {
+                    *o = q as i8 as f32 * d;
+                }
+            }
+        }
+        _ => unreachable!("{ty} rows are not split"),
+    }
 }
 
 /// Dot of one quantized row with f32 activations `x`. `xsum` holds `block_sums(x)` (used by Q4_1).
@@ -117,16 +366,26 @@ pub fn dot_quant_row(
     dot_f32(scratch, x)
 }
 
-/// Decodes one quantized row into `out`.
+/// Decodes one quantized row (in the kernels' layout, see [`split_row`]) into `out`.
 pub fn dequant_row(ty: GgmlType, row: &[u8], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if has_avx2_fma() {
+    if has_avx512() {
+        match ty {
+            // SAFETY: the CPU supports the features; row lengths are validated at construction.
+            GgmlType::Q4_1 => return unsafe { avx512::dequant_q4_1(row, out) },
+            GgmlType::Q8_0 => return unsafe { avx512::dequant_q8_0(row, out) },
+            _ => {}
+        }
+    } else if has_avx2_fma() {
         match ty {
             // SAFETY: as above.
             GgmlType::Q4_1 => return unsafe { avx2::dequant_q4_1(row, out) },
             GgmlType::Q8_0 => return unsafe { avx2::dequant_q8_0(row, out) },
             _ => {}
         }
+    }
+    if is_split(ty) {
+        return dequant_split_portable(ty, row, out);
     }
     dequantize(ty, row, out).expect("row length validated when the weight was built");
 }
@@ -138,14 +397,6 @@ mod avx512 {
     /// Prefetch distance for the weight stream. Measured on the 2-core VM (batch-1 decode, same
     /// background load): 1 KiB 35 tok/s, 4 KiB 44 tok/s, 8 KiB 30-35 tok/s; no prefetch 16 tok/s.
     const PREFETCH_AHEAD: usize = 4096;
-
-    /// d and m (two f16 at `p`) as f32.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    unsafe fn f16_pair(p: *const u8) -> (f32, f32) {
-        let v = _mm_cvtph_ps(_mm_cvtsi32_si128((p as *const i32).read_unaligned()));
-        (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_movehdup_ps(v)))
-    }
 
     #[target_feature(enable = "avx512f,avx2,fma")]
     pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
@@ -175,66 +426,428 @@ mod avx512 {
         s
     }
 
-    /// Two blocks per iteration with separate accumulators, so the FMA latency chains overlap.
+    /// `exp` of 16 lanes: `x = n·ln2 + r` with |r| ≤ ln2/2, a degree-7 polynomial for `e^r`
+    /// (Cephes' `expf` coefficients, within 2 ulp of the correctly rounded result), and `2^n`
+    /// applied with `vscalefps`, which also takes care of underflow to zero.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    unsafe fn exp16(x: __m512) -> __m512 {
+        let x = _mm512_max_ps(x, _mm512_set1_ps(-104.0));
+        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
+        );
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
+        let mut p = _mm512_set1_ps(1.987_569_1e-4);
+        for c in [
+            1.398_199_9e-3,
+            8.333_452e-3,
+            4.166_579_6e-2,
+            1.666_666_5e-1,
+            5e-1,
+        ] {
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+        }
+        let e = _mm512_fmadd_ps(
+            _mm512_mul_ps(p, r),
+            r,
+            _mm512_add_ps(r, _mm512_set1_ps(1.0)),
+        );
+        _mm512_scalef_ps(e, n)
+    }
+
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub unsafe fn exp_shifted_sum(x: &mut [f32], max: f32) -> f32 {
+        let m = _mm512_set1_ps(max);
+        let mut acc = _mm512_setzero_ps();
+        let mut chunks = x.chunks_exact_mut(16);
+        for c in &mut chunks {
+            let e = exp16(_mm512_sub_ps(_mm512_loadu_ps(c.as_ptr()), m));
+            _mm512_storeu_ps(c.as_mut_ptr(), e);
+            acc = _mm512_add_ps(acc, e);
+        }
+        let rest = chunks.into_remainder();
+        if !rest.is_empty() {
+            let k: __mmask16 = (1u32 << rest.len()) as u16 - 1;
+            let v = _mm512_maskz_loadu_ps(k, rest.as_ptr());
+            let e = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(v, m)));
+            _mm512_mask_storeu_ps(rest.as_mut_ptr(), k, e);
+            acc = _mm512_add_ps(acc, e);
+        }
+        _mm512_reduce_add_ps(acc)
+    }
+
+    /// `k` is a multiple of 16.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub unsafe fn dot_4x2(w: [&[f32]; 4], x: [&[f32]; 2]) -> [[f32; 2]; 4] {
+        let k = x[0].len();
+        let pw = w.map(|r| r.as_ptr());
+        let px = x.map(|r| r.as_ptr());
+        let mut acc = [[_mm512_setzero_ps(); 2]; 4];
+        for i in (0..k).step_by(16) {
+            let xv = [_mm512_loadu_ps(px[0].add(i)), _mm512_loadu_ps(px[1].add(i))];
+            for (a, p) in acc.iter_mut().zip(pw) {
+                let wv = _mm512_loadu_ps(p.add(i));
+                a[0] = _mm512_fmadd_ps(wv, xv[0], a[0]);
+                a[1] = _mm512_fmadd_ps(wv, xv[1], a[1]);
+            }
+        }
+        let mut out = [[0f32; 2]; 4];
+        for i in 0..4 {
+            for j in 0..2 {
+                out[i][j] = _mm512_reduce_add_ps(acc[i][j]);
+            }
+        }
+        out
+    }
+
+    /// `G` heads; `d` is a multiple of 64. Each 64-wide slice of a row is loaded once for all heads.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub unsafe fn dot_rows_g<const G: usize>(
+        qg: &[f32],
+        rows: &[f32],
+        scale: f32,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        let d = qg.len() / G;
+        let n = rows.len() / d;
+        let (pq, pr, po) = (qg.as_ptr(), rows.as_ptr(), out.as_mut_ptr());
+        for t in 0..n {
+            let r = pr.add(t * d);
+            let mut acc = [_mm512_setzero_ps(); G];
+            for c in (0..d).step_by(64) {
+                let k = [
+                    _mm512_loadu_ps(r.add(c)),
+                    _mm512_loadu_ps(r.add(c + 16)),
+                    _mm512_loadu_ps(r.add(c + 32)),
+                    _mm512_loadu_ps(r.add(c + 48)),
+                ];
+                for (h, a) in acc.iter_mut().enumerate() {
+                    let q = pq.add(h * d + c);
+                    let s01 = _mm512_fmadd_ps(
+                        _mm512_loadu_ps(q.add(16)),
+                        k[1],
+                        _mm512_mul_ps(_mm512_loadu_ps(q), k[0]),
+                    );
+                    let s23 = _mm512_fmadd_ps(
+                        _mm512_loadu_ps(q.add(48)),
+                        k[3],
+                        _mm512_mul_ps(_mm512_loadu_ps(q.add(32)), k[2]),
+                    );
+                    *a = _mm512_add_ps(*a, _mm512_add_ps(s01, s23));
+                }
+            }
+            for (h, a) in acc.iter().enumerate() {
+                *po.add(h * stride + t) = _mm512_reduce_add_ps(*a) * scale;
+            }
+        }
+    }
+
+    /// `G` heads; `d` is a multiple of 64. Each 64-wide slice of a row is loaded once for all heads
+    /// and the `4·G` accumulators stay in registers across the rows.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub unsafe fn axpy_rows_g<const G: usize>(
+        p: &[f32],
+        stride: usize,
+        rows: &[f32],
+        acc: &mut [f32],
+    ) {
+        let d = acc.len() / G;
+        let n = rows.len() / d;
+        let (pp, pr, pa) = (p.as_ptr(), rows.as_ptr(), acc.as_mut_ptr());
+        for c in (0..d).step_by(64) {
+            let mut a = [[_mm512_setzero_ps(); 4]; G];
+            for (h, ah) in a.iter_mut().enumerate() {
+                for (j, v) in ah.iter_mut().enumerate() {
+                    *v = _mm512_loadu_ps(pa.add(h * d + c + 16 * j));
+                }
+            }
+            for t in 0..n {
+                let r = pr.add(t * d + c);
+                let v = [
+                    _mm512_loadu_ps(r),
+                    _mm512_loadu_ps(r.add(16)),
+                    _mm512_loadu_ps(r.add(32)),
+                    _mm512_loadu_ps(r.add(48)),
+                ];
+                for (h, ah) in a.iter_mut().enumerate() {
+                    let w = _mm512_set1_ps(*pp.add(h * stride + t));
+                    for j in 0..4 {
+                        ah[j] = _mm512_fmadd_ps(w, v[j], ah[j]);
+                    }
+                }
+            }
+            for (h, ah) in a.iter().enumerate() {
+                for (j, v) in ah.iter().enumerate() {
+                    _mm512_storeu_ps(pa.add(h * d + c + 16 * j), *v);
+                }
+            }
+        }
+    }
+
+    /// `d` is a multiple of 16.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub unsafe fn dot_rows(q: &[f32], rows: &[f32], scale: f32, out: &mut [f32]) {
+        let d = q.len();
+        let (pq, pr) = (q.as_ptr(), rows.as_ptr());
+        for (t, o) in out.iter_mut().enumerate() {
+            let r = pr.add(t * d);
+            let mut acc0 = _mm512_mul_ps(_mm512_loadu_ps(pq), _mm512_loadu_ps(r));
+            let mut acc1 = _mm512_setzero_ps();
+            let mut i = 16;
+            while i + 32 <= d {
+                acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(pq.add(i)), _mm512_loadu_ps(r.add(i)), acc1);
+                acc0 = _mm512_fmadd_ps(
+                    _mm512_loadu_ps(pq.add(i + 16)),
+                    _mm512_loadu_ps(r.add(i + 16)),
+                    acc0,
+                );
+                i += 32;
+            }
+            if i < d {
+                acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(pq.add(i)), _mm512_loadu_ps(r.add(i)), acc1);
+            }
+            *o = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) * scale;
+        }
+    }
+
+    /// `d` is a multiple of 64: four accumulators stay in registers across all rows.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub unsafe fn axpy_rows(p: &[f32], rows: &[f32], acc: &mut [f32]) {
+        let d = acc.len();
+        let (pr, pa) = (rows.as_ptr(), acc.as_mut_ptr());
+        for c in (0..d).step_by(64) {
+            let mut a = [
+                _mm512_loadu_ps(pa.add(c)),
+                _mm512_loadu_ps(pa.add(c + 16)),
+                _mm512_loadu_ps(pa.add(c + 32)),
+                _mm512_loadu_ps(pa.add(c + 48)),
+            ];
+            for (t, &pt) in p.iter().enumerate() {
+                let r = pr.add(t * d + c);
+                let w = _mm512_set1_ps(pt);
+                for (j, aj) in a.iter_mut().enumerate() {
+                    *aj = _mm512_fmadd_ps(w, _mm512_loadu_ps(r.add(16 * j)), *aj);
+                }
+            }
+            for (j, aj) in a.iter().enumerate() {
+                _mm512_storeu_ps(pa.add(c + 16 * j), *aj);
+            }
+        }
+    }
+
+    /// Up to 16 f16 values at `p` as f32 lanes (missing lanes zero).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn f16x16(p: *const u8, count: usize) -> __m512 {
+        if count == 16 {
+            return _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i));
+        }
+        let mut buf = [0u16; 16];
+        std::ptr::copy_nonoverlapping(p, buf.as_mut_ptr() as *mut u8, 2 * count);
+        _mm512_cvtph_ps(_mm256_loadu_si256(buf.as_ptr() as *const __m256i))
+    }
+
+    /// Split Q4_1 row: per 16 blocks, one conversion of the scales and mins and one FMA of the
+    /// mins with the block sums of `x`; per block, one 16-byte load widened to 16 lanes whose low
+    /// and high nibbles are elements 0-15 and 16-31.
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
     pub unsafe fn dot_q4_1(row: &[u8], x: &[f32], xsum: &[f32]) -> f32 {
         let nb = row.len() / 20;
         debug_assert!(x.len() >= nb * 32 && xsum.len() >= nb);
-        let mask = _mm_set1_epi8(0x0f);
+        let (pd, pq, px) = (row.as_ptr(), row.as_ptr().add(4 * nb), x.as_ptr());
+        let low = _mm512_set1_epi32(0x0f);
         let mut acc = [_mm512_setzero_ps(); 2];
-        let mut macc = [0f32; 2];
-        let (pr, px) = (row.as_ptr(), x.as_ptr());
-        for b in 0..nb {
-            let blk = pr.add(b * 20);
-            _mm_prefetch::<_MM_HINT_T0>(blk.add(PREFETCH_AHEAD) as *const i8);
-            let (d, m) = f16_pair(blk);
-            let q = _mm_loadu_si128(blk.add(4) as *const __m128i);
-            let lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, mask)));
-            let hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(
-                _mm_srli_epi16(q, 4),
-                mask,
-            )));
-            let xb = px.add(b * 32);
-            let s = _mm512_fmadd_ps(
-                hi,
-                _mm512_loadu_ps(xb.add(16)),
-                _mm512_mul_ps(lo, _mm512_loadu_ps(xb)),
-            );
-            let j = b & 1;
-            acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(d), s, acc[j]);
-            macc[j] += m * *xsum.get_unchecked(b);
+        let mut macc = _mm512_setzero_ps();
+        let mut dbuf = [0f32; 16];
+        let mut b0 = 0;
+        while b0 < nb {
+            let cnt = (nb - b0).min(16);
+            _mm512_storeu_ps(dbuf.as_mut_ptr(), f16x16(pd.add(2 * b0), cnt));
+            let m = f16x16(pd.add(2 * (nb + b0)), cnt);
+            let mask: __mmask16 = ((1u32 << cnt) - 1) as u16;
+            macc = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(mask, xsum.as_ptr().add(b0)), macc);
+            for (i, &d) in dbuf[..cnt].iter().enumerate() {
+                let b = b0 + i;
+                let qs = pq.add(b * 16);
+                _mm_prefetch::<_MM_HINT_T0>(qs.add(PREFETCH_AHEAD) as *const i8);
+                let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(qs as *const __m128i));
+                let lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, low));
+                let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v));
+                let xb = px.add(b * 32);
+                let s = _mm512_fmadd_ps(
+                    hi,
+                    _mm512_loadu_ps(xb.add(16)),
+                    _mm512_mul_ps(lo, _mm512_loadu_ps(xb)),
+                );
+                acc[i & 1] = _mm512_fmadd_ps(_mm512_set1_ps(d), s, acc[i & 1]);
+            }
+            b0 += cnt;
         }
-        _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) + macc[0] + macc[1]
+        _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) + _mm512_reduce_add_ps(macc)
     }
 
+    /// [`dot_q4_1`] against `M` activation rows; two accumulators per row (low and high
+    /// nibbles) keep the FMA chains short.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub unsafe fn dot_q4_1_rows<const M: usize>(row: &[u8], x: &[f32], out: &mut [f32]) {
+        let nb = row.len() / 20;
+        let k = nb * 32;
+        debug_assert!(x.len() >= M * k && out.len() >= M);
+        let (pd, pq, px) = (row.as_ptr(), row.as_ptr().add(4 * nb), x.as_ptr());
+        let low = _mm512_set1_epi32(0x0f);
+        let mut acc = [[_mm512_setzero_ps(); 2]; M];
+        let (mut dbuf, mut mbuf) = ([0f32; 16], [0f32; 16]);
+        let mut b0 = 0;
+        while b0 < nb {
+            let cnt = (nb - b0).min(16);
+            _mm512_storeu_ps(dbuf.as_mut_ptr(), f16x16(pd.add(2 * b0), cnt));
+            _mm512_storeu_ps(mbuf.as_mut_ptr(), f16x16(pd.add(2 * (nb + b0)), cnt));
+            for i in 0..cnt {
+                let b = b0 + i;
+                let qs = pq.add(b * 16);
+                _mm_prefetch::<_MM_HINT_T0>(qs.add(PREFETCH_AHEAD) as *const i8);
+                let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(qs as *const __m128i));
+                let (d, m) = (_mm512_set1_ps(dbuf[i]), _mm512_set1_ps(mbuf[i]));
+                let lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low)), d, m);
+                let hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v)), d, m);
+                for (j, a) in acc.iter_mut().enumerate() {
+                    let xb = px.add(j * k + b * 32);
+                    a[0] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb), a[0]);
+                    a[1] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb.add(16)), a[1]);
+                }
+            }
+            b0 += cnt;
+        }
+        for (j, a) in acc.iter().enumerate() {
+            out[j] = _mm512_reduce_add_ps(_mm512_add_ps(a[0], a[1]));
+        }
+    }
+
+    /// [`dot_q8_0`] against `M` activation rows.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub unsafe fn dot_q8_0_rows<const M: usize>(row: &[u8], x: &[f32], out: &mut [f32]) {
+        let nb = row.len() / 34;
+        let k = nb * 32;
+        debug_assert!(x.len() >= M * k && out.len() >= M);
+        let (pd, pq, px) = (row.as_ptr(), row.as_ptr().add(2 * nb), x.as_ptr());
+        let mut acc = [[_mm512_setzero_ps(); 2]; M];
+        let mut dbuf = [0f32; 16];
+        let mut b0 = 0;
+        while b0 < nb {
+            let cnt = (nb - b0).min(16);
+            _mm512_storeu_ps(dbuf.as_mut_ptr(), f16x16(pd.add(2 * b0), cnt));
+            for (i, &d) in dbuf[..cnt].iter().enumerate() {
+                let b = b0 + i;
+                let qs = pq.add(b * 32);
+                _mm_prefetch::<_MM_HINT_T0>(qs.add(PREFETCH_AHEAD) as *const i8);
+                let d = _mm512_set1_ps(d);
+                let w0 = _mm512_mul_ps(
+                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qs as *const __m128i))),
+                    d,
+                );
+                let w1 = _mm512_mul_ps(
+                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                        qs.add(16) as *const __m128i
+                    ))),
+                    d,
+                );
+                for (j, a) in acc.iter_mut().enumerate() {
+                    let xb = px.add(j * k + b * 32);
+                    a[0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb), a[0]);
+                    a[1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb.add(16)), a[1]);
+                }
+            }
+            b0 += cnt;
+        }
+        for (j, a) in acc.iter().enumerate() {
+            out[j] = _mm512_reduce_add_ps(_mm512_add_ps(a[0], a[1]));
+        }
+    }
+
+    /// Split Q8_0 row.
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
     pub unsafe fn dot_q8_0(row: &[u8], x: &[f32]) -> f32 {
         let nb = row.len() / 34;
         debug_assert!(x.len() >= nb * 32);
+        let (pd, pq, px) = (row.as_ptr(), row.as_ptr().add(2 * nb), x.as_ptr());
         let mut acc = [_mm512_setzero_ps(); 2];
-        let (pr, px) = (row.as_ptr(), x.as_ptr());
-        for b in 0..nb {
-            let blk = pr.add(b * 34);
-            _mm_prefetch::<_MM_HINT_T0>(blk.add(PREFETCH_AHEAD) as *const i8);
-            let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
-                (blk as *const u16).read_unaligned() as i32,
-            )));
-            let q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-                blk.add(2) as *const __m128i
-            )));
-            let q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-                blk.add(18) as *const __m128i
-            )));
-            let xb = px.add(b * 32);
-            let s = _mm512_fmadd_ps(
-                q1,
-                _mm512_loadu_ps(xb.add(16)),
-                _mm512_mul_ps(q0, _mm512_loadu_ps(xb)),
-            );
-            let j = b & 1;
-            acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(d), s, acc[j]);
+        let mut dbuf = [0f32; 16];
+        let mut b0 = 0;
+        while b0 < nb {
+            let cnt = (nb - b0).min(16);
+            _mm512_storeu_ps(dbuf.as_mut_ptr(), f16x16(pd.add(2 * b0), cnt));
+            for (i, &d) in dbuf[..cnt].iter().enumerate() {
+                let b = b0 + i;
+                let qs = pq.add(b * 32);
+                _mm_prefetch::<_MM_HINT_T0>(qs.add(PREFETCH_AHEAD) as *const i8);
+                let q0 =
+                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qs as *const __m128i)));
+                let q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                    qs.add(16) as *const __m128i
+                )));
+                let xb = px.add(b * 32);
+                let s = _mm512_fmadd_ps(
+                    q1,
+                    _mm512_loadu_ps(xb.add(16)),
+                    _mm512_mul_ps(q0, _mm512_loadu_ps(xb)),
+                );
+                acc[i & 1] = _mm512_fmadd_ps(_mm512_set1_ps(d), s, acc[i & 1]);
+            }
+            b0 += cnt;
         }
         _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]))
+    }
+
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub unsafe fn dequant_q4_1(row: &[u8], out: &mut [f32]) {
+        let nb = row.len() / 20;
+        debug_assert!(out.len() >= nb * 32);
+        let (pd, pq, po) = (row.as_ptr(), row.as_ptr().add(4 * nb), out.as_mut_ptr());
+        let low = _mm512_set1_epi32(0x0f);
+        let (mut dbuf, mut mbuf) = ([0f32; 16], [0f32; 16]);
+        let mut b0 = 0;
+        while b0 < nb {
+            let cnt = (nb - b0).min(16);
+            _mm512_storeu_ps(dbuf.as_mut_ptr(), f16x16(pd.add(2 * b0), cnt));
+            _mm512_storeu_ps(mbuf.as_mut_ptr(), f16x16(pd.add(2 * (nb + b0)), cnt));
+            for i in 0..cnt {
+                let b = b0 + i;
+                let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(pq.add(b * 16) as *const __m128i));
+                let (d, m) = (_mm512_set1_ps(dbuf[i]), _mm512_set1_ps(mbuf[i]));
+                let o = po.add(b * 32);
+                let lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, low));
+                let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v));
+                _mm512_storeu_ps(o, _mm512_fmadd_ps(lo, d, m));
+                _mm512_storeu_ps(o.add(16), _mm512_fmadd_ps(hi, d, m));
+            }
+            b0 += cnt;
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub unsafe fn dequant_q8_0(row: &[u8], out: &mut [f32]) {
+        let nb = row.len() / 34;
+        debug_assert!(out.len() >= nb * 32);
+        let (pd, pq, po) = (row.as_ptr(), row.as_ptr().add(2 * nb), out.as_mut_ptr());
+        let mut dbuf = [0f32; 16];
+        let mut b0 = 0;
+        while b0 < nb {
+            let cnt = (nb - b0).min(16);
+            _mm512_storeu_ps(dbuf.as_mut_ptr(), f16x16(pd.add(2 * b0), cnt));
+            for (i, &d) in dbuf[..cnt].iter().enumerate() {
+                let b = b0 + i;
+                let qs = pq.add(b * 32);
+                let d = _mm512_set1_ps(d);
+                let o = po.add(b * 32);
+                for h in 0..2 {
+                    let q = _mm512_cvtepi8_epi32(_mm_loadu_si128(qs.add(16 * h) as *const __m128i));
+                    _mm512_storeu_ps(o.add(16 * h), _mm512_mul_ps(_mm512_cvtepi32_ps(q), d));
+                }
+            }
+            b0 += cnt;
+        }
     }
 }
 
@@ -346,13 +959,13 @@ mod avx2 {
         debug_assert!(x.len() >= nb * 32 && xsum.len() >= nb);
         let mut acc = _mm256_setzero_ps();
         let mut macc = 0f32;
-        let (pr, px) = (row.as_ptr(), x.as_ptr());
+        let (pd, pq, px) = (row.as_ptr(), row.as_ptr().add(4 * nb), x.as_ptr());
         for b in 0..nb {
-            let blk = pr.add(b * 20);
-            _mm_prefetch::<_MM_HINT_T0>(blk.add(PREFETCH_AHEAD) as *const i8);
-            let d = f16_load(blk);
-            let m = f16_load(blk.add(2));
-            let q = nibbles(blk.add(4));
+            let qs = pq.add(b * 16);
+            _mm_prefetch::<_MM_HINT_T0>(qs.add(PREFETCH_AHEAD) as *const i8);
+            let d = f16_load(pd.add(2 * b));
+            let m = f16_load(pd.add(2 * (nb + b)));
+            let q = nibbles(qs);
             let xb = px.add(b * 32);
             let mut s = _mm256_mul_ps(q[0], _mm256_loadu_ps(xb));
             s = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xb.add(8)), s);
@@ -369,12 +982,12 @@ mod avx2 {
         let nb = row.len() / 34;
         debug_assert!(x.len() >= nb * 32);
         let mut acc = _mm256_setzero_ps();
-        let (pr, px) = (row.as_ptr(), x.as_ptr());
+        let (pd, pq, px) = (row.as_ptr(), row.as_ptr().add(2 * nb), x.as_ptr());
         for b in 0..nb {
-            let blk = pr.add(b * 34);
-            _mm_prefetch::<_MM_HINT_T0>(blk.add(PREFETCH_AHEAD) as *const i8);
-            let d = f16_load(blk);
-            let q = bytes_i8(blk.add(2));
+            let qs = pq.add(b * 32);
+            _mm_prefetch::<_MM_HINT_T0>(qs.add(PREFETCH_AHEAD) as *const i8);
+            let d = f16_load(pd.add(2 * b));
+            let q = bytes_i8(qs);
             let xb = px.add(b * 32);
             let mut s = _mm256_mul_ps(q[0], _mm256_loadu_ps(xb));
             s = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xb.add(8)), s);
@@ -389,12 +1002,11 @@ mod avx2 {
     pub unsafe fn dequant_q4_1(row: &[u8], out: &mut [f32]) {
         let nb = row.len() / 20;
         debug_assert!(out.len() >= nb * 32);
-        let (pr, po) = (row.as_ptr(), out.as_mut_ptr());
+        let (pd, pq, po) = (row.as_ptr(), row.as_ptr().add(4 * nb), out.as_mut_ptr());
         for b in 0..nb {
-            let blk = pr.add(b * 20);
-            let d = _mm256_set1_ps(f16_load(blk));
-            let m = _mm256_set1_ps(f16_load(blk.add(2)));
-            let q = nibbles(blk.add(4));
+            let d = _mm256_set1_ps(f16_load(pd.add(2 * b)));
+            let m = _mm256_set1_ps(f16_load(pd.add(2 * (nb + b))));
+            let q = nibbles(pq.add(b * 16));
             let o = po.add(b * 32);
             for (j, qj) in q.iter().enumerate() {
                 _mm256_storeu_ps(o.add(8 * j), _mm256_fmadd_ps(*qj, d, m));
@@ -406,11 +1018,10 @@ mod avx2 {
     pub unsafe fn dequant_q8_0(row: &[u8], out: &mut [f32]) {
         let nb = row.len() / 34;
         debug_assert!(out.len() >= nb * 32);
-        let (pr, po) = (row.as_ptr(), out.as_mut_ptr());
+        let (pd, pq, po) = (row.as_ptr(), row.as_ptr().add(2 * nb), out.as_mut_ptr());
         for b in 0..nb {
-            let blk = pr.add(b * 34);
-            let d = _mm256_set1_ps(f16_load(blk));
-            let q = bytes_i8(blk.add(2));
+            let d = _mm256_set1_ps(f16_load(pd.add(2 * b)));
+            let q = bytes_i8(pq.add(b * 32));
             let o = po.add(b * 32);
             for (j, qj) in q.iter().enumerate() {
                 _mm256_storeu_ps(o.add(8 * j), _mm256_mul_ps(*qj, d));
@@ -430,8 +1041,144 @@ mod tests {
         (0..n).map(|_| r.gen_range(-1.0..1.0)).collect()
     }
 
+    fn split(ty: GgmlType, ggml: &[u8]) -> Vec<u8> {
+        let mut out = vec![0u8; ggml.len()];
+        split_row(ty, ggml, &mut out);
+        out
+    }
+
     fn close(a: f32, b: f32) -> bool {
         (a - b).abs() <= 1e-4 * (1.0 + a.abs().max(b.abs()))
+    }
+
+    #[test]
+    fn vector_exp_is_within_two_ulp() {
+        let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+        for n in [0usize, 1, 15, 16, 17, 100] {
+            let x: Vec<f32> = (0..n).map(|_| r.gen_range(-90.0..0.0)).collect();
+            let mut y = x.clone();
+            let sum = exp_shifted_sum(&mut y, 0.0);
+            let mut want_sum = 0f64;
+            for (a, b) in x.iter().zip(&y) {
+                let want = (*a as f64).exp();
+                want_sum += want;
+                let ulp = (want as f32).abs() * f32::EPSILON;
+                assert!(
+                    (*b as f64 - want).abs() <= 2.0 * ulp as f64 + 1e-45,
+                    "exp({a}) = {b}, want {want}"
+                );
+            }
+            assert!((sum as f64 - want_sum).abs() <= 1e-6 * want_sum + 1e-30);
+        }
+        let mut y = vec![-200.0, 0.0, -1e-8];
+        assert_eq!(exp_shifted_sum(&mut y, 0.0), 1.0 + y[2]);
+        assert_eq!(y[0], 0.0);
+        assert_eq!(y[1], 1.0);
+    }
+
+    #[test]
+    fn row_runs_match_scalar() {
+        for d in [4, 16, 48, 64, 128] {
+            for n in [0, 1, 5, 16] {
+                let q = rnd(d, 3);
+                let rows = rnd(n * d, 4);
+                let mut out = vec![0f32; n];
+                dot_rows(&q, &rows, 0.5, &mut out);
+                let p = rnd(n, 5);
+                let mut acc = rnd(d, 6);
+                let mut want_acc = acc.clone();
+                axpy_rows(&p, &rows, &mut acc);
+                for t in 0..n {
+                    let r = &rows[t * d..(t + 1) * d];
+                    let want: f32 = q.iter().zip(r).map(|(a, b)| a * b).sum::<f32>() * 0.5;
+                    assert!(close(out[t], want), "d={d} n={n} t={t}");
+                    for i in 0..d {
+                        want_acc[i] += p[t] * r[i];
+                    }
+                }
+                for i in 0..d {
+                    assert!(close(acc[i], want_acc[i]), "d={d} n={n} i={i}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn fused_multi_row_dots_match_dequantized() {
+        let k = 576;
+        let w = rnd(k, 40);
+        for (ty, g) in [
+            (GgmlType::Q4_1, quantize_q4_1(&w)),
+            (GgmlType::Q8_0, quantize_q8_0(&w)),
+        ] {
+            let mut deq = vec![0f32; k];
+            dequantize(ty, &g, &mut deq).unwrap();
+            let q = split(ty, &g);
+            for m in 1..=MAX_FUSED_ROWS {
+                let x = rnd(m * k, 41 + m as u64);
+                let mut out = vec![0f32; m];
+                if !has_fused_rows(ty) {
+                    continue;
+                }
+                dot_quant_rows(ty, &q, &x, &mut out);
+                for j in 0..m {
+                    let want = dot_portable(&deq, &x[j * k..(j + 1) * k]);
+                    assert!(
+                        close(out[j], want),
+                        "{ty} m={m} j={j}: {} vs {want}",
+                        out[j]
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn tile_4x2_matches_dots() {
+        for k in [16, 48, 576, 20] {
+            let w: Vec<Vec<f32>> = (0..4).map(|i| rnd(k, 20 + i)).collect();
+            let x: Vec<Vec<f32>> = (0..2).map(|i| rnd(k, 30 + i)).collect();
+            let got = dot_4x2([&w[0], &w[1], &w[2], &w[3]], [&x[0], &x[1]]);
+            for i in 0..4 {
+                for j in 0..2 {
+                    assert!(
+                        close(got[i][j], dot_portable(&w[i], &x[j])),
+                        "k={k} {i},{j}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn grouped_row_runs_match_per_head() {
+        for d in [16, 64, 128] {
+            for g in 1..=6 {
+                for n in [0, 1, 3, 16] {
+                    let stride = n + 2;
+                    let qg = rnd(g * d, 7);
+                    let rows = rnd(n * d, 8);
+                    let mut out = vec![0f32; g * stride];
+                    dot_rows_group(&qg, g, &rows, 0.25, &mut out, stride);
+                    let p = rnd(g * stride, 9);
+                    let mut acc = rnd(g * d, 10);
+                    let before = acc.clone();
+                    axpy_rows_group(&p, stride, &rows, &mut acc, g);
+                    for h in 0..g {
+                        let mut want = vec![0f32; n];
+                        dot_rows(&qg[h * d..(h + 1) * d], &rows, 0.25, &mut want);
+                        let mut want_acc = before[h * d..(h + 1) * d].to_vec();
+                        axpy_rows(&p[h * stride..h * stride + n], &rows, &mut want_acc);
+                        for t in 0..n {
+                            assert!(close(out[h * stride + t], want[t]), "d={d} g={g} n={n}");
+                        }
+                        for i in 0..d {
+                            assert!(close(acc[h * d + i], want_acc[i]), "d={d} g={g} n={n}");
+                        }
+                    }
+                }
+            }
+        }
     }
 
     #[test]
@@ -458,12 +1205,17 @@ mod tests {
         let w = rnd(k, 5);
         let x = rnd(k, 6);
         let xs = block_sums(&x);
-        let q41 = quantize_q4_1(&w);
-        let q80 = quantize_q8_0(&w);
+        let (g41, g80) = (quantize_q4_1(&w), quantize_q8_0(&w));
         let mut d41 = vec![0f32; k];
-        dequantize(GgmlType::Q4_1, &q41, &mut d41).unwrap();
+        dequantize(GgmlType::Q4_1, &g41, &mut d41).unwrap();
         let mut d80 = vec![0f32; k];
-        dequantize(GgmlType::Q8_0, &q80, &mut d80).unwrap();
+        dequantize(GgmlType::Q8_0, &g80, &mut d80).unwrap();
+        let (q41, q80) = (split(GgmlType::Q4_1, &g41), split(GgmlType::Q8_0, &g80));
+        let mut o = vec![0f32; k];
+        dequant_split_portable(GgmlType::Q4_1, &q41, &mut o);
+        assert_eq!(o, d41);
+        dequant_split_portable(GgmlType::Q8_0, &q80, &mut o);
+        assert_eq!(o, d80);
         let want41 = dot_portable(&d41, &x);
         let want80 = dot_portable(&d80, &x);
         let wantf = dot_portable(&w, &x);
@@ -486,6 +1238,11 @@ mod tests {
                 assert!(close(avx512::dot_q4_1(&q41, &x, &xs), want41));
                 assert!(close(avx512::dot_q8_0(&q80, &x), want80));
                 assert!(close(avx512::dot(&w, &x), wantf));
+                let mut o = vec![0f32; k];
+                avx512::dequant_q4_1(&q41, &mut o);
+                assert!(o.iter().zip(&d41).all(|(a, b)| close(*a, *b)));
+                avx512::dequant_q8_0(&q80, &mut o);
+                assert!(o.iter().zip(&d80).all(|(a, b)| close(*a, *b)));
             }
         }
     }
@@ -497,12 +1254,13 @@ mod tests {
         let x = rnd(k, 4);
         let xs = block_sums(&x);
         let mut scratch = vec![0f32; k];
-        for (ty, q) in [
+        for (ty, g) in [
             (GgmlType::Q4_1, quantize_q4_1(&w)),
             (GgmlType::Q8_0, quantize_q8_0(&w)),
         ] {
             let mut deq = vec![0f32; k];
-            dequantize(ty, &q, &mut deq).unwrap();
+            dequantize(ty, &g, &mut deq).unwrap();
+            let q = split(ty, &g);
             let want: f32 = deq.iter().zip(&x).map(|(a, b)| a * b).sum();
             let got = dot_quant_row(ty, &q, &x, &xs, &mut scratch);
             assert!(close(got, want), "{ty}: {got} vs {want}");

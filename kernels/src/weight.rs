@@ -13,7 +13,8 @@ pub enum Weight {
         rows: usize,
         cols: usize,
     },
-    /// GGML-quantized rows, kept quantized in memory.
+    /// GGML-quantized rows, kept quantized in memory. Q4_1 and Q8_0 rows are in the kernels'
+    /// split layout ([`crate::simd::split_row`]); build with [`Weight::quant`] from GGML bytes.
     Quant {
         ty: GgmlType,
         data: Vec<u8>,
@@ -44,15 +45,38 @@ impl Weight {
                     cols, t.ty
                 )));
             }
-            return Ok(Self::Quant {
-                ty: t.ty,
-                data: t.data.clone(),
-                rows,
-                cols,
-            });
+            return Self::quant(t.ty, &t.data, rows, cols);
         }
         Ok(Self::F32 {
             data: t.to_f32()?,
+            rows,
+            cols,
+        })
+    }
+
+    /// A quantized weight from GGML-layout bytes (`rows` rows of `cols` values of `ty`).
+    pub fn quant(ty: GgmlType, ggml: &[u8], rows: usize, cols: usize) -> Result<Self, KernelError> {
+        let rb = ty.bytes_for(cols).ok_or_else(|| {
+            KernelError::Shape(format!(
+                "{cols} columns is not a whole number of {ty} blocks"
+            ))
+        })?;
+        if ggml.len() != rb * rows {
+            return Err(KernelError::Shape(format!(
+                "{rows}×{cols} {ty} needs {} bytes, got {}",
+                rb * rows,
+                ggml.len()
+            )));
+        }
+        let mut data = vec![0u8; ggml.len()];
+        if rb > 0 {
+            for (src, dst) in ggml.chunks_exact(rb).zip(data.chunks_exact_mut(rb)) {
+                crate::simd::split_row(ty, src, dst);
+            }
+        }
+        Ok(Self::Quant {
+            ty,
+            data,
             rows,
             cols,
         })

@@ -49,13 +49,13 @@ impl LlamaConfig {
         {
             return bad(format!("zero-sized dimension in {self:?}"));
         }
-        if self.num_heads % self.num_kv_heads != 0 {
+        if !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return bad(format!(
                 "{} attention heads is not a multiple of {} KV heads",
                 self.num_heads, self.num_kv_heads
             ));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return bad(format!(
                 "head_dim {} must be even for rotary embeddings",
                 self.head_dim

@@ -247,41 +247,6 @@ fn check_shapes(m: &LoadedModel) -> Result<(), ModelError> {
     Ok(())
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn unpermute_inverts_llama_cpp_permute() {
-        // 2 heads of dim 4, rows of one f32 each holding their HF row index.
-        let n_head = 2;
-        let hd = 4;
-        let hf_rows: Vec<f32> = (0..8).map(|i| i as f32).collect();
-        // llama.cpp: reshape(n_head, 2, hd/2).swapaxes(1,2)
-        let mut gguf_rows = vec![0f32; 8];
-        for h in 0..n_head {
-            for a in 0..2 {
-                for b in 0..hd / 2 {
-                    gguf_rows[h * hd + 2 * b + a] = hf_rows[h * hd + a * hd / 2 + b];
-                }
-            }
-        }
-        let mut t = TensorData {
-            ty: GgmlType::F32,
-            shape: vec![8, 1],
-            data: gguf_rows.iter().flat_map(|v| v.to_le_bytes()).collect(),
-        };
-        unpermute_rope_rows(&mut t, n_head, hd).unwrap();
-        assert_eq!(t.to_f32().unwrap(), hf_rows);
-    }
-
-    #[test]
-    fn missing_file_says_what_to_do() {
-        let e = load(Path::new("/nonexistent/model.gguf")).err().unwrap();
-        assert!(e.to_string().contains("tandem model fetch"), "{e}");
-    }
-}
-
 /// The default model's file name inside the model cache.
 pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 
@@ -303,4 +268,39 @@ pub fn default_model_path() -> PathBuf {
     std::env::var_os("TANDEM_MODEL")
         .map(PathBuf::from)
         .unwrap_or_else(|| model_cache_dir().join(DEFAULT_MODEL_FILE))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unpermute_inverts_llama_cpp_permute() {
+        // 2 heads of dim 4, rows of one f32 each holding their HF row index.
+        let n_head = 2;
+        let hd = 4;
+        let hf_rows: Vec<f32> = (0..8).map(|i| i as f32).collect();
+        // llama.cpp: reshape(n_head, 2, hd/2).swapaxes(1,2)
+        let mut gguf_rows = [0f32; 8];
+        for h in 0..n_head {
+            for a in 0..2 {
+                for b in 0..hd / 2 {
+                    gguf_rows[h * hd + 2 * b + a] = hf_rows[h * hd + a * hd / 2 + b];
+                }
+            }
+        }
+        let mut t = TensorData {
+            ty: GgmlType::F32,
+            shape: vec![8, 1],
+            data: gguf_rows.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        };
+        unpermute_rope_rows(&mut t, n_head, hd).unwrap();
+        assert_eq!(t.to_f32().unwrap(), hf_rows);
+    }
+
+    #[test]
+    fn missing_file_says_what_to_do() {
+        let e = load(Path::new("/nonexistent/model.gguf")).err().unwrap();
+        assert!(e.to_string().contains("tandem model fetch"), "{e}");
+    }
 }

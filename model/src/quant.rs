@@ -107,7 +107,7 @@ impl GgmlType {
 
     /// Bytes taken by `n` elements, or None when `n` is not a whole number of blocks or overflows.
     pub fn bytes_for(self, n: usize) -> Option<usize> {
-        if n % self.block_elems() != 0 {
+        if !n.is_multiple_of(self.block_elems()) {
             return None;
         }
         (n / self.block_elems()).checked_mul(self.block_bytes())
@@ -447,8 +447,8 @@ mod tests {
             b.push(((j - 16) as i8) as u8);
         }
         let y = deq(GgmlType::Q8_0, &b);
-        for j in 0..32 {
-            assert_eq!(y[j], (j as f32 - 16.0) * 0.125);
+        for (j, v) in y.iter().enumerate() {
+            assert_eq!(*v, (j as f32 - 16.0) * 0.125);
         }
     }
 
@@ -540,8 +540,8 @@ mod tests {
     fn q6_k_block() {
         // Every element gets the 6-bit value 40 (so q = 8), scales vary per 16 elements.
         let mut b = Vec::new();
-        b.extend(std::iter::repeat(0x88u8).take(128)); // low nibbles 8, high nibbles 8
-        b.extend(std::iter::repeat(0b1010_1010u8).take(64)); // 2 high bits = 2 -> +32
+        b.extend(std::iter::repeat_n(0x88u8, 128)); // low nibbles 8, high nibbles 8
+        b.extend(std::iter::repeat_n(0b1010_1010u8, 64)); // 2 high bits = 2 -> +32
         let scales: [i8; 16] = [
             1, -2, 3, -4, 5, -6, 7, -8, 9, -10, 11, -12, 13, -14, 15, -16,
         ];
