@@ -8,7 +8,8 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
-use tandem_engine::{Engine, EngineConfig, LlamaModel, WeightFormat};
+use tandem_bench::workload::{self, Policy, Workload};
+use tandem_engine::{Engine, EngineConfig, KvDtype, LlamaModel, WeightFormat};
 
 #[derive(Parser)]
 #[command(
@@ -74,9 +75,15 @@ pub struct EngineArgs {
     /// Token budget of one forward pass.
     #[arg(long, env = "TANDEM_MAX_BATCHED_TOKENS", default_value_t = 2048)]
     pub max_batched_tokens: usize,
-    /// Most sequences in one step.
+    /// Most sequences running at once.
     #[arg(long, env = "TANDEM_MAX_SEQS", default_value_t = 256)]
     pub max_seqs: usize,
+    /// KV cache element type: f32 (exact) or int8 (a byte per value, scale per block and head).
+    #[arg(long, env = "TANDEM_KV_DTYPE", default_value = "f32")]
+    pub kv_dtype: KvDtype,
+    /// Do not reuse KV blocks of identical prompt prefixes across requests.
+    #[arg(long, env = "TANDEM_NO_PREFIX_CACHING")]
+    pub no_prefix_caching: bool,
 }
 
 impl EngineArgs {
@@ -95,6 +102,8 @@ impl EngineArgs {
             kv_cache_mb: self.kv_cache_mb,
             max_batched_tokens: self.max_batched_tokens,
             max_seqs: self.max_seqs,
+            kv_dtype: self.kv_dtype,
+            prefix_caching: !self.no_prefix_caching,
         };
         let engine = Engine::new(model, cfg, loaded.tokenizer.eos_token_ids.clone())?;
         Ok((engine, loaded))
@@ -117,13 +126,85 @@ struct BenchEngineArgs {
     /// Seed for the random prompts.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// One JSON line instead of a table.
+    /// Serve a workload instead of one batch: mixed (prompts 20-1000, outputs 10-300 tokens) or
+    /// shared-prefix (a 500-token system prompt and a short question).
+    #[arg(long)]
+    workload: Option<Workload>,
+    /// Batching policies to compare on the workload (comma-separated): sequential, static
+    /// (batches of 16 that wait for their longest member), continuous.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "sequential,static,continuous"
+    )]
+    policy: Vec<Policy>,
+    /// Requests in the workload (default: 200 mixed, 64 shared-prefix).
+    #[arg(long)]
+    requests: Option<usize>,
+    /// One JSON line (per run) instead of a table.
     #[arg(long)]
     json: bool,
 }
 
+/// Serves a workload under each policy (and, for shared-prefix, continuous without the prefix
+/// cache), printing output tokens/s and ratios against the first run.
+fn bench_workload(a: &BenchEngineArgs, engine: &mut Engine, w: Workload) -> Result<()> {
+    let n = a.requests.unwrap_or(w.default_requests());
+    let vocab = engine.model.config.vocab_size as u32;
+    let mut runs = Vec::new();
+    let mut plan: Vec<(Policy, bool)> = a.policy.iter().map(|&p| (p, true)).collect();
+    if w == Workload::SharedPrefix && a.policy.contains(&Policy::Continuous) {
+        plan.push((Policy::Continuous, false));
+    }
+    for (p, cache) in plan {
+        engine.config.prefix_caching = cache && !a.engine.no_prefix_caching;
+        let r = workload::run(engine, w, p, w.requests(n, vocab, a.seed))?;
+        if a.json {
+            println!("{}", serde_json::to_string(&r)?);
+        } else {
+            println!(
+                "{:>10} {:<13} {:>4} req  {:>8.1} out tok/s  wall {:>7.1} s  prefix hits {:>5.1}%  ttft p50 {:>6.2} s  preempted {}",
+                format!("{:?}", p).to_lowercase(),
+                if r.prefix_caching { "prefix cache" } else { "no cache" },
+                r.requests,
+                r.output_tok_s,
+                r.wall_s,
+                100.0 * r.prefix_hit_rate,
+                r.ttft_s_p50,
+                r.preemptions
+            );
+        }
+        runs.push(r);
+    }
+    if !a.json {
+        if let Some(c) = runs
+            .iter()
+            .find(|r| r.policy == Policy::Continuous && r.prefix_caching)
+        {
+            for r in &runs {
+                if !std::ptr::eq(r, c) {
+                    println!(
+                        "continuous / {} ({}): {:.2}x",
+                        format!("{:?}", r.policy).to_lowercase(),
+                        if r.prefix_caching {
+                            "prefix cache"
+                        } else {
+                            "no cache"
+                        },
+                        c.output_tok_s / r.output_tok_s
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 fn bench_engine(a: BenchEngineArgs) -> Result<()> {
     let (mut engine, _) = a.engine.build()?;
+    if let Some(w) = a.workload {
+        return bench_workload(&a, &mut engine, w);
+    }
     let b = tandem_bench::EngineBench {
         batch: a.batch,
         prompt_len: a.prompt_len,

@@ -1,10 +1,11 @@
-//! tandem-bench: benchmarks that print numbers and ratios. For now the engine benchmark
-//! (`tandem bench engine`): prefill and decode throughput of the engine in this process, next to
-//! this machine's roofline measured in the same run (memory bandwidth by a large copy, f32 compute
-//! by a large GEMM), so every figure comes with how far it is from what the hardware allows.
-//! Later: the load generator for clusters, reports and plots.
+//! tandem-bench: benchmarks that print numbers and ratios. The engine benchmark (`tandem bench
+//! engine`): prefill and decode throughput of the engine in this process, next to this machine's
+//! roofline measured in the same run (memory bandwidth by a large copy, f32 compute by a large
+//! GEMM), so every figure comes with how far it is from what the hardware allows; and serving
+//! workloads under batching policies ([`workload`]). Later: the load generator for clusters.
 
 pub mod roofline;
+pub mod workload;
 
 use std::time::Instant;
 
@@ -47,7 +48,7 @@ pub struct EngineReport {
     pub wall_s: f64,
 }
 
-fn percentile(v: &mut [f64], p: f64) -> f64 {
+pub(crate) fn percentile(v: &mut [f64], p: f64) -> f64 {
     if v.is_empty() {
         return 0.0;
     }
@@ -101,8 +102,9 @@ pub fn run_engine_bench(
     let cfg = &engine.model.config;
     let kv_per_token = KvPool::bytes_per_token(
         engine.model.kv_layout(engine.config.block_size),
+        engine.config.kv_dtype,
         cfg.num_layers,
-    ) as f64;
+    );
     let median_ctx = b.prompt_len as f64 + b.gen_len as f64 / 2.0;
     let decode_bytes =
         engine.model.weight_bytes() as f64 + b.batch as f64 * median_ctx * kv_per_token;

@@ -1,18 +1,27 @@
-//! The engine: admits requests, packs every scheduled sequence's new tokens into one forward per
-//! step, samples, and retires finished sequences.
+//! The engine: an iteration-level scheduler over one KV pool and one packed forward per step.
 //!
-//! Each step decodes one token for every running sequence and fills the rest of the token budget
-//! (`max_batched_tokens`) with prompt chunks of waiting sequences, first come first served, up to
-//! `max_seqs` sequences. A sequence is admitted only when the pool can hold its whole prompt and
-//! output (blocks are reserved up front, so a step never runs out of cache). Its blocks return to
-//! the pool when it finishes, even on error, because they are owned by a [`BlockList`].
+//! Requests wait in arrival order. Each [`Engine::step`]:
+//! 1. drops cancelled sequences (their blocks return to the pool at once);
+//! 2. schedules one token for every running sequence that is decoding, oldest first;
+//! 3. gives the rest of the token budget (`max_batched_tokens`) to prompt chunks: first running
+//!    sequences whose prompt is partly done, then new ones from the head of the queue (first come,
+//!    first served: the head is never skipped, so nothing starves), up to `max_seqs` running. A new
+//!    sequence first takes over the longest cached prefix of its tokens from the block manager;
+//! 4. runs one forward over everything scheduled, samples the sequences whose tokens are all in
+//!    the cache, and retires the finished ones.
+//!
+//! When a running sequence needs a block and the pool is empty (cached prefixes are evicted
+//! first), the newest running sequence is preempted: its blocks are released and it goes back to the
+//! head of the queue with its generated tokens, to be recomputed (mostly from the prefix cache)
+//! later. A step never fails for lack of blocks.
 
 use std::collections::VecDeque;
 use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::kv_cache::{BlockAllocator, BlockList, KvPool};
+use crate::block_manager::{BlockCounts, BlockManager, KvEvent, SeqBlocks};
+use crate::kv_cache::{KvDtype, KvPool};
 use crate::model::{LlamaModel, SeqBatch};
 use crate::sampler::{Sampled, Sampler, SamplingParams};
 use crate::EngineError;
@@ -23,10 +32,14 @@ pub struct EngineConfig {
     pub block_size: usize,
     /// KV pool size in MiB.
     pub kv_cache_mb: usize,
+    /// Element type of the KV cache.
+    pub kv_dtype: KvDtype,
     /// Token budget of one forward (prompt chunks plus decode tokens).
     pub max_batched_tokens: usize,
-    /// Most sequences in one step.
+    /// Most sequences running at once.
     pub max_seqs: usize,
+    /// Reuse cached prefix blocks across requests.
+    pub prefix_caching: bool,
 }
 
 impl Default for EngineConfig {
@@ -34,11 +47,17 @@ impl Default for EngineConfig {
         Self {
             block_size: 16,
             kv_cache_mb: 1024,
+            kv_dtype: KvDtype::F32,
             max_batched_tokens: 2048,
             max_seqs: 256,
+            prefix_caching: true,
         }
     }
 }
+
+/// Identifies a request within one engine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct RequestId(pub u64);
 
 /// A generation request: prompt token ids and sampling.
 #[derive(Clone, Debug)]
@@ -54,55 +73,173 @@ pub enum FinishReason {
     Length,
     /// Produced EOS (not ignored) or a stop token.
     Stop,
+    /// Cancelled by the client.
+    Cancelled,
 }
 
 /// Emitted for every generated token.
 #[derive(Clone, Debug)]
 pub struct TokenEvent {
-    /// Index of the request in the submitted list.
-    pub request: usize,
+    pub request: RequestId,
     pub sampled: Sampled,
+    /// Set on the request's last token.
     pub finish: Option<FinishReason>,
 }
 
-/// A finished request.
+/// A request that left the engine (after its last token, or on cancel).
 #[derive(Clone, Debug, Serialize)]
-pub struct Output {
+pub struct Finished {
+    pub request: RequestId,
     pub prompt_ids: Vec<u32>,
     pub output_ids: Vec<u32>,
     pub logprobs: Vec<f32>,
     pub finish_reason: FinishReason,
-    /// Seconds from submission to the first token, and to the last.
+    /// Prompt tokens whose K/V came from the prefix cache at first admission.
+    pub cached_prompt_tokens: usize,
+    /// Times the request was preempted and recomputed.
+    pub preemptions: u32,
+    /// Seconds from submission to admission, to the first token, and to the end.
+    pub queue_s: f64,
     pub ttft_s: f64,
     pub e2e_s: f64,
 }
 
+/// What one step produced.
+#[derive(Clone, Debug)]
+pub enum Event {
+    Token(TokenEvent),
+    Finished(Finished),
+}
+
 /// Timing of one engine step, for benchmarks.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, Default)]
 pub struct StepStats {
     pub prefill_tokens: usize,
     pub decode_tokens: usize,
     pub seconds: f64,
 }
 
+/// The engine's state at a glance.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct EngineStats {
+    pub running: usize,
+    pub waiting: usize,
+    pub blocks_total: usize,
+    pub blocks_free: usize,
+    pub blocks_cached: usize,
+    pub blocks_used: usize,
+    /// Prompt tokens looked up in the prefix cache at admission, and how many were found.
+    pub prefix_lookup_tokens: u64,
+    pub prefix_hit_tokens: u64,
+    pub preemptions: u64,
+    pub steps: u64,
+}
+
+impl EngineStats {
+    pub fn prefix_hit_rate(&self) -> f64 {
+        if self.prefix_lookup_tokens == 0 {
+            0.0
+        } else {
+            self.prefix_hit_tokens as f64 / self.prefix_lookup_tokens as f64
+        }
+    }
+}
+
+/// What the engine checks a request against, without touching the engine (the handle validates
+/// on the caller's thread with a copy).
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    pub vocab_size: usize,
+    pub max_context: usize,
+    pub block_size: usize,
+    pub total_blocks: usize,
+}
+
+impl Limits {
+    /// A request is accepted only if, alone, it fits the model's context and the whole pool, so
+    /// preemption can always make room for the oldest sequence.
+    pub fn validate(&self, r: &Request) -> Result<(), EngineError> {
+        r.params.validate()?;
+        if r.prompt.is_empty() {
+            return Err(EngineError::InvalidRequest("prompt is empty".into()));
+        }
+        if let Some(&bad) = r.prompt.iter().find(|&&t| t as usize >= self.vocab_size) {
+            return Err(EngineError::BadToken {
+                id: bad,
+                vocab: self.vocab_size,
+            });
+        }
+        if r.prompt.len() >= self.max_context {
+            return Err(EngineError::ContextOverflow {
+                tokens: r.prompt.len() + 1,
+                max: self.max_context,
+            });
+        }
+        let tokens = (r.prompt.len() + r.params.max_tokens as usize).min(self.max_context);
+        let need = tokens.div_ceil(self.block_size);
+        if need > self.total_blocks {
+            return Err(EngineError::TooLargeForCache {
+                need,
+                total: self.total_blocks,
+            });
+        }
+        Ok(())
+    }
+}
+
 struct Seq {
-    idx: usize,
+    id: RequestId,
+    /// Prompt, then generated tokens.
     tokens: Vec<u32>,
     prompt_len: usize,
-    /// Tokens whose K/V is in the cache.
-    cached: usize,
-    blocks: BlockList,
+    /// Leading tokens whose K/V is in the cache.
+    computed: usize,
+    blocks: SeqBlocks,
     sampler: Sampler,
     logprobs: Vec<f32>,
-    first_token_at: Option<Instant>,
+    submitted: Instant,
+    admitted: Option<Instant>,
+    first_token: Option<Instant>,
+    cached_prompt_tokens: Option<usize>,
+    preemptions: u32,
+}
+
+impl Seq {
+    fn pending(&self) -> usize {
+        self.tokens.len() - self.computed
+    }
+
+    fn finished(self, reason: FinishReason) -> Finished {
+        let now = Instant::now();
+        let since = |t: Option<Instant>| t.map_or(0.0, |t| (t - self.submitted).as_secs_f64());
+        Finished {
+            request: self.id,
+            prompt_ids: self.tokens[..self.prompt_len].to_vec(),
+            output_ids: self.tokens[self.prompt_len..].to_vec(),
+            logprobs: self.logprobs,
+            finish_reason: reason,
+            cached_prompt_tokens: self.cached_prompt_tokens.unwrap_or(0),
+            preemptions: self.preemptions,
+            queue_s: since(self.admitted),
+            ttft_s: since(self.first_token),
+            e2e_s: (now - self.submitted).as_secs_f64(),
+        }
+    }
 }
 
 pub struct Engine {
     pub model: LlamaModel,
     pub config: EngineConfig,
     kv: KvPool,
-    alloc: BlockAllocator,
+    blocks: BlockManager,
     eos: Vec<u32>,
+    waiting: VecDeque<Seq>,
+    /// Oldest admission first; the last one is the first to be preempted.
+    running: Vec<Seq>,
+    cancelled: Vec<RequestId>,
+    stats: EngineStats,
+    /// First id `generate` gives its requests next time.
+    next_batch_id: u64,
 }
 
 impl Engine {
@@ -118,16 +255,20 @@ impl Engine {
             ));
         }
         let layout = model.kv_layout(config.block_size);
-        let block_bytes =
-            KvPool::bytes_per_token(layout, model.config.num_layers) * config.block_size;
+        let block_bytes = KvPool::bytes_per_block(layout, config.kv_dtype, model.config.num_layers);
         let num_blocks = (config.kv_cache_mb * (1 << 20) / block_bytes).max(1);
-        let kv = KvPool::new(layout, model.config.num_layers, num_blocks);
+        let kv = KvPool::new(layout, config.kv_dtype, model.config.num_layers, num_blocks);
         Ok(Self {
-            alloc: BlockAllocator::new(num_blocks),
+            blocks: BlockManager::new(num_blocks, config.block_size),
             kv,
             model,
             config,
             eos,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            cancelled: Vec::new(),
+            stats: EngineStats::default(),
+            next_batch_id: 1 << 48,
         })
     }
 
@@ -135,167 +276,294 @@ impl Engine {
         &self.kv
     }
 
-    pub fn free_blocks(&self) -> usize {
-        self.alloc.free_blocks()
+    pub fn block_manager(&self) -> &BlockManager {
+        &self.blocks
     }
 
-    fn blocks_for(&self, tokens: usize) -> usize {
-        tokens.div_ceil(self.config.block_size)
+    pub fn limits(&self) -> Limits {
+        Limits {
+            vocab_size: self.model.config.vocab_size,
+            max_context: self.model.config.max_position_embeddings,
+            block_size: self.config.block_size,
+            total_blocks: self.blocks.counts().total,
+        }
     }
 
     /// Checks a request against the model and the pool before it is queued.
     pub fn validate(&self, r: &Request) -> Result<(), EngineError> {
-        r.params.validate()?;
-        if r.prompt.is_empty() {
-            return Err(EngineError::InvalidRequest("prompt is empty".into()));
+        self.limits().validate(r)
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        let BlockCounts {
+            total,
+            free,
+            cached,
+            used,
+        } = self.blocks.counts();
+        EngineStats {
+            running: self.running.len(),
+            waiting: self.waiting.len(),
+            blocks_total: total,
+            blocks_free: free,
+            blocks_cached: cached,
+            blocks_used: used,
+            ..self.stats
         }
-        let vocab = self.model.config.vocab_size;
-        if let Some(&bad) = r.prompt.iter().find(|&&t| t as usize >= vocab) {
-            return Err(EngineError::BadToken { id: bad, vocab });
-        }
-        let max = self.model.config.max_position_embeddings;
-        if r.prompt.len() >= max {
-            return Err(EngineError::ContextOverflow {
-                tokens: r.prompt.len() + 1,
-                max,
-            });
-        }
-        let need = self.blocks_for((r.prompt.len() + r.params.max_tokens as usize).min(max));
-        if need > self.alloc.total_blocks() {
-            return Err(EngineError::TooLargeForCache {
-                need,
-                total: self.alloc.total_blocks(),
-            });
-        }
+    }
+
+    /// Forgets every cached prefix that no running sequence holds.
+    pub fn clear_prefix_cache(&self) {
+        self.blocks.clear_cache();
+    }
+
+    /// Block-manager events since the last call (for the router's prefix index).
+    pub fn drain_kv_events(&self) -> Vec<KvEvent> {
+        self.blocks.drain_events()
+    }
+
+    /// Whether any request is queued or running.
+    pub fn has_work(&self) -> bool {
+        !self.waiting.is_empty() || !self.running.is_empty() || !self.cancelled.is_empty()
+    }
+
+    /// Queues a request.
+    pub fn add(&mut self, id: RequestId, r: Request) -> Result<(), EngineError> {
+        self.validate(&r)?;
+        self.waiting.push_back(Seq {
+            id,
+            prompt_len: r.prompt.len(),
+            sampler: Sampler::new(r.params, &r.prompt),
+            tokens: r.prompt,
+            computed: 0,
+            blocks: self.blocks.sequence(),
+            logprobs: Vec::new(),
+            submitted: Instant::now(),
+            admitted: None,
+            first_token: None,
+            cached_prompt_tokens: None,
+            preemptions: 0,
+        });
         Ok(())
     }
 
-    /// Runs all requests to completion as one continuous batch; `on_token` sees every token as it
-    /// is produced, `on_step` every step's timing. Outputs come back in request order.
+    /// Cancels a request; it leaves (and frees its blocks) at the start of the next step.
+    pub fn cancel(&mut self, id: RequestId) {
+        self.cancelled.push(id);
+    }
+
+    /// One scheduling iteration and one forward. Returns this step's events, in order.
+    pub fn step(&mut self) -> Result<(Vec<Event>, StepStats), EngineError> {
+        let mut events = Vec::new();
+        self.drop_cancelled(&mut events);
+        let plan = self.schedule();
+        if plan.is_empty() {
+            return Ok((events, StepStats::default()));
+        }
+        self.stats.steps += 1;
+        let t0 = Instant::now();
+        let batch: Vec<SeqBatch<'_>> = plan
+            .iter()
+            .map(|&(i, take)| {
+                let s = &self.running[i];
+                SeqBatch {
+                    tokens: &s.tokens[s.computed..s.computed + take],
+                    cached: s.computed,
+                    block_table: s.blocks.ids(),
+                    want_logits: s.computed + take == s.tokens.len(),
+                }
+            })
+            .collect();
+        let logits = self.model.forward(&batch, &mut self.kv)?;
+        let vocab = self.model.config.vocab_size;
+        let max_ctx = self.model.config.max_position_embeddings;
+        let mut stats = StepStats::default();
+        let mut finished = Vec::new();
+        let mut row = 0;
+        for &(i, take) in &plan {
+            let s = &mut self.running[i];
+            if s.pending() == 1 && s.computed >= s.prompt_len {
+                stats.decode_tokens += take;
+            } else {
+                stats.prefill_tokens += take;
+            }
+            s.computed += take;
+            s.blocks.commit(&s.tokens, s.computed);
+            if s.computed < s.tokens.len() {
+                continue;
+            }
+            let sampled = s.sampler.sample(&logits[row * vocab..(row + 1) * vocab]);
+            row += 1;
+            s.first_token.get_or_insert_with(Instant::now);
+            s.tokens.push(sampled.token);
+            s.logprobs.push(sampled.logprob);
+            let p = s.sampler.params();
+            let generated = s.tokens.len() - s.prompt_len;
+            let finish = if p.stop_token_ids.contains(&sampled.token)
+                || (!p.ignore_eos && self.eos.contains(&sampled.token))
+            {
+                Some(FinishReason::Stop)
+            } else if generated >= p.max_tokens as usize || s.tokens.len() >= max_ctx {
+                Some(FinishReason::Length)
+            } else {
+                None
+            };
+            events.push(Event::Token(TokenEvent {
+                request: s.id,
+                sampled,
+                finish,
+            }));
+            if let Some(r) = finish {
+                finished.push((i, r));
+            }
+        }
+        // Highest index first so the earlier indices stay valid, then back in step order.
+        let mut gone: Vec<_> = finished
+            .iter()
+            .rev()
+            .map(|&(i, r)| (self.running.remove(i), r))
+            .collect();
+        gone.reverse();
+        events.extend(
+            gone.into_iter()
+                .map(|(s, r)| Event::Finished(s.finished(r))),
+        );
+        stats.seconds = t0.elapsed().as_secs_f64();
+        Ok((events, stats))
+    }
+
+    fn drop_cancelled(&mut self, events: &mut Vec<Event>) {
+        for id in std::mem::take(&mut self.cancelled) {
+            let s = if let Some(i) = self.running.iter().position(|s| s.id == id) {
+                self.running.remove(i)
+            } else if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
+                self.waiting.remove(i).expect("index from position")
+            } else {
+                continue; // already finished
+            };
+            events.push(Event::Finished(s.finished(FinishReason::Cancelled)));
+        }
+    }
+
+    /// Decides this step's work: `(index into running, new tokens)`, decodes first.
+    fn schedule(&mut self) -> Vec<(usize, usize)> {
+        let mut budget = self.config.max_batched_tokens;
+        let mut plan: Vec<(usize, usize)> = Vec::new();
+        // Decodes, oldest first, then chunks of partly computed prompts (or recomputes).
+        for decoding in [true, false] {
+            let mut i = 0;
+            while i < self.running.len() && budget > 0 {
+                let s = &self.running[i];
+                if (s.pending() == 1) != decoding {
+                    i += 1;
+                    continue;
+                }
+                let take = s.pending().min(budget);
+                if !self.make_room(i, take, &plan) {
+                    // `i` itself was preempted: the sequences after it were preempted first, so
+                    // nothing after it is left.
+                    break;
+                }
+                plan.push((i, take));
+                budget -= take;
+                i += 1;
+            }
+        }
+        // New sequences from the head of the queue.
+        while budget > 0 && self.running.len() < self.config.max_seqs {
+            let Some(s) = self.waiting.front_mut() else {
+                break;
+            };
+            if self.config.prefix_caching && s.blocks.is_empty() {
+                let hit = s.blocks.reuse_prefix(&s.tokens);
+                s.computed = hit;
+                self.stats.prefix_lookup_tokens += s.tokens.len() as u64;
+                self.stats.prefix_hit_tokens += hit as u64;
+                s.cached_prompt_tokens.get_or_insert(hit.min(s.prompt_len));
+            }
+            let take = s.pending().min(budget);
+            if !s.blocks.reserve(s.computed + take) {
+                // Not now: give the reused blocks back (they stay cached) and keep its place.
+                s.blocks.clear();
+                s.computed = 0;
+                break;
+            }
+            let mut s = self.waiting.pop_front().expect("front exists");
+            s.cached_prompt_tokens.get_or_insert(0);
+            s.admitted.get_or_insert_with(Instant::now);
+            self.running.push(s);
+            plan.push((self.running.len() - 1, take));
+            budget -= take;
+        }
+        plan
+    }
+
+    /// Ensures `running[i]` has blocks for `take` more tokens, preempting the newest running
+    /// sequences not yet planned this step. False if `running[i]` itself had to go.
+    fn make_room(&mut self, i: usize, take: usize, plan: &[(usize, usize)]) -> bool {
+        loop {
+            let s = &mut self.running[i];
+            if s.blocks.reserve(s.computed + take) {
+                return true;
+            }
+            // Planned sequences are all older than i (indices below i), so the newest unplanned
+            // one is the last in the list.
+            let victim = self.running.len() - 1;
+            debug_assert!(plan.iter().all(|&(p, _)| p < i));
+            self.preempt(victim);
+            if victim == i {
+                return false;
+            }
+        }
+    }
+
+    /// Releases a running sequence's blocks and puts it at the head of the queue.
+    fn preempt(&mut self, i: usize) {
+        let mut s = self.running.remove(i);
+        s.blocks.clear();
+        s.computed = 0;
+        s.preemptions += 1;
+        self.stats.preemptions += 1;
+        tracing::debug!(request = s.id.0, tokens = s.tokens.len(), "preempted");
+        self.waiting.push_front(s);
+    }
+
+    /// Runs requests to completion as one continuous batch; `on_token` sees every token as it is
+    /// produced, `on_step` every step's timing. Outputs come back in request order.
     pub fn generate(
         &mut self,
         requests: Vec<Request>,
         mut on_token: impl FnMut(&TokenEvent),
         mut on_step: impl FnMut(&StepStats),
-    ) -> Result<Vec<Output>, EngineError> {
+    ) -> Result<Vec<Finished>, EngineError> {
         for r in &requests {
             self.validate(r)?;
         }
-        let start = Instant::now();
         let n = requests.len();
-        let mut waiting: VecDeque<(usize, Request)> = requests.into_iter().enumerate().collect();
-        let mut running: Vec<Seq> = Vec::new();
-        let mut done: Vec<Option<Output>> = (0..n).map(|_| None).collect();
-        let max_ctx = self.model.config.max_position_embeddings;
-        while !waiting.is_empty() || !running.is_empty() {
-            // Admit in arrival order while the pool can hold a whole request.
-            while running.len() < self.config.max_seqs {
-                let Some((_, r)) = waiting.front() else { break };
-                let need =
-                    self.blocks_for((r.prompt.len() + r.params.max_tokens as usize).min(max_ctx));
-                let Some(blocks) = self.alloc.allocate(need) else {
-                    break;
-                };
-                let (idx, r) = waiting.pop_front().expect("front exists");
-                running.push(Seq {
-                    idx,
-                    prompt_len: r.prompt.len(),
-                    sampler: Sampler::new(r.params, &r.prompt),
-                    tokens: r.prompt,
-                    cached: 0,
-                    blocks,
-                    logprobs: Vec::new(),
-                    first_token_at: None,
-                });
-            }
-            if running.is_empty() {
-                return Err(EngineError::Internal(
-                    "no request fits in the KV pool".into(),
-                ));
-            }
-            // Decode tokens first, then prompt chunks within the budget.
-            let mut budget = self.config.max_batched_tokens;
-            let mut plan: Vec<(usize, usize)> = Vec::new(); // (running index, new tokens)
-            for (i, s) in running.iter().enumerate() {
-                if s.cached >= s.prompt_len {
-                    plan.push((i, 1));
-                    budget = budget.saturating_sub(1);
-                }
-            }
-            for (i, s) in running.iter().enumerate() {
-                if s.cached < s.prompt_len && budget > 0 {
-                    let take = (s.prompt_len - s.cached).min(budget);
-                    plan.push((i, take));
-                    budget -= take;
-                }
-            }
-            let t0 = Instant::now();
-            let batch: Vec<SeqBatch<'_>> = plan
-                .iter()
-                .map(|&(i, take)| {
-                    let s = &running[i];
-                    SeqBatch {
-                        tokens: &s.tokens[s.cached..s.cached + take],
-                        cached: s.cached,
-                        block_table: s.blocks.ids(),
-                        want_logits: s.cached + take >= s.prompt_len,
+        let base = self.next_batch_id;
+        self.next_batch_id += n as u64;
+        for (i, r) in requests.into_iter().enumerate() {
+            self.add(RequestId(base + i as u64), r)?;
+        }
+        let mut done: Vec<Option<Finished>> = (0..n).map(|_| None).collect();
+        while self.has_work() {
+            let (events, st) = self.step()?;
+            for e in events {
+                match e {
+                    Event::Token(t) => on_token(&TokenEvent {
+                        request: RequestId(t.request.0 - base),
+                        ..t
+                    }),
+                    Event::Finished(f) => {
+                        let i = (f.request.0 - base) as usize;
+                        done[i] = Some(Finished {
+                            request: RequestId(i as u64),
+                            ..f
+                        });
                     }
-                })
-                .collect();
-            let logits = self.model.forward(&batch, &mut self.kv)?;
-            let (mut prefill_tokens, mut decode_tokens) = (0, 0);
-            let vocab = self.model.config.vocab_size;
-            let mut row = 0;
-            for &(i, take) in &plan {
-                let s = &mut running[i];
-                if s.cached >= s.prompt_len {
-                    decode_tokens += take;
-                } else {
-                    prefill_tokens += take;
-                }
-                s.cached += take;
-                if s.cached < s.prompt_len {
-                    continue;
-                }
-                let sampled = s.sampler.sample(&logits[row * vocab..(row + 1) * vocab]);
-                row += 1;
-                s.first_token_at.get_or_insert_with(Instant::now);
-                s.tokens.push(sampled.token);
-                s.logprobs.push(sampled.logprob);
-                let p = s.sampler.params();
-                let generated = s.tokens.len() - s.prompt_len;
-                let finish = if p.stop_token_ids.contains(&sampled.token)
-                    || (!p.ignore_eos && self.eos.contains(&sampled.token))
-                {
-                    Some(FinishReason::Stop)
-                } else if generated >= p.max_tokens as usize || s.tokens.len() >= max_ctx {
-                    Some(FinishReason::Length)
-                } else {
-                    None
-                };
-                on_token(&TokenEvent {
-                    request: s.idx,
-                    sampled,
-                    finish,
-                });
-                if let Some(reason) = finish {
-                    done[s.idx] = Some(Output {
-                        prompt_ids: s.tokens[..s.prompt_len].to_vec(),
-                        output_ids: s.tokens[s.prompt_len..].to_vec(),
-                        logprobs: std::mem::take(&mut s.logprobs),
-                        finish_reason: reason,
-                        ttft_s: s.first_token_at.map_or(0.0, |t| (t - start).as_secs_f64()),
-                        e2e_s: start.elapsed().as_secs_f64(),
-                    });
                 }
             }
-            on_step(&StepStats {
-                prefill_tokens,
-                decode_tokens,
-                seconds: t0.elapsed().as_secs_f64(),
-            });
-            // Finished sequences drop here, returning their blocks.
-            running.retain(|s| done[s.idx].is_none());
+            on_step(&st);
         }
         done.into_iter()
             .map(|o| o.ok_or_else(|| EngineError::Internal("request lost".into())))
@@ -311,14 +579,13 @@ impl Engine {
                 ..Default::default()
             },
         })?;
-        let need = self.blocks_for(prompt.len());
-        let blocks = self
-            .alloc
-            .allocate(need)
-            .ok_or(EngineError::TooLargeForCache {
-                need,
-                total: self.alloc.total_blocks(),
-            })?;
+        let mut blocks = self.blocks.sequence();
+        if !blocks.reserve(prompt.len()) {
+            return Err(EngineError::TooLargeForCache {
+                need: prompt.len().div_ceil(self.config.block_size),
+                total: self.blocks.available(),
+            });
+        }
         let batch = [SeqBatch {
             tokens: prompt,
             cached: 0,

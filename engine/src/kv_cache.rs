@@ -1,122 +1,101 @@
-//! The KV pool and its block allocator.
+//! The KV pool: the physical cache of one worker.
 //!
-//! One pool per worker holds `num_blocks` blocks for every layer; layer L's blocks are one
-//! contiguous slab, each block laid out as [`tandem_kernels::KvLayout`] describes. Blocks are handed
-//! out as [`BlockList`]s that give their blocks back when dropped, so a finished, failed or cancelled
-//! sequence can never leak cache.
+//! `num_blocks` blocks for every layer; layer L's blocks are one contiguous slab, each block laid
+//! out as [`tandem_kernels::KvLayout`] describes. Which block belongs to whom is the
+//! [`crate::block_manager`]'s business; this is only the storage.
 
-use std::cell::RefCell;
-use std::rc::Rc;
+use tandem_kernels::{KvLayout, KvSlabMut};
 
-use tandem_kernels::KvLayout;
+/// Element type of the cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KvDtype {
+    /// The activations' own precision: exact.
+    #[default]
+    F32,
+    /// One byte per value plus an f32 scale per block, K/V and head.
+    Int8,
+}
+
+impl std::str::FromStr for KvDtype {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "f32" | "auto" => Ok(Self::F32),
+            "int8" => Ok(Self::Int8),
+            o => Err(format!("unknown KV dtype {o:?} (f32|int8)")),
+        }
+    }
+}
+
+enum Storage {
+    F32(Vec<f32>),
+    Int8 { data: Vec<i8>, scales: Vec<f32> },
+}
 
 /// Physical KV storage for all layers.
 pub struct KvPool {
     pub layout: KvLayout,
+    pub dtype: KvDtype,
     pub num_layers: usize,
     pub num_blocks: usize,
-    data: Vec<f32>,
+    storage: Storage,
 }
 
 impl KvPool {
-    pub fn new(layout: KvLayout, num_layers: usize, num_blocks: usize) -> Self {
-        let data = vec![0f32; num_layers * num_blocks * layout.block_floats()];
+    pub fn new(layout: KvLayout, dtype: KvDtype, num_layers: usize, num_blocks: usize) -> Self {
+        let values = num_layers * num_blocks * layout.block_floats();
+        let storage = match dtype {
+            KvDtype::F32 => Storage::F32(vec![0f32; values]),
+            KvDtype::Int8 => Storage::Int8 {
+                data: vec![0i8; values],
+                scales: vec![0f32; num_layers * num_blocks * layout.block_scales()],
+            },
+        };
         Self {
             layout,
+            dtype,
             num_layers,
             num_blocks,
-            data,
+            storage,
         }
     }
 
-    /// Bytes of cache one token takes across all layers.
-    pub fn bytes_per_token(layout: KvLayout, num_layers: usize) -> usize {
-        2 * layout.num_kv_heads * layout.head_dim * 4 * num_layers
+    /// Bytes one block takes across all layers.
+    pub fn bytes_per_block(layout: KvLayout, dtype: KvDtype, num_layers: usize) -> usize {
+        let per_layer = match dtype {
+            KvDtype::F32 => layout.block_floats() * 4,
+            KvDtype::Int8 => layout.block_floats() + layout.block_scales() * 4,
+        };
+        per_layer * num_layers
+    }
+
+    /// Bytes of cache one token takes across all layers (scales shared by a block included).
+    pub fn bytes_per_token(layout: KvLayout, dtype: KvDtype, num_layers: usize) -> f64 {
+        Self::bytes_per_block(layout, dtype, num_layers) as f64 / layout.block_size as f64
     }
 
     /// Total bytes the pool holds.
     pub fn bytes(&self) -> usize {
-        self.data.len() * 4
+        match &self.storage {
+            Storage::F32(d) => d.len() * 4,
+            Storage::Int8 { data, scales } => data.len() + scales.len() * 4,
+        }
     }
 
     /// One layer's slab of blocks.
-    pub fn layer_mut(&mut self, layer: usize) -> &mut [f32] {
+    pub fn layer_mut(&mut self, layer: usize) -> KvSlabMut<'_> {
         let n = self.num_blocks * self.layout.block_floats();
-        &mut self.data[layer * n..(layer + 1) * n]
-    }
-}
-
-#[derive(Debug)]
-struct FreeList {
-    free: Vec<u32>,
-    total: usize,
-}
-
-/// Hands out blocks from a fixed pool. Single-threaded: it lives on the engine thread.
-#[derive(Clone, Debug)]
-pub struct BlockAllocator {
-    inner: Rc<RefCell<FreeList>>,
-}
-
-impl BlockAllocator {
-    pub fn new(total: usize) -> Self {
-        // Hand out low block ids first (pop from the back of a reversed list).
-        let free = (0..total as u32).rev().collect();
-        Self {
-            inner: Rc::new(RefCell::new(FreeList { free, total })),
-        }
-    }
-
-    pub fn free_blocks(&self) -> usize {
-        self.inner.borrow().free.len()
-    }
-
-    pub fn total_blocks(&self) -> usize {
-        self.inner.borrow().total
-    }
-
-    /// Takes `n` blocks, or none if fewer are free.
-    pub fn allocate(&self, n: usize) -> Option<BlockList> {
-        let mut fl = self.inner.borrow_mut();
-        if fl.free.len() < n {
-            return None;
-        }
-        let at = fl.free.len() - n;
-        let blocks = fl.free.split_off(at);
-        Some(BlockList {
-            blocks,
-            alloc: self.clone(),
-        })
-    }
-}
-
-/// Blocks owned by one sequence, in logical order. Dropping it returns them to the pool.
-#[derive(Debug)]
-pub struct BlockList {
-    blocks: Vec<u32>,
-    alloc: BlockAllocator,
-}
-
-impl BlockList {
-    pub fn ids(&self) -> &[u32] {
-        &self.blocks
-    }
-
-    /// Appends `n` more blocks; false (and nothing taken) when the pool is short.
-    pub fn grow(&mut self, n: usize) -> bool {
-        match self.alloc.allocate(n) {
-            Some(mut more) => {
-                self.blocks.append(&mut more.blocks);
-                true
+        match &mut self.storage {
+            Storage::F32(d) => KvSlabMut::F32(&mut d[layer * n..(layer + 1) * n]),
+            Storage::Int8 { data, scales } => {
+                let ns = self.num_blocks * self.layout.block_scales();
+                KvSlabMut::Int8 {
+                    data: &mut data[layer * n..(layer + 1) * n],
+                    scales: &mut scales[layer * ns..(layer + 1) * ns],
+                }
             }
-            None => false,
         }
-    }
-}
-
-impl Drop for BlockList {
-    fn drop(&mut self) {
-        self.alloc.inner.borrow_mut().free.append(&mut self.blocks);
     }
 }
 
@@ -125,31 +104,24 @@ mod tests {
     use super::*;
 
     #[test]
-    fn blocks_return_on_drop() {
-        let a = BlockAllocator::new(8);
-        let mut x = a.allocate(3).unwrap();
-        assert_eq!(x.ids(), &[2, 1, 0]);
-        assert!(x.grow(2));
-        assert_eq!(a.free_blocks(), 3);
-        assert!(a.allocate(4).is_none());
-        assert_eq!(a.free_blocks(), 3, "a failed allocation takes nothing");
-        let y = a.allocate(3).unwrap();
-        assert!(!x.grow(1));
-        drop(x);
-        assert_eq!(a.free_blocks(), 5);
-        drop(y);
-        assert_eq!(a.free_blocks(), 8);
-    }
-
-    #[test]
     fn pool_sizes() {
         let l = KvLayout {
             block_size: 16,
             num_kv_heads: 3,
             head_dim: 64,
         };
-        let p = KvPool::new(l, 30, 4);
+        let p = KvPool::new(l, KvDtype::F32, 30, 4);
         assert_eq!(p.bytes(), 30 * 4 * 2 * 3 * 16 * 64 * 4);
-        assert_eq!(KvPool::bytes_per_token(l, 30), 2 * 3 * 64 * 4 * 30);
+        assert_eq!(
+            KvPool::bytes_per_token(l, KvDtype::F32, 30),
+            (2 * 3 * 64 * 4 * 30) as f64
+        );
+        let q = KvPool::new(l, KvDtype::Int8, 30, 4);
+        // One byte per value plus 6 scales per block and layer.
+        assert_eq!(q.bytes(), 30 * 4 * (2 * 3 * 16 * 64 + 6 * 4));
+        assert!(
+            q.bytes() * 2 <= p.bytes() / 2,
+            "int8 is under a quarter of f32 (half of f16)"
+        );
     }
 }

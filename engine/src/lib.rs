@@ -8,13 +8,18 @@
 //! Does not own: networking (the workers), file formats and text (tandem-model), or arithmetic
 //! kernels (tandem-kernels).
 
+pub mod block_manager;
 pub mod engine;
 pub mod kv_cache;
 pub mod model;
 pub mod sampler;
 
-pub use engine::{Engine, EngineConfig, FinishReason, Output, Request, StepStats, TokenEvent};
-pub use kv_cache::{BlockAllocator, BlockList, KvPool};
+pub use block_manager::{BlockCounts, BlockManager, KvEvent, KvEventKind, SeqBlocks};
+pub use engine::{
+    Engine, EngineConfig, EngineStats, Event, FinishReason, Finished, Limits, Request, RequestId,
+    StepStats, TokenEvent,
+};
+pub use kv_cache::{KvDtype, KvPool};
 pub use model::{LlamaModel, SeqBatch, WeightFormat};
 pub use sampler::{Sampled, Sampler, SamplingParams};
 

@@ -5,9 +5,11 @@
 //! slot its K/V goes to; attention reads each sequence's blocks through its block table. Logits
 //! are computed only for the rows that need a next token.
 
+use std::collections::BTreeMap;
 use tandem_kernels::ops::{self, RopeTable};
 use tandem_kernels::{matmul, paged_attention, write_kv, KvLayout, SeqAttn, Weight};
-use tandem_model::{LlamaConfig, LoadedModel};
+
+use tandem_model::{LlamaConfig, LoadedModel, ModelError, TensorData};
 
 use crate::kv_cache::KvPool;
 use crate::EngineError;
@@ -121,12 +123,26 @@ fn stack_rows(parts: &[&Weight]) -> Result<Weight, EngineError> {
 
 impl LlamaModel {
     pub fn new(m: &LoadedModel, format: WeightFormat) -> Result<Self, EngineError> {
-        let c = m.config.clone();
+        Self::from_tensors(&m.config, &m.tensors, format)
+    }
+
+    /// Builds the model from its config and tensors under their canonical (GGUF-style) names.
+    pub fn from_tensors(
+        config: &LlamaConfig,
+        tensors: &BTreeMap<String, TensorData>,
+        format: WeightFormat,
+    ) -> Result<Self, EngineError> {
+        let c = config.clone();
         let f32w = format == WeightFormat::F32;
-        let w = |name: &str| -> Result<Weight, EngineError> {
-            Ok(Weight::from_tensor(m.tensor(name)?, f32w)?)
+        let t = |name: &str| -> Result<&TensorData, EngineError> {
+            tensors
+                .get(name)
+                .ok_or_else(|| EngineError::Files(ModelError::MissingTensor(name.to_string())))
         };
-        let v = |name: &str| -> Result<Vec<f32>, EngineError> { Ok(m.tensor(name)?.to_f32()?) };
+        let w = |name: &str| -> Result<Weight, EngineError> {
+            Ok(Weight::from_tensor(t(name)?, f32w)?)
+        };
+        let v = |name: &str| -> Result<Vec<f32>, EngineError> { Ok(t(name)?.to_f32()?) };
         let mut layers = Vec::with_capacity(c.num_layers);
         for i in 0..c.num_layers {
             let p = |s: &str| format!("blk.{i}.{s}.weight");
@@ -254,9 +270,17 @@ impl LlamaModel {
             }
             ops::rope(&mut q, &positions, c.num_heads, &self.rope);
             ops::rope(&mut k, &positions, c.num_kv_heads, &self.rope);
-            let cache = kv.layer_mut(li);
-            write_kv(cache, layout, &k, &v, &slots)?;
-            paged_attention(&q, c.num_heads, cache, layout, &attn, scale, &mut att)?;
+            let mut cache = kv.layer_mut(li);
+            write_kv(&mut cache, layout, &k, &v, &slots)?;
+            paged_attention(
+                &q,
+                c.num_heads,
+                cache.as_ref(),
+                layout,
+                &attn,
+                scale,
+                &mut att,
+            )?;
             matmul(&att, t, &l.o, &mut proj)?;
             x.iter_mut().zip(&proj).for_each(|(a, b)| *a += b);
 
@@ -287,4 +311,57 @@ impl LlamaModel {
         matmul(&last, n, head, &mut logits)?;
         Ok(logits)
     }
+}
+
+/// A small random Llama for tests of the engine's bookkeeping (fast enough for property tests).
+#[cfg(test)]
+pub(crate) fn tiny_model(seed: u64) -> LlamaModel {
+    use rand::{Rng, SeedableRng};
+    use tandem_model::GgmlType;
+    let c = LlamaConfig {
+        hidden_size: 32,
+        intermediate_size: 64,
+        num_layers: 2,
+        num_heads: 4,
+        num_kv_heads: 2,
+        head_dim: 8,
+        vocab_size: 97,
+        max_position_embeddings: 256,
+        rms_norm_eps: 1e-5,
+        rope_theta: 10000.0,
+        rope_scaling: None,
+        tie_word_embeddings: true,
+    };
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let mut tensors = BTreeMap::new();
+    let mut add = |name: String, shape: Vec<usize>, scale: f32| {
+        let n: usize = shape.iter().product();
+        let data = (0..n)
+            .flat_map(|_| rng.gen_range(-scale..scale).to_le_bytes())
+            .collect();
+        tensors.insert(
+            name,
+            TensorData {
+                ty: GgmlType::F32,
+                shape,
+                data,
+            },
+        );
+    };
+    let (h, f, kv) = (32, 64, 16);
+    add("token_embd.weight".into(), vec![97, h], 1.0);
+    add("output_norm.weight".into(), vec![h], 1.0);
+    for i in 0..2 {
+        let p = |s: &str| format!("blk.{i}.{s}.weight");
+        add(p("attn_norm"), vec![h], 1.0);
+        add(p("ffn_norm"), vec![h], 1.0);
+        add(p("attn_q"), vec![h, h], 0.3);
+        add(p("attn_k"), vec![kv, h], 0.3);
+        add(p("attn_v"), vec![kv, h], 0.3);
+        add(p("attn_output"), vec![h, h], 0.3);
+        add(p("ffn_gate"), vec![f, h], 0.3);
+        add(p("ffn_up"), vec![f, h], 0.3);
+        add(p("ffn_down"), vec![h, f], 0.3);
+    }
+    LlamaModel::from_tensors(&c, &tensors, WeightFormat::Native).expect("consistent shapes")
 }

@@ -3,8 +3,12 @@
 
 use std::path::PathBuf;
 
+use rand::{Rng, SeedableRng};
 use serde_json::Value;
-use tandem_engine::{Engine, EngineConfig, LlamaModel, Request, SamplingParams, WeightFormat};
+use tandem_engine::{
+    Engine, EngineConfig, Event, KvDtype, KvPool, LlamaModel, Request, RequestId, SamplingParams,
+    WeightFormat,
+};
 
 fn golden_dir() -> PathBuf {
     std::env::var_os("TANDEM_GOLDEN")
@@ -52,24 +56,40 @@ fn requests(recs: &[Value]) -> Vec<Request> {
         .collect()
 }
 
-fn check_all(e: &mut Engine, recs: &[Value]) {
-    let free0 = e.free_blocks();
-    let outs = e.generate(requests(recs), |_| {}, |_| {}).unwrap();
+/// Every block is back in the pool (free or cached), none held.
+fn assert_no_blocks_held(e: &Engine) {
+    let st = e.stats();
+    assert_eq!(st.blocks_used, 0, "{st:?}");
+    assert_eq!(st.blocks_free + st.blocks_cached, st.blocks_total, "{st:?}");
+}
+
+/// Number of records whose generated ids equal the golden ones (differences are printed).
+fn count_exact(recs: &[Value], outs: &[Vec<u32>]) -> usize {
     let mut exact = 0;
-    for (r, o) in recs.iter().zip(&outs) {
+    for (r, o) in recs.iter().zip(outs) {
         let want = ids(&r["generated_ids"]);
-        if o.output_ids == want {
+        if *o == want {
             exact += 1;
         } else {
-            let at = o.output_ids.iter().zip(&want).position(|(a, b)| a != b);
+            let at = o.iter().zip(&want).position(|(a, b)| a != b);
             eprintln!(
                 "{}: first difference at {at:?}\n got {:?}\nwant {:?}",
-                r["id"], o.output_ids, want
+                r["id"], o, want
             );
         }
     }
-    assert_eq!(exact, recs.len(), "token-exact records");
-    assert_eq!(e.free_blocks(), free0, "every block returned");
+    exact
+}
+
+fn run_all(e: &mut Engine, recs: &[Value]) -> Vec<Vec<u32>> {
+    let outs = e.generate(requests(recs), |_| {}, |_| {}).unwrap();
+    outs.into_iter().map(|o| o.output_ids).collect()
+}
+
+fn check_all(e: &mut Engine, recs: &[Value]) {
+    let outs = run_all(e, recs);
+    assert_eq!(count_exact(recs, &outs), recs.len(), "token-exact records");
+    assert_no_blocks_held(e);
 }
 
 #[test]
@@ -129,3 +149,135 @@ fn last_position_logits_within_1e_3() {
     }
     assert_eq!(checked, 3, "three golden logit files");
 }
+
+#[test]
+fn random_arrivals_equal_each_prompt_alone_and_golden() {
+    let (mut e, recs) = engine(WeightFormat::Native, EngineConfig::default());
+    // Each prompt alone (the prefix cache is cleared so nothing is shared).
+    let mut alone = Vec::new();
+    for r in requests(&recs) {
+        e.clear_prefix_cache();
+        alone.push(
+            e.generate(vec![r], |_| {}, |_| {})
+                .unwrap()
+                .remove(0)
+                .output_ids,
+        );
+    }
+    assert_eq!(count_exact(&recs, &alone), recs.len());
+    // All of them, arriving at random steps while others run.
+    e.clear_prefix_cache();
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+    let mut arrivals: Vec<(usize, usize)> =
+        (0..recs.len()).map(|i| (rng.gen_range(0..40), i)).collect();
+    arrivals.sort();
+    let reqs = requests(&recs);
+    let mut got: Vec<Option<Vec<u32>>> = vec![None; recs.len()];
+    let mut step = 0;
+    let mut next = 0;
+    while next < arrivals.len() || e.has_work() {
+        while next < arrivals.len() && arrivals[next].0 <= step {
+            let i = arrivals[next].1;
+            e.add(RequestId(i as u64), reqs[i].clone()).unwrap();
+            next += 1;
+        }
+        let (events, _) = e.step().unwrap();
+        for ev in events {
+            if let Event::Finished(f) = ev {
+                got[f.request.0 as usize] = Some(f.output_ids);
+            }
+        }
+        step += 1;
+    }
+    let got: Vec<Vec<u32>> = got.into_iter().map(|o| o.expect("finished")).collect();
+    assert_eq!(got, alone, "batched with random arrivals equals alone");
+    assert_no_blocks_held(&e);
+}
+
+#[test]
+fn preempted_sequences_recompute_the_same_tokens() {
+    let cfg = EngineConfig::default();
+    let (probe, recs) = engine(WeightFormat::Native, cfg.clone());
+    let layout = probe.model.kv_layout(cfg.block_size);
+    let block_bytes = KvPool::bytes_per_block(layout, KvDtype::F32, probe.model.config.num_layers);
+    let biggest = requests(&recs)
+        .iter()
+        .map(|r| (r.prompt.len() + r.params.max_tokens as usize).div_ceil(cfg.block_size))
+        .max()
+        .unwrap();
+    drop(probe);
+    // Room for the biggest request and a little more: the batch must preempt to get through.
+    let mb = ((biggest + 4) * block_bytes).div_ceil(1 << 20);
+    for prefix_caching in [false, true] {
+        let (mut e, recs) = engine(
+            WeightFormat::Native,
+            EngineConfig {
+                kv_cache_mb: mb,
+                prefix_caching,
+                ..cfg.clone()
+            },
+        );
+        check_all(&mut e, &recs);
+        let st = e.stats();
+        assert!(
+            st.preemptions > 0,
+            "pool of {} blocks: {st:?}",
+            st.blocks_total
+        );
+        eprintln!(
+            "prefix caching {prefix_caching}: {} preemptions over {} blocks",
+            st.preemptions, st.blocks_total
+        );
+    }
+}
+
+#[test]
+fn prefix_cache_hits_recompute_fewer_tokens_and_keep_tokens_exact() {
+    let (mut e, recs) = engine(WeightFormat::Native, EngineConfig::default());
+    let mut prefill = [0usize; 2];
+    for p in &mut prefill {
+        let outs = e
+            .generate(requests(&recs), |_| {}, |s| *p += s.prefill_tokens)
+            .unwrap();
+        let outs: Vec<Vec<u32>> = outs.into_iter().map(|o| o.output_ids).collect();
+        assert_eq!(count_exact(&recs, &outs), recs.len());
+    }
+    let st = e.stats();
+    let prompt_tokens: usize = requests(&recs).iter().map(|r| r.prompt.len()).sum();
+    assert_eq!(
+        prefill[0], prompt_tokens,
+        "first run computes every prompt token"
+    );
+    // Second run: every full block of every prompt (but the one holding the last token) is cached.
+    let reusable: usize = requests(&recs)
+        .iter()
+        .map(|r| (r.prompt.len() - 1) / 16 * 16)
+        .sum();
+    assert_eq!(prefill[1], prompt_tokens - reusable, "{st:?}");
+    assert_eq!(st.prefix_hit_tokens as usize, reusable);
+    assert_no_blocks_held(&e);
+}
+
+#[test]
+fn int8_kv_cache_tokens_against_golden() {
+    let (mut e, recs) = engine(
+        WeightFormat::Native,
+        EngineConfig {
+            kv_dtype: KvDtype::Int8,
+            ..Default::default()
+        },
+    );
+    let outs = run_all(&mut e, &recs);
+    let exact = count_exact(&recs, &outs);
+    eprintln!(
+        "int8 KV: {exact} of {} golden records token-exact",
+        recs.len()
+    );
+    assert!(exact >= INT8_EXACT_FLOOR, "{exact} exact");
+    assert_no_blocks_held(&e);
+}
+
+/// Golden records that stay token-exact with the int8 KV cache: 5 of 12 measured (the others
+/// part from the f32 reference after 5 to 26 tokens, where rounding flips a near-tie). A floor, so a
+/// regression in the int8 path shows.
+const INT8_EXACT_FLOOR: usize = 5;

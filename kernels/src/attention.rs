@@ -37,6 +37,75 @@ impl KvLayout {
     fn v_at(&self, block: usize, head: usize, slot: usize) -> usize {
         self.k_at(block, head, slot) + self.block_floats() / 2
     }
+
+    /// Scales per block in an int8 cache (K and V, each head).
+    pub fn block_scales(&self) -> usize {
+        2 * self.num_kv_heads
+    }
+
+    /// Index of the scale of (block, K or V, head) in an int8 cache's scale array.
+    #[inline]
+    fn scale_at(&self, block: usize, kv: usize, head: usize) -> usize {
+        (block * 2 + kv) * self.num_kv_heads + head
+    }
+}
+
+/// One layer's cache, read-only: f32 values, or int8 values with an f32 scale per block, K/V and
+/// head (`scales[(block·2 + kv)·heads + head]`, kv 0 for K and 1 for V).
+#[derive(Clone, Copy, Debug)]
+pub enum KvSlab<'a> {
+    F32(&'a [f32]),
+    Int8 { data: &'a [i8], scales: &'a [f32] },
+}
+
+/// One layer's cache, writable.
+#[derive(Debug)]
+pub enum KvSlabMut<'a> {
+    F32(&'a mut [f32]),
+    Int8 {
+        data: &'a mut [i8],
+        scales: &'a mut [f32],
+    },
+}
+
+impl KvSlabMut<'_> {
+    pub fn as_ref(&self) -> KvSlab<'_> {
+        match self {
+            Self::F32(d) => KvSlab::F32(d),
+            Self::Int8 { data, scales } => KvSlab::Int8 { data, scales },
+        }
+    }
+}
+
+impl KvSlab<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Self::F32(d) => d.len(),
+            Self::Int8 { data, .. } => data.len(),
+        }
+    }
+
+    /// `run` consecutive rows of one head starting at value offset `at` (K or V, as `kv`), as f32:
+    /// borrowed for f32 caches, decoded into `scratch` for int8 ones.
+    fn rows<'s>(
+        &'s self,
+        layout: KvLayout,
+        at: usize,
+        run: usize,
+        scale_at: usize,
+        scratch: &'s mut Vec<f32>,
+    ) -> &'s [f32] {
+        let n = run * layout.head_dim;
+        match self {
+            Self::F32(d) => &d[at..at + n],
+            Self::Int8 { data, scales } => {
+                let sc = scales[scale_at];
+                scratch.clear();
+                scratch.extend(data[at..at + n].iter().map(|&q| q as f32 * sc));
+                scratch
+            }
+        }
+    }
 }
 
 /// One sequence's share of a packed attention batch.
@@ -54,8 +123,12 @@ pub struct SeqAttn<'a> {
 
 /// Writes K and V rows (tokens × kv_heads·head_dim) into their cache slots
 /// (`slot = physical_block · block_size + offset`).
+///
+/// An int8 cache keeps one scale per block, K/V and head. A block is filled from slot 0 up, so
+/// slot 0 sets a fresh scale (`absmax / 127`); a later row with a larger magnitude raises the scale
+/// and the rows already in the block are requantized to it.
 pub fn write_kv(
-    cache: &mut [f32],
+    cache: &mut KvSlabMut<'_>,
     layout: KvLayout,
     k: &[f32],
     v: &[f32],
@@ -70,22 +143,54 @@ pub fn write_kv(
         )));
     }
     let hd = layout.head_dim;
+    let len = cache.as_ref().len();
     for (t, &slot) in slots.iter().enumerate() {
         let (b, s) = (slot / layout.block_size, slot % layout.block_size);
-        if (b + 1) * layout.block_floats() > cache.len() {
+        if (b + 1) * layout.block_floats() > len {
             return Err(KernelError::Shape(format!(
                 "write_kv: slot {slot} is outside the cache"
             )));
         }
         for h in 0..layout.num_kv_heads {
             let src = t * row + h * hd;
-            let ko = layout.k_at(b, h, s);
-            cache[ko..ko + hd].copy_from_slice(&k[src..src + hd]);
-            let vo = layout.v_at(b, h, s);
-            cache[vo..vo + hd].copy_from_slice(&v[src..src + hd]);
+            for (kv, x) in [(0, &k[src..src + hd]), (1, &v[src..src + hd])] {
+                let at = if kv == 0 {
+                    layout.k_at(b, h, s)
+                } else {
+                    layout.v_at(b, h, s)
+                };
+                match cache {
+                    KvSlabMut::F32(d) => d[at..at + hd].copy_from_slice(x),
+                    KvSlabMut::Int8 { data, scales } => {
+                        let si = layout.scale_at(b, kv, h);
+                        let first = at - s * hd;
+                        write_int8_row(data, &mut scales[si], first, s, hd, x);
+                    }
+                }
+            }
         }
     }
     Ok(())
+}
+
+/// Quantizes row `s` of a block-head run starting at `first`, raising the run's scale (and
+/// requantizing rows `0..s`) when `x` does not fit it.
+fn write_int8_row(data: &mut [i8], scale: &mut f32, first: usize, s: usize, hd: usize, x: &[f32]) {
+    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let need = amax / 127.0;
+    if s == 0 {
+        *scale = need;
+    } else if need > *scale {
+        let ratio = if need > 0.0 { *scale / need } else { 0.0 };
+        for q in &mut data[first..first + s * hd] {
+            *q = (*q as f32 * ratio).round() as i8;
+        }
+        *scale = need;
+    }
+    let inv = if *scale > 0.0 { 1.0 / *scale } else { 0.0 };
+    for (q, &v) in data[first + s * hd..first + (s + 1) * hd].iter_mut().zip(x) {
+        *q = (v * inv).round().clamp(-127.0, 127.0) as i8;
+    }
 }
 
 /// Causal attention of packed queries (rows × n_heads·head_dim) over the paged cache, into `out`
@@ -93,7 +198,7 @@ pub fn write_kv(
 pub fn paged_attention(
     q: &[f32],
     n_heads: usize,
-    cache: &[f32],
+    cache: KvSlab<'_>,
     layout: KvLayout,
     seqs: &[SeqAttn<'_>],
     scale: f32,
@@ -178,7 +283,7 @@ pub fn paged_attention(
         .map(|it| {
             let qr = &q[it.row * width..(it.row + 1) * width];
             let qg = &qr[it.kvh * group * hd..(it.kvh + 1) * group * hd];
-            attend_part(qg, group, cache, layout, &seqs[it.seq], it, scale)
+            attend_part(qg, group, &cache, layout, &seqs[it.seq], it, scale)
         })
         .collect();
     // Rows without a sequence stay zero; the others are overwritten by the merge below.
@@ -214,7 +319,7 @@ struct Item {
 fn attend_part(
     qg: &[f32],
     g: usize,
-    cache: &[f32],
+    cache: &KvSlab<'_>,
     layout: KvLayout,
     s: &SeqAttn<'_>,
     it: &Item,
@@ -223,20 +328,21 @@ fn attend_part(
     let (hd, bs) = (layout.head_dim, layout.block_size);
     let n = it.j1 - it.j0;
     let mut scores = vec![0f32; g * n];
+    let mut scratch = Vec::new();
     let mut j = it.j0;
     while j < it.j1 {
         let (blk, off) = (s.block_table[j / bs] as usize, j % bs);
         let run = (bs - off).min(it.j1 - j);
         let ko = layout.k_at(blk, it.kvh, off);
-        let at = j - it.j0;
-        dot_rows_group(
-            qg,
-            g,
-            &cache[ko..ko + run * hd],
-            scale,
-            &mut scores[at..],
-            n,
+        let keys = cache.rows(
+            layout,
+            ko,
+            run,
+            layout.scale_at(blk, 0, it.kvh),
+            &mut scratch,
         );
+        let at = j - it.j0;
+        dot_rows_group(qg, g, keys, scale, &mut scores[at..], n);
         j += run;
     }
     // [max; g] [sum; g] [output; g×hd]
@@ -253,8 +359,15 @@ fn attend_part(
         let (blk, off) = (s.block_table[j / bs] as usize, j % bs);
         let run = (bs - off).min(it.j1 - j);
         let vo = layout.v_at(blk, it.kvh, off);
+        let vals = cache.rows(
+            layout,
+            vo,
+            run,
+            layout.scale_at(blk, 1, it.kvh),
+            &mut scratch,
+        );
         let at = j - it.j0;
-        axpy_rows_group(&scores[at..], n, &cache[vo..vo + run * hd], acc, g);
+        axpy_rows_group(&scores[at..], n, vals, acc, g);
         j += run;
     }
     part
@@ -349,6 +462,7 @@ mod tests {
             hd_pow in 2u32..6,
             block_size in prop::sample::select(vec![1usize, 2, 4, 16]),
             lens in prop::collection::vec((1usize..40, 0usize..40), 1..4),
+            int8 in any::<bool>(),
         ) {
             let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
             let hd = 1usize << hd_pow;
@@ -356,6 +470,8 @@ mod tests {
             let layout = KvLayout { block_size, num_kv_heads: kv_heads, head_dim: hd };
             let total_blocks: usize = lens.iter().map(|(n, p)| (n + p).div_ceil(block_size)).sum::<usize>() + 3;
             let mut cache = vec![f32::NAN; total_blocks * layout.block_floats()];
+            let mut qcache = vec![0i8; total_blocks * layout.block_floats()];
+            let mut scales = vec![f32::NAN; total_blocks * layout.block_scales()];
             let mut free: Vec<u32> = (0..total_blocks as u32).collect();
             free.shuffle(&mut rng);
             let kw = kv_heads * hd;
@@ -368,7 +484,16 @@ mod tests {
                 let k: Vec<f32> = (0..ctx * kw).map(|_| rng.gen_range(-1.0..1.0)).collect();
                 let v: Vec<f32> = (0..ctx * kw).map(|_| rng.gen_range(-1.0..1.0)).collect();
                 let slots: Vec<usize> = (0..ctx).map(|p| table[p / block_size] as usize * block_size + p % block_size).collect();
-                write_kv(&mut cache, layout, &k, &v, &slots).unwrap();
+                // Written in two chunks, as chunked prefill would.
+                let cut = ctx / 2;
+                for (a, b) in [(0, cut), (cut, ctx)] {
+                    let mut slab = if int8 {
+                        KvSlabMut::Int8 { data: &mut qcache, scales: &mut scales }
+                    } else {
+                        KvSlabMut::F32(&mut cache)
+                    };
+                    write_kv(&mut slab, layout, &k[a * kw..b * kw], &v[a * kw..b * kw], &slots[a..b]).unwrap();
+                }
                 let q: Vec<f32> = (0..new * n_heads * hd).map(|_| rng.gen_range(-1.0..1.0)).collect();
                 q_all.extend_from_slice(&q);
                 tables.push(table);
@@ -382,16 +507,64 @@ mod tests {
             }
             let scale = 1.0 / (hd as f32).sqrt();
             let mut out = vec![0f32; q_all.len()];
-            paged_attention(&q_all, n_heads, &cache, layout, &seqs, scale, &mut out).unwrap();
+            let slab = if int8 {
+                KvSlab::Int8 { data: &qcache, scales: &scales }
+            } else {
+                KvSlab::F32(&cache)
+            };
+            paged_attention(&q_all, n_heads, slab, layout, &seqs, scale, &mut out).unwrap();
+            // int8: each value is within half a step (absmax/254) of the original.
+            let tol = if int8 { 2e-2 } else { 1e-4 };
             let mut off = 0;
             for (q, k, v) in &contiguous {
                 let want = reference_attention(q, n_heads, k, v, kv_heads, hd, scale);
                 for (a, b) in out[off..off + q.len()].iter().zip(&want) {
-                    prop_assert!((a - b).abs() < 1e-4, "{} vs {}", a, b);
+                    prop_assert!((a - b).abs() < tol, "{} vs {}", a, b);
                 }
                 off += q.len();
             }
         }
+    }
+
+    #[test]
+    fn int8_scale_grows_and_requantizes() {
+        let layout = KvLayout {
+            block_size: 4,
+            num_kv_heads: 1,
+            head_dim: 2,
+        };
+        let mut data = vec![0i8; layout.block_floats()];
+        let mut scales = vec![0f32; layout.block_scales()];
+        let rows = [[0.5f32, -0.25], [1.0, 0.1], [-4.0, 2.0]];
+        for (s, r) in rows.iter().enumerate() {
+            let mut slab = KvSlabMut::Int8 {
+                data: &mut data,
+                scales: &mut scales,
+            };
+            write_kv(&mut slab, layout, r, r, &[s]).unwrap();
+        }
+        assert_eq!(scales[0], 4.0 / 127.0, "K scale follows the largest row");
+        assert_eq!(scales[1], 4.0 / 127.0);
+        for (s, r) in rows.iter().enumerate() {
+            for d in 0..2 {
+                let got = data[s * 2 + d] as f32 * scales[0];
+                // Two roundings at most: one at the first scale, one on requantizing.
+                assert!(
+                    (got - r[d]).abs() <= scales[0],
+                    "slot {s}: {got} vs {}",
+                    r[d]
+                );
+            }
+        }
+        // Slot 0 of a reused block starts a fresh scale.
+        let mut slab = KvSlabMut::Int8 {
+            data: &mut data,
+            scales: &mut scales,
+        };
+        write_kv(&mut slab, layout, &[0.01, 0.0], &[0.0, 0.0], &[0]).unwrap();
+        assert_eq!(scales[0], 0.01 / 127.0);
+        assert_eq!(scales[1], 0.0);
+        assert_eq!(data[0], 127);
     }
 
     #[test]
@@ -411,7 +584,7 @@ mod tests {
             context_len: 1,
             block_table: &table,
         }];
-        assert!(paged_attention(&q, 1, &cache, layout, &s, 1.0, &mut out).is_err());
+        assert!(paged_attention(&q, 1, KvSlab::F32(&cache), layout, &s, 1.0, &mut out).is_err());
         let table = [0u32];
         let s = [SeqAttn {
             q_start: 0,
@@ -419,6 +592,6 @@ mod tests {
             context_len: 3,
             block_table: &table,
         }];
-        assert!(paged_attention(&q, 1, &cache, layout, &s, 1.0, &mut out).is_err());
+        assert!(paged_attention(&q, 1, KvSlab::F32(&cache), layout, &s, 1.0, &mut out).is_err());
     }
 }

@@ -18,7 +18,9 @@ pub mod ops;
 pub mod simd;
 mod weight;
 
-pub use attention::{paged_attention, reference_attention, write_kv, KvLayout, SeqAttn};
+pub use attention::{
+    paged_attention, reference_attention, write_kv, KvLayout, KvSlab, KvSlabMut, SeqAttn,
+};
 pub use matmul::matmul;
 pub use weight::Weight;
 

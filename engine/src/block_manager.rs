@@ -1,0 +1,545 @@
+//! The block manager: who owns which KV block, and which blocks hold a reusable prefix.
+//!
+//! Every block is in exactly one of three states:
+//! - **free**: on the free list, holding nothing anyone wants;
+//! - **used**: referenced by one or more sequences (`ref_count > 0`);
+//! - **cached**: unreferenced, but holding a full block whose chained hash is in the prefix cache,
+//!   kept in LRU order so a later request with the same prefix can take it back instead of
+//!   recomputing it. Cached blocks are evicted (oldest first) only when the free list is empty.
+//!
+//! A full block gets its hash when its last token's K/V has been computed ([`SeqBlocks::commit`]);
+//! from then on it can be shared. Every change to the set of cached hashes is recorded as a
+//! [`KvEvent`] with a per-worker sequence number, for the router's index of who caches what.
+//!
+//! Sequences hold their blocks through [`SeqBlocks`], which releases them on drop, so a finished,
+//! failed, cancelled or preempted sequence can never leak a block.
+
+use std::cell::RefCell;
+use std::collections::{BTreeMap, HashMap};
+use std::rc::Rc;
+
+use tandem_model::hash::{hash_block, BlockHash, ROOT};
+
+/// A physical KV block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BlockId(pub u32);
+
+/// A change to the set of blocks this worker caches.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvEvent {
+    /// Per-worker, starting at 1, no gaps: a consumer that sees a gap must ask for a snapshot.
+    pub seq: u64,
+    pub kind: KvEventKind,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum KvEventKind {
+    /// These block hashes are now cached here; `parent` is the hash of the block before the first
+    /// one (`None` at the start of a sequence).
+    Stored {
+        parent: Option<BlockHash>,
+        hashes: Vec<BlockHash>,
+    },
+    /// These block hashes are no longer cached here.
+    Removed { hashes: Vec<BlockHash> },
+}
+
+/// Counts of blocks by state. `free + cached + used == total` always.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BlockCounts {
+    pub total: usize,
+    pub free: usize,
+    /// Unreferenced, holding a cached prefix block (evictable).
+    pub cached: usize,
+    /// Referenced by at least one sequence.
+    pub used: usize,
+}
+
+#[derive(Debug)]
+struct Inner {
+    ref_count: Vec<u32>,
+    /// The hash a block is cached under, if it is the cache's block for that hash.
+    hash: Vec<Option<BlockHash>>,
+    free: Vec<BlockId>,
+    by_hash: HashMap<BlockHash, BlockId>,
+    /// Unreferenced cached blocks by the tick they were released at (oldest first).
+    lru: BTreeMap<u64, BlockId>,
+    lru_tick: Vec<u64>,
+    tick: u64,
+    events: Vec<KvEvent>,
+    next_event: u64,
+    used: usize,
+}
+
+impl Inner {
+    fn emit(&mut self, kind: KvEventKind) {
+        self.next_event += 1;
+        self.events.push(KvEvent {
+            seq: self.next_event,
+            kind,
+        });
+    }
+
+    fn take_ref(&mut self, b: BlockId) {
+        let i = b.0 as usize;
+        if self.ref_count[i] == 0 {
+            self.lru.remove(&self.lru_tick[i]);
+            self.used += 1;
+        }
+        self.ref_count[i] += 1;
+    }
+
+    fn release(&mut self, b: BlockId) {
+        let i = b.0 as usize;
+        assert!(self.ref_count[i] > 0, "block {} released twice", b.0);
+        self.ref_count[i] -= 1;
+        if self.ref_count[i] > 0 {
+            return;
+        }
+        self.used -= 1;
+        if self.hash[i].is_some() {
+            self.tick += 1;
+            self.lru_tick[i] = self.tick;
+            self.lru.insert(self.tick, b);
+        } else {
+            self.free.push(b);
+        }
+    }
+
+    /// Takes `n` blocks (ref count 1), evicting the least recently used cached blocks when the free
+    /// list runs out; `None`, with nothing taken, when even that is not enough.
+    fn allocate(&mut self, n: usize) -> Option<Vec<BlockId>> {
+        if self.free.len() + self.lru.len() < n {
+            return None;
+        }
+        let mut out = Vec::with_capacity(n);
+        let mut evicted = Vec::new();
+        while out.len() < n {
+            let b = match self.free.pop() {
+                Some(b) => b,
+                None => {
+                    let (_, b) = self.lru.pop_first().expect("counted above");
+                    let h = self.hash[b.0 as usize]
+                        .take()
+                        .expect("cached blocks have a hash");
+                    self.by_hash.remove(&h);
+                    evicted.push(h);
+                    b
+                }
+            };
+            self.ref_count[b.0 as usize] = 1;
+            self.used += 1;
+            out.push(b);
+        }
+        if !evicted.is_empty() {
+            self.emit(KvEventKind::Removed { hashes: evicted });
+        }
+        Some(out)
+    }
+}
+
+/// The block pool of one worker. Single-threaded: it lives on the engine thread; clones share it.
+#[derive(Clone, Debug)]
+pub struct BlockManager {
+    inner: Rc<RefCell<Inner>>,
+    block_size: usize,
+}
+
+impl BlockManager {
+    pub fn new(total: usize, block_size: usize) -> Self {
+        assert!(block_size > 0, "block size must be positive");
+        Self {
+            inner: Rc::new(RefCell::new(Inner {
+                ref_count: vec![0; total],
+                hash: vec![None; total],
+                // Low ids first (popped from the back).
+                free: (0..total as u32).rev().map(BlockId).collect(),
+                by_hash: HashMap::new(),
+                lru: BTreeMap::new(),
+                lru_tick: vec![0; total],
+                tick: 0,
+                events: Vec::new(),
+                next_event: 0,
+                used: 0,
+            })),
+            block_size,
+        }
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    pub fn counts(&self) -> BlockCounts {
+        let s = self.inner.borrow();
+        BlockCounts {
+            total: s.ref_count.len(),
+            free: s.free.len(),
+            cached: s.lru.len(),
+            used: s.used,
+        }
+    }
+
+    /// Blocks an allocation could get now (free plus evictable).
+    pub fn available(&self) -> usize {
+        let s = self.inner.borrow();
+        s.free.len() + s.lru.len()
+    }
+
+    /// Reference count of a block (for tests and invariant checks).
+    pub fn ref_count(&self, b: BlockId) -> u32 {
+        self.inner.borrow().ref_count[b.0 as usize]
+    }
+
+    /// Events since the last call, in order.
+    pub fn drain_events(&self) -> Vec<KvEvent> {
+        std::mem::take(&mut self.inner.borrow_mut().events)
+    }
+
+    /// Every hash cached now, for a snapshot after an event gap, with the last event's number.
+    pub fn snapshot(&self) -> (u64, Vec<BlockHash>) {
+        let s = self.inner.borrow();
+        let mut h: Vec<BlockHash> = s.by_hash.keys().copied().collect();
+        h.sort();
+        (s.next_event, h)
+    }
+
+    /// Evicts every unreferenced cached block (blocks in use keep their hashes).
+    pub fn clear_cache(&self) {
+        let mut s = self.inner.borrow_mut();
+        let mut removed = Vec::new();
+        while let Some((_, b)) = s.lru.pop_first() {
+            let h = s.hash[b.0 as usize]
+                .take()
+                .expect("cached blocks have a hash");
+            s.by_hash.remove(&h);
+            removed.push(h);
+            s.free.push(b);
+        }
+        if !removed.is_empty() {
+            s.emit(KvEventKind::Removed { hashes: removed });
+        }
+    }
+
+    /// An empty block table for a new sequence.
+    pub fn sequence(&self) -> SeqBlocks {
+        SeqBlocks {
+            mgr: self.clone(),
+            blocks: Vec::new(),
+            hashes: Vec::new(),
+        }
+    }
+}
+
+/// The blocks of one sequence, in logical order, and the chained hashes of its full, computed
+/// blocks. Dropping it releases every block.
+#[derive(Debug)]
+pub struct SeqBlocks {
+    mgr: BlockManager,
+    blocks: Vec<u32>,
+    /// Hash of logical block i, for the committed (full and computed) blocks.
+    hashes: Vec<BlockHash>,
+}
+
+impl SeqBlocks {
+    /// Physical block ids in logical order (the block table).
+    pub fn ids(&self) -> &[u32] {
+        &self.blocks
+    }
+
+    pub fn len(&self) -> usize {
+        self.blocks.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.blocks.is_empty()
+    }
+
+    /// Takes over the longest run of cached blocks that starts this sequence's `tokens`, leaving
+    /// at least one token to compute (its logits are needed). Only for an empty table. Returns
+    /// the number of tokens whose K/V is now in place.
+    pub fn reuse_prefix(&mut self, tokens: &[u32]) -> usize {
+        assert!(
+            self.blocks.is_empty(),
+            "prefix reuse on a sequence that has blocks"
+        );
+        let bs = self.mgr.block_size;
+        let full = tokens.len().saturating_sub(1) / bs;
+        let mut s = self.mgr.inner.borrow_mut();
+        let mut parent = ROOT;
+        for chunk in tokens.chunks_exact(bs).take(full) {
+            let h = hash_block(parent, chunk);
+            let Some(&b) = s.by_hash.get(&h) else { break };
+            s.take_ref(b);
+            self.blocks.push(b.0);
+            self.hashes.push(h);
+            parent = h;
+        }
+        self.blocks.len() * bs
+    }
+
+    /// Grows the table to hold `tokens` tokens; false, with nothing taken, if the pool is short.
+    pub fn reserve(&mut self, tokens: usize) -> bool {
+        let need = tokens.div_ceil(self.mgr.block_size);
+        if need <= self.blocks.len() {
+            return true;
+        }
+        match self
+            .mgr
+            .inner
+            .borrow_mut()
+            .allocate(need - self.blocks.len())
+        {
+            Some(more) => {
+                self.blocks.extend(more.iter().map(|b| b.0));
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Records that the K/V of `tokens[..computed]` is in place: every block that is now full gets
+    /// its chained hash and enters the prefix cache (unless another block already holds that
+    /// prefix, in which case this one stays private and is freed, not cached, when released).
+    pub fn commit(&mut self, tokens: &[u32], computed: usize) {
+        let bs = self.mgr.block_size;
+        let full = (computed / bs).min(self.blocks.len());
+        if full <= self.hashes.len() {
+            return;
+        }
+        let mut s = self.mgr.inner.borrow_mut();
+        let first = self.hashes.len();
+        let parent = self.hashes.last().copied();
+        let mut stored = Vec::new();
+        for i in first..full {
+            let h = hash_block(
+                self.hashes.last().copied().unwrap_or(ROOT),
+                &tokens[i * bs..(i + 1) * bs],
+            );
+            self.hashes.push(h);
+            let b = self.blocks[i];
+            if s.hash[b as usize].is_none() && !s.by_hash.contains_key(&h) {
+                s.hash[b as usize] = Some(h);
+                s.by_hash.insert(h, BlockId(b));
+                stored.push(h);
+            }
+        }
+        if !stored.is_empty() {
+            // Blocks already cached by someone else are skipped, so a stored run may not start
+            // right after `parent`; consumers treat `parent` as a hint, the hashes as the facts.
+            s.emit(KvEventKind::Stored {
+                parent: if first == 0 { None } else { parent },
+                hashes: stored,
+            });
+        }
+    }
+
+    /// Releases every block (the table is empty afterwards), as dropping would.
+    pub fn clear(&mut self) {
+        let mut s = self.mgr.inner.borrow_mut();
+        for b in self.blocks.drain(..) {
+            s.release(BlockId(b));
+        }
+        self.hashes.clear();
+    }
+}
+
+impl Drop for SeqBlocks {
+    fn drop(&mut self) {
+        self.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn check(m: &BlockManager) {
+        let c = m.counts();
+        assert_eq!(c.free + c.cached + c.used, c.total, "{c:?}");
+        let s = m.inner.borrow();
+        let referenced = s.ref_count.iter().filter(|&&r| r > 0).count();
+        assert_eq!(referenced, c.used);
+        for (h, b) in &s.by_hash {
+            assert_eq!(s.hash[b.0 as usize], Some(*h));
+        }
+        for b in s.lru.values() {
+            assert_eq!(s.ref_count[b.0 as usize], 0);
+            assert!(s.hash[b.0 as usize].is_some());
+        }
+        for b in &s.free {
+            assert_eq!(s.ref_count[b.0 as usize], 0);
+            assert!(s.hash[b.0 as usize].is_none());
+        }
+    }
+
+    #[test]
+    fn prefix_is_reused_and_evicted_last() {
+        let m = BlockManager::new(4, 2);
+        let toks = [1, 2, 3, 4, 5];
+        let mut a = m.sequence();
+        assert_eq!(a.reuse_prefix(&toks), 0);
+        assert!(a.reserve(5));
+        a.commit(&toks, 5);
+        let ids = a.ids().to_vec();
+        assert_eq!(m.counts().used, 3);
+        let ev = m.drain_events();
+        assert_eq!(ev.len(), 1);
+        assert_eq!(ev[0].seq, 1);
+        let expect = tandem_model::hash::block_hashes(&toks, 2);
+        assert_eq!(
+            ev[0].kind,
+            KvEventKind::Stored {
+                parent: None,
+                hashes: expect.clone()
+            }
+        );
+        drop(a);
+        assert_eq!(
+            m.counts(),
+            BlockCounts {
+                total: 4,
+                free: 2,
+                cached: 2,
+                used: 0
+            }
+        );
+        // Same prefix: both full blocks come back, the partial third is computed.
+        let mut b = m.sequence();
+        assert_eq!(b.reuse_prefix(&toks), 4);
+        assert_eq!(b.ids(), &ids[..2]);
+        assert_eq!(m.ref_count(BlockId(ids[0])), 1);
+        // Exactly two full blocks: the last one is recomputed so its logits exist.
+        let mut c = m.sequence();
+        assert_eq!(c.reuse_prefix(&toks[..4]), 2);
+        assert_eq!(m.ref_count(BlockId(ids[0])), 2);
+        drop(b);
+        drop(c);
+        // Allocation uses free blocks before evicting cached ones, then evicts oldest first.
+        let mut d = m.sequence();
+        assert!(d.reserve(4));
+        assert_eq!(m.counts().cached, 2);
+        assert!(d.reserve(6));
+        assert_eq!(m.counts().cached, 1);
+        let ev = m.drain_events();
+        assert_eq!(ev.len(), 1);
+        assert_eq!(ev[0].seq, 2);
+        assert_eq!(
+            ev[0].kind,
+            KvEventKind::Removed {
+                hashes: vec![expect[1]]
+            }
+        );
+        assert!(!d.reserve(12), "more than the pool");
+        assert_eq!(d.len(), 3, "a failed reserve takes nothing");
+        check(&m);
+        m.clear_cache();
+        assert_eq!(m.counts().cached, 0);
+        assert_eq!(m.counts().free, 1);
+        assert_eq!(
+            m.drain_events()[0].kind,
+            KvEventKind::Removed {
+                hashes: vec![expect[0]]
+            }
+        );
+        check(&m);
+    }
+
+    #[test]
+    fn duplicate_prefix_computed_twice_is_cached_once() {
+        let m = BlockManager::new(4, 2);
+        let toks = [7, 8, 9];
+        let (mut a, mut b) = (m.sequence(), m.sequence());
+        assert!(a.reserve(3) && b.reserve(3));
+        a.commit(&toks, 3);
+        b.commit(&toks, 3);
+        assert_eq!(m.snapshot().1.len(), 1);
+        drop(a);
+        drop(b);
+        assert_eq!(m.counts().cached, 1);
+        assert_eq!(m.counts().free, 3);
+        check(&m);
+    }
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Start { seq: usize, len: usize, vocab: u32 },
+        Grow { seq: usize, by: usize },
+        Drop { seq: usize },
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            (0usize..6, 1usize..20, 1u32..3).prop_map(|(seq, len, vocab)| Op::Start {
+                seq,
+                len,
+                vocab
+            }),
+            (0usize..6, 1usize..6).prop_map(|(seq, by)| Op::Grow { seq, by }),
+            (0usize..6).prop_map(|seq| Op::Drop { seq }),
+        ]
+    }
+
+    proptest! {
+        /// Random sequences over a small pool (tiny vocabularies make shared prefixes common):
+        /// the three states always add up, ref counts match holders, events are numbered without
+        /// gaps and replaying them gives the cached set.
+        #[test]
+        fn invariants_hold(ops in prop::collection::vec(op(), 1..80)) {
+            let m = BlockManager::new(12, 2);
+            let mut seqs: Vec<Option<(SeqBlocks, Vec<u32>, usize)>> = (0..6).map(|_| None).collect();
+            let mut replay = std::collections::HashSet::new();
+            let mut last_event = 0;
+            for o in ops {
+                match o {
+                    Op::Start { seq, len, vocab } => {
+                        let toks: Vec<u32> = (0..len as u32).map(|i| i % vocab).collect();
+                        let mut s = m.sequence();
+                        let reused = s.reuse_prefix(&toks);
+                        prop_assert!(reused < len && reused % 2 == 0);
+                        if s.reserve(len) {
+                            s.commit(&toks, len);
+                            seqs[seq] = Some((s, toks, len));
+                        } else {
+                            seqs[seq] = None;
+                        }
+                    }
+                    Op::Grow { seq, by } => {
+                        if let Some((s, toks, n)) = seqs[seq].as_mut() {
+                            let want = *n + by;
+                            if s.reserve(want) {
+                                toks.extend((0..by as u32).map(|i| i % 2));
+                                *n = want;
+                                s.commit(toks, want);
+                            }
+                        }
+                    }
+                    Op::Drop { seq } => seqs[seq] = None,
+                }
+                check(&m);
+                let held: usize = seqs.iter().flatten().map(|(s, _, _)| s.len()).sum();
+                prop_assert!(m.counts().used <= held);
+                for e in m.drain_events() {
+                    prop_assert_eq!(e.seq, last_event + 1);
+                    last_event = e.seq;
+                    match e.kind {
+                        KvEventKind::Stored { hashes, .. } => {
+                            for h in hashes { prop_assert!(replay.insert(h)); }
+                        }
+                        KvEventKind::Removed { hashes } => {
+                            for h in hashes { prop_assert!(replay.remove(&h)); }
+                        }
+                    }
+                }
+                let mut r: Vec<_> = replay.iter().copied().collect();
+                r.sort();
+                prop_assert_eq!(m.snapshot(), (last_event, r));
+            }
+            seqs.clear();
+            let c = m.counts();
+            prop_assert_eq!(c.used, 0);
+            prop_assert_eq!(c.free + c.cached, 12);
+        }
+    }
+}
