@@ -81,6 +81,9 @@ pub struct EngineArgs {
     /// KV cache element type: f32 (exact) or int8 (a byte per value, scale per block and head).
     #[arg(long, env = "TANDEM_KV_DTYPE", default_value = "f32")]
     pub kv_dtype: KvDtype,
+    /// KV pool size in blocks (overrides --kv-cache-mb).
+    #[arg(long, env = "TANDEM_KV_BLOCKS")]
+    pub kv_blocks: Option<usize>,
     /// Do not reuse KV blocks of identical prompt prefixes across requests.
     #[arg(long, env = "TANDEM_NO_PREFIX_CACHING")]
     pub no_prefix_caching: bool,
@@ -104,6 +107,7 @@ impl EngineArgs {
             max_seqs: self.max_seqs,
             kv_dtype: self.kv_dtype,
             prefix_caching: !self.no_prefix_caching,
+            num_blocks: self.kv_blocks,
         };
         let engine = Engine::new(model, cfg, loaded.tokenizer.eos_token_ids.clone())?;
         Ok((engine, loaded))

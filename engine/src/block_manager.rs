@@ -497,7 +497,7 @@ mod tests {
                         let toks: Vec<u32> = (0..len as u32).map(|i| i % vocab).collect();
                         let mut s = m.sequence();
                         let reused = s.reuse_prefix(&toks);
-                        prop_assert!(reused < len && reused % 2 == 0);
+                        prop_assert!(reused < len && reused.is_multiple_of(2));
                         if s.reserve(len) {
                             s.commit(&toks, len);
                             seqs[seq] = Some((s, toks, len));

@@ -40,6 +40,8 @@ pub struct EngineConfig {
     pub max_seqs: usize,
     /// Reuse cached prefix blocks across requests.
     pub prefix_caching: bool,
+    /// Exact pool size in blocks, overriding `kv_cache_mb`.
+    pub num_blocks: Option<usize>,
 }
 
 impl Default for EngineConfig {
@@ -51,6 +53,7 @@ impl Default for EngineConfig {
             max_batched_tokens: 2048,
             max_seqs: 256,
             prefix_caching: true,
+            num_blocks: None,
         }
     }
 }
@@ -256,7 +259,10 @@ impl Engine {
         }
         let layout = model.kv_layout(config.block_size);
         let block_bytes = KvPool::bytes_per_block(layout, config.kv_dtype, model.config.num_layers);
-        let num_blocks = (config.kv_cache_mb * (1 << 20) / block_bytes).max(1);
+        let num_blocks = config
+            .num_blocks
+            .unwrap_or(config.kv_cache_mb * (1 << 20) / block_bytes)
+            .max(1);
         let kv = KvPool::new(layout, config.kv_dtype, model.config.num_layers, num_blocks);
         Ok(Self {
             blocks: BlockManager::new(num_blocks, config.block_size),
@@ -345,6 +351,15 @@ impl Engine {
             preemptions: 0,
         });
         Ok(())
+    }
+
+    /// Drops every queued and running request (their blocks return to the pool); returns their
+    /// ids. For a step that failed: the requests in it cannot be trusted to continue.
+    pub fn abort_all(&mut self) -> Vec<RequestId> {
+        self.cancelled.clear();
+        let mut ids: Vec<RequestId> = self.running.drain(..).map(|s| s.id).collect();
+        ids.extend(self.waiting.drain(..).map(|s| s.id));
+        ids
     }
 
     /// Cancels a request; it leaves (and frees its blocks) at the start of the next step.
@@ -593,5 +608,190 @@ impl Engine {
             want_logits: true,
         }];
         self.model.forward(&batch, &mut self.kv)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::tiny_model;
+    use proptest::prelude::*;
+    use rand::{Rng, SeedableRng};
+
+    fn req(prompt: Vec<u32>, max_tokens: u32) -> Request {
+        Request {
+            prompt,
+            params: SamplingParams {
+                max_tokens,
+                ignore_eos: true,
+                ..Default::default()
+            },
+        }
+    }
+
+    fn engine(cfg: EngineConfig) -> Engine {
+        Engine::new(tiny_model(1), cfg, vec![]).unwrap()
+    }
+
+    fn check_counts(e: &Engine) {
+        let st = e.stats();
+        assert_eq!(
+            st.blocks_free + st.blocks_cached + st.blocks_used,
+            st.blocks_total,
+            "{st:?}"
+        );
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+        /// Random arrivals, lengths and cancels over a pool small enough to force preemption:
+        /// block states always add up, nothing leaks, every request finishes or is cancelled,
+        /// and every request that ran to the end produced the tokens it produces alone.
+        #[test]
+        fn scheduler_serves_everything_without_leaks(
+            seed in any::<u64>(),
+            n in 1usize..10,
+            block_size in prop::sample::select(vec![1usize, 4, 16]),
+            pool_tokens in 48usize..160,
+            budget in 3usize..48,
+            max_seqs in 1usize..6,
+        ) {
+            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+            let cfg = EngineConfig {
+                block_size,
+                num_blocks: Some(pool_tokens.div_ceil(block_size)),
+                max_batched_tokens: budget,
+                max_seqs,
+                ..Default::default()
+            };
+            let mut e = engine(cfg.clone());
+            // (arrival step, cancel at step, request); tokens from a tiny alphabet so prefixes
+            // are shared often.
+            let mut plan = Vec::new();
+            for _ in 0..n {
+                let len = rng.gen_range(1..40);
+                let prompt: Vec<u32> = (0..len).map(|_| rng.gen_range(0..3)).collect();
+                let r = req(prompt, rng.gen_range(1..24));
+                if e.validate(&r).is_err() {
+                    continue;
+                }
+                let arrive = rng.gen_range(0..15usize);
+                let cancel = rng.gen_bool(0.2).then(|| arrive + rng.gen_range(0..20usize));
+                plan.push((arrive, cancel, r));
+            }
+            let mut finished: Vec<Option<Finished>> = vec![None; plan.len()];
+            let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); plan.len()];
+            let mut step = 0;
+            while step < 40 || e.has_work() {
+                for (i, (arrive, cancel, r)) in plan.iter().enumerate() {
+                    if *arrive == step {
+                        e.add(RequestId(i as u64), r.clone()).unwrap();
+                    }
+                    if *cancel == Some(step) {
+                        e.cancel(RequestId(i as u64));
+                    }
+                }
+                let (events, _) = e.step().unwrap();
+                check_counts(&e);
+                for ev in events {
+                    match ev {
+                        Event::Token(t) => tokens[t.request.0 as usize].push(t.sampled.token),
+                        Event::Finished(f) => {
+                            let i = f.request.0 as usize;
+                            prop_assert!(finished[i].is_none(), "finished twice");
+                            finished[i] = Some(f);
+                        }
+                    }
+                }
+                step += 1;
+                prop_assert!(step < 10_000, "no progress");
+            }
+            let st = e.stats();
+            prop_assert_eq!(st.blocks_used, 0);
+            prop_assert_eq!(st.blocks_free + st.blocks_cached, st.blocks_total);
+            let mut alone = engine(EngineConfig::default());
+            for (i, (_, _, r)) in plan.iter().enumerate() {
+                let f = finished[i].as_ref().expect("every request finishes or is cancelled");
+                prop_assert_eq!(&f.output_ids, &tokens[i], "stream and result agree");
+                match f.finish_reason {
+                    FinishReason::Cancelled => {
+                        prop_assert!(f.output_ids.len() <= r.params.max_tokens as usize)
+                    }
+                    FinishReason::Length => {
+                        prop_assert_eq!(f.output_ids.len(), r.params.max_tokens as usize);
+                        alone.clear_prefix_cache();
+                        let want = alone.generate(vec![r.clone()], |_| {}, |_| {}).unwrap();
+                        prop_assert_eq!(&f.output_ids, &want[0].output_ids);
+                    }
+                    FinishReason::Stop => prop_assert!(false, "no stop tokens were set"),
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn prefix_hits_skip_computation() {
+        let mut e = engine(EngineConfig {
+            block_size: 4,
+            ..Default::default()
+        });
+        let prompt: Vec<u32> = (0..18).collect();
+        let mut prefill = [0usize; 3];
+        let mut outs = Vec::new();
+        for (k, p) in prefill.iter_mut().enumerate() {
+            if k == 2 {
+                e.clear_prefix_cache();
+            }
+            let o = e
+                .generate(
+                    vec![req(prompt.clone(), 5)],
+                    |_| {},
+                    |s| *p += s.prefill_tokens,
+                )
+                .unwrap();
+            outs.push(o[0].output_ids.clone());
+            if k == 1 {
+                assert_eq!(o[0].cached_prompt_tokens, 16);
+            }
+        }
+        // 18 tokens = 4 full blocks + 2: the second run reuses the 4 blocks.
+        assert_eq!(prefill, [18, 2, 18]);
+        assert_eq!(outs[0], outs[1]);
+        assert_eq!(outs[0], outs[2]);
+        let st = e.stats();
+        assert_eq!((st.prefix_lookup_tokens, st.prefix_hit_tokens), (54, 16));
+        // A prompt that is a prefix of the cached one, ending exactly on a block boundary, still
+        // computes its last block (its logits are needed).
+        let mut p = 0;
+        e.generate(
+            vec![req(prompt[..8].to_vec(), 1)],
+            |_| {},
+            |s| p += s.prefill_tokens,
+        )
+        .unwrap();
+        assert_eq!(p, 4);
+    }
+
+    #[test]
+    fn oldest_sequences_keep_running_when_the_pool_is_short() {
+        // Two requests that each need the whole pool over their lifetime: the newer one is
+        // preempted, the older one finishes first, then the newer one completes.
+        let mut e = engine(EngineConfig {
+            block_size: 4,
+            num_blocks: Some(8),
+            ..Default::default()
+        });
+        let a = req((0..10).collect(), 20);
+        let b = req((20..30).collect(), 20);
+        let out = e
+            .generate(vec![a.clone(), b.clone()], |_| {}, |_| {})
+            .unwrap();
+        assert!(e.stats().preemptions >= 1);
+        assert_eq!(out[0].preemptions, 0, "the oldest is never the victim");
+        assert!(out[1].preemptions >= 1);
+        let mut fresh = engine(EngineConfig::default());
+        let want = fresh.generate(vec![a, b], |_| {}, |_| {}).unwrap();
+        assert_eq!(out[0].output_ids, want[0].output_ids);
+        assert_eq!(out[1].output_ids, want[1].output_ids);
     }
 }

@@ -119,9 +119,10 @@ mod tests {
         let q = KvPool::new(l, KvDtype::Int8, 30, 4);
         // One byte per value plus 6 scales per block and layer.
         assert_eq!(q.bytes(), 30 * 4 * (2 * 3 * 16 * 64 + 6 * 4));
-        assert!(
-            q.bytes() * 2 <= p.bytes() / 2,
-            "int8 is under a quarter of f32 (half of f16)"
-        );
+        // Against a 16-bit cache (half of f32), int8 halves the bytes per token; the scales add
+        // under 1% at 16 tokens a block.
+        let f16_bytes = p.bytes() / 2;
+        assert!(q.bytes() as f64 <= 0.51 * f16_bytes as f64);
+        assert!(q.bytes() * 2 > f16_bytes);
     }
 }

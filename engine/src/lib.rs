@@ -1,15 +1,18 @@
 //! tandem-engine: the model forward over a paged KV cache, and the loop that serves requests.
 //!
 //! Owns: [`LlamaModel`] (the Llama forward written once against tandem-kernels' op set), the KV
-//! pool and its block allocator ([`kv_cache`]), the [`Sampler`], and the [`Engine`] that packs the
-//! new tokens of many sequences into one forward per step. There is no contiguous-cache path: every
-//! token's K/V lives in paged blocks, prefill and decode alike.
+//! pool ([`kv_cache`], f32 or int8), the [`BlockManager`] (ref counts, prefix cache, LRU eviction,
+//! events for the router), the [`Sampler`], the [`Engine`] (an iteration-level scheduler: decode
+//! first, chunked prefill within a token budget, preemption by recompute, one packed forward per
+//! step) and the [`EngineHandle`] that runs it on its own thread behind channels. There is no
+//! contiguous-cache path: every token's K/V lives in paged blocks, prefill and decode alike.
 //!
 //! Does not own: networking (the workers), file formats and text (tandem-model), or arithmetic
 //! kernels (tandem-kernels).
 
 pub mod block_manager;
 pub mod engine;
+pub mod handle;
 pub mod kv_cache;
 pub mod model;
 pub mod sampler;
@@ -19,6 +22,7 @@ pub use engine::{
     Engine, EngineConfig, EngineStats, Event, FinishReason, Finished, Limits, Request, RequestId,
     StepStats, TokenEvent,
 };
+pub use handle::{EngineHandle, RequestStream, StreamEvent};
 pub use kv_cache::{KvDtype, KvPool};
 pub use model::{LlamaModel, SeqBatch, WeightFormat};
 pub use sampler::{Sampled, Sampler, SamplingParams};

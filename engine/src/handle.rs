@@ -1,0 +1,368 @@
+//! The engine on its own thread, driven over channels.
+//!
+//! [`EngineHandle::spawn`] builds the engine on a dedicated OS thread (the engine is
+//! single-threaded and not `Send`: its block manager uses `Rc`) and runs the step loop there. The
+//! handle is `Send + Sync` and cheap to share: `submit` validates on the caller's thread and
+//! returns a [`RequestStream`] of events, `cancel` and `stats` never block on the loop. Streams
+//! are tokio channels, so async code awaits them without blocking a worker thread, and sync code
+//! uses [`RequestStream::blocking_next`]. Dropping a stream before its request finished cancels the
+//! request: a client that goes away frees its KV blocks within a step.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use tokio::sync::mpsc as tmpsc;
+
+use crate::engine::{Engine, EngineStats, Event, Finished, Limits, Request, RequestId, TokenEvent};
+use crate::EngineError;
+
+/// What a request's stream carries.
+#[derive(Clone, Debug)]
+pub enum StreamEvent {
+    Token(TokenEvent),
+    /// The last event of a request that ran (or was cancelled).
+    Finished(Finished),
+    /// The last event of a request the engine could not serve.
+    Failed(String),
+}
+
+enum Command {
+    Submit {
+        id: RequestId,
+        request: Request,
+        events: tmpsc::UnboundedSender<StreamEvent>,
+    },
+    Cancel(RequestId),
+    Shutdown,
+}
+
+struct Shared {
+    stats: Mutex<EngineStats>,
+    next_id: AtomicU64,
+}
+
+/// A running engine. Dropping the handle stops the loop (after the current step) and joins it.
+pub struct EngineHandle {
+    commands: mpsc::Sender<Command>,
+    shared: Arc<Shared>,
+    limits: Limits,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl EngineHandle {
+    /// Builds the engine with `build` on a new thread and starts its loop there.
+    pub fn spawn(
+        build: impl FnOnce() -> Result<Engine, EngineError> + Send + 'static,
+    ) -> Result<Self, EngineError> {
+        let (commands, rx) = mpsc::channel();
+        let (ready_tx, ready_rx) = mpsc::channel();
+        let shared = Arc::new(Shared {
+            stats: Mutex::new(EngineStats::default()),
+            next_id: AtomicU64::new(1),
+        });
+        let loop_shared = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("tandem-engine".into())
+            .spawn(move || {
+                let engine = match build() {
+                    Ok(e) => e,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
+                *loop_shared.stats.lock().expect("stats lock") = engine.stats();
+                let _ = ready_tx.send(Ok(engine.limits()));
+                run_loop(engine, rx, &loop_shared);
+            })
+            .map_err(|e| EngineError::Internal(format!("cannot start the engine thread: {e}")))?;
+        let limits = ready_rx
+            .recv()
+            .map_err(|_| EngineError::Internal("engine thread died while starting".into()))??;
+        Ok(Self {
+            commands,
+            shared,
+            limits,
+            thread: Some(thread),
+        })
+    }
+
+    pub fn limits(&self) -> Limits {
+        self.limits
+    }
+
+    /// Queues a request; invalid ones are refused here, before they reach the loop.
+    pub fn submit(&self, request: Request) -> Result<RequestStream, EngineError> {
+        self.limits.validate(&request)?;
+        let id = RequestId(self.shared.next_id.fetch_add(1, Ordering::Relaxed));
+        let (tx, rx) = tmpsc::unbounded_channel();
+        self.commands
+            .send(Command::Submit {
+                id,
+                request,
+                events: tx,
+            })
+            .map_err(|_| EngineError::Internal("the engine has stopped".into()))?;
+        Ok(RequestStream {
+            id,
+            rx,
+            commands: self.commands.clone(),
+            done: false,
+        })
+    }
+
+    /// Cancels a request (no-op if it already finished); its stream ends with a `Cancelled`
+    /// finish within a step.
+    pub fn cancel(&self, id: RequestId) {
+        let _ = self.commands.send(Command::Cancel(id));
+    }
+
+    /// The engine's state after its latest step.
+    pub fn stats(&self) -> EngineStats {
+        *self.shared.stats.lock().expect("stats lock")
+    }
+}
+
+impl Drop for EngineHandle {
+    fn drop(&mut self) {
+        let _ = self.commands.send(Command::Shutdown);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The events of one request, in order, ending with `Finished` or `Failed`.
+pub struct RequestStream {
+    id: RequestId,
+    rx: tmpsc::UnboundedReceiver<StreamEvent>,
+    commands: mpsc::Sender<Command>,
+    done: bool,
+}
+
+impl RequestStream {
+    pub fn id(&self) -> RequestId {
+        self.id
+    }
+
+    fn seen(&mut self, e: Option<StreamEvent>) -> Option<StreamEvent> {
+        if matches!(
+            e,
+            None | Some(StreamEvent::Finished(_)) | Some(StreamEvent::Failed(_))
+        ) {
+            self.done = true;
+        }
+        e
+    }
+
+    /// The next event; `None` after the last.
+    pub async fn next(&mut self) -> Option<StreamEvent> {
+        let e = self.rx.recv().await;
+        self.seen(e)
+    }
+
+    /// The next event, blocking the calling thread (not for async code).
+    pub fn blocking_next(&mut self) -> Option<StreamEvent> {
+        let e = self.rx.blocking_recv();
+        self.seen(e)
+    }
+}
+
+impl Drop for RequestStream {
+    fn drop(&mut self) {
+        if !self.done {
+            let _ = self.commands.send(Command::Cancel(self.id));
+        }
+    }
+}
+
+fn run_loop(mut engine: Engine, rx: mpsc::Receiver<Command>, shared: &Shared) {
+    let mut sinks: HashMap<RequestId, tmpsc::UnboundedSender<StreamEvent>> = HashMap::new();
+    loop {
+        let mut commands = Vec::new();
+        if !engine.has_work() {
+            match rx.recv() {
+                Ok(c) => commands.push(c),
+                Err(_) => return,
+            }
+        }
+        commands.extend(rx.try_iter());
+        for c in commands {
+            match c {
+                Command::Submit {
+                    id,
+                    request,
+                    events,
+                } => match engine.add(id, request) {
+                    Ok(()) => {
+                        sinks.insert(id, events);
+                    }
+                    Err(e) => {
+                        let _ = events.send(StreamEvent::Failed(e.to_string()));
+                    }
+                },
+                Command::Cancel(id) => engine.cancel(id),
+                Command::Shutdown => return,
+            }
+        }
+        match engine.step() {
+            Ok((events, _)) => {
+                for ev in events {
+                    let (id, last, ev) = match ev {
+                        Event::Token(t) => (t.request, false, StreamEvent::Token(t)),
+                        Event::Finished(f) => (f.request, true, StreamEvent::Finished(f)),
+                    };
+                    let gone = match sinks.get(&id) {
+                        Some(s) => s.send(ev).is_err(),
+                        None => false,
+                    };
+                    if last {
+                        sinks.remove(&id);
+                    } else if gone {
+                        // Nobody is listening any more: stop spending compute on it.
+                        sinks.remove(&id);
+                        engine.cancel(id);
+                    }
+                }
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "engine step failed; failing its requests");
+                for id in engine.abort_all() {
+                    if let Some(s) = sinks.remove(&id) {
+                        let _ = s.send(StreamEvent::Failed(e.to_string()));
+                    }
+                }
+            }
+        }
+        *shared.stats.lock().expect("stats lock") = engine.stats();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::{EngineConfig, FinishReason};
+    use crate::model::tiny_model;
+    use crate::sampler::SamplingParams;
+
+    fn req(prompt: Vec<u32>, max_tokens: u32) -> Request {
+        Request {
+            prompt,
+            params: SamplingParams {
+                max_tokens,
+                ignore_eos: true,
+                ..Default::default()
+            },
+        }
+    }
+
+    fn spawn() -> EngineHandle {
+        EngineHandle::spawn(|| Engine::new(tiny_model(3), EngineConfig::default(), vec![])).unwrap()
+    }
+
+    #[tokio::test]
+    async fn async_streams_match_the_sync_engine_and_cancel_frees_blocks() {
+        let h = spawn();
+        let prompts: Vec<Vec<u32>> = (0..4)
+            .map(|i| (0..(5 + 7 * i)).map(|t| (t * 3 + i) % 97).collect())
+            .collect();
+        let mut streams: Vec<RequestStream> = prompts
+            .iter()
+            .map(|p| h.submit(req(p.clone(), 12)).unwrap())
+            .collect();
+        let long = h.submit(req(vec![1, 2, 3], 200)).unwrap();
+        let mut got = Vec::new();
+        for s in &mut streams {
+            let mut toks = Vec::new();
+            loop {
+                match s.next().await.expect("stream ends with Finished") {
+                    StreamEvent::Token(t) => toks.push(t.sampled.token),
+                    StreamEvent::Finished(f) => {
+                        assert_eq!(f.output_ids, toks);
+                        assert_eq!(f.finish_reason, FinishReason::Length);
+                        break;
+                    }
+                    StreamEvent::Failed(e) => panic!("{e}"),
+                }
+            }
+            got.push(toks);
+        }
+        let mut e = Engine::new(tiny_model(3), EngineConfig::default(), vec![]).unwrap();
+        let want: Vec<Vec<u32>> = e
+            .generate(
+                prompts.iter().map(|p| req(p.clone(), 12)).collect(),
+                |_| {},
+                |_| {},
+            )
+            .unwrap()
+            .into_iter()
+            .map(|f| f.output_ids)
+            .collect();
+        assert_eq!(got, want);
+        // Cancel the long one mid-stream.
+        let mut long = long;
+        assert!(matches!(long.next().await, Some(StreamEvent::Token(_))));
+        h.cancel(long.id());
+        let mut last = None;
+        while let Some(ev) = long.next().await {
+            last = Some(ev);
+        }
+        match last {
+            Some(StreamEvent::Finished(f)) => {
+                assert_eq!(f.finish_reason, FinishReason::Cancelled);
+                assert!(f.output_ids.len() < 200);
+            }
+            other => panic!("{other:?}"),
+        }
+        // Stats are published after the step that dropped it.
+        for _ in 0..100 {
+            if h.stats().blocks_used == 0 {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        let st = h.stats();
+        assert_eq!(
+            (st.running, st.waiting, st.blocks_used),
+            (0, 0, 0),
+            "{st:?}"
+        );
+        assert_eq!(st.blocks_free + st.blocks_cached, st.blocks_total);
+    }
+
+    #[test]
+    fn bad_requests_are_refused_at_submit_and_dropped_streams_cancel() {
+        let h = spawn();
+        assert!(matches!(
+            h.submit(req(vec![500], 4)),
+            Err(EngineError::BadToken { id: 500, .. })
+        ));
+        assert!(h.submit(req(vec![], 4)).is_err());
+        let s = h.submit(req(vec![1, 2, 3], 100_000)).unwrap();
+        drop(s);
+        let mut t = h.submit(req(vec![4, 5], 3)).unwrap();
+        let mut n = 0;
+        while let Some(ev) = t.blocking_next() {
+            if let StreamEvent::Token(_) = ev {
+                n += 1;
+            }
+        }
+        assert_eq!(n, 3);
+        for _ in 0..200 {
+            let st = h.stats();
+            if st.running == 0 && st.waiting == 0 {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        let st = h.stats();
+        assert_eq!(
+            (st.running, st.waiting, st.blocks_used),
+            (0, 0, 0),
+            "{st:?}"
+        );
+    }
+}
