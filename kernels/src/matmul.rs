@@ -1,29 +1,29 @@
 //! `y = x · Wᵀ` for a batch of `m` activation rows.
 //!
-//! Two regimes. Few rows (decode): read every weight row once, decode it on the fly and dot it with
-//! each activation row; parallel over output rows, so the weights stream through memory once per
-//! step (this is the memory-bound path). Many rows (prefill): decode the weight matrix to f32 once
-//! and hand it to `gemm`, which is compute-bound and blocks for the caches.
+//! Every regime is parallel over runs of weight rows (output columns), so each weight is read and
+//! decoded once per call and no task waits on another:
+//! - one activation row (batch-1 decode): fused decode·dot straight from the quantized bytes;
+//! - a few rows (batched decode): each weight block decoded once in registers, used for every row;
+//! - many rows (big batches, prefill): a tile of weight rows decoded to f32 in cache and multiplied
+//!   through a 4×4 register tile, activation rows blocked so tile and block share L2.
+//!
+//! Dense f32 weights with many rows go to the `gemm` crate.
 
 use rayon::prelude::*;
 
 use crate::simd::{
-    block_sums, dot_4x2, dot_f32, dot_quant_row, dot_quant_rows, has_fused_rows, MAX_FUSED_ROWS,
+    block_sums, dot_4xn, dot_f32, dot_quant_row, dot_quant_rows, has_fused_rows, MAX_FUSED_ROWS,
 };
 use crate::{KernelError, Weight};
 
 /// Quantized weights and at least this many activation rows: decode tiles of weight rows and
-/// multiply them with a GEMM ([`tiled_gemm`]). Below it, decode blocks in registers and dot them
-/// with each activation row. Measured with `tandem bench engine` on a 2-core Sapphire Rapids VM
-/// (Q4_1 SmolLM2, decode steps): at 8 rows 34.8 ms a step against 59.6 tiled; at 16, 85 against
-/// 89; at 32, 186 against 145.
+/// multiply them through a register tile ([`tiled`]); from 2 rows up to it, decode blocks in
+/// registers and dot them with each activation row ([`fused_rows`]). Measured with `tandem bench
+/// engine --prompt-len 64 --gen-len 32` on a 2-core Sapphire Rapids VM (Q4_1 SmolLM2, decode step
+/// p50): 4 rows 22 ms fused against 34 tiled, 8 rows 35 against 47, 16 rows 67 against 60.
+/// Tiled also serves prefill: 512- and 2000-token prefill run as fast as decoding whole matrices
+/// for a parallel GEMM (445/420 and 308/299 tok/s), without the whole-matrix f32 copy.
 pub const TILED_MIN_ROWS: usize = 16;
-
-/// At or above this many activation rows, decode the whole weight matrix once and run one
-/// parallel GEMM over it (prefill): the decode is amortized and the GEMM blocks for the caches
-/// best. Measured as above: 128-token prefill 350-400 tok/s whole against 293-301 tiled; 32-row
-/// decode steps 248 ms whole against 145 tiled.
-pub const GEMM_MIN_ROWS: usize = 64;
 
 /// Dense f32 weights need no decoding: a GEMM from this many rows.
 const F32_GEMM_MIN_ROWS: usize = 24;
@@ -47,79 +47,74 @@ pub fn matmul(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) -> Result<(), Ke
     }
     match w {
         Weight::F32 { data, .. } if m >= F32_GEMM_MIN_ROWS => gemm_xwt(x, m, data, n, k, out),
-        Weight::Quant { .. } if m >= GEMM_MIN_ROWS => {
-            let dense = dequantize_all(w);
-            gemm_xwt(x, m, &dense, n, k, out)
+        _ if m == 1 => one_row(x, w, out),
+        Weight::Quant { ty, .. } if m < TILED_MIN_ROWS && has_fused_rows(*ty) => {
+            fused_rows(x, m, w, out)
         }
-        Weight::Quant { .. } if m >= TILED_MIN_ROWS => tiled_gemm(x, m, w, out),
-        _ => rowwise(x, m, w, out),
+        _ => tiled(x, m, w, out),
     }
     Ok(())
 }
 
-/// Quantized weights, many activation rows: each task decodes a tile of weight rows into an f32
-/// scratch that stays in cache and multiplies all activation rows with it (a GEMM with the tile as
-/// right-hand side), so the weights are decoded once per step and never written out whole.
-fn tiled_gemm(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
-    let (n, k) = (w.rows(), w.cols());
-    let mut out_t = vec![0f32; n * m];
-    out_t
-        .par_chunks_mut(ROWS_PER_TASK * m)
-        .enumerate()
-        .for_each(|(c, chunk)| {
-            let r0 = c * ROWS_PER_TASK;
-            let rows = chunk.len() / m;
-            let mut tile = vec![0f32; rows * k];
-            for (i, row) in tile.chunks_exact_mut(k).enumerate() {
-                w.row_f32(r0 + i, row);
-            }
-            // dst(j, r) = chunk[r·m + j] = Σ_t x[j·k + t] · tile[r·k + t]
-            // SAFETY: dst covers m×rows at (row stride 1, column stride m) = chunk; lhs m×k at
-            // (k, 1) = x; rhs k×rows at (1, k) = tile.
-            unsafe {
-                gemm::gemm(
-                    m,
-                    rows,
-                    k,
-                    chunk.as_mut_ptr(),
-                    m as isize,
-                    1,
-                    false,
-                    x.as_ptr(),
-                    1,
-                    k as isize,
-                    tile.as_ptr(),
-                    k as isize,
-                    1,
-                    0.0,
-                    1.0,
-                    false,
-                    false,
-                    false,
-                    gemm::Parallelism::None,
-                );
-            }
-        });
-    for r in 0..n {
-        for j in 0..m {
-            out[j * n + r] = out_t[r * m + j];
-        }
-    }
-}
+/// Activation rows per cache block in [`tiled`]: with a 64-row tile, 2 × 64 × k floats (under
+/// 800 KiB for k ≤ 1536) sit in L2 together.
+const X_BLOCK: usize = 64;
 
-/// Decodes the whole weight matrix to f32 in parallel.
-fn dequantize_all(w: &Weight) -> Vec<f32> {
+/// `out` shared by tasks that write disjoint elements.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: tasks write disjoint elements (each owns a run of output columns) and the pointer does
+// not outlive the `&mut` it came from (the parallel loop ends before `tiled` returns).
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+/// Several activation rows: each task owns a run of [`ROWS_PER_TASK`] weight rows, decodes them
+/// (if quantized) into an f32 tile that stays in cache, and multiplies every activation row with
+/// it through a 4×4 register tile. The weights are read and decoded once per call, never written
+/// out whole.
+fn tiled(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
     let (n, k) = (w.rows(), w.cols());
-    let mut dense = vec![0f32; n * k];
-    dense
-        .par_chunks_mut(k * ROWS_PER_TASK)
-        .enumerate()
-        .for_each(|(c, chunk)| {
-            for (i, row) in chunk.chunks_mut(k).enumerate() {
-                w.row_f32(c * ROWS_PER_TASK + i, row);
+    let dst = OutPtr(out.as_mut_ptr());
+    (0..n.div_ceil(ROWS_PER_TASK)).into_par_iter().for_each(|c| {
+        let dst = dst;
+        let r0 = c * ROWS_PER_TASK;
+        let rows = ROWS_PER_TASK.min(n - r0);
+        let decoded;
+        let tile: &[f32] = match w {
+            Weight::F32 { data, .. } => &data[r0 * k..(r0 + rows) * k],
+            Weight::Quant { .. } => {
+                let mut t = vec![0f32; rows * k];
+                for (i, row) in t.chunks_exact_mut(k).enumerate() {
+                    w.row_f32(r0 + i, row);
+                }
+                decoded = t;
+                &decoded
             }
-        });
-    dense
+        };
+        let xr: Vec<&[f32]> = x.chunks_exact(k).collect();
+        // Blocks of X_BLOCK activation rows, so the tile and one block stay in L2 together.
+        for b0 in (0..m).step_by(X_BLOCK) {
+            let b1 = (b0 + X_BLOCK).min(m);
+            for i0 in (0..rows).step_by(4) {
+                let nr = (rows - i0).min(4);
+                // A short last group repeats its first row (computed, not stored).
+                let wt = [0, 1, 2, 3].map(|t| {
+                    let i = i0 + if t < nr { t } else { 0 };
+                    &tile[i * k..(i + 1) * k]
+                });
+                for j0 in (b0..b1).step_by(4) {
+                    let nc = (b1 - j0).min(4);
+                    let d = dot_4xn(wt, &xr[j0..j0 + nc]);
+                    for (t, dt) in d.iter().enumerate().take(nr) {
+                        for (u, v) in dt.iter().enumerate().take(nc) {
+                            // SAFETY: (j0+u, r0+i0+t) is inside m×n and owned by this task.
+                            unsafe { *dst.0.add((j0 + u) * n + r0 + i0 + t) = *v };
+                        }
+                    }
+                }
+            }
+        }
+    });
 }
 
 fn gemm_xwt(x: &[f32], m: usize, w: &[f32], n: usize, k: usize, out: &mut [f32]) {
@@ -156,92 +151,55 @@ fn gemm_xwt(x: &[f32], m: usize, w: &[f32], n: usize, k: usize, out: &mut [f32])
     }
 }
 
-/// Row-parallel path: each task owns a run of output rows and writes them transposed, then the
-/// result is scattered into `out`'s row-major layout (a copy of m×n floats, tiny next to W).
-/// One activation row: fused decode·dot straight from the quantized weights. Several: where a
-/// fused multi-row kernel exists, each weight block is decoded once in registers and used for up
-/// to eight activation rows; otherwise four weight rows are decoded into a scratch tile that stays
-/// in L1 and dotted with the activation rows two at a time (a 4×2 register tile).
-fn rowwise(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
+/// One activation row: each task owns a run of output rows and dots them straight from the
+/// (quantized) weights with the fused decode·dot kernels.
+fn one_row(x: &[f32], w: &Weight, out: &mut [f32]) {
     let (n, k) = (w.rows(), w.cols());
-    // Σx per block is used only by the one-row fused Q4_1 dot.
-    let xsum = if m == 1 { block_sums(x) } else { Vec::new() };
-    let xr = |j: usize| &x[j * k..(j + 1) * k];
-    let mut out_t = vec![0f32; n * m];
-    out_t
-        .par_chunks_mut(ROWS_PER_TASK * m)
+    // Σx per block, for the fused Q4_1 dot.
+    let xsum = block_sums(x);
+    out.par_chunks_mut(ROWS_PER_TASK)
         .enumerate()
         .for_each(|(c, chunk)| {
             let r0 = c * ROWS_PER_TASK;
-            let rows = chunk.len() / m;
-            if m == 1 {
-                let mut scratch = vec![0f32; k];
-                for (i, o) in chunk.iter_mut().enumerate() {
-                    *o = match w {
-                        Weight::F32 { data, .. } => {
-                            dot_f32(&data[(r0 + i) * k..(r0 + i + 1) * k], x)
-                        }
-                        Weight::Quant { ty, data, .. } => {
-                            let rb = data.len() / n;
-                            let wr = &data[(r0 + i) * rb..(r0 + i + 1) * rb];
-                            dot_quant_row(*ty, wr, x, &xsum, &mut scratch)
-                        }
-                    };
-                }
-                return;
-            }
-            match w {
-                Weight::Quant { ty, data, .. } if has_fused_rows(*ty) => {
-                    let rb = data.len() / n;
-                    for i in 0..rows {
+            let mut scratch = vec![0f32; k];
+            for (i, o) in chunk.iter_mut().enumerate() {
+                *o = match w {
+                    Weight::F32 { data, .. } => dot_f32(&data[(r0 + i) * k..(r0 + i + 1) * k], x),
+                    Weight::Quant { ty, data, .. } => {
+                        let rb = data.len() / n;
                         let wr = &data[(r0 + i) * rb..(r0 + i + 1) * rb];
-                        let o = &mut chunk[i * m..(i + 1) * m];
-                        for (j0, oj) in (0..m)
-                            .step_by(MAX_FUSED_ROWS)
-                            .zip(o.chunks_mut(MAX_FUSED_ROWS))
-                        {
-                            dot_quant_rows(*ty, wr, &x[j0 * k..(j0 + oj.len()) * k], oj);
-                        }
+                        dot_quant_row(*ty, wr, x, &xsum, &mut scratch)
                     }
-                    return;
-                }
-                _ => {}
-            }
-            let mut tile = vec![0f32; 4 * k];
-            for i0 in (0..rows).step_by(4) {
-                let nr = (rows - i0).min(4);
-                // The tile's rows, decoded if the weights are quantized; a short last tile repeats
-                // its first row (computed, not stored).
-                for t in 0..4 {
-                    let r = r0 + i0 + if t < nr { t } else { 0 };
-                    match w {
-                        Weight::F32 { data, .. } => {
-                            tile[t * k..(t + 1) * k].copy_from_slice(&data[r * k..(r + 1) * k])
-                        }
-                        Weight::Quant { .. } => w.row_f32(r, &mut tile[t * k..(t + 1) * k]),
-                    }
-                }
-                let wt = [0, 1, 2, 3].map(|t| &tile[t * k..(t + 1) * k]);
-                for j in (0..m).step_by(2) {
-                    let j1 = (j + 1).min(m - 1);
-                    let d = dot_4x2(wt, [xr(j), xr(j1)]);
-                    for t in 0..nr {
-                        let o = &mut chunk[(i0 + t) * m..(i0 + t + 1) * m];
-                        o[j] = d[t][0];
-                        o[j1] = d[t][1];
-                    }
-                }
+                };
             }
         });
-    if m == 1 {
-        out.copy_from_slice(&out_t);
-    } else {
-        for r in 0..n {
-            for j in 0..m {
-                out[j * n + r] = out_t[r * m + j];
+}
+
+/// A few activation rows: each weight block is decoded once, in registers, and used for up to
+/// [`MAX_FUSED_ROWS`] activation rows; nothing is written but the outputs.
+fn fused_rows(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
+    let (n, k) = (w.rows(), w.cols());
+    let Weight::Quant { ty, data, .. } = w else {
+        unreachable!("fused rows are for quantized weights")
+    };
+    let rb = data.len() / n;
+    let dst = OutPtr(out.as_mut_ptr());
+    (0..n.div_ceil(ROWS_PER_TASK)).into_par_iter().for_each(|c| {
+        let dst = dst;
+        let r0 = c * ROWS_PER_TASK;
+        let mut o = [0f32; MAX_FUSED_ROWS];
+        for r in r0..(r0 + ROWS_PER_TASK).min(n) {
+            let wr = &data[r * rb..(r + 1) * rb];
+            for j0 in (0..m).step_by(MAX_FUSED_ROWS) {
+                let nc = (m - j0).min(MAX_FUSED_ROWS);
+                dot_quant_rows(*ty, wr, &x[j0 * k..(j0 + nc) * k], &mut o[..nc]);
+                for (u, v) in o[..nc].iter().enumerate() {
+                    // SAFETY: (j0+u, r) is inside m×n and row r belongs to this task.
+                    unsafe { *dst.0.add((j0 + u) * n + r) = *v };
+                }
             }
         }
-    }
+    });
 }
 
 #[cfg(test)]

@@ -181,18 +181,25 @@ pub fn axpy_rows_group(p: &[f32], stride: usize, rows: &[f32], acc: &mut [f32], 
     }
 }
 
-/// Dot products of four rows `w` with two rows `x` (all of length `k`), `out[i][j] = w[i] · x[j]`:
-/// the register tile of the few-row matmul, eight independent accumulators so the FMA units
-/// never wait on each other.
-pub fn dot_4x2(w: [&[f32]; 4], x: [&[f32]; 2]) -> [[f32; 2]; 4] {
-    let k = x[0].len();
-    debug_assert!(w.iter().chain(&x).all(|r| r.len() == k));
+/// Dot products of four rows `w` with up to four rows `x` (all of length `k`):
+/// `out[i][j] = w[i] · x[j]` for `j < x.len()`. The register tile of the many-row matmul: sixteen
+/// independent accumulators, eight loads per sixteen FMAs, so the FMA units are the limit.
+pub fn dot_4xn(w: [&[f32]; 4], x: &[&[f32]]) -> [[f32; 4]; 4] {
+    let k = w[0].len();
+    debug_assert!(x.len() <= 4 && w.iter().chain(x).all(|r| r.len() == k));
     #[cfg(target_arch = "x86_64")]
     if k.is_multiple_of(16) && has_avx512() {
         // SAFETY: the CPU supports the features; all rows have length k.
-        return unsafe { avx512::dot_4x2(w, x) };
+        unsafe {
+            return match x.len() {
+                1 => avx512::dot_4xc::<1>(w, x),
+                2 => avx512::dot_4xc::<2>(w, x),
+                3 => avx512::dot_4xc::<3>(w, x),
+                _ => avx512::dot_4xc::<4>(w, x),
+            };
+        }
     }
-    let mut out = [[0f32; 2]; 4];
+    let mut out = [[0f32; 4]; 4];
     for (o, wi) in out.iter_mut().zip(w) {
         for (oj, xj) in o.iter_mut().zip(x) {
             *oj = dot_f32(wi, xj);
@@ -477,24 +484,35 @@ mod avx512 {
         _mm512_reduce_add_ps(acc)
     }
 
-    /// `k` is a multiple of 16.
+    /// `k` is a multiple of 16; `x` has at least `C` rows.
     #[target_feature(enable = "avx512f,avx2,fma")]
-    pub unsafe fn dot_4x2(w: [&[f32]; 4], x: [&[f32]; 2]) -> [[f32; 2]; 4] {
-        let k = x[0].len();
-        let pw = w.map(|r| r.as_ptr());
-        let px = x.map(|r| r.as_ptr());
-        let mut acc = [[_mm512_setzero_ps(); 2]; 4];
+    pub unsafe fn dot_4xc<const C: usize>(w: [&[f32]; 4], x: &[&[f32]]) -> [[f32; 4]; 4] {
+        let k = w[0].len();
+        // Plain loops only: closures here would not inherit the target features.
+        let mut pw = [std::ptr::null::<f32>(); 4];
+        for (p, r) in pw.iter_mut().zip(w) {
+            *p = r.as_ptr();
+        }
+        let mut px = [std::ptr::null::<f32>(); C];
+        for (p, r) in px.iter_mut().zip(x) {
+            *p = r.as_ptr();
+        }
+        let mut acc = [[_mm512_setzero_ps(); C]; 4];
         for i in (0..k).step_by(16) {
-            let xv = [_mm512_loadu_ps(px[0].add(i)), _mm512_loadu_ps(px[1].add(i))];
+            let mut xv = [_mm512_setzero_ps(); C];
+            for j in 0..C {
+                xv[j] = _mm512_loadu_ps(px[j].add(i));
+            }
             for (a, p) in acc.iter_mut().zip(pw) {
                 let wv = _mm512_loadu_ps(p.add(i));
-                a[0] = _mm512_fmadd_ps(wv, xv[0], a[0]);
-                a[1] = _mm512_fmadd_ps(wv, xv[1], a[1]);
+                for j in 0..C {
+                    a[j] = _mm512_fmadd_ps(wv, xv[j], a[j]);
+                }
             }
         }
-        let mut out = [[0f32; 2]; 4];
+        let mut out = [[0f32; 4]; 4];
         for i in 0..4 {
-            for j in 0..2 {
+            for j in 0..C {
                 out[i][j] = _mm512_reduce_add_ps(acc[i][j]);
             }
         }
@@ -1134,17 +1152,18 @@ mod tests {
     }
 
     #[test]
-    fn tile_4x2_matches_dots() {
+    fn tile_4xn_matches_dots() {
         for k in [16, 48, 576, 20] {
             let w: Vec<Vec<f32>> = (0..4).map(|i| rnd(k, 20 + i)).collect();
-            let x: Vec<Vec<f32>> = (0..2).map(|i| rnd(k, 30 + i)).collect();
-            let got = dot_4x2([&w[0], &w[1], &w[2], &w[3]], [&x[0], &x[1]]);
-            for i in 0..4 {
-                for j in 0..2 {
-                    assert!(
-                        close(got[i][j], dot_portable(&w[i], &x[j])),
-                        "k={k} {i},{j}"
-                    );
+            let x: Vec<Vec<f32>> = (0..4).map(|i| rnd(k, 30 + i)).collect();
+            let xs: Vec<&[f32]> = x.iter().map(|r| r.as_slice()).collect();
+            for c in 1..=4 {
+                let got = dot_4xn([&w[0], &w[1], &w[2], &w[3]], &xs[..c]);
+                for i in 0..4 {
+                    for j in 0..4 {
+                        let want = if j < c { dot_portable(&w[i], &x[j]) } else { 0.0 };
+                        assert!(close(got[i][j], want), "k={k} c={c} {i},{j}");
+                    }
                 }
             }
         }
