@@ -12,18 +12,19 @@
 use rayon::prelude::*;
 
 use crate::simd::{
-    block_sums, dot_4xn, dot_f32, dot_quant_row, dot_quant_rows, has_fused_rows, MAX_FUSED_ROWS,
+    block_sums, dot_f32, dot_quant_row, dot_quant_rows, has_fused_rows, pack_panels, panel_matmul,
+    MAX_FUSED_ROWS, PANEL, PANEL_ROWS,
 };
 use crate::{KernelError, Weight};
 
 /// Quantized weights and at least this many activation rows: decode tiles of weight rows and
-/// multiply them through a register tile ([`tiled`]); from 2 rows up to it, decode blocks in
+/// multiply them with activation panels ([`tiled`]); from 2 rows up to it, decode blocks in
 /// registers and dot them with each activation row ([`fused_rows`]). Measured with `tandem bench
 /// engine --prompt-len 64 --gen-len 32` on a 2-core Sapphire Rapids VM (Q4_1 SmolLM2, decode step
-/// p50): 4 rows 22 ms fused against 34 tiled, 8 rows 35 against 47, 16 rows 67 against 60.
-/// Tiled also serves prefill: 512- and 2000-token prefill run as fast as decoding whole matrices
-/// for a parallel GEMM (445/420 and 308/299 tok/s), without the whole-matrix f32 copy.
-pub const TILED_MIN_ROWS: usize = 16;
+/// p50): 8 rows 35 ms fused against 42 tiled, 16 rows 67 against 93 (a 32-row panel half
+/// empty), 24 rows 98 tiled, 32 rows 110-125 tiled. Tiled also serves prefill, without the
+/// whole-matrix f32 copy a GEMM library would need.
+pub const TILED_MIN_ROWS: usize = 24;
 
 /// Dense f32 weights need no decoding: a GEMM from this many rows.
 const F32_GEMM_MIN_ROWS: usize = 24;
@@ -56,10 +57,6 @@ pub fn matmul(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) -> Result<(), Ke
     Ok(())
 }
 
-/// Activation rows per cache block in [`tiled`]: with a 64-row tile, 2 × 64 × k floats (under
-/// 800 KiB for k ≤ 1536) sit in L2 together.
-const X_BLOCK: usize = 64;
-
 /// `out` shared by tasks that write disjoint elements.
 #[derive(Clone, Copy)]
 struct OutPtr(*mut f32);
@@ -74,47 +71,49 @@ unsafe impl Sync for OutPtr {}
 /// out whole.
 fn tiled(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
     let (n, k) = (w.rows(), w.cols());
+    // Activations packed once, k-major in panels of PANEL rows; every task streams them.
+    let packed = pack_panels(x, m, k);
+    let panels = m.div_ceil(PANEL);
     let dst = OutPtr(out.as_mut_ptr());
-    (0..n.div_ceil(ROWS_PER_TASK)).into_par_iter().for_each(|c| {
-        let dst = dst;
-        let r0 = c * ROWS_PER_TASK;
-        let rows = ROWS_PER_TASK.min(n - r0);
-        let decoded;
-        let tile: &[f32] = match w {
-            Weight::F32 { data, .. } => &data[r0 * k..(r0 + rows) * k],
-            Weight::Quant { .. } => {
-                let mut t = vec![0f32; rows * k];
-                for (i, row) in t.chunks_exact_mut(k).enumerate() {
-                    w.row_f32(r0 + i, row);
-                }
-                decoded = t;
-                &decoded
-            }
-        };
-        let xr: Vec<&[f32]> = x.chunks_exact(k).collect();
-        // Blocks of X_BLOCK activation rows, so the tile and one block stay in L2 together.
-        for b0 in (0..m).step_by(X_BLOCK) {
-            let b1 = (b0 + X_BLOCK).min(m);
-            for i0 in (0..rows).step_by(4) {
-                let nr = (rows - i0).min(4);
-                // A short last group repeats its first row (computed, not stored).
-                let wt = [0, 1, 2, 3].map(|t| {
-                    let i = i0 + if t < nr { t } else { 0 };
-                    &tile[i * k..(i + 1) * k]
-                });
-                for j0 in (b0..b1).step_by(4) {
-                    let nc = (b1 - j0).min(4);
-                    let d = dot_4xn(wt, &xr[j0..j0 + nc]);
-                    for (t, dt) in d.iter().enumerate().take(nr) {
-                        for (u, v) in dt.iter().enumerate().take(nc) {
-                            // SAFETY: (j0+u, r0+i0+t) is inside m×n and owned by this task.
-                            unsafe { *dst.0.add((j0 + u) * n + r0 + i0 + t) = *v };
-                        }
+    (0..n.div_ceil(ROWS_PER_TASK))
+        .into_par_iter()
+        .for_each(|c| {
+            let dst = dst;
+            let r0 = c * ROWS_PER_TASK;
+            let rows = ROWS_PER_TASK.min(n - r0);
+            let decoded;
+            let tile: &[f32] = match w {
+                Weight::F32 { data, .. } => &data[r0 * k..(r0 + rows) * k],
+                Weight::Quant { .. } => {
+                    let mut t = vec![0f32; rows * k];
+                    for (i, row) in t.chunks_exact_mut(k).enumerate() {
+                        w.row_f32(r0 + i, row);
                     }
+                    decoded = t;
+                    &decoded
+                }
+            };
+            for p in 0..panels {
+                let panel = &packed[p * k * PANEL..(p + 1) * k * PANEL];
+                let cols = (m - p * PANEL).min(PANEL);
+                for i0 in (0..rows).step_by(PANEL_ROWS) {
+                    let nr = (rows - i0).min(PANEL_ROWS);
+                    // SAFETY: tile rows i0..i0+nr exist; the written elements (activation rows
+                    // p·PANEL.. +cols, weight rows r0+i0.. +nr) are inside m×n and owned by this task.
+                    unsafe {
+                        panel_matmul(
+                            tile.as_ptr().add(i0 * k),
+                            nr,
+                            k,
+                            panel,
+                            dst.0.add(p * PANEL * n + r0 + i0),
+                            n,
+                            cols,
+                        )
+                    };
                 }
             }
-        }
-    });
+        });
 }
 
 fn gemm_xwt(x: &[f32], m: usize, w: &[f32], n: usize, k: usize, out: &mut [f32]) {
@@ -184,22 +183,24 @@ fn fused_rows(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
     };
     let rb = data.len() / n;
     let dst = OutPtr(out.as_mut_ptr());
-    (0..n.div_ceil(ROWS_PER_TASK)).into_par_iter().for_each(|c| {
-        let dst = dst;
-        let r0 = c * ROWS_PER_TASK;
-        let mut o = [0f32; MAX_FUSED_ROWS];
-        for r in r0..(r0 + ROWS_PER_TASK).min(n) {
-            let wr = &data[r * rb..(r + 1) * rb];
-            for j0 in (0..m).step_by(MAX_FUSED_ROWS) {
-                let nc = (m - j0).min(MAX_FUSED_ROWS);
-                dot_quant_rows(*ty, wr, &x[j0 * k..(j0 + nc) * k], &mut o[..nc]);
-                for (u, v) in o[..nc].iter().enumerate() {
-                    // SAFETY: (j0+u, r) is inside m×n and row r belongs to this task.
-                    unsafe { *dst.0.add((j0 + u) * n + r) = *v };
+    (0..n.div_ceil(ROWS_PER_TASK))
+        .into_par_iter()
+        .for_each(|c| {
+            let dst = dst;
+            let r0 = c * ROWS_PER_TASK;
+            let mut o = [0f32; MAX_FUSED_ROWS];
+            for r in r0..(r0 + ROWS_PER_TASK).min(n) {
+                let wr = &data[r * rb..(r + 1) * rb];
+                for j0 in (0..m).step_by(MAX_FUSED_ROWS) {
+                    let nc = (m - j0).min(MAX_FUSED_ROWS);
+                    dot_quant_rows(*ty, wr, &x[j0 * k..(j0 + nc) * k], &mut o[..nc]);
+                    for (u, v) in o[..nc].iter().enumerate() {
+                        // SAFETY: (j0+u, r) is inside m×n and row r belongs to this task.
+                        unsafe { *dst.0.add((j0 + u) * n + r) = *v };
+                    }
                 }
             }
-        }
-    });
+        });
 }
 
 #[cfg(test)]
@@ -266,7 +267,7 @@ mod tests {
                 TILED_MIN_ROWS - 1,
                 TILED_MIN_ROWS,
                 33,
-                GEMM_MIN_ROWS,
+                70,
             ] {
                 let x = rnd(m * k, m as u64);
                 let mut out = vec![0f32; m * n];

@@ -181,31 +181,65 @@ pub fn axpy_rows_group(p: &[f32], stride: usize, rows: &[f32], acc: &mut [f32], 
     }
 }
 
-/// Dot products of four rows `w` with up to four rows `x` (all of length `k`):
-/// `out[i][j] = w[i] · x[j]` for `j < x.len()`. The register tile of the many-row matmul: sixteen
-/// independent accumulators, eight loads per sixteen FMAs, so the FMA units are the limit.
-pub fn dot_4xn(w: [&[f32]; 4], x: &[&[f32]]) -> [[f32; 4]; 4] {
-    let k = w[0].len();
-    debug_assert!(x.len() <= 4 && w.iter().chain(x).all(|r| r.len() == k));
+/// Activation rows per panel of [`panel_matmul`].
+pub const PANEL: usize = 32;
+
+/// Weight rows per call of [`panel_matmul`]'s register tile.
+pub const PANEL_ROWS: usize = 8;
+
+/// `out[j·ldo + r] = Σ_t w[r·k + t] · panel[t·PANEL + j]` for weight rows `r < rows` (at most
+/// [`PANEL_ROWS`]) and activation rows `j < cols` (at most [`PANEL`]): a few weight rows (row-major,
+/// as decoded) against a panel of 32 activation rows stored k-major. Each step loads two vectors
+/// of the panel and broadcasts one weight per row: 16 FMAs for 10 loads, nothing reduced at the
+/// end. The activations are packed once per matmul; the weights need no packing.
+///
+/// # Safety
+/// `w` holds `rows` rows of `k`; `panel` holds `k × PANEL`; `out` is valid for writes at
+/// `j·ldo + r` for every `r < rows`, `j < cols`, and nothing else writes there meanwhile.
+pub unsafe fn panel_matmul(
+    w: *const f32,
+    rows: usize,
+    k: usize,
+    panel: &[f32],
+    out: *mut f32,
+    ldo: usize,
+    cols: usize,
+) {
+    debug_assert!(rows <= PANEL_ROWS && cols <= PANEL && panel.len() >= k * PANEL);
     #[cfg(target_arch = "x86_64")]
-    if k.is_multiple_of(16) && has_avx512() {
-        // SAFETY: the CPU supports the features; all rows have length k.
-        unsafe {
-            return match x.len() {
-                1 => avx512::dot_4xc::<1>(w, x),
-                2 => avx512::dot_4xc::<2>(w, x),
-                3 => avx512::dot_4xc::<3>(w, x),
-                _ => avx512::dot_4xc::<4>(w, x),
+    if has_avx512() {
+        macro_rules! go {
+            ($($r:literal)*) => {
+                match rows {
+                    $($r => return avx512::panel_kernel::<$r>(w, k, panel.as_ptr(), out, ldo, cols),)*
+                    _ => return,
+                }
             };
         }
+        go!(1 2 3 4 5 6 7 8);
     }
-    let mut out = [[0f32; 4]; 4];
-    for (o, wi) in out.iter_mut().zip(w) {
-        for (oj, xj) in o.iter_mut().zip(x) {
-            *oj = dot_f32(wi, xj);
+    for r in 0..rows {
+        for j in 0..cols {
+            let mut acc = 0f32;
+            for t in 0..k {
+                acc += *w.add(r * k + t) * panel[t * PANEL + j];
+            }
+            *out.add(j * ldo + r) = acc;
         }
     }
-    out
+}
+
+/// Packs activation rows `x` (m×k) into k-major panels of [`PANEL`] rows (missing rows zero).
+pub fn pack_panels(x: &[f32], m: usize, k: usize) -> Vec<f32> {
+    let panels = m.div_ceil(PANEL);
+    let mut packed = vec![0f32; panels * k * PANEL];
+    for (j, row) in x.chunks_exact(k).enumerate().take(m) {
+        let dst = &mut packed[(j / PANEL) * k * PANEL..];
+        for (t, v) in row.iter().enumerate() {
+            dst[t * PANEL + j % PANEL] = *v;
+        }
+    }
+    packed
 }
 
 /// Most activation rows [`dot_quant_rows`] takes at once.
@@ -484,39 +518,34 @@ mod avx512 {
         _mm512_reduce_add_ps(acc)
     }
 
-    /// `k` is a multiple of 16; `x` has at least `C` rows.
+    /// See [`super::panel_matmul`]; `R` weight rows.
     #[target_feature(enable = "avx512f,avx2,fma")]
-    pub unsafe fn dot_4xc<const C: usize>(w: [&[f32]; 4], x: &[&[f32]]) -> [[f32; 4]; 4] {
-        let k = w[0].len();
-        // Plain loops only: closures here would not inherit the target features.
-        let mut pw = [std::ptr::null::<f32>(); 4];
-        for (p, r) in pw.iter_mut().zip(w) {
-            *p = r.as_ptr();
-        }
-        let mut px = [std::ptr::null::<f32>(); C];
-        for (p, r) in px.iter_mut().zip(x) {
-            *p = r.as_ptr();
-        }
-        let mut acc = [[_mm512_setzero_ps(); C]; 4];
-        for i in (0..k).step_by(16) {
-            let mut xv = [_mm512_setzero_ps(); C];
-            for j in 0..C {
-                xv[j] = _mm512_loadu_ps(px[j].add(i));
-            }
-            for (a, p) in acc.iter_mut().zip(pw) {
-                let wv = _mm512_loadu_ps(p.add(i));
-                for j in 0..C {
-                    a[j] = _mm512_fmadd_ps(wv, xv[j], a[j]);
-                }
+    pub unsafe fn panel_kernel<const R: usize>(
+        w: *const f32,
+        k: usize,
+        panel: *const f32,
+        out: *mut f32,
+        ldo: usize,
+        cols: usize,
+    ) {
+        let mut acc = [[_mm512_setzero_ps(); 2]; R];
+        for t in 0..k {
+            let x0 = _mm512_loadu_ps(panel.add(t * 32));
+            let x1 = _mm512_loadu_ps(panel.add(t * 32 + 16));
+            for (r, a) in acc.iter_mut().enumerate() {
+                let wb = _mm512_set1_ps(*w.add(r * k + t));
+                a[0] = _mm512_fmadd_ps(wb, x0, a[0]);
+                a[1] = _mm512_fmadd_ps(wb, x1, a[1]);
             }
         }
-        let mut out = [[0f32; 4]; 4];
-        for i in 0..4 {
-            for j in 0..C {
-                out[i][j] = _mm512_reduce_add_ps(acc[i][j]);
+        let mut buf = [0f32; 32];
+        for (r, a) in acc.iter().enumerate() {
+            _mm512_storeu_ps(buf.as_mut_ptr(), a[0]);
+            _mm512_storeu_ps(buf.as_mut_ptr().add(16), a[1]);
+            for (j, v) in buf.iter().enumerate().take(cols) {
+                *out.add(j * ldo + r) = *v;
             }
         }
-        out
     }
 
     /// `G` heads; `d` is a multiple of 64. Each 64-wide slice of a row is loaded once for all heads.
@@ -1152,17 +1181,30 @@ mod tests {
     }
 
     #[test]
-    fn tile_4xn_matches_dots() {
-        for k in [16, 48, 576, 20] {
-            let w: Vec<Vec<f32>> = (0..4).map(|i| rnd(k, 20 + i)).collect();
-            let x: Vec<Vec<f32>> = (0..4).map(|i| rnd(k, 30 + i)).collect();
-            let xs: Vec<&[f32]> = x.iter().map(|r| r.as_slice()).collect();
-            for c in 1..=4 {
-                let got = dot_4xn([&w[0], &w[1], &w[2], &w[3]], &xs[..c]);
-                for i in 0..4 {
-                    for j in 0..4 {
-                        let want = if j < c { dot_portable(&w[i], &x[j]) } else { 0.0 };
-                        assert!(close(got[i][j], want), "k={k} c={c} {i},{j}");
+    fn panel_matmul_matches_dots() {
+        for k in [1, 7, 64, 576] {
+            for rows in 1..=PANEL_ROWS {
+                for cols in [1, 15, 16, 17, 32] {
+                    let w = rnd(rows * k, 50 + rows as u64);
+                    let x = rnd(cols * k, 60 + cols as u64);
+                    let panel = pack_panels(&x, cols, k);
+                    let ldo = 10;
+                    let mut out = vec![f32::NAN; PANEL * ldo];
+                    // SAFETY: w is rows×k, panel k×PANEL, out covers 32 rows of ldo ≥ rows.
+                    unsafe {
+                        panel_matmul(w.as_ptr(), rows, k, &panel, out.as_mut_ptr(), ldo, cols)
+                    };
+                    for j in 0..PANEL {
+                        for r in 0..ldo {
+                            let got = out[j * ldo + r];
+                            if j < cols && r < rows {
+                                let want =
+                                    dot_portable(&w[r * k..(r + 1) * k], &x[j * k..(j + 1) * k]);
+                                assert!(close(got, want), "k={k} rows={rows} cols={cols}");
+                            } else {
+                                assert!(got.is_nan(), "wrote outside the tile");
+                            }
+                        }
                     }
                 }
             }
