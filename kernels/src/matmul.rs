@@ -65,6 +65,14 @@ struct OutPtr(*mut f32);
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
+impl OutPtr {
+    /// # Safety
+    /// `i` is inside the output and no other task writes it.
+    unsafe fn at(&self, i: usize) -> *mut f32 {
+        self.0.add(i)
+    }
+}
+
 /// Several activation rows: each task owns a run of [`ROWS_PER_TASK`] weight rows, decodes them
 /// (if quantized) into an f32 tile that stays in cache, and multiplies every activation row with
 /// it through a 4×4 register tile. The weights are read and decoded once per call, never written
@@ -78,7 +86,6 @@ fn tiled(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
     (0..n.div_ceil(ROWS_PER_TASK))
         .into_par_iter()
         .for_each(|c| {
-            let dst = dst;
             let r0 = c * ROWS_PER_TASK;
             let rows = ROWS_PER_TASK.min(n - r0);
             let decoded;
@@ -106,7 +113,7 @@ fn tiled(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
                             nr,
                             k,
                             panel,
-                            dst.0.add(p * PANEL * n + r0 + i0),
+                            dst.at(p * PANEL * n + r0 + i0),
                             n,
                             cols,
                         )
@@ -186,7 +193,6 @@ fn fused_rows(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
     (0..n.div_ceil(ROWS_PER_TASK))
         .into_par_iter()
         .for_each(|c| {
-            let dst = dst;
             let r0 = c * ROWS_PER_TASK;
             let mut o = [0f32; MAX_FUSED_ROWS];
             for r in r0..(r0 + ROWS_PER_TASK).min(n) {
@@ -196,7 +202,7 @@ fn fused_rows(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
                     dot_quant_rows(*ty, wr, &x[j0 * k..(j0 + nc) * k], &mut o[..nc]);
                     for (u, v) in o[..nc].iter().enumerate() {
                         // SAFETY: (j0+u, r) is inside m×n and row r belongs to this task.
-                        unsafe { *dst.0.add((j0 + u) * n + r) = *v };
+                        unsafe { *dst.at((j0 + u) * n + r) = *v };
                     }
                 }
             }
@@ -259,16 +265,7 @@ mod tests {
                 w.row_f32(r, &mut row);
                 assert_eq!(row, dense[r * k..(r + 1) * k], "{:?} row {r}", w.dtype());
             }
-            for m in [
-                1,
-                2,
-                3,
-                9,
-                TILED_MIN_ROWS - 1,
-                TILED_MIN_ROWS,
-                33,
-                70,
-            ] {
+            for m in [1, 2, 3, 9, TILED_MIN_ROWS - 1, TILED_MIN_ROWS, 33, 70] {
                 let x = rnd(m * k, m as u64);
                 let mut out = vec![0f32; m * n];
                 matmul(&x, m, w, &mut out).unwrap();
