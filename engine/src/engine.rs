@@ -612,13 +612,14 @@ impl Engine {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::model::tiny_model;
     use proptest::prelude::*;
     use rand::{Rng, SeedableRng};
 
-    fn req(prompt: Vec<u32>, max_tokens: u32) -> Request {
+    /// A greedy request that runs to `max_tokens`.
+    pub(crate) fn req(prompt: Vec<u32>, max_tokens: u32) -> Request {
         Request {
             prompt,
             params: SamplingParams {

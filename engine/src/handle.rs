@@ -244,20 +244,9 @@ fn run_loop(mut engine: Engine, rx: mpsc::Receiver<Command>, shared: &Shared) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::tests::req;
     use crate::engine::{EngineConfig, FinishReason};
     use crate::model::tiny_model;
-    use crate::sampler::SamplingParams;
-
-    fn req(prompt: Vec<u32>, max_tokens: u32) -> Request {
-        Request {
-            prompt,
-            params: SamplingParams {
-                max_tokens,
-                ignore_eos: true,
-                ..Default::default()
-            },
-        }
-    }
 
     fn spawn() -> EngineHandle {
         EngineHandle::spawn(|| Engine::new(tiny_model(3), EngineConfig::default(), vec![])).unwrap()

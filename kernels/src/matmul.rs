@@ -57,6 +57,11 @@ pub fn matmul(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) -> Result<(), Ke
     Ok(())
 }
 
+thread_local! {
+    /// Decoded weight tile of [`tiled`], reused by every task this thread runs.
+    static TILE: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// `out` shared by tasks that write disjoint elements.
 #[derive(Clone, Copy)]
 struct OutPtr(*mut f32);
@@ -88,37 +93,43 @@ fn tiled(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
         .for_each(|c| {
             let r0 = c * ROWS_PER_TASK;
             let rows = ROWS_PER_TASK.min(n - r0);
-            let decoded;
-            let tile: &[f32] = match w {
-                Weight::F32 { data, .. } => &data[r0 * k..(r0 + rows) * k],
-                Weight::Quant { .. } => {
-                    let mut t = vec![0f32; rows * k];
-                    for (i, row) in t.chunks_exact_mut(k).enumerate() {
-                        w.row_f32(r0 + i, row);
+            let multiply = |tile: &[f32]| {
+                for p in 0..panels {
+                    let panel = &packed[p * k * PANEL..(p + 1) * k * PANEL];
+                    let cols = (m - p * PANEL).min(PANEL);
+                    for i0 in (0..rows).step_by(PANEL_ROWS) {
+                        let nr = (rows - i0).min(PANEL_ROWS);
+                        // SAFETY: tile rows i0..i0+nr exist; the written elements (activation
+                        // rows p·PANEL.. +cols, weight rows r0+i0.. +nr) are inside m×n and owned
+                        // by this task.
+                        unsafe {
+                            panel_matmul(
+                                tile.as_ptr().add(i0 * k),
+                                nr,
+                                k,
+                                panel,
+                                dst.at(p * PANEL * n + r0 + i0),
+                                n,
+                                cols,
+                            )
+                        };
                     }
-                    decoded = t;
-                    &decoded
                 }
             };
-            for p in 0..panels {
-                let panel = &packed[p * k * PANEL..(p + 1) * k * PANEL];
-                let cols = (m - p * PANEL).min(PANEL);
-                for i0 in (0..rows).step_by(PANEL_ROWS) {
-                    let nr = (rows - i0).min(PANEL_ROWS);
-                    // SAFETY: tile rows i0..i0+nr exist; the written elements (activation rows
-                    // p·PANEL.. +cols, weight rows r0+i0.. +nr) are inside m×n and owned by this task.
-                    unsafe {
-                        panel_matmul(
-                            tile.as_ptr().add(i0 * k),
-                            nr,
-                            k,
-                            panel,
-                            dst.at(p * PANEL * n + r0 + i0),
-                            n,
-                            cols,
-                        )
-                    };
-                }
+            match w {
+                Weight::F32 { data, .. } => multiply(&data[r0 * k..(r0 + rows) * k]),
+                // The decoded tile lives in a per-thread buffer: allocating it per task would
+                // map and unmap pages (and shoot down TLBs on every core) thousands of times a step.
+                Weight::Quant { .. } => TILE.with(|t| {
+                    let mut t = t.borrow_mut();
+                    if t.len() < rows * k {
+                        t.resize(rows * k, 0.0);
+                    }
+                    for (i, row) in t[..rows * k].chunks_exact_mut(k).enumerate() {
+                        w.row_f32(r0 + i, row);
+                    }
+                    multiply(&t[..rows * k]);
+                }),
             }
         });
 }
