@@ -84,6 +84,10 @@ pub struct EngineArgs {
     /// KV pool size in blocks (overrides --kv-cache-mb).
     #[arg(long, env = "TANDEM_KV_BLOCKS")]
     pub kv_blocks: Option<usize>,
+    /// Tokens of growth per running sequence that admission keeps free blocks for (0: admit
+    /// whenever a new prompt's first chunk fits, and preempt later if the pool runs out).
+    #[arg(long, env = "TANDEM_ADMISSION_LOOKAHEAD", default_value_t = 64)]
+    pub admission_lookahead: usize,
     /// Do not reuse KV blocks of identical prompt prefixes across requests.
     #[arg(long, env = "TANDEM_NO_PREFIX_CACHING")]
     pub no_prefix_caching: bool,
@@ -108,6 +112,7 @@ impl EngineArgs {
             kv_dtype: self.kv_dtype,
             prefix_caching: !self.no_prefix_caching,
             num_blocks: self.kv_blocks,
+            admission_lookahead: self.admission_lookahead,
         };
         let engine = Engine::new(model, cfg, loaded.tokenizer.eos_token_ids.clone())?;
         Ok((engine, loaded))

@@ -214,6 +214,8 @@ fn preempted_sequences_recompute_the_same_tokens() {
             EngineConfig {
                 kv_cache_mb: mb,
                 prefix_caching,
+                // Admit whenever a first chunk fits, so growth must preempt.
+                admission_lookahead: 0,
                 ..cfg.clone()
             },
         );
