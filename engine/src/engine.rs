@@ -217,6 +217,18 @@ impl Seq {
         self.tokens.len() - self.computed
     }
 
+    /// Blocks still needed to hold the whole prompt and `lookahead` more tokens (or to finish,
+    /// if sooner).
+    fn growth_blocks(&self, block_size: usize, lookahead: usize, max_ctx: usize) -> usize {
+        let end = (self.prompt_len + self.sampler.params().max_tokens as usize).min(max_ctx);
+        let target = end
+            .min(self.tokens.len() + lookahead)
+            .max(self.tokens.len());
+        target
+            .div_ceil(block_size)
+            .saturating_sub(self.blocks.len())
+    }
+
     fn finished(self, reason: FinishReason) -> Finished {
         let now = Instant::now();
         let since = |t: Option<Instant>| t.map_or(0.0, |t| (t - self.submitted).as_secs_f64());
@@ -503,10 +515,12 @@ impl Engine {
                 s.computed = hit;
             }
             let take = s.pending().min(budget);
-            let s = self.waiting.front().expect("front exists");
-            let own = self.growth_blocks(s);
+            let own = s.growth_blocks(
+                self.config.block_size,
+                self.config.admission_lookahead,
+                self.model.config.max_position_embeddings,
+            );
             let fits = self.running.is_empty() || self.blocks.available() >= own + headroom;
-            let s = self.waiting.front_mut().expect("front exists");
             if !fits || !s.blocks.reserve(s.computed + take) {
                 // Not now: give the reused blocks back (they stay cached) and keep its place.
                 s.blocks.clear();
@@ -529,14 +543,11 @@ impl Engine {
     /// Blocks `s` still needs to hold its whole prompt and `admission_lookahead` more tokens (or
     /// to finish, if sooner).
     fn growth_blocks(&self, s: &Seq) -> usize {
-        let max_ctx = self.model.config.max_position_embeddings;
-        let end = (s.prompt_len + s.sampler.params().max_tokens as usize).min(max_ctx);
-        let target = end
-            .min(s.tokens.len() + self.config.admission_lookahead)
-            .max(s.tokens.len());
-        target
-            .div_ceil(self.config.block_size)
-            .saturating_sub(s.blocks.len())
+        s.growth_blocks(
+            self.config.block_size,
+            self.config.admission_lookahead,
+            self.model.config.max_position_embeddings,
+        )
     }
 
     /// Ensures `running[i]` has blocks for `take` more tokens, preempting the newest running

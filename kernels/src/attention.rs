@@ -329,10 +329,7 @@ fn attend_part(
     let n = it.j1 - it.j0;
     let mut scores = vec![0f32; g * n];
     let mut scratch = Vec::new();
-    let mut j = it.j0;
-    while j < it.j1 {
-        let (blk, off) = (s.block_table[j / bs] as usize, j % bs);
-        let run = (bs - off).min(it.j1 - j);
+    for (blk, off, run, at) in block_runs(s.block_table, bs, it.j0, it.j1) {
         let ko = layout.k_at(blk, it.kvh, off);
         let keys = cache.rows(
             layout,
@@ -341,9 +338,7 @@ fn attend_part(
             layout.scale_at(blk, 0, it.kvh),
             &mut scratch,
         );
-        let at = j - it.j0;
         dot_rows_group(qg, g, keys, scale, &mut scores[at..], n);
-        j += run;
     }
     // [max; g] [sum; g] [output; g×hd]
     let mut part = vec![0f32; g * (2 + hd)];
@@ -354,10 +349,7 @@ fn attend_part(
         part[g + h] = exp_shifted_sum(sc, max);
     }
     let acc = &mut part[2 * g..];
-    let mut j = it.j0;
-    while j < it.j1 {
-        let (blk, off) = (s.block_table[j / bs] as usize, j % bs);
-        let run = (bs - off).min(it.j1 - j);
+    for (blk, off, run, at) in block_runs(s.block_table, bs, it.j0, it.j1) {
         let vo = layout.v_at(blk, it.kvh, off);
         let vals = cache.rows(
             layout,
@@ -366,11 +358,30 @@ fn attend_part(
             layout.scale_at(blk, 1, it.kvh),
             &mut scratch,
         );
-        let at = j - it.j0;
         axpy_rows_group(&scores[at..], n, vals, acc, g);
-        j += run;
     }
     part
+}
+
+/// Positions `j0..j1` of a sequence as runs within one block each:
+/// `(physical block, offset in it, length, offset from j0)`.
+fn block_runs(
+    table: &[u32],
+    bs: usize,
+    j0: usize,
+    j1: usize,
+) -> impl Iterator<Item = (usize, usize, usize, usize)> + '_ {
+    let mut j = j0;
+    std::iter::from_fn(move || {
+        if j >= j1 {
+            return None;
+        }
+        let (blk, off) = (table[j / bs] as usize, j % bs);
+        let run = (bs - off).min(j1 - j);
+        let item = (blk, off, run, j - j0);
+        j += run;
+        Some(item)
+    })
 }
 
 /// Combines the partial softmaxes of one (row, KV head) into normalized outputs `o` (g×hd).

@@ -115,7 +115,9 @@ pub fn softmax(x: &mut [f32]) {
 /// `log(softmax(x))` written into `out`, computed stably.
 pub fn log_softmax(x: &[f32], out: &mut [f32]) {
     let max = x.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-    let lse = max + x.iter().map(|&v| (v - max).exp()).sum::<f32>().ln();
+    // `out` holds the exponentials first (the vector exp), then the log-probabilities.
+    out.copy_from_slice(x);
+    let lse = max + crate::simd::exp_shifted_sum(out, max).ln();
     for (o, &v) in out.iter_mut().zip(x) {
         *o = v - lse;
     }
