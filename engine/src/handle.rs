@@ -16,6 +16,9 @@ use std::thread::JoinHandle;
 
 use tokio::sync::mpsc as tmpsc;
 
+use tandem_model::BlockHash;
+
+use crate::block_manager::KvEvent;
 use crate::engine::{Engine, EngineStats, Event, Finished, Limits, Request, RequestId, TokenEvent};
 use crate::EngineError;
 
@@ -36,7 +39,19 @@ enum Command {
         events: tmpsc::UnboundedSender<StreamEvent>,
     },
     Cancel(RequestId),
+    SubscribeKv(tmpsc::UnboundedSender<KvUpdate>),
     Shutdown,
+}
+
+/// What a KV-event subscriber receives: one snapshot first, then every change in order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum KvUpdate {
+    /// The cached block hashes now; `next_seq` is the sequence number of the first event after it.
+    Snapshot {
+        next_seq: u64,
+        hashes: Vec<BlockHash>,
+    },
+    Events(Vec<KvEvent>),
 }
 
 struct Shared {
@@ -124,6 +139,16 @@ impl EngineHandle {
     pub fn stats(&self) -> EngineStats {
         *self.shared.stats.lock().expect("stats lock")
     }
+
+    /// Subscribes to the prefix cache's changes: a [`KvUpdate::Snapshot`] first, then
+    /// [`KvUpdate::Events`] with consecutive sequence numbers. Dropping the receiver unsubscribes.
+    pub fn subscribe_kv(&self) -> Result<tmpsc::UnboundedReceiver<KvUpdate>, EngineError> {
+        let (tx, rx) = tmpsc::unbounded_channel();
+        self.commands
+            .send(Command::SubscribeKv(tx))
+            .map_err(|_| EngineError::Internal("the engine has stopped".into()))?;
+        Ok(rx)
+    }
 }
 
 impl Drop for EngineHandle {
@@ -179,8 +204,20 @@ impl Drop for RequestStream {
     }
 }
 
+/// Sends the block manager's new events to every KV subscriber (dropping those that left). Runs
+/// after every step and before a new subscriber's snapshot, so the snapshot's `next_seq` is
+/// exactly the first event the new subscriber has not seen.
+fn publish_kv(engine: &Engine, subscribers: &mut Vec<tmpsc::UnboundedSender<KvUpdate>>) {
+    let events = engine.drain_kv_events();
+    if events.is_empty() {
+        return;
+    }
+    subscribers.retain(|s| s.send(KvUpdate::Events(events.clone())).is_ok());
+}
+
 fn run_loop(mut engine: Engine, rx: mpsc::Receiver<Command>, shared: &Shared) {
     let mut sinks: HashMap<RequestId, tmpsc::UnboundedSender<StreamEvent>> = HashMap::new();
+    let mut kv_subscribers: Vec<tmpsc::UnboundedSender<KvUpdate>> = Vec::new();
     loop {
         let mut commands = Vec::new();
         if !engine.has_work() {
@@ -205,6 +242,14 @@ fn run_loop(mut engine: Engine, rx: mpsc::Receiver<Command>, shared: &Shared) {
                     }
                 },
                 Command::Cancel(id) => engine.cancel(id),
+                Command::SubscribeKv(tx) => {
+                    publish_kv(&engine, &mut kv_subscribers);
+                    let (last_seq, hashes) = engine.block_manager().snapshot();
+                    let next_seq = last_seq + 1;
+                    if tx.send(KvUpdate::Snapshot { next_seq, hashes }).is_ok() {
+                        kv_subscribers.push(tx);
+                    }
+                }
                 Command::Shutdown => return,
             }
         }
@@ -237,6 +282,7 @@ fn run_loop(mut engine: Engine, rx: mpsc::Receiver<Command>, shared: &Shared) {
                 }
             }
         }
+        publish_kv(&engine, &mut kv_subscribers);
         *shared.stats.lock().expect("stats lock") = engine.stats();
     }
 }
@@ -320,6 +366,53 @@ mod tests {
             "{st:?}"
         );
         assert_eq!(st.blocks_free + st.blocks_cached, st.blocks_total);
+    }
+
+    fn drain(s: &mut RequestStream) -> Vec<u32> {
+        let mut toks = Vec::new();
+        while let Some(ev) = s.blocking_next() {
+            if let StreamEvent::Token(t) = ev {
+                toks.push(t.sampled.token);
+            }
+        }
+        toks
+    }
+
+    #[test]
+    fn kv_subscribers_get_a_snapshot_then_gapless_events() {
+        let h = spawn();
+        let a: Vec<u32> = (0..40).map(|t| (t * 7 + 1) % 97).collect();
+        drain(&mut h.submit(req(a.clone(), 2)).unwrap());
+        let mut sub = h.subscribe_kv().unwrap();
+        let (next_seq, hashes) = match sub.blocking_recv() {
+            Some(KvUpdate::Snapshot { next_seq, hashes }) => (next_seq, hashes),
+            other => panic!("{other:?}"),
+        };
+        // 40 prompt + 2 output tokens: the first two 16-token blocks are full and cached.
+        let want = tandem_model::block_hashes(&a, 16);
+        assert_eq!(want.len(), 2);
+        for w in &want {
+            assert!(hashes.contains(w), "{hashes:?} lacks {w:?}");
+        }
+        let b: Vec<u32> = (0..20).map(|t| (t * 5 + 3) % 97).collect();
+        drain(&mut h.submit(req(b.clone(), 1)).unwrap());
+        let mut seq = next_seq;
+        let mut stored = Vec::new();
+        while stored.len() < 1 {
+            match sub.blocking_recv() {
+                Some(KvUpdate::Events(evs)) => {
+                    for e in evs {
+                        assert_eq!(e.seq, seq, "sequence numbers have no gaps");
+                        seq += 1;
+                        if let crate::KvEventKind::Stored { hashes, .. } = e.kind {
+                            stored.extend(hashes);
+                        }
+                    }
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(stored, tandem_model::block_hashes(&b, 16));
     }
 
     #[test]

@@ -22,7 +22,7 @@ pub use engine::{
     Engine, EngineConfig, EngineStats, Event, FinishReason, Finished, Limits, Request, RequestId,
     StepStats, TokenEvent,
 };
-pub use handle::{EngineHandle, RequestStream, StreamEvent};
+pub use handle::{EngineHandle, KvUpdate, RequestStream, StreamEvent};
 pub use kv_cache::{KvDtype, KvPool};
 pub use model::{LlamaModel, SeqBatch, WeightFormat};
 pub use sampler::{Sampled, Sampler, SamplingParams};

@@ -61,7 +61,11 @@ fn canonical_name(hf: &str) -> Option<String> {
     Some(format!("blk.{idx}.{f}.weight"))
 }
 
-pub(crate) fn load_dir(dir: &Path, name: String) -> Result<LoadedModel, ModelError> {
+pub(crate) fn load_dir(
+    dir: &Path,
+    name: String,
+    weights: bool,
+) -> Result<LoadedModel, ModelError> {
     let cfg_path = dir.join("config.json");
     let cfg_text = std::fs::read_to_string(&cfg_path).map_err(|e| ModelError::io(&cfg_path, e))?;
     let config = LlamaConfig::from_hf_json(&cfg_text)?;
@@ -70,6 +74,7 @@ pub(crate) fn load_dir(dir: &Path, name: String) -> Result<LoadedModel, ModelErr
 
     // Weights: one file, or shards named by the index.
     let files: Vec<String> = match read_json(&dir.join("model.safetensors.index.json"))? {
+        _ if !weights => Vec::new(),
         Some(index) => {
             let map = index
                 .get("weight_map")
@@ -191,7 +196,9 @@ pub(crate) fn load_dir(dir: &Path, name: String) -> Result<LoadedModel, ModelErr
         tensors,
         name,
     };
-    crate::check_shapes(&model)?;
+    if weights {
+        crate::check_shapes(&model)?;
+    }
     Ok(model)
 }
 

@@ -117,6 +117,16 @@ impl LoadedModel {
 
 /// Loads a GGUF file or an HF model directory.
 pub fn load(path: &Path) -> Result<LoadedModel, ModelError> {
+    load_with(path, true)
+}
+
+/// Loads only what handling text needs (config, tokenizer, chat template): `tensors` stays empty.
+/// The router uses this; it never runs the model.
+pub fn load_text(path: &Path) -> Result<LoadedModel, ModelError> {
+    load_with(path, false)
+}
+
+fn load_with(path: &Path, weights: bool) -> Result<LoadedModel, ModelError> {
     if !path.exists() {
         return Err(ModelError::NotFound(path.to_path_buf()));
     }
@@ -125,13 +135,13 @@ pub fn load(path: &Path) -> Result<LoadedModel, ModelError> {
         .map(|s| s.to_string_lossy().into_owned())
         .unwrap_or_else(|| "model".into());
     if path.is_dir() {
-        hf::load_dir(path, name)
+        hf::load_dir(path, name, weights)
     } else {
-        load_gguf(path, name)
+        load_gguf(path, name, weights)
     }
 }
 
-fn load_gguf(path: &Path, name: String) -> Result<LoadedModel, ModelError> {
+fn load_gguf(path: &Path, name: String, weights: bool) -> Result<LoadedModel, ModelError> {
     let g = gguf::GgufFile::open(path)?;
     let config = LlamaConfig::from_gguf(&g)?;
     let tokenizer = Tokenizer::from_gguf(&g)?;
@@ -145,7 +155,7 @@ fn load_gguf(path: &Path, name: String) -> Result<LoadedModel, ModelError> {
     };
     let mut tensors = BTreeMap::new();
     let mut config = config;
-    for t in &g.tensors {
+    for t in g.tensors.iter().filter(|t| weights || t.name == "rope_freqs.weight") {
         let mut data = TensorData {
             ty: t.ty,
             shape: t.shape(),
@@ -170,7 +180,9 @@ fn load_gguf(path: &Path, name: String) -> Result<LoadedModel, ModelError> {
         tensors,
         name,
     };
-    check_shapes(&model)?;
+    if weights {
+        check_shapes(&model)?;
+    }
     Ok(model)
 }
 
