@@ -3,6 +3,8 @@
 
 mod fetch;
 mod generate;
+mod serve;
+mod up;
 
 use std::path::PathBuf;
 
@@ -24,6 +26,12 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// The whole cluster on this machine: a router and decode workers as child processes.
+    Up(up::UpArgs),
+    /// The router: OpenAI-compatible HTTP and gRPC in front of decode workers.
+    Router(tandem_router::RouterArgs),
+    /// A decode worker: the engine behind the gRPC Decode service.
+    Decode(serve::DecodeArgs),
     /// Generate offline: JSON lines on stdin (--jsonl), or one prompt streamed as text.
     Generate(generate::GenerateArgs),
     /// Benchmarks.
@@ -265,6 +273,9 @@ fn main() {
         .init();
     let cli = Cli::parse();
     let res = match cli.command {
+        Command::Up(a) => up::run(a),
+        Command::Router(a) => serve::run_router(a),
+        Command::Decode(a) => serve::run_decode(a),
         Command::Generate(a) => generate::run(a),
         Command::Bench {
             what: BenchCommand::Engine(a),

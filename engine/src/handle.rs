@@ -189,6 +189,16 @@ impl RequestStream {
         self.seen(e)
     }
 
+    /// The next event if one is ready now, without waiting.
+    pub fn try_next(&mut self) -> Option<StreamEvent> {
+        let e = self.rx.try_recv().ok();
+        if e.is_some() {
+            self.seen(e)
+        } else {
+            None
+        }
+    }
+
     /// The next event, blocking the calling thread (not for async code).
     pub fn blocking_next(&mut self) -> Option<StreamEvent> {
         let e = self.rx.blocking_recv();

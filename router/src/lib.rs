@@ -1,5 +1,214 @@
-//! tandem-router: the front door. It will serve OpenAI-compatible HTTP and gRPC `tandem.v1.Generation`,
-//! apply chat templates and tokenize (tandem-model), pick decode and prefill workers through one
-//! `RoutingPolicy` trait (round-robin, least-load, kv-aware, conditional disaggregation), discover
-//! workers through a `Discovery` trait, and retry or migrate requests when workers fail. It never
-//! depends on the engine or kernels.
+//! tandem-router: the front door. OpenAI-compatible HTTP and the `tandem.v1.Generation` gRPC
+//! API, tokenization and chat templates, routing to decode workers, incremental detokenization
+//! and stop strings.
+//!
+//! Owns: [`RouterArgs`] (the `tandem router` flags), [`serve`], the [`dispatch`] path shared by
+//! both APIs, the routing [`policy`] implementations (one file each behind `RoutingPolicy`), the
+//! [`workers`] pool with its per-worker [`kv_index`], and [`discovery`]. Does not own any model
+//! compute: it reads the model file only for its tokenizer, template and context length, and
+//! never links the engine.
+
+pub mod discovery;
+pub mod dispatch;
+pub mod error;
+pub mod grpc;
+pub mod kv_index;
+pub mod openai;
+pub mod policy;
+pub mod text;
+pub mod workers;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Args;
+use tokio::net::TcpListener;
+
+use crate::discovery::{Discovery, StaticDiscovery};
+use crate::dispatch::{DispatchConfig, Dispatcher, ServedModel};
+use crate::policy::{KvAwareConfig, PolicyKind};
+use crate::workers::{PoolConfig, WorkerPool};
+
+pub use error::ApiError;
+
+/// `tandem router` flags.
+#[derive(Args, Clone, Debug)]
+pub struct RouterArgs {
+    /// GGUF file or HF directory the tokenizer and chat template come from (the default model
+    /// when not given).
+    #[arg(long, env = "TANDEM_MODEL")]
+    pub model: Option<PathBuf>,
+    /// The model name clients send (default: the model file's name).
+    #[arg(long, env = "TANDEM_SERVED_MODEL_NAME")]
+    pub served_model_name: Option<String>,
+    /// Address to listen on.
+    #[arg(long, env = "TANDEM_HOST", default_value = "0.0.0.0")]
+    pub host: String,
+    /// OpenAI-compatible HTTP port (0: any free port).
+    #[arg(long, env = "TANDEM_HTTP_PORT", default_value_t = 8000)]
+    pub http_port: u16,
+    /// gRPC port for tandem.v1.Generation (0: any free port).
+    #[arg(long, env = "TANDEM_GRPC_PORT", default_value_t = 50051)]
+    pub grpc_port: u16,
+    /// Decode workers, host:port, comma-separated (static discovery).
+    #[arg(long, env = "TANDEM_DECODE_WORKERS", value_delimiter = ',')]
+    pub decode_workers: Vec<String>,
+    /// How a request's decode worker is chosen.
+    #[arg(long, env = "TANDEM_POLICY", default_value = "kv-aware")]
+    pub policy: PolicyKind,
+    /// Most requests in flight through the router; more are refused with 429.
+    #[arg(long, env = "TANDEM_MAX_QUEUE", default_value_t = 4096)]
+    pub max_queue: usize,
+    /// kv-aware: blocks of prefill that one in-flight request on a worker is worth.
+    #[arg(long, env = "TANDEM_KV_LOAD_WEIGHT", default_value_t = 1.0)]
+    pub kv_load_weight: f64,
+    /// kv-aware: fall back to least-load when the busiest worker has this many more requests in
+    /// flight than the idlest ...
+    #[arg(long, env = "TANDEM_BALANCE_ABS", default_value_t = 8)]
+    pub balance_abs: usize,
+    /// ... and this many times as many.
+    #[arg(long, env = "TANDEM_BALANCE_REL", default_value_t = 1.5)]
+    pub balance_rel: f64,
+    /// How often each worker's load is polled, in milliseconds.
+    #[arg(long, env = "TANDEM_POLL_MS", default_value_t = 500)]
+    pub poll_ms: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RouterError {
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: String,
+        source: std::io::Error,
+    },
+    #[error("no decode workers given: pass --decode-workers host:port,...")]
+    NoWorkers,
+    #[error("server: {0}")]
+    Serve(String),
+}
+
+/// Where the router ended up listening.
+#[derive(Clone, Copy, Debug)]
+pub struct Bound {
+    pub http: SocketAddr,
+    pub grpc: SocketAddr,
+}
+
+async fn bind(host: &str, port: u16) -> Result<TcpListener, RouterError> {
+    let addr = format!("{host}:{port}");
+    TcpListener::bind(&addr)
+        .await
+        .map_err(|source| RouterError::Bind { addr, source })
+}
+
+/// Runs the router until `shutdown` resolves. `on_bound` learns the listening addresses as soon
+/// as both ports are open.
+pub async fn serve(
+    args: RouterArgs,
+    model: ServedModel,
+    on_bound: impl FnOnce(Bound),
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), RouterError> {
+    if args.decode_workers.is_empty() {
+        return Err(RouterError::NoWorkers);
+    }
+    let discovery = StaticDiscovery::new(args.decode_workers.clone());
+    let pool = WorkerPool::spawn(
+        discovery.decode_workers(),
+        PoolConfig {
+            poll_interval: Duration::from_millis(args.poll_ms.max(10)),
+            ..Default::default()
+        },
+    );
+    let policy = policy::build(
+        args.policy,
+        KvAwareConfig {
+            load_weight: args.kv_load_weight,
+            balance_abs: args.balance_abs,
+            balance_rel: args.balance_rel,
+        },
+    );
+    let dispatcher = Arc::new(Dispatcher::new(
+        Arc::new(model),
+        pool,
+        policy,
+        DispatchConfig {
+            max_queue: args.max_queue,
+        },
+    ));
+    let http = bind(&args.host, args.http_port).await?;
+    let grpc = bind(&args.host, args.grpc_port).await?;
+    let bound = Bound {
+        http: http.local_addr().map_err(|e| RouterError::Serve(e.to_string()))?,
+        grpc: grpc.local_addr().map_err(|e| RouterError::Serve(e.to_string()))?,
+    };
+    on_bound(bound);
+
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        shutdown.await;
+        let _ = stop_tx.send(true);
+    });
+    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+
+    let app = openai::routes(dispatcher.clone());
+    let http_task = tokio::spawn({
+        let stop = stopped(stop_rx.clone());
+        async move {
+            axum::serve(http, app)
+                .with_graceful_shutdown(stop)
+                .await
+                .map_err(|e| RouterError::Serve(format!("http: {e}")))
+        }
+    });
+
+    let (reporter, health) = tonic_health::server::health_reporter();
+    reporter
+        .set_serving::<tandem_proto::v1::generation_server::GenerationServer<grpc::GenerationService>>()
+        .await;
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(tandem_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .map_err(|e| RouterError::Serve(format!("reflection: {e}")))?;
+    let grpc_task = tokio::spawn({
+        let stop = stopped(stop_rx.clone());
+        let svc = tandem_proto::v1::generation_server::GenerationServer::new(
+            grpc::GenerationService::new(dispatcher.clone()),
+        );
+        async move {
+            tonic::transport::Server::builder()
+                .tcp_nodelay(true)
+                .add_service(health)
+                .add_service(reflection)
+                .add_service(svc)
+                .serve_with_incoming_shutdown(
+                    tokio_stream::wrappers::TcpListenerStream::new(grpc),
+                    stop,
+                )
+                .await
+                .map_err(|e| RouterError::Serve(format!("grpc: {e}")))
+        }
+    });
+    let (h, g) = tokio::join!(http_task, grpc_task);
+    h.map_err(|e| RouterError::Serve(e.to_string()))??;
+    g.map_err(|e| RouterError::Serve(e.to_string()))??;
+    Ok(())
+}
+
+/// Reads the model's text side (tokenizer, template, context) for the router.
+pub fn load_model(
+    path: &std::path::Path,
+    served_name: Option<String>,
+) -> Result<ServedModel, tandem_model::ModelError> {
+    let text = tandem_model::load_text(path)?;
+    Ok(ServedModel {
+        name: served_name.unwrap_or_else(|| text.name.clone()),
+        text,
+    })
+}

@@ -1,0 +1,29 @@
+//! Where the workers are. A [`Discovery`] backend publishes the current decode-worker addresses
+//! on a watch channel; the worker pool follows it. The static backend (addresses from the command
+//! line) is the default; etcd and Kubernetes DNS backends plug in behind the same trait.
+
+use tokio::sync::watch;
+
+pub trait Discovery: Send + Sync {
+    /// Decode worker addresses (`host:port`), now and whenever they change.
+    fn decode_workers(&self) -> watch::Receiver<Vec<String>>;
+}
+
+/// A fixed list, from `--decode-workers`.
+pub struct StaticDiscovery {
+    decode: watch::Sender<Vec<String>>,
+}
+
+impl StaticDiscovery {
+    pub fn new(decode: Vec<String>) -> Self {
+        Self {
+            decode: watch::Sender::new(decode),
+        }
+    }
+}
+
+impl Discovery for StaticDiscovery {
+    fn decode_workers(&self) -> watch::Receiver<Vec<String>> {
+        self.decode.subscribe()
+    }
+}

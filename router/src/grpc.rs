@@ -1,0 +1,191 @@
+//! The public gRPC API, `tandem.v1.Generation`, on the same dispatch path as HTTP.
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use futures::Stream;
+use tandem_model::ChatMessage;
+use tandem_proto::v1 as pb;
+use tonic::{Request, Response, Status};
+
+use crate::dispatch::{Dispatcher, FinishKind, GenParams, MaxTokensDefault, PromptInput};
+
+pub struct GenerationService {
+    d: Arc<Dispatcher>,
+}
+
+impl GenerationService {
+    pub fn new(d: Arc<Dispatcher>) -> Self {
+        Self { d }
+    }
+}
+
+fn prompt_input(
+    text: Option<String>,
+    chat: Option<pb::ChatMessages>,
+    ids: Option<pb::TokenIds>,
+) -> Result<PromptInput, Status> {
+    match (text, chat, ids) {
+        (Some(t), None, None) => Ok(PromptInput::Text(t)),
+        (None, Some(c), None) => Ok(PromptInput::Chat(
+            c.messages
+                .into_iter()
+                .map(|m| ChatMessage {
+                    role: m.role,
+                    content: m.content,
+                })
+                .collect(),
+        )),
+        (None, None, Some(ids)) => Ok(PromptInput::Ids(ids.ids)),
+        _ => Err(Status::invalid_argument(
+            "set the prompt: text, chat or token_ids",
+        )),
+    }
+}
+
+fn finish_reason(f: FinishKind) -> pb::FinishReason {
+    match f {
+        FinishKind::Stop => pb::FinishReason::Stop,
+        FinishKind::Length => pb::FinishReason::Length,
+        FinishKind::Cancelled => pb::FinishReason::Cancelled,
+    }
+}
+
+type GenStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl pb::generation_server::Generation for GenerationService {
+    type GenerateStream = GenStream;
+
+    async fn generate(
+        &self,
+        request: Request<pb::GenerateRequest>,
+    ) -> Result<Response<GenStream>, Status> {
+        let r = request.into_inner();
+        let (text, chat, ids) = match r.prompt {
+            Some(pb::generate_request::Prompt::Text(t)) => (Some(t), None, None),
+            Some(pb::generate_request::Prompt::Chat(c)) => (None, Some(c), None),
+            Some(pb::generate_request::Prompt::TokenIds(t)) => (None, None, Some(t)),
+            None => (None, None, None),
+        };
+        let is_chat = chat.is_some();
+        let input = prompt_input(text, chat, ids)?;
+        let s = r.sampling.unwrap_or_default();
+        let st = r.stopping.unwrap_or_default();
+        let params = GenParams {
+            temperature: s.temperature,
+            top_p: s.top_p,
+            top_k: s.top_k.map(i64::from),
+            min_p: s.min_p,
+            repetition_penalty: s.repetition_penalty,
+            presence_penalty: s.presence_penalty,
+            frequency_penalty: s.frequency_penalty,
+            seed: s.seed,
+            max_tokens: st.max_tokens.map(u64::from),
+            stop: st.stop,
+            stop_token_ids: st.stop_token_ids,
+            ignore_eos: st.ignore_eos,
+            skip_special_tokens: r.skip_special_tokens.unwrap_or(true),
+            logprobs: s.logprobs || s.top_logprobs > 0,
+            top_logprobs: s.top_logprobs,
+        };
+        let default_max = if is_chat {
+            MaxTokensDefault::RestOfContext
+        } else {
+            MaxTokensDefault::Fixed(16)
+        };
+        let d = &self.d;
+        let prep = d
+            .prepare(&r.model, input, params, default_max)
+            .map_err(|e| e.grpc())?;
+        let request_id = if r.request_id.is_empty() {
+            prep.request_id.clone()
+        } else {
+            r.request_id
+        };
+        let logprobs = prep.params.logprobs;
+        let g = d.generate(prep).await.map_err(|e| e.grpc())?;
+        let d = d.clone();
+        let stream = futures::stream::unfold(Some(g), move |g| {
+            let d = d.clone();
+            let request_id = request_id.clone();
+            async move {
+                let mut g = g?;
+                let c = match g.next().await? {
+                    Ok(c) => c,
+                    Err(e) => return Some((Err(e.grpc()), None)),
+                };
+                let tok = &d.model.text.tokenizer;
+                let piece = |id: u32| tok.decode(&[id], false).unwrap_or_default();
+                let mut msg = pb::GenerateResponse {
+                    request_id,
+                    text: c.text,
+                    token_ids: c.tokens.iter().map(|t| t.id).collect(),
+                    ..Default::default()
+                };
+                if logprobs {
+                    msg.logprobs = c
+                        .tokens
+                        .iter()
+                        .map(|t| pb::TokenLogprob {
+                            token_id: t.id,
+                            token: piece(t.id),
+                            logprob: t.logprob,
+                            top: t
+                                .top
+                                .iter()
+                                .map(|&(id, logprob)| pb::TopLogprob {
+                                    token_id: id,
+                                    token: piece(id),
+                                    logprob,
+                                })
+                                .collect(),
+                        })
+                        .collect();
+                }
+                let last = c.finish.is_some();
+                if let Some((f, u)) = c.finish {
+                    msg.finish_reason = finish_reason(f) as i32;
+                    msg.usage = Some(pb::Usage {
+                        prompt_tokens: u.prompt_tokens,
+                        completion_tokens: u.completion_tokens,
+                        cached_prompt_tokens: u.cached_prompt_tokens,
+                    });
+                }
+                Some((Ok(msg), if last { None } else { Some(g) }))
+            }
+        });
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn tokenize(
+        &self,
+        request: Request<pb::TokenizeRequest>,
+    ) -> Result<Response<pb::TokenizeResponse>, Status> {
+        let r = request.into_inner();
+        self.d.check_model(&r.model).map_err(|e| e.grpc())?;
+        let input = match r.prompt {
+            Some(pb::tokenize_request::Prompt::Text(t)) => prompt_input(Some(t), None, None)?,
+            Some(pb::tokenize_request::Prompt::Chat(c)) => prompt_input(None, Some(c), None)?,
+            None => prompt_input(None, None, None)?,
+        };
+        let ids = self.d.tokenize(input).map_err(|e| e.grpc())?;
+        Ok(Response::new(pb::TokenizeResponse {
+            token_ids: ids,
+            max_context: self.d.model.max_context() as u32,
+        }))
+    }
+
+    async fn list_models(
+        &self,
+        _: Request<pb::ListModelsRequest>,
+    ) -> Result<Response<pb::ListModelsResponse>, Status> {
+        Ok(Response::new(pb::ListModelsResponse {
+            models: vec![pb::Model {
+                id: self.d.model.name.clone(),
+                max_context: self.d.model.max_context() as u32,
+                owned_by: "tandem".into(),
+            }],
+        }))
+    }
+}

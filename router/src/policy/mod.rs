@@ -1,0 +1,64 @@
+//! Routing policies: which decode worker serves a request. One file per policy, one trait.
+//!
+//! A policy sees one [`Candidate`] per ready worker, computed by the worker pool at the moment of
+//! the decision, and returns the index of the one to use. Policies hold no worker state of their
+//! own beyond a counter, so they are pure functions of their input and tested as such.
+
+mod kv_aware;
+mod least_load;
+mod round_robin;
+
+pub use kv_aware::{KvAware, KvAwareConfig};
+pub use least_load::LeastLoad;
+pub use round_robin::RoundRobin;
+
+/// What a policy knows about one ready worker.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Candidate {
+    /// Requests this router has in flight on the worker.
+    pub load: usize,
+    /// Requests this router has ever sent it (breaks ties so equal choices spread).
+    pub assigned: u64,
+    /// Leading prompt blocks the worker holds in its prefix cache (only filled in for policies
+    /// that say they need it).
+    pub cached_blocks: usize,
+    /// Full blocks in the prompt.
+    pub prompt_blocks: usize,
+}
+
+pub trait RoutingPolicy: Send + Sync {
+    fn name(&self) -> &'static str;
+    /// Whether [`Candidate::cached_blocks`] must be computed (it costs an index lookup).
+    fn needs_prefix_match(&self) -> bool {
+        false
+    }
+    /// Index into `candidates` (never empty) of the chosen worker.
+    fn pick(&self, candidates: &[Candidate]) -> usize;
+}
+
+/// The policy names the `--policy` flag takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum PolicyKind {
+    RoundRobin,
+    LeastLoad,
+    KvAware,
+}
+
+pub fn build(kind: PolicyKind, kv: KvAwareConfig) -> Box<dyn RoutingPolicy> {
+    match kind {
+        PolicyKind::RoundRobin => Box::new(RoundRobin::default()),
+        PolicyKind::LeastLoad => Box::new(LeastLoad),
+        PolicyKind::KvAware => Box::new(KvAware::new(kv)),
+    }
+}
+
+/// Index of the smallest key; ties go to the earliest.
+pub(crate) fn argmin<K: PartialOrd>(c: &[Candidate], key: impl Fn(&Candidate) -> K) -> usize {
+    let mut best = 0;
+    for i in 1..c.len() {
+        if key(&c[i]) < key(&c[best]) {
+            best = i;
+        }
+    }
+    best
+}

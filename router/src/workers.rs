@@ -1,0 +1,318 @@
+//! The decode workers this router knows, and what it knows about each.
+//!
+//! For every address discovery reports, the pool keeps a lazily connected gRPC channel and two
+//! background tasks: a monitor (Info once, then Load every poll interval; a failed call marks the
+//! worker not ready until one succeeds) and a KV follower (the worker's KV-event stream into a
+//! [`KvIndex`]; on a gap or a broken stream the index is cleared and the stream reopened, which
+//! starts with a fresh snapshot). Requests in flight are counted here by the router itself, so
+//! load-based policies see their own decisions at once rather than a poll later.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use tandem_model::block_hashes;
+use tandem_proto::worker::{self as pb, decode_client::DecodeClient};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::kv_index::KvIndex;
+use crate::policy::{Candidate, RoutingPolicy};
+
+#[derive(Clone, Copy, Debug)]
+pub struct PoolConfig {
+    pub poll_interval: Duration,
+    pub connect_timeout: Duration,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        Self {
+            poll_interval: Duration::from_millis(500),
+            connect_timeout: Duration::from_secs(2),
+        }
+    }
+}
+
+#[derive(Default)]
+struct WorkerState {
+    info: Option<pb::WorkerInfo>,
+    load: Option<pb::LoadReport>,
+    ready: bool,
+}
+
+pub struct Worker {
+    pub addr: String,
+    client: DecodeClient<Channel>,
+    state: Mutex<WorkerState>,
+    kv: Mutex<KvIndex>,
+    in_flight: AtomicUsize,
+    assigned: AtomicU64,
+    tasks: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl Worker {
+    fn new(addr: String, cfg: &PoolConfig) -> Result<Arc<Self>, String> {
+        let endpoint = Endpoint::from_shared(format!("http://{addr}"))
+            .map_err(|e| format!("bad worker address {addr:?}: {e}"))?
+            .connect_timeout(cfg.connect_timeout)
+            .tcp_nodelay(true)
+            .http2_keep_alive_interval(Duration::from_secs(10))
+            .keep_alive_timeout(Duration::from_secs(20));
+        Ok(Arc::new(Self {
+            addr,
+            client: DecodeClient::new(endpoint.connect_lazy()),
+            state: Mutex::new(WorkerState::default()),
+            kv: Mutex::new(KvIndex::default()),
+            in_flight: AtomicUsize::new(0),
+            assigned: AtomicU64::new(0),
+            tasks: Mutex::new(Vec::new()),
+        }))
+    }
+
+    pub fn client(&self) -> DecodeClient<Channel> {
+        self.client.clone()
+    }
+
+    pub fn is_ready(&self) -> bool {
+        let s = self.state.lock().expect("worker state");
+        s.ready && s.info.is_some() && !s.load.as_ref().is_some_and(|l| l.draining)
+    }
+
+    pub fn info(&self) -> Option<pb::WorkerInfo> {
+        self.state.lock().expect("worker state").info.clone()
+    }
+
+    pub fn last_load(&self) -> Option<pb::LoadReport> {
+        self.state.lock().expect("worker state").load
+    }
+
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// Cached blocks the worker reports through its event stream.
+    pub fn cached_blocks(&self) -> usize {
+        self.kv.lock().expect("kv index").len()
+    }
+
+    /// Marks the worker unreachable after a failed call; the monitor brings it back.
+    pub fn mark_down(&self) {
+        self.state.lock().expect("worker state").ready = false;
+    }
+
+    /// Counts a request against this worker until the returned guard drops.
+    pub fn start_request(self: &Arc<Self>) -> InFlightGuard {
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        self.assigned.fetch_add(1, Ordering::Relaxed);
+        InFlightGuard(self.clone())
+    }
+
+    async fn monitor(self: Arc<Self>, cfg: PoolConfig) {
+        let mut client = self.client();
+        let mut backoff = cfg.poll_interval;
+        loop {
+            let need_info = self.state.lock().expect("worker state").info.is_none();
+            let ok = if need_info {
+                match client.info(pb::InfoRequest {}).await {
+                    Ok(r) => {
+                        let info = r.into_inner();
+                        tracing::info!(worker = %self.addr, model = %info.model, block_size = info.block_size, "decode worker found");
+                        self.state.lock().expect("worker state").info = Some(info);
+                        true
+                    }
+                    Err(e) => {
+                        tracing::debug!(worker = %self.addr, error = %e, "info failed");
+                        false
+                    }
+                }
+            } else {
+                true
+            };
+            let ok = ok
+                && match client.load(pb::LoadRequest {}).await {
+                    Ok(r) => {
+                        let mut s = self.state.lock().expect("worker state");
+                        s.load = Some(r.into_inner());
+                        if !s.ready {
+                            tracing::info!(worker = %self.addr, "decode worker ready");
+                        }
+                        s.ready = true;
+                        true
+                    }
+                    Err(e) => {
+                        tracing::debug!(worker = %self.addr, error = %e, "load failed");
+                        false
+                    }
+                };
+            if ok {
+                backoff = cfg.poll_interval;
+            } else {
+                let mut s = self.state.lock().expect("worker state");
+                if s.ready {
+                    tracing::warn!(worker = %self.addr, "decode worker unreachable");
+                }
+                // It may come back as a different process: ask again who it is.
+                s.ready = false;
+                s.info = None;
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+            }
+            tokio::time::sleep(backoff).await;
+        }
+    }
+
+    async fn follow_kv(self: Arc<Self>, cfg: PoolConfig) {
+        let mut client = self.client();
+        let mut backoff = cfg.poll_interval;
+        loop {
+            if let Ok(r) = client.kv_events(pb::KvEventsRequest {}).await {
+                let mut stream = r.into_inner();
+                backoff = cfg.poll_interval;
+                loop {
+                    match stream.message().await {
+                        Ok(Some(batch)) => {
+                            if let Err(gap) = self.kv.lock().expect("kv index").apply(batch) {
+                                tracing::warn!(worker = %self.addr, %gap, "resubscribing for a snapshot");
+                                break;
+                            }
+                        }
+                        Ok(None) | Err(_) => break,
+                    }
+                }
+            }
+            self.kv.lock().expect("kv index").clear();
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(5));
+        }
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        for t in self.tasks.lock().expect("tasks").drain(..) {
+            t.abort();
+        }
+    }
+}
+
+/// A request in flight on a worker; dropping it ends the count.
+pub struct InFlightGuard(Arc<Worker>);
+
+impl InFlightGuard {
+    pub fn worker(&self) -> &Arc<Worker> {
+        &self.0
+    }
+}
+
+impl Drop for InFlightGuard {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Every known decode worker, kept in step with discovery.
+pub struct WorkerPool {
+    workers: RwLock<Vec<Arc<Worker>>>,
+    cfg: PoolConfig,
+}
+
+impl WorkerPool {
+    /// Starts following `addrs`; must be called inside a tokio runtime.
+    pub fn spawn(mut addrs: watch::Receiver<Vec<String>>, cfg: PoolConfig) -> Arc<Self> {
+        let pool = Arc::new(Self {
+            workers: RwLock::new(Vec::new()),
+            cfg,
+        });
+        pool.sync(&addrs.borrow_and_update().clone());
+        let weak = Arc::downgrade(&pool);
+        tokio::spawn(async move {
+            while addrs.changed().await.is_ok() {
+                let Some(pool) = weak.upgrade() else { return };
+                let list = addrs.borrow_and_update().clone();
+                pool.sync(&list);
+            }
+        });
+        pool
+    }
+
+    fn sync(&self, addrs: &[String]) {
+        let mut ws = self.workers.write().expect("workers");
+        let mut by_addr: HashMap<String, Arc<Worker>> =
+            ws.drain(..).map(|w| (w.addr.clone(), w)).collect();
+        for a in addrs {
+            if let Some(w) = by_addr.remove(a) {
+                ws.push(w);
+                continue;
+            }
+            match Worker::new(a.clone(), &self.cfg) {
+                Ok(w) => {
+                    let mut t = w.tasks.lock().expect("tasks");
+                    t.push(tokio::spawn(w.clone().monitor(self.cfg)));
+                    t.push(tokio::spawn(w.clone().follow_kv(self.cfg)));
+                    drop(t);
+                    ws.push(w);
+                }
+                Err(e) => tracing::error!("{e}"),
+            }
+        }
+        // Workers no longer listed are dropped here (their tasks stop once requests finish).
+        for (_, w) in by_addr {
+            for t in w.tasks.lock().expect("tasks").drain(..) {
+                t.abort();
+            }
+        }
+    }
+
+    pub fn all(&self) -> Vec<Arc<Worker>> {
+        self.workers.read().expect("workers").clone()
+    }
+
+    pub fn ready(&self) -> Vec<Arc<Worker>> {
+        self.all().into_iter().filter(|w| w.is_ready()).collect()
+    }
+
+    /// Any ready worker's description (they serve one model).
+    pub fn any_info(&self) -> Option<pb::WorkerInfo> {
+        self.ready().iter().find_map(|w| w.info())
+    }
+
+    /// The worker `policy` picks for `prompt` among the ready ones not in `exclude`.
+    pub fn pick(
+        &self,
+        policy: &dyn RoutingPolicy,
+        prompt: &[u32],
+        exclude: &[String],
+    ) -> Option<Arc<Worker>> {
+        let ready: Vec<Arc<Worker>> = self
+            .ready()
+            .into_iter()
+            .filter(|w| !exclude.contains(&w.addr))
+            .collect();
+        if ready.is_empty() {
+            return None;
+        }
+        let mut hashes_by_block_size: HashMap<u32, Vec<tandem_model::BlockHash>> = HashMap::new();
+        let candidates: Vec<Candidate> = ready
+            .iter()
+            .map(|w| {
+                let mut c = Candidate {
+                    load: w.in_flight(),
+                    assigned: w.assigned.load(Ordering::Relaxed),
+                    ..Default::default()
+                };
+                if policy.needs_prefix_match() {
+                    let bs = w.info().map(|i| i.block_size).unwrap_or(16).max(1);
+                    let hashes = hashes_by_block_size
+                        .entry(bs)
+                        .or_insert_with(|| block_hashes(prompt, bs as usize));
+                    c.prompt_blocks = hashes.len();
+                    c.cached_blocks = w.kv.lock().expect("kv index").matched_prefix(hashes);
+                }
+                c
+            })
+            .collect();
+        Some(ready[policy.pick(&candidates)].clone())
+    }
+}

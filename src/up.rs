@@ -1,0 +1,337 @@
+//! `tandem up`: the whole cluster on this machine, as child processes on loopback.
+//!
+//! Starts N decode workers (`tandem decode`), waits for each to print its address, starts the
+//! router pointed at them, waits until `/ready` answers 200 and prints the URL with a curl
+//! example. Then it supervises: a child that exits is reported and restarted on the same port
+//! with exponential backoff (reset once it has stayed up a minute) while the others keep serving.
+//! Ctrl-C (or SIGTERM) sends SIGTERM to every child, waits for them to drain, and exits. Children
+//! also get SIGKILL from the kernel if `tandem up` itself dies (Linux parent-death signal), so no
+//! orphan keeps a port.
+
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use tandem_router::policy::PolicyKind;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+use crate::fetch;
+use crate::serve::shutdown_signal;
+
+#[derive(Args, Clone, Debug)]
+pub struct UpArgs {
+    /// GGUF file or HF directory (the default model, fetched if missing, when not given).
+    #[arg(long, env = "TANDEM_MODEL")]
+    model: Option<PathBuf>,
+    /// Decode workers to start.
+    #[arg(long = "decode-workers", env = "TANDEM_UP_DECODE_WORKERS", default_value_t = 1)]
+    decode_workers: usize,
+    /// Address the router listens on.
+    #[arg(long, env = "TANDEM_HOST", default_value = "127.0.0.1")]
+    host: String,
+    /// The router's OpenAI-compatible HTTP port.
+    #[arg(long, env = "TANDEM_HTTP_PORT", default_value_t = 8000)]
+    http_port: u16,
+    /// The router's gRPC port.
+    #[arg(long, env = "TANDEM_GRPC_PORT", default_value_t = 50051)]
+    grpc_port: u16,
+    /// First decode worker port (worker i gets base + i); 0 picks free ports.
+    #[arg(long, env = "TANDEM_WORKER_BASE_PORT", default_value_t = 0)]
+    worker_base_port: u16,
+    /// Compute threads per decode worker (default: the cores shared evenly).
+    #[arg(long, env = "TANDEM_WORKER_THREADS")]
+    worker_threads: Option<usize>,
+    /// Routing policy.
+    #[arg(long, env = "TANDEM_POLICY", default_value = "kv-aware")]
+    policy: PolicyKind,
+    /// Extra flags for the router, verbatim (repeatable), e.g. --router-arg=--max-queue=64.
+    #[arg(long = "router-arg", allow_hyphen_values = true)]
+    router_args: Vec<String>,
+    /// Extra flags for every decode worker, verbatim (repeatable), e.g. --worker-arg=--kv-dtype=int8.
+    #[arg(long = "worker-arg", allow_hyphen_values = true)]
+    worker_args: Vec<String>,
+    /// Seconds to wait for a child to start (model load included).
+    #[arg(long, env = "TANDEM_START_TIMEOUT_S", default_value_t = 300)]
+    start_timeout_s: u64,
+}
+
+/// One supervised child.
+struct Proc {
+    name: String,
+    args: Vec<String>,
+    child: Option<Child>,
+    started: Instant,
+    backoff: Duration,
+    restarts: u32,
+}
+
+fn spawn(name: &str, args: &[String]) -> Result<Child> {
+    let exe = std::env::current_exe().context("locating the tandem binary")?;
+    let mut cmd = Command::new(exe);
+    cmd.args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    #[cfg(target_os = "linux")]
+    // SAFETY: prctl is async-signal-safe and touches only the child's own state.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    cmd.spawn().with_context(|| format!("starting {name}"))
+}
+
+/// Reads the child's stdout until the line starting with `marker`, forwarding everything it
+/// prints with a `[name]` prefix from then on. Returns the rest of the marker line.
+async fn wait_for_line(
+    name: &str,
+    child: &mut Child,
+    marker: &str,
+    timeout: Duration,
+) -> Result<String> {
+    let stdout = child.stdout.take().context("child stdout")?;
+    let stderr = child.stderr.take().context("child stderr")?;
+    let tag = name.to_string();
+    tokio::spawn(async move {
+        let mut lines = BufReader::new(stderr).lines();
+        while let Ok(Some(l)) = lines.next_line().await {
+            eprintln!("[{tag}] {l}");
+        }
+    });
+    let mut lines = BufReader::new(stdout).lines();
+    let found = tokio::time::timeout(timeout, async {
+        while let Ok(Some(l)) = lines.next_line().await {
+            if let Some(rest) = l.strip_prefix(marker) {
+                return Some(rest.trim().to_string());
+            }
+            println!("[{name}] {l}");
+        }
+        None
+    })
+    .await;
+    let tag = name.to_string();
+    tokio::spawn(async move {
+        while let Ok(Some(l)) = lines.next_line().await {
+            println!("[{tag}] {l}");
+        }
+    });
+    match found {
+        Ok(Some(rest)) => Ok(rest),
+        Ok(None) => {
+            let status = child.wait().await.ok();
+            bail!("{name} exited before it was ready ({status:?}); its log is above")
+        }
+        Err(_) => bail!("{name} did not start within {} s", timeout.as_secs()),
+    }
+}
+
+fn sigterm(child: &Child) {
+    if let Some(pid) = child.id() {
+        // SAFETY: sending a signal to our own child process.
+        unsafe {
+            libc::kill(pid as i32, libc::SIGTERM);
+        }
+    }
+}
+
+async fn wait_ready(url: &str, timeout: Duration) -> Result<()> {
+    let client = reqwest::Client::new();
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Ok(r) = client.get(url).send().await {
+            if r.status().is_success() {
+                return Ok(());
+            }
+        }
+        if Instant::now() > deadline {
+            bail!("the router did not become ready within {} s ({url})", timeout.as_secs());
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+pub fn run(a: UpArgs) -> Result<()> {
+    if a.decode_workers == 0 {
+        bail!("--decode-workers must be at least 1");
+    }
+    let model = match &a.model {
+        Some(p) => p.clone(),
+        None => fetch::ensure_default_model()?,
+    };
+    let cores = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    let threads = a
+        .worker_threads
+        .unwrap_or((cores / a.decode_workers).max(1));
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(supervise(a, model, threads))
+}
+
+async fn supervise(a: UpArgs, model: PathBuf, threads: usize) -> Result<()> {
+    let timeout = Duration::from_secs(a.start_timeout_s);
+    let model_s = model.display().to_string();
+    let mut procs: Vec<Proc> = Vec::new();
+    let mut worker_addrs = Vec::new();
+    for i in 0..a.decode_workers {
+        let port = if a.worker_base_port == 0 {
+            0
+        } else {
+            a.worker_base_port + i as u16
+        };
+        let name = format!("decode-{i}");
+        let mut args = vec![
+            "decode".to_string(),
+            "--host=127.0.0.1".into(),
+            format!("--port={port}"),
+            format!("--model={model_s}"),
+            format!("--threads={threads}"),
+            format!("--worker-id={name}"),
+        ];
+        args.extend(a.worker_args.iter().cloned());
+        let mut child = spawn(&name, &args)?;
+        let addr = wait_for_line(&name, &mut child, "tandem decode: listening on", timeout).await?;
+        // Restarts reuse the port the router already knows.
+        if let Some(p) = args.iter_mut().find(|s| s.starts_with("--port=")) {
+            *p = format!("--port={}", addr.rsplit(':').next().unwrap_or("0"));
+        }
+        eprintln!("{name} listening on {addr}");
+        worker_addrs.push(addr);
+        procs.push(Proc {
+            name,
+            args,
+            child: Some(child),
+            started: Instant::now(),
+            backoff: Duration::from_secs(1),
+            restarts: 0,
+        });
+    }
+    let mut args = vec![
+        "router".to_string(),
+        format!("--host={}", a.host),
+        format!("--http-port={}", a.http_port),
+        format!("--grpc-port={}", a.grpc_port),
+        format!("--model={model_s}"),
+        format!("--decode-workers={}", worker_addrs.join(",")),
+        format!(
+            "--policy={}",
+            match a.policy {
+                PolicyKind::RoundRobin => "round-robin",
+                PolicyKind::LeastLoad => "least-load",
+                PolicyKind::KvAware => "kv-aware",
+            }
+        ),
+    ];
+    args.extend(a.router_args.iter().cloned());
+    let mut router = spawn("router", &args)?;
+    let line = wait_for_line("router", &mut router, "tandem router:", timeout).await?;
+    // "http ADDR grpc ADDR"
+    let parts: Vec<&str> = line.split_whitespace().collect();
+    let (http, grpc) = match parts.as_slice() {
+        ["http", h, "grpc", g] => (h.to_string(), g.to_string()),
+        _ => bail!("unexpected router line {line:?}"),
+    };
+    if let Some(p) = args.iter_mut().find(|s| s.starts_with("--http-port=")) {
+        *p = format!("--http-port={}", http.rsplit(':').next().unwrap_or("0"));
+    }
+    if let Some(p) = args.iter_mut().find(|s| s.starts_with("--grpc-port=")) {
+        *p = format!("--grpc-port={}", grpc.rsplit(':').next().unwrap_or("0"));
+    }
+    procs.push(Proc {
+        name: "router".into(),
+        args,
+        child: Some(router),
+        started: Instant::now(),
+        backoff: Duration::from_secs(1),
+        restarts: 0,
+    });
+    wait_ready(&format!("http://{http}/ready"), timeout).await?;
+    let served = reqwest::get(format!("http://{http}/v1/models"))
+        .await?
+        .json::<serde_json::Value>()
+        .await?;
+    let model_id = served["data"][0]["id"].as_str().unwrap_or("").to_string();
+    println!();
+    println!("Tandem is up: router http://{http} (OpenAI API), gRPC {grpc}, {} decode worker(s)", a.decode_workers);
+    println!("Try:");
+    println!(
+        "  curl http://{http}/v1/chat/completions -H 'Content-Type: application/json' \\\n    -d '{{\"model\": \"{model_id}\", \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}], \"max_tokens\": 32}}'"
+    );
+    println!("Ctrl-C stops the cluster.");
+    println!("tandem up: ready http {http} grpc {grpc}");
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+
+    let stop = shutdown_signal();
+    tokio::pin!(stop);
+    loop {
+        tokio::select! {
+            _ = &mut stop => break,
+            _ = tokio::time::sleep(Duration::from_millis(250)) => {}
+        }
+        for p in procs.iter_mut() {
+            let exited = match p.child.as_mut() {
+                Some(c) => c.try_wait()?,
+                None => None,
+            };
+            if let Some(status) = exited {
+                if p.started.elapsed() > Duration::from_secs(60) {
+                    p.backoff = Duration::from_secs(1);
+                }
+                eprintln!(
+                    "tandem up: {} exited ({status}); restarting in {:.0} s (restart {})",
+                    p.name,
+                    p.backoff.as_secs_f64(),
+                    p.restarts + 1
+                );
+                p.child = None;
+                tokio::select! {
+                    _ = &mut stop => break,
+                    _ = tokio::time::sleep(p.backoff) => {}
+                }
+                p.backoff = (p.backoff * 2).min(Duration::from_secs(30));
+                p.restarts += 1;
+                match spawn(&p.name, &p.args) {
+                    Ok(mut c) => {
+                        let marker = if p.name == "router" { "tandem router:" } else { "tandem decode: listening on" };
+                        match wait_for_line(&p.name, &mut c, marker, timeout).await {
+                            Ok(_) => eprintln!("tandem up: {} is back", p.name),
+                            Err(e) => eprintln!("tandem up: {e:#}"),
+                        }
+                        p.child = Some(c);
+                        p.started = Instant::now();
+                    }
+                    Err(e) => eprintln!("tandem up: {e:#}"),
+                }
+            }
+        }
+    }
+    eprintln!("tandem up: stopping");
+    // Router first (no new requests), then the workers drain what they have.
+    for p in procs.iter().rev() {
+        if let Some(c) = &p.child {
+            sigterm(c);
+        }
+    }
+    for p in procs.iter_mut() {
+        if let Some(c) = p.child.as_mut() {
+            if tokio::time::timeout(Duration::from_secs(40), c.wait()).await.is_err() {
+                eprintln!("tandem up: {} did not stop in time; killing it", p.name);
+                let _ = c.kill().await;
+            }
+        }
+    }
+    eprintln!("tandem up: stopped");
+    Ok(())
+}

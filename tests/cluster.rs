@@ -1,0 +1,630 @@
+//! End to end: real `tandem router` and `tandem decode` processes on loopback, driven through
+//! the OpenAI Python client, a gRPC client and raw HTTP.
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use tandem_proto::v1 as api;
+use tandem_proto::worker as wpb;
+
+fn golden() -> Vec<Value> {
+    let dir = std::env::var_os("TANDEM_GOLDEN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/golden"));
+    std::fs::read_to_string(dir.join("smollm2_greedy.jsonl"))
+        .expect("golden file")
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+fn model_path() -> PathBuf {
+    let p = tandem_model::default_model_path();
+    assert!(
+        p.exists(),
+        "{} missing: run scripts/test (it fetches the model)",
+        p.display()
+    );
+    p
+}
+
+/// A child process killed (and reaped) on drop; the kernel kills it too if the test dies.
+struct Proc {
+    child: Child,
+}
+
+impl Proc {
+    fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    fn signal(&self, sig: i32) {
+        // SAFETY: signalling our own child.
+        unsafe {
+            libc::kill(self.pid(), sig);
+        }
+    }
+
+    fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let end = Instant::now() + timeout;
+        while Instant::now() < end {
+            if let Ok(Some(s)) = self.child.try_wait() {
+                return Some(s);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        None
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `tandem ARGS` and waits for the stdout line starting with `marker`; returns the rest.
+fn spawn(args: &[String], marker: &str) -> (Proc, String) {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tandem"));
+    cmd.args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .env("TANDEM_LOG", "warn");
+    // SAFETY: prctl only affects the child.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().expect("start tandem");
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = mpsc::channel();
+    let marker = marker.to_string();
+    std::thread::spawn(move || {
+        let mut sent = false;
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if !sent {
+                if let Some(rest) = line.strip_prefix(&marker) {
+                    let _ = tx.send(rest.trim().to_string());
+                    sent = true;
+                }
+            }
+        }
+    });
+    let rest = rx
+        .recv_timeout(Duration::from_secs(180))
+        .unwrap_or_else(|_| panic!("tandem {args:?} did not print {marker:?}"));
+    (Proc { child }, rest)
+}
+
+fn start_worker(extra: &[&str]) -> (Proc, String) {
+    let mut args: Vec<String> = vec![
+        "decode".into(),
+        "--host=127.0.0.1".into(),
+        "--port=0".into(),
+        format!("--model={}", model_path().display()),
+        "--kv-cache-mb=256".into(),
+    ];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    spawn(&args, "tandem decode: listening on")
+}
+
+struct Router {
+    proc: Proc,
+    http: String,
+    grpc: String,
+}
+
+fn start_router(workers: &[String], extra: &[&str]) -> Router {
+    let mut args: Vec<String> = vec![
+        "router".into(),
+        "--host=127.0.0.1".into(),
+        "--http-port=0".into(),
+        "--grpc-port=0".into(),
+        format!("--model={}", model_path().display()),
+        format!("--decode-workers={}", workers.join(",")),
+        "--poll-ms=100".into(),
+    ];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let (proc, line) = spawn(&args, "tandem router:");
+    let parts: Vec<&str> = line.split_whitespace().collect();
+    Router {
+        proc,
+        http: format!("http://{}", parts[1]),
+        grpc: format!("http://{}", parts[3]),
+    }
+}
+
+async fn wait_ready(r: &Router, workers: usize) {
+    let c = reqwest::Client::new();
+    let end = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Ok(resp) = c.get(format!("{}/ready", r.http)).send().await {
+            if let Ok(v) = resp.json::<Value>().await {
+                if v["ready_workers"] == workers {
+                    return;
+                }
+            }
+        }
+        assert!(Instant::now() < end, "router not ready with {workers} workers");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn worker_load(addr: &str) -> wpb::LoadReport {
+    let mut c = wpb::decode_client::DecodeClient::connect(format!("http://{addr}"))
+        .await
+        .expect("connect to worker");
+    c.load(wpb::LoadRequest {}).await.unwrap().into_inner()
+}
+
+/// Waits until the worker holds no request and no referenced block.
+async fn wait_idle(addr: &str) -> wpb::LoadReport {
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        let l = worker_load(addr).await;
+        if l.running == 0 && l.waiting == 0 && l.blocks_used == 0 && l.in_flight == 0 {
+            return l;
+        }
+        assert!(Instant::now() < end, "worker did not return to idle: {l:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The `data:` payloads of an SSE body.
+fn sse_events(body: &str) -> Vec<String> {
+    body.split("\n\n")
+        .filter_map(|ev| {
+            ev.lines()
+                .find_map(|l| l.strip_prefix("data: ").or_else(|| l.strip_prefix("data:")))
+                .map(|s| s.to_string())
+        })
+        .collect()
+}
+
+/// Text, finish reason and usage of a streamed completion or chat completion.
+fn read_stream(body: &str) -> (String, Option<String>, Option<Value>) {
+    let events = sse_events(body);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{body}");
+    let mut text = String::new();
+    let mut finish = None;
+    let mut usage = None;
+    for e in &events[..events.len() - 1] {
+        let v: Value = serde_json::from_str(e).unwrap_or_else(|_| panic!("bad event {e}"));
+        assert!(v.get("error").is_none(), "{v}");
+        if !v["usage"].is_null() {
+            usage = Some(v["usage"].clone());
+        }
+        for c in v["choices"].as_array().unwrap() {
+            if let Some(t) = c["text"].as_str() {
+                text += t;
+            }
+            if let Some(t) = c["delta"]["content"].as_str() {
+                text += t;
+            }
+            if let Some(f) = c["finish_reason"].as_str() {
+                finish = Some(f.to_string());
+            }
+        }
+    }
+    (text, finish, usage)
+}
+
+struct Expect {
+    text_ignore_eos: String,
+    text_eos: String,
+    tokens_eos: usize,
+    finish_eos: &'static str,
+}
+
+fn expected(tok: &tandem_model::Tokenizer, r: &Value) -> Expect {
+    let ids: Vec<u32> = serde_json::from_value(r["generated_ids"].clone()).unwrap();
+    let (cut, tokens_eos, finish_eos) = match r["first_eos_index"].as_u64() {
+        Some(i) => (i as usize, i as usize + 1, "stop"),
+        None => (ids.len(), ids.len(), "length"),
+    };
+    Expect {
+        text_ignore_eos: tok.decode(&ids, true).unwrap(),
+        text_eos: tok.decode(&ids[..cut], true).unwrap(),
+        tokens_eos,
+        finish_eos,
+    }
+}
+
+fn python() -> PathBuf {
+    let p = std::env::var_os("TANDEM_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/pyenv/bin/python"));
+    assert!(
+        p.exists(),
+        "{} missing: scripts/test makes the venv with the OpenAI client",
+        p.display()
+    );
+    p
+}
+
+async fn openai_python_client(r: &Router, model: &str, tok: &tandem_model::Tokenizer) {
+    let cases: Vec<Value> = golden()
+        .iter()
+        .map(|g| {
+            let e = expected(tok, g);
+            let mut c = json!({
+                "id": g["id"],
+                "max_tokens": g["n_new"],
+                "prompt_tokens": g["n_prompt"],
+                "text_ignore_eos": e.text_ignore_eos,
+                "text_eos": e.text_eos,
+                "tokens_eos": e.tokens_eos,
+                "finish_eos": e.finish_eos,
+            });
+            if g["chat"].is_array() {
+                c["kind"] = json!("chat");
+                c["messages"] = g["chat"].clone();
+            } else {
+                c["kind"] = json!("completion");
+                c["prompt"] = g["prompt"].clone();
+            }
+            c
+        })
+        .collect();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("cases.json");
+    std::fs::write(&path, serde_json::to_string(&cases).unwrap()).unwrap();
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/openai_client.py");
+    let out = tokio::process::Command::new(python())
+        .arg(script)
+        .arg(format!("--base-url={}/v1", r.http))
+        .arg(format!("--model={model}"))
+        .arg(format!("--cases={}", path.display()))
+        .output()
+        .await
+        .expect("run python");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    eprintln!("{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "OpenAI client checks failed:\n{stdout}");
+    assert!(stdout.contains(&format!("{n}/{n} OpenAI client checks passed", n = cases.len() * 4)));
+}
+
+async fn grpc_client(r: &Router, model: &str, tok: &tandem_model::Tokenizer) {
+    use api::generation_client::GenerationClient;
+    let mut c = GenerationClient::connect(r.grpc.clone()).await.unwrap();
+    let models = c.list_models(api::ListModelsRequest {}).await.unwrap().into_inner();
+    assert_eq!(models.models[0].id, model);
+    let recs = golden();
+    let mut calls = Vec::new();
+    for g in &recs {
+        let prompt = match g["chat"].as_array() {
+            Some(chat) => api::generate_request::Prompt::Chat(api::ChatMessages {
+                messages: chat
+                    .iter()
+                    .map(|m| api::ChatMessage {
+                        role: m["role"].as_str().unwrap().into(),
+                        content: m["content"].as_str().unwrap().into(),
+                    })
+                    .collect(),
+            }),
+            None => api::generate_request::Prompt::Text(g["prompt"].as_str().unwrap().into()),
+        };
+        // Tokenize agrees with the golden prompt ids.
+        let tp = match &prompt {
+            api::generate_request::Prompt::Chat(m) => api::tokenize_request::Prompt::Chat(m.clone()),
+            api::generate_request::Prompt::Text(t) => api::tokenize_request::Prompt::Text(t.clone()),
+            _ => unreachable!(),
+        };
+        let ids = c
+            .tokenize(api::TokenizeRequest {
+                model: String::new(),
+                prompt: Some(tp),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .token_ids;
+        let want_prompt: Vec<u32> = serde_json::from_value(g["prompt_ids"].clone()).unwrap();
+        assert_eq!(ids, want_prompt, "{}", g["id"]);
+        for ignore_eos in [true, false] {
+            let req = api::GenerateRequest {
+                model: model.into(),
+                prompt: Some(prompt.clone()),
+                sampling: Some(api::SamplingParams {
+                    temperature: Some(0.0),
+                    logprobs: true,
+                    ..Default::default()
+                }),
+                stopping: Some(api::StoppingCriteria {
+                    max_tokens: g["n_new"].as_u64().map(|n| n as u32),
+                    ignore_eos,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            };
+            let mut c = c.clone();
+            calls.push(async move {
+                let mut s = c.generate(req).await.unwrap().into_inner();
+                let mut text = String::new();
+                let mut ids = Vec::new();
+                let mut last = None;
+                while let Some(m) = s.message().await.unwrap() {
+                    text += &m.text;
+                    assert_eq!(m.logprobs.len(), m.token_ids.len());
+                    ids.extend(m.token_ids);
+                    if m.finish_reason != 0 {
+                        last = Some((m.finish_reason, m.usage.unwrap()));
+                    }
+                }
+                (ignore_eos, text, ids, last.expect("a final message"))
+            });
+        }
+    }
+    let results = futures::future::join_all(calls).await;
+    for (g, pair) in recs.iter().zip(results.chunks(2)) {
+        let e = expected(tok, g);
+        let golden_ids: Vec<u32> = serde_json::from_value(g["generated_ids"].clone()).unwrap();
+        for (ignore_eos, text, ids, (finish, usage)) in pair {
+            if *ignore_eos {
+                assert_eq!(ids, &golden_ids, "{} token ids", g["id"]);
+                assert_eq!(text, &e.text_ignore_eos, "{}", g["id"]);
+                assert_eq!(*finish, api::FinishReason::Length as i32);
+            } else {
+                assert_eq!(ids, &golden_ids[..e.tokens_eos], "{}", g["id"]);
+                assert_eq!(text, &e.text_eos, "{}", g["id"]);
+                let want = if e.finish_eos == "stop" {
+                    api::FinishReason::Stop
+                } else {
+                    api::FinishReason::Length
+                };
+                assert_eq!(*finish, want as i32, "{}", g["id"]);
+            }
+            assert_eq!(usage.completion_tokens as usize, ids.len());
+            assert_eq!(usage.prompt_tokens, g["n_prompt"].as_u64().unwrap() as u32);
+        }
+    }
+}
+
+async fn post(http: &str, path: &str, body: Value) -> (u16, Value) {
+    let r = reqwest::Client::new()
+        .post(format!("{http}{path}"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap_or(Value::Null))
+}
+
+async fn bad_input(r: &Router, model: &str) {
+    let chat = "/v1/chat/completions";
+    let msgs = json!([{"role": "user", "content": "hi"}]);
+    let cases: Vec<(&str, Value, u16, &str)> = vec![
+        (chat, json!({"model": model, "messages": msgs, "temperature": -1}), 400, "invalid_value"),
+        (chat, json!({"model": model, "messages": msgs, "top_p": 0}), 400, "invalid_value"),
+        (chat, json!({"model": model, "messages": msgs, "presence_penalty": 3}), 400, "invalid_value"),
+        (chat, json!({"model": model, "messages": msgs, "top_logprobs": 50, "logprobs": true}), 400, "invalid_value"),
+        (chat, json!({"model": model, "messages": msgs, "max_tokens": 0}), 400, "invalid_value"),
+        (chat, json!({"model": "gpt-17", "messages": msgs}), 400, "model_not_found"),
+        (chat, json!({"model": model, "messages": []}), 400, "invalid_value"),
+        (chat, json!({"model": model, "messages": msgs, "max_tokens": 100000}), 400, "context_length_exceeded"),
+        ("/v1/completions", json!({"model": model, "prompt": "word ".repeat(9000)}), 400, "context_length_exceeded"),
+        ("/v1/completions", json!({"model": model, "prompt": [1, 2, 99999999]}), 400, "invalid_value"),
+        ("/v1/completions", json!({"model": model, "prompt": "hi", "n": 3}), 400, "invalid_value"),
+        ("/v1/completions", json!({"model": model}), 400, "invalid_value"),
+    ];
+    for (path, body, status, code) in cases {
+        let (s, v) = post(&r.http, path, body.clone()).await;
+        assert_eq!(s, status, "{body} -> {v}");
+        assert_eq!(v["error"]["code"], code, "{body} -> {v}");
+        assert!(v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()));
+        assert!(v["error"]["type"].is_string());
+    }
+    // Malformed JSON.
+    let resp = reqwest::Client::new()
+        .post(format!("{}{chat}", r.http))
+        .header("content-type", "application/json")
+        .body("{\"model\": ")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 400);
+    let v: Value = resp.json().await.unwrap();
+    assert_eq!(v["error"]["type"], "invalid_request_error");
+    // Still serving.
+    let (s, v) = post(
+        &r.http,
+        "/v1/completions",
+        json!({"model": model, "prompt": "The capital of France is", "max_tokens": 3, "temperature": 0}),
+    )
+    .await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["choices"][0]["text"], " Paris.\n");
+}
+
+async fn cancel_mid_stream(r: &Router, worker: &str, model: &str) {
+    use futures::StreamExt;
+    let idle = wait_idle(worker).await;
+    let resp = reqwest::Client::new()
+        .post(format!("{}/v1/completions", r.http))
+        .json(&json!({"model": model, "prompt": "Once upon a time", "max_tokens": 2000,
+                      "temperature": 0, "ignore_eos": true, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+    let mut body = resp.bytes_stream();
+    let mut seen = String::new();
+    while sse_events(&seen).len() < 4 {
+        seen += &String::from_utf8_lossy(&body.next().await.unwrap().unwrap());
+    }
+    let busy = worker_load(worker).await;
+    assert_eq!(busy.running, 1, "{busy:?}");
+    assert!(busy.blocks_used > 0, "{busy:?}");
+    drop(body);
+    let after = wait_idle(worker).await;
+    assert_eq!(after.blocks_used, idle.blocks_used);
+    assert_eq!(after.blocks_free + after.blocks_cached, after.blocks_total);
+}
+
+async fn concurrent_streams(r: &Router, model: &str) {
+    let prompts: Vec<String> = (0..8)
+        .map(|i| format!("Write a short note number {i} about the sea and the"))
+        .collect();
+    let body = |p: &str, stream: bool| {
+        json!({"model": model, "prompt": p, "max_tokens": 24, "temperature": 0,
+               "ignore_eos": true, "stream": stream, "stream_options": {"include_usage": true}})
+    };
+    let mut want = Vec::new();
+    for p in &prompts {
+        let (s, v) = post(&r.http, "/v1/completions", body(p, false)).await;
+        assert_eq!(s, 200);
+        want.push(v["choices"][0]["text"].as_str().unwrap().to_string());
+    }
+    let client = reqwest::Client::new();
+    let calls = (0..64).map(|i| {
+        let client = client.clone();
+        let b = body(&prompts[i % 8], true);
+        let url = format!("{}/v1/completions", r.http);
+        async move {
+            let resp = client.post(url).json(&b).send().await.unwrap();
+            assert_eq!(resp.status().as_u16(), 200);
+            (i, resp.text().await.unwrap())
+        }
+    });
+    for (i, body) in futures::future::join_all(calls).await {
+        let (text, finish, usage) = read_stream(&body);
+        assert_eq!(text, want[i % 8], "stream {i}");
+        assert_eq!(finish.as_deref(), Some("length"));
+        assert_eq!(usage.unwrap()["completion_tokens"], 24);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_worker_serves_clients_exactly_and_survives_bad_input() {
+    let (_w, waddr) = start_worker(&[]);
+    let r = start_router(&[waddr.clone()], &[]);
+    wait_ready(&r, 1).await;
+    let models: Value = reqwest::get(format!("{}/v1/models", r.http))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let model = models["data"][0]["id"].as_str().unwrap().to_string();
+    let tok = tandem_model::load_text(&model_path()).unwrap().tokenizer;
+
+    openai_python_client(&r, &model, &tok).await;
+    grpc_client(&r, &model, &tok).await;
+    bad_input(&r, &model).await;
+    cancel_mid_stream(&r, &waddr, &model).await;
+    concurrent_streams(&r, &model).await;
+    wait_idle(&waddr).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_aware_routing_follows_prefixes_and_spreads_the_rest() {
+    let (_w0, a0) = start_worker(&["--threads=1"]);
+    let (_w1, a1) = start_worker(&["--threads=1"]);
+    let r = start_router(&[a0.clone(), a1.clone()], &["--policy=kv-aware"]);
+    wait_ready(&r, 2).await;
+    let shared = golden()
+        .iter()
+        .find(|g| g["id"] == "dev_long_history")
+        .unwrap()["prompt"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    for i in 0..4 {
+        let (s, v) = post(
+            &r.http,
+            "/v1/completions",
+            json!({"prompt": format!("{shared} Question {i}:"), "max_tokens": 2, "temperature": 0}),
+        )
+        .await;
+        assert_eq!(s, 200, "{v}");
+        // Let the worker's KV events reach the router's index.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let (l0, l1) = (worker_load(&a0).await, worker_load(&a1).await);
+    let (hot, cold) = if l0.prefix_lookup_tokens > 0 { (l0, l1) } else { (l1, l0) };
+    assert_eq!(cold.prefix_lookup_tokens, 0, "all four went to one worker: {cold:?}");
+    // Requests 2-4 reuse at least 700 of the ~790 shared tokens each.
+    assert!(hot.prefix_hit_tokens >= 3 * 700, "{hot:?}");
+
+    let before = (worker_load(&a0).await, worker_load(&a1).await);
+    let words = ["apple", "river", "mountain", "engine", "violin", "desert"];
+    for w in words {
+        let (s, v) = post(
+            &r.http,
+            "/v1/completions",
+            json!({"prompt": format!("{} and then", format!("{w} ").repeat(60)), "max_tokens": 2, "temperature": 0}),
+        )
+        .await;
+        assert_eq!(s, 200, "{v}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let after = (worker_load(&a0).await, worker_load(&a1).await);
+    let got0 = after.0.prefix_lookup_tokens - before.0.prefix_lookup_tokens;
+    let got1 = after.1.prefix_lookup_tokens - before.1.prefix_lookup_tokens;
+    assert!(got0 > 0 && got1 > 0, "distinct prefixes spread: {got0} / {got1}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queue_limit_no_worker_and_graceful_drain() {
+    use futures::StreamExt;
+    // No worker reachable: 503, and /ready says so.
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().to_string()
+    };
+    let lonely = start_router(&[dead], &[]);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let ready = reqwest::get(format!("{}/ready", lonely.http)).await.unwrap();
+    assert_eq!(ready.status().as_u16(), 503);
+    let (s, v) = post(&lonely.http, "/v1/completions", json!({"prompt": "hi", "max_tokens": 2})).await;
+    assert_eq!(s, 503, "{v}");
+    assert_eq!(v["error"]["code"], "no_worker");
+    drop(lonely);
+
+    // Queue limit of one: a second request while the first streams gets 429.
+    let (mut w, waddr) = start_worker(&["--drain-timeout-s=60"]);
+    let r = start_router(&[waddr.clone()], &["--max-queue=1"]);
+    wait_ready(&r, 1).await;
+    let long = json!({"prompt": "Once upon a time", "max_tokens": 48, "temperature": 0,
+                      "ignore_eos": true, "stream": true});
+    let resp = reqwest::Client::new()
+        .post(format!("{}/v1/completions", r.http))
+        .json(&long)
+        .send()
+        .await
+        .unwrap();
+    let mut body = resp.bytes_stream();
+    let mut seen = String::new();
+    while sse_events(&seen).len() < 2 {
+        seen += &String::from_utf8_lossy(&body.next().await.unwrap().unwrap());
+    }
+    let (s, v) = post(&r.http, "/v1/completions", json!({"prompt": "hi", "max_tokens": 2})).await;
+    assert_eq!(s, 429, "{v}");
+    assert_eq!(v["error"]["code"], "rate_limit_exceeded");
+
+    // SIGTERM the worker mid-stream: the stream still completes, new work is refused, and the
+    // worker exits cleanly once drained.
+    w.signal(libc::SIGTERM);
+    while let Some(chunk) = body.next().await {
+        seen += &String::from_utf8_lossy(&chunk.unwrap());
+    }
+    let (text, finish, _) = read_stream(&seen);
+    assert_eq!(finish.as_deref(), Some("length"), "{seen}");
+    assert!(!text.is_empty());
+    let status = w.wait_exit(Duration::from_secs(30)).expect("worker exits after draining");
+    assert!(status.success(), "{status:?}");
+    let (s, v) = post(&r.http, "/v1/completions", json!({"prompt": "hi", "max_tokens": 2})).await;
+    assert!(s == 503 || s == 502, "{s} {v}");
+    let _ = waddr;
+}
