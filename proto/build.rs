@@ -6,7 +6,10 @@ use std::path::PathBuf;
 
 use prost::Message;
 
-const PROTOS: &[&str] = &["tandem/v1/generation.proto", "tandem/worker/v1/worker.proto"];
+const PROTOS: &[&str] = &[
+    "tandem/v1/generation.proto",
+    "tandem/worker/v1/worker.proto",
+];
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     for p in PROTOS {

@@ -1,6 +1,7 @@
 //! `tandem`: one binary, a subcommand per role. This file wires the crates together; each
 //! subcommand's flags are one clap struct, and every flag also reads a `TANDEM_*` variable.
 
+mod bench_serve;
 mod fetch;
 mod generate;
 mod serve;
@@ -50,6 +51,9 @@ enum Command {
 enum BenchCommand {
     /// Engine throughput (prefill, decode) next to this machine's measured roofline.
     Engine(BenchEngineArgs),
+    /// Load a router with streamed completions: TTFT, inter-token and end-to-end latency,
+    /// output tokens/s (a local cluster against the engine alone when no --url is given).
+    Serve(bench_serve::BenchServeArgs),
 }
 
 #[derive(Subcommand)]
@@ -102,6 +106,35 @@ pub struct EngineArgs {
 }
 
 impl EngineArgs {
+    /// The same settings as command-line flags, for a child process.
+    pub fn flags(&self) -> Vec<String> {
+        let mut f = vec![
+            format!("--weights={}", format!("{:?}", self.weights).to_lowercase()),
+            format!("--block-size={}", self.block_size),
+            format!("--kv-cache-mb={}", self.kv_cache_mb),
+            format!("--max-batched-tokens={}", self.max_batched_tokens),
+            format!("--max-seqs={}", self.max_seqs),
+            format!(
+                "--kv-dtype={}",
+                format!("{:?}", self.kv_dtype).to_lowercase()
+            ),
+            format!("--admission-lookahead={}", self.admission_lookahead),
+        ];
+        if let Some(m) = &self.model {
+            f.push(format!("--model={}", m.display()));
+        }
+        if let Some(t) = self.threads {
+            f.push(format!("--threads={t}"));
+        }
+        if let Some(b) = self.kv_blocks {
+            f.push(format!("--kv-blocks={b}"));
+        }
+        if self.no_prefix_caching {
+            f.push("--no-prefix-caching".into());
+        }
+        f
+    }
+
     /// Loads the model (fetching the default if needed) and builds an engine.
     pub fn build(&self) -> Result<(Engine, tandem_model::LoadedModel)> {
         tandem_kernels::init_threads(self.threads);
@@ -280,6 +313,9 @@ fn main() {
         Command::Bench {
             what: BenchCommand::Engine(a),
         } => bench_engine(a),
+        Command::Bench {
+            what: BenchCommand::Serve(a),
+        } => bench_serve::run(a),
         Command::Model {
             what: ModelCommand::Fetch { force },
         } => fetch::fetch_default(force).map(|p| println!("{}", p.display())),

@@ -57,10 +57,11 @@ pub async fn shutdown_signal() {
     }
 }
 
-fn runtime() -> Result<tokio::runtime::Runtime> {
-    // The engine computes on its own threads (rayon); the network side needs few.
+/// The async runtime for the network side. A decode worker gives it one thread: its compute
+/// runs on rayon threads that every extra runnable thread would preempt.
+fn runtime(threads: usize) -> Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+        .worker_threads(threads)
         .enable_all()
         .build()
         .context("starting the async runtime")
@@ -84,7 +85,7 @@ pub fn run_decode(a: DecodeArgs) -> Result<()> {
     })
     .map_err(|e| anyhow::anyhow!("{e}"))?;
     let model = name_rx.recv().unwrap_or_else(|_| "model".into());
-    let rt = runtime()?;
+    let rt = runtime(1)?;
     rt.block_on(async move {
         let listener = tokio::net::TcpListener::bind((a.host.as_str(), a.port))
             .await
@@ -122,7 +123,7 @@ pub fn run_router(a: RouterArgs) -> Result<()> {
     };
     let model = tandem_router::load_model(&path, a.served_model_name.clone())
         .with_context(|| format!("loading the tokenizer from {}", path.display()))?;
-    let rt = runtime()?;
+    let rt = runtime(2)?;
     rt.block_on(async move {
         tandem_router::serve(
             a,

@@ -27,7 +27,11 @@ pub struct UpArgs {
     #[arg(long, env = "TANDEM_MODEL")]
     model: Option<PathBuf>,
     /// Decode workers to start.
-    #[arg(long = "decode-workers", env = "TANDEM_UP_DECODE_WORKERS", default_value_t = 1)]
+    #[arg(
+        long = "decode-workers",
+        env = "TANDEM_UP_DECODE_WORKERS",
+        default_value_t = 1
+    )]
     decode_workers: usize,
     /// Address the router listens on.
     #[arg(long, env = "TANDEM_HOST", default_value = "127.0.0.1")]
@@ -68,7 +72,7 @@ struct Proc {
     restarts: u32,
 }
 
-fn spawn(name: &str, args: &[String]) -> Result<Child> {
+pub(crate) fn spawn(name: &str, args: &[String]) -> Result<Child> {
     let exe = std::env::current_exe().context("locating the tandem binary")?;
     let mut cmd = Command::new(exe);
     cmd.args(args)
@@ -91,7 +95,7 @@ fn spawn(name: &str, args: &[String]) -> Result<Child> {
 
 /// Reads the child's stdout until the line starting with `marker`, forwarding everything it
 /// prints with a `[name]` prefix from then on. Returns the rest of the marker line.
-async fn wait_for_line(
+pub(crate) async fn wait_for_line(
     name: &str,
     child: &mut Child,
     marker: &str,
@@ -133,7 +137,7 @@ async fn wait_for_line(
     }
 }
 
-fn sigterm(child: &Child) {
+pub(crate) fn sigterm(child: &Child) {
     if let Some(pid) = child.id() {
         // SAFETY: sending a signal to our own child process.
         unsafe {
@@ -152,7 +156,10 @@ async fn wait_ready(url: &str, timeout: Duration) -> Result<()> {
             }
         }
         if Instant::now() > deadline {
-            bail!("the router did not become ready within {} s ({url})", timeout.as_secs());
+            bail!(
+                "the router did not become ready within {} s ({url})",
+                timeout.as_secs()
+            );
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
@@ -263,7 +270,10 @@ async fn supervise(a: UpArgs, model: PathBuf, threads: usize) -> Result<()> {
         .await?;
     let model_id = served["data"][0]["id"].as_str().unwrap_or("").to_string();
     println!();
-    println!("Tandem is up: router http://{http} (OpenAI API), gRPC {grpc}, {} decode worker(s)", a.decode_workers);
+    println!(
+        "Tandem is up: router http://{http} (OpenAI API), gRPC {grpc}, {} decode worker(s)",
+        a.decode_workers
+    );
     println!("Try:");
     println!(
         "  curl http://{http}/v1/chat/completions -H 'Content-Type: application/json' \\\n    -d '{{\"model\": \"{model_id}\", \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}], \"max_tokens\": 32}}'"
@@ -304,7 +314,11 @@ async fn supervise(a: UpArgs, model: PathBuf, threads: usize) -> Result<()> {
                 p.restarts += 1;
                 match spawn(&p.name, &p.args) {
                     Ok(mut c) => {
-                        let marker = if p.name == "router" { "tandem router:" } else { "tandem decode: listening on" };
+                        let marker = if p.name == "router" {
+                            "tandem router:"
+                        } else {
+                            "tandem decode: listening on"
+                        };
                         match wait_for_line(&p.name, &mut c, marker, timeout).await {
                             Ok(_) => eprintln!("tandem up: {} is back", p.name),
                             Err(e) => eprintln!("tandem up: {e:#}"),
@@ -326,7 +340,10 @@ async fn supervise(a: UpArgs, model: PathBuf, threads: usize) -> Result<()> {
     }
     for p in procs.iter_mut() {
         if let Some(c) = p.child.as_mut() {
-            if tokio::time::timeout(Duration::from_secs(40), c.wait()).await.is_err() {
+            if tokio::time::timeout(Duration::from_secs(40), c.wait())
+                .await
+                .is_err()
+            {
                 eprintln!("tandem up: {} did not stop in time; killing it", p.name);
                 let _ = c.kill().await;
             }

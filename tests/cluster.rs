@@ -87,13 +87,13 @@ fn spawn(args: &[String], marker: &str) -> (Proc, String) {
     let mut child = cmd.spawn().expect("start tandem");
     let stdout = child.stdout.take().unwrap();
     let (tx, rx) = mpsc::channel();
-    let marker = marker.to_string();
+    let wanted = marker.to_string();
     std::thread::spawn(move || {
         let mut sent = false;
         for line in BufReader::new(stdout).lines() {
             let Ok(line) = line else { break };
             if !sent {
-                if let Some(rest) = line.strip_prefix(&marker) {
+                if let Some(rest) = line.strip_prefix(&wanted) {
                     let _ = tx.send(rest.trim().to_string());
                     sent = true;
                 }
@@ -119,7 +119,7 @@ fn start_worker(extra: &[&str]) -> (Proc, String) {
 }
 
 struct Router {
-    proc: Proc,
+    _proc: Proc,
     http: String,
     grpc: String,
 }
@@ -138,7 +138,7 @@ fn start_router(workers: &[String], extra: &[&str]) -> Router {
     let (proc, line) = spawn(&args, "tandem router:");
     let parts: Vec<&str> = line.split_whitespace().collect();
     Router {
-        proc,
+        _proc: proc,
         http: format!("http://{}", parts[1]),
         grpc: format!("http://{}", parts[3]),
     }
@@ -155,8 +155,39 @@ async fn wait_ready(r: &Router, workers: usize) {
                 }
             }
         }
-        assert!(Instant::now() < end, "router not ready with {workers} workers");
+        assert!(
+            Instant::now() < end,
+            "router not ready with {workers} workers"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Waits until the router's KV index holds at least `blocks` blocks for some worker.
+async fn wait_router_cached(r: &Router, blocks: u64) {
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        let v: Value = reqwest::get(format!("{}/ready", r.http))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let most = v["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|w| w["cached_blocks"].as_u64())
+            .max()
+            .unwrap_or(0);
+        if most >= blocks {
+            return;
+        }
+        assert!(
+            Instant::now() < end,
+            "router index never reached {blocks} blocks: {v}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
@@ -243,7 +274,9 @@ fn expected(tok: &tandem_model::Tokenizer, r: &Value) -> Expect {
 fn python() -> PathBuf {
     let p = std::env::var_os("TANDEM_PYTHON")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/pyenv/bin/python"));
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/pyenv/bin/python")
+        });
     assert!(
         p.exists(),
         "{} missing: scripts/test makes the venv with the OpenAI client",
@@ -290,14 +323,24 @@ async fn openai_python_client(r: &Router, model: &str, tok: &tandem_model::Token
         .expect("run python");
     let stdout = String::from_utf8_lossy(&out.stdout);
     eprintln!("{stdout}{}", String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "OpenAI client checks failed:\n{stdout}");
-    assert!(stdout.contains(&format!("{n}/{n} OpenAI client checks passed", n = cases.len() * 4)));
+    assert!(
+        out.status.success(),
+        "OpenAI client checks failed:\n{stdout}"
+    );
+    assert!(stdout.contains(&format!(
+        "{n}/{n} OpenAI client checks passed",
+        n = cases.len() * 4
+    )));
 }
 
 async fn grpc_client(r: &Router, model: &str, tok: &tandem_model::Tokenizer) {
     use api::generation_client::GenerationClient;
     let mut c = GenerationClient::connect(r.grpc.clone()).await.unwrap();
-    let models = c.list_models(api::ListModelsRequest {}).await.unwrap().into_inner();
+    let models = c
+        .list_models(api::ListModelsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
     assert_eq!(models.models[0].id, model);
     let recs = golden();
     let mut calls = Vec::new();
@@ -316,8 +359,12 @@ async fn grpc_client(r: &Router, model: &str, tok: &tandem_model::Tokenizer) {
         };
         // Tokenize agrees with the golden prompt ids.
         let tp = match &prompt {
-            api::generate_request::Prompt::Chat(m) => api::tokenize_request::Prompt::Chat(m.clone()),
-            api::generate_request::Prompt::Text(t) => api::tokenize_request::Prompt::Text(t.clone()),
+            api::generate_request::Prompt::Chat(m) => {
+                api::tokenize_request::Prompt::Chat(m.clone())
+            }
+            api::generate_request::Prompt::Text(t) => {
+                api::tokenize_request::Prompt::Text(t.clone())
+            }
             _ => unreachable!(),
         };
         let ids = c
@@ -405,24 +452,86 @@ async fn bad_input(r: &Router, model: &str) {
     let chat = "/v1/chat/completions";
     let msgs = json!([{"role": "user", "content": "hi"}]);
     let cases: Vec<(&str, Value, u16, &str)> = vec![
-        (chat, json!({"model": model, "messages": msgs, "temperature": -1}), 400, "invalid_value"),
-        (chat, json!({"model": model, "messages": msgs, "top_p": 0}), 400, "invalid_value"),
-        (chat, json!({"model": model, "messages": msgs, "presence_penalty": 3}), 400, "invalid_value"),
-        (chat, json!({"model": model, "messages": msgs, "top_logprobs": 50, "logprobs": true}), 400, "invalid_value"),
-        (chat, json!({"model": model, "messages": msgs, "max_tokens": 0}), 400, "invalid_value"),
-        (chat, json!({"model": "gpt-17", "messages": msgs}), 400, "model_not_found"),
-        (chat, json!({"model": model, "messages": []}), 400, "invalid_value"),
-        (chat, json!({"model": model, "messages": msgs, "max_tokens": 100000}), 400, "context_length_exceeded"),
-        ("/v1/completions", json!({"model": model, "prompt": "word ".repeat(9000)}), 400, "context_length_exceeded"),
-        ("/v1/completions", json!({"model": model, "prompt": [1, 2, 99999999]}), 400, "invalid_value"),
-        ("/v1/completions", json!({"model": model, "prompt": "hi", "n": 3}), 400, "invalid_value"),
-        ("/v1/completions", json!({"model": model}), 400, "invalid_value"),
+        (
+            chat,
+            json!({"model": model, "messages": msgs, "temperature": -1}),
+            400,
+            "invalid_value",
+        ),
+        (
+            chat,
+            json!({"model": model, "messages": msgs, "top_p": 0}),
+            400,
+            "invalid_value",
+        ),
+        (
+            chat,
+            json!({"model": model, "messages": msgs, "presence_penalty": 3}),
+            400,
+            "invalid_value",
+        ),
+        (
+            chat,
+            json!({"model": model, "messages": msgs, "top_logprobs": 50, "logprobs": true}),
+            400,
+            "invalid_value",
+        ),
+        (
+            chat,
+            json!({"model": model, "messages": msgs, "max_tokens": 0}),
+            400,
+            "invalid_value",
+        ),
+        (
+            chat,
+            json!({"model": "gpt-17", "messages": msgs}),
+            400,
+            "model_not_found",
+        ),
+        (
+            chat,
+            json!({"model": model, "messages": []}),
+            400,
+            "invalid_value",
+        ),
+        (
+            chat,
+            json!({"model": model, "messages": msgs, "max_tokens": 100000}),
+            400,
+            "context_length_exceeded",
+        ),
+        (
+            "/v1/completions",
+            json!({"model": model, "prompt": "word ".repeat(9000)}),
+            400,
+            "context_length_exceeded",
+        ),
+        (
+            "/v1/completions",
+            json!({"model": model, "prompt": [1, 2, 99999999]}),
+            400,
+            "invalid_value",
+        ),
+        (
+            "/v1/completions",
+            json!({"model": model, "prompt": "hi", "n": 3}),
+            400,
+            "invalid_value",
+        ),
+        (
+            "/v1/completions",
+            json!({"model": model}),
+            400,
+            "invalid_value",
+        ),
     ];
     for (path, body, status, code) in cases {
         let (s, v) = post(&r.http, path, body.clone()).await;
         assert_eq!(s, status, "{body} -> {v}");
         assert_eq!(v["error"]["code"], code, "{body} -> {v}");
-        assert!(v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()));
+        assert!(v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty()));
         assert!(v["error"]["type"].is_string());
     }
     // Malformed JSON.
@@ -452,8 +561,10 @@ async fn cancel_mid_stream(r: &Router, worker: &str, model: &str) {
     let idle = wait_idle(worker).await;
     let resp = reqwest::Client::new()
         .post(format!("{}/v1/completions", r.http))
-        .json(&json!({"model": model, "prompt": "Once upon a time", "max_tokens": 2000,
-                      "temperature": 0, "ignore_eos": true, "stream": true}))
+        .json(
+            &json!({"model": model, "prompt": "Once upon a time", "max_tokens": 2000,
+                      "temperature": 0, "ignore_eos": true, "stream": true}),
+        )
         .send()
         .await
         .unwrap();
@@ -508,7 +619,7 @@ async fn concurrent_streams(r: &Router, model: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_worker_serves_clients_exactly_and_survives_bad_input() {
     let (_w, waddr) = start_worker(&[]);
-    let r = start_router(&[waddr.clone()], &[]);
+    let r = start_router(std::slice::from_ref(&waddr), &[]);
     wait_ready(&r, 1).await;
     let models: Value = reqwest::get(format!("{}/v1/models", r.http))
         .await
@@ -548,12 +659,21 @@ async fn kv_aware_routing_follows_prefixes_and_spreads_the_rest() {
         )
         .await;
         assert_eq!(s, 200, "{v}");
-        // Let the worker's KV events reach the router's index.
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        if i == 0 {
+            // The worker's KV events reach the router's index: its ~49 prompt blocks.
+            wait_router_cached(&r, 40).await;
+        }
     }
     let (l0, l1) = (worker_load(&a0).await, worker_load(&a1).await);
-    let (hot, cold) = if l0.prefix_lookup_tokens > 0 { (l0, l1) } else { (l1, l0) };
-    assert_eq!(cold.prefix_lookup_tokens, 0, "all four went to one worker: {cold:?}");
+    let (hot, cold) = if l0.prefix_lookup_tokens > 0 {
+        (l0, l1)
+    } else {
+        (l1, l0)
+    };
+    assert_eq!(
+        cold.prefix_lookup_tokens, 0,
+        "all four went to one worker: {cold:?}"
+    );
     // Requests 2-4 reuse at least 700 of the ~790 shared tokens each.
     assert!(hot.prefix_hit_tokens >= 3 * 700, "{hot:?}");
 
@@ -567,12 +687,14 @@ async fn kv_aware_routing_follows_prefixes_and_spreads_the_rest() {
         )
         .await;
         assert_eq!(s, 200, "{v}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let after = (worker_load(&a0).await, worker_load(&a1).await);
     let got0 = after.0.prefix_lookup_tokens - before.0.prefix_lookup_tokens;
     let got1 = after.1.prefix_lookup_tokens - before.1.prefix_lookup_tokens;
-    assert!(got0 > 0 && got1 > 0, "distinct prefixes spread: {got0} / {got1}");
+    assert!(
+        got0 > 0 && got1 > 0,
+        "distinct prefixes spread: {got0} / {got1}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -585,16 +707,23 @@ async fn queue_limit_no_worker_and_graceful_drain() {
     };
     let lonely = start_router(&[dead], &[]);
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let ready = reqwest::get(format!("{}/ready", lonely.http)).await.unwrap();
+    let ready = reqwest::get(format!("{}/ready", lonely.http))
+        .await
+        .unwrap();
     assert_eq!(ready.status().as_u16(), 503);
-    let (s, v) = post(&lonely.http, "/v1/completions", json!({"prompt": "hi", "max_tokens": 2})).await;
+    let (s, v) = post(
+        &lonely.http,
+        "/v1/completions",
+        json!({"prompt": "hi", "max_tokens": 2}),
+    )
+    .await;
     assert_eq!(s, 503, "{v}");
     assert_eq!(v["error"]["code"], "no_worker");
     drop(lonely);
 
     // Queue limit of one: a second request while the first streams gets 429.
     let (mut w, waddr) = start_worker(&["--drain-timeout-s=60"]);
-    let r = start_router(&[waddr.clone()], &["--max-queue=1"]);
+    let r = start_router(std::slice::from_ref(&waddr), &["--max-queue=1"]);
     wait_ready(&r, 1).await;
     let long = json!({"prompt": "Once upon a time", "max_tokens": 48, "temperature": 0,
                       "ignore_eos": true, "stream": true});
@@ -609,7 +738,12 @@ async fn queue_limit_no_worker_and_graceful_drain() {
     while sse_events(&seen).len() < 2 {
         seen += &String::from_utf8_lossy(&body.next().await.unwrap().unwrap());
     }
-    let (s, v) = post(&r.http, "/v1/completions", json!({"prompt": "hi", "max_tokens": 2})).await;
+    let (s, v) = post(
+        &r.http,
+        "/v1/completions",
+        json!({"prompt": "hi", "max_tokens": 2}),
+    )
+    .await;
     assert_eq!(s, 429, "{v}");
     assert_eq!(v["error"]["code"], "rate_limit_exceeded");
 
@@ -622,9 +756,101 @@ async fn queue_limit_no_worker_and_graceful_drain() {
     let (text, finish, _) = read_stream(&seen);
     assert_eq!(finish.as_deref(), Some("length"), "{seen}");
     assert!(!text.is_empty());
-    let status = w.wait_exit(Duration::from_secs(30)).expect("worker exits after draining");
+    let status = w
+        .wait_exit(Duration::from_secs(30))
+        .expect("worker exits after draining");
     assert!(status.success(), "{status:?}");
-    let (s, v) = post(&r.http, "/v1/completions", json!({"prompt": "hi", "max_tokens": 2})).await;
+    let (s, v) = post(
+        &r.http,
+        "/v1/completions",
+        json!({"prompt": "hi", "max_tokens": 2}),
+    )
+    .await;
     assert!(s == 503 || s == 502, "{s} {v}");
     let _ = waddr;
+}
+
+fn children(pid: i32) -> Vec<i32> {
+    let mut out = Vec::new();
+    if let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) {
+        for t in tasks.flatten() {
+            if let Ok(s) = std::fs::read_to_string(t.path().join("children")) {
+                out.extend(s.split_whitespace().filter_map(|x| x.parse::<i32>().ok()));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+fn alive(pid: i32) -> bool {
+    // A zombie still has a /proc entry; look at its state.
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| {
+            !s.rsplit_once(')')
+                .is_some_and(|(_, r)| r.trim_start().starts_with('Z'))
+        })
+        .unwrap_or(false)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_restarts_a_crashed_worker_and_stops_cleanly() {
+    let args: Vec<String> = vec![
+        "up".into(),
+        format!("--model={}", model_path().display()),
+        "--http-port=0".into(),
+        "--grpc-port=0".into(),
+        "--decode-workers=1".into(),
+    ];
+    let (mut up, line) = spawn(&args, "tandem up: ready");
+    let http = format!("http://{}", line.split_whitespace().nth(1).unwrap());
+    let before = children(up.pid());
+    assert_eq!(before.len(), 2, "a decode worker and a router: {before:?}");
+    let ask = || async {
+        post(
+            &http,
+            "/v1/completions",
+            json!({"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0}),
+        )
+        .await
+    };
+    let (s, v) = ask().await;
+    assert_eq!(
+        (s, v["choices"][0]["text"].as_str()),
+        (200, Some(" Paris.\n"))
+    );
+
+    // Kill -9 the decode worker (the child started first): up restarts it on the same port.
+    let worker = before[0];
+    // SAFETY: signalling a process this test started (through up).
+    unsafe {
+        libc::kill(worker, libc::SIGKILL);
+    }
+    let end = Instant::now() + Duration::from_secs(90);
+    loop {
+        let now = children(up.pid());
+        if !now.contains(&worker) && now.len() == 2 {
+            let (s, v) = ask().await;
+            if s == 200 {
+                assert_eq!(v["choices"][0]["text"], " Paris.\n");
+                break;
+            }
+        }
+        assert!(
+            Instant::now() < end,
+            "worker not restarted: children {now:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // Ctrl-C stops everything.
+    let kids = children(up.pid());
+    up.signal(libc::SIGINT);
+    let status = up
+        .wait_exit(Duration::from_secs(60))
+        .expect("up exits on Ctrl-C");
+    assert!(status.success(), "{status:?}");
+    for k in kids {
+        assert!(!alive(k), "child {k} outlived tandem up");
+    }
 }

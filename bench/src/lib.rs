@@ -2,9 +2,11 @@
 //! engine`): prefill and decode throughput of the engine in this process, next to this machine's
 //! roofline measured in the same run (memory bandwidth by a large copy, f32 compute by a large
 //! GEMM), so every figure comes with how far it is from what the hardware allows; and serving
-//! workloads under batching policies ([`workload`]). Later: the load generator for clusters.
+//! workloads under batching policies ([`workload`]); and the load generator for clusters (`tandem bench
+//! serve`, [`serve`]) with an in-process engine run of the same requests as its baseline.
 
 pub mod roofline;
+pub mod serve;
 pub mod workload;
 
 use std::time::Instant;

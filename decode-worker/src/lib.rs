@@ -129,7 +129,7 @@ fn status(e: EngineError) -> Status {
 }
 
 fn sampling_params(req: &pb::DecodeRequest) -> SamplingParams {
-    let s = req.sampling.clone().unwrap_or_default();
+    let s = req.sampling.unwrap_or_default();
     let stop = req.stopping.clone().unwrap_or_default();
     SamplingParams {
         temperature: s.temperature,
@@ -293,7 +293,9 @@ impl pb::decode_server::Decode for DecodeService {
             ));
         }
         let req = request.into_inner();
-        if let Some(pb::prefill_plan::Plan::Remote(_)) = req.prefill.as_ref().and_then(|p| p.plan.as_ref()) {
+        if let Some(pb::prefill_plan::Plan::Remote(_)) =
+            req.prefill.as_ref().and_then(|p| p.plan.as_ref())
+        {
             return Err(Status::unimplemented(
                 "remote prefill is not served by this worker yet: send a local plan",
             ));
@@ -390,9 +392,7 @@ pub async fn serve(
     drain_deadline: Duration,
 ) -> Result<(), tonic::transport::Error> {
     let (reporter, health) = tonic_health::server::health_reporter();
-    reporter
-        .set_serving::<DecodeServer<DecodeService>>()
-        .await;
+    reporter.set_serving::<DecodeServer<DecodeService>>().await;
     let addr: Option<SocketAddr> = listener.local_addr().ok();
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
     let drained = async move {
@@ -401,7 +401,9 @@ pub async fn serve(
         reporter
             .set_not_serving::<DecodeServer<DecodeService>>()
             .await;
-        reporter.set_service_status("", tonic_health::ServingStatus::NotServing).await;
+        reporter
+            .set_service_status("", tonic_health::ServingStatus::NotServing)
+            .await;
         let left = shutdown.drain(drain_deadline).await;
         if left > 0 {
             tracing::warn!(left, "drain deadline passed with requests still running");

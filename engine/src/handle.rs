@@ -408,7 +408,7 @@ mod tests {
         drain(&mut h.submit(req(b.clone(), 1)).unwrap());
         let mut seq = next_seq;
         let mut stored = Vec::new();
-        while stored.len() < 1 {
+        while stored.is_empty() {
             match sub.blocking_recv() {
                 Some(KvUpdate::Events(evs)) => {
                     for e in evs {

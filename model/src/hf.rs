@@ -61,11 +61,7 @@ fn canonical_name(hf: &str) -> Option<String> {
     Some(format!("blk.{idx}.{f}.weight"))
 }
 
-pub(crate) fn load_dir(
-    dir: &Path,
-    name: String,
-    weights: bool,
-) -> Result<LoadedModel, ModelError> {
+pub(crate) fn load_dir(dir: &Path, name: String, weights: bool) -> Result<LoadedModel, ModelError> {
     let cfg_path = dir.join("config.json");
     let cfg_text = std::fs::read_to_string(&cfg_path).map_err(|e| ModelError::io(&cfg_path, e))?;
     let config = LlamaConfig::from_hf_json(&cfg_text)?;

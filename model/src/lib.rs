@@ -155,7 +155,11 @@ fn load_gguf(path: &Path, name: String, weights: bool) -> Result<LoadedModel, Mo
     };
     let mut tensors = BTreeMap::new();
     let mut config = config;
-    for t in g.tensors.iter().filter(|t| weights || t.name == "rope_freqs.weight") {
+    for t in g
+        .tensors
+        .iter()
+        .filter(|t| weights || t.name == "rope_freqs.weight")
+    {
         let mut data = TensorData {
             ty: t.ty,
             shape: t.shape(),

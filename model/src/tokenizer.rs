@@ -27,6 +27,9 @@ pub struct Tokenizer {
     pub add_bos: bool,
     pub bos_token: Option<String>,
     pub eos_token: Option<String>,
+    /// Cached: `tokenizers` computes the size with added tokens by building the whole vocabulary
+    /// map (milliseconds for 49k tokens), and every decode checks ids against it.
+    vocab_size: usize,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -64,6 +67,7 @@ impl Tokenizer {
             }
         }
         Self {
+            vocab_size: inner.get_vocab_size(true),
             inner,
             bos_token_id,
             eos_token_ids,
@@ -158,12 +162,13 @@ impl Tokenizer {
                 .unwrap_or(false),
             bos_token_id,
             eos_token_ids,
+            vocab_size: inner.get_vocab_size(true),
             inner,
         })
     }
 
     pub fn vocab_size(&self) -> usize {
-        self.inner.get_vocab_size(true)
+        self.vocab_size
     }
 
     /// Encodes text. Special tokens written in the text (`<|im_start|>`) become their ids; BOS is

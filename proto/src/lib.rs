@@ -16,4 +16,5 @@ pub mod worker {
 }
 
 /// Every file's descriptor, encoded, for `tonic-reflection` (so grpcurl works without .proto files).
-pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/tandem_descriptor.bin"));
+pub const FILE_DESCRIPTOR_SET: &[u8] =
+    include_bytes!(concat!(env!("OUT_DIR"), "/tandem_descriptor.bin"));

@@ -278,7 +278,10 @@ impl Dispatcher {
         let context = self.model.max_context();
         let max_tokens = match (p.max_tokens, default_max) {
             (Some(0), _) => {
-                return Err(ApiError::invalid("max_tokens must be at least 1", "max_tokens"))
+                return Err(ApiError::invalid(
+                    "max_tokens must be at least 1",
+                    "max_tokens",
+                ))
             }
             (Some(n), _) => n as usize,
             (None, MaxTokensDefault::Fixed(n)) => n as usize,
@@ -339,10 +342,7 @@ impl Dispatcher {
         };
         let mut tried = Vec::new();
         loop {
-            let Some(worker) = self
-                .pool
-                .pick(self.policy.as_ref(), &prep.prompt, &tried)
-            else {
+            let Some(worker) = self.pool.pick(self.policy.as_ref(), &prep.prompt, &tried) else {
                 return Err(match tried.last() {
                     None => ApiError::NoWorker,
                     Some(last) => ApiError::Upstream {

@@ -133,7 +133,13 @@ mod tests {
                 events: vec![stored(3, &[11])],
             })
             .unwrap_err();
-        assert_eq!(e, Gap { expected: 2, got: 3 });
+        assert_eq!(
+            e,
+            Gap {
+                expected: 2,
+                got: 3
+            }
+        );
         assert!(ix.is_empty());
     }
 }

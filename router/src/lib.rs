@@ -142,8 +142,12 @@ pub async fn serve(
     let http = bind(&args.host, args.http_port).await?;
     let grpc = bind(&args.host, args.grpc_port).await?;
     let bound = Bound {
-        http: http.local_addr().map_err(|e| RouterError::Serve(e.to_string()))?,
-        grpc: grpc.local_addr().map_err(|e| RouterError::Serve(e.to_string()))?,
+        http: http
+            .local_addr()
+            .map_err(|e| RouterError::Serve(e.to_string()))?,
+        grpc: grpc
+            .local_addr()
+            .map_err(|e| RouterError::Serve(e.to_string()))?,
     };
     on_bound(bound);
 

@@ -50,10 +50,24 @@ async fn not_found() -> Response {
     (StatusCode::NOT_FOUND, Json(body)).into_response()
 }
 
+/// 200 when at least one decode worker is ready, else 503; the body lists what the router knows
+/// about each worker (readiness, its requests in flight, the cached blocks its index holds).
 async fn ready(State(d): State<Arc<Dispatcher>>) -> Response {
-    let ready = d.pool.ready().len();
-    let total = d.pool.all().len();
-    let body = json!({"ready_workers": ready, "workers": total});
+    let workers: Vec<Value> = d
+        .pool
+        .all()
+        .iter()
+        .map(|w| {
+            json!({
+                "addr": w.addr,
+                "ready": w.is_ready(),
+                "in_flight": w.in_flight(),
+                "cached_blocks": w.cached_blocks(),
+            })
+        })
+        .collect();
+    let ready = workers.iter().filter(|w| w["ready"] == true).count();
+    let body = json!({"ready_workers": ready, "workers": workers});
     if ready > 0 {
         (StatusCode::OK, Json(body)).into_response()
     } else {
@@ -160,7 +174,9 @@ impl Sampling {
     }
 
     fn include_usage(&self) -> bool {
-        self.stream_options.as_ref().is_some_and(|o| o.include_usage)
+        self.stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage)
     }
 }
 

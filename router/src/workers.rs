@@ -170,15 +170,10 @@ impl Worker {
             if let Ok(r) = client.kv_events(pb::KvEventsRequest {}).await {
                 let mut stream = r.into_inner();
                 backoff = cfg.poll_interval;
-                loop {
-                    match stream.message().await {
-                        Ok(Some(batch)) => {
-                            if let Err(gap) = self.kv.lock().expect("kv index").apply(batch) {
-                                tracing::warn!(worker = %self.addr, %gap, "resubscribing for a snapshot");
-                                break;
-                            }
-                        }
-                        Ok(None) | Err(_) => break,
+                while let Ok(Some(batch)) = stream.message().await {
+                    if let Err(gap) = self.kv.lock().expect("kv index").apply(batch) {
+                        tracing::warn!(worker = %self.addr, %gap, "resubscribing for a snapshot");
+                        break;
                     }
                 }
             }

@@ -1,0 +1,302 @@
+//! `tandem bench serve`: a load generator for a running cluster, and the same workload through an
+//! engine in this process as the baseline.
+//!
+//! Requests are streamed completions with random prompt token ids (fixed seed), greedy, EOS
+//! ignored, so every request produces exactly `gen_len` tokens and two runs of the same spec do
+//! the same work. Arrivals are either a fixed number of concurrent clients (closed loop) or an
+//! open loop with Poisson arrivals at `rate` requests/s. Per request it records time to first
+//! token, the gaps between streamed chunks (inter-token latency) and end-to-end latency; the
+//! report has their percentiles and output tokens/s over the whole run.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+use serde_json::{json, Value};
+use tandem_engine::{EngineHandle, Request, SamplingParams, StreamEvent};
+
+use crate::percentile;
+
+#[derive(Clone, Debug)]
+pub struct LoadSpec {
+    pub requests: usize,
+    /// Closed loop: this many requests in flight at all times (until the last is sent).
+    pub concurrency: usize,
+    /// Open loop instead: Poisson arrivals at this many requests per second.
+    pub rate: Option<f64>,
+    pub prompt_len: usize,
+    pub gen_len: usize,
+    pub seed: u64,
+}
+
+impl LoadSpec {
+    /// The prompts, identical for every target.
+    pub fn prompts(&self, vocab: u32) -> Vec<Vec<u32>> {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(self.seed);
+        (0..self.requests)
+            .map(|_| {
+                (0..self.prompt_len)
+                    .map(|_| rng.gen_range(100..vocab))
+                    .collect()
+            })
+            .collect()
+    }
+
+    fn arrivals(&self) -> Vec<Duration> {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(self.seed ^ 0x5eed);
+        let mut t = 0.0;
+        (0..self.requests)
+            .map(|_| {
+                if let Some(rate) = self.rate {
+                    let u: f64 = rng.gen_range(f64::EPSILON..1.0);
+                    t += -u.ln() / rate;
+                }
+                Duration::from_secs_f64(t)
+            })
+            .collect()
+    }
+}
+
+/// One request's timings.
+#[derive(Clone, Debug, Default)]
+struct Sample {
+    ttft: f64,
+    gaps: Vec<f64>,
+    e2e: f64,
+    tokens: usize,
+    error: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct ServeReport {
+    pub target: String,
+    pub requests: usize,
+    pub errors: usize,
+    pub concurrency: usize,
+    pub rate: Option<f64>,
+    pub prompt_len: usize,
+    pub gen_len: usize,
+    pub output_tokens: usize,
+    pub wall_s: f64,
+    pub output_tok_s: f64,
+    pub ttft_ms_p50: f64,
+    pub ttft_ms_p99: f64,
+    pub itl_ms_p50: f64,
+    pub itl_ms_p99: f64,
+    pub e2e_ms_p50: f64,
+    pub e2e_ms_p99: f64,
+    /// The first error seen, if any.
+    pub first_error: Option<String>,
+}
+
+fn report(target: &str, spec: &LoadSpec, samples: Vec<Sample>, wall: f64) -> ServeReport {
+    let ok: Vec<&Sample> = samples.iter().filter(|s| s.error.is_none()).collect();
+    let tokens: usize = ok.iter().map(|s| s.tokens).sum();
+    let mut ttft: Vec<f64> = ok.iter().map(|s| s.ttft * 1e3).collect();
+    let mut e2e: Vec<f64> = ok.iter().map(|s| s.e2e * 1e3).collect();
+    let mut itl: Vec<f64> = ok
+        .iter()
+        .flat_map(|s| s.gaps.iter().map(|g| g * 1e3))
+        .collect();
+    ServeReport {
+        target: target.to_string(),
+        requests: samples.len(),
+        errors: samples.len() - ok.len(),
+        concurrency: spec.concurrency,
+        rate: spec.rate,
+        prompt_len: spec.prompt_len,
+        gen_len: spec.gen_len,
+        output_tokens: tokens,
+        wall_s: wall,
+        output_tok_s: tokens as f64 / wall.max(1e-9),
+        ttft_ms_p50: percentile(&mut ttft, 0.5),
+        ttft_ms_p99: percentile(&mut ttft, 0.99),
+        itl_ms_p50: percentile(&mut itl, 0.5),
+        itl_ms_p99: percentile(&mut itl, 0.99),
+        e2e_ms_p50: percentile(&mut e2e, 0.5),
+        e2e_ms_p99: percentile(&mut e2e, 0.99),
+        first_error: samples.iter().find_map(|s| s.error.clone()),
+    }
+}
+
+/// Runs `one` for every prompt under the spec's arrival process.
+async fn drive<F, Fut>(spec: &LoadSpec, prompts: Vec<Vec<u32>>, one: F) -> (Vec<Sample>, f64)
+where
+    F: Fn(Vec<u32>) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Sample> + Send + 'static,
+{
+    let one = Arc::new(one);
+    let limit = Arc::new(tokio::sync::Semaphore::new(if spec.rate.is_some() {
+        usize::MAX >> 4
+    } else {
+        spec.concurrency.max(1)
+    }));
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for (prompt, at) in prompts.into_iter().zip(spec.arrivals()) {
+        let wait = at.saturating_sub(start.elapsed());
+        if !wait.is_zero() {
+            tokio::time::sleep(wait).await;
+        }
+        let permit = limit.clone().acquire_owned().await.expect("semaphore");
+        let one = one.clone();
+        tasks.push(tokio::spawn(async move {
+            let s = one(prompt).await;
+            drop(permit);
+            s
+        }));
+    }
+    let mut samples = Vec::new();
+    for t in tasks {
+        samples.push(t.await.unwrap_or_else(|e| Sample {
+            error: Some(format!("task failed: {e}")),
+            ..Default::default()
+        }));
+    }
+    (samples, start.elapsed().as_secs_f64())
+}
+
+/// Streams one completion from the router at `base` (`http://host:port`).
+async fn http_one(client: reqwest::Client, url: String, body: Value) -> Sample {
+    let t0 = Instant::now();
+    let mut s = Sample::default();
+    let resp = match client.post(&url).json(&body).send().await {
+        Ok(r) if r.status().is_success() => r,
+        Ok(r) => {
+            s.error = Some(format!(
+                "HTTP {}: {}",
+                r.status(),
+                r.text().await.unwrap_or_default()
+            ));
+            return s;
+        }
+        Err(e) => {
+            s.error = Some(e.to_string());
+            return s;
+        }
+    };
+    let mut body = resp.bytes_stream();
+    let mut buf = Vec::new();
+    let mut last: Option<Instant> = None;
+    let mut done = false;
+    while let Some(chunk) = body.next().await {
+        let chunk = match chunk {
+            Ok(c) => c,
+            Err(e) => {
+                s.error = Some(e.to_string());
+                return s;
+            }
+        };
+        buf.extend_from_slice(&chunk);
+        // Complete events end with a blank line.
+        while let Some(end) = buf.windows(2).position(|w| w == b"\n\n") {
+            let event: Vec<u8> = buf.drain(..end + 2).collect();
+            let Some(data) = event.strip_prefix(b"data: ") else {
+                continue;
+            };
+            let data = &data[..data.len() - 2];
+            if data == b"[DONE]" {
+                done = true;
+                continue;
+            }
+            let v: Value = match serde_json::from_slice(data) {
+                Ok(v) => v,
+                Err(e) => {
+                    s.error = Some(format!("bad event: {e}"));
+                    return s;
+                }
+            };
+            if let Some(u) = v.get("usage").and_then(|u| u.get("completion_tokens")) {
+                s.tokens = u.as_u64().unwrap_or(0) as usize;
+            }
+            if let Some(e) = v.get("error") {
+                s.error = Some(e.to_string());
+                return s;
+            }
+            if v["choices"].as_array().is_some_and(|c| !c.is_empty()) {
+                let now = Instant::now();
+                match last {
+                    None => s.ttft = (now - t0).as_secs_f64(),
+                    Some(prev) => s.gaps.push((now - prev).as_secs_f64()),
+                }
+                last = Some(now);
+            }
+        }
+    }
+    if !done {
+        s.error = Some("stream ended without [DONE]".into());
+    }
+    s.e2e = t0.elapsed().as_secs_f64();
+    s
+}
+
+/// The spec against a router's OpenAI API.
+pub async fn run_http(base: &str, model: &str, spec: &LoadSpec, vocab: u32) -> ServeReport {
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(spec.concurrency.max(64))
+        .build()
+        .expect("http client");
+    let url = format!("{base}/v1/completions");
+    let gen_len = spec.gen_len;
+    let model = model.to_string();
+    let (samples, wall) = drive(spec, spec.prompts(vocab), move |prompt| {
+        let body = json!({
+            "model": model, "prompt": prompt, "max_tokens": gen_len, "temperature": 0,
+            "ignore_eos": true, "stream": true, "stream_options": {"include_usage": true},
+        });
+        http_one(client.clone(), url.clone(), body)
+    })
+    .await;
+    report(base, spec, samples, wall)
+}
+
+/// The spec straight into an engine in this process: the baseline the cluster is measured
+/// against.
+pub async fn run_engine(engine: Arc<EngineHandle>, spec: &LoadSpec) -> ServeReport {
+    let vocab = engine.limits().vocab_size as u32;
+    let gen_len = spec.gen_len as u32;
+    let (samples, wall) = drive(spec, spec.prompts(vocab), move |prompt| {
+        let engine = engine.clone();
+        async move {
+            let t0 = Instant::now();
+            let mut s = Sample::default();
+            let params = SamplingParams {
+                max_tokens: gen_len,
+                ignore_eos: true,
+                ..Default::default()
+            };
+            let mut stream = match engine.submit(Request { prompt, params }) {
+                Ok(st) => st,
+                Err(e) => {
+                    s.error = Some(e.to_string());
+                    return s;
+                }
+            };
+            let mut last: Option<Instant> = None;
+            while let Some(ev) = stream.next().await {
+                match ev {
+                    StreamEvent::Token(_) => {
+                        let now = Instant::now();
+                        match last {
+                            None => s.ttft = (now - t0).as_secs_f64(),
+                            Some(prev) => s.gaps.push((now - prev).as_secs_f64()),
+                        }
+                        last = Some(now);
+                        s.tokens += 1;
+                    }
+                    StreamEvent::Finished(_) => break,
+                    StreamEvent::Failed(e) => {
+                        s.error = Some(e);
+                        break;
+                    }
+                }
+            }
+            s.e2e = t0.elapsed().as_secs_f64();
+            s
+        }
+    })
+    .await;
+    report("engine (in process)", spec, samples, wall)
+}
