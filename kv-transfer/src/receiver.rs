@@ -1,0 +1,382 @@
+//! The receiving side (a decode worker): a TCP listener that authenticates peers and writes
+//! block frames straight into the blocks granted to a transfer.
+//!
+//! The decode worker allocates blocks first, then [`KvReceiver::grant`]s them to a new transfer
+//! with a deadline; the returned [`TransferGrant`] resolves when every (layer, block) of the grant
+//! has arrived intact, and fails on the first bad frame, an abort, or the deadline. Dropping the
+//! grant revokes it: later frames for it are rejected as unknown. Every rejected frame is counted
+//! by reason. A frame's payload is always read in full before it is judged, so one bad frame does
+//! not desynchronize the connection.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rand::RngCore;
+use tokio::io::{AsyncReadExt, BufReader};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+
+use crate::auth::{self, Secret};
+use crate::wire::{checksum, FrameHeader, FrameKind, HEADER_LEN};
+use crate::TransferError;
+
+/// Where granted blocks are written: the worker's KV pool (or a test buffer).
+pub trait BlockSink: Send + Sync {
+    /// Bytes of one layer of one block: every block frame's exact payload length.
+    fn frame_len(&self) -> usize;
+    fn layers(&self) -> u32;
+    /// Writes one layer of one block. Called only for blocks granted to a live transfer, after
+    /// the frame's length and checksum were checked.
+    fn write(&self, layer: u32, block: u32, payload: &[u8]);
+}
+
+/// Why frames were refused, counted since the receiver started.
+#[derive(Debug, Default)]
+pub struct Rejections {
+    pub unknown_transfer: AtomicU64,
+    pub block_not_granted: AtomicU64,
+    pub bad_layer: AtomicU64,
+    pub bad_length: AtomicU64,
+    pub bad_checksum: AtomicU64,
+    pub expired: AtomicU64,
+    pub malformed: AtomicU64,
+    pub unauthenticated: AtomicU64,
+}
+
+impl Rejections {
+    /// `(reason, count)` for every reason, for metrics.
+    pub fn snapshot(&self) -> Vec<(&'static str, u64)> {
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        vec![
+            ("unknown_transfer", l(&self.unknown_transfer)),
+            ("block_not_granted", l(&self.block_not_granted)),
+            ("bad_layer", l(&self.bad_layer)),
+            ("bad_length", l(&self.bad_length)),
+            ("bad_checksum", l(&self.bad_checksum)),
+            ("expired", l(&self.expired)),
+            ("malformed", l(&self.malformed)),
+            ("unauthenticated", l(&self.unauthenticated)),
+        ]
+    }
+
+    pub fn total(&self) -> u64 {
+        self.snapshot().iter().map(|(_, n)| n).sum()
+    }
+}
+
+/// What a completed transfer moved.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TransferStats {
+    pub frames: u64,
+    pub bytes: u64,
+}
+
+struct Grant {
+    /// Destination block -> which layers have arrived.
+    blocks: HashMap<u32, Vec<bool>>,
+    remaining: usize,
+    deadline: Instant,
+    sink: Arc<dyn BlockSink>,
+    frames: u64,
+    bytes: u64,
+    done: Option<oneshot::Sender<Result<TransferStats, TransferError>>>,
+}
+
+impl Grant {
+    fn finish(&mut self, r: Result<TransferStats, TransferError>) {
+        if let Some(tx) = self.done.take() {
+            let _ = tx.send(r);
+        }
+    }
+}
+
+struct Inner {
+    secret: Secret,
+    grants: Mutex<HashMap<u64, Grant>>,
+    rejections: Rejections,
+    bytes: AtomicU64,
+}
+
+impl Inner {
+    /// Ends a transfer with an error (it stays unknown from then on).
+    fn fail(&self, id: u64, e: TransferError) {
+        if let Some(mut g) = self.grants.lock().expect("grants").remove(&id) {
+            g.finish(Err(e));
+        }
+    }
+}
+
+/// A decode worker's KV endpoint.
+#[derive(Clone)]
+pub struct KvReceiver {
+    inner: Arc<Inner>,
+    addr: SocketAddr,
+}
+
+impl KvReceiver {
+    /// Listens on `addr` (port 0 picks one) and serves connections until the runtime stops.
+    pub async fn bind(addr: &str, secret: Secret) -> Result<Self, TransferError> {
+        let listener = TcpListener::bind(addr).await?;
+        let local = listener.local_addr()?;
+        let inner = Arc::new(Inner {
+            secret,
+            grants: Mutex::new(HashMap::new()),
+            rejections: Rejections::default(),
+            bytes: AtomicU64::new(0),
+        });
+        let weak = Arc::downgrade(&inner);
+        tokio::spawn(async move {
+            loop {
+                let Ok((sock, peer)) = listener.accept().await else {
+                    continue;
+                };
+                let Some(inner) = weak.upgrade() else { return };
+                tokio::spawn(async move {
+                    if let Err(e) = serve_connection(&inner, sock).await {
+                        tracing::debug!(%peer, error = %e, "kv connection closed");
+                    }
+                });
+            }
+        });
+        Ok(Self { inner, addr: local })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    pub fn rejections(&self) -> &Rejections {
+        &self.inner.rejections
+    }
+
+    /// Payload bytes written into granted blocks so far.
+    pub fn bytes_received(&self) -> u64 {
+        self.inner.bytes.load(Ordering::Relaxed)
+    }
+
+    /// Grants `blocks` (every layer of each) to a new transfer that must complete within
+    /// `deadline`. The transfer id is random: with the connection authenticated, knowing it is
+    /// what entitles a sender to these blocks.
+    pub fn grant(
+        &self,
+        blocks: &[u32],
+        sink: Arc<dyn BlockSink>,
+        deadline: Duration,
+    ) -> TransferGrant {
+        let layers = sink.layers() as usize;
+        let (tx, rx) = oneshot::channel();
+        let deadline = Instant::now() + deadline;
+        let mut map = HashMap::new();
+        for &b in blocks {
+            map.insert(b, vec![false; layers]);
+        }
+        let remaining = map.len() * layers;
+        let mut grants = self.inner.grants.lock().expect("grants");
+        let id = loop {
+            let id = rand::rngs::OsRng.next_u64();
+            if id != 0 && !grants.contains_key(&id) {
+                break id;
+            }
+        };
+        let mut g = Grant {
+            blocks: map,
+            remaining,
+            deadline,
+            sink,
+            frames: 0,
+            bytes: 0,
+            done: Some(tx),
+        };
+        if remaining == 0 {
+            g.finish(Ok(TransferStats {
+                frames: 0,
+                bytes: 0,
+            }));
+        }
+        grants.insert(id, g);
+        TransferGrant {
+            id,
+            deadline,
+            rx: Some(rx),
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+/// Blocks granted to one transfer; dropping it revokes the grant.
+pub struct TransferGrant {
+    id: u64,
+    deadline: Instant,
+    rx: Option<oneshot::Receiver<Result<TransferStats, TransferError>>>,
+    inner: Arc<Inner>,
+}
+
+impl TransferGrant {
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Resolves when every granted block has arrived intact, or with the reason it never will.
+    pub async fn wait(&mut self) -> Result<TransferStats, TransferError> {
+        let Some(rx) = self.rx.as_mut() else {
+            return Err(TransferError::Closed);
+        };
+        let r = match tokio::time::timeout_at(self.deadline, rx).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(_)) => Err(TransferError::Closed),
+            Err(_) => Err(TransferError::Expired),
+        };
+        self.rx = None;
+        self.inner.grants.lock().expect("grants").remove(&self.id);
+        r
+    }
+}
+
+impl Drop for TransferGrant {
+    fn drop(&mut self) {
+        self.inner.grants.lock().expect("grants").remove(&self.id);
+    }
+}
+
+/// What a block frame is, judged against the grants (under the lock, before any write).
+enum Verdict {
+    Write(Arc<dyn BlockSink>),
+    Reject(&'static str, Option<TransferError>),
+}
+
+fn judge(inner: &Inner, h: &FrameHeader, payload: &[u8]) -> Verdict {
+    let r = &inner.rejections;
+    let grants = inner.grants.lock().expect("grants");
+    let Some(g) = grants.get(&h.transfer) else {
+        r.unknown_transfer.fetch_add(1, Ordering::Relaxed);
+        return Verdict::Reject("unknown transfer", None);
+    };
+    if Instant::now() > g.deadline {
+        r.expired.fetch_add(1, Ordering::Relaxed);
+        return Verdict::Reject("expired", Some(TransferError::Expired));
+    }
+    if h.layer >= g.sink.layers() {
+        r.bad_layer.fetch_add(1, Ordering::Relaxed);
+        return Verdict::Reject("bad layer", Some(TransferError::Rejected("bad_layer")));
+    }
+    if !g.blocks.contains_key(&h.block) {
+        r.block_not_granted.fetch_add(1, Ordering::Relaxed);
+        return Verdict::Reject(
+            "block not granted",
+            Some(TransferError::Rejected("block_not_granted")),
+        );
+    }
+    if payload.len() != g.sink.frame_len() {
+        r.bad_length.fetch_add(1, Ordering::Relaxed);
+        return Verdict::Reject("bad length", Some(TransferError::Rejected("bad_length")));
+    }
+    if checksum(payload) != h.checksum {
+        r.bad_checksum.fetch_add(1, Ordering::Relaxed);
+        return Verdict::Reject(
+            "bad checksum",
+            Some(TransferError::Rejected("bad_checksum")),
+        );
+    }
+    Verdict::Write(g.sink.clone())
+}
+
+async fn serve_connection(inner: &Arc<Inner>, mut sock: TcpStream) -> Result<(), TransferError> {
+    sock.set_nodelay(true)?;
+    let handshake = tokio::time::timeout(
+        Duration::from_secs(5),
+        auth::accept(&mut sock, &inner.secret),
+    )
+    .await;
+    match handshake {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => {
+            inner
+                .rejections
+                .unauthenticated
+                .fetch_add(1, Ordering::Relaxed);
+            return Err(e);
+        }
+        Err(_) => {
+            inner
+                .rejections
+                .unauthenticated
+                .fetch_add(1, Ordering::Relaxed);
+            return Err(TransferError::Handshake("handshake timed out".into()));
+        }
+    }
+    let mut r = BufReader::with_capacity(256 << 10, sock);
+    let mut payload = Vec::new();
+    loop {
+        let mut hb = [0u8; HEADER_LEN];
+        match r.read_exact(&mut hb).await {
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) => return Err(e.into()),
+        }
+        let h = match FrameHeader::decode(&hb) {
+            Ok(h) => h,
+            Err(e) => {
+                // Out of sync: nothing after this can be trusted.
+                inner.rejections.malformed.fetch_add(1, Ordering::Relaxed);
+                return Err(TransferError::Wire(e));
+            }
+        };
+        payload.resize(h.len as usize, 0);
+        r.read_exact(&mut payload).await?;
+        match h.kind {
+            FrameKind::Block => match judge(inner, &h, &payload) {
+                Verdict::Write(sink) => {
+                    sink.write(h.layer, h.block, &payload);
+                    inner
+                        .bytes
+                        .fetch_add(payload.len() as u64, Ordering::Relaxed);
+                    let mut grants = inner.grants.lock().expect("grants");
+                    if let Some(g) = grants.get_mut(&h.transfer) {
+                        g.frames += 1;
+                        g.bytes += payload.len() as u64;
+                        let seen =
+                            &mut g.blocks.get_mut(&h.block).expect("judged")[h.layer as usize];
+                        if !*seen {
+                            *seen = true;
+                            g.remaining -= 1;
+                            if g.remaining == 0 {
+                                let stats = TransferStats {
+                                    frames: g.frames,
+                                    bytes: g.bytes,
+                                };
+                                g.finish(Ok(stats));
+                            }
+                        }
+                    }
+                }
+                Verdict::Reject(why, fail) => {
+                    tracing::warn!(
+                        transfer = h.transfer,
+                        layer = h.layer,
+                        block = h.block,
+                        why,
+                        "kv frame rejected"
+                    );
+                    if let Some(e) = fail {
+                        inner.fail(h.transfer, e);
+                    }
+                }
+            },
+            FrameKind::End => {
+                let mut grants = inner.grants.lock().expect("grants");
+                if let Some(g) = grants.get_mut(&h.transfer) {
+                    if g.remaining > 0 {
+                        let missing = g.remaining;
+                        drop(grants);
+                        inner.fail(h.transfer, TransferError::Incomplete { missing });
+                    }
+                }
+            }
+            FrameKind::Abort => inner.fail(h.transfer, TransferError::Aborted),
+        }
+    }
+}

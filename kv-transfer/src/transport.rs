@@ -1,0 +1,125 @@
+//! The sending side (a prefill worker): the [`KvTransport`] seam and its TCP implementation.
+//!
+//! A transport opens an authenticated [`KvStream`] to a receiver's endpoint; the stream writes
+//! block frames (header + payload, checksummed) through a buffer, so a prefill chunk's blocks go
+//! out as soon as its layers are computed while the next chunk computes. Tests wrap a transport
+//! to damage frames in flight; production has TCP (and, on GPUs, NCCL behind the same trait).
+
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use tokio::io::{AsyncWriteExt, BufWriter};
+use tokio::net::TcpStream;
+
+use crate::auth::{self, Secret};
+use crate::wire::{FrameHeader, FrameKind};
+use crate::TransferError;
+
+/// Opens streams of KV frames to receivers.
+pub trait KvTransport: Send + Sync {
+    fn open<'a>(
+        &'a self,
+        endpoint: &'a str,
+    ) -> BoxFuture<'a, Result<Box<dyn KvStream>, TransferError>>;
+}
+
+/// One authenticated connection to a receiver. Frames of several transfers may share it.
+pub trait KvStream: Send {
+    /// Queues one layer of one destination block.
+    fn send_block<'a>(
+        &'a mut self,
+        transfer: u64,
+        layer: u32,
+        block: u32,
+        payload: &'a [u8],
+    ) -> BoxFuture<'a, Result<(), TransferError>>;
+    /// Says the transfer is complete (the receiver checks nothing is missing).
+    fn end(&mut self, transfer: u64) -> BoxFuture<'_, Result<(), TransferError>>;
+    /// Gives the transfer up (the receiver fails it at once instead of at its deadline).
+    fn abort(&mut self, transfer: u64) -> BoxFuture<'_, Result<(), TransferError>>;
+    /// Pushes queued frames onto the wire.
+    fn flush(&mut self) -> BoxFuture<'_, Result<(), TransferError>>;
+}
+
+/// KV frames over TCP, authenticated with the cluster secret.
+pub struct TcpTransport {
+    secret: Secret,
+    connect_timeout: Duration,
+}
+
+impl TcpTransport {
+    pub fn new(secret: Secret) -> Self {
+        Self {
+            secret,
+            connect_timeout: Duration::from_secs(3),
+        }
+    }
+}
+
+impl KvTransport for TcpTransport {
+    fn open<'a>(
+        &'a self,
+        endpoint: &'a str,
+    ) -> BoxFuture<'a, Result<Box<dyn KvStream>, TransferError>> {
+        Box::pin(async move {
+            let connect = async {
+                let mut s = TcpStream::connect(endpoint).await?;
+                s.set_nodelay(true)?;
+                auth::connect(&mut s, &self.secret).await?;
+                Ok::<_, TransferError>(s)
+            };
+            let s = tokio::time::timeout(self.connect_timeout, connect)
+                .await
+                .map_err(|_| {
+                    TransferError::Handshake(format!("connecting to {endpoint} timed out"))
+                })??;
+            Ok(Box::new(TcpKvStream {
+                w: BufWriter::with_capacity(256 << 10, s),
+            }) as Box<dyn KvStream>)
+        })
+    }
+}
+
+struct TcpKvStream {
+    w: BufWriter<TcpStream>,
+}
+
+impl TcpKvStream {
+    async fn frame(&mut self, h: FrameHeader, payload: &[u8]) -> Result<(), TransferError> {
+        self.w.write_all(&h.encode()).await?;
+        self.w.write_all(payload).await?;
+        Ok(())
+    }
+}
+
+impl KvStream for TcpKvStream {
+    fn send_block<'a>(
+        &'a mut self,
+        transfer: u64,
+        layer: u32,
+        block: u32,
+        payload: &'a [u8],
+    ) -> BoxFuture<'a, Result<(), TransferError>> {
+        Box::pin(self.frame(FrameHeader::block(transfer, layer, block, payload), payload))
+    }
+
+    fn end(&mut self, transfer: u64) -> BoxFuture<'_, Result<(), TransferError>> {
+        Box::pin(async move {
+            self.frame(FrameHeader::control(FrameKind::End, transfer), &[])
+                .await?;
+            Ok(self.w.flush().await?)
+        })
+    }
+
+    fn abort(&mut self, transfer: u64) -> BoxFuture<'_, Result<(), TransferError>> {
+        Box::pin(async move {
+            self.frame(FrameHeader::control(FrameKind::Abort, transfer), &[])
+                .await?;
+            Ok(self.w.flush().await?)
+        })
+    }
+
+    fn flush(&mut self) -> BoxFuture<'_, Result<(), TransferError>> {
+        Box::pin(async move { Ok(self.w.flush().await?) })
+    }
+}

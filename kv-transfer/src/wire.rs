@@ -1,0 +1,179 @@
+//! The KV wire format, version 1 (docs/kv-wire.md is the reference; keep the two in step).
+//!
+//! After the handshake (see [`crate::auth`]) a connection carries frames, each a fixed 40-byte
+//! little-endian header followed by the payload:
+//!
+//! | offset | size | field |
+//! |---|---|---|
+//! | 0 | 2 | magic `0x4B54` ("TK") |
+//! | 2 | 1 | kind: 1 block, 2 end of transfer, 3 abort |
+//! | 3 | 1 | reserved, 0 |
+//! | 4 | 4 | layer |
+//! | 8 | 8 | transfer id |
+//! | 16 | 4 | destination block id |
+//! | 20 | 4 | payload length in bytes |
+//! | 24 | 8 | xxh3-64 of the payload |
+//! | 32 | 8 | reserved, 0 |
+//!
+//! A block frame's payload is one layer of one destination block exactly as the receiver's pool
+//! lays it out (K then V; for int8, values then per-head scales). End and abort frames carry no
+//! payload; their layer and block fields are 0.
+
+use xxhash_rust::xxh3::xxh3_64;
+
+/// Protocol version spoken in the handshake.
+pub const VERSION: u16 = 1;
+/// First bytes of every handshake message.
+pub const HELLO_MAGIC: [u8; 4] = *b"TKV1";
+/// First bytes of every frame header.
+pub const FRAME_MAGIC: u16 = 0x4B54;
+pub const HEADER_LEN: usize = 40;
+/// Largest payload a receiver accepts before even looking at the transfer (a corrupt length
+/// must not make it allocate gigabytes).
+pub const MAX_PAYLOAD: u32 = 64 << 20;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum FrameKind {
+    Block = 1,
+    End = 2,
+    Abort = 3,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FrameHeader {
+    pub kind: FrameKind,
+    pub layer: u32,
+    pub transfer: u64,
+    pub block: u32,
+    pub len: u32,
+    pub checksum: u64,
+}
+
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub enum WireError {
+    #[error("bad frame magic {0:#06x}: not a Tandem KV stream or out of sync")]
+    Magic(u16),
+    #[error("unknown frame kind {0}")]
+    Kind(u8),
+    #[error("payload of {0} bytes is over the {MAX_PAYLOAD}-byte limit")]
+    TooLong(u32),
+}
+
+impl FrameHeader {
+    pub fn block(transfer: u64, layer: u32, block: u32, payload: &[u8]) -> Self {
+        Self {
+            kind: FrameKind::Block,
+            layer,
+            transfer,
+            block,
+            len: payload.len() as u32,
+            checksum: checksum(payload),
+        }
+    }
+
+    pub fn control(kind: FrameKind, transfer: u64) -> Self {
+        Self {
+            kind,
+            layer: 0,
+            transfer,
+            block: 0,
+            len: 0,
+            checksum: checksum(&[]),
+        }
+    }
+
+    pub fn encode(&self) -> [u8; HEADER_LEN] {
+        let mut b = [0u8; HEADER_LEN];
+        b[0..2].copy_from_slice(&FRAME_MAGIC.to_le_bytes());
+        b[2] = self.kind as u8;
+        b[4..8].copy_from_slice(&self.layer.to_le_bytes());
+        b[8..16].copy_from_slice(&self.transfer.to_le_bytes());
+        b[16..20].copy_from_slice(&self.block.to_le_bytes());
+        b[20..24].copy_from_slice(&self.len.to_le_bytes());
+        b[24..32].copy_from_slice(&self.checksum.to_le_bytes());
+        b
+    }
+
+    pub fn decode(b: &[u8; HEADER_LEN]) -> Result<Self, WireError> {
+        let u16_at = |i: usize| u16::from_le_bytes([b[i], b[i + 1]]);
+        let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
+        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+        let magic = u16_at(0);
+        if magic != FRAME_MAGIC {
+            return Err(WireError::Magic(magic));
+        }
+        let kind = match b[2] {
+            1 => FrameKind::Block,
+            2 => FrameKind::End,
+            3 => FrameKind::Abort,
+            k => return Err(WireError::Kind(k)),
+        };
+        let len = u32_at(20);
+        if len > MAX_PAYLOAD {
+            return Err(WireError::TooLong(len));
+        }
+        Ok(Self {
+            kind,
+            layer: u32_at(4),
+            transfer: u64_at(8),
+            block: u32_at(16),
+            len,
+            checksum: u64_at(24),
+        })
+    }
+}
+
+/// The frame checksum: xxh3-64 of the payload bytes.
+pub fn checksum(payload: &[u8]) -> u64 {
+    xxh3_64(payload)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn headers_round_trip(kind in 1u8..=3, layer: u32, transfer: u64, block: u32,
+                              len in 0u32..=MAX_PAYLOAD, sum: u64) {
+            let h = FrameHeader {
+                kind: match kind { 1 => FrameKind::Block, 2 => FrameKind::End, _ => FrameKind::Abort },
+                layer, transfer, block, len, checksum: sum,
+            };
+            prop_assert_eq!(FrameHeader::decode(&h.encode()), Ok(h));
+        }
+
+        #[test]
+        fn garbage_never_panics(bytes in proptest::collection::vec(any::<u8>(), HEADER_LEN)) {
+            let b: [u8; HEADER_LEN] = bytes.try_into().unwrap();
+            let _ = FrameHeader::decode(&b);
+        }
+    }
+
+    #[test]
+    fn layout_is_the_documented_one() {
+        let h = FrameHeader::block(0x0102030405060708, 7, 9, b"abc");
+        let b = h.encode();
+        assert_eq!(&b[0..2], &[0x54, 0x4B]);
+        assert_eq!(b[2], 1);
+        assert_eq!(&b[4..8], &7u32.to_le_bytes());
+        assert_eq!(&b[8..16], &0x0102030405060708u64.to_le_bytes());
+        assert_eq!(&b[16..20], &9u32.to_le_bytes());
+        assert_eq!(&b[20..24], &3u32.to_le_bytes());
+        assert_eq!(&b[24..32], &xxh3_64(b"abc").to_le_bytes());
+        assert_eq!(&b[32..40], &[0u8; 8]);
+        let mut bad = b;
+        bad[20..24].copy_from_slice(&(MAX_PAYLOAD + 1).to_le_bytes());
+        assert_eq!(
+            FrameHeader::decode(&bad),
+            Err(WireError::TooLong(MAX_PAYLOAD + 1))
+        );
+        bad[0] = 0;
+        assert!(matches!(
+            FrameHeader::decode(&bad),
+            Err(WireError::Magic(_))
+        ));
+    }
+}

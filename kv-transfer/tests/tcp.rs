@@ -1,0 +1,304 @@
+//! The TCP transport and receiver over loopback: transfers land intact, and every kind of bad
+//! frame or peer is refused, counted, and writes nothing.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use tandem_kv_transfer::wire::{FrameHeader, FrameKind};
+use tandem_kv_transfer::{
+    BlockSink, KvReceiver, KvStream, KvTransport, Secret, TcpTransport, TransferError,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// A pool stand-in that records what was written where.
+struct MemSink {
+    frame_len: usize,
+    layers: u32,
+    written: Mutex<HashMap<(u32, u32), Vec<u8>>>,
+}
+
+impl MemSink {
+    fn new(frame_len: usize, layers: u32) -> Arc<Self> {
+        Arc::new(Self {
+            frame_len,
+            layers,
+            written: Mutex::new(HashMap::new()),
+        })
+    }
+    fn get(&self, layer: u32, block: u32) -> Option<Vec<u8>> {
+        self.written.lock().unwrap().get(&(layer, block)).cloned()
+    }
+    fn count(&self) -> usize {
+        self.written.lock().unwrap().len()
+    }
+}
+
+impl BlockSink for MemSink {
+    fn frame_len(&self) -> usize {
+        self.frame_len
+    }
+    fn layers(&self) -> u32 {
+        self.layers
+    }
+    fn write(&self, layer: u32, block: u32, payload: &[u8]) {
+        self.written
+            .lock()
+            .unwrap()
+            .insert((layer, block), payload.to_vec());
+    }
+}
+
+fn secret() -> Secret {
+    Secret::new("test-cluster-secret-0123456789").unwrap()
+}
+
+fn payload(layer: u32, block: u32, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u32 ^ layer.wrapping_mul(31) ^ block.wrapping_mul(7)) as u8)
+        .collect()
+}
+
+async fn receiver() -> KvReceiver {
+    KvReceiver::bind("127.0.0.1:0", secret()).await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transfer_lands_every_block_intact() {
+    let rx = receiver().await;
+    let sink = MemSink::new(1024, 4);
+    let blocks = [3u32, 7, 9];
+    let mut grant = rx.grant(&blocks, sink.clone(), Duration::from_secs(10));
+    let t = TcpTransport::new(secret());
+    let mut s = t.open(&rx.local_addr().to_string()).await.unwrap();
+    for layer in 0..4 {
+        for &b in &blocks {
+            s.send_block(grant.id(), layer, b, &payload(layer, b, 1024))
+                .await
+                .unwrap();
+        }
+        s.flush().await.unwrap();
+    }
+    s.end(grant.id()).await.unwrap();
+    let stats = grant.wait().await.unwrap();
+    assert_eq!((stats.frames, stats.bytes), (12, 12 * 1024));
+    for layer in 0..4 {
+        for &b in &blocks {
+            assert_eq!(sink.get(layer, b).unwrap(), payload(layer, b, 1024));
+        }
+    }
+    assert_eq!(rx.bytes_received(), 12 * 1024);
+    assert_eq!(rx.rejections().total(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peers_without_the_secret_cannot_write() {
+    let rx = receiver().await;
+    let sink = MemSink::new(64, 1);
+    let grant = rx.grant(&[1], sink.clone(), Duration::from_secs(10));
+    let wrong = TcpTransport::new(Secret::new("not-the-cluster-secret-xyz").unwrap());
+    let r = wrong.open(&rx.local_addr().to_string()).await;
+    assert!(
+        matches!(r, Err(TransferError::Unauthenticated)),
+        "{:?}",
+        r.err()
+    );
+
+    // A raw client that skips the handshake and writes a well-formed frame anyway.
+    let mut raw = tokio::net::TcpStream::connect(rx.local_addr())
+        .await
+        .unwrap();
+    let mut hello = [0u8; 38];
+    raw.read_exact(&mut hello).await.unwrap();
+    let body = payload(0, 1, 64);
+    let h = FrameHeader::block(grant.id(), 0, 1, &body);
+    let _ = raw.write_all(&h.encode()).await;
+    let _ = raw.write_all(&body).await;
+    let mut rest = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), raw.read_to_end(&mut rest)).await;
+    assert_eq!(sink.count(), 0, "nothing may reach the pool");
+    assert_eq!(rx.rejections().unauthenticated.load(Ordering::Relaxed), 2);
+    assert_eq!(rx.bytes_received(), 0);
+}
+
+/// A transport of its own (authenticated TCP, frames written by hand) that flips one byte of the
+/// payload of the `nth` block frame after computing its checksum: corruption on the wire.
+struct Flipper {
+    secret: Secret,
+    nth: usize,
+}
+
+struct FlipStream {
+    w: tokio::io::BufWriter<tokio::net::TcpStream>,
+    nth: usize,
+    seen: usize,
+}
+
+impl KvTransport for Flipper {
+    fn open<'a>(
+        &'a self,
+        endpoint: &'a str,
+    ) -> BoxFuture<'a, Result<Box<dyn KvStream>, TransferError>> {
+        Box::pin(async move {
+            let mut s = tokio::net::TcpStream::connect(endpoint).await?;
+            tandem_kv_transfer::auth::connect(&mut s, &self.secret).await?;
+            Ok(Box::new(FlipStream {
+                w: tokio::io::BufWriter::new(s),
+                nth: self.nth,
+                seen: 0,
+            }) as Box<dyn KvStream>)
+        })
+    }
+}
+
+impl FlipStream {
+    async fn frame(&mut self, h: FrameHeader, body: &[u8]) -> Result<(), TransferError> {
+        self.w.write_all(&h.encode()).await?;
+        self.w.write_all(body).await?;
+        Ok(())
+    }
+}
+
+impl KvStream for FlipStream {
+    fn send_block<'a>(
+        &'a mut self,
+        transfer: u64,
+        layer: u32,
+        block: u32,
+        payload: &'a [u8],
+    ) -> BoxFuture<'a, Result<(), TransferError>> {
+        Box::pin(async move {
+            self.seen += 1;
+            let h = FrameHeader::block(transfer, layer, block, payload);
+            let mut body = payload.to_vec();
+            if self.seen == self.nth {
+                let mid = body.len() / 2;
+                body[mid] ^= 0x40;
+            }
+            self.frame(h, &body).await
+        })
+    }
+    fn end(&mut self, transfer: u64) -> BoxFuture<'_, Result<(), TransferError>> {
+        Box::pin(async move {
+            self.frame(FrameHeader::control(FrameKind::End, transfer), &[])
+                .await?;
+            Ok(self.w.flush().await?)
+        })
+    }
+    fn abort(&mut self, transfer: u64) -> BoxFuture<'_, Result<(), TransferError>> {
+        Box::pin(async move {
+            self.frame(FrameHeader::control(FrameKind::Abort, transfer), &[])
+                .await?;
+            Ok(self.w.flush().await?)
+        })
+    }
+    fn flush(&mut self) -> BoxFuture<'_, Result<(), TransferError>> {
+        Box::pin(async move { Ok(self.w.flush().await?) })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flipped_byte_is_rejected_counted_and_fails_the_transfer() {
+    let rx = receiver().await;
+    let sink = MemSink::new(512, 2);
+    let mut grant = rx.grant(&[4, 5], sink.clone(), Duration::from_secs(10));
+    let t = Flipper {
+        secret: secret(),
+        nth: 2,
+    };
+    let mut s = t.open(&rx.local_addr().to_string()).await.unwrap();
+    for layer in 0..2 {
+        for b in [4u32, 5] {
+            s.send_block(grant.id(), layer, b, &payload(layer, b, 512))
+                .await
+                .unwrap();
+        }
+    }
+    s.end(grant.id()).await.unwrap();
+    let r = grant.wait().await;
+    assert!(
+        matches!(r, Err(TransferError::Rejected("bad_checksum"))),
+        "{r:?}"
+    );
+    assert_eq!(rx.rejections().bad_checksum.load(Ordering::Relaxed), 1);
+    // The damaged frame (layer 0, block 5) never reached the pool; the transfer being failed,
+    // the frames after it were refused as unknown.
+    assert_eq!(sink.get(0, 5), None);
+    assert_eq!(sink.get(0, 4), Some(payload(0, 4, 512)));
+    assert_eq!(rx.rejections().unknown_transfer.load(Ordering::Relaxed), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_frames_are_refused_by_reason_and_deadlines_expire() {
+    let rx = receiver().await;
+    let sink = MemSink::new(256, 2);
+    let t = TcpTransport::new(secret());
+    let mut s = t.open(&rx.local_addr().to_string()).await.unwrap();
+
+    // Unknown transfer.
+    s.send_block(12345, 0, 1, &payload(0, 1, 256))
+        .await
+        .unwrap();
+    // A block outside the grant.
+    let mut g1 = rx.grant(&[1], sink.clone(), Duration::from_secs(10));
+    s.send_block(g1.id(), 0, 2, &payload(0, 2, 256))
+        .await
+        .unwrap();
+    s.flush().await.unwrap();
+    assert!(matches!(
+        g1.wait().await,
+        Err(TransferError::Rejected("block_not_granted"))
+    ));
+    // A wrong length.
+    let mut g2 = rx.grant(&[1], sink.clone(), Duration::from_secs(10));
+    s.send_block(g2.id(), 0, 1, &payload(0, 1, 200))
+        .await
+        .unwrap();
+    s.flush().await.unwrap();
+    assert!(matches!(
+        g2.wait().await,
+        Err(TransferError::Rejected("bad_length"))
+    ));
+    // A layer the pool does not have.
+    let mut g3 = rx.grant(&[1], sink.clone(), Duration::from_secs(10));
+    s.send_block(g3.id(), 9, 1, &payload(9, 1, 256))
+        .await
+        .unwrap();
+    s.flush().await.unwrap();
+    assert!(matches!(
+        g3.wait().await,
+        Err(TransferError::Rejected("bad_layer"))
+    ));
+    // Half a transfer, then silence: the deadline fails it, and a late frame is unknown.
+    let mut g4 = rx.grant(&[1], sink.clone(), Duration::from_millis(300));
+    s.send_block(g4.id(), 0, 1, &payload(0, 1, 256))
+        .await
+        .unwrap();
+    s.flush().await.unwrap();
+    assert!(matches!(g4.wait().await, Err(TransferError::Expired)));
+    s.send_block(g4.id(), 1, 1, &payload(1, 1, 256))
+        .await
+        .unwrap();
+    // An end with blocks missing.
+    let mut g5 = rx.grant(&[1], sink.clone(), Duration::from_secs(10));
+    s.end(g5.id()).await.unwrap();
+    assert!(matches!(
+        g5.wait().await,
+        Err(TransferError::Incomplete { missing: 2 })
+    ));
+    // Abort.
+    let mut g6 = rx.grant(&[1], sink.clone(), Duration::from_secs(10));
+    s.abort(g6.id()).await.unwrap();
+    assert!(matches!(g6.wait().await, Err(TransferError::Aborted)));
+
+    let count = |f: &std::sync::atomic::AtomicU64| f.load(Ordering::Relaxed);
+    let r = rx.rejections();
+    assert_eq!(count(&r.unknown_transfer), 2);
+    assert_eq!(count(&r.block_not_granted), 1);
+    assert_eq!(count(&r.bad_length), 1);
+    assert_eq!(count(&r.bad_layer), 1);
+    // Only g4's first frame was ever written.
+    assert_eq!(sink.count(), 1);
+}
