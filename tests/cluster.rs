@@ -333,6 +333,84 @@ async fn openai_python_client(r: &Router, model: &str, tok: &tandem_model::Token
     )));
 }
 
+/// grpc.health.v1 says SERVING and reflection lists the services (what grpcurl relies on).
+async fn grpc_health_and_reflection(r: &Router) {
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
+    use tonic_reflection::pb::v1::{
+        server_reflection_request, server_reflection_response, ServerReflectionRequest,
+    };
+    let channel = tonic::transport::Endpoint::from_shared(r.grpc.clone())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut h = HealthClient::new(channel.clone());
+    let st = h
+        .check(tonic_health::pb::HealthCheckRequest {
+            service: "tandem.v1.Generation".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        st.status,
+        tonic_health::pb::health_check_response::ServingStatus::Serving as i32
+    );
+    let mut refl = ServerReflectionClient::new(channel);
+    let req = ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(server_reflection_request::MessageRequest::ListServices(
+            String::new(),
+        )),
+    };
+    let mut resp = refl
+        .server_reflection_info(futures::stream::iter(vec![req]))
+        .await
+        .unwrap()
+        .into_inner();
+    let msg = resp.message().await.unwrap().unwrap();
+    let Some(server_reflection_response::MessageResponse::ListServicesResponse(list)) =
+        msg.message_response
+    else {
+        panic!("unexpected reflection answer {msg:?}");
+    };
+    let names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
+    for want in ["tandem.v1.Generation", "grpc.health.v1.Health"] {
+        assert!(names.iter().any(|n| n == want), "{names:?}");
+    }
+}
+
+/// A stop string that spans tokens (" Paris." then "\n", "\n", "The") ends the text before it,
+/// streamed or not, with finish_reason "stop".
+async fn stop_strings(r: &Router, model: &str) {
+    for stream in [false, true] {
+        let body = json!({"model": model, "prompt": "The capital of France is", "max_tokens": 20,
+                          "temperature": 0, "stop": ["\n\nThe", "never"], "stream": stream});
+        let resp = reqwest::Client::new()
+            .post(format!("{}/v1/completions", r.http))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status().as_u16(), 200);
+        let (text, finish) = if stream {
+            let (t, f, _) = read_stream(&resp.text().await.unwrap());
+            (t, f)
+        } else {
+            let v: Value = resp.json().await.unwrap();
+            (
+                v["choices"][0]["text"].as_str().unwrap().to_string(),
+                v["choices"][0]["finish_reason"]
+                    .as_str()
+                    .map(str::to_string),
+            )
+        };
+        assert_eq!(text, " Paris.", "stream={stream}");
+        assert_eq!(finish.as_deref(), Some("stop"));
+    }
+}
+
 async fn grpc_client(r: &Router, model: &str, tok: &tandem_model::Tokenizer) {
     use api::generation_client::GenerationClient;
     let mut c = GenerationClient::connect(r.grpc.clone()).await.unwrap();
@@ -632,6 +710,8 @@ async fn one_worker_serves_clients_exactly_and_survives_bad_input() {
 
     openai_python_client(&r, &model, &tok).await;
     grpc_client(&r, &model, &tok).await;
+    grpc_health_and_reflection(&r).await;
+    stop_strings(&r, &model).await;
     bad_input(&r, &model).await;
     cancel_mid_stream(&r, &waddr, &model).await;
     concurrent_streams(&r, &model).await;
