@@ -54,6 +54,64 @@ enum BenchCommand {
     /// Load a router with streamed completions: TTFT, inter-token and end-to-end latency,
     /// output tokens/s (a local cluster against the engine alone when no --url is given).
     Serve(bench_serve::BenchServeArgs),
+    /// KV transfer throughput over loopback against a plain TCP copy of the same bytes.
+    KvTransfer(BenchKvArgs),
+}
+
+#[derive(Args)]
+struct BenchKvArgs {
+    /// Model whose KV layout to use (the default model when not given).
+    #[arg(long, env = "TANDEM_MODEL")]
+    model: Option<PathBuf>,
+    /// Prompt lengths whose KV blocks to transfer.
+    #[arg(long, value_delimiter = ',', default_value = "128,512,2048")]
+    prompt_tokens: Vec<usize>,
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    #[arg(long, default_value = "f32")]
+    kv_dtype: KvDtype,
+    /// Alternating rounds (medians are reported).
+    #[arg(long, default_value_t = 7)]
+    rounds: usize,
+    #[arg(long)]
+    json: bool,
+}
+
+fn bench_kv(a: BenchKvArgs) -> Result<()> {
+    let path = match &a.model {
+        Some(p) => p.clone(),
+        None => fetch::ensure_default_model()?,
+    };
+    let m = tandem_model::load_text(&path)?;
+    let layout = tandem_kernels::KvLayout {
+        block_size: a.block_size,
+        num_kv_heads: m.config.num_kv_heads,
+        head_dim: m.config.head_dim,
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let rows = rt
+        .block_on(tandem_bench::kv::run(
+            layout,
+            a.kv_dtype,
+            m.config.num_layers,
+            &a.prompt_tokens,
+            a.rounds,
+        ))
+        .map_err(|e| anyhow::anyhow!(e))?;
+    for r in rows {
+        if a.json {
+            println!("{}", serde_json::to_string(&r)?);
+        } else {
+            println!(
+                "{:>5} tokens {:>4} blocks {:>7.1} MB: kv transfer {:>7.2} ms ({:>5.2} GB/s), plain TCP {:>7.2} ms ({:>5.2} GB/s), transfer / TCP {:.2}x",
+                r.prompt_tokens, r.blocks, r.bytes as f64 / 1e6, r.transfer_ms, r.transfer_gb_s, r.tcp_ms, r.tcp_gb_s, r.ratio
+            );
+        }
+    }
+    Ok(())
 }
 
 #[derive(Subcommand)]
@@ -316,6 +374,9 @@ fn main() {
         Command::Bench {
             what: BenchCommand::Serve(a),
         } => bench_serve::run(a),
+        Command::Bench {
+            what: BenchCommand::KvTransfer(a),
+        } => bench_kv(a),
         Command::Model {
             what: ModelCommand::Fetch { force },
         } => fetch::fetch_default(force).map(|p| println!("{}", p.display())),

@@ -11,6 +11,8 @@
 //! reads slower than the engine steps. Dropping the response stream (client cancel, router gone)
 //! drops the request stream, which cancels the request and frees its KV blocks within a step.
 
+pub mod kv_sink;
+
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

@@ -4,6 +4,8 @@
 //! out as [`tandem_kernels::KvLayout`] describes. Which block belongs to whom is the
 //! [`crate::block_manager`]'s business; this is only the storage.
 
+use std::sync::Arc;
+
 use tandem_kernels::{KvLayout, KvSlabMut};
 
 /// Element type of the cache.
@@ -28,10 +30,23 @@ impl std::str::FromStr for KvDtype {
     }
 }
 
-enum Storage {
-    F32(Vec<f32>),
-    Int8 { data: Vec<i8>, scales: Vec<f32> },
+/// The pool's memory. The buffers are allocated once and never move; the raw pointers into them
+/// are what both the engine (through `&mut KvPool`) and [`KvPoolWriter`]s use, so a KV receiver
+/// on a network thread can write the blocks granted to a transfer while the engine steps.
+struct PoolMemory {
+    /// f32 values, or i8 values for an int8 cache.
+    values: *mut u8,
+    /// f32 scales (int8 only; dangling and empty otherwise).
+    scales: *mut f32,
+    /// Owns what the pointers point into; not touched after construction.
+    _values: Vec<u32>,
+    _scales: Vec<f32>,
 }
+
+// SAFETY: the pointers are into heap buffers owned by the struct; who may touch which block when
+// is the engine's invariant (see `KvPoolWriter::write`).
+unsafe impl Send for PoolMemory {}
+unsafe impl Sync for PoolMemory {}
 
 /// Physical KV storage for all layers.
 pub struct KvPool {
@@ -39,35 +54,48 @@ pub struct KvPool {
     pub dtype: KvDtype,
     pub num_layers: usize,
     pub num_blocks: usize,
-    storage: Storage,
+    mem: Arc<PoolMemory>,
 }
 
 impl KvPool {
     pub fn new(layout: KvLayout, dtype: KvDtype, num_layers: usize, num_blocks: usize) -> Self {
         let values = num_layers * num_blocks * layout.block_floats();
-        let storage = match dtype {
-            KvDtype::F32 => Storage::F32(vec![0f32; values]),
-            KvDtype::Int8 => Storage::Int8 {
-                data: vec![0i8; values],
-                scales: vec![0f32; num_layers * num_blocks * layout.block_scales()],
-            },
+        // u32 words keep the f32 view aligned; an int8 cache needs a quarter of them.
+        let words = match dtype {
+            KvDtype::F32 => values,
+            KvDtype::Int8 => values.div_ceil(4),
+        };
+        let mut v = vec![0u32; words];
+        let mut sc = match dtype {
+            KvDtype::F32 => Vec::new(),
+            KvDtype::Int8 => vec![0f32; num_layers * num_blocks * layout.block_scales()],
+        };
+        let mem = PoolMemory {
+            values: v.as_mut_ptr() as *mut u8,
+            scales: sc.as_mut_ptr(),
+            _values: v,
+            _scales: sc,
         };
         Self {
             layout,
             dtype,
             num_layers,
             num_blocks,
-            storage,
+            mem: Arc::new(mem),
         }
     }
 
     /// Bytes one block takes across all layers.
     pub fn bytes_per_block(layout: KvLayout, dtype: KvDtype, num_layers: usize) -> usize {
-        let per_layer = match dtype {
+        Self::frame_bytes(layout, dtype) * num_layers
+    }
+
+    /// Bytes of one layer of one block: a KV transfer frame's payload.
+    pub fn frame_bytes(layout: KvLayout, dtype: KvDtype) -> usize {
+        match dtype {
             KvDtype::F32 => layout.block_floats() * 4,
             KvDtype::Int8 => layout.block_floats() + layout.block_scales() * 4,
-        };
-        per_layer * num_layers
+        }
     }
 
     /// Bytes of cache one token takes across all layers (scales shared by a block included).
@@ -77,25 +105,141 @@ impl KvPool {
 
     /// Total bytes the pool holds.
     pub fn bytes(&self) -> usize {
-        match &self.storage {
-            Storage::F32(d) => d.len() * 4,
-            Storage::Int8 { data, scales } => data.len() + scales.len() * 4,
-        }
+        Self::bytes_per_block(self.layout, self.dtype, self.num_layers) * self.num_blocks
     }
 
     /// One layer's slab of blocks.
     pub fn layer_mut(&mut self, layer: usize) -> KvSlabMut<'_> {
+        assert!(layer < self.num_layers, "layer {layer} out of range");
         let n = self.num_blocks * self.layout.block_floats();
-        match &mut self.storage {
-            Storage::F32(d) => KvSlabMut::F32(&mut d[layer * n..(layer + 1) * n]),
-            Storage::Int8 { data, scales } => {
-                let ns = self.num_blocks * self.layout.block_scales();
-                KvSlabMut::Int8 {
-                    data: &mut data[layer * n..(layer + 1) * n],
-                    scales: &mut scales[layer * ns..(layer + 1) * ns],
+        let m = &self.mem;
+        // SAFETY: in bounds (the buffers hold num_layers slabs); `&mut self` makes this the only
+        // engine-side view; writers only touch blocks granted to a pending transfer, which the
+        // engine does not read or write until the transfer completes.
+        unsafe {
+            match self.dtype {
+                KvDtype::F32 => KvSlabMut::F32(std::slice::from_raw_parts_mut(
+                    (m.values as *mut f32).add(layer * n),
+                    n,
+                )),
+                KvDtype::Int8 => {
+                    let ns = self.num_blocks * self.layout.block_scales();
+                    KvSlabMut::Int8 {
+                        data: std::slice::from_raw_parts_mut(
+                            (m.values as *mut i8).add(layer * n),
+                            n,
+                        ),
+                        scales: std::slice::from_raw_parts_mut(m.scales.add(layer * ns), ns),
+                    }
                 }
             }
         }
+    }
+
+    /// Byte ranges of (layer, block): values, then scales (int8 only).
+    fn ranges(&self, layer: usize, block: usize) -> ((usize, usize), (usize, usize)) {
+        block_ranges(self.layout, self.dtype, self.num_blocks, layer, block)
+    }
+
+    /// Copies one layer of one block out in the KV wire layout (values, then int8 scales).
+    pub fn read_block(&self, layer: usize, block: usize, out: &mut Vec<u8>) {
+        assert!(layer < self.num_layers && block < self.num_blocks);
+        let ((vo, vn), (so, sn)) = self.ranges(layer, block);
+        out.clear();
+        // SAFETY: in bounds; `&self` excludes engine-side writers, and no transfer writes a block
+        // the engine is reading out.
+        unsafe {
+            out.extend_from_slice(std::slice::from_raw_parts(self.mem.values.add(vo), vn));
+            out.extend_from_slice(std::slice::from_raw_parts(
+                (self.mem.scales as *const u8).add(so),
+                sn,
+            ));
+        }
+    }
+
+    /// A handle that writes blocks into this pool from another thread.
+    pub fn writer(&self) -> KvPoolWriter {
+        KvPoolWriter {
+            mem: self.mem.clone(),
+            layout: self.layout,
+            dtype: self.dtype,
+            num_layers: self.num_layers,
+            num_blocks: self.num_blocks,
+        }
+    }
+}
+
+fn block_ranges(
+    layout: KvLayout,
+    dtype: KvDtype,
+    num_blocks: usize,
+    layer: usize,
+    block: usize,
+) -> ((usize, usize), (usize, usize)) {
+    let idx = layer * num_blocks + block;
+    match dtype {
+        KvDtype::F32 => {
+            let n = layout.block_floats() * 4;
+            ((idx * n, n), (0, 0))
+        }
+        KvDtype::Int8 => {
+            let n = layout.block_floats();
+            let s = layout.block_scales() * 4;
+            ((idx * n, n), (idx * s, s))
+        }
+    }
+}
+
+/// Writes whole (layer, block)s into a [`KvPool`] from any thread: the receiving end of a KV
+/// transfer. Cheap to clone; keeps the pool's memory alive.
+#[derive(Clone)]
+pub struct KvPoolWriter {
+    mem: Arc<PoolMemory>,
+    layout: KvLayout,
+    dtype: KvDtype,
+    num_layers: usize,
+    num_blocks: usize,
+}
+
+impl KvPoolWriter {
+    /// Bytes of one layer of one block (every write's exact length).
+    pub fn frame_bytes(&self) -> usize {
+        KvPool::frame_bytes(self.layout, self.dtype)
+    }
+
+    pub fn num_layers(&self) -> usize {
+        self.num_layers
+    }
+
+    /// Copies `payload` (the KV wire layout) into (layer, block).
+    ///
+    /// # Safety
+    /// Nothing else may read or write this (layer, block) until the caller hands the block back
+    /// to the engine: the block must be reserved for a transfer the engine is waiting on, and
+    /// two writes to the same block must not race.
+    pub unsafe fn write(&self, layer: usize, block: usize, payload: &[u8]) -> Result<(), String> {
+        if layer >= self.num_layers || block >= self.num_blocks {
+            return Err(format!(
+                "layer {layer} / block {block} outside the pool ({} layers, {} blocks)",
+                self.num_layers, self.num_blocks
+            ));
+        }
+        if payload.len() != self.frame_bytes() {
+            return Err(format!(
+                "{} bytes for a block that holds {}",
+                payload.len(),
+                self.frame_bytes()
+            ));
+        }
+        let ((vo, vn), (so, sn)) =
+            block_ranges(self.layout, self.dtype, self.num_blocks, layer, block);
+        std::ptr::copy_nonoverlapping(payload.as_ptr(), self.mem.values.add(vo), vn);
+        std::ptr::copy_nonoverlapping(
+            payload[vn..].as_ptr(),
+            (self.mem.scales as *mut u8).add(so),
+            sn,
+        );
+        Ok(())
     }
 }
 
@@ -124,5 +268,55 @@ mod tests {
         let f16_bytes = p.bytes() / 2;
         assert!(q.bytes() as f64 <= 0.51 * f16_bytes as f64);
         assert!(q.bytes() * 2 > f16_bytes);
+    }
+
+    #[test]
+    fn blocks_read_out_and_written_into_another_pool_are_identical() {
+        let l = KvLayout {
+            block_size: 4,
+            num_kv_heads: 2,
+            head_dim: 8,
+        };
+        for dtype in [KvDtype::F32, KvDtype::Int8] {
+            let mut a = KvPool::new(l, dtype, 3, 5);
+            let b = KvPool::new(l, dtype, 3, 7);
+            for layer in 0..3 {
+                match a.layer_mut(layer) {
+                    KvSlabMut::F32(d) => {
+                        for (i, x) in d.iter_mut().enumerate() {
+                            *x = (i + 1000 * layer) as f32 * 0.5;
+                        }
+                    }
+                    KvSlabMut::Int8 { data, scales } => {
+                        for (i, x) in data.iter_mut().enumerate() {
+                            *x = ((i * 7 + layer) % 251) as i8;
+                        }
+                        for (i, x) in scales.iter_mut().enumerate() {
+                            *x = i as f32 + layer as f32 * 0.25;
+                        }
+                    }
+                }
+            }
+            let w = b.writer();
+            let mut buf = Vec::new();
+            let mut back = Vec::new();
+            for layer in 0..3 {
+                a.read_block(layer, 2, &mut buf);
+                assert_eq!(buf.len(), KvPool::frame_bytes(l, dtype));
+                // SAFETY: nothing else touches pool b.
+                unsafe { w.write(layer, 6, &buf).unwrap() };
+                b.read_block(layer, 6, &mut back);
+                assert_eq!(back, buf, "{dtype:?} layer {layer}");
+                // Neighbours untouched.
+                b.read_block(layer, 5, &mut back);
+                assert!(back.iter().all(|&x| x == 0));
+            }
+            // SAFETY: as above; these are refused before any write.
+            unsafe {
+                assert!(w.write(3, 0, &buf).is_err());
+                assert!(w.write(0, 7, &buf).is_err());
+                assert!(w.write(0, 0, &buf[1..]).is_err());
+            }
+        }
     }
 }

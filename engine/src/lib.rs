@@ -23,7 +23,7 @@ pub use engine::{
     StepStats, TokenEvent,
 };
 pub use handle::{EngineHandle, KvUpdate, RequestStream, StreamEvent};
-pub use kv_cache::{KvDtype, KvPool};
+pub use kv_cache::{KvDtype, KvPool, KvPoolWriter};
 pub use model::{LlamaModel, SeqBatch, WeightFormat};
 pub use sampler::{Sampled, Sampler, SamplingParams};
 

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rand::RngCore;
-use tokio::io::{AsyncReadExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
@@ -284,6 +284,18 @@ fn judge(inner: &Inner, h: &FrameHeader, payload: &[u8]) -> Verdict {
     Verdict::Write(g.sink.clone())
 }
 
+/// Fills `out` from what the reader has buffered, then straight from the socket (a payload is
+/// larger than the buffer is worth copying through).
+async fn read_payload(r: &mut BufReader<TcpStream>, out: &mut [u8]) -> std::io::Result<()> {
+    let have = r.buffer().len().min(out.len());
+    out[..have].copy_from_slice(&r.buffer()[..have]);
+    r.consume(have);
+    if have < out.len() {
+        r.get_mut().read_exact(&mut out[have..]).await?;
+    }
+    Ok(())
+}
+
 async fn serve_connection(inner: &Arc<Inner>, mut sock: TcpStream) -> Result<(), TransferError> {
     sock.set_nodelay(true)?;
     let handshake = tokio::time::timeout(
@@ -308,7 +320,7 @@ async fn serve_connection(inner: &Arc<Inner>, mut sock: TcpStream) -> Result<(),
             return Err(TransferError::Handshake("handshake timed out".into()));
         }
     }
-    let mut r = BufReader::with_capacity(256 << 10, sock);
+    let mut r = BufReader::with_capacity(64 << 10, sock);
     let mut payload = Vec::new();
     loop {
         let mut hb = [0u8; HEADER_LEN];
@@ -326,7 +338,7 @@ async fn serve_connection(inner: &Arc<Inner>, mut sock: TcpStream) -> Result<(),
             }
         };
         payload.resize(h.len as usize, 0);
-        r.read_exact(&mut payload).await?;
+        read_payload(&mut r, &mut payload).await?;
         match h.kind {
             FrameKind::Block => match judge(inner, &h, &payload) {
                 Verdict::Write(sink) => {
