@@ -227,7 +227,15 @@ async fn a_flipped_byte_is_rejected_counted_and_fails_the_transfer() {
     // the frames after it were refused as unknown.
     assert_eq!(sink.get(0, 5), None);
     assert_eq!(sink.get(0, 4), Some(payload(0, 4, 512)));
+    // (The failure is reported at the bad frame; the receiver may still be reading the rest.)
+    let end = std::time::Instant::now() + Duration::from_secs(5);
+    while rx.rejections().unknown_transfer.load(Ordering::Relaxed) < 2
+        && std::time::Instant::now() < end
+    {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     assert_eq!(rx.rejections().unknown_transfer.load(Ordering::Relaxed), 2);
+    assert_eq!(sink.count(), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
