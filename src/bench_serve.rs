@@ -14,7 +14,7 @@ use clap::Args;
 use tandem_bench::serve::{run_engine, run_http, LoadSpec, ServeReport};
 use tandem_engine::{EngineError, EngineHandle};
 
-use crate::up::{sigterm, spawn, wait_for_line};
+use crate::up::{sigterm, spawn, wait_for_line, wait_ready};
 use crate::{fetch, EngineArgs};
 
 #[derive(Args)]
@@ -161,15 +161,7 @@ async fn compare(a: &BenchServeArgs, engine_args: &EngineArgs, spec: LoadSpec) -
         Some(h) => format!("http://{h}"),
         None => bail!("unexpected router line {line:?}"),
     };
-    let client = reqwest::Client::new();
-    for _ in 0..300 {
-        if let Ok(r) = client.get(format!("{http}/ready")).send().await {
-            if r.status().is_success() {
-                break;
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    wait_ready(&format!("{http}/ready"), Duration::from_secs(60)).await?;
     let model = model_name(&http, &a.served_model).await?;
 
     let build_args = engine_args.clone();

@@ -146,7 +146,7 @@ pub(crate) fn sigterm(child: &Child) {
     }
 }
 
-async fn wait_ready(url: &str, timeout: Duration) -> Result<()> {
+pub(crate) async fn wait_ready(url: &str, timeout: Duration) -> Result<()> {
     let client = reqwest::Client::new();
     let deadline = Instant::now() + timeout;
     loop {
