@@ -49,8 +49,14 @@ async fn one_transfer(
     let mut buf = Vec::new();
     for layer in 0..src.num_layers {
         for (i, &b) in blocks.iter().enumerate() {
-            src.read_block(layer, i, &mut buf);
-            s.send_block(grant.id(), layer as u32, b, &buf)
+            let payload = match src.block_bytes(layer, i) {
+                Some(p) => p,
+                None => {
+                    src.read_block(layer, i, &mut buf);
+                    &buf
+                }
+            };
+            s.send_block(grant.id(), layer as u32, b, payload)
                 .await
                 .map_err(|e| e.to_string())?;
         }

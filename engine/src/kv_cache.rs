@@ -157,6 +157,17 @@ impl KvPool {
         }
     }
 
+    /// One layer of one block as it lies in the pool, when that is one contiguous range (an f32
+    /// cache): a KV frame's payload, sent without copying. `None` for int8 (values and scales
+    /// are apart): use [`Self::read_block`].
+    pub fn block_bytes(&self, layer: usize, block: usize) -> Option<&[u8]> {
+        assert!(layer < self.num_layers && block < self.num_blocks);
+        let ((vo, vn), (_, sn)) = self.ranges(layer, block);
+        // SAFETY: in bounds; `&self` excludes engine-side writers for the borrow's life, and no
+        // transfer writes a block the engine is sending.
+        (sn == 0).then(|| unsafe { std::slice::from_raw_parts(self.mem.values.add(vo), vn) })
+    }
+
     /// A handle that writes blocks into this pool from another thread.
     pub fn writer(&self) -> KvPoolWriter {
         KvPoolWriter {
@@ -303,6 +314,10 @@ mod tests {
             for layer in 0..3 {
                 a.read_block(layer, 2, &mut buf);
                 assert_eq!(buf.len(), KvPool::frame_bytes(l, dtype));
+                if let Some(direct) = a.block_bytes(layer, 2) {
+                    assert_eq!(direct, &buf[..]);
+                }
+                assert_eq!(a.block_bytes(layer, 2).is_some(), dtype == KvDtype::F32);
                 // SAFETY: nothing else touches pool b.
                 unsafe { w.write(layer, 6, &buf).unwrap() };
                 b.read_block(layer, 6, &mut back);
