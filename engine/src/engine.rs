@@ -195,6 +195,33 @@ impl Limits {
     }
 }
 
+/// Why `s` stops after `token` (already appended), if it does.
+fn finish_reason(eos: &[u32], max_ctx: usize, s: &Seq, token: u32) -> Option<FinishReason> {
+    let p = s.sampler.params();
+    let generated = s.tokens.len() - s.prompt_len;
+    if p.stop_token_ids.contains(&token) || (!p.ignore_eos && eos.contains(&token)) {
+        Some(FinishReason::Stop)
+    } else if generated >= p.max_tokens as usize || s.tokens.len() >= max_ctx {
+        Some(FinishReason::Length)
+    } else {
+        None
+    }
+}
+
+/// A prompt's KV as a prefill side exports it: per layer, per block, the bytes in the KV wire
+/// layout.
+pub type ExportedKv = Vec<Vec<Vec<u8>>>;
+
+/// Blocks set aside for a prompt whose KV comes from a prefill worker.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Reservation {
+    /// Leading prompt tokens already in this engine's prefix cache (a multiple of the block
+    /// size): the prefill worker sends only what follows.
+    pub cached_tokens: usize,
+    /// Destination blocks for tokens `cached_tokens..`, in order (the last may be partial).
+    pub blocks: Vec<u32>,
+}
+
 struct Seq {
     id: RequestId,
     /// Prompt, then generated tokens.
@@ -256,6 +283,9 @@ pub struct Engine {
     waiting: VecDeque<Seq>,
     /// Oldest admission first; the last one is the first to be preempted.
     running: Vec<Seq>,
+    /// Prompts whose KV is being transferred in from a prefill worker: blocks allocated, never
+    /// touched by a step until they join (or fall back to a local prefill).
+    remote: Vec<Seq>,
     cancelled: Vec<RequestId>,
     stats: EngineStats,
     /// First id `generate` gives its requests next time.
@@ -289,6 +319,7 @@ impl Engine {
             eos,
             waiting: VecDeque::new(),
             running: Vec::new(),
+            remote: Vec::new(),
             cancelled: Vec::new(),
             stats: EngineStats::default(),
             next_batch_id: 1 << 48,
@@ -353,7 +384,28 @@ impl Engine {
     /// Queues a request.
     pub fn add(&mut self, id: RequestId, r: Request) -> Result<(), EngineError> {
         self.validate(&r)?;
-        self.waiting.push_back(Seq {
+        let s = self.new_seq(id, r);
+        self.waiting.push_back(s);
+        Ok(())
+    }
+
+    /// Drops every queued and running request (their blocks return to the pool); returns their
+    /// ids. For a step that failed: the requests in it cannot be trusted to continue.
+    pub fn abort_all(&mut self) -> Vec<RequestId> {
+        self.cancelled.clear();
+        let mut ids: Vec<RequestId> = self.running.drain(..).map(|s| s.id).collect();
+        ids.extend(self.waiting.drain(..).map(|s| s.id));
+        ids.extend(self.remote.drain(..).map(|s| s.id));
+        ids
+    }
+
+    /// Cancels a request; it leaves (and frees its blocks) at the start of the next step.
+    pub fn cancel(&mut self, id: RequestId) {
+        self.cancelled.push(id);
+    }
+
+    fn new_seq(&self, id: RequestId, r: Request) -> Seq {
+        Seq {
             id,
             prompt_len: r.prompt.len(),
             sampler: Sampler::new(r.params, &r.prompt),
@@ -366,22 +418,145 @@ impl Engine {
             first_token: None,
             cached_prompt_tokens: None,
             preemptions: 0,
-        });
-        Ok(())
+        }
     }
 
-    /// Drops every queued and running request (their blocks return to the pool); returns their
-    /// ids. For a step that failed: the requests in it cannot be trusted to continue.
-    pub fn abort_all(&mut self) -> Vec<RequestId> {
-        self.cancelled.clear();
-        let mut ids: Vec<RequestId> = self.running.drain(..).map(|s| s.id).collect();
-        ids.extend(self.waiting.drain(..).map(|s| s.id));
-        ids
+    /// The decode side of a remote prefill, step one: allocates blocks for the whole prompt,
+    /// reusing this engine's prefix cache, and parks the request until its KV arrives. `None`
+    /// when the pool cannot hold it now (prefill it locally with [`Engine::add`] instead).
+    /// The returned blocks are the transfer's destination; the engine does not touch them until
+    /// [`Engine::join_remote`] or [`Engine::prefill_locally`].
+    pub fn reserve_remote(
+        &mut self,
+        id: RequestId,
+        r: Request,
+    ) -> Result<Option<Reservation>, EngineError> {
+        self.validate(&r)?;
+        let mut s = self.new_seq(id, r);
+        let hit = if self.config.prefix_caching {
+            s.blocks.reuse_prefix(&s.tokens)
+        } else {
+            0
+        };
+        if !s.blocks.reserve(s.prompt_len) {
+            return Ok(None);
+        }
+        self.stats.prefix_lookup_tokens += s.prompt_len as u64;
+        self.stats.prefix_hit_tokens += hit as u64;
+        s.computed = hit;
+        s.cached_prompt_tokens = Some(hit);
+        s.admitted = Some(Instant::now());
+        let bs = self.config.block_size;
+        let reservation = Reservation {
+            cached_tokens: hit,
+            blocks: s.blocks.ids()[hit / bs..].to_vec(),
+        };
+        self.remote.push(s);
+        Ok(Some(reservation))
     }
 
-    /// Cancels a request; it leaves (and frees its blocks) at the start of the next step.
-    pub fn cancel(&mut self, id: RequestId) {
-        self.cancelled.push(id);
+    /// Step two: every reserved block holds its K/V and `first` is the token the prefill worker
+    /// sampled. The request joins the running batch (decoding from the next step); its prompt
+    /// blocks enter the prefix cache. Returns the first token's events.
+    pub fn join_remote(
+        &mut self,
+        id: RequestId,
+        first: Sampled,
+    ) -> Result<Vec<Event>, EngineError> {
+        let i =
+            self.remote.iter().position(|s| s.id == id).ok_or_else(|| {
+                EngineError::InvalidRequest(format!("no remote prefill {}", id.0))
+            })?;
+        let mut s = self.remote.remove(i);
+        s.computed = s.prompt_len;
+        s.blocks.commit(&s.tokens, s.computed);
+        s.sampler.record(first.token);
+        s.first_token = Some(Instant::now());
+        s.tokens.push(first.token);
+        s.logprobs.push(first.logprob);
+        let finish = finish_reason(
+            &self.eos,
+            self.model.config.max_position_embeddings,
+            &s,
+            first.token,
+        );
+        let mut events = vec![Event::Token(TokenEvent {
+            request: id,
+            sampled: first,
+            finish,
+        })];
+        match finish {
+            Some(r) => events.push(Event::Finished(s.finished(r))),
+            None => self.running.push(s),
+        }
+        Ok(events)
+    }
+
+    /// The transfer failed: the request is prefilled here, ahead of the queue, in the blocks it
+    /// already holds (whatever a broken transfer left in them is recomputed).
+    pub fn prefill_locally(&mut self, id: RequestId) -> bool {
+        match self.remote.iter().position(|s| s.id == id) {
+            Some(i) => {
+                let s = self.remote.remove(i);
+                self.waiting.push_front(s);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The prefill side, in one piece: computes `r`'s prompt in fresh blocks, samples the first
+    /// token, and returns it with every (layer, block) from `skip_tokens` on, in the KV wire
+    /// layout (the receiver's cache holds the first `skip_tokens`). Runs alone, as one prompt;
+    /// the blocks go back to the prefix cache afterwards.
+    pub fn export_prompt_kv(
+        &mut self,
+        r: Request,
+        skip_tokens: usize,
+    ) -> Result<(Sampled, ExportedKv), EngineError> {
+        self.validate(&r)?;
+        let bs = self.config.block_size;
+        if !skip_tokens.is_multiple_of(bs) || skip_tokens >= r.prompt.len() {
+            return Err(EngineError::InvalidRequest(format!(
+                "skip_tokens {skip_tokens} must be a multiple of the block size {bs} below the prompt length {}",
+                r.prompt.len()
+            )));
+        }
+        let mut s = self.new_seq(RequestId(u64::MAX), r);
+        if !s.blocks.reserve(s.prompt_len) {
+            return Err(EngineError::TooLargeForCache {
+                need: s.prompt_len.div_ceil(bs),
+                total: self.blocks.counts().total,
+            });
+        }
+        let mut first = None;
+        while s.computed < s.prompt_len {
+            let take = (s.prompt_len - s.computed).min(self.config.max_batched_tokens);
+            let last = s.computed + take == s.prompt_len;
+            let batch = [SeqBatch {
+                tokens: &s.tokens[s.computed..s.computed + take],
+                cached: s.computed,
+                block_table: s.blocks.ids(),
+                want_logits: last,
+            }];
+            let logits = self.model.forward(&batch, &mut self.kv)?;
+            s.computed += take;
+            s.blocks.commit(&s.tokens, s.computed);
+            if last {
+                first = Some(s.sampler.sample(&logits[..self.model.config.vocab_size]));
+            }
+        }
+        let mut layers = Vec::with_capacity(self.kv.num_layers);
+        for layer in 0..self.kv.num_layers {
+            let mut blocks = Vec::new();
+            for &b in &s.blocks.ids()[skip_tokens / bs..] {
+                let mut buf = Vec::new();
+                self.kv.read_block(layer, b as usize, &mut buf);
+                blocks.push(buf);
+            }
+            layers.push(blocks);
+        }
+        Ok((first.expect("the last chunk sampled"), layers))
     }
 
     /// One scheduling iteration and one forward. Returns this step's events, in order.
@@ -429,17 +604,7 @@ impl Engine {
             s.first_token.get_or_insert_with(Instant::now);
             s.tokens.push(sampled.token);
             s.logprobs.push(sampled.logprob);
-            let p = s.sampler.params();
-            let generated = s.tokens.len() - s.prompt_len;
-            let finish = if p.stop_token_ids.contains(&sampled.token)
-                || (!p.ignore_eos && self.eos.contains(&sampled.token))
-            {
-                Some(FinishReason::Stop)
-            } else if generated >= p.max_tokens as usize || s.tokens.len() >= max_ctx {
-                Some(FinishReason::Length)
-            } else {
-                None
-            };
+            let finish = finish_reason(&self.eos, max_ctx, s, sampled.token);
             events.push(Event::Token(TokenEvent {
                 request: s.id,
                 sampled,
@@ -470,6 +635,8 @@ impl Engine {
                 self.running.remove(i)
             } else if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
                 self.waiting.remove(i).expect("index from position")
+            } else if let Some(i) = self.remote.iter().position(|s| s.id == id) {
+                self.remote.remove(i)
             } else {
                 continue; // already finished
             };
@@ -669,6 +836,145 @@ pub(crate) mod tests {
 
     fn engine(cfg: EngineConfig) -> Engine {
         Engine::new(tiny_model(1), cfg, vec![]).unwrap()
+    }
+
+    /// Runs `e` until `id` finishes; its output tokens after `first`.
+    fn run_to_end(e: &mut Engine, id: RequestId) -> Vec<u32> {
+        let mut out = Vec::new();
+        loop {
+            let (events, _) = e.step().unwrap();
+            for ev in events {
+                match ev {
+                    Event::Token(t) if t.request == id => out.push(t.sampled.token),
+                    Event::Finished(f) if f.request == id => return out,
+                    _ => {}
+                }
+            }
+        }
+    }
+
+    /// Writes a prefill side's exported blocks into the reservation's blocks of `e`'s pool.
+    fn fill(e: &Engine, r: &Reservation, kv: &[Vec<Vec<u8>>]) {
+        let w = e.kv_pool().writer();
+        for (layer, blocks) in kv.iter().enumerate() {
+            assert_eq!(blocks.len(), r.blocks.len());
+            for (data, &b) in blocks.iter().zip(&r.blocks) {
+                // SAFETY: reserved for a remote prefill: the engine does not touch these blocks.
+                unsafe { w.write(layer, b as usize, data).unwrap() };
+            }
+        }
+    }
+
+    #[test]
+    fn a_remotely_prefilled_request_decodes_like_a_local_one() {
+        let prompt: Vec<u32> = (0..45).map(|t| (t * 11 + 5) % 97).collect();
+        for dtype in [KvDtype::F32, KvDtype::Int8] {
+            let cfg = EngineConfig {
+                kv_dtype: dtype,
+                ..Default::default()
+            };
+            let want = engine(cfg.clone())
+                .generate(vec![req(prompt.clone(), 10)], |_| {}, |_| {})
+                .unwrap()[0]
+                .output_ids
+                .clone();
+            let mut prefill = engine(cfg.clone());
+            let mut decode = engine(cfg.clone());
+            let id = RequestId(7);
+            let r = decode
+                .reserve_remote(id, req(prompt.clone(), 10))
+                .unwrap()
+                .expect("room");
+            assert_eq!(r.cached_tokens, 0);
+            assert_eq!(r.blocks.len(), 3, "45 tokens in 16-token blocks");
+            let (first, kv) = prefill
+                .export_prompt_kv(req(prompt.clone(), 10), 0)
+                .unwrap();
+            fill(&decode, &r, &kv);
+            let ev = decode.join_remote(id, first.clone()).unwrap();
+            assert!(matches!(&ev[..], [Event::Token(t)] if t.sampled.token == want[0]));
+            let mut got = vec![first.token];
+            got.extend(run_to_end(&mut decode, id));
+            assert_eq!(got, want, "{dtype:?}");
+            check_counts(&decode);
+            assert_eq!(decode.stats().blocks_used, 0);
+        }
+    }
+
+    #[test]
+    fn a_remote_prefill_sends_only_what_the_decode_cache_lacks() {
+        let prompt: Vec<u32> = (0..50).map(|t| (t * 7 + 3) % 97).collect();
+        let want = engine(EngineConfig::default())
+            .generate(vec![req(prompt.clone(), 8)], |_| {}, |_| {})
+            .unwrap()[0]
+            .output_ids
+            .clone();
+        let mut decode = engine(EngineConfig::default());
+        // An earlier conversation turn left the first 40 tokens (two full blocks) cached.
+        decode
+            .generate(vec![req(prompt[..40].to_vec(), 1)], |_| {}, |_| {})
+            .unwrap();
+        let id = RequestId(9);
+        let r = decode
+            .reserve_remote(id, req(prompt.clone(), 8))
+            .unwrap()
+            .unwrap();
+        assert_eq!(r.cached_tokens, 32);
+        assert_eq!(r.blocks.len(), 2, "tokens 32..50");
+        let mut prefill = engine(EngineConfig::default());
+        let (first, kv) = prefill
+            .export_prompt_kv(req(prompt.clone(), 8), r.cached_tokens)
+            .unwrap();
+        assert_eq!(kv[0].len(), 2);
+        fill(&decode, &r, &kv);
+        decode.join_remote(id, first.clone()).unwrap();
+        let mut got = vec![first.token];
+        got.extend(run_to_end(&mut decode, id));
+        assert_eq!(got, want);
+        assert!(
+            prefill.export_prompt_kv(req(prompt, 8), 8).is_err(),
+            "not a block multiple"
+        );
+    }
+
+    #[test]
+    fn a_failed_transfer_falls_back_to_a_local_prefill_and_cancel_frees_reservations() {
+        let prompt: Vec<u32> = (0..30).map(|t| (t * 5 + 1) % 97).collect();
+        let want = engine(EngineConfig::default())
+            .generate(vec![req(prompt.clone(), 6)], |_| {}, |_| {})
+            .unwrap()[0]
+            .output_ids
+            .clone();
+        let mut decode = engine(EngineConfig::default());
+        let id = RequestId(3);
+        let r = decode
+            .reserve_remote(id, req(prompt.clone(), 6))
+            .unwrap()
+            .unwrap();
+        // A broken transfer left garbage in the blocks.
+        let junk = vec![
+            vec![
+                vec![0x7fu8; KvPool::frame_bytes(decode.kv.layout, decode.kv.dtype)];
+                r.blocks.len()
+            ];
+            decode.kv.num_layers
+        ];
+        fill(&decode, &r, &junk);
+        assert!(decode.prefill_locally(id));
+        assert_eq!(run_to_end(&mut decode, id), want);
+        check_counts(&decode);
+        assert_eq!(decode.stats().blocks_used, 0);
+
+        let id2 = RequestId(4);
+        decode.reserve_remote(id2, req(prompt, 6)).unwrap().unwrap();
+        assert!(decode.stats().blocks_used > 0);
+        decode.cancel(id2);
+        let (events, _) = decode.step().unwrap();
+        assert!(
+            matches!(&events[..], [Event::Finished(f)] if f.finish_reason == FinishReason::Cancelled)
+        );
+        assert_eq!(decode.stats().blocks_used, 0);
+        check_counts(&decode);
     }
 
     fn check_counts(e: &Engine) {

@@ -19,8 +19,8 @@ pub mod sampler;
 
 pub use block_manager::{BlockCounts, BlockManager, KvEvent, KvEventKind, SeqBlocks};
 pub use engine::{
-    Engine, EngineConfig, EngineStats, Event, FinishReason, Finished, Limits, Request, RequestId,
-    StepStats, TokenEvent,
+    Engine, EngineConfig, EngineStats, Event, ExportedKv, FinishReason, Finished, Limits, Request,
+    RequestId, Reservation, StepStats, TokenEvent,
 };
 pub use handle::{EngineHandle, KvUpdate, RequestStream, StreamEvent};
 pub use kv_cache::{KvDtype, KvPool, KvPoolWriter};

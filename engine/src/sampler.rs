@@ -188,6 +188,19 @@ impl Sampler {
         }
     }
 
+    /// Records a token sampled elsewhere (a prefill worker's first token) as if this sampler had
+    /// drawn it: penalties count it, and a seeded stream moves past the draw it took there, so
+    /// the tokens after it are the ones a single worker would have produced.
+    pub fn record(&mut self, token: u32) {
+        if !self.params.is_greedy() {
+            let _ = self.rng.gen::<f32>();
+        }
+        if self.params.repetition_penalty != 1.0 {
+            self.seen.insert(token);
+        }
+        *self.counts.entry(token).or_insert(0) += 1;
+    }
+
     fn draw(&mut self, logits: &[f32]) -> u32 {
         let p = &self.params;
         let inv_t = 1.0 / p.temperature;
