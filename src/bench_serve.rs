@@ -9,12 +9,14 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use clap::Args;
 use tandem_bench::serve::{run_engine, run_http, LoadSpec, ServeReport};
 use tandem_engine::{EngineError, EngineHandle};
 
-use crate::up::{sigterm, spawn, wait_for_line, wait_ready};
+use crate::up::{
+    router_addrs, sigterm, spawn, wait_for_line, wait_ready, DECODE_READY, ROUTER_READY,
+};
 use crate::{fetch, EngineArgs};
 
 #[derive(Args)]
@@ -105,9 +107,17 @@ pub fn run(a: BenchServeArgs) -> Result<()> {
         .build()?;
     if let Some(url) = &a.url {
         let url = url.trim_end_matches('/').to_string();
+        // Prompt ids must lie in the served model's vocabulary: read it from the model file.
+        let path = match &a.engine.model {
+            Some(p) => p.clone(),
+            None => fetch::ensure_default_model()?,
+        };
+        let vocab = tandem_model::load_text(&path)
+            .with_context(|| format!("reading {}", path.display()))?
+            .config
+            .vocab_size as u32;
         return rt.block_on(async {
             let model = model_name(&url, &a.served_model).await?;
-            let vocab = 49152;
             let r = run_http(&url, &model, &spec, vocab).await;
             print(&r, a.json)
         });
@@ -134,7 +144,7 @@ async fn compare(a: &BenchServeArgs, engine_args: &EngineArgs, spec: LoadSpec) -
     let waddr = wait_for_line(
         "decode",
         &mut worker,
-        "tandem decode: listening on",
+        DECODE_READY,
         Duration::from_secs(300),
     )
     .await?;
@@ -153,14 +163,11 @@ async fn compare(a: &BenchServeArgs, engine_args: &EngineArgs, spec: LoadSpec) -
     let line = wait_for_line(
         "router",
         &mut router,
-        "tandem router:",
+        ROUTER_READY,
         Duration::from_secs(120),
     )
     .await?;
-    let http = match line.split_whitespace().nth(1) {
-        Some(h) => format!("http://{h}"),
-        None => bail!("unexpected router line {line:?}"),
-    };
+    let http = format!("http://{}", router_addrs(&line)?.0);
     wait_ready(&format!("{http}/ready"), Duration::from_secs(60)).await?;
     let model = model_name(&http, &a.served_model).await?;
 

@@ -14,6 +14,7 @@ use tandem_decode_worker::{DecodeService, WorkerIdentity};
 use tandem_engine::{EngineError, EngineHandle};
 use tandem_router::RouterArgs;
 
+use crate::up::{DECODE_READY, ROUTER_READY};
 use crate::{fetch, EngineArgs};
 
 #[derive(Args, Clone, Debug)]
@@ -100,7 +101,7 @@ pub fn run_decode(a: DecodeArgs) -> Result<()> {
             kv_dtype,
         };
         let (service, shutdown) = DecodeService::new(Arc::new(handle), identity);
-        println!("tandem decode: listening on {addr}");
+        println!("{DECODE_READY} {addr}");
         std::io::stdout().flush()?;
         tandem_decode_worker::serve(
             listener,
@@ -129,7 +130,7 @@ pub fn run_router(a: RouterArgs) -> Result<()> {
             a,
             model,
             |b| {
-                println!("tandem router: http {} grpc {}", b.http, b.grpc);
+                println!("{ROUTER_READY} http {} grpc {}", b.http, b.grpc);
                 let _ = std::io::stdout().flush();
             },
             shutdown_signal(),

@@ -62,9 +62,24 @@ pub struct UpArgs {
     start_timeout_s: u64,
 }
 
+/// What `tandem decode` prints, followed by its address, once it listens.
+pub(crate) const DECODE_READY: &str = "tandem decode: listening on";
+/// What `tandem router` prints, followed by `http ADDR grpc ADDR`, once it listens.
+pub(crate) const ROUTER_READY: &str = "tandem router:";
+
+/// The (http, grpc) addresses in the rest of a router's ready line.
+pub(crate) fn router_addrs(line: &str) -> Result<(String, String)> {
+    match line.split_whitespace().collect::<Vec<_>>().as_slice() {
+        ["http", h, "grpc", g] => Ok((h.to_string(), g.to_string())),
+        _ => bail!("unexpected router line {line:?}"),
+    }
+}
+
 /// One supervised child.
 struct Proc {
     name: String,
+    /// The line it prints when ready.
+    marker: &'static str,
     args: Vec<String>,
     child: Option<Child>,
     started: Instant,
@@ -208,7 +223,7 @@ async fn supervise(a: UpArgs, model: PathBuf, threads: usize) -> Result<()> {
         ];
         args.extend(a.worker_args.iter().cloned());
         let mut child = spawn(&name, &args)?;
-        let addr = wait_for_line(&name, &mut child, "tandem decode: listening on", timeout).await?;
+        let addr = wait_for_line(&name, &mut child, DECODE_READY, timeout).await?;
         // Restarts reuse the port the router already knows.
         if let Some(p) = args.iter_mut().find(|s| s.starts_with("--port=")) {
             *p = format!("--port={}", addr.rsplit(':').next().unwrap_or("0"));
@@ -217,6 +232,7 @@ async fn supervise(a: UpArgs, model: PathBuf, threads: usize) -> Result<()> {
         worker_addrs.push(addr);
         procs.push(Proc {
             name,
+            marker: DECODE_READY,
             args,
             child: Some(child),
             started: Instant::now(),
@@ -242,13 +258,8 @@ async fn supervise(a: UpArgs, model: PathBuf, threads: usize) -> Result<()> {
     ];
     args.extend(a.router_args.iter().cloned());
     let mut router = spawn("router", &args)?;
-    let line = wait_for_line("router", &mut router, "tandem router:", timeout).await?;
-    // "http ADDR grpc ADDR"
-    let parts: Vec<&str> = line.split_whitespace().collect();
-    let (http, grpc) = match parts.as_slice() {
-        ["http", h, "grpc", g] => (h.to_string(), g.to_string()),
-        _ => bail!("unexpected router line {line:?}"),
-    };
+    let line = wait_for_line("router", &mut router, ROUTER_READY, timeout).await?;
+    let (http, grpc) = router_addrs(&line)?;
     if let Some(p) = args.iter_mut().find(|s| s.starts_with("--http-port=")) {
         *p = format!("--http-port={}", http.rsplit(':').next().unwrap_or("0"));
     }
@@ -257,6 +268,7 @@ async fn supervise(a: UpArgs, model: PathBuf, threads: usize) -> Result<()> {
     }
     procs.push(Proc {
         name: "router".into(),
+        marker: ROUTER_READY,
         args,
         child: Some(router),
         started: Instant::now(),
@@ -314,12 +326,7 @@ async fn supervise(a: UpArgs, model: PathBuf, threads: usize) -> Result<()> {
                 p.restarts += 1;
                 match spawn(&p.name, &p.args) {
                     Ok(mut c) => {
-                        let marker = if p.name == "router" {
-                            "tandem router:"
-                        } else {
-                            "tandem decode: listening on"
-                        };
-                        match wait_for_line(&p.name, &mut c, marker, timeout).await {
+                        match wait_for_line(&p.name, &mut c, p.marker, timeout).await {
                             Ok(_) => eprintln!("tandem up: {} is back", p.name),
                             Err(e) => eprintln!("tandem up: {e:#}"),
                         }

@@ -93,10 +93,6 @@ impl DecodeService {
             },
         )
     }
-
-    pub fn engine(&self) -> &EngineHandle {
-        &self.engine
-    }
 }
 
 impl Shutdown {
@@ -212,25 +208,14 @@ fn response_stream(
         if st.done {
             return None;
         }
-        let first = match st.stream.next().await {
-            Some(e) => e,
-            None => {
-                st.done = true;
-                return Some((Err(Status::internal("engine stopped mid-request")), st));
-            }
-        };
+        let mut next = st.stream.next().await;
+        if next.is_none() {
+            st.done = true;
+            return Some((Err(Status::internal("engine stopped mid-request")), st));
+        }
         let mut msg = pb::DecodeResponse::default();
-        let mut last = match fold(&mut msg, first) {
-            Ok(l) => l,
-            Err(e) => {
-                st.done = true;
-                return Some((Err(e), st));
-            }
-        };
-        while !last {
-            let Some(ev) = st.stream.try_next() else {
-                break;
-            };
+        let mut last = false;
+        while let Some(ev) = next {
             match fold(&mut msg, ev) {
                 Ok(l) => last = l,
                 Err(e) => {
@@ -238,6 +223,7 @@ fn response_stream(
                     return Some((Err(e), st));
                 }
             }
+            next = if last { None } else { st.stream.try_next() };
         }
         st.done = last;
         Some((Ok(msg), st))

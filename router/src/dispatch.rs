@@ -365,7 +365,7 @@ impl Dispatcher {
                         prompt_tokens: prep.prompt.len() as u32,
                         completion_tokens: 0,
                         done: false,
-                        _guard: guard,
+                        guard,
                         _slot: slot,
                     });
                 }
@@ -388,13 +388,13 @@ pub struct Generation {
     prompt_tokens: u32,
     completion_tokens: u32,
     done: bool,
-    _guard: InFlightGuard,
+    guard: InFlightGuard,
     _slot: QueueSlot,
 }
 
 impl Generation {
     pub fn worker(&self) -> &str {
-        &self._guard.worker().addr
+        &self.guard.worker().addr
     }
 
     /// The next chunk; `None` after the one carrying the finish.

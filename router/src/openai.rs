@@ -62,7 +62,7 @@ async fn ready(State(d): State<Arc<Dispatcher>>) -> Response {
                 "addr": w.addr,
                 "ready": w.is_ready(),
                 "in_flight": w.in_flight(),
-                "cached_blocks": w.cached_blocks(),
+                "cached_blocks": w.indexed_blocks(),
             })
         })
         .collect();
@@ -334,6 +334,17 @@ enum Api {
     Chat,
 }
 
+impl Api {
+    /// OpenAI's `object` for a whole response or a streamed chunk.
+    fn object(self, chunk: bool) -> &'static str {
+        match (self, chunk) {
+            (Api::Completion, _) => "text_completion",
+            (Api::Chat, false) => "chat.completion",
+            (Api::Chat, true) => "chat.completion.chunk",
+        }
+    }
+}
+
 /// What a response needs to know besides the chunks.
 struct Shape {
     api: Api,
@@ -483,13 +494,9 @@ async fn respond(
             "finish_reason": finish.as_openai(),
         }),
     };
-    let object = match shape.api {
-        Api::Completion => "text_completion",
-        Api::Chat => "chat.completion",
-    };
     Ok(Json(json!({
         "id": shape.id,
-        "object": object,
+        "object": shape.api.object(false),
         "created": shape.created,
         "model": shape.model,
         "choices": [choice],
@@ -511,17 +518,14 @@ struct SseState {
 }
 
 impl SseState {
-    fn chunk_json(&self, choice: Value, usage: Option<&Usage>) -> Event {
-        let object = match self.shape.api {
-            Api::Completion => "text_completion",
-            Api::Chat => "chat.completion.chunk",
-        };
+    /// One SSE event; with `include_usage` every chunk carries `usage` (null but on the last).
+    fn chunk_json(&self, choices: Vec<Value>, usage: Option<&Usage>) -> Event {
         let mut v = json!({
             "id": self.shape.id,
-            "object": object,
+            "object": self.shape.api.object(true),
             "created": self.shape.created,
             "model": self.shape.model,
-            "choices": [choice],
+            "choices": choices,
         });
         if self.shape.include_usage {
             v["usage"] = match usage {
@@ -567,7 +571,7 @@ impl SseState {
         match self.shape.api {
             Api::Chat => {
                 let ev = self.chunk_json(
-                    json!({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}),
+                    vec![json!({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null})],
                     None,
                 );
                 self.queue.push_back(ev);
@@ -575,7 +579,7 @@ impl SseState {
             Api::Completion => {
                 if let Some(echo) = self.shape.echo.clone() {
                     let ev = self.chunk_json(
-                        json!({"index": 0, "text": echo, "logprobs": null, "finish_reason": null}),
+                        vec![json!({"index": 0, "text": echo, "logprobs": null, "finish_reason": null})],
                         None,
                     );
                     self.sent += echo.len();
@@ -590,20 +594,13 @@ impl SseState {
         let has_content = !c.text.is_empty() || !c.tokens.is_empty();
         if has_content || finish.is_some() {
             let choice = self.choice(&c, finish.map(|f| f.0));
-            let ev = self.chunk_json(choice, None);
+            let ev = self.chunk_json(vec![choice], None);
             self.queue.push_back(ev);
         }
         if let Some((_, usage)) = finish {
             if self.shape.include_usage {
-                let mut v = json!({
-                    "id": self.shape.id,
-                    "object": match self.shape.api { Api::Completion => "text_completion", Api::Chat => "chat.completion.chunk" },
-                    "created": self.shape.created,
-                    "model": self.shape.model,
-                    "choices": [],
-                });
-                v["usage"] = usage_json(&usage);
-                self.queue.push_back(Event::default().data(v.to_string()));
+                let ev = self.chunk_json(vec![], Some(&usage));
+                self.queue.push_back(ev);
             }
             self.queue.push_back(Event::default().data("[DONE]"));
             self.finished = true;

@@ -85,16 +85,12 @@ impl Worker {
         self.state.lock().expect("worker state").info.clone()
     }
 
-    pub fn last_load(&self) -> Option<pb::LoadReport> {
-        self.state.lock().expect("worker state").load
-    }
-
     pub fn in_flight(&self) -> usize {
         self.in_flight.load(Ordering::Relaxed)
     }
 
-    /// Cached blocks the worker reports through its event stream.
-    pub fn cached_blocks(&self) -> usize {
+    /// Blocks the router's index holds for this worker (from its KV-event stream).
+    pub fn indexed_blocks(&self) -> usize {
         self.kv.lock().expect("kv index").len()
     }
 
@@ -266,11 +262,6 @@ impl WorkerPool {
 
     pub fn ready(&self) -> Vec<Arc<Worker>> {
         self.all().into_iter().filter(|w| w.is_ready()).collect()
-    }
-
-    /// Any ready worker's description (they serve one model).
-    pub fn any_info(&self) -> Option<pb::WorkerInfo> {
-        self.ready().iter().find_map(|w| w.info())
     }
 
     /// The worker `policy` picks for `prompt` among the ready ones not in `exclude`.
