@@ -15,7 +15,8 @@ use tandem_bench::serve::{run_engine, run_http, LoadSpec, ServeReport};
 use tandem_engine::{EngineError, EngineHandle};
 
 use crate::up::{
-    router_addrs, sigterm, spawn, wait_for_line, wait_ready, DECODE_READY, ROUTER_READY,
+    router_addrs, sigterm, spawn, wait_for_line, wait_ready, worker_addr, DECODE_READY,
+    ROUTER_READY,
 };
 use crate::{fetch, EngineArgs};
 
@@ -141,13 +142,15 @@ async fn compare(a: &BenchServeArgs, engine_args: &EngineArgs, spec: LoadSpec) -
     ];
     wargs.extend(engine_args.flags());
     let mut worker = spawn("decode", &wargs)?;
-    let waddr = wait_for_line(
-        "decode",
-        &mut worker,
-        DECODE_READY,
-        Duration::from_secs(300),
-    )
-    .await?;
+    let waddr = worker_addr(
+        &wait_for_line(
+            "decode",
+            &mut worker,
+            DECODE_READY,
+            Duration::from_secs(300),
+        )
+        .await?,
+    );
     let mut rargs = vec![
         "router".to_string(),
         "--host=127.0.0.1".into(),

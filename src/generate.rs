@@ -118,6 +118,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
             continue;
         }
         let req = parse_line(&model, &line).map(|prompt| Request {
+            resume: Vec::new(),
             prompt,
             params: a.params(),
         });
@@ -186,6 +187,7 @@ fn run_text(
     let mut err = None;
     let res = engine.generate(
         vec![Request {
+            resume: Vec::new(),
             prompt,
             params: a.params(),
         }],

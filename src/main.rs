@@ -33,6 +33,8 @@ enum Command {
     Router(tandem_router::RouterArgs),
     /// A decode worker: the engine behind the gRPC Decode service.
     Decode(serve::DecodeArgs),
+    /// A prefill worker: prompts prefilled for decode workers, KV pushed to them.
+    Prefill(serve::PrefillArgs),
     /// Generate offline: JSON lines on stdin (--jsonl), or one prompt streamed as text.
     Generate(generate::GenerateArgs),
     /// Benchmarks.
@@ -367,6 +369,7 @@ fn main() {
         Command::Up(a) => up::run(a),
         Command::Router(a) => serve::run_router(a),
         Command::Decode(a) => serve::run_decode(a),
+        Command::Prefill(a) => serve::run_prefill(a),
         Command::Generate(a) => generate::run(a),
         Command::Bench {
             what: BenchCommand::Engine(a),

@@ -1,8 +1,9 @@
-//! `tandem decode` and `tandem router`: the long-running roles.
+//! `tandem decode`, `tandem prefill` and `tandem router`: the long-running roles.
 //!
-//! Each prints one line to stdout once its ports are open (`tandem decode: listening on ADDR`,
-//! `tandem router: http ADDR grpc ADDR`) so a supervisor (`tandem up`, a test) learns the
-//! addresses even when it asked for port 0. SIGINT and SIGTERM start a graceful shutdown.
+//! Each prints one line to stdout once its ports are open (`tandem decode: listening on ADDR kv
+//! ADDR`, `tandem prefill: listening on ADDR`, `tandem router: http ADDR grpc ADDR`) so a
+//! supervisor (`tandem up`, a test) learns the addresses even when it asked for port 0. SIGINT and
+//! SIGTERM start a graceful shutdown.
 
 use std::io::Write;
 use std::sync::Arc;
@@ -10,11 +11,14 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Args;
+use tandem_decode_worker::remote::RemotePrefill;
 use tandem_decode_worker::{DecodeService, WorkerIdentity};
 use tandem_engine::{EngineError, EngineHandle};
+use tandem_kv_transfer::{Secret, TcpTransport};
+use tandem_prefill_worker::PrefillService;
 use tandem_router::RouterArgs;
 
-use crate::up::{DECODE_READY, ROUTER_READY};
+use crate::up::{DECODE_READY, PREFILL_READY, ROUTER_READY};
 use crate::{fetch, EngineArgs};
 
 #[derive(Args, Clone, Debug)]
@@ -33,6 +37,78 @@ pub struct DecodeArgs {
     /// Seconds in-flight requests get to finish after SIGTERM before the worker exits anyway.
     #[arg(long, env = "TANDEM_DRAIN_TIMEOUT_S", default_value_t = 30)]
     pub drain_timeout_s: u64,
+    /// Port prefill workers push KV blocks to (0: any free port).
+    #[arg(long, env = "TANDEM_KV_PORT", default_value_t = 50300)]
+    pub kv_port: u16,
+    /// Host prefill workers reach this worker's KV port at (default: --host, or 127.0.0.1 when
+    /// that is 0.0.0.0). In Kubernetes, the pod IP.
+    #[arg(long, env = "TANDEM_KV_ADVERTISE_HOST")]
+    pub kv_advertise_host: Option<String>,
+    /// Milliseconds one remote prefill attempt (compute + transfer) may take before the next
+    /// candidate is tried.
+    #[arg(long, env = "TANDEM_KV_TRANSFER_TIMEOUT_MS", default_value_t = 30_000)]
+    pub kv_transfer_timeout_ms: u64,
+    #[command(flatten)]
+    pub secret: SecretArgs,
+}
+
+#[derive(Args, Clone, Debug)]
+pub struct PrefillArgs {
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// Address to listen on.
+    #[arg(long, env = "TANDEM_HOST", default_value = "0.0.0.0")]
+    pub host: String,
+    /// gRPC port (0: any free port).
+    #[arg(long, env = "TANDEM_PORT", default_value_t = 50200)]
+    pub port: u16,
+    /// This worker's name in logs and `Info` (default: prefill-<port>).
+    #[arg(long, env = "TANDEM_WORKER_ID")]
+    pub worker_id: Option<String>,
+    /// Seconds running prefills get to finish after SIGTERM.
+    #[arg(long, env = "TANDEM_DRAIN_TIMEOUT_S", default_value_t = 30)]
+    pub drain_timeout_s: u64,
+    #[command(flatten)]
+    pub secret: SecretArgs,
+}
+
+#[derive(Args, Clone, Debug)]
+pub struct SecretArgs {
+    /// The cluster's KV secret (at least 16 bytes), shared by prefill and decode workers: peers
+    /// prove they hold it before any KV moves. Prefer the environment variable to the flag.
+    #[arg(long, env = "TANDEM_KV_SECRET", hide_env_values = true)]
+    pub kv_secret: Option<String>,
+}
+
+impl SecretArgs {
+    fn secret(&self) -> Result<Secret> {
+        let text = self.kv_secret.as_deref().context(
+            "no KV secret: set TANDEM_KV_SECRET (or --kv-secret) to the same value of at least 16 bytes on every prefill and decode worker",
+        )?;
+        Secret::new(text.as_bytes().to_vec()).map_err(|e| anyhow::anyhow!("{e}"))
+    }
+}
+
+/// Loads the engine on its own thread; returns it with the model's name.
+fn start_engine(engine: &EngineArgs) -> Result<(EngineHandle, String, String)> {
+    let model_path = match &engine.model {
+        Some(p) => p.clone(),
+        None => fetch::ensure_default_model()?,
+    };
+    let mut engine_args = engine.clone();
+    engine_args.model = Some(model_path);
+    let kv_dtype = format!("{:?}", engine_args.kv_dtype).to_lowercase();
+    let (name_tx, name_rx) = std::sync::mpsc::channel();
+    let handle = EngineHandle::spawn(move || {
+        let (engine, loaded) = engine_args
+            .build()
+            .map_err(|e| EngineError::Internal(format!("{e:#}")))?;
+        let _ = name_tx.send(loaded.name.clone());
+        Ok(engine)
+    })
+    .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let model = name_rx.recv().unwrap_or_else(|_| "model".into());
+    Ok((handle, model, kv_dtype))
 }
 
 /// Resolves when the process gets SIGINT or SIGTERM.
@@ -69,23 +145,13 @@ fn runtime(threads: usize) -> Result<tokio::runtime::Runtime> {
 }
 
 pub fn run_decode(a: DecodeArgs) -> Result<()> {
-    let model_path = match &a.engine.model {
-        Some(p) => p.clone(),
-        None => fetch::ensure_default_model()?,
+    // A secret is needed only to take remote plans; without one this worker prefills everything.
+    let secret = match a.secret.kv_secret {
+        Some(_) => Some(a.secret.secret()?),
+        None => None,
     };
-    let mut engine_args = a.engine.clone();
-    engine_args.model = Some(model_path.clone());
-    let kv_dtype = format!("{:?}", engine_args.kv_dtype).to_lowercase();
-    let (name_tx, name_rx) = std::sync::mpsc::channel();
-    let handle = EngineHandle::spawn(move || {
-        let (engine, loaded) = engine_args
-            .build()
-            .map_err(|e| EngineError::Internal(format!("{e:#}")))?;
-        let _ = name_tx.send(loaded.name.clone());
-        Ok(engine)
-    })
-    .map_err(|e| anyhow::anyhow!("{e}"))?;
-    let model = name_rx.recv().unwrap_or_else(|_| "model".into());
+    let (handle, model, kv_dtype) = start_engine(&a.engine)?;
+    let handle = Arc::new(handle);
     let rt = runtime(1)?;
     rt.block_on(async move {
         let listener = tokio::net::TcpListener::bind((a.host.as_str(), a.port))
@@ -100,8 +166,33 @@ pub fn run_decode(a: DecodeArgs) -> Result<()> {
             model,
             kv_dtype,
         };
-        let (service, shutdown) = DecodeService::new(Arc::new(handle), identity);
-        println!("{DECODE_READY} {addr}");
+        let (mut service, shutdown) = DecodeService::new(handle.clone(), identity);
+        let mut kv_line = String::from("kv none");
+        if let Some(secret) = secret {
+            let advertise = a.kv_advertise_host.clone().unwrap_or_else(|| {
+                if a.host == "0.0.0.0" {
+                    "127.0.0.1".into()
+                } else {
+                    a.host.clone()
+                }
+            });
+            // SAFETY: the writer is this engine's, and RemotePrefill grants only blocks the
+            // engine reserved and parked for a remote prefill.
+            let remote = unsafe {
+                RemotePrefill::bind(
+                    &format!("{}:{}", a.host, a.kv_port),
+                    &advertise,
+                    secret,
+                    handle.kv_writer(),
+                    Duration::from_millis(a.kv_transfer_timeout_ms),
+                )
+            }
+            .await
+            .with_context(|| format!("cannot listen for KV on {}:{}", a.host, a.kv_port))?;
+            kv_line = format!("kv {}", remote.endpoint());
+            service = service.with_remote(Arc::new(remote));
+        }
+        println!("{DECODE_READY} {addr} {kv_line}");
         std::io::stdout().flush()?;
         tandem_decode_worker::serve(
             listener,
@@ -113,6 +204,44 @@ pub fn run_decode(a: DecodeArgs) -> Result<()> {
         .await
         .context("decode worker")?;
         eprintln!("tandem decode: stopped");
+        Ok(())
+    })
+}
+
+pub fn run_prefill(a: PrefillArgs) -> Result<()> {
+    let secret = a.secret.secret()?;
+    let (handle, model, kv_dtype) = start_engine(&a.engine)?;
+    let rt = runtime(1)?;
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind((a.host.as_str(), a.port))
+            .await
+            .with_context(|| format!("cannot listen on {}:{}", a.host, a.port))?;
+        let addr = listener.local_addr()?;
+        let identity = WorkerIdentity {
+            worker_id: a
+                .worker_id
+                .clone()
+                .unwrap_or_else(|| format!("prefill-{}", addr.port())),
+            model,
+            kv_dtype,
+        };
+        let (service, shutdown) = PrefillService::new(
+            Arc::new(handle),
+            Arc::new(TcpTransport::new(secret)),
+            identity,
+        );
+        println!("{PREFILL_READY} {addr}");
+        std::io::stdout().flush()?;
+        tandem_prefill_worker::serve(
+            listener,
+            service,
+            shutdown,
+            shutdown_signal(),
+            Duration::from_secs(a.drain_timeout_s),
+        )
+        .await
+        .context("prefill worker")?;
+        eprintln!("tandem prefill: stopped");
         Ok(())
     })
 }

@@ -1,7 +1,9 @@
 //! `tandem up`: the whole cluster on this machine, as child processes on loopback.
 //!
-//! Starts N decode workers (`tandem decode`), waits for each to print its address, starts the
-//! router pointed at them, waits until `/ready` answers 200 and prints the URL with a curl
+//! Starts P prefill workers (`tandem prefill`, default 1) and D decode workers (`tandem decode`,
+//! default 1) sharing a random KV secret, waits for each to print its address, starts the router
+//! pointed at them (long prompts are prefilled on the prefill workers, short ones where they
+//! decode), waits until `/ready` answers 200 and prints the URL with a curl
 //! example. Then it supervises: a child that exits is reported and restarted on the same port
 //! with exponential backoff (reset once it has stayed up a minute) while the others keep serving.
 //! Ctrl-C (or SIGTERM) sends SIGTERM to every child, waits for them to drain, and exits. Children
@@ -33,6 +35,16 @@ pub struct UpArgs {
         default_value_t = 1
     )]
     decode_workers: usize,
+    /// Prefill workers to start (0: every prompt is prefilled where it decodes).
+    #[arg(
+        long = "prefill-workers",
+        env = "TANDEM_UP_PREFILL_WORKERS",
+        default_value_t = 1
+    )]
+    prefill_workers: usize,
+    /// Prompts with at least this many uncached tokens are prefilled on a prefill worker.
+    #[arg(long, env = "TANDEM_DISAGG_MIN_TOKENS", default_value_t = 256)]
+    disagg_min_tokens: usize,
     /// Address the router listens on.
     #[arg(long, env = "TANDEM_HOST", default_value = "127.0.0.1")]
     host: String,
@@ -54,7 +66,8 @@ pub struct UpArgs {
     /// Extra flags for the router, verbatim (repeatable), e.g. --router-arg=--max-queue=64.
     #[arg(long = "router-arg", allow_hyphen_values = true)]
     router_args: Vec<String>,
-    /// Extra flags for every decode worker, verbatim (repeatable), e.g. --worker-arg=--kv-dtype=int8.
+    /// Extra flags for every worker (prefill and decode), verbatim (repeatable), e.g.
+    /// --worker-arg=--kv-dtype=int8.
     #[arg(long = "worker-arg", allow_hyphen_values = true)]
     worker_args: Vec<String>,
     /// Seconds to wait for a child to start (model load included).
@@ -62,8 +75,15 @@ pub struct UpArgs {
     start_timeout_s: u64,
 }
 
-/// What `tandem decode` prints, followed by its address, once it listens.
+/// What `tandem decode` prints, followed by its address and `kv ADDR|none`, once it listens.
 pub(crate) const DECODE_READY: &str = "tandem decode: listening on";
+/// What `tandem prefill` prints, followed by its address, once it listens.
+pub(crate) const PREFILL_READY: &str = "tandem prefill: listening on";
+
+/// The gRPC address at the start of a worker's ready line.
+pub(crate) fn worker_addr(rest: &str) -> String {
+    rest.split_whitespace().next().unwrap_or("").to_string()
+}
 /// What `tandem router` prints, followed by `http ADDR grpc ADDR`, once it listens.
 pub(crate) const ROUTER_READY: &str = "tandem router:";
 
@@ -193,7 +213,15 @@ pub fn run(a: UpArgs) -> Result<()> {
         .unwrap_or(1);
     let threads = a
         .worker_threads
-        .unwrap_or((cores / a.decode_workers).max(1));
+        .unwrap_or((cores / (a.decode_workers + a.prefill_workers)).max(1));
+    if std::env::var_os("TANDEM_KV_SECRET").is_none() {
+        // One secret for this cluster's workers, handed down in the environment (not argv,
+        // which other users of the machine can read). Set before any thread starts.
+        std::env::set_var(
+            "TANDEM_KV_SECRET",
+            tandem_kv_transfer::Secret::random().to_text(),
+        );
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -205,41 +233,50 @@ async fn supervise(a: UpArgs, model: PathBuf, threads: usize) -> Result<()> {
     let timeout = Duration::from_secs(a.start_timeout_s);
     let model_s = model.display().to_string();
     let mut procs: Vec<Proc> = Vec::new();
-    let mut worker_addrs = Vec::new();
-    for i in 0..a.decode_workers {
-        let port = if a.worker_base_port == 0 {
-            0
-        } else {
-            a.worker_base_port + i as u16
-        };
-        let name = format!("decode-{i}");
-        let mut args = vec![
-            "decode".to_string(),
-            "--host=127.0.0.1".into(),
-            format!("--port={port}"),
-            format!("--model={model_s}"),
-            format!("--threads={threads}"),
-            format!("--worker-id={name}"),
-        ];
-        args.extend(a.worker_args.iter().cloned());
-        let mut child = spawn(&name, &args)?;
-        let addr = wait_for_line(&name, &mut child, DECODE_READY, timeout).await?;
-        // Restarts reuse the port the router already knows.
-        if let Some(p) = args.iter_mut().find(|s| s.starts_with("--port=")) {
-            *p = format!("--port={}", addr.rsplit(':').next().unwrap_or("0"));
+    let mut addrs = [Vec::new(), Vec::new()];
+    let roles = [
+        ("prefill", PREFILL_READY, a.prefill_workers),
+        ("decode", DECODE_READY, a.decode_workers),
+    ];
+    let mut port = a.worker_base_port;
+    for (r, &(role, marker, n)) in roles.iter().enumerate() {
+        for i in 0..n {
+            let name = format!("{role}-{i}");
+            let mut args = vec![
+                role.to_string(),
+                "--host=127.0.0.1".into(),
+                format!("--port={port}"),
+                format!("--model={model_s}"),
+                format!("--threads={threads}"),
+                format!("--worker-id={name}"),
+            ];
+            if role == "decode" {
+                args.push("--kv-port=0".into());
+            }
+            if port != 0 {
+                port += 1;
+            }
+            args.extend(a.worker_args.iter().cloned());
+            let mut child = spawn(&name, &args)?;
+            let addr = worker_addr(&wait_for_line(&name, &mut child, marker, timeout).await?);
+            // Restarts reuse the port the router already knows.
+            if let Some(p) = args.iter_mut().find(|s| s.starts_with("--port=")) {
+                *p = format!("--port={}", addr.rsplit(':').next().unwrap_or("0"));
+            }
+            eprintln!("{name} listening on {addr}");
+            addrs[r].push(addr);
+            procs.push(Proc {
+                name,
+                marker,
+                args,
+                child: Some(child),
+                started: Instant::now(),
+                backoff: Duration::from_secs(1),
+                restarts: 0,
+            });
         }
-        eprintln!("{name} listening on {addr}");
-        worker_addrs.push(addr);
-        procs.push(Proc {
-            name,
-            marker: DECODE_READY,
-            args,
-            child: Some(child),
-            started: Instant::now(),
-            backoff: Duration::from_secs(1),
-            restarts: 0,
-        });
     }
+    let [prefill_addrs, worker_addrs] = addrs;
     let mut args = vec![
         "router".to_string(),
         format!("--host={}", a.host),
@@ -247,6 +284,8 @@ async fn supervise(a: UpArgs, model: PathBuf, threads: usize) -> Result<()> {
         format!("--grpc-port={}", a.grpc_port),
         format!("--model={model_s}"),
         format!("--decode-workers={}", worker_addrs.join(",")),
+        format!("--prefill-workers={}", prefill_addrs.join(",")),
+        format!("--disagg-min-tokens={}", a.disagg_min_tokens),
         format!(
             "--policy={}",
             match a.policy {
@@ -283,8 +322,8 @@ async fn supervise(a: UpArgs, model: PathBuf, threads: usize) -> Result<()> {
     let model_id = served["data"][0]["id"].as_str().unwrap_or("").to_string();
     println!();
     println!(
-        "Tandem is up: router http://{http} (OpenAI API), gRPC {grpc}, {} decode worker(s)",
-        a.decode_workers
+        "Tandem is up: router http://{http} (OpenAI API), gRPC {grpc}, {} prefill and {} decode worker(s)",
+        a.prefill_workers, a.decode_workers
     );
     println!("Try:");
     println!(

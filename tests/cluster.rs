@@ -115,7 +115,8 @@ fn start_worker(extra: &[&str]) -> (Proc, String) {
         "--kv-cache-mb=256".into(),
     ];
     args.extend(extra.iter().map(|s| s.to_string()));
-    spawn(&args, "tandem decode: listening on")
+    let (p, rest) = spawn(&args, "tandem decode: listening on");
+    (p, rest.split_whitespace().next().unwrap_or("").to_string())
 }
 
 struct Router {

@@ -70,6 +70,7 @@ pub fn run_engine_bench(
     // Random ids above the special-token range: realistic attention and no early stop.
     let requests: Vec<Request> = (0..b.batch)
         .map(|_| Request {
+            resume: Vec::new(),
             prompt: (0..b.prompt_len)
                 .map(|_| rng.gen_range(100..vocab))
                 .collect(),

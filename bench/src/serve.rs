@@ -267,7 +267,11 @@ pub async fn run_engine(engine: Arc<EngineHandle>, spec: &LoadSpec) -> ServeRepo
                 ignore_eos: true,
                 ..Default::default()
             };
-            let mut stream = match engine.submit(Request { prompt, params }) {
+            let mut stream = match engine.submit(Request {
+                prompt,
+                params,
+                resume: Vec::new(),
+            }) {
                 Ok(st) => st,
                 Err(e) => {
                     s.error = Some(e.to_string());
@@ -291,6 +295,7 @@ pub async fn run_engine(engine: Arc<EngineHandle>, spec: &LoadSpec) -> ServeRepo
                         s.error = Some(e);
                         break;
                     }
+                    StreamEvent::Kv(_) => {}
                 }
             }
             s.e2e = t0.elapsed().as_secs_f64();

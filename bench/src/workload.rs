@@ -68,6 +68,7 @@ impl Workload {
                     }
                 };
                 Request {
+                    resume: Vec::new(),
                     prompt,
                     params: SamplingParams {
                         max_tokens: out,

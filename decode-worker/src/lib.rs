@@ -11,23 +11,28 @@
 //! reads slower than the engine steps. Dropping the response stream (client cancel, router gone)
 //! drops the request stream, which cancels the request and frees its KV blocks within a step.
 
+pub mod convert;
 pub mod kv_sink;
+pub mod metrics;
+pub mod remote;
 
 use std::net::SocketAddr;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures::Stream;
-use tandem_engine::{
-    EngineError, EngineHandle, FinishReason, Finished, KvEventKind, KvUpdate, Request,
-    RequestStream, SamplingParams, StreamEvent, TokenEvent,
-};
+use tandem_engine::{EngineHandle, Request, RequestStream, Reservation, StreamEvent};
+use tandem_kv_transfer::TransferGrant;
 use tandem_proto::worker::{self as pb, decode_server::DecodeServer};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tonic::{Request as GrpcRequest, Response, Status};
+
+use crate::convert::{
+    finish, kv_event_stream, load_report, sampling_params, status, token, BoxStream,
+};
+use crate::remote::RemotePrefill;
 
 /// What a decode worker says about itself in `Info`.
 #[derive(Clone, Debug)]
@@ -61,6 +66,8 @@ pub struct DecodeService {
     draining: Arc<AtomicBool>,
     /// Flips to true when the worker stops: open KV-event streams end.
     stopped: watch::Receiver<bool>,
+    /// KV ingress for remote plans; without it every request is prefilled here.
+    remote: Option<Arc<RemotePrefill>>,
 }
 
 /// Drives a [`DecodeService`]'s shutdown.
@@ -85,6 +92,7 @@ impl DecodeService {
                 in_flight: in_flight.clone(),
                 draining: draining.clone(),
                 stopped,
+                remote: None,
             },
             Shutdown {
                 in_flight,
@@ -92,6 +100,20 @@ impl DecodeService {
                 stop,
             },
         )
+    }
+
+    /// Serves remote prefill plans through `remote` (built over this service's engine).
+    pub fn with_remote(mut self, remote: Arc<RemotePrefill>) -> Self {
+        self.remote = Some(remote);
+        self
+    }
+
+    pub fn remote(&self) -> Option<&Arc<RemotePrefill>> {
+        self.remote.as_ref()
+    }
+
+    pub fn engine(&self) -> &Arc<EngineHandle> {
+        &self.engine
     }
 }
 
@@ -115,70 +137,6 @@ impl Shutdown {
     }
 }
 
-/// Maps an engine refusal to the gRPC status a client can act on.
-fn status(e: EngineError) -> Status {
-    match e {
-        EngineError::InvalidRequest(_)
-        | EngineError::ContextOverflow { .. }
-        | EngineError::BadToken { .. } => Status::invalid_argument(e.to_string()),
-        EngineError::TooLargeForCache { .. } => Status::resource_exhausted(e.to_string()),
-        _ => Status::internal(e.to_string()),
-    }
-}
-
-fn sampling_params(req: &pb::DecodeRequest) -> SamplingParams {
-    let s = req.sampling.unwrap_or_default();
-    let stop = req.stopping.clone().unwrap_or_default();
-    SamplingParams {
-        temperature: s.temperature,
-        top_k: s.top_k,
-        top_p: if s.top_p == 0.0 { 1.0 } else { s.top_p },
-        min_p: s.min_p,
-        repetition_penalty: if s.repetition_penalty == 0.0 {
-            1.0
-        } else {
-            s.repetition_penalty
-        },
-        presence_penalty: s.presence_penalty,
-        frequency_penalty: s.frequency_penalty,
-        seed: s.seed,
-        top_logprobs: s.top_logprobs,
-        max_tokens: stop.max_tokens,
-        stop_token_ids: stop.stop_token_ids,
-        ignore_eos: stop.ignore_eos,
-    }
-}
-
-fn token(t: &TokenEvent) -> pb::Token {
-    pb::Token {
-        id: t.sampled.token,
-        logprob: t.sampled.logprob,
-        top: t
-            .sampled
-            .top
-            .iter()
-            .map(|&(id, logprob)| pb::TopToken { id, logprob })
-            .collect(),
-    }
-}
-
-fn finish(f: &Finished) -> pb::Finish {
-    let reason = match f.finish_reason {
-        FinishReason::Length => pb::FinishReason::Length,
-        FinishReason::Stop => pb::FinishReason::Stop,
-        FinishReason::Cancelled => pb::FinishReason::Cancelled,
-    };
-    pb::Finish {
-        reason: reason as i32,
-        prompt_tokens: f.prompt_ids.len() as u32,
-        cached_prompt_tokens: f.cached_prompt_tokens as u32,
-        preemptions: f.preemptions,
-        queue_seconds: f.queue_s,
-        ttft_seconds: f.ttft_s,
-        e2e_seconds: f.e2e_s,
-    }
-}
-
 /// Folds one engine event into a response; true when it was the last.
 fn fold(msg: &mut pb::DecodeResponse, ev: StreamEvent) -> Result<bool, Status> {
     match ev {
@@ -191,10 +149,26 @@ fn fold(msg: &mut pb::DecodeResponse, ev: StreamEvent) -> Result<bool, Status> {
             Ok(true)
         }
         StreamEvent::Failed(e) => Err(Status::internal(format!("engine failed: {e}"))),
+        StreamEvent::Kv(_) => Err(Status::internal("KV chunk on a decode stream")),
     }
 }
 
+/// A remote prefill still to do before the request's first token.
+struct Pending {
+    remote: Arc<RemotePrefill>,
+    request_id: String,
+    prompt: Vec<u32>,
+    sampling: pb::Sampling,
+    reservation: Reservation,
+    candidates: Vec<String>,
+}
+
+/// Field order matters: a live transfer grant is revoked (dropped) before the engine request is
+/// (dropping that cancels it and frees the blocks the grant covers).
 struct GenState {
+    grant: Option<TransferGrant>,
+    pending: Option<Pending>,
+    engine: Arc<EngineHandle>,
     stream: RequestStream,
     done: bool,
     _guard: Guard,
@@ -207,6 +181,23 @@ fn response_stream(
     futures::stream::unfold(state, |mut st| async move {
         if st.done {
             return None;
+        }
+        if let Some(p) = st.pending.take() {
+            let first = p
+                .remote
+                .prefill(
+                    &p.request_id,
+                    &p.prompt,
+                    p.sampling,
+                    &p.reservation,
+                    &p.candidates,
+                    &mut st.grant,
+                )
+                .await;
+            match first {
+                Some(first) => st.engine.join_remote(&st.stream, first),
+                None => st.engine.prefill_locally(&st.stream),
+            }
         }
         let mut next = st.stream.next().await;
         if next.is_none() {
@@ -230,42 +221,6 @@ fn response_stream(
     })
 }
 
-fn kv_batch(update: KvUpdate) -> pb::KvEventBatch {
-    match update {
-        KvUpdate::Snapshot { next_seq, hashes } => pb::KvEventBatch {
-            snapshot: Some(pb::KvSnapshot {
-                next_seq,
-                block_hashes: hashes.iter().map(|h| h.0).collect(),
-            }),
-            events: Vec::new(),
-        },
-        KvUpdate::Events(events) => pb::KvEventBatch {
-            snapshot: None,
-            events: events
-                .into_iter()
-                .map(|e| pb::KvEvent {
-                    seq: e.seq,
-                    kind: Some(match e.kind {
-                        KvEventKind::Stored { parent, hashes } => {
-                            pb::kv_event::Kind::Stored(pb::KvStored {
-                                parent_hash: parent.map(|p| p.0),
-                                block_hashes: hashes.iter().map(|h| h.0).collect(),
-                            })
-                        }
-                        KvEventKind::Removed { hashes } => {
-                            pb::kv_event::Kind::Removed(pb::KvRemoved {
-                                block_hashes: hashes.iter().map(|h| h.0).collect(),
-                            })
-                        }
-                    }),
-                })
-                .collect(),
-        },
-    }
-}
-
-type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
-
 #[tonic::async_trait]
 impl pb::decode_server::Decode for DecodeService {
     type GenerateStream = BoxStream<pb::DecodeResponse>;
@@ -281,26 +236,49 @@ impl pb::decode_server::Decode for DecodeService {
             ));
         }
         let req = request.into_inner();
-        if let Some(pb::prefill_plan::Plan::Remote(_)) =
-            req.prefill.as_ref().and_then(|p| p.plan.as_ref())
-        {
-            return Err(Status::unimplemented(
-                "remote prefill is not served by this worker yet: send a local plan",
-            ));
-        }
-        let params = sampling_params(&req);
+        let params = sampling_params(req.sampling, req.stopping.clone());
         params.validate().map_err(status)?;
         self.in_flight.count.fetch_add(1, Ordering::SeqCst);
         let guard = Guard(self.in_flight.clone());
-        let stream = self
-            .engine
-            .submit(Request {
-                prompt: req.prompt_ids,
-                params,
-            })
-            .map_err(status)?;
-        tracing::debug!(request = %req.request_id, engine_id = stream.id().0, "accepted");
+        let candidates = match req.prefill.and_then(|p| p.plan) {
+            Some(pb::prefill_plan::Plan::Remote(r)) if req.resume_ids.is_empty() => r.prefill_addrs,
+            _ => Vec::new(),
+        };
+        let request = Request {
+            prompt: req.prompt_ids,
+            params,
+            resume: req.resume_ids,
+        };
+        let mut pending = None;
+        let stream = match (&self.remote, candidates.is_empty()) {
+            (Some(remote), false) => {
+                let prompt = request.prompt.clone();
+                match self.engine.reserve_remote(request.clone()).await {
+                    Ok(Some((stream, reservation))) => {
+                        pending = Some(Pending {
+                            remote: remote.clone(),
+                            request_id: req.request_id.clone(),
+                            prompt,
+                            sampling: req.sampling.unwrap_or_default(),
+                            reservation,
+                            candidates,
+                        });
+                        stream
+                    }
+                    Ok(None) => {
+                        remote.counts.no_room.fetch_add(1, Ordering::Relaxed);
+                        self.engine.submit(request).map_err(status)?
+                    }
+                    Err(e) => return Err(status(e)),
+                }
+            }
+            _ => self.engine.submit(request).map_err(status)?,
+        };
+        tracing::debug!(request = %req.request_id, engine_id = stream.id().0, remote = pending.is_some(), "accepted");
         Ok(Response::new(Box::pin(response_stream(GenState {
+            grant: None,
+            pending,
+            engine: self.engine.clone(),
             stream,
             done: false,
             _guard: guard,
@@ -328,45 +306,21 @@ impl pb::decode_server::Decode for DecodeService {
         &self,
         _: GrpcRequest<pb::LoadRequest>,
     ) -> Result<Response<pb::LoadReport>, Status> {
-        let s = self.engine.stats();
-        Ok(Response::new(pb::LoadReport {
-            running: s.running as u32,
-            waiting: s.waiting as u32,
-            blocks_total: s.blocks_total as u32,
-            blocks_free: s.blocks_free as u32,
-            blocks_cached: s.blocks_cached as u32,
-            blocks_used: s.blocks_used as u32,
-            prefix_lookup_tokens: s.prefix_lookup_tokens,
-            prefix_hit_tokens: s.prefix_hit_tokens,
-            preemptions: s.preemptions,
-            in_flight: self.in_flight.count.load(Ordering::SeqCst) as u32,
-            draining: self.draining.load(Ordering::SeqCst),
-        }))
+        Ok(Response::new(load_report(
+            self.engine.stats(),
+            self.in_flight.count.load(Ordering::SeqCst),
+            self.draining.load(Ordering::SeqCst),
+        )))
     }
 
     async fn kv_events(
         &self,
         _: GrpcRequest<pb::KvEventsRequest>,
     ) -> Result<Response<Self::KvEventsStream>, Status> {
-        let rx = self.engine.subscribe_kv().map_err(status)?;
-        let stopped = self.stopped.clone();
-        let s = futures::stream::unfold((rx, stopped), |(mut rx, mut stopped)| async move {
-            if *stopped.borrow() {
-                return None;
-            }
-            tokio::select! {
-                u = rx.recv() => {
-                    let mut batch = kv_batch(u?);
-                    // Coalesce what else is queued into one message.
-                    while let Ok(more) = rx.try_recv() {
-                        batch.events.extend(kv_batch(more).events);
-                    }
-                    Some((Ok(batch), (rx, stopped)))
-                }
-                _ = stopped.changed() => None,
-            }
-        });
-        Ok(Response::new(Box::pin(s)))
+        Ok(Response::new(kv_event_stream(
+            &self.engine,
+            self.stopped.clone(),
+        )?))
     }
 }
 
@@ -397,9 +351,15 @@ pub async fn serve(
             tracing::warn!(left, "drain deadline passed with requests still running");
         }
     };
+    let metrics = metrics::router(metrics::DecodeMetrics {
+        engine: service.engine.clone(),
+        remote: service.remote.clone(),
+    });
     tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(10)))
         .tcp_nodelay(true)
+        .accept_http1(true)
+        .add_routes(tonic::service::Routes::from(metrics))
         .add_service(health)
         .add_service(DecodeServer::new(service))
         .serve_with_incoming_shutdown(incoming, drained)

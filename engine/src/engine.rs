@@ -72,6 +72,10 @@ pub struct RequestId(pub u64);
 pub struct Request {
     pub prompt: Vec<u32>,
     pub params: SamplingParams,
+    /// Output tokens this request already produced elsewhere (a stream migrated from a worker
+    /// that died): they are prefilled after the prompt, count toward `max_tokens` and the
+    /// penalties, and generation continues after them. Usually empty.
+    pub resume: Vec<u32>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -115,8 +119,31 @@ pub struct Finished {
 /// What one step produced.
 #[derive(Clone, Debug)]
 pub enum Event {
+    /// KV blocks of a prefill-mode request ([`Engine::add_prefill`]), as soon as a chunk has
+    /// filled them; always before that request's token.
+    Kv(KvChunk),
     Token(TokenEvent),
     Finished(Finished),
+}
+
+/// Consecutive KV blocks of a prefill-mode request, copied out in the KV wire layout.
+#[derive(Clone, Debug)]
+pub struct KvChunk {
+    pub request: RequestId,
+    /// Index of the first block among the blocks the receiver asked for (block 0 holds the
+    /// tokens right after its `skip_tokens`).
+    pub first: usize,
+    pub blocks: usize,
+    /// Per layer, the blocks' frames back to back (each `frame_len` bytes).
+    pub layers: Vec<Vec<u8>>,
+    pub frame_len: usize,
+}
+
+impl KvChunk {
+    /// One layer of the `j`-th block of this chunk: one frame's payload.
+    pub fn frame(&self, layer: usize, j: usize) -> &[u8] {
+        &self.layers[layer][j * self.frame_len..(j + 1) * self.frame_len]
+    }
 }
 
 /// Timing of one engine step, for benchmarks.
@@ -171,15 +198,23 @@ impl Limits {
         if r.prompt.is_empty() {
             return Err(EngineError::InvalidRequest("prompt is empty".into()));
         }
-        if let Some(&bad) = r.prompt.iter().find(|&&t| t as usize >= self.vocab_size) {
+        let known = r.prompt.iter().chain(&r.resume);
+        if let Some(&bad) = known.clone().find(|&&t| t as usize >= self.vocab_size) {
             return Err(EngineError::BadToken {
                 id: bad,
                 vocab: self.vocab_size,
             });
         }
-        if r.prompt.len() >= self.max_context {
+        if r.resume.len() >= r.params.max_tokens as usize {
+            return Err(EngineError::InvalidRequest(format!(
+                "{} output tokens to resume from leave nothing to generate under max_tokens {}",
+                r.resume.len(),
+                r.params.max_tokens
+            )));
+        }
+        if known.count() >= self.max_context {
             return Err(EngineError::ContextOverflow {
-                tokens: r.prompt.len() + 1,
+                tokens: r.prompt.len() + r.resume.len() + 1,
                 max: self.max_context,
             });
         }
@@ -208,10 +243,6 @@ fn finish_reason(eos: &[u32], max_ctx: usize, s: &Seq, token: u32) -> Option<Fin
     }
 }
 
-/// A prompt's KV as a prefill side exports it: per layer, per block, the bytes in the KV wire
-/// layout.
-pub type ExportedKv = Vec<Vec<Vec<u8>>>;
-
 /// Blocks set aside for a prompt whose KV comes from a prefill worker.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Reservation {
@@ -237,6 +268,8 @@ struct Seq {
     first_token: Option<Instant>,
     cached_prompt_tokens: Option<usize>,
     preemptions: u32,
+    /// Prefill mode: `(first prompt block to export, next block to export)`.
+    export: Option<(usize, usize)>,
 }
 
 impl Seq {
@@ -405,11 +438,18 @@ impl Engine {
     }
 
     fn new_seq(&self, id: RequestId, r: Request) -> Seq {
+        let mut sampler = Sampler::new(r.params, &r.prompt);
+        for &t in &r.resume {
+            sampler.record(t);
+        }
+        let prompt_len = r.prompt.len();
+        let mut tokens = r.prompt;
+        tokens.extend(&r.resume);
         Seq {
             id,
-            prompt_len: r.prompt.len(),
-            sampler: Sampler::new(r.params, &r.prompt),
-            tokens: r.prompt,
+            prompt_len,
+            sampler,
+            tokens,
             computed: 0,
             blocks: self.blocks.sequence(),
             logprobs: Vec::new(),
@@ -418,6 +458,7 @@ impl Engine {
             first_token: None,
             cached_prompt_tokens: None,
             preemptions: 0,
+            export: None,
         }
     }
 
@@ -432,6 +473,11 @@ impl Engine {
         r: Request,
     ) -> Result<Option<Reservation>, EngineError> {
         self.validate(&r)?;
+        if !r.resume.is_empty() {
+            return Err(EngineError::InvalidRequest(
+                "a resumed request is prefilled where it decodes".into(),
+            ));
+        }
         let mut s = self.new_seq(id, r);
         let hit = if self.config.prefix_caching {
             s.blocks.reuse_prefix(&s.tokens)
@@ -505,16 +551,16 @@ impl Engine {
         }
     }
 
-    /// The prefill side, in one piece: computes `r`'s prompt in fresh blocks, samples the first
-    /// token, and returns it with every (layer, block) from `skip_tokens` on, in the KV wire
-    /// layout (the receiver's cache holds the first `skip_tokens`). Runs alone, as one prompt;
-    /// the blocks go back to the prefix cache afterwards.
-    pub fn export_prompt_kv(
+    /// Queues a request in prefill mode (a prefill worker's side of a remote prefill): it is
+    /// scheduled, chunked and batched like any other, reuses this engine's prefix cache, and
+    /// emits its prompt's blocks from `skip_tokens` on as [`Event::Kv`] chunks as soon as each
+    /// step fills them, then its first token, and finishes (it never decodes).
+    pub fn add_prefill(
         &mut self,
-        r: Request,
+        id: RequestId,
+        mut r: Request,
         skip_tokens: usize,
-    ) -> Result<(Sampled, ExportedKv), EngineError> {
-        self.validate(&r)?;
+    ) -> Result<(), EngineError> {
         let bs = self.config.block_size;
         if !skip_tokens.is_multiple_of(bs) || skip_tokens >= r.prompt.len() {
             return Err(EngineError::InvalidRequest(format!(
@@ -522,41 +568,57 @@ impl Engine {
                 r.prompt.len()
             )));
         }
-        let mut s = self.new_seq(RequestId(u64::MAX), r);
-        if !s.blocks.reserve(s.prompt_len) {
-            return Err(EngineError::TooLargeForCache {
-                need: s.prompt_len.div_ceil(bs),
-                total: self.blocks.counts().total,
-            });
+        if !r.resume.is_empty() {
+            return Err(EngineError::InvalidRequest(
+                "a prefill-mode request has no output to resume".into(),
+            ));
         }
-        let mut first = None;
-        while s.computed < s.prompt_len {
-            let take = (s.prompt_len - s.computed).min(self.config.max_batched_tokens);
-            let last = s.computed + take == s.prompt_len;
-            let batch = [SeqBatch {
-                tokens: &s.tokens[s.computed..s.computed + take],
-                cached: s.computed,
-                block_table: s.blocks.ids(),
-                want_logits: last,
-            }];
-            let logits = self.model.forward(&batch, &mut self.kv)?;
-            s.computed += take;
-            s.blocks.commit(&s.tokens, s.computed);
-            if last {
-                first = Some(s.sampler.sample(&logits[..self.model.config.vocab_size]));
-            }
+        r.params.max_tokens = 1;
+        self.validate(&r)?;
+        let mut s = self.new_seq(id, r);
+        s.export = Some((skip_tokens / bs, skip_tokens / bs));
+        self.waiting.push_back(s);
+        Ok(())
+    }
+
+    /// The prompt blocks of a prefill-mode `s` that are complete now and not yet exported, copied
+    /// out (the last, partial block once the whole prompt is computed).
+    fn export_ready(kv: &KvPool, bs: usize, s: &mut Seq) -> Option<KvChunk> {
+        let (skip, next) = s.export?;
+        let upto = if s.computed >= s.prompt_len {
+            s.prompt_len.div_ceil(bs)
+        } else {
+            s.computed / bs
+        };
+        if upto <= next {
+            return None;
         }
-        let mut layers = Vec::with_capacity(self.kv.num_layers);
-        for layer in 0..self.kv.num_layers {
-            let mut blocks = Vec::new();
-            for &b in &s.blocks.ids()[skip_tokens / bs..] {
-                let mut buf = Vec::new();
-                self.kv.read_block(layer, b as usize, &mut buf);
-                blocks.push(buf);
-            }
-            layers.push(blocks);
-        }
-        Ok((first.expect("the last chunk sampled"), layers))
+        let ids = &s.blocks.ids()[next..upto];
+        let frame_len = KvPool::frame_bytes(kv.layout, kv.dtype);
+        let mut tmp = Vec::new();
+        let layers = (0..kv.num_layers)
+            .map(|layer| {
+                let mut out = Vec::with_capacity(frame_len * ids.len());
+                for &b in ids {
+                    match kv.block_bytes(layer, b as usize) {
+                        Some(bytes) => out.extend_from_slice(bytes),
+                        None => {
+                            kv.read_block(layer, b as usize, &mut tmp);
+                            out.extend_from_slice(&tmp);
+                        }
+                    }
+                }
+                out
+            })
+            .collect();
+        s.export = Some((skip, upto));
+        Some(KvChunk {
+            request: s.id,
+            first: next - skip,
+            blocks: upto - next,
+            layers,
+            frame_len,
+        })
     }
 
     /// One scheduling iteration and one forward. Returns this step's events, in order.
@@ -596,6 +658,9 @@ impl Engine {
             }
             s.computed += take;
             s.blocks.commit(&s.tokens, s.computed);
+            if let Some(chunk) = Self::export_ready(&self.kv, self.config.block_size, s) {
+                events.push(Event::Kv(chunk));
+            }
             if s.computed < s.tokens.len() {
                 continue;
             }
@@ -780,6 +845,7 @@ impl Engine {
                             ..f
                         });
                     }
+                    Event::Kv(_) => {}
                 }
             }
             on_step(&st);
@@ -797,6 +863,7 @@ impl Engine {
                 max_tokens: 1,
                 ..Default::default()
             },
+            resume: Vec::new(),
         })?;
         let mut blocks = self.blocks.sequence();
         if !blocks.reserve(prompt.len()) {
@@ -831,6 +898,7 @@ pub(crate) mod tests {
                 ignore_eos: true,
                 ..Default::default()
             },
+            resume: Vec::new(),
         }
     }
 
@@ -853,16 +921,43 @@ pub(crate) mod tests {
         }
     }
 
-    /// Writes a prefill side's exported blocks into the reservation's blocks of `e`'s pool.
-    fn fill(e: &Engine, r: &Reservation, kv: &[Vec<Vec<u8>>]) {
-        let w = e.kv_pool().writer();
-        for (layer, blocks) in kv.iter().enumerate() {
-            assert_eq!(blocks.len(), r.blocks.len());
-            for (data, &b) in blocks.iter().zip(&r.blocks) {
-                // SAFETY: reserved for a remote prefill: the engine does not touch these blocks.
-                unsafe { w.write(layer, b as usize, data).unwrap() };
+    /// Runs `r` in prefill mode on `e`: its first token and the KV chunks it emitted, in order.
+    fn prefill_export(e: &mut Engine, r: Request, skip: usize) -> (Sampled, Vec<KvChunk>) {
+        let id = RequestId(1000);
+        e.add_prefill(id, r, skip).unwrap();
+        let (mut first, mut chunks) = (None, Vec::new());
+        while e.has_work() {
+            for ev in e.step().unwrap().0 {
+                match ev {
+                    Event::Kv(c) => {
+                        assert!(first.is_none(), "blocks come before the token");
+                        chunks.push(c);
+                    }
+                    Event::Token(t) => first = Some(t.sampled),
+                    Event::Finished(f) => assert_eq!(f.output_ids.len(), 1),
+                }
             }
         }
+        (first.expect("a first token"), chunks)
+    }
+
+    /// Writes a prefill side's chunks into the reservation's blocks of `e`'s pool; checks they
+    /// cover every reserved block once, in order.
+    fn fill(e: &Engine, r: &Reservation, chunks: &[KvChunk]) {
+        let w = e.kv_pool().writer();
+        let mut next = 0;
+        for c in chunks {
+            assert_eq!(c.first, next);
+            for j in 0..c.blocks {
+                for layer in 0..c.layers.len() {
+                    let b = r.blocks[c.first + j];
+                    // SAFETY: reserved for a remote prefill: the engine does not touch these blocks.
+                    unsafe { w.write(layer, b as usize, c.frame(layer, j)).unwrap() };
+                }
+            }
+            next += c.blocks;
+        }
+        assert_eq!(next, r.blocks.len());
     }
 
     #[test]
@@ -887,9 +982,7 @@ pub(crate) mod tests {
                 .expect("room");
             assert_eq!(r.cached_tokens, 0);
             assert_eq!(r.blocks.len(), 3, "45 tokens in 16-token blocks");
-            let (first, kv) = prefill
-                .export_prompt_kv(req(prompt.clone(), 10), 0)
-                .unwrap();
+            let (first, kv) = prefill_export(&mut prefill, req(prompt.clone(), 10), 0);
             fill(&decode, &r, &kv);
             let ev = decode.join_remote(id, first.clone()).unwrap();
             assert!(matches!(&ev[..], [Event::Token(t)] if t.sampled.token == want[0]));
@@ -921,20 +1014,30 @@ pub(crate) mod tests {
             .unwrap();
         assert_eq!(r.cached_tokens, 32);
         assert_eq!(r.blocks.len(), 2, "tokens 32..50");
-        let mut prefill = engine(EngineConfig::default());
-        let (first, kv) = prefill
-            .export_prompt_kv(req(prompt.clone(), 8), r.cached_tokens)
+        // The prefill side chunks the prompt (8-token budget) and has a prefix of its own
+        // cached (24 tokens: one full block), so blocks come out in several chunks.
+        let mut prefill = engine(EngineConfig {
+            max_batched_tokens: 8,
+            ..Default::default()
+        });
+        prefill
+            .generate(vec![req(prompt[..24].to_vec(), 1)], |_| {}, |_| {})
             .unwrap();
-        assert_eq!(kv[0].len(), 2);
+        let (first, kv) = prefill_export(&mut prefill, req(prompt.clone(), 8), r.cached_tokens);
+        assert!(kv.len() >= 2, "streamed per chunk: {}", kv.len());
         fill(&decode, &r, &kv);
         decode.join_remote(id, first.clone()).unwrap();
         let mut got = vec![first.token];
         got.extend(run_to_end(&mut decode, id));
         assert_eq!(got, want);
-        assert!(
-            prefill.export_prompt_kv(req(prompt, 8), 8).is_err(),
-            "not a block multiple"
-        );
+        for bad in [8, 50, 64] {
+            assert!(
+                prefill
+                    .add_prefill(RequestId(1), req(prompt.clone(), 8), bad)
+                    .is_err(),
+                "skip {bad}: not a block multiple below the prompt length"
+            );
+        }
     }
 
     #[test]
@@ -952,14 +1055,15 @@ pub(crate) mod tests {
             .unwrap()
             .unwrap();
         // A broken transfer left garbage in the blocks.
-        let junk = vec![
-            vec![
-                vec![0x7fu8; KvPool::frame_bytes(decode.kv.layout, decode.kv.dtype)];
-                r.blocks.len()
-            ];
-            decode.kv.num_layers
-        ];
-        fill(&decode, &r, &junk);
+        let frame_len = KvPool::frame_bytes(decode.kv.layout, decode.kv.dtype);
+        let junk = KvChunk {
+            request: id,
+            first: 0,
+            blocks: r.blocks.len(),
+            layers: vec![vec![0x7fu8; frame_len * r.blocks.len()]; decode.kv.num_layers],
+            frame_len,
+        };
+        fill(&decode, &r, &[junk]);
         assert!(decode.prefill_locally(id));
         assert_eq!(run_to_end(&mut decode, id), want);
         check_counts(&decode);
@@ -975,6 +1079,40 @@ pub(crate) mod tests {
         );
         assert_eq!(decode.stats().blocks_used, 0);
         check_counts(&decode);
+    }
+
+    #[test]
+    fn a_resumed_request_continues_exactly_where_the_first_run_stopped() {
+        let prompt: Vec<u32> = (0..21).map(|t| (t * 13 + 2) % 97).collect();
+        let sampled = |resume: Vec<u32>| Request {
+            prompt: prompt.clone(),
+            params: SamplingParams {
+                max_tokens: 14,
+                temperature: 0.9,
+                seed: Some(42),
+                frequency_penalty: 0.5,
+                ignore_eos: true,
+                ..Default::default()
+            },
+            resume,
+        };
+        let full = engine(EngineConfig::default())
+            .generate(vec![sampled(vec![])], |_| {}, |_| {})
+            .unwrap()[0]
+            .output_ids
+            .clone();
+        assert_eq!(full.len(), 14);
+        for k in [1, 6, 13] {
+            let got = engine(EngineConfig::default())
+                .generate(vec![sampled(full[..k].to_vec())], |_| {}, |_| {})
+                .unwrap()[0]
+                .output_ids
+                .clone();
+            assert_eq!(got, full, "resumed after {k} tokens");
+        }
+        let e = engine(EngineConfig::default());
+        assert!(e.validate(&sampled(full.clone())).is_err(), "nothing left");
+        assert!(e.validate(&sampled(vec![500])).is_err(), "bad token");
     }
 
     fn check_counts(e: &Engine) {
@@ -1042,6 +1180,7 @@ pub(crate) mod tests {
                 for ev in events {
                     match ev {
                         Event::Token(t) => tokens[t.request.0 as usize].push(t.sampled.token),
+                        Event::Kv(_) => prop_assert!(false, "no prefill-mode requests here"),
                         Event::Finished(f) => {
                             let i = f.request.0 as usize;
                             prop_assert!(finished[i].is_none(), "finished twice");

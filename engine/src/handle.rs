@@ -15,16 +15,24 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use tokio::sync::mpsc as tmpsc;
+use tokio::sync::oneshot;
 
 use tandem_model::BlockHash;
 
 use crate::block_manager::KvEvent;
-use crate::engine::{Engine, EngineStats, Event, Finished, Limits, Request, RequestId, TokenEvent};
+use crate::engine::{
+    Engine, EngineStats, Event, Finished, KvChunk, Limits, Request, RequestId, Reservation,
+    TokenEvent,
+};
+use crate::kv_cache::KvPoolWriter;
+use crate::sampler::Sampled;
 use crate::EngineError;
 
 /// What a request's stream carries.
 #[derive(Clone, Debug)]
 pub enum StreamEvent {
+    /// Prompt blocks of a prefill-mode request, before its token.
+    Kv(KvChunk),
     Token(TokenEvent),
     /// The last event of a request that ran (or was cancelled).
     Finished(Finished),
@@ -36,8 +44,11 @@ enum Command {
     Submit {
         id: RequestId,
         request: Request,
+        mode: Mode,
         events: tmpsc::UnboundedSender<StreamEvent>,
     },
+    JoinRemote(RequestId, Sampled),
+    PrefillLocally(RequestId),
     Cancel(RequestId),
     SubscribeKv(tmpsc::UnboundedSender<KvUpdate>),
     Shutdown,
@@ -54,6 +65,16 @@ pub enum KvUpdate {
     Events(Vec<KvEvent>),
 }
 
+/// How a submitted request gets its prompt's KV.
+enum Mode {
+    /// Prefilled here, then decoded.
+    Local,
+    /// Prefill mode: KV chunks out from `skip_tokens` on, the first token, done.
+    Prefill { skip_tokens: usize },
+    /// KV comes from a prefill worker: reserve blocks and answer with them (`None`: no room now).
+    Remote(oneshot::Sender<Option<Reservation>>),
+}
+
 struct Shared {
     stats: Mutex<EngineStats>,
     next_id: AtomicU64,
@@ -64,6 +85,7 @@ pub struct EngineHandle {
     commands: mpsc::Sender<Command>,
     shared: Arc<Shared>,
     limits: Limits,
+    kv_writer: KvPoolWriter,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -90,17 +112,18 @@ impl EngineHandle {
                     }
                 };
                 *loop_shared.stats.lock().expect("stats lock") = engine.stats();
-                let _ = ready_tx.send(Ok(engine.limits()));
+                let _ = ready_tx.send(Ok((engine.limits(), engine.kv_pool().writer())));
                 run_loop(engine, rx, &loop_shared);
             })
             .map_err(|e| EngineError::Internal(format!("cannot start the engine thread: {e}")))?;
-        let limits = ready_rx
+        let (limits, kv_writer) = ready_rx
             .recv()
             .map_err(|_| EngineError::Internal("engine thread died while starting".into()))??;
         Ok(Self {
             commands,
             shared,
             limits,
+            kv_writer,
             thread: Some(thread),
         })
     }
@@ -109,15 +132,72 @@ impl EngineHandle {
         self.limits
     }
 
+    /// Writes blocks into the engine's KV pool from other threads (transfers into reserved
+    /// blocks; see [`Self::reserve_remote`]).
+    pub fn kv_writer(&self) -> KvPoolWriter {
+        self.kv_writer.clone()
+    }
+
     /// Queues a request; invalid ones are refused here, before they reach the loop.
     pub fn submit(&self, request: Request) -> Result<RequestStream, EngineError> {
         self.limits.validate(&request)?;
+        self.send_submit(request, Mode::Local)
+    }
+
+    /// Queues a request in prefill mode: its stream carries [`StreamEvent::Kv`] chunks of the
+    /// prompt's blocks from `skip_tokens` on as they are computed, then the first token.
+    pub fn submit_prefill(
+        &self,
+        request: Request,
+        skip_tokens: usize,
+    ) -> Result<RequestStream, EngineError> {
+        self.limits.validate(&request)?;
+        self.send_submit(request, Mode::Prefill { skip_tokens })
+    }
+
+    /// The decode side of a remote prefill: reserves blocks for the prompt (reusing the prefix
+    /// cache) and parks the request. `Ok(None)`: no room now (submit it locally instead). Then
+    /// [`Self::join_remote`] once the blocks hold the prompt's KV, or [`Self::prefill_locally`].
+    /// Dropping the stream cancels it and frees the blocks: revoke any transfer into them first.
+    pub async fn reserve_remote(
+        &self,
+        request: Request,
+    ) -> Result<Option<(RequestStream, Reservation)>, EngineError> {
+        self.limits.validate(&request)?;
+        let (tx, rx) = oneshot::channel();
+        let mut stream = self.send_submit(request, Mode::Remote(tx))?;
+        match rx.await {
+            Ok(Some(r)) => Ok(Some((stream, r))),
+            Ok(None) => {
+                stream.done = true;
+                Ok(None)
+            }
+            Err(_) => match stream.next().await {
+                Some(StreamEvent::Failed(e)) => Err(EngineError::InvalidRequest(e)),
+                _ => Err(EngineError::Internal("the engine has stopped".into())),
+            },
+        }
+    }
+
+    /// The reserved blocks hold the prompt's KV and `first` is the prefill worker's token: the
+    /// request joins the running batch (its stream goes on from that token).
+    pub fn join_remote(&self, stream: &RequestStream, first: Sampled) {
+        let _ = self.commands.send(Command::JoinRemote(stream.id, first));
+    }
+
+    /// The transfer failed: prefill the reserved request here instead.
+    pub fn prefill_locally(&self, stream: &RequestStream) {
+        let _ = self.commands.send(Command::PrefillLocally(stream.id));
+    }
+
+    fn send_submit(&self, request: Request, mode: Mode) -> Result<RequestStream, EngineError> {
         let id = RequestId(self.shared.next_id.fetch_add(1, Ordering::Relaxed));
         let (tx, rx) = tmpsc::unbounded_channel();
         self.commands
             .send(Command::Submit {
                 id,
                 request,
+                mode,
                 events: tx,
             })
             .map_err(|_| EngineError::Internal("the engine has stopped".into()))?;
@@ -225,6 +305,32 @@ fn publish_kv(engine: &Engine, subscribers: &mut Vec<tmpsc::UnboundedSender<KvUp
     subscribers.retain(|s| s.send(KvUpdate::Events(events.clone())).is_ok());
 }
 
+/// Sends events to their requests' streams; a request whose stream is gone is cancelled.
+fn deliver(
+    engine: &mut Engine,
+    sinks: &mut HashMap<RequestId, tmpsc::UnboundedSender<StreamEvent>>,
+    events: Vec<Event>,
+) {
+    for ev in events {
+        let (id, last, ev) = match ev {
+            Event::Kv(c) => (c.request, false, StreamEvent::Kv(c)),
+            Event::Token(t) => (t.request, false, StreamEvent::Token(t)),
+            Event::Finished(f) => (f.request, true, StreamEvent::Finished(f)),
+        };
+        let gone = match sinks.get(&id) {
+            Some(s) => s.send(ev).is_err(),
+            None => false,
+        };
+        if last {
+            sinks.remove(&id);
+        } else if gone {
+            // Nobody is listening any more: stop spending compute on it.
+            sinks.remove(&id);
+            engine.cancel(id);
+        }
+    }
+}
+
 fn run_loop(mut engine: Engine, rx: mpsc::Receiver<Command>, shared: &Shared) {
     let mut sinks: HashMap<RequestId, tmpsc::UnboundedSender<StreamEvent>> = HashMap::new();
     let mut kv_subscribers: Vec<tmpsc::UnboundedSender<KvUpdate>> = Vec::new();
@@ -242,15 +348,44 @@ fn run_loop(mut engine: Engine, rx: mpsc::Receiver<Command>, shared: &Shared) {
                 Command::Submit {
                     id,
                     request,
+                    mode,
                     events,
-                } => match engine.add(id, request) {
-                    Ok(()) => {
-                        sinks.insert(id, events);
+                } => {
+                    let added = match mode {
+                        Mode::Local => engine.add(id, request),
+                        Mode::Prefill { skip_tokens } => {
+                            engine.add_prefill(id, request, skip_tokens)
+                        }
+                        Mode::Remote(reply) => match engine.reserve_remote(id, request) {
+                            Ok(Some(r)) => {
+                                if reply.send(Some(r)).is_err() {
+                                    engine.cancel(id);
+                                }
+                                Ok(())
+                            }
+                            Ok(None) => {
+                                let _ = reply.send(None);
+                                continue;
+                            }
+                            Err(e) => Err(e),
+                        },
+                    };
+                    match added {
+                        Ok(()) => {
+                            sinks.insert(id, events);
+                        }
+                        Err(e) => {
+                            let _ = events.send(StreamEvent::Failed(e.to_string()));
+                        }
                     }
-                    Err(e) => {
-                        let _ = events.send(StreamEvent::Failed(e.to_string()));
-                    }
+                }
+                Command::JoinRemote(id, first) => match engine.join_remote(id, first) {
+                    Ok(events) => deliver(&mut engine, &mut sinks, events),
+                    Err(e) => tracing::debug!(error = %e, "join of a request no longer parked"),
                 },
+                Command::PrefillLocally(id) => {
+                    engine.prefill_locally(id);
+                }
                 Command::Cancel(id) => engine.cancel(id),
                 Command::SubscribeKv(tx) => {
                     publish_kv(&engine, &mut kv_subscribers);
@@ -264,25 +399,7 @@ fn run_loop(mut engine: Engine, rx: mpsc::Receiver<Command>, shared: &Shared) {
             }
         }
         match engine.step() {
-            Ok((events, _)) => {
-                for ev in events {
-                    let (id, last, ev) = match ev {
-                        Event::Token(t) => (t.request, false, StreamEvent::Token(t)),
-                        Event::Finished(f) => (f.request, true, StreamEvent::Finished(f)),
-                    };
-                    let gone = match sinks.get(&id) {
-                        Some(s) => s.send(ev).is_err(),
-                        None => false,
-                    };
-                    if last {
-                        sinks.remove(&id);
-                    } else if gone {
-                        // Nobody is listening any more: stop spending compute on it.
-                        sinks.remove(&id);
-                        engine.cancel(id);
-                    }
-                }
-            }
+            Ok((events, _)) => deliver(&mut engine, &mut sinks, events),
             Err(e) => {
                 tracing::error!(error = %e, "engine step failed; failing its requests");
                 for id in engine.abort_all() {
@@ -330,7 +447,7 @@ mod tests {
                         assert_eq!(f.finish_reason, FinishReason::Length);
                         break;
                     }
-                    StreamEvent::Failed(e) => panic!("{e}"),
+                    other => panic!("{other:?}"),
                 }
             }
             got.push(toks);
@@ -376,6 +493,71 @@ mod tests {
             "{st:?}"
         );
         assert_eq!(st.blocks_free + st.blocks_cached, st.blocks_total);
+    }
+
+    #[tokio::test]
+    async fn a_prefill_handle_feeds_a_decode_handle() {
+        let prefill = spawn();
+        let decode = spawn();
+        let prompt: Vec<u32> = (0..70).map(|t| (t * 3 + 1) % 97).collect();
+        drain_async(&mut decode.submit(req(prompt.clone(), 9)).unwrap()).await;
+        // A different prompt sharing nothing with the decode cache but the first block.
+        let mut prompt2 = prompt.clone();
+        prompt2[20] = 96;
+        let want2 = {
+            let h = spawn();
+            drain_async(&mut h.submit(req(prompt2.clone(), 9)).unwrap()).await
+        };
+        let (mut stream, r) = decode
+            .reserve_remote(req(prompt2.clone(), 9))
+            .await
+            .unwrap()
+            .expect("room");
+        assert_eq!(
+            r.cached_tokens, 16,
+            "the first block is cached on the decode side"
+        );
+        assert_eq!(r.blocks.len(), 4, "tokens 16..70");
+        let mut p = prefill
+            .submit_prefill(req(prompt2.clone(), 9), r.cached_tokens)
+            .unwrap();
+        let w = decode.kv_writer();
+        let mut first = None;
+        let mut filled = 0;
+        while let Some(ev) = p.next().await {
+            match ev {
+                StreamEvent::Kv(c) => {
+                    for j in 0..c.blocks {
+                        for layer in 0..c.layers.len() {
+                            let b = r.blocks[c.first + j] as usize;
+                            // SAFETY: reserved and parked: the decode engine leaves it alone.
+                            unsafe { w.write(layer, b, c.frame(layer, j)).unwrap() };
+                        }
+                    }
+                    filled += c.blocks;
+                }
+                StreamEvent::Token(t) => first = Some(t.sampled),
+                StreamEvent::Finished(_) => {}
+                StreamEvent::Failed(e) => panic!("{e}"),
+            }
+        }
+        assert_eq!(filled, r.blocks.len());
+        decode.join_remote(&stream, first.expect("first token"));
+        assert_eq!(drain_async(&mut stream).await, want2);
+        // No room: a reservation larger than the pool is refused at validation.
+        assert!(decode.reserve_remote(req(vec![1; 5000], 1)).await.is_err());
+    }
+
+    async fn drain_async(s: &mut RequestStream) -> Vec<u32> {
+        let mut toks = Vec::new();
+        while let Some(ev) = s.next().await {
+            match ev {
+                StreamEvent::Token(t) => toks.push(t.sampled.token),
+                StreamEvent::Failed(e) => panic!("{e}"),
+                _ => {}
+            }
+        }
+        toks
     }
 
     fn drain(s: &mut RequestStream) -> Vec<u32> {

@@ -19,7 +19,7 @@ pub mod sampler;
 
 pub use block_manager::{BlockCounts, BlockManager, KvEvent, KvEventKind, SeqBlocks};
 pub use engine::{
-    Engine, EngineConfig, EngineStats, Event, ExportedKv, FinishReason, Finished, Limits, Request,
+    Engine, EngineConfig, EngineStats, Event, FinishReason, Finished, KvChunk, Limits, Request,
     RequestId, Reservation, StepStats, TokenEvent,
 };
 pub use handle::{EngineHandle, KvUpdate, RequestStream, StreamEvent};

@@ -46,6 +46,7 @@ fn ids(v: &Value) -> Vec<u32> {
 fn requests(recs: &[Value]) -> Vec<Request> {
     recs.iter()
         .map(|r| Request {
+            resume: Vec::new(),
             prompt: ids(&r["prompt_ids"]),
             params: SamplingParams {
                 max_tokens: r["n_new"].as_u64().unwrap() as u32,

@@ -244,13 +244,11 @@ impl Drop for TransferGrant {
 
 /// What a block frame is, judged against the grants (under the lock, before any write).
 enum Verdict {
-    Write(Arc<dyn BlockSink>),
+    Write,
     Reject(&'static str, Option<TransferError>),
 }
 
-fn judge(inner: &Inner, h: &FrameHeader, payload: &[u8]) -> Verdict {
-    let r = &inner.rejections;
-    let grants = inner.grants.lock().expect("grants");
+fn judge(r: &Rejections, grants: &HashMap<u64, Grant>, h: &FrameHeader, payload: &[u8]) -> Verdict {
     let Some(g) = grants.get(&h.transfer) else {
         r.unknown_transfer.fetch_add(1, Ordering::Relaxed);
         return Verdict::Reject("unknown transfer", None);
@@ -281,7 +279,7 @@ fn judge(inner: &Inner, h: &FrameHeader, payload: &[u8]) -> Verdict {
             Some(TransferError::Rejected("bad_checksum")),
         );
     }
-    Verdict::Write(g.sink.clone())
+    Verdict::Write
 }
 
 /// Fills `out` from what the reader has buffered, then straight from the socket (a payload is
@@ -340,14 +338,17 @@ async fn serve_connection(inner: &Arc<Inner>, mut sock: TcpStream) -> Result<(),
         payload.resize(h.len as usize, 0);
         read_payload(&mut r, &mut payload).await?;
         match h.kind {
-            FrameKind::Block => match judge(inner, &h, &payload) {
-                Verdict::Write(sink) => {
-                    sink.write(h.layer, h.block, &payload);
-                    inner
-                        .bytes
-                        .fetch_add(payload.len() as u64, Ordering::Relaxed);
-                    let mut grants = inner.grants.lock().expect("grants");
-                    if let Some(g) = grants.get_mut(&h.transfer) {
+            FrameKind::Block => {
+                // The write happens under the lock: a grant revoked (and its blocks freed by the
+                // engine) can never see a late write.
+                let mut grants = inner.grants.lock().expect("grants");
+                match judge(&inner.rejections, &grants, &h, &payload) {
+                    Verdict::Write => {
+                        let g = grants.get_mut(&h.transfer).expect("judged");
+                        g.sink.write(h.layer, h.block, &payload);
+                        inner
+                            .bytes
+                            .fetch_add(payload.len() as u64, Ordering::Relaxed);
                         g.frames += 1;
                         g.bytes += payload.len() as u64;
                         let seen =
@@ -364,20 +365,21 @@ async fn serve_connection(inner: &Arc<Inner>, mut sock: TcpStream) -> Result<(),
                             }
                         }
                     }
-                }
-                Verdict::Reject(why, fail) => {
-                    tracing::warn!(
-                        transfer = h.transfer,
-                        layer = h.layer,
-                        block = h.block,
-                        why,
-                        "kv frame rejected"
-                    );
-                    if let Some(e) = fail {
-                        inner.fail(h.transfer, e);
+                    Verdict::Reject(why, fail) => {
+                        drop(grants);
+                        tracing::warn!(
+                            transfer = h.transfer,
+                            layer = h.layer,
+                            block = h.block,
+                            why,
+                            "kv frame rejected"
+                        );
+                        if let Some(e) = fail {
+                            inner.fail(h.transfer, e);
+                        }
                     }
                 }
-            },
+            }
             FrameKind::End => {
                 let mut grants = inner.grants.lock().expect("grants");
                 if let Some(g) = grants.get_mut(&h.transfer) {

@@ -7,17 +7,21 @@ use tokio::sync::watch;
 pub trait Discovery: Send + Sync {
     /// Decode worker addresses (`host:port`), now and whenever they change.
     fn decode_workers(&self) -> watch::Receiver<Vec<String>>;
+    /// Prefill worker addresses, now and whenever they change.
+    fn prefill_workers(&self) -> watch::Receiver<Vec<String>>;
 }
 
-/// A fixed list, from `--decode-workers`.
+/// Fixed lists, from `--decode-workers` and `--prefill-workers`.
 pub struct StaticDiscovery {
     decode: watch::Sender<Vec<String>>,
+    prefill: watch::Sender<Vec<String>>,
 }
 
 impl StaticDiscovery {
-    pub fn new(decode: Vec<String>) -> Self {
+    pub fn new(decode: Vec<String>, prefill: Vec<String>) -> Self {
         Self {
             decode: watch::Sender::new(decode),
+            prefill: watch::Sender::new(prefill),
         }
     }
 }
@@ -25,5 +29,9 @@ impl StaticDiscovery {
 impl Discovery for StaticDiscovery {
     fn decode_workers(&self) -> watch::Receiver<Vec<String>> {
         self.decode.subscribe()
+    }
+
+    fn prefill_workers(&self) -> watch::Receiver<Vec<String>> {
+        self.prefill.subscribe()
     }
 }

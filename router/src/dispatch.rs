@@ -15,9 +15,11 @@ use tandem_proto::worker as pb;
 use tonic::Streaming;
 
 use crate::error::ApiError;
+use crate::metrics::RouterMetrics;
+use crate::policy::disagg::{self, DisaggConfig, PrefillCandidate};
 use crate::policy::RoutingPolicy;
 use crate::text::TextAssembler;
-use crate::workers::{InFlightGuard, WorkerPool};
+use crate::workers::{InFlightGuard, Worker, WorkerPool};
 
 /// The model the router serves: everything about text, nothing about weights.
 pub struct ServedModel {
@@ -119,12 +121,18 @@ pub struct Chunk {
 pub struct DispatchConfig {
     /// Most requests in flight through this router.
     pub max_queue: usize,
+    pub disagg: DisaggConfig,
+    /// Times one request may move to another decode worker after its worker fails mid-stream.
+    pub max_migrations: u32,
 }
 
 pub struct Dispatcher {
     pub model: Arc<ServedModel>,
     pub pool: Arc<WorkerPool>,
-    pub policy: Box<dyn RoutingPolicy>,
+    /// Prefill workers, when the cluster has any.
+    pub prefill_pool: Option<Arc<WorkerPool>>,
+    pub policy: Arc<dyn RoutingPolicy>,
+    pub metrics: Arc<RouterMetrics>,
     cfg: DispatchConfig,
     queued: Arc<AtomicUsize>,
     next_id: AtomicU64,
@@ -151,13 +159,16 @@ impl Dispatcher {
     pub fn new(
         model: Arc<ServedModel>,
         pool: Arc<WorkerPool>,
-        policy: Box<dyn RoutingPolicy>,
+        prefill_pool: Option<Arc<WorkerPool>>,
+        policy: Arc<dyn RoutingPolicy>,
         cfg: DispatchConfig,
     ) -> Self {
         Self {
             model,
             pool,
+            prefill_pool,
             policy,
+            metrics: Arc::new(RouterMetrics::default()),
             cfg,
             queued: Arc::new(AtomicUsize::new(0)),
             next_id: AtomicU64::new(1),
@@ -336,13 +347,107 @@ impl Dispatcher {
             prompt_ids: prep.prompt.clone(),
             sampling: Some(prep.sampling),
             stopping: Some(prep.stopping),
-            prefill: Some(pb::PrefillPlan {
-                plan: Some(pb::prefill_plan::Plan::Local(pb::LocalPrefill {})),
-            }),
+            prefill: None,
+            resume_ids: Vec::new(),
+        };
+        let route = Route {
+            pool: self.pool.clone(),
+            prefill_pool: self.prefill_pool.clone(),
+            policy: self.policy.clone(),
+            disagg: self.cfg.disagg,
+            metrics: self.metrics.clone(),
         };
         let mut tried = Vec::new();
+        let open = route.open(request.clone(), &[], &mut tried).await?;
+        tracing::debug!(request = %prep.request_id, worker = %open.guard.worker().addr, prompt = prep.prompt.len(), remote = open.prefill_guard.is_some(), "routed");
+        Ok(Generation {
+            stream: Some(open.stream),
+            assembler: TextAssembler::new(
+                prep.params.skip_special_tokens,
+                prep.params.stop.clone(),
+            ),
+            model: self.model.clone(),
+            prompt_tokens: prep.prompt.len() as u32,
+            completion_tokens: 0,
+            done: false,
+            guard: open.guard,
+            prefill_guard: open.prefill_guard,
+            emitted: Vec::new(),
+            request,
+            route,
+            tried,
+            migrations_left: self.cfg.max_migrations,
+            _slot: slot,
+        })
+    }
+}
+
+/// Everything needed to (re)open a request's stream on a decode worker.
+struct Route {
+    pool: Arc<WorkerPool>,
+    prefill_pool: Option<Arc<WorkerPool>>,
+    policy: Arc<dyn RoutingPolicy>,
+    disagg: DisaggConfig,
+    metrics: Arc<RouterMetrics>,
+}
+
+/// A stream opened on a decode worker.
+struct Opened {
+    stream: Streaming<pb::DecodeResponse>,
+    guard: InFlightGuard,
+    /// Held on the first candidate prefill worker until the first token arrives.
+    prefill_guard: Option<InFlightGuard>,
+}
+
+impl Route {
+    /// The prefill plan for `prompt` on decode worker `d`: remote with ordered candidates when
+    /// the disaggregation policy says so, else local.
+    fn plan(&self, d: &Worker, prompt: &[u32]) -> (pb::PrefillPlan, Option<InFlightGuard>) {
+        let local = pb::PrefillPlan {
+            plan: Some(pb::prefill_plan::Plan::Local(pb::LocalPrefill {})),
+        };
+        let Some(pp) = &self.prefill_pool else {
+            return (local, None);
+        };
+        let uncached = prompt.len().saturating_sub(d.cached_prefix_tokens(prompt));
+        if uncached < self.disagg.min_tokens {
+            return (local, None);
+        }
+        let ready = pp.ready();
+        let cands: Vec<PrefillCandidate> = ready
+            .iter()
+            .map(|w| PrefillCandidate {
+                in_flight: w.in_flight(),
+                cached_tokens: w.cached_prefix_tokens(prompt),
+            })
+            .collect();
+        let order = disagg::plan(&self.disagg, prompt.len(), uncached, &cands);
+        let Some(&first) = order.first() else {
+            return (local, None);
+        };
+        let guard = ready[first].start_request();
+        let plan = pb::PrefillPlan {
+            plan: Some(pb::prefill_plan::Plan::Remote(pb::RemotePrefill {
+                prefill_addrs: order.iter().map(|&i| ready[i].addr.clone()).collect(),
+            })),
+        };
+        (plan, Some(guard))
+    }
+
+    /// Opens `request` (with `resume` as the tokens already streamed) on a ready decode worker
+    /// not in `tried`, trying the next one when a worker is unreachable.
+    async fn open(
+        &self,
+        mut request: pb::DecodeRequest,
+        resume: &[u32],
+        tried: &mut Vec<String>,
+    ) -> Result<Opened, ApiError> {
+        request.resume_ids = resume.to_vec();
         loop {
-            let Some(worker) = self.pool.pick(self.policy.as_ref(), &prep.prompt, &tried) else {
+            let Some(worker) = self
+                .pool
+                .pick(self.policy.as_ref(), &request.prompt_ids, tried)
+            else {
                 return Err(match tried.last() {
                     None => ApiError::NoWorker,
                     Some(last) => ApiError::Upstream {
@@ -352,21 +457,29 @@ impl Dispatcher {
                 });
             };
             let guard = worker.start_request();
+            // A resumed request is prefilled where it decodes (its prompt is mostly cached
+            // nowhere, and the first token is already out).
+            let (plan, prefill_guard) = if resume.is_empty() {
+                self.plan(&worker, &request.prompt_ids)
+            } else {
+                (
+                    pb::PrefillPlan {
+                        plan: Some(pb::prefill_plan::Plan::Local(pb::LocalPrefill {})),
+                    },
+                    None,
+                )
+            };
+            let remote = prefill_guard.is_some();
+            request.prefill = Some(plan);
             match worker.client().generate(request.clone()).await {
                 Ok(r) => {
-                    tracing::debug!(request = %prep.request_id, worker = %worker.addr, prompt = prep.prompt.len(), "routed");
-                    return Ok(Generation {
-                        stream: Some(r.into_inner()),
-                        assembler: TextAssembler::new(
-                            prep.params.skip_special_tokens,
-                            prep.params.stop.clone(),
-                        ),
-                        model: self.model.clone(),
-                        prompt_tokens: prep.prompt.len() as u32,
-                        completion_tokens: 0,
-                        done: false,
+                    if resume.is_empty() {
+                        self.metrics.prefill(remote);
+                    }
+                    return Ok(Opened {
+                        stream: r.into_inner(),
                         guard,
-                        _slot: slot,
+                        prefill_guard,
                     });
                 }
                 Err(s) if matches!(s.code(), tonic::Code::Unavailable | tonic::Code::Unknown) => {
@@ -389,7 +502,26 @@ pub struct Generation {
     completion_tokens: u32,
     done: bool,
     guard: InFlightGuard,
+    prefill_guard: Option<InFlightGuard>,
+    /// Every token received so far: what a migrated stream resumes from.
+    emitted: Vec<u32>,
+    request: pb::DecodeRequest,
+    route: Route,
+    tried: Vec<String>,
+    migrations_left: u32,
     _slot: QueueSlot,
+}
+
+/// Whether a failed stream means its worker is gone (move the request) rather than that the
+/// request itself was refused (report it).
+fn worker_lost(s: &tonic::Status) -> bool {
+    matches!(
+        s.code(),
+        tonic::Code::Unavailable
+            | tonic::Code::Unknown
+            | tonic::Code::Internal
+            | tonic::Code::Cancelled
+    )
 }
 
 impl Generation {
@@ -397,35 +529,67 @@ impl Generation {
         &self.guard.worker().addr
     }
 
-    /// The next chunk; `None` after the one carrying the finish.
+    /// The next chunk; `None` after the one carrying the finish. When the decode worker fails
+    /// mid-stream the request moves to another one, resuming after the tokens already
+    /// received, so the caller sees one continuous answer.
     pub async fn next(&mut self) -> Option<Result<Chunk, ApiError>> {
-        if self.done {
-            return None;
-        }
-        let stream = self.stream.as_mut()?;
-        let msg = match stream.message().await {
-            Ok(Some(m)) => m,
-            Ok(None) => {
-                self.done = true;
-                return Some(Err(ApiError::Upstream {
+        loop {
+            if self.done {
+                return None;
+            }
+            let stream = self.stream.as_mut()?;
+            let failure = match stream.message().await {
+                Ok(Some(m)) => return Some(self.absorb(m)),
+                Ok(None) => ApiError::Upstream {
                     worker: self.worker().to_string(),
                     message: "the stream ended without a finish".into(),
-                }));
-            }
-            Err(s) => {
+                },
+                Err(s) if worker_lost(&s) => ApiError::from_worker(self.worker(), &s),
+                Err(s) => {
+                    self.done = true;
+                    return Some(Err(ApiError::from_worker(self.worker(), &s)));
+                }
+            };
+            if let Err(e) = self.migrate(failure).await {
                 self.done = true;
-                return Some(Err(ApiError::from_worker(self.worker(), &s)));
+                return Some(Err(e));
             }
-        };
-        Some(self.absorb(msg))
+        }
+    }
+
+    /// Reopens the request on another decode worker after `failure`, or gives `failure` back.
+    async fn migrate(&mut self, failure: ApiError) -> Result<(), ApiError> {
+        if self.migrations_left == 0 {
+            return Err(failure);
+        }
+        self.migrations_left -= 1;
+        let lost = self.worker().to_string();
+        tracing::warn!(request = %self.request.request_id, worker = %lost, tokens = self.emitted.len(), error = %failure, "decode worker lost mid-stream; migrating");
+        self.guard.worker().mark_down();
+        self.stream = None;
+        self.tried.push(lost);
+        let opened = self
+            .route
+            .open(self.request.clone(), &self.emitted, &mut self.tried)
+            .await
+            .map_err(|_| failure)?;
+        self.route.metrics.migration();
+        self.stream = Some(opened.stream);
+        self.guard = opened.guard;
+        self.prefill_guard = None;
+        Ok(())
     }
 
     fn absorb(&mut self, msg: pb::DecodeResponse) -> Result<Chunk, ApiError> {
         let tok = &self.model.text.tokenizer;
         let internal = |e: tandem_model::ModelError| ApiError::Internal(e.to_string());
         let mut chunk = Chunk::default();
+        if !msg.tokens.is_empty() {
+            self.prefill_guard = None;
+        }
         for t in msg.tokens {
             self.completion_tokens += 1;
+            self.emitted.push(t.id);
             let piece = self.assembler.push(tok, t.id).map_err(internal)?;
             chunk.text.push_str(&piece.text);
             chunk.tokens.push(TokenOut {

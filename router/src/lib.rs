@@ -13,6 +13,7 @@ pub mod dispatch;
 pub mod error;
 pub mod grpc;
 pub mod kv_index;
+pub mod metrics;
 pub mod openai;
 pub mod policy;
 pub mod text;
@@ -29,8 +30,8 @@ use tokio::net::TcpListener;
 
 use crate::discovery::{Discovery, StaticDiscovery};
 use crate::dispatch::{DispatchConfig, Dispatcher, ServedModel};
-use crate::policy::{KvAwareConfig, PolicyKind};
-use crate::workers::{PoolConfig, WorkerPool};
+use crate::policy::{DisaggConfig, KvAwareConfig, PolicyKind};
+use crate::workers::{PoolConfig, Role, WorkerPool};
 
 pub use error::ApiError;
 
@@ -75,6 +76,21 @@ pub struct RouterArgs {
     /// How often each worker's load is polled, in milliseconds.
     #[arg(long, env = "TANDEM_POLL_MS", default_value_t = 500)]
     pub poll_ms: u64,
+    /// Prefill workers, host:port, comma-separated (static discovery). None: every prompt is
+    /// prefilled on its decode worker.
+    #[arg(long, env = "TANDEM_PREFILL_WORKERS", value_delimiter = ',')]
+    pub prefill_workers: Vec<String>,
+    /// A prompt is prefilled on a prefill worker when at least this many of its tokens are not
+    /// in the chosen decode worker's prefix cache.
+    #[arg(long, env = "TANDEM_DISAGG_MIN_TOKENS", default_value_t = 256)]
+    pub disagg_min_tokens: usize,
+    /// Prompts this router keeps in flight on one prefill worker before it prefers prefilling
+    /// locally.
+    #[arg(long, env = "TANDEM_PREFILL_CAPACITY", default_value_t = 4)]
+    pub prefill_capacity: usize,
+    /// Times a request may move to another decode worker when its worker dies mid-stream.
+    #[arg(long, env = "TANDEM_MAX_MIGRATIONS", default_value_t = 2)]
+    pub max_migrations: u32,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -115,14 +131,14 @@ pub async fn serve(
     if args.decode_workers.is_empty() {
         return Err(RouterError::NoWorkers);
     }
-    let discovery = StaticDiscovery::new(args.decode_workers.clone());
-    let pool = WorkerPool::spawn(
-        discovery.decode_workers(),
-        PoolConfig {
-            poll_interval: Duration::from_millis(args.poll_ms.max(10)),
-            ..Default::default()
-        },
-    );
+    let discovery = StaticDiscovery::new(args.decode_workers.clone(), args.prefill_workers.clone());
+    let pool_cfg = PoolConfig {
+        poll_interval: Duration::from_millis(args.poll_ms.max(10)),
+        ..Default::default()
+    };
+    let pool = WorkerPool::spawn(Role::Decode, discovery.decode_workers(), pool_cfg);
+    let prefill_pool = (!args.prefill_workers.is_empty())
+        .then(|| WorkerPool::spawn(Role::Prefill, discovery.prefill_workers(), pool_cfg));
     let policy = policy::build(
         args.policy,
         KvAwareConfig {
@@ -134,9 +150,16 @@ pub async fn serve(
     let dispatcher = Arc::new(Dispatcher::new(
         Arc::new(model),
         pool,
+        prefill_pool,
         policy,
         DispatchConfig {
             max_queue: args.max_queue,
+            disagg: DisaggConfig {
+                min_tokens: args.disagg_min_tokens,
+                capacity: args.prefill_capacity.max(1),
+                ..Default::default()
+            },
+            max_migrations: args.max_migrations,
         },
     ));
     let http = bind(&args.host, args.http_port).await?;

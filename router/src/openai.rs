@@ -40,6 +40,7 @@ pub fn routes(d: Arc<Dispatcher>) -> axum::Router {
         .route("/v1/models", get(models))
         .route("/health", get(|| async { "ok" }))
         .route("/ready", get(ready))
+        .route("/metrics", get(metrics))
         .fallback(not_found)
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
         .with_state(d)
@@ -52,22 +53,35 @@ async fn not_found() -> Response {
 
 /// 200 when at least one decode worker is ready, else 503; the body lists what the router knows
 /// about each worker (readiness, its requests in flight, the cached blocks its index holds).
+async fn metrics(State(d): State<Arc<Dispatcher>>) -> Response {
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            crate::metrics::CONTENT_TYPE,
+        )],
+        d.metrics.render(),
+    )
+        .into_response()
+}
+
 async fn ready(State(d): State<Arc<Dispatcher>>) -> Response {
-    let workers: Vec<Value> = d
-        .pool
-        .all()
-        .iter()
-        .map(|w| {
-            json!({
-                "addr": w.addr,
-                "ready": w.is_ready(),
-                "in_flight": w.in_flight(),
-                "cached_blocks": w.indexed_blocks(),
+    let describe = |pool: &crate::workers::WorkerPool| -> Vec<Value> {
+        pool.all()
+            .iter()
+            .map(|w| {
+                json!({
+                    "addr": w.addr,
+                    "ready": w.is_ready(),
+                    "in_flight": w.in_flight(),
+                    "cached_blocks": w.indexed_blocks(),
+                })
             })
-        })
-        .collect();
+            .collect()
+    };
+    let workers = describe(&d.pool);
+    let prefill = d.prefill_pool.as_deref().map(describe).unwrap_or_default();
     let ready = workers.iter().filter(|w| w["ready"] == true).count();
-    let body = json!({"ready_workers": ready, "workers": workers});
+    let body = json!({"ready_workers": ready, "workers": workers, "prefill_workers": prefill});
     if ready > 0 {
         (StatusCode::OK, Json(body)).into_response()
     } else {

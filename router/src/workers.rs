@@ -1,4 +1,5 @@
-//! The decode workers this router knows, and what it knows about each.
+//! The workers this router knows (one pool for decode workers, one for prefill workers), and
+//! what it knows about each.
 //!
 //! For every address discovery reports, the pool keeps a lazily connected gRPC channel and two
 //! background tasks: a monitor (Info once, then Load every poll interval; a failed call marks the
@@ -13,7 +14,9 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use tandem_model::block_hashes;
-use tandem_proto::worker::{self as pb, decode_client::DecodeClient};
+use tandem_proto::worker::{
+    self as pb, decode_client::DecodeClient, prefill_client::PrefillClient,
+};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tonic::transport::{Channel, Endpoint};
@@ -36,6 +39,22 @@ impl Default for PoolConfig {
     }
 }
 
+/// Which service a pool's workers serve (both answer Info, Load and KvEvents).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    Decode,
+    Prefill,
+}
+
+impl Role {
+    fn name(self) -> &'static str {
+        match self {
+            Role::Decode => "decode",
+            Role::Prefill => "prefill",
+        }
+    }
+}
+
 #[derive(Default)]
 struct WorkerState {
     info: Option<pb::WorkerInfo>,
@@ -45,7 +64,8 @@ struct WorkerState {
 
 pub struct Worker {
     pub addr: String,
-    client: DecodeClient<Channel>,
+    pub role: Role,
+    channel: Channel,
     state: Mutex<WorkerState>,
     kv: Mutex<KvIndex>,
     in_flight: AtomicUsize,
@@ -54,7 +74,7 @@ pub struct Worker {
 }
 
 impl Worker {
-    fn new(addr: String, cfg: &PoolConfig) -> Result<Arc<Self>, String> {
+    fn new(addr: String, role: Role, cfg: &PoolConfig) -> Result<Arc<Self>, String> {
         let endpoint = Endpoint::from_shared(format!("http://{addr}"))
             .map_err(|e| format!("bad worker address {addr:?}: {e}"))?
             .connect_timeout(cfg.connect_timeout)
@@ -63,7 +83,8 @@ impl Worker {
             .keep_alive_timeout(Duration::from_secs(20));
         Ok(Arc::new(Self {
             addr,
-            client: DecodeClient::new(endpoint.connect_lazy()),
+            role,
+            channel: endpoint.connect_lazy(),
             state: Mutex::new(WorkerState::default()),
             kv: Mutex::new(KvIndex::default()),
             in_flight: AtomicUsize::new(0),
@@ -72,8 +93,53 @@ impl Worker {
         }))
     }
 
+    /// The Decode client (for a decode worker).
     pub fn client(&self) -> DecodeClient<Channel> {
-        self.client.clone()
+        DecodeClient::new(self.channel.clone())
+    }
+
+    async fn fetch_info(&self) -> Result<pb::WorkerInfo, tonic::Status> {
+        let r = match self.role {
+            Role::Decode => self.client().info(pb::InfoRequest {}).await,
+            Role::Prefill => {
+                PrefillClient::new(self.channel.clone())
+                    .info(pb::InfoRequest {})
+                    .await
+            }
+        };
+        r.map(|r| r.into_inner())
+    }
+
+    async fn fetch_load(&self) -> Result<pb::LoadReport, tonic::Status> {
+        let r = match self.role {
+            Role::Decode => self.client().load(pb::LoadRequest {}).await,
+            Role::Prefill => {
+                PrefillClient::new(self.channel.clone())
+                    .load(pb::LoadRequest {})
+                    .await
+            }
+        };
+        r.map(|r| r.into_inner())
+    }
+
+    async fn kv_events(&self) -> Result<tonic::Streaming<pb::KvEventBatch>, tonic::Status> {
+        let r = match self.role {
+            Role::Decode => self.client().kv_events(pb::KvEventsRequest {}).await,
+            Role::Prefill => {
+                PrefillClient::new(self.channel.clone())
+                    .kv_events(pb::KvEventsRequest {})
+                    .await
+            }
+        };
+        r.map(|r| r.into_inner())
+    }
+
+    /// Leading tokens of `prompt` this worker holds in its prefix cache, as far as the router's
+    /// index knows.
+    pub fn cached_prefix_tokens(&self, prompt: &[u32]) -> usize {
+        let bs = self.info().map(|i| i.block_size).unwrap_or(16).max(1) as usize;
+        let hashes = block_hashes(prompt, bs);
+        self.kv.lock().expect("kv index").matched_prefix(&hashes) * bs
     }
 
     pub fn is_ready(&self) -> bool {
@@ -107,15 +173,14 @@ impl Worker {
     }
 
     async fn monitor(self: Arc<Self>, cfg: PoolConfig) {
-        let mut client = self.client();
+        let role = self.role.name();
         let mut backoff = cfg.poll_interval;
         loop {
             let need_info = self.state.lock().expect("worker state").info.is_none();
             let ok = if need_info {
-                match client.info(pb::InfoRequest {}).await {
-                    Ok(r) => {
-                        let info = r.into_inner();
-                        tracing::info!(worker = %self.addr, model = %info.model, block_size = info.block_size, "decode worker found");
+                match self.fetch_info().await {
+                    Ok(info) => {
+                        tracing::info!(worker = %self.addr, role, model = %info.model, block_size = info.block_size, "worker found");
                         self.state.lock().expect("worker state").info = Some(info);
                         true
                     }
@@ -128,12 +193,12 @@ impl Worker {
                 true
             };
             let ok = ok
-                && match client.load(pb::LoadRequest {}).await {
+                && match self.fetch_load().await {
                     Ok(r) => {
                         let mut s = self.state.lock().expect("worker state");
-                        s.load = Some(r.into_inner());
+                        s.load = Some(r);
                         if !s.ready {
-                            tracing::info!(worker = %self.addr, "decode worker ready");
+                            tracing::info!(worker = %self.addr, role, "worker ready");
                         }
                         s.ready = true;
                         true
@@ -148,7 +213,7 @@ impl Worker {
             } else {
                 let mut s = self.state.lock().expect("worker state");
                 if s.ready {
-                    tracing::warn!(worker = %self.addr, "decode worker unreachable");
+                    tracing::warn!(worker = %self.addr, role, "worker unreachable");
                 }
                 // It may come back as a different process: ask again who it is.
                 s.ready = false;
@@ -160,11 +225,9 @@ impl Worker {
     }
 
     async fn follow_kv(self: Arc<Self>, cfg: PoolConfig) {
-        let mut client = self.client();
         let mut backoff = cfg.poll_interval;
         loop {
-            if let Ok(r) = client.kv_events(pb::KvEventsRequest {}).await {
-                let mut stream = r.into_inner();
+            if let Ok(mut stream) = self.kv_events().await {
                 backoff = cfg.poll_interval;
                 while let Ok(Some(batch)) = stream.message().await {
                     if let Err(gap) = self.kv.lock().expect("kv index").apply(batch) {
@@ -203,16 +266,22 @@ impl Drop for InFlightGuard {
     }
 }
 
-/// Every known decode worker, kept in step with discovery.
+/// Every known worker of one role, kept in step with discovery.
 pub struct WorkerPool {
+    role: Role,
     workers: RwLock<Vec<Arc<Worker>>>,
     cfg: PoolConfig,
 }
 
 impl WorkerPool {
     /// Starts following `addrs`; must be called inside a tokio runtime.
-    pub fn spawn(mut addrs: watch::Receiver<Vec<String>>, cfg: PoolConfig) -> Arc<Self> {
+    pub fn spawn(
+        role: Role,
+        mut addrs: watch::Receiver<Vec<String>>,
+        cfg: PoolConfig,
+    ) -> Arc<Self> {
         let pool = Arc::new(Self {
+            role,
             workers: RwLock::new(Vec::new()),
             cfg,
         });
@@ -237,7 +306,7 @@ impl WorkerPool {
                 ws.push(w);
                 continue;
             }
-            match Worker::new(a.clone(), &self.cfg) {
+            match Worker::new(a.clone(), self.role, &self.cfg) {
                 Ok(w) => {
                     let mut t = w.tasks.lock().expect("tasks");
                     t.push(tokio::spawn(w.clone().monitor(self.cfg)));

@@ -4,10 +4,12 @@
 //! the decision, and returns the index of the one to use. Policies hold no worker state of their
 //! own beyond a counter, so they are pure functions of their input and tested as such.
 
+pub mod disagg;
 mod kv_aware;
 mod least_load;
 mod round_robin;
 
+pub use disagg::{DisaggConfig, PrefillCandidate};
 pub use kv_aware::{KvAware, KvAwareConfig};
 pub use least_load::LeastLoad;
 pub use round_robin::RoundRobin;
@@ -44,11 +46,11 @@ pub enum PolicyKind {
     KvAware,
 }
 
-pub fn build(kind: PolicyKind, kv: KvAwareConfig) -> Box<dyn RoutingPolicy> {
+pub fn build(kind: PolicyKind, kv: KvAwareConfig) -> std::sync::Arc<dyn RoutingPolicy> {
     match kind {
-        PolicyKind::RoundRobin => Box::new(RoundRobin::default()),
-        PolicyKind::LeastLoad => Box::new(LeastLoad),
-        PolicyKind::KvAware => Box::new(KvAware::new(kv)),
+        PolicyKind::RoundRobin => std::sync::Arc::new(RoundRobin::default()),
+        PolicyKind::LeastLoad => std::sync::Arc::new(LeastLoad),
+        PolicyKind::KvAware => std::sync::Arc::new(KvAware::new(kv)),
     }
 }
 

@@ -1,0 +1,157 @@
+//! Conversions between the engine's types and the worker API, shared by both worker roles (the
+//! prefill worker serves the same Info/Load/KvEvents as the decode worker).
+
+use std::pin::Pin;
+
+use futures::Stream;
+use tandem_engine::{
+    EngineError, EngineHandle, EngineStats, FinishReason, Finished, KvEventKind, KvUpdate,
+    SamplingParams, TokenEvent,
+};
+use tandem_proto::worker as pb;
+use tokio::sync::watch;
+use tonic::Status;
+
+pub type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+
+/// Maps an engine refusal to the gRPC status a client can act on.
+pub fn status(e: EngineError) -> Status {
+    match e {
+        EngineError::InvalidRequest(_)
+        | EngineError::ContextOverflow { .. }
+        | EngineError::BadToken { .. } => Status::invalid_argument(e.to_string()),
+        EngineError::TooLargeForCache { .. } => Status::resource_exhausted(e.to_string()),
+        _ => Status::internal(e.to_string()),
+    }
+}
+
+/// Sampling and stopping as the engine takes them (proto zeros mean "off" where 0 is not a
+/// valid value).
+pub fn sampling_params(s: Option<pb::Sampling>, stop: Option<pb::Stopping>) -> SamplingParams {
+    let s = s.unwrap_or_default();
+    let stop = stop.unwrap_or_default();
+    SamplingParams {
+        temperature: s.temperature,
+        top_k: s.top_k,
+        top_p: if s.top_p == 0.0 { 1.0 } else { s.top_p },
+        min_p: s.min_p,
+        repetition_penalty: if s.repetition_penalty == 0.0 {
+            1.0
+        } else {
+            s.repetition_penalty
+        },
+        presence_penalty: s.presence_penalty,
+        frequency_penalty: s.frequency_penalty,
+        seed: s.seed,
+        top_logprobs: s.top_logprobs,
+        max_tokens: stop.max_tokens,
+        stop_token_ids: stop.stop_token_ids,
+        ignore_eos: stop.ignore_eos,
+    }
+}
+
+pub fn token(t: &TokenEvent) -> pb::Token {
+    pb::Token {
+        id: t.sampled.token,
+        logprob: t.sampled.logprob,
+        top: t
+            .sampled
+            .top
+            .iter()
+            .map(|&(id, logprob)| pb::TopToken { id, logprob })
+            .collect(),
+    }
+}
+
+pub fn finish(f: &Finished) -> pb::Finish {
+    let reason = match f.finish_reason {
+        FinishReason::Length => pb::FinishReason::Length,
+        FinishReason::Stop => pb::FinishReason::Stop,
+        FinishReason::Cancelled => pb::FinishReason::Cancelled,
+    };
+    pb::Finish {
+        reason: reason as i32,
+        prompt_tokens: f.prompt_ids.len() as u32,
+        cached_prompt_tokens: f.cached_prompt_tokens as u32,
+        preemptions: f.preemptions,
+        queue_seconds: f.queue_s,
+        ttft_seconds: f.ttft_s,
+        e2e_seconds: f.e2e_s,
+    }
+}
+
+pub fn kv_batch(update: KvUpdate) -> pb::KvEventBatch {
+    match update {
+        KvUpdate::Snapshot { next_seq, hashes } => pb::KvEventBatch {
+            snapshot: Some(pb::KvSnapshot {
+                next_seq,
+                block_hashes: hashes.iter().map(|h| h.0).collect(),
+            }),
+            events: Vec::new(),
+        },
+        KvUpdate::Events(events) => pb::KvEventBatch {
+            snapshot: None,
+            events: events
+                .into_iter()
+                .map(|e| pb::KvEvent {
+                    seq: e.seq,
+                    kind: Some(match e.kind {
+                        KvEventKind::Stored { parent, hashes } => {
+                            pb::kv_event::Kind::Stored(pb::KvStored {
+                                parent_hash: parent.map(|p| p.0),
+                                block_hashes: hashes.iter().map(|h| h.0).collect(),
+                            })
+                        }
+                        KvEventKind::Removed { hashes } => {
+                            pb::kv_event::Kind::Removed(pb::KvRemoved {
+                                block_hashes: hashes.iter().map(|h| h.0).collect(),
+                            })
+                        }
+                    }),
+                })
+                .collect(),
+        },
+    }
+}
+
+/// A `Load` answer from the engine's stats and the service's own counts.
+pub fn load_report(s: EngineStats, in_flight: usize, draining: bool) -> pb::LoadReport {
+    pb::LoadReport {
+        running: s.running as u32,
+        waiting: s.waiting as u32,
+        blocks_total: s.blocks_total as u32,
+        blocks_free: s.blocks_free as u32,
+        blocks_cached: s.blocks_cached as u32,
+        blocks_used: s.blocks_used as u32,
+        prefix_lookup_tokens: s.prefix_lookup_tokens,
+        prefix_hit_tokens: s.prefix_hit_tokens,
+        preemptions: s.preemptions,
+        in_flight: in_flight as u32,
+        draining,
+    }
+}
+
+/// The `KvEvents` stream of an engine: a snapshot, then batches of events (whatever is queued
+/// goes into one message), until `stopped` turns true.
+pub fn kv_event_stream(
+    engine: &EngineHandle,
+    stopped: watch::Receiver<bool>,
+) -> Result<BoxStream<pb::KvEventBatch>, Status> {
+    let rx = engine.subscribe_kv().map_err(status)?;
+    let s = futures::stream::unfold((rx, stopped), |(mut rx, mut stopped)| async move {
+        if *stopped.borrow() {
+            return None;
+        }
+        tokio::select! {
+            u = rx.recv() => {
+                let mut batch = kv_batch(u?);
+                while let Ok(more) = rx.try_recv() {
+                    batch.events.extend(kv_batch(more).events);
+                }
+                Some((Ok(batch), (rx, stopped)))
+            }
+            _ = stopped.changed() => None,
+        }
+    });
+    Ok(Box::pin(s))
+}

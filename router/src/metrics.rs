@@ -1,0 +1,62 @@
+//! The router's Prometheus metrics, served as `/metrics` on its HTTP port.
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::registry::Registry;
+
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+type Labels = Vec<(&'static str, &'static str)>;
+
+pub struct RouterMetrics {
+    registry: Registry,
+    prefill: Family<Labels, Counter>,
+    migrations: Counter,
+}
+
+impl Default for RouterMetrics {
+    fn default() -> Self {
+        let mut registry = Registry::default();
+        let prefill = Family::<Labels, Counter>::default();
+        registry.register(
+            "tandem_prefill_requests",
+            "Requests routed, by where their prompt is prefilled (remote: a prefill worker).",
+            prefill.clone(),
+        );
+        let migrations = Counter::default();
+        registry.register(
+            "tandem_request_migrations",
+            "Streams moved to another decode worker after theirs failed mid-request.",
+            migrations.clone(),
+        );
+        // Both modes exist from the start, so a dashboard's rate() has a series to work on.
+        for mode in ["remote", "local"] {
+            let _ = prefill.get_or_create(&vec![("mode", mode)]);
+        }
+        Self {
+            registry,
+            prefill,
+            migrations,
+        }
+    }
+}
+
+impl RouterMetrics {
+    pub fn prefill(&self, remote: bool) {
+        let mode = if remote { "remote" } else { "local" };
+        self.prefill.get_or_create(&vec![("mode", mode)]).inc();
+    }
+
+    pub fn migration(&self) {
+        self.migrations.inc();
+    }
+
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        if let Err(e) = encode(&mut out, &self.registry) {
+            tracing::error!(error = %e, "encoding metrics");
+        }
+        out
+    }
+}
