@@ -20,7 +20,8 @@ use crate::remote::RemotePrefill;
 /// The content type of [`render`]'s output.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
-/// Writes a counter family: `name` gets `_total` appended; one sample per label set.
+/// Writes a counter family: `name` gets `_total` appended, `help` a full stop; one sample per
+/// label set (one sample without labels is written bare).
 pub fn counter(
     enc: &mut DescriptorEncoder,
     name: &str,
@@ -28,12 +29,11 @@ pub fn counter(
     samples: &[(&[(&str, &str)], u64)],
 ) -> std::fmt::Result {
     let mut m = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
+    if let [(&[], v)] = samples {
+        return ConstCounter::new(*v).encode(m);
+    }
     for (labels, v) in samples {
-        if labels.is_empty() {
-            ConstCounter::new(*v).encode(m.encode_family(&Vec::<(&str, &str)>::new())?)?;
-        } else {
-            ConstCounter::new(*v).encode(m.encode_family(labels)?)?;
-        }
+        ConstCounter::new(*v).encode(m.encode_family(labels)?)?;
     }
     Ok(())
 }
@@ -57,7 +57,7 @@ pub fn engine_metrics(enc: &mut DescriptorEncoder, s: &EngineStats) -> std::fmt:
     gauge(
         enc,
         "tandem_requests",
-        "Requests in the engine by state.",
+        "Requests in the engine by state",
         &[
             (&[("state", "running")], s.running as i64),
             (&[("state", "waiting")], s.waiting as i64),
@@ -66,7 +66,7 @@ pub fn engine_metrics(enc: &mut DescriptorEncoder, s: &EngineStats) -> std::fmt:
     gauge(
         enc,
         "tandem_kv_blocks",
-        "KV cache blocks by state.",
+        "KV cache blocks by state",
         &[
             (&[("state", "used")], s.blocks_used as i64),
             (&[("state", "cached")], s.blocks_cached as i64),
@@ -76,19 +76,19 @@ pub fn engine_metrics(enc: &mut DescriptorEncoder, s: &EngineStats) -> std::fmt:
     counter(
         enc,
         "tandem_prefix_cache_lookup_tokens",
-        "Prompt tokens looked up in the prefix cache.",
+        "Prompt tokens looked up in the prefix cache",
         &[(&[], s.prefix_lookup_tokens)],
     )?;
     counter(
         enc,
         "tandem_prefix_cache_hit_tokens",
-        "Prompt tokens found in the prefix cache.",
+        "Prompt tokens found in the prefix cache",
         &[(&[], s.prefix_hit_tokens)],
     )?;
     counter(
         enc,
         "tandem_preemptions",
-        "Sequences preempted for lack of KV blocks.",
+        "Sequences preempted for lack of KV blocks",
         &[(&[], s.preemptions)],
     )
 }
@@ -116,7 +116,7 @@ impl Collector for DecodeMetrics {
         counter(
             &mut enc,
             "tandem_kv_transfer_bytes",
-            "KV payload bytes received into granted blocks.",
+            "KV payload bytes received into granted blocks",
             &[(&[], rx.bytes_received())],
         )?;
         let rejected: Vec<(Vec<(&str, &str)>, u64)> = rx
@@ -130,7 +130,7 @@ impl Collector for DecodeMetrics {
         counter(
             &mut enc,
             "tandem_kv_transfer_rejected_frames",
-            "KV frames refused, by reason.",
+            "KV frames refused, by reason",
             &samples,
         )?;
         let c = &r.counts;
@@ -138,7 +138,7 @@ impl Collector for DecodeMetrics {
         counter(
             &mut enc,
             "tandem_kv_transfers",
-            "Remote prefill attempts by result (a failed one moves on to the next candidate).",
+            "Remote prefill attempts by result (a failed one moves on to the next candidate)",
             &[
                 (&[("result", "ok")], l(&c.transfers_ok)),
                 (&[("result", "failed")], l(&c.transfers_failed)),
@@ -147,7 +147,7 @@ impl Collector for DecodeMetrics {
         counter(
             &mut enc,
             "tandem_remote_prefill_local_fallbacks",
-            "Remote plans prefilled here instead, by why.",
+            "Remote plans prefilled here instead, by why",
             &[
                 (&[("reason", "all_candidates_failed")], l(&c.fallbacks)),
                 (&[("reason", "no_room")], l(&c.no_room)),

@@ -300,7 +300,7 @@ impl Collector for Metrics {
         counter(
             &mut enc,
             "tandem_prefill_requests",
-            "Prefill calls served, by result.",
+            "Prefill calls served, by result",
             &[
                 (&[("result", "ok")], l(&c.ok)),
                 (&[("result", "failed")], l(&c.failed)),
@@ -310,13 +310,13 @@ impl Collector for Metrics {
         counter(
             &mut enc,
             "tandem_prefill_tokens",
-            "Prompt tokens prefilled for decode workers.",
+            "Prompt tokens prefilled for decode workers",
             &[(&[], l(&c.prefilled_tokens))],
         )?;
         counter(
             &mut enc,
             "tandem_kv_transfer_sent_bytes",
-            "KV payload bytes sent to decode workers.",
+            "KV payload bytes sent to decode workers",
             &[(&[], l(&c.bytes_sent))],
         )
     }

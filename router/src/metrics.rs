@@ -21,13 +21,13 @@ impl Default for RouterMetrics {
         let prefill = Family::<Labels, Counter>::default();
         registry.register(
             "tandem_prefill_requests",
-            "Requests routed, by where their prompt is prefilled (remote: a prefill worker).",
+            "Requests routed, by where their prompt is prefilled (remote: a prefill worker)",
             prefill.clone(),
         );
         let migrations = Counter::default();
         registry.register(
             "tandem_request_migrations",
-            "Streams moved to another decode worker after theirs failed mid-request.",
+            "Streams moved to another decode worker after theirs failed mid-request",
             migrations.clone(),
         );
         // Both modes exist from the start, so a dashboard's rate() has a series to work on.

@@ -1,0 +1,354 @@
+//! Helpers shared by the end-to-end tests: starting `tandem` processes, waiting for them, and
+//! reading what they answer.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use tandem_proto::worker as wpb;
+
+/// The KV secret every test cluster shares.
+pub const KV_SECRET: &str = "test-kv-secret-0123456789";
+
+pub fn golden() -> Vec<Value> {
+    let dir = std::env::var_os("TANDEM_GOLDEN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/golden"));
+    std::fs::read_to_string(dir.join("smollm2_greedy.jsonl"))
+        .expect("golden file")
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+pub fn model_path() -> PathBuf {
+    let p = tandem_model::default_model_path();
+    assert!(
+        p.exists(),
+        "{} missing: run scripts/test (it fetches the model)",
+        p.display()
+    );
+    p
+}
+
+/// A child process killed (and reaped) on drop; the kernel kills it too if the test dies.
+pub struct Proc {
+    pub child: Child,
+}
+
+impl Proc {
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    pub fn signal(&self, sig: i32) {
+        // SAFETY: signalling our own child.
+        unsafe {
+            libc::kill(self.pid(), sig);
+        }
+    }
+
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let end = Instant::now() + timeout;
+        while Instant::now() < end {
+            if let Ok(Some(s)) = self.child.try_wait() {
+                return Some(s);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        None
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `tandem ARGS` and waits for the stdout line starting with `marker`; returns the rest.
+pub fn spawn(args: &[String], marker: &str) -> (Proc, String) {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tandem"));
+    cmd.args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .env("TANDEM_LOG", "warn")
+        .env("TANDEM_KV_SECRET", KV_SECRET);
+    // SAFETY: prctl only affects the child.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().expect("start tandem");
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = mpsc::channel();
+    let wanted = marker.to_string();
+    std::thread::spawn(move || {
+        let mut sent = false;
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if !sent {
+                if let Some(rest) = line.strip_prefix(&wanted) {
+                    let _ = tx.send(rest.trim().to_string());
+                    sent = true;
+                }
+            }
+        }
+    });
+    let rest = rx
+        .recv_timeout(Duration::from_secs(180))
+        .unwrap_or_else(|_| panic!("tandem {args:?} did not print {marker:?}"));
+    (Proc { child }, rest)
+}
+
+pub fn start_worker(extra: &[&str]) -> (Proc, String) {
+    let mut args: Vec<String> = vec![
+        "decode".into(),
+        "--host=127.0.0.1".into(),
+        "--port=0".into(),
+        format!("--model={}", model_path().display()),
+        "--kv-cache-mb=256".into(),
+        "--kv-port=0".into(),
+    ];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let (p, rest) = spawn(&args, "tandem decode: listening on");
+    (p, rest.split_whitespace().next().unwrap_or("").to_string())
+}
+
+/// A decode worker's gRPC and KV addresses.
+pub fn start_decode(extra: &[&str]) -> (Proc, String, String) {
+    let mut args: Vec<String> = vec![
+        "decode".into(),
+        "--host=127.0.0.1".into(),
+        "--port=0".into(),
+        format!("--model={}", model_path().display()),
+        "--kv-cache-mb=256".into(),
+        "--kv-port=0".into(),
+    ];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let (p, rest) = spawn(&args, "tandem decode: listening on");
+    let parts: Vec<&str> = rest.split_whitespace().collect();
+    assert_eq!(parts.get(1), Some(&"kv"), "{rest}");
+    (p, parts[0].to_string(), parts[2].to_string())
+}
+
+pub fn start_prefill(extra: &[&str]) -> (Proc, String) {
+    let mut args: Vec<String> = vec![
+        "prefill".into(),
+        "--host=127.0.0.1".into(),
+        "--port=0".into(),
+        format!("--model={}", model_path().display()),
+        "--kv-cache-mb=256".into(),
+    ];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    spawn(&args, "tandem prefill: listening on")
+}
+
+/// Samples of a Prometheus text page, `name{labels}` -> value.
+pub async fn scrape(addr: &str) -> std::collections::HashMap<String, f64> {
+    let url = if addr.starts_with("http") {
+        format!("{addr}/metrics")
+    } else {
+        format!("http://{addr}/metrics")
+    };
+    let body = reqwest::get(url).await.unwrap().text().await.unwrap();
+    body.lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .filter_map(|l| {
+            let (k, v) = l.rsplit_once(' ')?;
+            Some((k.to_string(), v.parse().ok()?))
+        })
+        .collect()
+}
+
+/// One sample of a scrape (0 when absent).
+pub fn metric(m: &std::collections::HashMap<String, f64>, key: &str) -> f64 {
+    m.get(key).copied().unwrap_or(0.0)
+}
+
+pub struct Router {
+    pub proc: Proc,
+    pub http: String,
+    pub grpc: String,
+}
+
+pub fn start_router(workers: &[String], extra: &[&str]) -> Router {
+    let mut args: Vec<String> = vec![
+        "router".into(),
+        "--host=127.0.0.1".into(),
+        "--http-port=0".into(),
+        "--grpc-port=0".into(),
+        format!("--model={}", model_path().display()),
+        format!("--decode-workers={}", workers.join(",")),
+        "--poll-ms=100".into(),
+    ];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let (proc, line) = spawn(&args, "tandem router:");
+    let parts: Vec<&str> = line.split_whitespace().collect();
+    Router {
+        proc,
+        http: format!("http://{}", parts[1]),
+        grpc: format!("http://{}", parts[3]),
+    }
+}
+
+pub async fn wait_ready(r: &Router, workers: usize) {
+    let c = reqwest::Client::new();
+    let end = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Ok(resp) = c.get(format!("{}/ready", r.http)).send().await {
+            if let Ok(v) = resp.json::<Value>().await {
+                if v["ready_workers"] == workers {
+                    return;
+                }
+            }
+        }
+        assert!(
+            Instant::now() < end,
+            "router not ready with {workers} workers"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Waits until the router's KV index holds at least `blocks` blocks for some worker.
+pub async fn wait_router_cached(r: &Router, blocks: u64) {
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        let v: Value = reqwest::get(format!("{}/ready", r.http))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let most = v["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|w| w["cached_blocks"].as_u64())
+            .max()
+            .unwrap_or(0);
+        if most >= blocks {
+            return;
+        }
+        assert!(
+            Instant::now() < end,
+            "router index never reached {blocks} blocks: {v}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+pub async fn worker_load(addr: &str) -> wpb::LoadReport {
+    let mut c = wpb::decode_client::DecodeClient::connect(format!("http://{addr}"))
+        .await
+        .expect("connect to worker");
+    c.load(wpb::LoadRequest {}).await.unwrap().into_inner()
+}
+
+/// Waits until the worker holds no request and no referenced block.
+pub async fn wait_idle(addr: &str) -> wpb::LoadReport {
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        let l = worker_load(addr).await;
+        if l.running == 0 && l.waiting == 0 && l.blocks_used == 0 && l.in_flight == 0 {
+            return l;
+        }
+        assert!(Instant::now() < end, "worker did not return to idle: {l:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The `data:` payloads of an SSE body.
+pub fn sse_events(body: &str) -> Vec<String> {
+    body.split("\n\n")
+        .filter_map(|ev| {
+            ev.lines()
+                .find_map(|l| l.strip_prefix("data: ").or_else(|| l.strip_prefix("data:")))
+                .map(|s| s.to_string())
+        })
+        .collect()
+}
+
+/// Text, finish reason and usage of a streamed completion or chat completion.
+pub fn read_stream(body: &str) -> (String, Option<String>, Option<Value>) {
+    let events = sse_events(body);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{body}");
+    let mut text = String::new();
+    let mut finish = None;
+    let mut usage = None;
+    for e in &events[..events.len() - 1] {
+        let v: Value = serde_json::from_str(e).unwrap_or_else(|_| panic!("bad event {e}"));
+        assert!(v.get("error").is_none(), "{v}");
+        if !v["usage"].is_null() {
+            usage = Some(v["usage"].clone());
+        }
+        for c in v["choices"].as_array().unwrap() {
+            if let Some(t) = c["text"].as_str() {
+                text += t;
+            }
+            if let Some(t) = c["delta"]["content"].as_str() {
+                text += t;
+            }
+            if let Some(f) = c["finish_reason"].as_str() {
+                finish = Some(f.to_string());
+            }
+        }
+    }
+    (text, finish, usage)
+}
+
+pub struct Expect {
+    pub text_ignore_eos: String,
+    pub text_eos: String,
+    pub tokens_eos: usize,
+    pub finish_eos: &'static str,
+}
+
+pub fn expected(tok: &tandem_model::Tokenizer, r: &Value) -> Expect {
+    let ids: Vec<u32> = serde_json::from_value(r["generated_ids"].clone()).unwrap();
+    let (cut, tokens_eos, finish_eos) = match r["first_eos_index"].as_u64() {
+        Some(i) => (i as usize, i as usize + 1, "stop"),
+        None => (ids.len(), ids.len(), "length"),
+    };
+    Expect {
+        text_ignore_eos: tok.decode(&ids, true).unwrap(),
+        text_eos: tok.decode(&ids[..cut], true).unwrap(),
+        tokens_eos,
+        finish_eos,
+    }
+}
+
+pub fn python() -> PathBuf {
+    let p = std::env::var_os("TANDEM_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/pyenv/bin/python")
+        });
+    assert!(
+        p.exists(),
+        "{} missing: scripts/test makes the venv with the OpenAI client",
+        p.display()
+    );
+    p
+}
+
+pub async fn post(http: &str, path: &str, body: Value) -> (u16, Value) {
+    let r = reqwest::Client::new()
+        .post(format!("{http}{path}"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap_or(Value::Null))
+}

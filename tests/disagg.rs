@@ -1,0 +1,557 @@
+//! Disaggregation end to end: real `tandem prefill`, `tandem decode` and `tandem router`
+//! processes on loopback (and, for the damaged-frame case, the two worker services in this
+//! process with a transport that flips a byte). DESIGN.md §2 and its failure rules.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use futures::future::BoxFuture;
+use futures::StreamExt;
+use serde_json::{json, Value};
+use tandem_kv_transfer::wire::{FrameHeader, FrameKind};
+use tandem_kv_transfer::{KvStream, KvTransport, Secret, TcpTransport, TransferError};
+use tandem_proto::v1 as api;
+use tandem_proto::worker as wpb;
+
+/// Bytes one block of every layer takes on the wire (f32 KV, the workers' default).
+fn bytes_per_block() -> u64 {
+    let m = tandem_model::load_text(&model_path()).unwrap();
+    let c = &m.config;
+    (2 * 16 * c.num_kv_heads * c.head_dim * 4 * c.num_layers) as u64
+}
+
+/// Greedy generation of `ids` through the router's gRPC API: token ids and usage.
+async fn generate_ids(grpc: &str, ids: &[u32], max_tokens: u32) -> (Vec<u32>, api::Usage) {
+    let mut c = api::generation_client::GenerationClient::connect(grpc.to_string())
+        .await
+        .unwrap();
+    let req = api::GenerateRequest {
+        prompt: Some(api::generate_request::Prompt::TokenIds(api::TokenIds {
+            ids: ids.to_vec(),
+        })),
+        sampling: Some(api::SamplingParams {
+            temperature: Some(0.0),
+            ..Default::default()
+        }),
+        stopping: Some(api::StoppingCriteria {
+            max_tokens: Some(max_tokens),
+            ignore_eos: true,
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let mut s = c.generate(req).await.unwrap().into_inner();
+    let mut out = Vec::new();
+    let mut usage = None;
+    while let Some(m) = s.message().await.unwrap() {
+        out.extend(m.token_ids);
+        if m.usage.is_some() {
+            usage = m.usage;
+        }
+    }
+    (out, usage.expect("usage on the last message"))
+}
+
+/// The same request straight to a decode worker with a local plan: the reference output.
+async fn local_reference(decode: &str, ids: &[u32], max_tokens: u32) -> Vec<u32> {
+    let mut c = wpb::decode_client::DecodeClient::connect(format!("http://{decode}"))
+        .await
+        .unwrap();
+    let req = wpb::DecodeRequest {
+        request_id: "reference".into(),
+        prompt_ids: ids.to_vec(),
+        sampling: Some(wpb::Sampling::default()),
+        stopping: Some(wpb::Stopping {
+            max_tokens,
+            ignore_eos: true,
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let mut s = c.generate(req).await.unwrap().into_inner();
+    let mut out = Vec::new();
+    while let Some(m) = s.message().await.unwrap() {
+        out.extend(m.tokens.iter().map(|t| t.id));
+    }
+    out
+}
+
+fn golden_ids(g: &Value, key: &str) -> Vec<u32> {
+    serde_json::from_value(g[key].clone()).unwrap()
+}
+
+/// A long prompt no earlier request shares a block with (`salt` changes its first token).
+fn long_prompt(salt: u32, len: usize) -> Vec<u32> {
+    let base = golden_ids(
+        golden()
+            .iter()
+            .find(|g| g["id"] == "dev_long_history")
+            .unwrap(),
+        "prompt_ids",
+    );
+    let mut p: Vec<u32> = base.iter().cycle().take(len).copied().collect();
+    p[0] = 1000 + salt;
+    p
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disaggregated_output_is_exact_and_only_uncached_blocks_move() {
+    let (_p, paddr) = start_prefill(&[]);
+    let (_d, daddr, _kv) = start_decode(&[]);
+    let r = start_router(
+        &[daddr.clone()],
+        &[
+            &format!("--prefill-workers={paddr}"),
+            "--disagg-min-tokens=1",
+        ],
+    );
+    wait_ready(&r, 1).await;
+    let per_block = bytes_per_block();
+    let block_tokens = 16usize;
+    let recs = golden();
+    let mut remote = 0.0;
+    for g in &recs {
+        let prompt = golden_ids(g, "prompt_ids");
+        let want = golden_ids(g, "generated_ids");
+        let before = metric(&scrape(&daddr).await, "tandem_kv_transfer_bytes_total");
+        let (ids, usage) = generate_ids(&r.grpc, &prompt, want.len() as u32).await;
+        assert_eq!(
+            ids, want,
+            "{}: disaggregated output differs from golden",
+            g["id"]
+        );
+        let moved = metric(&scrape(&daddr).await, "tandem_kv_transfer_bytes_total") - before;
+        let cached = usage.cached_prompt_tokens as usize;
+        let blocks = prompt.len().div_ceil(block_tokens) - cached / block_tokens;
+        assert_eq!(
+            moved as u64,
+            blocks as u64 * per_block,
+            "{}: {} prompt tokens, {cached} cached on the decode worker",
+            g["id"],
+            prompt.len()
+        );
+        remote += 1.0;
+    }
+    // Multi-turn: the second turn repeats the first (prompt and answer) and adds a question;
+    // only blocks past what the decode worker cached cross the wire.
+    let g = recs.iter().find(|g| g["id"] == "dev_long_history").unwrap();
+    let mut turn2 = golden_ids(g, "prompt_ids");
+    turn2.extend(golden_ids(g, "generated_ids"));
+    turn2.extend([
+        198, 1, 4093, 198, 7329, 314, 260, 3575, 47, 2, 198, 1, 520, 9531, 198,
+    ]);
+    let before = metric(&scrape(&daddr).await, "tandem_kv_transfer_bytes_total");
+    let (ids, usage) = generate_ids(&r.grpc, &turn2, 12).await;
+    let moved = metric(&scrape(&daddr).await, "tandem_kv_transfer_bytes_total") - before;
+    let cached = usage.cached_prompt_tokens as usize;
+    let first_turn_blocks = golden_ids(g, "prompt_ids").len() / block_tokens;
+    assert!(
+        cached >= first_turn_blocks * block_tokens,
+        "the first turn's {first_turn_blocks} full blocks are reused, {cached} tokens were"
+    );
+    let new_blocks = turn2.len().div_ceil(block_tokens) - cached / block_tokens;
+    assert_eq!(moved as u64, new_blocks as u64 * per_block);
+    assert!(
+        new_blocks <= 6,
+        "only the new tail moved: {new_blocks} blocks"
+    );
+    remote += 1.0;
+    assert_eq!(ids, local_reference(&daddr, &turn2, 12).await);
+
+    let rm = scrape(&r.http).await;
+    assert_eq!(
+        metric(&rm, r#"tandem_prefill_requests_total{mode="remote"}"#),
+        remote
+    );
+    assert_eq!(
+        metric(&rm, r#"tandem_prefill_requests_total{mode="local"}"#),
+        0.0
+    );
+    let dm = scrape(&daddr).await;
+    assert_eq!(
+        metric(&dm, r#"tandem_kv_transfers_total{result="ok"}"#),
+        remote
+    );
+    assert_eq!(
+        metric(&dm, r#"tandem_kv_transfers_total{result="failed"}"#),
+        0.0
+    );
+    wait_idle(&daddr).await;
+}
+
+/// Waits until the decode worker has received more KV bytes than `base`.
+async fn wait_transfer_started(daddr: &str, base: f64) {
+    let end = Instant::now() + Duration::from_secs(60);
+    while metric(&scrape(daddr).await, "tandem_kv_transfer_bytes_total") <= base {
+        assert!(Instant::now() < end, "no KV arrived");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_or_stalled_prefill_workers_and_strangers_lose_nothing() {
+    // Small chunks make a prefill long enough to interrupt (the first candidate's smaller, so
+    // the second one, which takes over, finishes well within the deadline).
+    let (p1, p1addr) = start_prefill(&["--max-batched-tokens=32"]);
+    let (p2, p2addr) = start_prefill(&["--max-batched-tokens=128"]);
+    let (_d, daddr, kvaddr) = start_decode(&["--kv-transfer-timeout-ms=8000"]);
+    let r = start_router(
+        &[daddr.clone()],
+        &[&format!("--prefill-workers={p1addr},{p2addr}")],
+    );
+    wait_ready(&r, 1).await;
+    let ready_prefill = |n: usize| {
+        let http = r.http.clone();
+        async move {
+            let end = Instant::now() + Duration::from_secs(30);
+            loop {
+                let v: Value = reqwest::get(format!("{http}/ready"))
+                    .await
+                    .unwrap()
+                    .json()
+                    .await
+                    .unwrap();
+                let up = v["prefill_workers"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .filter(|w| w["ready"] == true)
+                    .count();
+                if up == n {
+                    return;
+                }
+                assert!(Instant::now() < end, "prefill workers ready: {v}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    ready_prefill(2).await;
+
+    // 1. The first candidate dies mid-transfer: the second one serves the request.
+    let prompt = long_prompt(1, 1200);
+    let base = metric(&scrape(&daddr).await, "tandem_kv_transfer_bytes_total");
+    let req = tokio::spawn({
+        let (grpc, prompt) = (r.grpc.clone(), prompt.clone());
+        async move { generate_ids(&grpc, &prompt, 16).await }
+    });
+    wait_transfer_started(&daddr, base).await;
+    p1.signal(libc::SIGKILL);
+    let (ids, _) = req.await.unwrap();
+    let dm = scrape(&daddr).await;
+    assert!(metric(&dm, r#"tandem_kv_transfers_total{result="failed"}"#) >= 1.0);
+    assert_eq!(
+        metric(&dm, r#"tandem_kv_transfers_total{result="ok"}"#),
+        1.0
+    );
+    wait_idle(&daddr).await;
+    assert_eq!(
+        ids,
+        local_reference(&daddr, &prompt, 16).await,
+        "after a kill -9"
+    );
+    wait_idle(&daddr).await;
+
+    // 2. The only live prefill worker stalls (SIGSTOP) mid-transfer: the deadline passes and the
+    //    decode worker prefills locally.
+    ready_prefill(1).await;
+    let prompt = long_prompt(2, 1200);
+    let base = metric(&scrape(&daddr).await, "tandem_kv_transfer_bytes_total");
+    let req = tokio::spawn({
+        let (grpc, prompt) = (r.grpc.clone(), prompt.clone());
+        async move { generate_ids(&grpc, &prompt, 16).await }
+    });
+    wait_transfer_started(&daddr, base).await;
+    p2.signal(libc::SIGSTOP);
+    let t0 = Instant::now();
+    let (ids, _) = req.await.unwrap();
+    p2.signal(libc::SIGCONT);
+    assert!(t0.elapsed() < Duration::from_secs(30));
+    let dm = scrape(&daddr).await;
+    assert_eq!(
+        metric(
+            &dm,
+            r#"tandem_remote_prefill_local_fallbacks_total{reason="all_candidates_failed"}"#
+        ),
+        1.0
+    );
+    wait_idle(&daddr).await;
+    assert_eq!(
+        ids,
+        local_reference(&daddr, &prompt, 16).await,
+        "after a stall"
+    );
+
+    // 3. Strangers: junk, and a peer with the wrong secret, write nothing.
+    let bytes = metric(&dm, "tandem_kv_transfer_bytes_total");
+    {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut s = tokio::net::TcpStream::connect(&kvaddr).await.unwrap();
+        let _ = s.write_all(&[0x54u8; 4096]).await;
+        let mut buf = [0u8; 64];
+        let closed = tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                match s.read(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(_) => {}
+                }
+            }
+        })
+        .await;
+        assert!(closed.is_ok(), "the receiver hangs up on a stranger");
+    }
+    let wrong = TcpTransport::new(Secret::new(b"not-the-cluster-secret".to_vec()).unwrap());
+    assert!(wrong.open(&kvaddr).await.is_err(), "wrong secret refused");
+    let dm = scrape(&daddr).await;
+    assert_eq!(
+        metric(
+            &dm,
+            r#"tandem_kv_transfer_rejected_frames_total{reason="unauthenticated"}"#
+        ),
+        2.0
+    );
+    assert_eq!(metric(&dm, "tandem_kv_transfer_bytes_total"), bytes);
+}
+
+/// Sends frames like the TCP transport, but flips one payload byte (after the checksum was
+/// taken) of the first block frame it ever sends.
+struct Flipper {
+    secret: Secret,
+    flipped: Arc<AtomicBool>,
+}
+
+struct FlipStream {
+    w: tokio::io::BufWriter<tokio::net::TcpStream>,
+    flipped: Arc<AtomicBool>,
+}
+
+impl KvTransport for Flipper {
+    fn open<'a>(
+        &'a self,
+        endpoint: &'a str,
+    ) -> BoxFuture<'a, Result<Box<dyn KvStream>, TransferError>> {
+        Box::pin(async move {
+            let mut s = tokio::net::TcpStream::connect(endpoint).await?;
+            tandem_kv_transfer::auth::connect(&mut s, &self.secret).await?;
+            Ok(Box::new(FlipStream {
+                w: tokio::io::BufWriter::new(s),
+                flipped: self.flipped.clone(),
+            }) as Box<dyn KvStream>)
+        })
+    }
+}
+
+impl FlipStream {
+    async fn frame(&mut self, h: FrameHeader, body: &[u8]) -> Result<(), TransferError> {
+        use tokio::io::AsyncWriteExt;
+        self.w.write_all(&h.encode()).await?;
+        self.w.write_all(body).await?;
+        Ok(())
+    }
+
+    async fn control(&mut self, kind: FrameKind, transfer: u64) -> Result<(), TransferError> {
+        use tokio::io::AsyncWriteExt;
+        self.frame(FrameHeader::control(kind, transfer), &[])
+            .await?;
+        Ok(self.w.flush().await?)
+    }
+}
+
+impl KvStream for FlipStream {
+    fn send_block<'a>(
+        &'a mut self,
+        transfer: u64,
+        layer: u32,
+        block: u32,
+        payload: &'a [u8],
+    ) -> BoxFuture<'a, Result<(), TransferError>> {
+        Box::pin(async move {
+            let h = FrameHeader::block(transfer, layer, block, payload);
+            let mut body = payload.to_vec();
+            if !self.flipped.swap(true, Ordering::SeqCst) {
+                let mid = body.len() / 2;
+                body[mid] ^= 0x10;
+            }
+            self.frame(h, &body).await
+        })
+    }
+    fn end(&mut self, transfer: u64) -> BoxFuture<'_, Result<(), TransferError>> {
+        Box::pin(self.control(FrameKind::End, transfer))
+    }
+    fn abort(&mut self, transfer: u64) -> BoxFuture<'_, Result<(), TransferError>> {
+        Box::pin(self.control(FrameKind::Abort, transfer))
+    }
+    fn flush(&mut self) -> BoxFuture<'_, Result<(), TransferError>> {
+        Box::pin(async move {
+            use tokio::io::AsyncWriteExt;
+            Ok(self.w.flush().await?)
+        })
+    }
+}
+
+fn engine() -> tandem_engine::EngineHandle {
+    tandem_engine::EngineHandle::spawn(|| {
+        let loaded = tandem_model::load(&model_path())?;
+        let model = tandem_engine::LlamaModel::new(&loaded, Default::default())?;
+        let cfg = tandem_engine::EngineConfig {
+            kv_cache_mb: 64,
+            ..Default::default()
+        };
+        tandem_engine::Engine::new(model, cfg, loaded.tokenizer.eos_token_ids.clone())
+    })
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flipped_byte_is_rejected_counted_and_the_request_recovers() {
+    let secret = Secret::new(KV_SECRET.as_bytes().to_vec()).unwrap();
+    let flipped = Arc::new(AtomicBool::new(false));
+    let (prefill, _pstop) = tandem_prefill_worker::PrefillService::new(
+        Arc::new(engine()),
+        Arc::new(Flipper {
+            secret: secret.clone(),
+            flipped: flipped.clone(),
+        }),
+        tandem_decode_worker::WorkerIdentity {
+            worker_id: "p".into(),
+            model: "m".into(),
+            kv_dtype: "f32".into(),
+        },
+    );
+    let pl = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let paddr = pl.local_addr().unwrap().to_string();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(wpb::prefill_server::PrefillServer::new(prefill))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(pl)),
+    );
+    let decode_engine = Arc::new(engine());
+    // SAFETY: the writer is this engine's own.
+    let remote = Arc::new(
+        unsafe {
+            tandem_decode_worker::remote::RemotePrefill::bind(
+                "127.0.0.1:0",
+                "127.0.0.1",
+                secret,
+                decode_engine.kv_writer(),
+                Duration::from_secs(20),
+            )
+        }
+        .await
+        .unwrap(),
+    );
+    let (decode, _dstop) = tandem_decode_worker::DecodeService::new(
+        decode_engine,
+        tandem_decode_worker::WorkerIdentity {
+            worker_id: "d".into(),
+            model: "m".into(),
+            kv_dtype: "f32".into(),
+        },
+    );
+    let decode = decode.with_remote(remote.clone());
+    let dl = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let daddr = dl.local_addr().unwrap().to_string();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(wpb::decode_server::DecodeServer::new(decode))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(dl)),
+    );
+    let prompt = long_prompt(3, 300);
+    let mut c = wpb::decode_client::DecodeClient::connect(format!("http://{daddr}"))
+        .await
+        .unwrap();
+    // The same prefill worker twice: the first attempt is damaged, the second is clean.
+    let req = wpb::DecodeRequest {
+        request_id: "flip".into(),
+        prompt_ids: prompt.clone(),
+        sampling: Some(wpb::Sampling::default()),
+        stopping: Some(wpb::Stopping {
+            max_tokens: 12,
+            ignore_eos: true,
+            ..Default::default()
+        }),
+        prefill: Some(wpb::PrefillPlan {
+            plan: Some(wpb::prefill_plan::Plan::Remote(wpb::RemotePrefill {
+                prefill_addrs: vec![paddr.clone(), paddr],
+            })),
+        }),
+        resume_ids: Vec::new(),
+    };
+    let mut s = c.generate(req).await.unwrap().into_inner();
+    let mut ids = Vec::new();
+    while let Some(m) = s.next().await {
+        ids.extend(m.unwrap().tokens.iter().map(|t| t.id));
+    }
+    assert!(flipped.load(Ordering::SeqCst));
+    let rx = remote.receiver();
+    assert_eq!(rx.rejections().bad_checksum.load(Ordering::Relaxed), 1);
+    assert_eq!(remote.counts.transfers_failed.load(Ordering::Relaxed), 1);
+    assert_eq!(remote.counts.transfers_ok.load(Ordering::Relaxed), 1);
+    assert_eq!(remote.counts.fallbacks.load(Ordering::Relaxed), 0);
+    assert_eq!(ids, local_reference(&daddr, &prompt, 12).await);
+    wait_idle(&daddr).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_worker_killed_mid_stream_is_migrated_seamlessly() {
+    let (mut d1, d1addr) = start_worker(&[]);
+    let (mut d2, d2addr) = start_worker(&[]);
+    let r = start_router(&[d1addr.clone(), d2addr.clone()], &[]);
+    wait_ready(&r, 2).await;
+    let body = json!({
+        "prompt": "Write a long story about a lighthouse keeper.",
+        "max_tokens": 120,
+        "temperature": 0,
+        "ignore_eos": true,
+        "stream": true,
+    });
+    let resp = reqwest::Client::new()
+        .post(format!("{}/v1/completions", r.http))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut stream = resp.bytes_stream();
+    let mut raw = String::new();
+    let mut killed = None;
+    while let Some(chunk) = stream.next().await {
+        raw.push_str(std::str::from_utf8(&chunk.unwrap()).unwrap());
+        if killed.is_none() && sse_events(&raw).len() >= 10 {
+            let v: Value = reqwest::get(format!("{}/ready", r.http))
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            let busy = v["workers"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|w| w["in_flight"] == 1)
+                .expect("one worker holds the stream")["addr"]
+                .as_str()
+                .unwrap()
+                .to_string();
+            let victim = if busy == d1addr { &mut d1 } else { &mut d2 };
+            victim.signal(libc::SIGKILL);
+            victim.wait_exit(Duration::from_secs(5));
+            killed = Some(busy);
+        }
+    }
+    assert!(killed.is_some(), "the stream outlived the kill point");
+    let (text, finish, _) = read_stream(&raw);
+    assert_eq!(finish.as_deref(), Some("length"));
+    let mut again = body.clone();
+    again["stream"] = json!(false);
+    let (status, v) = post(&r.http, "/v1/completions", again).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(text, v["choices"][0]["text"].as_str().unwrap());
+    assert_eq!(
+        metric(&scrape(&r.http).await, "tandem_request_migrations_total"),
+        1.0
+    );
+}
