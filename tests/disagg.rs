@@ -103,7 +103,7 @@ async fn disaggregated_output_is_exact_and_only_uncached_blocks_move() {
     let (_p, paddr) = start_prefill(&[]);
     let (_d, daddr, _kv) = start_decode(&[]);
     let r = start_router(
-        &[daddr.clone()],
+        std::slice::from_ref(&daddr),
         &[
             &format!("--prefill-workers={paddr}"),
             "--disagg-min-tokens=1",
@@ -200,7 +200,7 @@ async fn dead_or_stalled_prefill_workers_and_strangers_lose_nothing() {
     let (p2, p2addr) = start_prefill(&["--max-batched-tokens=128"]);
     let (_d, daddr, kvaddr) = start_decode(&["--kv-transfer-timeout-ms=8000"]);
     let r = start_router(
-        &[daddr.clone()],
+        std::slice::from_ref(&daddr),
         &[&format!("--prefill-workers={p1addr},{p2addr}")],
     );
     wait_ready(&r, 1).await;

@@ -121,7 +121,7 @@ impl PrefillService {
         let bs = limits.block_size;
         let cached = req.cached_tokens as usize;
         let prompt_len = req.prompt_ids.len();
-        if cached % bs != 0 || cached >= prompt_len {
+        if !cached.is_multiple_of(bs) || cached >= prompt_len {
             return Err(Status::invalid_argument(format!(
                 "cached_tokens {cached} must be a multiple of the block size {bs} below the prompt length {prompt_len}"
             )));
