@@ -43,6 +43,13 @@ pub struct BenchServeArgs {
     gen_len: usize,
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Mixed workload: every k-th request is a long prompt with a short answer (0: none).
+    #[arg(long, default_value_t = 0)]
+    long_every: usize,
+    #[arg(long, default_value_t = 2048)]
+    long_prompt_len: usize,
+    #[arg(long, default_value_t = 8)]
+    long_gen_len: usize,
     /// One JSON line per run instead of a table.
     #[arg(long)]
     json: bool,
@@ -62,6 +69,17 @@ fn print(r: &ServeReport, json: bool) -> Result<()> {
             r.target, r.requests, r.errors, r.output_tok_s, r.wall_s, r.ttft_ms_p50, r.ttft_ms_p99,
             r.itl_ms_p50, r.itl_ms_p99, r.e2e_ms_p50, r.e2e_ms_p99
         );
+        if let (Some(a), Some(b), Some(c), Some(d)) = (
+            r.short_itl_ms_p50,
+            r.short_itl_ms_p99,
+            r.long_ttft_ms_p50,
+            r.long_ttft_ms_p99,
+        ) {
+            println!(
+                "{:<22} short requests' itl p50/p99 {a:>6.1}/{b:>6.1} ms  long prompts' ttft p50/p99 {c:>7.1}/{d:>7.1} ms",
+                ""
+            );
+        }
         if let Some(e) = &r.first_error {
             println!("  first error: {e}");
         }
@@ -101,6 +119,9 @@ pub fn run(a: BenchServeArgs) -> Result<()> {
         prompt_len: a.prompt_len,
         gen_len: a.gen_len,
         seed: a.seed,
+        long_every: a.long_every,
+        long_prompt_len: a.long_prompt_len,
+        long_gen_len: a.long_gen_len,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -595,11 +595,17 @@ async fn up_restarts_a_crashed_worker_and_stops_cleanly() {
         "--http-port=0".into(),
         "--grpc-port=0".into(),
         "--decode-workers=1".into(),
+        "--prefill-workers=1".into(),
+        "--disagg-min-tokens=1".into(),
     ];
     let (mut up, line) = spawn(&args, "tandem up: ready");
     let http = format!("http://{}", line.split_whitespace().nth(1).unwrap());
     let before = children(up.pid());
-    assert_eq!(before.len(), 2, "a decode worker and a router: {before:?}");
+    assert_eq!(
+        before.len(),
+        3,
+        "a prefill worker, a decode worker and a router: {before:?}"
+    );
     let ask = || async {
         post(
             &http,
@@ -614,8 +620,12 @@ async fn up_restarts_a_crashed_worker_and_stops_cleanly() {
         (200, Some(" Paris.\n"))
     );
 
-    // Kill -9 the decode worker (the child started first): up restarts it on the same port.
-    let worker = before[0];
+    // Every prompt is prefilled remotely here: the secret up made reached both workers.
+    let m = scrape(&http).await;
+    assert_eq!(metric(&m, r#"tandem_prefill_requests_total{mode="remote"}"#), 1.0);
+
+    // Kill -9 the decode worker (the second child started): up restarts it on the same port.
+    let worker = before[1];
     // SAFETY: signalling a process this test started (through up).
     unsafe {
         libc::kill(worker, libc::SIGKILL);
@@ -623,7 +633,7 @@ async fn up_restarts_a_crashed_worker_and_stops_cleanly() {
     let end = Instant::now() + Duration::from_secs(90);
     loop {
         let now = children(up.pid());
-        if !now.contains(&worker) && now.len() == 2 {
+        if !now.contains(&worker) && now.len() == 3 {
             let (s, v) = ask().await;
             if s == 200 {
                 assert_eq!(v["choices"][0]["text"], " Paris.\n");

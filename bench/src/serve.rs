@@ -7,6 +7,11 @@
 //! open loop with Poisson arrivals at `rate` requests/s. Per request it records time to first
 //! token, the gaps between streamed chunks (inter-token latency) and end-to-end latency; the
 //! report has their percentiles and output tokens/s over the whole run.
+//!
+//! A mixed workload (`long_every` > 0) makes every k-th request a long prompt with a short answer
+//! (`long_prompt_len`, `long_gen_len`): long prefills arriving while the short requests decode.
+//! The report then also has the short requests' inter-token latency (what a long prefill on the
+//! same worker stalls) and the long requests' TTFT.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -29,17 +34,37 @@ pub struct LoadSpec {
     pub prompt_len: usize,
     pub gen_len: usize,
     pub seed: u64,
+    /// Every k-th request (k > 0) is a long one.
+    pub long_every: usize,
+    pub long_prompt_len: usize,
+    pub long_gen_len: usize,
+}
+
+/// One request of a workload.
+#[derive(Clone, Debug)]
+pub struct Job {
+    pub prompt: Vec<u32>,
+    pub gen_len: usize,
+    pub long: bool,
 }
 
 impl LoadSpec {
-    /// The prompts, identical for every target.
-    pub fn prompts(&self, vocab: u32) -> Vec<Vec<u32>> {
+    /// The requests, identical for every target.
+    pub fn jobs(&self, vocab: u32) -> Vec<Job> {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(self.seed);
         (0..self.requests)
-            .map(|_| {
-                (0..self.prompt_len)
-                    .map(|_| rng.gen_range(100..vocab))
-                    .collect()
+            .map(|i| {
+                let long = self.long_every > 0 && i % self.long_every == self.long_every - 1;
+                let (len, gen_len) = if long {
+                    (self.long_prompt_len, self.long_gen_len)
+                } else {
+                    (self.prompt_len, self.gen_len)
+                };
+                Job {
+                    prompt: (0..len).map(|_| rng.gen_range(100..vocab)).collect(),
+                    gen_len,
+                    long,
+                }
             })
             .collect()
     }
@@ -62,6 +87,7 @@ impl LoadSpec {
 /// One request's timings.
 #[derive(Clone, Debug, Default)]
 struct Sample {
+    long: bool,
     ttft: f64,
     gaps: Vec<f64>,
     e2e: f64,
@@ -87,6 +113,11 @@ pub struct ServeReport {
     pub itl_ms_p99: f64,
     pub e2e_ms_p50: f64,
     pub e2e_ms_p99: f64,
+    /// Mixed workloads: the short requests' inter-token latency, the long ones' TTFT.
+    pub short_itl_ms_p50: Option<f64>,
+    pub short_itl_ms_p99: Option<f64>,
+    pub long_ttft_ms_p50: Option<f64>,
+    pub long_ttft_ms_p99: Option<f64>,
     /// The first error seen, if any.
     pub first_error: Option<String>,
 }
@@ -100,6 +131,13 @@ fn report(target: &str, spec: &LoadSpec, samples: Vec<Sample>, wall: f64) -> Ser
         .iter()
         .flat_map(|s| s.gaps.iter().map(|g| g * 1e3))
         .collect();
+    let mixed = spec.long_every > 0;
+    let mut short_itl: Vec<f64> = ok
+        .iter()
+        .filter(|s| !s.long)
+        .flat_map(|s| s.gaps.iter().map(|g| g * 1e3))
+        .collect();
+    let mut long_ttft: Vec<f64> = ok.iter().filter(|s| s.long).map(|s| s.ttft * 1e3).collect();
     ServeReport {
         target: target.to_string(),
         requests: samples.len(),
@@ -117,14 +155,18 @@ fn report(target: &str, spec: &LoadSpec, samples: Vec<Sample>, wall: f64) -> Ser
         itl_ms_p99: percentile(&mut itl, 0.99),
         e2e_ms_p50: percentile(&mut e2e, 0.5),
         e2e_ms_p99: percentile(&mut e2e, 0.99),
+        short_itl_ms_p50: mixed.then(|| percentile(&mut short_itl, 0.5)),
+        short_itl_ms_p99: mixed.then(|| percentile(&mut short_itl, 0.99)),
+        long_ttft_ms_p50: mixed.then(|| percentile(&mut long_ttft, 0.5)),
+        long_ttft_ms_p99: mixed.then(|| percentile(&mut long_ttft, 0.99)),
         first_error: samples.iter().find_map(|s| s.error.clone()),
     }
 }
 
-/// Runs `one` for every prompt under the spec's arrival process.
-async fn drive<F, Fut>(spec: &LoadSpec, prompts: Vec<Vec<u32>>, one: F) -> (Vec<Sample>, f64)
+/// Runs `one` for every job under the spec's arrival process.
+async fn drive<F, Fut>(spec: &LoadSpec, jobs: Vec<Job>, one: F) -> (Vec<Sample>, f64)
 where
-    F: Fn(Vec<u32>) -> Fut + Send + Sync + 'static,
+    F: Fn(Job) -> Fut + Send + Sync + 'static,
     Fut: std::future::Future<Output = Sample> + Send + 'static,
 {
     let one = Arc::new(one);
@@ -135,15 +177,17 @@ where
     }));
     let start = Instant::now();
     let mut tasks = Vec::new();
-    for (prompt, at) in prompts.into_iter().zip(spec.arrivals()) {
+    for (job, at) in jobs.into_iter().zip(spec.arrivals()) {
         let wait = at.saturating_sub(start.elapsed());
         if !wait.is_zero() {
             tokio::time::sleep(wait).await;
         }
         let permit = limit.clone().acquire_owned().await.expect("semaphore");
         let one = one.clone();
+        let long = job.long;
         tasks.push(tokio::spawn(async move {
-            let s = one(prompt).await;
+            let mut s = one(job).await;
+            s.long = long;
             drop(permit);
             s
         }));
@@ -239,11 +283,10 @@ pub async fn run_http(base: &str, model: &str, spec: &LoadSpec, vocab: u32) -> S
         .build()
         .expect("http client");
     let url = format!("{base}/v1/completions");
-    let gen_len = spec.gen_len;
     let model = model.to_string();
-    let (samples, wall) = drive(spec, spec.prompts(vocab), move |prompt| {
+    let (samples, wall) = drive(spec, spec.jobs(vocab), move |job| {
         let body = json!({
-            "model": model, "prompt": prompt, "max_tokens": gen_len, "temperature": 0,
+            "model": model, "prompt": job.prompt, "max_tokens": job.gen_len, "temperature": 0,
             "ignore_eos": true, "stream": true, "stream_options": {"include_usage": true},
         });
         http_one(client.clone(), url.clone(), body)
@@ -256,14 +299,14 @@ pub async fn run_http(base: &str, model: &str, spec: &LoadSpec, vocab: u32) -> S
 /// against.
 pub async fn run_engine(engine: Arc<EngineHandle>, spec: &LoadSpec) -> ServeReport {
     let vocab = engine.limits().vocab_size as u32;
-    let gen_len = spec.gen_len as u32;
-    let (samples, wall) = drive(spec, spec.prompts(vocab), move |prompt| {
+    let (samples, wall) = drive(spec, spec.jobs(vocab), move |job| {
         let engine = engine.clone();
         async move {
             let t0 = Instant::now();
             let mut s = Sample::default();
+            let prompt = job.prompt;
             let params = SamplingParams {
-                max_tokens: gen_len,
+                max_tokens: job.gen_len as u32,
                 ignore_eos: true,
                 ..Default::default()
             };

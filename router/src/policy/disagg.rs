@@ -90,8 +90,9 @@ mod tests {
     #[test]
     fn saturated_workers_are_skipped_and_the_rest_ordered_by_work() {
         let cfg = DisaggConfig::default();
-        // 0: full; 1: idle, nothing cached; 2: idle, half cached; 3: one queued, all cached.
-        let cands = [c(4, 0), c(0, 0), c(0, 512), c(1, 1024)];
+        // 0: full; 1: idle, nothing cached (cost 1024); 2: idle, a quarter cached (768);
+        // 3: one queued (512), all cached (0).
+        let cands = [c(4, 0), c(0, 0), c(0, 256), c(1, 1024)];
         assert_eq!(plan(&cfg, 1024, 1024, &cands), vec![3, 2, 1]);
         assert!(plan(&cfg, 1024, 1024, &[c(4, 0), c(9, 0)]).is_empty());
     }
