@@ -622,7 +622,10 @@ async fn up_restarts_a_crashed_worker_and_stops_cleanly() {
 
     // Every prompt is prefilled remotely here: the secret up made reached both workers.
     let m = scrape(&http).await;
-    assert_eq!(metric(&m, r#"tandem_prefill_requests_total{mode="remote"}"#), 1.0);
+    assert_eq!(
+        metric(&m, r#"tandem_prefill_requests_total{mode="remote"}"#),
+        1.0
+    );
 
     // Kill -9 the decode worker (the second child started): up restarts it on the same port.
     let worker = before[1];
