@@ -69,14 +69,15 @@ fn print(r: &ServeReport, json: bool) -> Result<()> {
             r.target, r.requests, r.errors, r.output_tok_s, r.wall_s, r.ttft_ms_p50, r.ttft_ms_p99,
             r.itl_ms_p50, r.itl_ms_p99, r.e2e_ms_p50, r.e2e_ms_p99
         );
-        if let (Some(a), Some(b), Some(c), Some(d)) = (
+        if let (Some(a), Some(b), Some(m), Some(c), Some(d)) = (
             r.short_itl_ms_p50,
             r.short_itl_ms_p99,
+            r.short_itl_ms_max,
             r.long_ttft_ms_p50,
             r.long_ttft_ms_p99,
         ) {
             println!(
-                "{:<22} short requests' itl p50/p99 {a:>6.1}/{b:>6.1} ms  long prompts' ttft p50/p99 {c:>7.1}/{d:>7.1} ms",
+                "{:<22} short requests' itl p50/p99/max {a:>6.1}/{b:>6.1}/{m:>7.1} ms  long prompts' ttft p50/p99 {c:>7.1}/{d:>7.1} ms",
                 ""
             );
         }

@@ -116,6 +116,8 @@ pub struct ServeReport {
     /// Mixed workloads: the short requests' inter-token latency, the long ones' TTFT.
     pub short_itl_ms_p50: Option<f64>,
     pub short_itl_ms_p99: Option<f64>,
+    /// The longest stall a short request saw between two tokens.
+    pub short_itl_ms_max: Option<f64>,
     pub long_ttft_ms_p50: Option<f64>,
     pub long_ttft_ms_p99: Option<f64>,
     /// The first error seen, if any.
@@ -157,6 +159,7 @@ fn report(target: &str, spec: &LoadSpec, samples: Vec<Sample>, wall: f64) -> Ser
         e2e_ms_p99: percentile(&mut e2e, 0.99),
         short_itl_ms_p50: mixed.then(|| percentile(&mut short_itl, 0.5)),
         short_itl_ms_p99: mixed.then(|| percentile(&mut short_itl, 0.99)),
+        short_itl_ms_max: mixed.then(|| short_itl.iter().copied().fold(0.0, f64::max)),
         long_ttft_ms_p50: mixed.then(|| percentile(&mut long_ttft, 0.5)),
         long_ttft_ms_p99: mixed.then(|| percentile(&mut long_ttft, 0.99)),
         first_error: samples.iter().find_map(|s| s.error.clone()),
