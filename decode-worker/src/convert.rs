@@ -114,6 +114,20 @@ pub fn kv_batch(update: KvUpdate) -> pb::KvEventBatch {
     }
 }
 
+/// An `Info` answer: who the worker is and its engine's limits.
+pub fn worker_info(id: &crate::WorkerIdentity, l: tandem_engine::Limits) -> pb::WorkerInfo {
+    pb::WorkerInfo {
+        worker_id: id.worker_id.clone(),
+        model: id.model.clone(),
+        block_size: l.block_size as u32,
+        max_context: l.max_context as u32,
+        vocab_size: l.vocab_size as u32,
+        kv_dtype: id.kv_dtype.clone(),
+        total_blocks: l.total_blocks as u32,
+        tensor_parallel: 1,
+    }
+}
+
 /// A `Load` answer from the engine's stats and the service's own counts.
 pub fn load_report(s: EngineStats, in_flight: usize, draining: bool) -> pb::LoadReport {
     pb::LoadReport {

@@ -30,7 +30,7 @@ use tokio::sync::watch;
 use tonic::{Request as GrpcRequest, Response, Status};
 
 use crate::convert::{
-    finish, kv_event_stream, load_report, sampling_params, status, token, BoxStream,
+    finish, kv_event_stream, load_report, sampling_params, status, token, worker_info, BoxStream,
 };
 use crate::remote::RemotePrefill;
 
@@ -289,17 +289,10 @@ impl pb::decode_server::Decode for DecodeService {
         &self,
         _: GrpcRequest<pb::InfoRequest>,
     ) -> Result<Response<pb::WorkerInfo>, Status> {
-        let l = self.engine.limits();
-        Ok(Response::new(pb::WorkerInfo {
-            worker_id: self.identity.worker_id.clone(),
-            model: self.identity.model.clone(),
-            block_size: l.block_size as u32,
-            max_context: l.max_context as u32,
-            vocab_size: l.vocab_size as u32,
-            kv_dtype: self.identity.kv_dtype.clone(),
-            total_blocks: l.total_blocks as u32,
-            tensor_parallel: 1,
-        }))
+        Ok(Response::new(worker_info(
+            &self.identity,
+            self.engine.limits(),
+        )))
     }
 
     async fn load(

@@ -19,7 +19,7 @@ use std::time::Duration;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::DescriptorEncoder;
 use tandem_decode_worker::convert::{
-    kv_event_stream, load_report, sampling_params, status, BoxStream,
+    kv_event_stream, load_report, sampling_params, status, worker_info, BoxStream,
 };
 use tandem_decode_worker::metrics::{counter, engine_metrics};
 use tandem_decode_worker::WorkerIdentity;
@@ -246,17 +246,7 @@ impl pb::prefill_server::Prefill for PrefillService {
         _: GrpcRequest<pb::InfoRequest>,
     ) -> Result<Response<pb::WorkerInfo>, Status> {
         let s = &self.shared;
-        let l = s.engine.limits();
-        Ok(Response::new(pb::WorkerInfo {
-            worker_id: s.identity.worker_id.clone(),
-            model: s.identity.model.clone(),
-            block_size: l.block_size as u32,
-            max_context: l.max_context as u32,
-            vocab_size: l.vocab_size as u32,
-            kv_dtype: s.identity.kv_dtype.clone(),
-            total_blocks: l.total_blocks as u32,
-            tensor_parallel: 1,
-        }))
+        Ok(Response::new(worker_info(&s.identity, s.engine.limits())))
     }
 
     async fn load(

@@ -110,18 +110,10 @@ pub fn spawn(args: &[String], marker: &str) -> (Proc, String) {
     (Proc { child }, rest)
 }
 
+/// A decode worker's gRPC address.
 pub fn start_worker(extra: &[&str]) -> (Proc, String) {
-    let mut args: Vec<String> = vec![
-        "decode".into(),
-        "--host=127.0.0.1".into(),
-        "--port=0".into(),
-        format!("--model={}", model_path().display()),
-        "--kv-cache-mb=256".into(),
-        "--kv-port=0".into(),
-    ];
-    args.extend(extra.iter().map(|s| s.to_string()));
-    let (p, rest) = spawn(&args, "tandem decode: listening on");
-    (p, rest.split_whitespace().next().unwrap_or("").to_string())
+    let (p, addr, _) = start_decode(extra);
+    (p, addr)
 }
 
 /// A decode worker's gRPC and KV addresses.
