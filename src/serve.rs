@@ -144,6 +144,31 @@ fn runtime(threads: usize) -> Result<tokio::runtime::Runtime> {
         .context("starting the async runtime")
 }
 
+/// Opens a worker's gRPC port and names the worker (`<role>-<port>` unless `worker_id` is given).
+async fn bind_worker(
+    host: &str,
+    port: u16,
+    role: &str,
+    worker_id: Option<String>,
+    model: String,
+    kv_dtype: String,
+) -> Result<(
+    tokio::net::TcpListener,
+    std::net::SocketAddr,
+    WorkerIdentity,
+)> {
+    let listener = tokio::net::TcpListener::bind((host, port))
+        .await
+        .with_context(|| format!("cannot listen on {host}:{port}"))?;
+    let addr = listener.local_addr()?;
+    let identity = WorkerIdentity {
+        worker_id: worker_id.unwrap_or_else(|| format!("{role}-{}", addr.port())),
+        model,
+        kv_dtype,
+    };
+    Ok((listener, addr, identity))
+}
+
 pub fn run_decode(a: DecodeArgs) -> Result<()> {
     // A secret is needed only to take remote plans; without one this worker prefills everything.
     let secret = match a.secret.kv_secret {
@@ -154,18 +179,15 @@ pub fn run_decode(a: DecodeArgs) -> Result<()> {
     let handle = Arc::new(handle);
     let rt = runtime(1)?;
     rt.block_on(async move {
-        let listener = tokio::net::TcpListener::bind((a.host.as_str(), a.port))
-            .await
-            .with_context(|| format!("cannot listen on {}:{}", a.host, a.port))?;
-        let addr = listener.local_addr()?;
-        let identity = WorkerIdentity {
-            worker_id: a
-                .worker_id
-                .clone()
-                .unwrap_or_else(|| format!("decode-{}", addr.port())),
+        let (listener, addr, identity) = bind_worker(
+            &a.host,
+            a.port,
+            "decode",
+            a.worker_id.clone(),
             model,
             kv_dtype,
-        };
+        )
+        .await?;
         let (mut service, shutdown) = DecodeService::new(handle.clone(), identity);
         let mut kv_line = String::from("kv none");
         if let Some(secret) = secret {
@@ -213,18 +235,15 @@ pub fn run_prefill(a: PrefillArgs) -> Result<()> {
     let (handle, model, kv_dtype) = start_engine(&a.engine)?;
     let rt = runtime(1)?;
     rt.block_on(async move {
-        let listener = tokio::net::TcpListener::bind((a.host.as_str(), a.port))
-            .await
-            .with_context(|| format!("cannot listen on {}:{}", a.host, a.port))?;
-        let addr = listener.local_addr()?;
-        let identity = WorkerIdentity {
-            worker_id: a
-                .worker_id
-                .clone()
-                .unwrap_or_else(|| format!("prefill-{}", addr.port())),
+        let (listener, addr, identity) = bind_worker(
+            &a.host,
+            a.port,
+            "prefill",
+            a.worker_id.clone(),
             model,
             kv_dtype,
-        };
+        )
+        .await?;
         let (service, shutdown) = PrefillService::new(
             Arc::new(handle),
             Arc::new(TcpTransport::new(secret)),

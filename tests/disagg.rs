@@ -209,12 +209,7 @@ async fn dead_or_stalled_prefill_workers_and_strangers_lose_nothing() {
         async move {
             let end = Instant::now() + Duration::from_secs(30);
             loop {
-                let v: Value = reqwest::get(format!("{http}/ready"))
-                    .await
-                    .unwrap()
-                    .json()
-                    .await
-                    .unwrap();
+                let v = router_state(&http).await;
                 let up = v["prefill_workers"]
                     .as_array()
                     .unwrap()
@@ -521,12 +516,7 @@ async fn a_decode_worker_killed_mid_stream_is_migrated_seamlessly() {
     while let Some(chunk) = stream.next().await {
         raw.push_str(std::str::from_utf8(&chunk.unwrap()).unwrap());
         if killed.is_none() && sse_events(&raw).len() >= 10 {
-            let v: Value = reqwest::get(format!("{}/ready", r.http))
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
+            let v = router_state(&r.http).await;
             let busy = v["workers"]
                 .as_array()
                 .unwrap()

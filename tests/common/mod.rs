@@ -212,16 +212,21 @@ pub async fn wait_ready(r: &Router, workers: usize) {
     }
 }
 
+/// The router's `/ready` body (what it knows about each worker).
+pub async fn router_state(http: &str) -> Value {
+    reqwest::get(format!("{http}/ready"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
 /// Waits until the router's KV index holds at least `blocks` blocks for some worker.
 pub async fn wait_router_cached(r: &Router, blocks: u64) {
     let end = Instant::now() + Duration::from_secs(10);
     loop {
-        let v: Value = reqwest::get(format!("{}/ready", r.http))
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let v = router_state(&r.http).await;
         let most = v["workers"]
             .as_array()
             .unwrap()
