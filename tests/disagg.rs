@@ -13,7 +13,7 @@ use futures::future::BoxFuture;
 use futures::StreamExt;
 use serde_json::{json, Value};
 use tandem_kv_transfer::wire::{FrameHeader, FrameKind};
-use tandem_kv_transfer::{KvStream, KvTransport, Secret, TcpTransport, TransferError};
+use tandem_kv_transfer::{BlockFrame, KvStream, KvTransport, Secret, TcpTransport, TransferError};
 use tandem_proto::v1 as api;
 use tandem_proto::worker as wpb;
 
@@ -356,21 +356,23 @@ impl FlipStream {
 }
 
 impl KvStream for FlipStream {
-    fn send_block<'a>(
+    fn send_blocks<'a>(
         &'a mut self,
         transfer: u64,
-        layer: u32,
-        block: u32,
-        payload: &'a [u8],
+        frames: &'a [BlockFrame<'a>],
     ) -> BoxFuture<'a, Result<(), TransferError>> {
         Box::pin(async move {
-            let h = FrameHeader::block(transfer, layer, block, payload);
-            let mut body = payload.to_vec();
-            if !self.flipped.swap(true, Ordering::SeqCst) {
-                let mid = body.len() / 2;
-                body[mid] ^= 0x10;
+            use tokio::io::AsyncWriteExt;
+            for f in frames {
+                let h = FrameHeader::block(transfer, f.layer, f.block, f.payload);
+                let mut body = f.payload.to_vec();
+                if !self.flipped.swap(true, Ordering::SeqCst) {
+                    let mid = body.len() / 2;
+                    body[mid] ^= 0x10;
+                }
+                self.frame(h, &body).await?;
             }
-            self.frame(h, &body).await
+            Ok(self.w.flush().await?)
         })
     }
     fn end(&mut self, transfer: u64) -> BoxFuture<'_, Result<(), TransferError>> {
@@ -378,12 +380,6 @@ impl KvStream for FlipStream {
     }
     fn abort(&mut self, transfer: u64) -> BoxFuture<'_, Result<(), TransferError>> {
         Box::pin(self.control(FrameKind::Abort, transfer))
-    }
-    fn flush(&mut self) -> BoxFuture<'_, Result<(), TransferError>> {
-        Box::pin(async move {
-            use tokio::io::AsyncWriteExt;
-            Ok(self.w.flush().await?)
-        })
     }
 }
 

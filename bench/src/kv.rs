@@ -1,11 +1,14 @@
 //! `tandem bench kv-transfer`: KV transfer throughput over loopback against a plain TCP copy of
 //! the same bytes, in the same run.
 //!
-//! For each prompt length, the blocks that prompt fills are read out of a source pool, sent with
-//! the TCP transport (authenticated, checksummed frames) to a receiver that writes them into a
+//! For each prompt length, the blocks that prompt fills are sent out of a source pool with the TCP
+//! transport (authenticated, checksummed frames) to a receiver that writes them into a
 //! destination pool, and the grant is awaited: the time a decode worker would wait for a remote
-//! prefill's KV. The baseline sends the same number of bytes in the same chunk sizes over a plain
-//! TCP socket into a buffer. Rounds alternate the two so machine noise hits both.
+//! prefill's KV. The baseline is a plain TCP copy of the same bytes: the same frames written from
+//! the source pool over a socket and read straight into a destination buffer as large as the
+//! transfer. A second, stricter baseline sends one cache-resident frame-sized buffer over and over
+//! into another (no memory traffic at either end). Rounds alternate the three so machine noise
+//! hits all.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -14,7 +17,7 @@ use serde::Serialize;
 use tandem_decode_worker::kv_sink::PoolSink;
 use tandem_engine::{KvDtype, KvPool};
 use tandem_kernels::KvLayout;
-use tandem_kv_transfer::{KvReceiver, KvTransport, Secret, TcpTransport};
+use tandem_kv_transfer::{BlockFrame, KvReceiver, KvTransport, Secret, TcpTransport};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::percentile;
@@ -27,14 +30,58 @@ pub struct KvBenchRow {
     /// Median seconds for the whole transfer (read out, send, verify, write, grant complete).
     pub transfer_ms: f64,
     pub transfer_gb_s: f64,
-    /// Median seconds to move the same bytes over a plain TCP socket.
+    /// Median seconds to copy the same bytes, memory to memory, over a plain TCP socket.
     pub tcp_ms: f64,
     pub tcp_gb_s: f64,
+    /// Plain TCP time / transfer time.
     pub ratio: f64,
+    /// Median seconds to send as many bytes from one cache-resident frame buffer into another.
+    pub tcp_cached_ms: f64,
+    pub ratio_cached: f64,
+}
+
+/// Frame checksum rates over a buffer larger than the caches, in GB/s.
+#[derive(Clone, Debug, Serialize)]
+pub struct ChecksumRates {
+    pub frame_bytes: usize,
+    /// `xxhash-rust` as compiled for a portable x86-64 binary.
+    pub crate_gb_s: f64,
+    /// The wire format's runtime-dispatched vector loop.
+    pub wire_gb_s: f64,
+}
+
+/// Hashes 64 MiB frame by frame with the crate and with the wire format's checksum (same values,
+/// asserted), best of `rounds` passes each, alternating.
+pub fn checksum_rates(frame_bytes: usize, rounds: usize) -> Result<ChecksumRates, String> {
+    let frame = frame_bytes.max(1);
+    let data: Vec<u8> = (0..(64usize << 20) / frame * frame)
+        .map(|i| (i as u32).wrapping_mul(2_654_435_761) as u8)
+        .collect();
+    let pass = |f: &dyn Fn(&[u8]) -> u64| {
+        let t0 = Instant::now();
+        let sum = data.chunks(frame).fold(0u64, |a, c| a ^ f(c));
+        (t0.elapsed().as_secs_f64(), sum)
+    };
+    let (mut best_crate, mut best_wire) = (f64::MAX, f64::MAX);
+    for _ in 0..rounds.max(1) {
+        let (tc, sc) = pass(&xxhash_rust::xxh3::xxh3_64);
+        let (tw, sw) = pass(&tandem_kv_transfer::wire::checksum);
+        if sc != sw {
+            return Err("the wire checksum differs from xxh3-64".into());
+        }
+        best_crate = best_crate.min(tc);
+        best_wire = best_wire.min(tw);
+    }
+    let gb = data.len() as f64 / 1e9;
+    Ok(ChecksumRates {
+        frame_bytes: frame,
+        crate_gb_s: gb / best_crate,
+        wire_gb_s: gb / best_wire,
+    })
 }
 
 async fn one_transfer(
-    src: &KvPool,
+    frames: &[BlockFrame<'_>],
     rx: &KvReceiver,
     sink: Arc<PoolSink>,
     transport: &TcpTransport,
@@ -46,59 +93,50 @@ async fn one_transfer(
         .open(&rx.local_addr().to_string())
         .await
         .map_err(|e| e.to_string())?;
-    let mut buf = Vec::new();
-    for layer in 0..src.num_layers {
-        for (i, &b) in blocks.iter().enumerate() {
-            let payload = match src.block_bytes(layer, i) {
-                Some(p) => p,
-                None => {
-                    src.read_block(layer, i, &mut buf);
-                    &buf
-                }
-            };
-            s.send_block(grant.id(), layer as u32, b, payload)
-                .await
-                .map_err(|e| e.to_string())?;
-        }
-    }
+    s.send_blocks(grant.id(), frames)
+        .await
+        .map_err(|e| e.to_string())?;
     s.end(grant.id()).await.map_err(|e| e.to_string())?;
     grant.wait().await.map_err(|e| e.to_string())?;
     Ok(t0.elapsed().as_secs_f64())
 }
 
-async fn one_plain_copy(bytes: usize, chunk: usize) -> Result<f64, String> {
+/// Sends `chunks` in order over a fresh loopback connection to a reader that fills `dst` with
+/// them (`cached`: every chunk into the start of `dst`); returns the seconds and `dst`.
+async fn one_plain_copy(
+    chunks: &[&[u8]],
+    mut dst: Vec<u8>,
+    cached: bool,
+) -> Result<(f64, Vec<u8>), String> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .map_err(|e| e.to_string())?;
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let lens: Vec<usize> = chunks.iter().map(|c| c.len()).collect();
     let reader = tokio::spawn(async move {
         let (mut s, _) = listener.accept().await.map_err(|e| e.to_string())?;
-        let mut buf = vec![0u8; chunk];
-        let mut got = 0;
-        while got < bytes {
-            let n = (bytes - got).min(chunk);
-            s.read_exact(&mut buf[..n])
+        let mut at = 0;
+        for n in lens {
+            s.read_exact(&mut dst[at..at + n])
                 .await
                 .map_err(|e| e.to_string())?;
-            got += n;
+            if !cached {
+                at += n;
+            }
         }
-        Ok::<_, String>(())
+        Ok::<_, String>(dst)
     });
     let t0 = Instant::now();
     let mut w = tokio::net::TcpStream::connect(addr)
         .await
         .map_err(|e| e.to_string())?;
     w.set_nodelay(true).map_err(|e| e.to_string())?;
-    let data = vec![7u8; chunk];
-    let mut sent = 0;
-    while sent < bytes {
-        let n = (bytes - sent).min(chunk);
-        w.write_all(&data[..n]).await.map_err(|e| e.to_string())?;
-        sent += n;
+    for c in chunks {
+        w.write_all(c).await.map_err(|e| e.to_string())?;
     }
     w.flush().await.map_err(|e| e.to_string())?;
-    reader.await.map_err(|e| e.to_string())??;
-    Ok(t0.elapsed().as_secs_f64())
+    let dst = reader.await.map_err(|e| e.to_string())??;
+    Ok((t0.elapsed().as_secs_f64(), dst))
 }
 
 /// Runs every prompt length for `rounds` rounds; a row per length.
@@ -132,16 +170,54 @@ pub async fn run(
     let sink = Arc::new(unsafe { PoolSink::new(dst.writer()) });
     let transport = TcpTransport::new(secret);
     let frame = KvPool::frame_bytes(layout, dtype);
+    // The plain copy's destination, as large as the largest transfer, touched once up front as
+    // the pool is.
+    let mut copy_dst = vec![1u8; max_blocks * layers * frame];
     let mut rows = Vec::new();
     for &tokens in prompt_tokens {
         let n = tokens.div_ceil(layout.block_size);
         // Destination blocks somewhere else than the source's, as in a real pool.
         let blocks: Vec<u32> = (0..n as u32).map(|b| b + max_blocks as u32).collect();
         let bytes = n * layers * frame;
-        let (mut kv, mut tcp) = (Vec::new(), Vec::new());
+        // The frames as a prefill worker's engine chunk holds them: layers of blocks that are
+        // not one contiguous range in the pool (int8: values and scales) gathered once.
+        let order: Vec<(usize, usize)> = (0..layers)
+            .flat_map(|layer| (0..n).map(move |i| (layer, i)))
+            .collect();
+        let gathered: Vec<Vec<u8>> = order
+            .iter()
+            .map(|&(layer, i)| {
+                let mut buf = Vec::new();
+                if src.block_bytes(layer, i).is_none() {
+                    src.read_block(layer, i, &mut buf);
+                }
+                buf
+            })
+            .collect();
+        let payloads: Vec<&[u8]> = order
+            .iter()
+            .zip(&gathered)
+            .map(|(&(layer, i), g)| src.block_bytes(layer, i).unwrap_or(g))
+            .collect();
+        let frames: Vec<BlockFrame<'_>> = order
+            .iter()
+            .zip(&payloads)
+            .map(|(&(layer, i), p)| BlockFrame {
+                layer: layer as u32,
+                block: blocks[i],
+                payload: p,
+            })
+            .collect();
+        let cached_chunk = vec![7u8; frame];
+        let cached_chunks = vec![&cached_chunk[..]; payloads.len()];
+        let (mut kv, mut tcp, mut tcp_cached) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..rounds.max(1) {
-            kv.push(one_transfer(&src, &rx, sink.clone(), &transport, &blocks).await?);
-            tcp.push(one_plain_copy(bytes, frame).await?);
+            kv.push(one_transfer(&frames, &rx, sink.clone(), &transport, &blocks).await?);
+            let (t, d) = one_plain_copy(&payloads, copy_dst, false).await?;
+            tcp.push(t);
+            let (t, d) = one_plain_copy(&cached_chunks, d, true).await?;
+            tcp_cached.push(t);
+            copy_dst = d;
         }
         let (mut a, mut b) = (Vec::new(), Vec::new());
         for l in 0..layers {
@@ -154,6 +230,7 @@ pub async fn run(
             }
         }
         let (k, t) = (percentile(&mut kv, 0.5), percentile(&mut tcp, 0.5));
+        let tc = percentile(&mut tcp_cached, 0.5);
         rows.push(KvBenchRow {
             prompt_tokens: tokens,
             blocks: n,
@@ -163,6 +240,8 @@ pub async fn run(
             tcp_ms: t * 1e3,
             tcp_gb_s: bytes as f64 / t / 1e9,
             ratio: t / k,
+            tcp_cached_ms: tc * 1e3,
+            ratio_cached: tc / k,
         });
     }
     if rx.rejections().total() != 0 {

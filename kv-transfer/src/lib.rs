@@ -12,10 +12,11 @@ pub mod auth;
 pub mod receiver;
 pub mod transport;
 pub mod wire;
+pub mod xxh3;
 
 pub use auth::Secret;
 pub use receiver::{BlockSink, KvReceiver, Rejections, TransferGrant, TransferStats};
-pub use transport::{KvStream, KvTransport, TcpTransport};
+pub use transport::{BlockFrame, KvStream, KvTransport, TcpTransport};
 
 #[derive(Debug, thiserror::Error)]
 pub enum TransferError {

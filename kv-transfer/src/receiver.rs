@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rand::RngCore;
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
+use tokio::io::AsyncReadExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
@@ -282,16 +282,61 @@ fn judge(r: &Rejections, grants: &HashMap<u64, Grant>, h: &FrameHeader, payload:
     Verdict::Write
 }
 
-/// Fills `out` from what the reader has buffered, then straight from the socket (a payload is
-/// larger than the buffer is worth copying through).
-async fn read_payload(r: &mut BufReader<TcpStream>, out: &mut [u8]) -> std::io::Result<()> {
-    let have = r.buffer().len().min(out.len());
-    out[..have].copy_from_slice(&r.buffer()[..have]);
-    r.consume(have);
-    if have < out.len() {
-        r.get_mut().read_exact(&mut out[have..]).await?;
+/// Bytes read from the socket but not yet consumed. Frames are judged, checksummed and copied
+/// into the pool from this buffer in place: one copy out of the kernel, one into the pool.
+struct FrameReader {
+    sock: TcpStream,
+    buf: Vec<u8>,
+    start: usize,
+    end: usize,
+}
+
+/// Receive buffer per connection: several frames per read call.
+const RECV_BUFFER: usize = 1 << 20;
+
+impl FrameReader {
+    fn new(sock: TcpStream) -> Self {
+        Self {
+            sock,
+            buf: vec![0; RECV_BUFFER],
+            start: 0,
+            end: 0,
+        }
     }
-    Ok(())
+
+    /// Makes `need` bytes available at the read position. `Ok(false)`: the peer closed the
+    /// connection cleanly, between frames (`at_boundary`) and with nothing pending.
+    async fn fill(&mut self, need: usize, at_boundary: bool) -> std::io::Result<bool> {
+        if self.end - self.start >= need {
+            return Ok(true);
+        }
+        if self.start + need > self.buf.len() {
+            self.buf.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+            if need > self.buf.len() {
+                self.buf.resize(need, 0);
+            }
+        }
+        while self.end - self.start < need {
+            let n = self.sock.read(&mut self.buf[self.end..]).await?;
+            if n == 0 {
+                if at_boundary && self.end == self.start {
+                    return Ok(false);
+                }
+                return Err(std::io::ErrorKind::UnexpectedEof.into());
+            }
+            self.end += n;
+        }
+        Ok(true)
+    }
+
+    /// The next `n` bytes (made available by [`Self::fill`]), consumed.
+    fn take(&mut self, n: usize) -> &[u8] {
+        let at = self.start;
+        self.start += n;
+        &self.buf[at..at + n]
+    }
 }
 
 async fn serve_connection(inner: &Arc<Inner>, mut sock: TcpStream) -> Result<(), TransferError> {
@@ -318,16 +363,13 @@ async fn serve_connection(inner: &Arc<Inner>, mut sock: TcpStream) -> Result<(),
             return Err(TransferError::Handshake("handshake timed out".into()));
         }
     }
-    let mut r = BufReader::with_capacity(64 << 10, sock);
-    let mut payload = Vec::new();
+    let mut r = FrameReader::new(sock);
     loop {
-        let mut hb = [0u8; HEADER_LEN];
-        match r.read_exact(&mut hb).await {
-            Ok(_) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
-            Err(e) => return Err(e.into()),
+        if !r.fill(HEADER_LEN, true).await? {
+            return Ok(());
         }
-        let h = match FrameHeader::decode(&hb) {
+        let hb: &[u8; HEADER_LEN] = r.take(HEADER_LEN).try_into().expect("header length");
+        let h = match FrameHeader::decode(hb) {
             Ok(h) => h,
             Err(e) => {
                 // Out of sync: nothing after this can be trusted.
@@ -335,17 +377,17 @@ async fn serve_connection(inner: &Arc<Inner>, mut sock: TcpStream) -> Result<(),
                 return Err(TransferError::Wire(e));
             }
         };
-        payload.resize(h.len as usize, 0);
-        read_payload(&mut r, &mut payload).await?;
+        r.fill(h.len as usize, false).await?;
+        let payload = r.take(h.len as usize);
         match h.kind {
             FrameKind::Block => {
                 // The write happens under the lock: a grant revoked (and its blocks freed by the
                 // engine) can never see a late write.
                 let mut grants = inner.grants.lock().expect("grants");
-                match judge(&inner.rejections, &grants, &h, &payload) {
+                match judge(&inner.rejections, &grants, &h, payload) {
                     Verdict::Write => {
                         let g = grants.get_mut(&h.transfer).expect("judged");
-                        g.sink.write(h.layer, h.block, &payload);
+                        g.sink.write(h.layer, h.block, payload);
                         inner
                             .bytes
                             .fetch_add(payload.len() as u64, Ordering::Relaxed);

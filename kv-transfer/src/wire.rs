@@ -19,7 +19,7 @@
 //! lays it out (K then V; for int8, values then per-head scales). End and abort frames carry no
 //! payload; their layer and block fields are 0.
 
-use xxhash_rust::xxh3::xxh3_64;
+use crate::xxh3::xxh3_64;
 
 /// Protocol version spoken in the handshake.
 pub const VERSION: u16 = 1;

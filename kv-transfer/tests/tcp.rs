@@ -9,7 +9,7 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use tandem_kv_transfer::wire::{FrameHeader, FrameKind};
 use tandem_kv_transfer::{
-    BlockSink, KvReceiver, KvStream, KvTransport, Secret, TcpTransport, TransferError,
+    BlockFrame, BlockSink, KvReceiver, KvStream, KvTransport, Secret, TcpTransport, TransferError,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -79,7 +79,6 @@ async fn a_transfer_lands_every_block_intact() {
                 .await
                 .unwrap();
         }
-        s.flush().await.unwrap();
     }
     s.end(grant.id()).await.unwrap();
     let stats = grant.wait().await.unwrap();
@@ -91,6 +90,87 @@ async fn a_transfer_lands_every_block_intact() {
     }
     assert_eq!(rx.bytes_received(), 12 * 1024);
     assert_eq!(rx.rejections().total(), 0);
+}
+
+/// Many frames in one `send_blocks` call (several vectored writes), frames larger than the
+/// receiver's read buffer, and a peer that trickles its bytes a few at a time all land intact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batched_large_and_trickled_frames_land_intact() {
+    let rx = receiver().await;
+    let t = TcpTransport::new(secret());
+
+    // 3 layers x 40 blocks of 24 KiB: 2.9 MB in one call.
+    let small = MemSink::new(24 << 10, 3);
+    let blocks: Vec<u32> = (100..140).collect();
+    let mut grant = rx.grant(&blocks, small.clone(), Duration::from_secs(10));
+    let bodies: Vec<(u32, u32, Vec<u8>)> = (0..3)
+        .flat_map(|l| blocks.iter().map(move |&b| (l, b, payload(l, b, 24 << 10))))
+        .collect();
+    let frames: Vec<BlockFrame<'_>> = bodies
+        .iter()
+        .map(|(layer, block, p)| BlockFrame {
+            layer: *layer,
+            block: *block,
+            payload: p,
+        })
+        .collect();
+    let mut s = t.open(&rx.local_addr().to_string()).await.unwrap();
+    s.send_blocks(grant.id(), &frames).await.unwrap();
+    s.end(grant.id()).await.unwrap();
+    assert_eq!(grant.wait().await.unwrap().frames, 120);
+    for (layer, block, p) in &bodies {
+        assert_eq!(small.get(*layer, *block).as_ref(), Some(p));
+    }
+
+    // Frames of 3 MiB, over the 1 MiB read buffer.
+    let big = MemSink::new(3 << 20, 2);
+    let mut grant = rx.grant(&[1, 2], big.clone(), Duration::from_secs(10));
+    let bodies: Vec<(u32, u32, Vec<u8>)> = [(0, 1), (0, 2), (1, 1), (1, 2)]
+        .into_iter()
+        .map(|(l, b)| (l, b, payload(l, b, 3 << 20)))
+        .collect();
+    let frames: Vec<BlockFrame<'_>> = bodies
+        .iter()
+        .map(|(layer, block, p)| BlockFrame {
+            layer: *layer,
+            block: *block,
+            payload: p,
+        })
+        .collect();
+    s.send_blocks(grant.id(), &frames).await.unwrap();
+    s.end(grant.id()).await.unwrap();
+    grant.wait().await.unwrap();
+    for (layer, block, p) in &bodies {
+        assert_eq!(big.get(*layer, *block).as_ref(), Some(p));
+    }
+
+    // Two frames written 7 bytes at a time, headers and payloads split anywhere.
+    let trickle = MemSink::new(300, 2);
+    let mut grant = rx.grant(&[5], trickle.clone(), Duration::from_secs(10));
+    let mut raw = tokio::net::TcpStream::connect(rx.local_addr())
+        .await
+        .unwrap();
+    raw.set_nodelay(true).unwrap();
+    tandem_kv_transfer::auth::connect(&mut raw, &secret())
+        .await
+        .unwrap();
+    let mut bytes = Vec::new();
+    for layer in 0..2 {
+        let p = payload(layer, 5, 300);
+        bytes.extend_from_slice(&FrameHeader::block(grant.id(), layer, 5, &p).encode());
+        bytes.extend_from_slice(&p);
+    }
+    for piece in bytes.chunks(7) {
+        raw.write_all(piece).await.unwrap();
+        tokio::task::yield_now().await;
+    }
+    grant.wait().await.unwrap();
+    assert_eq!(trickle.get(1, 5), Some(payload(1, 5, 300)));
+    assert_eq!(rx.rejections().total(), 0);
+    assert_eq!(
+        rx.bytes_received(),
+        120 * (24 << 10) + 4 * (3 << 20) + 2 * 300
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -162,22 +242,23 @@ impl FlipStream {
 }
 
 impl KvStream for FlipStream {
-    fn send_block<'a>(
+    fn send_blocks<'a>(
         &'a mut self,
         transfer: u64,
-        layer: u32,
-        block: u32,
-        payload: &'a [u8],
+        frames: &'a [BlockFrame<'a>],
     ) -> BoxFuture<'a, Result<(), TransferError>> {
         Box::pin(async move {
-            self.seen += 1;
-            let h = FrameHeader::block(transfer, layer, block, payload);
-            let mut body = payload.to_vec();
-            if self.seen == self.nth {
-                let mid = body.len() / 2;
-                body[mid] ^= 0x40;
+            for f in frames {
+                self.seen += 1;
+                let h = FrameHeader::block(transfer, f.layer, f.block, f.payload);
+                let mut body = f.payload.to_vec();
+                if self.seen == self.nth {
+                    let mid = body.len() / 2;
+                    body[mid] ^= 0x40;
+                }
+                self.frame(h, &body).await?;
             }
-            self.frame(h, &body).await
+            Ok(self.w.flush().await?)
         })
     }
     fn end(&mut self, transfer: u64) -> BoxFuture<'_, Result<(), TransferError>> {
@@ -193,9 +274,6 @@ impl KvStream for FlipStream {
                 .await?;
             Ok(self.w.flush().await?)
         })
-    }
-    fn flush(&mut self) -> BoxFuture<'_, Result<(), TransferError>> {
-        Box::pin(async move { Ok(self.w.flush().await?) })
     }
 }
 
@@ -254,7 +332,6 @@ async fn bad_frames_are_refused_by_reason_and_deadlines_expire() {
     s.send_block(g1.id(), 0, 2, &payload(0, 2, 256))
         .await
         .unwrap();
-    s.flush().await.unwrap();
     assert!(matches!(
         g1.wait().await,
         Err(TransferError::Rejected("block_not_granted"))
@@ -264,7 +341,6 @@ async fn bad_frames_are_refused_by_reason_and_deadlines_expire() {
     s.send_block(g2.id(), 0, 1, &payload(0, 1, 200))
         .await
         .unwrap();
-    s.flush().await.unwrap();
     assert!(matches!(
         g2.wait().await,
         Err(TransferError::Rejected("bad_length"))
@@ -274,7 +350,6 @@ async fn bad_frames_are_refused_by_reason_and_deadlines_expire() {
     s.send_block(g3.id(), 9, 1, &payload(9, 1, 256))
         .await
         .unwrap();
-    s.flush().await.unwrap();
     assert!(matches!(
         g3.wait().await,
         Err(TransferError::Rejected("bad_layer"))
@@ -284,7 +359,6 @@ async fn bad_frames_are_refused_by_reason_and_deadlines_expire() {
     s.send_block(g4.id(), 0, 1, &payload(0, 1, 256))
         .await
         .unwrap();
-    s.flush().await.unwrap();
     assert!(matches!(g4.wait().await, Err(TransferError::Expired)));
     s.send_block(g4.id(), 1, 1, &payload(1, 1, 256))
         .await

@@ -24,7 +24,7 @@ use tandem_decode_worker::convert::{
 use tandem_decode_worker::metrics::{counter, engine_metrics};
 use tandem_decode_worker::WorkerIdentity;
 use tandem_engine::{EngineHandle, Request, StreamEvent};
-use tandem_kv_transfer::{KvStream, KvTransport};
+use tandem_kv_transfer::{BlockFrame, KvStream, KvTransport};
 use tandem_proto::worker::{self as pb, prefill_server::PrefillServer};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -159,17 +159,21 @@ impl PrefillService {
         while let Some(ev) = stream.next().await {
             match ev {
                 StreamEvent::Kv(c) => {
-                    for j in 0..c.blocks {
-                        let block = dest.block_ids[c.first + j];
-                        for layer in 0..c.layers.len() {
-                            let frame = c.frame(layer, j);
-                            conn.send_block(dest.transfer_id, layer as u32, block, frame)
-                                .await
-                                .map_err(send_err)?;
-                            sent += frame.len() as u64;
-                        }
-                    }
-                    conn.flush().await.map_err(send_err)?;
+                    let frames: Vec<BlockFrame<'_>> = (0..c.blocks)
+                        .flat_map(|j| {
+                            let block = dest.block_ids[c.first + j];
+                            (0..c.layers.len()).map(move |layer| (layer, j, block))
+                        })
+                        .map(|(layer, j, block)| BlockFrame {
+                            layer: layer as u32,
+                            block,
+                            payload: c.frame(layer, j),
+                        })
+                        .collect();
+                    conn.send_blocks(dest.transfer_id, &frames)
+                        .await
+                        .map_err(send_err)?;
+                    sent += frames.iter().map(|f| f.payload.len() as u64).sum::<u64>();
                 }
                 StreamEvent::Token(t) => first = Some(t),
                 StreamEvent::Finished(_) => break,
