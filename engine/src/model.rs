@@ -7,7 +7,7 @@
 
 use std::collections::BTreeMap;
 use tandem_kernels::ops::{self, RopeTable};
-use tandem_kernels::{matmul, paged_attention, write_kv, KvLayout, SeqAttn, Weight};
+use tandem_kernels::{paged_attention, write_kv, KvLayout, Linear, SeqAttn, Weight};
 
 use tandem_model::{LlamaConfig, LoadedModel, ModelError, TensorData};
 
@@ -38,20 +38,21 @@ impl std::str::FromStr for WeightFormat {
 struct Layer {
     attn_norm: Vec<f32>,
     /// q, k and v projections stacked by rows: one product per layer instead of three.
-    qkv: Weight,
-    o: Weight,
+    qkv: Linear,
+    o: Linear,
     ffn_norm: Vec<f32>,
     /// gate and up projections stacked by rows.
-    gate_up: Weight,
-    down: Weight,
+    gate_up: Linear,
+    down: Linear,
 }
 
 pub struct LlamaModel {
     pub config: LlamaConfig,
     layers: Vec<Layer>,
-    embed: Weight,
+    /// The token embedding; also the output head when the two are tied.
+    embed: Linear,
     /// None when the head is tied to the embedding.
-    lm_head: Option<Weight>,
+    lm_head: Option<Linear>,
     norm: Vec<f32>,
     rope: RopeTable,
 }
@@ -148,17 +149,21 @@ impl LlamaModel {
             let p = |s: &str| format!("blk.{i}.{s}.weight");
             layers.push(Layer {
                 attn_norm: v(&p("attn_norm"))?,
-                qkv: stack_rows(&[&w(&p("attn_q"))?, &w(&p("attn_k"))?, &w(&p("attn_v"))?])?,
-                o: w(&p("attn_output"))?,
+                qkv: Linear::new(stack_rows(&[
+                    &w(&p("attn_q"))?,
+                    &w(&p("attn_k"))?,
+                    &w(&p("attn_v"))?,
+                ])?),
+                o: Linear::new(w(&p("attn_output"))?),
                 ffn_norm: v(&p("ffn_norm"))?,
-                gate_up: stack_rows(&[&w(&p("ffn_gate"))?, &w(&p("ffn_up"))?])?,
-                down: w(&p("ffn_down"))?,
+                gate_up: Linear::new(stack_rows(&[&w(&p("ffn_gate"))?, &w(&p("ffn_up"))?])?),
+                down: Linear::new(w(&p("ffn_down"))?),
             });
         }
         let lm_head = if c.tie_word_embeddings {
             None
         } else {
-            Some(w("output.weight")?)
+            Some(Linear::new(w("output.weight")?))
         };
         let rope = RopeTable::new(
             &c.rope_inv_freq(),
@@ -167,7 +172,7 @@ impl LlamaModel {
         );
         Ok(Self {
             layers,
-            embed: w("token_embd.weight")?,
+            embed: Linear::new(w("token_embd.weight")?),
             lm_head,
             norm: v("output_norm.weight")?,
             rope,
@@ -188,9 +193,28 @@ impl LlamaModel {
         let layers: usize = self
             .layers
             .iter()
-            .map(|l| l.qkv.bytes() + l.o.bytes() + l.gate_up.bytes() + l.down.bytes())
+            .map(|l| [&l.qkv, &l.o, &l.gate_up, &l.down])
+            .map(|ws| ws.iter().map(|w| w.weight().bytes()).sum::<usize>())
             .sum();
-        layers + self.lm_head.as_ref().unwrap_or(&self.embed).bytes()
+        layers
+            + self
+                .lm_head
+                .as_ref()
+                .unwrap_or(&self.embed)
+                .weight()
+                .bytes()
+    }
+
+    /// Bytes of AMX tile packings held next to the weights (0 on CPUs without AMX).
+    pub fn amx_bytes(&self) -> usize {
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                l.qkv.amx_bytes() + l.o.amx_bytes() + l.gate_up.amx_bytes() + l.down.amx_bytes()
+            })
+            .sum();
+        layers + self.lm_head.as_ref().unwrap_or(&self.embed).amx_bytes()
     }
 
     /// Runs one packed step; returns logits (vocab each) for the sequences with `want_logits`, in
@@ -248,7 +272,7 @@ impl LlamaModel {
         }
 
         let mut x = vec![0f32; t * h];
-        ops::embedding(&tokens, &self.embed, &mut x);
+        ops::embedding(&tokens, self.embed.weight(), &mut x);
         let mut hbuf = vec![0f32; t * h];
         let mut qkv = vec![0f32; t * (qd + 2 * kvd)];
         let (mut q, mut k, mut v) = (vec![0f32; t * qd], vec![0f32; t * kvd], vec![0f32; t * kvd]);
@@ -261,7 +285,7 @@ impl LlamaModel {
         let layout = kv.layout;
         for (li, l) in self.layers.iter().enumerate() {
             ops::rms_norm(&x, &l.attn_norm, c.rms_norm_eps, &mut hbuf);
-            matmul(&hbuf, t, &l.qkv, &mut qkv)?;
+            l.qkv.matmul(&hbuf, t, &mut qkv)?;
             for r in 0..t {
                 let row = &qkv[r * (qd + 2 * kvd)..(r + 1) * (qd + 2 * kvd)];
                 q[r * qd..(r + 1) * qd].copy_from_slice(&row[..qd]);
@@ -281,18 +305,18 @@ impl LlamaModel {
                 scale,
                 &mut att,
             )?;
-            matmul(&att, t, &l.o, &mut proj)?;
+            l.o.matmul(&att, t, &mut proj)?;
             x.iter_mut().zip(&proj).for_each(|(a, b)| *a += b);
 
             ops::rms_norm(&x, &l.ffn_norm, c.rms_norm_eps, &mut hbuf);
-            matmul(&hbuf, t, &l.gate_up, &mut gu)?;
+            l.gate_up.matmul(&hbuf, t, &mut gu)?;
             for r in 0..t {
                 let (g, u) = gu[r * 2 * ff..(r + 1) * 2 * ff].split_at(ff);
                 let a = &mut act[r * ff..(r + 1) * ff];
                 a.copy_from_slice(g);
                 ops::silu_mul(a, u);
             }
-            matmul(&act, t, &l.down, &mut proj)?;
+            l.down.matmul(&act, t, &mut proj)?;
             x.iter_mut().zip(&proj).for_each(|(a, b)| *a += b);
         }
 
@@ -308,7 +332,7 @@ impl LlamaModel {
         }
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         let mut logits = vec![0f32; n * c.vocab_size];
-        matmul(&last, n, head, &mut logits)?;
+        head.matmul(&last, n, &mut logits)?;
         Ok(logits)
     }
 }

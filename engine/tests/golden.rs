@@ -1,97 +1,11 @@
 //! Greedy generation and last-position logits against HF transformers' float32 run
 //! (../shared/golden), through the paged cache, with all prompts in one continuous batch.
 
-use std::path::PathBuf;
+mod golden_support;
 
+use golden_support::*;
 use rand::{Rng, SeedableRng};
-use serde_json::Value;
-use tandem_engine::{
-    Engine, EngineConfig, Event, KvDtype, KvPool, LlamaModel, Request, RequestId, SamplingParams,
-    WeightFormat,
-};
-
-fn golden_dir() -> PathBuf {
-    std::env::var_os("TANDEM_GOLDEN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/golden"))
-}
-
-fn engine(format: WeightFormat, cfg: EngineConfig) -> (Engine, Vec<Value>) {
-    let p = tandem_model::default_model_path();
-    assert!(
-        p.exists(),
-        "model not found at {}: run `tandem model fetch` (scripts/test does)",
-        p.display()
-    );
-    let m = tandem_model::load(&p).unwrap();
-    let eos = m.tokenizer.eos_token_ids.clone();
-    let e = Engine::new(LlamaModel::new(&m, format).unwrap(), cfg, eos).unwrap();
-    let text = std::fs::read_to_string(golden_dir().join("smollm2_greedy.jsonl")).unwrap();
-    (
-        e,
-        text.lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect(),
-    )
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
-
-fn requests(recs: &[Value]) -> Vec<Request> {
-    recs.iter()
-        .map(|r| Request {
-            resume: Vec::new(),
-            prompt: ids(&r["prompt_ids"]),
-            params: SamplingParams {
-                max_tokens: r["n_new"].as_u64().unwrap() as u32,
-                ignore_eos: true,
-                ..Default::default()
-            },
-        })
-        .collect()
-}
-
-/// Every block is back in the pool (free or cached), none held.
-fn assert_no_blocks_held(e: &Engine) {
-    let st = e.stats();
-    assert_eq!(st.blocks_used, 0, "{st:?}");
-    assert_eq!(st.blocks_free + st.blocks_cached, st.blocks_total, "{st:?}");
-}
-
-/// Number of records whose generated ids equal the golden ones (differences are printed).
-fn count_exact(recs: &[Value], outs: &[Vec<u32>]) -> usize {
-    let mut exact = 0;
-    for (r, o) in recs.iter().zip(outs) {
-        let want = ids(&r["generated_ids"]);
-        if *o == want {
-            exact += 1;
-        } else {
-            let at = o.iter().zip(&want).position(|(a, b)| a != b);
-            eprintln!(
-                "{}: first difference at {at:?}\n got {:?}\nwant {:?}",
-                r["id"], o, want
-            );
-        }
-    }
-    exact
-}
-
-fn run_all(e: &mut Engine, recs: &[Value]) -> Vec<Vec<u32>> {
-    let outs = e.generate(requests(recs), |_| {}, |_| {}).unwrap();
-    outs.into_iter().map(|o| o.output_ids).collect()
-}
-
-fn check_all(e: &mut Engine, recs: &[Value]) {
-    let outs = run_all(e, recs);
-    assert_eq!(count_exact(recs, &outs), recs.len(), "token-exact records");
-    assert_no_blocks_held(e);
-}
+use tandem_engine::{EngineConfig, Event, KvDtype, KvPool, RequestId, WeightFormat};
 
 #[test]
 fn greedy_tokens_equal_golden_in_one_batch() {
@@ -112,6 +26,19 @@ fn greedy_tokens_equal_golden_with_small_blocks_and_chunked_prefill() {
             },
         );
         check_all(&mut e, &recs);
+    }
+}
+
+#[test]
+fn prompts_run_on_the_amx_tiles_where_the_cpu_has_them() {
+    let (e, _) = engine(WeightFormat::Native, EngineConfig::default());
+    if tandem_kernels::amx::available() {
+        // Every projection and the head packed: six bytes per weight.
+        let c = &e.model.config;
+        assert!(e.model.amx_bytes() >= 6 * c.vocab_size * c.hidden_size);
+    } else {
+        eprintln!("no AMX on this CPU: the golden checks ran on the AVX kernels only");
+        assert_eq!(e.model.amx_bytes(), 0);
     }
 }
 

@@ -12,6 +12,7 @@
 //! Main types: [`Weight`] (a matrix in its storage format), [`KvLayout`] (how one layer's KV
 //! blocks are laid out), [`SeqAttn`] (one sequence's slice of a packed batch).
 
+pub mod amx;
 pub mod attention;
 pub mod matmul;
 pub mod ops;
@@ -22,7 +23,7 @@ pub use attention::{
     paged_attention, reference_attention, write_kv, KvLayout, KvSlab, KvSlabMut, SeqAttn,
 };
 pub use matmul::matmul;
-pub use weight::Weight;
+pub use weight::{Linear, Weight};
 
 #[derive(Debug, thiserror::Error)]
 pub enum KernelError {

@@ -64,7 +64,7 @@ thread_local! {
 
 /// `out` shared by tasks that write disjoint elements.
 #[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
+pub(crate) struct OutPtr(pub(crate) *mut f32);
 // SAFETY: tasks write disjoint elements (each owns a run of output columns) and the pointer does
 // not outlive the `&mut` it came from (the parallel loop ends before `tiled` returns).
 unsafe impl Send for OutPtr {}
@@ -73,7 +73,7 @@ unsafe impl Sync for OutPtr {}
 impl OutPtr {
     /// # Safety
     /// `i` is inside the output and no other task writes it.
-    unsafe fn at(&self, i: usize) -> *mut f32 {
+    pub(crate) unsafe fn at(&self, i: usize) -> *mut f32 {
         self.0.add(i)
     }
 }

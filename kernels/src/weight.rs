@@ -2,6 +2,7 @@
 
 use tandem_model::{GgmlType, TensorData};
 
+use crate::amx::{self, AmxWeight};
 use crate::KernelError;
 
 /// A `[rows, cols]` matrix used as `y = x · Wᵀ` (PyTorch's Linear layout: one row per output).
@@ -118,6 +119,57 @@ impl Weight {
                 let rb = ty.bytes_for(*cols).expect("validated at construction");
                 crate::simd::dequant_row(*ty, &data[r * rb..(r + 1) * rb], out);
             }
+        }
+    }
+}
+
+/// Activation rows from which a product takes the AMX tiles (when packed and active). Below it,
+/// the quantized kernels read 4-8 bits per weight where the tiles read 48.
+pub const AMX_MIN_ROWS: usize = 16;
+
+/// A weight used as a linear layer: the matrix as stored, plus its AMX tile packing when this CPU
+/// has AMX (six bytes per weight, built at load).
+#[derive(Debug)]
+pub struct Linear {
+    weight: Weight,
+    amx: Option<AmxWeight>,
+}
+
+impl Linear {
+    pub fn new(weight: Weight) -> Self {
+        let amx = if amx::available() {
+            AmxWeight::new(&weight)
+        } else {
+            None
+        };
+        Self { weight, amx }
+    }
+
+    pub fn weight(&self) -> &Weight {
+        &self.weight
+    }
+
+    /// Bytes of the AMX packing (0 without one).
+    pub fn amx_bytes(&self) -> usize {
+        self.amx.as_ref().map_or(0, AmxWeight::bytes)
+    }
+
+    /// `out[m×n] = x[m×k] · Wᵀ`, on the AMX tiles from [`AMX_MIN_ROWS`] rows when available.
+    pub fn matmul(&self, x: &[f32], m: usize, out: &mut [f32]) -> Result<(), KernelError> {
+        match &self.amx {
+            Some(a) if m >= AMX_MIN_ROWS && amx::active() => {
+                let (n, k) = (a.rows(), a.cols());
+                if x.len() != m * k || out.len() != m * n {
+                    return Err(KernelError::Shape(format!(
+                        "matmul: x has {} values for {m}×{k}, out has {} for {m}×{n}",
+                        x.len(),
+                        out.len()
+                    )));
+                }
+                amx::matmul(x, m, a, out);
+                Ok(())
+            }
+            _ => crate::matmul(x, m, &self.weight, out),
         }
     }
 }
