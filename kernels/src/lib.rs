@@ -2,7 +2,8 @@
 //!
 //! Owns: the CPU implementations of matmul (dense f32 through `gemm`; quantized weights kept
 //! quantized in memory and dequantized on the fly with AVX2/FMA kernels chosen at run time, with a
-//! portable fallback), rms_norm, rotary embedding, silu·mul, embedding gather, writes into the paged
+//! portable fallback; on CPUs with AMX, products of many rows on the tiles at f32 accuracy,
+//! [`amx`] and [`Linear`]), rms_norm, rotary embedding, silu·mul, embedding gather, writes into the paged
 //! KV cache, paged attention (packed variable-length prefill over a cached prefix, and single-query
 //! decode), and logits helpers. Activations are f32 throughout so the CPU path is the numerical
 //! reference the GPU kernels are checked against.
