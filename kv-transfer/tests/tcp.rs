@@ -92,6 +92,18 @@ async fn a_transfer_lands_every_block_intact() {
     assert_eq!(rx.rejections().total(), 0);
 }
 
+/// Block frames over `(layer, block, payload)` triples.
+fn frames_of(bodies: &[(u32, u32, Vec<u8>)]) -> Vec<BlockFrame<'_>> {
+    bodies
+        .iter()
+        .map(|(layer, block, p)| BlockFrame {
+            layer: *layer,
+            block: *block,
+            payload: p,
+        })
+        .collect()
+}
+
 /// Many frames in one `send_blocks` call (several vectored writes), frames larger than the
 /// receiver's read buffer, and a peer that trickles its bytes a few at a time all land intact.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -106,14 +118,7 @@ async fn batched_large_and_trickled_frames_land_intact() {
     let bodies: Vec<(u32, u32, Vec<u8>)> = (0..3)
         .flat_map(|l| blocks.iter().map(move |&b| (l, b, payload(l, b, 24 << 10))))
         .collect();
-    let frames: Vec<BlockFrame<'_>> = bodies
-        .iter()
-        .map(|(layer, block, p)| BlockFrame {
-            layer: *layer,
-            block: *block,
-            payload: p,
-        })
-        .collect();
+    let frames = frames_of(&bodies);
     let mut s = t.open(&rx.local_addr().to_string()).await.unwrap();
     s.send_blocks(grant.id(), &frames).await.unwrap();
     s.end(grant.id()).await.unwrap();
@@ -129,14 +134,7 @@ async fn batched_large_and_trickled_frames_land_intact() {
         .into_iter()
         .map(|(l, b)| (l, b, payload(l, b, 3 << 20)))
         .collect();
-    let frames: Vec<BlockFrame<'_>> = bodies
-        .iter()
-        .map(|(layer, block, p)| BlockFrame {
-            layer: *layer,
-            block: *block,
-            payload: p,
-        })
-        .collect();
+    let frames = frames_of(&bodies);
     s.send_blocks(grant.id(), &frames).await.unwrap();
     s.end(grant.id()).await.unwrap();
     grant.wait().await.unwrap();
