@@ -194,20 +194,16 @@ pub async fn run(
                 buf
             })
             .collect();
-        let payloads: Vec<&[u8]> = order
-            .iter()
-            .zip(&gathered)
-            .map(|(&(layer, i), g)| src.block_bytes(layer, i).unwrap_or(g))
-            .collect();
         let frames: Vec<BlockFrame<'_>> = order
             .iter()
-            .zip(&payloads)
-            .map(|(&(layer, i), p)| BlockFrame {
+            .zip(&gathered)
+            .map(|(&(layer, i), g)| BlockFrame {
                 layer: layer as u32,
                 block: blocks[i],
-                payload: p,
+                payload: src.block_bytes(layer, i).unwrap_or(g),
             })
             .collect();
+        let payloads: Vec<&[u8]> = frames.iter().map(|f| f.payload).collect();
         let cached_chunk = vec![7u8; frame];
         let cached_chunks = vec![&cached_chunk[..]; payloads.len()];
         let (mut kv, mut tcp, mut tcp_cached) = (Vec::new(), Vec::new(), Vec::new());
