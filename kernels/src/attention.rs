@@ -1,18 +1,26 @@
 //! Paged KV cache writes and attention over it.
 //!
-//! One layer's cache is a slice of blocks. A block holds `block_size` token slots for K then V,
-//! each laid out `[kv_head][slot][head_dim]`, so one layer's block is one contiguous range (what a
-//! KV transfer sends) and one head's keys within a block are contiguous (what attention reads).
-//! A sequence's block table maps its logical block i (tokens i·bs .. (i+1)·bs) to a physical block.
+//! One layer's cache is a slice of blocks. A block holds `block_size` token slots for K then V:
+//! K laid out `[kv_head][head_dim][slot]` (transposed: one dimension of all the block's keys is
+//! one contiguous row) and V `[kv_head][slot][head_dim]`. One layer's block is one contiguous range
+//! (what a KV transfer sends), and one head's keys or values within a block are contiguous (what
+//! attention reads). A sequence's block table maps its logical block i (tokens i·bs .. (i+1)·bs)
+//! to a physical block.
 //!
 //! Attention takes a packed batch: query rows of several sequences one after another, each with
 //! its own block table and context length. A sequence's new tokens are the last `q_len` of its
 //! `context_len`, so the same kernel serves prefill (many new tokens, maybe after a cached prefix)
 //! and decode (one new token); masking is causal by position.
+//!
+//! The work is tiled like a small matmul. A tile is up to [`KEYS_T_TILE`] query vectors sharing
+//! one KV head: the grouped heads of a few consecutive rows of one sequence (a decode row alone
+//! when there is one new token). Scores come from the transposed keys, 16 keys per vector
+//! register and one broadcast query element per FMA, so there are no horizontal sums; the values
+//! are then accumulated for all the tile's vectors with each value row loaded once.
 
 use rayon::prelude::*;
 
-use crate::simd::{axpy, axpy_rows_group, dot_rows_group, exp_shifted_sum};
+use crate::simd::{axpy, axpy_rows_group, dot_keys_t, exp_shifted_sum, KEYS_T_TILE};
 use crate::KernelError;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -28,14 +36,18 @@ impl KvLayout {
         2 * self.num_kv_heads * self.block_size * self.head_dim
     }
 
+    /// Offset of a head's transposed keys in a block: `head_dim` rows of `block_size` slots.
     #[inline]
-    fn k_at(&self, block: usize, head: usize, slot: usize) -> usize {
-        block * self.block_floats() + (head * self.block_size + slot) * self.head_dim
+    fn kt_at(&self, block: usize, head: usize) -> usize {
+        block * self.block_floats() + head * self.block_size * self.head_dim
     }
 
+    /// Offset of a value row.
     #[inline]
     fn v_at(&self, block: usize, head: usize, slot: usize) -> usize {
-        self.k_at(block, head, slot) + self.block_floats() / 2
+        block * self.block_floats()
+            + self.block_floats() / 2
+            + (head * self.block_size + slot) * self.head_dim
     }
 
     /// Scales per block in an int8 cache (K and V, each head).
@@ -85,8 +97,8 @@ impl KvSlab<'_> {
         }
     }
 
-    /// `run` consecutive rows of one head starting at value offset `at` (K or V, as `kv`), as f32:
-    /// borrowed for f32 caches, decoded into `scratch` for int8 ones.
+    /// `run` consecutive value rows of one head starting at offset `at`, as f32: borrowed for
+    /// f32 caches, decoded (scale applied) into `scratch` for int8 ones.
     fn rows<'s>(
         &'s self,
         layout: KvLayout,
@@ -103,6 +115,27 @@ impl KvSlab<'_> {
                 scratch.clear();
                 scratch.extend(data[at..at + n].iter().map(|&q| q as f32 * sc));
                 scratch
+            }
+        }
+    }
+
+    /// One head's transposed keys in a block (`head_dim × block_size`, from offset `at`) as f32,
+    /// and the factor the scores still need: borrowed with 1 for f32 caches, the raw int8 values
+    /// converted into `scratch` with the block's scale for int8 ones.
+    fn keys_t<'s>(
+        &'s self,
+        layout: KvLayout,
+        at: usize,
+        scale_at: usize,
+        scratch: &'s mut Vec<f32>,
+    ) -> (&'s [f32], f32) {
+        let n = layout.head_dim * layout.block_size;
+        match self {
+            Self::F32(d) => (&d[at..at + n], 1.0),
+            Self::Int8 { data, scales } => {
+                scratch.clear();
+                scratch.extend(data[at..at + n].iter().map(|&q| q as f32));
+                (scratch, scales[scale_at])
             }
         }
     }
@@ -142,10 +175,10 @@ pub fn write_kv(
             k.len()
         )));
     }
-    let hd = layout.head_dim;
+    let (hd, bs) = (layout.head_dim, layout.block_size);
     let len = cache.as_ref().len();
     for (t, &slot) in slots.iter().enumerate() {
-        let (b, s) = (slot / layout.block_size, slot % layout.block_size);
+        let (b, s) = (slot / bs, slot % bs);
         if (b + 1) * layout.block_floats() > len {
             return Err(KernelError::Shape(format!(
                 "write_kv: slot {slot} is outside the cache"
@@ -153,18 +186,28 @@ pub fn write_kv(
         }
         for h in 0..layout.num_kv_heads {
             let src = t * row + h * hd;
-            for (kv, x) in [(0, &k[src..src + hd]), (1, &v[src..src + hd])] {
-                let at = if kv == 0 {
-                    layout.k_at(b, h, s)
-                } else {
-                    layout.v_at(b, h, s)
-                };
+            // K: element i of slot s at kt + i·bs + s. V: a row per slot.
+            let kt = layout.kt_at(b, h);
+            let k_run = Run {
+                first: kt,
+                slot_stride: 1,
+                dim_stride: bs,
+            };
+            let v_run = Run {
+                first: layout.v_at(b, h, 0),
+                slot_stride: hd,
+                dim_stride: 1,
+            };
+            for (kv, x, run) in [(0, &k[src..src + hd], k_run), (1, &v[src..src + hd], v_run)] {
                 match cache {
-                    KvSlabMut::F32(d) => d[at..at + hd].copy_from_slice(x),
+                    KvSlabMut::F32(d) => {
+                        for (i, &val) in x.iter().enumerate() {
+                            d[run.at(s, i)] = val;
+                        }
+                    }
                     KvSlabMut::Int8 { data, scales } => {
                         let si = layout.scale_at(b, kv, h);
-                        let first = at - s * hd;
-                        write_int8_row(data, &mut scales[si], first, s, hd, x);
+                        write_int8_row(data, &mut scales[si], run, s, x);
                     }
                 }
             }
@@ -173,23 +216,42 @@ pub fn write_kv(
     Ok(())
 }
 
-/// Quantizes row `s` of a block-head run starting at `first`, raising the run's scale (and
-/// requantizing rows `0..s`) when `x` does not fit it.
-fn write_int8_row(data: &mut [i8], scale: &mut f32, first: usize, s: usize, hd: usize, x: &[f32]) {
+/// Where one head's K or V values of one block live: value `i` of slot `s` at
+/// `first + s·slot_stride + i·dim_stride`.
+#[derive(Clone, Copy)]
+struct Run {
+    first: usize,
+    slot_stride: usize,
+    dim_stride: usize,
+}
+
+impl Run {
+    #[inline]
+    fn at(&self, slot: usize, i: usize) -> usize {
+        self.first + slot * self.slot_stride + i * self.dim_stride
+    }
+}
+
+/// Quantizes slot `s` of a block-head run, raising the run's scale (and requantizing slots
+/// `0..s`) when `x` does not fit it.
+fn write_int8_row(data: &mut [i8], scale: &mut f32, run: Run, s: usize, x: &[f32]) {
     let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
     let need = amax / 127.0;
     if s == 0 {
         *scale = need;
     } else if need > *scale {
         let ratio = if need > 0.0 { *scale / need } else { 0.0 };
-        for q in &mut data[first..first + s * hd] {
-            *q = (*q as f32 * ratio).round() as i8;
+        for slot in 0..s {
+            for i in 0..x.len() {
+                let q = &mut data[run.at(slot, i)];
+                *q = (*q as f32 * ratio).round() as i8;
+            }
         }
         *scale = need;
     }
     let inv = if *scale > 0.0 { 1.0 / *scale } else { 0.0 };
-    for (q, &v) in data[first + s * hd..first + (s + 1) * hd].iter_mut().zip(x) {
-        *q = (v * inv).round().clamp(-127.0, 127.0) as i8;
+    for (i, &v) in x.iter().enumerate() {
+        data[run.at(s, i)] = (v * inv).round().clamp(-127.0, 127.0) as i8;
     }
 }
 
@@ -246,44 +308,53 @@ pub fn paged_attention(
             owner[s.q_start + i] = (si, i);
         }
     }
-    // Work items: one per (query row, KV head, context split). The query heads that share a KV head
-    // are done together so each key and value row is read once for the whole group. Long contexts
-    // with few rows (decode) are split so every core has work; the splits' partial softmaxes are
-    // merged afterwards (flash-decoding).
+    // Work items: one per (tile of query rows, KV head, context split). A tile is up to `tile`
+    // consecutive rows of one sequence, and the query heads that share a KV head are done together,
+    // so each key and value row is read once for the whole tile. Long contexts with single rows
+    // (decode) are split so every core has work; the splits' partial softmaxes are merged
+    // afterwards (flash-decoding).
     let kvh_n = layout.num_kv_heads;
+    let tile = (KEYS_T_TILE / group).max(1);
     let target = 4 * rayon::current_num_threads();
-    let pairs = rows * kvh_n;
+    let tiles: usize = seqs.iter().map(|s| s.q_len.div_ceil(tile)).sum();
+    let pairs = tiles * kvh_n;
     let mut items = Vec::new();
-    for (r, &(si, i)) in owner.iter().enumerate() {
-        if si == usize::MAX {
-            continue;
-        }
-        let s = &seqs[si];
-        let n_ctx = s.context_len - s.q_len + i + 1;
-        let splits = if pairs >= target {
-            1
-        } else {
-            target.div_ceil(pairs).min(n_ctx.div_ceil(MIN_SPLIT)).max(1)
-        };
-        let len = n_ctx.div_ceil(splits);
-        for kvh in 0..kvh_n {
-            for j0 in (0..n_ctx).step_by(len) {
-                items.push(Item {
-                    row: r,
-                    seq: si,
-                    kvh,
-                    j0,
-                    j1: (j0 + len).min(n_ctx),
-                });
+    for (si, s) in seqs.iter().enumerate() {
+        for i0 in (0..s.q_len).step_by(tile) {
+            let rows = tile.min(s.q_len - i0);
+            let n_ctx = s.context_len - s.q_len + i0 + rows;
+            let splits = if pairs >= target || rows > 1 {
+                1
+            } else {
+                target.div_ceil(pairs).min(n_ctx.div_ceil(MIN_SPLIT)).max(1)
+            };
+            let len = n_ctx.div_ceil(splits);
+            for kvh in 0..kvh_n {
+                for j0 in (0..n_ctx).step_by(len) {
+                    items.push(Item {
+                        row: s.q_start + i0,
+                        rows,
+                        first_pos: s.context_len - s.q_len + i0,
+                        seq: si,
+                        kvh,
+                        j0,
+                        j1: (j0 + len).min(n_ctx),
+                    });
+                }
             }
         }
     }
     let parts: Vec<Vec<f32>> = items
         .par_iter()
         .map(|it| {
-            let qr = &q[it.row * width..(it.row + 1) * width];
-            let qg = &qr[it.kvh * group * hd..(it.kvh + 1) * group * hd];
-            attend_part(qg, group, &cache, layout, &seqs[it.seq], it, scale)
+            // The tile's query vectors, row after row, each row's grouped heads contiguous.
+            let gw = group * hd;
+            let mut qt = Vec::with_capacity(it.rows * gw);
+            for r in it.row..it.row + it.rows {
+                let at = r * width + it.kvh * gw;
+                qt.extend_from_slice(&q[at..at + gw]);
+            }
+            attend_tile(&qt, &cache, layout, &seqs[it.seq], it, scale)
         })
         .collect();
     // Rows without a sequence stay zero; the others are overwritten by the merge below.
@@ -295,8 +366,18 @@ pub fn paged_attention(
         while e < items.len() && items[e].row == row && items[e].kvh == kvh {
             e += 1;
         }
-        let o = &mut out[row * width + kvh * group * hd..row * width + (kvh + 1) * group * hd];
-        merge_parts(&parts[k..e], group, hd, o);
+        let nq = items[k].rows * group;
+        for r in 0..items[k].rows {
+            let at = (row + r) * width + kvh * group * hd;
+            merge_parts(
+                &parts[k..e],
+                nq,
+                r * group,
+                group,
+                hd,
+                &mut out[at..at + group * hd],
+            );
+        }
         k = e;
     }
     Ok(())
@@ -306,19 +387,23 @@ pub fn paged_attention(
 const MIN_SPLIT: usize = 64;
 
 struct Item {
+    /// First query row of the tile in the packed batch, and how many rows it has.
     row: usize,
+    rows: usize,
+    /// Position of the tile's first row in its sequence.
+    first_pos: usize,
     seq: usize,
     kvh: usize,
     j0: usize,
     j1: usize,
 }
 
-/// Softmax attention of `g` query heads (`qg`, g×hd) over keys `j0..j1` of one KV head. Returns, per
-/// query head, the running max, the sum of exponentials and the unnormalized output
-/// (`g × (2 + hd)` values).
-fn attend_part(
-    qg: &[f32],
-    g: usize,
+/// Softmax attention of a tile's `nq` query vectors (`qt`, nq×hd; vector `r·g + h` is head `h`
+/// of the tile's row `r`) over keys `j0..j1` of one KV head, each row masked causally at its own
+/// position. Returns, per vector, the running max, the sum of exponentials and the unnormalized
+/// output (`nq × (2 + hd)` values: maxes, then sums, then outputs).
+fn attend_tile(
+    qt: &[f32],
     cache: &KvSlab<'_>,
     layout: KvLayout,
     s: &SeqAttn<'_>,
@@ -326,29 +411,51 @@ fn attend_part(
     scale: f32,
 ) -> Vec<f32> {
     let (hd, bs) = (layout.head_dim, layout.block_size);
+    let nq = qt.len() / hd;
+    let g = nq / it.rows;
     let n = it.j1 - it.j0;
-    let mut scores = vec![0f32; g * n];
+    let mut scores = vec![0f32; nq * n];
     let mut scratch = Vec::new();
     for (blk, off, run, at) in block_runs(s.block_table, bs, it.j0, it.j1) {
-        let ko = layout.k_at(blk, it.kvh, off);
-        let keys = cache.rows(
+        let (kt, kscale) = cache.keys_t(
             layout,
-            ko,
-            run,
+            layout.kt_at(blk, it.kvh),
             layout.scale_at(blk, 0, it.kvh),
             &mut scratch,
         );
-        dot_rows_group(qg, g, keys, scale, &mut scores[at..], n);
+        dot_keys_t(
+            qt,
+            nq,
+            &kt[off..],
+            bs,
+            run,
+            scale * kscale,
+            &mut scores[at..],
+            n,
+        );
     }
-    // [max; g] [sum; g] [output; g×hd]
-    let mut part = vec![0f32; g * (2 + hd)];
-    for h in 0..g {
-        let sc = &mut scores[h * n..(h + 1) * n];
+    // Causal mask: row r sees keys up to its own position.
+    for r in 0..it.rows {
+        let first_masked = (it.first_pos + r + 1).max(it.j0);
+        if first_masked < it.j1 {
+            for v in r * g..(r + 1) * g {
+                scores[v * n + first_masked - it.j0..(v + 1) * n].fill(f32::NEG_INFINITY);
+            }
+        }
+    }
+    let mut part = vec![0f32; nq * (2 + hd)];
+    for v in 0..nq {
+        let sc = &mut scores[v * n..(v + 1) * n];
         let max = sc.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-        part[h] = max;
-        part[g + h] = exp_shifted_sum(sc, max);
+        part[v] = max;
+        if max == f32::NEG_INFINITY {
+            // Every key of this slice lies after the row: it contributes nothing.
+            sc.fill(0.0);
+        } else {
+            part[nq + v] = exp_shifted_sum(sc, max);
+        }
     }
-    let acc = &mut part[2 * g..];
+    let acc = &mut part[2 * nq..];
     for (blk, off, run, at) in block_runs(s.block_table, bs, it.j0, it.j1) {
         let vo = layout.v_at(blk, it.kvh, off);
         let vals = cache.rows(
@@ -358,7 +465,16 @@ fn attend_part(
             layout.scale_at(blk, 1, it.kvh),
             &mut scratch,
         );
-        axpy_rows_group(&scores[at..], n, vals, acc, g);
+        for v0 in (0..nq).step_by(6) {
+            let take = (nq - v0).min(6);
+            axpy_rows_group(
+                &scores[v0 * n + at..],
+                n,
+                vals,
+                &mut acc[v0 * hd..(v0 + take) * hd],
+                take,
+            );
+        }
     }
     part
 }
@@ -384,24 +500,29 @@ fn block_runs(
     })
 }
 
-/// Combines the partial softmaxes of one (row, KV head) into normalized outputs `o` (g×hd).
-fn merge_parts(parts: &[Vec<f32>], g: usize, hd: usize, o: &mut [f32]) {
+/// Combines vectors `v0..v0+g` of the partial softmaxes of one tile and KV head (each part holds
+/// `nq` vectors) into normalized outputs `o` (g×hd).
+fn merge_parts(parts: &[Vec<f32>], nq: usize, v0: usize, g: usize, hd: usize, o: &mut [f32]) {
     for h in 0..g {
+        let v = v0 + h;
         let oh = &mut o[h * hd..(h + 1) * hd];
-        let acc = 2 * g + h * hd..2 * g + (h + 1) * hd;
+        let acc = 2 * nq + v * hd..2 * nq + (v + 1) * hd;
         if let [p] = parts {
-            let inv = 1.0 / p[g + h];
+            let inv = 1.0 / p[nq + v];
             for (y, x) in oh.iter_mut().zip(&p[acc.clone()]) {
                 *y = x * inv;
             }
             continue;
         }
-        let max = parts.iter().map(|p| p[h]).fold(f32::NEG_INFINITY, f32::max);
+        let max = parts.iter().map(|p| p[v]).fold(f32::NEG_INFINITY, f32::max);
         let mut sum = 0f32;
         oh.fill(0.0);
         for p in parts {
-            let w = (p[h] - max).exp();
-            sum += w * p[g + h];
+            if p[v] == f32::NEG_INFINITY {
+                continue;
+            }
+            let w = (p[v] - max).exp();
+            sum += w * p[nq + v];
             axpy(w, &p[acc.clone()], oh);
         }
         let inv = 1.0 / sum;
@@ -470,7 +591,7 @@ mod tests {
             seed in any::<u64>(),
             kv_heads in 1usize..4,
             group in 1usize..4,
-            hd_pow in 2u32..6,
+            hd_pow in 2u32..8,
             block_size in prop::sample::select(vec![1usize, 2, 4, 16]),
             lens in prop::collection::vec((1usize..40, 0usize..40), 1..4),
             int8 in any::<bool>(),
@@ -558,13 +679,17 @@ mod tests {
         assert_eq!(scales[1], 4.0 / 127.0);
         for (s, r) in rows.iter().enumerate() {
             for d in 0..2 {
-                let got = data[s * 2 + d] as f32 * scales[0];
+                // K is transposed (`[dim][slot]`), V is not (`[slot][dim]`, after K).
+                let k = data[d * 4 + s] as f32 * scales[0];
+                let v = data[8 + s * 2 + d] as f32 * scales[1];
                 // Two roundings at most: one at the first scale, one on requantizing.
-                assert!(
-                    (got - r[d]).abs() <= scales[0],
-                    "slot {s}: {got} vs {}",
-                    r[d]
-                );
+                for got in [k, v] {
+                    assert!(
+                        (got - r[d]).abs() <= scales[0],
+                        "slot {s}: {got} vs {}",
+                        r[d]
+                    );
+                }
             }
         }
         // Slot 0 of a reused block starts a fresh scale.

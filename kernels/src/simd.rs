@@ -87,21 +87,6 @@ pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
     }
 }
 
-/// `out[t] = scale · (q · rows[t])` for the `out.len()` rows of `rows` (each `q.len()` long): one
-/// query against a run of keys.
-pub fn dot_rows(q: &[f32], rows: &[f32], scale: f32, out: &mut [f32]) {
-    let d = q.len();
-    debug_assert_eq!(rows.len(), out.len() * d);
-    #[cfg(target_arch = "x86_64")]
-    if d.is_multiple_of(16) && has_avx512() {
-        // SAFETY: the CPU supports the features; lengths checked above.
-        return unsafe { avx512::dot_rows(q, rows, scale, out) };
-    }
-    for (o, r) in out.iter_mut().zip(rows.chunks_exact(d)) {
-        *o = dot_f32(q, r) * scale;
-    }
-}
-
 /// `acc += Σ_t p[t] · rows[t]` for the `p.len()` rows of `rows` (each `acc.len()` long): a run of
 /// value rows weighted by attention probabilities.
 pub fn axpy_rows(p: &[f32], rows: &[f32], acc: &mut [f32]) {
@@ -117,39 +102,96 @@ pub fn axpy_rows(p: &[f32], rows: &[f32], acc: &mut [f32]) {
     }
 }
 
-/// [`dot_rows`] for `g` query heads (`qg`, g×d) against the same rows, each row read once:
-/// `out[h·stride + t] = scale · (q_h · rows[t])`.
-pub fn dot_rows_group(
-    qg: &[f32],
-    g: usize,
-    rows: &[f32],
+/// Most query vectors [`dot_keys_t`] keeps in registers at once.
+pub const KEYS_T_TILE: usize = 12;
+
+/// Scores of `nq` query vectors against `n` keys stored transposed:
+/// `out[v·ldo + j] = scale · Σ_i q[v·d + i] · kt[i·ld + j]` for `v < nq`, `j < n`, where `d =
+/// q.len() / nq` and column `j` of `kt` (stride `ld` between dimensions) is key `j`. Each
+/// 16-key row of `kt` is loaded once for up to [`KEYS_T_TILE`] queries and multiplied with one
+/// broadcast element of each: no horizontal sums, one FMA per query and key per dimension.
+#[allow(clippy::too_many_arguments)]
+pub fn dot_keys_t(
+    q: &[f32],
+    nq: usize,
+    kt: &[f32],
+    ld: usize,
+    n: usize,
     scale: f32,
     out: &mut [f32],
-    stride: usize,
+    ldo: usize,
 ) {
-    let d = qg.len() / g;
-    let n = rows.len() / d;
-    debug_assert!(g == 0 || out.len() >= (g - 1) * stride + n);
-    #[cfg(target_arch = "x86_64")]
-    if d.is_multiple_of(64) && has_avx512() {
-        // SAFETY: the CPU supports the features; shapes checked above.
-        unsafe {
-            match g {
-                1 => return avx512::dot_rows_g::<1>(qg, rows, scale, out, stride),
-                2 => return avx512::dot_rows_g::<2>(qg, rows, scale, out, stride),
-                3 => return avx512::dot_rows_g::<3>(qg, rows, scale, out, stride),
-                4 => return avx512::dot_rows_g::<4>(qg, rows, scale, out, stride),
-                _ => {}
-            }
-        }
+    if nq == 0 || n == 0 {
+        return;
     }
-    for h in 0..g {
-        dot_rows(
-            &qg[h * d..(h + 1) * d],
-            rows,
-            scale,
-            &mut out[h * stride..h * stride + n],
-        );
+    let d = q.len() / nq;
+    if d == 0 {
+        (0..nq).for_each(|v| out[v * ldo..v * ldo + n].fill(0.0));
+        return;
+    }
+    assert!(
+        n <= ld && kt.len() >= (d - 1) * ld + n && out.len() >= (nq - 1) * ldo + n,
+        "dot_keys_t: {nq} queries of {d} against {n} keys (stride {ld}) do not fit"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() {
+        let mut v0 = 0;
+        while v0 < nq {
+            let take = [12, 8, 6, 4, 3, 2, 1]
+                .into_iter()
+                .find(|&t| t <= nq - v0)
+                .expect("1 fits");
+            for j0 in (0..n).step_by(16) {
+                let cols = (n - j0).min(16);
+                // SAFETY: the CPU supports the features. Rows `i < d` of `kt` hold `cols` keys
+                // from `j0` (checked above; masked lanes are not read); `out` rows `v0..v0+take`
+                // hold `cols` slots from `j0`.
+                unsafe {
+                    let (qp, kp, op) = (
+                        q.as_ptr().add(v0 * d),
+                        kt.as_ptr().add(j0),
+                        out.as_mut_ptr().add(v0 * ldo + j0),
+                    );
+                    match take {
+                        12 => avx512::dot_keys_t::<12>(qp, d, kp, ld, cols, scale, op, ldo),
+                        8 => avx512::dot_keys_t::<8>(qp, d, kp, ld, cols, scale, op, ldo),
+                        6 => avx512::dot_keys_t::<6>(qp, d, kp, ld, cols, scale, op, ldo),
+                        4 => avx512::dot_keys_t::<4>(qp, d, kp, ld, cols, scale, op, ldo),
+                        3 => avx512::dot_keys_t::<3>(qp, d, kp, ld, cols, scale, op, ldo),
+                        2 => avx512::dot_keys_t::<2>(qp, d, kp, ld, cols, scale, op, ldo),
+                        _ => avx512::dot_keys_t::<1>(qp, d, kp, ld, cols, scale, op, ldo),
+                    }
+                }
+            }
+            v0 += take;
+        }
+        return;
+    }
+    dot_keys_t_portable(q, nq, kt, ld, n, scale, out, ldo);
+}
+
+/// [`dot_keys_t`] without SIMD.
+#[allow(clippy::too_many_arguments)]
+fn dot_keys_t_portable(
+    q: &[f32],
+    nq: usize,
+    kt: &[f32],
+    ld: usize,
+    n: usize,
+    scale: f32,
+    out: &mut [f32],
+    ldo: usize,
+) {
+    let d = q.len() / nq;
+    for v in 0..nq {
+        let qv = &q[v * d..(v + 1) * d];
+        for j in 0..n {
+            let mut acc = 0f32;
+            for (i, x) in qv.iter().enumerate() {
+                acc += x * kt[i * ld + j];
+            }
+            out[v * ldo + j] = acc * scale;
+        }
     }
 }
 
@@ -168,6 +210,8 @@ pub fn axpy_rows_group(p: &[f32], stride: usize, rows: &[f32], acc: &mut [f32], 
                 2 => return avx512::axpy_rows_g::<2>(p, stride, rows, acc),
                 3 => return avx512::axpy_rows_g::<3>(p, stride, rows, acc),
                 4 => return avx512::axpy_rows_g::<4>(p, stride, rows, acc),
+                5 => return avx512::axpy_rows_g::<5>(p, stride, rows, acc),
+                6 => return avx512::axpy_rows_g::<6>(p, stride, rows, acc),
                 _ => {}
             }
         }
@@ -548,46 +592,49 @@ mod avx512 {
         }
     }
 
-    /// `G` heads; `d` is a multiple of 64. Each 64-wide slice of a row is loaded once for all heads.
+    /// `N` query vectors (rows of `d` at `q`) against `cols ≤ 16` keys stored transposed (row `i`
+    /// of `kt` at `kt + i·ld`): two sets of `N` accumulators (even and odd dimensions) so that
+    /// even a few queries keep both FMA units busy.
     #[target_feature(enable = "avx512f,avx2,fma")]
-    pub unsafe fn dot_rows_g<const G: usize>(
-        qg: &[f32],
-        rows: &[f32],
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn dot_keys_t<const N: usize>(
+        q: *const f32,
+        d: usize,
+        kt: *const f32,
+        ld: usize,
+        cols: usize,
         scale: f32,
-        out: &mut [f32],
-        stride: usize,
+        out: *mut f32,
+        ldo: usize,
     ) {
-        let d = qg.len() / G;
-        let n = rows.len() / d;
-        let (pq, pr, po) = (qg.as_ptr(), rows.as_ptr(), out.as_mut_ptr());
-        for t in 0..n {
-            let r = pr.add(t * d);
-            let mut acc = [_mm512_setzero_ps(); G];
-            for c in (0..d).step_by(64) {
-                let k = [
-                    _mm512_loadu_ps(r.add(c)),
-                    _mm512_loadu_ps(r.add(c + 16)),
-                    _mm512_loadu_ps(r.add(c + 32)),
-                    _mm512_loadu_ps(r.add(c + 48)),
-                ];
-                for (h, a) in acc.iter_mut().enumerate() {
-                    let q = pq.add(h * d + c);
-                    let s01 = _mm512_fmadd_ps(
-                        _mm512_loadu_ps(q.add(16)),
-                        k[1],
-                        _mm512_mul_ps(_mm512_loadu_ps(q), k[0]),
-                    );
-                    let s23 = _mm512_fmadd_ps(
-                        _mm512_loadu_ps(q.add(48)),
-                        k[3],
-                        _mm512_mul_ps(_mm512_loadu_ps(q.add(32)), k[2]),
-                    );
-                    *a = _mm512_add_ps(*a, _mm512_add_ps(s01, s23));
-                }
+        let mask: __mmask16 = if cols >= 16 {
+            0xFFFF
+        } else {
+            (1u16 << cols) - 1
+        };
+        let mut even = [_mm512_setzero_ps(); N];
+        let mut odd = [_mm512_setzero_ps(); N];
+        let mut i = 0;
+        while i + 2 <= d {
+            let k0 = _mm512_maskz_loadu_ps(mask, kt.add(i * ld));
+            let k1 = _mm512_maskz_loadu_ps(mask, kt.add((i + 1) * ld));
+            for v in 0..N {
+                let qv = q.add(v * d + i);
+                even[v] = _mm512_fmadd_ps(_mm512_set1_ps(*qv), k0, even[v]);
+                odd[v] = _mm512_fmadd_ps(_mm512_set1_ps(*qv.add(1)), k1, odd[v]);
             }
-            for (h, a) in acc.iter().enumerate() {
-                *po.add(h * stride + t) = _mm512_reduce_add_ps(*a) * scale;
+            i += 2;
+        }
+        if i < d {
+            let k0 = _mm512_maskz_loadu_ps(mask, kt.add(i * ld));
+            for (v, e) in even.iter_mut().enumerate() {
+                *e = _mm512_fmadd_ps(_mm512_set1_ps(*q.add(v * d + i)), k0, *e);
             }
+        }
+        let s = _mm512_set1_ps(scale);
+        for v in 0..N {
+            let sum = _mm512_mul_ps(_mm512_add_ps(even[v], odd[v]), s);
+            _mm512_mask_storeu_ps(out.add(v * ldo), mask, sum);
         }
     }
 
@@ -630,32 +677,6 @@ mod avx512 {
                     _mm512_storeu_ps(pa.add(h * d + c + 16 * j), *v);
                 }
             }
-        }
-    }
-
-    /// `d` is a multiple of 16.
-    #[target_feature(enable = "avx512f,avx2,fma")]
-    pub unsafe fn dot_rows(q: &[f32], rows: &[f32], scale: f32, out: &mut [f32]) {
-        let d = q.len();
-        let (pq, pr) = (q.as_ptr(), rows.as_ptr());
-        for (t, o) in out.iter_mut().enumerate() {
-            let r = pr.add(t * d);
-            let mut acc0 = _mm512_mul_ps(_mm512_loadu_ps(pq), _mm512_loadu_ps(r));
-            let mut acc1 = _mm512_setzero_ps();
-            let mut i = 16;
-            while i + 32 <= d {
-                acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(pq.add(i)), _mm512_loadu_ps(r.add(i)), acc1);
-                acc0 = _mm512_fmadd_ps(
-                    _mm512_loadu_ps(pq.add(i + 16)),
-                    _mm512_loadu_ps(r.add(i + 16)),
-                    acc0,
-                );
-                i += 32;
-            }
-            if i < d {
-                acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(pq.add(i)), _mm512_loadu_ps(r.add(i)), acc1);
-            }
-            *o = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) * scale;
         }
     }
 
@@ -1124,23 +1145,17 @@ mod tests {
     }
 
     #[test]
-    fn row_runs_match_scalar() {
+    fn value_runs_match_scalar() {
         for d in [4, 16, 48, 64, 128] {
             for n in [0, 1, 5, 16] {
-                let q = rnd(d, 3);
                 let rows = rnd(n * d, 4);
-                let mut out = vec![0f32; n];
-                dot_rows(&q, &rows, 0.5, &mut out);
                 let p = rnd(n, 5);
                 let mut acc = rnd(d, 6);
                 let mut want_acc = acc.clone();
                 axpy_rows(&p, &rows, &mut acc);
                 for t in 0..n {
-                    let r = &rows[t * d..(t + 1) * d];
-                    let want: f32 = q.iter().zip(r).map(|(a, b)| a * b).sum::<f32>() * 0.5;
-                    assert!(close(out[t], want), "d={d} n={n} t={t}");
                     for i in 0..d {
-                        want_acc[i] += p[t] * r[i];
+                        want_acc[i] += p[t] * rows[t * d + i];
                     }
                 }
                 for i in 0..d {
@@ -1211,28 +1226,57 @@ mod tests {
         }
     }
 
+    /// Every tile size and key count (masked tails, several 16-key chunks), odd and even
+    /// dimensions; slots outside the scores stay untouched.
     #[test]
-    fn grouped_row_runs_match_per_head() {
+    fn transposed_key_scores_match_dots() {
+        for d in [1, 7, 16, 64, 128] {
+            for nq in [1, 2, 3, 5, 9, 12, 13, 25] {
+                for (n, ld) in [(1, 1), (4, 4), (15, 16), (16, 16), (17, 20), (40, 48)] {
+                    let q = rnd(nq * d, 11 + nq as u64);
+                    let kt = rnd((d - 1) * ld + n, 12 + n as u64);
+                    let ldo = n + 3;
+                    let mut out = vec![f32::NAN; nq * ldo];
+                    dot_keys_t(&q, nq, &kt, ld, n, 0.25, &mut out, ldo);
+                    let mut portable = vec![f32::NAN; nq * ldo];
+                    dot_keys_t_portable(&q, nq, &kt, ld, n, 0.25, &mut portable, ldo);
+                    for (o, p) in out.iter().zip(&portable) {
+                        assert!(
+                            close(*o, *p) || (o.is_nan() && p.is_nan()),
+                            "portable differs"
+                        );
+                    }
+                    for v in 0..nq {
+                        for j in 0..ldo {
+                            let got = out[v * ldo + j];
+                            if j >= n {
+                                assert!(got.is_nan(), "wrote past the keys");
+                                continue;
+                            }
+                            let want: f32 =
+                                (0..d).map(|i| q[v * d + i] * kt[i * ld + j]).sum::<f32>() * 0.25;
+                            assert!(close(got, want), "d={d} nq={nq} n={n} v={v} j={j}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn grouped_value_runs_match_per_head() {
         for d in [16, 64, 128] {
-            for g in 1..=6 {
+            for g in 1..=7 {
                 for n in [0, 1, 3, 16] {
                     let stride = n + 2;
-                    let qg = rnd(g * d, 7);
                     let rows = rnd(n * d, 8);
-                    let mut out = vec![0f32; g * stride];
-                    dot_rows_group(&qg, g, &rows, 0.25, &mut out, stride);
                     let p = rnd(g * stride, 9);
                     let mut acc = rnd(g * d, 10);
                     let before = acc.clone();
                     axpy_rows_group(&p, stride, &rows, &mut acc, g);
                     for h in 0..g {
-                        let mut want = vec![0f32; n];
-                        dot_rows(&qg[h * d..(h + 1) * d], &rows, 0.25, &mut want);
                         let mut want_acc = before[h * d..(h + 1) * d].to_vec();
                         axpy_rows(&p[h * stride..h * stride + n], &rows, &mut want_acc);
-                        for t in 0..n {
-                            assert!(close(out[h * stride + t], want[t]), "d={d} g={g} n={n}");
-                        }
                         for i in 0..d {
                             assert!(close(acc[h * d + i], want_acc[i]), "d={d} g={g} n={n}");
                         }
