@@ -205,16 +205,16 @@ impl LlamaModel {
                 .bytes()
     }
 
-    /// Bytes of AMX tile packings held next to the weights (0 on CPUs without AMX).
-    pub fn amx_bytes(&self) -> usize {
+    /// Projections (and the head) whose batched products run on the AMX tiles: none on CPUs
+    /// without AMX.
+    pub fn tiled_projections(&self) -> usize {
         let layers: usize = self
             .layers
             .iter()
-            .map(|l| {
-                l.qkv.amx_bytes() + l.o.amx_bytes() + l.gate_up.amx_bytes() + l.down.amx_bytes()
-            })
-            .sum();
-        layers + self.lm_head.as_ref().unwrap_or(&self.embed).amx_bytes()
+            .flat_map(|l| [&l.qkv, &l.o, &l.gate_up, &l.down])
+            .filter(|p| p.tiles())
+            .count();
+        layers + usize::from(self.lm_head.as_ref().unwrap_or(&self.embed).tiles())
     }
 
     /// Runs one packed step; returns logits (vocab each) for the sequences with `want_logits`, in

@@ -9,9 +9,13 @@
 //! to the exact dot product as an f32 FMA loop is. So the engine stays token-exact against its f32
 //! reference while prefill and batched decode run several times faster.
 //!
-//! Weights are split and laid out for the tile loads once, at load time ([`AmxWeight`], six bytes
-//! per weight); activations are split per call. The tile registers are driven by inline assembly
-//! (the intrinsics are not stable Rust). Linux hands AMX state to a process only after
+//! Nothing is packed at load: a product reads the weights as stored (4-8 bits per weight when
+//! quantized), and each task decodes and splits its 64 weight rows into a small buffer that stays
+//! in cache while the task's tokens pass over it. The weights are the A operand (row-major limb
+//! planes, as decoded), the activations the B operand (split and laid out in the tiles' pair
+//! layout once per call), so neither side needs a transpose on the way in; the 16×16 results are
+//! transposed on the way out. The tile registers are driven by inline assembly (the intrinsics are
+//! not stable Rust). Linux hands AMX state to a process only after
 //! `arch_prctl(ARCH_REQ_XCOMP_PERM)`, which [`available`] asks for once.
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -29,9 +33,9 @@ const DEPTH: usize = 32;
 const TILE_ELEMS: usize = TILE * DEPTH;
 /// Limbs per operand.
 const LIMBS: usize = 3;
-/// Activation rows kept hot in L2 while a task walks its weight rows.
+/// Activation rows one task covers: its weight rows are decoded once per this many tokens.
 const TOKEN_BLOCK: usize = 256;
-/// Output columns (weight rows) per rayon task: two tile columns per kernel call.
+/// Weight rows (output columns) per rayon task: two tiles per kernel call.
 const COLS_PER_TASK: usize = 64;
 
 static ENABLED: AtomicBool = AtomicBool::new(true);
@@ -59,7 +63,8 @@ pub fn set_enabled(on: bool) {
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
 fn detect() -> bool {
     use std::arch::x86_64::__cpuid_count;
-    if !crate::simd::has_avx512() {
+    // Every CPU with AMX has AVX512-BF16, whose conversion the limb split uses.
+    if !crate::simd::has_avx512() || !is_x86_feature_detected!("avx512bf16") {
         return false;
     }
     // SAFETY: cpuid is available on every x86-64 CPU (the call is safe in newer Rust).
@@ -106,82 +111,183 @@ fn limbs(v: f32) -> [u16; LIMBS] {
 #[repr(C, align(64))]
 struct Tile([u16; TILE_ELEMS]);
 
-/// A weight matrix (`rows × cols`, used as `x · Wᵀ`) split into bf16 limbs and laid out as AMX
-/// B tiles: for each group of 16 rows and each 32 columns, three tiles (one per limb) whose row
-/// `p` holds the pairs `(W[r][2p], W[r][2p+1])` of the group's 16 rows.
-pub struct AmxWeight {
-    rows: usize,
-    cols: usize,
-    tiles: Vec<Tile>,
+/// Whether the tile kernels take `w`: rows a multiple of 32 (two tiles per kernel call) and
+/// columns a multiple of 32 (the depth of one tile product).
+pub fn fits(w: &Weight) -> bool {
+    let (rows, cols) = (w.rows(), w.cols());
+    rows > 0 && rows.is_multiple_of(2 * TILE) && cols.is_multiple_of(DEPTH)
 }
 
-impl std::fmt::Debug for AmxWeight {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("AmxWeight")
-            .field("rows", &self.rows)
-            .field("cols", &self.cols)
-            .finish()
-    }
-}
-
-impl AmxWeight {
-    /// Packs `w` for the tile kernels: its values exactly as [`Weight::row_f32`] decodes them.
-    /// `None` when the shape does not tile (rows not a multiple of 32, columns of 32).
-    pub fn new(w: &Weight) -> Option<Self> {
-        let (rows, cols) = (w.rows(), w.cols());
-        if rows % (2 * TILE) != 0 || cols % DEPTH != 0 || rows == 0 {
-            return None;
-        }
-        let chunks = cols / DEPTH;
-        let per_group = chunks * LIMBS;
-        let mut tiles = vec![Tile([0; TILE_ELEMS]); rows / TILE * per_group];
-        tiles
-            .par_chunks_mut(per_group)
-            .enumerate()
-            .for_each(|(g, group)| {
-                let mut row = vec![0f32; cols];
-                for r in 0..TILE {
-                    w.row_f32(g * TILE + r, &mut row);
-                    for (k, &v) in row.iter().enumerate() {
-                        let (c, j) = (k / DEPTH, k % DEPTH);
-                        let at = (j / 2) * DEPTH + 2 * r + j % 2;
-                        for (l, bits) in limbs(v).into_iter().enumerate() {
-                            group[c * LIMBS + l].0[at] = bits;
+/// Activation rows `x` (`rows × k`) split into limbs and laid out as B tiles, padded with zero
+/// rows to `padded`: for each group of 16 rows and each 32 columns, three tiles (one per limb)
+/// whose row `p` holds the pairs `(x[r][2p], x[r][2p+1])` of the group's 16 rows.
+fn pack_b(x: &[f32], rows: usize, padded: usize, k: usize) -> Vec<Tile> {
+    let per_group = k / DEPTH * LIMBS;
+    let mut tiles = vec![Tile([0; TILE_ELEMS]); padded / TILE * per_group];
+    tiles
+        .par_chunks_mut(per_group)
+        .enumerate()
+        .for_each(|(g, group)| {
+            let mut l = [[0u16; DEPTH]; LIMBS];
+            for r in 0..TILE.min(rows.saturating_sub(g * TILE)) {
+                let i = g * TILE + r;
+                for (c, vals) in x[i * k..(i + 1) * k].chunks_exact(DEPTH).enumerate() {
+                    let [l0, l1, l2] = &mut l;
+                    split_limbs(vals, l0, l1, l2);
+                    // Pair p of this row goes to row p, column r of each limb's tile.
+                    for (li, limb) in l.iter().enumerate() {
+                        let tile = &mut group[c * LIMBS + li].0;
+                        for p in 0..DEPTH / 2 {
+                            tile[p * DEPTH + 2 * r] = limb[2 * p];
+                            tile[p * DEPTH + 2 * r + 1] = limb[2 * p + 1];
                         }
                     }
                 }
-            });
-        Some(Self { rows, cols, tiles })
-    }
+            }
+        });
+    tiles
+}
 
-    pub fn rows(&self) -> usize {
-        self.rows
+/// `v` split into three limb planes (bf16 bits): `l0[i] + l1[i] + l2[i] = v[i]` exactly.
+fn split_limbs(v: &[f32], l0: &mut [u16], l1: &mut [u16], l2: &mut [u16]) {
+    assert!(l0.len() >= v.len() && l1.len() >= v.len() && l2.len() >= v.len());
+    #[cfg(target_arch = "x86_64")]
+    if available() {
+        let n = v.len() / 32 * 32;
+        // SAFETY: `available` checked AVX-512F and AVX512-BF16; each plane holds `n` values
+        // (asserted above).
+        unsafe {
+            use std::arch::x86_64::*;
+            for i in (0..n).step_by(32) {
+                let (lo, hi) = (
+                    _mm512_loadu_ps(v.as_ptr().add(i)),
+                    _mm512_loadu_ps(v.as_ptr().add(i + 16)),
+                );
+                let (p0, p1, p2) = (l0.as_mut_ptr(), l1.as_mut_ptr(), l2.as_mut_ptr());
+                store_limbs32(lo, hi, p0.add(i), p1.add(i), p2.add(i));
+            }
+        }
+        for i in n..v.len() {
+            [l0[i], l1[i], l2[i]] = limbs(v[i]);
+        }
+        return;
     }
-
-    pub fn cols(&self) -> usize {
-        self.cols
-    }
-
-    /// Bytes the packed tiles take.
-    pub fn bytes(&self) -> usize {
-        self.tiles.len() * std::mem::size_of::<Tile>()
+    for (i, &x) in v.iter().enumerate() {
+        [l0[i], l1[i], l2[i]] = limbs(x);
     }
 }
 
-/// Activations split into limbs: `[limb][row][k]` bf16 bits, rows padded with zeros to a multiple
-/// of 16.
-fn split_activations(x: &[f32], m: usize, k: usize) -> (Vec<u16>, usize) {
-    let mp = m.div_ceil(TILE) * TILE;
-    let mut out = vec![0u16; LIMBS * mp * k];
-    let (l0, rest) = out.split_at_mut(mp * k);
-    let (l1, l2) = rest.split_at_mut(mp * k);
-    for (i, &v) in x.iter().enumerate() {
-        let [a, b, c] = limbs(v);
-        l0[i] = a;
-        l1[i] = b;
-        l2[i] = c;
+/// Splits 32 values (`lo` then `hi`) into limbs, as [`limbs`] does, and stores each limb's 32
+/// bf16 at its pointer. The bf16 conversion is exact: the first two limbs have their low 16 bits
+/// clear, and the last has at most 8 significant bits.
+///
+/// # Safety
+/// AVX-512F and AVX512-BF16 are available; each pointer is valid for 32 u16 writes.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+#[inline]
+unsafe fn store_limbs32(
+    lo: std::arch::x86_64::__m512,
+    hi: std::arch::x86_64::__m512,
+    p0: *mut u16,
+    p1: *mut u16,
+    p2: *mut u16,
+) {
+    use std::arch::x86_64::*;
+    let (a0, a1, a2) = split3(lo);
+    let (b0, b1, b2) = split3(hi);
+    for (p, l, h) in [(p0, a0, b0), (p1, a1, b1), (p2, a2, b2)] {
+        let packed: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(h, l));
+        _mm512_storeu_si512(p.cast(), packed);
     }
-    (out, mp)
+}
+
+/// The three limbs of sixteen values, as f32.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn split3(
+    x: std::arch::x86_64::__m512,
+) -> (
+    std::arch::x86_64::__m512,
+    std::arch::x86_64::__m512,
+    std::arch::x86_64::__m512,
+) {
+    use std::arch::x86_64::*;
+    let mask = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
+    let h0 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), mask));
+    let r1 = _mm512_sub_ps(x, h0);
+    let h1 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(r1), mask));
+    (h0, h1, _mm512_sub_ps(r1, h1))
+}
+
+/// A Q4_1 row in the kernels' split layout (`[d; nb] [m; nb] [qs; nb]`) decoded straight into
+/// limb planes: the values [`crate::simd::dequant_row`] gives (`q·d + m` in one FMA), never
+/// stored as f32.
+///
+/// # Safety
+/// AVX-512F and AVX512-BF16 are available; `row` holds `nb` blocks; the planes hold `32·nb`
+/// values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma,f16c,avx512bf16")]
+unsafe fn split_q4_1(row: &[u8], l0: &mut [u16], l1: &mut [u16], l2: &mut [u16]) {
+    use std::arch::x86_64::*;
+    let nb = row.len() / 20;
+    debug_assert!(l0.len() >= 32 * nb && l1.len() >= 32 * nb && l2.len() >= 32 * nb);
+    // Scales and mins of sixteen blocks at a time.
+    let (mut dbuf, mut mbuf) = ([0f32; 16], [0f32; 16]);
+    let (pd, pm, qs) = (
+        row.as_ptr(),
+        row.as_ptr().add(2 * nb),
+        row.as_ptr().add(4 * nb),
+    );
+    let low = _mm512_set1_epi32(0x0f);
+    for b in 0..nb {
+        let i = b % 16;
+        if i == 0 {
+            let cnt = (nb - b).min(16);
+            let mask: __mmask16 = if cnt == 16 { 0xFFFF } else { (1 << cnt) - 1 };
+            let halves = |p: *const u8| _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p.cast()));
+            _mm512_storeu_ps(dbuf.as_mut_ptr(), halves(pd.add(2 * b)));
+            _mm512_storeu_ps(mbuf.as_mut_ptr(), halves(pm.add(2 * b)));
+        }
+        let (d, m) = (_mm512_set1_ps(dbuf[i]), _mm512_set1_ps(mbuf[i]));
+        let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(qs.add(16 * b).cast()));
+        let lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low)), d, m);
+        let hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v)), d, m);
+        let at = 32 * b;
+        let (p0, p1, p2) = (l0.as_mut_ptr(), l1.as_mut_ptr(), l2.as_mut_ptr());
+        store_limbs32(lo, hi, p0.add(at), p1.add(at), p2.add(at));
+    }
+}
+
+/// Weight row `r` of `w` into limb planes (`row` is an f32 scratch of the row's length).
+fn weight_row_limbs(
+    w: &Weight,
+    r: usize,
+    row: &mut [f32],
+    l0: &mut [u16],
+    l1: &mut [u16],
+    l2: &mut [u16],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if let Weight::Quant {
+        ty: tandem_model::GgmlType::Q4_1,
+        data,
+        cols,
+        ..
+    } = w
+    {
+        if available() && cols.is_multiple_of(32) {
+            let rb = cols / 32 * 20;
+            // SAFETY: `available` checked the features; the row holds cols/32 blocks and the
+            // planes `cols` values (asserted).
+            assert!(l0.len() >= *cols && l1.len() >= *cols && l2.len() >= *cols);
+            return unsafe { split_q4_1(&data[r * rb..(r + 1) * rb], l0, l1, l2) };
+        }
+    }
+    w.row_f32(r, row);
+    split_limbs(row, l0, l1, l2);
 }
 
 /// Tile configuration (palette 1): tiles 0-7 all 16 rows of 64 bytes.
@@ -204,60 +310,94 @@ const CONFIG: TileConfig = TileConfig {
     reserved2: [0; 16],
 };
 
-/// `out[m×n] = x[m×k] · Wᵀ` on the tiles. The caller checked shapes and [`active`].
-pub(crate) fn matmul(x: &[f32], m: usize, w: &AmxWeight, out: &mut [f32]) {
-    let (n, k) = (w.rows, w.cols);
-    debug_assert!(x.len() == m * k && out.len() == m * n);
-    let (xl, mp) = split_activations(x, m, k);
+/// `out[m×n] = x[m×k] · Wᵀ` on the tiles. The caller checked shapes, [`fits`] and [`active`].
+pub(crate) fn matmul(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
+    let (n, k) = (w.rows(), w.cols());
+    debug_assert!(x.len() == m * k && out.len() == m * n && fits(w));
+    // Token tiles go in pairs.
+    let mp = m.div_ceil(2 * TILE) * 2 * TILE;
+    let xt = pack_b(x, m, mp, k);
     let dst = crate::matmul::OutPtr(out.as_mut_ptr());
     let chunks = k / DEPTH;
+    let plane = COLS_PER_TASK * k;
     let tasks = n.div_ceil(COLS_PER_TASK);
     let blocks = mp.div_ceil(TOKEN_BLOCK);
     (0..tasks * blocks).into_par_iter().for_each(|task| {
-        let (tb, tc) = (task / tasks, task % tasks);
-        let t_end = ((tb + 1) * TOKEN_BLOCK).min(mp) / TILE;
-        let g_end = ((tc + 1) * COLS_PER_TASK).min(n) / TILE;
-        // SAFETY: `available` established AMX support and permission; the tile config
-        // is loaded before and released after this task's tile instructions.
-        unsafe { tile_config() };
-        let mut g = tc * COLS_PER_TASK / TILE;
-        while g < g_end {
-            let b0 = w.tiles[g * chunks * LIMBS..].as_ptr().cast::<u16>();
-            let b1 = w.tiles[(g + 1) * chunks * LIMBS..].as_ptr().cast::<u16>();
-            let mut t = tb * TOKEN_BLOCK / TILE;
-            while t < t_end {
-                let pair = t + 1 < t_end;
-                let a = xl[t * TILE * k..].as_ptr();
-                let mut c = Scratch([0f32; 4 * TILE * TILE]);
-                // SAFETY: `a` starts three limb planes of mp×k values (the second token tile,
-                // when `pair`, is inside them); b0/b1 start `chunks` × 3 tiles each; the
-                // scratch holds four 16×16 f32 tiles.
-                unsafe { kernel(a, mp * k, 2 * k, pair, b0, b1, chunks, c.0.as_mut_ptr()) };
-                for (i, tile) in c.0.chunks_exact(TILE * TILE).enumerate() {
-                    let (tt, gg) = (t + i / 2, g + i % 2);
-                    if i / 2 == 1 && !pair {
-                        continue;
-                    }
-                    for r in 0..TILE.min(m.saturating_sub(tt * TILE)) {
-                        let row = &tile[r * TILE..(r + 1) * TILE];
-                        // SAFETY: row tt·16+r < m, columns gg·16.. +16 ≤ n belong to this
-                        // task's weight rows; no other task writes them for this token block.
-                        unsafe {
-                            std::ptr::copy_nonoverlapping(
-                                row.as_ptr(),
-                                dst.at((tt * TILE + r) * n + gg * TILE),
-                                TILE,
-                            )
-                        };
+        TASK_BUFFERS.with_borrow_mut(|(row, wbuf)| {
+            row.resize(k, 0.0);
+            let tiles = (LIMBS * plane).div_ceil(TILE_ELEMS);
+            if wbuf.len() < tiles {
+                wbuf.resize(tiles, Tile([0; TILE_ELEMS]));
+            }
+            let (tb, tc) = (task / tasks, task % tasks);
+            let r0 = tc * COLS_PER_TASK;
+            let rows = COLS_PER_TASK.min(n - r0);
+            // This task's weight rows as limb planes `[limb][row][k]`.
+            // SAFETY: `Tile` is plain u16s; the buffer holds LIMBS·plane of them.
+            let wl: &mut [u16] = unsafe {
+                std::slice::from_raw_parts_mut(wbuf.as_mut_ptr().cast(), wbuf.len() * TILE_ELEMS)
+            };
+            let (p0, rest) = wl.split_at_mut(plane);
+            let (p1, p2) = rest.split_at_mut(plane);
+            for r in 0..rows {
+                let at = r * k..(r + 1) * k;
+                weight_row_limbs(
+                    w,
+                    r0 + r,
+                    row,
+                    &mut p0[at.clone()],
+                    &mut p1[at.clone()],
+                    &mut p2[at],
+                );
+            }
+            let t_end = ((tb + 1) * TOKEN_BLOCK).min(mp) / TILE;
+            // SAFETY: `available` established AMX support and permission; the tile config
+            // is loaded before and released after this task's tile instructions.
+            unsafe { tile_config() };
+            for p in (0..rows).step_by(2 * TILE) {
+                let a = wl[p * k..].as_ptr();
+                for t in (tb * TOKEN_BLOCK / TILE..t_end).step_by(2) {
+                    let b0 = xt[t * chunks * LIMBS..].as_ptr().cast::<u16>();
+                    let b1 = xt[(t + 1) * chunks * LIMBS..].as_ptr().cast::<u16>();
+                    let mut c = std::mem::MaybeUninit::<Scratch>::uninit();
+                    // SAFETY: `a` starts 32 rows of three limb planes of `plane` values; b0/b1
+                    // start `chunks` × 3 tiles each; the scratch holds four 16×16 f32 tiles.
+                    // The kernel stores all four tiles.
+                    let c = unsafe {
+                        kernel(a, plane, 2 * k, b0, b1, chunks, c.as_mut_ptr().cast());
+                        c.assume_init()
+                    };
+                    for (i, tile) in c.0.chunks_exact(TILE * TILE).enumerate() {
+                        // Tile i: weight rows p + 16·(i/2).., tokens (t + i%2)·16.. .
+                        let (col, tt) = (r0 + p + TILE * (i / 2), t + i % 2);
+                        for tok in 0..TILE.min(m.saturating_sub(tt * TILE)) {
+                            let mut line = [0f32; TILE];
+                            for (r, v) in line.iter_mut().enumerate() {
+                                *v = tile[r * TILE + tok];
+                            }
+                            // SAFETY: token tt·16+tok < m; columns col..col+16 ≤ n are this
+                            // task's weight rows, which no other task writes for this token block.
+                            unsafe {
+                                std::ptr::copy_nonoverlapping(
+                                    line.as_ptr(),
+                                    dst.at((tt * TILE + tok) * n + col),
+                                    TILE,
+                                )
+                            };
+                        }
                     }
                 }
-                t += if pair { 2 } else { 1 };
             }
-            g += 2;
-        }
-        // SAFETY: releases this thread's tile state (configured above).
-        unsafe { tile_release() };
+            // SAFETY: releases this thread's tile state (configured above).
+            unsafe { tile_release() };
+        })
     });
+}
+
+thread_local! {
+    /// A task's f32 row scratch and weight limb planes, kept per thread across calls.
+    static TASK_BUFFERS: std::cell::RefCell<(Vec<f32>, Vec<Tile>)> =
+        const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
 }
 
 /// Four f32 output tiles of one kernel call, 64-byte aligned.
@@ -276,12 +416,12 @@ unsafe fn tile_release() {
     std::arch::asm!("tilerelease", options(nostack, nomem));
 }
 
-/// One or two token tiles (`a`, and `a + 16` rows when `pair`) times two weight tile columns
-/// (`b0`, `b1`) over every 32-deep chunk, with the six limb products `i + j ≤ 2`; the four (or
-/// two) 16×16 results go to `c` in order (t,g) (t,g+1) (t+1,g) (t+1,g+1).
+/// Two A tiles (`a` and 16 rows further) times two B tiles (`b0`, `b1`) over every 32-deep chunk,
+/// with the six limb products `i + j ≤ 2`; the four 16×16 results go to `c` in order (a,b0)
+/// (a,b1) (a+16,b0) (a+16,b1).
 ///
-/// `a` is limb 0 of the first token tile; limb `l` is `plane · l` elements further; rows are
-/// `stride` bytes apart. Each of b0/b1 is `chunks` runs of three limb tiles.
+/// `a` is limb 0 of the first A tile; limb `l` is `plane · l` elements further; rows are `stride`
+/// bytes apart. Each of b0/b1 is `chunks` runs of three limb tiles.
 ///
 /// # Safety
 /// The tile config is loaded; every tile read and the 4 KiB at `c` are inside their buffers.
@@ -290,7 +430,6 @@ unsafe fn kernel(
     a: *const u16,
     plane: usize,
     stride: usize,
-    pair: bool,
     b0: *const u16,
     b1: *const u16,
     chunks: usize,
@@ -304,8 +443,8 @@ unsafe fn kernel(
         "tilezero tmm3",
         options(nostack, nomem)
     );
-    // Second token tile: 16 rows further (unused, but in bounds, when not `pair`).
-    let a_next = if pair { a.add(TILE * stride / 2) } else { a };
+    // Second A tile: 16 rows further.
+    let a_next = a.add(TILE * stride / 2);
     for ch in 0..chunks {
         let a0 = a.add(ch * DEPTH);
         let (a1, a2) = (a0.add(plane), a0.add(2 * plane));
@@ -318,103 +457,65 @@ unsafe fn kernel(
             b0.add(ch * LIMBS * TILE_ELEMS),
             b1.add(ch * LIMBS * TILE_ELEMS),
         );
-        if pair {
-            asm!(
-                // (0,0)
-                "tileloadd tmm4, [{a0} + {s}*1]",
-                "tileloadd tmm5, [{n0} + {s}*1]",
-                "tileloadd tmm6, [{w0} + {t}*1]",
-                "tileloadd tmm7, [{w1} + {t}*1]",
-                "tdpbf16ps tmm0, tmm4, tmm6",
-                "tdpbf16ps tmm1, tmm4, tmm7",
-                "tdpbf16ps tmm2, tmm5, tmm6",
-                "tdpbf16ps tmm3, tmm5, tmm7",
-                // (0,1)
-                "tileloadd tmm6, [{w0} + {t}*1 + 1024]",
-                "tileloadd tmm7, [{w1} + {t}*1 + 1024]",
-                "tdpbf16ps tmm0, tmm4, tmm6",
-                "tdpbf16ps tmm1, tmm4, tmm7",
-                "tdpbf16ps tmm2, tmm5, tmm6",
-                "tdpbf16ps tmm3, tmm5, tmm7",
-                // (0,2)
-                "tileloadd tmm6, [{w0} + {t}*1 + 2048]",
-                "tileloadd tmm7, [{w1} + {t}*1 + 2048]",
-                "tdpbf16ps tmm0, tmm4, tmm6",
-                "tdpbf16ps tmm1, tmm4, tmm7",
-                "tdpbf16ps tmm2, tmm5, tmm6",
-                "tdpbf16ps tmm3, tmm5, tmm7",
-                // (1,1)
-                "tileloadd tmm4, [{a1} + {s}*1]",
-                "tileloadd tmm5, [{n1} + {s}*1]",
-                "tileloadd tmm6, [{w0} + {t}*1 + 1024]",
-                "tileloadd tmm7, [{w1} + {t}*1 + 1024]",
-                "tdpbf16ps tmm0, tmm4, tmm6",
-                "tdpbf16ps tmm1, tmm4, tmm7",
-                "tdpbf16ps tmm2, tmm5, tmm6",
-                "tdpbf16ps tmm3, tmm5, tmm7",
-                // (1,0)
-                "tileloadd tmm6, [{w0} + {t}*1]",
-                "tileloadd tmm7, [{w1} + {t}*1]",
-                "tdpbf16ps tmm0, tmm4, tmm6",
-                "tdpbf16ps tmm1, tmm4, tmm7",
-                "tdpbf16ps tmm2, tmm5, tmm6",
-                "tdpbf16ps tmm3, tmm5, tmm7",
-                // (2,0)
-                "tileloadd tmm4, [{a2} + {s}*1]",
-                "tileloadd tmm5, [{n2} + {s}*1]",
-                "tdpbf16ps tmm0, tmm4, tmm6",
-                "tdpbf16ps tmm1, tmm4, tmm7",
-                "tdpbf16ps tmm2, tmm5, tmm6",
-                "tdpbf16ps tmm3, tmm5, tmm7",
-                a0 = in(reg) a0,
-                a1 = in(reg) a1,
-                a2 = in(reg) a2,
-                n0 = in(reg) n0,
-                n1 = in(reg) n1,
-                n2 = in(reg) n2,
-                w0 = in(reg) w0,
-                w1 = in(reg) w1,
-                s = in(reg) stride,
-                t = in(reg) 64usize,
-                options(nostack, readonly)
-            );
-        } else {
-            asm!(
-                "tileloadd tmm4, [{a0} + {s}*1]",
-                "tileloadd tmm6, [{w0} + {t}*1]",
-                "tileloadd tmm7, [{w1} + {t}*1]",
-                "tdpbf16ps tmm0, tmm4, tmm6",
-                "tdpbf16ps tmm1, tmm4, tmm7",
-                "tileloadd tmm6, [{w0} + {t}*1 + 1024]",
-                "tileloadd tmm7, [{w1} + {t}*1 + 1024]",
-                "tdpbf16ps tmm0, tmm4, tmm6",
-                "tdpbf16ps tmm1, tmm4, tmm7",
-                "tileloadd tmm6, [{w0} + {t}*1 + 2048]",
-                "tileloadd tmm7, [{w1} + {t}*1 + 2048]",
-                "tdpbf16ps tmm0, tmm4, tmm6",
-                "tdpbf16ps tmm1, tmm4, tmm7",
-                "tileloadd tmm4, [{a1} + {s}*1]",
-                "tileloadd tmm6, [{w0} + {t}*1 + 1024]",
-                "tileloadd tmm7, [{w1} + {t}*1 + 1024]",
-                "tdpbf16ps tmm0, tmm4, tmm6",
-                "tdpbf16ps tmm1, tmm4, tmm7",
-                "tileloadd tmm6, [{w0} + {t}*1]",
-                "tileloadd tmm7, [{w1} + {t}*1]",
-                "tdpbf16ps tmm0, tmm4, tmm6",
-                "tdpbf16ps tmm1, tmm4, tmm7",
-                "tileloadd tmm4, [{a2} + {s}*1]",
-                "tdpbf16ps tmm0, tmm4, tmm6",
-                "tdpbf16ps tmm1, tmm4, tmm7",
-                a0 = in(reg) a0,
-                a1 = in(reg) a1,
-                a2 = in(reg) a2,
-                w0 = in(reg) w0,
-                w1 = in(reg) w1,
-                s = in(reg) stride,
-                t = in(reg) 64usize,
-                options(nostack, readonly)
-            );
-        }
+        asm!(
+            // (0,0)
+            "tileloadd tmm4, [{a0} + {s}*1]",
+            "tileloadd tmm5, [{n0} + {s}*1]",
+            "tileloadd tmm6, [{w0} + {t}*1]",
+            "tileloadd tmm7, [{w1} + {t}*1]",
+            "tdpbf16ps tmm0, tmm4, tmm6",
+            "tdpbf16ps tmm1, tmm4, tmm7",
+            "tdpbf16ps tmm2, tmm5, tmm6",
+            "tdpbf16ps tmm3, tmm5, tmm7",
+            // (0,1)
+            "tileloadd tmm6, [{w0} + {t}*1 + 1024]",
+            "tileloadd tmm7, [{w1} + {t}*1 + 1024]",
+            "tdpbf16ps tmm0, tmm4, tmm6",
+            "tdpbf16ps tmm1, tmm4, tmm7",
+            "tdpbf16ps tmm2, tmm5, tmm6",
+            "tdpbf16ps tmm3, tmm5, tmm7",
+            // (0,2)
+            "tileloadd tmm6, [{w0} + {t}*1 + 2048]",
+            "tileloadd tmm7, [{w1} + {t}*1 + 2048]",
+            "tdpbf16ps tmm0, tmm4, tmm6",
+            "tdpbf16ps tmm1, tmm4, tmm7",
+            "tdpbf16ps tmm2, tmm5, tmm6",
+            "tdpbf16ps tmm3, tmm5, tmm7",
+            // (1,1)
+            "tileloadd tmm4, [{a1} + {s}*1]",
+            "tileloadd tmm5, [{n1} + {s}*1]",
+            "tileloadd tmm6, [{w0} + {t}*1 + 1024]",
+            "tileloadd tmm7, [{w1} + {t}*1 + 1024]",
+            "tdpbf16ps tmm0, tmm4, tmm6",
+            "tdpbf16ps tmm1, tmm4, tmm7",
+            "tdpbf16ps tmm2, tmm5, tmm6",
+            "tdpbf16ps tmm3, tmm5, tmm7",
+            // (1,0)
+            "tileloadd tmm6, [{w0} + {t}*1]",
+            "tileloadd tmm7, [{w1} + {t}*1]",
+            "tdpbf16ps tmm0, tmm4, tmm6",
+            "tdpbf16ps tmm1, tmm4, tmm7",
+            "tdpbf16ps tmm2, tmm5, tmm6",
+            "tdpbf16ps tmm3, tmm5, tmm7",
+            // (2,0)
+            "tileloadd tmm4, [{a2} + {s}*1]",
+            "tileloadd tmm5, [{n2} + {s}*1]",
+            "tdpbf16ps tmm0, tmm4, tmm6",
+            "tdpbf16ps tmm1, tmm4, tmm7",
+            "tdpbf16ps tmm2, tmm5, tmm6",
+            "tdpbf16ps tmm3, tmm5, tmm7",
+            a0 = in(reg) a0,
+            a1 = in(reg) a1,
+            a2 = in(reg) a2,
+            n0 = in(reg) n0,
+            n1 = in(reg) n1,
+            n2 = in(reg) n2,
+            w0 = in(reg) w0,
+            w1 = in(reg) w1,
+            s = in(reg) stride,
+            t = in(reg) 64usize,
+            options(nostack, readonly)
+        );
     }
     asm!(
         "tilestored [{c} + {t}*1], tmm0",
@@ -471,7 +572,7 @@ mod tests {
             Weight::quant(GgmlType::Q8_0, &quantize_q8_0(&wf), n, k).unwrap(),
         ];
         for w in &weights {
-            let a = AmxWeight::new(w).expect("96×160 tiles");
+            assert!(fits(w));
             let mut dense = vec![0f32; n * k];
             for r in 0..n {
                 w.row_f32(r, &mut dense[r * k..(r + 1) * k]);
@@ -479,7 +580,7 @@ mod tests {
             for m in [1, 15, 16, 17, 40, 300] {
                 let x = rnd(m * k, m as u64 + 10);
                 let mut out = vec![f32::NAN; m * n];
-                matmul(&x, m, &a, &mut out);
+                matmul(&x, m, w, &mut out);
                 for i in 0..m {
                     for j in 0..n {
                         let (mut exact, mut mag) = (0f64, 0f64);
@@ -501,16 +602,30 @@ mod tests {
     }
 
     #[test]
-    fn shapes_that_do_not_tile_are_not_packed() {
+    fn only_shapes_that_tile_fit() {
         let w = |rows, cols| Weight::F32 {
             data: vec![0.0; rows * cols],
             rows,
             cols,
         };
-        assert!(AmxWeight::new(&w(48, 64)).is_none());
-        assert!(AmxWeight::new(&w(64, 48)).is_none());
-        if available() {
-            assert_eq!(AmxWeight::new(&w(64, 64)).unwrap().bytes(), 64 * 64 * 6);
+        assert!(!fits(&w(48, 64)));
+        assert!(!fits(&w(64, 48)));
+        assert!(!fits(&w(0, 64)));
+        assert!(fits(&w(64, 64)));
+        assert!(fits(&w(96, 160)));
+    }
+
+    proptest! {
+        /// The vector split gives the scalar limbs, bit for bit.
+        #[test]
+        fn vector_limbs_equal_scalar_ones(seed in any::<u64>(), len in 0usize..8) {
+            let v: Vec<f32> = rnd(len * 16, seed).iter().map(|x| x * 1e3).collect();
+            let mut planes = vec![vec![0u16; v.len()]; 3];
+            let [l0, l1, l2] = &mut planes[..] else { unreachable!() };
+            split_limbs(&v, l0, l1, l2);
+            for (i, &x) in v.iter().enumerate() {
+                prop_assert_eq!([l0[i], l1[i], l2[i]], limbs(x));
+            }
         }
     }
 }

@@ -2,7 +2,7 @@
 
 use tandem_model::{GgmlType, TensorData};
 
-use crate::amx::{self, AmxWeight};
+use crate::amx;
 use crate::KernelError;
 
 /// A `[rows, cols]` matrix used as `y = x · Wᵀ` (PyTorch's Linear layout: one row per output).
@@ -123,42 +123,39 @@ impl Weight {
     }
 }
 
-/// Activation rows from which a product takes the AMX tiles (when packed and active). Below it,
-/// the quantized kernels read 4-8 bits per weight where the tiles read 48.
+/// Activation rows from which a product takes the AMX tiles (when they fit and are active). Below
+/// it, the AVX-512 kernels do as well: the tiles work on pairs of 16-row tiles, and six limb
+/// products per output.
 pub const AMX_MIN_ROWS: usize = 16;
 
-/// A weight used as a linear layer: the matrix as stored, plus its AMX tile packing when this CPU
-/// has AMX (six bytes per weight, built at load).
+/// A weight used as a linear layer: the matrix as stored, and whether its products can run on
+/// the AMX tiles (this CPU has them and the shape tiles, see [`amx::fits`]).
 #[derive(Debug)]
 pub struct Linear {
     weight: Weight,
-    amx: Option<AmxWeight>,
+    tiles: bool,
 }
 
 impl Linear {
     pub fn new(weight: Weight) -> Self {
-        let amx = if amx::available() {
-            AmxWeight::new(&weight)
-        } else {
-            None
-        };
-        Self { weight, amx }
+        let tiles = amx::available() && amx::fits(&weight);
+        Self { weight, tiles }
     }
 
     pub fn weight(&self) -> &Weight {
         &self.weight
     }
 
-    /// Bytes of the AMX packing (0 without one).
-    pub fn amx_bytes(&self) -> usize {
-        self.amx.as_ref().map_or(0, AmxWeight::bytes)
+    /// Whether products of [`AMX_MIN_ROWS`] or more rows run on the AMX tiles.
+    pub fn tiles(&self) -> bool {
+        self.tiles
     }
 
     /// `out[m×n] = x[m×k] · Wᵀ`, on the AMX tiles from [`AMX_MIN_ROWS`] rows when available.
     pub fn matmul(&self, x: &[f32], m: usize, out: &mut [f32]) -> Result<(), KernelError> {
-        match &self.amx {
-            Some(a) if m >= AMX_MIN_ROWS && amx::active() => {
-                let (n, k) = (a.rows(), a.cols());
+        match self.tiles {
+            true if m >= AMX_MIN_ROWS && amx::active() => {
+                let (n, k) = (self.weight.rows(), self.weight.cols());
                 if x.len() != m * k || out.len() != m * n {
                     return Err(KernelError::Shape(format!(
                         "matmul: x has {} values for {m}×{k}, out has {} for {m}×{n}",
@@ -166,7 +163,7 @@ impl Linear {
                         out.len()
                     )));
                 }
-                amx::matmul(x, m, a, out);
+                amx::matmul(x, m, &self.weight, out);
                 Ok(())
             }
             _ => crate::matmul(x, m, &self.weight, out),
