@@ -119,6 +119,22 @@ impl KvSlab<'_> {
         }
     }
 
+    /// Asks the CPU to start loading `len` values from offset `at` into cache.
+    fn prefetch(&self, at: usize, len: usize) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            let (base, bytes) = match self {
+                Self::F32(d) => (d[at..at + len].as_ptr().cast::<i8>(), len * 4),
+                Self::Int8 { data, .. } => (data[at..at + len].as_ptr(), len),
+            };
+            for line in (0..bytes).step_by(64) {
+                // SAFETY: a prefetch is a hint; the address is inside the slice (sliced above).
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(base.add(line)) };
+            }
+        }
+    }
+
     /// One head's transposed keys in a block (`head_dim × block_size`, from offset `at`) as f32,
     /// and the factor the scores still need: borrowed with 1 for f32 caches, the raw int8 values
     /// converted into `scratch` with the block's scale for int8 ones.
@@ -416,7 +432,13 @@ fn attend_tile(
     let n = it.j1 - it.j0;
     let mut scores = vec![0f32; nq * n];
     let mut scratch = Vec::new();
-    for (blk, off, run, at) in block_runs(s.block_table, bs, it.j0, it.j1) {
+    let runs: Vec<_> = block_runs(s.block_table, bs, it.j0, it.j1).collect();
+    let k_len = hd * bs;
+    for (ri, &(blk, off, run, at)) in runs.iter().enumerate() {
+        // Blocks are scattered in the pool: fetch the next one's keys while this one computes.
+        if let Some(&(next, ..)) = runs.get(ri + 1) {
+            cache.prefetch(layout.kt_at(next, it.kvh), k_len);
+        }
         let (kt, kscale) = cache.keys_t(
             layout,
             layout.kt_at(blk, it.kvh),
@@ -456,7 +478,10 @@ fn attend_tile(
         }
     }
     let acc = &mut part[2 * nq..];
-    for (blk, off, run, at) in block_runs(s.block_table, bs, it.j0, it.j1) {
+    for (ri, &(blk, off, run, at)) in runs.iter().enumerate() {
+        if let Some(&(next, noff, nrun, _)) = runs.get(ri + 1) {
+            cache.prefetch(layout.v_at(next, it.kvh, noff), nrun * hd);
+        }
         let vo = layout.v_at(blk, it.kvh, off);
         let vals = cache.rows(
             layout,
