@@ -6,6 +6,8 @@
 //! are computed only for the rows that need a next token.
 
 use std::collections::BTreeMap;
+
+use rayon::prelude::*;
 use tandem_kernels::ops::{self, RopeTable};
 use tandem_kernels::{paged_attention, write_kv, KvLayout, Linear, SeqAttn, Weight};
 
@@ -283,17 +285,31 @@ impl LlamaModel {
         let mut act = vec![0f32; t * ff];
         let scale = 1.0 / (hd as f32).sqrt();
         let layout = kv.layout;
+        // Row-wise work between the products, in tasks of ROW_TASK rows.
+        let rt = ROW_TASK;
+        let qkv_w = qd + 2 * kvd;
         for (li, l) in self.layers.iter().enumerate() {
-            ops::rms_norm(&x, &l.attn_norm, c.rms_norm_eps, &mut hbuf);
+            let norm = |x: &[f32], w: &[f32], out: &mut [f32]| {
+                x.par_chunks(rt * h)
+                    .zip(out.par_chunks_mut(rt * h))
+                    .for_each(|(xc, oc)| ops::rms_norm(xc, w, c.rms_norm_eps, oc));
+            };
+            norm(&x, &l.attn_norm, &mut hbuf);
             l.qkv.matmul(&hbuf, t, &mut qkv)?;
-            for r in 0..t {
-                let row = &qkv[r * (qd + 2 * kvd)..(r + 1) * (qd + 2 * kvd)];
-                q[r * qd..(r + 1) * qd].copy_from_slice(&row[..qd]);
-                k[r * kvd..(r + 1) * kvd].copy_from_slice(&row[qd..qd + kvd]);
-                v[r * kvd..(r + 1) * kvd].copy_from_slice(&row[qd + kvd..]);
-            }
-            ops::rope(&mut q, &positions, c.num_heads, &self.rope);
-            ops::rope(&mut k, &positions, c.num_kv_heads, &self.rope);
+            qkv.par_chunks(rt * qkv_w)
+                .zip(q.par_chunks_mut(rt * qd))
+                .zip(k.par_chunks_mut(rt * kvd))
+                .zip(v.par_chunks_mut(rt * kvd))
+                .zip(positions.par_chunks(rt))
+                .for_each(|((((src, qc), kc), vc), pos)| {
+                    for (r, row) in src.chunks_exact(qkv_w).enumerate() {
+                        qc[r * qd..(r + 1) * qd].copy_from_slice(&row[..qd]);
+                        kc[r * kvd..(r + 1) * kvd].copy_from_slice(&row[qd..qd + kvd]);
+                        vc[r * kvd..(r + 1) * kvd].copy_from_slice(&row[qd + kvd..]);
+                    }
+                    ops::rope(qc, pos, c.num_heads, &self.rope);
+                    ops::rope(kc, pos, c.num_kv_heads, &self.rope);
+                });
             let mut cache = kv.layer_mut(li);
             write_kv(&mut cache, layout, &k, &v, &slots)?;
             paged_attention(
@@ -306,18 +322,21 @@ impl LlamaModel {
                 &mut att,
             )?;
             l.o.matmul(&att, t, &mut proj)?;
-            x.iter_mut().zip(&proj).for_each(|(a, b)| *a += b);
+            add_rows(&mut x, &proj, rt * h);
 
-            ops::rms_norm(&x, &l.ffn_norm, c.rms_norm_eps, &mut hbuf);
+            norm(&x, &l.ffn_norm, &mut hbuf);
             l.gate_up.matmul(&hbuf, t, &mut gu)?;
-            for r in 0..t {
-                let (g, u) = gu[r * 2 * ff..(r + 1) * 2 * ff].split_at(ff);
-                let a = &mut act[r * ff..(r + 1) * ff];
-                a.copy_from_slice(g);
-                ops::silu_mul(a, u);
-            }
+            gu.par_chunks(rt * 2 * ff)
+                .zip(act.par_chunks_mut(rt * ff))
+                .for_each(|(src, dst)| {
+                    for (g2, a) in src.chunks_exact(2 * ff).zip(dst.chunks_exact_mut(ff)) {
+                        let (g, u) = g2.split_at(ff);
+                        a.copy_from_slice(g);
+                        ops::silu_mul(a, u);
+                    }
+                });
             l.down.matmul(&act, t, &mut proj)?;
-            x.iter_mut().zip(&proj).for_each(|(a, b)| *a += b);
+            add_rows(&mut x, &proj, rt * h);
         }
 
         let n = logit_rows.len();
@@ -335,6 +354,16 @@ impl LlamaModel {
         head.matmul(&last, n, &mut logits)?;
         Ok(logits)
     }
+}
+
+/// Rows per task of the row-wise work in a step (norms, rotary, activation).
+const ROW_TASK: usize = 16;
+
+/// `x += y`, in parallel chunks of `chunk` values.
+fn add_rows(x: &mut [f32], y: &[f32], chunk: usize) {
+    x.par_chunks_mut(chunk)
+        .zip(y.par_chunks(chunk))
+        .for_each(|(a, b)| a.iter_mut().zip(b).for_each(|(a, b)| *a += b));
 }
 
 /// A small random Llama for tests of the engine's bookkeeping (fast enough for property tests).
