@@ -156,17 +156,7 @@ fn split_limbs(v: &[f32], l0: &mut [u16], l1: &mut [u16], l2: &mut [u16]) {
         let n = v.len() / 32 * 32;
         // SAFETY: `available` checked AVX-512F and AVX512-BF16; each plane holds `n` values
         // (asserted above).
-        unsafe {
-            use std::arch::x86_64::*;
-            for i in (0..n).step_by(32) {
-                let (lo, hi) = (
-                    _mm512_loadu_ps(v.as_ptr().add(i)),
-                    _mm512_loadu_ps(v.as_ptr().add(i + 16)),
-                );
-                let (p0, p1, p2) = (l0.as_mut_ptr(), l1.as_mut_ptr(), l2.as_mut_ptr());
-                store_limbs32(lo, hi, p0.add(i), p1.add(i), p2.add(i));
-            }
-        }
+        unsafe { split_limbs_bf16(&v[..n], l0, l1, l2) };
         for i in n..v.len() {
             [l0[i], l1[i], l2[i]] = limbs(v[i]);
         }
@@ -174,6 +164,24 @@ fn split_limbs(v: &[f32], l0: &mut [u16], l1: &mut [u16], l2: &mut [u16]) {
     }
     for (i, &x) in v.iter().enumerate() {
         [l0[i], l1[i], l2[i]] = limbs(x);
+    }
+}
+
+/// [`split_limbs`] for a multiple of 32 values.
+///
+/// # Safety
+/// AVX-512F and AVX512-BF16 are available; each plane holds `v.len()` values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn split_limbs_bf16(v: &[f32], l0: &mut [u16], l1: &mut [u16], l2: &mut [u16]) {
+    use std::arch::x86_64::*;
+    for i in (0..v.len()).step_by(32) {
+        let (lo, hi) = (
+            _mm512_loadu_ps(v.as_ptr().add(i)),
+            _mm512_loadu_ps(v.as_ptr().add(i + 16)),
+        );
+        let (p0, p1, p2) = (l0.as_mut_ptr(), l1.as_mut_ptr(), l2.as_mut_ptr());
+        store_limbs32(lo, hi, p0.add(i), p1.add(i), p2.add(i));
     }
 }
 

@@ -20,7 +20,7 @@
 
 use rayon::prelude::*;
 
-use crate::simd::{axpy, axpy_rows_group, dot_keys_t, exp_shifted_sum, KEYS_T_TILE};
+use crate::simd::{axpy, axpy_rows_group, dot_keys_t, exp_shifted_sum, max_f32, KEYS_T_TILE};
 use crate::KernelError;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -468,7 +468,7 @@ fn attend_tile(
     let mut part = vec![0f32; nq * (2 + hd)];
     for v in 0..nq {
         let sc = &mut scores[v * n..(v + 1) * n];
-        let max = sc.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+        let max = max_f32(sc);
         part[v] = max;
         if max == f32::NEG_INFINITY {
             // Every key of this slice lies after the row: it contributes nothing.

@@ -333,6 +333,16 @@ pub fn dot_quant_rows(ty: GgmlType, row: &[u8], x: &[f32], out: &mut [f32]) {
     }
 }
 
+/// The largest value of `x` (`-∞` when empty; NaNs are skipped, as `f32::max` does).
+pub fn max_f32(x: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() {
+        // SAFETY: the CPU supports the features.
+        return unsafe { avx512::max_f32(x) };
+    }
+    x.iter().copied().fold(f32::NEG_INFINITY, f32::max)
+}
+
 /// `x[i] = exp(x[i] - max)`, returning `Σ x[i]` (the softmax numerators and denominator).
 pub fn exp_shifted_sum(x: &mut [f32], max: f32) -> f32 {
     #[cfg(target_arch = "x86_64")]
@@ -539,6 +549,18 @@ mod avx512 {
             _mm512_add_ps(r, _mm512_set1_ps(1.0)),
         );
         _mm512_scalef_ps(e, n)
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn max_f32(x: &[f32]) -> f32 {
+        let n16 = x.len() / 16 * 16;
+        let mut m = _mm512_set1_ps(f32::NEG_INFINITY);
+        for i in (0..n16).step_by(16) {
+            // vmaxps returns its second operand when the first is NaN, so NaNs are skipped.
+            m = _mm512_max_ps(_mm512_loadu_ps(x.as_ptr().add(i)), m);
+        }
+        let tail = x[n16..].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        _mm512_reduce_max_ps(m).max(tail)
     }
 
     #[target_feature(enable = "avx512f,avx2,fma")]
@@ -1117,6 +1139,23 @@ mod tests {
 
     fn close(a: f32, b: f32) -> bool {
         (a - b).abs() <= 1e-4 * (1.0 + a.abs().max(b.abs()))
+    }
+
+    #[test]
+    fn vector_max_equals_scalar() {
+        for n in [0usize, 1, 15, 16, 17, 100] {
+            let mut x = rnd(n, 70 + n as u64);
+            assert_eq!(
+                max_f32(&x),
+                x.iter().copied().fold(f32::NEG_INFINITY, f32::max)
+            );
+            if n > 3 {
+                x[2] = f32::NAN;
+                x[n - 1] = 7.0;
+                assert_eq!(max_f32(&x), 7.0, "n={n}");
+            }
+        }
+        assert_eq!(max_f32(&[f32::NEG_INFINITY; 20]), f32::NEG_INFINITY);
     }
 
     #[test]
