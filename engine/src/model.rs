@@ -190,33 +190,23 @@ impl LlamaModel {
         }
     }
 
+    /// Every matrix a step multiplies by: the layers' projections, then the output head.
+    fn linears(&self) -> impl Iterator<Item = &Linear> {
+        self.layers
+            .iter()
+            .flat_map(|l| [&l.qkv, &l.o, &l.gate_up, &l.down])
+            .chain([self.lm_head.as_ref().unwrap_or(&self.embed)])
+    }
+
     /// Bytes of weights one decode step reads (every matrix once; norms are negligible).
     pub fn weight_bytes(&self) -> usize {
-        let layers: usize = self
-            .layers
-            .iter()
-            .map(|l| [&l.qkv, &l.o, &l.gate_up, &l.down])
-            .map(|ws| ws.iter().map(|w| w.weight().bytes()).sum::<usize>())
-            .sum();
-        layers
-            + self
-                .lm_head
-                .as_ref()
-                .unwrap_or(&self.embed)
-                .weight()
-                .bytes()
+        self.linears().map(|l| l.weight().bytes()).sum()
     }
 
     /// Projections (and the head) whose batched products run on the AMX tiles: none on CPUs
     /// without AMX.
     pub fn tiled_projections(&self) -> usize {
-        let layers: usize = self
-            .layers
-            .iter()
-            .flat_map(|l| [&l.qkv, &l.o, &l.gate_up, &l.down])
-            .filter(|p| p.tiles())
-            .count();
-        layers + usize::from(self.lm_head.as_ref().unwrap_or(&self.embed).tiles())
+        self.linears().filter(|l| l.tiles()).count()
     }
 
     /// Runs one packed step; returns logits (vocab each) for the sequences with `want_logits`, in

@@ -20,7 +20,9 @@
 
 use rayon::prelude::*;
 
-use crate::simd::{axpy, axpy_rows_group, dot_keys_t, exp_shifted_sum, max_f32, KEYS_T_TILE};
+use crate::simd::{
+    axpy, axpy_rows_group, dot_keys_t, exp_shifted_sum, max_f32, AXPY_GROUP_MAX, KEYS_T_TILE,
+};
 use crate::KernelError;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -297,8 +299,6 @@ pub fn paged_attention(
             "paged_attention: q and out differ".into(),
         ));
     }
-    // Which sequence (and which of its new tokens) each query row is.
-    let mut owner = vec![(usize::MAX, 0usize); rows];
     for (si, s) in seqs.iter().enumerate() {
         if s.q_len > s.context_len
             || s.context_len > s.block_table.len() * layout.block_size
@@ -320,15 +320,13 @@ pub fn paged_attention(
                 "sequence {si}: block table points outside the cache"
             )));
         }
-        for i in 0..s.q_len {
-            owner[s.q_start + i] = (si, i);
-        }
     }
     // Work items: one per (tile of query rows, KV head, context split). A tile is up to `tile`
     // consecutive rows of one sequence, and the query heads that share a KV head are done together,
     // so each key and value row is read once for the whole tile. Long contexts with single rows
     // (decode) are split so every core has work; the splits' partial softmaxes are merged
-    // afterwards (flash-decoding).
+    // afterwards (flash-decoding). Only single rows are split, so every slice holds at least one
+    // key each of its rows may see.
     let kvh_n = layout.num_kv_heads;
     let tile = (KEYS_T_TILE / group).max(1);
     let target = 4 * rayon::current_num_threads();
@@ -469,13 +467,12 @@ fn attend_tile(
     for v in 0..nq {
         let sc = &mut scores[v * n..(v + 1) * n];
         let max = max_f32(sc);
+        debug_assert!(
+            max > f32::NEG_INFINITY,
+            "a row with no visible key in its slice"
+        );
         part[v] = max;
-        if max == f32::NEG_INFINITY {
-            // Every key of this slice lies after the row: it contributes nothing.
-            sc.fill(0.0);
-        } else {
-            part[nq + v] = exp_shifted_sum(sc, max);
-        }
+        part[nq + v] = exp_shifted_sum(sc, max);
     }
     let acc = &mut part[2 * nq..];
     for (ri, &(blk, off, run, at)) in runs.iter().enumerate() {
@@ -490,8 +487,8 @@ fn attend_tile(
             layout.scale_at(blk, 1, it.kvh),
             &mut scratch,
         );
-        for v0 in (0..nq).step_by(6) {
-            let take = (nq - v0).min(6);
+        for v0 in (0..nq).step_by(AXPY_GROUP_MAX) {
+            let take = (nq - v0).min(AXPY_GROUP_MAX);
             axpy_rows_group(
                 &scores[v0 * n + at..],
                 n,
@@ -543,9 +540,6 @@ fn merge_parts(parts: &[Vec<f32>], nq: usize, v0: usize, g: usize, hd: usize, o:
         let mut sum = 0f32;
         oh.fill(0.0);
         for p in parts {
-            if p[v] == f32::NEG_INFINITY {
-                continue;
-            }
             let w = (p[v] - max).exp();
             sum += w * p[nq + v];
             axpy(w, &p[acc.clone()], oh);

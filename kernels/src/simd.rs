@@ -195,6 +195,9 @@ fn dot_keys_t_portable(
     }
 }
 
+/// Most heads [`axpy_rows_group`] keeps in registers at once (more fall back to one at a time).
+pub const AXPY_GROUP_MAX: usize = 6;
+
 /// [`axpy_rows`] for `g` heads sharing the rows: `acc[h] += Σ_t p[h·stride + t] · rows[t]` with
 /// `acc` g×d.
 pub fn axpy_rows_group(p: &[f32], stride: usize, rows: &[f32], acc: &mut [f32], g: usize) {

@@ -153,20 +153,18 @@ impl Linear {
 
     /// `out[m×n] = x[m×k] · Wᵀ`, on the AMX tiles from [`AMX_MIN_ROWS`] rows when available.
     pub fn matmul(&self, x: &[f32], m: usize, out: &mut [f32]) -> Result<(), KernelError> {
-        match self.tiles {
-            true if m >= AMX_MIN_ROWS && amx::active() => {
-                let (n, k) = (self.weight.rows(), self.weight.cols());
-                if x.len() != m * k || out.len() != m * n {
-                    return Err(KernelError::Shape(format!(
-                        "matmul: x has {} values for {m}×{k}, out has {} for {m}×{n}",
-                        x.len(),
-                        out.len()
-                    )));
-                }
-                amx::matmul(x, m, &self.weight, out);
-                Ok(())
-            }
-            _ => crate::matmul(x, m, &self.weight, out),
+        if !(self.tiles && m >= AMX_MIN_ROWS && amx::active()) {
+            return crate::matmul(x, m, &self.weight, out);
         }
+        let (n, k) = (self.weight.rows(), self.weight.cols());
+        if x.len() != m * k || out.len() != m * n {
+            return Err(KernelError::Shape(format!(
+                "matmul: x has {} values for {m}×{k}, out has {} for {m}×{n}",
+                x.len(),
+                out.len()
+            )));
+        }
+        amx::matmul(x, m, &self.weight, out);
+        Ok(())
     }
 }
