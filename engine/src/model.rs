@@ -211,7 +211,20 @@ impl LlamaModel {
 
     /// Runs one packed step; returns logits (vocab each) for the sequences with `want_logits`, in
     /// order.
+    ///
+    /// The step runs on a thread of the compute pool: its few hundred parallel regions (every
+    /// product, attention, the row-wise work) then fork inside the pool. From a thread outside it,
+    /// each region would be handed over and waited for, a wake-up and a sleep apiece, which costs
+    /// more than the small products of a decode step.
     pub fn forward(&self, seqs: &[SeqBatch<'_>], kv: &mut KvPool) -> Result<Vec<f32>, EngineError> {
+        rayon::scope(|_| self.packed_forward(seqs, kv))
+    }
+
+    fn packed_forward(
+        &self,
+        seqs: &[SeqBatch<'_>],
+        kv: &mut KvPool,
+    ) -> Result<Vec<f32>, EngineError> {
         let c = &self.config;
         let (h, hd) = (c.hidden_size, c.head_dim);
         let (qd, kvd) = (c.num_heads * hd, c.num_kv_heads * hd);

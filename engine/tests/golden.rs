@@ -203,11 +203,58 @@ fn int8_kv_cache_tokens_against_golden() {
         "int8 KV: {exact} of {} golden records token-exact",
         recs.len()
     );
-    assert!(exact >= INT8_EXACT_FLOOR, "{exact} exact");
+    // Free-running greedy output parts from the reference at the first near-tie that rounding
+    // flips, and everything after differs: how many records survive depends on the CPU's kernels
+    // (4 to 6 of 12 measured across the AVX-512 and AMX paths). What the int8 cache must keep is
+    // the next-token choice at every position given the reference's own prefix.
+    let (agree, total) = teacher_forced_agreement(&mut e, &recs);
+    eprintln!(
+        "int8 KV: next token equals the reference at {agree} of {total} positions ({:.1}%)",
+        100.0 * agree as f64 / total as f64
+    );
+    assert!(
+        agree * 100 >= total * INT8_AGREEMENT_PERCENT,
+        "{agree} of {total}"
+    );
     assert_no_blocks_held(&e);
 }
 
-/// Golden records that stay token-exact with the int8 KV cache: 5 of 12 measured (the others
-/// part from the f32 reference after 5 to 26 tokens, where rounding flips a near-tie). A floor, so a
-/// regression in the int8 path shows.
-const INT8_EXACT_FLOOR: usize = 5;
+/// Positions where the int8 cache's greedy next token, after the reference's own prompt and
+/// output so far, must equal the reference's: a floor, so a regression in the int8 path shows
+/// (467 of 480, 97.3%, measured on the AVX-512 kernels; the margin is for the rounding that other
+/// CPUs' kernels differ in).
+const INT8_AGREEMENT_PERCENT: usize = 95;
+
+/// For every golden record and every output position `i`: the greedy next token after the prompt
+/// and the first `i` reference tokens, against reference token `i`. Returns (equal, positions).
+fn teacher_forced_agreement(
+    e: &mut tandem_engine::Engine,
+    recs: &[serde_json::Value],
+) -> (usize, usize) {
+    let mut reqs = Vec::new();
+    let mut want = Vec::new();
+    for r in recs {
+        let (prompt, gen) = (ids(&r["prompt_ids"]), ids(&r["generated_ids"]));
+        for i in 0..gen.len() {
+            let mut p = prompt.clone();
+            p.extend_from_slice(&gen[..i]);
+            reqs.push(tandem_engine::Request {
+                resume: Vec::new(),
+                prompt: p,
+                params: tandem_engine::SamplingParams {
+                    max_tokens: 1,
+                    ignore_eos: true,
+                    ..Default::default()
+                },
+            });
+            want.push(gen[i]);
+        }
+    }
+    let outs = e.generate(reqs, |_| {}, |_| {}).unwrap();
+    let agree = outs
+        .iter()
+        .zip(&want)
+        .filter(|(o, w)| o.output_ids == [**w])
+        .count();
+    (agree, want.len())
+}

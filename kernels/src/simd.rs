@@ -29,12 +29,19 @@ pub fn has_avx2_fma() -> bool {
     }
 }
 
-/// Whether the AVX-512F kernels can run here.
+/// Whether the AVX-512 kernels can run here (F, BW and VL: every AVX-512 server CPU has all three).
 #[inline]
 pub fn has_avx512() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        is_x86_feature_detected!("avx512f") && has_avx2_fma()
+        // Asked once per weight row by the batch-1 products: one load after the first call.
+        static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *HAS.get_or_init(|| {
+            is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vl")
+                && has_avx2_fma()
+        })
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -732,27 +739,43 @@ mod avx512 {
 
     /// Up to 16 f16 values at `p` as f32 lanes (missing lanes zero).
     #[inline]
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     unsafe fn f16x16(p: *const u8, count: usize) -> __m512 {
-        if count == 16 {
-            return _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i));
-        }
-        let mut buf = [0u16; 16];
-        std::ptr::copy_nonoverlapping(p, buf.as_mut_ptr() as *mut u8, 2 * count);
-        _mm512_cvtph_ps(_mm256_loadu_si256(buf.as_ptr() as *const __m256i))
+        // A masked load: lanes past `count` are neither read nor kept (a copy through a stack
+        // buffer would stall the conversion on a failed store forward).
+        let mask = ((1u32 << count) - 1) as __mmask16;
+        _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p as *const i16))
     }
 
     /// Split Q4_1 row: per 16 blocks, one conversion of the scales and mins and one FMA of the
     /// mins with the block sums of `x`; per block, one 16-byte load widened to 16 lanes whose low
     /// and high nibbles are elements 0-15 and 16-31.
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     pub unsafe fn dot_q4_1(row: &[u8], x: &[f32], xsum: &[f32]) -> f32 {
         let nb = row.len() / 20;
         debug_assert!(x.len() >= nb * 32 && xsum.len() >= nb);
         let (pd, pq, px) = (row.as_ptr(), row.as_ptr().add(4 * nb), x.as_ptr());
-        let low = _mm512_set1_epi32(0x0f);
-        let mut acc = [_mm512_setzero_ps(); 2];
-        let mut macc = _mm512_setzero_ps();
+        // Unscaled q·x of block `b`.
+        let block = |b: usize| -> __m512 {
+            let qs = pq.add(b * 16);
+            _mm_prefetch::<_MM_HINT_T0>(qs.add(PREFETCH_AHEAD) as *const i8);
+            let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(qs as *const __m128i));
+            let lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x0f)));
+            let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v));
+            let xb = px.add(b * 32);
+            _mm512_fmadd_ps(
+                hi,
+                _mm512_loadu_ps(xb.add(16)),
+                _mm512_mul_ps(lo, _mm512_loadu_ps(xb)),
+            )
+        };
+        // Two accumulators in registers, blocks taken in pairs: an accumulator picked by index
+        // would live on the stack and chain every FMA through a store and a reload.
+        let (mut a0, mut a1, mut macc) = (
+            _mm512_setzero_ps(),
+            _mm512_setzero_ps(),
+            _mm512_setzero_ps(),
+        );
         let mut dbuf = [0f32; 16];
         let mut b0 = 0;
         while b0 < nb {
@@ -761,29 +784,23 @@ mod avx512 {
             let m = f16x16(pd.add(2 * (nb + b0)), cnt);
             let mask: __mmask16 = ((1u32 << cnt) - 1) as u16;
             macc = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(mask, xsum.as_ptr().add(b0)), macc);
-            for (i, &d) in dbuf[..cnt].iter().enumerate() {
-                let b = b0 + i;
-                let qs = pq.add(b * 16);
-                _mm_prefetch::<_MM_HINT_T0>(qs.add(PREFETCH_AHEAD) as *const i8);
-                let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(qs as *const __m128i));
-                let lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, low));
-                let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v));
-                let xb = px.add(b * 32);
-                let s = _mm512_fmadd_ps(
-                    hi,
-                    _mm512_loadu_ps(xb.add(16)),
-                    _mm512_mul_ps(lo, _mm512_loadu_ps(xb)),
-                );
-                acc[i & 1] = _mm512_fmadd_ps(_mm512_set1_ps(d), s, acc[i & 1]);
+            let mut i = 0;
+            while i + 2 <= cnt {
+                a0 = _mm512_fmadd_ps(_mm512_set1_ps(dbuf[i]), block(b0 + i), a0);
+                a1 = _mm512_fmadd_ps(_mm512_set1_ps(dbuf[i + 1]), block(b0 + i + 1), a1);
+                i += 2;
+            }
+            if i < cnt {
+                a0 = _mm512_fmadd_ps(_mm512_set1_ps(dbuf[i]), block(b0 + i), a0);
             }
             b0 += cnt;
         }
-        _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) + _mm512_reduce_add_ps(macc)
+        _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) + _mm512_reduce_add_ps(macc)
     }
 
     /// [`dot_q4_1`] against `M` activation rows; two accumulators per row (low and high
     /// nibbles) keep the FMA chains short.
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     pub unsafe fn dot_q4_1_rows<const M: usize>(row: &[u8], x: &[f32], out: &mut [f32]) {
         let nb = row.len() / 20;
         let k = nb * 32;
@@ -819,7 +836,7 @@ mod avx512 {
     }
 
     /// [`dot_q8_0`] against `M` activation rows.
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     pub unsafe fn dot_q8_0_rows<const M: usize>(row: &[u8], x: &[f32], out: &mut [f32]) {
         let nb = row.len() / 34;
         let k = nb * 32;
@@ -860,40 +877,49 @@ mod avx512 {
     }
 
     /// Split Q8_0 row.
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     pub unsafe fn dot_q8_0(row: &[u8], x: &[f32]) -> f32 {
         let nb = row.len() / 34;
         debug_assert!(x.len() >= nb * 32);
         let (pd, pq, px) = (row.as_ptr(), row.as_ptr().add(2 * nb), x.as_ptr());
-        let mut acc = [_mm512_setzero_ps(); 2];
+        // Unscaled q·x of block `b`.
+        let block = |b: usize| -> __m512 {
+            let qs = pq.add(b * 32);
+            _mm_prefetch::<_MM_HINT_T0>(qs.add(PREFETCH_AHEAD) as *const i8);
+            let q0 =
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qs as *const __m128i)));
+            let q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                qs.add(16) as *const __m128i
+            )));
+            let xb = px.add(b * 32);
+            _mm512_fmadd_ps(
+                q1,
+                _mm512_loadu_ps(xb.add(16)),
+                _mm512_mul_ps(q0, _mm512_loadu_ps(xb)),
+            )
+        };
+        // Blocks in pairs, two accumulators in registers (see `dot_q4_1`).
+        let (mut a0, mut a1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
         let mut dbuf = [0f32; 16];
         let mut b0 = 0;
         while b0 < nb {
             let cnt = (nb - b0).min(16);
             _mm512_storeu_ps(dbuf.as_mut_ptr(), f16x16(pd.add(2 * b0), cnt));
-            for (i, &d) in dbuf[..cnt].iter().enumerate() {
-                let b = b0 + i;
-                let qs = pq.add(b * 32);
-                _mm_prefetch::<_MM_HINT_T0>(qs.add(PREFETCH_AHEAD) as *const i8);
-                let q0 =
-                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qs as *const __m128i)));
-                let q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-                    qs.add(16) as *const __m128i
-                )));
-                let xb = px.add(b * 32);
-                let s = _mm512_fmadd_ps(
-                    q1,
-                    _mm512_loadu_ps(xb.add(16)),
-                    _mm512_mul_ps(q0, _mm512_loadu_ps(xb)),
-                );
-                acc[i & 1] = _mm512_fmadd_ps(_mm512_set1_ps(d), s, acc[i & 1]);
+            let mut i = 0;
+            while i + 2 <= cnt {
+                a0 = _mm512_fmadd_ps(_mm512_set1_ps(dbuf[i]), block(b0 + i), a0);
+                a1 = _mm512_fmadd_ps(_mm512_set1_ps(dbuf[i + 1]), block(b0 + i + 1), a1);
+                i += 2;
+            }
+            if i < cnt {
+                a0 = _mm512_fmadd_ps(_mm512_set1_ps(dbuf[i]), block(b0 + i), a0);
             }
             b0 += cnt;
         }
-        _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]))
+        _mm512_reduce_add_ps(_mm512_add_ps(a0, a1))
     }
 
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     pub unsafe fn dequant_q4_1(row: &[u8], out: &mut [f32]) {
         let nb = row.len() / 20;
         debug_assert!(out.len() >= nb * 32);
@@ -919,7 +945,7 @@ mod avx512 {
         }
     }
 
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     pub unsafe fn dequant_q8_0(row: &[u8], out: &mut [f32]) {
         let nb = row.len() / 34;
         debug_assert!(out.len() >= nb * 32);
