@@ -41,12 +41,13 @@ pub struct EngineReport {
     pub step_ms_p90: f64,
     pub mem_bw_gb_s: f64,
     pub f32_gflops: f64,
+    pub f32_peak_gflops: f64,
     /// Bytes one decode step must read: all weights once, plus every sequence's KV at the median
     /// context length.
     pub decode_bytes_per_step: f64,
     /// decode_bytes_per_step / step_ms_p50 / mem_bw_gb_s.
     pub decode_bw_efficiency: f64,
-    /// Prefill FLOP rate as a fraction of the GEMM roofline.
+    /// Prefill FLOP rate (projections and head) as a fraction of the peak f32 FMA rate.
     pub prefill_flop_efficiency: f64,
     pub wall_s: f64,
 }
@@ -136,13 +137,14 @@ pub fn run_engine_bench(
         step_ms_p90,
         mem_bw_gb_s: roof.mem_bw_gb_s,
         f32_gflops: roof.f32_gflops,
+        f32_peak_gflops: roof.f32_peak_gflops,
         decode_bytes_per_step: decode_bytes,
         decode_bw_efficiency: if step_ms_p50 > 0.0 {
             decode_bytes / (step_ms_p50 / 1e3) / (roof.mem_bw_gb_s * 1e9)
         } else {
             0.0
         },
-        prefill_flop_efficiency: prefill_tok_s * flops_per_token / (roof.f32_gflops * 1e9),
+        prefill_flop_efficiency: prefill_tok_s * flops_per_token / (roof.f32_peak_gflops * 1e9),
         wall_s,
     })
 }

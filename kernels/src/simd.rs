@@ -343,6 +343,30 @@ pub fn dot_quant_rows(ty: GgmlType, row: &[u8], x: &[f32], out: &mut [f32]) {
     }
 }
 
+/// Runs `rounds` rounds of 16 independent vector FMAs held in registers on this thread and returns
+/// the floating-point operations done: timed on every thread at once, the machine's peak f32 rate,
+/// the ceiling a product's FLOP rate is measured against.
+pub fn fma_burst(rounds: usize) -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() {
+        // SAFETY: the CPU supports the features.
+        std::hint::black_box(unsafe { avx512::fma_burst(rounds) });
+        return rounds as u64 * 16 * 32;
+    } else if has_avx2_fma() {
+        // SAFETY: as above.
+        std::hint::black_box(unsafe { avx2::fma_burst(rounds) });
+        return rounds as u64 * 16 * 16;
+    }
+    let mut acc = [1f32; 16];
+    for _ in 0..rounds {
+        for a in acc.iter_mut() {
+            *a = a.mul_add(0.999_999, 1e-7);
+        }
+    }
+    std::hint::black_box(acc);
+    rounds as u64 * 16 * 2
+}
+
 /// The largest value of `x` (`-∞` when empty; NaNs are skipped, as `f32::max` does).
 pub fn max_f32(x: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
@@ -498,6 +522,22 @@ pub fn dequant_row(ty: GgmlType, row: &[u8], out: &mut [f32]) {
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::*;
+
+    /// See [`super::fma_burst`].
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn fma_burst(rounds: usize) -> f32 {
+        let mut acc = [_mm512_set1_ps(1.0); 16];
+        let (b, c) = (_mm512_set1_ps(0.999_999), _mm512_set1_ps(1e-7));
+        for _ in 0..rounds {
+            for a in acc.iter_mut() {
+                *a = _mm512_fmadd_ps(*a, b, c);
+            }
+        }
+        let sum = acc
+            .iter()
+            .fold(_mm512_setzero_ps(), |s, a| _mm512_add_ps(s, *a));
+        _mm512_reduce_add_ps(sum)
+    }
 
     /// Prefetch distance for the weight stream. Measured on the 2-core VM (batch-1 decode, same
     /// background load): 1 KiB 35 tok/s, 4 KiB 44 tok/s, 8 KiB 30-35 tok/s; no prefetch 16 tok/s.
@@ -973,6 +1013,22 @@ mod avx512 {
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::*;
+
+    /// See [`super::fma_burst`].
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn fma_burst(rounds: usize) -> f32 {
+        let mut acc = [_mm256_set1_ps(1.0); 16];
+        let (b, c) = (_mm256_set1_ps(0.999_999), _mm256_set1_ps(1e-7));
+        for _ in 0..rounds {
+            for a in acc.iter_mut() {
+                *a = _mm256_fmadd_ps(*a, b, c);
+            }
+        }
+        let sum = acc
+            .iter()
+            .fold(_mm256_setzero_ps(), |s, a| _mm256_add_ps(s, *a));
+        hsum(sum)
+    }
 
     /// How far ahead of the current block the weight stream is prefetched. Prefetching past the
     /// end of a row is harmless (a hint, never a fault) and warms the next row of the same task.
