@@ -15,6 +15,7 @@
 
 pub mod amx;
 pub mod attention;
+pub mod cuda;
 pub mod matmul;
 pub mod ops;
 pub mod simd;

@@ -1,0 +1,80 @@
+// Row-wise and element-wise ops of a Llama step, as the CPU path computes them (ops.rs):
+// RMS norm (optionally fused with the residual add), rotary embedding of q and k in the fused qkv
+// rows, SiLU·mul of the fused gate/up rows, and the embedding gather.
+
+// out = x / sqrt(mean(x²) + eps) · w; one block per row.
+extern "C" __global__ void rms_norm(const bf16* __restrict__ x, const bf16* __restrict__ w,
+                                    bf16* __restrict__ out, int d, float eps) {
+    __shared__ float scratch[32];
+    const bf16* xr = x + (i64)blockIdx.x * d;
+    bf16* orow = out + (i64)blockIdx.x * d;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        float v = bf16_to_f32(xr[i]);
+        ss += v * v;
+    }
+    float inv = rsqrtf(block_sum(ss, scratch) / d + eps);
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        orow[i] = f32_to_bf16(bf16_to_f32(w[i]) * (bf16_to_f32(xr[i]) * inv));
+    }
+}
+
+// residual += delta, then out = rms_norm(residual); one block per row. The sum is rounded to bf16
+// before the norm reads it, as an unfused add then norm would.
+extern "C" __global__ void add_rms_norm(bf16* __restrict__ residual, const bf16* __restrict__ delta,
+                                        const bf16* __restrict__ w, bf16* __restrict__ out, int d,
+                                        float eps) {
+    __shared__ float scratch[32];
+    bf16* r = residual + (i64)blockIdx.x * d;
+    const bf16* dl = delta + (i64)blockIdx.x * d;
+    bf16* orow = out + (i64)blockIdx.x * d;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        bf16 s = f32_to_bf16(bf16_to_f32(r[i]) + bf16_to_f32(dl[i]));
+        r[i] = s;
+        float v = bf16_to_f32(s);
+        ss += v * v;
+    }
+    float inv = rsqrtf(block_sum(ss, scratch) / d + eps);
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        orow[i] = f32_to_bf16(bf16_to_f32(w[i]) * (bf16_to_f32(r[i]) * inv));
+    }
+}
+
+// HF's rotate_half rotary embedding, in place, on the q heads and then the k heads at the start of
+// each fused qkv row (nq + 2·nkv heads of hd). cos/sin: f32 tables of max_pos × hd/2.
+// One block per token; threads over (head, i < hd/2).
+extern "C" __global__ void qkv_rope(bf16* __restrict__ qkv, const int* __restrict__ positions,
+                                    const float* __restrict__ cos_t,
+                                    const float* __restrict__ sin_t, int nq, int nkv, int hd) {
+    int half = hd / 2;
+    bf16* row = qkv + (i64)blockIdx.x * (nq + 2 * nkv) * hd;
+    const float* c = cos_t + (i64)positions[blockIdx.x] * half;
+    const float* s = sin_t + (i64)positions[blockIdx.x] * half;
+    for (int j = threadIdx.x; j < (nq + nkv) * half; j += blockDim.x) {
+        int h = j / half, i = j % half;
+        bf16* a = row + h * hd + i;
+        float x0 = bf16_to_f32(a[0]), x1 = bf16_to_f32(a[half]);
+        a[0] = f32_to_bf16(x0 * c[i] - x1 * s[i]);
+        a[half] = f32_to_bf16(x1 * c[i] + x0 * s[i]);
+    }
+}
+
+// out[t][i] = silu(gate[t][i]) · up[t][i], where row t of gu is [gate (ff) | up (ff)].
+extern "C" __global__ void silu_mul(const bf16* __restrict__ gu, bf16* __restrict__ out, int ff,
+                                    i64 n) {
+    for (i64 e = (i64)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (i64)gridDim.x * blockDim.x) {
+        i64 t = e / ff, i = e % ff;
+        float g = bf16_to_f32(gu[t * 2 * ff + i]);
+        float u = bf16_to_f32(gu[t * 2 * ff + ff + i]);
+        out[e] = f32_to_bf16(g / (1.0f + __expf(-g)) * u);
+    }
+}
+
+// out[t] = table[ids[t]]; one block per token. Ids were checked against the vocabulary on the host.
+extern "C" __global__ void embedding(const int* __restrict__ ids, const bf16* __restrict__ table,
+                                     bf16* __restrict__ out, int d) {
+    const bf16* src = table + (i64)ids[blockIdx.x] * d;
+    bf16* dst = out + (i64)blockIdx.x * d;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) dst[i] = src[i];
+}

@@ -1,0 +1,392 @@
+//! The CUDA backend's host side: which device to run on, the kernel sources and their NVRTC
+//! compilation (a cubin for the device's own architecture, cached on disk), the attention kernels'
+//! parameter block, and the batch-size buckets decode steps are captured in as graphs.
+//!
+//! Everything is loaded at run time (cudarc's dynamic loading): the crate builds on a machine with
+//! no CUDA at all, and asking for a GPU there is an error that says what is missing.
+
+pub mod nvrtc;
+
+use std::sync::Arc;
+
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum CudaError {
+    #[error(
+        "no CUDA driver on this machine (libcuda could not be loaded): install the NVIDIA driver, \
+         or run on the CPU (--device cpu)"
+    )]
+    NoDriver,
+    #[error(
+        "NVRTC (libnvrtc) could not be loaded: install the CUDA runtime compiler (for example \
+         `python3 -m pip install nvidia-cuda-nvrtc`) and put its lib folder on LD_LIBRARY_PATH"
+    )]
+    NoNvrtc,
+    #[error("CUDA device {ordinal} does not exist: this machine has {count}")]
+    NoSuchDevice { ordinal: usize, count: usize },
+    #[error("CUDA driver: {0}")]
+    Driver(String),
+    #[error("compiling {name} for {arch}:\n{log}")]
+    Compile {
+        name: String,
+        arch: String,
+        log: String,
+    },
+    #[error("kernel cache {path}: {source}")]
+    Cache {
+        path: String,
+        source: std::io::Error,
+    },
+}
+
+/// Where the engine runs: `cpu`, `cuda` (device 0) or `cuda:N`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DeviceSpec {
+    #[default]
+    Cpu,
+    Cuda(usize),
+}
+
+impl std::str::FromStr for DeviceSpec {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "cpu" => Ok(Self::Cpu),
+            "cuda" => Ok(Self::Cuda(0)),
+            _ => s
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(Self::Cuda)
+                .ok_or_else(|| format!("unknown device {s:?} (cpu, cuda or cuda:N)")),
+        }
+    }
+}
+
+impl std::fmt::Display for DeviceSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Cpu => write!(f, "cpu"),
+            Self::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+/// A GPU architecture as NVRTC names it (`sm_90` is 9.0).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Arch {
+    pub major: u32,
+    pub minor: u32,
+}
+
+impl std::fmt::Display for Arch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "sm_{}{}", self.major, self.minor)
+    }
+}
+
+/// An opened GPU.
+pub struct Gpu {
+    pub ordinal: usize,
+    pub name: String,
+    pub arch: Arch,
+    pub memory_bytes: usize,
+    pub context: Arc<cudarc::driver::CudaContext>,
+}
+
+/// Whether the CUDA driver library can be loaded here. cudarc panics on first use of a library it
+/// cannot load, so every entry point asks this first.
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to load the library (no symbol is called).
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// Whether NVRTC can be loaded here.
+pub fn nvrtc_present() -> bool {
+    // SAFETY: as above.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+fn driver_err(e: cudarc::driver::DriverError) -> CudaError {
+    CudaError::Driver(e.to_string())
+}
+
+/// Opens CUDA device `ordinal`: a clear error (never a panic) when there is no driver or no such
+/// device.
+pub fn open(ordinal: usize) -> Result<Gpu, CudaError> {
+    use cudarc::driver::sys::CUdevice_attribute as A;
+    if !driver_present() {
+        return Err(CudaError::NoDriver);
+    }
+    cudarc::driver::result::init().map_err(driver_err)?;
+    let count = cudarc::driver::CudaContext::device_count().map_err(driver_err)? as usize;
+    if ordinal >= count {
+        return Err(CudaError::NoSuchDevice { ordinal, count });
+    }
+    let context = cudarc::driver::CudaContext::new(ordinal).map_err(driver_err)?;
+    let attr = |a| context.attribute(a).map_err(driver_err);
+    let arch = Arch {
+        major: attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)? as u32,
+        minor: attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)? as u32,
+    };
+    let name = context.name().map_err(driver_err)?;
+    let memory_bytes = context.total_mem().map_err(driver_err)?;
+    Ok(Gpu {
+        ordinal,
+        name,
+        arch,
+        memory_bytes,
+        context,
+    })
+}
+
+/// Prepended to every kernel source: bf16 as raw bits, reductions, the attention parameter block.
+pub const COMMON: &str = include_str!("../../cuda/common.cuh");
+
+/// The kernel sources (`kernels/cuda/*.cu`), by name.
+pub const SOURCES: &[(&str, &str)] = &[
+    ("elementwise", include_str!("../../cuda/elementwise.cu")),
+    ("kv_cache", include_str!("../../cuda/kv_cache.cu")),
+    ("attention", include_str!("../../cuda/attention.cu")),
+    ("sampling", include_str!("../../cuda/sampling.cu")),
+];
+
+/// The full text NVRTC compiles for source `body`.
+pub fn program_text(body: &str) -> String {
+    format!("{COMMON}\n{body}")
+}
+
+/// The attention kernels' parameter block, passed by value: field for field the `AttnParams` of
+/// `common.cuh` (device pointers as 64-bit addresses). [`layout_check`] turns this struct's
+/// layout into static assertions the device compiler checks.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct AttnParams {
+    pub q: u64,
+    pub k_cache: u64,
+    pub v_cache: u64,
+    pub out: u64,
+    pub block_tables: u64,
+    pub seq_q_start: u64,
+    pub seq_q_len: u64,
+    pub seq_context: u64,
+    pub tiles: u64,
+    pub part_out: u64,
+    pub part_ml: u64,
+    pub q_stride: i32,
+    pub nq: i32,
+    pub nkv: i32,
+    pub hd: i32,
+    pub block_size: i32,
+    pub max_blocks: i32,
+    pub split_len: i32,
+    pub max_splits: i32,
+    pub scale: f32,
+    pub reserved: i32,
+}
+
+/// Every field of [`AttnParams`] with its offset in this crate's layout.
+pub fn attn_param_offsets() -> Vec<(&'static str, usize)> {
+    use std::mem::offset_of;
+    vec![
+        ("q", offset_of!(AttnParams, q)),
+        ("k_cache", offset_of!(AttnParams, k_cache)),
+        ("v_cache", offset_of!(AttnParams, v_cache)),
+        ("out", offset_of!(AttnParams, out)),
+        ("block_tables", offset_of!(AttnParams, block_tables)),
+        ("seq_q_start", offset_of!(AttnParams, seq_q_start)),
+        ("seq_q_len", offset_of!(AttnParams, seq_q_len)),
+        ("seq_context", offset_of!(AttnParams, seq_context)),
+        ("tiles", offset_of!(AttnParams, tiles)),
+        ("part_out", offset_of!(AttnParams, part_out)),
+        ("part_ml", offset_of!(AttnParams, part_ml)),
+        ("q_stride", offset_of!(AttnParams, q_stride)),
+        ("nq", offset_of!(AttnParams, nq)),
+        ("nkv", offset_of!(AttnParams, nkv)),
+        ("hd", offset_of!(AttnParams, hd)),
+        ("block_size", offset_of!(AttnParams, block_size)),
+        ("max_blocks", offset_of!(AttnParams, max_blocks)),
+        ("split_len", offset_of!(AttnParams, split_len)),
+        ("max_splits", offset_of!(AttnParams, max_splits)),
+        ("scale", offset_of!(AttnParams, scale)),
+        ("reserved", offset_of!(AttnParams, reserved)),
+    ]
+}
+
+/// Kernels that each store one field's byte offset within the device's `AttnParams`, which the
+/// device compiler folds to a constant in the PTX; the parameter's declaration there carries the
+/// struct's size (NVRTC has no `offsetof` to assert on at compile time).
+pub fn layout_probe() -> String {
+    let mut s = String::new();
+    for (f, _) in attn_param_offsets() {
+        s += &format!(
+            "extern \"C\" __global__ void probe_{f}(AttnParams p, unsigned long long* out) {{ \
+             *out = (unsigned long long)((const char*)&p.{f} - (const char*)&p); }}\n"
+        );
+    }
+    s
+}
+
+/// From the PTX of [`layout_probe`]: each field's offset and the parameter block's size, as the
+/// device compiler has them. Missing entries mean the PTX did not read as expected.
+pub fn probe_offsets(ptx: &str) -> (Vec<(String, usize)>, Option<usize>) {
+    let mut offsets = Vec::new();
+    let mut size = None;
+    for (f, _) in attn_param_offsets() {
+        let param = format!("probe_{f}_param_0");
+        let Some(entry) = ptx.split(&format!(".entry probe_{f}(")).nth(1) else {
+            continue;
+        };
+        let body = entry.split(".entry ").next().unwrap_or(entry);
+        // `.param .align 8 .b8 probe_f_param_0[128]`
+        if let Some(decl) = body.split(&format!("{param}[")).nth(1) {
+            size = decl.split(']').next().and_then(|n| n.parse().ok());
+        }
+        // `mov.u64 %rd3, 88;`: the folded offset.
+        let folded = body.lines().find_map(|l| {
+            let l = l.trim();
+            let rest = l.strip_prefix("mov.u64")?;
+            rest.split(',')
+                .nth(1)?
+                .trim()
+                .trim_end_matches(';')
+                .parse()
+                .ok()
+        });
+        if let Some(off) = folded {
+            offsets.push((f.to_string(), off));
+        }
+    }
+    (offsets, size)
+}
+
+/// Keys per split of decode attention: a split is one thread block, so a sequence of 4k tokens
+/// spreads over 8 of them while short ones stay whole.
+pub const DECODE_SPLIT_LEN: usize = 512;
+
+/// Decode splits for a context of `ctx` tokens.
+pub fn decode_splits(ctx: usize) -> usize {
+    ctx.div_ceil(DECODE_SPLIT_LEN).max(1)
+}
+
+/// Batch sizes decode steps are captured as CUDA graphs for: a step of `n` sequences replays the
+/// graph of the smallest bucket ≥ n, its extra rows padded (their cache slots negative, so nothing
+/// is written). Fine steps where padding costs most, coarse ones above.
+pub const GRAPH_BUCKETS: &[usize] = &[
+    1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256,
+];
+
+/// The graph bucket a decode step of `n` sequences runs in; None above the largest (run eagerly).
+pub fn graph_bucket(n: usize) -> Option<usize> {
+    GRAPH_BUCKETS.iter().copied().find(|&b| b >= n.max(1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_specs_parse() {
+        assert_eq!("cpu".parse(), Ok(DeviceSpec::Cpu));
+        assert_eq!("cuda".parse(), Ok(DeviceSpec::Cuda(0)));
+        assert_eq!("cuda:3".parse(), Ok(DeviceSpec::Cuda(3)));
+        assert!("cuda:x".parse::<DeviceSpec>().is_err());
+        assert!("gpu".parse::<DeviceSpec>().is_err());
+        assert_eq!(DeviceSpec::Cuda(3).to_string(), "cuda:3");
+    }
+
+    #[test]
+    fn opening_a_gpu_without_a_driver_is_an_error() {
+        if driver_present() {
+            eprintln!("a CUDA driver is present: the no-driver path is not exercised here");
+            return;
+        }
+        let e = open(0).err().expect("no driver, no device");
+        assert!(matches!(e, CudaError::NoDriver), "{e}");
+        assert!(e.to_string().contains("no CUDA driver"), "{e}");
+    }
+
+    #[test]
+    fn buckets_cover_every_batch_with_the_smallest_fit() {
+        assert_eq!(graph_bucket(0), Some(1));
+        assert_eq!(graph_bucket(1), Some(1));
+        assert_eq!(graph_bucket(3), Some(4));
+        assert_eq!(graph_bucket(17), Some(24));
+        assert_eq!(graph_bucket(256), Some(256));
+        assert_eq!(graph_bucket(257), None);
+        for n in 1..=256 {
+            let b = graph_bucket(n).unwrap();
+            assert!(b >= n);
+            // No smaller bucket fits.
+            assert!(GRAPH_BUCKETS.iter().all(|&o| o >= b || o < n));
+            // Padding stays under half the bucket.
+            assert!((b - n) * 2 < b, "{n} in {b}");
+        }
+    }
+
+    #[test]
+    fn decode_splits_follow_the_context() {
+        assert_eq!(decode_splits(0), 1);
+        assert_eq!(decode_splits(1), 1);
+        assert_eq!(decode_splits(DECODE_SPLIT_LEN), 1);
+        assert_eq!(decode_splits(DECODE_SPLIT_LEN + 1), 2);
+        assert_eq!(decode_splits(4096), 8);
+    }
+
+    #[test]
+    fn attention_params_pack_as_the_device_struct() {
+        // 11 addresses, then 10 four-byte fields: no padding anywhere.
+        assert_eq!(std::mem::size_of::<AttnParams>(), 11 * 8 + 10 * 4);
+        assert_eq!(std::mem::align_of::<AttnParams>(), 8);
+        let offsets = attn_param_offsets();
+        assert_eq!(offsets[11], ("q_stride", 88));
+        assert_eq!(offsets[19], ("scale", 120));
+        // Every field of the device struct is probed, in its order.
+        let device_fields: Vec<&str> = COMMON
+            .split("struct AttnParams {")
+            .nth(1)
+            .and_then(|s| s.split("};").next())
+            .unwrap()
+            .lines()
+            .filter_map(|l| l.split(';').next().filter(|_| l.contains(';')))
+            .filter_map(|decl| decl.split_whitespace().last())
+            .map(|name| name.trim_start_matches('*'))
+            .collect();
+        let host_fields: Vec<&str> = offsets.iter().map(|(f, _)| *f).collect();
+        assert_eq!(device_fields, host_fields);
+    }
+
+    #[test]
+    fn probe_offsets_read_the_folded_constants() {
+        let ptx = ".visible .entry probe_q(\n\t.param .align 8 .b8 probe_q_param_0[128],\n)\n{\n\t\
+                   ld.param.u64 %rd1, [probe_q_param_1];\n\tmov.u64 %rd3, 0;\n}\n\
+                   .visible .entry probe_nq(\n\t.param .align 8 .b8 probe_nq_param_0[128],\n)\n{\n\t\
+                   ld.param.u64 %rd1, [probe_nq_param_1];\n\tmov.u64 \t%rd3, 92;\n}\n";
+        let (offsets, size) = probe_offsets(ptx);
+        assert_eq!(offsets, vec![("q".to_string(), 0), ("nq".to_string(), 92)]);
+        assert_eq!(size, Some(128));
+    }
+
+    #[test]
+    fn every_source_defines_its_kernels_unmangled() {
+        for (name, src) in SOURCES {
+            assert!(src.contains("extern \"C\" __global__"), "{name}");
+        }
+        let all: String = SOURCES.iter().map(|(_, s)| *s).collect();
+        for k in [
+            "rms_norm",
+            "add_rms_norm",
+            "qkv_rope",
+            "silu_mul",
+            "embedding",
+            "write_kv",
+            "paged_decode_attention",
+            "paged_decode_combine",
+            "paged_prefill_attention",
+            "argmax_rows",
+            "sample_rows",
+        ] {
+            assert!(all.contains(&format!("void {k}(")), "{k}");
+        }
+    }
+}
