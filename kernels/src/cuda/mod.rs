@@ -6,6 +6,7 @@
 //! no CUDA at all, and asking for a GPU there is an error that says what is missing.
 
 pub mod nvrtc;
+pub mod runtime;
 
 use std::sync::Arc;
 

@@ -1,0 +1,575 @@
+//! Launching the CUDA kernels: one stream per device, the kernels loaded from their (cached)
+//! NVRTC images, cuBLAS for the products. Activations and weights are bf16 (raw `u16` bits on the
+//! device), logits f32. Every launch checks its arguments on the host first, so a bad shape is an
+//! error here rather than an out-of-bounds access there.
+
+use std::sync::Arc;
+
+use cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
+use cudarc::driver::{
+    CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig,
+    PushKernelArg,
+};
+use cudarc::nvrtc::Ptx;
+
+use super::nvrtc::{cache_dir, compile_cached, Image};
+use super::{
+    decode_splits, open, program_text, AttnParams, CudaError, Gpu, DECODE_SPLIT_LEN, SOURCES,
+};
+
+// SAFETY: plain old data, laid out as the device's struct (checked by the layout probe test).
+unsafe impl DeviceRepr for AttnParams {}
+
+fn drv(e: cudarc::driver::DriverError) -> CudaError {
+    CudaError::Driver(e.to_string())
+}
+
+fn shape(msg: String) -> CudaError {
+    CudaError::Driver(format!("bad launch: {msg}"))
+}
+
+/// Threads per block of the row kernels.
+const ROW_THREADS: u32 = 256;
+
+struct Kernels {
+    rms_norm: CudaFunction,
+    add_rms_norm: CudaFunction,
+    qkv_rope: CudaFunction,
+    silu_mul: CudaFunction,
+    embedding: CudaFunction,
+    write_kv: CudaFunction,
+    decode: CudaFunction,
+    combine: CudaFunction,
+    prefill: CudaFunction,
+    argmax: CudaFunction,
+    sample: CudaFunction,
+}
+
+/// One GPU's stream, kernels and cuBLAS handle.
+pub struct CudaOps {
+    pub gpu: Gpu,
+    pub stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    k: Kernels,
+}
+
+/// Sequences of a packed attention call, on the device (built by [`CudaOps::attn_batch`]).
+pub struct AttnBatch {
+    pub seqs: usize,
+    pub max_blocks: usize,
+    pub max_context: usize,
+    block_tables: CudaSlice<i32>,
+    q_start: CudaSlice<i32>,
+    q_len: CudaSlice<i32>,
+    context: CudaSlice<i32>,
+    /// Prefill tiles: (sequence, first new token) per 16 query rows.
+    tiles: CudaSlice<i32>,
+    pub n_tiles: usize,
+    /// Whether every sequence has exactly one new token (the decode kernel applies).
+    pub decode_only: bool,
+}
+
+/// Query rows per prefill attention tile (`TQ` in attention.cu).
+pub const PREFILL_TILE_ROWS: usize = 16;
+
+impl CudaOps {
+    /// Opens device `ordinal`, compiles (or reads from the cache) and loads every kernel.
+    pub fn new(ordinal: usize) -> Result<Self, CudaError> {
+        let gpu = open(ordinal)?;
+        let stream = gpu.context.new_stream().map_err(drv)?;
+        let blas = CudaBlas::new(stream.clone())
+            .map_err(|e| CudaError::Driver(format!("cuBLAS: {e:?}")))?;
+        let dir = cache_dir();
+        let mut modules = Vec::new();
+        for (name, src) in SOURCES {
+            let ptx = match compile_cached(&dir, name, &program_text(src), gpu.arch)? {
+                Image::Cubin(b) => Ptx::from_binary(b),
+                Image::Ptx(s) => Ptx::from_src(s),
+            };
+            modules.push(gpu.context.load_module(ptx).map_err(drv)?);
+        }
+        let f = |m: usize, name: &str| modules[m].load_function(name).map_err(drv);
+        let k = Kernels {
+            rms_norm: f(0, "rms_norm")?,
+            add_rms_norm: f(0, "add_rms_norm")?,
+            qkv_rope: f(0, "qkv_rope")?,
+            silu_mul: f(0, "silu_mul")?,
+            embedding: f(0, "embedding")?,
+            write_kv: f(1, "write_kv")?,
+            decode: f(2, "paged_decode_attention")?,
+            combine: f(2, "paged_decode_combine")?,
+            prefill: f(2, "paged_prefill_attention")?,
+            argmax: f(3, "argmax_rows")?,
+            sample: f(3, "sample_rows")?,
+        };
+        Ok(Self {
+            gpu,
+            stream,
+            blas,
+            k,
+        })
+    }
+
+    pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>, CudaError> {
+        self.stream.clone_htod(host).map_err(drv)
+    }
+
+    pub fn download<T: DeviceRepr + Default + Clone>(
+        &self,
+        dev: &CudaSlice<T>,
+    ) -> Result<Vec<T>, CudaError> {
+        self.stream.clone_dtoh(dev).map_err(drv)
+    }
+
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        self.stream.synchronize().map_err(drv)
+    }
+
+    fn rows(rows: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (ROW_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    /// `out = rms_norm(x) · w`, rows of `d`.
+    pub fn rms_norm(
+        &self,
+        x: &CudaSlice<u16>,
+        w: &CudaSlice<u16>,
+        out: &mut CudaSlice<u16>,
+        rows: usize,
+        eps: f32,
+    ) -> Result<(), CudaError> {
+        let d = w.len();
+        if x.len() < rows * d || out.len() < rows * d {
+            return Err(shape(format!("rms_norm of {rows}×{d}")));
+        }
+        let di = d as i32;
+        let mut b = self.stream.launch_builder(&self.k.rms_norm);
+        b.arg(x).arg(w).arg(out).arg(&di).arg(&eps);
+        // SAFETY: argument types match the kernel's; sizes checked above.
+        unsafe { b.launch(Self::rows(rows)) }
+            .map(|_| ())
+            .map_err(drv)
+    }
+
+    /// `residual += delta; out = rms_norm(residual) · w`.
+    pub fn add_rms_norm(
+        &self,
+        residual: &mut CudaSlice<u16>,
+        delta: &CudaSlice<u16>,
+        w: &CudaSlice<u16>,
+        out: &mut CudaSlice<u16>,
+        rows: usize,
+        eps: f32,
+    ) -> Result<(), CudaError> {
+        let d = w.len();
+        if residual.len() < rows * d || delta.len() < rows * d || out.len() < rows * d {
+            return Err(shape(format!("add_rms_norm of {rows}×{d}")));
+        }
+        let di = d as i32;
+        let mut b = self.stream.launch_builder(&self.k.add_rms_norm);
+        b.arg(residual)
+            .arg(delta)
+            .arg(w)
+            .arg(out)
+            .arg(&di)
+            .arg(&eps);
+        // SAFETY: as above.
+        unsafe { b.launch(Self::rows(rows)) }
+            .map(|_| ())
+            .map_err(drv)
+    }
+
+    /// Rotary embedding of the q and k heads of `tokens` fused qkv rows, in place. `cos`/`sin`:
+    /// f32 tables of (max position) × hd/2.
+    #[allow(clippy::too_many_arguments)]
+    pub fn qkv_rope(
+        &self,
+        qkv: &mut CudaSlice<u16>,
+        positions: &CudaSlice<i32>,
+        cos: &CudaSlice<f32>,
+        sin: &CudaSlice<f32>,
+        tokens: usize,
+        (nq, nkv, hd): (usize, usize, usize),
+    ) -> Result<(), CudaError> {
+        if qkv.len() < tokens * (nq + 2 * nkv) * hd || positions.len() < tokens || hd % 2 != 0 {
+            return Err(shape(format!("qkv_rope of {tokens} rows")));
+        }
+        let (a, b2, c) = (nq as i32, nkv as i32, hd as i32);
+        let mut b = self.stream.launch_builder(&self.k.qkv_rope);
+        b.arg(qkv)
+            .arg(positions)
+            .arg(cos)
+            .arg(sin)
+            .arg(&a)
+            .arg(&b2)
+            .arg(&c);
+        // SAFETY: as above; positions are below the tables' length (checked by the caller, which
+        // built them from the sequences' lengths against the model's maximum).
+        unsafe { b.launch(Self::rows(tokens)) }
+            .map(|_| ())
+            .map_err(drv)
+    }
+
+    /// `out = silu(gate) · up` for `tokens` rows of [gate | up] (2·ff each).
+    pub fn silu_mul(
+        &self,
+        gu: &CudaSlice<u16>,
+        out: &mut CudaSlice<u16>,
+        tokens: usize,
+        ff: usize,
+    ) -> Result<(), CudaError> {
+        let n = tokens * ff;
+        if gu.len() < 2 * n || out.len() < n {
+            return Err(shape(format!("silu_mul of {tokens}×{ff}")));
+        }
+        let (ffi, ni) = (ff as i32, n as i64);
+        let mut b = self.stream.launch_builder(&self.k.silu_mul);
+        b.arg(gu).arg(out).arg(&ffi).arg(&ni);
+        let blocks = n.div_ceil(ROW_THREADS as usize).clamp(1, 65535) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (ROW_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: as above.
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
+    }
+
+    /// `out[t] = table[ids[t]]`; ids are checked against the table on the host by the caller.
+    pub fn embedding(
+        &self,
+        ids: &CudaSlice<i32>,
+        table: &CudaSlice<u16>,
+        out: &mut CudaSlice<u16>,
+        d: usize,
+    ) -> Result<(), CudaError> {
+        let t = ids.len();
+        if out.len() < t * d {
+            return Err(shape(format!("embedding of {t} ids")));
+        }
+        let di = d as i32;
+        let mut b = self.stream.launch_builder(&self.k.embedding);
+        b.arg(ids).arg(table).arg(out).arg(&di);
+        // SAFETY: as above.
+        unsafe { b.launch(Self::rows(t)) }.map(|_| ()).map_err(drv)
+    }
+
+    /// K and V of each token's fused qkv row into its cache slot (negative: skipped).
+    #[allow(clippy::too_many_arguments)]
+    pub fn write_kv(
+        &self,
+        qkv: &CudaSlice<u16>,
+        slots: &CudaSlice<i64>,
+        k_cache: &mut CudaSlice<u16>,
+        v_cache: &mut CudaSlice<u16>,
+        (nq, nkv, hd): (usize, usize, usize),
+        block_size: usize,
+    ) -> Result<(), CudaError> {
+        let t = slots.len();
+        if qkv.len() < t * (nq + 2 * nkv) * hd || k_cache.len() != v_cache.len() {
+            return Err(shape(format!("write_kv of {t} tokens")));
+        }
+        let (a, b2, c, bs) = (nq as i32, nkv as i32, hd as i32, block_size as i32);
+        let mut b = self.stream.launch_builder(&self.k.write_kv);
+        b.arg(qkv)
+            .arg(slots)
+            .arg(k_cache)
+            .arg(v_cache)
+            .arg(&a)
+            .arg(&b2)
+            .arg(&c)
+            .arg(&bs);
+        // SAFETY: slots come from the block manager's blocks, inside the pool.
+        unsafe { b.launch(Self::rows(t)) }.map(|_| ()).map_err(drv)
+    }
+
+    /// Uploads one packed step's sequences: block tables padded to the longest, query ranges,
+    /// context lengths and the prefill tiles.
+    pub fn attn_batch(
+        &self,
+        block_tables: &[&[u32]],
+        q_len: &[usize],
+        context: &[usize],
+    ) -> Result<AttnBatch, CudaError> {
+        let seqs = block_tables.len();
+        let max_blocks = block_tables
+            .iter()
+            .map(|b| b.len())
+            .max()
+            .unwrap_or(0)
+            .max(1);
+        let mut bt = vec![0i32; seqs * max_blocks];
+        for (s, t) in block_tables.iter().enumerate() {
+            for (i, &b) in t.iter().enumerate() {
+                bt[s * max_blocks + i] = b as i32;
+            }
+        }
+        let mut starts = Vec::with_capacity(seqs);
+        let mut tiles = Vec::new();
+        let mut row = 0usize;
+        for (s, &n) in q_len.iter().enumerate() {
+            starts.push(row as i32);
+            for q0 in (0..n).step_by(PREFILL_TILE_ROWS) {
+                tiles.extend([s as i32, q0 as i32]);
+            }
+            row += n;
+        }
+        let n_tiles = tiles.len() / 2;
+        if tiles.is_empty() {
+            tiles.extend([0, 0]);
+        }
+        let as_i32 = |v: &[usize]| v.iter().map(|&x| x as i32).collect::<Vec<i32>>();
+        Ok(AttnBatch {
+            seqs,
+            max_blocks,
+            max_context: context.iter().copied().max().unwrap_or(0),
+            block_tables: self.upload(&bt)?,
+            q_start: self.upload(&starts)?,
+            q_len: self.upload(&as_i32(q_len))?,
+            context: self.upload(&as_i32(context))?,
+            tiles: self.upload(&tiles)?,
+            n_tiles,
+            decode_only: q_len.iter().all(|&n| n == 1),
+        })
+    }
+
+    /// Paged attention of a packed step: the decode kernel (split along the context, then
+    /// combined) when every sequence has one new token, the tiled prefill kernel otherwise.
+    /// `q` holds token rows of `q_stride` values (q heads first); `out` token rows of nq·hd.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention(
+        &self,
+        batch: &AttnBatch,
+        q: &CudaSlice<u16>,
+        q_stride: usize,
+        k_cache: &CudaSlice<u16>,
+        v_cache: &CudaSlice<u16>,
+        out: &mut CudaSlice<u16>,
+        (nq, nkv, hd): (usize, usize, usize),
+        block_size: usize,
+    ) -> Result<(), CudaError> {
+        if nkv == 0 || nq % nkv != 0 || hd == 0 || 128 % hd != 0 || hd > 128 {
+            return Err(shape(format!(
+                "attention with {nq} heads, {nkv} KV heads of {hd} (head size must divide 128)"
+            )));
+        }
+        let splits = if batch.decode_only {
+            decode_splits(batch.max_context)
+        } else {
+            1
+        };
+        let (mut part_out, mut part_ml) = if splits > 1 {
+            (
+                self.stream
+                    .alloc_zeros::<f32>(batch.seqs * nq * splits * hd)
+                    .map_err(drv)?,
+                self.stream
+                    .alloc_zeros::<f32>(batch.seqs * nq * splits * 2)
+                    .map_err(drv)?,
+            )
+        } else {
+            (
+                self.stream.alloc_zeros::<f32>(1).map_err(drv)?,
+                self.stream.alloc_zeros::<f32>(1).map_err(drv)?,
+            )
+        };
+        let s = &self.stream;
+        let params = AttnParams {
+            q: q.device_ptr(s).0,
+            k_cache: k_cache.device_ptr(s).0,
+            v_cache: v_cache.device_ptr(s).0,
+            out: out.device_ptr_mut(s).0,
+            block_tables: batch.block_tables.device_ptr(s).0,
+            seq_q_start: batch.q_start.device_ptr(s).0,
+            seq_q_len: batch.q_len.device_ptr(s).0,
+            seq_context: batch.context.device_ptr(s).0,
+            tiles: batch.tiles.device_ptr(s).0,
+            part_out: part_out.device_ptr_mut(s).0,
+            part_ml: part_ml.device_ptr_mut(s).0,
+            q_stride: q_stride as i32,
+            nq: nq as i32,
+            nkv: nkv as i32,
+            hd: hd as i32,
+            block_size: block_size as i32,
+            max_blocks: batch.max_blocks as i32,
+            split_len: DECODE_SPLIT_LEN as i32,
+            max_splits: splits as i32,
+            scale: 1.0 / (hd as f32).sqrt(),
+            reserved: 0,
+        };
+        if batch.decode_only {
+            let cfg = LaunchConfig {
+                grid_dim: (batch.seqs as u32, nq as u32, splits as u32),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: ((hd + DECODE_SPLIT_LEN) * 4) as u32,
+            };
+            let mut b = s.launch_builder(&self.k.decode);
+            b.arg(&params);
+            // SAFETY: every pointer in `params` is a live device allocation of the sizes the
+            // kernel reads (the batch was built from the same sequences).
+            unsafe { b.launch(cfg) }.map_err(drv)?;
+            if splits > 1 {
+                let cfg = LaunchConfig {
+                    grid_dim: (batch.seqs as u32, nq as u32, 1),
+                    block_dim: (128, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let mut b = s.launch_builder(&self.k.combine);
+                b.arg(&params);
+                // SAFETY: as above.
+                unsafe { b.launch(cfg) }.map_err(drv)?;
+            }
+        } else if batch.n_tiles > 0 {
+            let cfg = LaunchConfig {
+                grid_dim: (batch.n_tiles as u32, nq as u32, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = s.launch_builder(&self.k.prefill);
+            b.arg(&params);
+            // SAFETY: as above.
+            unsafe { b.launch(cfg) }.map_err(drv)?;
+        }
+        // The split buffers must outlive the kernels that use them.
+        s.synchronize().map_err(drv)?;
+        drop((part_out, part_ml));
+        Ok(())
+    }
+
+    /// `out[m×n] = x[m×k] · Wᵀ` (W is n×k, row-major), bf16 in, f32 accumulation, out in bf16
+    /// (`f32_out` false) or f32.
+    fn gemm_raw(
+        &self,
+        x: u64,
+        w: u64,
+        out: u64,
+        (m, n, k): (usize, usize, usize),
+        f32_out: bool,
+    ) -> Result<(), CudaError> {
+        let (alpha, beta) = (1f32, 0f32);
+        let out_type = if f32_out {
+            blas_sys::cudaDataType::CUDA_R_32F
+        } else {
+            blas_sys::cudaDataType::CUDA_R_16BF
+        };
+        // Column-major view: outᵀ (n×m) = W (k×n, transposed) · xᵀ (k×m).
+        // SAFETY: the pointers are live device buffers of the given shapes (checked by callers).
+        unsafe {
+            blas::gemm_ex(
+                *self.blas.handle(),
+                blas_sys::cublasOperation_t::CUBLAS_OP_T,
+                blas_sys::cublasOperation_t::CUBLAS_OP_N,
+                n as i32,
+                m as i32,
+                k as i32,
+                &alpha as *const f32 as *const _,
+                w as *const _,
+                blas_sys::cudaDataType::CUDA_R_16BF,
+                k as i32,
+                x as *const _,
+                blas_sys::cudaDataType::CUDA_R_16BF,
+                k as i32,
+                &beta as *const f32 as *const _,
+                out as *mut _,
+                out_type,
+                n as i32,
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| CudaError::Driver(format!("cuBLAS GEMM {m}×{n}×{k}: {e:?}")))
+    }
+
+    /// `out = x · Wᵀ` in bf16.
+    pub fn gemm(
+        &self,
+        x: &CudaSlice<u16>,
+        w: &CudaSlice<u16>,
+        out: &mut CudaSlice<u16>,
+        (m, n, k): (usize, usize, usize),
+    ) -> Result<(), CudaError> {
+        if x.len() < m * k || w.len() < n * k || out.len() < m * n {
+            return Err(shape(format!("gemm {m}×{n}×{k}")));
+        }
+        let s = &self.stream;
+        let (xp, wp, op) = (
+            x.device_ptr(s).0,
+            w.device_ptr(s).0,
+            out.device_ptr_mut(s).0,
+        );
+        self.gemm_raw(xp, wp, op, (m, n, k), false)
+    }
+
+    /// `out = x · Wᵀ` with f32 output (the logits).
+    pub fn gemm_f32_out(
+        &self,
+        x: &CudaSlice<u16>,
+        w: &CudaSlice<u16>,
+        out: &mut CudaSlice<f32>,
+        (m, n, k): (usize, usize, usize),
+    ) -> Result<(), CudaError> {
+        if x.len() < m * k || w.len() < n * k || out.len() < m * n {
+            return Err(shape(format!("gemm {m}×{n}×{k}")));
+        }
+        let s = &self.stream;
+        let (xp, wp, op) = (
+            x.device_ptr(s).0,
+            w.device_ptr(s).0,
+            out.device_ptr_mut(s).0,
+        );
+        self.gemm_raw(xp, wp, op, (m, n, k), true)
+    }
+
+    /// Greedy next tokens: the argmax of each of `rows` rows of `vocab` logits.
+    pub fn argmax(
+        &self,
+        logits: &CudaSlice<f32>,
+        rows: usize,
+        vocab: usize,
+        out: &mut CudaSlice<i32>,
+    ) -> Result<(), CudaError> {
+        if logits.len() < rows * vocab || out.len() < rows {
+            return Err(shape(format!("argmax of {rows}×{vocab}")));
+        }
+        let v = vocab as i32;
+        let mut b = self.stream.launch_builder(&self.k.argmax);
+        b.arg(logits).arg(&v).arg(out);
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (1024, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: as above.
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
+    }
+
+    /// A draw from softmax(logits / temperature) per row (temperature 0: greedy), reproducible in
+    /// the row's seed.
+    pub fn sample(
+        &self,
+        logits: &CudaSlice<f32>,
+        vocab: usize,
+        temperature: &CudaSlice<f32>,
+        seeds: &CudaSlice<u64>,
+        out: &mut CudaSlice<i32>,
+    ) -> Result<(), CudaError> {
+        let rows = temperature.len();
+        if logits.len() < rows * vocab || seeds.len() < rows || out.len() < rows {
+            return Err(shape(format!("sample of {rows}×{vocab}")));
+        }
+        let v = vocab as i32;
+        let mut b = self.stream.launch_builder(&self.k.sample);
+        b.arg(logits).arg(&v).arg(temperature).arg(seeds).arg(out);
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (1024, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: as above.
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
+    }
+}
