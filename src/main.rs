@@ -58,6 +58,67 @@ enum BenchCommand {
     Serve(bench_serve::BenchServeArgs),
     /// KV transfer throughput over loopback against a plain TCP copy of the same bytes.
     KvTransfer(BenchKvArgs),
+    /// GPU figures for a Llama-3-8B-shaped model with random bf16 weights: copy bandwidth, bf16
+    /// GEMM rate, decode step time against the roofline, prefill MFU, decode attention bandwidth.
+    Gpu(BenchGpuArgs),
+}
+
+#[derive(Args)]
+struct BenchGpuArgs {
+    /// The GPU: cuda or cuda:N.
+    #[arg(long, default_value = "cuda:0")]
+    device: tandem_kernels::cuda::DeviceSpec,
+    /// Decode batch sizes (1k-token contexts each).
+    #[arg(long, value_delimiter = ',', default_value = "1,16,64,256")]
+    batches: Vec<usize>,
+    /// One JSON line instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+fn bench_gpu(a: BenchGpuArgs) -> Result<()> {
+    let tandem_kernels::cuda::DeviceSpec::Cuda(ordinal) = a.device else {
+        anyhow::bail!("bench gpu needs a CUDA device (--device cuda:N)");
+    };
+    let r = tandem_bench::gpu::run(ordinal, &a.batches)?;
+    if a.json {
+        println!("{}", serde_json::to_string(&r)?);
+        return Ok(());
+    }
+    println!(
+        "gpu bench: {} (Llama-3-8B shape, random bf16 weights)",
+        r.device
+    );
+    println!(
+        "  copy bandwidth   {:>10.1} GB/s (read + write)",
+        r.copy_gb_s
+    );
+    println!(
+        "  bf16 GEMM        {:>10.1} TFLOP/s (8192³, f32 accumulation)",
+        r.gemm_tflops
+    );
+    for d in &r.decode {
+        println!(
+            "  decode batch {:>3}  {:>8.2} ms/step  roofline {:>6.2} ms  {:>5.1}% of roofline  {:>8.0} tok/s",
+            d.batch,
+            d.step_ms,
+            d.roofline_ms,
+            100.0 * d.of_roofline,
+            d.tok_s
+        );
+    }
+    println!(
+        "  prefill {} tok   {:>10.0} tok/s  MFU {:.1}% of the measured GEMM rate",
+        r.prefill_tokens,
+        r.prefill_tok_s,
+        100.0 * r.prefill_mfu
+    );
+    println!(
+        "  decode attention {:>10.1} GB/s  {:.1}% of the copy bandwidth",
+        r.attention_gb_s,
+        100.0 * r.attention_of_copy
+    );
+    Ok(())
 }
 
 #[derive(Args)]
@@ -393,6 +454,9 @@ fn main() {
         Command::Bench {
             what: BenchCommand::KvTransfer(a),
         } => bench_kv(a),
+        Command::Bench {
+            what: BenchCommand::Gpu(a),
+        } => bench_gpu(a),
         Command::Model {
             what: ModelCommand::Fetch { force },
         } => fetch::fetch_default(force).map(|p| println!("{}", p.display())),

@@ -5,6 +5,7 @@
 //! workloads under batching policies ([`workload`]); and the load generator for clusters (`tandem bench
 //! serve`, [`serve`]) with an in-process engine run of the same requests as its baseline.
 
+pub mod gpu;
 pub mod kv;
 pub mod roofline;
 pub mod serve;

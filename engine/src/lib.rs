@@ -12,6 +12,7 @@
 
 pub mod block_manager;
 pub mod engine;
+pub mod gpu;
 pub mod handle;
 pub mod kv_cache;
 pub mod model;
@@ -22,6 +23,7 @@ pub use engine::{
     Engine, EngineConfig, EngineStats, Event, FinishReason, Finished, KvChunk, Limits, Request,
     RequestId, Reservation, StepStats, TokenEvent,
 };
+pub use gpu::GpuLlama;
 pub use handle::{EngineHandle, KvUpdate, RequestStream, StreamEvent};
 pub use kv_cache::{KvDtype, KvPool, KvPoolWriter};
 pub use model::{LlamaModel, SeqBatch, WeightFormat};
@@ -43,6 +45,8 @@ pub enum EngineError {
     Kernel(#[from] tandem_kernels::KernelError),
     #[error(transparent)]
     Files(#[from] tandem_model::ModelError),
+    #[error(transparent)]
+    Cuda(#[from] tandem_kernels::cuda::CudaError),
     #[error("internal: {0}")]
     Internal(String),
 }

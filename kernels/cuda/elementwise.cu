@@ -78,3 +78,17 @@ extern "C" __global__ void embedding(const int* __restrict__ ids, const bf16* __
     bf16* dst = out + (i64)blockIdx.x * d;
     for (int i = threadIdx.x; i < d; i += blockDim.x) dst[i] = src[i];
 }
+
+// x[i] = bf16(scale · u) with u uniform in [-1, 1) from a hash of (seed, i): random weights and
+// caches made on the device for benchmarks, with no host-side copy.
+extern "C" __global__ void fill_random(bf16* __restrict__ x, i64 n, unsigned long long seed,
+                                       float scale) {
+    for (i64 e = (i64)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (i64)gridDim.x * blockDim.x) {
+        unsigned long long z = seed + 0x9e3779b97f4a7c15ull * (unsigned long long)(e + 1);
+        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+        z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+        z ^= z >> 31;
+        float u = (float)(z >> 40) * (1.0f / 8388608.0f) - 1.0f;
+        x[e] = f32_to_bf16(scale * u);
+    }
+}

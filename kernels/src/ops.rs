@@ -49,6 +49,11 @@ impl RopeTable {
     pub fn max_pos(&self) -> usize {
         self.cos.len() / self.half.max(1)
     }
+
+    /// The cosine and sine tables, max_pos × head_dim/2 each (the GPU copies them).
+    pub fn tables(&self) -> (&[f32], &[f32]) {
+        (&self.cos, &self.sin)
+    }
 }
 
 /// Applies HF's `rotate_half` rotary embedding in place. `x` is tokens × (n_heads·head_dim);

@@ -326,11 +326,20 @@ fn run_attention(
     let t: usize = q_len.iter().sum();
     let (q, qf) = rand_bf16(&mut r, t * nq * hd, 1.0);
     let tables: Vec<&[u32]> = cache.tables.iter().map(|t| t.as_slice()).collect();
-    let batch = o.attn_batch(&tables, q_len, ctx).unwrap();
+    let mut batch = o.attn_batch(&tables, q_len, ctx, (nq, hd)).unwrap();
     let qd = o.upload(&q).unwrap();
     let mut out = o.upload(&vec![NAN16; t * nq * hd]).unwrap();
-    o.attention(&batch, &qd, nq * hd, &cache.k, &cache.v, &mut out, dims, BS)
-        .unwrap();
+    o.attention(
+        &mut batch,
+        &qd,
+        nq * hd,
+        &cache.k,
+        &cache.v,
+        &mut out,
+        dims,
+        BS,
+    )
+    .unwrap();
     let want = reference(&cache, &qf, q_len, ctx, dims);
     let what = format!("attention q_len {q_len:?} ctx {ctx:?} dims {dims:?}");
     assert_close(&what, &to_f32(&o.download(&out).unwrap()), &want);

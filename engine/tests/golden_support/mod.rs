@@ -23,13 +23,18 @@ pub fn engine(format: WeightFormat, cfg: EngineConfig) -> (Engine, Vec<Value>) {
     let m = tandem_model::load(&p).unwrap();
     let eos = m.tokenizer.eos_token_ids.clone();
     let e = Engine::new(LlamaModel::new(&m, format).unwrap(), cfg, eos).unwrap();
-    let text = std::fs::read_to_string(golden_dir().join("smollm2_greedy.jsonl")).unwrap();
-    (
-        e,
-        text.lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect(),
-    )
+    (e, golden_records().1)
+}
+
+/// The golden file's path and its records.
+pub fn golden_records() -> (PathBuf, Vec<Value>) {
+    let path = golden_dir().join("smollm2_greedy.jsonl");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let recs = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    (path, recs)
 }
 
 pub fn ids(v: &Value) -> Vec<u32> {

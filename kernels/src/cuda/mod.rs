@@ -16,7 +16,7 @@ use thiserror::Error;
 pub enum CudaError {
     #[error(
         "no CUDA driver on this machine (libcuda could not be loaded): install the NVIDIA driver, \
-         or run on the CPU (--device cpu)"
+         or run on the CPU"
     )]
     NoDriver,
     #[error(
@@ -380,6 +380,7 @@ mod tests {
             "qkv_rope",
             "silu_mul",
             "embedding",
+            "fill_random",
             "write_kv",
             "paged_decode_attention",
             "paged_decode_combine",

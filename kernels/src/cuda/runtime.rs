@@ -6,9 +6,9 @@
 use std::sync::Arc;
 
 use cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
+pub use cudarc::driver::CudaSlice;
 use cudarc::driver::{
-    CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig,
-    PushKernelArg,
+    CudaFunction, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 
@@ -37,6 +37,7 @@ struct Kernels {
     qkv_rope: CudaFunction,
     silu_mul: CudaFunction,
     embedding: CudaFunction,
+    fill_random: CudaFunction,
     write_kv: CudaFunction,
     decode: CudaFunction,
     combine: CudaFunction,
@@ -67,6 +68,11 @@ pub struct AttnBatch {
     pub n_tiles: usize,
     /// Whether every sequence has exactly one new token (the decode kernel applies).
     pub decode_only: bool,
+    /// Decode splits per sequence, and their partial results (kept for the whole step, so the
+    /// layers' launches never wait to free them).
+    pub splits: usize,
+    part_out: CudaSlice<f32>,
+    part_ml: CudaSlice<f32>,
 }
 
 /// Query rows per prefill attention tile (`TQ` in attention.cu).
@@ -95,6 +101,7 @@ impl CudaOps {
             qkv_rope: f(0, "qkv_rope")?,
             silu_mul: f(0, "silu_mul")?,
             embedding: f(0, "embedding")?,
+            fill_random: f(0, "fill_random")?,
             write_kv: f(1, "write_kv")?,
             decode: f(2, "paged_decode_attention")?,
             combine: f(2, "paged_decode_combine")?,
@@ -258,6 +265,58 @@ impl CudaOps {
         unsafe { b.launch(Self::rows(t)) }.map(|_| ()).map_err(drv)
     }
 
+    /// Fills `x` with bf16 values uniform in ±`scale`, made on the device from `seed`.
+    pub fn fill_random(
+        &self,
+        x: &mut CudaSlice<u16>,
+        seed: u64,
+        scale: f32,
+    ) -> Result<(), CudaError> {
+        let n = x.len() as i64;
+        let mut b = self.stream.launch_builder(&self.k.fill_random);
+        b.arg(x).arg(&n).arg(&seed).arg(&scale);
+        let cfg = LaunchConfig {
+            grid_dim: (
+                (n as usize).div_ceil(ROW_THREADS as usize).clamp(1, 65535) as u32,
+                1,
+                1,
+            ),
+            block_dim: (ROW_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the kernel writes x[..n].
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
+    }
+
+    /// A device buffer of `n` bf16 values, not initialized to anything meaningful.
+    pub fn alloc_bf16(&self, n: usize) -> Result<CudaSlice<u16>, CudaError> {
+        self.stream.alloc_zeros::<u16>(n).map_err(drv)
+    }
+
+    pub fn alloc_f32(&self, n: usize) -> Result<CudaSlice<f32>, CudaError> {
+        self.stream.alloc_zeros::<f32>(n).map_err(drv)
+    }
+
+    /// Device-to-device copy of all of `src` into the start of `dst`.
+    pub fn copy(&self, src: &CudaSlice<u16>, dst: &mut CudaSlice<u16>) -> Result<(), CudaError> {
+        if dst.len() < src.len() {
+            return Err(shape(format!("copy of {} into {}", src.len(), dst.len())));
+        }
+        let mut view = dst.slice_mut(..src.len());
+        self.stream.memcpy_dtod(src, &mut view).map_err(drv)
+    }
+
+    /// Gathers rows `rows` (each of `d` values) of `src` into `out`.
+    pub fn gather_rows(
+        &self,
+        rows: &CudaSlice<i32>,
+        src: &CudaSlice<u16>,
+        out: &mut CudaSlice<u16>,
+        d: usize,
+    ) -> Result<(), CudaError> {
+        self.embedding(rows, src, out, d)
+    }
+
     /// K and V of each token's fused qkv row into its cache slot (negative: skipped).
     #[allow(clippy::too_many_arguments)]
     pub fn write_kv(
@@ -294,6 +353,7 @@ impl CudaOps {
         block_tables: &[&[u32]],
         q_len: &[usize],
         context: &[usize],
+        (nq, hd): (usize, usize),
     ) -> Result<AttnBatch, CudaError> {
         let seqs = block_tables.len();
         let max_blocks = block_tables
@@ -323,17 +383,28 @@ impl CudaOps {
             tiles.extend([0, 0]);
         }
         let as_i32 = |v: &[usize]| v.iter().map(|&x| x as i32).collect::<Vec<i32>>();
+        let decode_only = q_len.iter().all(|&n| n == 1);
+        let max_context = context.iter().copied().max().unwrap_or(0);
+        let splits = if decode_only {
+            decode_splits(max_context)
+        } else {
+            1
+        };
+        let parts = if splits > 1 { seqs * nq * splits } else { 1 };
         Ok(AttnBatch {
+            splits,
+            part_out: self.stream.alloc_zeros::<f32>(parts * hd).map_err(drv)?,
+            part_ml: self.stream.alloc_zeros::<f32>(parts * 2).map_err(drv)?,
             seqs,
             max_blocks,
-            max_context: context.iter().copied().max().unwrap_or(0),
+            max_context,
             block_tables: self.upload(&bt)?,
             q_start: self.upload(&starts)?,
             q_len: self.upload(&as_i32(q_len))?,
             context: self.upload(&as_i32(context))?,
             tiles: self.upload(&tiles)?,
             n_tiles,
-            decode_only: q_len.iter().all(|&n| n == 1),
+            decode_only,
         })
     }
 
@@ -343,7 +414,7 @@ impl CudaOps {
     #[allow(clippy::too_many_arguments)]
     pub fn attention(
         &self,
-        batch: &AttnBatch,
+        batch: &mut AttnBatch,
         q: &CudaSlice<u16>,
         q_stride: usize,
         k_cache: &CudaSlice<u16>,
@@ -357,26 +428,7 @@ impl CudaOps {
                 "attention with {nq} heads, {nkv} KV heads of {hd} (head size must divide 128)"
             )));
         }
-        let splits = if batch.decode_only {
-            decode_splits(batch.max_context)
-        } else {
-            1
-        };
-        let (mut part_out, mut part_ml) = if splits > 1 {
-            (
-                self.stream
-                    .alloc_zeros::<f32>(batch.seqs * nq * splits * hd)
-                    .map_err(drv)?,
-                self.stream
-                    .alloc_zeros::<f32>(batch.seqs * nq * splits * 2)
-                    .map_err(drv)?,
-            )
-        } else {
-            (
-                self.stream.alloc_zeros::<f32>(1).map_err(drv)?,
-                self.stream.alloc_zeros::<f32>(1).map_err(drv)?,
-            )
-        };
+        let splits = batch.splits;
         let s = &self.stream;
         let params = AttnParams {
             q: q.device_ptr(s).0,
@@ -388,8 +440,8 @@ impl CudaOps {
             seq_q_len: batch.q_len.device_ptr(s).0,
             seq_context: batch.context.device_ptr(s).0,
             tiles: batch.tiles.device_ptr(s).0,
-            part_out: part_out.device_ptr_mut(s).0,
-            part_ml: part_ml.device_ptr_mut(s).0,
+            part_out: batch.part_out.device_ptr_mut(s).0,
+            part_ml: batch.part_ml.device_ptr_mut(s).0,
             q_stride: q_stride as i32,
             nq: nq as i32,
             nkv: nkv as i32,
@@ -434,9 +486,6 @@ impl CudaOps {
             // SAFETY: as above.
             unsafe { b.launch(cfg) }.map_err(drv)?;
         }
-        // The split buffers must outlive the kernels that use them.
-        s.synchronize().map_err(drv)?;
-        drop((part_out, part_ml));
         Ok(())
     }
 

@@ -1,0 +1,223 @@
+//! GPU figures for a Llama-3-8B-shaped model with random bf16 weights made on the device (no
+//! download): the card's measured copy bandwidth and bf16 GEMM rate, decode step time at several
+//! batch sizes against the roofline (weights + KV bytes / measured bandwidth), prefill throughput
+//! and its MFU, and paged decode attention's own bandwidth.
+
+use std::time::Instant;
+
+use serde::Serialize;
+use tandem_engine::{EngineError, GpuLlama, SeqBatch};
+use tandem_kernels::cuda::runtime::CudaOps;
+use tandem_model::LlamaConfig;
+
+/// Llama-3-8B's shape.
+pub fn llama3_8b() -> LlamaConfig {
+    LlamaConfig {
+        hidden_size: 4096,
+        intermediate_size: 14336,
+        num_layers: 32,
+        num_heads: 32,
+        num_kv_heads: 8,
+        head_dim: 128,
+        vocab_size: 128_256,
+        max_position_embeddings: 8192,
+        rms_norm_eps: 1e-5,
+        rope_theta: 500_000.0,
+        rope_scaling: None,
+        tie_word_embeddings: false,
+    }
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct DecodePoint {
+    pub batch: usize,
+    pub context: usize,
+    pub step_ms: f64,
+    /// (weights + every sequence's KV) / measured copy bandwidth.
+    pub roofline_ms: f64,
+    /// roofline_ms / step_ms.
+    pub of_roofline: f64,
+    pub tok_s: f64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct GpuReport {
+    pub device: String,
+    /// Device-to-device copy, bytes read plus written per second.
+    pub copy_gb_s: f64,
+    /// 8192³ bf16 product (f32 accumulation) through cuBLAS.
+    pub gemm_tflops: f64,
+    pub decode: Vec<DecodePoint>,
+    pub prefill_tokens: usize,
+    pub prefill_tok_s: f64,
+    /// Projection FLOPs (2 per weight per token) per second over the measured GEMM rate.
+    pub prefill_mfu: f64,
+    /// Paged decode attention alone: K and V bytes read per second.
+    pub attention_gb_s: f64,
+    pub attention_of_copy: f64,
+}
+
+/// Best wall time of `reps` runs of `f` after `warm` unmeasured ones; `f` ends with the device
+/// idle (it synchronizes, or downloads a result).
+fn time<F: FnMut() -> Result<(), EngineError>>(
+    warm: usize,
+    reps: usize,
+    mut f: F,
+) -> Result<f64, EngineError> {
+    for _ in 0..warm {
+        f()?;
+    }
+    let mut best = f64::MAX;
+    for _ in 0..reps {
+        let t = Instant::now();
+        f()?;
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    Ok(best)
+}
+
+fn synced(
+    ops: &CudaOps,
+    r: Result<(), tandem_kernels::cuda::CudaError>,
+) -> Result<(), EngineError> {
+    r?;
+    Ok(ops.synchronize()?)
+}
+
+/// Runs every measurement on device `ordinal`. `batches` are the decode batch sizes (1k-token
+/// contexts each).
+pub fn run(ordinal: usize, batches: &[usize]) -> Result<GpuReport, EngineError> {
+    let c = llama3_8b();
+    let context: usize = 1024;
+    let block: usize = 16;
+    let max_batch = batches.iter().copied().max().unwrap_or(1);
+    let prefill_tokens: usize = 2048;
+    // Blocks: every decode sequence's context (+1 for the new token), and the prefill prompt.
+    let per_seq = (context + 1).div_ceil(block);
+    let num_blocks = max_batch * per_seq + prefill_tokens.div_ceil(block);
+    let mut g = GpuLlama::random(ordinal, &c, 7, block, num_blocks)?;
+    g.randomize_cache(11)?;
+    let device = format!(
+        "{} ({}, {} GiB)",
+        g.ops.gpu.name,
+        g.ops.gpu.arch,
+        g.ops.gpu.memory_bytes >> 30
+    );
+
+    // Copy bandwidth: 1 GiB each way.
+    let n = 1usize << 29;
+    let src = g.ops.alloc_bf16(n)?;
+    let mut dst = g.ops.alloc_bf16(n)?;
+    let secs = time(2, 10, || synced(&g.ops, g.ops.copy(&src, &mut dst)))?;
+    let copy_gb_s = 2.0 * (2 * n) as f64 / secs / 1e9;
+    drop((src, dst));
+
+    // bf16 GEMM rate on random data.
+    let m = 8192;
+    let mut a = g.ops.alloc_bf16(m * m)?;
+    let mut b = g.ops.alloc_bf16(m * m)?;
+    let mut out = g.ops.alloc_bf16(m * m)?;
+    g.ops.fill_random(&mut a, 1, 1.0)?;
+    g.ops.fill_random(&mut b, 2, 1.0)?;
+    let secs = time(2, 10, || {
+        synced(&g.ops, g.ops.gemm(&a, &b, &mut out, (m, m, m)))
+    })?;
+    let gemm_tflops = 2.0 * (m as f64).powi(3) / secs / 1e12;
+    drop((a, b, out));
+
+    // Decode steps: every sequence has `context` tokens cached (random KV) and decodes one more.
+    let tables: Vec<Vec<u32>> = (0..max_batch)
+        .map(|s| ((s * per_seq) as u32..((s + 1) * per_seq) as u32).collect())
+        .collect();
+    let tokens: Vec<[u32; 1]> = (0..max_batch)
+        .map(|s| [(s * 7919 % c.vocab_size) as u32])
+        .collect();
+    let mut decode = Vec::new();
+    for &bsz in batches {
+        let batch: Vec<SeqBatch> = (0..bsz)
+            .map(|s| SeqBatch {
+                tokens: &tokens[s],
+                cached: context,
+                block_table: &tables[s],
+                want_logits: true,
+            })
+            .collect();
+        // The step downloads its token ids, so it ends with the device idle.
+        let secs = time(2, 10, || g.forward_greedy(&batch).map(|_| ()))?;
+        let bytes = g.weight_bytes() as f64 + (bsz * (context + 1) * g.kv_bytes_per_token()) as f64;
+        let roofline_ms = bytes / (copy_gb_s * 1e9) * 1e3;
+        decode.push(DecodePoint {
+            batch: bsz,
+            context,
+            step_ms: secs * 1e3,
+            roofline_ms,
+            of_roofline: roofline_ms / (secs * 1e3),
+            tok_s: bsz as f64 / secs,
+        });
+    }
+
+    // Prefill: one 2k-token prompt in one step, into its own blocks.
+    let base = (max_batch * per_seq) as u32;
+    let ptable: Vec<u32> = (base..base + prefill_tokens.div_ceil(block) as u32).collect();
+    let prompt: Vec<u32> = (0..prefill_tokens)
+        .map(|i| (i * 31 % c.vocab_size) as u32)
+        .collect();
+    let pbatch = [SeqBatch {
+        tokens: &prompt,
+        cached: 0,
+        block_table: &ptable,
+        want_logits: true,
+    }];
+    let secs = time(1, 5, || g.forward_greedy(&pbatch).map(|_| ()))?;
+    let prefill_tok_s = prefill_tokens as f64 / secs;
+    let flops = 2.0 * (g.weight_bytes() / 2) as f64 * prefill_tokens as f64;
+    let prefill_mfu = flops / secs / (gemm_tflops * 1e12);
+
+    // Decode attention alone, one layer's worth over the largest batch.
+    let (nq, nkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
+    let o = &g.ops;
+    let per_layer = num_blocks * nkv * block * hd;
+    let mut kc = o.alloc_bf16(per_layer)?;
+    let mut vc = o.alloc_bf16(per_layer)?;
+    o.fill_random(&mut kc, 3, 1.0)?;
+    o.fill_random(&mut vc, 4, 1.0)?;
+    let mut q = o.alloc_bf16(max_batch * nq * hd)?;
+    o.fill_random(&mut q, 5, 1.0)?;
+    let mut att = o.alloc_bf16(max_batch * nq * hd)?;
+    let trefs: Vec<&[u32]> = tables.iter().map(|t| t.as_slice()).collect();
+    let mut ab = o.attn_batch(
+        &trefs,
+        &vec![1; max_batch],
+        &vec![context + 1; max_batch],
+        (nq, hd),
+    )?;
+    let secs = time(2, 20, || {
+        synced(
+            o,
+            o.attention(
+                &mut ab,
+                &q,
+                nq * hd,
+                &kc,
+                &vc,
+                &mut att,
+                (nq, nkv, hd),
+                block,
+            ),
+        )
+    })?;
+    let attn_bytes = (max_batch * (context + 1) * nkv * hd * 2 * 2) as f64;
+    let attention_gb_s = attn_bytes / secs / 1e9;
+    Ok(GpuReport {
+        device,
+        copy_gb_s,
+        gemm_tflops,
+        decode,
+        prefill_tokens,
+        prefill_tok_s,
+        prefill_mfu,
+        attention_gb_s,
+        // The copy figure counts reads and writes; attention only reads.
+        attention_of_copy: attention_gb_s / copy_gb_s,
+    })
+}

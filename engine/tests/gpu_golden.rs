@@ -1,0 +1,175 @@
+//! The Llama forward on the GPU (bf16) against the golden float32 reference and against itself:
+//! greedy tokens (how many of the 12 records stay exact is reported), last-position logits'
+//! relative error, and batched generation equal to each prompt alone. Without a GPU each test says
+//! so on stderr and returns; TANDEM_REQUIRE_GPU=1 (scripts/gpu-check) makes that a failure.
+
+mod golden_support;
+
+use golden_support::*;
+use tandem_engine::{GpuLlama, SeqBatch};
+
+fn report(test: &str, why: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "NO GPU: {test} not run ({why})");
+}
+
+const BLOCK: usize = 16;
+
+fn gpu_model(test: &str, num_blocks: usize) -> Option<GpuLlama> {
+    let required = std::env::var_os("TANDEM_REQUIRE_GPU").is_some();
+    if !tandem_kernels::cuda::driver_present() {
+        assert!(
+            !required,
+            "{test}: TANDEM_REQUIRE_GPU is set but there is no CUDA driver"
+        );
+        report(test, "no CUDA driver on this machine");
+        return None;
+    }
+    let p = tandem_model::default_model_path();
+    let m = tandem_model::load(&p).unwrap();
+    match GpuLlama::from_tensors(0, &m.config, &m.tensors, BLOCK, num_blocks) {
+        Ok(g) => Some(g),
+        Err(e) => {
+            assert!(!required, "{test}: {e}");
+            report(test, &e.to_string());
+            None
+        }
+    }
+}
+
+fn argmax(x: &[f32]) -> u32 {
+    tandem_kernels::ops::argmax(x) as u32
+}
+
+/// Greedy generation of every prompt together (one packed step per token), each sequence with
+/// its own run of blocks.
+fn generate(g: &mut GpuLlama, prompts: &[Vec<u32>], n_new: &[usize]) -> Vec<Vec<u32>> {
+    let vocab = g.config.vocab_size;
+    let mut tables = Vec::new();
+    let mut next = 0u32;
+    for (p, &n) in prompts.iter().zip(n_new) {
+        let blocks = (p.len() + n).div_ceil(BLOCK) as u32;
+        tables.push((next..next + blocks).collect::<Vec<u32>>());
+        next += blocks;
+    }
+    let mut outs: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
+    // Prefill, then one token per step for the sequences still going.
+    let batch: Vec<SeqBatch> = prompts
+        .iter()
+        .zip(&tables)
+        .map(|(p, t)| SeqBatch {
+            tokens: p,
+            cached: 0,
+            block_table: t,
+            want_logits: true,
+        })
+        .collect();
+    // The first tokens through the host's argmax of downloaded logits, the rest through the
+    // device's: both paths are checked against the reference.
+    let logits = g.forward(&batch).unwrap();
+    for (i, row) in logits.chunks_exact(vocab).enumerate() {
+        outs[i].push(argmax(row));
+    }
+    loop {
+        let live: Vec<usize> = (0..prompts.len())
+            .filter(|&i| outs[i].len() < n_new[i])
+            .collect();
+        if live.is_empty() {
+            return outs;
+        }
+        let last: Vec<[u32; 1]> = live.iter().map(|&i| [*outs[i].last().unwrap()]).collect();
+        let batch: Vec<SeqBatch> = live
+            .iter()
+            .zip(&last)
+            .map(|(&i, tok)| SeqBatch {
+                tokens: tok,
+                cached: prompts[i].len() + outs[i].len() - 1,
+                block_table: &tables[i],
+                want_logits: true,
+            })
+            .collect();
+        let next = g.forward_greedy(&batch).unwrap();
+        for (&i, tok) in live.iter().zip(next) {
+            outs[i].push(tok);
+        }
+    }
+}
+
+#[test]
+fn bf16_greedy_tokens_against_golden_and_batched_equals_alone() {
+    let test = "bf16_greedy_tokens_against_golden_and_batched_equals_alone";
+    let Some(mut g) = gpu_model(test, 4096) else {
+        return;
+    };
+    let (_, recs) = golden_records();
+    let prompts: Vec<Vec<u32>> = recs.iter().map(|r| ids(&r["prompt_ids"])).collect();
+    let n_new: Vec<usize> = recs
+        .iter()
+        .map(|r| r["n_new"].as_u64().unwrap() as usize)
+        .collect();
+    let together = generate(&mut g, &prompts, &n_new);
+    let exact = count_exact(&recs, &together);
+    use std::io::Write;
+    let _ = writeln!(
+        std::io::stderr(),
+        "GPU bf16: {exact} of {} golden records token-exact",
+        recs.len()
+    );
+    for i in 0..prompts.len() {
+        let alone = generate(&mut g, &prompts[i..=i], &n_new[i..=i]);
+        assert_eq!(
+            alone[0], together[i],
+            "record {i}: batched differs from alone"
+        );
+    }
+}
+
+#[test]
+fn bf16_last_position_logits_near_golden() {
+    let test = "bf16_last_position_logits_near_golden";
+    let Some(mut g) = gpu_model(test, 1024) else {
+        return;
+    };
+    let (_, recs) = golden_records();
+    let mut checked = 0;
+    for r in &recs {
+        let id = r["id"].as_str().unwrap();
+        let Ok(bytes) =
+            std::fs::read(golden_dir().join(format!("smollm2_{id}_lastpos_logits.bin")))
+        else {
+            continue;
+        };
+        let want: Vec<f32> = bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        let prompt = ids(&r["prompt_ids"]);
+        let table: Vec<u32> = (0..prompt.len().div_ceil(BLOCK) as u32).collect();
+        let got = g
+            .forward(&[SeqBatch {
+                tokens: &prompt,
+                cached: 0,
+                block_table: &table,
+                want_logits: true,
+            }])
+            .unwrap();
+        assert_eq!(got.len(), want.len());
+        let num: f64 = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| ((a - b) as f64).powi(2))
+            .sum();
+        let den: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum();
+        let rel = (num / den).sqrt();
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
+            "GPU bf16 {id}: last-position logits relative L2 {rel:.2e}"
+        );
+        // bf16 weights and activations over 30 layers: a few percent at most.
+        assert!(rel < 5e-2, "{id}: relative L2 error {rel}");
+        assert_eq!(argmax(&got), argmax(&want), "{id}: the top token");
+        checked += 1;
+    }
+    assert_eq!(checked, 3, "three golden logit files");
+}
