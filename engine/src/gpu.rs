@@ -347,7 +347,7 @@ impl GpuLlama {
         o.gather_rows(&rows_d, &hbuf, &mut last, h)?;
         let head = self.head.as_ref().unwrap_or(&self.embed);
         let mut logits = o.alloc_f32(n * c.vocab_size)?;
-        o.gemm_f32_out(&last, head, &mut logits, (n, c.vocab_size, h))?;
+        o.gemm(&last, head, &mut logits, (n, c.vocab_size, h))?;
         Ok(Some((logits, n)))
     }
 }

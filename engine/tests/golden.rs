@@ -64,13 +64,7 @@ fn last_position_logits_within_1e_3() {
             .collect();
         let got = e.prompt_logits(&ids(&r["prompt_ids"])).unwrap();
         assert_eq!(got.len(), want.len());
-        let num: f64 = got
-            .iter()
-            .zip(&want)
-            .map(|(a, b)| ((a - b) as f64).powi(2))
-            .sum();
-        let den: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum();
-        let rel = (num / den).sqrt();
+        let rel = rel_l2(&got, &want);
         eprintln!("{id}: relative L2 {rel:.2e}");
         assert!(rel < 1e-3, "{id}: relative L2 error {rel}");
         checked += 1;

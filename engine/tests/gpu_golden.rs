@@ -154,13 +154,7 @@ fn bf16_last_position_logits_near_golden() {
             }])
             .unwrap();
         assert_eq!(got.len(), want.len());
-        let num: f64 = got
-            .iter()
-            .zip(&want)
-            .map(|(a, b)| ((a - b) as f64).powi(2))
-            .sum();
-        let den: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum();
-        let rel = (num / den).sqrt();
+        let rel = rel_l2(&got, &want);
         use std::io::Write;
         let _ = writeln!(
             std::io::stderr(),

@@ -212,7 +212,7 @@ fn products_match_the_cpu() {
             &want,
         );
         let mut out = o.upload(&vec![f32::NAN; m * n]).unwrap();
-        o.gemm_f32_out(&xd, &wd, &mut out, (m, n, k)).unwrap();
+        o.gemm(&xd, &wd, &mut out, (m, n, k)).unwrap();
         assert_close(
             &format!("gemm f32 out {m}×{n}×{k}"),
             &o.download(&out).unwrap(),

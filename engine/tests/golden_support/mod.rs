@@ -94,3 +94,14 @@ pub fn check_all(e: &mut Engine, recs: &[Value]) {
     assert_eq!(count_exact(recs, &outs), recs.len(), "token-exact records");
     assert_no_blocks_held(e);
 }
+
+/// ‖got − want‖ / ‖want‖ in f64.
+pub fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
+    let num: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(a, b)| ((a - b) as f64).powi(2))
+        .sum();
+    let den: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum();
+    (num / den).sqrt()
+}

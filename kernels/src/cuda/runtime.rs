@@ -75,6 +75,19 @@ pub struct AttnBatch {
     part_ml: CudaSlice<f32>,
 }
 
+/// Element types a product can write: bf16 bits or f32.
+pub trait GemmOut {
+    const F32: bool;
+}
+
+impl GemmOut for u16 {
+    const F32: bool = false;
+}
+
+impl GemmOut for f32 {
+    const F32: bool = true;
+}
+
 /// Query rows per prefill attention tile (`TQ` in attention.cu).
 pub const PREFILL_TILE_ROWS: usize = 16;
 
@@ -533,12 +546,13 @@ impl CudaOps {
         .map_err(|e| CudaError::Driver(format!("cuBLAS GEMM {m}×{n}×{k}: {e:?}")))
     }
 
-    /// `out = x · Wᵀ` in bf16.
-    pub fn gemm(
+    /// `out = x · Wᵀ`, bf16 inputs and f32 accumulation; `out` in bf16 (`u16` bits) or f32 (the
+    /// logits).
+    pub fn gemm<O: GemmOut>(
         &self,
         x: &CudaSlice<u16>,
         w: &CudaSlice<u16>,
-        out: &mut CudaSlice<u16>,
+        out: &mut CudaSlice<O>,
         (m, n, k): (usize, usize, usize),
     ) -> Result<(), CudaError> {
         if x.len() < m * k || w.len() < n * k || out.len() < m * n {
@@ -550,27 +564,7 @@ impl CudaOps {
             w.device_ptr(s).0,
             out.device_ptr_mut(s).0,
         );
-        self.gemm_raw(xp, wp, op, (m, n, k), false)
-    }
-
-    /// `out = x · Wᵀ` with f32 output (the logits).
-    pub fn gemm_f32_out(
-        &self,
-        x: &CudaSlice<u16>,
-        w: &CudaSlice<u16>,
-        out: &mut CudaSlice<f32>,
-        (m, n, k): (usize, usize, usize),
-    ) -> Result<(), CudaError> {
-        if x.len() < m * k || w.len() < n * k || out.len() < m * n {
-            return Err(shape(format!("gemm {m}×{n}×{k}")));
-        }
-        let s = &self.stream;
-        let (xp, wp, op) = (
-            x.device_ptr(s).0,
-            w.device_ptr(s).0,
-            out.device_ptr_mut(s).0,
-        );
-        self.gemm_raw(xp, wp, op, (m, n, k), true)
+        self.gemm_raw(xp, wp, op, (m, n, k), O::F32)
     }
 
     /// Greedy next tokens: the argmax of each of `rows` rows of `vocab` logits.
