@@ -21,7 +21,7 @@ pub fn measure() -> Roofline {
     Roofline {
         mem_bw_gb_s: copy_bandwidth(256 << 20, 5),
         f32_gflops: gemm_gflops(1024, 5),
-        f32_peak_gflops: fma_peak_gflops(3),
+        f32_peak_gflops: fma_peak_gflops(7),
     }
 }
 
