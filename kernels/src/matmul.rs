@@ -13,18 +13,19 @@ use rayon::prelude::*;
 
 use crate::simd::{
     block_sums, dot_f32, dot_quant_row, dot_quant_rows, has_fused_rows, pack_panels, panel_matmul,
-    MAX_FUSED_ROWS, PANEL, PANEL_ROWS,
+    HALF_PANEL, MAX_FUSED_ROWS, PANEL, PANEL_ROWS,
 };
 use crate::{KernelError, Weight};
 
 /// Quantized weights and at least this many activation rows: decode tiles of weight rows and
 /// multiply them with activation panels ([`tiled`]); from 2 rows up to it, decode blocks in
-/// registers and dot them with each activation row ([`fused_rows`]). Measured with `tandem bench
-/// engine --prompt-len 64 --gen-len 32` on a 2-core Sapphire Rapids VM (Q4_1 SmolLM2, decode step
-/// p50): 8 rows 35 ms fused against 42 tiled, 16 rows 67 against 93 (a 32-row panel half
-/// empty), 24 rows 98 tiled, 32 rows 110-125 tiled. Tiled also serves prefill, without the
-/// whole-matrix f32 copy a GEMM library would need.
-pub const TILED_MIN_ROWS: usize = 24;
+/// registers and dot them with each activation row ([`fused_rows`]). A tiled product costs a
+/// whole panel (16 rows, or 32 above 16) whatever the rows, so fused wins while rows are few.
+/// Measured on a 2-core Zen 5 VM, all 30 layers of the Q4_1 SmolLM2 projections, two threads:
+/// fused 8 rows 11–13 ms, 12 rows 19–20, 16 rows 24–25, 20 rows 34–35; tiled 19–22 ms up to 16
+/// rows and 26–28 ms from 17 to 24. Tiled also serves prefill, without the whole-matrix f32 copy
+/// a GEMM library would need.
+pub const TILED_MIN_ROWS: usize = 13;
 
 /// Dense f32 weights need no decoding: a GEMM from this many rows.
 const F32_GEMM_MIN_ROWS: usize = 24;
@@ -84,9 +85,11 @@ impl OutPtr {
 /// out whole.
 fn tiled(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
     let (n, k) = (w.rows(), w.cols());
-    // Activations packed once, k-major in panels of PANEL rows; every task streams them.
-    let packed = pack_panels(x, m, k);
-    let panels = m.div_ceil(PANEL);
+    // Activations packed once, k-major in panels; every task streams them. A product of few rows
+    // takes the narrow panel, so no more than it has are computed.
+    let width = if m <= HALF_PANEL { HALF_PANEL } else { PANEL };
+    let packed = pack_panels(x, m, k, width);
+    let panels = m.div_ceil(width);
     let dst = OutPtr(out.as_mut_ptr());
     (0..n.div_ceil(ROWS_PER_TASK))
         .into_par_iter()
@@ -100,8 +103,8 @@ fn tiled(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
                 // L1 set (the 3072-row gate/up product ran at half speed).
                 let mut block = [0f32; PANEL * ROWS_PER_TASK];
                 for p in 0..panels {
-                    let panel = &packed[p * k * PANEL..(p + 1) * k * PANEL];
-                    let cols = (m - p * PANEL).min(PANEL);
+                    let panel = &packed[p * k * width..(p + 1) * k * width];
+                    let cols = (m - p * width).min(width);
                     for i0 in (0..rows).step_by(PANEL_ROWS) {
                         let nr = (rows - i0).min(PANEL_ROWS);
                         // SAFETY: tile rows i0..i0+nr exist; the written elements (columns
@@ -112,6 +115,7 @@ fn tiled(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
                                 nr,
                                 k,
                                 panel,
+                                width,
                                 block.as_mut_ptr().add(i0),
                                 ROWS_PER_TASK,
                                 cols,
@@ -119,12 +123,12 @@ fn tiled(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
                         };
                     }
                     for (j, res) in block.chunks_exact(ROWS_PER_TASK).take(cols).enumerate() {
-                        // SAFETY: activation row p·PANEL+j < m and weight rows r0.. +rows < n:
+                        // SAFETY: activation row p·width+j < m and weight rows r0.. +rows < n:
                         // inside m×n, and this task's own columns.
                         unsafe {
                             std::ptr::copy_nonoverlapping(
                                 res.as_ptr(),
-                                dst.at((p * PANEL + j) * n + r0),
+                                dst.at((p * width + j) * n + r0),
                                 rows,
                             )
                         };

@@ -235,62 +235,74 @@ pub fn axpy_rows_group(p: &[f32], stride: usize, rows: &[f32], acc: &mut [f32], 
     }
 }
 
-/// Activation rows per panel of [`panel_matmul`].
+/// Activation rows per panel of [`panel_matmul`]: 32, or [`HALF_PANEL`] for products of at most
+/// that many rows (a full panel would compute as many zero rows as real ones).
 pub const PANEL: usize = 32;
+
+/// The narrow panel width.
+pub const HALF_PANEL: usize = 16;
 
 /// Weight rows per call of [`panel_matmul`]'s register tile.
 pub const PANEL_ROWS: usize = 8;
 
-/// `out[j·ldo + r] = Σ_t w[r·k + t] · panel[t·PANEL + j]` for weight rows `r < rows` (at most
-/// [`PANEL_ROWS`]) and activation rows `j < cols` (at most [`PANEL`]): a few weight rows (row-major,
-/// as decoded) against a panel of 32 activation rows stored k-major. Each step loads two vectors
-/// of the panel and broadcasts one weight per row: 16 FMAs for 10 loads, nothing reduced at the
-/// end. The activations are packed once per matmul; the weights need no packing.
+/// `out[j·ldo + r] = Σ_t w[r·k + t] · panel[t·width + j]` for weight rows `r < rows` (at most
+/// [`PANEL_ROWS`]) and activation rows `j < cols` (at most `width`, [`PANEL`] or [`HALF_PANEL`]):
+/// a few weight rows (row-major, as decoded) against a panel of activation rows stored k-major.
+/// Each step loads one vector of the panel per 16 rows and broadcasts one weight per weight row:
+/// 16 FMAs for 10 loads in a full panel, nothing reduced at the end. The activations are packed
+/// once per matmul; the weights need no packing.
 ///
 /// # Safety
-/// `w` holds `rows` rows of `k`; `panel` holds `k × PANEL`; `out` is valid for writes at
+/// `w` holds `rows` rows of `k`; `panel` holds `k × width`; `out` is valid for writes at
 /// `j·ldo + r` for every `r < rows`, `j < cols`, and nothing else writes there meanwhile.
+#[allow(clippy::too_many_arguments)]
 pub unsafe fn panel_matmul(
     w: *const f32,
     rows: usize,
     k: usize,
     panel: &[f32],
+    width: usize,
     out: *mut f32,
     ldo: usize,
     cols: usize,
 ) {
-    debug_assert!(rows <= PANEL_ROWS && cols <= PANEL && panel.len() >= k * PANEL);
+    debug_assert!(width == PANEL || width == HALF_PANEL);
+    debug_assert!(rows <= PANEL_ROWS && cols <= width && panel.len() >= k * width);
     #[cfg(target_arch = "x86_64")]
     if has_avx512() {
         macro_rules! go {
-            ($($r:literal)*) => {
+            ($c:literal; $($r:literal)*) => {
                 match rows {
-                    $($r => return avx512::panel_kernel::<$r>(w, k, panel.as_ptr(), out, ldo, cols),)*
+                    $($r => return avx512::panel_kernel::<$r, $c>(w, k, panel.as_ptr(), out, ldo, cols),)*
                     _ => return,
                 }
             };
         }
-        go!(1 2 3 4 5 6 7 8);
+        if width == PANEL {
+            go!(2; 1 2 3 4 5 6 7 8);
+        } else {
+            go!(1; 1 2 3 4 5 6 7 8);
+        }
     }
     for r in 0..rows {
         for j in 0..cols {
             let mut acc = 0f32;
             for t in 0..k {
-                acc += *w.add(r * k + t) * panel[t * PANEL + j];
+                acc += *w.add(r * k + t) * panel[t * width + j];
             }
             *out.add(j * ldo + r) = acc;
         }
     }
 }
 
-/// Packs activation rows `x` (m×k) into k-major panels of [`PANEL`] rows (missing rows zero).
-pub fn pack_panels(x: &[f32], m: usize, k: usize) -> Vec<f32> {
-    let panels = m.div_ceil(PANEL);
-    let mut packed = vec![0f32; panels * k * PANEL];
+/// Packs activation rows `x` (m×k) into k-major panels of `width` rows (missing rows zero).
+pub fn pack_panels(x: &[f32], m: usize, k: usize, width: usize) -> Vec<f32> {
+    let panels = m.div_ceil(width);
+    let mut packed = vec![0f32; panels * k * width];
     for (j, row) in x.chunks_exact(k).enumerate().take(m) {
-        let dst = &mut packed[(j / PANEL) * k * PANEL..];
+        let dst = &mut packed[(j / width) * k * width..];
         for (t, v) in row.iter().enumerate() {
-            dst[t * PANEL + j % PANEL] = *v;
+            dst[t * width + j % width] = *v;
         }
     }
     packed
@@ -634,9 +646,9 @@ mod avx512 {
         _mm512_reduce_add_ps(acc)
     }
 
-    /// See [`super::panel_matmul`]; `R` weight rows.
+    /// See [`super::panel_matmul`]; `R` weight rows, a panel of `16·C` activation rows.
     #[target_feature(enable = "avx512f,avx2,fma")]
-    pub unsafe fn panel_kernel<const R: usize>(
+    pub unsafe fn panel_kernel<const R: usize, const C: usize>(
         w: *const f32,
         k: usize,
         panel: *const f32,
@@ -644,20 +656,24 @@ mod avx512 {
         ldo: usize,
         cols: usize,
     ) {
-        let mut acc = [[_mm512_setzero_ps(); 2]; R];
+        let mut acc = [[_mm512_setzero_ps(); C]; R];
         for t in 0..k {
-            let x0 = _mm512_loadu_ps(panel.add(t * 32));
-            let x1 = _mm512_loadu_ps(panel.add(t * 32 + 16));
+            let mut x = [_mm512_setzero_ps(); C];
+            for (c, xc) in x.iter_mut().enumerate() {
+                *xc = _mm512_loadu_ps(panel.add(t * 16 * C + 16 * c));
+            }
             for (r, a) in acc.iter_mut().enumerate() {
                 let wb = _mm512_set1_ps(*w.add(r * k + t));
-                a[0] = _mm512_fmadd_ps(wb, x0, a[0]);
-                a[1] = _mm512_fmadd_ps(wb, x1, a[1]);
+                for (ac, xc) in a.iter_mut().zip(&x) {
+                    *ac = _mm512_fmadd_ps(wb, *xc, *ac);
+                }
             }
         }
         let mut buf = [0f32; 32];
         for (r, a) in acc.iter().enumerate() {
-            _mm512_storeu_ps(buf.as_mut_ptr(), a[0]);
-            _mm512_storeu_ps(buf.as_mut_ptr().add(16), a[1]);
+            for (c, ac) in a.iter().enumerate() {
+                _mm512_storeu_ps(buf.as_mut_ptr().add(16 * c), *ac);
+            }
             for (j, v) in buf.iter().enumerate().take(cols) {
                 *out.add(j * ldo + r) = *v;
             }
@@ -1323,15 +1339,33 @@ mod tests {
     fn panel_matmul_matches_dots() {
         for k in [1, 7, 64, 576] {
             for rows in 1..=PANEL_ROWS {
-                for cols in [1, 15, 16, 17, 32] {
+                for (cols, width) in [
+                    (1, HALF_PANEL),
+                    (15, HALF_PANEL),
+                    (16, HALF_PANEL),
+                    (1, PANEL),
+                    (15, PANEL),
+                    (16, PANEL),
+                    (17, PANEL),
+                    (32, PANEL),
+                ] {
                     let w = rnd(rows * k, 50 + rows as u64);
                     let x = rnd(cols * k, 60 + cols as u64);
-                    let panel = pack_panels(&x, cols, k);
+                    let panel = pack_panels(&x, cols, k, width);
                     let ldo = 10;
                     let mut out = vec![f32::NAN; PANEL * ldo];
-                    // SAFETY: w is rows×k, panel k×PANEL, out covers 32 rows of ldo ≥ rows.
+                    // SAFETY: w is rows×k, panel k×width, out covers 32 rows of ldo ≥ rows.
                     unsafe {
-                        panel_matmul(w.as_ptr(), rows, k, &panel, out.as_mut_ptr(), ldo, cols)
+                        panel_matmul(
+                            w.as_ptr(),
+                            rows,
+                            k,
+                            &panel,
+                            width,
+                            out.as_mut_ptr(),
+                            ldo,
+                            cols,
+                        )
                     };
                     for j in 0..PANEL {
                         for r in 0..ldo {
@@ -1339,7 +1373,10 @@ mod tests {
                             if j < cols && r < rows {
                                 let want =
                                     dot_portable(&w[r * k..(r + 1) * k], &x[j * k..(j + 1) * k]);
-                                assert!(close(got, want), "k={k} rows={rows} cols={cols}");
+                                assert!(
+                                    close(got, want),
+                                    "k={k} rows={rows} cols={cols} width={width}"
+                                );
                             } else {
                                 assert!(got.is_nan(), "wrote outside the tile");
                             }
