@@ -12,8 +12,8 @@
 use rayon::prelude::*;
 
 use crate::simd::{
-    block_sums, dot_f32, dot_quant_row, dot_quant_rows, has_fused_rows, pack_panels, panel_matmul,
-    HALF_PANEL, MAX_FUSED_ROWS, PANEL, PANEL_ROWS,
+    block_sums, dot_f32, dot_quant_row, dot_quant_rows, has_fused_rows, pack_panels,
+    pack_panels_into, panel_matmul, HALF_PANEL, MAX_FUSED_ROWS, PANEL, PANEL_ROWS,
 };
 use crate::{KernelError, Weight};
 
@@ -84,11 +84,35 @@ impl OutPtr {
 /// it through a 4×4 register tile. The weights are read and decoded once per call, never written
 /// out whole.
 fn tiled(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
-    let (n, k) = (w.rows(), w.cols());
+    let k = w.cols();
     // Activations packed once, k-major in panels; every task streams them. A product of few rows
     // takes the narrow panel, so no more than it has are computed.
     let width = if m <= HALF_PANEL { HALF_PANEL } else { PANEL };
-    let packed = pack_panels(x, m, k, width);
+    let panels = m.div_ceil(width);
+    let len = panels * k * width;
+    PACKED.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut buf) => {
+            if buf.len() < len {
+                buf.resize(len, 0.0);
+            }
+            pack_panels_into(x, m, k, width, &mut buf[..len]);
+            tiled_packed(&buf[..len], m, width, w, out);
+        }
+        // This thread is already inside a product (it stole another engine's step while
+        // waiting): a buffer of its own.
+        Err(_) => tiled_packed(&pack_panels(x, m, k, width), m, width, w, out),
+    });
+}
+
+thread_local! {
+    /// Packed activations of [`tiled`], kept by the calling thread between products: a prefill's
+    /// panels are megabytes, and a fresh allocation per product is fresh pages to fault in and zero.
+    static PACKED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// [`tiled`] over activations already packed in panels of `width` rows.
+fn tiled_packed(packed: &[f32], m: usize, width: usize, w: &Weight, out: &mut [f32]) {
+    let (n, k) = (w.rows(), w.cols());
     let panels = m.div_ceil(width);
     let dst = OutPtr(out.as_mut_ptr());
     (0..n.div_ceil(ROWS_PER_TASK))

@@ -297,15 +297,28 @@ pub unsafe fn panel_matmul(
 
 /// Packs activation rows `x` (m×k) into k-major panels of `width` rows (missing rows zero).
 pub fn pack_panels(x: &[f32], m: usize, k: usize, width: usize) -> Vec<f32> {
+    let mut packed = vec![0f32; m.div_ceil(width) * k * width];
+    pack_panels_into(x, m, k, width, &mut packed);
+    packed
+}
+
+/// [`pack_panels`] into `packed` (m.div_ceil(width)·k·width values), every element written.
+pub fn pack_panels_into(x: &[f32], m: usize, k: usize, width: usize, packed: &mut [f32]) {
     let panels = m.div_ceil(width);
-    let mut packed = vec![0f32; panels * k * width];
+    assert_eq!(packed.len(), panels * k * width, "packed panel size");
     for (j, row) in x.chunks_exact(k).enumerate().take(m) {
         let dst = &mut packed[(j / width) * k * width..];
         for (t, v) in row.iter().enumerate() {
             dst[t * width + j % width] = *v;
         }
     }
-    packed
+    // The last panel's missing rows.
+    if !m.is_multiple_of(width) {
+        let last = &mut packed[(panels - 1) * k * width..];
+        for t in 0..k {
+            last[t * width + m % width..(t + 1) * width].fill(0.0);
+        }
+    }
 }
 
 /// Most activation rows [`dot_quant_rows`] takes at once.
@@ -1383,6 +1396,22 @@ mod tests {
                         }
                     }
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn packing_into_a_used_buffer_zeroes_the_missing_rows() {
+        for (m, width) in [(5, HALF_PANEL), (16, HALF_PANEL), (33, PANEL), (64, PANEL)] {
+            let k = 7;
+            let x = rnd(m * k, m as u64);
+            let mut buf = vec![f32::NAN; m.div_ceil(width) * k * width];
+            pack_panels_into(&x, m, k, width, &mut buf);
+            for (i, v) in buf.iter().enumerate() {
+                let (p, t, j) = (i / (k * width), i % (k * width) / width, i % width);
+                let row = p * width + j;
+                let want = if row < m { x[row * k + t] } else { 0.0 };
+                assert_eq!(*v, want, "m={m} width={width} panel {p} t {t} j {j}");
             }
         }
     }
