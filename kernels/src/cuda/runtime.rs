@@ -466,40 +466,47 @@ impl CudaOps {
             scale: 1.0 / (hd as f32).sqrt(),
             reserved: 0,
         };
+        let (seqs, heads) = (batch.seqs as u32, nq as u32);
         if batch.decode_only {
-            let cfg = LaunchConfig {
-                grid_dim: (batch.seqs as u32, nq as u32, splits as u32),
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: ((hd + DECODE_SPLIT_LEN) * 4) as u32,
-            };
-            let mut b = s.launch_builder(&self.k.decode);
-            b.arg(&params);
-            // SAFETY: every pointer in `params` is a live device allocation of the sizes the
-            // kernel reads (the batch was built from the same sequences).
-            unsafe { b.launch(cfg) }.map_err(drv)?;
+            let shared = (hd + DECODE_SPLIT_LEN) * 4;
+            self.launch_attn(
+                &self.k.decode,
+                &params,
+                (seqs, heads, splits as u32),
+                shared,
+            )?;
             if splits > 1 {
-                let cfg = LaunchConfig {
-                    grid_dim: (batch.seqs as u32, nq as u32, 1),
-                    block_dim: (128, 1, 1),
-                    shared_mem_bytes: 0,
-                };
-                let mut b = s.launch_builder(&self.k.combine);
-                b.arg(&params);
-                // SAFETY: as above.
-                unsafe { b.launch(cfg) }.map_err(drv)?;
+                self.launch_attn(&self.k.combine, &params, (seqs, heads, 1), 0)?;
             }
         } else if batch.n_tiles > 0 {
-            let cfg = LaunchConfig {
-                grid_dim: (batch.n_tiles as u32, nq as u32, 1),
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            let mut b = s.launch_builder(&self.k.prefill);
-            b.arg(&params);
-            // SAFETY: as above.
-            unsafe { b.launch(cfg) }.map_err(drv)?;
+            self.launch_attn(
+                &self.k.prefill,
+                &params,
+                (batch.n_tiles as u32, heads, 1),
+                0,
+            )?;
         }
         Ok(())
+    }
+
+    /// One attention kernel over `grid` blocks of 128 threads.
+    fn launch_attn(
+        &self,
+        f: &CudaFunction,
+        params: &AttnParams,
+        grid: (u32, u32, u32),
+        shared_bytes: usize,
+    ) -> Result<(), CudaError> {
+        let cfg = LaunchConfig {
+            grid_dim: grid,
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: shared_bytes as u32,
+        };
+        let mut b = self.stream.launch_builder(f);
+        b.arg(params);
+        // SAFETY: every pointer in `params` is a live device allocation of the sizes the kernel
+        // reads (the batch was built from the same sequences, the buffers checked by the caller).
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
     }
 
     /// `out[m×n] = x[m×k] · Wᵀ` (W is n×k, row-major), bf16 in, f32 accumulation, out in bf16
