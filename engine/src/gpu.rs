@@ -9,7 +9,7 @@ use tandem_kernels::cuda::runtime::{CudaOps, CudaSlice};
 use tandem_kernels::ops::RopeTable;
 use tandem_model::{LlamaConfig, TensorData};
 
-use crate::model::SeqBatch;
+use crate::model::{PackedStep, SeqBatch};
 use crate::EngineError;
 
 struct GpuLayer {
@@ -243,52 +243,18 @@ impl GpuLlama {
         let (nq, nkv) = (c.num_heads, c.num_kv_heads);
         let (qd, qkv_w) = (nq * hd, (nq + 2 * nkv) * hd);
         let bs = self.block_size;
-        let t: usize = seqs.iter().map(|s| s.tokens.len()).sum();
+        let step = PackedStep::new(seqs, c.vocab_size, self.max_pos, bs, self.num_blocks)?;
+        let t = step.tokens.len();
         if t == 0 {
             return Ok(None);
         }
-        let mut ids = Vec::with_capacity(t);
-        let mut positions = Vec::with_capacity(t);
-        let mut slots = Vec::with_capacity(t);
-        let mut logit_rows = Vec::new();
-        let (mut tables, mut q_len, mut context) = (Vec::new(), Vec::new(), Vec::new());
-        for s in seqs {
-            let ctx = s.cached + s.tokens.len();
-            if ctx > self.max_pos {
-                return Err(EngineError::ContextOverflow {
-                    tokens: ctx,
-                    max: self.max_pos,
-                });
-            }
-            if ctx > s.block_table.len() * bs
-                || s.block_table.iter().any(|&b| b as usize >= self.num_blocks)
-            {
-                return Err(EngineError::Internal(format!(
-                    "{ctx} tokens but blocks {:?} of a pool of {}",
-                    s.block_table, self.num_blocks
-                )));
-            }
-            for (i, &tok) in s.tokens.iter().enumerate() {
-                if tok as usize >= c.vocab_size {
-                    return Err(EngineError::BadToken {
-                        id: tok,
-                        vocab: c.vocab_size,
-                    });
-                }
-                let p = s.cached + i;
-                ids.push(tok as i32);
-                positions.push(p as i32);
-                slots.push(s.block_table[p / bs] as i64 * bs as i64 + (p % bs) as i64);
-            }
-            if s.want_logits && !s.tokens.is_empty() {
-                logit_rows.push(ids.len() as i32 - 1);
-            }
-            if !s.tokens.is_empty() {
-                tables.push(s.block_table);
-                q_len.push(s.tokens.len());
-                context.push(ctx);
-            }
-        }
+        let ids: Vec<i32> = step.tokens.iter().map(|&x| x as i32).collect();
+        let positions: Vec<i32> = step.positions.iter().map(|&p| p as i32).collect();
+        let slots: Vec<i64> = step.slots.iter().map(|&s| s as i64).collect();
+        let logit_rows: Vec<i32> = step.logit_rows.iter().map(|&r| r as i32).collect();
+        let tables: Vec<&[u32]> = step.seqs.iter().map(|s| s.block_table).collect();
+        let q_len: Vec<usize> = step.seqs.iter().map(|s| s.q_len).collect();
+        let context: Vec<usize> = step.seqs.iter().map(|s| s.context).collect();
         let o = &self.ops;
         let ids_d = o.upload(&ids)?;
         let pos_d = o.upload(&positions)?;

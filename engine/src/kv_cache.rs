@@ -104,6 +104,10 @@ impl KvPool {
     }
 
     /// Total bytes the pool holds.
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
     pub fn bytes(&self) -> usize {
         Self::bytes_per_block(self.layout, self.dtype, self.num_layers) * self.num_blocks
     }

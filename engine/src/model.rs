@@ -229,55 +229,31 @@ impl LlamaModel {
         let (h, hd) = (c.hidden_size, c.head_dim);
         let (qd, kvd) = (c.num_heads * hd, c.num_kv_heads * hd);
         let bs = kv.layout.block_size;
-        let t: usize = seqs.iter().map(|s| s.tokens.len()).sum();
+        let step = PackedStep::new(seqs, c.vocab_size, self.rope.max_pos(), bs, kv.num_blocks())?;
+        let t = step.tokens.len();
         if t == 0 {
             return Ok(Vec::new());
         }
-        let mut tokens = Vec::with_capacity(t);
-        let mut positions = Vec::with_capacity(t);
-        let mut slots = Vec::with_capacity(t);
-        let mut attn = Vec::with_capacity(seqs.len());
-        let mut logit_rows = Vec::new();
-        for s in seqs {
-            let q_start = tokens.len();
-            let ctx = s.cached + s.tokens.len();
-            if ctx > self.rope.max_pos() {
-                return Err(EngineError::ContextOverflow {
-                    tokens: ctx,
-                    max: self.rope.max_pos(),
-                });
-            }
-            if ctx > s.block_table.len() * bs {
-                return Err(EngineError::Internal(format!(
-                    "{ctx} tokens but {} blocks",
-                    s.block_table.len()
-                )));
-            }
-            for (i, &tok) in s.tokens.iter().enumerate() {
-                if tok as usize >= c.vocab_size {
-                    return Err(EngineError::BadToken {
-                        id: tok,
-                        vocab: c.vocab_size,
-                    });
-                }
-                let p = s.cached + i;
-                tokens.push(tok);
-                positions.push(p);
-                slots.push(s.block_table[p / bs] as usize * bs + p % bs);
-            }
-            attn.push(SeqAttn {
-                q_start,
-                q_len: s.tokens.len(),
-                context_len: ctx,
+        let PackedStep {
+            tokens,
+            positions,
+            slots,
+            logit_rows,
+            ..
+        } = &step;
+        let attn: Vec<SeqAttn> = step
+            .seqs
+            .iter()
+            .map(|s| SeqAttn {
+                q_start: s.q_start,
+                q_len: s.q_len,
+                context_len: s.context,
                 block_table: s.block_table,
-            });
-            if s.want_logits && !s.tokens.is_empty() {
-                logit_rows.push(tokens.len() - 1);
-            }
-        }
+            })
+            .collect();
 
         let mut x = vec![0f32; t * h];
-        ops::embedding(&tokens, self.embed.weight(), &mut x);
+        ops::embedding(tokens, self.embed.weight(), &mut x);
         let mut hbuf = vec![0f32; t * h];
         let mut qkv = vec![0f32; t * (qd + 2 * kvd)];
         let (mut q, mut k, mut v) = (vec![0f32; t * qd], vec![0f32; t * kvd], vec![0f32; t * kvd]);
@@ -314,7 +290,7 @@ impl LlamaModel {
                     ops::rope(kc, pos, c.num_kv_heads, &self.rope);
                 });
             let mut cache = kv.layer_mut(li);
-            write_kv(&mut cache, layout, &k, &v, &slots)?;
+            write_kv(&mut cache, layout, &k, &v, slots)?;
             paged_attention(
                 &q,
                 c.num_heads,
@@ -356,6 +332,88 @@ impl LlamaModel {
         let mut logits = vec![0f32; n * c.vocab_size];
         head.matmul(&last, n, &mut logits)?;
         Ok(logits)
+    }
+}
+
+/// One sequence's part of a [`PackedStep`] (only sequences with new tokens appear).
+pub(crate) struct PackedSeq<'a> {
+    /// Row of its first new token.
+    pub q_start: usize,
+    pub q_len: usize,
+    /// Tokens in the cache after the step, the new ones included.
+    pub context: usize,
+    pub block_table: &'a [u32],
+}
+
+/// A step's sequences flattened into token rows, checked against the model and the pool: what
+/// every device's forward starts from.
+pub(crate) struct PackedStep<'a> {
+    pub tokens: Vec<u32>,
+    pub positions: Vec<usize>,
+    /// Cache slot (block · block_size + offset) of each token's K/V.
+    pub slots: Vec<usize>,
+    /// Rows whose logits the step returns, in order.
+    pub logit_rows: Vec<usize>,
+    pub seqs: Vec<PackedSeq<'a>>,
+}
+
+impl<'a> PackedStep<'a> {
+    pub fn new(
+        seqs: &[SeqBatch<'a>],
+        vocab: usize,
+        max_pos: usize,
+        block_size: usize,
+        num_blocks: usize,
+    ) -> Result<Self, EngineError> {
+        let t: usize = seqs.iter().map(|s| s.tokens.len()).sum();
+        let mut step = PackedStep {
+            tokens: Vec::with_capacity(t),
+            positions: Vec::with_capacity(t),
+            slots: Vec::with_capacity(t),
+            logit_rows: Vec::new(),
+            seqs: Vec::with_capacity(seqs.len()),
+        };
+        for s in seqs {
+            let q_start = step.tokens.len();
+            let ctx = s.cached + s.tokens.len();
+            if ctx > max_pos {
+                return Err(EngineError::ContextOverflow {
+                    tokens: ctx,
+                    max: max_pos,
+                });
+            }
+            if ctx > s.block_table.len() * block_size
+                || s.block_table.iter().any(|&b| b as usize >= num_blocks)
+            {
+                return Err(EngineError::Internal(format!(
+                    "{ctx} tokens but blocks {:?} of a pool of {num_blocks}",
+                    s.block_table
+                )));
+            }
+            for (i, &tok) in s.tokens.iter().enumerate() {
+                if tok as usize >= vocab {
+                    return Err(EngineError::BadToken { id: tok, vocab });
+                }
+                let p = s.cached + i;
+                step.tokens.push(tok);
+                step.positions.push(p);
+                step.slots
+                    .push(s.block_table[p / block_size] as usize * block_size + p % block_size);
+            }
+            if s.tokens.is_empty() {
+                continue;
+            }
+            if s.want_logits {
+                step.logit_rows.push(step.tokens.len() - 1);
+            }
+            step.seqs.push(PackedSeq {
+                q_start,
+                q_len: s.tokens.len(),
+                context: ctx,
+                block_table: s.block_table,
+            });
+        }
+        Ok(step)
     }
 }
 
