@@ -202,7 +202,7 @@ async fn compare(a: &BenchServeArgs, engine_args: &EngineArgs, spec: LoadSpec) -
             build_args
                 .build()
                 .map(|(e, _)| e)
-                .map_err(|e| EngineError::Internal(format!("{e:#}")))
+                .map_err(|e| EngineError::Startup(format!("{e:#}")))
         })
         .map_err(|e| anyhow::anyhow!("{e}"))?,
     );

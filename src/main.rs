@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use tandem_bench::workload::{self, Policy, Workload};
-use tandem_engine::{Engine, EngineConfig, KvDtype, LlamaModel, WeightFormat};
+use tandem_engine::{Backend, Engine, EngineConfig, KvDtype, LlamaModel, WeightFormat};
 
 #[derive(Parser)]
 #[command(
@@ -206,7 +206,10 @@ pub struct EngineArgs {
     /// GGUF file or HF model directory; the default model (fetched if missing) when not given.
     #[arg(long, env = "TANDEM_MODEL")]
     pub model: Option<PathBuf>,
-    /// Weight storage: as in the file (native), or decoded to f32 at load.
+    /// Where steps run: cpu, or a CUDA GPU (cuda, cuda:N; weights and cache in bf16 there).
+    #[arg(long, env = "TANDEM_DEVICE", default_value = "cpu")]
+    pub device: tandem_kernels::cuda::DeviceSpec,
+    /// Weight storage on the CPU: as in the file (native), or decoded to f32 at load.
     #[arg(long, env = "TANDEM_WEIGHTS", default_value = "native")]
     pub weights: WeightFormat,
     /// Compute threads (default: all cores).
@@ -243,6 +246,7 @@ impl EngineArgs {
     /// The same settings as command-line flags, for a child process.
     pub fn flags(&self) -> Vec<String> {
         let mut f = vec![
+            format!("--device={}", self.device),
             format!("--weights={}", format!("{:?}", self.weights).to_lowercase()),
             format!("--block-size={}", self.block_size),
             format!("--kv-cache-mb={}", self.kv_cache_mb),
@@ -278,7 +282,6 @@ impl EngineArgs {
         };
         let loaded =
             tandem_model::load(&path).with_context(|| format!("loading {}", path.display()))?;
-        let model = LlamaModel::new(&loaded, self.weights)?;
         let cfg = EngineConfig {
             block_size: self.block_size,
             kv_cache_mb: self.kv_cache_mb,
@@ -289,7 +292,11 @@ impl EngineArgs {
             num_blocks: self.kv_blocks,
             admission_lookahead: self.admission_lookahead,
         };
-        let engine = Engine::new(model, cfg, loaded.tokenizer.eos_token_ids.clone())?;
+        let backend = Backend::on(self.device, &loaded, &cfg, || {
+            LlamaModel::new(&loaded, self.weights)
+        })
+        .with_context(|| format!("starting the model on {}", self.device))?;
+        let engine = Engine::with_backend(backend, cfg, loaded.tokenizer.eos_token_ids.clone())?;
         Ok((engine, loaded))
     }
 }
@@ -334,7 +341,7 @@ struct BenchEngineArgs {
 /// cache), printing output tokens/s and ratios against the first run.
 fn bench_workload(a: &BenchEngineArgs, engine: &mut Engine, w: Workload) -> Result<()> {
     let n = a.requests.unwrap_or(w.default_requests());
-    let vocab = engine.model.config.vocab_size as u32;
+    let vocab = engine.model_config().vocab_size as u32;
     let mut runs = Vec::new();
     let mut plan: Vec<(Policy, bool)> = a.policy.iter().map(|&p| (p, true)).collect();
     if w == Workload::SharedPrefix && a.policy.contains(&Policy::Continuous) {
@@ -400,15 +407,24 @@ fn bench_engine(a: BenchEngineArgs) -> Result<()> {
     if a.json {
         println!("{}", serde_json::to_string(&r)?);
     } else {
-        println!(
-            "engine bench: batch {} prompt {} gen {} weights {} threads {} ({})",
-            r.batch, r.prompt_len, r.gen_len, r.weights, r.threads, r.simd
-        );
-        println!(
-            "  prefill        {:>10.1} tok/s   ({:.0}% of the f32 FMA peak)",
-            r.prefill_tok_s,
-            100.0 * r.prefill_flop_efficiency
-        );
+        let on_cpu = r.device == "cpu";
+        if on_cpu {
+            println!(
+                "engine bench: batch {} prompt {} gen {} weights {} threads {} ({})",
+                r.batch, r.prompt_len, r.gen_len, r.weights, r.threads, r.simd
+            );
+            println!(
+                "  prefill        {:>10.1} tok/s   ({:.0}% of the f32 FMA peak)",
+                r.prefill_tok_s,
+                100.0 * r.prefill_flop_efficiency
+            );
+        } else {
+            println!(
+                "engine bench: batch {} prompt {} gen {} on {} (bf16)",
+                r.batch, r.prompt_len, r.gen_len, r.device
+            );
+            println!("  prefill        {:>10.1} tok/s", r.prefill_tok_s);
+        }
         println!(
             "  decode         {:>10.1} tok/s   (all sequences)",
             r.decode_tok_s
@@ -417,6 +433,10 @@ fn bench_engine(a: BenchEngineArgs) -> Result<()> {
             "  step p50/p90   {:>10.2} / {:.2} ms",
             r.step_ms_p50, r.step_ms_p90
         );
+        if !on_cpu {
+            println!("  (the GPU's roofline: tandem bench gpu)");
+            return Ok(());
+        }
         println!(
             "  roofline       {:>10.1} GB/s copy, {:.1} GFLOP/s f32 FMA peak ({:.1} a GEMM library)",
             r.mem_bw_gb_s, r.f32_peak_gflops, r.f32_gflops

@@ -14,6 +14,7 @@ use clap::Args;
 use tandem_decode_worker::remote::RemotePrefill;
 use tandem_decode_worker::{DecodeService, WorkerIdentity};
 use tandem_engine::{EngineError, EngineHandle};
+use tandem_kernels::cuda::DeviceSpec;
 use tandem_kv_transfer::{Secret, TcpTransport};
 use tandem_prefill_worker::PrefillService;
 use tandem_router::RouterArgs;
@@ -89,7 +90,7 @@ impl SecretArgs {
     }
 }
 
-/// Loads the engine on its own thread; returns it with the model's name.
+/// Loads the engine on its own thread; returns it with the model's name and the cache's dtype.
 fn start_engine(engine: &EngineArgs) -> Result<(EngineHandle, String, String)> {
     let model_path = match &engine.model {
         Some(p) => p.clone(),
@@ -97,17 +98,19 @@ fn start_engine(engine: &EngineArgs) -> Result<(EngineHandle, String, String)> {
     };
     let mut engine_args = engine.clone();
     engine_args.model = Some(model_path);
-    let kv_dtype = format!("{:?}", engine_args.kv_dtype).to_lowercase();
     let (name_tx, name_rx) = std::sync::mpsc::channel();
     let handle = EngineHandle::spawn(move || {
         let (engine, loaded) = engine_args
             .build()
-            .map_err(|e| EngineError::Internal(format!("{e:#}")))?;
-        let _ = name_tx.send(loaded.name.clone());
+            .map_err(|e| EngineError::Startup(format!("{e:#}")))?;
+        let kv_dtype = engine.backend().kv_dtype_name().to_string();
+        let _ = name_tx.send((loaded.name.clone(), kv_dtype));
         Ok(engine)
     })
     .map_err(|e| anyhow::anyhow!("{e}"))?;
-    let model = name_rx.recv().unwrap_or_else(|_| "model".into());
+    let (model, kv_dtype) = name_rx
+        .recv()
+        .context("engine thread died while starting")?;
     Ok((handle, model, kv_dtype))
 }
 
@@ -171,11 +174,19 @@ async fn bind_worker(
 
 pub fn run_decode(a: DecodeArgs) -> Result<()> {
     // A secret is needed only to take remote plans; without one this worker prefills everything.
-    let secret = match a.secret.kv_secret {
+    let mut secret = match a.secret.kv_secret {
         Some(_) => Some(a.secret.secret()?),
         None => None,
     };
+    if secret.is_some() && a.engine.device != DeviceSpec::Cpu {
+        eprintln!(
+            "tandem decode: KV transfer into a cache on {} is not supported yet; this worker takes no remote prefills and prefills every request itself",
+            a.engine.device
+        );
+        secret = None;
+    }
     let (handle, model, kv_dtype) = start_engine(&a.engine)?;
+    let writer = handle.kv_writer();
     let handle = Arc::new(handle);
     let rt = runtime(1)?;
     rt.block_on(async move {
@@ -205,7 +216,7 @@ pub fn run_decode(a: DecodeArgs) -> Result<()> {
                     &format!("{}:{}", a.host, a.kv_port),
                     &advertise,
                     secret,
-                    handle.kv_writer(),
+                    writer.context("a worker with a KV secret has a host pool")?,
                     Duration::from_millis(a.kv_transfer_timeout_ms),
                 )
             }
@@ -232,6 +243,12 @@ pub fn run_decode(a: DecodeArgs) -> Result<()> {
 
 pub fn run_prefill(a: PrefillArgs) -> Result<()> {
     let secret = a.secret.secret()?;
+    if a.engine.device != DeviceSpec::Cpu {
+        anyhow::bail!(
+            "a prefill worker sends its KV from a host cache; sending from {} is not supported yet: run prefill workers with --device cpu",
+            a.engine.device
+        );
+    }
     let (handle, model, kv_dtype) = start_engine(&a.engine)?;
     let rt = runtime(1)?;
     rt.block_on(async move {

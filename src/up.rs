@@ -20,6 +20,8 @@ use tandem_router::policy::PolicyKind;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
+use tandem_kernels::cuda::DeviceSpec;
+
 use crate::fetch;
 use crate::serve::shutdown_signal;
 
@@ -35,13 +37,13 @@ pub struct UpArgs {
         default_value_t = 1
     )]
     decode_workers: usize,
-    /// Prefill workers to start (0: every prompt is prefilled where it decodes).
-    #[arg(
-        long = "prefill-workers",
-        env = "TANDEM_UP_PREFILL_WORKERS",
-        default_value_t = 1
-    )]
-    prefill_workers: usize,
+    /// Prefill workers to start (0: every prompt is prefilled where it decodes). Default 1 on
+    /// the CPU, 0 on a GPU (KV transfer from and into a GPU cache is not built yet).
+    #[arg(long = "prefill-workers", env = "TANDEM_UP_PREFILL_WORKERS")]
+    prefill_workers: Option<usize>,
+    /// Where decode workers run: cpu, or a CUDA GPU (cuda, cuda:N).
+    #[arg(long, env = "TANDEM_DEVICE", default_value = "cpu")]
+    device: DeviceSpec,
     /// Prompts with at least this many uncached tokens are prefilled on a prefill worker.
     #[arg(long, env = "TANDEM_DISAGG_MIN_TOKENS", default_value_t = 256)]
     disagg_min_tokens: usize,
@@ -200,10 +202,20 @@ pub(crate) async fn wait_ready(url: &str, timeout: Duration) -> Result<()> {
     }
 }
 
-pub fn run(a: UpArgs) -> Result<()> {
+pub fn run(mut a: UpArgs) -> Result<()> {
     if a.decode_workers == 0 {
         bail!("--decode-workers must be at least 1");
     }
+    let prefill_workers = match (a.prefill_workers, a.device) {
+        (None, DeviceSpec::Cpu) => 1,
+        (None, DeviceSpec::Cuda(_)) => 0,
+        (Some(n), DeviceSpec::Cuda(_)) if n > 0 => bail!(
+            "--prefill-workers {n} with --device {}: KV transfer into a GPU cache is not built yet; leave --prefill-workers unset (0 on a GPU)",
+            a.device
+        ),
+        (Some(n), _) => n,
+    };
+    a.prefill_workers = Some(prefill_workers);
     let model = match &a.model {
         Some(p) => p.clone(),
         None => fetch::ensure_default_model()?,
@@ -213,8 +225,8 @@ pub fn run(a: UpArgs) -> Result<()> {
         .unwrap_or(1);
     let threads = a
         .worker_threads
-        .unwrap_or((cores / (a.decode_workers + a.prefill_workers)).max(1));
-    if std::env::var_os("TANDEM_KV_SECRET").is_none() {
+        .unwrap_or((cores / (a.decode_workers + prefill_workers)).max(1));
+    if prefill_workers > 0 && std::env::var_os("TANDEM_KV_SECRET").is_none() {
         // One secret for this cluster's workers, handed down in the environment (not argv,
         // which other users of the machine can read). Set before any thread starts.
         std::env::set_var(
@@ -235,7 +247,7 @@ async fn supervise(a: UpArgs, model: PathBuf, threads: usize) -> Result<()> {
     let mut procs: Vec<Proc> = Vec::new();
     let mut addrs = [Vec::new(), Vec::new()];
     let roles = [
-        ("prefill", PREFILL_READY, a.prefill_workers),
+        ("prefill", PREFILL_READY, a.prefill_workers.unwrap_or(0)),
         ("decode", DECODE_READY, a.decode_workers),
     ];
     let mut port = a.worker_base_port;
@@ -252,6 +264,7 @@ async fn supervise(a: UpArgs, model: PathBuf, threads: usize) -> Result<()> {
             ];
             if role == "decode" {
                 args.push("--kv-port=0".into());
+                args.push(format!("--device={}", a.device));
             }
             if port != 0 {
                 port += 1;
@@ -323,7 +336,7 @@ async fn supervise(a: UpArgs, model: PathBuf, threads: usize) -> Result<()> {
     println!();
     println!(
         "Tandem is up: router http://{http} (OpenAI API), gRPC {grpc}, {} prefill and {} decode worker(s)",
-        a.prefill_workers, a.decode_workers
+        a.prefill_workers.unwrap_or(0), a.decode_workers
     );
     println!("Try:");
     println!(

@@ -427,7 +427,9 @@ async fn a_flipped_byte_is_rejected_counted_and_the_request_recovers() {
                 "127.0.0.1:0",
                 "127.0.0.1",
                 secret,
-                decode_engine.kv_writer(),
+                decode_engine
+                    .kv_writer()
+                    .expect("a CPU engine has a host pool"),
                 Duration::from_secs(20),
             )
         }

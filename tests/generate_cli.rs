@@ -124,3 +124,45 @@ fn same_seed_same_sample() {
         "{err}"
     );
 }
+
+/// `--device cuda:N` picks the GPU at run time. Where there is none, the run stops at start with
+/// the reason and exit status 1 (no panic); where there is one, it serves the golden prompts.
+#[test]
+fn the_device_flag_runs_on_a_gpu_or_says_why_it_cannot() {
+    let recs = golden();
+    let mut input = String::new();
+    for r in &recs {
+        input += &format!("{}\n", serde_json::json!({ "prompt_ids": r["prompt_ids"] }));
+    }
+    let args = [
+        "--device",
+        "cuda:0",
+        "--max-tokens",
+        "8",
+        "--ignore-eos",
+        "--jsonl",
+    ];
+    let (out, ok, err) = generate(&args, &input);
+    if tandem_kernels::cuda::driver_present() {
+        assert!(ok, "{err}");
+        assert_eq!(out.len(), recs.len());
+        for o in &out {
+            assert_eq!(o["output_ids"].as_array().unwrap().len(), 8, "{o}");
+        }
+        return;
+    }
+    assert!(!ok && out.is_empty(), "{err}");
+    assert!(
+        err.contains("starting the model on cuda:0: no CUDA driver on this machine"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+    // A CUDA cache is bf16: an int8 cache is refused before any device is touched.
+    let (_, ok, err) = generate(&[&args[..], &["--kv-dtype", "int8"]].concat(), &input);
+    assert!(
+        !ok && err.contains("--kv-dtype int8 is for the CPU cache only"),
+        "{err}"
+    );
+    let (_, ok, err) = generate(&["--device", "tpu"], "hi\n");
+    assert!(!ok && err.contains("unknown device \"tpu\""), "{err}");
+}

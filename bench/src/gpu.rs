@@ -97,12 +97,7 @@ pub fn run(ordinal: usize, batches: &[usize]) -> Result<GpuReport, EngineError> 
     let num_blocks = max_batch * per_seq + prefill_tokens.div_ceil(block);
     let mut g = GpuLlama::random(ordinal, &c, 7, block, num_blocks)?;
     g.randomize_cache(11)?;
-    let device = format!(
-        "{} ({}, {} GiB)",
-        g.ops.gpu.name,
-        g.ops.gpu.arch,
-        g.ops.gpu.memory_bytes >> 30
-    );
+    let device = g.ops.gpu.to_string();
 
     // Copy bandwidth: 1 GiB each way.
     let n = 1usize << 29;

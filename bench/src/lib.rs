@@ -15,7 +15,7 @@ use std::time::Instant;
 
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
-use tandem_engine::{Engine, EngineError, KvPool, Request, SamplingParams};
+use tandem_engine::{Engine, EngineError, Request, SamplingParams};
 
 /// What to run.
 #[derive(Clone, Debug)]
@@ -32,6 +32,8 @@ pub struct EngineReport {
     pub prompt_len: usize,
     pub gen_len: usize,
     pub weights: String,
+    /// Where the steps ran: `cpu`, or the GPU's name.
+    pub device: String,
     pub threads: usize,
     pub simd: &'static str,
     /// Prompt tokens per second over the steps that prefilled.
@@ -40,6 +42,7 @@ pub struct EngineReport {
     pub decode_tok_s: f64,
     pub step_ms_p50: f64,
     pub step_ms_p90: f64,
+    /// This CPU's roofline (zero when the engine ran on a GPU: `tandem bench gpu` measures that).
     pub mem_bw_gb_s: f64,
     pub f32_gflops: f64,
     pub f32_peak_gflops: f64,
@@ -67,7 +70,7 @@ pub fn run_engine_bench(
     b: &EngineBench,
     weights: &str,
 ) -> Result<EngineReport, EngineError> {
-    let vocab = engine.model.config.vocab_size as u32;
+    let vocab = engine.model_config().vocab_size as u32;
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(b.seed);
     // Random ids above the special-token range: realistic attention and no early stop.
     let requests: Vec<Request> = (0..b.batch)
@@ -102,18 +105,19 @@ pub fn run_engine_bench(
         },
     )?;
     let wall_s = t0.elapsed().as_secs_f64();
-    let roof = roofline::measure();
+    let on_cpu = engine.cpu_model().is_some();
+    let roof = if on_cpu {
+        roofline::measure()
+    } else {
+        roofline::Roofline::default()
+    };
     let step_ms_p50 = percentile(&mut steps, 0.5);
     let step_ms_p90 = percentile(&mut steps, 0.9);
-    let cfg = &engine.model.config;
-    let kv_per_token = KvPool::bytes_per_token(
-        engine.model.kv_layout(engine.config.block_size),
-        engine.config.kv_dtype,
-        cfg.num_layers,
-    );
+    let kv_per_token = engine.backend().kv_bytes_per_token();
     let median_ctx = b.prompt_len as f64 + b.gen_len as f64 / 2.0;
     let decode_bytes =
-        engine.model.weight_bytes() as f64 + b.batch as f64 * median_ctx * kv_per_token;
+        engine.backend().weight_bytes() as f64 + b.batch as f64 * median_ctx * kv_per_token;
+    let ratio = |x: f64, roof: f64| if roof > 0.0 { x / roof } else { 0.0 };
     let prefill_tok_s = if prefill.1 > 0.0 {
         prefill.0 as f64 / prefill.1
     } else {
@@ -126,6 +130,7 @@ pub fn run_engine_bench(
         prompt_len: b.prompt_len,
         gen_len: b.gen_len,
         weights: weights.to_string(),
+        device: engine.backend().device(),
         threads: rayon::current_num_threads(),
         simd: tandem_kernels::simd_level(),
         prefill_tok_s,
@@ -141,18 +146,18 @@ pub fn run_engine_bench(
         f32_peak_gflops: roof.f32_peak_gflops,
         decode_bytes_per_step: decode_bytes,
         decode_bw_efficiency: if step_ms_p50 > 0.0 {
-            decode_bytes / (step_ms_p50 / 1e3) / (roof.mem_bw_gb_s * 1e9)
+            ratio(decode_bytes / (step_ms_p50 / 1e3), roof.mem_bw_gb_s * 1e9)
         } else {
             0.0
         },
-        prefill_flop_efficiency: prefill_tok_s * flops_per_token / (roof.f32_peak_gflops * 1e9),
+        prefill_flop_efficiency: ratio(prefill_tok_s * flops_per_token, roof.f32_peak_gflops * 1e9),
         wall_s,
     })
 }
 
 /// Weights in the projections and the head: two FLOPs each per token.
 fn param_count(engine: &Engine) -> usize {
-    let c = &engine.model.config;
+    let c = engine.model_config();
     let (h, ff, hd) = (c.hidden_size, c.intermediate_size, c.head_dim);
     let per_layer = h * (c.num_heads * hd) * 2 + h * (c.num_kv_heads * hd) * 2 + 3 * h * ff;
     c.num_layers * per_layer + c.vocab_size * h

@@ -6,7 +6,7 @@ use std::time::Instant;
 use rayon::prelude::*;
 use tandem_kernels::{matmul, Weight};
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, Default)]
 pub struct Roofline {
     /// Bytes read plus bytes written per second by a large parallel copy, in GB/s.
     pub mem_bw_gb_s: f64,

@@ -20,11 +20,13 @@ use std::time::Instant;
 
 use serde::Serialize;
 
+use crate::backend::Backend;
 use crate::block_manager::{BlockCounts, BlockManager, KvEvent, SeqBlocks};
 use crate::kv_cache::{KvDtype, KvPool};
 use crate::model::{LlamaModel, SeqBatch};
 use crate::sampler::{Sampled, Sampler, SamplingParams};
 use crate::EngineError;
+use tandem_model::LlamaConfig;
 
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
@@ -308,9 +310,8 @@ impl Seq {
 }
 
 pub struct Engine {
-    pub model: LlamaModel,
     pub config: EngineConfig,
-    kv: KvPool,
+    backend: Backend,
     blocks: BlockManager,
     eos: Vec<u32>,
     waiting: VecDeque<Seq>,
@@ -326,28 +327,37 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// `eos` lists the token ids that end generation unless a request ignores EOS.
+    /// An engine on the CPU. `eos` lists the token ids that end generation unless a request
+    /// ignores EOS.
     pub fn new(
         model: LlamaModel,
         config: EngineConfig,
         eos: Vec<u32>,
     ) -> Result<Self, EngineError> {
+        Self::check_config(&config)?;
+        let backend = Backend::cpu(model, &config);
+        Self::with_backend(backend, config, eos)
+    }
+
+    fn check_config(config: &EngineConfig) -> Result<(), EngineError> {
         if config.block_size == 0 || config.max_batched_tokens == 0 || config.max_seqs == 0 {
             return Err(EngineError::InvalidRequest(
                 "block size, batch budget and max seqs must be positive".into(),
             ));
         }
-        let layout = model.kv_layout(config.block_size);
-        let block_bytes = KvPool::bytes_per_block(layout, config.kv_dtype, model.config.num_layers);
-        let num_blocks = config
-            .num_blocks
-            .unwrap_or(config.kv_cache_mb * (1 << 20) / block_bytes)
-            .max(1);
-        let kv = KvPool::new(layout, config.kv_dtype, model.config.num_layers, num_blocks);
+        Ok(())
+    }
+
+    /// An engine whose steps run on `backend` (made with the same `config`).
+    pub fn with_backend(
+        backend: Backend,
+        config: EngineConfig,
+        eos: Vec<u32>,
+    ) -> Result<Self, EngineError> {
+        Self::check_config(&config)?;
         Ok(Self {
-            blocks: BlockManager::new(num_blocks, config.block_size),
-            kv,
-            model,
+            blocks: BlockManager::new(backend.num_blocks(), config.block_size),
+            backend,
             config,
             eos,
             waiting: VecDeque::new(),
@@ -359,8 +369,26 @@ impl Engine {
         })
     }
 
-    pub fn kv_pool(&self) -> &KvPool {
-        &self.kv
+    /// The host KV pool (None when the cache lives on a GPU).
+    pub fn kv_pool(&self) -> Option<&KvPool> {
+        self.backend.host_pool()
+    }
+
+    pub fn backend(&self) -> &Backend {
+        &self.backend
+    }
+
+    /// The model's shape.
+    pub fn model_config(&self) -> &LlamaConfig {
+        self.backend.config()
+    }
+
+    /// The CPU model (None on a GPU).
+    pub fn cpu_model(&self) -> Option<&LlamaModel> {
+        match &self.backend {
+            Backend::Cpu { model, .. } => Some(model),
+            Backend::Cuda(_) => None,
+        }
     }
 
     pub fn block_manager(&self) -> &BlockManager {
@@ -369,8 +397,8 @@ impl Engine {
 
     pub fn limits(&self) -> Limits {
         Limits {
-            vocab_size: self.model.config.vocab_size,
-            max_context: self.model.config.max_position_embeddings,
+            vocab_size: self.backend.config().vocab_size,
+            max_context: self.backend.config().max_position_embeddings,
             block_size: self.config.block_size,
             total_blocks: self.blocks.counts().total,
         }
@@ -473,6 +501,7 @@ impl Engine {
         r: Request,
     ) -> Result<Option<Reservation>, EngineError> {
         self.validate(&r)?;
+        self.check_host_cache()?;
         if !r.resume.is_empty() {
             return Err(EngineError::InvalidRequest(
                 "a resumed request is prefilled where it decodes".into(),
@@ -522,7 +551,7 @@ impl Engine {
         s.logprobs.push(first.logprob);
         let finish = finish_reason(
             &self.eos,
-            self.model.config.max_position_embeddings,
+            self.backend.config().max_position_embeddings,
             &s,
             first.token,
         );
@@ -561,6 +590,7 @@ impl Engine {
         mut r: Request,
         skip_tokens: usize,
     ) -> Result<(), EngineError> {
+        self.check_host_cache()?;
         let bs = self.config.block_size;
         if !skip_tokens.is_multiple_of(bs) || skip_tokens >= r.prompt.len() {
             return Err(EngineError::InvalidRequest(format!(
@@ -579,6 +609,17 @@ impl Engine {
         s.export = Some((skip_tokens / bs, skip_tokens / bs));
         self.waiting.push_back(s);
         Ok(())
+    }
+
+    /// KV transfers read and write the host pool; a GPU's cache has none yet.
+    fn check_host_cache(&self) -> Result<(), EngineError> {
+        match self.backend.host_pool() {
+            Some(_) => Ok(()),
+            None => Err(EngineError::InvalidRequest(format!(
+                "KV transfer to or from a {} cache is not supported: run prefill and decode workers that exchange KV with --device cpu",
+                self.backend.device()
+            ))),
+        }
     }
 
     /// The prompt blocks of a prefill-mode `s` that are complete now and not yet exported, copied
@@ -643,9 +684,9 @@ impl Engine {
                 }
             })
             .collect();
-        let logits = self.model.forward(&batch, &mut self.kv)?;
-        let vocab = self.model.config.vocab_size;
-        let max_ctx = self.model.config.max_position_embeddings;
+        let logits = self.backend.forward(&batch)?;
+        let vocab = self.backend.config().vocab_size;
+        let max_ctx = self.backend.config().max_position_embeddings;
         let mut stats = StepStats::default();
         let mut finished = Vec::new();
         let mut row = 0;
@@ -658,8 +699,10 @@ impl Engine {
             }
             s.computed += take;
             s.blocks.commit(&s.tokens, s.computed);
-            if let Some(chunk) = Self::export_ready(&self.kv, self.config.block_size, s) {
-                events.push(Event::Kv(chunk));
+            if let Some(kv) = self.backend.host_pool() {
+                if let Some(chunk) = Self::export_ready(kv, self.config.block_size, s) {
+                    events.push(Event::Kv(chunk));
+                }
             }
             if s.computed < s.tokens.len() {
                 continue;
@@ -750,7 +793,7 @@ impl Engine {
             let own = s.growth_blocks(
                 self.config.block_size,
                 self.config.admission_lookahead,
-                self.model.config.max_position_embeddings,
+                self.backend.config().max_position_embeddings,
             );
             let fits = self.running.is_empty() || self.blocks.available() >= own + headroom;
             if !fits || !s.blocks.reserve(s.computed + take) {
@@ -778,7 +821,7 @@ impl Engine {
         s.growth_blocks(
             self.config.block_size,
             self.config.admission_lookahead,
-            self.model.config.max_position_embeddings,
+            self.backend.config().max_position_embeddings,
         )
     }
 
@@ -878,7 +921,7 @@ impl Engine {
             block_table: blocks.ids(),
             want_logits: true,
         }];
-        self.model.forward(&batch, &mut self.kv)
+        self.backend.forward(&batch)
     }
 }
 
@@ -944,7 +987,7 @@ pub(crate) mod tests {
     /// Writes a prefill side's chunks into the reservation's blocks of `e`'s pool; checks they
     /// cover every reserved block once, in order.
     fn fill(e: &Engine, r: &Reservation, chunks: &[KvChunk]) {
-        let w = e.kv_pool().writer();
+        let w = e.kv_pool().expect("a CPU engine").writer();
         let mut next = 0;
         for c in chunks {
             assert_eq!(c.first, next);
@@ -1055,12 +1098,14 @@ pub(crate) mod tests {
             .unwrap()
             .unwrap();
         // A broken transfer left garbage in the blocks.
-        let frame_len = KvPool::frame_bytes(decode.kv.layout, decode.kv.dtype);
+        let kv = decode.kv_pool().expect("a CPU engine");
+        let frame_len = KvPool::frame_bytes(kv.layout, kv.dtype);
+        let layers = kv.num_layers;
         let junk = KvChunk {
             request: id,
             first: 0,
             blocks: r.blocks.len(),
-            layers: vec![vec![0x7fu8; frame_len * r.blocks.len()]; decode.kv.num_layers],
+            layers: vec![vec![0x7fu8; frame_len * r.blocks.len()]; layers],
             frame_len,
         };
         fill(&decode, &r, &[junk]);

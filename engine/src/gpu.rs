@@ -192,8 +192,12 @@ impl GpuLlama {
 
     /// Bytes of K and V per token of context, all layers.
     pub fn kv_bytes_per_token(&self) -> usize {
-        let c = &self.config;
-        2 * 2 * c.num_layers * c.num_kv_heads * c.head_dim
+        Self::kv_bytes_per_block(&self.config, 1)
+    }
+
+    /// Bytes of one block of `block_size` tokens in the bf16 pool, K and V of every layer.
+    pub fn kv_bytes_per_block(c: &LlamaConfig, block_size: usize) -> usize {
+        2 * 2 * c.num_layers * c.num_kv_heads * c.head_dim * block_size
     }
 
     /// Fills every cache block with random values (benchmarks that need long contexts without

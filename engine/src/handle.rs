@@ -85,7 +85,7 @@ pub struct EngineHandle {
     commands: mpsc::Sender<Command>,
     shared: Arc<Shared>,
     limits: Limits,
-    kv_writer: KvPoolWriter,
+    kv_writer: Option<KvPoolWriter>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -112,7 +112,7 @@ impl EngineHandle {
                     }
                 };
                 *loop_shared.stats.lock().expect("stats lock") = engine.stats();
-                let _ = ready_tx.send(Ok((engine.limits(), engine.kv_pool().writer())));
+                let _ = ready_tx.send(Ok((engine.limits(), engine.kv_pool().map(|p| p.writer()))));
                 run_loop(engine, rx, &loop_shared);
             })
             .map_err(|e| EngineError::Internal(format!("cannot start the engine thread: {e}")))?;
@@ -133,8 +133,8 @@ impl EngineHandle {
     }
 
     /// Writes blocks into the engine's KV pool from other threads (transfers into reserved
-    /// blocks; see [`Self::reserve_remote`]).
-    pub fn kv_writer(&self) -> KvPoolWriter {
+    /// blocks; see [`Self::reserve_remote`]). None when the cache is on a GPU.
+    pub fn kv_writer(&self) -> Option<KvPoolWriter> {
         self.kv_writer.clone()
     }
 
@@ -521,7 +521,7 @@ mod tests {
         let mut p = prefill
             .submit_prefill(req(prompt2.clone(), 9), r.cached_tokens)
             .unwrap();
-        let w = decode.kv_writer();
+        let w = decode.kv_writer().expect("a CPU engine has a host pool");
         let mut first = None;
         let mut filled = 0;
         while let Some(ev) = p.next().await {

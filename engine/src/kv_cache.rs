@@ -19,6 +19,22 @@ pub enum KvDtype {
     Int8,
 }
 
+impl KvDtype {
+    /// The name flags and worker cards use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::Int8 => "int8",
+        }
+    }
+}
+
+impl std::fmt::Display for KvDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 impl std::str::FromStr for KvDtype {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {

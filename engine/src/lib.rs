@@ -10,6 +10,7 @@
 //! Does not own: networking (the workers), file formats and text (tandem-model), or arithmetic
 //! kernels (tandem-kernels).
 
+pub mod backend;
 pub mod block_manager;
 pub mod engine;
 pub mod gpu;
@@ -18,6 +19,7 @@ pub mod kv_cache;
 pub mod model;
 pub mod sampler;
 
+pub use backend::Backend;
 pub use block_manager::{BlockCounts, BlockManager, KvEvent, KvEventKind, SeqBlocks};
 pub use engine::{
     Engine, EngineConfig, EngineStats, Event, FinishReason, Finished, KvChunk, Limits, Request,
@@ -47,6 +49,9 @@ pub enum EngineError {
     Files(#[from] tandem_model::ModelError),
     #[error(transparent)]
     Cuda(#[from] tandem_kernels::cuda::CudaError),
+    /// The engine could not be built (the model, the device); the text says why.
+    #[error("{0}")]
+    Startup(String),
     #[error("internal: {0}")]
     Internal(String),
 }

@@ -32,13 +32,14 @@ fn greedy_tokens_equal_golden_with_small_blocks_and_chunked_prefill() {
 #[test]
 fn prompts_run_on_the_amx_tiles_where_the_cpu_has_them() {
     let (e, _) = engine(WeightFormat::Native, EngineConfig::default());
+    let model = e.cpu_model().expect("the golden engine runs on the CPU");
     if tandem_kernels::amx::available() {
         // Every projection of every layer, and the head.
-        let c = &e.model.config;
-        assert_eq!(e.model.tiled_projections(), 4 * c.num_layers + 1);
+        let c = &model.config;
+        assert_eq!(model.tiled_projections(), 4 * c.num_layers + 1);
     } else {
         eprintln!("no AMX on this CPU: the golden checks ran on the AVX kernels only");
-        assert_eq!(e.model.tiled_projections(), 0);
+        assert_eq!(model.tiled_projections(), 0);
     }
 }
 
@@ -120,8 +121,11 @@ fn random_arrivals_equal_each_prompt_alone_and_golden() {
 fn preempted_sequences_recompute_the_same_tokens() {
     let cfg = EngineConfig::default();
     let (probe, recs) = engine(WeightFormat::Native, cfg.clone());
-    let layout = probe.model.kv_layout(cfg.block_size);
-    let block_bytes = KvPool::bytes_per_block(layout, KvDtype::F32, probe.model.config.num_layers);
+    let model = probe
+        .cpu_model()
+        .expect("the golden engine runs on the CPU");
+    let layout = model.kv_layout(cfg.block_size);
+    let block_bytes = KvPool::bytes_per_block(layout, KvDtype::F32, model.config.num_layers);
     let biggest = requests(&recs)
         .iter()
         .map(|r| (r.prompt.len() + r.params.max_tokens as usize).div_ceil(cfg.block_size))

@@ -95,6 +95,19 @@ pub struct Gpu {
     pub context: Arc<cudarc::driver::CudaContext>,
 }
 
+impl std::fmt::Display for Gpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "cuda:{} {} ({}, {} GiB)",
+            self.ordinal,
+            self.name,
+            self.arch,
+            self.memory_bytes >> 30
+        )
+    }
+}
+
 /// Whether the CUDA driver library can be loaded here. cudarc panics on first use of a library it
 /// cannot load, so every entry point asks this first.
 pub fn driver_present() -> bool {

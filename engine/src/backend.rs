@@ -1,0 +1,144 @@
+//! Where the engine's steps run: the CPU model over a host KV pool, or the CUDA model over a
+//! device pool. The scheduler, block manager and sampler are the same for both; they see only
+//! [`Backend::forward`] (logits for the rows that want them) and the pool's size in blocks.
+
+use tandem_kernels::cuda::DeviceSpec;
+use tandem_model::{LlamaConfig, LoadedModel};
+
+use crate::engine::EngineConfig;
+use crate::gpu::GpuLlama;
+use crate::kv_cache::{KvDtype, KvPool};
+use crate::model::{LlamaModel, SeqBatch};
+use crate::EngineError;
+
+// One per engine, built once: the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
+pub enum Backend {
+    Cpu { model: LlamaModel, kv: KvPool },
+    Cuda(GpuLlama),
+}
+
+/// Blocks a pool of `config`'s size holds at `block_bytes` a block: `num_blocks` if given, else
+/// as many as `kv_cache_mb` fits (at least one).
+fn pool_blocks(config: &EngineConfig, block_bytes: usize) -> usize {
+    config
+        .num_blocks
+        .unwrap_or(config.kv_cache_mb * (1 << 20) / block_bytes)
+        .max(1)
+}
+
+impl Backend {
+    /// The CPU model with a pool of the configured size and dtype.
+    pub fn cpu(model: LlamaModel, config: &EngineConfig) -> Self {
+        let layout = model.kv_layout(config.block_size);
+        let layers = model.config.num_layers;
+        let block_bytes = KvPool::bytes_per_block(layout, config.kv_dtype, layers);
+        let kv = KvPool::new(
+            layout,
+            config.kv_dtype,
+            layers,
+            pool_blocks(config, block_bytes),
+        );
+        Self::Cpu { model, kv }
+    }
+
+    /// `loaded`'s weights in bf16 on CUDA device `ordinal`, with a bf16 pool of the configured
+    /// size. The cache is the model's dtype there: `--kv-dtype int8` is refused.
+    pub fn cuda(
+        ordinal: usize,
+        loaded: &LoadedModel,
+        config: &EngineConfig,
+    ) -> Result<Self, EngineError> {
+        if config.kv_dtype != KvDtype::F32 {
+            return Err(EngineError::InvalidRequest(format!(
+                "--kv-dtype {} is for the CPU cache only; on a CUDA device the cache is bf16 (leave --kv-dtype at its default)",
+                config.kv_dtype
+            )));
+        }
+        let c = &loaded.config;
+        let block_bytes = GpuLlama::kv_bytes_per_block(c, config.block_size);
+        let blocks = pool_blocks(config, block_bytes);
+        let gpu = GpuLlama::from_tensors(ordinal, c, &loaded.tensors, config.block_size, blocks)?;
+        Ok(Self::Cuda(gpu))
+    }
+
+    /// The backend `device` names: the CPU model (`model` builds it; only called for the CPU) or
+    /// `loaded` uploaded to a CUDA device.
+    pub fn on(
+        device: DeviceSpec,
+        loaded: &LoadedModel,
+        config: &EngineConfig,
+        model: impl FnOnce() -> Result<LlamaModel, EngineError>,
+    ) -> Result<Self, EngineError> {
+        match device {
+            DeviceSpec::Cpu => Ok(Self::cpu(model()?, config)),
+            DeviceSpec::Cuda(n) => Self::cuda(n, loaded, config),
+        }
+    }
+
+    pub fn config(&self) -> &LlamaConfig {
+        match self {
+            Self::Cpu { model, .. } => &model.config,
+            Self::Cuda(g) => &g.config,
+        }
+    }
+
+    /// One packed step over the pool; f32 logits (vocab each) for the sequences that want them.
+    pub fn forward(&mut self, seqs: &[SeqBatch<'_>]) -> Result<Vec<f32>, EngineError> {
+        match self {
+            Self::Cpu { model, kv } => model.forward(seqs, kv),
+            Self::Cuda(g) => g.forward(seqs),
+        }
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        match self {
+            Self::Cpu { kv, .. } => kv.num_blocks(),
+            Self::Cuda(g) => g.num_blocks,
+        }
+    }
+
+    /// The host pool, which KV transfers read from and write into; None on a GPU.
+    pub fn host_pool(&self) -> Option<&KvPool> {
+        match self {
+            Self::Cpu { kv, .. } => Some(kv),
+            Self::Cuda(_) => None,
+        }
+    }
+
+    /// Bytes of weights one decode step reads.
+    pub fn weight_bytes(&self) -> usize {
+        match self {
+            Self::Cpu { model, .. } => model.weight_bytes(),
+            Self::Cuda(g) => g.weight_bytes(),
+        }
+    }
+
+    /// Bytes of cache per token of context, all layers.
+    pub fn kv_bytes_per_token(&self) -> f64 {
+        match self {
+            Self::Cpu { model, kv } => KvPool::bytes_per_token(
+                model.kv_layout(kv.layout.block_size),
+                kv.dtype,
+                model.config.num_layers,
+            ),
+            Self::Cuda(g) => g.kv_bytes_per_token() as f64,
+        }
+    }
+
+    /// The cache's element type, as workers advertise it.
+    pub fn kv_dtype_name(&self) -> &'static str {
+        match self {
+            Self::Cpu { kv, .. } => kv.dtype.name(),
+            Self::Cuda(_) => "bf16",
+        }
+    }
+
+    /// Where steps run, for logs and benchmark headers.
+    pub fn device(&self) -> String {
+        match self {
+            Self::Cpu { .. } => "cpu".into(),
+            Self::Cuda(g) => g.ops.gpu.to_string(),
+        }
+    }
+}
