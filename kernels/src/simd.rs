@@ -303,22 +303,35 @@ pub fn pack_panels(x: &[f32], m: usize, k: usize, width: usize) -> Vec<f32> {
 }
 
 /// [`pack_panels`] into `packed` (m.div_ceil(width)·k·width values), every element written.
+/// Panels are packed in parallel; within one, 16 columns of every row at a time, so the 16 rows
+/// of the panel being written stay in L1.
 pub fn pack_panels_into(x: &[f32], m: usize, k: usize, width: usize, packed: &mut [f32]) {
+    use rayon::prelude::*;
     let panels = m.div_ceil(width);
     assert_eq!(packed.len(), panels * k * width, "packed panel size");
-    for (j, row) in x.chunks_exact(k).enumerate().take(m) {
-        let dst = &mut packed[(j / width) * k * width..];
-        for (t, v) in row.iter().enumerate() {
-            dst[t * width + j % width] = *v;
-        }
-    }
-    // The last panel's missing rows.
-    if !m.is_multiple_of(width) {
-        let last = &mut packed[(panels - 1) * k * width..];
-        for t in 0..k {
-            last[t * width + m % width..(t + 1) * width].fill(0.0);
-        }
-    }
+    assert!(x.len() >= m * k, "activations hold m rows");
+    packed
+        .par_chunks_mut(k * width)
+        .enumerate()
+        .for_each(|(p, dst)| {
+            let r0 = p * width;
+            let rows = (m - r0).min(width);
+            let src = &x[r0 * k..(r0 + rows) * k];
+            for t0 in (0..k).step_by(16) {
+                let tn = (k - t0).min(16);
+                let block = &mut dst[t0 * width..(t0 + tn) * width];
+                for (j, row) in src.chunks_exact(k).enumerate() {
+                    for (i, &v) in row[t0..t0 + tn].iter().enumerate() {
+                        block[i * width + j] = v;
+                    }
+                }
+                if rows < width {
+                    for line in block.chunks_exact_mut(width) {
+                        line[rows..].fill(0.0);
+                    }
+                }
+            }
+        });
 }
 
 /// Most activation rows [`dot_quant_rows`] takes at once.
@@ -1402,8 +1415,9 @@ mod tests {
 
     #[test]
     fn packing_into_a_used_buffer_zeroes_the_missing_rows() {
-        for (m, width) in [(5, HALF_PANEL), (16, HALF_PANEL), (33, PANEL), (64, PANEL)] {
-            let k = 7;
+        // k below, at and across the 16-column blocks the packing works in.
+        let shapes = [(5, HALF_PANEL), (16, HALF_PANEL), (33, PANEL), (64, PANEL)];
+        for ((m, width), k) in shapes.into_iter().flat_map(|s| [7, 16, 37, 96].map(|k| (s, k))) {
             let x = rnd(m * k, m as u64);
             let mut buf = vec![f32::NAN; m.div_ceil(width) * k * width];
             pack_panels_into(&x, m, k, width, &mut buf);
@@ -1411,7 +1425,7 @@ mod tests {
                 let (p, t, j) = (i / (k * width), i % (k * width) / width, i % width);
                 let row = p * width + j;
                 let want = if row < m { x[row * k + t] } else { 0.0 };
-                assert_eq!(*v, want, "m={m} width={width} panel {p} t {t} j {j}");
+                assert_eq!(*v, want, "m={m} k={k} width={width} panel {p} t {t} j {j}");
             }
         }
     }
