@@ -78,10 +78,7 @@ pub fn rope(x: &mut [f32], positions: &[usize], n_heads: usize, table: &RopeTabl
 
 /// `gate[i] = silu(gate[i]) · up[i]`.
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
-    for (g, u) in gate.iter_mut().zip(up) {
-        let v = *g;
-        *g = v / (1.0 + (-v).exp()) * u;
-    }
+    crate::simd::silu_mul(gate, up);
 }
 
 /// Gathers embedding rows for `ids` into `out` (ids.len() × dim). Ids must be < table rows.

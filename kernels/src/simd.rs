@@ -415,6 +415,20 @@ pub fn max_f32(x: &[f32]) -> f32 {
     x.iter().copied().fold(f32::NEG_INFINITY, f32::max)
 }
 
+/// `gate[i] = silu(gate[i]) · up[i]`, silu(v) = v / (1 + e^-v) (the vector `exp` is within 2 ulp).
+pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    assert_eq!(gate.len(), up.len(), "silu_mul operands");
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() {
+        // SAFETY: the CPU supports the features; both slices have gate.len() elements.
+        return unsafe { avx512::silu_mul(gate, up) };
+    }
+    for (g, u) in gate.iter_mut().zip(up) {
+        let v = *g;
+        *g = v / (1.0 + (-v).exp()) * u;
+    }
+}
+
 /// `x[i] = exp(x[i] - max)`, returning `Σ x[i]` (the softmax numerators and denominator).
 pub fn exp_shifted_sum(x: &mut [f32], max: f32) -> f32 {
     #[cfg(target_arch = "x86_64")]
@@ -649,6 +663,31 @@ mod avx512 {
         }
         let tail = x[n16..].iter().copied().fold(f32::NEG_INFINITY, f32::max);
         _mm512_reduce_max_ps(m).max(tail)
+    }
+
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub unsafe fn silu_mul(gate: &mut [f32], up: &[f32]) {
+        let one = _mm512_set1_ps(1.0);
+        let silu = |v: __m512, u: __m512| {
+            let e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), v));
+            _mm512_mul_ps(_mm512_div_ps(v, _mm512_add_ps(one, e)), u)
+        };
+        let n16 = gate.len() / 16 * 16;
+        for i in (0..n16).step_by(16) {
+            let g = gate.as_mut_ptr().add(i);
+            let r = silu(_mm512_loadu_ps(g), _mm512_loadu_ps(up.as_ptr().add(i)));
+            _mm512_storeu_ps(g, r);
+        }
+        let rest = gate.len() - n16;
+        if rest > 0 {
+            let k: __mmask16 = ((1u32 << rest) - 1) as u16;
+            let g = gate.as_mut_ptr().add(n16);
+            let r = silu(
+                _mm512_maskz_loadu_ps(k, g),
+                _mm512_maskz_loadu_ps(k, up.as_ptr().add(n16)),
+            );
+            _mm512_mask_storeu_ps(g, k, r);
+        }
     }
 
     #[target_feature(enable = "avx512f,avx2,fma")]
@@ -1286,6 +1325,28 @@ mod tests {
     }
 
     #[test]
+    fn vector_silu_mul_matches_the_scalar_formula() {
+        let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(9);
+        for n in [0usize, 1, 15, 16, 17, 100] {
+            let mut g: Vec<f32> = (0..n).map(|_| r.gen_range(-30.0..30.0)).collect();
+            g.extend([-200.0, 200.0, 0.0, -0.0]);
+            let u: Vec<f32> = (0..g.len()).map(|_| r.gen_range(-2.0..2.0)).collect();
+            let want: Vec<f64> = g
+                .iter()
+                .zip(&u)
+                .map(|(&v, &u)| v as f64 / (1.0 + (-v as f64).exp()) * u as f64)
+                .collect();
+            let mut got = g.clone();
+            silu_mul(&mut got, &u);
+            for ((v, w), x) in got.iter().zip(&want).zip(&g) {
+                // exp within 2 ulp, then a division and a product: a few ulp of the result.
+                let tol = 8.0 * f32::EPSILON as f64 * w.abs() + 1e-37;
+                assert!((*v as f64 - w).abs() <= tol, "silu({x}) = {v}, want {w}");
+            }
+        }
+    }
+
+    #[test]
     fn vector_exp_is_within_two_ulp() {
         let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(7);
         for n in [0usize, 1, 15, 16, 17, 100] {
@@ -1417,7 +1478,10 @@ mod tests {
     fn packing_into_a_used_buffer_zeroes_the_missing_rows() {
         // k below, at and across the 16-column blocks the packing works in.
         let shapes = [(5, HALF_PANEL), (16, HALF_PANEL), (33, PANEL), (64, PANEL)];
-        for ((m, width), k) in shapes.into_iter().flat_map(|s| [7, 16, 37, 96].map(|k| (s, k))) {
+        for ((m, width), k) in shapes
+            .into_iter()
+            .flat_map(|s| [7, 16, 37, 96].map(|k| (s, k)))
+        {
             let x = rnd(m * k, m as u64);
             let mut buf = vec![f32::NAN; m.div_ceil(width) * k * width];
             pack_panels_into(&x, m, k, width, &mut buf);
