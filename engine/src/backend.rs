@@ -91,6 +91,36 @@ impl Backend {
         }
     }
 
+    /// Whether [`Self::forward_argmax`] picks tokens where the logits are (a GPU), so a step
+    /// whose samplers all take the argmax need not bring the logits back.
+    pub fn picks_on_device(&self) -> bool {
+        matches!(self, Self::Cuda(_))
+    }
+
+    /// One packed step that returns, for each sequence that wants logits, the argmax token and
+    /// its log-probability (on a GPU, computed there).
+    pub fn forward_argmax(
+        &mut self,
+        seqs: &[SeqBatch<'_>],
+    ) -> Result<Vec<(u32, f32)>, EngineError> {
+        match self {
+            Self::Cuda(g) => g.forward_greedy(seqs),
+            Self::Cpu { model, kv } => {
+                let logits = model.forward(seqs, kv)?;
+                let vocab = model.config.vocab_size;
+                let mut lp = vec![0f32; vocab];
+                Ok(logits
+                    .chunks_exact(vocab)
+                    .map(|row| {
+                        tandem_kernels::ops::log_softmax(row, &mut lp);
+                        let t = tandem_kernels::ops::argmax(row);
+                        (t as u32, lp[t])
+                    })
+                    .collect())
+            }
+        }
+    }
+
     pub fn num_blocks(&self) -> usize {
         match self {
             Self::Cpu { kv, .. } => kv.num_blocks(),
@@ -139,6 +169,55 @@ impl Backend {
         match self {
             Self::Cpu { .. } => "cpu".into(),
             Self::Cuda(g) => g.ops.gpu.to_string(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::tiny_model;
+    use crate::sampler::{Sampler, SamplingParams};
+
+    /// What a device's argmax step must return: per row, the token and log-probability the
+    /// host sampler would have produced from the logits.
+    #[test]
+    fn argmax_steps_pick_what_the_sampler_would() {
+        let config = EngineConfig {
+            num_blocks: Some(8),
+            ..EngineConfig::default()
+        };
+        let mut b = Backend::cpu(tiny_model(3), &config);
+        assert!(!b.picks_on_device());
+        assert_eq!(b.kv_dtype_name(), "f32");
+        assert_eq!(b.device(), "cpu");
+        let (p0, p1) = ([5u32, 9, 2, 7], [11u32, 3]);
+        let (t0, t1) = ([0u32, 1], [2u32]);
+        let batch = [
+            SeqBatch {
+                tokens: &p0,
+                cached: 0,
+                block_table: &t0,
+                want_logits: true,
+            },
+            SeqBatch {
+                tokens: &p1,
+                cached: 0,
+                block_table: &t1,
+                want_logits: true,
+            },
+        ];
+        let logits = b.forward(&batch).unwrap();
+        let picks = b.forward_argmax(&batch).unwrap();
+        let vocab = b.config().vocab_size;
+        assert_eq!(picks.len(), 2);
+        for (row, &(token, logprob)) in logits.chunks_exact(vocab).zip(&picks) {
+            let mut s = Sampler::new(SamplingParams::default(), &[]);
+            assert!(s.argmax_only());
+            let want = s.sample(row);
+            assert_eq!((want.token, want.logprob), (token, logprob));
+            let mut a = Sampler::new(SamplingParams::default(), &[]);
+            assert_eq!(a.accept(token, logprob), want);
         }
     }
 }

@@ -684,7 +684,18 @@ impl Engine {
                 }
             })
             .collect();
-        let logits = self.backend.forward(&batch)?;
+        // Where the device picks tokens itself and every sampler in the step takes the argmax,
+        // only the picks come back (the logits are rows × vocabulary floats).
+        let argmax_only = self.backend.picks_on_device()
+            && plan.iter().all(|&(i, take)| {
+                let s = &self.running[i];
+                s.computed + take < s.tokens.len() || s.sampler.argmax_only()
+            });
+        let (logits, picks) = if argmax_only {
+            (Vec::new(), self.backend.forward_argmax(&batch)?)
+        } else {
+            (self.backend.forward(&batch)?, Vec::new())
+        };
         let vocab = self.backend.config().vocab_size;
         let max_ctx = self.backend.config().max_position_embeddings;
         let mut stats = StepStats::default();
@@ -707,7 +718,10 @@ impl Engine {
             if s.computed < s.tokens.len() {
                 continue;
             }
-            let sampled = s.sampler.sample(&logits[row * vocab..(row + 1) * vocab]);
+            let sampled = match picks.get(row) {
+                Some(&(token, logprob)) => s.sampler.accept(token, logprob),
+                None => s.sampler.sample(&logits[row * vocab..(row + 1) * vocab]),
+            };
             row += 1;
             s.first_token.get_or_insert_with(Instant::now);
             s.tokens.push(sampled.token);

@@ -219,20 +219,25 @@ impl GpuLlama {
         }
     }
 
-    /// One packed step that picks each next token on the device (argmax), so only the ids come
-    /// back: what a greedy decode step costs.
-    pub fn forward_greedy(&mut self, seqs: &[SeqBatch<'_>]) -> Result<Vec<u32>, EngineError> {
+    /// One packed step that picks each next token on the device (argmax), so only the ids and
+    /// their log-probabilities come back: what a greedy decode step costs.
+    pub fn forward_greedy(
+        &mut self,
+        seqs: &[SeqBatch<'_>],
+    ) -> Result<Vec<(u32, f32)>, EngineError> {
         let Some((logits, n)) = self.forward_device(seqs)? else {
             return Ok(Vec::new());
         };
         let mut ids = self.ops.upload(&vec![-1i32; n])?;
+        let mut logprobs = self.ops.alloc_f32(n)?;
         self.ops
-            .argmax(&logits, n, self.config.vocab_size, &mut ids)?;
-        Ok(self
-            .ops
-            .download(&ids)?
+            .argmax(&logits, n, self.config.vocab_size, &mut ids, &mut logprobs)?;
+        let ids = self.ops.download(&ids)?;
+        let logprobs = self.ops.download(&logprobs)?;
+        Ok(ids
             .into_iter()
-            .map(|i| i as u32)
+            .zip(logprobs)
+            .map(|(i, lp)| (i as u32, lp))
             .collect())
     }
 

@@ -188,6 +188,30 @@ impl Sampler {
         }
     }
 
+    /// Whether this sampler's choice is the plain argmax of the raw logits with only the chosen
+    /// token's log-probability reported: a device can then pick it ([`Self::accept`]) without
+    /// sending the logits back.
+    pub fn argmax_only(&self) -> bool {
+        let p = &self.params;
+        p.is_greedy()
+            && p.repetition_penalty == 1.0
+            && p.presence_penalty == 0.0
+            && p.frequency_penalty == 0.0
+            && p.top_logprobs == 0
+    }
+
+    /// The token a device picked for an [`Self::argmax_only`] sampler, with its log-probability:
+    /// recorded as [`Self::sample`] would have recorded it.
+    pub fn accept(&mut self, token: u32, logprob: f32) -> Sampled {
+        debug_assert!(self.argmax_only(), "accept is for argmax-only samplers");
+        self.record(token);
+        Sampled {
+            token,
+            logprob,
+            top: Vec::new(),
+        }
+    }
+
     /// Records a token sampled elsewhere (a prefill worker's first token) as if this sampler had
     /// drawn it: penalties count it, and a seeded stream moves past the draw it took there, so
     /// the tokens after it are the ones a single worker would have produced.
@@ -269,6 +293,31 @@ fn top_n(lp: &[f32], n: usize) -> Vec<(u32, f32)> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn only_plain_argmax_samplers_can_be_picked_on_a_device() {
+        let greedy = SamplingParams::default();
+        let with = |f: &dyn Fn(&mut SamplingParams)| {
+            let mut p = greedy.clone();
+            f(&mut p);
+            Sampler::new(p, &[1, 2]).argmax_only()
+        };
+        assert!(with(&|_| {}));
+        assert!(with(&|p| {
+            p.temperature = 0.8;
+            p.top_k = 1
+        }));
+        assert!(!with(&|p| p.temperature = 0.8));
+        assert!(!with(&|p| p.top_logprobs = 1));
+        assert!(!with(&|p| p.repetition_penalty = 1.1));
+        assert!(!with(&|p| p.presence_penalty = 0.5));
+        assert!(!with(&|p| p.frequency_penalty = 0.5));
+        // An accepted pick counts like a sampled one (for penalties of later tokens).
+        let mut s = Sampler::new(greedy, &[]);
+        let got = s.accept(4, -0.25);
+        assert_eq!((got.token, got.logprob, got.top.len()), (4, -0.25, 0));
+        assert_eq!(s.counts.get(&4), Some(&1));
+    }
+
     use super::*;
 
     fn logits() -> Vec<f32> {

@@ -108,7 +108,7 @@ fn generate(g: &mut GpuLlama, prompts: &[Vec<u32>], n_new: &[usize]) -> Vec<Vec<
             })
             .collect();
         let next = g.forward_greedy(&batch).unwrap();
-        for (&i, tok) in live.iter().zip(next) {
+        for (&i, (tok, _)) in live.iter().zip(next) {
             outs[i].push(tok);
         }
     }
@@ -212,6 +212,38 @@ fn the_engine_runs_unchanged_on_the_gpu() {
         recs.len()
     );
     assert_eq!(together, alone, "the continuous batch equals each alone");
+
+    // Steps pick greedy tokens on the device and bring back only ids and log-probabilities; a
+    // request that asks for alternatives brings its step's logits back to the host sampler.
+    // Same tokens either way, and log-probabilities that agree.
+    let mut reqs = requests(&recs);
+    reqs[0].params.top_logprobs = 3;
+    e.clear_prefix_cache();
+    let mut first = Vec::new();
+    let mut others = Vec::new();
+    let outs = e
+        .generate(
+            reqs,
+            |t| match t.request.0 {
+                0 => first.push(t.sampled.clone()),
+                1 => others.push(t.sampled.clone()),
+                _ => {}
+            },
+            |_| {},
+        )
+        .unwrap();
+    let mixed: Vec<Vec<u32>> = outs.into_iter().map(|f| f.output_ids).collect();
+    assert_eq!(
+        mixed, together,
+        "host sampling where asked, device picks elsewhere"
+    );
+    assert!(first
+        .iter()
+        .all(|s| s.top.len() == 3 && s.top[0].0 == s.token));
+    assert!(others.iter().all(|s| s.top.is_empty() && s.logprob <= 0.0));
+    for s in &first {
+        assert!((s.top[0].1 - s.logprob).abs() < 1e-6, "{s:?}");
+    }
 
     // A pool of a few blocks more than the longest request and a 32-token budget: prompts are
     // chunked and sequences preempted and recomputed. Every request still finishes, nothing

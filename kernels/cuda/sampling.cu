@@ -29,15 +29,24 @@ __device__ int block_argmax(float v, int i) {
     return i;
 }
 
-// Greedy: out[row] = argmax(logits[row]).
+// Greedy: out[row] = argmax(logits[row]), and logprob[row] its log-probability under the row's
+// softmax (-log Σ exp(x - max)), so a greedy step downloads two numbers a row, not the logits.
 extern "C" __global__ void argmax_rows(const float* __restrict__ logits, int vocab,
-                                       int* __restrict__ out) {
+                                       int* __restrict__ out, float* __restrict__ logprob) {
+    __shared__ float scratch[32];
     const float* x = logits + (i64)blockIdx.x * vocab;
     float v = NEG_INF;
     int i = 0x7fffffff;
     for (int j = threadIdx.x; j < vocab; j += blockDim.x) better(v, i, x[j], j);
     int best = block_argmax(v, i);
-    if (threadIdx.x == 0) out[blockIdx.x] = best;
+    float m = x[best];
+    float s = 0.0f;
+    for (int j = threadIdx.x; j < vocab; j += blockDim.x) s += expf(x[j] - m);
+    s = block_sum(s, scratch);
+    if (threadIdx.x == 0) {
+        out[blockIdx.x] = best;
+        logprob[blockIdx.x] = -logf(s);
+    }
 }
 
 // A uniform in (0, 1) from (seed, index): a 64-bit mix (splitmix64's finalizer).

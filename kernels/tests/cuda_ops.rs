@@ -386,12 +386,27 @@ fn sampling_is_greedy_at_zero_and_follows_the_distribution_above() {
         .collect();
     let ld = o.upload(&logits).unwrap();
     let mut out = o.upload(&vec![-1i32; rows]).unwrap();
-    o.argmax(&ld, rows, vocab, &mut out).unwrap();
+    let mut lp = o.upload(&vec![f32::NAN; rows]).unwrap();
+    o.argmax(&ld, rows, vocab, &mut out, &mut lp).unwrap();
     let want: Vec<i32> = logits
         .chunks_exact(vocab)
         .map(|row| tandem_kernels::ops::argmax(row) as i32)
         .collect();
     assert_eq!(o.download(&out).unwrap(), want);
+    // The chosen token's log-probability, against the CPU's log-softmax.
+    let mut ls = vec![0f32; vocab];
+    for ((row, &t), got) in logits
+        .chunks_exact(vocab)
+        .zip(&want)
+        .zip(o.download(&lp).unwrap())
+    {
+        tandem_kernels::ops::log_softmax(row, &mut ls);
+        let w = ls[t as usize];
+        assert!(
+            (got - w).abs() <= 1e-4 * w.abs().max(1.0),
+            "logprob {got}, want {w}"
+        );
+    }
     let temps = o.upload(&vec![0f32; rows]).unwrap();
     let seeds = o.upload(&(0..rows as u64).collect::<Vec<_>>()).unwrap();
     let mut out = o.upload(&vec![-1i32; rows]).unwrap();

@@ -574,20 +574,22 @@ impl CudaOps {
         self.gemm_raw(xp, wp, op, (m, n, k), O::F32)
     }
 
-    /// Greedy next tokens: the argmax of each of `rows` rows of `vocab` logits.
+    /// Greedy next tokens: the argmax of each of `rows` rows of `vocab` logits (the first on
+    /// ties) into `out`, and its log-probability (log-softmax of the row) into `logprob`.
     pub fn argmax(
         &self,
         logits: &CudaSlice<f32>,
         rows: usize,
         vocab: usize,
         out: &mut CudaSlice<i32>,
+        logprob: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
-        if logits.len() < rows * vocab || out.len() < rows {
+        if vocab == 0 || logits.len() < rows * vocab || out.len() < rows || logprob.len() < rows {
             return Err(shape(format!("argmax of {rows}×{vocab}")));
         }
         let v = vocab as i32;
         let mut b = self.stream.launch_builder(&self.k.argmax);
-        b.arg(logits).arg(&v).arg(out);
+        b.arg(logits).arg(&v).arg(out).arg(logprob);
         let cfg = LaunchConfig {
             grid_dim: (rows as u32, 1, 1),
             block_dim: (1024, 1, 1),
