@@ -142,6 +142,14 @@ fn the_device_flag_runs_on_a_gpu_or_says_why_it_cannot() {
         "--ignore-eos",
         "--jsonl",
     ];
+    // Sizes that make no engine are refused before any memory is sized from them, on any device.
+    for device in ["cpu", "cuda:0"] {
+        let (_, ok, err) = generate(&["--device", device, "--block-size", "0"], "hi\n");
+        assert!(
+            !ok && err.contains("block size, batch budget and max seqs must be positive"),
+            "{err}"
+        );
+    }
     let (out, ok, err) = generate(&args, &input);
     if tandem_kernels::cuda::driver_present() {
         assert!(ok, "{err}");

@@ -28,7 +28,8 @@ fn pool_blocks(config: &EngineConfig, block_bytes: usize) -> usize {
 }
 
 impl Backend {
-    /// The CPU model with a pool of the configured size and dtype.
+    /// The CPU model with a pool of the configured size and dtype (`config` checked: see
+    /// [`EngineConfig::check`]).
     pub fn cpu(model: LlamaModel, config: &EngineConfig) -> Self {
         let layout = model.kv_layout(config.block_size);
         let layers = model.config.num_layers;
@@ -49,6 +50,7 @@ impl Backend {
         loaded: &LoadedModel,
         config: &EngineConfig,
     ) -> Result<Self, EngineError> {
+        config.check()?;
         if config.kv_dtype != KvDtype::F32 {
             return Err(EngineError::InvalidRequest(format!(
                 "--kv-dtype {} is for the CPU cache only; on a CUDA device the cache is bf16 (leave --kv-dtype at its default)",
@@ -70,6 +72,7 @@ impl Backend {
         config: &EngineConfig,
         model: impl FnOnce() -> Result<LlamaModel, EngineError>,
     ) -> Result<Self, EngineError> {
+        config.check()?;
         match device {
             DeviceSpec::Cpu => Ok(Self::cpu(model()?, config)),
             DeviceSpec::Cuda(n) => Self::cuda(n, loaded, config),

@@ -50,6 +50,18 @@ pub struct EngineConfig {
     pub admission_lookahead: usize,
 }
 
+impl EngineConfig {
+    /// Refuses sizes that make no engine (before any memory is sized from them).
+    pub fn check(&self) -> Result<(), EngineError> {
+        if self.block_size == 0 || self.max_batched_tokens == 0 || self.max_seqs == 0 {
+            return Err(EngineError::InvalidRequest(
+                "block size, batch budget and max seqs must be positive".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
 impl Default for EngineConfig {
     fn default() -> Self {
         Self {
@@ -334,18 +346,9 @@ impl Engine {
         config: EngineConfig,
         eos: Vec<u32>,
     ) -> Result<Self, EngineError> {
-        Self::check_config(&config)?;
+        config.check()?;
         let backend = Backend::cpu(model, &config);
         Self::with_backend(backend, config, eos)
-    }
-
-    fn check_config(config: &EngineConfig) -> Result<(), EngineError> {
-        if config.block_size == 0 || config.max_batched_tokens == 0 || config.max_seqs == 0 {
-            return Err(EngineError::InvalidRequest(
-                "block size, batch budget and max seqs must be positive".into(),
-            ));
-        }
-        Ok(())
     }
 
     /// An engine whose steps run on `backend` (made with the same `config`).
@@ -354,7 +357,7 @@ impl Engine {
         config: EngineConfig,
         eos: Vec<u32>,
     ) -> Result<Self, EngineError> {
-        Self::check_config(&config)?;
+        config.check()?;
         Ok(Self {
             blocks: BlockManager::new(backend.num_blocks(), config.block_size),
             backend,
