@@ -252,10 +252,7 @@ impl EngineArgs {
             format!("--kv-cache-mb={}", self.kv_cache_mb),
             format!("--max-batched-tokens={}", self.max_batched_tokens),
             format!("--max-seqs={}", self.max_seqs),
-            format!(
-                "--kv-dtype={}",
-                format!("{:?}", self.kv_dtype).to_lowercase()
-            ),
+            format!("--kv-dtype={}", self.kv_dtype),
             format!("--admission-lookahead={}", self.admission_lookahead),
         ];
         if let Some(m) = &self.model {

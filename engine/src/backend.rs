@@ -150,11 +150,7 @@ impl Backend {
     /// Bytes of cache per token of context, all layers.
     pub fn kv_bytes_per_token(&self) -> f64 {
         match self {
-            Self::Cpu { model, kv } => KvPool::bytes_per_token(
-                model.kv_layout(kv.layout.block_size),
-                kv.dtype,
-                model.config.num_layers,
-            ),
+            Self::Cpu { kv, .. } => KvPool::bytes_per_token(kv.layout, kv.dtype, kv.num_layers),
             Self::Cuda(g) => g.kv_bytes_per_token() as f64,
         }
     }
