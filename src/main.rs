@@ -318,12 +318,14 @@ struct BenchEngineArgs {
     /// shared-prefix (a 500-token system prompt and a short question).
     #[arg(long)]
     workload: Option<Workload>,
-    /// Batching policies to compare on the workload (comma-separated): sequential, static
-    /// (batches of 16 that wait for their longest member), continuous.
+    /// Batching policies to compare on the workload (comma-separated): sequential; static
+    /// (batches of 16 that wait for their longest member, run as one fixed batch: prompts padded
+    /// to the longest, every row stepped to the longest output); static-packed (the same batches
+    /// without padding: a row leaves when its request is done); continuous.
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "sequential,static,continuous"
+        default_value = "sequential,static,static-packed,continuous"
     )]
     policy: Vec<Policy>,
     /// Requests in the workload (default: 200 mixed, 64 shared-prefix).
@@ -335,10 +337,21 @@ struct BenchEngineArgs {
 }
 
 /// Serves a workload under each policy (and, for shared-prefix, continuous without the prefix
-/// cache), printing output tokens/s and ratios against the first run.
+/// cache), printing output tokens/s next to the roofline bound of the steps each policy ran, and
+/// continuous's ratios to the others, measured and bound.
 fn bench_workload(a: &BenchEngineArgs, engine: &mut Engine, w: Workload) -> Result<()> {
     let n = a.requests.unwrap_or(w.default_requests());
     let vocab = engine.model_config().vocab_size as u32;
+    let roof = engine
+        .cpu_model()
+        .is_some()
+        .then(tandem_bench::roofline::measure);
+    if let (Some(r), false) = (&roof, a.json) {
+        println!(
+            "roofline: {:.1} GB/s copy, {:.1} GFLOP/s f32 FMA peak; a bound prices each step the engine ran at the slower of the two",
+            r.mem_bw_gb_s, r.f32_peak_gflops
+        );
+    }
     let mut runs = Vec::new();
     let mut plan: Vec<(Policy, bool)> = a.policy.iter().map(|&p| (p, true)).collect();
     if w == Workload::SharedPrefix && a.policy.contains(&Policy::Continuous) {
@@ -346,16 +359,24 @@ fn bench_workload(a: &BenchEngineArgs, engine: &mut Engine, w: Workload) -> Resu
     }
     for (p, cache) in plan {
         engine.config.prefix_caching = cache && !a.engine.no_prefix_caching;
-        let r = workload::run(engine, w, p, w.requests(n, vocab, a.seed))?;
+        let r = workload::run(engine, w, p, w.requests(n, vocab, a.seed), roof.as_ref())?;
         if a.json {
             println!("{}", serde_json::to_string(&r)?);
         } else {
+            let bound = match r.roofline_output_tok_s {
+                Some(b) => format!(
+                    "  bound {b:>6.1} ({:>3.0}% of it)",
+                    100.0 * r.output_tok_s / b
+                ),
+                None => String::new(),
+            };
             println!(
-                "{:>10} {:<13} {:>4} req  {:>8.1} out tok/s  wall {:>7.1} s  prefix hits {:>5.1}%  ttft p50 {:>6.2} s  preempted {}",
-                format!("{:?}", p).to_lowercase(),
+                "{:>13} {:<12} {:>4} req  {:>7.1} out tok/s{bound}  computed {:>6} tok  wall {:>6.1} s  prefix hits {:>5.1}%  ttft p50 {:>6.2} s  preempted {}",
+                r.policy.name(),
                 if r.prefix_caching { "prefix cache" } else { "no cache" },
                 r.requests,
                 r.output_tok_s,
+                r.computed_tokens,
                 r.wall_s,
                 100.0 * r.prefix_hit_rate,
                 r.ttft_s_p50,
@@ -364,26 +385,34 @@ fn bench_workload(a: &BenchEngineArgs, engine: &mut Engine, w: Workload) -> Resu
         }
         runs.push(r);
     }
-    if !a.json {
-        if let Some(c) = runs
-            .iter()
-            .find(|r| r.policy == Policy::Continuous && r.prefix_caching)
-        {
-            for r in &runs {
-                if !std::ptr::eq(r, c) {
-                    println!(
-                        "continuous / {} ({}): {:.2}x",
-                        format!("{:?}", r.policy).to_lowercase(),
-                        if r.prefix_caching {
-                            "prefix cache"
-                        } else {
-                            "no cache"
-                        },
-                        c.output_tok_s / r.output_tok_s
-                    );
-                }
-            }
-        }
+    if a.json {
+        return Ok(());
+    }
+    let Some(c) = runs
+        .iter()
+        .find(|r| r.policy == Policy::Continuous && r.prefix_caching)
+    else {
+        return Ok(());
+    };
+    for r in runs.iter().filter(|r| !std::ptr::eq(*r, c)) {
+        let bound = match (c.roofline_s, r.roofline_s) {
+            // Output tokens per bound second, continuous over the other.
+            (Some(cb), Some(rb)) => format!(
+                "  (bound of the two schedules: {:.2}x)",
+                (c.output_tokens as f64 / cb) / (r.output_tokens as f64 / rb)
+            ),
+            _ => String::new(),
+        };
+        println!(
+            "continuous / {} ({}): {:.2}x{bound}",
+            r.policy.name(),
+            if r.prefix_caching {
+                "prefix cache"
+            } else {
+                "no cache"
+            },
+            c.output_tok_s / r.output_tok_s
+        );
     }
     Ok(())
 }

@@ -158,7 +158,12 @@ pub fn run_engine_bench(
 /// Weights in the projections and the head: two FLOPs each per token.
 fn param_count(engine: &Engine) -> usize {
     let c = engine.model_config();
+    projection_params(c) + c.vocab_size * c.hidden_size
+}
+
+/// Weights in the layers' projections (attention and MLP), the head not included.
+pub(crate) fn projection_params(c: &tandem_model::LlamaConfig) -> usize {
     let (h, ff, hd) = (c.hidden_size, c.intermediate_size, c.head_dim);
     let per_layer = h * (c.num_heads * hd) * 2 + h * (c.num_kv_heads * hd) * 2 + 3 * h * ff;
-    c.num_layers * per_layer + c.vocab_size * h
+    c.num_layers * per_layer
 }

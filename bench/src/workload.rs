@@ -5,15 +5,28 @@
 //! - `shared-prefix`: one 500-token system prompt followed by a short question (10–30 tokens) and
 //!   a short answer (16–48 tokens): the case the prefix cache is for.
 //!
-//! Policies: `sequential` (one request at a time), `static` (batches of [`STATIC_BATCH`] that run
-//! until their longest member is done before the next batch starts) and `continuous` (every
-//! request in one engine, joining and leaving at step granularity).
+//! Policies:
+//! - `sequential`: one request at a time.
+//! - `static`: batches of [`STATIC_BATCH`] run the way a static batcher runs them (one fixed
+//!   batch tensor): every prompt padded to the batch's longest, and every row stepped until the
+//!   batch's longest output is done; only each request's own tokens count as output. The padding
+//!   is random tokens, so nothing of it is found in the prefix cache.
+//! - `static-packed`: batches of [`STATIC_BATCH`] without the padding: a row leaves the batch when
+//!   its request is done, but the next batch still waits for the longest member of this one.
+//! - `continuous`: every request in one engine, joining and leaving at step granularity.
+//!
+//! Each run also reports its roofline bound: every step the engine ran, priced at this machine's
+//! measured peak (the step's FLOPs at the FMA peak or its bytes at the copy bandwidth, whichever
+//! takes longer), summed. The bound's ratio between two policies is the most any kernel could make
+//! of their schedules on this hardware.
 
 use std::time::Instant;
 
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
-use tandem_engine::{Engine, EngineError, Finished, Request, SamplingParams};
+use tandem_engine::{Engine, EngineError, Finished, Request, SamplingParams, StepStats};
+
+use crate::roofline::Roofline;
 
 /// Requests per batch under the static policy.
 pub const STATIC_BATCH: usize = 16;
@@ -82,11 +95,23 @@ impl Workload {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "kebab-case")]
 pub enum Policy {
     Sequential,
     Static,
+    StaticPacked,
     Continuous,
+}
+
+impl Policy {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Sequential => "sequential",
+            Self::Static => "static",
+            Self::StaticPacked => "static-packed",
+            Self::Continuous => "continuous",
+        }
+    }
 }
 
 impl std::str::FromStr for Policy {
@@ -95,9 +120,10 @@ impl std::str::FromStr for Policy {
         match s {
             "sequential" => Ok(Self::Sequential),
             "static" => Ok(Self::Static),
+            "static-packed" => Ok(Self::StaticPacked),
             "continuous" => Ok(Self::Continuous),
             o => Err(format!(
-                "unknown policy {o:?} (sequential|static|continuous)"
+                "unknown policy {o:?} (sequential|static|static-packed|continuous)"
             )),
         }
     }
@@ -110,9 +136,17 @@ pub struct WorkloadReport {
     pub prefix_caching: bool,
     pub requests: usize,
     pub prompt_tokens: usize,
+    /// The requests' own output tokens (a static batch's rows step past theirs; that is padding).
     pub output_tokens: usize,
+    /// Tokens the engine computed: prompts and outputs, plus the static policy's padding and any
+    /// recompute after preemption.
+    pub computed_tokens: usize,
+    pub steps: usize,
     pub wall_s: f64,
     pub output_tok_s: f64,
+    /// The run's steps priced at the roofline (absent where it was not measured: on a GPU).
+    pub roofline_s: Option<f64>,
+    pub roofline_output_tok_s: Option<f64>,
     /// Prompt tokens found in the prefix cache / prompt tokens looked up.
     pub prefix_hit_rate: f64,
     pub preemptions: u64,
@@ -121,39 +155,111 @@ pub struct WorkloadReport {
     pub e2e_s_p50: f64,
 }
 
-/// Serves `requests` under `policy` on `engine`, from an empty prefix cache.
+/// The least time a step can take on a machine: its FLOPs at the FMA peak or its bytes at the
+/// copy bandwidth, whichever is longer. Bytes are every weight once and the KV of every sequence
+/// in the step once; FLOPs are two per weight per token (the head only for the rows that sample)
+/// and four per head dimension per attended key (q·k and p·v).
+#[derive(Clone, Copy, Debug)]
+pub struct StepCost {
+    body_flops: f64,
+    head_flops: f64,
+    key_flops: f64,
+    weight_bytes: f64,
+    kv_bytes_per_token: f64,
+}
+
+impl StepCost {
+    pub fn of(engine: &Engine) -> Self {
+        let c = engine.model_config();
+        Self {
+            body_flops: 2.0 * crate::projection_params(c) as f64,
+            head_flops: 2.0 * (c.vocab_size * c.hidden_size) as f64,
+            key_flops: 4.0 * (c.num_layers * c.num_heads * c.head_dim) as f64,
+            weight_bytes: engine.backend().weight_bytes() as f64,
+            kv_bytes_per_token: engine.backend().kv_bytes_per_token(),
+        }
+    }
+
+    pub fn seconds(&self, s: &StepStats, roof: &Roofline) -> f64 {
+        let tokens = (s.prefill_tokens + s.decode_tokens) as f64;
+        let flops = self.body_flops * tokens
+            + self.head_flops * s.logit_rows as f64
+            + self.key_flops * s.attended_keys as f64;
+        let bytes = self.weight_bytes + self.kv_bytes_per_token * s.context_tokens as f64;
+        (flops / (roof.f32_peak_gflops * 1e9)).max(bytes / (roof.mem_bw_gb_s * 1e9))
+    }
+}
+
+/// A static batch as one fixed batch tensor holds it: prompts padded (with random tokens) to the
+/// longest, and every row generating as many tokens as the longest output.
+fn padded(batch: &[Request], vocab: u32, rng: &mut rand_chacha::ChaCha8Rng) -> Vec<Request> {
+    let prompt = batch.iter().map(|r| r.prompt.len()).max().unwrap_or(0);
+    let out = batch.iter().map(|r| r.params.max_tokens).max().unwrap_or(0);
+    batch
+        .iter()
+        .map(|r| {
+            let mut r = r.clone();
+            let pad = prompt - r.prompt.len();
+            r.prompt.extend((0..pad).map(|_| rng.gen_range(100..vocab)));
+            r.params.max_tokens = out;
+            r
+        })
+        .collect()
+}
+
+/// Serves `requests` under `policy` on `engine`, from an empty prefix cache; with the machine's
+/// roofline, also prices the steps it ran.
 pub fn run(
     engine: &mut Engine,
     workload: Workload,
     policy: Policy,
     requests: Vec<Request>,
+    roof: Option<&Roofline>,
 ) -> Result<WorkloadReport, EngineError> {
     engine.clear_prefix_cache();
     let before = engine.stats();
     let n = requests.len();
     let prompt_tokens = requests.iter().map(|r| r.prompt.len()).sum();
+    let own_outputs: Vec<usize> = requests
+        .iter()
+        .map(|r| r.params.max_tokens as usize)
+        .collect();
+    let vocab = engine.model_config().vocab_size as u32;
+    let mut pad_rng = rand_chacha::ChaCha8Rng::seed_from_u64(0x5eed);
+    let groups: Vec<Vec<Request>> = match policy {
+        Policy::Sequential => requests.into_iter().map(|r| vec![r]).collect(),
+        Policy::Static => requests
+            .chunks(STATIC_BATCH)
+            .map(|c| padded(c, vocab, &mut pad_rng))
+            .collect(),
+        Policy::StaticPacked => requests.chunks(STATIC_BATCH).map(|c| c.to_vec()).collect(),
+        Policy::Continuous => vec![requests],
+    };
+    let cost = StepCost::of(engine);
+    let mut steps: Vec<StepStats> = Vec::new();
     let t0 = Instant::now();
     // Every request is submitted at t0: latencies under the sequential and static policies
     // include the time spent waiting for earlier batches.
     let mut done: Vec<(Finished, f64)> = Vec::with_capacity(n);
-    let groups: Vec<Vec<Request>> = match policy {
-        Policy::Sequential => requests.into_iter().map(|r| vec![r]).collect(),
-        Policy::Static => requests.chunks(STATIC_BATCH).map(|c| c.to_vec()).collect(),
-        Policy::Continuous => vec![requests],
-    };
     for g in groups {
         let offset = t0.elapsed().as_secs_f64();
-        for f in engine.generate(g, |_| {}, |_| {})? {
+        for f in engine.generate(g, |_| {}, |s| steps.push(*s))? {
             done.push((f, offset));
         }
     }
     let wall_s = t0.elapsed().as_secs_f64();
     let after = engine.stats();
-    let output_tokens = done.iter().map(|(f, _)| f.output_ids.len()).sum();
+    // `generate` returns its requests in order, and the groups are in order.
+    let output_tokens = done
+        .iter()
+        .zip(&own_outputs)
+        .map(|((f, _), &own)| f.output_ids.len().min(own))
+        .sum();
     let mut ttft: Vec<f64> = done.iter().map(|(f, o)| f.ttft_s + o).collect();
     let mut e2e: Vec<f64> = done.iter().map(|(f, o)| f.e2e_s + o).collect();
     let lookups = after.prefix_lookup_tokens - before.prefix_lookup_tokens;
     let hits = after.prefix_hit_tokens - before.prefix_hit_tokens;
+    let roofline_s = roof.map(|r| steps.iter().map(|s| cost.seconds(s, r)).sum::<f64>());
     Ok(WorkloadReport {
         workload,
         policy,
@@ -161,8 +267,15 @@ pub fn run(
         requests: n,
         prompt_tokens,
         output_tokens,
+        computed_tokens: steps
+            .iter()
+            .map(|s| s.prefill_tokens + s.decode_tokens)
+            .sum(),
+        steps: steps.len(),
         wall_s,
         output_tok_s: output_tokens as f64 / wall_s,
+        roofline_s,
+        roofline_output_tok_s: roofline_s.map(|t| output_tokens as f64 / t),
         prefix_hit_rate: if lookups > 0 {
             hits as f64 / lookups as f64
         } else {
@@ -196,5 +309,65 @@ mod tests {
             |r| r.prompt[..500] == s[0].prompt[..500] && (510..=530).contains(&r.prompt.len())
         ));
         assert_ne!(s[0].prompt[500..], s[1].prompt[500..]);
+    }
+
+    #[test]
+    fn a_static_batch_is_padded_to_its_longest_prompt_and_output() {
+        let reqs = Workload::Mixed.requests(5, 49152, 3);
+        let longest = reqs.iter().map(|r| r.prompt.len()).max().unwrap();
+        let most = reqs.iter().map(|r| r.params.max_tokens).max().unwrap();
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
+        let p = padded(&reqs, 49152, &mut rng);
+        for (r, q) in reqs.iter().zip(&p) {
+            assert_eq!(q.prompt.len(), longest);
+            assert_eq!(q.prompt[..r.prompt.len()], r.prompt[..]);
+            assert_eq!(q.params.max_tokens, most);
+        }
+        // The pads differ between rows, so no row's padding is another's cached prefix.
+        let short: Vec<_> = reqs
+            .iter()
+            .zip(&p)
+            .filter(|(r, _)| r.prompt.len() + 16 <= longest)
+            .map(|(r, q)| &q.prompt[r.prompt.len()..r.prompt.len() + 16])
+            .collect();
+        assert!(short.len() >= 2, "seed 3 gives short prompts");
+        assert_ne!(short[0], short[1]);
+    }
+
+    #[test]
+    fn a_step_costs_its_flops_or_its_bytes_whichever_is_slower() {
+        let cost = StepCost {
+            body_flops: 1e9,
+            head_flops: 1e8,
+            key_flops: 1e3,
+            weight_bytes: 2e8,
+            kv_bytes_per_token: 1e4,
+        };
+        let roof = Roofline {
+            mem_bw_gb_s: 10.0,
+            f32_gflops: 0.0,
+            f32_peak_gflops: 100.0,
+        };
+        // A decode of one row: 1.101 GFLOP (11 ms) against 200 MB of weights and 10 MB of KV
+        // (21 ms), memory-bound.
+        let decode = StepStats {
+            decode_tokens: 1,
+            logit_rows: 1,
+            attended_keys: 1000,
+            context_tokens: 1000,
+            ..Default::default()
+        };
+        let bytes = (2e8 + 1e7) / 10e9;
+        assert!((cost.seconds(&decode, &roof) - bytes).abs() < 1e-12);
+        // A prefill of 100 tokens: 100 GFLOP + the head once + 5050 keys, compute-bound.
+        let prefill = StepStats {
+            prefill_tokens: 100,
+            logit_rows: 1,
+            attended_keys: 5050,
+            context_tokens: 100,
+            ..Default::default()
+        };
+        let flops = (100.0 * 1e9 + 1e8 + 5050.0 * 1e3) / 100e9;
+        assert!((cost.seconds(&prefill, &roof) - flops).abs() < 1e-12);
     }
 }

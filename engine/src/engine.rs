@@ -165,6 +165,13 @@ impl KvChunk {
 pub struct StepStats {
     pub prefill_tokens: usize,
     pub decode_tokens: usize,
+    /// Rows that ran the output head (the last new token of each sequence that samples).
+    pub logit_rows: usize,
+    /// Keys attended to, summed over the step's rows (a row at position p sees p + 1 keys): the
+    /// attention's work.
+    pub attended_keys: u64,
+    /// Cached plus new tokens of every sequence in the step: the KV the step must read.
+    pub context_tokens: u64,
     pub seconds: f64,
 }
 
@@ -706,6 +713,12 @@ impl Engine {
         let mut row = 0;
         for &(i, take) in &plan {
             let s = &mut self.running[i];
+            let (cached, new) = (s.computed as u64, take as u64);
+            stats.attended_keys += new * cached + new * (new + 1) / 2;
+            stats.context_tokens += cached + new;
+            if s.computed + take == s.tokens.len() {
+                stats.logit_rows += 1;
+            }
             if s.pending() == 1 && s.computed >= s.prompt_len {
                 stats.decode_tokens += take;
             } else {
@@ -964,6 +977,47 @@ pub(crate) mod tests {
 
     fn engine(cfg: EngineConfig) -> Engine {
         Engine::new(tiny_model(1), cfg, vec![]).unwrap()
+    }
+
+    #[test]
+    fn step_stats_count_the_work_of_each_step() {
+        // Two prompts of 5 and 3 tokens, a 4-token budget: step 1 prefills 4 of the first; step
+        // 2 its last token (which samples) and 3 of the second, which samples too; then both
+        // decode together.
+        let mut e = engine(EngineConfig {
+            max_batched_tokens: 4,
+            ..Default::default()
+        });
+        let mut steps = Vec::new();
+        e.generate(
+            vec![req(vec![3, 4, 5, 6, 7], 2), req(vec![8, 9, 10], 2)],
+            |_| {},
+            |s| steps.push(*s),
+        )
+        .unwrap();
+        let got: Vec<_> = steps
+            .iter()
+            .map(|s| {
+                (
+                    s.prefill_tokens,
+                    s.decode_tokens,
+                    s.logit_rows,
+                    s.attended_keys,
+                    s.context_tokens,
+                )
+            })
+            .collect();
+        // Keys: a row at position p sees p + 1. Step 1: 1+2+3+4. Step 2: the first prompt's
+        // last row sees 5, the second prompt's rows 1, 2 and 3. Step 3: positions 5 and 3 see 6
+        // and 4.
+        assert_eq!(
+            got,
+            vec![
+                (4, 0, 0, 10, 4),
+                (4, 0, 2, 5 + 6, 5 + 3),
+                (0, 2, 2, 6 + 4, 6 + 4)
+            ]
+        );
     }
 
     /// Runs `e` until `id` finishes; its output tokens after `first`.
