@@ -363,12 +363,16 @@ fn bench_workload(a: &BenchEngineArgs, engine: &mut Engine, w: Workload) -> Resu
         if a.json {
             println!("{}", serde_json::to_string(&r)?);
         } else {
-            let bound = match r.roofline_output_tok_s {
-                Some(b) => format!(
-                    "  bound {b:>6.1} ({:>3.0}% of it)",
-                    100.0 * r.output_tok_s / b
+            let bound = match (r.roofline_output_tok_s, r.roofline_s, r.roofline_decode_steps_s) {
+                (Some(b), Some(all), Some(decode)) => format!(
+                    "  bound {b:>6.1} ({:>3.0}% of it; steps with prefill {:.1} s for {:.1} s bound, decode only {:.1} s for {:.1})",
+                    100.0 * r.output_tok_s / b,
+                    r.prefill_steps_s,
+                    all - decode,
+                    r.decode_steps_s,
+                    decode
                 ),
-                None => String::new(),
+                _ => String::new(),
             };
             println!(
                 "{:>13} {:<12} {:>4} req  {:>7.1} out tok/s{bound}  computed {:>6} tok  wall {:>6.1} s  prefix hits {:>5.1}%  ttft p50 {:>6.2} s  preempted {}",

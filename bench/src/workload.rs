@@ -144,8 +144,13 @@ pub struct WorkloadReport {
     pub steps: usize,
     pub wall_s: f64,
     pub output_tok_s: f64,
-    /// The run's steps priced at the roofline (absent where it was not measured: on a GPU).
+    /// Time in steps that prefilled (alone or with decodes) and in steps that only decoded.
+    pub prefill_steps_s: f64,
+    pub decode_steps_s: f64,
+    /// The run's steps priced at the roofline (absent where it was not measured: on a GPU), all
+    /// of them and those that only decoded.
     pub roofline_s: Option<f64>,
+    pub roofline_decode_steps_s: Option<f64>,
     pub roofline_output_tok_s: Option<f64>,
     /// Prompt tokens found in the prefix cache / prompt tokens looked up.
     pub prefix_hit_rate: f64,
@@ -259,7 +264,23 @@ pub fn run(
     let mut e2e: Vec<f64> = done.iter().map(|(f, o)| f.e2e_s + o).collect();
     let lookups = after.prefix_lookup_tokens - before.prefix_lookup_tokens;
     let hits = after.prefix_hit_tokens - before.prefix_hit_tokens;
-    let roofline_s = roof.map(|r| steps.iter().map(|s| cost.seconds(s, r)).sum::<f64>());
+    let priced = |decode_only: bool| {
+        roof.map(|r| {
+            steps
+                .iter()
+                .filter(|s| !decode_only || s.prefill_tokens == 0)
+                .map(|s| cost.seconds(s, r))
+                .sum::<f64>()
+        })
+    };
+    let roofline_s = priced(false);
+    let step_s = |prefill: bool| {
+        steps
+            .iter()
+            .filter(|s| (s.prefill_tokens > 0) == prefill)
+            .map(|s| s.seconds)
+            .sum()
+    };
     Ok(WorkloadReport {
         workload,
         policy,
@@ -274,7 +295,10 @@ pub fn run(
         steps: steps.len(),
         wall_s,
         output_tok_s: output_tokens as f64 / wall_s,
+        prefill_steps_s: step_s(true),
+        decode_steps_s: step_s(false),
         roofline_s,
+        roofline_decode_steps_s: priced(true),
         roofline_output_tok_s: roofline_s.map(|t| output_tokens as f64 / t),
         prefix_hit_rate: if lookups > 0 {
             hits as f64 / lookups as f64
