@@ -1054,6 +1054,8 @@ mod avx512 {
             _mm512_storeu_ps(mbuf.as_mut_ptr(), f16x16(pd.add(2 * (nb + b0)), cnt));
             for i in 0..cnt {
                 let b = b0 + i;
+                // The decoded tile is the first touch of these weights: fetch ahead, as the dots do.
+                _mm_prefetch::<_MM_HINT_T0>(pq.add(b * 16 + PREFETCH_AHEAD) as *const i8);
                 let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(pq.add(b * 16) as *const __m128i));
                 let (d, m) = (_mm512_set1_ps(dbuf[i]), _mm512_set1_ps(mbuf[i]));
                 let o = po.add(b * 32);
@@ -1079,6 +1081,7 @@ mod avx512 {
             for (i, &d) in dbuf[..cnt].iter().enumerate() {
                 let b = b0 + i;
                 let qs = pq.add(b * 32);
+                _mm_prefetch::<_MM_HINT_T0>(qs.add(PREFETCH_AHEAD) as *const i8);
                 let d = _mm512_set1_ps(d);
                 let o = po.add(b * 32);
                 for h in 0..2 {
