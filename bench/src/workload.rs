@@ -104,6 +104,13 @@ pub enum Policy {
 }
 
 impl Policy {
+    pub const ALL: [Policy; 4] = [
+        Self::Sequential,
+        Self::Static,
+        Self::StaticPacked,
+        Self::Continuous,
+    ];
+
     pub fn name(self) -> &'static str {
         match self {
             Self::Sequential => "sequential",
@@ -117,15 +124,13 @@ impl Policy {
 impl std::str::FromStr for Policy {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "sequential" => Ok(Self::Sequential),
-            "static" => Ok(Self::Static),
-            "static-packed" => Ok(Self::StaticPacked),
-            "continuous" => Ok(Self::Continuous),
-            o => Err(format!(
-                "unknown policy {o:?} (sequential|static|static-packed|continuous)"
-            )),
-        }
+        Self::ALL
+            .into_iter()
+            .find(|p| p.name() == s)
+            .ok_or_else(|| {
+                let names: Vec<_> = Self::ALL.iter().map(|p| p.name()).collect();
+                format!("unknown policy {s:?} ({})", names.join("|"))
+            })
     }
 }
 
@@ -333,6 +338,19 @@ mod tests {
             |r| r.prompt[..500] == s[0].prompt[..500] && (510..=530).contains(&r.prompt.len())
         ));
         assert_ne!(s[0].prompt[500..], s[1].prompt[500..]);
+    }
+
+    #[test]
+    fn policies_parse_by_the_names_they_print() {
+        for p in Policy::ALL {
+            assert_eq!(p.name().parse::<Policy>(), Ok(p));
+            assert_eq!(
+                serde_json::to_string(&p).unwrap(),
+                format!("\"{}\"", p.name())
+            );
+        }
+        let err = "batch".parse::<Policy>().unwrap_err();
+        assert!(err.contains("static-packed"), "{err}");
     }
 
     #[test]
