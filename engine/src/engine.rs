@@ -1077,7 +1077,7 @@ pub(crate) mod tests {
     #[test]
     fn a_remotely_prefilled_request_decodes_like_a_local_one() {
         let prompt: Vec<u32> = (0..45).map(|t| (t * 11 + 5) % 97).collect();
-        for dtype in [KvDtype::F32, KvDtype::Int8] {
+        for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Int8] {
             let cfg = EngineConfig {
                 kv_dtype: dtype,
                 ..Default::default()

@@ -15,6 +15,9 @@ pub enum KvDtype {
     /// The activations' own precision: exact.
     #[default]
     F32,
+    /// IEEE half precision: two bytes per value, the rounding of each value to 11 significant
+    /// bits the only loss.
+    F16,
     /// One byte per value plus an f32 scale per block, K/V and head.
     Int8,
 }
@@ -24,6 +27,7 @@ impl KvDtype {
     pub fn name(self) -> &'static str {
         match self {
             Self::F32 => "f32",
+            Self::F16 => "f16",
             Self::Int8 => "int8",
         }
     }
@@ -40,8 +44,9 @@ impl std::str::FromStr for KvDtype {
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
             "f32" | "auto" => Ok(Self::F32),
+            "f16" => Ok(Self::F16),
             "int8" => Ok(Self::Int8),
-            o => Err(format!("unknown KV dtype {o:?} (f32|int8)")),
+            o => Err(format!("unknown KV dtype {o:?} (f32|f16|int8)")),
         }
     }
 }
@@ -76,14 +81,15 @@ pub struct KvPool {
 impl KvPool {
     pub fn new(layout: KvLayout, dtype: KvDtype, num_layers: usize, num_blocks: usize) -> Self {
         let values = num_layers * num_blocks * layout.block_floats();
-        // u32 words keep the f32 view aligned; an int8 cache needs a quarter of them.
+        // u32 words keep the f32 view aligned; f16 and int8 caches need a half and a quarter.
         let words = match dtype {
             KvDtype::F32 => values,
+            KvDtype::F16 => values.div_ceil(2),
             KvDtype::Int8 => values.div_ceil(4),
         };
         let mut v = vec![0u32; words];
         let mut sc = match dtype {
-            KvDtype::F32 => Vec::new(),
+            KvDtype::F32 | KvDtype::F16 => Vec::new(),
             KvDtype::Int8 => vec![0f32; num_layers * num_blocks * layout.block_scales()],
         };
         let mem = PoolMemory {
@@ -110,6 +116,7 @@ impl KvPool {
     pub fn frame_bytes(layout: KvLayout, dtype: KvDtype) -> usize {
         match dtype {
             KvDtype::F32 => layout.block_floats() * 4,
+            KvDtype::F16 => layout.block_floats() * 2,
             KvDtype::Int8 => layout.block_floats() + layout.block_scales() * 4,
         }
     }
@@ -140,6 +147,10 @@ impl KvPool {
             match self.dtype {
                 KvDtype::F32 => KvSlabMut::F32(std::slice::from_raw_parts_mut(
                     (m.values as *mut f32).add(layer * n),
+                    n,
+                )),
+                KvDtype::F16 => KvSlabMut::F16(std::slice::from_raw_parts_mut(
+                    (m.values as *mut half::f16).add(layer * n),
                     n,
                 )),
                 KvDtype::Int8 => {
@@ -178,8 +189,8 @@ impl KvPool {
     }
 
     /// One layer of one block as it lies in the pool, when that is one contiguous range (an f32
-    /// cache): a KV frame's payload, sent without copying. `None` for int8 (values and scales
-    /// are apart): use [`Self::read_block`].
+    /// or f16 cache): a KV frame's payload, sent without copying. `None` for int8 (values and
+    /// scales are apart): use [`Self::read_block`].
     pub fn block_bytes(&self, layer: usize, block: usize) -> Option<&[u8]> {
         assert!(layer < self.num_layers && block < self.num_blocks);
         let ((vo, vn), (_, sn)) = self.ranges(layer, block);
@@ -209,8 +220,8 @@ fn block_ranges(
 ) -> ((usize, usize), (usize, usize)) {
     let idx = layer * num_blocks + block;
     match dtype {
-        KvDtype::F32 => {
-            let n = layout.block_floats() * 4;
+        KvDtype::F32 | KvDtype::F16 => {
+            let n = KvPool::frame_bytes(layout, dtype);
             ((idx * n, n), (0, 0))
         }
         KvDtype::Int8 => {
@@ -294,9 +305,15 @@ mod tests {
         let q = KvPool::new(l, KvDtype::Int8, 30, 4);
         // One byte per value plus 6 scales per block and layer.
         assert_eq!(q.bytes(), 30 * 4 * (2 * 3 * 16 * 64 + 6 * 4));
-        // Against a 16-bit cache (half of f32), int8 halves the bytes per token; the scales add
-        // under 1% at 16 tokens a block.
-        let f16_bytes = p.bytes() / 2;
+        // The f16 cache is half of f32; int8 halves it again, the scales adding under 1% at 16
+        // tokens a block.
+        let h = KvPool::new(l, KvDtype::F16, 30, 4);
+        let f16_bytes = h.bytes();
+        assert_eq!(f16_bytes * 2, p.bytes());
+        assert_eq!(
+            KvPool::bytes_per_token(l, KvDtype::F16, 30) * 2.0,
+            KvPool::bytes_per_token(l, KvDtype::F32, 30)
+        );
         assert!(q.bytes() as f64 <= 0.51 * f16_bytes as f64);
         assert!(q.bytes() * 2 > f16_bytes);
     }
@@ -308,7 +325,7 @@ mod tests {
             num_kv_heads: 2,
             head_dim: 8,
         };
-        for dtype in [KvDtype::F32, KvDtype::Int8] {
+        for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Int8] {
             let mut a = KvPool::new(l, dtype, 3, 5);
             let b = KvPool::new(l, dtype, 3, 7);
             for layer in 0..3 {
@@ -316,6 +333,11 @@ mod tests {
                     KvSlabMut::F32(d) => {
                         for (i, x) in d.iter_mut().enumerate() {
                             *x = (i + 1000 * layer) as f32 * 0.5;
+                        }
+                    }
+                    KvSlabMut::F16(d) => {
+                        for (i, x) in d.iter_mut().enumerate() {
+                            *x = half::f16::from_f32((i + 100 * layer) as f32 * 0.5);
                         }
                     }
                     KvSlabMut::Int8 { data, scales } => {
@@ -337,7 +359,7 @@ mod tests {
                 if let Some(direct) = a.block_bytes(layer, 2) {
                     assert_eq!(direct, &buf[..]);
                 }
-                assert_eq!(a.block_bytes(layer, 2).is_some(), dtype == KvDtype::F32);
+                assert_eq!(a.block_bytes(layer, 2).is_some(), dtype != KvDtype::Int8);
                 // SAFETY: nothing else touches pool b.
                 unsafe { w.write(layer, 6, &buf).unwrap() };
                 b.read_block(layer, 6, &mut back);

@@ -217,11 +217,44 @@ fn int8_kv_cache_tokens_against_golden() {
     assert_no_blocks_held(&e);
 }
 
+#[test]
+fn f16_kv_cache_tokens_against_golden() {
+    let (mut e, recs) = engine(
+        WeightFormat::Native,
+        EngineConfig {
+            kv_dtype: KvDtype::F16,
+            ..Default::default()
+        },
+    );
+    let outs = run_all(&mut e, &recs);
+    let exact = count_exact(&recs, &outs);
+    eprintln!(
+        "f16 KV: {exact} of {} golden records token-exact",
+        recs.len()
+    );
+    let (agree, total) = teacher_forced_agreement(&mut e, &recs);
+    eprintln!(
+        "f16 KV: next token equals the reference at {agree} of {total} positions ({:.1}%)",
+        100.0 * agree as f64 / total as f64
+    );
+    assert!(exact >= F16_EXACT_RECORDS, "{exact} exact records");
+    assert!(
+        agree * 100 >= total * F16_AGREEMENT_PERCENT,
+        "{agree} of {total}"
+    );
+    assert_no_blocks_held(&e);
+}
+
 /// Positions where the int8 cache's greedy next token, after the reference's own prompt and
 /// output so far, must equal the reference's: a floor, so a regression in the int8 path shows
 /// (467 of 480, 97.3%, measured on the AVX-512 kernels; the margin is for the rounding that other
 /// CPUs' kernels differ in).
 const INT8_AGREEMENT_PERCENT: usize = 95;
+
+/// Floors for the f16 cache: 12 of 12 records and 480 of 480 positions measured on the AVX-512
+/// kernels; a record of margin for a near-tie that other CPUs' rounding may flip.
+const F16_EXACT_RECORDS: usize = 11;
+const F16_AGREEMENT_PERCENT: usize = 99;
 
 /// For every golden record and every output position `i`: the greedy next token after the prompt
 /// and the first `i` reference tokens, against reference token `i`. Returns (equal, positions).

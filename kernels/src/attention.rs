@@ -64,11 +64,12 @@ impl KvLayout {
     }
 }
 
-/// One layer's cache, read-only: f32 values, or int8 values with an f32 scale per block, K/V and
-/// head (`scales[(block·2 + kv)·heads + head]`, kv 0 for K and 1 for V).
+/// One layer's cache, read-only: f32 or f16 values, or int8 values with an f32 scale per block,
+/// K/V and head (`scales[(block·2 + kv)·heads + head]`, kv 0 for K and 1 for V).
 #[derive(Clone, Copy, Debug)]
 pub enum KvSlab<'a> {
     F32(&'a [f32]),
+    F16(&'a [half::f16]),
     Int8 { data: &'a [i8], scales: &'a [f32] },
 }
 
@@ -76,6 +77,7 @@ pub enum KvSlab<'a> {
 #[derive(Debug)]
 pub enum KvSlabMut<'a> {
     F32(&'a mut [f32]),
+    F16(&'a mut [half::f16]),
     Int8 {
         data: &'a mut [i8],
         scales: &'a mut [f32],
@@ -86,6 +88,7 @@ impl KvSlabMut<'_> {
     pub fn as_ref(&self) -> KvSlab<'_> {
         match self {
             Self::F32(d) => KvSlab::F32(d),
+            Self::F16(d) => KvSlab::F16(d),
             Self::Int8 { data, scales } => KvSlab::Int8 { data, scales },
         }
     }
@@ -95,12 +98,13 @@ impl KvSlab<'_> {
     fn len(&self) -> usize {
         match self {
             Self::F32(d) => d.len(),
+            Self::F16(d) => d.len(),
             Self::Int8 { data, .. } => data.len(),
         }
     }
 
     /// `run` consecutive value rows of one head starting at offset `at`, as f32: borrowed for
-    /// f32 caches, decoded (scale applied) into `scratch` for int8 ones.
+    /// f32 caches, widened into `scratch` for f16 ones and decoded (scale applied) for int8.
     fn rows<'s>(
         &'s self,
         layout: KvLayout,
@@ -112,6 +116,7 @@ impl KvSlab<'_> {
         let n = run * layout.head_dim;
         match self {
             Self::F32(d) => &d[at..at + n],
+            Self::F16(d) => widen(&d[at..at + n], scratch),
             Self::Int8 { data, scales } => {
                 let sc = scales[scale_at];
                 scratch.clear();
@@ -128,6 +133,7 @@ impl KvSlab<'_> {
             use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
             let (base, bytes) = match self {
                 Self::F32(d) => (d[at..at + len].as_ptr().cast::<i8>(), len * 4),
+                Self::F16(d) => (d[at..at + len].as_ptr().cast::<i8>(), len * 2),
                 Self::Int8 { data, .. } => (data[at..at + len].as_ptr(), len),
             };
             for line in (0..bytes).step_by(64) {
@@ -138,8 +144,8 @@ impl KvSlab<'_> {
     }
 
     /// One head's transposed keys in a block (`head_dim × block_size`, from offset `at`) as f32,
-    /// and the factor the scores still need: borrowed with 1 for f32 caches, the raw int8 values
-    /// converted into `scratch` with the block's scale for int8 ones.
+    /// and the factor the scores still need: borrowed with 1 for f32 caches, widened into
+    /// `scratch` with 1 for f16, the raw int8 values converted with the block's scale for int8.
     fn keys_t<'s>(
         &'s self,
         layout: KvLayout,
@@ -150,6 +156,7 @@ impl KvSlab<'_> {
         let n = layout.head_dim * layout.block_size;
         match self {
             Self::F32(d) => (&d[at..at + n], 1.0),
+            Self::F16(d) => (widen(&d[at..at + n], scratch), 1.0),
             Self::Int8 { data, scales } => {
                 scratch.clear();
                 scratch.extend(data[at..at + n].iter().map(|&q| q as f32));
@@ -157,6 +164,13 @@ impl KvSlab<'_> {
             }
         }
     }
+}
+
+/// Half-precision cache values as f32, into `scratch` (exact: every f16 is an f32).
+fn widen<'s>(src: &[half::f16], scratch: &'s mut Vec<f32>) -> &'s [f32] {
+    scratch.resize(src.len(), 0.0);
+    crate::simd::widen_f16(src, scratch);
+    scratch
 }
 
 /// One sequence's share of a packed attention batch.
@@ -221,6 +235,11 @@ pub fn write_kv(
                     KvSlabMut::F32(d) => {
                         for (i, &val) in x.iter().enumerate() {
                             d[run.at(s, i)] = val;
+                        }
+                    }
+                    KvSlabMut::F16(d) => {
+                        for (i, &val) in x.iter().enumerate() {
+                            d[run.at(s, i)] = half::f16::from_f32(val);
                         }
                     }
                     KvSlabMut::Int8 { data, scales } => {
@@ -613,7 +632,7 @@ mod tests {
             hd_pow in 2u32..8,
             block_size in prop::sample::select(vec![1usize, 2, 4, 16]),
             lens in prop::collection::vec((1usize..40, 0usize..40), 1..4),
-            int8 in any::<bool>(),
+            dtype in 0usize..3,
         ) {
             let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
             let hd = 1usize << hd_pow;
@@ -621,6 +640,7 @@ mod tests {
             let layout = KvLayout { block_size, num_kv_heads: kv_heads, head_dim: hd };
             let total_blocks: usize = lens.iter().map(|(n, p)| (n + p).div_ceil(block_size)).sum::<usize>() + 3;
             let mut cache = vec![f32::NAN; total_blocks * layout.block_floats()];
+            let mut hcache = vec![half::f16::NAN; total_blocks * layout.block_floats()];
             let mut qcache = vec![0i8; total_blocks * layout.block_floats()];
             let mut scales = vec![f32::NAN; total_blocks * layout.block_scales()];
             let mut free: Vec<u32> = (0..total_blocks as u32).collect();
@@ -638,10 +658,10 @@ mod tests {
                 // Written in two chunks, as chunked prefill would.
                 let cut = ctx / 2;
                 for (a, b) in [(0, cut), (cut, ctx)] {
-                    let mut slab = if int8 {
-                        KvSlabMut::Int8 { data: &mut qcache, scales: &mut scales }
-                    } else {
-                        KvSlabMut::F32(&mut cache)
+                    let mut slab = match dtype {
+                        0 => KvSlabMut::F32(&mut cache),
+                        1 => KvSlabMut::F16(&mut hcache),
+                        _ => KvSlabMut::Int8 { data: &mut qcache, scales: &mut scales },
                     };
                     write_kv(&mut slab, layout, &k[a * kw..b * kw], &v[a * kw..b * kw], &slots[a..b]).unwrap();
                 }
@@ -658,14 +678,15 @@ mod tests {
             }
             let scale = 1.0 / (hd as f32).sqrt();
             let mut out = vec![0f32; q_all.len()];
-            let slab = if int8 {
-                KvSlab::Int8 { data: &qcache, scales: &scales }
-            } else {
-                KvSlab::F32(&cache)
+            let slab = match dtype {
+                0 => KvSlab::F32(&cache),
+                1 => KvSlab::F16(&hcache),
+                _ => KvSlab::Int8 { data: &qcache, scales: &scales },
             };
             paged_attention(&q_all, n_heads, slab, layout, &seqs, scale, &mut out).unwrap();
-            // int8: each value is within half a step (absmax/254) of the original.
-            let tol = if int8 { 2e-2 } else { 1e-4 };
+            // f16: each value within 2^-11 of the original, relatively; int8: within half a step
+            // (absmax/254).
+            let tol = [1e-4, 3e-3, 2e-2][dtype];
             let mut off = 0;
             for (q, k, v) in &contiguous {
                 let want = reference_attention(q, n_heads, k, v, kv_heads, hd, scale);

@@ -405,6 +405,18 @@ pub fn fma_burst(rounds: usize) -> u64 {
     rounds as u64 * 16 * 2
 }
 
+/// `dst[i] = src[i]` for half-precision `src` (exact: every f16 is an f32).
+pub fn widen_f16(src: &[half::f16], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len(), "widen_f16 operands");
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() {
+        // SAFETY: the CPU supports the features; the lengths agree (checked above).
+        return unsafe { avx512::widen_f16(src, dst) };
+    }
+    use half::slice::HalfFloatSliceExt;
+    src.convert_to_f32_slice(dst);
+}
+
 /// The largest value of `x` (`-∞` when empty; NaNs are skipped, as `f32::max` does).
 pub fn max_f32(x: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
@@ -868,6 +880,18 @@ mod avx512 {
         _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p as *const i16))
     }
 
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub unsafe fn widen_f16(src: &[half::f16], dst: &mut [f32]) {
+        let (ps, pd) = (src.as_ptr().cast::<u8>(), dst.as_mut_ptr());
+        let mut i = 0;
+        while i < src.len() {
+            let n = (src.len() - i).min(16);
+            let mask = ((1u32 << n) - 1) as __mmask16;
+            _mm512_mask_storeu_ps(pd.add(i), mask, f16x16(ps.add(2 * i), n));
+            i += n;
+        }
+    }
+
     /// Split Q4_1 row: per 16 blocks, one conversion of the scales and mins and one FMA of the
     /// mins with the block sums of `x`; per block, one 16-byte load widened to 16 lanes whose low
     /// and high nibbles are elements 0-15 and 16-31.
@@ -1294,6 +1318,23 @@ mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
     use tandem_model::quant::{quantize_q4_1, quantize_q8_0};
+
+    #[test]
+    fn widen_f16_is_exact_at_every_length() {
+        // Every finite half (both signs), then odd tails that take the masked lanes.
+        let all: Vec<half::f16> = (0..=0xffffu16)
+            .map(half::f16::from_bits)
+            .filter(|h| h.is_finite())
+            .collect();
+        for len in [all.len(), 1, 15, 17, 33] {
+            let src = &all[all.len() - len..];
+            let mut dst = vec![f32::NAN; len];
+            widen_f16(src, &mut dst);
+            for (h, &f) in src.iter().zip(&dst) {
+                assert_eq!(f.to_bits(), h.to_f32().to_bits(), "{h}");
+            }
+        }
+    }
 
     fn rnd(n: usize, seed: u64) -> Vec<f32> {
         let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
