@@ -55,7 +55,7 @@ impl std::str::FromStr for KvDtype {
 /// are what both the engine (through `&mut KvPool`) and [`KvPoolWriter`]s use, so a KV receiver
 /// on a network thread can write the blocks granted to a transfer while the engine steps.
 struct PoolMemory {
-    /// f32 values, or i8 values for an int8 cache.
+    /// f32, f16 or i8 values, as the dtype says.
     values: *mut u8,
     /// f32 scales (int8 only; dangling and empty otherwise).
     scales: *mut f32,
