@@ -188,61 +188,51 @@ fn prefix_cache_hits_recompute_fewer_tokens_and_keep_tokens_exact() {
 
 #[test]
 fn int8_kv_cache_tokens_against_golden() {
-    let (mut e, recs) = engine(
-        WeightFormat::Native,
-        EngineConfig {
-            kv_dtype: KvDtype::Int8,
-            ..Default::default()
-        },
-    );
-    let outs = run_all(&mut e, &recs);
-    let exact = count_exact(&recs, &outs);
-    eprintln!(
-        "int8 KV: {exact} of {} golden records token-exact",
-        recs.len()
-    );
     // Free-running greedy output parts from the reference at the first near-tie that rounding
     // flips, and everything after differs: how many records survive depends on the CPU's kernels
     // (4 to 6 of 12 measured across the AVX-512 and AMX paths). What the int8 cache must keep is
     // the next-token choice at every position given the reference's own prefix.
-    let (agree, total) = teacher_forced_agreement(&mut e, &recs);
-    eprintln!(
-        "int8 KV: next token equals the reference at {agree} of {total} positions ({:.1}%)",
-        100.0 * agree as f64 / total as f64
-    );
+    let (_, agree, total) = cache_against_golden(KvDtype::Int8);
     assert!(
         agree * 100 >= total * INT8_AGREEMENT_PERCENT,
         "{agree} of {total}"
     );
-    assert_no_blocks_held(&e);
 }
 
 #[test]
 fn f16_kv_cache_tokens_against_golden() {
-    let (mut e, recs) = engine(
-        WeightFormat::Native,
-        EngineConfig {
-            kv_dtype: KvDtype::F16,
-            ..Default::default()
-        },
-    );
-    let outs = run_all(&mut e, &recs);
-    let exact = count_exact(&recs, &outs);
-    eprintln!(
-        "f16 KV: {exact} of {} golden records token-exact",
-        recs.len()
-    );
-    let (agree, total) = teacher_forced_agreement(&mut e, &recs);
-    eprintln!(
-        "f16 KV: next token equals the reference at {agree} of {total} positions ({:.1}%)",
-        100.0 * agree as f64 / total as f64
-    );
+    let (exact, agree, total) = cache_against_golden(KvDtype::F16);
     assert!(exact >= F16_EXACT_RECORDS, "{exact} exact records");
     assert!(
         agree * 100 >= total * F16_AGREEMENT_PERCENT,
         "{agree} of {total}"
     );
+}
+
+/// The golden records on an engine whose cache holds `dtype`: records token-exact, then the
+/// teacher-forced positions whose next token equals the reference's, and the positions (all
+/// printed). Every block is back in the pool afterwards.
+fn cache_against_golden(dtype: KvDtype) -> (usize, usize, usize) {
+    let (mut e, recs) = engine(
+        WeightFormat::Native,
+        EngineConfig {
+            kv_dtype: dtype,
+            ..Default::default()
+        },
+    );
+    let outs = run_all(&mut e, &recs);
+    let exact = count_exact(&recs, &outs);
+    eprintln!(
+        "{dtype} KV: {exact} of {} golden records token-exact",
+        recs.len()
+    );
+    let (agree, total) = teacher_forced_agreement(&mut e, &recs);
+    eprintln!(
+        "{dtype} KV: next token equals the reference at {agree} of {total} positions ({:.1}%)",
+        100.0 * agree as f64 / total as f64
+    );
     assert_no_blocks_held(&e);
+    (exact, agree, total)
 }
 
 /// Positions where the int8 cache's greedy next token, after the reference's own prompt and
