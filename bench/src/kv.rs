@@ -152,7 +152,7 @@ pub async fn run(
         .map(|t| t.div_ceil(layout.block_size))
         .max()
         .unwrap_or(1);
-    let mut src = KvPool::new(layout, dtype, layers, max_blocks);
+    let mut src = KvPool::new(layout, dtype, layers, max_blocks).map_err(|e| e.to_string())?;
     // Non-trivial contents so the checksum does real work on real-looking bytes.
     for l in 0..layers {
         if let tandem_kernels::KvSlabMut::F32(d) = src.layer_mut(l) {
@@ -161,7 +161,7 @@ pub async fn run(
             }
         }
     }
-    let dst = KvPool::new(layout, dtype, layers, max_blocks * 2);
+    let dst = KvPool::new(layout, dtype, layers, max_blocks * 2).map_err(|e| e.to_string())?;
     let secret = Secret::random();
     let rx = KvReceiver::bind("127.0.0.1:0", secret.clone())
         .await

@@ -30,7 +30,7 @@ fn pool_blocks(config: &EngineConfig, block_bytes: usize) -> usize {
 impl Backend {
     /// The CPU model with a pool of the configured size and dtype (`config` checked: see
     /// [`EngineConfig::check`]).
-    pub fn cpu(model: LlamaModel, config: &EngineConfig) -> Self {
+    pub fn cpu(model: LlamaModel, config: &EngineConfig) -> Result<Self, EngineError> {
         let layout = model.kv_layout(config.block_size);
         let layers = model.config.num_layers;
         let block_bytes = KvPool::bytes_per_block(layout, config.kv_dtype, layers);
@@ -39,8 +39,9 @@ impl Backend {
             config.kv_dtype,
             layers,
             pool_blocks(config, block_bytes),
-        );
-        Self::Cpu { model, kv }
+        )
+        .map_err(|e| EngineError::Startup(format!("allocating the KV pool: {e}")))?;
+        Ok(Self::Cpu { model, kv })
     }
 
     /// `loaded`'s weights in bf16 on CUDA device `ordinal`, with a bf16 pool of the configured
@@ -74,7 +75,7 @@ impl Backend {
     ) -> Result<Self, EngineError> {
         config.check()?;
         match device {
-            DeviceSpec::Cpu => Ok(Self::cpu(model()?, config)),
+            DeviceSpec::Cpu => Self::cpu(model()?, config),
             DeviceSpec::Cuda(n) => Self::cuda(n, loaded, config),
         }
     }
@@ -186,7 +187,7 @@ mod tests {
             num_blocks: Some(8),
             ..EngineConfig::default()
         };
-        let mut b = Backend::cpu(tiny_model(3), &config);
+        let mut b = Backend::cpu(tiny_model(3), &config).unwrap();
         assert!(!b.picks_on_device());
         assert_eq!(b.kv_dtype_name(), "f32");
         assert_eq!(b.device(), "cpu");

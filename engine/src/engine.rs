@@ -354,7 +354,7 @@ impl Engine {
         eos: Vec<u32>,
     ) -> Result<Self, EngineError> {
         config.check()?;
-        let backend = Backend::cpu(model, &config);
+        let backend = Backend::cpu(model, &config)?;
         Self::with_backend(backend, config, eos)
     }
 

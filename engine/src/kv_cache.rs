@@ -60,7 +60,7 @@ struct PoolMemory {
     /// f32 scales (int8 only; dangling and empty otherwise).
     scales: *mut f32,
     /// Owns what the pointers point into; not touched after construction.
-    _values: Vec<u32>,
+    _values: memmap2::MmapMut,
     _scales: Vec<f32>,
 }
 
@@ -68,6 +68,21 @@ struct PoolMemory {
 // is the engine's invariant (see `KvPoolWriter::write`).
 unsafe impl Send for PoolMemory {}
 unsafe impl Sync for PoolMemory {}
+
+/// `bytes` of zeroed memory (page-aligned, so every dtype's view is aligned), backed by huge
+/// pages where the system has them. Attention reads the pool a block-head (4 KiB at the default
+/// shape) at a time from blocks scattered over it: with 4 KiB pages every such read is also a TLB
+/// miss, and the pool is far larger than the TLB reaches.
+fn huge_zeroed(bytes: usize) -> std::io::Result<memmap2::MmapMut> {
+    // An anonymous map starts zeroed; one byte at least, as a map cannot be empty.
+    let map = memmap2::MmapMut::map_anon(bytes.max(1))?;
+    #[cfg(target_os = "linux")]
+    {
+        // Advice only: where transparent huge pages are off, the pool keeps small pages.
+        let _ = map.advise(memmap2::Advice::HugePage);
+    }
+    Ok(map)
+}
 
 /// Physical KV storage for all layers.
 pub struct KvPool {
@@ -79,32 +94,38 @@ pub struct KvPool {
 }
 
 impl KvPool {
-    pub fn new(layout: KvLayout, dtype: KvDtype, num_layers: usize, num_blocks: usize) -> Self {
+    /// A zeroed pool; fails only when the system will not map its memory.
+    pub fn new(
+        layout: KvLayout,
+        dtype: KvDtype,
+        num_layers: usize,
+        num_blocks: usize,
+    ) -> std::io::Result<Self> {
         let values = num_layers * num_blocks * layout.block_floats();
-        // u32 words keep the f32 view aligned; f16 and int8 caches need a half and a quarter.
-        let words = match dtype {
-            KvDtype::F32 => values,
-            KvDtype::F16 => values.div_ceil(2),
-            KvDtype::Int8 => values.div_ceil(4),
-        };
-        let mut v = vec![0u32; words];
+        let bytes = values
+            * match dtype {
+                KvDtype::F32 => 4,
+                KvDtype::F16 => 2,
+                KvDtype::Int8 => 1,
+            };
+        let mut v = huge_zeroed(bytes)?;
         let mut sc = match dtype {
             KvDtype::F32 | KvDtype::F16 => Vec::new(),
             KvDtype::Int8 => vec![0f32; num_layers * num_blocks * layout.block_scales()],
         };
         let mem = PoolMemory {
-            values: v.as_mut_ptr() as *mut u8,
+            values: v.as_mut_ptr(),
             scales: sc.as_mut_ptr(),
             _values: v,
             _scales: sc,
         };
-        Self {
+        Ok(Self {
             layout,
             dtype,
             num_layers,
             num_blocks,
             mem: Arc::new(mem),
-        }
+        })
     }
 
     /// Bytes one block takes across all layers.
@@ -296,18 +317,18 @@ mod tests {
             num_kv_heads: 3,
             head_dim: 64,
         };
-        let p = KvPool::new(l, KvDtype::F32, 30, 4);
+        let p = KvPool::new(l, KvDtype::F32, 30, 4).unwrap();
         assert_eq!(p.bytes(), 30 * 4 * 2 * 3 * 16 * 64 * 4);
         assert_eq!(
             KvPool::bytes_per_token(l, KvDtype::F32, 30),
             (2 * 3 * 64 * 4 * 30) as f64
         );
-        let q = KvPool::new(l, KvDtype::Int8, 30, 4);
+        let q = KvPool::new(l, KvDtype::Int8, 30, 4).unwrap();
         // One byte per value plus 6 scales per block and layer.
         assert_eq!(q.bytes(), 30 * 4 * (2 * 3 * 16 * 64 + 6 * 4));
         // The f16 cache is half of f32; int8 halves it again, the scales adding under 1% at 16
         // tokens a block.
-        let h = KvPool::new(l, KvDtype::F16, 30, 4);
+        let h = KvPool::new(l, KvDtype::F16, 30, 4).unwrap();
         let f16_bytes = h.bytes();
         assert_eq!(f16_bytes * 2, p.bytes());
         assert_eq!(
@@ -326,8 +347,8 @@ mod tests {
             head_dim: 8,
         };
         for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Int8] {
-            let mut a = KvPool::new(l, dtype, 3, 5);
-            let b = KvPool::new(l, dtype, 3, 7);
+            let mut a = KvPool::new(l, dtype, 3, 5).unwrap();
+            let b = KvPool::new(l, dtype, 3, 7).unwrap();
             for layer in 0..3 {
                 match a.layer_mut(layer) {
                     KvSlabMut::F32(d) => {

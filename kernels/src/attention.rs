@@ -103,25 +103,30 @@ impl KvSlab<'_> {
         }
     }
 
-    /// `run` consecutive value rows of one head starting at offset `at`, as f32: borrowed for
-    /// f32 caches, widened into `scratch` for f16 ones and decoded (scale applied) for int8.
-    fn rows<'s>(
-        &'s self,
+    /// Adds `run` value rows of one head (from offset `at`) weighted by the probabilities of
+    /// the query vectors to their accumulators: `acc[v] += Σ_t p[v·stride + t] · row t`. f32 and
+    /// f16 rows are read in place; int8 rows are decoded (scale applied) into `scratch` first.
+    #[allow(clippy::too_many_arguments)]
+    fn accumulate_rows(
+        &self,
         layout: KvLayout,
         at: usize,
         run: usize,
         scale_at: usize,
-        scratch: &'s mut Vec<f32>,
-    ) -> &'s [f32] {
-        let n = run * layout.head_dim;
+        p: &[f32],
+        stride: usize,
+        acc: &mut [f32],
+        scratch: &mut Vec<f32>,
+    ) {
+        let (n, hd) = (run * layout.head_dim, layout.head_dim);
         match self {
-            Self::F32(d) => &d[at..at + n],
-            Self::F16(d) => widen(&d[at..at + n], scratch),
+            Self::F32(d) => accumulate_group(p, stride, &d[at..at + n], acc, hd),
+            Self::F16(d) => accumulate_group(p, stride, &d[at..at + n], acc, hd),
             Self::Int8 { data, scales } => {
                 let sc = scales[scale_at];
                 scratch.clear();
                 scratch.extend(data[at..at + n].iter().map(|&q| q as f32 * sc));
-                scratch
+                accumulate_group(p, stride, scratch, acc, hd)
             }
         }
     }
@@ -143,34 +148,54 @@ impl KvSlab<'_> {
         }
     }
 
-    /// One head's transposed keys in a block (`head_dim × block_size`, from offset `at`) as f32,
-    /// and the factor the scores still need: borrowed with 1 for f32 caches, widened into
-    /// `scratch` with 1 for f16, the raw int8 values converted with the block's scale for int8.
-    fn keys_t<'s>(
-        &'s self,
+    /// Scores of the tile's `nq` query vectors (`qt`) against `run` keys of one block-head: the
+    /// head's transposed keys start at `at`, the run at slot `off`. f32 and f16 keys are read in
+    /// place; int8 keys are converted into `scratch` and the block's scale folded into `scale`.
+    #[allow(clippy::too_many_arguments)]
+    fn dot_keys(
+        &self,
         layout: KvLayout,
-        at: usize,
-        scale_at: usize,
-        scratch: &'s mut Vec<f32>,
-    ) -> (&'s [f32], f32) {
-        let n = layout.head_dim * layout.block_size;
+        qt: &[f32],
+        nq: usize,
+        (at, off, run, scale_at): (usize, usize, usize, usize),
+        scale: f32,
+        out: &mut [f32],
+        ldo: usize,
+        scratch: &mut Vec<f32>,
+    ) {
+        let (n, bs) = (layout.head_dim * layout.block_size, layout.block_size);
         match self {
-            Self::F32(d) => (&d[at..at + n], 1.0),
-            Self::F16(d) => (widen(&d[at..at + n], scratch), 1.0),
+            Self::F32(d) => dot_keys_t(qt, nq, &d[at + off..at + n], bs, run, scale, out, ldo),
+            Self::F16(d) => dot_keys_t(qt, nq, &d[at + off..at + n], bs, run, scale, out, ldo),
             Self::Int8 { data, scales } => {
                 scratch.clear();
                 scratch.extend(data[at..at + n].iter().map(|&q| q as f32));
-                (scratch, scales[scale_at])
+                let scale = scale * scales[scale_at];
+                dot_keys_t(qt, nq, &scratch[off..], bs, run, scale, out, ldo)
             }
         }
     }
 }
 
-/// Half-precision cache values as f32, into `scratch` (exact: every f16 is an f32).
-fn widen<'s>(src: &[half::f16], scratch: &'s mut Vec<f32>) -> &'s [f32] {
-    scratch.resize(src.len(), 0.0);
-    crate::simd::widen_f16(src, scratch);
-    scratch
+/// [`axpy_rows_group`] for all of `acc`'s vectors (`acc.len() / hd`), a register group at a time.
+fn accumulate_group<T: crate::simd::KvValue>(
+    p: &[f32],
+    stride: usize,
+    rows: &[T],
+    acc: &mut [f32],
+    hd: usize,
+) {
+    let nq = acc.len() / hd;
+    for v0 in (0..nq).step_by(AXPY_GROUP_MAX) {
+        let take = (nq - v0).min(AXPY_GROUP_MAX);
+        axpy_rows_group(
+            &p[v0 * stride..],
+            stride,
+            rows,
+            &mut acc[v0 * hd..(v0 + take) * hd],
+            take,
+        );
+    }
 }
 
 /// One sequence's share of a packed attention batch.
@@ -456,21 +481,21 @@ fn attend_tile(
         if let Some(&(next, ..)) = runs.get(ri + 1) {
             cache.prefetch(layout.kt_at(next, it.kvh), k_len);
         }
-        let (kt, kscale) = cache.keys_t(
-            layout,
+        let keys = (
             layout.kt_at(blk, it.kvh),
+            off,
+            run,
             layout.scale_at(blk, 0, it.kvh),
-            &mut scratch,
         );
-        dot_keys_t(
+        cache.dot_keys(
+            layout,
             qt,
             nq,
-            &kt[off..],
-            bs,
-            run,
-            scale * kscale,
+            keys,
+            scale,
             &mut scores[at..],
             n,
+            &mut scratch,
         );
     }
     // Causal mask: row r sees keys up to its own position.
@@ -498,24 +523,16 @@ fn attend_tile(
         if let Some(&(next, noff, nrun, _)) = runs.get(ri + 1) {
             cache.prefetch(layout.v_at(next, it.kvh, noff), nrun * hd);
         }
-        let vo = layout.v_at(blk, it.kvh, off);
-        let vals = cache.rows(
+        cache.accumulate_rows(
             layout,
-            vo,
+            layout.v_at(blk, it.kvh, off),
             run,
             layout.scale_at(blk, 1, it.kvh),
+            &scores[at..],
+            n,
+            acc,
             &mut scratch,
         );
-        for v0 in (0..nq).step_by(AXPY_GROUP_MAX) {
-            let take = (nq - v0).min(AXPY_GROUP_MAX);
-            axpy_rows_group(
-                &scores[v0 * n + at..],
-                n,
-                vals,
-                &mut acc[v0 * hd..(v0 + take) * hd],
-                take,
-            );
-        }
     }
     part
 }

@@ -109,6 +109,31 @@ pub fn axpy_rows(p: &[f32], rows: &[f32], acc: &mut [f32]) {
     }
 }
 
+/// A KV cache value the attention kernels read in place: f32, or f16 widened as it is loaded
+/// (exactly: every f16 is an f32), so a half-precision cache moves half the bytes and is never
+/// copied out first.
+pub trait KvValue: Copy + Send + Sync + 'static {
+    /// Whether the value is an IEEE half (else an f32).
+    const HALF: bool;
+    fn to_f32(self) -> f32;
+}
+
+impl KvValue for f32 {
+    const HALF: bool = false;
+    #[inline]
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+impl KvValue for half::f16 {
+    const HALF: bool = true;
+    #[inline]
+    fn to_f32(self) -> f32 {
+        half::f16::to_f32(self)
+    }
+}
+
 /// Most query vectors [`dot_keys_t`] keeps in registers at once.
 pub const KEYS_T_TILE: usize = 12;
 
@@ -118,10 +143,10 @@ pub const KEYS_T_TILE: usize = 12;
 /// 16-key row of `kt` is loaded once for up to [`KEYS_T_TILE`] queries and multiplied with one
 /// broadcast element of each: no horizontal sums, one FMA per query and key per dimension.
 #[allow(clippy::too_many_arguments)]
-pub fn dot_keys_t(
+pub fn dot_keys_t<T: KvValue>(
     q: &[f32],
     nq: usize,
-    kt: &[f32],
+    kt: &[T],
     ld: usize,
     n: usize,
     scale: f32,
@@ -160,13 +185,13 @@ pub fn dot_keys_t(
                         out.as_mut_ptr().add(v0 * ldo + j0),
                     );
                     match take {
-                        12 => avx512::dot_keys_t::<12>(qp, d, kp, ld, cols, scale, op, ldo),
-                        8 => avx512::dot_keys_t::<8>(qp, d, kp, ld, cols, scale, op, ldo),
-                        6 => avx512::dot_keys_t::<6>(qp, d, kp, ld, cols, scale, op, ldo),
-                        4 => avx512::dot_keys_t::<4>(qp, d, kp, ld, cols, scale, op, ldo),
-                        3 => avx512::dot_keys_t::<3>(qp, d, kp, ld, cols, scale, op, ldo),
-                        2 => avx512::dot_keys_t::<2>(qp, d, kp, ld, cols, scale, op, ldo),
-                        _ => avx512::dot_keys_t::<1>(qp, d, kp, ld, cols, scale, op, ldo),
+                        12 => avx512::dot_keys_t::<T, 12>(qp, d, kp, ld, cols, scale, op, ldo),
+                        8 => avx512::dot_keys_t::<T, 8>(qp, d, kp, ld, cols, scale, op, ldo),
+                        6 => avx512::dot_keys_t::<T, 6>(qp, d, kp, ld, cols, scale, op, ldo),
+                        4 => avx512::dot_keys_t::<T, 4>(qp, d, kp, ld, cols, scale, op, ldo),
+                        3 => avx512::dot_keys_t::<T, 3>(qp, d, kp, ld, cols, scale, op, ldo),
+                        2 => avx512::dot_keys_t::<T, 2>(qp, d, kp, ld, cols, scale, op, ldo),
+                        _ => avx512::dot_keys_t::<T, 1>(qp, d, kp, ld, cols, scale, op, ldo),
                     }
                 }
             }
@@ -179,10 +204,10 @@ pub fn dot_keys_t(
 
 /// [`dot_keys_t`] without SIMD.
 #[allow(clippy::too_many_arguments)]
-fn dot_keys_t_portable(
+fn dot_keys_t_portable<T: KvValue>(
     q: &[f32],
     nq: usize,
-    kt: &[f32],
+    kt: &[T],
     ld: usize,
     n: usize,
     scale: f32,
@@ -195,7 +220,7 @@ fn dot_keys_t_portable(
         for j in 0..n {
             let mut acc = 0f32;
             for (i, x) in qv.iter().enumerate() {
-                acc += x * kt[i * ld + j];
+                acc += x * kt[i * ld + j].to_f32();
             }
             out[v * ldo + j] = acc * scale;
         }
@@ -207,7 +232,13 @@ pub const AXPY_GROUP_MAX: usize = 6;
 
 /// [`axpy_rows`] for `g` heads sharing the rows: `acc[h] += Σ_t p[h·stride + t] · rows[t]` with
 /// `acc` g×d.
-pub fn axpy_rows_group(p: &[f32], stride: usize, rows: &[f32], acc: &mut [f32], g: usize) {
+pub fn axpy_rows_group<T: KvValue>(
+    p: &[f32],
+    stride: usize,
+    rows: &[T],
+    acc: &mut [f32],
+    g: usize,
+) {
     let d = acc.len() / g;
     let n = rows.len() / d;
     debug_assert!(g == 0 || p.len() >= (g - 1) * stride + n);
@@ -216,22 +247,24 @@ pub fn axpy_rows_group(p: &[f32], stride: usize, rows: &[f32], acc: &mut [f32], 
         // SAFETY: as above.
         unsafe {
             match g {
-                1 => return avx512::axpy_rows_g::<1>(p, stride, rows, acc),
-                2 => return avx512::axpy_rows_g::<2>(p, stride, rows, acc),
-                3 => return avx512::axpy_rows_g::<3>(p, stride, rows, acc),
-                4 => return avx512::axpy_rows_g::<4>(p, stride, rows, acc),
-                5 => return avx512::axpy_rows_g::<5>(p, stride, rows, acc),
-                6 => return avx512::axpy_rows_g::<6>(p, stride, rows, acc),
+                1 => return avx512::axpy_rows_g::<T, 1>(p, stride, rows, acc),
+                2 => return avx512::axpy_rows_g::<T, 2>(p, stride, rows, acc),
+                3 => return avx512::axpy_rows_g::<T, 3>(p, stride, rows, acc),
+                4 => return avx512::axpy_rows_g::<T, 4>(p, stride, rows, acc),
+                5 => return avx512::axpy_rows_g::<T, 5>(p, stride, rows, acc),
+                6 => return avx512::axpy_rows_g::<T, 6>(p, stride, rows, acc),
                 _ => {}
             }
         }
     }
     for h in 0..g {
-        axpy_rows(
-            &p[h * stride..h * stride + n],
-            rows,
-            &mut acc[h * d..(h + 1) * d],
-        );
+        let acc = &mut acc[h * d..(h + 1) * d];
+        for (t, row) in rows.chunks_exact(d).enumerate() {
+            let w = p[h * stride + t];
+            for (a, x) in acc.iter_mut().zip(row) {
+                *a += w * x.to_f32();
+            }
+        }
     }
 }
 
@@ -403,18 +436,6 @@ pub fn fma_burst(rounds: usize) -> u64 {
     }
     std::hint::black_box(acc);
     rounds as u64 * 16 * 2
-}
-
-/// `dst[i] = src[i]` for half-precision `src` (exact: every f16 is an f32).
-pub fn widen_f16(src: &[half::f16], dst: &mut [f32]) {
-    assert_eq!(src.len(), dst.len(), "widen_f16 operands");
-    #[cfg(target_arch = "x86_64")]
-    if has_avx512() {
-        // SAFETY: the CPU supports the features; the lengths agree (checked above).
-        return unsafe { avx512::widen_f16(src, dst) };
-    }
-    use half::slice::HalfFloatSliceExt;
-    src.convert_to_f32_slice(dst);
 }
 
 /// The largest value of `x` (`-∞` when empty; NaNs are skipped, as `f32::max` does).
@@ -760,12 +781,12 @@ mod avx512 {
     /// `N` query vectors (rows of `d` at `q`) against `cols ≤ 16` keys stored transposed (row `i`
     /// of `kt` at `kt + i·ld`): two sets of `N` accumulators (even and odd dimensions) so that
     /// even a few queries keep both FMA units busy.
-    #[target_feature(enable = "avx512f,avx2,fma")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn dot_keys_t<const N: usize>(
+    pub unsafe fn dot_keys_t<T: KvValue, const N: usize>(
         q: *const f32,
         d: usize,
-        kt: *const f32,
+        kt: *const T,
         ld: usize,
         cols: usize,
         scale: f32,
@@ -781,8 +802,8 @@ mod avx512 {
         let mut odd = [_mm512_setzero_ps(); N];
         let mut i = 0;
         while i + 2 <= d {
-            let k0 = _mm512_maskz_loadu_ps(mask, kt.add(i * ld));
-            let k1 = _mm512_maskz_loadu_ps(mask, kt.add((i + 1) * ld));
+            let k0 = load_kv(mask, kt.add(i * ld));
+            let k1 = load_kv(mask, kt.add((i + 1) * ld));
             for v in 0..N {
                 let qv = q.add(v * d + i);
                 even[v] = _mm512_fmadd_ps(_mm512_set1_ps(*qv), k0, even[v]);
@@ -791,7 +812,7 @@ mod avx512 {
             i += 2;
         }
         if i < d {
-            let k0 = _mm512_maskz_loadu_ps(mask, kt.add(i * ld));
+            let k0 = load_kv(mask, kt.add(i * ld));
             for (v, e) in even.iter_mut().enumerate() {
                 *e = _mm512_fmadd_ps(_mm512_set1_ps(*q.add(v * d + i)), k0, *e);
             }
@@ -805,11 +826,11 @@ mod avx512 {
 
     /// `G` heads; `d` is a multiple of 64. Each 64-wide slice of a row is loaded once for all heads
     /// and the `4·G` accumulators stay in registers across the rows.
-    #[target_feature(enable = "avx512f,avx2,fma")]
-    pub unsafe fn axpy_rows_g<const G: usize>(
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub unsafe fn axpy_rows_g<T: KvValue, const G: usize>(
         p: &[f32],
         stride: usize,
-        rows: &[f32],
+        rows: &[T],
         acc: &mut [f32],
     ) {
         let d = acc.len() / G;
@@ -825,10 +846,10 @@ mod avx512 {
             for t in 0..n {
                 let r = pr.add(t * d + c);
                 let v = [
-                    _mm512_loadu_ps(r),
-                    _mm512_loadu_ps(r.add(16)),
-                    _mm512_loadu_ps(r.add(32)),
-                    _mm512_loadu_ps(r.add(48)),
+                    load_kv(!0, r),
+                    load_kv(!0, r.add(16)),
+                    load_kv(!0, r.add(32)),
+                    load_kv(!0, r.add(48)),
                 ];
                 for (h, ah) in a.iter_mut().enumerate() {
                     let w = _mm512_set1_ps(*pp.add(h * stride + t));
@@ -870,6 +891,18 @@ mod avx512 {
         }
     }
 
+    /// The 16 cache values at `p` whose lanes `mask` selects, as f32 (other lanes zero and not
+    /// read): a plain load for f32, a load of halves and one conversion for f16.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    unsafe fn load_kv<T: KvValue>(mask: __mmask16, p: *const T) -> __m512 {
+        if T::HALF {
+            _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p as *const i16))
+        } else {
+            _mm512_maskz_loadu_ps(mask, p as *const f32)
+        }
+    }
+
     /// Up to 16 f16 values at `p` as f32 lanes (missing lanes zero).
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
@@ -878,18 +911,6 @@ mod avx512 {
         // buffer would stall the conversion on a failed store forward).
         let mask = ((1u32 << count) - 1) as __mmask16;
         _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p as *const i16))
-    }
-
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-    pub unsafe fn widen_f16(src: &[half::f16], dst: &mut [f32]) {
-        let (ps, pd) = (src.as_ptr().cast::<u8>(), dst.as_mut_ptr());
-        let mut i = 0;
-        while i < src.len() {
-            let n = (src.len() - i).min(16);
-            let mask = ((1u32 << n) - 1) as __mmask16;
-            _mm512_mask_storeu_ps(pd.add(i), mask, f16x16(ps.add(2 * i), n));
-            i += n;
-        }
     }
 
     /// Split Q4_1 row: per 16 blocks, one conversion of the scales and mins and one FMA of the
@@ -1319,19 +1340,51 @@ mod tests {
     use rand::{Rng, SeedableRng};
     use tandem_model::quant::{quantize_q4_1, quantize_q8_0};
 
+    /// Every finite half goes through the f16 key load as its exact f32 value (one query of one
+    /// dimension equal to 1: each score is the key itself), masked tails included.
     #[test]
-    fn widen_f16_is_exact_at_every_length() {
-        // Every finite half (both signs), then odd tails that take the masked lanes.
+    fn f16_keys_load_exactly() {
         let all: Vec<half::f16> = (0..=0xffffu16)
             .map(half::f16::from_bits)
             .filter(|h| h.is_finite())
             .collect();
-        for len in [all.len(), 1, 15, 17, 33] {
-            let src = &all[all.len() - len..];
-            let mut dst = vec![f32::NAN; len];
-            widen_f16(src, &mut dst);
-            for (h, &f) in src.iter().zip(&dst) {
-                assert_eq!(f.to_bits(), h.to_f32().to_bits(), "{h}");
+        for n in [all.len(), 1, 15, 17, 33] {
+            let keys = &all[all.len() - n..];
+            let mut out = vec![f32::NAN; n];
+            dot_keys_t(&[1.0], 1, keys, n, n, 1.0, &mut out, n);
+            for (h, &f) in keys.iter().zip(&out) {
+                // A sum with +0 makes -0 into +0; every other value is bit-exact.
+                assert_eq!(f, h.to_f32(), "{h}");
+            }
+        }
+    }
+
+    /// The f16 kernels compute exactly what the f32 kernels compute on the widened values: the
+    /// conversion is the only difference, and it is exact.
+    #[test]
+    fn f16_kernels_equal_f32_on_widened_values() {
+        let half_of = |v: Vec<f32>| -> (Vec<half::f16>, Vec<f32>) {
+            let h: Vec<half::f16> = v.iter().map(|&x| half::f16::from_f32(x)).collect();
+            let w = h.iter().map(|x| x.to_f32()).collect();
+            (h, w)
+        };
+        for nq in [1, 3, 6, 12] {
+            for (n, ld) in [(1, 16), (7, 16), (16, 16), (40, 48)] {
+                let d = 64;
+                let q = rnd(nq * d, 3);
+                let (kh, kw) = half_of(rnd((d - 1) * ld + n, 4));
+                let (mut a, mut b) = (vec![0f32; nq * n], vec![0f32; nq * n]);
+                dot_keys_t(&q, nq, &kh, ld, n, 0.125, &mut a, n);
+                dot_keys_t(&q, nq, &kw, ld, n, 0.125, &mut b, n);
+                assert_eq!(a, b, "scores nq={nq} n={n}");
+                let (vh, vw) = half_of(rnd(n * d, 5));
+                let p = rnd(nq * n, 6);
+                let g = nq.min(AXPY_GROUP_MAX);
+                let mut acc_h = rnd(g * d, 7);
+                let mut acc_w = acc_h.clone();
+                axpy_rows_group(&p, n, &vh, &mut acc_h, g);
+                axpy_rows_group(&p, n, &vw, &mut acc_w, g);
+                assert_eq!(acc_h, acc_w, "values g={g} n={n}");
             }
         }
     }
