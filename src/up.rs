@@ -183,18 +183,32 @@ pub(crate) fn sigterm(child: &Child) {
     }
 }
 
+/// Waits until the router at `url` (its `/ready`) sees every worker it was given, decode and
+/// prefill, as ready: a cluster that reports ready with its prefill worker still unprobed would
+/// prefill its first requests locally.
 pub(crate) async fn wait_ready(url: &str, timeout: Duration) -> Result<()> {
     let client = reqwest::Client::new();
     let deadline = Instant::now() + timeout;
+    let all_ready = |body: &serde_json::Value| {
+        ["workers", "prefill_workers"].iter().all(|pool| {
+            body[pool]
+                .as_array()
+                .is_some_and(|ws| ws.iter().all(|w| w["ready"] == true))
+        })
+    };
     loop {
         if let Ok(r) = client.get(url).send().await {
             if r.status().is_success() {
-                return Ok(());
+                if let Ok(body) = r.json::<serde_json::Value>().await {
+                    if all_ready(&body) {
+                        return Ok(());
+                    }
+                }
             }
         }
         if Instant::now() > deadline {
             bail!(
-                "the router did not become ready within {} s ({url})",
+                "the router did not see all its workers ready within {} s ({url})",
                 timeout.as_secs()
             );
         }

@@ -193,13 +193,19 @@ pub fn start_router(workers: &[String], extra: &[&str]) -> Router {
     }
 }
 
+/// Waits until the router sees `workers` decode workers and all its prefill workers ready.
 pub async fn wait_ready(r: &Router, workers: usize) {
     let c = reqwest::Client::new();
     let end = Instant::now() + Duration::from_secs(60);
     loop {
         if let Ok(resp) = c.get(format!("{}/ready", r.http)).send().await {
             if let Ok(v) = resp.json::<Value>().await {
-                if v["ready_workers"] == workers {
+                // Every prefill worker too: one still unprobed would make the first
+                // requests prefill locally.
+                let prefill_ready = v["prefill_workers"]
+                    .as_array()
+                    .is_some_and(|ps| ps.iter().all(|p| p["ready"] == true));
+                if v["ready_workers"] == workers && prefill_ready {
                     return;
                 }
             }
