@@ -979,6 +979,15 @@ pub(crate) mod tests {
         Engine::new(tiny_model(1), cfg, vec![]).unwrap()
     }
 
+    /// The defaults with a pool sized for the tiny model (still thousands of blocks): the
+    /// default gigabyte would be faulted in by every engine a test makes.
+    pub(crate) fn config() -> EngineConfig {
+        EngineConfig {
+            kv_cache_mb: 16,
+            ..EngineConfig::default()
+        }
+    }
+
     #[test]
     fn step_stats_count_the_work_of_each_step() {
         // Two prompts of 5 and 3 tokens, a 4-token budget: step 1 prefills 4 of the first; step
@@ -986,7 +995,7 @@ pub(crate) mod tests {
         // decode together.
         let mut e = engine(EngineConfig {
             max_batched_tokens: 4,
-            ..Default::default()
+            ..config()
         });
         let mut steps = Vec::new();
         e.generate(
@@ -1080,7 +1089,7 @@ pub(crate) mod tests {
         for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Int8] {
             let cfg = EngineConfig {
                 kv_dtype: dtype,
-                ..Default::default()
+                ..config()
             };
             let want = engine(cfg.clone())
                 .generate(vec![req(prompt.clone(), 10)], |_| {}, |_| {})
@@ -1111,12 +1120,12 @@ pub(crate) mod tests {
     #[test]
     fn a_remote_prefill_sends_only_what_the_decode_cache_lacks() {
         let prompt: Vec<u32> = (0..50).map(|t| (t * 7 + 3) % 97).collect();
-        let want = engine(EngineConfig::default())
+        let want = engine(config())
             .generate(vec![req(prompt.clone(), 8)], |_| {}, |_| {})
             .unwrap()[0]
             .output_ids
             .clone();
-        let mut decode = engine(EngineConfig::default());
+        let mut decode = engine(config());
         // An earlier conversation turn left the first 40 tokens (two full blocks) cached.
         decode
             .generate(vec![req(prompt[..40].to_vec(), 1)], |_| {}, |_| {})
@@ -1132,7 +1141,7 @@ pub(crate) mod tests {
         // cached (24 tokens: one full block), so blocks come out in several chunks.
         let mut prefill = engine(EngineConfig {
             max_batched_tokens: 8,
-            ..Default::default()
+            ..config()
         });
         prefill
             .generate(vec![req(prompt[..24].to_vec(), 1)], |_| {}, |_| {})
@@ -1157,12 +1166,12 @@ pub(crate) mod tests {
     #[test]
     fn a_failed_transfer_falls_back_to_a_local_prefill_and_cancel_frees_reservations() {
         let prompt: Vec<u32> = (0..30).map(|t| (t * 5 + 1) % 97).collect();
-        let want = engine(EngineConfig::default())
+        let want = engine(config())
             .generate(vec![req(prompt.clone(), 6)], |_| {}, |_| {})
             .unwrap()[0]
             .output_ids
             .clone();
-        let mut decode = engine(EngineConfig::default());
+        let mut decode = engine(config());
         let id = RequestId(3);
         let r = decode
             .reserve_remote(id, req(prompt.clone(), 6))
@@ -1212,21 +1221,21 @@ pub(crate) mod tests {
             },
             resume,
         };
-        let full = engine(EngineConfig::default())
+        let full = engine(config())
             .generate(vec![sampled(vec![])], |_| {}, |_| {})
             .unwrap()[0]
             .output_ids
             .clone();
         assert_eq!(full.len(), 14);
         for k in [1, 6, 13] {
-            let got = engine(EngineConfig::default())
+            let got = engine(config())
                 .generate(vec![sampled(full[..k].to_vec())], |_| {}, |_| {})
                 .unwrap()[0]
                 .output_ids
                 .clone();
             assert_eq!(got, full, "resumed after {k} tokens");
         }
-        let e = engine(EngineConfig::default());
+        let e = engine(config());
         assert!(e.validate(&sampled(full.clone())).is_err(), "nothing left");
         assert!(e.validate(&sampled(vec![500])).is_err(), "bad token");
     }
@@ -1262,7 +1271,7 @@ pub(crate) mod tests {
                 max_batched_tokens: budget,
                 max_seqs,
                 admission_lookahead: lookahead,
-                ..Default::default()
+                ..config()
             };
             let mut e = engine(cfg.clone());
             // (arrival step, cancel at step, request); tokens from a tiny alphabet so prefixes
@@ -1310,7 +1319,7 @@ pub(crate) mod tests {
             let st = e.stats();
             prop_assert_eq!(st.blocks_used, 0);
             prop_assert_eq!(st.blocks_free + st.blocks_cached, st.blocks_total);
-            let mut alone = engine(EngineConfig::default());
+            let mut alone = engine(config());
             for (i, (_, _, r)) in plan.iter().enumerate() {
                 let f = finished[i].as_ref().expect("every request finishes or is cancelled");
                 prop_assert_eq!(&f.output_ids, &tokens[i], "stream and result agree");
@@ -1337,7 +1346,7 @@ pub(crate) mod tests {
         let mut e = engine(EngineConfig {
             block_size: 4,
             num_blocks: Some(24),
-            ..Default::default()
+            ..config()
         });
         e.add(RequestId(0), req((0..10).collect(), 80)).unwrap();
         e.add(RequestId(1), req((20..30).collect(), 80)).unwrap();
@@ -1353,7 +1362,7 @@ pub(crate) mod tests {
     fn prefix_hits_skip_computation() {
         let mut e = engine(EngineConfig {
             block_size: 4,
-            ..Default::default()
+            ..config()
         });
         let prompt: Vec<u32> = (0..18).collect();
         let mut prefill = [0usize; 3];
@@ -1400,7 +1409,7 @@ pub(crate) mod tests {
         let mut e = engine(EngineConfig {
             block_size: 4,
             num_blocks: Some(60),
-            ..Default::default()
+            ..config()
         });
         let a = req((0..10).collect(), 200);
         let b = req((20..30).collect(), 200);
@@ -1410,7 +1419,7 @@ pub(crate) mod tests {
         assert!(e.stats().preemptions >= 1);
         assert_eq!(out[0].preemptions, 0, "the oldest is never the victim");
         assert!(out[1].preemptions >= 1);
-        let mut fresh = engine(EngineConfig::default());
+        let mut fresh = engine(config());
         let want = fresh.generate(vec![a, b], |_| {}, |_| {}).unwrap();
         assert_eq!(out[0].output_ids, want[0].output_ids);
         assert_eq!(out[1].output_ids, want[1].output_ids);

@@ -422,7 +422,8 @@ mod tests {
     use crate::model::tiny_model;
 
     fn spawn() -> EngineHandle {
-        EngineHandle::spawn(|| Engine::new(tiny_model(3), EngineConfig::default(), vec![])).unwrap()
+        EngineHandle::spawn(|| Engine::new(tiny_model(3), crate::engine::tests::config(), vec![]))
+            .unwrap()
     }
 
     #[tokio::test]
@@ -452,7 +453,7 @@ mod tests {
             }
             got.push(toks);
         }
-        let mut e = Engine::new(tiny_model(3), EngineConfig::default(), vec![]).unwrap();
+        let mut e = Engine::new(tiny_model(3), crate::engine::tests::config(), vec![]).unwrap();
         let want: Vec<Vec<u32>> = e
             .generate(
                 prompts.iter().map(|p| req(p.clone(), 12)).collect(),
