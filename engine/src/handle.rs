@@ -417,13 +417,13 @@ fn run_loop(mut engine: Engine, rx: mpsc::Receiver<Command>, shared: &Shared) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::tests::config;
     use crate::engine::tests::req;
-    use crate::engine::{EngineConfig, FinishReason};
+    use crate::engine::FinishReason;
     use crate::model::tiny_model;
 
     fn spawn() -> EngineHandle {
-        EngineHandle::spawn(|| Engine::new(tiny_model(3), crate::engine::tests::config(), vec![]))
-            .unwrap()
+        EngineHandle::spawn(|| Engine::new(tiny_model(3), config(), vec![])).unwrap()
     }
 
     #[tokio::test]
@@ -453,7 +453,7 @@ mod tests {
             }
             got.push(toks);
         }
-        let mut e = Engine::new(tiny_model(3), crate::engine::tests::config(), vec![]).unwrap();
+        let mut e = Engine::new(tiny_model(3), config(), vec![]).unwrap();
         let want: Vec<Vec<u32>> = e
             .generate(
                 prompts.iter().map(|p| req(p.clone(), 12)).collect(),
