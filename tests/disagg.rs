@@ -224,7 +224,6 @@ async fn dead_or_stalled_prefill_workers_and_strangers_lose_nothing() {
             }
         }
     };
-    ready_prefill(2).await;
 
     // 1. The first candidate dies mid-transfer: the second one serves the request.
     let prompt = long_prompt(1, 1200);
