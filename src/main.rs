@@ -47,6 +47,13 @@ enum Command {
         #[command(subcommand)]
         what: ModelCommand,
     },
+    /// The CPU kernel levels: which this CPU runs, and which this process would use
+    /// (TANDEM_ISA=scalar|avx2|avx512|amx caps it).
+    Isa {
+        /// Print only the names of the levels this CPU runs, one per line, lowest first.
+        #[arg(long)]
+        supported: bool,
+    },
 }
 
 #[derive(Subcommand)]
@@ -441,8 +448,13 @@ fn bench_engine(a: BenchEngineArgs) -> Result<()> {
         let on_cpu = r.device == "cpu";
         if on_cpu {
             println!(
-                "engine bench: batch {} prompt {} gen {} weights {} threads {} ({})",
-                r.batch, r.prompt_len, r.gen_len, r.weights, r.threads, r.simd
+                "engine bench: batch {} prompt {} gen {} weights {} threads {}",
+                r.batch, r.prompt_len, r.gen_len, r.weights, r.threads
+            );
+            println!("  cpu            {}", r.cpu);
+            println!(
+                "  kernels        {:>10}   ({}; TANDEM_ISA caps it)",
+                r.simd, r.simd_detail
             );
             println!(
                 "  prefill        {:>10.1} tok/s   ({:.0}% of the f32 FMA peak)",
@@ -469,8 +481,8 @@ fn bench_engine(a: BenchEngineArgs) -> Result<()> {
             return Ok(());
         }
         println!(
-            "  roofline       {:>10.1} GB/s copy, {:.1} GFLOP/s f32 FMA peak ({:.1} a GEMM library)",
-            r.mem_bw_gb_s, r.f32_peak_gflops, r.f32_gflops
+            "  roofline       {:>10.1} GB/s copy, {:.1} GFLOP/s f32 FMA peak with {} instructions ({:.1} a GEMM library)",
+            r.mem_bw_gb_s, r.f32_peak_gflops, r.simd, r.f32_gflops
         );
         println!(
             "  decode reads   {:>10.1} MB/step = {:.0}% of bandwidth",
@@ -479,6 +491,25 @@ fn bench_engine(a: BenchEngineArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+fn print_isa(names_only: bool) {
+    use tandem_kernels::isa::{self, Isa};
+    if names_only {
+        isa::supported().for_each(|l| println!("{l}"));
+        return;
+    }
+    for l in Isa::ALL {
+        let mark = if l == isa::active() {
+            "active"
+        } else if l <= isa::detected() {
+            "runs here"
+        } else {
+            "not on this CPU"
+        };
+        println!("{:<8} {:<16} {}", l.name(), mark, l.describe());
+    }
+    println!("{}", isa::summary());
 }
 
 fn main() {
@@ -490,6 +521,12 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
+    // A misspelt level would silently run the CPU's best: refuse it before anything runs.
+    if let Err(e) = tandem_kernels::isa::requested() {
+        eprintln!("error: {e}");
+        std::process::exit(2);
+    }
+    tracing::info!("{}", tandem_kernels::isa::summary());
     let res = match cli.command {
         Command::Up(a) => up::run(a),
         Command::Router(a) => serve::run_router(a),
@@ -511,6 +548,10 @@ fn main() {
         Command::Model {
             what: ModelCommand::Fetch { force },
         } => fetch::fetch_default(force).map(|p| println!("{}", p.display())),
+        Command::Isa { supported } => {
+            print_isa(supported);
+            Ok(())
+        }
     };
     if let Err(e) = res {
         eprintln!("error: {e:#}");

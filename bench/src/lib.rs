@@ -35,7 +35,11 @@ pub struct EngineReport {
     /// Where the steps ran: `cpu`, or the GPU's name.
     pub device: String,
     pub threads: usize,
+    /// The kernel level the engine ran at (`TANDEM_ISA`), and what it uses.
     pub simd: &'static str,
+    pub simd_detail: &'static str,
+    /// The CPU the figures were measured on.
+    pub cpu: roofline::CpuInfo,
     /// Prompt tokens per second over the steps that prefilled.
     pub prefill_tok_s: f64,
     /// Generated tokens per second, all sequences together, over the pure decode steps.
@@ -133,6 +137,8 @@ pub fn run_engine_bench(
         device: engine.backend().device(),
         threads: rayon::current_num_threads(),
         simd: tandem_kernels::simd_level(),
+        simd_detail: tandem_kernels::isa::active().describe(),
+        cpu: roofline::cpu_info(),
         prefill_tok_s,
         decode_tok_s: if decode.1 > 0.0 {
             decode.0 as f64 / decode.1

@@ -12,8 +12,60 @@ pub struct Roofline {
     pub mem_bw_gb_s: f64,
     /// A 1024³ f32 GEMM on all threads, in GFLOP/s.
     pub f32_gflops: f64,
-    /// Register-only vector FMAs on every thread at once, in GFLOP/s: the compute ceiling.
+    /// Register-only vector FMAs on every thread at once, in GFLOP/s: the compute ceiling, with
+    /// the instructions of the process's kernel level (`TANDEM_ISA`).
     pub f32_peak_gflops: f64,
+}
+
+/// The CPU's model name and the vector extensions the kernels care about, for every report
+/// (a figure means little without the machine it was measured on).
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct CpuInfo {
+    pub model: String,
+    /// The flags of this list the CPU has, in this order.
+    pub flags: Vec<&'static str>,
+}
+
+/// Flags worth naming next to a figure: what separates the kernel levels.
+const FLAGS: [&str; 10] = [
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512_bf16",
+    "amx_tile",
+    "amx_bf16",
+];
+
+/// Reads `/proc/cpuinfo` (Linux); elsewhere the architecture's name.
+pub fn cpu_info() -> CpuInfo {
+    let text = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let field = |name: &str| {
+        text.lines()
+            .find(|l| l.split(':').next().is_some_and(|k| k.trim() == name))
+            .and_then(|l| l.split_once(':'))
+            .map(|(_, v)| v.trim().to_string())
+    };
+    let model = field("model name")
+        .or_else(|| field("Model"))
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string());
+    let have = field("flags")
+        .or_else(|| field("Features"))
+        .unwrap_or_default();
+    let have: Vec<&str> = have.split_whitespace().collect();
+    CpuInfo {
+        model,
+        flags: FLAGS.into_iter().filter(|f| have.contains(f)).collect(),
+    }
+}
+
+impl std::fmt::Display for CpuInfo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} [{}]", self.model, self.flags.join(" "))
+    }
 }
 
 /// Best of a few runs of each; about a second in all.

@@ -29,6 +29,20 @@ fn greedy_tokens_equal_golden_with_small_blocks_and_chunked_prefill() {
     }
 }
 
+/// scripts/test runs this file once per kernel level the CPU has (`TANDEM_ISA`): the level asked
+/// for is the one the kernels run at, capped at the CPU's.
+#[test]
+fn the_golden_checks_run_at_the_requested_kernel_level() {
+    use tandem_kernels::isa;
+    eprintln!("{}", isa::summary());
+    let want = match isa::requested().expect("a known TANDEM_ISA") {
+        Some(cap) => cap.min(isa::detected()),
+        None => isa::detected(),
+    };
+    assert_eq!(isa::active(), want);
+    assert_eq!(tandem_kernels::simd_level(), want.name());
+}
+
 #[test]
 fn prompts_run_on_the_amx_tiles_where_the_cpu_has_them() {
     let (e, _) = engine(WeightFormat::Native, EngineConfig::default());

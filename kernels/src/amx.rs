@@ -23,6 +23,7 @@ use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
+use crate::isa::{self, Isa};
 use crate::Weight;
 
 /// Rows and columns of a tile as used here: 16 rows of 64 bytes (32 bf16 or 16 f32).
@@ -40,13 +41,12 @@ const COLS_PER_TASK: usize = 64;
 
 static ENABLED: AtomicBool = AtomicBool::new(true);
 
-/// Whether this CPU and OS run AMX bf16 (checked once). `TANDEM_AMX=off` says no.
+/// Whether products may take the tiles in this process: the kernel level is [`Isa::Amx`] (the
+/// CPU has the tiles and `TANDEM_ISA` does not cap below them) and the OS granted the tile state
+/// (asked once).
 pub fn available() -> bool {
-    static AVAILABLE: OnceLock<bool> = OnceLock::new();
-    *AVAILABLE.get_or_init(|| {
-        let off = std::env::var("TANDEM_AMX").is_ok_and(|v| v == "off" || v == "0");
-        !off && detect()
-    })
+    static GRANTED: OnceLock<bool> = OnceLock::new();
+    isa::active() >= Isa::Amx && *GRANTED.get_or_init(request_tile_state)
 }
 
 /// Whether products take the AMX path now: [`available`] and not switched off with
@@ -60,20 +60,23 @@ pub fn set_enabled(on: bool) {
     ENABLED.store(on, Ordering::Relaxed);
 }
 
-#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
-fn detect() -> bool {
+/// Whether the CPU has the AMX bf16 tiles and AVX512-BF16 (whose conversion the limb split
+/// uses; every CPU with AMX has it). The caller has checked AVX-512 F/BW/VL.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn cpu_has_tiles() -> bool {
     use std::arch::x86_64::__cpuid_count;
-    // Every CPU with AMX has AVX512-BF16, whose conversion the limb split uses.
-    if !crate::simd::has_avx512() || !is_x86_feature_detected!("avx512bf16") {
+    if !is_x86_feature_detected!("avx512bf16") {
         return false;
     }
     // SAFETY: cpuid is available on every x86-64 CPU (the call is safe in newer Rust).
     #[allow(unused_unsafe)]
     let leaf7 = unsafe { __cpuid_count(7, 0) };
-    let (amx_bf16, amx_tile) = (leaf7.edx & (1 << 22) != 0, leaf7.edx & (1 << 24) != 0);
-    if !(amx_bf16 && amx_tile) {
-        return false;
-    }
+    leaf7.edx & (1 << 22) != 0 && leaf7.edx & (1 << 24) != 0
+}
+
+/// Linux hands the tile state to a process only when asked.
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+fn request_tile_state() -> bool {
     const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
     const XFEATURE_XTILEDATA: libc::c_long = 18;
     // SAFETY: asks the kernel for permission to use the tile data state; no memory is passed.
@@ -87,7 +90,7 @@ fn detect() -> bool {
 }
 
 #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
-fn detect() -> bool {
+fn request_tile_state() -> bool {
     false
 }
 
@@ -402,6 +405,28 @@ pub(crate) fn matmul(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
     });
 }
 
+/// Other architectures have no tiles: [`available`] is false there, so nothing calls these.
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn tile_config() {
+    unreachable!("AMX tiles exist on x86-64 only")
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn tile_release() {}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn kernel(
+    _: *const u16,
+    _: usize,
+    _: usize,
+    _: *const u16,
+    _: *const u16,
+    _: usize,
+    _: *mut f32,
+) {
+    unreachable!("AMX tiles exist on x86-64 only")
+}
+
 thread_local! {
     /// A task's f32 row scratch and weight limb planes, kept per thread across calls.
     static TASK_BUFFERS: std::cell::RefCell<(Vec<f32>, Vec<Tile>)> =
@@ -414,12 +439,14 @@ struct Scratch([f32; 4 * TILE * TILE]);
 
 /// # Safety
 /// AMX is available and permitted for this process.
+#[cfg(target_arch = "x86_64")]
 unsafe fn tile_config() {
     std::arch::asm!("ldtilecfg [{}]", in(reg) &CONFIG as *const TileConfig, options(nostack));
 }
 
 /// # Safety
 /// As [`tile_config`].
+#[cfg(target_arch = "x86_64")]
 unsafe fn tile_release() {
     std::arch::asm!("tilerelease", options(nostack, nomem));
 }
@@ -433,6 +460,7 @@ unsafe fn tile_release() {
 ///
 /// # Safety
 /// The tile config is loaded; every tile read and the 4 KiB at `c` are inside their buffers.
+#[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn kernel(
     a: *const u16,

@@ -16,6 +16,7 @@
 pub mod amx;
 pub mod attention;
 pub mod cuda;
+pub mod isa;
 pub mod matmul;
 pub mod ops;
 pub mod simd;
@@ -48,13 +49,7 @@ pub fn init_threads(threads: Option<usize>) {
         .build_global();
 }
 
-/// Which SIMD path the quantized kernels take on this machine.
+/// The kernel level this process runs at (see [`isa`]), by name.
 pub fn simd_level() -> &'static str {
-    if simd::has_avx512() {
-        "avx512f"
-    } else if simd::has_avx2_fma() {
-        "avx2+fma"
-    } else {
-        "portable"
-    }
+    isa::active().name()
 }

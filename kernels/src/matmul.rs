@@ -13,7 +13,7 @@ use rayon::prelude::*;
 
 use crate::simd::{
     block_sums, dot_f32, dot_quant_row, dot_quant_rows, has_fused_rows, pack_panels,
-    pack_panels_into, panel_matmul, HALF_PANEL, MAX_FUSED_ROWS, PANEL, PANEL_ROWS,
+    pack_panels_into, panel_matmul, panel_rows, HALF_PANEL, MAX_FUSED_ROWS, PANEL,
 };
 use crate::{KernelError, Weight};
 
@@ -114,6 +114,7 @@ thread_local! {
 fn tiled_packed(packed: &[f32], m: usize, width: usize, w: &Weight, out: &mut [f32]) {
     let (n, k) = (w.rows(), w.cols());
     let panels = m.div_ceil(width);
+    let tile_rows = panel_rows();
     let dst = OutPtr(out.as_mut_ptr());
     (0..n.div_ceil(ROWS_PER_TASK))
         .into_par_iter()
@@ -129,8 +130,8 @@ fn tiled_packed(packed: &[f32], m: usize, width: usize, w: &Weight, out: &mut [f
                 for p in 0..panels {
                     let panel = &packed[p * k * width..(p + 1) * k * width];
                     let cols = (m - p * width).min(width);
-                    for i0 in (0..rows).step_by(PANEL_ROWS) {
-                        let nr = (rows - i0).min(PANEL_ROWS);
+                    for i0 in (0..rows).step_by(tile_rows) {
+                        let nr = (rows - i0).min(tile_rows);
                         // SAFETY: tile rows i0..i0+nr exist; the written elements (columns
                         // i0.. +nr of rows ..cols) are inside `block`.
                         unsafe {

@@ -11,9 +11,7 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
         let ss: f32 = crate::simd::dot_f32(xr, xr) / d as f32;
         let inv = 1.0 / (ss + eps).sqrt();
-        for i in 0..d {
-            or[i] = w[i] * (xr[i] * inv);
-        }
+        crate::simd::scale_row(xr, w, inv, or);
     }
 }
 
@@ -67,11 +65,7 @@ pub fn rope(x: &mut [f32], positions: &[usize], n_heads: usize, table: &RopeTabl
         let s = &table.sin[p * half..(p + 1) * half];
         for h in row.chunks_exact_mut(hd) {
             let (a, b) = h.split_at_mut(half);
-            for i in 0..half {
-                let (x0, x1) = (a[i], b[i]);
-                a[i] = x0 * c[i] - x1 * s[i];
-                b[i] = x1 * c[i] + x0 * s[i];
-            }
+            crate::simd::rotate(a, b, c, s);
         }
     }
 }

@@ -1,0 +1,507 @@
+//! AVX-512 kernels (F, BW, VL; F16C and FMA): 16 f32 lanes.
+
+use super::*;
+
+/// See [`super::fma_burst`].
+#[target_feature(enable = "avx512f")]
+pub unsafe fn fma_burst(rounds: usize) -> f32 {
+    let mut acc = [_mm512_set1_ps(1.0); 16];
+    let (b, c) = (_mm512_set1_ps(0.999_999), _mm512_set1_ps(1e-7));
+    for _ in 0..rounds {
+        for a in acc.iter_mut() {
+            *a = _mm512_fmadd_ps(*a, b, c);
+        }
+    }
+    let sum = acc
+        .iter()
+        .fold(_mm512_setzero_ps(), |s, a| _mm512_add_ps(s, *a));
+    _mm512_reduce_add_ps(sum)
+}
+
+/// Prefetch distance for the weight stream. Measured on the 2-core VM (batch-1 decode, same
+/// background load): 1 KiB 35 tok/s, 4 KiB 44 tok/s, 8 KiB 30-35 tok/s; no prefetch 16 tok/s.
+const PREFETCH_AHEAD: usize = 4096;
+
+#[target_feature(enable = "avx512f,avx2,fma")]
+pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len();
+    let (pa, pb) = (a.as_ptr(), b.as_ptr());
+    let mut acc0 = _mm512_setzero_ps();
+    let mut acc1 = _mm512_setzero_ps();
+    let mut i = 0;
+    while i + 32 <= n {
+        acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i)), _mm512_loadu_ps(pb.add(i)), acc0);
+        acc1 = _mm512_fmadd_ps(
+            _mm512_loadu_ps(pa.add(i + 16)),
+            _mm512_loadu_ps(pb.add(i + 16)),
+            acc1,
+        );
+        i += 32;
+    }
+    if i + 16 <= n {
+        acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i)), _mm512_loadu_ps(pb.add(i)), acc0);
+        i += 16;
+    }
+    let mut s = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+    while i < n {
+        s += *pa.add(i) * *pb.add(i);
+        i += 1;
+    }
+    s
+}
+
+/// `exp` of 16 lanes: `x = n·ln2 + r` with |r| ≤ ln2/2, a degree-7 polynomial for `e^r`
+/// (Cephes' `expf` coefficients, within 2 ulp of the correctly rounded result), and `2^n`
+/// applied with `vscalefps`, which also takes care of underflow to zero.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn exp16(x: __m512) -> __m512 {
+    let x = _mm512_max_ps(x, _mm512_set1_ps(-104.0));
+    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+        _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
+    );
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
+    let mut p = _mm512_set1_ps(1.987_569_1e-4);
+    for c in [
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        1.666_666_5e-1,
+        5e-1,
+    ] {
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    }
+    let e = _mm512_fmadd_ps(
+        _mm512_mul_ps(p, r),
+        r,
+        _mm512_add_ps(r, _mm512_set1_ps(1.0)),
+    );
+    _mm512_scalef_ps(e, n)
+}
+
+#[target_feature(enable = "avx512f")]
+pub unsafe fn max_f32(x: &[f32]) -> f32 {
+    let n16 = x.len() / 16 * 16;
+    let mut m = _mm512_set1_ps(f32::NEG_INFINITY);
+    for i in (0..n16).step_by(16) {
+        // vmaxps returns its second operand when the first is NaN, so NaNs are skipped.
+        m = _mm512_max_ps(_mm512_loadu_ps(x.as_ptr().add(i)), m);
+    }
+    let tail = x[n16..].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    _mm512_reduce_max_ps(m).max(tail)
+}
+
+#[target_feature(enable = "avx512f,avx2,fma")]
+pub unsafe fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    let one = _mm512_set1_ps(1.0);
+    let silu = |v: __m512, u: __m512| {
+        let e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), v));
+        _mm512_mul_ps(_mm512_div_ps(v, _mm512_add_ps(one, e)), u)
+    };
+    let n16 = gate.len() / 16 * 16;
+    for i in (0..n16).step_by(16) {
+        let g = gate.as_mut_ptr().add(i);
+        let r = silu(_mm512_loadu_ps(g), _mm512_loadu_ps(up.as_ptr().add(i)));
+        _mm512_storeu_ps(g, r);
+    }
+    let rest = gate.len() - n16;
+    if rest > 0 {
+        let k: __mmask16 = ((1u32 << rest) - 1) as u16;
+        let g = gate.as_mut_ptr().add(n16);
+        let r = silu(
+            _mm512_maskz_loadu_ps(k, g),
+            _mm512_maskz_loadu_ps(k, up.as_ptr().add(n16)),
+        );
+        _mm512_mask_storeu_ps(g, k, r);
+    }
+}
+
+#[target_feature(enable = "avx512f,avx2,fma")]
+pub unsafe fn exp_shifted_sum(x: &mut [f32], max: f32) -> f32 {
+    let m = _mm512_set1_ps(max);
+    let mut acc = _mm512_setzero_ps();
+    let mut chunks = x.chunks_exact_mut(16);
+    for c in &mut chunks {
+        let e = exp16(_mm512_sub_ps(_mm512_loadu_ps(c.as_ptr()), m));
+        _mm512_storeu_ps(c.as_mut_ptr(), e);
+        acc = _mm512_add_ps(acc, e);
+    }
+    let rest = chunks.into_remainder();
+    if !rest.is_empty() {
+        let k: __mmask16 = (1u32 << rest.len()) as u16 - 1;
+        let v = _mm512_maskz_loadu_ps(k, rest.as_ptr());
+        let e = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(v, m)));
+        _mm512_mask_storeu_ps(rest.as_mut_ptr(), k, e);
+        acc = _mm512_add_ps(acc, e);
+    }
+    _mm512_reduce_add_ps(acc)
+}
+
+/// See [`super::panel_matmul`]; `R` weight rows, a panel of `16·C` activation rows.
+#[target_feature(enable = "avx512f,avx2,fma")]
+pub unsafe fn panel_kernel<const R: usize, const C: usize>(
+    w: *const f32,
+    k: usize,
+    panel: *const f32,
+    out: *mut f32,
+    ldo: usize,
+    cols: usize,
+) {
+    let mut acc = [[_mm512_setzero_ps(); C]; R];
+    for t in 0..k {
+        let mut x = [_mm512_setzero_ps(); C];
+        for (c, xc) in x.iter_mut().enumerate() {
+            *xc = _mm512_loadu_ps(panel.add(t * 16 * C + 16 * c));
+        }
+        for (r, a) in acc.iter_mut().enumerate() {
+            let wb = _mm512_set1_ps(*w.add(r * k + t));
+            for (ac, xc) in a.iter_mut().zip(&x) {
+                *ac = _mm512_fmadd_ps(wb, *xc, *ac);
+            }
+        }
+    }
+    let mut buf = [0f32; 32];
+    for (r, a) in acc.iter().enumerate() {
+        for (c, ac) in a.iter().enumerate() {
+            _mm512_storeu_ps(buf.as_mut_ptr().add(16 * c), *ac);
+        }
+        for (j, v) in buf.iter().enumerate().take(cols) {
+            *out.add(j * ldo + r) = *v;
+        }
+    }
+}
+
+/// `N` query vectors (rows of `d` at `q`) against `cols ≤ 16` keys stored transposed (row `i`
+/// of `kt` at `kt + i·ld`): two sets of `N` accumulators (even and odd dimensions) so that
+/// even a few queries keep both FMA units busy.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn dot_keys_t<T: KvValue, const N: usize>(
+    q: *const f32,
+    d: usize,
+    kt: *const T,
+    ld: usize,
+    cols: usize,
+    scale: f32,
+    out: *mut f32,
+    ldo: usize,
+) {
+    let mask: __mmask16 = if cols >= 16 {
+        0xFFFF
+    } else {
+        (1u16 << cols) - 1
+    };
+    let mut even = [_mm512_setzero_ps(); N];
+    let mut odd = [_mm512_setzero_ps(); N];
+    let mut i = 0;
+    while i + 2 <= d {
+        let k0 = load_kv(mask, kt.add(i * ld));
+        let k1 = load_kv(mask, kt.add((i + 1) * ld));
+        for v in 0..N {
+            let qv = q.add(v * d + i);
+            even[v] = _mm512_fmadd_ps(_mm512_set1_ps(*qv), k0, even[v]);
+            odd[v] = _mm512_fmadd_ps(_mm512_set1_ps(*qv.add(1)), k1, odd[v]);
+        }
+        i += 2;
+    }
+    if i < d {
+        let k0 = load_kv(mask, kt.add(i * ld));
+        for (v, e) in even.iter_mut().enumerate() {
+            *e = _mm512_fmadd_ps(_mm512_set1_ps(*q.add(v * d + i)), k0, *e);
+        }
+    }
+    let s = _mm512_set1_ps(scale);
+    for v in 0..N {
+        let sum = _mm512_mul_ps(_mm512_add_ps(even[v], odd[v]), s);
+        _mm512_mask_storeu_ps(out.add(v * ldo), mask, sum);
+    }
+}
+
+/// `G` heads; `d` is a multiple of 64. Each 64-wide slice of a row is loaded once for all heads
+/// and the `4·G` accumulators stay in registers across the rows.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+pub unsafe fn axpy_rows_g<T: KvValue, const G: usize>(
+    p: &[f32],
+    stride: usize,
+    rows: &[T],
+    acc: &mut [f32],
+) {
+    let d = acc.len() / G;
+    let n = rows.len() / d;
+    let (pp, pr, pa) = (p.as_ptr(), rows.as_ptr(), acc.as_mut_ptr());
+    for c in (0..d).step_by(64) {
+        let mut a = [[_mm512_setzero_ps(); 4]; G];
+        for (h, ah) in a.iter_mut().enumerate() {
+            for (j, v) in ah.iter_mut().enumerate() {
+                *v = _mm512_loadu_ps(pa.add(h * d + c + 16 * j));
+            }
+        }
+        for t in 0..n {
+            let r = pr.add(t * d + c);
+            let v = [
+                load_kv(!0, r),
+                load_kv(!0, r.add(16)),
+                load_kv(!0, r.add(32)),
+                load_kv(!0, r.add(48)),
+            ];
+            for (h, ah) in a.iter_mut().enumerate() {
+                let w = _mm512_set1_ps(*pp.add(h * stride + t));
+                for j in 0..4 {
+                    ah[j] = _mm512_fmadd_ps(w, v[j], ah[j]);
+                }
+            }
+        }
+        for (h, ah) in a.iter().enumerate() {
+            for (j, v) in ah.iter().enumerate() {
+                _mm512_storeu_ps(pa.add(h * d + c + 16 * j), *v);
+            }
+        }
+    }
+}
+
+/// The 16 cache values at `p` whose lanes `mask` selects, as f32 (other lanes zero and not
+/// read): a plain load for f32, a load of halves and one conversion for f16.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn load_kv<T: KvValue>(mask: __mmask16, p: *const T) -> __m512 {
+    if T::HALF {
+        _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p as *const i16))
+    } else {
+        _mm512_maskz_loadu_ps(mask, p as *const f32)
+    }
+}
+
+/// Up to 16 f16 values at `p` as f32 lanes (missing lanes zero).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn f16x16(p: *const u8, count: usize) -> __m512 {
+    // A masked load: lanes past `count` are neither read nor kept (a copy through a stack
+    // buffer would stall the conversion on a failed store forward).
+    let mask = ((1u32 << count) - 1) as __mmask16;
+    _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p as *const i16))
+}
+
+/// Split Q4_1 row: per 16 blocks, one conversion of the scales and mins and one FMA of the
+/// mins with the block sums of `x`; per block, one 16-byte load widened to 16 lanes whose low
+/// and high nibbles are elements 0-15 and 16-31.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+pub unsafe fn dot_q4_1(row: &[u8], x: &[f32], xsum: &[f32]) -> f32 {
+    let nb = row.len() / 20;
+    debug_assert!(x.len() >= nb * 32 && xsum.len() >= nb);
+    let (pd, pq, px) = (row.as_ptr(), row.as_ptr().add(4 * nb), x.as_ptr());
+    // Unscaled q·x of block `b`.
+    let block = |b: usize| -> __m512 {
+        let qs = pq.add(b * 16);
+        _mm_prefetch::<_MM_HINT_T0>(qs.add(PREFETCH_AHEAD) as *const i8);
+        let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(qs as *const __m128i));
+        let lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x0f)));
+        let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v));
+        let xb = px.add(b * 32);
+        _mm512_fmadd_ps(
+            hi,
+            _mm512_loadu_ps(xb.add(16)),
+            _mm512_mul_ps(lo, _mm512_loadu_ps(xb)),
+        )
+    };
+    // Two accumulators in registers, blocks taken in pairs: an accumulator picked by index
+    // would live on the stack and chain every FMA through a store and a reload.
+    let (mut a0, mut a1, mut macc) = (
+        _mm512_setzero_ps(),
+        _mm512_setzero_ps(),
+        _mm512_setzero_ps(),
+    );
+    let mut dbuf = [0f32; 16];
+    let mut b0 = 0;
+    while b0 < nb {
+        let cnt = (nb - b0).min(16);
+        _mm512_storeu_ps(dbuf.as_mut_ptr(), f16x16(pd.add(2 * b0), cnt));
+        let m = f16x16(pd.add(2 * (nb + b0)), cnt);
+        let mask: __mmask16 = ((1u32 << cnt) - 1) as u16;
+        macc = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(mask, xsum.as_ptr().add(b0)), macc);
+        let mut i = 0;
+        while i + 2 <= cnt {
+            a0 = _mm512_fmadd_ps(_mm512_set1_ps(dbuf[i]), block(b0 + i), a0);
+            a1 = _mm512_fmadd_ps(_mm512_set1_ps(dbuf[i + 1]), block(b0 + i + 1), a1);
+            i += 2;
+        }
+        if i < cnt {
+            a0 = _mm512_fmadd_ps(_mm512_set1_ps(dbuf[i]), block(b0 + i), a0);
+        }
+        b0 += cnt;
+    }
+    _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) + _mm512_reduce_add_ps(macc)
+}
+
+/// [`dot_q4_1`] against `M` activation rows; two accumulators per row (low and high
+/// nibbles) keep the FMA chains short.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+pub unsafe fn dot_q4_1_rows<const M: usize>(row: &[u8], x: &[f32], out: &mut [f32]) {
+    let nb = row.len() / 20;
+    let k = nb * 32;
+    debug_assert!(x.len() >= M * k && out.len() >= M);
+    let (pd, pq, px) = (row.as_ptr(), row.as_ptr().add(4 * nb), x.as_ptr());
+    let low = _mm512_set1_epi32(0x0f);
+    let mut acc = [[_mm512_setzero_ps(); 2]; M];
+    let (mut dbuf, mut mbuf) = ([0f32; 16], [0f32; 16]);
+    let mut b0 = 0;
+    while b0 < nb {
+        let cnt = (nb - b0).min(16);
+        _mm512_storeu_ps(dbuf.as_mut_ptr(), f16x16(pd.add(2 * b0), cnt));
+        _mm512_storeu_ps(mbuf.as_mut_ptr(), f16x16(pd.add(2 * (nb + b0)), cnt));
+        for i in 0..cnt {
+            let b = b0 + i;
+            let qs = pq.add(b * 16);
+            _mm_prefetch::<_MM_HINT_T0>(qs.add(PREFETCH_AHEAD) as *const i8);
+            let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(qs as *const __m128i));
+            let (d, m) = (_mm512_set1_ps(dbuf[i]), _mm512_set1_ps(mbuf[i]));
+            let lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low)), d, m);
+            let hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v)), d, m);
+            for (j, a) in acc.iter_mut().enumerate() {
+                let xb = px.add(j * k + b * 32);
+                a[0] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb), a[0]);
+                a[1] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb.add(16)), a[1]);
+            }
+        }
+        b0 += cnt;
+    }
+    for (j, a) in acc.iter().enumerate() {
+        out[j] = _mm512_reduce_add_ps(_mm512_add_ps(a[0], a[1]));
+    }
+}
+
+/// [`dot_q8_0`] against `M` activation rows.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+pub unsafe fn dot_q8_0_rows<const M: usize>(row: &[u8], x: &[f32], out: &mut [f32]) {
+    let nb = row.len() / 34;
+    let k = nb * 32;
+    debug_assert!(x.len() >= M * k && out.len() >= M);
+    let (pd, pq, px) = (row.as_ptr(), row.as_ptr().add(2 * nb), x.as_ptr());
+    let mut acc = [[_mm512_setzero_ps(); 2]; M];
+    let mut dbuf = [0f32; 16];
+    let mut b0 = 0;
+    while b0 < nb {
+        let cnt = (nb - b0).min(16);
+        _mm512_storeu_ps(dbuf.as_mut_ptr(), f16x16(pd.add(2 * b0), cnt));
+        for (i, &d) in dbuf[..cnt].iter().enumerate() {
+            let b = b0 + i;
+            let qs = pq.add(b * 32);
+            _mm_prefetch::<_MM_HINT_T0>(qs.add(PREFETCH_AHEAD) as *const i8);
+            let d = _mm512_set1_ps(d);
+            let w0 = _mm512_mul_ps(
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qs as *const __m128i))),
+                d,
+            );
+            let w1 = _mm512_mul_ps(
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                    qs.add(16) as *const __m128i
+                ))),
+                d,
+            );
+            for (j, a) in acc.iter_mut().enumerate() {
+                let xb = px.add(j * k + b * 32);
+                a[0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb), a[0]);
+                a[1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb.add(16)), a[1]);
+            }
+        }
+        b0 += cnt;
+    }
+    for (j, a) in acc.iter().enumerate() {
+        out[j] = _mm512_reduce_add_ps(_mm512_add_ps(a[0], a[1]));
+    }
+}
+
+/// Split Q8_0 row.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+pub unsafe fn dot_q8_0(row: &[u8], x: &[f32]) -> f32 {
+    let nb = row.len() / 34;
+    debug_assert!(x.len() >= nb * 32);
+    let (pd, pq, px) = (row.as_ptr(), row.as_ptr().add(2 * nb), x.as_ptr());
+    // Unscaled q·x of block `b`.
+    let block = |b: usize| -> __m512 {
+        let qs = pq.add(b * 32);
+        _mm_prefetch::<_MM_HINT_T0>(qs.add(PREFETCH_AHEAD) as *const i8);
+        let q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qs as *const __m128i)));
+        let q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+            qs.add(16) as *const __m128i
+        )));
+        let xb = px.add(b * 32);
+        _mm512_fmadd_ps(
+            q1,
+            _mm512_loadu_ps(xb.add(16)),
+            _mm512_mul_ps(q0, _mm512_loadu_ps(xb)),
+        )
+    };
+    // Blocks in pairs, two accumulators in registers (see `dot_q4_1`).
+    let (mut a0, mut a1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+    let mut dbuf = [0f32; 16];
+    let mut b0 = 0;
+    while b0 < nb {
+        let cnt = (nb - b0).min(16);
+        _mm512_storeu_ps(dbuf.as_mut_ptr(), f16x16(pd.add(2 * b0), cnt));
+        let mut i = 0;
+        while i + 2 <= cnt {
+            a0 = _mm512_fmadd_ps(_mm512_set1_ps(dbuf[i]), block(b0 + i), a0);
+            a1 = _mm512_fmadd_ps(_mm512_set1_ps(dbuf[i + 1]), block(b0 + i + 1), a1);
+            i += 2;
+        }
+        if i < cnt {
+            a0 = _mm512_fmadd_ps(_mm512_set1_ps(dbuf[i]), block(b0 + i), a0);
+        }
+        b0 += cnt;
+    }
+    _mm512_reduce_add_ps(_mm512_add_ps(a0, a1))
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+pub unsafe fn dequant_q4_1(row: &[u8], out: &mut [f32]) {
+    let nb = row.len() / 20;
+    debug_assert!(out.len() >= nb * 32);
+    let (pd, pq, po) = (row.as_ptr(), row.as_ptr().add(4 * nb), out.as_mut_ptr());
+    let low = _mm512_set1_epi32(0x0f);
+    let (mut dbuf, mut mbuf) = ([0f32; 16], [0f32; 16]);
+    let mut b0 = 0;
+    while b0 < nb {
+        let cnt = (nb - b0).min(16);
+        _mm512_storeu_ps(dbuf.as_mut_ptr(), f16x16(pd.add(2 * b0), cnt));
+        _mm512_storeu_ps(mbuf.as_mut_ptr(), f16x16(pd.add(2 * (nb + b0)), cnt));
+        for i in 0..cnt {
+            let b = b0 + i;
+            // The decoded tile is the first touch of these weights: fetch ahead, as the dots do.
+            _mm_prefetch::<_MM_HINT_T0>(pq.add(b * 16 + PREFETCH_AHEAD) as *const i8);
+            let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(pq.add(b * 16) as *const __m128i));
+            let (d, m) = (_mm512_set1_ps(dbuf[i]), _mm512_set1_ps(mbuf[i]));
+            let o = po.add(b * 32);
+            let lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, low));
+            let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v));
+            _mm512_storeu_ps(o, _mm512_fmadd_ps(lo, d, m));
+            _mm512_storeu_ps(o.add(16), _mm512_fmadd_ps(hi, d, m));
+        }
+        b0 += cnt;
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+pub unsafe fn dequant_q8_0(row: &[u8], out: &mut [f32]) {
+    let nb = row.len() / 34;
+    debug_assert!(out.len() >= nb * 32);
+    let (pd, pq, po) = (row.as_ptr(), row.as_ptr().add(2 * nb), out.as_mut_ptr());
+    let mut dbuf = [0f32; 16];
+    let mut b0 = 0;
+    while b0 < nb {
+        let cnt = (nb - b0).min(16);
+        _mm512_storeu_ps(dbuf.as_mut_ptr(), f16x16(pd.add(2 * b0), cnt));
+        for (i, &d) in dbuf[..cnt].iter().enumerate() {
+            let b = b0 + i;
+            let qs = pq.add(b * 32);
+            _mm_prefetch::<_MM_HINT_T0>(qs.add(PREFETCH_AHEAD) as *const i8);
+            let d = _mm512_set1_ps(d);
+            let o = po.add(b * 32);
+            for h in 0..2 {
+                let q = _mm512_cvtepi8_epi32(_mm_loadu_si128(qs.add(16 * h) as *const __m128i));
+                _mm512_storeu_ps(o.add(16 * h), _mm512_mul_ps(_mm512_cvtepi32_ps(q), d));
+            }
+        }
+        b0 += cnt;
+    }
+}

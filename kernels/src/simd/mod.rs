@@ -1,0 +1,1096 @@
+//! Vector primitives at every kernel level ([`crate::isa`]): AVX-512 (`avx512`), AVX2+FMA
+//! (`avx2`) and portable SIMD (`portable`, the `wide` crate: NEON on aarch64). Each public function
+//! here dispatches on the process's level; a level's kernels are only called where it is active.
+//!
+//! The quantized dot products keep activations in f32: a weight block is decoded to f32 lanes and
+//! multiplied with the f32 activations. (llama.cpp instead rounds activations to 8 bits, which is
+//! faster but no longer matches an f32 reference token for token.) Q4_1 uses
+//! `Σ (d·q + m)·x = d·Σ q·x + m·Σ x` with the per-block `Σ x` computed once per activation row.
+//!
+//! Q4_1 and Q8_0 rows are kept in a *split* layout (see [`split_row`]): a row's block scales (and
+//! Q4_1 mins) first, then its quants. Same bytes as GGML's interleaved blocks, but sixteen scales
+//! convert with one instruction and the quants stream without gaps.
+
+use tandem_model::quant::{dequantize, GgmlType};
+
+use crate::isa::Isa;
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+/// Whether the AVX2+FMA+F16C kernels run in this process (the level, [`crate::isa::active`], is
+/// AVX2 or above).
+#[inline]
+pub fn has_avx2_fma() -> bool {
+    crate::isa::active() >= Isa::Avx2
+}
+
+/// Whether the AVX-512 kernels run in this process (F, BW and VL: every AVX-512 server CPU has
+/// all three).
+#[inline]
+pub fn has_avx512() -> bool {
+    crate::isa::active() >= Isa::Avx512
+}
+
+/// `Σ a[i]·b[i]`; `a` and `b` have the same length.
+#[inline]
+pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    debug_assert_eq!(a.len(), b.len());
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() {
+        // SAFETY: the CPU supports the features the function is compiled for.
+        return unsafe { avx512::dot(a, b) };
+    } else if has_avx2_fma() {
+        // SAFETY: as above.
+        return unsafe { avx2::dot(a, b) };
+    }
+    portable::dot(a, b)
+}
+
+/// `y[i] += alpha · x[i]`.
+#[inline]
+pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
+    debug_assert_eq!(x.len(), y.len());
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2_fma() {
+        // SAFETY: as above.
+        return unsafe { avx2::axpy(alpha, x, y) };
+    }
+    portable::axpy(alpha, x, y)
+}
+
+/// `acc += Σ_t p[t] · rows[t]` for the `p.len()` rows of `rows` (each `acc.len()` long): a run of
+/// value rows weighted by attention probabilities.
+pub fn axpy_rows(p: &[f32], rows: &[f32], acc: &mut [f32]) {
+    debug_assert_eq!(rows.len(), p.len() * acc.len());
+    axpy_rows_group(p, p.len(), rows, acc, 1)
+}
+
+/// A KV cache value the attention kernels read in place: f32, or f16 widened as it is loaded
+/// (exactly: every f16 is an f32), so a half-precision cache moves half the bytes and is never
+/// copied out first.
+pub trait KvValue: Copy + Send + Sync + 'static {
+    /// Whether the value is an IEEE half (else an f32).
+    const HALF: bool;
+    fn to_f32(self) -> f32;
+}
+
+impl KvValue for f32 {
+    const HALF: bool = false;
+    #[inline]
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+impl KvValue for half::f16 {
+    const HALF: bool = true;
+    #[inline]
+    fn to_f32(self) -> f32 {
+        half::f16::to_f32(self)
+    }
+}
+
+/// Most query vectors [`dot_keys_t`] keeps in registers at once.
+pub const KEYS_T_TILE: usize = 12;
+
+/// Scores of `nq` query vectors against `n` keys stored transposed:
+/// `out[v·ldo + j] = scale · Σ_i q[v·d + i] · kt[i·ld + j]` for `v < nq`, `j < n`, where `d =
+/// q.len() / nq` and column `j` of `kt` (stride `ld` between dimensions) is key `j`. Each
+/// 16-key row of `kt` is loaded once for up to [`KEYS_T_TILE`] queries and multiplied with one
+/// broadcast element of each: no horizontal sums, one FMA per query and key per dimension.
+#[allow(clippy::too_many_arguments)]
+pub fn dot_keys_t<T: KvValue>(
+    q: &[f32],
+    nq: usize,
+    kt: &[T],
+    ld: usize,
+    n: usize,
+    scale: f32,
+    out: &mut [f32],
+    ldo: usize,
+) {
+    if nq == 0 || n == 0 {
+        return;
+    }
+    let d = q.len() / nq;
+    if d == 0 {
+        (0..nq).for_each(|v| out[v * ldo..v * ldo + n].fill(0.0));
+        return;
+    }
+    assert!(
+        n <= ld && kt.len() >= (d - 1) * ld + n && out.len() >= (nq - 1) * ldo + n,
+        "dot_keys_t: {nq} queries of {d} against {n} keys (stride {ld}) do not fit"
+    );
+    // Query tiles the level's registers hold: AVX-512 has 32 of 16 lanes (two accumulator sets
+    // per query), the others 16 (or NEON's 32) of 8 lanes in pairs.
+    let tiles: &[usize] = if has_avx512() {
+        &[12, 8, 6, 4, 3, 2, 1]
+    } else {
+        &[6, 4, 3, 2, 1]
+    };
+    let level = crate::isa::active();
+    let mut v0 = 0;
+    while v0 < nq {
+        let take = *tiles.iter().find(|&&t| t <= nq - v0).expect("1 fits");
+        for j0 in (0..n).step_by(16) {
+            let cols = (n - j0).min(16);
+            // SAFETY: the level's features are on this CPU (`isa::active`). Rows `i < d` of `kt`
+            // hold `cols` keys from `j0` (checked above; lanes past them are not read); `out`
+            // rows `v0..v0+take` hold `cols` slots from `j0`.
+            unsafe {
+                let (qp, kp, op) = (
+                    q.as_ptr().add(v0 * d),
+                    kt.as_ptr().add(j0),
+                    out.as_mut_ptr().add(v0 * ldo + j0),
+                );
+                macro_rules! go {
+                    ($m:ident :: $f:ident $(, $full:expr)?) => {
+                        match take {
+                            12 => $m::$f::<T, 12 $(, $full)?>(qp, d, kp, ld, cols, scale, op, ldo),
+                            8 => $m::$f::<T, 8 $(, $full)?>(qp, d, kp, ld, cols, scale, op, ldo),
+                            6 => $m::$f::<T, 6 $(, $full)?>(qp, d, kp, ld, cols, scale, op, ldo),
+                            4 => $m::$f::<T, 4 $(, $full)?>(qp, d, kp, ld, cols, scale, op, ldo),
+                            3 => $m::$f::<T, 3 $(, $full)?>(qp, d, kp, ld, cols, scale, op, ldo),
+                            2 => $m::$f::<T, 2 $(, $full)?>(qp, d, kp, ld, cols, scale, op, ldo),
+                            _ => $m::$f::<T, 1 $(, $full)?>(qp, d, kp, ld, cols, scale, op, ldo),
+                        }
+                    };
+                }
+                match level {
+                    #[cfg(target_arch = "x86_64")]
+                    Isa::Avx512 | Isa::Amx => go!(avx512::dot_keys_t),
+                    #[cfg(target_arch = "x86_64")]
+                    Isa::Avx2 if cols == 16 => go!(avx2::dot_keys_t, true),
+                    #[cfg(target_arch = "x86_64")]
+                    Isa::Avx2 => go!(avx2::dot_keys_t, false),
+                    _ => go!(portable::dot_keys_t),
+                }
+            }
+        }
+        v0 += take;
+    }
+}
+
+/// Most heads [`axpy_rows_group`] keeps in registers at once (more fall back to one at a time).
+pub const AXPY_GROUP_MAX: usize = 6;
+
+/// [`axpy_rows`] for `g` heads sharing the rows: `acc[h] += Σ_t p[h·stride + t] · rows[t]` with
+/// `acc` g×d.
+pub fn axpy_rows_group<T: KvValue>(
+    p: &[f32],
+    stride: usize,
+    rows: &[T],
+    acc: &mut [f32],
+    g: usize,
+) {
+    let d = acc.len() / g;
+    let n = rows.len() / d;
+    assert!(
+        g > 0 && rows.len() == n * d && p.len() >= (g - 1) * stride + n,
+        "axpy_rows_group: {g} heads of {d} over {n} rows do not fit"
+    );
+    macro_rules! go {
+        ($m:ident :: $f:ident) => {
+            // SAFETY: the level's features are on this CPU (`isa::active`); `rows` holds `n` rows
+            // of `d` (a multiple of the kernel's width), `acc` g rows of `d`, and `p` the
+            // probabilities of every head for every row (asserted above).
+            unsafe {
+                match g {
+                    1 => return $m::$f::<T, 1>(p, stride, rows, acc),
+                    2 => return $m::$f::<T, 2>(p, stride, rows, acc),
+                    3 => return $m::$f::<T, 3>(p, stride, rows, acc),
+                    4 => return $m::$f::<T, 4>(p, stride, rows, acc),
+                    5 => return $m::$f::<T, 5>(p, stride, rows, acc),
+                    6 => return $m::$f::<T, 6>(p, stride, rows, acc),
+                    _ => {}
+                }
+            }
+        };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if d.is_multiple_of(64) && has_avx512() {
+        go!(avx512::axpy_rows_g);
+    } else if d.is_multiple_of(16) && has_avx2_fma() {
+        go!(avx2::axpy_rows_g);
+    }
+    if d.is_multiple_of(16) && !has_avx2_fma() {
+        go!(portable::axpy_rows_g);
+    }
+    // Head sizes that are not a multiple of 16 (no model of ours has one) and more than 6 heads.
+    for h in 0..g {
+        let acc = &mut acc[h * d..(h + 1) * d];
+        for (t, row) in rows.chunks_exact(d).enumerate() {
+            let w = p[h * stride + t];
+            for (a, x) in acc.iter_mut().zip(row) {
+                *a += w * x.to_f32();
+            }
+        }
+    }
+}
+
+/// Activation rows per panel of [`panel_matmul`]: 32, or [`HALF_PANEL`] for products of at most
+/// that many rows (a full panel would compute as many zero rows as real ones).
+pub const PANEL: usize = 32;
+
+/// The narrow panel width.
+pub const HALF_PANEL: usize = 16;
+
+/// Most weight rows of one [`panel_matmul`] call at any level.
+pub const PANEL_ROWS: usize = 8;
+
+/// Weight rows per call of [`panel_matmul`]'s register tile at this process's level: what fills
+/// the vector registers with accumulators (8 rows × 32 columns of 16 lanes on AVX-512, 6 × 16
+/// of 8 lanes on AVX2).
+pub fn panel_rows() -> usize {
+    if has_avx512() {
+        PANEL_ROWS
+    } else if has_avx2_fma() {
+        6
+    } else {
+        portable::PANEL_ROWS
+    }
+}
+
+/// `out[j·ldo + r] = Σ_t w[r·k + t] · panel[t·width + j]` for weight rows `r < rows` (at most
+/// [`panel_rows`]) and activation rows `j < cols` (at most `width`, [`PANEL`] or [`HALF_PANEL`]):
+/// a few weight rows (row-major, as decoded) against a panel of activation rows stored k-major.
+/// Each step loads one vector of the panel per 16 rows and broadcasts one weight per weight row:
+/// 16 FMAs for 10 loads in a full panel, nothing reduced at the end. The activations are packed
+/// once per matmul; the weights need no packing.
+///
+/// # Safety
+/// `w` holds `rows` rows of `k`; `panel` holds `k × width`; `out` is valid for writes at
+/// `j·ldo + r` for every `r < rows`, `j < cols`, and nothing else writes there meanwhile.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn panel_matmul(
+    w: *const f32,
+    rows: usize,
+    k: usize,
+    panel: &[f32],
+    width: usize,
+    out: *mut f32,
+    ldo: usize,
+    cols: usize,
+) {
+    debug_assert!(width == PANEL || width == HALF_PANEL);
+    debug_assert!(rows <= panel_rows() && cols <= width && panel.len() >= k * width);
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() {
+        macro_rules! go {
+            ($c:literal; $($r:literal)*) => {
+                match rows {
+                    $($r => return avx512::panel_kernel::<$r, $c>(w, k, panel.as_ptr(), out, ldo, cols),)*
+                    _ => return,
+                }
+            };
+        }
+        if width == PANEL {
+            go!(2; 1 2 3 4 5 6 7 8);
+        } else {
+            go!(1; 1 2 3 4 5 6 7 8);
+        }
+    }
+    // 8-lane levels: 16 columns at a time, the panel's k-steps `width` apart.
+    let mut j0 = 0;
+    while j0 < cols {
+        let c = (cols - j0).min(16);
+        let (p, o) = (panel.as_ptr().add(j0), out.add(j0 * ldo));
+        macro_rules! go {
+            ($m:ident :: $f:ident; $($r:literal)*) => {
+                match rows {
+                    $($r => $m::$f::<$r>(w, k, p, width, o, ldo, c),)*
+                    _ => unreachable!("at most panel_rows() rows"),
+                }
+            };
+        }
+        #[cfg(target_arch = "x86_64")]
+        if has_avx2_fma() {
+            go!(avx2::panel_kernel; 1 2 3 4 5 6);
+            j0 += 16;
+            continue;
+        }
+        if cfg!(target_arch = "aarch64") {
+            go!(portable::panel_kernel; 1 2 3 4 5 6);
+        } else {
+            go!(portable::panel_kernel; 1 2 3);
+        }
+        j0 += 16;
+    }
+}
+
+/// Packs activation rows `x` (m×k) into k-major panels of `width` rows (missing rows zero).
+pub fn pack_panels(x: &[f32], m: usize, k: usize, width: usize) -> Vec<f32> {
+    let mut packed = vec![0f32; m.div_ceil(width) * k * width];
+    pack_panels_into(x, m, k, width, &mut packed);
+    packed
+}
+
+/// [`pack_panels`] into `packed` (m.div_ceil(width)·k·width values), every element written.
+/// Panels are packed in parallel; within one, 16 columns of every row at a time, so the 16 rows
+/// of the panel being written stay in L1.
+pub fn pack_panels_into(x: &[f32], m: usize, k: usize, width: usize, packed: &mut [f32]) {
+    use rayon::prelude::*;
+    let panels = m.div_ceil(width);
+    assert_eq!(packed.len(), panels * k * width, "packed panel size");
+    assert!(x.len() >= m * k, "activations hold m rows");
+    packed
+        .par_chunks_mut(k * width)
+        .enumerate()
+        .for_each(|(p, dst)| {
+            let r0 = p * width;
+            let rows = (m - r0).min(width);
+            let src = &x[r0 * k..(r0 + rows) * k];
+            for t0 in (0..k).step_by(16) {
+                let tn = (k - t0).min(16);
+                let block = &mut dst[t0 * width..(t0 + tn) * width];
+                for (j, row) in src.chunks_exact(k).enumerate() {
+                    for (i, &v) in row[t0..t0 + tn].iter().enumerate() {
+                        block[i * width + j] = v;
+                    }
+                }
+                if rows < width {
+                    for line in block.chunks_exact_mut(width) {
+                        line[rows..].fill(0.0);
+                    }
+                }
+            }
+        });
+}
+
+/// Most activation rows [`dot_quant_rows`] takes at once.
+pub const MAX_FUSED_ROWS: usize = 8;
+
+/// Whether [`dot_quant_rows`] has a kernel for `ty` on this machine.
+pub fn has_fused_rows(ty: GgmlType) -> bool {
+    is_split(ty) && has_avx2_fma()
+}
+
+/// Dots of one quantized row with up to [`MAX_FUSED_ROWS`] activation rows (`x` is
+/// `out.len()` rows of the row's length): each weight block is decoded once, in registers, and
+/// used for every activation row. Only where [`has_fused_rows`]; otherwise (or with more rows)
+/// it panics.
+pub fn dot_quant_rows(ty: GgmlType, row: &[u8], x: &[f32], out: &mut [f32]) {
+    assert!(
+        has_fused_rows(ty) && out.len() <= MAX_FUSED_ROWS,
+        "no fused {ty} kernel for {} rows",
+        out.len()
+    );
+    #[cfg(target_arch = "x86_64")]
+    {
+        macro_rules! rows {
+            ($m:ident :: $f:ident) => {
+                // SAFETY: the level's features are on this CPU; `x` holds out.len() rows of the
+                // row's length (checked by the debug assertion in the kernel).
+                unsafe {
+                    match out.len() {
+                        1 => $m::$f::<1>(row, x, out),
+                        2 => $m::$f::<2>(row, x, out),
+                        3 => $m::$f::<3>(row, x, out),
+                        4 => $m::$f::<4>(row, x, out),
+                        5 => $m::$f::<5>(row, x, out),
+                        6 => $m::$f::<6>(row, x, out),
+                        7 => $m::$f::<7>(row, x, out),
+                        8 => $m::$f::<8>(row, x, out),
+                        _ => {}
+                    }
+                }
+            };
+        }
+        match (ty, has_avx512()) {
+            (GgmlType::Q4_1, true) => rows!(avx512::dot_q4_1_rows),
+            (GgmlType::Q8_0, true) => rows!(avx512::dot_q8_0_rows),
+            (GgmlType::Q4_1, false) => rows!(avx2::dot_q4_1_rows),
+            (GgmlType::Q8_0, false) => rows!(avx2::dot_q8_0_rows),
+            _ => unreachable!("checked above"),
+        }
+    }
+}
+
+/// Runs `rounds` rounds of 16 independent vector FMAs held in registers on this thread and returns
+/// the floating-point operations done: timed on every thread at once, the machine's peak f32 rate,
+/// the ceiling a product's FLOP rate is measured against.
+pub fn fma_burst(rounds: usize) -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() {
+        // SAFETY: the CPU supports the features.
+        std::hint::black_box(unsafe { avx512::fma_burst(rounds) });
+        return rounds as u64 * 16 * 32;
+    } else if has_avx2_fma() {
+        // SAFETY: as above.
+        std::hint::black_box(unsafe { avx2::fma_burst(rounds) });
+        return rounds as u64 * 16 * 16;
+    }
+    std::hint::black_box(portable::fma_burst(rounds));
+    rounds as u64 * 16 * 16
+}
+
+/// The largest value of `x` (`-∞` when empty; NaNs are skipped, as `f32::max` does).
+pub fn max_f32(x: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() {
+        // SAFETY: the CPU supports the features.
+        return unsafe { avx512::max_f32(x) };
+    } else if has_avx2_fma() {
+        // SAFETY: as above.
+        return unsafe { avx2::max_f32(x) };
+    }
+    portable::max_f32(x)
+}
+
+/// `gate[i] = silu(gate[i]) · up[i]`, silu(v) = v / (1 + e^-v) (the vector `exp` is within 2 ulp).
+pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    assert_eq!(gate.len(), up.len(), "silu_mul operands");
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() {
+        // SAFETY: the CPU supports the features; both slices have gate.len() elements.
+        return unsafe { avx512::silu_mul(gate, up) };
+    } else if has_avx2_fma() {
+        // SAFETY: as above.
+        return unsafe { avx2::silu_mul(gate, up) };
+    }
+    portable::silu_mul(gate, up)
+}
+
+/// `x[i] = exp(x[i] - max)`, returning `Σ x[i]` (the softmax numerators and denominator).
+pub fn exp_shifted_sum(x: &mut [f32], max: f32) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() {
+        // SAFETY: the CPU supports the features.
+        return unsafe { avx512::exp_shifted_sum(x, max) };
+    } else if has_avx2_fma() {
+        // SAFETY: as above.
+        return unsafe { avx2::exp_shifted_sum(x, max) };
+    }
+    portable::exp_shifted_sum(x, max)
+}
+
+/// `out[i] = w[i] · (x[i] · inv)`: an RMS-normalized row (the products rounded in that order at
+/// every level, so each gives the same bits).
+pub fn scale_row(x: &[f32], w: &[f32], inv: f32, out: &mut [f32]) {
+    assert!(
+        x.len() == w.len() && out.len() == w.len(),
+        "scale_row operands"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2_fma() {
+        // SAFETY: the CPU supports the features; the three slices have one length.
+        return unsafe { avx2::scale_row(x, w, inv, out) };
+    }
+    // The compiler vectorizes this loop for the target's baseline (SSE2, NEON).
+    for ((o, &xi), &wi) in out.iter_mut().zip(x).zip(w) {
+        *o = wi * (xi * inv);
+    }
+}
+
+/// Rotates pairs `(a[i], b[i])` by the angles whose cosines and sines are `c[i]`, `s[i]`:
+/// `a' = a·c − b·s`, `b' = b·c + a·s`, each product rounded before the sum at every level.
+pub fn rotate(a: &mut [f32], b: &mut [f32], c: &[f32], s: &[f32]) {
+    assert!(
+        a.len() == b.len() && c.len() >= a.len() && s.len() >= a.len(),
+        "rotate operands"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2_fma() {
+        // SAFETY: the CPU supports the features; the lengths are checked above.
+        return unsafe { avx2::rotate(a, b, c, s) };
+    }
+    // The compiler vectorizes this loop for the target's baseline (SSE2, NEON).
+    for i in 0..a.len() {
+        let (x0, x1) = (a[i], b[i]);
+        a[i] = x0 * c[i] - x1 * s[i];
+        b[i] = x1 * c[i] + x0 * s[i];
+    }
+}
+
+/// Sums of each 32-element block of `x` (the `Σ x` term of the Q4_1 dot).
+pub fn block_sums(x: &[f32]) -> Vec<f32> {
+    x.chunks(32).map(|c| c.iter().sum()).collect()
+}
+
+/// Whether rows of `ty` are stored in the split layout.
+pub fn is_split(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::Q4_1 | GgmlType::Q8_0)
+}
+
+/// Rewrites one GGML row of `ty` (interleaved blocks) into the kernels' layout: for Q4_1
+/// `[d; nb] [m; nb] [qs; nb]` (f16, f16, 16 bytes each), for Q8_0 `[d; nb] [qs; nb]` (f16, 32
+/// bytes each). Other types are copied unchanged. `out` has the length of `ggml`.
+pub fn split_row(ty: GgmlType, ggml: &[u8], out: &mut [u8]) {
+    debug_assert_eq!(ggml.len(), out.len());
+    match ty {
+        GgmlType::Q4_1 => {
+            let nb = ggml.len() / 20;
+            let (dm, qs) = out.split_at_mut(4 * nb);
+            let (d, m) = dm.split_at_mut(2 * nb);
+            for (b, blk) in ggml.chunks_exact(20).enumerate() {
+                d[2 * b..2 * b + 2].copy_from_slice(&blk[..2]);
+                m[2 * b..2 * b + 2].copy_from_slice(&blk[2..4]);
+                qs[16 * b..16 * b + 16].copy_from_slice(&blk[4..]);
+            }
+        }
+        GgmlType::Q8_0 => {
+            let nb = ggml.len() / 34;
+            let (d, qs) = out.split_at_mut(2 * nb);
+            for (b, blk) in ggml.chunks_exact(34).enumerate() {
+                d[2 * b..2 * b + 2].copy_from_slice(&blk[..2]);
+                qs[32 * b..32 * b + 32].copy_from_slice(&blk[2..]);
+            }
+        }
+        _ => out.copy_from_slice(ggml),
+    }
+}
+
+fn f16_at(p: &[u8], i: usize) -> f32 {
+    half::f16::from_le_bytes([p[2 * i], p[2 * i + 1]]).to_f32()
+}
+
+/// Portable decode of a split Q4_1 or Q8_0 row (the same values GGML's dequantization gives).
+fn dequant_split_portable(ty: GgmlType, row: &[u8], out: &mut [f32]) {
+    match ty {
+        GgmlType::Q4_1 => {
+            let nb = row.len() / 20;
+            let qs = &row[4 * nb..];
+            for b in 0..nb {
+                let (d, m) = (f16_at(row, b), f16_at(row, nb + b));
+                let o = &mut out[32 * b..32 * b + 32];
+                for (j, &q) in qs[16 * b..16 * b + 16].iter().enumerate() {
+                    o[j] = (q & 0x0f) as f32 * d + m;
+                    o[j + 16] = (q >> 4) as f32 * d + m;
+                }
+            }
+        }
+        GgmlType::Q8_0 => {
+            let nb = row.len() / 34;
+            let qs = &row[2 * nb..];
+            for b in 0..nb {
+                let d = f16_at(row, b);
+                for (o, &q) in out[32 * b..32 * b + 32]
+                    .iter_mut()
+                    .zip(&qs[32 * b..32 * b + 32])
+                {
+                    *o = q as i8 as f32 * d;
+                }
+            }
+        }
+        _ => unreachable!("{ty} rows are not split"),
+    }
+}
+
+/// Dot of one quantized row with f32 activations `x`. `xsum` holds `block_sums(x)` (used by Q4_1).
+#[inline]
+pub fn dot_quant_row(
+    ty: GgmlType,
+    row: &[u8],
+    x: &[f32],
+    xsum: &[f32],
+    scratch: &mut [f32],
+) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() {
+        match ty {
+            // SAFETY: as above; row lengths are validated when the weight is built.
+            GgmlType::Q4_1 => return unsafe { avx512::dot_q4_1(row, x, xsum) },
+            GgmlType::Q8_0 => return unsafe { avx512::dot_q8_0(row, x) },
+            _ => {}
+        }
+    } else if has_avx2_fma() {
+        match ty {
+            // SAFETY: as above; row lengths are validated when the weight is built.
+            GgmlType::Q4_1 => return unsafe { avx2::dot_q4_1(row, x, xsum) },
+            GgmlType::Q8_0 => return unsafe { avx2::dot_q8_0(row, x) },
+            _ => {}
+        }
+    }
+    dequant_row(ty, row, scratch);
+    dot_f32(scratch, x)
+}
+
+/// Decodes one quantized row (in the kernels' layout, see [`split_row`]) into `out`.
+pub fn dequant_row(ty: GgmlType, row: &[u8], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() {
+        match ty {
+            // SAFETY: the CPU supports the features; row lengths are validated at construction.
+            GgmlType::Q4_1 => return unsafe { avx512::dequant_q4_1(row, out) },
+            GgmlType::Q8_0 => return unsafe { avx512::dequant_q8_0(row, out) },
+            _ => {}
+        }
+    } else if has_avx2_fma() {
+        match ty {
+            // SAFETY: as above.
+            GgmlType::Q4_1 => return unsafe { avx2::dequant_q4_1(row, out) },
+            GgmlType::Q8_0 => return unsafe { avx2::dequant_q8_0(row, out) },
+            _ => {}
+        }
+    }
+    if is_split(ty) {
+        return dequant_split_portable(ty, row, out);
+    }
+    dequantize(ty, row, out).expect("row length validated when the weight was built");
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+
+mod portable;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+    use tandem_model::quant::{quantize_q4_1, quantize_q8_0};
+
+    /// Reference dot product: eight running sums, the order a plain loop vectorizes in.
+    fn dot_scalar(a: &[f32], b: &[f32]) -> f32 {
+        let mut acc = [0f32; 8];
+        let n8 = a.len() / 8 * 8;
+        for (ca, cb) in a[..n8].chunks_exact(8).zip(b[..n8].chunks_exact(8)) {
+            for j in 0..8 {
+                acc[j] += ca[j] * cb[j];
+            }
+        }
+        let mut s = acc.iter().sum::<f32>();
+        for i in n8..a.len() {
+            s += a[i] * b[i];
+        }
+        s
+    }
+
+    /// Reference [`dot_keys_t`]: one sum per query and key.
+    #[allow(clippy::too_many_arguments)]
+    fn dot_keys_t_scalar<T: KvValue>(
+        q: &[f32],
+        nq: usize,
+        kt: &[T],
+        ld: usize,
+        n: usize,
+        scale: f32,
+        out: &mut [f32],
+        ldo: usize,
+    ) {
+        let d = q.len() / nq;
+        for v in 0..nq {
+            let qv = &q[v * d..(v + 1) * d];
+            for j in 0..n {
+                let mut acc = 0f32;
+                for (i, x) in qv.iter().enumerate() {
+                    acc += x * kt[i * ld + j].to_f32();
+                }
+                out[v * ldo + j] = acc * scale;
+            }
+        }
+    }
+
+    /// Every finite half goes through the f16 key load as its exact f32 value (one query of one
+    /// dimension equal to 1: each score is the key itself), masked tails included.
+    #[test]
+    fn f16_keys_load_exactly() {
+        let all: Vec<half::f16> = (0..=0xffffu16)
+            .map(half::f16::from_bits)
+            .filter(|h| h.is_finite())
+            .collect();
+        for n in [all.len(), 1, 15, 17, 33] {
+            let keys = &all[all.len() - n..];
+            let mut out = vec![f32::NAN; n];
+            dot_keys_t(&[1.0], 1, keys, n, n, 1.0, &mut out, n);
+            for (h, &f) in keys.iter().zip(&out) {
+                // A sum with +0 makes -0 into +0; every other value is bit-exact.
+                assert_eq!(f, h.to_f32(), "{h}");
+            }
+        }
+    }
+
+    /// The f16 kernels compute exactly what the f32 kernels compute on the widened values: the
+    /// conversion is the only difference, and it is exact.
+    #[test]
+    fn f16_kernels_equal_f32_on_widened_values() {
+        let half_of = |v: Vec<f32>| -> (Vec<half::f16>, Vec<f32>) {
+            let h: Vec<half::f16> = v.iter().map(|&x| half::f16::from_f32(x)).collect();
+            let w = h.iter().map(|x| x.to_f32()).collect();
+            (h, w)
+        };
+        for nq in [1, 3, 6, 12] {
+            for (n, ld) in [(1, 16), (7, 16), (16, 16), (40, 48)] {
+                let d = 64;
+                let q = rnd(nq * d, 3);
+                let (kh, kw) = half_of(rnd((d - 1) * ld + n, 4));
+                let (mut a, mut b) = (vec![0f32; nq * n], vec![0f32; nq * n]);
+                dot_keys_t(&q, nq, &kh, ld, n, 0.125, &mut a, n);
+                dot_keys_t(&q, nq, &kw, ld, n, 0.125, &mut b, n);
+                assert_eq!(a, b, "scores nq={nq} n={n}");
+                let (vh, vw) = half_of(rnd(n * d, 5));
+                let p = rnd(nq * n, 6);
+                let g = nq.min(AXPY_GROUP_MAX);
+                let mut acc_h = rnd(g * d, 7);
+                let mut acc_w = acc_h.clone();
+                axpy_rows_group(&p, n, &vh, &mut acc_h, g);
+                axpy_rows_group(&p, n, &vw, &mut acc_w, g);
+                assert_eq!(acc_h, acc_w, "values g={g} n={n}");
+            }
+        }
+    }
+
+    fn rnd(n: usize, seed: u64) -> Vec<f32> {
+        let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        (0..n).map(|_| r.gen_range(-1.0..1.0)).collect()
+    }
+
+    fn split(ty: GgmlType, ggml: &[u8]) -> Vec<u8> {
+        let mut out = vec![0u8; ggml.len()];
+        split_row(ty, ggml, &mut out);
+        out
+    }
+
+    fn close(a: f32, b: f32) -> bool {
+        (a - b).abs() <= 1e-4 * (1.0 + a.abs().max(b.abs()))
+    }
+
+    #[test]
+    fn vector_max_equals_scalar() {
+        for n in [0usize, 1, 15, 16, 17, 100] {
+            let mut x = rnd(n, 70 + n as u64);
+            assert_eq!(
+                max_f32(&x),
+                x.iter().copied().fold(f32::NEG_INFINITY, f32::max)
+            );
+            if n > 3 {
+                x[2] = f32::NAN;
+                x[n - 1] = 7.0;
+                assert_eq!(max_f32(&x), 7.0, "n={n}");
+            }
+        }
+        assert_eq!(max_f32(&[f32::NEG_INFINITY; 20]), f32::NEG_INFINITY);
+    }
+
+    #[test]
+    fn vector_silu_mul_matches_the_scalar_formula() {
+        let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(9);
+        for n in [0usize, 1, 15, 16, 17, 100] {
+            let mut g: Vec<f32> = (0..n).map(|_| r.gen_range(-30.0..30.0)).collect();
+            g.extend([-200.0, 200.0, 0.0, -0.0]);
+            let u: Vec<f32> = (0..g.len()).map(|_| r.gen_range(-2.0..2.0)).collect();
+            let want: Vec<f64> = g
+                .iter()
+                .zip(&u)
+                .map(|(&v, &u)| v as f64 / (1.0 + (-v as f64).exp()) * u as f64)
+                .collect();
+            let mut got = g.clone();
+            silu_mul(&mut got, &u);
+            for ((v, w), x) in got.iter().zip(&want).zip(&g) {
+                // exp within 2 ulp, then a division and a product: a few ulp of the result.
+                let tol = 8.0 * f32::EPSILON as f64 * w.abs() + 1e-37;
+                assert!((*v as f64 - w).abs() <= tol, "silu({x}) = {v}, want {w}");
+            }
+        }
+    }
+
+    #[test]
+    fn vector_exp_is_within_two_ulp() {
+        let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+        for n in [0usize, 1, 15, 16, 17, 100] {
+            let x: Vec<f32> = (0..n).map(|_| r.gen_range(-90.0..0.0)).collect();
+            let mut y = x.clone();
+            let sum = exp_shifted_sum(&mut y, 0.0);
+            let mut want_sum = 0f64;
+            for (a, b) in x.iter().zip(&y) {
+                let want = (*a as f64).exp();
+                want_sum += want;
+                let ulp = (want as f32).abs() * f32::EPSILON;
+                assert!(
+                    (*b as f64 - want).abs() <= 2.0 * ulp as f64 + 1e-45,
+                    "exp({a}) = {b}, want {want}"
+                );
+            }
+            assert!((sum as f64 - want_sum).abs() <= 1e-6 * want_sum + 1e-30);
+        }
+        let mut y = vec![-200.0, 0.0, -1e-8];
+        assert_eq!(exp_shifted_sum(&mut y, 0.0), 1.0 + y[2]);
+        assert_eq!(y[0], 0.0);
+        assert_eq!(y[1], 1.0);
+    }
+
+    #[test]
+    fn value_runs_match_scalar() {
+        for d in [4, 16, 48, 64, 128] {
+            for n in [0, 1, 5, 16] {
+                let rows = rnd(n * d, 4);
+                let p = rnd(n, 5);
+                let mut acc = rnd(d, 6);
+                let mut want_acc = acc.clone();
+                axpy_rows(&p, &rows, &mut acc);
+                for t in 0..n {
+                    for i in 0..d {
+                        want_acc[i] += p[t] * rows[t * d + i];
+                    }
+                }
+                for i in 0..d {
+                    assert!(close(acc[i], want_acc[i]), "d={d} n={n} i={i}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn fused_multi_row_dots_match_dequantized() {
+        let k = 576;
+        let w = rnd(k, 40);
+        for (ty, g) in [
+            (GgmlType::Q4_1, quantize_q4_1(&w)),
+            (GgmlType::Q8_0, quantize_q8_0(&w)),
+        ] {
+            let mut deq = vec![0f32; k];
+            dequantize(ty, &g, &mut deq).unwrap();
+            let q = split(ty, &g);
+            for m in 1..=MAX_FUSED_ROWS {
+                let x = rnd(m * k, 41 + m as u64);
+                let mut out = vec![0f32; m];
+                if !has_fused_rows(ty) {
+                    continue;
+                }
+                dot_quant_rows(ty, &q, &x, &mut out);
+                for j in 0..m {
+                    let want = dot_scalar(&deq, &x[j * k..(j + 1) * k]);
+                    assert!(
+                        close(out[j], want),
+                        "{ty} m={m} j={j}: {} vs {want}",
+                        out[j]
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn panel_matmul_matches_dots() {
+        for k in [1, 7, 64, 576] {
+            for rows in 1..=panel_rows() {
+                for (cols, width) in [
+                    (1, HALF_PANEL),
+                    (15, HALF_PANEL),
+                    (16, HALF_PANEL),
+                    (1, PANEL),
+                    (15, PANEL),
+                    (16, PANEL),
+                    (17, PANEL),
+                    (32, PANEL),
+                ] {
+                    let w = rnd(rows * k, 50 + rows as u64);
+                    let x = rnd(cols * k, 60 + cols as u64);
+                    let panel = pack_panels(&x, cols, k, width);
+                    let ldo = 10;
+                    let mut out = vec![f32::NAN; PANEL * ldo];
+                    // SAFETY: w is rows×k, panel k×width, out covers 32 rows of ldo ≥ rows.
+                    unsafe {
+                        panel_matmul(
+                            w.as_ptr(),
+                            rows,
+                            k,
+                            &panel,
+                            width,
+                            out.as_mut_ptr(),
+                            ldo,
+                            cols,
+                        )
+                    };
+                    for j in 0..PANEL {
+                        for r in 0..ldo {
+                            let got = out[j * ldo + r];
+                            if j < cols && r < rows {
+                                let want =
+                                    dot_scalar(&w[r * k..(r + 1) * k], &x[j * k..(j + 1) * k]);
+                                assert!(
+                                    close(got, want),
+                                    "k={k} rows={rows} cols={cols} width={width}"
+                                );
+                            } else {
+                                assert!(got.is_nan(), "wrote outside the tile");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn packing_into_a_used_buffer_zeroes_the_missing_rows() {
+        // k below, at and across the 16-column blocks the packing works in.
+        let shapes = [(5, HALF_PANEL), (16, HALF_PANEL), (33, PANEL), (64, PANEL)];
+        for ((m, width), k) in shapes
+            .into_iter()
+            .flat_map(|s| [7, 16, 37, 96].map(|k| (s, k)))
+        {
+            let x = rnd(m * k, m as u64);
+            let mut buf = vec![f32::NAN; m.div_ceil(width) * k * width];
+            pack_panels_into(&x, m, k, width, &mut buf);
+            for (i, v) in buf.iter().enumerate() {
+                let (p, t, j) = (i / (k * width), i % (k * width) / width, i % width);
+                let row = p * width + j;
+                let want = if row < m { x[row * k + t] } else { 0.0 };
+                assert_eq!(*v, want, "m={m} k={k} width={width} panel {p} t {t} j {j}");
+            }
+        }
+    }
+
+    /// Every tile size and key count (masked tails, several 16-key chunks), odd and even
+    /// dimensions; slots outside the scores stay untouched.
+    #[test]
+    fn transposed_key_scores_match_dots() {
+        for d in [1, 7, 16, 64, 128] {
+            for nq in [1, 2, 3, 5, 9, 12, 13, 25] {
+                for (n, ld) in [(1, 1), (4, 4), (15, 16), (16, 16), (17, 20), (40, 48)] {
+                    let q = rnd(nq * d, 11 + nq as u64);
+                    let kt = rnd((d - 1) * ld + n, 12 + n as u64);
+                    let ldo = n + 3;
+                    let mut out = vec![f32::NAN; nq * ldo];
+                    dot_keys_t(&q, nq, &kt, ld, n, 0.25, &mut out, ldo);
+                    let mut portable = vec![f32::NAN; nq * ldo];
+                    dot_keys_t_scalar(&q, nq, &kt, ld, n, 0.25, &mut portable, ldo);
+                    for (o, p) in out.iter().zip(&portable) {
+                        assert!(
+                            close(*o, *p) || (o.is_nan() && p.is_nan()),
+                            "portable differs"
+                        );
+                    }
+                    for v in 0..nq {
+                        for j in 0..ldo {
+                            let got = out[v * ldo + j];
+                            if j >= n {
+                                assert!(got.is_nan(), "wrote past the keys");
+                                continue;
+                            }
+                            let want: f32 =
+                                (0..d).map(|i| q[v * d + i] * kt[i * ld + j]).sum::<f32>() * 0.25;
+                            assert!(close(got, want), "d={d} nq={nq} n={n} v={v} j={j}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn grouped_value_runs_match_per_head() {
+        for d in [16, 64, 128] {
+            for g in 1..=7 {
+                for n in [0, 1, 3, 16] {
+                    let stride = n + 2;
+                    let rows = rnd(n * d, 8);
+                    let p = rnd(g * stride, 9);
+                    let mut acc = rnd(g * d, 10);
+                    let before = acc.clone();
+                    axpy_rows_group(&p, stride, &rows, &mut acc, g);
+                    for h in 0..g {
+                        let mut want_acc = before[h * d..(h + 1) * d].to_vec();
+                        axpy_rows(&p[h * stride..h * stride + n], &rows, &mut want_acc);
+                        for i in 0..d {
+                            assert!(close(acc[h * d + i], want_acc[i]), "d={d} g={g} n={n}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn dot_and_axpy_match_scalar() {
+        for n in [0, 1, 7, 8, 15, 16, 17, 64, 100] {
+            let a = rnd(n, 1);
+            let b = rnd(n, 2);
+            let want: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
+            assert!(close(dot_f32(&a, &b), want), "n={n}");
+            assert!(close(dot_scalar(&a, &b), want), "n={n}");
+            let mut y = b.clone();
+            axpy(0.5, &a, &mut y);
+            for i in 0..n {
+                assert!(close(y[i], b[i] + 0.5 * a[i]));
+            }
+        }
+    }
+
+    /// Each SIMD level this CPU has, called directly (dispatch picks only the widest one).
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn every_simd_level_matches_the_portable_code() {
+        let k = 320;
+        let w = rnd(k, 5);
+        let x = rnd(k, 6);
+        let xs = block_sums(&x);
+        let (g41, g80) = (quantize_q4_1(&w), quantize_q8_0(&w));
+        let mut d41 = vec![0f32; k];
+        dequantize(GgmlType::Q4_1, &g41, &mut d41).unwrap();
+        let mut d80 = vec![0f32; k];
+        dequantize(GgmlType::Q8_0, &g80, &mut d80).unwrap();
+        let (q41, q80) = (split(GgmlType::Q4_1, &g41), split(GgmlType::Q8_0, &g80));
+        let mut o = vec![0f32; k];
+        dequant_split_portable(GgmlType::Q4_1, &q41, &mut o);
+        assert_eq!(o, d41);
+        dequant_split_portable(GgmlType::Q8_0, &q80, &mut o);
+        assert_eq!(o, d80);
+        let want41 = dot_scalar(&d41, &x);
+        let want80 = dot_scalar(&d80, &x);
+        let wantf = dot_scalar(&w, &x);
+        let cpu = crate::isa::detected();
+        if cpu < Isa::Avx2 {
+            eprintln!("no AVX2 on this CPU: its kernels are not tested here");
+        }
+        if cpu < Isa::Avx512 {
+            eprintln!("no AVX-512 on this CPU: its kernels are not tested here");
+        }
+        if cpu >= Isa::Avx2 {
+            // SAFETY: guarded by the feature check.
+            unsafe {
+                assert!(close(avx2::dot_q4_1(&q41, &x, &xs), want41));
+                assert!(close(avx2::dot_q8_0(&q80, &x), want80));
+                assert!(close(avx2::dot(&w, &x), wantf));
+                let mut o = vec![0f32; k];
+                avx2::dequant_q4_1(&q41, &mut o);
+                assert!(o.iter().zip(&d41).all(|(a, b)| close(*a, *b)));
+                avx2::dequant_q8_0(&q80, &mut o);
+                assert!(o.iter().zip(&d80).all(|(a, b)| close(*a, *b)));
+            }
+        }
+        if cpu >= Isa::Avx512 {
+            // SAFETY: guarded by the feature check.
+            unsafe {
+                assert!(close(avx512::dot_q4_1(&q41, &x, &xs), want41));
+                assert!(close(avx512::dot_q8_0(&q80, &x), want80));
+                assert!(close(avx512::dot(&w, &x), wantf));
+                let mut o = vec![0f32; k];
+                avx512::dequant_q4_1(&q41, &mut o);
+                assert!(o.iter().zip(&d41).all(|(a, b)| close(*a, *b)));
+                avx512::dequant_q8_0(&q80, &mut o);
+                assert!(o.iter().zip(&d80).all(|(a, b)| close(*a, *b)));
+            }
+        }
+    }
+
+    #[test]
+    fn quantized_dots_match_dequantized_reference() {
+        let k = 256;
+        let w = rnd(k, 3);
+        let x = rnd(k, 4);
+        let xs = block_sums(&x);
+        let mut scratch = vec![0f32; k];
+        for (ty, g) in [
+            (GgmlType::Q4_1, quantize_q4_1(&w)),
+            (GgmlType::Q8_0, quantize_q8_0(&w)),
+        ] {
+            let mut deq = vec![0f32; k];
+            dequantize(ty, &g, &mut deq).unwrap();
+            let q = split(ty, &g);
+            let want: f32 = deq.iter().zip(&x).map(|(a, b)| a * b).sum();
+            let got = dot_quant_row(ty, &q, &x, &xs, &mut scratch);
+            assert!(close(got, want), "{ty}: {got} vs {want}");
+            let mut fast = vec![0f32; k];
+            dequant_row(ty, &q, &mut fast);
+            for (a, b) in fast.iter().zip(&deq) {
+                assert!(close(*a, *b), "{ty} dequant");
+            }
+        }
+    }
+}

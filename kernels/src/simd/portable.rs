@@ -1,0 +1,294 @@
+//! Portable kernels on the `wide` crate's 8-lane vectors: two NEON registers on aarch64 (with
+//! fused multiply-adds), two SSE2 registers on x86-64 (a multiply and an add). The level every
+//! CPU runs, and the one `TANDEM_ISA=scalar` picks on x86 to test it there.
+//!
+//! The same loop shapes as the AVX2 kernels (a register tile for the panel product, keys loaded
+//! once for a tile of queries, value rows loaded once for a group of heads), so the compiler has
+//! the same independent chains to schedule.
+
+use wide::f32x8;
+
+use super::KvValue;
+
+/// Weight rows per call of [`panel_kernel`] at this level: aarch64 has 32 vector registers (6
+/// rows × 4 accumulators of 4 lanes fit with room for the panel), x86-64's SSE2 has 16.
+pub const PANEL_ROWS: usize = if cfg!(target_arch = "aarch64") { 6 } else { 3 };
+
+#[inline(always)]
+unsafe fn ld(p: *const f32) -> f32x8 {
+    f32x8::new(std::ptr::read_unaligned(p as *const [f32; 8]))
+}
+
+#[inline(always)]
+unsafe fn st(p: *mut f32, v: f32x8) {
+    std::ptr::write_unaligned(p as *mut [f32; 8], v.to_array());
+}
+
+/// 8 cache values at `p` widened to f32 (exactly, for halves).
+#[inline(always)]
+unsafe fn ld_kv<T: KvValue>(p: *const T) -> f32x8 {
+    if T::HALF {
+        let v: [T; 8] = std::ptr::read_unaligned(p as *const [T; 8]);
+        f32x8::new(v.map(T::to_f32))
+    } else {
+        ld(p as *const f32)
+    }
+}
+
+/// The first `count` (≤ 8) cache values at `p`; other lanes zero and not read.
+#[inline(always)]
+unsafe fn ld_kv_part<T: KvValue>(p: *const T, count: usize) -> f32x8 {
+    let mut buf = [0f32; 8];
+    for (i, b) in buf.iter_mut().enumerate().take(count) {
+        *b = (*p.add(i)).to_f32();
+    }
+    f32x8::new(buf)
+}
+
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let (pa, pb) = (a.as_ptr(), b.as_ptr());
+    let (mut acc0, mut acc1) = (f32x8::ZERO, f32x8::ZERO);
+    let mut i = 0;
+    // SAFETY: every load is of 8 values at i + 8 ≤ n or i + 16 ≤ n.
+    unsafe {
+        while i + 16 <= n {
+            acc0 = ld(pa.add(i)).mul_add(ld(pb.add(i)), acc0);
+            acc1 = ld(pa.add(i + 8)).mul_add(ld(pb.add(i + 8)), acc1);
+            i += 16;
+        }
+        if i + 8 <= n {
+            acc0 = ld(pa.add(i)).mul_add(ld(pb.add(i)), acc0);
+            i += 8;
+        }
+    }
+    let mut s = (acc0 + acc1).reduce_add();
+    for j in i..n {
+        s += a[j] * b[j];
+    }
+    s
+}
+
+pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
+    let n = x.len().min(y.len());
+    let av = f32x8::splat(alpha);
+    let (px, py) = (x.as_ptr(), y.as_mut_ptr());
+    let mut i = 0;
+    // SAFETY: 8 values at i + 8 ≤ n of both.
+    unsafe {
+        while i + 8 <= n {
+            st(py.add(i), av.mul_add(ld(px.add(i)), ld(py.add(i))));
+            i += 8;
+        }
+    }
+    for j in i..n {
+        y[j] += alpha * x[j];
+    }
+}
+
+/// See the AVX2 `panel_kernel`: `R` weight rows against 16 activation columns of a panel whose
+/// k-steps are `stride` floats apart.
+///
+/// # Safety
+/// As [`super::panel_matmul`], with `R ≤ PANEL_ROWS`, `cols ≤ 16` and 16 readable values at every
+/// `panel + t·stride`.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn panel_kernel<const R: usize>(
+    w: *const f32,
+    k: usize,
+    panel: *const f32,
+    stride: usize,
+    out: *mut f32,
+    ldo: usize,
+    cols: usize,
+) {
+    let mut acc = [[f32x8::ZERO; 2]; R];
+    for t in 0..k {
+        let x0 = ld(panel.add(t * stride));
+        let x1 = ld(panel.add(t * stride + 8));
+        for (r, a) in acc.iter_mut().enumerate() {
+            let wb = f32x8::splat(*w.add(r * k + t));
+            a[0] = wb.mul_add(x0, a[0]);
+            a[1] = wb.mul_add(x1, a[1]);
+        }
+    }
+    for (r, a) in acc.iter().enumerate() {
+        let (lo, hi) = (a[0].to_array(), a[1].to_array());
+        for (j, v) in lo.iter().chain(&hi).enumerate().take(cols) {
+            *out.add(j * ldo + r) = *v;
+        }
+    }
+}
+
+/// See the AVX2 `dot_keys_t`: `N` queries against `cols ≤ 16` transposed keys.
+///
+/// # Safety
+/// `q` holds `N` rows of `d`; rows `i < d` of `kt` (at `kt + i·ld`) hold `cols` keys; `out` rows
+/// `v < N` (at `out + v·ldo`) have `cols` writable slots.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn dot_keys_t<T: KvValue, const N: usize>(
+    q: *const f32,
+    d: usize,
+    kt: *const T,
+    ld: usize,
+    cols: usize,
+    scale: f32,
+    out: *mut f32,
+    ldo: usize,
+) {
+    let full = cols == 16;
+    let (c0, c1) = (cols.min(8), cols.saturating_sub(8));
+    let mut a0 = [f32x8::ZERO; N];
+    let mut a1 = [f32x8::ZERO; N];
+    for i in 0..d {
+        let row = kt.add(i * ld);
+        let (k0, k1) = if full {
+            (ld_kv(row), ld_kv(row.add(8)))
+        } else {
+            (ld_kv_part(row, c0), ld_kv_part(row.add(8), c1))
+        };
+        for v in 0..N {
+            let qb = f32x8::splat(*q.add(v * d + i));
+            a0[v] = qb.mul_add(k0, a0[v]);
+            a1[v] = qb.mul_add(k1, a1[v]);
+        }
+    }
+    let s = f32x8::splat(scale);
+    for v in 0..N {
+        let (lo, hi) = ((a0[v] * s).to_array(), (a1[v] * s).to_array());
+        for (j, x) in lo.iter().chain(&hi).enumerate().take(cols) {
+            *out.add(v * ldo + j) = *x;
+        }
+    }
+}
+
+/// See the AVX2 `axpy_rows_g`: `G` heads, `d` a multiple of 16.
+///
+/// # Safety
+/// `p` holds `(G-1)·stride + n` probabilities for the `n = rows.len() / d` rows.
+pub unsafe fn axpy_rows_g<T: KvValue, const G: usize>(
+    p: &[f32],
+    stride: usize,
+    rows: &[T],
+    acc: &mut [f32],
+) {
+    let d = acc.len() / G;
+    let n = rows.len() / d;
+    let (pp, pr, pa) = (p.as_ptr(), rows.as_ptr(), acc.as_mut_ptr());
+    for c in (0..d).step_by(16) {
+        let mut a = [[f32x8::ZERO; 2]; G];
+        for (h, ah) in a.iter_mut().enumerate() {
+            ah[0] = ld(pa.add(h * d + c));
+            ah[1] = ld(pa.add(h * d + c + 8));
+        }
+        for t in 0..n {
+            let r = pr.add(t * d + c);
+            let (v0, v1) = (ld_kv(r), ld_kv(r.add(8)));
+            for (h, ah) in a.iter_mut().enumerate() {
+                let w = f32x8::splat(*pp.add(h * stride + t));
+                ah[0] = w.mul_add(v0, ah[0]);
+                ah[1] = w.mul_add(v1, ah[1]);
+            }
+        }
+        for (h, ah) in a.iter().enumerate() {
+            st(pa.add(h * d + c), ah[0]);
+            st(pa.add(h * d + c + 8), ah[1]);
+        }
+    }
+}
+
+pub fn max_f32(x: &[f32]) -> f32 {
+    let mut chunks = x.chunks_exact(8);
+    let mut m = f32x8::splat(f32::NEG_INFINITY);
+    for c in &mut chunks {
+        // `max` keeps the other operand where one is NaN, so NaNs are skipped.
+        m = m.max(f32x8::new(c.try_into().expect("8 values")));
+    }
+    m.to_array()
+        .iter()
+        .chain(chunks.remainder())
+        .copied()
+        .fold(f32::NEG_INFINITY, f32::max)
+}
+
+/// `exp` of 8 lanes: the reduction and polynomial of the AVX kernels, `2^n` applied as two normal
+/// powers of two (one rounding into the subnormal range, +∞ for a large `x`).
+#[inline(always)]
+fn exp8(x: f32x8) -> f32x8 {
+    let x = x.max(f32x8::splat(-104.0)).min(f32x8::splat(100.0));
+    let n = (x * f32x8::splat(std::f32::consts::LOG2_E)).round();
+    let r = x - n * f32x8::splat(0.693_359_4);
+    let r = r - n * f32x8::splat(-2.121_944_4e-4);
+    let mut p = f32x8::splat(1.987_569_1e-4);
+    for c in [
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        1.666_666_5e-1,
+        5e-1,
+    ] {
+        p = p.mul_add(r, f32x8::splat(c));
+    }
+    let e = (p * r).mul_add(r, r + f32x8::ONE);
+    let (e, n) = (e.to_array(), n.to_array());
+    let pow2 = |k: i32| f32::from_bits(((k + 127) as u32) << 23);
+    f32x8::new(std::array::from_fn(|i| {
+        let ni = n[i] as i32;
+        let h = ni >> 1;
+        e[i] * pow2(h) * pow2(ni - h)
+    }))
+}
+
+pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    let silu = |v: f32x8, u: f32x8| v / (f32x8::ONE + exp8(-v)) * u;
+    let n8 = gate.len() / 8 * 8;
+    // SAFETY: 8 values at i < n8 of both (the caller checked the lengths agree).
+    unsafe {
+        for i in (0..n8).step_by(8) {
+            let g = gate.as_mut_ptr().add(i);
+            st(g, silu(ld(g), ld(up.as_ptr().add(i))));
+        }
+    }
+    let rest = gate.len() - n8;
+    if rest > 0 {
+        let (mut g, mut u) = ([0f32; 8], [0f32; 8]);
+        g[..rest].copy_from_slice(&gate[n8..]);
+        u[..rest].copy_from_slice(&up[n8..]);
+        let r = silu(f32x8::new(g), f32x8::new(u)).to_array();
+        gate[n8..].copy_from_slice(&r[..rest]);
+    }
+}
+
+pub fn exp_shifted_sum(x: &mut [f32], max: f32) -> f32 {
+    let m = f32x8::splat(max);
+    let mut acc = f32x8::ZERO;
+    let mut chunks = x.chunks_exact_mut(8);
+    for c in &mut chunks {
+        let e = exp8(f32x8::new((&*c).try_into().expect("8 values")) - m);
+        c.copy_from_slice(&e.to_array());
+        acc += e;
+    }
+    let rest = chunks.into_remainder();
+    let mut s = acc.reduce_add();
+    if !rest.is_empty() {
+        let mut buf = [f32::NEG_INFINITY; 8];
+        buf[..rest.len()].copy_from_slice(rest);
+        // exp(-∞ - max) is 0: the filler lanes add nothing.
+        let e = exp8(f32x8::new(buf) - m);
+        rest.copy_from_slice(&e.to_array()[..rest.len()]);
+        s += e.reduce_add();
+    }
+    s
+}
+
+/// See [`super::fma_burst`]: 16 independent vector multiply-adds per round.
+pub fn fma_burst(rounds: usize) -> f32 {
+    let mut acc = [f32x8::ONE; 16];
+    let (b, c) = (f32x8::splat(0.999_999), f32x8::splat(1e-7));
+    for _ in 0..rounds {
+        for a in acc.iter_mut() {
+            *a = a.mul_add(b, c);
+        }
+    }
+    acc.iter().fold(f32x8::ZERO, |s, a| s + *a).reduce_add()
+}
