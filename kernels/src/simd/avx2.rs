@@ -90,44 +90,40 @@ pub unsafe fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
 }
 
 /// The 32 nibbles of a Q4_1/Q4_0 block as four vectors of 8 f32 (elements 0-7, 8-15, 16-23, 24-31).
+/// Each 8-byte half is widened straight from memory and split into its low and high nibbles in
+/// 32-bit lanes: two widening shuffles a block instead of six (the 16-byte load, split in bytes
+/// and widened in quarters, was 30% slower on Zen 3: 3.7-4.7 against 2.6-3.3 ns a block).
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn nibbles(qs: *const u8) -> [__m256; 4] {
-    let mask = _mm_set1_epi8(0x0f);
-    let q = _mm_loadu_si128(qs as *const __m128i);
-    let lo = _mm_and_si128(q, mask);
-    let hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
+    let low = _mm256_set1_epi32(0x0f);
+    let v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(qs as *const __m128i));
+    let v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(qs.add(8) as *const __m128i));
     [
-        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)),
-        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))),
-        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)),
-        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))),
+        _mm256_cvtepi32_ps(_mm256_and_si256(v0, low)),
+        _mm256_cvtepi32_ps(_mm256_and_si256(v1, low)),
+        _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(v0)),
+        _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(v1)),
     ]
 }
 
+/// The 32 signed bytes of a Q8_0 block as four vectors of 8 f32, each widened from memory.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn bytes_i8(qs: *const u8) -> [__m256; 4] {
-    let a = _mm_loadu_si128(qs as *const __m128i);
-    let b = _mm_loadu_si128(qs.add(16) as *const __m128i);
-    [
-        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a)),
-        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a, 8))),
-        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)),
-        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))),
-    ]
+    let w = |at: usize| {
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+            qs.add(at) as *const __m128i
+        )))
+    };
+    [w(0), w(8), w(16), w(24)]
 }
 
-/// Up to 8 f16 values at `p` (`count` of them) as f32 lanes; missing lanes zero, not read.
+/// 8 f16 values at `p` as f32 lanes.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn f16x8(p: *const u8, count: usize) -> __m256 {
-    if count >= 8 {
-        return _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
-    }
-    let mut buf = [0u16; 8];
-    std::ptr::copy_nonoverlapping(p, buf.as_mut_ptr().cast::<u8>(), 2 * count);
-    _mm256_cvtph_ps(_mm_loadu_si128(buf.as_ptr() as *const __m128i))
+unsafe fn f16x8(p: *const u8) -> __m256 {
+    _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
 }
 
 /// Split Q4_1 row: per 8 blocks, one conversion of the scales and of the mins and one FMA of the
@@ -162,25 +158,23 @@ pub unsafe fn dot_q4_1(row: &[u8], x: &[f32], xsum: &[f32]) -> f32 {
         _mm256_setzero_ps(),
     );
     let mut dbuf = [0f32; 8];
-    let mut b0 = 0;
-    while b0 < nb {
-        let cnt = (nb - b0).min(8);
-        _mm256_storeu_ps(dbuf.as_mut_ptr(), f16x8(pd.add(2 * b0), cnt));
-        let m = f16x8(pd.add(2 * (nb + b0)), cnt);
-        let xs = _mm256_maskload_ps(xsum.as_ptr().add(b0), lanes(cnt));
-        macc = _mm256_fmadd_ps(m, xs, macc);
-        let mut i = 0;
-        while i + 2 <= cnt {
+    let groups = nb / 8 * 8;
+    for b0 in (0..groups).step_by(8) {
+        _mm256_storeu_ps(dbuf.as_mut_ptr(), f16x8(pd.add(2 * b0)));
+        let m = f16x8(pd.add(2 * (nb + b0)));
+        macc = _mm256_fmadd_ps(m, _mm256_loadu_ps(xsum.as_ptr().add(b0)), macc);
+        for i in (0..8).step_by(2) {
             a0 = _mm256_fmadd_ps(_mm256_set1_ps(dbuf[i]), block(b0 + i), a0);
             a1 = _mm256_fmadd_ps(_mm256_set1_ps(dbuf[i + 1]), block(b0 + i + 1), a1);
-            i += 2;
         }
-        if i < cnt {
-            a0 = _mm256_fmadd_ps(_mm256_set1_ps(dbuf[i]), block(b0 + i), a0);
-        }
-        b0 += cnt;
     }
-    hsum(_mm256_add_ps(a0, a1)) + hsum(macc)
+    // The last blocks of a row that is not a multiple of 8 blocks (576 columns: 2), one at a time.
+    let mut mtail = 0f32;
+    for b in groups..nb {
+        a0 = _mm256_fmadd_ps(_mm256_set1_ps(f16_load(pd.add(2 * b))), block(b), a0);
+        mtail += f16_load(pd.add(2 * (nb + b))) * *xsum.get_unchecked(b);
+    }
+    hsum(_mm256_add_ps(a0, a1)) + hsum(macc) + mtail
 }
 
 /// Split Q8_0 row: scales converted 8 at a time, blocks in pairs into two accumulators.
@@ -208,20 +202,16 @@ pub unsafe fn dot_q8_0(row: &[u8], x: &[f32]) -> f32 {
     };
     let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
     let mut dbuf = [0f32; 8];
-    let mut b0 = 0;
-    while b0 < nb {
-        let cnt = (nb - b0).min(8);
-        _mm256_storeu_ps(dbuf.as_mut_ptr(), f16x8(pd.add(2 * b0), cnt));
-        let mut i = 0;
-        while i + 2 <= cnt {
+    let groups = nb / 8 * 8;
+    for b0 in (0..groups).step_by(8) {
+        _mm256_storeu_ps(dbuf.as_mut_ptr(), f16x8(pd.add(2 * b0)));
+        for i in (0..8).step_by(2) {
             a0 = _mm256_fmadd_ps(_mm256_set1_ps(dbuf[i]), block(b0 + i), a0);
             a1 = _mm256_fmadd_ps(_mm256_set1_ps(dbuf[i + 1]), block(b0 + i + 1), a1);
-            i += 2;
         }
-        if i < cnt {
-            a0 = _mm256_fmadd_ps(_mm256_set1_ps(dbuf[i]), block(b0 + i), a0);
-        }
-        b0 += cnt;
+    }
+    for b in groups..nb {
+        a0 = _mm256_fmadd_ps(_mm256_set1_ps(f16_load(pd.add(2 * b))), block(b), a0);
     }
     hsum(_mm256_add_ps(a0, a1))
 }
