@@ -302,6 +302,7 @@ fn weight_row_limbs(
 }
 
 /// Tile configuration (palette 1): tiles 0-7 all 16 rows of 64 bytes.
+#[cfg(target_arch = "x86_64")]
 #[repr(C, align(64))]
 struct TileConfig {
     palette: u8,
@@ -312,6 +313,7 @@ struct TileConfig {
     reserved2: [u8; 16],
 }
 
+#[cfg(target_arch = "x86_64")]
 const CONFIG: TileConfig = TileConfig {
     palette: 1,
     start_row: 0,

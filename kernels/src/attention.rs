@@ -131,7 +131,9 @@ impl KvSlab<'_> {
         }
     }
 
-    /// Asks the CPU to start loading `len` values from offset `at` into cache.
+    /// Asks the CPU to start loading `len` values from offset `at` into cache (x86-64; elsewhere
+    /// the hardware prefetcher is left to it).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
     fn prefetch(&self, at: usize, len: usize) {
         #[cfg(target_arch = "x86_64")]
         {

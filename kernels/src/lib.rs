@@ -1,12 +1,13 @@
 //! tandem-kernels: devices, buffers and the op set the engine writes its model against.
 //!
 //! Owns: the CPU implementations of matmul (dense f32 through `gemm`; quantized weights kept
-//! quantized in memory and dequantized on the fly with AVX2/FMA kernels chosen at run time, with a
-//! portable fallback; on CPUs with AMX, products of many rows on the tiles at f32 accuracy,
-//! [`amx`] and [`Linear`]), rms_norm, rotary embedding, silu·mul, embedding gather, writes into the paged
-//! KV cache, paged attention (packed variable-length prefill over a cached prefix, and single-query
-//! decode), and logits helpers. Activations are f32 throughout so the CPU path is the numerical
-//! reference the GPU kernels are checked against.
+//! quantized in memory and dequantized on the fly; on CPUs with AMX, products of many rows on the
+//! tiles at f32 accuracy, [`amx`] and [`Linear`]), rms_norm, rotary embedding, silu·mul, embedding
+//! gather, writes into the paged KV cache, paged attention (packed variable-length prefill over a
+//! cached prefix, and single-query decode), and logits helpers. Every hot kernel exists at each
+//! kernel level ([`isa`]: AVX-512, AVX2+FMA, and portable SIMD that is NEON on aarch64), picked at
+//! run time and capped by `TANDEM_ISA`. Activations are f32 throughout so the CPU path is the
+//! numerical reference the GPU kernels are checked against.
 //!
 //! Does not own: model structure (tandem-engine) or file formats (tandem-model).
 //!

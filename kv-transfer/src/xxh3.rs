@@ -4,9 +4,12 @@
 //! The `xxhash-rust` crate fixes its SIMD width when it is compiled, so a portable x86-64 build
 //! hashes with SSE2: one frame checksum on each side cost the transfer about a fifth of its time
 //! (`tandem bench kv-transfer` prints both rates). This module computes the same function with
-//! AVX-512 or AVX2, picked at run time, for inputs over 240 bytes (every KV frame); shorter inputs
-//! and other CPUs go to the crate. The tests compare the two on every length up to a few blocks
+//! AVX-512 or AVX2, picked at run time (capped by `TANDEM_ISA`), for inputs over 240 bytes (every
+//! KV frame); shorter inputs and other CPUs go to the crate. The tests compare the two on every length up to a few blocks
 //! and on random inputs.
+
+// Off x86-64 every input goes to the crate: the constants and the merge serve the x86 loops.
+#![cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 
 use xxhash_rust::xxh3::xxh3_64 as crate_xxh3_64;
 
@@ -54,17 +57,38 @@ pub fn xxh3_64(data: &[u8]) -> u64 {
     if data.len() > MIDSIZE_MAX {
         #[cfg(target_arch = "x86_64")]
         {
-            if std::arch::is_x86_feature_detected!("avx512f") {
+            let cap = level_cap();
+            if cap >= 2 && std::arch::is_x86_feature_detected!("avx512f") {
                 // SAFETY: the CPU has AVX-512F (checked above).
                 return merge(unsafe { x86::accumulate_avx512(data) }, data.len());
             }
-            if std::arch::is_x86_feature_detected!("avx2") {
+            if cap >= 1 && std::arch::is_x86_feature_detected!("avx2") {
                 // SAFETY: the CPU has AVX2 (checked above).
                 return merge(unsafe { x86::accumulate_avx2(data) }, data.len());
             }
         }
     }
     crate_xxh3_64(data)
+}
+
+/// The widest vectors `TANDEM_ISA` allows (0: the crate's portable code, 1: AVX2, 2: AVX-512), so
+/// a process capped for testing hashes on that level too. The kernels crate owns the variable and
+/// refuses unknown names at startup; this leaf crate only reads the cap (an unknown name: none).
+#[cfg(target_arch = "x86_64")]
+fn level_cap() -> u8 {
+    static CAP: std::sync::OnceLock<u8> = std::sync::OnceLock::new();
+    *CAP.get_or_init(|| {
+        match std::env::var("TANDEM_ISA")
+            .unwrap_or_default()
+            .trim()
+            .to_ascii_lowercase()
+            .as_str()
+        {
+            "scalar" | "portable" => 0,
+            "avx2" => 1,
+            _ => 2,
+        }
+    })
 }
 
 fn read64(b: &[u8], at: usize) -> u64 {

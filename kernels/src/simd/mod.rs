@@ -370,6 +370,7 @@ pub fn has_fused_rows(ty: GgmlType) -> bool {
 /// `out.len()` rows of the row's length): each weight block is decoded once, in registers, and
 /// used for every activation row. Only where [`has_fused_rows`]; otherwise (or with more rows)
 /// it panics.
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
 pub fn dot_quant_rows(ty: GgmlType, row: &[u8], x: &[f32], out: &mut [f32]) {
     assert!(
         has_fused_rows(ty) && out.len() <= MAX_FUSED_ROWS,
@@ -583,6 +584,7 @@ fn dequant_split_portable(ty: GgmlType, row: &[u8], out: &mut [f32]) {
 
 /// Dot of one quantized row with f32 activations `x`. `xsum` holds `block_sums(x)` (used by Q4_1).
 #[inline]
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
 pub fn dot_quant_row(
     ty: GgmlType,
     row: &[u8],
