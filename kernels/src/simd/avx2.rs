@@ -126,94 +126,87 @@ unsafe fn f16x8(p: *const u8) -> __m256 {
     _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
 }
 
-/// Split Q4_1 row: per 8 blocks, one conversion of the scales and of the mins and one FMA of the
-/// mins with the block sums of `x`; per block, the 32 nibbles widened to four vectors and dotted
-/// with `x`, then scaled into one of two accumulators (blocks in pairs, so the chains overlap).
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_q4_1(row: &[u8], x: &[f32], xsum: &[f32]) -> f32 {
-    let nb = row.len() / 20;
-    debug_assert!(x.len() >= nb * 32 && xsum.len() >= nb);
-    let (pd, pq, px) = (row.as_ptr(), row.as_ptr().add(4 * nb), x.as_ptr());
-    // Unscaled q·x of block `b`, as two short chains.
-    let block = |b: usize| -> __m256 {
-        let qs = pq.add(b * 16);
-        _mm_prefetch::<_MM_HINT_T0>(qs.add(PREFETCH_AHEAD) as *const i8);
-        let q = nibbles(qs);
-        let xb = px.add(b * 32);
-        let s0 = _mm256_fmadd_ps(
-            q[2],
-            _mm256_loadu_ps(xb.add(16)),
-            _mm256_mul_ps(q[0], _mm256_loadu_ps(xb)),
-        );
-        let s1 = _mm256_fmadd_ps(
-            q[3],
-            _mm256_loadu_ps(xb.add(24)),
-            _mm256_mul_ps(q[1], _mm256_loadu_ps(xb.add(8))),
-        );
-        _mm256_add_ps(s0, s1)
-    };
-    let (mut a0, mut a1, mut macc) = (
-        _mm256_setzero_ps(),
-        _mm256_setzero_ps(),
-        _mm256_setzero_ps(),
+/// `q·x` of one block: its 32 decoded values against the 32 activations at `xb`, as two short
+/// chains.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn block_dot(q: [__m256; 4], xb: *const f32) -> __m256 {
+    let s0 = _mm256_fmadd_ps(
+        q[2],
+        _mm256_loadu_ps(xb.add(16)),
+        _mm256_mul_ps(q[0], _mm256_loadu_ps(xb)),
     );
+    let s1 = _mm256_fmadd_ps(
+        q[3],
+        _mm256_loadu_ps(xb.add(24)),
+        _mm256_mul_ps(q[1], _mm256_loadu_ps(xb.add(8))),
+    );
+    _mm256_add_ps(s0, s1)
+}
+
+/// `Σ_b d_b · block(b)` over a row's `nb` blocks, the f16 scales `d` at `scales`: converted 8 at
+/// a time, blocks in pairs into two accumulators so the chains overlap; the row's last blocks
+/// past a multiple of 8 (576 columns: 2) one at a time, with no partial copies.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn scaled_blocks(nb: usize, scales: *const u8, block: impl Fn(usize) -> __m256) -> f32 {
+    let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
     let mut dbuf = [0f32; 8];
     let groups = nb / 8 * 8;
     for b0 in (0..groups).step_by(8) {
-        _mm256_storeu_ps(dbuf.as_mut_ptr(), f16x8(pd.add(2 * b0)));
-        let m = f16x8(pd.add(2 * (nb + b0)));
-        macc = _mm256_fmadd_ps(m, _mm256_loadu_ps(xsum.as_ptr().add(b0)), macc);
+        _mm256_storeu_ps(dbuf.as_mut_ptr(), f16x8(scales.add(2 * b0)));
         for i in (0..8).step_by(2) {
             a0 = _mm256_fmadd_ps(_mm256_set1_ps(dbuf[i]), block(b0 + i), a0);
             a1 = _mm256_fmadd_ps(_mm256_set1_ps(dbuf[i + 1]), block(b0 + i + 1), a1);
         }
     }
-    // The last blocks of a row that is not a multiple of 8 blocks (576 columns: 2), one at a time.
-    let mut mtail = 0f32;
     for b in groups..nb {
-        a0 = _mm256_fmadd_ps(_mm256_set1_ps(f16_load(pd.add(2 * b))), block(b), a0);
-        mtail += f16_load(pd.add(2 * (nb + b))) * *xsum.get_unchecked(b);
+        a0 = _mm256_fmadd_ps(_mm256_set1_ps(f16_load(scales.add(2 * b))), block(b), a0);
     }
-    hsum(_mm256_add_ps(a0, a1)) + hsum(macc) + mtail
+    hsum(_mm256_add_ps(a0, a1))
 }
 
-/// Split Q8_0 row: scales converted 8 at a time, blocks in pairs into two accumulators.
+/// Split Q4_1 row: `Σ d·(q·x)` over the blocks ([`scaled_blocks`]; the 32 nibbles of a block
+/// widened to four vectors) plus `Σ m·Σx`, the mins against the block sums of `x`, 8 at a time.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_q4_1(row: &[u8], x: &[f32], xsum: &[f32]) -> f32 {
+    let nb = row.len() / 20;
+    debug_assert!(x.len() >= nb * 32 && xsum.len() >= nb);
+    let (pd, pm, pq, px) = (
+        row.as_ptr(),
+        row.as_ptr().add(2 * nb),
+        row.as_ptr().add(4 * nb),
+        x.as_ptr(),
+    );
+    let qx = scaled_blocks(nb, pd, |b| {
+        let qs = pq.add(b * 16);
+        _mm_prefetch::<_MM_HINT_T0>(qs.add(PREFETCH_AHEAD) as *const i8);
+        block_dot(nibbles(qs), px.add(b * 32))
+    });
+    let mut macc = _mm256_setzero_ps();
+    let groups = nb / 8 * 8;
+    for b0 in (0..groups).step_by(8) {
+        let m = f16x8(pm.add(2 * b0));
+        macc = _mm256_fmadd_ps(m, _mm256_loadu_ps(xsum.as_ptr().add(b0)), macc);
+    }
+    let mut mtail = 0f32;
+    for b in groups..nb {
+        mtail += f16_load(pm.add(2 * b)) * *xsum.get_unchecked(b);
+    }
+    qx + hsum(macc) + mtail
+}
+
+/// Split Q8_0 row: `Σ d·(q·x)` over the blocks ([`scaled_blocks`]).
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_q8_0(row: &[u8], x: &[f32]) -> f32 {
     let nb = row.len() / 34;
     debug_assert!(x.len() >= nb * 32);
     let (pd, pq, px) = (row.as_ptr(), row.as_ptr().add(2 * nb), x.as_ptr());
-    let block = |b: usize| -> __m256 {
+    scaled_blocks(nb, pd, |b| {
         let qs = pq.add(b * 32);
         _mm_prefetch::<_MM_HINT_T0>(qs.add(PREFETCH_AHEAD) as *const i8);
-        let q = bytes_i8(qs);
-        let xb = px.add(b * 32);
-        let s0 = _mm256_fmadd_ps(
-            q[2],
-            _mm256_loadu_ps(xb.add(16)),
-            _mm256_mul_ps(q[0], _mm256_loadu_ps(xb)),
-        );
-        let s1 = _mm256_fmadd_ps(
-            q[3],
-            _mm256_loadu_ps(xb.add(24)),
-            _mm256_mul_ps(q[1], _mm256_loadu_ps(xb.add(8))),
-        );
-        _mm256_add_ps(s0, s1)
-    };
-    let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-    let mut dbuf = [0f32; 8];
-    let groups = nb / 8 * 8;
-    for b0 in (0..groups).step_by(8) {
-        _mm256_storeu_ps(dbuf.as_mut_ptr(), f16x8(pd.add(2 * b0)));
-        for i in (0..8).step_by(2) {
-            a0 = _mm256_fmadd_ps(_mm256_set1_ps(dbuf[i]), block(b0 + i), a0);
-            a1 = _mm256_fmadd_ps(_mm256_set1_ps(dbuf[i + 1]), block(b0 + i + 1), a1);
-        }
-    }
-    for b in groups..nb {
-        a0 = _mm256_fmadd_ps(_mm256_set1_ps(f16_load(pd.add(2 * b))), block(b), a0);
-    }
-    hsum(_mm256_add_ps(a0, a1))
+        block_dot(bytes_i8(qs), px.add(b * 32))
+    })
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]

@@ -292,30 +292,28 @@ pub unsafe fn panel_matmul(
         }
     }
     // 8-lane levels: 16 columns at a time, the panel's k-steps `width` apart.
-    let mut j0 = 0;
-    while j0 < cols {
+    for j0 in (0..cols).step_by(16) {
         let c = (cols - j0).min(16);
         let (p, o) = (panel.as_ptr().add(j0), out.add(j0 * ldo));
         macro_rules! go {
-            ($m:ident :: $f:ident; $($r:literal)*) => {
+            ($m:ident :: $f:ident) => {
                 match rows {
-                    $($r => $m::$f::<$r>(w, k, p, width, o, ldo, c),)*
+                    1 => $m::$f::<1>(w, k, p, width, o, ldo, c),
+                    2 => $m::$f::<2>(w, k, p, width, o, ldo, c),
+                    3 => $m::$f::<3>(w, k, p, width, o, ldo, c),
+                    4 => $m::$f::<4>(w, k, p, width, o, ldo, c),
+                    5 => $m::$f::<5>(w, k, p, width, o, ldo, c),
+                    6 => $m::$f::<6>(w, k, p, width, o, ldo, c),
                     _ => unreachable!("at most panel_rows() rows"),
                 }
             };
         }
         #[cfg(target_arch = "x86_64")]
         if has_avx2_fma() {
-            go!(avx2::panel_kernel; 1 2 3 4 5 6);
-            j0 += 16;
+            go!(avx2::panel_kernel);
             continue;
         }
-        if cfg!(target_arch = "aarch64") {
-            go!(portable::panel_kernel; 1 2 3 4 5 6);
-        } else {
-            go!(portable::panel_kernel; 1 2 3);
-        }
-        j0 += 16;
+        go!(portable::panel_kernel);
     }
 }
 
