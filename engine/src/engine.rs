@@ -18,6 +18,7 @@
 use std::collections::VecDeque;
 use std::time::Instant;
 
+use rayon::prelude::*;
 use serde::Serialize;
 
 use crate::backend::Backend;
@@ -710,7 +711,38 @@ impl Engine {
         let max_ctx = self.backend.config().max_position_embeddings;
         let mut stats = StepStats::default();
         let mut finished = Vec::new();
-        let mut row = 0;
+        // Every sequence that completes its tokens this step samples one, from its row of logits
+        // (rows in plan order) or the device's pick. The rows are sampled in parallel: each
+        // sampler is its own sequence's, and a row is a whole vocabulary to scan.
+        let mut row_of = vec![None; self.running.len()];
+        let mut rows = 0;
+        for &(i, take) in &plan {
+            let s = &self.running[i];
+            if s.computed + take == s.tokens.len() {
+                row_of[i] = Some(rows);
+                rows += 1;
+            }
+        }
+        let samplers: Vec<(&mut Sampler, usize)> = self
+            .running
+            .iter_mut()
+            .zip(&row_of)
+            .filter_map(|(s, row)| row.map(|r| (&mut s.sampler, r)))
+            .collect();
+        let by_seq: Vec<(usize, Sampled)> = samplers
+            .into_par_iter()
+            .map(|(sampler, r)| {
+                let s = match picks.get(r) {
+                    Some(&(token, logprob)) => sampler.accept(token, logprob),
+                    None => sampler.sample(&logits[r * vocab..(r + 1) * vocab]),
+                };
+                (r, s)
+            })
+            .collect();
+        let mut sampled: Vec<Option<Sampled>> = (0..rows).map(|_| None).collect();
+        for (r, s) in by_seq {
+            sampled[r] = Some(s);
+        }
         for &(i, take) in &plan {
             let s = &mut self.running[i];
             let (cached, new) = (s.computed as u64, take as u64);
@@ -734,11 +766,8 @@ impl Engine {
             if s.computed < s.tokens.len() {
                 continue;
             }
-            let sampled = match picks.get(row) {
-                Some(&(token, logprob)) => s.sampler.accept(token, logprob),
-                None => s.sampler.sample(&logits[row * vocab..(row + 1) * vocab]),
-            };
-            row += 1;
+            let row = row_of[i].expect("a sequence that completed its tokens has a row");
+            let sampled = sampled[row].take().expect("each row is taken once");
             s.first_token.get_or_insert_with(Instant::now);
             s.tokens.push(sampled.token);
             s.logprobs.push(sampled.logprob);

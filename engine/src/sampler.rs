@@ -123,6 +123,12 @@ pub struct Sampler {
     seen: std::collections::HashSet<u32>,
 }
 
+thread_local! {
+    /// A vocabulary's room for the exponentials of a log-sum-exp, kept by each thread that
+    /// samples (a fresh one per token would be a fresh allocation to fault in).
+    static EXPS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 impl Sampler {
     pub fn new(params: SamplingParams, prompt: &[u32]) -> Self {
         let seed = params.seed.unwrap_or_else(rand::random);
@@ -146,10 +152,16 @@ impl Sampler {
     /// Picks the next token from `logits` (one vocabulary row) and records it.
     pub fn sample(&mut self, logits: &[f32]) -> Sampled {
         let p = &self.params;
-        let mut lp = vec![0f32; logits.len()];
-        ops::log_softmax(logits, &mut lp);
+        // The log-probabilities are of the raw logits: `logit - lse`, which is the bits
+        // `log_softmax` gives; the whole vector only when top log-probabilities are asked for.
+        let lse = EXPS.with(|e| {
+            let mut e = e.borrow_mut();
+            e.resize(logits.len(), 0.0);
+            ops::log_sum_exp(logits, &mut e)
+        });
         let penalized =
             p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0;
+        let raw = logits;
         let mut l: Vec<f32>;
         let logits = if penalized {
             l = logits.to_vec();
@@ -176,14 +188,19 @@ impl Sampler {
         } else {
             self.draw(logits)
         };
-        let top = top_n(&lp, n_top);
+        let top = if n_top > 0 {
+            let lp: Vec<f32> = raw.iter().map(|&v| v - lse).collect();
+            top_n(&lp, n_top)
+        } else {
+            Vec::new()
+        };
         if rep != 1.0 {
             self.seen.insert(token);
         }
         *self.counts.entry(token).or_insert(0) += 1;
         Sampled {
             token,
-            logprob: lp[token as usize],
+            logprob: raw[token as usize] - lse,
             top,
         }
     }
@@ -339,6 +356,30 @@ mod tests {
         ops::log_softmax(&logits(), &mut lp);
         assert_eq!(out.logprob, lp[1]);
         assert_eq!(out.top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![1, 5]);
+        assert_eq!(out.top[1].1, lp[5]);
+    }
+
+    #[test]
+    fn logprobs_are_log_softmax_bits_with_or_without_top() {
+        // A vocabulary-sized row, so the vector max and exponentials run whole registers and a tail.
+        let row: Vec<f32> = (0..49_155)
+            .map(|i| ((i * 7919 % 10_007) as f32 / 997.0).sin() * 12.0)
+            .collect();
+        let mut lp = vec![0f32; row.len()];
+        ops::log_softmax(&row, &mut lp);
+        for top in [0, 3] {
+            let params = SamplingParams {
+                top_logprobs: top,
+                ..Default::default()
+            };
+            let out = Sampler::new(params, &[]).sample(&row);
+            assert_eq!(out.token as usize, ops::argmax(&row));
+            assert_eq!(out.logprob, lp[out.token as usize], "top {top}");
+            assert_eq!(out.top.len(), top as usize);
+            for &(t, v) in &out.top {
+                assert_eq!(v, lp[t as usize]);
+            }
+        }
     }
 
     #[test]

@@ -110,13 +110,19 @@ pub fn softmax(x: &mut [f32]) {
 
 /// `log(softmax(x))` written into `out`, computed stably.
 pub fn log_softmax(x: &[f32], out: &mut [f32]) {
-    let max = x.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-    // `out` holds the exponentials first (the vector exp), then the log-probabilities.
-    out.copy_from_slice(x);
-    let lse = max + crate::simd::exp_shifted_sum(out, max).ln();
+    // `out` holds the exponentials first, then the log-probabilities.
+    let lse = log_sum_exp(x, out);
     for (o, &v) in out.iter_mut().zip(x) {
         *o = v - lse;
     }
+}
+
+/// `ln Σ exp(x)`, shifted by the maximum so nothing overflows; `scratch` (as long as `x`) takes
+/// the exponentials. `x[i] - log_sum_exp(x)` is element `i` of [`log_softmax`], bit for bit.
+pub fn log_sum_exp(x: &[f32], scratch: &mut [f32]) -> f32 {
+    let max = crate::simd::max_f32(x);
+    scratch.copy_from_slice(x);
+    max + crate::simd::exp_shifted_sum(scratch, max).ln()
 }
 
 #[cfg(test)]
