@@ -296,6 +296,7 @@ impl EngineArgs {
             prefix_caching: !self.no_prefix_caching,
             num_blocks: self.kv_blocks,
             admission_lookahead: self.admission_lookahead,
+            slowdown: test_slowdown()?,
         };
         let backend = Backend::on(self.device, &loaded, &cfg, || {
             LlamaModel::new(&loaded, self.weights)
@@ -491,6 +492,21 @@ fn bench_engine(a: BenchEngineArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// `TANDEM_TEST_SLOWDOWN`: every engine step takes this many times its compute time, so the
+/// tests (and anyone checking deadlines) can run this machine as if it were that much slower.
+/// Unset in production.
+fn test_slowdown() -> Result<f64> {
+    match std::env::var("TANDEM_TEST_SLOWDOWN") {
+        Err(_) => Ok(1.0),
+        Ok(v) => v
+            .trim()
+            .parse::<f64>()
+            .ok()
+            .filter(|f| f.is_finite() && *f >= 1.0)
+            .with_context(|| format!("TANDEM_TEST_SLOWDOWN={v:?} is not a number of at least 1")),
+    }
 }
 
 fn print_isa(names_only: bool) {

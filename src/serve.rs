@@ -11,12 +11,12 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use tandem_decode_worker::remote::RemotePrefill;
+use tandem_decode_worker::remote::{Deadlines, RemotePrefill};
 use tandem_decode_worker::{DecodeService, WorkerIdentity};
 use tandem_engine::{EngineError, EngineHandle};
 use tandem_kernels::cuda::DeviceSpec;
 use tandem_kv_transfer::{Secret, TcpTransport};
-use tandem_prefill_worker::PrefillService;
+use tandem_prefill_worker::{PrefillLimits, PrefillService};
 use tandem_router::RouterArgs;
 
 use crate::up::{DECODE_READY, PREFILL_READY, ROUTER_READY};
@@ -45,10 +45,14 @@ pub struct DecodeArgs {
     /// that is 0.0.0.0). In Kubernetes, the pod IP.
     #[arg(long, env = "TANDEM_KV_ADVERTISE_HOST")]
     pub kv_advertise_host: Option<String>,
-    /// Milliseconds one remote prefill attempt (compute + transfer) may take before the next
-    /// candidate is tried.
-    #[arg(long, env = "TANDEM_KV_TRANSFER_TIMEOUT_MS", default_value_t = 30_000)]
-    pub kv_transfer_timeout_ms: u64,
+    /// Milliseconds a remote prefill may go without a word from its prefill worker (it sends a
+    /// heartbeat every 250 ms while it works, and KV frames) before the next candidate is tried.
+    #[arg(long, env = "TANDEM_KV_STALL_TIMEOUT_MS", default_value_t = 5_000)]
+    pub kv_stall_timeout_ms: u64,
+    /// A remote prefill may take this many times what the prefill worker's queue and the prompt
+    /// take at the rate it measured (plus the stall timeout): slower machines get longer.
+    #[arg(long, env = "TANDEM_KV_DEADLINE_SLACK", default_value_t = 4.0)]
+    pub kv_deadline_slack: f64,
     #[command(flatten)]
     pub secret: SecretArgs,
 }
@@ -69,6 +73,10 @@ pub struct PrefillArgs {
     /// Seconds running prefills get to finish after SIGTERM.
     #[arg(long, env = "TANDEM_DRAIN_TIMEOUT_S", default_value_t = 30)]
     pub drain_timeout_s: u64,
+    /// Milliseconds of queued prompt work (at this worker's measured rate) beyond which a new
+    /// prefill is refused with RESOURCE_EXHAUSTED, so its decode worker goes elsewhere at once.
+    #[arg(long, env = "TANDEM_MAX_QUEUE_WAIT_MS", default_value_t = 10_000)]
+    pub max_queue_wait_ms: u64,
     #[command(flatten)]
     pub secret: SecretArgs,
 }
@@ -173,6 +181,12 @@ async fn bind_worker(
 }
 
 pub fn run_decode(a: DecodeArgs) -> Result<()> {
+    if !(a.kv_deadline_slack.is_finite() && a.kv_deadline_slack >= 1.0) {
+        anyhow::bail!(
+            "--kv-deadline-slack {} must be a number of at least 1 (it multiplies the prefill worker's own timings)",
+            a.kv_deadline_slack
+        );
+    }
     // A secret is needed only to take remote plans; without one this worker prefills everything.
     let mut secret = match a.secret.kv_secret {
         Some(_) => Some(a.secret.secret()?),
@@ -217,7 +231,10 @@ pub fn run_decode(a: DecodeArgs) -> Result<()> {
                     &advertise,
                     secret,
                     writer.context("a worker with a KV secret has a host pool")?,
-                    Duration::from_millis(a.kv_transfer_timeout_ms),
+                    Deadlines {
+                        stall: Duration::from_millis(a.kv_stall_timeout_ms),
+                        slack: a.kv_deadline_slack,
+                    },
                 )
             }
             .await
@@ -265,6 +282,9 @@ pub fn run_prefill(a: PrefillArgs) -> Result<()> {
             Arc::new(handle),
             Arc::new(TcpTransport::new(secret)),
             identity,
+            PrefillLimits {
+                max_queue_wait: Duration::from_millis(a.max_queue_wait_ms),
+            },
         );
         println!("{PREFILL_READY} {addr}");
         std::io::stdout().flush()?;

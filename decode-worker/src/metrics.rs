@@ -142,6 +142,7 @@ impl Collector for DecodeMetrics {
             &[
                 (&[("result", "ok")], l(&c.transfers_ok)),
                 (&[("result", "failed")], l(&c.transfers_failed)),
+                (&[("result", "refused")], l(&c.transfers_refused)),
             ],
         )?;
         counter(

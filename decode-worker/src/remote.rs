@@ -4,14 +4,14 @@
 //! only the uncached tail is asked for. For each candidate prefill worker in the router's order:
 //! grant the blocks to a fresh transfer on this worker's [`KvReceiver`], call `Prefill` with the
 //! destination, and wait for both the answer (the first token) and every block to arrive intact.
-//! A candidate that refuses, dies, stalls past the deadline or sends a bad frame costs that attempt
-//! only: the grant is revoked (late frames are rejected) and the next candidate gets a new one.
+//! A candidate that refuses (its queue is full), dies, stops making progress or sends a bad frame
+//! costs that attempt only: the grant is revoked (late frames are rejected) and the next candidate gets a new one.
 //! When none succeeds the caller prefills locally in the blocks it holds.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tandem_engine::{KvPoolWriter, Reservation, Sampled};
 use tandem_kv_transfer::{BlockSink, KvReceiver, Secret, TransferError, TransferGrant};
@@ -27,6 +27,9 @@ pub struct RemoteCounts {
     pub transfers_ok: AtomicU64,
     /// Attempts that failed (prefill worker error, stall, bad frame); the next candidate is tried.
     pub transfers_failed: AtomicU64,
+    /// Attempts the prefill worker turned away up front (its queue was full); the next candidate
+    /// is tried at once.
+    pub transfers_refused: AtomicU64,
     /// Requests prefilled here after every candidate failed.
     pub fallbacks: AtomicU64,
     /// Remote plans taken locally because the pool had no room to reserve the prompt now.
@@ -39,14 +42,15 @@ pub struct RemotePrefill {
     receiver: KvReceiver,
     endpoint: String,
     sink: Arc<dyn BlockSink>,
-    deadline: Duration,
+    deadlines: Deadlines,
     clients: Mutex<HashMap<String, PrefillClient<Channel>>>,
     pub counts: RemoteCounts,
 }
 
 impl RemotePrefill {
     /// Listens for KV on `bind` (`host:port`, port 0 picks one); prefill workers are told to send
-    /// to `advertise_host` and the bound port. Each attempt must finish within `deadline`.
+    /// to `advertise_host` and the bound port. Each attempt lives while the prefill worker makes
+    /// progress, within `deadlines`.
     ///
     /// # Safety
     /// `writer` must belong to the engine whose reservations are passed to [`Self::prefill`]:
@@ -56,7 +60,7 @@ impl RemotePrefill {
         advertise_host: &str,
         secret: Secret,
         writer: KvPoolWriter,
-        deadline: Duration,
+        deadlines: Deadlines,
     ) -> Result<Self, TransferError> {
         let receiver = KvReceiver::bind(bind, secret).await?;
         let endpoint = format!("{advertise_host}:{}", receiver.local_addr().port());
@@ -65,7 +69,7 @@ impl RemotePrefill {
             endpoint,
             // SAFETY: forwarded to the caller (see above).
             sink: Arc::new(unsafe { PoolSink::new(writer) }),
-            deadline,
+            deadlines,
             clients: Mutex::new(HashMap::new()),
             counts: RemoteCounts::default(),
         })
@@ -116,7 +120,13 @@ impl RemotePrefill {
                     self.counts.transfers_ok.fetch_add(1, Ordering::Relaxed);
                     return Some(first);
                 }
-                Err(e) => {
+                Err(Attempt::Refused(e)) => {
+                    self.counts
+                        .transfers_refused
+                        .fetch_add(1, Ordering::Relaxed);
+                    tracing::info!(request = request_id, prefill = %addr, reason = %e, "prefill worker busy; trying the next candidate");
+                }
+                Err(Attempt::Failed(e)) => {
                     self.counts.transfers_failed.fetch_add(1, Ordering::Relaxed);
                     tracing::warn!(request = request_id, prefill = %addr, error = %e, "remote prefill failed; trying the next candidate");
                 }
@@ -137,14 +147,14 @@ impl RemotePrefill {
         sampling: pb::Sampling,
         reservation: &Reservation,
         grant: &mut Option<TransferGrant>,
-    ) -> Result<Sampled, String> {
+    ) -> Result<Sampled, Attempt> {
         let mut client = self.client(addr)?;
-        let g = grant.insert(self.receiver.grant(
-            &reservation.blocks,
-            self.sink.clone(),
-            self.deadline,
-        ));
-        let mut call = tonic::Request::new(pb::PrefillRequest {
+        let g = grant.insert(
+            self.receiver
+                .grant_open(&reservation.blocks, self.sink.clone()),
+        );
+        let uncached = prompt.len() - reservation.cached_tokens;
+        let call = tonic::Request::new(pb::PrefillRequest {
             request_id: request_id.to_string(),
             prompt_ids: prompt.to_vec(),
             cached_tokens: reservation.cached_tokens as u32,
@@ -155,31 +165,178 @@ impl RemotePrefill {
             }),
             sampling: Some(sampling),
         });
-        call.set_timeout(self.deadline);
-        let answer = client.prefill(call);
-        tokio::pin!(answer);
+        let mut watch = Progress::new(self.deadlines, uncached);
+        // Opening the call waits for the worker's admission; it too must not hang.
+        let mut updates = tokio::select! {
+            r = client.prefill(call) => r.map_err(|s| match s.code() {
+                tonic::Code::ResourceExhausted => Attempt::Refused(s.message().to_string()),
+                c => Attempt::Failed(format!("{c}: {}", s.message())),
+            })?.into_inner(),
+            _ = tokio::time::sleep_until(watch.give_up_at()) => return Err(watch.why().into()),
+        };
         let mut first: Option<Sampled> = None;
         let mut arrived = false;
-        let give_up = tokio::time::sleep(self.deadline);
-        tokio::pin!(give_up);
+        let mut check = tokio::time::interval(PROGRESS_CHECK);
         while first.is_none() || !arrived {
             tokio::select! {
-                r = &mut answer, if first.is_none() => {
-                    let r = r.map_err(|s| format!("{}: {}", s.code(), s.message()))?.into_inner();
-                    let t = r.first_token.ok_or("the prefill worker sent no first token")?;
-                    first = Some(Sampled {
-                        token: t.id,
-                        logprob: t.logprob,
-                        top: t.top.iter().map(|x| (x.id, x.logprob)).collect(),
-                    });
+                m = updates.message(), if first.is_none() => {
+                    let u = m
+                        .map_err(|s| format!("{}: {}", s.code(), s.message()))?
+                        .ok_or("the prefill worker ended the call without a first token")?;
+                    match u.update {
+                        Some(pb::prefill_update::Update::Accepted(a)) => watch.accepted(&a),
+                        Some(pb::prefill_update::Update::Progress(p)) => watch.beat(&p),
+                        Some(pb::prefill_update::Update::Done(r)) => {
+                            let t = r.first_token.ok_or("the prefill worker sent no first token")?;
+                            first = Some(Sampled {
+                                token: t.id,
+                                logprob: t.logprob,
+                                top: t.top.iter().map(|x| (x.id, x.logprob)).collect(),
+                            });
+                        }
+                        None => {}
+                    }
                 }
                 r = g.wait(), if !arrived => {
                     r.map_err(|e| e.to_string())?;
                     arrived = true;
                 }
-                _ = &mut give_up => return Err(format!("no answer within {:?}", self.deadline)),
+                _ = check.tick() => watch.frames(g.frames_received()),
+                _ = tokio::time::sleep_until(watch.give_up_at()) => return Err(watch.why().into()),
             }
         }
         Ok(first.expect("loop ends with the first token"))
+    }
+}
+
+/// How one candidate's attempt ended, when it did not succeed.
+enum Attempt {
+    /// Turned away before any work (RESOURCE_EXHAUSTED): busy, not broken.
+    Refused(String),
+    Failed(String),
+}
+
+impl From<String> for Attempt {
+    fn from(e: String) -> Self {
+        Attempt::Failed(e)
+    }
+}
+
+impl From<&str> for Attempt {
+    fn from(e: &str) -> Self {
+        Attempt::Failed(e.to_string())
+    }
+}
+
+/// How often an attempt looks at the frames that arrived for it.
+const PROGRESS_CHECK: Duration = Duration::from_millis(100);
+
+/// Deadlines of a remote prefill, tied to the prefill worker's progress and its own measured
+/// speed: a frozen, dead or unreachable worker is left after [`Deadlines::stall`] without a word
+/// from it (it sends a heartbeat every 250 ms while it works, whatever its speed), and a live one
+/// gets [`Deadlines::slack`] times the time its queue and this prompt take at the rate it
+/// measured, so a slow machine is given proportionally longer.
+#[derive(Clone, Copy, Debug)]
+pub struct Deadlines {
+    /// How long an attempt may go without a heartbeat or a KV frame.
+    pub stall: Duration,
+    /// Multiplier on the prefill worker's expected time for the work ahead of and in this prompt.
+    pub slack: f64,
+}
+
+impl Default for Deadlines {
+    fn default() -> Self {
+        Self {
+            stall: Duration::from_secs(5),
+            slack: 4.0,
+        }
+    }
+}
+
+/// What an attempt has seen of the prefill worker, and when it gives up.
+struct Progress {
+    d: Deadlines,
+    uncached: usize,
+    started: Instant,
+    /// Last word from the worker: an update on the call or a KV frame.
+    last: Instant,
+    frames: u64,
+    /// Tokens queued ahead of this prompt when the worker accepted it.
+    queued: u64,
+    /// Bound on the whole attempt, once the worker has told its rate.
+    total: Option<(Instant, String)>,
+}
+
+impl Progress {
+    fn new(d: Deadlines, uncached: usize) -> Self {
+        let now = Instant::now();
+        Self {
+            d,
+            uncached,
+            started: now,
+            last: now,
+            frames: 0,
+            queued: 0,
+            total: None,
+        }
+    }
+
+    fn heard(&mut self) {
+        self.last = Instant::now();
+    }
+
+    fn accepted(&mut self, a: &pb::PrefillAccepted) {
+        self.heard();
+        self.queued = a.queued_tokens;
+        self.rate(a.tokens_per_second);
+    }
+
+    fn beat(&mut self, p: &pb::PrefillProgress) {
+        self.heard();
+        self.rate(p.tokens_per_second);
+    }
+
+    /// Bounds the attempt by the worker's rate, the first time it has one (a worker that has not
+    /// computed anything yet learns it on its first step).
+    fn rate(&mut self, tokens_per_second: f64) {
+        if self.total.is_some() || tokens_per_second.is_nan() || tokens_per_second <= 0.0 {
+            return;
+        }
+        let tokens = self.queued as f64 + self.uncached as f64;
+        let secs = self.d.stall.as_secs_f64() + self.d.slack * tokens / tokens_per_second;
+        self.total = Some((
+            self.started + Duration::from_secs_f64(secs.min(1e7)),
+            format!(
+                "not done within {secs:.1} s ({tokens} tokens at the worker's {tokens_per_second:.0} tokens/s, slack {}x)",
+                self.d.slack
+            ),
+        ));
+    }
+
+    fn frames(&mut self, n: u64) {
+        if n > self.frames {
+            self.frames = n;
+            self.heard();
+        }
+    }
+
+    fn give_up_at(&self) -> tokio::time::Instant {
+        let silent = self.last + self.d.stall;
+        let at = match &self.total {
+            Some((t, _)) => silent.min(*t),
+            None => silent,
+        };
+        at.into()
+    }
+
+    fn why(&self) -> String {
+        let now = Instant::now();
+        match &self.total {
+            Some((t, why)) if *t <= now => why.clone(),
+            _ => format!(
+                "no word from the prefill worker for {:.1} s (no heartbeat, no KV frame)",
+                (now - self.last).as_secs_f64()
+            ),
+        }
     }
 }

@@ -49,11 +49,21 @@ pub struct EngineConfig {
     /// the first chunk fits). Preemption covers what this misses; on the mixed workload, admitting
     /// without it preempted 39 of 200 requests.
     pub admission_lookahead: usize,
+    /// Test hook: every step takes this many times as long as it computed (the engine sleeps for
+    /// the rest, counted in the step's time), so this machine behaves like one that much slower.
+    /// `TANDEM_TEST_SLOWDOWN` sets it for the CLI's engines; 1 in production.
+    pub slowdown: f64,
 }
 
 impl EngineConfig {
     /// Refuses sizes that make no engine (before any memory is sized from them).
     pub fn check(&self) -> Result<(), EngineError> {
+        if !(self.slowdown.is_finite() && self.slowdown >= 1.0) {
+            return Err(EngineError::InvalidRequest(format!(
+                "slowdown {} must be a number of at least 1",
+                self.slowdown
+            )));
+        }
         if self.block_size == 0 || self.max_batched_tokens == 0 || self.max_seqs == 0 {
             return Err(EngineError::InvalidRequest(
                 "block size, batch budget and max seqs must be positive".into(),
@@ -74,6 +84,7 @@ impl Default for EngineConfig {
             prefix_caching: true,
             num_blocks: None,
             admission_lookahead: 64,
+            slowdown: 1.0,
         }
     }
 }
@@ -190,7 +201,20 @@ pub struct EngineStats {
     pub prefix_hit_tokens: u64,
     pub preemptions: u64,
     pub steps: u64,
+    /// Prompt tokens admitted (running or waiting) and not computed yet: the prefill work queued.
+    pub pending_prompt_tokens: u64,
+    /// Prompt tokens computed a second, averaged over recent steps that computed any (0 before the
+    /// first such step).
+    pub prefill_tokens_per_s: f64,
+    /// The slowest of the last [`RECENT_STEPS`] steps, seconds (0 before the first step).
+    pub slowest_recent_step_s: f64,
 }
+
+/// Steps [`EngineStats::slowest_recent_step_s`] looks back over.
+pub const RECENT_STEPS: usize = 32;
+
+/// Weight of the newest step in [`EngineStats::prefill_tokens_per_s`].
+const RATE_WEIGHT: f64 = 0.25;
 
 impl EngineStats {
     pub fn prefix_hit_rate(&self) -> f64 {
@@ -342,6 +366,8 @@ pub struct Engine {
     remote: Vec<Seq>,
     cancelled: Vec<RequestId>,
     stats: EngineStats,
+    /// Durations of the last [`RECENT_STEPS`] steps, seconds.
+    recent_steps: VecDeque<f64>,
     /// First id `generate` gives its requests next time.
     next_batch_id: u64,
 }
@@ -376,6 +402,7 @@ impl Engine {
             remote: Vec::new(),
             cancelled: Vec::new(),
             stats: EngineStats::default(),
+            recent_steps: VecDeque::with_capacity(RECENT_STEPS),
             next_batch_id: 1 << 48,
         })
     }
@@ -434,6 +461,13 @@ impl Engine {
             blocks_free: free,
             blocks_cached: cached,
             blocks_used: used,
+            pending_prompt_tokens: self
+                .running
+                .iter()
+                .chain(&self.waiting)
+                .filter(|s| s.computed < s.prompt_len)
+                .map(|s| (s.prompt_len - s.computed) as u64)
+                .sum(),
             ..self.stats
         }
     }
@@ -792,8 +826,33 @@ impl Engine {
             gone.into_iter()
                 .map(|(s, r)| Event::Finished(s.finished(r))),
         );
+        if self.config.slowdown > 1.0 {
+            let spent = t0.elapsed().as_secs_f64();
+            std::thread::sleep(std::time::Duration::from_secs_f64(
+                spent * (self.config.slowdown - 1.0),
+            ));
+        }
         stats.seconds = t0.elapsed().as_secs_f64();
+        self.record_timing(&stats);
         Ok((events, stats))
+    }
+
+    /// Folds a step's duration into the recent-speed figures peers plan their deadlines by.
+    fn record_timing(&mut self, step: &StepStats) {
+        if self.recent_steps.len() == RECENT_STEPS {
+            self.recent_steps.pop_front();
+        }
+        self.recent_steps.push_back(step.seconds);
+        self.stats.slowest_recent_step_s = self.recent_steps.iter().copied().fold(0.0, f64::max);
+        if step.prefill_tokens > 0 && step.seconds > 0.0 {
+            let rate = step.prefill_tokens as f64 / step.seconds;
+            let r = &mut self.stats.prefill_tokens_per_s;
+            *r = if *r == 0.0 {
+                rate
+            } else {
+                RATE_WEIGHT * rate + (1.0 - RATE_WEIGHT) * *r
+            };
+        }
     }
 
     fn drop_cancelled(&mut self, events: &mut Vec<Event>) {
@@ -1056,6 +1115,47 @@ pub(crate) mod tests {
                 (0, 2, 2, 6 + 4, 6 + 4)
             ]
         );
+    }
+
+    #[test]
+    fn stats_tell_the_queued_prompt_work_and_the_measured_speed() {
+        let mut e = engine(EngineConfig {
+            max_batched_tokens: 4,
+            ..config()
+        });
+        let fresh = e.stats();
+        assert_eq!(
+            (fresh.prefill_tokens_per_s, fresh.slowest_recent_step_s),
+            (0.0, 0.0),
+            "nothing measured before the first step"
+        );
+        e.add(RequestId(1), req(vec![3, 4, 5, 6, 7], 2)).unwrap();
+        e.add(RequestId(2), req(vec![8, 9, 10], 2)).unwrap();
+        assert_eq!(e.stats().pending_prompt_tokens, 8);
+        let (_, step) = e.step().unwrap();
+        assert_eq!(step.prefill_tokens, 4);
+        let s = e.stats();
+        assert_eq!(s.pending_prompt_tokens, 4, "4 of the first prompt computed");
+        assert!(s.slowest_recent_step_s > 0.0 && s.slowest_recent_step_s == step.seconds);
+        assert_eq!(s.prefill_tokens_per_s, 4.0 / step.seconds);
+        e.step().unwrap();
+        assert_eq!(e.stats().pending_prompt_tokens, 0);
+    }
+
+    #[test]
+    fn a_slowdown_below_one_or_not_a_number_is_refused() {
+        for slowdown in [0.5, f64::NAN, f64::INFINITY] {
+            let c = EngineConfig {
+                slowdown,
+                ..config()
+            };
+            assert!(c.check().is_err(), "{slowdown}");
+        }
+        let c = EngineConfig {
+            slowdown: 10.0,
+            ..config()
+        };
+        assert!(c.check().is_ok());
     }
 
     /// Runs `e` until `id` finishes; its output tokens after `first`.

@@ -117,66 +117,64 @@ fn tiled_packed(packed: &[f32], m: usize, width: usize, w: &Weight, out: &mut [f
     let tile_rows = panel_rows();
     let dst = OutPtr(out.as_mut_ptr());
     let per_task = task_rows(n, tile_rows);
-    (0..n.div_ceil(per_task))
-        .into_par_iter()
-        .for_each(|c| {
-            let r0 = c * per_task;
-            let rows = per_task.min(n - r0);
-            let multiply = |tile: &[f32]| {
-                // One panel's results for this task's rows, written out a row at a time. The
-                // kernels store a column per weight row; into `out` directly those stores would
-                // be n floats apart, which for n a multiple of 1024 puts all 32 of a column in one
-                // L1 set (the 3072-row gate/up product ran at half speed).
-                let mut block = [0f32; PANEL * ROWS_PER_TASK];
-                for p in 0..panels {
-                    let panel = &packed[p * k * width..(p + 1) * k * width];
-                    let cols = (m - p * width).min(width);
-                    for i0 in (0..rows).step_by(tile_rows) {
-                        let nr = (rows - i0).min(tile_rows);
-                        // SAFETY: tile rows i0..i0+nr exist; the written elements (columns
-                        // i0.. +nr of rows ..cols) are inside `block`.
-                        unsafe {
-                            panel_matmul(
-                                tile.as_ptr().add(i0 * k),
-                                nr,
-                                k,
-                                panel,
-                                width,
-                                block.as_mut_ptr().add(i0),
-                                ROWS_PER_TASK,
-                                cols,
-                            )
-                        };
-                    }
-                    for (j, res) in block.chunks_exact(ROWS_PER_TASK).take(cols).enumerate() {
-                        // SAFETY: activation row p·width+j < m and weight rows r0.. +rows < n:
-                        // inside m×n, and this task's own columns.
-                        unsafe {
-                            std::ptr::copy_nonoverlapping(
-                                res.as_ptr(),
-                                dst.at((p * width + j) * n + r0),
-                                rows,
-                            )
-                        };
-                    }
+    (0..n.div_ceil(per_task)).into_par_iter().for_each(|c| {
+        let r0 = c * per_task;
+        let rows = per_task.min(n - r0);
+        let multiply = |tile: &[f32]| {
+            // One panel's results for this task's rows, written out a row at a time. The
+            // kernels store a column per weight row; into `out` directly those stores would
+            // be n floats apart, which for n a multiple of 1024 puts all 32 of a column in one
+            // L1 set (the 3072-row gate/up product ran at half speed).
+            let mut block = [0f32; PANEL * ROWS_PER_TASK];
+            for p in 0..panels {
+                let panel = &packed[p * k * width..(p + 1) * k * width];
+                let cols = (m - p * width).min(width);
+                for i0 in (0..rows).step_by(tile_rows) {
+                    let nr = (rows - i0).min(tile_rows);
+                    // SAFETY: tile rows i0..i0+nr exist; the written elements (columns
+                    // i0.. +nr of rows ..cols) are inside `block`.
+                    unsafe {
+                        panel_matmul(
+                            tile.as_ptr().add(i0 * k),
+                            nr,
+                            k,
+                            panel,
+                            width,
+                            block.as_mut_ptr().add(i0),
+                            ROWS_PER_TASK,
+                            cols,
+                        )
+                    };
                 }
-            };
-            match w {
-                Weight::F32 { data, .. } => multiply(&data[r0 * k..(r0 + rows) * k]),
-                // The decoded tile lives in a per-thread buffer: allocating it per task would
-                // map and unmap pages (and shoot down TLBs on every core) thousands of times a step.
-                Weight::Quant { .. } => TILE.with(|t| {
-                    let mut t = t.borrow_mut();
-                    if t.len() < rows * k {
-                        t.resize(rows * k, 0.0);
-                    }
-                    for (i, row) in t[..rows * k].chunks_exact_mut(k).enumerate() {
-                        w.row_f32(r0 + i, row);
-                    }
-                    multiply(&t[..rows * k]);
-                }),
+                for (j, res) in block.chunks_exact(ROWS_PER_TASK).take(cols).enumerate() {
+                    // SAFETY: activation row p·width+j < m and weight rows r0.. +rows < n:
+                    // inside m×n, and this task's own columns.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            res.as_ptr(),
+                            dst.at((p * width + j) * n + r0),
+                            rows,
+                        )
+                    };
+                }
             }
-        });
+        };
+        match w {
+            Weight::F32 { data, .. } => multiply(&data[r0 * k..(r0 + rows) * k]),
+            // The decoded tile lives in a per-thread buffer: allocating it per task would
+            // map and unmap pages (and shoot down TLBs on every core) thousands of times a step.
+            Weight::Quant { .. } => TILE.with(|t| {
+                let mut t = t.borrow_mut();
+                if t.len() < rows * k {
+                    t.resize(rows * k, 0.0);
+                }
+                for (i, row) in t[..rows * k].chunks_exact_mut(k).enumerate() {
+                    w.row_f32(r0 + i, row);
+                }
+                multiply(&t[..rows * k]);
+            }),
+        }
+    });
 }
 
 /// Output rows per task for a product of `n` rows taken `unit` at a time (a register tile, or one
@@ -265,23 +263,21 @@ fn fused_rows(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
     let rb = data.len() / n;
     let dst = OutPtr(out.as_mut_ptr());
     let per_task = task_rows(n, 1);
-    (0..n.div_ceil(per_task))
-        .into_par_iter()
-        .for_each(|c| {
-            let r0 = c * per_task;
-            let mut o = [0f32; MAX_FUSED_ROWS];
-            for r in r0..(r0 + per_task).min(n) {
-                let wr = &data[r * rb..(r + 1) * rb];
-                for j0 in (0..m).step_by(MAX_FUSED_ROWS) {
-                    let nc = (m - j0).min(MAX_FUSED_ROWS);
-                    dot_quant_rows(*ty, wr, &x[j0 * k..(j0 + nc) * k], &mut o[..nc]);
-                    for (u, v) in o[..nc].iter().enumerate() {
-                        // SAFETY: (j0+u, r) is inside m×n and row r belongs to this task.
-                        unsafe { *dst.at((j0 + u) * n + r) = *v };
-                    }
+    (0..n.div_ceil(per_task)).into_par_iter().for_each(|c| {
+        let r0 = c * per_task;
+        let mut o = [0f32; MAX_FUSED_ROWS];
+        for r in r0..(r0 + per_task).min(n) {
+            let wr = &data[r * rb..(r + 1) * rb];
+            for j0 in (0..m).step_by(MAX_FUSED_ROWS) {
+                let nc = (m - j0).min(MAX_FUSED_ROWS);
+                dot_quant_rows(*ty, wr, &x[j0 * k..(j0 + nc) * k], &mut o[..nc]);
+                for (u, v) in o[..nc].iter().enumerate() {
+                    // SAFETY: (j0+u, r) is inside m×n and row r belongs to this task.
+                    unsafe { *dst.at((j0 + u) * n + r) = *v };
                 }
             }
-        });
+        }
+    });
 }
 
 #[cfg(test)]
@@ -359,15 +355,20 @@ mod tests {
 
     #[test]
     fn tasks_share_out_evenly() {
-        let pool = |threads| rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        let pool = |threads| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap()
+        };
         // (rows, unit, threads, rows a task)
         for (n, unit, threads, want) in [
-            (576, 6, 2, 48),   // 12 tasks, 6 a thread (64 rows: 9 tasks, 5 and 4)
-            (3072, 6, 2, 48),  // 64 tasks of 8 tiles, 256 a thread (10 tiles: 52 tasks, 260)
-            (576, 1, 2, 48),   // one row at a time: 12 tasks of 48
-            (576, 6, 16, 36),  // 16 tasks, one a thread
-            (5, 6, 2, 6),      // a single short tile
-            (1024, 1, 1, 64),  // one thread: the largest tasks that cover it exactly
+            (576, 6, 2, 48),  // 12 tasks, 6 a thread (64 rows: 9 tasks, 5 and 4)
+            (3072, 6, 2, 48), // 64 tasks of 8 tiles, 256 a thread (10 tiles: 52 tasks, 260)
+            (576, 1, 2, 48),  // one row at a time: 12 tasks of 48
+            (576, 6, 16, 36), // 16 tasks, one a thread
+            (5, 6, 2, 6),     // a single short tile
+            (1024, 1, 1, 64), // one thread: the largest tasks that cover it exactly
         ] {
             let got = pool(threads).install(|| task_rows(n, unit));
             assert_eq!(got, want, "n={n} unit={unit} threads={threads}");

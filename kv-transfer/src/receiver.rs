@@ -79,7 +79,8 @@ struct Grant {
     /// Destination block -> which layers have arrived.
     blocks: HashMap<u32, Vec<bool>>,
     remaining: usize,
-    deadline: Instant,
+    /// None: the grant holder watches progress itself and revokes the grant when it gives up.
+    deadline: Option<Instant>,
     sink: Arc<dyn BlockSink>,
     frames: u64,
     bytes: u64,
@@ -167,9 +168,23 @@ impl KvReceiver {
         sink: Arc<dyn BlockSink>,
         deadline: Duration,
     ) -> TransferGrant {
+        self.grant_until(blocks, sink, Some(Instant::now() + deadline))
+    }
+
+    /// Grants `blocks` to a new transfer with no deadline of its own: the holder follows the
+    /// sender's progress ([`TransferGrant::frames_received`]) and drops the grant when it stops.
+    pub fn grant_open(&self, blocks: &[u32], sink: Arc<dyn BlockSink>) -> TransferGrant {
+        self.grant_until(blocks, sink, None)
+    }
+
+    fn grant_until(
+        &self,
+        blocks: &[u32],
+        sink: Arc<dyn BlockSink>,
+        deadline: Option<Instant>,
+    ) -> TransferGrant {
         let layers = sink.layers() as usize;
         let (tx, rx) = oneshot::channel();
-        let deadline = Instant::now() + deadline;
         let mut map = HashMap::new();
         for &b in blocks {
             map.insert(b, vec![false; layers]);
@@ -210,7 +225,7 @@ impl KvReceiver {
 /// Blocks granted to one transfer; dropping it revokes the grant.
 pub struct TransferGrant {
     id: u64,
-    deadline: Instant,
+    deadline: Option<Instant>,
     rx: Option<oneshot::Receiver<Result<TransferStats, TransferError>>>,
     inner: Arc<Inner>,
 }
@@ -220,15 +235,24 @@ impl TransferGrant {
         self.id
     }
 
+    /// Frames written into this grant's blocks so far (0 once the transfer ended).
+    pub fn frames_received(&self) -> u64 {
+        let grants = self.inner.grants.lock().expect("grants");
+        grants.get(&self.id).map_or(0, |g| g.frames)
+    }
+
     /// Resolves when every granted block has arrived intact, or with the reason it never will.
     pub async fn wait(&mut self) -> Result<TransferStats, TransferError> {
         let Some(rx) = self.rx.as_mut() else {
             return Err(TransferError::Closed);
         };
-        let r = match tokio::time::timeout_at(self.deadline, rx).await {
-            Ok(Ok(r)) => r,
-            Ok(Err(_)) => Err(TransferError::Closed),
-            Err(_) => Err(TransferError::Expired),
+        let r = match self.deadline {
+            Some(at) => match tokio::time::timeout_at(at, rx).await {
+                Ok(Ok(r)) => r,
+                Ok(Err(_)) => Err(TransferError::Closed),
+                Err(_) => Err(TransferError::Expired),
+            },
+            None => rx.await.unwrap_or(Err(TransferError::Closed)),
         };
         self.rx = None;
         self.inner.grants.lock().expect("grants").remove(&self.id);
@@ -253,7 +277,7 @@ fn judge(r: &Rejections, grants: &HashMap<u64, Grant>, h: &FrameHeader, payload:
         r.unknown_transfer.fetch_add(1, Ordering::Relaxed);
         return Verdict::Reject("unknown transfer", None);
     };
-    if Instant::now() > g.deadline {
+    if g.deadline.is_some_and(|d| Instant::now() > d) {
         r.expired.fetch_add(1, Ordering::Relaxed);
         return Verdict::Reject("expired", Some(TransferError::Expired));
     }

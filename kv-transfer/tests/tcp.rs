@@ -92,6 +92,39 @@ async fn a_transfer_lands_every_block_intact() {
     assert_eq!(rx.rejections().total(), 0);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_grant_counts_its_frames_and_waits_as_long_as_its_holder_does() {
+    let rx = receiver().await;
+    let sink = MemSink::new(256, 2);
+    let mut grant = rx.grant_open(&[4, 5], sink.clone());
+    assert_eq!(grant.frames_received(), 0);
+    let t = TcpTransport::new(secret());
+    let mut s = t.open(&rx.local_addr().to_string()).await.unwrap();
+    let mut sent = 0;
+    for layer in 0..2 {
+        for b in [4u32, 5] {
+            s.send_block(grant.id(), layer, b, &payload(layer, b, 256))
+                .await
+                .unwrap();
+            sent += 1;
+            // The count the holder watches for progress follows every frame.
+            let end = std::time::Instant::now() + Duration::from_secs(10);
+            while grant.frames_received() < sent {
+                assert!(std::time::Instant::now() < end, "frame {sent} not counted");
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            if sent < 4 {
+                assert_eq!(grant.frames_received(), sent, "no frame counted twice");
+            }
+        }
+    }
+    s.end(grant.id()).await.unwrap();
+    let stats = grant.wait().await.unwrap();
+    assert_eq!((stats.frames, stats.bytes), (4, 4 * 256));
+    assert_eq!(sink.count(), 4);
+    assert_eq!(rx.rejections().total(), 0);
+}
+
 /// Block frames over `(layer, block, payload)` triples.
 fn frames_of(bodies: &[(u32, u32, Vec<u8>)]) -> Vec<BlockFrame<'_>> {
     bodies

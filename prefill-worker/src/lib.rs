@@ -36,15 +36,40 @@ pub struct PrefillCounts {
     pub ok: AtomicU64,
     pub failed: AtomicU64,
     pub cancelled: AtomicU64,
+    /// Calls turned away up front because the queue would hold them too long.
+    pub refused: AtomicU64,
     pub prefilled_tokens: AtomicU64,
     pub bytes_sent: AtomicU64,
 }
+
+/// How much work a prefill worker takes on.
+#[derive(Clone, Copy, Debug)]
+pub struct PrefillLimits {
+    /// A prompt is refused (RESOURCE_EXHAUSTED, which callers retry elsewhere) when the prompt
+    /// tokens already admitted would take longer than this at the worker's measured rate. Before
+    /// the worker has measured a rate, everything is admitted.
+    pub max_queue_wait: Duration,
+}
+
+impl Default for PrefillLimits {
+    fn default() -> Self {
+        Self {
+            max_queue_wait: Duration::from_secs(10),
+        }
+    }
+}
+
+/// How often a running prefill tells its caller it is alive and how far the engine got.
+pub const HEARTBEAT: Duration = Duration::from_millis(250);
 
 struct Shared {
     engine: Arc<EngineHandle>,
     transport: Arc<dyn KvTransport>,
     identity: WorkerIdentity,
+    limits: PrefillLimits,
     in_flight: AtomicUsize,
+    /// Uncached prompt tokens of admitted prefills whose blocks have not all been sent.
+    queued_tokens: AtomicU64,
     draining: AtomicBool,
     counts: PrefillCounts,
 }
@@ -75,12 +100,54 @@ impl Shutdown {
     }
 }
 
-struct InFlight<'a>(&'a Shared);
+/// One admitted prefill: counted in flight, its unsent tokens counted as queued, until dropped.
+struct Admitted {
+    shared: Arc<Shared>,
+    unsent: u64,
+}
 
-impl Drop for InFlight<'_> {
-    fn drop(&mut self) {
-        self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
+impl Admitted {
+    /// `tokens` more of the prompt went out.
+    fn sent(&mut self, tokens: u64) {
+        let t = tokens.min(self.unsent);
+        self.unsent -= t;
+        self.shared.queued_tokens.fetch_sub(t, Ordering::SeqCst);
     }
+}
+
+impl Drop for Admitted {
+    fn drop(&mut self) {
+        self.shared
+            .queued_tokens
+            .fetch_sub(self.unsent, Ordering::SeqCst);
+        self.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Why a prefill stopped before its answer.
+enum Stop {
+    /// The caller went away (cancelled, or gave up on this worker).
+    Gone,
+    Failed(Status),
+}
+
+impl From<Status> for Stop {
+    fn from(s: Status) -> Self {
+        Stop::Failed(s)
+    }
+}
+
+type Updates = tokio::sync::mpsc::Sender<Result<pb::PrefillUpdate, Status>>;
+
+fn update(u: pb::prefill_update::Update) -> Result<pb::PrefillUpdate, Status> {
+    Ok(pb::PrefillUpdate { update: Some(u) })
+}
+
+/// What a call asks for, checked before anything is admitted.
+struct Checked {
+    dest: pb::KvDestination,
+    cached: usize,
+    uncached: usize,
 }
 
 impl PrefillService {
@@ -88,12 +155,15 @@ impl PrefillService {
         engine: Arc<EngineHandle>,
         transport: Arc<dyn KvTransport>,
         identity: WorkerIdentity,
+        limits: PrefillLimits,
     ) -> (Self, Shutdown) {
         let shared = Arc::new(Shared {
             engine,
             transport,
             identity,
+            limits,
             in_flight: AtomicUsize::new(0),
+            queued_tokens: AtomicU64::new(0),
             draining: AtomicBool::new(false),
             counts: PrefillCounts::default(),
         });
@@ -111,14 +181,19 @@ impl PrefillService {
         &self.shared.counts
     }
 
-    /// Runs one prefill: engine chunks out to the destination as they come, then the answer.
-    async fn run(&self, req: pb::PrefillRequest) -> Result<pb::PrefillResponse, Status> {
-        let s = &self.shared;
+    /// Uncached prompt tokens admitted and not yet sent.
+    pub fn queued_tokens(&self) -> u64 {
+        self.shared.queued_tokens.load(Ordering::SeqCst)
+    }
+}
+
+impl Shared {
+    fn check(&self, req: &pb::PrefillRequest) -> Result<Checked, Status> {
         let dest = req
             .destination
+            .clone()
             .ok_or_else(|| Status::invalid_argument("no KV destination"))?;
-        let limits = s.engine.limits();
-        let bs = limits.block_size;
+        let bs = self.engine.limits().block_size;
         let cached = req.cached_tokens as usize;
         let prompt_len = req.prompt_ids.len();
         if !cached.is_multiple_of(bs) || cached >= prompt_len {
@@ -134,9 +209,67 @@ impl PrefillService {
                 prompt_len - cached
             )));
         }
+        Ok(Checked {
+            dest,
+            cached,
+            uncached: prompt_len - cached,
+        })
+    }
+
+    /// Admits `uncached` tokens unless the queue ahead would hold them past the limit; returns
+    /// the admission and the tokens queued ahead of it.
+    fn admit(self: &Arc<Self>, uncached: usize) -> Result<(Admitted, u64), Status> {
+        let rate = self.engine.stats().prefill_tokens_per_s;
+        let limit = self.limits.max_queue_wait.as_secs_f64();
+        let uncached = uncached as u64;
+        let mut ahead = self.queued_tokens.load(Ordering::SeqCst);
+        loop {
+            let wait = ahead as f64 / rate;
+            if rate > 0.0 && ahead > 0 && wait > limit {
+                self.counts.refused.fetch_add(1, Ordering::Relaxed);
+                return Err(Status::resource_exhausted(format!(
+                    "prefill queue full: {ahead} prompt tokens ahead, about {wait:.1} s at {rate:.0} tokens/s (limit {limit:.1} s); try another worker"
+                )));
+            }
+            match self.queued_tokens.compare_exchange(
+                ahead,
+                ahead + uncached,
+                Ordering::SeqCst,
+                Ordering::SeqCst,
+            ) {
+                Ok(_) => break,
+                Err(now) => ahead = now,
+            }
+        }
+        self.in_flight.fetch_add(1, Ordering::SeqCst);
+        Ok((
+            Admitted {
+                shared: self.clone(),
+                unsent: uncached,
+            },
+            ahead,
+        ))
+    }
+
+    /// Runs one admitted prefill: engine chunks out to the destination as they come, heartbeats
+    /// to the caller while it works, then the answer.
+    async fn run(
+        &self,
+        req: pb::PrefillRequest,
+        checked: Checked,
+        admitted: &mut Admitted,
+        ahead: u64,
+        tx: &Updates,
+    ) -> Result<(), Stop> {
+        let Checked {
+            dest,
+            cached,
+            uncached,
+        } = checked;
+        let bs = self.engine.limits().block_size;
         let mut params = sampling_params(req.sampling, None);
         params.max_tokens = 1;
-        let mut stream = s
+        let mut stream = self
             .engine
             .submit_prefill(
                 Request {
@@ -147,16 +280,52 @@ impl PrefillService {
                 cached,
             )
             .map_err(status)?;
-        let mut conn: Box<dyn KvStream> = s.transport.open(&dest.endpoint).await.map_err(|e| {
-            Status::unavailable(format!(
-                "cannot reach the KV endpoint {}: {e}",
-                dest.endpoint
-            ))
-        })?;
+        let stats = self.engine.stats();
+        tx.send(update(pb::prefill_update::Update::Accepted(
+            pb::PrefillAccepted {
+                queued_tokens: ahead,
+                tokens_per_second: stats.prefill_tokens_per_s,
+                slowest_step_seconds: stats.slowest_recent_step_s,
+            },
+        )))
+        .await
+        .map_err(|_| Stop::Gone)?;
+        let mut conn: Box<dyn KvStream> =
+            self.transport.open(&dest.endpoint).await.map_err(|e| {
+                Status::unavailable(format!(
+                    "cannot reach the KV endpoint {}: {e}",
+                    dest.endpoint
+                ))
+            })?;
         let send_err = |e| Status::unavailable(format!("sending KV to {}: {e}", dest.endpoint));
         let mut first = None;
         let mut sent = 0u64;
-        while let Some(ev) = stream.next().await {
+        let mut computed = cached;
+        let mut beat = tokio::time::interval(HEARTBEAT);
+        beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            let ev = tokio::select! {
+                ev = stream.next() => ev,
+                _ = beat.tick() => {
+                    let stats = self.engine.stats();
+                    let progress = pb::PrefillProgress {
+                        engine_steps: stats.steps,
+                        computed_tokens: computed as u32,
+                        slowest_step_seconds: stats.slowest_recent_step_s,
+                        tokens_per_second: stats.prefill_tokens_per_s,
+                    };
+                    // A full channel means the caller has not read the last beats yet: it
+                    // will see this worker's progress in the next one.
+                    if let Err(tokio::sync::mpsc::error::TrySendError::Closed(_)) =
+                        tx.try_send(update(pb::prefill_update::Update::Progress(progress)))
+                    {
+                        return Err(Stop::Gone);
+                    }
+                    continue;
+                }
+                _ = tx.closed() => return Err(Stop::Gone),
+            };
+            let Some(ev) = ev else { break };
             match ev {
                 StreamEvent::Kv(c) => {
                     let frames: Vec<BlockFrame<'_>> = (0..c.blocks)
@@ -174,75 +343,75 @@ impl PrefillService {
                         .await
                         .map_err(send_err)?;
                     sent += frames.iter().map(|f| f.payload.len() as u64).sum::<u64>();
+                    let tokens = (c.blocks * bs).min(cached + uncached - computed);
+                    computed += tokens;
+                    admitted.sent(tokens as u64);
                 }
                 StreamEvent::Token(t) => first = Some(t),
                 StreamEvent::Finished(_) => break,
                 StreamEvent::Failed(e) => {
                     let _ = conn.abort(dest.transfer_id).await;
-                    return Err(Status::internal(format!("prefill failed: {e}")));
+                    return Err(Status::internal(format!("prefill failed: {e}")).into());
                 }
             }
         }
         let first = first.ok_or_else(|| Status::internal("the engine stopped mid-prefill"))?;
         conn.end(dest.transfer_id).await.map_err(send_err)?;
-        s.counts.bytes_sent.fetch_add(sent, Ordering::Relaxed);
-        s.counts
+        self.counts.bytes_sent.fetch_add(sent, Ordering::Relaxed);
+        self.counts
             .prefilled_tokens
-            .fetch_add((prompt_len - cached) as u64, Ordering::Relaxed);
-        Ok(pb::PrefillResponse {
-            first_token: Some(tandem_decode_worker::convert::token(&first)),
-            prefilled_tokens: (prompt_len - cached) as u32,
-            cached_tokens: cached as u32,
-        })
-    }
-}
-
-/// Counts a prefill as cancelled unless it finished (the future was dropped mid-way).
-struct Outcome<'a> {
-    counts: &'a PrefillCounts,
-    done: bool,
-}
-
-impl Drop for Outcome<'_> {
-    fn drop(&mut self) {
-        if !self.done {
-            self.counts.cancelled.fetch_add(1, Ordering::Relaxed);
-        }
+            .fetch_add(uncached as u64, Ordering::Relaxed);
+        tx.send(update(pb::prefill_update::Update::Done(
+            pb::PrefillResponse {
+                first_token: Some(tandem_decode_worker::convert::token(&first)),
+                prefilled_tokens: uncached as u32,
+                cached_tokens: cached as u32,
+            },
+        )))
+        .await
+        .map_err(|_| Stop::Gone)
     }
 }
 
 #[tonic::async_trait]
 impl pb::prefill_server::Prefill for PrefillService {
     type KvEventsStream = BoxStream<pb::KvEventBatch>;
+    type PrefillStream = BoxStream<pb::PrefillUpdate>;
 
     async fn prefill(
         &self,
         request: GrpcRequest<pb::PrefillRequest>,
-    ) -> Result<Response<pb::PrefillResponse>, Status> {
+    ) -> Result<Response<Self::PrefillStream>, Status> {
         let s = &self.shared;
         if s.draining.load(Ordering::SeqCst) {
             return Err(Status::unavailable(
                 "this prefill worker is draining for shutdown",
             ));
         }
-        s.in_flight.fetch_add(1, Ordering::SeqCst);
-        let _in_flight = InFlight(s);
-        let mut outcome = Outcome {
-            counts: &s.counts,
-            done: false,
-        };
         let req = request.into_inner();
-        let id = req.request_id.clone();
-        let r = self.run(req).await;
-        outcome.done = true;
-        match &r {
-            Ok(_) => s.counts.ok.fetch_add(1, Ordering::Relaxed),
-            Err(e) => {
-                tracing::warn!(request = %id, error = %e, "prefill failed");
-                s.counts.failed.fetch_add(1, Ordering::Relaxed)
-            }
-        };
-        r.map(Response::new)
+        let checked = s.check(&req)?;
+        let (mut admitted, ahead) = s.admit(checked.uncached)?;
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        let shared = s.clone();
+        tokio::spawn(async move {
+            let id = req.request_id.clone();
+            let r = shared.run(req, checked, &mut admitted, ahead, &tx).await;
+            let c = &shared.counts;
+            match r {
+                Ok(()) => c.ok.fetch_add(1, Ordering::Relaxed),
+                Err(Stop::Gone) => c.cancelled.fetch_add(1, Ordering::Relaxed),
+                Err(Stop::Failed(e)) => {
+                    tracing::warn!(request = %id, error = %e, "prefill failed");
+                    let _ = tx.send(Err(e)).await;
+                    c.failed.fetch_add(1, Ordering::Relaxed)
+                }
+            };
+            // The engine request (and the KV connection) end here, before the admission does.
+            drop(admitted);
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
     }
 
     async fn info(
@@ -299,6 +468,7 @@ impl Collector for Metrics {
                 (&[("result", "ok")], l(&c.ok)),
                 (&[("result", "failed")], l(&c.failed)),
                 (&[("result", "cancelled")], l(&c.cancelled)),
+                (&[("result", "refused")], l(&c.refused)),
             ],
         )?;
         counter(
