@@ -206,12 +206,7 @@ pub struct EngineStats {
     /// Prompt tokens computed a second, averaged over recent steps that computed any (0 before the
     /// first such step).
     pub prefill_tokens_per_s: f64,
-    /// The slowest of the last [`RECENT_STEPS`] steps, seconds (0 before the first step).
-    pub slowest_recent_step_s: f64,
 }
-
-/// Steps [`EngineStats::slowest_recent_step_s`] looks back over.
-pub const RECENT_STEPS: usize = 32;
 
 /// Weight of the newest step in [`EngineStats::prefill_tokens_per_s`].
 const RATE_WEIGHT: f64 = 0.25;
@@ -366,8 +361,6 @@ pub struct Engine {
     remote: Vec<Seq>,
     cancelled: Vec<RequestId>,
     stats: EngineStats,
-    /// Durations of the last [`RECENT_STEPS`] steps, seconds.
-    recent_steps: VecDeque<f64>,
     /// First id `generate` gives its requests next time.
     next_batch_id: u64,
 }
@@ -402,7 +395,6 @@ impl Engine {
             remote: Vec::new(),
             cancelled: Vec::new(),
             stats: EngineStats::default(),
-            recent_steps: VecDeque::with_capacity(RECENT_STEPS),
             next_batch_id: 1 << 48,
         })
     }
@@ -757,26 +749,20 @@ impl Engine {
                 rows += 1;
             }
         }
-        let samplers: Vec<(&mut Sampler, usize)> = self
+        let mut sampled: Vec<Option<Sampled>> = self
             .running
             .iter_mut()
             .zip(&row_of)
-            .filter_map(|(s, row)| row.map(|r| (&mut s.sampler, r)))
-            .collect();
-        let by_seq: Vec<(usize, Sampled)> = samplers
+            .map(|(s, row)| row.map(|r| (&mut s.sampler, r)))
+            .collect::<Vec<_>>()
             .into_par_iter()
-            .map(|(sampler, r)| {
-                let s = match picks.get(r) {
+            .map(|job| {
+                job.map(|(sampler, r)| match picks.get(r) {
                     Some(&(token, logprob)) => sampler.accept(token, logprob),
                     None => sampler.sample(&logits[r * vocab..(r + 1) * vocab]),
-                };
-                (r, s)
+                })
             })
             .collect();
-        let mut sampled: Vec<Option<Sampled>> = (0..rows).map(|_| None).collect();
-        for (r, s) in by_seq {
-            sampled[r] = Some(s);
-        }
         for &(i, take) in &plan {
             let s = &mut self.running[i];
             let (cached, new) = (s.computed as u64, take as u64);
@@ -800,8 +786,9 @@ impl Engine {
             if s.computed < s.tokens.len() {
                 continue;
             }
-            let row = row_of[i].expect("a sequence that completed its tokens has a row");
-            let sampled = sampled[row].take().expect("each row is taken once");
+            let sampled = sampled[i]
+                .take()
+                .expect("a sequence that completed its tokens has a row");
             s.first_token.get_or_insert_with(Instant::now);
             s.tokens.push(sampled.token);
             s.logprobs.push(sampled.logprob);
@@ -837,13 +824,8 @@ impl Engine {
         Ok((events, stats))
     }
 
-    /// Folds a step's duration into the recent-speed figures peers plan their deadlines by.
+    /// Folds a step's prompt work into the measured prefill rate peers plan their deadlines by.
     fn record_timing(&mut self, step: &StepStats) {
-        if self.recent_steps.len() == RECENT_STEPS {
-            self.recent_steps.pop_front();
-        }
-        self.recent_steps.push_back(step.seconds);
-        self.stats.slowest_recent_step_s = self.recent_steps.iter().copied().fold(0.0, f64::max);
         if step.prefill_tokens > 0 && step.seconds > 0.0 {
             let rate = step.prefill_tokens as f64 / step.seconds;
             let r = &mut self.stats.prefill_tokens_per_s;
@@ -1123,10 +1105,9 @@ pub(crate) mod tests {
             max_batched_tokens: 4,
             ..config()
         });
-        let fresh = e.stats();
         assert_eq!(
-            (fresh.prefill_tokens_per_s, fresh.slowest_recent_step_s),
-            (0.0, 0.0),
+            e.stats().prefill_tokens_per_s,
+            0.0,
             "nothing measured before the first step"
         );
         e.add(RequestId(1), req(vec![3, 4, 5, 6, 7], 2)).unwrap();
@@ -1136,7 +1117,7 @@ pub(crate) mod tests {
         assert_eq!(step.prefill_tokens, 4);
         let s = e.stats();
         assert_eq!(s.pending_prompt_tokens, 4, "4 of the first prompt computed");
-        assert!(s.slowest_recent_step_s > 0.0 && s.slowest_recent_step_s == step.seconds);
+        assert!(step.seconds > 0.0);
         assert_eq!(s.prefill_tokens_per_s, 4.0 / step.seconds);
         e.step().unwrap();
         assert_eq!(e.stats().pending_prompt_tokens, 0);

@@ -79,7 +79,7 @@ impl OutPtr {
     }
 }
 
-/// Several activation rows: each task owns a run of [`ROWS_PER_TASK`] weight rows, decodes them
+/// Several activation rows: each task owns a run of weight rows ([`task_rows`]), decodes them
 /// (if quantized) into an f32 tile that stays in cache, and multiplies every activation row with
 /// it through a 4×4 register tile. The weights are read and decoded once per call, never written
 /// out whole.

@@ -107,7 +107,8 @@ struct Admitted {
 }
 
 impl Admitted {
-    /// `tokens` more of the prompt went out.
+    /// `tokens` more of the prompt went out (a chunk's last block may be partly prompt: counted
+    /// up to what is left).
     fn sent(&mut self, tokens: u64) {
         let t = tokens.min(self.unsent);
         self.unsent -= t;
@@ -285,7 +286,6 @@ impl Shared {
             pb::PrefillAccepted {
                 queued_tokens: ahead,
                 tokens_per_second: stats.prefill_tokens_per_s,
-                slowest_step_seconds: stats.slowest_recent_step_s,
             },
         )))
         .await
@@ -300,19 +300,14 @@ impl Shared {
         let send_err = |e| Status::unavailable(format!("sending KV to {}: {e}", dest.endpoint));
         let mut first = None;
         let mut sent = 0u64;
-        let mut computed = cached;
         let mut beat = tokio::time::interval(HEARTBEAT);
         beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             let ev = tokio::select! {
                 ev = stream.next() => ev,
                 _ = beat.tick() => {
-                    let stats = self.engine.stats();
                     let progress = pb::PrefillProgress {
-                        engine_steps: stats.steps,
-                        computed_tokens: computed as u32,
-                        slowest_step_seconds: stats.slowest_recent_step_s,
-                        tokens_per_second: stats.prefill_tokens_per_s,
+                        tokens_per_second: self.engine.stats().prefill_tokens_per_s,
                     };
                     // A full channel means the caller has not read the last beats yet: it
                     // will see this worker's progress in the next one.
@@ -343,9 +338,7 @@ impl Shared {
                         .await
                         .map_err(send_err)?;
                     sent += frames.iter().map(|f| f.payload.len() as u64).sum::<u64>();
-                    let tokens = (c.blocks * bs).min(cached + uncached - computed);
-                    computed += tokens;
-                    admitted.sent(tokens as u64);
+                    admitted.sent((c.blocks * bs) as u64);
                 }
                 StreamEvent::Token(t) => first = Some(t),
                 StreamEvent::Finished(_) => break,
