@@ -230,6 +230,15 @@ pub fn run(mut a: UpArgs) -> Result<()> {
         (Some(n), _) => n,
     };
     a.prefill_workers = Some(prefill_workers);
+    if let Some(tls) = a
+        .router_args
+        .iter()
+        .find(|f| f.starts_with("--tls-cert") || f.starts_with("--tls-key"))
+    {
+        bail!(
+            "{tls}: tandem up watches its router over plain HTTP on this machine; for TLS run `tandem router --tls-cert ... --tls-key ...` with its workers (docs: README, Security)"
+        );
+    }
     let model = match &a.model {
         Some(p) => p.clone(),
         None => fetch::ensure_default_model()?,
@@ -342,11 +351,12 @@ async fn supervise(a: UpArgs, model: PathBuf, threads: usize) -> Result<()> {
         restarts: 0,
     });
     wait_ready(&format!("http://{http}/ready"), timeout).await?;
-    let served = reqwest::get(format!("http://{http}/v1/models"))
+    // /ready is open even when the API needs a key.
+    let served = reqwest::get(format!("http://{http}/ready"))
         .await?
         .json::<serde_json::Value>()
         .await?;
-    let model_id = served["data"][0]["id"].as_str().unwrap_or("").to_string();
+    let model_id = served["model"].as_str().unwrap_or("").to_string();
     println!();
     println!(
         "Tandem is up: router http://{http} (OpenAI API), gRPC {grpc}, {} prefill and {} decode worker(s)",

@@ -82,9 +82,13 @@ def main():
     ap.add_argument("--base-url", required=True)
     ap.add_argument("--model", required=True)
     ap.add_argument("--cases", required=True)
+    ap.add_argument("--api-key", default="unused")
+    ap.add_argument("--ca-cert", help="trust this CA (an https base URL with a test certificate)")
     a = ap.parse_args()
     cases = json.load(open(a.cases))
-    client = openai.OpenAI(base_url=a.base_url, api_key="unused", max_retries=0, timeout=600)
+    http_client = openai.DefaultHttpxClient(verify=a.ca_cert) if a.ca_cert else None
+    client = openai.OpenAI(base_url=a.base_url, api_key=a.api_key, max_retries=0, timeout=600,
+                           http_client=http_client)
 
     models = [m.id for m in client.models.list().data]
     if a.model not in models:
@@ -110,6 +114,21 @@ def main():
         if e.body.get("code") != "model_not_found":
             print(f"FAIL unknown model body {e.body}")
             failed += 1
+
+    # With keys set on the router, a wrong key is the client's AuthenticationError.
+    if a.api_key != "unused":
+        wrong = openai.OpenAI(base_url=a.base_url, api_key=a.api_key + "-wrong", max_retries=0,
+                              timeout=600, http_client=http_client)
+        try:
+            wrong.models.list()
+            print("FAIL a wrong API key was accepted")
+            failed += 1
+        except openai.AuthenticationError as e:
+            if e.body.get("code") != "invalid_api_key":
+                print(f"FAIL wrong key body {e.body}")
+                failed += 1
+            else:
+                print("a wrong API key is refused: AuthenticationError invalid_api_key")
     return 1 if failed else 0
 
 

@@ -340,6 +340,7 @@ impl Dispatcher {
         let n = self.queued.fetch_add(1, Ordering::SeqCst);
         let slot = QueueSlot(self.queued.clone());
         if n >= self.cfg.max_queue {
+            self.metrics.refused("queue_full");
             return Err(ApiError::QueueFull(self.cfg.max_queue));
         }
         let request = pb::DecodeRequest {
@@ -358,7 +359,15 @@ impl Dispatcher {
             metrics: self.metrics.clone(),
         };
         let mut tried = Vec::new();
-        let open = route.open(request.clone(), &[], &mut tried).await?;
+        let open = match route.open(request.clone(), &[], &mut tried).await {
+            Ok(o) => o,
+            Err(e) => {
+                if matches!(e, ApiError::NoWorker) {
+                    self.metrics.refused("no_worker");
+                }
+                return Err(e);
+            }
+        };
         tracing::debug!(request = %prep.request_id, worker = %open.guard.worker().addr, prompt = prep.prompt.len(), remote = open.prefill_guard.is_some(), "routed");
         Ok(Generation {
             stream: Some(open.stream),

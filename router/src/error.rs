@@ -4,6 +4,9 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
 
+/// What a 429 tells the client to wait, in seconds (`Retry-After`).
+pub const RETRY_AFTER_S: &str = "1";
+
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum ApiError {
     /// The request is malformed or asks for something out of range. `param` names the field.
@@ -20,6 +23,12 @@ pub enum ApiError {
     },
     #[error("model {0:?} is not served here: GET /v1/models lists what is")]
     ModelNotFound(String),
+    #[error("{0}")]
+    Unauthorized(String),
+    #[error("the request body is over the router's limit of {0} bytes")]
+    BodyTooLarge(usize),
+    #[error("the request body sent nothing for {0:?}: the router stopped waiting for it")]
+    BodyTimeout(std::time::Duration),
     #[error("the router already has {0} requests in flight: retry later")]
     QueueFull(usize),
     #[error("no decode worker is ready: check that the workers are up and reachable")]
@@ -44,6 +53,9 @@ impl ApiError {
             Self::InvalidRequest { .. } | Self::ContextLength { .. } | Self::ModelNotFound(_) => {
                 StatusCode::BAD_REQUEST
             }
+            Self::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            Self::BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             Self::QueueFull(_) => StatusCode::TOO_MANY_REQUESTS,
             Self::NoWorker => StatusCode::SERVICE_UNAVAILABLE,
             Self::Upstream { .. } => StatusCode::BAD_GATEWAY,
@@ -57,6 +69,9 @@ impl ApiError {
             Self::InvalidRequest { .. } => ("invalid_request_error", "invalid_value"),
             Self::ContextLength { .. } => ("invalid_request_error", "context_length_exceeded"),
             Self::ModelNotFound(_) => ("invalid_request_error", "model_not_found"),
+            Self::Unauthorized(_) => ("invalid_request_error", "invalid_api_key"),
+            Self::BodyTooLarge(_) => ("invalid_request_error", "request_too_large"),
+            Self::BodyTimeout(_) => ("invalid_request_error", "request_timeout"),
             Self::QueueFull(_) => ("rate_limit_error", "rate_limit_exceeded"),
             Self::NoWorker => ("service_unavailable", "no_worker"),
             Self::Upstream { .. } => ("server_error", "upstream_error"),
@@ -83,7 +98,18 @@ impl ApiError {
                 tonic::Status::invalid_argument(m)
             }
             Self::ModelNotFound(_) => tonic::Status::not_found(m),
-            Self::QueueFull(_) => tonic::Status::resource_exhausted(m),
+            Self::Unauthorized(_) => tonic::Status::unauthenticated(m),
+            Self::BodyTooLarge(_) => tonic::Status::resource_exhausted(m),
+            Self::BodyTimeout(_) => tonic::Status::deadline_exceeded(m),
+            Self::QueueFull(_) => {
+                let mut st = tonic::Status::resource_exhausted(m);
+                // gRPC's retry policy waits this long before its next attempt.
+                st.metadata_mut().insert(
+                    "grpc-retry-pushback-ms",
+                    tonic::metadata::MetadataValue::from_static("1000"),
+                );
+                st
+            }
             Self::NoWorker => tonic::Status::unavailable(m),
             Self::Upstream { .. } => tonic::Status::unavailable(m),
             Self::Internal(_) => tonic::Status::internal(m),
@@ -115,6 +141,14 @@ impl IntoResponse for ApiError {
         if self.status().is_server_error() {
             tracing::warn!(error = %self, "request failed");
         }
-        (self.status(), axum::Json(self.body())).into_response()
+        let mut resp = (self.status(), axum::Json(self.body())).into_response();
+        if let Self::QueueFull(_) = self {
+            // In-flight requests last seconds: one is a fair time to wait before retrying.
+            resp.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from_static(RETRY_AFTER_S),
+            );
+        }
+        resp
     }
 }

@@ -11,6 +11,7 @@
 pub mod discovery;
 pub mod dispatch;
 pub mod error;
+pub mod front;
 pub mod grpc;
 pub mod kv_index;
 pub mod metrics;
@@ -26,6 +27,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
+use futures::StreamExt;
 use tokio::net::TcpListener;
 
 use crate::discovery::{Discovery, StaticDiscovery};
@@ -91,6 +93,8 @@ pub struct RouterArgs {
     /// Times a request may move to another decode worker when its worker dies mid-stream.
     #[arg(long, env = "TANDEM_MAX_MIGRATIONS", default_value_t = 2)]
     pub max_migrations: u32,
+    #[command(flatten)]
+    pub door: front::FrontDoorArgs,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -102,6 +106,8 @@ pub enum RouterError {
     },
     #[error("no decode workers given: pass --decode-workers host:port,...")]
     NoWorkers,
+    #[error(transparent)]
+    FrontDoor(#[from] front::FrontDoorError),
     #[error("server: {0}")]
     Serve(String),
 }
@@ -131,6 +137,7 @@ pub async fn serve(
     if args.decode_workers.is_empty() {
         return Err(RouterError::NoWorkers);
     }
+    let door = args.door.resolve()?;
     let discovery = StaticDiscovery::new(args.decode_workers.clone(), args.prefill_workers.clone());
     let pool_cfg = PoolConfig {
         poll_interval: Duration::from_millis(args.poll_ms.max(10)),
@@ -183,16 +190,14 @@ pub async fn serve(
         let _ = rx.wait_for(|s| *s).await;
     };
 
-    let app = openai::routes(dispatcher.clone());
-    let http_task = tokio::spawn({
-        let stop = stopped(stop_rx.clone());
-        async move {
-            axum::serve(http, app)
-                .with_graceful_shutdown(stop)
-                .await
-                .map_err(|e| RouterError::Serve(format!("http: {e}")))
-        }
-    });
+    let (http_tls, grpc_tls) = door.tls.clone().unzip();
+    let app = openai::routes(dispatcher.clone(), &door);
+    let http_task = tokio::spawn(front::serve_http(
+        front::accept(http, http_tls, door.limits),
+        app,
+        door.limits,
+        stopped(stop_rx.clone()),
+    ));
 
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter
@@ -205,25 +210,37 @@ pub async fn serve(
         .map_err(|e| RouterError::Serve(format!("reflection: {e}")))?;
     let grpc_task = tokio::spawn({
         let stop = stopped(stop_rx.clone());
-        let svc = tandem_proto::v1::generation_server::GenerationServer::new(
-            grpc::GenerationService::new(dispatcher.clone()),
+        // Health and reflection stay open (probes and grpcurl's discovery); generation needs a
+        // key when keys are set.
+        let svc = tonic::service::interceptor::InterceptedService::new(
+            tandem_proto::v1::generation_server::GenerationServer::new(
+                grpc::GenerationService::new(dispatcher.clone()),
+            ),
+            door.api_keys
+                .clone()
+                .interceptor(dispatcher.metrics.clone()),
         );
+        let conns = front::accept(grpc, grpc_tls, door.limits);
+        let incoming =
+            tokio_stream::wrappers::ReceiverStream::new(conns).map(Ok::<_, std::io::Error>);
         async move {
             tonic::transport::Server::builder()
                 .tcp_nodelay(true)
+                .http2_max_header_list_size(
+                    u32::try_from(door.limits.max_header_bytes).unwrap_or(u32::MAX),
+                )
+                .http2_keepalive_interval(Some(Duration::from_secs(20)))
+                .http2_keepalive_timeout(Some(Duration::from_secs(20)))
                 .add_service(health)
                 .add_service(reflection)
                 .add_service(svc)
-                .serve_with_incoming_shutdown(
-                    tokio_stream::wrappers::TcpListenerStream::new(grpc),
-                    stop,
-                )
+                .serve_with_incoming_shutdown(incoming, stop)
                 .await
                 .map_err(|e| RouterError::Serve(format!("grpc: {e}")))
         }
     });
     let (h, g) = tokio::join!(http_task, grpc_task);
-    h.map_err(|e| RouterError::Serve(e.to_string()))??;
+    h.map_err(|e| RouterError::Serve(e.to_string()))?;
     g.map_err(|e| RouterError::Serve(e.to_string()))??;
     Ok(())
 }

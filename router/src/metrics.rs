@@ -13,7 +13,17 @@ pub struct RouterMetrics {
     registry: Registry,
     prefill: Family<Labels, Counter>,
     migrations: Counter,
+    refused: Family<Labels, Counter>,
 }
+
+/// Why the router turned a request away before it reached a worker.
+pub const REFUSALS: [&str; 5] = [
+    "unauthorized",
+    "queue_full",
+    "body_too_large",
+    "body_timeout",
+    "no_worker",
+];
 
 impl Default for RouterMetrics {
     fn default() -> Self {
@@ -30,6 +40,15 @@ impl Default for RouterMetrics {
             "Streams moved to another decode worker after theirs failed mid-request",
             migrations.clone(),
         );
+        let refused = Family::<Labels, Counter>::default();
+        registry.register(
+            "tandem_router_refused_requests",
+            "Requests turned away before reaching a worker, by reason",
+            refused.clone(),
+        );
+        for reason in REFUSALS {
+            let _ = refused.get_or_create(&vec![("reason", reason)]);
+        }
         // Both modes exist from the start, so a dashboard's rate() has a series to work on.
         for mode in ["remote", "local"] {
             let _ = prefill.get_or_create(&vec![("mode", mode)]);
@@ -38,6 +57,7 @@ impl Default for RouterMetrics {
             registry,
             prefill,
             migrations,
+            refused,
         }
     }
 }
@@ -50,6 +70,12 @@ impl RouterMetrics {
 
     pub fn migration(&self) {
         self.migrations.inc();
+    }
+
+    /// `reason` is one of [`REFUSALS`].
+    pub fn refused(&self, reason: &'static str) {
+        debug_assert!(REFUSALS.contains(&reason), "{reason}");
+        self.refused.get_or_create(&vec![("reason", reason)]).inc();
     }
 
     pub fn render(&self) -> String {

@@ -9,16 +9,16 @@
 
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
-use axum::extract::State;
+use axum::extract::{FromRequest, State};
 use axum::http::StatusCode;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::Json;
-use futures::Stream;
+use axum::{middleware, Extension, Json};
+use futures::{Stream, StreamExt};
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -29,21 +29,106 @@ use crate::dispatch::{
     Usage,
 };
 use crate::error::ApiError;
+use crate::front::{require_key, FrontDoor};
+use crate::metrics::RouterMetrics;
 
-/// Most bytes a request body may have.
-const MAX_BODY: usize = 32 << 20;
+/// The front door's body limits, as a request extension for [`RequestBody`].
+#[derive(Clone)]
+struct BodyLimits {
+    max: usize,
+    stall: Duration,
+    metrics: Arc<RouterMetrics>,
+}
 
-pub fn routes(d: Arc<Dispatcher>) -> axum::Router {
-    axum::Router::new()
+/// Reads and drops up to `budget` more bytes of a refused body, so that a client still sending
+/// a body somewhat over the limit reads its 413 rather than a reset connection. A larger body is
+/// cut off.
+async fn drain(body: &mut axum::body::BodyDataStream, budget: usize, stall: Duration) {
+    let mut left = budget;
+    while left > 0 {
+        match tokio::time::timeout(stall, body.next()).await {
+            Ok(Some(Ok(chunk))) => left = left.saturating_sub(chunk.len()),
+            _ => return,
+        }
+    }
+}
+
+pub fn routes(d: Arc<Dispatcher>, door: &FrontDoor) -> axum::Router {
+    let keyed = |keys: &Arc<crate::front::ApiKeys>| {
+        middleware::from_fn_with_state((keys.clone(), d.metrics.clone()), require_key)
+    };
+    let api = axum::Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
+        .route_layer(keyed(&door.api_keys));
+    let metrics = axum::Router::new()
+        .route("/metrics", get(metrics))
+        .route_layer(keyed(&door.metrics_keys));
+    axum::Router::new()
         .route("/health", get(|| async { "ok" }))
         .route("/ready", get(ready))
-        .route("/metrics", get(metrics))
+        .merge(api)
+        .merge(metrics)
         .fallback(not_found)
-        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
+        .layer(Extension(BodyLimits {
+            max: door.limits.max_body,
+            stall: door.limits.body_stall,
+            metrics: d.metrics.clone(),
+        }))
         .with_state(d)
+}
+
+/// A request's whole body, read under the front door's limits: over the size limit is 413 (at
+/// once when `Content-Length` says so), a pause longer than the stall timeout is 408. Nothing
+/// of the router is held while it arrives.
+struct RequestBody(Bytes);
+
+impl<S: Send + Sync> FromRequest<S> for RequestBody {
+    type Rejection = Response;
+
+    async fn from_request(req: axum::extract::Request, _: &S) -> Result<Self, Response> {
+        let Some(limits) = req.extensions().get::<BodyLimits>().cloned() else {
+            return Err(ApiError::Internal("body limits not set".into()).into_response());
+        };
+        let refuse = |e: ApiError, reason| {
+            limits.metrics.refused(reason);
+            e.into_response()
+        };
+        let declared = req
+            .headers()
+            .get(axum::http::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+        let mut body = req.into_body().into_data_stream();
+        if let Some(n) = declared.filter(|&n| n > limits.max as u64) {
+            if n <= 2 * limits.max as u64 {
+                drain(&mut body, n as usize, limits.stall).await;
+            }
+            return Err(refuse(ApiError::BodyTooLarge(limits.max), "body_too_large"));
+        }
+        let mut buf = Vec::with_capacity(declared.unwrap_or(0) as usize);
+        loop {
+            match tokio::time::timeout(limits.stall, body.next()).await {
+                Err(_) => return Err(refuse(ApiError::BodyTimeout(limits.stall), "body_timeout")),
+                Ok(None) => break,
+                Ok(Some(Err(e))) => {
+                    return Err(ApiError::InvalidRequest {
+                        message: format!("could not read the request body: {e}"),
+                        param: None,
+                    }
+                    .into_response())
+                }
+                Ok(Some(Ok(chunk))) => {
+                    if buf.len() + chunk.len() > limits.max {
+                        drain(&mut body, limits.max, limits.stall).await;
+                        return Err(refuse(ApiError::BodyTooLarge(limits.max), "body_too_large"));
+                    }
+                    buf.extend_from_slice(&chunk);
+                }
+            }
+        }
+        Ok(Self(Bytes::from(buf)))
+    }
 }
 
 async fn not_found() -> Response {
@@ -81,7 +166,8 @@ async fn ready(State(d): State<Arc<Dispatcher>>) -> Response {
     let workers = describe(&d.pool);
     let prefill = d.prefill_pool.as_deref().map(describe).unwrap_or_default();
     let ready = workers.iter().filter(|w| w["ready"] == true).count();
-    let body = json!({"ready_workers": ready, "workers": workers, "prefill_workers": prefill});
+    let body = json!({"model": d.model.name, "ready_workers": ready, "workers": workers,
+                      "prefill_workers": prefill});
     if ready > 0 {
         (StatusCode::OK, Json(body)).into_response()
     } else {
@@ -371,7 +457,7 @@ struct Shape {
     echo: Option<String>,
 }
 
-async fn completions(State(d): State<Arc<Dispatcher>>, body: Bytes) -> Response {
+async fn completions(State(d): State<Arc<Dispatcher>>, RequestBody(body): RequestBody) -> Response {
     match completions_inner(d, &body).await {
         Ok(r) => r,
         Err(e) => e.into_response(),
@@ -423,7 +509,10 @@ async fn completions_inner(d: Arc<Dispatcher>, body: &[u8]) -> Result<Response, 
     respond(d, generation, shape, stream).await
 }
 
-async fn chat_completions(State(d): State<Arc<Dispatcher>>, body: Bytes) -> Response {
+async fn chat_completions(
+    State(d): State<Arc<Dispatcher>>,
+    RequestBody(body): RequestBody,
+) -> Response {
     match chat_inner(d, &body).await {
         Ok(r) => r,
         Err(e) => e.into_response(),

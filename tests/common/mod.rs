@@ -355,3 +355,61 @@ pub async fn post(http: &str, path: &str, body: Value) -> (u16, Value) {
     let status = r.status().as_u16();
     (status, r.json().await.unwrap_or(Value::Null))
 }
+
+/// Runs tests/openai_client.py (the official OpenAI Python client) against `base_url`: every
+/// golden case four ways, exact text, finish reason and usage. `extra` goes to the script
+/// (`--api-key=K`, `--ca-cert=PEM`).
+pub async fn openai_python_client(
+    base_url: &str,
+    model: &str,
+    tok: &tandem_model::Tokenizer,
+    extra: &[String],
+) {
+    let cases: Vec<Value> = golden()
+        .iter()
+        .map(|g| {
+            let e = expected(tok, g);
+            let mut c = serde_json::json!({
+                "id": g["id"],
+                "max_tokens": g["n_new"],
+                "prompt_tokens": g["n_prompt"],
+                "text_ignore_eos": e.text_ignore_eos,
+                "text_eos": e.text_eos,
+                "tokens_eos": e.tokens_eos,
+                "finish_eos": e.finish_eos,
+            });
+            if g["chat"].is_array() {
+                c["kind"] = serde_json::json!("chat");
+                c["messages"] = g["chat"].clone();
+            } else {
+                c["kind"] = serde_json::json!("completion");
+                c["prompt"] = g["prompt"].clone();
+            }
+            c
+        })
+        .collect();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("cases.json");
+    std::fs::write(&path, serde_json::to_string(&cases).unwrap()).unwrap();
+    let script =
+        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/openai_client.py");
+    let out = tokio::process::Command::new(python())
+        .arg(script)
+        .arg(format!("--base-url={base_url}"))
+        .arg(format!("--model={model}"))
+        .arg(format!("--cases={}", path.display()))
+        .args(extra)
+        .output()
+        .await
+        .expect("run python");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    eprintln!("{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "OpenAI client checks failed:\n{stdout}"
+    );
+    assert!(stdout.contains(&format!(
+        "{n}/{n} OpenAI client checks passed",
+        n = cases.len() * 4
+    )));
+}
