@@ -344,7 +344,12 @@ async fn api_keys_limits_and_stalled_clients() {
         )
         .await
         .unwrap();
+    // Its status line, to know it was admitted; nothing more is read.
+    let mut head = [0u8; 12];
+    unread.read_exact(&mut head).await.unwrap();
+    assert_eq!(&head, b"HTTP/1.1 200");
     let end = Instant::now() + Duration::from_secs(120);
+    let mut queue_full = 0.0;
     loop {
         let (s, _, v) = send(
             &c,
@@ -358,6 +363,7 @@ async fn api_keys_limits_and_stalled_clients() {
             break;
         }
         assert_eq!(s, 429, "{v}");
+        queue_full += 1.0;
         assert!(
             Instant::now() < end,
             "the unread stream never gave its slot back"
@@ -395,6 +401,21 @@ async fn api_keys_limits_and_stalled_clients() {
     assert_eq!(refused("unauthorized"), unauthorized);
     assert_eq!(refused("body_too_large"), 2.0);
     assert_eq!(refused("body_timeout"), 1.0);
+    assert_eq!(refused("queue_full"), queue_full);
+    // What passed the front door, by how it ended: four completions and one gRPC generation
+    // answered, the 429s turned away.
+    let outcome = |o: &str| {
+        metric(
+            &m,
+            &format!("tandem_router_requests_total{{outcome=\"{o}\"}}"),
+        )
+    };
+    assert_eq!(outcome("ok"), 5.0);
+    assert_eq!(outcome("refused"), queue_full);
+    assert_eq!(
+        outcome("invalid") + outcome("failed") + outcome("cancelled"),
+        0.0
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

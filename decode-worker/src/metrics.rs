@@ -113,6 +113,12 @@ impl Collector for DecodeMetrics {
             return Ok(());
         };
         let rx = r.receiver();
+        gauge(
+            &mut enc,
+            "tandem_kv_grants_open",
+            "KV block grants waiting for a prefill worker's frames",
+            &[(&[], rx.open_grants() as i64)],
+        )?;
         counter(
             &mut enc,
             "tandem_kv_transfer_bytes",

@@ -159,6 +159,11 @@ impl KvReceiver {
         self.inner.bytes.load(Ordering::Relaxed)
     }
 
+    /// Grants not yet completed, failed or revoked.
+    pub fn open_grants(&self) -> usize {
+        self.inner.grants.lock().expect("grants").len()
+    }
+
     /// Grants `blocks` (every layer of each) to a new transfer that must complete within
     /// `deadline`. The transfer id is random: with the connection authenticated, knowing it is
     /// what entitles a sender to these blocks.

@@ -21,7 +21,7 @@ use prometheus_client::encoding::DescriptorEncoder;
 use tandem_decode_worker::convert::{
     kv_event_stream, load_report, sampling_params, status, worker_info, BoxStream,
 };
-use tandem_decode_worker::metrics::{counter, engine_metrics};
+use tandem_decode_worker::metrics::{counter, engine_metrics, gauge};
 use tandem_decode_worker::WorkerIdentity;
 use tandem_engine::{EngineHandle, Request, StreamEvent};
 use tandem_kv_transfer::{BlockFrame, KvStream, KvTransport};
@@ -463,6 +463,12 @@ impl Collector for Metrics {
                 (&[("result", "cancelled")], l(&c.cancelled)),
                 (&[("result", "refused")], l(&c.refused)),
             ],
+        )?;
+        gauge(
+            &mut enc,
+            "tandem_prefill_in_flight",
+            "Prefill calls admitted and not yet finished (their KV sends included)",
+            &[(&[], s.in_flight.load(Ordering::SeqCst) as i64)],
         )?;
         counter(
             &mut enc,

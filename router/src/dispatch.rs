@@ -341,6 +341,7 @@ impl Dispatcher {
         let slot = QueueSlot(self.queued.clone());
         if n >= self.cfg.max_queue {
             self.metrics.refused("queue_full");
+            self.metrics.request("refused");
             return Err(ApiError::QueueFull(self.cfg.max_queue));
         }
         let request = pb::DecodeRequest {
@@ -364,6 +365,9 @@ impl Dispatcher {
             Err(e) => {
                 if matches!(e, ApiError::NoWorker) {
                     self.metrics.refused("no_worker");
+                    self.metrics.request("refused");
+                } else {
+                    self.metrics.request("failed");
                 }
                 return Err(e);
             }
@@ -386,6 +390,7 @@ impl Dispatcher {
             route,
             tried,
             migrations_left: self.cfg.max_migrations,
+            outcome: None,
             _slot: slot,
         })
     }
@@ -518,7 +523,18 @@ pub struct Generation {
     route: Route,
     tried: Vec<String>,
     migrations_left: u32,
+    /// How it ended, once it has: counted when the generation is dropped (`cancelled` if the
+    /// client went away before either).
+    outcome: Option<&'static str>,
     _slot: QueueSlot,
+}
+
+impl Drop for Generation {
+    fn drop(&mut self) {
+        self.route
+            .metrics
+            .request(self.outcome.unwrap_or("cancelled"));
+    }
 }
 
 /// Whether a failed stream means its worker is gone (move the request) rather than that the
@@ -548,7 +564,15 @@ impl Generation {
             }
             let stream = self.stream.as_mut()?;
             let failure = match stream.message().await {
-                Ok(Some(m)) => return Some(self.absorb(m)),
+                Ok(Some(m)) => {
+                    let chunk = self.absorb(m);
+                    self.outcome = match &chunk {
+                        Ok(c) if c.finish.is_some() => Some("ok"),
+                        Ok(_) => None,
+                        Err(_) => Some("failed"),
+                    };
+                    return Some(chunk);
+                }
                 Ok(None) => ApiError::Upstream {
                     worker: self.worker().to_string(),
                     message: "the stream ended without a finish".into(),
@@ -556,11 +580,13 @@ impl Generation {
                 Err(s) if worker_lost(&s) => ApiError::from_worker(self.worker(), &s),
                 Err(s) => {
                     self.done = true;
+                    self.outcome = Some("failed");
                     return Some(Err(ApiError::from_worker(self.worker(), &s)));
                 }
             };
             if let Err(e) = self.migrate(failure).await {
                 self.done = true;
+                self.outcome = Some("failed");
                 return Some(Err(e));
             }
         }

@@ -69,7 +69,8 @@ impl pb::generation_server::Generation for GenerationService {
             None => (None, None, None),
         };
         let is_chat = chat.is_some();
-        let input = prompt_input(text, chat, ids)?;
+        let d = &self.d;
+        let input = prompt_input(text, chat, ids).inspect_err(|_| d.metrics.request("invalid"))?;
         let s = r.sampling.unwrap_or_default();
         let st = r.stopping.unwrap_or_default();
         let params = GenParams {
@@ -94,10 +95,12 @@ impl pb::generation_server::Generation for GenerationService {
         } else {
             MaxTokensDefault::Fixed(16)
         };
-        let d = &self.d;
         let prep = d
             .prepare(&r.model, input, params, default_max)
-            .map_err(|e| e.grpc())?;
+            .map_err(|e| {
+                d.metrics.request("invalid");
+                e.grpc()
+            })?;
         let request_id = if r.request_id.is_empty() {
             prep.request_id.clone()
         } else {

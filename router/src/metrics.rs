@@ -14,7 +14,13 @@ pub struct RouterMetrics {
     prefill: Family<Labels, Counter>,
     migrations: Counter,
     refused: Family<Labels, Counter>,
+    requests: Family<Labels, Counter>,
 }
+
+/// How a generation request that passed the front door ended: answered to its finish, refused
+/// by the router for its input, turned away (queue full, no worker), failed (no worker could
+/// finish it), or cancelled (the client went away first).
+pub const OUTCOMES: [&str; 5] = ["ok", "invalid", "refused", "failed", "cancelled"];
 
 /// Why the router turned a request away before it reached a worker.
 pub const REFUSALS: [&str; 5] = [
@@ -49,6 +55,15 @@ impl Default for RouterMetrics {
         for reason in REFUSALS {
             let _ = refused.get_or_create(&vec![("reason", reason)]);
         }
+        let requests = Family::<Labels, Counter>::default();
+        registry.register(
+            "tandem_router_requests",
+            "Generation requests (HTTP and gRPC) by how they ended",
+            requests.clone(),
+        );
+        for outcome in OUTCOMES {
+            let _ = requests.get_or_create(&vec![("outcome", outcome)]);
+        }
         // Both modes exist from the start, so a dashboard's rate() has a series to work on.
         for mode in ["remote", "local"] {
             let _ = prefill.get_or_create(&vec![("mode", mode)]);
@@ -58,6 +73,7 @@ impl Default for RouterMetrics {
             prefill,
             migrations,
             refused,
+            requests,
         }
     }
 }
@@ -76,6 +92,14 @@ impl RouterMetrics {
     pub fn refused(&self, reason: &'static str) {
         debug_assert!(REFUSALS.contains(&reason), "{reason}");
         self.refused.get_or_create(&vec![("reason", reason)]).inc();
+    }
+
+    /// `outcome` is one of [`OUTCOMES`].
+    pub fn request(&self, outcome: &'static str) {
+        debug_assert!(OUTCOMES.contains(&outcome), "{outcome}");
+        self.requests
+            .get_or_create(&vec![("outcome", outcome)])
+            .inc();
     }
 
     pub fn render(&self) -> String {

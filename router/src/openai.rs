@@ -25,8 +25,8 @@ use serde_json::{json, Value};
 use tandem_model::ChatMessage;
 
 use crate::dispatch::{
-    Chunk, Dispatcher, FinishKind, GenParams, Generation, MaxTokensDefault, PromptInput, TokenOut,
-    Usage,
+    Chunk, Dispatcher, FinishKind, GenParams, Generation, MaxTokensDefault, Prepared, PromptInput,
+    TokenOut, Usage,
 };
 use crate::error::ApiError;
 use crate::front::{require_key, FrontDoor};
@@ -458,13 +458,31 @@ struct Shape {
 }
 
 async fn completions(State(d): State<Arc<Dispatcher>>, RequestBody(body): RequestBody) -> Response {
-    match completions_inner(d, &body).await {
-        Ok(r) => r,
-        Err(e) => e.into_response(),
+    match completion_request(&d, &body) {
+        Ok((prep, shape, stream)) => serve(d, prep, shape, stream).await,
+        Err(e) => invalid(&d, e),
     }
 }
 
-async fn completions_inner(d: Arc<Dispatcher>, body: &[u8]) -> Result<Response, ApiError> {
+/// A request refused before it reached the dispatcher (malformed, out of range): counted as
+/// `invalid` and answered.
+fn invalid(d: &Dispatcher, e: ApiError) -> Response {
+    d.metrics.request("invalid");
+    e.into_response()
+}
+
+/// Generates `prep` and answers in `shape`.
+async fn serve(d: Arc<Dispatcher>, prep: Prepared, shape: Shape, stream: bool) -> Response {
+    let generation = match d.generate(prep).await {
+        Ok(g) => g,
+        Err(e) => return e.into_response(),
+    };
+    respond(d, generation, shape, stream)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+fn completion_request(d: &Dispatcher, body: &[u8]) -> Result<(Prepared, Shape, bool), ApiError> {
     let r: CompletionRequest = parse(body)?;
     let input = match r.prompt {
         PromptField::Text(t) => PromptInput::Text(t),
@@ -504,22 +522,20 @@ async fn completions_inner(d: Arc<Dispatcher>, body: &[u8]) -> Result<Response, 
         include_usage: r.sampling.include_usage(),
         echo: echo_text,
     };
-    let stream = r.sampling.stream.unwrap_or(false);
-    let generation = d.generate(prep).await?;
-    respond(d, generation, shape, stream).await
+    Ok((prep, shape, r.sampling.stream.unwrap_or(false)))
 }
 
 async fn chat_completions(
     State(d): State<Arc<Dispatcher>>,
     RequestBody(body): RequestBody,
 ) -> Response {
-    match chat_inner(d, &body).await {
-        Ok(r) => r,
-        Err(e) => e.into_response(),
+    match chat_request(&d, &body) {
+        Ok((prep, shape, stream)) => serve(d, prep, shape, stream).await,
+        Err(e) => invalid(&d, e),
     }
 }
 
-async fn chat_inner(d: Arc<Dispatcher>, body: &[u8]) -> Result<Response, ApiError> {
+fn chat_request(d: &Dispatcher, body: &[u8]) -> Result<(Prepared, Shape, bool), ApiError> {
     let r: ChatRequest = parse(body)?;
     let messages = chat_messages(r.messages)?;
     let mut params = r
@@ -548,9 +564,7 @@ async fn chat_inner(d: Arc<Dispatcher>, body: &[u8]) -> Result<Response, ApiErro
         include_usage: r.sampling.include_usage(),
         echo: None,
     };
-    let stream = r.sampling.stream.unwrap_or(false);
-    let generation = d.generate(prep).await?;
-    respond(d, generation, shape, stream).await
+    Ok((prep, shape, r.sampling.stream.unwrap_or(false)))
 }
 
 async fn respond(
