@@ -503,7 +503,7 @@ fn completion_request(d: &Dispatcher, body: &[u8]) -> Result<(Prepared, Shape, b
                 .text
                 .tokenizer
                 .decode(ids, false)
-                .map_err(|e| ApiError::Internal(e.to_string()))?,
+                .map_err(|e| ApiError::invalid(e.to_string(), "prompt"))?,
         ),
         _ => None,
     };
