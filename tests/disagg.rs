@@ -604,3 +604,69 @@ async fn a_decode_worker_killed_mid_stream_is_migrated_seamlessly() {
         1.0
     );
 }
+
+/// A decode worker frozen mid-stream (SIGSTOP) stops its heartbeats: the router leaves it after
+/// `--worker-stall-timeout-ms` and the stream goes on elsewhere, exact. A worker that is only
+/// slow (a long prompt's prefill, and at TANDEM_TEST_SLOWDOWN every step) keeps sending
+/// heartbeats and is never left: exactly one migration. Thawed, the frozen worker frees the
+/// abandoned request's blocks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_decode_worker_is_left_once_its_heartbeats_stop() {
+    let (d1, d1addr) = start_worker(&[]);
+    let (d2, d2addr) = start_worker(&[]);
+    let r = start_router(
+        &[d1addr.clone(), d2addr.clone()],
+        &["--worker-stall-timeout-ms=1500"],
+    );
+    wait_ready(&r, 2).await;
+    let body = json!({
+        "prompt": "Write a long story about a lighthouse keeper. ".repeat(60),
+        "max_tokens": 96,
+        "temperature": 0,
+        "ignore_eos": true,
+        "stream": true,
+    });
+    let resp = reqwest::Client::new()
+        .post(format!("{}/v1/completions", r.http))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut stream = resp.bytes_stream();
+    let mut raw = String::new();
+    let mut frozen = None;
+    while let Some(chunk) = stream.next().await {
+        raw.push_str(std::str::from_utf8(&chunk.unwrap()).unwrap());
+        if frozen.is_none() && sse_events(&raw).len() >= 10 {
+            let v = router_state(&r.http).await;
+            let busy = v["workers"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|w| w["in_flight"] == 1)
+                .expect("one worker holds the stream")["addr"]
+                .as_str()
+                .unwrap()
+                .to_string();
+            let victim = if busy == d1addr { &d1 } else { &d2 };
+            victim.signal(libc::SIGSTOP);
+            frozen = Some((busy, victim));
+        }
+    }
+    let (addr, victim) = frozen.expect("the stream outlived the freeze point");
+    let (text, finish, _) = read_stream(&raw);
+    assert_eq!(finish.as_deref(), Some("length"));
+    let mut again = body.clone();
+    again["stream"] = json!(false);
+    let (status, v) = post(&r.http, "/v1/completions", again).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(text, v["choices"][0]["text"].as_str().unwrap());
+    assert_eq!(
+        metric(&scrape(&r.http).await, "tandem_request_migrations_total"),
+        1.0
+    );
+    victim.signal(libc::SIGCONT);
+    let load = wait_idle(&addr).await;
+    assert_eq!(load.running, 0);
+}

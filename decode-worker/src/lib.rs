@@ -221,6 +221,28 @@ fn response_stream(
     })
 }
 
+/// How often a `Generate` stream with nothing else to send says that its worker is alive.
+pub const HEARTBEAT: Duration = Duration::from_secs(1);
+
+/// `inner`, with an empty message after every `every` of silence (waiting for KV blocks, a
+/// remote or long local prefill, a slow step). The router tells a worker that is working, however
+/// slowly, from one that is frozen or cut off by these: it gives up on a stream only when even
+/// they stop.
+fn with_heartbeats(
+    inner: impl Stream<Item = Result<pb::DecodeResponse, Status>> + Send + 'static,
+    every: Duration,
+) -> impl Stream<Item = Result<pb::DecodeResponse, Status>> + Send {
+    use futures::StreamExt;
+    // The inner stream keeps its own state across polls, so a timed-out poll loses nothing.
+    futures::stream::unfold(Box::pin(inner), move |mut inner| async move {
+        match tokio::time::timeout(every, inner.next()).await {
+            Ok(Some(item)) => Some((item, inner)),
+            Ok(None) => None,
+            Err(_) => Some((Ok(pb::DecodeResponse::default()), inner)),
+        }
+    })
+}
+
 #[tonic::async_trait]
 impl pb::decode_server::Decode for DecodeService {
     type GenerateStream = BoxStream<pb::DecodeResponse>;
@@ -275,14 +297,17 @@ impl pb::decode_server::Decode for DecodeService {
             _ => self.engine.submit(request).map_err(status)?,
         };
         tracing::debug!(request = %req.request_id, engine_id = stream.id().0, remote = pending.is_some(), "accepted");
-        Ok(Response::new(Box::pin(response_stream(GenState {
-            grant: None,
-            pending,
-            engine: self.engine.clone(),
-            stream,
-            done: false,
-            _guard: guard,
-        }))))
+        Ok(Response::new(Box::pin(with_heartbeats(
+            response_stream(GenState {
+                grant: None,
+                pending,
+                engine: self.engine.clone(),
+                stream,
+                done: false,
+                _guard: guard,
+            }),
+            HEARTBEAT,
+        ))))
     }
 
     async fn info(

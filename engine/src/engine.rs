@@ -709,6 +709,7 @@ impl Engine {
         }
         self.stats.steps += 1;
         let t0 = Instant::now();
+        let cpu0 = process_cpu_seconds();
         let batch: Vec<SeqBatch<'_>> = plan
             .iter()
             .map(|&(i, take)| {
@@ -814,7 +815,14 @@ impl Engine {
                 .map(|(s, r)| Event::Finished(s.finished(r))),
         );
         if self.config.slowdown > 1.0 {
-            let spent = t0.elapsed().as_secs_f64();
+            // The step's running time: its wall time, but no more than the CPU time the process
+            // spent meanwhile, so that a step the process was stopped (SIGSTOP) in the middle of
+            // is not stretched by the stop.
+            let wall = t0.elapsed().as_secs_f64();
+            let spent = match (cpu0, process_cpu_seconds()) {
+                (Some(a), Some(b)) => wall.min(b - a),
+                _ => wall,
+            };
             std::thread::sleep(std::time::Duration::from_secs_f64(
                 spent * (self.config.slowdown - 1.0),
             ));
@@ -1022,6 +1030,24 @@ impl Engine {
             want_logits: true,
         }];
         self.backend.forward(&batch)
+    }
+}
+
+/// CPU time used by this process so far, every thread together (Unix).
+fn process_cpu_seconds() -> Option<f64> {
+    #[cfg(unix)]
+    {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: clock_gettime writes one timespec we own.
+        let rc = unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
+        (rc == 0).then_some(ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9)
+    }
+    #[cfg(not(unix))]
+    {
+        None
     }
 }
 

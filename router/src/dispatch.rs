@@ -9,6 +9,7 @@
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use tandem_model::{ChatMessage, LoadedModel};
 use tandem_proto::worker as pb;
@@ -124,6 +125,9 @@ pub struct DispatchConfig {
     pub disagg: DisaggConfig,
     /// Times one request may move to another decode worker after its worker fails mid-stream.
     pub max_migrations: u32,
+    /// A decode worker's stream that sends nothing, not even its heartbeat, for this long is
+    /// given up on as if the worker had died (and the request moves on).
+    pub stall: Duration,
 }
 
 pub struct Dispatcher {
@@ -358,6 +362,7 @@ impl Dispatcher {
             policy: self.policy.clone(),
             disagg: self.cfg.disagg,
             metrics: self.metrics.clone(),
+            stall: self.cfg.stall,
         };
         let mut tried = Vec::new();
         let open = match route.open(request.clone(), &[], &mut tried).await {
@@ -403,6 +408,7 @@ struct Route {
     policy: Arc<dyn RoutingPolicy>,
     disagg: DisaggConfig,
     metrics: Arc<RouterMetrics>,
+    stall: Duration,
 }
 
 /// A stream opened on a decode worker.
@@ -563,8 +569,17 @@ impl Generation {
                 return None;
             }
             let stream = self.stream.as_mut()?;
-            let failure = match stream.message().await {
-                Ok(Some(m)) => {
+            let stall = self.route.stall;
+            let failure = match tokio::time::timeout(stall, stream.message()).await {
+                Err(_) => ApiError::Upstream {
+                    worker: self.worker().to_string(),
+                    message: format!(
+                        "the worker sent nothing, not even a heartbeat, for {stall:?}"
+                    ),
+                },
+                // A heartbeat: the worker is alive and still working on it.
+                Ok(Ok(Some(m))) if m.tokens.is_empty() && m.finish.is_none() => continue,
+                Ok(Ok(Some(m))) => {
                     let chunk = self.absorb(m);
                     self.outcome = match &chunk {
                         Ok(c) if c.finish.is_some() => Some("ok"),
@@ -573,12 +588,12 @@ impl Generation {
                     };
                     return Some(chunk);
                 }
-                Ok(None) => ApiError::Upstream {
+                Ok(Ok(None)) => ApiError::Upstream {
                     worker: self.worker().to_string(),
                     message: "the stream ended without a finish".into(),
                 },
-                Err(s) if worker_lost(&s) => ApiError::from_worker(self.worker(), &s),
-                Err(s) => {
+                Ok(Err(s)) if worker_lost(&s) => ApiError::from_worker(self.worker(), &s),
+                Ok(Err(s)) => {
                     self.done = true;
                     self.outcome = Some("failed");
                     return Some(Err(ApiError::from_worker(self.worker(), &s)));

@@ -93,6 +93,11 @@ pub struct RouterArgs {
     /// Times a request may move to another decode worker when its worker dies mid-stream.
     #[arg(long, env = "TANDEM_MAX_MIGRATIONS", default_value_t = 2)]
     pub max_migrations: u32,
+    /// Give up on a decode worker's stream (and move the request to another worker) after this
+    /// many milliseconds without a token or heartbeat (workers send one every second of
+    /// silence), as when the worker is frozen or cut off.
+    #[arg(long, env = "TANDEM_WORKER_STALL_TIMEOUT_MS", default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub worker_stall_timeout_ms: u64,
     #[command(flatten)]
     pub door: front::FrontDoorArgs,
 }
@@ -167,6 +172,7 @@ pub async fn serve(
                 ..Default::default()
             },
             max_migrations: args.max_migrations,
+            stall: Duration::from_millis(args.worker_stall_timeout_ms),
         },
     ));
     let http = bind(&args.host, args.http_port).await?;

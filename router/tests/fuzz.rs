@@ -46,6 +46,7 @@ fn dispatcher(rt: &tokio::runtime::Runtime) -> Arc<Dispatcher> {
             max_queue: 64,
             disagg: Default::default(),
             max_migrations: 0,
+            stall: std::time::Duration::from_secs(10),
         },
     ))
 }
