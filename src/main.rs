@@ -1,6 +1,7 @@
 //! `tandem`: one binary, a subcommand per role. This file wires the crates together; each
 //! subcommand's flags are one clap struct, and every flag also reads a `TANDEM_*` variable.
 
+mod bench;
 mod bench_serve;
 mod fetch;
 mod generate;
@@ -11,7 +12,6 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
-use tandem_bench::workload::{self, Policy, Workload};
 use tandem_engine::{Backend, Engine, EngineConfig, KvDtype, LlamaModel, WeightFormat};
 
 #[derive(Parser)]
@@ -40,7 +40,7 @@ enum Command {
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
-        what: BenchCommand,
+        what: bench::BenchCommand,
     },
     /// Manage model files.
     Model {
@@ -54,147 +54,6 @@ enum Command {
         #[arg(long)]
         supported: bool,
     },
-}
-
-#[derive(Subcommand)]
-enum BenchCommand {
-    /// Engine throughput (prefill, decode) next to this machine's measured roofline.
-    Engine(BenchEngineArgs),
-    /// Load a router with streamed completions: TTFT, inter-token and end-to-end latency,
-    /// output tokens/s (a local cluster against the engine alone when no --url is given).
-    Serve(bench_serve::BenchServeArgs),
-    /// KV transfer throughput over loopback against a plain TCP copy of the same bytes.
-    KvTransfer(BenchKvArgs),
-    /// GPU figures for a Llama-3-8B-shaped model with random bf16 weights: copy bandwidth, bf16
-    /// GEMM rate, decode step time against the roofline, prefill MFU, decode attention bandwidth.
-    Gpu(BenchGpuArgs),
-}
-
-#[derive(Args)]
-struct BenchGpuArgs {
-    /// The GPU: cuda or cuda:N.
-    #[arg(long, default_value = "cuda:0")]
-    device: tandem_kernels::cuda::DeviceSpec,
-    /// Decode batch sizes (1k-token contexts each).
-    #[arg(long, value_delimiter = ',', default_value = "1,16,64,256")]
-    batches: Vec<usize>,
-    /// One JSON line instead of a table.
-    #[arg(long)]
-    json: bool,
-}
-
-fn bench_gpu(a: BenchGpuArgs) -> Result<()> {
-    let tandem_kernels::cuda::DeviceSpec::Cuda(ordinal) = a.device else {
-        anyhow::bail!("bench gpu needs a CUDA device (--device cuda:N)");
-    };
-    let r = tandem_bench::gpu::run(ordinal, &a.batches)?;
-    if a.json {
-        println!("{}", serde_json::to_string(&r)?);
-        return Ok(());
-    }
-    println!(
-        "gpu bench: {} (Llama-3-8B shape, random bf16 weights)",
-        r.device
-    );
-    println!(
-        "  copy bandwidth   {:>10.1} GB/s (read + write)",
-        r.copy_gb_s
-    );
-    println!(
-        "  bf16 GEMM        {:>10.1} TFLOP/s (8192³, f32 accumulation)",
-        r.gemm_tflops
-    );
-    for d in &r.decode {
-        println!(
-            "  decode batch {:>3}  {:>8.2} ms/step  roofline {:>6.2} ms  {:>5.1}% of roofline  {:>8.0} tok/s",
-            d.batch,
-            d.step_ms,
-            d.roofline_ms,
-            100.0 * d.of_roofline,
-            d.tok_s
-        );
-    }
-    println!(
-        "  prefill {} tok   {:>10.0} tok/s  MFU {:.1}% of the measured GEMM rate",
-        r.prefill_tokens,
-        r.prefill_tok_s,
-        100.0 * r.prefill_mfu
-    );
-    println!(
-        "  decode attention {:>10.1} GB/s  {:.1}% of the copy bandwidth",
-        r.attention_gb_s,
-        100.0 * r.attention_of_copy
-    );
-    Ok(())
-}
-
-#[derive(Args)]
-struct BenchKvArgs {
-    /// Model whose KV layout to use (the default model when not given).
-    #[arg(long, env = "TANDEM_MODEL")]
-    model: Option<PathBuf>,
-    /// Prompt lengths whose KV blocks to transfer.
-    #[arg(long, value_delimiter = ',', default_value = "128,512,2048")]
-    prompt_tokens: Vec<usize>,
-    #[arg(long, default_value_t = 16)]
-    block_size: usize,
-    #[arg(long, default_value = "f32")]
-    kv_dtype: KvDtype,
-    /// Alternating rounds (medians are reported).
-    #[arg(long, default_value_t = 7)]
-    rounds: usize,
-    #[arg(long)]
-    json: bool,
-}
-
-fn bench_kv(a: BenchKvArgs) -> Result<()> {
-    let path = match &a.model {
-        Some(p) => p.clone(),
-        None => fetch::ensure_default_model()?,
-    };
-    let m = tandem_model::load_text(&path)?;
-    let layout = tandem_kernels::KvLayout {
-        block_size: a.block_size,
-        num_kv_heads: m.config.num_kv_heads,
-        head_dim: m.config.head_dim,
-    };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
-    let rows = rt
-        .block_on(tandem_bench::kv::run(
-            layout,
-            a.kv_dtype,
-            m.config.num_layers,
-            &a.prompt_tokens,
-            a.rounds,
-        ))
-        .map_err(|e| anyhow::anyhow!(e))?;
-    let sums = tandem_bench::kv::checksum_rates(
-        tandem_engine::KvPool::frame_bytes(layout, a.kv_dtype),
-        a.rounds,
-    )
-    .map_err(|e| anyhow::anyhow!(e))?;
-    if a.json {
-        println!("{}", serde_json::to_string(&sums)?);
-    } else {
-        println!(
-            "frame checksum ({} B frames, 64 MiB): xxh3 crate {:.1} GB/s, wire format {:.1} GB/s ({:.2}x)",
-            sums.frame_bytes, sums.crate_gb_s, sums.wire_gb_s, sums.wire_gb_s / sums.crate_gb_s
-        );
-    }
-    for r in rows {
-        if a.json {
-            println!("{}", serde_json::to_string(&r)?);
-        } else {
-            println!(
-                "{:>5} tokens {:>4} blocks {:>7.1} MB: kv transfer {:>7.2} ms ({:>5.2} GB/s), plain TCP copy {:>7.2} ms ({:>5.2} GB/s), transfer / TCP {:.2}x; cache-resident TCP {:>7.2} ms, {:.2}x",
-                r.prompt_tokens, r.blocks, r.bytes as f64 / 1e6, r.transfer_ms, r.transfer_gb_s, r.tcp_ms, r.tcp_gb_s, r.ratio, r.tcp_cached_ms, r.ratio_cached
-            );
-        }
-    }
-    Ok(())
 }
 
 #[derive(Subcommand)]
@@ -307,193 +166,6 @@ impl EngineArgs {
     }
 }
 
-#[derive(Args)]
-struct BenchEngineArgs {
-    #[command(flatten)]
-    engine: EngineArgs,
-    /// Concurrent sequences.
-    #[arg(long, default_value_t = 1)]
-    batch: usize,
-    /// Prompt tokens per sequence.
-    #[arg(long, default_value_t = 128)]
-    prompt_len: usize,
-    /// Generated tokens per sequence.
-    #[arg(long, default_value_t = 128)]
-    gen_len: usize,
-    /// Seed for the random prompts.
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
-    /// Serve a workload instead of one batch: mixed (prompts 20-1000, outputs 10-300 tokens) or
-    /// shared-prefix (a 500-token system prompt and a short question).
-    #[arg(long)]
-    workload: Option<Workload>,
-    /// Batching policies to compare on the workload (comma-separated): sequential; static
-    /// (batches of 16 that wait for their longest member, run as one fixed batch: prompts padded
-    /// to the longest, every row stepped to the longest output); static-packed (the same batches
-    /// without padding: a row leaves when its request is done); continuous.
-    #[arg(
-        long,
-        value_delimiter = ',',
-        default_value = "sequential,static,static-packed,continuous"
-    )]
-    policy: Vec<Policy>,
-    /// Requests in the workload (default: 200 mixed, 64 shared-prefix).
-    #[arg(long)]
-    requests: Option<usize>,
-    /// One JSON line (per run) instead of a table.
-    #[arg(long)]
-    json: bool,
-}
-
-/// Serves a workload under each policy (and, for shared-prefix, continuous without the prefix
-/// cache), printing output tokens/s next to the roofline bound of the steps each policy ran, and
-/// continuous's ratios to the others, measured and bound.
-fn bench_workload(a: &BenchEngineArgs, engine: &mut Engine, w: Workload) -> Result<()> {
-    let n = a.requests.unwrap_or(w.default_requests());
-    let vocab = engine.model_config().vocab_size as u32;
-    let roof = engine
-        .cpu_model()
-        .is_some()
-        .then(tandem_bench::roofline::measure);
-    if let (Some(r), false) = (&roof, a.json) {
-        println!(
-            "roofline: {:.1} GB/s copy, {:.1} GFLOP/s f32 FMA peak; a bound prices each step the engine ran at the slower of the two",
-            r.mem_bw_gb_s, r.f32_peak_gflops
-        );
-    }
-    let mut runs = Vec::new();
-    let mut plan: Vec<(Policy, bool)> = a.policy.iter().map(|&p| (p, true)).collect();
-    if w == Workload::SharedPrefix && a.policy.contains(&Policy::Continuous) {
-        plan.push((Policy::Continuous, false));
-    }
-    for (p, cache) in plan {
-        engine.config.prefix_caching = cache && !a.engine.no_prefix_caching;
-        let r = workload::run(engine, w, p, w.requests(n, vocab, a.seed), roof.as_ref())?;
-        if a.json {
-            println!("{}", serde_json::to_string(&r)?);
-        } else {
-            let bound = match (r.roofline_output_tok_s, r.roofline_s, r.roofline_decode_steps_s) {
-                (Some(b), Some(all), Some(decode)) => format!(
-                    "  bound {b:>6.1} ({:>3.0}% of it; steps with prefill {:.1} s for {:.1} s bound, decode only {:.1} s for {:.1})",
-                    100.0 * r.output_tok_s / b,
-                    r.prefill_steps_s,
-                    all - decode,
-                    r.decode_steps_s,
-                    decode
-                ),
-                _ => String::new(),
-            };
-            println!(
-                "{:>13} {:<12} {:>4} req  {:>7.1} out tok/s{bound}  computed {:>6} tok  wall {:>6.1} s  prefix hits {:>5.1}%  ttft p50 {:>6.2} s  preempted {}",
-                r.policy.name(),
-                if r.prefix_caching { "prefix cache" } else { "no cache" },
-                r.requests,
-                r.output_tok_s,
-                r.computed_tokens,
-                r.wall_s,
-                100.0 * r.prefix_hit_rate,
-                r.ttft_s_p50,
-                r.preemptions
-            );
-        }
-        runs.push(r);
-    }
-    if a.json {
-        return Ok(());
-    }
-    let Some(c) = runs
-        .iter()
-        .find(|r| r.policy == Policy::Continuous && r.prefix_caching)
-    else {
-        return Ok(());
-    };
-    for r in runs.iter().filter(|r| !std::ptr::eq(*r, c)) {
-        let bound = match (c.roofline_s, r.roofline_s) {
-            // Output tokens per bound second, continuous over the other.
-            (Some(cb), Some(rb)) => format!(
-                "  (bound of the two schedules: {:.2}x)",
-                (c.output_tokens as f64 / cb) / (r.output_tokens as f64 / rb)
-            ),
-            _ => String::new(),
-        };
-        println!(
-            "continuous / {} ({}): {:.2}x{bound}",
-            r.policy.name(),
-            if r.prefix_caching {
-                "prefix cache"
-            } else {
-                "no cache"
-            },
-            c.output_tok_s / r.output_tok_s
-        );
-    }
-    Ok(())
-}
-
-fn bench_engine(a: BenchEngineArgs) -> Result<()> {
-    let (mut engine, _) = a.engine.build()?;
-    if let Some(w) = a.workload {
-        return bench_workload(&a, &mut engine, w);
-    }
-    let b = tandem_bench::EngineBench {
-        batch: a.batch,
-        prompt_len: a.prompt_len,
-        gen_len: a.gen_len,
-        seed: a.seed,
-    };
-    let weights = format!("{:?}", a.engine.weights).to_lowercase();
-    let r = tandem_bench::run_engine_bench(&mut engine, &b, &weights)?;
-    if a.json {
-        println!("{}", serde_json::to_string(&r)?);
-    } else {
-        let on_cpu = r.device == "cpu";
-        if on_cpu {
-            println!(
-                "engine bench: batch {} prompt {} gen {} weights {} threads {}",
-                r.batch, r.prompt_len, r.gen_len, r.weights, r.threads
-            );
-            println!("  cpu            {}", r.cpu);
-            println!(
-                "  kernels        {:>10}   ({}; TANDEM_ISA caps it)",
-                r.simd, r.simd_detail
-            );
-            println!(
-                "  prefill        {:>10.1} tok/s   ({:.0}% of the f32 FMA peak)",
-                r.prefill_tok_s,
-                100.0 * r.prefill_flop_efficiency
-            );
-        } else {
-            println!(
-                "engine bench: batch {} prompt {} gen {} on {} (bf16)",
-                r.batch, r.prompt_len, r.gen_len, r.device
-            );
-            println!("  prefill        {:>10.1} tok/s", r.prefill_tok_s);
-        }
-        println!(
-            "  decode         {:>10.1} tok/s   (all sequences)",
-            r.decode_tok_s
-        );
-        println!(
-            "  step p50/p90   {:>10.2} / {:.2} ms",
-            r.step_ms_p50, r.step_ms_p90
-        );
-        if !on_cpu {
-            println!("  (the GPU's roofline: tandem bench gpu)");
-            return Ok(());
-        }
-        println!(
-            "  roofline       {:>10.1} GB/s copy, {:.1} GFLOP/s f32 FMA peak with {} instructions ({:.1} a GEMM library)",
-            r.mem_bw_gb_s, r.f32_peak_gflops, r.simd, r.f32_gflops
-        );
-        println!(
-            "  decode reads   {:>10.1} MB/step = {:.0}% of bandwidth",
-            r.decode_bytes_per_step / 1e6,
-            100.0 * r.decode_bw_efficiency
-        );
-    }
-    Ok(())
-}
-
 /// `TANDEM_TEST_SLOWDOWN`: every engine step takes this many times its compute time, so the
 /// tests (and anyone checking deadlines) can run this machine as if it were that much slower.
 /// Unset in production.
@@ -549,18 +221,7 @@ fn main() {
         Command::Decode(a) => serve::run_decode(a),
         Command::Prefill(a) => serve::run_prefill(a),
         Command::Generate(a) => generate::run(a),
-        Command::Bench {
-            what: BenchCommand::Engine(a),
-        } => bench_engine(a),
-        Command::Bench {
-            what: BenchCommand::Serve(a),
-        } => bench_serve::run(a),
-        Command::Bench {
-            what: BenchCommand::KvTransfer(a),
-        } => bench_kv(a),
-        Command::Bench {
-            what: BenchCommand::Gpu(a),
-        } => bench_gpu(a),
+        Command::Bench { what } => bench::run(what),
         Command::Model {
             what: ModelCommand::Fetch { force },
         } => fetch::fetch_default(force).map(|p| println!("{}", p.display())),
