@@ -1,0 +1,130 @@
+//! Where a request runs: the decode worker the policy picks (the next one when it is
+//! unreachable) and, for a long uncached prompt, the prefill workers it should try.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tandem_proto::worker as pb;
+use tonic::Streaming;
+
+use crate::error::ApiError;
+use crate::metrics::RouterMetrics;
+use crate::policy::disagg::{self, DisaggConfig, PrefillCandidate};
+use crate::policy::RoutingPolicy;
+use crate::workers::{InFlightGuard, Worker, WorkerPool};
+
+/// Everything needed to (re)open a request's stream on a decode worker.
+pub(super) struct Route {
+    pub(super) pool: Arc<WorkerPool>,
+    pub(super) prefill_pool: Option<Arc<WorkerPool>>,
+    pub(super) policy: Arc<dyn RoutingPolicy>,
+    pub(super) disagg: DisaggConfig,
+    pub(super) metrics: Arc<RouterMetrics>,
+    pub(super) stall: Duration,
+}
+
+/// A stream opened on a decode worker.
+pub(super) struct Opened {
+    pub(super) stream: Streaming<pb::DecodeResponse>,
+    pub(super) guard: InFlightGuard,
+    /// Held on the first candidate prefill worker until the first token arrives.
+    pub(super) prefill_guard: Option<InFlightGuard>,
+}
+
+impl Route {
+    /// The prefill plan for `prompt` on decode worker `d`: remote with ordered candidates when
+    /// the disaggregation policy says so, else local.
+    pub(super) fn plan(
+        &self,
+        d: &Worker,
+        prompt: &[u32],
+    ) -> (pb::PrefillPlan, Option<InFlightGuard>) {
+        let local = pb::PrefillPlan {
+            plan: Some(pb::prefill_plan::Plan::Local(pb::LocalPrefill {})),
+        };
+        let Some(pp) = &self.prefill_pool else {
+            return (local, None);
+        };
+        let uncached = prompt.len().saturating_sub(d.cached_prefix_tokens(prompt));
+        if uncached < self.disagg.min_tokens {
+            return (local, None);
+        }
+        let ready = pp.ready();
+        let cands: Vec<PrefillCandidate> = ready
+            .iter()
+            .map(|w| PrefillCandidate {
+                in_flight: w.in_flight(),
+                cached_tokens: w.cached_prefix_tokens(prompt),
+            })
+            .collect();
+        let order = disagg::plan(&self.disagg, prompt.len(), uncached, &cands);
+        let Some(&first) = order.first() else {
+            return (local, None);
+        };
+        let guard = ready[first].start_request();
+        let plan = pb::PrefillPlan {
+            plan: Some(pb::prefill_plan::Plan::Remote(pb::RemotePrefill {
+                prefill_addrs: order.iter().map(|&i| ready[i].addr.clone()).collect(),
+            })),
+        };
+        (plan, Some(guard))
+    }
+
+    /// Opens `request` (with `resume` as the tokens already streamed) on a ready decode worker
+    /// not in `tried`, trying the next one when a worker is unreachable.
+    pub(super) async fn open(
+        &self,
+        mut request: pb::DecodeRequest,
+        resume: &[u32],
+        tried: &mut Vec<String>,
+    ) -> Result<Opened, ApiError> {
+        request.resume_ids = resume.to_vec();
+        loop {
+            let Some(worker) = self
+                .pool
+                .pick(self.policy.as_ref(), &request.prompt_ids, tried)
+            else {
+                return Err(match tried.last() {
+                    None => ApiError::NoWorker,
+                    Some(last) => ApiError::Upstream {
+                        worker: last.clone(),
+                        message: "no decode worker could take the request".into(),
+                    },
+                });
+            };
+            let guard = worker.start_request();
+            // A resumed request is prefilled where it decodes (its prompt is mostly cached
+            // nowhere, and the first token is already out).
+            let (plan, prefill_guard) = if resume.is_empty() {
+                self.plan(&worker, &request.prompt_ids)
+            } else {
+                (
+                    pb::PrefillPlan {
+                        plan: Some(pb::prefill_plan::Plan::Local(pb::LocalPrefill {})),
+                    },
+                    None,
+                )
+            };
+            let remote = prefill_guard.is_some();
+            request.prefill = Some(plan);
+            match worker.client().generate(request.clone()).await {
+                Ok(r) => {
+                    if resume.is_empty() {
+                        self.metrics.prefill(remote);
+                    }
+                    return Ok(Opened {
+                        stream: r.into_inner(),
+                        guard,
+                        prefill_guard,
+                    });
+                }
+                Err(s) if matches!(s.code(), tonic::Code::Unavailable | tonic::Code::Unknown) => {
+                    tracing::warn!(worker = %worker.addr, error = %s, "worker unavailable, trying another");
+                    worker.mark_down();
+                    tried.push(worker.addr.clone());
+                }
+                Err(s) => return Err(ApiError::from_worker(&worker.addr, &s)),
+            }
+        }
+    }
+}
