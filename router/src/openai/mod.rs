@@ -1,0 +1,235 @@
+//! The OpenAI-compatible HTTP API: `/v1/completions`, `/v1/chat/completions` (SSE streaming and
+//! not), `/v1/models`, `/health`, `/ready`.
+//!
+//! Field names, response shapes and error bodies follow OpenAI's API, plus the extensions vLLM
+//! users rely on (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`,
+//! `skip_special_tokens`). Bodies are parsed here rather than by an extractor so that malformed
+//! JSON gets an OpenAI-style 400 like every other refusal. A client that disconnects drops the
+//! response stream, which drops the [`Generation`] and cancels the request on its worker.
+//!
+//! Files: this one holds the routes and handlers; `body` reads a request body under the front
+//! door's limits, `request` the request shapes and their checks, `response` the answers, whole or
+//! as server-sent events.
+
+mod body;
+mod request;
+mod response;
+
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{middleware, Extension, Json};
+use serde_json::{json, Value};
+
+use crate::dispatch::{Dispatcher, MaxTokensDefault, Prepared, PromptInput};
+use crate::error::ApiError;
+use crate::front::{require_key, FrontDoor};
+use body::{BodyLimits, RequestBody};
+use request::{chat_messages, parse, ChatRequest, CompletionRequest, PromptField};
+use response::{respond, Api, Shape};
+
+pub fn routes(d: Arc<Dispatcher>, door: &FrontDoor) -> axum::Router {
+    let keyed = |keys: &Arc<crate::front::ApiKeys>| {
+        middleware::from_fn_with_state((keys.clone(), d.metrics.clone()), require_key)
+    };
+    let api = axum::Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route_layer(keyed(&door.api_keys));
+    let metrics = axum::Router::new()
+        .route("/metrics", get(metrics))
+        .route_layer(keyed(&door.metrics_keys));
+    axum::Router::new()
+        .route("/health", get(|| async { "ok" }))
+        .route("/ready", get(ready))
+        .merge(api)
+        .merge(metrics)
+        .fallback(not_found)
+        .layer(Extension(BodyLimits {
+            max: door.limits.max_body,
+            stall: door.limits.body_stall,
+            metrics: d.metrics.clone(),
+        }))
+        .with_state(d)
+}
+
+async fn not_found() -> Response {
+    let body = json!({"error": {"message": "no such route: the API is under /v1 (completions, chat/completions, models)", "type": "invalid_request_error", "param": null, "code": "not_found"}});
+    (StatusCode::NOT_FOUND, Json(body)).into_response()
+}
+
+/// The router's Prometheus metrics.
+async fn metrics(State(d): State<Arc<Dispatcher>>) -> Response {
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            crate::metrics::CONTENT_TYPE,
+        )],
+        d.metrics.render(),
+    )
+        .into_response()
+}
+
+/// 200 when at least one decode worker is ready, else 503; the body names the model and lists
+/// what the router knows about each worker (readiness, its requests in flight, the cached blocks
+/// its index holds).
+async fn ready(State(d): State<Arc<Dispatcher>>) -> Response {
+    let describe = |pool: &crate::workers::WorkerPool| -> Vec<Value> {
+        pool.all()
+            .iter()
+            .map(|w| {
+                json!({
+                    "addr": w.addr,
+                    "ready": w.is_ready(),
+                    "in_flight": w.in_flight(),
+                    "cached_blocks": w.indexed_blocks(),
+                })
+            })
+            .collect()
+    };
+    let workers = describe(&d.pool);
+    let prefill = d.prefill_pool.as_deref().map(describe).unwrap_or_default();
+    let ready = workers.iter().filter(|w| w["ready"] == true).count();
+    let body = json!({"model": d.model.name, "ready_workers": ready, "workers": workers,
+                      "prefill_workers": prefill});
+    if ready > 0 {
+        (StatusCode::OK, Json(body)).into_response()
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response()
+    }
+}
+
+async fn models(State(d): State<Arc<Dispatcher>>) -> Json<Value> {
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": d.model.name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "tandem",
+            "max_model_len": d.model.max_context(),
+        }]
+    }))
+}
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+async fn completions(State(d): State<Arc<Dispatcher>>, RequestBody(body): RequestBody) -> Response {
+    match completion_request(&d, &body) {
+        Ok((prep, shape, stream)) => serve(d, prep, shape, stream).await,
+        Err(e) => invalid(&d, e),
+    }
+}
+
+/// A request refused before it reached the dispatcher (malformed, out of range): counted as
+/// `invalid` and answered.
+fn invalid(d: &Dispatcher, e: ApiError) -> Response {
+    d.metrics.request("invalid");
+    e.into_response()
+}
+
+/// Generates `prep` and answers in `shape`.
+async fn serve(d: Arc<Dispatcher>, prep: Prepared, shape: Shape, stream: bool) -> Response {
+    let generation = match d.generate(prep).await {
+        Ok(g) => g,
+        Err(e) => return e.into_response(),
+    };
+    respond(d, generation, shape, stream)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+fn completion_request(d: &Dispatcher, body: &[u8]) -> Result<(Prepared, Shape, bool), ApiError> {
+    let r: CompletionRequest = parse(body)?;
+    let input = match r.prompt {
+        PromptField::Text(t) => PromptInput::Text(t),
+        PromptField::Ids(ids) => PromptInput::Ids(ids),
+        PromptField::Texts(mut v) if v.len() == 1 => PromptInput::Text(v.remove(0)),
+        PromptField::IdLists(mut v) if v.len() == 1 => PromptInput::Ids(v.remove(0)),
+        _ => {
+            return Err(ApiError::invalid(
+                "send one prompt per request (batched prompts are not supported)",
+                "prompt",
+            ))
+        }
+    };
+    let echo_text = match (&input, r.echo.unwrap_or(false)) {
+        (PromptInput::Text(t), true) => Some(t.clone()),
+        (PromptInput::Ids(ids), true) => Some(
+            d.model
+                .text
+                .tokenizer
+                .decode(ids, false)
+                .map_err(|e| ApiError::invalid(e.to_string(), "prompt"))?,
+        ),
+        _ => None,
+    };
+    let mut params = r.sampling.params(r.max_tokens)?;
+    if let Some(n) = r.logprobs {
+        params.logprobs = true;
+        params.top_logprobs = n;
+    }
+    let prep = d.prepare(&r.model, input, params, MaxTokensDefault::Fixed(16))?;
+    let shape = Shape {
+        api: Api::Completion,
+        id: format!("cmpl-{}", prep.request_id),
+        model: d.model.name.clone(),
+        created: now(),
+        logprobs: prep.params.logprobs,
+        include_usage: r.sampling.include_usage(),
+        echo: echo_text,
+    };
+    Ok((prep, shape, r.sampling.stream.unwrap_or(false)))
+}
+
+async fn chat_completions(
+    State(d): State<Arc<Dispatcher>>,
+    RequestBody(body): RequestBody,
+) -> Response {
+    match chat_request(&d, &body) {
+        Ok((prep, shape, stream)) => serve(d, prep, shape, stream).await,
+        Err(e) => invalid(&d, e),
+    }
+}
+
+fn chat_request(d: &Dispatcher, body: &[u8]) -> Result<(Prepared, Shape, bool), ApiError> {
+    let r: ChatRequest = parse(body)?;
+    let messages = chat_messages(r.messages)?;
+    let mut params = r
+        .sampling
+        .params(r.max_completion_tokens.or(r.max_tokens))?;
+    params.logprobs = r.logprobs.unwrap_or(false);
+    params.top_logprobs = r.top_logprobs.unwrap_or(0);
+    if params.top_logprobs > 0 && !params.logprobs {
+        return Err(ApiError::invalid(
+            "top_logprobs needs logprobs: true",
+            "top_logprobs",
+        ));
+    }
+    let prep = d.prepare(
+        &r.model,
+        PromptInput::Chat(messages),
+        params,
+        MaxTokensDefault::RestOfContext,
+    )?;
+    let shape = Shape {
+        api: Api::Chat,
+        id: format!("chatcmpl-{}", prep.request_id),
+        model: d.model.name.clone(),
+        created: now(),
+        logprobs: prep.params.logprobs,
+        include_usage: r.sampling.include_usage(),
+        echo: None,
+    };
+    Ok((prep, shape, r.sampling.stream.unwrap_or(false)))
+}
