@@ -530,29 +530,6 @@ async fn queue_limit_no_worker_and_graceful_drain() {
     let _ = waddr;
 }
 
-fn children(pid: i32) -> Vec<i32> {
-    let mut out = Vec::new();
-    if let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) {
-        for t in tasks.flatten() {
-            if let Ok(s) = std::fs::read_to_string(t.path().join("children")) {
-                out.extend(s.split_whitespace().filter_map(|x| x.parse::<i32>().ok()));
-            }
-        }
-    }
-    out.sort();
-    out
-}
-
-fn alive(pid: i32) -> bool {
-    // A zombie still has a /proc entry; look at its state.
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .map(|s| {
-            !s.rsplit_once(')')
-                .is_some_and(|(_, r)| r.trim_start().starts_with('Z'))
-        })
-        .unwrap_or(false)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn up_restarts_a_crashed_worker_and_stops_cleanly() {
     let args: Vec<String> = vec![

@@ -549,6 +549,60 @@ async fn a_flipped_byte_is_rejected_counted_and_the_request_recovers() {
     wait_idle(&daddr).await;
 }
 
+/// Streams `body` through a router over two decode workers (`workers`, with their addresses),
+/// `hit`s the one holding the stream once ten events are in, and checks that the stream still
+/// ends as a non-streamed rerun of the same request does, after exactly one migration. Returns
+/// the address of the worker that was hit.
+async fn hit_the_busy_worker_mid_stream(
+    r: &Router,
+    workers: [(&mut Proc, &str); 2],
+    body: Value,
+    hit: impl FnOnce(&mut Proc),
+) -> String {
+    let resp = reqwest::Client::new()
+        .post(format!("{}/v1/completions", r.http))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut stream = resp.bytes_stream();
+    let mut raw = String::new();
+    let mut hit = Some(hit);
+    let mut victim = None;
+    while let Some(chunk) = stream.next().await {
+        raw.push_str(std::str::from_utf8(&chunk.unwrap()).unwrap());
+        if victim.is_none() && sse_events(&raw).len() >= 10 {
+            let v = router_state(&r.http).await;
+            let busy = v["workers"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|w| w["in_flight"] == 1)
+                .expect("one worker holds the stream")["addr"]
+                .as_str()
+                .unwrap()
+                .to_string();
+            let i = usize::from(busy != workers[0].1);
+            (hit.take().unwrap())(&mut *workers[i].0);
+            victim = Some(busy);
+        }
+    }
+    let victim = victim.expect("the stream outlived the point it was to be hit at");
+    let (text, finish, _) = read_stream(&raw);
+    assert_eq!(finish.as_deref(), Some("length"));
+    let mut again = body.clone();
+    again["stream"] = json!(false);
+    let (status, v) = post(&r.http, "/v1/completions", again).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(text, v["choices"][0]["text"].as_str().unwrap());
+    assert_eq!(
+        metric(&scrape(&r.http).await, "tandem_request_migrations_total"),
+        1.0
+    );
+    victim
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decode_worker_killed_mid_stream_is_migrated_seamlessly() {
     let (mut d1, d1addr) = start_worker(&[]);
@@ -562,47 +616,11 @@ async fn a_decode_worker_killed_mid_stream_is_migrated_seamlessly() {
         "ignore_eos": true,
         "stream": true,
     });
-    let resp = reqwest::Client::new()
-        .post(format!("{}/v1/completions", r.http))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 200);
-    let mut stream = resp.bytes_stream();
-    let mut raw = String::new();
-    let mut killed = None;
-    while let Some(chunk) = stream.next().await {
-        raw.push_str(std::str::from_utf8(&chunk.unwrap()).unwrap());
-        if killed.is_none() && sse_events(&raw).len() >= 10 {
-            let v = router_state(&r.http).await;
-            let busy = v["workers"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .find(|w| w["in_flight"] == 1)
-                .expect("one worker holds the stream")["addr"]
-                .as_str()
-                .unwrap()
-                .to_string();
-            let victim = if busy == d1addr { &mut d1 } else { &mut d2 };
-            victim.signal(libc::SIGKILL);
-            victim.wait_exit(Duration::from_secs(5));
-            killed = Some(busy);
-        }
-    }
-    assert!(killed.is_some(), "the stream outlived the kill point");
-    let (text, finish, _) = read_stream(&raw);
-    assert_eq!(finish.as_deref(), Some("length"));
-    let mut again = body.clone();
-    again["stream"] = json!(false);
-    let (status, v) = post(&r.http, "/v1/completions", again).await;
-    assert_eq!(status, 200, "{v}");
-    assert_eq!(text, v["choices"][0]["text"].as_str().unwrap());
-    assert_eq!(
-        metric(&scrape(&r.http).await, "tandem_request_migrations_total"),
-        1.0
-    );
+    hit_the_busy_worker_mid_stream(&r, [(&mut d1, &d1addr), (&mut d2, &d2addr)], body, |p| {
+        p.signal(libc::SIGKILL);
+        p.wait_exit(Duration::from_secs(5));
+    })
+    .await;
 }
 
 /// A decode worker frozen mid-stream (SIGSTOP) stops its heartbeats: the router leaves it after
@@ -612,8 +630,8 @@ async fn a_decode_worker_killed_mid_stream_is_migrated_seamlessly() {
 /// abandoned request's blocks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_decode_worker_is_left_once_its_heartbeats_stop() {
-    let (d1, d1addr) = start_worker(&[]);
-    let (d2, d2addr) = start_worker(&[]);
+    let (mut d1, d1addr) = start_worker(&[]);
+    let (mut d2, d2addr) = start_worker(&[]);
     let r = start_router(
         &[d1addr.clone(), d2addr.clone()],
         &["--worker-stall-timeout-ms=1500"],
@@ -626,47 +644,13 @@ async fn a_frozen_decode_worker_is_left_once_its_heartbeats_stop() {
         "ignore_eos": true,
         "stream": true,
     });
-    let resp = reqwest::Client::new()
-        .post(format!("{}/v1/completions", r.http))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 200);
-    let mut stream = resp.bytes_stream();
-    let mut raw = String::new();
-    let mut frozen = None;
-    while let Some(chunk) = stream.next().await {
-        raw.push_str(std::str::from_utf8(&chunk.unwrap()).unwrap());
-        if frozen.is_none() && sse_events(&raw).len() >= 10 {
-            let v = router_state(&r.http).await;
-            let busy = v["workers"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .find(|w| w["in_flight"] == 1)
-                .expect("one worker holds the stream")["addr"]
-                .as_str()
-                .unwrap()
-                .to_string();
-            let victim = if busy == d1addr { &d1 } else { &d2 };
-            victim.signal(libc::SIGSTOP);
-            frozen = Some((busy, victim));
-        }
-    }
-    let (addr, victim) = frozen.expect("the stream outlived the freeze point");
-    let (text, finish, _) = read_stream(&raw);
-    assert_eq!(finish.as_deref(), Some("length"));
-    let mut again = body.clone();
-    again["stream"] = json!(false);
-    let (status, v) = post(&r.http, "/v1/completions", again).await;
-    assert_eq!(status, 200, "{v}");
-    assert_eq!(text, v["choices"][0]["text"].as_str().unwrap());
-    assert_eq!(
-        metric(&scrape(&r.http).await, "tandem_request_migrations_total"),
-        1.0
-    );
+    let frozen =
+        hit_the_busy_worker_mid_stream(&r, [(&mut d1, &d1addr), (&mut d2, &d2addr)], body, |p| {
+            p.signal(libc::SIGSTOP)
+        })
+        .await;
+    let victim = if frozen == d1addr { &d1 } else { &d2 };
     victim.signal(libc::SIGCONT);
-    let load = wait_idle(&addr).await;
+    let load = wait_idle(&frozen).await;
     assert_eq!(load.running, 0);
 }

@@ -132,19 +132,6 @@ async fn send(
     )
 }
 
-/// Waits until the router, with keys on, sees its worker.
-async fn wait_ready_keyed(r: &Router) {
-    let end = Instant::now() + Duration::from_secs(60);
-    loop {
-        let v = router_state(&r.http).await;
-        if v["ready_workers"] == 1 {
-            return;
-        }
-        assert!(Instant::now() < end, "router never saw its worker: {v}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 fn completion(max_tokens: u32) -> Value {
     json!({"prompt": "The capital of France is", "max_tokens": max_tokens, "temperature": 0,
            "ignore_eos": true})
@@ -166,7 +153,8 @@ async fn api_keys_limits_and_stalled_clients() {
             "--max-queue=1",
         ],
     );
-    wait_ready_keyed(&r).await;
+    // /ready is open with keys on.
+    wait_ready(&r, 1).await;
     let c = reqwest::Client::new();
     let http = r.http.as_str();
 
@@ -375,23 +363,16 @@ async fn api_keys_limits_and_stalled_clients() {
     drop(unread);
 
     // Every refusal was counted, by reason.
-    let m = {
-        let body = c
-            .get(format!("{http}/metrics"))
+    let m = parse_metrics(
+        &c.get(format!("{http}/metrics"))
             .bearer_auth("metrics-key")
             .send()
             .await
             .unwrap()
             .text()
             .await
-            .unwrap();
-        body.lines()
-            .filter_map(|l| {
-                let (k, v) = l.rsplit_once(' ')?;
-                Some((k.to_string(), v.parse::<f64>().ok()?))
-            })
-            .collect::<std::collections::HashMap<_, _>>()
-    };
+            .unwrap(),
+    );
     let refused = |reason: &str| {
         metric(
             &m,

@@ -34,23 +34,18 @@ fn env_usize(name: &str, default: usize) -> usize {
 
 /// The processes `tandem up` started, by role (its children's second argument).
 fn roles(up: i32) -> Vec<(String, i32)> {
-    let mut out = Vec::new();
-    if let Ok(tasks) = std::fs::read_dir(format!("/proc/{up}/task")) {
-        for t in tasks.flatten() {
-            let Ok(s) = std::fs::read_to_string(t.path().join("children")) else {
-                continue;
-            };
-            for pid in s.split_whitespace().filter_map(|x| x.parse::<i32>().ok()) {
-                let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-                let role = cmd
-                    .split(|&b| b == 0)
-                    .nth(1)
-                    .map(|r| String::from_utf8_lossy(r).into_owned())
-                    .unwrap_or_default();
-                out.push((role, pid));
-            }
-        }
-    }
+    let mut out: Vec<(String, i32)> = children(up)
+        .into_iter()
+        .map(|pid| {
+            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let role = cmd
+                .split(|&b| b == 0)
+                .nth(1)
+                .map(|r| String::from_utf8_lossy(r).into_owned())
+                .unwrap_or_default();
+            (role, pid)
+        })
+        .collect();
     out.sort();
     out
 }
@@ -373,18 +368,7 @@ async fn wait_settled(http: &str) -> Vec<(String, String, std::collections::Hash
             for w in state[pool].as_array().unwrap() {
                 let addr = w["addr"].as_str().unwrap().to_string();
                 settled &= w["ready"] == true && w["in_flight"] == 0;
-                let m = match reqwest::get(format!("http://{addr}/metrics")).await {
-                    Ok(r) => r.text().await.unwrap_or_default(),
-                    Err(_) => String::new(),
-                };
-                let m: std::collections::HashMap<String, f64> = m
-                    .lines()
-                    .filter(|l| !l.starts_with('#'))
-                    .filter_map(|l| {
-                        let (k, v) = l.rsplit_once(' ')?;
-                        Some((k.to_string(), v.parse().ok()?))
-                    })
-                    .collect();
+                let m = try_scrape(&addr).await.unwrap_or_default();
                 settled &= !m.is_empty()
                     && metric(&m, r#"tandem_kv_blocks{state="used"}"#) == 0.0
                     && metric(&m, r#"tandem_requests{state="running"}"#) == 0.0

@@ -43,6 +43,14 @@ use tokio_rustls::TlsAcceptor;
 use crate::error::ApiError;
 use crate::metrics::RouterMetrics;
 
+/// The limits' defaults, for the flags and for [`FrontDoorArgs::default`].
+const DEFAULT_MAX_BODY_BYTES: usize = 32 << 20;
+const DEFAULT_MAX_HEADER_BYTES: usize = 64 << 10;
+const DEFAULT_MAX_HEADERS: usize = 100;
+const DEFAULT_HEADER_TIMEOUT_MS: u64 = 10_000;
+const DEFAULT_BODY_STALL_TIMEOUT_MS: u64 = 10_000;
+const DEFAULT_WRITE_STALL_TIMEOUT_MS: u64 = 60_000;
+
 /// The front door's flags (part of `tandem router`'s).
 #[derive(Args, Clone, Debug)]
 pub struct FrontDoorArgs {
@@ -74,25 +82,25 @@ pub struct FrontDoorArgs {
     #[arg(long, env = "TANDEM_TLS_KEY", requires = "tls_cert")]
     pub tls_key: Option<PathBuf>,
     /// Largest request body in bytes; a larger one gets 413.
-    #[arg(long, env = "TANDEM_MAX_BODY_BYTES", default_value_t = 32 << 20)]
+    #[arg(long, env = "TANDEM_MAX_BODY_BYTES", default_value_t = DEFAULT_MAX_BODY_BYTES)]
     pub max_body_bytes: usize,
     /// Largest request head (request line and headers) in bytes; a larger one gets 431 (HTTP/1)
     /// or a stream reset (HTTP/2).
-    #[arg(long, env = "TANDEM_MAX_HEADER_BYTES", default_value_t = 64 << 10)]
+    #[arg(long, env = "TANDEM_MAX_HEADER_BYTES", default_value_t = DEFAULT_MAX_HEADER_BYTES)]
     pub max_header_bytes: usize,
     /// Most headers in one HTTP/1 request; more get 431.
-    #[arg(long, env = "TANDEM_MAX_HEADERS", default_value_t = 100)]
+    #[arg(long, env = "TANDEM_MAX_HEADERS", default_value_t = DEFAULT_MAX_HEADERS)]
     pub max_headers: usize,
     /// A connection must finish its TLS handshake, and send a complete request head, within this
     /// many milliseconds of opening (and of each keep-alive request), or it is closed.
-    #[arg(long, env = "TANDEM_HEADER_TIMEOUT_MS", default_value_t = 10_000)]
+    #[arg(long, env = "TANDEM_HEADER_TIMEOUT_MS", default_value_t = DEFAULT_HEADER_TIMEOUT_MS)]
     pub header_timeout_ms: u64,
     /// A request body that sends no byte for this many milliseconds gets 408.
-    #[arg(long, env = "TANDEM_BODY_STALL_TIMEOUT_MS", default_value_t = 10_000)]
+    #[arg(long, env = "TANDEM_BODY_STALL_TIMEOUT_MS", default_value_t = DEFAULT_BODY_STALL_TIMEOUT_MS)]
     pub body_stall_timeout_ms: u64,
     /// A connection whose client reads nothing of the response for this many milliseconds (its
     /// receive window full) is closed; its request is cancelled.
-    #[arg(long, env = "TANDEM_WRITE_STALL_TIMEOUT_MS", default_value_t = 60_000)]
+    #[arg(long, env = "TANDEM_WRITE_STALL_TIMEOUT_MS", default_value_t = DEFAULT_WRITE_STALL_TIMEOUT_MS)]
     pub write_stall_timeout_ms: u64,
 }
 
@@ -104,12 +112,12 @@ impl Default for FrontDoorArgs {
             metrics_api_keys: Vec::new(),
             tls_cert: None,
             tls_key: None,
-            max_body_bytes: 32 << 20,
-            max_header_bytes: 64 << 10,
-            max_headers: 100,
-            header_timeout_ms: 10_000,
-            body_stall_timeout_ms: 10_000,
-            write_stall_timeout_ms: 60_000,
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            max_header_bytes: DEFAULT_MAX_HEADER_BYTES,
+            max_headers: DEFAULT_MAX_HEADERS,
+            header_timeout_ms: DEFAULT_HEADER_TIMEOUT_MS,
+            body_stall_timeout_ms: DEFAULT_BODY_STALL_TIMEOUT_MS,
+            write_stall_timeout_ms: DEFAULT_WRITE_STALL_TIMEOUT_MS,
         }
     }
 }
@@ -754,8 +762,8 @@ mod tests {
     fn limits(header: u64, write: u64) -> Limits {
         Limits {
             max_body: 1 << 20,
-            max_header_bytes: 64 << 10,
-            max_headers: 100,
+            max_header_bytes: DEFAULT_MAX_HEADER_BYTES,
+            max_headers: DEFAULT_MAX_HEADERS,
             header_timeout: Duration::from_millis(header),
             body_stall: Duration::from_secs(10),
             write_stall: Duration::from_millis(write),

@@ -146,20 +146,32 @@ pub fn start_prefill(extra: &[&str]) -> (Proc, String) {
 }
 
 /// Samples of a Prometheus text page, `name{labels}` -> value.
-pub async fn scrape(addr: &str) -> std::collections::HashMap<String, f64> {
-    let url = if addr.starts_with("http") {
-        format!("{addr}/metrics")
-    } else {
-        format!("http://{addr}/metrics")
-    };
-    let body = reqwest::get(url).await.unwrap().text().await.unwrap();
-    body.lines()
+pub fn parse_metrics(page: &str) -> std::collections::HashMap<String, f64> {
+    page.lines()
         .filter(|l| !l.starts_with('#') && !l.is_empty())
         .filter_map(|l| {
             let (k, v) = l.rsplit_once(' ')?;
             Some((k.to_string(), v.parse().ok()?))
         })
         .collect()
+}
+
+/// The `/metrics` page of `addr` (host:port or a URL), or `None` while it cannot be reached.
+pub async fn try_scrape(addr: &str) -> Option<std::collections::HashMap<String, f64>> {
+    let url = if addr.starts_with("http") {
+        format!("{addr}/metrics")
+    } else {
+        format!("http://{addr}/metrics")
+    };
+    let body = reqwest::get(url).await.ok()?.text().await.ok()?;
+    Some(parse_metrics(&body))
+}
+
+/// The `/metrics` page of `addr`, which must answer.
+pub async fn scrape(addr: &str) -> std::collections::HashMap<String, f64> {
+    try_scrape(addr)
+        .await
+        .unwrap_or_else(|| panic!("{addr}/metrics did not answer"))
 }
 
 /// One sample of a scrape (0 when absent).
@@ -412,4 +424,28 @@ pub async fn openai_python_client(
         "{n}/{n} OpenAI client checks passed",
         n = cases.len() * 4
     )));
+}
+
+/// The child processes of `pid`.
+pub fn children(pid: i32) -> Vec<i32> {
+    let mut out = Vec::new();
+    if let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) {
+        for t in tasks.flatten() {
+            if let Ok(s) = std::fs::read_to_string(t.path().join("children")) {
+                out.extend(s.split_whitespace().filter_map(|x| x.parse::<i32>().ok()));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// Whether `pid` runs (a zombie still has a /proc entry; its state says so).
+pub fn alive(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| {
+            !s.rsplit_once(')')
+                .is_some_and(|(_, r)| r.trim_start().starts_with('Z'))
+        })
+        .unwrap_or(false)
 }
