@@ -12,7 +12,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde::Deserialize;
 use serde_json::json;
-use tandem_engine::{Request, SamplingParams};
+use tandem_engine::{Request, SamplingError, SamplingParams, ValidSampling};
 use tandem_model::{ChatMessage, IncrementalDecoder, LoadedModel};
 
 use crate::EngineArgs;
@@ -66,7 +66,8 @@ struct Input {
 }
 
 impl GenerateArgs {
-    fn params(&self) -> SamplingParams {
+    /// The flags' sampling, checked (the same check as every API's).
+    fn params(&self) -> Result<ValidSampling, SamplingError> {
         SamplingParams {
             temperature: self.temperature,
             top_k: self.top_k,
@@ -80,6 +81,7 @@ impl GenerateArgs {
             ignore_eos: self.ignore_eos,
             ..Default::default()
         }
+        .validate()
     }
 }
 
@@ -104,7 +106,7 @@ fn parse_line(m: &LoadedModel, line: &str) -> Result<Vec<u32>> {
 }
 
 pub fn run(a: GenerateArgs) -> Result<()> {
-    a.params().validate()?;
+    let params = a.params()?;
     let (mut engine, model) = a.engine.build()?;
     if !a.jsonl {
         return run_text(&a, &mut engine, &model);
@@ -120,7 +122,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         let req = parse_line(&model, &line).map(|prompt| Request {
             resume: Vec::new(),
             prompt,
-            params: a.params(),
+            params: params.clone(),
         });
         match req.and_then(|r| engine.validate(&r).map(|_| r).map_err(Into::into)) {
             Ok(r) => {
@@ -189,7 +191,7 @@ fn run_text(
         vec![Request {
             resume: Vec::new(),
             prompt,
-            params: a.params(),
+            params: a.params()?,
         }],
         |ev| {
             if err.is_some() {

@@ -76,6 +76,12 @@ pub fn run_engine_bench(
 ) -> Result<EngineReport, EngineError> {
     let vocab = engine.model_config().vocab_size as u32;
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(b.seed);
+    let params = SamplingParams {
+        max_tokens: b.gen_len as u32,
+        ignore_eos: true,
+        ..Default::default()
+    }
+    .validate()?;
     // Random ids above the special-token range: realistic attention and no early stop.
     let requests: Vec<Request> = (0..b.batch)
         .map(|_| Request {
@@ -83,11 +89,7 @@ pub fn run_engine_bench(
             prompt: (0..b.prompt_len)
                 .map(|_| rng.gen_range(100..vocab))
                 .collect(),
-            params: SamplingParams {
-                max_tokens: b.gen_len as u32,
-                ignore_eos: true,
-                ..Default::default()
-            },
+            params: params.clone(),
         })
         .collect();
     let mut prefill = (0usize, 0f64);

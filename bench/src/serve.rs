@@ -313,11 +313,14 @@ pub async fn run_engine(engine: Arc<EngineHandle>, spec: &LoadSpec) -> ServeRepo
                 ignore_eos: true,
                 ..Default::default()
             };
-            let mut stream = match engine.submit(Request {
-                prompt,
-                params,
-                resume: Vec::new(),
-            }) {
+            let submitted = params.validate().map_err(Into::into).and_then(|params| {
+                engine.submit(Request {
+                    prompt,
+                    params,
+                    resume: Vec::new(),
+                })
+            });
+            let mut stream = match submitted {
                 Ok(st) => st,
                 Err(e) => {
                     s.error = Some(e.to_string());
@@ -338,7 +341,7 @@ pub async fn run_engine(engine: Arc<EngineHandle>, spec: &LoadSpec) -> ServeRepo
                     }
                     StreamEvent::Finished(_) => break,
                     StreamEvent::Failed(e) => {
-                        s.error = Some(e);
+                        s.error = Some(e.to_string());
                         break;
                     }
                     StreamEvent::Kv(_) => {}

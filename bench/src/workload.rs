@@ -87,7 +87,9 @@ impl Workload {
                         max_tokens: out,
                         ignore_eos: true,
                         ..Default::default()
-                    },
+                    }
+                    .validate()
+                    .expect("drawn lengths are at least 10 tokens"),
                 }
             })
             .collect()
@@ -204,14 +206,15 @@ impl StepCost {
 /// longest, and every row generating as many tokens as the longest output.
 fn padded(batch: &[Request], vocab: u32, rng: &mut rand_chacha::ChaCha8Rng) -> Vec<Request> {
     let prompt = batch.iter().map(|r| r.prompt.len()).max().unwrap_or(0);
-    let out = batch.iter().map(|r| r.params.max_tokens).max().unwrap_or(0);
+    let out = batch.iter().map(|r| r.params.max_tokens).max().unwrap_or(1);
+    let out = std::num::NonZeroU32::new(out).expect("a valid request generates a token");
     batch
         .iter()
         .map(|r| {
             let mut r = r.clone();
             let pad = prompt - r.prompt.len();
             r.prompt.extend((0..pad).map(|_| rng.gen_range(100..vocab)));
-            r.params.max_tokens = out;
+            r.params = r.params.with_max_tokens(out);
             r
         })
         .collect()

@@ -6,7 +6,7 @@ use std::pin::Pin;
 use futures::Stream;
 use tandem_engine::{
     EngineError, EngineHandle, EngineStats, FinishReason, Finished, KvEventKind, KvUpdate,
-    SamplingParams, TokenEvent,
+    TokenEvent,
 };
 use tandem_proto::worker as pb;
 use tokio::sync::watch;
@@ -14,40 +14,10 @@ use tonic::Status;
 
 pub type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 
-/// Maps an engine refusal to the gRPC status a client can act on.
+/// An engine refusal or failure as the gRPC status its kind maps to (one mapping, in
+/// tandem-proto, for every worker): the caller's fault only when it was.
 pub fn status(e: EngineError) -> Status {
-    match e {
-        EngineError::InvalidRequest(_)
-        | EngineError::ContextOverflow { .. }
-        | EngineError::BadToken { .. } => Status::invalid_argument(e.to_string()),
-        EngineError::TooLargeForCache { .. } => Status::resource_exhausted(e.to_string()),
-        _ => Status::internal(e.to_string()),
-    }
-}
-
-/// Sampling and stopping as the engine takes them (proto zeros mean "off" where 0 is not a
-/// valid value).
-pub fn sampling_params(s: Option<pb::Sampling>, stop: Option<pb::Stopping>) -> SamplingParams {
-    let s = s.unwrap_or_default();
-    let stop = stop.unwrap_or_default();
-    SamplingParams {
-        temperature: s.temperature,
-        top_k: s.top_k,
-        top_p: if s.top_p == 0.0 { 1.0 } else { s.top_p },
-        min_p: s.min_p,
-        repetition_penalty: if s.repetition_penalty == 0.0 {
-            1.0
-        } else {
-            s.repetition_penalty
-        },
-        presence_penalty: s.presence_penalty,
-        frequency_penalty: s.frequency_penalty,
-        seed: s.seed,
-        top_logprobs: s.top_logprobs,
-        max_tokens: stop.max_tokens,
-        stop_token_ids: stop.stop_token_ids,
-        ignore_eos: stop.ignore_eos,
-    }
+    tandem_proto::wire::status(e.kind(), e.to_string())
 }
 
 pub fn token(t: &TokenEvent) -> pb::Token {
@@ -168,4 +138,47 @@ pub fn kv_event_stream(
         }
     });
     Ok(Box::pin(s))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tonic::Code;
+
+    #[test]
+    fn engine_failures_map_to_the_code_of_their_kind_not_to_invalid_argument() {
+        let cases = [
+            (EngineError::EmptyPrompt, Code::InvalidArgument),
+            (
+                EngineError::Sampling(tandem_engine::SamplingError::MaxTokens),
+                Code::InvalidArgument,
+            ),
+            (
+                EngineError::BadToken { id: 9, vocab: 4 },
+                Code::InvalidArgument,
+            ),
+            (
+                EngineError::ContextOverflow { tokens: 9, max: 4 },
+                Code::OutOfRange,
+            ),
+            (
+                EngineError::TooLargeForCache { need: 9, total: 4 },
+                Code::OutOfRange,
+            ),
+            (
+                EngineError::Unsupported("no".into()),
+                Code::FailedPrecondition,
+            ),
+            (EngineError::Stopped, Code::Unavailable),
+            (EngineError::Step("kernel".into()), Code::Internal),
+            (EngineError::NotParked(3), Code::Internal),
+            (EngineError::Internal("x".into()), Code::Internal),
+        ];
+        for (e, code) in cases {
+            let text = e.to_string();
+            let s = status(e);
+            assert_eq!(s.code(), code, "{text}");
+            assert_eq!(s.message(), text);
+        }
+    }
 }

@@ -24,14 +24,13 @@ use std::time::Duration;
 use futures::Stream;
 use tandem_engine::{EngineHandle, Request, RequestStream, Reservation, StreamEvent};
 use tandem_kv_transfer::TransferGrant;
+use tandem_proto::wire::sampling_from_wire;
 use tandem_proto::worker::{self as pb, decode_server::DecodeServer};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tonic::{Request as GrpcRequest, Response, Status};
 
-use crate::convert::{
-    finish, kv_event_stream, load_report, sampling_params, status, token, worker_info, BoxStream,
-};
+use crate::convert::{finish, kv_event_stream, load_report, status, token, worker_info, BoxStream};
 use crate::remote::RemotePrefill;
 
 /// What a decode worker says about itself in `Info`.
@@ -148,7 +147,7 @@ fn fold(msg: &mut pb::DecodeResponse, ev: StreamEvent) -> Result<bool, Status> {
             msg.finish = Some(finish(&f));
             Ok(true)
         }
-        StreamEvent::Failed(e) => Err(Status::internal(format!("engine failed: {e}"))),
+        StreamEvent::Failed(e) => Err(status(e)),
         StreamEvent::Kv(_) => Err(Status::internal("KV chunk on a decode stream")),
     }
 }
@@ -258,8 +257,9 @@ impl pb::decode_server::Decode for DecodeService {
             ));
         }
         let req = request.into_inner();
-        let params = sampling_params(req.sampling, req.stopping.clone());
-        params.validate().map_err(status)?;
+        let params = sampling_from_wire(req.sampling, req.stopping.clone())
+            .validate()
+            .map_err(|e| status(e.into()))?;
         self.in_flight.count.fetch_add(1, Ordering::SeqCst);
         let guard = Guard(self.in_flight.clone());
         let candidates = match req.prefill.and_then(|p| p.plan) {

@@ -53,7 +53,7 @@ impl Backend {
     ) -> Result<Self, EngineError> {
         config.check()?;
         if config.kv_dtype != KvDtype::F32 {
-            return Err(EngineError::InvalidRequest(format!(
+            return Err(EngineError::Config(format!(
                 "--kv-dtype {} is for the CPU cache only; on a CUDA device the cache is bf16 (leave --kv-dtype at its default)",
                 config.kv_dtype
             )));
@@ -177,7 +177,8 @@ impl Backend {
 mod tests {
     use super::*;
     use crate::model::tiny_model;
-    use crate::sampler::{Sampler, SamplingParams};
+    use crate::sampler::Sampler;
+    use tandem_types::ValidSampling;
 
     /// What a device's argmax step must return: per row, the token and log-probability the
     /// host sampler would have produced from the logits.
@@ -212,11 +213,11 @@ mod tests {
         let vocab = b.config().vocab_size;
         assert_eq!(picks.len(), 2);
         for (row, &(token, logprob)) in logits.chunks_exact(vocab).zip(&picks) {
-            let mut s = Sampler::new(SamplingParams::default(), &[]);
+            let mut s = Sampler::new(ValidSampling::default(), &[]);
             assert!(s.argmax_only());
             let want = s.sample(row);
             assert_eq!((want.token, want.logprob), (token, logprob));
-            let mut a = Sampler::new(SamplingParams::default(), &[]);
+            let mut a = Sampler::new(ValidSampling::default(), &[]);
             assert_eq!(a.accept(token, logprob), want);
         }
     }

@@ -25,9 +25,10 @@ use crate::backend::Backend;
 use crate::block_manager::{BlockCounts, BlockManager, KvEvent, SeqBlocks};
 use crate::kv_cache::{KvDtype, KvPool};
 use crate::model::{LlamaModel, SeqBatch};
-use crate::sampler::{Sampled, Sampler, SamplingParams};
+use crate::sampler::{Sampled, Sampler};
 use crate::EngineError;
 use tandem_model::LlamaConfig;
+use tandem_types::ValidSampling;
 
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
@@ -59,13 +60,13 @@ impl EngineConfig {
     /// Refuses sizes that make no engine (before any memory is sized from them).
     pub fn check(&self) -> Result<(), EngineError> {
         if !(self.slowdown.is_finite() && self.slowdown >= 1.0) {
-            return Err(EngineError::InvalidRequest(format!(
+            return Err(EngineError::Config(format!(
                 "slowdown {} must be a number of at least 1",
                 self.slowdown
             )));
         }
         if self.block_size == 0 || self.max_batched_tokens == 0 || self.max_seqs == 0 {
-            return Err(EngineError::InvalidRequest(
+            return Err(EngineError::Config(
                 "block size, batch budget and max seqs must be positive".into(),
             ));
         }
@@ -97,7 +98,7 @@ pub struct RequestId(pub u64);
 #[derive(Clone, Debug)]
 pub struct Request {
     pub prompt: Vec<u32>,
-    pub params: SamplingParams,
+    pub params: ValidSampling,
     /// Output tokens this request already produced elsewhere (a stream migrated from a worker
     /// that died): they are prefilled after the prompt, count toward `max_tokens` and the
     /// penalties, and generation continues after them. Usually empty.
@@ -235,9 +236,8 @@ impl Limits {
     /// A request is accepted only if, alone, it fits the model's context and the whole pool, so
     /// preemption can always make room for the oldest sequence.
     pub fn validate(&self, r: &Request) -> Result<(), EngineError> {
-        r.params.validate()?;
         if r.prompt.is_empty() {
-            return Err(EngineError::InvalidRequest("prompt is empty".into()));
+            return Err(EngineError::EmptyPrompt);
         }
         let known = r.prompt.iter().chain(&r.resume);
         if let Some(&bad) = known.clone().find(|&&t| t as usize >= self.vocab_size) {
@@ -247,11 +247,10 @@ impl Limits {
             });
         }
         if r.resume.len() >= r.params.max_tokens as usize {
-            return Err(EngineError::InvalidRequest(format!(
-                "{} output tokens to resume from leave nothing to generate under max_tokens {}",
-                r.resume.len(),
-                r.params.max_tokens
-            )));
+            return Err(EngineError::NothingToResume {
+                resume: r.resume.len(),
+                max_tokens: r.params.max_tokens,
+            });
         }
         if known.count() >= self.max_context {
             return Err(EngineError::ContextOverflow {
@@ -540,7 +539,7 @@ impl Engine {
         self.validate(&r)?;
         self.check_host_cache()?;
         if !r.resume.is_empty() {
-            return Err(EngineError::InvalidRequest(
+            return Err(EngineError::BadPlan(
                 "a resumed request is prefilled where it decodes".into(),
             ));
         }
@@ -575,10 +574,11 @@ impl Engine {
         id: RequestId,
         first: Sampled,
     ) -> Result<Vec<Event>, EngineError> {
-        let i =
-            self.remote.iter().position(|s| s.id == id).ok_or_else(|| {
-                EngineError::InvalidRequest(format!("no remote prefill {}", id.0))
-            })?;
+        let i = self
+            .remote
+            .iter()
+            .position(|s| s.id == id)
+            .ok_or(EngineError::NotParked(id.0))?;
         let mut s = self.remote.remove(i);
         s.computed = s.prompt_len;
         s.blocks.commit(&s.tokens, s.computed);
@@ -630,17 +630,17 @@ impl Engine {
         self.check_host_cache()?;
         let bs = self.config.block_size;
         if !skip_tokens.is_multiple_of(bs) || skip_tokens >= r.prompt.len() {
-            return Err(EngineError::InvalidRequest(format!(
+            return Err(EngineError::BadPlan(format!(
                 "skip_tokens {skip_tokens} must be a multiple of the block size {bs} below the prompt length {}",
                 r.prompt.len()
             )));
         }
         if !r.resume.is_empty() {
-            return Err(EngineError::InvalidRequest(
+            return Err(EngineError::BadPlan(
                 "a prefill-mode request has no output to resume".into(),
             ));
         }
-        r.params.max_tokens = 1;
+        r.params = r.params.with_max_tokens(std::num::NonZeroU32::MIN);
         self.validate(&r)?;
         let mut s = self.new_seq(id, r);
         s.export = Some((skip_tokens / bs, skip_tokens / bs));
@@ -652,7 +652,7 @@ impl Engine {
     fn check_host_cache(&self) -> Result<(), EngineError> {
         match self.backend.host_pool() {
             Some(_) => Ok(()),
-            None => Err(EngineError::InvalidRequest(format!(
+            None => Err(EngineError::Unsupported(format!(
                 "KV transfer to or from a {} cache is not supported: run prefill and decode workers that exchange KV with --device cpu",
                 self.backend.device()
             ))),
@@ -1015,10 +1015,7 @@ impl Engine {
     pub fn prompt_logits(&mut self, prompt: &[u32]) -> Result<Vec<f32>, EngineError> {
         self.validate(&Request {
             prompt: prompt.to_vec(),
-            params: SamplingParams {
-                max_tokens: 1,
-                ..Default::default()
-            },
+            params: ValidSampling::greedy(std::num::NonZeroU32::MIN),
             resume: Vec::new(),
         })?;
         let mut blocks = self.blocks.sequence();
@@ -1062,6 +1059,7 @@ pub(crate) mod tests {
     use crate::model::tiny_model;
     use proptest::prelude::*;
     use rand::{Rng, SeedableRng};
+    use tandem_types::SamplingParams;
 
     /// A greedy request that runs to `max_tokens`.
     pub(crate) fn req(prompt: Vec<u32>, max_tokens: u32) -> Request {
@@ -1071,7 +1069,9 @@ pub(crate) mod tests {
                 max_tokens,
                 ignore_eos: true,
                 ..Default::default()
-            },
+            }
+            .validate()
+            .unwrap(),
             resume: Vec::new(),
         }
     }
@@ -1359,7 +1359,9 @@ pub(crate) mod tests {
                 frequency_penalty: 0.5,
                 ignore_eos: true,
                 ..Default::default()
-            },
+            }
+            .validate()
+            .unwrap(),
             resume,
         };
         let full = engine(config())

@@ -29,15 +29,15 @@ use crate::sampler::Sampled;
 use crate::EngineError;
 
 /// What a request's stream carries.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub enum StreamEvent {
     /// Prompt blocks of a prefill-mode request, before its token.
     Kv(KvChunk),
     Token(TokenEvent),
     /// The last event of a request that ran (or was cancelled).
     Finished(Finished),
-    /// The last event of a request the engine could not serve.
-    Failed(String),
+    /// The last event of a request the engine could not serve, and why.
+    Failed(EngineError),
 }
 
 enum Command {
@@ -173,8 +173,8 @@ impl EngineHandle {
                 Ok(None)
             }
             Err(_) => match stream.next().await {
-                Some(StreamEvent::Failed(e)) => Err(EngineError::InvalidRequest(e)),
-                _ => Err(EngineError::Internal("the engine has stopped".into())),
+                Some(StreamEvent::Failed(e)) => Err(e),
+                _ => Err(EngineError::Stopped),
             },
         }
     }
@@ -200,7 +200,7 @@ impl EngineHandle {
                 mode,
                 events: tx,
             })
-            .map_err(|_| EngineError::Internal("the engine has stopped".into()))?;
+            .map_err(|_| EngineError::Stopped)?;
         Ok(RequestStream {
             id,
             rx,
@@ -226,7 +226,7 @@ impl EngineHandle {
         let (tx, rx) = tmpsc::unbounded_channel();
         self.commands
             .send(Command::SubscribeKv(tx))
-            .map_err(|_| EngineError::Internal("the engine has stopped".into()))?;
+            .map_err(|_| EngineError::Stopped)?;
         Ok(rx)
     }
 }
@@ -375,7 +375,7 @@ fn run_loop(mut engine: Engine, rx: mpsc::Receiver<Command>, shared: &Shared) {
                             sinks.insert(id, events);
                         }
                         Err(e) => {
-                            let _ = events.send(StreamEvent::Failed(e.to_string()));
+                            let _ = events.send(StreamEvent::Failed(e));
                         }
                     }
                 }
@@ -404,7 +404,7 @@ fn run_loop(mut engine: Engine, rx: mpsc::Receiver<Command>, shared: &Shared) {
                 tracing::error!(error = %e, "engine step failed; failing its requests");
                 for id in engine.abort_all() {
                     if let Some(s) = sinks.remove(&id) {
-                        let _ = s.send(StreamEvent::Failed(e.to_string()));
+                        let _ = s.send(StreamEvent::Failed(EngineError::Step(e.to_string())));
                     }
                 }
             }

@@ -29,18 +29,43 @@ pub use gpu::GpuLlama;
 pub use handle::{EngineHandle, KvUpdate, RequestStream, StreamEvent};
 pub use kv_cache::{KvDtype, KvPool, KvPoolWriter};
 pub use model::{LlamaModel, SeqBatch, WeightFormat};
-pub use sampler::{Sampled, Sampler, SamplingParams};
+pub use sampler::{Sampled, Sampler};
+pub use tandem_types::{ErrorKind, SamplingError, SamplingParams, ValidSampling};
 
+/// Why the engine refused or failed a request, or could not start. [`EngineError::kind`] says
+/// whose fault it is; the workers map that kind, not the text, to a gRPC code.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
-    #[error("invalid request: {0}")]
-    InvalidRequest(String),
+    #[error(transparent)]
+    Sampling(#[from] SamplingError),
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("{resume} output tokens to resume from leave nothing to generate under max_tokens {max_tokens}")]
+    NothingToResume { resume: usize, max_tokens: u32 },
     #[error("prompt and output need {tokens} tokens but the model's context is {max}")]
     ContextOverflow { tokens: usize, max: usize },
     #[error("token id {id} is outside the vocabulary of {vocab}")]
     BadToken { id: u32, vocab: usize },
     #[error("request needs {need} KV blocks but the pool has only {total}: raise --kv-cache-mb or shorten the request")]
     TooLargeForCache { need: usize, total: usize },
+    /// A prefill-mode or remote-prefill request this engine cannot take as asked (a skip that is
+    /// not a whole number of blocks, output to resume): its sender's mistake.
+    #[error("{0}")]
+    BadPlan(String),
+    /// What this engine was built for cannot serve the request (KV transfer with a device
+    /// cache): the operator's to change.
+    #[error("{0}")]
+    Unsupported(String),
+    /// The engine's configuration makes no engine.
+    #[error("configuration: {0}")]
+    Config(String),
+    #[error("request {0} is not waiting for remote KV")]
+    NotParked(u64),
+    #[error("the engine has stopped")]
+    Stopped,
+    /// A step failed, failing every request in it (each gets this copy of the step's error).
+    #[error("the engine step failed: {0}")]
+    Step(String),
     #[error("model: {0}")]
     Model(String),
     #[error(transparent)]
@@ -54,4 +79,30 @@ pub enum EngineError {
     Startup(String),
     #[error("internal: {0}")]
     Internal(String),
+}
+
+impl EngineError {
+    /// Whose fault this is: the request's ([`ErrorKind::InvalidRequest`], [`ErrorKind::TooLarge`])
+    /// or the server's.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Self::Sampling(_)
+            | Self::EmptyPrompt
+            | Self::NothingToResume { .. }
+            | Self::BadToken { .. }
+            | Self::BadPlan(_) => ErrorKind::InvalidRequest,
+            Self::ContextOverflow { .. } | Self::TooLargeForCache { .. } => ErrorKind::TooLarge,
+            Self::Unsupported(_) => ErrorKind::Unsupported,
+            Self::Stopped => ErrorKind::Unavailable,
+            Self::Config(_)
+            | Self::NotParked(_)
+            | Self::Step(_)
+            | Self::Model(_)
+            | Self::Kernel(_)
+            | Self::Files(_)
+            | Self::Cuda(_)
+            | Self::Startup(_)
+            | Self::Internal(_) => ErrorKind::Internal,
+        }
+    }
 }

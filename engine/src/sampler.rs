@@ -10,100 +10,10 @@ use std::collections::HashMap;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use tandem_kernels::ops;
 
-use crate::EngineError;
-
-/// How to pick tokens and when to stop. Defaults: greedy, 16 tokens, stop at EOS.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
-pub struct SamplingParams {
-    pub temperature: f32,
-    /// 0 means no top-k filter.
-    pub top_k: u32,
-    pub top_p: f32,
-    pub min_p: f32,
-    pub repetition_penalty: f32,
-    pub presence_penalty: f32,
-    pub frequency_penalty: f32,
-    pub seed: Option<u64>,
-    /// Number of most likely alternatives to report with each token (0: just the token's own).
-    pub top_logprobs: u32,
-    pub max_tokens: u32,
-    pub stop_token_ids: Vec<u32>,
-    /// Keep generating after EOS (EOS may still be produced; it is not banned).
-    pub ignore_eos: bool,
-}
-
-impl Default for SamplingParams {
-    fn default() -> Self {
-        Self {
-            temperature: 0.0,
-            top_k: 0,
-            top_p: 1.0,
-            min_p: 0.0,
-            repetition_penalty: 1.0,
-            presence_penalty: 0.0,
-            frequency_penalty: 0.0,
-            seed: None,
-            top_logprobs: 0,
-            max_tokens: 16,
-            stop_token_ids: Vec::new(),
-            ignore_eos: false,
-        }
-    }
-}
-
-/// Largest `top_logprobs` accepted (OpenAI's limit).
-pub const MAX_TOP_LOGPROBS: u32 = 20;
-
-impl SamplingParams {
-    /// Checks ranges; the message names the field and the allowed range.
-    pub fn validate(&self) -> Result<(), EngineError> {
-        let bad = |m: String| Err(EngineError::InvalidRequest(m));
-        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
-            return bad(format!(
-                "temperature must be >= 0, got {}",
-                self.temperature
-            ));
-        }
-        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return bad(format!("top_p must be in (0, 1], got {}", self.top_p));
-        }
-        if !(0.0..=1.0).contains(&self.min_p) {
-            return bad(format!("min_p must be in [0, 1], got {}", self.min_p));
-        }
-        if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
-            return bad(format!(
-                "repetition_penalty must be > 0, got {}",
-                self.repetition_penalty
-            ));
-        }
-        for (name, v) in [
-            ("presence_penalty", self.presence_penalty),
-            ("frequency_penalty", self.frequency_penalty),
-        ] {
-            if !(-2.0..=2.0).contains(&v) {
-                return bad(format!("{name} must be in [-2, 2], got {v}"));
-            }
-        }
-        if self.top_logprobs > MAX_TOP_LOGPROBS {
-            return bad(format!(
-                "top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {}",
-                self.top_logprobs
-            ));
-        }
-        if self.max_tokens == 0 {
-            return bad("max_tokens must be at least 1".into());
-        }
-        Ok(())
-    }
-
-    fn is_greedy(&self) -> bool {
-        self.temperature == 0.0 || self.top_k == 1
-    }
-}
+use tandem_types::ValidSampling;
 
 /// A sampled token with its log-probability and the most likely alternatives.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -115,7 +25,7 @@ pub struct Sampled {
 
 /// Per-sequence sampling state.
 pub struct Sampler {
-    params: SamplingParams,
+    params: ValidSampling,
     rng: ChaCha8Rng,
     /// Output token counts, for presence/frequency penalties.
     counts: HashMap<u32, u32>,
@@ -130,7 +40,7 @@ thread_local! {
 }
 
 impl Sampler {
-    pub fn new(params: SamplingParams, prompt: &[u32]) -> Self {
+    pub fn new(params: ValidSampling, prompt: &[u32]) -> Self {
         let seed = params.seed.unwrap_or_else(rand::random);
         let seen = if params.repetition_penalty != 1.0 {
             prompt.iter().copied().collect()
@@ -145,7 +55,7 @@ impl Sampler {
         }
     }
 
-    pub fn params(&self) -> &SamplingParams {
+    pub fn params(&self) -> &ValidSampling {
         &self.params
     }
 
@@ -316,7 +226,7 @@ mod tests {
         let with = |f: &dyn Fn(&mut SamplingParams)| {
             let mut p = greedy.clone();
             f(&mut p);
-            Sampler::new(p, &[1, 2]).argmax_only()
+            sampler(p, &[1, 2]).argmax_only()
         };
         assert!(with(&|_| {}));
         assert!(with(&|p| {
@@ -329,13 +239,18 @@ mod tests {
         assert!(!with(&|p| p.presence_penalty = 0.5));
         assert!(!with(&|p| p.frequency_penalty = 0.5));
         // An accepted pick counts like a sampled one (for penalties of later tokens).
-        let mut s = Sampler::new(greedy, &[]);
+        let mut s = sampler(greedy, &[]);
         let got = s.accept(4, -0.25);
         assert_eq!((got.token, got.logprob, got.top.len()), (4, -0.25, 0));
         assert_eq!(s.counts.get(&4), Some(&1));
     }
 
     use super::*;
+    use tandem_types::SamplingParams;
+
+    fn sampler(p: SamplingParams, prompt: &[u32]) -> Sampler {
+        Sampler::new(p.validate().unwrap(), prompt)
+    }
 
     fn logits() -> Vec<f32> {
         vec![1.0, 3.0, 2.5, -1.0, 0.0, 2.9]
@@ -343,7 +258,7 @@ mod tests {
 
     #[test]
     fn greedy_and_logprobs() {
-        let mut s = Sampler::new(
+        let mut s = sampler(
             SamplingParams {
                 top_logprobs: 2,
                 ..Default::default()
@@ -372,7 +287,7 @@ mod tests {
                 top_logprobs: top,
                 ..Default::default()
             };
-            let out = Sampler::new(params, &[]).sample(&row);
+            let out = sampler(params, &[]).sample(&row);
             assert_eq!(out.token as usize, ops::argmax(&row));
             assert_eq!(out.logprob, lp[out.token as usize], "top {top}");
             assert_eq!(out.top.len(), top as usize);
@@ -390,7 +305,7 @@ mod tests {
             ..Default::default()
         };
         let run = |p: &SamplingParams| {
-            let mut s = Sampler::new(p.clone(), &[]);
+            let mut s = sampler(p.clone(), &[]);
             (0..50)
                 .map(|_| s.sample(&logits()).token)
                 .collect::<Vec<_>>()
@@ -411,7 +326,7 @@ mod tests {
     #[test]
     fn filters_restrict_the_support() {
         let draw = |p: SamplingParams| {
-            let mut s = Sampler::new(p, &[]);
+            let mut s = sampler(p, &[]);
             (0..200)
                 .map(|_| s.sample(&logits()).token)
                 .collect::<std::collections::BTreeSet<_>>()
@@ -449,7 +364,7 @@ mod tests {
     #[test]
     fn penalties_change_the_greedy_choice() {
         // Repetition penalty on a prompt token that is the argmax.
-        let mut s = Sampler::new(
+        let mut s = sampler(
             SamplingParams {
                 repetition_penalty: 2.0,
                 ..Default::default()
@@ -458,7 +373,7 @@ mod tests {
         );
         assert_eq!(s.sample(&logits()).token, 5);
         // Frequency penalty: after emitting 1 once, 1 is penalized by 0.5 → 2.5 < 2.9.
-        let mut s = Sampler::new(
+        let mut s = sampler(
             SamplingParams {
                 frequency_penalty: 0.5,
                 ..Default::default()
@@ -467,7 +382,7 @@ mod tests {
         );
         assert_eq!(s.sample(&logits()).token, 1);
         assert_eq!(s.sample(&logits()).token, 5);
-        let mut s = Sampler::new(
+        let mut s = sampler(
             SamplingParams {
                 presence_penalty: 1.0,
                 ..Default::default()
@@ -476,42 +391,5 @@ mod tests {
         );
         assert_eq!(s.sample(&logits()).token, 1);
         assert_eq!(s.sample(&logits()).token, 5);
-    }
-
-    #[test]
-    fn validation() {
-        assert!(SamplingParams::default().validate().is_ok());
-        for p in [
-            SamplingParams {
-                temperature: -1.0,
-                ..Default::default()
-            },
-            SamplingParams {
-                top_p: 0.0,
-                ..Default::default()
-            },
-            SamplingParams {
-                min_p: 1.5,
-                ..Default::default()
-            },
-            SamplingParams {
-                presence_penalty: 3.0,
-                ..Default::default()
-            },
-            SamplingParams {
-                top_logprobs: 21,
-                ..Default::default()
-            },
-            SamplingParams {
-                max_tokens: 0,
-                ..Default::default()
-            },
-            SamplingParams {
-                repetition_penalty: 0.0,
-                ..Default::default()
-            },
-        ] {
-            assert!(p.validate().is_err(), "{p:?}");
-        }
     }
 }

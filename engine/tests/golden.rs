@@ -280,7 +280,9 @@ fn teacher_forced_agreement(
                     max_tokens: 1,
                     ignore_eos: true,
                     ..Default::default()
-                },
+                }
+                .validate()
+                .unwrap(),
             });
             want.push(gen[i]);
         }

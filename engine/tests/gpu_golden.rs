@@ -217,7 +217,9 @@ fn the_engine_runs_unchanged_on_the_gpu() {
     // request that asks for alternatives brings its step's logits back to the host sampler.
     // Same tokens either way, and log-probabilities that agree.
     let mut reqs = requests(&recs);
-    reqs[0].params.top_logprobs = 3;
+    let mut p = reqs[0].params.clone().into_params();
+    p.top_logprobs = 3;
+    reqs[0].params = p.validate().unwrap();
     e.clear_prefix_cache();
     let mut first = Vec::new();
     let mut others = Vec::new();

@@ -18,13 +18,12 @@ use std::time::Duration;
 
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::DescriptorEncoder;
-use tandem_decode_worker::convert::{
-    kv_event_stream, load_report, sampling_params, status, worker_info, BoxStream,
-};
+use tandem_decode_worker::convert::{kv_event_stream, load_report, status, worker_info, BoxStream};
 use tandem_decode_worker::metrics::{counter, engine_metrics, gauge};
 use tandem_decode_worker::WorkerIdentity;
-use tandem_engine::{EngineHandle, Request, StreamEvent};
+use tandem_engine::{EngineHandle, Request, StreamEvent, ValidSampling};
 use tandem_kv_transfer::{BlockFrame, KvStream, KvTransport};
+use tandem_proto::wire::sampling_from_wire;
 use tandem_proto::worker::{self as pb, prefill_server::PrefillServer};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -149,6 +148,7 @@ struct Checked {
     dest: pb::KvDestination,
     cached: usize,
     uncached: usize,
+    sampling: ValidSampling,
 }
 
 impl PrefillService {
@@ -210,10 +210,19 @@ impl Shared {
                 prompt_len - cached
             )));
         }
+        // A prefill samples the first token and stops.
+        let one = pb::Stopping {
+            max_tokens: 1,
+            ..Default::default()
+        };
+        let sampling = sampling_from_wire(req.sampling, Some(one))
+            .validate()
+            .map_err(|e| status(e.into()))?;
         Ok(Checked {
             dest,
             cached,
             uncached: prompt_len - cached,
+            sampling,
         })
     }
 
@@ -266,16 +275,15 @@ impl Shared {
             dest,
             cached,
             uncached,
+            sampling,
         } = checked;
         let bs = self.engine.limits().block_size;
-        let mut params = sampling_params(req.sampling, None);
-        params.max_tokens = 1;
         let mut stream = self
             .engine
             .submit_prefill(
                 Request {
                     prompt: req.prompt_ids,
-                    params,
+                    params: sampling,
                     resume: Vec::new(),
                 },
                 cached,
@@ -344,7 +352,7 @@ impl Shared {
                 StreamEvent::Finished(_) => break,
                 StreamEvent::Failed(e) => {
                     let _ = conn.abort(dest.transfer_id).await;
-                    return Err(Status::internal(format!("prefill failed: {e}")).into());
+                    return Err(status(e).into());
                 }
             }
         }

@@ -2,8 +2,12 @@
 //!
 //! Owns: `tandem.v1` (the public `Generation` API the router serves: Generate, Tokenize,
 //! ListModels) and `tandem.worker.v1` (the worker API: `Decode` served by decode workers, `Prefill`
-//! by prefill workers), plus the encoded descriptor set for gRPC reflection. Does not own any
-//! behaviour: conversions to engine or router types live with those crates.
+//! by prefill workers), the encoded descriptor set for gRPC reflection, and the wire's side of
+//! the shared words in tandem-types ([`wire`]: a request's sampling to and from its messages, a
+//! failure's kind to and from a gRPC code), so both ends of a call map them the same way. Does not
+//! own any other behaviour: conversions to engine or router types live with those crates.
+
+pub mod wire;
 
 /// The public API.
 pub mod v1 {

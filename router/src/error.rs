@@ -3,6 +3,7 @@
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
+use tandem_types::ErrorKind;
 
 /// What a 429 tells the client to wait, in seconds (`Retry-After`).
 pub const RETRY_AFTER_S: &str = "1";
@@ -33,9 +34,12 @@ pub enum ApiError {
     QueueFull(usize),
     #[error("no decode worker is ready: check that the workers are up and reachable")]
     NoWorker,
-    /// A worker refused or failed the request.
+    /// A worker failed the request: a fault of the cluster, not of the request.
     #[error("worker {worker}: {message}")]
     Upstream { worker: String, message: String },
+    /// A worker is full or stopping: the same request may succeed in a moment.
+    #[error("worker {worker} cannot take the request now: {message}")]
+    WorkerUnavailable { worker: String, message: String },
     #[error("internal error: {0}")]
     Internal(String),
 }
@@ -57,7 +61,7 @@ impl ApiError {
             Self::BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             Self::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             Self::QueueFull(_) => StatusCode::TOO_MANY_REQUESTS,
-            Self::NoWorker => StatusCode::SERVICE_UNAVAILABLE,
+            Self::NoWorker | Self::WorkerUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             Self::Upstream { .. } => StatusCode::BAD_GATEWAY,
             Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -74,6 +78,7 @@ impl ApiError {
             Self::BodyTimeout(_) => ("invalid_request_error", "request_timeout"),
             Self::QueueFull(_) => ("rate_limit_error", "rate_limit_exceeded"),
             Self::NoWorker => ("service_unavailable", "no_worker"),
+            Self::WorkerUnavailable { .. } => ("service_unavailable", "worker_unavailable"),
             Self::Upstream { .. } => ("server_error", "upstream_error"),
             Self::Internal(_) => ("server_error", "internal_error"),
         }
@@ -110,27 +115,29 @@ impl ApiError {
                 );
                 st
             }
-            Self::NoWorker => tonic::Status::unavailable(m),
+            Self::NoWorker | Self::WorkerUnavailable { .. } => tonic::Status::unavailable(m),
             Self::Upstream { .. } => tonic::Status::unavailable(m),
             Self::Internal(_) => tonic::Status::internal(m),
         }
     }
 
-    /// A worker's gRPC refusal in the client's terms: its invalid-argument answers are the
-    /// client's fault (400), the rest are the cluster's.
+    /// A worker's gRPC refusal in the client's terms, by the kind its code carries
+    /// (tandem-proto's one mapping): the request's own faults are the client's (400), a busy or
+    /// stopping worker is a 503 to retry, and anything else is the cluster's fault (502).
     pub fn from_worker(worker: &str, s: &tonic::Status) -> Self {
-        match s.code() {
-            tonic::Code::InvalidArgument | tonic::Code::OutOfRange => Self::InvalidRequest {
-                message: s.message().to_string(),
+        let message = s.message().to_string();
+        match tandem_proto::wire::kind(s.code()) {
+            ErrorKind::InvalidRequest | ErrorKind::TooLarge => Self::InvalidRequest {
+                message,
                 param: None,
             },
-            tonic::Code::ResourceExhausted => Self::InvalidRequest {
-                message: s.message().to_string(),
-                param: None,
-            },
-            _ => Self::Upstream {
+            ErrorKind::Busy | ErrorKind::Unavailable => Self::WorkerUnavailable {
                 worker: worker.to_string(),
-                message: format!("{}: {}", s.code(), s.message()),
+                message: format!("{}: {message}", s.code()),
+            },
+            ErrorKind::Unsupported | ErrorKind::Internal => Self::Upstream {
+                worker: worker.to_string(),
+                message: format!("{}: {message}", s.code()),
             },
         }
     }
@@ -142,7 +149,7 @@ impl IntoResponse for ApiError {
             tracing::warn!(error = %self, "request failed");
         }
         let mut resp = (self.status(), axum::Json(self.body())).into_response();
-        if let Self::QueueFull(_) = self {
+        if let Self::QueueFull(_) | Self::WorkerUnavailable { .. } = self {
             // In-flight requests last seconds: one is a fair time to wait before retrying.
             resp.headers_mut().insert(
                 axum::http::header::RETRY_AFTER,
@@ -150,5 +157,92 @@ impl IntoResponse for ApiError {
             );
         }
         resp
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tandem_proto::wire;
+
+    fn from(kind: ErrorKind) -> ApiError {
+        ApiError::from_worker("w:1", &wire::status(kind, "why"))
+    }
+
+    #[test]
+    fn a_worker_failure_is_the_client_s_fault_only_when_its_kind_says_so() {
+        let cases = [
+            (ErrorKind::InvalidRequest, StatusCode::BAD_REQUEST),
+            (ErrorKind::TooLarge, StatusCode::BAD_REQUEST),
+            (ErrorKind::Busy, StatusCode::SERVICE_UNAVAILABLE),
+            (ErrorKind::Unavailable, StatusCode::SERVICE_UNAVAILABLE),
+            (ErrorKind::Unsupported, StatusCode::BAD_GATEWAY),
+            (ErrorKind::Internal, StatusCode::BAD_GATEWAY),
+        ];
+        for (kind, want) in cases {
+            let e = from(kind);
+            assert_eq!(e.status(), want, "{kind:?}");
+            assert_eq!(
+                e.status().is_client_error(),
+                kind.is_client_fault(),
+                "{kind:?}"
+            );
+            assert!(e.to_string().contains("why"), "{e}");
+        }
+    }
+
+    #[test]
+    fn busy_answers_say_when_to_retry() {
+        for e in [from(ErrorKind::Busy), ApiError::QueueFull(4)] {
+            let r = e.into_response();
+            assert_eq!(r.headers()[axum::http::header::RETRY_AFTER], RETRY_AFTER_S);
+        }
+        let r = from(ErrorKind::Internal).into_response();
+        assert!(r.headers().get(axum::http::header::RETRY_AFTER).is_none());
+    }
+
+    #[test]
+    fn a_bad_field_names_its_param_in_the_openai_body() {
+        let e: ApiError = tandem_types::SamplingError::TopP(1.5).into();
+        assert_eq!(e.status(), StatusCode::BAD_REQUEST);
+        let b = e.body();
+        assert_eq!(b["error"]["param"], "top_p");
+        assert_eq!(b["error"]["type"], "invalid_request_error");
+        assert_eq!(b["error"]["message"], "top_p must be in (0, 1], got 1.5");
+    }
+
+    #[test]
+    fn each_error_has_its_http_status_and_grpc_code() {
+        use tonic::Code;
+        let d = std::time::Duration::from_secs(1);
+        let cases = [
+            (ApiError::invalid("x", "prompt"), 400, Code::InvalidArgument),
+            (
+                ApiError::ContextLength {
+                    prompt: 1,
+                    max_tokens: 2,
+                    context: 2,
+                },
+                400,
+                Code::InvalidArgument,
+            ),
+            (ApiError::ModelNotFound("m".into()), 400, Code::NotFound),
+            (
+                ApiError::Unauthorized("no".into()),
+                401,
+                Code::Unauthenticated,
+            ),
+            (ApiError::BodyTooLarge(1), 413, Code::ResourceExhausted),
+            (ApiError::BodyTimeout(d), 408, Code::DeadlineExceeded),
+            (ApiError::QueueFull(1), 429, Code::ResourceExhausted),
+            (ApiError::NoWorker, 503, Code::Unavailable),
+            (from(ErrorKind::Busy), 503, Code::Unavailable),
+            (from(ErrorKind::Internal), 502, Code::Unavailable),
+            (ApiError::Internal("x".into()), 500, Code::Internal),
+        ];
+        for (e, http, code) in cases {
+            assert_eq!(e.status().as_u16(), http, "{e}");
+            assert_eq!(e.grpc().code(), code, "{e}");
+        }
     }
 }

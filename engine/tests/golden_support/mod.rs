@@ -54,7 +54,9 @@ pub fn requests(recs: &[Value]) -> Vec<Request> {
                 max_tokens: r["n_new"].as_u64().unwrap() as u32,
                 ignore_eos: true,
                 ..Default::default()
-            },
+            }
+            .validate()
+            .unwrap(),
         })
         .collect()
 }

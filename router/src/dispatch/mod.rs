@@ -17,6 +17,7 @@ use std::time::Duration;
 
 use tandem_model::{ChatMessage, LoadedModel};
 use tandem_proto::worker as pb;
+use tandem_types::ValidSampling;
 
 mod generation;
 mod prepare;
@@ -85,8 +86,8 @@ pub struct Prepared {
     pub request_id: String,
     pub prompt: Vec<u32>,
     pub params: GenParams,
-    sampling: pb::Sampling,
-    stopping: pb::Stopping,
+    /// Checked once, here; the worker API carries it as is.
+    sampling: ValidSampling,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -194,11 +195,12 @@ impl Dispatcher {
             self.metrics.request("refused");
             return Err(ApiError::QueueFull(self.cfg.max_queue));
         }
+        let (sampling, stopping) = tandem_proto::wire::sampling_to_wire(&prep.sampling);
         let request = pb::DecodeRequest {
             request_id: prep.request_id.clone(),
             prompt_ids: prep.prompt.clone(),
-            sampling: Some(prep.sampling),
-            stopping: Some(prep.stopping),
+            sampling: Some(sampling),
+            stopping: Some(stopping),
             prefill: None,
             resume_ids: Vec::new(),
         };

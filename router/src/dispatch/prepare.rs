@@ -3,16 +3,17 @@
 
 use std::sync::atomic::Ordering;
 
-use tandem_proto::worker as pb;
+use tandem_types::{SamplingError, SamplingParams};
 
 use super::{Dispatcher, GenParams, MaxTokensDefault, Prepared, PromptInput};
 use crate::error::ApiError;
 
-fn check_range(ok: bool, message: String, param: &'static str) -> Result<(), ApiError> {
-    if ok {
-        Ok(())
-    } else {
-        Err(ApiError::invalid(message, param))
+/// Most stop strings one request may give (each is matched against every piece of text).
+pub const MAX_STOP_STRINGS: usize = 16;
+
+impl From<SamplingError> for ApiError {
+    fn from(e: SamplingError) -> Self {
+        ApiError::invalid(e.to_string(), e.field())
     }
 }
 
@@ -69,69 +70,39 @@ impl Dispatcher {
     ) -> Result<Prepared, ApiError> {
         self.check_model(model)?;
         let p = &params;
-        let temperature = p.temperature.unwrap_or(1.0);
-        check_range(
-            temperature.is_finite() && (0.0..=2.0).contains(&temperature),
-            format!("temperature must be in [0, 2], got {temperature}"),
-            "temperature",
-        )?;
-        let top_p = p.top_p.unwrap_or(1.0);
-        check_range(
-            top_p > 0.0 && top_p <= 1.0,
-            format!("top_p must be in (0, 1], got {top_p}"),
-            "top_p",
-        )?;
-        let top_k = p.top_k.unwrap_or(0);
-        check_range(
-            top_k >= -1,
-            format!("top_k must be -1 (off), 0 (off) or positive, got {top_k}"),
-            "top_k",
-        )?;
-        let min_p = p.min_p.unwrap_or(0.0);
-        check_range(
-            (0.0..=1.0).contains(&min_p),
-            format!("min_p must be in [0, 1], got {min_p}"),
-            "min_p",
-        )?;
-        let rep = p.repetition_penalty.unwrap_or(1.0);
-        check_range(
-            rep.is_finite() && rep > 0.0 && rep <= 2.0,
-            format!("repetition_penalty must be in (0, 2], got {rep}"),
-            "repetition_penalty",
-        )?;
-        for (name, v) in [
-            ("presence_penalty", p.presence_penalty),
-            ("frequency_penalty", p.frequency_penalty),
-        ] {
-            let v = v.unwrap_or(0.0);
-            check_range(
-                (-2.0..=2.0).contains(&v),
-                format!("{name} must be in [-2, 2], got {v}"),
-                name,
-            )?;
+        // OpenAI's defaults where the body leaves a field out; the one check every layer shares.
+        let mut sampling = SamplingParams {
+            temperature: p.temperature.unwrap_or(1.0),
+            top_k: SamplingParams::api_top_k(p.top_k.unwrap_or(0))?,
+            top_p: p.top_p.unwrap_or(1.0),
+            min_p: p.min_p.unwrap_or(0.0),
+            repetition_penalty: p.repetition_penalty.unwrap_or(1.0),
+            presence_penalty: p.presence_penalty.unwrap_or(0.0),
+            frequency_penalty: p.frequency_penalty.unwrap_or(0.0),
+            seed: p.seed,
+            top_logprobs: p.top_logprobs,
+            // Checked again below, once the prompt's length settles the default.
+            max_tokens: p.max_tokens.map_or(1, |n| n.min(u32::MAX as u64) as u32),
+            stop_token_ids: p.stop_token_ids.clone(),
+            ignore_eos: p.ignore_eos,
+        };
+        // The fields first: a bad one is refused before the prompt is tokenized.
+        sampling.check()?;
+        if p.stop.len() > MAX_STOP_STRINGS {
+            return Err(ApiError::invalid(
+                format!(
+                    "at most {MAX_STOP_STRINGS} stop strings, got {}",
+                    p.stop.len()
+                ),
+                "stop",
+            ));
         }
-        check_range(
-            p.top_logprobs <= 20,
-            format!("top_logprobs must be at most 20, got {}", p.top_logprobs),
-            "top_logprobs",
-        )?;
-        check_range(
-            p.stop.len() <= 16,
-            format!("at most 16 stop strings, got {}", p.stop.len()),
-            "stop",
-        )?;
         let prompt = self.tokenize(input)?;
         if prompt.is_empty() {
             return Err(ApiError::invalid("the prompt is empty", "prompt"));
         }
         let context = self.model.max_context();
         let max_tokens = match (p.max_tokens, default_max) {
-            (Some(0), _) => {
-                return Err(ApiError::invalid(
-                    "max_tokens must be at least 1",
-                    "max_tokens",
-                ))
-            }
             (Some(n), _) => n as usize,
             (None, MaxTokensDefault::Fixed(n)) => n as usize,
             (None, MaxTokensDefault::RestOfContext) => context.saturating_sub(prompt.len()).max(1),
@@ -148,28 +119,13 @@ impl Dispatcher {
             std::process::id(),
             self.next_id.fetch_add(1, Ordering::Relaxed)
         );
-        let sampling = pb::Sampling {
-            temperature,
-            top_k: top_k.max(0) as u32,
-            top_p,
-            min_p,
-            repetition_penalty: rep,
-            presence_penalty: p.presence_penalty.unwrap_or(0.0),
-            frequency_penalty: p.frequency_penalty.unwrap_or(0.0),
-            seed: p.seed,
-            top_logprobs: p.top_logprobs,
-        };
-        let stopping = pb::Stopping {
-            max_tokens: max_tokens as u32,
-            stop_token_ids: p.stop_token_ids.clone(),
-            ignore_eos: p.ignore_eos,
-        };
+        sampling.max_tokens = max_tokens as u32;
+        let sampling = sampling.validate()?;
         Ok(Prepared {
             request_id,
             prompt,
             params,
             sampling,
-            stopping,
         })
     }
 }
