@@ -213,7 +213,7 @@ pub fn run_decode(a: DecodeArgs) -> Result<()> {
             kv_dtype,
         )
         .await?;
-        let (mut service, shutdown) = DecodeService::new(handle.clone(), identity);
+        let mut service = DecodeService::new(handle.clone(), identity);
         let mut kv_line = String::from("kv none");
         if let Some(secret) = secret {
             let advertise = a.kv_advertise_host.clone().unwrap_or_else(|| {
@@ -247,7 +247,6 @@ pub fn run_decode(a: DecodeArgs) -> Result<()> {
         tandem_decode_worker::serve(
             listener,
             service,
-            shutdown,
             shutdown_signal(),
             Duration::from_secs(a.drain_timeout_s),
         )
@@ -278,7 +277,7 @@ pub fn run_prefill(a: PrefillArgs) -> Result<()> {
             kv_dtype,
         )
         .await?;
-        let (service, shutdown) = PrefillService::new(
+        let service = PrefillService::new(
             Arc::new(handle),
             Arc::new(TcpTransport::new(secret)),
             identity,
@@ -291,7 +290,6 @@ pub fn run_prefill(a: PrefillArgs) -> Result<()> {
         tandem_prefill_worker::serve(
             listener,
             service,
-            shutdown,
             shutdown_signal(),
             Duration::from_secs(a.drain_timeout_s),
         )

@@ -460,7 +460,7 @@ fn engine() -> tandem_engine::EngineHandle {
 async fn a_flipped_byte_is_rejected_counted_and_the_request_recovers() {
     let secret = Secret::new(KV_SECRET.as_bytes().to_vec()).unwrap();
     let flipped = Arc::new(AtomicBool::new(false));
-    let (prefill, _pstop) = tandem_prefill_worker::PrefillService::new(
+    let prefill = tandem_prefill_worker::PrefillService::new(
         Arc::new(engine()),
         Arc::new(Flipper {
             secret: secret.clone(),
@@ -497,7 +497,7 @@ async fn a_flipped_byte_is_rejected_counted_and_the_request_recovers() {
         .await
         .unwrap(),
     );
-    let (decode, _dstop) = tandem_decode_worker::DecodeService::new(
+    let decode = tandem_decode_worker::DecodeService::new(
         decode_engine,
         tandem_decode_worker::WorkerIdentity {
             worker_id: "d".into(),
@@ -510,6 +510,9 @@ async fn a_flipped_byte_is_rejected_counted_and_the_request_recovers() {
     let daddr = dl.local_addr().unwrap().to_string();
     tokio::spawn(
         tonic::transport::Server::builder()
+            .add_service(wpb::worker_control_server::WorkerControlServer::new(
+                decode.control(),
+            ))
             .add_service(wpb::decode_server::DecodeServer::new(decode))
             .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(dl)),
     );

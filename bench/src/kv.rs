@@ -14,10 +14,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
-use tandem_decode_worker::kv_sink::PoolSink;
 use tandem_engine::{KvDtype, KvPool};
 use tandem_kernels::KvLayout;
 use tandem_kv_transfer::{BlockFrame, KvReceiver, KvTransport, Secret, TcpTransport};
+use tandem_worker::PoolSink;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::percentile;

@@ -1,23 +1,20 @@
 //! tandem-decode-worker: the gRPC `tandem.worker.v1.Decode` service around an engine.
 //!
-//! Owns: [`DecodeService`] (Generate streams, Info, Load, the KV-event stream), the worker's
-//! health (grpc.health.v1) and its graceful shutdown ([`serve`]: on the shutdown signal the worker
-//! reports NOT_SERVING, refuses new requests with UNAVAILABLE, lets in-flight ones finish within a
-//! deadline, then ends its KV-event streams and closes). Does not own the engine loop (an
-//! [`EngineHandle`] runs it on its own thread) or any routing.
+//! Owns: [`DecodeService`] (Generate streams, heartbeats on them, remote prefill plans through
+//! [`remote`]) and the decode worker's metrics. [`serve`] runs it beside what every worker serves
+//! (tandem-worker: WorkerControl, health, `/metrics`, the graceful drain: on the shutdown signal
+//! the worker reports NOT_SERVING, refuses new requests with UNAVAILABLE, lets in-flight ones
+//! finish within a deadline, then ends its KV-event streams and closes). Does not own the engine
+//! loop (an [`EngineHandle`] runs it on its own thread) or any routing.
 //!
 //! Data flow: a `Generate` call is validated and submitted to the engine handle; the engine's
 //! per-request channel becomes the response stream, several tokens per message when the client
 //! reads slower than the engine steps. Dropping the response stream (client cancel, router gone)
 //! drops the request stream, which cancels the request and frees its KV blocks within a step.
 
-pub mod convert;
-pub mod kv_sink;
 pub mod metrics;
 pub mod remote;
 
-use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -26,79 +23,34 @@ use tandem_engine::{EngineHandle, Request, RequestStream, Reservation, StreamEve
 use tandem_kv_transfer::TransferGrant;
 use tandem_proto::wire::sampling_from_wire;
 use tandem_proto::worker::{self as pb, decode_server::DecodeServer};
+use tandem_worker::convert::{finish, status, token, BoxStream};
+pub use tandem_worker::WorkerIdentity;
+use tandem_worker::{ControlService, Drain, InFlight};
 use tokio::net::TcpListener;
-use tokio::sync::watch;
+use tonic::server::NamedService;
 use tonic::{Request as GrpcRequest, Response, Status};
 
-use crate::convert::{finish, kv_event_stream, load_report, status, token, worker_info, BoxStream};
 use crate::remote::RemotePrefill;
-
-/// What a decode worker says about itself in `Info`.
-#[derive(Clone, Debug)]
-pub struct WorkerIdentity {
-    pub worker_id: String,
-    pub model: String,
-    pub kv_dtype: String,
-}
-
-/// Counts requests between accept and the end of their stream; the drain waits for zero.
-struct InFlight {
-    count: AtomicUsize,
-    changed: tokio::sync::Notify,
-}
-
-struct Guard(Arc<InFlight>);
-
-impl Drop for Guard {
-    fn drop(&mut self) {
-        self.0.count.fetch_sub(1, Ordering::SeqCst);
-        self.0.changed.notify_waiters();
-    }
-}
 
 /// The `Decode` service. Cheap to clone; all clones share one engine.
 #[derive(Clone)]
 pub struct DecodeService {
     engine: Arc<EngineHandle>,
     identity: WorkerIdentity,
-    in_flight: Arc<InFlight>,
-    draining: Arc<AtomicBool>,
-    /// Flips to true when the worker stops: open KV-event streams end.
-    stopped: watch::Receiver<bool>,
+    drain: Arc<Drain>,
     /// KV ingress for remote plans; without it every request is prefilled here.
     remote: Option<Arc<RemotePrefill>>,
 }
 
-/// Drives a [`DecodeService`]'s shutdown.
-pub struct Shutdown {
-    in_flight: Arc<InFlight>,
-    draining: Arc<AtomicBool>,
-    stop: watch::Sender<bool>,
-}
-
 impl DecodeService {
-    pub fn new(engine: Arc<EngineHandle>, identity: WorkerIdentity) -> (Self, Shutdown) {
-        let in_flight = Arc::new(InFlight {
-            count: AtomicUsize::new(0),
-            changed: tokio::sync::Notify::new(),
-        });
-        let draining = Arc::new(AtomicBool::new(false));
-        let (stop, stopped) = watch::channel(false);
-        (
-            Self {
-                engine,
-                identity,
-                in_flight: in_flight.clone(),
-                draining: draining.clone(),
-                stopped,
-                remote: None,
-            },
-            Shutdown {
-                in_flight,
-                draining,
-                stop,
-            },
-        )
+    /// A decode worker over `engine`; its [`Drain`] is the one [`serve`] stops it with.
+    pub fn new(engine: Arc<EngineHandle>, identity: WorkerIdentity) -> Self {
+        Self {
+            engine,
+            identity,
+            drain: Drain::new(),
+            remote: None,
+        }
     }
 
     /// Serves remote prefill plans through `remote` (built over this service's engine).
@@ -114,25 +66,19 @@ impl DecodeService {
     pub fn engine(&self) -> &Arc<EngineHandle> {
         &self.engine
     }
-}
 
-impl Shutdown {
-    /// Stops taking requests, waits (up to `deadline`) for in-flight ones to finish, then ends
-    /// the KV-event streams. Returns how many requests were still running at the deadline.
-    pub async fn drain(&self, deadline: Duration) -> usize {
-        self.draining.store(true, Ordering::SeqCst);
-        let wait = async {
-            loop {
-                let changed = self.in_flight.changed.notified();
-                if self.in_flight.count.load(Ordering::SeqCst) == 0 {
-                    return;
-                }
-                changed.await;
-            }
-        };
-        let _ = tokio::time::timeout(deadline, wait).await;
-        let _ = self.stop.send(true);
-        self.in_flight.count.load(Ordering::SeqCst)
+    /// Requests in flight and the graceful stop.
+    pub fn drain(&self) -> &Arc<Drain> {
+        &self.drain
+    }
+
+    /// The WorkerControl service (Info, Load, KvEvents) of this worker.
+    pub fn control(&self) -> ControlService {
+        ControlService::new(
+            self.engine.clone(),
+            self.identity.clone(),
+            self.drain.clone(),
+        )
     }
 }
 
@@ -170,7 +116,7 @@ struct GenState {
     engine: Arc<EngineHandle>,
     stream: RequestStream,
     done: bool,
-    _guard: Guard,
+    _in_flight: InFlight,
 }
 
 /// The response stream of one request: waits for an event, then takes whatever else is ready.
@@ -245,23 +191,16 @@ fn with_heartbeats(
 #[tonic::async_trait]
 impl pb::decode_server::Decode for DecodeService {
     type GenerateStream = BoxStream<pb::DecodeResponse>;
-    type KvEventsStream = BoxStream<pb::KvEventBatch>;
 
     async fn generate(
         &self,
         request: GrpcRequest<pb::DecodeRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
-        if self.draining.load(Ordering::SeqCst) {
-            return Err(Status::unavailable(
-                "this decode worker is draining for shutdown",
-            ));
-        }
+        let in_flight = self.drain.enter().map_err(Status::unavailable)?;
         let req = request.into_inner();
         let params = sampling_from_wire(req.sampling, req.stopping.clone())
             .validate()
             .map_err(|e| status(e.into()))?;
-        self.in_flight.count.fetch_add(1, Ordering::SeqCst);
-        let guard = Guard(self.in_flight.clone());
         let candidates = match req.prefill.and_then(|p| p.plan) {
             Some(pb::prefill_plan::Plan::Remote(r)) if req.resume_ids.is_empty() => r.prefill_addrs,
             _ => Vec::new(),
@@ -288,7 +227,10 @@ impl pb::decode_server::Decode for DecodeService {
                         stream
                     }
                     Ok(None) => {
-                        remote.counts.no_room.fetch_add(1, Ordering::Relaxed);
+                        remote
+                            .counts
+                            .no_room
+                            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                         self.engine.submit(request).map_err(status)?
                     }
                     Err(e) => return Err(status(e)),
@@ -304,82 +246,35 @@ impl pb::decode_server::Decode for DecodeService {
                 engine: self.engine.clone(),
                 stream,
                 done: false,
-                _guard: guard,
+                _in_flight: in_flight,
             }),
             HEARTBEAT,
         ))))
     }
-
-    async fn info(
-        &self,
-        _: GrpcRequest<pb::InfoRequest>,
-    ) -> Result<Response<pb::WorkerInfo>, Status> {
-        Ok(Response::new(worker_info(
-            &self.identity,
-            self.engine.limits(),
-        )))
-    }
-
-    async fn load(
-        &self,
-        _: GrpcRequest<pb::LoadRequest>,
-    ) -> Result<Response<pb::LoadReport>, Status> {
-        Ok(Response::new(load_report(
-            self.engine.stats(),
-            self.in_flight.count.load(Ordering::SeqCst),
-            self.draining.load(Ordering::SeqCst),
-        )))
-    }
-
-    async fn kv_events(
-        &self,
-        _: GrpcRequest<pb::KvEventsRequest>,
-    ) -> Result<Response<Self::KvEventsStream>, Status> {
-        Ok(Response::new(kv_event_stream(
-            &self.engine,
-            self.stopped.clone(),
-        )?))
-    }
 }
 
-/// Serves `service` (plus grpc.health.v1) on `listener` until `signal` resolves, then drains:
-/// NOT_SERVING, new requests refused, in-flight ones given up to `drain_deadline`.
+/// Serves `service` (with WorkerControl, grpc.health.v1 and `/metrics`) on `listener` until
+/// `signal` resolves, then drains: NOT_SERVING, new requests refused, in-flight ones given up to
+/// `drain_deadline`.
 pub async fn serve(
     listener: TcpListener,
     service: DecodeService,
-    shutdown: Shutdown,
     signal: impl std::future::Future<Output = ()> + Send,
     drain_deadline: Duration,
 ) -> Result<(), tonic::transport::Error> {
-    let (reporter, health) = tonic_health::server::health_reporter();
-    reporter.set_serving::<DecodeServer<DecodeService>>().await;
-    let addr: Option<SocketAddr> = listener.local_addr().ok();
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
-    let drained = async move {
-        signal.await;
-        tracing::info!(?addr, "shutting down: draining in-flight requests");
-        reporter
-            .set_not_serving::<DecodeServer<DecodeService>>()
-            .await;
-        reporter
-            .set_service_status("", tonic_health::ServingStatus::NotServing)
-            .await;
-        let left = shutdown.drain(drain_deadline).await;
-        if left > 0 {
-            tracing::warn!(left, "drain deadline passed with requests still running");
-        }
-    };
-    let metrics = metrics::router(metrics::DecodeMetrics {
+    let metrics = metrics::DecodeMetrics {
         engine: service.engine.clone(),
         remote: service.remote.clone(),
-    });
-    tonic::transport::Server::builder()
-        .http2_keepalive_interval(Some(Duration::from_secs(10)))
-        .tcp_nodelay(true)
-        .accept_http1(true)
-        .add_routes(tonic::service::Routes::from(metrics))
-        .add_service(health)
-        .add_service(DecodeServer::new(service))
-        .serve_with_incoming_shutdown(incoming, drained)
-        .await
+    };
+    let control = service.control();
+    tandem_worker::serve(
+        listener,
+        tonic::service::Routes::new(DecodeServer::new(service)),
+        DecodeServer::<DecodeService>::NAME,
+        control,
+        metrics,
+        signal,
+        drain_deadline,
+    )
+    .await
 }

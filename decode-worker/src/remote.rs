@@ -18,7 +18,7 @@ use tandem_kv_transfer::{BlockSink, KvReceiver, Secret, TransferError, TransferG
 use tandem_proto::worker::{self as pb, prefill_client::PrefillClient};
 use tonic::transport::{Channel, Endpoint};
 
-use crate::kv_sink::PoolSink;
+use tandem_worker::PoolSink;
 
 /// How remote prefills ended, counted since start.
 #[derive(Debug, Default)]

@@ -1,32 +1,33 @@
 //! tandem-prefill-worker: the gRPC `tandem.worker.v1.Prefill` service around an engine in prefill
 //! mode.
 //!
-//! Owns: [`PrefillService`] (Prefill, and the Info/Load/KvEvents the router orders candidates by),
-//! its `/metrics`, health and graceful shutdown ([`serve`]). Prompts are scheduled by the engine
+//! Owns: [`PrefillService`] (Prefill: admission by the queue's expected wait, progress
+//! heartbeats, the KV push) and its metrics; [`serve`] runs it beside what every worker serves
+//! (tandem-worker: the WorkerControl service the router orders candidates by, health, `/metrics`,
+//! the graceful drain). Prompts are scheduled by the engine
 //! like any others: batched with other prefills, chunked to the token budget, reusing this
 //! worker's own prefix cache. As each step fills blocks the engine hands them out
 //! ([`tandem_engine::StreamEvent::Kv`]) and this service pushes exactly the requested ones to the
 //! decode worker over a [`KvTransport`] while the engine computes the next chunk; then it answers
 //! with the first token. A cancelled call (the decode worker gave up or its client left) drops the
 //! engine request and the connection, which stops both compute and transfer.
-//!
-//! Reuses the decode worker's engine↔proto conversions ([`tandem_decode_worker::convert`]).
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::DescriptorEncoder;
-use tandem_decode_worker::convert::{kv_event_stream, load_report, status, worker_info, BoxStream};
-use tandem_decode_worker::metrics::{counter, engine_metrics, gauge};
-use tandem_decode_worker::WorkerIdentity;
 use tandem_engine::{EngineHandle, Request, StreamEvent, ValidSampling};
 use tandem_kv_transfer::{BlockFrame, KvStream, KvTransport};
 use tandem_proto::wire::sampling_from_wire;
 use tandem_proto::worker::{self as pb, prefill_server::PrefillServer};
+use tandem_worker::convert::{status, BoxStream};
+use tandem_worker::metrics::{counter, engine_metrics, gauge};
+pub use tandem_worker::WorkerIdentity;
+use tandem_worker::{ControlService, Drain, InFlight};
 use tokio::net::TcpListener;
-use tokio::sync::watch;
+use tonic::server::NamedService;
 use tonic::{Request as GrpcRequest, Response, Status};
 
 /// Counted since start, for `/metrics`.
@@ -66,10 +67,9 @@ struct Shared {
     transport: Arc<dyn KvTransport>,
     identity: WorkerIdentity,
     limits: PrefillLimits,
-    in_flight: AtomicUsize,
+    drain: Arc<Drain>,
     /// Uncached prompt tokens of admitted prefills whose blocks have not all been sent.
     queued_tokens: AtomicU64,
-    draining: AtomicBool,
     counts: PrefillCounts,
 }
 
@@ -77,32 +77,13 @@ struct Shared {
 #[derive(Clone)]
 pub struct PrefillService {
     shared: Arc<Shared>,
-    stopped: watch::Receiver<bool>,
-}
-
-/// Ends a [`PrefillService`]'s KV-event streams and refuses new prefills.
-pub struct Shutdown {
-    shared: Arc<Shared>,
-    stop: watch::Sender<bool>,
-}
-
-impl Shutdown {
-    /// Refuses new prefills, waits up to `deadline` for running ones, ends the event streams.
-    pub async fn drain(&self, deadline: Duration) -> usize {
-        self.shared.draining.store(true, Ordering::SeqCst);
-        let t0 = tokio::time::Instant::now();
-        while self.shared.in_flight.load(Ordering::SeqCst) > 0 && t0.elapsed() < deadline {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        let _ = self.stop.send(true);
-        self.shared.in_flight.load(Ordering::SeqCst)
-    }
 }
 
 /// One admitted prefill: counted in flight, its unsent tokens counted as queued, until dropped.
 struct Admitted {
     shared: Arc<Shared>,
     unsent: u64,
+    _in_flight: InFlight,
 }
 
 impl Admitted {
@@ -120,7 +101,6 @@ impl Drop for Admitted {
         self.shared
             .queued_tokens
             .fetch_sub(self.unsent, Ordering::SeqCst);
-        self.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -157,25 +137,29 @@ impl PrefillService {
         transport: Arc<dyn KvTransport>,
         identity: WorkerIdentity,
         limits: PrefillLimits,
-    ) -> (Self, Shutdown) {
-        let shared = Arc::new(Shared {
-            engine,
-            transport,
-            identity,
-            limits,
-            in_flight: AtomicUsize::new(0),
-            queued_tokens: AtomicU64::new(0),
-            draining: AtomicBool::new(false),
-            counts: PrefillCounts::default(),
-        });
-        let (stop, stopped) = watch::channel(false);
-        (
-            Self {
-                shared: shared.clone(),
-                stopped,
-            },
-            Shutdown { shared, stop },
-        )
+    ) -> Self {
+        Self {
+            shared: Arc::new(Shared {
+                engine,
+                transport,
+                identity,
+                limits,
+                drain: Drain::new(),
+                queued_tokens: AtomicU64::new(0),
+                counts: PrefillCounts::default(),
+            }),
+        }
+    }
+
+    /// Requests in flight and the graceful stop.
+    pub fn drain(&self) -> &Arc<Drain> {
+        &self.shared.drain
+    }
+
+    /// The WorkerControl service (Info, Load, KvEvents) of this worker.
+    pub fn control(&self) -> ControlService {
+        let s = &self.shared;
+        ControlService::new(s.engine.clone(), s.identity.clone(), s.drain.clone())
     }
 
     pub fn counts(&self) -> &PrefillCounts {
@@ -229,6 +213,7 @@ impl Shared {
     /// Admits `uncached` tokens unless the queue ahead would hold them past the limit; returns
     /// the admission and the tokens queued ahead of it.
     fn admit(self: &Arc<Self>, uncached: usize) -> Result<(Admitted, u64), Status> {
+        let in_flight = self.drain.enter().map_err(Status::unavailable)?;
         let rate = self.engine.stats().prefill_tokens_per_s;
         let limit = self.limits.max_queue_wait.as_secs_f64();
         let uncached = uncached as u64;
@@ -251,11 +236,11 @@ impl Shared {
                 Err(now) => ahead = now,
             }
         }
-        self.in_flight.fetch_add(1, Ordering::SeqCst);
         Ok((
             Admitted {
                 shared: self.clone(),
                 unsent: uncached,
+                _in_flight: in_flight,
             },
             ahead,
         ))
@@ -364,7 +349,7 @@ impl Shared {
             .fetch_add(uncached as u64, Ordering::Relaxed);
         tx.send(update(pb::prefill_update::Update::Done(
             pb::PrefillResponse {
-                first_token: Some(tandem_decode_worker::convert::token(&first)),
+                first_token: Some(tandem_worker::convert::token(&first)),
                 prefilled_tokens: uncached as u32,
                 cached_tokens: cached as u32,
             },
@@ -376,7 +361,6 @@ impl Shared {
 
 #[tonic::async_trait]
 impl pb::prefill_server::Prefill for PrefillService {
-    type KvEventsStream = BoxStream<pb::KvEventBatch>;
     type PrefillStream = BoxStream<pb::PrefillUpdate>;
 
     async fn prefill(
@@ -384,11 +368,6 @@ impl pb::prefill_server::Prefill for PrefillService {
         request: GrpcRequest<pb::PrefillRequest>,
     ) -> Result<Response<Self::PrefillStream>, Status> {
         let s = &self.shared;
-        if s.draining.load(Ordering::SeqCst) {
-            return Err(Status::unavailable(
-                "this prefill worker is draining for shutdown",
-            ));
-        }
         let req = request.into_inner();
         let checked = s.check(&req)?;
         let (mut admitted, ahead) = s.admit(checked.uncached)?;
@@ -413,36 +392,6 @@ impl pb::prefill_server::Prefill for PrefillService {
         Ok(Response::new(Box::pin(
             tokio_stream::wrappers::ReceiverStream::new(rx),
         )))
-    }
-
-    async fn info(
-        &self,
-        _: GrpcRequest<pb::InfoRequest>,
-    ) -> Result<Response<pb::WorkerInfo>, Status> {
-        let s = &self.shared;
-        Ok(Response::new(worker_info(&s.identity, s.engine.limits())))
-    }
-
-    async fn load(
-        &self,
-        _: GrpcRequest<pb::LoadRequest>,
-    ) -> Result<Response<pb::LoadReport>, Status> {
-        let s = &self.shared;
-        Ok(Response::new(load_report(
-            s.engine.stats(),
-            s.in_flight.load(Ordering::SeqCst),
-            s.draining.load(Ordering::SeqCst),
-        )))
-    }
-
-    async fn kv_events(
-        &self,
-        _: GrpcRequest<pb::KvEventsRequest>,
-    ) -> Result<Response<Self::KvEventsStream>, Status> {
-        Ok(Response::new(kv_event_stream(
-            &self.shared.engine,
-            self.stopped.clone(),
-        )?))
     }
 }
 
@@ -476,7 +425,7 @@ impl Collector for Metrics {
             &mut enc,
             "tandem_prefill_in_flight",
             "Prefill calls admitted and not yet finished (their KV sends included)",
-            &[(&[], s.in_flight.load(Ordering::SeqCst) as i64)],
+            &[(&[], s.drain.in_flight() as i64)],
         )?;
         counter(
             &mut enc,
@@ -493,41 +442,24 @@ impl Collector for Metrics {
     }
 }
 
-/// Serves `service` (plus grpc.health.v1 and `/metrics`) on `listener` until `signal`, then
-/// drains for up to `drain_deadline`.
+/// Serves `service` (with WorkerControl, grpc.health.v1 and `/metrics`) on `listener` until
+/// `signal`, then drains for up to `drain_deadline`.
 pub async fn serve(
     listener: TcpListener,
     service: PrefillService,
-    shutdown: Shutdown,
     signal: impl std::future::Future<Output = ()> + Send,
     drain_deadline: Duration,
 ) -> Result<(), tonic::transport::Error> {
-    let (reporter, health) = tonic_health::server::health_reporter();
-    reporter
-        .set_serving::<PrefillServer<PrefillService>>()
-        .await;
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
-    let drained = async move {
-        signal.await;
-        reporter
-            .set_not_serving::<PrefillServer<PrefillService>>()
-            .await;
-        reporter
-            .set_service_status("", tonic_health::ServingStatus::NotServing)
-            .await;
-        let left = shutdown.drain(drain_deadline).await;
-        if left > 0 {
-            tracing::warn!(left, "drain deadline passed with prefills still running");
-        }
-    };
-    let metrics = tandem_decode_worker::metrics::router(Metrics(service.shared.clone()));
-    tonic::transport::Server::builder()
-        .http2_keepalive_interval(Some(Duration::from_secs(10)))
-        .tcp_nodelay(true)
-        .accept_http1(true)
-        .add_routes(tonic::service::Routes::from(metrics))
-        .add_service(health)
-        .add_service(PrefillServer::new(service))
-        .serve_with_incoming_shutdown(incoming, drained)
-        .await
+    let metrics = Metrics(service.shared.clone());
+    let control = service.control();
+    tandem_worker::serve(
+        listener,
+        tonic::service::Routes::new(PrefillServer::new(service)),
+        PrefillServer::<PrefillService>::NAME,
+        control,
+        metrics,
+        signal,
+        drain_deadline,
+    )
+    .await
 }

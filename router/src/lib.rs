@@ -8,6 +8,7 @@
 //! compute: it reads the model file only for its tokenizer, template and context length, and
 //! never links the engine.
 
+pub mod client;
 pub mod discovery;
 pub mod dispatch;
 pub mod error;

@@ -13,13 +13,14 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
+use futures::StreamExt;
+
 use tandem_model::block_hashes;
-use tandem_proto::worker::{
-    self as pb, decode_client::DecodeClient, prefill_client::PrefillClient,
-};
+use tandem_proto::worker as pb;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use tonic::transport::{Channel, Endpoint};
+
+use crate::client::{Connect, GrpcConnect, WorkerClient, WorkerStream};
 
 use crate::kv_index::KvIndex;
 use crate::policy::{Candidate, RoutingPolicy};
@@ -39,7 +40,7 @@ impl Default for PoolConfig {
     }
 }
 
-/// Which service a pool's workers serve (both answer Info, Load and KvEvents).
+/// Which service a pool's workers serve (both also serve WorkerControl: Info, Load, KvEvents).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Role {
     Decode,
@@ -65,7 +66,7 @@ struct WorkerState {
 pub struct Worker {
     pub addr: String,
     pub role: Role,
-    channel: Channel,
+    client: Arc<dyn WorkerClient>,
     state: Mutex<WorkerState>,
     kv: Mutex<KvIndex>,
     in_flight: AtomicUsize,
@@ -74,64 +75,34 @@ pub struct Worker {
 }
 
 impl Worker {
-    fn new(addr: String, role: Role, cfg: &PoolConfig) -> Result<Arc<Self>, String> {
-        let endpoint = Endpoint::from_shared(format!("http://{addr}"))
-            .map_err(|e| format!("bad worker address {addr:?}: {e}"))?
-            .connect_timeout(cfg.connect_timeout)
-            .tcp_nodelay(true)
-            .http2_keep_alive_interval(Duration::from_secs(10))
-            .keep_alive_timeout(Duration::from_secs(20));
-        Ok(Arc::new(Self {
+    fn new(addr: String, role: Role, client: Arc<dyn WorkerClient>) -> Arc<Self> {
+        Arc::new(Self {
             addr,
             role,
-            channel: endpoint.connect_lazy(),
+            client,
             state: Mutex::new(WorkerState::default()),
             kv: Mutex::new(KvIndex::default()),
             in_flight: AtomicUsize::new(0),
             assigned: AtomicU64::new(0),
             tasks: Mutex::new(Vec::new()),
-        }))
+        })
     }
 
-    /// The Decode client (for a decode worker).
-    pub fn client(&self) -> DecodeClient<Channel> {
-        DecodeClient::new(self.channel.clone())
+    /// The calls this router makes to the worker.
+    pub fn client(&self) -> &dyn WorkerClient {
+        self.client.as_ref()
     }
 
     async fn fetch_info(&self) -> Result<pb::WorkerInfo, tonic::Status> {
-        let r = match self.role {
-            Role::Decode => self.client().info(pb::InfoRequest {}).await,
-            Role::Prefill => {
-                PrefillClient::new(self.channel.clone())
-                    .info(pb::InfoRequest {})
-                    .await
-            }
-        };
-        r.map(|r| r.into_inner())
+        self.client.info().await
     }
 
     async fn fetch_load(&self) -> Result<pb::LoadReport, tonic::Status> {
-        let r = match self.role {
-            Role::Decode => self.client().load(pb::LoadRequest {}).await,
-            Role::Prefill => {
-                PrefillClient::new(self.channel.clone())
-                    .load(pb::LoadRequest {})
-                    .await
-            }
-        };
-        r.map(|r| r.into_inner())
+        self.client.load().await
     }
 
-    async fn kv_events(&self) -> Result<tonic::Streaming<pb::KvEventBatch>, tonic::Status> {
-        let r = match self.role {
-            Role::Decode => self.client().kv_events(pb::KvEventsRequest {}).await,
-            Role::Prefill => {
-                PrefillClient::new(self.channel.clone())
-                    .kv_events(pb::KvEventsRequest {})
-                    .await
-            }
-        };
-        r.map(|r| r.into_inner())
+    async fn kv_events(&self) -> Result<WorkerStream<pb::KvEventBatch>, tonic::Status> {
+        self.client.kv_events().await
     }
 
     /// Leading tokens of `prompt` this worker holds in its prefix cache, as far as the router's
@@ -229,7 +200,7 @@ impl Worker {
         loop {
             if let Ok(mut stream) = self.kv_events().await {
                 backoff = cfg.poll_interval;
-                while let Ok(Some(batch)) = stream.message().await {
+                while let Some(Ok(batch)) = stream.next().await {
                     if let Err(gap) = self.kv.lock().expect("kv index").apply(batch) {
                         tracing::warn!(worker = %self.addr, %gap, "resubscribing for a snapshot");
                         break;
@@ -271,19 +242,30 @@ pub struct WorkerPool {
     role: Role,
     workers: RwLock<Vec<Arc<Worker>>>,
     cfg: PoolConfig,
+    connect: Arc<dyn Connect>,
 }
 
 impl WorkerPool {
-    /// Starts following `addrs`; must be called inside a tokio runtime.
-    pub fn spawn(
+    /// Starts following `addrs` over gRPC; must be called inside a tokio runtime.
+    pub fn spawn(role: Role, addrs: watch::Receiver<Vec<String>>, cfg: PoolConfig) -> Arc<Self> {
+        let connect = Arc::new(GrpcConnect {
+            connect_timeout: cfg.connect_timeout,
+        });
+        Self::spawn_with(role, addrs, cfg, connect)
+    }
+
+    /// Starts following `addrs`, reaching each worker through `connect`.
+    pub fn spawn_with(
         role: Role,
         mut addrs: watch::Receiver<Vec<String>>,
         cfg: PoolConfig,
+        connect: Arc<dyn Connect>,
     ) -> Arc<Self> {
         let pool = Arc::new(Self {
             role,
             workers: RwLock::new(Vec::new()),
             cfg,
+            connect,
         });
         pool.sync(&addrs.borrow_and_update().clone());
         let weak = Arc::downgrade(&pool);
@@ -306,8 +288,9 @@ impl WorkerPool {
                 ws.push(w);
                 continue;
             }
-            match Worker::new(a.clone(), self.role, &self.cfg) {
-                Ok(w) => {
+            match self.connect.connect(a) {
+                Ok(client) => {
+                    let w = Worker::new(a.clone(), self.role, client);
                     let mut t = w.tasks.lock().expect("tasks");
                     t.push(tokio::spawn(w.clone().monitor(self.cfg)));
                     t.push(tokio::spawn(w.clone().follow_kv(self.cfg)));

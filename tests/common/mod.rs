@@ -264,7 +264,7 @@ pub async fn wait_router_cached(r: &Router, blocks: u64) {
 }
 
 pub async fn worker_load(addr: &str) -> wpb::LoadReport {
-    let mut c = wpb::decode_client::DecodeClient::connect(format!("http://{addr}"))
+    let mut c = wpb::worker_control_client::WorkerControlClient::connect(format!("http://{addr}"))
         .await
         .expect("connect to worker");
     c.load(wpb::LoadRequest {}).await.unwrap().into_inner()

@@ -3,18 +3,19 @@
 
 use std::sync::Arc;
 
+use futures::StreamExt;
 use tandem_proto::worker as pb;
-use tonic::Streaming;
 
 use super::route::Route;
 use super::{Chunk, FinishKind, QueueSlot, ServedModel, TokenOut, Usage};
+use crate::client::WorkerStream;
 use crate::error::ApiError;
 use crate::text::TextAssembler;
 use crate::workers::InFlightGuard;
 
 /// One request's answer as it arrives. Dropping it cancels the request on the worker.
 pub struct Generation {
-    pub(super) stream: Option<Streaming<pb::DecodeResponse>>,
+    pub(super) stream: Option<WorkerStream<pb::DecodeResponse>>,
     pub(super) assembler: TextAssembler,
     pub(super) model: Arc<ServedModel>,
     pub(super) prompt_tokens: u32,
@@ -69,7 +70,7 @@ impl Generation {
             }
             let stream = self.stream.as_mut()?;
             let stall = self.route.stall;
-            let failure = match tokio::time::timeout(stall, stream.message()).await {
+            let failure = match tokio::time::timeout(stall, stream.next()).await {
                 Err(_) => ApiError::Upstream {
                     worker: self.worker().to_string(),
                     message: format!(
@@ -77,8 +78,8 @@ impl Generation {
                     ),
                 },
                 // A heartbeat: the worker is alive and still working on it.
-                Ok(Ok(Some(m))) if m.tokens.is_empty() && m.finish.is_none() => continue,
-                Ok(Ok(Some(m))) => {
+                Ok(Some(Ok(m))) if m.tokens.is_empty() && m.finish.is_none() => continue,
+                Ok(Some(Ok(m))) => {
                     let chunk = self.absorb(m);
                     self.outcome = match &chunk {
                         Ok(c) if c.finish.is_some() => Some("ok"),
@@ -87,12 +88,12 @@ impl Generation {
                     };
                     return Some(chunk);
                 }
-                Ok(Ok(None)) => ApiError::Upstream {
+                Ok(None) => ApiError::Upstream {
                     worker: self.worker().to_string(),
                     message: "the stream ended without a finish".into(),
                 },
-                Ok(Err(s)) if worker_lost(&s) => ApiError::from_worker(self.worker(), &s),
-                Ok(Err(s)) => {
+                Ok(Some(Err(s))) if worker_lost(&s) => ApiError::from_worker(self.worker(), &s),
+                Ok(Some(Err(s))) => {
                     self.done = true;
                     self.outcome = Some("failed");
                     return Some(Err(ApiError::from_worker(self.worker(), &s)));

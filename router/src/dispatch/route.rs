@@ -5,8 +5,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tandem_proto::worker as pb;
-use tonic::Streaming;
 
+use crate::client::WorkerStream;
 use crate::error::ApiError;
 use crate::metrics::RouterMetrics;
 use crate::policy::disagg::{self, DisaggConfig, PrefillCandidate};
@@ -25,7 +25,7 @@ pub(super) struct Route {
 
 /// A stream opened on a decode worker.
 pub(super) struct Opened {
-    pub(super) stream: Streaming<pb::DecodeResponse>,
+    pub(super) stream: WorkerStream<pb::DecodeResponse>,
     pub(super) guard: InFlightGuard,
     /// Held on the first candidate prefill worker until the first token arrives.
     pub(super) prefill_guard: Option<InFlightGuard>,
@@ -108,12 +108,12 @@ impl Route {
             let remote = prefill_guard.is_some();
             request.prefill = Some(plan);
             match worker.client().generate(request.clone()).await {
-                Ok(r) => {
+                Ok(stream) => {
                     if resume.is_empty() {
                         self.metrics.prefill(remote);
                     }
                     return Ok(Opened {
-                        stream: r.into_inner(),
+                        stream,
                         guard,
                         prefill_guard,
                     });

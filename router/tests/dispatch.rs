@@ -1,0 +1,426 @@
+//! The dispatcher against in-memory workers: routing, heartbeats, migration with the tokens
+//! already streamed, the stall deadline, and how each worker failure reaches the client. The
+//! fakes sit behind the router's own `WorkerClient`/`Connect` seam, so these run the router's
+//! real code without a worker process or a socket.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tandem_proto::worker as pb;
+use tandem_router::client::{Connect, WorkerClient, WorkerStream};
+use tandem_router::dispatch::{
+    DispatchConfig, Dispatcher, FinishKind, GenParams, MaxTokensDefault, PromptInput,
+};
+use tandem_router::error::ApiError;
+use tandem_router::workers::{PoolConfig, Role, WorkerPool};
+use tonic::{Code, Status};
+
+/// What a fake decode worker sends on a stream.
+#[derive(Clone, Debug)]
+enum Say {
+    Tokens(Vec<u32>),
+    Heartbeat,
+    Finish(pb::FinishReason),
+    /// The stream fails with this code (the worker died, or its engine failed).
+    Fail(Code),
+    /// Nothing more, ever (a frozen worker); the stream stays open.
+    Silence,
+    /// Nothing for this long (a slow step).
+    Wait(Duration),
+}
+
+/// How a fake answers a `Generate` call, given the request.
+type Script = Box<dyn Fn(&pb::DecodeRequest) -> Result<Vec<Say>, Code> + Send + Sync>;
+
+struct FakeWorker {
+    script: Script,
+    calls: Mutex<Vec<pb::DecodeRequest>>,
+}
+
+impl FakeWorker {
+    fn new(
+        script: impl Fn(&pb::DecodeRequest) -> Result<Vec<Say>, Code> + Send + Sync + 'static,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            script: Box::new(script),
+            calls: Mutex::new(Vec::new()),
+        })
+    }
+
+    fn calls(&self) -> Vec<pb::DecodeRequest> {
+        self.calls.lock().unwrap().clone()
+    }
+}
+
+#[tonic::async_trait]
+impl WorkerClient for FakeWorker {
+    async fn info(&self) -> Result<pb::WorkerInfo, Status> {
+        Ok(pb::WorkerInfo {
+            worker_id: "fake".into(),
+            model: "fake".into(),
+            block_size: 16,
+            max_context: 8192,
+            vocab_size: 49152,
+            kv_dtype: "f32".into(),
+            total_blocks: 1024,
+            tensor_parallel: 1,
+        })
+    }
+
+    async fn load(&self) -> Result<pb::LoadReport, Status> {
+        Ok(pb::LoadReport::default())
+    }
+
+    async fn kv_events(&self) -> Result<WorkerStream<pb::KvEventBatch>, Status> {
+        Ok(Box::pin(futures::stream::pending()))
+    }
+
+    async fn generate(
+        &self,
+        request: pb::DecodeRequest,
+    ) -> Result<WorkerStream<pb::DecodeResponse>, Status> {
+        self.calls.lock().unwrap().push(request.clone());
+        let sends = (self.script)(&request).map_err(|c| Status::new(c, "scripted refusal"))?;
+        let prompt_tokens = request.prompt_ids.len() as u32;
+        let message = move |s: Say| match s {
+            Say::Tokens(ids) => Ok(pb::DecodeResponse {
+                tokens: ids
+                    .into_iter()
+                    .map(|id| pb::Token {
+                        id,
+                        logprob: -0.5,
+                        top: vec![],
+                    })
+                    .collect(),
+                finish: None,
+            }),
+            Say::Heartbeat => Ok(pb::DecodeResponse::default()),
+            Say::Finish(reason) => Ok(pb::DecodeResponse {
+                tokens: vec![],
+                finish: Some(pb::Finish {
+                    reason: reason as i32,
+                    prompt_tokens,
+                    ..Default::default()
+                }),
+            }),
+            Say::Fail(c) => Err(Status::new(c, "scripted failure")),
+            Say::Silence | Say::Wait(_) => unreachable!("not a message"),
+        };
+        let s = futures::stream::unfold(sends.into_iter(), move |mut sends| async move {
+            loop {
+                match sends.next()? {
+                    Say::Wait(d) => tokio::time::sleep(d).await,
+                    Say::Silence => futures::future::pending::<()>().await,
+                    s => return Some((message(s), sends)),
+                }
+            }
+        });
+        Ok(Box::pin(s))
+    }
+}
+
+struct FakeConnect(HashMap<String, Arc<FakeWorker>>);
+
+impl Connect for FakeConnect {
+    fn connect(&self, addr: &str) -> Result<Arc<dyn WorkerClient>, String> {
+        match self.0.get(addr) {
+            Some(w) => Ok(w.clone()),
+            None => Err(format!("no fake at {addr}")),
+        }
+    }
+}
+
+/// A dispatcher over the default model's tokenizer and `workers` (named w0, w1, ...), once
+/// every worker is ready.
+async fn dispatcher(workers: &[Arc<FakeWorker>], max_migrations: u32) -> Dispatcher {
+    let path = tandem_model::default_model_path();
+    assert!(
+        path.exists(),
+        "{} missing: run scripts/test",
+        path.display()
+    );
+    let model = tandem_router::load_model(&path, None).unwrap();
+    let named: HashMap<String, Arc<FakeWorker>> = workers
+        .iter()
+        .enumerate()
+        .map(|(i, w)| (format!("w{i}"), w.clone()))
+        .collect();
+    let (_tx, rx) = tokio::sync::watch::channel(named.keys().cloned().collect::<Vec<_>>());
+    let cfg = PoolConfig {
+        poll_interval: Duration::from_millis(10),
+        connect_timeout: Duration::from_secs(1),
+    };
+    let pool = WorkerPool::spawn_with(Role::Decode, rx, cfg, Arc::new(FakeConnect(named)));
+    while pool.ready().len() < workers.len() {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let policy = tandem_router::policy::build(
+        tandem_router::policy::PolicyKind::LeastLoad,
+        Default::default(),
+    );
+    Dispatcher::new(
+        Arc::new(model),
+        pool,
+        None,
+        policy,
+        DispatchConfig {
+            max_queue: 8,
+            disagg: Default::default(),
+            max_migrations,
+            stall: Duration::from_secs(10),
+        },
+    )
+}
+
+fn params(max_tokens: u64) -> GenParams {
+    GenParams {
+        temperature: Some(0.5),
+        top_p: Some(0.9),
+        max_tokens: Some(max_tokens),
+        skip_special_tokens: true,
+        ..Default::default()
+    }
+}
+
+/// Runs a request to its end: its text, its finish, or the error it ended with.
+async fn run(d: &Dispatcher, max_tokens: u64) -> Result<(String, FinishKind, u32), ApiError> {
+    let prep = d.prepare(
+        "",
+        PromptInput::Text("Tell me a story".into()),
+        params(max_tokens),
+        MaxTokensDefault::Fixed(16),
+    )?;
+    let mut g = d.generate(prep).await?;
+    let mut text = String::new();
+    while let Some(c) = g.next().await {
+        let c = c?;
+        text.push_str(&c.text);
+        if let Some((kind, usage)) = c.finish {
+            return Ok((text, kind, usage.completion_tokens));
+        }
+    }
+    panic!("the generation ended without a finish");
+}
+
+const ANSWER: &str = " Once upon a time, a small robot learned to sing.";
+
+#[tokio::test]
+async fn tokens_arrive_as_text_across_heartbeats_with_the_request_as_prepared() {
+    let answer = answer_ids().await;
+    let (a, b) = answer.split_at(4);
+    let (a, b) = (a.to_vec(), b.to_vec());
+    let w = FakeWorker::new(move |_| {
+        Ok(vec![
+            Say::Heartbeat,
+            Say::Tokens(a.clone()),
+            Say::Heartbeat,
+            Say::Tokens(b.clone()),
+            Say::Finish(pb::FinishReason::Length),
+        ])
+    });
+    let d = dispatcher(std::slice::from_ref(&w), 1).await;
+    let (text, finish, n) = run(&d, answer.len() as u64).await.unwrap();
+    assert_eq!(text, ANSWER);
+    assert_eq!(finish, FinishKind::Length);
+    assert_eq!(n as usize, answer.len());
+    let calls = w.calls();
+    assert_eq!(calls.len(), 1);
+    let s = calls[0].sampling.unwrap();
+    assert_eq!((s.temperature, s.top_p), (0.5, 0.9));
+    assert_eq!(
+        calls[0].stopping.as_ref().unwrap().max_tokens,
+        answer.len() as u32
+    );
+    assert!(calls[0].resume_ids.is_empty());
+}
+
+/// Both fakes: a fresh request gets `first` tokens and then the stream fails with `code`; a
+/// resumed one gets the rest of the answer.
+fn dies_mid_stream(answer: Vec<u32>, first: usize, then: Say) -> Arc<FakeWorker> {
+    FakeWorker::new(move |r| {
+        let done = r.resume_ids.len();
+        if done == 0 {
+            Ok(vec![Say::Tokens(answer[..first].to_vec()), then.clone()])
+        } else {
+            assert_eq!(
+                r.resume_ids,
+                answer[..done],
+                "resumes from what was streamed"
+            );
+            Ok(vec![
+                Say::Tokens(answer[done..].to_vec()),
+                Say::Finish(pb::FinishReason::Stop),
+            ])
+        }
+    })
+}
+
+async fn answer_ids() -> Vec<u32> {
+    let model = tandem_router::load_model(&tandem_model::default_model_path(), None).unwrap();
+    model.text.tokenizer.encode(ANSWER, false).unwrap()
+}
+
+#[tokio::test]
+async fn a_worker_lost_mid_stream_is_left_and_the_request_resumes_on_another() {
+    let answer = answer_ids().await;
+    for lost in [
+        Code::Unavailable,
+        Code::Internal,
+        Code::Unknown,
+        Code::Cancelled,
+    ] {
+        let ws = [
+            dies_mid_stream(answer.clone(), 3, Say::Fail(lost)),
+            dies_mid_stream(answer.clone(), 3, Say::Fail(lost)),
+        ];
+        let d = dispatcher(&ws, 1).await;
+        let (text, finish, n) = run(&d, 64).await.unwrap();
+        assert_eq!(text, ANSWER, "{lost:?}: one continuous answer");
+        assert_eq!(finish, FinishKind::Stop);
+        assert_eq!(n as usize, answer.len());
+        let calls: Vec<_> = ws.iter().map(|w| w.calls()).collect();
+        assert_eq!(calls[0].len() + calls[1].len(), 2, "{lost:?}");
+        assert_eq!(calls[0].len(), 1, "one call on each worker");
+        let resumed = calls.iter().flatten().find(|c| !c.resume_ids.is_empty());
+        assert_eq!(resumed.unwrap().resume_ids, answer[..3]);
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_worker_silent_past_the_stall_deadline_is_left_like_a_dead_one() {
+    let answer = answer_ids().await;
+    let ws = [
+        dies_mid_stream(answer.clone(), 2, Say::Silence),
+        dies_mid_stream(answer.clone(), 2, Say::Silence),
+    ];
+    let d = dispatcher(&ws, 1).await;
+    let t0 = tokio::time::Instant::now();
+    let (text, _, _) = run(&d, 64).await.unwrap();
+    assert_eq!(text, ANSWER);
+    assert!(
+        t0.elapsed() >= Duration::from_secs(10),
+        "left only after the stall deadline"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn heartbeats_keep_a_worker_that_is_slow_past_the_stall_deadline() {
+    let answer = answer_ids().await;
+    // 30 s of work before the first token (three stall deadlines), a heartbeat every second.
+    let a = answer.clone();
+    let w = FakeWorker::new(move |_| {
+        let mut s = vec![];
+        for _ in 0..30 {
+            s.push(Say::Wait(Duration::from_secs(1)));
+            s.push(Say::Heartbeat);
+        }
+        s.push(Say::Tokens(a.clone()));
+        s.push(Say::Finish(pb::FinishReason::Stop));
+        Ok(s)
+    });
+    // The only worker: leaving it would fail the request.
+    let d = dispatcher(std::slice::from_ref(&w), 1).await;
+    let t0 = tokio::time::Instant::now();
+    let (text, _, _) = run(&d, 64).await.unwrap();
+    assert_eq!(text, ANSWER);
+    assert!(t0.elapsed() >= Duration::from_secs(30));
+    assert_eq!(w.calls().len(), 1);
+    // The same wait without heartbeats is a stall: the request fails once the deadline passes.
+    let a = answer.clone();
+    let silent = FakeWorker::new(move |_| {
+        Ok(vec![
+            Say::Wait(Duration::from_secs(30)),
+            Say::Tokens(a.clone()),
+            Say::Finish(pb::FinishReason::Stop),
+        ])
+    });
+    let d = dispatcher(&[silent], 1).await;
+    let e = run(&d, 64).await.unwrap_err();
+    assert_eq!(e.status().as_u16(), 502, "{e}");
+}
+
+#[tokio::test]
+async fn a_refusal_reaches_the_client_with_the_status_of_its_kind_and_is_not_retried() {
+    for (code, http) in [
+        (Code::InvalidArgument, 400),
+        (Code::OutOfRange, 400),
+        (Code::ResourceExhausted, 503),
+        (Code::FailedPrecondition, 502),
+        (Code::Internal, 502),
+    ] {
+        let ws = [
+            FakeWorker::new(move |_| Err(code)),
+            FakeWorker::new(move |_| Err(code)),
+        ];
+        let d = dispatcher(&ws, 1).await;
+        let e = run(&d, 8).await.unwrap_err();
+        assert_eq!(e.status().as_u16(), http, "{code:?}: {e}");
+        let calls: usize = ws.iter().map(|w| w.calls().len()).sum();
+        assert_eq!(
+            calls, 1,
+            "{code:?}: a refusal is not retried on another worker"
+        );
+    }
+}
+
+#[tokio::test]
+async fn an_unreachable_worker_is_skipped_when_the_stream_opens() {
+    let answer = answer_ids().await;
+    let a = answer.clone();
+    let ok = move |_: &pb::DecodeRequest| {
+        Ok(vec![
+            Say::Tokens(a.clone()),
+            Say::Finish(pb::FinishReason::Stop),
+        ])
+    };
+    let ws = [
+        FakeWorker::new(|_| Err(Code::Unavailable)),
+        FakeWorker::new(ok.clone()),
+    ];
+    // Whichever is picked first, the request ends on the one that answers.
+    let d = dispatcher(&ws, 0).await;
+    let (text, _, _) = run(&d, 64).await.unwrap();
+    assert_eq!(text, ANSWER);
+    assert_eq!(ws[1].calls().len(), 1);
+    assert!(ws[0].calls().len() <= 1);
+    // With every worker unreachable the client gets a 502 naming the last one tried.
+    let ws = [
+        FakeWorker::new(|_| Err(Code::Unavailable)),
+        FakeWorker::new(|_| Err(Code::Unavailable)),
+    ];
+    let d = dispatcher(&ws, 0).await;
+    let e = run(&d, 8).await.unwrap_err();
+    assert_eq!(e.status().as_u16(), 502, "{e}");
+    assert_eq!(ws[0].calls().len() + ws[1].calls().len(), 2);
+}
+
+#[tokio::test]
+async fn a_failure_with_no_migration_left_fails_the_request_as_the_cluster_s_fault() {
+    let answer = answer_ids().await;
+    let ws = [dies_mid_stream(
+        answer.clone(),
+        3,
+        Say::Fail(Code::Internal),
+    )];
+    let d = dispatcher(&ws, 0).await;
+    let e = run(&d, 64).await.unwrap_err();
+    assert_eq!(e.status().as_u16(), 502, "{e}");
+    // A worker that refuses the request mid-stream as the client's fault is not migrated.
+    let ws = [
+        dies_mid_stream(answer.clone(), 3, Say::Fail(Code::InvalidArgument)),
+        dies_mid_stream(answer.clone(), 3, Say::Fail(Code::InvalidArgument)),
+    ];
+    let d = dispatcher(&ws, 1).await;
+    let e = run(&d, 64).await.unwrap_err();
+    assert_eq!(e.status().as_u16(), 400, "{e}");
+    assert_eq!(ws[0].calls().len() + ws[1].calls().len(), 1);
+}
+
+#[tokio::test]
+async fn with_no_ready_worker_the_request_is_a_503() {
+    let d = dispatcher(&[], 1).await;
+    let e = run(&d, 8).await.unwrap_err();
+    assert!(matches!(e, ApiError::NoWorker), "{e}");
+    assert_eq!(e.status().as_u16(), 503);
+}

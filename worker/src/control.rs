@@ -1,0 +1,65 @@
+//! `tandem.worker.v1.WorkerControl`: what every worker answers, whatever its role.
+
+use std::sync::Arc;
+
+use tandem_engine::EngineHandle;
+use tandem_proto::worker::{self as pb, worker_control_server::WorkerControl};
+use tonic::{Request, Response, Status};
+
+use crate::convert::{kv_event_stream, load_report, worker_info, BoxStream};
+use crate::{Drain, WorkerIdentity};
+
+/// Info, Load and KvEvents over a worker's engine. Cheap to clone.
+#[derive(Clone)]
+pub struct ControlService {
+    engine: Arc<EngineHandle>,
+    identity: WorkerIdentity,
+    drain: Arc<Drain>,
+}
+
+impl ControlService {
+    /// Answers for `engine`; `drain` supplies the in-flight count and draining flag of `Load`,
+    /// and ends the KV-event streams when the worker stops.
+    pub fn new(engine: Arc<EngineHandle>, identity: WorkerIdentity, drain: Arc<Drain>) -> Self {
+        Self {
+            engine,
+            identity,
+            drain,
+        }
+    }
+
+    /// The worker's requests in flight and graceful stop.
+    pub fn drain(&self) -> &Arc<Drain> {
+        &self.drain
+    }
+}
+
+#[tonic::async_trait]
+impl WorkerControl for ControlService {
+    type KvEventsStream = BoxStream<pb::KvEventBatch>;
+
+    async fn info(&self, _: Request<pb::InfoRequest>) -> Result<Response<pb::WorkerInfo>, Status> {
+        Ok(Response::new(worker_info(
+            &self.identity,
+            self.engine.limits(),
+        )))
+    }
+
+    async fn load(&self, _: Request<pb::LoadRequest>) -> Result<Response<pb::LoadReport>, Status> {
+        Ok(Response::new(load_report(
+            self.engine.stats(),
+            self.drain.in_flight(),
+            self.drain.is_draining(),
+        )))
+    }
+
+    async fn kv_events(
+        &self,
+        _: Request<pb::KvEventsRequest>,
+    ) -> Result<Response<Self::KvEventsStream>, Status> {
+        Ok(Response::new(kv_event_stream(
+            &self.engine,
+            self.drain.stopped(),
+        )?))
+    }
+}

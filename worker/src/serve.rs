@@ -1,0 +1,62 @@
+//! The gRPC server every worker role runs, and its graceful stop.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use prometheus_client::collector::Collector;
+use tandem_proto::worker::worker_control_server::WorkerControlServer;
+use tokio::net::TcpListener;
+
+use crate::ControlService;
+
+/// Serves a role's own service (`role`: its routes, `name`: its full gRPC name), the
+/// [`ControlService`] (whose [`Drain`](crate::Drain) stops the worker), grpc.health.v1 and `/metrics` (from `metrics`; plain HTTP/1.1 is accepted
+/// on the same port for it) on `listener` until `signal` resolves. Then it drains: health turns
+/// NOT_SERVING, new requests are refused, the ones in flight get up to `drain_deadline`, and the
+/// KV-event streams end.
+pub async fn serve(
+    listener: TcpListener,
+    role: tonic::service::Routes,
+    name: &'static str,
+    control: ControlService,
+    metrics: impl Collector + Clone,
+    signal: impl std::future::Future<Output = ()> + Send,
+    drain_deadline: Duration,
+) -> Result<(), tonic::transport::Error> {
+    let drain = control.drain().clone();
+    let (reporter, health) = tonic_health::server::health_reporter();
+    reporter
+        .set_service_status(name, tonic_health::ServingStatus::Serving)
+        .await;
+    let addr: Option<SocketAddr> = listener.local_addr().ok();
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    let drained = async move {
+        signal.await;
+        tracing::info!(
+            ?addr,
+            role = name,
+            "shutting down: draining in-flight requests"
+        );
+        for service in [name, ""] {
+            reporter
+                .set_service_status(service, tonic_health::ServingStatus::NotServing)
+                .await;
+        }
+        let left = drain.drain(drain_deadline).await;
+        if left > 0 {
+            tracing::warn!(left, "drain deadline passed with requests still running");
+        }
+    };
+    let routes = role
+        .add_service(WorkerControlServer::new(control))
+        .add_service(health)
+        .into_axum_router()
+        .merge(crate::metrics::router(metrics));
+    tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(Duration::from_secs(10)))
+        .tcp_nodelay(true)
+        .accept_http1(true)
+        .add_routes(tonic::service::Routes::from(routes))
+        .serve_with_incoming_shutdown(incoming, drained)
+        .await
+}
