@@ -1,0 +1,289 @@
+//! The engine: an iteration-level scheduler over one KV pool and one packed forward per step.
+//!
+//! Requests wait in arrival order. Each [`Engine::step`]:
+//! 1. drops cancelled sequences (their blocks return to the pool at once);
+//! 2. schedules one token for every running sequence that is decoding, oldest first;
+//! 3. gives the rest of the token budget (`max_batched_tokens`) to prompt chunks: first running
+//!    sequences whose prompt is partly done, then new ones from the head of the queue (first come,
+//!    first served: the head is never skipped, so nothing starves), up to `max_seqs` running. A new
+//!    sequence first takes over the longest cached prefix of its tokens from the block manager;
+//! 4. runs one forward over everything scheduled, samples the sequences whose tokens are all in
+//!    the cache, and retires the finished ones.
+//!
+//! When a running sequence needs a block and the pool is empty (cached prefixes are evicted
+//! first), the newest running sequence is preempted: its blocks are released and it goes back to the
+//! head of the queue with its generated tokens, to be recomputed (mostly from the prefix cache)
+//! later. A step never fails for lack of blocks.
+//!
+//! Files: this one holds the engine, its sequences and its core bookkeeping; `types` the public
+//! types (configuration, requests, events, stats, limits); `step` the step loop and the
+//! scheduler; `remote` the remote-prefill lifecycle (both sides); `offline` running a batch to its
+//! end (benchmarks, the golden checks).
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use crate::backend::Backend;
+use crate::block_manager::{BlockCounts, BlockManager, KvEvent, SeqBlocks};
+use crate::kv_cache::KvPool;
+use crate::model::LlamaModel;
+use crate::sampler::Sampler;
+use crate::EngineError;
+use tandem_model::LlamaConfig;
+
+mod offline;
+mod remote;
+mod step;
+mod types;
+
+pub use types::{
+    EngineConfig, EngineStats, Event, FinishReason, Finished, KvChunk, Limits, Request, RequestId,
+    Reservation, StepStats, TokenEvent,
+};
+
+/// Why `s` stops after `token` (already appended), if it does.
+fn finish_reason(eos: &[u32], max_ctx: usize, s: &Seq, token: u32) -> Option<FinishReason> {
+    let p = s.sampler.params();
+    let generated = s.tokens.len() - s.prompt_len;
+    if p.stop_token_ids.contains(&token) || (!p.ignore_eos && eos.contains(&token)) {
+        Some(FinishReason::Stop)
+    } else if generated >= p.max_tokens as usize || s.tokens.len() >= max_ctx {
+        Some(FinishReason::Length)
+    } else {
+        None
+    }
+}
+struct Seq {
+    id: RequestId,
+    /// Prompt, then generated tokens.
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    /// Leading tokens whose K/V is in the cache.
+    computed: usize,
+    blocks: SeqBlocks,
+    sampler: Sampler,
+    logprobs: Vec<f32>,
+    submitted: Instant,
+    admitted: Option<Instant>,
+    first_token: Option<Instant>,
+    cached_prompt_tokens: Option<usize>,
+    preemptions: u32,
+    /// Prefill mode: `(first prompt block to export, next block to export)`.
+    export: Option<(usize, usize)>,
+}
+
+impl Seq {
+    fn pending(&self) -> usize {
+        self.tokens.len() - self.computed
+    }
+
+    /// Blocks still needed to hold the whole prompt and `lookahead` more tokens (or to finish,
+    /// if sooner).
+    fn growth_blocks(&self, block_size: usize, lookahead: usize, max_ctx: usize) -> usize {
+        let end = (self.prompt_len + self.sampler.params().max_tokens as usize).min(max_ctx);
+        let target = end
+            .min(self.tokens.len() + lookahead)
+            .max(self.tokens.len());
+        target
+            .div_ceil(block_size)
+            .saturating_sub(self.blocks.len())
+    }
+
+    fn finished(self, reason: FinishReason) -> Finished {
+        let now = Instant::now();
+        let since = |t: Option<Instant>| t.map_or(0.0, |t| (t - self.submitted).as_secs_f64());
+        Finished {
+            request: self.id,
+            prompt_ids: self.tokens[..self.prompt_len].to_vec(),
+            output_ids: self.tokens[self.prompt_len..].to_vec(),
+            logprobs: self.logprobs,
+            finish_reason: reason,
+            cached_prompt_tokens: self.cached_prompt_tokens.unwrap_or(0),
+            preemptions: self.preemptions,
+            queue_s: since(self.admitted),
+            ttft_s: since(self.first_token),
+            e2e_s: (now - self.submitted).as_secs_f64(),
+        }
+    }
+}
+pub struct Engine {
+    pub config: EngineConfig,
+    backend: Backend,
+    blocks: BlockManager,
+    eos: Vec<u32>,
+    waiting: VecDeque<Seq>,
+    /// Oldest admission first; the last one is the first to be preempted.
+    running: Vec<Seq>,
+    /// Prompts whose KV is being transferred in from a prefill worker: blocks allocated, never
+    /// touched by a step until they join (or fall back to a local prefill).
+    remote: Vec<Seq>,
+    cancelled: Vec<RequestId>,
+    stats: EngineStats,
+    /// First id `generate` gives its requests next time.
+    next_batch_id: u64,
+}
+impl Engine {
+    /// An engine on the CPU. `eos` lists the token ids that end generation unless a request
+    /// ignores EOS.
+    pub fn new(
+        model: LlamaModel,
+        config: EngineConfig,
+        eos: Vec<u32>,
+    ) -> Result<Self, EngineError> {
+        config.check()?;
+        let backend = Backend::cpu(model, &config)?;
+        Self::with_backend(backend, config, eos)
+    }
+
+    /// An engine whose steps run on `backend` (made with the same `config`).
+    pub fn with_backend(
+        backend: Backend,
+        config: EngineConfig,
+        eos: Vec<u32>,
+    ) -> Result<Self, EngineError> {
+        config.check()?;
+        Ok(Self {
+            blocks: BlockManager::new(backend.num_blocks(), config.block_size),
+            backend,
+            config,
+            eos,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            remote: Vec::new(),
+            cancelled: Vec::new(),
+            stats: EngineStats::default(),
+            next_batch_id: 1 << 48,
+        })
+    }
+
+    /// The host KV pool (None when the cache lives on a GPU).
+    pub fn kv_pool(&self) -> Option<&KvPool> {
+        self.backend.host_pool()
+    }
+
+    pub fn backend(&self) -> &Backend {
+        &self.backend
+    }
+
+    /// The model's shape.
+    pub fn model_config(&self) -> &LlamaConfig {
+        self.backend.config()
+    }
+
+    /// The CPU model (None on a GPU).
+    pub fn cpu_model(&self) -> Option<&LlamaModel> {
+        match &self.backend {
+            Backend::Cpu { model, .. } => Some(model),
+            Backend::Cuda(_) => None,
+        }
+    }
+
+    pub fn block_manager(&self) -> &BlockManager {
+        &self.blocks
+    }
+
+    pub fn limits(&self) -> Limits {
+        Limits {
+            vocab_size: self.backend.config().vocab_size,
+            max_context: self.backend.config().max_position_embeddings,
+            block_size: self.config.block_size,
+            total_blocks: self.blocks.counts().total,
+        }
+    }
+
+    /// Checks a request against the model and the pool before it is queued.
+    pub fn validate(&self, r: &Request) -> Result<(), EngineError> {
+        self.limits().validate(r)
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        let BlockCounts {
+            total,
+            free,
+            cached,
+            used,
+        } = self.blocks.counts();
+        EngineStats {
+            running: self.running.len(),
+            waiting: self.waiting.len(),
+            blocks_total: total,
+            blocks_free: free,
+            blocks_cached: cached,
+            blocks_used: used,
+            pending_prompt_tokens: self
+                .running
+                .iter()
+                .chain(&self.waiting)
+                .filter(|s| s.computed < s.prompt_len)
+                .map(|s| (s.prompt_len - s.computed) as u64)
+                .sum(),
+            ..self.stats
+        }
+    }
+
+    /// Forgets every cached prefix that no running sequence holds.
+    pub fn clear_prefix_cache(&self) {
+        self.blocks.clear_cache();
+    }
+
+    /// Block-manager events since the last call (for the router's prefix index).
+    pub fn drain_kv_events(&self) -> Vec<KvEvent> {
+        self.blocks.drain_events()
+    }
+
+    /// Whether any request is queued or running.
+    pub fn has_work(&self) -> bool {
+        !self.waiting.is_empty() || !self.running.is_empty() || !self.cancelled.is_empty()
+    }
+
+    /// Queues a request.
+    pub fn add(&mut self, id: RequestId, r: Request) -> Result<(), EngineError> {
+        self.validate(&r)?;
+        let s = self.new_seq(id, r);
+        self.waiting.push_back(s);
+        Ok(())
+    }
+
+    /// Drops every queued and running request (their blocks return to the pool); returns their
+    /// ids. For a step that failed: the requests in it cannot be trusted to continue.
+    pub fn abort_all(&mut self) -> Vec<RequestId> {
+        self.cancelled.clear();
+        let mut ids: Vec<RequestId> = self.running.drain(..).map(|s| s.id).collect();
+        ids.extend(self.waiting.drain(..).map(|s| s.id));
+        ids.extend(self.remote.drain(..).map(|s| s.id));
+        ids
+    }
+
+    /// Cancels a request; it leaves (and frees its blocks) at the start of the next step.
+    pub fn cancel(&mut self, id: RequestId) {
+        self.cancelled.push(id);
+    }
+
+    fn new_seq(&self, id: RequestId, r: Request) -> Seq {
+        let mut sampler = Sampler::new(r.params, &r.prompt);
+        for &t in &r.resume {
+            sampler.record(t);
+        }
+        let prompt_len = r.prompt.len();
+        let mut tokens = r.prompt;
+        tokens.extend(&r.resume);
+        Seq {
+            id,
+            prompt_len,
+            sampler,
+            tokens,
+            computed: 0,
+            blocks: self.blocks.sequence(),
+            logprobs: Vec::new(),
+            submitted: Instant::now(),
+            admitted: None,
+            first_token: None,
+            cached_prompt_tokens: None,
+            preemptions: 0,
+            export: None,
+        }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests;

@@ -1,0 +1,74 @@
+//! Running a batch of requests to its end in this thread: benchmarks and reference checks.
+
+use super::{Engine, Event, Finished, Request, RequestId, StepStats, TokenEvent};
+use crate::model::SeqBatch;
+use crate::EngineError;
+use tandem_types::ValidSampling;
+
+impl Engine {
+    /// Runs requests to completion as one continuous batch; `on_token` sees every token as it is
+    /// produced, `on_step` every step's timing. Outputs come back in request order.
+    pub fn generate(
+        &mut self,
+        requests: Vec<Request>,
+        mut on_token: impl FnMut(&TokenEvent),
+        mut on_step: impl FnMut(&StepStats),
+    ) -> Result<Vec<Finished>, EngineError> {
+        for r in &requests {
+            self.validate(r)?;
+        }
+        let n = requests.len();
+        let base = self.next_batch_id;
+        self.next_batch_id += n as u64;
+        for (i, r) in requests.into_iter().enumerate() {
+            self.add(RequestId(base + i as u64), r)?;
+        }
+        let mut done: Vec<Option<Finished>> = (0..n).map(|_| None).collect();
+        while self.has_work() {
+            let (events, st) = self.step()?;
+            for e in events {
+                match e {
+                    Event::Token(t) => on_token(&TokenEvent {
+                        request: RequestId(t.request.0 - base),
+                        ..t
+                    }),
+                    Event::Finished(f) => {
+                        let i = (f.request.0 - base) as usize;
+                        done[i] = Some(Finished {
+                            request: RequestId(i as u64),
+                            ..f
+                        });
+                    }
+                    Event::Kv(_) => {}
+                }
+            }
+            on_step(&st);
+        }
+        done.into_iter()
+            .map(|o| o.ok_or_else(|| EngineError::Internal("request lost".into())))
+            .collect()
+    }
+
+    /// Last-position logits of a prompt (one prefill, nothing kept): for checks against a reference.
+    pub fn prompt_logits(&mut self, prompt: &[u32]) -> Result<Vec<f32>, EngineError> {
+        self.validate(&Request {
+            prompt: prompt.to_vec(),
+            params: ValidSampling::greedy(std::num::NonZeroU32::MIN),
+            resume: Vec::new(),
+        })?;
+        let mut blocks = self.blocks.sequence();
+        if !blocks.reserve(prompt.len()) {
+            return Err(EngineError::TooLargeForCache {
+                need: prompt.len().div_ceil(self.config.block_size),
+                total: self.blocks.available(),
+            });
+        }
+        let batch = [SeqBatch {
+            tokens: prompt,
+            cached: 0,
+            block_table: blocks.ids(),
+            want_logits: true,
+        }];
+        self.backend.forward(&batch)
+    }
+}

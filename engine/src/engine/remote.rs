@@ -1,0 +1,187 @@
+//! The remote-prefill lifecycle on both sides: a decode engine reserves blocks for a prompt
+//! whose KV comes from elsewhere, then joins it to the batch (or prefills it here after a failed
+//! transfer); a prefill engine runs a prompt in prefill mode and hands its blocks out as chunks.
+
+use std::time::Instant;
+
+use super::{
+    finish_reason, Engine, Event, KvChunk, Request, RequestId, Reservation, Seq, TokenEvent,
+};
+use crate::kv_cache::KvPool;
+use crate::sampler::Sampled;
+use crate::EngineError;
+
+impl Engine {
+    /// The decode side of a remote prefill, step one: allocates blocks for the whole prompt,
+    /// reusing this engine's prefix cache, and parks the request until its KV arrives. `None`
+    /// when the pool cannot hold it now (prefill it locally with [`Engine::add`] instead).
+    /// The returned blocks are the transfer's destination; the engine does not touch them until
+    /// [`Engine::join_remote`] or [`Engine::prefill_locally`].
+    pub fn reserve_remote(
+        &mut self,
+        id: RequestId,
+        r: Request,
+    ) -> Result<Option<Reservation>, EngineError> {
+        self.validate(&r)?;
+        self.check_host_cache()?;
+        if !r.resume.is_empty() {
+            return Err(EngineError::BadPlan(
+                "a resumed request is prefilled where it decodes".into(),
+            ));
+        }
+        let mut s = self.new_seq(id, r);
+        let hit = if self.config.prefix_caching {
+            s.blocks.reuse_prefix(&s.tokens)
+        } else {
+            0
+        };
+        if !s.blocks.reserve(s.prompt_len) {
+            return Ok(None);
+        }
+        self.stats.prefix_lookup_tokens += s.prompt_len as u64;
+        self.stats.prefix_hit_tokens += hit as u64;
+        s.computed = hit;
+        s.cached_prompt_tokens = Some(hit);
+        s.admitted = Some(Instant::now());
+        let bs = self.config.block_size;
+        let reservation = Reservation {
+            cached_tokens: hit,
+            blocks: s.blocks.ids()[hit / bs..].to_vec(),
+        };
+        self.remote.push(s);
+        Ok(Some(reservation))
+    }
+
+    /// Step two: every reserved block holds its K/V and `first` is the token the prefill worker
+    /// sampled. The request joins the running batch (decoding from the next step); its prompt
+    /// blocks enter the prefix cache. Returns the first token's events.
+    pub fn join_remote(
+        &mut self,
+        id: RequestId,
+        first: Sampled,
+    ) -> Result<Vec<Event>, EngineError> {
+        let i = self
+            .remote
+            .iter()
+            .position(|s| s.id == id)
+            .ok_or(EngineError::NotParked(id.0))?;
+        let mut s = self.remote.remove(i);
+        s.computed = s.prompt_len;
+        s.blocks.commit(&s.tokens, s.computed);
+        s.sampler.record(first.token);
+        s.first_token = Some(Instant::now());
+        s.tokens.push(first.token);
+        s.logprobs.push(first.logprob);
+        let finish = finish_reason(
+            &self.eos,
+            self.backend.config().max_position_embeddings,
+            &s,
+            first.token,
+        );
+        let mut events = vec![Event::Token(TokenEvent {
+            request: id,
+            sampled: first,
+            finish,
+        })];
+        match finish {
+            Some(r) => events.push(Event::Finished(s.finished(r))),
+            None => self.running.push(s),
+        }
+        Ok(events)
+    }
+
+    /// The transfer failed: the request is prefilled here, ahead of the queue, in the blocks it
+    /// already holds (whatever a broken transfer left in them is recomputed).
+    pub fn prefill_locally(&mut self, id: RequestId) -> bool {
+        match self.remote.iter().position(|s| s.id == id) {
+            Some(i) => {
+                let s = self.remote.remove(i);
+                self.waiting.push_front(s);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Queues a request in prefill mode (a prefill worker's side of a remote prefill): it is
+    /// scheduled, chunked and batched like any other, reuses this engine's prefix cache, and
+    /// emits its prompt's blocks from `skip_tokens` on as [`Event::Kv`] chunks as soon as each
+    /// step fills them, then its first token, and finishes (it never decodes).
+    pub fn add_prefill(
+        &mut self,
+        id: RequestId,
+        mut r: Request,
+        skip_tokens: usize,
+    ) -> Result<(), EngineError> {
+        self.check_host_cache()?;
+        let bs = self.config.block_size;
+        if !skip_tokens.is_multiple_of(bs) || skip_tokens >= r.prompt.len() {
+            return Err(EngineError::BadPlan(format!(
+                "skip_tokens {skip_tokens} must be a multiple of the block size {bs} below the prompt length {}",
+                r.prompt.len()
+            )));
+        }
+        if !r.resume.is_empty() {
+            return Err(EngineError::BadPlan(
+                "a prefill-mode request has no output to resume".into(),
+            ));
+        }
+        r.params = r.params.with_max_tokens(std::num::NonZeroU32::MIN);
+        self.validate(&r)?;
+        let mut s = self.new_seq(id, r);
+        s.export = Some((skip_tokens / bs, skip_tokens / bs));
+        self.waiting.push_back(s);
+        Ok(())
+    }
+
+    /// KV transfers read and write the host pool; a GPU's cache has none yet.
+    fn check_host_cache(&self) -> Result<(), EngineError> {
+        match self.backend.host_pool() {
+            Some(_) => Ok(()),
+            None => Err(EngineError::Unsupported(format!(
+                "KV transfer to or from a {} cache is not supported: run prefill and decode workers that exchange KV with --device cpu",
+                self.backend.device()
+            ))),
+        }
+    }
+
+    /// The prompt blocks of a prefill-mode `s` that are complete now and not yet exported, copied
+    /// out (the last, partial block once the whole prompt is computed).
+    pub(super) fn export_ready(kv: &KvPool, bs: usize, s: &mut Seq) -> Option<KvChunk> {
+        let (skip, next) = s.export?;
+        let upto = if s.computed >= s.prompt_len {
+            s.prompt_len.div_ceil(bs)
+        } else {
+            s.computed / bs
+        };
+        if upto <= next {
+            return None;
+        }
+        let ids = &s.blocks.ids()[next..upto];
+        let frame_len = KvPool::frame_bytes(kv.layout, kv.dtype);
+        let mut tmp = Vec::new();
+        let layers = (0..kv.num_layers)
+            .map(|layer| {
+                let mut out = Vec::with_capacity(frame_len * ids.len());
+                for &b in ids {
+                    match kv.block_bytes(layer, b as usize) {
+                        Some(bytes) => out.extend_from_slice(bytes),
+                        None => {
+                            kv.read_block(layer, b as usize, &mut tmp);
+                            out.extend_from_slice(&tmp);
+                        }
+                    }
+                }
+                out
+            })
+            .collect();
+        s.export = Some((skip, upto));
+        Some(KvChunk {
+            request: s.id,
+            first: next - skip,
+            blocks: upto - next,
+            layers,
+            frame_len,
+        })
+    }
+}

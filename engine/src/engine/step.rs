@@ -1,0 +1,302 @@
+//! One step: drop the cancelled, schedule (decode first, then prompt chunks within the token
+//! budget, preempting by recompute when the pool runs short), run one packed forward, sample,
+//! retire the finished.
+
+use std::time::Instant;
+
+use rayon::prelude::*;
+
+use super::types::RATE_WEIGHT;
+use super::{finish_reason, Engine, Event, FinishReason, Seq, StepStats, TokenEvent};
+use crate::model::SeqBatch;
+use crate::sampler::Sampled;
+use crate::EngineError;
+
+impl Engine {
+    /// One scheduling iteration and one forward. Returns this step's events, in order.
+    pub fn step(&mut self) -> Result<(Vec<Event>, StepStats), EngineError> {
+        let mut events = Vec::new();
+        self.drop_cancelled(&mut events);
+        let plan = self.schedule();
+        if plan.is_empty() {
+            return Ok((events, StepStats::default()));
+        }
+        self.stats.steps += 1;
+        let t0 = Instant::now();
+        // Only the slowdown test hook reads it (a system call, kept off the normal step).
+        let cpu0 = if self.config.slowdown > 1.0 {
+            process_cpu_seconds()
+        } else {
+            None
+        };
+        let batch: Vec<SeqBatch<'_>> = plan
+            .iter()
+            .map(|&(i, take)| {
+                let s = &self.running[i];
+                SeqBatch {
+                    tokens: &s.tokens[s.computed..s.computed + take],
+                    cached: s.computed,
+                    block_table: s.blocks.ids(),
+                    want_logits: s.computed + take == s.tokens.len(),
+                }
+            })
+            .collect();
+        // Where the device picks tokens itself and every sampler in the step takes the argmax,
+        // only the picks come back (the logits are rows × vocabulary floats).
+        let argmax_only = self.backend.picks_on_device()
+            && plan.iter().all(|&(i, take)| {
+                let s = &self.running[i];
+                s.computed + take < s.tokens.len() || s.sampler.argmax_only()
+            });
+        let (logits, picks) = if argmax_only {
+            (Vec::new(), self.backend.forward_argmax(&batch)?)
+        } else {
+            (self.backend.forward(&batch)?, Vec::new())
+        };
+        let vocab = self.backend.config().vocab_size;
+        let max_ctx = self.backend.config().max_position_embeddings;
+        let mut stats = StepStats::default();
+        let mut finished = Vec::new();
+        // Every sequence that completes its tokens this step samples one, from its row of logits
+        // (rows in plan order) or the device's pick. The rows are sampled in parallel: each
+        // sampler is its own sequence's, and a row is a whole vocabulary to scan.
+        let mut row_of = vec![None; self.running.len()];
+        let mut rows = 0;
+        for &(i, take) in &plan {
+            let s = &self.running[i];
+            if s.computed + take == s.tokens.len() {
+                row_of[i] = Some(rows);
+                rows += 1;
+            }
+        }
+        let mut sampled: Vec<Option<Sampled>> = self
+            .running
+            .iter_mut()
+            .zip(&row_of)
+            .map(|(s, row)| row.map(|r| (&mut s.sampler, r)))
+            .collect::<Vec<_>>()
+            .into_par_iter()
+            .map(|job| {
+                job.map(|(sampler, r)| match picks.get(r) {
+                    Some(&(token, logprob)) => sampler.accept(token, logprob),
+                    None => sampler.sample(&logits[r * vocab..(r + 1) * vocab]),
+                })
+            })
+            .collect();
+        for &(i, take) in &plan {
+            let s = &mut self.running[i];
+            let (cached, new) = (s.computed as u64, take as u64);
+            stats.attended_keys += new * cached + new * (new + 1) / 2;
+            stats.context_tokens += cached + new;
+            if s.computed + take == s.tokens.len() {
+                stats.logit_rows += 1;
+            }
+            if s.pending() == 1 && s.computed >= s.prompt_len {
+                stats.decode_tokens += take;
+            } else {
+                stats.prefill_tokens += take;
+            }
+            s.computed += take;
+            s.blocks.commit(&s.tokens, s.computed);
+            if let Some(kv) = self.backend.host_pool() {
+                if let Some(chunk) = Self::export_ready(kv, self.config.block_size, s) {
+                    events.push(Event::Kv(chunk));
+                }
+            }
+            if s.computed < s.tokens.len() {
+                continue;
+            }
+            let sampled = sampled[i]
+                .take()
+                .expect("a sequence that completed its tokens has a row");
+            s.first_token.get_or_insert_with(Instant::now);
+            s.tokens.push(sampled.token);
+            s.logprobs.push(sampled.logprob);
+            let finish = finish_reason(&self.eos, max_ctx, s, sampled.token);
+            events.push(Event::Token(TokenEvent {
+                request: s.id,
+                sampled,
+                finish,
+            }));
+            if let Some(r) = finish {
+                finished.push((i, r));
+            }
+        }
+        // Highest index first so the earlier indices stay valid, then back in step order.
+        let mut gone: Vec<_> = finished
+            .iter()
+            .rev()
+            .map(|&(i, r)| (self.running.remove(i), r))
+            .collect();
+        gone.reverse();
+        events.extend(
+            gone.into_iter()
+                .map(|(s, r)| Event::Finished(s.finished(r))),
+        );
+        if self.config.slowdown > 1.0 {
+            // The step's running time: its wall time, but no more than the CPU time the process
+            // spent meanwhile, so that a step the process was stopped (SIGSTOP) in the middle of
+            // is not stretched by the stop.
+            let wall = t0.elapsed().as_secs_f64();
+            let spent = match (cpu0, process_cpu_seconds()) {
+                (Some(a), Some(b)) => wall.min(b - a),
+                _ => wall,
+            };
+            std::thread::sleep(std::time::Duration::from_secs_f64(
+                spent * (self.config.slowdown - 1.0),
+            ));
+        }
+        stats.seconds = t0.elapsed().as_secs_f64();
+        self.record_timing(&stats);
+        Ok((events, stats))
+    }
+
+    /// Folds a step's prompt work into the measured prefill rate peers plan their deadlines by.
+    fn record_timing(&mut self, step: &StepStats) {
+        if step.prefill_tokens > 0 && step.seconds > 0.0 {
+            let rate = step.prefill_tokens as f64 / step.seconds;
+            let r = &mut self.stats.prefill_tokens_per_s;
+            *r = if *r == 0.0 {
+                rate
+            } else {
+                RATE_WEIGHT * rate + (1.0 - RATE_WEIGHT) * *r
+            };
+        }
+    }
+
+    fn drop_cancelled(&mut self, events: &mut Vec<Event>) {
+        for id in std::mem::take(&mut self.cancelled) {
+            let s = if let Some(i) = self.running.iter().position(|s| s.id == id) {
+                self.running.remove(i)
+            } else if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
+                self.waiting.remove(i).expect("index from position")
+            } else if let Some(i) = self.remote.iter().position(|s| s.id == id) {
+                self.remote.remove(i)
+            } else {
+                continue; // already finished
+            };
+            events.push(Event::Finished(s.finished(FinishReason::Cancelled)));
+        }
+    }
+
+    /// Decides this step's work: `(index into running, new tokens)`, decodes first.
+    fn schedule(&mut self) -> Vec<(usize, usize)> {
+        let mut budget = self.config.max_batched_tokens;
+        let mut plan: Vec<(usize, usize)> = Vec::new();
+        // Decodes, oldest first, then chunks of partly computed prompts (or recomputes).
+        for decoding in [true, false] {
+            let mut i = 0;
+            while i < self.running.len() && budget > 0 {
+                let s = &self.running[i];
+                if (s.pending() == 1) != decoding {
+                    i += 1;
+                    continue;
+                }
+                let take = s.pending().min(budget);
+                if !self.make_room(i, take, &plan) {
+                    // `i` itself was preempted: the sequences after it were preempted first, so
+                    // nothing after it is left.
+                    break;
+                }
+                plan.push((i, take));
+                budget -= take;
+                i += 1;
+            }
+        }
+        // New sequences from the head of the queue, while the pool has room for them and for
+        // the running ones to grow a while: admitting into that headroom only buys a preemption
+        // (and a recompute) a few steps later.
+        let mut headroom: usize = self.running.iter().map(|r| self.growth_blocks(r)).sum();
+        while budget > 0 && self.running.len() < self.config.max_seqs {
+            let Some(s) = self.waiting.front_mut() else {
+                break;
+            };
+            let mut hit = 0;
+            if self.config.prefix_caching && s.blocks.is_empty() {
+                hit = s.blocks.reuse_prefix(&s.tokens);
+                s.computed = hit;
+            }
+            let take = s.pending().min(budget);
+            let own = s.growth_blocks(
+                self.config.block_size,
+                self.config.admission_lookahead,
+                self.backend.config().max_position_embeddings,
+            );
+            let fits = self.running.is_empty() || self.blocks.available() >= own + headroom;
+            if !fits || !s.blocks.reserve(s.computed + take) {
+                // Not now: give the reused blocks back (they stay cached) and keep its place.
+                s.blocks.clear();
+                s.computed = 0;
+                break;
+            }
+            self.stats.prefix_lookup_tokens += s.tokens.len() as u64;
+            self.stats.prefix_hit_tokens += hit as u64;
+            let mut s = self.waiting.pop_front().expect("front exists");
+            s.cached_prompt_tokens.get_or_insert(hit.min(s.prompt_len));
+            s.admitted.get_or_insert_with(Instant::now);
+            headroom += self.growth_blocks(&s);
+            self.running.push(s);
+            plan.push((self.running.len() - 1, take));
+            budget -= take;
+        }
+        plan
+    }
+
+    /// Blocks `s` still needs to hold its whole prompt and `admission_lookahead` more tokens (or
+    /// to finish, if sooner).
+    fn growth_blocks(&self, s: &Seq) -> usize {
+        s.growth_blocks(
+            self.config.block_size,
+            self.config.admission_lookahead,
+            self.backend.config().max_position_embeddings,
+        )
+    }
+
+    /// Ensures `running[i]` has blocks for `take` more tokens, preempting the newest running
+    /// sequences not yet planned this step. False if `running[i]` itself had to go.
+    fn make_room(&mut self, i: usize, take: usize, plan: &[(usize, usize)]) -> bool {
+        loop {
+            let s = &mut self.running[i];
+            if s.blocks.reserve(s.computed + take) {
+                return true;
+            }
+            // Planned sequences are all older than i (indices below i), so the newest unplanned
+            // one is the last in the list.
+            let victim = self.running.len() - 1;
+            debug_assert!(plan.iter().all(|&(p, _)| p < i));
+            self.preempt(victim);
+            if victim == i {
+                return false;
+            }
+        }
+    }
+
+    /// Releases a running sequence's blocks and puts it at the head of the queue.
+    fn preempt(&mut self, i: usize) {
+        let mut s = self.running.remove(i);
+        s.blocks.clear();
+        s.computed = 0;
+        s.preemptions += 1;
+        self.stats.preemptions += 1;
+        tracing::debug!(request = s.id.0, tokens = s.tokens.len(), "preempted");
+        self.waiting.push_front(s);
+    }
+}
+
+/// CPU time used by this process so far, every thread together (Unix).
+fn process_cpu_seconds() -> Option<f64> {
+    #[cfg(unix)]
+    {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: clock_gettime writes one timespec we own.
+        let rc = unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
+        (rc == 0).then_some(ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9)
+    }
+    #[cfg(not(unix))]
+    {
+        None
+    }
+}

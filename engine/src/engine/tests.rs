@@ -1,0 +1,514 @@
+use super::*;
+use crate::kv_cache::KvDtype;
+use crate::model::tiny_model;
+use crate::sampler::Sampled;
+use proptest::prelude::*;
+use rand::{Rng, SeedableRng};
+use tandem_types::SamplingParams;
+
+/// A greedy request that runs to `max_tokens`.
+pub(crate) fn req(prompt: Vec<u32>, max_tokens: u32) -> Request {
+    Request {
+        prompt,
+        params: SamplingParams {
+            max_tokens,
+            ignore_eos: true,
+            ..Default::default()
+        }
+        .validate()
+        .unwrap(),
+        resume: Vec::new(),
+    }
+}
+
+fn engine(cfg: EngineConfig) -> Engine {
+    Engine::new(tiny_model(1), cfg, vec![]).unwrap()
+}
+
+/// The defaults with a pool sized for the tiny model (still thousands of blocks): the
+/// default gigabyte would be faulted in by every engine a test makes.
+pub(crate) fn config() -> EngineConfig {
+    EngineConfig {
+        kv_cache_mb: 16,
+        ..EngineConfig::default()
+    }
+}
+
+#[test]
+fn step_stats_count_the_work_of_each_step() {
+    // Two prompts of 5 and 3 tokens, a 4-token budget: step 1 prefills 4 of the first; step
+    // 2 its last token (which samples) and 3 of the second, which samples too; then both
+    // decode together.
+    let mut e = engine(EngineConfig {
+        max_batched_tokens: 4,
+        ..config()
+    });
+    let mut steps = Vec::new();
+    e.generate(
+        vec![req(vec![3, 4, 5, 6, 7], 2), req(vec![8, 9, 10], 2)],
+        |_| {},
+        |s| steps.push(*s),
+    )
+    .unwrap();
+    let got: Vec<_> = steps
+        .iter()
+        .map(|s| {
+            (
+                s.prefill_tokens,
+                s.decode_tokens,
+                s.logit_rows,
+                s.attended_keys,
+                s.context_tokens,
+            )
+        })
+        .collect();
+    // Keys: a row at position p sees p + 1. Step 1: 1+2+3+4. Step 2: the first prompt's
+    // last row sees 5, the second prompt's rows 1, 2 and 3. Step 3: positions 5 and 3 see 6
+    // and 4.
+    assert_eq!(
+        got,
+        vec![
+            (4, 0, 0, 10, 4),
+            (4, 0, 2, 5 + 6, 5 + 3),
+            (0, 2, 2, 6 + 4, 6 + 4)
+        ]
+    );
+}
+
+#[test]
+fn stats_tell_the_queued_prompt_work_and_the_measured_speed() {
+    let mut e = engine(EngineConfig {
+        max_batched_tokens: 4,
+        ..config()
+    });
+    assert_eq!(
+        e.stats().prefill_tokens_per_s,
+        0.0,
+        "nothing measured before the first step"
+    );
+    e.add(RequestId(1), req(vec![3, 4, 5, 6, 7], 2)).unwrap();
+    e.add(RequestId(2), req(vec![8, 9, 10], 2)).unwrap();
+    assert_eq!(e.stats().pending_prompt_tokens, 8);
+    let (_, step) = e.step().unwrap();
+    assert_eq!(step.prefill_tokens, 4);
+    let s = e.stats();
+    assert_eq!(s.pending_prompt_tokens, 4, "4 of the first prompt computed");
+    assert!(step.seconds > 0.0);
+    assert_eq!(s.prefill_tokens_per_s, 4.0 / step.seconds);
+    e.step().unwrap();
+    assert_eq!(e.stats().pending_prompt_tokens, 0);
+}
+
+#[test]
+fn a_slowdown_below_one_or_not_a_number_is_refused() {
+    for slowdown in [0.5, f64::NAN, f64::INFINITY] {
+        let c = EngineConfig {
+            slowdown,
+            ..config()
+        };
+        assert!(c.check().is_err(), "{slowdown}");
+    }
+    let c = EngineConfig {
+        slowdown: 10.0,
+        ..config()
+    };
+    assert!(c.check().is_ok());
+}
+
+/// Runs `e` until `id` finishes; its output tokens after `first`.
+fn run_to_end(e: &mut Engine, id: RequestId) -> Vec<u32> {
+    let mut out = Vec::new();
+    loop {
+        let (events, _) = e.step().unwrap();
+        for ev in events {
+            match ev {
+                Event::Token(t) if t.request == id => out.push(t.sampled.token),
+                Event::Finished(f) if f.request == id => return out,
+                _ => {}
+            }
+        }
+    }
+}
+
+/// Runs `r` in prefill mode on `e`: its first token and the KV chunks it emitted, in order.
+fn prefill_export(e: &mut Engine, r: Request, skip: usize) -> (Sampled, Vec<KvChunk>) {
+    let id = RequestId(1000);
+    e.add_prefill(id, r, skip).unwrap();
+    let (mut first, mut chunks) = (None, Vec::new());
+    while e.has_work() {
+        for ev in e.step().unwrap().0 {
+            match ev {
+                Event::Kv(c) => {
+                    assert!(first.is_none(), "blocks come before the token");
+                    chunks.push(c);
+                }
+                Event::Token(t) => first = Some(t.sampled),
+                Event::Finished(f) => assert_eq!(f.output_ids.len(), 1),
+            }
+        }
+    }
+    (first.expect("a first token"), chunks)
+}
+
+/// Writes a prefill side's chunks into the reservation's blocks of `e`'s pool; checks they
+/// cover every reserved block once, in order.
+fn fill(e: &Engine, r: &Reservation, chunks: &[KvChunk]) {
+    let w = e.kv_pool().expect("a CPU engine").writer();
+    let mut next = 0;
+    for c in chunks {
+        assert_eq!(c.first, next);
+        for j in 0..c.blocks {
+            for layer in 0..c.layers.len() {
+                let b = r.blocks[c.first + j];
+                // SAFETY: reserved for a remote prefill: the engine does not touch these blocks.
+                unsafe { w.write(layer, b as usize, c.frame(layer, j)).unwrap() };
+            }
+        }
+        next += c.blocks;
+    }
+    assert_eq!(next, r.blocks.len());
+}
+
+#[test]
+fn a_remotely_prefilled_request_decodes_like_a_local_one() {
+    let prompt: Vec<u32> = (0..45).map(|t| (t * 11 + 5) % 97).collect();
+    for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Int8] {
+        let cfg = EngineConfig {
+            kv_dtype: dtype,
+            ..config()
+        };
+        let want = engine(cfg.clone())
+            .generate(vec![req(prompt.clone(), 10)], |_| {}, |_| {})
+            .unwrap()[0]
+            .output_ids
+            .clone();
+        let mut prefill = engine(cfg.clone());
+        let mut decode = engine(cfg.clone());
+        let id = RequestId(7);
+        let r = decode
+            .reserve_remote(id, req(prompt.clone(), 10))
+            .unwrap()
+            .expect("room");
+        assert_eq!(r.cached_tokens, 0);
+        assert_eq!(r.blocks.len(), 3, "45 tokens in 16-token blocks");
+        let (first, kv) = prefill_export(&mut prefill, req(prompt.clone(), 10), 0);
+        fill(&decode, &r, &kv);
+        let ev = decode.join_remote(id, first.clone()).unwrap();
+        assert!(matches!(&ev[..], [Event::Token(t)] if t.sampled.token == want[0]));
+        let mut got = vec![first.token];
+        got.extend(run_to_end(&mut decode, id));
+        assert_eq!(got, want, "{dtype:?}");
+        check_counts(&decode);
+        assert_eq!(decode.stats().blocks_used, 0);
+    }
+}
+
+#[test]
+fn a_remote_prefill_sends_only_what_the_decode_cache_lacks() {
+    let prompt: Vec<u32> = (0..50).map(|t| (t * 7 + 3) % 97).collect();
+    let want = engine(config())
+        .generate(vec![req(prompt.clone(), 8)], |_| {}, |_| {})
+        .unwrap()[0]
+        .output_ids
+        .clone();
+    let mut decode = engine(config());
+    // An earlier conversation turn left the first 40 tokens (two full blocks) cached.
+    decode
+        .generate(vec![req(prompt[..40].to_vec(), 1)], |_| {}, |_| {})
+        .unwrap();
+    let id = RequestId(9);
+    let r = decode
+        .reserve_remote(id, req(prompt.clone(), 8))
+        .unwrap()
+        .unwrap();
+    assert_eq!(r.cached_tokens, 32);
+    assert_eq!(r.blocks.len(), 2, "tokens 32..50");
+    // The prefill side chunks the prompt (8-token budget) and has a prefix of its own
+    // cached (24 tokens: one full block), so blocks come out in several chunks.
+    let mut prefill = engine(EngineConfig {
+        max_batched_tokens: 8,
+        ..config()
+    });
+    prefill
+        .generate(vec![req(prompt[..24].to_vec(), 1)], |_| {}, |_| {})
+        .unwrap();
+    let (first, kv) = prefill_export(&mut prefill, req(prompt.clone(), 8), r.cached_tokens);
+    assert!(kv.len() >= 2, "streamed per chunk: {}", kv.len());
+    fill(&decode, &r, &kv);
+    decode.join_remote(id, first.clone()).unwrap();
+    let mut got = vec![first.token];
+    got.extend(run_to_end(&mut decode, id));
+    assert_eq!(got, want);
+    for bad in [8, 50, 64] {
+        assert!(
+            prefill
+                .add_prefill(RequestId(1), req(prompt.clone(), 8), bad)
+                .is_err(),
+            "skip {bad}: not a block multiple below the prompt length"
+        );
+    }
+}
+
+#[test]
+fn a_failed_transfer_falls_back_to_a_local_prefill_and_cancel_frees_reservations() {
+    let prompt: Vec<u32> = (0..30).map(|t| (t * 5 + 1) % 97).collect();
+    let want = engine(config())
+        .generate(vec![req(prompt.clone(), 6)], |_| {}, |_| {})
+        .unwrap()[0]
+        .output_ids
+        .clone();
+    let mut decode = engine(config());
+    let id = RequestId(3);
+    let r = decode
+        .reserve_remote(id, req(prompt.clone(), 6))
+        .unwrap()
+        .unwrap();
+    // A broken transfer left garbage in the blocks.
+    let kv = decode.kv_pool().expect("a CPU engine");
+    let frame_len = KvPool::frame_bytes(kv.layout, kv.dtype);
+    let layers = kv.num_layers;
+    let junk = KvChunk {
+        request: id,
+        first: 0,
+        blocks: r.blocks.len(),
+        layers: vec![vec![0x7fu8; frame_len * r.blocks.len()]; layers],
+        frame_len,
+    };
+    fill(&decode, &r, &[junk]);
+    assert!(decode.prefill_locally(id));
+    assert_eq!(run_to_end(&mut decode, id), want);
+    check_counts(&decode);
+    assert_eq!(decode.stats().blocks_used, 0);
+
+    let id2 = RequestId(4);
+    decode.reserve_remote(id2, req(prompt, 6)).unwrap().unwrap();
+    assert!(decode.stats().blocks_used > 0);
+    decode.cancel(id2);
+    let (events, _) = decode.step().unwrap();
+    assert!(
+        matches!(&events[..], [Event::Finished(f)] if f.finish_reason == FinishReason::Cancelled)
+    );
+    assert_eq!(decode.stats().blocks_used, 0);
+    check_counts(&decode);
+}
+
+#[test]
+fn a_resumed_request_continues_exactly_where_the_first_run_stopped() {
+    let prompt: Vec<u32> = (0..21).map(|t| (t * 13 + 2) % 97).collect();
+    let sampled = |resume: Vec<u32>| Request {
+        prompt: prompt.clone(),
+        params: SamplingParams {
+            max_tokens: 14,
+            temperature: 0.9,
+            seed: Some(42),
+            frequency_penalty: 0.5,
+            ignore_eos: true,
+            ..Default::default()
+        }
+        .validate()
+        .unwrap(),
+        resume,
+    };
+    let full = engine(config())
+        .generate(vec![sampled(vec![])], |_| {}, |_| {})
+        .unwrap()[0]
+        .output_ids
+        .clone();
+    assert_eq!(full.len(), 14);
+    for k in [1, 6, 13] {
+        let got = engine(config())
+            .generate(vec![sampled(full[..k].to_vec())], |_| {}, |_| {})
+            .unwrap()[0]
+            .output_ids
+            .clone();
+        assert_eq!(got, full, "resumed after {k} tokens");
+    }
+    let e = engine(config());
+    assert!(e.validate(&sampled(full.clone())).is_err(), "nothing left");
+    assert!(e.validate(&sampled(vec![500])).is_err(), "bad token");
+}
+
+fn check_counts(e: &Engine) {
+    let st = e.stats();
+    assert_eq!(
+        st.blocks_free + st.blocks_cached + st.blocks_used,
+        st.blocks_total,
+        "{st:?}"
+    );
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+    /// Random arrivals, lengths and cancels over a pool small enough to force preemption:
+    /// block states always add up, nothing leaks, every request finishes or is cancelled,
+    /// and every request that ran to the end produced the tokens it produces alone.
+    #[test]
+    fn scheduler_serves_everything_without_leaks(
+        seed in any::<u64>(),
+        n in 1usize..10,
+        block_size in prop::sample::select(vec![1usize, 4, 16]),
+        pool_tokens in 48usize..160,
+        budget in 3usize..48,
+        max_seqs in 1usize..6,
+        lookahead in prop::sample::select(vec![0usize, 8, 64]),
+    ) {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let cfg = EngineConfig {
+            block_size,
+            num_blocks: Some(pool_tokens.div_ceil(block_size)),
+            max_batched_tokens: budget,
+            max_seqs,
+            admission_lookahead: lookahead,
+            ..config()
+        };
+        let mut e = engine(cfg.clone());
+        // (arrival step, cancel at step, request); tokens from a tiny alphabet so prefixes
+        // are shared often.
+        let mut plan = Vec::new();
+        for _ in 0..n {
+            let len = rng.gen_range(1..40);
+            let prompt: Vec<u32> = (0..len).map(|_| rng.gen_range(0..3)).collect();
+            let r = req(prompt, rng.gen_range(1..24));
+            if e.validate(&r).is_err() {
+                continue;
+            }
+            let arrive = rng.gen_range(0..15usize);
+            let cancel = rng.gen_bool(0.2).then(|| arrive + rng.gen_range(0..20usize));
+            plan.push((arrive, cancel, r));
+        }
+        let mut finished: Vec<Option<Finished>> = vec![None; plan.len()];
+        let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); plan.len()];
+        let mut step = 0;
+        while step < 40 || e.has_work() {
+            for (i, (arrive, cancel, r)) in plan.iter().enumerate() {
+                if *arrive == step {
+                    e.add(RequestId(i as u64), r.clone()).unwrap();
+                }
+                if *cancel == Some(step) {
+                    e.cancel(RequestId(i as u64));
+                }
+            }
+            let (events, _) = e.step().unwrap();
+            check_counts(&e);
+            for ev in events {
+                match ev {
+                    Event::Token(t) => tokens[t.request.0 as usize].push(t.sampled.token),
+                    Event::Kv(_) => prop_assert!(false, "no prefill-mode requests here"),
+                    Event::Finished(f) => {
+                        let i = f.request.0 as usize;
+                        prop_assert!(finished[i].is_none(), "finished twice");
+                        finished[i] = Some(f);
+                    }
+                }
+            }
+            step += 1;
+            prop_assert!(step < 10_000, "no progress");
+        }
+        let st = e.stats();
+        prop_assert_eq!(st.blocks_used, 0);
+        prop_assert_eq!(st.blocks_free + st.blocks_cached, st.blocks_total);
+        let mut alone = engine(config());
+        for (i, (_, _, r)) in plan.iter().enumerate() {
+            let f = finished[i].as_ref().expect("every request finishes or is cancelled");
+            prop_assert_eq!(&f.output_ids, &tokens[i], "stream and result agree");
+            match f.finish_reason {
+                FinishReason::Cancelled => {
+                    prop_assert!(f.output_ids.len() <= r.params.max_tokens as usize)
+                }
+                FinishReason::Length => {
+                    prop_assert_eq!(f.output_ids.len(), r.params.max_tokens as usize);
+                    alone.clear_prefix_cache();
+                    let want = alone.generate(vec![r.clone()], |_| {}, |_| {}).unwrap();
+                    prop_assert_eq!(&f.output_ids, &want[0].output_ids);
+                }
+                FinishReason::Stop => prop_assert!(false, "no stop tokens were set"),
+            }
+        }
+    }
+}
+
+#[test]
+fn admission_leaves_room_to_grow() {
+    // 24 blocks of 4: the first request needs 3 now and 16 more within the lookahead, so the
+    // second (3 now, 19 within the lookahead) waits instead of being preempted later.
+    let mut e = engine(EngineConfig {
+        block_size: 4,
+        num_blocks: Some(24),
+        ..config()
+    });
+    e.add(RequestId(0), req((0..10).collect(), 80)).unwrap();
+    e.add(RequestId(1), req((20..30).collect(), 80)).unwrap();
+    e.step().unwrap();
+    assert_eq!((e.stats().running, e.stats().waiting), (1, 1));
+    while e.has_work() {
+        e.step().unwrap();
+    }
+    assert_eq!(e.stats().preemptions, 0);
+}
+
+#[test]
+fn prefix_hits_skip_computation() {
+    let mut e = engine(EngineConfig {
+        block_size: 4,
+        ..config()
+    });
+    let prompt: Vec<u32> = (0..18).collect();
+    let mut prefill = [0usize; 3];
+    let mut outs = Vec::new();
+    for (k, p) in prefill.iter_mut().enumerate() {
+        if k == 2 {
+            e.clear_prefix_cache();
+        }
+        let o = e
+            .generate(
+                vec![req(prompt.clone(), 5)],
+                |_| {},
+                |s| *p += s.prefill_tokens,
+            )
+            .unwrap();
+        outs.push(o[0].output_ids.clone());
+        if k == 1 {
+            assert_eq!(o[0].cached_prompt_tokens, 16);
+        }
+    }
+    // 18 tokens = 4 full blocks + 2: the second run reuses the 4 blocks.
+    assert_eq!(prefill, [18, 2, 18]);
+    assert_eq!(outs[0], outs[1]);
+    assert_eq!(outs[0], outs[2]);
+    let st = e.stats();
+    assert_eq!((st.prefix_lookup_tokens, st.prefix_hit_tokens), (54, 16));
+    // A prompt that is a prefix of the cached one, ending exactly on a block boundary, still
+    // computes its last block (its logits are needed).
+    let mut p = 0;
+    e.generate(
+        vec![req(prompt[..8].to_vec(), 1)],
+        |_| {},
+        |s| p += s.prefill_tokens,
+    )
+    .unwrap();
+    assert_eq!(p, 4);
+}
+
+#[test]
+fn oldest_sequences_keep_running_when_the_pool_is_short() {
+    // Two requests that each need most of the pool over their lifetime: admission's lookahead
+    // lets both start, the newer one is preempted as they grow, the older one finishes first,
+    // then the newer one completes with the same tokens as without any of this.
+    let mut e = engine(EngineConfig {
+        block_size: 4,
+        num_blocks: Some(60),
+        ..config()
+    });
+    let a = req((0..10).collect(), 200);
+    let b = req((20..30).collect(), 200);
+    let out = e
+        .generate(vec![a.clone(), b.clone()], |_| {}, |_| {})
+        .unwrap();
+    assert!(e.stats().preemptions >= 1);
+    assert_eq!(out[0].preemptions, 0, "the oldest is never the victim");
+    assert!(out[1].preemptions >= 1);
+    let mut fresh = engine(config());
+    let want = fresh.generate(vec![a, b], |_| {}, |_| {}).unwrap();
+    assert_eq!(out[0].output_ids, want[0].output_ids);
+    assert_eq!(out[1].output_ids, want[1].output_ids);
+}

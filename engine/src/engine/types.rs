@@ -1,0 +1,257 @@
+//! The engine's public types: configuration, requests and their events, stats, limits.
+
+use serde::Serialize;
+
+use crate::kv_cache::KvDtype;
+use crate::sampler::Sampled;
+use crate::EngineError;
+use tandem_types::ValidSampling;
+
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// KV pool size in MiB.
+    pub kv_cache_mb: usize,
+    /// Element type of the KV cache.
+    pub kv_dtype: KvDtype,
+    /// Token budget of one forward (prompt chunks plus decode tokens).
+    pub max_batched_tokens: usize,
+    /// Most sequences running at once.
+    pub max_seqs: usize,
+    /// Reuse cached prefix blocks across requests.
+    pub prefix_caching: bool,
+    /// Exact pool size in blocks, overriding `kv_cache_mb`.
+    pub num_blocks: Option<usize>,
+    /// Tokens of growth per running sequence that admission keeps room for (0: admit whenever
+    /// the first chunk fits). Preemption covers what this misses; on the mixed workload, admitting
+    /// without it preempted 39 of 200 requests.
+    pub admission_lookahead: usize,
+    /// Test hook: every step takes this many times as long as it computed (the engine sleeps for
+    /// the rest, counted in the step's time), so this machine behaves like one that much slower.
+    /// `TANDEM_TEST_SLOWDOWN` sets it for the CLI's engines; 1 in production.
+    pub slowdown: f64,
+}
+
+impl EngineConfig {
+    /// Refuses sizes that make no engine (before any memory is sized from them).
+    pub fn check(&self) -> Result<(), EngineError> {
+        if !(self.slowdown.is_finite() && self.slowdown >= 1.0) {
+            return Err(EngineError::Config(format!(
+                "slowdown {} must be a number of at least 1",
+                self.slowdown
+            )));
+        }
+        if self.block_size == 0 || self.max_batched_tokens == 0 || self.max_seqs == 0 {
+            return Err(EngineError::Config(
+                "block size, batch budget and max seqs must be positive".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            block_size: 16,
+            kv_cache_mb: 1024,
+            kv_dtype: KvDtype::F32,
+            max_batched_tokens: 2048,
+            max_seqs: 256,
+            prefix_caching: true,
+            num_blocks: None,
+            admission_lookahead: 64,
+            slowdown: 1.0,
+        }
+    }
+}
+
+/// Identifies a request within one engine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct RequestId(pub u64);
+
+/// A generation request: prompt token ids and sampling.
+#[derive(Clone, Debug)]
+pub struct Request {
+    pub prompt: Vec<u32>,
+    pub params: ValidSampling,
+    /// Output tokens this request already produced elsewhere (a stream migrated from a worker
+    /// that died): they are prefilled after the prompt, count toward `max_tokens` and the
+    /// penalties, and generation continues after them. Usually empty.
+    pub resume: Vec<u32>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FinishReason {
+    /// Hit max_tokens or the context limit.
+    Length,
+    /// Produced EOS (not ignored) or a stop token.
+    Stop,
+    /// Cancelled by the client.
+    Cancelled,
+}
+
+/// Emitted for every generated token.
+#[derive(Clone, Debug)]
+pub struct TokenEvent {
+    pub request: RequestId,
+    pub sampled: Sampled,
+    /// Set on the request's last token.
+    pub finish: Option<FinishReason>,
+}
+
+/// A request that left the engine (after its last token, or on cancel).
+#[derive(Clone, Debug, Serialize)]
+pub struct Finished {
+    pub request: RequestId,
+    pub prompt_ids: Vec<u32>,
+    pub output_ids: Vec<u32>,
+    pub logprobs: Vec<f32>,
+    pub finish_reason: FinishReason,
+    /// Prompt tokens whose K/V came from the prefix cache at first admission.
+    pub cached_prompt_tokens: usize,
+    /// Times the request was preempted and recomputed.
+    pub preemptions: u32,
+    /// Seconds from submission to admission, to the first token, and to the end.
+    pub queue_s: f64,
+    pub ttft_s: f64,
+    pub e2e_s: f64,
+}
+
+/// What one step produced.
+#[derive(Clone, Debug)]
+pub enum Event {
+    /// KV blocks of a prefill-mode request ([`Engine::add_prefill`]), as soon as a chunk has
+    /// filled them; always before that request's token.
+    Kv(KvChunk),
+    Token(TokenEvent),
+    Finished(Finished),
+}
+
+/// Consecutive KV blocks of a prefill-mode request, copied out in the KV wire layout.
+#[derive(Clone, Debug)]
+pub struct KvChunk {
+    pub request: RequestId,
+    /// Index of the first block among the blocks the receiver asked for (block 0 holds the
+    /// tokens right after its `skip_tokens`).
+    pub first: usize,
+    pub blocks: usize,
+    /// Per layer, the blocks' frames back to back (each `frame_len` bytes).
+    pub layers: Vec<Vec<u8>>,
+    pub frame_len: usize,
+}
+
+impl KvChunk {
+    /// One layer of the `j`-th block of this chunk: one frame's payload.
+    pub fn frame(&self, layer: usize, j: usize) -> &[u8] {
+        &self.layers[layer][j * self.frame_len..(j + 1) * self.frame_len]
+    }
+}
+
+/// Timing of one engine step, for benchmarks.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct StepStats {
+    pub prefill_tokens: usize,
+    pub decode_tokens: usize,
+    /// Rows that ran the output head (the last new token of each sequence that samples).
+    pub logit_rows: usize,
+    /// Keys attended to, summed over the step's rows (a row at position p sees p + 1 keys): the
+    /// attention's work.
+    pub attended_keys: u64,
+    /// Cached plus new tokens of every sequence in the step: the KV the step must read.
+    pub context_tokens: u64,
+    pub seconds: f64,
+}
+
+/// The engine's state at a glance.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct EngineStats {
+    pub running: usize,
+    pub waiting: usize,
+    pub blocks_total: usize,
+    pub blocks_free: usize,
+    pub blocks_cached: usize,
+    pub blocks_used: usize,
+    /// Prompt tokens looked up in the prefix cache at admission, and how many were found.
+    pub prefix_lookup_tokens: u64,
+    pub prefix_hit_tokens: u64,
+    pub preemptions: u64,
+    pub steps: u64,
+    /// Prompt tokens admitted (running or waiting) and not computed yet: the prefill work queued.
+    pub pending_prompt_tokens: u64,
+    /// Prompt tokens computed a second, averaged over recent steps that computed any (0 before the
+    /// first such step).
+    pub prefill_tokens_per_s: f64,
+}
+
+/// Weight of the newest step in [`EngineStats::prefill_tokens_per_s`].
+pub(super) const RATE_WEIGHT: f64 = 0.25;
+
+impl EngineStats {
+    pub fn prefix_hit_rate(&self) -> f64 {
+        if self.prefix_lookup_tokens == 0 {
+            0.0
+        } else {
+            self.prefix_hit_tokens as f64 / self.prefix_lookup_tokens as f64
+        }
+    }
+}
+
+/// What the engine checks a request against, without touching the engine (the handle validates
+/// on the caller's thread with a copy).
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    pub vocab_size: usize,
+    pub max_context: usize,
+    pub block_size: usize,
+    pub total_blocks: usize,
+}
+
+impl Limits {
+    /// A request is accepted only if, alone, it fits the model's context and the whole pool, so
+    /// preemption can always make room for the oldest sequence.
+    pub fn validate(&self, r: &Request) -> Result<(), EngineError> {
+        if r.prompt.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        let known = r.prompt.iter().chain(&r.resume);
+        if let Some(&bad) = known.clone().find(|&&t| t as usize >= self.vocab_size) {
+            return Err(EngineError::BadToken {
+                id: bad,
+                vocab: self.vocab_size,
+            });
+        }
+        if r.resume.len() >= r.params.max_tokens as usize {
+            return Err(EngineError::NothingToResume {
+                resume: r.resume.len(),
+                max_tokens: r.params.max_tokens,
+            });
+        }
+        if known.count() >= self.max_context {
+            return Err(EngineError::ContextOverflow {
+                tokens: r.prompt.len() + r.resume.len() + 1,
+                max: self.max_context,
+            });
+        }
+        let tokens = (r.prompt.len() + r.params.max_tokens as usize).min(self.max_context);
+        let need = tokens.div_ceil(self.block_size);
+        if need > self.total_blocks {
+            return Err(EngineError::TooLargeForCache {
+                need,
+                total: self.total_blocks,
+            });
+        }
+        Ok(())
+    }
+}
+/// Blocks set aside for a prompt whose KV comes from a prefill worker.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Reservation {
+    /// Leading prompt tokens already in this engine's prefix cache (a multiple of the block
+    /// size): the prefill worker sends only what follows.
+    pub cached_tokens: usize,
+    /// Destination blocks for tokens `cached_tokens..`, in order (the last may be partial).
+    pub blocks: Vec<u32>,
+}
