@@ -20,13 +20,13 @@ use tandem_engine::{Backend, Engine, EngineConfig, KvDtype, LlamaModel, WeightFo
     version,
     about = "Disaggregated LLM serving: router, prefill and decode workers"
 )]
-struct Cli {
+pub(crate) struct Cli {
     #[command(subcommand)]
     command: Command,
 }
 
 #[derive(Subcommand)]
-enum Command {
+pub(crate) enum Command {
     /// The whole cluster on this machine: a router and decode workers as child processes.
     Up(up::UpArgs),
     /// The router: OpenAI-compatible HTTP and gRPC in front of decode workers.

@@ -15,7 +15,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use clap::Args;
+use clap::{Args, Parser};
 use tandem_router::policy::PolicyKind;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
@@ -97,12 +97,59 @@ pub(crate) fn router_addrs(line: &str) -> Result<(String, String)> {
     }
 }
 
+/// A child's command line: its subcommand, the flags `tandem up` sets (by name, each once), then
+/// the user's pass-through flags. [`ChildArgs::check`] parses the whole line with the role's own
+/// clap struct, so a bad pass-through flag is refused before anything starts, and what `up`
+/// needs to know of a role's settings it reads from that parse, not from the strings.
+#[derive(Clone, Debug)]
+struct ChildArgs {
+    role: &'static str,
+    set: Vec<(&'static str, String)>,
+    extra: Vec<String>,
+}
+
+impl ChildArgs {
+    fn new(role: &'static str, extra: &[String]) -> Self {
+        Self {
+            role,
+            set: Vec::new(),
+            extra: extra.to_vec(),
+        }
+    }
+
+    /// Sets `--flag=value`, replacing an earlier value of the same flag.
+    fn set(&mut self, flag: &'static str, value: impl ToString) -> &mut Self {
+        let value = value.to_string();
+        match self.set.iter_mut().find(|(f, _)| *f == flag) {
+            Some(slot) => slot.1 = value,
+            None => self.set.push((flag, value)),
+        }
+        self
+    }
+
+    fn argv(&self) -> Vec<String> {
+        let mut v = vec![self.role.to_string()];
+        v.extend(self.set.iter().map(|(f, x)| format!("--{f}={x}")));
+        v.extend(self.extra.iter().cloned());
+        v
+    }
+
+    /// The line as the child will read it (flags, then `TANDEM_*` variables, which it inherits).
+    fn check(&self) -> Result<crate::Command> {
+        let mut line = vec!["tandem".to_string()];
+        line.extend(self.argv());
+        crate::Cli::try_parse_from(&line)
+            .map(|c| c.command)
+            .map_err(|e| anyhow::anyhow!("the {} flags `{}`: {e}", self.role, line.join(" ")))
+    }
+}
+
 /// One supervised child.
 struct Proc {
     name: String,
     /// The line it prints when ready.
     marker: &'static str,
-    args: Vec<String>,
+    args: ChildArgs,
     child: Option<Child>,
     started: Instant,
     backoff: Duration,
@@ -230,14 +277,17 @@ pub fn run(mut a: UpArgs) -> Result<()> {
         (Some(n), _) => n,
     };
     a.prefill_workers = Some(prefill_workers);
-    if let Some(tls) = a
-        .router_args
-        .iter()
-        .find(|f| f.starts_with("--tls-cert") || f.starts_with("--tls-key"))
-    {
-        bail!(
-            "{tls}: tandem up watches its router over plain HTTP on this machine; for TLS run `tandem router --tls-cert ... --tls-key ...` with its workers (docs: README, Security)"
-        );
+    // The pass-through flags, checked with each role's parser before anything starts.
+    let placeholder = ["127.0.0.1:1".to_string()];
+    if let crate::Command::Router(r) = router_args(&a, "x", &placeholder, &placeholder).check()? {
+        if r.door.tls_cert.is_some() {
+            bail!(
+                "--tls-cert: tandem up watches its router over plain HTTP on this machine; for TLS run `tandem router --tls-cert ... --tls-key ...` with its workers (docs: README, Security)"
+            );
+        }
+    }
+    for role in ["prefill", "decode"] {
+        worker_args(&a, role, "x", "w", 1).check()?;
     }
     let model = match &a.model {
         Some(p) => p.clone(),
@@ -264,6 +314,55 @@ pub fn run(mut a: UpArgs) -> Result<()> {
     rt.block_on(supervise(a, model, threads))
 }
 
+/// A worker's command line: loopback, the given port (0: any), the model, its share of threads.
+fn worker_args(
+    a: &UpArgs,
+    role: &'static str,
+    model: &str,
+    name: &str,
+    threads: usize,
+) -> ChildArgs {
+    let mut c = ChildArgs::new(role, &a.worker_args);
+    c.set("host", "127.0.0.1")
+        .set("port", 0)
+        .set("model", model)
+        .set("threads", threads)
+        .set("worker-id", name);
+    if role == "decode" {
+        c.set("kv-port", 0).set("device", a.device);
+    }
+    c
+}
+
+/// The router's command line, pointed at the workers.
+fn router_args(a: &UpArgs, model: &str, decode: &[String], prefill: &[String]) -> ChildArgs {
+    let mut c = ChildArgs::new("router", &a.router_args);
+    c.set("host", &a.host)
+        .set("http-port", a.http_port)
+        .set("grpc-port", a.grpc_port)
+        .set("model", model)
+        .set("decode-workers", decode.join(","))
+        .set("prefill-workers", prefill.join(","))
+        .set("disagg-min-tokens", a.disagg_min_tokens)
+        .set(
+            "policy",
+            match a.policy {
+                PolicyKind::RoundRobin => "round-robin",
+                PolicyKind::LeastLoad => "least-load",
+                PolicyKind::KvAware => "kv-aware",
+            },
+        );
+    c
+}
+
+/// The port at the end of `host:port` (0 when there is none).
+fn port_of(addr: &str) -> u16 {
+    addr.rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(0)
+}
+
 async fn supervise(a: UpArgs, model: PathBuf, threads: usize) -> Result<()> {
     let timeout = Duration::from_secs(a.start_timeout_s);
     let model_s = model.display().to_string();
@@ -277,28 +376,15 @@ async fn supervise(a: UpArgs, model: PathBuf, threads: usize) -> Result<()> {
     for (r, &(role, marker, n)) in roles.iter().enumerate() {
         for i in 0..n {
             let name = format!("{role}-{i}");
-            let mut args = vec![
-                role.to_string(),
-                "--host=127.0.0.1".into(),
-                format!("--port={port}"),
-                format!("--model={model_s}"),
-                format!("--threads={threads}"),
-                format!("--worker-id={name}"),
-            ];
-            if role == "decode" {
-                args.push("--kv-port=0".into());
-                args.push(format!("--device={}", a.device));
-            }
+            let mut args = worker_args(&a, role, &model_s, &name, threads);
+            args.set("port", port);
             if port != 0 {
                 port += 1;
             }
-            args.extend(a.worker_args.iter().cloned());
-            let mut child = spawn(&name, &args)?;
+            let mut child = spawn(&name, &args.argv())?;
             let addr = worker_addr(&wait_for_line(&name, &mut child, marker, timeout).await?);
             // Restarts reuse the port the router already knows.
-            if let Some(p) = args.iter_mut().find(|s| s.starts_with("--port=")) {
-                *p = format!("--port={}", addr.rsplit(':').next().unwrap_or("0"));
-            }
+            args.set("port", port_of(&addr));
             eprintln!("{name} listening on {addr}");
             addrs[r].push(addr);
             procs.push(Proc {
@@ -313,34 +399,13 @@ async fn supervise(a: UpArgs, model: PathBuf, threads: usize) -> Result<()> {
         }
     }
     let [prefill_addrs, worker_addrs] = addrs;
-    let mut args = vec![
-        "router".to_string(),
-        format!("--host={}", a.host),
-        format!("--http-port={}", a.http_port),
-        format!("--grpc-port={}", a.grpc_port),
-        format!("--model={model_s}"),
-        format!("--decode-workers={}", worker_addrs.join(",")),
-        format!("--prefill-workers={}", prefill_addrs.join(",")),
-        format!("--disagg-min-tokens={}", a.disagg_min_tokens),
-        format!(
-            "--policy={}",
-            match a.policy {
-                PolicyKind::RoundRobin => "round-robin",
-                PolicyKind::LeastLoad => "least-load",
-                PolicyKind::KvAware => "kv-aware",
-            }
-        ),
-    ];
-    args.extend(a.router_args.iter().cloned());
-    let mut router = spawn("router", &args)?;
+    let mut args = router_args(&a, &model_s, &worker_addrs, &prefill_addrs);
+    let mut router = spawn("router", &args.argv())?;
     let line = wait_for_line("router", &mut router, ROUTER_READY, timeout).await?;
     let (http, grpc) = router_addrs(&line)?;
-    if let Some(p) = args.iter_mut().find(|s| s.starts_with("--http-port=")) {
-        *p = format!("--http-port={}", http.rsplit(':').next().unwrap_or("0"));
-    }
-    if let Some(p) = args.iter_mut().find(|s| s.starts_with("--grpc-port=")) {
-        *p = format!("--grpc-port={}", grpc.rsplit(':').next().unwrap_or("0"));
-    }
+    // A restarted router listens where clients already connect.
+    args.set("http-port", port_of(&http))
+        .set("grpc-port", port_of(&grpc));
     procs.push(Proc {
         name: "router".into(),
         marker: ROUTER_READY,
@@ -400,7 +465,7 @@ async fn supervise(a: UpArgs, model: PathBuf, threads: usize) -> Result<()> {
                 }
                 p.backoff = (p.backoff * 2).min(Duration::from_secs(30));
                 p.restarts += 1;
-                match spawn(&p.name, &p.args) {
+                match spawn(&p.name, &p.args.argv()) {
                     Ok(mut c) => {
                         match wait_for_line(&p.name, &mut c, p.marker, timeout).await {
                             Ok(_) => eprintln!("tandem up: {} is back", p.name),
@@ -434,4 +499,69 @@ async fn supervise(a: UpArgs, model: PathBuf, threads: usize) -> Result<()> {
     }
     eprintln!("tandem up: stopped");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn up(flags: &[&str]) -> UpArgs {
+        let mut line = vec!["tandem", "up"];
+        line.extend(flags);
+        match crate::Cli::try_parse_from(line).unwrap().command {
+            crate::Command::Up(a) => a,
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn a_child_line_sets_each_flag_once_and_keeps_the_pass_through_flags_last() {
+        let a = up(&["--worker-arg=--kv-dtype=int8"]);
+        let mut c = worker_args(&a, "decode", "/m.gguf", "decode-0", 3);
+        c.set("port", 0);
+        c.set("port", 40123);
+        let argv = c.argv();
+        assert_eq!(argv[0], "decode");
+        assert_eq!(argv.iter().filter(|f| f.starts_with("--port=")).count(), 1);
+        assert!(argv.contains(&"--port=40123".to_string()), "{argv:?}");
+        assert!(argv.contains(&"--threads=3".to_string()), "{argv:?}");
+        assert_eq!(argv.last().unwrap(), "--kv-dtype=int8");
+        match c.check().unwrap() {
+            crate::Command::Decode(d) => assert_eq!(d.port, 40123),
+            _ => panic!("not a decode line"),
+        }
+    }
+
+    #[test]
+    fn a_bad_pass_through_flag_is_refused_by_the_role_s_own_parser() {
+        let a = up(&["--worker-arg=--no-such-flag"]);
+        let Err(e) = worker_args(&a, "prefill", "/m", "p", 1).check() else {
+            panic!("an unknown flag was accepted");
+        };
+        assert!(e.to_string().contains("--no-such-flag"), "{e}");
+        let a = up(&["--router-arg=--max-queue=lots"]);
+        let Err(e) = router_args(&a, "/m", &["127.0.0.1:1".into()], &[]).check() else {
+            panic!("a bad value was accepted");
+        };
+        assert!(e.to_string().contains("max-queue"), "{e}");
+    }
+
+    #[test]
+    fn the_router_s_tls_flags_are_read_from_its_parse() {
+        let a = up(&[
+            "--router-arg=--tls-cert=/c.pem",
+            "--router-arg=--tls-key=/k.pem",
+        ]);
+        match router_args(&a, "/m", &["127.0.0.1:1".into()], &[])
+            .check()
+            .unwrap()
+        {
+            crate::Command::Router(r) => {
+                assert_eq!(r.door.tls_cert, Some(PathBuf::from("/c.pem")))
+            }
+            _ => panic!("not a router line"),
+        }
+        assert_eq!(port_of("127.0.0.1:8123"), 8123);
+        assert_eq!(port_of("nonsense"), 0);
+    }
 }
