@@ -67,11 +67,6 @@ impl DecodeService {
         &self.engine
     }
 
-    /// Requests in flight and the graceful stop.
-    pub fn drain(&self) -> &Arc<Drain> {
-        &self.drain
-    }
-
     /// The WorkerControl service (Info, Load, KvEvents) of this worker.
     pub fn control(&self) -> ControlService {
         ControlService::new(

@@ -151,11 +151,6 @@ impl PrefillService {
         }
     }
 
-    /// Requests in flight and the graceful stop.
-    pub fn drain(&self) -> &Arc<Drain> {
-        &self.shared.drain
-    }
-
     /// The WorkerControl service (Info, Load, KvEvents) of this worker.
     pub fn control(&self) -> ControlService {
         let s = &self.shared;

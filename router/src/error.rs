@@ -143,6 +143,13 @@ impl ApiError {
     }
 }
 
+/// A bad sampling field: a 400 naming it as `param`.
+impl From<tandem_types::SamplingError> for ApiError {
+    fn from(e: tandem_types::SamplingError) -> Self {
+        ApiError::invalid(e.to_string(), e.field())
+    }
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         if self.status().is_server_error() {

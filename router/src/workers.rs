@@ -20,7 +20,7 @@ use tandem_proto::worker as pb;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::client::{Connect, GrpcConnect, WorkerClient, WorkerStream};
+use crate::client::{Connect, GrpcConnect, WorkerClient};
 
 use crate::kv_index::KvIndex;
 use crate::policy::{Candidate, RoutingPolicy};
@@ -93,18 +93,6 @@ impl Worker {
         self.client.as_ref()
     }
 
-    async fn fetch_info(&self) -> Result<pb::WorkerInfo, tonic::Status> {
-        self.client.info().await
-    }
-
-    async fn fetch_load(&self) -> Result<pb::LoadReport, tonic::Status> {
-        self.client.load().await
-    }
-
-    async fn kv_events(&self) -> Result<WorkerStream<pb::KvEventBatch>, tonic::Status> {
-        self.client.kv_events().await
-    }
-
     /// Leading tokens of `prompt` this worker holds in its prefix cache, as far as the router's
     /// index knows.
     pub fn cached_prefix_tokens(&self, prompt: &[u32]) -> usize {
@@ -149,7 +137,7 @@ impl Worker {
         loop {
             let need_info = self.state.lock().expect("worker state").info.is_none();
             let ok = if need_info {
-                match self.fetch_info().await {
+                match self.client.info().await {
                     Ok(info) => {
                         tracing::info!(worker = %self.addr, role, model = %info.model, block_size = info.block_size, "worker found");
                         self.state.lock().expect("worker state").info = Some(info);
@@ -164,7 +152,7 @@ impl Worker {
                 true
             };
             let ok = ok
-                && match self.fetch_load().await {
+                && match self.client.load().await {
                     Ok(r) => {
                         let mut s = self.state.lock().expect("worker state");
                         s.load = Some(r);
@@ -198,7 +186,7 @@ impl Worker {
     async fn follow_kv(self: Arc<Self>, cfg: PoolConfig) {
         let mut backoff = cfg.poll_interval;
         loop {
-            if let Ok(mut stream) = self.kv_events().await {
+            if let Ok(mut stream) = self.client.kv_events().await {
                 backoff = cfg.poll_interval;
                 while let Some(Ok(batch)) = stream.next().await {
                     if let Err(gap) = self.kv.lock().expect("kv index").apply(batch) {

@@ -3,6 +3,8 @@
 //! fakes sit behind the router's own `WorkerClient`/`Connect` seam, so these run the router's
 //! real code without a worker process or a socket.
 
+mod common;
+
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -134,13 +136,6 @@ impl Connect for FakeConnect {
 /// A dispatcher over the default model's tokenizer and `workers` (named w0, w1, ...), once
 /// every worker is ready.
 async fn dispatcher(workers: &[Arc<FakeWorker>], max_migrations: u32) -> Dispatcher {
-    let path = tandem_model::default_model_path();
-    assert!(
-        path.exists(),
-        "{} missing: run scripts/test",
-        path.display()
-    );
-    let model = tandem_router::load_model(&path, None).unwrap();
     let named: HashMap<String, Arc<FakeWorker>> = workers
         .iter()
         .enumerate()
@@ -160,7 +155,7 @@ async fn dispatcher(workers: &[Arc<FakeWorker>], max_migrations: u32) -> Dispatc
         Default::default(),
     );
     Dispatcher::new(
-        Arc::new(model),
+        common::served_model(),
         pool,
         None,
         policy,
@@ -257,7 +252,7 @@ fn dies_mid_stream(answer: Vec<u32>, first: usize, then: Say) -> Arc<FakeWorker>
 }
 
 async fn answer_ids() -> Vec<u32> {
-    let model = tandem_router::load_model(&tandem_model::default_model_path(), None).unwrap();
+    let model = common::served_model();
     model.text.tokenizer.encode(ANSWER, false).unwrap()
 }
 

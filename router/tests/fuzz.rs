@@ -9,6 +9,8 @@
 //! many more). A failing case is saved under `proptest-regressions/` and replayed first on
 //! every later run.
 
+mod common;
+
 use std::sync::Arc;
 
 use axum::body::Body;
@@ -23,13 +25,7 @@ use tower::ServiceExt;
 
 /// A dispatcher over the default model's tokenizer and template, with no worker.
 fn dispatcher(rt: &tokio::runtime::Runtime) -> Arc<Dispatcher> {
-    let path = tandem_model::default_model_path();
-    assert!(
-        path.exists(),
-        "{} missing: run scripts/test",
-        path.display()
-    );
-    let model = tandem_router::load_model(&path, None).unwrap();
+    let model = common::served_model();
     let _guard = rt.enter();
     let (_tx, rx) = tokio::sync::watch::channel(Vec::<String>::new());
     let pool = WorkerPool::spawn(Role::Decode, rx, PoolConfig::default());
@@ -38,7 +34,7 @@ fn dispatcher(rt: &tokio::runtime::Runtime) -> Arc<Dispatcher> {
         Default::default(),
     );
     Arc::new(Dispatcher::new(
-        Arc::new(model),
+        model,
         pool,
         None,
         policy,

@@ -213,14 +213,6 @@ impl Deref for ValidSampling {
     }
 }
 
-impl TryFrom<SamplingParams> for ValidSampling {
-    type Error = SamplingError;
-
-    fn try_from(p: SamplingParams) -> Result<Self, SamplingError> {
-        p.validate()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

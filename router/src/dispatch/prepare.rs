@@ -3,19 +3,13 @@
 
 use std::sync::atomic::Ordering;
 
-use tandem_types::{SamplingError, SamplingParams};
+use tandem_types::SamplingParams;
 
 use super::{Dispatcher, GenParams, MaxTokensDefault, Prepared, PromptInput};
 use crate::error::ApiError;
 
 /// Most stop strings one request may give (each is matched against every piece of text).
 pub const MAX_STOP_STRINGS: usize = 16;
-
-impl From<SamplingError> for ApiError {
-    fn from(e: SamplingError) -> Self {
-        ApiError::invalid(e.to_string(), e.field())
-    }
-}
 
 impl Dispatcher {
     /// Refuses a model name this router does not serve (empty means the served one).
