@@ -12,7 +12,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
-use tandem_engine::{Backend, Engine, EngineConfig, KvDtype, LlamaModel, WeightFormat};
+use tandem_engine::{Engine, EngineConfig, KvDtype, LlamaModel, WeightFormat};
 
 #[derive(Parser)]
 #[command(
@@ -157,7 +157,7 @@ impl EngineArgs {
             admission_lookahead: self.admission_lookahead,
             slowdown: test_slowdown()?,
         };
-        let backend = Backend::on(self.device, &loaded, &cfg, || {
+        let backend = tandem_engine::backend::on(self.device, &loaded, &cfg, || {
             LlamaModel::new(&loaded, self.weights)
         })
         .with_context(|| format!("starting the model on {}", self.device))?;

@@ -1,6 +1,7 @@
-//! Where the engine's steps run: the CPU model over a host KV pool, or the CUDA model over a
-//! device pool. The scheduler, block manager and sampler are the same for both; they see only
-//! [`Backend::forward`] (logits for the rows that want them) and the pool's size in blocks.
+//! Where the engine's steps run. The scheduler, block manager and sampler are the same on every
+//! device; they see a [`Backend`]: one packed step's logits (or picks) and the pool's size in
+//! blocks. The CPU model over a host pool ([`CpuBackend`]) and the CUDA model over a device pool
+//! ([`GpuLlama`]) are the two in production; tests drive the scheduler with fakes.
 
 use tandem_kernels::cuda::DeviceSpec;
 use tandem_model::{LlamaConfig, LoadedModel};
@@ -11,11 +12,62 @@ use crate::kv_cache::{KvDtype, KvPool};
 use crate::model::{LlamaModel, SeqBatch};
 use crate::EngineError;
 
-// One per engine, built once: the variants' sizes do not matter.
-#[allow(clippy::large_enum_variant)]
-pub enum Backend {
-    Cpu { model: LlamaModel, kv: KvPool },
-    Cuda(GpuLlama),
+/// A device that runs the model's steps over its KV pool.
+pub trait Backend: Send {
+    /// The model's shape.
+    fn config(&self) -> &LlamaConfig;
+
+    /// One packed step over the pool; f32 logits (vocab each) for the sequences that want them,
+    /// in order.
+    fn forward(&mut self, seqs: &[SeqBatch<'_>]) -> Result<Vec<f32>, EngineError>;
+
+    /// Whether [`Backend::forward_argmax`] picks tokens where the logits are (a GPU), so a step
+    /// whose samplers all take the argmax need not bring the logits back.
+    fn picks_on_device(&self) -> bool {
+        false
+    }
+
+    /// One packed step that returns, for each sequence that wants logits, the argmax token (the
+    /// first on ties) and its log-probability. By default from [`Backend::forward`]'s logits.
+    fn forward_argmax(&mut self, seqs: &[SeqBatch<'_>]) -> Result<Vec<(u32, f32)>, EngineError> {
+        let logits = self.forward(seqs)?;
+        let vocab = self.config().vocab_size;
+        let mut lp = vec![0f32; vocab];
+        Ok(logits
+            .chunks_exact(vocab)
+            .map(|row| {
+                tandem_kernels::ops::log_softmax(row, &mut lp);
+                let t = tandem_kernels::ops::argmax(row);
+                (t as u32, lp[t])
+            })
+            .collect())
+    }
+
+    /// Blocks in the pool.
+    fn num_blocks(&self) -> usize;
+
+    /// The host pool, which KV transfers read from and write into; None when the cache lives
+    /// elsewhere.
+    fn host_pool(&self) -> Option<&KvPool> {
+        None
+    }
+
+    /// Bytes of weights one decode step reads.
+    fn weight_bytes(&self) -> usize;
+
+    /// Bytes of cache per token of context, all layers.
+    fn kv_bytes_per_token(&self) -> f64;
+
+    /// The cache's element type, as workers advertise it.
+    fn kv_dtype_name(&self) -> &'static str;
+
+    /// Where steps run, for logs and benchmark headers.
+    fn device(&self) -> String;
+
+    /// The CPU model, when steps run on the CPU.
+    fn cpu_model(&self) -> Option<&LlamaModel> {
+        None
+    }
 }
 
 /// Blocks a pool of `config`'s size holds at `block_bytes` a block: `num_blocks` if given, else
@@ -27,10 +79,16 @@ fn pool_blocks(config: &EngineConfig, block_bytes: usize) -> usize {
         .max(1)
 }
 
-impl Backend {
+/// The CPU model over a host KV pool.
+pub struct CpuBackend {
+    model: LlamaModel,
+    kv: KvPool,
+}
+
+impl CpuBackend {
     /// The CPU model with a pool of the configured size and dtype (`config` checked: see
     /// [`EngineConfig::check`]).
-    pub fn cpu(model: LlamaModel, config: &EngineConfig) -> Result<Self, EngineError> {
+    pub fn new(model: LlamaModel, config: &EngineConfig) -> Result<Self, EngineError> {
         let layout = model.kv_layout(config.block_size);
         let layers = model.config.num_layers;
         let block_bytes = KvPool::bytes_per_block(layout, config.kv_dtype, layers);
@@ -41,12 +99,53 @@ impl Backend {
             pool_blocks(config, block_bytes),
         )
         .map_err(|e| EngineError::Startup(format!("allocating the KV pool: {e}")))?;
-        Ok(Self::Cpu { model, kv })
+        Ok(Self { model, kv })
+    }
+}
+
+impl Backend for CpuBackend {
+    fn config(&self) -> &LlamaConfig {
+        &self.model.config
     }
 
+    fn forward(&mut self, seqs: &[SeqBatch<'_>]) -> Result<Vec<f32>, EngineError> {
+        self.model.forward(seqs, &mut self.kv)
+    }
+
+    fn num_blocks(&self) -> usize {
+        self.kv.num_blocks()
+    }
+
+    fn host_pool(&self) -> Option<&KvPool> {
+        Some(&self.kv)
+    }
+
+    fn weight_bytes(&self) -> usize {
+        self.model.weight_bytes()
+    }
+
+    fn kv_bytes_per_token(&self) -> f64 {
+        let kv = &self.kv;
+        KvPool::bytes_per_token(kv.layout, kv.dtype, kv.num_layers)
+    }
+
+    fn kv_dtype_name(&self) -> &'static str {
+        self.kv.dtype.name()
+    }
+
+    fn device(&self) -> String {
+        "cpu".into()
+    }
+
+    fn cpu_model(&self) -> Option<&LlamaModel> {
+        Some(&self.model)
+    }
+}
+
+impl GpuLlama {
     /// `loaded`'s weights in bf16 on CUDA device `ordinal`, with a bf16 pool of the configured
     /// size. The cache is the model's dtype there: `--kv-dtype int8` is refused.
-    pub fn cuda(
+    pub fn for_engine(
         ordinal: usize,
         loaded: &LoadedModel,
         config: &EngineConfig,
@@ -61,116 +160,61 @@ impl Backend {
         let c = &loaded.config;
         let block_bytes = GpuLlama::kv_bytes_per_block(c, config.block_size);
         let blocks = pool_blocks(config, block_bytes);
-        let gpu = GpuLlama::from_tensors(ordinal, c, &loaded.tensors, config.block_size, blocks)?;
-        Ok(Self::Cuda(gpu))
+        GpuLlama::from_tensors(ordinal, c, &loaded.tensors, config.block_size, blocks)
+    }
+}
+
+impl Backend for GpuLlama {
+    fn config(&self) -> &LlamaConfig {
+        &self.config
     }
 
-    /// The backend `device` names: the CPU model (`model` builds it; only called for the CPU) or
-    /// `loaded` uploaded to a CUDA device.
-    pub fn on(
-        device: DeviceSpec,
-        loaded: &LoadedModel,
-        config: &EngineConfig,
-        model: impl FnOnce() -> Result<LlamaModel, EngineError>,
-    ) -> Result<Self, EngineError> {
-        config.check()?;
-        match device {
-            DeviceSpec::Cpu => Self::cpu(model()?, config),
-            DeviceSpec::Cuda(n) => Self::cuda(n, loaded, config),
-        }
+    fn forward(&mut self, seqs: &[SeqBatch<'_>]) -> Result<Vec<f32>, EngineError> {
+        GpuLlama::forward(self, seqs)
     }
 
-    pub fn config(&self) -> &LlamaConfig {
-        match self {
-            Self::Cpu { model, .. } => &model.config,
-            Self::Cuda(g) => &g.config,
-        }
+    fn picks_on_device(&self) -> bool {
+        true
     }
 
-    /// One packed step over the pool; f32 logits (vocab each) for the sequences that want them.
-    pub fn forward(&mut self, seqs: &[SeqBatch<'_>]) -> Result<Vec<f32>, EngineError> {
-        match self {
-            Self::Cpu { model, kv } => model.forward(seqs, kv),
-            Self::Cuda(g) => g.forward(seqs),
-        }
+    fn forward_argmax(&mut self, seqs: &[SeqBatch<'_>]) -> Result<Vec<(u32, f32)>, EngineError> {
+        self.forward_greedy(seqs)
     }
 
-    /// Whether [`Self::forward_argmax`] picks tokens where the logits are (a GPU), so a step
-    /// whose samplers all take the argmax need not bring the logits back.
-    pub fn picks_on_device(&self) -> bool {
-        matches!(self, Self::Cuda(_))
+    fn num_blocks(&self) -> usize {
+        self.num_blocks
     }
 
-    /// One packed step that returns, for each sequence that wants logits, the argmax token and
-    /// its log-probability (on a GPU, computed there).
-    pub fn forward_argmax(
-        &mut self,
-        seqs: &[SeqBatch<'_>],
-    ) -> Result<Vec<(u32, f32)>, EngineError> {
-        match self {
-            Self::Cuda(g) => g.forward_greedy(seqs),
-            Self::Cpu { model, kv } => {
-                let logits = model.forward(seqs, kv)?;
-                let vocab = model.config.vocab_size;
-                let mut lp = vec![0f32; vocab];
-                Ok(logits
-                    .chunks_exact(vocab)
-                    .map(|row| {
-                        tandem_kernels::ops::log_softmax(row, &mut lp);
-                        let t = tandem_kernels::ops::argmax(row);
-                        (t as u32, lp[t])
-                    })
-                    .collect())
-            }
-        }
+    fn weight_bytes(&self) -> usize {
+        GpuLlama::weight_bytes(self)
     }
 
-    pub fn num_blocks(&self) -> usize {
-        match self {
-            Self::Cpu { kv, .. } => kv.num_blocks(),
-            Self::Cuda(g) => g.num_blocks,
-        }
+    fn kv_bytes_per_token(&self) -> f64 {
+        GpuLlama::kv_bytes_per_token(self) as f64
     }
 
-    /// The host pool, which KV transfers read from and write into; None on a GPU.
-    pub fn host_pool(&self) -> Option<&KvPool> {
-        match self {
-            Self::Cpu { kv, .. } => Some(kv),
-            Self::Cuda(_) => None,
-        }
+    fn kv_dtype_name(&self) -> &'static str {
+        "bf16"
     }
 
-    /// Bytes of weights one decode step reads.
-    pub fn weight_bytes(&self) -> usize {
-        match self {
-            Self::Cpu { model, .. } => model.weight_bytes(),
-            Self::Cuda(g) => g.weight_bytes(),
-        }
+    fn device(&self) -> String {
+        self.ops.gpu.to_string()
     }
+}
 
-    /// Bytes of cache per token of context, all layers.
-    pub fn kv_bytes_per_token(&self) -> f64 {
-        match self {
-            Self::Cpu { kv, .. } => KvPool::bytes_per_token(kv.layout, kv.dtype, kv.num_layers),
-            Self::Cuda(g) => g.kv_bytes_per_token() as f64,
-        }
-    }
-
-    /// The cache's element type, as workers advertise it.
-    pub fn kv_dtype_name(&self) -> &'static str {
-        match self {
-            Self::Cpu { kv, .. } => kv.dtype.name(),
-            Self::Cuda(_) => "bf16",
-        }
-    }
-
-    /// Where steps run, for logs and benchmark headers.
-    pub fn device(&self) -> String {
-        match self {
-            Self::Cpu { .. } => "cpu".into(),
-            Self::Cuda(g) => g.ops.gpu.to_string(),
-        }
-    }
+/// The backend `device` names: the CPU model (`model` builds it; only called for the CPU) or
+/// `loaded` uploaded to a CUDA device.
+pub fn on(
+    device: DeviceSpec,
+    loaded: &LoadedModel,
+    config: &EngineConfig,
+    model: impl FnOnce() -> Result<LlamaModel, EngineError>,
+) -> Result<Box<dyn Backend>, EngineError> {
+    config.check()?;
+    Ok(match device {
+        DeviceSpec::Cpu => Box::new(CpuBackend::new(model()?, config)?),
+        DeviceSpec::Cuda(n) => Box::new(GpuLlama::for_engine(n, loaded, config)?),
+    })
 }
 
 #[cfg(test)]
@@ -188,7 +232,7 @@ mod tests {
             num_blocks: Some(8),
             ..EngineConfig::default()
         };
-        let mut b = Backend::cpu(tiny_model(3), &config).unwrap();
+        let mut b = CpuBackend::new(tiny_model(3), &config).unwrap();
         assert!(!b.picks_on_device());
         assert_eq!(b.kv_dtype_name(), "f32");
         assert_eq!(b.device(), "cpu");

@@ -1,42 +1,31 @@
-//! The Llama forward on a CUDA GPU: the same packed step as [`crate::LlamaModel::forward`] (prefill
-//! chunks and decode tokens in one batch over the paged cache), in bf16 with f32 accumulation, the
-//! KV pool in device memory. Block ids and tables are the block manager's, so the scheduler is the
-//! same on either device.
+//! The Llama model on a CUDA GPU: its weights in bf16 in device memory, the KV pool there too,
+//! and the op set of [`crate::forward`] in bf16 with f32 accumulation. Block ids and tables are
+//! the block manager's, so the scheduler is the same on either device.
 
+use std::cell::Cell;
 use std::collections::BTreeMap;
 
-use tandem_kernels::cuda::runtime::{CudaOps, CudaSlice};
+use tandem_kernels::cuda::runtime::{AttnBatch, CudaOps, CudaSlice};
 use tandem_kernels::ops::RopeTable;
-use tandem_model::{LlamaConfig, TensorData};
+use tandem_model::{LlamaConfig, TensorData, TensorName};
 
+use crate::forward::{self, LlamaWeights, StepOps};
 use crate::model::{PackedStep, SeqBatch};
 use crate::EngineError;
 
-struct GpuLayer {
-    attn_norm: CudaSlice<u16>,
-    /// q, k and v stacked by rows.
-    qkv: CudaSlice<u16>,
-    o: CudaSlice<u16>,
-    ffn_norm: CudaSlice<u16>,
-    /// gate and up stacked by rows.
-    gate_up: CudaSlice<u16>,
-    down: CudaSlice<u16>,
-}
+/// bf16 values as their bits, which is how device buffers hold them.
+type Bf16 = CudaSlice<u16>;
 
 pub struct GpuLlama {
     pub config: LlamaConfig,
     pub ops: CudaOps,
-    layers: Vec<GpuLayer>,
-    embed: CudaSlice<u16>,
-    /// None when tied to the embedding.
-    head: Option<CudaSlice<u16>>,
-    norm: CudaSlice<u16>,
+    weights: LlamaWeights<Bf16, Bf16>,
     cos: CudaSlice<f32>,
     sin: CudaSlice<f32>,
     max_pos: usize,
     /// Per layer: [blocks][kv heads][block_size][head_dim].
-    k_cache: Vec<CudaSlice<u16>>,
-    v_cache: Vec<CudaSlice<u16>>,
+    k_cache: Vec<Bf16>,
+    v_cache: Vec<Bf16>,
     pub block_size: usize,
     pub num_blocks: usize,
 }
@@ -58,41 +47,15 @@ impl GpuLlama {
         num_blocks: usize,
     ) -> Result<Self, EngineError> {
         let ops = CudaOps::new(ordinal)?;
-        let get = |name: &str| -> Result<Vec<f32>, EngineError> {
-            let t = tensors
-                .get(name)
-                .ok_or_else(|| tandem_model::ModelError::MissingTensor(name.to_string()))?;
-            Ok(t.to_f32()?)
-        };
-        let up = |names: &[String]| -> Result<CudaSlice<u16>, EngineError> {
+        let up = |names: &[TensorName]| -> Result<Bf16, EngineError> {
             let mut all = Vec::new();
-            for n in names {
-                all.extend(bf16_bits(&get(n)?));
+            for &n in names {
+                all.extend(bf16_bits(&forward::tensor(tensors, n)?.to_f32()?));
             }
             Ok(ops.upload(&all)?)
         };
-        let mut layers = Vec::with_capacity(config.num_layers);
-        for i in 0..config.num_layers {
-            let p = |s: &str| format!("blk.{i}.{s}.weight");
-            layers.push(GpuLayer {
-                attn_norm: up(&[p("attn_norm")])?,
-                qkv: up(&[p("attn_q"), p("attn_k"), p("attn_v")])?,
-                o: up(&[p("attn_output")])?,
-                ffn_norm: up(&[p("ffn_norm")])?,
-                gate_up: up(&[p("ffn_gate"), p("ffn_up")])?,
-                down: up(&[p("ffn_down")])?,
-            });
-        }
-        let embed = up(&["token_embd.weight".to_string()])?;
-        let head = if config.tie_word_embeddings {
-            None
-        } else {
-            Some(up(&["output.weight".to_string()])?)
-        };
-        let norm = up(&["output_norm.weight".to_string()])?;
-        Self::assemble(
-            ops, config, layers, embed, head, norm, block_size, num_blocks,
-        )
+        let weights = LlamaWeights::build(config, up, |n| up(&[n]))?;
+        Self::assemble(ops, config, weights, block_size, num_blocks)
     }
 
     /// A model of `config`'s shape with random weights made on the device (benchmarks: no
@@ -105,47 +68,40 @@ impl GpuLlama {
         num_blocks: usize,
     ) -> Result<Self, EngineError> {
         let ops = CudaOps::new(ordinal)?;
-        let c = config;
-        let (h, hd, ff) = (c.hidden_size, c.head_dim, c.intermediate_size);
-        let qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * hd;
-        let mut n = 0u64;
-        let mut rnd = |len: usize, scale: f32| -> Result<CudaSlice<u16>, EngineError> {
+        let made = Cell::new(0u64);
+        let rnd = |names: &[TensorName], scale: f32| -> Result<Bf16, EngineError> {
+            let len: usize = names
+                .iter()
+                .map(|n| n.shape(config).map_or(0, |s| s.iter().product::<usize>()))
+                .sum();
             let mut x = ops.alloc_bf16(len)?;
-            n += 1;
-            ops.fill_random(&mut x, seed.wrapping_mul(1_000_003).wrapping_add(n), scale)?;
+            made.set(made.get() + 1);
+            let s = seed.wrapping_mul(1_000_003).wrapping_add(made.get());
+            ops.fill_random(&mut x, s, scale)?;
             Ok(x)
         };
-        let mut layers = Vec::with_capacity(c.num_layers);
-        for _ in 0..c.num_layers {
-            layers.push(GpuLayer {
-                attn_norm: rnd(h, 1.0)?,
-                qkv: rnd(qkv_rows * h, 0.02)?,
-                o: rnd(h * c.num_heads * hd, 0.02)?,
-                ffn_norm: rnd(h, 1.0)?,
-                gate_up: rnd(2 * ff * h, 0.02)?,
-                down: rnd(h * ff, 0.02)?,
-            });
-        }
-        let embed = rnd(c.vocab_size * h, 1.0)?;
-        let head = if c.tie_word_embeddings {
-            None
-        } else {
-            Some(rnd(c.vocab_size * h, 0.02)?)
-        };
-        let norm = rnd(h, 1.0)?;
-        Self::assemble(
-            ops, config, layers, embed, head, norm, block_size, num_blocks,
-        )
+        let weights = LlamaWeights::build(
+            config,
+            // The embedding's rows are looked up, not multiplied: unit scale, like the norms.
+            |names| {
+                rnd(
+                    names,
+                    if names == [TensorName::Embedding] {
+                        1.0
+                    } else {
+                        0.02
+                    },
+                )
+            },
+            |name| rnd(&[name], 1.0),
+        )?;
+        Self::assemble(ops, config, weights, block_size, num_blocks)
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn assemble(
         ops: CudaOps,
         config: &LlamaConfig,
-        layers: Vec<GpuLayer>,
-        embed: CudaSlice<u16>,
-        head: Option<CudaSlice<u16>>,
-        norm: CudaSlice<u16>,
+        weights: LlamaWeights<Bf16, Bf16>,
         block_size: usize,
         num_blocks: usize,
     ) -> Result<Self, EngineError> {
@@ -168,10 +124,7 @@ impl GpuLlama {
             sin: ops.upload(sin)?,
             max_pos: rope.max_pos(),
             ops,
-            layers,
-            embed,
-            head,
-            norm,
+            weights,
             k_cache,
             v_cache,
             block_size,
@@ -182,12 +135,7 @@ impl GpuLlama {
 
     /// Bytes of weights one decode step reads (every matrix once).
     pub fn weight_bytes(&self) -> usize {
-        let l: usize = self
-            .layers
-            .iter()
-            .map(|l| l.qkv.len() + l.o.len() + l.gate_up.len() + l.down.len())
-            .sum();
-        2 * (l + self.head.as_ref().unwrap_or(&self.embed).len())
+        2 * self.weights.matrices().map(|m| m.len()).sum::<usize>()
     }
 
     /// Bytes of K and V per token of context, all layers.
@@ -247,82 +195,213 @@ impl GpuLlama {
         &mut self,
         seqs: &[SeqBatch<'_>],
     ) -> Result<Option<(CudaSlice<f32>, usize)>, EngineError> {
-        let c = self.config.clone();
-        let (h, hd, ff) = (c.hidden_size, c.head_dim, c.intermediate_size);
-        let (nq, nkv) = (c.num_heads, c.num_kv_heads);
-        let (qd, qkv_w) = (nq * hd, (nq + 2 * nkv) * hd);
-        let bs = self.block_size;
-        let step = PackedStep::new(seqs, c.vocab_size, self.max_pos, bs, self.num_blocks)?;
+        let c = &self.config;
+        let step = PackedStep::new(
+            seqs,
+            c.vocab_size,
+            self.max_pos,
+            self.block_size,
+            self.num_blocks,
+        )?;
         let t = step.tokens.len();
         if t == 0 {
             return Ok(None);
         }
+        let n = step.logit_rows.len();
+        let mut ops = GpuStep::new(
+            &self.ops,
+            c,
+            (&self.cos, &self.sin),
+            (&mut self.k_cache, &mut self.v_cache),
+            self.block_size,
+            &step,
+        )?;
+        let logits = forward::forward(&mut ops, &self.weights, c, t, n)?;
+        Ok(logits.map(|l| (l, n)))
+    }
+}
+
+/// One packed step on a CUDA device: the op set of [`crate::forward`] over the device pool, with
+/// the step's inputs uploaded once.
+struct GpuStep<'a> {
+    o: &'a CudaOps,
+    hidden: usize,
+    /// (q heads, kv heads, head dim).
+    heads: (usize, usize, usize),
+    eps: f32,
+    rope: (&'a CudaSlice<f32>, &'a CudaSlice<f32>),
+    k_cache: &'a mut [Bf16],
+    v_cache: &'a mut [Bf16],
+    block_size: usize,
+    ids: CudaSlice<i32>,
+    positions: CudaSlice<i32>,
+    slots: CudaSlice<i64>,
+    /// None when no row wants logits (the step ends before the head).
+    logit_rows: Option<CudaSlice<i32>>,
+    batch: AttnBatch,
+}
+
+impl<'a> GpuStep<'a> {
+    fn new(
+        o: &'a CudaOps,
+        c: &LlamaConfig,
+        rope: (&'a CudaSlice<f32>, &'a CudaSlice<f32>),
+        (k_cache, v_cache): (&'a mut [Bf16], &'a mut [Bf16]),
+        block_size: usize,
+        step: &PackedStep<'_>,
+    ) -> Result<Self, EngineError> {
+        let i32s = |v: &[usize]| v.iter().map(|&x| x as i32).collect::<Vec<i32>>();
         let ids: Vec<i32> = step.tokens.iter().map(|&x| x as i32).collect();
-        let positions: Vec<i32> = step.positions.iter().map(|&p| p as i32).collect();
         let slots: Vec<i64> = step.slots.iter().map(|&s| s as i64).collect();
-        let logit_rows: Vec<i32> = step.logit_rows.iter().map(|&r| r as i32).collect();
         let tables: Vec<&[u32]> = step.seqs.iter().map(|s| s.block_table).collect();
         let q_len: Vec<usize> = step.seqs.iter().map(|s| s.q_len).collect();
         let context: Vec<usize> = step.seqs.iter().map(|s| s.context).collect();
-        let o = &self.ops;
-        let ids_d = o.upload(&ids)?;
-        let pos_d = o.upload(&positions)?;
-        let slots_d = o.upload(&slots)?;
-        let mut batch = o.attn_batch(&tables, &q_len, &context, (nq, hd))?;
-        let mut x = o.alloc_bf16(t * h)?;
-        let mut hbuf = o.alloc_bf16(t * h)?;
-        let mut qkv = o.alloc_bf16(t * qkv_w)?;
-        let mut att = o.alloc_bf16(t * qd)?;
-        let mut proj = o.alloc_bf16(t * h)?;
-        let mut gu = o.alloc_bf16(t * 2 * ff)?;
-        let mut act = o.alloc_bf16(t * ff)?;
-        let eps = c.rms_norm_eps;
-        o.embedding(&ids_d, &self.embed, &mut x, h)?;
-        for (li, l) in self.layers.iter().enumerate() {
-            if li == 0 {
-                o.rms_norm(&x, &l.attn_norm, &mut hbuf, t, eps)?;
-            } else {
-                // The previous layer's MLP output joins the residual here.
-                o.add_rms_norm(&mut x, &proj, &l.attn_norm, &mut hbuf, t, eps)?;
-            }
-            o.gemm(&hbuf, &l.qkv, &mut qkv, (t, qkv_w, h))?;
-            o.qkv_rope(&mut qkv, &pos_d, &self.cos, &self.sin, t, (nq, nkv, hd))?;
-            o.write_kv(
-                &qkv,
-                &slots_d,
-                &mut self.k_cache[li],
-                &mut self.v_cache[li],
-                (nq, nkv, hd),
-                bs,
-            )?;
-            o.attention(
-                &mut batch,
-                &qkv,
-                qkv_w,
-                &self.k_cache[li],
-                &self.v_cache[li],
-                &mut att,
-                (nq, nkv, hd),
-                bs,
-            )?;
-            o.gemm(&att, &l.o, &mut proj, (t, h, qd))?;
-            o.add_rms_norm(&mut x, &proj, &l.ffn_norm, &mut hbuf, t, eps)?;
-            o.gemm(&hbuf, &l.gate_up, &mut gu, (t, 2 * ff, h))?;
-            o.silu_mul(&gu, &mut act, t, ff)?;
-            o.gemm(&act, &l.down, &mut proj, (t, h, ff))?;
-        }
-        let n = logit_rows.len();
-        if n == 0 {
-            o.synchronize()?;
-            return Ok(None);
-        }
-        o.add_rms_norm(&mut x, &proj, &self.norm, &mut hbuf, t, eps)?;
-        let rows_d = o.upload(&logit_rows)?;
-        let mut last = o.alloc_bf16(n * h)?;
-        o.gather_rows(&rows_d, &hbuf, &mut last, h)?;
-        let head = self.head.as_ref().unwrap_or(&self.embed);
-        let mut logits = o.alloc_f32(n * c.vocab_size)?;
-        o.gemm(&last, head, &mut logits, (n, c.vocab_size, h))?;
-        Ok(Some((logits, n)))
+        let logit_rows = match step.logit_rows.is_empty() {
+            true => None,
+            false => Some(o.upload(&i32s(&step.logit_rows))?),
+        };
+        Ok(Self {
+            o,
+            hidden: c.hidden_size,
+            heads: (c.num_heads, c.num_kv_heads, c.head_dim),
+            eps: c.rms_norm_eps,
+            rope,
+            k_cache,
+            v_cache,
+            block_size,
+            ids: o.upload(&ids)?,
+            positions: o.upload(&i32s(&step.positions))?,
+            slots: o.upload(&slots)?,
+            logit_rows,
+            batch: o.attn_batch(&tables, &q_len, &context, (c.num_heads, c.head_dim))?,
+        })
+    }
+}
+
+impl StepOps for GpuStep<'_> {
+    type Act = Bf16;
+    type Logits = CudaSlice<f32>;
+    type Matrix = Bf16;
+    type Vector = Bf16;
+
+    fn alloc(&self, len: usize) -> Result<Bf16, EngineError> {
+        Ok(self.o.alloc_bf16(len)?)
+    }
+
+    fn alloc_logits(&self, len: usize) -> Result<CudaSlice<f32>, EngineError> {
+        Ok(self.o.alloc_f32(len)?)
+    }
+
+    fn embed(&mut self, table: &Bf16, out: &mut Bf16) -> Result<(), EngineError> {
+        Ok(self.o.embedding(&self.ids, table, out, self.hidden)?)
+    }
+
+    fn rms_norm(
+        &mut self,
+        x: &Bf16,
+        w: &Bf16,
+        out: &mut Bf16,
+        rows: usize,
+    ) -> Result<(), EngineError> {
+        Ok(self.o.rms_norm(x, w, out, rows, self.eps)?)
+    }
+
+    fn add_rms_norm(
+        &mut self,
+        x: &mut Bf16,
+        delta: &Bf16,
+        w: &Bf16,
+        out: &mut Bf16,
+        rows: usize,
+    ) -> Result<(), EngineError> {
+        Ok(self.o.add_rms_norm(x, delta, w, out, rows, self.eps)?)
+    }
+
+    fn matmul(
+        &mut self,
+        w: &Bf16,
+        x: &Bf16,
+        mnk: (usize, usize, usize),
+        out: &mut Bf16,
+    ) -> Result<(), EngineError> {
+        Ok(self.o.gemm(x, w, out, mnk)?)
+    }
+
+    fn attention(
+        &mut self,
+        layer: usize,
+        qkv: &mut Bf16,
+        out: &mut Bf16,
+    ) -> Result<(), EngineError> {
+        let (nq, nkv, hd) = self.heads;
+        let t = self.slots.len();
+        let o = self.o;
+        o.qkv_rope(
+            qkv,
+            &self.positions,
+            self.rope.0,
+            self.rope.1,
+            t,
+            self.heads,
+        )?;
+        o.write_kv(
+            qkv,
+            &self.slots,
+            &mut self.k_cache[layer],
+            &mut self.v_cache[layer],
+            self.heads,
+            self.block_size,
+        )?;
+        o.attention(
+            &mut self.batch,
+            qkv,
+            (nq + 2 * nkv) * hd,
+            &self.k_cache[layer],
+            &self.v_cache[layer],
+            out,
+            self.heads,
+            self.block_size,
+        )?;
+        Ok(())
+    }
+
+    fn silu_mul(
+        &mut self,
+        gate_up: &Bf16,
+        out: &mut Bf16,
+        rows: usize,
+        ff: usize,
+    ) -> Result<(), EngineError> {
+        Ok(self.o.silu_mul(gate_up, out, rows, ff)?)
+    }
+
+    fn final_norm(
+        &mut self,
+        x: &mut Bf16,
+        delta: &Bf16,
+        w: &Bf16,
+        scratch: &mut Bf16,
+        out: &mut Bf16,
+    ) -> Result<(), EngineError> {
+        let rows = self.logit_rows.as_ref().ok_or_else(|| {
+            EngineError::Internal("the final norm of a step with no logit rows".into())
+        })?;
+        let t = self.slots.len();
+        self.o.add_rms_norm(x, delta, w, scratch, t, self.eps)?;
+        Ok(self.o.gather_rows(rows, scratch, out, self.hidden)?)
+    }
+
+    fn head(
+        &mut self,
+        w: &Bf16,
+        x: &Bf16,
+        mnk: (usize, usize, usize),
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), EngineError> {
+        Ok(self.o.gemm(x, w, out, mnk)?)
+    }
+
+    fn finish(&mut self) -> Result<(), EngineError> {
+        Ok(self.o.synchronize()?)
     }
 }

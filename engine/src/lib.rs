@@ -1,7 +1,9 @@
 //! tandem-engine: the model forward over a paged KV cache, and the loop that serves requests.
 //!
-//! Owns: [`LlamaModel`] (the Llama forward written once against tandem-kernels' op set), the KV
-//! pool ([`kv_cache`], f32 or int8), the [`BlockManager`] (ref counts, prefix cache, LRU eviction,
+//! Owns: the Llama forward, written once against a device op set (`forward`) and run by the
+//! CPU model ([`LlamaModel`] over tandem-kernels, behind [`CpuBackend`]) and the CUDA model
+//! ([`GpuLlama`]); the [`Backend`] trait the scheduler steps through; the KV pool ([`kv_cache`],
+//! f32 or int8), the [`BlockManager`] (ref counts, prefix cache, LRU eviction,
 //! events for the router), the [`Sampler`], the [`Engine`] (an iteration-level scheduler: decode
 //! first, chunked prefill within a token budget, preemption by recompute, one packed forward per
 //! step) and the [`EngineHandle`] that runs it on its own thread behind channels. There is no
@@ -13,13 +15,14 @@
 pub mod backend;
 pub mod block_manager;
 pub mod engine;
+mod forward;
 pub mod gpu;
 pub mod handle;
 pub mod kv_cache;
 pub mod model;
 pub mod sampler;
 
-pub use backend::Backend;
+pub use backend::{Backend, CpuBackend};
 pub use block_manager::{BlockCounts, BlockManager, KvEvent, KvEventKind, SeqBlocks};
 pub use engine::{
     Engine, EngineConfig, EngineStats, Event, FinishReason, Finished, KvChunk, Limits, Request,

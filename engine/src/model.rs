@@ -1,4 +1,5 @@
-//! The Llama forward pass over the paged KV cache, written once against the kernels op set.
+//! The Llama model on the CPU: its weights as tandem-kernels holds them (quantized as stored, or
+//! f32) and the op set of [`crate::forward`] over a host KV pool, in f32.
 //!
 //! A step runs one packed batch: the new tokens of every scheduled sequence, one after another
 //! (prefill chunks and single decode tokens alike). Each token carries its position and the cache
@@ -11,8 +12,9 @@ use rayon::prelude::*;
 use tandem_kernels::ops::{self, RopeTable};
 use tandem_kernels::{paged_attention, write_kv, KvLayout, Linear, SeqAttn, Weight};
 
-use tandem_model::{LlamaConfig, LoadedModel, ModelError, TensorData};
+use tandem_model::{LlamaConfig, LoadedModel, TensorData};
 
+use crate::forward::{self, LlamaWeights, StepOps};
 use crate::kv_cache::KvPool;
 use crate::EngineError;
 
@@ -37,25 +39,9 @@ impl std::str::FromStr for WeightFormat {
     }
 }
 
-struct Layer {
-    attn_norm: Vec<f32>,
-    /// q, k and v projections stacked by rows: one product per layer instead of three.
-    qkv: Linear,
-    o: Linear,
-    ffn_norm: Vec<f32>,
-    /// gate and up projections stacked by rows.
-    gate_up: Linear,
-    down: Linear,
-}
-
 pub struct LlamaModel {
     pub config: LlamaConfig,
-    layers: Vec<Layer>,
-    /// The token embedding; also the output head when the two are tied.
-    embed: Linear,
-    /// None when the head is tied to the embedding.
-    lm_head: Option<Linear>,
-    norm: Vec<f32>,
+    weights: LlamaWeights<Linear, Vec<f32>>,
     rope: RopeTable,
 }
 
@@ -137,46 +123,27 @@ impl LlamaModel {
     ) -> Result<Self, EngineError> {
         let c = config.clone();
         let f32w = format == WeightFormat::F32;
-        let t = |name: &str| -> Result<&TensorData, EngineError> {
-            tensors
-                .get(name)
-                .ok_or_else(|| EngineError::Files(ModelError::MissingTensor(name.to_string())))
-        };
-        let w = |name: &str| -> Result<Weight, EngineError> {
-            Ok(Weight::from_tensor(t(name)?, f32w)?)
-        };
-        let v = |name: &str| -> Result<Vec<f32>, EngineError> { Ok(t(name)?.to_f32()?) };
-        let mut layers = Vec::with_capacity(c.num_layers);
-        for i in 0..c.num_layers {
-            let p = |s: &str| format!("blk.{i}.{s}.weight");
-            layers.push(Layer {
-                attn_norm: v(&p("attn_norm"))?,
-                qkv: Linear::new(stack_rows(&[
-                    &w(&p("attn_q"))?,
-                    &w(&p("attn_k"))?,
-                    &w(&p("attn_v"))?,
-                ])?),
-                o: Linear::new(w(&p("attn_output"))?),
-                ffn_norm: v(&p("ffn_norm"))?,
-                gate_up: Linear::new(stack_rows(&[&w(&p("ffn_gate"))?, &w(&p("ffn_up"))?])?),
-                down: Linear::new(w(&p("ffn_down"))?),
-            });
-        }
-        let lm_head = if c.tie_word_embeddings {
-            None
-        } else {
-            Some(Linear::new(w("output.weight")?))
-        };
+        let weights = LlamaWeights::build(
+            &c,
+            |names| {
+                let parts = names
+                    .iter()
+                    .map(|&n| Ok(Weight::from_tensor(forward::tensor(tensors, n)?, f32w)?))
+                    .collect::<Result<Vec<_>, EngineError>>()?;
+                match parts.len() {
+                    1 => Ok(Linear::new(parts.into_iter().next().expect("one part"))),
+                    _ => Ok(Linear::new(stack_rows(&parts.iter().collect::<Vec<_>>())?)),
+                }
+            },
+            |name| Ok(forward::tensor(tensors, name)?.to_f32()?),
+        )?;
         let rope = RopeTable::new(
             &c.rope_inv_freq(),
             c.rope_position_scale(),
             c.max_position_embeddings,
         );
         Ok(Self {
-            layers,
-            embed: Linear::new(w("token_embd.weight")?),
-            lm_head,
-            norm: v("output_norm.weight")?,
+            weights,
             rope,
             config: c,
         })
@@ -192,10 +159,7 @@ impl LlamaModel {
 
     /// Every matrix a step multiplies by: the layers' projections, then the output head.
     fn linears(&self) -> impl Iterator<Item = &Linear> {
-        self.layers
-            .iter()
-            .flat_map(|l| [&l.qkv, &l.o, &l.gate_up, &l.down])
-            .chain([self.lm_head.as_ref().unwrap_or(&self.embed)])
+        self.weights.matrices()
     }
 
     /// Bytes of weights one decode step reads (every matrix once; norms are negligible).
@@ -226,22 +190,42 @@ impl LlamaModel {
         kv: &mut KvPool,
     ) -> Result<Vec<f32>, EngineError> {
         let c = &self.config;
-        let (h, hd) = (c.hidden_size, c.head_dim);
-        let (qd, kvd) = (c.num_heads * hd, c.num_kv_heads * hd);
         let bs = kv.layout.block_size;
         let step = PackedStep::new(seqs, c.vocab_size, self.rope.max_pos(), bs, kv.num_blocks())?;
         let t = step.tokens.len();
         if t == 0 {
             return Ok(Vec::new());
         }
-        let PackedStep {
-            tokens,
-            positions,
-            slots,
-            logit_rows,
-            ..
-        } = &step;
-        let attn: Vec<SeqAttn> = step
+        let mut ops = CpuStep::new(c, &self.rope, kv, &step);
+        let logits = forward::forward(&mut ops, &self.weights, c, t, step.logit_rows.len())?;
+        Ok(logits.unwrap_or_default())
+    }
+}
+
+/// One packed step on the CPU: the op set of [`crate::forward`] in f32 over the host pool, each
+/// op's rows split into parallel tasks on the compute pool.
+struct CpuStep<'a> {
+    c: &'a LlamaConfig,
+    rope: &'a RopeTable,
+    kv: &'a mut KvPool,
+    step: &'a PackedStep<'a>,
+    attn: Vec<SeqAttn<'a>>,
+    /// The step's rotated queries and keys and its values, split out of the fused q|k|v rows.
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+impl<'a> CpuStep<'a> {
+    fn new(
+        c: &'a LlamaConfig,
+        rope: &'a RopeTable,
+        kv: &'a mut KvPool,
+        step: &'a PackedStep<'a>,
+    ) -> Self {
+        let t = step.tokens.len();
+        let (qd, kvd) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+        let attn = step
             .seqs
             .iter()
             .map(|s| SeqAttn {
@@ -251,87 +235,173 @@ impl LlamaModel {
                 block_table: s.block_table,
             })
             .collect();
-
-        let mut x = vec![0f32; t * h];
-        ops::embedding(tokens, self.embed.weight(), &mut x);
-        let mut hbuf = vec![0f32; t * h];
-        let mut qkv = vec![0f32; t * (qd + 2 * kvd)];
-        let (mut q, mut k, mut v) = (vec![0f32; t * qd], vec![0f32; t * kvd], vec![0f32; t * kvd]);
-        let mut att = vec![0f32; t * qd];
-        let mut proj = vec![0f32; t * h];
-        let ff = c.intermediate_size;
-        let mut gu = vec![0f32; t * 2 * ff];
-        let mut act = vec![0f32; t * ff];
-        let scale = 1.0 / (hd as f32).sqrt();
-        let layout = kv.layout;
-        // Row-wise work between the products, in tasks of ROW_TASK rows.
-        let rt = ROW_TASK;
-        let qkv_w = qd + 2 * kvd;
-        for (li, l) in self.layers.iter().enumerate() {
-            let norm = |x: &[f32], w: &[f32], out: &mut [f32]| {
-                x.par_chunks(rt * h)
-                    .zip(out.par_chunks_mut(rt * h))
-                    .for_each(|(xc, oc)| ops::rms_norm(xc, w, c.rms_norm_eps, oc));
-            };
-            norm(&x, &l.attn_norm, &mut hbuf);
-            l.qkv.matmul(&hbuf, t, &mut qkv)?;
-            qkv.par_chunks(rt * qkv_w)
-                .zip(q.par_chunks_mut(rt * qd))
-                .zip(k.par_chunks_mut(rt * kvd))
-                .zip(v.par_chunks_mut(rt * kvd))
-                .zip(positions.par_chunks(rt))
-                .for_each(|((((src, qc), kc), vc), pos)| {
-                    for (r, row) in src.chunks_exact(qkv_w).enumerate() {
-                        qc[r * qd..(r + 1) * qd].copy_from_slice(&row[..qd]);
-                        kc[r * kvd..(r + 1) * kvd].copy_from_slice(&row[qd..qd + kvd]);
-                        vc[r * kvd..(r + 1) * kvd].copy_from_slice(&row[qd + kvd..]);
-                    }
-                    ops::rope(qc, pos, c.num_heads, &self.rope);
-                    ops::rope(kc, pos, c.num_kv_heads, &self.rope);
-                });
-            let mut cache = kv.layer_mut(li);
-            write_kv(&mut cache, layout, &k, &v, slots)?;
-            paged_attention(
-                &q,
-                c.num_heads,
-                cache.as_ref(),
-                layout,
-                &attn,
-                scale,
-                &mut att,
-            )?;
-            l.o.matmul(&att, t, &mut proj)?;
-            add_rows(&mut x, &proj, rt * h);
-
-            norm(&x, &l.ffn_norm, &mut hbuf);
-            l.gate_up.matmul(&hbuf, t, &mut gu)?;
-            gu.par_chunks(rt * 2 * ff)
-                .zip(act.par_chunks_mut(rt * ff))
-                .for_each(|(src, dst)| {
-                    for (g2, a) in src.chunks_exact(2 * ff).zip(dst.chunks_exact_mut(ff)) {
-                        let (g, u) = g2.split_at(ff);
-                        a.copy_from_slice(g);
-                        ops::silu_mul(a, u);
-                    }
-                });
-            l.down.matmul(&act, t, &mut proj)?;
-            add_rows(&mut x, &proj, rt * h);
+        Self {
+            c,
+            rope,
+            kv,
+            step,
+            attn,
+            q: vec![0f32; t * qd],
+            k: vec![0f32; t * kvd],
+            v: vec![0f32; t * kvd],
         }
+    }
 
-        let n = logit_rows.len();
-        let mut last = vec![0f32; n * h];
-        for (i, &r) in logit_rows.iter().enumerate() {
+    /// `out = rms_norm(x) · w` over all of `x`'s rows, in tasks of [`ROW_TASK`] rows.
+    fn norm(&self, x: &[f32], w: &[f32], out: &mut [f32]) {
+        let chunk = ROW_TASK * self.c.hidden_size;
+        x.par_chunks(chunk)
+            .zip(out.par_chunks_mut(chunk))
+            .for_each(|(xc, oc)| ops::rms_norm(xc, w, self.c.rms_norm_eps, oc));
+    }
+}
+
+impl StepOps for CpuStep<'_> {
+    type Act = Vec<f32>;
+    type Logits = Vec<f32>;
+    type Matrix = Linear;
+    type Vector = Vec<f32>;
+
+    fn alloc(&self, len: usize) -> Result<Vec<f32>, EngineError> {
+        Ok(vec![0f32; len])
+    }
+
+    fn alloc_logits(&self, len: usize) -> Result<Vec<f32>, EngineError> {
+        Ok(vec![0f32; len])
+    }
+
+    fn embed(&mut self, table: &Linear, out: &mut Vec<f32>) -> Result<(), EngineError> {
+        ops::embedding(&self.step.tokens, table.weight(), out);
+        Ok(())
+    }
+
+    fn rms_norm(
+        &mut self,
+        x: &Vec<f32>,
+        w: &Vec<f32>,
+        out: &mut Vec<f32>,
+        _rows: usize,
+    ) -> Result<(), EngineError> {
+        self.norm(x, w, out);
+        Ok(())
+    }
+
+    fn add_rms_norm(
+        &mut self,
+        x: &mut Vec<f32>,
+        delta: &Vec<f32>,
+        w: &Vec<f32>,
+        out: &mut Vec<f32>,
+        _rows: usize,
+    ) -> Result<(), EngineError> {
+        add_rows(x, delta, ROW_TASK * self.c.hidden_size);
+        self.norm(x, w, out);
+        Ok(())
+    }
+
+    fn matmul(
+        &mut self,
+        w: &Linear,
+        x: &Vec<f32>,
+        (rows, _, _): (usize, usize, usize),
+        out: &mut Vec<f32>,
+    ) -> Result<(), EngineError> {
+        Ok(w.matmul(x, rows, out)?)
+    }
+
+    fn attention(
+        &mut self,
+        layer: usize,
+        qkv: &mut Vec<f32>,
+        out: &mut Vec<f32>,
+    ) -> Result<(), EngineError> {
+        let c = self.c;
+        let hd = c.head_dim;
+        let (qd, kvd) = (c.num_heads * hd, c.num_kv_heads * hd);
+        let qkv_w = qd + 2 * kvd;
+        let rt = ROW_TASK;
+        let rope = self.rope;
+        qkv.par_chunks(rt * qkv_w)
+            .zip(self.q.par_chunks_mut(rt * qd))
+            .zip(self.k.par_chunks_mut(rt * kvd))
+            .zip(self.v.par_chunks_mut(rt * kvd))
+            .zip(self.step.positions.par_chunks(rt))
+            .for_each(|((((src, qc), kc), vc), pos)| {
+                for (r, row) in src.chunks_exact(qkv_w).enumerate() {
+                    qc[r * qd..(r + 1) * qd].copy_from_slice(&row[..qd]);
+                    kc[r * kvd..(r + 1) * kvd].copy_from_slice(&row[qd..qd + kvd]);
+                    vc[r * kvd..(r + 1) * kvd].copy_from_slice(&row[qd + kvd..]);
+                }
+                ops::rope(qc, pos, c.num_heads, rope);
+                ops::rope(kc, pos, c.num_kv_heads, rope);
+            });
+        let layout = self.kv.layout;
+        let mut cache = self.kv.layer_mut(layer);
+        write_kv(&mut cache, layout, &self.k, &self.v, &self.step.slots)?;
+        let scale = 1.0 / (hd as f32).sqrt();
+        paged_attention(
+            &self.q,
+            c.num_heads,
+            cache.as_ref(),
+            layout,
+            &self.attn,
+            scale,
+            out,
+        )?;
+        Ok(())
+    }
+
+    fn silu_mul(
+        &mut self,
+        gate_up: &Vec<f32>,
+        out: &mut Vec<f32>,
+        _rows: usize,
+        ff: usize,
+    ) -> Result<(), EngineError> {
+        let rt = ROW_TASK;
+        gate_up
+            .par_chunks(rt * 2 * ff)
+            .zip(out.par_chunks_mut(rt * ff))
+            .for_each(|(src, dst)| {
+                for (g2, a) in src.chunks_exact(2 * ff).zip(dst.chunks_exact_mut(ff)) {
+                    let (g, u) = g2.split_at(ff);
+                    a.copy_from_slice(g);
+                    ops::silu_mul(a, u);
+                }
+            });
+        Ok(())
+    }
+
+    fn final_norm(
+        &mut self,
+        x: &mut Vec<f32>,
+        delta: &Vec<f32>,
+        w: &Vec<f32>,
+        _scratch: &mut Vec<f32>,
+        out: &mut Vec<f32>,
+    ) -> Result<(), EngineError> {
+        let h = self.c.hidden_size;
+        add_rows(x, delta, ROW_TASK * h);
+        // Only the rows that want logits: a decode step's tokens all do, a prefill chunk's one.
+        for (i, &r) in self.step.logit_rows.iter().enumerate() {
             ops::rms_norm(
                 &x[r * h..(r + 1) * h],
-                &self.norm,
-                c.rms_norm_eps,
-                &mut last[i * h..(i + 1) * h],
+                w,
+                self.c.rms_norm_eps,
+                &mut out[i * h..(i + 1) * h],
             );
         }
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        let mut logits = vec![0f32; n * c.vocab_size];
-        head.matmul(&last, n, &mut logits)?;
-        Ok(logits)
+        Ok(())
+    }
+
+    fn head(
+        &mut self,
+        w: &Linear,
+        x: &Vec<f32>,
+        mnk: (usize, usize, usize),
+        out: &mut Vec<f32>,
+    ) -> Result<(), EngineError> {
+        self.matmul(w, x, mnk, out)
     }
 }
 
@@ -431,7 +501,7 @@ fn add_rows(x: &mut [f32], y: &[f32], chunk: usize) {
 #[cfg(test)]
 pub(crate) fn tiny_model(seed: u64) -> LlamaModel {
     use rand::{Rng, SeedableRng};
-    use tandem_model::GgmlType;
+    use tandem_model::{GgmlType, LayerTensor, TensorName};
     let c = LlamaConfig {
         hidden_size: 32,
         intermediate_size: 64,
@@ -448,34 +518,26 @@ pub(crate) fn tiny_model(seed: u64) -> LlamaModel {
     };
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let mut tensors = BTreeMap::new();
-    let mut add = |name: String, shape: Vec<usize>, scale: f32| {
+    for name in TensorName::required(&c) {
+        let shape = name.shape(&c).expect("a required tensor has a shape");
+        // Norm weights near 1 in scale, projections smaller so activations stay in range.
+        let scale: f32 = match name {
+            TensorName::Embedding | TensorName::OutputNorm => 1.0,
+            TensorName::Layer(_, LayerTensor::AttnNorm | LayerTensor::FfnNorm) => 1.0,
+            _ => 0.3,
+        };
         let n: usize = shape.iter().product();
         let data = (0..n)
             .flat_map(|_| rng.gen_range(-scale..scale).to_le_bytes())
             .collect();
         tensors.insert(
-            name,
+            name.canonical(),
             TensorData {
                 ty: GgmlType::F32,
                 shape,
                 data,
             },
         );
-    };
-    let (h, f, kv) = (32, 64, 16);
-    add("token_embd.weight".into(), vec![97, h], 1.0);
-    add("output_norm.weight".into(), vec![h], 1.0);
-    for i in 0..2 {
-        let p = |s: &str| format!("blk.{i}.{s}.weight");
-        add(p("attn_norm"), vec![h], 1.0);
-        add(p("ffn_norm"), vec![h], 1.0);
-        add(p("attn_q"), vec![h, h], 0.3);
-        add(p("attn_k"), vec![kv, h], 0.3);
-        add(p("attn_v"), vec![kv, h], 0.3);
-        add(p("attn_output"), vec![h, h], 0.3);
-        add(p("ffn_gate"), vec![f, h], 0.3);
-        add(p("ffn_up"), vec![f, h], 0.3);
-        add(p("ffn_down"), vec![h, f], 0.3);
     }
     LlamaModel::from_tensors(&c, &tensors, WeightFormat::Native).expect("consistent shapes")
 }

@@ -8,7 +8,7 @@
 mod golden_support;
 
 use golden_support::*;
-use tandem_engine::{Backend, Engine, EngineConfig, GpuLlama, SeqBatch};
+use tandem_engine::{Engine, EngineConfig, GpuLlama, SeqBatch};
 
 fn report(test: &str, why: &str) {
     use std::io::Write;
@@ -51,8 +51,8 @@ fn gpu_model(test: &str, num_blocks: usize) -> Option<GpuLlama> {
 
 fn gpu_engine(test: &str, cfg: EngineConfig) -> Option<Engine> {
     on_gpu(test, |m| {
-        let backend = Backend::cuda(0, m, &cfg)?;
-        Engine::with_backend(backend, cfg, m.tokenizer.eos_token_ids.clone())
+        let backend = GpuLlama::for_engine(0, m, &cfg)?;
+        Engine::with_backend(Box::new(backend), cfg, m.tokenizer.eos_token_ids.clone())
     })
 }
 

@@ -168,7 +168,7 @@ impl LlamaConfig {
             rope_theta: f("rope.freq_base").unwrap_or(10000.0) as f32,
             rope_scaling,
             // A GGUF without output.weight ties the head to the embedding; the loader decides.
-            tie_word_embeddings: g.tensor("output.weight").is_none(),
+            tie_word_embeddings: g.tensor(&crate::TensorName::Output.canonical()).is_none(),
         };
         cfg.validate()?;
         Ok(cfg)

@@ -9,7 +9,8 @@ use serde_json::Value;
 
 use crate::quant::GgmlType;
 use crate::{
-    ChatTemplate, GenerationDefaults, LlamaConfig, LoadedModel, ModelError, TensorData, Tokenizer,
+    ChatTemplate, GenerationDefaults, LlamaConfig, LoadedModel, ModelError, TensorData, TensorName,
+    Tokenizer,
 };
 
 fn read_json(path: &Path) -> Result<Option<Value>, ModelError> {
@@ -32,33 +33,6 @@ fn token_text(v: Option<&Value>) -> Option<String> {
             .map(str::to_string),
         _ => None,
     }
-}
-
-/// Maps an HF Llama tensor name to the canonical (GGUF-style) one.
-fn canonical_name(hf: &str) -> Option<String> {
-    let n = hf.strip_prefix("model.").unwrap_or(hf);
-    match n {
-        "embed_tokens.weight" => return Some("token_embd.weight".into()),
-        "norm.weight" => return Some("output_norm.weight".into()),
-        "lm_head.weight" => return Some("output.weight".into()),
-        _ => {}
-    }
-    let rest = n.strip_prefix("layers.")?;
-    let (idx, field) = rest.split_once('.')?;
-    let idx: usize = idx.parse().ok()?;
-    let f = match field {
-        "input_layernorm.weight" => "attn_norm",
-        "self_attn.q_proj.weight" => "attn_q",
-        "self_attn.k_proj.weight" => "attn_k",
-        "self_attn.v_proj.weight" => "attn_v",
-        "self_attn.o_proj.weight" => "attn_output",
-        "post_attention_layernorm.weight" => "ffn_norm",
-        "mlp.gate_proj.weight" => "ffn_gate",
-        "mlp.up_proj.weight" => "ffn_up",
-        "mlp.down_proj.weight" => "ffn_down",
-        _ => return None,
-    };
-    Some(format!("blk.{idx}.{f}.weight"))
 }
 
 pub(crate) fn load_dir(dir: &Path, name: String, weights: bool) -> Result<LoadedModel, ModelError> {
@@ -102,7 +76,7 @@ pub(crate) fn load_dir(dir: &Path, name: String, weights: bool) -> Result<Loaded
         let st = safetensors::SafeTensors::deserialize(&map)
             .map_err(|e| ModelError::Format(format!("{}: {e}", path.display())))?;
         for (tname, view) in st.tensors() {
-            let Some(canon) = canonical_name(&tname) else {
+            let Some(canon) = TensorName::from_hf(&tname) else {
                 continue;
             };
             let ty = match view.dtype() {
@@ -116,7 +90,7 @@ pub(crate) fn load_dir(dir: &Path, name: String, weights: bool) -> Result<Loaded
                 }
             };
             tensors.insert(
-                canon,
+                canon.canonical(),
                 TensorData {
                     ty,
                     shape: view.shape().to_vec(),
@@ -196,29 +170,4 @@ pub(crate) fn load_dir(dir: &Path, name: String, weights: bool) -> Result<Loaded
         crate::check_shapes(&model)?;
     }
     Ok(model)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn names() {
-        assert_eq!(
-            canonical_name("model.layers.12.mlp.down_proj.weight").as_deref(),
-            Some("blk.12.ffn_down.weight")
-        );
-        assert_eq!(
-            canonical_name("model.embed_tokens.weight").as_deref(),
-            Some("token_embd.weight")
-        );
-        assert_eq!(
-            canonical_name("lm_head.weight").as_deref(),
-            Some("output.weight")
-        );
-        assert_eq!(
-            canonical_name("model.layers.0.self_attn.rotary_emb.inv_freq"),
-            None
-        );
-    }
 }

@@ -18,6 +18,7 @@ pub mod config;
 pub mod gguf;
 pub mod hash;
 mod hf;
+pub mod names;
 pub mod quant;
 pub mod tokenizer;
 
@@ -27,6 +28,7 @@ use std::path::{Path, PathBuf};
 pub use chat::{ChatMessage, ChatTemplate};
 pub use config::{LlamaConfig, RopeScaling};
 pub use hash::{block_hashes, hash_block, BlockHash};
+pub use names::{LayerTensor, TensorName};
 pub use quant::GgmlType;
 pub use tokenizer::{IncrementalDecoder, Tokenizer};
 
@@ -113,6 +115,21 @@ impl LoadedModel {
             .get(name)
             .ok_or_else(|| ModelError::MissingTensor(name.to_string()))
     }
+
+    /// The tensor `name` names.
+    pub fn get(&self, name: TensorName) -> Result<&TensorData, ModelError> {
+        get_tensor(&self.tensors, name)
+    }
+}
+
+/// `name`'s tensor among tensors stored under canonical names.
+pub fn get_tensor(
+    tensors: &BTreeMap<String, TensorData>,
+    name: TensorName,
+) -> Result<&TensorData, ModelError> {
+    tensors
+        .get(&name.canonical())
+        .ok_or_else(|| ModelError::MissingTensor(name.canonical()))
 }
 
 /// Loads a GGUF file or an HF model directory.
@@ -158,21 +175,26 @@ fn load_gguf(path: &Path, name: String, weights: bool) -> Result<LoadedModel, Mo
     for t in g
         .tensors
         .iter()
-        .filter(|t| weights || t.name == "rope_freqs.weight")
+        .filter(|t| weights || TensorName::from_canonical(&t.name) == Some(TensorName::RopeFreqs))
     {
+        let name = TensorName::from_canonical(&t.name);
         let mut data = TensorData {
             ty: t.ty,
             shape: t.shape(),
             data: g.tensor_bytes(t).to_vec(),
         };
-        if t.name.ends_with(".attn_q.weight") {
-            unpermute_rope_rows(&mut data, config.num_heads, config.head_dim)?;
-        } else if t.name.ends_with(".attn_k.weight") {
-            unpermute_rope_rows(&mut data, config.num_kv_heads, config.head_dim)?;
-        }
-        if t.name == "rope_freqs.weight" {
-            config.rope_scaling = Some(RopeScaling::Factors(data.to_f32()?));
-            continue;
+        match name {
+            Some(TensorName::Layer(_, LayerTensor::AttnQ)) => {
+                unpermute_rope_rows(&mut data, config.num_heads, config.head_dim)?
+            }
+            Some(TensorName::Layer(_, LayerTensor::AttnK)) => {
+                unpermute_rope_rows(&mut data, config.num_kv_heads, config.head_dim)?
+            }
+            Some(TensorName::RopeFreqs) => {
+                config.rope_scaling = Some(RopeScaling::Factors(data.to_f32()?));
+                continue;
+            }
+            _ => {}
         }
         tensors.insert(t.name.clone(), data);
     }
@@ -222,37 +244,9 @@ fn unpermute_rope_rows(
 
 /// Checks that every tensor the forward pass needs is there with the shape the config implies.
 fn check_shapes(m: &LoadedModel) -> Result<(), ModelError> {
-    let c = &m.config;
-    let (h, q, kv, ff) = (
-        c.hidden_size,
-        c.num_heads * c.head_dim,
-        c.num_kv_heads * c.head_dim,
-        c.intermediate_size,
-    );
-    let mut want: Vec<(String, Vec<usize>)> = vec![
-        ("token_embd.weight".into(), vec![c.vocab_size, h]),
-        ("output_norm.weight".into(), vec![h]),
-    ];
-    if !c.tie_word_embeddings {
-        want.push(("output.weight".into(), vec![c.vocab_size, h]));
-    }
-    for i in 0..c.num_layers {
-        for (n, s) in [
-            ("attn_norm", vec![h]),
-            ("attn_q", vec![q, h]),
-            ("attn_k", vec![kv, h]),
-            ("attn_v", vec![kv, h]),
-            ("attn_output", vec![h, q]),
-            ("ffn_norm", vec![h]),
-            ("ffn_gate", vec![ff, h]),
-            ("ffn_up", vec![ff, h]),
-            ("ffn_down", vec![h, ff]),
-        ] {
-            want.push((format!("blk.{i}.{n}.weight"), s));
-        }
-    }
-    for (name, shape) in want {
-        let t = m.tensor(&name)?;
+    for name in TensorName::required(&m.config) {
+        let t = m.get(name)?;
+        let shape = name.shape(&m.config).unwrap_or_default();
         if t.shape != shape {
             return Err(ModelError::Format(format!(
                 "tensor {name} has shape {:?}, the config implies {shape:?}",

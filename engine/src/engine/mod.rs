@@ -23,7 +23,7 @@
 use std::collections::VecDeque;
 use std::time::Instant;
 
-use crate::backend::Backend;
+use crate::backend::{Backend, CpuBackend};
 use crate::block_manager::{BlockCounts, BlockManager, KvEvent, SeqBlocks};
 use crate::kv_cache::KvPool;
 use crate::model::LlamaModel;
@@ -108,7 +108,7 @@ impl Seq {
 }
 pub struct Engine {
     pub config: EngineConfig,
-    backend: Backend,
+    backend: Box<dyn Backend>,
     blocks: BlockManager,
     eos: Vec<u32>,
     waiting: VecDeque<Seq>,
@@ -131,13 +131,13 @@ impl Engine {
         eos: Vec<u32>,
     ) -> Result<Self, EngineError> {
         config.check()?;
-        let backend = Backend::cpu(model, &config)?;
-        Self::with_backend(backend, config, eos)
+        let backend = CpuBackend::new(model, &config)?;
+        Self::with_backend(Box::new(backend), config, eos)
     }
 
     /// An engine whose steps run on `backend` (made with the same `config`).
     pub fn with_backend(
-        backend: Backend,
+        backend: Box<dyn Backend>,
         config: EngineConfig,
         eos: Vec<u32>,
     ) -> Result<Self, EngineError> {
@@ -161,8 +161,8 @@ impl Engine {
         self.backend.host_pool()
     }
 
-    pub fn backend(&self) -> &Backend {
-        &self.backend
+    pub fn backend(&self) -> &dyn Backend {
+        self.backend.as_ref()
     }
 
     /// The model's shape.
@@ -172,10 +172,7 @@ impl Engine {
 
     /// The CPU model (None on a GPU).
     pub fn cpu_model(&self) -> Option<&LlamaModel> {
-        match &self.backend {
-            Backend::Cpu { model, .. } => Some(model),
-            Backend::Cuda(_) => None,
-        }
+        self.backend.cpu_model()
     }
 
     pub fn block_manager(&self) -> &BlockManager {
@@ -285,5 +282,7 @@ impl Engine {
     }
 }
 
+#[cfg(test)]
+mod fake_backend;
 #[cfg(test)]
 pub(crate) mod tests;

@@ -337,6 +337,92 @@ fn check_counts(e: &Engine) {
     );
 }
 
+/// Requests with the step each arrives at and, for some, a step to cancel it at.
+pub(crate) type Plan = Vec<(usize, Option<usize>, Request)>;
+
+/// Up to `n` greedy requests the engine takes (prompts of fewer than `max_prompt` tokens from a
+/// three-token alphabet, so prefixes are shared often; fewer than `max_out` output tokens),
+/// arriving within `arrive_within` steps, a `cancel_p` share of them cancelled within
+/// `cancel_within` steps of arriving.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn random_plan(
+    e: &Engine,
+    rng: &mut impl Rng,
+    n: usize,
+    max_prompt: usize,
+    max_out: u32,
+    arrive_within: usize,
+    cancel_p: f64,
+    cancel_within: usize,
+) -> Plan {
+    let mut plan = Vec::new();
+    for _ in 0..n {
+        let len = rng.gen_range(1..max_prompt);
+        let prompt: Vec<u32> = (0..len).map(|_| rng.gen_range(0..3)).collect();
+        let r = req(prompt, rng.gen_range(1..max_out));
+        if e.validate(&r).is_err() {
+            continue;
+        }
+        let arrive = rng.gen_range(0..arrive_within);
+        let cancel = rng
+            .gen_bool(cancel_p)
+            .then(|| arrive + rng.gen_range(0..cancel_within));
+        plan.push((arrive, cancel, r));
+    }
+    plan
+}
+
+/// Steps `e` through `plan` (at least `min_steps` steps, then until it is idle), checking after
+/// every step that the pool's block counts add up: each request's end and streamed tokens, in
+/// the plan's order. Fails when a request ends twice or never, or the engine stops progressing.
+pub(crate) fn run_plan(
+    e: &mut Engine,
+    plan: &Plan,
+    min_steps: usize,
+) -> Result<(Vec<Finished>, Vec<Vec<u32>>), TestCaseError> {
+    let mut finished: Vec<Option<Finished>> = vec![None; plan.len()];
+    let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); plan.len()];
+    let mut step = 0;
+    while step < min_steps || e.has_work() {
+        for (i, (arrive, cancel, r)) in plan.iter().enumerate() {
+            if *arrive == step {
+                e.add(RequestId(i as u64), r.clone()).unwrap();
+            }
+            if *cancel == Some(step) {
+                e.cancel(RequestId(i as u64));
+            }
+        }
+        let (events, _) = e.step().unwrap();
+        let st = e.stats();
+        prop_assert_eq!(
+            st.blocks_free + st.blocks_cached + st.blocks_used,
+            st.blocks_total,
+            "{:?}",
+            st
+        );
+        for ev in events {
+            match ev {
+                Event::Token(t) => tokens[t.request.0 as usize].push(t.sampled.token),
+                Event::Kv(_) => prop_assert!(false, "no prefill-mode requests here"),
+                Event::Finished(f) => {
+                    let i = f.request.0 as usize;
+                    prop_assert!(finished[i].is_none(), "finished twice");
+                    finished[i] = Some(f);
+                }
+            }
+        }
+        step += 1;
+        prop_assert!(step < 10_000, "no progress");
+    }
+    let finished = finished
+        .into_iter()
+        .map(|f| {
+            f.ok_or_else(|| TestCaseError::fail("a request neither finished nor was cancelled"))
+        })
+        .collect::<Result<_, _>>()?;
+    Ok((finished, tokens))
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
     /// Random arrivals, lengths and cancels over a pool small enough to force preemption:
@@ -362,54 +448,14 @@ proptest! {
             ..config()
         };
         let mut e = engine(cfg.clone());
-        // (arrival step, cancel at step, request); tokens from a tiny alphabet so prefixes
-        // are shared often.
-        let mut plan = Vec::new();
-        for _ in 0..n {
-            let len = rng.gen_range(1..40);
-            let prompt: Vec<u32> = (0..len).map(|_| rng.gen_range(0..3)).collect();
-            let r = req(prompt, rng.gen_range(1..24));
-            if e.validate(&r).is_err() {
-                continue;
-            }
-            let arrive = rng.gen_range(0..15usize);
-            let cancel = rng.gen_bool(0.2).then(|| arrive + rng.gen_range(0..20usize));
-            plan.push((arrive, cancel, r));
-        }
-        let mut finished: Vec<Option<Finished>> = vec![None; plan.len()];
-        let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); plan.len()];
-        let mut step = 0;
-        while step < 40 || e.has_work() {
-            for (i, (arrive, cancel, r)) in plan.iter().enumerate() {
-                if *arrive == step {
-                    e.add(RequestId(i as u64), r.clone()).unwrap();
-                }
-                if *cancel == Some(step) {
-                    e.cancel(RequestId(i as u64));
-                }
-            }
-            let (events, _) = e.step().unwrap();
-            check_counts(&e);
-            for ev in events {
-                match ev {
-                    Event::Token(t) => tokens[t.request.0 as usize].push(t.sampled.token),
-                    Event::Kv(_) => prop_assert!(false, "no prefill-mode requests here"),
-                    Event::Finished(f) => {
-                        let i = f.request.0 as usize;
-                        prop_assert!(finished[i].is_none(), "finished twice");
-                        finished[i] = Some(f);
-                    }
-                }
-            }
-            step += 1;
-            prop_assert!(step < 10_000, "no progress");
-        }
+        let plan = random_plan(&e, &mut rng, n, 40, 24, 15, 0.2, 20);
+        let (finished, tokens) = run_plan(&mut e, &plan, 40)?;
         let st = e.stats();
         prop_assert_eq!(st.blocks_used, 0);
         prop_assert_eq!(st.blocks_free + st.blocks_cached, st.blocks_total);
         let mut alone = engine(config());
         for (i, (_, _, r)) in plan.iter().enumerate() {
-            let f = finished[i].as_ref().expect("every request finishes or is cancelled");
+            let f = &finished[i];
             prop_assert_eq!(&f.output_ids, &tokens[i], "stream and result agree");
             match f.finish_reason {
                 FinishReason::Cancelled => {

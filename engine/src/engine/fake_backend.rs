@@ -1,0 +1,213 @@
+//! The scheduler driven by a fake device: [`TokenCache`] keeps, in place of K and V, the token id
+//! each cache slot was written with, and picks each next token from the context it reads back
+//! through the block table. A step that reads a slot nobody wrote, a block outside the pool or a
+//! slot another sequence overwrote makes a different token than the request's own history, so
+//! these tests check the block manager, the prefix cache, preemption and the step budget
+//! exactly, without a model's arithmetic.
+
+use std::sync::{Arc, Mutex};
+
+use super::tests::{random_plan, req, run_plan};
+use super::*;
+use crate::model::SeqBatch;
+use proptest::prelude::*;
+use rand::SeedableRng;
+
+const VOCAB: usize = 61;
+
+/// Per step the fake ran: (token rows, sequences).
+type StepLog = Arc<Mutex<Vec<(usize, usize)>>>;
+
+/// The token a context of `tokens` produces next (a position-weighted hash).
+fn next_token(tokens: &[u32]) -> u32 {
+    let h = tokens.iter().enumerate().fold(17u64, |h, (i, &t)| {
+        h.wrapping_mul(1_000_003)
+            .wrapping_add((i as u64 + 1) * (t as u64 + 7))
+    });
+    (h % VOCAB as u64) as u32
+}
+
+/// What a request generates: each token from the prompt and the tokens before it.
+fn expected(prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut ctx = prompt.to_vec();
+    for _ in 0..n {
+        ctx.push(next_token(&ctx));
+    }
+    ctx.split_off(prompt.len())
+}
+
+/// A device whose cache holds token ids.
+struct TokenCache {
+    config: LlamaConfig,
+    block_size: usize,
+    slots: Vec<Option<u32>>,
+    /// Shared with the test.
+    steps: StepLog,
+}
+
+impl TokenCache {
+    fn new(num_blocks: usize, block_size: usize, max_context: usize, steps: StepLog) -> Self {
+        Self {
+            config: LlamaConfig {
+                hidden_size: 8,
+                intermediate_size: 8,
+                num_layers: 1,
+                num_heads: 1,
+                num_kv_heads: 1,
+                head_dim: 8,
+                vocab_size: VOCAB,
+                max_position_embeddings: max_context,
+                rms_norm_eps: 1e-5,
+                rope_theta: 1e4,
+                rope_scaling: None,
+                tie_word_embeddings: true,
+            },
+            block_size,
+            slots: vec![None; num_blocks * block_size],
+            steps,
+        }
+    }
+
+    fn slot(&self, table: &[u32], pos: usize) -> Result<usize, EngineError> {
+        let bs = self.block_size;
+        let block = *table.get(pos / bs).ok_or_else(|| {
+            EngineError::Internal(format!("position {pos} beyond the block table {table:?}"))
+        })? as usize;
+        let slot = block * bs + pos % bs;
+        if slot >= self.slots.len() {
+            return Err(EngineError::Internal(format!(
+                "block {block} outside the pool"
+            )));
+        }
+        Ok(slot)
+    }
+}
+
+impl Backend for TokenCache {
+    fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    fn forward(&mut self, seqs: &[SeqBatch<'_>]) -> Result<Vec<f32>, EngineError> {
+        let rows = seqs.iter().map(|s| s.tokens.len()).sum();
+        let busy = seqs.iter().filter(|s| !s.tokens.is_empty()).count();
+        self.steps.lock().unwrap().push((rows, busy));
+        let mut logits = Vec::new();
+        for s in seqs {
+            let mut ctx = Vec::with_capacity(s.cached + s.tokens.len());
+            for p in 0..s.cached {
+                let slot = self.slot(s.block_table, p)?;
+                ctx.push(self.slots[slot].ok_or_else(|| {
+                    EngineError::Internal(format!("position {p} read from unwritten slot {slot}"))
+                })?);
+            }
+            for (i, &t) in s.tokens.iter().enumerate() {
+                let slot = self.slot(s.block_table, s.cached + i)?;
+                self.slots[slot] = Some(t);
+                ctx.push(t);
+            }
+            if s.want_logits && !s.tokens.is_empty() {
+                let mut row = vec![0f32; VOCAB];
+                row[next_token(&ctx) as usize] = 1.0;
+                logits.extend(row);
+            }
+        }
+        Ok(logits)
+    }
+
+    fn num_blocks(&self) -> usize {
+        self.slots.len() / self.block_size
+    }
+
+    fn weight_bytes(&self) -> usize {
+        0
+    }
+
+    fn kv_bytes_per_token(&self) -> f64 {
+        4.0
+    }
+
+    fn kv_dtype_name(&self) -> &'static str {
+        "token"
+    }
+
+    fn device(&self) -> String {
+        "token cache".into()
+    }
+}
+
+/// An engine over a fresh token cache of `num_blocks`, and the cache's step log.
+fn engine(num_blocks: usize, cfg: EngineConfig) -> (Engine, StepLog) {
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let b = TokenCache::new(num_blocks, cfg.block_size, 512, log.clone());
+    (Engine::with_backend(Box::new(b), cfg, vec![]).unwrap(), log)
+}
+
+#[test]
+fn the_fake_reads_back_what_a_request_wrote() {
+    let cfg = EngineConfig {
+        block_size: 4,
+        ..super::tests::config()
+    };
+    let (mut e, log) = engine(64, cfg);
+    let prompt: Vec<u32> = (0..10).collect();
+    let out = e
+        .generate(vec![req(prompt.clone(), 12)], |_| {}, |_| {})
+        .unwrap();
+    assert_eq!(out[0].output_ids, expected(&prompt, 12));
+    // One prefill step of the 10 prompt tokens, then one row per step for the 11 decodes.
+    let log = log.lock().unwrap();
+    assert_eq!(log.len(), 12);
+    assert_eq!(log[0], (10, 1));
+    assert!(log[1..].iter().all(|&s| s == (1, 1)), "{log:?}");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+    /// Random arrivals, lengths, cancels and shared prefixes over pools small enough to preempt:
+    /// every request that runs to its end makes exactly the tokens its own history makes, no
+    /// step holds more rows than the budget or more sequences than max_seqs, the pool's counts
+    /// add up after every step and every block is free or cached at the end.
+    #[test]
+    fn the_scheduler_keeps_every_sequence_its_own_cache(
+        seed in any::<u64>(),
+        n in 1usize..12,
+        block_size in prop::sample::select(vec![1usize, 2, 4, 16]),
+        pool_tokens in 32usize..200,
+        budget in 1usize..64,
+        max_seqs in 1usize..8,
+        lookahead in prop::sample::select(vec![0usize, 8, 64]),
+        prefix_caching in any::<bool>(),
+    ) {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let cfg = EngineConfig {
+            block_size,
+            max_batched_tokens: budget,
+            max_seqs,
+            admission_lookahead: lookahead,
+            prefix_caching,
+            ..super::tests::config()
+        };
+        let (mut e, log) = engine(pool_tokens.div_ceil(block_size), cfg);
+        let plan = random_plan(&e, &mut rng, n, 48, 40, 20, 0.15, 30);
+        let (finished, _) = run_plan(&mut e, &plan, 50)?;
+        for &(rows, seqs) in log.lock().unwrap().iter() {
+            prop_assert!(rows <= budget, "{} rows over a budget of {}", rows, budget);
+            prop_assert!(seqs <= max_seqs, "{} sequences over {}", seqs, max_seqs);
+        }
+        let st = e.stats();
+        prop_assert_eq!(st.blocks_used, 0);
+        prop_assert_eq!(st.blocks_free + st.blocks_cached, st.blocks_total);
+        for (i, (_, _, r)) in plan.iter().enumerate() {
+            let f = &finished[i];
+            let want = expected(&r.prompt, r.params.max_tokens as usize);
+            match f.finish_reason {
+                FinishReason::Length => prop_assert_eq!(&f.output_ids, &want),
+                FinishReason::Cancelled => {
+                    prop_assert_eq!(&f.output_ids[..], &want[..f.output_ids.len()])
+                }
+                FinishReason::Stop => prop_assert!(false, "no stop tokens were set"),
+            }
+        }
+    }
+}

@@ -1,0 +1,227 @@
+//! The Llama forward, written once against the op set a device provides ([`StepOps`]), and the
+//! model's weights, gathered once by [`TensorName`] whatever a device keeps them as
+//! ([`LlamaWeights`]).
+//!
+//! A device implements the ops on its own buffers (f32 rows on the CPU, bf16 on a CUDA GPU) for
+//! one packed step: the new tokens of every scheduled sequence one after another, each with its
+//! position and its cache slot. [`forward`] strings the ops into the model: embedding, then per
+//! layer the norms, projections, attention over the paged cache and MLP with their residuals,
+//! then the final norm and the head over the rows that want logits.
+
+use std::collections::BTreeMap;
+
+use tandem_model::{LayerTensor, LlamaConfig, TensorData, TensorName};
+
+use crate::EngineError;
+
+/// One packed step's operations on a device. The implementor holds the step's inputs (token
+/// ids, positions, cache slots, the sequences' block tables and the rows that want logits) and
+/// the KV cache it writes and reads; [`forward`] calls the ops in the model's order.
+pub(crate) trait StepOps {
+    /// A matrix of activations, rows of one width.
+    type Act;
+    /// Rows of f32 logits.
+    type Logits;
+    /// A projection's weights.
+    type Matrix;
+    /// A norm's weights.
+    type Vector;
+
+    /// An activation buffer of `len` values.
+    fn alloc(&self, len: usize) -> Result<Self::Act, EngineError>;
+    /// A logits buffer of `len` values.
+    fn alloc_logits(&self, len: usize) -> Result<Self::Logits, EngineError>;
+    /// `out[t] = table[token t]`.
+    fn embed(&mut self, table: &Self::Matrix, out: &mut Self::Act) -> Result<(), EngineError>;
+    /// `out = rms_norm(x) · w`, `rows` rows.
+    fn rms_norm(
+        &mut self,
+        x: &Self::Act,
+        w: &Self::Vector,
+        out: &mut Self::Act,
+        rows: usize,
+    ) -> Result<(), EngineError>;
+    /// `x += delta; out = rms_norm(x) · w`, `rows` rows.
+    fn add_rms_norm(
+        &mut self,
+        x: &mut Self::Act,
+        delta: &Self::Act,
+        w: &Self::Vector,
+        out: &mut Self::Act,
+        rows: usize,
+    ) -> Result<(), EngineError>;
+    /// `out = x · wᵀ`, `(m, n, k)`: `m` rows of `k` values in, of `n` out.
+    fn matmul(
+        &mut self,
+        w: &Self::Matrix,
+        x: &Self::Act,
+        mnk: (usize, usize, usize),
+        out: &mut Self::Act,
+    ) -> Result<(), EngineError>;
+    /// Layer `layer`'s attention from its fused q|k|v rows: rotary embedding of q and k at each
+    /// token's position, k and v into the cache at each token's slot, then each sequence's
+    /// queries over its cached context (causal within the step) into `out`.
+    fn attention(
+        &mut self,
+        layer: usize,
+        qkv: &mut Self::Act,
+        out: &mut Self::Act,
+    ) -> Result<(), EngineError>;
+    /// `out = silu(gate) · up` for `rows` rows of [gate | up], `ff` wide each half.
+    fn silu_mul(
+        &mut self,
+        gate_up: &Self::Act,
+        out: &mut Self::Act,
+        rows: usize,
+        ff: usize,
+    ) -> Result<(), EngineError>;
+    /// `x += delta` over all rows, then the rows that want logits, normed by `w`, into `out` in
+    /// order. `scratch` (as large as `x`) may hold every row's norm on the way.
+    fn final_norm(
+        &mut self,
+        x: &mut Self::Act,
+        delta: &Self::Act,
+        w: &Self::Vector,
+        scratch: &mut Self::Act,
+        out: &mut Self::Act,
+    ) -> Result<(), EngineError>;
+    /// `out = x · wᵀ` into f32 logits, `(m, n, k)` as for [`StepOps::matmul`].
+    fn head(
+        &mut self,
+        w: &Self::Matrix,
+        x: &Self::Act,
+        mnk: (usize, usize, usize),
+        out: &mut Self::Logits,
+    ) -> Result<(), EngineError>;
+    /// Waits for the step's work when nothing is returned (a device that runs ops
+    /// asynchronously); nothing on the CPU.
+    fn finish(&mut self) -> Result<(), EngineError> {
+        Ok(())
+    }
+}
+
+/// One decoder layer's weights as a device holds them.
+pub(crate) struct LayerWeights<M, V> {
+    pub attn_norm: V,
+    /// q, k and v projections stacked by rows: one product per layer instead of three.
+    pub qkv: M,
+    pub o: M,
+    pub ffn_norm: V,
+    /// gate and up projections stacked by rows.
+    pub gate_up: M,
+    pub down: M,
+}
+
+/// A Llama model's weights as a device holds them: matrices `M`, norm vectors `V`.
+pub(crate) struct LlamaWeights<M, V> {
+    pub layers: Vec<LayerWeights<M, V>>,
+    /// The token embedding; also the output head when the two are tied.
+    pub embed: M,
+    /// None when the head is tied to the embedding.
+    pub head: Option<M>,
+    pub norm: V,
+}
+
+impl<M, V> LlamaWeights<M, V> {
+    /// Builds every weight of a `c` model: `matrix` makes one matrix from tensors stacked by
+    /// rows (one name for most; q|k|v and gate|up fused), `vector` one norm.
+    pub fn build(
+        c: &LlamaConfig,
+        mut matrix: impl FnMut(&[TensorName]) -> Result<M, EngineError>,
+        mut vector: impl FnMut(TensorName) -> Result<V, EngineError>,
+    ) -> Result<Self, EngineError> {
+        use LayerTensor::*;
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for i in 0..c.num_layers {
+            let n = |t| TensorName::layer(i, t);
+            layers.push(LayerWeights {
+                attn_norm: vector(n(AttnNorm))?,
+                qkv: matrix(&[n(AttnQ), n(AttnK), n(AttnV)])?,
+                o: matrix(&[n(AttnOutput)])?,
+                ffn_norm: vector(n(FfnNorm))?,
+                gate_up: matrix(&[n(FfnGate), n(FfnUp)])?,
+                down: matrix(&[n(FfnDown)])?,
+            });
+        }
+        let embed = matrix(&[TensorName::Embedding])?;
+        let head = if c.tie_word_embeddings {
+            None
+        } else {
+            Some(matrix(&[TensorName::Output])?)
+        };
+        Ok(Self {
+            layers,
+            embed,
+            head,
+            norm: vector(TensorName::OutputNorm)?,
+        })
+    }
+
+    /// The output head: its own matrix, or the embedding when tied.
+    pub fn head(&self) -> &M {
+        self.head.as_ref().unwrap_or(&self.embed)
+    }
+
+    /// Every matrix a step multiplies by: the layers' projections, then the output head.
+    pub fn matrices(&self) -> impl Iterator<Item = &M> {
+        self.layers
+            .iter()
+            .flat_map(|l| [&l.qkv, &l.o, &l.gate_up, &l.down])
+            .chain([self.head()])
+    }
+}
+
+/// `name`'s tensor among `tensors` (stored under canonical names).
+pub(crate) fn tensor(
+    tensors: &BTreeMap<String, TensorData>,
+    name: TensorName,
+) -> Result<&TensorData, EngineError> {
+    Ok(tandem_model::get_tensor(tensors, name)?)
+}
+
+/// One packed step of a `c` model with `weights` on device `d`, over `tokens` token rows of
+/// which `logit_rows` want logits: those logits, or None when no row wants them.
+pub(crate) fn forward<D: StepOps>(
+    d: &mut D,
+    weights: &LlamaWeights<D::Matrix, D::Vector>,
+    c: &LlamaConfig,
+    tokens: usize,
+    logit_rows: usize,
+) -> Result<Option<D::Logits>, EngineError> {
+    let t = tokens;
+    let (h, ff) = (c.hidden_size, c.intermediate_size);
+    let (qd, kvd) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+    let mut x = d.alloc(t * h)?;
+    let mut hbuf = d.alloc(t * h)?;
+    let mut qkv = d.alloc(t * (qd + 2 * kvd))?;
+    let mut att = d.alloc(t * qd)?;
+    let mut proj = d.alloc(t * h)?;
+    let mut gu = d.alloc(t * 2 * ff)?;
+    let mut act = d.alloc(t * ff)?;
+    d.embed(&weights.embed, &mut x)?;
+    for (li, l) in weights.layers.iter().enumerate() {
+        if li == 0 {
+            d.rms_norm(&x, &l.attn_norm, &mut hbuf, t)?;
+        } else {
+            // The previous layer's MLP output joins the residual here.
+            d.add_rms_norm(&mut x, &proj, &l.attn_norm, &mut hbuf, t)?;
+        }
+        d.matmul(&l.qkv, &hbuf, (t, qd + 2 * kvd, h), &mut qkv)?;
+        d.attention(li, &mut qkv, &mut att)?;
+        d.matmul(&l.o, &att, (t, h, qd), &mut proj)?;
+        d.add_rms_norm(&mut x, &proj, &l.ffn_norm, &mut hbuf, t)?;
+        d.matmul(&l.gate_up, &hbuf, (t, 2 * ff, h), &mut gu)?;
+        d.silu_mul(&gu, &mut act, t, ff)?;
+        d.matmul(&l.down, &act, (t, h, ff), &mut proj)?;
+    }
+    let n = logit_rows;
+    if n == 0 {
+        d.finish()?;
+        return Ok(None);
+    }
+    let mut last = d.alloc(n * h)?;
+    d.final_norm(&mut x, &proj, &weights.norm, &mut hbuf, &mut last)?;
+    let mut logits = d.alloc_logits(n * c.vocab_size)?;
+    d.head(weights.head(), &last, (n, c.vocab_size, h), &mut logits)?;
+    Ok(Some(logits))
+}

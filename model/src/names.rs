@@ -1,0 +1,244 @@
+//! The tensors a Llama model is made of, named once: their canonical (GGUF-style) names, the HF
+//! names they are read from, and the shapes a [`LlamaConfig`] implies. The loaders, the shape
+//! check and every device's weight upload go through [`TensorName`], so no other code spells a
+//! tensor's name.
+
+use std::fmt;
+
+use crate::LlamaConfig;
+
+/// One of a decoder layer's tensors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum LayerTensor {
+    /// RMS norm before attention.
+    AttnNorm,
+    /// Query projection.
+    AttnQ,
+    /// Key projection.
+    AttnK,
+    /// Value projection.
+    AttnV,
+    /// Attention output projection.
+    AttnOutput,
+    /// RMS norm before the MLP.
+    FfnNorm,
+    /// MLP gate projection.
+    FfnGate,
+    /// MLP up projection.
+    FfnUp,
+    /// MLP down projection.
+    FfnDown,
+}
+
+impl LayerTensor {
+    /// Every layer tensor, in the order a layer uses them.
+    pub const ALL: [Self; 9] = [
+        Self::AttnNorm,
+        Self::AttnQ,
+        Self::AttnK,
+        Self::AttnV,
+        Self::AttnOutput,
+        Self::FfnNorm,
+        Self::FfnGate,
+        Self::FfnUp,
+        Self::FfnDown,
+    ];
+
+    /// The part of the canonical name after `blk.N.`.
+    pub fn gguf(self) -> &'static str {
+        match self {
+            Self::AttnNorm => "attn_norm",
+            Self::AttnQ => "attn_q",
+            Self::AttnK => "attn_k",
+            Self::AttnV => "attn_v",
+            Self::AttnOutput => "attn_output",
+            Self::FfnNorm => "ffn_norm",
+            Self::FfnGate => "ffn_gate",
+            Self::FfnUp => "ffn_up",
+            Self::FfnDown => "ffn_down",
+        }
+    }
+
+    /// The part of the HF name after `model.layers.N.`.
+    pub fn hf(self) -> &'static str {
+        match self {
+            Self::AttnNorm => "input_layernorm.weight",
+            Self::AttnQ => "self_attn.q_proj.weight",
+            Self::AttnK => "self_attn.k_proj.weight",
+            Self::AttnV => "self_attn.v_proj.weight",
+            Self::AttnOutput => "self_attn.o_proj.weight",
+            Self::FfnNorm => "post_attention_layernorm.weight",
+            Self::FfnGate => "mlp.gate_proj.weight",
+            Self::FfnUp => "mlp.up_proj.weight",
+            Self::FfnDown => "mlp.down_proj.weight",
+        }
+    }
+}
+
+/// A tensor of a Llama model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum TensorName {
+    /// The token embedding (also the output head when the two are tied).
+    Embedding,
+    /// The final RMS norm.
+    OutputNorm,
+    /// The output head, when not tied to the embedding.
+    Output,
+    /// Rotary frequency divisors some GGUF files carry.
+    RopeFreqs,
+    /// Tensor `.1` of layer `.0`.
+    Layer(usize, LayerTensor),
+}
+
+impl TensorName {
+    /// Shorthand for [`TensorName::Layer`].
+    pub fn layer(index: usize, t: LayerTensor) -> Self {
+        Self::Layer(index, t)
+    }
+
+    /// The canonical name tensors are stored under in a [`crate::LoadedModel`].
+    pub fn canonical(self) -> String {
+        self.to_string()
+    }
+
+    /// The tensor an HF safetensors name holds (None for names the engine does not use).
+    pub fn from_hf(hf: &str) -> Option<Self> {
+        let n = hf.strip_prefix("model.").unwrap_or(hf);
+        match n {
+            "embed_tokens.weight" => return Some(Self::Embedding),
+            "norm.weight" => return Some(Self::OutputNorm),
+            "lm_head.weight" => return Some(Self::Output),
+            _ => {}
+        }
+        let (idx, field) = n.strip_prefix("layers.")?.split_once('.')?;
+        let idx: usize = idx.parse().ok()?;
+        let t = LayerTensor::ALL.into_iter().find(|t| t.hf() == field)?;
+        Some(Self::Layer(idx, t))
+    }
+
+    /// The tensor a canonical name holds (None for names the engine does not use).
+    pub fn from_canonical(name: &str) -> Option<Self> {
+        match name {
+            "token_embd.weight" => return Some(Self::Embedding),
+            "output_norm.weight" => return Some(Self::OutputNorm),
+            "output.weight" => return Some(Self::Output),
+            "rope_freqs.weight" => return Some(Self::RopeFreqs),
+            _ => {}
+        }
+        let (idx, field) = name.strip_prefix("blk.")?.split_once('.')?;
+        let field = field.strip_suffix(".weight")?;
+        let idx: usize = idx.parse().ok()?;
+        let t = LayerTensor::ALL.into_iter().find(|t| t.gguf() == field)?;
+        Some(Self::Layer(idx, t))
+    }
+
+    /// Row-major shape `config` implies (`[rows, cols]` for a matrix, `[len]` for a vector);
+    /// None for [`TensorName::RopeFreqs`], whose length the file decides.
+    pub fn shape(self, c: &LlamaConfig) -> Option<Vec<usize>> {
+        let (h, ff) = (c.hidden_size, c.intermediate_size);
+        let (q, kv) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+        Some(match self {
+            Self::Embedding | Self::Output => vec![c.vocab_size, h],
+            Self::OutputNorm => vec![h],
+            Self::RopeFreqs => return None,
+            Self::Layer(_, t) => match t {
+                LayerTensor::AttnNorm | LayerTensor::FfnNorm => vec![h],
+                LayerTensor::AttnQ => vec![q, h],
+                LayerTensor::AttnK | LayerTensor::AttnV => vec![kv, h],
+                LayerTensor::AttnOutput => vec![h, q],
+                LayerTensor::FfnGate | LayerTensor::FfnUp => vec![ff, h],
+                LayerTensor::FfnDown => vec![h, ff],
+            },
+        })
+    }
+
+    /// Every tensor the forward pass of a `config` model reads (the head only when not tied).
+    pub fn required(c: &LlamaConfig) -> Vec<Self> {
+        let mut all = vec![Self::Embedding, Self::OutputNorm];
+        if !c.tie_word_embeddings {
+            all.push(Self::Output);
+        }
+        for i in 0..c.num_layers {
+            all.extend(LayerTensor::ALL.map(|t| Self::Layer(i, t)));
+        }
+        all
+    }
+}
+
+impl fmt::Display for TensorName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Embedding => f.write_str("token_embd.weight"),
+            Self::OutputNorm => f.write_str("output_norm.weight"),
+            Self::Output => f.write_str("output.weight"),
+            Self::RopeFreqs => f.write_str("rope_freqs.weight"),
+            Self::Layer(i, t) => write!(f, "blk.{i}.{}.weight", t.gguf()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hf_names_map_to_canonical_ones() {
+        let name = |hf: &str| TensorName::from_hf(hf).map(TensorName::canonical);
+        assert_eq!(
+            name("model.layers.12.mlp.down_proj.weight").as_deref(),
+            Some("blk.12.ffn_down.weight")
+        );
+        assert_eq!(
+            name("model.embed_tokens.weight").as_deref(),
+            Some("token_embd.weight")
+        );
+        assert_eq!(name("lm_head.weight").as_deref(), Some("output.weight"));
+        assert_eq!(
+            name("model.norm.weight").as_deref(),
+            Some("output_norm.weight")
+        );
+        assert_eq!(name("model.layers.0.self_attn.rotary_emb.inv_freq"), None);
+        assert_eq!(name("model.layers.x.mlp.up_proj.weight"), None);
+    }
+
+    #[test]
+    fn canonical_names_read_back() {
+        let c = LlamaConfig {
+            hidden_size: 8,
+            intermediate_size: 16,
+            num_layers: 2,
+            num_heads: 2,
+            num_kv_heads: 1,
+            head_dim: 4,
+            vocab_size: 10,
+            max_position_embeddings: 32,
+            rms_norm_eps: 1e-5,
+            rope_theta: 1e4,
+            rope_scaling: None,
+            tie_word_embeddings: false,
+        };
+        let all = TensorName::required(&c);
+        assert_eq!(all.len(), 3 + 2 * 9);
+        for n in all.iter().copied().chain([TensorName::RopeFreqs]) {
+            assert_eq!(TensorName::from_canonical(&n.canonical()), Some(n), "{n}");
+        }
+        assert_eq!(
+            TensorName::layer(1, LayerTensor::AttnK).canonical(),
+            "blk.1.attn_k.weight"
+        );
+        assert_eq!(
+            TensorName::layer(0, LayerTensor::AttnOutput).shape(&c),
+            Some(vec![8, 8])
+        );
+        assert_eq!(
+            TensorName::layer(0, LayerTensor::AttnV).shape(&c),
+            Some(vec![4, 8])
+        );
+        assert_eq!(
+            TensorName::layer(0, LayerTensor::FfnDown).shape(&c),
+            Some(vec![8, 16])
+        );
+        assert_eq!(TensorName::RopeFreqs.shape(&c), None);
+        assert_eq!(TensorName::from_canonical("blk.0.attn_q.bias"), None);
+    }
+}

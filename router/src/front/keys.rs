@@ -1,0 +1,105 @@
+//! API keys: who may call the router, over HTTP and gRPC.
+
+use std::sync::Arc;
+
+use axum::extract::{Request, State};
+use axum::http::header::{AUTHORIZATION, WWW_AUTHENTICATE};
+use axum::http::HeaderValue;
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use sha2::{Digest, Sha256};
+use subtle::ConstantTimeEq;
+
+use super::FrontDoorError;
+use crate::error::ApiError;
+use crate::metrics::RouterMetrics;
+
+/// A set of API keys, kept as SHA-256 digests and compared in constant time. Empty: everything
+/// is allowed.
+#[derive(Default)]
+pub struct ApiKeys(Vec<[u8; 32]>);
+
+impl ApiKeys {
+    pub fn new(keys: &[String]) -> Result<Self, FrontDoorError> {
+        keys.iter()
+            .map(|k| {
+                if k.is_empty() || k.chars().any(char::is_whitespace) {
+                    Err(FrontDoorError::BadKey)
+                } else {
+                    Ok(Sha256::digest(k.as_bytes()).into())
+                }
+            })
+            .collect::<Result<_, _>>()
+            .map(Self)
+    }
+
+    pub fn is_open(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Checks an `Authorization` header's value; the error says what was wrong, never the key.
+    pub fn check(&self, authorization: Option<&[u8]>) -> Result<(), String> {
+        if self.is_open() {
+            return Ok(());
+        }
+        let Some(value) = authorization else {
+            return Err("no API key given: send it as 'Authorization: Bearer KEY'".into());
+        };
+        let token = std::str::from_utf8(value)
+            .ok()
+            .and_then(|v| v.trim().split_once(' '))
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+            .map(|(_, token)| token.trim());
+        let Some(token) = token else {
+            return Err("the Authorization header must be 'Bearer KEY'".into());
+        };
+        let digest: [u8; 32] = Sha256::digest(token.as_bytes()).into();
+        // Every key is compared, so the time taken says nothing of which one came close.
+        let matched = self
+            .0
+            .iter()
+            .fold(subtle::Choice::from(0), |acc, k| acc | k.ct_eq(&digest));
+        if bool::from(matched) {
+            Ok(())
+        } else {
+            Err("incorrect API key provided".into())
+        }
+    }
+
+    /// The gRPC form of [`check`](Self::check): UNAUTHENTICATED without a valid key.
+    pub fn interceptor(
+        self: Arc<Self>,
+        metrics: Arc<RouterMetrics>,
+    ) -> impl FnMut(tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> + Clone {
+        move |req: tonic::Request<()>| {
+            let header = req.metadata().get("authorization").map(|v| v.as_bytes());
+            match self.check(header) {
+                Ok(()) => Ok(req),
+                Err(m) => {
+                    metrics.refused("unauthorized");
+                    Err(ApiError::Unauthorized(m).grpc())
+                }
+            }
+        }
+    }
+}
+
+/// HTTP middleware: the request goes on only with a valid key (401 with an OpenAI error body
+/// and `WWW-Authenticate: Bearer` otherwise).
+pub async fn require_key(
+    State((keys, metrics)): State<(Arc<ApiKeys>, Arc<RouterMetrics>)>,
+    req: Request,
+    next: Next,
+) -> Response {
+    let header = req.headers().get(AUTHORIZATION).map(|v| v.as_bytes());
+    match keys.check(header) {
+        Ok(()) => next.run(req).await,
+        Err(m) => {
+            metrics.refused("unauthorized");
+            let mut resp = ApiError::Unauthorized(m).into_response();
+            resp.headers_mut()
+                .insert(WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            resp
+        }
+    }
+}
