@@ -424,7 +424,7 @@ impl KvStream for FlipStream {
         Box::pin(async move {
             use tokio::io::AsyncWriteExt;
             for f in frames {
-                let h = FrameHeader::block(transfer, f.layer, f.block, f.payload);
+                let h = FrameHeader::block(transfer, f.layer, f.block.0, f.payload);
                 let mut body = f.payload.to_vec();
                 if !self.flipped.swap(true, Ordering::SeqCst) {
                     let mid = body.len() / 2;

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
-use tandem_engine::{KvDtype, KvPool};
+use tandem_engine::{BlockId, KvDtype, KvPool};
 use tandem_kernels::KvLayout;
 use tandem_kv_transfer::{BlockFrame, KvReceiver, KvTransport, Secret, TcpTransport};
 use tandem_worker::PoolSink;
@@ -85,7 +85,7 @@ async fn one_transfer(
     rx: &KvReceiver,
     sink: Arc<PoolSink>,
     transport: &TcpTransport,
-    blocks: &[u32],
+    blocks: &[BlockId],
 ) -> Result<f64, String> {
     let t0 = Instant::now();
     let mut grant = rx.grant(blocks, sink, Duration::from_secs(60));
@@ -177,7 +177,9 @@ pub async fn run(
     for &tokens in prompt_tokens {
         let n = tokens.div_ceil(layout.block_size);
         // Destination blocks somewhere else than the source's, as in a real pool.
-        let blocks: Vec<u32> = (0..n as u32).map(|b| b + max_blocks as u32).collect();
+        let blocks: Vec<BlockId> = (0..n as u32)
+            .map(|b| BlockId(b + max_blocks as u32))
+            .collect();
         let bytes = n * layers * frame;
         // The frames as a prefill worker's engine chunk holds them: layers of blocks that are
         // not one contiguous range in the pool (int8: values and scales) gathered once.

@@ -161,7 +161,7 @@ impl RemotePrefill {
             destination: Some(pb::KvDestination {
                 endpoint: self.endpoint.clone(),
                 transfer_id: g.id(),
-                block_ids: reservation.blocks.clone(),
+                block_ids: reservation.blocks.iter().map(|b| b.0).collect(),
             }),
             sampling: Some(sampling),
         });

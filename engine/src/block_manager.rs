@@ -20,9 +20,7 @@ use std::rc::Rc;
 
 use tandem_model::hash::{hash_block, BlockHash, ROOT};
 
-/// A physical KV block.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct BlockId(pub u32);
+pub use tandem_types::BlockId;
 
 /// A change to the set of blocks this worker caches.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -530,7 +530,7 @@ mod tests {
                 StreamEvent::Kv(c) => {
                     for j in 0..c.blocks {
                         for layer in 0..c.layers.len() {
-                            let b = r.blocks[c.first + j] as usize;
+                            let b = r.blocks[c.first + j].index();
                             // SAFETY: reserved and parked: the decode engine leaves it alone.
                             unsafe { w.write(layer, b, c.frame(layer, j)).unwrap() };
                         }

@@ -33,7 +33,7 @@ pub use handle::{EngineHandle, KvUpdate, RequestStream, StreamEvent};
 pub use kv_cache::{KvDtype, KvPool, KvPoolWriter};
 pub use model::{LlamaModel, SeqBatch, WeightFormat};
 pub use sampler::{Sampled, Sampler};
-pub use tandem_types::{ErrorKind, SamplingError, SamplingParams, ValidSampling};
+pub use tandem_types::{BlockId, ErrorKind, SamplingError, SamplingParams, ValidSampling};
 
 /// Why the engine refused or failed a request, or could not start. [`EngineError::kind`] says
 /// whose fault it is; the workers map that kind, not the text, to a gRPC code.

@@ -16,6 +16,7 @@ pub mod xxh3;
 
 pub use auth::Secret;
 pub use receiver::{BlockSink, KvReceiver, Rejections, TransferGrant, TransferStats};
+pub use tandem_types::BlockId;
 pub use transport::{BlockFrame, KvStream, KvTransport, TcpTransport};
 
 #[derive(Debug, thiserror::Error)]

@@ -20,6 +20,8 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
+use tandem_types::BlockId;
+
 use crate::auth::{self, Secret};
 use crate::wire::{checksum, FrameHeader, FrameKind, HEADER_LEN};
 use crate::TransferError;
@@ -31,7 +33,7 @@ pub trait BlockSink: Send + Sync {
     fn layers(&self) -> u32;
     /// Writes one layer of one block. Called only for blocks granted to a live transfer, after
     /// the frame's length and checksum were checked.
-    fn write(&self, layer: u32, block: u32, payload: &[u8]);
+    fn write(&self, layer: u32, block: BlockId, payload: &[u8]);
 }
 
 /// Why frames were refused, counted since the receiver started.
@@ -77,7 +79,7 @@ pub struct TransferStats {
 
 struct Grant {
     /// Destination block -> which layers have arrived.
-    blocks: HashMap<u32, Vec<bool>>,
+    blocks: HashMap<BlockId, Vec<bool>>,
     remaining: usize,
     /// None: the grant holder watches progress itself and revokes the grant when it gives up.
     deadline: Option<Instant>,
@@ -169,7 +171,7 @@ impl KvReceiver {
     /// what entitles a sender to these blocks.
     pub fn grant(
         &self,
-        blocks: &[u32],
+        blocks: &[BlockId],
         sink: Arc<dyn BlockSink>,
         deadline: Duration,
     ) -> TransferGrant {
@@ -178,13 +180,13 @@ impl KvReceiver {
 
     /// Grants `blocks` to a new transfer with no deadline of its own: the holder follows the
     /// sender's progress ([`TransferGrant::frames_received`]) and drops the grant when it stops.
-    pub fn grant_open(&self, blocks: &[u32], sink: Arc<dyn BlockSink>) -> TransferGrant {
+    pub fn grant_open(&self, blocks: &[BlockId], sink: Arc<dyn BlockSink>) -> TransferGrant {
         self.grant_until(blocks, sink, None)
     }
 
     fn grant_until(
         &self,
-        blocks: &[u32],
+        blocks: &[BlockId],
         sink: Arc<dyn BlockSink>,
         deadline: Option<Instant>,
     ) -> TransferGrant {
@@ -290,7 +292,7 @@ fn judge(r: &Rejections, grants: &HashMap<u64, Grant>, h: &FrameHeader, payload:
         r.bad_layer.fetch_add(1, Ordering::Relaxed);
         return Verdict::Reject("bad layer", Some(TransferError::Rejected("bad_layer")));
     }
-    if !g.blocks.contains_key(&h.block) {
+    if !g.blocks.contains_key(&BlockId(h.block)) {
         r.block_not_granted.fetch_add(1, Ordering::Relaxed);
         return Verdict::Reject(
             "block not granted",
@@ -416,14 +418,14 @@ async fn serve_connection(inner: &Arc<Inner>, mut sock: TcpStream) -> Result<(),
                 match judge(&inner.rejections, &grants, &h, payload) {
                     Verdict::Write => {
                         let g = grants.get_mut(&h.transfer).expect("judged");
-                        g.sink.write(h.layer, h.block, payload);
+                        g.sink.write(h.layer, BlockId(h.block), payload);
                         inner
                             .bytes
                             .fetch_add(payload.len() as u64, Ordering::Relaxed);
                         g.frames += 1;
                         g.bytes += payload.len() as u64;
-                        let seen =
-                            &mut g.blocks.get_mut(&h.block).expect("judged")[h.layer as usize];
+                        let seen = &mut g.blocks.get_mut(&BlockId(h.block)).expect("judged")
+                            [h.layer as usize];
                         if !*seen {
                             *seen = true;
                             g.remaining -= 1;

@@ -15,6 +15,7 @@ use tokio::net::TcpStream;
 use crate::auth::{self, Secret};
 use crate::wire::{FrameHeader, FrameKind, HEADER_LEN};
 use crate::TransferError;
+use tandem_types::BlockId;
 
 /// Opens streams of KV frames to receivers.
 pub trait KvTransport: Send + Sync {
@@ -28,7 +29,7 @@ pub trait KvTransport: Send + Sync {
 #[derive(Clone, Copy, Debug)]
 pub struct BlockFrame<'a> {
     pub layer: u32,
-    pub block: u32,
+    pub block: BlockId,
     pub payload: &'a [u8],
 }
 
@@ -46,7 +47,7 @@ pub trait KvStream: Send {
         &'a mut self,
         transfer: u64,
         layer: u32,
-        block: u32,
+        block: BlockId,
         payload: &'a [u8],
     ) -> BoxFuture<'a, Result<(), TransferError>> {
         Box::pin(async move {
@@ -156,7 +157,7 @@ impl KvStream for TcpKvStream {
                 let (batch, tail) = rest.split_at(take);
                 let headers: Vec<[u8; HEADER_LEN]> = batch
                     .iter()
-                    .map(|f| FrameHeader::block(transfer, f.layer, f.block, f.payload).encode())
+                    .map(|f| FrameHeader::block(transfer, f.layer, f.block.0, f.payload).encode())
                     .collect();
                 let mut slices: Vec<std::io::IoSlice<'_>> = headers
                     .iter()

@@ -13,7 +13,7 @@ use std::time::Duration;
 use proptest::prelude::*;
 use tandem_kv_transfer::auth;
 use tandem_kv_transfer::wire::{checksum, FrameHeader, FrameKind, HEADER_LEN};
-use tandem_kv_transfer::{BlockSink, KvReceiver, KvTransport, Secret, TcpTransport};
+use tandem_kv_transfer::{BlockId, BlockSink, KvReceiver, KvTransport, Secret, TcpTransport};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 fn secret() -> Secret {
@@ -45,7 +45,8 @@ impl BlockSink for MemSink {
     fn layers(&self) -> u32 {
         LAYERS
     }
-    fn write(&self, layer: u32, block: u32, payload: &[u8]) {
+    fn write(&self, layer: u32, block: BlockId, payload: &[u8]) {
+        let block = block.0;
         self.written
             .lock()
             .unwrap()
@@ -199,8 +200,8 @@ proptest! {
         let told = Arc::new(MemSink::default());
         let other = Arc::new(MemSink::default());
         l.rt.block_on(async {
-            let told_grant = l.rx.grant_open(&[0, 1, 2], told.clone());
-            let mut other_grant = l.rx.grant_open(&[0, 1, 2], other.clone());
+            let told_grant = l.rx.grant_open(&ids(&[0, 1, 2]), told.clone());
+            let mut other_grant = l.rx.grant_open(&ids(&[0, 1, 2]), other.clone());
             let mut s = tokio::net::TcpStream::connect(l.rx.local_addr()).await.unwrap();
             auth::connect(&mut s, &secret()).await.unwrap();
             for f in &frames {
@@ -237,7 +238,7 @@ proptest! {
             let mut good = t.open(&l.rx.local_addr().to_string()).await.unwrap();
             for layer in 0..LAYERS {
                 for b in 0..3u32 {
-                    good.send_block(other_grant.id(), layer, b, &[b as u8; FRAME]).await.unwrap();
+                    good.send_block(other_grant.id(), layer, BlockId(b), &[b as u8; FRAME]).await.unwrap();
                 }
             }
             good.end(other_grant.id()).await.unwrap();
@@ -308,4 +309,9 @@ async fn a_replayed_handshake_is_refused() {
     );
     drop(ours);
     peer.await.unwrap();
+}
+
+/// Block ids from their numbers.
+fn ids(blocks: &[u32]) -> Vec<BlockId> {
+    blocks.iter().map(|&b| BlockId(b)).collect()
 }

@@ -9,7 +9,8 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use tandem_kv_transfer::wire::{FrameHeader, FrameKind};
 use tandem_kv_transfer::{
-    BlockFrame, BlockSink, KvReceiver, KvStream, KvTransport, Secret, TcpTransport, TransferError,
+    BlockFrame, BlockId, BlockSink, KvReceiver, KvStream, KvTransport, Secret, TcpTransport,
+    TransferError,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -43,7 +44,8 @@ impl BlockSink for MemSink {
     fn layers(&self) -> u32 {
         self.layers
     }
-    fn write(&self, layer: u32, block: u32, payload: &[u8]) {
+    fn write(&self, layer: u32, block: BlockId, payload: &[u8]) {
+        let block = block.0;
         self.written
             .lock()
             .unwrap()
@@ -70,12 +72,12 @@ async fn a_transfer_lands_every_block_intact() {
     let rx = receiver().await;
     let sink = MemSink::new(1024, 4);
     let blocks = [3u32, 7, 9];
-    let mut grant = rx.grant(&blocks, sink.clone(), Duration::from_secs(10));
+    let mut grant = rx.grant(&ids(&blocks), sink.clone(), Duration::from_secs(10));
     let t = TcpTransport::new(secret());
     let mut s = t.open(&rx.local_addr().to_string()).await.unwrap();
     for layer in 0..4 {
         for &b in &blocks {
-            s.send_block(grant.id(), layer, b, &payload(layer, b, 1024))
+            s.send_block(grant.id(), layer, BlockId(b), &payload(layer, b, 1024))
                 .await
                 .unwrap();
         }
@@ -96,14 +98,14 @@ async fn a_transfer_lands_every_block_intact() {
 async fn an_open_grant_counts_its_frames_and_waits_as_long_as_its_holder_does() {
     let rx = receiver().await;
     let sink = MemSink::new(256, 2);
-    let mut grant = rx.grant_open(&[4, 5], sink.clone());
+    let mut grant = rx.grant_open(&ids(&[4, 5]), sink.clone());
     assert_eq!(grant.frames_received(), 0);
     let t = TcpTransport::new(secret());
     let mut s = t.open(&rx.local_addr().to_string()).await.unwrap();
     let mut sent = 0;
     for layer in 0..2 {
         for b in [4u32, 5] {
-            s.send_block(grant.id(), layer, b, &payload(layer, b, 256))
+            s.send_block(grant.id(), layer, BlockId(b), &payload(layer, b, 256))
                 .await
                 .unwrap();
             sent += 1;
@@ -131,7 +133,7 @@ fn frames_of(bodies: &[(u32, u32, Vec<u8>)]) -> Vec<BlockFrame<'_>> {
         .iter()
         .map(|(layer, block, p)| BlockFrame {
             layer: *layer,
-            block: *block,
+            block: BlockId(*block),
             payload: p,
         })
         .collect()
@@ -147,7 +149,7 @@ async fn batched_large_and_trickled_frames_land_intact() {
     // 3 layers x 40 blocks of 24 KiB: 2.9 MB in one call.
     let small = MemSink::new(24 << 10, 3);
     let blocks: Vec<u32> = (100..140).collect();
-    let mut grant = rx.grant(&blocks, small.clone(), Duration::from_secs(10));
+    let mut grant = rx.grant(&ids(&blocks), small.clone(), Duration::from_secs(10));
     let bodies: Vec<(u32, u32, Vec<u8>)> = (0..3)
         .flat_map(|l| blocks.iter().map(move |&b| (l, b, payload(l, b, 24 << 10))))
         .collect();
@@ -162,7 +164,7 @@ async fn batched_large_and_trickled_frames_land_intact() {
 
     // Frames of 3 MiB, over the 1 MiB read buffer.
     let big = MemSink::new(3 << 20, 2);
-    let mut grant = rx.grant(&[1, 2], big.clone(), Duration::from_secs(10));
+    let mut grant = rx.grant(&ids(&[1, 2]), big.clone(), Duration::from_secs(10));
     let bodies: Vec<(u32, u32, Vec<u8>)> = [(0, 1), (0, 2), (1, 1), (1, 2)]
         .into_iter()
         .map(|(l, b)| (l, b, payload(l, b, 3 << 20)))
@@ -177,7 +179,7 @@ async fn batched_large_and_trickled_frames_land_intact() {
 
     // Two frames written 7 bytes at a time, headers and payloads split anywhere.
     let trickle = MemSink::new(300, 2);
-    let mut grant = rx.grant(&[5], trickle.clone(), Duration::from_secs(10));
+    let mut grant = rx.grant(&ids(&[5]), trickle.clone(), Duration::from_secs(10));
     let mut raw = tokio::net::TcpStream::connect(rx.local_addr())
         .await
         .unwrap();
@@ -208,7 +210,7 @@ async fn batched_large_and_trickled_frames_land_intact() {
 async fn peers_without_the_secret_cannot_write() {
     let rx = receiver().await;
     let sink = MemSink::new(64, 1);
-    let grant = rx.grant(&[1], sink.clone(), Duration::from_secs(10));
+    let grant = rx.grant(&ids(&[1]), sink.clone(), Duration::from_secs(10));
     let wrong = TcpTransport::new(Secret::new("not-the-cluster-secret-xyz").unwrap());
     let r = wrong.open(&rx.local_addr().to_string()).await;
     assert!(
@@ -281,7 +283,7 @@ impl KvStream for FlipStream {
         Box::pin(async move {
             for f in frames {
                 self.seen += 1;
-                let h = FrameHeader::block(transfer, f.layer, f.block, f.payload);
+                let h = FrameHeader::block(transfer, f.layer, f.block.0, f.payload);
                 let mut body = f.payload.to_vec();
                 if self.seen == self.nth {
                     let mid = body.len() / 2;
@@ -312,7 +314,7 @@ impl KvStream for FlipStream {
 async fn a_flipped_byte_is_rejected_counted_and_fails_the_transfer() {
     let rx = receiver().await;
     let sink = MemSink::new(512, 2);
-    let mut grant = rx.grant(&[4, 5], sink.clone(), Duration::from_secs(10));
+    let mut grant = rx.grant(&ids(&[4, 5]), sink.clone(), Duration::from_secs(10));
     let t = Flipper {
         secret: secret(),
         nth: 2,
@@ -320,7 +322,7 @@ async fn a_flipped_byte_is_rejected_counted_and_fails_the_transfer() {
     let mut s = t.open(&rx.local_addr().to_string()).await.unwrap();
     for layer in 0..2 {
         for b in [4u32, 5] {
-            s.send_block(grant.id(), layer, b, &payload(layer, b, 512))
+            s.send_block(grant.id(), layer, BlockId(b), &payload(layer, b, 512))
                 .await
                 .unwrap();
         }
@@ -355,12 +357,12 @@ async fn bad_frames_are_refused_by_reason_and_deadlines_expire() {
     let mut s = t.open(&rx.local_addr().to_string()).await.unwrap();
 
     // Unknown transfer.
-    s.send_block(12345, 0, 1, &payload(0, 1, 256))
+    s.send_block(12345, 0, BlockId(1), &payload(0, 1, 256))
         .await
         .unwrap();
     // A block outside the grant.
-    let mut g1 = rx.grant(&[1], sink.clone(), Duration::from_secs(10));
-    s.send_block(g1.id(), 0, 2, &payload(0, 2, 256))
+    let mut g1 = rx.grant(&ids(&[1]), sink.clone(), Duration::from_secs(10));
+    s.send_block(g1.id(), 0, BlockId(2), &payload(0, 2, 256))
         .await
         .unwrap();
     assert!(matches!(
@@ -368,8 +370,8 @@ async fn bad_frames_are_refused_by_reason_and_deadlines_expire() {
         Err(TransferError::Rejected("block_not_granted"))
     ));
     // A wrong length.
-    let mut g2 = rx.grant(&[1], sink.clone(), Duration::from_secs(10));
-    s.send_block(g2.id(), 0, 1, &payload(0, 1, 200))
+    let mut g2 = rx.grant(&ids(&[1]), sink.clone(), Duration::from_secs(10));
+    s.send_block(g2.id(), 0, BlockId(1), &payload(0, 1, 200))
         .await
         .unwrap();
     assert!(matches!(
@@ -377,8 +379,8 @@ async fn bad_frames_are_refused_by_reason_and_deadlines_expire() {
         Err(TransferError::Rejected("bad_length"))
     ));
     // A layer the pool does not have.
-    let mut g3 = rx.grant(&[1], sink.clone(), Duration::from_secs(10));
-    s.send_block(g3.id(), 9, 1, &payload(9, 1, 256))
+    let mut g3 = rx.grant(&ids(&[1]), sink.clone(), Duration::from_secs(10));
+    s.send_block(g3.id(), 9, BlockId(1), &payload(9, 1, 256))
         .await
         .unwrap();
     assert!(matches!(
@@ -386,23 +388,23 @@ async fn bad_frames_are_refused_by_reason_and_deadlines_expire() {
         Err(TransferError::Rejected("bad_layer"))
     ));
     // Half a transfer, then silence: the deadline fails it, and a late frame is unknown.
-    let mut g4 = rx.grant(&[1], sink.clone(), Duration::from_millis(300));
-    s.send_block(g4.id(), 0, 1, &payload(0, 1, 256))
+    let mut g4 = rx.grant(&ids(&[1]), sink.clone(), Duration::from_millis(300));
+    s.send_block(g4.id(), 0, BlockId(1), &payload(0, 1, 256))
         .await
         .unwrap();
     assert!(matches!(g4.wait().await, Err(TransferError::Expired)));
-    s.send_block(g4.id(), 1, 1, &payload(1, 1, 256))
+    s.send_block(g4.id(), 1, BlockId(1), &payload(1, 1, 256))
         .await
         .unwrap();
     // An end with blocks missing.
-    let mut g5 = rx.grant(&[1], sink.clone(), Duration::from_secs(10));
+    let mut g5 = rx.grant(&ids(&[1]), sink.clone(), Duration::from_secs(10));
     s.end(g5.id()).await.unwrap();
     assert!(matches!(
         g5.wait().await,
         Err(TransferError::Incomplete { missing: 2 })
     ));
     // Abort.
-    let mut g6 = rx.grant(&[1], sink.clone(), Duration::from_secs(10));
+    let mut g6 = rx.grant(&ids(&[1]), sink.clone(), Duration::from_secs(10));
     s.abort(g6.id()).await.unwrap();
     assert!(matches!(g6.wait().await, Err(TransferError::Aborted)));
 
@@ -414,4 +416,9 @@ async fn bad_frames_are_refused_by_reason_and_deadlines_expire() {
     assert_eq!(count(&r.bad_layer), 1);
     // Only g4's first frame was ever written.
     assert_eq!(sink.count(), 1);
+}
+
+/// Block ids from their numbers.
+fn ids(blocks: &[u32]) -> Vec<BlockId> {
+    blocks.iter().map(|&b| BlockId(b)).collect()
 }

@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::DescriptorEncoder;
-use tandem_engine::{EngineHandle, Request, StreamEvent, ValidSampling};
+use tandem_engine::{BlockId, EngineHandle, Request, StreamEvent, ValidSampling};
 use tandem_kv_transfer::{BlockFrame, KvStream, KvTransport};
 use tandem_proto::wire::sampling_from_wire;
 use tandem_proto::worker::{self as pb, prefill_server::PrefillServer};
@@ -313,7 +313,7 @@ impl Shared {
                 StreamEvent::Kv(c) => {
                     let frames: Vec<BlockFrame<'_>> = (0..c.blocks)
                         .flat_map(|j| {
-                            let block = dest.block_ids[c.first + j];
+                            let block = BlockId(dest.block_ids[c.first + j]);
                             (0..c.layers.len()).map(move |layer| (layer, j, block))
                         })
                         .map(|(layer, j, block)| BlockFrame {

@@ -17,6 +17,8 @@ use tandem_proto::worker::{
 use tonic::transport::{Channel, Endpoint};
 use tonic::Status;
 
+use crate::workers::WorkerAddr;
+
 /// A stream of a worker's messages; an error ends it.
 pub type WorkerStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 
@@ -40,7 +42,7 @@ pub trait WorkerClient: Send + Sync {
 /// Makes the client of a worker at an address (called once per address discovery reports).
 pub trait Connect: Send + Sync {
     /// A client for `addr`; an error when the address cannot name a worker.
-    fn connect(&self, addr: &str) -> Result<Arc<dyn WorkerClient>, String>;
+    fn connect(&self, addr: &WorkerAddr) -> Result<Arc<dyn WorkerClient>, String>;
 }
 
 /// gRPC over a lazily connected HTTP/2 channel per worker.
@@ -51,7 +53,7 @@ pub struct GrpcConnect {
 }
 
 impl Connect for GrpcConnect {
-    fn connect(&self, addr: &str) -> Result<Arc<dyn WorkerClient>, String> {
+    fn connect(&self, addr: &WorkerAddr) -> Result<Arc<dyn WorkerClient>, String> {
         let endpoint = Endpoint::from_shared(format!("http://{addr}"))
             .map_err(|e| format!("bad worker address {addr:?}: {e}"))?
             .connect_timeout(self.connect_timeout)

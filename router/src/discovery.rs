@@ -4,21 +4,23 @@
 
 use tokio::sync::watch;
 
+use crate::workers::WorkerAddr;
+
 pub trait Discovery: Send + Sync {
     /// Decode worker addresses (`host:port`), now and whenever they change.
-    fn decode_workers(&self) -> watch::Receiver<Vec<String>>;
+    fn decode_workers(&self) -> watch::Receiver<Vec<WorkerAddr>>;
     /// Prefill worker addresses, now and whenever they change.
-    fn prefill_workers(&self) -> watch::Receiver<Vec<String>>;
+    fn prefill_workers(&self) -> watch::Receiver<Vec<WorkerAddr>>;
 }
 
 /// Fixed lists, from `--decode-workers` and `--prefill-workers`.
 pub struct StaticDiscovery {
-    decode: watch::Sender<Vec<String>>,
-    prefill: watch::Sender<Vec<String>>,
+    decode: watch::Sender<Vec<WorkerAddr>>,
+    prefill: watch::Sender<Vec<WorkerAddr>>,
 }
 
 impl StaticDiscovery {
-    pub fn new(decode: Vec<String>, prefill: Vec<String>) -> Self {
+    pub fn new(decode: Vec<WorkerAddr>, prefill: Vec<WorkerAddr>) -> Self {
         Self {
             decode: watch::Sender::new(decode),
             prefill: watch::Sender::new(prefill),
@@ -27,11 +29,11 @@ impl StaticDiscovery {
 }
 
 impl Discovery for StaticDiscovery {
-    fn decode_workers(&self) -> watch::Receiver<Vec<String>> {
+    fn decode_workers(&self) -> watch::Receiver<Vec<WorkerAddr>> {
         self.decode.subscribe()
     }
 
-    fn prefill_workers(&self) -> watch::Receiver<Vec<String>> {
+    fn prefill_workers(&self) -> watch::Receiver<Vec<WorkerAddr>> {
         self.prefill.subscribe()
     }
 }

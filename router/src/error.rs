@@ -5,6 +5,8 @@ use axum::response::{IntoResponse, Response};
 use serde_json::json;
 use tandem_types::ErrorKind;
 
+use crate::workers::WorkerAddr;
+
 /// What a 429 tells the client to wait, in seconds (`Retry-After`).
 pub const RETRY_AFTER_S: &str = "1";
 
@@ -36,10 +38,10 @@ pub enum ApiError {
     NoWorker,
     /// A worker failed the request: a fault of the cluster, not of the request.
     #[error("worker {worker}: {message}")]
-    Upstream { worker: String, message: String },
+    Upstream { worker: WorkerAddr, message: String },
     /// A worker is full or stopping: the same request may succeed in a moment.
     #[error("worker {worker} cannot take the request now: {message}")]
-    WorkerUnavailable { worker: String, message: String },
+    WorkerUnavailable { worker: WorkerAddr, message: String },
     #[error("internal error: {0}")]
     Internal(String),
 }
@@ -124,7 +126,7 @@ impl ApiError {
     /// A worker's gRPC refusal in the client's terms, by the kind its code carries
     /// (tandem-proto's one mapping): the request's own faults are the client's (400), a busy or
     /// stopping worker is a 503 to retry, and anything else is the cluster's fault (502).
-    pub fn from_worker(worker: &str, s: &tonic::Status) -> Self {
+    pub fn from_worker(worker: &WorkerAddr, s: &tonic::Status) -> Self {
         let message = s.message().to_string();
         match tandem_proto::wire::kind(s.code()) {
             ErrorKind::InvalidRequest | ErrorKind::TooLarge => Self::InvalidRequest {
@@ -132,11 +134,11 @@ impl ApiError {
                 param: None,
             },
             ErrorKind::Busy | ErrorKind::Unavailable => Self::WorkerUnavailable {
-                worker: worker.to_string(),
+                worker: worker.clone(),
                 message: format!("{}: {message}", s.code()),
             },
             ErrorKind::Unsupported | ErrorKind::Internal => Self::Upstream {
-                worker: worker.to_string(),
+                worker: worker.clone(),
                 message: format!("{}: {message}", s.code()),
             },
         }
@@ -173,7 +175,7 @@ mod tests {
     use tandem_proto::wire;
 
     fn from(kind: ErrorKind) -> ApiError {
-        ApiError::from_worker("w:1", &wire::status(kind, "why"))
+        ApiError::from_worker(&"w:1".into(), &wire::status(kind, "why"))
     }
 
     #[test]

@@ -102,7 +102,7 @@ impl pb::generation_server::Generation for GenerationService {
                 e.grpc()
             })?;
         let request_id = if r.request_id.is_empty() {
-            prep.request_id.clone()
+            prep.request_id.to_string()
         } else {
             r.request_id
         };

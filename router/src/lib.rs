@@ -34,7 +34,7 @@ use tokio::net::TcpListener;
 use crate::discovery::{Discovery, StaticDiscovery};
 use crate::dispatch::{DispatchConfig, Dispatcher, ServedModel};
 use crate::policy::{DisaggConfig, KvAwareConfig, PolicyKind};
-use crate::workers::{PoolConfig, Role, WorkerPool};
+use crate::workers::{PoolConfig, Role, WorkerAddr, WorkerPool};
 
 pub use error::ApiError;
 
@@ -144,7 +144,8 @@ pub async fn serve(
         return Err(RouterError::NoWorkers);
     }
     let door = args.door.resolve()?;
-    let discovery = StaticDiscovery::new(args.decode_workers.clone(), args.prefill_workers.clone());
+    let addrs = |v: &[String]| v.iter().map(|a| WorkerAddr::from(a.as_str())).collect();
+    let discovery = StaticDiscovery::new(addrs(&args.decode_workers), addrs(&args.prefill_workers));
     let pool_cfg = PoolConfig {
         poll_interval: Duration::from_millis(args.poll_ms.max(10)),
         ..Default::default()

@@ -63,8 +63,38 @@ struct WorkerState {
     ready: bool,
 }
 
+/// A worker, named by the address it serves on (`host:port`): what discovery reports, what the
+/// router connects to and what logs and errors name.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct WorkerAddr(String);
+
+impl WorkerAddr {
+    /// The address as text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl From<String> for WorkerAddr {
+    fn from(addr: String) -> Self {
+        Self(addr)
+    }
+}
+
+impl From<&str> for WorkerAddr {
+    fn from(addr: &str) -> Self {
+        Self(addr.to_string())
+    }
+}
+
+impl std::fmt::Display for WorkerAddr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
 pub struct Worker {
-    pub addr: String,
+    pub addr: WorkerAddr,
     pub role: Role,
     client: Arc<dyn WorkerClient>,
     state: Mutex<WorkerState>,
@@ -75,7 +105,7 @@ pub struct Worker {
 }
 
 impl Worker {
-    fn new(addr: String, role: Role, client: Arc<dyn WorkerClient>) -> Arc<Self> {
+    fn new(addr: WorkerAddr, role: Role, client: Arc<dyn WorkerClient>) -> Arc<Self> {
         Arc::new(Self {
             addr,
             role,
@@ -235,7 +265,11 @@ pub struct WorkerPool {
 
 impl WorkerPool {
     /// Starts following `addrs` over gRPC; must be called inside a tokio runtime.
-    pub fn spawn(role: Role, addrs: watch::Receiver<Vec<String>>, cfg: PoolConfig) -> Arc<Self> {
+    pub fn spawn(
+        role: Role,
+        addrs: watch::Receiver<Vec<WorkerAddr>>,
+        cfg: PoolConfig,
+    ) -> Arc<Self> {
         let connect = Arc::new(GrpcConnect {
             connect_timeout: cfg.connect_timeout,
         });
@@ -245,7 +279,7 @@ impl WorkerPool {
     /// Starts following `addrs`, reaching each worker through `connect`.
     pub fn spawn_with(
         role: Role,
-        mut addrs: watch::Receiver<Vec<String>>,
+        mut addrs: watch::Receiver<Vec<WorkerAddr>>,
         cfg: PoolConfig,
         connect: Arc<dyn Connect>,
     ) -> Arc<Self> {
@@ -267,9 +301,9 @@ impl WorkerPool {
         pool
     }
 
-    fn sync(&self, addrs: &[String]) {
+    fn sync(&self, addrs: &[WorkerAddr]) {
         let mut ws = self.workers.write().expect("workers");
-        let mut by_addr: HashMap<String, Arc<Worker>> =
+        let mut by_addr: HashMap<WorkerAddr, Arc<Worker>> =
             ws.drain(..).map(|w| (w.addr.clone(), w)).collect();
         for a in addrs {
             if let Some(w) = by_addr.remove(a) {
@@ -309,7 +343,7 @@ impl WorkerPool {
         &self,
         policy: &dyn RoutingPolicy,
         prompt: &[u32],
-        exclude: &[String],
+        exclude: &[WorkerAddr],
     ) -> Option<Arc<Worker>> {
         let ready: Vec<Arc<Worker>> = self
             .ready()

@@ -15,7 +15,7 @@ use tandem_router::dispatch::{
     DispatchConfig, Dispatcher, FinishKind, GenParams, MaxTokensDefault, PromptInput,
 };
 use tandem_router::error::ApiError;
-use tandem_router::workers::{PoolConfig, Role, WorkerPool};
+use tandem_router::workers::{PoolConfig, Role, WorkerAddr, WorkerPool};
 use tonic::{Code, Status};
 
 /// What a fake decode worker sends on a stream.
@@ -122,10 +122,10 @@ impl WorkerClient for FakeWorker {
     }
 }
 
-struct FakeConnect(HashMap<String, Arc<FakeWorker>>);
+struct FakeConnect(HashMap<WorkerAddr, Arc<FakeWorker>>);
 
 impl Connect for FakeConnect {
-    fn connect(&self, addr: &str) -> Result<Arc<dyn WorkerClient>, String> {
+    fn connect(&self, addr: &WorkerAddr) -> Result<Arc<dyn WorkerClient>, String> {
         match self.0.get(addr) {
             Some(w) => Ok(w.clone()),
             None => Err(format!("no fake at {addr}")),
@@ -136,10 +136,10 @@ impl Connect for FakeConnect {
 /// A dispatcher over the default model's tokenizer and `workers` (named w0, w1, ...), once
 /// every worker is ready.
 async fn dispatcher(workers: &[Arc<FakeWorker>], max_migrations: u32) -> Dispatcher {
-    let named: HashMap<String, Arc<FakeWorker>> = workers
+    let named: HashMap<WorkerAddr, Arc<FakeWorker>> = workers
         .iter()
         .enumerate()
-        .map(|(i, w)| (format!("w{i}"), w.clone()))
+        .map(|(i, w)| (WorkerAddr::from(format!("w{i}")), w.clone()))
         .collect();
     let (_tx, rx) = tokio::sync::watch::channel(named.keys().cloned().collect::<Vec<_>>());
     let cfg = PoolConfig {

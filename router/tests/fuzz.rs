@@ -20,14 +20,14 @@ use serde_json::{Map, Value};
 use tandem_proto::v1 as pb;
 use tandem_router::dispatch::{DispatchConfig, Dispatcher};
 use tandem_router::front::FrontDoorArgs;
-use tandem_router::workers::{PoolConfig, Role, WorkerPool};
+use tandem_router::workers::{PoolConfig, Role, WorkerAddr, WorkerPool};
 use tower::ServiceExt;
 
 /// A dispatcher over the default model's tokenizer and template, with no worker.
 fn dispatcher(rt: &tokio::runtime::Runtime) -> Arc<Dispatcher> {
     let model = common::served_model();
     let _guard = rt.enter();
-    let (_tx, rx) = tokio::sync::watch::channel(Vec::<String>::new());
+    let (_tx, rx) = tokio::sync::watch::channel(Vec::<WorkerAddr>::new());
     let pool = WorkerPool::spawn(Role::Decode, rx, PoolConfig::default());
     let policy = tandem_router::policy::build(
         tandem_router::policy::PolicyKind::LeastLoad,

@@ -2,7 +2,7 @@
 //!
 //! Owns: what one request asks of the sampler and when it stops ([`SamplingParams`] as given,
 //! [`ValidSampling`] once checked, [`SamplingError`] naming the one field that is wrong, and the
-//! [`limits`] those checks use) and whose fault a failure is ([`ErrorKind`]), so that every edge
+//! [`limits`] those checks use) whose fault a failure is ([`ErrorKind`]) and what names a KV block ([`BlockId`]), so that every edge
 //! (HTTP, the public gRPC API, the worker API) maps a failure the same way.
 //!
 //! A request is checked once where it enters: the router builds a [`ValidSampling`] from the
@@ -16,7 +16,9 @@
 #![deny(missing_docs)]
 
 mod error;
+mod ids;
 mod sampling;
 
 pub use error::ErrorKind;
+pub use ids::BlockId;
 pub use sampling::{limits, SamplingError, SamplingParams, ValidSampling};

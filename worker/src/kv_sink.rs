@@ -1,6 +1,6 @@
 //! The KV pool as the destination of transfers: a [`BlockSink`] over a [`KvPoolWriter`].
 
-use tandem_engine::KvPoolWriter;
+use tandem_engine::{BlockId, KvPoolWriter};
 use tandem_kv_transfer::BlockSink;
 
 /// Writes received frames straight into the engine's KV pool.
@@ -27,10 +27,10 @@ impl BlockSink for PoolSink {
         self.writer.num_layers() as u32
     }
 
-    fn write(&self, layer: u32, block: u32, payload: &[u8]) {
+    fn write(&self, layer: u32, block: BlockId, payload: &[u8]) {
         // SAFETY: the receiver calls this only for blocks granted to a live transfer, after
         // checking layer, block and length; `new`'s contract keeps the engine off them.
-        if let Err(e) = unsafe { self.writer.write(layer as usize, block as usize, payload) } {
+        if let Err(e) = unsafe { self.writer.write(layer as usize, block.index(), payload) } {
             tracing::error!(error = %e, "KV frame passed the receiver's checks but not the pool's");
         }
     }

@@ -10,6 +10,7 @@ use super::{
 use crate::kv_cache::KvPool;
 use crate::sampler::Sampled;
 use crate::EngineError;
+use tandem_types::BlockId;
 
 impl Engine {
     /// The decode side of a remote prefill, step one: allocates blocks for the whole prompt,
@@ -46,7 +47,10 @@ impl Engine {
         let bs = self.config.block_size;
         let reservation = Reservation {
             cached_tokens: hit,
-            blocks: s.blocks.ids()[hit / bs..].to_vec(),
+            blocks: s.blocks.ids()[hit / bs..]
+                .iter()
+                .map(|&b| BlockId(b))
+                .collect(),
         };
         self.remote.push(s);
         Ok(Some(reservation))

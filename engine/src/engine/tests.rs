@@ -161,7 +161,7 @@ fn fill(e: &Engine, r: &Reservation, chunks: &[KvChunk]) {
             for layer in 0..c.layers.len() {
                 let b = r.blocks[c.first + j];
                 // SAFETY: reserved for a remote prefill: the engine does not touch these blocks.
-                unsafe { w.write(layer, b as usize, c.frame(layer, j)).unwrap() };
+                unsafe { w.write(layer, b.index(), c.frame(layer, j)).unwrap() };
             }
         }
         next += c.blocks;

@@ -5,7 +5,7 @@ use serde::Serialize;
 use crate::kv_cache::KvDtype;
 use crate::sampler::Sampled;
 use crate::EngineError;
-use tandem_types::ValidSampling;
+use tandem_types::{BlockId, ValidSampling};
 
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
@@ -253,5 +253,5 @@ pub struct Reservation {
     /// size): the prefill worker sends only what follows.
     pub cached_tokens: usize,
     /// Destination blocks for tokens `cached_tokens..`, in order (the last may be partial).
-    pub blocks: Vec<u32>,
+    pub blocks: Vec<BlockId>,
 }

@@ -11,7 +11,7 @@ use super::{Chunk, FinishKind, QueueSlot, ServedModel, TokenOut, Usage};
 use crate::client::WorkerStream;
 use crate::error::ApiError;
 use crate::text::TextAssembler;
-use crate::workers::InFlightGuard;
+use crate::workers::{InFlightGuard, WorkerAddr};
 
 /// One request's answer as it arrives. Dropping it cancels the request on the worker.
 pub struct Generation {
@@ -27,7 +27,7 @@ pub struct Generation {
     pub(super) emitted: Vec<u32>,
     pub(super) request: pb::DecodeRequest,
     pub(super) route: Route,
-    pub(super) tried: Vec<String>,
+    pub(super) tried: Vec<WorkerAddr>,
     pub(super) migrations_left: u32,
     /// How it ended, once it has: counted when the generation is dropped (`cancelled` if the
     /// client went away before either).
@@ -56,7 +56,7 @@ fn worker_lost(s: &tonic::Status) -> bool {
 }
 
 impl Generation {
-    pub fn worker(&self) -> &str {
+    pub fn worker(&self) -> &WorkerAddr {
         &self.guard.worker().addr
     }
 
@@ -72,7 +72,7 @@ impl Generation {
             let stall = self.route.stall;
             let failure = match tokio::time::timeout(stall, stream.next()).await {
                 Err(_) => ApiError::Upstream {
-                    worker: self.worker().to_string(),
+                    worker: self.worker().clone(),
                     message: format!(
                         "the worker sent nothing, not even a heartbeat, for {stall:?}"
                     ),
@@ -89,7 +89,7 @@ impl Generation {
                     return Some(chunk);
                 }
                 Ok(None) => ApiError::Upstream {
-                    worker: self.worker().to_string(),
+                    worker: self.worker().clone(),
                     message: "the stream ended without a finish".into(),
                 },
                 Ok(Some(Err(s))) if worker_lost(&s) => ApiError::from_worker(self.worker(), &s),
@@ -113,7 +113,7 @@ impl Generation {
             return Err(failure);
         }
         self.migrations_left -= 1;
-        let lost = self.worker().to_string();
+        let lost = self.guard.worker().addr.clone();
         tracing::warn!(request = %self.request.request_id, worker = %lost, tokens = self.emitted.len(), error = %failure, "decode worker lost mid-stream; migrating");
         self.guard.worker().mark_down();
         self.stream = None;

@@ -81,9 +81,27 @@ pub enum MaxTokensDefault {
     RestOfContext,
 }
 
+/// The router's name for one request: unique within the cluster's routers (this process's id
+/// and a counter), sent to the worker and used in the OpenAI response ids and in logs.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct RequestId(String);
+
+impl RequestId {
+    /// The id as text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Display for RequestId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
 /// A request ready for a worker.
 pub struct Prepared {
-    pub request_id: String,
+    pub request_id: RequestId,
     pub prompt: Vec<u32>,
     pub params: GenParams,
     /// Checked once, here; the worker API carries it as is.
@@ -197,7 +215,7 @@ impl Dispatcher {
         }
         let (sampling, stopping) = tandem_proto::wire::sampling_to_wire(&prep.sampling);
         let request = pb::DecodeRequest {
-            request_id: prep.request_id.clone(),
+            request_id: prep.request_id.to_string(),
             prompt_ids: prep.prompt.clone(),
             sampling: Some(sampling),
             stopping: Some(stopping),

@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 
 use tandem_types::SamplingParams;
 
-use super::{Dispatcher, GenParams, MaxTokensDefault, Prepared, PromptInput};
+use super::{Dispatcher, GenParams, MaxTokensDefault, Prepared, PromptInput, RequestId};
 use crate::error::ApiError;
 
 /// Most stop strings one request may give (each is matched against every piece of text).
@@ -108,11 +108,11 @@ impl Dispatcher {
                 context,
             });
         }
-        let request_id = format!(
+        let request_id = RequestId(format!(
             "{:x}-{}",
             std::process::id(),
             self.next_id.fetch_add(1, Ordering::Relaxed)
-        );
+        ));
         sampling.max_tokens = max_tokens as u32;
         let sampling = sampling.validate()?;
         Ok(Prepared {

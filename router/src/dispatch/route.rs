@@ -11,7 +11,7 @@ use crate::error::ApiError;
 use crate::metrics::RouterMetrics;
 use crate::policy::disagg::{self, DisaggConfig, PrefillCandidate};
 use crate::policy::RoutingPolicy;
-use crate::workers::{InFlightGuard, Worker, WorkerPool};
+use crate::workers::{InFlightGuard, Worker, WorkerAddr, WorkerPool};
 
 /// Everything needed to (re)open a request's stream on a decode worker.
 pub(super) struct Route {
@@ -64,7 +64,7 @@ impl Route {
         let guard = ready[first].start_request();
         let plan = pb::PrefillPlan {
             plan: Some(pb::prefill_plan::Plan::Remote(pb::RemotePrefill {
-                prefill_addrs: order.iter().map(|&i| ready[i].addr.clone()).collect(),
+                prefill_addrs: order.iter().map(|&i| ready[i].addr.to_string()).collect(),
             })),
         };
         (plan, Some(guard))
@@ -76,7 +76,7 @@ impl Route {
         &self,
         mut request: pb::DecodeRequest,
         resume: &[u32],
-        tried: &mut Vec<String>,
+        tried: &mut Vec<WorkerAddr>,
     ) -> Result<Opened, ApiError> {
         request.resume_ids = resume.to_vec();
         loop {

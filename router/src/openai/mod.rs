@@ -84,7 +84,7 @@ async fn ready(State(d): State<Arc<Dispatcher>>) -> Response {
             .iter()
             .map(|w| {
                 json!({
-                    "addr": w.addr,
+                    "addr": w.addr.as_str(),
                     "ready": w.is_ready(),
                     "in_flight": w.in_flight(),
                     "cached_blocks": w.indexed_blocks(),
