@@ -12,6 +12,8 @@
 //! reads slower than the engine steps. Dropping the response stream (client cancel, router gone)
 //! drops the request stream, which cancels the request and frees its KV blocks within a step.
 
+#![deny(missing_docs)]
+
 pub mod metrics;
 pub mod remote;
 
@@ -59,10 +61,12 @@ impl DecodeService {
         self
     }
 
+    /// Remote prefill, when this worker takes KV from prefill workers.
     pub fn remote(&self) -> Option<&Arc<RemotePrefill>> {
         self.remote.as_ref()
     }
 
+    /// The engine this service feeds.
     pub fn engine(&self) -> &Arc<EngineHandle> {
         &self.engine
     }

@@ -14,7 +14,9 @@ use crate::remote::RemotePrefill;
 /// A decode worker's metrics.
 #[derive(Clone)]
 pub struct DecodeMetrics {
+    /// The engine whose stats are exported.
     pub engine: Arc<EngineHandle>,
+    /// Remote prefill's counts and the KV receiver's refusals, when on.
     pub remote: Option<Arc<RemotePrefill>>,
 }
 

@@ -44,6 +44,7 @@ pub struct RemotePrefill {
     sink: Arc<dyn BlockSink>,
     deadlines: Deadlines,
     clients: Mutex<HashMap<String, PrefillClient<Channel>>>,
+    /// What remote prefill has done since start.
     pub counts: RemoteCounts,
 }
 
@@ -75,10 +76,12 @@ impl RemotePrefill {
         })
     }
 
+    /// The KV receiver's address as prefill workers are told it.
     pub fn endpoint(&self) -> &str {
         &self.endpoint
     }
 
+    /// The KV receiver transfers arrive at.
     pub fn receiver(&self) -> &KvReceiver {
         &self.receiver
     }

@@ -35,6 +35,7 @@ impl std::fmt::Debug for Secret {
 pub const MIN_SECRET: usize = 16;
 
 impl Secret {
+    /// A secret of `bytes`; refused when shorter than [`MIN_SECRET`].
     pub fn new(bytes: impl Into<Vec<u8>>) -> Result<Self, TransferError> {
         let b = bytes.into();
         if b.len() < MIN_SECRET {

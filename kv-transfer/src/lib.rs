@@ -8,37 +8,53 @@
 //! every rejected frame by reason ([`receiver`]). Does not own the KV pool (tandem-engine; the
 //! pool is reached through [`BlockSink`]) or the prefill/decode handshake (the workers).
 
+#![deny(missing_docs)]
+
 pub mod auth;
-pub mod receiver;
-pub mod transport;
+mod receiver;
+mod transport;
 pub mod wire;
-pub mod xxh3;
+mod xxh3;
 
 pub use auth::Secret;
 pub use receiver::{BlockSink, KvReceiver, Rejections, TransferGrant, TransferStats};
 pub use tandem_types::BlockId;
 pub use transport::{BlockFrame, KvStream, KvTransport, TcpTransport};
 
+/// Why a KV transfer, or setting one up, failed.
 #[derive(Debug, thiserror::Error)]
 pub enum TransferError {
+    /// The connection failed.
     #[error("kv transfer i/o: {0}")]
     Io(#[from] std::io::Error),
+    /// The connection's opening exchange went wrong (not a Tandem KV peer, a bad version).
     #[error("kv handshake: {0}")]
     Handshake(String),
+    /// The peer could not show it holds the cluster's KV secret.
     #[error("the peer did not prove it holds the KV secret")]
     Unauthenticated,
+    /// A frame header that does not decode.
     #[error("kv wire: {0}")]
     Wire(#[from] wire::WireError),
+    /// The receiver refused a frame; the reason names the check.
     #[error("a frame was rejected ({0})")]
     Rejected(&'static str),
+    /// The grant's deadline passed before the transfer ended.
     #[error("the transfer did not complete before its deadline")]
     Expired,
+    /// The sender gave up on the transfer.
     #[error("the sender aborted the transfer")]
     Aborted,
+    /// The sender ended the transfer before every granted block layer arrived.
     #[error("the sender ended the transfer with {missing} block layers missing")]
-    Incomplete { missing: usize },
+    Incomplete {
+        /// Block layers granted and never received.
+        missing: usize,
+    },
+    /// The receiver's holder revoked the grant (the request went away).
     #[error("the transfer was revoked")]
     Closed,
+    /// The transfer's configuration is unusable (a bad secret, an unusable address).
     #[error("{0}")]
     Config(String),
 }

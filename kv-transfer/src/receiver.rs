@@ -30,6 +30,7 @@ use crate::TransferError;
 pub trait BlockSink: Send + Sync {
     /// Bytes of one layer of one block: every block frame's exact payload length.
     fn frame_len(&self) -> usize;
+    /// Layers per block: every granted block is complete once each has arrived.
     fn layers(&self) -> u32;
     /// Writes one layer of one block. Called only for blocks granted to a live transfer, after
     /// the frame's length and checksum were checked.
@@ -39,13 +40,21 @@ pub trait BlockSink: Send + Sync {
 /// Why frames were refused, counted since the receiver started.
 #[derive(Debug, Default)]
 pub struct Rejections {
+    /// Frames for a transfer id no live grant has.
     pub unknown_transfer: AtomicU64,
+    /// Frames for a block outside their transfer's grant.
     pub block_not_granted: AtomicU64,
+    /// Frames for a layer the sink does not have.
     pub bad_layer: AtomicU64,
+    /// Frames whose payload is not one block layer long.
     pub bad_length: AtomicU64,
+    /// Frames whose payload does not match their checksum.
     pub bad_checksum: AtomicU64,
+    /// Frames that arrived after their grant's deadline.
     pub expired: AtomicU64,
+    /// Headers that did not decode.
     pub malformed: AtomicU64,
+    /// Connections that failed the secret handshake.
     pub unauthenticated: AtomicU64,
 }
 
@@ -65,6 +74,7 @@ impl Rejections {
         ]
     }
 
+    /// Frames and connections refused for any reason.
     pub fn total(&self) -> u64 {
         self.snapshot().iter().map(|(_, n)| n).sum()
     }
@@ -73,7 +83,9 @@ impl Rejections {
 /// What a completed transfer moved.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TransferStats {
+    /// Block frames written.
     pub frames: u64,
+    /// Payload bytes written.
     pub bytes: u64,
 }
 
@@ -148,10 +160,12 @@ impl KvReceiver {
         Ok(Self { inner, addr: local })
     }
 
+    /// The address senders connect to.
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
     }
 
+    /// What this receiver has refused so far, by reason.
     pub fn rejections(&self) -> &Rejections {
         &self.inner.rejections
     }
@@ -238,6 +252,7 @@ pub struct TransferGrant {
 }
 
 impl TransferGrant {
+    /// The transfer id a sender names in every frame of this transfer.
     pub fn id(&self) -> u64 {
         self.id
     }

@@ -19,6 +19,7 @@ use tandem_types::BlockId;
 
 /// Opens streams of KV frames to receivers.
 pub trait KvTransport: Send + Sync {
+    /// An authenticated stream to the receiver at `endpoint` (`host:port`).
     fn open<'a>(
         &'a self,
         endpoint: &'a str,
@@ -28,8 +29,11 @@ pub trait KvTransport: Send + Sync {
 /// One layer of one destination block, ready to go.
 #[derive(Clone, Copy, Debug)]
 pub struct BlockFrame<'a> {
+    /// The layer.
     pub layer: u32,
+    /// The block in the receiver's pool, as granted.
     pub block: BlockId,
+    /// The layer's bytes of the block, in the pool's layout.
     pub payload: &'a [u8],
 }
 
@@ -79,6 +83,7 @@ pub struct TcpTransport {
 }
 
 impl TcpTransport {
+    /// A transport that proves `secret` to every receiver it opens.
     pub fn new(secret: Secret) -> Self {
         Self {
             secret,

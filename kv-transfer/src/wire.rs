@@ -27,40 +27,57 @@ pub const VERSION: u16 = 2;
 pub const HELLO_MAGIC: [u8; 4] = *b"TKV1";
 /// First bytes of every frame header.
 pub const FRAME_MAGIC: u16 = 0x4B54;
+/// Bytes of every frame header.
 pub const HEADER_LEN: usize = 40;
 /// Largest payload a receiver accepts before even looking at the transfer (a corrupt length
 /// must not make it allocate gigabytes).
 pub const MAX_PAYLOAD: u32 = 64 << 20;
 
+/// What a frame is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
 pub enum FrameKind {
+    /// One layer of one block; a payload follows.
     Block = 1,
+    /// The sender has sent every frame of the transfer.
     End = 2,
+    /// The sender gives the transfer up.
     Abort = 3,
 }
 
+/// The fixed-size header in front of every frame (little-endian on the wire).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FrameHeader {
+    /// What the frame is.
     pub kind: FrameKind,
+    /// The layer a block frame carries (0 for control frames).
     pub layer: u32,
+    /// The transfer the frame belongs to: the id of the receiver's grant.
     pub transfer: u64,
+    /// The destination block of a block frame (0 for control frames).
     pub block: u32,
+    /// Payload bytes after the header.
     pub len: u32,
+    /// xxh3-64 of the payload.
     pub checksum: u64,
 }
 
+/// A header that does not decode.
 #[derive(Debug, PartialEq, Eq, thiserror::Error)]
 pub enum WireError {
+    /// The header does not start with the frame magic.
     #[error("bad frame magic {0:#06x}: not a Tandem KV stream or out of sync")]
     Magic(u16),
+    /// The kind byte names no frame kind.
     #[error("unknown frame kind {0}")]
     Kind(u8),
+    /// The payload length is over [`MAX_PAYLOAD`].
     #[error("payload of {0} bytes is over the {MAX_PAYLOAD}-byte limit")]
     TooLong(u32),
 }
 
 impl FrameHeader {
+    /// The header of a block frame carrying `payload`.
     pub fn block(transfer: u64, layer: u32, block: u32, payload: &[u8]) -> Self {
         Self {
             kind: FrameKind::Block,
@@ -72,6 +89,7 @@ impl FrameHeader {
         }
     }
 
+    /// The header of a control frame (end or abort), which has no payload.
     pub fn control(kind: FrameKind, transfer: u64) -> Self {
         Self {
             kind,
@@ -83,6 +101,7 @@ impl FrameHeader {
         }
     }
 
+    /// The header's bytes.
     pub fn encode(&self) -> [u8; HEADER_LEN] {
         let mut b = [0u8; HEADER_LEN];
         b[0..2].copy_from_slice(&FRAME_MAGIC.to_le_bytes());
@@ -95,6 +114,7 @@ impl FrameHeader {
         b
     }
 
+    /// Reads a header, refusing a bad magic, kind or length.
     pub fn decode(b: &[u8; HEADER_LEN]) -> Result<Self, WireError> {
         let u16_at = |i: usize| u16::from_le_bytes([b[i], b[i + 1]]);
         let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));

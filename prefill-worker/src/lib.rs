@@ -12,6 +12,8 @@
 //! with the first token. A cancelled call (the decode worker gave up or its client left) drops the
 //! engine request and the connection, which stops both compute and transfer.
 
+#![deny(missing_docs)]
+
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -33,12 +35,17 @@ use tonic::{Request as GrpcRequest, Response, Status};
 /// Counted since start, for `/metrics`.
 #[derive(Debug, Default)]
 pub struct PrefillCounts {
+    /// Calls whose KV all arrived and whose first token went back.
     pub ok: AtomicU64,
+    /// Calls that failed (the engine, the KV send).
     pub failed: AtomicU64,
+    /// Calls whose caller went away first.
     pub cancelled: AtomicU64,
     /// Calls turned away up front because the queue would hold them too long.
     pub refused: AtomicU64,
+    /// Prompt tokens this worker computed.
     pub prefilled_tokens: AtomicU64,
+    /// KV payload bytes sent to decode workers.
     pub bytes_sent: AtomicU64,
 }
 
@@ -132,6 +139,7 @@ struct Checked {
 }
 
 impl PrefillService {
+    /// The Prefill service over `engine`, sending KV through `transport`.
     pub fn new(
         engine: Arc<EngineHandle>,
         transport: Arc<dyn KvTransport>,
@@ -157,6 +165,7 @@ impl PrefillService {
         ControlService::new(s.engine.clone(), s.identity.clone(), s.drain.clone())
     }
 
+    /// What this worker has done since start.
     pub fn counts(&self) -> &PrefillCounts {
         &self.shared.counts
     }

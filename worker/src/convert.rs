@@ -12,6 +12,7 @@ use tandem_proto::worker as pb;
 use tokio::sync::watch;
 use tonic::Status;
 
+/// A server stream of a gRPC method's responses.
 pub type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 
 /// An engine refusal or failure as the gRPC status its kind maps to (one mapping, in
@@ -20,6 +21,7 @@ pub fn status(e: EngineError) -> Status {
     tandem_proto::wire::status(e.kind(), e.to_string())
 }
 
+/// A sampled token (with its log-probability and alternatives) as the worker API sends it.
 pub fn token(t: &TokenEvent) -> pb::Token {
     pb::Token {
         id: t.sampled.token,
@@ -33,6 +35,7 @@ pub fn token(t: &TokenEvent) -> pb::Token {
     }
 }
 
+/// A finished request's reason, counts and timings as the worker API sends them.
 pub fn finish(f: &Finished) -> pb::Finish {
     let reason = match f.finish_reason {
         FinishReason::Length => pb::FinishReason::Length,
@@ -50,6 +53,7 @@ pub fn finish(f: &Finished) -> pb::Finish {
     }
 }
 
+/// A change to the engine's prefix cache (a snapshot or events) as the KvEvents stream sends it.
 pub fn kv_batch(update: KvUpdate) -> pb::KvEventBatch {
     match update {
         KvUpdate::Snapshot { next_seq, hashes } => pb::KvEventBatch {

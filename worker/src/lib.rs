@@ -13,6 +13,8 @@
 //! Does not own: either role's own work (tandem-decode-worker's `Generate`,
 //! tandem-prefill-worker's `Prefill`), the engine loop, or routing.
 
+#![deny(missing_docs)]
+
 mod control;
 pub mod convert;
 mod drain;
