@@ -13,9 +13,11 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 
 use super::nvrtc::{cache_dir, compile_cached, Image};
-use super::{
-    decode_splits, open, program_text, AttnParams, CudaError, Gpu, DECODE_SPLIT_LEN, SOURCES,
-};
+use super::{open, program_text, AttnParams, CudaError, Gpu, SOURCES};
+
+mod attention;
+
+pub use attention::{AttnBatch, PREFILL_TILE_ROWS};
 
 // SAFETY: plain old data, laid out as the device's struct (checked by the layout probe test).
 unsafe impl DeviceRepr for AttnParams {}
@@ -54,27 +56,6 @@ pub struct CudaOps {
     k: Kernels,
 }
 
-/// Sequences of a packed attention call, on the device (built by [`CudaOps::attn_batch`]).
-pub struct AttnBatch {
-    pub seqs: usize,
-    pub max_blocks: usize,
-    pub max_context: usize,
-    block_tables: CudaSlice<i32>,
-    q_start: CudaSlice<i32>,
-    q_len: CudaSlice<i32>,
-    context: CudaSlice<i32>,
-    /// Prefill tiles: (sequence, first new token) per 16 query rows.
-    tiles: CudaSlice<i32>,
-    pub n_tiles: usize,
-    /// Whether every sequence has exactly one new token (the decode kernel applies).
-    pub decode_only: bool,
-    /// Decode splits per sequence, and their partial results (kept for the whole step, so the
-    /// layers' launches never wait to free them).
-    pub splits: usize,
-    part_out: CudaSlice<f32>,
-    part_ml: CudaSlice<f32>,
-}
-
 /// Element types a product can write: bf16 bits or f32.
 pub trait GemmOut {
     const F32: bool;
@@ -87,9 +68,6 @@ impl GemmOut for u16 {
 impl GemmOut for f32 {
     const F32: bool = true;
 }
-
-/// Query rows per prefill attention tile (`TQ` in attention.cu).
-pub const PREFILL_TILE_ROWS: usize = 16;
 
 impl CudaOps {
     /// Opens device `ordinal`, compiles (or reads from the cache) and loads every kernel.
@@ -357,156 +335,6 @@ impl CudaOps {
             .arg(&bs);
         // SAFETY: slots come from the block manager's blocks, inside the pool.
         unsafe { b.launch(Self::rows(t)) }.map(|_| ()).map_err(drv)
-    }
-
-    /// Uploads one packed step's sequences: block tables padded to the longest, query ranges,
-    /// context lengths and the prefill tiles.
-    pub fn attn_batch(
-        &self,
-        block_tables: &[&[u32]],
-        q_len: &[usize],
-        context: &[usize],
-        (nq, hd): (usize, usize),
-    ) -> Result<AttnBatch, CudaError> {
-        let seqs = block_tables.len();
-        let max_blocks = block_tables
-            .iter()
-            .map(|b| b.len())
-            .max()
-            .unwrap_or(0)
-            .max(1);
-        let mut bt = vec![0i32; seqs * max_blocks];
-        for (s, t) in block_tables.iter().enumerate() {
-            for (i, &b) in t.iter().enumerate() {
-                bt[s * max_blocks + i] = b as i32;
-            }
-        }
-        let mut starts = Vec::with_capacity(seqs);
-        let mut tiles = Vec::new();
-        let mut row = 0usize;
-        for (s, &n) in q_len.iter().enumerate() {
-            starts.push(row as i32);
-            for q0 in (0..n).step_by(PREFILL_TILE_ROWS) {
-                tiles.extend([s as i32, q0 as i32]);
-            }
-            row += n;
-        }
-        let n_tiles = tiles.len() / 2;
-        if tiles.is_empty() {
-            tiles.extend([0, 0]);
-        }
-        let as_i32 = |v: &[usize]| v.iter().map(|&x| x as i32).collect::<Vec<i32>>();
-        let decode_only = q_len.iter().all(|&n| n == 1);
-        let max_context = context.iter().copied().max().unwrap_or(0);
-        let splits = if decode_only {
-            decode_splits(max_context)
-        } else {
-            1
-        };
-        let parts = if splits > 1 { seqs * nq * splits } else { 1 };
-        Ok(AttnBatch {
-            splits,
-            part_out: self.stream.alloc_zeros::<f32>(parts * hd).map_err(drv)?,
-            part_ml: self.stream.alloc_zeros::<f32>(parts * 2).map_err(drv)?,
-            seqs,
-            max_blocks,
-            max_context,
-            block_tables: self.upload(&bt)?,
-            q_start: self.upload(&starts)?,
-            q_len: self.upload(&as_i32(q_len))?,
-            context: self.upload(&as_i32(context))?,
-            tiles: self.upload(&tiles)?,
-            n_tiles,
-            decode_only,
-        })
-    }
-
-    /// Paged attention of a packed step: the decode kernel (split along the context, then
-    /// combined) when every sequence has one new token, the tiled prefill kernel otherwise.
-    /// `q` holds token rows of `q_stride` values (q heads first); `out` token rows of nq·hd.
-    #[allow(clippy::too_many_arguments)]
-    pub fn attention(
-        &self,
-        batch: &mut AttnBatch,
-        q: &CudaSlice<u16>,
-        q_stride: usize,
-        k_cache: &CudaSlice<u16>,
-        v_cache: &CudaSlice<u16>,
-        out: &mut CudaSlice<u16>,
-        (nq, nkv, hd): (usize, usize, usize),
-        block_size: usize,
-    ) -> Result<(), CudaError> {
-        if nkv == 0 || nq % nkv != 0 || hd == 0 || 128 % hd != 0 || hd > 128 {
-            return Err(shape(format!(
-                "attention with {nq} heads, {nkv} KV heads of {hd} (head size must divide 128)"
-            )));
-        }
-        let splits = batch.splits;
-        let s = &self.stream;
-        let params = AttnParams {
-            q: q.device_ptr(s).0,
-            k_cache: k_cache.device_ptr(s).0,
-            v_cache: v_cache.device_ptr(s).0,
-            out: out.device_ptr_mut(s).0,
-            block_tables: batch.block_tables.device_ptr(s).0,
-            seq_q_start: batch.q_start.device_ptr(s).0,
-            seq_q_len: batch.q_len.device_ptr(s).0,
-            seq_context: batch.context.device_ptr(s).0,
-            tiles: batch.tiles.device_ptr(s).0,
-            part_out: batch.part_out.device_ptr_mut(s).0,
-            part_ml: batch.part_ml.device_ptr_mut(s).0,
-            q_stride: q_stride as i32,
-            nq: nq as i32,
-            nkv: nkv as i32,
-            hd: hd as i32,
-            block_size: block_size as i32,
-            max_blocks: batch.max_blocks as i32,
-            split_len: DECODE_SPLIT_LEN as i32,
-            max_splits: splits as i32,
-            scale: 1.0 / (hd as f32).sqrt(),
-            reserved: 0,
-        };
-        let (seqs, heads) = (batch.seqs as u32, nq as u32);
-        if batch.decode_only {
-            let shared = (hd + DECODE_SPLIT_LEN) * 4;
-            self.launch_attn(
-                &self.k.decode,
-                &params,
-                (seqs, heads, splits as u32),
-                shared,
-            )?;
-            if splits > 1 {
-                self.launch_attn(&self.k.combine, &params, (seqs, heads, 1), 0)?;
-            }
-        } else if batch.n_tiles > 0 {
-            self.launch_attn(
-                &self.k.prefill,
-                &params,
-                (batch.n_tiles as u32, heads, 1),
-                0,
-            )?;
-        }
-        Ok(())
-    }
-
-    /// One attention kernel over `grid` blocks of 128 threads.
-    fn launch_attn(
-        &self,
-        f: &CudaFunction,
-        params: &AttnParams,
-        grid: (u32, u32, u32),
-        shared_bytes: usize,
-    ) -> Result<(), CudaError> {
-        let cfg = LaunchConfig {
-            grid_dim: grid,
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: shared_bytes as u32,
-        };
-        let mut b = self.stream.launch_builder(f);
-        b.arg(params);
-        // SAFETY: every pointer in `params` is a live device allocation of the sizes the kernel
-        // reads (the batch was built from the same sequences, the buffers checked by the caller).
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
     }
 
     /// `out[m×n] = x[m×k] · Wᵀ` (W is n×k, row-major), bf16 in, f32 accumulation, out in bf16
