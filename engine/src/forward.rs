@@ -8,9 +8,7 @@
 //! layer the norms, projections, attention over the paged cache and MLP with their residuals,
 //! then the final norm and the head over the rows that want logits.
 
-use std::collections::BTreeMap;
-
-use tandem_model::{LayerTensor, LlamaConfig, TensorData, TensorName};
+use tandem_model::{LayerTensor, LlamaConfig, TensorName};
 
 use crate::EngineError;
 
@@ -169,14 +167,6 @@ impl<M, V> LlamaWeights<M, V> {
             .flat_map(|l| [&l.qkv, &l.o, &l.gate_up, &l.down])
             .chain([self.head()])
     }
-}
-
-/// `name`'s tensor among `tensors` (stored under canonical names).
-pub(crate) fn tensor(
-    tensors: &BTreeMap<String, TensorData>,
-    name: TensorName,
-) -> Result<&TensorData, EngineError> {
-    Ok(tandem_model::get_tensor(tensors, name)?)
 }
 
 /// One packed step of a `c` model with `weights` on device `d`, over `tokens` token rows of

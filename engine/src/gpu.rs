@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 
 use tandem_kernels::cuda::runtime::{AttnBatch, CudaOps, CudaSlice};
 use tandem_kernels::ops::RopeTable;
-use tandem_model::{LlamaConfig, TensorData, TensorName};
+use tandem_model::{get_tensor, LlamaConfig, TensorData, TensorName};
 
 use crate::forward::{self, LlamaWeights, StepOps};
 use crate::model::{PackedStep, SeqBatch};
@@ -50,7 +50,7 @@ impl GpuLlama {
         let up = |names: &[TensorName]| -> Result<Bf16, EngineError> {
             let mut all = Vec::new();
             for &n in names {
-                all.extend(bf16_bits(&forward::tensor(tensors, n)?.to_f32()?));
+                all.extend(bf16_bits(&get_tensor(tensors, n)?.to_f32()?));
             }
             Ok(ops.upload(&all)?)
         };

@@ -12,7 +12,7 @@ use rayon::prelude::*;
 use tandem_kernels::ops::{self, RopeTable};
 use tandem_kernels::{paged_attention, write_kv, KvLayout, Linear, SeqAttn, Weight};
 
-use tandem_model::{LlamaConfig, LoadedModel, TensorData};
+use tandem_model::{get_tensor, LlamaConfig, LoadedModel, TensorData};
 
 use crate::forward::{self, LlamaWeights, StepOps};
 use crate::kv_cache::KvPool;
@@ -57,13 +57,17 @@ pub struct SeqBatch<'a> {
     pub want_logits: bool,
 }
 
-fn stack_rows(parts: &[&Weight]) -> Result<Weight, EngineError> {
+/// One matrix of `parts` stacked by rows (a single part is itself).
+fn stack_rows(mut parts: Vec<Weight>) -> Result<Weight, EngineError> {
+    if parts.len() == 1 {
+        return Ok(parts.pop().expect("one part"));
+    }
     let cols = parts[0].cols();
     let rows = parts.iter().map(|w| w.rows()).sum();
-    match parts[0] {
+    match &parts[0] {
         Weight::F32 { .. } => {
             let mut data = Vec::with_capacity(rows * cols);
-            for p in parts {
+            for p in &parts {
                 match p {
                     Weight::F32 { data: d, .. } => data.extend_from_slice(d),
                     _ => {
@@ -77,7 +81,7 @@ fn stack_rows(parts: &[&Weight]) -> Result<Weight, EngineError> {
         }
         Weight::Quant { ty, .. } => {
             let mut data = Vec::new();
-            for p in parts {
+            for p in &parts {
                 match p {
                     Weight::Quant { ty: t, data: d, .. } if t == ty => data.extend_from_slice(d),
                     // Different quant types in q/k/v (some GGUF mixes do this): decode to f32.
@@ -96,7 +100,7 @@ fn stack_rows(parts: &[&Weight]) -> Result<Weight, EngineError> {
                                 }
                             })
                             .collect();
-                        return stack_rows(&dense.iter().collect::<Vec<_>>());
+                        return stack_rows(dense);
                     }
                 }
             }
@@ -128,14 +132,11 @@ impl LlamaModel {
             |names| {
                 let parts = names
                     .iter()
-                    .map(|&n| Ok(Weight::from_tensor(forward::tensor(tensors, n)?, f32w)?))
+                    .map(|&n| Ok(Weight::from_tensor(get_tensor(tensors, n)?, f32w)?))
                     .collect::<Result<Vec<_>, EngineError>>()?;
-                match parts.len() {
-                    1 => Ok(Linear::new(parts.into_iter().next().expect("one part"))),
-                    _ => Ok(Linear::new(stack_rows(&parts.iter().collect::<Vec<_>>())?)),
-                }
+                Ok(Linear::new(stack_rows(parts)?))
             },
-            |name| Ok(forward::tensor(tensors, name)?.to_f32()?),
+            |name| Ok(get_tensor(tensors, name)?.to_f32()?),
         )?;
         let rope = RopeTable::new(
             &c.rope_inv_freq(),
@@ -157,20 +158,15 @@ impl LlamaModel {
         }
     }
 
-    /// Every matrix a step multiplies by: the layers' projections, then the output head.
-    fn linears(&self) -> impl Iterator<Item = &Linear> {
-        self.weights.matrices()
-    }
-
     /// Bytes of weights one decode step reads (every matrix once; norms are negligible).
     pub fn weight_bytes(&self) -> usize {
-        self.linears().map(|l| l.weight().bytes()).sum()
+        self.weights.matrices().map(|l| l.weight().bytes()).sum()
     }
 
     /// Projections (and the head) whose batched products run on the AMX tiles: none on CPUs
     /// without AMX.
     pub fn tiled_projections(&self) -> usize {
-        self.linears().filter(|l| l.tiles()).count()
+        self.weights.matrices().filter(|l| l.tiles()).count()
     }
 
     /// Runs one packed step; returns logits (vocab each) for the sequences with `want_logits`, in

@@ -113,7 +113,7 @@ impl Generation {
             return Err(failure);
         }
         self.migrations_left -= 1;
-        let lost = self.guard.worker().addr.clone();
+        let lost = self.worker().clone();
         tracing::warn!(request = %self.request.request_id, worker = %lost, tokens = self.emitted.len(), error = %failure, "decode worker lost mid-stream; migrating");
         self.guard.worker().mark_down();
         self.stream = None;
