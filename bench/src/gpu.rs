@@ -28,32 +28,43 @@ pub fn llama3_8b() -> LlamaConfig {
     }
 }
 
+/// One decode batch size's step time against its roofline.
 #[derive(Clone, Debug, Serialize)]
 pub struct DecodePoint {
+    /// Sequences decoding one token each.
     pub batch: usize,
+    /// Tokens already cached per sequence.
     pub context: usize,
+    /// Best milliseconds per decode step.
     pub step_ms: f64,
     /// (weights + every sequence's KV) / measured copy bandwidth.
     pub roofline_ms: f64,
     /// roofline_ms / step_ms.
     pub of_roofline: f64,
+    /// Tokens generated per second, all sequences together.
     pub tok_s: f64,
 }
 
+/// Every figure of the GPU benchmark for one device.
 #[derive(Clone, Debug, Serialize)]
 pub struct GpuReport {
+    /// The GPU's name.
     pub device: String,
     /// Device-to-device copy, bytes read plus written per second.
     pub copy_gb_s: f64,
     /// 8192³ bf16 product (f32 accumulation) through cuBLAS.
     pub gemm_tflops: f64,
+    /// One point per requested decode batch size, in the order given.
     pub decode: Vec<DecodePoint>,
+    /// Tokens in the one prompt the prefill figure is measured on.
     pub prefill_tokens: usize,
+    /// Prompt tokens prefilled per second.
     pub prefill_tok_s: f64,
     /// Projection FLOPs (2 per weight per token) per second over the measured GEMM rate.
     pub prefill_mfu: f64,
     /// Paged decode attention alone: K and V bytes read per second.
     pub attention_gb_s: f64,
+    /// `attention_gb_s` / `copy_gb_s` (the copy counts reads and writes; attention only reads).
     pub attention_of_copy: f64,
 }
 

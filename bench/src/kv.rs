@@ -22,27 +22,36 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::percentile;
 
+/// The KV transfer benchmark's figures for one prompt length.
 #[derive(Clone, Debug, Serialize)]
 pub struct KvBenchRow {
+    /// Prompt length whose blocks are sent.
     pub prompt_tokens: usize,
+    /// KV blocks that prompt fills.
     pub blocks: usize,
+    /// Payload bytes sent: every layer of every block.
     pub bytes: usize,
-    /// Median seconds for the whole transfer (read out, send, verify, write, grant complete).
+    /// Median milliseconds for the whole transfer (read out, send, verify, write, grant complete).
     pub transfer_ms: f64,
+    /// `bytes` over the median transfer time, in GB/s.
     pub transfer_gb_s: f64,
-    /// Median seconds to copy the same bytes, memory to memory, over a plain TCP socket.
+    /// Median milliseconds to copy the same bytes, memory to memory, over a plain TCP socket.
     pub tcp_ms: f64,
+    /// `bytes` over the median plain copy time, in GB/s.
     pub tcp_gb_s: f64,
     /// Plain TCP time / transfer time.
     pub ratio: f64,
-    /// Median seconds to send as many bytes from one cache-resident frame buffer into another.
+    /// Median milliseconds to send as many bytes from one cache-resident frame buffer into
+    /// another.
     pub tcp_cached_ms: f64,
+    /// Cache-resident TCP time / transfer time.
     pub ratio_cached: f64,
 }
 
 /// Frame checksum rates over a buffer larger than the caches, in GB/s.
 #[derive(Clone, Debug, Serialize)]
 pub struct ChecksumRates {
+    /// Bytes per hashed frame.
     pub frame_bytes: usize,
     /// `xxhash-rust` as compiled for a portable x86-64 binary.
     pub crate_gb_s: f64,

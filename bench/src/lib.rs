@@ -1,9 +1,23 @@
-//! tandem-bench: benchmarks that print numbers and ratios. The engine benchmark (`tandem bench
-//! engine`): prefill and decode throughput of the engine in this process, next to this machine's
-//! roofline measured in the same run (memory bandwidth by a large copy, f32 compute by a large
-//! GEMM), so every figure comes with how far it is from what the hardware allows; and serving
-//! workloads under batching policies ([`workload`]); and the load generator for clusters (`tandem bench
-//! serve`, [`serve`]) with an in-process engine run of the same requests as its baseline.
+//! tandem-bench: benchmarks that print numbers and ratios, each next to what the hardware allows.
+//!
+//! One module per benchmark, named by its path (they share entry-point names such as `run`):
+//! - the engine benchmark (`tandem bench engine`, here at the root): prefill and decode throughput
+//!   of the engine in this process, next to this machine's roofline measured in the same run
+//!   ([`roofline`]: memory bandwidth by a large copy, f32 compute by a large GEMM);
+//! - [`workload`]: serving workloads through the engine under batching policies, each run priced
+//!   at the roofline;
+//! - [`serve`]: the load generator for clusters (`tandem bench serve`) with an in-process engine
+//!   run of the same requests as its baseline;
+//! - [`kv`]: KV transfer throughput over loopback against a plain TCP copy (`tandem bench
+//!   kv-transfer`);
+//! - [`gpu`]: a Llama-3-8B-shaped model on one GPU against the card's measured roofline
+//!   (`tandem bench gpu`).
+//!
+//! Main types: [`EngineBench`] and [`EngineReport`] (the engine benchmark),
+//! [`roofline::Roofline`], [`workload::WorkloadReport`], [`serve::LoadSpec`] and
+//! [`serve::ServeReport`], [`kv::KvBenchRow`], [`gpu::GpuReport`].
+
+#![deny(missing_docs)]
 
 pub mod gpu;
 pub mod kv;
@@ -20,23 +34,34 @@ use tandem_engine::{Engine, EngineError, Request, SamplingParams};
 /// What to run.
 #[derive(Clone, Debug)]
 pub struct EngineBench {
+    /// Requests run together.
     pub batch: usize,
+    /// Prompt tokens per request (random ids).
     pub prompt_len: usize,
+    /// Tokens generated per request (EOS ignored).
     pub gen_len: usize,
+    /// Seed of the random prompts.
     pub seed: u64,
 }
 
+/// The engine benchmark's figures, next to this machine's roofline.
 #[derive(Clone, Debug, Serialize)]
 pub struct EngineReport {
+    /// Requests run together.
     pub batch: usize,
+    /// Prompt tokens per request.
     pub prompt_len: usize,
+    /// Tokens generated per request.
     pub gen_len: usize,
+    /// The caller's label for the weights (a path or a model name).
     pub weights: String,
     /// Where the steps ran: `cpu`, or the GPU's name.
     pub device: String,
+    /// Threads in rayon's pool, which the CPU kernels run on.
     pub threads: usize,
     /// The kernel level the engine ran at (`TANDEM_ISA`), and what it uses.
     pub simd: &'static str,
+    /// The instructions that kernel level uses, spelled out.
     pub simd_detail: &'static str,
     /// The CPU the figures were measured on.
     pub cpu: roofline::CpuInfo,
@@ -44,11 +69,15 @@ pub struct EngineReport {
     pub prefill_tok_s: f64,
     /// Generated tokens per second, all sequences together, over the pure decode steps.
     pub decode_tok_s: f64,
+    /// Median milliseconds per pure decode step.
     pub step_ms_p50: f64,
+    /// 90th-percentile milliseconds per pure decode step.
     pub step_ms_p90: f64,
     /// This CPU's roofline (zero when the engine ran on a GPU: `tandem bench gpu` measures that).
     pub mem_bw_gb_s: f64,
+    /// A 1024³ f32 GEMM on all threads, in GFLOP/s (zero on a GPU).
     pub f32_gflops: f64,
+    /// This CPU's peak f32 FMA rate, in GFLOP/s (zero on a GPU).
     pub f32_peak_gflops: f64,
     /// Bytes one decode step must read: all weights once, plus every sequence's KV at the median
     /// context length.
@@ -57,6 +86,7 @@ pub struct EngineReport {
     pub decode_bw_efficiency: f64,
     /// Prefill FLOP rate (projections and head) as a fraction of the peak f32 FMA rate.
     pub prefill_flop_efficiency: f64,
+    /// Seconds the whole batch took, prefill and decode.
     pub wall_s: f64,
 }
 

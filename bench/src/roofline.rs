@@ -6,6 +6,7 @@ use std::time::Instant;
 use rayon::prelude::*;
 use tandem_kernels::{matmul, Weight};
 
+/// What this machine's CPUs and memory can do at best; all zero when not measured.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Roofline {
     /// Bytes read plus bytes written per second by a large parallel copy, in GB/s.
@@ -21,6 +22,7 @@ pub struct Roofline {
 /// (a figure means little without the machine it was measured on).
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct CpuInfo {
+    /// The CPU's model name (the architecture's name where none is reported).
     pub model: String,
     /// The flags of this list the CPU has, in this order.
     pub flags: Vec<&'static str>,

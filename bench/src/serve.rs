@@ -24,27 +24,37 @@ use tandem_engine::{EngineHandle, Request, SamplingParams, StreamEvent};
 
 use crate::percentile;
 
+/// The workload and arrival process of a serve benchmark.
 #[derive(Clone, Debug)]
 pub struct LoadSpec {
+    /// Requests sent in all.
     pub requests: usize,
     /// Closed loop: this many requests in flight at all times (until the last is sent).
     pub concurrency: usize,
     /// Open loop instead: Poisson arrivals at this many requests per second.
     pub rate: Option<f64>,
+    /// Prompt tokens of a (short) request.
     pub prompt_len: usize,
+    /// Output tokens of a (short) request.
     pub gen_len: usize,
+    /// Seed of the prompts and the arrival times.
     pub seed: u64,
     /// Every k-th request (k > 0) is a long one.
     pub long_every: usize,
+    /// Prompt tokens of a long request.
     pub long_prompt_len: usize,
+    /// Output tokens of a long request.
     pub long_gen_len: usize,
 }
 
 /// One request of a workload.
 #[derive(Clone, Debug)]
 pub struct Job {
+    /// Prompt token ids.
     pub prompt: Vec<u32>,
+    /// Output tokens to generate (EOS ignored).
     pub gen_len: usize,
+    /// Whether it is one of a mixed workload's long requests.
     pub long: bool,
 }
 
@@ -95,30 +105,51 @@ struct Sample {
     error: Option<String>,
 }
 
+/// A serve run's latencies and throughput; latency percentiles are over the requests that
+/// succeeded.
 #[derive(Clone, Debug, Serialize)]
 pub struct ServeReport {
+    /// What was measured: the router's base URL, or the in-process engine.
     pub target: String,
+    /// Requests sent.
     pub requests: usize,
+    /// Requests that failed.
     pub errors: usize,
+    /// The spec's closed-loop concurrency.
     pub concurrency: usize,
+    /// The spec's open-loop arrival rate, in requests per second.
     pub rate: Option<f64>,
+    /// The spec's (short) prompt length, in tokens.
     pub prompt_len: usize,
+    /// The spec's (short) output length, in tokens.
     pub gen_len: usize,
+    /// Output tokens the successful requests received.
     pub output_tokens: usize,
+    /// Seconds from the first request sent to the last one done.
     pub wall_s: f64,
+    /// `output_tokens` / `wall_s`.
     pub output_tok_s: f64,
+    /// Median time to first token, in milliseconds.
     pub ttft_ms_p50: f64,
+    /// 99th-percentile time to first token, in milliseconds.
     pub ttft_ms_p99: f64,
+    /// Median gap between streamed tokens, in milliseconds.
     pub itl_ms_p50: f64,
+    /// 99th-percentile gap between streamed tokens, in milliseconds.
     pub itl_ms_p99: f64,
+    /// Median request latency, submission to last token, in milliseconds.
     pub e2e_ms_p50: f64,
+    /// 99th-percentile request latency, in milliseconds.
     pub e2e_ms_p99: f64,
-    /// Mixed workloads: the short requests' inter-token latency, the long ones' TTFT.
+    /// Mixed workloads: the short requests' median inter-token latency, in milliseconds.
     pub short_itl_ms_p50: Option<f64>,
+    /// Mixed workloads: the short requests' 99th-percentile inter-token latency, in milliseconds.
     pub short_itl_ms_p99: Option<f64>,
-    /// The longest stall a short request saw between two tokens.
+    /// The longest stall a short request saw between two tokens, in milliseconds.
     pub short_itl_ms_max: Option<f64>,
+    /// Mixed workloads: the long requests' median time to first token, in milliseconds.
     pub long_ttft_ms_p50: Option<f64>,
+    /// Mixed workloads: the long requests' 99th-percentile time to first token, in milliseconds.
     pub long_ttft_ms_p99: Option<f64>,
     /// The first error seen, if any.
     pub first_error: Option<String>,

@@ -31,10 +31,13 @@ use crate::roofline::Roofline;
 /// Requests per batch under the static policy.
 pub const STATIC_BATCH: usize = 16;
 
+/// A request mix to serve (see the module docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Workload {
+    /// Prompts of 20–1000 tokens, outputs of 10–300.
     Mixed,
+    /// A shared 500-token system prompt, a 10–30-token question, a 16–48-token answer.
     SharedPrefix,
 }
 
@@ -96,16 +99,22 @@ impl Workload {
     }
 }
 
+/// How requests are batched (see the module docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Policy {
+    /// One request at a time.
     Sequential,
+    /// Fixed batches, prompts padded to the longest, every row run to the longest output.
     Static,
+    /// Fixed batches without padding; the next batch waits for this one's longest member.
     StaticPacked,
+    /// Every request in one engine, joining and leaving at step granularity.
     Continuous,
 }
 
 impl Policy {
+    /// Every policy, in the order reports list them.
     pub const ALL: [Policy; 4] = [
         Self::Sequential,
         Self::Static,
@@ -113,6 +122,7 @@ impl Policy {
         Self::Continuous,
     ];
 
+    /// The name flags and reports use.
     pub fn name(self) -> &'static str {
         match self {
             Self::Sequential => "sequential",
@@ -136,34 +146,50 @@ impl std::str::FromStr for Policy {
     }
 }
 
+/// One workload's run under one policy.
 #[derive(Clone, Debug, Serialize)]
 pub struct WorkloadReport {
+    /// The request mix.
     pub workload: Workload,
+    /// The batching policy.
     pub policy: Policy,
+    /// Whether the engine reused cached prefixes.
     pub prefix_caching: bool,
+    /// Requests served.
     pub requests: usize,
+    /// Prompt tokens of all requests (before any padding).
     pub prompt_tokens: usize,
     /// The requests' own output tokens (a static batch's rows step past theirs; that is padding).
     pub output_tokens: usize,
     /// Tokens the engine computed: prompts and outputs, plus the static policy's padding and any
     /// recompute after preemption.
     pub computed_tokens: usize,
+    /// Engine steps run.
     pub steps: usize,
+    /// Seconds for the whole run.
     pub wall_s: f64,
+    /// `output_tokens` / `wall_s`.
     pub output_tok_s: f64,
-    /// Time in steps that prefilled (alone or with decodes) and in steps that only decoded.
+    /// Seconds in steps that prefilled (alone or with decodes).
     pub prefill_steps_s: f64,
+    /// Seconds in steps that only decoded.
     pub decode_steps_s: f64,
-    /// The run's steps priced at the roofline (absent where it was not measured: on a GPU), all
-    /// of them and those that only decoded.
+    /// Seconds all the run's steps take priced at the roofline (absent where it was not
+    /// measured: on a GPU).
     pub roofline_s: Option<f64>,
+    /// Seconds the steps that only decoded take priced at the roofline.
     pub roofline_decode_steps_s: Option<f64>,
+    /// `output_tokens` / `roofline_s`: the output rate the roofline allows this schedule.
     pub roofline_output_tok_s: Option<f64>,
     /// Prompt tokens found in the prefix cache / prompt tokens looked up.
     pub prefix_hit_rate: f64,
+    /// Preemptions during the run.
     pub preemptions: u64,
+    /// Median seconds from the run's start (when every request is submitted) to first token.
     pub ttft_s_p50: f64,
+    /// 90th-percentile seconds from the run's start to first token.
     pub ttft_s_p90: f64,
+    /// Median seconds from the run's start to a request's end.
     pub e2e_s_p50: f64,
 }
 
@@ -181,6 +207,7 @@ pub struct StepCost {
 }
 
 impl StepCost {
+    /// The prices of `engine`'s model on its device.
     pub fn of(engine: &Engine) -> Self {
         let c = engine.model_config();
         Self {
@@ -192,6 +219,7 @@ impl StepCost {
         }
     }
 
+    /// The least seconds step `s` can take on a machine with roofline `roof`.
     pub fn seconds(&self, s: &StepStats, roof: &Roofline) -> f64 {
         let tokens = (s.prefill_tokens + s.decode_tokens) as f64;
         let flops = self.body_flops * tokens

@@ -27,25 +27,34 @@ pub use tandem_types::BlockId;
 pub struct KvEvent {
     /// Per-worker, starting at 1, no gaps: a consumer that sees a gap must ask for a snapshot.
     pub seq: u64,
+    /// What changed.
     pub kind: KvEventKind,
 }
 
+/// What a [`KvEvent`] reports: hashes newly cached, or hashes dropped from the cache.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum KvEventKind {
     /// These block hashes are now cached here; `parent` is the hash of the block before the first
     /// one (`None` at the start of a sequence).
     Stored {
+        /// Hash of the block before `hashes[0]` in its sequence; `None` when it is the first.
         parent: Option<BlockHash>,
+        /// The chained hashes now cached, in sequence order.
         hashes: Vec<BlockHash>,
     },
     /// These block hashes are no longer cached here.
-    Removed { hashes: Vec<BlockHash> },
+    Removed {
+        /// The chained hashes evicted.
+        hashes: Vec<BlockHash>,
+    },
 }
 
 /// Counts of blocks by state. `free + cached + used == total` always.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct BlockCounts {
+    /// Blocks in the pool.
     pub total: usize,
+    /// Blocks on the free list, holding nothing.
     pub free: usize,
     /// Unreferenced, holding a cached prefix block (evictable).
     pub cached: usize,
@@ -144,6 +153,7 @@ pub struct BlockManager {
 }
 
 impl BlockManager {
+    /// A pool of `total` blocks of `block_size` tokens each, all free. Panics if `block_size` is 0.
     pub fn new(total: usize, block_size: usize) -> Self {
         assert!(block_size > 0, "block size must be positive");
         Self {
@@ -164,10 +174,12 @@ impl BlockManager {
         }
     }
 
+    /// Tokens per block.
     pub fn block_size(&self) -> usize {
         self.block_size
     }
 
+    /// How many blocks are free, cached and used now.
     pub fn counts(&self) -> BlockCounts {
         let s = self.inner.borrow();
         BlockCounts {
@@ -245,10 +257,12 @@ impl SeqBlocks {
         &self.blocks
     }
 
+    /// Blocks in the table.
     pub fn len(&self) -> usize {
         self.blocks.len()
     }
 
+    /// Whether the table holds no blocks.
     pub fn is_empty(&self) -> bool {
         self.blocks.is_empty()
     }

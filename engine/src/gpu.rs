@@ -16,8 +16,11 @@ use crate::EngineError;
 /// bf16 values as their bits, which is how device buffers hold them.
 type Bf16 = CudaSlice<u16>;
 
+/// A Llama model and its paged bf16 KV pool on one CUDA device.
 pub struct GpuLlama {
+    /// The model's shape.
     pub config: LlamaConfig,
+    /// The GPU's stream, kernels and cuBLAS handle every step runs through.
     pub ops: CudaOps,
     weights: LlamaWeights<Bf16, Bf16>,
     cos: CudaSlice<f32>,
@@ -26,7 +29,9 @@ pub struct GpuLlama {
     /// Per layer: [blocks][kv heads][block_size][head_dim].
     k_cache: Vec<Bf16>,
     v_cache: Vec<Bf16>,
+    /// Tokens per KV block.
     pub block_size: usize,
+    /// KV blocks in the device pool.
     pub num_blocks: usize,
 }
 

@@ -33,6 +33,7 @@ use crate::EngineError;
 pub enum StreamEvent {
     /// Prompt blocks of a prefill-mode request, before its token.
     Kv(KvChunk),
+    /// A generated token.
     Token(TokenEvent),
     /// The last event of a request that ran (or was cancelled).
     Finished(Finished),
@@ -59,9 +60,12 @@ enum Command {
 pub enum KvUpdate {
     /// The cached block hashes now; `next_seq` is the sequence number of the first event after it.
     Snapshot {
+        /// Sequence number of the first [`KvEvent`] that follows.
         next_seq: u64,
+        /// Every block hash cached now, sorted.
         hashes: Vec<BlockHash>,
     },
+    /// Changes since the previous update, in sequence order.
     Events(Vec<KvEvent>),
 }
 
@@ -128,6 +132,7 @@ impl EngineHandle {
         })
     }
 
+    /// What requests are checked against; [`Self::submit`] checks them on the caller's thread.
     pub fn limits(&self) -> Limits {
         self.limits
     }
@@ -249,6 +254,7 @@ pub struct RequestStream {
 }
 
 impl RequestStream {
+    /// The id the engine gave this request (what [`EngineHandle::cancel`] takes).
     pub fn id(&self) -> RequestId {
         self.id
     }

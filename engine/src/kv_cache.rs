@@ -94,9 +94,13 @@ fn huge_zeroed(bytes: usize) -> std::io::Result<memmap2::MmapMut> {
 
 /// Physical KV storage for all layers.
 pub struct KvPool {
+    /// The shape of one block of one layer (tokens, KV heads, head size).
     pub layout: KvLayout,
+    /// Element type of the stored K/V.
     pub dtype: KvDtype,
+    /// Model layers, each with its own slab of blocks.
     pub num_layers: usize,
+    /// Blocks in the pool (the same ids in every layer).
     pub num_blocks: usize,
     mem: Arc<PoolMemory>,
 }
@@ -155,11 +159,12 @@ impl KvPool {
         Self::bytes_per_block(layout, dtype, num_layers) as f64 / layout.block_size as f64
     }
 
-    /// Total bytes the pool holds.
+    /// Blocks in the pool.
     pub fn num_blocks(&self) -> usize {
         self.num_blocks
     }
 
+    /// Total bytes the pool holds (scales included).
     pub fn bytes(&self) -> usize {
         Self::bytes_per_block(self.layout, self.dtype, self.num_layers) * self.num_blocks
     }
@@ -278,6 +283,7 @@ impl KvPoolWriter {
         KvPool::frame_bytes(self.layout, self.dtype)
     }
 
+    /// Model layers in the pool: every block has one frame per layer.
     pub fn num_layers(&self) -> usize {
         self.num_layers
     }

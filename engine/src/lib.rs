@@ -1,26 +1,33 @@
 //! tandem-engine: the model forward over a paged KV cache, and the loop that serves requests.
 //!
-//! Owns: the Llama forward, written once against a device op set (`forward`) and run by the
-//! CPU model ([`LlamaModel`] over tandem-kernels, behind [`CpuBackend`]) and the CUDA model
-//! ([`GpuLlama`]); the [`Backend`] trait the scheduler steps through; the KV pool ([`kv_cache`],
-//! f32 or int8), the [`BlockManager`] (ref counts, prefix cache, LRU eviction,
-//! events for the router), the [`Sampler`], the [`Engine`] (an iteration-level scheduler: decode
-//! first, chunked prefill within a token budget, preemption by recompute, one packed forward per
-//! step) and the [`EngineHandle`] that runs it on its own thread behind channels. There is no
-//! contiguous-cache path: every token's K/V lives in paged blocks, prefill and decode alike.
+//! Owns: the Llama forward, written once against a device op set and run by the CPU model
+//! ([`LlamaModel`] over tandem-kernels, behind [`CpuBackend`]) and the CUDA model ([`GpuLlama`]);
+//! the [`Backend`] trait the scheduler steps through ([`backend::on`] picks one for a device); the
+//! KV pool ([`KvPool`], f32, f16 or int8), the [`BlockManager`] (ref counts, prefix cache, LRU
+//! eviction, events for the router), the [`Sampler`], the [`Engine`] (an iteration-level
+//! scheduler: decode first, chunked prefill within a token budget, preemption by recompute, one
+//! packed forward per step) and the [`EngineHandle`] that runs it on its own thread behind
+//! channels. There is no contiguous-cache path: every token's K/V lives in paged blocks, prefill
+//! and decode alike.
 //!
 //! Does not own: networking (the workers), file formats and text (tandem-model), or arithmetic
 //! kernels (tandem-kernels).
+//!
+//! Main types: [`Engine`] with its [`EngineConfig`], [`Request`] and [`Event`]s; [`EngineHandle`]
+//! with its [`RequestStream`] of [`StreamEvent`]s; [`EngineError`]. Everything is exported here;
+//! the modules are private except [`backend`].
+
+#![deny(missing_docs)]
 
 pub mod backend;
-pub mod block_manager;
-pub mod engine;
+mod block_manager;
+mod engine;
 mod forward;
-pub mod gpu;
-pub mod handle;
-pub mod kv_cache;
-pub mod model;
-pub mod sampler;
+mod gpu;
+mod handle;
+mod kv_cache;
+mod model;
+mod sampler;
 
 pub use backend::{Backend, CpuBackend};
 pub use block_manager::{BlockCounts, BlockManager, KvEvent, KvEventKind, SeqBlocks};
@@ -39,18 +46,44 @@ pub use tandem_types::{BlockId, ErrorKind, SamplingError, SamplingParams, ValidS
 /// whose fault it is; the workers map that kind, not the text, to a gRPC code.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
+    /// The sampling parameters are invalid.
     #[error(transparent)]
     Sampling(#[from] SamplingError),
+    /// The request has no prompt tokens.
     #[error("the prompt is empty")]
     EmptyPrompt,
+    /// The output to resume from already reaches `max_tokens`.
     #[error("{resume} output tokens to resume from leave nothing to generate under max_tokens {max_tokens}")]
-    NothingToResume { resume: usize, max_tokens: u32 },
+    NothingToResume {
+        /// Output tokens given to resume from.
+        resume: usize,
+        /// The request's output limit in tokens.
+        max_tokens: u32,
+    },
+    /// Prompt and output do not fit the model's context.
     #[error("prompt and output need {tokens} tokens but the model's context is {max}")]
-    ContextOverflow { tokens: usize, max: usize },
+    ContextOverflow {
+        /// Tokens the request needs.
+        tokens: usize,
+        /// The model's context in tokens.
+        max: usize,
+    },
+    /// A token id is not in the model's vocabulary.
     #[error("token id {id} is outside the vocabulary of {vocab}")]
-    BadToken { id: u32, vocab: usize },
+    BadToken {
+        /// The offending token id.
+        id: u32,
+        /// The vocabulary size.
+        vocab: usize,
+    },
+    /// The request alone needs more KV blocks than the whole pool has.
     #[error("request needs {need} KV blocks but the pool has only {total}: raise --kv-cache-mb or shorten the request")]
-    TooLargeForCache { need: usize, total: usize },
+    TooLargeForCache {
+        /// Blocks the prompt and `max_tokens` of output need.
+        need: usize,
+        /// Blocks in the pool.
+        total: usize,
+    },
     /// A prefill-mode or remote-prefill request this engine cannot take as asked (a skip that is
     /// not a whole number of blocks, output to resume): its sender's mistake.
     #[error("{0}")]
@@ -62,24 +95,31 @@ pub enum EngineError {
     /// The engine's configuration makes no engine.
     #[error("configuration: {0}")]
     Config(String),
+    /// A remote-prefill join named a request (by id) that is not waiting for remote KV.
     #[error("request {0} is not waiting for remote KV")]
     NotParked(u64),
+    /// The engine's loop is gone, so nothing more can be submitted or answered.
     #[error("the engine has stopped")]
     Stopped,
     /// A step failed, failing every request in it (each gets this copy of the step's error).
     #[error("the engine step failed: {0}")]
     Step(String),
+    /// The model's weights cannot be assembled as given.
     #[error("model: {0}")]
     Model(String),
+    /// A CPU kernel or weight conversion failed (a shape mismatch, a tensor it cannot read).
     #[error(transparent)]
     Kernel(#[from] tandem_kernels::KernelError),
+    /// The model's files or tensors could not be read.
     #[error(transparent)]
     Files(#[from] tandem_model::ModelError),
+    /// A CUDA call failed.
     #[error(transparent)]
     Cuda(#[from] tandem_kernels::cuda::CudaError),
     /// The engine could not be built (the model, the device); the text says why.
     #[error("{0}")]
     Startup(String),
+    /// A broken invariant inside the engine: a bug.
     #[error("internal: {0}")]
     Internal(String),
 }

@@ -39,7 +39,9 @@ impl std::str::FromStr for WeightFormat {
     }
 }
 
+/// A Llama model on the CPU: its weights in host memory, run over a [`KvPool`].
 pub struct LlamaModel {
+    /// The model's shape.
     pub config: LlamaConfig,
     weights: LlamaWeights<Linear, Vec<f32>>,
     rope: RopeTable,
@@ -52,6 +54,7 @@ pub struct SeqBatch<'a> {
     pub tokens: &'a [u32],
     /// Tokens already in the cache before this step.
     pub cached: usize,
+    /// Physical KV block ids in logical order, covering the cached and the new tokens.
     pub block_table: &'a [u32],
     /// Whether this step must produce logits for the sequence's last new token.
     pub want_logits: bool,
@@ -115,6 +118,7 @@ fn stack_rows(mut parts: Vec<Weight>) -> Result<Weight, EngineError> {
 }
 
 impl LlamaModel {
+    /// Builds the model from a loaded model file, holding its weights as `format` says.
     pub fn new(m: &LoadedModel, format: WeightFormat) -> Result<Self, EngineError> {
         Self::from_tensors(&m.config, &m.tensors, format)
     }
@@ -150,6 +154,7 @@ impl LlamaModel {
         })
     }
 
+    /// The shape of one layer's KV block of `block_size` tokens for this model.
     pub fn kv_layout(&self, block_size: usize) -> KvLayout {
         KvLayout {
             block_size,

@@ -18,8 +18,11 @@ use tandem_types::ValidSampling;
 /// A sampled token with its log-probability and the most likely alternatives.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Sampled {
+    /// The chosen token id.
     pub token: u32,
+    /// Its log-probability under the model's raw distribution (before penalties and temperature).
     pub logprob: f32,
+    /// The `top_logprobs` most likely tokens and their log-probabilities, most likely first.
     pub top: Vec<(u32, f32)>,
 }
 
@@ -40,6 +43,8 @@ thread_local! {
 }
 
 impl Sampler {
+    /// A sampler for one sequence, seeded from `params.seed` (or at random); `prompt` feeds the
+    /// repetition penalty.
     pub fn new(params: ValidSampling, prompt: &[u32]) -> Self {
         let seed = params.seed.unwrap_or_else(rand::random);
         let seen = if params.repetition_penalty != 1.0 {
@@ -55,6 +60,7 @@ impl Sampler {
         }
     }
 
+    /// The sampling parameters it applies.
     pub fn params(&self) -> &ValidSampling {
         &self.params
     }

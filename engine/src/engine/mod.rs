@@ -106,7 +106,11 @@ impl Seq {
         }
     }
 }
+
+/// The scheduler over one model and one KV pool: queue requests with [`Engine::add`], then call
+/// [`Engine::step`] until [`Engine::has_work`] is false (or [`Engine::generate`] for a batch).
 pub struct Engine {
+    /// The configuration it was built with.
     pub config: EngineConfig,
     backend: Box<dyn Backend>,
     blocks: BlockManager,
@@ -161,6 +165,7 @@ impl Engine {
         self.backend.host_pool()
     }
 
+    /// The device the steps run on.
     pub fn backend(&self) -> &dyn Backend {
         self.backend.as_ref()
     }
@@ -175,10 +180,12 @@ impl Engine {
         self.backend.cpu_model()
     }
 
+    /// The pool's block bookkeeping (counts, prefix cache, events).
     pub fn block_manager(&self) -> &BlockManager {
         &self.blocks
     }
 
+    /// What a request is checked against: vocabulary, context, block size and pool size.
     pub fn limits(&self) -> Limits {
         Limits {
             vocab_size: self.backend.config().vocab_size,
@@ -193,6 +200,7 @@ impl Engine {
         self.limits().validate(r)
     }
 
+    /// Queue, pool and throughput figures now.
     pub fn stats(&self) -> EngineStats {
         let BlockCounts {
             total,

@@ -7,6 +7,7 @@ use crate::sampler::Sampled;
 use crate::EngineError;
 use tandem_types::{BlockId, ValidSampling};
 
+/// How an engine sizes its KV pool and schedules its steps.
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
     /// Tokens per KV block.
@@ -74,7 +75,9 @@ pub struct RequestId(pub u64);
 /// A generation request: prompt token ids and sampling.
 #[derive(Clone, Debug)]
 pub struct Request {
+    /// Prompt token ids; must not be empty.
     pub prompt: Vec<u32>,
+    /// How to pick each next token and when to stop.
     pub params: ValidSampling,
     /// Output tokens this request already produced elsewhere (a stream migrated from a worker
     /// that died): they are prefilled after the prompt, count toward `max_tokens` and the
@@ -82,6 +85,7 @@ pub struct Request {
     pub resume: Vec<u32>,
 }
 
+/// Why a request stopped generating.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum FinishReason {
@@ -96,7 +100,9 @@ pub enum FinishReason {
 /// Emitted for every generated token.
 #[derive(Clone, Debug)]
 pub struct TokenEvent {
+    /// The request the token belongs to.
     pub request: RequestId,
+    /// The token, its log-probability and the top alternatives.
     pub sampled: Sampled,
     /// Set on the request's last token.
     pub finish: Option<FinishReason>,
@@ -105,10 +111,15 @@ pub struct TokenEvent {
 /// A request that left the engine (after its last token, or on cancel).
 #[derive(Clone, Debug, Serialize)]
 pub struct Finished {
+    /// The request that finished.
     pub request: RequestId,
+    /// Its prompt token ids.
     pub prompt_ids: Vec<u32>,
+    /// Every output token id, the resumed ones first.
     pub output_ids: Vec<u32>,
+    /// Log-probability of each token sampled by this engine (resumed tokens have none).
     pub logprobs: Vec<f32>,
+    /// Why it stopped.
     pub finish_reason: FinishReason,
     /// Prompt tokens whose K/V came from the prefix cache at first admission.
     pub cached_prompt_tokens: usize,
@@ -116,30 +127,37 @@ pub struct Finished {
     pub preemptions: u32,
     /// Seconds from submission to admission, to the first token, and to the end.
     pub queue_s: f64,
+    /// Seconds from submission to the first token sampled here (0 if none was).
     pub ttft_s: f64,
+    /// Seconds from submission to leaving the engine.
     pub e2e_s: f64,
 }
 
 /// What one step produced.
 #[derive(Clone, Debug)]
 pub enum Event {
-    /// KV blocks of a prefill-mode request ([`Engine::add_prefill`]), as soon as a chunk has
-    /// filled them; always before that request's token.
+    /// KV blocks of a prefill-mode request ([`Engine::add_prefill`](crate::Engine::add_prefill)),
+    /// as soon as a chunk has filled them; always before that request's token.
     Kv(KvChunk),
+    /// A request sampled a token.
     Token(TokenEvent),
+    /// A request left the engine; always after its last token.
     Finished(Finished),
 }
 
 /// Consecutive KV blocks of a prefill-mode request, copied out in the KV wire layout.
 #[derive(Clone, Debug)]
 pub struct KvChunk {
+    /// The prefill-mode request the blocks belong to.
     pub request: RequestId,
     /// Index of the first block among the blocks the receiver asked for (block 0 holds the
     /// tokens right after its `skip_tokens`).
     pub first: usize,
+    /// Number of blocks in this chunk.
     pub blocks: usize,
     /// Per layer, the blocks' frames back to back (each `frame_len` bytes).
     pub layers: Vec<Vec<u8>>,
+    /// Bytes of one block's frame in one layer.
     pub frame_len: usize,
 }
 
@@ -153,7 +171,9 @@ impl KvChunk {
 /// Timing of one engine step, for benchmarks.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct StepStats {
+    /// Prompt (and recomputed) tokens the step computed.
     pub prefill_tokens: usize,
+    /// Tokens the step computed for sequences that were decoding, one per sequence.
     pub decode_tokens: usize,
     /// Rows that ran the output head (the last new token of each sequence that samples).
     pub logit_rows: usize,
@@ -162,22 +182,32 @@ pub struct StepStats {
     pub attended_keys: u64,
     /// Cached plus new tokens of every sequence in the step: the KV the step must read.
     pub context_tokens: u64,
+    /// Wall-clock seconds the step took (including any test slowdown).
     pub seconds: f64,
 }
 
 /// The engine's state at a glance.
 #[derive(Clone, Copy, Debug, Default, Serialize)]
 pub struct EngineStats {
+    /// Sequences admitted and stepping.
     pub running: usize,
+    /// Requests queued for admission (including preempted ones).
     pub waiting: usize,
+    /// KV blocks in the pool.
     pub blocks_total: usize,
+    /// KV blocks holding nothing.
     pub blocks_free: usize,
+    /// KV blocks no sequence holds that keep a cached prefix (evictable).
     pub blocks_cached: usize,
+    /// KV blocks held by at least one sequence.
     pub blocks_used: usize,
-    /// Prompt tokens looked up in the prefix cache at admission, and how many were found.
+    /// Prompt tokens looked up in the prefix cache at admission.
     pub prefix_lookup_tokens: u64,
+    /// Of those, tokens found there (their K/V reused, not computed).
     pub prefix_hit_tokens: u64,
+    /// Preemptions (each one a sequence sent back to be recomputed) since the engine started.
     pub preemptions: u64,
+    /// Steps run since the engine started.
     pub steps: u64,
     /// Prompt tokens admitted (running or waiting) and not computed yet: the prefill work queued.
     pub pending_prompt_tokens: u64,
@@ -190,6 +220,7 @@ pub struct EngineStats {
 pub(super) const RATE_WEIGHT: f64 = 0.25;
 
 impl EngineStats {
+    /// Fraction of looked-up prompt tokens found in the prefix cache (0 before any lookup).
     pub fn prefix_hit_rate(&self) -> f64 {
         if self.prefix_lookup_tokens == 0 {
             0.0
@@ -203,9 +234,13 @@ impl EngineStats {
 /// on the caller's thread with a copy).
 #[derive(Clone, Copy, Debug)]
 pub struct Limits {
+    /// Token ids must be below this.
     pub vocab_size: usize,
+    /// The model's context in tokens (prompt plus output).
     pub max_context: usize,
+    /// Tokens per KV block.
     pub block_size: usize,
+    /// KV blocks in the whole pool.
     pub total_blocks: usize,
 }
 
