@@ -85,7 +85,7 @@ fn fma_peak_gflops(reps: usize) -> f64 {
     let mut best = 0f64;
     for _ in 0..reps {
         let t = Instant::now();
-        let flops: u64 = rayon::broadcast(|_| tandem_kernels::simd::fma_burst(ROUNDS))
+        let flops: u64 = rayon::broadcast(|_| tandem_kernels::fma_burst(ROUNDS))
             .into_iter()
             .sum();
         best = best.max(flops as f64 / t.elapsed().as_secs_f64() / 1e9);

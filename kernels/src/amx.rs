@@ -571,8 +571,7 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
     use rand::{Rng, SeedableRng};
-    use tandem_model::quant::{quantize_q4_1, quantize_q8_0};
-    use tandem_model::GgmlType;
+    use tandem_model::{quantize_q4_1, quantize_q8_0, GgmlType};
 
     fn rnd(n: usize, seed: u64) -> Vec<f32> {
         let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);

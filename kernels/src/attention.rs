@@ -25,10 +25,15 @@ use crate::simd::{
 };
 use crate::KernelError;
 
+/// How one layer's KV blocks are laid out (see the module docs): the sizes every cache access
+/// and every block's byte count follow from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KvLayout {
+    /// Token slots per block.
     pub block_size: usize,
+    /// KV heads per token.
     pub num_kv_heads: usize,
+    /// Elements per head.
     pub head_dim: usize,
 }
 
@@ -68,23 +73,37 @@ impl KvLayout {
 /// K/V and head (`scales[(block·2 + kv)·heads + head]`, kv 0 for K and 1 for V).
 #[derive(Clone, Copy, Debug)]
 pub enum KvSlab<'a> {
+    /// f32 values.
     F32(&'a [f32]),
+    /// f16 values.
     F16(&'a [half::f16]),
-    Int8 { data: &'a [i8], scales: &'a [f32] },
+    /// int8 values with their scales.
+    Int8 {
+        /// The values, laid out as an f32 cache's.
+        data: &'a [i8],
+        /// One scale per block, K/V and head.
+        scales: &'a [f32],
+    },
 }
 
 /// One layer's cache, writable.
 #[derive(Debug)]
 pub enum KvSlabMut<'a> {
+    /// f32 values.
     F32(&'a mut [f32]),
+    /// f16 values.
     F16(&'a mut [half::f16]),
+    /// int8 values with their scales.
     Int8 {
+        /// The values, laid out as an f32 cache's.
         data: &'a mut [i8],
+        /// One scale per block, K/V and head.
         scales: &'a mut [f32],
     },
 }
 
 impl KvSlabMut<'_> {
+    /// The same cache, read-only.
     pub fn as_ref(&self) -> KvSlab<'_> {
         match self {
             Self::F32(d) => KvSlab::F32(d),

@@ -31,6 +31,7 @@ pub enum Isa {
 #[derive(Debug, thiserror::Error)]
 #[error("{ENV}={value:?} is not a kernel level: use one of scalar, avx2, avx512, amx")]
 pub struct UnknownIsa {
+    /// The variable's value.
     pub value: String,
 }
 

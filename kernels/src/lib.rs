@@ -11,28 +11,38 @@
 //!
 //! Does not own: model structure (tandem-engine) or file formats (tandem-model).
 //!
-//! Main types: [`Weight`] (a matrix in its storage format), [`KvLayout`] (how one layer's KV
-//! blocks are laid out), [`SeqAttn`] (one sequence's slice of a packed batch).
+//! Main types: [`Weight`] (a matrix in its storage format) and [`Linear`] (one used as a layer,
+//! on the AMX tiles where they fit), [`KvLayout`] (how one layer's KV blocks are laid out),
+//! [`KvSlab`]/[`KvSlabMut`] (one layer's cache in its element type), [`SeqAttn`] (one sequence's
+//! slice of a packed batch) and [`KernelError`]. The CPU entry points are [`matmul`],
+//! [`write_kv`], [`paged_attention`] and the row-wise [`ops`]; [`isa`] and [`amx`] say which
+//! kernels this CPU runs, and [`cuda`] is the GPU backend ([`cuda::runtime::CudaOps`]).
+
+#![deny(missing_docs)]
 
 pub mod amx;
-pub mod attention;
+mod attention;
 pub mod cuda;
 pub mod isa;
-pub mod matmul;
+mod matmul;
 pub mod ops;
-pub mod simd;
+mod simd;
 mod weight;
 
 pub use attention::{
     paged_attention, reference_attention, write_kv, KvLayout, KvSlab, KvSlabMut, SeqAttn,
 };
 pub use matmul::matmul;
+pub use simd::fma_burst;
 pub use weight::{Linear, Weight};
 
+/// Why a CPU kernel refused its arguments or a weight could not be built.
 #[derive(Debug, thiserror::Error)]
 pub enum KernelError {
+    /// Buffer lengths or dimensions that do not agree; the message names them.
     #[error("shape mismatch: {0}")]
     Shape(String),
+    /// Decoding a model tensor failed.
     #[error(transparent)]
     Model(#[from] tandem_model::ModelError),
 }

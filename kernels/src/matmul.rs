@@ -284,8 +284,7 @@ fn fused_rows(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
 mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
-    use tandem_model::quant::{quantize_q4_1, quantize_q8_0};
-    use tandem_model::GgmlType;
+    use tandem_model::{quantize_q4_1, quantize_q8_0, GgmlType};
 
     fn rnd(n: usize, seed: u64) -> Vec<f32> {
         let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
@@ -294,7 +293,7 @@ mod tests {
 
     fn dequantized(ty: GgmlType, ggml: &[u8]) -> Vec<f32> {
         let mut out = vec![0f32; ggml.len() / ty.bytes_for(32).unwrap() * 32];
-        tandem_model::quant::dequantize(ty, ggml, &mut out).unwrap();
+        tandem_model::dequantize(ty, ggml, &mut out).unwrap();
         out
     }
 

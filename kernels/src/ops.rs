@@ -44,6 +44,7 @@ impl RopeTable {
         Self { half, cos, sin }
     }
 
+    /// Positions the table covers: 0 up to (not including) this.
     pub fn max_pos(&self) -> usize {
         self.cos.len() / self.half.max(1)
     }

@@ -10,16 +10,24 @@ use crate::KernelError;
 pub enum Weight {
     /// Dense f32, row-major.
     F32 {
+        /// rows × cols values.
         data: Vec<f32>,
+        /// Output features.
         rows: usize,
+        /// Input features (values per row).
         cols: usize,
     },
     /// GGML-quantized rows, kept quantized in memory. Q4_1 and Q8_0 rows are in the kernels'
-    /// split layout ([`crate::simd::split_row`]); build with [`Weight::quant`] from GGML bytes.
+    /// split layout (each row's block scales, and Q4_1 mins, before its quants); build with
+    /// [`Weight::quant`] from GGML bytes.
     Quant {
+        /// The quantization type.
         ty: GgmlType,
+        /// rows × (bytes of `cols` elements of `ty`) bytes.
         data: Vec<u8>,
+        /// Output features.
         rows: usize,
+        /// Input features (elements per row, a whole number of blocks).
         cols: usize,
     },
 }
@@ -83,12 +91,14 @@ impl Weight {
         })
     }
 
+    /// Number of rows: output features.
     pub fn rows(&self) -> usize {
         match self {
             Self::F32 { rows, .. } | Self::Quant { rows, .. } => *rows,
         }
     }
 
+    /// Number of columns: input features.
     pub fn cols(&self) -> usize {
         match self {
             Self::F32 { cols, .. } | Self::Quant { cols, .. } => *cols,
@@ -137,21 +147,23 @@ pub struct Linear {
 }
 
 impl Linear {
+    /// Wraps `weight`, deciding once whether its products may use the AMX tiles.
     pub fn new(weight: Weight) -> Self {
         let tiles = amx::available() && amx::fits(&weight);
         Self { weight, tiles }
     }
 
+    /// The matrix as stored.
     pub fn weight(&self) -> &Weight {
         &self.weight
     }
 
-    /// Whether products of [`AMX_MIN_ROWS`] or more rows run on the AMX tiles.
+    /// Whether products of `AMX_MIN_ROWS` (16) or more rows run on the AMX tiles.
     pub fn tiles(&self) -> bool {
         self.tiles
     }
 
-    /// `out[m×n] = x[m×k] · Wᵀ`, on the AMX tiles from [`AMX_MIN_ROWS`] rows when available.
+    /// `out[m×n] = x[m×k] · Wᵀ`, on the AMX tiles from `AMX_MIN_ROWS` (16) rows when available.
     pub fn matmul(&self, x: &[f32], m: usize, out: &mut [f32]) -> Result<(), KernelError> {
         if !(self.tiles && m >= AMX_MIN_ROWS && amx::active()) {
             return crate::matmul(x, m, &self.weight, out);

@@ -10,7 +10,9 @@ use crate::ModelError;
 /// One chat message. `content` is text; richer content parts are flattened by the caller.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ChatMessage {
+    /// Who speaks: `system`, `user`, `assistant`, or whatever roles the template knows.
     pub role: String,
+    /// What they say.
     pub content: String,
 }
 
@@ -75,6 +77,8 @@ fn civil_from_days(z: i64) -> (i64, u32, u32) {
 }
 
 impl ChatTemplate {
+    /// Compiles a Jinja template; `bos_token`/`eos_token` are the texts the template sees under
+    /// those names (empty when None).
     pub fn new(
         source: &str,
         bos_token: Option<&str>,

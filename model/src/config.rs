@@ -10,36 +10,60 @@ use crate::ModelError;
 #[derive(Clone, Debug, PartialEq)]
 pub enum RopeScaling {
     /// Positions divided by `factor` (HF `rope_type: linear`).
-    Linear { factor: f32 },
+    Linear {
+        /// What positions are divided by.
+        factor: f32,
+    },
     /// Llama 3.1's frequency-dependent scaling (HF `rope_type: llama3`).
     Llama3 {
+        /// Divisor of the low frequencies (long wavelengths).
         factor: f32,
+        /// Wavelengths longer than `original_max_position_embeddings / low_freq_factor` are
+        /// divided by `factor`.
         low_freq_factor: f32,
+        /// Wavelengths shorter than `original_max_position_embeddings / high_freq_factor` are
+        /// kept; those in between are interpolated.
         high_freq_factor: f32,
+        /// The context length (tokens) the model was trained on before scaling.
         original_max_position_embeddings: usize,
     },
     /// Per-frequency divisors given as a tensor (GGUF `rope_freqs.weight`).
     Factors(Vec<f32>),
 }
 
+/// The dimensions and settings of a Llama-family model: what its weights' shapes and the forward
+/// pass follow from.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LlamaConfig {
+    /// Width of the residual stream (elements per token).
     pub hidden_size: usize,
+    /// Width of the MLP's gate and up projections.
     pub intermediate_size: usize,
+    /// Number of decoder layers.
     pub num_layers: usize,
+    /// Number of query heads.
     pub num_heads: usize,
+    /// Number of key/value heads (fewer than `num_heads` with grouped-query attention).
     pub num_kv_heads: usize,
+    /// Elements per attention head.
     pub head_dim: usize,
+    /// Number of token ids the embedding and the output head cover.
     pub vocab_size: usize,
     /// The context the model supports (capped by a sliding window when the model has one).
     pub max_position_embeddings: usize,
+    /// Epsilon added to the mean square in every RMS norm.
     pub rms_norm_eps: f32,
+    /// Base of the rotary embedding's frequencies.
     pub rope_theta: f32,
+    /// How rotary frequencies are rescaled for long contexts, if at all.
     pub rope_scaling: Option<RopeScaling>,
+    /// Whether the output head reuses the token embedding (no `output.weight`).
     pub tie_word_embeddings: bool,
 }
 
 impl LlamaConfig {
+    /// Checks that the dimensions describe a model the forward pass can run: none zero, query
+    /// heads a multiple of KV heads, an even head dimension.
     pub fn validate(&self) -> Result<(), ModelError> {
         let bad = |m: String| Err(ModelError::Config(m));
         if self.num_heads == 0

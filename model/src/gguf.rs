@@ -23,18 +23,31 @@ const MAX_DIMS: u32 = 4;
 /// One metadata value. Arrays hold values of one type.
 #[derive(Clone, Debug, PartialEq)]
 pub enum MetaValue {
+    /// GGUF type 0.
     U8(u8),
+    /// GGUF type 1.
     I8(i8),
+    /// GGUF type 2.
     U16(u16),
+    /// GGUF type 3.
     I16(i16),
+    /// GGUF type 4.
     U32(u32),
+    /// GGUF type 5.
     I32(i32),
+    /// GGUF type 6.
     F32(f32),
+    /// GGUF type 7 (one byte, 0 or 1).
     Bool(bool),
+    /// GGUF type 8 (UTF-8, length-prefixed).
     String(String),
+    /// GGUF type 9: values of one type (written with the first element's type).
     Array(Vec<MetaValue>),
+    /// GGUF type 10.
     U64(u64),
+    /// GGUF type 11.
     I64(i64),
+    /// GGUF type 12.
     F64(f64),
 }
 
@@ -72,6 +85,7 @@ impl MetaValue {
         }
     }
 
+    /// The value as an f64, if it is a float or a non-negative integer.
     pub fn as_f64(&self) -> Option<f64> {
         match *self {
             Self::F32(v) => Some(v as f64),
@@ -80,6 +94,7 @@ impl MetaValue {
         }
     }
 
+    /// The text of a string value.
     pub fn as_str(&self) -> Option<&str> {
         match self {
             Self::String(s) => Some(s),
@@ -87,6 +102,7 @@ impl MetaValue {
         }
     }
 
+    /// The value of a bool.
     pub fn as_bool(&self) -> Option<bool> {
         match *self {
             Self::Bool(b) => Some(b),
@@ -94,6 +110,7 @@ impl MetaValue {
         }
     }
 
+    /// The elements of an array value.
     pub fn as_array(&self) -> Option<&[MetaValue]> {
         match self {
             Self::Array(a) => Some(a),
@@ -105,12 +122,15 @@ impl MetaValue {
 /// Where a tensor lives in the file and what it holds.
 #[derive(Clone, Debug)]
 pub struct TensorInfo {
+    /// The tensor's name in the file (canonical, GGUF-style).
     pub name: String,
     /// GGML order: `dims[0]` is the fastest-varying (the row length).
     pub dims: Vec<u64>,
+    /// How the elements are encoded.
     pub ty: GgmlType,
-    /// Absolute byte range in the file.
+    /// Absolute byte offset of the data in the file.
     pub start: usize,
+    /// Bytes of data from `start`.
     pub len: usize,
 }
 
@@ -123,9 +143,13 @@ impl TensorInfo {
 
 /// A parsed GGUF file; tensor data stays in the memory map.
 pub struct GgufFile {
+    /// The GGUF format version (2 or 3).
     pub version: u32,
+    /// Every metadata key and its value.
     pub metadata: BTreeMap<String, MetaValue>,
+    /// Every tensor, in file order.
     pub tensors: Vec<TensorInfo>,
+    /// Alignment of tensor data in bytes (`general.alignment`, default 32).
     pub alignment: u64,
     map: Arc<Mmap>,
 }
@@ -262,10 +286,12 @@ impl GgufFile {
         &self.map[t.start..t.start + t.len]
     }
 
+    /// The tensor named `name`, if the file has it.
     pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
         self.tensors.iter().find(|t| t.name == name)
     }
 
+    /// The metadata value under `key`, if present.
     pub fn get(&self, key: &str) -> Option<&MetaValue> {
         self.metadata.get(key)
     }
@@ -273,7 +299,8 @@ impl GgufFile {
 
 type Parsed = (u32, BTreeMap<String, MetaValue>, Vec<TensorInfo>, u64);
 
-/// Parses a whole GGUF image held in memory.
+/// Parses a whole GGUF image held in memory: its version, metadata, tensors (with absolute byte
+/// ranges into `buf`) and data alignment.
 pub fn parse_bytes(buf: &[u8]) -> Result<Parsed, ModelError> {
     let mut c = Cursor { buf, pos: 0 };
     let magic = c.take(4, "magic")?;
@@ -371,9 +398,13 @@ pub fn parse_bytes(buf: &[u8]) -> Result<Parsed, ModelError> {
 
 /// A tensor to write: name, GGML dims (fastest first), type and its encoded bytes.
 pub struct TensorToWrite<'a> {
+    /// The tensor's name in the file.
     pub name: String,
+    /// GGML order: `dims[0]` is the fastest-varying (the row length).
     pub dims: Vec<u64>,
+    /// How `data` is encoded.
     pub ty: GgmlType,
+    /// The encoded elements, whole blocks of `ty`.
     pub data: &'a [u8],
 }
 

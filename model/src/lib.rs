@@ -12,15 +12,24 @@
 //! Entry point: [`load`] gives a [`LoadedModel`] with tensors under canonical (GGUF-style) names,
 //! already converted to one convention: q/k projection rows in HF order, so the engine applies
 //! HF's `rotate_half` rotary embedding whatever the file format.
+//!
+//! Main types: [`LoadedModel`] (a model read from disk), [`LlamaConfig`] (its dimensions and
+//! rotary settings), [`TensorData`] (one weight tensor, still in its file encoding) named by
+//! [`TensorName`], [`Tokenizer`] and [`IncrementalDecoder`] (text to token ids and back, streamed),
+//! [`ChatTemplate`] (messages to a prompt), [`BlockHash`] (a KV block's chained prefix hash) and
+//! [`ModelError`]. Two modules are public as namespaces: [`gguf`] (a GGUF reader, and a writer for
+//! tests and tools) and [`hash`] (the block hash the engine and the router must compute alike).
 
-pub mod chat;
-pub mod config;
+#![deny(missing_docs)]
+
+mod chat;
+mod config;
 pub mod gguf;
 pub mod hash;
 mod hf;
-pub mod names;
-pub mod quant;
-pub mod tokenizer;
+mod names;
+mod quant;
+mod tokenizer;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -29,28 +38,39 @@ pub use chat::{ChatMessage, ChatTemplate};
 pub use config::{LlamaConfig, RopeScaling};
 pub use hash::{block_hashes, hash_block, BlockHash};
 pub use names::{LayerTensor, TensorName};
-pub use quant::GgmlType;
+pub use quant::{dequantize, quantize_q4_1, quantize_q8_0, GgmlType};
 pub use tokenizer::{IncrementalDecoder, Tokenizer};
 
+/// Why reading a model, or handling its text, failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
+    /// Reading or writing a file failed for a reason other than its absence.
     #[error("{path}: {source}")]
     Io {
+        /// The file.
         path: PathBuf,
+        /// What the OS said.
         source: std::io::Error,
     },
+    /// The model path does not exist.
     #[error("model file not found at {0}: pass --model PATH or run `tandem model fetch`")]
     NotFound(PathBuf),
+    /// A model file is truncated, garbled or inconsistent; the message says what and where.
     #[error("malformed model file: {0}")]
     Format(String),
+    /// A well-formed file asks for something Tandem does not run (an architecture, a tensor type).
     #[error("unsupported: {0}")]
     Unsupported(String),
+    /// The model configuration is missing a key or describes an impossible model.
     #[error("model config: {0}")]
     Config(String),
+    /// The tokenizer could not be built, or could not encode or decode.
     #[error("tokenizer: {0}")]
     Tokenizer(String),
+    /// The chat template does not compile or fails to render.
     #[error("{0}")]
     Template(String),
+    /// A tensor the forward pass needs is not in the file (the canonical name).
     #[error("tensor {0} is missing from the model file")]
     MissingTensor(String),
 }
@@ -71,12 +91,16 @@ impl ModelError {
 /// One weight tensor: its element type, row-major shape (`[rows, cols]` for a matrix) and bytes.
 #[derive(Clone, Debug)]
 pub struct TensorData {
+    /// How the elements are encoded in `data`.
     pub ty: GgmlType,
+    /// Row-major dimensions: `[rows, cols]` for a matrix, `[len]` for a vector.
     pub shape: Vec<usize>,
+    /// The encoded elements, whole GGML blocks of `ty`.
     pub data: Vec<u8>,
 }
 
 impl TensorData {
+    /// Number of elements (the product of `shape`).
     pub fn elems(&self) -> usize {
         self.shape.iter().product()
     }
@@ -92,24 +116,33 @@ impl TensorData {
 /// Sampling defaults a model ships with (HF `generation_config.json`).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct GenerationDefaults {
+    /// Sampling temperature, if the model sets one.
     pub temperature: Option<f32>,
+    /// Nucleus-sampling probability mass, if the model sets one.
     pub top_p: Option<f32>,
+    /// Number of most likely tokens to sample among, if the model sets one.
     pub top_k: Option<u32>,
 }
 
 /// A model read from disk: configuration, text handling and weights under canonical names
 /// (`token_embd.weight`, `blk.N.attn_q.weight`, ..., `output.weight` when not tied).
 pub struct LoadedModel {
+    /// The model's dimensions and rotary settings.
     pub config: LlamaConfig,
+    /// The model's tokenizer.
     pub tokenizer: Tokenizer,
+    /// The chat template the model ships with, if any.
     pub chat_template: Option<ChatTemplate>,
+    /// Sampling defaults from `generation_config.json` (all unset for GGUF files).
     pub generation: GenerationDefaults,
+    /// Weights by canonical name; empty when loaded with [`load_text`].
     pub tensors: BTreeMap<String, TensorData>,
     /// A name for the model: the file stem or directory name.
     pub name: String,
 }
 
 impl LoadedModel {
+    /// The tensor stored under canonical name `name`, or [`ModelError::MissingTensor`].
     pub fn tensor(&self, name: &str) -> Result<&TensorData, ModelError> {
         self.tensors
             .get(name)

@@ -14,16 +14,27 @@ pub const QK_K: usize = 256;
 /// A GGML tensor element type, with the numeric ids used in GGUF files.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum GgmlType {
+    /// 32-bit float, 4 bytes an element.
     F32,
+    /// IEEE half float, 2 bytes an element.
     F16,
+    /// bfloat16, 2 bytes an element.
     BF16,
+    /// 4-bit quants with one f16 scale per block of 32 (18 bytes).
     Q4_0,
+    /// 4-bit quants with an f16 scale and minimum per block of 32 (20 bytes).
     Q4_1,
+    /// 5-bit quants with one f16 scale per block of 32 (22 bytes).
     Q5_0,
+    /// 5-bit quants with an f16 scale and minimum per block of 32 (24 bytes).
     Q5_1,
+    /// 8-bit quants with one f16 scale per block of 32 (34 bytes).
     Q8_0,
+    /// GGML `Q4_K`: 4-bit k-quants, super-blocks of 256 (144 bytes).
     Q4K,
+    /// GGML `Q5_K`: 5-bit k-quants, super-blocks of 256 (176 bytes).
     Q5K,
+    /// GGML `Q6_K`: 6-bit k-quants, super-blocks of 256 (210 bytes).
     Q6K,
 }
 
@@ -101,6 +112,7 @@ impl GgmlType {
         }
     }
 
+    /// Whether elements are packed in blocks with scales (every type but F32, F16 and BF16).
     pub fn is_quantized(self) -> bool {
         self.block_elems() > 1
     }
@@ -328,7 +340,8 @@ pub fn quantize_q8_0(x: &[f32]) -> Vec<u8> {
     out
 }
 
-/// Quantizes f32 values to Q4_1 (min/max per block of 32), as ggml's reference does.
+/// Quantizes f32 values to Q4_1 (min/max per block of 32), as ggml's reference does. Like
+/// [`quantize_q8_0`], for test data and writers.
 pub fn quantize_q4_1(x: &[f32]) -> Vec<u8> {
     let mut out = Vec::with_capacity(x.len() / 32 * 20);
     for blk in x.chunks(32) {

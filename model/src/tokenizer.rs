@@ -18,14 +18,19 @@ const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p
 const TOKEN_TYPE_CONTROL: u64 = 3;
 const TOKEN_TYPE_USER_DEFINED: u64 = 4;
 
+/// A model's tokenizer: text to token ids and back, with the model's BOS/EOS conventions.
 #[derive(Clone)]
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
+    /// The beginning-of-sequence token's id, if the model has one.
     pub bos_token_id: Option<u32>,
     /// Token ids that end generation (EOS, and end-of-turn tokens the model declares).
     pub eos_token_ids: Vec<u32>,
+    /// Whether [`Tokenizer::encode`] with `add_special` prepends BOS.
     pub add_bos: bool,
+    /// The BOS token's text (what chat templates see as `bos_token`).
     pub bos_token: Option<String>,
+    /// The EOS token's text (what chat templates see as `eos_token`).
     pub eos_token: Option<String>,
     /// Cached: `tokenizers` computes the size with added tokens by building the whole vocabulary
     /// map (milliseconds for 49k tokens), and every decode checks ids against it.
@@ -167,6 +172,7 @@ impl Tokenizer {
         })
     }
 
+    /// Number of token ids, added tokens included.
     pub fn vocab_size(&self) -> usize {
         self.vocab_size
     }
@@ -196,14 +202,17 @@ impl Tokenizer {
         self.inner.decode(ids, skip_special).map_err(tk_err)
     }
 
+    /// The vocabulary entry of one id (its raw token text, not decoded), if the id exists.
     pub fn id_to_token(&self, id: u32) -> Option<String> {
         self.inner.id_to_token(id)
     }
 
+    /// The id of a vocabulary entry, if there is one with exactly this text.
     pub fn token_to_id(&self, t: &str) -> Option<u32> {
         self.inner.token_to_id(t)
     }
 
+    /// Whether `id` ends generation (one of [`Tokenizer::eos_token_ids`]).
     pub fn is_eos(&self, id: u32) -> bool {
         self.eos_token_ids.contains(&id)
     }
@@ -223,6 +232,7 @@ pub struct IncrementalDecoder {
 }
 
 impl IncrementalDecoder {
+    /// A decoder for a new stream; `skip_special` leaves special tokens out of the text.
     pub fn new(skip_special: bool) -> Self {
         Self {
             ids: Vec::new(),

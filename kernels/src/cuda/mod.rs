@@ -12,31 +12,48 @@ use std::sync::Arc;
 
 use thiserror::Error;
 
+/// Why opening a GPU, compiling a kernel or a device call failed.
 #[derive(Debug, Error)]
 pub enum CudaError {
+    /// libcuda cannot be loaded.
     #[error(
         "no CUDA driver on this machine (libcuda could not be loaded): install the NVIDIA driver, \
          or run on the CPU"
     )]
     NoDriver,
+    /// libnvrtc cannot be loaded.
     #[error(
         "NVRTC (libnvrtc) could not be loaded: install the CUDA runtime compiler (for example \
          `python3 -m pip install nvidia-cuda-nvrtc`) and put its lib folder on LD_LIBRARY_PATH"
     )]
     NoNvrtc,
+    /// The device ordinal asked for is not on this machine.
     #[error("CUDA device {ordinal} does not exist: this machine has {count}")]
-    NoSuchDevice { ordinal: usize, count: usize },
+    NoSuchDevice {
+        /// The ordinal asked for.
+        ordinal: usize,
+        /// How many devices the driver sees.
+        count: usize,
+    },
+    /// A driver, cuBLAS or launch call failed, or a launch's arguments did not fit its shapes.
     #[error("CUDA driver: {0}")]
     Driver(String),
+    /// NVRTC rejected a kernel source.
     #[error("compiling {name} for {arch}:\n{log}")]
     Compile {
+        /// The source's name (a key of [`SOURCES`]).
         name: String,
+        /// The architecture compiled for (`sm_90`).
         arch: String,
+        /// NVRTC's log.
         log: String,
     },
+    /// Reading or writing the on-disk kernel cache failed.
     #[error("kernel cache {path}: {source}")]
     Cache {
+        /// The cache file or directory.
         path: String,
+        /// What the OS said.
         source: std::io::Error,
     },
 }
@@ -44,8 +61,10 @@ pub enum CudaError {
 /// Where the engine runs: `cpu`, `cuda` (device 0) or `cuda:N`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum DeviceSpec {
+    /// The CPU kernels.
     #[default]
     Cpu,
+    /// The CUDA device with this ordinal.
     Cuda(usize),
 }
 
@@ -76,7 +95,9 @@ impl std::fmt::Display for DeviceSpec {
 /// A GPU architecture as NVRTC names it (`sm_90` is 9.0).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Arch {
+    /// Compute capability major version (9 for `sm_90`).
     pub major: u32,
+    /// Compute capability minor version (0 for `sm_90`).
     pub minor: u32,
 }
 
@@ -88,10 +109,15 @@ impl std::fmt::Display for Arch {
 
 /// An opened GPU.
 pub struct Gpu {
+    /// The device's CUDA ordinal.
     pub ordinal: usize,
+    /// The device's name as the driver reports it.
     pub name: String,
+    /// The device's compute capability.
     pub arch: Arch,
+    /// Total device memory in bytes.
     pub memory_bytes: usize,
+    /// The device's primary context.
     pub context: Arc<cudarc::driver::CudaContext>,
 }
 
@@ -171,31 +197,52 @@ pub fn program_text(body: &str) -> String {
 }
 
 /// The attention kernels' parameter block, passed by value: field for field the `AttnParams` of
-/// `common.cuh` (device pointers as 64-bit addresses). [`layout_check`] turns this struct's
-/// layout into static assertions the device compiler checks.
+/// `common.cuh` (device pointers as 64-bit addresses). [`layout_probe`] and [`probe_offsets`]
+/// check this struct's layout against the device compiler's.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct AttnParams {
+    /// bf16 query rows of `q_stride` values, head h at h·hd.
     pub q: u64,
+    /// One layer's bf16 keys: `[blocks][nkv][block_size][hd]`.
     pub k_cache: u64,
+    /// One layer's bf16 values, laid out as the keys.
     pub v_cache: u64,
+    /// bf16 output rows of nq·hd.
     pub out: u64,
+    /// i32 block tables, `[seqs][max_blocks]`.
     pub block_tables: u64,
+    /// i32 per sequence: the row of its first new token.
     pub seq_q_start: u64,
+    /// i32 per sequence: its new tokens this step.
     pub seq_q_len: u64,
+    /// i32 per sequence: tokens in the cache, the new ones included.
     pub seq_context: u64,
+    /// Prefill: i32 `[tiles][2]` = (sequence, first new token of the tile).
     pub tiles: u64,
+    /// Decode splits' f32 partial outputs, `[seqs][nq][max_splits][hd]`.
     pub part_out: u64,
+    /// Decode splits' f32 (max score, sum of exponentials), `[seqs][nq][max_splits][2]`.
     pub part_ml: u64,
+    /// Values per query row.
     pub q_stride: i32,
+    /// Query heads.
     pub nq: i32,
+    /// KV heads.
     pub nkv: i32,
+    /// Elements per head.
     pub hd: i32,
+    /// Token slots per cache block.
     pub block_size: i32,
+    /// Entries per block-table row.
     pub max_blocks: i32,
+    /// Keys per decode split.
     pub split_len: i32,
+    /// Decode splits per sequence (1 when not split).
     pub max_splits: i32,
+    /// Score scale, 1/sqrt(hd).
     pub scale: f32,
+    /// Padding; unused.
     pub reserved: i32,
 }
 

@@ -13,11 +13,14 @@ use super::{Arch, CudaError};
 /// Compiled device code.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Image {
+    /// Machine code for the device's own architecture.
     Cubin(Vec<u8>),
+    /// PTX text, which the driver compiles the rest of the way when loading it.
     Ptx(String),
 }
 
 impl Image {
+    /// The image as bytes (what the disk cache stores).
     pub fn bytes(&self) -> &[u8] {
         match self {
             Self::Cubin(b) => b,

@@ -11,7 +11,7 @@
 //! Q4_1 mins) first, then its quants. Same bytes as GGML's interleaved blocks, but sixteen scales
 //! convert with one instruction and the quants stream without gaps.
 
-use tandem_model::quant::{dequantize, GgmlType};
+use tandem_model::{dequantize, GgmlType};
 
 use crate::isa::Isa;
 
@@ -60,7 +60,8 @@ pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
 }
 
 /// `acc += Σ_t p[t] · rows[t]` for the `p.len()` rows of `rows` (each `acc.len()` long): a run of
-/// value rows weighted by attention probabilities.
+/// value rows weighted by attention probabilities. The tests' reference for [`axpy_rows_group`].
+#[cfg(test)]
 pub fn axpy_rows(p: &[f32], rows: &[f32], acc: &mut [f32]) {
     debug_assert_eq!(rows.len(), p.len() * acc.len());
     axpy_rows_group(p, p.len(), rows, acc, 1)
@@ -646,7 +647,7 @@ mod portable;
 mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
-    use tandem_model::quant::{quantize_q4_1, quantize_q8_0};
+    use tandem_model::{quantize_q4_1, quantize_q8_0};
 
     /// Reference dot product: eight running sums, the order a plain loop vectorizes in.
     fn dot_scalar(a: &[f32], b: &[f32]) -> f32 {

@@ -10,8 +10,11 @@ use crate::cuda::{decode_splits, AttnParams, CudaError, DECODE_SPLIT_LEN};
 
 /// Sequences of a packed attention call, on the device (built by [`CudaOps::attn_batch`]).
 pub struct AttnBatch {
+    /// Number of sequences.
     pub seqs: usize,
+    /// Entries per block-table row: the longest table (at least 1).
     pub max_blocks: usize,
+    /// The longest context (tokens).
     pub max_context: usize,
     block_tables: CudaSlice<i32>,
     q_start: CudaSlice<i32>,
@@ -19,6 +22,7 @@ pub struct AttnBatch {
     context: CudaSlice<i32>,
     /// Prefill tiles: (sequence, first new token) per 16 query rows.
     tiles: CudaSlice<i32>,
+    /// Number of prefill tiles ([`PREFILL_TILE_ROWS`] query rows of one sequence each).
     pub n_tiles: usize,
     /// Whether every sequence has exactly one new token (the decode kernel applies).
     pub decode_only: bool,

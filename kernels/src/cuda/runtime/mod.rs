@@ -50,7 +50,9 @@ struct Kernels {
 
 /// One GPU's stream, kernels and cuBLAS handle.
 pub struct CudaOps {
+    /// The device the ops run on.
     pub gpu: Gpu,
+    /// The stream every op is queued on, in order.
     pub stream: Arc<CudaStream>,
     blas: CudaBlas,
     k: Kernels,
@@ -58,6 +60,7 @@ pub struct CudaOps {
 
 /// Element types a product can write: bf16 bits or f32.
 pub trait GemmOut {
+    /// Whether the product writes f32 (else bf16 bits).
     const F32: bool;
 }
 
@@ -108,10 +111,12 @@ impl CudaOps {
         })
     }
 
+    /// Copies `host` into a new device buffer.
     pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>, CudaError> {
         self.stream.clone_htod(host).map_err(drv)
     }
 
+    /// Copies a device buffer into a new host vector.
     pub fn download<T: DeviceRepr + Default + Clone>(
         &self,
         dev: &CudaSlice<T>,
@@ -119,6 +124,7 @@ impl CudaOps {
         self.stream.clone_dtoh(dev).map_err(drv)
     }
 
+    /// Waits until everything queued on the stream has finished.
     pub fn synchronize(&self) -> Result<(), CudaError> {
         self.stream.synchronize().map_err(drv)
     }
@@ -284,6 +290,7 @@ impl CudaOps {
         self.stream.alloc_zeros::<u16>(n).map_err(drv)
     }
 
+    /// A device buffer of `n` f32 values.
     pub fn alloc_f32(&self, n: usize) -> Result<CudaSlice<f32>, CudaError> {
         self.stream.alloc_zeros::<f32>(n).map_err(drv)
     }
