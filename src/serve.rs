@@ -13,6 +13,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 use tandem_decode_worker::remote::{Deadlines, RemotePrefill};
 use tandem_decode_worker::{DecodeService, WorkerIdentity};
+use tandem_discovery::{DiscoverySpec, Role, WorkerCard};
 use tandem_engine::{EngineError, EngineHandle};
 use tandem_kernels::cuda::DeviceSpec;
 use tandem_kv_transfer::{Secret, TcpTransport};
@@ -55,6 +56,8 @@ pub struct DecodeArgs {
     pub kv_deadline_slack: f64,
     #[command(flatten)]
     pub secret: SecretArgs,
+    #[command(flatten)]
+    pub register: RegisterArgs,
 }
 
 #[derive(Args, Clone, Debug)]
@@ -79,6 +82,116 @@ pub struct PrefillArgs {
     pub max_queue_wait_ms: u64,
     #[command(flatten)]
     pub secret: SecretArgs,
+    #[command(flatten)]
+    pub register: RegisterArgs,
+}
+
+/// How the router finds a worker, and what the worker does about it.
+#[derive(Args, Clone, Debug)]
+pub struct RegisterArgs {
+    /// How the router finds this worker: `static` or `k8s` (the router's flags or a Service name
+    /// it), or `etcd://HOST:PORT[,HOST:PORT...]` (this worker registers its card there under a
+    /// lease, and deletes it first when it drains).
+    #[arg(long, env = "TANDEM_DISCOVERY", default_value = "static")]
+    pub discovery: DiscoverySpec,
+    /// The cluster's name: with etcd, the card lives under /tandem/<cluster>/<role>/<worker-id>.
+    #[arg(long, env = "TANDEM_CLUSTER", default_value = "tandem")]
+    pub cluster: String,
+    /// Host the router and other workers reach this worker at (default: --host, or 127.0.0.1
+    /// when that is 0.0.0.0). In Kubernetes, the pod IP.
+    #[arg(long, env = "TANDEM_ADVERTISE_HOST")]
+    pub advertise_host: Option<String>,
+    /// Seconds the etcd lease lives without a keep-alive (renewed every third of it): how long
+    /// a worker that died without deregistering stays listed.
+    #[arg(long, env = "TANDEM_LEASE_TTL_S", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
+    pub lease_ttl_s: u64,
+    /// Milliseconds etcd gets to answer a call (at start: an error naming it).
+    #[arg(long, env = "TANDEM_ETCD_TIMEOUT_MS", default_value_t = 5_000)]
+    pub etcd_timeout_ms: u64,
+}
+
+impl RegisterArgs {
+    /// The host others reach this worker at.
+    fn advertise(&self, host: &str) -> String {
+        self.advertise_host.clone().unwrap_or_else(|| {
+            if host == "0.0.0.0" {
+                "127.0.0.1".into()
+            } else {
+                host.to_string()
+            }
+        })
+    }
+
+    /// Registers `card` when discovery is etcd; `None` otherwise.
+    async fn register(&self, card: WorkerCard) -> Result<Option<Registration>> {
+        let DiscoverySpec::Etcd { endpoints } = &self.discovery else {
+            return Ok(None);
+        };
+        start_registration(self, endpoints.clone(), card).await.map(Some)
+    }
+}
+
+#[cfg(feature = "etcd")]
+type Registration = tandem_discovery::Registration;
+
+#[cfg(feature = "etcd")]
+async fn start_registration(
+    a: &RegisterArgs,
+    endpoints: Vec<String>,
+    card: WorkerCard,
+) -> Result<Registration> {
+    let cluster = tandem_discovery::ClusterPath::new(&a.cluster)?;
+    let ttl = Duration::from_secs(a.lease_ttl_s);
+    let timeout = Duration::from_millis(a.etcd_timeout_ms.max(1));
+    // The first registration waits for etcd's answer: off the async threads.
+    tokio::task::spawn_blocking(move || Registration::start(endpoints, &cluster, card, ttl, timeout))
+        .await?
+        .context("registering in etcd")
+}
+
+/// Without the etcd feature there is nothing to register with.
+#[cfg(not(feature = "etcd"))]
+struct Registration;
+
+#[cfg(not(feature = "etcd"))]
+impl Registration {
+    async fn deregister(self) {}
+}
+
+#[cfg(not(feature = "etcd"))]
+async fn start_registration(
+    a: &RegisterArgs,
+    _endpoints: Vec<String>,
+    _card: WorkerCard,
+) -> Result<Registration> {
+    anyhow::bail!(
+        "--discovery {}: this tandem was built without etcd support; build it with `cargo build --release --features etcd` (its etcd client needs protoc: apt-get install protobuf-compiler)",
+        a.discovery
+    )
+}
+
+/// Resolves on SIGINT or SIGTERM, after deleting the worker's card (if it has one): the router
+/// stops sending new requests before the drain begins.
+async fn deregister_then_drain(registration: Option<Registration>) {
+    shutdown_signal().await;
+    if let Some(r) = registration {
+        r.deregister().await;
+    }
+}
+
+/// A worker's card, as the router checks it.
+fn card(role: Role, identity: &WorkerIdentity, grpc: String, kv: Option<String>, block_size: usize) -> WorkerCard {
+    WorkerCard {
+        role,
+        worker_id: identity.worker_id.clone(),
+        grpc_addr: grpc,
+        kv_addr: kv,
+        model: identity.model.clone(),
+        block_size: u32::try_from(block_size).unwrap_or(u32::MAX),
+        kv_dtype: identity.kv_dtype.clone(),
+        tp: 1,
+        version: env!("CARGO_PKG_VERSION").to_string(),
+    }
 }
 
 #[derive(Args, Clone, Debug)]
@@ -213,16 +326,13 @@ pub fn run_decode(a: DecodeArgs) -> Result<()> {
             kv_dtype,
         )
         .await?;
-        let mut service = DecodeService::new(handle.clone(), identity);
+        let advertise = a.register.advertise(&a.host);
+        let grpc_addr = format!("{advertise}:{}", addr.port());
+        let mut service = DecodeService::new(handle.clone(), identity.clone());
         let mut kv_line = String::from("kv none");
+        let mut kv_addr = None;
         if let Some(secret) = secret {
-            let advertise = a.kv_advertise_host.clone().unwrap_or_else(|| {
-                if a.host == "0.0.0.0" {
-                    "127.0.0.1".into()
-                } else {
-                    a.host.clone()
-                }
-            });
+            let advertise = a.kv_advertise_host.clone().unwrap_or_else(|| advertise.clone());
             // SAFETY: the writer is this engine's, and RemotePrefill grants only blocks the
             // engine reserved and parked for a remote prefill.
             let remote = unsafe {
@@ -240,14 +350,17 @@ pub fn run_decode(a: DecodeArgs) -> Result<()> {
             .await
             .with_context(|| format!("cannot listen for KV on {}:{}", a.host, a.kv_port))?;
             kv_line = format!("kv {}", remote.endpoint());
+            kv_addr = Some(remote.endpoint().to_string());
             service = service.with_remote(Arc::new(remote));
         }
+        let card = card(Role::Decode, &identity, grpc_addr, kv_addr, a.engine.block_size);
+        let registration = a.register.register(card).await?;
         println!("{DECODE_READY} {addr} {kv_line}");
         std::io::stdout().flush()?;
         tandem_decode_worker::serve(
             listener,
             service,
-            shutdown_signal(),
+            deregister_then_drain(registration),
             Duration::from_secs(a.drain_timeout_s),
         )
         .await
@@ -277,6 +390,8 @@ pub fn run_prefill(a: PrefillArgs) -> Result<()> {
             kv_dtype,
         )
         .await?;
+        let grpc_addr = format!("{}:{}", a.register.advertise(&a.host), addr.port());
+        let card = card(Role::Prefill, &identity, grpc_addr, None, a.engine.block_size);
         let service = PrefillService::new(
             Arc::new(handle),
             Arc::new(TcpTransport::new(secret)),
@@ -285,12 +400,13 @@ pub fn run_prefill(a: PrefillArgs) -> Result<()> {
                 max_queue_wait: Duration::from_millis(a.max_queue_wait_ms),
             },
         );
+        let registration = a.register.register(card).await?;
         println!("{PREFILL_READY} {addr}");
         std::io::stdout().flush()?;
         tandem_prefill_worker::serve(
             listener,
             service,
-            shutdown_signal(),
+            deregister_then_drain(registration),
             Duration::from_secs(a.drain_timeout_s),
         )
         .await

@@ -31,12 +31,15 @@ use clap::Args;
 use futures::StreamExt;
 use tokio::net::TcpListener;
 
-use crate::discovery::{Discovery, StaticDiscovery};
+use crate::client::GrpcConnect;
+use crate::discovery::{Discovery, DnsDiscovery, Published, SystemResolver};
+use crate::metrics::RouterMetrics;
 use crate::dispatch::{DispatchConfig, Dispatcher, ServedModel};
 use crate::policy::{DisaggConfig, KvAwareConfig, PolicyKind};
-use crate::workers::{PoolConfig, Role, WorkerAddr, WorkerPool};
+use crate::workers::{PoolConfig, PoolShared, Role, WorkerAddr, WorkerPool};
 
 pub use error::ApiError;
+pub use tandem_discovery::DiscoverySpec;
 
 /// `tandem router` flags.
 #[derive(Args, Clone, Debug)]
@@ -99,6 +102,25 @@ pub struct RouterArgs {
     /// silence), as when the worker is frozen or cut off.
     #[arg(long, env = "TANDEM_WORKER_STALL_TIMEOUT_MS", default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub worker_stall_timeout_ms: u64,
+    /// How workers are found: `static` (the --decode-workers and --prefill-workers lists),
+    /// `etcd://HOST:PORT[,HOST:PORT...]` (workers register their cards there), or `k8s` (the
+    /// two lists name headless Services, `name:port`, re-resolved through DNS).
+    #[arg(long, env = "TANDEM_DISCOVERY", default_value = "static")]
+    pub discovery: DiscoverySpec,
+    /// The cluster's name: with etcd, its workers' cards live under /tandem/<cluster>/.
+    #[arg(long, env = "TANDEM_CLUSTER", default_value = "tandem")]
+    pub cluster: String,
+    /// Milliseconds etcd gets to answer a call before it counts as unreachable (at start:
+    /// an error naming it).
+    #[arg(long, env = "TANDEM_ETCD_TIMEOUT_MS", default_value_t = 5_000)]
+    pub etcd_timeout_ms: u64,
+    /// k8s: how often the Services' DNS names are resolved again, in milliseconds.
+    #[arg(long, env = "TANDEM_DNS_REFRESH_MS", default_value_t = 2_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub dns_refresh_ms: u64,
+    /// Tokens per KV block the cluster's workers use; a worker with another is refused, as is
+    /// one serving another model (default: the first worker's block size).
+    #[arg(long, env = "TANDEM_BLOCK_SIZE")]
+    pub block_size: Option<u32>,
     #[command(flatten)]
     pub door: front::FrontDoorArgs,
 }
@@ -110,8 +132,12 @@ pub enum RouterError {
         addr: String,
         source: std::io::Error,
     },
-    #[error("no decode workers given: pass --decode-workers host:port,...")]
+    #[error("no decode workers given: pass --decode-workers host:port,... (or --discovery etcd://HOST:PORT)")]
     NoWorkers,
+    #[error("discovery: {0}")]
+    Discovery(#[from] tandem_discovery::DiscoveryError),
+    #[error("--discovery {0}: this tandem was built without etcd support; build it with `cargo build --release --features etcd` (its etcd client needs protoc: apt-get install protobuf-compiler)")]
+    NoEtcd(DiscoverySpec),
     #[error(transparent)]
     FrontDoor(#[from] front::FrontDoorError),
     #[error("server: {0}")]
@@ -140,19 +166,41 @@ pub async fn serve(
     on_bound: impl FnOnce(Bound),
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), RouterError> {
-    if args.decode_workers.is_empty() {
-        return Err(RouterError::NoWorkers);
-    }
     let door = args.door.resolve()?;
-    let addrs = |v: &[String]| v.iter().map(|a| WorkerAddr::from(a.as_str())).collect();
-    let discovery = StaticDiscovery::new(addrs(&args.decode_workers), addrs(&args.prefill_workers));
+    let shared = PoolShared {
+        metrics: Arc::new(RouterMetrics::default()),
+        expect: Arc::new(tandem_discovery::Expect::new(
+            vec![model.name.clone(), model.text.name.clone()],
+            args.block_size,
+        )),
+    };
+    let discovery = discover(&args, shared.clone()).await?;
     let pool_cfg = PoolConfig {
         poll_interval: Duration::from_millis(args.poll_ms.max(10)),
         ..Default::default()
     };
-    let pool = WorkerPool::spawn(Role::Decode, discovery.decode_workers(), pool_cfg);
-    let prefill_pool = (!args.prefill_workers.is_empty())
-        .then(|| WorkerPool::spawn(Role::Prefill, discovery.prefill_workers(), pool_cfg));
+    let connect = Arc::new(GrpcConnect {
+        connect_timeout: pool_cfg.connect_timeout,
+    });
+    let pool = WorkerPool::start(
+        Role::Decode,
+        discovery.decode_workers(),
+        pool_cfg,
+        connect.clone(),
+        shared.clone(),
+    );
+    // Static: a prefill pool only when prefill workers were named. Found workers may come later.
+    let prefill_pool = (args.discovery != DiscoverySpec::Static
+        || !args.prefill_workers.is_empty())
+    .then(|| {
+        WorkerPool::start(
+            Role::Prefill,
+            discovery.prefill_workers(),
+            pool_cfg,
+            connect,
+            shared,
+        )
+    });
     let policy = policy::build(
         args.policy,
         KvAwareConfig {
@@ -211,10 +259,18 @@ pub async fn serve(
     reporter
         .set_serving::<tandem_proto::v1::generation_server::GenerationServer<grpc::GenerationService>>()
         .await;
-    let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(tandem_proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    // Reflection in both versions: grpcurl 1.8 (still the common packaged one) speaks only
+    // v1alpha.
+    let reflection = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(tandem_proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    };
+    let reflection_v1 = reflection()
         .build_v1()
+        .map_err(|e| RouterError::Serve(format!("reflection: {e}")))?;
+    let reflection_v1alpha = reflection()
+        .build_v1alpha()
         .map_err(|e| RouterError::Serve(format!("reflection: {e}")))?;
     let grpc_task = tokio::spawn({
         let stop = stopped(stop_rx.clone());
@@ -240,7 +296,8 @@ pub async fn serve(
                 .http2_keepalive_interval(Some(Duration::from_secs(20)))
                 .http2_keepalive_timeout(Some(Duration::from_secs(20)))
                 .add_service(health)
-                .add_service(reflection)
+                .add_service(reflection_v1)
+                .add_service(reflection_v1alpha)
                 .add_service(svc)
                 .serve_with_incoming_shutdown(incoming, stop)
                 .await
@@ -251,6 +308,54 @@ pub async fn serve(
     h.map_err(|e| RouterError::Serve(e.to_string()))?;
     g.map_err(|e| RouterError::Serve(e.to_string()))??;
     Ok(())
+}
+
+/// The discovery backend `args` choose.
+async fn discover(args: &RouterArgs, shared: PoolShared) -> Result<Box<dyn Discovery>, RouterError> {
+    let addrs = |v: &[String]| v.iter().map(|a| WorkerAddr::from(a.as_str())).collect();
+    match &args.discovery {
+        DiscoverySpec::Static => {
+            if args.decode_workers.is_empty() {
+                return Err(RouterError::NoWorkers);
+            }
+            Ok(Box::new(Published::fixed(
+                addrs(&args.decode_workers),
+                addrs(&args.prefill_workers),
+            )))
+        }
+        DiscoverySpec::K8s => {
+            if args.decode_workers.is_empty() {
+                return Err(RouterError::NoWorkers);
+            }
+            Ok(Box::new(
+                DnsDiscovery::start(
+                    args.decode_workers.clone(),
+                    args.prefill_workers.clone(),
+                    Duration::from_millis(args.dns_refresh_ms),
+                    Arc::new(SystemResolver),
+                )
+                .await,
+            ))
+        }
+        #[cfg(feature = "etcd")]
+        DiscoverySpec::Etcd { endpoints } => {
+            let cluster = tandem_discovery::ClusterPath::new(&args.cluster)
+                .map_err(tandem_discovery::DiscoveryError::from)?;
+            let found = discovery::EtcdDiscovery::start(
+                endpoints.clone(),
+                cluster,
+                Duration::from_millis(args.etcd_timeout_ms.max(1)),
+                shared,
+            )
+            .await?;
+            Ok(Box::new(found))
+        }
+        #[cfg(not(feature = "etcd"))]
+        spec @ DiscoverySpec::Etcd { .. } => {
+            let _ = shared;
+            Err(RouterError::NoEtcd(spec.clone()))
+        }
+    }
 }
 
 /// Reads the model's text side (tokenizer, template, context) for the router.

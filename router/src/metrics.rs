@@ -8,6 +8,9 @@ use prometheus_client::registry::Registry;
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 type Labels = Vec<(&'static str, &'static str)>;
+type WorkerLabels = Vec<(&'static str, String)>;
+
+use tandem_discovery::Role;
 
 pub struct RouterMetrics {
     registry: Registry,
@@ -15,6 +18,10 @@ pub struct RouterMetrics {
     migrations: Counter,
     refused: Family<Labels, Counter>,
     requests: Family<Labels, Counter>,
+    worker_requests: Family<WorkerLabels, Counter>,
+    membership: Family<Labels, Counter>,
+    refused_workers: Family<Labels, Counter>,
+    malformed_cards: Counter,
 }
 
 /// How a generation request that passed the front door ended: answered to its finish, refused
@@ -64,6 +71,35 @@ impl Default for RouterMetrics {
         for outcome in OUTCOMES {
             let _ = requests.get_or_create(&vec![("outcome", outcome)]);
         }
+        let worker_requests = Family::<WorkerLabels, Counter>::default();
+        registry.register(
+            "tandem_router_worker_requests",
+            "Requests (and remote prefills) the router sent to each worker",
+            worker_requests.clone(),
+        );
+        let membership = Family::<Labels, Counter>::default();
+        registry.register(
+            "tandem_discovery_membership_changes",
+            "Workers that joined or left this router's view of the cluster",
+            membership.clone(),
+        );
+        let refused_workers = Family::<Labels, Counter>::default();
+        registry.register(
+            "tandem_discovery_refused_workers",
+            "Workers found but not used, by reason (another model or block size)",
+            refused_workers.clone(),
+        );
+        let malformed_cards = Counter::default();
+        registry.register(
+            "tandem_discovery_malformed_cards",
+            "Values under the cluster's etcd prefix that are not worker cards (skipped)",
+            malformed_cards.clone(),
+        );
+        for role in Role::ALL {
+            for change in ["join", "leave"] {
+                let _ = membership.get_or_create(&vec![("role", role.name()), ("change", change)]);
+            }
+        }
         // Both modes exist from the start, so a dashboard's rate() has a series to work on.
         for mode in ["remote", "local"] {
             let _ = prefill.get_or_create(&vec![("mode", mode)]);
@@ -74,6 +110,10 @@ impl Default for RouterMetrics {
             migrations,
             refused,
             requests,
+            worker_requests,
+            membership,
+            refused_workers,
+            malformed_cards,
         }
     }
 }
@@ -100,6 +140,32 @@ impl RouterMetrics {
         self.requests
             .get_or_create(&vec![("outcome", outcome)])
             .inc();
+    }
+
+    /// A request (or a remote prefill) sent to `worker`.
+    pub fn worker_request(&self, role: Role, worker: &impl std::fmt::Display) {
+        self.worker_requests
+            .get_or_create(&vec![("role", role.name().to_string()), ("worker", worker.to_string())])
+            .inc();
+    }
+
+    /// A worker joined (`"join"`) or left (`"leave"`) the view.
+    pub fn membership(&self, role: Role, change: &'static str) {
+        self.membership
+            .get_or_create(&vec![("role", role.name()), ("change", change)])
+            .inc();
+    }
+
+    /// A worker was found but refused (`reason`: a [`tandem_discovery::Refusal`] label).
+    pub fn worker_refused(&self, role: Role, reason: &'static str) {
+        self.refused_workers
+            .get_or_create(&vec![("role", role.name()), ("reason", reason)])
+            .inc();
+    }
+
+    /// A value under the cluster's prefix was not a worker card.
+    pub fn malformed_card(&self) {
+        self.malformed_cards.inc();
     }
 
     pub fn render(&self) -> String {

@@ -23,7 +23,9 @@ use tokio::task::JoinHandle;
 use crate::client::{Connect, GrpcConnect, WorkerClient};
 
 use crate::kv_index::KvIndex;
+use crate::metrics::RouterMetrics;
 use crate::policy::{Candidate, RoutingPolicy};
+use tandem_discovery::{Expect, Refusal};
 
 #[derive(Clone, Copy, Debug)]
 pub struct PoolConfig {
@@ -41,19 +43,16 @@ impl Default for PoolConfig {
 }
 
 /// Which service a pool's workers serve (both also serve WorkerControl: Info, Load, KvEvents).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Role {
-    Decode,
-    Prefill,
-}
+pub use tandem_discovery::Role;
 
-impl Role {
-    fn name(self) -> &'static str {
-        match self {
-            Role::Decode => "decode",
-            Role::Prefill => "prefill",
-        }
-    }
+/// What every pool of one router shares: its metrics, and what it requires of a worker before
+/// routing to it (the served model, the cluster's block size).
+#[derive(Clone, Default)]
+pub struct PoolShared {
+    /// Where joins, leaves, refusals and per-worker requests are counted.
+    pub metrics: Arc<RouterMetrics>,
+    /// The check every worker's Info must pass.
+    pub expect: Arc<Expect>,
 }
 
 #[derive(Default)]
@@ -61,6 +60,8 @@ struct WorkerState {
     info: Option<pb::WorkerInfo>,
     load: Option<pb::LoadReport>,
     ready: bool,
+    /// Why the router does not use this worker (its Info failed the pool's check).
+    refused: Option<Refusal>,
 }
 
 /// A worker, named by the address it serves on (`host:port`): what discovery reports, what the
@@ -97,6 +98,7 @@ pub struct Worker {
     pub addr: WorkerAddr,
     pub role: Role,
     client: Arc<dyn WorkerClient>,
+    shared: PoolShared,
     state: Mutex<WorkerState>,
     kv: Mutex<KvIndex>,
     in_flight: AtomicUsize,
@@ -105,11 +107,17 @@ pub struct Worker {
 }
 
 impl Worker {
-    fn new(addr: WorkerAddr, role: Role, client: Arc<dyn WorkerClient>) -> Arc<Self> {
+    fn new(
+        addr: WorkerAddr,
+        role: Role,
+        client: Arc<dyn WorkerClient>,
+        shared: PoolShared,
+    ) -> Arc<Self> {
         Arc::new(Self {
             addr,
             role,
             client,
+            shared,
             state: Mutex::new(WorkerState::default()),
             kv: Mutex::new(KvIndex::default()),
             in_flight: AtomicUsize::new(0),
@@ -133,7 +141,10 @@ impl Worker {
 
     pub fn is_ready(&self) -> bool {
         let s = self.state.lock().expect("worker state");
-        s.ready && s.info.is_some() && !s.load.as_ref().is_some_and(|l| l.draining)
+        s.ready
+            && s.info.is_some()
+            && s.refused.is_none()
+            && !s.load.as_ref().is_some_and(|l| l.draining)
     }
 
     pub fn info(&self) -> Option<pb::WorkerInfo> {
@@ -158,6 +169,7 @@ impl Worker {
     pub fn start_request(self: &Arc<Self>) -> InFlightGuard {
         self.in_flight.fetch_add(1, Ordering::Relaxed);
         self.assigned.fetch_add(1, Ordering::Relaxed);
+        self.shared.metrics.worker_request(self.role, &self.addr);
         InFlightGuard(self.clone())
     }
 
@@ -168,11 +180,24 @@ impl Worker {
             let need_info = self.state.lock().expect("worker state").info.is_none();
             let ok = if need_info {
                 match self.client.info().await {
-                    Ok(info) => {
-                        tracing::info!(worker = %self.addr, role, model = %info.model, block_size = info.block_size, "worker found");
-                        self.state.lock().expect("worker state").info = Some(info);
-                        true
-                    }
+                    Ok(info) => match self.shared.expect.check(&info.model, info.block_size) {
+                        Ok(()) => {
+                            tracing::info!(worker = %self.addr, role, model = %info.model, block_size = info.block_size, "worker found");
+                            let mut s = self.state.lock().expect("worker state");
+                            s.info = Some(info);
+                            s.refused = None;
+                            true
+                        }
+                        Err(refusal) => {
+                            let mut s = self.state.lock().expect("worker state");
+                            if s.refused.as_ref() != Some(&refusal) {
+                                tracing::warn!(worker = %self.addr, role, reason = %refusal, "worker refused: not routing to it");
+                                self.shared.metrics.worker_refused(self.role, refusal.label());
+                                s.refused = Some(refusal);
+                            }
+                            false
+                        }
+                    },
                     Err(e) => {
                         tracing::debug!(worker = %self.addr, error = %e, "info failed");
                         false
@@ -261,6 +286,7 @@ pub struct WorkerPool {
     workers: RwLock<Vec<Arc<Worker>>>,
     cfg: PoolConfig,
     connect: Arc<dyn Connect>,
+    shared: PoolShared,
 }
 
 impl WorkerPool {
@@ -279,15 +305,28 @@ impl WorkerPool {
     /// Starts following `addrs`, reaching each worker through `connect`.
     pub fn spawn_with(
         role: Role,
+        addrs: watch::Receiver<Vec<WorkerAddr>>,
+        cfg: PoolConfig,
+        connect: Arc<dyn Connect>,
+    ) -> Arc<Self> {
+        Self::start(role, addrs, cfg, connect, PoolShared::default())
+    }
+
+    /// Starts following `addrs`, reaching each worker through `connect`, counting into and
+    /// checking workers against `shared`.
+    pub fn start(
+        role: Role,
         mut addrs: watch::Receiver<Vec<WorkerAddr>>,
         cfg: PoolConfig,
         connect: Arc<dyn Connect>,
+        shared: PoolShared,
     ) -> Arc<Self> {
         let pool = Arc::new(Self {
             role,
             workers: RwLock::new(Vec::new()),
             cfg,
             connect,
+            shared,
         });
         pool.sync(&addrs.borrow_and_update().clone());
         let weak = Arc::downgrade(&pool);
@@ -312,7 +351,9 @@ impl WorkerPool {
             }
             match self.connect.connect(a) {
                 Ok(client) => {
-                    let w = Worker::new(a.clone(), self.role, client);
+                    tracing::info!(worker = %a, role = self.role.name(), "worker joined");
+                    self.shared.metrics.membership(self.role, "join");
+                    let w = Worker::new(a.clone(), self.role, client, self.shared.clone());
                     let mut t = w.tasks.lock().expect("tasks");
                     t.push(tokio::spawn(w.clone().monitor(self.cfg)));
                     t.push(tokio::spawn(w.clone().follow_kv(self.cfg)));
@@ -323,11 +364,18 @@ impl WorkerPool {
             }
         }
         // Workers no longer listed are dropped here (their tasks stop once requests finish).
-        for (_, w) in by_addr {
+        for (addr, w) in by_addr {
+            tracing::info!(worker = %addr, role = self.role.name(), "worker left");
+            self.shared.metrics.membership(self.role, "leave");
             for t in w.tasks.lock().expect("tasks").drain(..) {
                 t.abort();
             }
         }
+    }
+
+    /// The metrics this pool counts into (shared by every pool of the router).
+    pub fn metrics(&self) -> &Arc<RouterMetrics> {
+        &self.shared.metrics
     }
 
     pub fn all(&self) -> Vec<Arc<Worker>> {

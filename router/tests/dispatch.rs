@@ -15,7 +15,8 @@ use tandem_router::dispatch::{
     DispatchConfig, Dispatcher, FinishKind, GenParams, MaxTokensDefault, PromptInput,
 };
 use tandem_router::error::ApiError;
-use tandem_router::workers::{PoolConfig, Role, WorkerAddr, WorkerPool};
+use tandem_router::discovery::Discovery;
+use tandem_router::workers::{PoolConfig, PoolShared, Role, WorkerAddr, WorkerPool};
 use tonic::{Code, Status};
 
 /// What a fake decode worker sends on a stream.
@@ -38,6 +39,8 @@ type Script = Box<dyn Fn(&pb::DecodeRequest) -> Result<Vec<Say>, Code> + Send + 
 struct FakeWorker {
     script: Script,
     calls: Mutex<Vec<pb::DecodeRequest>>,
+    /// What its Info says its KV block size is.
+    block_size: u32,
 }
 
 impl FakeWorker {
@@ -47,6 +50,21 @@ impl FakeWorker {
         Arc::new(Self {
             script: Box::new(script),
             calls: Mutex::new(Vec::new()),
+            block_size: 16,
+        })
+    }
+
+    /// A fake that answers every request with `answer` and says its blocks hold `block_size`.
+    fn answering(answer: Vec<u32>, block_size: u32) -> Arc<Self> {
+        Arc::new(Self {
+            script: Box::new(move |_| {
+                Ok(vec![
+                    Say::Tokens(answer.clone()),
+                    Say::Finish(pb::FinishReason::Length),
+                ])
+            }),
+            calls: Mutex::new(Vec::new()),
+            block_size,
         })
     }
 
@@ -61,7 +79,7 @@ impl WorkerClient for FakeWorker {
         Ok(pb::WorkerInfo {
             worker_id: "fake".into(),
             model: "fake".into(),
-            block_size: 16,
+            block_size: self.block_size,
             max_context: 8192,
             vocab_size: 49152,
             kv_dtype: "f32".into(),
@@ -418,4 +436,133 @@ async fn with_no_ready_worker_the_request_is_a_503() {
     let e = run(&d, 8).await.unwrap_err();
     assert!(matches!(e, ApiError::NoWorker), "{e}");
     assert_eq!(e.status().as_u16(), 503);
+}
+
+/// An in-memory discovery backend: the test decides who is in the cluster.
+struct FakeDiscovery {
+    decode: tokio::sync::watch::Sender<Vec<WorkerAddr>>,
+    prefill: tokio::sync::watch::Sender<Vec<WorkerAddr>>,
+}
+
+impl FakeDiscovery {
+    fn new(decode: &[&str]) -> Self {
+        Self {
+            decode: tokio::sync::watch::Sender::new(decode.iter().map(|&a| a.into()).collect()),
+            prefill: tokio::sync::watch::Sender::new(Vec::new()),
+        }
+    }
+
+    fn join(&self, addr: &str) {
+        self.decode.send_modify(|v| v.push(addr.into()));
+    }
+
+    fn leave(&self, addr: &str) {
+        self.decode.send_modify(|v| v.retain(|a| a.as_str() != addr));
+    }
+}
+
+impl Discovery for FakeDiscovery {
+    fn decode_workers(&self) -> tokio::sync::watch::Receiver<Vec<WorkerAddr>> {
+        self.decode.subscribe()
+    }
+
+    fn prefill_workers(&self) -> tokio::sync::watch::Receiver<Vec<WorkerAddr>> {
+        self.prefill.subscribe()
+    }
+}
+
+/// One sample of the router's metrics page.
+fn sample(d: &Dispatcher, key: &str) -> f64 {
+    d.metrics
+        .render()
+        .lines()
+        .find_map(|l| l.strip_prefix(key)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+async fn until(what: &str, ok: impl Fn() -> bool) {
+    for _ in 0..10_000 {
+        if ok() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    panic!("{what}");
+}
+
+#[tokio::test]
+async fn workers_that_join_take_requests_and_workers_that_leave_or_do_not_fit_get_none() {
+    let answer = answer_ids().await;
+    let w0 = FakeWorker::answering(answer.clone(), 16);
+    let w1 = FakeWorker::answering(answer.clone(), 16);
+    // Its blocks hold 32 tokens; the cluster's (pinned by the first worker) hold 16.
+    let w2 = FakeWorker::answering(answer.clone(), 32);
+    let all: HashMap<WorkerAddr, Arc<FakeWorker>> = [("w0", &w0), ("w1", &w1), ("w2", &w2)]
+        .into_iter()
+        .map(|(a, w)| (WorkerAddr::from(a), w.clone()))
+        .collect();
+    let found = FakeDiscovery::new(&["w0"]);
+    let shared = PoolShared {
+        metrics: Default::default(),
+        expect: Arc::new(tandem_discovery::Expect::new(vec!["fake".into()], None)),
+    };
+    let cfg = PoolConfig {
+        poll_interval: Duration::from_millis(5),
+        connect_timeout: Duration::from_secs(1),
+    };
+    let pool = WorkerPool::start(
+        Role::Decode,
+        found.decode_workers(),
+        cfg,
+        Arc::new(FakeConnect(all)),
+        shared,
+    );
+    let policy = tandem_router::policy::build(
+        tandem_router::policy::PolicyKind::RoundRobin,
+        Default::default(),
+    );
+    let d = Dispatcher::new(
+        common::served_model(),
+        pool.clone(),
+        None,
+        policy,
+        DispatchConfig {
+            max_queue: 8,
+            disagg: Default::default(),
+            max_migrations: 1,
+            stall: Duration::from_secs(10),
+        },
+    );
+    until("w0 ready", || pool.ready().len() == 1).await;
+    for _ in 0..2 {
+        run(&d, answer.len() as u64).await.unwrap();
+    }
+    assert_eq!(w0.calls().len(), 2);
+
+    // w1 joins and takes its turn; w2 joins but its Info does not fit: refused, counted.
+    found.join("w1");
+    found.join("w2");
+    until("w1 ready", || pool.ready().len() == 2).await;
+    let refused = "tandem_discovery_refused_workers_total{role=\"decode\",reason=\"block_size\"}";
+    until("w2 refused", || sample(&d, refused) == 1.0).await;
+    for _ in 0..4 {
+        run(&d, answer.len() as u64).await.unwrap();
+    }
+    assert_eq!((w0.calls().len(), w1.calls().len()), (4, 2));
+    assert!(w2.calls().is_empty());
+    let ready: Vec<String> = pool.ready().iter().map(|w| w.addr.to_string()).collect();
+    assert_eq!(ready, ["w0", "w1"]);
+
+    // w0 leaves: every later request goes elsewhere.
+    found.leave("w0");
+    until("w0 gone", || pool.all().len() == 2).await;
+    for _ in 0..3 {
+        run(&d, answer.len() as u64).await.unwrap();
+    }
+    assert_eq!((w0.calls().len(), w1.calls().len()), (4, 5));
+    assert!(w2.calls().is_empty());
+    let joins = "tandem_discovery_membership_changes_total{role=\"decode\",change=\"join\"}";
+    let leaves = "tandem_discovery_membership_changes_total{role=\"decode\",change=\"leave\"}";
+    assert_eq!((sample(&d, joins), sample(&d, leaves)), (3.0, 1.0));
+    assert_eq!(sample(&d, "tandem_router_worker_requests_total{role=\"decode\",worker=\"w1\"}"), 5.0);
 }

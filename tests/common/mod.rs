@@ -73,8 +73,14 @@ impl Drop for Proc {
 
 /// Starts `tandem ARGS` and waits for the stdout line starting with `marker`; returns the rest.
 pub fn spawn(args: &[String], marker: &str) -> (Proc, String) {
+    spawn_env(args, marker, &[])
+}
+
+/// [`spawn`] with extra environment variables.
+pub fn spawn_env(args: &[String], marker: &str, env: &[(&str, &str)]) -> (Proc, String) {
     use std::os::unix::process::CommandExt;
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_tandem"));
+    cmd.envs(env.iter().copied());
     cmd.args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -192,9 +198,11 @@ pub fn start_router(workers: &[String], extra: &[&str]) -> Router {
         "--http-port=0".into(),
         "--grpc-port=0".into(),
         format!("--model={}", model_path().display()),
-        format!("--decode-workers={}", workers.join(",")),
         "--poll-ms=100".into(),
     ];
+    if !workers.is_empty() {
+        args.push(format!("--decode-workers={}", workers.join(",")));
+    }
     args.extend(extra.iter().map(|s| s.to_string()));
     let (proc, line) = spawn(&args, "tandem router:");
     let parts: Vec<&str> = line.split_whitespace().collect();
@@ -448,4 +456,87 @@ pub fn alive(pid: i32) -> bool {
                 .is_some_and(|(_, r)| r.trim_start().starts_with('Z'))
         })
         .unwrap_or(false)
+}
+
+/// A free loopback port (free when asked; the caller binds it soon after).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// An etcd server on loopback (Debian's etcd-server, installed by scripts/test), killed on drop.
+pub struct Etcd {
+    pub proc: Proc,
+    pub port: u16,
+}
+
+impl Etcd {
+    /// Starts etcd on `port` with its data in `dir` and waits until it answers.
+    pub fn start(dir: &std::path::Path, port: u16) -> Self {
+        let peer = free_port();
+        let child = Command::new("etcd")
+            .args([
+                "--name=t".to_string(),
+                format!("--data-dir={}", dir.display()),
+                format!("--listen-client-urls=http://127.0.0.1:{port}"),
+                format!("--advertise-client-urls=http://127.0.0.1:{port}"),
+                format!("--listen-peer-urls=http://127.0.0.1:{peer}"),
+                format!("--initial-advertise-peer-urls=http://127.0.0.1:{peer}"),
+                format!("--initial-cluster=t=http://127.0.0.1:{peer}"),
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("the etcd binary (scripts/test installs Debian's etcd-server)");
+        let etcd = Self {
+            proc: Proc { child },
+            port,
+        };
+        let end = Instant::now() + Duration::from_secs(60);
+        while etcd.try_ctl(&["get", "probe"]).is_none() {
+            assert!(Instant::now() < end, "etcd did not start on port {port}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        etcd
+    }
+
+    /// `--discovery` for this etcd.
+    pub fn flag(&self) -> String {
+        format!("--discovery=etcd://127.0.0.1:{}", self.port)
+    }
+
+    fn try_ctl(&self, args: &[&str]) -> Option<String> {
+        let out = Command::new("etcdctl")
+            .env("ETCDCTL_API", "3")
+            .arg(format!("--endpoints=127.0.0.1:{}", self.port))
+            .args(args)
+            .output()
+            .expect("etcdctl (scripts/test installs Debian's etcd-client)");
+        out.status
+            .success()
+            .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// `etcdctl ARGS` against this etcd, which must succeed; its stdout.
+    pub fn ctl(&self, args: &[&str]) -> String {
+        self.try_ctl(args)
+            .unwrap_or_else(|| panic!("etcdctl {args:?} failed"))
+    }
+
+    /// The keys under `prefix`.
+    pub fn keys(&self, prefix: &str) -> Vec<String> {
+        self.ctl(&["get", "--prefix", "--keys-only", prefix])
+            .lines()
+            .filter(|l| !l.is_empty())
+            .map(str::to_string)
+            .collect()
+    }
+
+    pub fn stop(&mut self) {
+        let _ = self.proc.child.kill();
+        let _ = self.proc.child.wait();
+    }
 }

@@ -47,9 +47,20 @@ pub async fn serve(
             tracing::warn!(left, "drain deadline passed with requests still running");
         }
     };
-    let routes = role
+    // Reflection (v1, and v1alpha for grpcurl 1.8) so grpcurl can call a worker directly.
+    let reflection = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(tandem_proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    };
+    let mut routes = role
         .add_service(WorkerControlServer::new(control))
-        .add_service(health)
+        .add_service(health);
+    match (reflection().build_v1(), reflection().build_v1alpha()) {
+        (Ok(v1), Ok(v1alpha)) => routes = routes.add_service(v1).add_service(v1alpha),
+        (Err(e), _) | (_, Err(e)) => tracing::warn!(error = %e, "no gRPC reflection"),
+    }
+    let routes = routes
         .into_axum_router()
         .merge(crate::metrics::router(metrics));
     tonic::transport::Server::builder()

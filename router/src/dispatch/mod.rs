@@ -188,12 +188,14 @@ impl Dispatcher {
         policy: Arc<dyn RoutingPolicy>,
         cfg: DispatchConfig,
     ) -> Self {
+        // One registry for the router: the pools count joins, leaves and refusals into it.
+        let metrics = pool.metrics().clone();
         Self {
             model,
             pool,
             prefill_pool,
             policy,
-            metrics: Arc::new(RouterMetrics::default()),
+            metrics,
             cfg,
             queued: Arc::new(AtomicUsize::new(0)),
             next_id: AtomicU64::new(1),
