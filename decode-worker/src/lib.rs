@@ -18,7 +18,7 @@ pub mod metrics;
 pub mod remote;
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::Stream;
 use tandem_engine::{EngineHandle, Request, RequestStream, Reservation, StreamEvent};
@@ -27,6 +27,7 @@ use tandem_proto::wire::sampling_from_wire;
 use tandem_proto::worker::{self as pb, decode_server::DecodeServer};
 use tandem_worker::convert::{finish, status, token, BoxStream};
 pub use tandem_worker::WorkerIdentity;
+use tandem_worker::metrics::RequestMetrics;
 use tandem_worker::{ControlService, Drain, InFlight};
 use tokio::net::TcpListener;
 use tonic::server::NamedService;
@@ -42,12 +43,15 @@ pub struct DecodeService {
     drain: Arc<Drain>,
     /// KV ingress for remote plans; without it every request is prefilled here.
     remote: Option<Arc<RemotePrefill>>,
+    /// Per-request measures in vLLM's terms.
+    requests: Arc<RequestMetrics>,
 }
 
 impl DecodeService {
     /// A decode worker over `engine`; its [`Drain`] is the one [`serve`] stops it with.
     pub fn new(engine: Arc<EngineHandle>, identity: WorkerIdentity) -> Self {
         Self {
+            requests: Arc::new(RequestMetrics::new(&identity.model, "decode")),
             engine,
             identity,
             drain: Drain::new(),
@@ -81,14 +85,25 @@ impl DecodeService {
     }
 }
 
+/// What a request's stream measures as its events pass.
+struct Observe {
+    metrics: Arc<RequestMetrics>,
+    last_token: Option<Instant>,
+}
+
 /// Folds one engine event into a response; true when it was the last.
-fn fold(msg: &mut pb::DecodeResponse, ev: StreamEvent) -> Result<bool, Status> {
+fn fold(msg: &mut pb::DecodeResponse, ev: StreamEvent, obs: &mut Observe) -> Result<bool, Status> {
     match ev {
         StreamEvent::Token(t) => {
+            let now = Instant::now();
+            if let Some(last) = obs.last_token.replace(now) {
+                obs.metrics.token_gap(now - last);
+            }
             msg.tokens.push(token(&t));
             Ok(false)
         }
         StreamEvent::Finished(f) => {
+            obs.metrics.finished(&f);
             msg.finish = Some(finish(&f));
             Ok(true)
         }
@@ -115,6 +130,7 @@ struct GenState {
     engine: Arc<EngineHandle>,
     stream: RequestStream,
     done: bool,
+    observe: Observe,
     _in_flight: InFlight,
 }
 
@@ -151,7 +167,7 @@ fn response_stream(
         let mut msg = pb::DecodeResponse::default();
         let mut last = false;
         while let Some(ev) = next {
-            match fold(&mut msg, ev) {
+            match fold(&mut msg, ev, &mut st.observe) {
                 Ok(l) => last = l,
                 Err(e) => {
                     st.done = true;
@@ -245,6 +261,10 @@ impl pb::decode_server::Decode for DecodeService {
                 engine: self.engine.clone(),
                 stream,
                 done: false,
+                observe: Observe {
+                    metrics: self.requests.clone(),
+                    last_token: None,
+                },
                 _in_flight: in_flight,
             }),
             HEARTBEAT,
@@ -264,6 +284,7 @@ pub async fn serve(
     let metrics = metrics::DecodeMetrics {
         engine: service.engine.clone(),
         remote: service.remote.clone(),
+        requests: service.requests.clone(),
     };
     let control = service.control();
     tandem_worker::serve(

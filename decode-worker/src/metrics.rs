@@ -7,7 +7,7 @@ use std::sync::Arc;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::DescriptorEncoder;
 use tandem_engine::EngineHandle;
-use tandem_worker::metrics::{counter, engine_metrics, gauge};
+use tandem_worker::metrics::{counter, engine_metrics, gauge, RequestMetrics};
 
 use crate::remote::RemotePrefill;
 
@@ -18,6 +18,8 @@ pub struct DecodeMetrics {
     pub engine: Arc<EngineHandle>,
     /// Remote prefill's counts and the KV receiver's refusals, when on.
     pub remote: Option<Arc<RemotePrefill>>,
+    /// Per-request measures in vLLM's terms.
+    pub requests: Arc<RequestMetrics>,
 }
 
 impl std::fmt::Debug for DecodeMetrics {
@@ -28,7 +30,9 @@ impl std::fmt::Debug for DecodeMetrics {
 
 impl Collector for DecodeMetrics {
     fn encode(&self, mut enc: DescriptorEncoder) -> std::fmt::Result {
-        engine_metrics(&mut enc, &self.engine.stats())?;
+        let stats = self.engine.stats();
+        engine_metrics(&mut enc, &stats)?;
+        self.requests.encode(&mut enc, &stats)?;
         let Some(r) = &self.remote else {
             return Ok(());
         };

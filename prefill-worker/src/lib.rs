@@ -25,7 +25,7 @@ use tandem_kv_transfer::{BlockFrame, KvStream, KvTransport};
 use tandem_proto::wire::sampling_from_wire;
 use tandem_proto::worker::{self as pb, prefill_server::PrefillServer};
 use tandem_worker::convert::{status, BoxStream};
-use tandem_worker::metrics::{counter, engine_metrics, gauge};
+use tandem_worker::metrics::{counter, engine_metrics, gauge, RequestMetrics};
 pub use tandem_worker::WorkerIdentity;
 use tandem_worker::{ControlService, Drain, InFlight};
 use tokio::net::TcpListener;
@@ -78,6 +78,8 @@ struct Shared {
     /// Uncached prompt tokens of admitted prefills whose blocks have not all been sent.
     queued_tokens: AtomicU64,
     counts: PrefillCounts,
+    /// Per-request measures in vLLM's terms.
+    requests: RequestMetrics,
 }
 
 /// The `Prefill` service. Cheap to clone; all clones share one engine.
@@ -146,10 +148,12 @@ impl PrefillService {
         identity: WorkerIdentity,
         limits: PrefillLimits,
     ) -> Self {
+        let requests = RequestMetrics::new(&identity.model, "prefill");
         Self {
             shared: Arc::new(Shared {
                 engine,
                 transport,
+                requests,
                 identity,
                 limits,
                 drain: Drain::new(),
@@ -338,7 +342,10 @@ impl Shared {
                     admitted.sent((c.blocks * bs) as u64);
                 }
                 StreamEvent::Token(t) => first = Some(t),
-                StreamEvent::Finished(_) => break,
+                StreamEvent::Finished(f) => {
+                    self.requests.finished(&f);
+                    break;
+                }
                 StreamEvent::Failed(e) => {
                     let _ = conn.abort(dest.transfer_id).await;
                     return Err(status(e).into());
@@ -411,7 +418,9 @@ impl std::fmt::Debug for Metrics {
 impl Collector for Metrics {
     fn encode(&self, mut enc: DescriptorEncoder) -> std::fmt::Result {
         let s = &self.0;
-        engine_metrics(&mut enc, &s.engine.stats())?;
+        let stats = s.engine.stats();
+        engine_metrics(&mut enc, &stats)?;
+        s.requests.encode(&mut enc, &stats)?;
         let c = &s.counts;
         let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
         counter(

@@ -6,13 +6,16 @@
 //! twice. This module holds what both roles write: the families' encoders, the engine's own
 //! metrics, and the `/metrics` route.
 
+use std::time::Duration;
+
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
-use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::metrics::MetricType;
-use prometheus_client::registry::Registry;
-use tandem_engine::EngineStats;
+use prometheus_client::registry::{Registry, Unit};
+use tandem_engine::{EngineStats, FinishReason, Finished};
 
 /// The content type of [`render`]'s output.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -88,6 +91,166 @@ pub fn engine_metrics(enc: &mut DescriptorEncoder, s: &EngineStats) -> std::fmt:
         "Sequences preempted for lack of KV blocks",
         &[(&[], s.preemptions)],
     )
+}
+
+/// Bucket bounds in seconds for times from milliseconds (a GPU's first token) to minutes (a long
+/// prompt queued on a CPU): roughly three per decade.
+const LATENCY_BUCKETS: [f64; 22] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+    7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
+];
+
+/// Bucket bounds in seconds for whole requests and their phases.
+const REQUEST_BUCKETS: [f64; 20] = [
+    0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0,
+    240.0, 480.0, 960.0, 1920.0,
+];
+
+/// The finish reasons requests are counted by, as vLLM names them.
+const FINISH_REASONS: [&str; 3] = ["stop", "length", "abort"];
+
+fn reason_label(r: FinishReason) -> &'static str {
+    match r {
+        FinishReason::Stop => "stop",
+        FinishReason::Length => "length",
+        FinishReason::Cancelled => "abort",
+    }
+}
+
+/// The per-request measures and engine gauges an operator's vLLM dashboards chart, with vLLM's
+/// meaning and units under Tandem's prefix (`vllm:time_to_first_token_seconds` is
+/// `tandem_time_to_first_token_seconds`, ...; the README's metrics table maps every one), each
+/// labelled with `model_name` and `role`. Observed where a request's events reach the worker's
+/// gRPC edge, so the engine loop does no more work for them.
+#[derive(Debug)]
+pub struct RequestMetrics {
+    labels: [(&'static str, String); 2],
+    ttft: Histogram,
+    itl: Histogram,
+    e2e: Histogram,
+    queue: Histogram,
+    prefill: Histogram,
+    decode: Histogram,
+    prompt_tokens: Counter,
+    generation_tokens: Counter,
+    finished: [Counter; 3],
+}
+
+impl RequestMetrics {
+    /// Measures for a worker of `role` (`"decode"`, `"prefill"`) serving `model`.
+    pub fn new(model: &str, role: &'static str) -> Self {
+        let latency = || Histogram::new(LATENCY_BUCKETS);
+        let request = || Histogram::new(REQUEST_BUCKETS);
+        Self {
+            labels: [("model_name", model.to_string()), ("role", role.to_string())],
+            ttft: latency(),
+            itl: latency(),
+            e2e: request(),
+            queue: request(),
+            prefill: request(),
+            decode: request(),
+            prompt_tokens: Counter::default(),
+            generation_tokens: Counter::default(),
+            finished: Default::default(),
+        }
+    }
+
+    /// The gap between two consecutive tokens of one request.
+    pub fn token_gap(&self, gap: Duration) {
+        self.itl.observe(gap.as_secs_f64());
+    }
+
+    /// A request left the engine: its phases' times, its tokens, why it ended.
+    pub fn finished(&self, f: &Finished) {
+        self.e2e.observe(f.e2e_s);
+        self.queue.observe(f.queue_s);
+        if f.ttft_s > 0.0 {
+            self.ttft.observe(f.ttft_s);
+            self.prefill.observe((f.ttft_s - f.queue_s).max(0.0));
+            self.decode.observe((f.e2e_s - f.ttft_s).max(0.0));
+        }
+        self.prompt_tokens.inc_by(f.prompt_ids.len() as u64);
+        // Tokens sampled by this engine (a resumed request's earlier ones were counted where
+        // they were sampled).
+        self.generation_tokens.inc_by(f.logprobs.len() as u64);
+        let i = FINISH_REASONS
+            .iter()
+            .position(|r| *r == reason_label(f.finish_reason))
+            .unwrap_or(0);
+        self.finished[i].inc();
+    }
+
+    /// Writes the measures, and the engine gauges of `s`, in vLLM's terms.
+    pub fn encode(&self, enc: &mut DescriptorEncoder, s: &EngineStats) -> std::fmt::Result {
+        let labels = &self.labels;
+        let gauge = |enc: &mut DescriptorEncoder, name: &str, help: &str, v: f64| {
+            let mut m = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
+            ConstGauge::new(v).encode(m.encode_family(labels)?)
+        };
+        let count = |enc: &mut DescriptorEncoder, name: &str, help: &str, v: u64| {
+            let mut m = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
+            ConstCounter::new(v).encode(m.encode_family(labels)?)
+        };
+        gauge(enc, "tandem_num_requests_running", "Requests in the running batch", s.running as f64)?;
+        gauge(enc, "tandem_num_requests_waiting", "Requests waiting to be admitted", s.waiting as f64)?;
+        let usage = if s.blocks_total == 0 {
+            0.0
+        } else {
+            s.blocks_used as f64 / s.blocks_total as f64
+        };
+        gauge(
+            enc,
+            "tandem_kv_cache_usage_perc",
+            "Fraction of KV cache blocks held by requests (1 = full)",
+            usage,
+        )?;
+        count(
+            enc,
+            "tandem_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache",
+            s.prefix_lookup_tokens,
+        )?;
+        count(
+            enc,
+            "tandem_prefix_cache_hits",
+            "Prompt tokens found in the prefix cache",
+            s.prefix_hit_tokens,
+        )?;
+        count(enc, "tandem_prompt_tokens", "Prompt tokens of finished requests", self.prompt_tokens.get())?;
+        count(
+            enc,
+            "tandem_generation_tokens",
+            "Tokens generated (sampled by this worker)",
+            self.generation_tokens.get(),
+        )?;
+        let mut m = enc.encode_descriptor(
+            "tandem_request_success",
+            "Requests finished, by finish reason",
+            None,
+            MetricType::Counter,
+        )?;
+        for (reason, c) in FINISH_REASONS.iter().zip(&self.finished) {
+            let l = [
+                (labels[0].0, labels[0].1.as_str()),
+                (labels[1].0, labels[1].1.as_str()),
+                ("finished_reason", reason),
+            ];
+            ConstCounter::new(c.get()).encode(m.encode_family(&l)?)?;
+        }
+        let hists: [(&str, &str, &Histogram); 6] = [
+            ("tandem_time_to_first_token", "Time from arrival to the first token", &self.ttft),
+            ("tandem_inter_token_latency", "Time between consecutive tokens of a request", &self.itl),
+            ("tandem_e2e_request_latency", "Time from arrival to the last token", &self.e2e),
+            ("tandem_request_queue_time", "Time a request waited before admission", &self.queue),
+            ("tandem_request_prefill_time", "Time from admission to the first token", &self.prefill),
+            ("tandem_request_decode_time", "Time from the first token to the last", &self.decode),
+        ];
+        for (name, help, h) in hists {
+            let mut m = enc.encode_descriptor(name, help, Some(&Unit::Seconds), MetricType::Histogram)?;
+            h.encode(m.encode_family(labels)?)?;
+        }
+        Ok(())
+    }
 }
 
 /// The text exposition of `collector`.

@@ -1,0 +1,186 @@
+//! A real Prometheus (Debian's `prometheus`, installed by scripts/test) scrapes every role of a
+//! running disaggregated cluster; after a few requests, each metric of the vLLM-compatible set is
+//! read back through Prometheus' HTTP API and checked against what the client saw: generated and
+//! prompt tokens, requests by finish reason, one TTFT and end-to-end observation per request, one
+//! inter-token gap per token after the first, and the prefill worker's own share.
+
+mod common;
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::{json, Value};
+
+/// Prometheus on a free loopback port, scraping `targets` (host:port) every second.
+fn prometheus(dir: &std::path::Path, targets: &[(&str, &str)]) -> (Proc, String) {
+    let jobs: String = targets
+        .iter()
+        .map(|(job, t)| {
+            format!("  - job_name: {job}\n    static_configs:\n      - targets: ['{t}']\n")
+        })
+        .collect();
+    let config = format!("global:\n  scrape_interval: 1s\nscrape_configs:\n{jobs}");
+    std::fs::write(dir.join("prometheus.yml"), config).unwrap();
+    let addr = format!("127.0.0.1:{}", free_port());
+    let child = Command::new("prometheus")
+        .arg(format!("--config.file={}", dir.join("prometheus.yml").display()))
+        .arg(format!("--storage.tsdb.path={}", dir.join("data").display()))
+        .arg(format!("--web.listen-address={addr}"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("the prometheus binary (scripts/test installs Debian's prometheus)");
+    (Proc { child }, format!("http://{addr}"))
+}
+
+/// The value of an instant query that returns one sample, or `None` while it returns none.
+async fn query(prom: &str, q: &str) -> Option<f64> {
+    let encoded: String = q
+        .bytes()
+        .map(|b| match b {
+            b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'_' | b'.' | b'-' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect();
+    let v: Value = reqwest::Client::new()
+        .get(format!("{prom}/api/v1/query?query={encoded}"))
+        .send()
+        .await
+        .ok()?
+        .json()
+        .await
+        .ok()?;
+    let result = v["data"]["result"].as_array()?;
+    if result.len() != 1 {
+        return None;
+    }
+    result[0]["value"][1].as_str()?.parse().ok()
+}
+
+/// Waits until Prometheus answers `q` with `want` (it scrapes every second; the bound only
+/// catches a value that never comes), and says what it last saw otherwise.
+async fn expect(prom: &str, q: &str, want: f64) {
+    let end = Instant::now() + Duration::from_secs(120);
+    loop {
+        let got = query(prom, q).await;
+        if got == Some(want) {
+            return;
+        }
+        assert!(Instant::now() < end, "{q}: Prometheus says {got:?}, want {want}");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prometheus_scrapes_the_vllm_metric_set_from_every_role_with_the_values_served() {
+    let (_p, paddr) = start_prefill(&[]);
+    let (_d, daddr, _kv) = start_decode(&[]);
+    let r = start_router(
+        std::slice::from_ref(&daddr),
+        &[
+            &format!("--prefill-workers={paddr}"),
+            "--disagg-min-tokens=64",
+        ],
+    );
+    wait_ready(&r, 1).await;
+    let dir = tempfile::tempdir().unwrap();
+    let router_addr = r.http.trim_start_matches("http://").to_string();
+    let (_prom, prom) = prometheus(
+        dir.path(),
+        &[("router", &router_addr), ("decode", &daddr), ("prefill", &paddr)],
+    );
+    let model = router_state(&r.http).await["model"].as_str().unwrap().to_string();
+
+    // Short prompts prefill on the decode worker, long ones (>= 64 tokens) on the prefill worker.
+    let long = "The history of the city is long and full of events. ".repeat(12);
+    let again = format!("Once more, and slowly: {long}");
+    let prompts = ["Hello there", "Name three colours", long.as_str(), again.as_str()];
+    let (mut completion, mut prompt_tokens, mut gaps) = (0.0, 0.0, 0.0);
+    for (i, p) in prompts.iter().enumerate() {
+        let max_tokens = 3 + i as u64;
+        let (status, body) = post(
+            &r.http,
+            "/v1/completions",
+            json!({"model": model, "prompt": p, "max_tokens": max_tokens, "temperature": 0,
+                   "ignore_eos": true}),
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+        let n = body["usage"]["completion_tokens"].as_f64().unwrap();
+        assert_eq!(n, max_tokens as f64);
+        completion += n;
+        gaps += n - 1.0;
+        prompt_tokens += body["usage"]["prompt_tokens"].as_f64().unwrap();
+    }
+    let requests = prompts.len() as f64;
+    let remote = metric(
+        &scrape(&r.http).await,
+        "tandem_prefill_requests_total{mode=\"remote\"}",
+    );
+    assert_eq!(remote, 2.0, "the two long prompts prefill remotely");
+
+    let d = |name: &str| format!("{name}{{role=\"decode\",model_name=\"{model}\"}}");
+    let p = |name: &str| format!("{name}{{role=\"prefill\",model_name=\"{model}\"}}");
+    expect(&prom, &d("tandem_generation_tokens_total"), completion).await;
+    expect(&prom, &d("tandem_prompt_tokens_total"), prompt_tokens).await;
+    expect(
+        &prom,
+        &format!("sum({})", d("tandem_request_success_total")),
+        requests,
+    )
+    .await;
+    expect(
+        &prom,
+        "tandem_request_success_total{role=\"decode\",finished_reason=\"length\"}",
+        requests,
+    )
+    .await;
+    for h in [
+        "tandem_time_to_first_token_seconds",
+        "tandem_e2e_request_latency_seconds",
+        "tandem_request_queue_time_seconds",
+        "tandem_request_prefill_time_seconds",
+        "tandem_request_decode_time_seconds",
+    ] {
+        expect(&prom, &d(&format!("{h}_count")), requests).await;
+        // Every observation is at most the largest bucket's bound: +Inf holds them all.
+        expect(
+            &prom,
+            &format!("{h}_bucket{{role=\"decode\",le=\"+Inf\"}}"),
+            requests,
+        )
+        .await;
+        let sum = query(&prom, &d(&format!("{h}_sum"))).await.unwrap();
+        assert!(sum >= 0.0, "{h}_sum {sum}");
+    }
+    expect(&prom, &d("tandem_inter_token_latency_seconds_count"), gaps).await;
+    let ttft = query(&prom, &d("tandem_time_to_first_token_seconds_sum"))
+        .await
+        .unwrap();
+    let e2e = query(&prom, &d("tandem_e2e_request_latency_seconds_sum"))
+        .await
+        .unwrap();
+    assert!(ttft > 0.0 && ttft <= e2e, "ttft {ttft} e2e {e2e}");
+    expect(&prom, &d("tandem_num_requests_running"), 0.0).await;
+    expect(&prom, &d("tandem_num_requests_waiting"), 0.0).await;
+    let usage = query(&prom, &d("tandem_kv_cache_usage_perc")).await.unwrap();
+    assert!((0.0..=1.0).contains(&usage), "{usage}");
+    let queries = query(&prom, &d("tandem_prefix_cache_queries_total")).await.unwrap();
+    let hits = query(&prom, &d("tandem_prefix_cache_hits_total")).await.unwrap();
+    assert!(queries >= prompt_tokens - 1.0 && hits <= queries, "{queries} {hits}");
+
+    // The prefill worker counts its own: one finished request per remote prefill, the prompt
+    // tokens it computed, and a first token each.
+    expect(&prom, &format!("sum({})", p("tandem_request_success_total")), remote).await;
+    expect(&prom, &p("tandem_time_to_first_token_seconds_count"), remote).await;
+    expect(&prom, &p("tandem_generation_tokens_total"), remote).await;
+    // The router: every request answered.
+    expect(&prom, "tandem_router_requests_total{outcome=\"ok\"}", requests).await;
+    expect(
+        &prom,
+        "tandem_prefill_requests_total{job=\"router\",mode=\"remote\"}",
+        remote,
+    )
+    .await;
+}
