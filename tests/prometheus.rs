@@ -183,4 +183,39 @@ async fn prometheus_scrapes_the_vllm_metric_set_from_every_role_with_the_values_
         remote,
     )
     .await;
+
+    // Every metric the Grafana dashboard charts is one some role of this cluster exports.
+    let mut families = std::collections::HashSet::new();
+    for addr in [r.http.clone(), format!("http://{daddr}"), format!("http://{paddr}")] {
+        let page = reqwest::get(format!("{addr}/metrics")).await.unwrap().text().await.unwrap();
+        for line in page.lines() {
+            if let Some(rest) = line.strip_prefix("# TYPE ") {
+                families.insert(rest.split_whitespace().next().unwrap().to_string());
+            }
+        }
+    }
+    let dashboard = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/grafana/tandem.json"),
+    )
+    .unwrap();
+    let dashboard: Value = serde_json::from_str(&dashboard).expect("the dashboard is JSON");
+    let mut charted = 0;
+    for panel in dashboard["panels"].as_array().unwrap() {
+        for target in panel["targets"].as_array().unwrap() {
+            let expr = target["expr"].as_str().unwrap();
+            for (i, _) in expr.match_indices("tandem_") {
+                let name: String = expr[i..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect();
+                let base = ["_bucket", "_total"]
+                    .iter()
+                    .find_map(|suffix| name.strip_suffix(suffix))
+                    .unwrap_or(&name);
+                assert!(families.contains(base), "the dashboard charts {name}, which no role exports");
+                charted += 1;
+            }
+        }
+    }
+    assert!(charted >= 20, "{charted}");
 }

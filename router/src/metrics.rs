@@ -99,6 +99,9 @@ impl Default for RouterMetrics {
             for change in ["join", "leave"] {
                 let _ = membership.get_or_create(&vec![("role", role.name()), ("change", change)]);
             }
+            for reason in ["model", "block_size"] {
+                let _ = refused_workers.get_or_create(&vec![("role", role.name()), ("reason", reason)]);
+            }
         }
         // Both modes exist from the start, so a dashboard's rate() has a series to work on.
         for mode in ["remote", "local"] {
