@@ -127,7 +127,9 @@ impl RegisterArgs {
         let DiscoverySpec::Etcd { endpoints } = &self.discovery else {
             return Ok(None);
         };
-        start_registration(self, endpoints.clone(), card).await.map(Some)
+        start_registration(self, endpoints.clone(), card)
+            .await
+            .map(Some)
     }
 }
 
@@ -144,9 +146,11 @@ async fn start_registration(
     let ttl = Duration::from_secs(a.lease_ttl_s);
     let timeout = Duration::from_millis(a.etcd_timeout_ms.max(1));
     // The first registration waits for etcd's answer: off the async threads.
-    tokio::task::spawn_blocking(move || Registration::start(endpoints, &cluster, card, ttl, timeout))
-        .await?
-        .context("registering in etcd")
+    tokio::task::spawn_blocking(move || {
+        Registration::start(endpoints, &cluster, card, ttl, timeout)
+    })
+    .await?
+    .context("registering in etcd")
 }
 
 /// Without the etcd feature there is nothing to register with.
@@ -180,7 +184,13 @@ async fn deregister_then_drain(registration: Option<Registration>) {
 }
 
 /// A worker's card, as the router checks it.
-fn card(role: Role, identity: &WorkerIdentity, grpc: String, kv: Option<String>, block_size: usize) -> WorkerCard {
+fn card(
+    role: Role,
+    identity: &WorkerIdentity,
+    grpc: String,
+    kv: Option<String>,
+    block_size: usize,
+) -> WorkerCard {
     WorkerCard {
         role,
         worker_id: identity.worker_id.clone(),
@@ -332,7 +342,10 @@ pub fn run_decode(a: DecodeArgs) -> Result<()> {
         let mut kv_line = String::from("kv none");
         let mut kv_addr = None;
         if let Some(secret) = secret {
-            let advertise = a.kv_advertise_host.clone().unwrap_or_else(|| advertise.clone());
+            let advertise = a
+                .kv_advertise_host
+                .clone()
+                .unwrap_or_else(|| advertise.clone());
             // SAFETY: the writer is this engine's, and RemotePrefill grants only blocks the
             // engine reserved and parked for a remote prefill.
             let remote = unsafe {
@@ -353,7 +366,13 @@ pub fn run_decode(a: DecodeArgs) -> Result<()> {
             kv_addr = Some(remote.endpoint().to_string());
             service = service.with_remote(Arc::new(remote));
         }
-        let card = card(Role::Decode, &identity, grpc_addr, kv_addr, a.engine.block_size);
+        let card = card(
+            Role::Decode,
+            &identity,
+            grpc_addr,
+            kv_addr,
+            a.engine.block_size,
+        );
         let registration = a.register.register(card).await?;
         println!("{DECODE_READY} {addr} {kv_line}");
         std::io::stdout().flush()?;
@@ -391,7 +410,13 @@ pub fn run_prefill(a: PrefillArgs) -> Result<()> {
         )
         .await?;
         let grpc_addr = format!("{}:{}", a.register.advertise(&a.host), addr.port());
-        let card = card(Role::Prefill, &identity, grpc_addr, None, a.engine.block_size);
+        let card = card(
+            Role::Prefill,
+            &identity,
+            grpc_addr,
+            None,
+            a.engine.block_size,
+        );
         let service = PrefillService::new(
             Arc::new(handle),
             Arc::new(TcpTransport::new(secret)),

@@ -61,7 +61,10 @@ async fn wait_view(http: &str, what: &str, ok: impl Fn(&[(String, bool)]) -> boo
         if ok(&v) {
             return start.elapsed();
         }
-        assert!(start.elapsed() < Duration::from_secs(120), "{what}: router sees {v:?}");
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "{what}: router sees {v:?}"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -102,7 +105,10 @@ async fn a_cluster_found_through_etcd_follows_joins_deaths_drains_and_etcd_resta
     let port = free_port();
     let mut etcd = Etcd::start(dir.path(), port);
     let r = router(&etcd);
-    let model = router_state(&r.http).await["model"].as_str().unwrap().to_string();
+    let model = router_state(&r.http).await["model"]
+        .as_str()
+        .unwrap()
+        .to_string();
 
     // A worker registers and takes requests.
     let started = Instant::now();
@@ -118,10 +124,8 @@ async fn a_cluster_found_through_etcd_follows_joins_deaths_drains_and_etcd_resta
     let key_of = |addr: &str| format!("{PREFIX}decode/decode-{}", addr.rsplit(':').next().unwrap());
     let keys = etcd.keys(PREFIX);
     assert_eq!(keys, vec![key_of(&a_addr)]);
-    let card: Value = serde_json::from_str(
-        etcd.ctl(&["get", "--print-value-only", &keys[0]]).trim(),
-    )
-    .unwrap();
+    let card: Value =
+        serde_json::from_str(etcd.ctl(&["get", "--print-value-only", &keys[0]]).trim()).unwrap();
     assert_eq!(card["grpc_addr"], a_addr.as_str());
     assert_eq!(card["role"], "decode");
     assert_eq!(card["block_size"], 16);
@@ -144,7 +148,10 @@ async fn a_cluster_found_through_etcd_follows_joins_deaths_drains_and_etcd_resta
         if malformed == 1.0 && refused == 1.0 {
             break;
         }
-        assert!(Instant::now() < end, "malformed {malformed}, refused {refused}");
+        assert!(
+            Instant::now() < end,
+            "malformed {malformed}, refused {refused}"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert!(!listed(&view(&r.http).await, "127.0.0.1:9"));
@@ -226,7 +233,9 @@ async fn a_cluster_found_through_etcd_follows_joins_deaths_drains_and_etcd_resta
         let body = s.await.unwrap();
         assert_eq!(body["choices"][0]["finish_reason"], "length");
     }
-    let status = c.wait_exit(Duration::from_secs(120)).expect("c exits after draining");
+    let status = c
+        .wait_exit(Duration::from_secs(120))
+        .expect("c exits after draining");
     assert!(status.success(), "{status:?}");
     let after_c = sent_to(&r.http, &c_addr).await;
     complete(&r.http, &model, 2).await;
@@ -237,8 +246,16 @@ async fn a_cluster_found_through_etcd_follows_joins_deaths_drains_and_etcd_resta
 fn an_etcd_that_is_down_at_start_is_a_clear_error() {
     let port = free_port();
     for role in [
-        vec!["router".to_string(), "--http-port=0".into(), "--grpc-port=0".into()],
-        vec!["decode".to_string(), "--port=0".into(), "--kv-cache-mb=64".into()],
+        vec![
+            "router".to_string(),
+            "--http-port=0".into(),
+            "--grpc-port=0".into(),
+        ],
+        vec![
+            "decode".to_string(),
+            "--port=0".into(),
+            "--kv-cache-mb=64".into(),
+        ],
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
             .args(&role)

@@ -34,7 +34,10 @@ async fn grpcurl_lists_checks_and_generates_through_reflection() {
     let grpc = r.grpc.trim_start_matches("http://");
 
     // Exactly what the router serves (not the workers' services its descriptor set also holds).
-    let services: Vec<String> = grpcurl(&[grpc, "list"]).lines().map(str::to_string).collect();
+    let services: Vec<String> = grpcurl(&[grpc, "list"])
+        .lines()
+        .map(str::to_string)
+        .collect();
     assert_eq!(
         services,
         [
@@ -47,7 +50,8 @@ async fn grpcurl_lists_checks_and_generates_through_reflection() {
     let methods = grpcurl(&[grpc, "describe", "tandem.v1.Generation"]);
     assert!(methods.contains("rpc Generate"), "{methods}");
 
-    let health: Value = serde_json::from_str(&grpcurl(&[grpc, "grpc.health.v1.Health/Check"])).unwrap();
+    let health: Value =
+        serde_json::from_str(&grpcurl(&[grpc, "grpc.health.v1.Health/Check"])).unwrap();
     assert_eq!(health["status"], "SERVING");
 
     let request = r#"{"text": "The capital of France is", "stopping": {"max_tokens": 4, "ignore_eos": true}, "sampling": {"temperature": 0}}"#;
@@ -57,17 +61,24 @@ async fn grpcurl_lists_checks_and_generates_through_reflection() {
         .into_iter::<Value>()
         .map(|m| m.unwrap())
         .collect();
-    let text: String = messages
-        .iter()
-        .filter_map(|m| m["text"].as_str())
-        .collect();
+    let text: String = messages.iter().filter_map(|m| m["text"].as_str()).collect();
     assert!(!text.is_empty(), "{out}");
     let last = messages.last().unwrap();
     assert!(last.to_string().contains("FINISH_REASON_LENGTH"), "{out}");
 
     // A worker offers its own services the same way.
-    let worker: Vec<String> = grpcurl(&[&daddr, "list"]).lines().map(str::to_string).collect();
-    for s in ["tandem.worker.v1.WorkerControl", "tandem.worker.v1.Decode", "grpc.health.v1.Health"] {
-        assert!(worker.iter().any(|l| l == s), "worker lacks {s}: {worker:?}");
+    let worker: Vec<String> = grpcurl(&[&daddr, "list"])
+        .lines()
+        .map(str::to_string)
+        .collect();
+    for s in [
+        "tandem.worker.v1.WorkerControl",
+        "tandem.worker.v1.Decode",
+        "grpc.health.v1.Health",
+    ] {
+        assert!(
+            worker.iter().any(|l| l == s),
+            "worker lacks {s}: {worker:?}"
+        );
     }
 }

@@ -24,8 +24,14 @@ fn prometheus(dir: &std::path::Path, targets: &[(&str, &str)]) -> (Proc, String)
     std::fs::write(dir.join("prometheus.yml"), config).unwrap();
     let addr = format!("127.0.0.1:{}", free_port());
     let child = Command::new("prometheus")
-        .arg(format!("--config.file={}", dir.join("prometheus.yml").display()))
-        .arg(format!("--storage.tsdb.path={}", dir.join("data").display()))
+        .arg(format!(
+            "--config.file={}",
+            dir.join("prometheus.yml").display()
+        ))
+        .arg(format!(
+            "--storage.tsdb.path={}",
+            dir.join("data").display()
+        ))
         .arg(format!("--web.listen-address={addr}"))
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -67,7 +73,10 @@ async fn expect(prom: &str, q: &str, want: f64) {
         if got == Some(want) {
             return;
         }
-        assert!(Instant::now() < end, "{q}: Prometheus says {got:?}, want {want}");
+        assert!(
+            Instant::now() < end,
+            "{q}: Prometheus says {got:?}, want {want}"
+        );
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
 }
@@ -88,14 +97,26 @@ async fn prometheus_scrapes_the_vllm_metric_set_from_every_role_with_the_values_
     let router_addr = r.http.trim_start_matches("http://").to_string();
     let (_prom, prom) = prometheus(
         dir.path(),
-        &[("router", &router_addr), ("decode", &daddr), ("prefill", &paddr)],
+        &[
+            ("router", &router_addr),
+            ("decode", &daddr),
+            ("prefill", &paddr),
+        ],
     );
-    let model = router_state(&r.http).await["model"].as_str().unwrap().to_string();
+    let model = router_state(&r.http).await["model"]
+        .as_str()
+        .unwrap()
+        .to_string();
 
     // Short prompts prefill on the decode worker, long ones (>= 64 tokens) on the prefill worker.
     let long = "The history of the city is long and full of events. ".repeat(12);
     let again = format!("Once more, and slowly: {long}");
-    let prompts = ["Hello there", "Name three colours", long.as_str(), again.as_str()];
+    let prompts = [
+        "Hello there",
+        "Name three colours",
+        long.as_str(),
+        again.as_str(),
+    ];
     let (mut completion, mut prompt_tokens, mut gaps) = (0.0, 0.0, 0.0);
     for (i, p) in prompts.iter().enumerate() {
         let max_tokens = 3 + i as u64;
@@ -164,19 +185,43 @@ async fn prometheus_scrapes_the_vllm_metric_set_from_every_role_with_the_values_
     assert!(ttft > 0.0 && ttft <= e2e, "ttft {ttft} e2e {e2e}");
     expect(&prom, &d("tandem_num_requests_running"), 0.0).await;
     expect(&prom, &d("tandem_num_requests_waiting"), 0.0).await;
-    let usage = query(&prom, &d("tandem_kv_cache_usage_perc")).await.unwrap();
+    let usage = query(&prom, &d("tandem_kv_cache_usage_perc"))
+        .await
+        .unwrap();
     assert!((0.0..=1.0).contains(&usage), "{usage}");
-    let queries = query(&prom, &d("tandem_prefix_cache_queries_total")).await.unwrap();
-    let hits = query(&prom, &d("tandem_prefix_cache_hits_total")).await.unwrap();
-    assert!(queries >= prompt_tokens - 1.0 && hits <= queries, "{queries} {hits}");
+    let queries = query(&prom, &d("tandem_prefix_cache_queries_total"))
+        .await
+        .unwrap();
+    let hits = query(&prom, &d("tandem_prefix_cache_hits_total"))
+        .await
+        .unwrap();
+    assert!(
+        queries >= prompt_tokens - 1.0 && hits <= queries,
+        "{queries} {hits}"
+    );
 
     // The prefill worker counts its own: one finished request per remote prefill, the prompt
     // tokens it computed, and a first token each.
-    expect(&prom, &format!("sum({})", p("tandem_request_success_total")), remote).await;
-    expect(&prom, &p("tandem_time_to_first_token_seconds_count"), remote).await;
+    expect(
+        &prom,
+        &format!("sum({})", p("tandem_request_success_total")),
+        remote,
+    )
+    .await;
+    expect(
+        &prom,
+        &p("tandem_time_to_first_token_seconds_count"),
+        remote,
+    )
+    .await;
     expect(&prom, &p("tandem_generation_tokens_total"), remote).await;
     // The router: every request answered.
-    expect(&prom, "tandem_router_requests_total{outcome=\"ok\"}", requests).await;
+    expect(
+        &prom,
+        "tandem_router_requests_total{outcome=\"ok\"}",
+        requests,
+    )
+    .await;
     expect(
         &prom,
         "tandem_prefill_requests_total{job=\"router\",mode=\"remote\"}",
@@ -186,8 +231,17 @@ async fn prometheus_scrapes_the_vllm_metric_set_from_every_role_with_the_values_
 
     // Every metric the Grafana dashboard charts is one some role of this cluster exports.
     let mut families = std::collections::HashSet::new();
-    for addr in [r.http.clone(), format!("http://{daddr}"), format!("http://{paddr}")] {
-        let page = reqwest::get(format!("{addr}/metrics")).await.unwrap().text().await.unwrap();
+    for addr in [
+        r.http.clone(),
+        format!("http://{daddr}"),
+        format!("http://{paddr}"),
+    ] {
+        let page = reqwest::get(format!("{addr}/metrics"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
         for line in page.lines() {
             if let Some(rest) = line.strip_prefix("# TYPE ") {
                 families.insert(rest.split_whitespace().next().unwrap().to_string());
@@ -212,7 +266,10 @@ async fn prometheus_scrapes_the_vllm_metric_set_from_every_role_with_the_values_
                     .iter()
                     .find_map(|suffix| name.strip_suffix(suffix))
                     .unwrap_or(&name);
-                assert!(families.contains(base), "the dashboard charts {name}, which no role exports");
+                assert!(
+                    families.contains(base),
+                    "the dashboard charts {name}, which no role exports"
+                );
                 charted += 1;
             }
         }

@@ -265,7 +265,10 @@ mod tests {
         assert_eq!(c.parse_key("/tandem/c1/decode/"), None);
         assert!(matches!(
             ClusterPath::new("a/b"),
-            Err(CardError::BadName { what: "cluster", .. })
+            Err(CardError::BadName {
+                what: "cluster",
+                ..
+            })
         ));
         assert!(c.key(Role::Decode, "").is_err());
     }
@@ -304,6 +307,9 @@ mod tests {
         assert_eq!(e.check("other", 32).unwrap_err().label(), "model");
         let fixed = Expect::new(Vec::new(), Some(16));
         assert_eq!(fixed.check("anything", 16), Ok(()));
-        assert_eq!(fixed.check("anything", 8).unwrap_err().label(), "block_size");
+        assert_eq!(
+            fixed.check("anything", 8).unwrap_err().label(),
+            "block_size"
+        );
     }
 }

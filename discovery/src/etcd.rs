@@ -21,7 +21,11 @@ use crate::{CardError, ClusterPath, DiscoveryError, WorkerCard};
 /// Every valid card of a cluster, by key.
 pub type Cards = BTreeMap<String, WorkerCard>;
 
-fn failure(endpoints: &[String], what: &'static str, detail: impl std::fmt::Display) -> DiscoveryError {
+fn failure(
+    endpoints: &[String],
+    what: &'static str,
+    detail: impl std::fmt::Display,
+) -> DiscoveryError {
     let hosts: Vec<&str> = endpoints
         .iter()
         .map(|e| e.trim_start_matches("http://"))
@@ -184,9 +188,14 @@ impl Keeper {
         let ep = &self.endpoints;
         let mut client = connect(ep, self.timeout).await?;
         let ttl_s = self.ttl.as_secs().max(1) as i64;
-        let lease = bounded(ep, "lease grant", self.timeout, client.lease_grant(ttl_s, None))
-            .await?
-            .id();
+        let lease = bounded(
+            ep,
+            "lease grant",
+            self.timeout,
+            client.lease_grant(ttl_s, None),
+        )
+        .await?
+        .id();
         let opts = PutOptions::new().with_lease(lease);
         let put = client.put(self.key.clone(), self.value.clone(), Some(opts));
         bounded(ep, "put", self.timeout, put).await?;
@@ -235,20 +244,27 @@ impl Keeper {
                     tracing::info!(key = %self.key, lease, "registered in etcd");
                     let _ = ready.send(Ok(()));
                 }
-                None => tracing::warn!(key = %self.key, lease, registrations = n, "registered in etcd again"),
+                None => {
+                    tracing::warn!(key = %self.key, lease, registrations = n, "registered in etcd again")
+                }
             }
             match self.keep_alive(&mut client, lease, &mut stop).await {
                 KeepAlive::Stop(ack) => {
                     // The key goes first: the router stops sending new requests before the
                     // worker drains the ones it has.
                     let ep = &self.endpoints;
-                    if let Err(e) =
-                        bounded(ep, "delete", self.timeout, client.delete(self.key.clone(), None))
-                            .await
+                    if let Err(e) = bounded(
+                        ep,
+                        "delete",
+                        self.timeout,
+                        client.delete(self.key.clone(), None),
+                    )
+                    .await
                     {
                         tracing::warn!(key = %self.key, error = %e, "deregistering: the key stays until its lease expires");
                     }
-                    let _ = bounded(ep, "lease revoke", self.timeout, client.lease_revoke(lease)).await;
+                    let _ =
+                        bounded(ep, "lease revoke", self.timeout, client.lease_revoke(lease)).await;
                     self.stats.registered.store(false, Ordering::Relaxed);
                     tracing::info!(key = %self.key, "deregistered from etcd");
                     let _ = ack.send(());
@@ -373,9 +389,14 @@ impl Follower {
                 }
                 let relisted = async {
                     let mut c = connect(&self.endpoints, self.timeout).await?;
-                    let (cards, rev) =
-                        list(&mut c, &self.endpoints, &self.cluster, self.timeout, &self.on_malformed)
-                            .await?;
+                    let (cards, rev) = list(
+                        &mut c,
+                        &self.endpoints,
+                        &self.cluster,
+                        self.timeout,
+                        &self.on_malformed,
+                    )
+                    .await?;
                     Ok::<_, DiscoveryError>((c, cards, rev))
                 }
                 .await;
@@ -439,16 +460,18 @@ impl Follower {
                     let key = String::from_utf8_lossy(kv.key()).into_owned();
                     match ev.event_type() {
                         EventType::Delete => changed |= view.remove(&key).is_some(),
-                        EventType::Put => match WorkerCard::parse(&self.cluster, &key, kv.value()) {
-                            Ok(card) => {
-                                changed |= view.get(&key) != Some(&card);
-                                view.insert(key, card);
+                        EventType::Put => {
+                            match WorkerCard::parse(&self.cluster, &key, kv.value()) {
+                                Ok(card) => {
+                                    changed |= view.get(&key) != Some(&card);
+                                    view.insert(key, card);
+                                }
+                                Err(e) => {
+                                    (self.on_malformed)(&key, &e);
+                                    changed |= view.remove(&key).is_some();
+                                }
                             }
-                            Err(e) => {
-                                (self.on_malformed)(&key, &e);
-                                changed |= view.remove(&key).is_some();
-                            }
-                        },
+                        }
                     }
                 }
                 changed

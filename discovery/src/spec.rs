@@ -31,7 +31,9 @@ impl FromStr for DiscoverySpec {
             "k8s" | "kubernetes" => return Ok(Self::K8s),
             _ => {}
         }
-        let rest = s.strip_prefix("etcd://").ok_or_else(|| SpecError(s.into()))?;
+        let rest = s
+            .strip_prefix("etcd://")
+            .ok_or_else(|| SpecError(s.into()))?;
         let endpoints: Vec<String> = rest
             .split(',')
             .map(str::trim)

@@ -60,7 +60,11 @@ impl Etcd {
             .args(args)
             .output()
             .expect("etcdctl (scripts/test installs Debian's etcd-client)");
-        assert!(out.status.success(), "etcdctl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "etcdctl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
@@ -99,7 +103,11 @@ async fn wait_view(rx: &mut watch::Receiver<Cards>, what: &str, ok: impl Fn(&Car
             return;
         }
         let left = end.saturating_duration_since(Instant::now());
-        assert!(!left.is_zero(), "{what}: view is {:?}", rx.borrow().keys().collect::<Vec<_>>());
+        assert!(
+            !left.is_zero(),
+            "{what}: view is {:?}",
+            rx.borrow().keys().collect::<Vec<_>>()
+        );
         let _ = tokio::time::timeout(left, rx.changed()).await;
     }
 }
@@ -144,23 +152,42 @@ async fn workers_register_leave_expire_and_survive_an_etcd_restart() {
     assert!(view.borrow().is_empty());
 
     // Two workers register; the view shows both with their cards.
-    let d0 = Registration::start(etcd.endpoints(), &cluster, card(Role::Decode, "d0"), TTL, TIMEOUT)
-        .unwrap();
-    let p0 = Registration::start(etcd.endpoints(), &cluster, card(Role::Prefill, "p0"), TTL, TIMEOUT)
-        .unwrap();
+    let d0 = Registration::start(
+        etcd.endpoints(),
+        &cluster,
+        card(Role::Decode, "d0"),
+        TTL,
+        TIMEOUT,
+    )
+    .unwrap();
+    let p0 = Registration::start(
+        etcd.endpoints(),
+        &cluster,
+        card(Role::Prefill, "p0"),
+        TTL,
+        TIMEOUT,
+    )
+    .unwrap();
     assert_eq!(d0.key(), "/tandem/t1/decode/d0");
     wait_view(&mut view, "both registered", |v| v.len() == 2).await;
     assert_eq!(view.borrow()[p0.key()], card(Role::Prefill, "p0"));
 
     // A card that is not one is skipped and reported; a key of another cluster is not seen.
     etcd.ctl(&["put", "/tandem/t1/decode/bad", "{\"role\": 3}"]);
-    etcd.ctl(&["put", "/tandem/t2/decode/x", &card(Role::Decode, "x").to_json()]);
+    etcd.ctl(&[
+        "put",
+        "/tandem/t2/decode/x",
+        &card(Role::Decode, "x").to_json(),
+    ]);
     let end = Instant::now() + Duration::from_secs(60);
     while malformed.lock().unwrap().is_empty() {
         assert!(Instant::now() < end, "malformed card not reported");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert_eq!(*malformed.lock().unwrap(), vec!["/tandem/t1/decode/bad".to_string()]);
+    assert_eq!(
+        *malformed.lock().unwrap(),
+        vec!["/tandem/t1/decode/bad".to_string()]
+    );
     assert_eq!(ids(&view.borrow()), vec!["d0", "p0"]);
 
     // Deregistering removes the key at once (not after the TTL).
@@ -191,9 +218,18 @@ async fn workers_register_leave_expire_and_survive_an_etcd_restart() {
         &cluster.key(Role::Prefill, "direct").unwrap(),
         &card(Role::Prefill, "direct").to_json(),
     ]);
-    let d1 = Registration::start(etcd.endpoints(), &cluster, card(Role::Decode, "d1"), TTL, TIMEOUT)
-        .unwrap();
-    wait_view(&mut view, "after the restart", |v| ids(v) == ["d0", "d1", "direct"]).await;
+    let d1 = Registration::start(
+        etcd.endpoints(),
+        &cluster,
+        card(Role::Decode, "d1"),
+        TTL,
+        TIMEOUT,
+    )
+    .unwrap();
+    wait_view(&mut view, "after the restart", |v| {
+        ids(v) == ["d0", "d1", "direct"]
+    })
+    .await;
     assert!(d0.stats().registered.load(Ordering::Relaxed));
     drop(d1);
     drop(d0);
@@ -205,11 +241,22 @@ async fn a_fresh_etcd_gets_the_registrations_back_and_drops_stale_members() {
     let port = free_port();
     let mut etcd = started(dir.path(), port).await;
     let cluster = ClusterPath::new("t3").unwrap();
-    let mut view = follow(etcd.endpoints(), cluster.clone(), TIMEOUT, Arc::new(|_, _| {}))
-        .await
-        .unwrap();
-    let d0 = Registration::start(etcd.endpoints(), &cluster, card(Role::Decode, "d0"), TTL, TIMEOUT)
-        .unwrap();
+    let mut view = follow(
+        etcd.endpoints(),
+        cluster.clone(),
+        TIMEOUT,
+        Arc::new(|_, _| {}),
+    )
+    .await
+    .unwrap();
+    let d0 = Registration::start(
+        etcd.endpoints(),
+        &cluster,
+        card(Role::Decode, "d0"),
+        TTL,
+        TIMEOUT,
+    )
+    .unwrap();
     etcd.ctl(&[
         "put",
         &cluster.key(Role::Decode, "stale").unwrap(),

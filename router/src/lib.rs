@@ -33,8 +33,8 @@ use tokio::net::TcpListener;
 
 use crate::client::GrpcConnect;
 use crate::discovery::{Discovery, DnsDiscovery, Published, SystemResolver};
-use crate::metrics::RouterMetrics;
 use crate::dispatch::{DispatchConfig, Dispatcher, ServedModel};
+use crate::metrics::RouterMetrics;
 use crate::policy::{DisaggConfig, KvAwareConfig, PolicyKind};
 use crate::workers::{PoolConfig, PoolShared, Role, WorkerAddr, WorkerPool};
 
@@ -190,17 +190,16 @@ pub async fn serve(
         shared.clone(),
     );
     // Static: a prefill pool only when prefill workers were named. Found workers may come later.
-    let prefill_pool = (args.discovery != DiscoverySpec::Static
-        || !args.prefill_workers.is_empty())
-    .then(|| {
-        WorkerPool::start(
-            Role::Prefill,
-            discovery.prefill_workers(),
-            pool_cfg,
-            connect,
-            shared,
-        )
-    });
+    let prefill_pool =
+        (args.discovery != DiscoverySpec::Static || !args.prefill_workers.is_empty()).then(|| {
+            WorkerPool::start(
+                Role::Prefill,
+                discovery.prefill_workers(),
+                pool_cfg,
+                connect,
+                shared,
+            )
+        });
     let policy = policy::build(
         args.policy,
         KvAwareConfig {
@@ -316,7 +315,10 @@ pub async fn serve(
 }
 
 /// The discovery backend `args` choose.
-async fn discover(args: &RouterArgs, shared: PoolShared) -> Result<Box<dyn Discovery>, RouterError> {
+async fn discover(
+    args: &RouterArgs,
+    shared: PoolShared,
+) -> Result<Box<dyn Discovery>, RouterError> {
     let addrs = |v: &[String]| v.iter().map(|a| WorkerAddr::from(a.as_str())).collect();
     match &args.discovery {
         DiscoverySpec::Static => {

@@ -100,7 +100,8 @@ impl Default for RouterMetrics {
                 let _ = membership.get_or_create(&vec![("role", role.name()), ("change", change)]);
             }
             for reason in ["model", "block_size"] {
-                let _ = refused_workers.get_or_create(&vec![("role", role.name()), ("reason", reason)]);
+                let _ =
+                    refused_workers.get_or_create(&vec![("role", role.name()), ("reason", reason)]);
             }
         }
         // Both modes exist from the start, so a dashboard's rate() has a series to work on.
@@ -148,7 +149,10 @@ impl RouterMetrics {
     /// A request (or a remote prefill) sent to `worker`.
     pub fn worker_request(&self, role: Role, worker: &impl std::fmt::Display) {
         self.worker_requests
-            .get_or_create(&vec![("role", role.name().to_string()), ("worker", worker.to_string())])
+            .get_or_create(&vec![
+                ("role", role.name().to_string()),
+                ("worker", worker.to_string()),
+            ])
             .inc();
     }
 

@@ -192,7 +192,9 @@ impl Worker {
                             let mut s = self.state.lock().expect("worker state");
                             if s.refused.as_ref() != Some(&refusal) {
                                 tracing::warn!(worker = %self.addr, role, reason = %refusal, "worker refused: not routing to it");
-                                self.shared.metrics.worker_refused(self.role, refusal.label());
+                                self.shared
+                                    .metrics
+                                    .worker_refused(self.role, refusal.label());
                                 s.refused = Some(refusal);
                             }
                             false

@@ -11,11 +11,11 @@ use std::time::Duration;
 
 use tandem_proto::worker as pb;
 use tandem_router::client::{Connect, WorkerClient, WorkerStream};
+use tandem_router::discovery::Discovery;
 use tandem_router::dispatch::{
     DispatchConfig, Dispatcher, FinishKind, GenParams, MaxTokensDefault, PromptInput,
 };
 use tandem_router::error::ApiError;
-use tandem_router::discovery::Discovery;
 use tandem_router::workers::{PoolConfig, PoolShared, Role, WorkerAddr, WorkerPool};
 use tonic::{Code, Status};
 
@@ -457,7 +457,8 @@ impl FakeDiscovery {
     }
 
     fn leave(&self, addr: &str) {
-        self.decode.send_modify(|v| v.retain(|a| a.as_str() != addr));
+        self.decode
+            .send_modify(|v| v.retain(|a| a.as_str() != addr));
     }
 }
 
@@ -564,5 +565,11 @@ async fn workers_that_join_take_requests_and_workers_that_leave_or_do_not_fit_ge
     let joins = "tandem_discovery_membership_changes_total{role=\"decode\",change=\"join\"}";
     let leaves = "tandem_discovery_membership_changes_total{role=\"decode\",change=\"leave\"}";
     assert_eq!((sample(&d, joins), sample(&d, leaves)), (3.0, 1.0));
-    assert_eq!(sample(&d, "tandem_router_worker_requests_total{role=\"decode\",worker=\"w1\"}"), 5.0);
+    assert_eq!(
+        sample(
+            &d,
+            "tandem_router_worker_requests_total{role=\"decode\",worker=\"w1\"}"
+        ),
+        5.0
+    );
 }

@@ -96,8 +96,8 @@ pub fn engine_metrics(enc: &mut DescriptorEncoder, s: &EngineStats) -> std::fmt:
 /// Bucket bounds in seconds for times from milliseconds (a GPU's first token) to minutes (a long
 /// prompt queued on a CPU): roughly three per decade.
 const LATENCY_BUCKETS: [f64; 22] = [
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-    7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+    10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
 ];
 
 /// Bucket bounds in seconds for whole requests and their phases.
@@ -142,7 +142,10 @@ impl RequestMetrics {
         let latency = || Histogram::new(LATENCY_BUCKETS);
         let request = || Histogram::new(REQUEST_BUCKETS);
         Self {
-            labels: [("model_name", model.to_string()), ("role", role.to_string())],
+            labels: [
+                ("model_name", model.to_string()),
+                ("role", role.to_string()),
+            ],
             ttft: latency(),
             itl: latency(),
             e2e: request(),
@@ -191,8 +194,18 @@ impl RequestMetrics {
             let mut m = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
             ConstCounter::new(v).encode(m.encode_family(labels)?)
         };
-        gauge(enc, "tandem_num_requests_running", "Requests in the running batch", s.running as f64)?;
-        gauge(enc, "tandem_num_requests_waiting", "Requests waiting to be admitted", s.waiting as f64)?;
+        gauge(
+            enc,
+            "tandem_num_requests_running",
+            "Requests in the running batch",
+            s.running as f64,
+        )?;
+        gauge(
+            enc,
+            "tandem_num_requests_waiting",
+            "Requests waiting to be admitted",
+            s.waiting as f64,
+        )?;
         let usage = if s.blocks_total == 0 {
             0.0
         } else {
@@ -216,7 +229,12 @@ impl RequestMetrics {
             "Prompt tokens found in the prefix cache",
             s.prefix_hit_tokens,
         )?;
-        count(enc, "tandem_prompt_tokens", "Prompt tokens of finished requests", self.prompt_tokens.get())?;
+        count(
+            enc,
+            "tandem_prompt_tokens",
+            "Prompt tokens of finished requests",
+            self.prompt_tokens.get(),
+        )?;
         count(
             enc,
             "tandem_generation_tokens",
@@ -238,15 +256,40 @@ impl RequestMetrics {
             ConstCounter::new(c.get()).encode(m.encode_family(&l)?)?;
         }
         let hists: [(&str, &str, &Histogram); 6] = [
-            ("tandem_time_to_first_token", "Time from arrival to the first token", &self.ttft),
-            ("tandem_inter_token_latency", "Time between consecutive tokens of a request", &self.itl),
-            ("tandem_e2e_request_latency", "Time from arrival to the last token", &self.e2e),
-            ("tandem_request_queue_time", "Time a request waited before admission", &self.queue),
-            ("tandem_request_prefill_time", "Time from admission to the first token", &self.prefill),
-            ("tandem_request_decode_time", "Time from the first token to the last", &self.decode),
+            (
+                "tandem_time_to_first_token",
+                "Time from arrival to the first token",
+                &self.ttft,
+            ),
+            (
+                "tandem_inter_token_latency",
+                "Time between consecutive tokens of a request",
+                &self.itl,
+            ),
+            (
+                "tandem_e2e_request_latency",
+                "Time from arrival to the last token",
+                &self.e2e,
+            ),
+            (
+                "tandem_request_queue_time",
+                "Time a request waited before admission",
+                &self.queue,
+            ),
+            (
+                "tandem_request_prefill_time",
+                "Time from admission to the first token",
+                &self.prefill,
+            ),
+            (
+                "tandem_request_decode_time",
+                "Time from the first token to the last",
+                &self.decode,
+            ),
         ];
         for (name, help, h) in hists {
-            let mut m = enc.encode_descriptor(name, help, Some(&Unit::Seconds), MetricType::Histogram)?;
+            let mut m =
+                enc.encode_descriptor(name, help, Some(&Unit::Seconds), MetricType::Histogram)?;
             h.encode(m.encode_family(labels)?)?;
         }
         Ok(())

@@ -79,7 +79,9 @@ impl Split {
                 Err(refusal) => {
                     if self.refused.get(key) != Some(&refusal) {
                         tracing::warn!(%key, worker = %card.grpc_addr, reason = %refusal, "worker refused: not routing to it");
-                        self.shared.metrics.worker_refused(card.role, refusal.label());
+                        self.shared
+                            .metrics
+                            .worker_refused(card.role, refusal.label());
                         self.refused.insert(key.clone(), refusal);
                     }
                 }

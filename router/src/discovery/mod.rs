@@ -46,7 +46,11 @@ impl Published {
     }
 
     /// Empty lists, and their senders for the backend's task to fill.
-    fn empty() -> (Self, watch::Sender<Vec<WorkerAddr>>, watch::Sender<Vec<WorkerAddr>>) {
+    fn empty() -> (
+        Self,
+        watch::Sender<Vec<WorkerAddr>>,
+        watch::Sender<Vec<WorkerAddr>>,
+    ) {
         let p = Self::fixed(Vec::new(), Vec::new());
         let (d, f) = (p.decode.clone(), p.prefill.clone());
         (p, d, f)
