@@ -366,6 +366,12 @@ pub async fn follow(
     Ok(rx)
 }
 
+/// Why a watch ended, and whether it delivered anything first.
+struct Ended {
+    why: String,
+    progressed: bool,
+}
+
 struct Follower {
     endpoints: Vec<String>,
     cluster: ClusterPath,
@@ -380,7 +386,17 @@ impl Follower {
         loop {
             match self.watch(&mut client, revision).await {
                 Ok(()) => return, // nobody follows any more
-                Err(why) => tracing::warn!(%why, "etcd watch ended; listing the cluster again"),
+                Err(Ended { why, progressed }) => {
+                    tracing::warn!(%why, "etcd watch ended; listing the cluster again");
+                    // A watch that fails before it delivers anything (refused, compacted at
+                    // once) must not turn list-then-watch into a busy loop.
+                    if progressed {
+                        backoff = Duration::from_millis(100);
+                    } else {
+                        tokio::time::sleep(backoff).await;
+                        backoff = (backoff * 2).min(Duration::from_secs(2));
+                    }
+                }
             }
             // List again until etcd answers; the last view stays meanwhile.
             loop {
@@ -409,7 +425,6 @@ impl Follower {
                         });
                         client = c;
                         revision = rev;
-                        backoff = Duration::from_millis(100);
                         tracing::info!(revision, "etcd view listed afresh");
                         break;
                     }
@@ -425,14 +440,16 @@ impl Follower {
 
     /// Applies every change after `revision`; returns why the watch ended, or `Ok` once no one
     /// follows the view.
-    async fn watch(&self, client: &mut Client, revision: i64) -> Result<(), String> {
+    async fn watch(&self, client: &mut Client, revision: i64) -> Result<(), Ended> {
+        let mut progressed = false;
+        let ended = |why: String, progressed: bool| Ended { why, progressed };
         let opts = WatchOptions::new()
             .with_prefix()
             .with_start_revision(revision + 1);
         let mut stream = client
             .watch(self.cluster.prefix(), Some(opts))
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| ended(e.to_string(), false))?;
         loop {
             let msg = tokio::select! {
                 m = stream.message() => m,
@@ -440,19 +457,22 @@ impl Follower {
             };
             let resp = match msg {
                 Ok(Some(r)) => r,
-                Ok(None) => return Err("the watch stream closed".into()),
-                Err(e) => return Err(e.to_string()),
+                Ok(None) => return Err(ended("the watch stream closed".into(), progressed)),
+                Err(e) => return Err(ended(e.to_string(), progressed)),
             };
             if resp.compact_revision() > 0 {
-                return Err(format!(
+                let why = format!(
                     "revision {} was compacted (oldest kept: {})",
                     revision + 1,
                     resp.compact_revision()
-                ));
+                );
+                return Err(ended(why, progressed));
             }
             if resp.canceled() {
-                return Err(format!("the watch was cancelled: {}", resp.cancel_reason()));
+                let why = format!("the watch was cancelled: {}", resp.cancel_reason());
+                return Err(ended(why, progressed));
             }
+            progressed = true;
             self.tx.send_if_modified(|view| {
                 let mut changed = false;
                 for ev in resp.events() {

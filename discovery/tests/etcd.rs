@@ -94,6 +94,11 @@ fn card(role: Role, id: &str) -> WorkerCard {
     }
 }
 
+/// Registers a worker `id` of `role` in `etcd` (the default card).
+fn register(etcd: &Etcd, cluster: &ClusterPath, role: Role, id: &str) -> Registration {
+    Registration::start(etcd.endpoints(), cluster, card(role, id), TTL, TIMEOUT).unwrap()
+}
+
 /// Waits until the view satisfies `ok`; the bound is generous (etcd answers in milliseconds,
 /// a lease expires after its TTL) and a failure prints the last view.
 async fn wait_view(rx: &mut watch::Receiver<Cards>, what: &str, ok: impl Fn(&Cards) -> bool) {
@@ -152,22 +157,8 @@ async fn workers_register_leave_expire_and_survive_an_etcd_restart() {
     assert!(view.borrow().is_empty());
 
     // Two workers register; the view shows both with their cards.
-    let d0 = Registration::start(
-        etcd.endpoints(),
-        &cluster,
-        card(Role::Decode, "d0"),
-        TTL,
-        TIMEOUT,
-    )
-    .unwrap();
-    let p0 = Registration::start(
-        etcd.endpoints(),
-        &cluster,
-        card(Role::Prefill, "p0"),
-        TTL,
-        TIMEOUT,
-    )
-    .unwrap();
+    let d0 = register(&etcd, &cluster, Role::Decode, "d0");
+    let p0 = register(&etcd, &cluster, Role::Prefill, "p0");
     assert_eq!(d0.key(), "/tandem/t1/decode/d0");
     wait_view(&mut view, "both registered", |v| v.len() == 2).await;
     assert_eq!(view.borrow()[p0.key()], card(Role::Prefill, "p0"));
@@ -218,14 +209,7 @@ async fn workers_register_leave_expire_and_survive_an_etcd_restart() {
         &cluster.key(Role::Prefill, "direct").unwrap(),
         &card(Role::Prefill, "direct").to_json(),
     ]);
-    let d1 = Registration::start(
-        etcd.endpoints(),
-        &cluster,
-        card(Role::Decode, "d1"),
-        TTL,
-        TIMEOUT,
-    )
-    .unwrap();
+    let d1 = register(&etcd, &cluster, Role::Decode, "d1");
     wait_view(&mut view, "after the restart", |v| {
         ids(v) == ["d0", "d1", "direct"]
     })
@@ -249,14 +233,7 @@ async fn a_fresh_etcd_gets_the_registrations_back_and_drops_stale_members() {
     )
     .await
     .unwrap();
-    let d0 = Registration::start(
-        etcd.endpoints(),
-        &cluster,
-        card(Role::Decode, "d0"),
-        TTL,
-        TIMEOUT,
-    )
-    .unwrap();
+    let d0 = register(&etcd, &cluster, Role::Decode, "d0");
     etcd.ctl(&[
         "put",
         &cluster.key(Role::Decode, "stale").unwrap(),

@@ -320,30 +320,25 @@ async fn discover(
     shared: PoolShared,
 ) -> Result<Box<dyn Discovery>, RouterError> {
     let addrs = |v: &[String]| v.iter().map(|a| WorkerAddr::from(a.as_str())).collect();
+    // Static and k8s discovery start from the command line's lists; etcd finds the workers.
+    let listed = !matches!(args.discovery, DiscoverySpec::Etcd { .. });
+    if listed && args.decode_workers.is_empty() {
+        return Err(RouterError::NoWorkers);
+    }
     match &args.discovery {
-        DiscoverySpec::Static => {
-            if args.decode_workers.is_empty() {
-                return Err(RouterError::NoWorkers);
-            }
-            Ok(Box::new(Published::fixed(
-                addrs(&args.decode_workers),
-                addrs(&args.prefill_workers),
-            )))
-        }
-        DiscoverySpec::K8s => {
-            if args.decode_workers.is_empty() {
-                return Err(RouterError::NoWorkers);
-            }
-            Ok(Box::new(
-                DnsDiscovery::start(
-                    args.decode_workers.clone(),
-                    args.prefill_workers.clone(),
-                    Duration::from_millis(args.dns_refresh_ms),
-                    Arc::new(SystemResolver),
-                )
-                .await,
-            ))
-        }
+        DiscoverySpec::Static => Ok(Box::new(Published::fixed(
+            addrs(&args.decode_workers),
+            addrs(&args.prefill_workers),
+        ))),
+        DiscoverySpec::K8s => Ok(Box::new(
+            DnsDiscovery::start(
+                args.decode_workers.clone(),
+                args.prefill_workers.clone(),
+                Duration::from_millis(args.dns_refresh_ms),
+                Arc::new(SystemResolver),
+            )
+            .await,
+        )),
         #[cfg(feature = "etcd")]
         DiscoverySpec::Etcd { endpoints } => {
             let cluster = tandem_discovery::ClusterPath::new(&args.cluster)

@@ -106,16 +106,8 @@ const REQUEST_BUCKETS: [f64; 20] = [
     240.0, 480.0, 960.0, 1920.0,
 ];
 
-/// The finish reasons requests are counted by, as vLLM names them.
+/// The finish reasons requests are counted by, as vLLM names them (Stop, Length, Cancelled).
 const FINISH_REASONS: [&str; 3] = ["stop", "length", "abort"];
-
-fn reason_label(r: FinishReason) -> &'static str {
-    match r {
-        FinishReason::Stop => "stop",
-        FinishReason::Length => "length",
-        FinishReason::Cancelled => "abort",
-    }
-}
 
 /// The per-request measures and engine gauges an operator's vLLM dashboards chart, with vLLM's
 /// meaning and units under Tandem's prefix (`vllm:time_to_first_token_seconds` is
@@ -176,23 +168,24 @@ impl RequestMetrics {
         // Tokens sampled by this engine (a resumed request's earlier ones were counted where
         // they were sampled).
         self.generation_tokens.inc_by(f.logprobs.len() as u64);
-        let i = FINISH_REASONS
-            .iter()
-            .position(|r| *r == reason_label(f.finish_reason))
-            .unwrap_or(0);
+        let i = match f.finish_reason {
+            FinishReason::Stop => 0,
+            FinishReason::Length => 1,
+            FinishReason::Cancelled => 2,
+        };
         self.finished[i].inc();
     }
 
     /// Writes the measures, and the engine gauges of `s`, in vLLM's terms.
     pub fn encode(&self, enc: &mut DescriptorEncoder, s: &EngineStats) -> std::fmt::Result {
-        let labels = &self.labels;
+        let labels = [
+            (self.labels[0].0, self.labels[0].1.as_str()),
+            (self.labels[1].0, self.labels[1].1.as_str()),
+        ];
+        // The module's `gauge` writes integers; these are fractions.
         let gauge = |enc: &mut DescriptorEncoder, name: &str, help: &str, v: f64| {
             let mut m = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
-            ConstGauge::new(v).encode(m.encode_family(labels)?)
-        };
-        let count = |enc: &mut DescriptorEncoder, name: &str, help: &str, v: u64| {
-            let mut m = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
-            ConstCounter::new(v).encode(m.encode_family(labels)?)
+            ConstGauge::new(v).encode(m.encode_family(&labels)?)
         };
         gauge(
             enc,
@@ -217,44 +210,46 @@ impl RequestMetrics {
             "Fraction of KV cache blocks held by requests (1 = full)",
             usage,
         )?;
-        count(
+        let counts = [
+            (
+                "tandem_prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache",
+                s.prefix_lookup_tokens,
+            ),
+            (
+                "tandem_prefix_cache_hits",
+                "Prompt tokens found in the prefix cache",
+                s.prefix_hit_tokens,
+            ),
+            (
+                "tandem_prompt_tokens",
+                "Prompt tokens of finished requests",
+                self.prompt_tokens.get(),
+            ),
+            (
+                "tandem_generation_tokens",
+                "Tokens generated (sampled by this worker)",
+                self.generation_tokens.get(),
+            ),
+        ];
+        for (name, help, v) in counts {
+            counter(enc, name, help, &[(&labels, v)])?;
+        }
+        let by_reason: Vec<[(&str, &str); 3]> = FINISH_REASONS
+            .iter()
+            .map(|reason| [labels[0], labels[1], ("finished_reason", reason)])
+            .collect();
+        let samples: Vec<(&[(&str, &str)], u64)> = by_reason
+            .iter()
+            .zip(&self.finished)
+            .map(|(l, c)| (l.as_slice(), c.get()))
+            .collect();
+        counter(
             enc,
-            "tandem_prefix_cache_queries",
-            "Prompt tokens looked up in the prefix cache",
-            s.prefix_lookup_tokens,
-        )?;
-        count(
-            enc,
-            "tandem_prefix_cache_hits",
-            "Prompt tokens found in the prefix cache",
-            s.prefix_hit_tokens,
-        )?;
-        count(
-            enc,
-            "tandem_prompt_tokens",
-            "Prompt tokens of finished requests",
-            self.prompt_tokens.get(),
-        )?;
-        count(
-            enc,
-            "tandem_generation_tokens",
-            "Tokens generated (sampled by this worker)",
-            self.generation_tokens.get(),
-        )?;
-        let mut m = enc.encode_descriptor(
             "tandem_request_success",
             "Requests finished, by finish reason",
-            None,
-            MetricType::Counter,
+            &samples,
         )?;
-        for (reason, c) in FINISH_REASONS.iter().zip(&self.finished) {
-            let l = [
-                (labels[0].0, labels[0].1.as_str()),
-                (labels[1].0, labels[1].1.as_str()),
-                ("finished_reason", reason),
-            ];
-            ConstCounter::new(c.get()).encode(m.encode_family(&l)?)?;
-        }
         let hists: [(&str, &str, &Histogram); 6] = [
             (
                 "tandem_time_to_first_token",
@@ -290,7 +285,7 @@ impl RequestMetrics {
         for (name, help, h) in hists {
             let mut m =
                 enc.encode_descriptor(name, help, Some(&Unit::Seconds), MetricType::Histogram)?;
-            h.encode(m.encode_family(labels)?)?;
+            h.encode(m.encode_family(&labels)?)?;
         }
         Ok(())
     }
