@@ -10,43 +10,70 @@ use crate::workers::WorkerAddr;
 /// What a 429 tells the client to wait, in seconds (`Retry-After`).
 pub const RETRY_AFTER_S: &str = "1";
 
+/// Why a request was refused or failed, in the client's terms. Each variant has one HTTP status
+/// ([`status`](Self::status)), one OpenAI error body ([`body`](Self::body)) and one gRPC code
+/// ([`grpc`](Self::grpc)).
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum ApiError {
     /// The request is malformed or asks for something out of range. `param` names the field.
     #[error("{message}")]
     InvalidRequest {
+        /// What is wrong, for the client.
         message: String,
+        /// The request field at fault, when one is.
         param: Option<&'static str>,
     },
+    /// Prompt and `max_tokens` together do not fit the model's context.
     #[error("the prompt has {prompt} tokens and asks for {max_tokens} more, but the model's context is {context} tokens: shorten the prompt or lower max_tokens")]
     ContextLength {
+        /// Tokens in the prompt.
         prompt: usize,
+        /// Output tokens asked for (or defaulted).
         max_tokens: usize,
+        /// The model's context in tokens.
         context: usize,
     },
+    /// The request names a model this router does not serve.
     #[error("model {0:?} is not served here: GET /v1/models lists what is")]
     ModelNotFound(String),
+    /// No API key, or a wrong one; the text says which, never the key.
     #[error("{0}")]
     Unauthorized(String),
+    /// The body is over `--max-body-bytes` (the limit, in bytes).
     #[error("the request body is over the router's limit of {0} bytes")]
     BodyTooLarge(usize),
+    /// The body paused for longer than `--body-stall-timeout-ms` (that long).
     #[error("the request body sent nothing for {0:?}: the router stopped waiting for it")]
     BodyTimeout(std::time::Duration),
+    /// The router already has `--max-queue` requests in flight (that many).
     #[error("the router already has {0} requests in flight: retry later")]
     QueueFull(usize),
+    /// No decode worker is ready to take a request.
     #[error("no decode worker is ready: check that the workers are up and reachable")]
     NoWorker,
     /// A worker failed the request: a fault of the cluster, not of the request.
     #[error("worker {worker}: {message}")]
-    Upstream { worker: WorkerAddr, message: String },
+    Upstream {
+        /// The worker that failed (the last one tried).
+        worker: WorkerAddr,
+        /// What went wrong, with the worker's gRPC code.
+        message: String,
+    },
     /// A worker is full or stopping: the same request may succeed in a moment.
     #[error("worker {worker} cannot take the request now: {message}")]
-    WorkerUnavailable { worker: WorkerAddr, message: String },
+    WorkerUnavailable {
+        /// The worker that turned the request away.
+        worker: WorkerAddr,
+        /// Its reason, with its gRPC code.
+        message: String,
+    },
+    /// The router itself failed (its tokenizer, say): not the request's fault.
     #[error("internal error: {0}")]
     Internal(String),
 }
 
 impl ApiError {
+    /// A 400 for the request field `param`.
     pub fn invalid(message: impl Into<String>, param: &'static str) -> Self {
         Self::InvalidRequest {
             message: message.into(),
@@ -54,6 +81,7 @@ impl ApiError {
         }
     }
 
+    /// The HTTP status this error answers with.
     pub fn status(&self) -> StatusCode {
         match self {
             Self::InvalidRequest { .. } | Self::ContextLength { .. } | Self::ModelNotFound(_) => {
@@ -98,6 +126,8 @@ impl ApiError {
         json!({"error": {"message": self.to_string(), "type": ty, "param": param, "code": code}})
     }
 
+    /// The gRPC status this error answers with; a full queue also carries
+    /// `grpc-retry-pushback-ms`.
     pub fn grpc(&self) -> tonic::Status {
         let m = self.to_string();
         match self {

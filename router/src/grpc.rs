@@ -10,11 +10,13 @@ use tonic::{Request, Response, Status};
 
 use crate::dispatch::{Dispatcher, FinishKind, GenParams, MaxTokensDefault, PromptInput};
 
+/// The `tandem.v1.Generation` service (Generate, Tokenize, ListModels) over a dispatcher.
 pub struct GenerationService {
     d: Arc<Dispatcher>,
 }
 
 impl GenerationService {
+    /// The service, sending its requests through `d`.
     pub fn new(d: Arc<Dispatcher>) -> Self {
         Self { d }
     }

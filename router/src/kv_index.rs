@@ -70,6 +70,7 @@ impl KvIndex {
         self.hashes.len()
     }
 
+    #[cfg(test)]
     pub fn is_empty(&self) -> bool {
         self.hashes.is_empty()
     }

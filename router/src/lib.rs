@@ -2,24 +2,67 @@
 //! API, tokenization and chat templates, routing to decode workers, incremental detokenization
 //! and stop strings.
 //!
-//! Owns: [`RouterArgs`] (the `tandem router` flags), [`serve`], the [`dispatch`] path shared by
-//! both APIs, the routing [`policy`] implementations (one file each behind `RoutingPolicy`), the
-//! [`workers`] pool with its per-worker [`kv_index`], and [`discovery`]. Does not own any model
-//! compute: it reads the model file only for its tokenizer, template and context length, and
-//! never links the engine.
+//! Owns: [`RouterArgs`] (the `tandem router` flags) and [`serve`], which runs a router over a
+//! [`ServedModel`] from [`load_model`]; the [`Dispatcher`], the path both APIs share (validate,
+//! tokenize, pick a worker, stream its tokens back as text, move a request whose worker dies);
+//! the two API surfaces over it ([`routes`] for HTTP, [`GenerationService`] for gRPC) behind the
+//! [`FrontDoor`] (API keys, TLS, client limits); the routing [`policy`] implementations (one file
+//! each behind [`RoutingPolicy`]); the [`WorkerPool`]s with what the router knows of each
+//! [`Worker`] (readiness, load, a prefix-cache index fed by its KV events); the [`Discovery`] seam
+//! the pools follow (static lists, etcd cards or Kubernetes DNS, chosen by [`DiscoverySpec`]);
+//! the [`WorkerClient`]/[`Connect`] seam to the workers; [`ApiError`], where every failure gets
+//! its HTTP status and gRPC code; and the [`RouterMetrics`].
+//!
+//! Does not own any model compute: it reads the model file only for its tokenizer, template and
+//! context length, and never links the engine.
+//!
+//! Main types: [`Dispatcher`] with its [`DispatchConfig`], [`Prepared`] requests and the
+//! [`Generation`] that streams [`Chunk`]s; [`WorkerPool`] with its [`PoolConfig`]; [`ApiError`].
+//! Everything is exported here; the modules are private except [`policy`], which keeps
+//! [`policy::build`] and the policies themselves.
+//!
+//! ```
+//! use tandem_router::{policy, ApiError, Candidate, PolicyKind};
+//!
+//! // A policy sees one candidate per ready worker and answers with an index.
+//! let least_load = policy::build(PolicyKind::LeastLoad, Default::default());
+//! let busy = Candidate { load: 3, ..Default::default() };
+//! let idle = Candidate { load: 0, ..Default::default() };
+//! assert_eq!(least_load.pick(&[busy, idle]), 1);
+//!
+//! // Every refusal has one HTTP status (and one gRPC code).
+//! assert_eq!(ApiError::QueueFull(64).status().as_u16(), 429);
+//! ```
 
-pub mod client;
-pub mod discovery;
-pub mod dispatch;
-pub mod error;
-pub mod front;
-pub mod grpc;
-pub mod kv_index;
-pub mod metrics;
-pub mod openai;
+#![deny(missing_docs)]
+
+mod client;
+mod discovery;
+mod dispatch;
+mod error;
+mod front;
+mod grpc;
+mod kv_index;
+mod metrics;
+mod openai;
 pub mod policy;
-pub mod text;
-pub mod workers;
+mod text;
+mod workers;
+
+pub use client::{Connect, WorkerClient, WorkerStream};
+pub use discovery::Discovery;
+pub use dispatch::{
+    Chunk, DispatchConfig, Dispatcher, FinishKind, GenParams, Generation, MaxTokensDefault,
+    Prepared, PromptInput, RequestId, ServedModel, TokenOut, Usage,
+};
+pub use error::ApiError;
+pub use front::{ApiKeys, FrontDoor, FrontDoorArgs, FrontDoorError, Limits};
+pub use grpc::GenerationService;
+pub use metrics::RouterMetrics;
+pub use openai::routes;
+pub use policy::{Candidate, DisaggConfig, KvAwareConfig, PolicyKind, RoutingPolicy};
+pub use tandem_discovery::DiscoverySpec;
+pub use workers::{InFlightGuard, PoolConfig, PoolShared, Role, Worker, WorkerAddr, WorkerPool};
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -32,14 +75,7 @@ use futures::StreamExt;
 use tokio::net::TcpListener;
 
 use crate::client::GrpcConnect;
-use crate::discovery::{Discovery, DnsDiscovery, Published, SystemResolver};
-use crate::dispatch::{DispatchConfig, Dispatcher, ServedModel};
-use crate::metrics::RouterMetrics;
-use crate::policy::{DisaggConfig, KvAwareConfig, PolicyKind};
-use crate::workers::{PoolConfig, PoolShared, Role, WorkerAddr, WorkerPool};
-
-pub use error::ApiError;
-pub use tandem_discovery::DiscoverySpec;
+use crate::discovery::{DnsDiscovery, Published, SystemResolver};
 
 /// `tandem router` flags.
 #[derive(Args, Clone, Debug)]
@@ -121,25 +157,35 @@ pub struct RouterArgs {
     /// one serving another model (default: the first worker's block size).
     #[arg(long, env = "TANDEM_BLOCK_SIZE")]
     pub block_size: Option<u32>,
+    /// Who may call and how much a client may hold: API keys, TLS, and the request limits.
     #[command(flatten)]
-    pub door: front::FrontDoorArgs,
+    pub door: FrontDoorArgs,
 }
 
+/// Why the router could not start or stopped serving; each says what to change.
 #[derive(Debug, thiserror::Error)]
 pub enum RouterError {
+    /// A listening port could not be opened (taken, or the host is not this machine's).
     #[error("cannot listen on {addr}: {source}")]
     Bind {
+        /// The `host:port` asked for.
         addr: String,
+        /// The operating system's refusal.
         source: std::io::Error,
     },
+    /// Static or k8s discovery was chosen with no `--decode-workers` to start from.
     #[error("no decode workers given: pass --decode-workers host:port,... (or --discovery etcd://HOST:PORT)")]
     NoWorkers,
+    /// The discovery service failed at start (etcd unreachable, a bad cluster name).
     #[error("discovery: {0}")]
     Discovery(#[from] tandem_discovery::DiscoveryError),
+    /// `--discovery etcd://...` on a build without the `etcd` feature.
     #[error("--discovery {0}: this tandem was built without etcd support; build it with `cargo build --release --features etcd` (its etcd client needs protoc: apt-get install protobuf-compiler)")]
     NoEtcd(DiscoverySpec),
+    /// The front door's flags make no front door (an unreadable key file, a bad certificate).
     #[error(transparent)]
-    FrontDoor(#[from] front::FrontDoorError),
+    FrontDoor(#[from] FrontDoorError),
+    /// A server failed while running, or its address could not be read back.
     #[error("server: {0}")]
     Serve(String),
 }
@@ -147,7 +193,9 @@ pub enum RouterError {
 /// Where the router ended up listening.
 #[derive(Clone, Copy, Debug)]
 pub struct Bound {
+    /// The OpenAI-compatible HTTP API's address (the real port when 0 was asked for).
     pub http: SocketAddr,
+    /// The `tandem.v1.Generation` gRPC API's address.
     pub grpc: SocketAddr,
 }
 
@@ -246,7 +294,7 @@ pub async fn serve(
     };
 
     let (http_tls, grpc_tls) = door.tls.clone().unzip();
-    let app = openai::routes(dispatcher.clone(), &door);
+    let app = routes(dispatcher.clone(), &door);
     let http_task = tokio::spawn(front::serve_http(
         front::accept(http, http_tls, door.limits),
         app,

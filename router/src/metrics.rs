@@ -12,6 +12,9 @@ type WorkerLabels = Vec<(&'static str, String)>;
 
 use tandem_discovery::Role;
 
+/// The router's counters and their registry: requests by outcome and refusal, routing (remote or
+/// local prefill, migrations, requests per worker) and discovery (joins, leaves, refused workers,
+/// malformed cards). One per router, shared by its pools and its dispatcher.
 pub struct RouterMetrics {
     registry: Registry,
     prefill: Family<Labels, Counter>,
@@ -123,22 +126,27 @@ impl Default for RouterMetrics {
 }
 
 impl RouterMetrics {
+    /// A request routed, its prompt prefilled on a prefill worker (`remote`) or on its decode
+    /// worker.
     pub fn prefill(&self, remote: bool) {
         let mode = if remote { "remote" } else { "local" };
         self.prefill.get_or_create(&vec![("mode", mode)]).inc();
     }
 
+    /// A stream moved to another decode worker after its worker failed.
     pub fn migration(&self) {
         self.migrations.inc();
     }
 
-    /// `reason` is one of [`REFUSALS`].
+    /// A request turned away before it reached a worker; `reason` is one of `REFUSALS`
+    /// (`unauthorized`, `queue_full`, `body_too_large`, `body_timeout`, `no_worker`).
     pub fn refused(&self, reason: &'static str) {
         debug_assert!(REFUSALS.contains(&reason), "{reason}");
         self.refused.get_or_create(&vec![("reason", reason)]).inc();
     }
 
-    /// `outcome` is one of [`OUTCOMES`].
+    /// A generation request ended; `outcome` is one of `OUTCOMES` (`ok`, `invalid`, `refused`,
+    /// `failed`, `cancelled`).
     pub fn request(&self, outcome: &'static str) {
         debug_assert!(OUTCOMES.contains(&outcome), "{outcome}");
         self.requests
@@ -175,6 +183,7 @@ impl RouterMetrics {
         self.malformed_cards.inc();
     }
 
+    /// Every metric in the OpenMetrics text format, as `/metrics` serves it.
     pub fn render(&self) -> String {
         let mut out = String::new();
         if let Err(e) = encode(&mut out, &self.registry) {

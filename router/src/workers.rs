@@ -27,9 +27,13 @@ use crate::metrics::RouterMetrics;
 use crate::policy::{Candidate, RoutingPolicy};
 use tandem_discovery::{Expect, Refusal};
 
+/// How a pool watches its workers.
 #[derive(Clone, Copy, Debug)]
 pub struct PoolConfig {
+    /// How often each worker's load is polled; failed calls back off from it, doubling up to
+    /// 5 s.
     pub poll_interval: Duration,
+    /// How long opening a connection to a worker may take.
     pub connect_timeout: Duration,
 }
 
@@ -94,8 +98,12 @@ impl std::fmt::Display for WorkerAddr {
     }
 }
 
+/// One worker as this router knows it: its client, what its Info and Load last said, its
+/// prefix-cache index, and the router's own count of its requests.
 pub struct Worker {
+    /// Where it serves.
     pub addr: WorkerAddr,
+    /// Which pool it is in.
     pub role: Role,
     client: Arc<dyn WorkerClient>,
     shared: PoolShared,
@@ -139,6 +147,8 @@ impl Worker {
         self.kv.lock().expect("kv index").matched_prefix(&hashes) * bs
     }
 
+    /// Whether requests may go to it: its Info and Load answered, it passed the pool's check and
+    /// it is not draining.
     pub fn is_ready(&self) -> bool {
         let s = self.state.lock().expect("worker state");
         s.ready
@@ -147,10 +157,13 @@ impl Worker {
             && !s.load.as_ref().is_some_and(|l| l.draining)
     }
 
+    /// What its Info said; `None` until it answers, and again after a failed call (it may have
+    /// come back as another process).
     pub fn info(&self) -> Option<pb::WorkerInfo> {
         self.state.lock().expect("worker state").info.clone()
     }
 
+    /// Requests (and remote prefills) this router has in flight on it.
     pub fn in_flight(&self) -> usize {
         self.in_flight.load(Ordering::Relaxed)
     }
@@ -271,6 +284,7 @@ impl Drop for Worker {
 pub struct InFlightGuard(Arc<Worker>);
 
 impl InFlightGuard {
+    /// The worker the request is counted against.
     pub fn worker(&self) -> &Arc<Worker> {
         &self.0
     }
@@ -380,10 +394,12 @@ impl WorkerPool {
         &self.shared.metrics
     }
 
+    /// Every worker in the pool now (one per address discovery lists), ready or not.
     pub fn all(&self) -> Vec<Arc<Worker>> {
         self.workers.read().expect("workers").clone()
     }
 
+    /// The workers requests may go to now ([`Worker::is_ready`]).
     pub fn ready(&self) -> Vec<Arc<Worker>> {
         self.all().into_iter().filter(|w| w.is_ready()).collect()
     }

@@ -10,13 +10,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tandem_proto::worker as pb;
-use tandem_router::client::{Connect, WorkerClient, WorkerStream};
-use tandem_router::discovery::Discovery;
-use tandem_router::dispatch::{
-    DispatchConfig, Dispatcher, FinishKind, GenParams, MaxTokensDefault, PromptInput,
+use tandem_router::{
+    ApiError, Connect, Discovery, DispatchConfig, Dispatcher, FinishKind, GenParams,
+    MaxTokensDefault, PoolConfig, PoolShared, PromptInput, Role, WorkerAddr, WorkerClient,
+    WorkerPool, WorkerStream,
 };
-use tandem_router::error::ApiError;
-use tandem_router::workers::{PoolConfig, PoolShared, Role, WorkerAddr, WorkerPool};
 use tonic::{Code, Status};
 
 /// What a fake decode worker sends on a stream.
@@ -168,10 +166,8 @@ async fn dispatcher(workers: &[Arc<FakeWorker>], max_migrations: u32) -> Dispatc
     while pool.ready().len() < workers.len() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let policy = tandem_router::policy::build(
-        tandem_router::policy::PolicyKind::LeastLoad,
-        Default::default(),
-    );
+    let policy =
+        tandem_router::policy::build(tandem_router::PolicyKind::LeastLoad, Default::default());
     Dispatcher::new(
         common::served_model(),
         pool,
@@ -518,10 +514,8 @@ async fn workers_that_join_take_requests_and_workers_that_leave_or_do_not_fit_ge
         Arc::new(FakeConnect(all)),
         shared,
     );
-    let policy = tandem_router::policy::build(
-        tandem_router::policy::PolicyKind::RoundRobin,
-        Default::default(),
-    );
+    let policy =
+        tandem_router::policy::build(tandem_router::PolicyKind::RoundRobin, Default::default());
     let d = Dispatcher::new(
         common::served_model(),
         pool.clone(),

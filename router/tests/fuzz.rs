@@ -18,9 +18,9 @@ use axum::http::Request;
 use proptest::prelude::*;
 use serde_json::{Map, Value};
 use tandem_proto::v1 as pb;
-use tandem_router::dispatch::{DispatchConfig, Dispatcher};
-use tandem_router::front::FrontDoorArgs;
-use tandem_router::workers::{PoolConfig, Role, WorkerAddr, WorkerPool};
+use tandem_router::{
+    DispatchConfig, Dispatcher, FrontDoorArgs, PoolConfig, Role, WorkerAddr, WorkerPool,
+};
 use tower::ServiceExt;
 
 /// A dispatcher over the default model's tokenizer and template, with no worker.
@@ -29,10 +29,8 @@ fn dispatcher(rt: &tokio::runtime::Runtime) -> Arc<Dispatcher> {
     let _guard = rt.enter();
     let (_tx, rx) = tokio::sync::watch::channel(Vec::<WorkerAddr>::new());
     let pool = WorkerPool::spawn(Role::Decode, rx, PoolConfig::default());
-    let policy = tandem_router::policy::build(
-        tandem_router::policy::PolicyKind::LeastLoad,
-        Default::default(),
-    );
+    let policy =
+        tandem_router::policy::build(tandem_router::PolicyKind::LeastLoad, Default::default());
     Arc::new(Dispatcher::new(
         model,
         pool,
@@ -50,7 +48,7 @@ fn dispatcher(rt: &tokio::runtime::Runtime) -> Arc<Dispatcher> {
 struct Harness {
     rt: tokio::runtime::Runtime,
     app: axum::Router,
-    grpc: tandem_router::grpc::GenerationService,
+    grpc: tandem_router::GenerationService,
 }
 
 fn harness() -> &'static Harness {
@@ -69,8 +67,8 @@ fn harness() -> &'static Harness {
         .resolve()
         .unwrap();
         Harness {
-            app: tandem_router::openai::routes(d.clone(), &door),
-            grpc: tandem_router::grpc::GenerationService::new(d),
+            app: tandem_router::routes(d.clone(), &door),
+            grpc: tandem_router::GenerationService::new(d),
             rt,
         }
     })

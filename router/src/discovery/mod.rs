@@ -15,7 +15,7 @@ use tokio::sync::watch;
 
 use crate::workers::WorkerAddr;
 
-pub use dns::{DnsDiscovery, Resolve, SystemResolver};
+pub use dns::{DnsDiscovery, SystemResolver};
 #[cfg(feature = "etcd")]
 pub use etcd::EtcdDiscovery;
 

@@ -56,6 +56,7 @@ fn worker_lost(s: &tonic::Status) -> bool {
 }
 
 impl Generation {
+    /// The decode worker serving the request now (another one after a migration).
     pub fn worker(&self) -> &WorkerAddr {
         &self.guard.worker().addr
     }

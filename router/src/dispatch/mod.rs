@@ -35,49 +35,72 @@ use route::Route;
 
 /// The model the router serves: everything about text, nothing about weights.
 pub struct ServedModel {
+    /// The name clients send as `model` and the APIs list (`--served-model-name`, or the model
+    /// file's).
     pub name: String,
+    /// The model file's text side: tokenizer, chat template and config (no weights).
     pub text: LoadedModel,
 }
 
 impl ServedModel {
+    /// The model's context in tokens: prompt and output together must fit it.
     pub fn max_context(&self) -> usize {
         self.text.config.max_position_embeddings
     }
 }
 
+/// A request's prompt in whichever form its API gave it.
 pub enum PromptInput {
     /// Tokenized with special tokens (BOS) added.
     Text(String),
     /// Rendered through the chat template with the assistant turn opened.
     Chat(Vec<ChatMessage>),
+    /// Token ids, sent as they are once checked against the vocabulary.
     Ids(Vec<u32>),
 }
 
 /// Sampling and stopping as the APIs give them; `None` means the default.
 #[derive(Clone, Debug, Default)]
 pub struct GenParams {
+    /// Softmax temperature (default 1; 0 is greedy).
     pub temperature: Option<f32>,
+    /// Nucleus sampling: the smallest set of tokens whose probability reaches this (default 1,
+    /// off).
     pub top_p: Option<f32>,
     /// 0 or negative: off (vLLM takes -1).
     pub top_k: Option<i64>,
+    /// Tokens less likely than this fraction of the likeliest one are dropped (default 0, off).
     pub min_p: Option<f32>,
+    /// HF-style multiplicative penalty on prompt and output tokens (default 1, off).
     pub repetition_penalty: Option<f32>,
+    /// OpenAI-style additive penalty on tokens already generated (default 0).
     pub presence_penalty: Option<f32>,
+    /// OpenAI-style penalty per occurrence of a generated token (default 0).
     pub frequency_penalty: Option<f32>,
+    /// Seed of the request's own random stream (none: drawn from the system).
     pub seed: Option<u64>,
+    /// Most output tokens; the default is the API's ([`MaxTokensDefault`]).
     pub max_tokens: Option<u64>,
+    /// Strings that end the output; the text is cut before the first one that appears.
     pub stop: Vec<String>,
+    /// Token ids that end the output (as EOS does).
     pub stop_token_ids: Vec<u32>,
+    /// Keep generating after EOS, up to `max_tokens`.
     pub ignore_eos: bool,
+    /// Leave special tokens (BOS, EOS, template markers) out of the text.
     pub skip_special_tokens: bool,
+    /// Return each output token's log-probability.
     pub logprobs: bool,
+    /// Also return this many of the likeliest alternatives with each token.
     pub top_logprobs: u32,
 }
 
 /// When `max_tokens` is not given: OpenAI's completions default, or the rest of the context.
 #[derive(Clone, Copy, Debug)]
 pub enum MaxTokensDefault {
+    /// This many tokens (the completions API's 16).
     Fixed(u32),
+    /// Whatever the prompt leaves of the model's context (the chat API's).
     RestOfContext,
 }
 
@@ -101,21 +124,29 @@ impl std::fmt::Display for RequestId {
 
 /// A request ready for a worker.
 pub struct Prepared {
+    /// The id this router gave the request.
     pub request_id: RequestId,
+    /// The prompt's token ids (never empty).
     pub prompt: Vec<u32>,
+    /// The request's parameters as the API gave them.
     pub params: GenParams,
     /// Checked once, here; the worker API carries it as is.
     sampling: ValidSampling,
 }
 
+/// Why a request's output ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FinishKind {
+    /// EOS, a stop token id or a stop string.
     Stop,
+    /// `max_tokens` reached.
     Length,
+    /// The worker cancelled it (its shutdown deadline passed).
     Cancelled,
 }
 
 impl FinishKind {
+    /// OpenAI's `finish_reason` for it.
     pub fn as_openai(self) -> &'static str {
         match self {
             Self::Stop => "stop",
@@ -126,31 +157,46 @@ impl FinishKind {
     }
 }
 
+/// A finished request's token counts, as OpenAI's `usage` reports them.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Usage {
+    /// Tokens in the prompt.
     pub prompt_tokens: u32,
+    /// Tokens generated (a stop string's tokens included).
     pub completion_tokens: u32,
+    /// Prompt tokens the worker found in its prefix cache rather than prefilled (0 when the
+    /// router cut the output at a stop string before the worker's own finish).
     pub cached_prompt_tokens: u32,
 }
 
+/// One generated token with its log-probabilities.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TokenOut {
+    /// The token's id.
     pub id: u32,
+    /// Its log-probability under the model's raw distribution (before penalties and
+    /// temperature).
     pub logprob: f32,
+    /// The likeliest alternatives as `(id, logprob)`, best first (`top_logprobs` of them).
     pub top: Vec<(u32, f32)>,
 }
 
 /// A piece of the answer: new text, the tokens it covers, and on the last one the finish.
 #[derive(Clone, Debug, Default)]
 pub struct Chunk {
+    /// Text released by these tokens (may be empty while a possible stop string is held back).
     pub text: String,
+    /// The tokens received since the last chunk.
     pub tokens: Vec<TokenOut>,
+    /// On the last chunk: why the output ended, and the request's counts.
     pub finish: Option<(FinishKind, Usage)>,
 }
 
+/// The dispatcher's limits.
 pub struct DispatchConfig {
     /// Most requests in flight through this router.
     pub max_queue: usize,
+    /// When a prompt is prefilled on a prefill worker.
     pub disagg: DisaggConfig,
     /// Times one request may move to another decode worker after its worker fails mid-stream.
     pub max_migrations: u32,
@@ -159,12 +205,18 @@ pub struct DispatchConfig {
     pub stall: Duration,
 }
 
+/// The request path both APIs share: validation and tokenization, the router's queue, the choice
+/// of workers, and the stream back. One per router, shared by every connection.
 pub struct Dispatcher {
+    /// The model this router serves.
     pub model: Arc<ServedModel>,
+    /// The decode workers.
     pub pool: Arc<WorkerPool>,
     /// Prefill workers, when the cluster has any.
     pub prefill_pool: Option<Arc<WorkerPool>>,
+    /// How a request's decode worker is chosen.
     pub policy: Arc<dyn RoutingPolicy>,
+    /// The router's metrics (the decode pool's registry, shared with every pool).
     pub metrics: Arc<RouterMetrics>,
     cfg: DispatchConfig,
     queued: Arc<AtomicUsize>,
@@ -181,6 +233,8 @@ impl Drop for QueueSlot {
 }
 
 impl Dispatcher {
+    /// A dispatcher over `pool` (and `prefill_pool`, when there is one) that counts into the
+    /// decode pool's metrics.
     pub fn new(
         model: Arc<ServedModel>,
         pool: Arc<WorkerPool>,
@@ -202,6 +256,8 @@ impl Dispatcher {
         }
     }
 
+    /// Requests holding a slot in the router's queue now (from [`generate`](Self::generate)
+    /// until their [`Generation`] drops).
     pub fn in_flight(&self) -> usize {
         self.queued.load(Ordering::SeqCst)
     }

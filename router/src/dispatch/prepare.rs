@@ -21,6 +21,9 @@ impl Dispatcher {
         }
     }
 
+    /// The prompt's token ids: text with BOS added, chat rendered through the model's template,
+    /// ids checked against the vocabulary. Refuses (400) an empty or unrenderable chat and an id
+    /// outside the vocabulary.
     pub fn tokenize(&self, input: PromptInput) -> Result<Vec<u32>, ApiError> {
         let m = &self.model.text;
         let internal = |e: tandem_model::ModelError| ApiError::Internal(e.to_string());

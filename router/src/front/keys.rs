@@ -20,6 +20,7 @@ use crate::metrics::RouterMetrics;
 pub struct ApiKeys(Vec<[u8; 32]>);
 
 impl ApiKeys {
+    /// The set of `keys`; [`FrontDoorError::BadKey`] when one is empty or has whitespace in it.
     pub fn new(keys: &[String]) -> Result<Self, FrontDoorError> {
         keys.iter()
             .map(|k| {
@@ -33,6 +34,7 @@ impl ApiKeys {
             .map(Self)
     }
 
+    /// Whether the set is empty, so every call is allowed.
     pub fn is_open(&self) -> bool {
         self.0.is_empty()
     }

@@ -5,7 +5,8 @@
 //! Owns: [`FrontDoorArgs`] (the flags), [`ApiKeys`] (checked by the HTTP middleware
 //! [`require_key`] and the gRPC interceptor [`ApiKeys::interceptor`]), the TLS configuration,
 //! [`accept`] (one accept loop for both ports: TLS handshakes under a deadline, every connection
-//! wrapped in a [`Conn`]) and [`serve_http`] (hyper connections with header limits and timeouts).
+//! wrapped in a [`Conn`](conn::Conn)) and [`serve_http`] (hyper connections with header limits
+//! and timeouts).
 //!
 //! Every limit is on the client's own progress, never on the model's: a head must arrive within
 //! `--header-timeout-ms`, a body must not pause for `--body-stall-timeout-ms`, and a response the
@@ -100,22 +101,37 @@ impl Default for FrontDoorArgs {
     }
 }
 
+/// Why the front door's flags make no front door.
 #[derive(Debug, thiserror::Error)]
 pub enum FrontDoorError {
+    /// `--api-key-file` could not be read.
     #[error("cannot read API key file {path}: {source}")]
-    KeyFile { path: PathBuf, source: io::Error },
+    KeyFile {
+        /// The file as given.
+        path: PathBuf,
+        /// Why reading it failed.
+        source: io::Error,
+    },
+    /// `--api-key-file` holds no key (only blank lines and comments).
     #[error("API key file {0} has no keys: an empty file would leave the API open")]
     NoKeys(PathBuf),
+    /// A key is empty or has whitespace in it, so no `Authorization` header could carry it.
     #[error("an API key is empty or has whitespace in it")]
     BadKey,
+    /// The certificate or key file is unreadable or not PEM.
     #[error("TLS {what} {path}: {message}")]
     Pem {
+        /// Which file: `certificate` or `key`.
         what: &'static str,
+        /// The file as given.
         path: PathBuf,
+        /// The PEM reader's error.
         message: String,
     },
+    /// rustls refused the certificate and key (they do not match, say).
     #[error("TLS configuration: {0}")]
     Tls(String),
+    /// A limit flag is below its minimum: the flag's name (without `--`) and that minimum.
     #[error("--{0} must be at least {1}")]
     TooSmall(&'static str, u64),
 }
@@ -123,24 +139,34 @@ pub enum FrontDoorError {
 /// How long a client may take, and how much it may send, on every connection.
 #[derive(Clone, Copy, Debug)]
 pub struct Limits {
+    /// Largest request body, in bytes.
     pub max_body: usize,
+    /// Largest request head (request line and headers), in bytes.
     pub max_header_bytes: usize,
+    /// Most headers in one HTTP/1 request.
     pub max_headers: usize,
+    /// Time a connection has to finish its TLS handshake and send a request head.
     pub header_timeout: Duration,
+    /// Longest pause allowed within a request body.
     pub body_stall: Duration,
+    /// Longest a response may go without the client reading any of it.
     pub write_stall: Duration,
 }
 
 /// Everything the front door needs, resolved from its flags.
 pub struct FrontDoor {
+    /// Keys the API (generation, tokenization, model list) requires; empty: open.
     pub api_keys: Arc<ApiKeys>,
+    /// Keys `/metrics` requires; empty: open.
     pub metrics_keys: Arc<ApiKeys>,
+    /// The limits on every client connection.
     pub limits: Limits,
     /// HTTP's acceptor (ALPN h2 and http/1.1) and gRPC's (h2 only), when TLS is on.
     pub tls: Option<(TlsAcceptor, TlsAcceptor)>,
 }
 
 impl FrontDoorArgs {
+    /// Reads the key file and the TLS certificate and key, and checks every limit.
     pub fn resolve(&self) -> Result<FrontDoor, FrontDoorError> {
         let mut keys = self.api_keys.clone();
         if let Some(path) = &self.api_key_file {
@@ -241,6 +267,5 @@ mod serve;
 #[cfg(test)]
 mod tests;
 
-pub use conn::Conn;
 pub use keys::{require_key, ApiKeys};
 pub use serve::{accept, serve_http};

@@ -1,6 +1,6 @@
 use std::time::Duration;
 
-use super::conn::{Wire, OPENING_BYTES};
+use super::conn::{Conn, Wire, OPENING_BYTES};
 use super::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};

@@ -32,6 +32,8 @@ use body::{BodyLimits, RequestBody};
 use request::{chat_messages, parse, ChatRequest, CompletionRequest, PromptField};
 use response::{respond, Api, Shape};
 
+/// The HTTP app over `d`: the `/v1` API and `/metrics` behind the door's keys, `/health` and
+/// `/ready` open, bodies read under the door's limits.
 pub fn routes(d: Arc<Dispatcher>, door: &FrontDoor) -> axum::Router {
     let keyed = |keys: &Arc<crate::front::ApiKeys>| {
         middleware::from_fn_with_state((keys.clone(), d.metrics.clone()), require_key)

@@ -17,9 +17,15 @@ pub struct PrefillCandidate {
     pub cached_tokens: usize,
 }
 
+/// When a prompt is prefilled on a prefill worker, and how the prefill workers are ranked
+/// (`--disagg-min-tokens`, `--prefill-capacity`).
 #[derive(Clone, Copy, Debug)]
 pub struct DisaggConfig {
+    /// A prompt goes remote only when at least this many of its tokens are not in the chosen
+    /// decode worker's prefix cache.
     pub min_tokens: usize,
+    /// Prompts of this router in flight on one prefill worker (not yet at their first token)
+    /// beyond which it takes no more.
     pub capacity: usize,
     /// Prompt tokens one queued prompt on a prefill worker is worth.
     pub load_tokens: f64,

@@ -9,11 +9,16 @@
 
 use super::{argmin, Candidate, RoutingPolicy};
 
+/// The KV-aware policy's weights and its imbalance thresholds (`--kv-load-weight`,
+/// `--balance-abs`, `--balance-rel`).
 #[derive(Clone, Copy, Debug)]
 pub struct KvAwareConfig {
     /// Blocks of prefill one in-flight request is worth.
     pub load_weight: f64,
+    /// Load is imbalanced only when the busiest worker has more than this many requests in
+    /// flight over the idlest ...
     pub balance_abs: usize,
+    /// ... and more than this many times as many.
     pub balance_rel: f64,
 }
 
@@ -27,11 +32,14 @@ impl Default for KvAwareConfig {
     }
 }
 
+/// Picks the worker with the least prefill-plus-load cost, falling back to least-load when load
+/// is imbalanced.
 pub struct KvAware {
     cfg: KvAwareConfig,
 }
 
 impl KvAware {
+    /// A KV-aware policy with these weights and thresholds.
     pub fn new(cfg: KvAwareConfig) -> Self {
         Self { cfg }
     }

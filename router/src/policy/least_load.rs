@@ -3,6 +3,7 @@
 
 use super::{argmin, Candidate, RoutingPolicy};
 
+/// Picks the worker with the fewest requests in flight from this router.
 pub struct LeastLoad;
 
 impl RoutingPolicy for LeastLoad {

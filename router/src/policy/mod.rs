@@ -3,13 +3,16 @@
 //! A policy sees one [`Candidate`] per ready worker, computed by the worker pool at the moment of
 //! the decision, and returns the index of the one to use. Policies hold no worker state of their
 //! own beyond a counter, so they are pure functions of their input and tested as such.
+//!
+//! [`build`] makes the policy a [`PolicyKind`] names; the seam's types are also exported at the
+//! crate root.
 
-pub mod disagg;
+pub(crate) mod disagg;
 mod kv_aware;
 mod least_load;
 mod round_robin;
 
-pub use disagg::{DisaggConfig, PrefillCandidate};
+pub use disagg::DisaggConfig;
 pub use kv_aware::{KvAware, KvAwareConfig};
 pub use least_load::LeastLoad;
 pub use round_robin::RoundRobin;
@@ -28,7 +31,10 @@ pub struct Candidate {
     pub prompt_blocks: usize,
 }
 
+/// A way of choosing a request's decode worker among the ready ones, from what the pool knows of
+/// each at the moment of the decision.
 pub trait RoutingPolicy: Send + Sync {
+    /// The policy's `--policy` name, for logs.
     fn name(&self) -> &'static str;
     /// Whether [`Candidate::cached_blocks`] must be computed (it costs an index lookup).
     fn needs_prefix_match(&self) -> bool {
@@ -41,11 +47,15 @@ pub trait RoutingPolicy: Send + Sync {
 /// The policy names the `--policy` flag takes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum PolicyKind {
+    /// Each request to the next ready worker in turn, ignoring load and caches.
     RoundRobin,
+    /// The worker with the fewest requests in flight from this router.
     LeastLoad,
+    /// The worker that already caches the most of the prompt, weighed against its load.
     KvAware,
 }
 
+/// The policy `kind` names; `kv` configures only [`KvAware`].
 pub fn build(kind: PolicyKind, kv: KvAwareConfig) -> std::sync::Arc<dyn RoutingPolicy> {
     match kind {
         PolicyKind::RoundRobin => std::sync::Arc::new(RoundRobin::default()),

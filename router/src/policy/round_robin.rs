@@ -4,6 +4,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::{Candidate, RoutingPolicy};
 
+/// Picks the ready workers in turn; its only state is the turn counter.
 #[derive(Default)]
 pub struct RoundRobin {
     next: AtomicUsize,

@@ -2,7 +2,7 @@
 
 use std::sync::{Arc, OnceLock};
 
-use tandem_router::dispatch::ServedModel;
+use tandem_router::ServedModel;
 
 /// The default model's tokenizer and template, loaded once per test binary.
 pub fn served_model() -> Arc<ServedModel> {
