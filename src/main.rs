@@ -201,14 +201,22 @@ fn print_isa(names_only: bool) {
 }
 
 fn main() {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("TANDEM_LOG")
-                .unwrap_or_else(|_| "warn".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
     let cli = Cli::parse();
+    // Each role is its own service in a trace; `up` itself serves nothing.
+    let service = match &cli.command {
+        Command::Router(_) => "tandem-router",
+        Command::Decode(_) => "tandem-decode",
+        Command::Prefill(_) => "tandem-prefill",
+        _ => "tandem",
+    };
+    let log_filter = std::env::var("TANDEM_LOG").unwrap_or_else(|_| "warn".into());
+    let telemetry = match tandem_telemetry::init(service, &log_filter) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(2);
+        }
+    };
     // A misspelt level would silently run the CPU's best: refuse it before anything runs.
     if let Err(e) = tandem_kernels::isa::requested() {
         eprintln!("error: {e}");
@@ -230,6 +238,8 @@ fn main() {
             Ok(())
         }
     };
+    // Flush the spans still buffered before the process goes.
+    drop(telemetry);
     if let Err(e) = res {
         eprintln!("error: {e:#}");
         std::process::exit(1);

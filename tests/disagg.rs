@@ -407,9 +407,14 @@ impl FlipStream {
         Ok(())
     }
 
-    async fn control(&mut self, kind: FrameKind, transfer: u64) -> Result<(), TransferError> {
+    async fn control(
+        &mut self,
+        kind: FrameKind,
+        transfer: u64,
+        body: &[u8],
+    ) -> Result<(), TransferError> {
         use tokio::io::AsyncWriteExt;
-        self.frame(FrameHeader::control(kind, transfer), &[])
+        self.frame(FrameHeader::control(kind, transfer, body), body)
             .await?;
         Ok(self.w.flush().await?)
     }
@@ -436,10 +441,17 @@ impl KvStream for FlipStream {
         })
     }
     fn end(&mut self, transfer: u64) -> BoxFuture<'_, Result<(), TransferError>> {
-        Box::pin(self.control(FrameKind::End, transfer))
+        Box::pin(self.control(FrameKind::End, transfer, &[]))
     }
     fn abort(&mut self, transfer: u64) -> BoxFuture<'_, Result<(), TransferError>> {
-        Box::pin(self.control(FrameKind::Abort, transfer))
+        Box::pin(self.control(FrameKind::Abort, transfer, &[]))
+    }
+    fn context<'a>(
+        &'a mut self,
+        transfer: u64,
+        context: &'a str,
+    ) -> BoxFuture<'a, Result<(), TransferError>> {
+        Box::pin(self.control(FrameKind::Context, transfer, context.as_bytes()))
     }
 }
 

@@ -18,7 +18,7 @@ pub mod metrics;
 pub mod remote;
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use futures::Stream;
 use tandem_engine::{EngineHandle, Request, RequestStream, Reservation, StreamEvent};
@@ -27,11 +27,13 @@ use tandem_proto::wire::sampling_from_wire;
 use tandem_proto::worker::{self as pb, decode_server::DecodeServer};
 use tandem_worker::convert::{finish, status, token, BoxStream};
 use tandem_worker::metrics::RequestMetrics;
+use tandem_worker::trace;
 pub use tandem_worker::WorkerIdentity;
 use tandem_worker::{ControlService, Drain, InFlight};
 use tokio::net::TcpListener;
 use tonic::server::NamedService;
 use tonic::{Request as GrpcRequest, Response, Status};
+use tracing::Instrument;
 
 use crate::remote::RemotePrefill;
 
@@ -89,6 +91,12 @@ impl DecodeService {
 struct Observe {
     metrics: Arc<RequestMetrics>,
     last_token: Option<Instant>,
+    /// The request's server span (disabled when traces are off); lives as long as the stream.
+    span: tracing::Span,
+    /// When the engine got the request: the origin of the times it reports.
+    submitted: SystemTime,
+    /// Whether this engine prefilled the prompt (false once a prefill worker did).
+    local: bool,
 }
 
 /// Folds one engine event into a response; true when it was the last.
@@ -104,10 +112,15 @@ fn fold(msg: &mut pb::DecodeResponse, ev: StreamEvent, obs: &mut Observe) -> Res
         }
         StreamEvent::Finished(f) => {
             obs.metrics.finished(&f);
+            trace::finished(&obs.span, obs.submitted, &f, obs.local);
             msg.finish = Some(finish(&f));
             Ok(true)
         }
-        StreamEvent::Failed(e) => Err(status(e)),
+        StreamEvent::Failed(e) => {
+            let s = status(e);
+            trace::failed(&obs.span, &s.message());
+            Err(s)
+        }
         StreamEvent::Kv(_) => Err(Status::internal("KV chunk on a decode stream")),
     }
 }
@@ -143,6 +156,13 @@ fn response_stream(
             return None;
         }
         if let Some(p) = st.pending.take() {
+            let span = tracing::info_span!(
+                parent: &st.observe.span,
+                "remote_prefill",
+                tandem.prefill.candidates = p.candidates.len() as i64,
+                tandem.prefill.cached_tokens = p.reservation.cached_tokens as i64,
+                tandem.prefill.result = tracing::field::Empty,
+            );
             let first = p
                 .remote
                 .prefill(
@@ -153,9 +173,21 @@ fn response_stream(
                     &p.candidates,
                     &mut st.grant,
                 )
+                .instrument(span.clone())
                 .await;
+            span.record(
+                "tandem.prefill.result",
+                if first.is_some() {
+                    "remote"
+                } else {
+                    "local_fallback"
+                },
+            );
             match first {
-                Some(first) => st.engine.join_remote(&st.stream, first),
+                Some(first) => {
+                    st.observe.local = false;
+                    st.engine.join_remote(&st.stream, first)
+                }
                 None => st.engine.prefill_locally(&st.stream),
             }
         }
@@ -212,10 +244,22 @@ impl pb::decode_server::Decode for DecodeService {
         request: GrpcRequest<pb::DecodeRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let in_flight = self.drain.enter().map_err(Status::unavailable)?;
-        let req = request.into_inner();
+        let (metadata, _, req) = request.into_parts();
+        let span = trace::server_span(
+            "tandem.worker.v1.Decode",
+            "Generate",
+            &self.identity.model,
+            &req.request_id,
+            req.prompt_ids.len(),
+            &metadata,
+        );
+        let fail = |s: Status| {
+            trace::failed(&span, &s.message());
+            s
+        };
         let params = sampling_from_wire(req.sampling, req.stopping.clone())
             .validate()
-            .map_err(|e| status(e.into()))?;
+            .map_err(|e| fail(status(e.into())))?;
         let candidates = match req.prefill.and_then(|p| p.plan) {
             Some(pb::prefill_plan::Plan::Remote(r)) if req.resume_ids.is_empty() => r.prefill_addrs,
             _ => Vec::new(),
@@ -226,6 +270,7 @@ impl pb::decode_server::Decode for DecodeService {
             resume: req.resume_ids,
         };
         let mut pending = None;
+        let submitted = SystemTime::now();
         let stream = match (&self.remote, candidates.is_empty()) {
             (Some(remote), false) => {
                 let prompt = request.prompt.clone();
@@ -246,12 +291,12 @@ impl pb::decode_server::Decode for DecodeService {
                             .counts
                             .no_room
                             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        self.engine.submit(request).map_err(status)?
+                        self.engine.submit(request).map_err(|e| fail(status(e)))?
                     }
-                    Err(e) => return Err(status(e)),
+                    Err(e) => return Err(fail(status(e))),
                 }
             }
-            _ => self.engine.submit(request).map_err(status)?,
+            _ => self.engine.submit(request).map_err(|e| fail(status(e)))?,
         };
         tracing::debug!(request = %req.request_id, engine_id = stream.id().0, remote = pending.is_some(), "accepted");
         Ok(Response::new(Box::pin(with_heartbeats(
@@ -264,6 +309,9 @@ impl pb::decode_server::Decode for DecodeService {
                 observe: Observe {
                     metrics: self.requests.clone(),
                     last_token: None,
+                    span,
+                    submitted,
+                    local: true,
                 },
                 _in_flight: in_flight,
             }),

@@ -11,11 +11,14 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use tandem_engine::{KvPoolWriter, Reservation, Sampled};
-use tandem_kv_transfer::{BlockSink, KvReceiver, Secret, TransferError, TransferGrant};
+use tandem_kv_transfer::{
+    BlockSink, KvReceiver, Secret, TransferError, TransferGrant, TransferStats,
+};
 use tandem_proto::worker::{self as pb, prefill_client::PrefillClient};
+use tandem_telemetry::Attribute;
 use tonic::transport::{Channel, Endpoint};
 
 use tandem_worker::PoolSink;
@@ -114,11 +117,36 @@ impl RemotePrefill {
         candidates: &[String],
         grant: &mut Option<TransferGrant>,
     ) -> Option<Sampled> {
+        let ask = Ask {
+            request_id,
+            prompt,
+            sampling,
+            reservation,
+        };
         for addr in candidates {
-            match self
-                .attempt(addr, request_id, prompt, sampling, reservation, grant)
-                .await
-            {
+            let span = tracing::info_span!(
+                "prefill_attempt",
+                otel.name = "tandem.worker.v1.Prefill/Prefill",
+                otel.kind = "client",
+                otel.status_code = tracing::field::Empty,
+                otel.status_description = tracing::field::Empty,
+                rpc.system = "grpc",
+                rpc.service = "tandem.worker.v1.Prefill",
+                rpc.method = "Prefill",
+                server.address = %addr,
+                tandem.prefill.result = tracing::field::Empty,
+            );
+            let r = self.attempt(addr, &ask, grant, &span).await;
+            let result = match &r {
+                Ok(_) => "ok",
+                Err(Attempt::Refused(_)) => "refused",
+                Err(Attempt::Failed(e)) => {
+                    tandem_worker::trace::failed(&span, e);
+                    "failed"
+                }
+            };
+            span.record("tandem.prefill.result", result);
+            match r {
                 Ok(first) => {
                     self.counts.transfers_ok.fetch_add(1, Ordering::Relaxed);
                     return Some(first);
@@ -145,19 +173,23 @@ impl RemotePrefill {
     async fn attempt(
         &self,
         addr: &str,
-        request_id: &str,
-        prompt: &[u32],
-        sampling: pb::Sampling,
-        reservation: &Reservation,
+        ask: &Ask<'_>,
         grant: &mut Option<TransferGrant>,
+        span: &tracing::Span,
     ) -> Result<Sampled, Attempt> {
+        let Ask {
+            request_id,
+            prompt,
+            sampling,
+            reservation,
+        } = *ask;
         let mut client = self.client(addr)?;
         let g = grant.insert(
             self.receiver
                 .grant_open(&reservation.blocks, self.sink.clone()),
         );
         let uncached = prompt.len() - reservation.cached_tokens;
-        let call = tonic::Request::new(pb::PrefillRequest {
+        let mut call = tonic::Request::new(pb::PrefillRequest {
             request_id: request_id.to_string(),
             prompt_ids: prompt.to_vec(),
             cached_tokens: reservation.cached_tokens as u32,
@@ -168,6 +200,7 @@ impl RemotePrefill {
             }),
             sampling: Some(sampling),
         });
+        tandem_telemetry::inject(span, call.metadata_mut().as_mut());
         let mut watch = Progress::new(self.deadlines, uncached);
         // Opening the call waits for the worker's admission; it too must not hang.
         let mut updates = tokio::select! {
@@ -201,7 +234,7 @@ impl RemotePrefill {
                     }
                 }
                 r = g.wait(), if !arrived => {
-                    r.map_err(|e| e.to_string())?;
+                    received(span, &r.map_err(|e| e.to_string())?, reservation.blocks.len());
                     arrived = true;
                 }
                 _ = check.tick() => watch.frames(g.frames_received()),
@@ -210,6 +243,41 @@ impl RemotePrefill {
         }
         Ok(first.expect("loop ends with the first token"))
     }
+}
+
+/// Records the receiving side of a completed transfer as a span under the sender's transfer span
+/// (its context came over the KV wire), or under this attempt's when the sender sent none.
+fn received(attempt: &tracing::Span, stats: &TransferStats, blocks: usize) {
+    use tandem_telemetry::OpenTelemetrySpanExt;
+    if attempt.is_disabled() {
+        return;
+    }
+    let parent = stats
+        .context
+        .as_deref()
+        .and_then(tandem_telemetry::from_context_text)
+        .unwrap_or_else(|| attempt.context());
+    let now = SystemTime::now();
+    tandem_telemetry::record_past(
+        &parent,
+        "kv_receive",
+        stats.first_frame.unwrap_or(now),
+        now,
+        vec![
+            Attribute::new("tandem.kv.bytes", stats.bytes as i64),
+            Attribute::new("tandem.kv.frames", stats.frames as i64),
+            Attribute::new("tandem.kv.blocks", blocks as i64),
+        ],
+    );
+}
+
+/// What every candidate is asked for.
+#[derive(Clone, Copy)]
+struct Ask<'a> {
+    request_id: &'a str,
+    prompt: &'a [u32],
+    sampling: pb::Sampling,
+    reservation: &'a Reservation,
 }
 
 /// How one candidate's attempt ended, when it did not succeed.

@@ -23,7 +23,7 @@ use tokio::time::Instant;
 use tandem_types::BlockId;
 
 use crate::auth::{self, Secret};
-use crate::wire::{checksum, FrameHeader, FrameKind, HEADER_LEN};
+use crate::wire::{checksum, FrameHeader, FrameKind, HEADER_LEN, MAX_CONTEXT};
 use crate::TransferError;
 
 /// Where granted blocks are written: the worker's KV pool (or a test buffer).
@@ -81,12 +81,17 @@ impl Rejections {
 }
 
 /// What a completed transfer moved.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TransferStats {
     /// Block frames written.
     pub frames: u64,
     /// Payload bytes written.
     pub bytes: u64,
+    /// The sender's trace context (W3C `traceparent`, then a newline and `tracestate` when
+    /// present), when it sent one.
+    pub context: Option<String>,
+    /// When the first frame of the transfer arrived (`None` for an empty grant).
+    pub first_frame: Option<std::time::SystemTime>,
 }
 
 struct Grant {
@@ -98,6 +103,8 @@ struct Grant {
     sink: Arc<dyn BlockSink>,
     frames: u64,
     bytes: u64,
+    context: Option<String>,
+    first_frame: Option<std::time::SystemTime>,
     done: Option<oneshot::Sender<Result<TransferStats, TransferError>>>,
 }
 
@@ -106,6 +113,20 @@ impl Grant {
         if let Some(tx) = self.done.take() {
             let _ = tx.send(r);
         }
+    }
+
+    fn stats(&mut self) -> TransferStats {
+        TransferStats {
+            frames: self.frames,
+            bytes: self.bytes,
+            context: self.context.take(),
+            first_frame: self.first_frame,
+        }
+    }
+
+    fn heard(&mut self) {
+        self.first_frame
+            .get_or_insert_with(std::time::SystemTime::now);
     }
 }
 
@@ -225,13 +246,13 @@ impl KvReceiver {
             sink,
             frames: 0,
             bytes: 0,
+            context: None,
+            first_frame: None,
             done: Some(tx),
         };
         if remaining == 0 {
-            g.finish(Ok(TransferStats {
-                frames: 0,
-                bytes: 0,
-            }));
+            let stats = g.stats();
+            g.finish(Ok(stats));
         }
         grants.insert(id, g);
         TransferGrant {
@@ -437,6 +458,7 @@ async fn serve_connection(inner: &Arc<Inner>, mut sock: TcpStream) -> Result<(),
                         inner
                             .bytes
                             .fetch_add(payload.len() as u64, Ordering::Relaxed);
+                        g.heard();
                         g.frames += 1;
                         g.bytes += payload.len() as u64;
                         let seen = &mut g.blocks.get_mut(&BlockId(h.block)).expect("judged")
@@ -445,10 +467,7 @@ async fn serve_connection(inner: &Arc<Inner>, mut sock: TcpStream) -> Result<(),
                             *seen = true;
                             g.remaining -= 1;
                             if g.remaining == 0 {
-                                let stats = TransferStats {
-                                    frames: g.frames,
-                                    bytes: g.bytes,
-                                };
+                                let stats = g.stats();
                                 g.finish(Ok(stats));
                             }
                         }
@@ -479,6 +498,40 @@ async fn serve_connection(inner: &Arc<Inner>, mut sock: TcpStream) -> Result<(),
                 }
             }
             FrameKind::Abort => inner.fail(h.transfer, TransferError::Aborted),
+            FrameKind::Context => {
+                let mut grants = inner.grants.lock().expect("grants");
+                let Some(g) = grants.get_mut(&h.transfer) else {
+                    inner
+                        .rejections
+                        .unknown_transfer
+                        .fetch_add(1, Ordering::Relaxed);
+                    continue;
+                };
+                let why = if payload.len() > MAX_CONTEXT {
+                    inner.rejections.bad_length.fetch_add(1, Ordering::Relaxed);
+                    Some("bad_length")
+                } else if checksum(payload) != h.checksum {
+                    inner
+                        .rejections
+                        .bad_checksum
+                        .fetch_add(1, Ordering::Relaxed);
+                    Some("bad_checksum")
+                } else {
+                    None
+                };
+                match why {
+                    Some(why) => {
+                        drop(grants);
+                        tracing::warn!(transfer = h.transfer, why, "kv context frame rejected");
+                        inner.fail(h.transfer, TransferError::Rejected(why));
+                    }
+                    None => {
+                        g.heard();
+                        // Text that is not UTF-8 is no trace context: the transfer goes on untraced.
+                        g.context = std::str::from_utf8(payload).ok().map(str::to_string);
+                    }
+                }
+            }
         }
     }
 }

@@ -13,7 +13,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
 use crate::auth::{self, Secret};
-use crate::wire::{FrameHeader, FrameKind, HEADER_LEN};
+use crate::wire::{FrameHeader, FrameKind, HEADER_LEN, MAX_CONTEXT};
 use crate::TransferError;
 use tandem_types::BlockId;
 
@@ -67,6 +67,13 @@ pub trait KvStream: Send {
     fn end(&mut self, transfer: u64) -> BoxFuture<'_, Result<(), TransferError>>;
     /// Gives the transfer up (the receiver fails it at once instead of at its deadline).
     fn abort(&mut self, transfer: u64) -> BoxFuture<'_, Result<(), TransferError>>;
+    /// Tells the receiver the trace context of this transfer (at most
+    /// [`crate::wire::MAX_CONTEXT`] bytes of W3C trace-context text), before its first block.
+    fn context<'a>(
+        &'a mut self,
+        transfer: u64,
+        context: &'a str,
+    ) -> BoxFuture<'a, Result<(), TransferError>>;
 }
 
 /// Payload bytes hashed and then handed to one vectored write. Hashing first brings the
@@ -135,9 +142,15 @@ async fn write_all_vectored(
 }
 
 impl TcpKvStream {
-    async fn control(&mut self, kind: FrameKind, transfer: u64) -> Result<(), TransferError> {
-        let h = FrameHeader::control(kind, transfer).encode();
-        Ok(self.sock.write_all(&h).await?)
+    async fn control(
+        &mut self,
+        kind: FrameKind,
+        transfer: u64,
+        payload: &[u8],
+    ) -> Result<(), TransferError> {
+        let h = FrameHeader::control(kind, transfer, payload).encode();
+        let mut slices = [std::io::IoSlice::new(&h), std::io::IoSlice::new(payload)];
+        write_all_vectored(&mut self.sock, &mut slices).await
     }
 }
 
@@ -177,10 +190,27 @@ impl KvStream for TcpKvStream {
     }
 
     fn end(&mut self, transfer: u64) -> BoxFuture<'_, Result<(), TransferError>> {
-        Box::pin(self.control(FrameKind::End, transfer))
+        Box::pin(self.control(FrameKind::End, transfer, &[]))
     }
 
     fn abort(&mut self, transfer: u64) -> BoxFuture<'_, Result<(), TransferError>> {
-        Box::pin(self.control(FrameKind::Abort, transfer))
+        Box::pin(self.control(FrameKind::Abort, transfer, &[]))
+    }
+
+    fn context<'a>(
+        &'a mut self,
+        transfer: u64,
+        context: &'a str,
+    ) -> BoxFuture<'a, Result<(), TransferError>> {
+        Box::pin(async move {
+            if context.len() > MAX_CONTEXT {
+                return Err(TransferError::Config(format!(
+                    "a trace context of {} bytes is over the {MAX_CONTEXT}-byte limit",
+                    context.len()
+                )));
+            }
+            self.control(FrameKind::Context, transfer, context.as_bytes())
+                .await
+        })
     }
 }

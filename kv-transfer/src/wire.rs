@@ -1,4 +1,4 @@
-//! The KV wire format, version 2 (docs/kv-wire.md is the reference; keep the two in step).
+//! The KV wire format, version 3 (docs/kv-wire.md is the reference; keep the two in step).
 //!
 //! After the handshake (see [`crate::auth`]) a connection carries frames, each a fixed 40-byte
 //! little-endian header followed by the payload:
@@ -6,7 +6,7 @@
 //! | offset | size | field |
 //! |---|---|---|
 //! | 0 | 2 | magic `0x4B54` ("TK") |
-//! | 2 | 1 | kind: 1 block, 2 end of transfer, 3 abort |
+//! | 2 | 1 | kind: 1 block, 2 end of transfer, 3 abort, 4 trace context |
 //! | 3 | 1 | reserved, 0 |
 //! | 4 | 4 | layer |
 //! | 8 | 8 | transfer id |
@@ -22,7 +22,7 @@
 use crate::xxh3::xxh3_64;
 
 /// Protocol version spoken in the handshake.
-pub const VERSION: u16 = 2;
+pub const VERSION: u16 = 3;
 /// First bytes of every handshake message.
 pub const HELLO_MAGIC: [u8; 4] = *b"TKV1";
 /// First bytes of every frame header.
@@ -32,6 +32,8 @@ pub const HEADER_LEN: usize = 40;
 /// Largest payload a receiver accepts before even looking at the transfer (a corrupt length
 /// must not make it allocate gigabytes).
 pub const MAX_PAYLOAD: u32 = 64 << 20;
+/// Largest trace-context frame payload.
+pub const MAX_CONTEXT: usize = 1024;
 
 /// What a frame is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -43,6 +45,9 @@ pub enum FrameKind {
     End = 2,
     /// The sender gives the transfer up.
     Abort = 3,
+    /// The trace context of the sender's transfer span, so the receiver's span joins the
+    /// request's trace; optional, before the transfer's first block.
+    Context = 4,
 }
 
 /// The fixed-size header in front of every frame (little-endian on the wire).
@@ -89,15 +94,15 @@ impl FrameHeader {
         }
     }
 
-    /// The header of a control frame (end or abort), which has no payload.
-    pub fn control(kind: FrameKind, transfer: u64) -> Self {
+    /// The header of a control frame (end, abort, or trace context with `payload`).
+    pub fn control(kind: FrameKind, transfer: u64, payload: &[u8]) -> Self {
         Self {
             kind,
             layer: 0,
             transfer,
             block: 0,
-            len: 0,
-            checksum: checksum(&[]),
+            len: payload.len() as u32,
+            checksum: checksum(payload),
         }
     }
 
@@ -127,6 +132,7 @@ impl FrameHeader {
             1 => FrameKind::Block,
             2 => FrameKind::End,
             3 => FrameKind::Abort,
+            4 => FrameKind::Context,
             k => return Err(WireError::Kind(k)),
         };
         let len = u32_at(20);
@@ -156,10 +162,15 @@ mod tests {
 
     proptest! {
         #[test]
-        fn headers_round_trip(kind in 1u8..=3, layer: u32, transfer: u64, block: u32,
+        fn headers_round_trip(kind in 1u8..=4, layer: u32, transfer: u64, block: u32,
                               len in 0u32..=MAX_PAYLOAD, sum: u64) {
             let h = FrameHeader {
-                kind: match kind { 1 => FrameKind::Block, 2 => FrameKind::End, _ => FrameKind::Abort },
+                kind: match kind {
+                    1 => FrameKind::Block,
+                    2 => FrameKind::End,
+                    3 => FrameKind::Abort,
+                    _ => FrameKind::Context,
+                },
                 layer, transfer, block, len, checksum: sum,
             };
             prop_assert_eq!(FrameHeader::decode(&h.encode()), Ok(h));

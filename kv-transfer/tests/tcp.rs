@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::future::BoxFuture;
-use tandem_kv_transfer::wire::{FrameHeader, FrameKind};
+use tandem_kv_transfer::wire::{FrameHeader, FrameKind, MAX_CONTEXT};
 use tandem_kv_transfer::{
     BlockFrame, BlockId, BlockSink, KvReceiver, KvStream, KvTransport, Secret, TcpTransport,
     TransferError,
@@ -92,6 +92,57 @@ async fn a_transfer_lands_every_block_intact() {
     }
     assert_eq!(rx.bytes_received(), 12 * 1024);
     assert_eq!(rx.rejections().total(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trace_context_travels_with_its_transfer_and_a_damaged_one_fails_it() {
+    let rx = receiver().await;
+    let sink = MemSink::new(64, 1);
+    let mut grant = rx.grant(&ids(&[2]), sink.clone(), Duration::from_secs(10));
+    let t = TcpTransport::new(secret());
+    let mut s = t.open(&rx.local_addr().to_string()).await.unwrap();
+    let cx = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01\nvendor=abc";
+    s.context(grant.id(), cx).await.unwrap();
+    // A context for a transfer nobody granted is counted and harms nothing else.
+    s.context(grant.id() ^ 1, cx).await.unwrap();
+    s.send_block(grant.id(), 0, BlockId(2), &payload(0, 2, 64))
+        .await
+        .unwrap();
+    s.end(grant.id()).await.unwrap();
+    let stats = grant.wait().await.unwrap();
+    assert_eq!(stats.context.as_deref(), Some(cx));
+    assert!(stats.first_frame.is_some());
+    assert_eq!((stats.frames, stats.bytes), (1, 64));
+    assert_eq!(rx.rejections().unknown_transfer.load(Ordering::Relaxed), 1);
+    assert_eq!(rx.rejections().total(), 1);
+    let too_long = "x".repeat(MAX_CONTEXT + 1);
+    assert!(matches!(
+        s.context(7, &too_long).await,
+        Err(TransferError::Config(_))
+    ));
+
+    // A context frame whose checksum does not match fails its transfer at once.
+    let mut grant = rx.grant(&ids(&[3]), sink.clone(), Duration::from_secs(60));
+    let mut raw = tokio::net::TcpStream::connect(rx.local_addr())
+        .await
+        .unwrap();
+    tandem_kv_transfer::auth::connect(&mut raw, &secret())
+        .await
+        .unwrap();
+    let mut h = FrameHeader::control(FrameKind::Context, grant.id(), cx.as_bytes());
+    h.checksum ^= 1;
+    raw.write_all(&h.encode()).await.unwrap();
+    raw.write_all(cx.as_bytes()).await.unwrap();
+    assert!(matches!(
+        grant.wait().await,
+        Err(TransferError::Rejected("bad_checksum"))
+    ));
+    assert_eq!(rx.rejections().bad_checksum.load(Ordering::Relaxed), 1);
+    assert_eq!(
+        sink.count(),
+        1,
+        "nothing of the failed transfer was written"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -296,15 +347,30 @@ impl KvStream for FlipStream {
     }
     fn end(&mut self, transfer: u64) -> BoxFuture<'_, Result<(), TransferError>> {
         Box::pin(async move {
-            self.frame(FrameHeader::control(FrameKind::End, transfer), &[])
+            self.frame(FrameHeader::control(FrameKind::End, transfer, &[]), &[])
                 .await?;
             Ok(self.w.flush().await?)
         })
     }
     fn abort(&mut self, transfer: u64) -> BoxFuture<'_, Result<(), TransferError>> {
         Box::pin(async move {
-            self.frame(FrameHeader::control(FrameKind::Abort, transfer), &[])
+            self.frame(FrameHeader::control(FrameKind::Abort, transfer, &[]), &[])
                 .await?;
+            Ok(self.w.flush().await?)
+        })
+    }
+    fn context<'a>(
+        &'a mut self,
+        transfer: u64,
+        context: &'a str,
+    ) -> BoxFuture<'a, Result<(), TransferError>> {
+        Box::pin(async move {
+            let body = context.as_bytes();
+            self.frame(
+                FrameHeader::control(FrameKind::Context, transfer, body),
+                body,
+            )
+            .await?;
             Ok(self.w.flush().await?)
         })
     }

@@ -16,7 +16,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::DescriptorEncoder;
@@ -24,13 +24,16 @@ use tandem_engine::{BlockId, EngineHandle, Request, StreamEvent, ValidSampling};
 use tandem_kv_transfer::{BlockFrame, KvStream, KvTransport};
 use tandem_proto::wire::sampling_from_wire;
 use tandem_proto::worker::{self as pb, prefill_server::PrefillServer};
+use tandem_telemetry::OpenTelemetrySpanExt;
 use tandem_worker::convert::{status, BoxStream};
 use tandem_worker::metrics::{counter, engine_metrics, gauge, RequestMetrics};
+use tandem_worker::trace;
 pub use tandem_worker::WorkerIdentity;
 use tandem_worker::{ControlService, Drain, InFlight};
 use tokio::net::TcpListener;
 use tonic::server::NamedService;
 use tonic::{Request as GrpcRequest, Response, Status};
+use tracing::Instrument;
 
 /// Counted since start, for `/metrics`.
 #[derive(Debug, Default)]
@@ -271,6 +274,16 @@ impl Shared {
             sampling,
         } = checked;
         let bs = self.engine.limits().block_size;
+        let server = tracing::Span::current();
+        let prefill = tracing::info_span!(
+            parent: &server,
+            "prefill",
+            gen_ai.usage.input_tokens = req.prompt_ids.len() as i64,
+            tandem.prefill.computed_tokens = uncached as i64,
+            tandem.prefill.cached_tokens = cached as i64,
+            tandem.prefill.queued_tokens_ahead = ahead as i64,
+        );
+        let submitted = SystemTime::now();
         let mut stream = self
             .engine
             .submit_prefill(
@@ -291,6 +304,7 @@ impl Shared {
         )))
         .await
         .map_err(|_| Stop::Gone)?;
+        let mut kv = KvSpan::new(&prefill, &dest.endpoint, dest.block_ids.len());
         let mut conn: Box<dyn KvStream> =
             self.transport.open(&dest.endpoint).await.map_err(|e| {
                 Status::unavailable(format!(
@@ -299,6 +313,11 @@ impl Shared {
                 ))
             })?;
         let send_err = |e| Status::unavailable(format!("sending KV to {}: {e}", dest.endpoint));
+        if let Some(cx) = tandem_telemetry::context_text(&kv.span) {
+            conn.context(dest.transfer_id, &cx)
+                .await
+                .map_err(send_err)?;
+        }
         let mut first = None;
         let mut sent = 0u64;
         let mut beat = tokio::time::interval(HEARTBEAT);
@@ -339,11 +358,20 @@ impl Shared {
                         .await
                         .map_err(send_err)?;
                     sent += frames.iter().map(|f| f.payload.len() as u64).sum::<u64>();
+                    kv.bytes = sent;
                     admitted.sent((c.blocks * bs) as u64);
                 }
                 StreamEvent::Token(t) => first = Some(t),
                 StreamEvent::Finished(f) => {
                     self.requests.finished(&f);
+                    tandem_worker::trace::finished(&server, submitted, &f, false);
+                    tandem_telemetry::record_past(
+                        &prefill.context(),
+                        "queue",
+                        submitted,
+                        submitted + Duration::from_secs_f64(f.queue_s.max(0.0)),
+                        Vec::new(),
+                    );
                     break;
                 }
                 StreamEvent::Failed(e) => {
@@ -354,6 +382,7 @@ impl Shared {
         }
         let first = first.ok_or_else(|| Status::internal("the engine stopped mid-prefill"))?;
         conn.end(dest.transfer_id).await.map_err(send_err)?;
+        kv.done();
         self.counts.bytes_sent.fetch_add(sent, Ordering::Relaxed);
         self.counts
             .prefilled_tokens
@@ -379,19 +408,38 @@ impl pb::prefill_server::Prefill for PrefillService {
         request: GrpcRequest<pb::PrefillRequest>,
     ) -> Result<Response<Self::PrefillStream>, Status> {
         let s = &self.shared;
-        let req = request.into_inner();
-        let checked = s.check(&req)?;
-        let (mut admitted, ahead) = s.admit(checked.uncached)?;
+        let (metadata, _, req) = request.into_parts();
+        let span = trace::server_span(
+            "tandem.worker.v1.Prefill",
+            "Prefill",
+            &s.identity.model,
+            &req.request_id,
+            req.prompt_ids.len(),
+            &metadata,
+        );
+        let fail = |st: Status| {
+            trace::failed(&span, &st.message());
+            st
+        };
+        let checked = s.check(&req).map_err(&fail)?;
+        let (mut admitted, ahead) = s.admit(checked.uncached).map_err(&fail)?;
         let (tx, rx) = tokio::sync::mpsc::channel(4);
         let shared = s.clone();
         tokio::spawn(async move {
             let id = req.request_id.clone();
-            let r = shared.run(req, checked, &mut admitted, ahead, &tx).await;
+            let r = shared
+                .run(req, checked, &mut admitted, ahead, &tx)
+                .instrument(span.clone())
+                .await;
             let c = &shared.counts;
             match r {
                 Ok(()) => c.ok.fetch_add(1, Ordering::Relaxed),
-                Err(Stop::Gone) => c.cancelled.fetch_add(1, Ordering::Relaxed),
+                Err(Stop::Gone) => {
+                    trace::failed(&span, &"the caller went away");
+                    c.cancelled.fetch_add(1, Ordering::Relaxed)
+                }
                 Err(Stop::Failed(e)) => {
+                    trace::failed(&span, &e.message());
                     tracing::warn!(request = %id, error = %e, "prefill failed");
                     let _ = tx.send(Err(e)).await;
                     c.failed.fetch_add(1, Ordering::Relaxed)
@@ -403,6 +451,49 @@ impl pb::prefill_server::Prefill for PrefillService {
         Ok(Response::new(Box::pin(
             tokio_stream::wrappers::ReceiverStream::new(rx),
         )))
+    }
+}
+
+/// The span of one KV push: bytes as they go out, the result when it ends (a push dropped before
+/// [`KvSpan::done`] failed).
+struct KvSpan {
+    span: tracing::Span,
+    bytes: u64,
+    ok: bool,
+}
+
+impl KvSpan {
+    fn new(parent: &tracing::Span, endpoint: &str, blocks: usize) -> Self {
+        let span = tracing::info_span!(
+            parent: parent,
+            "kv_transfer",
+            otel.kind = "producer",
+            otel.status_code = tracing::field::Empty,
+            server.address = %endpoint,
+            tandem.kv.blocks = blocks as i64,
+            tandem.kv.bytes = tracing::field::Empty,
+            tandem.kv.result = tracing::field::Empty,
+        );
+        Self {
+            span,
+            bytes: 0,
+            ok: false,
+        }
+    }
+
+    fn done(&mut self) {
+        self.ok = true;
+    }
+}
+
+impl Drop for KvSpan {
+    fn drop(&mut self) {
+        self.span.record("tandem.kv.bytes", self.bytes as i64);
+        self.span
+            .record("tandem.kv.result", if self.ok { "ok" } else { "failed" });
+        if !self.ok {
+            self.span.record("otel.status_code", "error");
+        }
     }
 }
 

@@ -94,6 +94,9 @@ impl WorkerClient for GrpcClient {
         request: pb::DecodeRequest,
     ) -> Result<WorkerStream<pb::DecodeResponse>, Status> {
         let mut c = DecodeClient::new(self.channel.clone());
-        Ok(Box::pin(c.generate(request).await?.into_inner()))
+        // The worker's span hangs from the caller's (the routing decision or a migration).
+        let mut call = tonic::Request::new(request);
+        tandem_telemetry::inject(&tracing::Span::current(), call.metadata_mut().as_mut());
+        Ok(Box::pin(c.generate(call).await?.into_inner()))
     }
 }

@@ -9,6 +9,7 @@ use tandem_proto::v1 as pb;
 use tonic::{Request, Response, Status};
 
 use crate::dispatch::{Dispatcher, FinishKind, GenParams, MaxTokensDefault, PromptInput};
+use crate::trace;
 
 /// The `tandem.v1.Generation` service (Generate, Tokenize, ListModels) over a dispatcher.
 pub struct GenerationService {
@@ -63,7 +64,7 @@ impl pb::generation_server::Generation for GenerationService {
         &self,
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<GenStream>, Status> {
-        let r = request.into_inner();
+        let (metadata, _, r) = request.into_parts();
         let (text, chat, ids) = match r.prompt {
             Some(pb::generate_request::Prompt::Text(t)) => (Some(t), None, None),
             Some(pb::generate_request::Prompt::Chat(c)) => (None, Some(c), None),
@@ -71,8 +72,16 @@ impl pb::generation_server::Generation for GenerationService {
             None => (None, None, None),
         };
         let is_chat = chat.is_some();
+        let span = trace::request_span(
+            "tandem.v1.Generation/Generate",
+            if is_chat { "chat" } else { "text_completion" },
+            metadata.as_ref(),
+        );
         let d = &self.d;
-        let input = prompt_input(text, chat, ids).inspect_err(|_| d.metrics.request("invalid"))?;
+        let input = prompt_input(text, chat, ids).inspect_err(|e| {
+            d.metrics.request("invalid");
+            trace::failed(&span, &e.message());
+        })?;
         let s = r.sampling.unwrap_or_default();
         let st = r.stopping.unwrap_or_default();
         let params = GenParams {
@@ -101,8 +110,10 @@ impl pb::generation_server::Generation for GenerationService {
             .prepare(&r.model, input, params, default_max)
             .map_err(|e| {
                 d.metrics.request("invalid");
+                trace::failed(&span, &e);
                 e.grpc()
             })?;
+        let prep = trace::prepared(span, &d.model.name, prep);
         let request_id = if r.request_id.is_empty() {
             prep.request_id.to_string()
         } else {

@@ -47,6 +47,7 @@ mod metrics;
 mod openai;
 pub mod policy;
 mod text;
+mod trace;
 mod workers;
 
 pub use client::{Connect, WorkerClient, WorkerStream};

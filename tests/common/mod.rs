@@ -124,6 +124,11 @@ pub fn start_worker(extra: &[&str]) -> (Proc, String) {
 
 /// A decode worker's gRPC and KV addresses.
 pub fn start_decode(extra: &[&str]) -> (Proc, String, String) {
+    start_decode_env(extra, &[])
+}
+
+/// [`start_decode`] with extra environment variables.
+pub fn start_decode_env(extra: &[&str], env: &[(&str, &str)]) -> (Proc, String, String) {
     let mut args: Vec<String> = vec![
         "decode".into(),
         "--host=127.0.0.1".into(),
@@ -133,13 +138,18 @@ pub fn start_decode(extra: &[&str]) -> (Proc, String, String) {
         "--kv-port=0".into(),
     ];
     args.extend(extra.iter().map(|s| s.to_string()));
-    let (p, rest) = spawn(&args, "tandem decode: listening on");
+    let (p, rest) = spawn_env(&args, "tandem decode: listening on", env);
     let parts: Vec<&str> = rest.split_whitespace().collect();
     assert_eq!(parts.get(1), Some(&"kv"), "{rest}");
     (p, parts[0].to_string(), parts[2].to_string())
 }
 
 pub fn start_prefill(extra: &[&str]) -> (Proc, String) {
+    start_prefill_env(extra, &[])
+}
+
+/// [`start_prefill`] with extra environment variables.
+pub fn start_prefill_env(extra: &[&str], env: &[(&str, &str)]) -> (Proc, String) {
     let mut args: Vec<String> = vec![
         "prefill".into(),
         "--host=127.0.0.1".into(),
@@ -148,7 +158,7 @@ pub fn start_prefill(extra: &[&str]) -> (Proc, String) {
         "--kv-cache-mb=256".into(),
     ];
     args.extend(extra.iter().map(|s| s.to_string()));
-    spawn(&args, "tandem prefill: listening on")
+    spawn_env(&args, "tandem prefill: listening on", env)
 }
 
 /// Samples of a Prometheus text page, `name{labels}` -> value.
@@ -192,6 +202,11 @@ pub struct Router {
 }
 
 pub fn start_router(workers: &[String], extra: &[&str]) -> Router {
+    start_router_env(workers, extra, &[])
+}
+
+/// [`start_router`] with extra environment variables.
+pub fn start_router_env(workers: &[String], extra: &[&str], env: &[(&str, &str)]) -> Router {
     let mut args: Vec<String> = vec![
         "router".into(),
         "--host=127.0.0.1".into(),
@@ -204,7 +219,7 @@ pub fn start_router(workers: &[String], extra: &[&str]) -> Router {
         args.push(format!("--decode-workers={}", workers.join(",")));
     }
     args.extend(extra.iter().map(|s| s.to_string()));
-    let (proc, line) = spawn(&args, "tandem router:");
+    let (proc, line) = spawn_env(&args, "tandem router:", env);
     let parts: Vec<&str> = line.split_whitespace().collect();
     Router {
         proc,

@@ -7,8 +7,8 @@
 //! gRPC server every role runs (its own service, WorkerControl, grpc.health.v1 and `/metrics` on
 //! one port, then the drain on the shutdown signal); the Prometheus encoders and the engine's own
 //! metrics ([`metrics`]); the engine↔worker API conversions and the one mapping of an engine
-//! failure to a gRPC status ([`convert`]); and the KV pool as the destination of a transfer
-//! ([`PoolSink`]).
+//! failure to a gRPC status ([`convert`]); the KV pool as the destination of a transfer
+//! ([`PoolSink`]); and the spans of a request's trace both roles write ([`trace`]).
 //!
 //! Does not own: either role's own work (tandem-decode-worker's `Generate`,
 //! tandem-prefill-worker's `Prefill`), the engine loop, or routing.
@@ -21,6 +21,7 @@ mod drain;
 mod kv_sink;
 pub mod metrics;
 mod serve;
+pub mod trace;
 
 pub use control::ControlService;
 pub use drain::{Drain, InFlight};

@@ -5,12 +5,14 @@ use std::sync::Arc;
 
 use futures::StreamExt;
 use tandem_proto::worker as pb;
+use tracing::Instrument;
 
 use super::route::Route;
 use super::{Chunk, FinishKind, QueueSlot, ServedModel, TokenOut, Usage};
 use crate::client::WorkerStream;
 use crate::error::ApiError;
 use crate::text::TextAssembler;
+use crate::trace;
 use crate::workers::{InFlightGuard, WorkerAddr};
 
 /// One request's answer as it arrives. Dropping it cancels the request on the worker.
@@ -29,9 +31,13 @@ pub struct Generation {
     pub(super) route: Route,
     pub(super) tried: Vec<WorkerAddr>,
     pub(super) migrations_left: u32,
+    /// Migrations done so far.
+    pub(super) migrations: u32,
     /// How it ended, once it has: counted when the generation is dropped (`cancelled` if the
     /// client went away before either).
     pub(super) outcome: Option<&'static str>,
+    /// The request's span: ends when the generation drops.
+    pub(super) span: tracing::Span,
     pub(super) _slot: QueueSlot,
 }
 
@@ -83,9 +89,17 @@ impl Generation {
                 Ok(Some(Ok(m))) => {
                     let chunk = self.absorb(m);
                     self.outcome = match &chunk {
-                        Ok(c) if c.finish.is_some() => Some("ok"),
-                        Ok(_) => None,
-                        Err(_) => Some("failed"),
+                        Ok(c) => match &c.finish {
+                            Some((kind, usage)) => {
+                                trace::finished(&self.span, *kind, usage);
+                                Some("ok")
+                            }
+                            None => None,
+                        },
+                        Err(e) => {
+                            trace::failed(&self.span, e);
+                            Some("failed")
+                        }
                     };
                     return Some(chunk);
                 }
@@ -97,12 +111,15 @@ impl Generation {
                 Ok(Some(Err(s))) => {
                     self.done = true;
                     self.outcome = Some("failed");
-                    return Some(Err(ApiError::from_worker(self.worker(), &s)));
+                    let e = ApiError::from_worker(self.worker(), &s);
+                    trace::failed(&self.span, &e);
+                    return Some(Err(e));
                 }
             };
             if let Err(e) = self.migrate(failure).await {
                 self.done = true;
                 self.outcome = Some("failed");
+                trace::failed(&self.span, &e);
                 return Some(Err(e));
             }
         }
@@ -118,13 +135,32 @@ impl Generation {
         tracing::warn!(request = %self.request.request_id, worker = %lost, tokens = self.emitted.len(), error = %failure, "decode worker lost mid-stream; migrating");
         self.guard.worker().mark_down();
         self.stream = None;
+        let span = tracing::info_span!(
+            parent: &self.span,
+            "migrate",
+            tandem.migrate.from = %lost,
+            tandem.migrate.reason = %failure,
+            tandem.migrate.resumed_tokens = self.emitted.len() as i64,
+            tandem.route.worker = tracing::field::Empty,
+            tandem.route.cached_tokens = tracing::field::Empty,
+            tandem.route.prefill = tracing::field::Empty,
+            tandem.route.prefill_candidates = tracing::field::Empty,
+            otel.status_code = tracing::field::Empty,
+        );
         self.tried.push(lost);
         let opened = self
             .route
             .open(self.request.clone(), &self.emitted, &mut self.tried)
+            .instrument(span.clone())
             .await
-            .map_err(|_| failure)?;
+            .map_err(|_| {
+                span.record("otel.status_code", "error");
+                failure
+            })?;
         self.route.metrics.migration();
+        self.migrations += 1;
+        self.span
+            .record("tandem.migrations", i64::from(self.migrations));
         self.stream = Some(opened.stream);
         self.guard = opened.guard;
         self.prefill_guard = None;

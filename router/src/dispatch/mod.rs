@@ -18,6 +18,7 @@ use std::time::Duration;
 use tandem_model::{ChatMessage, LoadedModel};
 use tandem_proto::worker as pb;
 use tandem_types::ValidSampling;
+use tracing::Instrument;
 
 mod generation;
 mod prepare;
@@ -30,6 +31,7 @@ use crate::metrics::RouterMetrics;
 use crate::policy::disagg::DisaggConfig;
 use crate::policy::RoutingPolicy;
 use crate::text::TextAssembler;
+use crate::trace;
 use crate::workers::WorkerPool;
 use route::Route;
 
@@ -132,6 +134,17 @@ pub struct Prepared {
     pub params: GenParams,
     /// Checked once, here; the worker API carries it as is.
     sampling: ValidSampling,
+    /// The request's span (disabled unless the API edge traces it).
+    trace: tracing::Span,
+}
+
+impl Prepared {
+    /// The request, traced under `span`: its routing, migrations and the worker's spans hang
+    /// from it, and it records how the request ended.
+    pub fn traced(mut self, span: tracing::Span) -> Self {
+        self.trace = span;
+        self
+    }
 }
 
 /// Why a request's output ended.
@@ -269,7 +282,9 @@ impl Dispatcher {
         if n >= self.cfg.max_queue {
             self.metrics.refused("queue_full");
             self.metrics.request("refused");
-            return Err(ApiError::QueueFull(self.cfg.max_queue));
+            let e = ApiError::QueueFull(self.cfg.max_queue);
+            trace::failed(&prep.trace, &e);
+            return Err(e);
         }
         let (sampling, stopping) = tandem_proto::wire::sampling_to_wire(&prep.sampling);
         let request = pb::DecodeRequest {
@@ -289,7 +304,20 @@ impl Dispatcher {
             stall: self.cfg.stall,
         };
         let mut tried = Vec::new();
-        let open = match route.open(request.clone(), &[], &mut tried).await {
+        let routing = tracing::info_span!(
+            parent: &prep.trace,
+            "route",
+            tandem.route.policy = self.policy.name(),
+            tandem.route.worker = tracing::field::Empty,
+            tandem.route.cached_tokens = tracing::field::Empty,
+            tandem.route.prefill = tracing::field::Empty,
+            tandem.route.prefill_candidates = tracing::field::Empty,
+        );
+        let open = match route
+            .open(request.clone(), &[], &mut tried)
+            .instrument(routing)
+            .await
+        {
             Ok(o) => o,
             Err(e) => {
                 if matches!(e, ApiError::NoWorker) {
@@ -298,6 +326,7 @@ impl Dispatcher {
                 } else {
                     self.metrics.request("failed");
                 }
+                trace::failed(&prep.trace, &e);
                 return Err(e);
             }
         };
@@ -319,7 +348,9 @@ impl Dispatcher {
             route,
             tried,
             migrations_left: self.cfg.max_migrations,
+            migrations: 0,
             outcome: None,
+            span: prep.trace,
             _slot: slot,
         })
     }

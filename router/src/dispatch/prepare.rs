@@ -123,6 +123,7 @@ impl Dispatcher {
             prompt,
             params,
             sampling,
+            trace: tracing::Span::none(),
         })
     }
 }

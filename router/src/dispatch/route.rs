@@ -106,6 +106,20 @@ impl Route {
                 )
             };
             let remote = prefill_guard.is_some();
+            let routing = tracing::Span::current();
+            if !routing.is_disabled() {
+                routing.record("tandem.route.worker", worker.addr.as_str());
+                let cached = worker.cached_prefix_tokens(&request.prompt_ids) as i64;
+                routing.record("tandem.route.cached_tokens", cached);
+                routing.record(
+                    "tandem.route.prefill",
+                    if remote { "remote" } else { "local" },
+                );
+                if let Some(pb::prefill_plan::Plan::Remote(r)) = &plan.plan {
+                    let n = r.prefill_addrs.len() as i64;
+                    routing.record("tandem.route.prefill_candidates", n);
+                }
+            }
             request.prefill = Some(plan);
             match worker.client().generate(request.clone()).await {
                 Ok(stream) => {

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::extract::State;
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{middleware, Extension, Json};
@@ -28,6 +28,7 @@ use serde_json::{json, Value};
 use crate::dispatch::{Dispatcher, MaxTokensDefault, Prepared, PromptInput};
 use crate::error::ApiError;
 use crate::front::{require_key, FrontDoor};
+use crate::trace;
 use body::{BodyLimits, RequestBody};
 use request::{chat_messages, parse, ChatRequest, CompletionRequest, PromptField};
 use response::{respond, Api, Shape};
@@ -126,17 +127,26 @@ fn now() -> u64 {
         .unwrap_or(0)
 }
 
-async fn completions(State(d): State<Arc<Dispatcher>>, RequestBody(body): RequestBody) -> Response {
+async fn completions(
+    State(d): State<Arc<Dispatcher>>,
+    headers: HeaderMap,
+    RequestBody(body): RequestBody,
+) -> Response {
+    let span = trace::request_span("POST /v1/completions", "text_completion", &headers);
     match completion_request(&d, &body) {
-        Ok((prep, shape, stream)) => serve(d, prep, shape, stream).await,
-        Err(e) => invalid(&d, e),
+        Ok((prep, shape, stream)) => {
+            let prep = trace::prepared(span, &d.model.name, prep);
+            serve(d, prep, shape, stream).await
+        }
+        Err(e) => invalid(&d, e, &span),
     }
 }
 
 /// A request refused before it reached the dispatcher (malformed, out of range): counted as
-/// `invalid` and answered.
-fn invalid(d: &Dispatcher, e: ApiError) -> Response {
+/// `invalid`, marked on its span and answered.
+fn invalid(d: &Dispatcher, e: ApiError, span: &tracing::Span) -> Response {
     d.metrics.request("invalid");
+    trace::failed(span, &e);
     e.into_response()
 }
 
@@ -196,11 +206,16 @@ fn completion_request(d: &Dispatcher, body: &[u8]) -> Result<(Prepared, Shape, b
 
 async fn chat_completions(
     State(d): State<Arc<Dispatcher>>,
+    headers: HeaderMap,
     RequestBody(body): RequestBody,
 ) -> Response {
+    let span = trace::request_span("POST /v1/chat/completions", "chat", &headers);
     match chat_request(&d, &body) {
-        Ok((prep, shape, stream)) => serve(d, prep, shape, stream).await,
-        Err(e) => invalid(&d, e),
+        Ok((prep, shape, stream)) => {
+            let prep = trace::prepared(span, &d.model.name, prep);
+            serve(d, prep, shape, stream).await
+        }
+        Err(e) => invalid(&d, e, &span),
     }
 }
 
