@@ -82,7 +82,9 @@ async fn sent_to(http: &str, worker: &str) -> f64 {
     let m = scrape(http).await;
     metric(
         &m,
-        &format!("tandem_router_worker_requests_total{{role=\"decode\",worker=\"{worker}\"}}"),
+        &format!(
+            "tandem_router_worker_requests_total{{worker_role=\"decode\",worker=\"{worker}\"}}"
+        ),
     )
 }
 
@@ -143,7 +145,7 @@ async fn a_cluster_found_through_etcd_follows_joins_deaths_drains_and_etcd_resta
         let malformed = metric(&m, "tandem_discovery_malformed_cards_total");
         let refused = metric(
             &m,
-            "tandem_discovery_refused_workers_total{role=\"decode\",reason=\"block_size\"}",
+            "tandem_discovery_refused_workers_total{worker_role=\"decode\",reason=\"block_size\"}",
         );
         if malformed == 1.0 && refused == 1.0 {
             break;

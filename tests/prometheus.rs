@@ -215,10 +215,44 @@ async fn prometheus_scrapes_the_vllm_metric_set_from_every_role_with_the_values_
     )
     .await;
     expect(&prom, &p("tandem_generation_tokens_total"), remote).await;
-    // The router: every request answered.
+    // Tandem's own families carry the same labels: the KV transfers the decode worker took in,
+    // one duration each and no failure, and the prefill worker's calls.
     expect(
         &prom,
-        "tandem_router_requests_total{outcome=\"ok\"}",
+        &d("tandem_kv_transfer_duration_seconds_count"),
+        remote,
+    )
+    .await;
+    let kv_secs = query(&prom, &d("tandem_kv_transfer_duration_seconds_sum"))
+        .await
+        .unwrap();
+    assert!(kv_secs > 0.0, "{kv_secs}");
+    expect(
+        &prom,
+        &format!("sum({})", d("tandem_kv_transfer_failures_total")),
+        0.0,
+    )
+    .await;
+    expect(
+        &prom,
+        &format!("count({})", d("tandem_kv_transfer_failures_total")),
+        4.0,
+    )
+    .await;
+    expect(
+        &prom,
+        &format!(
+            "tandem_prefill_requests_total{{role=\"prefill\",model_name=\"{model}\",result=\"ok\"}}"
+        ),
+        remote,
+    )
+    .await;
+    // The router: every request answered, labelled like the workers.
+    expect(
+        &prom,
+        &format!(
+            "tandem_router_requests_total{{role=\"router\",model_name=\"{model}\",outcome=\"ok\"}}"
+        ),
         requests,
     )
     .await;

@@ -53,7 +53,7 @@ impl DecodeService {
     /// A decode worker over `engine`; its [`Drain`] is the one [`serve`] stops it with.
     pub fn new(engine: Arc<EngineHandle>, identity: WorkerIdentity) -> Self {
         Self {
-            requests: Arc::new(RequestMetrics::new(&identity.model, "decode")),
+            requests: Arc::new(RequestMetrics::new()),
             engine,
             identity,
             drain: Drain::new(),

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::DescriptorEncoder;
 use tandem_engine::EngineHandle;
-use tandem_worker::metrics::{counter, engine_metrics, gauge, RequestMetrics};
+use tandem_worker::metrics::{counter, engine_metrics, gauge, seconds, RequestMetrics};
 
 use crate::remote::RemotePrefill;
 
@@ -74,6 +74,24 @@ impl Collector for DecodeMetrics {
                 (&[("result", "failed")], l(&c.transfers_failed)),
                 (&[("result", "refused")], l(&c.transfers_refused)),
             ],
+        )?;
+        let reasons: Vec<([(&str, &str); 1], u64)> = crate::remote::Failure::ALL
+            .iter()
+            .map(|f| ([("reason", f.as_str())], l(&c.failures[*f as usize])))
+            .collect();
+        let samples: Vec<(&[(&str, &str)], u64)> =
+            reasons.iter().map(|(l, n)| (l.as_slice(), *n)).collect();
+        counter(
+            &mut enc,
+            "tandem_kv_transfer_failures",
+            "Remote prefill attempts that failed, by reason",
+            &samples,
+        )?;
+        seconds(
+            &mut enc,
+            "tandem_kv_transfer_duration",
+            "Time from granting a transfer its blocks to the last one arriving",
+            &c.duration,
         )?;
         counter(
             &mut enc,

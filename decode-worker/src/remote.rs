@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
+use prometheus_client::metrics::histogram::Histogram;
 use tandem_engine::{KvPoolWriter, Reservation, Sampled};
 use tandem_kv_transfer::{
     BlockSink, KvReceiver, Secret, TransferError, TransferGrant, TransferStats,
@@ -24,7 +25,7 @@ use tonic::transport::{Channel, Endpoint};
 use tandem_worker::PoolSink;
 
 /// How remote prefills ended, counted since start.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct RemoteCounts {
     /// Attempts whose blocks all arrived and whose first token came back.
     pub transfers_ok: AtomicU64,
@@ -37,6 +38,25 @@ pub struct RemoteCounts {
     pub fallbacks: AtomicU64,
     /// Remote plans taken locally because the pool had no room to reserve the prompt now.
     pub no_room: AtomicU64,
+    /// Failed attempts by [`Failure`] (indexed by its value).
+    pub failures: [AtomicU64; 4],
+    /// Seconds from granting blocks to a transfer to the last of them arriving, per completed
+    /// transfer (the prefill worker's compute included: blocks leave as chunks finish).
+    pub duration: Histogram,
+}
+
+impl Default for RemoteCounts {
+    fn default() -> Self {
+        Self {
+            transfers_ok: AtomicU64::new(0),
+            transfers_failed: AtomicU64::new(0),
+            transfers_refused: AtomicU64::new(0),
+            fallbacks: AtomicU64::new(0),
+            no_room: AtomicU64::new(0),
+            failures: Default::default(),
+            duration: tandem_worker::metrics::latency_histogram(),
+        }
+    }
 }
 
 /// This worker's KV ingress: the receiver, the address prefill workers reach it at, and the
@@ -140,9 +160,10 @@ impl RemotePrefill {
             let result = match &r {
                 Ok(_) => "ok",
                 Err(Attempt::Refused(_)) => "refused",
-                Err(Attempt::Failed(e)) => {
+                Err(Attempt::Failed(why, e)) => {
                     tandem_worker::trace::failed(&span, e);
-                    "failed"
+                    self.counts.failures[*why as usize].fetch_add(1, Ordering::Relaxed);
+                    why.as_str()
                 }
             };
             span.record("tandem.prefill.result", result);
@@ -157,7 +178,7 @@ impl RemotePrefill {
                         .fetch_add(1, Ordering::Relaxed);
                     tracing::info!(request = request_id, prefill = %addr, reason = %e, "prefill worker busy; trying the next candidate");
                 }
-                Err(Attempt::Failed(e)) => {
+                Err(Attempt::Failed(_, e)) => {
                     self.counts.transfers_failed.fetch_add(1, Ordering::Relaxed);
                     tracing::warn!(request = request_id, prefill = %addr, error = %e, "remote prefill failed; trying the next candidate");
                 }
@@ -183,7 +204,10 @@ impl RemotePrefill {
             sampling,
             reservation,
         } = *ask;
-        let mut client = self.client(addr)?;
+        let mut client = self
+            .client(addr)
+            .map_err(|e| Attempt::Failed(Failure::Unreachable, e))?;
+        let granted = Instant::now();
         let g = grant.insert(
             self.receiver
                 .grant_open(&reservation.blocks, self.sink.clone()),
@@ -206,9 +230,10 @@ impl RemotePrefill {
         let mut updates = tokio::select! {
             r = client.prefill(call) => r.map_err(|s| match s.code() {
                 tonic::Code::ResourceExhausted => Attempt::Refused(s.message().to_string()),
-                c => Attempt::Failed(format!("{c}: {}", s.message())),
+                tonic::Code::Unavailable => Attempt::Failed(Failure::Unreachable, s.message().to_string()),
+                c => Attempt::Failed(Failure::PrefillError, format!("{c}: {}", s.message())),
             })?.into_inner(),
-            _ = tokio::time::sleep_until(watch.give_up_at()) => return Err(watch.why().into()),
+            _ = tokio::time::sleep_until(watch.give_up_at()) => return Err(watch.stalled()),
         };
         let mut first: Option<Sampled> = None;
         let mut arrived = false;
@@ -217,13 +242,13 @@ impl RemotePrefill {
             tokio::select! {
                 m = updates.message(), if first.is_none() => {
                     let u = m
-                        .map_err(|s| format!("{}: {}", s.code(), s.message()))?
-                        .ok_or("the prefill worker ended the call without a first token")?;
+                        .map_err(|s| prefill_error(format!("{}: {}", s.code(), s.message())))?
+                        .ok_or_else(|| prefill_error("the prefill worker ended the call without a first token"))?;
                     match u.update {
                         Some(pb::prefill_update::Update::Accepted(a)) => watch.accepted(&a),
                         Some(pb::prefill_update::Update::Progress(p)) => watch.beat(&p),
                         Some(pb::prefill_update::Update::Done(r)) => {
-                            let t = r.first_token.ok_or("the prefill worker sent no first token")?;
+                            let t = r.first_token.ok_or_else(|| prefill_error("the prefill worker sent no first token"))?;
                             first = Some(Sampled {
                                 token: t.id,
                                 logprob: t.logprob,
@@ -234,11 +259,13 @@ impl RemotePrefill {
                     }
                 }
                 r = g.wait(), if !arrived => {
-                    received(span, &r.map_err(|e| e.to_string())?, reservation.blocks.len());
+                    let stats = r.map_err(|e| Attempt::Failed(Failure::Transfer, e.to_string()))?;
+                    self.counts.duration.observe(granted.elapsed().as_secs_f64());
+                    received(span, &stats, reservation.blocks.len());
                     arrived = true;
                 }
                 _ = check.tick() => watch.frames(g.frames_received()),
-                _ = tokio::time::sleep_until(watch.give_up_at()) => return Err(watch.why().into()),
+                _ = tokio::time::sleep_until(watch.give_up_at()) => return Err(watch.stalled()),
             }
         }
         Ok(first.expect("loop ends with the first token"))
@@ -284,19 +311,45 @@ struct Ask<'a> {
 enum Attempt {
     /// Turned away before any work (RESOURCE_EXHAUSTED): busy, not broken.
     Refused(String),
-    Failed(String),
+    /// Failed for the reason given, with what went wrong.
+    Failed(Failure, String),
 }
 
-impl From<String> for Attempt {
-    fn from(e: String) -> Self {
-        Attempt::Failed(e)
+/// Why a remote prefill attempt failed, as `tandem_kv_transfer_failures_total` counts it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Failure {
+    /// The prefill worker could not be reached (bad address, connection refused, gone).
+    Unreachable = 0,
+    /// The prefill worker answered with an error or broke the call's protocol.
+    PrefillError = 1,
+    /// No word from the prefill worker within its progress deadline.
+    Stalled = 2,
+    /// The KV transfer itself failed: a frame refused, an abort, blocks missing at its end.
+    Transfer = 3,
+}
+
+impl Failure {
+    /// Every reason, in index order.
+    pub const ALL: [Failure; 4] = [
+        Failure::Unreachable,
+        Failure::PrefillError,
+        Failure::Stalled,
+        Failure::Transfer,
+    ];
+
+    /// The reason's label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Failure::Unreachable => "unreachable",
+            Failure::PrefillError => "prefill_error",
+            Failure::Stalled => "stalled",
+            Failure::Transfer => "transfer",
+        }
     }
 }
 
-impl From<&str> for Attempt {
-    fn from(e: &str) -> Self {
-        Attempt::Failed(e.to_string())
-    }
+fn prefill_error(e: impl Into<String>) -> Attempt {
+    Attempt::Failed(Failure::PrefillError, e.into())
 }
 
 /// How often an attempt looks at the frames that arrived for it.
@@ -398,6 +451,10 @@ impl Progress {
             None => silent,
         };
         at.into()
+    }
+
+    fn stalled(&self) -> Attempt {
+        Attempt::Failed(Failure::Stalled, self.why())
     }
 
     fn why(&self) -> String {

@@ -151,7 +151,7 @@ impl PrefillService {
         identity: WorkerIdentity,
         limits: PrefillLimits,
     ) -> Self {
-        let requests = RequestMetrics::new(&identity.model, "prefill");
+        let requests = RequestMetrics::new();
         Self {
             shared: Arc::new(Shared {
                 engine,

@@ -217,7 +217,7 @@ pub async fn serve(
 ) -> Result<(), RouterError> {
     let door = args.door.resolve()?;
     let shared = PoolShared {
-        metrics: Arc::new(RouterMetrics::default()),
+        metrics: Arc::new(RouterMetrics::new(&model.name)),
         expect: Arc::new(tandem_discovery::Expect::new(
             vec![model.name.clone(), model.text.name.clone()],
             args.block_size,

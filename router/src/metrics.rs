@@ -42,8 +42,22 @@ pub const REFUSALS: [&str; 5] = [
 ];
 
 impl Default for RouterMetrics {
+    /// Metrics labelled with an empty model name (for tests).
     fn default() -> Self {
-        let mut registry = Registry::default();
+        Self::new("")
+    }
+}
+
+impl RouterMetrics {
+    /// The router's metrics for `model`: every sample labelled `model_name` and `role="router"`.
+    pub fn new(model: &str) -> Self {
+        let mut registry = Registry::with_labels(
+            [
+                ("model_name".into(), model.to_string().into()),
+                ("role".into(), "router".into()),
+            ]
+            .into_iter(),
+        );
         let prefill = Family::<Labels, Counter>::default();
         registry.register(
             "tandem_prefill_requests",
@@ -100,11 +114,12 @@ impl Default for RouterMetrics {
         );
         for role in Role::ALL {
             for change in ["join", "leave"] {
-                let _ = membership.get_or_create(&vec![("role", role.name()), ("change", change)]);
+                let _ = membership
+                    .get_or_create(&vec![("worker_role", role.name()), ("change", change)]);
             }
             for reason in ["model", "block_size"] {
-                let _ =
-                    refused_workers.get_or_create(&vec![("role", role.name()), ("reason", reason)]);
+                let _ = refused_workers
+                    .get_or_create(&vec![("worker_role", role.name()), ("reason", reason)]);
             }
         }
         // Both modes exist from the start, so a dashboard's rate() has a series to work on.
@@ -158,7 +173,7 @@ impl RouterMetrics {
     pub fn worker_request(&self, role: Role, worker: &impl std::fmt::Display) {
         self.worker_requests
             .get_or_create(&vec![
-                ("role", role.name().to_string()),
+                ("worker_role", role.name().to_string()),
                 ("worker", worker.to_string()),
             ])
             .inc();
@@ -167,14 +182,14 @@ impl RouterMetrics {
     /// A worker joined (`"join"`) or left (`"leave"`) the view.
     pub fn membership(&self, role: Role, change: &'static str) {
         self.membership
-            .get_or_create(&vec![("role", role.name()), ("change", change)])
+            .get_or_create(&vec![("worker_role", role.name()), ("change", change)])
             .inc();
     }
 
     /// A worker was found but refused (`reason`: a [`tandem_discovery::Refusal`] label).
     pub fn worker_refused(&self, role: Role, reason: &'static str) {
         self.refused_workers
-            .get_or_create(&vec![("role", role.name()), ("reason", reason)])
+            .get_or_create(&vec![("worker_role", role.name()), ("reason", reason)])
             .inc();
     }
 

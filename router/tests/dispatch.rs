@@ -468,11 +468,20 @@ impl Discovery for FakeDiscovery {
     }
 }
 
-/// One sample of the router's metrics page.
+/// One sample of the router's metrics page, named without the labels every sample carries.
 fn sample(d: &Dispatcher, key: &str) -> f64 {
+    const ROLE: &str = "model_name=\"\",role=\"router\"";
     d.metrics
         .render()
         .lines()
+        .filter(|l| !l.starts_with('#'))
+        .map(|l| {
+            assert!(l.contains(ROLE), "{l}: every sample is labelled");
+            l.replace(ROLE, "")
+                .replace("{,", "{")
+                .replace(",}", "}")
+                .replace("{}", "")
+        })
         .find_map(|l| l.strip_prefix(key)?.trim().parse().ok())
         .unwrap_or(0.0)
 }
@@ -538,7 +547,8 @@ async fn workers_that_join_take_requests_and_workers_that_leave_or_do_not_fit_ge
     found.join("w1");
     found.join("w2");
     until("w1 ready", || pool.ready().len() == 2).await;
-    let refused = "tandem_discovery_refused_workers_total{role=\"decode\",reason=\"block_size\"}";
+    let refused =
+        "tandem_discovery_refused_workers_total{worker_role=\"decode\",reason=\"block_size\"}";
     until("w2 refused", || sample(&d, refused) == 1.0).await;
     for _ in 0..4 {
         run(&d, answer.len() as u64).await.unwrap();
@@ -556,13 +566,14 @@ async fn workers_that_join_take_requests_and_workers_that_leave_or_do_not_fit_ge
     }
     assert_eq!((w0.calls().len(), w1.calls().len()), (4, 5));
     assert!(w2.calls().is_empty());
-    let joins = "tandem_discovery_membership_changes_total{role=\"decode\",change=\"join\"}";
-    let leaves = "tandem_discovery_membership_changes_total{role=\"decode\",change=\"leave\"}";
+    let joins = "tandem_discovery_membership_changes_total{worker_role=\"decode\",change=\"join\"}";
+    let leaves =
+        "tandem_discovery_membership_changes_total{worker_role=\"decode\",change=\"leave\"}";
     assert_eq!((sample(&d, joins), sample(&d, leaves)), (3.0, 1.0));
     assert_eq!(
         sample(
             &d,
-            "tandem_router_worker_requests_total{role=\"decode\",worker=\"w1\"}"
+            "tandem_router_worker_requests_total{worker_role=\"decode\",worker=\"w1\"}"
         ),
         5.0
     );

@@ -12,7 +12,8 @@
 //! global tracer is OpenTelemetry's no-op one, so tracing off costs a relaxed load per span.
 //!
 //! Configuration is OpenTelemetry's own environment: `OTEL_EXPORTER_OTLP_ENDPOINT` (or
-//! `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) turns export on; `OTEL_SERVICE_NAME` and
+//! `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) turns export on, `OTEL_SDK_DISABLED=true` off again;
+//! `OTEL_SERVICE_NAME` and
 //! `OTEL_RESOURCE_ATTRIBUTES` name the service (default `tandem-<role>`);
 //! `OTEL_TRACES_SAMPLER`/`_ARG`, `OTEL_BSP_*`, `OTEL_EXPORTER_OTLP_HEADERS`, `_TIMEOUT` and
 //! `_COMPRESSION` are honoured by the SDK. Only the gRPC protocol is built in.
@@ -91,7 +92,8 @@ pub fn init(service: &str, log_filter: &str) -> Result<Telemetry, TelemetryError
     let logs = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
         .with_filter(tracing_subscriber::EnvFilter::new(log_filter));
-    let Some(endpoint) = endpoint() else {
+    let disabled = env("OTEL_SDK_DISABLED").is_some_and(|v| v.eq_ignore_ascii_case("true"));
+    let Some(endpoint) = endpoint().filter(|_| !disabled) else {
         tracing_subscriber::registry().with(logs).init();
         return Ok(Telemetry {
             provider: None,

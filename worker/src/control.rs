@@ -32,6 +32,11 @@ impl ControlService {
     pub fn drain(&self) -> &Arc<Drain> {
         &self.drain
     }
+
+    /// Who the worker is.
+    pub fn identity(&self) -> &WorkerIdentity {
+        &self.identity
+    }
 }
 
 #[tonic::async_trait]

@@ -112,11 +112,11 @@ const FINISH_REASONS: [&str; 3] = ["stop", "length", "abort"];
 /// The per-request measures and engine gauges an operator's vLLM dashboards chart, with vLLM's
 /// meaning and units under Tandem's prefix (`vllm:time_to_first_token_seconds` is
 /// `tandem_time_to_first_token_seconds`, ...; the README's metrics table maps every one), each
-/// labelled with `model_name` and `role`. Observed where a request's events reach the worker's
+/// labelled (like every family of a worker's page: [`router`] sets them on the registry) with
+/// `model_name` and `role`. Observed where a request's events reach the worker's
 /// gRPC edge, so the engine loop does no more work for them.
 #[derive(Debug)]
 pub struct RequestMetrics {
-    labels: [(&'static str, String); 2],
     ttft: Histogram,
     itl: Histogram,
     e2e: Histogram,
@@ -129,15 +129,11 @@ pub struct RequestMetrics {
 }
 
 impl RequestMetrics {
-    /// Measures for a worker of `role` (`"decode"`, `"prefill"`) serving `model`.
-    pub fn new(model: &str, role: &'static str) -> Self {
+    /// Empty measures.
+    pub fn new() -> Self {
         let latency = || Histogram::new(LATENCY_BUCKETS);
         let request = || Histogram::new(REQUEST_BUCKETS);
         Self {
-            labels: [
-                ("model_name", model.to_string()),
-                ("role", role.to_string()),
-            ],
             ttft: latency(),
             itl: latency(),
             e2e: request(),
@@ -178,14 +174,10 @@ impl RequestMetrics {
 
     /// Writes the measures, and the engine gauges of `s`, in vLLM's terms.
     pub fn encode(&self, enc: &mut DescriptorEncoder, s: &EngineStats) -> std::fmt::Result {
-        let labels = [
-            (self.labels[0].0, self.labels[0].1.as_str()),
-            (self.labels[1].0, self.labels[1].1.as_str()),
-        ];
         // The module's `gauge` writes integers; these are fractions.
         let gauge = |enc: &mut DescriptorEncoder, name: &str, help: &str, v: f64| {
-            let mut m = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
-            ConstGauge::new(v).encode(m.encode_family(&labels)?)
+            let m = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
+            ConstGauge::new(v).encode(m)
         };
         gauge(
             enc,
@@ -233,11 +225,11 @@ impl RequestMetrics {
             ),
         ];
         for (name, help, v) in counts {
-            counter(enc, name, help, &[(&labels, v)])?;
+            counter(enc, name, help, &[(&[], v)])?;
         }
-        let by_reason: Vec<[(&str, &str); 3]> = FINISH_REASONS
+        let by_reason: Vec<[(&str, &str); 1]> = FINISH_REASONS
             .iter()
-            .map(|reason| [labels[0], labels[1], ("finished_reason", reason)])
+            .map(|reason| [("finished_reason", *reason)])
             .collect();
         let samples: Vec<(&[(&str, &str)], u64)> = by_reason
             .iter()
@@ -283,17 +275,43 @@ impl RequestMetrics {
             ),
         ];
         for (name, help, h) in hists {
-            let mut m =
-                enc.encode_descriptor(name, help, Some(&Unit::Seconds), MetricType::Histogram)?;
-            h.encode(m.encode_family(&labels)?)?;
+            seconds(enc, name, help, h)?;
         }
         Ok(())
     }
 }
 
-/// The text exposition of `collector`.
-pub fn render(collector: impl Collector) -> String {
-    let mut registry = Registry::default();
+impl Default for RequestMetrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Writes a histogram family of seconds (`name` gets `_seconds` appended).
+pub fn seconds(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    h: &Histogram,
+) -> std::fmt::Result {
+    let m = enc.encode_descriptor(name, help, Some(&Unit::Seconds), MetricType::Histogram)?;
+    h.encode(m)
+}
+
+/// A histogram with the bounds of [`seconds`]' latency families (1 ms to about 11 minutes).
+pub fn latency_histogram() -> Histogram {
+    Histogram::new(LATENCY_BUCKETS)
+}
+
+/// The text exposition of `collector`, every sample labelled with `labels` (a worker's
+/// `model_name` and `role`).
+pub fn render(collector: impl Collector, labels: &[(&'static str, String)]) -> String {
+    let mut registry = Registry::with_labels(labels.iter().map(|(k, v)| {
+        (
+            std::borrow::Cow::Borrowed(*k),
+            std::borrow::Cow::Owned(v.clone()),
+        )
+    }));
     registry.register_collector(Box::new(collector));
     let mut out = String::new();
     if let Err(e) = prometheus_client::encoding::text::encode(&mut out, &registry) {
@@ -302,16 +320,22 @@ pub fn render(collector: impl Collector) -> String {
     out
 }
 
-/// `GET /metrics` answering with `render(make())`.
-pub fn router<C: Collector + Clone>(collector: C) -> axum::Router {
+/// `GET /metrics` answering with `collector`'s families, every sample labelled `model_name` and
+/// `role` (as vLLM's dashboards select them).
+pub fn router<C: Collector + Clone>(collector: C, model: &str, role: &str) -> axum::Router {
+    let labels = std::sync::Arc::new([
+        ("model_name", model.to_string()),
+        ("role", role.to_string()),
+    ]);
     axum::Router::new().route(
         "/metrics",
         axum::routing::get(move || {
             let c = collector.clone();
+            let labels = labels.clone();
             async move {
                 (
                     [(axum::http::header::CONTENT_TYPE, CONTENT_TYPE)],
-                    render(c),
+                    render(c, labels.as_slice()),
                 )
             }
         }),

@@ -10,7 +10,8 @@ use tokio::net::TcpListener;
 use crate::ControlService;
 
 /// Serves a role's own service (`role`: its routes, `name`: its full gRPC name), the
-/// [`ControlService`] (whose [`Drain`](crate::Drain) stops the worker), grpc.health.v1 and `/metrics` (from `metrics`; plain HTTP/1.1 is accepted
+/// [`ControlService`] (whose [`Drain`](crate::Drain) stops the worker), grpc.health.v1 and `/metrics` (from `metrics`, every
+/// sample labelled with the worker's `model_name` and its `role`; plain HTTP/1.1 is accepted
 /// on the same port for it) on `listener` until `signal` resolves. Then it drains: health turns
 /// NOT_SERVING, new requests are refused, the ones in flight get up to `drain_deadline`, and the
 /// KV-event streams end.
@@ -24,6 +25,9 @@ pub async fn serve(
     drain_deadline: Duration,
 ) -> Result<(), tonic::transport::Error> {
     let drain = control.drain().clone();
+    // `tandem.worker.v1.Decode` serves the `decode` role.
+    let role_name = name.rsplit('.').next().unwrap_or(name).to_lowercase();
+    let model = control.identity().model.clone();
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter
         .set_service_status(name, tonic_health::ServingStatus::Serving)
@@ -62,7 +66,7 @@ pub async fn serve(
     }
     let routes = routes
         .into_axum_router()
-        .merge(crate::metrics::router(metrics));
+        .merge(crate::metrics::router(metrics, &model, &role_name));
     tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(10)))
         .tcp_nodelay(true)
