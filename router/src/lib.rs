@@ -76,7 +76,7 @@ use futures::StreamExt;
 use tokio::net::TcpListener;
 
 use crate::client::GrpcConnect;
-use crate::discovery::{DnsDiscovery, Published, SystemResolver};
+use crate::discovery::{DnsDiscovery, DnsResolver, Published};
 
 /// `tandem router` flags.
 #[derive(Args, Clone, Debug)]
@@ -141,7 +141,8 @@ pub struct RouterArgs {
     pub worker_stall_timeout_ms: u64,
     /// How workers are found: `static` (the --decode-workers and --prefill-workers lists),
     /// `etcd://HOST:PORT[,HOST:PORT...]` (workers register their cards there), or `k8s` (the
-    /// two lists name headless Services, `name:port`, re-resolved through DNS).
+    /// two lists name headless Services, re-resolved through DNS: `name:port` for A records,
+    /// `_grpc._tcp.name...` without a port for SRV records).
     #[arg(long, env = "TANDEM_DISCOVERY", default_value = "static")]
     pub discovery: DiscoverySpec,
     /// The cluster's name: with etcd, its workers' cards live under /tandem/<cluster>/.
@@ -151,6 +152,10 @@ pub struct RouterArgs {
     /// an error naming it).
     #[arg(long, env = "TANDEM_ETCD_TIMEOUT_MS", default_value_t = 5_000)]
     pub etcd_timeout_ms: u64,
+    /// k8s: the DNS server (`ip:port`) to resolve the Services' names through, instead of the
+    /// system's (`/etc/resolv.conf`).
+    #[arg(long, env = "TANDEM_DNS_SERVER")]
+    pub dns_server: Option<SocketAddr>,
     /// k8s: how often the Services' DNS names are resolved again, in milliseconds.
     #[arg(long, env = "TANDEM_DNS_REFRESH_MS", default_value_t = 2_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub dns_refresh_ms: u64,
@@ -186,6 +191,9 @@ pub enum RouterError {
     /// The front door's flags make no front door (an unreadable key file, a bad certificate).
     #[error(transparent)]
     FrontDoor(#[from] FrontDoorError),
+    /// The DNS resolver for k8s discovery could not start.
+    #[error("k8s discovery: {0}")]
+    Dns(String),
     /// A server failed while running, or its address could not be read back.
     #[error("server: {0}")]
     Serve(String),
@@ -384,7 +392,7 @@ async fn discover(
                 args.decode_workers.clone(),
                 args.prefill_workers.clone(),
                 Duration::from_millis(args.dns_refresh_ms),
-                Arc::new(SystemResolver),
+                Arc::new(DnsResolver::new(args.dns_server).map_err(RouterError::Dns)?),
             )
             .await,
         )),

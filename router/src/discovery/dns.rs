@@ -1,6 +1,8 @@
 //! Kubernetes discovery through DNS: a headless Service's name resolves to one address per
 //! ready pod, so re-resolving it every refresh interval follows the group as pods come, go and
-//! turn (un)ready. The port is the one given with the name (`tandem-decode.ns.svc:50100`).
+//! turn (un)ready. A name with a port (`tandem-decode.ns.svc:50100`) is looked up as A/AAAA
+//! records and every address takes that port; a name without one
+//! (`_grpc._tcp.tandem-decode.ns.svc.cluster.local`) as SRV records, each pod with its own port.
 //! A name that fails to resolve keeps its last addresses (a DNS blip must not empty the pool);
 //! a worker that is gone is found by the pool's own probes meanwhile.
 
@@ -21,13 +23,85 @@ pub trait Resolve: Send + Sync + 'static {
     fn resolve(&self, name: &str) -> BoxFuture<'static, std::io::Result<Vec<SocketAddr>>>;
 }
 
-/// The system resolver (`/etc/resolv.conf`: in a pod, the cluster's DNS).
-pub struct SystemResolver;
+/// DNS through hickory: a `host:port` name is looked up as A/AAAA records (every address with
+/// that port), a name without a port as SRV records (each target's addresses with the record's
+/// port: a headless Service's `_grpc._tcp.<service>.<ns>.svc.cluster.local` names one record per
+/// ready pod). Answers are cached no longer than their TTL.
+pub struct DnsResolver {
+    resolver: hickory_resolver::TokioResolver,
+}
 
-impl Resolve for SystemResolver {
+impl DnsResolver {
+    /// Through the system's configuration (`/etc/resolv.conf`: in a pod, the cluster's DNS), or
+    /// through the nameserver at `server` (`ip:port`) alone.
+    pub fn new(server: Option<SocketAddr>) -> Result<Self, String> {
+        use hickory_resolver::config::{ConnectionConfig, NameServerConfig, ResolverConfig};
+        use hickory_resolver::net::runtime::TokioRuntimeProvider;
+        let builder = match server {
+            None => hickory_resolver::TokioResolver::builder_tokio()
+                .map_err(|e| format!("reading the system's DNS configuration: {e}"))?,
+            Some(addr) => {
+                let mut udp = ConnectionConfig::udp();
+                udp.port = addr.port();
+                let mut tcp = ConnectionConfig::tcp();
+                tcp.port = addr.port();
+                let ns = NameServerConfig::new(addr.ip(), true, vec![udp, tcp]);
+                hickory_resolver::TokioResolver::builder_with_config(
+                    ResolverConfig::from_parts(None, Vec::new(), vec![ns]),
+                    TokioRuntimeProvider::default(),
+                )
+            }
+        };
+        let resolver = builder
+            .build()
+            .map_err(|e| format!("starting the DNS resolver: {e}"))?;
+        Ok(Self { resolver })
+    }
+}
+
+fn io(e: impl std::fmt::Display) -> std::io::Error {
+    std::io::Error::other(e.to_string())
+}
+
+impl Resolve for DnsResolver {
     fn resolve(&self, name: &str) -> BoxFuture<'static, std::io::Result<Vec<SocketAddr>>> {
+        let resolver = self.resolver.clone();
         let name = name.to_string();
-        Box::pin(async move { Ok(tokio::net::lookup_host(name).await?.collect()) })
+        Box::pin(async move {
+            let targets: Vec<(String, u16)> = match name.rsplit_once(':') {
+                Some((host, port)) => {
+                    let port = port
+                        .parse()
+                        .map_err(|_| io(format!("{name}: the port is not a number")))?;
+                    vec![(host.to_string(), port)]
+                }
+                None => match resolver.srv_lookup(name.as_str()).await {
+                    Ok(found) => found,
+                    // The name exists with no records: a Service with no ready pod.
+                    Err(e) if e.is_no_records_found() && !e.is_nx_domain() => return Ok(Vec::new()),
+                    Err(e) => return Err(io(e)),
+                }
+                .answers()
+                .iter()
+                .filter_map(|r| match &r.data {
+                    hickory_resolver::proto::rr::RData::SRV(srv) => {
+                        Some((srv.target.to_string(), srv.port))
+                    }
+                    _ => None,
+                })
+                .collect(),
+            };
+            let mut out = Vec::new();
+            for (host, port) in targets {
+                if let Ok(ip) = host.parse::<std::net::IpAddr>() {
+                    out.push(SocketAddr::new(ip, port));
+                    continue;
+                }
+                let ips = resolver.lookup_ip(host.as_str()).await.map_err(io)?;
+                out.extend(ips.iter().map(|ip| SocketAddr::new(ip, port)));
+            }
+            Ok(out)
+        })
     }
 }
 

@@ -15,7 +15,7 @@ use tokio::sync::watch;
 
 use crate::workers::WorkerAddr;
 
-pub use dns::{DnsDiscovery, SystemResolver};
+pub use dns::{DnsDiscovery, DnsResolver};
 #[cfg(feature = "etcd")]
 pub use etcd::EtcdDiscovery;
 
