@@ -18,8 +18,14 @@ use serde_json::{json, Value};
 
 const CLUSTER: &str = "--cluster=disc";
 const PREFIX: &str = "/tandem/disc/";
-/// Seconds a killed worker stays listed (short, so the test is short; the default is 10).
-const TTL: &str = "--lease-ttl-s=3";
+/// Seconds a killed worker stays listed: 3, so the test is short (the product's default is 10;
+/// `TANDEM_TEST_LEASE_TTL_S=10` measures the figures with it).
+fn ttl_s() -> u64 {
+    std::env::var("TANDEM_TEST_LEASE_TTL_S")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3)
+}
 
 fn router(etcd: &Etcd) -> Router {
     start_router(&[], &[&etcd.flag(), CLUSTER, "--policy=round-robin"])
@@ -35,7 +41,7 @@ fn decode(etcd: &Etcd, env: &[(&str, &str)], extra: &[&str]) -> (Proc, String) {
         "--kv-port=0".into(),
         etcd.flag(),
         CLUSTER.into(),
-        TTL.into(),
+        format!("--lease-ttl-s={}", ttl_s()),
     ];
     args.extend(extra.iter().map(|s| s.to_string()));
     let (p, rest) = spawn_env(&args, "tandem decode: listening on", env);
@@ -175,7 +181,8 @@ async fn a_cluster_found_through_etcd_follows_joins_deaths_drains_and_etcd_resta
     let unrouted = wait_view(&r.http, "a not ready", |v| !ready(v, &a_addr)).await;
     let gone = wait_view(&r.http, "a gone", |v| !listed(v, &a_addr)).await;
     println!(
-        "figure: etcd (ttl 3 s): SIGKILL -> not routed: {} ms, -> removed from the view: {} ms",
+        "figure: etcd (ttl {} s): SIGKILL -> not routed: {} ms, -> removed from the view: {} ms",
+        ttl_s(),
         unrouted.as_millis(),
         killed.elapsed().as_millis().max(gone.as_millis())
     );
