@@ -10,7 +10,6 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -20,24 +19,12 @@ const SERVICE: &str = "_grpc._tcp.tandem-decode.test";
 
 /// The DNS server on a free loopback port: its process, address and zone file.
 fn dns_server(dir: &Path) -> (Proc, String, PathBuf) {
-    use std::io::BufRead;
     let port = free_port();
     let zone = dir.join("zone.json");
     write_zone(&zone, &[]);
-    let mut child = Command::new(python())
-        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/dns_server.py"))
-        .arg(port.to_string())
-        .arg(&zone)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("python with dnslib (scripts/test installs it)");
-    let mut line = String::new();
-    std::io::BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    assert_eq!(line.trim(), "listening", "the DNS server did not start");
-    (Proc { child }, format!("127.0.0.1:{port}"), zone)
+    let args = [port.to_string(), zone.display().to_string()];
+    let p = python_server("dns_server.py", &args);
+    (p, format!("127.0.0.1:{port}"), zone)
 }
 
 /// The Service's records: one SRV per worker (`127.0.0.1:port`), its target a name with an A
@@ -57,18 +44,9 @@ fn write_zone(zone: &Path, workers: &[&str]) {
     std::fs::rename(&tmp, zone).unwrap();
 }
 
-async fn ready_state(http: &str) -> Value {
-    reqwest::get(format!("{http}/ready"))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
-}
-
 /// `worker`'s entry in the router's view (`None` when it is not in it).
 async fn view_of(http: &str, worker: &str) -> Option<Value> {
-    ready_state(http).await["workers"]
+    router_state(http).await["workers"]
         .as_array()
         .unwrap()
         .iter()

@@ -10,7 +10,6 @@ mod common;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -24,23 +23,13 @@ const GRPC_CLIENT_SPAN: &str = "b7ad6b7169203331";
 
 /// The OTLP receiver on a free loopback port: its process, endpoint URL and output file.
 fn otlp_sink(dir: &Path) -> (Proc, String, PathBuf) {
-    use std::io::BufRead;
     let port = free_port();
     let out = dir.join("spans.jsonl");
-    let mut child = Command::new(python())
-        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/otlp_sink.py"))
-        .arg(port.to_string())
-        .arg(&out)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("python with grpcio and opentelemetry-proto (scripts/test installs them)");
-    let mut line = String::new();
-    std::io::BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    assert_eq!(line.trim(), "listening", "the OTLP sink did not start");
-    (Proc { child }, format!("http://127.0.0.1:{port}"), out)
+    let p = python_server(
+        "otlp_sink.py",
+        &[port.to_string(), out.display().to_string()],
+    );
+    (p, format!("http://127.0.0.1:{port}"), out)
 }
 
 fn read_spans(path: &Path) -> Vec<Value> {

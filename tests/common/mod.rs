@@ -412,6 +412,33 @@ pub fn python() -> PathBuf {
     p
 }
 
+/// Starts `tests/<script>` (a test server in Python) with `args` and waits for the line
+/// "listening" it prints once it accepts.
+pub fn python_server(script: &str, args: &[String]) -> Proc {
+    use std::io::BufRead;
+    let mut child = Command::new(python())
+        .arg(
+            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("tests")
+                .join(script),
+        )
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap_or_else(|e| panic!("python {script}: {e}"));
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(
+        line.trim(),
+        "listening",
+        "{script} did not start (scripts/test installs what it imports)"
+    );
+    Proc { child }
+}
+
 pub async fn post(http: &str, path: &str, body: Value) -> (u16, Value) {
     let r = reqwest::Client::new()
         .post(format!("{http}{path}"))
