@@ -1,0 +1,174 @@
+{{/* A worker group: Deployment, headless Service (its SRV records are how the router finds the
+pods), PodDisruptionBudget. (dict "ctx" $ "role" "decode" "g" .Values.decode) */}}
+{{- define "tandem.workers" -}}
+{{- $ := .ctx }}
+{{- $g := .g }}
+{{- $role := .role }}
+{{- $full := include "tandem.fullname" $ }}
+{{- $sel := include "tandem.selector" (dict "ctx" $ "role" $role) }}
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: {{ $full }}-{{ $role }}
+  labels:
+    {{- include "tandem.labels" $ | nindent 4 }}
+    app.kubernetes.io/component: {{ $role }}
+spec:
+  replicas: {{ $g.replicas }}
+  selector:
+    matchLabels:
+      {{- $sel | nindent 6 }}
+  template:
+    metadata:
+      labels:
+        {{- $sel | nindent 8 }}
+    spec:
+      {{- with $.Values.image.pullSecrets }}
+      imagePullSecrets:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      securityContext:
+        runAsNonRoot: true
+        runAsUser: 10001
+        fsGroup: 10001
+      # SIGTERM: the worker deregisters (etcd) and reports NOT_SERVING first, then lets its
+      # requests finish for up to the drain timeout; Kubernetes waits longer than that.
+      terminationGracePeriodSeconds: {{ add $g.drainTimeoutSeconds 15 }}
+      containers:
+        - name: {{ $role }}
+          image: {{ include "tandem.image" $ }}
+          imagePullPolicy: {{ $.Values.image.pullPolicy }}
+          args:
+            - {{ $role }}
+            - --host=0.0.0.0
+            - --port={{ $g.port }}
+            - --advertise-host=$(POD_IP)
+            - --worker-id=$(POD_NAME)
+            - --device={{ $g.device }}
+            - --kv-cache-mb={{ $g.kvCacheMb }}
+            - --drain-timeout-s={{ $g.drainTimeoutSeconds }}
+            {{- if gt (int $g.threads) 0 }}
+            - --threads={{ $g.threads }}
+            {{- end }}
+            {{- if eq $role "decode" }}
+            - --kv-port={{ $g.kvPort }}
+            - --kv-advertise-host=$(POD_IP)
+            {{- end }}
+            {{- if eq $.Values.discovery.mode "etcd" }}
+            - --discovery=etcd://{{ join "," $.Values.discovery.etcd.endpoints }}
+            - --cluster={{ $.Values.discovery.etcd.cluster }}
+            - --lease-ttl-s={{ $.Values.discovery.etcd.leaseTtlSeconds }}
+            {{- else }}
+            - --discovery=k8s
+            {{- end }}
+            {{- range $g.extraArgs }}
+            - {{ . | quote }}
+            {{- end }}
+          env:
+            - name: POD_IP
+              valueFrom:
+                fieldRef: {fieldPath: status.podIP}
+            - name: POD_NAME
+              valueFrom:
+                fieldRef: {fieldPath: metadata.name}
+            - name: TANDEM_KV_SECRET
+              valueFrom:
+                secretKeyRef:
+                  name: {{ include "tandem.kvSecretName" $ }}
+                  key: kv-secret
+            {{- include "tandem.commonEnv" (dict "ctx" $) | nindent 12 }}
+          ports:
+            - name: grpc
+              containerPort: {{ $g.port }}
+            {{- if eq $role "decode" }}
+            - name: kv
+              containerPort: {{ $g.kvPort }}
+            {{- end }}
+          # grpc.health.v1 on the worker's port: SERVING once the model is loaded and warm,
+          # NOT_SERVING while it drains.
+          startupProbe:
+            grpc: {port: {{ $g.port }}}
+            periodSeconds: 5
+            failureThreshold: {{ div $g.startupSeconds 5 | max 1 }}
+          readinessProbe:
+            grpc: {port: {{ $g.port }}}
+            periodSeconds: 5
+          livenessProbe:
+            grpc: {port: {{ $g.port }}}
+            periodSeconds: 10
+            failureThreshold: 3
+          {{- with $g.resources }}
+          resources:
+            {{- toYaml . | nindent 12 }}
+          {{- end }}
+          volumeMounts:
+            - name: models
+              mountPath: /models
+              readOnly: true
+            {{- if $g.shmSizeLimit }}
+            - name: shm
+              mountPath: /dev/shm
+            {{- end }}
+      volumes:
+        - name: models
+          persistentVolumeClaim:
+            claimName: {{ include "tandem.modelClaim" $ }}
+            readOnly: true
+        {{- if $g.shmSizeLimit }}
+        - name: shm
+          emptyDir:
+            medium: Memory
+            sizeLimit: {{ $g.shmSizeLimit }}
+        {{- end }}
+      {{- with $g.nodeSelector }}
+      nodeSelector:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $g.tolerations }}
+      tolerations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $g.affinity }}
+      affinity:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $g.topologySpreadConstraints }}
+      topologySpreadConstraints:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+---
+apiVersion: v1
+kind: Service
+metadata:
+  name: {{ $full }}-{{ $role }}
+  labels:
+    {{- include "tandem.labels" $ | nindent 4 }}
+    app.kubernetes.io/component: {{ $role }}
+spec:
+  clusterIP: None
+  selector:
+    {{- $sel | nindent 4 }}
+  ports:
+    - name: grpc
+      port: {{ $g.port }}
+      targetPort: grpc
+    {{- if eq $role "decode" }}
+    - name: kv
+      port: {{ $g.kvPort }}
+      targetPort: kv
+    {{- end }}
+{{- if $g.podDisruptionBudget.enabled }}
+---
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata:
+  name: {{ $full }}-{{ $role }}
+  labels:
+    {{- include "tandem.labels" $ | nindent 4 }}
+spec:
+  maxUnavailable: {{ $g.podDisruptionBudget.maxUnavailable }}
+  selector:
+    matchLabels:
+      {{- $sel | nindent 6 }}
+{{- end }}
+{{- end -}}

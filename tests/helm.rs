@@ -1,0 +1,230 @@
+//! The Helm chart (deploy/helm/tandem), rendered the way an install would: `helm lint --strict`
+//! and `helm template` for the default values and every example values file; every rendered
+//! object valid under `kubernetes-validate --strict` (PyPI); every container's command line one
+//! the binary accepts (so the chart cannot pass a flag `tandem` does not know); a values typo or
+//! a wrong type refused by the schema naming the key; prefill and decode groups with different
+//! tensor-parallel sizes refused at render; and deploy/k8s/tandem.yaml exactly what the chart
+//! renders for users without Helm. `helm` comes from scripts/test (target/tools/helm) or
+//! `TANDEM_HELM`. No Kubernetes cluster runs here: installing is not tested.
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::{Command, Output, Stdio};
+
+use common::python;
+use serde_json::Value;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn chart() -> PathBuf {
+    root().join("deploy/helm/tandem")
+}
+
+fn helm(args: &[&str]) -> Output {
+    let bin = std::env::var_os("TANDEM_HELM")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join("target/tools/helm"));
+    Command::new(&bin)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("{}: {e} (scripts/test installs helm)", bin.display()))
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// `helm template` of the chart with `extra` arguments: the rendered YAML.
+fn render(extra: &[&str]) -> String {
+    let c = chart();
+    let mut args = vec!["template", "tandem", c.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    let o = helm(&args);
+    assert!(o.status.success(), "helm template {extra:?}: {}", text(&o));
+    String::from_utf8(o.stdout).unwrap()
+}
+
+/// The rendered objects as JSON (PyYAML, which kubernetes-validate brings along).
+fn objects(yaml: &str) -> Vec<Value> {
+    use std::io::Write;
+    let mut p = Command::new(python())
+        .args([
+            "-c",
+            "import sys, yaml, json; print(json.dumps([d for d in yaml.safe_load_all(sys.stdin) if d]))",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    p.stdin.take().unwrap().write_all(yaml.as_bytes()).unwrap();
+    let o = p.wait_with_output().unwrap();
+    assert!(o.status.success());
+    serde_json::from_slice(&o.stdout).unwrap()
+}
+
+fn validate(yaml: &str, what: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("rendered.yaml");
+    std::fs::write(&f, yaml).unwrap();
+    let bin = python().with_file_name("kubernetes-validate");
+    let o = Command::new(&bin)
+        .arg("--strict")
+        .arg(&f)
+        .output()
+        .unwrap_or_else(|e| panic!("{}: {e} (scripts/test installs it)", bin.display()));
+    assert!(o.status.success(), "{what}: {}", text(&o));
+}
+
+/// Every container's arguments, with the downward-API variables filled in, parse: the binary is
+/// asked for `--help` after them, which it gives only when every flag before it is known and
+/// every value valid.
+fn commands_parse(objs: &[Value], what: &str) -> usize {
+    let mut checked = 0;
+    for o in objs {
+        let containers = &o["spec"]["template"]["spec"]["containers"];
+        for c in containers.as_array().into_iter().flatten() {
+            let args: Vec<String> = c["args"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|a| {
+                    a.as_str()
+                        .unwrap()
+                        .replace("$(POD_IP)", "10.0.0.7")
+                        .replace("$(POD_NAME)", "pod-0")
+                })
+                .collect();
+            let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
+                .args(&args)
+                .arg("--help")
+                .env("TANDEM_KV_SECRET", "a-secret-of-enough-length")
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "{what}: {} {}: tandem {args:?} is refused: {}",
+                o["kind"],
+                o["metadata"]["name"],
+                text(&out)
+            );
+            checked += 1;
+        }
+    }
+    checked
+}
+
+#[test]
+fn the_chart_lints_renders_valid_objects_and_commands_the_binary_accepts() {
+    let c = chart();
+    let examples = ["", "examples/cpu.yaml", "examples/gpu-disagg.yaml"];
+    for ex in examples {
+        let values = c.join(ex);
+        let mut extra = Vec::new();
+        if !ex.is_empty() {
+            extra = vec!["-f", values.to_str().unwrap()];
+        }
+        let mut lint = vec!["lint", "--strict", c.to_str().unwrap()];
+        lint.extend_from_slice(&extra);
+        let o = helm(&lint);
+        assert!(o.status.success(), "helm lint {ex}: {}", text(&o));
+        let yaml = render(&extra);
+        validate(&yaml, ex);
+        let objs = objects(&yaml);
+        let kinds: Vec<&str> = objs.iter().map(|o| o["kind"].as_str().unwrap()).collect();
+        for k in [
+            "Deployment",
+            "Service",
+            "PodDisruptionBudget",
+            "Secret",
+            "Job",
+        ] {
+            assert!(kinds.contains(&k), "{ex}: no {k} in {kinds:?}");
+        }
+        // Router, decode, prefill and the model fetch.
+        assert_eq!(commands_parse(&objs, ex), 4, "{ex}");
+        // Workers drain before Kubernetes kills them.
+        for o in objs.iter().filter(|o| o["kind"] == "Deployment") {
+            let spec = &o["spec"]["template"]["spec"];
+            let args = spec["containers"][0]["args"].to_string();
+            if let Some(i) = args.find("--drain-timeout-s=") {
+                let drain: u64 = args[i + 18..].split('"').next().unwrap().parse().unwrap();
+                let grace = spec["terminationGracePeriodSeconds"].as_u64().unwrap();
+                assert!(grace > drain, "{ex}: grace {grace} s, drain {drain} s");
+            }
+        }
+    }
+
+    // The GPU example: its groups ask for GPUs, get a memory-backed /dev/shm and find each other
+    // through etcd.
+    let gpu = c.join("examples/gpu-disagg.yaml");
+    let objs = objects(&render(&["-f", gpu.to_str().unwrap()]));
+    let decode = objs
+        .iter()
+        .find(|o| o["kind"] == "Deployment" && o["metadata"]["name"] == "tandem-decode")
+        .unwrap();
+    let pod = &decode["spec"]["template"]["spec"];
+    assert_eq!(
+        pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"],
+        1
+    );
+    assert!(pod["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|v| v["emptyDir"]["medium"] == "Memory"));
+    let args = pod["containers"][0]["args"].to_string();
+    assert!(
+        args.contains("--discovery=etcd://etcd-0.etcd:2379,etcd-1.etcd:2379"),
+        "{args}"
+    );
+    assert!(args.contains("--device=cuda"), "{args}");
+}
+
+#[test]
+fn bad_values_are_refused_naming_what_is_wrong() {
+    let c = chart();
+    let c = c.to_str().unwrap();
+    for (set, says) in [
+        ("decode.replcas=2", "replcas"),
+        ("decode.replicas=two", "replicas"),
+        ("router.policy=fastest", "policy"),
+        ("discovery.mode=consul", "mode"),
+    ] {
+        let o = helm(&["lint", "--strict", c, "--set", set]);
+        assert!(!o.status.success(), "{set} was accepted");
+        assert!(text(&o).contains(says), "{set}: {}", text(&o));
+    }
+    // A decode worker receives KV laid out for its own tensor-parallel split.
+    let o = helm(&["template", "t", c, "--set-json", "prefill.tensorParallel=2"]);
+    assert!(!o.status.success());
+    let o = helm(&["template", "t", c, "--set", "discovery.mode=etcd"]);
+    assert!(!o.status.success(), "etcd without endpoints was accepted");
+    assert!(
+        text(&o).contains("discovery.etcd.endpoints"),
+        "{}",
+        text(&o)
+    );
+}
+
+#[test]
+fn the_plain_manifests_are_what_the_chart_renders() {
+    let rendered = render(&["--set", "kvSecret.existingSecret=tandem-kv"]);
+    let path = root().join("deploy/k8s/tandem.yaml");
+    let on_disk = std::fs::read_to_string(&path).unwrap_or_default();
+    let body = on_disk
+        .split_once("\n---\n")
+        .map(|(_, rest)| format!("---\n{rest}"))
+        .unwrap_or_default();
+    assert!(
+        body == rendered,
+        "{} is out of date: run scripts/render-manifests",
+        path.display()
+    );
+}
