@@ -214,6 +214,62 @@ fn bad_values_are_refused_naming_what_is_wrong() {
 }
 
 #[test]
+fn the_optional_monitoring_and_autoscaling_render() {
+    let c = chart();
+    let c = c.to_str().unwrap();
+    let on = [
+        "--set",
+        "metrics.serviceMonitor.enabled=true",
+        "--set",
+        "metrics.grafanaDashboard.enabled=true",
+        "--set",
+        "autoscaling.enabled=true",
+        "--set",
+        "autoscaling.prometheusAddress=http://prometheus.monitoring:9090",
+    ];
+    let mut lint = vec!["lint", "--strict", c];
+    lint.extend_from_slice(&on);
+    let o = helm(&lint);
+    assert!(o.status.success(), "{}", text(&o));
+    let objs = objects(&render(&on));
+    let count = |kind: &str| objs.iter().filter(|o| o["kind"] == kind).count();
+    assert_eq!(count("ServiceMonitor"), 2, "router and workers");
+    assert_eq!(count("ScaledObject"), 2, "decode and prefill");
+    // KEDA owns the groups' sizes: the Deployments leave replicas to it.
+    for o in objs.iter().filter(|o| o["kind"] == "Deployment") {
+        let name = o["metadata"]["name"].as_str().unwrap();
+        assert_eq!(
+            o["spec"]["replicas"].is_null(),
+            name != "tandem-router",
+            "{name}"
+        );
+    }
+    let scaled = objs.iter().find(|o| o["kind"] == "ScaledObject").unwrap();
+    let query = scaled["spec"]["triggers"][0]["metadata"]["query"]
+        .as_str()
+        .unwrap();
+    assert!(query.contains("tandem_num_requests_waiting"), "{query}");
+    // The dashboard the chart ships is deploy/grafana/tandem.json.
+    let cm = objs.iter().find(|o| o["kind"] == "ConfigMap").unwrap();
+    let shipped: Value = serde_json::from_str(cm["data"]["tandem.json"].as_str().unwrap()).unwrap();
+    let source: Value = serde_json::from_str(
+        &std::fs::read_to_string(root().join("deploy/grafana/tandem.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        shipped, source,
+        "deploy/helm/tandem/files/tandem.json is out of date"
+    );
+    let o = helm(&["template", "t", c, "--set", "autoscaling.enabled=true"]);
+    assert!(!o.status.success());
+    assert!(
+        text(&o).contains("autoscaling.prometheusAddress"),
+        "{}",
+        text(&o)
+    );
+}
+
+#[test]
 fn the_plain_manifests_are_what_the_chart_renders() {
     let rendered = render(&["--set", "kvSecret.existingSecret=tandem-kv"]);
     let path = root().join("deploy/k8s/tandem.yaml");

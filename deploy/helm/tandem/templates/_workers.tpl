@@ -14,7 +14,9 @@ metadata:
     {{- include "tandem.labels" $ | nindent 4 }}
     app.kubernetes.io/component: {{ $role }}
 spec:
+  {{- if not $.Values.autoscaling.enabled }}
   replicas: {{ $g.replicas }}
+  {{- end }}
   selector:
     matchLabels:
       {{- $sel | nindent 6 }}
