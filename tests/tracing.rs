@@ -331,3 +331,77 @@ async fn one_trace_spans_router_decode_and_prefill_with_the_kv_transfer_under_th
     .await;
     assert_one_tree(&spans, "");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_migration_is_a_span_and_the_new_workers_request_hangs_from_it() {
+    use futures::StreamExt;
+    const MIGRATED: &str = "5e1ec7ed0000000000000000000000a1";
+    let dir = tempfile::tempdir().unwrap();
+    let (_sink, endpoint, out) = otlp_sink(dir.path());
+    let env = [
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
+        ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+    ];
+    let (d1, a1, _) = start_decode_env(&[], &env);
+    let (d2, a2, _) = start_decode_env(&[], &env);
+    let r = start_router_env(&[a1.clone(), a2.clone()], &[], &env);
+    wait_ready(&r, 2).await;
+    let resp = reqwest::Client::new()
+        .post(format!("{}/v1/completions", r.http))
+        .header("traceparent", format!("00-{MIGRATED}-{CLIENT_SPAN}-01"))
+        .json(
+            &json!({"prompt": "Write a long story about a lighthouse keeper.",
+                      "max_tokens": 80, "temperature": 0, "ignore_eos": true, "stream": true}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut stream = resp.bytes_stream();
+    let mut raw = String::new();
+    let mut victim = None;
+    while let Some(chunk) = stream.next().await {
+        raw.push_str(std::str::from_utf8(&chunk.unwrap()).unwrap());
+        if victim.is_none() && sse_events(&raw).len() >= 10 {
+            let v = router_state(&r.http).await;
+            let busy = v["workers"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|w| w["in_flight"] == 1)
+                .expect("one worker holds the stream")["addr"]
+                .as_str()
+                .unwrap()
+                .to_string();
+            let p = if busy == a1 { &d1 } else { &d2 };
+            p.signal(libc::SIGKILL);
+            victim = Some(busy);
+        }
+    }
+    let victim = victim.expect("the stream outlived the point it was to be hit at");
+    let survivor = if victim == a1 { &a2 } else { &a1 };
+    let (_, finish, _) = read_stream(&raw);
+    assert_eq!(finish.as_deref(), Some("length"));
+
+    let spans = spans_of(&out, MIGRATED, |s| {
+        has(s, "tandem-router", "migrate")
+            && has(s, "tandem-router", "POST /v1/completions")
+            && has(s, "tandem-decode", "tandem.worker.v1.Decode/Generate")
+    })
+    .await;
+    // The killed worker's span never ended, so it was never sent; everything else is one tree.
+    assert_one_tree(&spans, CLIENT_SPAN);
+    let http = one(&spans, "tandem-router", "POST /v1/completions");
+    assert_eq!(attr(http, "tandem.migrations"), json!(1));
+    assert_eq!(attr(http, "gen_ai.usage.output_tokens"), json!(80));
+    let migrate = one(&spans, "tandem-router", "migrate");
+    assert_eq!(parent_of(&spans, migrate)["span_id"], http["span_id"]);
+    assert_eq!(attr(migrate, "tandem.migrate.from"), json!(victim));
+    assert_eq!(attr(migrate, "tandem.route.worker"), json!(survivor));
+    let resumed = attr(migrate, "tandem.migrate.resumed_tokens")
+        .as_i64()
+        .unwrap();
+    assert!((1..80).contains(&resumed), "{resumed}");
+    let decode = one(&spans, "tandem-decode", "tandem.worker.v1.Decode/Generate");
+    assert_eq!(parent_of(&spans, decode)["span_id"], migrate["span_id"]);
+}
