@@ -1,11 +1,12 @@
 """A small authoritative DNS server for tests: answers A and SRV queries from a JSON zone file that
 it reads again on every query, so a test changes the records by rewriting the file.
 
-Usage: dns_server.py PORT ZONE.json
+Usage: dns_server.py PORT ZONE.json [ADDR]
 
 The zone: {"srv": {"NAME.": [["TARGET.", PORT], ...]}, "a": {"NAME.": ["IP", ...]}}. A name in
 neither map gets NXDOMAIN; a known name with no records of the asked type gets an empty answer.
-Records have TTL 0. Serves UDP and TCP on 127.0.0.1:PORT (PyPI's dnslib) and prints "listening".
+Records have TTL 0. Serves UDP and TCP on ADDR:PORT (default 127.0.0.1; PyPI's dnslib) and prints
+"listening".
 """
 
 import json
@@ -46,11 +47,12 @@ class ZoneResolver(BaseResolver):
 
 def main():
     port, path = int(sys.argv[1]), sys.argv[2]
+    addr = sys.argv[3] if len(sys.argv) > 3 else "127.0.0.1"
     resolver = ZoneResolver(path)
     logger = DNSLogger(log="-request,-reply,-truncated,-error,-recv,-send,-data", prefix=False)
     servers = [
-        DNSServer(resolver, port=port, address="127.0.0.1", logger=logger),
-        DNSServer(resolver, port=port, address="127.0.0.1", tcp=True, logger=logger),
+        DNSServer(resolver, port=port, address=addr, logger=logger),
+        DNSServer(resolver, port=port, address=addr, tcp=True, logger=logger),
     ]
     for s in servers:
         s.start_thread()

@@ -10,9 +10,9 @@
 mod common;
 
 use std::path::PathBuf;
-use std::process::{Command, Output, Stdio};
+use std::process::Command;
 
-use common::python;
+use common::{helm, helm_render as render, output_text as text, python, yaml_objects as objects};
 use serde_json::Value;
 
 fn root() -> PathBuf {
@@ -21,52 +21,6 @@ fn root() -> PathBuf {
 
 fn chart() -> PathBuf {
     root().join("deploy/helm/tandem")
-}
-
-fn helm(args: &[&str]) -> Output {
-    let bin = std::env::var_os("TANDEM_HELM")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root().join("target/tools/helm"));
-    Command::new(&bin)
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| panic!("{}: {e} (scripts/test installs helm)", bin.display()))
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
-/// `helm template` of the chart with `extra` arguments: the rendered YAML.
-fn render(extra: &[&str]) -> String {
-    let c = chart();
-    let mut args = vec!["template", "tandem", c.to_str().unwrap()];
-    args.extend_from_slice(extra);
-    let o = helm(&args);
-    assert!(o.status.success(), "helm template {extra:?}: {}", text(&o));
-    String::from_utf8(o.stdout).unwrap()
-}
-
-/// The rendered objects as JSON (PyYAML, which kubernetes-validate brings along).
-fn objects(yaml: &str) -> Vec<Value> {
-    use std::io::Write;
-    let mut p = Command::new(python())
-        .args([
-            "-c",
-            "import sys, yaml, json; print(json.dumps([d for d in yaml.safe_load_all(sys.stdin) if d]))",
-        ])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    p.stdin.take().unwrap().write_all(yaml.as_bytes()).unwrap();
-    let o = p.wait_with_output().unwrap();
-    assert!(o.status.success());
-    serde_json::from_slice(&o.stdout).unwrap()
 }
 
 fn validate(yaml: &str, what: &str) {

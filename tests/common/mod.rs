@@ -78,15 +78,46 @@ pub fn spawn(args: &[String], marker: &str) -> (Proc, String) {
 
 /// [`spawn`] with extra environment variables.
 pub fn spawn_env(args: &[String], marker: &str, env: &[(&str, &str)]) -> (Proc, String) {
-    use std::os::unix::process::CommandExt;
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_tandem"));
     cmd.envs(env.iter().copied());
     cmd.args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .env("TANDEM_LOG", "warn")
         .env("TANDEM_KV_SECRET", KV_SECRET);
+    spawn_command(cmd, marker)
+}
+
+/// Runs `cmd` (its stdout read here) and waits for the stdout line starting with `marker`;
+/// returns the rest of that line.
+pub fn spawn_command(cmd: Command, marker: &str) -> (Proc, String) {
+    start_command(cmd, marker).wait()
+}
+
+/// A process started and not yet known to be ready: [`Starting::wait`] waits for its line.
+pub struct Starting {
+    proc: Proc,
+    line: mpsc::Receiver<String>,
+    what: String,
+}
+
+impl Starting {
+    /// Waits for the process's ready line (the bound only catches one that never prints it).
+    pub fn wait(mut self) -> (Proc, String) {
+        match self.line.recv_timeout(Duration::from_secs(180)) {
+            Ok(rest) => (self.proc, rest),
+            Err(_) => {
+                let status = self.proc.child.try_wait();
+                panic!("{} did not print its ready line ({status:?})", self.what)
+            }
+        }
+    }
+}
+
+/// Starts `cmd` (stdin closed, stdout read here, killed with this thread) without waiting:
+/// several can start at once.
+pub fn start_command(mut cmd: Command, marker: &str) -> Starting {
+    use std::os::unix::process::CommandExt;
+    cmd.stdin(Stdio::null()).stdout(Stdio::piped());
     // SAFETY: prctl only affects the child.
     unsafe {
         cmd.pre_exec(|| {
@@ -94,7 +125,8 @@ pub fn spawn_env(args: &[String], marker: &str, env: &[(&str, &str)]) -> (Proc, 
             Ok(())
         });
     }
-    let mut child = cmd.spawn().expect("start tandem");
+    let what = format!("{cmd:?}");
+    let mut child = cmd.spawn().unwrap_or_else(|e| panic!("start {what}: {e}"));
     let stdout = child.stdout.take().unwrap();
     let (tx, rx) = mpsc::channel();
     let wanted = marker.to_string();
@@ -110,10 +142,11 @@ pub fn spawn_env(args: &[String], marker: &str, env: &[(&str, &str)]) -> (Proc, 
             }
         }
     });
-    let rest = rx
-        .recv_timeout(Duration::from_secs(180))
-        .unwrap_or_else(|_| panic!("tandem {args:?} did not print {marker:?}"));
-    (Proc { child }, rest)
+    Starting {
+        proc: Proc { child },
+        line: rx,
+        what,
+    }
 }
 
 /// A decode worker's gRPC address.
@@ -415,8 +448,25 @@ pub fn python() -> PathBuf {
 /// Starts `tests/<script>` (a test server in Python) with `args` and waits for the line
 /// "listening" it prints once it accepts.
 pub fn python_server(script: &str, args: &[String]) -> Proc {
+    python_server_in(None, script, args)
+}
+
+/// `python ARGS`, inside network namespace `netns` when given.
+fn python_command(netns: Option<&str>) -> Command {
+    match netns {
+        Some(ns) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", ns]).arg(python());
+            c
+        }
+        None => Command::new(python()),
+    }
+}
+
+/// [`python_server`] inside network namespace `netns` (when given).
+pub fn python_server_in(netns: Option<&str>, script: &str, args: &[String]) -> Proc {
     use std::io::BufRead;
-    let mut child = Command::new(python())
+    let mut child = python_command(netns)
         .arg(
             PathBuf::from(env!("CARGO_MANIFEST_DIR"))
                 .join("tests")
@@ -459,6 +509,17 @@ pub async fn openai_python_client(
     tok: &tandem_model::Tokenizer,
     extra: &[String],
 ) {
+    openai_python_client_in(None, base_url, model, tok, extra).await
+}
+
+/// [`openai_python_client`] run inside network namespace `netns` (when given).
+pub async fn openai_python_client_in(
+    netns: Option<&str>,
+    base_url: &str,
+    model: &str,
+    tok: &tandem_model::Tokenizer,
+    extra: &[String],
+) {
     let cases: Vec<Value> = golden()
         .iter()
         .map(|g| {
@@ -487,7 +548,7 @@ pub async fn openai_python_client(
     std::fs::write(&path, serde_json::to_string(&cases).unwrap()).unwrap();
     let script =
         std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/openai_client.py");
-    let out = tokio::process::Command::new(python())
+    let out = tokio::process::Command::from(python_command(netns))
         .arg(script)
         .arg(format!("--base-url={base_url}"))
         .arg(format!("--model={model}"))
@@ -613,4 +674,66 @@ impl Etcd {
         let _ = self.proc.child.kill();
         let _ = self.proc.child.wait();
     }
+}
+
+/// The repository's root.
+pub fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// `helm ARGS`: scripts/test installs it in target/tools (or `TANDEM_HELM` names it).
+pub fn helm(args: &[&str]) -> std::process::Output {
+    let bin = std::env::var_os("TANDEM_HELM")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo_root().join("target/tools/helm"));
+    Command::new(&bin)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("{}: {e} (scripts/test installs helm)", bin.display()))
+}
+
+/// A command's stdout and stderr, as text.
+pub fn output_text(o: &std::process::Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// `helm template tandem deploy/helm/tandem EXTRA`: the rendered YAML.
+pub fn helm_render(extra: &[&str]) -> String {
+    let chart = repo_root().join("deploy/helm/tandem");
+    let mut args = vec!["template", "tandem", chart.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    let o = helm(&args);
+    assert!(
+        o.status.success(),
+        "helm template {extra:?}: {}",
+        output_text(&o)
+    );
+    String::from_utf8(o.stdout).unwrap()
+}
+
+/// Rendered objects as JSON (PyYAML, which kubernetes-validate brings along).
+pub fn yaml_objects(yaml: &str) -> Vec<Value> {
+    use std::io::Write;
+    let mut p = Command::new(python())
+        .args([
+            "-c",
+            "import sys, yaml, json; print(json.dumps([d for d in yaml.safe_load_all(sys.stdin) if d]))",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    p.stdin.take().unwrap().write_all(yaml.as_bytes()).unwrap();
+    let o = p.wait_with_output().unwrap();
+    assert!(o.status.success());
+    serde_json::from_slice(&o.stdout).unwrap()
+}
+
+/// [`helm_render`] as objects.
+pub fn helm_objects(extra: &[&str]) -> Vec<Value> {
+    yaml_objects(&helm_render(extra))
 }
