@@ -35,6 +35,9 @@ pub(crate) enum Command {
     Decode(serve::DecodeArgs),
     /// A prefill worker: prompts prefilled for decode workers, KV pushed to them.
     Prefill(serve::PrefillArgs),
+    /// Make the worker on this host leave the cluster before it is stopped (Kubernetes' preStop
+    /// hook): it takes no new requests and finishes the ones it has; SIGTERM then stops it.
+    Deregister(serve::DeregisterArgs),
     /// Generate offline: JSON lines on stdin (--jsonl), or one prompt streamed as text.
     Generate(generate::GenerateArgs),
     /// Benchmarks.
@@ -228,6 +231,7 @@ fn main() {
         Command::Router(a) => serve::run_router(a),
         Command::Decode(a) => serve::run_decode(a),
         Command::Prefill(a) => serve::run_prefill(a),
+        Command::Deregister(a) => serve::run_deregister(a),
         Command::Generate(a) => generate::run(a),
         Command::Bench { what } => bench::run(what),
         Command::Model {

@@ -12,7 +12,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use clap::Args;
 use tandem_decode_worker::remote::{Deadlines, RemotePrefill};
-use tandem_decode_worker::{DecodeService, WorkerIdentity};
+use tandem_decode_worker::{DecodeService, Drain, WorkerIdentity};
 use tandem_discovery::{DiscoverySpec, Role, WorkerCard};
 use tandem_engine::{EngineError, EngineHandle};
 use tandem_kernels::cuda::DeviceSpec;
@@ -175,9 +175,19 @@ async fn start_registration(
 }
 
 /// Resolves on SIGINT or SIGTERM, after deleting the worker's card (if it has one): the router
-/// stops sending new requests before the drain begins.
-async fn deregister_then_drain(registration: Option<Registration>) {
-    shutdown_signal().await;
+/// stops sending new requests before the drain begins. A worker that leaves first (`tandem
+/// deregister`, the preStop hook) deletes its card then, and still waits for the signal.
+async fn deregister_then_drain(registration: Option<Registration>, drain: Arc<Drain>) {
+    tokio::select! {
+        _ = shutdown_signal() => {}
+        _ = drain.left() => {
+            if let Some(r) = registration {
+                r.deregister().await;
+            }
+            shutdown_signal().await;
+            return;
+        }
+    }
     if let Some(r) = registration {
         r.deregister().await;
     }
@@ -376,10 +386,11 @@ pub fn run_decode(a: DecodeArgs) -> Result<()> {
         let registration = a.register.register(card).await?;
         println!("{DECODE_READY} {addr} {kv_line}");
         std::io::stdout().flush()?;
+        let drain = service.control().drain().clone();
         tandem_decode_worker::serve(
             listener,
             service,
-            deregister_then_drain(registration),
+            deregister_then_drain(registration, drain),
             Duration::from_secs(a.drain_timeout_s),
         )
         .await
@@ -428,15 +439,42 @@ pub fn run_prefill(a: PrefillArgs) -> Result<()> {
         let registration = a.register.register(card).await?;
         println!("{PREFILL_READY} {addr}");
         std::io::stdout().flush()?;
+        let drain = service.control().drain().clone();
         tandem_prefill_worker::serve(
             listener,
             service,
-            deregister_then_drain(registration),
+            deregister_then_drain(registration, drain),
             Duration::from_secs(a.drain_timeout_s),
         )
         .await
         .context("prefill worker")?;
         eprintln!("tandem prefill: stopped");
+        Ok(())
+    })
+}
+
+#[derive(Args, Clone, Debug)]
+pub struct DeregisterArgs {
+    /// The worker's gRPC port on this host (its `--port`).
+    #[arg(long)]
+    pub port: u16,
+}
+
+/// Asks the worker listening on 127.0.0.1:PORT to leave the cluster; prints its answer.
+pub fn run_deregister(a: DeregisterArgs) -> Result<()> {
+    let url = format!("http://127.0.0.1:{}/deregister", a.port);
+    runtime(1)?.block_on(async {
+        let resp = reqwest::Client::new()
+            .post(&url)
+            .send()
+            .await
+            .with_context(|| format!("no worker answers at {url}"))?;
+        let status = resp.status();
+        let body = resp.text().await.unwrap_or_default();
+        if !status.is_success() {
+            anyhow::bail!("{url}: {status}: {body}");
+        }
+        println!("{body}");
         Ok(())
     })
 }

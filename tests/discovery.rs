@@ -2,8 +2,10 @@
 //! the router routes to them; a worker killed with SIGKILL leaves after its lease's TTL and gets
 //! no request after that; a worker started later takes requests; etcd stopped and restarted
 //! mid-run leaves the cluster serving the workers it knew, then re-synced; a SIGTERM'd worker
-//! deletes its card before it drains, and its streams still finish. Also: malformed and
-//! incompatible cards are skipped and counted, and an etcd that is down at start is an error.
+//! deletes its card before it drains, and its streams still finish; one told to leave by the
+//! preStop hook (`tandem deregister`) deletes its card at once and runs until SIGTERM. Also:
+//! malformed and incompatible cards are skipped and counted, and an etcd that is down at start
+//! is an error.
 //!
 //! The figures the note reports (start to routed, kill to unrouted) are printed, never asserted.
 #![cfg(feature = "etcd")]
@@ -167,7 +169,7 @@ async fn a_cluster_found_through_etcd_follows_joins_deaths_drains_and_etcd_resta
     etcd.ctl(&["del", "/tandem/disc/decode/odd"]);
 
     // A second worker joins and takes its share.
-    let (_b, b_addr) = decode(&etcd, &[], &[]);
+    let (mut b, b_addr) = decode(&etcd, &[], &[]);
     wait_view(&r.http, "b ready", |v| ready(v, &b_addr)).await;
     for _ in 0..4 {
         complete(&r.http, &model, 2).await;
@@ -249,6 +251,40 @@ async fn a_cluster_found_through_etcd_follows_joins_deaths_drains_and_etcd_resta
     let after_c = sent_to(&r.http, &c_addr).await;
     complete(&r.http, &model, 2).await;
     assert_eq!(sent_to(&r.http, &c_addr).await, after_c);
+
+    // Kubernetes' preStop hook (`tandem deregister` on the worker's host) before SIGTERM: the
+    // card goes and the router drops the worker while it still runs; SIGTERM then stops it.
+    let port = b_addr.rsplit_once(':').unwrap().1;
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["deregister", &format!("--port={port}")])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let answer: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(answer["deregistered"], true, "{answer}");
+    let end = Instant::now() + Duration::from_secs(120);
+    while etcd.keys(PREFIX).contains(&key_of(&b_addr)) {
+        assert!(
+            Instant::now() < end,
+            "b's card still in etcd after deregister"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    wait_view(&r.http, "b gone", |v| !listed(v, &b_addr)).await;
+    assert!(
+        b.child.try_wait().unwrap().is_none(),
+        "b runs until SIGTERM"
+    );
+    assert!(worker_load(&b_addr).await.draining);
+    b.signal(libc::SIGTERM);
+    let status = b
+        .wait_exit(Duration::from_secs(120))
+        .expect("b exits after SIGTERM");
+    assert!(status.success(), "{status:?}");
 }
 
 #[test]

@@ -69,6 +69,21 @@ fn commands_parse(objs: &[Value], what: &str) -> usize {
                 text(&out)
             );
             checked += 1;
+            // The preStop hook's command, when there is one, is the binary's too.
+            if let Some(cmd) = c["lifecycle"]["preStop"]["exec"]["command"].as_array() {
+                let cmd: Vec<&str> = cmd.iter().map(|a| a.as_str().unwrap()).collect();
+                assert_eq!(cmd[0], "tandem", "{what}: preStop {cmd:?}");
+                let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
+                    .args(&cmd[1..])
+                    .arg("--help")
+                    .output()
+                    .unwrap();
+                assert!(
+                    out.status.success(),
+                    "{what}: preStop {cmd:?} is refused: {}",
+                    text(&out)
+                );
+            }
         }
     }
     checked
@@ -111,6 +126,9 @@ fn the_chart_lints_renders_valid_objects_and_commands_the_binary_accepts() {
                 let drain: u64 = args[i + 18..].split('"').next().unwrap().parse().unwrap();
                 let grace = spec["terminationGracePeriodSeconds"].as_u64().unwrap();
                 assert!(grace > drain, "{ex}: grace {grace} s, drain {drain} s");
+                // And they leave the cluster first.
+                let hook = &spec["containers"][0]["lifecycle"]["preStop"]["exec"]["command"];
+                assert_eq!(hook[1], "deregister", "{ex}: {hook}");
             }
         }
     }

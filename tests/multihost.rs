@@ -13,9 +13,11 @@
 //!
 //! The golden prompts are served exactly, with remote prefill across hosts, to the official
 //! OpenAI client and to a concurrent load. Then, with requests streaming: a decode and a prefill
-//! host's workers are killed (SIGKILL, then restarted as the kubelet would), and a decode host's
-//! link is taken down (a silent partition) and brought back. Every request still completes with
-//! the golden text, and the partitioned worker returns to idle with no KV block held.
+//! host's workers are killed (SIGKILL, then restarted as the kubelet would); a decode host's
+//! link is taken down (a silent partition) and brought back; and a decode worker is stopped the
+//! way Kubernetes stops a pod (the chart's preStop hook, then SIGTERM). Every request still
+//! completes with the golden text, the partitioned worker returns to idle with no KV block held,
+//! and the stopped one finishes its streams where they run and exits cleanly.
 //!
 //! Figures printed: rendered commands started -> cluster ready, and the golden load's throughput
 //! across hosts against the same commands on loopback, in this run.
@@ -795,6 +797,60 @@ fn the_chart_runs_across_hosts_and_loses_nothing_when_one_fails() {
     let (h, c) = (http.clone(), cases.clone());
     let (got, _) = block_in(&client_ns, move || load(h, c, 1, 12));
     assert_eq!(got * 2, all_tokens);
+
+    // Only the worker's own host may make it leave.
+    let a = pods[d0].addr();
+    let refused = block_in(&client_ns, move || async move {
+        reqwest::Client::new()
+            .post(format!("http://{a}/deregister"))
+            .send()
+            .await
+            .unwrap()
+            .status()
+    });
+    assert_eq!(refused, 403);
+
+    // A graceful stop mid-stream, as Kubernetes does it: the chart's preStop hook runs in the
+    // pod (the worker leaves: not routed to, its streams go on), the pod leaves the records,
+    // then SIGTERM. Every stream finishes where it runs: nothing moves, and the worker exits
+    // cleanly once they are done.
+    let pre_stop: Vec<String> = rendered.deployment("decode")["spec"]["template"]["spec"]
+        ["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+        .as_array()
+        .expect("the decode pods have a preStop hook")
+        .iter()
+        .map(|a| a.as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(pre_stop[0], "tandem");
+    let before = migrations(&scrape_all(vec![http.clone()])[0]);
+    let watch = pods[d1].addr();
+    let got = load_with_fault(&net, &http, &cases, watch, || {
+        let p = &mut pods[d1];
+        let o = Command::new("ip")
+            .args(["netns", "exec", &net.ns(&p.host)])
+            .arg(env!("CARGO_BIN_EXE_tandem"))
+            .args(&pre_stop[1..])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "preStop: {}", output_text(&o));
+        let comp = p.component().to_string();
+        zone.set(&comp, &p.name, &p.ip, p.port(), false);
+        p.proc.as_ref().unwrap().signal(libc::SIGTERM);
+    });
+    assert_eq!(got, all_tokens, "every request completed");
+    assert_eq!(
+        migrations(&scrape_all(vec![http.clone()])[0]),
+        before,
+        "no stream had to move off the leaving worker"
+    );
+    let status = pods[d1]
+        .proc
+        .as_mut()
+        .unwrap()
+        .wait_exit(Duration::from_secs(300))
+        .expect("the drained worker exited");
+    assert!(status.success(), "{status}");
+
     for p in pods.iter_mut() {
         p.proc = None;
     }

@@ -8,12 +8,15 @@ use tokio::sync::{watch, Notify};
 
 /// A worker's requests in flight and its draining state, shared by its services. On shutdown
 /// ([`Drain::drain`]) the worker refuses new work ([`Drain::enter`] fails), waits for what runs
-/// to finish within a deadline, then ends its long-lived streams (KV events).
+/// to finish within a deadline, then ends its long-lived streams (KV events). Before that, it
+/// may leave the cluster without stopping ([`Drain::leave`], Kubernetes' preStop hook): it
+/// refuses new work and reports draining while what runs goes on.
 #[derive(Debug)]
 pub struct Drain {
     count: AtomicUsize,
     changed: Notify,
     draining: AtomicBool,
+    left: watch::Sender<bool>,
     stop: watch::Sender<bool>,
 }
 
@@ -24,6 +27,7 @@ impl Drain {
             count: AtomicUsize::new(0),
             changed: Notify::new(),
             draining: AtomicBool::new(false),
+            left: watch::channel(false).0,
             stop: watch::channel(false).0,
         })
     }
@@ -48,6 +52,20 @@ impl Drain {
         self.draining.load(Ordering::SeqCst)
     }
 
+    /// Stops taking new work and wakes [`Drain::left`]; requests in flight go on, and nothing
+    /// stops until [`Drain::drain`]. Returns how many are in flight.
+    pub fn leave(&self) -> usize {
+        self.draining.store(true, Ordering::SeqCst);
+        self.left.send_replace(true);
+        self.in_flight()
+    }
+
+    /// Resolves once [`Drain::leave`] (or [`Drain::drain`]) has been called.
+    pub async fn left(&self) {
+        let mut rx = self.left.subscribe();
+        let _ = rx.wait_for(|l| *l).await;
+    }
+
     /// Turns true when the drain is over: long-lived streams end then.
     pub fn stopped(&self) -> watch::Receiver<bool> {
         self.stop.subscribe()
@@ -57,6 +75,7 @@ impl Drain {
     /// flips [`Drain::stopped`]. Returns how many were still running at the deadline.
     pub async fn drain(&self, deadline: Duration) -> usize {
         self.draining.store(true, Ordering::SeqCst);
+        self.left.send_replace(true);
         let idle = async {
             loop {
                 let changed = self.changed.notified();
@@ -109,6 +128,27 @@ mod tests {
         assert_eq!(drain.await.unwrap(), 0);
         stopped.changed().await.unwrap();
         assert!(*stopped.borrow());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn leaving_refuses_new_work_but_stops_nothing() {
+        let d = Drain::new();
+        let held = d.enter().unwrap();
+        let left = tokio::spawn({
+            let d = d.clone();
+            async move { d.left().await }
+        });
+        tokio::task::yield_now().await;
+        assert!(!left.is_finished());
+        assert_eq!(d.leave(), 1);
+        left.await.unwrap();
+        assert!(d.is_draining());
+        assert!(d.enter().is_err(), "no new work once left");
+        assert_eq!(d.in_flight(), 1, "what runs goes on");
+        assert!(!*d.stopped().borrow(), "nothing stops before the drain");
+        drop(held);
+        assert_eq!(d.drain(Duration::from_secs(60)).await, 0);
+        assert!(*d.stopped().borrow());
     }
 
     #[tokio::test(start_paused = true)]

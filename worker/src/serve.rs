@@ -15,6 +15,11 @@ use crate::ControlService;
 /// on the same port for it) on `listener` until `signal` resolves. Then it drains: health turns
 /// NOT_SERVING, new requests are refused, the ones in flight get up to `drain_deadline`, and the
 /// KV-event streams end.
+///
+/// `POST /deregister` from the worker's own host (Kubernetes' preStop hook runs
+/// `tandem deregister` in the pod) leaves the cluster ahead of the signal: health turns
+/// NOT_SERVING, `Load` reports draining and new requests are refused, while the ones in flight
+/// go on; the drain proper still waits for `signal`.
 pub async fn serve(
     listener: TcpListener,
     role: tonic::service::Routes,
@@ -25,6 +30,7 @@ pub async fn serve(
     drain_deadline: Duration,
 ) -> Result<(), tonic::transport::Error> {
     let drain = control.drain().clone();
+    let control_drain = drain.clone();
     // `tandem.worker.v1.Decode` serves the `decode` role.
     let role_name = name.rsplit('.').next().unwrap_or(name).to_lowercase();
     let model = control.identity().model.clone();
@@ -34,8 +40,25 @@ pub async fn serve(
         .await;
     let addr: Option<SocketAddr> = listener.local_addr().ok();
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    let leaving = drain.clone();
     let drained = async move {
-        signal.await;
+        let mut signal = std::pin::pin!(signal);
+        tokio::select! {
+            _ = &mut signal => {}
+            _ = leaving.left() => {
+                tracing::info!(
+                    ?addr,
+                    in_flight = leaving.in_flight(),
+                    "deregistered: taking no new requests, finishing the ones in flight until told to stop"
+                );
+                for service in [name, ""] {
+                    reporter
+                        .set_service_status(service, tonic_health::ServingStatus::NotServing)
+                        .await;
+                }
+                signal.await;
+            }
+        }
         tracing::info!(
             ?addr,
             role = name,
@@ -66,7 +89,11 @@ pub async fn serve(
     }
     let routes = routes
         .into_axum_router()
-        .merge(crate::metrics::router(metrics, &model, &role_name));
+        .merge(crate::metrics::router(metrics, &model, &role_name))
+        .route(
+            "/deregister",
+            axum::routing::post(deregister).with_state(control_drain),
+        );
     tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(10)))
         .tcp_nodelay(true)
@@ -74,4 +101,30 @@ pub async fn serve(
         .add_routes(tonic::service::Routes::from(routes))
         .serve_with_incoming_shutdown(incoming, drained)
         .await
+}
+
+/// `POST /deregister`: the worker leaves the cluster (see [`serve`]). Only a caller on the
+/// worker's own host may ask: anyone else gets 403.
+async fn deregister(
+    axum::extract::State(drain): axum::extract::State<std::sync::Arc<crate::Drain>>,
+    req: axum::extract::Request,
+) -> (axum::http::StatusCode, axum::Json<serde_json::Value>) {
+    let local = req
+        .extensions()
+        .get::<tonic::transport::server::TcpConnectInfo>()
+        .and_then(|c| c.remote_addr())
+        .is_some_and(|a| a.ip().is_loopback());
+    if !local {
+        return (
+            axum::http::StatusCode::FORBIDDEN,
+            axum::Json(serde_json::json!({
+                "error": "deregister is accepted only from the worker's own host (127.0.0.1)"
+            })),
+        );
+    }
+    let in_flight = drain.leave();
+    (
+        axum::http::StatusCode::OK,
+        axum::Json(serde_json::json!({"deregistered": true, "in_flight": in_flight})),
+    )
 }

@@ -33,8 +33,8 @@ spec:
         runAsNonRoot: true
         runAsUser: 10001
         fsGroup: 10001
-      # SIGTERM: the worker deregisters (etcd) and reports NOT_SERVING first, then lets its
-      # requests finish for up to the drain timeout; Kubernetes waits longer than that.
+      # preStop, then SIGTERM: the worker deregisters (etcd) and reports NOT_SERVING first, then
+      # lets its requests finish for up to the drain timeout; Kubernetes waits longer than that.
       terminationGracePeriodSeconds: {{ add $g.drainTimeoutSeconds 15 }}
       containers:
         - name: {{ $role }}
@@ -86,6 +86,12 @@ spec:
             - name: kv
               containerPort: {{ $g.kvPort }}
             {{- end }}
+          # Before SIGTERM: the worker leaves the cluster (NOT_SERVING, its etcd card deleted,
+          # new requests refused) and finishes what it runs; SIGTERM then drains and stops it.
+          lifecycle:
+            preStop:
+              exec:
+                command: ["tandem", "deregister", "--port={{ $g.port }}"]
           # grpc.health.v1 on the worker's port: SERVING once the model is loaded and warm,
           # NOT_SERVING while it drains.
           startupProbe:
