@@ -268,6 +268,47 @@ async fn bad_input(r: &Router, model: &str) {
             "invalid_value",
         ),
     ];
+    // What is not served yet is refused naming the field, never ignored.
+    for (path, field, value) in [
+        ("/v1/completions", "best_of", json!(3)),
+        ("/v1/completions", "logit_bias", json!({"1": 100})),
+        ("/v1/completions", "suffix", json!("end")),
+        ("/v1/completions", "guided_regex", json!("[0-9]+")),
+        (chat, "response_format", json!({"type": "json_object"})),
+        (
+            chat,
+            "tools",
+            json!([{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+        ),
+        (chat, "tool_choice", json!("required")),
+    ] {
+        let mut body = if path == chat {
+            json!({"model": model, "messages": msgs})
+        } else {
+            json!({"model": model, "prompt": "hi"})
+        };
+        body[field] = value;
+        let (s, v) = post(&r.http, path, body.clone()).await;
+        assert_eq!(s, 400, "{body} -> {v}");
+        assert_eq!(v["error"]["param"], field, "{body} -> {v}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("not supported"),
+            "{v}"
+        );
+    }
+    // Their neutral values pass.
+    let (s, v) = post(
+        &r.http,
+        chat,
+        json!({"model": model, "messages": msgs, "max_tokens": 1, "best_of": 1,
+               "logit_bias": {}, "response_format": {"type": "text"}, "tools": [],
+               "tool_choice": "none"}),
+    )
+    .await;
+    assert_eq!(s, 200, "{v}");
     for (path, body, status, code) in cases {
         let (s, v) = post(&r.http, path, body.clone()).await;
         assert_eq!(s, status, "{body} -> {v}");
@@ -297,6 +338,84 @@ async fn bad_input(r: &Router, model: &str) {
     .await;
     assert_eq!(s, 200, "{v}");
     assert_eq!(v["choices"][0]["text"], " Paris.\n");
+}
+
+/// vLLM's /tokenize and /detokenize: the model's tokenizer and chat template, the counts a
+/// generation reports, and a round trip.
+async fn tokenize_detokenize(r: &Router, model: &str, tok: &tandem_model::Tokenizer) {
+    let text = "The capital of France is";
+    let (s, v) = post(
+        &r.http,
+        "/tokenize",
+        json!({"model": model, "prompt": text}),
+    )
+    .await;
+    assert_eq!(s, 200, "{v}");
+    let want = tok.encode(text, true).unwrap();
+    let got: Vec<u32> = serde_json::from_value(v["tokens"].clone()).unwrap();
+    assert_eq!(got, want);
+    assert_eq!(v["count"], want.len());
+    let models: Value = reqwest::get(format!("{}/v1/models", r.http))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["max_model_len"], models["data"][0]["max_model_len"]);
+    let (_, v) = post(
+        &r.http,
+        "/detokenize",
+        json!({"model": model, "tokens": want}),
+    )
+    .await;
+    assert!(v["prompt"].as_str().unwrap().ends_with(text), "{v}");
+
+    // Messages: as many tokens as a chat completion's prompt.
+    let msgs = json!([{"role": "user", "content": "What is 2 + 2?"}]);
+    let (s, v) = post(
+        &r.http,
+        "/tokenize",
+        json!({"model": model, "messages": msgs}),
+    )
+    .await;
+    assert_eq!(s, 200, "{v}");
+    let (_, done) = post(
+        &r.http,
+        "/v1/chat/completions",
+        json!({"model": model, "messages": msgs, "max_tokens": 1, "temperature": 0}),
+    )
+    .await;
+    assert_eq!(v["count"], done["usage"]["prompt_tokens"], "{v} {done}");
+    let (_, open) = post(
+        &r.http,
+        "/tokenize",
+        json!({"model": model, "messages": msgs, "add_generation_prompt": false}),
+    )
+    .await;
+    assert!(open["count"].as_u64() < v["count"].as_u64(), "{open} {v}");
+
+    for (path, body, param) in [
+        ("/tokenize", json!({"model": model}), "prompt"),
+        (
+            "/detokenize",
+            json!({"model": model, "tokens": [1, 99999999]}),
+            "tokens",
+        ),
+    ] {
+        let (s, v) = post(&r.http, path, body.clone()).await;
+        assert_eq!(s, 400, "{body} -> {v}");
+        assert_eq!(v["error"]["param"], param, "{v}");
+    }
+    let (s, v) = post(
+        &r.http,
+        "/tokenize",
+        json!({"model": "gpt-17", "prompt": "x"}),
+    )
+    .await;
+    assert_eq!(
+        (s, v["error"]["code"].as_str()),
+        (400, Some("model_not_found"))
+    );
 }
 
 async fn cancel_mid_stream(r: &Router, worker: &str, model: &str) {
@@ -378,6 +497,7 @@ async fn one_worker_serves_clients_exactly_and_survives_bad_input() {
     grpc_health_and_reflection(&r).await;
     stop_strings(&r, &model).await;
     bad_input(&r, &model).await;
+    tokenize_detokenize(&r, &model, &tok).await;
     cancel_mid_stream(&r, &waddr, &model).await;
     concurrent_streams(&r, &model).await;
     wait_idle(&waddr).await;

@@ -1,9 +1,10 @@
 //! The OpenAI-compatible HTTP API: `/v1/completions`, `/v1/chat/completions` (SSE streaming and
-//! not), `/v1/models`, `/health`, `/ready`.
+//! not), `/v1/models`, vLLM's `/tokenize` and `/detokenize`, `/health`, `/ready`.
 //!
 //! Field names, response shapes and error bodies follow OpenAI's API, plus the extensions vLLM
 //! users rely on (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`,
-//! `skip_special_tokens`). Bodies are parsed here rather than by an extractor so that malformed
+//! `skip_special_tokens`). Fields it does not serve yet (`logit_bias`, `response_format`, `tools`,
+//! guided decoding, ...) are refused with a 400 naming them, never ignored. Bodies are parsed here rather than by an extractor so that malformed
 //! JSON gets an OpenAI-style 400 like every other refusal. A client that disconnects drops the
 //! response stream, which drops the [`Generation`] and cancels the request on its worker.
 //!
@@ -30,7 +31,10 @@ use crate::error::ApiError;
 use crate::front::{require_key, FrontDoor};
 use crate::trace;
 use body::{BodyLimits, RequestBody};
-use request::{chat_messages, parse, ChatRequest, CompletionRequest, PromptField};
+use request::{
+    chat_messages, parse, ChatRequest, CompletionRequest, DetokenizeRequest, PromptField,
+    TokenizeRequest,
+};
 use response::{respond, Api, Shape};
 
 /// The HTTP app over `d`: the `/v1` API and `/metrics` behind the door's keys, `/health` and
@@ -43,6 +47,8 @@ pub fn routes(d: Arc<Dispatcher>, door: &FrontDoor) -> axum::Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .route_layer(keyed(&door.api_keys));
     let metrics = axum::Router::new()
         .route("/metrics", get(metrics))
@@ -62,7 +68,7 @@ pub fn routes(d: Arc<Dispatcher>, door: &FrontDoor) -> axum::Router {
 }
 
 async fn not_found() -> Response {
-    let body = json!({"error": {"message": "no such route: the API is under /v1 (completions, chat/completions, models)", "type": "invalid_request_error", "param": null, "code": "not_found"}});
+    let body = json!({"error": {"message": "no such route: the API is under /v1 (completions, chat/completions, models), plus /tokenize and /detokenize", "type": "invalid_request_error", "param": null, "code": "not_found"}});
     (StatusCode::NOT_FOUND, Json(body)).into_response()
 }
 
@@ -120,6 +126,70 @@ async fn models(State(d): State<Arc<Dispatcher>>) -> Json<Value> {
     }))
 }
 
+/// vLLM's `/tokenize`: `{"count", "max_model_len", "tokens"}`.
+async fn tokenize(State(d): State<Arc<Dispatcher>>, RequestBody(body): RequestBody) -> Response {
+    let answer = || -> Result<Value, ApiError> {
+        let r: TokenizeRequest = parse(&body)?;
+        d.check_model(&r.model)?;
+        let m = &d.model.text;
+        let internal = |e: tandem_model::ModelError| ApiError::Internal(e.to_string());
+        let ids = match (r.prompt, r.messages) {
+            (Some(p), None) => m
+                .tokenizer
+                .encode(&p, r.add_special_tokens.unwrap_or(true))
+                .map_err(internal)?,
+            (None, Some(msgs)) => {
+                let msgs = chat_messages(msgs)?;
+                let t = m.chat_template.as_ref().ok_or_else(|| {
+                    ApiError::invalid("this model has no chat template", "messages")
+                })?;
+                let text = t
+                    .render(&msgs, r.add_generation_prompt.unwrap_or(true))
+                    .map_err(|e| ApiError::invalid(e.to_string(), "messages"))?;
+                m.tokenizer
+                    .encode(&text, r.add_special_tokens.unwrap_or(false))
+                    .map_err(internal)?
+            }
+            _ => {
+                return Err(ApiError::invalid(
+                    "send either prompt (text) or messages",
+                    "prompt",
+                ))
+            }
+        };
+        Ok(json!({"count": ids.len(), "max_model_len": d.model.max_context(), "tokens": ids}))
+    };
+    match answer() {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// vLLM's `/detokenize`: `{"prompt"}`, special tokens kept.
+async fn detokenize(State(d): State<Arc<Dispatcher>>, RequestBody(body): RequestBody) -> Response {
+    let answer = || -> Result<Value, ApiError> {
+        let r: DetokenizeRequest = parse(&body)?;
+        d.check_model(&r.model)?;
+        let m = &d.model.text;
+        let vocab = m.config.vocab_size;
+        if let Some(bad) = r.tokens.iter().find(|&&id| id as usize >= vocab) {
+            return Err(ApiError::invalid(
+                format!("token id {bad} is outside the vocabulary of {vocab}"),
+                "tokens",
+            ));
+        }
+        let text = m
+            .tokenizer
+            .decode(&r.tokens, false)
+            .map_err(|e| ApiError::invalid(e.to_string(), "tokens"))?;
+        Ok(json!({ "prompt": text }))
+    };
+    match answer() {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
 fn now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -163,6 +233,7 @@ async fn serve(d: Arc<Dispatcher>, prep: Prepared, shape: Shape, stream: bool) -
 
 fn completion_request(d: &Dispatcher, body: &[u8]) -> Result<(Prepared, Shape, bool), ApiError> {
     let r: CompletionRequest = parse(body)?;
+    r.not_served.check()?;
     let input = match r.prompt {
         PromptField::Text(t) => PromptInput::Text(t),
         PromptField::Ids(ids) => PromptInput::Ids(ids),
@@ -221,6 +292,7 @@ async fn chat_completions(
 
 fn chat_request(d: &Dispatcher, body: &[u8]) -> Result<(Prepared, Shape, bool), ApiError> {
     let r: ChatRequest = parse(body)?;
+    r.not_served.check()?;
     let messages = chat_messages(r.messages)?;
     let mut params = r
         .sampling

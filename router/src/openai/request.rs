@@ -3,6 +3,7 @@
 
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
+use serde_json::Value;
 use tandem_model::ChatMessage;
 
 use crate::dispatch::GenParams;
@@ -93,6 +94,106 @@ impl Sampling {
     }
 }
 
+/// Fields of OpenAI's (and vLLM's) API that this router does not serve yet. They are refused
+/// with a reason rather than ignored: ignoring one would answer something other than what the
+/// client asked for (an unbiased sample, free text instead of JSON, no tool call).
+#[derive(Deserialize, Default)]
+#[serde(default)]
+pub(super) struct NotServed {
+    best_of: Option<u32>,
+    logit_bias: Option<serde_json::Map<String, Value>>,
+    response_format: Option<Value>,
+    tools: Option<Vec<Value>>,
+    tool_choice: Option<Value>,
+    functions: Option<Vec<Value>>,
+    function_call: Option<Value>,
+    guided_json: Option<Value>,
+    guided_regex: Option<Value>,
+    guided_choice: Option<Value>,
+    guided_grammar: Option<Value>,
+    suffix: Option<String>,
+}
+
+impl NotServed {
+    /// Refuses the first field that asks for what is not served (its neutral values pass:
+    /// `best_of: 1`, an empty `logit_bias`, `response_format: {"type": "text"}`, no tools,
+    /// `tool_choice: "none"`, an empty suffix).
+    pub(super) fn check(&self) -> Result<(), ApiError> {
+        let refuse = |what: &str, param: &'static str| {
+            Err(ApiError::invalid(
+                format!("{what} is not supported by this server yet"),
+                param,
+            ))
+        };
+        if self.best_of.is_some_and(|b| b > 1) {
+            return refuse("best_of > 1 (one sample per request)", "best_of");
+        }
+        if self.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
+            return refuse("logit_bias", "logit_bias");
+        }
+        if let Some(f) = &self.response_format {
+            let kind = f.get("type").and_then(Value::as_str).unwrap_or("");
+            if kind != "text" {
+                return refuse(
+                    &format!("response_format {kind:?} (structured outputs)"),
+                    "response_format",
+                );
+            }
+        }
+        if self.tools.as_ref().is_some_and(|t| !t.is_empty())
+            || self.functions.as_ref().is_some_and(|f| !f.is_empty())
+        {
+            return refuse("tool calling (tools, functions)", "tools");
+        }
+        let none = |v: &Option<Value>| v.as_ref().is_none_or(|c| c == "none");
+        if !none(&self.tool_choice) {
+            return refuse("tool_choice other than \"none\"", "tool_choice");
+        }
+        if !none(&self.function_call) {
+            return refuse("function_call", "function_call");
+        }
+        for (v, param) in [
+            (&self.guided_json, "guided_json"),
+            (&self.guided_regex, "guided_regex"),
+            (&self.guided_choice, "guided_choice"),
+            (&self.guided_grammar, "guided_grammar"),
+        ] {
+            if v.is_some() {
+                return refuse(&format!("{param} (guided decoding)"), param);
+            }
+        }
+        if self.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
+            return refuse("suffix (insertion)", "suffix");
+        }
+        Ok(())
+    }
+}
+
+/// vLLM's `POST /tokenize`: a prompt, or chat messages through the model's template.
+#[derive(Deserialize)]
+pub(super) struct TokenizeRequest {
+    #[serde(default)]
+    pub(super) model: String,
+    #[serde(default)]
+    pub(super) prompt: Option<String>,
+    #[serde(default)]
+    pub(super) messages: Option<Vec<Message>>,
+    /// For a prompt: the tokenizer's BOS and the like (default true).
+    #[serde(default)]
+    pub(super) add_special_tokens: Option<bool>,
+    /// For messages: end with the assistant's turn opened (default true).
+    #[serde(default)]
+    pub(super) add_generation_prompt: Option<bool>,
+}
+
+/// vLLM's `POST /detokenize`.
+#[derive(Deserialize)]
+pub(super) struct DetokenizeRequest {
+    #[serde(default)]
+    pub(super) model: String,
+    pub(super) tokens: Vec<u32>,
+}
+
 #[derive(Deserialize)]
 pub(super) struct CompletionRequest {
     #[serde(default)]
@@ -107,6 +208,8 @@ pub(super) struct CompletionRequest {
     pub(super) echo: Option<bool>,
     #[serde(flatten)]
     pub(super) sampling: Sampling,
+    #[serde(flatten)]
+    pub(super) not_served: NotServed,
 }
 
 #[derive(Deserialize)]
@@ -146,6 +249,8 @@ pub(super) struct ChatRequest {
     pub(super) top_logprobs: Option<u32>,
     #[serde(flatten)]
     pub(super) sampling: Sampling,
+    #[serde(flatten)]
+    pub(super) not_served: NotServed,
 }
 
 pub(super) fn chat_messages(msgs: Vec<Message>) -> Result<Vec<ChatMessage>, ApiError> {
