@@ -418,6 +418,95 @@ async fn tokenize_detokenize(r: &Router, model: &str, tok: &tandem_model::Tokeni
     );
 }
 
+/// A completion with several prompts: one choice per prompt, in order, each what the prompt
+/// alone gives, usage summed; streamed too, with one [DONE] after every choice has finished.
+async fn batched_prompts(r: &Router, model: &str, tok: &tandem_model::Tokenizer) {
+    let prompts = ["The capital of France is", "1, 2, 3,", "Once upon a time"];
+    let mut alone = Vec::new();
+    let mut usage = (0, 0);
+    for p in prompts {
+        let (s, v) = post(
+            &r.http,
+            "/v1/completions",
+            json!({"model": model, "prompt": p, "max_tokens": 6, "temperature": 0, "ignore_eos": true}),
+        )
+        .await;
+        assert_eq!(s, 200, "{v}");
+        alone.push(v["choices"][0]["text"].as_str().unwrap().to_string());
+        usage.0 += v["usage"]["prompt_tokens"].as_u64().unwrap();
+        usage.1 += v["usage"]["completion_tokens"].as_u64().unwrap();
+    }
+    let ids: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| tok.encode(p, true).unwrap())
+        .collect();
+    for prompt in [json!(prompts), json!(ids)] {
+        let body = json!({"model": model, "prompt": prompt, "max_tokens": 6, "temperature": 0,
+                          "ignore_eos": true});
+        let (s, v) = post(&r.http, "/v1/completions", body.clone()).await;
+        assert_eq!(s, 200, "{v}");
+        let choices = v["choices"].as_array().unwrap();
+        assert_eq!(choices.len(), prompts.len(), "{v}");
+        for (i, c) in choices.iter().enumerate() {
+            assert_eq!(c["index"], i);
+            assert_eq!(c["text"], alone[i], "prompt {i}");
+        }
+        assert_eq!(v["usage"]["prompt_tokens"], usage.0);
+        assert_eq!(v["usage"]["completion_tokens"], usage.1);
+
+        // Streamed, with echo: each choice's text comes under its index.
+        let mut body = body;
+        body["stream"] = json!(true);
+        body["echo"] = json!(true);
+        body["stream_options"] = json!({"include_usage": true});
+        let text = reqwest::Client::new()
+            .post(format!("{}/v1/completions", r.http))
+            .json(&body)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let events = sse_events(&text);
+        assert_eq!(events.iter().filter(|e| *e == "[DONE]").count(), 1);
+        assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+        let mut texts = vec![String::new(); prompts.len()];
+        let mut finished = 0;
+        let mut streamed_usage = Value::Null;
+        for e in &events[..events.len() - 1] {
+            let v: Value = serde_json::from_str(e).unwrap();
+            if !v["usage"].is_null() {
+                streamed_usage = v["usage"].clone();
+            }
+            for c in v["choices"].as_array().unwrap() {
+                let i = c["index"].as_u64().unwrap() as usize;
+                texts[i] += c["text"].as_str().unwrap();
+                finished += usize::from(c["finish_reason"].is_string());
+            }
+        }
+        assert_eq!(finished, prompts.len());
+        for i in 0..prompts.len() {
+            assert_eq!(
+                texts[i],
+                format!("{}{}", tok.decode(&ids[i], false).unwrap(), alone[i])
+            );
+        }
+        assert_eq!(streamed_usage["completion_tokens"], usage.1);
+    }
+    let (s, v) = post(
+        &r.http,
+        "/v1/completions",
+        json!({"model": model, "prompt": vec!["x"; 257]}),
+    )
+    .await;
+    assert_eq!(
+        (s, v["error"]["param"].as_str()),
+        (400, Some("prompt")),
+        "{v}"
+    );
+}
+
 async fn cancel_mid_stream(r: &Router, worker: &str, model: &str) {
     use futures::StreamExt;
     let idle = wait_idle(worker).await;
@@ -498,6 +587,7 @@ async fn one_worker_serves_clients_exactly_and_survives_bad_input() {
     stop_strings(&r, &model).await;
     bad_input(&r, &model).await;
     tokenize_detokenize(&r, &model, &tok).await;
+    batched_prompts(&r, &model, &tok).await;
     cancel_mid_stream(&r, &waddr, &model).await;
     concurrent_streams(&r, &model).await;
     wait_idle(&waddr).await;

@@ -3,7 +3,7 @@
 //!
 //! Field names, response shapes and error bodies follow OpenAI's API, plus the extensions vLLM
 //! users rely on (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`,
-//! `skip_special_tokens`). Fields it does not serve yet (`logit_bias`, `response_format`, `tools`,
+//! `skip_special_tokens`), and batched prompts in `/v1/completions`. Fields it does not serve yet (`logit_bias`, `response_format`, `tools`,
 //! guided decoding, ...) are refused with a 400 naming them, never ignored. Bodies are parsed here rather than by an extractor so that malformed
 //! JSON gets an OpenAI-style 400 like every other refusal. A client that disconnects drops the
 //! response stream, which drops the [`Generation`] and cancels the request on its worker.
@@ -204,9 +204,12 @@ async fn completions(
 ) -> Response {
     let span = trace::request_span("POST /v1/completions", "text_completion", &headers);
     match completion_request(&d, &body) {
-        Ok((prep, shape, stream)) => {
-            let prep = trace::prepared(span, &d.model.name, prep);
-            serve(d, prep, shape, stream).await
+        Ok((preps, shape, stream)) => {
+            let preps = preps
+                .into_iter()
+                .map(|p| trace::prepared(span.clone(), &d.model.name, p))
+                .collect();
+            serve(d, preps, shape, stream).await
         }
         Err(e) => invalid(&d, e, &span),
     }
@@ -220,59 +223,77 @@ fn invalid(d: &Dispatcher, e: ApiError, span: &tracing::Span) -> Response {
     e.into_response()
 }
 
-/// Generates `prep` and answers in `shape`.
-async fn serve(d: Arc<Dispatcher>, prep: Prepared, shape: Shape, stream: bool) -> Response {
-    let generation = match d.generate(prep).await {
-        Ok(g) => g,
-        Err(e) => return e.into_response(),
-    };
-    respond(d, generation, shape, stream)
+/// Generates each of `preps` (one per choice) and answers in `shape`. If one cannot start, the
+/// ones started are dropped, which cancels them.
+async fn serve(d: Arc<Dispatcher>, preps: Vec<Prepared>, shape: Shape, stream: bool) -> Response {
+    let mut generations = Vec::with_capacity(preps.len());
+    for prep in preps {
+        match d.generate(prep).await {
+            Ok(g) => generations.push(g),
+            Err(e) => return e.into_response(),
+        }
+    }
+    respond(d, generations, shape, stream)
         .await
         .unwrap_or_else(IntoResponse::into_response)
 }
 
-fn completion_request(d: &Dispatcher, body: &[u8]) -> Result<(Prepared, Shape, bool), ApiError> {
+/// Prompts one completion request may batch.
+const MAX_BATCHED_PROMPTS: usize = 256;
+
+fn completion_request(
+    d: &Dispatcher,
+    body: &[u8],
+) -> Result<(Vec<Prepared>, Shape, bool), ApiError> {
     let r: CompletionRequest = parse(body)?;
     r.not_served.check()?;
-    let input = match r.prompt {
-        PromptField::Text(t) => PromptInput::Text(t),
-        PromptField::Ids(ids) => PromptInput::Ids(ids),
-        PromptField::Texts(mut v) if v.len() == 1 => PromptInput::Text(v.remove(0)),
-        PromptField::IdLists(mut v) if v.len() == 1 => PromptInput::Ids(v.remove(0)),
-        _ => {
-            return Err(ApiError::invalid(
-                "send one prompt per request (batched prompts are not supported)",
-                "prompt",
-            ))
-        }
+    // A batch: one choice per prompt, `index` in the order given.
+    let inputs: Vec<PromptInput> = match r.prompt {
+        PromptField::Text(t) => vec![PromptInput::Text(t)],
+        PromptField::Ids(ids) => vec![PromptInput::Ids(ids)],
+        PromptField::Texts(v) => v.into_iter().map(PromptInput::Text).collect(),
+        PromptField::IdLists(v) => v.into_iter().map(PromptInput::Ids).collect(),
     };
-    let echo_text = match (&input, r.echo.unwrap_or(false)) {
-        (PromptInput::Text(t), true) => Some(t.clone()),
-        (PromptInput::Ids(ids), true) => Some(
-            d.model
-                .text
-                .tokenizer
-                .decode(ids, false)
-                .map_err(|e| ApiError::invalid(e.to_string(), "prompt"))?,
-        ),
-        _ => None,
-    };
+    if inputs.is_empty() || inputs.len() > MAX_BATCHED_PROMPTS {
+        return Err(ApiError::invalid(
+            format!(
+                "send between 1 and {MAX_BATCHED_PROMPTS} prompts, not {}",
+                inputs.len()
+            ),
+            "prompt",
+        ));
+    }
     let mut params = r.sampling.params(r.max_tokens)?;
     if let Some(n) = r.logprobs {
         params.logprobs = true;
         params.top_logprobs = n;
     }
-    let prep = d.prepare(&r.model, input, params, MaxTokensDefault::Fixed(16))?;
+    let mut preps = Vec::with_capacity(inputs.len());
+    let mut echoes = Vec::with_capacity(inputs.len());
+    for input in inputs {
+        echoes.push(match (&input, r.echo.unwrap_or(false)) {
+            (PromptInput::Text(t), true) => Some(t.clone()),
+            (PromptInput::Ids(ids), true) => Some(
+                d.model
+                    .text
+                    .tokenizer
+                    .decode(ids, false)
+                    .map_err(|e| ApiError::invalid(e.to_string(), "prompt"))?,
+            ),
+            _ => None,
+        });
+        preps.push(d.prepare(&r.model, input, params.clone(), MaxTokensDefault::Fixed(16))?);
+    }
     let shape = Shape {
         api: Api::Completion,
-        id: format!("cmpl-{}", prep.request_id),
+        id: format!("cmpl-{}", preps[0].request_id),
         model: d.model.name.clone(),
         created: now(),
-        logprobs: prep.params.logprobs,
+        logprobs: preps[0].params.logprobs,
         include_usage: r.sampling.include_usage(),
-        echo: echo_text,
+        echoes,
     };
-    Ok((prep, shape, r.sampling.stream.unwrap_or(false)))
+    Ok((preps, shape, r.sampling.stream.unwrap_or(false)))
 }
 
 async fn chat_completions(
@@ -284,7 +305,7 @@ async fn chat_completions(
     match chat_request(&d, &body) {
         Ok((prep, shape, stream)) => {
             let prep = trace::prepared(span, &d.model.name, prep);
-            serve(d, prep, shape, stream).await
+            serve(d, vec![prep], shape, stream).await
         }
         Err(e) => invalid(&d, e, &span),
     }
@@ -318,7 +339,7 @@ fn chat_request(d: &Dispatcher, body: &[u8]) -> Result<(Prepared, Shape, bool), 
         created: now(),
         logprobs: prep.params.logprobs,
         include_usage: r.sampling.include_usage(),
-        echo: None,
+        echoes: vec![None],
     };
     Ok((prep, shape, r.sampling.stream.unwrap_or(false)))
 }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use futures::Stream;
+use futures::{Stream, StreamExt};
 use serde_json::{json, Value};
 
 use crate::dispatch::{Chunk, Dispatcher, FinishKind, Generation, TokenOut, Usage};
@@ -97,71 +97,108 @@ pub(super) struct Shape {
     pub(super) created: u64,
     pub(super) logprobs: bool,
     pub(super) include_usage: bool,
-    /// The prompt text, for `echo`.
-    pub(super) echo: Option<String>,
+    /// Per choice: the prompt text, for `echo`.
+    pub(super) echoes: Vec<Option<String>>,
 }
 
-pub(super) async fn respond(
-    d: Arc<Dispatcher>,
+/// Usage of a batch: the sum of its choices'.
+fn add_usage(total: &mut Usage, u: &Usage) {
+    total.prompt_tokens += u.prompt_tokens;
+    total.completion_tokens += u.completion_tokens;
+    total.cached_prompt_tokens += u.cached_prompt_tokens;
+}
+
+/// One choice generated to its end: its text (after any echo), the echo's length, its tokens,
+/// how it finished, its usage.
+async fn collect(
     mut g: Generation,
-    shape: Shape,
-    stream: bool,
-) -> Result<Response, ApiError> {
-    if stream {
-        return Ok(Sse::new(sse_stream(d, g, shape))
-            .keep_alive(KeepAlive::default())
-            .into_response());
-    }
-    let mut text = shape.echo.clone().unwrap_or_default();
+    echo: Option<String>,
+) -> Result<(String, usize, Vec<TokenOut>, FinishKind, Usage), ApiError> {
+    let mut text = echo.unwrap_or_default();
     let prompt_len = text.len();
     let mut tokens = Vec::new();
-    let (finish, usage) = loop {
+    loop {
         match g.next().await {
             Some(Ok(c)) => {
                 text.push_str(&c.text);
                 tokens.extend(c.tokens);
-                if let Some(f) = c.finish {
-                    break f;
+                if let Some((finish, usage)) = c.finish {
+                    return Ok((text, prompt_len, tokens, finish, usage));
                 }
             }
             Some(Err(e)) => return Err(e),
             None => return Err(ApiError::Internal("stream ended without a finish".into())),
         }
-    };
+    }
+}
+
+/// Answers with `generations`, one per choice (`index` in order), whole or streamed.
+pub(super) async fn respond(
+    d: Arc<Dispatcher>,
+    generations: Vec<Generation>,
+    shape: Shape,
+    stream: bool,
+) -> Result<Response, ApiError> {
+    if stream {
+        return Ok(Sse::new(sse_stream(d, generations, shape))
+            .keep_alive(KeepAlive::default())
+            .into_response());
+    }
+    // Every choice is read at once: each runs on its worker meanwhile.
+    let done = futures::future::try_join_all(
+        generations
+            .into_iter()
+            .zip(shape.echoes.iter().cloned())
+            .map(|(g, echo)| collect(g, echo)),
+    )
+    .await?;
     let tt = TokenTexts { d: &d };
-    let choice = match shape.api {
-        Api::Completion => json!({
-            "index": 0,
-            "text": text,
-            "logprobs": if shape.logprobs { tt.completion_logprobs(&tokens, prompt_len) } else { Value::Null },
-            "finish_reason": finish.as_openai(),
-        }),
-        Api::Chat => json!({
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": if shape.logprobs {
-                json!({"content": tokens.iter().map(|t| tt.chat_entry(t)).collect::<Vec<_>>()})
-            } else { Value::Null },
-            "finish_reason": finish.as_openai(),
-        }),
-    };
+    let mut total = Usage::default();
+    let mut choices = Vec::with_capacity(done.len());
+    for (index, (text, prompt_len, tokens, finish, usage)) in done.into_iter().enumerate() {
+        add_usage(&mut total, &usage);
+        choices.push(match shape.api {
+            Api::Completion => json!({
+                "index": index,
+                "text": text,
+                "logprobs": if shape.logprobs { tt.completion_logprobs(&tokens, prompt_len) } else { Value::Null },
+                "finish_reason": finish.as_openai(),
+            }),
+            Api::Chat => json!({
+                "index": index,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": if shape.logprobs {
+                    json!({"content": tokens.iter().map(|t| tt.chat_entry(t)).collect::<Vec<_>>()})
+                } else { Value::Null },
+                "finish_reason": finish.as_openai(),
+            }),
+        });
+    }
     Ok(Json(json!({
         "id": shape.id,
         "object": shape.api.object(false),
         "created": shape.created,
         "model": shape.model,
-        "choices": [choice],
-        "usage": usage_json(&usage),
+        "choices": choices,
+        "usage": usage_json(&total),
     }))
     .into_response())
 }
 
+/// The chunks of every choice as they come, each with its choice's index.
+type Merged = futures::stream::SelectAll<
+    std::pin::Pin<Box<dyn Stream<Item = (usize, Result<Chunk, ApiError>)> + Send>>,
+>;
+
 struct SseState {
     d: Arc<Dispatcher>,
-    g: Generation,
+    chunks: Merged,
     shape: Shape,
-    /// Bytes of text sent so far (for completion logprobs' text offsets).
-    sent: usize,
+    /// Per choice: bytes of text sent so far (for completion logprobs' text offsets).
+    sent: Vec<usize>,
+    /// Choices finished, and their usage so far.
+    done: usize,
+    usage: Usage,
     started: bool,
     /// Events ready to go out before reading the next chunk.
     queue: std::collections::VecDeque<Event>,
@@ -187,14 +224,14 @@ impl SseState {
         Event::default().data(v.to_string())
     }
 
-    fn choice(&mut self, c: &Chunk, finish: Option<FinishKind>) -> Value {
+    fn choice(&mut self, index: usize, c: &Chunk, finish: Option<FinishKind>) -> Value {
         let tt = TokenTexts { d: &self.d };
         let reason = finish.map(|f| f.as_openai());
         let v = match self.shape.api {
             Api::Completion => json!({
-                "index": 0,
+                "index": index,
                 "text": c.text,
-                "logprobs": if self.shape.logprobs { tt.completion_logprobs(&c.tokens, self.sent) } else { Value::Null },
+                "logprobs": if self.shape.logprobs { tt.completion_logprobs(&c.tokens, self.sent[index]) } else { Value::Null },
                 "finish_reason": reason,
             }),
             Api::Chat => {
@@ -204,7 +241,7 @@ impl SseState {
                     json!({"content": c.text})
                 };
                 json!({
-                    "index": 0,
+                    "index": index,
                     "delta": delta,
                     "logprobs": if self.shape.logprobs {
                         json!({"content": c.tokens.iter().map(|t| tt.chat_entry(t)).collect::<Vec<_>>()})
@@ -213,7 +250,7 @@ impl SseState {
                 })
             }
         };
-        self.sent += c.text.len();
+        self.sent[index] += c.text.len();
         v
     }
 
@@ -228,47 +265,65 @@ impl SseState {
                 self.queue.push_back(ev);
             }
             Api::Completion => {
-                if let Some(echo) = self.shape.echo.clone() {
-                    let ev = self.chunk_json(
-                        vec![json!({"index": 0, "text": echo, "logprobs": null, "finish_reason": null})],
-                        None,
-                    );
-                    self.sent += echo.len();
-                    self.queue.push_back(ev);
+                for (index, echo) in self.shape.echoes.clone().into_iter().enumerate() {
+                    if let Some(echo) = echo {
+                        let ev = self.chunk_json(
+                            vec![json!({"index": index, "text": echo, "logprobs": null, "finish_reason": null})],
+                            None,
+                        );
+                        self.sent[index] += echo.len();
+                        self.queue.push_back(ev);
+                    }
                 }
             }
         }
     }
 
-    fn absorb(&mut self, c: Chunk) {
+    fn absorb(&mut self, index: usize, c: Chunk) {
         let finish = c.finish;
         let has_content = !c.text.is_empty() || !c.tokens.is_empty();
         if has_content || finish.is_some() {
-            let choice = self.choice(&c, finish.map(|f| f.0));
+            let choice = self.choice(index, &c, finish.map(|f| f.0));
             let ev = self.chunk_json(vec![choice], None);
             self.queue.push_back(ev);
         }
         if let Some((_, usage)) = finish {
-            if self.shape.include_usage {
-                let ev = self.chunk_json(vec![], Some(&usage));
-                self.queue.push_back(ev);
+            add_usage(&mut self.usage, &usage);
+            self.done += 1;
+            if self.done == self.sent.len() {
+                if self.shape.include_usage {
+                    let usage = self.usage;
+                    let ev = self.chunk_json(vec![], Some(&usage));
+                    self.queue.push_back(ev);
+                }
+                self.queue.push_back(Event::default().data("[DONE]"));
+                self.finished = true;
             }
-            self.queue.push_back(Event::default().data("[DONE]"));
-            self.finished = true;
         }
     }
 }
 
 fn sse_stream(
     d: Arc<Dispatcher>,
-    g: Generation,
+    generations: Vec<Generation>,
     shape: Shape,
 ) -> impl Stream<Item = Result<Event, Infallible>> + Send {
+    let n = generations.len();
+    let chunks: Merged =
+        futures::stream::select_all(generations.into_iter().enumerate().map(|(index, g)| {
+            let s = futures::stream::unfold(g, move |mut g| async move {
+                let c = g.next().await?;
+                Some(((index, c), g))
+            });
+            Box::pin(s) as std::pin::Pin<Box<dyn Stream<Item = _> + Send>>
+        }));
     let st = SseState {
         d,
-        g,
+        chunks,
         shape,
-        sent: 0,
+        sent: vec![0; n],
+        done: 0,
+        usage: Usage::default(),
         started: false,
         queue: Default::default(),
         finished: false,
@@ -285,10 +340,11 @@ fn sse_stream(
                 st.start();
                 continue;
             }
-            match st.g.next().await {
-                Some(Ok(c)) => st.absorb(c),
-                Some(Err(e)) => {
-                    // Headers are gone: the error travels as an event, then the stream ends.
+            match st.chunks.next().await {
+                Some((index, Ok(c))) => st.absorb(index, c),
+                Some((_, Err(e))) => {
+                    // Headers are gone: the error travels as an event, then the stream ends
+                    // (the other choices' generations are dropped with it, which cancels them).
                     tracing::warn!(error = %e, "stream failed");
                     st.queue
                         .push_back(Event::default().data(e.body().to_string()));
