@@ -178,18 +178,17 @@ async fn start_registration(
 /// stops sending new requests before the drain begins. A worker that leaves first (`tandem
 /// deregister`, the preStop hook) deletes its card then, and still waits for the signal.
 async fn deregister_then_drain(registration: Option<Registration>, drain: Arc<Drain>) {
-    tokio::select! {
-        _ = shutdown_signal() => {}
-        _ = drain.left() => {
-            if let Some(r) = registration {
-                r.deregister().await;
-            }
-            shutdown_signal().await;
-            return;
-        }
-    }
+    // One listener throughout: a SIGTERM that comes while the card is being deleted still counts.
+    let mut signal = std::pin::pin!(shutdown_signal());
+    let left_first = tokio::select! {
+        _ = &mut signal => false,
+        _ = drain.left() => true,
+    };
     if let Some(r) = registration {
         r.deregister().await;
+    }
+    if left_first {
+        signal.await;
     }
 }
 

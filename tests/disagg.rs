@@ -588,16 +588,7 @@ async fn hit_the_busy_worker_mid_stream(
     while let Some(chunk) = stream.next().await {
         raw.push_str(std::str::from_utf8(&chunk.unwrap()).unwrap());
         if victim.is_none() && sse_events(&raw).len() >= 10 {
-            let v = router_state(&r.http).await;
-            let busy = v["workers"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .find(|w| w["in_flight"] == 1)
-                .expect("one worker holds the stream")["addr"]
-                .as_str()
-                .unwrap()
-                .to_string();
+            let busy = worker_holding_the_stream(&r.http).await;
             let i = usize::from(busy != workers[0].1);
             (hit.take().unwrap())(&mut *workers[i].0);
             victim = Some(busy);

@@ -10,7 +10,7 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use common::*;
 use serde_json::{json, Value};
@@ -71,19 +71,6 @@ async fn one_request(http: &str, model: &str) {
     )
     .await;
     assert_eq!(status, 200, "{body}");
-}
-
-/// Polls `ok` every 20 ms until it holds; the bound only catches a router that never gets there.
-async fn until<F, Fut>(what: &str, ok: F)
-where
-    F: Fn() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let end = Instant::now() + Duration::from_secs(120);
-    while !ok().await {
-        assert!(Instant::now() < end, "{what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

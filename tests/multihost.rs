@@ -366,6 +366,17 @@ struct Zone {
 }
 
 impl Zone {
+    /// The zone of `services` (component, SRV owner name) with no pod ready yet, in `path`.
+    fn new(path: PathBuf, services: Vec<(String, String)>) -> Self {
+        let zone = Self {
+            path,
+            services,
+            ready: Vec::new(),
+        };
+        zone.write();
+        zone
+    }
+
     /// Marks pod `name` (of Service `component`) at `ip` ready or not, and rewrites the file.
     fn set(&mut self, component: &str, name: &str, ip: &str, port: u16, ready: bool) {
         self.ready.retain(|(_, n, _, _)| n != name);
@@ -377,6 +388,10 @@ impl Zone {
                 port,
             ));
         }
+        self.write();
+    }
+
+    fn write(&self) {
         let mut srv = serde_json::Map::new();
         let mut a = serde_json::Map::new();
         for (comp, owner) in &self.services {
@@ -488,19 +503,6 @@ async fn load(
         .into_iter()
         .sum();
     (tokens, started.elapsed().as_secs_f64())
-}
-
-/// Polls `ok` every 50 ms until it holds; the bound only catches a cluster that never gets there.
-async fn until<F, Fut>(what: &str, ok: F)
-where
-    F: Fn() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let end = Instant::now() + Duration::from_secs(300);
-    while !ok().await {
-        assert!(Instant::now() < end, "{what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 /// Whether the router sees `decode` decode and `prefill` prefill workers ready.
@@ -615,15 +617,13 @@ fn the_chart_runs_across_hosts_and_loses_nothing_when_one_fails() {
 
     // The cluster's DNS, on its own host.
     let dns_ns = net.host("dns", DNS_IP);
-    let mut zone = Zone {
-        path: dir.path().join("zone.json"),
-        services: ["decode", "prefill"]
+    let mut zone = Zone::new(
+        dir.path().join("zone.json"),
+        ["decode", "prefill"]
             .iter()
             .map(|c| (c.to_string(), rendered.srv_name(c)))
             .collect(),
-        ready: Vec::new(),
-    };
-    zone.set("decode", "none", "", 0, false);
+    );
     let _dns = python_server_in(
         Some(&dns_ns),
         "dns_server.py",
@@ -716,34 +716,29 @@ fn the_chart_runs_across_hosts_and_loses_nothing_when_one_fails() {
         ));
 
     // Prompts were prefilled on the prefill hosts and their KV crossed to the decode hosts.
-    let scrape_all = |addrs: Vec<String>| {
+    // One sample of `addr`'s /metrics, read from the client's host.
+    let sample = |addr: String, key: &'static str| {
         block_in(&client_ns, move || async move {
-            let mut out = Vec::new();
-            for a in addrs {
-                out.push(scrape(&a).await);
-            }
-            out
+            metric(&scrape(&addr).await, key)
         })
     };
-    let router_m = scrape_all(vec![http.clone()]).remove(0);
-    let remote = metric(&router_m, r#"tandem_prefill_requests_total{mode="remote"}"#);
+    let remote = sample(
+        http.clone(),
+        r#"tandem_prefill_requests_total{mode="remote"}"#,
+    );
     assert!(remote > 0.0, "no prompt was prefilled remotely");
-    let decode_addrs: Vec<String> = pods
+    let moved: f64 = pods
         .iter()
         .filter(|p| p.component() == "decode")
-        .map(Pod::addr)
-        .collect();
-    let moved: f64 = scrape_all(decode_addrs)
-        .iter()
-        .map(|m| metric(m, r#"tandem_kv_transfers_total{result="ok"}"#))
+        .map(|p| sample(p.addr(), r#"tandem_kv_transfers_total{result="ok"}"#))
         .sum();
     assert!(moved > 0.0, "no KV crossed between hosts");
     let all_tokens = 2 * cases.iter().map(|c| c.tokens).sum::<usize>();
 
     // A decode and a prefill host's workers die mid-stream (SIGKILL); their pods leave the
     // Services' records, and the kubelet starts the containers again.
-    let migrations = |m: &HashMap<String, f64>| metric(m, "tandem_request_migrations_total");
-    let before = migrations(&scrape_all(vec![http.clone()])[0]);
+    let migrations = || sample(http.clone(), "tandem_request_migrations_total");
+    let before = migrations();
     let d1 = pods.iter().position(|p| p.host == "d1").unwrap();
     let p1 = pods.iter().position(|p| p.host == "p1").unwrap();
     let watch = pods[d1].addr();
@@ -753,7 +748,7 @@ fn the_chart_runs_across_hosts_and_loses_nothing_when_one_fails() {
         }
     });
     assert_eq!(got, all_tokens, "every request completed");
-    let after = migrations(&scrape_all(vec![http.clone()])[0]);
+    let after = migrations();
     assert!(after > before, "the killed decode worker's streams moved");
     for i in [d1, p1] {
         pods[i].restart(&net, &mut zone);
@@ -775,7 +770,7 @@ fn the_chart_runs_across_hosts_and_loses_nothing_when_one_fails() {
         net.link("d0", false)
     });
     assert_eq!(got, all_tokens, "every request completed");
-    let after = migrations(&scrape_all(vec![http.clone()])[0]);
+    let after = migrations();
     assert!(after > before, "the cut-off worker's streams moved");
     net.link("d0", true);
     let (h, a) = (http.clone(), d0_addr);
@@ -822,7 +817,7 @@ fn the_chart_runs_across_hosts_and_loses_nothing_when_one_fails() {
         .map(|a| a.as_str().unwrap().to_string())
         .collect();
     assert_eq!(pre_stop[0], "tandem");
-    let before = migrations(&scrape_all(vec![http.clone()])[0]);
+    let before = migrations();
     let watch = pods[d1].addr();
     let got = load_with_fault(&net, &http, &cases, watch, || {
         let p = &mut pods[d1];
@@ -839,7 +834,7 @@ fn the_chart_runs_across_hosts_and_loses_nothing_when_one_fails() {
     });
     assert_eq!(got, all_tokens, "every request completed");
     assert_eq!(
-        migrations(&scrape_all(vec![http.clone()])[0]),
+        migrations(),
         before,
         "no stream had to move off the leaving worker"
     );
@@ -859,12 +854,7 @@ fn the_chart_runs_across_hosts_and_loses_nothing_when_one_fails() {
     // The baseline: the same containers on one host over loopback (the pods share 127.0.0.1, so
     // a group's second pod takes the next ports; their SRV records carry them).
     let loop_ns = net.host("loop", &format!("{SUBNET}.200"));
-    let mut zone_l = Zone {
-        path: dir.path().join("zone-loop.json"),
-        services: zone.services.clone(),
-        ready: Vec::new(),
-    };
-    zone_l.set("decode", "none", "", 0, false);
+    let mut zone_l = Zone::new(dir.path().join("zone-loop.json"), zone.services.clone());
     let _dns_l = python_server_in(
         Some(&loop_ns),
         "dns_server.py",

@@ -363,16 +363,7 @@ async fn a_migration_is_a_span_and_the_new_workers_request_hangs_from_it() {
     while let Some(chunk) = stream.next().await {
         raw.push_str(std::str::from_utf8(&chunk.unwrap()).unwrap());
         if victim.is_none() && sse_events(&raw).len() >= 10 {
-            let v = router_state(&r.http).await;
-            let busy = v["workers"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .find(|w| w["in_flight"] == 1)
-                .expect("one worker holds the stream")["addr"]
-                .as_str()
-                .unwrap()
-                .to_string();
+            let busy = worker_holding_the_stream(&r.http).await;
             let p = if busy == a1 { &d1 } else { &d2 };
             p.signal(libc::SIGKILL);
             victim = Some(busy);

@@ -328,6 +328,33 @@ pub async fn router_state(http: &str) -> Value {
         .unwrap()
 }
 
+/// Polls `ok` every 20 ms until it holds; the bound (300 s) only catches a cluster that never
+/// gets there.
+pub async fn until<F, Fut>(what: &str, ok: F)
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let end = Instant::now() + Duration::from_secs(300);
+    while !ok().await {
+        assert!(Instant::now() < end, "{what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The address of the one decode worker that holds a request in flight, by the router's view.
+pub async fn worker_holding_the_stream(http: &str) -> String {
+    router_state(http).await["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|w| w["in_flight"] == 1)
+        .expect("one worker holds the stream")["addr"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
 /// Waits until the router's KV index holds at least `blocks` blocks for some worker.
 pub async fn wait_router_cached(r: &Router, blocks: u64) {
     let end = Instant::now() + Duration::from_secs(10);

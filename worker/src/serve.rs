@@ -51,11 +51,7 @@ pub async fn serve(
                     in_flight = leaving.in_flight(),
                     "deregistered: taking no new requests, finishing the ones in flight until told to stop"
                 );
-                for service in [name, ""] {
-                    reporter
-                        .set_service_status(service, tonic_health::ServingStatus::NotServing)
-                        .await;
-                }
+                not_serving(&reporter, name).await;
                 signal.await;
             }
         }
@@ -64,11 +60,7 @@ pub async fn serve(
             role = name,
             "shutting down: draining in-flight requests"
         );
-        for service in [name, ""] {
-            reporter
-                .set_service_status(service, tonic_health::ServingStatus::NotServing)
-                .await;
-        }
+        not_serving(&reporter, name).await;
         let left = drain.drain(drain_deadline).await;
         if left > 0 {
             tracing::warn!(left, "drain deadline passed with requests still running");
@@ -101,6 +93,15 @@ pub async fn serve(
         .add_routes(tonic::service::Routes::from(routes))
         .serve_with_incoming_shutdown(incoming, drained)
         .await
+}
+
+/// Health turns NOT_SERVING for the role's service `name` and the server as a whole.
+async fn not_serving(reporter: &tonic_health::server::HealthReporter, name: &str) {
+    for service in [name, ""] {
+        reporter
+            .set_service_status(service, tonic_health::ServingStatus::NotServing)
+            .await;
+    }
 }
 
 /// `POST /deregister`: the worker leaves the cluster (see [`serve`]). Only a caller on the

@@ -25,10 +25,25 @@ impl Dispatcher {
     /// ids checked against the vocabulary. Refuses (400) an empty or unrenderable chat and an id
     /// outside the vocabulary.
     pub fn tokenize(&self, input: PromptInput) -> Result<Vec<u32>, ApiError> {
+        self.tokenize_with(input, None, true)
+    }
+
+    /// [`Dispatcher::tokenize`] with vLLM's `/tokenize` options: `add_special_tokens` (default:
+    /// true for text, false for chat, whose template writes its own) and, for chat,
+    /// `add_generation_prompt` (end with the assistant's turn opened, as a generation does).
+    pub fn tokenize_with(
+        &self,
+        input: PromptInput,
+        add_special_tokens: Option<bool>,
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>, ApiError> {
         let m = &self.model.text;
         let internal = |e: tandem_model::ModelError| ApiError::Internal(e.to_string());
         match input {
-            PromptInput::Text(t) => m.tokenizer.encode(&t, true).map_err(internal),
+            PromptInput::Text(t) => m
+                .tokenizer
+                .encode(&t, add_special_tokens.unwrap_or(true))
+                .map_err(internal),
             PromptInput::Chat(msgs) => {
                 if msgs.is_empty() {
                     return Err(ApiError::invalid("messages must not be empty", "messages"));
@@ -40,20 +55,28 @@ impl Dispatcher {
                     )
                 })?;
                 let text = t
-                    .render(&msgs, true)
+                    .render(&msgs, add_generation_prompt)
                     .map_err(|e| ApiError::invalid(e.to_string(), "messages"))?;
-                m.tokenizer.encode(&text, false).map_err(internal)
+                m.tokenizer
+                    .encode(&text, add_special_tokens.unwrap_or(false))
+                    .map_err(internal)
             }
             PromptInput::Ids(ids) => {
-                let vocab = m.config.vocab_size;
-                if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
-                    return Err(ApiError::invalid(
-                        format!("token id {bad} is outside the vocabulary of {vocab}"),
-                        "prompt",
-                    ));
-                }
+                self.check_vocabulary(&ids, "prompt")?;
                 Ok(ids)
             }
+        }
+    }
+
+    /// Refuses (400, naming `param`) an id outside the model's vocabulary.
+    pub fn check_vocabulary(&self, ids: &[u32], param: &'static str) -> Result<(), ApiError> {
+        let vocab = self.model.text.config.vocab_size;
+        match ids.iter().find(|&&id| id as usize >= vocab) {
+            Some(bad) => Err(ApiError::invalid(
+                format!("token id {bad} is outside the vocabulary of {vocab}"),
+                param,
+            )),
+            None => Ok(()),
         }
     }
 

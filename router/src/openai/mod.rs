@@ -127,67 +127,47 @@ async fn models(State(d): State<Arc<Dispatcher>>) -> Json<Value> {
 }
 
 /// vLLM's `/tokenize`: `{"count", "max_model_len", "tokens"}`.
-async fn tokenize(State(d): State<Arc<Dispatcher>>, RequestBody(body): RequestBody) -> Response {
-    let answer = || -> Result<Value, ApiError> {
-        let r: TokenizeRequest = parse(&body)?;
-        d.check_model(&r.model)?;
-        let m = &d.model.text;
-        let internal = |e: tandem_model::ModelError| ApiError::Internal(e.to_string());
-        let ids = match (r.prompt, r.messages) {
-            (Some(p), None) => m
-                .tokenizer
-                .encode(&p, r.add_special_tokens.unwrap_or(true))
-                .map_err(internal)?,
-            (None, Some(msgs)) => {
-                let msgs = chat_messages(msgs)?;
-                let t = m.chat_template.as_ref().ok_or_else(|| {
-                    ApiError::invalid("this model has no chat template", "messages")
-                })?;
-                let text = t
-                    .render(&msgs, r.add_generation_prompt.unwrap_or(true))
-                    .map_err(|e| ApiError::invalid(e.to_string(), "messages"))?;
-                m.tokenizer
-                    .encode(&text, r.add_special_tokens.unwrap_or(false))
-                    .map_err(internal)?
-            }
-            _ => {
-                return Err(ApiError::invalid(
-                    "send either prompt (text) or messages",
-                    "prompt",
-                ))
-            }
-        };
-        Ok(json!({"count": ids.len(), "max_model_len": d.model.max_context(), "tokens": ids}))
+async fn tokenize(
+    State(d): State<Arc<Dispatcher>>,
+    RequestBody(body): RequestBody,
+) -> Result<Json<Value>, ApiError> {
+    let r: TokenizeRequest = parse(&body)?;
+    d.check_model(&r.model)?;
+    let input = match (r.prompt, r.messages) {
+        (Some(p), None) => PromptInput::Text(p),
+        (None, Some(msgs)) => PromptInput::Chat(chat_messages(msgs)?),
+        _ => {
+            return Err(ApiError::invalid(
+                "send either prompt (text) or messages",
+                "prompt",
+            ))
+        }
     };
-    match answer() {
-        Ok(v) => Json(v).into_response(),
-        Err(e) => e.into_response(),
-    }
+    let ids = d.tokenize_with(
+        input,
+        r.add_special_tokens,
+        r.add_generation_prompt.unwrap_or(true),
+    )?;
+    Ok(Json(
+        json!({"count": ids.len(), "max_model_len": d.model.max_context(), "tokens": ids}),
+    ))
 }
 
 /// vLLM's `/detokenize`: `{"prompt"}`, special tokens kept.
-async fn detokenize(State(d): State<Arc<Dispatcher>>, RequestBody(body): RequestBody) -> Response {
-    let answer = || -> Result<Value, ApiError> {
-        let r: DetokenizeRequest = parse(&body)?;
-        d.check_model(&r.model)?;
-        let m = &d.model.text;
-        let vocab = m.config.vocab_size;
-        if let Some(bad) = r.tokens.iter().find(|&&id| id as usize >= vocab) {
-            return Err(ApiError::invalid(
-                format!("token id {bad} is outside the vocabulary of {vocab}"),
-                "tokens",
-            ));
-        }
-        let text = m
-            .tokenizer
-            .decode(&r.tokens, false)
-            .map_err(|e| ApiError::invalid(e.to_string(), "tokens"))?;
-        Ok(json!({ "prompt": text }))
-    };
-    match answer() {
-        Ok(v) => Json(v).into_response(),
-        Err(e) => e.into_response(),
-    }
+async fn detokenize(
+    State(d): State<Arc<Dispatcher>>,
+    RequestBody(body): RequestBody,
+) -> Result<Json<Value>, ApiError> {
+    let r: DetokenizeRequest = parse(&body)?;
+    d.check_model(&r.model)?;
+    d.check_vocabulary(&r.tokens, "tokens")?;
+    let text = d
+        .model
+        .text
+        .tokenizer
+        .decode(&r.tokens, false)
+        .map_err(|e| ApiError::invalid(e.to_string(), "tokens"))?;
+    Ok(Json(json!({ "prompt": text })))
 }
 
 fn now() -> u64 {

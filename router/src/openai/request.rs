@@ -178,7 +178,7 @@ pub(super) struct TokenizeRequest {
     pub(super) prompt: Option<String>,
     #[serde(default)]
     pub(super) messages: Option<Vec<Message>>,
-    /// For a prompt: the tokenizer's BOS and the like (default true).
+    /// The tokenizer's BOS and the like (default: true for a prompt, false for messages).
     #[serde(default)]
     pub(super) add_special_tokens: Option<bool>,
     /// For messages: end with the assistant's turn opened (default true).
