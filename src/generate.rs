@@ -121,6 +121,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         }
         let req = parse_line(&model, &line).map(|prompt| Request {
             resume: Vec::new(),
+            constraint: None,
             prompt,
             params: params.clone(),
         });
@@ -190,6 +191,7 @@ fn run_text(
     let res = engine.generate(
         vec![Request {
             resume: Vec::new(),
+            constraint: None,
             prompt,
             params: a.params()?,
         }],

@@ -164,7 +164,12 @@ impl EngineArgs {
             LlamaModel::new(&loaded, self.weights)
         })
         .with_context(|| format!("starting the model on {}", self.device))?;
-        let engine = Engine::with_backend(backend, cfg, loaded.tokenizer.eos_token_ids.clone())?;
+        let grammars = tandem_grammar::GrammarCompiler::new(
+            loaded.tokenizer.clone(),
+            loaded.config.vocab_size,
+        );
+        let engine = Engine::with_backend(backend, cfg, loaded.tokenizer.eos_token_ids.clone())?
+            .with_grammars(std::sync::Arc::new(grammars));
         Ok((engine, loaded))
     }
 }

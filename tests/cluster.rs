@@ -271,10 +271,7 @@ async fn bad_input(r: &Router, model: &str) {
     // What is not served yet is refused naming the field, never ignored.
     for (path, field, value) in [
         ("/v1/completions", "best_of", json!(3)),
-        ("/v1/completions", "logit_bias", json!({"1": 100})),
         ("/v1/completions", "suffix", json!("end")),
-        ("/v1/completions", "guided_regex", json!("[0-9]+")),
-        (chat, "response_format", json!({"type": "json_object"})),
         (
             chat,
             "tools",
@@ -299,6 +296,84 @@ async fn bad_input(r: &Router, model: &str) {
             "{v}"
         );
     }
+    // Structured outputs and logit_bias that cannot be served are refused naming the field and
+    // the problem.
+    for (path, field, value, says) in [
+        (
+            "/v1/completions",
+            "logit_bias",
+            json!({"1": 101}),
+            "[-100, 100]",
+        ),
+        (
+            "/v1/completions",
+            "logit_bias",
+            json!({"one": 1}),
+            "token ids",
+        ),
+        (
+            "/v1/completions",
+            "logit_bias",
+            json!({"1": "up"}),
+            "numbers",
+        ),
+        (
+            "/v1/completions",
+            "logit_bias",
+            json!({"99999999": 1}),
+            "vocabulary",
+        ),
+        (
+            "/v1/completions",
+            "guided_regex",
+            json!("[a-"),
+            "guided_regex",
+        ),
+        ("/v1/completions", "guided_choice", json!([]), "empty"),
+        (
+            "/v1/completions",
+            "guided_grammar",
+            json!("start: nothere"),
+            "nothere",
+        ),
+        (
+            chat,
+            "response_format",
+            json!({"type": "json_schema"}),
+            "schema",
+        ),
+        (chat, "response_format", json!({"type": "xml"}), "xml"),
+        (
+            chat,
+            "response_format",
+            json!({"type": "json_schema", "json_schema": {"schema": {"not": {}}}}),
+            "not",
+        ),
+    ] {
+        let mut body = if path == chat {
+            json!({"model": model, "messages": msgs})
+        } else {
+            json!({"model": model, "prompt": "hi"})
+        };
+        body[field] = value;
+        let (s, v) = post(&r.http, path, body.clone()).await;
+        assert_eq!(s, 400, "{body} -> {v}");
+        assert_eq!(v["error"]["param"], field, "{body} -> {v}");
+        let m = v["error"]["message"].as_str().unwrap();
+        assert!(m.contains(says), "{body} -> {m}");
+    }
+    let (s, v) = post(
+        &r.http,
+        "/v1/completions",
+        json!({"model": model, "prompt": "hi", "guided_regex": "a+",
+               "guided_choice": ["a", "b"]}),
+    )
+    .await;
+    assert_eq!(s, 400, "{v}");
+    assert!(v["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("not several"));
     // Their neutral values pass.
     let (s, v) = post(
         &r.http,
@@ -582,6 +657,7 @@ async fn one_worker_serves_clients_exactly_and_survives_bad_input() {
     let tok = tandem_model::load_text(&model_path()).unwrap().tokenizer;
 
     openai_python_client(&format!("{}/v1", r.http), &model, &tok, &[]).await;
+    assert!(structured_python_client(&format!("{}/v1", r.http), &model, false).await >= 20);
     grpc_client(&r, &model, &tok).await;
     grpc_health_and_reflection(&r).await;
     stop_strings(&r, &model).await;

@@ -162,6 +162,18 @@ async fn disaggregated_output_is_exact_and_only_uncached_blocks_move() {
     remote += 1.0;
     assert_eq!(ids, local_reference(&daddr, &turn2, 12).await);
 
+    // Structured outputs across the split: the prefill worker samples the first token under the
+    // grammar (free text there would break every JSON below) and the decode worker goes on from
+    // it. Each schema once, greedy, every answer validated against its schema.
+    let models: Value = reqwest::get(format!("{}/v1/models", r.http))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let model = models["data"][0]["id"].as_str().unwrap();
+    remote += structured_python_client(&format!("{}/v1", r.http), model, true).await as f64;
+
     let rm = scrape(&r.http).await;
     assert_eq!(
         metric(&rm, r#"tandem_prefill_requests_total{mode="remote"}"#),

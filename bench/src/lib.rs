@@ -116,6 +116,7 @@ pub fn run_engine_bench(
     let requests: Vec<Request> = (0..b.batch)
         .map(|_| Request {
             resume: Vec::new(),
+            constraint: None,
             prompt: (0..b.prompt_len)
                 .map(|_| rng.gen_range(100..vocab))
                 .collect(),

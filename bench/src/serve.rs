@@ -349,6 +349,7 @@ pub async fn run_engine(engine: Arc<EngineHandle>, spec: &LoadSpec) -> ServeRepo
                     prompt,
                     params,
                     resume: Vec::new(),
+                    constraint: None,
                 })
             });
             let mut stream = match submitted {

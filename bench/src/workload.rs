@@ -85,6 +85,7 @@ impl Workload {
                 };
                 Request {
                     resume: Vec::new(),
+                    constraint: None,
                     prompt,
                     params: SamplingParams {
                         max_tokens: out,

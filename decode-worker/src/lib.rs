@@ -257,7 +257,7 @@ impl pb::decode_server::Decode for DecodeService {
             trace::failed(&span, &s.message());
             s
         };
-        let params = sampling_from_wire(req.sampling, req.stopping.clone())
+        let params = sampling_from_wire(req.sampling.clone(), req.stopping.clone())
             .validate()
             .map_err(|e| fail(status(e.into())))?;
         let candidates = match req.prefill.and_then(|p| p.plan) {
@@ -268,6 +268,7 @@ impl pb::decode_server::Decode for DecodeService {
             prompt: req.prompt_ids,
             params,
             resume: req.resume_ids,
+            constraint: None,
         };
         let mut pending = None;
         let submitted = SystemTime::now();

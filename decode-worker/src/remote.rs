@@ -140,7 +140,7 @@ impl RemotePrefill {
         let ask = Ask {
             request_id,
             prompt,
-            sampling,
+            sampling: &sampling,
             reservation,
         };
         for addr in candidates {
@@ -222,7 +222,7 @@ impl RemotePrefill {
                 transfer_id: g.id(),
                 block_ids: reservation.blocks.iter().map(|b| b.0).collect(),
             }),
-            sampling: Some(sampling),
+            sampling: Some(sampling.clone()),
         });
         tandem_telemetry::inject(span, call.metadata_mut().as_mut());
         let mut watch = Progress::new(self.deadlines, uncached);
@@ -303,7 +303,7 @@ fn received(attempt: &tracing::Span, stats: &TransferStats, blocks: usize) {
 struct Ask<'a> {
     request_id: &'a str,
     prompt: &'a [u32],
-    sampling: pb::Sampling,
+    sampling: &'a pb::Sampling,
     reservation: &'a Reservation,
 }
 

@@ -257,11 +257,11 @@ mod tests {
         let vocab = b.config().vocab_size;
         assert_eq!(picks.len(), 2);
         for (row, &(token, logprob)) in logits.chunks_exact(vocab).zip(&picks) {
-            let mut s = Sampler::new(ValidSampling::default(), &[]);
+            let mut s = Sampler::new(ValidSampling::default(), &[], None);
             assert!(s.argmax_only());
             let want = s.sample(row);
             assert_eq!((want.token, want.logprob), (token, logprob));
-            let mut a = Sampler::new(ValidSampling::default(), &[]);
+            let mut a = Sampler::new(ValidSampling::default(), &[], None);
             assert_eq!(a.accept(token, logprob), want);
         }
     }

@@ -27,6 +27,7 @@ use crate::engine::{
 use crate::kv_cache::KvPoolWriter;
 use crate::sampler::Sampled;
 use crate::EngineError;
+use tandem_grammar::GrammarCompiler;
 
 /// What a request's stream carries.
 #[derive(Debug)]
@@ -44,7 +45,8 @@ pub enum StreamEvent {
 enum Command {
     Submit {
         id: RequestId,
-        request: Request,
+        /// Boxed: a request's sampling (and grammar) is most of a command's size.
+        request: Box<Request>,
         mode: Mode,
         events: tmpsc::UnboundedSender<StreamEvent>,
     },
@@ -90,6 +92,7 @@ pub struct EngineHandle {
     shared: Arc<Shared>,
     limits: Limits,
     kv_writer: Option<KvPoolWriter>,
+    grammars: Option<Arc<GrammarCompiler>>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -116,11 +119,15 @@ impl EngineHandle {
                     }
                 };
                 *loop_shared.stats.lock().expect("stats lock") = engine.stats();
-                let _ = ready_tx.send(Ok((engine.limits(), engine.kv_pool().map(|p| p.writer()))));
+                let _ = ready_tx.send(Ok((
+                    engine.limits(),
+                    engine.kv_pool().map(|p| p.writer()),
+                    engine.grammars().cloned(),
+                )));
                 run_loop(engine, rx, &loop_shared);
             })
             .map_err(|e| EngineError::Internal(format!("cannot start the engine thread: {e}")))?;
-        let (limits, kv_writer) = ready_rx
+        let (limits, kv_writer, grammars) = ready_rx
             .recv()
             .map_err(|_| EngineError::Internal("engine thread died while starting".into()))??;
         Ok(Self {
@@ -128,6 +135,7 @@ impl EngineHandle {
             shared,
             limits,
             kv_writer,
+            grammars,
             thread: Some(thread),
         })
     }
@@ -135,6 +143,14 @@ impl EngineHandle {
     /// What requests are checked against; [`Self::submit`] checks them on the caller's thread.
     pub fn limits(&self) -> Limits {
         self.limits
+    }
+
+    /// The request with its grammar compiled, checked against the limits: on the caller's
+    /// thread, so neither a refusal nor a compile holds up the engine's steps.
+    fn checked(&self, mut request: Request) -> Result<Request, EngineError> {
+        request.compile(self.grammars.as_deref())?;
+        self.limits.validate(&request)?;
+        Ok(request)
     }
 
     /// Writes blocks into the engine's KV pool from other threads (transfers into reserved
@@ -145,7 +161,7 @@ impl EngineHandle {
 
     /// Queues a request; invalid ones are refused here, before they reach the loop.
     pub fn submit(&self, request: Request) -> Result<RequestStream, EngineError> {
-        self.limits.validate(&request)?;
+        let request = self.checked(request)?;
         self.send_submit(request, Mode::Local)
     }
 
@@ -156,7 +172,7 @@ impl EngineHandle {
         request: Request,
         skip_tokens: usize,
     ) -> Result<RequestStream, EngineError> {
-        self.limits.validate(&request)?;
+        let request = self.checked(request)?;
         self.send_submit(request, Mode::Prefill { skip_tokens })
     }
 
@@ -168,7 +184,7 @@ impl EngineHandle {
         &self,
         request: Request,
     ) -> Result<Option<(RequestStream, Reservation)>, EngineError> {
-        self.limits.validate(&request)?;
+        let request = self.checked(request)?;
         let (tx, rx) = oneshot::channel();
         let mut stream = self.send_submit(request, Mode::Remote(tx))?;
         match rx.await {
@@ -201,7 +217,7 @@ impl EngineHandle {
         self.commands
             .send(Command::Submit {
                 id,
-                request,
+                request: Box::new(request),
                 mode,
                 events: tx,
             })
@@ -357,6 +373,7 @@ fn run_loop(mut engine: Engine, rx: mpsc::Receiver<Command>, shared: &Shared) {
                     mode,
                     events,
                 } => {
+                    let request = *request;
                     let added = match mode {
                         Mode::Local => engine.add(id, request),
                         Mode::Prefill { skip_tokens } => {

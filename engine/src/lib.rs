@@ -101,6 +101,10 @@ pub enum EngineError {
     /// The engine's loop is gone, so nothing more can be submitted or answered.
     #[error("the engine has stopped")]
     Stopped,
+    /// The request's grammar cannot be compiled (the text names the problem), or this model's
+    /// tokenizer cannot serve grammars.
+    #[error("grammar: {0}")]
+    Grammar(#[from] tandem_grammar::GrammarError),
     /// A step failed, failing every request in it (each gets this copy of the step's error).
     #[error("the engine step failed: {0}")]
     Step(String),
@@ -136,6 +140,8 @@ impl EngineError {
             | Self::BadPlan(_) => ErrorKind::InvalidRequest,
             Self::ContextOverflow { .. } | Self::TooLargeForCache { .. } => ErrorKind::TooLarge,
             Self::Unsupported(_) => ErrorKind::Unsupported,
+            Self::Grammar(tandem_grammar::GrammarError::Tokenizer(_)) => ErrorKind::Unsupported,
+            Self::Grammar(_) => ErrorKind::InvalidRequest,
             Self::Stopped => ErrorKind::Unavailable,
             Self::Config(_)
             | Self::NotParked(_)

@@ -5,6 +5,10 @@
 //! (output tokens), then greedy argmax when temperature is 0, else temperature, top-k, top-p,
 //! min-p and a draw from a per-request ChaCha8 stream, so the same seed gives the same tokens.
 //! Log-probabilities are of the model's raw distribution (log-softmax of unmodified logits).
+//!
+//! Before all of that, `logit_bias` is added, and a request with a grammar (structured outputs)
+//! masks every token its grammar does not allow next: the mask is the last word, so a bias or
+//! a penalty can reorder the allowed tokens but never bring back a masked one.
 
 use std::collections::HashMap;
 
@@ -13,6 +17,7 @@ use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 use tandem_kernels::ops;
 
+use tandem_grammar::Constraint;
 use tandem_types::ValidSampling;
 
 /// A sampled token with its log-probability and the most likely alternatives.
@@ -34,6 +39,8 @@ pub struct Sampler {
     counts: HashMap<u32, u32>,
     /// Prompt and output tokens seen, for the repetition penalty.
     seen: std::collections::HashSet<u32>,
+    /// The request's grammar, where the output stands in it.
+    constraint: Option<Constraint>,
 }
 
 thread_local! {
@@ -44,8 +51,8 @@ thread_local! {
 
 impl Sampler {
     /// A sampler for one sequence, seeded from `params.seed` (or at random); `prompt` feeds the
-    /// repetition penalty.
-    pub fn new(params: ValidSampling, prompt: &[u32]) -> Self {
+    /// repetition penalty; `constraint` is the request's compiled grammar, if it has one.
+    pub fn new(params: ValidSampling, prompt: &[u32], constraint: Option<Constraint>) -> Self {
         let seed = params.seed.unwrap_or_else(rand::random);
         let seen = if params.repetition_penalty != 1.0 {
             prompt.iter().copied().collect()
@@ -57,6 +64,25 @@ impl Sampler {
             counts: HashMap::new(),
             seen,
             params,
+            constraint,
+        }
+    }
+
+    /// Whether the request's grammar is complete and allows nothing more (false without one).
+    pub fn grammar_finished(&self) -> bool {
+        self.constraint
+            .as_ref()
+            .is_some_and(Constraint::is_finished)
+    }
+
+    /// Advances the grammar past `token`; a token it refuses ends its use (logged), as nothing
+    /// after it could be in the language either.
+    fn advance(&mut self, token: u32) {
+        if let Some(c) = &mut self.constraint {
+            if let Err(e) = c.consume(token) {
+                tracing::warn!(token, error = %e, "grammar refused a token");
+                self.constraint = None;
+            }
         }
     }
 
@@ -79,8 +105,13 @@ impl Sampler {
             p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0;
         let raw = logits;
         let mut l: Vec<f32>;
-        let logits = if penalized {
+        let logits = if penalized || !p.logit_bias.is_empty() || self.constraint.is_some() {
             l = logits.to_vec();
+            for &(t, b) in &p.logit_bias {
+                if let Some(v) = l.get_mut(t as usize) {
+                    *v += b;
+                }
+            }
             if p.repetition_penalty != 1.0 {
                 for &t in &self.seen {
                     let v = &mut l[t as usize];
@@ -91,8 +122,13 @@ impl Sampler {
                     };
                 }
             }
-            for (&t, &n) in &self.counts {
-                l[t as usize] -= p.presence_penalty + p.frequency_penalty * n as f32;
+            if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+                for (&t, &n) in &self.counts {
+                    l[t as usize] -= p.presence_penalty + p.frequency_penalty * n as f32;
+                }
+            }
+            if let Some(c) = &mut self.constraint {
+                c.allowed().apply(&mut l);
             }
             &l[..]
         } else {
@@ -114,6 +150,7 @@ impl Sampler {
             self.seen.insert(token);
         }
         *self.counts.entry(token).or_insert(0) += 1;
+        self.advance(token);
         Sampled {
             token,
             logprob: raw[token as usize] - lse,
@@ -131,6 +168,8 @@ impl Sampler {
             && p.presence_penalty == 0.0
             && p.frequency_penalty == 0.0
             && p.top_logprobs == 0
+            && p.logit_bias.is_empty()
+            && self.constraint.is_none()
     }
 
     /// The token a device picked for an [`Self::argmax_only`] sampler, with its log-probability:
@@ -156,6 +195,7 @@ impl Sampler {
             self.seen.insert(token);
         }
         *self.counts.entry(token).or_insert(0) += 1;
+        self.advance(token);
     }
 
     fn draw(&mut self, logits: &[f32]) -> u32 {
@@ -175,6 +215,10 @@ impl Sampler {
             idx.truncate(k);
         }
         idx.sort_unstable_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
+        // Masked tokens (a grammar's, a bias of -inf) are no candidates, not even the last
+        // resort of the draw below.
+        let possible = idx.partition_point(|&i| logits[i as usize] > f32::NEG_INFINITY);
+        idx.truncate(possible.max(1));
         let max = logits[idx[0] as usize];
         let mut probs: Vec<f32> = idx
             .iter()
@@ -255,7 +299,7 @@ mod tests {
     use tandem_types::SamplingParams;
 
     fn sampler(p: SamplingParams, prompt: &[u32]) -> Sampler {
-        Sampler::new(p.validate().unwrap(), prompt)
+        Sampler::new(p.validate().unwrap(), prompt, None)
     }
 
     fn logits() -> Vec<f32> {

@@ -275,6 +275,7 @@ fn teacher_forced_agreement(
             p.extend_from_slice(&gen[..i]);
             reqs.push(tandem_engine::Request {
                 resume: Vec::new(),
+                constraint: None,
                 prompt: p,
                 params: tandem_engine::SamplingParams {
                     max_tokens: 1,

@@ -39,7 +39,7 @@ pub use config::{LlamaConfig, RopeScaling};
 pub use hash::{block_hashes, hash_block, BlockHash};
 pub use names::{LayerTensor, TensorName};
 pub use quant::{dequantize, quantize_q4_1, quantize_q8_0, GgmlType};
-pub use tokenizer::{IncrementalDecoder, Tokenizer};
+pub use tokenizer::{IncrementalDecoder, Tokenizer, VocabEntry};
 
 /// Why reading a model, or handling its text, failed.
 #[derive(Debug, thiserror::Error)]

@@ -212,10 +212,112 @@ impl Tokenizer {
         self.inner.token_to_id(t)
     }
 
+    /// Every id's bytes as the model writes them (what a grammar engine matches text against):
+    /// byte-level BPE entries mapped back from GPT-2's printable characters, SentencePiece
+    /// entries with `▁` as a space and `<0xNN>` as that byte, added tokens as their text. Special
+    /// tokens (BOS, EOS, template markers) are marked, not spelled: they write no text.
+    pub fn vocab_bytes(&self) -> Result<Vec<VocabEntry>, ModelError> {
+        let kind = match self.inner.get_decoder() {
+            Some(d) => decoder_kind(d),
+            None => None,
+        }
+        .ok_or_else(|| {
+            ModelError::Unsupported(
+                "a tokenizer whose decoder is neither byte-level nor byte-fallback".into(),
+            )
+        })?;
+        let added = self.inner.get_added_tokens_decoder();
+        let to_byte = byte_level_chars();
+        (0..self.vocab_size as u32)
+            .map(|id| {
+                if let Some(t) = added.get(&id) {
+                    return Ok(VocabEntry {
+                        bytes: t.content.as_bytes().to_vec(),
+                        special: t.special,
+                    });
+                }
+                let Some(name) = self.inner.id_to_token(id) else {
+                    // A hole in the vocabulary: nothing can produce it, so it writes nothing.
+                    return Ok(VocabEntry {
+                        bytes: Vec::new(),
+                        special: true,
+                    });
+                };
+                let bytes = match kind {
+                    DecoderKind::ByteLevel => name
+                        .chars()
+                        .map(|c| to_byte.get(&c).copied())
+                        .collect::<Option<Vec<u8>>>()
+                        .ok_or_else(|| {
+                            ModelError::Tokenizer(format!(
+                                "token {id} ({name:?}) is not a byte-level BPE entry"
+                            ))
+                        })?,
+                    DecoderKind::ByteFallback => match byte_fallback(&name) {
+                        Some(b) => vec![b],
+                        None => name.replace('\u{2581}', " ").into_bytes(),
+                    },
+                };
+                Ok(VocabEntry {
+                    bytes,
+                    special: false,
+                })
+            })
+            .collect()
+    }
+
     /// Whether `id` ends generation (one of [`Tokenizer::eos_token_ids`]).
     pub fn is_eos(&self, id: u32) -> bool {
         self.eos_token_ids.contains(&id)
     }
+}
+
+/// One vocabulary entry as [`Tokenizer::vocab_bytes`] gives it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VocabEntry {
+    /// The bytes it writes (a special token's: its name).
+    pub bytes: Vec<u8>,
+    /// A control token (BOS, EOS, a template marker) rather than text.
+    pub special: bool,
+}
+
+#[derive(Clone, Copy)]
+enum DecoderKind {
+    ByteLevel,
+    ByteFallback,
+}
+
+fn decoder_kind(d: &tokenizers::DecoderWrapper) -> Option<DecoderKind> {
+    use tokenizers::DecoderWrapper as D;
+    match d {
+        D::ByteLevel(_) => Some(DecoderKind::ByteLevel),
+        D::ByteFallback(_) => Some(DecoderKind::ByteFallback),
+        D::Sequence(s) => s.get_decoders().iter().find_map(decoder_kind),
+        _ => None,
+    }
+}
+
+/// GPT-2's byte-level alphabet read backwards: the printable Latin-1 bytes stand for
+/// themselves, the other 68 bytes for the characters from U+0100 on, in byte order.
+fn byte_level_chars() -> std::collections::HashMap<char, u8> {
+    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+    let mut next = 0x100u32;
+    (0..=255u8)
+        .map(|b| {
+            if printable(b) {
+                (b as char, b)
+            } else {
+                next += 1;
+                (char::from_u32(next - 1).expect("below U+0200"), b)
+            }
+        })
+        .collect()
+}
+
+/// `<0xNN>`, SentencePiece's spelling of a raw byte.
+fn byte_fallback(name: &str) -> Option<u8> {
+    let hex = name.strip_prefix("<0x")?.strip_suffix('>')?;
+    (hex.len() == 2).then(|| u8::from_str_radix(hex, 16).ok())?
 }
 
 /// Turns a growing list of token ids into text pieces without ever cutting a UTF-8 character.

@@ -210,7 +210,7 @@ impl Shared {
             max_tokens: 1,
             ..Default::default()
         };
-        let sampling = sampling_from_wire(req.sampling, Some(one))
+        let sampling = sampling_from_wire(req.sampling.clone(), Some(one))
             .validate()
             .map_err(|e| status(e.into()))?;
         Ok(Checked {
@@ -291,6 +291,7 @@ impl Shared {
                     prompt: req.prompt_ids,
                     params: sampling,
                     resume: Vec::new(),
+                    constraint: None,
                 },
                 cached,
             )

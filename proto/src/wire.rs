@@ -1,6 +1,6 @@
 //! The shared words of tandem-types on the worker API's wire: written once, for both ends.
 
-use tandem_types::{ErrorKind, SamplingParams, ValidSampling};
+use tandem_types::{ErrorKind, Grammar, SamplingParams, ValidSampling};
 
 use crate::worker as pb;
 
@@ -17,6 +17,12 @@ pub fn sampling_to_wire(s: &ValidSampling) -> (pb::Sampling, pb::Stopping) {
             frequency_penalty: s.frequency_penalty,
             seed: s.seed,
             top_logprobs: s.top_logprobs,
+            grammar: s.grammar.as_ref().map(grammar_to_wire),
+            logit_bias: s
+                .logit_bias
+                .iter()
+                .map(|&(token, bias)| pb::TokenBias { token, bias })
+                .collect(),
         },
         pb::Stopping {
             max_tokens: s.max_tokens,
@@ -47,7 +53,33 @@ pub fn sampling_from_wire(s: Option<pb::Sampling>, stop: Option<pb::Stopping>) -
         max_tokens: stop.max_tokens,
         stop_token_ids: stop.stop_token_ids,
         ignore_eos: stop.ignore_eos,
+        logit_bias: s.logit_bias.iter().map(|b| (b.token, b.bias)).collect(),
+        grammar: s.grammar.and_then(grammar_from_wire),
     }
+}
+
+fn grammar_to_wire(g: &Grammar) -> pb::Grammar {
+    use pb::grammar::Kind;
+    let kind = match g {
+        Grammar::JsonSchema(s) => Kind::JsonSchema(s.clone()),
+        Grammar::JsonObject => Kind::JsonObject(pb::JsonObject {}),
+        Grammar::Regex(r) => Kind::Regex(r.clone()),
+        Grammar::Choice(o) => Kind::Choice(pb::Choice { options: o.clone() }),
+        Grammar::Lark(l) => Kind::Lark(l.clone()),
+    };
+    pb::Grammar { kind: Some(kind) }
+}
+
+/// A grammar message with no kind set reads as no grammar (free text).
+fn grammar_from_wire(g: pb::Grammar) -> Option<Grammar> {
+    use pb::grammar::Kind;
+    Some(match g.kind? {
+        Kind::JsonSchema(s) => Grammar::JsonSchema(s),
+        Kind::JsonObject(_) => Grammar::JsonObject,
+        Kind::Regex(r) => Grammar::Regex(r),
+        Kind::Choice(c) => Grammar::Choice(c.options),
+        Kind::Lark(l) => Grammar::Lark(l),
+    })
 }
 
 /// The gRPC code a failure of `kind` is answered with.
@@ -102,12 +134,28 @@ mod tests {
             max_tokens: 33,
             stop_token_ids: vec![2, 9],
             ignore_eos: true,
+            logit_bias: vec![(5, -100.0), (17, 2.5)],
+            grammar: Some(Grammar::JsonSchema(r#"{"type":"integer"}"#.into())),
         }
         .validate()
         .unwrap();
         let (s, stop) = sampling_to_wire(&v);
         let back = sampling_from_wire(Some(s), Some(stop)).validate().unwrap();
         assert_eq!(back, v);
+        for g in [
+            Grammar::JsonObject,
+            Grammar::Regex("a+".into()),
+            Grammar::Choice(vec!["x".into(), "y".into()]),
+            Grammar::Lark("start: \"a\"".into()),
+        ] {
+            let p = SamplingParams {
+                grammar: Some(g),
+                ..Default::default()
+            };
+            let v = p.clone().validate().unwrap();
+            let (s, stop) = sampling_to_wire(&v);
+            assert_eq!(sampling_from_wire(Some(s), Some(stop)), p);
+        }
         let greedy = ValidSampling::default();
         let (s, stop) = sampling_to_wire(&greedy);
         assert_eq!(

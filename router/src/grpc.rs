@@ -8,7 +8,9 @@ use tandem_model::ChatMessage;
 use tandem_proto::v1 as pb;
 use tonic::{Request, Response, Status};
 
-use crate::dispatch::{Dispatcher, FinishKind, GenParams, MaxTokensDefault, PromptInput};
+use crate::dispatch::{
+    Dispatcher, FinishKind, GenParams, MaxTokensDefault, PromptInput, RequestedGrammar,
+};
 use crate::trace;
 
 /// The `tandem.v1.Generation` service (Generate, Tokenize, ListModels) over a dispatcher.
@@ -100,6 +102,8 @@ impl pb::generation_server::Generation for GenerationService {
             skip_special_tokens: r.skip_special_tokens.unwrap_or(true),
             logprobs: s.logprobs || s.top_logprobs > 0,
             top_logprobs: s.top_logprobs,
+            logit_bias: s.logit_bias.iter().map(|(&t, &b)| (t, b)).collect(),
+            grammar: s.format.and_then(|f| f.kind).map(output_format),
         };
         let default_max = if is_chat {
             MaxTokensDefault::RestOfContext
@@ -203,5 +207,22 @@ impl pb::generation_server::Generation for GenerationService {
                 owned_by: "tandem".into(),
             }],
         }))
+    }
+}
+
+/// The public API's output format as the grammar the workers enforce.
+fn output_format(kind: pb::output_format::Kind) -> RequestedGrammar {
+    use pb::output_format::Kind;
+    use tandem_types::Grammar;
+    let grammar = match kind {
+        Kind::JsonSchema(s) => Grammar::JsonSchema(s),
+        Kind::JsonObject(_) => Grammar::JsonObject,
+        Kind::Regex(r) => Grammar::Regex(r),
+        Kind::Choice(c) => Grammar::Choice(c.options),
+        Kind::Lark(l) => Grammar::Lark(l),
+    };
+    RequestedGrammar {
+        grammar,
+        param: "sampling.format",
     }
 }

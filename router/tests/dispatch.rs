@@ -235,7 +235,7 @@ async fn tokens_arrive_as_text_across_heartbeats_with_the_request_as_prepared() 
     assert_eq!(n as usize, answer.len());
     let calls = w.calls();
     assert_eq!(calls.len(), 1);
-    let s = calls[0].sampling.unwrap();
+    let s = calls[0].sampling.clone().unwrap();
     assert_eq!((s.temperature, s.top_p), (0.5, 0.9));
     assert_eq!(
         calls[0].stopping.as_ref().unwrap().max_tokens,

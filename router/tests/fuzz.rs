@@ -244,6 +244,23 @@ fn typed(key: &'static str, chat: bool) -> BoxedStrategy<Value> {
             1 => any::<i64>().prop_map(Value::from)
         ]
         .boxed(),
+        "logit_bias" => prop::collection::vec((any::<u32>(), float()), 0..3)
+            .prop_map(|v| Value::Object(v.into_iter().map(|(t, b)| (t.to_string(), b)).collect()))
+            .boxed(),
+        "response_format" => prop_oneof![
+            Just(json!({"type": "text"})),
+            Just(json!({"type": "json_object"})),
+            nasty_string().prop_map(|t| json!({"type": t})),
+            json().prop_map(
+                |j| json!({"type": "json_schema", "json_schema": {"name": "x", "schema": j}})
+            ),
+        ]
+        .boxed(),
+        "guided_regex" => nasty_string().prop_map(Value::from).boxed(),
+        "guided_choice" => prop::collection::vec(nasty_string(), 0..3)
+            .prop_map(|v| json!(v))
+            .boxed(),
+        "guided_json" => json().boxed(),
         _ => float().boxed(),
     }
 }
@@ -272,6 +289,11 @@ const FIELDS: &[&str] = &[
     "logprobs",
     "top_logprobs",
     "echo",
+    "logit_bias",
+    "response_format",
+    "guided_regex",
+    "guided_choice",
+    "guided_json",
 ];
 
 /// An OpenAI-shaped body for one endpoint: each field absent, well-typed (mostly), or any JSON.
@@ -362,6 +384,13 @@ proptest! {
         max_tokens in prop_oneof![Just(None), any::<u32>().prop_map(Some), (0u32..64).prop_map(Some)],
         stop in prop::collection::vec(nasty_string(), 0..3),
         stop_ids in prop::collection::vec(any::<u32>(), 0..3),
+        bias in prop::collection::vec((any::<u32>(), any_float()), 0..3),
+        format in prop_oneof![
+            Just(None),
+            nasty_string().prop_map(|s| Some(pb::output_format::Kind::Regex(s))),
+            nasty_string().prop_map(|s| Some(pb::output_format::Kind::JsonSchema(s))),
+            nasty_string().prop_map(|s| Some(pb::output_format::Kind::Lark(s))),
+        ],
     ) {
         let (top_k, seed, top_logprobs) = ints;
         let req = pb::GenerateRequest {
@@ -378,6 +407,8 @@ proptest! {
                 seed: Some(seed),
                 logprobs: floats[6] > 0.0,
                 top_logprobs,
+                logit_bias: bias.into_iter().collect(),
+                format: format.map(|k| pb::OutputFormat { kind: Some(k) }),
             }),
             stopping: Some(pb::StoppingCriteria {
                 max_tokens,

@@ -596,6 +596,39 @@ pub async fn openai_python_client_in(
     )));
 }
 
+/// Runs tests/structured_client.py (structured outputs through the official OpenAI Python
+/// client, each answer validated with `jsonschema`) against `base_url`; `quick` runs each schema
+/// once (greedy, not streamed) and nothing else. Returns the number of requests that generated.
+pub async fn structured_python_client(base_url: &str, model: &str, quick: bool) -> usize {
+    let script =
+        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/structured_client.py");
+    let mut cmd = tokio::process::Command::from(python_command(None));
+    cmd.arg(script)
+        .arg(format!("--base-url={base_url}"))
+        .arg(format!("--model={model}"));
+    if quick {
+        cmd.arg("--quick");
+    }
+    let out = cmd.output().await.expect("run python");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    eprintln!("{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "structured output checks failed:\n{stdout}"
+    );
+    let line = stdout
+        .lines()
+        .find(|l| l.ends_with("structured output checks passed"))
+        .expect("a summary line");
+    let (passed, total) = line
+        .split_whitespace()
+        .next()
+        .and_then(|f| f.split_once('/'))
+        .expect("N/N");
+    assert_eq!(passed, total, "{line}");
+    total.parse().unwrap()
+}
+
 /// The child processes of `pid`.
 pub fn children(pid: i32) -> Vec<i32> {
     let mut out = Vec::new();

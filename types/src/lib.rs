@@ -21,4 +21,4 @@ mod sampling;
 
 pub use error::ErrorKind;
 pub use ids::BlockId;
-pub use sampling::{limits, SamplingError, SamplingParams, ValidSampling};
+pub use sampling::{limits, Grammar, SamplingError, SamplingParams, ValidSampling};

@@ -18,6 +18,28 @@ pub mod limits {
     pub const PENALTY: f32 = 2.0;
     /// Largest number of alternatives reported per token (OpenAI's `top_logprobs` limit).
     pub const MAX_TOP_LOGPROBS: u32 = 20;
+    /// A logit bias lies in [-`LOGIT_BIAS`, `LOGIT_BIAS`] (OpenAI's range).
+    pub const LOGIT_BIAS: f32 = 100.0;
+    /// Most tokens one request may bias.
+    pub const MAX_LOGIT_BIAS_TOKENS: usize = 1024;
+}
+
+/// What the output must match (structured outputs): the grammar engine turns it into a token
+/// mask at each step, so every sampled token keeps the text inside the language.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Grammar {
+    /// JSON that validates against this JSON Schema (its text).
+    JsonSchema(String),
+    /// Any JSON object.
+    JsonObject,
+    /// Text that matches this regular expression, whole.
+    Regex(String),
+    /// Exactly one of these strings.
+    Choice(Vec<String>),
+    /// Text in the language of this Lark grammar (llguidance's dialect, which takes `%json`
+    /// and regular expressions inside rules).
+    Lark(String),
 }
 
 /// How to pick tokens and when to stop, as a caller gives them: any values. Defaults: greedy,
@@ -50,6 +72,11 @@ pub struct SamplingParams {
     pub stop_token_ids: Vec<u32>,
     /// Keep generating after EOS (EOS may still be produced; it is not banned).
     pub ignore_eos: bool,
+    /// Added to these tokens' logits before anything else (OpenAI's `logit_bias`): `(token,
+    /// bias)`, -100 bans a token and 100 all but forces it.
+    pub logit_bias: Vec<(u32, f32)>,
+    /// The output must match this (structured outputs); none: free text.
+    pub grammar: Option<Grammar>,
 }
 
 impl Default for SamplingParams {
@@ -67,6 +94,8 @@ impl Default for SamplingParams {
             max_tokens: 16,
             stop_token_ids: Vec::new(),
             ignore_eos: false,
+            logit_bias: Vec::new(),
+            grammar: None,
         }
     }
 }
@@ -101,6 +130,12 @@ pub enum SamplingError {
     /// Zero: nothing to generate.
     #[error("max_tokens must be at least 1")]
     MaxTokens,
+    /// A bias outside [-[`limits::LOGIT_BIAS`], [`limits::LOGIT_BIAS`]].
+    #[error("logit_bias values must be in [-{b}, {b}], got {0}", b = limits::LOGIT_BIAS)]
+    LogitBias(f32),
+    /// More than [`limits::MAX_LOGIT_BIAS_TOKENS`] tokens biased.
+    #[error("logit_bias may name at most {max} tokens, got {0}", max = limits::MAX_LOGIT_BIAS_TOKENS)]
+    LogitBiasTokens(usize),
 }
 
 impl SamplingError {
@@ -116,6 +151,7 @@ impl SamplingError {
             Self::FrequencyPenalty(_) => "frequency_penalty",
             Self::TopLogprobs(_) => "top_logprobs",
             Self::MaxTokens => "max_tokens",
+            Self::LogitBias(_) | Self::LogitBiasTokens(_) => "logit_bias",
         }
     }
 }
@@ -158,6 +194,13 @@ impl SamplingParams {
         }
         if self.max_tokens == 0 {
             return Err(E::MaxTokens);
+        }
+        if self.logit_bias.len() > limits::MAX_LOGIT_BIAS_TOKENS {
+            return Err(E::LogitBiasTokens(self.logit_bias.len()));
+        }
+        let bias = -limits::LOGIT_BIAS..=limits::LOGIT_BIAS;
+        if let Some(&(_, b)) = self.logit_bias.iter().find(|(_, b)| !bias.contains(b)) {
+            return Err(E::LogitBias(b));
         }
         Ok(())
     }
@@ -263,6 +306,14 @@ mod tests {
                 Box::new(|p| p.top_logprobs = 21),
             ),
             (SamplingError::MaxTokens, Box::new(|p| p.max_tokens = 0)),
+            (
+                SamplingError::LogitBias(-101.0),
+                Box::new(|p| p.logit_bias = vec![(5, 1.0), (7, -101.0)]),
+            ),
+            (
+                SamplingError::LogitBiasTokens(1025),
+                Box::new(|p| p.logit_bias = (0..1025).map(|t| (t, 1.0)).collect()),
+            ),
         ];
         for (want, f) in cases {
             let got = with(f).unwrap_err();
@@ -284,6 +335,7 @@ mod tests {
             assert!(with(|p| p.repetition_penalty = v).is_err());
             assert!(with(|p| p.presence_penalty = v).is_err());
             assert!(with(|p| p.frequency_penalty = v).is_err());
+            assert!(with(|p| p.logit_bias = vec![(1, v)]).is_err());
         }
     }
 

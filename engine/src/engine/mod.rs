@@ -21,6 +21,7 @@
 //! end (benchmarks, the golden checks).
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 use std::time::Instant;
 
 use crate::backend::{Backend, CpuBackend};
@@ -29,6 +30,7 @@ use crate::kv_cache::KvPool;
 use crate::model::LlamaModel;
 use crate::sampler::Sampler;
 use crate::EngineError;
+use tandem_grammar::GrammarCompiler;
 use tandem_model::LlamaConfig;
 
 mod offline;
@@ -45,7 +47,10 @@ pub use types::{
 fn finish_reason(eos: &[u32], max_ctx: usize, s: &Seq, token: u32) -> Option<FinishReason> {
     let p = s.sampler.params();
     let generated = s.tokens.len() - s.prompt_len;
-    if p.stop_token_ids.contains(&token) || (!p.ignore_eos && eos.contains(&token)) {
+    if p.stop_token_ids.contains(&token)
+        || (!p.ignore_eos && eos.contains(&token))
+        || s.sampler.grammar_finished()
+    {
         Some(FinishReason::Stop)
     } else if generated >= p.max_tokens as usize || s.tokens.len() >= max_ctx {
         Some(FinishReason::Length)
@@ -115,6 +120,8 @@ pub struct Engine {
     backend: Box<dyn Backend>,
     blocks: BlockManager,
     eos: Vec<u32>,
+    /// Compiles requests' grammars (none: requests with a grammar are refused).
+    grammars: Option<Arc<GrammarCompiler>>,
     waiting: VecDeque<Seq>,
     /// Oldest admission first; the last one is the first to be preempted.
     running: Vec<Seq>,
@@ -151,6 +158,7 @@ impl Engine {
             backend,
             config,
             eos,
+            grammars: None,
             waiting: VecDeque::new(),
             running: Vec::new(),
             remote: Vec::new(),
@@ -158,6 +166,18 @@ impl Engine {
             stats: EngineStats::default(),
             next_batch_id: 1 << 48,
         })
+    }
+
+    /// Serves requests with grammars (structured outputs), compiling them with `grammars` (the
+    /// model's vocabulary).
+    pub fn with_grammars(mut self, grammars: Arc<GrammarCompiler>) -> Self {
+        self.grammars = Some(grammars);
+        self
+    }
+
+    /// The grammar compiler, if this engine serves grammars.
+    pub fn grammars(&self) -> Option<&Arc<GrammarCompiler>> {
+        self.grammars.as_ref()
     }
 
     /// The host KV pool (None when the cache lives on a GPU).
@@ -242,7 +262,8 @@ impl Engine {
     }
 
     /// Queues a request.
-    pub fn add(&mut self, id: RequestId, r: Request) -> Result<(), EngineError> {
+    pub fn add(&mut self, id: RequestId, mut r: Request) -> Result<(), EngineError> {
+        r.compile(self.grammars.as_deref())?;
         self.validate(&r)?;
         let s = self.new_seq(id, r);
         self.waiting.push_back(s);
@@ -265,7 +286,7 @@ impl Engine {
     }
 
     fn new_seq(&self, id: RequestId, r: Request) -> Seq {
-        let mut sampler = Sampler::new(r.params, &r.prompt);
+        let mut sampler = Sampler::new(r.params, &r.prompt, r.constraint);
         for &t in &r.resume {
             sampler.record(t);
         }

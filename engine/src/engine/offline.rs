@@ -10,11 +10,12 @@ impl Engine {
     /// produced, `on_step` every step's timing. Outputs come back in request order.
     pub fn generate(
         &mut self,
-        requests: Vec<Request>,
+        mut requests: Vec<Request>,
         mut on_token: impl FnMut(&TokenEvent),
         mut on_step: impl FnMut(&StepStats),
     ) -> Result<Vec<Finished>, EngineError> {
-        for r in &requests {
+        for r in &mut requests {
+            r.compile(self.grammars.as_deref())?;
             self.validate(r)?;
         }
         let n = requests.len();
@@ -55,6 +56,7 @@ impl Engine {
             prompt: prompt.to_vec(),
             params: ValidSampling::greedy(std::num::NonZeroU32::MIN),
             resume: Vec::new(),
+            constraint: None,
         })?;
         let mut blocks = self.blocks.sequence();
         if !blocks.reserve(prompt.len()) {

@@ -21,8 +21,9 @@ impl Engine {
     pub fn reserve_remote(
         &mut self,
         id: RequestId,
-        r: Request,
+        mut r: Request,
     ) -> Result<Option<Reservation>, EngineError> {
+        r.compile(self.grammars.as_deref())?;
         self.validate(&r)?;
         self.check_host_cache()?;
         if !r.resume.is_empty() {
@@ -131,6 +132,7 @@ impl Engine {
             ));
         }
         r.params = r.params.with_max_tokens(std::num::NonZeroU32::MIN);
+        r.compile(self.grammars.as_deref())?;
         self.validate(&r)?;
         let mut s = self.new_seq(id, r);
         s.export = Some((skip_tokens / bs, skip_tokens / bs));

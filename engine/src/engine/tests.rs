@@ -18,6 +18,7 @@ pub(crate) fn req(prompt: Vec<u32>, max_tokens: u32) -> Request {
         .validate()
         .unwrap(),
         resume: Vec::new(),
+        constraint: None,
     }
 }
 
@@ -308,6 +309,7 @@ fn a_resumed_request_continues_exactly_where_the_first_run_stopped() {
         .validate()
         .unwrap(),
         resume,
+        constraint: None,
     };
     let full = engine(config())
         .generate(vec![sampled(vec![])], |_| {}, |_| {})

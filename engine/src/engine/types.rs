@@ -5,6 +5,7 @@ use serde::Serialize;
 use crate::kv_cache::KvDtype;
 use crate::sampler::Sampled;
 use crate::EngineError;
+use tandem_grammar::{Constraint, GrammarCompiler};
 use tandem_types::{BlockId, ValidSampling};
 
 /// How an engine sizes its KV pool and schedules its steps.
@@ -83,6 +84,37 @@ pub struct Request {
     /// that died): they are prefilled after the prompt, count toward `max_tokens` and the
     /// penalties, and generation continues after them. Usually empty.
     pub resume: Vec<u32>,
+    /// `params.grammar` compiled for this model's vocabulary (none: free text). The resumed
+    /// tokens are fed through it before the first token sampled here.
+    pub constraint: Option<Constraint>,
+}
+
+impl Request {
+    /// A request for `prompt` with no resumed tokens and no grammar.
+    pub fn new(prompt: Vec<u32>, params: ValidSampling) -> Self {
+        Self {
+            prompt,
+            params,
+            resume: Vec::new(),
+            constraint: None,
+        }
+    }
+
+    /// Compiles `params.grammar` into [`Request::constraint`] with `grammars` (this engine's
+    /// compiler) unless it is compiled already. A grammar the compiler refuses is the request's
+    /// fault; an engine without a compiler cannot serve grammars.
+    pub fn compile(&mut self, grammars: Option<&GrammarCompiler>) -> Result<(), EngineError> {
+        let Some(g) = &self.params.grammar else {
+            return Ok(());
+        };
+        if self.constraint.is_none() {
+            let grammars = grammars.ok_or_else(|| {
+                EngineError::Unsupported("this engine was built without a grammar compiler".into())
+            })?;
+            self.constraint = Some(grammars.compile(g)?);
+        }
+        Ok(())
+    }
 }
 
 /// Why a request stopped generating.
@@ -251,12 +283,22 @@ impl Limits {
         if r.prompt.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }
+        let biased = r.params.logit_bias.iter().map(|(t, _)| t);
         let known = r.prompt.iter().chain(&r.resume);
-        if let Some(&bad) = known.clone().find(|&&t| t as usize >= self.vocab_size) {
+        if let Some(&bad) = known
+            .clone()
+            .chain(biased)
+            .find(|&&t| t as usize >= self.vocab_size)
+        {
             return Err(EngineError::BadToken {
                 id: bad,
                 vocab: self.vocab_size,
             });
+        }
+        if r.params.grammar.is_some() != r.constraint.is_some() {
+            return Err(EngineError::Internal(
+                "a request's grammar must come compiled (and only with a grammar)".into(),
+            ));
         }
         if r.resume.len() >= r.params.max_tokens as usize {
             return Err(EngineError::NothingToResume {

@@ -49,6 +49,7 @@ pub fn requests(recs: &[Value]) -> Vec<Request> {
     recs.iter()
         .map(|r| Request {
             resume: Vec::new(),
+            constraint: None,
             prompt: ids(&r["prompt_ids"]),
             params: SamplingParams {
                 max_tokens: r["n_new"].as_u64().unwrap() as u32,

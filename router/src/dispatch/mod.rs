@@ -15,6 +15,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use tandem_grammar::GrammarCompiler;
 use tandem_model::{ChatMessage, LoadedModel};
 use tandem_proto::worker as pb;
 use tandem_types::ValidSampling;
@@ -95,6 +96,19 @@ pub struct GenParams {
     pub logprobs: bool,
     /// Also return this many of the likeliest alternatives with each token.
     pub top_logprobs: u32,
+    /// Added to these tokens' logits (OpenAI's `logit_bias`).
+    pub logit_bias: Vec<(u32, f32)>,
+    /// What the output must match (structured outputs); none: free text.
+    pub grammar: Option<RequestedGrammar>,
+}
+
+/// A request's grammar with the field that gave it (its 400 names that field).
+#[derive(Clone, Debug)]
+pub struct RequestedGrammar {
+    /// The grammar.
+    pub grammar: tandem_types::Grammar,
+    /// The API field it came in (`response_format`, `guided_json`, ...).
+    pub param: &'static str,
 }
 
 /// When `max_tokens` is not given: OpenAI's completions default, or the rest of the context.
@@ -234,6 +248,8 @@ pub struct Dispatcher {
     cfg: DispatchConfig,
     queued: Arc<AtomicUsize>,
     next_id: AtomicU64,
+    /// Compiles requests' grammars to refuse a bad one here, before it is routed.
+    grammars: GrammarCompiler,
 }
 
 /// A slot in the router's queue, released on drop.
@@ -257,7 +273,10 @@ impl Dispatcher {
     ) -> Self {
         // One registry for the router: the pools count joins, leaves and refusals into it.
         let metrics = pool.metrics().clone();
+        let grammars =
+            GrammarCompiler::new(model.text.tokenizer.clone(), model.text.config.vocab_size);
         Self {
+            grammars,
             model,
             pool,
             prefill_pool,

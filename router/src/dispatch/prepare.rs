@@ -105,6 +105,8 @@ impl Dispatcher {
             max_tokens: p.max_tokens.map_or(1, |n| n.min(u32::MAX as u64) as u32),
             stop_token_ids: p.stop_token_ids.clone(),
             ignore_eos: p.ignore_eos,
+            logit_bias: p.logit_bias.clone(),
+            grammar: p.grammar.as_ref().map(|g| g.grammar.clone()),
         };
         // The fields first: a bad one is refused before the prompt is tokenized.
         sampling.check()?;
@@ -116,6 +118,28 @@ impl Dispatcher {
                 ),
                 "stop",
             ));
+        }
+        if let Some((token, _)) = sampling
+            .logit_bias
+            .iter()
+            .find(|(t, _)| *t as usize >= self.model.text.config.vocab_size)
+        {
+            return Err(ApiError::invalid(
+                format!(
+                    "logit_bias names token {token}, outside the vocabulary of {}",
+                    self.model.text.config.vocab_size
+                ),
+                "logit_bias",
+            ));
+        }
+        if let Some(g) = &p.grammar {
+            // Compiled here only to be refused here: each worker compiles its own.
+            self.grammars.compile(&g.grammar).map_err(|e| match e {
+                tandem_grammar::GrammarError::Invalid(m) => {
+                    ApiError::invalid(format!("{}: {m}", g.param), g.param)
+                }
+                other => ApiError::invalid(other.to_string(), g.param),
+            })?;
         }
         let prompt = self.tokenize(input)?;
         if prompt.is_empty() {

@@ -6,8 +6,9 @@ use serde::Deserialize;
 use serde_json::Value;
 use tandem_model::ChatMessage;
 
-use crate::dispatch::GenParams;
+use crate::dispatch::{GenParams, RequestedGrammar};
 use crate::error::ApiError;
+use tandem_types::Grammar;
 
 pub(super) fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     serde_json::from_slice(body).map_err(|e| ApiError::InvalidRequest {
@@ -57,6 +58,12 @@ pub(super) struct Sampling {
     n: Option<u32>,
     pub(super) stream: Option<bool>,
     stream_options: Option<StreamOptions>,
+    logit_bias: Option<serde_json::Map<String, Value>>,
+    response_format: Option<Value>,
+    guided_json: Option<Value>,
+    guided_regex: Option<String>,
+    guided_choice: Option<Vec<String>>,
+    guided_grammar: Option<String>,
 }
 
 impl Sampling {
@@ -84,7 +91,83 @@ impl Sampling {
             skip_special_tokens: self.skip_special_tokens.unwrap_or(true),
             logprobs: false,
             top_logprobs: 0,
+            logit_bias: self.logit_bias()?,
+            grammar: self.grammar()?,
         })
+    }
+
+    /// OpenAI's `logit_bias`: token ids (as JSON object keys) to numbers.
+    fn logit_bias(&self) -> Result<Vec<(u32, f32)>, ApiError> {
+        let Some(map) = &self.logit_bias else {
+            return Ok(Vec::new());
+        };
+        map.iter()
+            .map(|(k, v)| {
+                let token = k.trim().parse::<u32>().map_err(|_| {
+                    ApiError::invalid(
+                        format!("logit_bias keys are token ids, got {k:?}"),
+                        "logit_bias",
+                    )
+                })?;
+                let bias = v.as_f64().ok_or_else(|| {
+                    ApiError::invalid(
+                        format!("logit_bias values are numbers, got {v} for token {token}"),
+                        "logit_bias",
+                    )
+                })?;
+                Ok((token, bias as f32))
+            })
+            .collect()
+    }
+
+    /// What the output must match: OpenAI's `response_format`, or one of vLLM's `guided_*`
+    /// fields; two at once are refused (which should win is the client's to say).
+    fn grammar(&self) -> Result<Option<RequestedGrammar>, ApiError> {
+        let mut found: Vec<RequestedGrammar> = Vec::new();
+        if let Some(f) = &self.response_format {
+            if let Some(g) = response_format(f)? {
+                found.push(RequestedGrammar {
+                    grammar: g,
+                    param: "response_format",
+                });
+            }
+        }
+        if let Some(j) = &self.guided_json {
+            let schema = match j {
+                Value::String(s) => s.clone(),
+                other => other.to_string(),
+            };
+            found.push(RequestedGrammar {
+                grammar: Grammar::JsonSchema(schema),
+                param: "guided_json",
+            });
+        }
+        if let Some(r) = &self.guided_regex {
+            found.push(RequestedGrammar {
+                grammar: Grammar::Regex(r.clone()),
+                param: "guided_regex",
+            });
+        }
+        if let Some(c) = &self.guided_choice {
+            found.push(RequestedGrammar {
+                grammar: Grammar::Choice(c.clone()),
+                param: "guided_choice",
+            });
+        }
+        if let Some(l) = &self.guided_grammar {
+            found.push(RequestedGrammar {
+                grammar: Grammar::Lark(l.clone()),
+                param: "guided_grammar",
+            });
+        }
+        if found.len() > 1 {
+            let names: Vec<&str> = found.iter().map(|g| g.param).collect();
+            return Err(ApiError::invalid(
+                format!("give one output format, not several ({})", names.join(", ")),
+                found[1].param,
+            ));
+        }
+        Ok(found.pop())
     }
 
     pub(super) fn include_usage(&self) -> bool {
@@ -101,23 +184,16 @@ impl Sampling {
 #[serde(default)]
 pub(super) struct NotServed {
     best_of: Option<u32>,
-    logit_bias: Option<serde_json::Map<String, Value>>,
-    response_format: Option<Value>,
     tools: Option<Vec<Value>>,
     tool_choice: Option<Value>,
     functions: Option<Vec<Value>>,
     function_call: Option<Value>,
-    guided_json: Option<Value>,
-    guided_regex: Option<Value>,
-    guided_choice: Option<Value>,
-    guided_grammar: Option<Value>,
     suffix: Option<String>,
 }
 
 impl NotServed {
     /// Refuses the first field that asks for what is not served (its neutral values pass:
-    /// `best_of: 1`, an empty `logit_bias`, `response_format: {"type": "text"}`, no tools,
-    /// `tool_choice: "none"`, an empty suffix).
+    /// `best_of: 1`, no tools, `tool_choice: "none"`, an empty suffix).
     pub(super) fn check(&self) -> Result<(), ApiError> {
         let refuse = |what: &str, param: &'static str| {
             Err(ApiError::invalid(
@@ -127,18 +203,6 @@ impl NotServed {
         };
         if self.best_of.is_some_and(|b| b > 1) {
             return refuse("best_of > 1 (one sample per request)", "best_of");
-        }
-        if self.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
-            return refuse("logit_bias", "logit_bias");
-        }
-        if let Some(f) = &self.response_format {
-            let kind = f.get("type").and_then(Value::as_str).unwrap_or("");
-            if kind != "text" {
-                return refuse(
-                    &format!("response_format {kind:?} (structured outputs)"),
-                    "response_format",
-                );
-            }
         }
         if self.tools.as_ref().is_some_and(|t| !t.is_empty())
             || self.functions.as_ref().is_some_and(|f| !f.is_empty())
@@ -152,20 +216,39 @@ impl NotServed {
         if !none(&self.function_call) {
             return refuse("function_call", "function_call");
         }
-        for (v, param) in [
-            (&self.guided_json, "guided_json"),
-            (&self.guided_regex, "guided_regex"),
-            (&self.guided_choice, "guided_choice"),
-            (&self.guided_grammar, "guided_grammar"),
-        ] {
-            if v.is_some() {
-                return refuse(&format!("{param} (guided decoding)"), param);
-            }
-        }
         if self.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
             return refuse("suffix (insertion)", "suffix");
         }
         Ok(())
+    }
+}
+
+/// OpenAI's `response_format`: `text` (free), `json_object`, or `json_schema` with its
+/// `json_schema.schema` (`strict` or not, the schema is enforced).
+fn response_format(f: &Value) -> Result<Option<Grammar>, ApiError> {
+    let bad = |m: String| ApiError::invalid(m, "response_format");
+    let kind = f
+        .get("type")
+        .and_then(Value::as_str)
+        .ok_or_else(|| bad("response_format needs a \"type\"".into()))?;
+    match kind {
+        "text" => Ok(None),
+        "json_object" => Ok(Some(Grammar::JsonObject)),
+        "json_schema" => {
+            let schema = f
+                .get("json_schema")
+                .and_then(|j| j.get("schema"))
+                .ok_or_else(
+                    || bad("response_format json_schema needs json_schema.schema".into()),
+                )?;
+            if !(schema.is_object() || schema.is_boolean()) {
+                return Err(bad("json_schema.schema must be a JSON Schema object".into()));
+            }
+            Ok(Some(Grammar::JsonSchema(schema.to_string())))
+        }
+        other => Err(bad(format!(
+            "response_format type {other:?} is not one of text, json_object, json_schema"
+        ))),
     }
 }
 

@@ -1,0 +1,208 @@
+//! The constraint over the default model's real vocabulary: every path through the mask writes
+//! text of the grammar's language, whatever the scores say.
+
+use rand::{Rng, SeedableRng};
+use tandem_grammar::{Grammar, GrammarError, Grammars};
+use tandem_model::Tokenizer;
+
+fn tokenizer() -> (Tokenizer, usize) {
+    let p = tandem_model::default_model_path();
+    assert!(
+        p.exists(),
+        "{} missing: run scripts/test (it fetches the model)",
+        p.display()
+    );
+    let m = tandem_model::load_text(&p).expect("model text");
+    let vocab = m.config.vocab_size;
+    (m.tokenizer, vocab)
+}
+
+/// Samples `max` tokens from random scores under the constraint (the scores stand in for a
+/// model's: the mask alone must keep the text in the language); returns the text and whether
+/// it ended at EOS.
+fn walk(
+    g: &Grammars,
+    tok: &Tokenizer,
+    vocab: usize,
+    grammar: &Grammar,
+    seed: u64,
+    max: usize,
+) -> (String, bool) {
+    let mut c = g.compile(grammar).expect("compiles");
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let mut out = Vec::new();
+    for _ in 0..max {
+        let mut logits: Vec<f32> = (0..vocab).map(|_| rng.gen_range(-4.0..4.0)).collect();
+        let mask = c.allowed();
+        assert!(mask.count() > 0, "the mask allows something");
+        mask.apply(&mut logits);
+        let t = logits
+            .iter()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .map(|(i, _)| i as u32)
+            .unwrap();
+        assert!(mask.allows(t));
+        if tok.is_eos(t) {
+            c.consume(t).expect("EOS is allowed where the grammar ends");
+            return (tok.decode(&out, false).unwrap(), true);
+        }
+        c.consume(t).expect("an allowed token is accepted");
+        out.push(t);
+        if c.is_finished() {
+            return (tok.decode(&out, false).unwrap(), true);
+        }
+    }
+    (tok.decode(&out, false).unwrap(), false)
+}
+
+#[test]
+fn random_scores_under_a_schema_write_valid_json() {
+    let (tok, vocab) = tokenizer();
+    let g = Grammars::new(&tok, vocab).unwrap();
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "age": {"type": "integer", "minimum": 0, "maximum": 150},
+            "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+        },
+        "required": ["name", "age", "tags"],
+        "additionalProperties": false,
+    });
+    let grammar = Grammar::JsonSchema(schema.to_string());
+    let mut ended = 0;
+    for seed in 0..8 {
+        let (text, done) = walk(&g, &tok, vocab, &grammar, seed, 200);
+        if !done {
+            continue;
+        }
+        ended += 1;
+        let v: serde_json::Value = serde_json::from_str(&text)
+            .unwrap_or_else(|e| panic!("seed {seed}: {text:?} is not JSON: {e}"));
+        let o = v.as_object().unwrap();
+        assert_eq!(o.len(), 3, "{text}");
+        assert!(o["name"].as_str().unwrap().chars().count() <= 12, "{text}");
+        let age = o["age"].as_i64().unwrap();
+        assert!((0..=150).contains(&age), "{text}");
+        for t in o["tags"].as_array().unwrap() {
+            assert!(["a", "b", "c"].contains(&t.as_str().unwrap()), "{text}");
+        }
+    }
+    assert!(
+        ended >= 4,
+        "most random walks finish the object ({ended} of 8)"
+    );
+}
+
+#[test]
+fn choice_regex_and_lark_hold() {
+    let (tok, vocab) = tokenizer();
+    let g = Grammars::new(&tok, vocab).unwrap();
+    let choice = Grammar::Choice(vec!["yes".into(), "no".into(), "maybe \"so\"".into()]);
+    for seed in 0..6 {
+        let (text, done) = walk(&g, &tok, vocab, &choice, seed, 20);
+        assert!(done);
+        assert!(
+            ["yes", "no", "maybe \"so\""].contains(&text.as_str()),
+            "{text:?}"
+        );
+    }
+    let rx = Grammar::Regex(r"[0-9]{3}-[a-z]{2}".into());
+    for seed in 0..6 {
+        let (text, done) = walk(&g, &tok, vocab, &rx, seed, 20);
+        assert!(done);
+        let b = text.as_bytes();
+        assert_eq!(b.len(), 6, "{text:?}");
+        assert!(
+            b[..3].iter().all(u8::is_ascii_digit) && b[3] == b'-',
+            "{text:?}"
+        );
+        assert!(b[4..].iter().all(u8::is_ascii_lowercase), "{text:?}");
+    }
+    let lark = Grammar::Lark("start: \"(\" num (\"+\" num)* \")\"\nnum: /[1-9][0-9]?/".into());
+    for seed in 0..6 {
+        let (text, done) = walk(&g, &tok, vocab, &lark, seed, 40);
+        if done {
+            assert!(text.starts_with('(') && text.ends_with(')'), "{text:?}");
+            for n in text[1..text.len() - 1].split('+') {
+                let n: u32 = n.parse().unwrap_or_else(|_| panic!("{text:?}"));
+                assert!((1..100).contains(&n), "{text:?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn json_object_allows_any_object_and_only_objects() {
+    let (tok, vocab) = tokenizer();
+    let g = Grammars::new(&tok, vocab).unwrap();
+    let mut c = g.compile(&Grammar::JsonObject).unwrap();
+    let mask = c.allowed();
+    let open = tok.encode("{", false).unwrap();
+    let bracket = tok.encode("[", false).unwrap();
+    assert!(mask.allows(open[0]));
+    assert!(
+        !mask.allows(bracket[0]),
+        "a top-level array is not an object"
+    );
+    assert!(
+        !tok.eos_token_ids.iter().any(|&e| mask.allows(e)),
+        "nothing written is not JSON"
+    );
+    for t in tok.encode("{\"a\": [1, 2]}", false).unwrap() {
+        assert!(c.allowed().allows(t));
+        c.consume(t).unwrap();
+    }
+    let end = c.allowed();
+    assert!(
+        tok.eos_token_ids.iter().all(|&e| end.allows(e)),
+        "a complete object may end"
+    );
+}
+
+#[test]
+fn bad_grammars_are_refused_with_the_reason() {
+    let (tok, vocab) = tokenizer();
+    let g = Grammars::new(&tok, vocab).unwrap();
+    let refused = |gr: Grammar| match g.compile(&gr) {
+        Err(GrammarError::Invalid(m)) => m,
+        Ok(_) => panic!("{gr:?} compiled"),
+        Err(e) => panic!("{gr:?}: {e}"),
+    };
+    assert!(refused(Grammar::JsonSchema("{not json".into())).contains("not JSON"));
+    let m = refused(Grammar::JsonSchema(
+        serde_json::json!({"type": "strin"}).to_string(),
+    ));
+    assert!(m.contains("strin"), "{m}");
+    let m = refused(Grammar::Regex("[a-".into()));
+    assert!(!m.is_empty());
+    let m = refused(Grammar::Lark("start: missing_rule".into()));
+    assert!(m.contains("missing_rule"), "{m}");
+    assert!(refused(Grammar::Choice(vec![])).contains("empty"));
+}
+
+#[test]
+fn a_constraint_fed_elsewhere_tokens_continues_from_there() {
+    // A remote prefill's first token, or a migrated stream's output, replayed into a fresh
+    // constraint leaves it where the original one was.
+    let (tok, vocab) = tokenizer();
+    let g = Grammars::new(&tok, vocab).unwrap();
+    let grammar = Grammar::Regex("ab+c".into());
+    let mut a = g.compile(&grammar).unwrap();
+    let prefix = tok.encode("abb", false).unwrap();
+    for &t in &prefix {
+        a.consume(t).unwrap();
+    }
+    let mut b = g.compile(&grammar).unwrap();
+    for &t in &prefix {
+        b.consume(t).unwrap();
+    }
+    let (ma, mb) = (a.allowed(), b.allowed());
+    assert_eq!(ma.count(), mb.count());
+    let c = tok.encode("c", false).unwrap()[0];
+    assert!(ma.allows(c) && mb.allows(c));
+    let x = tok.encode("x", false).unwrap()[0];
+    assert!(!ma.allows(x));
+    assert!(matches!(a.consume(x), Err(GrammarError::Rejected(_))));
+}
