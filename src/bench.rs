@@ -187,6 +187,11 @@ pub struct BenchEngineArgs {
     /// One JSON line (per run) instead of a table.
     #[arg(long)]
     json: bool,
+    /// Also decode under this JSON Schema (a file; bench/schemas/records.json never ends) and
+    /// compare: unconstrained and constrained runs alternate, twice each, and the best of each
+    /// is reported with their ratio.
+    #[arg(long)]
+    json_schema: Option<PathBuf>,
 }
 
 /// Serves a workload under each policy (and, for shared-prefix, continuous without the prefix
@@ -284,8 +289,12 @@ fn bench_engine(a: BenchEngineArgs) -> Result<()> {
         prompt_len: a.prompt_len,
         gen_len: a.gen_len,
         seed: a.seed,
+        grammar: None,
     };
     let weights = format!("{:?}", a.engine.weights).to_lowercase();
+    if let Some(path) = &a.json_schema {
+        return bench_constrained(&a, &mut engine, b, &weights, path);
+    }
     let r = tandem_bench::run_engine_bench(&mut engine, &b, &weights)?;
     if a.json {
         println!("{}", serde_json::to_string(&r)?);
@@ -333,6 +342,52 @@ fn bench_engine(a: BenchEngineArgs) -> Result<()> {
             "  decode reads   {:>10.1} MB/step = {:.0}% of bandwidth",
             r.decode_bytes_per_step / 1e6,
             100.0 * r.decode_bw_efficiency
+        );
+    }
+    Ok(())
+}
+
+/// Decode with and without a JSON Schema constraint, alternating, best of two each.
+fn bench_constrained(
+    a: &BenchEngineArgs,
+    engine: &mut Engine,
+    b: tandem_bench::EngineBench,
+    weights: &str,
+    schema: &std::path::Path,
+) -> Result<()> {
+    let text = std::fs::read_to_string(schema)
+        .map_err(|e| anyhow::anyhow!("reading {}: {e}", schema.display()))?;
+    let constrained = tandem_bench::EngineBench {
+        grammar: Some(tandem_grammar::Grammar::JsonSchema(text)),
+        ..b.clone()
+    };
+    let (mut free, mut held) = (0f64, 0f64);
+    for round in 0..2 {
+        for (run, best) in [(&b, &mut free), (&constrained, &mut held)] {
+            let r = tandem_bench::run_engine_bench(engine, run, weights)?;
+            if a.json {
+                println!("{}", serde_json::to_string(&r)?);
+            } else {
+                println!(
+                    "round {round} {:<13} decode {:>8.1} tok/s  step p50 {:>7.2} ms  ({} tokens under the grammar)",
+                    if run.grammar.is_some() { "json schema" } else { "unconstrained" },
+                    r.decode_tok_s,
+                    r.step_ms_p50,
+                    r.constrained_tokens,
+                );
+            }
+            *best = best.max(r.decode_tok_s);
+        }
+    }
+    if !a.json {
+        println!(
+            "batch {}: json schema / unconstrained decode = {:.3} ({:.1} / {:.1} tok/s, best of 2 each; cpu {}; kernels {})",
+            b.batch,
+            held / free,
+            held,
+            free,
+            tandem_bench::roofline::cpu_info().model,
+            tandem_kernels::simd_level()
         );
     }
     Ok(())

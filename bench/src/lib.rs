@@ -30,6 +30,7 @@ use std::time::Instant;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 use tandem_engine::{Engine, EngineError, Request, SamplingParams};
+use tandem_types::Grammar;
 
 /// What to run.
 #[derive(Clone, Debug)]
@@ -42,6 +43,8 @@ pub struct EngineBench {
     pub gen_len: usize,
     /// Seed of the random prompts.
     pub seed: u64,
+    /// Every request's output must match this (structured outputs); none: free.
+    pub grammar: Option<Grammar>,
 }
 
 /// The engine benchmark's figures, next to this machine's roofline.
@@ -88,6 +91,9 @@ pub struct EngineReport {
     pub prefill_flop_efficiency: f64,
     /// Seconds the whole batch took, prefill and decode.
     pub wall_s: f64,
+    /// Tokens sampled under a grammar (0 without one; a grammar that ended early stops its
+    /// sequence, so fewer than batch × gen_len).
+    pub constrained_tokens: usize,
 }
 
 pub(crate) fn percentile(v: &mut [f64], p: f64) -> f64 {
@@ -109,6 +115,7 @@ pub fn run_engine_bench(
     let params = SamplingParams {
         max_tokens: b.gen_len as u32,
         ignore_eos: true,
+        grammar: b.grammar.clone(),
         ..Default::default()
     }
     .validate()?;
@@ -127,9 +134,10 @@ pub fn run_engine_bench(
     let mut decode = (0usize, 0f64);
     let mut steps = Vec::new();
     let t0 = Instant::now();
+    let mut sampled = 0usize;
     engine.generate(
         requests,
-        |_| {},
+        |_| sampled += 1,
         |s| {
             if s.prefill_tokens > 0 {
                 prefill.0 += s.prefill_tokens;
@@ -191,6 +199,7 @@ pub fn run_engine_bench(
         },
         prefill_flop_efficiency: ratio(prefill_tok_s * flops_per_token, roof.f32_peak_gflops * 1e9),
         wall_s,
+        constrained_tokens: if b.grammar.is_some() { sampled } else { 0 },
     })
 }
 
