@@ -180,6 +180,7 @@ fn run_text(
             &[ChatMessage {
                 role: "user".into(),
                 content: text,
+                ..Default::default()
             }],
         )?
     } else {

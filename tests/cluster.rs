@@ -272,12 +272,8 @@ async fn bad_input(r: &Router, model: &str) {
     for (path, field, value) in [
         ("/v1/completions", "best_of", json!(3)),
         ("/v1/completions", "suffix", json!("end")),
-        (
-            chat,
-            "tools",
-            json!([{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-        ),
-        (chat, "tool_choice", json!("required")),
+        (chat, "functions", json!([{"name": "f", "parameters": {}}])),
+        (chat, "function_call", json!("auto")),
     ] {
         let mut body = if path == chat {
             json!({"model": model, "messages": msgs})
@@ -349,6 +345,14 @@ async fn bad_input(r: &Router, model: &str) {
             json!({"type": "json_schema", "json_schema": {"schema": {"not": {}}}}),
             "not",
         ),
+        (chat, "tool_choice", json!("required"), "needs tools"),
+        (
+            chat,
+            "tools",
+            json!([{"type": "function", "function": {"name": "no spaces"}}]),
+            "no spaces",
+        ),
+        (chat, "tool_choice", json!("sometimes"), "sometimes"),
     ] {
         let mut body = if path == chat {
             json!({"model": model, "messages": msgs})

@@ -212,6 +212,128 @@ def check_refusals(client, model):
     return errors
 
 
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 30},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The time now in a timezone.",
+        "parameters": {
+            "type": "object",
+            "properties": {"timezone": {"type": "string", "maxLength": 30}},
+            "required": ["timezone"],
+            "additionalProperties": False,
+        },
+    },
+}
+SCHEMA_OF = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CLOCK)}
+
+
+def streamed_calls(chunks):
+    """Accumulates streamed tool-call deltas as the OpenAI SDK's users do."""
+    calls, content, finish = {}, "", None
+    for ch in chunks:
+        for c in ch.choices:
+            content += c.delta.content or ""
+            for d in c.delta.tool_calls or []:
+                call = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+                call["id"] = d.id or call["id"]
+                if d.function:
+                    call["name"] += d.function.name or ""
+                    call["arguments"] += d.function.arguments or ""
+            if c.finish_reason:
+                finish = c.finish_reason
+    return [calls[i] for i in sorted(calls)], content, finish
+
+
+def check_calls(label, calls, allowed):
+    errors = []
+    if not calls:
+        return [f"{label}: no tool call"]
+    for c in calls:
+        if c["name"] not in allowed:
+            errors.append(f"{label}: called {c['name']!r}")
+            continue
+        try:
+            jsonschema.validate(json.loads(c["arguments"]), SCHEMA_OF[c["name"]])
+        except (ValueError, jsonschema.ValidationError) as e:
+            errors.append(f"{label}: arguments {c['arguments']!r}: {e}")
+        if not c["id"]:
+            errors.append(f"{label}: a call without an id")
+    return errors
+
+
+def check_tools(client, model):
+    """The round trip: a required call, its result sent back, a final answer."""
+    errors = []
+    question = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+    for seed, temperature in [(None, 0.0), (3, 0.9), (5, 1.0)]:
+        label = f"tools required t={temperature}"
+        r = client.chat.completions.create(model=model, messages=question, tools=[WEATHER, CLOCK],
+                                           tool_choice="required", max_tokens=200,
+                                           temperature=temperature, seed=seed)
+        choice = r.choices[0]
+        calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+                 for c in choice.message.tool_calls or []]
+        errors += check_calls(label, calls, {"get_weather", "get_time"})
+        if choice.finish_reason != "tool_calls":
+            errors.append(f"{label}: finish {choice.finish_reason!r}")
+    # Streamed, with a named function.
+    chunks = client.chat.completions.create(
+        model=model, messages=question, tools=[WEATHER, CLOCK], max_tokens=200, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_time"}}, stream=True)
+    calls, content, finish = streamed_calls(chunks)
+    errors += check_calls("tools named, streamed", calls, {"get_time"})
+    if finish != "tool_calls" or content.strip():
+        errors.append(f"tools named, streamed: finish {finish!r}, content {content!r}")
+    # The result goes back; the model answers in text.
+    r = client.chat.completions.create(model=model, messages=question, tools=[WEATHER],
+                                       tool_choice="required", max_tokens=200, temperature=0)
+    msg = r.choices[0].message
+    if not msg.tool_calls:
+        return errors + ["round trip: no call to answer"]
+    history = question + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": c.id, "type": "function",
+             "function": {"name": c.function.name, "arguments": c.function.arguments}}
+            for c in msg.tool_calls]},
+        {"role": "tool", "tool_call_id": msg.tool_calls[0].id,
+         "content": json.dumps({"temperature": 18, "unit": "celsius", "sky": "clear"})},
+    ]
+    final = client.chat.completions.create(model=model, messages=history, tools=[WEATHER],
+                                           max_tokens=60, temperature=0)
+    f = final.choices[0]
+    if f.finish_reason not in ("stop", "length", "tool_calls"):
+        errors.append(f"round trip: finish {f.finish_reason!r}")
+    if f.finish_reason != "tool_calls" and not (f.message.content or "").strip():
+        errors.append(f"round trip: an empty final answer: {f.message!r}")
+    if f.message.tool_calls:
+        errors += check_calls("round trip, auto", [
+            {"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+            for c in f.message.tool_calls], {"get_weather"})
+    # tool_choice none: plain text, never calls.
+    n = client.chat.completions.create(model=model, messages=question, tools=[WEATHER],
+                                       tool_choice="none", max_tokens=30, temperature=0)
+    if n.choices[0].message.tool_calls or n.choices[0].finish_reason == "tool_calls":
+        errors.append("tool_choice none: a call was made")
+    return errors
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--base-url", required=True)
@@ -232,7 +354,8 @@ def main():
         jobs += [lambda: check_json_object(client, args.model),
                  lambda: check_guided(client, args.model),
                  lambda: check_logit_bias(client, args.model),
-                 lambda: check_refusals(client, args.model)]
+                 lambda: check_refusals(client, args.model),
+                 lambda: check_tools(client, args.model)]
     with ThreadPoolExecutor(max_workers=4) as pool:
         results = list(pool.map(lambda f: f(), jobs))
     failed = [e for r in results for e in r]

@@ -311,6 +311,7 @@ fn gguf_and_safetensors_give_the_same_logits() {
         let msgs = [tandem_model::ChatMessage {
             role: "user".into(),
             content: "ab".into(),
+            ..Default::default()
         }];
         assert_eq!(
             hm.chat_template

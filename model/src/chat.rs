@@ -8,12 +8,19 @@ use serde::{Deserialize, Serialize};
 use crate::ModelError;
 
 /// One chat message. `content` is text; richer content parts are flattened by the caller.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct ChatMessage {
-    /// Who speaks: `system`, `user`, `assistant`, or whatever roles the template knows.
+    /// Who speaks: `system`, `user`, `assistant`, `tool`, or whatever roles the template knows.
     pub role: String,
     /// What they say.
     pub content: String,
+    /// An assistant's tool calls as HF templates expect them: `{"type": "function", "id",
+    /// "function": {"name", "arguments"}}` with the arguments an object, not a JSON string.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<serde_json::Value>>,
+    /// A tool message: the id of the call it answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
 }
 
 /// A compiled chat template.
@@ -21,6 +28,7 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: String,
     eos_token: String,
+    takes_tools: bool,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -97,7 +105,14 @@ impl ChatTemplate {
             env,
             bos_token: bos_token.unwrap_or("").into(),
             eos_token: eos_token.unwrap_or("").into(),
+            takes_tools: source.contains("tools"),
         })
+    }
+
+    /// Whether the template renders a `tools` list itself (HF's convention for tool calling);
+    /// for one that does not, the caller describes the tools in the conversation.
+    pub fn takes_tools(&self) -> bool {
+        self.takes_tools
     }
 
     /// Renders the conversation; with `add_generation_prompt` the text ends where the assistant's
@@ -106,6 +121,17 @@ impl ChatTemplate {
         &self,
         messages: &[ChatMessage],
         add_generation_prompt: bool,
+    ) -> Result<String, ModelError> {
+        self.render_with_tools(messages, add_generation_prompt, None)
+    }
+
+    /// [`ChatTemplate::render`] with the tools the model may call, passed to the template as
+    /// `tools` (OpenAI's `{"type": "function", "function": {...}}` entries, as HF passes them).
+    pub fn render_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        tools: Option<&[serde_json::Value]>,
     ) -> Result<String, ModelError> {
         if messages.is_empty() {
             return Err(ModelError::Template("messages must not be empty".into()));
@@ -116,6 +142,7 @@ impl ChatTemplate {
             .map_err(|e| ModelError::Template(e.to_string()))?;
         tmpl.render(minijinja::context! {
             messages => messages,
+            tools => tools,
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token,
             eos_token => self.eos_token,
@@ -139,6 +166,7 @@ mod tests {
             .map(|(r, c)| ChatMessage {
                 role: r.to_string(),
                 content: c.to_string(),
+                ..Default::default()
             })
             .collect()
     }

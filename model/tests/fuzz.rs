@@ -141,7 +141,7 @@ proptest! {
         let t = template();
         let messages: Vec<ChatMessage> = msgs
             .iter()
-            .map(|(r, c)| ChatMessage { role: r.to_string(), content: c.clone() })
+            .map(|(r, c)| ChatMessage { role: r.to_string(), content: c.clone(), ..Default::default() })
             .collect();
         let out = t.render(&messages, true).unwrap();
         // Every message's content appears verbatim, in order.
@@ -153,7 +153,7 @@ proptest! {
         }
         // A role the API would refuse still renders or fails cleanly.
         if let Some(role) = odd_role {
-            let _ = t.render(&[ChatMessage { role, content: "hi".into() }], true);
+            let _ = t.render(&[ChatMessage { role, content: "hi".into(), ..Default::default() }], true);
         }
     }
 }

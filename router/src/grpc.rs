@@ -38,6 +38,7 @@ fn prompt_input(
                 .map(|m| ChatMessage {
                     role: m.role,
                     content: m.content,
+                    ..Default::default()
                 })
                 .collect(),
         )),

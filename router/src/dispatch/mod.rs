@@ -58,6 +58,8 @@ pub enum PromptInput {
     Text(String),
     /// Rendered through the chat template with the assistant turn opened.
     Chat(Vec<ChatMessage>),
+    /// The same, with the tools the model may call passed to a template that renders them.
+    ChatWithTools(Vec<ChatMessage>, Vec<serde_json::Value>),
     /// Token ids, sent as they are once checked against the vocabulary.
     Ids(Vec<u32>),
 }

@@ -44,7 +44,12 @@ impl Dispatcher {
                 .tokenizer
                 .encode(&t, add_special_tokens.unwrap_or(true))
                 .map_err(internal),
-            PromptInput::Chat(msgs) => {
+            PromptInput::Chat(msgs) => self.tokenize_with(
+                PromptInput::ChatWithTools(msgs, Vec::new()),
+                add_special_tokens,
+                add_generation_prompt,
+            ),
+            PromptInput::ChatWithTools(msgs, tools) => {
                 if msgs.is_empty() {
                     return Err(ApiError::invalid("messages must not be empty", "messages"));
                 }
@@ -55,7 +60,11 @@ impl Dispatcher {
                     )
                 })?;
                 let text = t
-                    .render(&msgs, add_generation_prompt)
+                    .render_with_tools(
+                        &msgs,
+                        add_generation_prompt,
+                        (!tools.is_empty()).then_some(&tools[..]),
+                    )
                     .map_err(|e| ApiError::invalid(e.to_string(), "messages"))?;
                 m.tokenizer
                     .encode(&text, add_special_tokens.unwrap_or(false))

@@ -15,6 +15,7 @@
 mod body;
 mod request;
 mod response;
+mod tools;
 
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -26,7 +27,7 @@ use axum::routing::{get, post};
 use axum::{middleware, Extension, Json};
 use serde_json::{json, Value};
 
-use crate::dispatch::{Dispatcher, MaxTokensDefault, Prepared, PromptInput};
+use crate::dispatch::{Dispatcher, MaxTokensDefault, Prepared, PromptInput, RequestedGrammar};
 use crate::error::ApiError;
 use crate::front::{require_key, FrontDoor};
 use crate::trace;
@@ -36,6 +37,7 @@ use request::{
     TokenizeRequest,
 };
 use response::{respond, Api, Shape};
+use tools::Tools;
 
 /// The HTTP app over `d`: the `/v1` API and `/metrics` behind the door's keys, `/health` and
 /// `/ready` open, bodies read under the door's limits.
@@ -272,6 +274,7 @@ fn completion_request(
         logprobs: preps[0].params.logprobs,
         include_usage: r.sampling.include_usage(),
         echoes,
+        tool_calls: false,
     };
     Ok((preps, shape, r.sampling.stream.unwrap_or(false)))
 }
@@ -294,10 +297,41 @@ async fn chat_completions(
 fn chat_request(d: &Dispatcher, body: &[u8]) -> Result<(Prepared, Shape, bool), ApiError> {
     let r: ChatRequest = parse(body)?;
     r.not_served.check()?;
+    let tools = Tools::parse(
+        r.tools.as_deref(),
+        r.tool_choice.as_ref(),
+        r.parallel_tool_calls,
+    )?;
     let messages = chat_messages(r.messages)?;
     let mut params = r
         .sampling
         .params(r.max_completion_tokens.or(r.max_tokens))?;
+    if let Some(g) = tools.as_ref().and_then(Tools::grammar) {
+        if let Some(other) = &params.grammar {
+            return Err(ApiError::invalid(
+                format!(
+                    "tool_choice required (or a named function) sets the output's format: send it without {}",
+                    other.param
+                ),
+                "tool_choice",
+            ));
+        }
+        params.grammar = Some(RequestedGrammar {
+            grammar: g,
+            param: "tool_choice",
+        });
+    }
+    let takes_tools = d
+        .model
+        .text
+        .chat_template
+        .as_ref()
+        .is_some_and(|t| t.takes_tools());
+    let input = match (&tools, takes_tools) {
+        (Some(t), true) => PromptInput::ChatWithTools(messages, t.entries()),
+        (None, true) => PromptInput::Chat(messages),
+        (t, false) => PromptInput::Chat(tools::without_tool_support(messages, t.as_ref())),
+    };
     params.logprobs = r.logprobs.unwrap_or(false);
     params.top_logprobs = r.top_logprobs.unwrap_or(0);
     if params.top_logprobs > 0 && !params.logprobs {
@@ -306,12 +340,7 @@ fn chat_request(d: &Dispatcher, body: &[u8]) -> Result<(Prepared, Shape, bool), 
             "top_logprobs",
         ));
     }
-    let prep = d.prepare(
-        &r.model,
-        PromptInput::Chat(messages),
-        params,
-        MaxTokensDefault::RestOfContext,
-    )?;
+    let prep = d.prepare(&r.model, input, params, MaxTokensDefault::RestOfContext)?;
     let shape = Shape {
         api: Api::Chat,
         id: format!("chatcmpl-{}", prep.request_id),
@@ -320,6 +349,7 @@ fn chat_request(d: &Dispatcher, body: &[u8]) -> Result<(Prepared, Shape, bool), 
         logprobs: prep.params.logprobs,
         include_usage: r.sampling.include_usage(),
         echoes: vec![None],
+        tool_calls: tools.is_some(),
     };
     Ok((prep, shape, r.sampling.stream.unwrap_or(false)))
 }

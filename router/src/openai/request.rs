@@ -184,8 +184,6 @@ impl Sampling {
 #[serde(default)]
 pub(super) struct NotServed {
     best_of: Option<u32>,
-    tools: Option<Vec<Value>>,
-    tool_choice: Option<Value>,
     functions: Option<Vec<Value>>,
     function_call: Option<Value>,
     suffix: Option<String>,
@@ -193,7 +191,7 @@ pub(super) struct NotServed {
 
 impl NotServed {
     /// Refuses the first field that asks for what is not served (its neutral values pass:
-    /// `best_of: 1`, no tools, `tool_choice: "none"`, an empty suffix).
+    /// `best_of: 1`, no functions, `function_call: "none"`, an empty suffix).
     pub(super) fn check(&self) -> Result<(), ApiError> {
         let refuse = |what: &str, param: &'static str| {
             Err(ApiError::invalid(
@@ -204,17 +202,14 @@ impl NotServed {
         if self.best_of.is_some_and(|b| b > 1) {
             return refuse("best_of > 1 (one sample per request)", "best_of");
         }
-        if self.tools.as_ref().is_some_and(|t| !t.is_empty())
-            || self.functions.as_ref().is_some_and(|f| !f.is_empty())
-        {
-            return refuse("tool calling (tools, functions)", "tools");
+        if self.functions.as_ref().is_some_and(|f| !f.is_empty()) {
+            return refuse("the legacy functions field (send tools)", "functions");
         }
-        let none = |v: &Option<Value>| v.as_ref().is_none_or(|c| c == "none");
-        if !none(&self.tool_choice) {
-            return refuse("tool_choice other than \"none\"", "tool_choice");
-        }
-        if !none(&self.function_call) {
-            return refuse("function_call", "function_call");
+        if self.function_call.as_ref().is_some_and(|c| c != "none") {
+            return refuse(
+                "the legacy function_call field (send tool_choice)",
+                "function_call",
+            );
         }
         if self.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
             return refuse("suffix (insertion)", "suffix");
@@ -315,6 +310,10 @@ pub(super) struct Message {
     role: String,
     #[serde(default)]
     content: Option<Content>,
+    #[serde(default)]
+    tool_calls: Option<Vec<Value>>,
+    #[serde(default)]
+    tool_call_id: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -330,6 +329,12 @@ pub(super) struct ChatRequest {
     pub(super) logprobs: Option<bool>,
     #[serde(default)]
     pub(super) top_logprobs: Option<u32>,
+    #[serde(default)]
+    pub(super) tools: Option<Vec<Value>>,
+    #[serde(default)]
+    pub(super) tool_choice: Option<Value>,
+    #[serde(default)]
+    pub(super) parallel_tool_calls: Option<bool>,
     #[serde(flatten)]
     pub(super) sampling: Sampling,
     #[serde(flatten)]
@@ -362,9 +367,15 @@ pub(super) fn chat_messages(msgs: Vec<Message>) -> Result<Vec<ChatMessage>, ApiE
                     "messages",
                 ));
             }
+            let tool_calls = match m.tool_calls {
+                Some(c) if !c.is_empty() => Some(super::tools::calls_for_template(&c)?),
+                _ => None,
+            };
             Ok(ChatMessage {
                 role: m.role,
                 content,
+                tool_calls,
+                tool_call_id: m.tool_call_id,
             })
         })
         .collect()

@@ -10,6 +10,7 @@ use axum::Json;
 use futures::{Stream, StreamExt};
 use serde_json::{json, Value};
 
+use super::tools::{split_calls, CallParser};
 use crate::dispatch::{Chunk, Dispatcher, FinishKind, Generation, TokenOut, Usage};
 use crate::error::ApiError;
 
@@ -99,6 +100,8 @@ pub(super) struct Shape {
     pub(super) include_usage: bool,
     /// Per choice: the prompt text, for `echo`.
     pub(super) echoes: Vec<Option<String>>,
+    /// The request has tools: the model's calls become `tool_calls`, not text.
+    pub(super) tool_calls: bool,
 }
 
 /// Usage of a batch: the sum of its choices'.
@@ -164,14 +167,33 @@ pub(super) async fn respond(
                 "logprobs": if shape.logprobs { tt.completion_logprobs(&tokens, prompt_len) } else { Value::Null },
                 "finish_reason": finish.as_openai(),
             }),
-            Api::Chat => json!({
-                "index": index,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": if shape.logprobs {
-                    json!({"content": tokens.iter().map(|t| tt.chat_entry(t)).collect::<Vec<_>>()})
-                } else { Value::Null },
-                "finish_reason": finish.as_openai(),
-            }),
+            Api::Chat => {
+                let (message, reason) = if shape.tool_calls {
+                    let (content, calls) = split_calls(&shape.id, &text);
+                    let mut m = json!({"role": "assistant", "content": content});
+                    let mut reason = finish.as_openai();
+                    if !calls.is_empty() {
+                        m["tool_calls"] = calls.iter().map(|c| c.json(None)).collect();
+                        if finish == FinishKind::Stop {
+                            reason = "tool_calls";
+                        }
+                    }
+                    (m, reason)
+                } else {
+                    (
+                        json!({"role": "assistant", "content": text}),
+                        finish.as_openai(),
+                    )
+                };
+                json!({
+                    "index": index,
+                    "message": message,
+                    "logprobs": if shape.logprobs {
+                        json!({"content": tokens.iter().map(|t| tt.chat_entry(t)).collect::<Vec<_>>()})
+                    } else { Value::Null },
+                    "finish_reason": reason,
+                })
+            }
         });
     }
     Ok(Json(json!({
@@ -196,6 +218,8 @@ struct SseState {
     shape: Shape,
     /// Per choice: bytes of text sent so far (for completion logprobs' text offsets).
     sent: Vec<usize>,
+    /// Per choice, when the request has tools: the calls being parsed out of its text.
+    parsers: Vec<Option<CallParser>>,
     /// Choices finished, and their usage so far.
     done: usize,
     usage: Usage,
@@ -235,10 +259,32 @@ impl SseState {
                 "finish_reason": reason,
             }),
             Api::Chat => {
-                let delta = if c.text.is_empty() && finish.is_some() {
-                    json!({})
-                } else {
-                    json!({"content": c.text})
+                let mut reason = reason;
+                let delta = match &mut self.parsers[index] {
+                    Some(p) => {
+                        let before = p.calls();
+                        let (mut text, calls) = p.push(&c.text);
+                        if finish.is_some() {
+                            text.push_str(&p.finish());
+                        }
+                        let mut delta = json!({});
+                        if !text.is_empty() {
+                            delta["content"] = json!(text);
+                        }
+                        if !calls.is_empty() {
+                            delta["tool_calls"] = calls
+                                .iter()
+                                .enumerate()
+                                .map(|(k, call)| call.json(Some(before + k)))
+                                .collect();
+                        }
+                        if p.calls() > 0 && finish == Some(FinishKind::Stop) {
+                            reason = Some("tool_calls");
+                        }
+                        delta
+                    }
+                    None if c.text.is_empty() && finish.is_some() => json!({}),
+                    None => json!({"content": c.text}),
                 };
                 json!({
                     "index": index,
@@ -317,11 +363,15 @@ fn sse_stream(
             });
             Box::pin(s) as std::pin::Pin<Box<dyn Stream<Item = _> + Send>>
         }));
+    let parsers = (0..n)
+        .map(|i| shape.tool_calls.then(|| CallParser::new(&shape.id, i)))
+        .collect();
     let st = SseState {
         d,
         chunks,
         shape,
         sent: vec![0; n],
+        parsers,
         done: 0,
         usage: Usage::default(),
         started: false,
