@@ -191,6 +191,21 @@ async fn grpc_client(r: &Router, model: &str, tok: &tandem_model::Tokenizer) {
     }
 }
 
+/// A request to `path` (chat or completions) with `field` set to `value` is a 400 naming the
+/// field; returns its message.
+async fn refused(r: &Router, model: &str, path: &str, field: &str, value: Value) -> String {
+    let mut body = if path.ends_with("chat/completions") {
+        json!({"model": model, "messages": [{"role": "user", "content": "hi"}]})
+    } else {
+        json!({"model": model, "prompt": "hi"})
+    };
+    body[field] = value;
+    let (s, v) = post(&r.http, path, body.clone()).await;
+    assert_eq!(s, 400, "{body} -> {v}");
+    assert_eq!(v["error"]["param"], field, "{body} -> {v}");
+    v["error"]["message"].as_str().unwrap().to_string()
+}
+
 async fn bad_input(r: &Router, model: &str) {
     let chat = "/v1/chat/completions";
     let msgs = json!([{"role": "user", "content": "hi"}]);
@@ -275,22 +290,8 @@ async fn bad_input(r: &Router, model: &str) {
         (chat, "functions", json!([{"name": "f", "parameters": {}}])),
         (chat, "function_call", json!("auto")),
     ] {
-        let mut body = if path == chat {
-            json!({"model": model, "messages": msgs})
-        } else {
-            json!({"model": model, "prompt": "hi"})
-        };
-        body[field] = value;
-        let (s, v) = post(&r.http, path, body.clone()).await;
-        assert_eq!(s, 400, "{body} -> {v}");
-        assert_eq!(v["error"]["param"], field, "{body} -> {v}");
-        assert!(
-            v["error"]["message"]
-                .as_str()
-                .unwrap()
-                .contains("not supported"),
-            "{v}"
-        );
+        let m = refused(r, model, path, field, value).await;
+        assert!(m.contains("not supported"), "{field}: {m}");
     }
     // Structured outputs and logit_bias that cannot be served are refused naming the field and
     // the problem.
@@ -354,17 +355,8 @@ async fn bad_input(r: &Router, model: &str) {
         ),
         (chat, "tool_choice", json!("sometimes"), "sometimes"),
     ] {
-        let mut body = if path == chat {
-            json!({"model": model, "messages": msgs})
-        } else {
-            json!({"model": model, "prompt": "hi"})
-        };
-        body[field] = value;
-        let (s, v) = post(&r.http, path, body.clone()).await;
-        assert_eq!(s, 400, "{body} -> {v}");
-        assert_eq!(v["error"]["param"], field, "{body} -> {v}");
-        let m = v["error"]["message"].as_str().unwrap();
-        assert!(m.contains(says), "{body} -> {m}");
+        let m = refused(r, model, path, field, value).await;
+        assert!(m.contains(says), "{field}: {m}");
     }
     let (s, v) = post(
         &r.http,
