@@ -426,12 +426,7 @@ async fn tokenize_detokenize(r: &Router, model: &str, tok: &tandem_model::Tokeni
     let got: Vec<u32> = serde_json::from_value(v["tokens"].clone()).unwrap();
     assert_eq!(got, want);
     assert_eq!(v["count"], want.len());
-    let models: Value = reqwest::get(format!("{}/v1/models", r.http))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let models = models(&r.http).await;
     assert_eq!(v["max_model_len"], models["data"][0]["max_model_len"]);
     let (_, v) = post(
         &r.http,
@@ -643,12 +638,7 @@ async fn one_worker_serves_clients_exactly_and_survives_bad_input() {
     let (_w, waddr) = start_worker(&[]);
     let r = start_router(std::slice::from_ref(&waddr), &[]);
     wait_ready(&r, 1).await;
-    let models: Value = reqwest::get(format!("{}/v1/models", r.http))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let models = models(&r.http).await;
     let model = models["data"][0]["id"].as_str().unwrap().to_string();
     let tok = tandem_model::load_text(&model_path()).unwrap().tokenizer;
 

@@ -165,12 +165,7 @@ async fn disaggregated_output_is_exact_and_only_uncached_blocks_move() {
     // Structured outputs across the split: the prefill worker samples the first token under the
     // grammar (free text there would break every JSON below) and the decode worker goes on from
     // it. Each schema once, greedy, every answer validated against its schema.
-    let models: Value = reqwest::get(format!("{}/v1/models", r.http))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let models = models(&r.http).await;
     let model = models["data"][0]["id"].as_str().unwrap();
     remote += structured_python_client(&format!("{}/v1", r.http), model, true).await as f64;
 

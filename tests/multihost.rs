@@ -682,12 +682,7 @@ fn the_chart_runs_across_hosts_and_loses_nothing_when_one_fails() {
     let model = {
         let h = http.clone();
         block_in(&client_ns, move || async move {
-            reqwest::get(format!("{h}/v1/models"))
-                .await
-                .unwrap()
-                .json::<Value>()
-                .await
-                .unwrap()["data"][0]["id"]
+            models(&h).await["data"][0]["id"]
                 .as_str()
                 .unwrap()
                 .to_string()

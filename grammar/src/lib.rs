@@ -11,7 +11,7 @@
 
 use std::sync::{Arc, OnceLock};
 
-use llguidance::api::{ParserLimits, TopLevelGrammar};
+use llguidance::api::TopLevelGrammar;
 use llguidance::earley::SlicedBiasComputer;
 use llguidance::toktrie::{
     InferenceCapabilities, SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenizerEnv,
@@ -135,7 +135,6 @@ impl Grammars {
         let mut factory = ParserFactory::new(&env, caps, &SlicedBiasComputer::general_slices())
             .map_err(|e| GrammarError::Tokenizer(e.to_string()))?;
         factory.quiet();
-        *factory.limits_mut() = ParserLimits::default();
         Ok(Self { factory, eos })
     }
 

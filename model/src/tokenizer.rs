@@ -217,15 +217,15 @@ impl Tokenizer {
     /// entries with `▁` as a space and `<0xNN>` as that byte, added tokens as their text. Special
     /// tokens (BOS, EOS, template markers) are marked, not spelled: they write no text.
     pub fn vocab_bytes(&self) -> Result<Vec<VocabEntry>, ModelError> {
-        let kind = match self.inner.get_decoder() {
-            Some(d) => decoder_kind(d),
-            None => None,
-        }
-        .ok_or_else(|| {
-            ModelError::Unsupported(
-                "a tokenizer whose decoder is neither byte-level nor byte-fallback".into(),
-            )
-        })?;
+        let kind = self
+            .inner
+            .get_decoder()
+            .and_then(decoder_kind)
+            .ok_or_else(|| {
+                ModelError::Unsupported(
+                    "a tokenizer whose decoder is neither byte-level nor byte-fallback".into(),
+                )
+            })?;
         let added = self.inner.get_added_tokens_decoder();
         let to_byte = byte_level_chars();
         (0..self.vocab_size as u32)

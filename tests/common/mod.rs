@@ -596,6 +596,16 @@ pub async fn openai_python_client_in(
     )));
 }
 
+/// The router's `GET /v1/models` answer (`data[0]` is the served model).
+pub async fn models(http: &str) -> Value {
+    reqwest::get(format!("{http}/v1/models"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
 /// Runs tests/structured_client.py (structured outputs through the official OpenAI Python
 /// client, each answer validated with `jsonschema`) against `base_url`; `quick` runs each schema
 /// once (greedy, not streamed) and nothing else. Returns the number of requests that generated.

@@ -90,16 +90,6 @@ pub struct Request {
 }
 
 impl Request {
-    /// A request for `prompt` with no resumed tokens and no grammar.
-    pub fn new(prompt: Vec<u32>, params: ValidSampling) -> Self {
-        Self {
-            prompt,
-            params,
-            resume: Vec::new(),
-            constraint: None,
-        }
-    }
-
     /// Compiles `params.grammar` into [`Request::constraint`] with `grammars` (this engine's
     /// compiler) unless it is compiled already. A grammar the compiler refuses is the request's
     /// fault; an engine without a compiler cannot serve grammars.

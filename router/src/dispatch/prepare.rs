@@ -128,19 +128,8 @@ impl Dispatcher {
                 "stop",
             ));
         }
-        if let Some((token, _)) = sampling
-            .logit_bias
-            .iter()
-            .find(|(t, _)| *t as usize >= self.model.text.config.vocab_size)
-        {
-            return Err(ApiError::invalid(
-                format!(
-                    "logit_bias names token {token}, outside the vocabulary of {}",
-                    self.model.text.config.vocab_size
-                ),
-                "logit_bias",
-            ));
-        }
+        let biased: Vec<u32> = sampling.logit_bias.iter().map(|&(t, _)| t).collect();
+        self.check_vocabulary(&biased, "logit_bias")?;
         if let Some(g) = &p.grammar {
             // Compiled here only to be refused here: each worker compiles its own.
             self.grammars.compile(&g.grammar).map_err(|e| match e {

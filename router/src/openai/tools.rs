@@ -230,32 +230,27 @@ pub(super) fn calls_for_template(calls: &[Value]) -> Result<Vec<Value>, ApiError
 /// system message (when the request has any), earlier calls written out as `<tool_call>`
 /// blocks, tool results as user turns in `<tool_response>`.
 pub(super) fn without_tool_support(
-    messages: Vec<ChatMessage>,
+    mut messages: Vec<ChatMessage>,
     tools: Option<&Tools>,
 ) -> Vec<ChatMessage> {
-    let mut out: Vec<ChatMessage> = Vec::with_capacity(messages.len() + 1);
     if let Some(t) = tools {
         let described = t.describe();
-        match messages.first() {
-            Some(m) if m.role == "system" || m.role == "developer" => {}
-            _ => out.push(ChatMessage {
-                role: "system".into(),
-                content: described.clone(),
-                ..Default::default()
-            }),
-        }
-        let mut first = true;
-        for mut m in messages {
-            if first && (m.role == "system" || m.role == "developer") {
+        match messages.first_mut() {
+            Some(m) if m.role == "system" || m.role == "developer" => {
                 m.content = format!("{}\n\n{described}", m.content);
             }
-            first = false;
-            out.push(m);
+            _ => messages.insert(
+                0,
+                ChatMessage {
+                    role: "system".into(),
+                    content: described,
+                    ..Default::default()
+                },
+            ),
         }
-    } else {
-        out = messages;
     }
-    out.into_iter()
+    messages
+        .into_iter()
         .map(|mut m| {
             if let Some(calls) = m.tool_calls.take() {
                 for c in calls {
