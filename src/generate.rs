@@ -122,6 +122,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         let req = parse_line(&model, &line).map(|prompt| Request {
             resume: Vec::new(),
             constraint: None,
+            samples: tandem_engine::Samples::ONE,
             prompt,
             params: params.clone(),
         });
@@ -193,6 +194,7 @@ fn run_text(
         vec![Request {
             resume: Vec::new(),
             constraint: None,
+            samples: tandem_engine::Samples::ONE,
             prompt,
             params: a.params()?,
         }],

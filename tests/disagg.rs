@@ -554,7 +554,7 @@ async fn a_flipped_byte_is_rejected_counted_and_the_request_recovers() {
                 prefill_addrs: vec![paddr.clone(), paddr],
             })),
         }),
-        resume_ids: Vec::new(),
+        ..Default::default()
     };
     let mut s = c.generate(req).await.unwrap().into_inner();
     let mut ids = Vec::new();

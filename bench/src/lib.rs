@@ -124,6 +124,7 @@ pub fn run_engine_bench(
         .map(|_| Request {
             resume: Vec::new(),
             constraint: None,
+            samples: tandem_engine::Samples::ONE,
             prompt: (0..b.prompt_len)
                 .map(|_| rng.gen_range(100..vocab))
                 .collect(),

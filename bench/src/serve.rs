@@ -350,6 +350,7 @@ pub async fn run_engine(engine: Arc<EngineHandle>, spec: &LoadSpec) -> ServeRepo
                     params,
                     resume: Vec::new(),
                     constraint: None,
+                    samples: tandem_engine::Samples::ONE,
                 })
             });
             let mut stream = match submitted {

@@ -86,6 +86,7 @@ impl Workload {
                 Request {
                     resume: Vec::new(),
                     constraint: None,
+                    samples: tandem_engine::Samples::ONE,
                     prompt,
                     params: SamplingParams {
                         max_tokens: out,

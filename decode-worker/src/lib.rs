@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use futures::Stream;
-use tandem_engine::{EngineHandle, Request, RequestStream, Reservation, StreamEvent};
+use tandem_engine::{EngineHandle, Request, RequestStream, Reservation, Samples, StreamEvent};
 use tandem_kv_transfer::TransferGrant;
 use tandem_proto::wire::sampling_from_wire;
 use tandem_proto::worker::{self as pb, decode_server::DecodeServer};
@@ -97,21 +97,34 @@ struct Observe {
     submitted: SystemTime,
     /// Whether this engine prefilled the prompt (false once a prefill worker did).
     local: bool,
+    /// The request's samples that have not finished (the stream ends with the last).
+    unfinished: u32,
+    /// The sample whose token gaps are measured (its first).
+    timed_sample: u32,
 }
 
 /// Folds one engine event into a response; true when it was the last.
 fn fold(msg: &mut pb::DecodeResponse, ev: StreamEvent, obs: &mut Observe) -> Result<bool, Status> {
     match ev {
         StreamEvent::Token(t) => {
-            let now = Instant::now();
-            if let Some(last) = obs.last_token.replace(now) {
-                obs.metrics.token_gap(now - last);
+            // Gaps between one sample's tokens: its siblings' tokens come in the same steps.
+            if t.index == obs.timed_sample {
+                let now = Instant::now();
+                if let Some(last) = obs.last_token.replace(now) {
+                    obs.metrics.token_gap(now - last);
+                }
             }
             msg.tokens.push(token(&t));
             Ok(false)
         }
         StreamEvent::Finished(f) => {
             obs.metrics.finished(&f);
+            obs.unfinished = obs.unfinished.saturating_sub(1);
+            if obs.unfinished > 0 {
+                // One of several samples: the stream goes on with the others.
+                msg.finished.push(finish(&f));
+                return Ok(false);
+            }
             trace::finished(&obs.span, obs.submitted, &f, obs.local);
             msg.finish = Some(finish(&f));
             Ok(true)
@@ -269,6 +282,10 @@ impl pb::decode_server::Decode for DecodeService {
             params,
             resume: req.resume_ids,
             constraint: None,
+            samples: Samples {
+                count: req.n.max(1),
+                first: req.first_index,
+            },
         };
         let mut pending = None;
         let submitted = SystemTime::now();
@@ -313,6 +330,8 @@ impl pb::decode_server::Decode for DecodeService {
                     span,
                     submitted,
                     local: true,
+                    unfinished: req.n.max(1),
+                    timed_sample: req.first_index,
                 },
                 _in_flight: in_flight,
             }),

@@ -11,6 +11,7 @@ use crate::gpu::GpuLlama;
 use crate::kv_cache::{KvDtype, KvPool};
 use crate::model::{LlamaModel, SeqBatch};
 use crate::EngineError;
+use tandem_types::BlockId;
 
 /// A device that runs the model's steps over its KV pool.
 pub trait Backend: Send {
@@ -45,6 +46,10 @@ pub trait Backend: Send {
 
     /// Blocks in the pool.
     fn num_blocks(&self) -> usize;
+
+    /// Copies each `(from, to)` block's K/V, every layer, in order: a sequence's own copy of a
+    /// block it shared with a parallel sample (copy-on-write), before the step that writes it.
+    fn copy_blocks(&mut self, pairs: &[(BlockId, BlockId)]) -> Result<(), EngineError>;
 
     /// The host pool, which KV transfers read from and write into; None when the cache lives
     /// elsewhere.
@@ -116,6 +121,13 @@ impl Backend for CpuBackend {
         self.kv.num_blocks()
     }
 
+    fn copy_blocks(&mut self, pairs: &[(BlockId, BlockId)]) -> Result<(), EngineError> {
+        for &(from, to) in pairs {
+            self.kv.copy_block(from.0 as usize, to.0 as usize);
+        }
+        Ok(())
+    }
+
     fn host_pool(&self) -> Option<&KvPool> {
         Some(&self.kv)
     }
@@ -183,6 +195,10 @@ impl Backend for GpuLlama {
 
     fn num_blocks(&self) -> usize {
         self.num_blocks
+    }
+
+    fn copy_blocks(&mut self, pairs: &[(BlockId, BlockId)]) -> Result<(), EngineError> {
+        GpuLlama::copy_blocks(self, pairs)
     }
 
     fn weight_bytes(&self) -> usize {

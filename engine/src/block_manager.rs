@@ -241,6 +241,10 @@ impl BlockManager {
     }
 }
 
+/// No block is free or evictable.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PoolFull;
+
 /// The blocks of one sequence, in logical order, and the chained hashes of its full, computed
 /// blocks. Dropping it releases every block.
 #[derive(Debug)]
@@ -344,6 +348,41 @@ impl SeqBlocks {
                 hashes: stored,
             });
         }
+    }
+
+    /// A second table over the same blocks (each one's reference count goes up by one): a
+    /// parallel sample of the same prompt. Neither may write a shared block: before writing at a
+    /// position, each calls [`Self::make_writable`], which gives it a copy of its own.
+    pub fn fork(&self) -> SeqBlocks {
+        let mut s = self.mgr.inner.borrow_mut();
+        for &b in &self.blocks {
+            s.take_ref(BlockId(b));
+        }
+        SeqBlocks {
+            mgr: self.mgr.clone(),
+            blocks: self.blocks.clone(),
+            hashes: self.hashes.clone(),
+        }
+    }
+
+    /// Copy-on-write: makes the block that holds token `pos` this sequence's alone before it is
+    /// written. When another sequence shares it (a [`fork`](Self::fork)), a fresh block takes its
+    /// place in this table and `Ok(Some((shared, fresh)))` says what the caller must copy before
+    /// anything writes either; `Ok(None)` when it is this sequence's already (or `pos` is past the
+    /// table); `Err(PoolFull)`, with nothing changed, when no block is left for the copy.
+    pub fn make_writable(&mut self, pos: usize) -> Result<Option<(BlockId, BlockId)>, PoolFull> {
+        let i = pos / self.mgr.block_size;
+        let Some(&b) = self.blocks.get(i) else {
+            return Ok(None);
+        };
+        let mut s = self.mgr.inner.borrow_mut();
+        if s.ref_count[b as usize] <= 1 {
+            return Ok(None);
+        }
+        let fresh = s.allocate(1).ok_or(PoolFull)?[0];
+        s.release(BlockId(b));
+        self.blocks[i] = fresh.0;
+        Ok(Some((BlockId(b), fresh)))
     }
 
     /// Releases every block (the table is empty afterwards), as dropping would.
@@ -471,6 +510,54 @@ mod tests {
         drop(b);
         assert_eq!(m.counts().cached, 1);
         assert_eq!(m.counts().free, 3);
+        check(&m);
+    }
+
+    #[test]
+    fn a_fork_shares_every_block_and_copies_the_tail_it_writes() {
+        let m = BlockManager::new(6, 4);
+        let toks = [1, 2, 3, 4, 5, 6];
+        let mut a = m.sequence();
+        assert!(a.reserve(6));
+        a.commit(&toks, 6);
+        let mut b = a.fork();
+        let mut c = a.fork();
+        assert_eq!(b.ids(), a.ids());
+        // Two blocks, each held three times: the prompt counted once in the pool.
+        assert_eq!(m.counts().used, 2);
+        assert_eq!(m.ref_count(BlockId(a.ids()[1])), 3);
+        check(&m);
+        // The full first block is never written again; the partial tail is, at position 6.
+        let (tail, full) = (a.ids()[1], a.ids()[0]);
+        let Ok(Some((from, to))) = b.make_writable(6) else {
+            panic!("a shared tail is copied")
+        };
+        assert_eq!(from, BlockId(tail));
+        assert_ne!(to, BlockId(tail));
+        assert_eq!(b.ids(), &[full, to.0]);
+        assert_eq!(m.ref_count(BlockId(tail)), 2);
+        assert_eq!(b.make_writable(6), Ok(None), "now its own");
+        let Ok(Some(_)) = c.make_writable(7) else {
+            panic!("still shared with a")
+        };
+        // The last holder writes in place.
+        assert_eq!(a.make_writable(6), Ok(None));
+        assert_eq!(m.ref_count(BlockId(tail)), 1);
+        assert_eq!(m.ref_count(BlockId(full)), 3);
+        assert_eq!(m.counts().used, 4);
+        check(&m);
+        // Two blocks left: a fork of a fork that must copy while the pool is empty fails cleanly.
+        let mut d = b.fork();
+        let mut e = m.sequence();
+        assert!(e.reserve(8));
+        assert_eq!(m.available(), 0);
+        let before = d.ids().to_vec();
+        assert_eq!(d.make_writable(6), Err(PoolFull));
+        assert_eq!(d.ids(), &before[..]);
+        drop((a, b, c, d, e));
+        let counts = m.counts();
+        assert_eq!(counts.used, 0);
+        assert_eq!(counts.free + counts.cached, 6);
         check(&m);
     }
 

@@ -12,6 +12,7 @@ use tandem_model::{get_tensor, LlamaConfig, TensorData, TensorName};
 use crate::forward::{self, LlamaWeights, StepOps};
 use crate::model::{PackedStep, SeqBatch};
 use crate::EngineError;
+use tandem_types::BlockId;
 
 /// bf16 values as their bits, which is how device buffers hold them.
 type Bf16 = CudaSlice<u16>;
@@ -136,6 +137,19 @@ impl GpuLlama {
             num_blocks,
             config: c,
         })
+    }
+
+    /// Copies each `(from, to)` block's K and V, every layer (copy-on-write of a shared block).
+    pub fn copy_blocks(&mut self, pairs: &[(BlockId, BlockId)]) -> Result<(), EngineError> {
+        let c = &self.config;
+        let len = c.num_kv_heads * self.block_size * c.head_dim;
+        for &(from, to) in pairs {
+            let (from, to) = (from.0 as usize * len, to.0 as usize * len);
+            for cache in self.k_cache.iter_mut().chain(self.v_cache.iter_mut()) {
+                self.ops.copy_within(cache, from, to, len)?;
+            }
+        }
+        Ok(())
     }
 
     /// Bytes of weights one decode step reads (every matrix once).

@@ -213,6 +213,7 @@ impl EngineHandle {
 
     fn send_submit(&self, request: Request, mode: Mode) -> Result<RequestStream, EngineError> {
         let id = RequestId(self.shared.next_id.fetch_add(1, Ordering::Relaxed));
+        let unfinished = request.samples.count;
         let (tx, rx) = tmpsc::unbounded_channel();
         self.commands
             .send(Command::Submit {
@@ -226,6 +227,7 @@ impl EngineHandle {
             id,
             rx,
             commands: self.commands.clone(),
+            unfinished,
             done: false,
         })
     }
@@ -261,11 +263,14 @@ impl Drop for EngineHandle {
     }
 }
 
-/// The events of one request, in order, ending with `Finished` or `Failed`.
+/// The events of one request, in order, ending with `Finished` (one per sample: with parallel
+/// samples, each sample's events are in order and the samples' interleave) or `Failed`.
 pub struct RequestStream {
     id: RequestId,
     rx: tmpsc::UnboundedReceiver<StreamEvent>,
     commands: mpsc::Sender<Command>,
+    /// Samples that have not finished yet (the stream ends after the last one's `Finished`).
+    unfinished: u32,
     done: bool,
 }
 
@@ -276,11 +281,13 @@ impl RequestStream {
     }
 
     fn seen(&mut self, e: Option<StreamEvent>) -> Option<StreamEvent> {
-        if matches!(
-            e,
-            None | Some(StreamEvent::Finished(_)) | Some(StreamEvent::Failed(_))
-        ) {
-            self.done = true;
+        match e {
+            None | Some(StreamEvent::Failed(_)) => self.done = true,
+            Some(StreamEvent::Finished(_)) => {
+                self.unfinished = self.unfinished.saturating_sub(1);
+                self.done = self.unfinished == 0;
+            }
+            _ => {}
         }
         e
     }
@@ -328,20 +335,21 @@ fn publish_kv(engine: &Engine, subscribers: &mut Vec<tmpsc::UnboundedSender<KvUp
 }
 
 /// Sends events to their requests' streams; a request whose stream is gone is cancelled.
-fn deliver(
-    engine: &mut Engine,
-    sinks: &mut HashMap<RequestId, tmpsc::UnboundedSender<StreamEvent>>,
-    events: Vec<Event>,
-) {
+fn deliver(engine: &mut Engine, sinks: &mut HashMap<RequestId, Sink>, events: Vec<Event>) {
     for ev in events {
-        let (id, last, ev) = match ev {
+        let (id, finish, ev) = match ev {
             Event::Kv(c) => (c.request, false, StreamEvent::Kv(c)),
             Event::Token(t) => (t.request, false, StreamEvent::Token(t)),
             Event::Finished(f) => (f.request, true, StreamEvent::Finished(f)),
         };
-        let gone = match sinks.get(&id) {
-            Some(s) => s.send(ev).is_err(),
-            None => false,
+        let (gone, last) = match sinks.get_mut(&id) {
+            Some(s) => {
+                if finish {
+                    s.unfinished = s.unfinished.saturating_sub(1);
+                }
+                (s.events.send(ev).is_err(), s.unfinished == 0)
+            }
+            None => (false, false),
         };
         if last {
             sinks.remove(&id);
@@ -353,8 +361,14 @@ fn deliver(
     }
 }
 
+/// Where a request's events go, and how many of its samples have yet to finish.
+struct Sink {
+    events: tmpsc::UnboundedSender<StreamEvent>,
+    unfinished: u32,
+}
+
 fn run_loop(mut engine: Engine, rx: mpsc::Receiver<Command>, shared: &Shared) {
-    let mut sinks: HashMap<RequestId, tmpsc::UnboundedSender<StreamEvent>> = HashMap::new();
+    let mut sinks: HashMap<RequestId, Sink> = HashMap::new();
     let mut kv_subscribers: Vec<tmpsc::UnboundedSender<KvUpdate>> = Vec::new();
     loop {
         let mut commands = Vec::new();
@@ -374,6 +388,7 @@ fn run_loop(mut engine: Engine, rx: mpsc::Receiver<Command>, shared: &Shared) {
                     events,
                 } => {
                     let request = *request;
+                    let unfinished = request.samples.count;
                     let added = match mode {
                         Mode::Local => engine.add(id, request),
                         Mode::Prefill { skip_tokens } => {
@@ -395,7 +410,7 @@ fn run_loop(mut engine: Engine, rx: mpsc::Receiver<Command>, shared: &Shared) {
                     };
                     match added {
                         Ok(()) => {
-                            sinks.insert(id, events);
+                            sinks.insert(id, Sink { events, unfinished });
                         }
                         Err(e) => {
                             let _ = events.send(StreamEvent::Failed(e));
@@ -427,7 +442,8 @@ fn run_loop(mut engine: Engine, rx: mpsc::Receiver<Command>, shared: &Shared) {
                 tracing::error!(error = %e, "engine step failed; failing its requests");
                 for id in engine.abort_all() {
                     if let Some(s) = sinks.remove(&id) {
-                        let _ = s.send(StreamEvent::Failed(EngineError::Step(e.to_string())));
+                        let failed = EngineError::Step(e.to_string());
+                        let _ = s.events.send(StreamEvent::Failed(failed));
                     }
                 }
             }

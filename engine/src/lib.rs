@@ -30,10 +30,10 @@ mod model;
 mod sampler;
 
 pub use backend::{Backend, CpuBackend};
-pub use block_manager::{BlockCounts, BlockManager, KvEvent, KvEventKind, SeqBlocks};
+pub use block_manager::{BlockCounts, BlockManager, KvEvent, KvEventKind, PoolFull, SeqBlocks};
 pub use engine::{
     Engine, EngineConfig, EngineStats, Event, FinishReason, Finished, KvChunk, Limits, Request,
-    RequestId, Reservation, StepStats, TokenEvent,
+    RequestId, Reservation, Samples, StepStats, TokenEvent,
 };
 pub use gpu::GpuLlama;
 pub use handle::{EngineHandle, KvUpdate, RequestStream, StreamEvent};
@@ -88,6 +88,10 @@ pub enum EngineError {
     /// not a whole number of blocks, output to resume): its sender's mistake.
     #[error("{0}")]
     BadPlan(String),
+    /// The request's parallel samples (`n`) are out of range or cannot be combined with the
+    /// rest of it.
+    #[error("n: {0}")]
+    Samples(String),
     /// What this engine was built for cannot serve the request (KV transfer with a device
     /// cache): the operator's to change.
     #[error("{0}")]
@@ -137,6 +141,7 @@ impl EngineError {
             | Self::EmptyPrompt
             | Self::NothingToResume { .. }
             | Self::BadToken { .. }
+            | Self::Samples(_)
             | Self::BadPlan(_) => ErrorKind::InvalidRequest,
             Self::ContextOverflow { .. } | Self::TooLargeForCache { .. } => ErrorKind::TooLarge,
             Self::Unsupported(_) => ErrorKind::Unsupported,

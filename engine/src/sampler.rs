@@ -53,14 +53,28 @@ impl Sampler {
     /// A sampler for one sequence, seeded from `params.seed` (or at random); `prompt` feeds the
     /// repetition penalty; `constraint` is the request's compiled grammar, if it has one.
     pub fn new(params: ValidSampling, prompt: &[u32], constraint: Option<Constraint>) -> Self {
+        Self::for_sample(params, prompt, constraint, 0)
+    }
+
+    /// The sampler of sample `index` of a request with parallel samples: it draws from stream
+    /// `index` of the seed's generator, so samples of one seeded request differ from each other
+    /// and sample 0 draws what [`Sampler::new`] would.
+    pub fn for_sample(
+        params: ValidSampling,
+        prompt: &[u32],
+        constraint: Option<Constraint>,
+        index: u32,
+    ) -> Self {
         let seed = params.seed.unwrap_or_else(rand::random);
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        rng.set_stream(u64::from(index));
         let seen = if params.repetition_penalty != 1.0 {
             prompt.iter().copied().collect()
         } else {
             Default::default()
         };
         Self {
-            rng: ChaCha8Rng::seed_from_u64(seed),
+            rng,
             counts: HashMap::new(),
             seen,
             params,

@@ -276,6 +276,7 @@ fn teacher_forced_agreement(
             reqs.push(tandem_engine::Request {
                 resume: Vec::new(),
                 constraint: None,
+                samples: tandem_engine::Samples::ONE,
                 prompt: p,
                 params: tandem_engine::SamplingParams {
                     max_tokens: 1,

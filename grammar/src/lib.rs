@@ -322,6 +322,15 @@ impl Constraint {
             .map_err(|e| GrammarError::Rejected(e.to_string()))
     }
 
+    /// An independent copy at the same point of the grammar (its own parser and lexer state):
+    /// for a parallel sample that goes on from here on its own thread.
+    pub fn fork(&self) -> Constraint {
+        Constraint {
+            matcher: Box::new(self.matcher.deep_clone()),
+            eos: self.eos.clone(),
+        }
+    }
+
     /// Whether the grammar is complete and allows nothing more.
     pub fn is_finished(&self) -> bool {
         self.matcher.is_stopped()

@@ -292,6 +292,7 @@ impl Shared {
                     params: sampling,
                     resume: Vec::new(),
                     constraint: None,
+                    samples: tandem_engine::Samples::ONE,
                 },
                 cached,
             )

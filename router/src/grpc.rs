@@ -105,6 +105,7 @@ impl pb::generation_server::Generation for GenerationService {
             top_logprobs: s.top_logprobs,
             logit_bias: s.logit_bias.iter().map(|(&t, &b)| (t, b)).collect(),
             grammar: s.format.and_then(|f| f.kind).map(output_format),
+            n: 1,
         };
         let default_max = if is_chat {
             MaxTokensDefault::RestOfContext
@@ -132,8 +133,9 @@ impl pb::generation_server::Generation for GenerationService {
             let request_id = request_id.clone();
             async move {
                 let mut g = g?;
+                // One sample: the public gRPC API has no `n`.
                 let c = match g.next().await? {
-                    Ok(c) => c,
+                    Ok((_, c)) => c,
                     Err(e) => return Some((Err(e.grpc()), None)),
                 };
                 let tok = &d.model.text.tokenizer;

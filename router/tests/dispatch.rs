@@ -20,7 +20,12 @@ use tonic::{Code, Status};
 /// What a fake decode worker sends on a stream.
 #[derive(Clone, Debug)]
 enum Say {
+    /// Tokens of the request's first sample (its only one, unless it asked for several).
     Tokens(Vec<u32>),
+    /// Tokens of sample `.0`.
+    SampleTokens(u32, Vec<u32>),
+    /// Sample `.0` finished while others go on.
+    SampleEnded(u32, pb::FinishReason),
     Heartbeat,
     Finish(pb::FinishReason),
     /// The stream fails with this code (the worker died, or its engine failed).
@@ -101,26 +106,38 @@ impl WorkerClient for FakeWorker {
         self.calls.lock().unwrap().push(request.clone());
         let sends = (self.script)(&request).map_err(|c| Status::new(c, "scripted refusal"))?;
         let prompt_tokens = request.prompt_ids.len() as u32;
+        // `Finish` ends the stream with the first sample's finish: a script for several
+        // samples ends the others first.
+        let first = request.first_index;
+        let tokens = |index: u32, ids: Vec<u32>| pb::DecodeResponse {
+            tokens: ids
+                .into_iter()
+                .map(|id| pb::Token {
+                    id,
+                    logprob: -0.5,
+                    top: vec![],
+                    index,
+                })
+                .collect(),
+            ..Default::default()
+        };
+        let finish = move |index: u32, reason: pb::FinishReason| pb::Finish {
+            reason: reason as i32,
+            prompt_tokens,
+            index,
+            ..Default::default()
+        };
         let message = move |s: Say| match s {
-            Say::Tokens(ids) => Ok(pb::DecodeResponse {
-                tokens: ids
-                    .into_iter()
-                    .map(|id| pb::Token {
-                        id,
-                        logprob: -0.5,
-                        top: vec![],
-                    })
-                    .collect(),
-                finish: None,
+            Say::Tokens(ids) => Ok(tokens(first, ids)),
+            Say::SampleTokens(i, ids) => Ok(tokens(i, ids)),
+            Say::SampleEnded(i, reason) => Ok(pb::DecodeResponse {
+                finished: vec![finish(i, reason)],
+                ..Default::default()
             }),
             Say::Heartbeat => Ok(pb::DecodeResponse::default()),
             Say::Finish(reason) => Ok(pb::DecodeResponse {
-                tokens: vec![],
-                finish: Some(pb::Finish {
-                    reason: reason as i32,
-                    prompt_tokens,
-                    ..Default::default()
-                }),
+                finish: Some(finish(first, reason)),
+                ..Default::default()
             }),
             Say::Fail(c) => Err(Status::new(c, "scripted failure")),
             Say::Silence | Say::Wait(_) => unreachable!("not a message"),
@@ -203,7 +220,7 @@ async fn run(d: &Dispatcher, max_tokens: u64) -> Result<(String, FinishKind, u32
     let mut g = d.generate(prep).await?;
     let mut text = String::new();
     while let Some(c) = g.next().await {
-        let c = c?;
+        let (_, c) = c?;
         text.push_str(&c.text);
         if let Some((kind, usage)) = c.finish {
             return Ok((text, kind, usage.completion_tokens));
@@ -577,4 +594,123 @@ async fn workers_that_join_take_requests_and_workers_that_leave_or_do_not_fit_ge
         ),
         5.0
     );
+}
+
+/// Runs a request for `n` samples to its end: each sample's text and finish, in sample order.
+async fn run_samples(
+    d: &Dispatcher,
+    n: u32,
+    stop: &[&str],
+) -> Result<Vec<(String, FinishKind, u32)>, ApiError> {
+    let p = GenParams {
+        n,
+        stop: stop.iter().map(|s| s.to_string()).collect(),
+        ..params(64)
+    };
+    let prep = d.prepare(
+        "",
+        PromptInput::Text("Tell me a story".into()),
+        p,
+        MaxTokensDefault::Fixed(16),
+    )?;
+    let mut g = d.generate(prep).await?;
+    let mut out = vec![(String::new(), None, 0); n as usize];
+    while let Some(c) = g.next().await {
+        let (i, c) = c?;
+        let o = &mut out[i as usize];
+        assert!(o.1.is_none(), "sample {i} goes on after its finish");
+        o.0.push_str(&c.text);
+        if let Some((kind, usage)) = c.finish {
+            o.1 = Some(kind);
+            o.2 = usage.completion_tokens;
+        }
+    }
+    Ok(out
+        .into_iter()
+        .map(|(t, f, n)| (t, f.expect("every sample finishes"), n))
+        .collect())
+}
+
+#[tokio::test]
+async fn parallel_samples_share_one_stream_and_each_ends_on_its_own() {
+    let answer = answer_ids().await;
+    let (a, b) = answer.split_at(5);
+    let (a, b) = (a.to_vec(), b.to_vec());
+    let model = common::served_model();
+    let other = model.text.tokenizer.encode(" The end.", false).unwrap();
+    let other_len = other.len() as u32;
+    let w = FakeWorker::new(move |r| {
+        assert_eq!((r.n, r.first_index), (3, 0));
+        Ok(vec![
+            Say::SampleTokens(0, a.clone()),
+            Say::SampleTokens(2, other.clone()),
+            Say::SampleTokens(1, a.clone()),
+            Say::SampleEnded(2, pb::FinishReason::Stop),
+            Say::Heartbeat,
+            Say::SampleTokens(1, b.clone()),
+            Say::SampleEnded(1, pb::FinishReason::Length),
+            Say::SampleTokens(0, b.clone()),
+            Say::Finish(pb::FinishReason::Stop),
+        ])
+    });
+    let d = dispatcher(std::slice::from_ref(&w), 1).await;
+    let got = run_samples(&d, 3, &[]).await.unwrap();
+    let n = answer.len() as u32;
+    assert_eq!(
+        got,
+        vec![
+            (ANSWER.to_string(), FinishKind::Stop, n),
+            (ANSWER.to_string(), FinishKind::Length, n),
+            (" The end.".to_string(), FinishKind::Stop, other_len),
+        ]
+    );
+    assert_eq!(w.calls().len(), 1, "one stream for every sample");
+    // A stop string ends one sample where it appears; the others go on.
+    let got = run_samples(&d, 3, &["robot"]).await.unwrap();
+    assert_eq!(got[0].0, " Once upon a time, a small ");
+    assert_eq!(got[0].1, FinishKind::Stop);
+    assert_eq!(got[2].0, " The end.");
+}
+
+#[tokio::test]
+async fn a_lost_worker_s_samples_each_resume_on_their_own_stream() {
+    let answer = answer_ids().await;
+    let ans = answer.clone();
+    // The first worker sends sample 0 three tokens and sample 1 five, finishes sample 2, and
+    // dies. Each sample left resumes alone, with its index and its own tokens.
+    let script = move |r: &pb::DecodeRequest| {
+        if r.n == 2 {
+            assert!(r.resume_ids.is_empty());
+            return Ok(vec![
+                Say::SampleTokens(0, ans[..3].to_vec()),
+                Say::SampleTokens(1, ans[..5].to_vec()),
+                Say::Fail(Code::Unavailable),
+            ]);
+        }
+        assert_eq!(r.n, 1);
+        let done = r.resume_ids.len();
+        assert_eq!(done, [3, 5][r.first_index as usize], "{r:?}");
+        assert_eq!(r.resume_ids, ans[..done]);
+        Ok(vec![
+            Say::Tokens(ans[done..].to_vec()),
+            Say::Finish(pb::FinishReason::Stop),
+        ])
+    };
+    let ws = [FakeWorker::new(script.clone()), FakeWorker::new(script)];
+    let d = dispatcher(&ws, 1).await;
+    let got = run_samples(&d, 2, &[]).await.unwrap();
+    for (text, finish, n) in &got {
+        assert_eq!(text, ANSWER);
+        assert_eq!(*finish, FinishKind::Stop);
+        assert_eq!(*n as usize, answer.len());
+    }
+    let calls: Vec<pb::DecodeRequest> = ws.iter().flat_map(|w| w.calls()).collect();
+    assert_eq!(calls.len(), 3, "one stream, then one per sample");
+    let mut resumed: Vec<u32> = calls
+        .iter()
+        .filter(|c| c.n == 1)
+        .map(|c| c.first_index)
+        .collect();
+    resumed.sort();
+    assert_eq!(resumed, vec![0, 1]);
 }

@@ -32,6 +32,7 @@ pub fn token(t: &TokenEvent) -> pb::Token {
             .iter()
             .map(|&(id, logprob)| pb::TopToken { id, logprob })
             .collect(),
+        index: t.index,
     }
 }
 
@@ -50,6 +51,7 @@ pub fn finish(f: &Finished) -> pb::Finish {
         queue_seconds: f.queue_s,
         ttft_seconds: f.ttft_s,
         e2e_seconds: f.e2e_s,
+        index: f.index,
     }
 }
 

@@ -12,6 +12,7 @@ use super::*;
 use crate::model::SeqBatch;
 use proptest::prelude::*;
 use rand::SeedableRng;
+use tandem_types::{BlockId, SamplingParams};
 
 const VOCAB: usize = 61;
 
@@ -119,6 +120,15 @@ impl Backend for TokenCache {
         self.slots.len() / self.block_size
     }
 
+    fn copy_blocks(&mut self, pairs: &[(BlockId, BlockId)]) -> Result<(), EngineError> {
+        let bs = self.block_size;
+        for &(from, to) in pairs {
+            let (from, to) = (from.0 as usize * bs, to.0 as usize * bs);
+            self.slots.copy_within(from..from + bs, to);
+        }
+        Ok(())
+    }
+
     fn weight_bytes(&self) -> usize {
         0
     }
@@ -162,6 +172,153 @@ fn the_fake_reads_back_what_a_request_wrote() {
     assert!(log[1..].iter().all(|&s| s == (1, 1)), "{log:?}");
 }
 
+/// `n` samples of one prompt, at temperature `t` with `seed`, running to `max_tokens`.
+fn sampled(prompt: Vec<u32>, n: u32, t: f32, seed: u64, max_tokens: u32) -> Request {
+    Request {
+        params: SamplingParams {
+            temperature: t,
+            seed: Some(seed),
+            max_tokens,
+            ignore_eos: true,
+            ..Default::default()
+        }
+        .validate()
+        .unwrap(),
+        samples: Samples { count: n, first: 0 },
+        ..req(prompt, max_tokens)
+    }
+}
+
+/// Every step until idle: each sample's tokens with their log-probabilities, and the pool's
+/// used blocks after each step.
+type Run = (
+    std::collections::BTreeMap<u32, Vec<(u32, f32)>>,
+    Vec<Finished>,
+    Vec<usize>,
+);
+
+fn run(e: &mut Engine, r: Request) -> Run {
+    e.add(RequestId(5), r).unwrap();
+    let (mut tokens, mut done, mut used) = (Default::default(), Vec::new(), Vec::new());
+    let tokens: &mut std::collections::BTreeMap<u32, Vec<(u32, f32)>> = &mut tokens;
+    while e.has_work() {
+        for ev in e.step().unwrap().0 {
+            match ev {
+                Event::Token(t) => {
+                    assert_eq!(t.request, RequestId(5));
+                    let s = &t.sampled;
+                    tokens
+                        .entry(t.index)
+                        .or_default()
+                        .push((s.token, s.logprob));
+                }
+                Event::Finished(f) => done.push(f),
+                Event::Kv(_) => panic!("no prefill mode here"),
+            }
+        }
+        used.push(e.stats().blocks_used);
+    }
+    done.sort_by_key(|f| f.index);
+    (tokens.clone(), done, used)
+}
+
+#[test]
+fn parallel_samples_share_the_prompt_and_each_reads_its_own_history() {
+    let cfg = EngineConfig {
+        block_size: 4,
+        ..super::tests::config()
+    };
+    let (mut e, log) = engine(64, cfg.clone());
+    let prompt: Vec<u32> = (0..10).collect();
+    // At temperature 0.25 the fake's likeliest token (logit 1 against 0) is drawn about half
+    // the time: the samples part ways at once, and each token says whether the context it
+    // was drawn from is the sample's own.
+    let (tokens, done, used) = run(&mut e, sampled(prompt.clone(), 4, 0.25, 7, 12));
+    assert_eq!(done.len(), 4);
+    let lse = (1f32.exp() + (VOCAB - 1) as f32).ln();
+    let mut outputs = Vec::new();
+    for (i, f) in done.iter().enumerate() {
+        assert_eq!(f.index, i as u32);
+        assert_eq!(f.finish_reason, FinishReason::Length);
+        let toks = &tokens[&f.index];
+        assert_eq!(f.output_ids, toks.iter().map(|t| t.0).collect::<Vec<_>>());
+        let mut ctx = prompt.clone();
+        let mut hits = 0;
+        for &(t, lp) in toks {
+            // The logit-1 token of the sample's own context, and no other, has this logprob.
+            let likeliest = next_token(&ctx) == t;
+            hits += usize::from(likeliest);
+            let want = if likeliest { 1.0 - lse } else { -lse };
+            assert!((lp - want).abs() < 1e-5, "sample {i}: {toks:?}");
+            ctx.push(t);
+        }
+        assert!(
+            hits > 0,
+            "sample {i} never drew the likeliest token: {toks:?}"
+        );
+        outputs.push(f.output_ids.clone());
+    }
+    outputs.sort();
+    outputs.dedup();
+    assert_eq!(outputs.len(), 4, "four different samples");
+    // One prefill of the prompt for all four.
+    assert_eq!(log.lock().unwrap()[0], (10, 1));
+    // The prompt's 3 blocks, shared after the fork; then each sample's tail: the 2 full
+    // prompt blocks counted once, 4 copies of the partial one (3 copied, 1 kept in place).
+    assert_eq!(&used[..2], &[3, 6], "{used:?}");
+    assert_eq!(*used.last().unwrap(), 0, "nothing held at the end");
+    // Sample 0 is what the request with n = 1 draws.
+    let (mut one, _) = engine(64, cfg);
+    let (_, alone, _) = run(&mut one, sampled(prompt, 1, 0.25, 7, 12));
+    assert_eq!(alone[0].output_ids, done[0].output_ids);
+}
+
+#[test]
+fn samples_cancelled_before_and_after_their_fork_all_finish_once() {
+    let cfg = EngineConfig {
+        block_size: 4,
+        max_batched_tokens: 4,
+        ..super::tests::config()
+    };
+    for cancel_at in [0, 1, 2, 3, 5] {
+        let (mut e, _) = engine(64, cfg.clone());
+        e.add(RequestId(1), sampled((0..10).collect(), 3, 1.0, 3, 20))
+            .unwrap();
+        let mut ended = Vec::new();
+        let mut step = 0;
+        while e.has_work() {
+            if step == cancel_at {
+                e.cancel(RequestId(1));
+            }
+            for ev in e.step().unwrap().0 {
+                if let Event::Finished(f) = ev {
+                    assert_eq!(f.finish_reason, FinishReason::Cancelled);
+                    ended.push(f.index);
+                }
+            }
+            step += 1;
+        }
+        ended.sort();
+        assert_eq!(ended, vec![0, 1, 2], "cancelled at step {cancel_at}");
+        assert_eq!(e.stats().blocks_used, 0);
+    }
+}
+
+#[test]
+fn samples_wider_than_max_seqs_wait_their_turn() {
+    let cfg = EngineConfig {
+        block_size: 4,
+        max_seqs: 2,
+        ..super::tests::config()
+    };
+    let (mut e, log) = engine(64, cfg);
+    let (_, done, _) = run(&mut e, sampled((0..10).collect(), 5, 0.0, 1, 6));
+    let want = expected(&(0..10).collect::<Vec<_>>(), 6);
+    assert_eq!(done.len(), 5);
+    assert!(done.iter().all(|f| f.output_ids == want));
+    assert!(log.lock().unwrap().iter().all(|&(_, seqs)| seqs <= 2));
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
     /// Random arrivals, lengths, cancels and shared prefixes over pools small enough to preempt:
@@ -199,14 +356,16 @@ proptest! {
         prop_assert_eq!(st.blocks_used, 0);
         prop_assert_eq!(st.blocks_free + st.blocks_cached, st.blocks_total);
         for (i, (_, _, r)) in plan.iter().enumerate() {
-            let f = &finished[i];
             let want = expected(&r.prompt, r.params.max_tokens as usize);
-            match f.finish_reason {
-                FinishReason::Length => prop_assert_eq!(&f.output_ids, &want),
-                FinishReason::Cancelled => {
-                    prop_assert_eq!(&f.output_ids[..], &want[..f.output_ids.len()])
+            prop_assert_eq!(finished[i].len(), r.samples.count as usize);
+            for f in &finished[i] {
+                match f.finish_reason {
+                    FinishReason::Length => prop_assert_eq!(&f.output_ids, &want),
+                    FinishReason::Cancelled => {
+                        prop_assert_eq!(&f.output_ids[..], &want[..f.output_ids.len()])
+                    }
+                    FinishReason::Stop => prop_assert!(false, "no stop tokens were set"),
                 }
-                FinishReason::Stop => prop_assert!(false, "no stop tokens were set"),
             }
         }
     }

@@ -28,10 +28,11 @@ use crate::backend::{Backend, CpuBackend};
 use crate::block_manager::{BlockCounts, BlockManager, KvEvent, SeqBlocks};
 use crate::kv_cache::KvPool;
 use crate::model::LlamaModel;
-use crate::sampler::Sampler;
+use crate::sampler::{Sampled, Sampler};
 use crate::EngineError;
 use tandem_grammar::GrammarCompiler;
 use tandem_model::LlamaConfig;
+use tandem_types::BlockId;
 
 mod offline;
 mod remote;
@@ -40,7 +41,7 @@ mod types;
 
 pub use types::{
     EngineConfig, EngineStats, Event, FinishReason, Finished, KvChunk, Limits, Request, RequestId,
-    Reservation, StepStats, TokenEvent,
+    Reservation, Samples, StepStats, TokenEvent,
 };
 
 /// Why `s` stops after `token` (already appended), if it does.
@@ -60,6 +61,11 @@ fn finish_reason(eos: &[u32], max_ctx: usize, s: &Seq, token: u32) -> Option<Fin
 }
 struct Seq {
     id: RequestId,
+    /// Which of its request's samples this sequence is.
+    index: u32,
+    /// The request's other samples, not yet forked off (until the prompt's logits are ready):
+    /// their numbers and samplers.
+    forks: Vec<(u32, Sampler)>,
     /// Prompt, then generated tokens.
     tokens: Vec<u32>,
     prompt_len: usize,
@@ -89,9 +95,69 @@ impl Seq {
         let target = end
             .min(self.tokens.len() + lookahead)
             .max(self.tokens.len());
-        target
+        let own = target
             .div_ceil(block_size)
-            .saturating_sub(self.blocks.len())
+            .saturating_sub(self.blocks.len());
+        // Each sample still to fork shares the prompt and grows a tail of its own (plus the
+        // copy of the prompt's last block).
+        own + self.forks.len() * (lookahead.div_ceil(block_size) + 1)
+    }
+
+    /// Sequences this one stands for in the running set: itself and its samples to fork.
+    fn width(&self) -> usize {
+        1 + self.forks.len()
+    }
+
+    /// Forks off every sample still to fork now that the prompt's logits are ready: each draws
+    /// its first token with `draw` and holds the same blocks (shared copy-on-write). Call it
+    /// before this sequence appends its own first token.
+    fn fork_samples(
+        &mut self,
+        mut draw: impl FnMut(&mut Sampler) -> Sampled,
+    ) -> Vec<(Seq, Sampled)> {
+        std::mem::take(&mut self.forks)
+            .into_iter()
+            .map(|(index, mut sampler)| {
+                let first = draw(&mut sampler);
+                let mut tokens = self.tokens.clone();
+                tokens.push(first.token);
+                let seq = Seq {
+                    id: self.id,
+                    index,
+                    forks: Vec::new(),
+                    tokens,
+                    prompt_len: self.prompt_len,
+                    computed: self.computed,
+                    blocks: self.blocks.fork(),
+                    sampler,
+                    logprobs: vec![first.logprob],
+                    submitted: self.submitted,
+                    admitted: self.admitted,
+                    first_token: Some(Instant::now()),
+                    cached_prompt_tokens: self.cached_prompt_tokens,
+                    preemptions: self.preemptions,
+                    export: None,
+                };
+                (seq, first)
+            })
+            .collect()
+    }
+
+    /// The `Cancelled` finish of this sequence and of every sample it has still to fork.
+    fn cancelled(mut self) -> Vec<Finished> {
+        let forks: Vec<u32> = self.forks.drain(..).map(|(i, _)| i).collect();
+        let me = self.finished(FinishReason::Cancelled);
+        let mut out: Vec<Finished> = forks
+            .into_iter()
+            .map(|index| Finished {
+                index,
+                output_ids: Vec::new(),
+                logprobs: Vec::new(),
+                ..me.clone()
+            })
+            .collect();
+        out.insert(0, me);
+        out
     }
 
     fn finished(self, reason: FinishReason) -> Finished {
@@ -99,6 +165,7 @@ impl Seq {
         let since = |t: Option<Instant>| t.map_or(0.0, |t| (t - self.submitted).as_secs_f64());
         Finished {
             request: self.id,
+            index: self.index,
             prompt_ids: self.tokens[..self.prompt_len].to_vec(),
             output_ids: self.tokens[self.prompt_len..].to_vec(),
             logprobs: self.logprobs,
@@ -129,6 +196,8 @@ pub struct Engine {
     /// touched by a step until they join (or fall back to a local prefill).
     remote: Vec<Seq>,
     cancelled: Vec<RequestId>,
+    /// Blocks to copy before the next forward (copy-on-write of blocks that samples shared).
+    copies: Vec<(BlockId, BlockId)>,
     stats: EngineStats,
     /// First id `generate` gives its requests next time.
     next_batch_id: u64,
@@ -163,6 +232,7 @@ impl Engine {
             running: Vec::new(),
             remote: Vec::new(),
             cancelled: Vec::new(),
+            copies: Vec::new(),
             stats: EngineStats::default(),
             next_batch_id: 1 << 48,
         })
@@ -274,9 +344,13 @@ impl Engine {
     /// ids. For a step that failed: the requests in it cannot be trusted to continue.
     pub fn abort_all(&mut self) -> Vec<RequestId> {
         self.cancelled.clear();
+        self.copies.clear();
         let mut ids: Vec<RequestId> = self.running.drain(..).map(|s| s.id).collect();
         ids.extend(self.waiting.drain(..).map(|s| s.id));
         ids.extend(self.remote.drain(..).map(|s| s.id));
+        // A request's samples are several sequences under one id.
+        ids.sort();
+        ids.dedup();
         ids
     }
 
@@ -286,7 +360,14 @@ impl Engine {
     }
 
     fn new_seq(&self, id: RequestId, r: Request) -> Seq {
-        let mut sampler = Sampler::new(r.params, &r.prompt, r.constraint);
+        let Samples { count, first } = r.samples;
+        let forks = (first + 1..first + count)
+            .map(|i| {
+                let c = r.constraint.as_ref().map(tandem_grammar::Constraint::fork);
+                (i, Sampler::for_sample(r.params.clone(), &r.prompt, c, i))
+            })
+            .collect();
+        let mut sampler = Sampler::for_sample(r.params, &r.prompt, r.constraint, first);
         for &t in &r.resume {
             sampler.record(t);
         }
@@ -295,6 +376,8 @@ impl Engine {
         tokens.extend(&r.resume);
         Seq {
             id,
+            index: first,
+            forks,
             prompt_len,
             sampler,
             tokens,

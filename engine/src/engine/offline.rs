@@ -7,7 +7,8 @@ use tandem_types::ValidSampling;
 
 impl Engine {
     /// Runs requests to completion as one continuous batch; `on_token` sees every token as it is
-    /// produced, `on_step` every step's timing. Outputs come back in request order.
+    /// produced, `on_step` every step's timing. Outputs come back in request order (a request's
+    /// parallel samples one after the other, in their order).
     pub fn generate(
         &mut self,
         mut requests: Vec<Request>,
@@ -19,12 +20,16 @@ impl Engine {
             self.validate(r)?;
         }
         let n = requests.len();
+        let mut done: Vec<Vec<Option<Finished>>> = requests
+            .iter()
+            .map(|r| vec![None; r.samples.count as usize])
+            .collect();
+        let firsts: Vec<u32> = requests.iter().map(|r| r.samples.first).collect();
         let base = self.next_batch_id;
         self.next_batch_id += n as u64;
         for (i, r) in requests.into_iter().enumerate() {
             self.add(RequestId(base + i as u64), r)?;
         }
-        let mut done: Vec<Option<Finished>> = (0..n).map(|_| None).collect();
         while self.has_work() {
             let (events, st) = self.step()?;
             for e in events {
@@ -35,7 +40,8 @@ impl Engine {
                     }),
                     Event::Finished(f) => {
                         let i = (f.request.0 - base) as usize;
-                        done[i] = Some(Finished {
+                        let slot = (f.index - firsts[i]) as usize;
+                        done[i][slot] = Some(Finished {
                             request: RequestId(i as u64),
                             ..f
                         });
@@ -46,6 +52,7 @@ impl Engine {
             on_step(&st);
         }
         done.into_iter()
+            .flatten()
             .map(|o| o.ok_or_else(|| EngineError::Internal("request lost".into())))
             .collect()
     }
@@ -57,6 +64,7 @@ impl Engine {
             params: ValidSampling::greedy(std::num::NonZeroU32::MIN),
             resume: Vec::new(),
             constraint: None,
+            samples: super::Samples::ONE,
         })?;
         let mut blocks = self.blocks.sequence();
         if !blocks.reserve(prompt.len()) {

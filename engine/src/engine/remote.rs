@@ -71,6 +71,16 @@ impl Engine {
             .position(|s| s.id == id)
             .ok_or(EngineError::NotParked(id.0))?;
         let mut s = self.remote.remove(i);
+        if !s.forks.is_empty() {
+            // Parallel samples all draw from the last prompt token's logits, which stayed on
+            // the prefill worker: that one token is computed again here (into this request's
+            // own block) and the samples fork in that step. The prefill worker's token is not
+            // used.
+            s.computed = s.prompt_len - 1;
+            s.blocks.commit(&s.tokens, s.computed);
+            self.running.push(s);
+            return Ok(Vec::new());
+        }
         s.computed = s.prompt_len;
         s.blocks.commit(&s.tokens, s.computed);
         s.sampler.record(first.token);
@@ -85,6 +95,7 @@ impl Engine {
         );
         let mut events = vec![Event::Token(TokenEvent {
             request: id,
+            index: s.index,
             sampled: first,
             finish,
         })];
@@ -126,9 +137,9 @@ impl Engine {
                 r.prompt.len()
             )));
         }
-        if !r.resume.is_empty() {
+        if !r.resume.is_empty() || r.samples.count != 1 {
             return Err(EngineError::BadPlan(
-                "a prefill-mode request has no output to resume".into(),
+                "a prefill-mode request has no output to resume and samples one first token".into(),
             ));
         }
         r.params = r.params.with_max_tokens(std::num::NonZeroU32::MIN);

@@ -7,7 +7,8 @@ use std::time::Instant;
 use rayon::prelude::*;
 
 use super::types::RATE_WEIGHT;
-use super::{finish_reason, Engine, Event, FinishReason, Seq, StepStats, TokenEvent};
+use super::{finish_reason, Engine, Event, Seq, StepStats, TokenEvent};
+use crate::block_manager::PoolFull;
 use crate::model::SeqBatch;
 use crate::sampler::Sampled;
 use crate::EngineError;
@@ -18,6 +19,12 @@ impl Engine {
         let mut events = Vec::new();
         self.drop_cancelled(&mut events);
         let plan = self.schedule();
+        // Copy-on-write: shared blocks the step writes were swapped for fresh ones while it was
+        // scheduled; their contents go over before anything writes them.
+        let copies = std::mem::take(&mut self.copies);
+        if !copies.is_empty() {
+            self.backend.copy_blocks(&copies)?;
+        }
         if plan.is_empty() {
             return Ok((events, StepStats::default()));
         }
@@ -57,6 +64,9 @@ impl Engine {
         let max_ctx = self.backend.config().max_position_embeddings;
         let mut stats = StepStats::default();
         let mut finished = Vec::new();
+        // Samples forked off this step: those that go on, and those whose first token ended them.
+        let mut forked = Vec::new();
+        let mut forked_done = Vec::new();
         // Every sequence that completes its tokens this step samples one, from its row of logits
         // (rows in plan order) or the device's pick. The rows are sampled in parallel: each
         // sampler is its own sequence's, and a row is a whole vocabulary to scan.
@@ -109,12 +119,35 @@ impl Engine {
             let sampled = sampled[i]
                 .take()
                 .expect("a sequence that completed its tokens has a row");
+            if !s.forks.is_empty() {
+                // The prompt's logits are ready: the request's other samples draw their first
+                // tokens from the same row and go on as sequences of their own.
+                let r = row_of[i].expect("a sequence that samples has a row");
+                let row = |sampler: &mut crate::Sampler| match picks.get(r) {
+                    Some(&(token, logprob)) => sampler.accept(token, logprob),
+                    None => sampler.sample(&logits[r * vocab..(r + 1) * vocab]),
+                };
+                for (child, first) in s.fork_samples(row) {
+                    let finish = finish_reason(&self.eos, max_ctx, &child, first.token);
+                    events.push(Event::Token(TokenEvent {
+                        request: child.id,
+                        index: child.index,
+                        sampled: first,
+                        finish,
+                    }));
+                    match finish {
+                        Some(r) => forked_done.push(child.finished(r)),
+                        None => forked.push(child),
+                    }
+                }
+            }
             s.first_token.get_or_insert_with(Instant::now);
             s.tokens.push(sampled.token);
             s.logprobs.push(sampled.logprob);
             let finish = finish_reason(&self.eos, max_ctx, s, sampled.token);
             events.push(Event::Token(TokenEvent {
                 request: s.id,
+                index: s.index,
                 sampled,
                 finish,
             }));
@@ -133,6 +166,22 @@ impl Engine {
             gone.into_iter()
                 .map(|(s, r)| Event::Finished(s.finished(r))),
         );
+        events.extend(forked_done.into_iter().map(Event::Finished));
+        // Forked samples run right after their parent: admitted with it, they are older than
+        // what came after it (preemption takes the newest first). A sample with no room under max_seqs
+        // (its request was admitted alone, wider than the limit) waits as a preempted
+        // sequence does, its prompt in the prefix cache.
+        for mut s in forked.into_iter().rev() {
+            if self.running.len() < self.config.max_seqs {
+                let parent = self.running.iter().position(|p| p.id == s.id);
+                let at = parent.map_or(self.running.len(), |p| p + 1);
+                self.running.insert(at, s);
+            } else {
+                s.blocks.clear();
+                s.computed = 0;
+                self.waiting.push_front(s);
+            }
+        }
         if self.config.slowdown > 1.0 {
             // The step's running time: its wall time, but no more than the CPU time the process
             // spent meanwhile, so that a step the process was stopped (SIGSTOP) in the middle of
@@ -166,16 +215,21 @@ impl Engine {
 
     fn drop_cancelled(&mut self, events: &mut Vec<Event>) {
         for id in std::mem::take(&mut self.cancelled) {
-            let s = if let Some(i) = self.running.iter().position(|s| s.id == id) {
-                self.running.remove(i)
-            } else if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
-                self.waiting.remove(i).expect("index from position")
-            } else if let Some(i) = self.remote.iter().position(|s| s.id == id) {
-                self.remote.remove(i)
-            } else {
-                continue; // already finished
+            // Every sequence of the request (its samples), wherever each is; none when it has
+            // finished already.
+            let mut gone = Vec::new();
+            let take = |seqs: Vec<Seq>, gone: &mut Vec<Seq>| -> Vec<Seq> {
+                let (out, keep) = seqs.into_iter().partition(|s| s.id == id);
+                gone.extend::<Vec<Seq>>(out);
+                keep
             };
-            events.push(Event::Finished(s.finished(FinishReason::Cancelled)));
+            self.running = take(std::mem::take(&mut self.running), &mut gone);
+            self.remote = take(std::mem::take(&mut self.remote), &mut gone);
+            self.waiting = take(std::mem::take(&mut self.waiting).into(), &mut gone).into();
+            gone.sort_by_key(|s| s.index);
+            for s in gone {
+                events.extend(s.cancelled().into_iter().map(Event::Finished));
+            }
         }
     }
 
@@ -193,7 +247,7 @@ impl Engine {
                     continue;
                 }
                 let take = s.pending().min(budget);
-                if !self.make_room(i, take, &plan) {
+                if !self.make_room(i, take, &mut plan) {
                     // `i` itself was preempted: the sequences after it were preempted first, so
                     // nothing after it is left.
                     break;
@@ -211,6 +265,11 @@ impl Engine {
             let Some(s) = self.waiting.front_mut() else {
                 break;
             };
+            // A request with parallel samples is admitted with room for all of them (alone, it
+            // is admitted anyway: otherwise it would never run).
+            if !self.running.is_empty() && self.running.len() + s.width() > self.config.max_seqs {
+                break;
+            }
             let mut hit = 0;
             if self.config.prefix_caching && s.blocks.is_empty() {
                 hit = s.blocks.reuse_prefix(&s.tokens);
@@ -252,18 +311,30 @@ impl Engine {
         )
     }
 
-    /// Ensures `running[i]` has blocks for `take` more tokens, preempting the newest running
-    /// sequences not yet planned this step. False if `running[i]` itself had to go.
-    fn make_room(&mut self, i: usize, take: usize, plan: &[(usize, usize)]) -> bool {
+    /// Ensures `running[i]` has blocks for `take` more tokens (its own copy of a block it shares
+    /// where it writes), preempting the newest running sequences (out of the plan too, if they
+    /// were in it). False if `running[i]` itself had to go.
+    fn make_room(&mut self, i: usize, take: usize, plan: &mut Vec<(usize, usize)>) -> bool {
         loop {
             let s = &mut self.running[i];
             if s.blocks.reserve(s.computed + take) {
-                return true;
+                // The step writes from `computed` on: a block there that a parallel sample
+                // shares is copied first (the rest of the range is in blocks just reserved).
+                match s.blocks.make_writable(s.computed) {
+                    Ok(Some(copy)) => {
+                        self.copies.push(copy);
+                        return true;
+                    }
+                    Ok(None) => return true,
+                    Err(PoolFull) => {}
+                }
             }
-            // Planned sequences are all older than i (indices below i), so the newest unplanned
-            // one is the last in the list.
+            // The newest sequence goes. It may be planned already: a sequence that joined
+            // decoding after `i` was admitted (a remote prefill that arrived, a forked sample)
+            // is planned in the decode pass before `i`'s prompt chunk. It is the last index, so
+            // taking it out of the plan leaves every other index as it was.
             let victim = self.running.len() - 1;
-            debug_assert!(plan.iter().all(|&(p, _)| p < i));
+            plan.retain(|&(p, _)| p != victim);
             self.preempt(victim);
             if victim == i {
                 return false;

@@ -19,6 +19,7 @@ pub(crate) fn req(prompt: Vec<u32>, max_tokens: u32) -> Request {
         .unwrap(),
         resume: Vec::new(),
         constraint: None,
+        samples: super::Samples::ONE,
     }
 }
 
@@ -310,6 +311,7 @@ fn a_resumed_request_continues_exactly_where_the_first_run_stopped() {
         .unwrap(),
         resume,
         constraint: None,
+        samples: super::Samples::ONE,
     };
     let full = engine(config())
         .generate(vec![sampled(vec![])], |_| {}, |_| {})
@@ -361,7 +363,12 @@ pub(crate) fn random_plan(
     for _ in 0..n {
         let len = rng.gen_range(1..max_prompt);
         let prompt: Vec<u32> = (0..len).map(|_| rng.gen_range(0..3)).collect();
-        let r = req(prompt, rng.gen_range(1..max_out));
+        let mut r = req(prompt, rng.gen_range(1..max_out));
+        // One request in four has parallel samples (greedy: each one's tokens are the
+        // request's own, so a sample that reads another's K/V shows).
+        if rng.gen_bool(0.25) {
+            r.samples.count = rng.gen_range(2..5);
+        }
         if e.validate(&r).is_err() {
             continue;
         }
@@ -374,16 +381,25 @@ pub(crate) fn random_plan(
     plan
 }
 
+/// Per request of a plan, per sample: what a run gave.
+pub(crate) type PerSample<T> = Vec<Vec<T>>;
+
 /// Steps `e` through `plan` (at least `min_steps` steps, then until it is idle), checking after
-/// every step that the pool's block counts add up: each request's end and streamed tokens, in
-/// the plan's order. Fails when a request ends twice or never, or the engine stops progressing.
+/// every step that the pool's block counts add up: each request's samples' ends and streamed
+/// tokens, in the plan's order. Fails when a sample ends twice or never, or the engine stops
+/// progressing.
 pub(crate) fn run_plan(
     e: &mut Engine,
     plan: &Plan,
     min_steps: usize,
-) -> Result<(Vec<Finished>, Vec<Vec<u32>>), TestCaseError> {
-    let mut finished: Vec<Option<Finished>> = vec![None; plan.len()];
-    let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); plan.len()];
+) -> Result<(PerSample<Finished>, PerSample<Vec<u32>>), TestCaseError> {
+    let width = |r: &Request| r.samples.count as usize;
+    let mut finished: PerSample<Option<Finished>> =
+        plan.iter().map(|(_, _, r)| vec![None; width(r)]).collect();
+    let mut tokens: PerSample<Vec<u32>> = plan
+        .iter()
+        .map(|(_, _, r)| vec![Vec::new(); width(r)])
+        .collect();
     let mut step = 0;
     while step < min_steps || e.has_work() {
         for (i, (arrive, cancel, r)) in plan.iter().enumerate() {
@@ -404,12 +420,14 @@ pub(crate) fn run_plan(
         );
         for ev in events {
             match ev {
-                Event::Token(t) => tokens[t.request.0 as usize].push(t.sampled.token),
+                Event::Token(t) => {
+                    tokens[t.request.0 as usize][t.index as usize].push(t.sampled.token)
+                }
                 Event::Kv(_) => prop_assert!(false, "no prefill-mode requests here"),
                 Event::Finished(f) => {
-                    let i = f.request.0 as usize;
-                    prop_assert!(finished[i].is_none(), "finished twice");
-                    finished[i] = Some(f);
+                    let slot = &mut finished[f.request.0 as usize][f.index as usize];
+                    prop_assert!(slot.is_none(), "finished twice");
+                    *slot = Some(f);
                 }
             }
         }
@@ -418,8 +436,15 @@ pub(crate) fn run_plan(
     }
     let finished = finished
         .into_iter()
-        .map(|f| {
-            f.ok_or_else(|| TestCaseError::fail("a request neither finished nor was cancelled"))
+        .map(|samples| {
+            samples
+                .into_iter()
+                .map(|f| {
+                    f.ok_or_else(|| {
+                        TestCaseError::fail("a sample neither finished nor was cancelled")
+                    })
+                })
+                .collect::<Result<Vec<_>, _>>()
         })
         .collect::<Result<_, _>>()?;
     Ok((finished, tokens))
@@ -457,19 +482,22 @@ proptest! {
         prop_assert_eq!(st.blocks_free + st.blocks_cached, st.blocks_total);
         let mut alone = engine(config());
         for (i, (_, _, r)) in plan.iter().enumerate() {
-            let f = &finished[i];
-            prop_assert_eq!(&f.output_ids, &tokens[i], "stream and result agree");
-            match f.finish_reason {
-                FinishReason::Cancelled => {
-                    prop_assert!(f.output_ids.len() <= r.params.max_tokens as usize)
+            for (f, streamed) in finished[i].iter().zip(&tokens[i]) {
+                prop_assert_eq!(&f.output_ids, streamed, "stream and result agree");
+                match f.finish_reason {
+                    FinishReason::Cancelled => {
+                        prop_assert!(f.output_ids.len() <= r.params.max_tokens as usize)
+                    }
+                    FinishReason::Length => {
+                        prop_assert_eq!(f.output_ids.len(), r.params.max_tokens as usize);
+                        // Greedy: every sample is what the prompt alone gives.
+                        alone.clear_prefix_cache();
+                        let one = Request { samples: Samples::ONE, ..r.clone() };
+                        let want = alone.generate(vec![one], |_| {}, |_| {}).unwrap();
+                        prop_assert_eq!(&f.output_ids, &want[0].output_ids);
+                    }
+                    FinishReason::Stop => prop_assert!(false, "no stop tokens were set"),
                 }
-                FinishReason::Length => {
-                    prop_assert_eq!(f.output_ids.len(), r.params.max_tokens as usize);
-                    alone.clear_prefix_cache();
-                    let want = alone.generate(vec![r.clone()], |_| {}, |_| {}).unwrap();
-                    prop_assert_eq!(&f.output_ids, &want[0].output_ids);
-                }
-                FinishReason::Stop => prop_assert!(false, "no stop tokens were set"),
             }
         }
     }

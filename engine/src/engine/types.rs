@@ -87,6 +87,36 @@ pub struct Request {
     /// `params.grammar` compiled for this model's vocabulary (none: free text). The resumed
     /// tokens are fed through it before the first token sampled here.
     pub constraint: Option<Constraint>,
+    /// How many samples of the prompt to generate (OpenAI's `n`), and their numbering.
+    pub samples: Samples,
+}
+
+/// Parallel samples of one prompt (OpenAI's `n`). The prompt is computed once; when its last
+/// token's logits are ready, each sample draws its own first token from them and the sequence
+/// forks: every sample holds the prompt's blocks (shared, counted once in the pool) and gets
+/// its own copy of a block only when it writes one (copy-on-write: the last, partial prompt
+/// block). Samples are numbered `first..first + count`; every event carries its sample's
+/// number, and sample `i` draws from stream `i` of the request's seed, so a seeded request's
+/// samples differ from each other and sample 0 is what the same request with `n = 1` gives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Samples {
+    /// Samples to generate (at least 1, at most [`Samples::MAX`]).
+    pub count: u32,
+    /// The number of the first (a migrated sample keeps its own).
+    pub first: u32,
+}
+
+impl Samples {
+    /// One sample, number 0: a plain request.
+    pub const ONE: Self = Self { count: 1, first: 0 };
+    /// Most samples one request may ask for (OpenAI's limit on `n`).
+    pub const MAX: u32 = 128;
+}
+
+impl Default for Samples {
+    fn default() -> Self {
+        Self::ONE
+    }
 }
 
 impl Request {
@@ -124,6 +154,8 @@ pub enum FinishReason {
 pub struct TokenEvent {
     /// The request the token belongs to.
     pub request: RequestId,
+    /// Which of the request's samples it continues ([`Samples`]).
+    pub index: u32,
     /// The token, its log-probability and the top alternatives.
     pub sampled: Sampled,
     /// Set on the request's last token.
@@ -135,6 +167,8 @@ pub struct TokenEvent {
 pub struct Finished {
     /// The request that finished.
     pub request: RequestId,
+    /// Which of the request's samples this is ([`Samples`]); each one finishes on its own.
+    pub index: u32,
     /// Its prompt token ids.
     pub prompt_ids: Vec<u32>,
     /// Every output token id, the resumed ones first.
@@ -288,6 +322,18 @@ impl Limits {
         if r.params.grammar.is_some() != r.constraint.is_some() {
             return Err(EngineError::Internal(
                 "a request's grammar must come compiled (and only with a grammar)".into(),
+            ));
+        }
+        let Samples { count, first } = r.samples;
+        if count == 0 || count > Samples::MAX || first.checked_add(count).is_none() {
+            return Err(EngineError::Samples(format!(
+                "{count} samples from number {first}: ask for 1 to {}",
+                Samples::MAX
+            )));
+        }
+        if count > 1 && !r.resume.is_empty() {
+            return Err(EngineError::Samples(
+                "a resumed output is one sample: resume each sample on its own".into(),
             ));
         }
         if r.resume.len() >= r.params.max_tokens as usize {

@@ -50,6 +50,7 @@ pub fn requests(recs: &[Value]) -> Vec<Request> {
         .map(|r| Request {
             resume: Vec::new(),
             constraint: None,
+            samples: tandem_engine::Samples::ONE,
             prompt: ids(&r["prompt_ids"]),
             params: SamplingParams {
                 max_tokens: r["n_new"].as_u64().unwrap() as u32,

@@ -1,13 +1,21 @@
-//! One request's stream of chunks: tokens become text, heartbeats are skipped, a silent or lost
-//! worker's request moves to another worker with the tokens it has.
+//! One request's streams of chunks: tokens become text per sample, heartbeats are skipped, a
+//! silent or lost worker's samples move to another worker with the tokens they have.
+//!
+//! A request with parallel samples (`n`) opens one worker stream for all of them: the worker
+//! computes the prompt once and forks the samples over its blocks. Each sample has its own text
+//! (stop strings, special tokens) and ends on its own. If that worker fails, every sample still
+//! going resumes on its own stream (one per sample, each keeping its index and so its random
+//! stream), since each has its own tokens to resume after.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 use futures::StreamExt;
 use tandem_proto::worker as pb;
+use tokio::time::Instant;
 use tracing::Instrument;
 
-use super::route::Route;
+use super::route::{Opened, Route};
 use super::{Chunk, FinishKind, QueueSlot, ServedModel, TokenOut, Usage};
 use crate::client::WorkerStream;
 use crate::error::ApiError;
@@ -15,24 +23,71 @@ use crate::text::TextAssembler;
 use crate::trace;
 use crate::workers::{InFlightGuard, WorkerAddr};
 
-/// One request's answer as it arrives. Dropping it cancels the request on the worker.
+/// One worker stream and the samples it serves.
+pub(super) struct Leg {
+    stream: WorkerStream<pb::DecodeResponse>,
+    guard: InFlightGuard,
+    /// Held on the first candidate prefill worker until the first token arrives.
+    prefill_guard: Option<InFlightGuard>,
+    /// The samples whose tokens come on this stream.
+    samples: Vec<u32>,
+    /// It must send something (a token, a finish, a heartbeat) by then, or it is given up on.
+    deadline: Instant,
+}
+
+impl Leg {
+    pub(super) fn new(opened: Opened, samples: Vec<u32>, stall: std::time::Duration) -> Self {
+        Self {
+            stream: opened.stream,
+            guard: opened.guard,
+            prefill_guard: opened.prefill_guard,
+            samples,
+            deadline: Instant::now() + stall,
+        }
+    }
+
+    fn worker(&self) -> &WorkerAddr {
+        &self.guard.worker().addr
+    }
+}
+
+/// One sample's answer so far.
+pub(super) struct Sample {
+    assembler: TextAssembler,
+    completion_tokens: u32,
+    /// Every token received so far: what a migrated sample resumes from.
+    emitted: Vec<u32>,
+    done: bool,
+}
+
+impl Sample {
+    pub(super) fn new(assembler: TextAssembler) -> Self {
+        Self {
+            assembler,
+            completion_tokens: 0,
+            emitted: Vec::new(),
+            done: false,
+        }
+    }
+}
+
+/// One request's answer as it arrives. Dropping it cancels the request on its workers.
 pub struct Generation {
-    pub(super) stream: Option<WorkerStream<pb::DecodeResponse>>,
-    pub(super) assembler: TextAssembler,
+    pub(super) legs: Vec<Leg>,
+    pub(super) samples: Vec<Sample>,
+    /// Chunks taken from the streams and not handed out yet, with their samples.
+    pub(super) ready: VecDeque<(u32, Chunk)>,
     pub(super) model: Arc<ServedModel>,
     pub(super) prompt_tokens: u32,
-    pub(super) completion_tokens: u32,
-    pub(super) done: bool,
-    pub(super) guard: InFlightGuard,
-    pub(super) prefill_guard: Option<InFlightGuard>,
-    /// Every token received so far: what a migrated stream resumes from.
-    pub(super) emitted: Vec<u32>,
+    /// The request as first sent: a migrated sample's is this one with its index and tokens.
     pub(super) request: pb::DecodeRequest,
     pub(super) route: Route,
     pub(super) tried: Vec<WorkerAddr>,
     pub(super) migrations_left: u32,
     /// Migrations done so far.
     pub(super) migrations: u32,
+    /// Completion tokens of every sample, for the request's trace.
+    pub(super) completion_tokens: u32,
     /// How it ended, once it has: counted when the generation is dropped (`cancelled` if the
     /// client went away before either).
     pub(super) outcome: Option<&'static str>,
@@ -61,86 +116,143 @@ fn worker_lost(s: &tonic::Status) -> bool {
     )
 }
 
+/// What one wait on the streams gave: which leg, and its message, failure or silence.
+enum Arrival {
+    Message(pb::DecodeResponse),
+    /// The worker is gone (or silent past the stall deadline): move its samples.
+    Lost(ApiError),
+    /// The worker refused the request: report it.
+    Refused(ApiError),
+}
+
 impl Generation {
-    /// The decode worker serving the request now (another one after a migration).
-    pub fn worker(&self) -> &WorkerAddr {
-        &self.guard.worker().addr
+    /// The decode worker serving the request now (the first still streaming; another one
+    /// after a migration).
+    pub fn worker(&self) -> Option<&WorkerAddr> {
+        self.legs.first().map(Leg::worker)
     }
 
-    /// The next chunk; `None` after the one carrying the finish. When the decode worker fails
-    /// mid-stream the request moves to another one, resuming after the tokens already
-    /// received, so the caller sees one continuous answer.
-    pub async fn next(&mut self) -> Option<Result<Chunk, ApiError>> {
+    /// Samples the request asked for (`n`).
+    pub fn samples(&self) -> usize {
+        self.samples.len()
+    }
+
+    /// The next chunk, with the sample it belongs to; `None` once every sample has finished.
+    /// When a decode worker fails mid-stream its samples move to another one, resuming after
+    /// the tokens already received, so the caller sees each sample as one continuous answer.
+    pub async fn next(&mut self) -> Option<Result<(u32, Chunk), ApiError>> {
         loop {
-            if self.done {
+            if let Some((i, c)) = self.ready.pop_front() {
+                if c.finish.is_some() && self.samples.iter().all(|s| s.done) {
+                    self.outcome.get_or_insert("ok");
+                    if let Some((kind, last)) = &c.finish {
+                        let usage = Usage {
+                            completion_tokens: self.completion_tokens,
+                            ..*last
+                        };
+                        trace::finished(&self.span, *kind, &usage);
+                    }
+                }
+                return Some(Ok((i, c)));
+            }
+            if self.samples.iter().all(|s| s.done) || self.legs.is_empty() {
                 return None;
             }
-            let stream = self.stream.as_mut()?;
-            let stall = self.route.stall;
-            let failure = match tokio::time::timeout(stall, stream.next()).await {
-                Err(_) => ApiError::Upstream {
-                    worker: self.worker().clone(),
-                    message: format!(
-                        "the worker sent nothing, not even a heartbeat, for {stall:?}"
-                    ),
+            let (k, arrival) = self.wait().await;
+            let failure = match arrival {
+                Arrival::Message(m) => match self.absorb(k, m) {
+                    Ok(()) => continue,
+                    Err(e) => return Some(Err(self.fail(e))),
                 },
-                // A heartbeat: the worker is alive and still working on it.
-                Ok(Some(Ok(m))) if m.tokens.is_empty() && m.finish.is_none() => continue,
-                Ok(Some(Ok(m))) => {
-                    let chunk = self.absorb(m);
-                    self.outcome = match &chunk {
-                        Ok(c) => match &c.finish {
-                            Some((kind, usage)) => {
-                                trace::finished(&self.span, *kind, usage);
-                                Some("ok")
-                            }
-                            None => None,
-                        },
-                        Err(e) => {
-                            trace::failed(&self.span, e);
-                            Some("failed")
-                        }
-                    };
-                    return Some(chunk);
-                }
-                Ok(None) => ApiError::Upstream {
-                    worker: self.worker().clone(),
-                    message: "the stream ended without a finish".into(),
-                },
-                Ok(Some(Err(s))) if worker_lost(&s) => ApiError::from_worker(self.worker(), &s),
-                Ok(Some(Err(s))) => {
-                    self.done = true;
-                    self.outcome = Some("failed");
-                    let e = ApiError::from_worker(self.worker(), &s);
-                    trace::failed(&self.span, &e);
-                    return Some(Err(e));
-                }
+                Arrival::Refused(e) => return Some(Err(self.fail(e))),
+                Arrival::Lost(e) => e,
             };
-            if let Err(e) = self.migrate(failure).await {
-                self.done = true;
-                self.outcome = Some("failed");
-                trace::failed(&self.span, &e);
-                return Some(Err(e));
+            if let Err(e) = self.migrate(k, failure).await {
+                return Some(Err(self.fail(e)));
             }
         }
     }
 
-    /// Reopens the request on another decode worker after `failure`, or gives `failure` back.
-    async fn migrate(&mut self, failure: ApiError) -> Result<(), ApiError> {
+    /// Waits for the first leg with something to say; heartbeats only move its deadline.
+    async fn wait(&mut self) -> (usize, Arrival) {
+        let stall = self.route.stall;
+        loop {
+            let waits = self.legs.iter_mut().enumerate().map(|(k, leg)| {
+                Box::pin(async move {
+                    let got = tokio::time::timeout_at(leg.deadline, leg.stream.next()).await;
+                    (k, got)
+                })
+            });
+            let ((k, got), _, _) = futures::future::select_all(waits).await;
+            let worker = self.legs[k].worker().clone();
+            let arrival = match got {
+                Err(_) => Arrival::Lost(ApiError::Upstream {
+                    worker,
+                    message: format!(
+                        "the worker sent nothing, not even a heartbeat, for {stall:?}"
+                    ),
+                }),
+                Ok(Some(Ok(m))) => {
+                    self.legs[k].deadline = Instant::now() + stall;
+                    // A heartbeat: the worker is alive and still working on it.
+                    if m.tokens.is_empty() && m.finish.is_none() && m.finished.is_empty() {
+                        continue;
+                    }
+                    Arrival::Message(m)
+                }
+                Ok(None) => Arrival::Lost(ApiError::Upstream {
+                    worker,
+                    message: "the stream ended without a finish".into(),
+                }),
+                Ok(Some(Err(s))) if worker_lost(&s) => {
+                    Arrival::Lost(ApiError::from_worker(&worker, &s))
+                }
+                Ok(Some(Err(s))) => Arrival::Refused(ApiError::from_worker(&worker, &s)),
+            };
+            return (k, arrival);
+        }
+    }
+
+    /// Ends the whole request with `e` (its streams dropped, which cancels them).
+    fn fail(&mut self, e: ApiError) -> ApiError {
+        self.legs.clear();
+        self.ready.clear();
+        for s in &mut self.samples {
+            s.done = true;
+        }
+        self.outcome = Some("failed");
+        trace::failed(&self.span, &e);
+        e
+    }
+
+    /// Reopens leg `k`'s unfinished samples on other decode workers after `failure` (one
+    /// stream each), or gives `failure` back.
+    async fn migrate(&mut self, k: usize, failure: ApiError) -> Result<(), ApiError> {
         if self.migrations_left == 0 {
             return Err(failure);
         }
         self.migrations_left -= 1;
-        let lost = self.worker().clone();
-        tracing::warn!(request = %self.request.request_id, worker = %lost, tokens = self.emitted.len(), error = %failure, "decode worker lost mid-stream; migrating");
-        self.guard.worker().mark_down();
-        self.stream = None;
+        let leg = self.legs.remove(k);
+        let lost = leg.worker().clone();
+        leg.guard.worker().mark_down();
+        let moving: Vec<u32> = leg
+            .samples
+            .iter()
+            .copied()
+            .filter(|&i| !self.samples[i as usize].done)
+            .collect();
+        drop(leg);
+        let resumed: usize = moving
+            .iter()
+            .map(|&i| self.samples[i as usize].emitted.len())
+            .sum();
+        tracing::warn!(request = %self.request.request_id, worker = %lost, samples = moving.len(), tokens = resumed, error = %failure, "decode worker lost mid-stream; migrating");
         let span = tracing::info_span!(
             parent: &self.span,
             "migrate",
             tandem.migrate.from = %lost,
             tandem.migrate.reason = %failure,
-            tandem.migrate.resumed_tokens = self.emitted.len() as i64,
+            tandem.migrate.resumed_tokens = resumed as i64,
             tandem.route.worker = tracing::field::Empty,
             tandem.route.cached_tokens = tracing::field::Empty,
             tandem.route.prefill = tracing::field::Empty,
@@ -148,76 +260,134 @@ impl Generation {
             otel.status_code = tracing::field::Empty,
         );
         self.tried.push(lost);
-        let opened = self
-            .route
-            .open(self.request.clone(), &self.emitted, &mut self.tried)
-            .instrument(span.clone())
-            .await
-            .map_err(|_| {
-                span.record("otel.status_code", "error");
-                failure
-            })?;
+        for i in moving {
+            let request = pb::DecodeRequest {
+                n: 1,
+                first_index: i,
+                ..self.request.clone()
+            };
+            let opened = self
+                .route
+                .open(request, &self.samples[i as usize].emitted, &mut self.tried)
+                .instrument(span.clone())
+                .await
+                .map_err(|_| {
+                    span.record("otel.status_code", "error");
+                    failure.clone()
+                })?;
+            self.legs.push(Leg::new(opened, vec![i], self.route.stall));
+        }
         self.route.metrics.migration();
         self.migrations += 1;
         self.span
             .record("tandem.migrations", i64::from(self.migrations));
-        self.stream = Some(opened.stream);
-        self.guard = opened.guard;
-        self.prefill_guard = None;
         Ok(())
     }
 
-    fn absorb(&mut self, msg: pb::DecodeResponse) -> Result<Chunk, ApiError> {
+    /// Turns a message of leg `k` into chunks, one per sample it speaks of, in order.
+    fn absorb(&mut self, k: usize, msg: pb::DecodeResponse) -> Result<(), ApiError> {
         let tok = &self.model.text.tokenizer;
         let internal = |e: tandem_model::ModelError| ApiError::Internal(e.to_string());
-        let mut chunk = Chunk::default();
+        let leg = &mut self.legs[k];
         if !msg.tokens.is_empty() {
-            self.prefill_guard = None;
+            leg.prefill_guard = None;
         }
+        let worker = leg.worker().clone();
+        let serves = |i: u32| {
+            if leg.samples.contains(&i) {
+                Ok(i as usize)
+            } else {
+                Err(ApiError::Upstream {
+                    worker: worker.clone(),
+                    message: format!("the worker sent sample {i}, which it does not serve"),
+                })
+            }
+        };
+        let mut chunks: Vec<(u32, Chunk)> = Vec::new();
+        let chunk_of = |chunks: &mut Vec<(u32, Chunk)>, i: u32| -> usize {
+            match chunks.iter().position(|(j, _)| *j == i) {
+                Some(p) => p,
+                None => {
+                    chunks.push((i, Chunk::default()));
+                    chunks.len() - 1
+                }
+            }
+        };
         for t in msg.tokens {
+            let s = &mut self.samples[serves(t.index)?];
+            if s.done {
+                // Cut at a stop string already: the rest of its tokens are not part of it.
+                continue;
+            }
+            s.completion_tokens += 1;
             self.completion_tokens += 1;
-            self.emitted.push(t.id);
-            let piece = self.assembler.push(tok, t.id).map_err(internal)?;
-            chunk.text.push_str(&piece.text);
-            chunk.tokens.push(TokenOut {
+            s.emitted.push(t.id);
+            let piece = s.assembler.push(tok, t.id).map_err(internal)?;
+            let at = chunk_of(&mut chunks, t.index);
+            let c = &mut chunks[at].1;
+            c.text.push_str(&piece.text);
+            c.tokens.push(TokenOut {
                 id: t.id,
                 logprob: t.logprob,
                 top: t.top.iter().map(|x| (x.id, x.logprob)).collect(),
             });
             if piece.stopped {
-                // Dropping the stream cancels the rest on the worker.
-                self.stream = None;
-                self.done = true;
-                chunk.finish = Some((
+                s.done = true;
+                c.finish = Some((
                     FinishKind::Stop,
                     Usage {
                         prompt_tokens: self.prompt_tokens,
-                        completion_tokens: self.completion_tokens,
+                        completion_tokens: s.completion_tokens,
                         cached_prompt_tokens: 0,
                     },
                 ));
-                return Ok(chunk);
             }
         }
-        if let Some(f) = msg.finish {
-            let piece = self.assembler.finish(tok).map_err(internal)?;
-            chunk.text.push_str(&piece.text);
+        let last = msg.finish.is_some();
+        for f in msg.finished.into_iter().chain(msg.finish) {
+            let s = &mut self.samples[serves(f.index)?];
+            if s.done {
+                continue;
+            }
+            let piece = s.assembler.finish(tok).map_err(internal)?;
+            let at = chunk_of(&mut chunks, f.index);
+            let c = &mut chunks[at].1;
+            c.text.push_str(&piece.text);
             let kind = match pb::FinishReason::try_from(f.reason) {
                 _ if piece.stopped => FinishKind::Stop,
                 Ok(pb::FinishReason::Length) => FinishKind::Length,
                 Ok(pb::FinishReason::Cancelled) => FinishKind::Cancelled,
                 _ => FinishKind::Stop,
             };
-            self.done = true;
-            chunk.finish = Some((
+            s.done = true;
+            c.finish = Some((
                 kind,
                 Usage {
                     prompt_tokens: f.prompt_tokens,
-                    completion_tokens: self.completion_tokens,
+                    completion_tokens: s.completion_tokens,
                     cached_prompt_tokens: f.cached_prompt_tokens,
                 },
             ));
         }
-        Ok(chunk)
+        let leg = &self.legs[k];
+        let open: Vec<u32> = leg
+            .samples
+            .iter()
+            .copied()
+            .filter(|&i| !self.samples[i as usize].done)
+            .collect();
+        if last && !open.is_empty() {
+            return Err(ApiError::Upstream {
+                worker: leg.worker().clone(),
+                message: format!("the stream ended before samples {open:?} finished"),
+            });
+        }
+        if open.is_empty() {
+            // Every sample on it is done (a stop string cut the last one short, or its finish
+            // came): dropping the stream cancels whatever the worker still runs of it.
+            self.legs.remove(k);
+        }
+        self.ready.extend(chunks);
+        Ok(())
     }
 }

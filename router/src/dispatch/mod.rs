@@ -26,6 +26,7 @@ mod prepare;
 mod route;
 
 pub use generation::Generation;
+use generation::{Leg, Sample};
 
 use crate::error::ApiError;
 use crate::metrics::RouterMetrics;
@@ -102,6 +103,8 @@ pub struct GenParams {
     pub logit_bias: Vec<(u32, f32)>,
     /// What the output must match (structured outputs); none: free text.
     pub grammar: Option<RequestedGrammar>,
+    /// Parallel samples of the prompt (OpenAI's `n`; 0 is taken as 1).
+    pub n: u32,
 }
 
 /// A request's grammar with the field that gave it (its 400 names that field).
@@ -308,6 +311,7 @@ impl Dispatcher {
             return Err(e);
         }
         let (sampling, stopping) = tandem_proto::wire::sampling_to_wire(&prep.sampling);
+        let n = prep.params.n.max(1);
         let request = pb::DecodeRequest {
             request_id: prep.request_id.to_string(),
             prompt_ids: prep.prompt.clone(),
@@ -315,6 +319,8 @@ impl Dispatcher {
             stopping: Some(stopping),
             prefill: None,
             resume_ids: Vec::new(),
+            n,
+            first_index: 0,
         };
         let route = Route {
             pool: self.pool.clone(),
@@ -351,20 +357,22 @@ impl Dispatcher {
                 return Err(e);
             }
         };
-        tracing::debug!(request = %prep.request_id, worker = %open.guard.worker().addr, prompt = prep.prompt.len(), remote = open.prefill_guard.is_some(), "routed");
+        tracing::debug!(request = %prep.request_id, worker = %open.guard.worker().addr, prompt = prep.prompt.len(), remote = open.prefill_guard.is_some(), n, "routed");
+        let samples = (0..n)
+            .map(|_| {
+                Sample::new(TextAssembler::new(
+                    prep.params.skip_special_tokens,
+                    prep.params.stop.clone(),
+                ))
+            })
+            .collect();
         Ok(Generation {
-            stream: Some(open.stream),
-            assembler: TextAssembler::new(
-                prep.params.skip_special_tokens,
-                prep.params.stop.clone(),
-            ),
+            legs: vec![Leg::new(open, (0..n).collect(), route.stall)],
+            samples,
+            ready: Default::default(),
             model: self.model.clone(),
             prompt_tokens: prep.prompt.len() as u32,
             completion_tokens: 0,
-            done: false,
-            guard: open.guard,
-            prefill_guard: open.prefill_guard,
-            emitted: Vec::new(),
             request,
             route,
             tried,

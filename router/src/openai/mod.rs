@@ -228,7 +228,7 @@ fn completion_request(
     body: &[u8],
 ) -> Result<(Vec<Prepared>, Shape, bool), ApiError> {
     let r: CompletionRequest = parse(body)?;
-    r.not_served.check()?;
+    r.not_served.check(r.sampling.n()?)?;
     // A batch: one choice per prompt, `index` in the order given.
     let inputs: Vec<PromptInput> = match r.prompt {
         PromptField::Text(t) => vec![PromptInput::Text(t)],
@@ -274,6 +274,7 @@ fn completion_request(
         logprobs: preps[0].params.logprobs,
         include_usage: r.sampling.include_usage(),
         echoes,
+        n: params.n as usize,
         tool_calls: false,
     };
     Ok((preps, shape, r.sampling.stream.unwrap_or(false)))
@@ -296,7 +297,7 @@ async fn chat_completions(
 
 fn chat_request(d: &Dispatcher, body: &[u8]) -> Result<(Prepared, Shape, bool), ApiError> {
     let r: ChatRequest = parse(body)?;
-    r.not_served.check()?;
+    r.not_served.check(r.sampling.n()?)?;
     let tools = Tools::parse(
         r.tools.as_deref(),
         r.tool_choice.as_ref(),
@@ -349,6 +350,7 @@ fn chat_request(d: &Dispatcher, body: &[u8]) -> Result<(Prepared, Shape, bool), 
         logprobs: prep.params.logprobs,
         include_usage: r.sampling.include_usage(),
         echoes: vec![None],
+        n: prep.params.n as usize,
         tool_calls: tools.is_some(),
     };
     Ok((prep, shape, r.sampling.stream.unwrap_or(false)))

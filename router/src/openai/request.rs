@@ -33,6 +33,9 @@ pub(super) enum PromptField {
     IdLists(Vec<Vec<u32>>),
 }
 
+/// Most samples one request may ask for (OpenAI's limit on `n`).
+pub(super) const MAX_N: u32 = 128;
+
 #[derive(Deserialize, Default)]
 struct StreamOptions {
     #[serde(default)]
@@ -67,11 +70,20 @@ pub(super) struct Sampling {
 }
 
 impl Sampling {
-    pub(super) fn params(&self, max_tokens: Option<u64>) -> Result<GenParams, ApiError> {
-        if self.n.unwrap_or(1) != 1 {
-            return Err(ApiError::invalid("only n = 1 is supported", "n"));
+    /// Samples per prompt (OpenAI's `n`), checked: 1 to [`MAX_N`].
+    pub(super) fn n(&self) -> Result<u32, ApiError> {
+        match self.n.unwrap_or(1) {
+            n @ 1..=MAX_N => Ok(n),
+            n => Err(ApiError::invalid(
+                format!("n must be between 1 and {MAX_N}, not {n}"),
+                "n",
+            )),
         }
+    }
+
+    pub(super) fn params(&self, max_tokens: Option<u64>) -> Result<GenParams, ApiError> {
         Ok(GenParams {
+            n: self.n()?,
             temperature: self.temperature,
             top_p: self.top_p,
             top_k: self.top_k,
@@ -191,16 +203,28 @@ pub(super) struct NotServed {
 
 impl NotServed {
     /// Refuses the first field that asks for what is not served (its neutral values pass:
-    /// `best_of: 1`, no functions, `function_call: "none"`, an empty suffix).
-    pub(super) fn check(&self) -> Result<(), ApiError> {
+    /// `best_of` equal to `n`, no functions, `function_call: "none"`, an empty suffix).
+    pub(super) fn check(&self, n: u32) -> Result<(), ApiError> {
         let refuse = |what: &str, param: &'static str| {
             Err(ApiError::invalid(
                 format!("{what} is not supported by this server yet"),
                 param,
             ))
         };
-        if self.best_of.is_some_and(|b| b > 1) {
-            return refuse("best_of > 1 (one sample per request)", "best_of");
+        match self.best_of {
+            Some(b) if b < n => {
+                return Err(ApiError::invalid(
+                    format!("best_of ({b}) must be at least n ({n})"),
+                    "best_of",
+                ))
+            }
+            Some(b) if b > n => {
+                return refuse(
+                    "best_of greater than n (drawing more samples to return the likeliest)",
+                    "best_of",
+                )
+            }
+            _ => {}
         }
         if self.functions.as_ref().is_some_and(|f| !f.is_empty()) {
             return refuse("the legacy functions field (send tools)", "functions");

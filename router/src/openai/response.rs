@@ -98,41 +98,64 @@ pub(super) struct Shape {
     pub(super) created: u64,
     pub(super) logprobs: bool,
     pub(super) include_usage: bool,
-    /// Per choice: the prompt text, for `echo`.
+    /// Per prompt: its text, for `echo`.
     pub(super) echoes: Vec<Option<String>>,
+    /// Samples per prompt (`n`): choice `p * n + i` is prompt `p`'s sample `i`.
+    pub(super) n: usize,
     /// The request has tools: the model's calls become `tool_calls`, not text.
     pub(super) tool_calls: bool,
 }
 
-/// Usage of a batch: the sum of its choices'.
-fn add_usage(total: &mut Usage, u: &Usage) {
-    total.prompt_tokens += u.prompt_tokens;
+/// Usage of a batch: the sum of its choices' output, each prompt counted once (its first
+/// sample's choice carries it).
+fn add_usage(total: &mut Usage, u: &Usage, first_sample: bool) {
     total.completion_tokens += u.completion_tokens;
-    total.cached_prompt_tokens += u.cached_prompt_tokens;
+    if first_sample {
+        total.prompt_tokens += u.prompt_tokens;
+        total.cached_prompt_tokens += u.cached_prompt_tokens;
+    }
 }
 
 /// One choice generated to its end: its text (after any echo), the echo's length, its tokens,
 /// how it finished, its usage.
-async fn collect(
-    mut g: Generation,
-    echo: Option<String>,
-) -> Result<(String, usize, Vec<TokenOut>, FinishKind, Usage), ApiError> {
-    let mut text = echo.unwrap_or_default();
-    let prompt_len = text.len();
-    let mut tokens = Vec::new();
-    loop {
-        match g.next().await {
-            Some(Ok(c)) => {
-                text.push_str(&c.text);
-                tokens.extend(c.tokens);
-                if let Some((finish, usage)) = c.finish {
-                    return Ok((text, prompt_len, tokens, finish, usage));
-                }
-            }
-            Some(Err(e)) => return Err(e),
-            None => return Err(ApiError::Internal("stream ended without a finish".into())),
+struct Done {
+    text: String,
+    prompt_len: usize,
+    tokens: Vec<TokenOut>,
+    finish: FinishKind,
+    usage: Usage,
+}
+
+/// Every sample of one prompt generated to its end, in sample order.
+async fn collect(mut g: Generation, echo: Option<String>) -> Result<Vec<Done>, ApiError> {
+    let start = echo.unwrap_or_default();
+    type Part = (String, Vec<TokenOut>, Option<(FinishKind, Usage)>);
+    let mut parts: Vec<Part> = (0..g.samples())
+        .map(|_| (start.clone(), Vec::new(), None))
+        .collect();
+    while let Some(c) = g.next().await {
+        let (i, c) = c?;
+        let part = &mut parts[i as usize];
+        part.0.push_str(&c.text);
+        part.1.extend(c.tokens);
+        if c.finish.is_some() {
+            part.2 = c.finish;
         }
     }
+    parts
+        .into_iter()
+        .map(|(text, tokens, finish)| {
+            let (finish, usage) =
+                finish.ok_or_else(|| ApiError::Internal("stream ended without a finish".into()))?;
+            Ok(Done {
+                text,
+                prompt_len: start.len(),
+                tokens,
+                finish,
+                usage,
+            })
+        })
+        .collect()
 }
 
 /// Answers with `generations`, one per choice (`index` in order), whole or streamed.
@@ -157,9 +180,16 @@ pub(super) async fn respond(
     .await?;
     let tt = TokenTexts { d: &d };
     let mut total = Usage::default();
-    let mut choices = Vec::with_capacity(done.len());
-    for (index, (text, prompt_len, tokens, finish, usage)) in done.into_iter().enumerate() {
-        add_usage(&mut total, &usage);
+    let mut choices = Vec::with_capacity(done.len() * shape.n);
+    for (index, c) in done.into_iter().flatten().enumerate() {
+        let Done {
+            text,
+            prompt_len,
+            tokens,
+            finish,
+            usage,
+        } = c;
+        add_usage(&mut total, &usage, index.is_multiple_of(shape.n));
         choices.push(match shape.api {
             Api::Completion => json!({
                 "index": index,
@@ -209,7 +239,7 @@ pub(super) async fn respond(
 
 /// The chunks of every choice as they come, each with its choice's index.
 type Merged = futures::stream::SelectAll<
-    std::pin::Pin<Box<dyn Stream<Item = (usize, Result<Chunk, ApiError>)> + Send>>,
+    std::pin::Pin<Box<dyn Stream<Item = Result<(usize, Chunk), ApiError>> + Send>>,
 >;
 
 struct SseState {
@@ -304,15 +334,17 @@ impl SseState {
         self.started = true;
         match self.shape.api {
             Api::Chat => {
-                let ev = self.chunk_json(
-                    vec![json!({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null})],
-                    None,
-                );
-                self.queue.push_back(ev);
+                for index in 0..self.sent.len() {
+                    let ev = self.chunk_json(
+                        vec![json!({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null})],
+                        None,
+                    );
+                    self.queue.push_back(ev);
+                }
             }
             Api::Completion => {
-                for (index, echo) in self.shape.echoes.clone().into_iter().enumerate() {
-                    if let Some(echo) = echo {
+                for index in 0..self.sent.len() {
+                    if let Some(echo) = self.shape.echoes[index / self.shape.n].clone() {
                         let ev = self.chunk_json(
                             vec![json!({"index": index, "text": echo, "logprobs": null, "finish_reason": null})],
                             None,
@@ -334,7 +366,7 @@ impl SseState {
             self.queue.push_back(ev);
         }
         if let Some((_, usage)) = finish {
-            add_usage(&mut self.usage, &usage);
+            add_usage(&mut self.usage, &usage, index.is_multiple_of(self.shape.n));
             self.done += 1;
             if self.done == self.sent.len() {
                 if self.shape.include_usage {
@@ -354,12 +386,13 @@ fn sse_stream(
     generations: Vec<Generation>,
     shape: Shape,
 ) -> impl Stream<Item = Result<Event, Infallible>> + Send {
-    let n = generations.len();
+    let per = shape.n;
+    let n = generations.len() * per;
     let chunks: Merged =
-        futures::stream::select_all(generations.into_iter().enumerate().map(|(index, g)| {
+        futures::stream::select_all(generations.into_iter().enumerate().map(|(prompt, g)| {
             let s = futures::stream::unfold(g, move |mut g| async move {
                 let c = g.next().await?;
-                Some(((index, c), g))
+                Some((c.map(|(i, c)| (prompt * per + i as usize, c)), g))
             });
             Box::pin(s) as std::pin::Pin<Box<dyn Stream<Item = _> + Send>>
         }));
@@ -391,8 +424,8 @@ fn sse_stream(
                 continue;
             }
             match st.chunks.next().await {
-                Some((index, Ok(c))) => st.absorb(index, c),
-                Some((_, Err(e))) => {
+                Some(Ok((index, c))) => st.absorb(index, c),
+                Some(Err(e)) => {
                     // Headers are gone: the error travels as an event, then the stream ends
                     // (the other choices' generations are dropped with it, which cancels them).
                     tracing::warn!(error = %e, "stream failed");

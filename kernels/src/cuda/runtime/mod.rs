@@ -304,6 +304,30 @@ impl CudaOps {
         self.stream.memcpy_dtod(src, &mut view).map_err(drv)
     }
 
+    /// Copies the `len` values at `from` in `buf` to `to` in the same buffer (the two ranges
+    /// must not overlap), through a scratch buffer: one KV block's copy-on-write.
+    pub fn copy_within(
+        &self,
+        buf: &mut CudaSlice<u16>,
+        from: usize,
+        to: usize,
+        len: usize,
+    ) -> Result<(), CudaError> {
+        let end = from.max(to) + len;
+        if end > buf.len() || from.abs_diff(to) < len {
+            return Err(shape(format!(
+                "copy of {len} values from {from} to {to} in a buffer of {}",
+                buf.len()
+            )));
+        }
+        let mut tmp = self.stream.alloc_zeros::<u16>(len).map_err(drv)?;
+        self.stream
+            .memcpy_dtod(&buf.slice(from..from + len), &mut tmp)
+            .map_err(drv)?;
+        let mut dst = buf.slice_mut(to..to + len);
+        self.stream.memcpy_dtod(&tmp, &mut dst).map_err(drv)
+    }
+
     /// Gathers rows `rows` (each of `d` values) of `src` into `out`.
     pub fn gather_rows(
         &self,
