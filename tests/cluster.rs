@@ -272,7 +272,19 @@ async fn bad_input(r: &Router, model: &str) {
         ),
         (
             "/v1/completions",
-            json!({"model": model, "prompt": "hi", "n": 3}),
+            json!({"model": model, "prompt": "hi", "n": 0}),
+            400,
+            "invalid_value",
+        ),
+        (
+            "/v1/completions",
+            json!({"model": model, "prompt": "hi", "n": 129}),
+            400,
+            "invalid_value",
+        ),
+        (
+            "/v1/completions",
+            json!({"model": model, "prompt": "hi", "n": 3, "best_of": 2}),
             400,
             "invalid_value",
         ),
@@ -573,6 +585,131 @@ async fn batched_prompts(r: &Router, model: &str, tok: &tandem_model::Tokenizer)
     );
 }
 
+/// `n` = 4 with a seed: four different samples of one prompt, computed once, its blocks held
+/// once in the pool while the four decode; the same request again gives the same four, and
+/// sample 0 is what `n` = 1 gives.
+async fn parallel_samples(r: &Router, worker: &str, model: &str, tok: &tandem_model::Tokenizer) {
+    use futures::StreamExt;
+    let idle = wait_idle(worker).await;
+    use tandem_proto::worker as wpb;
+    let mut info =
+        wpb::worker_control_client::WorkerControlClient::connect(format!("http://{worker}"))
+            .await
+            .unwrap();
+    let bs = info
+        .info(wpb::InfoRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .block_size as usize;
+    // Long (a few hundred tokens, many blocks) and open-ended, so samples part ways.
+    let topics = [
+        "the sea",
+        "a mountain village",
+        "an old clock",
+        "the first snow",
+        "a lost letter",
+        "the night market",
+        "a quiet library",
+        "the summer storm",
+        "a red bicycle",
+        "the harbour lights",
+    ];
+    let mut prompt: String = topics
+        .iter()
+        .chain(&topics)
+        .enumerate()
+        .map(|(i, t)| {
+            format!(
+                "Note {i}: I once wrote about {t}, and it reminded me of something else entirely. "
+            )
+        })
+        .collect();
+    prompt += "Now, a new story begins:";
+    let p = tok.encode(&prompt, true).unwrap().len();
+    const MAX: usize = 32;
+    let body = json!({"model": model, "prompt": prompt, "n": 4, "max_tokens": MAX,
+                      "temperature": 1.0, "seed": 11, "ignore_eos": true});
+    let (s, whole) = post(&r.http, "/v1/completions", body.clone()).await;
+    assert_eq!(s, 200, "{whole}");
+    let texts: Vec<&str> = whole["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            assert_eq!(c["index"], i);
+            assert_eq!(c["finish_reason"], "length");
+            c["text"].as_str().unwrap()
+        })
+        .collect();
+    assert_eq!(texts.len(), 4);
+    let mut distinct = texts.clone();
+    distinct.sort();
+    distinct.dedup();
+    assert_eq!(distinct.len(), 4, "four different samples: {texts:?}");
+    assert_eq!(
+        whole["usage"]["prompt_tokens"], p,
+        "the prompt counted once"
+    );
+    assert_eq!(whole["usage"]["completion_tokens"], 4 * MAX);
+    let mut one = body.clone();
+    one["n"] = json!(1);
+    let (_, v) = post(&r.http, "/v1/completions", one).await;
+    assert_eq!(v["choices"][0]["text"], texts[0], "sample 0 is n = 1's");
+
+    // Streamed: once every sample has tokens, the pool holds the prompt's full blocks once and
+    // a few blocks of each sample's own (not four copies of the prompt).
+    let mut streamed = body;
+    streamed["stream"] = json!(true);
+    let resp = reqwest::Client::new()
+        .post(format!("{}/v1/completions", r.http))
+        .json(&streamed)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+    let mut chunks = resp.bytes_stream();
+    let mut seen = String::new();
+    let started = |seen: &str| {
+        let mut idx = std::collections::BTreeSet::new();
+        for e in sse_events(seen) {
+            if let Ok(v) = serde_json::from_str::<Value>(&e) {
+                for c in v["choices"].as_array().into_iter().flatten() {
+                    idx.insert(c["index"].as_u64().unwrap());
+                }
+            }
+        }
+        idx.len()
+    };
+    while started(&seen) < 4 {
+        seen += &String::from_utf8_lossy(&chunks.next().await.unwrap().unwrap());
+    }
+    let busy = worker_load(worker).await;
+    let full = (p / bs) as u32;
+    let own = (p % bs + MAX).div_ceil(bs) as u32;
+    assert!(
+        busy.blocks_used >= full && busy.blocks_used <= full + 4 * own,
+        "{busy:?}: {full} shared blocks and at most {own} of each sample's own"
+    );
+    while let Some(c) = chunks.next().await {
+        seen += &String::from_utf8_lossy(&c.unwrap());
+    }
+    let mut texts_streamed = vec![String::new(); 4];
+    for e in sse_events(&seen).iter().filter(|e| *e != "[DONE]") {
+        let v: Value = serde_json::from_str(e).unwrap();
+        for c in v["choices"].as_array().unwrap() {
+            texts_streamed[c["index"].as_u64().unwrap() as usize] += c["text"].as_str().unwrap();
+        }
+    }
+    assert_eq!(
+        texts_streamed, texts,
+        "the same seed, the same four samples"
+    );
+    let after = wait_idle(worker).await;
+    assert_eq!(after.blocks_used, idle.blocks_used);
+}
+
 async fn cancel_mid_stream(r: &Router, worker: &str, model: &str) {
     use futures::StreamExt;
     let idle = wait_idle(worker).await;
@@ -650,6 +787,7 @@ async fn one_worker_serves_clients_exactly_and_survives_bad_input() {
     bad_input(&r, &model).await;
     tokenize_detokenize(&r, &model, &tok).await;
     batched_prompts(&r, &model, &tok).await;
+    parallel_samples(&r, &waddr, &model, &tok).await;
     cancel_mid_stream(&r, &waddr, &model).await;
     concurrent_streams(&r, &model).await;
     wait_idle(&waddr).await;

@@ -206,6 +206,52 @@ fn a_remotely_prefilled_request_decodes_like_a_local_one() {
 }
 
 #[test]
+fn remotely_prefilled_parallel_samples_fork_on_the_decode_side() {
+    // Greedy, so every sample is the local answer; the decode side computes the prompt's last
+    // token again (the logits the samples draw from) and forks there.
+    let prompt: Vec<u32> = (0..45).map(|t| (t * 13 + 2) % 97).collect();
+    let want = engine(config())
+        .generate(vec![req(prompt.clone(), 8)], |_| {}, |_| {})
+        .unwrap()[0]
+        .output_ids
+        .clone();
+    let (mut prefill, mut decode) = (engine(config()), engine(config()));
+    let id = RequestId(9);
+    let three = Request {
+        samples: Samples { count: 3, first: 0 },
+        ..req(prompt.clone(), 8)
+    };
+    let r = decode.reserve_remote(id, three).unwrap().expect("room");
+    let (first, kv) = prefill_export(&mut prefill, req(prompt.clone(), 8), 0);
+    fill(&decode, &r, &kv);
+    assert!(decode.join_remote(id, first).unwrap().is_empty());
+    let mut got: Vec<Vec<u32>> = vec![Vec::new(); 3];
+    let mut ended = 0;
+    let mut steps = 0;
+    while decode.has_work() {
+        let (events, st) = decode.step().unwrap();
+        if steps == 0 {
+            assert_eq!(st.prefill_tokens, 1, "only the last prompt token again");
+        }
+        steps += 1;
+        for ev in events {
+            match ev {
+                Event::Token(t) => got[t.index as usize].push(t.sampled.token),
+                Event::Finished(f) => {
+                    assert_eq!(f.output_ids, got[f.index as usize]);
+                    ended += 1;
+                }
+                Event::Kv(_) => panic!("not prefill mode"),
+            }
+        }
+    }
+    assert_eq!(ended, 3);
+    assert!(got.iter().all(|g| *g == want), "{got:?} vs {want:?}");
+    check_counts(&decode);
+    assert_eq!(decode.stats().blocks_used, 0);
+}
+
+#[test]
 fn a_remote_prefill_sends_only_what_the_decode_cache_lacks() {
     let prompt: Vec<u32> = (0..50).map(|t| (t * 7 + 3) % 97).collect();
     let want = engine(config())
