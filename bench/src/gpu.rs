@@ -25,6 +25,7 @@ pub fn llama3_8b() -> LlamaConfig {
         rope_theta: 500_000.0,
         rope_scaling: None,
         tie_word_embeddings: false,
+        family: Default::default(),
     }
 }
 

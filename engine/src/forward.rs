@@ -56,6 +56,24 @@ pub(crate) trait StepOps {
         mnk: (usize, usize, usize),
         out: &mut Self::Act,
     ) -> Result<(), EngineError>;
+    /// The parts some families add to the fused q|k|v rows before attention, in HF's order:
+    /// `bias` (q|k|v stacked, Qwen2) added to every row, then each query head RMS-normed by
+    /// `q_norm` and each key head by `k_norm` (Qwen3). A device that has not built them refuses.
+    fn qkv_extras(
+        &mut self,
+        qkv: &mut Self::Act,
+        bias: Option<&Self::Vector>,
+        norms: Option<(&Self::Vector, &Self::Vector)>,
+        rows: usize,
+    ) -> Result<(), EngineError> {
+        let _ = (qkv, rows);
+        if bias.is_some() || norms.is_some() {
+            return Err(EngineError::Unsupported(
+                "q/k/v biases and head norms (Qwen2, Qwen3) on this device".into(),
+            ));
+        }
+        Ok(())
+    }
     /// Layer `layer`'s attention from its fused q|k|v rows: rotary embedding of q and k at each
     /// token's position, k and v into the cache at each token's slot, then each sequence's
     /// queries over its cached context (causal within the step) into `out`.
@@ -103,6 +121,10 @@ pub(crate) struct LayerWeights<M, V> {
     pub attn_norm: V,
     /// q, k and v projections stacked by rows: one product per layer instead of three.
     pub qkv: M,
+    /// q, k and v biases stacked the same way (Qwen2).
+    pub qkv_bias: Option<V>,
+    /// Per-head RMS norm weights of queries and keys (Qwen3).
+    pub qk_norm: Option<(V, V)>,
     pub o: M,
     pub ffn_norm: V,
     /// gate and up projections stacked by rows.
@@ -122,21 +144,30 @@ pub(crate) struct LlamaWeights<M, V> {
 
 impl<M, V> LlamaWeights<M, V> {
     /// Builds every weight of a `c` model: `matrix` makes one matrix from tensors stacked by
-    /// rows (one name for most; q|k|v and gate|up fused), `vector` one norm.
+    /// rows (one name for most; q|k|v and gate|up fused), `vector` one vector from tensors
+    /// laid end to end (a norm; q|k|v biases fused).
     pub fn build(
         c: &LlamaConfig,
         mut matrix: impl FnMut(&[TensorName]) -> Result<M, EngineError>,
-        mut vector: impl FnMut(TensorName) -> Result<V, EngineError>,
+        mut vector: impl FnMut(&[TensorName]) -> Result<V, EngineError>,
     ) -> Result<Self, EngineError> {
         use LayerTensor::*;
         let mut layers = Vec::with_capacity(c.num_layers);
         for i in 0..c.num_layers {
             let n = |t| TensorName::layer(i, t);
             layers.push(LayerWeights {
-                attn_norm: vector(n(AttnNorm))?,
+                attn_norm: vector(&[n(AttnNorm)])?,
                 qkv: matrix(&[n(AttnQ), n(AttnK), n(AttnV)])?,
+                qkv_bias: match c.family.qkv_bias() {
+                    true => Some(vector(&[n(AttnQBias), n(AttnKBias), n(AttnVBias)])?),
+                    false => None,
+                },
+                qk_norm: match c.family.qk_norm() {
+                    true => Some((vector(&[n(AttnQNorm)])?, vector(&[n(AttnKNorm)])?)),
+                    false => None,
+                },
                 o: matrix(&[n(AttnOutput)])?,
-                ffn_norm: vector(n(FfnNorm))?,
+                ffn_norm: vector(&[n(FfnNorm)])?,
                 gate_up: matrix(&[n(FfnGate), n(FfnUp)])?,
                 down: matrix(&[n(FfnDown)])?,
             });
@@ -151,7 +182,7 @@ impl<M, V> LlamaWeights<M, V> {
             layers,
             embed,
             head,
-            norm: vector(TensorName::OutputNorm)?,
+            norm: vector(&[TensorName::OutputNorm])?,
         })
     }
 
@@ -197,6 +228,10 @@ pub(crate) fn forward<D: StepOps>(
             d.add_rms_norm(&mut x, &proj, &l.attn_norm, &mut hbuf, t)?;
         }
         d.matmul(&l.qkv, &hbuf, (t, qd + 2 * kvd, h), &mut qkv)?;
+        if l.qkv_bias.is_some() || l.qk_norm.is_some() {
+            let norms = l.qk_norm.as_ref().map(|(q, k)| (q, k));
+            d.qkv_extras(&mut qkv, l.qkv_bias.as_ref(), norms, t)?;
+        }
         d.attention(li, &mut qkv, &mut att)?;
         d.matmul(&l.o, &att, (t, h, qd), &mut proj)?;
         d.add_rms_norm(&mut x, &proj, &l.ffn_norm, &mut hbuf, t)?;

@@ -52,6 +52,7 @@ impl GpuLlama {
         block_size: usize,
         num_blocks: usize,
     ) -> Result<Self, EngineError> {
+        Self::check_family(config)?;
         let ops = CudaOps::new(ordinal)?;
         let up = |names: &[TensorName]| -> Result<Bf16, EngineError> {
             let mut all = Vec::new();
@@ -60,7 +61,7 @@ impl GpuLlama {
             }
             Ok(ops.upload(&all)?)
         };
-        let weights = LlamaWeights::build(config, up, |n| up(&[n]))?;
+        let weights = LlamaWeights::build(config, up, up)?;
         Self::assemble(ops, config, weights, block_size, num_blocks)
     }
 
@@ -73,6 +74,7 @@ impl GpuLlama {
         block_size: usize,
         num_blocks: usize,
     ) -> Result<Self, EngineError> {
+        Self::check_family(config)?;
         let ops = CudaOps::new(ordinal)?;
         let made = Cell::new(0u64);
         let rnd = |names: &[TensorName], scale: f32| -> Result<Bf16, EngineError> {
@@ -99,9 +101,21 @@ impl GpuLlama {
                     },
                 )
             },
-            |name| rnd(&[name], 1.0),
+            |names| rnd(names, 1.0),
         )?;
         Self::assemble(ops, config, weights, block_size, num_blocks)
+    }
+
+    /// The CUDA forward runs Llama and Mistral layers; Qwen's biases and head norms are the
+    /// CPU's for now.
+    fn check_family(config: &LlamaConfig) -> Result<(), EngineError> {
+        let f = config.family;
+        if f.qkv_bias() || f.qk_norm() {
+            return Err(EngineError::Unsupported(format!(
+                "{f:?} models on a GPU (its q/k/v biases or head norms are not built for CUDA yet): run them with --device cpu"
+            )));
+        }
+        Ok(())
     }
 
     fn assemble(

@@ -140,7 +140,13 @@ impl LlamaModel {
                     .collect::<Result<Vec<_>, EngineError>>()?;
                 Ok(Linear::new(stack_rows(parts)?))
             },
-            |name| Ok(get_tensor(tensors, name)?.to_f32()?),
+            |names| {
+                let mut v = Vec::new();
+                for &n in names {
+                    v.extend(get_tensor(tensors, n)?.to_f32()?);
+                }
+                Ok(v)
+            },
         )?;
         let rope = RopeTable::new(
             &c.rope_inv_freq(),
@@ -308,6 +314,42 @@ impl StepOps for CpuStep<'_> {
         out: &mut Vec<f32>,
     ) -> Result<(), EngineError> {
         Ok(w.matmul(x, rows, out)?)
+    }
+
+    fn qkv_extras(
+        &mut self,
+        qkv: &mut Vec<f32>,
+        bias: Option<&Vec<f32>>,
+        norms: Option<(&Vec<f32>, &Vec<f32>)>,
+        _rows: usize,
+    ) -> Result<(), EngineError> {
+        let c = self.c;
+        let hd = c.head_dim;
+        let qd = c.num_heads * hd;
+        let width = qd + 2 * c.num_kv_heads * hd;
+        let eps = c.rms_norm_eps;
+        qkv.par_chunks_mut(ROW_TASK * width).for_each(|rows| {
+            let mut head = vec![0f32; hd];
+            for row in rows.chunks_exact_mut(width) {
+                if let Some(b) = bias {
+                    row.iter_mut().zip(b).for_each(|(x, b)| *x += b);
+                }
+                if let Some((qn, kn)) = norms {
+                    // Query heads, then key heads; the values are left as they are.
+                    let (q, k) = row.split_at_mut(qd);
+                    let heads = q.chunks_exact_mut(hd).map(|h| (h, qn)).chain(
+                        k[..width - qd - c.num_kv_heads * hd]
+                            .chunks_exact_mut(hd)
+                            .map(|h| (h, kn)),
+                    );
+                    for (h, w) in heads {
+                        head.copy_from_slice(h);
+                        ops::rms_norm(&head, w, eps, h);
+                    }
+                }
+            }
+        });
+        Ok(())
     }
 
     fn attention(
@@ -516,6 +558,7 @@ pub(crate) fn tiny_model(seed: u64) -> LlamaModel {
         rope_theta: 10000.0,
         rope_scaling: None,
         tie_word_embeddings: true,
+        family: Default::default(),
     };
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let mut tensors = BTreeMap::new();

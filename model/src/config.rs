@@ -1,5 +1,5 @@
-//! Llama-family model configuration (Llama 2/3, SmolLM2, Mistral), read from GGUF metadata or an HF
-//! `config.json`, and the rotary-embedding frequencies it implies.
+//! Llama-family model configuration (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3), read from GGUF
+//! metadata or an HF `config.json`, and the rotary-embedding frequencies it implies.
 
 use serde::Deserialize;
 
@@ -31,6 +31,48 @@ pub enum RopeScaling {
     Factors(Vec<f32>),
 }
 
+/// The architectures Tandem runs, as configs and GGUF files name them.
+pub const SUPPORTED: &str = "llama (Llama 2/3, SmolLM), mistral, qwen2 (Qwen2, Qwen2.5), qwen3";
+
+/// Which family a model is: what its layers have beyond Llama's.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Family {
+    /// Llama 2/3, SmolLM: the plain layer.
+    #[default]
+    Llama,
+    /// Mistral: a Llama layer, attention limited to a sliding window when the config sets one.
+    Mistral,
+    /// Qwen2 and Qwen2.5: biases on the q, k and v projections.
+    Qwen2,
+    /// Qwen3: an RMS norm on each query and key head before the rotary embedding.
+    Qwen3,
+}
+
+impl Family {
+    /// The family an HF `model_type` or a GGUF `general.architecture` names.
+    pub fn from_name(name: &str) -> Result<Self, ModelError> {
+        match name {
+            "llama" => Ok(Self::Llama),
+            "mistral" => Ok(Self::Mistral),
+            "qwen2" => Ok(Self::Qwen2),
+            "qwen3" => Ok(Self::Qwen3),
+            other => Err(ModelError::Unsupported(format!(
+                "architecture {other:?}; Tandem runs {SUPPORTED}"
+            ))),
+        }
+    }
+
+    /// Whether the q, k and v projections carry biases.
+    pub fn qkv_bias(self) -> bool {
+        self == Self::Qwen2
+    }
+
+    /// Whether each query and key head is RMS-normed before the rotary embedding.
+    pub fn qk_norm(self) -> bool {
+        self == Self::Qwen3
+    }
+}
+
 /// The dimensions and settings of a Llama-family model: what its weights' shapes and the forward
 /// pass follow from.
 #[derive(Clone, Debug, PartialEq)]
@@ -59,6 +101,8 @@ pub struct LlamaConfig {
     pub rope_scaling: Option<RopeScaling>,
     /// Whether the output head reuses the token embedding (no `output.weight`).
     pub tie_word_embeddings: bool,
+    /// The family, and with it the layer's extra parts (biases, head norms).
+    pub family: Family,
 }
 
 impl LlamaConfig {
@@ -141,11 +185,7 @@ impl LlamaConfig {
             .and_then(|v| v.as_str())
             .unwrap_or("llama")
             .to_string();
-        if !matches!(arch.as_str(), "llama" | "mistral") {
-            return Err(ModelError::Unsupported(format!(
-                "architecture {arch:?}; Tandem runs Llama-family models"
-            )));
-        }
+        let family = Family::from_name(&arch)?;
         let key = |k: &str| format!("{arch}.{k}");
         let req = |k: &str| -> Result<usize, ModelError> {
             g.get(&key(k))
@@ -187,12 +227,17 @@ impl LlamaConfig {
             num_kv_heads,
             head_dim,
             vocab_size,
-            max_position_embeddings: req("context_length").unwrap_or(4096),
+            // Attention here sees the whole context: with a sliding window the context stops at
+            // the window, within which the two are the same.
+            max_position_embeddings: req("context_length")
+                .unwrap_or(4096)
+                .min(req("attention.sliding_window").unwrap_or(usize::MAX)),
             rms_norm_eps: f("attention.layer_norm_rms_epsilon").unwrap_or(1e-5) as f32,
             rope_theta: f("rope.freq_base").unwrap_or(10000.0) as f32,
             rope_scaling,
             // A GGUF without output.weight ties the head to the embedding; the loader decides.
             tie_word_embeddings: g.tensor(&crate::TensorName::Output.canonical()).is_none(),
+            family,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -202,13 +247,22 @@ impl LlamaConfig {
     pub fn from_hf_json(text: &str) -> Result<Self, ModelError> {
         let c: HfConfig = serde_json::from_str(text)
             .map_err(|e| ModelError::Config(format!("config.json: {e}")))?;
-        if let Some(mt) = &c.model_type {
-            if !matches!(mt.as_str(), "llama" | "mistral") {
-                return Err(ModelError::Unsupported(format!(
-                    "model_type {mt:?}; Tandem runs Llama-family models"
-                )));
-            }
+        let family = Family::from_name(c.model_type.as_deref().unwrap_or("llama"))?;
+        if c.attention_bias == Some(true) && family != Family::Qwen2 {
+            return Err(ModelError::Unsupported(
+                "attention_bias (biases on the attention projections) outside Qwen2".into(),
+            ));
         }
+        if c.mlp_bias == Some(true) {
+            return Err(ModelError::Unsupported(
+                "mlp_bias (biases on the MLP projections)".into(),
+            ));
+        }
+        let window = match family {
+            Family::Qwen2 | Family::Qwen3 if c.use_sliding_window != Some(true) => None,
+            _ => c.sliding_window,
+        };
+
         let num_kv_heads = c.num_key_value_heads.unwrap_or(c.num_attention_heads);
         let head_dim = c
             .head_dim
@@ -254,8 +308,9 @@ impl LlamaConfig {
             }
         };
         let mut max_pos = c.max_position_embeddings.unwrap_or(4096);
-        if let Some(w) = c.sliding_window {
-            // We attend over the full context; beyond the window that would differ from the model.
+        if let Some(w) = window {
+            // Attention here sees the whole context; within the window that is the model's
+            // sliding attention exactly, beyond it it would not be: the context stops there.
             max_pos = max_pos.min(w);
         }
         let cfg = Self {
@@ -271,6 +326,7 @@ impl LlamaConfig {
             rope_theta,
             rope_scaling,
             tie_word_embeddings: c.tie_word_embeddings.unwrap_or(false),
+            family,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -294,6 +350,9 @@ struct HfConfig {
     rope_parameters: Option<serde_json::Map<String, serde_json::Value>>,
     tie_word_embeddings: Option<bool>,
     sliding_window: Option<usize>,
+    use_sliding_window: Option<bool>,
+    attention_bias: Option<bool>,
+    mlp_bias: Option<bool>,
 }
 
 #[cfg(test)]

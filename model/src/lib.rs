@@ -35,7 +35,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 pub use chat::{ChatMessage, ChatTemplate};
-pub use config::{LlamaConfig, RopeScaling};
+pub use config::{Family, LlamaConfig, RopeScaling, SUPPORTED};
 pub use hash::{block_hashes, hash_block, BlockHash};
 pub use names::{LayerTensor, TensorName};
 pub use quant::{dequantize, quantize_q4_1, quantize_q8_0, GgmlType};
@@ -216,11 +216,14 @@ fn load_gguf(path: &Path, name: String, weights: bool) -> Result<LoadedModel, Mo
             shape: t.shape(),
             data: g.tensor_bytes(t).to_vec(),
         };
+        // llama.cpp's converter permutes Llama's (and Mistral's) q/k rows for its rotary
+        // layout; Qwen's it leaves as HF has them.
+        let permuted = matches!(config.family, Family::Llama | Family::Mistral);
         match name {
-            Some(TensorName::Layer(_, LayerTensor::AttnQ)) => {
+            Some(TensorName::Layer(_, LayerTensor::AttnQ)) if permuted => {
                 unpermute_rope_rows(&mut data, config.num_heads, config.head_dim)?
             }
-            Some(TensorName::Layer(_, LayerTensor::AttnK)) => {
+            Some(TensorName::Layer(_, LayerTensor::AttnK)) if permuted => {
                 unpermute_rope_rows(&mut data, config.num_kv_heads, config.head_dim)?
             }
             Some(TensorName::RopeFreqs) => {

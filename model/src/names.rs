@@ -5,7 +5,7 @@
 
 use std::fmt;
 
-use crate::LlamaConfig;
+use crate::{Family, LlamaConfig};
 
 /// One of a decoder layer's tensors.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -28,11 +28,21 @@ pub enum LayerTensor {
     FfnUp,
     /// MLP down projection.
     FfnDown,
+    /// Query projection bias (Qwen2).
+    AttnQBias,
+    /// Key projection bias (Qwen2).
+    AttnKBias,
+    /// Value projection bias (Qwen2).
+    AttnVBias,
+    /// RMS norm of each query head (Qwen3).
+    AttnQNorm,
+    /// RMS norm of each key head (Qwen3).
+    AttnKNorm,
 }
 
 impl LayerTensor {
-    /// Every layer tensor, in the order a layer uses them.
-    pub const ALL: [Self; 9] = [
+    /// Every layer tensor of any family.
+    pub const ALL: [Self; 14] = [
         Self::AttnNorm,
         Self::AttnQ,
         Self::AttnK,
@@ -42,20 +52,42 @@ impl LayerTensor {
         Self::FfnGate,
         Self::FfnUp,
         Self::FfnDown,
+        Self::AttnQBias,
+        Self::AttnKBias,
+        Self::AttnVBias,
+        Self::AttnQNorm,
+        Self::AttnKNorm,
     ];
+
+    /// The layer tensors a `family` model has.
+    pub fn of(family: Family) -> Vec<Self> {
+        let mut all = Self::ALL[..9].to_vec();
+        if family.qkv_bias() {
+            all.extend([Self::AttnQBias, Self::AttnKBias, Self::AttnVBias]);
+        }
+        if family.qk_norm() {
+            all.extend([Self::AttnQNorm, Self::AttnKNorm]);
+        }
+        all
+    }
 
     /// The part of the canonical name after `blk.N.`.
     pub fn gguf(self) -> &'static str {
         match self {
-            Self::AttnNorm => "attn_norm",
-            Self::AttnQ => "attn_q",
-            Self::AttnK => "attn_k",
-            Self::AttnV => "attn_v",
-            Self::AttnOutput => "attn_output",
-            Self::FfnNorm => "ffn_norm",
-            Self::FfnGate => "ffn_gate",
-            Self::FfnUp => "ffn_up",
-            Self::FfnDown => "ffn_down",
+            Self::AttnNorm => "attn_norm.weight",
+            Self::AttnQ => "attn_q.weight",
+            Self::AttnK => "attn_k.weight",
+            Self::AttnV => "attn_v.weight",
+            Self::AttnOutput => "attn_output.weight",
+            Self::FfnNorm => "ffn_norm.weight",
+            Self::FfnGate => "ffn_gate.weight",
+            Self::FfnUp => "ffn_up.weight",
+            Self::FfnDown => "ffn_down.weight",
+            Self::AttnQBias => "attn_q.bias",
+            Self::AttnKBias => "attn_k.bias",
+            Self::AttnVBias => "attn_v.bias",
+            Self::AttnQNorm => "attn_q_norm.weight",
+            Self::AttnKNorm => "attn_k_norm.weight",
         }
     }
 
@@ -71,6 +103,11 @@ impl LayerTensor {
             Self::FfnGate => "mlp.gate_proj.weight",
             Self::FfnUp => "mlp.up_proj.weight",
             Self::FfnDown => "mlp.down_proj.weight",
+            Self::AttnQBias => "self_attn.q_proj.bias",
+            Self::AttnKBias => "self_attn.k_proj.bias",
+            Self::AttnVBias => "self_attn.v_proj.bias",
+            Self::AttnQNorm => "self_attn.q_norm.weight",
+            Self::AttnKNorm => "self_attn.k_norm.weight",
         }
     }
 }
@@ -126,7 +163,6 @@ impl TensorName {
             _ => {}
         }
         let (idx, field) = name.strip_prefix("blk.")?.split_once('.')?;
-        let field = field.strip_suffix(".weight")?;
         let idx: usize = idx.parse().ok()?;
         let t = LayerTensor::ALL.into_iter().find(|t| t.gguf() == field)?;
         Some(Self::Layer(idx, t))
@@ -148,6 +184,9 @@ impl TensorName {
                 LayerTensor::AttnOutput => vec![h, q],
                 LayerTensor::FfnGate | LayerTensor::FfnUp => vec![ff, h],
                 LayerTensor::FfnDown => vec![h, ff],
+                LayerTensor::AttnQBias => vec![q],
+                LayerTensor::AttnKBias | LayerTensor::AttnVBias => vec![kv],
+                LayerTensor::AttnQNorm | LayerTensor::AttnKNorm => vec![c.head_dim],
             },
         })
     }
@@ -158,8 +197,9 @@ impl TensorName {
         if !c.tie_word_embeddings {
             all.push(Self::Output);
         }
+        let layer = LayerTensor::of(c.family);
         for i in 0..c.num_layers {
-            all.extend(LayerTensor::ALL.map(|t| Self::Layer(i, t)));
+            all.extend(layer.iter().map(|&t| Self::Layer(i, t)));
         }
         all
     }
@@ -172,7 +212,7 @@ impl fmt::Display for TensorName {
             Self::OutputNorm => f.write_str("output_norm.weight"),
             Self::Output => f.write_str("output.weight"),
             Self::RopeFreqs => f.write_str("rope_freqs.weight"),
-            Self::Layer(i, t) => write!(f, "blk.{i}.{}.weight", t.gguf()),
+            Self::Layer(i, t) => write!(f, "blk.{i}.{}", t.gguf()),
         }
     }
 }
@@ -216,12 +256,37 @@ mod tests {
             rope_theta: 1e4,
             rope_scaling: None,
             tie_word_embeddings: false,
+            family: Family::Llama,
         };
         let all = TensorName::required(&c);
         assert_eq!(all.len(), 3 + 2 * 9);
         for n in all.iter().copied().chain([TensorName::RopeFreqs]) {
             assert_eq!(TensorName::from_canonical(&n.canonical()), Some(n), "{n}");
         }
+        // Qwen2's biases, Qwen3's head norms: read back under both names, with their shapes.
+        for (family, extra) in [(Family::Qwen2, 3), (Family::Qwen3, 2)] {
+            let c = LlamaConfig {
+                family,
+                ..c.clone()
+            };
+            let all = TensorName::required(&c);
+            assert_eq!(all.len(), 3 + 2 * (9 + extra));
+            for n in all {
+                assert_eq!(TensorName::from_canonical(&n.canonical()), Some(n), "{n}");
+                if let TensorName::Layer(i, t) = n {
+                    let hf = format!("model.layers.{i}.{}", t.hf());
+                    assert_eq!(TensorName::from_hf(&hf), Some(n), "{hf}");
+                }
+            }
+        }
+        assert_eq!(
+            TensorName::layer(0, LayerTensor::AttnKBias).shape(&c),
+            Some(vec![4])
+        );
+        assert_eq!(
+            TensorName::layer(1, LayerTensor::AttnQNorm).canonical(),
+            "blk.1.attn_q_norm.weight"
+        );
         assert_eq!(
             TensorName::layer(1, LayerTensor::AttnK).canonical(),
             "blk.1.attn_k.weight"
@@ -239,6 +304,6 @@ mod tests {
             Some(vec![8, 16])
         );
         assert_eq!(TensorName::RopeFreqs.shape(&c), None);
-        assert_eq!(TensorName::from_canonical("blk.0.attn_q.bias"), None);
+        assert_eq!(TensorName::from_canonical("blk.0.attn_o.bias"), None);
     }
 }

@@ -62,6 +62,7 @@ impl TokenCache {
                 rope_theta: 1e4,
                 rope_scaling: None,
                 tie_word_embeddings: true,
+                family: Default::default(),
             },
             block_size,
             slots: vec![None; num_blocks * block_size],

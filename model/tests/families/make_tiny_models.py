@@ -296,8 +296,14 @@ def main(out_root):
         x = torch.tensor([ids])
         with torch.no_grad():
             logits = model(x).logits[0].to(torch.float32).numpy()
-            gen = model.generate(x, max_new_tokens=16, do_sample=False, eos_token_id=None,
-                                 pad_token_id=0)[0, len(ids):].tolist()
+            # Greedy as the argmax of a whole forward over everything so far, each step: the
+            # definition, with no cache in between (transformers' generate() with its cache
+            # parted from it on the Llama 3 model, at a step where the top two are 0.25 apart).
+            gen, seq = [], list(ids)
+            for _ in range(16):
+                nxt = int(model(torch.tensor([seq]), use_cache=False).logits[0, -1].argmax())
+                gen.append(nxt)
+                seq.append(nxt)
         ref = {
             "family": family,
             "prompt": PROMPT,
