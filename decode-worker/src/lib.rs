@@ -97,14 +97,18 @@ struct Observe {
     submitted: SystemTime,
     /// Whether this engine prefilled the prompt (false once a prefill worker did).
     local: bool,
-    /// The request's samples that have not finished (the stream ends with the last).
-    unfinished: u32,
     /// The sample whose token gaps are measured (its first).
     timed_sample: u32,
 }
 
-/// Folds one engine event into a response; true when it was the last.
-fn fold(msg: &mut pb::DecodeResponse, ev: StreamEvent, obs: &mut Observe) -> Result<bool, Status> {
+/// Folds one engine event into a response; true when it was the last (`done`: the stream has
+/// given its last event, so a finish is the request's, not one sample's of several).
+fn fold(
+    msg: &mut pb::DecodeResponse,
+    ev: StreamEvent,
+    done: bool,
+    obs: &mut Observe,
+) -> Result<bool, Status> {
     match ev {
         StreamEvent::Token(t) => {
             // Gaps between one sample's tokens: its siblings' tokens come in the same steps.
@@ -119,8 +123,7 @@ fn fold(msg: &mut pb::DecodeResponse, ev: StreamEvent, obs: &mut Observe) -> Res
         }
         StreamEvent::Finished(f) => {
             obs.metrics.finished(&f);
-            obs.unfinished = obs.unfinished.saturating_sub(1);
-            if obs.unfinished > 0 {
+            if !done {
                 // One of several samples: the stream goes on with the others.
                 msg.finished.push(finish(&f));
                 return Ok(false);
@@ -212,7 +215,7 @@ fn response_stream(
         let mut msg = pb::DecodeResponse::default();
         let mut last = false;
         while let Some(ev) = next {
-            match fold(&mut msg, ev, &mut st.observe) {
+            match fold(&mut msg, ev, st.stream.is_done(), &mut st.observe) {
                 Ok(l) => last = l,
                 Err(e) => {
                     st.done = true;
@@ -330,7 +333,6 @@ impl pb::decode_server::Decode for DecodeService {
                     span,
                     submitted,
                     local: true,
-                    unfinished: req.n.max(1),
                     timed_sample: req.first_index,
                 },
                 _in_flight: in_flight,

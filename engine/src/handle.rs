@@ -292,6 +292,11 @@ impl RequestStream {
         e
     }
 
+    /// Whether the last event has been taken (with parallel samples: every sample's finish).
+    pub fn is_done(&self) -> bool {
+        self.done
+    }
+
     /// The next event; `None` after the last.
     pub async fn next(&mut self) -> Option<StreamEvent> {
         let e = self.rx.recv().await;

@@ -325,8 +325,8 @@ impl StepOps for CpuStep<'_> {
     ) -> Result<(), EngineError> {
         let c = self.c;
         let hd = c.head_dim;
-        let qd = c.num_heads * hd;
-        let width = qd + 2 * c.num_kv_heads * hd;
+        let (qd, kvd) = (c.num_heads * hd, c.num_kv_heads * hd);
+        let width = qd + 2 * kvd;
         let eps = c.rms_norm_eps;
         qkv.par_chunks_mut(ROW_TASK * width).for_each(|rows| {
             let mut head = vec![0f32; hd];
@@ -337,11 +337,10 @@ impl StepOps for CpuStep<'_> {
                 if let Some((qn, kn)) = norms {
                     // Query heads, then key heads; the values are left as they are.
                     let (q, k) = row.split_at_mut(qd);
-                    let heads = q.chunks_exact_mut(hd).map(|h| (h, qn)).chain(
-                        k[..width - qd - c.num_kv_heads * hd]
-                            .chunks_exact_mut(hd)
-                            .map(|h| (h, kn)),
-                    );
+                    let heads = q
+                        .chunks_exact_mut(hd)
+                        .map(|h| (h, qn))
+                        .chain(k[..kvd].chunks_exact_mut(hd).map(|h| (h, kn)));
                     for (h, w) in heads {
                         head.copy_from_slice(h);
                         ops::rms_norm(&head, w, eps, h);

@@ -4,13 +4,13 @@
 //! within 1e-4 (relative to the row's largest logit) of HF's float32 logits, and the greedy
 //! continuation must be HF's token for token.
 
+mod golden_support;
+
 use std::path::PathBuf;
 
+use golden_support::{greedy_request, ids};
 use serde_json::Value;
-use tandem_engine::{
-    Engine, EngineConfig, KvDtype, KvPool, LlamaModel, Request, Samples, SamplingParams, SeqBatch,
-    WeightFormat,
-};
+use tandem_engine::{Engine, EngineConfig, KvDtype, KvPool, LlamaModel, SeqBatch, WeightFormat};
 
 fn family_dir(family: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -41,16 +41,9 @@ struct Reference {
 fn reference(family: &str) -> Reference {
     let text = std::fs::read_to_string(family_dir(family).join("reference.json")).unwrap();
     let v: Value = serde_json::from_str(&text).unwrap();
-    let ids = |k: &str| -> Vec<u32> {
-        v[k].as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap() as u32)
-            .collect()
-    };
     Reference {
         prompt: v["prompt"].as_str().unwrap().to_string(),
-        prompt_ids: ids("prompt_ids"),
+        prompt_ids: ids(&v["prompt_ids"]),
         logits: v["logits"]
             .as_array()
             .unwrap()
@@ -63,7 +56,7 @@ fn reference(family: &str) -> Reference {
                     .collect()
             })
             .collect(),
-        greedy: ids("greedy"),
+        greedy: ids(&v["greedy"]),
     }
 }
 
@@ -117,19 +110,7 @@ fn greedy(model: LlamaModel, prompt: &[u32], n: usize) -> Vec<u32> {
         vec![],
     )
     .unwrap();
-    let r = Request {
-        prompt: prompt.to_vec(),
-        params: SamplingParams {
-            max_tokens: n as u32,
-            ignore_eos: true,
-            ..Default::default()
-        }
-        .validate()
-        .unwrap(),
-        resume: Vec::new(),
-        constraint: None,
-        samples: Samples::ONE,
-    };
+    let r = greedy_request(prompt.to_vec(), n as u32);
     e.generate(vec![r], |_| {}, |_| {}).unwrap()[0]
         .output_ids
         .clone()

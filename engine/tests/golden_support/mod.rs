@@ -45,21 +45,26 @@ pub fn ids(v: &Value) -> Vec<u32> {
         .collect()
 }
 
+/// A greedy request for `max_tokens` tokens after `prompt`, EOS ignored.
+pub fn greedy_request(prompt: Vec<u32>, max_tokens: u32) -> Request {
+    Request {
+        resume: Vec::new(),
+        constraint: None,
+        samples: tandem_engine::Samples::ONE,
+        prompt,
+        params: SamplingParams {
+            max_tokens,
+            ignore_eos: true,
+            ..Default::default()
+        }
+        .validate()
+        .unwrap(),
+    }
+}
+
 pub fn requests(recs: &[Value]) -> Vec<Request> {
     recs.iter()
-        .map(|r| Request {
-            resume: Vec::new(),
-            constraint: None,
-            samples: tandem_engine::Samples::ONE,
-            prompt: ids(&r["prompt_ids"]),
-            params: SamplingParams {
-                max_tokens: r["n_new"].as_u64().unwrap() as u32,
-                ignore_eos: true,
-                ..Default::default()
-            }
-            .validate()
-            .unwrap(),
-        })
+        .map(|r| greedy_request(ids(&r["prompt_ids"]), r["n_new"].as_u64().unwrap() as u32))
         .collect()
 }
 

@@ -40,6 +40,12 @@ CORPUS = [
 
 PROMPT = "Once upon a time, a small robot learned to sing about the river and the sea."
 
+# Qwen2 and Qwen3 write turns the same way (ChatML).
+QWEN_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
 FAMILIES = {
     "llama3": {
         "special": ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
@@ -86,10 +92,7 @@ FAMILIES = {
         "bos": None,
         "eos": "<|im_end|>",
         "add_bos": False,
-        "template": (
-            "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-        ),
+        "template": QWEN_TEMPLATE,
         "config": {
             "architectures": ["Qwen2ForCausalLM"],
             "model_type": "qwen2",
@@ -103,10 +106,7 @@ FAMILIES = {
         "bos": None,
         "eos": "<|im_end|>",
         "add_bos": False,
-        "template": (
-            "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-        ),
+        "template": QWEN_TEMPLATE,
         "config": {
             "architectures": ["Qwen3ForCausalLM"],
             "model_type": "qwen3",

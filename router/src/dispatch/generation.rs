@@ -86,8 +86,6 @@ pub struct Generation {
     pub(super) migrations_left: u32,
     /// Migrations done so far.
     pub(super) migrations: u32,
-    /// Completion tokens of every sample, for the request's trace.
-    pub(super) completion_tokens: u32,
     /// How it ended, once it has: counted when the generation is dropped (`cancelled` if the
     /// client went away before either).
     pub(super) outcome: Option<&'static str>,
@@ -147,7 +145,11 @@ impl Generation {
                     self.outcome.get_or_insert("ok");
                     if let Some((kind, last)) = &c.finish {
                         let usage = Usage {
-                            completion_tokens: self.completion_tokens,
+                            completion_tokens: self
+                                .samples
+                                .iter()
+                                .map(|s| s.completion_tokens)
+                                .sum(),
                             ..*last
                         };
                         trace::finished(&self.span, *kind, &usage);
@@ -320,7 +322,6 @@ impl Generation {
                 continue;
             }
             s.completion_tokens += 1;
-            self.completion_tokens += 1;
             s.emitted.push(t.id);
             let piece = s.assembler.push(tok, t.id).map_err(internal)?;
             let at = chunk_of(&mut chunks, t.index);

@@ -372,7 +372,6 @@ impl Dispatcher {
             ready: Default::default(),
             model: self.model.clone(),
             prompt_tokens: prep.prompt.len() as u32,
-            completion_tokens: 0,
             request,
             route,
             tried,
