@@ -26,6 +26,7 @@ pub fn llama3_8b() -> LlamaConfig {
         rope_scaling: None,
         tie_word_embeddings: false,
         family: Default::default(),
+        sliding_window: None,
     }
 }
 

@@ -106,8 +106,8 @@ impl GpuLlama {
         Self::assemble(ops, config, weights, block_size, num_blocks)
     }
 
-    /// The CUDA forward runs Llama and Mistral layers; Qwen's biases and head norms are the
-    /// CPU's for now.
+    /// The CUDA forward runs Llama and Mistral layers (Mistral's context stopped at its sliding
+    /// window); Qwen's biases and head norms are the CPU's for now.
     fn check_family(config: &LlamaConfig) -> Result<(), EngineError> {
         let f = config.family;
         if f.qkv_bias() || f.qk_norm() {
@@ -125,7 +125,18 @@ impl GpuLlama {
         block_size: usize,
         num_blocks: usize,
     ) -> Result<Self, EngineError> {
-        let c = config.clone();
+        let mut c = config.clone();
+        if let Some(w) = c.sliding_window.take() {
+            // The CUDA kernels attend to the whole context: within the window that is the
+            // model's sliding attention exactly, so the context stops at the window here.
+            if w < c.max_position_embeddings {
+                tracing::warn!(
+                    window = w,
+                    "the CUDA attention has no sliding window yet: the context stops at the window (the CPU backend serves the whole context)"
+                );
+                c.max_position_embeddings = w;
+            }
+        }
         let rope = RopeTable::new(
             &c.rope_inv_freq(),
             c.rope_position_scale(),

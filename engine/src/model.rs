@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 
 use rayon::prelude::*;
 use tandem_kernels::ops::{self, RopeTable};
-use tandem_kernels::{paged_attention, write_kv, KvLayout, Linear, SeqAttn, Weight};
+use tandem_kernels::{paged_attention, write_kv, AttnSpec, KvLayout, Linear, SeqAttn, Weight};
 
 use tandem_model::{get_tensor, LlamaConfig, LoadedModel, TensorData};
 
@@ -380,16 +380,12 @@ impl StepOps for CpuStep<'_> {
         let layout = self.kv.layout;
         let mut cache = self.kv.layer_mut(layer);
         write_kv(&mut cache, layout, &self.k, &self.v, &self.step.slots)?;
-        let scale = 1.0 / (hd as f32).sqrt();
-        paged_attention(
-            &self.q,
-            c.num_heads,
-            cache.as_ref(),
-            layout,
-            &self.attn,
-            scale,
-            out,
-        )?;
+        let spec = AttnSpec {
+            n_heads: c.num_heads,
+            scale: 1.0 / (hd as f32).sqrt(),
+            window: c.sliding_window,
+        };
+        paged_attention(&self.q, spec, cache.as_ref(), layout, &self.attn, out)?;
         Ok(())
     }
 
@@ -558,6 +554,7 @@ pub(crate) fn tiny_model(seed: u64) -> LlamaModel {
         rope_scaling: None,
         tie_word_embeddings: true,
         family: Default::default(),
+        sliding_window: None,
     };
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let mut tensors = BTreeMap::new();

@@ -170,17 +170,22 @@ fn qwen3_matches_hf() {
 }
 
 #[test]
-fn mistral_matches_hf_within_its_window_and_stops_its_context_there() {
-    // The window is 8 tokens: within it, full attention is the model's; the context stops at
-    // the window until sliding attention is built.
-    check("mistral", Some(8), false);
+fn mistral_matches_hf_with_its_sliding_window() {
+    // The window is 8 keys and the prompt 30 tokens: from position 8 on every row slides.
+    let r = reference("mistral");
+    assert!(
+        r.prompt_ids.len() > 3 * 8,
+        "the reference reaches past the window"
+    );
     for path in [
         family_dir("mistral"),
         family_dir("mistral").join("model.gguf"),
     ] {
         let loaded = tandem_model::load(&path).unwrap();
-        assert_eq!(loaded.config.max_position_embeddings, 8, "{path:?}");
+        assert_eq!(loaded.config.sliding_window, Some(8), "{path:?}");
+        assert!(loaded.config.max_position_embeddings > 8, "{path:?}");
     }
+    check("mistral", None, true);
 }
 
 #[test]

@@ -338,17 +338,40 @@ fn write_int8_row(data: &mut [i8], scale: &mut f32, run: Run, s: usize, x: &[f32
     }
 }
 
+/// What a layer's attention is, beyond the cache's layout.
+#[derive(Clone, Copy, Debug)]
+pub struct AttnSpec {
+    /// Number of query heads.
+    pub n_heads: usize,
+    /// Factor on every score (`1/sqrt(head_dim)` for these models).
+    pub scale: f32,
+    /// Sliding window: a query at position `p` sees the keys at `p + 1 - window ..= p` only.
+    /// `None`: every earlier key.
+    pub window: Option<usize>,
+}
+
+impl AttnSpec {
+    /// The first key a query at position `pos` sees.
+    fn first_key(&self, pos: usize) -> usize {
+        self.window.map_or(0, |w| (pos + 1).saturating_sub(w))
+    }
+}
+
 /// Causal attention of packed queries (rows × n_heads·head_dim) over the paged cache, into `out`
-/// (same shape as `q`). Grouped-query: query head h reads KV head h / (n_heads / kv_heads).
+/// (same shape as `q`), limited to the sliding window when `spec` has one. Grouped-query: query
+/// head h reads KV head h / (n_heads / kv_heads).
 pub fn paged_attention(
     q: &[f32],
-    n_heads: usize,
+    spec: AttnSpec,
     cache: KvSlab<'_>,
     layout: KvLayout,
     seqs: &[SeqAttn<'_>],
-    scale: f32,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
+    let n_heads = spec.n_heads;
+    if spec.window == Some(0) {
+        return Err(KernelError::Shape("a sliding window of 0 keys".into()));
+    }
     let hd = layout.head_dim;
     let width = n_heads * hd;
     if !n_heads.is_multiple_of(layout.num_kv_heads) {
@@ -391,7 +414,8 @@ pub fn paged_attention(
     // so each key and value row is read once for the whole tile. Long contexts with single rows
     // (decode) are split so every core has work; the splits' partial softmaxes are merged
     // afterwards (flash-decoding). Only single rows are split, so every slice holds at least one
-    // key each of its rows may see.
+    // key each of its rows may see. With a sliding window a tile's keys start at its first row's
+    // first key; the later rows mask the keys below their own.
     let kvh_n = layout.num_kv_heads;
     let tile = (KEYS_T_TILE / group).max(1);
     let target = 4 * rayon::current_num_threads();
@@ -401,23 +425,27 @@ pub fn paged_attention(
     for (si, s) in seqs.iter().enumerate() {
         for i0 in (0..s.q_len).step_by(tile) {
             let rows = tile.min(s.q_len - i0);
-            let n_ctx = s.context_len - s.q_len + i0 + rows;
+            let first_pos = s.context_len - s.q_len + i0;
+            let (lo, hi) = (spec.first_key(first_pos), first_pos + rows);
             let splits = if pairs >= target || rows > 1 {
                 1
             } else {
-                target.div_ceil(pairs).min(n_ctx.div_ceil(MIN_SPLIT)).max(1)
+                target
+                    .div_ceil(pairs)
+                    .min((hi - lo).div_ceil(MIN_SPLIT))
+                    .max(1)
             };
-            let len = n_ctx.div_ceil(splits);
+            let len = (hi - lo).div_ceil(splits);
             for kvh in 0..kvh_n {
-                for j0 in (0..n_ctx).step_by(len) {
+                for j0 in (lo..hi).step_by(len) {
                     items.push(Item {
                         row: s.q_start + i0,
                         rows,
-                        first_pos: s.context_len - s.q_len + i0,
+                        first_pos,
                         seq: si,
                         kvh,
                         j0,
-                        j1: (j0 + len).min(n_ctx),
+                        j1: (j0 + len).min(hi),
                     });
                 }
             }
@@ -433,7 +461,7 @@ pub fn paged_attention(
                 let at = r * width + it.kvh * gw;
                 qt.extend_from_slice(&q[at..at + gw]);
             }
-            attend_tile(&qt, &cache, layout, &seqs[it.seq], it, scale)
+            attend_tile(&qt, &cache, layout, &seqs[it.seq], it, spec)
         })
         .collect();
     // Rows without a sequence stay zero; the others are overwritten by the merge below.
@@ -479,7 +507,7 @@ struct Item {
 
 /// Softmax attention of a tile's `nq` query vectors (`qt`, nq×hd; vector `r·g + h` is head `h`
 /// of the tile's row `r`) over keys `j0..j1` of one KV head, each row masked causally at its own
-/// position. Returns, per vector, the running max, the sum of exponentials and the unnormalized
+/// position (and below its window's first key). Returns, per vector, the running max, the sum of exponentials and the unnormalized
 /// output (`nq × (2 + hd)` values: maxes, then sums, then outputs).
 fn attend_tile(
     qt: &[f32],
@@ -487,9 +515,9 @@ fn attend_tile(
     layout: KvLayout,
     s: &SeqAttn<'_>,
     it: &Item,
-    scale: f32,
+    spec: AttnSpec,
 ) -> Vec<f32> {
-    let (hd, bs) = (layout.head_dim, layout.block_size);
+    let (hd, bs, scale) = (layout.head_dim, layout.block_size, spec.scale);
     let nq = qt.len() / hd;
     let g = nq / it.rows;
     let n = it.j1 - it.j0;
@@ -519,12 +547,16 @@ fn attend_tile(
             &mut scratch,
         );
     }
-    // Causal mask: row r sees keys up to its own position.
+    // Causal mask: row r sees keys up to its own position, and from its window's first key.
     for r in 0..it.rows {
-        let first_masked = (it.first_pos + r + 1).max(it.j0);
-        if first_masked < it.j1 {
-            for v in r * g..(r + 1) * g {
-                scores[v * n + first_masked - it.j0..(v + 1) * n].fill(f32::NEG_INFINITY);
+        let pos = it.first_pos + r;
+        let first_masked = (pos + 1).max(it.j0);
+        let first_seen = spec.first_key(pos).clamp(it.j0, it.j1);
+        for v in r * g..(r + 1) * g {
+            let row = &mut scores[v * n..(v + 1) * n];
+            row[..first_seen - it.j0].fill(f32::NEG_INFINITY);
+            if first_masked < it.j1 {
+                row[first_masked - it.j0..].fill(f32::NEG_INFINITY);
             }
         }
     }
@@ -607,16 +639,17 @@ fn merge_parts(parts: &[Vec<f32>], nq: usize, v0: usize, g: usize, hd: usize, o:
 }
 
 /// Plain attention over contiguous K/V (context × kv_heads·head_dim) for `q_len` queries that are
-/// the last of the context. The reference the paged kernel is tested against.
+/// the last of the context, within `spec`'s window. The reference the paged kernel is tested
+/// against.
 pub fn reference_attention(
     q: &[f32],
-    n_heads: usize,
+    spec: AttnSpec,
     k: &[f32],
     v: &[f32],
     num_kv_heads: usize,
     head_dim: usize,
-    scale: f32,
 ) -> Vec<f32> {
+    let (n_heads, scale) = (spec.n_heads, spec.scale);
     let width = n_heads * head_dim;
     let kw = num_kv_heads * head_dim;
     let q_len = q.len() / width;
@@ -625,10 +658,11 @@ pub fn reference_attention(
     let mut out = vec![0f32; q.len()];
     for i in 0..q_len {
         let n = ctx - q_len + i + 1;
+        let first = spec.first_key(n - 1);
         for h in 0..n_heads {
             let kvh = h / group;
             let qh = &q[i * width + h * head_dim..i * width + (h + 1) * head_dim];
-            let s: Vec<f64> = (0..n)
+            let s: Vec<f64> = (first..n)
                 .map(|j| {
                     let kj = &k[j * kw + kvh * head_dim..j * kw + (kvh + 1) * head_dim];
                     qh.iter()
@@ -642,8 +676,8 @@ pub fn reference_attention(
             let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
             let z: f64 = e.iter().sum();
             for d in 0..head_dim {
-                let acc: f64 = (0..n)
-                    .map(|j| e[j] / z * v[j * kw + kvh * head_dim + d] as f64)
+                let acc: f64 = (first..n)
+                    .map(|j| e[j - first] / z * v[j * kw + kvh * head_dim + d] as f64)
                     .sum();
                 out[i * width + h * head_dim + d] = acc as f32;
             }
@@ -661,7 +695,8 @@ mod tests {
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(48))]
         /// Attention over a scattered block table equals attention over the same K/V laid out
-        /// contiguously: random shapes, GQA ratios, block sizes, prefix lengths, several sequences.
+        /// contiguously: random shapes, GQA ratios, block sizes, prefix lengths, several
+        /// sequences, with and without a sliding window (shorter and longer than the contexts).
         #[test]
         fn paged_equals_contiguous(
             seed in any::<u64>(),
@@ -671,6 +706,7 @@ mod tests {
             block_size in prop::sample::select(vec![1usize, 2, 4, 16]),
             lens in prop::collection::vec((1usize..40, 0usize..40), 1..4),
             dtype in 0usize..3,
+            window in prop::option::of(1usize..90),
         ) {
             let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
             let hd = 1usize << hd_pow;
@@ -714,20 +750,20 @@ mod tests {
                 seqs.push(SeqAttn { q_start: start, q_len: new, context_len: new + prefix, block_table: &tables[i] });
                 start += new;
             }
-            let scale = 1.0 / (hd as f32).sqrt();
+            let spec = AttnSpec { n_heads, scale: 1.0 / (hd as f32).sqrt(), window };
             let mut out = vec![0f32; q_all.len()];
             let slab = match dtype {
                 0 => KvSlab::F32(&cache),
                 1 => KvSlab::F16(&hcache),
                 _ => KvSlab::Int8 { data: &qcache, scales: &scales },
             };
-            paged_attention(&q_all, n_heads, slab, layout, &seqs, scale, &mut out).unwrap();
+            paged_attention(&q_all, spec, slab, layout, &seqs, &mut out).unwrap();
             // f16: each value within 2^-11 of the original, relatively; int8: within half a step
             // (absmax/254).
             let tol = [1e-4, 3e-3, 2e-2][dtype];
             let mut off = 0;
             for (q, k, v) in &contiguous {
-                let want = reference_attention(q, n_heads, k, v, kv_heads, hd, scale);
+                let want = reference_attention(q, spec, k, v, kv_heads, hd);
                 for (a, b) in out[off..off + q.len()].iter().zip(&want) {
                     prop_assert!((a - b).abs() < tol, "{} vs {}", a, b);
                 }
@@ -798,7 +834,12 @@ mod tests {
             context_len: 1,
             block_table: &table,
         }];
-        assert!(paged_attention(&q, 1, KvSlab::F32(&cache), layout, &s, 1.0, &mut out).is_err());
+        let spec = AttnSpec {
+            n_heads: 1,
+            scale: 1.0,
+            window: None,
+        };
+        assert!(paged_attention(&q, spec, KvSlab::F32(&cache), layout, &s, &mut out).is_err());
         let table = [0u32];
         let s = [SeqAttn {
             q_start: 0,
@@ -806,6 +847,55 @@ mod tests {
             context_len: 3,
             block_table: &table,
         }];
-        assert!(paged_attention(&q, 1, KvSlab::F32(&cache), layout, &s, 1.0, &mut out).is_err());
+        assert!(paged_attention(&q, spec, KvSlab::F32(&cache), layout, &s, &mut out).is_err());
+        let table = [0u32];
+        let s = [SeqAttn {
+            q_start: 0,
+            q_len: 1,
+            context_len: 1,
+            block_table: &table,
+        }];
+        let empty = AttnSpec {
+            window: Some(0),
+            ..spec
+        };
+        let err = paged_attention(&q, empty, KvSlab::F32(&cache), layout, &s, &mut out);
+        assert!(err.unwrap_err().to_string().contains("window of 0"));
+    }
+
+    /// A window of one key: each row's output is its own value row, however long the context and
+    /// whichever way the work is split.
+    #[test]
+    fn a_window_of_one_key_returns_each_rows_own_value() {
+        let layout = KvLayout {
+            block_size: 4,
+            num_kv_heads: 1,
+            head_dim: 2,
+        };
+        let ctx = 300usize;
+        let mut cache = vec![0f32; ctx.div_ceil(4) * layout.block_floats()];
+        let k: Vec<f32> = (0..ctx * 2).map(|i| (i % 7) as f32 - 3.0).collect();
+        let v: Vec<f32> = (0..ctx * 2).map(|i| i as f32).collect();
+        let slots: Vec<usize> = (0..ctx).collect();
+        write_kv(&mut KvSlabMut::F32(&mut cache), layout, &k, &v, &slots).unwrap();
+        let table: Vec<u32> = (0..ctx.div_ceil(4) as u32).collect();
+        let spec = AttnSpec {
+            n_heads: 1,
+            scale: 1.0,
+            window: Some(1),
+        };
+        for q_len in [1, 5] {
+            let q = vec![1f32; q_len * 2];
+            let mut out = vec![0f32; q_len * 2];
+            let s = [SeqAttn {
+                q_start: 0,
+                q_len,
+                context_len: ctx,
+                block_table: &table,
+            }];
+            paged_attention(&q, spec, KvSlab::F32(&cache), layout, &s, &mut out).unwrap();
+            let want = &v[(ctx - q_len) * 2..];
+            assert_eq!(out, want, "{q_len} rows");
+        }
     }
 }

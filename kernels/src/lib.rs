@@ -30,7 +30,7 @@ mod simd;
 mod weight;
 
 pub use attention::{
-    paged_attention, reference_attention, write_kv, KvLayout, KvSlab, KvSlabMut, SeqAttn,
+    paged_attention, reference_attention, write_kv, AttnSpec, KvLayout, KvSlab, KvSlabMut, SeqAttn,
 };
 pub use matmul::matmul;
 pub use simd::fma_burst;

@@ -71,6 +71,17 @@ impl Family {
     pub fn qk_norm(self) -> bool {
         self == Self::Qwen3
     }
+
+    /// What a sliding window in the config becomes: `(window every layer slides, cap on the
+    /// context)`. Mistral slides every layer. Qwen's optional window covers only its upper layers,
+    /// which is not built: the context stops at the window instead, within which full attention
+    /// and the window agree.
+    fn window(self, window: Option<usize>) -> (Option<usize>, Option<usize>) {
+        match self {
+            Self::Mistral | Self::Llama => (window, None),
+            Self::Qwen2 | Self::Qwen3 => (None, window),
+        }
+    }
 }
 
 /// The dimensions and settings of a Llama-family model: what its weights' shapes and the forward
@@ -91,7 +102,7 @@ pub struct LlamaConfig {
     pub head_dim: usize,
     /// Number of token ids the embedding and the output head cover.
     pub vocab_size: usize,
-    /// The context the model supports (capped by a sliding window when the model has one).
+    /// The context the model supports.
     pub max_position_embeddings: usize,
     /// Epsilon added to the mean square in every RMS norm.
     pub rms_norm_eps: f32,
@@ -103,6 +114,9 @@ pub struct LlamaConfig {
     pub tie_word_embeddings: bool,
     /// The family, and with it the layer's extra parts (biases, head norms).
     pub family: Family,
+    /// Mistral's sliding window: every layer's query at position `p` attends to the keys at
+    /// `p + 1 - window ..= p` only. `None`: to every earlier key.
+    pub sliding_window: Option<usize>,
 }
 
 impl LlamaConfig {
@@ -114,6 +128,7 @@ impl LlamaConfig {
             || self.num_kv_heads == 0
             || self.num_layers == 0
             || self.hidden_size == 0
+            || self.sliding_window == Some(0)
         {
             return bad(format!("zero-sized dimension in {self:?}"));
         }
@@ -212,6 +227,7 @@ impl LlamaConfig {
                 })?,
         };
         let f = |k: &str| g.get(&key(k)).and_then(|v| v.as_f64());
+        let (sliding_window, capped_window) = family.window(req("attention.sliding_window").ok());
         let rope_scaling = match g.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
             Some("linear") => Some(RopeScaling::Linear {
                 factor: f("rope.scaling.factor").unwrap_or(1.0) as f32,
@@ -227,17 +243,16 @@ impl LlamaConfig {
             num_kv_heads,
             head_dim,
             vocab_size,
-            // Attention here sees the whole context: with a sliding window the context stops at
-            // the window, within which the two are the same.
             max_position_embeddings: req("context_length")
                 .unwrap_or(4096)
-                .min(req("attention.sliding_window").unwrap_or(usize::MAX)),
+                .min(capped_window.unwrap_or(usize::MAX)),
             rms_norm_eps: f("attention.layer_norm_rms_epsilon").unwrap_or(1e-5) as f32,
             rope_theta: f("rope.freq_base").unwrap_or(10000.0) as f32,
             rope_scaling,
             // A GGUF without output.weight ties the head to the embedding; the loader decides.
             tie_word_embeddings: g.tensor(&crate::TensorName::Output.canonical()).is_none(),
             family,
+            sliding_window,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -262,6 +277,7 @@ impl LlamaConfig {
             Family::Qwen2 | Family::Qwen3 if c.use_sliding_window != Some(true) => None,
             _ => c.sliding_window,
         };
+        let (sliding_window, capped_window) = family.window(window);
 
         let num_kv_heads = c.num_key_value_heads.unwrap_or(c.num_attention_heads);
         let head_dim = c
@@ -307,12 +323,10 @@ impl LlamaConfig {
                 }
             }
         };
-        let mut max_pos = c.max_position_embeddings.unwrap_or(4096);
-        if let Some(w) = window {
-            // Attention here sees the whole context; within the window that is the model's
-            // sliding attention exactly, beyond it it would not be: the context stops there.
-            max_pos = max_pos.min(w);
-        }
+        let max_pos = c
+            .max_position_embeddings
+            .unwrap_or(4096)
+            .min(capped_window.unwrap_or(usize::MAX));
         let cfg = Self {
             hidden_size: c.hidden_size,
             intermediate_size: c.intermediate_size,
@@ -327,6 +341,7 @@ impl LlamaConfig {
             rope_scaling,
             tie_word_embeddings: c.tie_word_embeddings.unwrap_or(false),
             family,
+            sliding_window,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -375,6 +390,34 @@ mod tests {
         assert_eq!(f.len(), 32);
         assert_eq!(f[0], 1.0);
         assert!((f[1] - 100000f32.powf(-2.0 / 64.0)).abs() < 1e-9);
+    }
+
+    /// Mistral slides every layer over the whole context; Qwen's window (its upper layers only)
+    /// is served as a context that stops at the window, and only when the config turns it on.
+    #[test]
+    fn sliding_windows_slide_or_cap_by_family() {
+        let cfg = |ty: &str, extra: &str| {
+            LlamaConfig::from_hf_json(&format!(
+                r#"{{"model_type":"{ty}","hidden_size":8,"intermediate_size":8,"num_hidden_layers":1,
+                "num_attention_heads":2,"vocab_size":10,"max_position_embeddings":64,
+                "sliding_window":16{extra}}}"#
+            ))
+            .unwrap()
+        };
+        let m = cfg("mistral", "");
+        assert_eq!(
+            (m.sliding_window, m.max_position_embeddings),
+            (Some(16), 64)
+        );
+        let q = cfg("qwen2", "");
+        assert_eq!((q.sliding_window, q.max_position_embeddings), (None, 64));
+        let q = cfg("qwen2", r#","use_sliding_window":true"#);
+        assert_eq!((q.sliding_window, q.max_position_embeddings), (None, 16));
+        assert!(LlamaConfig::from_hf_json(
+            r#"{"model_type":"mistral","hidden_size":8,"intermediate_size":8,"num_hidden_layers":1,
+            "num_attention_heads":2,"vocab_size":10,"sliding_window":0}"#
+        )
+        .is_err());
     }
 
     #[test]

@@ -257,6 +257,7 @@ mod tests {
             rope_scaling: None,
             tie_word_embeddings: false,
             family: Family::Llama,
+            sliding_window: None,
         };
         let all = TensorName::required(&c);
         assert_eq!(all.len(), 3 + 2 * 9);

@@ -63,6 +63,7 @@ impl TokenCache {
                 rope_scaling: None,
                 tie_word_embeddings: true,
                 family: Default::default(),
+                sliding_window: None,
             },
             block_size,
             slots: vec![None; num_blocks * block_size],
