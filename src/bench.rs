@@ -14,9 +14,13 @@ use crate::{bench_serve, fetch, EngineArgs};
 pub enum BenchCommand {
     /// Engine throughput (prefill, decode) next to this machine's measured roofline.
     Engine(BenchEngineArgs),
-    /// Load a router with streamed completions: TTFT, inter-token and end-to-end latency,
-    /// output tokens/s (a local cluster against the engine alone when no --url is given).
-    Serve(bench_serve::BenchServeArgs),
+    /// Load an OpenAI-compatible server (or two side by side) with a dataset and an arrival
+    /// process: TTFT, inter-token, TPOT and end-to-end percentiles, throughput, goodput, the
+    /// servers' own counters, an HTML report (a local cluster against the engine alone when no
+    /// --url is given).
+    Serve(Box<bench_serve::BenchServeArgs>),
+    /// Serve a coordinator's share of a distributed load (`bench serve --agents`).
+    Agent(bench_serve::BenchAgentArgs),
     /// KV transfer throughput over loopback against a plain TCP copy of the same bytes.
     KvTransfer(BenchKvArgs),
     /// GPU figures for a Llama-3-8B-shaped model with random bf16 weights: copy bandwidth, bf16
@@ -397,7 +401,8 @@ fn bench_constrained(
 pub fn run(what: BenchCommand) -> Result<()> {
     match what {
         BenchCommand::Engine(a) => bench_engine(a),
-        BenchCommand::Serve(a) => bench_serve::run(a),
+        BenchCommand::Serve(a) => bench_serve::run(*a),
+        BenchCommand::Agent(a) => bench_serve::run_agent(a),
         BenchCommand::KvTransfer(a) => bench_kv(a),
         BenchCommand::Gpu(a) => bench_gpu(a),
     }

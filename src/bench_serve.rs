@@ -1,17 +1,24 @@
-//! `tandem bench serve`: load a router and report latency percentiles and throughput.
+//! `tandem bench serve`: load one OpenAI-compatible server, or two side by side, with a chosen
+//! dataset and arrival process, from this process or from load agents (`tandem bench agent`),
+//! and report latency percentiles, throughput and goodput (text, JSON, CSV, per-request records,
+//! an HTML report with plots).
 //!
-//! With `--url`, it loads that router. Without, it measures the serving stack's overhead on this
-//! machine: first the requests go straight into an engine in this process (the baseline), then
-//! the same requests go through a router and one decode worker started here as child processes
-//! with the same engine flags; it prints both, their throughput ratio, and the router's CPU time
-//! per streamed token (from /proc).
+//! Without `--url` it measures the serving stack's overhead on this machine: a router and one
+//! decode worker started here as child processes against an engine in this process with the
+//! same flags, the same requests to each, alternating for `--rounds` rounds.
 
+use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
-use tandem_bench::serve::{run_engine, run_http, LoadSpec, ServeReport};
+use tandem_bench::load::dataset::{Dataset, DatasetSpec, LenDist};
+use tandem_bench::load::measure::Slo;
+use tandem_bench::load::run::{HttpTarget, Plan, Target};
+use tandem_bench::load::schedule::{Arrival, Bound, Shape};
+use tandem_bench::load::{agent, execute, report, Bench, Report, Sweep};
 use tandem_engine::{EngineError, EngineHandle};
 
 use crate::up::{
@@ -22,70 +29,154 @@ use crate::{fetch, EngineArgs};
 
 #[derive(Args)]
 pub struct BenchServeArgs {
-    /// Router to load (http://host:port). Without it: a local router + decode worker, measured
+    /// Server to load (http://host:port). Without it: a local router + decode worker, measured
     /// against the engine alone.
     #[arg(long)]
     url: Option<String>,
-    /// Model name to send (default: the router's first).
+    /// A second server to run the same schedule against, alternating rounds; ratios are the
+    /// first over the second.
+    #[arg(long)]
+    compare: Option<String>,
+    /// Model name to send (default: the server's first).
     #[arg(long)]
     served_model: Option<String>,
-    #[arg(long, default_value_t = 64)]
-    requests: usize,
-    /// Requests in flight at once (closed loop).
-    #[arg(long, default_value_t = 64)]
-    concurrency: usize,
-    /// Open loop instead: Poisson arrivals at this many requests/s.
+    /// Model name to send to --compare (default: its first).
+    #[arg(long)]
+    compare_model: Option<String>,
+    /// Requests to send (multi-turn: conversations), warmup included. Default 64 unless
+    /// --duration bounds the run.
+    #[arg(long)]
+    requests: Option<usize>,
+    /// Stop sending after this many seconds.
+    #[arg(long)]
+    duration: Option<f64>,
+    /// The first N requests are sent but not measured.
+    #[arg(long, default_value_t = 0)]
+    warmup: usize,
+    /// Requests in flight at once (closed loop; the default, at 64). With --rate: a cap.
+    #[arg(long)]
+    concurrency: Option<usize>,
+    /// Open loop instead: this many requests/s.
     #[arg(long)]
     rate: Option<f64>,
-    #[arg(long, default_value_t = 128)]
-    prompt_len: usize,
-    #[arg(long, default_value_t = 128)]
-    gen_len: usize,
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
-    /// Mixed workload: every k-th request is a long prompt with a short answer (0: none).
+    /// The open loop's arrivals: poisson, gamma:SHAPE or constant.
+    #[arg(long, default_value = "poisson")]
+    arrival: Arrival,
+    /// Ramp the rate up linearly from 0 over this many seconds.
+    #[arg(long)]
+    ramp: Option<f64>,
+    /// Run at several points: rate:R1,R2,... or concurrency:C1,C2,...; stops when goodput falls.
+    #[arg(long)]
+    sweep: Option<Sweep>,
+    /// random, shared-prefix, multi-turn, sharegpt:FILE or trace:FILE (Mooncake JSONL).
+    #[arg(long, default_value = "random")]
+    dataset: String,
+    /// Prompt tokens (random), question tokens (shared-prefix) or tokens per message
+    /// (multi-turn): N, A-B or normal:MEAN:STD.
+    #[arg(long, default_value = "128")]
+    prompt_len: LenDist,
+    /// Output tokens: N, A-B or normal:MEAN:STD.
+    #[arg(long, default_value = "128")]
+    gen_len: LenDist,
+    /// shared-prefix: distinct system prompts.
+    #[arg(long, default_value_t = 4)]
+    prefixes: usize,
+    /// shared-prefix: questions per system prompt.
+    #[arg(long, default_value_t = 16)]
+    questions: usize,
+    /// shared-prefix: tokens of a system prompt.
+    #[arg(long, default_value_t = 512)]
+    prefix_len: usize,
+    /// multi-turn: turns per conversation.
+    #[arg(long, default_value_t = 4)]
+    turns: usize,
+    /// trace: replay this many times faster than recorded.
+    #[arg(long, default_value_t = 1.0)]
+    trace_speedup: f64,
+    /// random: every k-th request is a long prompt with a short answer (0: none).
     #[arg(long, default_value_t = 0)]
     long_every: usize,
     #[arg(long, default_value_t = 2048)]
     long_prompt_len: usize,
     #[arg(long, default_value_t = 8)]
     long_gen_len: usize,
-    /// One JSON line per run instead of a table.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Goodput targets: ttft=MS,itl=MS,e2e=MS (any of them; itl is a request's mean gap).
+    #[arg(long)]
+    slo: Option<Slo>,
+    /// Runs per point and target. Default 1 with --url, 3 without.
+    #[arg(long)]
+    rounds: Option<usize>,
+    /// Load agents (host:port of `tandem bench agent`), comma-separated: each sends its share.
+    #[arg(long, value_delimiter = ',')]
+    agents: Vec<String>,
+    /// An agent silent this many seconds is reported lost.
+    #[arg(long, default_value_t = 30.0)]
+    agent_silence: f64,
+    /// More /metrics URLs of the first server's cluster (its workers), read before and after.
+    #[arg(long = "metrics-url")]
+    metrics_urls: Vec<String>,
+    /// A request that receives nothing for this many seconds fails as a stall.
+    #[arg(long, default_value_t = 120.0)]
+    stall_timeout: f64,
+    /// One JSON line per run (and the ratios) instead of a table.
     #[arg(long)]
     json: bool,
-    /// Without --url: rounds of engine-then-cluster, alternating (the ratio is their median).
-    #[arg(long, default_value_t = 3)]
-    rounds: usize,
+    /// Write an HTML report with plots.
+    #[arg(long)]
+    report: Option<PathBuf>,
+    /// Write one CSV row per run.
+    #[arg(long)]
+    csv: Option<PathBuf>,
+    /// Write every request's record as JSON lines.
+    #[arg(long)]
+    save_requests: Option<PathBuf>,
+    /// No progress line on stderr.
+    #[arg(long)]
+    quiet: bool,
     #[command(flatten)]
     engine: EngineArgs,
 }
 
-fn print(r: &ServeReport, json: bool) -> Result<()> {
-    if json {
-        println!("{}", serde_json::to_string(r)?);
-    } else {
-        println!(
-            "{:<22} {:>4} req ({} failed)  {:>8.1} out tok/s  wall {:>6.1} s  ttft p50/p99 {:>7.1}/{:>7.1} ms  itl p50/p99 {:>6.1}/{:>6.1} ms  e2e p50/p99 {:>7.0}/{:>7.0} ms",
-            r.target, r.requests, r.errors, r.output_tok_s, r.wall_s, r.ttft_ms_p50, r.ttft_ms_p99,
-            r.itl_ms_p50, r.itl_ms_p99, r.e2e_ms_p50, r.e2e_ms_p99
-        );
-        if let (Some(a), Some(b), Some(m), Some(c), Some(d)) = (
-            r.short_itl_ms_p50,
-            r.short_itl_ms_p99,
-            r.short_itl_ms_max,
-            r.long_ttft_ms_p50,
-            r.long_ttft_ms_p99,
-        ) {
-            println!(
-                "{:<22} short requests' itl p50/p99/max {a:>6.1}/{b:>6.1}/{m:>7.1} ms  long prompts' ttft p50/p99 {c:>7.1}/{d:>7.1} ms",
-                ""
-            );
-        }
-        if let Some(e) = &r.first_error {
-            println!("  first error: {e}");
-        }
+#[derive(Args)]
+pub struct BenchAgentArgs {
+    /// Address to serve the coordinator on.
+    #[arg(long, default_value = "0.0.0.0:7800")]
+    listen: SocketAddr,
+    /// The model file whose tokenizer writes text prompts (multi-turn, ShareGPT lengths).
+    #[arg(long)]
+    model: Option<PathBuf>,
+}
+
+/// Prints where it listens, then serves coordinators until stopped.
+pub fn run_agent(a: BenchAgentArgs) -> Result<()> {
+    let tokenizer = match &a.model {
+        Some(p) => Some(tandem_model::load_text(p)?.tokenizer),
+        None => None,
+    };
+    let rt = tokio::runtime::Runtime::new()?;
+    rt.block_on(async {
+        let listener = tokio::net::TcpListener::bind(a.listen)
+            .await
+            .with_context(|| format!("binding {}", a.listen))?;
+        println!("bench agent listening on {}", listener.local_addr()?);
+        agent::serve(listener, tokenizer, crate::serve::shutdown_signal()).await?;
+        Ok(())
+    })
+}
+
+async fn model_name(url: &str, given: &Option<String>) -> Result<String> {
+    if let Some(m) = given {
+        return Ok(m.clone());
     }
-    Ok(())
+    let v: serde_json::Value = reqwest::get(format!("{url}/v1/models"))
+        .await
+        .with_context(|| format!("{url}/v1/models"))?
+        .json()
+        .await
+        .with_context(|| format!("{url}/v1/models"))?;
+    Ok(v["data"][0]["id"].as_str().unwrap_or("").to_string())
 }
 
 /// user + system CPU seconds of a process so far.
@@ -100,63 +191,217 @@ fn cpu_seconds(pid: u32) -> Result<f64> {
     Ok(ticks / hz)
 }
 
-async fn model_name(url: &str, given: &Option<String>) -> Result<String> {
-    if let Some(m) = given {
-        return Ok(m.clone());
+impl BenchServeArgs {
+    fn dataset_spec(&self) -> Result<DatasetSpec> {
+        let spec: DatasetSpec = self.dataset.parse().map_err(anyhow::Error::msg)?;
+        Ok(match spec {
+            DatasetSpec::Random { .. } => DatasetSpec::Random {
+                input: self.prompt_len,
+                output: self.gen_len,
+                long_every: self.long_every,
+                long_input: self.long_prompt_len,
+                long_output: self.long_gen_len,
+            },
+            DatasetSpec::SharedPrefix { .. } => DatasetSpec::SharedPrefix {
+                prefixes: self.prefixes,
+                questions: self.questions,
+                prefix_len: self.prefix_len,
+                question_len: self.prompt_len,
+                output: self.gen_len,
+            },
+            DatasetSpec::MultiTurn { .. } => DatasetSpec::MultiTurn {
+                turns: self.turns,
+                input: self.prompt_len,
+                output: self.gen_len,
+            },
+            other => other,
+        })
     }
-    let v: serde_json::Value = reqwest::get(format!("{url}/v1/models"))
-        .await
-        .with_context(|| format!("{url}/v1/models"))?
-        .json()
-        .await?;
-    Ok(v["data"][0]["id"].as_str().unwrap_or("").to_string())
+
+    fn plan(&self, dataset: &Dataset) -> Result<Plan> {
+        let trace = dataset.trace_times(self.trace_speedup);
+        let requests = match (self.requests, self.duration, dataset.len()) {
+            (Some(n), _, _) => Some(n),
+            (None, None, Some(len)) => Some(len),
+            (None, None, None) => Some(64),
+            (None, Some(_), _) => None,
+        };
+        let shape = match (self.rate, &trace) {
+            (Some(_), Some(_)) => bail!("a trace brings its own arrival times: leave out --rate"),
+            (Some(rate), None) => {
+                if rate <= 0.0 {
+                    bail!("--rate must be positive");
+                }
+                Shape::Open {
+                    rate,
+                    arrival: self.arrival,
+                    ramp: self.ramp.map(Duration::from_secs_f64),
+                    max_in_flight: self.concurrency,
+                }
+            }
+            (None, Some(_)) => Shape::Open {
+                rate: 1.0,
+                arrival: Arrival::Constant,
+                ramp: None,
+                max_in_flight: self.concurrency,
+            },
+            (None, None) => Shape::Closed {
+                concurrency: self.concurrency.unwrap_or(64).max(1),
+            },
+        };
+        Ok(Plan {
+            shape,
+            bound: Bound {
+                requests,
+                duration: self.duration.map(Duration::from_secs_f64),
+            },
+            warmup: self.warmup,
+            seed: self.seed,
+            stall: Duration::from_secs_f64(self.stall_timeout),
+            times: trace,
+        })
+    }
+
+    fn describe(&self, plan: &Plan) -> String {
+        let shape = match &plan.shape {
+            Shape::Closed { concurrency } => format!("closed loop, {concurrency} in flight"),
+            Shape::Open {
+                rate,
+                arrival,
+                ramp,
+                ..
+            } if plan.times.is_none() => format!(
+                "open loop, {rate} req/s {arrival:?}{}",
+                ramp.map_or(String::new(), |r| format!(" ramped over {r:?}"))
+            ),
+            Shape::Open { .. } => format!("trace arrivals ({}x)", self.trace_speedup),
+        };
+        let bound = match (plan.bound.requests, plan.bound.duration) {
+            (Some(n), Some(d)) => format!("{n} requests or {d:?}"),
+            (Some(n), None) => format!("{n} requests"),
+            (None, Some(d)) => format!("{d:?}"),
+            (None, None) => String::new(),
+        };
+        format!(
+            "dataset {} (prompt {:?}, output {:?}, seed {}); {shape}; {bound}, {} warmup{}{}",
+            self.dataset,
+            self.prompt_len,
+            self.gen_len,
+            self.seed,
+            self.warmup,
+            self.sweep
+                .as_ref()
+                .map_or(String::new(), |s| format!("; sweep {s:?}")),
+            self.slo.map_or(String::new(), |s| format!("; SLO {s:?}")),
+        )
+    }
+}
+
+fn write_outputs(a: &BenchServeArgs, r: &Report) -> Result<()> {
+    if a.json {
+        for run in &r.runs {
+            let mut v = serde_json::to_value(&run.summary)?;
+            v["target"] = run.target.clone().into();
+            v["point"] = run.point.into();
+            v["round"] = (run.round + 1).into();
+            v["server"] = serde_json::to_value(&run.server)?;
+            v["lost_agents"] = serde_json::to_value(&run.lost_agents)?;
+            println!("{v}");
+        }
+        if !r.ratios.is_empty() {
+            println!(
+                "{}",
+                serde_json::json!({"ratios": r.ratios, "targets": r.targets})
+            );
+        }
+    } else {
+        print!("{}", report::text(r));
+    }
+    if let Some(p) = &a.report {
+        let html = report::html(r).map_err(|e| anyhow::anyhow!("plotting: {e}"))?;
+        std::fs::write(p, html).with_context(|| format!("writing {}", p.display()))?;
+        eprintln!("report: {}", p.display());
+    }
+    if let Some(p) = &a.csv {
+        std::fs::write(p, report::csv(r)).with_context(|| format!("writing {}", p.display()))?;
+    }
+    if let Some(p) = &a.save_requests {
+        std::fs::write(p, report::requests_jsonl(r))
+            .with_context(|| format!("writing {}", p.display()))?;
+    }
+    let lost: usize = r.runs.iter().map(|x| x.lost_agents.len()).sum();
+    if lost > 0 {
+        bail!("{lost} agent run(s) were lost: their shares are missing from the results");
+    }
+    Ok(())
 }
 
 pub fn run(a: BenchServeArgs) -> Result<()> {
-    let spec = LoadSpec {
-        requests: a.requests,
-        concurrency: a.concurrency,
-        rate: a.rate,
-        prompt_len: a.prompt_len,
-        gen_len: a.gen_len,
-        seed: a.seed,
-        long_every: a.long_every,
-        long_prompt_len: a.long_prompt_len,
-        long_gen_len: a.long_gen_len,
-    };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
+    // Prompt ids must lie in the served model's vocabulary, and text needs its tokenizer: read
+    // them from the model file.
+    let path = match &a.engine.model {
+        Some(p) => p.clone(),
+        None => fetch::ensure_default_model()?,
+    };
+    let loaded =
+        tandem_model::load_text(&path).with_context(|| format!("reading {}", path.display()))?;
+    let vocab = loaded.config.vocab_size as u32;
+    let spec = a.dataset_spec()?;
+    let dataset = Dataset::new(spec.clone(), a.seed, vocab, Some(loaded.tokenizer.clone()))?;
+    let plan = a.plan(&dataset)?;
+    let description = a.describe(&plan);
+    let bench = Bench {
+        dataset_spec: spec,
+        dataset_seed: a.seed,
+        vocab,
+        dataset,
+        plan,
+        slo: a.slo.unwrap_or_default(),
+        sweep: a.sweep.clone(),
+        rounds: a.rounds.unwrap_or(if a.url.is_some() { 1 } else { 3 }),
+        agents: a.agents.clone(),
+        metrics: a.metrics_urls.clone(),
+        progress: !a.quiet,
+        agent_silence: Duration::from_secs_f64(a.agent_silence),
+    };
+    let in_flight = a.concurrency.unwrap_or(256);
     if let Some(url) = &a.url {
         let url = url.trim_end_matches('/').to_string();
-        // Prompt ids must lie in the served model's vocabulary: read it from the model file.
-        let path = match &a.engine.model {
-            Some(p) => p.clone(),
-            None => fetch::ensure_default_model()?,
-        };
-        let vocab = tandem_model::load_text(&path)
-            .with_context(|| format!("reading {}", path.display()))?
-            .config
-            .vocab_size as u32;
         return rt.block_on(async {
-            let model = model_name(&url, &a.served_model).await?;
-            let r = run_http(&url, &model, &spec, vocab).await;
-            print(&r, a.json)
+            let mut targets = vec![Target::Http(HttpTarget::new(
+                &url,
+                &model_name(&url, &a.served_model).await?,
+                in_flight,
+            ))];
+            if let Some(other) = &a.compare {
+                let other = other.trim_end_matches('/').to_string();
+                let model = model_name(&other, &a.compare_model).await?;
+                targets.push(Target::Http(HttpTarget::new(&other, &model, in_flight)));
+            }
+            let r = execute(&bench, &targets, description).await;
+            write_outputs(&a, &r)
         });
     }
-
-    let mut engine_args = a.engine.clone();
-    if engine_args.model.is_none() {
-        engine_args.model = Some(fetch::ensure_default_model()?);
+    if a.compare.is_some() || !a.agents.is_empty() {
+        bail!("--compare and --agents need --url");
     }
-    rt.block_on(compare(&a, &engine_args, spec))
+    let mut engine_args = a.engine.clone();
+    engine_args.model = Some(path);
+    rt.block_on(overhead(&a, &engine_args, bench, description))
 }
 
 /// A local router + decode worker against an engine in this process, the same requests to each,
-/// alternating for `--rounds` rounds (a new seed each round, so neither side replays its prefix
-/// cache) so that machine noise hits both alike.
-async fn compare(a: &BenchServeArgs, engine_args: &EngineArgs, spec: LoadSpec) -> Result<()> {
+/// alternating rounds, and the CPU each side spent per output token.
+async fn overhead(
+    a: &BenchServeArgs,
+    engine_args: &EngineArgs,
+    bench: Bench,
+    description: String,
+) -> Result<()> {
     let mut wargs = vec![
         "decode".to_string(),
         "--host=127.0.0.1".into(),
@@ -164,22 +409,21 @@ async fn compare(a: &BenchServeArgs, engine_args: &EngineArgs, spec: LoadSpec) -
     ];
     wargs.extend(engine_args.flags());
     let mut worker = spawn("decode", &wargs)?;
-    let waddr = worker_addr(
-        &wait_for_line(
-            "decode",
-            &mut worker,
-            DECODE_READY,
-            Duration::from_secs(300),
-        )
-        .await?,
-    );
+    let line = wait_for_line(
+        "decode",
+        &mut worker,
+        DECODE_READY,
+        Duration::from_secs(300),
+    )
+    .await?;
+    let waddr = worker_addr(&line);
     let mut rargs = vec![
         "router".to_string(),
         "--host=127.0.0.1".into(),
         "--http-port=0".into(),
         "--grpc-port=0".into(),
         format!("--decode-workers={waddr}"),
-        format!("--max-queue={}", spec.requests.max(1024)),
+        "--max-queue=100000".into(),
     ];
     if let Some(m) = &engine_args.model {
         rargs.push(format!("--model={}", m.display()));
@@ -206,65 +450,50 @@ async fn compare(a: &BenchServeArgs, engine_args: &EngineArgs, spec: LoadSpec) -
         })
         .map_err(|e| anyhow::anyhow!("{e}"))?,
     );
-    let vocab = handle.limits().vocab_size as u32;
-    let rpid = router.id().context("router pid")?;
-    let wpid = worker.id().context("worker pid")?;
-    let mut ratios = Vec::new();
-    let mut router_us = Vec::new();
-    let mut cpu_ratios = Vec::new();
-    for round in 0..a.rounds.max(1) {
-        let spec = LoadSpec {
-            seed: spec.seed + round as u64,
-            ..spec.clone()
-        };
-        let c0 = cpu_seconds(std::process::id())?;
-        let base = run_engine(handle.clone(), &spec).await;
-        let base_cpu = cpu_seconds(std::process::id())? - c0;
-        let (r0, w0) = (cpu_seconds(rpid)?, cpu_seconds(wpid)?);
-        let r = run_http(&http, &model, &spec, vocab).await;
-        let (r1, w1) = (cpu_seconds(rpid)?, cpu_seconds(wpid)?);
-        let tokens = r.output_tokens.max(1) as f64;
-        let ratio = r.output_tok_s / base.output_tok_s;
-        ratios.push(ratio);
-        router_us.push((r1 - r0) * 1e6 / tokens);
-        // CPU seconds per output token, cluster (router + worker) over engine: the overhead in
-        // a form that CPU stolen by other tenants of the machine does not skew as much.
-        let cpu_ratio =
-            ((r1 - r0) + (w1 - w0)) / tokens / (base_cpu / base.output_tokens.max(1) as f64);
-        cpu_ratios.push(cpu_ratio);
-        if a.json {
-            println!("{}", serde_json::to_string(&base)?);
-            println!("{}", serde_json::to_string(&r)?);
-        } else {
-            println!("round {}", round + 1);
-            print(&base, false)?;
-            print(&r, false)?;
-            println!(
-                "  cluster / engine {ratio:.3}x tok/s, {cpu_ratio:.3}x CPU per token; router CPU {:.1} us per streamed token; cores busy: engine process {:.2}, decode worker {:.2}",
-                (r1 - r0) * 1e6 / tokens,
-                base_cpu / base.wall_s,
-                (w1 - w0) / r.wall_s
-            );
-        }
-    }
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    let rounds = ratios.len();
-    let (ratio, cpu, cpu_ratio) = (
-        median(&mut ratios),
-        median(&mut router_us),
-        median(&mut cpu_ratios),
+    let targets = vec![
+        Target::Http(HttpTarget::new(&http, &model, 256)),
+        Target::Engine(handle.clone()),
+    ];
+    let (rpid, wpid) = (
+        router.id().context("router pid")?,
+        worker.id().context("worker pid")?,
     );
+    let (r0, w0, e0) = (
+        cpu_seconds(rpid)?,
+        cpu_seconds(wpid)?,
+        cpu_seconds(std::process::id())?,
+    );
+    let r = execute(&bench, &targets, description).await;
+    let (r1, w1, e1) = (
+        cpu_seconds(rpid)?,
+        cpu_seconds(wpid)?,
+        cpu_seconds(std::process::id())?,
+    );
+    write_outputs(a, &r)?;
+    let tokens = |k: usize| -> f64 {
+        r.runs
+            .iter()
+            .filter(|x| x.target_index == k)
+            .map(|x| x.summary.output_tokens)
+            .sum::<usize>()
+            .max(1) as f64
+    };
+    let mut ratios: Vec<f64> = r.ratios.iter().map(|q| q.output_tok_s).collect();
+    ratios.sort_by(f64::total_cmp);
+    let median = ratios.get(ratios.len() / 2).copied().unwrap_or(f64::NAN);
+    let router_us = (r1 - r0) * 1e6 / tokens(0);
+    // CPU per output token, cluster (router + worker) over engine; this process's CPU includes
+    // the load generator's, so the ratio is a lower bound.
+    let cpu_ratio = ((r1 - r0) + (w1 - w0)) / tokens(0) / ((e1 - e0) / tokens(1));
     if a.json {
         println!(
             "{}",
-            serde_json::json!({"cluster_over_engine_median": ratio, "cluster_cpu_per_token_over_engine_median": cpu_ratio, "router_cpu_us_per_token_median": cpu, "rounds": rounds})
+            serde_json::json!({"cluster_over_engine_median": median, "cluster_cpu_per_token_over_engine": cpu_ratio, "router_cpu_us_per_token": router_us, "rounds": ratios.len()})
         );
     } else {
         println!(
-            "median of {rounds} rounds: router + decode worker / engine alone {ratio:.3}x output tok/s, {cpu_ratio:.3}x CPU per token; router CPU {cpu:.1} us per streamed token"
+            "median of {} rounds: router + decode worker / engine alone {median:.3}x output tok/s; {cpu_ratio:.3}x CPU per token; router CPU {router_us:.1} us per streamed token",
+            ratios.len()
         );
     }
     drop(handle);

@@ -6,23 +6,24 @@
 //!   ([`roofline`]: memory bandwidth by a large copy, f32 compute by a large GEMM);
 //! - [`workload`]: serving workloads through the engine under batching policies, each run priced
 //!   at the roofline;
-//! - [`serve`]: the load generator for clusters (`tandem bench serve`) with an in-process engine
-//!   run of the same requests as its baseline;
+//! - [`load`]: the load generator for clusters (`tandem bench serve`, `tandem bench agent`):
+//!   arrival processes, datasets, goodput, distributed load, side-by-side runs, HTML reports;
 //! - [`kv`]: KV transfer throughput over loopback against a plain TCP copy (`tandem bench
 //!   kv-transfer`);
 //! - [`gpu`]: a Llama-3-8B-shaped model on one GPU against the card's measured roofline
 //!   (`tandem bench gpu`).
 //!
 //! Main types: [`EngineBench`] and [`EngineReport`] (the engine benchmark),
-//! [`roofline::Roofline`], [`workload::WorkloadReport`], [`serve::LoadSpec`] and
-//! [`serve::ServeReport`], [`kv::KvBenchRow`], [`gpu::GpuReport`].
+//! [`roofline::Roofline`], [`workload::WorkloadReport`], [`load::Bench`] and
+//! [`load::Report`], [`kv::KvBenchRow`], [`gpu::GpuReport`].
 
 #![deny(missing_docs)]
 
 pub mod gpu;
 pub mod kv;
+pub mod load;
 pub mod roofline;
-pub mod serve;
+
 pub mod workload;
 
 use std::time::Instant;
