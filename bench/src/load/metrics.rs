@@ -135,6 +135,8 @@ pub struct ServerDelta {
     pub migrations: f64,
     /// Sequences preempted for room in the KV cache.
     pub preemptions: f64,
+    /// The servers' mean queue time over the run's requests, in milliseconds.
+    pub mean_queue_ms: Option<f64>,
     /// Every counter that changed, by name.
     pub changed: BTreeMap<String, f64>,
     /// Metrics URLs that did not answer.
@@ -157,6 +159,15 @@ impl ServerDelta {
             .filter(|(_, v)| *v != 0.0)
             .collect();
         let lookups = d("tandem_prefix_cache_lookup_tokens");
+        // A histogram's mean over the run: the change of its sum over the change of its count.
+        let mean = |prefix: &str| {
+            let sum = after
+                .keys()
+                .find(|k| k.starts_with(prefix) && k.ends_with("_sum"))?;
+            let count = format!("{}_count", sum.strip_suffix("_sum")?);
+            let n = d(&count);
+            (n > 0.0).then(|| d(sum) / n)
+        };
         Self {
             prefix_cache_hit_rate: (lookups > 0.0)
                 .then(|| d("tandem_prefix_cache_hit_tokens") / lookups),
@@ -166,6 +177,7 @@ impl ServerDelta {
             kv_bytes_moved: d("tandem_kv_transfer_bytes"),
             migrations: d("tandem_request_migrations"),
             preemptions: d("tandem_preemptions"),
+            mean_queue_ms: mean("tandem_request_queue_time").map(|s| s * 1e3),
             changed,
             unreachable,
         }
@@ -198,6 +210,9 @@ mod tests {
         let d = ServerDelta::between(&before, &m, vec![]);
         assert_eq!(d.prefix_cache_hit_rate, Some(0.5));
         assert_eq!(d.changed["tandem_prefix_cache_hit_tokens"], 30.0);
+        let q = parse("tandem_request_queue_time_seconds_sum 3.0\ntandem_request_queue_time_seconds_count 4\n");
+        let d = ServerDelta::between(&before, &q, vec![]);
+        assert_eq!(d.mean_queue_ms, Some(750.0));
         let routed = parse(
             "tandem_prefill_requests_total{model_name=\"m\",role=\"router\",mode=\"remote\"} 3\n\
              tandem_prefill_requests_total{model_name=\"m,\\\"x\",role=\"router\",mode=\"local\"} 5\n",

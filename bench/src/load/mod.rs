@@ -336,3 +336,56 @@ pub async fn execute(bench: &Bench, targets: &[Target], description: String) -> 
         sweep_stopped: stopped,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use schedule::{Arrival, Bound};
+
+    #[test]
+    fn sweeps_parse_and_set_each_points_shape() {
+        assert_eq!("rate:1,2.5".parse(), Ok(Sweep::Rate(vec![1.0, 2.5])));
+        assert_eq!(
+            "concurrency:1,8".parse(),
+            Ok(Sweep::Concurrency(vec![1, 8]))
+        );
+        for bad in ["rate:", "rate:0", "concurrency:1,x", "speed:1"] {
+            assert!(bad.parse::<Sweep>().is_err(), "{bad}");
+        }
+        let plan = Plan {
+            shape: Shape::Open {
+                rate: 9.0,
+                arrival: Arrival::Gamma(2.0),
+                ramp: None,
+                max_in_flight: Some(4),
+            },
+            bound: Bound {
+                requests: Some(10),
+                duration: None,
+            },
+            warmup: 0,
+            seed: 0,
+            stall: Duration::from_secs(1),
+            times: None,
+        };
+        let (p, point) = plan_at(&plan, &Some(Sweep::Rate(vec![1.0, 3.0])), 1);
+        assert_eq!(point, Some(3.0));
+        let Shape::Open {
+            rate,
+            arrival,
+            max_in_flight,
+            ..
+        } = p.shape
+        else {
+            panic!("{:?}", p.shape)
+        };
+        assert_eq!(
+            (rate, arrival, max_in_flight),
+            (3.0, Arrival::Gamma(2.0), Some(4))
+        );
+        let (p, point) = plan_at(&plan, &Some(Sweep::Concurrency(vec![2, 16])), 0);
+        assert_eq!(point, Some(2.0));
+        assert!(matches!(p.shape, Shape::Closed { concurrency: 2 }));
+        assert_eq!(plan_at(&plan, &None, 0).1, None);
+    }
+}

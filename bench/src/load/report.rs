@@ -51,7 +51,7 @@ pub fn text(r: &Report) -> String {
         if let Some(d) = &run.server {
             let _ = writeln!(
                 out,
-                "  server: prefix-cache hit rate {}  prefills remote {} local {} (fallbacks {})  KV bytes moved {}  migrations {}  preemptions {}{}",
+                "  server: prefix-cache hit rate {}  prefills remote {} local {} (fallbacks {})  KV bytes moved {}  migrations {}  preemptions {}  mean queue {}{}",
                 d.prefix_cache_hit_rate.map_or("-".into(), |h| format!("{:.1}%", h * 100.0)),
                 d.remote_prefills,
                 d.local_prefills,
@@ -59,6 +59,7 @@ pub fn text(r: &Report) -> String {
                 d.kv_bytes_moved,
                 d.migrations,
                 d.preemptions,
+                d.mean_queue_ms.map_or("-".into(), |q| format!("{q:.1} ms")),
                 if d.unreachable.is_empty() { String::new() } else { format!("  (unreachable: {})", d.unreachable.join(", ")) }
             );
         }

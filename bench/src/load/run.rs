@@ -502,10 +502,11 @@ async fn http_turn(
         buf.extend_from_slice(&chunk);
         while let Some(end) = buf.windows(2).position(|w| w == b"\n\n") {
             let event: Vec<u8> = buf.drain(..end + 2).collect();
-            let Some(data) = event.strip_prefix(b"data: ") else {
+            // The field is `data:`, the space after it optional; lines may end in CRLF.
+            let Some(data) = event.trim_ascii().strip_prefix(b"data:") else {
                 continue;
             };
-            let data = data.trim_ascii_end();
+            let data = data.trim_ascii();
             if data == b"[DONE]" {
                 done = true;
                 break;
