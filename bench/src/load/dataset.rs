@@ -317,6 +317,14 @@ impl Dataset {
         }
     }
 
+    /// The same dataset drawn from another seed (its files are not read again).
+    pub fn with_seed(&self, seed: u64) -> Self {
+        Self {
+            seed,
+            ..self.clone()
+        }
+    }
+
     /// Sessions this dataset holds (`None`: as many as asked for).
     pub fn len(&self) -> Option<usize> {
         match &self.spec {

@@ -79,6 +79,7 @@ pub struct Bench {
     /// Run at several points instead of once.
     pub sweep: Option<Sweep>,
     /// Runs per point (per target): with two targets they alternate, first one then the other.
+    /// Round `r` draws the dataset from seed `dataset_seed + r`.
     pub rounds: usize,
     /// Load agents (`host:port`); none: this process sends everything.
     pub agents: Vec<String>,
@@ -189,12 +190,13 @@ fn metrics_urls(bench: &Bench, target: &Target, index: usize) -> Vec<String> {
     urls
 }
 
-/// One run of `plan` against `target`, locally or through the agents.
+/// One run of `plan` against `target`, locally or through the agents, with the dataset drawn
+/// from `seed`.
 async fn one_run(
     bench: &Bench,
     target: &Target,
     index: usize,
-    plan: &Plan,
+    (plan, seed): (&Plan, u64),
     label: String,
 ) -> RunResult {
     let urls = metrics_urls(bench, target, index);
@@ -214,7 +216,7 @@ async fn one_run(
                 base: h.base.clone(),
                 model: h.model.clone(),
                 dataset: bench.dataset_spec.clone(),
-                dataset_seed: bench.dataset_seed,
+                dataset_seed: seed,
                 vocab: bench.vocab,
                 plan: plan.clone(),
                 share: Share::ALL,
@@ -226,7 +228,8 @@ async fn one_run(
         }
         _ => {
             let progress = Arc::new(Progress::default());
-            let out = run(target, &bench.dataset, plan, Share::ALL, &watch, progress).await;
+            let dataset = bench.dataset.with_seed(seed);
+            let out = run(target, &dataset, plan, Share::ALL, &watch, progress).await;
             (out, Vec::new())
         }
     };
@@ -287,7 +290,10 @@ pub async fn execute(bench: &Bench, targets: &[Target], description: String) -> 
                     point.map_or(String::new(), |p| format!("point {p}")),
                     round + 1
                 );
-                let mut r = one_run(bench, &targets[k], k, &plan, label).await;
+                // Each round draws new prompts (the same for every target), so no server
+                // replays a previous round from its prefix cache.
+                let seed = bench.dataset_seed + round as u64;
+                let mut r = one_run(bench, &targets[k], k, (&plan, seed), label).await;
                 r.point = point;
                 r.round = round;
                 this_round.push(r);
