@@ -79,7 +79,7 @@ pub struct Bench {
     /// Run at several points instead of once.
     pub sweep: Option<Sweep>,
     /// Runs per point (per target): with two targets they alternate, first one then the other.
-    /// Round `r` draws the dataset from seed `dataset_seed + r`.
+    /// Run `k` (in point-then-round order) draws the dataset from seed `dataset_seed + k`.
     pub rounds: usize,
     /// Load agents (`host:port`); none: this process sends everything.
     pub agents: Vec<String>,
@@ -290,9 +290,9 @@ pub async fn execute(bench: &Bench, targets: &[Target], description: String) -> 
                     point.map_or(String::new(), |p| format!("point {p}")),
                     round + 1
                 );
-                // Each round draws new prompts (the same for every target), so no server
-                // replays a previous round from its prefix cache.
-                let seed = bench.dataset_seed + round as u64;
+                // Each point and round draws new prompts (the same for every target), so no
+                // server replays an earlier run from its prefix cache.
+                let seed = bench.dataset_seed + (i * bench.rounds.max(1) + round) as u64;
                 let mut r = one_run(bench, &targets[k], k, (&plan, seed), label).await;
                 r.point = point;
                 r.round = round;

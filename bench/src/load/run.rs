@@ -443,6 +443,18 @@ fn failed(status: &str, error: String) -> Record {
     }
 }
 
+/// An error and its sources, `: `-separated (reqwest's own text leaves the cause out).
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
 async fn http_turn(
     h: &HttpTarget,
     t: &Turn,
@@ -471,10 +483,19 @@ async fn http_turn(
         }
     };
     let url = format!("{}{path}", h.base);
-    let sent = tokio::time::timeout(stall, h.client.post(&url).json(&body).send()).await;
+    let send = || tokio::time::timeout(stall, h.client.post(&url).json(&body).send());
+    let mut sent = send().await;
+    if let Ok(Err(e)) = &sent {
+        // A pooled connection the server had closed while idle (servers close keep-alive
+        // connections after a while or a number of requests): the request never reached it,
+        // so it goes again once, on a fresh connection.
+        if chain(e).contains("closed before message completed") {
+            sent = send().await;
+        }
+    }
     let resp = match sent {
         Err(_) => return clock.finish(failed("stall", format!("no response in {stall:?}"))),
-        Ok(Err(e)) => return clock.finish(failed("connect", e.to_string())),
+        Ok(Err(e)) => return clock.finish(failed("connect", chain(&e))),
         Ok(Ok(r)) if !r.status().is_success() => {
             let code = r.status().as_u16().to_string();
             let text = r.text().await.unwrap_or_default();
