@@ -264,6 +264,12 @@ impl BenchServeArgs {
 
     fn describe(&self, plan: &Plan) -> String {
         let shape = match &plan.shape {
+            _ if matches!(self.sweep, Some(Sweep::Rate(_))) => {
+                format!("open loop at each sweep rate, {:?} arrivals", self.arrival)
+            }
+            _ if matches!(self.sweep, Some(Sweep::Concurrency(_))) => {
+                "closed loop at each sweep concurrency".to_string()
+            }
             Shape::Closed { concurrency } => format!("closed loop, {concurrency} in flight"),
             Shape::Open {
                 rate,
