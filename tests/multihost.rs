@@ -30,6 +30,7 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::netns::{block_in, Net};
 use common::*;
 use futures::StreamExt;
 use serde_json::{json, Value};
@@ -39,123 +40,6 @@ const SUBNET: &str = "10.77.0";
 const DNS_IP: &str = "10.77.0.53";
 const ROUTER_IP: &str = "10.77.0.2";
 const CLIENT_IP: &str = "10.77.0.100";
-
-/// `ip ARGS`, which must succeed.
-fn ip(args: &[&str]) {
-    let o = Command::new("ip")
-        .args(args)
-        .output()
-        .expect("iproute2's ip (scripts/test installs it)");
-    assert!(
-        o.status.success(),
-        "ip {}: {}",
-        args.join(" "),
-        String::from_utf8_lossy(&o.stderr)
-    );
-}
-
-/// Namespaces joined by a bridge; deleted on drop.
-struct Net {
-    prefix: String,
-    made: Vec<String>,
-}
-
-impl Net {
-    fn new() -> Self {
-        let mut net = Self {
-            prefix: format!("tdm{}", std::process::id()),
-            made: Vec::new(),
-        };
-        let sw = net.ns("sw");
-        ip(&["netns", "add", &sw]);
-        net.made.push(sw.clone());
-        ip(&["-n", &sw, "link", "add", "br0", "type", "bridge"]);
-        ip(&["-n", &sw, "link", "set", "br0", "up"]);
-        net
-    }
-
-    fn ns(&self, host: &str) -> String {
-        format!("{}-{host}", self.prefix)
-    }
-
-    /// A host: its namespace, with loopback and eth0 at `SUBNET.last` plugged into the switch
-    /// (its port there is named after the host).
-    fn host(&mut self, host: &str, addr: &str) -> String {
-        let ns = self.ns(host);
-        let sw = self.ns("sw");
-        ip(&["netns", "add", &ns]);
-        self.made.push(ns.clone());
-        ip(&[
-            "link", "add", "eth0", "netns", &ns, "type", "veth", "peer", "name", host, "netns", &sw,
-        ]);
-        ip(&["-n", &sw, "link", "set", host, "master", "br0", "up"]);
-        ip(&[
-            "-n",
-            &ns,
-            "addr",
-            "add",
-            &format!("{addr}/24"),
-            "dev",
-            "eth0",
-        ]);
-        ip(&["-n", &ns, "link", "set", "eth0", "up"]);
-        ip(&["-n", &ns, "link", "set", "lo", "up"]);
-        ns
-    }
-
-    /// Unplugs (or plugs back) a host's cable: its switch port goes down, and what it sends or
-    /// is sent is dropped without a word.
-    fn link(&self, host: &str, up: bool) {
-        let sw = self.ns("sw");
-        ip(&[
-            "-n",
-            &sw,
-            "link",
-            "set",
-            host,
-            if up { "up" } else { "down" },
-        ]);
-    }
-}
-
-impl Drop for Net {
-    fn drop(&mut self) {
-        for ns in self.made.iter().rev() {
-            let _ = Command::new("ip").args(["netns", "del", ns]).status();
-        }
-    }
-}
-
-/// Runs `f` on a thread inside network namespace `ns` (a thread's namespace is its own, and the
-/// threads it starts inherit it): the client's side of the test.
-fn in_ns<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let path = format!("/run/netns/{ns}");
-    std::thread::spawn(move || {
-        let fd = std::fs::File::open(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
-        use std::os::fd::AsRawFd;
-        // SAFETY: moves this thread (only) into the namespace the file names.
-        let rc = unsafe { libc::setns(fd.as_raw_fd(), libc::CLONE_NEWNET) };
-        assert_eq!(rc, 0, "setns {path}: {}", std::io::Error::last_os_error());
-        f()
-    })
-    .join()
-    .unwrap_or_else(|e| std::panic::resume_unwind(e))
-}
-
-/// [`in_ns`] for async work, on a runtime of its own there.
-fn block_in<T, F>(ns: &str, f: impl FnOnce() -> F + Send + 'static) -> T
-where
-    T: Send + 'static,
-    F: std::future::Future<Output = T>,
-{
-    in_ns(ns, move || {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap()
-            .block_on(f())
-    })
-}
 
 /// One container of the rendered chart, ready to run as a process.
 #[derive(Clone, Debug)]
