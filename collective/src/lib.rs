@@ -1,0 +1,130 @@
+//! tandem-collective: what the ranks of one tensor-parallel forward exchange.
+//!
+//! [`Collective`] is the interface a sharded forward calls: an in-place all-reduce (sum), an
+//! all-gather, a broadcast, a barrier, and send/recv between two ranks (for pipeline stages).
+//! Every rank calls the same collectives in the same order.
+//!
+//! Implementations:
+//! - [`SingleRank`]: a group of one (TP 1), where every collective is a copy or nothing;
+//! - [`ThreadGroup`]: ranks that are threads of one process, exchanging through one shared
+//!   allocation (per-rank slots, double-buffered, each with a ready stamp), as vLLM's CPU
+//!   shared-memory all-reduce does. Sums are taken in rank order on every rank, so all ranks
+//!   hold bit-identical results, and the same as a serial sum in that order.
+//!
+//! A rank that waits on a peer longer than the group's watchdog fails the collective with
+//! [`CollectiveError::Timeout`], naming the ranks that did not arrive, instead of hanging; the
+//! group is then poisoned and every later collective on it fails at once.
+
+#![deny(missing_docs)]
+
+mod thread_group;
+
+pub use thread_group::{ThreadGroup, ThreadRank};
+
+use std::time::Duration;
+
+/// What a collective can fail with.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum CollectiveError {
+    /// Peers did not arrive within the watchdog.
+    #[error("{op} on rank {rank}: ranks {missing:?} did not arrive within {waited:?} (a rank skipped a collective, or is stuck)")]
+    Timeout {
+        /// The collective.
+        op: &'static str,
+        /// The rank that waited.
+        rank: usize,
+        /// The ranks it waited for.
+        missing: Vec<usize>,
+        /// How long it waited.
+        waited: Duration,
+    },
+    /// An earlier collective of the group failed: the ranks no longer agree where they are.
+    #[error("the group is poisoned by an earlier failure: {0}")]
+    Poisoned(String),
+    /// The arguments do not fit the collective.
+    #[error("{0}")]
+    Shape(String),
+}
+
+/// The collectives of one rank of a group.
+pub trait Collective: Send {
+    /// This rank's number, `0..size`.
+    fn rank(&self) -> usize;
+
+    /// Ranks in the group.
+    fn size(&self) -> usize;
+
+    /// Every rank's `buf` summed element-wise, into every rank's `buf`.
+    fn all_reduce_sum(&mut self, buf: &mut [f32]) -> Result<(), CollectiveError>;
+
+    /// Every rank's `mine` (all the same length), concatenated in rank order into `out`
+    /// (`size × mine.len()` values).
+    fn all_gather(&mut self, mine: &[f32], out: &mut [f32]) -> Result<(), CollectiveError>;
+
+    /// Rank `root`'s `buf` into every rank's `buf`.
+    fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<(), CollectiveError>;
+
+    /// Returns once every rank has called it.
+    fn barrier(&mut self) -> Result<(), CollectiveError>;
+
+    /// Sends `buf` to rank `to`, which receives it with [`Collective::recv`].
+    fn send(&mut self, to: usize, buf: &[f32]) -> Result<(), CollectiveError>;
+
+    /// Receives into `buf` what rank `from` sent (the same length).
+    fn recv(&mut self, from: usize, buf: &mut [f32]) -> Result<(), CollectiveError>;
+}
+
+/// A group of one: TP 1.
+#[derive(Debug, Default)]
+pub struct SingleRank;
+
+impl Collective for SingleRank {
+    fn rank(&self) -> usize {
+        0
+    }
+
+    fn size(&self) -> usize {
+        1
+    }
+
+    fn all_reduce_sum(&mut self, _buf: &mut [f32]) -> Result<(), CollectiveError> {
+        Ok(())
+    }
+
+    fn all_gather(&mut self, mine: &[f32], out: &mut [f32]) -> Result<(), CollectiveError> {
+        if out.len() != mine.len() {
+            return Err(CollectiveError::Shape(format!(
+                "all_gather: {} values into {}",
+                mine.len(),
+                out.len()
+            )));
+        }
+        out.copy_from_slice(mine);
+        Ok(())
+    }
+
+    fn broadcast(&mut self, _buf: &mut [f32], root: usize) -> Result<(), CollectiveError> {
+        if root != 0 {
+            return Err(CollectiveError::Shape(format!(
+                "broadcast from rank {root} in a group of 1"
+            )));
+        }
+        Ok(())
+    }
+
+    fn barrier(&mut self) -> Result<(), CollectiveError> {
+        Ok(())
+    }
+
+    fn send(&mut self, to: usize, _buf: &[f32]) -> Result<(), CollectiveError> {
+        Err(CollectiveError::Shape(format!(
+            "send to rank {to} in a group of 1"
+        )))
+    }
+
+    fn recv(&mut self, from: usize, _buf: &mut [f32]) -> Result<(), CollectiveError> {
+        Err(CollectiveError::Shape(format!(
+            "recv from rank {from} in a group of 1"
+        )))
+    }
+}

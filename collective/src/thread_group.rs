@@ -1,0 +1,540 @@
+//! Ranks that are threads of one process, exchanging through one shared allocation.
+//!
+//! Each rank owns two slots (double buffering) of `capacity` values, each with a ready stamp and
+//! a length. A collective is a round: every rank writes its contribution (perhaps empty) into its
+//! slot of the round's parity, stamps it with the round's number (release), waits until every
+//! rank's stamp shows the round (acquire), and reads what it needs. A rank starts round `s` only
+//! after every rank stamped round `s - 1`, which each did only after reading round `s - 2`: so
+//! the slot of parity `s % 2` is free again, and no other synchronisation is needed. Longer
+//! buffers go in rounds of `capacity` values.
+
+use std::cell::UnsafeCell;
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::{Collective, CollectiveError};
+
+/// Messages from one rank to another, in order, and the signal that one arrived.
+type Mailbox = (Mutex<VecDeque<Vec<f32>>>, Condvar);
+
+struct Shared {
+    size: usize,
+    capacity: usize,
+    watchdog: Duration,
+    /// `size × 2` slots of `capacity` values: slot `(rank, parity)` at `(rank · 2 + parity) · capacity`.
+    data: Box<[UnsafeCell<f32>]>,
+    /// The round each slot was last written for.
+    stamps: Box<[AtomicU64]>,
+    /// The values each slot holds.
+    lens: Box<[AtomicUsize]>,
+    poisoned: AtomicBool,
+    why: Mutex<String>,
+    /// Point-to-point messages, `from · size + to`.
+    mail: Box<[Mailbox]>,
+}
+
+// SAFETY: a slot's values are written only by its rank, before it release-stores the slot's
+// stamp, and read by the others only after they acquire-load that stamp; the writer does not
+// write the slot again until every rank has finished reading it (see the module's comment).
+unsafe impl Sync for Shared {}
+
+impl Shared {
+    fn slot(&self, rank: usize, parity: usize) -> usize {
+        rank * 2 + parity
+    }
+
+    /// The values of slot `i`.
+    ///
+    /// # Safety
+    /// The slot's stamp must have been acquire-loaded at the current round by the caller, or
+    /// the caller must be its writer.
+    unsafe fn values(&self, i: usize, len: usize) -> &[f32] {
+        let start = self.data[i * self.capacity].get();
+        // SAFETY: `len <= capacity` and the slot is not written concurrently (the caller's
+        // contract).
+        unsafe { std::slice::from_raw_parts(start, len) }
+    }
+
+    fn poison(&self, why: String) {
+        let mut w = self.why.lock().unwrap_or_else(|e| e.into_inner());
+        if !self.poisoned.swap(true, Ordering::AcqRel) {
+            *w = why;
+        }
+    }
+
+    fn check(&self) -> Result<(), CollectiveError> {
+        if self.poisoned.load(Ordering::Acquire) {
+            let why = self.why.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            return Err(CollectiveError::Poisoned(why));
+        }
+        Ok(())
+    }
+}
+
+/// Makes the ranks of a thread group.
+pub struct ThreadGroup;
+
+impl ThreadGroup {
+    /// `size` ranks, each to be moved to its own thread. `capacity` values go in one round;
+    /// a collective waits at most `watchdog` for its peers.
+    pub fn ranks(size: usize, capacity: usize, watchdog: Duration) -> Vec<ThreadRank> {
+        assert!(size > 0 && capacity > 0, "a group of ranks with room");
+        let shared = Arc::new(Shared {
+            size,
+            capacity,
+            watchdog,
+            data: (0..size * 2 * capacity)
+                .map(|_| UnsafeCell::new(0.0))
+                .collect(),
+            stamps: (0..size * 2).map(|_| AtomicU64::new(0)).collect(),
+            lens: (0..size * 2).map(|_| AtomicUsize::new(0)).collect(),
+            poisoned: AtomicBool::new(false),
+            why: Mutex::new(String::new()),
+            mail: (0..size * size)
+                .map(|_| (Mutex::new(VecDeque::new()), Condvar::new()))
+                .collect(),
+        });
+        (0..size)
+            .map(|rank| ThreadRank {
+                rank,
+                round: 0,
+                shared: shared.clone(),
+            })
+            .collect()
+    }
+}
+
+/// One rank of a [`ThreadGroup`].
+pub struct ThreadRank {
+    rank: usize,
+    round: u64,
+    shared: Arc<Shared>,
+}
+
+impl ThreadRank {
+    /// One round: writes `mine`, waits for every rank, then `read(parity, len)` with the
+    /// common length of the round's contributions from the ranks in `same_len` (their lengths
+    /// must agree).
+    fn exchange<R>(
+        &mut self,
+        op: &'static str,
+        mine: &[f32],
+        same_len: &[usize],
+        read: impl FnOnce(&Shared, usize, usize) -> R,
+    ) -> Result<R, CollectiveError> {
+        let sh = &*self.shared;
+        sh.check()?;
+        debug_assert!(mine.len() <= sh.capacity);
+        self.round += 1;
+        let round = self.round;
+        let parity = (round % 2) as usize;
+        let me = sh.slot(self.rank, parity);
+        for (i, &v) in mine.iter().enumerate() {
+            // SAFETY: this rank is the slot's only writer, and no rank reads it until the
+            // stamp below (see `Shared`).
+            unsafe { *sh.data[me * sh.capacity + i].get() = v };
+        }
+        sh.lens[me].store(mine.len(), Ordering::Relaxed);
+        sh.stamps[me].store(round, Ordering::Release);
+        self.wait_all(op, round, parity)?;
+        let mut len = None;
+        for &r in same_len {
+            let l = sh.lens[sh.slot(r, parity)].load(Ordering::Relaxed);
+            if len.is_some_and(|n| n != l) {
+                let why = format!(
+                    "{op}: ranks gave different lengths ({} and {l})",
+                    len.unwrap_or(0)
+                );
+                sh.poison(why.clone());
+                return Err(CollectiveError::Shape(why));
+            }
+            len = Some(l);
+        }
+        Ok(read(sh, parity, len.unwrap_or(0)))
+    }
+
+    fn wait_all(&self, op: &'static str, round: u64, parity: usize) -> Result<(), CollectiveError> {
+        let sh = &*self.shared;
+        let start = Instant::now();
+        let mut spins = 0u32;
+        for r in 0..sh.size {
+            let stamp = &sh.stamps[sh.slot(r, parity)];
+            while stamp.load(Ordering::Acquire) < round {
+                spins = spins.wrapping_add(1);
+                if spins.is_multiple_of(64) {
+                    std::thread::yield_now();
+                }
+                if spins.is_multiple_of(1024) {
+                    sh.check()?;
+                    let waited = start.elapsed();
+                    if waited > sh.watchdog {
+                        let missing: Vec<usize> = (0..sh.size)
+                            .filter(|&q| {
+                                sh.stamps[sh.slot(q, parity)].load(Ordering::Acquire) < round
+                            })
+                            .collect();
+                        let e = CollectiveError::Timeout {
+                            op,
+                            rank: self.rank,
+                            missing,
+                            waited,
+                        };
+                        sh.poison(e.to_string());
+                        return Err(e);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn all_ranks(&self) -> Vec<usize> {
+        (0..self.shared.size).collect()
+    }
+}
+
+impl Collective for ThreadRank {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.shared.size
+    }
+
+    fn all_reduce_sum(&mut self, buf: &mut [f32]) -> Result<(), CollectiveError> {
+        let all = self.all_ranks();
+        let cap = self.shared.capacity;
+        for chunk in buf.chunks_mut(cap) {
+            let n = chunk.len();
+            let sum = self.exchange("all_reduce", chunk, &all, |sh, parity, _| {
+                // Rank order on every rank: bit-identical results everywhere.
+                // SAFETY: every stamp was acquired at this round by `exchange`.
+                let mut acc = unsafe { sh.values(sh.slot(0, parity), n) }.to_vec();
+                for r in 1..sh.size {
+                    let x = unsafe { sh.values(sh.slot(r, parity), n) };
+                    for (a, b) in acc.iter_mut().zip(x) {
+                        *a += b;
+                    }
+                }
+                acc
+            })?;
+            chunk.copy_from_slice(&sum);
+        }
+        if buf.is_empty() {
+            self.exchange("all_reduce", &[], &all, |_, _, _| ())?;
+        }
+        Ok(())
+    }
+
+    fn all_gather(&mut self, mine: &[f32], out: &mut [f32]) -> Result<(), CollectiveError> {
+        let size = self.shared.size;
+        let n = mine.len();
+        if out.len() != size * n {
+            return Err(CollectiveError::Shape(format!(
+                "all_gather: {size} ranks × {n} values into {}",
+                out.len()
+            )));
+        }
+        let all = self.all_ranks();
+        let cap = self.shared.capacity;
+        let mut at = 0;
+        loop {
+            let len = cap.min(n - at);
+            self.exchange("all_gather", &mine[at..at + len], &all, |sh, parity, _| {
+                for r in 0..sh.size {
+                    // SAFETY: every stamp was acquired at this round by `exchange`.
+                    let x = unsafe { sh.values(sh.slot(r, parity), len) };
+                    out[r * n + at..r * n + at + len].copy_from_slice(x);
+                }
+            })?;
+            at += len;
+            if at >= n {
+                return Ok(());
+            }
+        }
+    }
+
+    fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<(), CollectiveError> {
+        if root >= self.shared.size {
+            return Err(CollectiveError::Shape(format!(
+                "broadcast from rank {root} in a group of {}",
+                self.shared.size
+            )));
+        }
+        let cap = self.shared.capacity;
+        let me = self.rank;
+        let mut at = 0;
+        loop {
+            let len = cap.min(buf.len() - at);
+            let mine: &[f32] = if me == root { &buf[at..at + len] } else { &[] };
+            let got = self.exchange("broadcast", mine, &[root], |sh, parity, n| {
+                // SAFETY: the root's stamp was acquired at this round by `exchange`.
+                unsafe { sh.values(sh.slot(root, parity), n) }.to_vec()
+            })?;
+            if got.len() != len {
+                let why = format!(
+                    "broadcast: rank {root} sent {} values, rank {me} expects {len}",
+                    got.len()
+                );
+                self.shared.poison(why.clone());
+                return Err(CollectiveError::Shape(why));
+            }
+            buf[at..at + len].copy_from_slice(&got);
+            at += len;
+            if at >= buf.len() {
+                return Ok(());
+            }
+        }
+    }
+
+    fn barrier(&mut self) -> Result<(), CollectiveError> {
+        self.exchange("barrier", &[], &[], |_, _, _| ())
+    }
+
+    fn send(&mut self, to: usize, buf: &[f32]) -> Result<(), CollectiveError> {
+        let sh = &*self.shared;
+        sh.check()?;
+        if to >= sh.size || to == self.rank {
+            return Err(CollectiveError::Shape(format!(
+                "send from rank {} to rank {to} in a group of {}",
+                self.rank, sh.size
+            )));
+        }
+        let (queue, ready) = &sh.mail[self.rank * sh.size + to];
+        queue
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push_back(buf.to_vec());
+        ready.notify_all();
+        Ok(())
+    }
+
+    fn recv(&mut self, from: usize, buf: &mut [f32]) -> Result<(), CollectiveError> {
+        let sh = &*self.shared;
+        sh.check()?;
+        if from >= sh.size || from == self.rank {
+            return Err(CollectiveError::Shape(format!(
+                "recv on rank {} from rank {from} in a group of {}",
+                self.rank, sh.size
+            )));
+        }
+        let (queue, ready) = &sh.mail[from * sh.size + self.rank];
+        let start = Instant::now();
+        let mut q = queue.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(msg) = q.pop_front() {
+                if msg.len() != buf.len() {
+                    return Err(CollectiveError::Shape(format!(
+                        "recv: rank {from} sent {} values, rank {} expects {}",
+                        msg.len(),
+                        self.rank,
+                        buf.len()
+                    )));
+                }
+                buf.copy_from_slice(&msg);
+                return Ok(());
+            }
+            let waited = start.elapsed();
+            if waited > sh.watchdog {
+                let e = CollectiveError::Timeout {
+                    op: "recv",
+                    rank: self.rank,
+                    missing: vec![from],
+                    waited,
+                };
+                sh.poison(e.to_string());
+                return Err(e);
+            }
+            let left = sh.watchdog - waited;
+            q = ready
+                .wait_timeout(q, left.min(Duration::from_millis(50)))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+            drop(q);
+            sh.check()?;
+            q = queue.lock().unwrap_or_else(|e| e.into_inner());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Runs `f` on every rank, each on its own thread; results in rank order.
+    fn on_ranks<T: Send + 'static>(
+        ranks: Vec<ThreadRank>,
+        f: impl Fn(&mut ThreadRank) -> T + Send + Sync + 'static,
+    ) -> Vec<T> {
+        let f = Arc::new(f);
+        let handles: Vec<_> = ranks
+            .into_iter()
+            .map(|mut r| {
+                let f = f.clone();
+                std::thread::spawn(move || f(&mut r))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    /// Rank `r`'s values for call `c`: distinct, with fractions that make order matter.
+    fn data(r: usize, c: usize, n: usize, seed: u64) -> Vec<f32> {
+        (0..n)
+            .map(|i| {
+                let x = (i as u64 + 1)
+                    .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+                    .wrapping_add(seed ^ ((r * 31 + c) as u64) << 17);
+                ((x >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 10f32.powi((r % 4) as i32 - 2)
+            })
+            .collect()
+    }
+
+    const WATCHDOG: Duration = Duration::from_secs(60);
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(40))]
+        /// Several all-reduces in a row (so both buffers are reused), of lengths that span
+        /// several rounds: every rank holds the serial sum in rank order, to the bit.
+        #[test]
+        fn all_reduce_equals_the_serial_sum_on_every_rank(
+            size in 1usize..6,
+            n in 0usize..2500,
+            capacity in prop::sample::select(vec![1usize, 7, 256, 4096]),
+            seed in any::<u64>(),
+        ) {
+            let calls = 3;
+            let got = on_ranks(ThreadGroup::ranks(size, capacity, WATCHDOG), move |r| {
+                (0..calls)
+                    .map(|c| {
+                        let mut buf = data(r.rank(), c, n, seed);
+                        r.all_reduce_sum(&mut buf).unwrap();
+                        buf
+                    })
+                    .collect::<Vec<_>>()
+            });
+            for c in 0..calls {
+                let mut want = data(0, c, n, seed);
+                for r in 1..size {
+                    for (a, b) in want.iter_mut().zip(data(r, c, n, seed)) {
+                        *a += b;
+                    }
+                }
+                for (rank, g) in got.iter().enumerate() {
+                    let same = g[c].iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+                    prop_assert!(same, "rank {} call {}", rank, c);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn gather_and_broadcast_move_each_ranks_values() {
+        let n = 10;
+        let got = on_ranks(ThreadGroup::ranks(3, 4, WATCHDOG), move |r| {
+            let mine = data(r.rank(), 0, n, 1);
+            let mut all = vec![0f32; 3 * n];
+            r.all_gather(&mine, &mut all).unwrap();
+            let mut b = if r.rank() == 2 {
+                data(2, 1, n, 1)
+            } else {
+                vec![0.0; n]
+            };
+            r.broadcast(&mut b, 2).unwrap();
+            r.barrier().unwrap();
+            (all, b)
+        });
+        let want: Vec<f32> = (0..3).flat_map(|r| data(r, 0, n, 1)).collect();
+        for (all, b) in got {
+            assert_eq!(all, want);
+            assert_eq!(b, data(2, 1, n, 1));
+        }
+    }
+
+    #[test]
+    fn send_and_recv_pair_up_in_order() {
+        let got = on_ranks(ThreadGroup::ranks(2, 8, WATCHDOG), |r| {
+            if r.rank() == 0 {
+                r.send(1, &[1.0, 2.0]).unwrap();
+                r.send(1, &[3.0, 4.0]).unwrap();
+                vec![]
+            } else {
+                let (mut a, mut b) = ([0f32; 2], [0f32; 2]);
+                r.recv(0, &mut a).unwrap();
+                r.recv(0, &mut b).unwrap();
+                vec![a, b]
+            }
+        });
+        assert_eq!(got[1], vec![[1.0, 2.0], [3.0, 4.0]]);
+    }
+
+    /// Rank 2 never comes: the others fail with the watchdog's error naming it, and the group
+    /// refuses every later collective.
+    #[test]
+    fn a_rank_that_never_arrives_trips_the_watchdog() {
+        let mut ranks = ThreadGroup::ranks(3, 16, Duration::from_millis(200));
+        let absent = ranks.pop().unwrap();
+        let got = on_ranks(ranks, |r| {
+            let mut buf = vec![1.0; 5];
+            let first = r.all_reduce_sum(&mut buf);
+            let after = r.barrier();
+            (first, after)
+        });
+        for (rank, (first, after)) in got.into_iter().enumerate() {
+            match first {
+                Err(CollectiveError::Timeout { missing, op, .. }) => {
+                    assert_eq!(op, "all_reduce");
+                    assert!(missing.contains(&2), "rank {rank}: {missing:?}");
+                    assert!(!missing.contains(&rank));
+                }
+                // The other rank may see the group poisoned by the first one to time out.
+                Err(CollectiveError::Poisoned(why)) => {
+                    assert!(why.contains("did not arrive"), "{why}")
+                }
+                other => panic!("rank {rank}: {other:?}"),
+            }
+            assert!(
+                matches!(after, Err(CollectiveError::Poisoned(_))),
+                "{after:?}"
+            );
+        }
+        drop(absent);
+        // recv waits for its sender under the same watchdog.
+        let got = on_ranks(ThreadGroup::ranks(2, 4, Duration::from_millis(100)), |r| {
+            if r.rank() == 1 {
+                r.recv(0, &mut [0f32; 3]).err()
+            } else {
+                None
+            }
+        });
+        assert!(
+            matches!(&got[1], Some(CollectiveError::Timeout { missing, .. }) if missing == &vec![0]),
+            "{got:?}"
+        );
+    }
+
+    #[test]
+    fn mismatched_lengths_are_errors_not_garbage() {
+        let got = on_ranks(ThreadGroup::ranks(2, 16, WATCHDOG), |r| {
+            let mut buf = vec![1.0; 3 + r.rank()];
+            r.all_reduce_sum(&mut buf)
+        });
+        for g in got {
+            assert!(
+                matches!(&g, Err(CollectiveError::Shape(m)) if m.contains("different lengths")),
+                "{g:?}"
+            );
+        }
+        let mut one = crate::SingleRank;
+        let mut buf = [2.0f32, 3.0];
+        one.all_reduce_sum(&mut buf).unwrap();
+        assert_eq!(buf, [2.0, 3.0]);
+        let mut out = [0f32; 2];
+        one.all_gather(&buf, &mut out).unwrap();
+        assert_eq!(out, buf);
+        assert!(one.broadcast(&mut buf, 1).is_err());
+    }
+}
