@@ -342,7 +342,41 @@ fn write_outputs(a: &BenchServeArgs, r: &Report) -> Result<()> {
     Ok(())
 }
 
+/// Refuses numbers that cannot describe a run, naming the flag.
+fn check_numbers(a: &BenchServeArgs) -> Result<()> {
+    let positive = [
+        ("--trace-speedup", Some(a.trace_speedup)),
+        ("--stall-timeout", Some(a.stall_timeout)),
+        ("--agent-silence", Some(a.agent_silence)),
+        ("--duration", a.duration),
+        ("--ramp", a.ramp),
+        ("--rate", a.rate),
+    ];
+    for (flag, v) in positive {
+        if let Some(v) = v.filter(|v| !(v.is_finite() && *v > 0.0)) {
+            bail!("{flag} must be a positive number of seconds (or per second), not {v}");
+        }
+    }
+    for (flag, v) in [
+        ("--requests", a.requests),
+        ("--concurrency", a.concurrency),
+        ("--rounds", a.rounds),
+    ] {
+        if v == Some(0) {
+            bail!("{flag} must be at least 1");
+        }
+    }
+    if a.requests.is_some_and(|n| n <= a.warmup) {
+        bail!(
+            "--warmup {} leaves none of the --requests measured",
+            a.warmup
+        );
+    }
+    Ok(())
+}
+
 pub fn run(a: BenchServeArgs) -> Result<()> {
+    check_numbers(&a)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

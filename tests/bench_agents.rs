@@ -158,3 +158,24 @@ fn agents_on_two_hosts_add_up_to_one_process_and_a_cut_one_is_reported() {
     assert_eq!(cut["requests"], 12, "{out}");
     assert_eq!(cut["ok"], 12, "{out}");
 }
+
+/// Numbers that cannot describe a run are refused before anything starts, naming the flag.
+#[test]
+fn bad_numbers_are_refused_with_the_flag_named() {
+    for (args, flag) in [
+        (vec!["--rate=0"], "--rate"),
+        (vec!["--requests=0"], "--requests"),
+        (vec!["--stall-timeout=-1"], "--stall-timeout"),
+        (vec!["--requests=4", "--warmup=4"], "--warmup"),
+        (vec!["--trace-speedup=0"], "--trace-speedup"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
+            .args(["bench", "serve", "--url", "http://127.0.0.1:9"])
+            .args(&args)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} accepted");
+        assert!(err.contains(flag), "{args:?}: {err}");
+    }
+}
