@@ -391,13 +391,10 @@ pub fn run(a: BenchServeArgs) -> Result<()> {
         tandem_model::load_text(&path).with_context(|| format!("reading {}", path.display()))?;
     let vocab = loaded.config.vocab_size as u32;
     let spec = a.dataset_spec()?;
-    let dataset = Dataset::new(spec.clone(), a.seed, vocab, Some(loaded.tokenizer.clone()))?;
+    let dataset = Dataset::new(spec, a.seed, vocab, Some(loaded.tokenizer.clone()))?;
     let plan = a.plan(&dataset)?;
     let description = a.describe(&plan);
     let bench = Bench {
-        dataset_spec: spec,
-        dataset_seed: a.seed,
-        vocab,
         dataset,
         plan,
         slo: a.slo.unwrap_or_default(),

@@ -77,7 +77,7 @@ async fn fake_server() -> String {
     format!("http://{}", serve(app).await)
 }
 
-fn dataset(input: LenDist, output: usize) -> (DatasetSpec, Dataset) {
+fn dataset(input: LenDist, output: usize) -> Dataset {
     let spec = DatasetSpec::Random {
         input,
         output: LenDist::Fixed(output),
@@ -85,7 +85,7 @@ fn dataset(input: LenDist, output: usize) -> (DatasetSpec, Dataset) {
         long_input: 0,
         long_output: 0,
     };
-    (spec.clone(), Dataset::new(spec, 5, 1000, None).unwrap())
+    Dataset::new(spec, 5, 1000, None).unwrap()
 }
 
 fn prompt_len(d: &Dataset, i: usize) -> usize {
@@ -117,7 +117,7 @@ async fn run_once(target: &Target, d: &Dataset, p: &Plan) -> tandem_bench::load:
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failures_are_counted_by_kind_and_goodput_follows_the_targets() {
     let base = fake_server().await;
-    let (_, d) = dataset(LenDist::Uniform(1, 6), 6);
+    let d = dataset(LenDist::Uniform(1, 6), 6);
     let n = 40;
     // Stalls are cut after 3 s of silence: past the slow first tokens' 1.5 s.
     let p = Plan {
@@ -162,7 +162,7 @@ async fn failures_are_counted_by_kind_and_goodput_follows_the_targets() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_constant_rate_is_kept() {
     let base = fake_server().await;
-    let (_, d) = dataset(LenDist::Fixed(8), 1);
+    let d = dataset(LenDist::Fixed(8), 1);
     // 500 requests a second from one process, kept to 2%.
     let rate = 500.0;
     let shape = Shape::Open {
@@ -194,11 +194,8 @@ async fn a_constant_rate_is_kept() {
     eprintln!("schedule lag at {rate}/s: {:?}", s.schedule_lag);
 }
 
-fn bench(spec: DatasetSpec, d: Dataset, p: Plan, agents: Vec<String>) -> Bench {
+fn bench(d: Dataset, p: Plan, agents: Vec<String>) -> Bench {
     Bench {
-        dataset_spec: spec,
-        dataset_seed: 5,
-        vocab: 1000,
         dataset: d,
         plan: p,
         slo: "ttft=1000".parse().unwrap(),
@@ -237,7 +234,7 @@ fn outcomes(r: &RunResult) -> Vec<(usize, String, usize, usize)> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_agents_add_up_to_one_process_and_a_lost_agent_is_reported() {
     let base = fake_server().await;
-    let (spec, d) = dataset(LenDist::Uniform(1, 6), 4);
+    let d = dataset(LenDist::Uniform(1, 6), 4);
     let shape = Shape::Open {
         rate: 40.0,
         arrival: Arrival::Poisson,
@@ -246,10 +243,10 @@ async fn two_agents_add_up_to_one_process_and_a_lost_agent_is_reported() {
     };
     let p = plan(shape, 30);
     let target = Target::Http(HttpTarget::new(&base, "m", 64));
-    let alone = bench(spec.clone(), d.clone(), p.clone(), vec![]);
+    let alone = bench(d.clone(), p.clone(), vec![]);
     let one = execute(&alone, std::slice::from_ref(&target), "one".into()).await;
     let agents = vec![start_agent().await, start_agent().await];
-    let spread = bench(spec.clone(), d.clone(), p.clone(), agents.clone());
+    let spread = bench(d.clone(), p.clone(), agents.clone());
     let two = execute(&spread, std::slice::from_ref(&target), "two".into()).await;
     let (a, b) = (&one.runs[0], &two.runs[0]);
     assert!(b.lost_agents.is_empty(), "{:?}", b.lost_agents);
@@ -284,7 +281,7 @@ async fn two_agents_add_up_to_one_process_and_a_lost_agent_is_reported() {
         }),
     );
     let dead = serve(silent).await.to_string();
-    let mixed = bench(spec, d, p, vec![agents[0].clone(), dead.clone()]);
+    let mixed = bench(d, p, vec![agents[0].clone(), dead.clone()]);
     let r = execute(&mixed, &[target], "lost".into()).await;
     let lost = &r.runs[0].lost_agents;
     assert_eq!(lost.len(), 1, "{lost:?}");
@@ -300,10 +297,10 @@ async fn two_agents_add_up_to_one_process_and_a_lost_agent_is_reported() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_html_report_renders_in_a_browser() {
     let base = fake_server().await;
-    let (spec, d) = dataset(LenDist::Uniform(4, 40), 8);
+    let d = dataset(LenDist::Uniform(4, 40), 8);
     let p = plan(Shape::Closed { concurrency: 4 }, 24);
     let target = Target::Http(HttpTarget::new(&base, "m", 8));
-    let r = execute(&bench(spec, d, p, vec![]), &[target], "report".into()).await;
+    let r = execute(&bench(d, p, vec![]), &[target], "report".into()).await;
     let html = report::html(&r).unwrap();
     assert!(html.matches("<svg").count() >= 5, "one plot per measure");
     let csv = report::csv(&r);

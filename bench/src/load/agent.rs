@@ -20,7 +20,7 @@ use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 use tandem_model::Tokenizer;
 
-use super::dataset::{Dataset, DatasetSpec};
+use super::dataset::Dataset;
 use super::run::{run, HttpTarget, Plan, Progress, RunOutput, Share, Target, Tick, Watch};
 
 /// What the coordinator sends an agent.
@@ -30,12 +30,8 @@ pub struct Assignment {
     pub base: String,
     /// The model name to send.
     pub model: String,
-    /// The dataset (files must be at the same path on the agent).
-    pub dataset: DatasetSpec,
-    /// The dataset's seed.
-    pub dataset_seed: u64,
-    /// The model's vocabulary size (random token ids stay below it).
-    pub vocab: u32,
+    /// The dataset, files already read (the agent needs none of them).
+    pub dataset: Dataset,
     /// The schedule.
     pub plan: Plan,
     /// This agent's share.
@@ -86,11 +82,10 @@ async fn run_assignment(
 ) -> Response {
     let (tx, rx) = tokio::sync::mpsc::channel::<AgentLine>(4);
     tokio::spawn(async move {
-        let dataset = match Dataset::new(a.dataset.clone(), a.dataset_seed, a.vocab, (*tok).clone())
-        {
+        let dataset = match a.dataset.clone().with_tokenizer((*tok).clone()) {
             Ok(d) => d,
             Err(e) => {
-                let _ = tx.send(AgentLine::Error(e.to_string())).await;
+                let _ = tx.send(AgentLine::Error(e)).await;
                 return;
             }
         };

@@ -197,7 +197,7 @@ impl FromStr for DatasetSpec {
 pub const TRACE_BLOCK: usize = 512;
 
 /// One trace line.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 struct TraceLine {
     timestamp: f64,
     input_length: usize,
@@ -206,8 +206,9 @@ struct TraceLine {
     hash_ids: Vec<u64>,
 }
 
-/// A dataset ready to give sessions.
-#[derive(Clone, Debug)]
+/// A dataset ready to give sessions. It travels to load agents whole (files already read), all
+/// but the tokenizer, which each agent brings.
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Dataset {
     spec: DatasetSpec,
     seed: u64,
@@ -217,7 +218,10 @@ pub struct Dataset {
     /// Trace lines, in time order.
     trace: Vec<TraceLine>,
     /// Multi-turn: text of random tokens needs the model's tokenizer.
+    #[serde(skip)]
     tokenizer: Option<Tokenizer>,
+    /// Whether it was read with a tokenizer (its text then needs one to be the same).
+    tokenized: bool,
 }
 
 /// What can go wrong reading a dataset.
@@ -251,6 +255,7 @@ impl Dataset {
             vocab: vocab.max(101),
             exchanges: Vec::new(),
             trace: Vec::new(),
+            tokenized: tokenizer.is_some(),
             tokenizer,
         };
         match &spec {
@@ -315,6 +320,25 @@ impl Dataset {
             Some(t) => t.encode(text, false).map(|v| v.len()).unwrap_or(0),
             None => text.len().div_ceil(4),
         }
+    }
+
+    /// The seed it is drawn from.
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// Gives a dataset that came over the wire the receiver's tokenizer. A dataset whose text
+    /// was made with a tokenizer refuses to go on without one (its prompts would differ).
+    pub fn with_tokenizer(mut self, tokenizer: Option<Tokenizer>) -> Result<Self, String> {
+        let writes_text = matches!(self.spec, DatasetSpec::MultiTurn { .. });
+        if writes_text && self.tokenized && tokenizer.is_none() {
+            return Err(
+                "this dataset writes its text with the model's tokenizer: start the agent with --model"
+                    .into(),
+            );
+        }
+        self.tokenizer = tokenizer;
+        Ok(self)
     }
 
     /// The same dataset drawn from another seed (its files are not read again).
@@ -582,6 +606,26 @@ mod tests {
             );
         }
         assert_eq!(tokens(&d.session(0)).len(), 40);
+    }
+
+    #[test]
+    fn datasets_travel_whole_and_text_needs_the_same_tokenizer() {
+        let spec = DatasetSpec::MultiTurn {
+            turns: 2,
+            input: LenDist::Fixed(3),
+            output: LenDist::Fixed(4),
+        };
+        let d = Dataset::new(spec, 7, 5000, None).unwrap();
+        let wire = serde_json::to_string(&d).unwrap();
+        let back: Dataset = serde_json::from_str(&wire).unwrap();
+        let back = back.with_tokenizer(None).unwrap();
+        assert_eq!(back.session(3), d.session(3));
+        assert_eq!(back.with_seed(9).seed(), 9);
+        // Made with a tokenizer, it refuses to run without one.
+        let mut tokenized: Dataset = serde_json::from_str(&wire).unwrap();
+        tokenized.tokenized = true;
+        let e = tokenized.with_tokenizer(None).unwrap_err();
+        assert!(e.contains("--model"), "{e}");
     }
 
     #[test]

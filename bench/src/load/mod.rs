@@ -19,7 +19,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use agent::{coordinate, Assignment};
-use dataset::{Dataset, DatasetSpec};
+use dataset::Dataset;
 use measure::{Slo, Summary};
 use metrics::{scrape, ServerDelta};
 use run::{run, Plan, Progress, RunOutput, Share, Target, Watch};
@@ -64,13 +64,7 @@ impl std::str::FromStr for Sweep {
 /// A benchmark: what to send, when, how it is judged and from where.
 #[derive(Clone, Debug)]
 pub struct Bench {
-    /// The dataset's parameters (sent to agents).
-    pub dataset_spec: DatasetSpec,
-    /// The dataset's seed.
-    pub dataset_seed: u64,
-    /// The model's vocabulary size.
-    pub vocab: u32,
-    /// The dataset, read.
+    /// The dataset, read (run `k` draws it from its seed + `k`).
     pub dataset: Dataset,
     /// The schedule (the sweep changes its shape per point).
     pub plan: Plan,
@@ -79,7 +73,7 @@ pub struct Bench {
     /// Run at several points instead of once.
     pub sweep: Option<Sweep>,
     /// Runs per point (per target): with two targets they alternate, first one then the other.
-    /// Run `k` (in point-then-round order) draws the dataset from seed `dataset_seed + k`.
+    /// Run `k` (in point-then-round order) draws the dataset from its seed + `k`.
     pub rounds: usize,
     /// Load agents (`host:port`); none: this process sends everything.
     pub agents: Vec<String>,
@@ -215,9 +209,7 @@ async fn one_run(
             let a = Assignment {
                 base: h.base.clone(),
                 model: h.model.clone(),
-                dataset: bench.dataset_spec.clone(),
-                dataset_seed: seed,
-                vocab: bench.vocab,
+                dataset: bench.dataset.with_seed(seed),
                 plan: plan.clone(),
                 share: Share::ALL,
                 start_in_ms: 500,
@@ -292,7 +284,7 @@ pub async fn execute(bench: &Bench, targets: &[Target], description: String) -> 
                 );
                 // Each point and round draws new prompts (the same for every target), so no
                 // server replays an earlier run from its prefix cache.
-                let seed = bench.dataset_seed + (i * bench.rounds.max(1) + round) as u64;
+                let seed = bench.dataset.seed() + (i * bench.rounds.max(1) + round) as u64;
                 let mut r = one_run(bench, &targets[k], k, (&plan, seed), label).await;
                 r.point = point;
                 r.round = round;
