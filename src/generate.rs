@@ -119,13 +119,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         if line.trim().is_empty() {
             continue;
         }
-        let req = parse_line(&model, &line).map(|prompt| Request {
-            resume: Vec::new(),
-            constraint: None,
-            samples: tandem_engine::Samples::ONE,
-            prompt,
-            params: params.clone(),
-        });
+        let req = parse_line(&model, &line).map(|prompt| Request::new(prompt, params.clone()));
         match req.and_then(|r| engine.validate(&r).map(|_| r).map_err(Into::into)) {
             Ok(r) => {
                 slots.push(Ok(requests.len()));
@@ -191,13 +185,7 @@ fn run_text(
     let mut out = std::io::stdout().lock();
     let mut err = None;
     let res = engine.generate(
-        vec![Request {
-            resume: Vec::new(),
-            constraint: None,
-            samples: tandem_engine::Samples::ONE,
-            prompt,
-            params: a.params()?,
-        }],
+        vec![Request::new(prompt, a.params()?)],
         |ev| {
             if err.is_some() {
                 return;

@@ -122,14 +122,11 @@ pub fn run_engine_bench(
     .validate()?;
     // Random ids above the special-token range: realistic attention and no early stop.
     let requests: Vec<Request> = (0..b.batch)
-        .map(|_| Request {
-            resume: Vec::new(),
-            constraint: None,
-            samples: tandem_engine::Samples::ONE,
-            prompt: (0..b.prompt_len)
+        .map(|_| {
+            let prompt = (0..b.prompt_len)
                 .map(|_| rng.gen_range(100..vocab))
-                .collect(),
-            params: params.clone(),
+                .collect();
+            Request::new(prompt, params.clone())
         })
         .collect();
     let mut prefill = (0usize, 0f64);

@@ -24,7 +24,7 @@ use std::time::Instant;
 
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
-use tandem_engine::{Engine, EngineError, Finished, Request, SamplingParams, StepStats};
+use tandem_engine::{Engine, EngineError, Finished, Request, StepStats};
 
 use crate::roofline::Roofline;
 
@@ -83,19 +83,7 @@ impl Workload {
                         (p, rng.gen_range(16..=48))
                     }
                 };
-                Request {
-                    resume: Vec::new(),
-                    constraint: None,
-                    samples: tandem_engine::Samples::ONE,
-                    prompt,
-                    params: SamplingParams {
-                        max_tokens: out,
-                        ignore_eos: true,
-                        ..Default::default()
-                    }
-                    .validate()
-                    .expect("drawn lengths are at least 10 tokens"),
-                }
+                Request::greedy(prompt, out).expect("drawn lengths are at least 10 tokens")
             })
             .collect()
     }

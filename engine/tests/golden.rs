@@ -273,19 +273,7 @@ fn teacher_forced_agreement(
         for i in 0..gen.len() {
             let mut p = prompt.clone();
             p.extend_from_slice(&gen[..i]);
-            reqs.push(tandem_engine::Request {
-                resume: Vec::new(),
-                constraint: None,
-                samples: tandem_engine::Samples::ONE,
-                prompt: p,
-                params: tandem_engine::SamplingParams {
-                    max_tokens: 1,
-                    ignore_eos: true,
-                    ..Default::default()
-                }
-                .validate()
-                .unwrap(),
-            });
+            reqs.push(tandem_engine::Request::greedy(p, 1).unwrap());
             want.push(gen[i]);
         }
     }

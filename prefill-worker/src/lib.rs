@@ -286,16 +286,7 @@ impl Shared {
         let submitted = SystemTime::now();
         let mut stream = self
             .engine
-            .submit_prefill(
-                Request {
-                    prompt: req.prompt_ids,
-                    params: sampling,
-                    resume: Vec::new(),
-                    constraint: None,
-                    samples: tandem_engine::Samples::ONE,
-                },
-                cached,
-            )
+            .submit_prefill(Request::new(req.prompt_ids, sampling), cached)
             .map_err(status)?;
         let stats = self.engine.stats();
         tx.send(update(pb::prefill_update::Update::Accepted(

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
-use tandem_engine::{EngineHandle, Request, SamplingParams, StreamEvent};
+use tandem_engine::{EngineHandle, Request, StreamEvent};
 use tokio::sync::Semaphore;
 
 use super::dataset::{Dataset, Message, Prompt, Session, Turn};
@@ -596,20 +596,9 @@ async fn engine_turn(
         );
         return clock.finish(r);
     };
-    let params = SamplingParams {
-        max_tokens: t.max_tokens as u32,
-        ignore_eos: true,
-        ..Default::default()
-    };
-    let submitted = params.validate().map_err(Into::into).and_then(|params| {
-        engine.submit(Request {
-            prompt: prompt.clone(),
-            params,
-            resume: Vec::new(),
-            constraint: None,
-            samples: tandem_engine::Samples::ONE,
-        })
-    });
+    let submitted = Request::greedy(prompt.clone(), t.max_tokens as u32)
+        .map_err(Into::into)
+        .and_then(|r| engine.submit(r));
     let mut stream = match submitted {
         Ok(s) => s,
         Err(e) => return clock.finish(failed("refused", e.to_string())),

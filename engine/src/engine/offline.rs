@@ -59,13 +59,10 @@ impl Engine {
 
     /// Last-position logits of a prompt (one prefill, nothing kept): for checks against a reference.
     pub fn prompt_logits(&mut self, prompt: &[u32]) -> Result<Vec<f32>, EngineError> {
-        self.validate(&Request {
-            prompt: prompt.to_vec(),
-            params: ValidSampling::greedy(std::num::NonZeroU32::MIN),
-            resume: Vec::new(),
-            constraint: None,
-            samples: super::Samples::ONE,
-        })?;
+        self.validate(&Request::new(
+            prompt.to_vec(),
+            ValidSampling::greedy(std::num::NonZeroU32::MIN),
+        ))?;
         let mut blocks = self.blocks.sequence();
         if !blocks.reserve(prompt.len()) {
             return Err(EngineError::TooLargeForCache {

@@ -8,19 +8,7 @@ use tandem_types::SamplingParams;
 
 /// A greedy request that runs to `max_tokens`.
 pub(crate) fn req(prompt: Vec<u32>, max_tokens: u32) -> Request {
-    Request {
-        prompt,
-        params: SamplingParams {
-            max_tokens,
-            ignore_eos: true,
-            ..Default::default()
-        }
-        .validate()
-        .unwrap(),
-        resume: Vec::new(),
-        constraint: None,
-        samples: super::Samples::ONE,
-    }
+    Request::greedy(prompt, max_tokens).unwrap()
 }
 
 fn engine(cfg: EngineConfig) -> Engine {
@@ -343,21 +331,19 @@ fn a_failed_transfer_falls_back_to_a_local_prefill_and_cancel_frees_reservations
 #[test]
 fn a_resumed_request_continues_exactly_where_the_first_run_stopped() {
     let prompt: Vec<u32> = (0..21).map(|t| (t * 13 + 2) % 97).collect();
-    let sampled = |resume: Vec<u32>| Request {
-        prompt: prompt.clone(),
-        params: SamplingParams {
+    let sampled = |resume: Vec<u32>| {
+        let params = SamplingParams {
             max_tokens: 14,
             temperature: 0.9,
             seed: Some(42),
             frequency_penalty: 0.5,
             ignore_eos: true,
             ..Default::default()
+        };
+        Request {
+            resume,
+            ..Request::new(prompt.clone(), params.validate().unwrap())
         }
-        .validate()
-        .unwrap(),
-        resume,
-        constraint: None,
-        samples: super::Samples::ONE,
     };
     let full = engine(config())
         .generate(vec![sampled(vec![])], |_| {}, |_| {})

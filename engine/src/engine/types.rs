@@ -6,7 +6,7 @@ use crate::kv_cache::KvDtype;
 use crate::sampler::Sampled;
 use crate::EngineError;
 use tandem_grammar::{Constraint, GrammarCompiler};
-use tandem_types::{BlockId, ValidSampling};
+use tandem_types::{BlockId, SamplingError, SamplingParams, ValidSampling};
 
 /// How an engine sizes its KV pool and schedules its steps.
 #[derive(Clone, Debug)]
@@ -120,6 +120,30 @@ impl Default for Samples {
 }
 
 impl Request {
+    /// A request for `params` after `prompt`: nothing resumed, no grammar compiled yet, one
+    /// sample.
+    pub fn new(prompt: Vec<u32>, params: ValidSampling) -> Self {
+        Self {
+            prompt,
+            params,
+            resume: Vec::new(),
+            constraint: None,
+            samples: Samples::ONE,
+        }
+    }
+
+    /// A greedy request that runs to `max_tokens` after `prompt`, EOS ignored, so that every
+    /// run does the same work (benchmarks, tests).
+    pub fn greedy(prompt: Vec<u32>, max_tokens: u32) -> Result<Self, SamplingError> {
+        let params = SamplingParams {
+            max_tokens,
+            ignore_eos: true,
+            ..Default::default()
+        }
+        .validate()?;
+        Ok(Self::new(prompt, params))
+    }
+
     /// Compiles `params.grammar` into [`Request::constraint`] with `grammars` (this engine's
     /// compiler) unless it is compiled already. A grammar the compiler refuses is the request's
     /// fault; an engine without a compiler cannot serve grammars.

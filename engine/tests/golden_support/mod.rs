@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 use serde_json::Value;
-use tandem_engine::{Engine, EngineConfig, LlamaModel, Request, SamplingParams, WeightFormat};
+use tandem_engine::{Engine, EngineConfig, LlamaModel, Request, WeightFormat};
 
 pub fn golden_dir() -> PathBuf {
     std::env::var_os("TANDEM_GOLDEN")
@@ -47,19 +47,7 @@ pub fn ids(v: &Value) -> Vec<u32> {
 
 /// A greedy request for `max_tokens` tokens after `prompt`, EOS ignored.
 pub fn greedy_request(prompt: Vec<u32>, max_tokens: u32) -> Request {
-    Request {
-        resume: Vec::new(),
-        constraint: None,
-        samples: tandem_engine::Samples::ONE,
-        prompt,
-        params: SamplingParams {
-            max_tokens,
-            ignore_eos: true,
-            ..Default::default()
-        }
-        .validate()
-        .unwrap(),
-    }
+    Request::greedy(prompt, max_tokens).unwrap()
 }
 
 pub fn requests(recs: &[Value]) -> Vec<Request> {
