@@ -255,8 +255,6 @@ impl Measured {
         let met = slo
             .is_set()
             .then(|| measured.iter().filter(|r| slo.met(r)).count());
-        let gaps = self.gaps.dist();
-        let ttft = Dist::of(ok.iter().filter_map(|r| r.ttft_ms).collect());
         Summary {
             requests: measured.len(),
             ok: ok.len(),
@@ -271,12 +269,8 @@ impl Measured {
             request_s: ok.len() as f64 / span,
             slo_met: met,
             goodput_request_s: met.map(|m| m as f64 / span),
-            ttft_ms_p50: ttft.p50,
-            ttft_ms_p99: ttft.p99,
-            itl_ms_p50: gaps.p50,
-            itl_ms_p99: gaps.p99,
-            ttft,
-            itl: gaps,
+            ttft: Dist::of(ok.iter().filter_map(|r| r.ttft_ms).collect()),
+            itl: self.gaps.dist(),
             tpot: Dist::of(ok.iter().filter_map(|r| r.tpot_ms()).collect()),
             e2e: Dist::of(ok.iter().map(|r| r.e2e_ms).collect()),
             schedule_lag: Dist::of(measured.iter().map(|r| r.lag_ms).collect()),
@@ -323,14 +317,6 @@ pub struct Summary {
     pub slo_met: Option<usize>,
     /// Those per second.
     pub goodput_request_s: Option<f64>,
-    /// Median time to first token (also in `ttft`; kept flat for scripts).
-    pub ttft_ms_p50: f64,
-    /// 99th-percentile time to first token.
-    pub ttft_ms_p99: f64,
-    /// Median inter-token latency.
-    pub itl_ms_p50: f64,
-    /// 99th-percentile inter-token latency.
-    pub itl_ms_p99: f64,
     /// Time to first token.
     pub ttft: Dist,
     /// Gaps between streamed tokens, over every token of every request.
