@@ -3,6 +3,7 @@
 //! migrations, preemptions.
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
@@ -84,35 +85,56 @@ pub fn parse(text: &str) -> BTreeMap<String, f64> {
     out
 }
 
+/// One URL's metrics, or `None` when it does not answer within `wait`.
+async fn fetch(
+    client: &reqwest::Client,
+    url: &str,
+    wait: Duration,
+) -> Option<BTreeMap<String, f64>> {
+    let got = async {
+        client
+            .get(url)
+            .send()
+            .await?
+            .error_for_status()?
+            .text()
+            .await
+    };
+    match tokio::time::timeout(wait, got).await {
+        Ok(Ok(text)) => Some(parse(&text)),
+        _ => None,
+    }
+}
+
 /// Sums of every URL's metrics; URLs that do not answer are left out (and named in `missing`).
-pub async fn scrape(urls: &[String]) -> (BTreeMap<String, f64>, Vec<String>) {
-    let client = reqwest::Client::new();
+pub async fn scrape(
+    client: &reqwest::Client,
+    urls: &[String],
+) -> (BTreeMap<String, f64>, Vec<String>) {
     let mut all = BTreeMap::new();
     let mut missing = Vec::new();
     for u in urls {
-        let got = async { client.get(u).send().await?.error_for_status()?.text().await };
-        match tokio::time::timeout(std::time::Duration::from_secs(5), got).await {
-            Ok(Ok(text)) => {
-                for (k, v) in parse(&text) {
+        match fetch(client, u, Duration::from_secs(5)).await {
+            Some(m) => {
+                for (k, v) in m {
                     *all.entry(k).or_insert(0.0) += v;
                 }
             }
-            _ => missing.push(u.clone()),
+            None => missing.push(u.clone()),
         }
     }
     (all, missing)
 }
 
 /// The largest value of a gauge across the URLs (each URL's samples summed first).
-pub async fn scrape_gauge(urls: &[String], name: &str) -> Option<f64> {
-    let client = reqwest::Client::new();
+pub async fn scrape_gauge(client: &reqwest::Client, urls: &[String], name: &str) -> Option<f64> {
     let mut best: Option<f64> = None;
     for u in urls {
-        let got = async { client.get(u).send().await?.text().await };
-        if let Ok(Ok(text)) = tokio::time::timeout(std::time::Duration::from_secs(2), got).await {
-            if let Some(v) = parse(&text).get(name) {
-                best = Some(best.map_or(*v, |b| b.max(*v)));
-            }
+        if let Some(v) = fetch(client, u, Duration::from_secs(2))
+            .await
+            .and_then(|m| m.get(name).copied())
+        {
+            best = Some(best.map_or(v, |b| b.max(v)));
         }
     }
     best

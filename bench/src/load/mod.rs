@@ -194,10 +194,11 @@ async fn one_run(
     label: String,
 ) -> RunResult {
     let urls = metrics_urls(bench, target, index);
+    let client = reqwest::Client::new();
     let before = if urls.is_empty() {
         None
     } else {
-        Some(scrape(&urls).await)
+        Some(scrape(&client, &urls).await)
     };
     let watch = Watch {
         progress: bench.progress,
@@ -227,7 +228,7 @@ async fn one_run(
     };
     let server = match before {
         Some((before, _)) => {
-            let (after, missing) = scrape(&urls).await;
+            let (after, missing) = scrape(&client, &urls).await;
             Some(ServerDelta::between(&before, &after, missing))
         }
         None => None,

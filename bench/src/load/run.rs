@@ -327,12 +327,13 @@ async fn tick(
     let mut ticks = Vec::new();
     let mut last_tokens = 0;
     let mut interval = tokio::time::interval(Duration::from_secs(1));
+    let client = reqwest::Client::new();
     loop {
         interval.tick().await;
         let kv_usage = if watch.metrics.is_empty() {
             None
         } else {
-            scrape_gauge(&watch.metrics, "tandem_kv_cache_usage_perc").await
+            scrape_gauge(&client, &watch.metrics, "tandem_kv_cache_usage_perc").await
         };
         let p = &progress;
         let t = Tick {
