@@ -229,20 +229,25 @@ impl Generation {
 
     /// Reopens leg `k`'s unfinished samples on other decode workers after `failure` (one
     /// stream each), or gives `failure` back.
+    /// The samples leg `k` carries that have not finished.
+    fn unfinished(&self, k: usize) -> Vec<u32> {
+        self.legs[k]
+            .samples
+            .iter()
+            .copied()
+            .filter(|&i| !self.samples[i as usize].done)
+            .collect()
+    }
+
     async fn migrate(&mut self, k: usize, failure: ApiError) -> Result<(), ApiError> {
         if self.migrations_left == 0 {
             return Err(failure);
         }
         self.migrations_left -= 1;
+        let moving = self.unfinished(k);
         let leg = self.legs.remove(k);
         let lost = leg.worker().clone();
         leg.guard.worker().mark_down();
-        let moving: Vec<u32> = leg
-            .samples
-            .iter()
-            .copied()
-            .filter(|&i| !self.samples[i as usize].done)
-            .collect();
         drop(leg);
         let resumed: usize = moving
             .iter()
@@ -370,16 +375,10 @@ impl Generation {
                 },
             ));
         }
-        let leg = &self.legs[k];
-        let open: Vec<u32> = leg
-            .samples
-            .iter()
-            .copied()
-            .filter(|&i| !self.samples[i as usize].done)
-            .collect();
+        let open = self.unfinished(k);
         if last && !open.is_empty() {
             return Err(ApiError::Upstream {
-                worker: leg.worker().clone(),
+                worker: self.legs[k].worker().clone(),
                 message: format!("the stream ended before samples {open:?} finished"),
             });
         }
