@@ -817,6 +817,16 @@ mod tests {
         assert_eq!(data[0], 127);
     }
 
+    /// One sequence of one new token over `context_len` tokens in `table`'s blocks.
+    fn one_row(table: &[u32], context_len: usize) -> [SeqAttn<'_>; 1] {
+        [SeqAttn {
+            q_start: 0,
+            q_len: 1,
+            context_len,
+            block_table: table,
+        }]
+    }
+
     #[test]
     fn bad_tables_are_errors() {
         let layout = KvLayout {
@@ -827,39 +837,22 @@ mod tests {
         let cache = vec![0f32; 2 * layout.block_floats()];
         let q = vec![0f32; 4];
         let mut out = vec![0f32; 4];
-        let table = [5u32];
-        let s = [SeqAttn {
-            q_start: 0,
-            q_len: 1,
-            context_len: 1,
-            block_table: &table,
-        }];
         let spec = AttnSpec {
             n_heads: 1,
             scale: 1.0,
             window: None,
         };
-        assert!(paged_attention(&q, spec, KvSlab::F32(&cache), layout, &s, &mut out).is_err());
-        let table = [0u32];
-        let s = [SeqAttn {
-            q_start: 0,
-            q_len: 1,
-            context_len: 3,
-            block_table: &table,
-        }];
-        assert!(paged_attention(&q, spec, KvSlab::F32(&cache), layout, &s, &mut out).is_err());
-        let table = [0u32];
-        let s = [SeqAttn {
-            q_start: 0,
-            q_len: 1,
-            context_len: 1,
-            block_table: &table,
-        }];
+        let slab = KvSlab::F32(&cache);
+        // A block outside the cache, and more tokens than the table's blocks hold.
+        for (table, ctx) in [([5u32], 1), ([0u32], 3)] {
+            let s = one_row(&table, ctx);
+            assert!(paged_attention(&q, spec, slab, layout, &s, &mut out).is_err());
+        }
         let empty = AttnSpec {
             window: Some(0),
             ..spec
         };
-        let err = paged_attention(&q, empty, KvSlab::F32(&cache), layout, &s, &mut out);
+        let err = paged_attention(&q, empty, slab, layout, &one_row(&[0], 1), &mut out);
         assert!(err.unwrap_err().to_string().contains("window of 0"));
     }
 
