@@ -193,28 +193,33 @@ fn cpu_seconds(pid: u32) -> Result<f64> {
 
 impl BenchServeArgs {
     fn dataset_spec(&self) -> Result<DatasetSpec> {
-        let spec: DatasetSpec = self.dataset.parse().map_err(anyhow::Error::msg)?;
-        Ok(match spec {
-            DatasetSpec::Random { .. } => DatasetSpec::Random {
+        Ok(match self.dataset.as_str() {
+            "random" => DatasetSpec::Random {
                 input: self.prompt_len,
                 output: self.gen_len,
                 long_every: self.long_every,
                 long_input: self.long_prompt_len,
                 long_output: self.long_gen_len,
             },
-            DatasetSpec::SharedPrefix { .. } => DatasetSpec::SharedPrefix {
+            "shared-prefix" => DatasetSpec::SharedPrefix {
                 prefixes: self.prefixes,
                 questions: self.questions,
                 prefix_len: self.prefix_len,
                 question_len: self.prompt_len,
                 output: self.gen_len,
             },
-            DatasetSpec::MultiTurn { .. } => DatasetSpec::MultiTurn {
+            "multi-turn" => DatasetSpec::MultiTurn {
                 turns: self.turns,
                 input: self.prompt_len,
                 output: self.gen_len,
             },
-            other => other,
+            other => match other.split_once(':') {
+                Some(("sharegpt", f)) => DatasetSpec::ShareGpt(f.into()),
+                Some(("trace", f)) => DatasetSpec::Trace(f.into()),
+                _ => bail!(
+                    "--dataset {other:?}: datasets are random, shared-prefix, multi-turn, sharegpt:FILE and trace:FILE"
+                ),
+            },
         })
     }
 

@@ -168,6 +168,7 @@ fn bad_numbers_are_refused_with_the_flag_named() {
         (vec!["--stall-timeout=-1"], "--stall-timeout"),
         (vec!["--requests=4", "--warmup=4"], "--warmup"),
         (vec!["--trace-speedup=0"], "--trace-speedup"),
+        (vec!["--dataset=alpaca"], "--dataset"),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
             .args(["bench", "serve", "--url", "http://127.0.0.1:9"])

@@ -155,44 +155,6 @@ pub enum DatasetSpec {
     Trace(PathBuf),
 }
 
-impl FromStr for DatasetSpec {
-    type Err = String;
-
-    /// `random`, `shared-prefix`, `multi-turn`, `sharegpt:FILE` or `trace:FILE`; the lengths
-    /// of the synthetic ones are set on the spec afterwards.
-    fn from_str(s: &str) -> Result<Self, String> {
-        let fixed = LenDist::Fixed;
-        match s {
-            "random" => Ok(Self::Random {
-                input: fixed(128),
-                output: fixed(128),
-                long_every: 0,
-                long_input: 2048,
-                long_output: 8,
-            }),
-            "shared-prefix" => Ok(Self::SharedPrefix {
-                prefixes: 4,
-                questions: 16,
-                prefix_len: 512,
-                question_len: fixed(64),
-                output: fixed(128),
-            }),
-            "multi-turn" => Ok(Self::MultiTurn {
-                turns: 4,
-                input: fixed(64),
-                output: fixed(64),
-            }),
-            _ => match s.split_once(':') {
-                Some(("sharegpt", f)) => Ok(Self::ShareGpt(f.into())),
-                Some(("trace", f)) => Ok(Self::Trace(f.into())),
-                _ => Err(format!(
-                    "{s:?}: datasets are random, shared-prefix, multi-turn, sharegpt:FILE and trace:FILE"
-                )),
-            },
-        }
-    }
-}
-
 /// Tokens of one trace block.
 pub const TRACE_BLOCK: usize = 512;
 
