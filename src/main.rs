@@ -12,7 +12,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
-use tandem_engine::{Engine, EngineConfig, KvDtype, LlamaModel, WeightFormat};
+use tandem_engine::{Engine, EngineConfig, KvDtype, TpCpuConfig, WeightFormat};
 
 #[derive(Parser)]
 #[command(
@@ -110,6 +110,15 @@ pub struct EngineArgs {
     /// Do not reuse KV blocks of identical prompt prefixes across requests.
     #[arg(long, env = "TANDEM_NO_PREFIX_CACHING")]
     pub no_prefix_caching: bool,
+    /// Tensor-parallel ranks: the model split over this many rank threads of this process,
+    /// each with its share of the weights and of the KV heads, and --threads shared among them
+    /// (1: no tensor parallelism).
+    #[arg(long, env = "TANDEM_TP", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub tp: u32,
+    /// Seconds a tensor-parallel collective waits for its peers before it fails the step
+    /// (a stuck rank fails the step with an error instead of hanging the group).
+    #[arg(long, env = "TANDEM_TP_WATCHDOG_SECS", default_value_t = 120.0)]
+    pub tp_watchdog_secs: f64,
 }
 
 impl EngineArgs {
@@ -124,6 +133,8 @@ impl EngineArgs {
             format!("--max-seqs={}", self.max_seqs),
             format!("--kv-dtype={}", self.kv_dtype),
             format!("--admission-lookahead={}", self.admission_lookahead),
+            format!("--tp={}", self.tp),
+            format!("--tp-watchdog-secs={}", self.tp_watchdog_secs),
         ];
         if let Some(m) = &self.model {
             f.push(format!("--model={}", m.display()));
@@ -138,6 +149,27 @@ impl EngineArgs {
             f.push("--no-prefix-caching".into());
         }
         f
+    }
+
+    /// The tensor-parallel group the flags ask for: `--threads` (all cores by default) shared
+    /// among the ranks, one at least each.
+    pub fn tp(&self) -> Result<TpCpuConfig> {
+        let w = self.tp_watchdog_secs;
+        anyhow::ensure!(
+            w.is_finite() && w > 0.0,
+            "--tp-watchdog-secs {w} must be a positive number of seconds"
+        );
+        let size = self.tp as usize;
+        let threads = self.threads.unwrap_or_else(|| {
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
+        });
+        Ok(TpCpuConfig {
+            size,
+            threads_per_rank: (threads / size).max(1),
+            watchdog: std::time::Duration::from_secs_f64(w),
+        })
     }
 
     /// Loads the model (fetching the default if needed) and builds an engine.
@@ -160,10 +192,9 @@ impl EngineArgs {
             admission_lookahead: self.admission_lookahead,
             slowdown: test_slowdown()?,
         };
-        let backend = tandem_engine::backend::on(self.device, &loaded, &cfg, || {
-            LlamaModel::new(&loaded, self.weights)
-        })
-        .with_context(|| format!("starting the model on {}", self.device))?;
+        let backend =
+            tandem_engine::backend::on(self.device, &loaded, &cfg, self.weights, self.tp()?)
+                .with_context(|| format!("starting the model on {}", self.device))?;
         let grammars = tandem_grammar::GrammarCompiler::new(
             loaded.tokenizer.clone(),
             loaded.config.vocab_size,

@@ -19,7 +19,7 @@
 
 mod thread_group;
 
-pub use thread_group::{ThreadGroup, ThreadRank};
+pub use thread_group::{RankStats, ThreadGroup, ThreadRank};
 
 use std::time::Duration;
 

@@ -101,6 +101,7 @@ impl ThreadGroup {
                 rank,
                 round: 0,
                 shared: shared.clone(),
+                stats: Arc::default(),
             })
             .collect()
     }
@@ -111,9 +112,54 @@ pub struct ThreadRank {
     rank: usize,
     round: u64,
     shared: Arc<Shared>,
+    stats: Arc<RankStats>,
+}
+
+/// What one rank's collectives have cost so far, readable from any thread.
+#[derive(Debug, Default)]
+pub struct RankStats {
+    calls: AtomicU64,
+    values: AtomicU64,
+    nanos: AtomicU64,
+}
+
+impl RankStats {
+    /// Collectives called.
+    pub fn calls(&self) -> u64 {
+        self.calls.load(Ordering::Relaxed)
+    }
+
+    /// Values this rank contributed.
+    pub fn values(&self) -> u64 {
+        self.values.load(Ordering::Relaxed)
+    }
+
+    /// Time spent inside collectives: waiting for peers, and the copies and sums.
+    pub fn time(&self) -> Duration {
+        Duration::from_nanos(self.nanos.load(Ordering::Relaxed))
+    }
+
+    fn add(&self, values: usize, since: Instant) {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        self.values.fetch_add(values as u64, Ordering::Relaxed);
+        let ns = since.elapsed().as_nanos().min(u64::MAX as u128) as u64;
+        self.nanos.fetch_add(ns, Ordering::Relaxed);
+    }
 }
 
 impl ThreadRank {
+    /// This rank's running costs (shared: the handle stays valid when the rank moves).
+    pub fn stats(&self) -> Arc<RankStats> {
+        self.stats.clone()
+    }
+
+    /// Gives the group up from this rank (it failed outside a collective, and will not come
+    /// to the next one): every rank's current and later collectives fail at once with `why`
+    /// instead of waiting for the watchdog.
+    pub fn abort(&self, why: String) {
+        self.shared.poison(why);
+    }
+
     /// One round: writes `mine`, waits for every rank, then `read(parity, len)` with the
     /// common length of the round's contributions from the ranks in `same_len` (their lengths
     /// must agree).
@@ -205,6 +251,7 @@ impl Collective for ThreadRank {
     }
 
     fn all_reduce_sum(&mut self, buf: &mut [f32]) -> Result<(), CollectiveError> {
+        let since = Instant::now();
         let all = self.all_ranks();
         let cap = self.shared.capacity;
         for chunk in buf.chunks_mut(cap) {
@@ -226,10 +273,12 @@ impl Collective for ThreadRank {
         if buf.is_empty() {
             self.exchange("all_reduce", &[], &all, |_, _, _| ())?;
         }
+        self.stats.add(buf.len(), since);
         Ok(())
     }
 
     fn all_gather(&mut self, mine: &[f32], out: &mut [f32]) -> Result<(), CollectiveError> {
+        let since = Instant::now();
         let size = self.shared.size;
         let n = mine.len();
         if out.len() != size * n {
@@ -252,6 +301,7 @@ impl Collective for ThreadRank {
             })?;
             at += len;
             if at >= n {
+                self.stats.add(n, since);
                 return Ok(());
             }
         }

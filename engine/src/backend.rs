@@ -9,7 +9,8 @@ use tandem_model::{LlamaConfig, LoadedModel};
 use crate::engine::EngineConfig;
 use crate::gpu::GpuLlama;
 use crate::kv_cache::{KvDtype, KvPool};
-use crate::model::{LlamaModel, SeqBatch};
+use crate::model::{LlamaModel, SeqBatch, WeightFormat};
+use crate::tp::{TpCpuBackend, TpCpuConfig, TpStats};
 use crate::EngineError;
 use tandem_types::BlockId;
 
@@ -69,15 +70,25 @@ pub trait Backend: Send {
     /// Where steps run, for logs and benchmark headers.
     fn device(&self) -> String;
 
-    /// The CPU model, when steps run on the CPU.
+    /// The CPU model, when steps run on the CPU in one rank.
     fn cpu_model(&self) -> Option<&LlamaModel> {
+        None
+    }
+
+    /// Ranks of the tensor-parallel group the steps run on (1: no tensor parallelism).
+    fn tp(&self) -> usize {
+        1
+    }
+
+    /// The group's collective costs so far (None without tensor parallelism).
+    fn tp_stats(&self) -> Option<TpStats> {
         None
     }
 }
 
 /// Blocks a pool of `config`'s size holds at `block_bytes` a block: `num_blocks` if given, else
 /// as many as `kv_cache_mb` fits (at least one).
-fn pool_blocks(config: &EngineConfig, block_bytes: usize) -> usize {
+pub(crate) fn pool_blocks(config: &EngineConfig, block_bytes: usize) -> usize {
     config
         .num_blocks
         .unwrap_or(config.kv_cache_mb * (1 << 20) / block_bytes)
@@ -218,17 +229,26 @@ impl Backend for GpuLlama {
     }
 }
 
-/// The backend `device` names: the CPU model (`model` builds it; only called for the CPU) or
-/// `loaded` uploaded to a CUDA device.
+/// The backend `device` names for `loaded`: the CPU model with its weights held as `format`
+/// says, split over `tp`'s rank threads when it has more than one, or the model uploaded to a
+/// CUDA device.
 pub fn on(
     device: DeviceSpec,
     loaded: &LoadedModel,
     config: &EngineConfig,
-    model: impl FnOnce() -> Result<LlamaModel, EngineError>,
+    format: WeightFormat,
+    tp: TpCpuConfig,
 ) -> Result<Box<dyn Backend>, EngineError> {
     config.check()?;
     Ok(match device {
-        DeviceSpec::Cpu => Box::new(CpuBackend::new(model()?, config)?),
+        DeviceSpec::Cpu if tp.size > 1 => Box::new(TpCpuBackend::new(loaded, format, config, tp)?),
+        DeviceSpec::Cpu => Box::new(CpuBackend::new(LlamaModel::new(loaded, format)?, config)?),
+        DeviceSpec::Cuda(_) if tp.size > 1 => {
+            return Err(EngineError::Unsupported(format!(
+                "--tp {} on a CUDA device: the NCCL ranks are not built yet (run --tp 1 on a GPU, or --tp on --device cpu)",
+                tp.size
+            )))
+        }
         DeviceSpec::Cuda(n) => Box::new(GpuLlama::for_engine(n, loaded, config)?),
     })
 }

@@ -10,6 +10,7 @@
 
 use tandem_model::{LayerTensor, LlamaConfig, TensorName};
 
+use crate::tp::{Cut, Part, TpShard};
 use crate::EngineError;
 
 /// One packed step's operations on a device. The implementor holds the step's inputs (token
@@ -109,6 +110,28 @@ pub(crate) trait StepOps {
         mnk: (usize, usize, usize),
         out: &mut Self::Logits,
     ) -> Result<(), EngineError>;
+    /// `x` summed over the ranks of the step's tensor-parallel group, in place on every rank:
+    /// the partial sums of a row-parallel product, or the vocab-parallel embedding. Only
+    /// called in a group of more than one rank.
+    fn all_reduce(&mut self, x: &mut Self::Act) -> Result<(), EngineError> {
+        let _ = x;
+        Err(EngineError::Unsupported(
+            "tensor parallelism on this device".into(),
+        ))
+    }
+    /// Every rank's `local` logits (`rows` rows of its vocabulary slice) into `out` (`rows`
+    /// rows of the whole vocabulary), on every rank. Only called in a group of more than one.
+    fn gather_logits(
+        &mut self,
+        local: &Self::Logits,
+        rows: usize,
+        out: &mut Self::Logits,
+    ) -> Result<(), EngineError> {
+        let _ = (local, rows, out);
+        Err(EngineError::Unsupported(
+            "tensor parallelism on this device".into(),
+        ))
+    }
     /// Waits for the step's work when nothing is returned (a device that runs ops
     /// asynchronously); nothing on the CPU.
     fn finish(&mut self) -> Result<(), EngineError> {
@@ -143,46 +166,67 @@ pub(crate) struct LlamaWeights<M, V> {
 }
 
 impl<M, V> LlamaWeights<M, V> {
-    /// Builds every weight of a `c` model: `matrix` makes one matrix from tensors stacked by
-    /// rows (one name for most; q|k|v and gate|up fused), `vector` one vector from tensors
-    /// laid end to end (a norm; q|k|v biases fused).
+    /// Builds `shard`'s part of every weight of a `c` model: `matrix` makes one matrix from
+    /// tensor parts stacked by rows (one part for most; q|k|v and gate|up fused), `vector` one
+    /// vector from parts laid end to end (a norm; q|k|v biases fused). A whole shard asks for
+    /// whole tensors.
     pub fn build(
         c: &LlamaConfig,
-        mut matrix: impl FnMut(&[TensorName]) -> Result<M, EngineError>,
-        mut vector: impl FnMut(&[TensorName]) -> Result<V, EngineError>,
+        shard: &TpShard,
+        mut matrix: impl FnMut(&[Part]) -> Result<M, EngineError>,
+        mut vector: impl FnMut(&[Part]) -> Result<V, EngineError>,
     ) -> Result<Self, EngineError> {
         use LayerTensor::*;
+        let whole = shard.is_whole();
+        let cut = |name: TensorName, c: Cut| Part {
+            name,
+            cut: if whole { Cut::Whole } else { c },
+        };
+        let rows = |name, r: &std::ops::Range<usize>, scale: usize| {
+            cut(name, Cut::Rows(r.start * scale..r.end * scale))
+        };
+        let cols = |name, r: &std::ops::Range<usize>, scale: usize| {
+            cut(name, Cut::Cols(r.start * scale..r.end * scale))
+        };
+        let hd = c.head_dim;
+        let (q, kv, ff) = (&shard.q_heads, &shard.kv_heads, &shard.ff);
         let mut layers = Vec::with_capacity(c.num_layers);
         for i in 0..c.num_layers {
             let n = |t| TensorName::layer(i, t);
+            let qkv = |[tq, tk, tv]: [LayerTensor; 3]| {
+                [rows(n(tq), q, hd), rows(n(tk), kv, hd), rows(n(tv), kv, hd)]
+            };
             layers.push(LayerWeights {
-                attn_norm: vector(&[n(AttnNorm)])?,
-                qkv: matrix(&[n(AttnQ), n(AttnK), n(AttnV)])?,
+                attn_norm: vector(&[Part::whole(n(AttnNorm))])?,
+                qkv: matrix(&qkv([AttnQ, AttnK, AttnV]))?,
                 qkv_bias: match c.family.qkv_bias() {
-                    true => Some(vector(&[n(AttnQBias), n(AttnKBias), n(AttnVBias)])?),
+                    true => Some(vector(&qkv([AttnQBias, AttnKBias, AttnVBias]))?),
                     false => None,
                 },
                 qk_norm: match c.family.qk_norm() {
-                    true => Some((vector(&[n(AttnQNorm)])?, vector(&[n(AttnKNorm)])?)),
+                    true => Some((
+                        vector(&[Part::whole(n(AttnQNorm))])?,
+                        vector(&[Part::whole(n(AttnKNorm))])?,
+                    )),
                     false => None,
                 },
-                o: matrix(&[n(AttnOutput)])?,
-                ffn_norm: vector(&[n(FfnNorm)])?,
-                gate_up: matrix(&[n(FfnGate), n(FfnUp)])?,
-                down: matrix(&[n(FfnDown)])?,
+                o: matrix(&[cols(n(AttnOutput), q, hd)])?,
+                ffn_norm: vector(&[Part::whole(n(FfnNorm))])?,
+                gate_up: matrix(&[rows(n(FfnGate), ff, 1), rows(n(FfnUp), ff, 1)])?,
+                down: matrix(&[cols(n(FfnDown), ff, 1)])?,
             });
         }
-        let embed = matrix(&[TensorName::Embedding])?;
+        let embed = matrix(&[rows(TensorName::Embedding, &shard.vocab, 1)])?;
         let head = if c.tie_word_embeddings {
             None
         } else {
-            Some(matrix(&[TensorName::Output])?)
+            Some(matrix(&[rows(TensorName::Output, &shard.vocab, 1)])?)
         };
         Ok(Self {
             layers,
             embed,
             head,
-            norm: vector(&[TensorName::OutputNorm])?,
+            norm: vector(&[Part::whole(TensorName::OutputNorm)])?,
         })
     }
 
@@ -200,18 +244,23 @@ impl<M, V> LlamaWeights<M, V> {
     }
 }
 
-/// One packed step of a `c` model with `weights` on device `d`, over `tokens` token rows of
-/// which `logit_rows` want logits: those logits, or None when no row wants them.
+/// One packed step of `shard`'s part of a `c` model with its `weights` on device `d`, over
+/// `tokens` token rows of which `logit_rows` want logits: those logits (the whole vocabulary's,
+/// on every rank), or None when no row wants them. In a group of more than one rank, the ranks
+/// run this in lockstep: each all-reduce and gather is a collective of the group.
 pub(crate) fn forward<D: StepOps>(
     d: &mut D,
     weights: &LlamaWeights<D::Matrix, D::Vector>,
     c: &LlamaConfig,
+    shard: &TpShard,
     tokens: usize,
     logit_rows: usize,
 ) -> Result<Option<D::Logits>, EngineError> {
     let t = tokens;
-    let (h, ff) = (c.hidden_size, c.intermediate_size);
-    let (qd, kvd) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+    let tp = !shard.is_whole();
+    let (h, hd) = (c.hidden_size, c.head_dim);
+    let ff = shard.ff.len();
+    let (qd, kvd) = (shard.q_heads.len() * hd, shard.kv_heads.len() * hd);
     let mut x = d.alloc(t * h)?;
     let mut hbuf = d.alloc(t * h)?;
     let mut qkv = d.alloc(t * (qd + 2 * kvd))?;
@@ -220,6 +269,9 @@ pub(crate) fn forward<D: StepOps>(
     let mut gu = d.alloc(t * 2 * ff)?;
     let mut act = d.alloc(t * ff)?;
     d.embed(&weights.embed, &mut x)?;
+    if tp {
+        d.all_reduce(&mut x)?;
+    }
     for (li, l) in weights.layers.iter().enumerate() {
         if li == 0 {
             d.rms_norm(&x, &l.attn_norm, &mut hbuf, t)?;
@@ -234,10 +286,16 @@ pub(crate) fn forward<D: StepOps>(
         }
         d.attention(li, &mut qkv, &mut att)?;
         d.matmul(&l.o, &att, (t, h, qd), &mut proj)?;
+        if tp {
+            d.all_reduce(&mut proj)?;
+        }
         d.add_rms_norm(&mut x, &proj, &l.ffn_norm, &mut hbuf, t)?;
         d.matmul(&l.gate_up, &hbuf, (t, 2 * ff, h), &mut gu)?;
         d.silu_mul(&gu, &mut act, t, ff)?;
         d.matmul(&l.down, &act, (t, h, ff), &mut proj)?;
+        if tp {
+            d.all_reduce(&mut proj)?;
+        }
     }
     let n = logit_rows;
     if n == 0 {
@@ -246,7 +304,13 @@ pub(crate) fn forward<D: StepOps>(
     }
     let mut last = d.alloc(n * h)?;
     d.final_norm(&mut x, &proj, &weights.norm, &mut hbuf, &mut last)?;
-    let mut logits = d.alloc_logits(n * c.vocab_size)?;
-    d.head(weights.head(), &last, (n, c.vocab_size, h), &mut logits)?;
-    Ok(Some(logits))
+    let vocab = shard.vocab.len();
+    let mut logits = d.alloc_logits(n * vocab)?;
+    d.head(weights.head(), &last, (n, vocab, h), &mut logits)?;
+    if !tp {
+        return Ok(Some(logits));
+    }
+    let mut all = d.alloc_logits(n * c.vocab_size)?;
+    d.gather_logits(&logits, n, &mut all)?;
+    Ok(Some(all))
 }

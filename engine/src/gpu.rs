@@ -7,10 +7,11 @@ use std::collections::BTreeMap;
 
 use tandem_kernels::cuda::runtime::{AttnBatch, CudaOps, CudaSlice};
 use tandem_kernels::ops::RopeTable;
-use tandem_model::{get_tensor, LlamaConfig, TensorData, TensorName};
+use tandem_model::{LlamaConfig, TensorData, TensorName};
 
 use crate::forward::{self, LlamaWeights, StepOps};
 use crate::model::{PackedStep, SeqBatch};
+use crate::tp::{Part, TpShard};
 use crate::EngineError;
 use tandem_types::BlockId;
 
@@ -54,14 +55,14 @@ impl GpuLlama {
     ) -> Result<Self, EngineError> {
         Self::check_family(config)?;
         let ops = CudaOps::new(ordinal)?;
-        let up = |names: &[TensorName]| -> Result<Bf16, EngineError> {
+        let up = |parts: &[Part]| -> Result<Bf16, EngineError> {
             let mut all = Vec::new();
-            for &n in names {
-                all.extend(bf16_bits(&get_tensor(tensors, n)?.to_f32()?));
+            for p in parts {
+                all.extend(bf16_bits(&p.tensor(tensors)?.to_f32()?));
             }
             Ok(ops.upload(&all)?)
         };
-        let weights = LlamaWeights::build(config, up, up)?;
+        let weights = LlamaWeights::build(config, &TpShard::whole(config), up, up)?;
         Self::assemble(ops, config, weights, block_size, num_blocks)
     }
 
@@ -77,11 +78,8 @@ impl GpuLlama {
         Self::check_family(config)?;
         let ops = CudaOps::new(ordinal)?;
         let made = Cell::new(0u64);
-        let rnd = |names: &[TensorName], scale: f32| -> Result<Bf16, EngineError> {
-            let len: usize = names
-                .iter()
-                .map(|n| n.shape(config).map_or(0, |s| s.iter().product::<usize>()))
-                .sum();
+        let rnd = |parts: &[Part], scale: f32| -> Result<Bf16, EngineError> {
+            let len: usize = parts.iter().map(|p| p.elems(config)).sum();
             let mut x = ops.alloc_bf16(len)?;
             made.set(made.get() + 1);
             let s = seed.wrapping_mul(1_000_003).wrapping_add(made.get());
@@ -90,18 +88,19 @@ impl GpuLlama {
         };
         let weights = LlamaWeights::build(
             config,
+            &TpShard::whole(config),
             // The embedding's rows are looked up, not multiplied: unit scale, like the norms.
-            |names| {
+            |parts| {
                 rnd(
-                    names,
-                    if names == [TensorName::Embedding] {
+                    parts,
+                    if parts == [Part::whole(TensorName::Embedding)] {
                         1.0
                     } else {
                         0.02
                     },
                 )
             },
-            |names| rnd(names, 1.0),
+            |parts| rnd(parts, 1.0),
         )?;
         Self::assemble(ops, config, weights, block_size, num_blocks)
     }
@@ -260,7 +259,7 @@ impl GpuLlama {
             self.block_size,
             &step,
         )?;
-        let logits = forward::forward(&mut ops, &self.weights, c, t, n)?;
+        let logits = forward::forward(&mut ops, &self.weights, c, &TpShard::whole(c), t, n)?;
         Ok(logits.map(|l| (l, n)))
     }
 }

@@ -28,6 +28,7 @@ mod handle;
 mod kv_cache;
 mod model;
 mod sampler;
+pub mod tp;
 
 pub use backend::{Backend, CpuBackend};
 pub use block_manager::{BlockCounts, BlockManager, KvEvent, KvEventKind, PoolFull, SeqBlocks};
@@ -41,6 +42,7 @@ pub use kv_cache::{KvDtype, KvPool, KvPoolWriter};
 pub use model::{LlamaModel, SeqBatch, WeightFormat};
 pub use sampler::{Sampled, Sampler};
 pub use tandem_types::{BlockId, ErrorKind, SamplingError, SamplingParams, ValidSampling};
+pub use tp::{TpCpuBackend, TpCpuConfig, TpShard, TpStats};
 
 /// Why the engine refused or failed a request, or could not start. [`EngineError::kind`] says
 /// whose fault it is; the workers map that kind, not the text, to a gRPC code.
@@ -124,6 +126,10 @@ pub enum EngineError {
     /// A CUDA call failed.
     #[error(transparent)]
     Cuda(#[from] tandem_kernels::cuda::CudaError),
+    /// A collective between the ranks of a tensor-parallel group failed (a rank stuck or gone,
+    /// buffers that do not agree).
+    #[error("tensor-parallel collective: {0}")]
+    Collective(#[from] tandem_collective::CollectiveError),
     /// The engine could not be built (the model, the device); the text says why.
     #[error("{0}")]
     Startup(String),
@@ -155,6 +161,7 @@ impl EngineError {
             | Self::Kernel(_)
             | Self::Files(_)
             | Self::Cuda(_)
+            | Self::Collective(_)
             | Self::Startup(_)
             | Self::Internal(_) => ErrorKind::Internal,
         }

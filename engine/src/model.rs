@@ -12,11 +12,13 @@ use rayon::prelude::*;
 use tandem_kernels::ops::{self, RopeTable};
 use tandem_kernels::{paged_attention, write_kv, AttnSpec, KvLayout, Linear, SeqAttn, Weight};
 
-use tandem_model::{get_tensor, LlamaConfig, LoadedModel, TensorData};
+use tandem_model::{LlamaConfig, LoadedModel, TensorData};
 
 use crate::forward::{self, LlamaWeights, StepOps};
 use crate::kv_cache::KvPool;
+use crate::tp::TpShard;
 use crate::EngineError;
+use tandem_collective::{Collective, SingleRank};
 
 /// How weights are held in memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -39,10 +41,15 @@ impl std::str::FromStr for WeightFormat {
     }
 }
 
-/// A Llama model on the CPU: its weights in host memory, run over a [`KvPool`].
+/// A Llama model on the CPU, or one tensor-parallel rank's share of it: its weights in host
+/// memory, run over a [`KvPool`] of its KV heads.
 pub struct LlamaModel {
     /// The model's shape.
     pub config: LlamaConfig,
+    /// The part of the model this one holds (all of it outside tensor parallelism).
+    pub shard: TpShard,
+    /// The model as the shard sees it: its heads, MLP features and vocabulary slice.
+    local: LlamaConfig,
     weights: LlamaWeights<Linear, Vec<f32>>,
     rope: RopeTable,
 }
@@ -123,27 +130,47 @@ impl LlamaModel {
         Self::from_tensors(&m.config, &m.tensors, format)
     }
 
+    /// `shard`'s part of a loaded model (see [`TpShard`]), its weights held as `format` says.
+    pub fn shard(
+        m: &LoadedModel,
+        format: WeightFormat,
+        shard: TpShard,
+    ) -> Result<Self, EngineError> {
+        Self::shard_from_tensors(&m.config, &m.tensors, format, shard)
+    }
+
     /// Builds the model from its config and tensors under their canonical (GGUF-style) names.
     pub fn from_tensors(
         config: &LlamaConfig,
         tensors: &BTreeMap<String, TensorData>,
         format: WeightFormat,
     ) -> Result<Self, EngineError> {
+        Self::shard_from_tensors(config, tensors, format, TpShard::whole(config))
+    }
+
+    /// `shard`'s part of the model from its config and tensors.
+    pub fn shard_from_tensors(
+        config: &LlamaConfig,
+        tensors: &BTreeMap<String, TensorData>,
+        format: WeightFormat,
+        shard: TpShard,
+    ) -> Result<Self, EngineError> {
         let c = config.clone();
         let f32w = format == WeightFormat::F32;
         let weights = LlamaWeights::build(
             &c,
-            |names| {
-                let parts = names
+            &shard,
+            |parts| {
+                let parts = parts
                     .iter()
-                    .map(|&n| Ok(Weight::from_tensor(get_tensor(tensors, n)?, f32w)?))
+                    .map(|p| Ok(Weight::from_tensor(p.tensor(tensors)?.as_ref(), f32w)?))
                     .collect::<Result<Vec<_>, EngineError>>()?;
                 Ok(Linear::new(stack_rows(parts)?))
             },
-            |names| {
+            |parts| {
                 let mut v = Vec::new();
-                for &n in names {
-                    v.extend(get_tensor(tensors, n)?.to_f32()?);
+                for p in parts {
+                    v.extend(p.tensor(tensors)?.to_f32()?);
                 }
                 Ok(v)
             },
@@ -156,15 +183,18 @@ impl LlamaModel {
         Ok(Self {
             weights,
             rope,
+            local: shard.local_config(&c),
+            shard,
             config: c,
         })
     }
 
-    /// The shape of one layer's KV block of `block_size` tokens for this model.
+    /// The shape of one layer's KV block of `block_size` tokens for this model (for a shard, of
+    /// its KV heads).
     pub fn kv_layout(&self, block_size: usize) -> KvLayout {
         KvLayout {
             block_size,
-            num_kv_heads: self.config.num_kv_heads,
+            num_kv_heads: self.shard.kv_heads.len(),
             head_dim: self.config.head_dim,
         }
     }
@@ -188,23 +218,37 @@ impl LlamaModel {
     /// each region would be handed over and waited for, a wake-up and a sleep apiece, which costs
     /// more than the small products of a decode step.
     pub fn forward(&self, seqs: &[SeqBatch<'_>], kv: &mut KvPool) -> Result<Vec<f32>, EngineError> {
-        rayon::scope(|_| self.packed_forward(seqs, kv))
+        rayon::scope(|_| self.forward_rank(seqs, kv, &mut SingleRank))
     }
 
-    fn packed_forward(
+    /// This shard's part of one packed step, in lockstep with the other ranks of its group
+    /// through `comm` (the calls of every rank must be the same steps in the same order): the
+    /// whole vocabulary's logits, on every rank. Runs in the caller's compute pool.
+    pub fn forward_rank(
         &self,
         seqs: &[SeqBatch<'_>],
         kv: &mut KvPool,
+        comm: &mut dyn Collective,
     ) -> Result<Vec<f32>, EngineError> {
         let c = &self.config;
+        if comm.size() != self.shard.size || comm.rank() != self.shard.rank {
+            return Err(EngineError::Internal(format!(
+                "rank {} of {} runs the shard of rank {} of {}",
+                comm.rank(),
+                comm.size(),
+                self.shard.rank,
+                self.shard.size
+            )));
+        }
         let bs = kv.layout.block_size;
         let step = PackedStep::new(seqs, c.vocab_size, self.rope.max_pos(), bs, kv.num_blocks())?;
         let t = step.tokens.len();
         if t == 0 {
             return Ok(Vec::new());
         }
-        let mut ops = CpuStep::new(c, &self.rope, kv, &step);
-        let logits = forward::forward(&mut ops, &self.weights, c, t, step.logit_rows.len())?;
+        let mut ops = CpuStep::new(self, comm, kv, &step);
+        let n = step.logit_rows.len();
+        let logits = forward::forward(&mut ops, &self.weights, c, &self.shard, t, n)?;
         Ok(logits.unwrap_or_default())
     }
 }
@@ -212,7 +256,12 @@ impl LlamaModel {
 /// One packed step on the CPU: the op set of [`crate::forward`] in f32 over the host pool, each
 /// op's rows split into parallel tasks on the compute pool.
 struct CpuStep<'a> {
+    /// The model as this rank sees it (its heads, features and vocabulary slice).
     c: &'a LlamaConfig,
+    /// The whole vocabulary.
+    vocab: usize,
+    shard: &'a TpShard,
+    comm: &'a mut dyn Collective,
     rope: &'a RopeTable,
     kv: &'a mut KvPool,
     step: &'a PackedStep<'a>,
@@ -225,11 +274,12 @@ struct CpuStep<'a> {
 
 impl<'a> CpuStep<'a> {
     fn new(
-        c: &'a LlamaConfig,
-        rope: &'a RopeTable,
+        model: &'a LlamaModel,
+        comm: &'a mut dyn Collective,
         kv: &'a mut KvPool,
         step: &'a PackedStep<'a>,
     ) -> Self {
+        let c = &model.local;
         let t = step.tokens.len();
         let (qd, kvd) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
         let attn = step
@@ -244,7 +294,10 @@ impl<'a> CpuStep<'a> {
             .collect();
         Self {
             c,
-            rope,
+            vocab: model.config.vocab_size,
+            shard: &model.shard,
+            comm,
+            rope: &model.rope,
             kv,
             step,
             attn,
@@ -278,7 +331,20 @@ impl StepOps for CpuStep<'_> {
     }
 
     fn embed(&mut self, table: &Linear, out: &mut Vec<f32>) -> Result<(), EngineError> {
-        ops::embedding(&self.step.tokens, table.weight(), out);
+        let vocab = &self.shard.vocab;
+        if self.shard.is_whole() {
+            ops::embedding(&self.step.tokens, table.weight(), out);
+            return Ok(());
+        }
+        // A slice of the vocabulary: its tokens' rows, zeros for the others (the all-reduce
+        // that follows adds the one rank's row that holds each token).
+        let h = self.c.hidden_size;
+        for (&tok, row) in self.step.tokens.iter().zip(out.chunks_exact_mut(h)) {
+            match vocab.contains(&(tok as usize)) {
+                true => table.weight().row_f32(tok as usize - vocab.start, row),
+                false => row.fill(0.0),
+            }
+        }
         Ok(())
     }
 
@@ -441,6 +507,41 @@ impl StepOps for CpuStep<'_> {
     ) -> Result<(), EngineError> {
         self.matmul(w, x, mnk, out)
     }
+
+    fn all_reduce(&mut self, x: &mut Vec<f32>) -> Result<(), EngineError> {
+        Ok(self.comm.all_reduce_sum(x)?)
+    }
+
+    fn gather_logits(
+        &mut self,
+        local: &Vec<f32>,
+        rows: usize,
+        out: &mut Vec<f32>,
+    ) -> Result<(), EngineError> {
+        // Each rank's rows padded to an equal slice of the vocabulary, gathered rank after
+        // rank, then laid out row after row.
+        let (vocab, size) = (self.vocab, self.shard.size);
+        let chunk = vocab.div_ceil(size);
+        let mine = self.shard.vocab.len();
+        let mut padded = vec![0f32; rows * chunk];
+        for (p, l) in padded
+            .chunks_exact_mut(chunk)
+            .zip(local.chunks_exact(mine.max(1)))
+        {
+            p[..mine].copy_from_slice(&l[..mine]);
+        }
+        let mut all = vec![0f32; size * rows * chunk];
+        self.comm.all_gather(&padded, &mut all)?;
+        for r in 0..size {
+            let from = (r * chunk).min(vocab);
+            let len = ((r + 1) * chunk).min(vocab) - from;
+            let part = &all[r * rows * chunk..(r + 1) * rows * chunk];
+            for (o, p) in out.chunks_exact_mut(vocab).zip(part.chunks_exact(chunk)) {
+                o[from..from + len].copy_from_slice(&p[..len]);
+            }
+        }
+        Ok(())
+    }
 }
 
 /// One sequence's part of a [`PackedStep`] (only sequences with new tokens appear).
@@ -538,6 +639,13 @@ fn add_rows(x: &mut [f32], y: &[f32], chunk: usize) {
 /// A small random Llama for tests of the engine's bookkeeping (fast enough for property tests).
 #[cfg(test)]
 pub(crate) fn tiny_model(seed: u64) -> LlamaModel {
+    let (c, tensors) = tiny_tensors(seed);
+    LlamaModel::from_tensors(&c, &tensors, WeightFormat::Native).expect("consistent shapes")
+}
+
+/// The config and f32 tensors of [`tiny_model`]: 4 query heads over 2 KV heads, 2 layers.
+#[cfg(test)]
+pub(crate) fn tiny_tensors(seed: u64) -> (LlamaConfig, BTreeMap<String, TensorData>) {
     use rand::{Rng, SeedableRng};
     use tandem_model::{GgmlType, LayerTensor, TensorName};
     let c = LlamaConfig {
@@ -579,5 +687,5 @@ pub(crate) fn tiny_model(seed: u64) -> LlamaModel {
             },
         );
     }
-    LlamaModel::from_tensors(&c, &tensors, WeightFormat::Native).expect("consistent shapes")
+    (c, tensors)
 }

@@ -111,6 +111,95 @@ impl TensorData {
         quant::dequantize(self.ty, &self.data, &mut out)?;
         Ok(out)
     }
+
+    /// `(rows, cols)`: a vector is one row.
+    fn matrix_shape(&self) -> Result<(usize, usize), ModelError> {
+        match self.shape[..] {
+            [r, c] => Ok((r, c)),
+            [c] => Ok((1, c)),
+            _ => Err(ModelError::Format(format!(
+                "a tensor of shape {:?} is not a matrix or a vector",
+                self.shape
+            ))),
+        }
+    }
+
+    /// Rows `range` of a matrix (elements `range` of a vector), in the same encoding: a
+    /// tensor-parallel rank's share of a column-parallel projection.
+    pub fn slice_rows(&self, range: std::ops::Range<usize>) -> Result<TensorData, ModelError> {
+        let (rows, cols) = self.matrix_shape()?;
+        if self.shape.len() == 1 {
+            return self.slice_cols(range);
+        }
+        if range.start > range.end || range.end > rows {
+            return Err(ModelError::Format(format!(
+                "rows {range:?} of a {rows}-row tensor"
+            )));
+        }
+        let rb = self.row_bytes(cols)?;
+        Ok(TensorData {
+            ty: self.ty,
+            shape: vec![range.len(), cols],
+            data: self.data[range.start * rb..range.end * rb].to_vec(),
+        })
+    }
+
+    /// Columns `range` of every row, in the same encoding: a rank's share of a row-parallel
+    /// projection. A quantized tensor is cut only at its blocks' edges.
+    pub fn slice_cols(&self, range: std::ops::Range<usize>) -> Result<TensorData, ModelError> {
+        let (rows, cols) = self.matrix_shape()?;
+        if range.start > range.end || range.end > cols {
+            return Err(ModelError::Format(format!(
+                "columns {range:?} of a {cols}-column tensor"
+            )));
+        }
+        let be = self.ty.block_elems();
+        if !range.start.is_multiple_of(be) || !range.end.is_multiple_of(be) {
+            return Err(ModelError::Unsupported(format!(
+                "columns {range:?} of a {} tensor: it can only be cut every {be} columns (its quantization blocks)",
+                self.ty
+            )));
+        }
+        let rb = self.row_bytes(cols)?;
+        let (from, to) = (
+            range.start / be * self.ty.block_bytes(),
+            range.end / be * self.ty.block_bytes(),
+        );
+        let mut data = Vec::with_capacity(rows * (to - from));
+        for row in self.data.chunks_exact(rb.max(1)).take(rows) {
+            data.extend_from_slice(&row[from..to]);
+        }
+        let shape = match self.shape.len() {
+            1 => vec![range.len()],
+            _ => vec![rows, range.len()],
+        };
+        Ok(TensorData {
+            ty: self.ty,
+            shape,
+            data,
+        })
+    }
+
+    /// Bytes of one row of `cols` elements, checked against the data's length.
+    fn row_bytes(&self, cols: usize) -> Result<usize, ModelError> {
+        let rb = self.ty.bytes_for(cols).ok_or_else(|| {
+            ModelError::Format(format!(
+                "{cols} columns is not a whole number of {} blocks",
+                self.ty
+            ))
+        })?;
+        let rows = self.elems() / cols.max(1);
+        if self.data.len() != rb * rows {
+            return Err(ModelError::Format(format!(
+                "a {:?} {} tensor holds {} bytes, not {}",
+                self.shape,
+                self.ty,
+                self.data.len(),
+                rb * rows
+            )));
+        }
+        Ok(rb)
+    }
 }
 
 /// Sampling defaults a model ships with (HF `generation_config.json`).
@@ -342,6 +431,45 @@ mod tests {
         };
         unpermute_rope_rows(&mut t, n_head, hd).unwrap();
         assert_eq!(t.to_f32().unwrap(), hf_rows);
+    }
+
+    /// A Q4_1 matrix cut by rows and by columns decodes to the same cut of its whole decoding;
+    /// a cut inside a block is refused.
+    #[test]
+    fn slices_decode_to_the_cut_of_the_whole() {
+        let (rows, cols) = (5, 96);
+        let x: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+            .collect();
+        let t = TensorData {
+            ty: GgmlType::Q4_1,
+            shape: vec![rows, cols],
+            data: quantize_q4_1(&x),
+        };
+        let whole = t.to_f32().unwrap();
+        let r = t.slice_rows(1..4).unwrap();
+        assert_eq!(r.shape, vec![3, cols]);
+        assert_eq!(r.to_f32().unwrap(), whole[cols..4 * cols]);
+        let c = t.slice_cols(32..96).unwrap();
+        assert_eq!(c.shape, vec![rows, 64]);
+        let want: Vec<f32> = whole
+            .chunks_exact(cols)
+            .flat_map(|row| row[32..96].to_vec())
+            .collect();
+        assert_eq!(c.to_f32().unwrap(), want);
+        let e = t.slice_cols(16..48).unwrap_err().to_string();
+        assert!(e.contains("every 32 columns"), "{e}");
+        assert!(t.slice_rows(4..6).is_err());
+        // A vector's rows are its elements.
+        let v = TensorData {
+            ty: GgmlType::F32,
+            shape: vec![6],
+            data: (0..6).flat_map(|i| (i as f32).to_le_bytes()).collect(),
+        };
+        assert_eq!(
+            v.slice_rows(2..5).unwrap().to_f32().unwrap(),
+            [2.0, 3.0, 4.0]
+        );
     }
 
     #[test]

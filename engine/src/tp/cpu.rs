@@ -1,0 +1,505 @@
+//! Tensor parallelism on the CPU: one process, one thread per rank, each with its share of the
+//! weights ([`LlamaModel::shard`]), its slice of the KV pool (its KV heads) and its own compute
+//! pool, exchanging through a [`ThreadGroup`]. The engine's one scheduler drives them: every
+//! step (and every block copy) goes to all ranks, which run it in lockstep, and rank 0's logits
+//! come back.
+//!
+//! A step that fails on any rank fails as a whole. The ranks are then idle, so the group is
+//! rebuilt before the next step: a poisoned group (a rank that timed out, or gave up) does not
+//! outlive the step it failed.
+
+use std::collections::BTreeMap;
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use tandem_collective::{CollectiveError, RankStats, ThreadGroup, ThreadRank};
+use tandem_model::{LlamaConfig, LoadedModel, TensorData};
+use tandem_types::BlockId;
+
+use crate::backend::Backend;
+use crate::engine::EngineConfig;
+use crate::kv_cache::KvPool;
+use crate::model::{LlamaModel, SeqBatch, WeightFormat};
+use crate::tp::TpShard;
+use crate::EngineError;
+
+/// How a CPU tensor-parallel group is set up.
+#[derive(Clone, Debug)]
+pub struct TpCpuConfig {
+    /// Ranks (threads, each with its share of the model).
+    pub size: usize,
+    /// Compute threads of each rank's pool.
+    pub threads_per_rank: usize,
+    /// How long a collective waits for its peers before it fails the step.
+    pub watchdog: Duration,
+}
+
+/// One step's sequences, owned, so every rank thread reads the same copy.
+struct OwnedBatch {
+    seqs: Vec<(Vec<u32>, usize, Vec<u32>, bool)>,
+}
+
+impl OwnedBatch {
+    fn new(seqs: &[SeqBatch<'_>]) -> Self {
+        Self {
+            seqs: seqs
+                .iter()
+                .map(|s| {
+                    let (t, b) = (s.tokens.to_vec(), s.block_table.to_vec());
+                    (t, s.cached, b, s.want_logits)
+                })
+                .collect(),
+        }
+    }
+
+    fn batches(&self) -> Vec<SeqBatch<'_>> {
+        self.seqs
+            .iter()
+            .map(|(tokens, cached, table, want)| SeqBatch {
+                tokens,
+                cached: *cached,
+                block_table: table,
+                want_logits: *want,
+            })
+            .collect()
+    }
+}
+
+enum Job {
+    Step(Arc<OwnedBatch>),
+    Copy(Arc<Vec<(BlockId, BlockId)>>),
+    /// A fresh rank of a new group, after a failed step.
+    Regroup(ThreadRank),
+    /// Test hook: the rank sleeps this long before its next job, as a stuck rank would.
+    #[cfg(test)]
+    Stall(Duration),
+}
+
+/// A rank thread as the backend sees it.
+struct Rank {
+    jobs: mpsc::Sender<Job>,
+    done: mpsc::Receiver<Result<Vec<f32>, EngineError>>,
+    stats: Arc<RankStats>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// The CPU model split over a group of rank threads in this process.
+pub struct TpCpuBackend {
+    config: LlamaConfig,
+    setup: TpCpuConfig,
+    capacity: usize,
+    ranks: Vec<Rank>,
+    num_blocks: usize,
+    weight_bytes: usize,
+    kv_bytes_per_token: f64,
+    kv_dtype: &'static str,
+}
+
+/// Collective time and traffic of a group so far.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TpStats {
+    /// Ranks in the group.
+    pub size: usize,
+    /// Collectives each rank called.
+    pub calls: u64,
+    /// Values each rank contributed to them (f32s).
+    pub values: u64,
+    /// Time the ranks spent inside collectives, the mean over ranks.
+    pub collective: Duration,
+}
+
+impl TpCpuBackend {
+    /// `loaded` split over `setup.size` rank threads, with weights held as `format` says and a
+    /// pool of `config`'s size (the whole process's cache: every rank's slice together).
+    pub fn new(
+        loaded: &LoadedModel,
+        format: WeightFormat,
+        config: &EngineConfig,
+        setup: TpCpuConfig,
+    ) -> Result<Self, EngineError> {
+        Self::from_tensors(&loaded.config, &loaded.tensors, format, config, setup)
+    }
+
+    /// [`TpCpuBackend::new`] from a model's config and tensors.
+    pub fn from_tensors(
+        c: &LlamaConfig,
+        tensors: &BTreeMap<String, TensorData>,
+        format: WeightFormat,
+        config: &EngineConfig,
+        setup: TpCpuConfig,
+    ) -> Result<Self, EngineError> {
+        config.check()?;
+        if setup.size == 0 || setup.threads_per_rank == 0 {
+            return Err(EngineError::Config(
+                "a tensor-parallel group needs at least one rank of at least one thread".into(),
+            ));
+        }
+        let shards = TpShard::plan_all(c, setup.size)?;
+        let models = shards
+            .into_iter()
+            .map(|s| LlamaModel::shard_from_tensors(c, tensors, format, s))
+            .collect::<Result<Vec<_>, _>>()?;
+        let layouts: Vec<_> = models
+            .iter()
+            .map(|m| m.kv_layout(config.block_size))
+            .collect();
+        let block_bytes: usize = layouts
+            .iter()
+            .map(|&l| KvPool::bytes_per_block(l, config.kv_dtype, c.num_layers))
+            .sum();
+        let num_blocks = crate::backend::pool_blocks(config, block_bytes);
+        let weight_bytes = models.iter().map(|m| m.weight_bytes()).sum();
+        // A step's largest exchange in one round: its activations, or its logits' slices.
+        let capacity = (config.max_batched_tokens * c.hidden_size)
+            .max(config.max_seqs * c.vocab_size.div_ceil(setup.size))
+            .clamp(1 << 12, 1 << 22);
+        let group = ThreadGroup::ranks(setup.size, capacity, setup.watchdog);
+        let mut ranks = Vec::with_capacity(setup.size);
+        for ((model, layout), comm) in models.into_iter().zip(layouts).zip(group) {
+            let kv = KvPool::new(layout, config.kv_dtype, c.num_layers, num_blocks)
+                .map_err(|e| EngineError::Startup(format!("allocating the KV pool: {e}")))?;
+            ranks.push(Rank::start(model, kv, comm, setup.threads_per_rank)?);
+        }
+        Ok(Self {
+            config: c.clone(),
+            capacity,
+            setup,
+            ranks,
+            num_blocks,
+            weight_bytes,
+            kv_bytes_per_token: block_bytes as f64 / config.block_size as f64,
+            kv_dtype: config.kv_dtype.name(),
+        })
+    }
+
+    /// Collective costs so far.
+    pub fn stats(&self) -> TpStats {
+        let n = self.ranks.len().max(1) as u32;
+        let total: Duration = self.ranks.iter().map(|r| r.stats.time()).sum();
+        TpStats {
+            size: self.ranks.len(),
+            calls: self.ranks.first().map_or(0, |r| r.stats.calls()),
+            values: self.ranks.first().map_or(0, |r| r.stats.values()),
+            collective: total / n,
+        }
+    }
+
+    /// Sends `job(rank)` to every rank and waits for all their answers: rank 0's result, or the
+    /// step's first real error (a peer's timeout or poisoning is a consequence, not a cause).
+    /// After a failure the group is rebuilt.
+    fn all(&mut self, job: impl Fn() -> Job) -> Result<Vec<f32>, EngineError> {
+        for (i, r) in self.ranks.iter().enumerate() {
+            r.jobs
+                .send(job())
+                .map_err(|_| EngineError::Step(format!("tensor-parallel rank {i} has stopped")))?;
+        }
+        let mut results: Vec<Result<Vec<f32>, EngineError>> = Vec::with_capacity(self.ranks.len());
+        for (i, r) in self.ranks.iter().enumerate() {
+            results.push(r.done.recv().unwrap_or_else(|_| {
+                Err(EngineError::Step(format!(
+                    "tensor-parallel rank {i} has stopped"
+                )))
+            }));
+        }
+        if results.iter().all(|r| r.is_ok()) {
+            return results.swap_remove(0);
+        }
+        let consequence =
+            |e: &EngineError| matches!(e, EngineError::Collective(CollectiveError::Poisoned(_)));
+        let err = results
+            .iter()
+            .filter_map(|r| r.as_ref().err())
+            .find(|e| !consequence(e))
+            .or_else(|| results.iter().find_map(|r| r.as_ref().err()))
+            .map(|e| EngineError::Step(e.to_string()))
+            .unwrap_or_else(|| EngineError::Internal("a failed step with no error".into()));
+        let group = ThreadGroup::ranks(self.ranks.len(), self.capacity, self.setup.watchdog);
+        for (r, comm) in self.ranks.iter_mut().zip(group) {
+            r.stats = comm.stats();
+            // A rank that is gone fails the next step by itself.
+            let _ = r.jobs.send(Job::Regroup(comm));
+        }
+        Err(err)
+    }
+}
+
+impl Rank {
+    fn start(
+        model: LlamaModel,
+        mut kv: KvPool,
+        comm: ThreadRank,
+        threads: usize,
+    ) -> Result<Self, EngineError> {
+        let rank = model.shard.rank;
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(move |i| format!("tp{rank}-{i}"))
+            .build()
+            .map_err(|e| EngineError::Startup(format!("rank {rank}'s compute pool: {e}")))?;
+        let (jobs, inbox) = mpsc::channel::<Job>();
+        let (reply, done) = mpsc::channel();
+        let stats = comm.stats();
+        let thread = std::thread::Builder::new()
+            .name(format!("tp-rank-{rank}"))
+            .spawn(move || {
+                let mut comm = comm;
+                while let Ok(job) = inbox.recv() {
+                    let out = match job {
+                        Job::Step(batch) => {
+                            let seqs = batch.batches();
+                            let r = pool.install(|| model.forward_rank(&seqs, &mut kv, &mut comm));
+                            if let Err(e) = &r {
+                                // The others must not wait for this rank's next collective.
+                                comm.abort(format!("rank {rank} failed: {e}"));
+                            }
+                            r
+                        }
+                        Job::Copy(pairs) => {
+                            for &(from, to) in pairs.iter() {
+                                kv.copy_block(from.0 as usize, to.0 as usize);
+                            }
+                            Ok(Vec::new())
+                        }
+                        Job::Regroup(fresh) => {
+                            comm = fresh;
+                            continue;
+                        }
+                        #[cfg(test)]
+                        Job::Stall(d) => {
+                            std::thread::sleep(d);
+                            continue;
+                        }
+                    };
+                    if reply.send(out).is_err() {
+                        return;
+                    }
+                }
+            })
+            .map_err(|e| EngineError::Startup(format!("starting rank {rank}'s thread: {e}")))?;
+        Ok(Self {
+            jobs,
+            done,
+            stats,
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Drop for TpCpuBackend {
+    fn drop(&mut self) {
+        for r in &mut self.ranks {
+            // Closing the channel ends the rank's loop.
+            let (closed, _) = mpsc::channel();
+            drop(std::mem::replace(&mut r.jobs, closed));
+            if let Some(t) = r.thread.take() {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+impl Backend for TpCpuBackend {
+    fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    fn forward(&mut self, seqs: &[SeqBatch<'_>]) -> Result<Vec<f32>, EngineError> {
+        let batch = Arc::new(OwnedBatch::new(seqs));
+        self.all(|| Job::Step(batch.clone()))
+    }
+
+    fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    fn copy_blocks(&mut self, pairs: &[(BlockId, BlockId)]) -> Result<(), EngineError> {
+        if pairs.is_empty() {
+            return Ok(());
+        }
+        let pairs = Arc::new(pairs.to_vec());
+        self.all(|| Job::Copy(pairs.clone())).map(|_| ())
+    }
+
+    fn weight_bytes(&self) -> usize {
+        self.weight_bytes
+    }
+
+    fn kv_bytes_per_token(&self) -> f64 {
+        self.kv_bytes_per_token
+    }
+
+    fn kv_dtype_name(&self) -> &'static str {
+        self.kv_dtype
+    }
+
+    fn device(&self) -> String {
+        format!("cpu, tp {}", self.ranks.len())
+    }
+
+    fn tp(&self) -> usize {
+        self.ranks.len()
+    }
+
+    fn tp_stats(&self) -> Option<TpStats> {
+        Some(self.stats())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::CpuBackend;
+    use crate::kv_cache::KvDtype;
+    use crate::model::tiny_tensors;
+
+    fn setup(size: usize, watchdog: Duration) -> TpCpuConfig {
+        TpCpuConfig {
+            size,
+            threads_per_rank: 1,
+            watchdog,
+        }
+    }
+
+    /// A prompt step of two sequences, then decode steps on the argmax tokens: every step's
+    /// logits, row after row.
+    fn run(b: &mut dyn Backend, steps: usize) -> Vec<Vec<f32>> {
+        let vocab = b.config().vocab_size;
+        let mut seqs: Vec<(Vec<u32>, usize, Vec<u32>)> = vec![
+            (
+                vec![5, 9, 2, 7, 60, 1, 33, 4, 8, 90],
+                0,
+                vec![0, 1, 2, 3, 4],
+            ),
+            (vec![11, 3, 96], 0, vec![5, 6, 7]),
+        ];
+        let mut out = Vec::new();
+        for _ in 0..steps {
+            let batch: Vec<SeqBatch<'_>> = seqs
+                .iter()
+                .map(|(t, cached, table)| SeqBatch {
+                    tokens: t,
+                    cached: *cached,
+                    block_table: table,
+                    want_logits: true,
+                })
+                .collect();
+            let logits = b.forward(&batch).unwrap();
+            for ((t, cached, _), row) in seqs.iter_mut().zip(logits.chunks_exact(vocab)) {
+                *cached += t.len();
+                *t = vec![tandem_kernels::ops::argmax(row) as u32];
+            }
+            out.push(logits);
+        }
+        out
+    }
+
+    fn worst_rel(a: &[f32], b: &[f32]) -> f32 {
+        let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+        a.iter()
+            .zip(b)
+            .fold(0f32, |m, (x, y)| m.max((x - y).abs() / scale))
+    }
+
+    /// TP 2 splits the tiny model's two KV heads, TP 4 replicates them: both give one rank's
+    /// logits up to the rounding of the row-parallel sums, over a prompt step and decode steps
+    /// that read the split caches, for every cache dtype; the argmax tokens are the same.
+    #[test]
+    fn split_forward_gives_one_ranks_logits() {
+        let (c, tensors) = tiny_tensors(5);
+        for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Int8] {
+            let cfg = EngineConfig {
+                num_blocks: Some(8),
+                block_size: 4,
+                kv_dtype: dtype,
+                ..EngineConfig::default()
+            };
+            let model = LlamaModel::from_tensors(&c, &tensors, WeightFormat::Native).unwrap();
+            let mut one = CpuBackend::new(model, &cfg).unwrap();
+            let want = run(&mut one, 6);
+            for (tp, kv_share) in [(2, 1.0), (4, 2.0)] {
+                let mut b = TpCpuBackend::from_tensors(
+                    &c,
+                    &tensors,
+                    WeightFormat::Native,
+                    &cfg,
+                    setup(tp, Duration::from_secs(60)),
+                )
+                .unwrap();
+                assert_eq!((b.tp(), b.num_blocks()), (tp, 8));
+                assert_eq!(b.device(), format!("cpu, tp {tp}"));
+                // Replicated heads take their room once per rank that keeps them.
+                assert_eq!(b.kv_bytes_per_token(), kv_share * one.kv_bytes_per_token());
+                // Split weights add up to the whole; replicated k/v rows count once a rank.
+                match tp {
+                    2 => assert_eq!(b.weight_bytes(), one.weight_bytes()),
+                    _ => assert!(b.weight_bytes() > one.weight_bytes()),
+                }
+                let got = run(&mut b, 6);
+                // f32 differs by the sums' order alone; a rounded cache can round a value that
+                // differs in its last bit to the next step of its grid.
+                let tol = match dtype {
+                    KvDtype::F32 => 1e-5,
+                    KvDtype::F16 => 2e-4,
+                    KvDtype::Int8 => 1e-3,
+                };
+                let mut worst = 0f32;
+                for (step, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert_eq!(g.len(), w.len());
+                    let rel = worst_rel(g, w);
+                    assert!(rel < tol, "{dtype} tp {tp} step {step}: {rel}");
+                    worst = worst.max(rel);
+                }
+                eprintln!("{dtype} tp {tp}: worst relative difference {worst:.2e}");
+                let st = b.stats();
+                // Per step: the embedding, two per layer, the logits' gather.
+                assert_eq!(st.calls, 6 * (2 + 2 * c.num_layers as u64));
+                assert_eq!(st.size, tp);
+            }
+        }
+    }
+
+    /// A rank that does not come to a collective fails the step with the watchdog's error,
+    /// naming it; the group is rebuilt, and the next step is right again.
+    #[test]
+    fn a_stuck_rank_fails_the_step_and_the_group_recovers() {
+        let (c, tensors) = tiny_tensors(6);
+        let cfg = EngineConfig {
+            num_blocks: Some(8),
+            block_size: 4,
+            ..EngineConfig::default()
+        };
+        let watchdog = Duration::from_millis(200);
+        let mut b = TpCpuBackend::from_tensors(
+            &c,
+            &tensors,
+            WeightFormat::Native,
+            &cfg,
+            setup(2, watchdog),
+        )
+        .unwrap();
+        let want = run(&mut b, 1);
+        b.ranks[1].jobs.send(Job::Stall(watchdog * 5)).unwrap();
+        let (toks, table) = ([5u32, 9, 2], [0u32]);
+        let seq = [SeqBatch {
+            tokens: &toks,
+            cached: 0,
+            block_table: &table,
+            want_logits: true,
+        }];
+        let e = b.forward(&seq).unwrap_err().to_string();
+        assert!(e.contains("ranks [1] did not arrive"), "{e}");
+        assert_eq!(run(&mut b, 1), want);
+        // A request's bad token fails on every rank before any collective, with its own error.
+        let bad = [SeqBatch {
+            tokens: &[500],
+            cached: 0,
+            block_table: &table,
+            want_logits: true,
+        }];
+        let e = b.forward(&bad).unwrap_err().to_string();
+        assert!(e.contains("500"), "{e}");
+        assert_eq!(run(&mut b, 1), want);
+    }
+}
