@@ -45,6 +45,29 @@ fn generate(args: &[&str], stdin: &str) -> (Vec<Value>, bool, String) {
 
 #[test]
 fn jsonl_reproduces_golden_for_every_record() {
+    jsonl_reproduces_golden(&[]);
+}
+
+/// The model split over 3 tensor-parallel ranks (SmolLM2's 3 KV heads, one a rank) gives the
+/// same tokens and text.
+#[test]
+fn jsonl_reproduces_golden_at_tp_3() {
+    jsonl_reproduces_golden(&["--tp", "3"]);
+}
+
+/// SmolLM2's 9 query heads cannot be split into whole, equal shares over 2 ranks: refused
+/// before anything runs, with the reason.
+#[test]
+fn tp_2_is_refused_with_the_reason() {
+    let (out, ok, err) = generate(&["--tp", "2", "--jsonl"], "{\"prompt\": \"hi\"}\n");
+    assert!(!ok && out.is_empty());
+    assert!(
+        err.contains("--tp 2 does not fit this model: its 9 query heads do not split evenly over 2 ranks"),
+        "{err}"
+    );
+}
+
+fn jsonl_reproduces_golden(extra: &[&str]) {
     let recs = golden();
     // One invocation per output length, prompts given as text, ids and chat messages.
     for n_new in [32, 64] {
@@ -59,7 +82,8 @@ fn jsonl_reproduces_golden_for_every_record() {
             input += &format!("{line}\n");
         }
         let n = n_new.to_string();
-        let (out, ok, err) = generate(&["--max-tokens", &n, "--ignore-eos", "--jsonl"], &input);
+        let args = [&["--max-tokens", &n, "--ignore-eos", "--jsonl"], extra].concat();
+        let (out, ok, err) = generate(&args, &input);
         assert!(ok, "tandem generate failed: {err}");
         assert_eq!(out.len(), batch.len());
         for (r, o) in batch.iter().zip(&out) {
