@@ -205,8 +205,8 @@ fn bench_workload(a: &BenchEngineArgs, engine: &mut Engine, w: Workload) -> Resu
     let n = a.requests.unwrap_or(w.default_requests());
     let vocab = engine.model_config().vocab_size as u32;
     let roof = engine
-        .cpu_model()
-        .is_some()
+        .backend()
+        .is_cpu()
         .then(tandem_bench::roofline::measure);
     if let (Some(r), false) = (&roof, a.json) {
         println!(
@@ -303,11 +303,11 @@ fn bench_engine(a: BenchEngineArgs) -> Result<()> {
     if a.json {
         println!("{}", serde_json::to_string(&r)?);
     } else {
-        let on_cpu = r.device == "cpu";
+        let on_cpu = r.device.starts_with("cpu");
         if on_cpu {
             println!(
-                "engine bench: batch {} prompt {} gen {} weights {} threads {}",
-                r.batch, r.prompt_len, r.gen_len, r.weights, r.threads
+                "engine bench: batch {} prompt {} gen {} weights {} threads {} tp {}",
+                r.batch, r.prompt_len, r.gen_len, r.weights, r.threads, r.tp
             );
             println!("  cpu            {}", r.cpu);
             println!(
@@ -334,6 +334,25 @@ fn bench_engine(a: BenchEngineArgs) -> Result<()> {
             "  step p50/p90   {:>10.2} / {:.2} ms",
             r.step_ms_p50, r.step_ms_p90
         );
+        if r.tp > 1 {
+            println!(
+                "  tp {}           {:>10.2} ms compute + {:.2} ms collectives a decode step ({:.0}%; {:.0} KB a rank)",
+                r.tp,
+                r.step_ms_p50 - r.collective_ms_p50,
+                r.collective_ms_p50,
+                100.0 * r.collective_ms_p50 / r.step_ms_p50.max(1e-9),
+                r.collective_values_per_step * 4.0 / 1e3
+            );
+            for a in &r.all_reduce {
+                println!(
+                    "  all-reduce     {:>10.1} KB: {:.1} us, {:.2} GB/s ({:.0}% of the copy rate)",
+                    a.bytes as f64 / 1e3,
+                    a.us,
+                    a.gb_s,
+                    100.0 * a.gb_s / r.mem_bw_gb_s.max(1e-9)
+                );
+            }
+        }
         if !on_cpu {
             println!("  (the GPU's roofline: tandem bench gpu)");
             return Ok(());

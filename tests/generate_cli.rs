@@ -62,7 +62,9 @@ fn tp_2_is_refused_with_the_reason() {
     let (out, ok, err) = generate(&["--tp", "2", "--jsonl"], "{\"prompt\": \"hi\"}\n");
     assert!(!ok && out.is_empty());
     assert!(
-        err.contains("--tp 2 does not fit this model: its 9 query heads do not split evenly over 2 ranks"),
+        err.contains(
+            "--tp 2 does not fit this model: its 9 query heads do not split evenly over 2 ranks"
+        ),
         "{err}"
     );
 }

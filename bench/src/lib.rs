@@ -19,6 +19,7 @@
 
 #![deny(missing_docs)]
 
+pub mod collective;
 pub mod gpu;
 pub mod kv;
 pub mod load;
@@ -92,6 +93,16 @@ pub struct EngineReport {
     pub prefill_flop_efficiency: f64,
     /// Seconds the whole batch took, prefill and decode.
     pub wall_s: f64,
+    /// Tensor-parallel ranks (1: none).
+    pub tp: usize,
+    /// Median milliseconds of a pure decode step the ranks spent in collectives (all-reduces
+    /// and the logits' gather, waiting for peers included); the rest of the step is compute.
+    pub collective_ms_p50: f64,
+    /// Values (f32) each rank all-reduces or gathers in one pure decode step.
+    pub collective_values_per_step: f64,
+    /// The ranks' all-reduce on its own, at one decode step's hidden rows and at 4 MiB (empty
+    /// at TP 1).
+    pub all_reduce: Vec<collective::AllReduceRate>,
     /// Tokens sampled under a grammar (0 without one; a grammar that ended early stops its
     /// sequence, so fewer than batch × gen_len).
     pub constrained_tokens: usize,
@@ -132,6 +143,7 @@ pub fn run_engine_bench(
     let mut prefill = (0usize, 0f64);
     let mut decode = (0usize, 0f64);
     let mut steps = Vec::new();
+    let mut collective = Vec::new();
     let t0 = Instant::now();
     let mut sampled = 0usize;
     engine.generate(
@@ -145,11 +157,13 @@ pub fn run_engine_bench(
                 decode.0 += s.decode_tokens;
                 decode.1 += s.seconds;
                 steps.push(s.seconds * 1e3);
+                collective.push(s.collective_seconds * 1e3);
             }
         },
     )?;
     let wall_s = t0.elapsed().as_secs_f64();
-    let on_cpu = engine.cpu_model().is_some();
+    let on_cpu = engine.backend().is_cpu();
+    let tp = engine.backend().tp();
     let roof = if on_cpu {
         roofline::measure()
     } else {
@@ -198,8 +212,29 @@ pub fn run_engine_bench(
         },
         prefill_flop_efficiency: ratio(prefill_tok_s * flops_per_token, roof.f32_peak_gflops * 1e9),
         wall_s,
+        tp,
+        collective_ms_p50: percentile(&mut collective, 0.5),
+        collective_values_per_step: collective_values(engine.model_config(), b.batch, tp),
+        all_reduce: match tp {
+            1 => Vec::new(),
+            _ => [b.batch * engine.model_config().hidden_size, 1 << 20]
+                .into_iter()
+                .map(|n| collective::all_reduce_rate(tp, n, 200))
+                .collect(),
+        },
         constrained_tokens: if b.grammar.is_some() { sampled } else { 0 },
     })
+}
+
+/// Values one rank contributes to the collectives of a decode step of `batch` sequences at TP
+/// `tp`: the embedding's and two per layer's all-reduces of the hidden rows, and its slice of
+/// the logits (0 at TP 1).
+pub fn collective_values(c: &tandem_model::LlamaConfig, batch: usize, tp: usize) -> f64 {
+    if tp <= 1 {
+        return 0.0;
+    }
+    let hidden = batch * c.hidden_size * (1 + 2 * c.num_layers);
+    (hidden + batch * c.vocab_size.div_ceil(tp)) as f64
 }
 
 /// Weights in the projections and the head: two FLOPs each per token.

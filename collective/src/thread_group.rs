@@ -33,6 +33,12 @@ struct Shared {
     why: Mutex<String>,
     /// Point-to-point messages, `from · size + to`.
     mail: Box<[Mailbox]>,
+    /// Ranks asleep waiting for a round (after spinning a while), and where they sleep: a
+    /// rank that stamps a slot rings the bell when any sleep. With more ranks than cores, a
+    /// spinning waiter would take the core a late rank needs to arrive.
+    sleepers: AtomicUsize,
+    gate: Mutex<()>,
+    bell: Condvar,
 }
 
 // SAFETY: a slot's values are written only by its rank, before it release-stores the slot's
@@ -62,6 +68,9 @@ impl Shared {
         if !self.poisoned.swap(true, Ordering::AcqRel) {
             *w = why;
         }
+        drop(w);
+        let _g = self.gate.lock().unwrap_or_else(|e| e.into_inner());
+        self.bell.notify_all();
     }
 
     fn check(&self) -> Result<(), CollectiveError> {
@@ -72,6 +81,13 @@ impl Shared {
         Ok(())
     }
 }
+
+/// Values from which an all-reduce splits the sums among the ranks (two rounds, each rank
+/// summing its share) instead of every rank summing all of them (one round).
+const SPLIT_SUM: usize = 16 << 10;
+
+/// How long a waiting rank yields its core before it sleeps until the round is complete.
+const YIELDING: Duration = Duration::from_millis(2);
 
 /// Makes the ranks of a thread group.
 pub struct ThreadGroup;
@@ -95,6 +111,9 @@ impl ThreadGroup {
             mail: (0..size * size)
                 .map(|_| (Mutex::new(VecDeque::new()), Condvar::new()))
                 .collect(),
+            sleepers: AtomicUsize::new(0),
+            gate: Mutex::new(()),
+            bell: Condvar::new(),
         });
         (0..size)
             .map(|rank| ThreadRank {
@@ -177,13 +196,21 @@ impl ThreadRank {
         let round = self.round;
         let parity = (round % 2) as usize;
         let me = sh.slot(self.rank, parity);
-        for (i, &v) in mine.iter().enumerate() {
-            // SAFETY: this rank is the slot's only writer, and no rank reads it until the
-            // stamp below (see `Shared`).
-            unsafe { *sh.data[me * sh.capacity + i].get() = v };
+        // SAFETY: this rank is the slot's only writer, and no rank reads it until the stamp
+        // below (see `Shared`); `mine` fits in the slot.
+        unsafe {
+            let slot = sh.data[me * sh.capacity].get();
+            std::ptr::copy_nonoverlapping(mine.as_ptr(), slot, mine.len());
         }
         sh.lens[me].store(mine.len(), Ordering::Relaxed);
         sh.stamps[me].store(round, Ordering::Release);
+        // Paired with the fence in `wait_all`: either a sleeper sees this stamp when it checks
+        // under the gate, or this load sees the sleeper and rings.
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if sh.sleepers.load(Ordering::Relaxed) > 0 {
+            let _g = sh.gate.lock().unwrap_or_else(|e| e.into_inner());
+            sh.bell.notify_all();
+        }
         self.wait_all(op, round, parity)?;
         let mut len = None;
         for &r in same_len {
@@ -208,11 +235,32 @@ impl ThreadRank {
         for r in 0..sh.size {
             let stamp = &sh.stamps[sh.slot(r, parity)];
             while stamp.load(Ordering::Acquire) < round {
+                // Poll, handing the core now and then to whoever is runnable (with more ranks
+                // than cores, the late rank); after a while, sleep until a rank stamps (or a
+                // while passes, to look at the watchdog).
                 spins = spins.wrapping_add(1);
-                if spins.is_multiple_of(64) {
-                    std::thread::yield_now();
+                if !spins.is_multiple_of(64) {
+                    continue;
                 }
-                if spins.is_multiple_of(1024) {
+                if start.elapsed() < YIELDING {
+                    std::thread::yield_now();
+                    continue;
+                }
+                sh.sleepers.fetch_add(1, Ordering::Relaxed);
+                std::sync::atomic::fence(Ordering::SeqCst);
+                {
+                    let g = sh.gate.lock().unwrap_or_else(|e| e.into_inner());
+                    if stamp.load(Ordering::Acquire) < round && !sh.poisoned.load(Ordering::Acquire)
+                    {
+                        let nap = Duration::from_millis(20);
+                        let _ = sh
+                            .bell
+                            .wait_timeout(g, nap)
+                            .unwrap_or_else(|e| e.into_inner());
+                    }
+                }
+                sh.sleepers.fetch_sub(1, Ordering::Relaxed);
+                {
                     sh.check()?;
                     let waited = start.elapsed();
                     if waited > sh.watchdog {
@@ -254,21 +302,44 @@ impl Collective for ThreadRank {
         let since = Instant::now();
         let all = self.all_ranks();
         let cap = self.shared.capacity;
+        let (me, size) = (self.rank, self.shared.size);
         for chunk in buf.chunks_mut(cap) {
             let n = chunk.len();
-            let sum = self.exchange("all_reduce", chunk, &all, |sh, parity, _| {
-                // Rank order on every rank: bit-identical results everywhere.
+            // Each element is summed over the ranks in rank order, whoever sums it: every rank
+            // ends with bit-identical values, those of a serial sum in that order.
+            let sum_of = |sh: &Shared, parity: usize, range: std::ops::Range<usize>| {
                 // SAFETY: every stamp was acquired at this round by `exchange`.
-                let mut acc = unsafe { sh.values(sh.slot(0, parity), n) }.to_vec();
+                let slot = |r| unsafe { &sh.values(sh.slot(r, parity), n)[range.clone()] };
+                let mut acc = slot(0).to_vec();
                 for r in 1..sh.size {
-                    let x = unsafe { sh.values(sh.slot(r, parity), n) };
-                    for (a, b) in acc.iter_mut().zip(x) {
+                    for (a, b) in acc.iter_mut().zip(slot(r)) {
                         *a += b;
                     }
                 }
                 acc
+            };
+            if n < SPLIT_SUM || size == 1 {
+                let sum = self.exchange("all_reduce", chunk, &all, |sh, parity, _| {
+                    sum_of(sh, parity, 0..n)
+                })?;
+                chunk.copy_from_slice(&sum);
+                continue;
+            }
+            // A long buffer: each rank sums its share of the elements (reading the slots of
+            // this round, which no rank writes again before every rank has stamped the next),
+            // then the shares are gathered through the other parity's slots.
+            let share = |r: usize| r * n / size..(r + 1) * n / size;
+            let mine = self.exchange("all_reduce", chunk, &all, |sh, parity, _| {
+                sum_of(sh, parity, share(me))
             })?;
-            chunk.copy_from_slice(&sum);
+            self.exchange("all_reduce", &mine, &[], |sh, parity, _| {
+                for r in 0..size {
+                    let part = share(r);
+                    // SAFETY: every stamp was acquired at this round by `exchange`.
+                    let x = unsafe { sh.values(sh.slot(r, parity), part.len()) };
+                    chunk[part].copy_from_slice(x);
+                }
+            })?;
         }
         if buf.is_empty() {
             self.exchange("all_reduce", &[], &all, |_, _, _| ())?;
@@ -476,6 +547,44 @@ mod tests {
                 for (rank, g) in got.iter().enumerate() {
                     let same = g[c].iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
                     prop_assert!(same, "rank {} call {}", rank, c);
+                }
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(12))]
+        /// Long buffers, whose sums the ranks split among them, between short ones summed
+        /// whole (so the two kinds of rounds interleave on both parities): the serial sum in
+        /// rank order on every rank, to the bit.
+        #[test]
+        fn split_all_reduces_equal_the_serial_sum_on_every_rank(
+            size in 1usize..6,
+            long in prop::sample::select(vec![SPLIT_SUM, SPLIT_SUM + 7, 3 * SPLIT_SUM + 5]),
+            capacity in prop::sample::select(vec![SPLIT_SUM, 1 << 20]),
+            seed in any::<u64>(),
+        ) {
+            let lens = [long, 100, long, long, SPLIT_SUM - 1];
+            let got = on_ranks(ThreadGroup::ranks(size, capacity, WATCHDOG), move |r| {
+                lens.iter()
+                    .enumerate()
+                    .map(|(c, &n)| {
+                        let mut buf = data(r.rank(), c, n, seed);
+                        r.all_reduce_sum(&mut buf).unwrap();
+                        buf
+                    })
+                    .collect::<Vec<_>>()
+            });
+            for (c, &n) in lens.iter().enumerate() {
+                let mut want = data(0, c, n, seed);
+                for r in 1..size {
+                    for (a, b) in want.iter_mut().zip(data(r, c, n, seed)) {
+                        *a += b;
+                    }
+                }
+                for (rank, g) in got.iter().enumerate() {
+                    let same = g[c].iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+                    prop_assert!(same, "rank {} call {} of {} values", rank, c, n);
                 }
             }
         }

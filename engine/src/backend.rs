@@ -70,6 +70,11 @@ pub trait Backend: Send {
     /// Where steps run, for logs and benchmark headers.
     fn device(&self) -> String;
 
+    /// Whether steps run on the CPU (in one rank or several).
+    fn is_cpu(&self) -> bool {
+        false
+    }
+
     /// The CPU model, when steps run on the CPU in one rank.
     fn cpu_model(&self) -> Option<&LlamaModel> {
         None
@@ -162,6 +167,10 @@ impl Backend for CpuBackend {
 
     fn cpu_model(&self) -> Option<&LlamaModel> {
         Some(&self.model)
+    }
+
+    fn is_cpu(&self) -> bool {
+        true
     }
 }
 

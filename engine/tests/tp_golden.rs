@@ -8,8 +8,7 @@ use golden_support::*;
 use std::time::Duration;
 use tandem_engine::backend::Backend;
 use tandem_engine::{
-    CpuBackend, Engine, EngineConfig, LlamaModel, SeqBatch, TpCpuBackend, TpCpuConfig,
-    WeightFormat,
+    CpuBackend, Engine, EngineConfig, LlamaModel, SeqBatch, TpCpuBackend, TpCpuConfig, WeightFormat,
 };
 
 fn loaded() -> tandem_model::LoadedModel {
@@ -72,7 +71,11 @@ fn tp3_last_position_logits_within_1e_3() {
 
 /// Every golden record's prompt and golden tokens, fed one step at a time to a backend, all
 /// records in one batch: at each position, the argmax and the logits' row.
-fn teacher_forced(b: &mut dyn Backend, recs: &[serde_json::Value], bs: usize) -> Vec<Vec<(u32, Vec<f32>)>> {
+fn teacher_forced(
+    b: &mut dyn Backend,
+    recs: &[serde_json::Value],
+    bs: usize,
+) -> Vec<Vec<(u32, Vec<f32>)>> {
     let vocab = b.config().vocab_size;
     let mut next_block = 0u32;
     let seqs: Vec<(Vec<u32>, Vec<u32>, Vec<u32>)> = recs
@@ -131,7 +134,8 @@ fn tp3_teacher_forced_next_tokens_agree_with_tp1() {
         block_size: bs,
         ..Default::default()
     };
-    let mut one = CpuBackend::new(LlamaModel::new(&m, WeightFormat::Native).unwrap(), &cfg).unwrap();
+    let mut one =
+        CpuBackend::new(LlamaModel::new(&m, WeightFormat::Native).unwrap(), &cfg).unwrap();
     let want = teacher_forced(&mut one, &recs, bs);
     drop(one);
     let mut three = tp(3, &m, &cfg);

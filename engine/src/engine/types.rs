@@ -264,6 +264,9 @@ pub struct StepStats {
     pub context_tokens: u64,
     /// Wall-clock seconds the step took (including any test slowdown).
     pub seconds: f64,
+    /// Of those, seconds the tensor-parallel ranks spent in collectives (the mean over ranks;
+    /// 0 without tensor parallelism).
+    pub collective_seconds: f64,
 }
 
 /// The engine's state at a glance.

@@ -342,6 +342,10 @@ impl Backend for TpCpuBackend {
         self.ranks.len()
     }
 
+    fn is_cpu(&self) -> bool {
+        true
+    }
+
     fn tp_stats(&self) -> Option<TpStats> {
         Some(self.stats())
     }
