@@ -198,7 +198,7 @@ fn card(
     identity: &WorkerIdentity,
     grpc: String,
     kv: Option<String>,
-    block_size: usize,
+    limits: tandem_engine::Limits,
 ) -> WorkerCard {
     WorkerCard {
         role,
@@ -206,9 +206,9 @@ fn card(
         grpc_addr: grpc,
         kv_addr: kv,
         model: identity.model.clone(),
-        block_size: u32::try_from(block_size).unwrap_or(u32::MAX),
+        block_size: u32::try_from(limits.block_size).unwrap_or(u32::MAX),
         kv_dtype: identity.kv_dtype.clone(),
-        tp: 1,
+        tp: u32::try_from(limits.tensor_parallel).unwrap_or(u32::MAX),
         version: env!("CARGO_PKG_VERSION").to_string(),
     }
 }
@@ -332,7 +332,7 @@ pub fn run_decode(a: DecodeArgs) -> Result<()> {
         secret = None;
     }
     let (handle, model, kv_dtype) = start_engine(&a.engine)?;
-    let writer = handle.kv_writer();
+    let writers = handle.kv_writers();
     let handle = Arc::new(handle);
     let rt = runtime(1)?;
     rt.block_on(async move {
@@ -362,7 +362,8 @@ pub fn run_decode(a: DecodeArgs) -> Result<()> {
                     &format!("{}:{}", a.host, a.kv_port),
                     &advertise,
                     secret,
-                    writer.context("a worker with a KV secret has a host pool")?,
+                    &identity.model,
+                    writers,
                     Deadlines {
                         stall: Duration::from_millis(a.kv_stall_timeout_ms),
                         slack: a.kv_deadline_slack,
@@ -375,13 +376,7 @@ pub fn run_decode(a: DecodeArgs) -> Result<()> {
             kv_addr = Some(remote.endpoint().to_string());
             service = service.with_remote(Arc::new(remote));
         }
-        let card = card(
-            Role::Decode,
-            &identity,
-            grpc_addr,
-            kv_addr,
-            a.engine.block_size,
-        );
+        let card = card(Role::Decode, &identity, grpc_addr, kv_addr, handle.limits());
         let registration = a.register.register(card).await?;
         println!("{DECODE_READY} {addr} {kv_line}");
         std::io::stdout().flush()?;
@@ -420,16 +415,12 @@ pub fn run_prefill(a: PrefillArgs) -> Result<()> {
         )
         .await?;
         let grpc_addr = format!("{}:{}", a.register.advertise(&a.host), addr.port());
-        let card = card(
-            Role::Prefill,
-            &identity,
-            grpc_addr,
-            None,
-            a.engine.block_size,
-        );
+        let card = card(Role::Prefill, &identity, grpc_addr, None, handle.limits());
+        let shape = tandem_worker::kv_shape(&identity.model, &handle.kv_writers())
+            .context("a prefill worker sends from a host cache")?;
         let service = PrefillService::new(
             Arc::new(handle),
-            Arc::new(TcpTransport::new(secret)),
+            Arc::new(TcpTransport::new(secret).with_shape(shape)),
             identity,
             PrefillLimits {
                 max_queue_wait: Duration::from_millis(a.max_queue_wait_ms),

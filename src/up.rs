@@ -62,6 +62,13 @@ pub struct UpArgs {
     /// Compute threads per decode worker (default: the cores shared evenly).
     #[arg(long, env = "TANDEM_WORKER_THREADS")]
     worker_threads: Option<usize>,
+    /// Tensor-parallel ranks of each decode worker (its threads shared among them).
+    #[arg(long = "decode-tp", env = "TANDEM_UP_DECODE_TP", default_value_t = 1)]
+    decode_tp: u32,
+    /// Tensor-parallel ranks of each prefill worker; it may differ from --decode-tp (the KV
+    /// goes to each decode rank's heads whatever the two sizes).
+    #[arg(long = "prefill-tp", env = "TANDEM_UP_PREFILL_TP", default_value_t = 1)]
+    prefill_tp: u32,
     /// Routing policy.
     #[arg(long, env = "TANDEM_POLICY", default_value = "kv-aware")]
     policy: PolicyKind,
@@ -329,7 +336,11 @@ fn worker_args(
         .set("threads", threads)
         .set("worker-id", name);
     if role == "decode" {
-        c.set("kv-port", 0).set("device", a.device);
+        c.set("kv-port", 0)
+            .set("device", a.device)
+            .set("tp", a.decode_tp);
+    } else {
+        c.set("tp", a.prefill_tp);
     }
     c
 }
@@ -527,8 +538,28 @@ mod tests {
         assert!(argv.contains(&"--threads=3".to_string()), "{argv:?}");
         assert_eq!(argv.last().unwrap(), "--kv-dtype=int8");
         match c.check().unwrap() {
-            crate::Command::Decode(d) => assert_eq!(d.port, 40123),
+            crate::Command::Decode(d) => assert_eq!((d.port, d.engine.tp), (40123, 1)),
             _ => panic!("not a decode line"),
+        }
+    }
+
+    /// Prefill and decode workers get their own tensor-parallel sizes.
+    #[test]
+    fn each_role_gets_its_tensor_parallel_size() {
+        let a = up(&["--decode-tp=3", "--prefill-tp=1"]);
+        match worker_args(&a, "decode", "/m.gguf", "d", 3)
+            .check()
+            .unwrap()
+        {
+            crate::Command::Decode(d) => assert_eq!(d.engine.tp, 3),
+            _ => panic!("not a decode line"),
+        }
+        match worker_args(&a, "prefill", "/m.gguf", "p", 1)
+            .check()
+            .unwrap()
+        {
+            crate::Command::Prefill(p) => assert_eq!(p.engine.tp, 1),
+            _ => panic!("not a prefill line"),
         }
     }
 

@@ -397,7 +397,7 @@ impl KvTransport for Flipper {
     ) -> BoxFuture<'a, Result<Box<dyn KvStream>, TransferError>> {
         Box::pin(async move {
             let mut s = tokio::net::TcpStream::connect(endpoint).await?;
-            tandem_kv_transfer::auth::connect(&mut s, &self.secret).await?;
+            tandem_kv_transfer::auth::connect(&mut s, &self.secret, None).await?;
             Ok(Box::new(FlipStream {
                 w: tokio::io::BufWriter::new(s),
                 flipped: self.flipped.clone(),
@@ -507,9 +507,8 @@ async fn a_flipped_byte_is_rejected_counted_and_the_request_recovers() {
                 "127.0.0.1:0",
                 "127.0.0.1",
                 secret,
-                decode_engine
-                    .kv_writer()
-                    .expect("a CPU engine has a host pool"),
+                "m",
+                decode_engine.kv_writers(),
                 Default::default(),
             )
         }

@@ -176,7 +176,8 @@ pub async fn run(
         .await
         .map_err(|e| e.to_string())?;
     // SAFETY: nothing but this benchmark touches `dst`, and one transfer runs at a time.
-    let sink = Arc::new(unsafe { PoolSink::new(dst.writer()) });
+    let heads = 0..dst.layout.num_kv_heads as u32;
+    let sink = Arc::new(unsafe { PoolSink::new(vec![(heads, dst.writer())]) });
     let transport = TcpTransport::new(secret);
     let frame = KvPool::frame_bytes(layout, dtype);
     // The plain copy's destination, as large as the largest transfer, touched once up front as
@@ -211,6 +212,7 @@ pub async fn run(
             .map(|(&(layer, i), g)| BlockFrame {
                 layer: layer as u32,
                 block: blocks[i],
+                heads: 0..0,
                 payload: src.block_bytes(layer, i).unwrap_or(g),
             })
             .collect();

@@ -49,6 +49,25 @@ impl Collector for DecodeMetrics {
             "KV payload bytes received into granted blocks",
             &[(&[], rx.bytes_received())],
         )?;
+        let ranks: Vec<(String, u64)> = r
+            .rank_bytes()
+            .into_iter()
+            .enumerate()
+            .map(|(i, b)| (i.to_string(), b))
+            .collect();
+        let labels: Vec<[(&str, &str); 1]> =
+            ranks.iter().map(|(i, _)| [("rank", i.as_str())]).collect();
+        let samples: Vec<(&[(&str, &str)], u64)> = labels
+            .iter()
+            .zip(&ranks)
+            .map(|(l, (_, b))| (&l[..], *b))
+            .collect();
+        counter(
+            &mut enc,
+            "tandem_kv_transfer_rank_bytes",
+            "KV payload bytes written into each tensor-parallel rank's pool (a replicated head's bytes into each rank that holds it)",
+            &samples,
+        )?;
         let rejected: Vec<(Vec<(&str, &str)>, u64)> = rx
             .rejections()
             .snapshot()

@@ -64,7 +64,7 @@ impl Default for RemoteCounts {
 pub struct RemotePrefill {
     receiver: KvReceiver,
     endpoint: String,
-    sink: Arc<dyn BlockSink>,
+    sink: Arc<PoolSink>,
     deadlines: Deadlines,
     clients: Mutex<HashMap<String, PrefillClient<Channel>>>,
     /// What remote prefill has done since start.
@@ -76,23 +76,32 @@ impl RemotePrefill {
     /// to `advertise_host` and the bound port. Each attempt lives while the prefill worker makes
     /// progress, within `deadlines`.
     ///
+    /// The receiver describes the cache `writers` write into (every tensor-parallel rank's pool
+    /// of a worker serving `model`, as `EngineHandle::kv_writers` gives them) in its handshake:
+    /// senders with a cache that does not map are refused with the reason, and the others send
+    /// each rank's KV heads.
+    ///
     /// # Safety
-    /// `writer` must belong to the engine whose reservations are passed to [`Self::prefill`]:
+    /// `writers` must belong to the engine whose reservations are passed to [`Self::prefill`]:
     /// only reserved (parked) blocks are ever granted, which the engine leaves alone.
     pub async unsafe fn bind(
         bind: &str,
         advertise_host: &str,
         secret: Secret,
-        writer: KvPoolWriter,
+        model: &str,
+        writers: Vec<(std::ops::Range<u32>, KvPoolWriter)>,
         deadlines: Deadlines,
     ) -> Result<Self, TransferError> {
-        let receiver = KvReceiver::bind(bind, secret).await?;
+        let shape = tandem_worker::kv_shape(model, &writers).ok_or_else(|| {
+            TransferError::Config("a KV receiver needs the engine's host pools".into())
+        })?;
+        let receiver = KvReceiver::bind_with(bind, secret, Some(shape)).await?;
         let endpoint = format!("{advertise_host}:{}", receiver.local_addr().port());
         Ok(Self {
             receiver,
             endpoint,
             // SAFETY: forwarded to the caller (see above).
-            sink: Arc::new(unsafe { PoolSink::new(writer) }),
+            sink: Arc::new(unsafe { PoolSink::new(writers) }),
             deadlines,
             clients: Mutex::new(HashMap::new()),
             counts: RemoteCounts::default(),
@@ -107,6 +116,11 @@ impl RemotePrefill {
     /// The KV receiver transfers arrive at.
     pub fn receiver(&self) -> &KvReceiver {
         &self.receiver
+    }
+
+    /// Bytes received into each tensor-parallel rank's pool so far, in rank order.
+    pub fn rank_bytes(&self) -> Vec<u64> {
+        self.sink.rank_bytes()
     }
 
     fn client(&self, addr: &str) -> Result<PrefillClient<Channel>, String> {
@@ -210,7 +224,7 @@ impl RemotePrefill {
         let granted = Instant::now();
         let g = grant.insert(
             self.receiver
-                .grant_open(&reservation.blocks, self.sink.clone()),
+                .grant_open(&reservation.blocks, self.sink.clone() as Arc<dyn BlockSink>),
         );
         let uncached = prompt.len() - reservation.cached_tokens;
         let mut call = tonic::Request::new(pb::PrefillRequest {

@@ -53,9 +53,21 @@ pub trait Backend: Send {
     fn copy_blocks(&mut self, pairs: &[(BlockId, BlockId)]) -> Result<(), EngineError>;
 
     /// The host pool, which KV transfers read from and write into; None when the cache lives
-    /// elsewhere.
+    /// elsewhere, or is split over tensor-parallel ranks.
     fn host_pool(&self) -> Option<&KvPool> {
         None
+    }
+
+    /// Every rank's host pool with the KV heads it holds, in rank order (one pool of every
+    /// head without tensor parallelism); empty when the cache lives elsewhere.
+    fn host_pools(&self) -> Vec<RankPool<'_>> {
+        self.host_pool()
+            .map(|pool| RankPool {
+                heads: 0..pool.layout.num_kv_heads,
+                pool,
+            })
+            .into_iter()
+            .collect()
     }
 
     /// Bytes of weights one decode step reads.
@@ -89,6 +101,14 @@ pub trait Backend: Send {
     fn tp_stats(&self) -> Option<TpStats> {
         None
     }
+}
+
+/// One tensor-parallel rank's host KV pool: the model's KV heads `heads` of every block.
+pub struct RankPool<'a> {
+    /// The KV heads the pool holds.
+    pub heads: std::ops::Range<usize>,
+    /// The pool.
+    pub pool: &'a KvPool,
 }
 
 /// Blocks a pool of `config`'s size holds at `block_bytes` a block: `num_blocks` if given, else

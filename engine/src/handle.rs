@@ -91,7 +91,7 @@ pub struct EngineHandle {
     commands: mpsc::Sender<Command>,
     shared: Arc<Shared>,
     limits: Limits,
-    kv_writer: Option<KvPoolWriter>,
+    kv_writers: Vec<(std::ops::Range<u32>, KvPoolWriter)>,
     grammars: Option<Arc<GrammarCompiler>>,
     thread: Option<JoinHandle<()>>,
 }
@@ -121,20 +121,24 @@ impl EngineHandle {
                 *loop_shared.stats.lock().expect("stats lock") = engine.stats();
                 let _ = ready_tx.send(Ok((
                     engine.limits(),
-                    engine.kv_pool().map(|p| p.writer()),
+                    engine
+                        .kv_pools()
+                        .iter()
+                        .map(|r| (r.heads.start as u32..r.heads.end as u32, r.pool.writer()))
+                        .collect::<Vec<_>>(),
                     engine.grammars().cloned(),
                 )));
                 run_loop(engine, rx, &loop_shared);
             })
             .map_err(|e| EngineError::Internal(format!("cannot start the engine thread: {e}")))?;
-        let (limits, kv_writer, grammars) = ready_rx
+        let (limits, kv_writers, grammars) = ready_rx
             .recv()
             .map_err(|_| EngineError::Internal("engine thread died while starting".into()))??;
         Ok(Self {
             commands,
             shared,
             limits,
-            kv_writer,
+            kv_writers,
             grammars,
             thread: Some(thread),
         })
@@ -153,10 +157,12 @@ impl EngineHandle {
         Ok(request)
     }
 
-    /// Writes blocks into the engine's KV pool from other threads (transfers into reserved
-    /// blocks; see [`Self::reserve_remote`]). None when the cache is on a GPU.
-    pub fn kv_writer(&self) -> Option<KvPoolWriter> {
-        self.kv_writer.clone()
+    /// Writers of blocks into the engine's KV pools from other threads (transfers into reserved
+    /// blocks; see [`Self::reserve_remote`]): one per tensor-parallel rank with the KV heads
+    /// its pool holds, in rank order (one of every head without tensor parallelism); none when
+    /// the cache is on a GPU.
+    pub fn kv_writers(&self) -> Vec<(std::ops::Range<u32>, KvPoolWriter)> {
+        self.kv_writers.clone()
     }
 
     /// Queues a request; invalid ones are refused here, before they reach the loop.
@@ -566,17 +572,18 @@ mod tests {
         let mut p = prefill
             .submit_prefill(req(prompt2.clone(), 9), r.cached_tokens)
             .unwrap();
-        let w = decode.kv_writer().expect("a CPU engine has a host pool");
+        let w = decode.kv_writers().remove(0).1;
         let mut first = None;
         let mut filled = 0;
         while let Some(ev) = p.next().await {
             match ev {
                 StreamEvent::Kv(c) => {
                     for j in 0..c.blocks {
-                        for layer in 0..c.layers.len() {
+                        for layer in 0..c.layers() {
                             let b = r.blocks[c.first + j].index();
+                            let frame = c.pieces[0].frame(layer, j);
                             // SAFETY: reserved and parked: the decode engine leaves it alone.
-                            unsafe { w.write(layer, b, c.frame(layer, j)).unwrap() };
+                            unsafe { w.write(layer, b, frame).unwrap() };
                         }
                     }
                     filled += c.blocks;

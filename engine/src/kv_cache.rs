@@ -249,6 +249,19 @@ impl KvPool {
         }
     }
 
+    /// Another handle on the same memory: a tensor-parallel rank's pool, which its thread steps
+    /// through while the backend reads it between steps (exports) and hands writers out for it.
+    /// Who touches which block when is the engine's invariant, as for [`Self::writer`].
+    pub(crate) fn alias(&self) -> KvPool {
+        KvPool {
+            layout: self.layout,
+            dtype: self.dtype,
+            num_layers: self.num_layers,
+            num_blocks: self.num_blocks,
+            mem: self.mem.clone(),
+        }
+    }
+
     /// A handle that writes blocks into this pool from another thread.
     pub fn writer(&self) -> KvPoolWriter {
         KvPoolWriter {
@@ -302,6 +315,16 @@ impl KvPoolWriter {
     /// Model layers in the pool: every block has one frame per layer.
     pub fn num_layers(&self) -> usize {
         self.num_layers
+    }
+
+    /// The shape of one layer's block in the pool (its KV heads only, for a rank's pool).
+    pub fn layout(&self) -> KvLayout {
+        self.layout
+    }
+
+    /// The pool's element type.
+    pub fn dtype(&self) -> KvDtype {
+        self.dtype
     }
 
     /// Copies `payload` (the KV wire layout) into (layer, block).

@@ -2,19 +2,23 @@
 //! secret never crosses the wire and a peer that does not hold it cannot write a byte.
 //!
 //! ```text
-//! receiver -> sender   "TKV1" | version u16 | receiver nonce (32 bytes)
-//! sender   -> receiver "TKV1" | version u16 | sender nonce (32) | HMAC(secret, "tandem-kv/1 sender" | rn | sn)
-//! receiver -> sender   status u8 (0 ok, 1 refused) | HMAC(secret, "tandem-kv/1 receiver" | sn | rn)
+//! receiver -> sender   "TKV1" | version u16 | receiver nonce (32 bytes) | shape
+//! sender   -> receiver "TKV1" | version u16 | sender nonce (32) | shape | HMAC(secret, "tandem-kv/1 sender" | rn | sn | rshape | sshape)
+//! receiver -> sender   status u8 (0 ok, 1 refused, 2 caches do not map) | HMAC(secret, "tandem-kv/1 receiver" | sn | rn | sshape | rshape)
+//!                      [status 2: reason length u16 | reason]
 //! ```
 //!
-//! Both sides check the other's MAC in constant time. The receiver reads no frame before the
-//! sender's MAC checks out and closes the connection when it does not.
+//! A shape is a u32 length and a [`KvShape`] (length 0: none given). Both sides check the
+//! other's MAC in constant time. The receiver reads no frame before the sender's MAC checks out
+//! and closes the connection when it does not, or when the two caches cannot exchange blocks
+//! (it says why).
 
 use hmac::{Hmac, Mac};
 use rand::RngCore;
 use sha2::Sha256;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
+use crate::shape::{KvShape, MAX_SHAPE};
 use crate::wire::{HELLO_MAGIC, VERSION};
 use crate::TransferError;
 
@@ -64,11 +68,12 @@ impl Secret {
         String::from_utf8_lossy(&self.0).into_owned()
     }
 
-    fn mac(&self, label: &[u8], a: &[u8], b: &[u8]) -> Hmac<Sha256> {
+    fn mac(&self, label: &[u8], parts: [&[u8]; 4]) -> Hmac<Sha256> {
         let mut m = Hmac::<Sha256>::new_from_slice(&self.0).expect("HMAC takes any key length");
         m.update(label);
-        m.update(a);
-        m.update(b);
+        for p in parts {
+            m.update(p);
+        }
         m
     }
 }
@@ -80,6 +85,34 @@ fn nonce() -> [u8; NONCE] {
     let mut n = [0u8; NONCE];
     rand::rngs::OsRng.fill_bytes(&mut n);
     n
+}
+
+/// A shape as the handshake carries it: its encoding, or a zero length.
+fn shape_bytes(shape: Option<&KvShape>) -> Vec<u8> {
+    shape.map_or_else(|| 0u32.to_le_bytes().to_vec(), KvShape::encode)
+}
+
+/// Reads a shape: its bytes as sent (for the MACs) and the shape, if one was given.
+async fn read_shape<S: AsyncRead + Unpin>(
+    s: &mut S,
+) -> Result<(Vec<u8>, Option<KvShape>), TransferError> {
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len).await?;
+    let n = u32::from_le_bytes(len) as usize;
+    if n > MAX_SHAPE {
+        return Err(TransferError::Handshake(format!(
+            "the peer's KV cache description of {n} bytes is over the {MAX_SHAPE}-byte limit"
+        )));
+    }
+    let mut body = vec![0u8; n];
+    s.read_exact(&mut body).await?;
+    let shape = match n {
+        0 => None,
+        _ => Some(KvShape::decode(&body)?),
+    };
+    let mut raw = len.to_vec();
+    raw.extend_from_slice(&body);
+    Ok((raw, shape))
 }
 
 async fn read_hello<S: AsyncRead + Unpin>(s: &mut S) -> Result<[u8; NONCE], TransferError> {
@@ -109,55 +142,102 @@ fn hello(n: &[u8; NONCE]) -> Vec<u8> {
     b
 }
 
-/// The receiver's half. Errors mean the peer is refused (the caller closes the connection).
+/// The receiver's half, describing its cache as `shape`. Errors mean the peer is refused (the
+/// caller closes the connection): [`TransferError::Mismatch`] when the two caches cannot
+/// exchange blocks, which the sender is told with the reason.
 pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
     s: &mut S,
     secret: &Secret,
+    shape: Option<&KvShape>,
 ) -> Result<(), TransferError> {
     let rn = nonce();
-    s.write_all(&hello(&rn)).await?;
+    let rshape = shape_bytes(shape);
+    let mut msg = hello(&rn);
+    msg.extend_from_slice(&rshape);
+    s.write_all(&msg).await?;
     s.flush().await?;
     let sn = read_hello(s).await?;
+    let (sshape, theirs) = read_shape(s).await?;
     let mut mac = [0u8; MAC];
     s.read_exact(&mut mac).await?;
     if secret
-        .mac(SENDER_LABEL, &rn, &sn)
+        .mac(SENDER_LABEL, [&rn, &sn, &rshape, &sshape])
         .verify_slice(&mac)
         .is_err()
     {
         let _ = s.write_all(&[1u8; 1 + MAC]).await;
         return Err(TransferError::Unauthenticated);
     }
-    let mut reply = vec![0u8];
-    reply.extend_from_slice(&secret.mac(RECEIVER_LABEL, &sn, &rn).finalize().into_bytes());
+    let why = match (shape, &theirs) {
+        (Some(mine), Some(theirs)) => mine.mismatch(theirs),
+        _ => None,
+    };
+    let mut reply = vec![if why.is_some() { 2u8 } else { 0 }];
+    reply.extend_from_slice(
+        &secret
+            .mac(RECEIVER_LABEL, [&sn, &rn, &sshape, &rshape])
+            .finalize()
+            .into_bytes(),
+    );
+    if let Some(why) = &why {
+        let w = &why.as_bytes()[..why.len().min(u16::MAX as usize)];
+        reply.extend_from_slice(&(w.len() as u16).to_le_bytes());
+        reply.extend_from_slice(w);
+    }
     s.write_all(&reply).await?;
     s.flush().await?;
-    Ok(())
+    match why {
+        Some(why) => Err(TransferError::Mismatch(why)),
+        None => Ok(()),
+    }
 }
 
-/// The sender's half: proves it holds the secret and checks that the receiver does too.
+/// The sender's half, describing its cache as `shape`: proves it holds the secret and checks
+/// that the receiver does too. Returns the receiver's cache, when it described one.
 pub async fn connect<S: AsyncRead + AsyncWrite + Unpin>(
     s: &mut S,
     secret: &Secret,
-) -> Result<(), TransferError> {
+    shape: Option<&KvShape>,
+) -> Result<Option<KvShape>, TransferError> {
     let rn = read_hello(s).await?;
+    let (rshape, theirs) = read_shape(s).await?;
     let sn = nonce();
+    let sshape = shape_bytes(shape);
     let mut msg = hello(&sn);
-    msg.extend_from_slice(&secret.mac(SENDER_LABEL, &rn, &sn).finalize().into_bytes());
+    msg.extend_from_slice(&sshape);
+    msg.extend_from_slice(
+        &secret
+            .mac(SENDER_LABEL, [&rn, &sn, &rshape, &sshape])
+            .finalize()
+            .into_bytes(),
+    );
     s.write_all(&msg).await?;
     s.flush().await?;
     let mut reply = [0u8; 1 + MAC];
     s.read_exact(&mut reply).await?;
-    if reply[0] != 0 {
+    if reply[0] == 1 {
         return Err(TransferError::Unauthenticated);
     }
     secret
-        .mac(RECEIVER_LABEL, &sn, &rn)
+        .mac(RECEIVER_LABEL, [&sn, &rn, &sshape, &rshape])
         .verify_slice(&reply[1..])
-        .map_err(|_| TransferError::Handshake("the receiver does not hold the KV secret".into()))
+        .map_err(|_| TransferError::Handshake("the receiver does not hold the KV secret".into()))?;
+    if reply[0] == 2 {
+        let mut n = [0u8; 2];
+        s.read_exact(&mut n).await?;
+        let mut why = vec![0u8; u16::from_le_bytes(n) as usize];
+        s.read_exact(&mut why).await?;
+        return Err(TransferError::Mismatch(format!(
+            "the receiver refused: {}",
+            String::from_utf8_lossy(&why)
+        )));
+    }
+    Ok(theirs)
 }
 
 #[cfg(test)]
+// Lists of KV head ranges with a single range (every head) are what these tests mean.
+#[allow(clippy::single_range_in_vec_init)]
 mod tests {
     use super::*;
 
@@ -165,15 +245,84 @@ mod tests {
     async fn same_secret_passes_both_ways_and_a_wrong_one_is_refused() {
         let s = Secret::new("0123456789abcdef-cluster").unwrap();
         let (mut a, mut b) = tokio::io::duplex(1024);
-        let (r, c) = tokio::join!(accept(&mut a, &s), connect(&mut b, &s));
+        let (r, c) = tokio::join!(accept(&mut a, &s, None), connect(&mut b, &s, None));
         r.unwrap();
-        c.unwrap();
+        assert_eq!(c.unwrap(), None);
 
         let wrong = Secret::new("fedcba9876543210-intruder").unwrap();
         let (mut a, mut b) = tokio::io::duplex(1024);
-        let (r, c) = tokio::join!(accept(&mut a, &s), connect(&mut b, &wrong));
+        let (r, c) = tokio::join!(accept(&mut a, &s, None), connect(&mut b, &wrong, None));
         assert!(matches!(r, Err(TransferError::Unauthenticated)));
         assert!(matches!(c, Err(TransferError::Unauthenticated)));
+    }
+
+    fn shape(dtype: &str, pieces: Vec<std::ops::Range<u32>>) -> KvShape {
+        KvShape {
+            model: "SmolLM2".into(),
+            layers: 30,
+            kv_heads: 3,
+            head_dim: 64,
+            block_size: 16,
+            dtype: dtype.into(),
+            pieces,
+        }
+    }
+
+    /// The sender learns the receiver's head ranges; caches that cannot map are refused on
+    /// both sides with the reason; a shape tampered with in flight fails the MAC.
+    #[tokio::test]
+    async fn shapes_cross_and_mismatches_are_refused_with_the_reason() {
+        let s = Secret::new("0123456789abcdef-cluster").unwrap();
+        let d = shape("f32", vec![0..1, 1..2, 2..3]);
+        let p = shape("f32", vec![0..3]);
+        let (mut a, mut b) = tokio::io::duplex(4096);
+        let (r, c) = tokio::join!(accept(&mut a, &s, Some(&d)), connect(&mut b, &s, Some(&p)));
+        r.unwrap();
+        assert_eq!(c.unwrap(), Some(d.clone()));
+
+        let int8 = shape("int8", vec![0..3]);
+        let (mut a, mut b) = tokio::io::duplex(4096);
+        let (r, c) = tokio::join!(
+            accept(&mut a, &s, Some(&d)),
+            connect(&mut b, &s, Some(&int8))
+        );
+        let want = "the peer's KV cache dtype is int8, this worker's f32";
+        assert!(
+            matches!(&r, Err(TransferError::Mismatch(w)) if w == want),
+            "{r:?}"
+        );
+        let c = c.unwrap_err().to_string();
+        assert!(
+            c.contains("the receiver refused") && c.contains(want),
+            "{c}"
+        );
+
+        // A man in the middle that rewrites the receiver's shape: the sender's MAC covers the
+        // shape it saw, so the receiver refuses it.
+        let (mut a, mut mid_a) = tokio::io::duplex(4096);
+        let (mut mid_b, mut b) = tokio::io::duplex(4096);
+        let relay = async {
+            let mut hello = vec![0u8; 6 + NONCE];
+            mid_a.read_exact(&mut hello).await.unwrap();
+            let _ = read_shape(&mut mid_a).await.unwrap();
+            hello.extend_from_slice(&shape("f32", vec![0..3]).encode());
+            mid_b.write_all(&hello).await.unwrap();
+            let _ = tokio::io::copy_bidirectional(&mut mid_a, &mut mid_b).await;
+        };
+        let (r, _, _) = tokio::join!(
+            async {
+                let r = accept(&mut a, &s, Some(&d)).await;
+                drop(a);
+                r
+            },
+            async {
+                let c = connect(&mut b, &s, Some(&p)).await;
+                drop(b);
+                c
+            },
+            relay
+        );
+        assert!(matches!(r, Err(TransferError::Unauthenticated)), "{r:?}");
     }
 
     #[test]

@@ -12,12 +12,14 @@
 
 pub mod auth;
 mod receiver;
+pub mod shape;
 mod transport;
 pub mod wire;
 mod xxh3;
 
 pub use auth::Secret;
 pub use receiver::{BlockSink, KvReceiver, Rejections, TransferGrant, TransferStats};
+pub use shape::{regroup, KvShape};
 pub use tandem_types::BlockId;
 pub use transport::{BlockFrame, KvStream, KvTransport, TcpTransport};
 
@@ -33,6 +35,10 @@ pub enum TransferError {
     /// The peer could not show it holds the cluster's KV secret.
     #[error("the peer did not prove it holds the KV secret")]
     Unauthenticated,
+    /// The two workers' caches cannot exchange blocks (another model, head size, block size or
+    /// dtype); the text says what differs.
+    #[error("kv caches do not map: {0}")]
+    Mismatch(String),
     /// A frame header that does not decode.
     #[error("kv wire: {0}")]
     Wire(#[from] wire::WireError),

@@ -23,18 +23,36 @@ use tokio::time::Instant;
 use tandem_types::BlockId;
 
 use crate::auth::{self, Secret};
+use crate::shape::KvShape;
 use crate::wire::{checksum, FrameHeader, FrameKind, HEADER_LEN, MAX_CONTEXT};
 use crate::TransferError;
+use std::ops::Range;
 
 /// Where granted blocks are written: the worker's KV pool (or a test buffer).
 pub trait BlockSink: Send + Sync {
-    /// Bytes of one layer of one block: every block frame's exact payload length.
+    /// Bytes of one layer of one block: every whole-block frame's exact payload length.
     fn frame_len(&self) -> usize;
     /// Layers per block: every granted block is complete once each has arrived.
     fn layers(&self) -> u32;
     /// Writes one layer of one block. Called only for blocks granted to a live transfer, after
     /// the frame's length and checksum were checked.
     fn write(&self, layer: u32, block: BlockId, payload: &[u8]);
+    /// The KV head ranges the sink takes frames of, one per tensor-parallel rank's heads
+    /// (replicas once): a block layer is complete once each has arrived. Empty: whole-block
+    /// frames only; a sink of one range also takes whole-block frames as that range.
+    fn pieces(&self) -> Vec<Range<u32>> {
+        Vec::new()
+    }
+    /// Bytes of one layer of one block of piece `piece`'s heads.
+    fn piece_len(&self, piece: usize) -> usize {
+        let _ = piece;
+        self.frame_len()
+    }
+    /// Writes piece `piece` of one layer of one block (after the same checks as [`Self::write`]).
+    fn write_piece(&self, layer: u32, block: BlockId, piece: usize, payload: &[u8]) {
+        let _ = piece;
+        self.write(layer, block, payload)
+    }
 }
 
 /// Why frames were refused, counted since the receiver started.
@@ -56,6 +74,10 @@ pub struct Rejections {
     pub malformed: AtomicU64,
     /// Connections that failed the secret handshake.
     pub unauthenticated: AtomicU64,
+    /// Block frames whose KV heads are not a range the sink takes.
+    pub bad_heads: AtomicU64,
+    /// Connections from a sender whose cache cannot map onto this one (refused with the reason).
+    pub mismatched: AtomicU64,
 }
 
 impl Rejections {
@@ -71,6 +93,8 @@ impl Rejections {
             ("expired", l(&self.expired)),
             ("malformed", l(&self.malformed)),
             ("unauthenticated", l(&self.unauthenticated)),
+            ("bad_heads", l(&self.bad_heads)),
+            ("mismatched", l(&self.mismatched)),
         ]
     }
 
@@ -95,8 +119,10 @@ pub struct TransferStats {
 }
 
 struct Grant {
-    /// Destination block -> which layers have arrived.
+    /// Destination block -> which (layer, piece)s have arrived, layer-major.
     blocks: HashMap<BlockId, Vec<bool>>,
+    /// The sink's head ranges (empty: whole-block frames).
+    pieces: Vec<Range<u32>>,
     remaining: usize,
     /// None: the grant holder watches progress itself and revokes the grant when it gives up.
     deadline: Option<Instant>,
@@ -132,6 +158,7 @@ impl Grant {
 
 struct Inner {
     secret: Secret,
+    shape: Option<KvShape>,
     grants: Mutex<HashMap<u64, Grant>>,
     rejections: Rejections,
     bytes: AtomicU64,
@@ -154,12 +181,25 @@ pub struct KvReceiver {
 }
 
 impl KvReceiver {
-    /// Listens on `addr` (port 0 picks one) and serves connections until the runtime stops.
+    /// Listens on `addr` (port 0 picks one) and serves connections until the runtime stops;
+    /// senders learn nothing of its cache, and whole-block frames are what its sinks take.
     pub async fn bind(addr: &str, secret: Secret) -> Result<Self, TransferError> {
+        Self::bind_with(addr, secret, None).await
+    }
+
+    /// [`KvReceiver::bind`] for a cache of `shape`: a sender whose cache does not map onto it
+    /// is refused at the handshake with the reason, and senders learn the head ranges its
+    /// ranks take.
+    pub async fn bind_with(
+        addr: &str,
+        secret: Secret,
+        shape: Option<KvShape>,
+    ) -> Result<Self, TransferError> {
         let listener = TcpListener::bind(addr).await?;
         let local = listener.local_addr()?;
         let inner = Arc::new(Inner {
             secret,
+            shape,
             grants: Mutex::new(HashMap::new()),
             rejections: Rejections::default(),
             bytes: AtomicU64::new(0),
@@ -226,12 +266,14 @@ impl KvReceiver {
         deadline: Option<Instant>,
     ) -> TransferGrant {
         let layers = sink.layers() as usize;
+        let pieces = sink.pieces();
+        let per_block = layers * pieces.len().max(1);
         let (tx, rx) = oneshot::channel();
         let mut map = HashMap::new();
         for &b in blocks {
-            map.insert(b, vec![false; layers]);
+            map.insert(b, vec![false; per_block]);
         }
-        let remaining = map.len() * layers;
+        let remaining = map.len() * per_block;
         let mut grants = self.inner.grants.lock().expect("grants");
         let id = loop {
             let id = rand::rngs::OsRng.next_u64();
@@ -241,6 +283,7 @@ impl KvReceiver {
         };
         let mut g = Grant {
             blocks: map,
+            pieces,
             remaining,
             deadline,
             sink,
@@ -311,7 +354,8 @@ impl Drop for TransferGrant {
 
 /// What a block frame is, judged against the grants (under the lock, before any write).
 enum Verdict {
-    Write,
+    /// Write it as this piece of the block layer.
+    Write(usize),
     Reject(&'static str, Option<TransferError>),
 }
 
@@ -335,7 +379,23 @@ fn judge(r: &Rejections, grants: &HashMap<u64, Grant>, h: &FrameHeader, payload:
             Some(TransferError::Rejected("block_not_granted")),
         );
     }
-    if payload.len() != g.sink.frame_len() {
+    let heads = h.head_start as u32..h.head_start as u32 + h.head_count as u32;
+    let piece = match (g.pieces.is_empty(), h.head_count) {
+        (true, 0) => Some(0),
+        (true, _) => None,
+        // A sink of one range takes whole-block frames as that range.
+        (false, 0) if g.pieces.len() == 1 => Some(0),
+        (false, _) => g.pieces.iter().position(|p| *p == heads),
+    };
+    let Some(piece) = piece else {
+        r.bad_heads.fetch_add(1, Ordering::Relaxed);
+        return Verdict::Reject("bad heads", Some(TransferError::Rejected("bad_heads")));
+    };
+    let want = match g.pieces.is_empty() {
+        true => g.sink.frame_len(),
+        false => g.sink.piece_len(piece),
+    };
+    if payload.len() != want {
         r.bad_length.fetch_add(1, Ordering::Relaxed);
         return Verdict::Reject("bad length", Some(TransferError::Rejected("bad_length")));
     }
@@ -346,7 +406,7 @@ fn judge(r: &Rejections, grants: &HashMap<u64, Grant>, h: &FrameHeader, payload:
             Some(TransferError::Rejected("bad_checksum")),
         );
     }
-    Verdict::Write
+    Verdict::Write(piece)
 }
 
 /// Bytes read from the socket but not yet consumed. Frames are judged, checksummed and copied
@@ -410,11 +470,16 @@ async fn serve_connection(inner: &Arc<Inner>, mut sock: TcpStream) -> Result<(),
     sock.set_nodelay(true)?;
     let handshake = tokio::time::timeout(
         Duration::from_secs(5),
-        auth::accept(&mut sock, &inner.secret),
+        auth::accept(&mut sock, &inner.secret, inner.shape.as_ref()),
     )
     .await;
     match handshake {
         Ok(Ok(())) => {}
+        Ok(Err(e @ TransferError::Mismatch(_))) => {
+            inner.rejections.mismatched.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(error = %e, "kv sender refused");
+            return Err(e);
+        }
         Ok(Err(e)) => {
             inner
                 .rejections
@@ -452,17 +517,22 @@ async fn serve_connection(inner: &Arc<Inner>, mut sock: TcpStream) -> Result<(),
                 // engine) can never see a late write.
                 let mut grants = inner.grants.lock().expect("grants");
                 match judge(&inner.rejections, &grants, &h, payload) {
-                    Verdict::Write => {
+                    Verdict::Write(piece) => {
                         let g = grants.get_mut(&h.transfer).expect("judged");
-                        g.sink.write(h.layer, BlockId(h.block), payload);
+                        match g.pieces.is_empty() {
+                            true => g.sink.write(h.layer, BlockId(h.block), payload),
+                            false => g
+                                .sink
+                                .write_piece(h.layer, BlockId(h.block), piece, payload),
+                        }
                         inner
                             .bytes
                             .fetch_add(payload.len() as u64, Ordering::Relaxed);
                         g.heard();
                         g.frames += 1;
                         g.bytes += payload.len() as u64;
-                        let seen = &mut g.blocks.get_mut(&BlockId(h.block)).expect("judged")
-                            [h.layer as usize];
+                        let at = h.layer as usize * g.pieces.len().max(1) + piece;
+                        let seen = &mut g.blocks.get_mut(&BlockId(h.block)).expect("judged")[at];
                         if !*seen {
                             *seen = true;
                             g.remaining -= 1;

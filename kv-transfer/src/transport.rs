@@ -13,6 +13,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
 use crate::auth::{self, Secret};
+use crate::shape::KvShape;
 use crate::wire::{FrameHeader, FrameKind, HEADER_LEN, MAX_CONTEXT};
 use crate::TransferError;
 use tandem_types::BlockId;
@@ -26,19 +27,27 @@ pub trait KvTransport: Send + Sync {
     ) -> BoxFuture<'a, Result<Box<dyn KvStream>, TransferError>>;
 }
 
-/// One layer of one destination block, ready to go.
-#[derive(Clone, Copy, Debug)]
+/// One layer of one destination block (or of some of its KV heads), ready to go.
+#[derive(Clone, Debug)]
 pub struct BlockFrame<'a> {
     /// The layer.
     pub layer: u32,
     /// The block in the receiver's pool, as granted.
     pub block: BlockId,
-    /// The layer's bytes of the block, in the pool's layout.
+    /// The KV heads the payload holds: one of the receiver's head ranges, or `0..0` for every
+    /// head of the block.
+    pub heads: std::ops::Range<u16>,
+    /// The layer's bytes of the block (of those heads), in the pool's layout.
     pub payload: &'a [u8],
 }
 
 /// One authenticated connection to a receiver. Frames of several transfers may share it.
 pub trait KvStream: Send {
+    /// The receiver's cache, as it described it in the handshake (its KV head ranges among
+    /// it): None when it gave none, and takes whole-block frames.
+    fn peer(&self) -> Option<&KvShape> {
+        None
+    }
     /// Sends block frames of one transfer, in order; they are on the wire (or in the kernel's
     /// socket buffer) when this returns.
     fn send_blocks<'a>(
@@ -58,6 +67,7 @@ pub trait KvStream: Send {
             let frame = [BlockFrame {
                 layer,
                 block,
+                heads: 0..0,
                 payload,
             }];
             self.send_blocks(transfer, &frame).await
@@ -86,6 +96,7 @@ const WRITE_BATCH_FRAMES: usize = 256;
 /// KV frames over TCP, authenticated with the cluster secret.
 pub struct TcpTransport {
     secret: Secret,
+    shape: Option<KvShape>,
     connect_timeout: Duration,
 }
 
@@ -94,8 +105,16 @@ impl TcpTransport {
     pub fn new(secret: Secret) -> Self {
         Self {
             secret,
+            shape: None,
             connect_timeout: Duration::from_secs(3),
         }
+    }
+
+    /// Describes the sender's cache as `shape` in every handshake: a receiver whose cache
+    /// does not map onto it refuses the connection with the reason.
+    pub fn with_shape(mut self, shape: KvShape) -> Self {
+        self.shape = Some(shape);
+        self
     }
 }
 
@@ -108,21 +127,22 @@ impl KvTransport for TcpTransport {
             let connect = async {
                 let mut s = TcpStream::connect(endpoint).await?;
                 s.set_nodelay(true)?;
-                auth::connect(&mut s, &self.secret).await?;
-                Ok::<_, TransferError>(s)
+                let peer = auth::connect(&mut s, &self.secret, self.shape.as_ref()).await?;
+                Ok::<_, TransferError>((s, peer))
             };
-            let s = tokio::time::timeout(self.connect_timeout, connect)
+            let (sock, peer) = tokio::time::timeout(self.connect_timeout, connect)
                 .await
                 .map_err(|_| {
                     TransferError::Handshake(format!("connecting to {endpoint} timed out"))
                 })??;
-            Ok(Box::new(TcpKvStream { sock: s }) as Box<dyn KvStream>)
+            Ok(Box::new(TcpKvStream { sock, peer }) as Box<dyn KvStream>)
         })
     }
 }
 
 struct TcpKvStream {
     sock: TcpStream,
+    peer: Option<KvShape>,
 }
 
 /// Writes every byte of `bufs` (in order) with as few vectored writes as the socket allows.
@@ -155,6 +175,10 @@ impl TcpKvStream {
 }
 
 impl KvStream for TcpKvStream {
+    fn peer(&self) -> Option<&KvShape> {
+        self.peer.as_ref()
+    }
+
     fn send_blocks<'a>(
         &'a mut self,
         transfer: u64,
@@ -175,7 +199,11 @@ impl KvStream for TcpKvStream {
                 let (batch, tail) = rest.split_at(take);
                 let headers: Vec<[u8; HEADER_LEN]> = batch
                     .iter()
-                    .map(|f| FrameHeader::block(transfer, f.layer, f.block.0, f.payload).encode())
+                    .map(|f| {
+                        FrameHeader::block(transfer, f.layer, f.block.0, f.payload)
+                            .heads(f.heads.clone())
+                            .encode()
+                    })
                     .collect();
                 let mut slices: Vec<std::io::IoSlice<'_>> = headers
                     .iter()

@@ -1,4 +1,4 @@
-//! The KV wire format, version 3 (docs/kv-wire.md is the reference; keep the two in step).
+//! The KV wire format, version 4 (docs/kv-wire.md is the reference; keep the two in step).
 //!
 //! After the handshake (see [`crate::auth`]) a connection carries frames, each a fixed 40-byte
 //! little-endian header followed by the payload:
@@ -13,16 +13,20 @@
 //! | 16 | 4 | destination block id |
 //! | 20 | 4 | payload length in bytes |
 //! | 24 | 8 | xxh3-64 of the payload |
-//! | 32 | 8 | reserved, 0 |
+//! | 32 | 2 | first KV head of a block frame |
+//! | 34 | 2 | KV heads of a block frame (0: every head of the block) |
+//! | 36 | 4 | reserved, 0 |
 //!
-//! A block frame's payload is one layer of one destination block exactly as the receiver's pool
-//! lays it out (K then V; for int8, values then per-head scales). End and abort frames carry no
-//! payload; their layer and block fields are 0.
+//! A block frame's payload is one layer of one destination block, of its KV heads
+//! `first..first + heads`, exactly as a pool of those heads lays it out (K then V; for int8,
+//! values then per-head scales): a receiver whose tensor-parallel ranks each hold some heads
+//! takes a frame per rank's heads. End and abort frames carry no payload; their layer, block
+//! and head fields are 0.
 
 use crate::xxh3::xxh3_64;
 
 /// Protocol version spoken in the handshake.
-pub const VERSION: u16 = 3;
+pub const VERSION: u16 = 4;
 /// First bytes of every handshake message.
 pub const HELLO_MAGIC: [u8; 4] = *b"TKV1";
 /// First bytes of every frame header.
@@ -65,6 +69,10 @@ pub struct FrameHeader {
     pub len: u32,
     /// xxh3-64 of the payload.
     pub checksum: u64,
+    /// The first KV head a block frame carries.
+    pub head_start: u16,
+    /// The KV heads a block frame carries (0: every head of the block).
+    pub head_count: u16,
 }
 
 /// A header that does not decode.
@@ -91,7 +99,17 @@ impl FrameHeader {
             block,
             len: payload.len() as u32,
             checksum: checksum(payload),
+            head_start: 0,
+            head_count: 0,
         }
+    }
+
+    /// The header of a block frame carrying KV heads `heads` (all of them when `heads` is
+    /// `0..0`).
+    pub fn heads(mut self, heads: std::ops::Range<u16>) -> Self {
+        self.head_start = heads.start;
+        self.head_count = heads.end - heads.start;
+        self
     }
 
     /// The header of a control frame (end, abort, or trace context with `payload`).
@@ -103,6 +121,8 @@ impl FrameHeader {
             block: 0,
             len: payload.len() as u32,
             checksum: checksum(payload),
+            head_start: 0,
+            head_count: 0,
         }
     }
 
@@ -116,6 +136,8 @@ impl FrameHeader {
         b[16..20].copy_from_slice(&self.block.to_le_bytes());
         b[20..24].copy_from_slice(&self.len.to_le_bytes());
         b[24..32].copy_from_slice(&self.checksum.to_le_bytes());
+        b[32..34].copy_from_slice(&self.head_start.to_le_bytes());
+        b[34..36].copy_from_slice(&self.head_count.to_le_bytes());
         b
     }
 
@@ -146,6 +168,8 @@ impl FrameHeader {
             block: u32_at(16),
             len,
             checksum: u64_at(24),
+            head_start: u16_at(32),
+            head_count: u16_at(34),
         })
     }
 }
@@ -163,7 +187,7 @@ mod tests {
     proptest! {
         #[test]
         fn headers_round_trip(kind in 1u8..=4, layer: u32, transfer: u64, block: u32,
-                              len in 0u32..=MAX_PAYLOAD, sum: u64) {
+                              len in 0u32..=MAX_PAYLOAD, sum: u64, head_start: u16, head_count: u16) {
             let h = FrameHeader {
                 kind: match kind {
                     1 => FrameKind::Block,
@@ -171,7 +195,7 @@ mod tests {
                     3 => FrameKind::Abort,
                     _ => FrameKind::Context,
                 },
-                layer, transfer, block, len, checksum: sum,
+                layer, transfer, block, len, checksum: sum, head_start, head_count,
             };
             prop_assert_eq!(FrameHeader::decode(&h.encode()), Ok(h));
         }
@@ -195,6 +219,12 @@ mod tests {
         assert_eq!(&b[20..24], &3u32.to_le_bytes());
         assert_eq!(&b[24..32], &xxh3_64(b"abc").to_le_bytes());
         assert_eq!(&b[32..40], &[0u8; 8]);
+        let h = h.heads(2..5).encode();
+        assert_eq!(
+            (&h[32..34], &h[34..36]),
+            (&2u16.to_le_bytes()[..], &3u16.to_le_bytes()[..])
+        );
+        assert_eq!(&h[36..40], &[0u8; 4]);
         let mut bad = b;
         bad[20..24].copy_from_slice(&(MAX_PAYLOAD + 1).to_le_bytes());
         assert_eq!(

@@ -173,11 +173,11 @@ proptest! {
             // Receiver side against a random sender, then sender side against a random
             // receiver.
             let (mut ours, peer) = random_peer(peer_bytes.clone());
-            let accepted = tokio::time::timeout(Duration::from_secs(30), auth::accept(&mut ours, &secret())).await;
+            let accepted = tokio::time::timeout(Duration::from_secs(30), auth::accept(&mut ours, &secret(), None)).await;
             drop(ours);
             let _ = peer.await;
             let (mut ours, peer) = random_peer(peer_bytes);
-            let connected = tokio::time::timeout(Duration::from_secs(30), auth::connect(&mut ours, &secret())).await;
+            let connected = tokio::time::timeout(Duration::from_secs(30), auth::connect(&mut ours, &secret(), None)).await;
             drop(ours);
             let _ = peer.await;
             (accepted, connected)
@@ -203,7 +203,7 @@ proptest! {
             let told_grant = l.rx.grant_open(&ids(&[0, 1, 2]), told.clone());
             let mut other_grant = l.rx.grant_open(&ids(&[0, 1, 2]), other.clone());
             let mut s = tokio::net::TcpStream::connect(l.rx.local_addr()).await.unwrap();
-            auth::connect(&mut s, &secret()).await.unwrap();
+            auth::connect(&mut s, &secret(), None).await.unwrap();
             for f in &frames {
                 let bytes = match f {
                     Junk::Raw(b) => b.clone(),
@@ -282,8 +282,8 @@ async fn a_replayed_handshake_is_refused() {
     });
     let key = secret();
     let (a, c) = tokio::join!(
-        auth::accept(&mut receiver, &key),
-        auth::connect(&mut sender, &key)
+        auth::accept(&mut receiver, &key, None),
+        auth::connect(&mut sender, &key, None)
     );
     a.unwrap();
     c.unwrap();
@@ -302,7 +302,7 @@ async fn a_replayed_handshake_is_refused() {
         let mut sink = Vec::new();
         let _ = theirs.read_to_end(&mut sink).await;
     });
-    let r = auth::accept(&mut ours, &secret()).await;
+    let r = auth::accept(&mut ours, &secret(), None).await;
     assert!(
         matches!(r, Err(tandem_kv_transfer::TransferError::Unauthenticated)),
         "{r:?}"

@@ -1,6 +1,9 @@
 //! The TCP transport and receiver over loopback: transfers land intact, and every kind of bad
 //! frame or peer is refused, counted, and writes nothing.
 
+// Lists of KV head ranges with a single range (every head) are what these tests mean.
+#![allow(clippy::single_range_in_vec_init)]
+
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
@@ -126,7 +129,7 @@ async fn a_trace_context_travels_with_its_transfer_and_a_damaged_one_fails_it() 
     let mut raw = tokio::net::TcpStream::connect(rx.local_addr())
         .await
         .unwrap();
-    tandem_kv_transfer::auth::connect(&mut raw, &secret())
+    tandem_kv_transfer::auth::connect(&mut raw, &secret(), None)
         .await
         .unwrap();
     let mut h = FrameHeader::control(FrameKind::Context, grant.id(), cx.as_bytes());
@@ -185,6 +188,7 @@ fn frames_of(bodies: &[(u32, u32, Vec<u8>)]) -> Vec<BlockFrame<'_>> {
         .map(|(layer, block, p)| BlockFrame {
             layer: *layer,
             block: BlockId(*block),
+            heads: 0..0,
             payload: p,
         })
         .collect()
@@ -235,7 +239,7 @@ async fn batched_large_and_trickled_frames_land_intact() {
         .await
         .unwrap();
     raw.set_nodelay(true).unwrap();
-    tandem_kv_transfer::auth::connect(&mut raw, &secret())
+    tandem_kv_transfer::auth::connect(&mut raw, &secret(), None)
         .await
         .unwrap();
     let mut bytes = Vec::new();
@@ -307,7 +311,7 @@ impl KvTransport for Flipper {
     ) -> BoxFuture<'a, Result<Box<dyn KvStream>, TransferError>> {
         Box::pin(async move {
             let mut s = tokio::net::TcpStream::connect(endpoint).await?;
-            tandem_kv_transfer::auth::connect(&mut s, &self.secret).await?;
+            tandem_kv_transfer::auth::connect(&mut s, &self.secret, None).await?;
             Ok(Box::new(FlipStream {
                 w: tokio::io::BufWriter::new(s),
                 nth: self.nth,
@@ -487,4 +491,130 @@ async fn bad_frames_are_refused_by_reason_and_deadlines_expire() {
 /// Block ids from their numbers.
 fn ids(blocks: &[u32]) -> Vec<BlockId> {
     blocks.iter().map(|&b| BlockId(b)).collect()
+}
+
+/// A sink of tensor-parallel ranks: one piece per range of KV heads, each `head_len` bytes a
+/// head, recording what was written where.
+struct RankSink {
+    pieces: Vec<std::ops::Range<u32>>,
+    head_len: usize,
+    written: Mutex<HashMap<(u32, u32, usize), Vec<u8>>>,
+}
+
+impl BlockSink for RankSink {
+    fn frame_len(&self) -> usize {
+        unreachable!("a sink of pieces takes no whole-block frames")
+    }
+    fn layers(&self) -> u32 {
+        2
+    }
+    fn write(&self, _: u32, _: BlockId, _: &[u8]) {
+        unreachable!("a sink of pieces takes no whole-block frames")
+    }
+    fn pieces(&self) -> Vec<std::ops::Range<u32>> {
+        self.pieces.clone()
+    }
+    fn piece_len(&self, piece: usize) -> usize {
+        self.pieces[piece].len() * self.head_len
+    }
+    fn write_piece(&self, layer: u32, block: BlockId, piece: usize, payload: &[u8]) {
+        self.written
+            .lock()
+            .unwrap()
+            .insert((layer, block.0, piece), payload.to_vec());
+    }
+}
+
+fn kv_shape(dtype: &str, pieces: Vec<std::ops::Range<u32>>) -> tandem_kv_transfer::KvShape {
+    tandem_kv_transfer::KvShape {
+        model: "tiny".into(),
+        layers: 2,
+        kv_heads: 3,
+        head_dim: 4,
+        block_size: 2,
+        dtype: dtype.into(),
+        pieces,
+    }
+}
+
+/// A receiver whose ranks hold heads 0..1 and 1..3: the sender learns the ranges in the
+/// handshake; a frame per range and layer completes a block, a frame of other heads is refused
+/// as `bad_heads`; a sender with another cache dtype is refused at the handshake with the reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frames_carry_head_ranges_and_caches_that_do_not_map_are_refused() {
+    let ranges = vec![0..1, 1..3];
+    let shape = kv_shape("f32", ranges.clone());
+    let rx = KvReceiver::bind_with("127.0.0.1:0", secret(), Some(shape.clone()))
+        .await
+        .unwrap();
+    let sink = Arc::new(RankSink {
+        pieces: ranges.clone(),
+        head_len: 8,
+        written: Mutex::new(HashMap::new()),
+    });
+    let mut grant = rx.grant(&ids(&[5]), sink.clone(), Duration::from_secs(10));
+    let t = TcpTransport::new(secret()).with_shape(kv_shape("f32", vec![0..3]));
+    let mut s = t.open(&rx.local_addr().to_string()).await.unwrap();
+    assert_eq!(s.peer(), Some(&shape));
+    let bodies: Vec<(u32, std::ops::Range<u16>, Vec<u8>)> = (0..2)
+        .flat_map(|layer| {
+            ranges.iter().map(move |r| {
+                let heads = r.start as u16..r.end as u16;
+                (layer, heads, payload(layer, r.start, r.len() * 8))
+            })
+        })
+        .collect();
+    // Everything but the last piece: the transfer is still open.
+    let frames: Vec<BlockFrame<'_>> = bodies
+        .iter()
+        .map(|(layer, heads, p)| BlockFrame {
+            layer: *layer,
+            block: BlockId(5),
+            heads: heads.clone(),
+            payload: p,
+        })
+        .collect();
+    s.send_blocks(grant.id(), &frames[..3]).await.unwrap();
+    s.send_blocks(grant.id(), &frames[3..]).await.unwrap();
+    let stats = grant.wait().await.unwrap();
+    assert_eq!((stats.frames, stats.bytes), (4, 2 * 3 * 8));
+    let w = sink.written.lock().unwrap().clone();
+    assert_eq!(w.len(), 4);
+    assert_eq!(w[&(1, 5, 1)], payload(1, 1, 16));
+
+    // Heads 0..2 are no rank's range.
+    let mut grant = rx.grant(&ids(&[6]), sink.clone(), Duration::from_secs(10));
+    let body = payload(0, 0, 16);
+    let bad = [BlockFrame {
+        layer: 0,
+        block: BlockId(6),
+        heads: 0..2,
+        payload: &body,
+    }];
+    s.send_blocks(grant.id(), &bad).await.unwrap();
+    assert!(matches!(
+        grant.wait().await,
+        Err(TransferError::Rejected("bad_heads"))
+    ));
+    assert_eq!(rx.rejections().bad_heads.load(Ordering::Relaxed), 1);
+
+    let int8 = TcpTransport::new(secret()).with_shape(kv_shape("int8", vec![0..3]));
+    let e = int8
+        .open(&rx.local_addr().to_string())
+        .await
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(
+        e.contains("the receiver refused: the peer's KV cache dtype is int8, this worker's f32"),
+        "{e}"
+    );
+    // The receiver counts the refusal once its side of the handshake is done.
+    for _ in 0..1000 {
+        if rx.rejections().mismatched.load(Ordering::Relaxed) == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(rx.rejections().mismatched.load(Ordering::Relaxed), 1);
 }

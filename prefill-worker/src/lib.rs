@@ -20,8 +20,8 @@ use std::time::{Duration, SystemTime};
 
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::DescriptorEncoder;
-use tandem_engine::{BlockId, EngineHandle, Request, StreamEvent, ValidSampling};
-use tandem_kv_transfer::{BlockFrame, KvStream, KvTransport};
+use tandem_engine::{BlockId, EngineHandle, KvChunk, Request, StreamEvent, ValidSampling};
+use tandem_kv_transfer::{BlockFrame, KvShape, KvStream, KvTransport};
 use tandem_proto::wire::sampling_from_wire;
 use tandem_proto::worker::{self as pb, prefill_server::PrefillServer};
 use tandem_telemetry::OpenTelemetrySpanExt;
@@ -83,6 +83,8 @@ struct Shared {
     counts: PrefillCounts,
     /// Per-request measures in vLLM's terms.
     requests: RequestMetrics,
+    /// This worker's cache, for rebuilding frames of the head ranges a receiver's ranks take.
+    shape: Option<KvShape>,
 }
 
 /// The `Prefill` service. Cheap to clone; all clones share one engine.
@@ -152,8 +154,10 @@ impl PrefillService {
         limits: PrefillLimits,
     ) -> Self {
         let requests = RequestMetrics::new();
+        let shape = tandem_worker::kv_shape(&identity.model, &engine.kv_writers());
         Self {
             shared: Arc::new(Shared {
+                shape,
                 engine,
                 transport,
                 requests,
@@ -336,17 +340,9 @@ impl Shared {
             let Some(ev) = ev else { break };
             match ev {
                 StreamEvent::Kv(c) => {
-                    let frames: Vec<BlockFrame<'_>> = (0..c.blocks)
-                        .flat_map(|j| {
-                            let block = BlockId(dest.block_ids[c.first + j]);
-                            (0..c.layers.len()).map(move |layer| (layer, j, block))
-                        })
-                        .map(|(layer, j, block)| BlockFrame {
-                            layer: layer as u32,
-                            block,
-                            payload: c.frame(layer, j),
-                        })
-                        .collect();
+                    let want = conn.peer().map(|p| p.pieces.clone());
+                    let regrouped = regroup_for(&c, want.as_deref(), self.shape.as_ref());
+                    let frames = chunk_frames(&c, &dest.block_ids, &regrouped);
                     conn.send_blocks(dest.transfer_id, &frames)
                         .await
                         .map_err(send_err)?;
@@ -559,4 +555,85 @@ pub async fn serve(
         drain_deadline,
     )
     .await
+}
+
+/// What a receiver takes of each block layer: frames of its ranks' KV head ranges, each either a
+/// piece of the chunk as it is (the two sides' ranks hold the same heads) or rebuilt from the
+/// chunk's pieces; or one whole-block frame, for a receiver that described no ranges.
+struct Regrouped {
+    /// Per frame of a block layer: the header's heads, and the chunk piece it is, if one is.
+    targets: Vec<(std::ops::Range<u16>, Option<usize>)>,
+    /// The rebuilt frames, `[block][layer][target]` over the targets that are no piece.
+    built: Vec<Vec<u8>>,
+}
+
+/// Plans (and rebuilds where needed) chunk `c`'s frames for a receiver taking head ranges
+/// `want` (None: whole blocks), with this worker's cache `mine` for the layout.
+fn regroup_for(
+    c: &KvChunk,
+    want: Option<&[std::ops::Range<u32>]>,
+    mine: Option<&KvShape>,
+) -> Regrouped {
+    let all =
+        c.pieces.first().map_or(0, |p| p.heads.start)..c.pieces.last().map_or(0, |p| p.heads.end);
+    let ranges: Vec<(std::ops::Range<u16>, std::ops::Range<u32>)> = match want {
+        Some(w) if !w.is_empty() => w
+            .iter()
+            .map(|r| (r.start as u16..r.end as u16, r.clone()))
+            .collect(),
+        _ => vec![(0..0, all)],
+    };
+    let targets: Vec<(std::ops::Range<u16>, Option<usize>, std::ops::Range<u32>)> = ranges
+        .into_iter()
+        .map(|(h, r)| {
+            let direct = c.pieces.iter().position(|p| p.heads == r);
+            (h, direct, r)
+        })
+        .collect();
+    let mut built = Vec::new();
+    if let Some(shape) = mine {
+        for j in 0..c.blocks {
+            for layer in 0..c.layers() {
+                let have: Vec<(std::ops::Range<u32>, &[u8])> = c
+                    .pieces
+                    .iter()
+                    .map(|p| (p.heads.clone(), p.frame(layer, j)))
+                    .collect();
+                for (_, direct, r) in &targets {
+                    if direct.is_none() {
+                        built.push(tandem_kv_transfer::regroup(shape, &have, r.clone()));
+                    }
+                }
+            }
+        }
+    }
+    Regrouped {
+        targets: targets.into_iter().map(|(h, d, _)| (h, d)).collect(),
+        built,
+    }
+}
+
+/// Chunk `c`'s block frames to destination blocks `dest` (the receiver's ids of the prompt's
+/// blocks), block after block, layer after layer, as `g` planned them.
+fn chunk_frames<'a>(c: &'a KvChunk, dest: &[u32], g: &'a Regrouped) -> Vec<BlockFrame<'a>> {
+    let mut built = g.built.iter();
+    let mut frames = Vec::with_capacity(c.blocks * c.layers() * g.targets.len());
+    for j in 0..c.blocks {
+        let block = BlockId(dest[c.first + j]);
+        for layer in 0..c.layers() {
+            for (heads, direct) in &g.targets {
+                let payload = match direct {
+                    Some(p) => c.pieces[*p].frame(layer, j),
+                    None => built.next().map_or(&[][..], |b| &b[..]),
+                };
+                frames.push(BlockFrame {
+                    layer: layer as u32,
+                    block,
+                    heads: heads.clone(),
+                    payload,
+                });
+            }
+        }
+    }
+    frames
 }

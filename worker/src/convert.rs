@@ -100,7 +100,7 @@ pub fn worker_info(id: &crate::WorkerIdentity, l: tandem_engine::Limits) -> pb::
         vocab_size: l.vocab_size as u32,
         kv_dtype: id.kv_dtype.clone(),
         total_blocks: l.total_blocks as u32,
-        tensor_parallel: 1,
+        tensor_parallel: l.tensor_parallel as u32,
     }
 }
 

@@ -1,37 +1,109 @@
-//! The KV pool as the destination of transfers: a [`BlockSink`] over a [`KvPoolWriter`].
+//! The KV pools as the destination of transfers: a [`BlockSink`] over the writers of every
+//! tensor-parallel rank's pool, and the [`KvShape`] a worker describes its cache with.
+
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use tandem_engine::{BlockId, KvPoolWriter};
-use tandem_kv_transfer::BlockSink;
+use tandem_kv_transfer::{BlockSink, KvShape};
 
-/// Writes received frames straight into the engine's KV pool.
+/// The ranks (by number) whose pools hold one range of heads, and their writers.
+type Replicas = Vec<(usize, KvPoolWriter)>;
+
+/// Writes received frames straight into the engine's KV pools: one piece per distinct KV head
+/// range of its ranks, written into every rank that holds it.
 pub struct PoolSink {
-    writer: KvPoolWriter,
+    /// Per distinct head range, the ranks (by number) whose pools hold it.
+    ranks: Vec<(Range<u32>, Replicas)>,
+    /// Bytes written into each rank's pool.
+    bytes: Vec<AtomicU64>,
 }
 
 impl PoolSink {
+    /// A sink over `writers`: each rank's pool writer with its KV heads, as
+    /// `EngineHandle::kv_writers` gives them.
+    ///
     /// # Safety
     /// Every block granted to a transfer with this sink must be left alone by the engine (not
     /// read, written, freed or shared) until that grant has ended, and no block may be granted
     /// to two transfers at once: the receiver writes granted blocks from its own threads.
-    pub unsafe fn new(writer: KvPoolWriter) -> Self {
-        Self { writer }
+    pub unsafe fn new(writers: Vec<(Range<u32>, KvPoolWriter)>) -> Self {
+        let bytes = writers.iter().map(|_| AtomicU64::new(0)).collect();
+        let mut ranks: Vec<(Range<u32>, Replicas)> = Vec::new();
+        for (rank, (heads, w)) in writers.into_iter().enumerate() {
+            match ranks.iter_mut().find(|(h, _)| *h == heads) {
+                Some((_, replicas)) => replicas.push((rank, w)),
+                None => ranks.push((heads, vec![(rank, w)])),
+            }
+        }
+        ranks.sort_by_key(|(h, _)| h.start);
+        Self { ranks, bytes }
+    }
+
+    /// Bytes written into each tensor-parallel rank's pool so far, in rank order.
+    pub fn rank_bytes(&self) -> Vec<u64> {
+        self.bytes
+            .iter()
+            .map(|b| b.load(Ordering::Relaxed))
+            .collect()
     }
 }
 
 impl BlockSink for PoolSink {
     fn frame_len(&self) -> usize {
-        self.writer.frame_bytes()
+        self.ranks.iter().map(|(_, w)| w[0].1.frame_bytes()).sum()
     }
 
     fn layers(&self) -> u32 {
-        self.writer.num_layers() as u32
+        self.ranks
+            .first()
+            .map_or(0, |(_, w)| w[0].1.num_layers() as u32)
     }
 
     fn write(&self, layer: u32, block: BlockId, payload: &[u8]) {
-        // SAFETY: the receiver calls this only for blocks granted to a live transfer, after
-        // checking layer, block and length; `new`'s contract keeps the engine off them.
-        if let Err(e) = unsafe { self.writer.write(layer as usize, block.index(), payload) } {
-            tracing::error!(error = %e, "KV frame passed the receiver's checks but not the pool's");
+        // Whole-block frames reach only a sink of one range (the receiver's judge).
+        self.write_piece(layer, block, 0, payload)
+    }
+
+    fn pieces(&self) -> Vec<Range<u32>> {
+        self.ranks.iter().map(|(h, _)| h.clone()).collect()
+    }
+
+    fn piece_len(&self, piece: usize) -> usize {
+        self.ranks[piece].1[0].1.frame_bytes()
+    }
+
+    fn write_piece(&self, layer: u32, block: BlockId, piece: usize, payload: &[u8]) {
+        for (rank, w) in &self.ranks[piece].1 {
+            self.bytes[*rank].fetch_add(payload.len() as u64, Ordering::Relaxed);
+            // SAFETY: the receiver calls this only for blocks granted to a live transfer, after
+            // checking layer, block, heads and length; `new`'s contract keeps the engine off them.
+            if let Err(e) = unsafe { w.write(layer as usize, block.index(), payload) } {
+                tracing::error!(error = %e, "KV frame passed the receiver's checks but not the pool's");
+            }
         }
     }
+}
+
+/// The cache `writers` write into (every rank's, as `EngineHandle::kv_writers` gives them) of a
+/// worker serving `model`, as its KV handshake describes it; None without a host cache.
+pub fn kv_shape(model: &str, writers: &[(Range<u32>, KvPoolWriter)]) -> Option<KvShape> {
+    let (_, first) = writers.first()?;
+    let layout = first.layout();
+    let mut pieces: Vec<Range<u32>> = Vec::new();
+    for (h, _) in writers {
+        if !pieces.contains(h) {
+            pieces.push(h.clone());
+        }
+    }
+    pieces.sort_by_key(|h| h.start);
+    Some(KvShape {
+        model: model.to_string(),
+        layers: first.num_layers() as u32,
+        kv_heads: pieces.iter().map(|h| h.end).max().unwrap_or(0),
+        head_dim: layout.head_dim as u32,
+        block_size: layout.block_size as u32,
+        dtype: first.dtype().name().to_string(),
+        pieces,
+    })
 }

@@ -25,7 +25,7 @@ pub mod trace;
 
 pub use control::ControlService;
 pub use drain::{Drain, InFlight};
-pub use kv_sink::PoolSink;
+pub use kv_sink::{kv_shape, PoolSink};
 pub use serve::serve;
 
 /// What a worker says about itself in `Info`.

@@ -24,7 +24,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::backend::{Backend, CpuBackend};
+use crate::backend::{Backend, CpuBackend, RankPool};
 use crate::block_manager::{BlockCounts, BlockManager, KvEvent, SeqBlocks};
 use crate::kv_cache::KvPool;
 use crate::model::LlamaModel;
@@ -40,8 +40,8 @@ mod step;
 mod types;
 
 pub use types::{
-    EngineConfig, EngineStats, Event, FinishReason, Finished, KvChunk, Limits, Request, RequestId,
-    Reservation, Samples, StepStats, TokenEvent,
+    EngineConfig, EngineStats, Event, FinishReason, Finished, KvChunk, KvPiece, Limits, Request,
+    RequestId, Reservation, Samples, StepStats, TokenEvent,
 };
 
 /// Why `s` stops after `token` (already appended), if it does.
@@ -250,9 +250,16 @@ impl Engine {
         self.grammars.as_ref()
     }
 
-    /// The host KV pool (None when the cache lives on a GPU).
+    /// The host KV pool (None when the cache lives on a GPU, or is split over tensor-parallel
+    /// ranks: see [`Engine::kv_pools`]).
     pub fn kv_pool(&self) -> Option<&KvPool> {
         self.backend.host_pool()
+    }
+
+    /// Every tensor-parallel rank's host KV pool with its KV heads (one pool without tensor
+    /// parallelism; none on a GPU).
+    pub fn kv_pools(&self) -> Vec<RankPool<'_>> {
+        self.backend.host_pools()
     }
 
     /// The device the steps run on.
@@ -282,6 +289,7 @@ impl Engine {
             max_context: self.backend.config().max_position_embeddings,
             block_size: self.config.block_size,
             total_blocks: self.blocks.counts().total,
+            tensor_parallel: self.backend.tp(),
         }
     }
 

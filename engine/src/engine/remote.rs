@@ -5,8 +5,10 @@
 use std::time::Instant;
 
 use super::{
-    finish_reason, Engine, Event, KvChunk, Request, RequestId, Reservation, Seq, TokenEvent,
+    finish_reason, Engine, Event, KvChunk, KvPiece, Request, RequestId, Reservation, Seq,
+    TokenEvent,
 };
+use crate::backend::RankPool;
 use crate::kv_cache::KvPool;
 use crate::sampler::Sampled;
 use crate::EngineError;
@@ -151,11 +153,11 @@ impl Engine {
         Ok(())
     }
 
-    /// KV transfers read and write the host pool; a GPU's cache has none yet.
+    /// KV transfers read and write the host pools; a GPU's cache has none yet.
     fn check_host_cache(&self) -> Result<(), EngineError> {
-        match self.backend.host_pool() {
-            Some(_) => Ok(()),
-            None => Err(EngineError::Unsupported(format!(
+        match self.backend.host_pools().is_empty() {
+            false => Ok(()),
+            true => Err(EngineError::Unsupported(format!(
                 "KV transfer to or from a {} cache is not supported: run prefill and decode workers that exchange KV with --device cpu",
                 self.backend.device()
             ))),
@@ -163,8 +165,8 @@ impl Engine {
     }
 
     /// The prompt blocks of a prefill-mode `s` that are complete now and not yet exported, copied
-    /// out (the last, partial block once the whole prompt is computed).
-    pub(super) fn export_ready(kv: &KvPool, bs: usize, s: &mut Seq) -> Option<KvChunk> {
+    /// out of every rank's pool (the last, partial block once the whole prompt is computed).
+    pub(super) fn export_ready(pools: &[RankPool<'_>], bs: usize, s: &mut Seq) -> Option<KvChunk> {
         let (skip, next) = s.export?;
         let upto = if s.computed >= s.prompt_len {
             s.prompt_len.div_ceil(bs)
@@ -175,30 +177,43 @@ impl Engine {
             return None;
         }
         let ids = &s.blocks.ids()[next..upto];
-        let frame_len = KvPool::frame_bytes(kv.layout, kv.dtype);
         let mut tmp = Vec::new();
-        let layers = (0..kv.num_layers)
-            .map(|layer| {
-                let mut out = Vec::with_capacity(frame_len * ids.len());
-                for &b in ids {
-                    match kv.block_bytes(layer, b as usize) {
-                        Some(bytes) => out.extend_from_slice(bytes),
-                        None => {
-                            kv.read_block(layer, b as usize, &mut tmp);
-                            out.extend_from_slice(&tmp);
+        let mut pieces: Vec<KvPiece> = Vec::with_capacity(pools.len());
+        for rp in pools {
+            let heads = rp.heads.start as u32..rp.heads.end as u32;
+            // A replicated range goes once.
+            if pieces.iter().any(|p| p.heads == heads) {
+                continue;
+            }
+            let kv = rp.pool;
+            let frame_len = KvPool::frame_bytes(kv.layout, kv.dtype);
+            let layers = (0..kv.num_layers)
+                .map(|layer| {
+                    let mut out = Vec::with_capacity(frame_len * ids.len());
+                    for &b in ids {
+                        match kv.block_bytes(layer, b as usize) {
+                            Some(bytes) => out.extend_from_slice(bytes),
+                            None => {
+                                kv.read_block(layer, b as usize, &mut tmp);
+                                out.extend_from_slice(&tmp);
+                            }
                         }
                     }
-                }
-                out
-            })
-            .collect();
+                    out
+                })
+                .collect();
+            pieces.push(KvPiece {
+                heads,
+                layers,
+                frame_len,
+            });
+        }
         s.export = Some((skip, upto));
         Some(KvChunk {
             request: s.id,
             first: next - skip,
             blocks: upto - next,
-            layers,
-            frame_len,
+            pieces,
         })
     }
 }

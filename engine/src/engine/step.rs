@@ -116,8 +116,9 @@ impl Engine {
             }
             s.computed += take;
             s.blocks.commit(&s.tokens, s.computed);
-            if let Some(kv) = self.backend.host_pool() {
-                if let Some(chunk) = Self::export_ready(kv, self.config.block_size, s) {
+            if s.export.is_some() {
+                let pools = self.backend.host_pools();
+                if let Some(chunk) = Self::export_ready(&pools, self.config.block_size, s) {
                     events.push(Event::Kv(chunk));
                 }
             }

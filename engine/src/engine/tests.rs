@@ -148,10 +148,11 @@ fn fill(e: &Engine, r: &Reservation, chunks: &[KvChunk]) {
     for c in chunks {
         assert_eq!(c.first, next);
         for j in 0..c.blocks {
-            for layer in 0..c.layers.len() {
+            for layer in 0..c.layers() {
                 let b = r.blocks[c.first + j];
+                let frame = c.pieces[0].frame(layer, j);
                 // SAFETY: reserved for a remote prefill: the engine does not touch these blocks.
-                unsafe { w.write(layer, b.index(), c.frame(layer, j)).unwrap() };
+                unsafe { w.write(layer, b.index(), frame).unwrap() };
             }
         }
         next += c.blocks;
@@ -307,8 +308,11 @@ fn a_failed_transfer_falls_back_to_a_local_prefill_and_cancel_frees_reservations
         request: id,
         first: 0,
         blocks: r.blocks.len(),
-        layers: vec![vec![0x7fu8; frame_len * r.blocks.len()]; layers],
-        frame_len,
+        pieces: vec![KvPiece {
+            heads: 0..kv.layout.num_kv_heads as u32,
+            layers: vec![vec![0x7fu8; frame_len * r.blocks.len()]; layers],
+            frame_len,
+        }],
     };
     fill(&decode, &r, &[junk]);
     assert!(decode.prefill_locally(id));

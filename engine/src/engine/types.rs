@@ -235,16 +235,34 @@ pub struct KvChunk {
     pub first: usize,
     /// Number of blocks in this chunk.
     pub blocks: usize,
+    /// The blocks' KV, one piece per KV head range the engine's tensor-parallel ranks hold
+    /// (replicated ranges once; one piece of every head without tensor parallelism), in head
+    /// order.
+    pub pieces: Vec<KvPiece>,
+}
+
+/// The KV of some heads of a chunk's blocks, in the KV wire layout of those heads.
+#[derive(Clone, Debug)]
+pub struct KvPiece {
+    /// The KV heads.
+    pub heads: std::ops::Range<u32>,
     /// Per layer, the blocks' frames back to back (each `frame_len` bytes).
     pub layers: Vec<Vec<u8>>,
     /// Bytes of one block's frame in one layer.
     pub frame_len: usize,
 }
 
-impl KvChunk {
-    /// One layer of the `j`-th block of this chunk: one frame's payload.
+impl KvPiece {
+    /// One layer of the `j`-th block: one frame's payload.
     pub fn frame(&self, layer: usize, j: usize) -> &[u8] {
         &self.layers[layer][j * self.frame_len..(j + 1) * self.frame_len]
+    }
+}
+
+impl KvChunk {
+    /// Layers of every block.
+    pub fn layers(&self) -> usize {
+        self.pieces.first().map_or(0, |p| p.layers.len())
     }
 }
 
@@ -325,6 +343,8 @@ pub struct Limits {
     pub block_size: usize,
     /// KV blocks in the whole pool.
     pub total_blocks: usize,
+    /// Tensor-parallel ranks the engine's steps run on.
+    pub tensor_parallel: usize,
 }
 
 impl Limits {

@@ -18,7 +18,7 @@ use tandem_collective::{CollectiveError, RankStats, ThreadGroup, ThreadRank};
 use tandem_model::{LlamaConfig, LoadedModel, TensorData};
 use tandem_types::BlockId;
 
-use crate::backend::Backend;
+use crate::backend::{Backend, RankPool};
 use crate::engine::EngineConfig;
 use crate::kv_cache::KvPool;
 use crate::model::{LlamaModel, SeqBatch, WeightFormat};
@@ -88,6 +88,9 @@ struct Rank {
 /// The CPU model split over a group of rank threads in this process.
 pub struct TpCpuBackend {
     config: LlamaConfig,
+    /// Every rank's pool (another handle on the memory its thread steps through) and its KV
+    /// heads: read between steps, never during one.
+    pools: Vec<(std::ops::Range<usize>, KvPool)>,
     setup: TpCpuConfig,
     capacity: usize,
     ranks: Vec<Rank>,
@@ -157,13 +160,16 @@ impl TpCpuBackend {
             .clamp(1 << 12, 1 << 22);
         let group = ThreadGroup::ranks(setup.size, capacity, setup.watchdog);
         let mut ranks = Vec::with_capacity(setup.size);
+        let mut pools = Vec::with_capacity(setup.size);
         for ((model, layout), comm) in models.into_iter().zip(layouts).zip(group) {
             let kv = KvPool::new(layout, config.kv_dtype, c.num_layers, num_blocks)
                 .map_err(|e| EngineError::Startup(format!("allocating the KV pool: {e}")))?;
+            pools.push((model.shard.kv_heads.clone(), kv.alias()));
             ranks.push(Rank::start(model, kv, comm, setup.threads_per_rank)?);
         }
         Ok(Self {
             config: c.clone(),
+            pools,
             capacity,
             setup,
             ranks,
@@ -344,6 +350,16 @@ impl Backend for TpCpuBackend {
 
     fn is_cpu(&self) -> bool {
         true
+    }
+
+    fn host_pools(&self) -> Vec<RankPool<'_>> {
+        self.pools
+            .iter()
+            .map(|(heads, pool)| RankPool {
+                heads: heads.clone(),
+                pool,
+            })
+            .collect()
     }
 
     fn tp_stats(&self) -> Option<TpStats> {

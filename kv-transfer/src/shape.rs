@@ -1,0 +1,267 @@
+//! What a worker's KV cache is, as the two ends of a connection tell each other in the
+//! handshake: the model, the block's shape and element type, and which KV heads the receiver's
+//! ranks hold (the head ranges its block frames must carry).
+//!
+//! A sender and a receiver whose caches cannot map onto each other (another model, head size,
+//! layer count, KV heads, block size or element type) refuse each other at the handshake with
+//! the reason, before any frame flows. Tensor-parallel sizes may differ: a block frame carries a
+//! range of KV heads, and the receiver names the ranges its ranks hold (see [`crate::wire`]).
+
+use std::ops::Range;
+
+use crate::TransferError;
+
+/// A worker's KV cache, as the handshake describes it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvShape {
+    /// The model (its name; the two ends must serve the same one).
+    pub model: String,
+    /// Layers per block.
+    pub layers: u32,
+    /// The model's KV heads, all ranks together.
+    pub kv_heads: u32,
+    /// Elements per head.
+    pub head_dim: u32,
+    /// Token slots per block.
+    pub block_size: u32,
+    /// The cache's element type: `f32`, `f16` or `int8`.
+    pub dtype: String,
+    /// The distinct KV head ranges of the worker's tensor-parallel ranks, in head order (one
+    /// range of every head without tensor parallelism). A receiver takes block frames of
+    /// exactly these ranges.
+    pub pieces: Vec<Range<u32>>,
+}
+
+impl KvShape {
+    /// Bytes of one layer of one block holding `heads` of the KV heads: K and V values, and for
+    /// int8 their per-head f32 scales (the frame layout of docs/kv-wire.md).
+    pub fn frame_len(&self, heads: usize) -> usize {
+        let per_value = match self.dtype.as_str() {
+            "f32" => 4,
+            "f16" => 2,
+            _ => 1,
+        };
+        let values = 2 * heads * self.block_size as usize * self.head_dim as usize;
+        values * per_value + self.scaled() as usize * 2 * heads * 4
+    }
+
+    /// Whether frames carry per-head scales after the values (an int8 cache).
+    pub fn scaled(&self) -> bool {
+        self.dtype == "int8"
+    }
+
+    /// Why a peer's cache cannot exchange blocks with this one, if it cannot.
+    pub fn mismatch(&self, peer: &KvShape) -> Option<String> {
+        let differ = |what: &str, mine: &dyn std::fmt::Display, theirs: &dyn std::fmt::Display| {
+            Some(format!(
+                "the peer's {what} is {theirs}, this worker's {mine}"
+            ))
+        };
+        if self.model != peer.model {
+            return differ("model", &self.model, &peer.model);
+        }
+        if self.layers != peer.layers {
+            return differ("layer count", &self.layers, &peer.layers);
+        }
+        if self.kv_heads != peer.kv_heads {
+            return differ("KV head count", &self.kv_heads, &peer.kv_heads);
+        }
+        if self.head_dim != peer.head_dim {
+            return differ("head size", &self.head_dim, &peer.head_dim);
+        }
+        if self.block_size != peer.block_size {
+            return differ("KV block size", &self.block_size, &peer.block_size);
+        }
+        if self.dtype != peer.dtype {
+            return differ("KV cache dtype", &self.dtype, &peer.dtype);
+        }
+        None
+    }
+
+    /// The shape's bytes in a handshake message (a length, then the fields).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::new();
+        let model = &self.model.as_bytes()[..self.model.len().min(u16::MAX as usize)];
+        b.extend_from_slice(&(model.len() as u16).to_le_bytes());
+        b.extend_from_slice(model);
+        for v in [self.layers, self.kv_heads, self.head_dim, self.block_size] {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
+        let dtype = &self.dtype.as_bytes()[..self.dtype.len().min(u8::MAX as usize)];
+        b.push(dtype.len() as u8);
+        b.extend_from_slice(dtype);
+        b.extend_from_slice(&(self.pieces.len().min(u16::MAX as usize) as u16).to_le_bytes());
+        for p in self.pieces.iter().take(u16::MAX as usize) {
+            b.extend_from_slice(&p.start.to_le_bytes());
+            b.extend_from_slice(&p.end.to_le_bytes());
+        }
+        let mut out = (b.len() as u32).to_le_bytes().to_vec();
+        out.extend_from_slice(&b);
+        out
+    }
+
+    /// Reads the fields [`KvShape::encode`] wrote after its length prefix.
+    pub fn decode(b: &[u8]) -> Result<Self, TransferError> {
+        let bad = || TransferError::Handshake("the peer's KV cache description is garbled".into());
+        let mut at = 0usize;
+        let mut take = |n: usize| -> Result<&[u8], TransferError> {
+            let s = b.get(at..at + n).ok_or_else(bad)?;
+            at += n;
+            Ok(s)
+        };
+        let u16_ = |s: &[u8]| u16::from_le_bytes([s[0], s[1]]) as usize;
+        let u32_ = |s: &[u8]| u32::from_le_bytes(s.try_into().expect("4 bytes"));
+        let n = u16_(take(2)?);
+        let model = String::from_utf8(take(n)?.to_vec()).map_err(|_| bad())?;
+        let mut v = [0u32; 4];
+        for x in &mut v {
+            *x = u32_(take(4)?);
+        }
+        let n = take(1)?[0] as usize;
+        let dtype = String::from_utf8(take(n)?.to_vec()).map_err(|_| bad())?;
+        let n = u16_(take(2)?);
+        let mut pieces = Vec::with_capacity(n.min(1024));
+        for _ in 0..n {
+            let (s, e) = (u32_(take(4)?), u32_(take(4)?));
+            if s >= e || e > v[1] {
+                return Err(bad());
+            }
+            pieces.push(s..e);
+        }
+        Ok(Self {
+            model,
+            layers: v[0],
+            kv_heads: v[1],
+            head_dim: v[2],
+            block_size: v[3],
+            dtype,
+            pieces,
+        })
+    }
+}
+
+/// Most bytes of a shape in a handshake.
+pub(crate) const MAX_SHAPE: usize = 64 << 10;
+
+/// Builds the frame of KV heads `want` of one layer of one block from frames `have` of other
+/// head ranges of the same block (which together cover `want`): K values, V values, then for
+/// int8 the K and V scales, each head's part copied from the frame that holds it.
+pub fn regroup(shape: &KvShape, have: &[(Range<u32>, &[u8])], want: Range<u32>) -> Vec<u8> {
+    let per_value = shape.frame_len(1) - shape.scaled() as usize * 8;
+    // Bytes of one head's K (or V) values, and of one scale.
+    let head = per_value / 2;
+    let n = want.len();
+    let mut out = vec![0u8; shape.frame_len(n)];
+    for h in want.clone() {
+        let Some((r, src)) = have.iter().find(|(r, _)| r.contains(&h)) else {
+            continue;
+        };
+        let (i, j, m) = ((h - want.start) as usize, (h - r.start) as usize, r.len());
+        for kv in 0..2 {
+            let (to, from) = ((kv * n + i) * head, (kv * m + j) * head);
+            out[to..to + head].copy_from_slice(&src[from..from + head]);
+        }
+        if shape.scaled() {
+            let (vo, vi) = (2 * n * head, 2 * m * head);
+            for kv in 0..2 {
+                let (to, from) = (vo + (kv * n + i) * 4, vi + (kv * m + j) * 4);
+                out[to..to + 4].copy_from_slice(&src[from..from + 4]);
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+// Lists of KV head ranges with a single range (every head) are what these tests mean.
+#[allow(clippy::single_range_in_vec_init)]
+mod tests {
+    use super::*;
+
+    fn shape(dtype: &str, pieces: Vec<Range<u32>>) -> KvShape {
+        KvShape {
+            model: "m".into(),
+            layers: 2,
+            kv_heads: 3,
+            head_dim: 4,
+            block_size: 2,
+            dtype: dtype.into(),
+            pieces,
+        }
+    }
+
+    #[test]
+    fn shapes_round_trip_and_garbage_is_refused() {
+        let s = shape("int8", vec![0..1, 1..3]);
+        let b = s.encode();
+        assert_eq!(
+            u32::from_le_bytes(b[..4].try_into().unwrap()) as usize,
+            b.len() - 4
+        );
+        assert_eq!(KvShape::decode(&b[4..]).unwrap(), s);
+        assert!(KvShape::decode(&b[4..b.len() - 1]).is_err());
+        // A range that ends before it starts.
+        let backwards = std::ops::Range { start: 2, end: 1 };
+        let mut bad = shape("f32", vec![backwards]).encode();
+        assert!(KvShape::decode(&bad[4..]).is_err());
+        bad.truncate(3);
+        assert!(KvShape::decode(&bad).is_err());
+    }
+
+    #[test]
+    fn mismatches_name_what_differs() {
+        let a = shape("f32", vec![0..3]);
+        assert_eq!(a.mismatch(&shape("f32", vec![0..1, 1..2, 2..3])), None);
+        let e = a.mismatch(&shape("int8", vec![0..3])).unwrap();
+        assert_eq!(e, "the peer's KV cache dtype is int8, this worker's f32");
+        let e = a
+            .mismatch(&KvShape {
+                head_dim: 8,
+                ..a.clone()
+            })
+            .unwrap();
+        assert!(e.contains("head size is 8"), "{e}");
+        let e = a
+            .mismatch(&KvShape {
+                block_size: 16,
+                ..a.clone()
+            })
+            .unwrap();
+        assert!(e.contains("block size"), "{e}");
+        let e = a
+            .mismatch(&KvShape {
+                model: "other".into(),
+                ..a.clone()
+            })
+            .unwrap();
+        assert!(e.contains("model is other"), "{e}");
+    }
+
+    /// A whole block split into per-head frames and joined again is the block; a two-head
+    /// frame built from single heads is what cutting the whole block gives.
+    #[test]
+    fn regrouping_splits_and_joins_frames() {
+        for dtype in ["f32", "f16", "int8"] {
+            let s = shape(dtype, vec![0..3]);
+            let whole: Vec<u8> = (0..s.frame_len(3)).map(|i| (i * 7 % 251) as u8).collect();
+            let singles: Vec<Vec<u8>> = (0..3)
+                .map(|h| regroup(&s, &[(0..3, &whole)], h..h + 1))
+                .collect();
+            assert!(singles.iter().all(|f| f.len() == s.frame_len(1)));
+            let have: Vec<(Range<u32>, &[u8])> = singles
+                .iter()
+                .enumerate()
+                .map(|(h, f)| (h as u32..h as u32 + 1, &f[..]))
+                .collect();
+            assert_eq!(regroup(&s, &have, 0..3), whole, "{dtype}");
+            assert_eq!(
+                regroup(&s, &have, 1..3),
+                regroup(&s, &[(0..3, &whole)], 1..3),
+                "{dtype}"
+            );
+            // Head 1's K values are the second head-sized run of the whole block.
+            let head = (s.frame_len(1) - s.scaled() as usize * 8) / 2;
+            assert_eq!(&singles[1][..head], &whole[head..2 * head], "{dtype}");
+        }
+    }
+}
