@@ -6,6 +6,7 @@
 //!
 //! Implementations:
 //! - [`SingleRank`]: a group of one (TP 1), where every collective is a copy or nothing;
+//! - [`NcclRank`]: a rank on a CUDA GPU, exchanging through NCCL (see [`nccl`]);
 //! - [`ThreadGroup`]: ranks that are threads of one process, exchanging through one shared
 //!   allocation (per-rank slots, double-buffered, each with a ready stamp), as vLLM's CPU
 //!   shared-memory all-reduce does. Sums are taken in rank order on every rank, so all ranks
@@ -17,8 +18,10 @@
 
 #![deny(missing_docs)]
 
+pub mod nccl;
 mod thread_group;
 
+pub use nccl::{NcclId, NcclRank};
 pub use thread_group::{RankStats, ThreadGroup, ThreadRank};
 
 use std::time::Duration;
@@ -44,10 +47,14 @@ pub enum CollectiveError {
     /// The arguments do not fit the collective.
     #[error("{0}")]
     Shape(String),
+    /// The device or its collective library failed (NCCL, CUDA), or is not there.
+    #[error("{0}")]
+    Device(String),
 }
 
-/// The collectives of one rank of a group.
-pub trait Collective: Send {
+/// The collectives of one rank of a group. Not `Send`: an NCCL rank stays on the thread that
+/// made its communicator.
+pub trait Collective {
     /// This rank's number, `0..size`.
     fn rank(&self) -> usize;
 

@@ -1,0 +1,279 @@
+//! Ranks on CUDA GPUs, exchanging through NCCL (cudarc's bindings, loaded at run time: the
+//! crate builds and its CPU ranks run on a machine without CUDA or NCCL).
+//!
+//! A group starts from one [`NcclId`], made once (by rank 0's process) and handed to every rank:
+//! cloned within a process, or as its bytes ([`NcclId::to_bytes`]) over a worker's control
+//! channel between processes. Each rank then builds its [`NcclRank`] on its own thread, with
+//! [`NcclRank::new`]: an NCCL communicator is neither `Send` nor `Sync`, and stays on the thread
+//! that made it.
+//!
+//! NCCL work is queued on the rank's stream; every collective here waits for it under the
+//! group's watchdog: a peer that never comes leaves the stream busy, and after the watchdog the
+//! call fails with [`CollectiveError::Timeout`] and the rank is poisoned (its communicator is
+//! aborted when it is dropped), instead of hanging the step.
+//!
+//! [`Collective`] is implemented on host buffers (copied to the device and back), so the same
+//! tests run the CPU ranks and these; the GPU forward calls [`NcclRank::all_reduce_device`] on
+//! its own device buffers.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use cudarc::nccl::safe::{Comm, Id, NcclType, ReduceOp};
+
+use crate::{Collective, CollectiveError};
+
+/// Whether the CUDA driver and the NCCL library can be loaded here (cudarc panics on the first
+/// call into a library it cannot load, so every entry point asks this first).
+pub fn available() -> bool {
+    // SAFETY: only probes whether the libraries load.
+    unsafe { cudarc::driver::sys::is_culib_present() && cudarc::nccl::sys::is_culib_present() }
+}
+
+fn device(what: &str, e: impl std::fmt::Debug) -> CollectiveError {
+    CollectiveError::Device(format!("{what}: {e:?}"))
+}
+
+fn unavailable() -> CollectiveError {
+    CollectiveError::Device(
+        "NCCL is not available here (no CUDA driver or no libnccl on the library path)".into(),
+    )
+}
+
+/// The id every rank of one NCCL group starts from.
+#[derive(Clone, Copy, Debug)]
+pub struct NcclId(Id);
+
+impl NcclId {
+    /// A fresh id (once per group, on one rank).
+    pub fn new() -> Result<Self, CollectiveError> {
+        if !available() {
+            return Err(unavailable());
+        }
+        Id::new()
+            .map(Self)
+            .map_err(|e| device("ncclGetUniqueId", e))
+    }
+
+    /// The id's 128 bytes, for ranks in other processes.
+    pub fn to_bytes(&self) -> [u8; 128] {
+        self.0.internal().map(|c| c as u8)
+    }
+
+    /// An id from [`NcclId::to_bytes`].
+    pub fn from_bytes(b: &[u8; 128]) -> Self {
+        Self(Id::uninit(b.map(|c| c as std::ffi::c_char)))
+    }
+}
+
+/// One rank of an NCCL group, on the thread that made it.
+pub struct NcclRank {
+    comm: Comm,
+    stream: Arc<CudaStream>,
+    rank: usize,
+    size: usize,
+    watchdog: Duration,
+    poisoned: Option<String>,
+}
+
+impl NcclRank {
+    /// Rank `rank` of a group of `size` on CUDA device `ordinal`, joining the group `id` names.
+    /// Call it on the thread that will run the rank: every rank of the group must call it
+    /// (NCCL's initialisation is itself collective).
+    pub fn new(
+        ordinal: usize,
+        rank: usize,
+        size: usize,
+        id: NcclId,
+        watchdog: Duration,
+    ) -> Result<Self, CollectiveError> {
+        if !available() {
+            return Err(unavailable());
+        }
+        if rank >= size {
+            return Err(CollectiveError::Shape(format!(
+                "rank {rank} of a group of {size}"
+            )));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| device("opening the device", e))?;
+        let stream = ctx.new_stream().map_err(|e| device("a stream", e))?;
+        let comm = Comm::from_rank(stream.clone(), rank, size, id.0)
+            .map_err(|e| device("ncclCommInitRank", e))?;
+        Ok(Self {
+            comm,
+            stream,
+            rank,
+            size,
+            watchdog,
+            poisoned: None,
+        })
+    }
+
+    /// The stream the rank's collectives run on (the forward's work on the same stream is
+    /// ordered with them).
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Every rank's `buf` (a device buffer) summed into every rank's `buf`, waited for.
+    pub fn all_reduce_device<T: NcclType>(
+        &mut self,
+        buf: &mut CudaSlice<T>,
+    ) -> Result<(), CollectiveError> {
+        self.check()?;
+        self.comm
+            .all_reduce_in_place(buf, &ReduceOp::Sum)
+            .map_err(|e| device("ncclAllReduce", e))?;
+        self.wait("all_reduce")
+    }
+
+    fn check(&self) -> Result<(), CollectiveError> {
+        match &self.poisoned {
+            Some(why) => Err(CollectiveError::Poisoned(why.clone())),
+            None => Ok(()),
+        }
+    }
+
+    /// Waits for the rank's queued work under the watchdog.
+    fn wait(&mut self, op: &'static str) -> Result<(), CollectiveError> {
+        let done = self
+            .stream
+            .record_event(None)
+            .map_err(|e| device("recording an event", e))?;
+        let start = Instant::now();
+        loop {
+            match done.try_is_complete() {
+                Ok(true) => return Ok(()),
+                Ok(false) => {}
+                Err(e) => return Err(device(op, e)),
+            }
+            let waited = start.elapsed();
+            if waited > self.watchdog {
+                // Which peers are missing NCCL does not say; the others' watchdogs name
+                // themselves the same way.
+                let e = CollectiveError::Timeout {
+                    op,
+                    rank: self.rank,
+                    missing: (0..self.size).filter(|&r| r != self.rank).collect(),
+                    waited,
+                };
+                self.poisoned = Some(e.to_string());
+                return Err(e);
+            }
+            std::thread::sleep(Duration::from_micros(20));
+        }
+    }
+
+    fn upload(&self, host: &[f32]) -> Result<CudaSlice<f32>, CollectiveError> {
+        // An empty buffer still takes part: NCCL is called with a count of 0.
+        match host.is_empty() {
+            true => self.stream.alloc_zeros::<f32>(0),
+            false => self.stream.clone_htod(host),
+        }
+        .map_err(|e| device("copying to the device", e))
+    }
+
+    fn download(&self, dev: &CudaSlice<f32>, host: &mut [f32]) -> Result<(), CollectiveError> {
+        if host.is_empty() {
+            return Ok(());
+        }
+        self.stream
+            .memcpy_dtoh(dev, host)
+            .map_err(|e| device("copying to the host", e))?;
+        self.stream
+            .synchronize()
+            .map_err(|e| device("copying to the host", e))
+    }
+}
+
+impl Collective for NcclRank {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn all_reduce_sum(&mut self, buf: &mut [f32]) -> Result<(), CollectiveError> {
+        let mut d = self.upload(buf)?;
+        self.all_reduce_device(&mut d)?;
+        self.download(&d, buf)
+    }
+
+    fn all_gather(&mut self, mine: &[f32], out: &mut [f32]) -> Result<(), CollectiveError> {
+        self.check()?;
+        if out.len() != self.size * mine.len() {
+            return Err(CollectiveError::Shape(format!(
+                "all_gather: {} ranks × {} values into {}",
+                self.size,
+                mine.len(),
+                out.len()
+            )));
+        }
+        let src = self.upload(mine)?;
+        let mut dst = self
+            .stream
+            .alloc_zeros::<f32>(out.len())
+            .map_err(|e| device("a device buffer", e))?;
+        self.comm
+            .all_gather(&src, &mut dst)
+            .map_err(|e| device("ncclAllGather", e))?;
+        self.wait("all_gather")?;
+        self.download(&dst, out)
+    }
+
+    fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<(), CollectiveError> {
+        self.check()?;
+        if root >= self.size {
+            return Err(CollectiveError::Shape(format!(
+                "broadcast from rank {root} in a group of {}",
+                self.size
+            )));
+        }
+        let mut d = self.upload(buf)?;
+        self.comm
+            .broadcast_in_place(&mut d, root as i32)
+            .map_err(|e| device("ncclBroadcast", e))?;
+        self.wait("broadcast")?;
+        self.download(&d, buf)
+    }
+
+    fn barrier(&mut self) -> Result<(), CollectiveError> {
+        // NCCL has no barrier: an all-reduce of one value is one.
+        let mut one = [0f32];
+        self.all_reduce_sum(&mut one)
+    }
+
+    fn send(&mut self, to: usize, buf: &[f32]) -> Result<(), CollectiveError> {
+        self.check()?;
+        if to >= self.size || to == self.rank {
+            return Err(CollectiveError::Shape(format!(
+                "send from rank {} to rank {to} in a group of {}",
+                self.rank, self.size
+            )));
+        }
+        let d = self.upload(buf)?;
+        self.comm
+            .send(&d, to as i32)
+            .map_err(|e| device("ncclSend", e))?;
+        self.wait("send")
+    }
+
+    fn recv(&mut self, from: usize, buf: &mut [f32]) -> Result<(), CollectiveError> {
+        self.check()?;
+        if from >= self.size || from == self.rank {
+            return Err(CollectiveError::Shape(format!(
+                "recv on rank {} from rank {from} in a group of {}",
+                self.rank, self.size
+            )));
+        }
+        let mut d = self.upload(buf)?;
+        self.comm
+            .recv(&mut d, from as i32)
+            .map_err(|e| device("ncclRecv", e))?;
+        self.wait("recv")?;
+        self.download(&d, buf)
+    }
+}
