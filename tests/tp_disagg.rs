@@ -9,6 +9,7 @@ mod common;
 use common::*;
 use serde_json::Value;
 use tandem_proto::v1 as api;
+use tandem_proto::worker as wpb;
 
 fn ids(g: &Value, key: &str) -> Vec<u32> {
     serde_json::from_value(g[key].clone()).unwrap()
@@ -63,6 +64,15 @@ async fn mixed(p_tp: usize, d_tp: usize) {
         ],
     );
     wait_ready(&r, 1).await;
+    // Each worker says how many ranks it runs.
+    for (addr, tp) in [(&paddr, p_tp), (&daddr, d_tp)] {
+        let url = format!("http://{addr}");
+        let mut c = wpb::worker_control_client::WorkerControlClient::connect(url)
+            .await
+            .unwrap();
+        let info = c.info(wpb::InfoRequest {}).await.unwrap().into_inner();
+        assert_eq!(info.tensor_parallel, tp as u32, "{addr}");
+    }
     let kv_heads = tandem_model::load_text(&model_path())
         .unwrap()
         .config

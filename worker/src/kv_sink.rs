@@ -107,3 +107,52 @@ pub fn kv_shape(model: &str, writers: &[(Range<u32>, KvPoolWriter)]) -> Option<K
         pieces,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tandem_engine::{KvDtype, KvPool};
+    use tandem_kernels::KvLayout;
+
+    /// Four ranks over two KV heads (each head replicated on two ranks): the sink takes a
+    /// frame per head and writes it into both ranks that hold it; a sender's shape and the
+    /// sink agree on the ranges.
+    #[test]
+    fn replicated_heads_go_to_every_rank_that_holds_them() {
+        let layout = KvLayout {
+            block_size: 2,
+            num_kv_heads: 1,
+            head_dim: 4,
+        };
+        let pools: Vec<KvPool> = (0..4)
+            .map(|_| KvPool::new(layout, KvDtype::F32, 2, 3).unwrap())
+            .collect();
+        let heads = [0..1u32, 0..1, 1..2, 1..2];
+        let writers = heads
+            .iter()
+            .zip(&pools)
+            .map(|(h, p)| (h.clone(), p.writer()))
+            .collect::<Vec<_>>();
+        let shape = kv_shape("m", &writers).unwrap();
+        assert_eq!(shape.pieces, [0..1, 1..2]);
+        assert_eq!(shape.kv_heads, 2);
+        // SAFETY: the pools belong to this test; nothing else touches them.
+        let sink = unsafe { PoolSink::new(writers) };
+        assert_eq!(sink.pieces(), shape.pieces);
+        let frame = KvPool::frame_bytes(layout, KvDtype::F32);
+        assert_eq!((sink.piece_len(1), shape.frame_len(1)), (frame, frame));
+        let payload: Vec<u8> = (0..frame).map(|i| i as u8).collect();
+        sink.write_piece(1, BlockId(2), 1, &payload);
+        assert_eq!(sink.rank_bytes(), [0, 0, frame as u64, frame as u64]);
+        let mut got = Vec::new();
+        for (rank, pool) in pools.iter().enumerate() {
+            pool.read_block(1, 2, &mut got);
+            let want = if rank >= 2 {
+                payload.clone()
+            } else {
+                vec![0; frame]
+            };
+            assert_eq!(got, want, "rank {rank}");
+        }
+    }
+}
