@@ -123,6 +123,12 @@ async fn prefill_tp3_to_decode_tp1_gives_the_golden_tokens() {
     mixed(3, 1).await;
 }
 
+/// Equal sizes: each prefill rank's piece goes as it is to the decode rank with the same heads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_tp3_to_decode_tp3_gives_the_golden_tokens() {
+    mixed(3, 3).await;
+}
+
 /// A prefill worker with an int8 cache cannot fill an f32 one: the decode worker refuses its
 /// KV connection at the handshake (the reason, naming the dtypes, is checked in the
 /// kv-transfer tests) and prefills the prompt itself; the answer is still the golden one.
