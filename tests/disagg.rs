@@ -14,7 +14,6 @@ use futures::StreamExt;
 use serde_json::{json, Value};
 use tandem_kv_transfer::wire::{FrameHeader, FrameKind};
 use tandem_kv_transfer::{BlockFrame, KvStream, KvTransport, Secret, TcpTransport, TransferError};
-use tandem_proto::v1 as api;
 use tandem_proto::worker as wpb;
 
 /// Bytes one block of every layer takes on the wire (f32 KV, the workers' default).
@@ -22,38 +21,6 @@ fn bytes_per_block() -> u64 {
     let m = tandem_model::load_text(&model_path()).unwrap();
     let c = &m.config;
     (2 * 16 * c.num_kv_heads * c.head_dim * 4 * c.num_layers) as u64
-}
-
-/// Greedy generation of `ids` through the router's gRPC API: token ids and usage.
-async fn generate_ids(grpc: &str, ids: &[u32], max_tokens: u32) -> (Vec<u32>, api::Usage) {
-    let mut c = api::generation_client::GenerationClient::connect(grpc.to_string())
-        .await
-        .unwrap();
-    let req = api::GenerateRequest {
-        prompt: Some(api::generate_request::Prompt::TokenIds(api::TokenIds {
-            ids: ids.to_vec(),
-        })),
-        sampling: Some(api::SamplingParams {
-            temperature: Some(0.0),
-            ..Default::default()
-        }),
-        stopping: Some(api::StoppingCriteria {
-            max_tokens: Some(max_tokens),
-            ignore_eos: true,
-            ..Default::default()
-        }),
-        ..Default::default()
-    };
-    let mut s = c.generate(req).await.unwrap().into_inner();
-    let mut out = Vec::new();
-    let mut usage = None;
-    while let Some(m) = s.message().await.unwrap() {
-        out.extend(m.token_ids);
-        if m.usage.is_some() {
-            usage = m.usage;
-        }
-    }
-    (out, usage.expect("usage on the last message"))
 }
 
 /// The same request straight to a decode worker with a local plan: the reference output.

@@ -8,39 +8,10 @@ mod common;
 
 use common::*;
 use serde_json::Value;
-use tandem_proto::v1 as api;
 use tandem_proto::worker as wpb;
 
 fn ids(g: &Value, key: &str) -> Vec<u32> {
     serde_json::from_value(g[key].clone()).unwrap()
-}
-
-/// Greedy generation of `prompt` through the router's gRPC API: the token ids.
-async fn generate(grpc: &str, prompt: &[u32], max_tokens: u32) -> Vec<u32> {
-    let mut c = api::generation_client::GenerationClient::connect(grpc.to_string())
-        .await
-        .unwrap();
-    let req = api::GenerateRequest {
-        prompt: Some(api::generate_request::Prompt::TokenIds(api::TokenIds {
-            ids: prompt.to_vec(),
-        })),
-        sampling: Some(api::SamplingParams {
-            temperature: Some(0.0),
-            ..Default::default()
-        }),
-        stopping: Some(api::StoppingCriteria {
-            max_tokens: Some(max_tokens),
-            ignore_eos: true,
-            ..Default::default()
-        }),
-        ..Default::default()
-    };
-    let mut s = c.generate(req).await.unwrap().into_inner();
-    let mut out = Vec::new();
-    while let Some(m) = s.message().await.unwrap() {
-        out.extend(m.token_ids);
-    }
-    out
 }
 
 /// Bytes of one block of every layer of `heads` KV heads (f32 cache, 16-token blocks).
@@ -83,7 +54,7 @@ async fn mixed(p_tp: usize, d_tp: usize) {
     for g in &recs {
         let prompt = ids(g, "prompt_ids");
         let want = ids(g, "generated_ids");
-        let got = generate(&r.grpc, &prompt, want.len() as u32).await;
+        let (got, _) = generate_ids(&r.grpc, &prompt, want.len() as u32).await;
         assert_eq!(got, want, "P tp {p_tp} -> D tp {d_tp}, {}", g["id"]);
         // Distinct prompts: none shares a full block with an earlier one, so all move.
         blocks += prompt.len().div_ceil(16) as u64;
@@ -146,10 +117,8 @@ async fn caches_that_do_not_map_are_refused_at_the_handshake_and_prefilled_local
     wait_ready(&r, 1).await;
     let g = &golden()[0];
     let want = ids(g, "generated_ids");
-    assert_eq!(
-        generate(&r.grpc, &ids(g, "prompt_ids"), want.len() as u32).await,
-        want
-    );
+    let (got, _) = generate_ids(&r.grpc, &ids(g, "prompt_ids"), want.len() as u32).await;
+    assert_eq!(got, want);
     let dm = scrape(&daddr).await;
     assert_eq!(
         metric(

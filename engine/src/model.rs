@@ -648,22 +648,7 @@ pub(crate) fn tiny_model(seed: u64) -> LlamaModel {
 pub(crate) fn tiny_tensors(seed: u64) -> (LlamaConfig, BTreeMap<String, TensorData>) {
     use rand::{Rng, SeedableRng};
     use tandem_model::{GgmlType, LayerTensor, TensorName};
-    let c = LlamaConfig {
-        hidden_size: 32,
-        intermediate_size: 64,
-        num_layers: 2,
-        num_heads: 4,
-        num_kv_heads: 2,
-        head_dim: 8,
-        vocab_size: 97,
-        max_position_embeddings: 256,
-        rms_norm_eps: 1e-5,
-        rope_theta: 10000.0,
-        rope_scaling: None,
-        tie_word_embeddings: true,
-        family: Default::default(),
-        sliding_window: None,
-    };
+    let c = tiny_config();
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let mut tensors = BTreeMap::new();
     for name in TensorName::required(&c) {
@@ -688,4 +673,25 @@ pub(crate) fn tiny_tensors(seed: u64) -> (LlamaConfig, BTreeMap<String, TensorDa
         );
     }
     (c, tensors)
+}
+
+/// The shape of [`tiny_model`].
+#[cfg(test)]
+pub(crate) fn tiny_config() -> LlamaConfig {
+    LlamaConfig {
+        hidden_size: 32,
+        intermediate_size: 64,
+        num_layers: 2,
+        num_heads: 4,
+        num_kv_heads: 2,
+        head_dim: 8,
+        vocab_size: 97,
+        max_position_embeddings: 256,
+        rms_norm_eps: 1e-5,
+        rope_theta: 10000.0,
+        rope_scaling: None,
+        tie_word_embeddings: true,
+        family: Default::default(),
+        sliding_window: None,
+    }
 }

@@ -65,26 +65,8 @@ fn f32_weights_give_the_same_tokens() {
 
 #[test]
 fn last_position_logits_within_1e_3() {
-    let (mut e, recs) = engine(WeightFormat::Native, EngineConfig::default());
-    let mut checked = 0;
-    for r in &recs {
-        let id = r["id"].as_str().unwrap();
-        let path = golden_dir().join(format!("smollm2_{id}_lastpos_logits.bin"));
-        let Ok(bytes) = std::fs::read(&path) else {
-            continue;
-        };
-        let want: Vec<f32> = bytes
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-            .collect();
-        let got = e.prompt_logits(&ids(&r["prompt_ids"])).unwrap();
-        assert_eq!(got.len(), want.len());
-        let rel = rel_l2(&got, &want);
-        eprintln!("{id}: relative L2 {rel:.2e}");
-        assert!(rel < 1e-3, "{id}: relative L2 error {rel}");
-        checked += 1;
-    }
-    assert_eq!(checked, 3, "three golden logit files");
+    let (mut e, _) = engine(WeightFormat::Native, EngineConfig::default());
+    check_lastpos_logits(&mut e, "");
 }
 
 #[test]

@@ -48,25 +48,7 @@ fn tp3_last_position_logits_within_1e_3() {
     let cfg = EngineConfig::default();
     let b = tp(3, &m, &cfg);
     let mut e = Engine::with_backend(Box::new(b), cfg, m.tokenizer.eos_token_ids.clone()).unwrap();
-    let mut checked = 0;
-    for r in golden_records().1 {
-        let id = r["id"].as_str().unwrap();
-        let path = golden_dir().join(format!("smollm2_{id}_lastpos_logits.bin"));
-        let Ok(bytes) = std::fs::read(&path) else {
-            continue;
-        };
-        let want: Vec<f32> = bytes
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-            .collect();
-        let got = e.prompt_logits(&ids(&r["prompt_ids"])).unwrap();
-        assert_eq!(got.len(), want.len());
-        let rel = rel_l2(&got, &want);
-        eprintln!("tp 3 {id}: relative L2 {rel:.2e}");
-        assert!(rel < 1e-3, "{id}: relative L2 error {rel}");
-        checked += 1;
-    }
-    assert_eq!(checked, 3, "three golden logit files");
+    check_lastpos_logits(&mut e, "tp 3 ");
 }
 
 /// Every golden record's prompt and golden tokens, fed one step at a time to a backend, all

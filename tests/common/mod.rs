@@ -809,3 +809,39 @@ pub fn yaml_objects(yaml: &str) -> Vec<Value> {
 pub fn helm_objects(extra: &[&str]) -> Vec<Value> {
     yaml_objects(&helm_render(extra))
 }
+
+/// Greedy generation of `ids` through the router's gRPC API: token ids and usage.
+pub async fn generate_ids(
+    grpc: &str,
+    ids: &[u32],
+    max_tokens: u32,
+) -> (Vec<u32>, tandem_proto::v1::Usage) {
+    let mut c = tandem_proto::v1::generation_client::GenerationClient::connect(grpc.to_string())
+        .await
+        .unwrap();
+    let req = tandem_proto::v1::GenerateRequest {
+        prompt: Some(tandem_proto::v1::generate_request::Prompt::TokenIds(
+            tandem_proto::v1::TokenIds { ids: ids.to_vec() },
+        )),
+        sampling: Some(tandem_proto::v1::SamplingParams {
+            temperature: Some(0.0),
+            ..Default::default()
+        }),
+        stopping: Some(tandem_proto::v1::StoppingCriteria {
+            max_tokens: Some(max_tokens),
+            ignore_eos: true,
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let mut s = c.generate(req).await.unwrap().into_inner();
+    let mut out = Vec::new();
+    let mut usage = None;
+    while let Some(m) = s.message().await.unwrap() {
+        out.extend(m.token_ids);
+        if m.usage.is_some() {
+            usage = m.usage;
+        }
+    }
+    (out, usage.expect("usage on the last message"))
+}

@@ -198,20 +198,11 @@ mod tests {
 
     fn config(nq: usize, nkv: usize) -> LlamaConfig {
         LlamaConfig {
-            hidden_size: 64,
-            intermediate_size: 96,
-            num_layers: 1,
             num_heads: nq,
             num_kv_heads: nkv,
-            head_dim: 8,
+            intermediate_size: 96,
             vocab_size: 100,
-            max_position_embeddings: 64,
-            rms_norm_eps: 1e-5,
-            rope_theta: 10000.0,
-            rope_scaling: None,
-            tie_word_embeddings: true,
-            family: Default::default(),
-            sliding_window: None,
+            ..crate::model::tiny_config()
         }
     }
 

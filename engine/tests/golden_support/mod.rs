@@ -102,3 +102,27 @@ pub fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
     let den: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum();
     (num / den).sqrt()
 }
+
+/// Every golden record's last-position logits from `e` within 1e-3 relative L2 of the golden
+/// files (three of them), each printed with `label`.
+pub fn check_lastpos_logits(e: &mut Engine, label: &str) {
+    let mut checked = 0;
+    for r in golden_records().1 {
+        let id = r["id"].as_str().unwrap();
+        let path = golden_dir().join(format!("smollm2_{id}_lastpos_logits.bin"));
+        let Ok(bytes) = std::fs::read(&path) else {
+            continue;
+        };
+        let want: Vec<f32> = bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        let got = e.prompt_logits(&ids(&r["prompt_ids"])).unwrap();
+        assert_eq!(got.len(), want.len());
+        let rel = rel_l2(&got, &want);
+        eprintln!("{label}{id}: relative L2 {rel:.2e}");
+        assert!(rel < 1e-3, "{label}{id}: relative L2 error {rel}");
+        checked += 1;
+    }
+    assert_eq!(checked, 3, "three golden logit files");
+}
