@@ -57,10 +57,22 @@ impl Shared {
     /// The slot's stamp must have been acquire-loaded at the current round by the caller, or
     /// the caller must be its writer.
     unsafe fn values(&self, i: usize, len: usize) -> &[f32] {
-        let start = self.data[i * self.capacity].get();
-        // SAFETY: `len <= capacity` and the slot is not written concurrently (the caller's
+        assert!(
+            len <= self.capacity,
+            "{len} values of a {}-value slot",
+            self.capacity
+        );
+        // SAFETY: in bounds (`len <= capacity`, slot `i` of the allocation), the pointer taken
+        // from the whole allocation, and the slot is not written concurrently (the caller's
         // contract).
-        unsafe { std::slice::from_raw_parts(start, len) }
+        unsafe { std::slice::from_raw_parts(self.slot_ptr(i), len) }
+    }
+
+    /// The first value of slot `i`, as a pointer into the whole allocation.
+    fn slot_ptr(&self, i: usize) -> *mut f32 {
+        assert!(i < self.size * 2, "slot {i} of {}", self.size * 2);
+        // SAFETY: slot `i` starts inside the allocation (checked above).
+        UnsafeCell::raw_get(unsafe { self.data.as_ptr().add(i * self.capacity) })
     }
 
     fn poison(&self, why: String) {
@@ -172,6 +184,11 @@ impl ThreadRank {
         self.stats.clone()
     }
 
+    /// Whether the group has been given up (a rank timed out, or aborted).
+    pub fn poisoned(&self) -> bool {
+        self.shared.poisoned.load(Ordering::Acquire)
+    }
+
     /// Gives the group up from this rank (it failed outside a collective, and will not come
     /// to the next one): every rank's current and later collectives fail at once with `why`
     /// instead of waiting for the watchdog.
@@ -191,7 +208,12 @@ impl ThreadRank {
     ) -> Result<R, CollectiveError> {
         let sh = &*self.shared;
         sh.check()?;
-        debug_assert!(mine.len() <= sh.capacity);
+        assert!(
+            mine.len() <= sh.capacity,
+            "{} values for a {}-value slot",
+            mine.len(),
+            sh.capacity
+        );
         self.round += 1;
         let round = self.round;
         let parity = (round % 2) as usize;
@@ -199,8 +221,7 @@ impl ThreadRank {
         // SAFETY: this rank is the slot's only writer, and no rank reads it until the stamp
         // below (see `Shared`); `mine` fits in the slot.
         unsafe {
-            let slot = sh.data[me * sh.capacity].get();
-            std::ptr::copy_nonoverlapping(mine.as_ptr(), slot, mine.len());
+            std::ptr::copy_nonoverlapping(mine.as_ptr(), sh.slot_ptr(me), mine.len());
         }
         sh.lens[me].store(mine.len(), Ordering::Relaxed);
         sh.stamps[me].store(round, Ordering::Release);

@@ -4,8 +4,8 @@
 //! ```text
 //! receiver -> sender   "TKV1" | version u16 | receiver nonce (32 bytes) | shape
 //! sender   -> receiver "TKV1" | version u16 | sender nonce (32) | shape | HMAC(secret, "tandem-kv/1 sender" | rn | sn | rshape | sshape)
-//! receiver -> sender   status u8 (0 ok, 1 refused, 2 caches do not map) | HMAC(secret, "tandem-kv/1 receiver" | sn | rn | sshape | rshape)
-//!                      [status 2: reason length u16 | reason]
+//! receiver -> sender   status u8 (0 ok, 1 refused, 2 caches do not map) | [status 2: reason length u16 | reason]
+//!                      | HMAC(secret, "tandem-kv/1 receiver" | status and reason | sn | rn | sshape | rshape)
 //! ```
 //!
 //! A shape is a u32 length and a [`KvShape`] (length 0: none given). Both sides check the
@@ -68,7 +68,7 @@ impl Secret {
         String::from_utf8_lossy(&self.0).into_owned()
     }
 
-    fn mac(&self, label: &[u8], parts: [&[u8]; 4]) -> Hmac<Sha256> {
+    fn mac(&self, label: &[u8], parts: &[&[u8]]) -> Hmac<Sha256> {
         let mut m = Hmac::<Sha256>::new_from_slice(&self.0).expect("HMAC takes any key length");
         m.update(label);
         for p in parts {
@@ -161,7 +161,7 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
     let mut mac = [0u8; MAC];
     s.read_exact(&mut mac).await?;
     if secret
-        .mac(SENDER_LABEL, [&rn, &sn, &rshape, &sshape])
+        .mac(SENDER_LABEL, &[&rn, &sn, &rshape, &sshape])
         .verify_slice(&mac)
         .is_err()
     {
@@ -172,18 +172,19 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
         (Some(mine), Some(theirs)) => mine.mismatch(theirs),
         _ => None,
     };
-    let mut reply = vec![if why.is_some() { 2u8 } else { 0 }];
-    reply.extend_from_slice(
-        &secret
-            .mac(RECEIVER_LABEL, [&sn, &rn, &sshape, &rshape])
-            .finalize()
-            .into_bytes(),
-    );
+    // Status, then (status 2) the reason, then the MAC over both and the hello messages.
+    let mut head = vec![if why.is_some() { 2u8 } else { 0 }];
     if let Some(why) = &why {
         let w = &why.as_bytes()[..why.len().min(u16::MAX as usize)];
-        reply.extend_from_slice(&(w.len() as u16).to_le_bytes());
-        reply.extend_from_slice(w);
+        head.extend_from_slice(&(w.len() as u16).to_le_bytes());
+        head.extend_from_slice(w);
     }
+    let mac = secret
+        .mac(RECEIVER_LABEL, &[&head, &sn, &rn, &sshape, &rshape])
+        .finalize()
+        .into_bytes();
+    let mut reply = head;
+    reply.extend_from_slice(&mac);
     s.write_all(&reply).await?;
     s.flush().await?;
     match why {
@@ -207,32 +208,44 @@ pub async fn connect<S: AsyncRead + AsyncWrite + Unpin>(
     msg.extend_from_slice(&sshape);
     msg.extend_from_slice(
         &secret
-            .mac(SENDER_LABEL, [&rn, &sn, &rshape, &sshape])
+            .mac(SENDER_LABEL, &[&rn, &sn, &rshape, &sshape])
             .finalize()
             .into_bytes(),
     );
     s.write_all(&msg).await?;
     s.flush().await?;
-    let mut reply = [0u8; 1 + MAC];
-    s.read_exact(&mut reply).await?;
-    if reply[0] == 1 {
-        return Err(TransferError::Unauthenticated);
-    }
+    let mut head = vec![0u8];
+    s.read_exact(&mut head).await?;
+    let why = match head[0] {
+        0 => None,
+        1 => return Err(TransferError::Unauthenticated),
+        2 => {
+            let mut n = [0u8; 2];
+            s.read_exact(&mut n).await?;
+            let mut why = vec![0u8; u16::from_le_bytes(n) as usize];
+            s.read_exact(&mut why).await?;
+            head.extend_from_slice(&n);
+            head.extend_from_slice(&why);
+            Some(String::from_utf8_lossy(&why).into_owned())
+        }
+        other => {
+            return Err(TransferError::Handshake(format!(
+                "the receiver answered with unknown status {other}"
+            )))
+        }
+    };
+    let mut mac = [0u8; MAC];
+    s.read_exact(&mut mac).await?;
     secret
-        .mac(RECEIVER_LABEL, [&sn, &rn, &sshape, &rshape])
-        .verify_slice(&reply[1..])
+        .mac(RECEIVER_LABEL, &[&head, &sn, &rn, &sshape, &rshape])
+        .verify_slice(&mac)
         .map_err(|_| TransferError::Handshake("the receiver does not hold the KV secret".into()))?;
-    if reply[0] == 2 {
-        let mut n = [0u8; 2];
-        s.read_exact(&mut n).await?;
-        let mut why = vec![0u8; u16::from_le_bytes(n) as usize];
-        s.read_exact(&mut why).await?;
-        return Err(TransferError::Mismatch(format!(
-            "the receiver refused: {}",
-            String::from_utf8_lossy(&why)
-        )));
+    match why {
+        Some(why) => Err(TransferError::Mismatch(format!(
+            "the receiver refused: {why}"
+        ))),
+        None => Ok(theirs),
     }
-    Ok(theirs)
 }
 
 #[cfg(test)]
@@ -254,6 +267,26 @@ mod tests {
         let (r, c) = tokio::join!(accept(&mut a, &s, None), connect(&mut b, &wrong, None));
         assert!(matches!(r, Err(TransferError::Unauthenticated)));
         assert!(matches!(c, Err(TransferError::Unauthenticated)));
+    }
+
+    /// A receiver that answers a status this side does not know is refused, not trusted.
+    #[tokio::test]
+    async fn an_unknown_status_is_refused() {
+        let s = Secret::new("0123456789abcdef-cluster").unwrap();
+        let (mut a, mut b) = tokio::io::duplex(4096);
+        let fake = async {
+            let mut msg = hello(&nonce());
+            msg.extend_from_slice(&shape_bytes(None));
+            a.write_all(&msg).await.unwrap();
+            let _ = read_hello(&mut a).await.unwrap();
+            let _ = read_shape(&mut a).await.unwrap();
+            let mut mac = [0u8; MAC];
+            a.read_exact(&mut mac).await.unwrap();
+            a.write_all(&[7u8; 1 + MAC]).await.unwrap();
+        };
+        let (_, c) = tokio::join!(fake, connect(&mut b, &s, None));
+        let e = c.unwrap_err().to_string();
+        assert!(e.contains("unknown status 7"), "{e}");
     }
 
     fn shape(dtype: &str, pieces: Vec<std::ops::Range<u32>>) -> KvShape {

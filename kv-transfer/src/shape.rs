@@ -117,6 +117,10 @@ impl KvShape {
         for x in &mut v {
             *x = u32_(take(4)?);
         }
+        // Frames name KV heads in 16 bits.
+        if v[1] > u16::MAX as u32 {
+            return Err(bad());
+        }
         let n = take(1)?[0] as usize;
         let dtype = String::from_utf8(take(n)?.to_vec()).map_err(|_| bad())?;
         let n = u16_(take(2)?);
@@ -144,18 +148,20 @@ impl KvShape {
 pub(crate) const MAX_SHAPE: usize = 64 << 10;
 
 /// Builds the frame of KV heads `want` of one layer of one block from frames `have` of other
-/// head ranges of the same block (which together cover `want`): K values, V values, then for
-/// int8 the K and V scales, each head's part copied from the frame that holds it.
-pub fn regroup(shape: &KvShape, have: &[(Range<u32>, &[u8])], want: Range<u32>) -> Vec<u8> {
+/// head ranges of the same block: K values, V values, then for int8 the K and V scales, each
+/// head's part copied from the frame that holds it. None when `have` does not cover `want`, or a
+/// frame is not as long as its heads' share.
+pub fn regroup(shape: &KvShape, have: &[(Range<u32>, &[u8])], want: Range<u32>) -> Option<Vec<u8>> {
     let per_value = shape.frame_len(1) - shape.scaled() as usize * 8;
     // Bytes of one head's K (or V) values, and of one scale.
     let head = per_value / 2;
     let n = want.len();
     let mut out = vec![0u8; shape.frame_len(n)];
     for h in want.clone() {
-        let Some((r, src)) = have.iter().find(|(r, _)| r.contains(&h)) else {
-            continue;
-        };
+        let (r, src) = have.iter().find(|(r, _)| r.contains(&h))?;
+        if src.len() != shape.frame_len(r.len()) {
+            return None;
+        }
         let (i, j, m) = ((h - want.start) as usize, (h - r.start) as usize, r.len());
         for kv in 0..2 {
             let (to, from) = ((kv * n + i) * head, (kv * m + j) * head);
@@ -169,7 +175,7 @@ pub fn regroup(shape: &KvShape, have: &[(Range<u32>, &[u8])], want: Range<u32>) 
             }
         }
     }
-    out
+    Some(out)
 }
 
 #[cfg(test)]
@@ -245,7 +251,7 @@ mod tests {
             let s = shape(dtype, vec![0..3]);
             let whole: Vec<u8> = (0..s.frame_len(3)).map(|i| (i * 7 % 251) as u8).collect();
             let singles: Vec<Vec<u8>> = (0..3)
-                .map(|h| regroup(&s, &[(0..3, &whole)], h..h + 1))
+                .map(|h| regroup(&s, &[(0..3, &whole)], h..h + 1).unwrap())
                 .collect();
             assert!(singles.iter().all(|f| f.len() == s.frame_len(1)));
             let have: Vec<(Range<u32>, &[u8])> = singles
@@ -253,12 +259,15 @@ mod tests {
                 .enumerate()
                 .map(|(h, f)| (h as u32..h as u32 + 1, &f[..]))
                 .collect();
-            assert_eq!(regroup(&s, &have, 0..3), whole, "{dtype}");
+            assert_eq!(regroup(&s, &have, 0..3), Some(whole.clone()), "{dtype}");
             assert_eq!(
                 regroup(&s, &have, 1..3),
                 regroup(&s, &[(0..3, &whole)], 1..3),
                 "{dtype}"
             );
+            // Heads nobody holds, or a frame of the wrong length: no frame.
+            assert_eq!(regroup(&s, &have[..2], 0..3), None, "{dtype}");
+            assert_eq!(regroup(&s, &[(0..3, &whole[1..])], 0..1), None, "{dtype}");
             // Head 1's K values are the second head-sized run of the whole block.
             let head = (s.frame_len(1) - s.scaled() as usize * 8) / 2;
             assert_eq!(&singles[1][..head], &whole[head..2 * head], "{dtype}");

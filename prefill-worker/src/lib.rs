@@ -309,6 +309,17 @@ impl Shared {
                     dest.endpoint
                 ))
             })?;
+        // A receiver whose cache cannot take this one's: the receiver refuses it too when this
+        // side describes its cache, but a transport that does not is caught here.
+        if let (Some(mine), Some(peer)) = (self.shape.as_ref(), conn.peer()) {
+            if let Some(why) = mine.mismatch(peer) {
+                return Err(Status::failed_precondition(format!(
+                    "KV caches do not map ({}): {why}",
+                    dest.endpoint
+                ))
+                .into());
+            }
+        }
         let send_err = |e| Status::unavailable(format!("sending KV to {}: {e}", dest.endpoint));
         if let Some(cx) = tandem_telemetry::context_text(&kv.span) {
             conn.context(dest.transfer_id, &cx)
@@ -341,7 +352,17 @@ impl Shared {
             match ev {
                 StreamEvent::Kv(c) => {
                     let want = conn.peer().map(|p| p.pieces.clone());
-                    let regrouped = regroup_for(&c, want.as_deref(), self.shape.as_ref());
+                    let regrouped = match regroup_for(&c, want.as_deref(), self.shape.as_ref()) {
+                        Ok(r) => r,
+                        Err(why) => {
+                            let _ = conn.abort(dest.transfer_id).await;
+                            return Err(Status::failed_precondition(format!(
+                                "cannot send KV to {}: {why}",
+                                dest.endpoint
+                            ))
+                            .into());
+                        }
+                    };
                     let frames = chunk_frames(&c, &dest.block_ids, &regrouped);
                     conn.send_blocks(dest.transfer_id, &frames)
                         .await
@@ -568,19 +589,24 @@ struct Regrouped {
 }
 
 /// Plans (and rebuilds where needed) chunk `c`'s frames for a receiver taking head ranges
-/// `want` (None: whole blocks), with this worker's cache `mine` for the layout.
+/// `want` (None: whole blocks), with this worker's cache `mine` for the layout; or why the
+/// chunk cannot make them (a receiver whose heads this worker's pieces do not cover).
 fn regroup_for(
     c: &KvChunk,
     want: Option<&[std::ops::Range<u32>]>,
     mine: Option<&KvShape>,
-) -> Regrouped {
+) -> Result<Regrouped, String> {
     let all =
         c.pieces.first().map_or(0, |p| p.heads.start)..c.pieces.last().map_or(0, |p| p.heads.end);
     let ranges: Vec<(std::ops::Range<u16>, std::ops::Range<u32>)> = match want {
         Some(w) if !w.is_empty() => w
             .iter()
-            .map(|r| (r.start as u16..r.end as u16, r.clone()))
-            .collect(),
+            .map(|r| {
+                let h = u16::try_from(r.start).and_then(|s| Ok(s..u16::try_from(r.end)?));
+                h.map(|h| (h, r.clone()))
+                    .map_err(|_| format!("KV heads {r:?} do not fit a frame header"))
+            })
+            .collect::<Result<_, _>>()?,
         _ => vec![(0..0, all)],
     };
     let targets: Vec<(std::ops::Range<u16>, Option<usize>, std::ops::Range<u32>)> = ranges
@@ -591,7 +617,8 @@ fn regroup_for(
         })
         .collect();
     let mut built = Vec::new();
-    if let Some(shape) = mine {
+    if targets.iter().any(|(_, direct, _)| direct.is_none()) {
+        let shape = mine.ok_or("this worker has no host cache to rebuild KV heads from")?;
         for j in 0..c.blocks {
             for layer in 0..c.layers() {
                 let have: Vec<(std::ops::Range<u32>, &[u8])> = c
@@ -601,16 +628,18 @@ fn regroup_for(
                     .collect();
                 for (_, direct, r) in &targets {
                     if direct.is_none() {
-                        built.push(tandem_kv_transfer::regroup(shape, &have, r.clone()));
+                        let frame = tandem_kv_transfer::regroup(shape, &have, r.clone())
+                            .ok_or_else(|| format!("this worker's KV does not hold heads {r:?}"))?;
+                        built.push(frame);
                     }
                 }
             }
         }
     }
-    Regrouped {
+    Ok(Regrouped {
         targets: targets.into_iter().map(|(h, d, _)| (h, d)).collect(),
         built,
-    }
+    })
 }
 
 /// Chunk `c`'s block frames to destination blocks `dest` (the receiver's ids of the prompt's
@@ -636,4 +665,90 @@ fn chunk_frames<'a>(c: &'a KvChunk, dest: &[u32], g: &'a Regrouped) -> Vec<Block
         }
     }
     frames
+}
+
+#[cfg(test)]
+// Lists of KV head ranges with a single range (every head) are what these tests mean.
+#[allow(clippy::single_range_in_vec_init)]
+mod tests {
+    use super::*;
+    use tandem_engine::{KvPiece, RequestId};
+
+    fn shape() -> KvShape {
+        KvShape {
+            model: "m".into(),
+            layers: 2,
+            kv_heads: 3,
+            head_dim: 4,
+            block_size: 2,
+            dtype: "f32".into(),
+            pieces: vec![0..1, 1..2, 2..3],
+        }
+    }
+
+    /// A chunk of two blocks from a worker whose three ranks hold one head each.
+    fn chunk(s: &KvShape) -> KvChunk {
+        let len = s.frame_len(1);
+        let pieces = (0..3u32)
+            .map(|h| KvPiece {
+                heads: h..h + 1,
+                layers: (0..2)
+                    .map(|l| {
+                        (0..2 * len)
+                            .map(|i| (i as u32 + 100 * h + 7 * l) as u8)
+                            .collect()
+                    })
+                    .collect(),
+                frame_len: len,
+            })
+            .collect();
+        KvChunk {
+            request: RequestId(1),
+            first: 0,
+            blocks: 2,
+            pieces,
+        }
+    }
+
+    /// Frames for receivers of other sizes: a matching range goes as the piece itself, others
+    /// are rebuilt (whole blocks for a receiver of one rank or of no ranges); heads the chunk
+    /// does not hold are refused.
+    #[test]
+    fn frames_follow_the_receivers_head_ranges() {
+        let s = shape();
+        let c = chunk(&s);
+        let dest = [10, 11];
+        let g = regroup_for(&c, Some(&[0..1, 1..3]), Some(&s)).unwrap();
+        let frames = chunk_frames(&c, &dest, &g);
+        // Two blocks × two layers × two ranges, block-major.
+        assert_eq!(frames.len(), 8);
+        assert_eq!(
+            (frames[0].heads.clone(), frames[0].block),
+            (0..1, BlockId(10))
+        );
+        assert_eq!(frames[0].payload, c.pieces[0].frame(0, 0));
+        assert_eq!(frames[1].heads, 1..3);
+        let have: Vec<(std::ops::Range<u32>, &[u8])> = c
+            .pieces
+            .iter()
+            .map(|p| (p.heads.clone(), p.frame(0, 0)))
+            .collect();
+        assert_eq!(
+            Some(frames[1].payload.to_vec()),
+            tandem_kv_transfer::regroup(&s, &have, 1..3)
+        );
+        assert_eq!((frames[7].layer, frames[7].block), (1, BlockId(11)));
+        for want in [None, Some(&[0..3][..])] {
+            let g = regroup_for(&c, want, Some(&s)).unwrap();
+            let frames = chunk_frames(&c, &dest, &g);
+            assert_eq!(frames.len(), 4);
+            assert!(frames.iter().all(|f| f.payload.len() == s.frame_len(3)));
+            let heads = if want.is_none() { 0..0 } else { 0..3 };
+            assert!(frames.iter().all(|f| f.heads == heads));
+        }
+        let e = regroup_for(&c, Some(&[0..4]), Some(&s)).err().unwrap();
+        assert!(e.contains("does not hold heads 0..4"), "{e}");
+        let e = regroup_for(&c, Some(&[0..3]), None).err().unwrap();
+        assert!(e.contains("no host cache"), "{e}");
+    }
 }

@@ -72,9 +72,12 @@ enum Job {
     Copy(Arc<Vec<(BlockId, BlockId)>>),
     /// A fresh rank of a new group, after a failed step.
     Regroup(ThreadRank),
-    /// Test hook: the rank sleeps this long before its next job, as a stuck rank would.
+    /// Test hook: the rank takes no job until its group has been given up, as a stuck rank.
     #[cfg(test)]
-    Stall(Duration),
+    StallUntilPoisoned,
+    /// Test hook: the rank's next step panics inside its forward.
+    #[cfg(test)]
+    PanicNext,
 }
 
 /// A rank thread as the backend sees it.
@@ -196,18 +199,20 @@ impl TpCpuBackend {
     /// step's first real error (a peer's timeout or poisoning is a consequence, not a cause).
     /// After a failure the group is rebuilt.
     fn all(&mut self, job: impl Fn() -> Job) -> Result<Vec<f32>, EngineError> {
-        for (i, r) in self.ranks.iter().enumerate() {
-            r.jobs
-                .send(job())
-                .map_err(|_| EngineError::Step(format!("tensor-parallel rank {i} has stopped")))?;
-        }
+        let gone = |i| EngineError::Step(format!("tensor-parallel rank {i} has stopped"));
+        // Every rank that took the job is waited for, even when another could not take it:
+        // none may still be running when this returns.
+        let sent: Vec<bool> = self
+            .ranks
+            .iter()
+            .map(|r| r.jobs.send(job()).is_ok())
+            .collect();
         let mut results: Vec<Result<Vec<f32>, EngineError>> = Vec::with_capacity(self.ranks.len());
-        for (i, r) in self.ranks.iter().enumerate() {
-            results.push(r.done.recv().unwrap_or_else(|_| {
-                Err(EngineError::Step(format!(
-                    "tensor-parallel rank {i} has stopped"
-                )))
-            }));
+        for (i, (r, &sent)) in self.ranks.iter().zip(&sent).enumerate() {
+            results.push(match sent {
+                true => r.done.recv().unwrap_or_else(|_| Err(gone(i))),
+                false => Err(gone(i)),
+            });
         }
         if results.iter().all(|r| r.is_ok()) {
             return results.swap_remove(0);
@@ -251,11 +256,31 @@ impl Rank {
             .name(format!("tp-rank-{rank}"))
             .spawn(move || {
                 let mut comm = comm;
+                #[cfg(test)]
+                let mut panic_next = false;
                 while let Ok(job) = inbox.recv() {
                     let out = match job {
                         Job::Step(batch) => {
                             let seqs = batch.batches();
-                            let r = pool.install(|| model.forward_rank(&seqs, &mut kv, &mut comm));
+                            #[cfg(test)]
+                            let panics = std::mem::take(&mut panic_next);
+                            let run = || {
+                                #[cfg(test)]
+                                assert!(!panics, "a test asked for it");
+                                pool.install(|| model.forward_rank(&seqs, &mut kv, &mut comm))
+                            };
+                            // A panic fails the step like an error, without ending the thread.
+                            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(run))
+                                .unwrap_or_else(|p| {
+                                    let what = p
+                                        .downcast_ref::<String>()
+                                        .cloned()
+                                        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                                        .unwrap_or_default();
+                                    Err(EngineError::Internal(format!(
+                                        "rank {rank} panicked: {what}"
+                                    )))
+                                });
                             if let Err(e) = &r {
                                 // The others must not wait for this rank's next collective.
                                 comm.abort(format!("rank {rank} failed: {e}"));
@@ -273,8 +298,15 @@ impl Rank {
                             continue;
                         }
                         #[cfg(test)]
-                        Job::Stall(d) => {
-                            std::thread::sleep(d);
+                        Job::StallUntilPoisoned => {
+                            while !comm.poisoned() {
+                                std::thread::sleep(Duration::from_millis(1));
+                            }
+                            continue;
+                        }
+                        #[cfg(test)]
+                        Job::PanicNext => {
+                            panic_next = true;
                             continue;
                         }
                     };
@@ -490,17 +522,23 @@ mod tests {
             block_size: 4,
             ..EngineConfig::default()
         };
-        let watchdog = Duration::from_millis(200);
+        // A short watchdog: the stuck rank waits for the timeout (not for a time), so the test
+        // does not depend on the machine's speed; the group rebuilt after it keeps the backend's
+        // own watchdog, long for the steps that must succeed.
         let mut b = TpCpuBackend::from_tensors(
             &c,
             &tensors,
             WeightFormat::Native,
             &cfg,
-            setup(2, watchdog),
+            setup(2, Duration::from_secs(600)),
         )
         .unwrap();
         let want = run(&mut b, 1);
-        b.ranks[1].jobs.send(Job::Stall(watchdog * 5)).unwrap();
+        let group = ThreadGroup::ranks(2, b.capacity, Duration::from_millis(100));
+        for (r, comm) in b.ranks.iter_mut().zip(group) {
+            r.jobs.send(Job::Regroup(comm)).unwrap();
+        }
+        b.ranks[1].jobs.send(Job::StallUntilPoisoned).unwrap();
         let (toks, table) = ([5u32, 9, 2], [0u32]);
         let seq = [SeqBatch {
             tokens: &toks,
@@ -520,6 +558,12 @@ mod tests {
         }];
         let e = b.forward(&bad).unwrap_err().to_string();
         assert!(e.contains("500"), "{e}");
+        assert_eq!(run(&mut b, 1), want);
+        // A rank that panics fails the step with the panic's message (it aborts the group, so
+        // its peer does not wait for the watchdog), and lives on for the next step.
+        b.ranks[0].jobs.send(Job::PanicNext).unwrap();
+        let e = b.forward(&seq).unwrap_err().to_string();
+        assert!(e.contains("rank 0 panicked: a test asked for it"), "{e}");
         assert_eq!(run(&mut b, 1), want);
     }
 }
