@@ -76,6 +76,12 @@ async fn mixed(p_tp: usize, d_tp: usize) {
         metric(&dm, r#"tandem_kv_transfers_total{result="ok"}"#),
         recs.len() as f64
     );
+    assert_eq!(metric(&dm, "tandem_tp_ranks"), d_tp as f64);
+    let collective = metric(&dm, "tandem_tp_collective_seconds_total");
+    match d_tp {
+        1 => assert_eq!(collective, 0.0),
+        _ => assert!(collective > 0.0, "{collective}"),
+    }
     let rm = scrape(&r.http).await;
     assert_eq!(
         metric(&rm, r#"tandem_prefill_requests_total{mode="local"}"#),

@@ -90,7 +90,20 @@ pub fn engine_metrics(enc: &mut DescriptorEncoder, s: &EngineStats) -> std::fmt:
         "tandem_preemptions",
         "Sequences preempted for lack of KV blocks",
         &[(&[], s.preemptions)],
-    )
+    )?;
+    gauge(
+        enc,
+        "tandem_tp_ranks",
+        "Tensor-parallel ranks the engine's steps run on",
+        &[(&[], s.tp_ranks as i64)],
+    )?;
+    let m = enc.encode_descriptor(
+        "tandem_tp_collective",
+        "Time the tensor-parallel ranks spent in collectives (all-reduces and the logits gather, waiting for peers included), the mean over ranks",
+        Some(&Unit::Seconds),
+        MetricType::Counter,
+    )?;
+    ConstCounter::new(s.collective_seconds).encode(m)
 }
 
 /// Bucket bounds in seconds for times from milliseconds (a GPU's first token) to minutes (a long

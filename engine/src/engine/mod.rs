@@ -320,6 +320,11 @@ impl Engine {
                 .filter(|s| s.computed < s.prompt_len)
                 .map(|s| (s.prompt_len - s.computed) as u64)
                 .sum(),
+            tp_ranks: self.backend.tp(),
+            collective_seconds: self
+                .backend
+                .tp_stats()
+                .map_or(0.0, |s| s.collective.as_secs_f64()),
             ..self.stats
         }
     }
