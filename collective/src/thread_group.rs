@@ -184,6 +184,13 @@ impl ThreadRank {
         self.stats.clone()
     }
 
+    /// This rank counting its costs into `stats` (a rank of an earlier group's, so a rebuilt
+    /// group's counts go on from where the old one's stopped).
+    pub fn counting_into(mut self, stats: Arc<RankStats>) -> Self {
+        self.stats = stats;
+        self
+    }
+
     /// Whether the group has been given up (a rank timed out, or aborted).
     pub fn poisoned(&self) -> bool {
         self.shared.poisoned.load(Ordering::Acquire)

@@ -227,10 +227,11 @@ impl TpCpuBackend {
             .map(|e| EngineError::Step(e.to_string()))
             .unwrap_or_else(|| EngineError::Internal("a failed step with no error".into()));
         let group = ThreadGroup::ranks(self.ranks.len(), self.capacity, self.setup.watchdog);
-        for (r, comm) in self.ranks.iter_mut().zip(group) {
-            r.stats = comm.stats();
+        for (r, comm) in self.ranks.iter().zip(group) {
             // A rank that is gone fails the next step by itself.
-            let _ = r.jobs.send(Job::Regroup(comm));
+            let _ = r
+                .jobs
+                .send(Job::Regroup(comm.counting_into(r.stats.clone())));
         }
         Err(err)
     }
@@ -535,7 +536,8 @@ mod tests {
         .unwrap();
         let want = run(&mut b, 1);
         let group = ThreadGroup::ranks(2, b.capacity, Duration::from_millis(100));
-        for (r, comm) in b.ranks.iter_mut().zip(group) {
+        for (r, comm) in b.ranks.iter().zip(group) {
+            let comm = comm.counting_into(r.stats.clone());
             r.jobs.send(Job::Regroup(comm)).unwrap();
         }
         b.ranks[1].jobs.send(Job::StallUntilPoisoned).unwrap();
@@ -565,5 +567,8 @@ mod tests {
         let e = b.forward(&seq).unwrap_err().to_string();
         assert!(e.contains("rank 0 panicked: a test asked for it"), "{e}");
         assert_eq!(run(&mut b, 1), want);
+        // The collectives of the four good steps (the embedding's, two a layer, the gather's)
+        // are all counted, across the three groups: counts go on when a group is rebuilt.
+        assert_eq!(b.stats().calls, 4 * (2 + 2 * c.num_layers as u64));
     }
 }
