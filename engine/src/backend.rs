@@ -63,7 +63,7 @@ pub trait Backend: Send {
     fn host_pools(&self) -> Vec<RankPool<'_>> {
         self.host_pool()
             .map(|pool| RankPool {
-                heads: 0..pool.layout.num_kv_heads,
+                heads: 0..pool.layout.num_kv_heads as u32,
                 pool,
             })
             .into_iter()
@@ -106,7 +106,7 @@ pub trait Backend: Send {
 /// One tensor-parallel rank's host KV pool: the model's KV heads `heads` of every block.
 pub struct RankPool<'a> {
     /// The KV heads the pool holds.
-    pub heads: std::ops::Range<usize>,
+    pub heads: std::ops::Range<u32>,
     /// The pool.
     pub pool: &'a KvPool,
 }

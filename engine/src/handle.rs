@@ -124,7 +124,7 @@ impl EngineHandle {
                     engine
                         .kv_pools()
                         .iter()
-                        .map(|r| (r.heads.start as u32..r.heads.end as u32, r.pool.writer()))
+                        .map(|r| (r.heads.clone(), r.pool.writer()))
                         .collect::<Vec<_>>(),
                     engine.grammars().cloned(),
                 )));

@@ -130,15 +130,6 @@ impl LlamaModel {
         Self::from_tensors(&m.config, &m.tensors, format)
     }
 
-    /// `shard`'s part of a loaded model (see [`TpShard`]), its weights held as `format` says.
-    pub fn shard(
-        m: &LoadedModel,
-        format: WeightFormat,
-        shard: TpShard,
-    ) -> Result<Self, EngineError> {
-        Self::shard_from_tensors(&m.config, &m.tensors, format, shard)
-    }
-
     /// Builds the model from its config and tensors under their canonical (GGUF-style) names.
     pub fn from_tensors(
         config: &LlamaConfig,

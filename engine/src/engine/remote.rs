@@ -180,7 +180,7 @@ impl Engine {
         let mut tmp = Vec::new();
         let mut pieces: Vec<KvPiece> = Vec::with_capacity(pools.len());
         for rp in pools {
-            let heads = rp.heads.start as u32..rp.heads.end as u32;
+            let heads = rp.heads.clone();
             // A replicated range goes once.
             if pieces.iter().any(|p| p.heads == heads) {
                 continue;

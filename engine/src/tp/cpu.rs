@@ -1,5 +1,5 @@
 //! Tensor parallelism on the CPU: one process, one thread per rank, each with its share of the
-//! weights ([`LlamaModel::shard`]), its slice of the KV pool (its KV heads) and its own compute
+//! weights ([`LlamaModel::shard_from_tensors`]), its slice of the KV pool (its KV heads) and its own compute
 //! pool, exchanging through a [`ThreadGroup`]. The engine's one scheduler drives them: every
 //! step (and every block copy) goes to all ranks, which run it in lockstep, and rank 0's logits
 //! come back.
@@ -93,7 +93,7 @@ pub struct TpCpuBackend {
     config: LlamaConfig,
     /// Every rank's pool (another handle on the memory its thread steps through) and its KV
     /// heads: read between steps, never during one.
-    pools: Vec<(std::ops::Range<usize>, KvPool)>,
+    pools: Vec<(std::ops::Range<u32>, KvPool)>,
     setup: TpCpuConfig,
     capacity: usize,
     ranks: Vec<Rank>,
@@ -167,7 +167,8 @@ impl TpCpuBackend {
         for ((model, layout), comm) in models.into_iter().zip(layouts).zip(group) {
             let kv = KvPool::new(layout, config.kv_dtype, c.num_layers, num_blocks)
                 .map_err(|e| EngineError::Startup(format!("allocating the KV pool: {e}")))?;
-            pools.push((model.shard.kv_heads.clone(), kv.alias()));
+            let heads = &model.shard.kv_heads;
+            pools.push((heads.start as u32..heads.end as u32, kv.alias()));
             ranks.push(Rank::start(model, kv, comm, setup.threads_per_rank)?);
         }
         Ok(Self {

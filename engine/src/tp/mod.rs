@@ -123,12 +123,6 @@ impl TpShard {
         }
     }
 
-    /// Vocabulary rows each rank's logits are padded to for the gather (the last rank's slice
-    /// may be shorter).
-    pub fn vocab_chunk(&self, c: &LlamaConfig) -> usize {
-        c.vocab_size.div_ceil(self.size)
-    }
-
     /// Whether this is the whole model.
     pub fn is_whole(&self) -> bool {
         self.size == 1
