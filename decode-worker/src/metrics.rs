@@ -31,7 +31,7 @@ impl std::fmt::Debug for DecodeMetrics {
 impl Collector for DecodeMetrics {
     fn encode(&self, mut enc: DescriptorEncoder) -> std::fmt::Result {
         let stats = self.engine.stats();
-        engine_metrics(&mut enc, &stats)?;
+        engine_metrics(&mut enc, &stats, &self.engine.limits())?;
         self.requests.encode(&mut enc, &stats)?;
         let Some(r) = &self.remote else {
             return Ok(());

@@ -520,7 +520,7 @@ impl Collector for Metrics {
     fn encode(&self, mut enc: DescriptorEncoder) -> std::fmt::Result {
         let s = &self.0;
         let stats = s.engine.stats();
-        engine_metrics(&mut enc, &stats)?;
+        engine_metrics(&mut enc, &stats, &s.engine.limits())?;
         s.requests.encode(&mut enc, &stats)?;
         let c = &s.counts;
         let l = |a: &AtomicU64| a.load(Ordering::Relaxed);

@@ -15,7 +15,7 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Registry, Unit};
-use tandem_engine::{EngineStats, FinishReason, Finished};
+use tandem_engine::{EngineStats, FinishReason, Finished, Limits};
 
 /// The content type of [`render`]'s output.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -52,8 +52,13 @@ pub fn gauge(
     Ok(())
 }
 
-/// Requests and KV pool occupancy of an engine.
-pub fn engine_metrics(enc: &mut DescriptorEncoder, s: &EngineStats) -> std::fmt::Result {
+/// Requests, KV pool occupancy and tensor-parallel ranks of an engine, from its `stats` and
+/// `limits`.
+pub fn engine_metrics(
+    enc: &mut DescriptorEncoder,
+    s: &EngineStats,
+    limits: &Limits,
+) -> std::fmt::Result {
     gauge(
         enc,
         "tandem_requests",
@@ -95,7 +100,7 @@ pub fn engine_metrics(enc: &mut DescriptorEncoder, s: &EngineStats) -> std::fmt:
         enc,
         "tandem_tp_ranks",
         "Tensor-parallel ranks the engine's steps run on",
-        &[(&[], s.tp_ranks as i64)],
+        &[(&[], limits.tensor_parallel as i64)],
     )?;
     let m = enc.encode_descriptor(
         "tandem_tp_collective",

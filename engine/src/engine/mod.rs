@@ -320,7 +320,6 @@ impl Engine {
                 .filter(|s| s.computed < s.prompt_len)
                 .map(|s| (s.prompt_len - s.computed) as u64)
                 .sum(),
-            tp_ranks: self.backend.tp(),
             collective_seconds: self
                 .backend
                 .tp_stats()

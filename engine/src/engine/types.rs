@@ -315,8 +315,6 @@ pub struct EngineStats {
     /// Prompt tokens computed a second, averaged over recent steps that computed any (0 before the
     /// first such step).
     pub prefill_tokens_per_s: f64,
-    /// Tensor-parallel ranks the steps run on.
-    pub tp_ranks: usize,
     /// Seconds the tensor-parallel ranks spent in collectives since the engine started (the
     /// mean over ranks; 0 without tensor parallelism).
     pub collective_seconds: f64,
