@@ -98,7 +98,7 @@ pub struct EngineReport {
     /// Median milliseconds of a pure decode step the ranks spent in collectives (all-reduces
     /// and the logits' gather, waiting for peers included); the rest of the step is compute.
     pub collective_ms_p50: f64,
-    /// Values (f32) each rank all-reduces or gathers in one pure decode step.
+    /// Values (f32) each rank all-reduced or gathered in a pure decode step, the median.
     pub collective_values_per_step: f64,
     /// The ranks' all-reduce on its own, at one decode step's hidden rows and at 4 MiB (empty
     /// at TP 1).
@@ -144,6 +144,7 @@ pub fn run_engine_bench(
     let mut decode = (0usize, 0f64);
     let mut steps = Vec::new();
     let mut collective = Vec::new();
+    let mut values = Vec::new();
     let t0 = Instant::now();
     let mut sampled = 0usize;
     engine.generate(
@@ -158,6 +159,7 @@ pub fn run_engine_bench(
                 decode.1 += s.seconds;
                 steps.push(s.seconds * 1e3);
                 collective.push(s.collective_seconds * 1e3);
+                values.push(s.collective_values as f64);
             }
         },
     )?;
@@ -214,7 +216,7 @@ pub fn run_engine_bench(
         wall_s,
         tp,
         collective_ms_p50: percentile(&mut collective, 0.5),
-        collective_values_per_step: collective_values(engine.model_config(), b.batch, tp),
+        collective_values_per_step: percentile(&mut values, 0.5),
         all_reduce: match tp {
             1 => Vec::new(),
             _ => [b.batch * engine.model_config().hidden_size, 1 << 20]
@@ -224,17 +226,6 @@ pub fn run_engine_bench(
         },
         constrained_tokens: if b.grammar.is_some() { sampled } else { 0 },
     })
-}
-
-/// Values one rank contributes to the collectives of a decode step of `batch` sequences at TP
-/// `tp`: the embedding's and two per layer's all-reduces of the hidden rows, and its slice of
-/// the logits (0 at TP 1).
-pub fn collective_values(c: &tandem_model::LlamaConfig, batch: usize, tp: usize) -> f64 {
-    if tp <= 1 {
-        return 0.0;
-    }
-    let hidden = batch * c.hidden_size * (1 + 2 * c.num_layers);
-    (hidden + batch * c.vocab_size.div_ceil(tp)) as f64
 }
 
 /// Weights in the projections and the head: two FLOPs each per token.

@@ -55,20 +55,24 @@ impl Engine {
                 let s = &self.running[i];
                 s.computed + take < s.tokens.len() || s.sampler.argmax_only()
             });
-        let collective0 = self.backend.tp_stats().map(|s| s.collective);
+        let collective0 = self.backend.tp_stats();
         let (logits, picks) = if argmax_only {
             (Vec::new(), self.backend.forward_argmax(&batch)?)
         } else {
             (self.backend.forward(&batch)?, Vec::new())
         };
-        let collective = match (collective0, self.backend.tp_stats()) {
-            (Some(a), Some(b)) => b.collective.saturating_sub(a).as_secs_f64(),
-            _ => 0.0,
+        let (collective_seconds, collective_values) = match (collective0, self.backend.tp_stats()) {
+            (Some(a), Some(b)) => (
+                b.collective.saturating_sub(a.collective).as_secs_f64(),
+                b.values.saturating_sub(a.values),
+            ),
+            _ => (0.0, 0),
         };
         let vocab = self.backend.config().vocab_size;
         let max_ctx = self.backend.config().max_position_embeddings;
         let mut stats = StepStats {
-            collective_seconds: collective,
+            collective_seconds,
+            collective_values,
             ..StepStats::default()
         };
         let mut finished = Vec::new();

@@ -285,6 +285,8 @@ pub struct StepStats {
     /// Of those, seconds the tensor-parallel ranks spent in collectives (the mean over ranks;
     /// 0 without tensor parallelism).
     pub collective_seconds: f64,
+    /// Values (f32) each tensor-parallel rank all-reduced or gathered in the step.
+    pub collective_values: u64,
 }
 
 /// The engine's state at a glance.
