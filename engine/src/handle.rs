@@ -476,9 +476,91 @@ mod tests {
         EngineHandle::spawn(|| Engine::new(tiny_model(3), config(), vec![])).unwrap()
     }
 
+    /// Steps the test lets through: the engine thread waits in each forward for a permit, so
+    /// what a request has done when the test acts on it does not depend on the machine's speed.
+    #[derive(Clone, Default)]
+    struct Gate(Arc<(Mutex<Option<u32>>, std::sync::Condvar)>);
+
+    impl Gate {
+        /// Lets every step through (the start).
+        fn open(&self) {
+            *self.0 .0.lock().unwrap() = None;
+            self.0 .1.notify_all();
+        }
+
+        /// Lets `n` more steps through, then holds the next.
+        fn grant(&self, n: u32) {
+            let mut g = self.0 .0.lock().unwrap();
+            *g = Some(g.unwrap_or(0) + n);
+            self.0 .1.notify_all();
+        }
+
+        fn pass(&self) {
+            let mut g = self.0 .0.lock().unwrap();
+            loop {
+                match *g {
+                    None => return,
+                    Some(n) if n > 0 => {
+                        *g = Some(n - 1);
+                        return;
+                    }
+                    Some(_) => g = self.0 .1.wait(g).unwrap(),
+                }
+            }
+        }
+    }
+
+    /// The CPU backend behind a [`Gate`].
+    struct Gated {
+        inner: crate::backend::CpuBackend,
+        gate: Gate,
+    }
+
+    impl crate::backend::Backend for Gated {
+        fn config(&self) -> &tandem_model::LlamaConfig {
+            self.inner.config()
+        }
+        fn forward(
+            &mut self,
+            seqs: &[crate::model::SeqBatch<'_>],
+        ) -> Result<Vec<f32>, EngineError> {
+            self.gate.pass();
+            self.inner.forward(seqs)
+        }
+        fn num_blocks(&self) -> usize {
+            self.inner.num_blocks()
+        }
+        fn copy_blocks(
+            &mut self,
+            pairs: &[(tandem_types::BlockId, tandem_types::BlockId)],
+        ) -> Result<(), EngineError> {
+            self.inner.copy_blocks(pairs)
+        }
+        fn weight_bytes(&self) -> usize {
+            self.inner.weight_bytes()
+        }
+        fn kv_bytes_per_token(&self) -> f64 {
+            self.inner.kv_bytes_per_token()
+        }
+        fn kv_dtype_name(&self) -> &'static str {
+            self.inner.kv_dtype_name()
+        }
+        fn device(&self) -> String {
+            self.inner.device()
+        }
+    }
+
     #[tokio::test]
     async fn async_streams_match_the_sync_engine_and_cancel_frees_blocks() {
-        let h = spawn();
+        let gate = Gate::default();
+        let h = {
+            let gate = gate.clone();
+            EngineHandle::spawn(move || {
+                let inner = crate::backend::CpuBackend::new(tiny_model(3), &config())?;
+                Engine::with_backend(Box::new(Gated { inner, gate }), config(), vec![])
+            })
+            .unwrap()
+        };
         let prompts: Vec<Vec<u32>> = (0..4)
             .map(|i| (0..(5 + 7 * i)).map(|t| (t * 3 + i) % 97).collect())
             .collect();
@@ -486,7 +568,6 @@ mod tests {
             .iter()
             .map(|p| h.submit(req(p.clone(), 12)).unwrap())
             .collect();
-        let long = h.submit(req(vec![1, 2, 3], 200)).unwrap();
         let mut got = Vec::new();
         for s in &mut streams {
             let mut toks = Vec::new();
@@ -515,23 +596,34 @@ mod tests {
             .map(|f| f.output_ids)
             .collect();
         assert_eq!(got, want);
-        // Cancel the long one mid-stream.
-        let mut long = long;
+        // Cancel a long one mid-stream: its prompt's step and one decode step run, then the
+        // engine waits in the third. The cancel is read before that step (if the engine had
+        // not reached it yet) or right after it, so the request ends with 2 or 3 tokens.
+        gate.grant(2);
+        let mut long = h.submit(req(vec![1, 2, 3], 200)).unwrap();
+        assert!(matches!(long.next().await, Some(StreamEvent::Token(_))));
         assert!(matches!(long.next().await, Some(StreamEvent::Token(_))));
         h.cancel(long.id());
+        gate.open();
+        let mut tokens = 2;
         let mut last = None;
         while let Some(ev) = long.next().await {
+            if matches!(ev, StreamEvent::Token(_)) {
+                tokens += 1;
+            }
             last = Some(ev);
         }
         match last {
             Some(StreamEvent::Finished(f)) => {
                 assert_eq!(f.finish_reason, FinishReason::Cancelled);
-                assert!(f.output_ids.len() < 200);
+                assert!((2..=3).contains(&tokens), "{tokens} tokens");
+                assert_eq!(f.output_ids.len(), tokens);
             }
             other => panic!("{other:?}"),
         }
-        // Stats are published after the step that dropped it.
-        for _ in 0..100 {
+        // Stats are published right after the step that finished it; the engine has nothing
+        // left to run, so the wait is for one loop turn of an idle thread.
+        for _ in 0..2000 {
             if h.stats().blocks_used == 0 {
                 break;
             }
