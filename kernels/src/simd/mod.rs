@@ -326,8 +326,10 @@ pub fn pack_panels(x: &[f32], m: usize, k: usize, width: usize) -> Vec<f32> {
 }
 
 /// [`pack_panels`] into `packed` (m.div_ceil(width)·k·width values), every element written.
-/// Panels are packed in parallel; within one, 16 columns of every row at a time, so the 16 rows
-/// of the panel being written stay in L1.
+/// Runs of [`PACK_STEPS`] k-steps of a panel are packed in parallel (a batched decode step has
+/// one panel, which one thread packing alone left the others waiting); within a run, 8 rows × 8
+/// steps through registers on AVX2, else 16 columns of every row at a time, so the rows of the
+/// panel being written stay in L1.
 pub fn pack_panels_into(x: &[f32], m: usize, k: usize, width: usize, packed: &mut [f32]) {
     use rayon::prelude::*;
     let panels = m.div_ceil(width);
@@ -336,26 +338,53 @@ pub fn pack_panels_into(x: &[f32], m: usize, k: usize, width: usize, packed: &mu
     packed
         .par_chunks_mut(k * width)
         .enumerate()
-        .for_each(|(p, dst)| {
+        .for_each(|(p, panel)| {
             let r0 = p * width;
             let rows = (m - r0).min(width);
             let src = &x[r0 * k..(r0 + rows) * k];
-            for t0 in (0..k).step_by(16) {
-                let tn = (k - t0).min(16);
-                let block = &mut dst[t0 * width..(t0 + tn) * width];
-                for (j, row) in src.chunks_exact(k).enumerate() {
-                    for (i, &v) in row[t0..t0 + tn].iter().enumerate() {
-                        block[i * width + j] = v;
+            panel
+                .par_chunks_mut(PACK_STEPS * width)
+                .enumerate()
+                .for_each(|(b, run)| {
+                    let base = b * PACK_STEPS;
+                    #[cfg(target_arch = "x86_64")]
+                    if has_avx2_fma() {
+                        // SAFETY: the CPU has AVX2 and FMA; `src` holds `rows` rows of k, the
+                        // run's steps are inside k, and `run` holds its steps × width values.
+                        unsafe {
+                            avx2::pack_run(
+                                src.as_ptr(),
+                                k,
+                                rows,
+                                base,
+                                run.len() / width,
+                                run.as_mut_ptr(),
+                                width,
+                            )
+                        };
+                        return;
                     }
-                }
-                if rows < width {
-                    for line in block.chunks_exact_mut(width) {
-                        line[rows..].fill(0.0);
+                    for t0 in (0..run.len() / width).step_by(16) {
+                        let tn = (run.len() / width - t0).min(16);
+                        let block = &mut run[t0 * width..(t0 + tn) * width];
+                        for (j, row) in src.chunks_exact(k).enumerate() {
+                            let vals = &row[base + t0..base + t0 + tn];
+                            for (line, &v) in block.chunks_exact_mut(width).zip(vals) {
+                                line[j] = v;
+                            }
+                        }
+                        if rows < width {
+                            for line in block.chunks_exact_mut(width) {
+                                line[rows..].fill(0.0);
+                            }
+                        }
                     }
-                }
-            }
+                });
         });
 }
+
+/// k-steps of one panel per packing task of [`pack_panels_into`].
+const PACK_STEPS: usize = 128;
 
 /// Most activation rows [`dot_quant_rows`] takes at once.
 pub const MAX_FUSED_ROWS: usize = 8;
@@ -923,12 +952,19 @@ mod tests {
 
     #[test]
     fn packing_into_a_used_buffer_zeroes_the_missing_rows() {
-        // k below, at and across the 16-column blocks the packing works in.
+        // k below, at and across the 16-column blocks the packing works in, and across its
+        // parallel runs of PACK_STEPS (a last run whole, partial, or of less than 16 steps).
         let shapes = [(5, HALF_PANEL), (16, HALF_PANEL), (33, PANEL), (64, PANEL)];
-        for ((m, width), k) in shapes
-            .into_iter()
-            .flat_map(|s| [7, 16, 37, 96].map(|k| (s, k)))
-        {
+        let ks = [
+            7,
+            16,
+            37,
+            96,
+            2 * PACK_STEPS,
+            PACK_STEPS + 50,
+            2 * PACK_STEPS + 5,
+        ];
+        for ((m, width), k) in shapes.into_iter().flat_map(|s| ks.map(|k| (s, k))) {
             let x = rnd(m * k, m as u64);
             let mut buf = vec![f32::NAN; m.div_ceil(width) * k * width];
             pack_panels_into(&x, m, k, width, &mut buf);

@@ -1,0 +1,85 @@
+//! The products of one batched decode step of a SmolLM2-135M-shaped model (30 layers of Q4_1
+//! q|k|v, o, gate|up and down, a Q8_0 head; 32 activation rows by default, `ROWS` to change):
+//! each layer's weights distinct, as in the model, so they stream from memory as they do in the
+//! engine. Prints the step's product time, its GFLOP/s and the share of this level's FMA peak
+//! (measured here). `TANDEM_ISA` picks the level:
+//! `cargo run --release -p tandem-kernels --example decode_matmul`.
+
+use std::time::Instant;
+
+use tandem_kernels::{fma_burst, matmul, Weight};
+use tandem_model::{quantize_q4_1, quantize_q8_0, GgmlType};
+
+fn main() {
+    // Inside the pool, as the engine's forward runs: no injection from outside per product.
+    rayon::ThreadPoolBuilder::new()
+        .build()
+        .unwrap()
+        .install(run);
+}
+
+fn weight(ty: GgmlType, n: usize, k: usize, seed: usize) -> Weight {
+    let wf: Vec<f32> = (0..n * k)
+        .map(|i| (((i + seed) * 7919 % 1000) as f32 - 500.0) / 700.0)
+        .collect();
+    let bytes = match ty {
+        GgmlType::Q4_1 => quantize_q4_1(&wf),
+        _ => quantize_q8_0(&wf),
+    };
+    Weight::quant(ty, &bytes, n, k).unwrap()
+}
+
+fn run() {
+    let m: usize = std::env::var("ROWS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(32);
+    let steps: usize = std::env::var("STEPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20);
+    let layer_shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)];
+    let mut products: Vec<Weight> = (0..30)
+        .flat_map(|l| layer_shapes.map(|(n, k)| weight(GgmlType::Q4_1, n, k, l * 131 + n)))
+        .collect();
+    products.push(weight(GgmlType::Q8_0, 49152, 576, 7));
+    let flops: f64 = products
+        .iter()
+        .map(|w| 2.0 * (m * w.rows() * w.cols()) as f64)
+        .sum();
+    let xs: Vec<Vec<f32>> = [576, 1536]
+        .map(|k| {
+            (0..m * k)
+                .map(|i| ((i * 31 % 97) as f32 - 48.0) / 50.0)
+                .collect()
+        })
+        .into();
+    let mut out = vec![0f32; m * 49152];
+    let mut step = || {
+        for w in &products {
+            let x = if w.cols() == 576 { &xs[0] } else { &xs[1] };
+            matmul(x, m, w, &mut out[..m * w.rows()]).unwrap();
+        }
+    };
+    step();
+    let mut times: Vec<f64> = (0..steps)
+        .map(|_| {
+            let t = Instant::now();
+            step();
+            t.elapsed().as_secs_f64()
+        })
+        .collect();
+    times.sort_by(f64::total_cmp);
+    let med = times[steps / 2];
+    let threads = rayon::current_num_threads();
+    let rounds = 5_000_000usize;
+    let t = Instant::now();
+    let burst: u64 = rayon::broadcast(|_| fma_burst(rounds)).iter().sum();
+    let peak = burst as f64 / t.elapsed().as_secs_f64() / 1e9;
+    println!(
+        "{m} rows, {threads} threads: products of a step {:.2} ms (median of {steps}), {:.1} GFLOP/s, {:.0}% of the FMA peak ({peak:.1} GFLOP/s)",
+        med * 1e3,
+        flops / med / 1e9,
+        100.0 * flops / med / 1e9 / peak
+    );
+}
