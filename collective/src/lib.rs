@@ -52,6 +52,29 @@ pub enum CollectiveError {
     Device(String),
 }
 
+/// Refuses a broadcast root outside a group of `size`.
+fn check_root(root: usize, size: usize) -> Result<(), CollectiveError> {
+    if root >= size {
+        return Err(CollectiveError::Shape(format!(
+            "broadcast from rank {root} in a group of {size}"
+        )));
+    }
+    Ok(())
+}
+
+/// Refuses a send from `rank` to `peer` (`send`) or a receive on `rank` from `peer` (not
+/// `send`) when `peer` is outside a group of `size`, or `rank` itself.
+fn check_peer(send: bool, rank: usize, peer: usize, size: usize) -> Result<(), CollectiveError> {
+    if peer < size && peer != rank {
+        return Ok(());
+    }
+    Err(CollectiveError::Shape(if send {
+        format!("send from rank {rank} to rank {peer} in a group of {size}")
+    } else {
+        format!("recv on rank {rank} from rank {peer} in a group of {size}")
+    }))
+}
+
 /// The collectives of one rank of a group. Not `Send`: an NCCL rank stays on the thread that
 /// made its communicator.
 pub trait Collective {
@@ -111,11 +134,7 @@ impl Collective for SingleRank {
     }
 
     fn broadcast(&mut self, _buf: &mut [f32], root: usize) -> Result<(), CollectiveError> {
-        if root != 0 {
-            return Err(CollectiveError::Shape(format!(
-                "broadcast from rank {root} in a group of 1"
-            )));
-        }
+        check_root(root, 1)?;
         Ok(())
     }
 
@@ -124,14 +143,42 @@ impl Collective for SingleRank {
     }
 
     fn send(&mut self, to: usize, _buf: &[f32]) -> Result<(), CollectiveError> {
-        Err(CollectiveError::Shape(format!(
-            "send to rank {to} in a group of 1"
-        )))
+        check_peer(true, 0, to, 1)
     }
 
     fn recv(&mut self, from: usize, _buf: &mut [f32]) -> Result<(), CollectiveError> {
-        Err(CollectiveError::Shape(format!(
-            "recv from rank {from} in a group of 1"
-        )))
+        check_peer(false, 0, from, 1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn roots_and_peers_outside_the_group_or_the_rank_itself_are_refused() {
+        assert_eq!(check_root(2, 3), Ok(()));
+        let refused = |r: Result<(), CollectiveError>| match r {
+            Err(CollectiveError::Shape(m)) => m,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(
+            refused(check_root(3, 3)),
+            "broadcast from rank 3 in a group of 3"
+        );
+        assert_eq!(check_peer(true, 0, 2, 3), Ok(()));
+        assert_eq!(
+            refused(check_peer(true, 1, 1, 3)),
+            "send from rank 1 to rank 1 in a group of 3"
+        );
+        assert_eq!(
+            refused(check_peer(false, 1, 4, 3)),
+            "recv on rank 1 from rank 4 in a group of 3"
+        );
+        let mut one = SingleRank;
+        assert_eq!(
+            refused(one.send(0, &[1.0])),
+            "send from rank 0 to rank 0 in a group of 1"
+        );
     }
 }

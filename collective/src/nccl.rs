@@ -226,12 +226,7 @@ impl Collective for NcclRank {
 
     fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<(), CollectiveError> {
         self.check()?;
-        if root >= self.size {
-            return Err(CollectiveError::Shape(format!(
-                "broadcast from rank {root} in a group of {}",
-                self.size
-            )));
-        }
+        crate::check_root(root, self.size)?;
         let mut d = self.upload(buf)?;
         self.comm
             .broadcast_in_place(&mut d, root as i32)
@@ -248,12 +243,7 @@ impl Collective for NcclRank {
 
     fn send(&mut self, to: usize, buf: &[f32]) -> Result<(), CollectiveError> {
         self.check()?;
-        if to >= self.size || to == self.rank {
-            return Err(CollectiveError::Shape(format!(
-                "send from rank {} to rank {to} in a group of {}",
-                self.rank, self.size
-            )));
-        }
+        crate::check_peer(true, self.rank, to, self.size)?;
         let d = self.upload(buf)?;
         self.comm
             .send(&d, to as i32)
@@ -263,12 +253,7 @@ impl Collective for NcclRank {
 
     fn recv(&mut self, from: usize, buf: &mut [f32]) -> Result<(), CollectiveError> {
         self.check()?;
-        if from >= self.size || from == self.rank {
-            return Err(CollectiveError::Shape(format!(
-                "recv on rank {} from rank {from} in a group of {}",
-                self.rank, self.size
-            )));
-        }
+        crate::check_peer(false, self.rank, from, self.size)?;
         let mut d = self.upload(buf)?;
         self.comm
             .recv(&mut d, from as i32)

@@ -407,12 +407,7 @@ impl Collective for ThreadRank {
     }
 
     fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<(), CollectiveError> {
-        if root >= self.shared.size {
-            return Err(CollectiveError::Shape(format!(
-                "broadcast from rank {root} in a group of {}",
-                self.shared.size
-            )));
-        }
+        crate::check_root(root, self.shared.size)?;
         let cap = self.shared.capacity;
         let me = self.rank;
         let mut at = 0;
@@ -446,12 +441,7 @@ impl Collective for ThreadRank {
     fn send(&mut self, to: usize, buf: &[f32]) -> Result<(), CollectiveError> {
         let sh = &*self.shared;
         sh.check()?;
-        if to >= sh.size || to == self.rank {
-            return Err(CollectiveError::Shape(format!(
-                "send from rank {} to rank {to} in a group of {}",
-                self.rank, sh.size
-            )));
-        }
+        crate::check_peer(true, self.rank, to, sh.size)?;
         let (queue, ready) = &sh.mail[self.rank * sh.size + to];
         queue
             .lock()
@@ -464,12 +454,7 @@ impl Collective for ThreadRank {
     fn recv(&mut self, from: usize, buf: &mut [f32]) -> Result<(), CollectiveError> {
         let sh = &*self.shared;
         sh.check()?;
-        if from >= sh.size || from == self.rank {
-            return Err(CollectiveError::Shape(format!(
-                "recv on rank {} from rank {from} in a group of {}",
-                self.rank, sh.size
-            )));
-        }
+        crate::check_peer(false, self.rank, from, sh.size)?;
         let (queue, ready) = &sh.mail[from * sh.size + self.rank];
         let start = Instant::now();
         let mut q = queue.lock().unwrap_or_else(|e| e.into_inner());
