@@ -1,0 +1,109 @@
+//! The attention of one batched decode step of a SmolLM2-135M-shaped model (30 layers, 9 query
+//! heads over 3 KV heads of 64, blocks of 16 slots, an f32 cache): `SEQS` sequences (32 by
+//! default) of `CONTEXT` tokens (64), each layer's cache its own slab and each sequence's blocks
+//! scattered over it, as a pool hands them out to sequences growing side by side. Prints the
+//! step's attention time, the rate it reads the cache at, and this machine's read rate beside it
+//! (measured here). `TANDEM_ISA` picks the level:
+//! `cargo run --release -p tandem-kernels --example decode_attention`.
+
+use std::time::Instant;
+
+use tandem_kernels::{paged_attention, AttnSpec, KvLayout, KvSlab, SeqAttn};
+
+fn env(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn main() {
+    // Inside the pool, as the engine's forward runs.
+    rayon::ThreadPoolBuilder::new()
+        .build()
+        .unwrap()
+        .install(run);
+}
+
+fn run() {
+    let (seqs, context, steps) = (env("SEQS", 32), env("CONTEXT", 64), env("STEPS", 20));
+    let (layers, heads) = (30, 9);
+    let layout = KvLayout {
+        block_size: 16,
+        num_kv_heads: 3,
+        head_dim: 64,
+    };
+    let per_seq = context.div_ceil(layout.block_size);
+    let blocks = seqs * per_seq;
+    // Block i of sequence s: sequences growing together take turns at the free list.
+    let tables: Vec<Vec<u32>> = (0..seqs)
+        .map(|s| (0..per_seq).map(|i| (i * seqs + s) as u32).collect())
+        .collect();
+    // One map for every layer, on huge pages where the system gives them, as the engine's pool.
+    let slab = blocks * layout.block_floats();
+    let mut map = memmap2::MmapMut::map_anon(layers * slab * 4).unwrap();
+    #[cfg(target_os = "linux")]
+    let _ = map.advise(memmap2::Advice::HugePage);
+    // SAFETY: any bytes are valid f32s; the map is page-aligned.
+    let (_, cache, _) = unsafe { map.align_to_mut::<f32>() };
+    for (i, v) in cache.iter_mut().enumerate() {
+        *v = (i % 101) as f32 / 101.0 - 0.5;
+    }
+    let slabs: Vec<&[f32]> = cache.chunks_exact(slab).collect();
+    let width = heads * layout.head_dim;
+    let q: Vec<f32> = (0..seqs * width)
+        .map(|i| ((i * 31) % 97) as f32 / 97.0 - 0.5)
+        .collect();
+    let batch: Vec<SeqAttn<'_>> = tables
+        .iter()
+        .enumerate()
+        .map(|(s, t)| SeqAttn {
+            q_start: s,
+            q_len: 1,
+            context_len: context,
+            block_table: t,
+        })
+        .collect();
+    let spec = AttnSpec {
+        n_heads: heads,
+        scale: 0.125,
+        window: None,
+    };
+    let mut out = vec![0f32; seqs * width];
+    let mut step = || {
+        for &slab in &slabs {
+            paged_attention(&q, spec, KvSlab::F32(slab), layout, &batch, &mut out).unwrap();
+        }
+    };
+    step();
+    let mut times: Vec<f64> = (0..steps)
+        .map(|_| {
+            let t = Instant::now();
+            step();
+            t.elapsed().as_secs_f64()
+        })
+        .collect();
+    times.sort_by(f64::total_cmp);
+    let med = times[steps / 2];
+    let bytes = (layers * seqs * context * 2 * layout.num_kv_heads * layout.head_dim * 4) as f64;
+    // The rate every thread at once reads a buffer larger than any cache.
+    let threads = rayon::current_num_threads();
+    let words = 8 << 20;
+    let rates = rayon::broadcast(|_| {
+        let buf: Vec<u64> = (0..words as u64).collect();
+        let sum = |b: &[u64]| b.iter().fold(0u64, |a, &x| a.wrapping_add(x));
+        std::hint::black_box(sum(&buf));
+        let t = Instant::now();
+        for _ in 0..4 {
+            std::hint::black_box(sum(std::hint::black_box(&buf)));
+        }
+        (4 * words * 8) as f64 / t.elapsed().as_secs_f64()
+    });
+    let read: f64 = rates.iter().sum::<f64>() / 1e9;
+    println!(
+        "{seqs} sequences of {context} tokens, {threads} threads: attention of a step {:.2} ms (median of {steps}), cache read at {:.1} GB/s, {:.0}% of the read rate ({read:.1} GB/s)",
+        med * 1e3,
+        bytes / med / 1e9,
+        100.0 * bytes / med / 1e9 / read
+    );
+}
