@@ -8,14 +8,10 @@
 
 use std::time::Instant;
 
-use tandem_kernels::{paged_attention, AttnSpec, KvLayout, KvSlab, SeqAttn};
+mod common;
 
-fn env(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
+use common::{env_count, median_secs};
+use tandem_kernels::{paged_attention, AttnSpec, KvLayout, KvSlab, SeqAttn};
 
 fn main() {
     // Inside the pool, as the engine's forward runs.
@@ -26,7 +22,11 @@ fn main() {
 }
 
 fn run() {
-    let (seqs, context, steps) = (env("SEQS", 32), env("CONTEXT", 64), env("STEPS", 20));
+    let (seqs, context, steps) = (
+        env_count("SEQS", 32),
+        env_count("CONTEXT", 64),
+        env_count("STEPS", 20),
+    );
     let (layers, heads) = (30, 9);
     let layout = KvLayout {
         block_size: 16,
@@ -70,21 +70,11 @@ fn run() {
         window: None,
     };
     let mut out = vec![0f32; seqs * width];
-    let mut step = || {
+    let med = median_secs(steps, || {
         for &slab in &slabs {
             paged_attention(&q, spec, KvSlab::F32(slab), layout, &batch, &mut out).unwrap();
         }
-    };
-    step();
-    let mut times: Vec<f64> = (0..steps)
-        .map(|_| {
-            let t = Instant::now();
-            step();
-            t.elapsed().as_secs_f64()
-        })
-        .collect();
-    times.sort_by(f64::total_cmp);
-    let med = times[steps / 2];
+    });
     let bytes = (layers * seqs * context * 2 * layout.num_kv_heads * layout.head_dim * 4) as f64;
     // The rate every thread at once reads a buffer larger than any cache.
     let threads = rayon::current_num_threads();

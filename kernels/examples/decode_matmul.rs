@@ -7,6 +7,9 @@
 
 use std::time::Instant;
 
+mod common;
+
+use common::{env_count, median_secs};
 use tandem_kernels::{fma_burst, matmul, Weight};
 use tandem_model::{quantize_q4_1, quantize_q8_0, GgmlType};
 
@@ -30,14 +33,7 @@ fn weight(ty: GgmlType, n: usize, k: usize, seed: usize) -> Weight {
 }
 
 fn run() {
-    let m: usize = std::env::var("ROWS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(32);
-    let steps: usize = std::env::var("STEPS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(20);
+    let (m, steps) = (env_count("ROWS", 32), env_count("STEPS", 20));
     let layer_shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)];
     let mut products: Vec<Weight> = (0..30)
         .flat_map(|l| layer_shapes.map(|(n, k)| weight(GgmlType::Q4_1, n, k, l * 131 + n)))
@@ -55,22 +51,12 @@ fn run() {
         })
         .into();
     let mut out = vec![0f32; m * 49152];
-    let mut step = || {
+    let med = median_secs(steps, || {
         for w in &products {
             let x = if w.cols() == 576 { &xs[0] } else { &xs[1] };
             matmul(x, m, w, &mut out[..m * w.rows()]).unwrap();
         }
-    };
-    step();
-    let mut times: Vec<f64> = (0..steps)
-        .map(|_| {
-            let t = Instant::now();
-            step();
-            t.elapsed().as_secs_f64()
-        })
-        .collect();
-    times.sort_by(f64::total_cmp);
-    let med = times[steps / 2];
+    });
     let threads = rayon::current_num_threads();
     let rounds = 5_000_000usize;
     let t = Instant::now();
