@@ -562,15 +562,7 @@ pub fn paged_attention(
     });
     // Rows without a sequence stay zero; the others are overwritten by the merge below.
     out.fill(0.0);
-    let offsets: Vec<usize> = items
-        .iter()
-        .scan(0, |at, it| {
-            let o = *at;
-            *at += part_len(it);
-            Some(o)
-        })
-        .collect();
-    let part_of = |i: usize| &parts[offsets[i]..offsets[i] + part_len(&items[i])];
+    let parts: Vec<&[f32]> = jobs.into_iter().map(|(_, part)| &*part).collect();
     let mut k = 0;
     while k < items.len() {
         let (row, kvh) = (items[k].row, items[k].kvh);
@@ -579,10 +571,16 @@ pub fn paged_attention(
             e += 1;
         }
         let nq = items[k].rows * group;
-        let slices: Vec<&[f32]> = (k..e).map(part_of).collect();
         for r in 0..items[k].rows {
             let at = (row + r) * width + kvh * gw;
-            merge_parts(&slices, nq, r * group, group, hd, &mut out[at..at + gw]);
+            merge_parts(
+                &parts[k..e],
+                nq,
+                r * group,
+                group,
+                hd,
+                &mut out[at..at + gw],
+            );
         }
         k = e;
     }

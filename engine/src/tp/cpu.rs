@@ -1,8 +1,8 @@
 //! Tensor parallelism on the CPU: one process, one thread per rank, each with its share of the
-//! weights ([`LlamaModel::shard_from_tensors`]), its slice of the KV pool (its KV heads) and its own compute
-//! pool, exchanging through a [`ThreadGroup`]. The engine's one scheduler drives them: every
-//! step (and every block copy) goes to all ranks, which run it in lockstep, and rank 0's logits
-//! come back.
+//! weights ([`LlamaModel::shard_from_tensors`]), its slice of the KV pool (its KV heads) and its
+//! own compute pool, exchanging through a [`ThreadGroup`]. The engine's one scheduler drives
+//! them: every step (and every block copy) goes to all ranks, which run it in lockstep, and rank
+//! 0's logits come back.
 //!
 //! A step that fails on any rank fails as a whole. The ranks are then idle, so the group is
 //! rebuilt before the next step: a poisoned group (a rank that timed out, or gave up) does not
