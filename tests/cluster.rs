@@ -660,7 +660,7 @@ async fn parallel_samples(r: &Router, worker: &str, model: &str, tok: &tandem_mo
 
     // Streamed: once every sample has tokens, the pool holds the prompt's full blocks once and
     // a few blocks of each sample's own (not four copies of the prompt).
-    let mut streamed = body;
+    let mut streamed = body.clone();
     streamed["stream"] = json!(true);
     let resp = reqwest::Client::new()
         .post(format!("{}/v1/completions", r.http))
@@ -708,6 +708,60 @@ async fn parallel_samples(r: &Router, worker: &str, model: &str, tok: &tandem_mo
     );
     let after = wait_idle(worker).await;
     assert_eq!(after.blocks_used, idle.blocks_used);
+
+    // A stop string cuts one sample at its start while the others run on: the worker is told to
+    // stop that one, so it does not go on to max_tokens there. Every sample's whole text is
+    // known first (the same seed), and the stop string is the shortest start of one sample's
+    // text that no other sample's contains.
+    const LONG: usize = 160;
+    let mut long = body.clone();
+    long["max_tokens"] = json!(LONG);
+    let (s, v) = post(&r.http, "/v1/completions", long.clone()).await;
+    assert_eq!(s, 200, "{v}");
+    let whole: Vec<String> = (0..4)
+        .map(|i| v["choices"][i]["text"].as_str().unwrap().to_string())
+        .collect();
+    let (cut, stop) = (0..4)
+        .find_map(|j| {
+            let t = &whole[j];
+            (1..=t.len())
+                .filter(|&k| t.is_char_boundary(k))
+                .map(|k| &t[..k])
+                .find(|s| (0..4).all(|i| i == j || !whole[i].contains(s)))
+                .map(|s| (j, s.to_string()))
+        })
+        .unwrap_or_else(|| panic!("no sample starts with text of its own: {whole:?}"));
+    let before = scrape(worker).await;
+    long["stop"] = json!([stop]);
+    let (s, v) = post(&r.http, "/v1/completions", long).await;
+    assert_eq!(s, 200, "{v}");
+    for c in v["choices"].as_array().unwrap() {
+        let i = c["index"].as_u64().unwrap() as usize;
+        if i == cut {
+            assert_eq!(c["finish_reason"], "stop", "{v}");
+            assert_eq!(c["text"], "", "cut at its start ({stop:?})");
+        } else {
+            assert_eq!(c["finish_reason"], "length", "sample {i}: {v}");
+            assert_eq!(c["text"], whole[i], "sample {i} goes on as before");
+        }
+    }
+    wait_idle(worker).await;
+    let after = scrape(worker).await;
+    let grew = |key: &str| metric(&after, key) - metric(&before, key);
+    assert_eq!(
+        grew(r#"tandem_request_success_total{finished_reason="stop"}"#),
+        1.0,
+        "the cut sample ends on the worker as stopped"
+    );
+    assert_eq!(
+        grew(r#"tandem_request_success_total{finished_reason="length"}"#),
+        3.0
+    );
+    let generated = grew("tandem_generation_tokens_total");
+    assert!(
+        generated < (4 * LONG) as f64,
+        "the cut sample stopped early on the worker: {generated} tokens generated"
+    );
 }
 
 async fn cancel_mid_stream(r: &Router, worker: &str, model: &str) {

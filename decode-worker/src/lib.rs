@@ -17,11 +17,14 @@
 pub mod metrics;
 pub mod remote;
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use futures::Stream;
-use tandem_engine::{EngineHandle, Request, RequestStream, Reservation, Samples, StreamEvent};
+use tandem_engine::{
+    EngineHandle, Request, RequestId, RequestStream, Reservation, Samples, StreamEvent,
+};
 use tandem_kv_transfer::TransferGrant;
 use tandem_proto::wire::sampling_from_wire;
 use tandem_proto::worker::{self as pb, decode_server::DecodeServer};
@@ -47,6 +50,72 @@ pub struct DecodeService {
     remote: Option<Arc<RemotePrefill>>,
     /// Per-request measures in vLLM's terms.
     requests: Arc<RequestMetrics>,
+    /// The requests running here, by their callers' ids (what StopSamples names).
+    running: Arc<Running>,
+}
+
+/// The requests running on this worker by their callers' ids: each `Generate` call's engine
+/// request and the samples it serves, while its stream lives.
+#[derive(Default)]
+struct Running(std::sync::Mutex<ByCallerId>);
+
+/// Each caller's request id, with the engine requests serving it and the samples each serves.
+type ByCallerId = HashMap<String, Vec<(RequestId, std::ops::Range<u32>)>>;
+
+impl Running {
+    /// Notes that `id` serves `samples` of the request `key` until the entry is dropped.
+    fn enter(self: &Arc<Self>, key: &str, id: RequestId, samples: Samples) -> RunningEntry {
+        let range = samples.first..samples.first.saturating_add(samples.count);
+        self.lock()
+            .entry(key.to_string())
+            .or_default()
+            .push((id, range));
+        RunningEntry {
+            running: self.clone(),
+            key: key.to_string(),
+            id,
+        }
+    }
+
+    /// The engine requests serving request `key`, each with those of `indices` it serves.
+    fn serving(&self, key: &str, indices: &[u32]) -> Vec<(RequestId, Vec<u32>)> {
+        let map = self.lock();
+        let Some(entries) = map.get(key) else {
+            return Vec::new();
+        };
+        entries
+            .iter()
+            .map(|(id, range)| {
+                let mine = indices.iter().copied().filter(|i| range.contains(i));
+                (*id, mine.collect())
+            })
+            .collect()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, ByCallerId> {
+        // The map is consistent after every operation on it: a panic elsewhere while the lock was
+        // held leaves nothing half done.
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// A request's place in [`Running`], taken out when its stream ends.
+struct RunningEntry {
+    running: Arc<Running>,
+    key: String,
+    id: RequestId,
+}
+
+impl Drop for RunningEntry {
+    fn drop(&mut self) {
+        let mut map = self.running.lock();
+        if let Some(entries) = map.get_mut(&self.key) {
+            entries.retain(|(id, _)| *id != self.id);
+            if entries.is_empty() {
+                map.remove(&self.key);
+            }
+        }
+    }
 }
 
 impl DecodeService {
@@ -58,6 +127,7 @@ impl DecodeService {
             identity,
             drain: Drain::new(),
             remote: None,
+            running: Arc::default(),
         }
     }
 
@@ -160,6 +230,7 @@ struct GenState {
     stream: RequestStream,
     done: bool,
     observe: Observe,
+    _running: RunningEntry,
     _in_flight: InFlight,
 }
 
@@ -280,15 +351,16 @@ impl pb::decode_server::Decode for DecodeService {
             Some(pb::prefill_plan::Plan::Remote(r)) if req.resume_ids.is_empty() => r.prefill_addrs,
             _ => Vec::new(),
         };
+        let samples = Samples {
+            count: req.n.max(1),
+            first: req.first_index,
+        };
         let request = Request {
             prompt: req.prompt_ids,
             params,
             resume: req.resume_ids,
             constraint: None,
-            samples: Samples {
-                count: req.n.max(1),
-                first: req.first_index,
-            },
+            samples,
         };
         let mut pending = None;
         let submitted = SystemTime::now();
@@ -320,6 +392,7 @@ impl pb::decode_server::Decode for DecodeService {
             _ => self.engine.submit(request).map_err(|e| fail(status(e)))?,
         };
         tracing::debug!(request = %req.request_id, engine_id = stream.id().0, remote = pending.is_some(), "accepted");
+        let running = self.running.enter(&req.request_id, stream.id(), samples);
         Ok(Response::new(Box::pin(with_heartbeats(
             response_stream(GenState {
                 grant: None,
@@ -335,10 +408,29 @@ impl pb::decode_server::Decode for DecodeService {
                     local: true,
                     timed_sample: req.first_index,
                 },
+                _running: running,
                 _in_flight: in_flight,
             }),
             HEARTBEAT,
         ))))
+    }
+
+    async fn stop_samples(
+        &self,
+        request: GrpcRequest<pb::StopSamplesRequest>,
+    ) -> Result<Response<pb::StopSamplesResponse>, Status> {
+        let req = request.into_inner();
+        if req.request_id.is_empty() {
+            return Err(Status::invalid_argument("request_id is empty"));
+        }
+        let serving = self.running.serving(&req.request_id, &req.indices);
+        for (id, indices) in &serving {
+            self.engine.stop_samples(*id, indices);
+        }
+        tracing::debug!(request = %req.request_id, samples = ?req.indices, found = !serving.is_empty(), "stop samples");
+        Ok(Response::new(pb::StopSamplesResponse {
+            found: !serving.is_empty(),
+        }))
     }
 }
 
@@ -367,4 +459,38 @@ pub async fn serve(
         drain_deadline,
     )
     .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stop_samples_reaches_the_engine_requests_that_serve_them_while_their_streams_live() {
+        let running = Arc::new(Running::default());
+        let samples = |first, count| Samples { count, first };
+        // One request's first stream (samples 0..4), and a migrated sample 5 on a second one.
+        let a = running.enter("req", RequestId(7), samples(0, 4));
+        let b = running.enter("req", RequestId(9), samples(5, 1));
+        let other = running.enter("other", RequestId(8), samples(0, 2));
+        assert_eq!(
+            running.serving("req", &[1, 5, 3, 4, 40]),
+            vec![(RequestId(7), vec![1, 3]), (RequestId(9), vec![5])]
+        );
+        assert_eq!(running.serving("nobody", &[0]), vec![]);
+        drop(a);
+        assert_eq!(
+            running.serving("req", &[1, 5]),
+            vec![(RequestId(9), vec![5])]
+        );
+        drop(b);
+        assert_eq!(running.serving("req", &[5]), vec![]);
+        assert!(!running.lock().contains_key("req"), "no entry left behind");
+        assert_eq!(
+            running.serving("other", &[1]),
+            vec![(RequestId(8), vec![1])]
+        );
+        drop(other);
+        assert!(running.lock().is_empty());
+    }
 }

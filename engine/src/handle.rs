@@ -53,6 +53,7 @@ enum Command {
     JoinRemote(RequestId, Sampled),
     PrefillLocally(RequestId),
     Cancel(RequestId),
+    StopSamples(RequestId, Vec<u32>),
     SubscribeKv(tmpsc::UnboundedSender<KvUpdate>),
     Shutdown,
 }
@@ -242,6 +243,17 @@ impl EngineHandle {
     /// finish within a step.
     pub fn cancel(&self, id: RequestId) {
         let _ = self.commands.send(Command::Cancel(id));
+    }
+
+    /// Finishes some of a request's parallel samples (`Stop`, no-op for those already finished)
+    /// while the others go on: each one's stream gets its finish within a step and its blocks
+    /// are freed. For a stop the engine cannot see, such as a stop string found in the text.
+    pub fn stop_samples(&self, id: RequestId, indices: &[u32]) {
+        if !indices.is_empty() {
+            let _ = self
+                .commands
+                .send(Command::StopSamples(id, indices.to_vec()));
+        }
     }
 
     /// The engine's state after its latest step.
@@ -436,6 +448,7 @@ fn run_loop(mut engine: Engine, rx: mpsc::Receiver<Command>, shared: &Shared) {
                     engine.prefill_locally(id);
                 }
                 Command::Cancel(id) => engine.cancel(id),
+                Command::StopSamples(id, indices) => engine.stop_samples(id, &indices),
                 Command::SubscribeKv(tx) => {
                     publish_kv(&engine, &mut kv_subscribers);
                     let (last_seq, hashes) = engine.block_manager().snapshot();

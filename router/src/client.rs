@@ -1,7 +1,7 @@
 //! The router's one seam to its workers: what it asks of a worker, whatever carries the call.
 //!
-//! [`WorkerClient`] is the four calls the router makes (Info, Load and KvEvents of the
-//! WorkerControl service every worker serves; Generate of a decode worker). [`Connect`] makes a
+//! [`WorkerClient`] is the five calls the router makes (Info, Load and KvEvents of the
+//! WorkerControl service every worker serves; Generate and StopSamples of a decode worker). [`Connect`] makes a
 //! client for an address. In production both are gRPC ([`GrpcConnect`]: one lazily connected
 //! channel per worker); a test puts an in-memory fake behind the same traits and drives the
 //! dispatcher's routing, migration and error mapping without a process or a socket.
@@ -37,6 +37,11 @@ pub trait WorkerClient: Send + Sync {
         &self,
         request: pb::DecodeRequest,
     ) -> Result<WorkerStream<pb::DecodeResponse>, Status>;
+    /// Finishes some samples of a request a decode worker runs, its other samples going on.
+    async fn stop_samples(
+        &self,
+        request: pb::StopSamplesRequest,
+    ) -> Result<pb::StopSamplesResponse, Status>;
 }
 
 /// Makes the client of a worker at an address (called once per address discovery reports).
@@ -98,5 +103,13 @@ impl WorkerClient for GrpcClient {
         let mut call = tonic::Request::new(request);
         tandem_telemetry::inject(&tracing::Span::current(), call.metadata_mut().as_mut());
         Ok(Box::pin(c.generate(call).await?.into_inner()))
+    }
+
+    async fn stop_samples(
+        &self,
+        request: pb::StopSamplesRequest,
+    ) -> Result<pb::StopSamplesResponse, Status> {
+        let mut c = DecodeClient::new(self.channel.clone());
+        Ok(c.stop_samples(request).await?.into_inner())
     }
 }

@@ -42,6 +42,8 @@ type Script = Box<dyn Fn(&pb::DecodeRequest) -> Result<Vec<Say>, Code> + Send + 
 struct FakeWorker {
     script: Script,
     calls: Mutex<Vec<pb::DecodeRequest>>,
+    /// The StopSamples calls it took.
+    stops: Mutex<Vec<pb::StopSamplesRequest>>,
     /// What its Info says its KV block size is.
     block_size: u32,
 }
@@ -53,6 +55,7 @@ impl FakeWorker {
         Arc::new(Self {
             script: Box::new(script),
             calls: Mutex::new(Vec::new()),
+            stops: Mutex::new(Vec::new()),
             block_size: 16,
         })
     }
@@ -67,12 +70,25 @@ impl FakeWorker {
                 ])
             }),
             calls: Mutex::new(Vec::new()),
+            stops: Mutex::new(Vec::new()),
             block_size,
         })
     }
 
     fn calls(&self) -> Vec<pb::DecodeRequest> {
         self.calls.lock().unwrap().clone()
+    }
+
+    /// Waits for the StopSamples calls the router sends in the background, `n` of them.
+    async fn stops(&self, n: usize) -> Vec<pb::StopSamplesRequest> {
+        for _ in 0..30_000 {
+            let stops = self.stops.lock().unwrap().clone();
+            if stops.len() >= n {
+                return stops;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        panic!("{n} StopSamples calls never came");
     }
 }
 
@@ -152,6 +168,14 @@ impl WorkerClient for FakeWorker {
             }
         });
         Ok(Box::pin(s))
+    }
+
+    async fn stop_samples(
+        &self,
+        request: pb::StopSamplesRequest,
+    ) -> Result<pb::StopSamplesResponse, Status> {
+        self.stops.lock().unwrap().push(request);
+        Ok(pb::StopSamplesResponse { found: true })
     }
 }
 
@@ -669,7 +693,18 @@ async fn parallel_samples_share_one_stream_and_each_ends_on_its_own() {
     let got = run_samples(&d, 3, &["robot"]).await.unwrap();
     assert_eq!(got[0].0, " Once upon a time, a small ");
     assert_eq!(got[0].1, FinishKind::Stop);
+    assert_eq!(got[1].0, " Once upon a time, a small ");
+    assert_eq!(got[1].1, FinishKind::Stop);
     assert_eq!(got[2].0, " The end.");
+    // The worker cannot see stop strings: it is told to stop sample 1, cut while sample 0 still
+    // ran there. Sample 0, cut last, needs no call: the stream is dropped, which cancels it.
+    let stops = w.stops(1).await;
+    let id = &w.calls()[1].request_id;
+    assert_eq!(stops.len(), 1, "{stops:?}");
+    assert_eq!(
+        (&stops[0].request_id, &stops[0].indices[..]),
+        (id, &[1][..])
+    );
 }
 
 #[tokio::test]

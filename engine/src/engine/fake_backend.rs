@@ -307,6 +307,80 @@ fn samples_cancelled_before_and_after_their_fork_all_finish_once() {
 }
 
 #[test]
+fn a_stopped_sample_leaves_with_its_blocks_and_its_siblings_run_on_unchanged() {
+    // Prompt chunks of 4 tokens: the 10-token prompt takes three steps, so a stop at step 0 or
+    // 1 comes before the samples fork (the one computing the prompt stands for them all), at
+    // step 3 or later after it.
+    let cfg = EngineConfig {
+        block_size: 4,
+        max_batched_tokens: 4,
+        ..super::tests::config()
+    };
+    let prompt: Vec<u32> = (0..10).collect();
+    let (mut whole, _) = engine(64, cfg.clone());
+    let (_, all, used_all) = run(&mut whole, sampled(prompt.clone(), 3, 0.25, 7, 20));
+    for (stop_at, sample) in [
+        (0usize, 0u32),
+        (0, 1),
+        (1, 2),
+        (3, 0),
+        (3, 1),
+        (5, 2),
+        (8, 0),
+    ] {
+        let (mut e, _) = engine(64, cfg.clone());
+        e.add(RequestId(1), sampled(prompt.clone(), 3, 0.25, 7, 20))
+            .unwrap();
+        let mut done: Vec<Finished> = Vec::new();
+        let mut used = Vec::new();
+        let mut step = 0;
+        while e.has_work() {
+            if step == stop_at {
+                e.stop_samples(RequestId(1), &[sample]);
+            }
+            if step == stop_at + 1 {
+                // Again, and an index the request does not have: both are ignored.
+                e.stop_samples(RequestId(1), &[sample, 9]);
+            }
+            for ev in e.step().unwrap().0 {
+                if let Event::Finished(f) = ev {
+                    done.push(f);
+                }
+            }
+            used.push(e.stats().blocks_used);
+            step += 1;
+        }
+        let case = format!("sample {sample} stopped at step {stop_at}");
+        done.sort_by_key(|f| f.index);
+        assert_eq!(
+            done.iter().map(|f| f.index).collect::<Vec<_>>(),
+            vec![0, 1, 2],
+            "{case}: each sample finishes once"
+        );
+        for (f, whole) in done.iter().zip(&all) {
+            if f.index == sample {
+                assert_eq!(f.finish_reason, FinishReason::Stop, "{case}");
+                // What it made before the stop: none before the fork.
+                let made = stop_at.saturating_sub(2);
+                assert_eq!(f.output_ids, whole.output_ids[..made], "{case}");
+            } else {
+                // The others draw exactly what they draw when no sample is stopped.
+                assert_eq!(f.finish_reason, FinishReason::Length, "{case}");
+                assert_eq!(f.output_ids, whole.output_ids, "{case}");
+            }
+        }
+        assert_eq!(e.stats().blocks_used, 0, "{case}: nothing held at the end");
+        if stop_at >= 3 {
+            // Its tail blocks went back the step it left (the run is otherwise the same).
+            assert!(
+                used[stop_at] < used_all[stop_at],
+                "{case}: {used:?} against {used_all:?}"
+            );
+        }
+    }
+}
+
+#[test]
 fn samples_wider_than_max_seqs_wait_their_turn() {
     let cfg = EngineConfig {
         block_size: 4,
@@ -357,7 +431,8 @@ proptest! {
         let st = e.stats();
         prop_assert_eq!(st.blocks_used, 0);
         prop_assert_eq!(st.blocks_free + st.blocks_cached, st.blocks_total);
-        for (i, (_, _, r)) in plan.iter().enumerate() {
+        for (i, p) in plan.iter().enumerate() {
+            let r = &p.request;
             let want = expected(&r.prompt, r.params.max_tokens as usize);
             prop_assert_eq!(finished[i].len(), r.samples.count as usize);
             for f in &finished[i] {
@@ -366,7 +441,11 @@ proptest! {
                     FinishReason::Cancelled => {
                         prop_assert_eq!(&f.output_ids[..], &want[..f.output_ids.len()])
                     }
-                    FinishReason::Stop => prop_assert!(false, "no stop tokens were set"),
+                    // Only a stopped sample, and only cut short: no stop tokens were set.
+                    FinishReason::Stop => {
+                        prop_assert_eq!(p.stop.map(|s| s.1), Some(f.index));
+                        prop_assert_eq!(&f.output_ids[..], &want[..f.output_ids.len()])
+                    }
                 }
             }
         }

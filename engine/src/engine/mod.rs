@@ -160,6 +160,45 @@ impl Seq {
         out
     }
 
+    /// Takes sample `index` out of this sequence before the prompt's logits are ready, with
+    /// its `reason` finish (no output: it never drew a token), or `None` when this sequence
+    /// does not stand for it. When `index` is this sequence's own sample, the next sample to
+    /// fork takes its place, so the prompt it computes still serves the others.
+    fn take_unforked(&mut self, index: u32, reason: FinishReason) -> Option<Finished> {
+        if self.forks.is_empty() {
+            return None;
+        }
+        let at = if index == self.index {
+            0
+        } else {
+            self.forks.iter().position(|(i, _)| *i == index)?
+        };
+        let (next, mut sampler) = self.forks.remove(at);
+        if index == self.index {
+            for &t in &self.tokens[self.prompt_len..] {
+                sampler.record(t);
+            }
+            self.index = next;
+            self.sampler = sampler;
+        }
+        let now = Instant::now();
+        Some(Finished {
+            request: self.id,
+            index,
+            prompt_ids: self.tokens[..self.prompt_len].to_vec(),
+            output_ids: Vec::new(),
+            logprobs: Vec::new(),
+            finish_reason: reason,
+            cached_prompt_tokens: self.cached_prompt_tokens.unwrap_or(0),
+            preemptions: self.preemptions,
+            queue_s: self
+                .admitted
+                .map_or(0.0, |t| (t - self.submitted).as_secs_f64()),
+            ttft_s: 0.0,
+            e2e_s: (now - self.submitted).as_secs_f64(),
+        })
+    }
+
     fn finished(self, reason: FinishReason) -> Finished {
         let now = Instant::now();
         let since = |t: Option<Instant>| t.map_or(0.0, |t| (t - self.submitted).as_secs_f64());
@@ -196,6 +235,8 @@ pub struct Engine {
     /// touched by a step until they join (or fall back to a local prefill).
     remote: Vec<Seq>,
     cancelled: Vec<RequestId>,
+    /// Samples to finish at the start of the next step: `(request, sample index)`.
+    stopped: Vec<(RequestId, u32)>,
     /// Blocks to copy before the next forward (copy-on-write of blocks that samples shared).
     copies: Vec<(BlockId, BlockId)>,
     stats: EngineStats,
@@ -232,6 +273,7 @@ impl Engine {
             running: Vec::new(),
             remote: Vec::new(),
             cancelled: Vec::new(),
+            stopped: Vec::new(),
             copies: Vec::new(),
             stats: EngineStats::default(),
             next_batch_id: 1 << 48,
@@ -340,7 +382,10 @@ impl Engine {
 
     /// Whether any request is queued or running.
     pub fn has_work(&self) -> bool {
-        !self.waiting.is_empty() || !self.running.is_empty() || !self.cancelled.is_empty()
+        !self.waiting.is_empty()
+            || !self.running.is_empty()
+            || !self.cancelled.is_empty()
+            || !self.stopped.is_empty()
     }
 
     /// Queues a request.
@@ -356,6 +401,7 @@ impl Engine {
     /// ids. For a step that failed: the requests in it cannot be trusted to continue.
     pub fn abort_all(&mut self) -> Vec<RequestId> {
         self.cancelled.clear();
+        self.stopped.clear();
         self.copies.clear();
         let mut ids: Vec<RequestId> = self.running.drain(..).map(|s| s.id).collect();
         ids.extend(self.waiting.drain(..).map(|s| s.id));
@@ -369,6 +415,14 @@ impl Engine {
     /// Cancels a request; it leaves (and frees its blocks) at the start of the next step.
     pub fn cancel(&mut self, id: RequestId) {
         self.cancelled.push(id);
+    }
+
+    /// Finishes some of a request's samples (`Stop`) while the others go on: the caller found
+    /// a stop the engine cannot see (a stop string in the sample's text). Each leaves, freeing
+    /// its blocks, at the start of the next step; a sample that has already finished, or an
+    /// index the request does not have, is ignored.
+    pub fn stop_samples(&mut self, id: RequestId, indices: &[u32]) {
+        self.stopped.extend(indices.iter().map(|&i| (id, i)));
     }
 
     fn new_seq(&self, id: RequestId, r: Request) -> Seq {

@@ -7,7 +7,7 @@ use std::time::Instant;
 use rayon::prelude::*;
 
 use super::types::RATE_WEIGHT;
-use super::{finish_reason, Engine, Event, Seq, StepStats, TokenEvent};
+use super::{finish_reason, Engine, Event, FinishReason, Seq, StepStats, TokenEvent};
 use crate::block_manager::PoolFull;
 use crate::model::SeqBatch;
 use crate::sampler::Sampled;
@@ -18,6 +18,7 @@ impl Engine {
     pub fn step(&mut self) -> Result<(Vec<Event>, StepStats), EngineError> {
         let mut events = Vec::new();
         self.drop_cancelled(&mut events);
+        self.drop_stopped(&mut events);
         let plan = self.schedule();
         // Copy-on-write: shared blocks the step writes were swapped for fresh ones while it was
         // scheduled; their contents go over before anything writes them.
@@ -242,6 +243,38 @@ impl Engine {
             gone.sort_by_key(|s| s.index);
             for s in gone {
                 events.extend(s.cancelled().into_iter().map(Event::Finished));
+            }
+        }
+    }
+
+    fn drop_stopped(&mut self, events: &mut Vec<Event>) {
+        for (id, index) in std::mem::take(&mut self.stopped) {
+            let mine = |s: &Seq| s.id == id && s.index == index && s.forks.is_empty();
+            // A sequence of its own: it leaves with its blocks (shared ones stay with the
+            // samples that hold them too).
+            let gone = if let Some(i) = self.running.iter().position(mine) {
+                Some(self.running.remove(i))
+            } else if let Some(i) = self.waiting.iter().position(mine) {
+                self.waiting.remove(i)
+            } else if let Some(i) = self.remote.iter().position(mine) {
+                Some(self.remote.remove(i))
+            } else {
+                None
+            };
+            if let Some(s) = gone {
+                events.push(Event::Finished(s.finished(FinishReason::Stop)));
+                continue;
+            }
+            // A sample not forked yet: the sequence computing the prompt stands for it.
+            let parent = self
+                .running
+                .iter_mut()
+                .chain(self.waiting.iter_mut())
+                .chain(self.remote.iter_mut())
+                .filter(|s| s.id == id)
+                .find_map(|s| s.take_unforked(index, FinishReason::Stop));
+            if let Some(f) = parent {
+                events.push(Event::Finished(f));
             }
         }
     }

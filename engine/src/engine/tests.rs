@@ -377,13 +377,24 @@ fn check_counts(e: &Engine) {
     );
 }
 
-/// Requests with the step each arrives at and, for some, a step to cancel it at.
-pub(crate) type Plan = Vec<(usize, Option<usize>, Request)>;
+/// One request of a [`Plan`]: the step it arrives at and, for some, a step to cancel it at or
+/// a step to stop one of its samples at (what a stop string found by the caller does).
+#[derive(Clone, Debug)]
+pub(crate) struct Planned {
+    pub arrive: usize,
+    pub cancel: Option<usize>,
+    pub stop: Option<(usize, u32)>,
+    pub request: Request,
+}
+
+/// Requests in arrival order.
+pub(crate) type Plan = Vec<Planned>;
 
 /// Up to `n` greedy requests the engine takes (prompts of fewer than `max_prompt` tokens from a
 /// three-token alphabet, so prefixes are shared often; fewer than `max_out` output tokens),
 /// arriving within `arrive_within` steps, a `cancel_p` share of them cancelled within
-/// `cancel_within` steps of arriving.
+/// `cancel_within` steps of arriving, and the same share of those with parallel samples having
+/// one sample stopped within that time.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn random_plan(
     e: &Engine,
@@ -412,7 +423,18 @@ pub(crate) fn random_plan(
         let cancel = rng
             .gen_bool(cancel_p)
             .then(|| arrive + rng.gen_range(0..cancel_within));
-        plan.push((arrive, cancel, r));
+        let stop = (r.samples.count > 1 && rng.gen_bool(cancel_p)).then(|| {
+            (
+                arrive + rng.gen_range(0..cancel_within),
+                rng.gen_range(0..r.samples.count),
+            )
+        });
+        plan.push(Planned {
+            arrive,
+            cancel,
+            stop,
+            request: r,
+        });
     }
     plan
 }
@@ -429,21 +451,21 @@ pub(crate) fn run_plan(
     plan: &Plan,
     min_steps: usize,
 ) -> Result<(PerSample<Finished>, PerSample<Vec<u32>>), TestCaseError> {
-    let width = |r: &Request| r.samples.count as usize;
+    let width = |p: &Planned| p.request.samples.count as usize;
     let mut finished: PerSample<Option<Finished>> =
-        plan.iter().map(|(_, _, r)| vec![None; width(r)]).collect();
-    let mut tokens: PerSample<Vec<u32>> = plan
-        .iter()
-        .map(|(_, _, r)| vec![Vec::new(); width(r)])
-        .collect();
+        plan.iter().map(|p| vec![None; width(p)]).collect();
+    let mut tokens: PerSample<Vec<u32>> = plan.iter().map(|p| vec![Vec::new(); width(p)]).collect();
     let mut step = 0;
     while step < min_steps || e.has_work() {
-        for (i, (arrive, cancel, r)) in plan.iter().enumerate() {
-            if *arrive == step {
-                e.add(RequestId(i as u64), r.clone()).unwrap();
+        for (i, p) in plan.iter().enumerate() {
+            if p.arrive == step {
+                e.add(RequestId(i as u64), p.request.clone()).unwrap();
             }
-            if *cancel == Some(step) {
+            if p.cancel == Some(step) {
                 e.cancel(RequestId(i as u64));
+            }
+            if let Some((_, sample)) = p.stop.filter(|&(at, _)| at == step) {
+                e.stop_samples(RequestId(i as u64), &[sample]);
             }
         }
         let (events, _) = e.step().unwrap();
@@ -517,11 +539,16 @@ proptest! {
         prop_assert_eq!(st.blocks_used, 0);
         prop_assert_eq!(st.blocks_free + st.blocks_cached, st.blocks_total);
         let mut alone = engine(config());
-        for (i, (_, _, r)) in plan.iter().enumerate() {
+        for (i, p) in plan.iter().enumerate() {
+            let r = &p.request;
             for (f, streamed) in finished[i].iter().zip(&tokens[i]) {
                 prop_assert_eq!(&f.output_ids, streamed, "stream and result agree");
                 match f.finish_reason {
                     FinishReason::Cancelled => {
+                        prop_assert!(f.output_ids.len() <= r.params.max_tokens as usize)
+                    }
+                    FinishReason::Stop => {
+                        prop_assert_eq!(p.stop.map(|s| s.1), Some(f.index), "only the stopped one");
                         prop_assert!(f.output_ids.len() <= r.params.max_tokens as usize)
                     }
                     FinishReason::Length => {
@@ -532,7 +559,6 @@ proptest! {
                         let want = alone.generate(vec![one], |_| {}, |_| {}).unwrap();
                         prop_assert_eq!(&f.output_ids, &want[0].output_ids);
                     }
-                    FinishReason::Stop => prop_assert!(false, "no stop tokens were set"),
                 }
             }
         }

@@ -291,6 +291,23 @@ impl Generation {
         Ok(())
     }
 
+    /// Asks leg `k`'s worker to finish `samples` (cut by stop strings here) while the leg's other
+    /// samples go on, so they stop taking its steps and blocks. In the background: the answer
+    /// changes nothing here (the samples' text has ended already), and a worker that does not
+    /// know the call runs them to their own end.
+    fn stop_on_worker(&self, k: usize, samples: Vec<u32>) {
+        let worker = self.legs[k].guard.worker().clone();
+        let request = pb::StopSamplesRequest {
+            request_id: self.request.request_id.clone(),
+            indices: samples,
+        };
+        tokio::spawn(async move {
+            if let Err(e) = worker.client().stop_samples(request.clone()).await {
+                tracing::debug!(request = %request.request_id, worker = %worker.addr, samples = ?request.indices, error = %e, "stopping samples on the worker failed; they run to their own end");
+            }
+        });
+    }
+
     /// Turns a message of leg `k` into chunks, one per sample it speaks of, in order.
     fn absorb(&mut self, k: usize, msg: pb::DecodeResponse) -> Result<(), ApiError> {
         let tok = &self.model.text.tokenizer;
@@ -311,6 +328,8 @@ impl Generation {
             }
         };
         let mut chunks: Vec<(u32, Chunk)> = Vec::new();
+        // Samples a stop string ended here: the worker cannot see it, and runs them on.
+        let mut cut: Vec<u32> = Vec::new();
         let chunk_of = |chunks: &mut Vec<(u32, Chunk)>, i: u32| -> usize {
             match chunks.iter().position(|(j, _)| *j == i) {
                 Some(p) => p,
@@ -339,6 +358,7 @@ impl Generation {
             });
             if piece.stopped {
                 s.done = true;
+                cut.push(t.index);
                 c.finish = Some((
                     FinishKind::Stop,
                     Usage {
@@ -350,6 +370,12 @@ impl Generation {
             }
         }
         let last = msg.finish.is_some();
+        let finished_here: Vec<u32> = msg
+            .finished
+            .iter()
+            .chain(&msg.finish)
+            .map(|f| f.index)
+            .collect();
         for f in msg.finished.into_iter().chain(msg.finish) {
             let s = &mut self.samples[serves(f.index)?];
             if s.done {
@@ -382,10 +408,14 @@ impl Generation {
                 message: format!("the stream ended before samples {open:?} finished"),
             });
         }
+        // A finish that came in the same message needs no stop.
+        cut.retain(|i| !finished_here.contains(i));
         if open.is_empty() {
             // Every sample on it is done (a stop string cut the last one short, or its finish
             // came): dropping the stream cancels whatever the worker still runs of it.
             self.legs.remove(k);
+        } else if !cut.is_empty() {
+            self.stop_on_worker(k, cut);
         }
         self.ready.extend(chunks);
         Ok(())
