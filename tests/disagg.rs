@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::netns::{block_in, Net};
 use common::*;
 use futures::future::BoxFuture;
 use futures::StreamExt;
@@ -632,4 +633,123 @@ async fn a_frozen_decode_worker_is_left_once_its_heartbeats_stop() {
     victim.signal(libc::SIGCONT);
     let load = wait_idle(&frozen).await;
     assert_eq!(load.running, 0);
+}
+
+/// `tandem ARGS` in network namespace `ns`; the rest of its ready line (the line starting with
+/// `marker`).
+fn start_in(ns: &str, args: &[String], marker: &str) -> (Proc, String) {
+    let mut cmd = std::process::Command::new("ip");
+    cmd.args(["netns", "exec", ns])
+        .arg(env!("CARGO_BIN_EXE_tandem"))
+        .args(args)
+        .stderr(std::process::Stdio::inherit())
+        .env("TANDEM_LOG", "warn")
+        .env("TANDEM_KV_SECRET", KV_SECRET);
+    spawn_command(cmd, marker)
+}
+
+/// The prefill worker on one host, the decode worker and the router on another, and the prefill
+/// host's link shaped to 8 Mbit/s (tc's token bucket): a 128-token prompt's KV (6 MB) takes
+/// about 6 s to cross it, several times what computing it takes, and the decode worker's stall
+/// allowance is 2 s. The transfer moves the whole time, so the decode worker waits for it and
+/// takes the KV: no failed attempt, no local prefill, and the tokens of a local prefill.
+#[test]
+fn a_transfer_slower_than_its_prefill_is_waited_for_while_it_moves() {
+    let mut net = Net::new();
+    let pf = net.host("pf", "10.78.0.2");
+    let dc = net.host("dc", "10.78.0.3");
+    let tc = std::process::Command::new("ip")
+        .args([
+            "netns", "exec", &pf, "tc", "qdisc", "add", "dev", "eth0", "root",
+        ])
+        .args(["tbf", "rate", "8mbit", "burst", "32kbit", "latency", "1s"])
+        .output()
+        .expect("tc (iproute2)");
+    assert!(
+        tc.status.success(),
+        "{}",
+        String::from_utf8_lossy(&tc.stderr)
+    );
+    let model = format!("--model={}", model_path().display());
+    let args = |a: &[&str]| -> Vec<String> { a.iter().map(|s| s.to_string()).collect() };
+    let (_p, paddr) = start_in(
+        &pf,
+        &args(&[
+            "prefill",
+            "--host=10.78.0.2",
+            "--port=0",
+            &model,
+            "--kv-cache-mb=256",
+        ]),
+        "tandem prefill: listening on",
+    );
+    let (_d, line) = start_in(
+        &dc,
+        &args(&[
+            "decode",
+            "--host=10.78.0.3",
+            "--port=0",
+            &model,
+            "--kv-cache-mb=256",
+            "--kv-port=0",
+            "--kv-stall-timeout-ms=2000",
+        ]),
+        "tandem decode: listening on",
+    );
+    let daddr = line.split_whitespace().next().unwrap().to_string();
+    let (router, line) = start_in(
+        &dc,
+        &args(&[
+            "router",
+            "--host=127.0.0.1",
+            "--http-port=0",
+            "--grpc-port=0",
+            &model,
+            "--poll-ms=100",
+            &format!("--decode-workers={daddr}"),
+            &format!("--prefill-workers={paddr}"),
+            "--disagg-min-tokens=64",
+        ]),
+        "tandem router:",
+    );
+    let parts: Vec<&str> = line.split_whitespace().collect();
+    let r = Router {
+        proc: router,
+        http: format!("http://{}", parts[1]),
+        grpc: format!("http://{}", parts[3]),
+    };
+    let per_block = bytes_per_block();
+    block_in(&dc, move || async move {
+        wait_ready(&r, 1).await;
+        ready_prefill_workers(&r.http, 1).await;
+        let prompt = long_prompt(11, 128);
+        let started = Instant::now();
+        let (ids, usage) = generate_ids(&r.grpc, &prompt, 8).await;
+        let took = started.elapsed().as_secs_f64();
+        assert_eq!(usage.cached_prompt_tokens, 0);
+        let dm = scrape(&daddr).await;
+        let moved = metric(&dm, "tandem_kv_transfer_bytes_total");
+        assert_eq!(moved as u64, 8 * per_block, "the prompt's 8 blocks crossed");
+        assert_eq!(
+            metric(&dm, r#"tandem_kv_transfers_total{result="ok"}"#),
+            1.0
+        );
+        assert_eq!(
+            metric(&dm, r#"tandem_kv_transfers_total{result="failed"}"#),
+            0.0,
+            "no attempt was given up on"
+        );
+        let rm = scrape(&r.http).await;
+        assert_eq!(
+            metric(&rm, r#"tandem_prefill_requests_total{mode="remote"}"#),
+            1.0
+        );
+        assert_eq!(ids, local_reference(&daddr, &prompt, 8).await);
+        eprintln!(
+            "slow link: {:.1} MB of KV in {took:.1} s ({:.2} MB/s), the request's whole time",
+            moved / 1e6,
+            moved / 1e6 / took
+        );
+        wait_idle(&daddr).await;
+    });
 }

@@ -239,7 +239,7 @@ impl RemotePrefill {
             sampling: Some(sampling.clone()),
         });
         tandem_telemetry::inject(span, call.metadata_mut().as_mut());
-        let mut watch = Progress::new(self.deadlines, uncached);
+        let mut watch = Progress::new(self.deadlines, uncached, Instant::now());
         // Opening the call waits for the worker's admission; it too must not hang.
         let mut updates = tokio::select! {
             r = client.prefill(call) => r.map_err(|s| match s.code() {
@@ -247,7 +247,7 @@ impl RemotePrefill {
                 tonic::Code::Unavailable => Attempt::Failed(Failure::Unreachable, s.message().to_string()),
                 c => Attempt::Failed(Failure::PrefillError, format!("{c}: {}", s.message())),
             })?.into_inner(),
-            _ = tokio::time::sleep_until(watch.give_up_at()) => return Err(watch.stalled()),
+            _ = tokio::time::sleep_until(watch.give_up_at()) => return Err(watch.stalled(Instant::now())),
         };
         let mut first: Option<Sampled> = None;
         let mut arrived = false;
@@ -259,8 +259,8 @@ impl RemotePrefill {
                         .map_err(|s| prefill_error(format!("{}: {}", s.code(), s.message())))?
                         .ok_or_else(|| prefill_error("the prefill worker ended the call without a first token"))?;
                     match u.update {
-                        Some(pb::prefill_update::Update::Accepted(a)) => watch.accepted(&a),
-                        Some(pb::prefill_update::Update::Progress(p)) => watch.beat(&p),
+                        Some(pb::prefill_update::Update::Accepted(a)) => watch.accepted(&a, Instant::now()),
+                        Some(pb::prefill_update::Update::Progress(p)) => watch.beat(&p, Instant::now()),
                         Some(pb::prefill_update::Update::Done(r)) => {
                             let t = r.first_token.ok_or_else(|| prefill_error("the prefill worker sent no first token"))?;
                             first = Some(Sampled {
@@ -278,8 +278,8 @@ impl RemotePrefill {
                     received(span, &stats, reservation.blocks.len());
                     arrived = true;
                 }
-                _ = check.tick() => watch.frames(g.frames_received()),
-                _ = tokio::time::sleep_until(watch.give_up_at()) => return Err(watch.stalled()),
+                _ = check.tick() => watch.frames(g.frames_received(), Instant::now()),
+                _ = tokio::time::sleep_until(watch.give_up_at()) => return Err(watch.stalled(Instant::now())),
             }
         }
         Ok(first.expect("loop ends with the first token"))
@@ -373,7 +373,10 @@ const PROGRESS_CHECK: Duration = Duration::from_millis(100);
 /// speed: a frozen, dead or unreachable worker is left after [`Deadlines::stall`] without a word
 /// from it (it sends a heartbeat every 250 ms while it works, whatever its speed), and a live one
 /// gets [`Deadlines::slack`] times the time its queue and this prompt take at the rate it
-/// measured, so a slow machine is given proportionally longer.
+/// measured, so a slow machine is given proportionally longer. Once KV frames arrive, each new
+/// one gives it the prompt's allowance again from then on: a transfer that is moving is never
+/// cut for the link being slower than the worker computes (a 1 Gb/s link carries an 8B model's
+/// KV several times slower than one GPU prefills it), and one that stops is left as before.
 #[derive(Clone, Copy, Debug)]
 pub struct Deadlines {
     /// How long an attempt may go without a heartbeat or a KV frame.
@@ -401,13 +404,17 @@ struct Progress {
     frames: u64,
     /// Tokens queued ahead of this prompt when the worker accepted it.
     queued: u64,
-    /// Bound on the whole attempt, once the worker has told its rate.
+    /// The rate the worker first told, in tokens per second.
+    rate: Option<f64>,
+    /// When the latest KV frame was seen.
+    last_frame: Option<Instant>,
+    /// Bound on the whole attempt (from the latest KV frame once frames arrive), once the worker
+    /// has told its rate.
     total: Option<(Instant, String)>,
 }
 
 impl Progress {
-    fn new(d: Deadlines, uncached: usize) -> Self {
-        let now = Instant::now();
+    fn new(d: Deadlines, uncached: usize, now: Instant) -> Self {
         Self {
             d,
             uncached,
@@ -415,47 +422,74 @@ impl Progress {
             last: now,
             frames: 0,
             queued: 0,
+            rate: None,
+            last_frame: None,
             total: None,
         }
     }
 
-    fn heard(&mut self) {
-        self.last = Instant::now();
-    }
-
-    fn accepted(&mut self, a: &pb::PrefillAccepted) {
-        self.heard();
+    fn accepted(&mut self, a: &pb::PrefillAccepted, now: Instant) {
+        self.last = now;
         self.queued = a.queued_tokens;
         self.rate(a.tokens_per_second);
     }
 
-    fn beat(&mut self, p: &pb::PrefillProgress) {
-        self.heard();
+    fn beat(&mut self, p: &pb::PrefillProgress, now: Instant) {
+        self.last = now;
         self.rate(p.tokens_per_second);
     }
 
-    /// Bounds the attempt by the worker's rate, the first time it has one (a worker that has not
-    /// computed anything yet learns it on its first step).
+    /// Takes the worker's rate, the first time it has one (a worker that has not computed
+    /// anything yet learns it on its first step), and bounds the attempt by it.
     fn rate(&mut self, tokens_per_second: f64) {
-        if self.total.is_some() || tokens_per_second.is_nan() || tokens_per_second <= 0.0 {
+        if self.rate.is_some() || tokens_per_second.is_nan() || tokens_per_second <= 0.0 {
             return;
         }
-        let tokens = self.queued as f64 + self.uncached as f64;
-        let secs = self.d.stall.as_secs_f64() + self.d.slack * tokens / tokens_per_second;
-        self.total = Some((
-            self.started + Duration::from_secs_f64(secs.min(1e7)),
-            format!(
-                "not done within {secs:.1} s ({tokens} tokens at the worker's {tokens_per_second:.0} tokens/s, slack {}x)",
-                self.d.slack
-            ),
-        ));
+        self.rate = Some(tokens_per_second);
+        self.bound();
     }
 
-    fn frames(&mut self, n: u64) {
-        if n > self.frames {
-            self.frames = n;
-            self.heard();
+    /// `n` frames have arrived by `now` (the receiver's count: it only grows).
+    fn frames(&mut self, n: u64, now: Instant) {
+        if n <= self.frames {
+            return;
         }
+        self.frames = n;
+        self.last = now;
+        self.last_frame = Some(now);
+        self.bound();
+    }
+
+    /// The bound on the whole attempt at the worker's rate: its queue and this prompt from the
+    /// start, or, once KV frames arrive, the prompt from the latest one (the queue ahead is done
+    /// then, and what is left is this prompt's computing and sending, which a slow link may
+    /// stretch past any bound on computing alone), whichever is later.
+    fn bound(&mut self) {
+        let Some(rate) = self.rate else { return };
+        let allowance = |tokens: f64| {
+            let secs = self.d.stall.as_secs_f64() + self.d.slack * tokens / rate;
+            secs.min(1e7)
+        };
+        let (queued, uncached) = (self.queued as f64, self.uncached as f64);
+        let whole = allowance(queued + uncached);
+        let mut until = self.started + Duration::from_secs_f64(whole);
+        let mut why = format!(
+            "not done within {whole:.1} s ({} tokens at the worker's {rate:.0} tokens/s, slack {}x)",
+            queued + uncached,
+            self.d.slack
+        );
+        if let Some(frame) = self.last_frame {
+            let rest = allowance(uncached);
+            let after = frame + Duration::from_secs_f64(rest);
+            if after > until {
+                until = after;
+                why = format!(
+                    "no KV frame for {rest:.1} s ({uncached} tokens at the worker's {rate:.0} tokens/s, slack {}x)",
+                    self.d.slack
+                );
+            }
+        }
+        self.total = Some((until, why));
     }
 
     fn give_up_at(&self) -> tokio::time::Instant {
@@ -467,12 +501,11 @@ impl Progress {
         at.into()
     }
 
-    fn stalled(&self) -> Attempt {
-        Attempt::Failed(Failure::Stalled, self.why())
+    fn stalled(&self, now: Instant) -> Attempt {
+        Attempt::Failed(Failure::Stalled, self.why(now))
     }
 
-    fn why(&self) -> String {
-        let now = Instant::now();
+    fn why(&self, now: Instant) -> String {
         match &self.total {
             Some((t, why)) if *t <= now => why.clone(),
             _ => format!(
@@ -480,5 +513,95 @@ impl Progress {
                 (now - self.last).as_secs_f64()
             ),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A frame every second, a link four times slower than the worker computes: the attempt
+    /// lives as long as frames come; when they stop (heartbeats still coming) it is left after
+    /// the prompt's allowance from the last one. Times are given, not read from a clock.
+    #[test]
+    fn a_moving_transfer_is_never_cut_for_a_slow_link_and_a_stopped_one_is_left() {
+        let t0 = Instant::now();
+        let at = |s: f64| t0 + Duration::from_secs_f64(s);
+        let gives_up = |p: &Progress| (p.give_up_at().into_std() - t0).as_secs_f64();
+        let d = Deadlines {
+            stall: Duration::from_secs(2),
+            slack: 4.0,
+        };
+        // 1000 tokens at 1000 tokens/s behind 500 queued: 2 + 4 x 1.5 = 8 s for the whole.
+        let mut p = Progress::new(d, 1000, t0);
+        let accepted = pb::PrefillAccepted {
+            queued_tokens: 500,
+            tokens_per_second: 1000.0,
+        };
+        p.accepted(&accepted, t0);
+        assert_eq!(gives_up(&p), 2.0, "silence: the stall allowance");
+        let beat = pb::PrefillProgress {
+            tokens_per_second: 900.0,
+        };
+        for k in 1..=7 {
+            p.beat(&beat, at(k as f64));
+            assert_eq!(gives_up(&p), (k as f64 + 2.0).min(8.0), "beat at {k} s");
+        }
+        assert!(p.why(at(8.0)).starts_with("not done within 8.0 s"));
+        // Frames from 7.5 s to 40.5 s, one a second: the bound on computing alone (8 s) would
+        // have cut it; each frame gives the prompt's allowance (2 + 4 x 1 = 6 s) from then on.
+        for k in 0..34 {
+            let now = 7.5 + k as f64;
+            p.frames(k + 1, at(now));
+            p.beat(&beat, at(now + 0.5));
+            assert_eq!(gives_up(&p), now + 2.5, "frame at {now} s");
+        }
+        // A count that does not grow is no progress.
+        p.frames(34, at(41.0));
+        // The frames stop, the heartbeats do not: left 6 s after the last frame.
+        for k in 0..5 {
+            p.beat(&beat, at(41.0 + k as f64));
+        }
+        assert_eq!(gives_up(&p), 40.5 + 6.0);
+        let why = p.why(at(46.5));
+        assert!(why.starts_with("no KV frame for 6.0 s"), "{why}");
+    }
+
+    #[test]
+    fn a_rate_told_after_frames_came_bounds_the_attempt_from_the_latest_frame() {
+        let t0 = Instant::now();
+        let at = |s: f64| t0 + Duration::from_secs_f64(s);
+        let gives_up = |p: &Progress| (p.give_up_at().into_std() - t0).as_secs_f64();
+        let d = Deadlines {
+            stall: Duration::from_secs(2),
+            slack: 4.0,
+        };
+        // A fresh worker knows no rate yet, and its heartbeats wait while it sends over a slow
+        // link: frames every 0.5 s are all that comes, and only silence bounds it.
+        let mut p = Progress::new(d, 1000, t0);
+        let fresh = pb::PrefillAccepted {
+            queued_tokens: 0,
+            tokens_per_second: 0.0,
+        };
+        p.accepted(&fresh, t0);
+        assert_eq!(gives_up(&p), 2.0);
+        for k in 1..=18 {
+            p.frames(k, at(0.5 * k as f64));
+            assert_eq!(gives_up(&p), 0.5 * k as f64 + 2.0);
+        }
+        // Its first rate comes at 9 s, past the 6 s (2 + 4 x 1) the prompt is allowed from the
+        // start: the bound counts from the latest frame instead.
+        let beat = pb::PrefillProgress {
+            tokens_per_second: 1000.0,
+        };
+        p.beat(&beat, at(9.0));
+        assert_eq!(gives_up(&p), 11.0, "silence bounds it");
+        // The frames stop, the heartbeats do not: left 6 s after the last frame.
+        for k in 10..=16 {
+            p.beat(&beat, at(k as f64));
+        }
+        assert_eq!(gives_up(&p), 15.0);
+        let why = p.why(at(15.0));
+        assert!(why.starts_with("no KV frame for 6.0 s"), "{why}");
     }
 }
