@@ -157,6 +157,41 @@ fn the_chart_lints_renders_valid_objects_and_commands_the_binary_accepts() {
         "{args}"
     );
     assert!(args.contains("--device=cuda"), "{args}");
+
+    // Tensor parallelism and the deadlines reach the workers and the router as flags the binary
+    // takes; the two worker groups' degrees may differ (KV moves between TP sizes).
+    let objs = objects(&render(&[
+        "--set-json",
+        "decode.tensorParallel=3",
+        "--set-json",
+        "decode.kvStallTimeoutMs=7000",
+        "--set-json",
+        "decode.kvDeadlineSlack=2.5",
+        "--set-json",
+        "router.workerStallTimeoutMs=20000",
+    ]));
+    assert_eq!(commands_parse(&objs, "tp 3"), 4);
+    let args = |name: &str| {
+        objs.iter()
+            .find(|o| o["kind"] == "Deployment" && o["metadata"]["name"] == name)
+            .unwrap_or_else(|| panic!("no {name}"))["spec"]["template"]["spec"]["containers"][0]
+            ["args"]
+            .to_string()
+    };
+    let decode = args("tandem-decode");
+    for flag in [
+        "\"--tp=3\"",
+        "\"--kv-stall-timeout-ms=7000\"",
+        "\"--kv-deadline-slack=2.5\"",
+    ] {
+        assert!(decode.contains(flag), "{flag}: {decode}");
+    }
+    assert!(!args("tandem-prefill").contains("--tp="));
+    let router = args("tandem-router");
+    assert!(
+        router.contains("\"--worker-stall-timeout-ms=20000\""),
+        "{router}"
+    );
 }
 
 #[test]
@@ -173,9 +208,32 @@ fn bad_values_are_refused_naming_what_is_wrong() {
         assert!(!o.status.success(), "{set} was accepted");
         assert!(text(&o).contains(says), "{set}: {}", text(&o));
     }
-    // A decode worker receives KV laid out for its own tensor-parallel split.
-    let o = helm(&["template", "t", c, "--set-json", "prefill.tensorParallel=2"]);
-    assert!(!o.status.success());
+    // Tensor parallelism runs on the CPU in this release: a GPU group with it is refused with
+    // the reason, and a degree past the binary's is refused by the schema.
+    let o = helm(&[
+        "template",
+        "t",
+        c,
+        "--set",
+        "decode.device=cuda",
+        "--set-json",
+        "decode.tensorParallel=2",
+    ]);
+    assert!(!o.status.success(), "TP on cuda was accepted");
+    assert!(
+        text(&o).contains("decode.tensorParallel 2 on device cuda"),
+        "{}",
+        text(&o)
+    );
+    let o = helm(&[
+        "lint",
+        "--strict",
+        c,
+        "--set-json",
+        "prefill.tensorParallel=65",
+    ]);
+    assert!(!o.status.success(), "TP 65 was accepted");
+    assert!(text(&o).contains("tensorParallel"), "{}", text(&o));
     let o = helm(&["template", "t", c, "--set", "discovery.mode=etcd"]);
     assert!(!o.status.success(), "etcd without endpoints was accepted");
     assert!(

@@ -6,6 +6,9 @@ pods), PodDisruptionBudget. (dict "ctx" $ "role" "decode" "g" .Values.decode) */
 {{- $role := .role }}
 {{- $full := include "tandem.fullname" $ }}
 {{- $sel := include "tandem.selector" (dict "ctx" $ "role" $role) }}
+{{- if and (gt (int $g.tensorParallel) 1) (hasPrefix "cuda" $g.device) }}
+{{- fail (printf "%s.tensorParallel %v on device %s: tensor parallelism runs on device cpu in this release (the GPU backend takes one GPU per worker)" $role $g.tensorParallel $g.device) }}
+{{- end }}
 apiVersion: apps/v1
 kind: Deployment
 metadata:
@@ -52,9 +55,14 @@ spec:
             {{- if gt (int $g.threads) 0 }}
             - --threads={{ $g.threads }}
             {{- end }}
+            {{- if gt (int $g.tensorParallel) 1 }}
+            - --tp={{ $g.tensorParallel }}
+            {{- end }}
             {{- if eq $role "decode" }}
             - --kv-port={{ $g.kvPort }}
             - --kv-advertise-host=$(POD_IP)
+            - --kv-stall-timeout-ms={{ int64 $g.kvStallTimeoutMs }}
+            - --kv-deadline-slack={{ $g.kvDeadlineSlack }}
             {{- end }}
             {{- if eq $.Values.discovery.mode "etcd" }}
             - --discovery=etcd://{{ join "," $.Values.discovery.etcd.endpoints }}
