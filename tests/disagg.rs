@@ -745,8 +745,14 @@ fn a_transfer_slower_than_its_prefill_is_waited_for_while_it_moves() {
             1.0
         );
         assert_eq!(ids, local_reference(&daddr, &prompt, 8).await);
+        // The prefill worker's side: one send, every byte, and time spent waiting for the link.
+        let pm = scrape(&paddr).await;
+        assert_eq!(metric(&pm, "tandem_kv_transfer_sent_bytes_total"), moved);
+        assert_eq!(metric(&pm, "tandem_kv_send_duration_seconds_count"), 1.0);
+        let blocked = metric(&pm, "tandem_kv_send_blocked_seconds_total");
+        assert!(blocked > 0.0, "{blocked}");
         eprintln!(
-            "slow link: {:.1} MB of KV in {took:.1} s ({:.2} MB/s), the request's whole time",
+            "slow link: {:.1} MB of KV in {took:.1} s ({:.2} MB/s), the request's whole time; the prefill worker waited {blocked:.1} s for the link",
             moved / 1e6,
             moved / 1e6 / took
         );

@@ -16,17 +16,21 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::DescriptorEncoder;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::Unit;
 use tandem_engine::{BlockId, EngineHandle, KvChunk, Request, StreamEvent, ValidSampling};
 use tandem_kv_transfer::{BlockFrame, KvShape, KvStream, KvTransport};
 use tandem_proto::wire::sampling_from_wire;
 use tandem_proto::worker::{self as pb, prefill_server::PrefillServer};
 use tandem_telemetry::OpenTelemetrySpanExt;
 use tandem_worker::convert::{status, BoxStream};
-use tandem_worker::metrics::{counter, engine_metrics, gauge, RequestMetrics};
+use tandem_worker::metrics::{counter, engine_metrics, gauge, seconds, RequestMetrics};
 use tandem_worker::trace;
 pub use tandem_worker::WorkerIdentity;
 use tandem_worker::{ControlService, Drain, InFlight};
@@ -36,7 +40,7 @@ use tonic::{Request as GrpcRequest, Response, Status};
 use tracing::Instrument;
 
 /// Counted since start, for `/metrics`.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct PrefillCounts {
     /// Calls whose KV all arrived and whose first token went back.
     pub ok: AtomicU64,
@@ -50,6 +54,25 @@ pub struct PrefillCounts {
     pub prefilled_tokens: AtomicU64,
     /// KV payload bytes sent to decode workers.
     pub bytes_sent: AtomicU64,
+    /// Per prefill, seconds from connecting to its decode worker to its last frame sent.
+    pub send_duration: Histogram,
+    /// Nanoseconds prefills waited for the link to take their KV frames.
+    pub send_blocked_ns: AtomicU64,
+}
+
+impl Default for PrefillCounts {
+    fn default() -> Self {
+        Self {
+            ok: AtomicU64::default(),
+            failed: AtomicU64::default(),
+            cancelled: AtomicU64::default(),
+            refused: AtomicU64::default(),
+            prefilled_tokens: AtomicU64::default(),
+            bytes_sent: AtomicU64::default(),
+            send_duration: tandem_worker::metrics::latency_histogram(),
+            send_blocked_ns: AtomicU64::default(),
+        }
+    }
 }
 
 /// How much work a prefill worker takes on.
@@ -302,6 +325,7 @@ impl Shared {
         .await
         .map_err(|_| Stop::Gone)?;
         let mut kv = KvSpan::new(&prefill, &dest.endpoint, dest.block_ids.len());
+        let connecting = Instant::now();
         let mut conn: Box<dyn KvStream> =
             self.transport.open(&dest.endpoint).await.map_err(|e| {
                 Status::unavailable(format!(
@@ -364,9 +388,13 @@ impl Shared {
                         }
                     };
                     let frames = chunk_frames(&c, &dest.block_ids, &regrouped);
-                    conn.send_blocks(dest.transfer_id, &frames)
-                        .await
-                        .map_err(send_err)?;
+                    let sending = Instant::now();
+                    let sent_them = conn.send_blocks(dest.transfer_id, &frames).await;
+                    let blocked = u64::try_from(sending.elapsed().as_nanos()).unwrap_or(u64::MAX);
+                    self.counts
+                        .send_blocked_ns
+                        .fetch_add(blocked, Ordering::Relaxed);
+                    sent_them.map_err(send_err)?;
                     sent += frames.iter().map(|f| f.payload.len() as u64).sum::<u64>();
                     kv.bytes = sent;
                     admitted.sent((c.blocks * bs) as u64);
@@ -392,6 +420,9 @@ impl Shared {
         }
         let first = first.ok_or_else(|| Status::internal("the engine stopped mid-prefill"))?;
         conn.end(dest.transfer_id).await.map_err(send_err)?;
+        self.counts
+            .send_duration
+            .observe(connecting.elapsed().as_secs_f64());
         kv.done();
         self.counts.bytes_sent.fetch_add(sent, Ordering::Relaxed);
         self.counts
@@ -552,7 +583,20 @@ impl Collector for Metrics {
             "tandem_kv_transfer_sent_bytes",
             "KV payload bytes sent to decode workers",
             &[(&[], l(&c.bytes_sent))],
-        )
+        )?;
+        seconds(
+            &mut enc,
+            "tandem_kv_send_duration",
+            "Time from connecting to a decode worker to the last KV frame of a prefill sent (its computing included: frames go as the prompt is computed)",
+            &c.send_duration,
+        )?;
+        let m = enc.encode_descriptor(
+            "tandem_kv_send_blocked",
+            "Time prefills waited for the link to take their KV frames (it grows when the link is slower than computing)",
+            Some(&Unit::Seconds),
+            MetricType::Counter,
+        )?;
+        ConstCounter::new(l(&c.send_blocked_ns) as f64 / 1e9).encode(m)
     }
 }
 
