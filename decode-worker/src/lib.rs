@@ -362,6 +362,11 @@ impl pb::decode_server::Decode for DecodeService {
             constraint: None,
             samples,
         };
+        let request = self
+            .engine
+            .compile(request)
+            .await
+            .map_err(|e| fail(status(e)))?;
         let mut pending = None;
         let submitted = SystemTime::now();
         let stream = match (&self.remote, candidates.is_empty()) {

@@ -311,9 +311,14 @@ impl Shared {
             tandem.prefill.queued_tokens_ahead = ahead as i64,
         );
         let submitted = SystemTime::now();
+        let request = self
+            .engine
+            .compile(Request::new(req.prompt_ids, sampling))
+            .await
+            .map_err(status)?;
         let mut stream = self
             .engine
-            .submit_prefill(Request::new(req.prompt_ids, sampling), cached)
+            .submit_prefill(request, cached)
             .map_err(status)?;
         let stats = self.engine.stats();
         tx.send(update(pb::prefill_update::Update::Accepted(

@@ -114,6 +114,7 @@ impl pb::generation_server::Generation for GenerationService {
         };
         let prep = d
             .prepare(&r.model, input, params, default_max)
+            .await
             .map_err(|e| {
                 d.metrics.request("invalid");
                 trace::failed(&span, &e);

@@ -235,12 +235,14 @@ fn params(max_tokens: u64) -> GenParams {
 
 /// Runs a request to its end: its text, its finish, or the error it ended with.
 async fn run(d: &Dispatcher, max_tokens: u64) -> Result<(String, FinishKind, u32), ApiError> {
-    let prep = d.prepare(
-        "",
-        PromptInput::Text("Tell me a story".into()),
-        params(max_tokens),
-        MaxTokensDefault::Fixed(16),
-    )?;
+    let prep = d
+        .prepare(
+            "",
+            PromptInput::Text("Tell me a story".into()),
+            params(max_tokens),
+            MaxTokensDefault::Fixed(16),
+        )
+        .await?;
     let mut g = d.generate(prep).await?;
     let mut text = String::new();
     while let Some(c) = g.next().await {
@@ -631,12 +633,14 @@ async fn run_samples(
         stop: stop.iter().map(|s| s.to_string()).collect(),
         ..params(64)
     };
-    let prep = d.prepare(
-        "",
-        PromptInput::Text("Tell me a story".into()),
-        p,
-        MaxTokensDefault::Fixed(16),
-    )?;
+    let prep = d
+        .prepare(
+            "",
+            PromptInput::Text("Tell me a story".into()),
+            p,
+            MaxTokensDefault::Fixed(16),
+        )
+        .await?;
     let mut g = d.generate(prep).await?;
     let mut out = vec![(String::new(), None, 0); n as usize];
     while let Some(c) = g.next().await {

@@ -254,7 +254,7 @@ pub struct Dispatcher {
     queued: Arc<AtomicUsize>,
     next_id: AtomicU64,
     /// Compiles requests' grammars to refuse a bad one here, before it is routed.
-    grammars: GrammarCompiler,
+    grammars: Arc<GrammarCompiler>,
 }
 
 /// A slot in the router's queue, released on drop.
@@ -278,8 +278,10 @@ impl Dispatcher {
     ) -> Self {
         // One registry for the router: the pools count joins, leaves and refusals into it.
         let metrics = pool.metrics().clone();
-        let grammars =
-            GrammarCompiler::new(model.text.tokenizer.clone(), model.text.config.vocab_size);
+        let grammars = Arc::new(GrammarCompiler::new(
+            model.text.tokenizer.clone(),
+            model.text.config.vocab_size,
+        ));
         Self {
             grammars,
             model,

@@ -90,7 +90,7 @@ impl Dispatcher {
     }
 
     /// Validates and tokenizes; every refusal here is the client's to fix (400).
-    pub fn prepare(
+    pub async fn prepare(
         &self,
         model: &str,
         input: PromptInput,
@@ -131,13 +131,19 @@ impl Dispatcher {
         let biased: Vec<u32> = sampling.logit_bias.iter().map(|&(t, _)| t).collect();
         self.check_vocabulary(&biased, "logit_bias")?;
         if let Some(g) = &p.grammar {
-            // Compiled here only to be refused here: each worker compiles its own.
-            self.grammars.compile(&g.grammar).map_err(|e| match e {
-                tandem_grammar::GrammarError::Invalid(m) => {
-                    ApiError::invalid(format!("{}: {m}", g.param), g.param)
-                }
-                other => ApiError::invalid(other.to_string(), g.param),
-            })?;
+            // Compiled here only to be refused here: each worker compiles its own. On the
+            // blocking pool: a large schema takes milliseconds and the vocabulary's index, on
+            // first use, a few hundred, which a thread serving streams must not spend.
+            let (grammars, grammar) = (self.grammars.clone(), g.grammar.clone());
+            tokio::task::spawn_blocking(move || grammars.compile(&grammar).map(drop))
+                .await
+                .map_err(|e| ApiError::Internal(format!("checking the grammar: {e}")))?
+                .map_err(|e| match e {
+                    tandem_grammar::GrammarError::Invalid(m) => {
+                        ApiError::invalid(format!("{}: {m}", g.param), g.param)
+                    }
+                    other => ApiError::invalid(other.to_string(), g.param),
+                })?;
         }
         let prompt = self.tokenize(input)?;
         if prompt.is_empty() {

@@ -185,7 +185,7 @@ async fn completions(
     RequestBody(body): RequestBody,
 ) -> Response {
     let span = trace::request_span("POST /v1/completions", "text_completion", &headers);
-    match completion_request(&d, &body) {
+    match completion_request(&d, &body).await {
         Ok((preps, shape, stream)) => {
             let preps = preps
                 .into_iter()
@@ -223,7 +223,7 @@ async fn serve(d: Arc<Dispatcher>, preps: Vec<Prepared>, shape: Shape, stream: b
 /// Prompts one completion request may batch.
 const MAX_BATCHED_PROMPTS: usize = 256;
 
-fn completion_request(
+async fn completion_request(
     d: &Dispatcher,
     body: &[u8],
 ) -> Result<(Vec<Prepared>, Shape, bool), ApiError> {
@@ -264,7 +264,10 @@ fn completion_request(
             ),
             _ => None,
         });
-        preps.push(d.prepare(&r.model, input, params.clone(), MaxTokensDefault::Fixed(16))?);
+        preps.push(
+            d.prepare(&r.model, input, params.clone(), MaxTokensDefault::Fixed(16))
+                .await?,
+        );
     }
     let shape = Shape {
         api: Api::Completion,
@@ -286,7 +289,7 @@ async fn chat_completions(
     RequestBody(body): RequestBody,
 ) -> Response {
     let span = trace::request_span("POST /v1/chat/completions", "chat", &headers);
-    match chat_request(&d, &body) {
+    match chat_request(&d, &body).await {
         Ok((prep, shape, stream)) => {
             let prep = trace::prepared(span, &d.model.name, prep);
             serve(d, vec![prep], shape, stream).await
@@ -295,7 +298,7 @@ async fn chat_completions(
     }
 }
 
-fn chat_request(d: &Dispatcher, body: &[u8]) -> Result<(Prepared, Shape, bool), ApiError> {
+async fn chat_request(d: &Dispatcher, body: &[u8]) -> Result<(Prepared, Shape, bool), ApiError> {
     let r: ChatRequest = parse(body)?;
     r.not_served.check(r.sampling.n()?)?;
     let tools = Tools::parse(
@@ -341,7 +344,9 @@ fn chat_request(d: &Dispatcher, body: &[u8]) -> Result<(Prepared, Shape, bool), 
             "top_logprobs",
         ));
     }
-    let prep = d.prepare(&r.model, input, params, MaxTokensDefault::RestOfContext)?;
+    let prep = d
+        .prepare(&r.model, input, params, MaxTokensDefault::RestOfContext)
+        .await?;
     let shape = Shape {
         api: Api::Chat,
         id: format!("chatcmpl-{}", prep.request_id),
