@@ -58,6 +58,10 @@ pub enum ApiError {
         worker: WorkerAddr,
         /// What went wrong, with the worker's gRPC code.
         message: String,
+        /// How: `Unavailable` (the worker was lost, nothing left to move the request to:
+        /// retrying may find another), `Internal` (it failed the request) or `Unsupported`
+        /// (what it runs cannot serve it). The gRPC code follows it.
+        kind: ErrorKind,
     },
     /// A worker is full or stopping: the same request may succeed in a moment.
     #[error("worker {worker} cannot take the request now: {message}")]
@@ -148,7 +152,7 @@ impl ApiError {
                 st
             }
             Self::NoWorker | Self::WorkerUnavailable { .. } => tonic::Status::unavailable(m),
-            Self::Upstream { .. } => tonic::Status::unavailable(m),
+            Self::Upstream { kind, .. } => tandem_proto::wire::status(*kind, m),
             Self::Internal(_) => tonic::Status::internal(m),
         }
     }
@@ -167,9 +171,10 @@ impl ApiError {
                 worker: worker.clone(),
                 message: format!("{}: {message}", s.code()),
             },
-            ErrorKind::Unsupported | ErrorKind::Internal => Self::Upstream {
+            kind @ (ErrorKind::Unsupported | ErrorKind::Internal) => Self::Upstream {
                 worker: worker.clone(),
                 message: format!("{}: {message}", s.code()),
+                kind,
             },
         }
     }
@@ -276,7 +281,19 @@ mod tests {
             (ApiError::QueueFull(1), 429, Code::ResourceExhausted),
             (ApiError::NoWorker, 503, Code::Unavailable),
             (from(ErrorKind::Busy), 503, Code::Unavailable),
-            (from(ErrorKind::Internal), 502, Code::Unavailable),
+            // A worker's failure: gRPC clients retry UNAVAILABLE on their own, so only a lost
+            // worker says it; one that failed the request, or cannot serve it, says so.
+            (from(ErrorKind::Internal), 502, Code::Internal),
+            (from(ErrorKind::Unsupported), 502, Code::FailedPrecondition),
+            (
+                ApiError::Upstream {
+                    worker: "w:1".into(),
+                    message: "the stream ended without a finish".into(),
+                    kind: ErrorKind::Unavailable,
+                },
+                502,
+                Code::Unavailable,
+            ),
             (ApiError::Internal("x".into()), 500, Code::Internal),
         ];
         for (e, http, code) in cases {

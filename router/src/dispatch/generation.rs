@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use futures::StreamExt;
 use tandem_proto::worker as pb;
+use tandem_types::ErrorKind;
 use tokio::time::Instant;
 use tracing::Instrument;
 
@@ -193,6 +194,7 @@ impl Generation {
                     message: format!(
                         "the worker sent nothing, not even a heartbeat, for {stall:?}"
                     ),
+                    kind: ErrorKind::Unavailable,
                 }),
                 Ok(Some(Ok(m))) => {
                     self.legs[k].deadline = Instant::now() + stall;
@@ -205,6 +207,7 @@ impl Generation {
                 Ok(None) => Arrival::Lost(ApiError::Upstream {
                     worker,
                     message: "the stream ended without a finish".into(),
+                    kind: ErrorKind::Unavailable,
                 }),
                 Ok(Some(Err(s))) if worker_lost(&s) => {
                     Arrival::Lost(ApiError::from_worker(&worker, &s))
@@ -324,6 +327,7 @@ impl Generation {
                 Err(ApiError::Upstream {
                     worker: worker.clone(),
                     message: format!("the worker sent sample {i}, which it does not serve"),
+                    kind: ErrorKind::Internal,
                 })
             }
         };
@@ -406,6 +410,7 @@ impl Generation {
             return Err(ApiError::Upstream {
                 worker: self.legs[k].worker().clone(),
                 message: format!("the stream ended before samples {open:?} finished"),
+                kind: ErrorKind::Internal,
             });
         }
         // A finish that came in the same message needs no stop.

@@ -89,6 +89,7 @@ impl Route {
                     Some(last) => ApiError::Upstream {
                         worker: last.clone(),
                         message: "no decode worker could take the request".into(),
+                        kind: tandem_types::ErrorKind::Unavailable,
                     },
                 });
             };
