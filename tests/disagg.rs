@@ -430,6 +430,138 @@ impl KvStream for FlipStream {
     }
 }
 
+/// A KV transport whose sends wait until the test lets them through (their frames go
+/// nowhere): a link that takes the KV as slowly as the test likes.
+struct Held {
+    gate: Arc<tokio::sync::Semaphore>,
+    held: Arc<AtomicBool>,
+}
+
+struct HeldStream {
+    gate: Arc<tokio::sync::Semaphore>,
+    held: Arc<AtomicBool>,
+}
+
+impl KvTransport for Held {
+    fn open<'a>(
+        &'a self,
+        _endpoint: &'a str,
+    ) -> BoxFuture<'a, Result<Box<dyn KvStream>, TransferError>> {
+        let (gate, held) = (self.gate.clone(), self.held.clone());
+        Box::pin(async move { Ok(Box::new(HeldStream { gate, held }) as Box<dyn KvStream>) })
+    }
+}
+
+impl KvStream for HeldStream {
+    fn send_blocks<'a>(
+        &'a mut self,
+        _transfer: u64,
+        _frames: &'a [BlockFrame<'a>],
+    ) -> BoxFuture<'a, Result<(), TransferError>> {
+        Box::pin(async move {
+            self.held.store(true, Ordering::SeqCst);
+            let permit = self
+                .gate
+                .acquire()
+                .await
+                .map_err(|_| TransferError::Aborted)?;
+            permit.forget();
+            Ok(())
+        })
+    }
+    fn end(&mut self, _transfer: u64) -> BoxFuture<'_, Result<(), TransferError>> {
+        Box::pin(async { Ok(()) })
+    }
+    fn abort(&mut self, _transfer: u64) -> BoxFuture<'_, Result<(), TransferError>> {
+        Box::pin(async { Ok(()) })
+    }
+    fn context<'a>(
+        &'a mut self,
+        _transfer: u64,
+        _context: &'a str,
+    ) -> BoxFuture<'a, Result<(), TransferError>> {
+        Box::pin(async { Ok(()) })
+    }
+}
+
+/// While the link holds a prefill's KV, the worker goes on telling its caller that it is alive
+/// (and its rate): heartbeats keep coming, four of them after the send was held (the worker
+/// beats every 250 ms; a beat already on its way when the send was held is at most the first),
+/// and the answer comes once the link takes the KV.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_worker_keeps_beating_while_its_link_holds_the_kv() {
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let held = Arc::new(AtomicBool::new(false));
+    let prefill = tandem_prefill_worker::PrefillService::new(
+        Arc::new(engine()),
+        Arc::new(Held {
+            gate: gate.clone(),
+            held: held.clone(),
+        }),
+        tandem_decode_worker::WorkerIdentity {
+            worker_id: "p".into(),
+            model: "m".into(),
+            kv_dtype: "f32".into(),
+        },
+        Default::default(),
+    );
+    let pl = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let paddr = pl.local_addr().unwrap().to_string();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(wpb::prefill_server::PrefillServer::new(prefill))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(pl)),
+    );
+    let mut c = wpb::prefill_client::PrefillClient::connect(format!("http://{paddr}"))
+        .await
+        .unwrap();
+    let prompt = long_prompt(5, 64);
+    let req = wpb::PrefillRequest {
+        request_id: "held".into(),
+        prompt_ids: prompt,
+        cached_tokens: 0,
+        destination: Some(wpb::KvDestination {
+            endpoint: "held".into(),
+            transfer_id: 7,
+            block_ids: (0..4).collect(),
+        }),
+        sampling: Some(wpb::Sampling::default()),
+    };
+    let mut updates = c.prefill(req).await.unwrap().into_inner();
+    use wpb::prefill_update::Update;
+    async fn next(u: &mut tonic::Streaming<wpb::PrefillUpdate>) -> Option<Update> {
+        tokio::time::timeout(Duration::from_secs(120), u.message())
+            .await
+            .expect("the worker went silent while the link held its KV")
+            .unwrap()
+            .expect("the call ended early")
+            .update
+    }
+    assert!(matches!(
+        next(&mut updates).await,
+        Some(Update::Accepted(_))
+    ));
+    let mut beats_held = 0;
+    while beats_held < 4 {
+        match next(&mut updates).await {
+            Some(Update::Progress(_)) if held.load(Ordering::SeqCst) => beats_held += 1,
+            Some(Update::Progress(_)) => {}
+            other => panic!("{other:?} before the link took the KV"),
+        }
+    }
+    gate.add_permits(1 << 20);
+    loop {
+        match next(&mut updates).await {
+            Some(Update::Progress(_)) => {}
+            Some(Update::Done(d)) => {
+                assert_eq!(d.prefilled_tokens, 64);
+                break;
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}
+
 fn engine() -> tandem_engine::EngineHandle {
     tandem_engine::EngineHandle::spawn(|| {
         let loaded = tandem_model::load(&model_path())?;

@@ -284,8 +284,21 @@ impl Shared {
         ))
     }
 
+    /// Tells the caller this worker is alive and the rate it computes at; `Gone` when the caller
+    /// has gone. A full channel means the caller has not read the last beats yet: it will see
+    /// this worker's progress in the next one.
+    fn beat(&self, tx: &Updates) -> Result<(), Stop> {
+        let progress = pb::PrefillProgress {
+            tokens_per_second: self.engine.stats().prefill_tokens_per_s,
+        };
+        match tx.try_send(update(pb::prefill_update::Update::Progress(progress))) {
+            Err(tokio::sync::mpsc::error::TrySendError::Closed(_)) => Err(Stop::Gone),
+            _ => Ok(()),
+        }
+    }
+
     /// Runs one admitted prefill: engine chunks out to the destination as they come, heartbeats
-    /// to the caller while it works, then the answer.
+    /// to the caller while it works (and while the link takes its KV), then the answer.
     async fn run(
         &self,
         req: pb::PrefillRequest,
@@ -363,16 +376,7 @@ impl Shared {
             let ev = tokio::select! {
                 ev = stream.next() => ev,
                 _ = beat.tick() => {
-                    let progress = pb::PrefillProgress {
-                        tokens_per_second: self.engine.stats().prefill_tokens_per_s,
-                    };
-                    // A full channel means the caller has not read the last beats yet: it
-                    // will see this worker's progress in the next one.
-                    if let Err(tokio::sync::mpsc::error::TrySendError::Closed(_)) =
-                        tx.try_send(update(pb::prefill_update::Update::Progress(progress)))
-                    {
-                        return Err(Stop::Gone);
-                    }
+                    self.beat(tx)?;
                     continue;
                 }
                 _ = tx.closed() => return Err(Stop::Gone),
@@ -394,7 +398,17 @@ impl Shared {
                     };
                     let frames = chunk_frames(&c, &dest.block_ids, &regrouped);
                     let sending = Instant::now();
-                    let sent_them = conn.send_blocks(dest.transfer_id, &frames).await;
+                    // Beats go on while a slow link takes the frames: the caller hears that
+                    // this worker is alive, and its rate, whatever the link's speed.
+                    let send = conn.send_blocks(dest.transfer_id, &frames);
+                    tokio::pin!(send);
+                    let sent_them = loop {
+                        tokio::select! {
+                            r = &mut send => break r,
+                            _ = beat.tick() => self.beat(tx)?,
+                            _ = tx.closed() => return Err(Stop::Gone),
+                        }
+                    };
                     let blocked = u64::try_from(sending.elapsed().as_nanos()).unwrap_or(u64::MAX);
                     self.counts
                         .send_blocked_ns
