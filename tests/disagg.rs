@@ -484,20 +484,12 @@ impl KvStream for HeldStream {
     }
 }
 
-/// While the link holds a prefill's KV, the worker goes on telling its caller that it is alive
-/// (and its rate): heartbeats keep coming, four of them after the send was held (the worker
-/// beats every 250 ms; a beat already on its way when the send was held is at most the first),
-/// and the answer comes once the link takes the KV.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_prefill_worker_keeps_beating_while_its_link_holds_the_kv() {
-    let gate = Arc::new(tokio::sync::Semaphore::new(0));
-    let held = Arc::new(AtomicBool::new(false));
+/// A prefill worker service in this process over its own engine, sending KV through
+/// `transport`; its address.
+async fn serve_prefill(transport: Arc<dyn KvTransport>) -> String {
     let prefill = tandem_prefill_worker::PrefillService::new(
         Arc::new(engine()),
-        Arc::new(Held {
-            gate: gate.clone(),
-            held: held.clone(),
-        }),
+        transport,
         tandem_decode_worker::WorkerIdentity {
             worker_id: "p".into(),
             model: "m".into(),
@@ -512,6 +504,22 @@ async fn a_prefill_worker_keeps_beating_while_its_link_holds_the_kv() {
             .add_service(wpb::prefill_server::PrefillServer::new(prefill))
             .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(pl)),
     );
+    paddr
+}
+
+/// While the link holds a prefill's KV, the worker goes on telling its caller that it is alive
+/// (and its rate): heartbeats keep coming, four of them after the send was held (the worker
+/// beats every 250 ms; a beat already on its way when the send was held is at most the first),
+/// and the answer comes once the link takes the KV.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_worker_keeps_beating_while_its_link_holds_the_kv() {
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let held = Arc::new(AtomicBool::new(false));
+    let paddr = serve_prefill(Arc::new(Held {
+        gate: gate.clone(),
+        held: held.clone(),
+    }))
+    .await;
     let mut c = wpb::prefill_client::PrefillClient::connect(format!("http://{paddr}"))
         .await
         .unwrap();
@@ -579,26 +587,11 @@ fn engine() -> tandem_engine::EngineHandle {
 async fn a_flipped_byte_is_rejected_counted_and_the_request_recovers() {
     let secret = Secret::new(KV_SECRET.as_bytes().to_vec()).unwrap();
     let flipped = Arc::new(AtomicBool::new(false));
-    let prefill = tandem_prefill_worker::PrefillService::new(
-        Arc::new(engine()),
-        Arc::new(Flipper {
-            secret: secret.clone(),
-            flipped: flipped.clone(),
-        }),
-        tandem_decode_worker::WorkerIdentity {
-            worker_id: "p".into(),
-            model: "m".into(),
-            kv_dtype: "f32".into(),
-        },
-        Default::default(),
-    );
-    let pl = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let paddr = pl.local_addr().unwrap().to_string();
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(wpb::prefill_server::PrefillServer::new(prefill))
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(pl)),
-    );
+    let paddr = serve_prefill(Arc::new(Flipper {
+        secret: secret.clone(),
+        flipped: flipped.clone(),
+    }))
+    .await;
     let decode_engine = Arc::new(engine());
     // SAFETY: the writer is this engine's own.
     let remote = Arc::new(

@@ -520,18 +520,20 @@ impl Progress {
 mod tests {
     use super::*;
 
+    /// A stall allowance of 2 s and a slack of 4.
+    const DEADLINES: Deadlines = Deadlines {
+        stall: Duration::from_secs(2),
+        slack: 4.0,
+    };
+
     /// A frame every second, a link four times slower than the worker computes: the attempt
     /// lives as long as frames come; when they stop (heartbeats still coming) it is left after
     /// the prompt's allowance from the last one. Times are given, not read from a clock.
     #[test]
     fn a_moving_transfer_is_never_cut_for_a_slow_link_and_a_stopped_one_is_left() {
-        let t0 = Instant::now();
+        let (t0, d) = (Instant::now(), DEADLINES);
         let at = |s: f64| t0 + Duration::from_secs_f64(s);
         let gives_up = |p: &Progress| (p.give_up_at().into_std() - t0).as_secs_f64();
-        let d = Deadlines {
-            stall: Duration::from_secs(2),
-            slack: 4.0,
-        };
         // 1000 tokens at 1000 tokens/s behind 500 queued: 2 + 4 x 1.5 = 8 s for the whole.
         let mut p = Progress::new(d, 1000, t0);
         let accepted = pb::PrefillAccepted {
@@ -569,13 +571,9 @@ mod tests {
 
     #[test]
     fn a_rate_told_after_frames_came_bounds_the_attempt_from_the_latest_frame() {
-        let t0 = Instant::now();
+        let (t0, d) = (Instant::now(), DEADLINES);
         let at = |s: f64| t0 + Duration::from_secs_f64(s);
         let gives_up = |p: &Progress| (p.give_up_at().into_std() - t0).as_secs_f64();
-        let d = Deadlines {
-            stall: Duration::from_secs(2),
-            slack: 4.0,
-        };
         // A fresh worker knows no rate yet, and its heartbeats wait while it sends over a slow
         // link: frames every 0.5 s are all that comes, and only silence bounds it.
         let mut p = Progress::new(d, 1000, t0);
