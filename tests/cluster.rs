@@ -471,6 +471,35 @@ async fn tokenize_detokenize(r: &Router, model: &str, tok: &tandem_model::Tokeni
     )
     .await;
     assert!(open["count"].as_u64() < v["count"].as_u64(), "{open} {v}");
+    // With tools: what a chat request with them sends, whether the template renders tools or
+    // they are described in a system message.
+    let tools = json!([{"type": "function", "function": {"name": "add", "description": "Adds two numbers",
+        "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}}]);
+    let (s, with) = post(
+        &r.http,
+        "/tokenize",
+        json!({"model": model, "messages": msgs, "tools": tools}),
+    )
+    .await;
+    assert_eq!(s, 200, "{with}");
+    let (_, done) = post(
+        &r.http,
+        "/v1/chat/completions",
+        json!({"model": model, "messages": msgs, "tools": tools, "max_tokens": 1, "temperature": 0}),
+    )
+    .await;
+    assert_eq!(
+        with["count"], done["usage"]["prompt_tokens"],
+        "{with} {done}"
+    );
+    assert!(with["count"].as_u64() > v["count"].as_u64(), "{with} {v}");
+    let (s, e) = post(
+        &r.http,
+        "/tokenize",
+        json!({"model": model, "prompt": "x", "tools": tools}),
+    )
+    .await;
+    assert_eq!((s, &e["error"]["param"]), (400, &json!("tools")), "{e}");
 
     for (path, body, param) in [
         ("/tokenize", json!({"model": model}), "prompt"),

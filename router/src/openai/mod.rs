@@ -37,6 +37,7 @@ use request::{
     TokenizeRequest,
 };
 use response::{respond, Api, Shape};
+use tandem_model::ChatMessage;
 use tools::Tools;
 
 /// The HTTP app over `d`: the `/v1` API and `/metrics` behind the door's keys, `/health` and
@@ -136,8 +137,18 @@ async fn tokenize(
     let r: TokenizeRequest = parse(&body)?;
     d.check_model(&r.model)?;
     let input = match (r.prompt, r.messages) {
-        (Some(p), None) => PromptInput::Text(p),
-        (None, Some(msgs)) => PromptInput::Chat(chat_messages(msgs)?),
+        (Some(p), None) if r.tools.is_none() => PromptInput::Text(p),
+        (Some(_), None) => {
+            return Err(ApiError::invalid(
+                "tools go with messages, not a prompt",
+                "tools",
+            ))
+        }
+        (None, Some(msgs)) => {
+            // What a chat request with these tools sends, so its count is the request's.
+            let tools = Tools::parse(r.tools.as_deref(), None, None)?;
+            chat_input(&d, chat_messages(msgs)?, tools.as_ref())
+        }
         _ => {
             return Err(ApiError::invalid(
                 "send either prompt (text) or messages",
@@ -298,6 +309,22 @@ async fn chat_completions(
     }
 }
 
+/// Chat messages as a prompt, with the tools the model may call: rendered by a template that
+/// takes them, or described in a system message for one that does not.
+fn chat_input(d: &Dispatcher, messages: Vec<ChatMessage>, tools: Option<&Tools>) -> PromptInput {
+    let takes_tools = d
+        .model
+        .text
+        .chat_template
+        .as_ref()
+        .is_some_and(|t| t.takes_tools());
+    match (tools, takes_tools) {
+        (Some(t), true) => PromptInput::ChatWithTools(messages, t.entries()),
+        (None, true) => PromptInput::Chat(messages),
+        (t, false) => PromptInput::Chat(tools::without_tool_support(messages, t)),
+    }
+}
+
 async fn chat_request(d: &Dispatcher, body: &[u8]) -> Result<(Prepared, Shape, bool), ApiError> {
     let r: ChatRequest = parse(body)?;
     r.not_served.check(r.sampling.n()?)?;
@@ -325,17 +352,7 @@ async fn chat_request(d: &Dispatcher, body: &[u8]) -> Result<(Prepared, Shape, b
             param: "tool_choice",
         });
     }
-    let takes_tools = d
-        .model
-        .text
-        .chat_template
-        .as_ref()
-        .is_some_and(|t| t.takes_tools());
-    let input = match (&tools, takes_tools) {
-        (Some(t), true) => PromptInput::ChatWithTools(messages, t.entries()),
-        (None, true) => PromptInput::Chat(messages),
-        (t, false) => PromptInput::Chat(tools::without_tool_support(messages, t.as_ref())),
-    };
+    let input = chat_input(d, messages, tools.as_ref());
     params.logprobs = r.logprobs.unwrap_or(false);
     params.top_logprobs = r.top_logprobs.unwrap_or(0);
     if params.top_logprobs > 0 && !params.logprobs {

@@ -280,6 +280,9 @@ pub(super) struct TokenizeRequest {
     pub(super) prompt: Option<String>,
     #[serde(default)]
     pub(super) messages: Option<Vec<Message>>,
+    /// Tools the model may call, with messages: rendered as a chat request renders them.
+    #[serde(default)]
+    pub(super) tools: Option<Vec<Value>>,
     /// The tokenizer's BOS and the like (default: true for a prompt, false for messages).
     #[serde(default)]
     pub(super) add_special_tokens: Option<bool>,
