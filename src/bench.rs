@@ -191,6 +191,11 @@ pub struct BenchEngineArgs {
     /// One JSON line (per run) instead of a table.
     #[arg(long)]
     json: bool,
+    /// Time each op of the decode steps' forward (each op waited for before the next starts)
+    /// and print a step's split: milliseconds, share of the step and, for the products, the
+    /// rate they read their weights at.
+    #[arg(long)]
+    profile: bool,
     /// Also decode under this JSON Schema (a file; bench/schemas/records.json never ends) and
     /// compare: unconstrained and constrained runs alternate, twice each, and the best of each
     /// is reported with their ratio.
@@ -294,6 +299,7 @@ fn bench_engine(a: BenchEngineArgs) -> Result<()> {
         gen_len: a.gen_len,
         seed: a.seed,
         grammar: None,
+        profile: a.profile,
     };
     let weights = format!("{:?}", a.engine.weights).to_lowercase();
     if let Some(path) = &a.json_schema {
@@ -366,8 +372,50 @@ fn bench_engine(a: BenchEngineArgs) -> Result<()> {
             r.decode_bytes_per_step / 1e6,
             100.0 * r.decode_bw_efficiency
         );
+        if let Some(ops) = &r.decode_ops {
+            print_ops(ops, &r);
+        }
+    }
+    if a.profile && r.decode_ops.is_none() && !a.json {
+        println!("  (no per-op profile: only the CPU backend with one rank times its ops)");
     }
     Ok(())
+}
+
+/// A decode step's split by op: milliseconds (the mean over the decode steps), share of the
+/// step (p50), and for the products the rates they read their weights at and compute at,
+/// against the copy rate and the FMA peak (one bounds a batch of one, the other a large batch).
+fn print_ops(ops: &[tandem_bench::OpShare], r: &tandem_bench::EngineReport) {
+    let step = r.step_ms_p50.max(1e-9);
+    println!("  decode step by op (mean ms a step, share of the p50 step):");
+    for o in ops.iter().filter(|o| o.ms > 0.0) {
+        let rate = match o.weight_bytes {
+            0 => String::new(),
+            b => {
+                let secs = o.ms / 1e3;
+                let (gb_s, gflop_s) = (b as f64 / secs / 1e9, o.flops / secs / 1e9);
+                format!(
+                    "  {:>6.1} MB of weights at {gb_s:>5.1} GB/s ({:>2.0}% of the copy rate), {gflop_s:>6.1} GFLOP/s ({:>2.0}% of the FMA peak)",
+                    b as f64 / 1e6,
+                    100.0 * gb_s / r.mem_bw_gb_s.max(1e-9),
+                    100.0 * gflop_s / r.f32_peak_gflops.max(1e-9)
+                )
+            }
+        };
+        println!(
+            "    {:<12} {:>8.2} ms {:>5.1}%{rate}",
+            o.op,
+            o.ms,
+            100.0 * o.ms / step
+        );
+    }
+    let timed: f64 = ops.iter().map(|o| o.ms).sum();
+    println!(
+        "    {:<12} {:>8.2} ms {:>5.1}%  (sampling, scheduling and the gaps between ops)",
+        "other",
+        (step - timed).max(0.0),
+        100.0 * (step - timed).max(0.0) / step
+    );
 }
 
 /// Decode with and without a JSON Schema constraint, alternating, best of two each.

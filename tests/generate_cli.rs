@@ -200,3 +200,84 @@ fn the_device_flag_runs_on_a_gpu_or_says_why_it_cannot() {
     let (_, ok, err) = generate(&["--device", "tpu"], "hi\n");
     assert!(!ok && err.contains("unknown device \"tpu\""), "{err}");
 }
+
+/// `tandem bench engine --profile`: a decode step's time by op, the products with the weights
+/// they read (every layer's, once a step) and the work they do, adding up to no more than the
+/// step.
+#[test]
+fn the_engine_bench_profiles_a_decode_step_by_op() {
+    let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args([
+            "bench",
+            "engine",
+            "--batch=2",
+            "--prompt-len=16",
+            "--gen-len=6",
+        ])
+        .args(["--threads=1", "--profile", "--json"])
+        .output()
+        .expect("run tandem");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let r: Value = serde_json::from_slice(&out.stdout).expect("one JSON report");
+    let ops = r["decode_ops"].as_array().expect("a profile");
+    let names: Vec<&str> = ops.iter().map(|o| o["op"].as_str().unwrap()).collect();
+    assert_eq!(
+        names,
+        [
+            "embed",
+            "norms",
+            "qkv",
+            "attention",
+            "o",
+            "gate_up",
+            "silu",
+            "down",
+            "head",
+            "collectives"
+        ]
+    );
+    let m = tandem_model::load_text(&tandem_model::default_model_path())
+        .unwrap()
+        .config;
+    let (h, hd, ff) = (m.hidden_size, m.head_dim, m.intermediate_size);
+    let q = m.num_heads * hd;
+    let kv = m.num_kv_heads * hd;
+    let weights = |op: &str| -> usize {
+        match op {
+            "qkv" => m.num_layers * h * (q + 2 * kv),
+            "o" => m.num_layers * q * h,
+            "gate_up" => m.num_layers * 2 * ff * h,
+            "down" => m.num_layers * ff * h,
+            "head" => m.vocab_size * h,
+            _ => 0,
+        }
+    };
+    let mut timed = 0.0;
+    for o in ops {
+        let op = o["op"].as_str().unwrap();
+        let ms = o["ms"].as_f64().unwrap();
+        assert!(ms >= 0.0, "{o}");
+        timed += ms;
+        // Two FLOPs a weight for each of the step's two rows.
+        assert_eq!(
+            o["flops"].as_f64().unwrap(),
+            (4 * weights(op)) as f64,
+            "{op}"
+        );
+        assert_eq!(
+            o["weight_bytes"].as_u64().unwrap() > 0,
+            weights(op) > 0,
+            "{op}"
+        );
+    }
+    assert_eq!(ops[9]["ms"], 0.0, "no collectives in one rank");
+    assert!(timed > 0.0);
+    // Each op is timed within its step: their mean a step is within the mean step (two
+    // tokens a step at the decode rate).
+    let step_ms = 2.0 * 1e3 / r["decode_tok_s"].as_f64().unwrap();
+    assert!(
+        timed <= step_ms,
+        "{timed} ms of ops in steps of {step_ms} ms"
+    );
+}

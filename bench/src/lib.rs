@@ -47,6 +47,21 @@ pub struct EngineBench {
     pub seed: u64,
     /// Every request's output must match this (structured outputs); none: free.
     pub grammar: Option<Grammar>,
+    /// Time each op of the decode steps' forward ([`EngineReport::decode_ops`]).
+    pub profile: bool,
+}
+
+/// One op's share of a decode step, from a profile of the steps.
+#[derive(Clone, Debug, Serialize)]
+pub struct OpShare {
+    /// The op, as [`tandem_engine::OpTimes::named`] names it.
+    pub op: &'static str,
+    /// Milliseconds a decode step spends in it (the mean over the decode steps).
+    pub ms: f64,
+    /// Bytes of weights it reads a step (products only; 0 for the rest).
+    pub weight_bytes: usize,
+    /// FLOPs a decode step's product does (2 a weight a row; 0 for the rest).
+    pub flops: f64,
 }
 
 /// The engine benchmark's figures, next to this machine's roofline.
@@ -106,6 +121,8 @@ pub struct EngineReport {
     /// Tokens sampled under a grammar (0 without one; a grammar that ended early stops its
     /// sequence, so fewer than batch × gen_len).
     pub constrained_tokens: usize,
+    /// With a profile: a decode step's time by op, in the forward's order.
+    pub decode_ops: Option<Vec<OpShare>>,
 }
 
 pub(crate) fn percentile(v: &mut [f64], p: f64) -> f64 {
@@ -140,6 +157,8 @@ pub fn run_engine_bench(
             Request::new(prompt, params.clone())
         })
         .collect();
+    let profiled = b.profile && engine.profile_ops(true);
+    let mut ops = tandem_engine::OpTimes::default();
     let mut prefill = (0usize, 0f64);
     let mut decode = (0usize, 0f64);
     let mut steps = Vec::new();
@@ -158,12 +177,43 @@ pub fn run_engine_bench(
                 decode.0 += s.decode_tokens;
                 decode.1 += s.seconds;
                 steps.push(s.seconds * 1e3);
+                if let Some(o) = s.ops {
+                    ops += o;
+                }
                 collective.push(s.collective_seconds * 1e3);
                 values.push(s.collective_values as f64);
             }
         },
     )?;
     let wall_s = t0.elapsed().as_secs_f64();
+    if profiled {
+        engine.profile_ops(false);
+    }
+    let decode_ops = profiled.then(|| {
+        let weights = engine
+            .backend()
+            .cpu_model()
+            .map(|m| m.weights_by_op())
+            .unwrap_or_default();
+        let per_step = 1e3 / steps.len().max(1) as f64;
+        // A decode step's rows: one a sequence, each also a row of the head.
+        let rows = decode.0 as f64 / steps.len().max(1) as f64;
+        ops.named()
+            .into_iter()
+            .map(|(op, s)| {
+                let (bytes, n) = weights
+                    .iter()
+                    .find(|w| w.0 == op)
+                    .map_or((0, 0), |w| (w.1, w.2));
+                OpShare {
+                    op,
+                    ms: s * per_step,
+                    weight_bytes: bytes,
+                    flops: 2.0 * n as f64 * rows,
+                }
+            })
+            .collect()
+    });
     let on_cpu = engine.backend().is_cpu();
     let tp = engine.backend().tp();
     let roof = if on_cpu {
@@ -225,6 +275,7 @@ pub fn run_engine_bench(
                 .collect(),
         },
         constrained_tokens: if b.grammar.is_some() { sampled } else { 0 },
+        decode_ops,
     })
 }
 

@@ -6,7 +6,7 @@
 use tandem_kernels::cuda::DeviceSpec;
 use tandem_model::{LlamaConfig, LoadedModel};
 
-use crate::engine::EngineConfig;
+use crate::engine::{EngineConfig, OpTimes};
 use crate::gpu::GpuLlama;
 use crate::kv_cache::{KvDtype, KvPool};
 use crate::model::{LlamaModel, SeqBatch, WeightFormat};
@@ -101,6 +101,17 @@ pub trait Backend: Send {
     fn tp_stats(&self) -> Option<TpStats> {
         None
     }
+
+    /// Times each op of every forward from now on (`on`); false when this backend cannot.
+    fn profile_ops(&mut self, on: bool) -> bool {
+        let _ = on;
+        false
+    }
+
+    /// The latest forward's split by op, taken (None when not profiling).
+    fn take_op_times(&mut self) -> Option<OpTimes> {
+        None
+    }
 }
 
 /// One tensor-parallel rank's host KV pool: the model's KV heads `heads` of every block.
@@ -124,6 +135,8 @@ pub(crate) fn pool_blocks(config: &EngineConfig, block_bytes: usize) -> usize {
 pub struct CpuBackend {
     model: LlamaModel,
     kv: KvPool,
+    /// The latest forward's split by op, while profiling.
+    ops: Option<OpTimes>,
 }
 
 impl CpuBackend {
@@ -140,7 +153,11 @@ impl CpuBackend {
             pool_blocks(config, block_bytes),
         )
         .map_err(|e| EngineError::Startup(format!("allocating the KV pool: {e}")))?;
-        Ok(Self { model, kv })
+        Ok(Self {
+            model,
+            kv,
+            ops: None,
+        })
     }
 }
 
@@ -150,7 +167,20 @@ impl Backend for CpuBackend {
     }
 
     fn forward(&mut self, seqs: &[SeqBatch<'_>]) -> Result<Vec<f32>, EngineError> {
-        self.model.forward(seqs, &mut self.kv)
+        let times = self.ops.as_mut().map(|t| {
+            *t = OpTimes::default();
+            t
+        });
+        self.model.forward_timed(seqs, &mut self.kv, times)
+    }
+
+    fn profile_ops(&mut self, on: bool) -> bool {
+        self.ops = on.then(OpTimes::default);
+        true
+    }
+
+    fn take_op_times(&mut self) -> Option<OpTimes> {
+        self.ops
     }
 
     fn num_blocks(&self) -> usize {

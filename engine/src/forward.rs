@@ -10,6 +10,7 @@
 
 use tandem_model::{LayerTensor, LlamaConfig, TensorName};
 
+use crate::engine::OpTimes;
 use crate::tp::{Cut, Part, TpShard};
 use crate::EngineError;
 
@@ -244,10 +245,29 @@ impl<M, V> LlamaWeights<M, V> {
     }
 }
 
+/// Runs op `$call` on device `$d`; with a profile (`$times`, an `Option<&mut OpTimes>`), waits
+/// for the device to finish it and adds its time to the profile's `$slot`.
+macro_rules! op {
+    ($times:expr, $d:expr, $slot:ident, $call:expr) => {{
+        match $times.as_deref_mut() {
+            None => $call,
+            Some(times) => {
+                let t0 = std::time::Instant::now();
+                let r = $call;
+                $d.finish()?;
+                times.$slot += t0.elapsed().as_secs_f64();
+                r
+            }
+        }
+    }};
+}
+
 /// One packed step of `shard`'s part of a `c` model with its `weights` on device `d`, over
 /// `tokens` token rows of which `logit_rows` want logits: those logits (the whole vocabulary's,
 /// on every rank), or None when no row wants them. In a group of more than one rank, the ranks
-/// run this in lockstep: each all-reduce and gather is a collective of the group.
+/// run this in lockstep: each all-reduce and gather is a collective of the group. With `times`,
+/// each op's time is added to it (the device finishing each op before the next starts).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn forward<D: StepOps>(
     d: &mut D,
     weights: &LlamaWeights<D::Matrix, D::Vector>,
@@ -255,6 +275,7 @@ pub(crate) fn forward<D: StepOps>(
     shard: &TpShard,
     tokens: usize,
     logit_rows: usize,
+    mut times: Option<&mut OpTimes>,
 ) -> Result<Option<D::Logits>, EngineError> {
     let t = tokens;
     let tp = !shard.is_whole();
@@ -268,33 +289,63 @@ pub(crate) fn forward<D: StepOps>(
     let mut proj = d.alloc(t * h)?;
     let mut gu = d.alloc(t * 2 * ff)?;
     let mut act = d.alloc(t * ff)?;
-    d.embed(&weights.embed, &mut x)?;
+    op!(times, d, embed, d.embed(&weights.embed, &mut x))?;
     if tp {
-        d.all_reduce(&mut x)?;
+        op!(times, d, collectives, d.all_reduce(&mut x))?;
     }
     for (li, l) in weights.layers.iter().enumerate() {
         if li == 0 {
-            d.rms_norm(&x, &l.attn_norm, &mut hbuf, t)?;
+            op!(times, d, norms, d.rms_norm(&x, &l.attn_norm, &mut hbuf, t))?;
         } else {
             // The previous layer's MLP output joins the residual here.
-            d.add_rms_norm(&mut x, &proj, &l.attn_norm, &mut hbuf, t)?;
+            op!(
+                times,
+                d,
+                norms,
+                d.add_rms_norm(&mut x, &proj, &l.attn_norm, &mut hbuf, t)
+            )?;
         }
-        d.matmul(&l.qkv, &hbuf, (t, qd + 2 * kvd, h), &mut qkv)?;
+        op!(
+            times,
+            d,
+            qkv,
+            d.matmul(&l.qkv, &hbuf, (t, qd + 2 * kvd, h), &mut qkv)
+        )?;
         if l.qkv_bias.is_some() || l.qk_norm.is_some() {
             let norms = l.qk_norm.as_ref().map(|(q, k)| (q, k));
-            d.qkv_extras(&mut qkv, l.qkv_bias.as_ref(), norms, t)?;
+            op!(
+                times,
+                d,
+                qkv,
+                d.qkv_extras(&mut qkv, l.qkv_bias.as_ref(), norms, t)
+            )?;
         }
-        d.attention(li, &mut qkv, &mut att)?;
-        d.matmul(&l.o, &att, (t, h, qd), &mut proj)?;
+        op!(times, d, attention, d.attention(li, &mut qkv, &mut att))?;
+        op!(times, d, o, d.matmul(&l.o, &att, (t, h, qd), &mut proj))?;
         if tp {
-            d.all_reduce(&mut proj)?;
+            op!(times, d, collectives, d.all_reduce(&mut proj))?;
         }
-        d.add_rms_norm(&mut x, &proj, &l.ffn_norm, &mut hbuf, t)?;
-        d.matmul(&l.gate_up, &hbuf, (t, 2 * ff, h), &mut gu)?;
-        d.silu_mul(&gu, &mut act, t, ff)?;
-        d.matmul(&l.down, &act, (t, h, ff), &mut proj)?;
+        op!(
+            times,
+            d,
+            norms,
+            d.add_rms_norm(&mut x, &proj, &l.ffn_norm, &mut hbuf, t)
+        )?;
+        op!(
+            times,
+            d,
+            gate_up,
+            d.matmul(&l.gate_up, &hbuf, (t, 2 * ff, h), &mut gu)
+        )?;
+        op!(times, d, silu, d.silu_mul(&gu, &mut act, t, ff))?;
+        op!(
+            times,
+            d,
+            down,
+            d.matmul(&l.down, &act, (t, h, ff), &mut proj)
+        )?;
         if tp {
-            d.all_reduce(&mut proj)?;
+            op!(times, d, collectives, d.all_reduce(&mut proj))?;
         }
     }
     let n = logit_rows;
@@ -303,14 +354,24 @@ pub(crate) fn forward<D: StepOps>(
         return Ok(None);
     }
     let mut last = d.alloc(n * h)?;
-    d.final_norm(&mut x, &proj, &weights.norm, &mut hbuf, &mut last)?;
+    op!(
+        times,
+        d,
+        norms,
+        d.final_norm(&mut x, &proj, &weights.norm, &mut hbuf, &mut last)
+    )?;
     let vocab = shard.vocab.len();
     let mut logits = d.alloc_logits(n * vocab)?;
-    d.head(weights.head(), &last, (n, vocab, h), &mut logits)?;
+    op!(
+        times,
+        d,
+        head,
+        d.head(weights.head(), &last, (n, vocab, h), &mut logits)
+    )?;
     if !tp {
         return Ok(Some(logits));
     }
     let mut all = d.alloc_logits(n * c.vocab_size)?;
-    d.gather_logits(&logits, n, &mut all)?;
+    op!(times, d, collectives, d.gather_logits(&logits, n, &mut all))?;
     Ok(Some(all))
 }

@@ -259,7 +259,7 @@ impl GpuLlama {
             self.block_size,
             &step,
         )?;
-        let logits = forward::forward(&mut ops, &self.weights, c, &TpShard::whole(c), t, n)?;
+        let logits = forward::forward(&mut ops, &self.weights, c, &TpShard::whole(c), t, n, None)?;
         Ok(logits.map(|l| (l, n)))
     }
 }

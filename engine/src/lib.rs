@@ -34,7 +34,7 @@ pub use backend::{Backend, CpuBackend, RankPool};
 pub use block_manager::{BlockCounts, BlockManager, KvEvent, KvEventKind, PoolFull, SeqBlocks};
 pub use engine::{
     Engine, EngineConfig, EngineStats, Event, FinishReason, Finished, KvChunk, KvPiece, Limits,
-    Request, RequestId, Reservation, Samples, StepStats, TokenEvent,
+    OpTimes, Request, RequestId, Reservation, Samples, StepStats, TokenEvent,
 };
 pub use gpu::GpuLlama;
 pub use handle::{EngineHandle, KvUpdate, RequestStream, StreamEvent};

@@ -14,6 +14,7 @@ use tandem_kernels::{paged_attention, write_kv, AttnSpec, KvLayout, Linear, SeqA
 
 use tandem_model::{LlamaConfig, LoadedModel, TensorData};
 
+use crate::engine::OpTimes;
 use crate::forward::{self, LlamaWeights, StepOps};
 use crate::kv_cache::KvPool;
 use crate::tp::TpShard;
@@ -195,6 +196,26 @@ impl LlamaModel {
         self.weights.matrices().map(|l| l.weight().bytes()).sum()
     }
 
+    /// Each product's weights as one step reads them, summed over the layers: `(name, bytes,
+    /// weights)`, named as [`OpTimes::named`] names the products.
+    pub fn weights_by_op(&self) -> [(&'static str, usize, usize); 5] {
+        let size = |l: &Linear| (l.weight().bytes(), l.weight().rows() * l.weight().cols());
+        let sum = |f: fn(&forward::LayerWeights<Linear, Vec<f32>>) -> &Linear| {
+            self.weights.layers.iter().fold((0, 0), |(b, n), l| {
+                let (lb, ln) = size(f(l));
+                (b + lb, n + ln)
+            })
+        };
+        let op = |name, (b, n): (usize, usize)| (name, b, n);
+        [
+            op("qkv", sum(|l| &l.qkv)),
+            op("o", sum(|l| &l.o)),
+            op("gate_up", sum(|l| &l.gate_up)),
+            op("down", sum(|l| &l.down)),
+            op("head", size(self.weights.head())),
+        ]
+    }
+
     /// Projections (and the head) whose batched products run on the AMX tiles: none on CPUs
     /// without AMX.
     pub fn tiled_projections(&self) -> usize {
@@ -209,17 +230,29 @@ impl LlamaModel {
     /// each region would be handed over and waited for, a wake-up and a sleep apiece, which costs
     /// more than the small products of a decode step.
     pub fn forward(&self, seqs: &[SeqBatch<'_>], kv: &mut KvPool) -> Result<Vec<f32>, EngineError> {
-        rayon::scope(|_| self.forward_rank(seqs, kv, &mut SingleRank))
+        self.forward_timed(seqs, kv, None)
+    }
+
+    /// [`Self::forward`], adding each op's time to `times` when given.
+    pub fn forward_timed(
+        &self,
+        seqs: &[SeqBatch<'_>],
+        kv: &mut KvPool,
+        times: Option<&mut OpTimes>,
+    ) -> Result<Vec<f32>, EngineError> {
+        rayon::scope(|_| self.forward_rank(seqs, kv, &mut SingleRank, times))
     }
 
     /// This shard's part of one packed step, in lockstep with the other ranks of its group
     /// through `comm` (the calls of every rank must be the same steps in the same order): the
-    /// whole vocabulary's logits, on every rank. Runs in the caller's compute pool.
+    /// whole vocabulary's logits, on every rank. Runs in the caller's compute pool. Each op's
+    /// time is added to `times` when given.
     pub fn forward_rank(
         &self,
         seqs: &[SeqBatch<'_>],
         kv: &mut KvPool,
         comm: &mut dyn Collective,
+        times: Option<&mut OpTimes>,
     ) -> Result<Vec<f32>, EngineError> {
         let c = &self.config;
         if comm.size() != self.shard.size || comm.rank() != self.shard.rank {
@@ -239,7 +272,7 @@ impl LlamaModel {
         }
         let mut ops = CpuStep::new(self, comm, kv, &step);
         let n = step.logit_rows.len();
-        let logits = forward::forward(&mut ops, &self.weights, c, &self.shard, t, n)?;
+        let logits = forward::forward(&mut ops, &self.weights, c, &self.shard, t, n, times)?;
         Ok(logits.unwrap_or_default())
     }
 }

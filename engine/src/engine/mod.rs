@@ -40,8 +40,8 @@ mod step;
 mod types;
 
 pub use types::{
-    EngineConfig, EngineStats, Event, FinishReason, Finished, KvChunk, KvPiece, Limits, Request,
-    RequestId, Reservation, Samples, StepStats, TokenEvent,
+    EngineConfig, EngineStats, Event, FinishReason, Finished, KvChunk, KvPiece, Limits, OpTimes,
+    Request, RequestId, Reservation, Samples, StepStats, TokenEvent,
 };
 
 /// Why `s` stops after `token` (already appended), if it does.
@@ -410,6 +410,12 @@ impl Engine {
         ids.sort();
         ids.dedup();
         ids
+    }
+
+    /// Times each op of every step's forward from now on (`on`), each step's split in its
+    /// [`StepStats::ops`]; false when the backend cannot (only the CPU's single rank can).
+    pub fn profile_ops(&mut self, on: bool) -> bool {
+        self.backend.profile_ops(on)
     }
 
     /// Cancels a request; it leaves (and frees its blocks) at the start of the next step.

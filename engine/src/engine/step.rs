@@ -74,6 +74,7 @@ impl Engine {
         let mut stats = StepStats {
             collective_seconds,
             collective_values,
+            ops: self.backend.take_op_times(),
             ..StepStats::default()
         };
         let mut finished = Vec::new();

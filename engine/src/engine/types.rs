@@ -287,6 +287,74 @@ pub struct StepStats {
     pub collective_seconds: f64,
     /// Values (f32) each tensor-parallel rank all-reduced or gathered in the step.
     pub collective_values: u64,
+    /// The step's forward split by op, when the engine profiles them
+    /// ([`crate::Engine::profile_ops`]).
+    pub ops: Option<OpTimes>,
+}
+
+/// Seconds one step's forward spent in each op (summed over the layers): the split a profile
+/// of the steps reports. Taken around each op as the device finishes it, so the sum is the
+/// forward's time less the gaps between ops.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct OpTimes {
+    /// The token embedding (and its all-reduce across ranks).
+    pub embed: f64,
+    /// RMS norms, with the residual adds they fuse.
+    pub norms: f64,
+    /// The fused q|k|v product (with Qwen's biases and head norms).
+    pub qkv: f64,
+    /// Rotary embedding, the cache writes and attention over the paged cache.
+    pub attention: f64,
+    /// The attention output product.
+    pub o: f64,
+    /// The fused gate|up product.
+    pub gate_up: f64,
+    /// silu(gate) · up.
+    pub silu: f64,
+    /// The down product.
+    pub down: f64,
+    /// The output head (the rows that sample).
+    pub head: f64,
+    /// All-reduces and the logits gather of a tensor-parallel group.
+    pub collectives: f64,
+}
+
+impl OpTimes {
+    /// Each op's name and seconds, in the forward's order.
+    pub fn named(&self) -> [(&'static str, f64); 10] {
+        [
+            ("embed", self.embed),
+            ("norms", self.norms),
+            ("qkv", self.qkv),
+            ("attention", self.attention),
+            ("o", self.o),
+            ("gate_up", self.gate_up),
+            ("silu", self.silu),
+            ("down", self.down),
+            ("head", self.head),
+            ("collectives", self.collectives),
+        ]
+    }
+
+    /// The seconds of every op.
+    pub fn total(&self) -> f64 {
+        self.named().iter().map(|(_, s)| s).sum()
+    }
+}
+
+impl std::ops::AddAssign for OpTimes {
+    fn add_assign(&mut self, o: Self) {
+        self.embed += o.embed;
+        self.norms += o.norms;
+        self.qkv += o.qkv;
+        self.attention += o.attention;
+        self.o += o.o;
+        self.gate_up += o.gate_up;
+        self.silu += o.silu;
+        self.down += o.down;
+        self.head += o.head;
+        self.collectives += o.collectives;
+    }
 }
 
 /// The engine's state at a glance.

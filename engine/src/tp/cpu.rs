@@ -269,7 +269,7 @@ impl Rank {
                             let run = || {
                                 #[cfg(test)]
                                 assert!(!panics, "a test asked for it");
-                                pool.install(|| model.forward_rank(&seqs, &mut kv, &mut comm))
+                                pool.install(|| model.forward_rank(&seqs, &mut kv, &mut comm, None))
                             };
                             // A panic fails the step like an error, without ending the thread.
                             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(run))
