@@ -50,71 +50,60 @@ pub struct DecodeService {
     remote: Option<Arc<RemotePrefill>>,
     /// Per-request measures in vLLM's terms.
     requests: Arc<RequestMetrics>,
-    /// The requests running here, by their callers' ids (what StopSamples names).
+    /// The streams running here (what StopSamples names).
     running: Arc<Running>,
 }
 
-/// The requests running on this worker by their callers' ids: each `Generate` call's engine
-/// request and the samples it serves, while its stream lives.
+/// The streams running on this worker, by their ids (the engine's request ids, which it never
+/// gives twice): each `Generate` call's caller id and the samples it serves, while its stream
+/// lives. A caller's id alone does not name a stream: two routers, or two clients, may send the
+/// same one.
 #[derive(Default)]
-struct Running(std::sync::Mutex<ByCallerId>);
-
-/// Each caller's request id, with the engine requests serving it and the samples each serves.
-type ByCallerId = HashMap<String, Vec<(RequestId, std::ops::Range<u32>)>>;
+struct Running(std::sync::Mutex<HashMap<RequestId, (String, std::ops::Range<u32>)>>);
 
 impl Running {
-    /// Notes that `id` serves `samples` of the request `key` until the entry is dropped.
+    /// Notes that stream `id` serves `samples` of the caller's request `key` until the entry is
+    /// dropped.
     fn enter(self: &Arc<Self>, key: &str, id: RequestId, samples: Samples) -> RunningEntry {
         let range = samples.first..samples.first.saturating_add(samples.count);
-        self.lock()
-            .entry(key.to_string())
-            .or_default()
-            .push((id, range));
+        self.lock().insert(id, (key.to_string(), range));
         RunningEntry {
             running: self.clone(),
-            key: key.to_string(),
             id,
         }
     }
 
-    /// The engine requests serving request `key`, each with those of `indices` it serves.
-    fn serving(&self, key: &str, indices: &[u32]) -> Vec<(RequestId, Vec<u32>)> {
+    /// Those of `indices` stream `id` serves, when it runs here for the caller's request `key`.
+    fn serving(&self, id: RequestId, key: &str, indices: &[u32]) -> Option<Vec<u32>> {
         let map = self.lock();
-        let Some(entries) = map.get(key) else {
-            return Vec::new();
-        };
-        entries
-            .iter()
-            .map(|(id, range)| {
-                let mine = indices.iter().copied().filter(|i| range.contains(i));
-                (*id, mine.collect())
-            })
-            .collect()
+        let (_, range) = map.get(&id).filter(|(caller, _)| caller == key)?;
+        Some(
+            indices
+                .iter()
+                .copied()
+                .filter(|i| range.contains(i))
+                .collect(),
+        )
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, ByCallerId> {
+    fn lock(
+        &self,
+    ) -> std::sync::MutexGuard<'_, HashMap<RequestId, (String, std::ops::Range<u32>)>> {
         // The map is consistent after every operation on it: a panic elsewhere while the lock was
         // held leaves nothing half done.
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
-/// A request's place in [`Running`], taken out when its stream ends.
+/// A stream's place in [`Running`], taken out when the stream ends.
 struct RunningEntry {
     running: Arc<Running>,
-    key: String,
     id: RequestId,
 }
 
 impl Drop for RunningEntry {
     fn drop(&mut self) {
-        let mut map = self.running.lock();
-        if let Some(entries) = map.get_mut(&self.key) {
-            entries.retain(|(id, _)| *id != self.id);
-            if entries.is_empty() {
-                map.remove(&self.key);
-            }
-        }
+        self.running.lock().remove(&self.id);
     }
 }
 
@@ -295,6 +284,10 @@ fn response_stream(
             }
             next = if last { None } else { st.stream.try_next() };
         }
+        if !msg.tokens.is_empty() {
+            // What StopSamples names this stream by.
+            msg.stream_id = st.stream.id().0;
+        }
         st.done = last;
         Some((Ok(msg), st))
     })
@@ -428,13 +421,14 @@ impl pb::decode_server::Decode for DecodeService {
         if req.request_id.is_empty() {
             return Err(Status::invalid_argument("request_id is empty"));
         }
-        let serving = self.running.serving(&req.request_id, &req.indices);
-        for (id, indices) in &serving {
-            self.engine.stop_samples(*id, indices);
+        let id = RequestId(req.stream_id);
+        let serving = self.running.serving(id, &req.request_id, &req.indices);
+        if let Some(indices) = &serving {
+            self.engine.stop_samples(id, indices);
         }
-        tracing::debug!(request = %req.request_id, samples = ?req.indices, found = !serving.is_empty(), "stop samples");
+        tracing::debug!(request = %req.request_id, stream = req.stream_id, samples = ?req.indices, found = serving.is_some(), "stop samples");
         Ok(Response::new(pb::StopSamplesResponse {
-            found: !serving.is_empty(),
+            found: serving.is_some(),
         }))
     }
 }
@@ -471,31 +465,27 @@ mod tests {
     use super::*;
 
     #[test]
-    fn stop_samples_reaches_the_engine_requests_that_serve_them_while_their_streams_live() {
+    fn stop_samples_names_a_live_stream_of_the_caller_s_request_and_only_its_samples() {
         let running = Arc::new(Running::default());
         let samples = |first, count| Samples { count, first };
-        // One request's first stream (samples 0..4), and a migrated sample 5 on a second one.
+        // A request's stream (samples 0..4), its migrated sample 5 on another, and another
+        // router's request under the same caller id.
         let a = running.enter("req", RequestId(7), samples(0, 4));
         let b = running.enter("req", RequestId(9), samples(5, 1));
-        let other = running.enter("other", RequestId(8), samples(0, 2));
+        let same_id = running.enter("req", RequestId(8), samples(0, 2));
         assert_eq!(
-            running.serving("req", &[1, 5, 3, 4, 40]),
-            vec![(RequestId(7), vec![1, 3]), (RequestId(9), vec![5])]
+            running.serving(RequestId(7), "req", &[1, 5, 3, 4, 40]),
+            Some(vec![1, 3])
         );
-        assert_eq!(running.serving("nobody", &[0]), vec![]);
+        assert_eq!(running.serving(RequestId(9), "req", &[1, 5]), Some(vec![5]));
+        assert_eq!(running.serving(RequestId(8), "req", &[1, 3]), Some(vec![1]));
+        // A stream is named by its id and its caller's id together.
+        assert_eq!(running.serving(RequestId(7), "other", &[1]), None);
+        assert_eq!(running.serving(RequestId(70), "req", &[1]), None);
         drop(a);
-        assert_eq!(
-            running.serving("req", &[1, 5]),
-            vec![(RequestId(9), vec![5])]
-        );
-        drop(b);
-        assert_eq!(running.serving("req", &[5]), vec![]);
-        assert!(!running.lock().contains_key("req"), "no entry left behind");
-        assert_eq!(
-            running.serving("other", &[1]),
-            vec![(RequestId(8), vec![1])]
-        );
-        drop(other);
-        assert!(running.lock().is_empty());
+        assert_eq!(running.serving(RequestId(7), "req", &[1]), None);
+        assert_eq!(running.serving(RequestId(9), "req", &[5]), Some(vec![5]));
+        drop((b, same_id));
+        assert!(running.lock().is_empty(), "no entry left behind");
     }
 }

@@ -119,13 +119,18 @@ impl WorkerClient for FakeWorker {
         &self,
         request: pb::DecodeRequest,
     ) -> Result<WorkerStream<pb::DecodeResponse>, Status> {
-        self.calls.lock().unwrap().push(request.clone());
+        // Each call's stream id on this worker: its number among the calls.
+        let stream_id = {
+            let mut calls = self.calls.lock().unwrap();
+            calls.push(request.clone());
+            calls.len() as u64
+        };
         let sends = (self.script)(&request).map_err(|c| Status::new(c, "scripted refusal"))?;
         let prompt_tokens = request.prompt_ids.len() as u32;
         // `Finish` ends the stream with the first sample's finish: a script for several
         // samples ends the others first.
         let first = request.first_index;
-        let tokens = |index: u32, ids: Vec<u32>| pb::DecodeResponse {
+        let tokens = move |index: u32, ids: Vec<u32>| pb::DecodeResponse {
             tokens: ids
                 .into_iter()
                 .map(|id| pb::Token {
@@ -135,6 +140,7 @@ impl WorkerClient for FakeWorker {
                     index,
                 })
                 .collect(),
+            stream_id,
             ..Default::default()
         };
         let finish = move |index: u32, reason: pb::FinishReason| pb::Finish {
@@ -702,12 +708,17 @@ async fn parallel_samples_share_one_stream_and_each_ends_on_its_own() {
     assert_eq!(got[2].0, " The end.");
     // The worker cannot see stop strings: it is told to stop sample 1, cut while sample 0 still
     // ran there. Sample 0, cut last, needs no call: the stream is dropped, which cancels it.
+    // It names the stream by its id on the worker (the second call's) and the request's id.
     let stops = w.stops(1).await;
     let id = &w.calls()[1].request_id;
     assert_eq!(stops.len(), 1, "{stops:?}");
     assert_eq!(
-        (&stops[0].request_id, &stops[0].indices[..]),
-        (id, &[1][..])
+        (
+            &stops[0].request_id,
+            stops[0].stream_id,
+            &stops[0].indices[..]
+        ),
+        (id, 2, &[1][..])
     );
 }
 

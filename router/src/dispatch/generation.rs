@@ -34,6 +34,9 @@ pub(super) struct Leg {
     samples: Vec<u32>,
     /// It must send something (a token, a finish, a heartbeat) by then, or it is given up on.
     deadline: Instant,
+    /// The stream's id on its worker, once a message with tokens has told it (0: not yet, or a
+    /// worker that cannot stop samples).
+    stream_id: u64,
 }
 
 impl Leg {
@@ -44,6 +47,7 @@ impl Leg {
             prefill_guard: opened.prefill_guard,
             samples,
             deadline: Instant::now() + stall,
+            stream_id: 0,
         }
     }
 
@@ -297,12 +301,18 @@ impl Generation {
     /// Asks leg `k`'s worker to finish `samples` (cut by stop strings here) while the leg's other
     /// samples go on, so they stop taking its steps and blocks. In the background: the answer
     /// changes nothing here (the samples' text has ended already), and a worker that does not
-    /// know the call runs them to their own end.
+    /// know the call (it names no stream id) runs them to their own end.
     fn stop_on_worker(&self, k: usize, samples: Vec<u32>) {
-        let worker = self.legs[k].guard.worker().clone();
+        let leg = &self.legs[k];
+        if leg.stream_id == 0 {
+            // A worker that does not name its streams cannot stop samples either.
+            return;
+        }
+        let worker = leg.guard.worker().clone();
         let request = pb::StopSamplesRequest {
             request_id: self.request.request_id.clone(),
             indices: samples,
+            stream_id: leg.stream_id,
         };
         tokio::spawn(async move {
             if let Err(e) = worker.client().stop_samples(request.clone()).await {
@@ -318,6 +328,9 @@ impl Generation {
         let leg = &mut self.legs[k];
         if !msg.tokens.is_empty() {
             leg.prefill_guard = None;
+        }
+        if msg.stream_id != 0 {
+            leg.stream_id = msg.stream_id;
         }
         let worker = leg.worker().clone();
         let serves = |i: u32| {
