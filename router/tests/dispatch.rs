@@ -764,3 +764,37 @@ async fn a_lost_worker_s_samples_each_resume_on_their_own_stream() {
     resumed.sort();
     assert_eq!(resumed, vec![0, 1]);
 }
+
+/// The id `d` gives a request.
+async fn request_id(d: &Dispatcher) -> String {
+    let prep = d
+        .prepare(
+            "",
+            PromptInput::Text("Tell me a story".into()),
+            params(4),
+            MaxTokensDefault::Fixed(16),
+        )
+        .await
+        .unwrap();
+    prep.request_id.to_string()
+}
+
+#[tokio::test]
+async fn two_routers_give_their_requests_different_ids() {
+    let w = FakeWorker::answering(answer_ids().await, 16);
+    let (a, b) = (
+        dispatcher(std::slice::from_ref(&w), 1).await,
+        dispatcher(std::slice::from_ref(&w), 1).await,
+    );
+    let (a1, a2, b1) = (
+        request_id(&a).await,
+        request_id(&a).await,
+        request_id(&b).await,
+    );
+    // One router's ids share its prefix and count up; another router's start elsewhere.
+    let prefix = |s: &str| s.rsplit_once('-').unwrap().0.to_string();
+    assert_eq!(prefix(&a1), prefix(&a2));
+    assert_ne!(a1, a2);
+    assert_ne!(prefix(&a1), prefix(&b1), "{a1} {b1}");
+    assert_ne!(a1, b1);
+}

@@ -253,6 +253,9 @@ pub struct Dispatcher {
     cfg: DispatchConfig,
     queued: Arc<AtomicUsize>,
     next_id: AtomicU64,
+    /// What this router's request ids start with: random per process, so routers side by side
+    /// (in containers, every one of them pid 1) do not give the same ids.
+    id_prefix: String,
     /// Compiles requests' grammars to refuse a bad one here, before it is routed.
     grammars: Arc<GrammarCompiler>,
 }
@@ -292,6 +295,12 @@ impl Dispatcher {
             cfg,
             queued: Arc::new(AtomicUsize::new(0)),
             next_id: AtomicU64::new(1),
+            id_prefix: {
+                use std::hash::BuildHasher;
+                // The standard library seeds each RandomState from the OS's random source.
+                let r = std::collections::hash_map::RandomState::new().hash_one(std::process::id());
+                format!("{:08x}", r as u32)
+            },
         }
     }
 

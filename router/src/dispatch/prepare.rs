@@ -163,8 +163,8 @@ impl Dispatcher {
             });
         }
         let request_id = RequestId(format!(
-            "{:x}-{}",
-            std::process::id(),
+            "{}-{}",
+            self.id_prefix,
             self.next_id.fetch_add(1, Ordering::Relaxed)
         ));
         sampling.max_tokens = max_tokens as u32;
