@@ -59,7 +59,10 @@ pub struct DecodeService {
 /// lives. A caller's id alone does not name a stream: two routers, or two clients, may send the
 /// same one.
 #[derive(Default)]
-struct Running(std::sync::Mutex<HashMap<RequestId, (String, std::ops::Range<u32>)>>);
+struct Running(std::sync::Mutex<Streams>);
+
+/// Each live stream's caller id and the samples it serves, by stream.
+type Streams = HashMap<RequestId, (String, std::ops::Range<u32>)>;
 
 impl Running {
     /// Notes that stream `id` serves `samples` of the caller's request `key` until the entry is
@@ -86,9 +89,7 @@ impl Running {
         )
     }
 
-    fn lock(
-        &self,
-    ) -> std::sync::MutexGuard<'_, HashMap<RequestId, (String, std::ops::Range<u32>)>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Streams> {
         // The map is consistent after every operation on it: a panic elsewhere while the lock was
         // held leaves nothing half done.
         self.0.lock().unwrap_or_else(|e| e.into_inner())

@@ -408,9 +408,18 @@ struct Progress {
     rate: Option<f64>,
     /// When the latest KV frame was seen.
     last_frame: Option<Instant>,
-    /// Bound on the whole attempt (from the latest KV frame once frames arrive), once the worker
-    /// has told its rate.
-    total: Option<(Instant, String)>,
+}
+
+/// The bound on a whole attempt, at the worker's rate.
+struct Bound {
+    at: Instant,
+    /// Seconds it allows, from the start or from the latest frame.
+    secs: f64,
+    /// Tokens they are for.
+    tokens: f64,
+    rate: f64,
+    /// Whether it counts from the latest KV frame (else from the start).
+    from_frame: bool,
 }
 
 impl Progress {
@@ -424,7 +433,6 @@ impl Progress {
             queued: 0,
             rate: None,
             last_frame: None,
-            total: None,
         }
     }
 
@@ -440,62 +448,64 @@ impl Progress {
     }
 
     /// Takes the worker's rate, the first time it has one (a worker that has not computed
-    /// anything yet learns it on its first step), and bounds the attempt by it.
+    /// anything yet learns it on its first step): from then on it bounds the attempt.
     fn rate(&mut self, tokens_per_second: f64) {
-        if self.rate.is_some() || tokens_per_second.is_nan() || tokens_per_second <= 0.0 {
-            return;
+        if self.rate.is_none() && tokens_per_second > 0.0 {
+            self.rate = Some(tokens_per_second);
         }
-        self.rate = Some(tokens_per_second);
-        self.bound();
     }
 
     /// `n` frames have arrived by `now` (the receiver's count: it only grows).
     fn frames(&mut self, n: u64, now: Instant) {
-        if n <= self.frames {
-            return;
+        if n > self.frames {
+            self.frames = n;
+            self.last = now;
+            self.last_frame = Some(now);
         }
-        self.frames = n;
-        self.last = now;
-        self.last_frame = Some(now);
-        self.bound();
     }
 
-    /// The bound on the whole attempt at the worker's rate: its queue and this prompt from the
-    /// start, or, once KV frames arrive, the prompt from the latest one (the queue ahead is done
-    /// then, and what is left is this prompt's computing and sending, which a slow link may
-    /// stretch past any bound on computing alone), whichever is later.
-    fn bound(&mut self) {
-        let Some(rate) = self.rate else { return };
+    /// The bound on the whole attempt, once the worker has told its rate: its queue and this
+    /// prompt from the start, or, once KV frames arrive, the prompt from the latest one (the
+    /// queue ahead is done then, and what is left is this prompt's computing and sending, which
+    /// a slow link may stretch past any bound on computing alone), whichever is later.
+    fn bound(&self) -> Option<Bound> {
+        let rate = self.rate?;
         let allowance = |tokens: f64| {
             let secs = self.d.stall.as_secs_f64() + self.d.slack * tokens / rate;
             secs.min(1e7)
         };
-        let (queued, uncached) = (self.queued as f64, self.uncached as f64);
-        let whole = allowance(queued + uncached);
-        let mut until = self.started + Duration::from_secs_f64(whole);
-        let mut why = format!(
-            "not done within {whole:.1} s ({} tokens at the worker's {rate:.0} tokens/s, slack {}x)",
-            queued + uncached,
-            self.d.slack
-        );
-        if let Some(frame) = self.last_frame {
-            let rest = allowance(uncached);
-            let after = frame + Duration::from_secs_f64(rest);
-            if after > until {
-                until = after;
-                why = format!(
-                    "no KV frame for {rest:.1} s ({uncached} tokens at the worker's {rate:.0} tokens/s, slack {}x)",
-                    self.d.slack
-                );
+        let tokens = self.queued as f64 + self.uncached as f64;
+        let secs = allowance(tokens);
+        let whole = Bound {
+            at: self.started + Duration::from_secs_f64(secs),
+            secs,
+            tokens,
+            rate,
+            from_frame: false,
+        };
+        let Some(frame) = self.last_frame else {
+            return Some(whole);
+        };
+        let tokens = self.uncached as f64;
+        let secs = allowance(tokens);
+        let at = frame + Duration::from_secs_f64(secs);
+        Some(if at > whole.at {
+            Bound {
+                at,
+                secs,
+                tokens,
+                rate,
+                from_frame: true,
             }
-        }
-        self.total = Some((until, why));
+        } else {
+            whole
+        })
     }
 
     fn give_up_at(&self) -> tokio::time::Instant {
         let silent = self.last + self.d.stall;
-        let at = match &self.total {
-            Some((t, _)) => silent.min(*t),
+        let at = match self.bound() {
+            Some(b) => silent.min(b.at),
             None => silent,
         };
         at.into()
@@ -506,9 +516,21 @@ impl Progress {
     }
 
     fn why(&self, now: Instant) -> String {
-        match &self.total {
-            Some((t, why)) if *t <= now => why.clone(),
-            _ => format!(
+        match self.bound().filter(|b| b.at <= now) {
+            Some(b) => {
+                let Bound {
+                    secs, tokens, rate, ..
+                } = b;
+                let what = match b.from_frame {
+                    true => format!("no KV frame for {secs:.1} s"),
+                    false => format!("not done within {secs:.1} s"),
+                };
+                format!(
+                    "{what} ({tokens} tokens at the worker's {rate:.0} tokens/s, slack {}x)",
+                    self.d.slack
+                )
+            }
+            None => format!(
                 "no word from the prefill worker for {:.1} s (no heartbeat, no KV frame)",
                 (now - self.last).as_secs_f64()
             ),

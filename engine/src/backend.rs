@@ -108,7 +108,7 @@ pub trait Backend: Send {
         false
     }
 
-    /// The latest forward's split by op, taken (None when not profiling).
+    /// The latest forward's split by op (None when not profiling).
     fn take_op_times(&mut self) -> Option<OpTimes> {
         None
     }

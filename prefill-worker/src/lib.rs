@@ -19,18 +19,17 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
-use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::encoding::DescriptorEncoder;
 use prometheus_client::metrics::histogram::Histogram;
-use prometheus_client::metrics::MetricType;
-use prometheus_client::registry::Unit;
 use tandem_engine::{BlockId, EngineHandle, KvChunk, Request, StreamEvent, ValidSampling};
 use tandem_kv_transfer::{BlockFrame, KvShape, KvStream, KvTransport};
 use tandem_proto::wire::sampling_from_wire;
 use tandem_proto::worker::{self as pb, prefill_server::PrefillServer};
 use tandem_telemetry::OpenTelemetrySpanExt;
 use tandem_worker::convert::{status, BoxStream};
-use tandem_worker::metrics::{counter, engine_metrics, gauge, seconds, RequestMetrics};
+use tandem_worker::metrics::{
+    counter, engine_metrics, gauge, seconds, seconds_counter, RequestMetrics,
+};
 use tandem_worker::trace;
 pub use tandem_worker::WorkerIdentity;
 use tandem_worker::{ControlService, Drain, InFlight};
@@ -609,13 +608,12 @@ impl Collector for Metrics {
             "Time from connecting to a decode worker to the last KV frame of a prefill sent (its computing included: frames go as the prompt is computed)",
             &c.send_duration,
         )?;
-        let m = enc.encode_descriptor(
+        seconds_counter(
+            &mut enc,
             "tandem_kv_send_blocked",
             "Time prefills waited for the link to take their KV frames (it grows when the link is slower than computing)",
-            Some(&Unit::Seconds),
-            MetricType::Counter,
-        )?;
-        ConstCounter::new(l(&c.send_blocked_ns) as f64 / 1e9).encode(m)
+            l(&c.send_blocked_ns) as f64 / 1e9,
+        )
     }
 }
 

@@ -102,13 +102,23 @@ pub fn engine_metrics(
         "Tensor-parallel ranks the engine's steps run on",
         &[(&[], limits.tensor_parallel as i64)],
     )?;
-    let m = enc.encode_descriptor(
+    seconds_counter(
+        enc,
         "tandem_tp_collective",
         "Time the tensor-parallel ranks spent in collectives (all-reduces and the logits gather, waiting for peers included), the mean over ranks",
-        Some(&Unit::Seconds),
-        MetricType::Counter,
-    )?;
-    ConstCounter::new(s.collective_seconds).encode(m)
+        s.collective_seconds,
+    )
+}
+
+/// Writes a counter of seconds, one sample (`name` gets `_seconds_total` appended).
+pub fn seconds_counter(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    secs: f64,
+) -> std::fmt::Result {
+    let m = enc.encode_descriptor(name, help, Some(&Unit::Seconds), MetricType::Counter)?;
+    ConstCounter::new(secs).encode(m)
 }
 
 /// Bucket bounds in seconds for times from milliseconds (a GPU's first token) to minutes (a long

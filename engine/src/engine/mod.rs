@@ -146,18 +146,32 @@ impl Seq {
     /// The `Cancelled` finish of this sequence and of every sample it has still to fork.
     fn cancelled(mut self) -> Vec<Finished> {
         let forks: Vec<u32> = self.forks.drain(..).map(|(i, _)| i).collect();
-        let me = self.finished(FinishReason::Cancelled);
-        let mut out: Vec<Finished> = forks
+        let unforked: Vec<Finished> = forks
             .into_iter()
-            .map(|index| Finished {
-                index,
-                output_ids: Vec::new(),
-                logprobs: Vec::new(),
-                ..me.clone()
-            })
+            .map(|index| self.unforked_finish(index, FinishReason::Cancelled))
             .collect();
-        out.insert(0, me);
+        let mut out = vec![self.finished(FinishReason::Cancelled)];
+        out.extend(unforked);
         out
+    }
+
+    /// The `reason` finish of sample `index`, one this sequence has still to fork: no output
+    /// (it never drew a token), the prompt and times of this sequence.
+    fn unforked_finish(&self, index: u32, reason: FinishReason) -> Finished {
+        let since = |t: Option<Instant>| t.map_or(0.0, |t| (t - self.submitted).as_secs_f64());
+        Finished {
+            request: self.id,
+            index,
+            prompt_ids: self.tokens[..self.prompt_len].to_vec(),
+            output_ids: Vec::new(),
+            logprobs: Vec::new(),
+            finish_reason: reason,
+            cached_prompt_tokens: self.cached_prompt_tokens.unwrap_or(0),
+            preemptions: self.preemptions,
+            queue_s: since(self.admitted),
+            ttft_s: 0.0,
+            e2e_s: self.submitted.elapsed().as_secs_f64(),
+        }
     }
 
     /// Takes sample `index` out of this sequence before the prompt's logits are ready, with
@@ -181,22 +195,7 @@ impl Seq {
             self.index = next;
             self.sampler = sampler;
         }
-        let now = Instant::now();
-        Some(Finished {
-            request: self.id,
-            index,
-            prompt_ids: self.tokens[..self.prompt_len].to_vec(),
-            output_ids: Vec::new(),
-            logprobs: Vec::new(),
-            finish_reason: reason,
-            cached_prompt_tokens: self.cached_prompt_tokens.unwrap_or(0),
-            preemptions: self.preemptions,
-            queue_s: self
-                .admitted
-                .map_or(0.0, |t| (t - self.submitted).as_secs_f64()),
-            ttft_s: 0.0,
-            e2e_s: (now - self.submitted).as_secs_f64(),
-        })
+        Some(self.unforked_finish(index, reason))
     }
 
     fn finished(self, reason: FinishReason) -> Finished {

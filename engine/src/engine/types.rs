@@ -335,11 +335,6 @@ impl OpTimes {
             ("collectives", self.collectives),
         ]
     }
-
-    /// The seconds of every op.
-    pub fn total(&self) -> f64 {
-        self.named().iter().map(|(_, s)| s).sum()
-    }
 }
 
 impl std::ops::AddAssign for OpTimes {

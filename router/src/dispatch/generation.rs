@@ -315,8 +315,9 @@ impl Generation {
             stream_id: leg.stream_id,
         };
         tokio::spawn(async move {
-            if let Err(e) = worker.client().stop_samples(request.clone()).await {
-                tracing::debug!(request = %request.request_id, worker = %worker.addr, samples = ?request.indices, error = %e, "stopping samples on the worker failed; they run to their own end");
+            let (id, samples) = (request.request_id.clone(), request.indices.clone());
+            if let Err(e) = worker.client().stop_samples(request).await {
+                tracing::debug!(request = %id, worker = %worker.addr, ?samples, error = %e, "stopping samples on the worker failed; they run to their own end");
             }
         });
     }
