@@ -39,7 +39,12 @@ const TOKEN_BLOCK: usize = 256;
 /// Weight rows (output columns) per rayon task: two tiles per kernel call.
 const COLS_PER_TASK: usize = 64;
 
-static ENABLED: AtomicBool = AtomicBool::new(true);
+/// Whether [`set_enabled`] has spoken, and what it said (else `TANDEM_AMX` decides).
+static SET: AtomicBool = AtomicBool::new(false);
+static ENABLED: AtomicBool = AtomicBool::new(false);
+
+/// The variable that turns the tiles on: `TANDEM_AMX=1`.
+pub const ENV: &str = "TANDEM_AMX";
 
 /// Whether products may take the tiles in this process: the kernel level is [`Isa::Amx`] (the
 /// CPU has the tiles and `TANDEM_ISA` does not cap below them) and the OS granted the tile state
@@ -49,15 +54,28 @@ pub fn available() -> bool {
     isa::active() >= Isa::Amx && *GRANTED.get_or_init(request_tile_state)
 }
 
-/// Whether products take the AMX path now: [`available`] and not switched off with
-/// [`set_enabled`].
+/// Whether products take the AMX path now: [`available`] and switched on, by [`set_enabled`] or
+/// else by `TANDEM_AMX=1`.
+///
+/// Off by default: the tiles sum their limb products in another order than the vector kernels'
+/// one order ([`crate::simd::dot_tile`]), and they only pay from 16 rows up, so a row's bits would
+/// depend on whether its batch reached 16 rows: a seeded request would no longer give the same
+/// samples whatever else runs. Turning them on trades that promise for prefill throughput.
 pub fn active() -> bool {
-    ENABLED.load(Ordering::Relaxed) && available()
+    static FROM_ENV: OnceLock<bool> = OnceLock::new();
+    let on = if SET.load(Ordering::Relaxed) {
+        ENABLED.load(Ordering::Relaxed)
+    } else {
+        *FROM_ENV.get_or_init(|| std::env::var(ENV).is_ok_and(|v| v.trim() == "1"))
+    };
+    on && available()
 }
 
-/// Switches the AMX path on or off for the whole process (benchmarks compare both in one run).
+/// Switches the AMX path on or off for the whole process, over `TANDEM_AMX` (benchmarks compare
+/// both in one run).
 pub fn set_enabled(on: bool) {
     ENABLED.store(on, Ordering::Relaxed);
+    SET.store(true, Ordering::Relaxed);
 }
 
 /// Whether the CPU has the AMX bf16 tiles and AVX512-BF16 (whose conversion the limb split

@@ -472,13 +472,17 @@ pub fn paged_attention(
             )));
         }
     }
-    // Work items: one per (tile of query rows, KV head, context split). A tile is up to `tile`
-    // consecutive rows of one sequence, and the query heads that share a KV head are done together,
-    // so each key and value row is read once for the whole tile. Long contexts with single rows
-    // (decode) are split so every core has work; the splits' partial softmaxes are merged
-    // afterwards (flash-decoding). Only single rows are split, so every slice holds at least one
-    // key each of its rows may see. With a sliding window a tile's keys start at its first row's
-    // first key; the later rows mask the keys below their own.
+    // Work items: one per (tile of query rows, KV head, run of segments). A tile is up to `tile`
+    // consecutive rows of one sequence, and the query heads that share a KV head are done
+    // together, so each key and value row is read once for the whole tile.
+    //
+    // Batch-invariant: every row's keys are cut at the same absolute positions, multiples of
+    // [`SEGMENT`], whatever the tile, the batch or the threads; each segment's partial softmax
+    // is computed alone (lanes aligned to its first key, keys a row may not see masked to
+    // exact zeros) and the partials are merged in segment order by one formula. So a row gives
+    // the same bits in a prefill tile of 12 rows, a chunk of one, or a decode step among 64
+    // others. Only how segments are grouped into items follows the batch: a decode row alone
+    // has one item per segment so every core has work (flash-decoding), other tiles one item.
     let kvh_n = layout.num_kv_heads;
     let tile = (KEYS_T_TILE / group).max(1);
     let target = 4 * rayon::current_num_threads();
@@ -490,34 +494,34 @@ pub fn paged_attention(
             let rows = tile.min(s.q_len - i0);
             let first_pos = s.context_len - s.q_len + i0;
             let (lo, hi) = (spec.first_key(first_pos), first_pos + rows);
-            let splits = if pairs >= target || rows > 1 {
-                1
+            // Segments with a key some row of the tile sees.
+            let (s0, s1) = (lo / SEGMENT, hi.div_ceil(SEGMENT));
+            let per_item = if pairs >= target || rows > 1 {
+                s1 - s0
             } else {
-                target
-                    .div_ceil(pairs)
-                    .min((hi - lo).div_ceil(MIN_SPLIT))
-                    .max(1)
+                (s1 - s0).div_ceil(target.div_ceil(pairs)).max(1)
             };
-            let len = (hi - lo).div_ceil(splits);
             for kvh in 0..kvh_n {
-                for j0 in (lo..hi).step_by(len) {
+                for g0 in (s0..s1).step_by(per_item) {
                     items.push(Item {
                         row: s.q_start + i0,
                         rows,
                         first_pos,
                         seq: si,
                         kvh,
-                        j0,
-                        j1: (j0 + len).min(hi),
+                        s0: g0,
+                        s1: (g0 + per_item).min(s1),
+                        hi,
                     });
                 }
             }
         }
     }
-    // Each item's partial softmax in one buffer (maxes, sums, outputs), carved into disjoint
-    // slices; the tasks take runs of consecutive items.
+    // Each item's partial softmaxes, one per segment (maxes, sums, outputs), in one buffer
+    // carved into disjoint slices; the tasks take runs of consecutive items.
     let gw = group * hd;
-    let part_len = |it: &Item| it.rows * group * (2 + hd);
+    let seg_len = |it: &Item| it.rows * group * (2 + hd);
+    let part_len = |it: &Item| seg_len(it) * (it.s1 - it.s0);
     let mut parts = vec![0f32; items.iter().map(part_len).sum()];
     let mut jobs: Vec<(&Item, &mut [f32])> = Vec::with_capacity(items.len());
     let mut rest = &mut parts[..];
@@ -534,11 +538,14 @@ pub fn paged_attention(
         let mut ahead = Ahead::default();
         let (bs, k_len) = (layout.block_size, hd * layout.block_size);
         for (it, _) in run.iter() {
-            let runs = || block_runs(seqs[it.seq].block_table, bs, it.j0, it.j1);
-            let keys = runs().map(|(blk, ..)| (layout.kt_at(blk, it.kvh), k_len));
-            ahead.ranges.extend(keys);
-            let values = runs().map(|(blk, off, len, _)| (layout.v_at(blk, it.kvh, off), len * hd));
-            ahead.ranges.extend(values);
+            for (j0, j1) in it.segments() {
+                let runs = || block_runs(seqs[it.seq].block_table, bs, j0, j1);
+                let keys = runs().map(|(blk, ..)| (layout.kt_at(blk, it.kvh), k_len));
+                ahead.ranges.extend(keys);
+                let values =
+                    runs().map(|(blk, off, len, _)| (layout.v_at(blk, it.kvh, off), len * hd));
+                ahead.ranges.extend(values);
+            }
         }
         let mut bufs = TileBufs::default();
         for (it, part) in run.iter_mut() {
@@ -548,47 +555,49 @@ pub fn paged_attention(
                 let at = r * width + it.kvh * gw;
                 bufs.qt.extend_from_slice(&q[at..at + gw]);
             }
-            attend_tile(
-                &cache,
-                layout,
-                &seqs[it.seq],
-                it,
-                spec,
-                &mut bufs,
-                &mut ahead,
-                part,
-            );
+            for ((j0, j1), part) in it.segments().zip(part.chunks_exact_mut(seg_len(it))) {
+                attend_tile(
+                    &cache,
+                    layout,
+                    &seqs[it.seq],
+                    it,
+                    (j0, j1),
+                    spec,
+                    &mut bufs,
+                    &mut ahead,
+                    part,
+                );
+            }
         }
     });
     // Rows without a sequence stay zero; the others are overwritten by the merge below.
     out.fill(0.0);
-    let parts: Vec<&[f32]> = jobs.into_iter().map(|(_, part)| &*part).collect();
+    let parts: Vec<(&Item, &[f32])> = jobs.into_iter().map(|(it, part)| (it, &*part)).collect();
     let mut k = 0;
+    let mut segs: Vec<&[f32]> = Vec::new();
     while k < items.len() {
         let (row, kvh) = (items[k].row, items[k].kvh);
         let mut e = k;
+        segs.clear();
         while e < items.len() && items[e].row == row && items[e].kvh == kvh {
+            segs.extend(parts[e].1.chunks_exact(seg_len(parts[e].0)));
             e += 1;
         }
         let nq = items[k].rows * group;
         for r in 0..items[k].rows {
             let at = (row + r) * width + kvh * gw;
-            merge_parts(
-                &parts[k..e],
-                nq,
-                r * group,
-                group,
-                hd,
-                &mut out[at..at + gw],
-            );
+            merge_parts(&segs, nq, r * group, group, hd, &mut out[at..at + gw]);
         }
         k = e;
     }
     Ok(())
 }
 
-/// Shortest context slice worth a task of its own.
-const MIN_SPLIT: usize = 64;
+/// Keys per segment of a row's context: the fixed cut points of its partial softmaxes (see
+/// [`paged_attention`]). Long enough that a prefill row's merge is a small part of its work
+/// (2048 keys: 8 partials of 64 values), short enough that one long decode row splits over
+/// the cores.
+pub const SEGMENT: usize = 256;
 
 struct Item {
     /// First query row of the tile in the packed batch, and how many rows it has.
@@ -598,8 +607,19 @@ struct Item {
     first_pos: usize,
     seq: usize,
     kvh: usize,
-    j0: usize,
-    j1: usize,
+    /// The segments this item computes, `s0..s1`.
+    s0: usize,
+    s1: usize,
+    /// One past the tile's last row's position: no key from here is seen.
+    hi: usize,
+}
+
+impl Item {
+    /// The key ranges of the item's segments, in order: each starts at its segment's first key
+    /// (so vector lanes line up with absolute positions) and ends at the segment's end or `hi`.
+    fn segments(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        (self.s0..self.s1).map(|g| (g * SEGMENT, ((g + 1) * SEGMENT).min(self.hi)))
+    }
 }
 
 /// Most consecutive work items one task takes.
@@ -645,16 +665,19 @@ struct TileBufs {
 }
 
 /// Softmax attention of a tile's `nq` query vectors (`bufs.qt`, nq×hd; vector `r·g + h` is head
-/// `h` of the tile's row `r`) over keys `j0..j1` of one KV head, each row masked causally at its
-/// own position (and below its window's first key). Writes, per vector, the running max, the sum
-/// of exponentials and the unnormalized output into `part` (`nq × (2 + hd)` values: maxes, then
-/// sums, then outputs). `ahead` holds the ranges this reads, in order (keys, then values).
+/// `h` of the tile's row `r`) over keys `j0..j1` of one KV head, one segment, each row masked
+/// causally at its own position (and below its window's first key). Writes, per vector, the
+/// segment's max, the sum of exponentials and the unnormalized output into `part` (`nq × (2 +
+/// hd)` values: maxes, then sums, then outputs); a vector that sees no key of the segment gets
+/// max −∞, sum 0 and output 0, which the merge weighs by exactly 0. `ahead` holds the ranges
+/// this reads, in order (keys, then values).
 #[allow(clippy::too_many_arguments)]
 fn attend_tile(
     cache: &KvSlab<'_>,
     layout: KvLayout,
     s: &SeqAttn<'_>,
     it: &Item,
+    (j0, j1): (usize, usize),
     spec: AttnSpec,
     bufs: &mut TileBufs,
     ahead: &mut Ahead,
@@ -664,10 +687,10 @@ fn attend_tile(
     let TileBufs { qt, scores, conv } = bufs;
     let nq = qt.len() / hd;
     let g = nq / it.rows;
-    let n = it.j1 - it.j0;
+    let n = j1 - j0;
     scores.clear();
     scores.resize(nq * n, 0.0);
-    for (blk, off, run, at) in block_runs(s.block_table, bs, it.j0, it.j1) {
+    for (blk, off, run, at) in block_runs(s.block_table, bs, j0, j1) {
         ahead.next(cache);
         let keys = (
             layout.kt_at(blk, it.kvh),
@@ -680,29 +703,31 @@ fn attend_tile(
     // Causal mask: row r sees keys up to its own position, and from its window's first key.
     for r in 0..it.rows {
         let pos = it.first_pos + r;
-        let first_masked = (pos + 1).max(it.j0);
-        let first_seen = spec.first_key(pos).clamp(it.j0, it.j1);
+        let first_masked = (pos + 1).max(j0);
+        let first_seen = spec.first_key(pos).clamp(j0, j1);
         for v in r * g..(r + 1) * g {
             let row = &mut scores[v * n..(v + 1) * n];
-            row[..first_seen - it.j0].fill(f32::NEG_INFINITY);
-            if first_masked < it.j1 {
-                row[first_masked - it.j0..].fill(f32::NEG_INFINITY);
+            row[..first_seen - j0].fill(f32::NEG_INFINITY);
+            if first_masked < j1 {
+                row[first_masked - j0..].fill(f32::NEG_INFINITY);
             }
         }
     }
     for v in 0..nq {
         let sc = &mut scores[v * n..(v + 1) * n];
         let max = max_f32(sc);
-        debug_assert!(
-            max > f32::NEG_INFINITY,
-            "a row with no visible key in its slice"
-        );
         part[v] = max;
-        part[nq + v] = exp_shifted_sum(sc, max);
+        part[nq + v] = if max == f32::NEG_INFINITY {
+            // No key of this segment is seen: weights of exactly zero.
+            sc.fill(0.0);
+            0.0
+        } else {
+            exp_shifted_sum(sc, max)
+        };
     }
     let acc = &mut part[2 * nq..];
     acc.fill(0.0);
-    for (blk, off, run, at) in block_runs(s.block_table, bs, it.j0, it.j1) {
+    for (blk, off, run, at) in block_runs(s.block_table, bs, j0, j1) {
         ahead.next(cache);
         cache.accumulate_rows(
             layout,
@@ -819,6 +844,115 @@ mod tests {
     use proptest::prelude::*;
     use rand::{seq::SliceRandom, Rng, SeedableRng};
 
+    /// Fills a random cache for sequences of `ctxs` tokens (f32 or f16 values): the block
+    /// tables, scattered.
+    fn random_cache(
+        rng: &mut rand_chacha::ChaCha8Rng,
+        layout: KvLayout,
+        ctxs: &[usize],
+        half: bool,
+    ) -> (Vec<f32>, Vec<half::f16>, Vec<Vec<u32>>) {
+        let bs = layout.block_size;
+        let blocks: usize = ctxs.iter().map(|c| c.div_ceil(bs)).sum();
+        let mut cache = vec![0f32; blocks * layout.block_floats()];
+        let mut hcache = vec![half::f16::ZERO; blocks * layout.block_floats()];
+        let mut free: Vec<u32> = (0..blocks as u32).collect();
+        free.shuffle(rng);
+        let kw = layout.num_kv_heads * layout.head_dim;
+        let mut tables = Vec::new();
+        for &ctx in ctxs {
+            let table: Vec<u32> = (0..ctx.div_ceil(bs)).map(|_| free.pop().unwrap()).collect();
+            let k: Vec<f32> = (0..ctx * kw).map(|_| rng.gen_range(-2.0..2.0)).collect();
+            let v: Vec<f32> = (0..ctx * kw).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            let slots: Vec<usize> = (0..ctx)
+                .map(|p| table[p / bs] as usize * bs + p % bs)
+                .collect();
+            let mut slab = if half {
+                KvSlabMut::F16(&mut hcache)
+            } else {
+                KvSlabMut::F32(&mut cache)
+            };
+            write_kv(&mut slab, layout, &k, &v, &slots).unwrap();
+            tables.push(table);
+        }
+        (cache, hcache, tables)
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(24))]
+        /// Batch invariance: a sequence's attention rows are the same bits computed all at
+        /// once, in random chunks (chunked prefill, a prefix hit), one row at a time (decode),
+        /// alone or among random other sequences, on 1 to 3 threads, for f32 and f16 caches,
+        /// with and without a window, across the segment cuts.
+        #[test]
+        fn a_sequences_rows_do_not_depend_on_the_batch(
+            seed in any::<u64>(),
+            kv_heads in 1usize..4,
+            group in 1usize..4,
+            hd in prop::sample::select(vec![16usize, 64]),
+            ctx in 1usize..700,
+            new_frac in 0.0f64..1.0,
+            half in any::<bool>(),
+            window in prop::option::of(1usize..400),
+        ) {
+            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+            let n_heads = kv_heads * group;
+            let layout = KvLayout { block_size: 16, num_kv_heads: kv_heads, head_dim: hd };
+            let q_len = ((ctx as f64 * new_frac) as usize).clamp(1, ctx);
+            let others: Vec<usize> = (0..rng.gen_range(0..6)).map(|_| rng.gen_range(1..400)).collect();
+            let mut ctxs = vec![ctx];
+            ctxs.extend(&others);
+            let (cache, hcache, tables) = random_cache(&mut rng, layout, &ctxs, half);
+            let slab = if half { KvSlab::F16(&hcache) } else { KvSlab::F32(&cache) };
+            let spec = AttnSpec { n_heads, scale: 1.0 / (hd as f32).sqrt(), window };
+            let width = n_heads * hd;
+            let q: Vec<f32> = (0..q_len * width).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            let pool = |t| rayon::ThreadPoolBuilder::new().num_threads(t).build().unwrap();
+            // The probe's rows `a..b` (the last of a context of `ctx - q_len + b`), after `lead`
+            // rows of other sequences' queries, on `threads` threads.
+            let run = |a: usize, b: usize, with_others: bool, threads: usize, rng: &mut rand_chacha::ChaCha8Rng| {
+                let mut seqs = Vec::new();
+                let mut qs = Vec::new();
+                if with_others {
+                    for (i, &c) in others.iter().enumerate() {
+                        let n = rng.gen_range(1..=c.min(20));
+                        seqs.push(SeqAttn { q_start: qs.len() / width, q_len: n, context_len: c, block_table: &tables[i + 1] });
+                        qs.extend((0..n * width).map(|_| rng.gen_range(-1.0f32..1.0)));
+                    }
+                }
+                let at = qs.len() / width;
+                seqs.push(SeqAttn { q_start: at, q_len: b - a, context_len: ctx - q_len + b, block_table: &tables[0] });
+                qs.extend_from_slice(&q[a * width..b * width]);
+                let mut out = vec![0f32; qs.len()];
+                pool(threads).install(|| paged_attention(&qs, spec, slab, layout, &seqs, &mut out)).unwrap();
+                out[at * width..].to_vec()
+            };
+            let whole = run(0, q_len, false, 1, &mut rng);
+            // Random chunks, each among the others on 2 or 3 threads.
+            let mut a = 0;
+            let mut chunked = Vec::new();
+            while a < q_len {
+                let b = (a + rng.gen_range(1..=q_len)).min(q_len);
+                let threads = rng.gen_range(2..=3);
+                chunked.extend(run(a, b, true, threads, &mut rng));
+                a = b;
+            }
+            // The last rows one at a time, alone on two threads (a decode row split over the
+            // cores) and among others.
+            let last = q_len - 1;
+            let alone = run(last, q_len, false, 2, &mut rng);
+            let among = run(last, q_len, true, 3, &mut rng);
+            for (i, (x, y)) in whole.iter().zip(&chunked).enumerate() {
+                prop_assert_eq!(x.to_bits(), y.to_bits(), "row {} value {}: whole {} chunked {}", i / width, i % width, x, y);
+            }
+            let tail = &whole[last * width..];
+            for (i, ((x, y), z)) in tail.iter().zip(&alone).zip(&among).enumerate() {
+                prop_assert_eq!(x.to_bits(), y.to_bits(), "last row value {}: whole {} alone {}", i, x, y);
+                prop_assert_eq!(x.to_bits(), z.to_bits(), "last row value {}: whole {} among others {}", i, x, z);
+            }
+        }
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(48))]
         /// Attention over a scattered block table equals attention over the same K/V laid out
@@ -831,9 +965,9 @@ mod tests {
             group in 1usize..4,
             hd_pow in 2u32..8,
             block_size in prop::sample::select(vec![1usize, 2, 4, 16]),
-            lens in prop::collection::vec((1usize..40, 0usize..40), 1..4),
+            lens in prop::collection::vec((1usize..40, prop_oneof![0usize..40, 200usize..600]), 1..4),
             dtype in 0usize..3,
-            window in prop::option::of(1usize..90),
+            window in prop::option::of(prop_oneof![1usize..90, 200usize..500]),
         ) {
             let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
             let hd = 1usize << hd_pow;

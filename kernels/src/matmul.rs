@@ -1,38 +1,37 @@
 //! `y = x · Wᵀ` for a batch of `m` activation rows.
 //!
-//! Every regime is parallel over runs of weight rows (output columns), so each weight is read and
-//! decoded once per call and no task waits on another:
-//! - one activation row (batch-1 decode): fused decode·dot straight from the quantized bytes;
-//! - a few rows (batched decode): each weight block decoded once in registers, used for every row;
-//! - many rows (big batches, prefill): a tile of weight rows decoded to f32 in cache and multiplied
-//!   through a 4×4 register tile, activation rows blocked so tile and block share L2.
+//! **Batch-invariant.** Every output element is one dot product taken in one fixed order (see
+//! [`crate::simd::dot_tile`]: eight lanes, each an FMA chain over the columns in order, reduced
+//! by one fixed tree), whatever `m` is, whichever rows share its register tile and however the
+//! work is split among threads. A row's outputs are therefore the same bits alone or in a batch
+//! of 64, in a prefill chunk or a decode step: what makes a seeded request give the same
+//! samples whatever else is running. (The earlier kernels took each regime its own way: a fused
+//! `d·Σq·x + m·Σx` dot for one row, two chains per row for a few, a chain per output for many,
+//! the `gemm` crate for dense weights and AMX tiles above 16 rows; each gave other bits.)
 //!
-//! Dense f32 weights with many rows go to the `gemm` crate.
+//! The work is parallel over runs of weight rows (output columns), so each weight is read and
+//! decoded once per call and no task waits on another. A task decodes its quantized rows to f32
+//! in a per-thread tile (a few rows at a time for few activation rows, so they stay in L1; the
+//! whole run for many, so the activations stream past a tile in L2) and multiplies through
+//! [`dot_tile`]. Dense f32 weights are multiplied in place.
 
 use rayon::prelude::*;
 
-use crate::simd::{
-    block_sums, dot_f32, dot_quant_row, dot_quant_rows, has_fused_rows, pack_panels,
-    pack_panels_into, panel_matmul, panel_rows, HALF_PANEL, MAX_FUSED_ROWS, PANEL,
-};
+use crate::simd::{dot_tile, TILE_M, TILE_R, TILE_R1};
 use crate::{KernelError, Weight};
 
-/// Quantized weights and at least this many activation rows: decode tiles of weight rows and
-/// multiply them with activation panels ([`tiled`]); from 2 rows up to it, decode blocks in
-/// registers and dot them with each activation row ([`fused_rows`]). A tiled product costs a
-/// whole panel (16 rows, or 32 above 16) whatever the rows, so fused wins while rows are few.
-/// Measured on a 2-core Zen 5 VM, all 30 layers of the Q4_1 SmolLM2 projections, two threads:
-/// fused 8 rows 11–13 ms, 12 rows 19–20, 16 rows 24–25, 20 rows 34–35; tiled 19–22 ms up to 16
-/// rows and 26–28 ms from 17 to 24. Tiled also serves prefill, without the whole-matrix f32 copy
-/// a GEMM library would need.
-pub const TILED_MIN_ROWS: usize = 13;
-
-/// Dense f32 weights need no decoding: a GEMM from this many rows.
-const F32_GEMM_MIN_ROWS: usize = 24;
-
-/// Output rows per rayon task in the row-parallel path: large enough to amortize scheduling,
-/// small enough to balance two to a few dozen cores.
+/// Output rows per rayon task: large enough to amortize scheduling, small enough to balance two
+/// to a few dozen cores.
 const ROWS_PER_TASK: usize = 64;
+
+/// Activation rows up to which a task decodes its weight rows [`SMALL_DECODE`] at a time (the
+/// decoded rows are used at once, from L1); above, the task's whole run is decoded first and the
+/// activations, in blocks of [`TILE_M`] rows, pass over it.
+const SMALL_M: usize = 8;
+
+/// Weight rows decoded at a time for few activation rows: 12 rows of 1536 floats are 72 KiB,
+/// of 576 are 27 KiB.
+const SMALL_DECODE: usize = 12;
 
 /// `out[m×n] = x[m×k] · Wᵀ` where `W` is `n×k`.
 pub fn matmul(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) -> Result<(), KernelError> {
@@ -44,22 +43,82 @@ pub fn matmul(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) -> Result<(), Ke
             out.len()
         )));
     }
-    if m == 0 {
+    if m == 0 || n == 0 {
         return Ok(());
     }
-    match w {
-        Weight::F32 { data, .. } if m >= F32_GEMM_MIN_ROWS => gemm_xwt(x, m, data, n, k, out),
-        _ if m == 1 => one_row(x, w, out),
-        Weight::Quant { ty, .. } if m < TILED_MIN_ROWS && has_fused_rows(*ty) => {
-            fused_rows(x, m, w, out)
+    let dst = OutPtr(out.as_mut_ptr());
+    // Tasks own whole register tiles of weight rows (6 rows: both tile widths divide it).
+    let per_task = task_rows(n, TILE_R1);
+    (0..n.div_ceil(per_task)).into_par_iter().for_each(|c| {
+        let r0 = c * per_task;
+        let rows = per_task.min(n - r0);
+        match w {
+            Weight::F32 { data, .. } => {
+                // SAFETY: rows r0.. +rows of `data` hold k values each; this task's outputs
+                // are columns r0.. +rows of every row of `out`.
+                unsafe { multiply(x, m, data[r0 * k..].as_ptr(), rows, k, dst, n, r0) }
+            }
+            // The decoded tile lives in a per-thread buffer: allocating it per task would map
+            // and unmap pages (and shoot down TLBs on every core) thousands of times a step.
+            Weight::Quant { .. } => TILE.with(|t| {
+                let mut t = t.borrow_mut();
+                let chunk = if m <= SMALL_M { SMALL_DECODE } else { rows };
+                if t.len() < chunk * k {
+                    t.resize(chunk * k, 0.0);
+                }
+                for i0 in (0..rows).step_by(chunk) {
+                    let nr = chunk.min(rows - i0);
+                    for (i, row) in t[..nr * k].chunks_exact_mut(k).enumerate() {
+                        w.row_f32(r0 + i0 + i, row);
+                    }
+                    // SAFETY: the tile holds nr decoded rows of k; the outputs are this task's.
+                    unsafe { multiply(x, m, t.as_ptr(), nr, k, dst, n, r0 + i0) }
+                }
+            }),
         }
-        _ => tiled(x, m, w, out),
-    }
+    });
     Ok(())
 }
 
+/// Columns `c0.. +rows` of `out` (m × n): the `m` activation rows of `x` against `rows` weight
+/// rows of `k` at `w`, activation rows outermost in blocks of [`TILE_M`], so a block stays in L1
+/// while the weight rows pass.
+///
+/// # Safety
+/// `w` holds `rows` rows of `k`; columns `c0.. +rows` of `out` belong to the caller's task.
+#[allow(clippy::too_many_arguments)]
+unsafe fn multiply(
+    x: &[f32],
+    m: usize,
+    w: *const f32,
+    rows: usize,
+    k: usize,
+    dst: OutPtr,
+    n: usize,
+    c0: usize,
+) {
+    let step = if m == 1 { TILE_R1 } else { TILE_R };
+    for a0 in (0..m).step_by(TILE_M) {
+        let ma = TILE_M.min(m - a0);
+        for i0 in (0..rows).step_by(step) {
+            let nr = step.min(rows - i0);
+            dot_tile(
+                x.as_ptr().add(a0 * k),
+                k,
+                ma,
+                w.add(i0 * k),
+                k,
+                nr,
+                k,
+                dst.at(a0 * n + c0 + i0),
+                n,
+            );
+        }
+    }
+}
+
 thread_local! {
-    /// Decoded weight tile of [`tiled`], reused by every task this thread runs.
+    /// Decoded weight rows of a task, reused by every task this thread runs.
     static TILE: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
@@ -67,7 +126,7 @@ thread_local! {
 #[derive(Clone, Copy)]
 pub(crate) struct OutPtr(pub(crate) *mut f32);
 // SAFETY: tasks write disjoint elements (each owns a run of output columns) and the pointer does
-// not outlive the `&mut` it came from (the parallel loop ends before `tiled` returns).
+// not outlive the `&mut` it came from (the parallel loop ends before `matmul` returns).
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
@@ -79,110 +138,13 @@ impl OutPtr {
     }
 }
 
-/// Several activation rows: each task owns a run of weight rows ([`task_rows`]), decodes them
-/// (if quantized) into an f32 tile that stays in cache, and multiplies every activation row with
-/// it through a 4×4 register tile. The weights are read and decoded once per call, never written
-/// out whole.
-fn tiled(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
-    let k = w.cols();
-    // Activations packed once, k-major in panels; every task streams them. A product of few rows
-    // takes the narrow panel, so no more than it has are computed.
-    let width = if m <= HALF_PANEL { HALF_PANEL } else { PANEL };
-    let panels = m.div_ceil(width);
-    let len = panels * k * width;
-    PACKED.with(|cell| match cell.try_borrow_mut() {
-        Ok(mut buf) => {
-            if buf.len() < len {
-                buf.resize(len, 0.0);
-            }
-            pack_panels_into(x, m, k, width, &mut buf[..len]);
-            tiled_packed(&buf[..len], m, width, w, out);
-        }
-        // This thread is already inside a product (it stole another engine's step while
-        // waiting): a buffer of its own.
-        Err(_) => tiled_packed(&pack_panels(x, m, k, width), m, width, w, out),
-    });
-}
-
-thread_local! {
-    /// Packed activations of [`tiled`], kept by the calling thread between products: a prefill's
-    /// panels are megabytes, and a fresh allocation per product is fresh pages to fault in and zero.
-    static PACKED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
-/// [`tiled`] over activations already packed in panels of `width` rows.
-fn tiled_packed(packed: &[f32], m: usize, width: usize, w: &Weight, out: &mut [f32]) {
-    let (n, k) = (w.rows(), w.cols());
-    let panels = m.div_ceil(width);
-    let tile_rows = panel_rows();
-    let dst = OutPtr(out.as_mut_ptr());
-    let per_task = task_rows(n, tile_rows);
-    (0..n.div_ceil(per_task)).into_par_iter().for_each(|c| {
-        let r0 = c * per_task;
-        let rows = per_task.min(n - r0);
-        let multiply = |tile: &[f32]| {
-            // One panel's results for this task's rows, written out a row at a time. The
-            // kernels store a column per weight row; into `out` directly those stores would
-            // be n floats apart, which for n a multiple of 1024 puts all 32 of a column in one
-            // L1 set (the 3072-row gate/up product ran at half speed).
-            let mut block = [0f32; PANEL * ROWS_PER_TASK];
-            for p in 0..panels {
-                let panel = &packed[p * k * width..(p + 1) * k * width];
-                let cols = (m - p * width).min(width);
-                for i0 in (0..rows).step_by(tile_rows) {
-                    let nr = (rows - i0).min(tile_rows);
-                    // SAFETY: tile rows i0..i0+nr exist; the written elements (columns
-                    // i0.. +nr of rows ..cols) are inside `block`.
-                    unsafe {
-                        panel_matmul(
-                            tile.as_ptr().add(i0 * k),
-                            nr,
-                            k,
-                            panel,
-                            width,
-                            block.as_mut_ptr().add(i0),
-                            ROWS_PER_TASK,
-                            cols,
-                        )
-                    };
-                }
-                for (j, res) in block.chunks_exact(ROWS_PER_TASK).take(cols).enumerate() {
-                    // SAFETY: activation row p·width+j < m and weight rows r0.. +rows < n:
-                    // inside m×n, and this task's own columns.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            res.as_ptr(),
-                            dst.at((p * width + j) * n + r0),
-                            rows,
-                        )
-                    };
-                }
-            }
-        };
-        match w {
-            Weight::F32 { data, .. } => multiply(&data[r0 * k..(r0 + rows) * k]),
-            // The decoded tile lives in a per-thread buffer: allocating it per task would
-            // map and unmap pages (and shoot down TLBs on every core) thousands of times a step.
-            Weight::Quant { .. } => TILE.with(|t| {
-                let mut t = t.borrow_mut();
-                if t.len() < rows * k {
-                    t.resize(rows * k, 0.0);
-                }
-                for (i, row) in t[..rows * k].chunks_exact_mut(k).enumerate() {
-                    w.row_f32(r0 + i, row);
-                }
-                multiply(&t[..rows * k]);
-            }),
-        }
-    });
-}
-
 /// Output rows per task for a product of `n` rows taken `unit` at a time (a register tile, or one
 /// row): whole units, at most [`ROWS_PER_TASK`] rows, and of the sizes that allows, the one whose
 /// tasks, dealt out evenly over the pool's threads, leave the busiest thread the least work
 /// (the largest on a tie). With 64 rows a task, the 576-row projections made 9 tasks, 5 on one of
 /// two threads and 4 on the other; 48 rows make 12, 6 each (the 30 layers' o and down products
-/// 5.2 → 4.6 ms and 14.0 → 12.4 ms on a 2-core Zen 3, 32 activation rows).
+/// 5.2 → 4.6 ms and 14.0 → 12.4 ms on a 2-core Zen 3, 32 activation rows). The split changes
+/// which thread computes an output, never how.
 fn task_rows(n: usize, unit: usize) -> usize {
     let threads = rayon::current_num_threads().max(1);
     let units = n.div_ceil(unit);
@@ -192,92 +154,6 @@ fn task_rows(n: usize, unit: usize) -> usize {
         .min_by_key(|&per| busiest(per))
         .expect("at least one size")
         * unit
-}
-
-fn gemm_xwt(x: &[f32], m: usize, w: &[f32], n: usize, k: usize, out: &mut [f32]) {
-    let threads = rayon::current_num_threads();
-    let par = if threads > 1 {
-        gemm::Parallelism::Rayon(threads)
-    } else {
-        gemm::Parallelism::None
-    };
-    // SAFETY: the pointers cover m×n (dst), m×k (lhs) and, read as a k×n column-major matrix, n×k
-    // (rhs), as the length checks in `matmul` guarantee.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            out.as_mut_ptr(),
-            1,
-            n as isize,
-            false,
-            x.as_ptr(),
-            1,
-            k as isize,
-            w.as_ptr(),
-            k as isize,
-            1,
-            0.0,
-            1.0,
-            false,
-            false,
-            false,
-            par,
-        );
-    }
-}
-
-/// One activation row: each task owns a run of output rows and dots them straight from the
-/// (quantized) weights with the fused decode·dot kernels.
-fn one_row(x: &[f32], w: &Weight, out: &mut [f32]) {
-    let (n, k) = (w.rows(), w.cols());
-    // Σx per block, for the fused Q4_1 dot.
-    let xsum = block_sums(x);
-    let per_task = task_rows(n, 1);
-    out.par_chunks_mut(per_task)
-        .enumerate()
-        .for_each(|(c, chunk)| {
-            let r0 = c * per_task;
-            let mut scratch = vec![0f32; k];
-            for (i, o) in chunk.iter_mut().enumerate() {
-                *o = match w {
-                    Weight::F32 { data, .. } => dot_f32(&data[(r0 + i) * k..(r0 + i + 1) * k], x),
-                    Weight::Quant { ty, data, .. } => {
-                        let rb = data.len() / n;
-                        let wr = &data[(r0 + i) * rb..(r0 + i + 1) * rb];
-                        dot_quant_row(*ty, wr, x, &xsum, &mut scratch)
-                    }
-                };
-            }
-        });
-}
-
-/// A few activation rows: each weight block is decoded once, in registers, and used for up to
-/// [`MAX_FUSED_ROWS`] activation rows; nothing is written but the outputs.
-fn fused_rows(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
-    let (n, k) = (w.rows(), w.cols());
-    let Weight::Quant { ty, data, .. } = w else {
-        unreachable!("fused rows are for quantized weights")
-    };
-    let rb = data.len() / n;
-    let dst = OutPtr(out.as_mut_ptr());
-    let per_task = task_rows(n, 1);
-    (0..n.div_ceil(per_task)).into_par_iter().for_each(|c| {
-        let r0 = c * per_task;
-        let mut o = [0f32; MAX_FUSED_ROWS];
-        for r in r0..(r0 + per_task).min(n) {
-            let wr = &data[r * rb..(r + 1) * rb];
-            for j0 in (0..m).step_by(MAX_FUSED_ROWS) {
-                let nc = (m - j0).min(MAX_FUSED_ROWS);
-                dot_quant_rows(*ty, wr, &x[j0 * k..(j0 + nc) * k], &mut o[..nc]);
-                for (u, v) in o[..nc].iter().enumerate() {
-                    // SAFETY: (j0+u, r) is inside m×n and row r belongs to this task.
-                    unsafe { *dst.at((j0 + u) * n + r) = *v };
-                }
-            }
-        }
-    });
 }
 
 #[cfg(test)]
@@ -335,7 +211,7 @@ mod tests {
                 w.row_f32(r, &mut row);
                 assert_eq!(row, dense[r * k..(r + 1) * k], "{:?} row {r}", w.dtype());
             }
-            for m in [1, 2, 3, 9, TILED_MIN_ROWS - 1, TILED_MIN_ROWS, 33, 70] {
+            for m in [1, 2, 3, 5, 9, 12, 13, 33, 70] {
                 let x = rnd(m * k, m as u64);
                 // Poisoned, so an element no path writes fails.
                 let mut out = vec![f32::NAN; m * n];
@@ -345,6 +221,55 @@ mod tests {
                     assert!(
                         (a - b).abs() < 1e-4 * (1.0 + b.abs()),
                         "{:?} m={m}: {a} vs {b}",
+                        w.dtype()
+                    );
+                }
+            }
+        }
+    }
+
+    /// The batch-invariance promise: a row's outputs are the same bits alone, among any number
+    /// of other rows in any position, and whatever the thread count, for every weight format.
+    #[test]
+    fn a_rows_outputs_do_not_depend_on_the_batch_or_the_threads() {
+        let pool = |threads| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap()
+        };
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(41);
+        // 100 rows (tasks end mid-tile), k a multiple of 32 for the quantized formats; the f32
+        // weight also with k = 37 (a tail past the last 8 lanes).
+        for (fmt, k) in [(0, 96), (0, 37), (1, 96), (2, 128)] {
+            let n = 100;
+            let wf = rnd(n * k, 3 + k as u64);
+            let w = match fmt {
+                0 => Weight::F32 {
+                    data: wf,
+                    rows: n,
+                    cols: k,
+                },
+                1 => Weight::quant(GgmlType::Q4_1, &quantize_q4_1(&wf), n, k).unwrap(),
+                _ => Weight::quant(GgmlType::Q8_0, &quantize_q8_0(&wf), n, k).unwrap(),
+            };
+            let probe = rnd(k, 99);
+            let mut alone = vec![0f32; n];
+            matmul(&probe, 1, &w, &mut alone).unwrap();
+            for trial in 0..12 {
+                let m = rng.gen_range(1..=70);
+                let at = rng.gen_range(0..m);
+                let mut x = rnd(m * k, 1000 + trial);
+                x[at * k..(at + 1) * k].copy_from_slice(&probe);
+                let threads = [1, 2, 3][trial as usize % 3];
+                let mut out = vec![f32::NAN; m * n];
+                pool(threads).install(|| matmul(&x, m, &w, &mut out).unwrap());
+                let got = &out[at * n..(at + 1) * n];
+                for (j, (a, b)) in got.iter().zip(&alone).enumerate() {
+                    assert_eq!(
+                        a.to_bits(),
+                        b.to_bits(),
+                        "{:?} k={k}: output {j} of row {at} among {m} on {threads} threads: {a} vs {b} alone",
                         w.dtype()
                     );
                 }

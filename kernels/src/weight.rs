@@ -139,7 +139,8 @@ impl Weight {
 pub const AMX_MIN_ROWS: usize = 16;
 
 /// A weight used as a linear layer: the matrix as stored, and whether its products can run on
-/// the AMX tiles (this CPU has them and the shape tiles, see [`amx::fits`]).
+/// the AMX tiles (switched on, see [`amx::active`]; this CPU has them and the shape tiles, see
+/// [`amx::fits`]).
 #[derive(Debug)]
 pub struct Linear {
     weight: Weight,
@@ -147,9 +148,10 @@ pub struct Linear {
 }
 
 impl Linear {
-    /// Wraps `weight`, deciding once whether its products may use the AMX tiles.
+    /// Wraps `weight`, deciding once whether its products may use the AMX tiles (only where they
+    /// are switched on: they are not batch-invariant).
     pub fn new(weight: Weight) -> Self {
-        let tiles = amx::available() && amx::fits(&weight);
+        let tiles = amx::active() && amx::fits(&weight);
         Self { weight, tiles }
     }
 

@@ -119,96 +119,6 @@ unsafe fn bytes_i8(qs: *const u8) -> [__m256; 4] {
     [w(0), w(8), w(16), w(24)]
 }
 
-/// 8 f16 values at `p` as f32 lanes.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn f16x8(p: *const u8) -> __m256 {
-    _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
-}
-
-/// `q·x` of one block: its 32 decoded values against the 32 activations at `xb`, as two short
-/// chains.
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn block_dot(q: [__m256; 4], xb: *const f32) -> __m256 {
-    let s0 = _mm256_fmadd_ps(
-        q[2],
-        _mm256_loadu_ps(xb.add(16)),
-        _mm256_mul_ps(q[0], _mm256_loadu_ps(xb)),
-    );
-    let s1 = _mm256_fmadd_ps(
-        q[3],
-        _mm256_loadu_ps(xb.add(24)),
-        _mm256_mul_ps(q[1], _mm256_loadu_ps(xb.add(8))),
-    );
-    _mm256_add_ps(s0, s1)
-}
-
-/// `Σ_b d_b · block(b)` over a row's `nb` blocks, the f16 scales `d` at `scales`: converted 8 at
-/// a time, blocks in pairs into two accumulators so the chains overlap; the row's last blocks
-/// past a multiple of 8 (576 columns: 2) one at a time, with no partial copies.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn scaled_blocks(nb: usize, scales: *const u8, block: impl Fn(usize) -> __m256) -> f32 {
-    let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-    let mut dbuf = [0f32; 8];
-    let groups = nb / 8 * 8;
-    for b0 in (0..groups).step_by(8) {
-        _mm256_storeu_ps(dbuf.as_mut_ptr(), f16x8(scales.add(2 * b0)));
-        for i in (0..8).step_by(2) {
-            a0 = _mm256_fmadd_ps(_mm256_set1_ps(dbuf[i]), block(b0 + i), a0);
-            a1 = _mm256_fmadd_ps(_mm256_set1_ps(dbuf[i + 1]), block(b0 + i + 1), a1);
-        }
-    }
-    for b in groups..nb {
-        a0 = _mm256_fmadd_ps(_mm256_set1_ps(f16_load(scales.add(2 * b))), block(b), a0);
-    }
-    hsum(_mm256_add_ps(a0, a1))
-}
-
-/// Split Q4_1 row: `Σ d·(q·x)` over the blocks ([`scaled_blocks`]; the 32 nibbles of a block
-/// widened to four vectors) plus `Σ m·Σx`, the mins against the block sums of `x`, 8 at a time.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_q4_1(row: &[u8], x: &[f32], xsum: &[f32]) -> f32 {
-    let nb = row.len() / 20;
-    debug_assert!(x.len() >= nb * 32 && xsum.len() >= nb);
-    let (pd, pm, pq, px) = (
-        row.as_ptr(),
-        row.as_ptr().add(2 * nb),
-        row.as_ptr().add(4 * nb),
-        x.as_ptr(),
-    );
-    let qx = scaled_blocks(nb, pd, |b| {
-        let qs = pq.add(b * 16);
-        _mm_prefetch::<_MM_HINT_T0>(qs.add(PREFETCH_AHEAD) as *const i8);
-        block_dot(nibbles(qs), px.add(b * 32))
-    });
-    let mut macc = _mm256_setzero_ps();
-    let groups = nb / 8 * 8;
-    for b0 in (0..groups).step_by(8) {
-        let m = f16x8(pm.add(2 * b0));
-        macc = _mm256_fmadd_ps(m, _mm256_loadu_ps(xsum.as_ptr().add(b0)), macc);
-    }
-    let mut mtail = 0f32;
-    for b in groups..nb {
-        mtail += f16_load(pm.add(2 * b)) * *xsum.get_unchecked(b);
-    }
-    qx + hsum(macc) + mtail
-}
-
-/// Split Q8_0 row: `Σ d·(q·x)` over the blocks ([`scaled_blocks`]).
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_q8_0(row: &[u8], x: &[f32]) -> f32 {
-    let nb = row.len() / 34;
-    debug_assert!(x.len() >= nb * 32);
-    let (pd, pq, px) = (row.as_ptr(), row.as_ptr().add(2 * nb), x.as_ptr());
-    scaled_blocks(nb, pd, |b| {
-        let qs = pq.add(b * 32);
-        _mm_prefetch::<_MM_HINT_T0>(qs.add(PREFETCH_AHEAD) as *const i8);
-        block_dot(bytes_i8(qs), px.add(b * 32))
-    })
-}
-
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dequant_q4_1(row: &[u8], out: &mut [f32]) {
     let nb = row.len() / 20;
@@ -359,37 +269,54 @@ pub unsafe fn exp_shifted_sum(x: &mut [f32], max: f32) -> f32 {
     hsum(acc)
 }
 
-/// See [`super::panel_matmul`]: `R` weight rows (at most 6: 12 accumulators, two panel vectors
-/// and a broadcast fill the 16 registers) against 16 activation columns of a panel whose k-steps
-/// are `stride` floats apart. Every output is one FMA chain in `t` order, as in the AVX-512
-/// kernel, so both give the same bits.
+/// The eight lanes of `v` summed as `((l0+l1)+(l2+l3)) + ((l4+l5)+(l6+l7))`: the reduction
+/// of [`dot_tile`]'s order (the portable level writes the same tree).
+#[inline]
 #[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn panel_kernel<const R: usize>(
+unsafe fn hsum_pairs(v: __m256) -> f32 {
+    let h = _mm256_hadd_ps(v, v); // l0+l1, l2+l3, .., l4+l5, l6+l7, ..
+    let h = _mm256_hadd_ps(h, h); // (l0+l1)+(l2+l3) | (l4+l5)+(l6+l7)
+    _mm_cvtss_f32(_mm_add_ss(
+        _mm256_castps256_ps128(h),
+        _mm256_extractf128_ps(h, 1),
+    ))
+}
+
+/// See [`super::dot_tile`]: `M` activation rows against `R` weight rows, one 8-lane accumulator
+/// each; the weight vectors are loaded once a step for every activation row.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn dot_tile<const M: usize, const R: usize>(
+    x: *const f32,
+    ldx: usize,
     w: *const f32,
+    ldw: usize,
     k: usize,
-    panel: *const f32,
-    stride: usize,
     out: *mut f32,
     ldo: usize,
-    cols: usize,
 ) {
-    let mut acc = [[_mm256_setzero_ps(); 2]; R];
-    for t in 0..k {
-        let x0 = _mm256_loadu_ps(panel.add(t * stride));
-        let x1 = _mm256_loadu_ps(panel.add(t * stride + 8));
-        for (r, a) in acc.iter_mut().enumerate() {
-            let wb = _mm256_set1_ps(*w.add(r * k + t));
-            a[0] = _mm256_fmadd_ps(wb, x0, a[0]);
-            a[1] = _mm256_fmadd_ps(wb, x1, a[1]);
+    let mut acc = [[_mm256_setzero_ps(); R]; M];
+    let k8 = k / 8 * 8;
+    let mut t = 0;
+    while t < k8 {
+        let mut wv = [_mm256_setzero_ps(); R];
+        for (r, v) in wv.iter_mut().enumerate() {
+            *v = _mm256_loadu_ps(w.add(r * ldw + t));
         }
+        for (a, acc) in acc.iter_mut().enumerate() {
+            let xv = _mm256_loadu_ps(x.add(a * ldx + t));
+            for (c, v) in acc.iter_mut().zip(&wv) {
+                *c = _mm256_fmadd_ps(xv, *v, *c);
+            }
+        }
+        t += 8;
     }
-    let mut buf = [0f32; 16];
-    for (r, a) in acc.iter().enumerate() {
-        _mm256_storeu_ps(buf.as_mut_ptr(), a[0]);
-        _mm256_storeu_ps(buf.as_mut_ptr().add(8), a[1]);
-        for (j, v) in buf.iter().enumerate().take(cols) {
-            *out.add(j * ldo + r) = *v;
+    for (a, acc) in acc.iter().enumerate() {
+        for (r, c) in acc.iter().enumerate() {
+            let mut s = hsum_pairs(*c);
+            for t in k8..k {
+                s = (*x.add(a * ldx + t)).mul_add(*w.add(r * ldw + t), s);
+            }
+            *out.add(a * ldo + r) = s;
         }
     }
 }
@@ -500,96 +427,6 @@ pub unsafe fn axpy_rows_g<T: KvValue, const G: usize>(
     }
 }
 
-/// [`dot_q4_1`] against `M` (at most 8) activation rows: each block is decoded once to
-/// `q·d + m` (the values [`dequant_q4_1`] gives) and dotted with every row; two accumulators per
-/// row while there are few rows, so the FMA chains stay short.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_q4_1_rows<const M: usize>(row: &[u8], x: &[f32], out: &mut [f32]) {
-    let nb = row.len() / 20;
-    let k = nb * 32;
-    debug_assert!(x.len() >= M * k && out.len() >= M);
-    let (pd, pq, px) = (row.as_ptr(), row.as_ptr().add(4 * nb), x.as_ptr());
-    let mut acc = [[_mm256_setzero_ps(); 2]; M];
-    for b in 0..nb {
-        let qs = pq.add(b * 16);
-        _mm_prefetch::<_MM_HINT_T0>(qs.add(PREFETCH_AHEAD) as *const i8);
-        let d = _mm256_set1_ps(f16_load(pd.add(2 * b)));
-        let m = _mm256_set1_ps(f16_load(pd.add(2 * (nb + b))));
-        let q = nibbles(qs);
-        let wv = [
-            _mm256_fmadd_ps(q[0], d, m),
-            _mm256_fmadd_ps(q[1], d, m),
-            _mm256_fmadd_ps(q[2], d, m),
-            _mm256_fmadd_ps(q[3], d, m),
-        ];
-        fused_block::<M>(&wv, px.add(b * 32), k, &mut acc);
-    }
-    finish_rows(&acc, out);
-}
-
-/// [`dot_q8_0`] against `M` (at most 8) activation rows.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_q8_0_rows<const M: usize>(row: &[u8], x: &[f32], out: &mut [f32]) {
-    let nb = row.len() / 34;
-    let k = nb * 32;
-    debug_assert!(x.len() >= M * k && out.len() >= M);
-    let (pd, pq, px) = (row.as_ptr(), row.as_ptr().add(2 * nb), x.as_ptr());
-    let mut acc = [[_mm256_setzero_ps(); 2]; M];
-    for b in 0..nb {
-        let qs = pq.add(b * 32);
-        _mm_prefetch::<_MM_HINT_T0>(qs.add(PREFETCH_AHEAD) as *const i8);
-        let d = _mm256_set1_ps(f16_load(pd.add(2 * b)));
-        let q = bytes_i8(qs);
-        let wv = [
-            _mm256_mul_ps(q[0], d),
-            _mm256_mul_ps(q[1], d),
-            _mm256_mul_ps(q[2], d),
-            _mm256_mul_ps(q[3], d),
-        ];
-        fused_block::<M>(&wv, px.add(b * 32), k, &mut acc);
-    }
-    finish_rows(&acc, out);
-}
-
-/// One decoded 32-value block (`w`) dotted into the accumulators of `M` activation rows (`k`
-/// floats apart, from `xb`).
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn fused_block<const M: usize>(
-    w: &[__m256; 4],
-    xb: *const f32,
-    k: usize,
-    acc: &mut [[__m256; 2]; M],
-) {
-    for (j, a) in acc.iter_mut().enumerate() {
-        let x = xb.add(j * k);
-        if M <= 4 {
-            a[0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(x), a[0]);
-            a[1] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(x.add(8)), a[1]);
-            a[0] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(x.add(16)), a[0]);
-            a[1] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(x.add(24)), a[1]);
-        } else {
-            // Eight accumulators already cover the FMA latency; a second set would spill.
-            a[0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(x), a[0]);
-            a[0] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(x.add(8)), a[0]);
-            a[0] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(x.add(16)), a[0]);
-            a[0] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(x.add(24)), a[0]);
-        }
-    }
-}
-
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn finish_rows<const M: usize>(acc: &[[__m256; 2]; M], out: &mut [f32]) {
-    for (j, a) in acc.iter().enumerate() {
-        out[j] = if M <= 4 {
-            hsum(_mm256_add_ps(a[0], a[1]))
-        } else {
-            hsum(a[0])
-        };
-    }
-}
-
 /// `out = x / sqrt(mean(x²) + eps) · w` for one row, the product order of the portable code
 /// (`w · (x · inv)`, no FMA) so every level gives the same bits.
 #[target_feature(enable = "avx2,fma")]
@@ -639,74 +476,5 @@ pub unsafe fn rotate(a: &mut [f32], b: &mut [f32], c: &[f32], s: &[f32]) {
         a[i] = x0 * c[i] - x1 * s[i];
         b[i] = x1 * c[i] + x0 * s[i];
         i += 1;
-    }
-}
-
-/// Transposes the 8×8 block in `r` (row `i` becomes column `i`).
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn transpose8(r: &mut [__m256; 8]) {
-    let t0 = _mm256_unpacklo_ps(r[0], r[1]);
-    let t1 = _mm256_unpackhi_ps(r[0], r[1]);
-    let t2 = _mm256_unpacklo_ps(r[2], r[3]);
-    let t3 = _mm256_unpackhi_ps(r[2], r[3]);
-    let t4 = _mm256_unpacklo_ps(r[4], r[5]);
-    let t5 = _mm256_unpackhi_ps(r[4], r[5]);
-    let t6 = _mm256_unpacklo_ps(r[6], r[7]);
-    let t7 = _mm256_unpackhi_ps(r[6], r[7]);
-    let s0 = _mm256_shuffle_ps::<0x44>(t0, t2);
-    let s1 = _mm256_shuffle_ps::<0xee>(t0, t2);
-    let s2 = _mm256_shuffle_ps::<0x44>(t1, t3);
-    let s3 = _mm256_shuffle_ps::<0xee>(t1, t3);
-    let s4 = _mm256_shuffle_ps::<0x44>(t4, t6);
-    let s5 = _mm256_shuffle_ps::<0xee>(t4, t6);
-    let s6 = _mm256_shuffle_ps::<0x44>(t5, t7);
-    let s7 = _mm256_shuffle_ps::<0xee>(t5, t7);
-    r[0] = _mm256_permute2f128_ps::<0x20>(s0, s4);
-    r[1] = _mm256_permute2f128_ps::<0x20>(s1, s5);
-    r[2] = _mm256_permute2f128_ps::<0x20>(s2, s6);
-    r[3] = _mm256_permute2f128_ps::<0x20>(s3, s7);
-    r[4] = _mm256_permute2f128_ps::<0x31>(s0, s4);
-    r[5] = _mm256_permute2f128_ps::<0x31>(s1, s5);
-    r[6] = _mm256_permute2f128_ps::<0x31>(s2, s6);
-    r[7] = _mm256_permute2f128_ps::<0x31>(s3, s7);
-}
-
-/// See [`super::pack_panels_into`]: k-steps `t0..t0 + steps` of the `rows` activation rows at
-/// `src` (`k` floats apart) into `dst`, `width` floats a step, rows past `rows` zero. 8 rows ×
-/// 8 steps at a time through registers (one transposition) instead of a store per value.
-#[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn pack_run(
-    src: *const f32,
-    k: usize,
-    rows: usize,
-    t0: usize,
-    steps: usize,
-    dst: *mut f32,
-    width: usize,
-) {
-    let whole = steps / 8 * 8;
-    for j0 in (0..width).step_by(8) {
-        let live = rows.saturating_sub(j0).min(8);
-        for t in (0..whole).step_by(8) {
-            let mut r = [_mm256_setzero_ps(); 8];
-            for (i, v) in r.iter_mut().enumerate().take(live) {
-                *v = _mm256_loadu_ps(src.add((j0 + i) * k + t0 + t));
-            }
-            transpose8(&mut r);
-            for (i, v) in r.iter().enumerate() {
-                _mm256_storeu_ps(dst.add((t + i) * width + j0), *v);
-            }
-        }
-        for t in whole..steps {
-            for i in 0..8 {
-                *dst.add(t * width + j0 + i) = if i < live {
-                    *src.add((j0 + i) * k + t0 + t)
-                } else {
-                    0.0
-                };
-            }
-        }
     }
 }

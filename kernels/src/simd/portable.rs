@@ -10,10 +10,6 @@ use wide::f32x8;
 
 use super::KvValue;
 
-/// Weight rows per call of [`panel_kernel`] at this level: aarch64 has 32 vector registers (6
-/// rows × 4 accumulators of 4 lanes fit with room for the panel), x86-64's SSE2 has 16.
-pub const PANEL_ROWS: usize = if cfg!(target_arch = "aarch64") { 6 } else { 3 };
-
 #[inline(always)]
 unsafe fn ld(p: *const f32) -> f32x8 {
     f32x8::new(std::ptr::read_unaligned(p as *const [f32; 8]))
@@ -86,36 +82,43 @@ pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
     }
 }
 
-/// See the AVX2 `panel_kernel`: `R` weight rows against 16 activation columns of a panel whose
-/// k-steps are `stride` floats apart.
+/// See [`super::dot_tile`] and the AVX2 `dot_tile`: the same lanes, chains and reduction tree.
 ///
 /// # Safety
-/// As [`super::panel_matmul`], with `R ≤ PANEL_ROWS`, `cols ≤ 16` and 16 readable values at every
-/// `panel + t·stride`.
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn panel_kernel<const R: usize>(
+/// As [`super::dot_tile`].
+pub unsafe fn dot_tile<const M: usize, const R: usize>(
+    x: *const f32,
+    ldx: usize,
     w: *const f32,
+    ldw: usize,
     k: usize,
-    panel: *const f32,
-    stride: usize,
     out: *mut f32,
     ldo: usize,
-    cols: usize,
 ) {
-    let mut acc = [[f32x8::ZERO; 2]; R];
-    for t in 0..k {
-        let x0 = ld(panel.add(t * stride));
-        let x1 = ld(panel.add(t * stride + 8));
-        for (r, a) in acc.iter_mut().enumerate() {
-            let wb = f32x8::splat(*w.add(r * k + t));
-            a[0] = wb.mul_add(x0, a[0]);
-            a[1] = wb.mul_add(x1, a[1]);
+    let mut acc = [[f32x8::ZERO; R]; M];
+    let k8 = k / 8 * 8;
+    let mut t = 0;
+    while t < k8 {
+        let mut wv = [f32x8::ZERO; R];
+        for (r, v) in wv.iter_mut().enumerate() {
+            *v = ld(w.add(r * ldw + t));
         }
+        for (a, acc) in acc.iter_mut().enumerate() {
+            let xv = ld(x.add(a * ldx + t));
+            for (c, v) in acc.iter_mut().zip(&wv) {
+                *c = xv.mul_add(*v, *c);
+            }
+        }
+        t += 8;
     }
-    for (r, a) in acc.iter().enumerate() {
-        let (lo, hi) = (a[0].to_array(), a[1].to_array());
-        for (j, v) in lo.iter().chain(&hi).enumerate().take(cols) {
-            *out.add(j * ldo + r) = *v;
+    for (a, acc) in acc.iter().enumerate() {
+        for (r, c) in acc.iter().enumerate() {
+            let l = c.to_array();
+            let mut s = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+            for t in k8..k {
+                s += *x.add(a * ldx + t) * *w.add(r * ldw + t);
+            }
+            *out.add(a * ldo + r) = s;
         }
     }
 }
@@ -269,16 +272,16 @@ pub fn exp_shifted_sum(x: &mut [f32], max: f32) -> f32 {
         acc += e;
     }
     let rest = chunks.into_remainder();
-    let mut s = acc.reduce_add();
     if !rest.is_empty() {
         let mut buf = [f32::NEG_INFINITY; 8];
         buf[..rest.len()].copy_from_slice(rest);
-        // exp(-∞ - max) is 0: the filler lanes add nothing.
+        // exp(-∞ - max) is 0: the filler lanes add nothing. Into the same lanes as the whole
+        // vectors, so a row's sum is the same bits with masked keys (zeros) after it or not.
         let e = exp8(f32x8::new(buf) - m);
         rest.copy_from_slice(&e.to_array()[..rest.len()]);
-        s += e.reduce_add();
+        acc += e;
     }
-    s
+    acc.reduce_add()
 }
 
 /// See [`super::fma_burst`]: independent vector multiply-adds, as many as fit the registers.
