@@ -17,7 +17,7 @@
 
 use rayon::prelude::*;
 
-use crate::simd::{dot_tile, TILE_M, TILE_R, TILE_R1};
+use crate::simd::{dot_quant_x1, dot_tile, has_quant_x1, QUANT_X1_ROWS, TILE_M, TILE_R, TILE_R1};
 use crate::{KernelError, Weight};
 
 /// Output rows per rayon task: large enough to amortize scheduling, small enough to balance two
@@ -57,6 +57,17 @@ pub fn matmul(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) -> Result<(), Ke
                 // SAFETY: rows r0.. +rows of `data` hold k values each; this task's outputs
                 // are columns r0.. +rows of every row of `out`.
                 unsafe { multiply(x, m, data[r0 * k..].as_ptr(), rows, k, dst, n, r0) }
+            }
+            // One activation row (a decode step of one sequence): each weight block decoded in
+            // registers and used at once, the bits of the decoded rows' dot_tile.
+            Weight::Quant { ty, data, .. } if m == 1 && has_quant_x1(*ty) => {
+                let rb = data.len() / n;
+                // SAFETY: outputs r0.. +rows of the one row are this task's.
+                let o = unsafe { std::slice::from_raw_parts_mut(dst.at(r0), rows) };
+                for (i, o) in o.chunks_mut(QUANT_X1_ROWS).enumerate() {
+                    let at = (r0 + i * QUANT_X1_ROWS) * rb;
+                    dot_quant_x1(*ty, &data[at..at + o.len() * rb], rb, x, o);
+                }
             }
             // The decoded tile lives in a per-thread buffer: allocating it per task would map
             // and unmap pages (and shoot down TLBs on every core) thousands of times a step.
@@ -239,9 +250,10 @@ mod tests {
                 .unwrap()
         };
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(41);
-        // 100 rows (tasks end mid-tile), k a multiple of 32 for the quantized formats; the f32
-        // weight also with k = 37 (a tail past the last 8 lanes).
-        for (fmt, k) in [(0, 96), (0, 37), (1, 96), (2, 128)] {
+        // 100 rows (tasks end mid-tile), k a multiple of 32 for the quantized formats (75
+        // blocks: past the one-row kernel's run of 64 blocks' scales, not a multiple of 8); the
+        // f32 weight also with k = 37 (a tail past the last 8 lanes).
+        for (fmt, k) in [(0, 96), (0, 37), (1, 96), (2, 128), (1, 2400), (2, 2400)] {
             let n = 100;
             let wf = rnd(n * k, 3 + k as u64);
             let w = match fmt {
