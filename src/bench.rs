@@ -364,7 +364,7 @@ fn bench_engine(a: BenchEngineArgs) -> Result<()> {
             return Ok(());
         }
         println!(
-            "  roofline       {:>10.1} GB/s copy, {:.1} GFLOP/s f32 FMA peak with {} instructions ({:.1} a GEMM library)",
+            "  roofline       {:>10.1} GB/s copy, {:.1} GFLOP/s f32 FMA peak with {} instructions ({:.1} the products' own f32 GEMM)",
             r.mem_bw_gb_s, r.f32_peak_gflops, r.simd, r.f32_gflops
         );
         println!(

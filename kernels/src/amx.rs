@@ -71,8 +71,9 @@ pub fn active() -> bool {
     on && available()
 }
 
-/// Switches the AMX path on or off for the whole process, over `TANDEM_AMX` (benchmarks compare
-/// both in one run).
+/// Switches the AMX path on or off for the whole process, over `TANDEM_AMX`: layers built after
+/// it follow ([`crate::Linear`] decides at construction), and products of layers built with the
+/// tiles stop taking them while it is off.
 pub fn set_enabled(on: bool) {
     ENABLED.store(on, Ordering::Relaxed);
     SET.store(true, Ordering::Relaxed);

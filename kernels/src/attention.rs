@@ -772,8 +772,9 @@ fn merge_parts(parts: &[&[f32]], nq: usize, v0: usize, g: usize, hd: usize, o: &
         let acc = 2 * nq + v * hd..2 * nq + (v + 1) * hd;
         if let [p] = parts {
             let inv = 1.0 / p[nq + v];
+            // `+ 0.0`: a zero output is +0 on both paths (the merge below adds into +0).
             for (y, x) in oh.iter_mut().zip(&p[acc.clone()]) {
-                *y = x * inv;
+                *y = x * inv + 0.0;
             }
             continue;
         }
@@ -786,7 +787,7 @@ fn merge_parts(parts: &[&[f32]], nq: usize, v0: usize, g: usize, hd: usize, o: &
             axpy(w, &p[acc.clone()], oh);
         }
         let inv = 1.0 / sum;
-        oh.iter_mut().for_each(|y| *y *= inv);
+        oh.iter_mut().for_each(|y| *y = *y * inv + 0.0);
     }
 }
 

@@ -1,8 +1,9 @@
 //! tandem-kernels: devices, buffers and the op set the engine writes its model against.
 //!
-//! Owns: the CPU implementations of matmul (dense f32 through `gemm`; quantized weights kept
-//! quantized in memory and dequantized on the fly; on CPUs with AMX, products of many rows on the
-//! tiles at f32 accuracy, [`amx`] and [`Linear`]), rms_norm, rotary embedding, silu·mul, embedding
+//! Owns: the CPU implementations of matmul (batch-invariant: every output one dot product in one
+//! order, whatever the batch; quantized weights kept quantized in memory and dequantized on the
+//! fly; on CPUs with AMX and `TANDEM_AMX=1`, products of many rows on the tiles at f32 accuracy,
+//! [`amx`] and [`Linear`]), rms_norm, rotary embedding, silu·mul, embedding
 //! gather, writes into the paged KV cache, paged attention (packed variable-length prefill over a
 //! cached prefix, and single-query decode), and logits helpers. Every hot kernel exists at each
 //! kernel level ([`isa`]: AVX-512, AVX2+FMA, and portable SIMD that is NEON on aarch64), picked at

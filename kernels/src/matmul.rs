@@ -46,6 +46,10 @@ pub fn matmul(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) -> Result<(), Ke
     if m == 0 || n == 0 {
         return Ok(());
     }
+    if k == 0 {
+        out.fill(0.0);
+        return Ok(());
+    }
     let dst = OutPtr(out.as_mut_ptr());
     // Tasks own whole register tiles of weight rows (6 rows: both tile widths divide it).
     let per_task = task_rows(n, TILE_R1);

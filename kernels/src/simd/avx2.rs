@@ -128,7 +128,7 @@ pub unsafe fn dequant_q4_1(row: &[u8], out: &mut [f32]) {
         let d = _mm256_set1_ps(f16_load(pd.add(2 * b)));
         let m = _mm256_set1_ps(f16_load(pd.add(2 * (nb + b))));
         // The decoded tile is the first touch of these weights: fetch ahead, as the dots do.
-        _mm_prefetch::<_MM_HINT_T0>(pq.add(b * 16 + PREFETCH_AHEAD) as *const i8);
+        _mm_prefetch::<_MM_HINT_T0>(pq.wrapping_add(b * 16 + PREFETCH_AHEAD) as *const i8);
         let q = nibbles(pq.add(b * 16));
         let o = po.add(b * 32);
         for (j, qj) in q.iter().enumerate() {
@@ -144,7 +144,7 @@ pub unsafe fn dequant_q8_0(row: &[u8], out: &mut [f32]) {
     let (pd, pq, po) = (row.as_ptr(), row.as_ptr().add(2 * nb), out.as_mut_ptr());
     for b in 0..nb {
         let d = _mm256_set1_ps(f16_load(pd.add(2 * b)));
-        _mm_prefetch::<_MM_HINT_T0>(pq.add(b * 32 + PREFETCH_AHEAD) as *const i8);
+        _mm_prefetch::<_MM_HINT_T0>(pq.wrapping_add(b * 32 + PREFETCH_AHEAD) as *const i8);
         let q = bytes_i8(pq.add(b * 32));
         let o = po.add(b * 32);
         for (j, qj) in q.iter().enumerate() {
@@ -341,7 +341,7 @@ pub unsafe fn dot_quant_x1<const R: usize>(
                     let qs = row.add(2 * nb + b * 32);
                     // One request a 64-byte line: two blocks.
                     if b % 2 == 0 {
-                        _mm_prefetch::<_MM_HINT_T0>(qs.add(PREFETCH_AHEAD) as *const i8);
+                        _mm_prefetch::<_MM_HINT_T0>(qs.wrapping_add(PREFETCH_AHEAD) as *const i8);
                     }
                     let q = bytes_i8(qs);
                     [
@@ -354,7 +354,7 @@ pub unsafe fn dot_quant_x1<const R: usize>(
                     let qs = row.add(4 * nb + b * 16);
                     // One request a 64-byte line: four blocks.
                     if b % 4 == 0 {
-                        _mm_prefetch::<_MM_HINT_T0>(qs.add(PREFETCH_AHEAD) as *const i8);
+                        _mm_prefetch::<_MM_HINT_T0>(qs.wrapping_add(PREFETCH_AHEAD) as *const i8);
                     }
                     let m = _mm256_broadcast_ss(&*sc.add((2 * r + 1) * X1_BLOCKS + b - b0));
                     let q = nibbles(qs);
