@@ -27,8 +27,8 @@ fn probe() -> Value {
     })
 }
 
-/// The four texts of a (non-streamed) completion.
-async fn texts(http: &str, body: &Value) -> Vec<String> {
+/// The four texts of a (non-streamed) completion, and the whole response.
+async fn texts(http: &str, body: &Value) -> (Vec<String>, Value) {
     let (status, v) = post(http, "/v1/completions", body.clone()).await;
     assert_eq!(status, 200, "{v}");
     let mut out = vec![String::new(); 4];
@@ -36,11 +36,11 @@ async fn texts(http: &str, body: &Value) -> Vec<String> {
         out[c["index"].as_u64().unwrap() as usize] = c["text"].as_str().unwrap().to_string();
     }
     assert!(out.iter().all(|t| !t.is_empty()), "{v}");
-    out
+    (out, v)
 }
 
-/// The four texts of a streamed completion, and the raw stream so far handed to `mid` once ten
-/// events are in (to hit a worker mid-stream).
+/// The four texts of a streamed completion; `mid` runs once ten events are in (to hit a worker
+/// mid-stream).
 async fn streamed_texts(http: &str, body: &Value, mid: impl AsyncFnOnce()) -> Vec<String> {
     let mut body = body.clone();
     body["stream"] = json!(true);
@@ -83,7 +83,10 @@ async fn seeded_samples_are_the_same_cold_cached_loaded_remote_local_and_migrate
     // Every prompt prefilled on the prefill worker.
     let remote = start_router(
         &[d1addr.clone(), d2addr.clone()],
-        &[&format!("--prefill-workers={paddr}"), "--disagg-min-tokens=1"],
+        &[
+            &format!("--prefill-workers={paddr}"),
+            "--disagg-min-tokens=1",
+        ],
     );
     // Prefilled on its decode worker.
     let local = start_router(std::slice::from_ref(&d3addr), &[]);
@@ -92,7 +95,7 @@ async fn seeded_samples_are_the_same_cold_cached_loaded_remote_local_and_migrate
     let body = probe();
 
     // Cold, prefilled remotely.
-    let want = texts(&remote.http, &body).await;
+    let (want, _) = texts(&remote.http, &body).await;
     let rm = scrape(&remote.http).await;
     assert_eq!(
         metric(&rm, r#"tandem_prefill_requests_total{mode="remote"}"#),
@@ -105,7 +108,7 @@ async fn seeded_samples_are_the_same_cold_cached_loaded_remote_local_and_migrate
     );
 
     // Cold, prefilled locally on another decode worker.
-    assert_eq!(texts(&local.http, &body).await, want, "prefilled locally");
+    assert_eq!(texts(&local.http, &body).await.0, want, "prefilled locally");
     assert_eq!(
         metric(
             &scrape(&local.http).await,
@@ -115,16 +118,11 @@ async fn seeded_samples_are_the_same_cold_cached_loaded_remote_local_and_migrate
     );
 
     // Again: the decode worker holds the prompt's blocks (a prefix hit), whole and streamed.
-    let (status, v) = post(&remote.http, "/v1/completions", body.clone()).await;
-    assert_eq!(status, 200, "{v}");
+    let (hit, v) = texts(&remote.http, &body).await;
     assert!(
         v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64() > Some(0),
         "a prefix hit: {v}"
     );
-    let mut hit = vec![String::new(); 4];
-    for c in v["choices"].as_array().unwrap() {
-        hit[c["index"].as_u64().unwrap() as usize] = c["text"].as_str().unwrap().to_string();
-    }
     assert_eq!(hit, want, "on a prefix hit");
     assert_eq!(
         streamed_texts(&remote.http, &body, async || {}).await,
@@ -159,15 +157,26 @@ async fn seeded_samples_are_the_same_cold_cached_loaded_remote_local_and_migrate
             >= 8
     })
     .await;
-    assert_eq!(texts(&local.http, &body).await, want, "locally, while the others run elsewhere");
-    assert_eq!(texts(&remote.http, &body).await, want, "among 16 other requests");
+    assert_eq!(
+        texts(&local.http, &body).await.0,
+        want,
+        "locally, while the others run elsewhere"
+    );
+    assert_eq!(
+        texts(&remote.http, &body).await.0,
+        want,
+        "among 16 other requests"
+    );
     for o in others {
         o.await.unwrap();
     }
 
     // Streamed, its decode worker killed mid-stream: every sample resumes on the other worker
     // after its own tokens.
-    let before = metric(&scrape(&remote.http).await, "tandem_request_migrations_total");
+    let before = metric(
+        &scrape(&remote.http).await,
+        "tandem_request_migrations_total",
+    );
     let http = remote.http.clone();
     let migrated = streamed_texts(&remote.http, &body, async || {
         let busy = worker_holding_the_stream(&http).await;
@@ -178,7 +187,10 @@ async fn seeded_samples_are_the_same_cold_cached_loaded_remote_local_and_migrate
     .await;
     assert_eq!(migrated, want, "after migration");
     assert!(
-        metric(&scrape(&remote.http).await, "tandem_request_migrations_total") > before,
+        metric(
+            &scrape(&remote.http).await,
+            "tandem_request_migrations_total"
+        ) > before,
         "the stream was migrated"
     );
 }

@@ -149,14 +149,22 @@ fn random_plan(rng: &mut Rng, len: usize, vocab: usize, max_others: usize, max_c
     let mut chunks = Vec::new();
     let mut left = len;
     while left > 0 {
-        let c = if rng.below(3) == 0 { left } else { rng.range(1, left) };
+        let c = if rng.below(3) == 0 {
+            left
+        } else {
+            rng.range(1, left)
+        };
         chunks.push(c);
         left -= c;
     }
     let others = (0..rng.range(0, max_others))
         .map(|_| {
             let ctx = rng.range(1, max_ctx);
-            let new = if rng.below(4) == 0 { rng.range(1, ctx.min(12)) } else { 1 };
+            let new = if rng.below(4) == 0 {
+                rng.range(1, ctx.min(12))
+            } else {
+                1
+            };
             Other {
                 ctx,
                 new,
@@ -182,7 +190,14 @@ fn assert_same_bits(what: &str, got: &[f32], want: &[f32], plan: &Plan) {
 }
 
 /// The probe under `trials` random plans against the probe alone, in one chunk, on one thread.
-fn check(model: &LlamaModel, seed: u64, len: usize, trials: usize, max_others: usize, max_ctx: usize) {
+fn check(
+    model: &LlamaModel,
+    seed: u64,
+    len: usize,
+    trials: usize,
+    max_others: usize,
+    max_ctx: usize,
+) {
     let mut rng = Rng(seed | 1);
     let vocab = model.config.vocab_size;
     let prompt: Vec<u32> = (0..len).map(|_| rng.below(vocab) as u32).collect();
@@ -197,8 +212,18 @@ fn check(model: &LlamaModel, seed: u64, len: usize, trials: usize, max_others: u
         for _ in 0..trials {
             let plan = random_plan(&mut rng, len, vocab, max_others, max_ctx);
             let (got_prompt, got_decode) = probe(model, dtype, &prompt, next, &plan);
-            assert_same_bits(&format!("{dtype:?} prompt"), &got_prompt, &want_prompt, &plan);
-            assert_same_bits(&format!("{dtype:?} decode"), &got_decode, &want_decode, &plan);
+            assert_same_bits(
+                &format!("{dtype:?} prompt"),
+                &got_prompt,
+                &want_prompt,
+                &plan,
+            );
+            assert_same_bits(
+                &format!("{dtype:?} decode"),
+                &got_decode,
+                &want_decode,
+                &plan,
+            );
         }
     }
 }

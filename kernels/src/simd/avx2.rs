@@ -317,7 +317,10 @@ pub unsafe fn dot_quant_x1<const R: usize>(
                 let dst = sc.add((2 * r + h) * X1_BLOCKS);
                 let mut i = 0;
                 while i + 8 <= len {
-                    _mm256_storeu_ps(dst.add(i), _mm256_cvtph_ps(_mm_loadu_si128(src.add(2 * i) as *const __m128i)));
+                    _mm256_storeu_ps(
+                        dst.add(i),
+                        _mm256_cvtph_ps(_mm_loadu_si128(src.add(2 * i) as *const __m128i)),
+                    );
                     i += 8;
                 }
                 while i < len {
