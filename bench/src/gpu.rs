@@ -54,7 +54,7 @@ pub struct GpuReport {
     pub device: String,
     /// Device-to-device copy, bytes read plus written per second.
     pub copy_gb_s: f64,
-    /// 8192³ bf16 product (f32 accumulation) through cuBLAS.
+    /// 8192³ bf16 product (f32 accumulation) through the engine's product kernel.
     pub gemm_tflops: f64,
     /// One point per requested decode batch size, in the order given.
     pub decode: Vec<DecodePoint>,

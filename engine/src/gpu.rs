@@ -22,7 +22,7 @@ type Bf16 = CudaSlice<u16>;
 pub struct GpuLlama {
     /// The model's shape.
     pub config: LlamaConfig,
-    /// The GPU's stream, kernels and cuBLAS handle every step runs through.
+    /// The GPU's stream and kernels every step runs through.
     pub ops: CudaOps,
     weights: LlamaWeights<Bf16, Bf16>,
     cos: CudaSlice<f32>,

@@ -181,7 +181,18 @@ fn bf16_last_position_logits_near_golden() {
         );
         // bf16 weights and activations over 30 layers: a few percent at most.
         assert!(rel < 5e-2, "{id}: relative L2 error {rel}");
-        assert_eq!(argmax(&got), argmax(&want), "{id}: the top token");
+        // bf16 cannot order a near-tie (dev_chat_default_system's two best golden logits, 25.33
+        // and 25.24, differ by 0.3%): the GPU's top token is one the golden logits put within
+        // TIE of their best, which is the golden top token itself wherever the golden margin
+        // exceeds TIE (2.5 and 2.4 for the other two records).
+        const TIE: f32 = 0.25;
+        let best = want[argmax(&want) as usize];
+        let top = argmax(&got);
+        assert!(
+            want[top as usize] >= best - TIE,
+            "{id}: the top token {top} has golden logit {}, the best {best}",
+            want[top as usize]
+        );
         checked += 1;
     }
     assert_eq!(checked, 3, "three golden logit files");

@@ -65,16 +65,16 @@ struct AttnParams {
     const int* seq_q_start;   // [seqs] row of the sequence's first new token
     const int* seq_q_len;     // [seqs] new tokens this step
     const int* seq_context;   // [seqs] tokens in the cache, the new ones included
-    const int* tiles;         // prefill: [tiles][2] = (sequence, first new token of the tile)
-    float* part_out;          // decode splits: [seqs][nq][max_splits][hd]
-    float* part_ml;           // [seqs][nq][max_splits][2] = (max score, sum of exponentials)
+    const int* tiles;         // [tiles][2] = (sequence, first new token of the tile)
+    float* part_out;          // splits: [rows][nq][max_splits][hd] (output / sum)
+    float* part_ml;           // [rows][nq][max_splits][2] = (max score, sum of exponentials)
     int q_stride;
     int nq;
     int nkv;
     int hd;
     int block_size;
     int max_blocks;
-    int split_len;            // keys per decode split
+    int split_len;            // keys per split (a multiple of 32), fixed: never set by the batch
     int max_splits;
     float scale;              // 1/sqrt(hd)
     int reserved;

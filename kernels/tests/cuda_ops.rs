@@ -374,6 +374,97 @@ fn prefill_attention_matches_the_cpu_over_a_cached_prefix() {
     run_attention(&o, 7, &q_len, &ctx, (9, 3, 64));
 }
 
+/// The packed step of `seqs` (sequence index into `cache`, new tokens, context) with query rows
+/// taken from `q[s]` (one row per position of sequence s); the output rows' bits.
+fn attend(
+    o: &CudaOps,
+    cache: &Cache,
+    q: &[Vec<u16>],
+    seqs: &[(usize, usize, usize)],
+    dims: (usize, usize, usize),
+) -> Vec<u16> {
+    let (nq, _, hd) = dims;
+    let w = nq * hd;
+    let tables: Vec<&[u32]> = seqs.iter().map(|&(s, _, _)| &cache.tables[s][..]).collect();
+    let q_len: Vec<usize> = seqs.iter().map(|&(_, n, _)| n).collect();
+    let ctx: Vec<usize> = seqs.iter().map(|&(_, _, c)| c).collect();
+    let rows: Vec<u16> = seqs
+        .iter()
+        .flat_map(|&(s, n, c)| q[s][(c - n) * w..c * w].iter().copied())
+        .collect();
+    let mut batch = o.attn_batch(&tables, &q_len, &ctx, (nq, hd)).unwrap();
+    let qd = o.upload(&rows).unwrap();
+    let mut out = o.upload(&vec![NAN16; rows.len()]).unwrap();
+    o.attention(&mut batch, &qd, w, &cache.k, &cache.v, &mut out, dims, BS)
+        .unwrap();
+    o.download(&out).unwrap()
+}
+
+#[test]
+fn a_rows_bits_do_not_depend_on_the_batch() {
+    let Some(o) = ops("a_rows_bits_do_not_depend_on_the_batch") else {
+        return;
+    };
+    let mut r = rng(11);
+    // Products: a row alone (the 16-row tiling), among 7, 17 and 300 (the 64-row tiling).
+    let (m, n, k) = (300, 1000, 576);
+    let (x, _) = rand_bf16(&mut r, m * k, 1.0);
+    let (w, _) = rand_bf16(&mut r, n * k, 0.05);
+    let wd = o.upload(&w).unwrap();
+    let product = |rows: std::ops::Range<usize>| {
+        let xd = o.upload(&x[rows.start * k..rows.end * k]).unwrap();
+        let mut out = o.upload(&vec![f32::NAN; rows.len() * n]).unwrap();
+        o.gemm(&xd, &wd, &mut out, (rows.len(), n, k)).unwrap();
+        let bits: Vec<u32> = o
+            .download(&out)
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits())
+            .collect();
+        bits
+    };
+    let all = product(0..m);
+    for rows in [0..1, 5..6, 299..300, 0..7, 3..20, 100..164] {
+        assert_eq!(
+            product(rows.clone()),
+            all[rows.start * n..rows.end * n],
+            "product rows {rows:?}"
+        );
+    }
+    // Attention: sequence 0's rows prefilled whole, in chunks (one a single row), decoded
+    // alone, and beside another sequence's prefill or decode; contexts over several splits.
+    let dims = (9, 3, 64);
+    let (nq, _, hd) = dims;
+    let long = 2 * DECODE_SPLIT_LEN + 300;
+    let cache = fill_cache(&o, &mut r, &[long, 200], dims);
+    let q: Vec<Vec<u16>> = [long, 200]
+        .iter()
+        .map(|&c| rand_bf16(&mut r, c * nq * hd, 1.0).0)
+        .collect();
+    let row = nq * hd;
+    let whole = attend(&o, &cache, &q, &[(0, long, long)], dims);
+    let mut chunked = Vec::new();
+    for (a, b) in [(0, 500), (500, 501), (501, long - 1), (long - 1, long)] {
+        chunked.extend(attend(&o, &cache, &q, &[(0, b - a, b)], dims));
+    }
+    assert!(whole == chunked, "chunks of the prefill");
+    let last = &whole[(long - 1) * row..];
+    let with_prefill = attend(&o, &cache, &q, &[(1, 200, 200), (0, 1, long)], dims);
+    assert!(
+        &with_prefill[200 * row..] == last,
+        "a decode row beside a prefill"
+    );
+    let with_decode = attend(&o, &cache, &q, &[(1, 1, 37), (0, 1, long)], dims);
+    assert!(&with_decode[row..] == last, "a decode row beside another");
+    // A short sequence's rows beside a long one (several splits in the step) or alone (one).
+    let short_alone = attend(&o, &cache, &q, &[(1, 200, 200)], dims);
+    let beside_long = attend(&o, &cache, &q, &[(0, 1, long), (1, 200, 200)], dims);
+    assert!(
+        beside_long[row..] == short_alone[..],
+        "one split beside several"
+    );
+}
+
 #[test]
 fn sampling_is_greedy_at_zero_and_follows_the_distribution_above() {
     let Some(o) = ops("sampling_is_greedy_at_zero_and_follows_the_distribution_above") else {

@@ -35,7 +35,7 @@ pub enum CudaError {
         /// How many devices the driver sees.
         count: usize,
     },
-    /// A driver, cuBLAS or launch call failed, or a launch's arguments did not fit its shapes.
+    /// A driver or launch call failed, or a launch's arguments did not fit its shapes.
     #[error("CUDA driver: {0}")]
     Driver(String),
     /// NVRTC rejected a kernel source.
@@ -189,6 +189,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("kv_cache", include_str!("../../cuda/kv_cache.cu")),
     ("attention", include_str!("../../cuda/attention.cu")),
     ("sampling", include_str!("../../cuda/sampling.cu")),
+    ("gemm", include_str!("../../cuda/gemm.cu")),
 ];
 
 /// The full text NVRTC compiles for source `body`.
@@ -220,9 +221,9 @@ pub struct AttnParams {
     pub seq_context: u64,
     /// Prefill: i32 `[tiles][2]` = (sequence, first new token of the tile).
     pub tiles: u64,
-    /// Decode splits' f32 partial outputs, `[seqs][nq][max_splits][hd]`.
+    /// Splits' f32 partial outputs, `[rows][nq][max_splits][hd]`.
     pub part_out: u64,
-    /// Decode splits' f32 (max score, sum of exponentials), `[seqs][nq][max_splits][2]`.
+    /// Splits' f32 (max score, sum of exponentials), `[rows][nq][max_splits][2]`.
     pub part_ml: u64,
     /// Values per query row.
     pub q_stride: i32,
@@ -321,11 +322,12 @@ pub fn probe_offsets(ptx: &str) -> (Vec<(String, usize)>, Option<usize>) {
     (offsets, size)
 }
 
-/// Keys per split of decode attention: a split is one thread block, so a sequence of 4k tokens
-/// spreads over 8 of them while short ones stay whole.
+/// Keys per split of attention: a split is one thread block, so a sequence of 4k tokens spreads
+/// over 8 of them while short ones stay whole. Splits start at fixed positions (multiples of
+/// this), so a row's splits follow from its own position, never from the batch.
 pub const DECODE_SPLIT_LEN: usize = 512;
 
-/// Decode splits for a context of `ctx` tokens.
+/// Splits of a context of `ctx` tokens.
 pub fn decode_splits(ctx: usize) -> usize {
     ctx.div_ceil(DECODE_SPLIT_LEN).max(1)
 }
@@ -442,9 +444,10 @@ mod tests {
             "embedding",
             "fill_random",
             "write_kv",
-            "paged_decode_attention",
-            "paged_decode_combine",
-            "paged_prefill_attention",
+            "paged_attention",
+            "paged_attention_combine",
+            "gemm_rows16",
+            "gemm_rows64",
             "argmax_rows",
             "sample_rows",
         ] {

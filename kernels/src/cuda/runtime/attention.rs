@@ -1,5 +1,6 @@
 //! Paged attention on the device: one packed step's sequences uploaded once ([`AttnBatch`]),
-//! then the decode kernel (split along the context) or the tiled prefill kernel per layer.
+//! then per layer the tiled kernel (every row, split along the context at fixed positions) and,
+//! where a context has several splits, the combine.
 
 use cudarc::driver::{
     CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
@@ -20,14 +21,12 @@ pub struct AttnBatch {
     q_start: CudaSlice<i32>,
     q_len: CudaSlice<i32>,
     context: CudaSlice<i32>,
-    /// Prefill tiles: (sequence, first new token) per 16 query rows.
+    /// Tiles: (sequence, first new token) per 16 query rows.
     tiles: CudaSlice<i32>,
-    /// Number of prefill tiles ([`PREFILL_TILE_ROWS`] query rows of one sequence each).
+    /// Number of tiles ([`PREFILL_TILE_ROWS`] query rows of one sequence each).
     pub n_tiles: usize,
-    /// Whether every sequence has exactly one new token (the decode kernel applies).
-    pub decode_only: bool,
-    /// Decode splits per sequence, and their partial results (kept for the whole step, so the
-    /// layers' launches never wait to free them).
+    /// Splits of the longest context, and the rows' partial results (kept for the whole step,
+    /// so the layers' launches never wait to free them).
     pub splits: usize,
     part_out: CudaSlice<f32>,
     part_ml: CudaSlice<f32>,
@@ -74,14 +73,9 @@ impl CudaOps {
             tiles.extend([0, 0]);
         }
         let as_i32 = |v: &[usize]| v.iter().map(|&x| x as i32).collect::<Vec<i32>>();
-        let decode_only = q_len.iter().all(|&n| n == 1);
         let max_context = context.iter().copied().max().unwrap_or(0);
-        let splits = if decode_only {
-            decode_splits(max_context)
-        } else {
-            1
-        };
-        let parts = if splits > 1 { seqs * nq * splits } else { 1 };
+        let splits = decode_splits(max_context);
+        let parts = if splits > 1 { row * nq * splits } else { 1 };
         Ok(AttnBatch {
             splits,
             part_out: self.stream.alloc_zeros::<f32>(parts * hd).map_err(drv)?,
@@ -95,12 +89,11 @@ impl CudaOps {
             context: self.upload(&as_i32(context))?,
             tiles: self.upload(&tiles)?,
             n_tiles,
-            decode_only,
         })
     }
 
-    /// Paged attention of a packed step: the decode kernel (split along the context, then
-    /// combined) when every sequence has one new token, the tiled prefill kernel otherwise.
+    /// Paged attention of a packed step: the tiled kernel over every row and split, then the
+    /// combine where the longest context has several splits.
     /// `q` holds token rows of `q_stride` values (q heads first); `out` token rows of nq·hd.
     #[allow(clippy::too_many_arguments)]
     pub fn attention(
@@ -144,25 +137,14 @@ impl CudaOps {
             scale: 1.0 / (hd as f32).sqrt(),
             reserved: 0,
         };
-        let (seqs, heads) = (batch.seqs as u32, nq as u32);
-        if batch.decode_only {
-            let shared = (hd + DECODE_SPLIT_LEN) * 4;
-            self.launch_attn(
-                &self.k.decode,
-                &params,
-                (seqs, heads, splits as u32),
-                shared,
-            )?;
+        let heads = nq as u32;
+        if batch.n_tiles > 0 {
+            let grid = (batch.n_tiles as u32, heads, splits as u32);
+            self.launch_attn(&self.k.attention, &params, grid, 0)?;
             if splits > 1 {
-                self.launch_attn(&self.k.combine, &params, (seqs, heads, 1), 0)?;
+                let grid = (batch.n_tiles as u32, heads, 1);
+                self.launch_attn(&self.k.combine, &params, grid, 0)?;
             }
-        } else if batch.n_tiles > 0 {
-            self.launch_attn(
-                &self.k.prefill,
-                &params,
-                (batch.n_tiles as u32, heads, 1),
-                0,
-            )?;
         }
         Ok(())
     }

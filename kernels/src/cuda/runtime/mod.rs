@@ -1,14 +1,13 @@
 //! Launching the CUDA kernels: one stream per device, the kernels loaded from their (cached)
-//! NVRTC images, cuBLAS for the products. Activations and weights are bf16 (raw `u16` bits on the
+//! NVRTC images, the products included (gemm.cu: batch-invariant, see there). Activations and weights are bf16 (raw `u16` bits on the
 //! device), logits f32. Every launch checks its arguments on the host first, so a bad shape is an
 //! error here rather than an out-of-bounds access there.
 
 use std::sync::Arc;
 
-use cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
 pub use cudarc::driver::CudaSlice;
 use cudarc::driver::{
-    CudaFunction, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaStream, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 
@@ -30,6 +29,9 @@ fn shape(msg: String) -> CudaError {
     CudaError::Driver(format!("bad launch: {msg}"))
 }
 
+/// Output columns per block of the product kernels (gemm.cu's tiles).
+const GEMM_COLS: usize = 64;
+
 /// Threads per block of the row kernels.
 const ROW_THREADS: u32 = 256;
 
@@ -41,20 +43,20 @@ struct Kernels {
     embedding: CudaFunction,
     fill_random: CudaFunction,
     write_kv: CudaFunction,
-    decode: CudaFunction,
     combine: CudaFunction,
-    prefill: CudaFunction,
+    attention: CudaFunction,
+    gemm_rows16: CudaFunction,
+    gemm_rows64: CudaFunction,
     argmax: CudaFunction,
     sample: CudaFunction,
 }
 
-/// One GPU's stream, kernels and cuBLAS handle.
+/// One GPU's stream and kernels.
 pub struct CudaOps {
     /// The device the ops run on.
     pub gpu: Gpu,
     /// The stream every op is queued on, in order.
     pub stream: Arc<CudaStream>,
-    blas: CudaBlas,
     k: Kernels,
 }
 
@@ -77,8 +79,6 @@ impl CudaOps {
     pub fn new(ordinal: usize) -> Result<Self, CudaError> {
         let gpu = open(ordinal)?;
         let stream = gpu.context.new_stream().map_err(drv)?;
-        let blas = CudaBlas::new(stream.clone())
-            .map_err(|e| CudaError::Driver(format!("cuBLAS: {e:?}")))?;
         let dir = cache_dir();
         let mut modules = Vec::new();
         for (name, src) in SOURCES {
@@ -97,18 +97,14 @@ impl CudaOps {
             embedding: f(0, "embedding")?,
             fill_random: f(0, "fill_random")?,
             write_kv: f(1, "write_kv")?,
-            decode: f(2, "paged_decode_attention")?,
-            combine: f(2, "paged_decode_combine")?,
-            prefill: f(2, "paged_prefill_attention")?,
+            combine: f(2, "paged_attention_combine")?,
+            attention: f(2, "paged_attention")?,
+            gemm_rows16: f(4, "gemm_rows16")?,
+            gemm_rows64: f(4, "gemm_rows64")?,
             argmax: f(3, "argmax_rows")?,
             sample: f(3, "sample_rows")?,
         };
-        Ok(Self {
-            gpu,
-            stream,
-            blas,
-            k,
-        })
+        Ok(Self { gpu, stream, k })
     }
 
     /// Copies `host` into a new device buffer.
@@ -368,50 +364,6 @@ impl CudaOps {
         unsafe { b.launch(Self::rows(t)) }.map(|_| ()).map_err(drv)
     }
 
-    /// `out[m×n] = x[m×k] · Wᵀ` (W is n×k, row-major), bf16 in, f32 accumulation, out in bf16
-    /// (`f32_out` false) or f32.
-    fn gemm_raw(
-        &self,
-        x: u64,
-        w: u64,
-        out: u64,
-        (m, n, k): (usize, usize, usize),
-        f32_out: bool,
-    ) -> Result<(), CudaError> {
-        let (alpha, beta) = (1f32, 0f32);
-        let out_type = if f32_out {
-            blas_sys::cudaDataType::CUDA_R_32F
-        } else {
-            blas_sys::cudaDataType::CUDA_R_16BF
-        };
-        // Column-major view: outᵀ (n×m) = W (k×n, transposed) · xᵀ (k×m).
-        // SAFETY: the pointers are live device buffers of the given shapes (checked by callers).
-        unsafe {
-            blas::gemm_ex(
-                *self.blas.handle(),
-                blas_sys::cublasOperation_t::CUBLAS_OP_T,
-                blas_sys::cublasOperation_t::CUBLAS_OP_N,
-                n as i32,
-                m as i32,
-                k as i32,
-                &alpha as *const f32 as *const _,
-                w as *const _,
-                blas_sys::cudaDataType::CUDA_R_16BF,
-                k as i32,
-                x as *const _,
-                blas_sys::cudaDataType::CUDA_R_16BF,
-                k as i32,
-                &beta as *const f32 as *const _,
-                out as *mut _,
-                out_type,
-                n as i32,
-                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
-        }
-        .map_err(|e| CudaError::Driver(format!("cuBLAS GEMM {m}×{n}×{k}: {e:?}")))
-    }
-
     /// `out = x · Wᵀ`, bf16 inputs and f32 accumulation; `out` in bf16 (`u16` bits) or f32 (the
     /// logits).
     pub fn gemm<O: GemmOut>(
@@ -424,13 +376,39 @@ impl CudaOps {
         if x.len() < m * k || w.len() < n * k || out.len() < m * n {
             return Err(shape(format!("gemm {m}×{n}×{k}")));
         }
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        let too_big = |v: usize| i32::try_from(v).is_err();
+        if too_big(m) || too_big(n) || too_big(k) {
+            return Err(shape(format!("gemm {m}×{n}×{k}: a side over 2³¹")));
+        }
+        // Two tilings, one arithmetic per output (gemm.cu): 16-row tiles for decode-sized
+        // batches, 64-row ones above.
+        let (f, rows) = if m <= 16 {
+            (&self.k.gemm_rows16, 16)
+        } else {
+            (&self.k.gemm_rows64, 64)
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(GEMM_COLS) as u32, m.div_ceil(rows) as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (mi, ni, ki, f32_out) = (m as i32, n as i32, k as i32, O::F32 as i32);
         let s = &self.stream;
-        let (xp, wp, op) = (
-            x.device_ptr(s).0,
-            w.device_ptr(s).0,
-            out.device_ptr_mut(s).0,
-        );
-        self.gemm_raw(xp, wp, op, (m, n, k), O::F32)
+        let op = out.device_ptr_mut(s).0;
+        let mut b = s.launch_builder(f);
+        b.arg(x)
+            .arg(w)
+            .arg(&op)
+            .arg(&mi)
+            .arg(&ni)
+            .arg(&ki)
+            .arg(&f32_out);
+        // SAFETY: the buffers hold at least m·k, n·k and m·n values (checked above); the kernel
+        // reads and writes inside those bounds only.
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
     }
 
     /// Greedy next tokens: the argmax of each of `rows` rows of `vocab` logits (the first on
