@@ -97,7 +97,7 @@ pub struct EngineArgs {
     #[arg(long, env = "TANDEM_MAX_SEQS", default_value_t = 256)]
     pub max_seqs: usize,
     /// KV cache element type: f32 (exact), f16 (half the bytes, each value rounded to 11
-    /// significant bits) or int8 (a byte per value, scale per block and head).
+    /// significant bits) or int8 (a byte per value, a scale per token and head).
     #[arg(long, env = "TANDEM_KV_DTYPE", default_value = "f32")]
     pub kv_dtype: KvDtype,
     /// KV pool size in blocks (overrides --kv-cache-mb).

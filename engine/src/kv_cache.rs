@@ -18,7 +18,7 @@ pub enum KvDtype {
     /// IEEE half precision: two bytes per value, the rounding of each value to 11 significant
     /// bits the only loss.
     F16,
-    /// One byte per value plus an f32 scale per block, K/V and head.
+    /// One byte per value plus an f32 scale per token slot of each head's K and V.
     Int8,
 }
 
@@ -154,7 +154,7 @@ impl KvPool {
         }
     }
 
-    /// Bytes of cache one token takes across all layers (scales shared by a block included).
+    /// Bytes of cache one token takes across all layers (int8 scales included).
     pub fn bytes_per_token(layout: KvLayout, dtype: KvDtype, num_layers: usize) -> f64 {
         Self::bytes_per_block(layout, dtype, num_layers) as f64 / layout.block_size as f64
     }
@@ -377,10 +377,11 @@ mod tests {
             (2 * 3 * 64 * 4 * 30) as f64
         );
         let q = KvPool::new(l, KvDtype::Int8, 30, 4).unwrap();
-        // One byte per value plus 6 scales per block and layer.
-        assert_eq!(q.bytes(), 30 * 4 * (2 * 3 * 16 * 64 + 6 * 4));
-        // The f16 cache is half of f32; int8 halves it again, the scales adding under 1% at 16
-        // tokens a block.
+        // One byte per value plus a scale per slot of each of the 6 K and V heads, per block and
+        // layer.
+        assert_eq!(q.bytes(), 30 * 4 * (2 * 3 * 16 * 64 + 6 * 16 * 4));
+        // The f16 cache is half of f32; int8 halves it again, the scales adding 4 bytes to a
+        // head's 64 (6%).
         let h = KvPool::new(l, KvDtype::F16, 30, 4).unwrap();
         let f16_bytes = h.bytes();
         assert_eq!(f16_bytes * 2, p.bytes());
@@ -388,7 +389,7 @@ mod tests {
             KvPool::bytes_per_token(l, KvDtype::F16, 30) * 2.0,
             KvPool::bytes_per_token(l, KvDtype::F32, 30)
         );
-        assert!(q.bytes() as f64 <= 0.51 * f16_bytes as f64);
+        assert!(q.bytes() as f64 <= 0.54 * f16_bytes as f64);
         assert!(q.bytes() * 2 > f16_bytes);
     }
 

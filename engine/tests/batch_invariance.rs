@@ -1,7 +1,7 @@
 //! Batch invariance at the model level: a sequence's logits, and so the KV it writes, are the
 //! same bits whatever else shares its steps (up to 64 other sequences of random lengths), however
 //! its prompt is cut into chunks (chunked prefill; a prefix computed earlier, as a prefix-cache
-//! hit gives it), and however many threads run the step, for f32 and f16 KV caches. Compared
+//! hit gives it), and however many threads run the step, for f32, f16 and int8 KV caches. Compared
 //! with `to_bits()`: the design promises identity, not closeness.
 //!
 //! The tiny random-weight family models (dense f32 from their HF files, quantized from their
@@ -202,7 +202,7 @@ fn check(
     let vocab = model.config.vocab_size;
     let prompt: Vec<u32> = (0..len).map(|_| rng.below(vocab) as u32).collect();
     let next = rng.below(vocab) as u32;
-    for dtype in [KvDtype::F32, KvDtype::F16] {
+    for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Int8] {
         let alone = Plan {
             chunks: vec![len],
             others: vec![],

@@ -34,7 +34,7 @@ pub struct KvShape {
 
 impl KvShape {
     /// Bytes of one layer of one block holding `heads` of the KV heads: K and V values, and for
-    /// int8 their per-head f32 scales (the frame layout of docs/kv-wire.md).
+    /// int8 their f32 scales, one per slot of each head (the frame layout of docs/kv-wire.md).
     pub fn frame_len(&self, heads: usize) -> usize {
         let per_value = match self.dtype.as_str() {
             "f32" => 4,
@@ -42,12 +42,17 @@ impl KvShape {
             _ => 1,
         };
         let values = 2 * heads * self.block_size as usize * self.head_dim as usize;
-        values * per_value + self.scaled() as usize * 2 * heads * 4
+        values * per_value + self.scaled() as usize * 2 * heads * self.scale_bytes()
     }
 
-    /// Whether frames carry per-head scales after the values (an int8 cache).
+    /// Whether frames carry scales after the values (an int8 cache).
     pub fn scaled(&self) -> bool {
         self.dtype == "int8"
+    }
+
+    /// Bytes of one head's K (or V) scales in an int8 frame: an f32 per slot.
+    fn scale_bytes(&self) -> usize {
+        4 * self.block_size as usize
     }
 
     /// Why a peer's cache cannot exchange blocks with this one, if it cannot.
@@ -148,12 +153,13 @@ impl KvShape {
 pub(crate) const MAX_SHAPE: usize = 64 << 10;
 
 /// Builds the frame of KV heads `want` of one layer of one block from frames `have` of other
-/// head ranges of the same block: K values, V values, then for int8 the K and V scales, each
-/// head's part copied from the frame that holds it. None when `have` does not cover `want`, or a
+/// head ranges of the same block: K values, V values, then for int8 the K and V scales (a slot's
+/// each), each head's part copied from the frame that holds it. None when `have` does not cover `want`, or a
 /// frame is not as long as its heads' share.
 pub fn regroup(shape: &KvShape, have: &[(Range<u32>, &[u8])], want: Range<u32>) -> Option<Vec<u8>> {
-    let per_value = shape.frame_len(1) - shape.scaled() as usize * 8;
-    // Bytes of one head's K (or V) values, and of one scale.
+    let sb = shape.scale_bytes();
+    let per_value = shape.frame_len(1) - shape.scaled() as usize * 2 * sb;
+    // Bytes of one head's K (or V) values.
     let head = per_value / 2;
     let n = want.len();
     let mut out = vec![0u8; shape.frame_len(n)];
@@ -170,8 +176,8 @@ pub fn regroup(shape: &KvShape, have: &[(Range<u32>, &[u8])], want: Range<u32>) 
         if shape.scaled() {
             let (vo, vi) = (2 * n * head, 2 * m * head);
             for kv in 0..2 {
-                let (to, from) = (vo + (kv * n + i) * 4, vi + (kv * m + j) * 4);
-                out[to..to + 4].copy_from_slice(&src[from..from + 4]);
+                let (to, from) = (vo + (kv * n + i) * sb, vi + (kv * m + j) * sb);
+                out[to..to + sb].copy_from_slice(&src[from..from + sb]);
             }
         }
     }
@@ -269,8 +275,17 @@ mod tests {
             assert_eq!(regroup(&s, &have[..2], 0..3), None, "{dtype}");
             assert_eq!(regroup(&s, &[(0..3, &whole[1..])], 0..1), None, "{dtype}");
             // Head 1's K values are the second head-sized run of the whole block.
-            let head = (s.frame_len(1) - s.scaled() as usize * 8) / 2;
+            let sb = 4 * s.block_size as usize;
+            let head = (s.frame_len(1) - s.scaled() as usize * 2 * sb) / 2;
             assert_eq!(&singles[1][..head], &whole[head..2 * head], "{dtype}");
+            if s.scaled() {
+                // Its K scales (one per slot) follow every head's values; its V scales follow
+                // every head's K scales.
+                assert_eq!(s.frame_len(1), 2 * head + 2 * sb);
+                let (k0, v0) = (6 * head + sb, 6 * head + 3 * sb + sb);
+                assert_eq!(&singles[1][2 * head..2 * head + sb], &whole[k0..k0 + sb]);
+                assert_eq!(&singles[1][2 * head + sb..], &whole[v0..v0 + sb]);
+            }
         }
     }
 }

@@ -1,4 +1,4 @@
-//! The KV wire format, version 4 (docs/kv-wire.md is the reference; keep the two in step).
+//! The KV wire format, version 5 (docs/kv-wire.md is the reference; keep the two in step).
 //!
 //! After the handshake (see [`crate::auth`]) a connection carries frames, each a fixed 40-byte
 //! little-endian header followed by the payload:
@@ -26,7 +26,7 @@
 use crate::xxh3::xxh3_64;
 
 /// Protocol version spoken in the handshake.
-pub const VERSION: u16 = 4;
+pub const VERSION: u16 = 5;
 /// First bytes of every handshake message.
 pub const HELLO_MAGIC: [u8; 4] = *b"TKV1";
 /// First bytes of every frame header.
