@@ -156,6 +156,75 @@ fn preempted_sequences_recompute_the_same_tokens() {
     }
 }
 
+/// Seeded temperature-1 samples are the same tokens after preemption and recompute: each golden
+/// prompt sampled with a seed of its own on a roomy pool, then on a pool so tight that growth
+/// preempts, with and without the prefix cache. The recompute runs the sequence's tokens in other
+/// chunks beside other sequences, and its sampler resumes where it stopped.
+#[test]
+fn seeded_samples_are_the_same_after_preemption() {
+    let cfg = EngineConfig::default();
+    let sampled = |recs: &[serde_json::Value]| -> Vec<tandem_engine::Request> {
+        recs.iter()
+            .enumerate()
+            .map(|(i, r)| {
+                let params = tandem_engine::SamplingParams {
+                    temperature: 1.0,
+                    seed: Some(1000 + i as u64),
+                    max_tokens: 48,
+                    ignore_eos: true,
+                    ..Default::default()
+                }
+                .validate()
+                .unwrap();
+                tandem_engine::Request::new(ids(&r["prompt_ids"]), params)
+            })
+            .collect()
+    };
+    let (mut roomy, recs) = engine(WeightFormat::Native, cfg.clone());
+    let want: Vec<Vec<u32>> = roomy
+        .generate(sampled(&recs), |_| {}, |_| {})
+        .unwrap()
+        .into_iter()
+        .map(|o| o.output_ids)
+        .collect();
+    assert_eq!(roomy.stats().preemptions, 0);
+    let model = roomy
+        .cpu_model()
+        .expect("the golden engine runs on the CPU");
+    let layout = model.kv_layout(cfg.block_size);
+    let block_bytes = KvPool::bytes_per_block(layout, KvDtype::F32, model.config.num_layers);
+    let biggest = recs
+        .iter()
+        .map(|r| (ids(&r["prompt_ids"]).len() + 48).div_ceil(cfg.block_size))
+        .max()
+        .unwrap();
+    drop(roomy);
+    let mb = ((biggest + 4) * block_bytes).div_ceil(1 << 20);
+    for prefix_caching in [false, true] {
+        let (mut tight, _) = engine(
+            WeightFormat::Native,
+            EngineConfig {
+                kv_cache_mb: mb,
+                prefix_caching,
+                admission_lookahead: 0,
+                ..cfg.clone()
+            },
+        );
+        let outs = tight.generate(sampled(&recs), |_| {}, |_| {}).unwrap();
+        let preempted: u32 = outs.iter().map(|o| o.preemptions).sum();
+        assert!(
+            preempted > 0,
+            "prefix caching {prefix_caching}: no preemption"
+        );
+        let got: Vec<Vec<u32>> = outs.into_iter().map(|o| o.output_ids).collect();
+        assert_eq!(
+            got, want,
+            "prefix caching {prefix_caching}: seeded samples after {preempted} preemptions"
+        );
+        assert_no_blocks_held(&tight);
+    }
+}
+
 #[test]
 fn prefix_cache_hits_recompute_fewer_tokens_and_keep_tokens_exact() {
     let (mut e, recs) = engine(WeightFormat::Native, EngineConfig::default());
