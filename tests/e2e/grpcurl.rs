@@ -2,7 +2,7 @@
 //! speaks only reflection v1alpha) lists the router's and a worker's services through
 //! reflection, checks health, and calls `tandem.v1.Generation/Generate` with no .proto at hand.
 
-mod common;
+use crate::common;
 
 use std::process::Command;
 

@@ -22,7 +22,7 @@
 //! Figures printed: rendered commands started -> cluster ready, and the golden load's throughput
 //! across hosts against the same commands on loopback, in this run.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

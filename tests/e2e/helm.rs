@@ -7,7 +7,7 @@
 //! renders for users without Helm. `helm` comes from scripts/test (target/tools/helm) or
 //! `TANDEM_HELM`. No Kubernetes cluster runs here: installing is not tested.
 
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 use std::process::Command;

@@ -5,7 +5,7 @@
 //! The container runs as uid 10001 without a network, reads the model from a read-only volume,
 //! and generates exactly what the binary generates outside it.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};

@@ -5,7 +5,7 @@
 //! loopback. The prompt is long enough to cross attention's segment cut (256 keys), so a row
 //! computed in a prefill chunk and the same row after a prefix hit meet every kernel path.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

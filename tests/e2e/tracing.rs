@@ -6,7 +6,7 @@
 //! worker under the transfer (its context travelled over the KV wire); an invalid `traceparent`
 //! starts a new trace and the request is served.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

@@ -1,7 +1,7 @@
 //! End to end: real `tandem router` and `tandem decode` processes on loopback, driven through
 //! the OpenAI Python client, a gRPC client and raw HTTP.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

@@ -10,7 +10,7 @@
 //! The figures the note reports (start to routed, kill to unrouted) are printed, never asserted.
 #![cfg(feature = "etcd")]
 
-mod common;
+use crate::common;
 
 use std::process::Command;
 use std::time::{Duration, Instant};

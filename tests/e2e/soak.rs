@@ -12,7 +12,7 @@
 //! The overload test sends ten times more concurrent clients than the router's `--max-queue`
 //! and checks the 429s, the admitted requests' answers and latency, and each role's peak memory.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};

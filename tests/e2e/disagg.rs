@@ -2,7 +2,7 @@
 //! processes on loopback (and, for the damaged-frame case, the two worker services in this
 //! process with a transport that flips a byte). DESIGN.md §2 and its failure rules.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

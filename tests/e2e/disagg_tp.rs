@@ -4,7 +4,7 @@
 //! cannot map are refused at the KV handshake with the reason, and the prompt is prefilled
 //! locally instead.
 
-mod common;
+use crate::common;
 
 use common::*;
 use serde_json::Value;

@@ -7,7 +7,7 @@
 //! follow readiness with a delay); one removed from the records leaves the router's view.
 //! Prints the figures (worker start to first routed request, kill to not routed).
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;

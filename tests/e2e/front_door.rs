@@ -3,7 +3,7 @@
 //! a body that stops, a stream never read) against real `tandem router` and `tandem decode`
 //! processes on loopback.
 
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};

@@ -5,7 +5,7 @@
 //! schedule sent by one process. Then one load host's cable is pulled mid-run: that agent is
 //! reported lost with its share, the other's half is kept, and the command fails.
 
-mod common;
+use crate::common;
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};

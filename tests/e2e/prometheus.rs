@@ -4,7 +4,7 @@
 //! prompt tokens, requests by finish reason, one TTFT and end-to-end observation per request, one
 //! inter-token gap per token after the first, and the prefill worker's own share.
 
-mod common;
+use crate::common;
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};

@@ -1,0 +1,23 @@
+//! The end-to-end tests: each module starts `tandem` processes (clusters, workers, the CLI) and
+//! talks to them as clients and operators do. One test executable for all of them, so the build
+//! compiles the shared helpers once and links one binary instead of one per file; run one file's
+//! tests with its module name as the filter (`cargo test --release --test e2e -- disagg::`).
+
+mod common;
+
+mod bench_agents;
+mod cluster;
+mod disagg;
+mod disagg_tp;
+mod discovery;
+mod dns_discovery;
+mod front_door;
+mod generate_cli;
+mod grpcurl;
+mod helm;
+mod image;
+mod multihost;
+mod prometheus;
+mod reproducible;
+mod soak;
+mod tracing;
