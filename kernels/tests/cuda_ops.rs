@@ -372,6 +372,11 @@ fn prefill_attention_matches_the_cpu_over_a_cached_prefix() {
     let ctx = [40, 700, 16 + 130, 17, 3 + 1];
     run_attention(&o, 6, &q_len, &ctx, (32, 8, 128));
     run_attention(&o, 7, &q_len, &ctx, (9, 3, 64));
+    // Chunks whose tiles straddle the fixed split cuts (multiples of DECODE_SPLIT_LEN): rows of
+    // one, two and three splits in one tile, merged by the combine.
+    let q_len = [300, 40];
+    let ctx = [2 * DECODE_SPLIT_LEN + 200, DECODE_SPLIT_LEN + 20];
+    run_attention(&o, 8, &q_len, &ctx, (9, 3, 64));
 }
 
 /// The packed step of `seqs` (sequence index into `cache`, new tokens, context) with query rows
