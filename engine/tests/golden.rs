@@ -118,29 +118,11 @@ fn random_arrivals_equal_each_prompt_alone_and_golden() {
 fn preempted_sequences_recompute_the_same_tokens() {
     let cfg = EngineConfig::default();
     let (probe, recs) = engine(WeightFormat::Native, cfg.clone());
-    let model = probe
-        .cpu_model()
-        .expect("the golden engine runs on the CPU");
-    let layout = model.kv_layout(cfg.block_size);
-    let block_bytes = KvPool::bytes_per_block(layout, KvDtype::F32, model.config.num_layers);
-    let biggest = requests(&recs)
-        .iter()
-        .map(|r| (r.prompt.len() + r.params.max_tokens as usize).div_ceil(cfg.block_size))
-        .max()
-        .unwrap();
-    drop(probe);
-    // Room for the biggest request and a little more: the batch must preempt to get through.
-    let mb = ((biggest + 4) * block_bytes).div_ceil(1 << 20);
+    let reqs = requests(&recs);
     for prefix_caching in [false, true] {
         let (mut e, recs) = engine(
             WeightFormat::Native,
-            EngineConfig {
-                kv_cache_mb: mb,
-                prefix_caching,
-                // Admit whenever a first chunk fits, so growth must preempt.
-                admission_lookahead: 0,
-                ..cfg.clone()
-            },
+            preempting(&probe, &cfg, &reqs, prefix_caching),
         );
         check_all(&mut e, &recs);
         let st = e.stats();
@@ -153,6 +135,31 @@ fn preempted_sequences_recompute_the_same_tokens() {
             "prefix caching {prefix_caching}: {} preemptions over {} blocks",
             st.preemptions, st.blocks_total
         );
+    }
+}
+
+/// `cfg` with a pool of room for the biggest of `reqs` (prompt and every output token) and a
+/// little more, admitting whenever a first chunk fits: a batch of them must preempt to get
+/// through, as each grows. `e` runs `cfg` (its model sizes a block).
+fn preempting(
+    e: &tandem_engine::Engine,
+    cfg: &EngineConfig,
+    reqs: &[tandem_engine::Request],
+    prefix_caching: bool,
+) -> EngineConfig {
+    let model = e.cpu_model().expect("the golden engine runs on the CPU");
+    let layout = model.kv_layout(cfg.block_size);
+    let block_bytes = KvPool::bytes_per_block(layout, KvDtype::F32, model.config.num_layers);
+    let biggest = reqs
+        .iter()
+        .map(|r| (r.prompt.len() + r.params.max_tokens as usize).div_ceil(cfg.block_size))
+        .max()
+        .unwrap();
+    EngineConfig {
+        kv_cache_mb: ((biggest + 4) * block_bytes).div_ceil(1 << 20),
+        prefix_caching,
+        admission_lookahead: 0,
+        ..cfg.clone()
     }
 }
 
@@ -188,28 +195,9 @@ fn seeded_samples_are_the_same_after_preemption() {
         .map(|o| o.output_ids)
         .collect();
     assert_eq!(roomy.stats().preemptions, 0);
-    let model = roomy
-        .cpu_model()
-        .expect("the golden engine runs on the CPU");
-    let layout = model.kv_layout(cfg.block_size);
-    let block_bytes = KvPool::bytes_per_block(layout, KvDtype::F32, model.config.num_layers);
-    let biggest = recs
-        .iter()
-        .map(|r| (ids(&r["prompt_ids"]).len() + 48).div_ceil(cfg.block_size))
-        .max()
-        .unwrap();
-    drop(roomy);
-    let mb = ((biggest + 4) * block_bytes).div_ceil(1 << 20);
     for prefix_caching in [false, true] {
-        let (mut tight, _) = engine(
-            WeightFormat::Native,
-            EngineConfig {
-                kv_cache_mb: mb,
-                prefix_caching,
-                admission_lookahead: 0,
-                ..cfg.clone()
-            },
-        );
+        let tight_cfg = preempting(&roomy, &cfg, &sampled(&recs), prefix_caching);
+        let (mut tight, _) = engine(WeightFormat::Native, tight_cfg);
         let outs = tight.generate(sampled(&recs), |_| {}, |_| {}).unwrap();
         let preempted: u32 = outs.iter().map(|o| o.preemptions).sum();
         assert!(

@@ -11,12 +11,8 @@ use crate::cuda::{decode_splits, AttnParams, CudaError, DECODE_SPLIT_LEN};
 
 /// Sequences of a packed attention call, on the device (built by [`CudaOps::attn_batch`]).
 pub struct AttnBatch {
-    /// Number of sequences.
-    pub seqs: usize,
     /// Entries per block-table row: the longest table (at least 1).
     pub max_blocks: usize,
-    /// The longest context (tokens).
-    pub max_context: usize,
     block_tables: CudaSlice<i32>,
     q_start: CudaSlice<i32>,
     q_len: CudaSlice<i32>,
@@ -73,16 +69,13 @@ impl CudaOps {
             tiles.extend([0, 0]);
         }
         let as_i32 = |v: &[usize]| v.iter().map(|&x| x as i32).collect::<Vec<i32>>();
-        let max_context = context.iter().copied().max().unwrap_or(0);
-        let splits = decode_splits(max_context);
+        let splits = decode_splits(context.iter().copied().max().unwrap_or(0));
         let parts = if splits > 1 { row * nq * splits } else { 1 };
         Ok(AttnBatch {
             splits,
             part_out: self.stream.alloc_zeros::<f32>(parts * hd).map_err(drv)?,
             part_ml: self.stream.alloc_zeros::<f32>(parts * 2).map_err(drv)?,
-            seqs,
             max_blocks,
-            max_context,
             block_tables: self.upload(&bt)?,
             q_start: self.upload(&starts)?,
             q_len: self.upload(&as_i32(q_len))?,
