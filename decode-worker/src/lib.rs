@@ -183,6 +183,13 @@ fn fold(
         }
         StreamEvent::Finished(f) => {
             obs.metrics.finished(&f);
+            if let Some(e) = &f.error {
+                // The request's grammar could not go on: the whole request fails with it (a
+                // status the router passes on as the client's error), nothing unconstrained.
+                let s = Status::invalid_argument(e.clone());
+                trace::failed(&obs.span, &s.message());
+                return Err(s);
+            }
             if !done {
                 // One of several samples: the stream goes on with the others.
                 msg.finished.push(finish(&f));

@@ -813,6 +813,59 @@ mod tests {
         ));
     }
 
+    #[tokio::test]
+    async fn a_grammar_that_cannot_go_on_ends_its_request_with_the_error() {
+        // Twenty right-recursive rules over `a`: the parser passes its limit of 2,000 items in
+        // a row within fifty tokens. The sampler used to drop such a grammar and go on
+        // unconstrained; the request must end with the error instead.
+        let text = tandem_model::load_text(&tandem_model::default_model_path()).unwrap();
+        let a = text.tokenizer.encode("a", false).unwrap()[0];
+        let eos = text.tokenizer.eos_token_ids.clone();
+        let grammars = Arc::new(GrammarCompiler::new(text.tokenizer, text.config.vocab_size));
+        let h = EngineHandle::spawn(move || {
+            Ok(Engine::new(tiny_model(3), config(), vec![])?.with_grammars(grammars))
+        })
+        .unwrap();
+        let lark = include_str!("../../grammar/tests/data/items_bomb.lark");
+        let r = req(vec![1, 2, 3], 200);
+        let mut p = (*r.params).clone();
+        p.grammar = Some(tandem_grammar::Grammar::Lark(lark.into()));
+        // The grammar may end after any `a`: keep the model from ending it there.
+        p.logit_bias = eos.iter().map(|&e| (e, -100.0)).collect();
+        let r = Request {
+            params: p.validate().unwrap(),
+            ..r
+        };
+        let mut s = h.submit(h.compile(r).await.unwrap()).unwrap();
+        let mut tokens = Vec::new();
+        let finished = loop {
+            match s.next().await {
+                Some(StreamEvent::Token(t)) => tokens.push(t),
+                Some(StreamEvent::Finished(f)) => break f,
+                other => panic!("{other:?}"),
+            }
+        };
+        assert_eq!(finished.finish_reason, FinishReason::Error);
+        let e = finished.error.as_deref().unwrap();
+        assert!(e.contains("max is 2000"), "{e}");
+        // Every token but the last (drawn as it failed, never shown) is the grammar's; the
+        // last token event carries the finish.
+        let (last, kept) = tokens.split_last().unwrap();
+        assert!((10..200).contains(&kept.len()), "{}", kept.len());
+        assert!(kept
+            .iter()
+            .all(|t| t.sampled.token == a && t.finish.is_none()));
+        assert_eq!(last.finish, Some(FinishReason::Error));
+        assert!(s.next().await.is_none());
+        for _ in 0..2000 {
+            if h.stats().blocks_used == 0 {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        assert_eq!(h.stats().blocks_used, 0);
+    }
+
     #[test]
     fn bad_requests_are_refused_at_submit_and_dropped_streams_cancel() {
         let h = spawn();

@@ -152,6 +152,8 @@ impl EngineError {
             Self::ContextOverflow { .. } | Self::TooLargeForCache { .. } => ErrorKind::TooLarge,
             Self::Unsupported(_) => ErrorKind::Unsupported,
             Self::Grammar(tandem_grammar::GrammarError::Tokenizer(_)) => ErrorKind::Unsupported,
+            Self::Grammar(tandem_grammar::GrammarError::Busy(_)) => ErrorKind::Busy,
+            Self::Grammar(tandem_grammar::GrammarError::Internal(_)) => ErrorKind::Internal,
             Self::Grammar(_) => ErrorKind::InvalidRequest,
             Self::Stopped => ErrorKind::Unavailable,
             Self::Config(_)

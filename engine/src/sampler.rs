@@ -41,6 +41,8 @@ pub struct Sampler {
     seen: std::collections::HashSet<u32>,
     /// The request's grammar, where the output stands in it.
     constraint: Option<Constraint>,
+    /// Why the grammar could not go on, once it could not: the sequence ends with this error.
+    grammar_failure: Option<String>,
 }
 
 thread_local! {
@@ -79,6 +81,7 @@ impl Sampler {
             seen,
             params,
             constraint,
+            grammar_failure: None,
         }
     }
 
@@ -89,13 +92,26 @@ impl Sampler {
             .is_some_and(Constraint::is_finished)
     }
 
-    /// Advances the grammar past `token`; a token it refuses ends its use (logged), as nothing
-    /// after it could be in the language either.
+    /// Why the request's grammar could not go on, once it could not: the sequence must end
+    /// with this error (its output would leave the grammar).
+    pub fn grammar_failure(&self) -> Option<&str> {
+        self.grammar_failure.as_deref()
+    }
+
+    fn fail(&mut self, e: tandem_grammar::GrammarError) {
+        tracing::warn!(error = %e, "the grammar cannot go on: ending the request");
+        self.grammar_failure.get_or_insert_with(|| e.to_string());
+    }
+
+    /// Advances the grammar past `token`. A token it refuses is a failure, not a reason to
+    /// drop it: the sequence ends with the error.
     fn advance(&mut self, token: u32) {
+        if self.grammar_failure.is_some() {
+            return;
+        }
         if let Some(c) = &mut self.constraint {
             if let Err(e) = c.consume(token) {
-                tracing::warn!(token, error = %e, "grammar refused a token");
-                self.constraint = None;
+                self.fail(e);
             }
         }
     }
@@ -118,6 +134,7 @@ impl Sampler {
         let penalized =
             p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0;
         let raw = logits;
+        let mut failed = None;
         let mut l: Vec<f32>;
         let logits = if penalized || !p.logit_bias.is_empty() || self.constraint.is_some() {
             l = logits.to_vec();
@@ -141,14 +158,24 @@ impl Sampler {
                     l[t as usize] -= p.presence_penalty + p.frequency_penalty * n as f32;
                 }
             }
-            if let Some(c) = &mut self.constraint {
-                c.allowed().apply(&mut l);
+            if self.grammar_failure.is_none() {
+                if let Some(c) = &mut self.constraint {
+                    // A grammar that cannot go on fails the sequence; the token drawn here is
+                    // never shown.
+                    match c.allowed() {
+                        Ok(mask) => mask.apply(&mut l),
+                        Err(e) => failed = Some(e),
+                    }
+                }
             }
             &l[..]
         } else {
             logits
         };
         let (greedy, n_top, rep) = (p.is_greedy(), p.top_logprobs as usize, p.repetition_penalty);
+        if let Some(e) = failed {
+            self.fail(e);
+        }
         let token = if greedy {
             ops::argmax(logits) as u32
         } else {

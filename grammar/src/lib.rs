@@ -11,6 +11,12 @@
 
 use std::sync::{Arc, OnceLock};
 
+mod limits;
+mod pool;
+
+pub use limits::{MAX_GRAMMAR_BYTES, MAX_GRAMMAR_DEPTH};
+pub use pool::{COMPILE_BUDGET, COMPILE_QUEUE, COMPILE_STACK_BYTES};
+
 use llguidance::api::TopLevelGrammar;
 use llguidance::earley::SlicedBiasComputer;
 use llguidance::toktrie::{
@@ -33,6 +39,26 @@ pub enum GrammarError {
     /// A token the grammar does not allow was fed to it (a bug upstream, or a peer's).
     #[error("the output left the grammar: {0}")]
     Rejected(String),
+    /// The grammar cannot go on from where the output stands (the engine hit one of its limits,
+    /// or nothing the vocabulary has continues it).
+    #[error("the output's grammar cannot go on: {0}")]
+    Stuck(String),
+    /// Too many grammars are compiling: the same request may compile in a moment.
+    #[error("the grammar compiler is busy: {0}")]
+    Busy(String),
+    /// The compiler itself failed (it panicked): not the grammar's fault as far as is known.
+    #[error("{0}")]
+    Internal(String),
+}
+
+/// The grammar engine's message without the marker it leaves where, with verbose errors, the
+/// parser's state would be.
+fn terse(e: impl std::fmt::Display) -> String {
+    let m = e.to_string();
+    m.trim_end()
+        .trim_end_matches("<non-verbose/>")
+        .trim_end()
+        .to_string()
 }
 
 /// JSON output as models learned it from Python's `json.dumps` (`", "` and `": "`, no free
@@ -48,7 +74,11 @@ fn json_options() -> Value {
 
 /// The compiler for one model's vocabulary: build it once (it indexes every token's bytes),
 /// share it, and [`compile`](Self::compile) each request's grammar with it.
-pub struct Grammars {
+/// Cheap to clone: the clones share one index.
+#[derive(Clone)]
+pub struct Grammars(Arc<Index>);
+
+struct Index {
     factory: ParserFactory,
     /// Ids that end generation: allowed together wherever the grammar allows its end.
     eos: Vec<u32>,
@@ -56,7 +86,9 @@ pub struct Grammars {
 
 impl std::fmt::Debug for Grammars {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Grammars").field("eos", &self.eos).finish()
+        f.debug_struct("Grammars")
+            .field("eos", &self.0.eos)
+            .finish()
     }
 }
 
@@ -135,16 +167,59 @@ impl Grammars {
         let mut factory = ParserFactory::new(&env, caps, &SlicedBiasComputer::general_slices())
             .map_err(|e| GrammarError::Tokenizer(e.to_string()))?;
         factory.quiet();
-        Ok(Self { factory, eos })
+        // An error names what failed, not the parser's whole state and grammar (which go back
+        // to the client, and can be as long as the grammar it sent).
+        factory.limits_mut().verbose_errors = false;
+        Ok(Self(Arc::new(Index { factory, eos })))
     }
 
-    /// One request's constraint, at the start of its output.
+    /// One request's constraint, at the start of its output. The grammar's size and depth are
+    /// checked first ([`MAX_GRAMMAR_BYTES`], [`MAX_GRAMMAR_DEPTH`]); it then compiles on one of
+    /// the process's compile threads (deep stacks, a bounded queue, [`COMPILE_BUDGET`]), never
+    /// on the caller's.
     pub fn compile(&self, grammar: &Grammar) -> Result<Constraint, GrammarError> {
-        let top = match grammar {
+        let top = Self::top_level(grammar)?;
+        let json = matches!(grammar, Grammar::JsonSchema(_) | Grammar::JsonObject);
+        let index = self.0.clone();
+        pool::run(move || {
+            let parser = index
+                .factory
+                .create_parser(top)
+                .map_err(|e| GrammarError::Invalid(terse(e)))?;
+            let mut matcher = Matcher::new(Ok(parser));
+            if let Some(e) = matcher.get_error() {
+                return Err(GrammarError::Invalid(terse(e)));
+            }
+            // What may come first: a grammar nothing can start, or a schema whose only text
+            // is the empty one (no JSON value is: its references never bottom out), would
+            // end the output at once with nothing in it.
+            let first = matcher.compute_mask_or_eos().map_err(|e| {
+                GrammarError::Invalid(format!("the grammar cannot start: {}", terse(e)))
+            })?;
+            let only_end = first.num_set() == 1 && first.is_allowed(index.eos[0]);
+            if first.is_zero() || (json && only_end) {
+                return Err(GrammarError::Invalid(
+                    "the grammar has no text a model could write (is every branch of its \
+                     recursion required?)"
+                        .into(),
+                ));
+            }
+            Ok(Constraint {
+                matcher: Box::new(matcher),
+                eos: index.eos.clone(),
+            })
+        })
+    }
+
+    /// The grammar in the engine's terms, once its size and depth are within the limits.
+    fn top_level(grammar: &Grammar) -> Result<TopLevelGrammar, GrammarError> {
+        Ok(match grammar {
             Grammar::JsonSchema(text) => {
+                limits::check_size("JSON schema", text.len())?;
                 let mut schema: Value = serde_json::from_str(text).map_err(|e| {
                     GrammarError::Invalid(format!("the JSON schema is not JSON: {e}"))
                 })?;
+                limits::check_schema(&schema)?;
                 match &mut schema {
                     Value::Object(o) => {
                         o.entry("x-guidance").or_insert_with(json_options);
@@ -162,11 +237,15 @@ impl Grammars {
                 "type": "object",
                 "x-guidance": json_options(),
             })),
-            Grammar::Regex(rx) => TopLevelGrammar::from_regex(rx),
+            Grammar::Regex(rx) => {
+                limits::check_size("regular expression", rx.len())?;
+                TopLevelGrammar::from_regex(rx)
+            }
             Grammar::Choice(options) => {
                 if options.is_empty() {
                     return Err(GrammarError::Invalid("the choice list is empty".into()));
                 }
+                limits::check_size("choice list", options.iter().map(|o| o.len() + 4).sum())?;
                 // Lark's string literals are JSON strings.
                 let alternatives: Vec<String> = options
                     .iter()
@@ -174,19 +253,11 @@ impl Grammars {
                     .collect();
                 TopLevelGrammar::from_lark(format!("start: {}", alternatives.join(" | ")))
             }
-            Grammar::Lark(text) => TopLevelGrammar::from_lark(text.clone()),
-        };
-        let parser = self
-            .factory
-            .create_parser(top)
-            .map_err(|e| GrammarError::Invalid(e.to_string()))?;
-        let matcher = Matcher::new(Ok(parser));
-        if let Some(e) = matcher.get_error() {
-            return Err(GrammarError::Invalid(e));
-        }
-        Ok(Constraint {
-            matcher: Box::new(matcher),
-            eos: self.eos.clone(),
+            Grammar::Lark(text) => {
+                limits::check_size("Lark grammar", text.len())?;
+                limits::check_lark(text)?;
+                TopLevelGrammar::from_lark(text.clone())
+            }
         })
     }
 }
@@ -287,24 +358,24 @@ impl TokenMask {
 
 impl Constraint {
     /// The tokens that may come next. Where the grammar may end, every end-of-sequence id is
-    /// allowed; once it must end, only those are. A constraint in error allows only the end,
-    /// so the request stops rather than leaving its grammar.
-    pub fn allowed(&mut self) -> TokenMask {
-        let mut mask = match self.matcher.compute_mask_or_eos() {
-            Ok(m) => m,
-            Err(e) => {
-                tracing::warn!(error = %e, "grammar failed: ending the output");
-                let mut m = SimpleVob::alloc(self.vocab_size());
-                m.allow_token(self.eos[0]);
-                m
-            }
-        };
+    /// allowed; once it must end, only those are. A grammar that cannot go on (the engine hit
+    /// one of its limits, or the grammar has no way to continue) is an error: the request
+    /// must end with it, never go on unconstrained.
+    pub fn allowed(&mut self) -> Result<TokenMask, GrammarError> {
+        let mut mask = self
+            .matcher
+            .compute_mask_or_eos()
+            .map_err(|e| GrammarError::Stuck(terse(e)))?;
         if self.eos.iter().any(|&e| mask.is_allowed(e)) {
             for &e in &self.eos {
                 mask.allow_token(e);
             }
+        } else if mask.is_zero() {
+            return Err(GrammarError::Stuck(
+                "no token can continue the output".into(),
+            ));
         }
-        TokenMask(mask)
+        Ok(TokenMask(mask))
     }
 
     /// Advances past `token`, which came next in the output. An end-of-sequence id ends the
@@ -315,11 +386,11 @@ impl Constraint {
             return self
                 .matcher
                 .consume_token(self.eos[0])
-                .map_err(|e| GrammarError::Rejected(e.to_string()));
+                .map_err(|e| GrammarError::Rejected(terse(e)));
         }
         self.matcher
             .consume_token(token)
-            .map_err(|e| GrammarError::Rejected(e.to_string()))
+            .map_err(|e| GrammarError::Rejected(terse(e)))
     }
 
     /// An independent copy at the same point of the grammar (its own parser and lexer state):
@@ -334,12 +405,5 @@ impl Constraint {
     /// Whether the grammar is complete and allows nothing more.
     pub fn is_finished(&self) -> bool {
         self.matcher.is_stopped()
-    }
-
-    fn vocab_size(&self) -> usize {
-        self.matcher
-            .tok_env()
-            .map(|e| e.tok_trie().vocab_size())
-            .unwrap_or(self.eos[0] as usize + 1)
     }
 }

@@ -2,7 +2,8 @@
 //! text of the grammar's language, whatever the scores say.
 
 use rand::{Rng, SeedableRng};
-use tandem_grammar::{Grammar, GrammarError, Grammars};
+use serde_json::Value;
+use tandem_grammar::{Grammar, GrammarError, Grammars, MAX_GRAMMAR_BYTES, MAX_GRAMMAR_DEPTH};
 use tandem_model::Tokenizer;
 
 fn tokenizer() -> (Tokenizer, usize) {
@@ -33,7 +34,7 @@ fn walk(
     let mut out = Vec::new();
     for _ in 0..max {
         let mut logits: Vec<f32> = (0..vocab).map(|_| rng.gen_range(-4.0..4.0)).collect();
-        let mask = c.allowed();
+        let mask = c.allowed().unwrap();
         assert!(mask.count() > 0, "the mask allows something");
         mask.apply(&mut logits);
         let t = logits
@@ -138,7 +139,7 @@ fn json_object_allows_any_object_and_only_objects() {
     let (tok, vocab) = tokenizer();
     let g = Grammars::new(&tok, vocab).unwrap();
     let mut c = g.compile(&Grammar::JsonObject).unwrap();
-    let mask = c.allowed();
+    let mask = c.allowed().unwrap();
     let open = tok.encode("{", false).unwrap();
     let bracket = tok.encode("[", false).unwrap();
     assert!(mask.allows(open[0]));
@@ -151,10 +152,10 @@ fn json_object_allows_any_object_and_only_objects() {
         "nothing written is not JSON"
     );
     for t in tok.encode("{\"a\": [1, 2]}", false).unwrap() {
-        assert!(c.allowed().allows(t));
+        assert!(c.allowed().unwrap().allows(t));
         c.consume(t).unwrap();
     }
-    let end = c.allowed();
+    let end = c.allowed().unwrap();
     assert!(
         tok.eos_token_ids.iter().all(|&e| end.allows(e)),
         "a complete object may end"
@@ -180,6 +181,96 @@ fn bad_grammars_are_refused_with_the_reason() {
     let m = refused(Grammar::Lark("start: missing_rule".into()));
     assert!(m.contains("missing_rule"), "{m}");
     assert!(refused(Grammar::Choice(vec![])).contains("empty"));
+    // Schemas with no instance: references that only lead to each other.
+    for schema in [
+        serde_json::json!({"$ref": "#"}),
+        serde_json::json!({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                           "$ref": "#/$defs/a"}),
+    ] {
+        let m = refused(Grammar::JsonSchema(schema.to_string()));
+        assert!(
+            m.contains("no text a model could write") || m.contains("cannot start"),
+            "{m}"
+        );
+    }
+    // A recursive schema with a way out compiles.
+    let tree = serde_json::json!({"type": "object", "properties": {"a": {"$ref": "#"}}});
+    assert!(g.compile(&Grammar::JsonSchema(tree.to_string())).is_ok());
+}
+
+/// Lark rules `r0` .. `r{n}`, each naming the next.
+fn lark_chain(n: usize) -> Grammar {
+    let mut s = String::from("start: r0\n");
+    for i in 0..n {
+        s += &format!("r{i}: r{}\n", i + 1);
+    }
+    Grammar::Lark(s + &format!("r{n}: \"x\"\n"))
+}
+
+/// Schema definitions `d0` .. `d{n}`, each `hop` wrapping a `$ref` to the next.
+fn ref_chain(n: usize, hop: impl Fn(Value) -> Value) -> Grammar {
+    let mut defs = serde_json::Map::new();
+    for i in 0..n {
+        defs.insert(
+            format!("d{i}"),
+            hop(serde_json::json!({"$ref": format!("#/$defs/d{}", i + 1)})),
+        );
+    }
+    defs.insert(format!("d{n}"), serde_json::json!({"type": "integer"}));
+    Grammar::JsonSchema(serde_json::json!({"$defs": defs, "$ref": "#/$defs/d0"}).to_string())
+}
+
+#[test]
+fn chains_past_the_depth_limit_are_refused_and_those_within_it_compile() {
+    // Each of these overflowed a 2 MiB thread stack (the async workers' and the blocking
+    // pool's) at 700 levels or fewer, aborting the process.
+    let (tok, vocab) = tokenizer();
+    let g = Grammars::new(&tok, vocab).unwrap();
+    let any_of = |r: Value| serde_json::json!({"anyOf": [r, {"type": "null"}]});
+    let nested = |r: Value| serde_json::json!({"type": "object", "properties": {"a": r}});
+    let over = [
+        lark_chain(700),
+        lark_chain(20_000),
+        ref_chain(700, |r| r),
+        ref_chain(700, any_of),
+        ref_chain(5_000, nested),
+    ];
+    for grammar in &over {
+        match g.compile(grammar) {
+            Err(GrammarError::Invalid(m)) => {
+                assert!(m.contains("levels deep, over the limit of 512"), "{m}")
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    // Just within the limit, the deepest of each kind compiles on the compile threads' stacks
+    // and constrains: the first token of the Lark chain's only sentence is `x`.
+    let within = [
+        lark_chain(MAX_GRAMMAR_DEPTH - 2),
+        ref_chain(MAX_GRAMMAR_DEPTH - 4, |r| r),
+        ref_chain(MAX_GRAMMAR_DEPTH / 3 - 2, any_of),
+        ref_chain(MAX_GRAMMAR_DEPTH / 3 - 2, nested),
+    ];
+    for grammar in &within {
+        let mut c = g
+            .compile(grammar)
+            .unwrap_or_else(|e| panic!("{e}: {}", &format!("{grammar:?}")[..80]));
+        assert!(c.allowed().unwrap().count() > 0);
+    }
+    let mut c = g.compile(&within[0]).unwrap();
+    let x = tok.encode("x", false).unwrap();
+    let mask = c.allowed().unwrap();
+    assert!(
+        mask.allows(x[0]) && mask.count() == 1,
+        "only x: {}",
+        mask.count()
+    );
+    // Bigger than the size limit is refused before it is parsed.
+    let big = Grammar::Regex("a".repeat(MAX_GRAMMAR_BYTES + 1));
+    match g.compile(&big) {
+        Err(GrammarError::Invalid(m)) => assert!(m.contains("over the limit"), "{m}"),
+        other => panic!("{other:?}"),
+    }
 }
 
 #[test]
@@ -198,11 +289,42 @@ fn a_constraint_fed_elsewhere_tokens_continues_from_there() {
     for &t in &prefix {
         b.consume(t).unwrap();
     }
-    let (ma, mb) = (a.allowed(), b.allowed());
+    let (ma, mb) = (a.allowed().unwrap(), b.allowed().unwrap());
     assert_eq!(ma.count(), mb.count());
     let c = tok.encode("c", false).unwrap()[0];
     assert!(ma.allows(c) && mb.allows(c));
     let x = tok.encode("x", false).unwrap()[0];
     assert!(!ma.allows(x));
     assert!(matches!(a.consume(x), Err(GrammarError::Rejected(_))));
+}
+
+/// A grammar the parser's item limit ends within fifty tokens (see the file).
+fn items_bomb() -> Grammar {
+    Grammar::Lark(include_str!("data/items_bomb.lark").into())
+}
+
+#[test]
+fn a_grammar_that_cannot_go_on_says_so() {
+    let (tok, vocab) = tokenizer();
+    let g = Grammars::new(&tok, vocab).unwrap();
+    let mut c = g.compile(&items_bomb()).unwrap();
+    let a = tok.encode("a", false).unwrap()[0];
+    let mut failed = None;
+    for i in 0..100 {
+        // Until it fails, `a` is what the grammar allows.
+        match c.allowed() {
+            Ok(m) => assert!(m.allows(a)),
+            Err(e) => {
+                failed = Some((i, e));
+                break;
+            }
+        }
+        if let Err(e) = c.consume(a) {
+            failed = Some((i, e));
+            break;
+        }
+    }
+    let (at, e) = failed.expect("the parser's item limit ends it within 100 tokens");
+    assert!(at > 10, "{at}");
+    assert!(e.to_string().contains("max is 2000"), "{e}");
 }

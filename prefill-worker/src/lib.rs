@@ -420,6 +420,11 @@ impl Shared {
                 StreamEvent::Token(t) => first = Some(t),
                 StreamEvent::Finished(f) => {
                     self.requests.finished(&f);
+                    if let Some(e) = f.error {
+                        // The first token's grammar could not go on: the request fails.
+                        let _ = conn.abort(dest.transfer_id).await;
+                        return Err(Status::invalid_argument(e).into());
+                    }
                     tandem_worker::trace::finished(&server, submitted, &f, false);
                     tandem_telemetry::record_past(
                         &prefill.context(),

@@ -48,6 +48,10 @@ pub enum ApiError {
     /// The router already has `--max-queue` requests in flight (that many).
     #[error("the router already has {0} requests in flight: retry later")]
     QueueFull(usize),
+    /// A pool of the router's own (grammar compiles, prompt tokenization) is full: the same
+    /// request may succeed in a moment.
+    #[error("the router is busy: {0}")]
+    Busy(String),
     /// No decode worker is ready to take a request.
     #[error("no decode worker is ready: check that the workers are up and reachable")]
     NoWorker,
@@ -95,7 +99,9 @@ impl ApiError {
             Self::BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             Self::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             Self::QueueFull(_) => StatusCode::TOO_MANY_REQUESTS,
-            Self::NoWorker | Self::WorkerUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Self::Busy(_) | Self::NoWorker | Self::WorkerUnavailable { .. } => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             Self::Upstream { .. } => StatusCode::BAD_GATEWAY,
             Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -111,6 +117,7 @@ impl ApiError {
             Self::BodyTooLarge(_) => ("invalid_request_error", "request_too_large"),
             Self::BodyTimeout(_) => ("invalid_request_error", "request_timeout"),
             Self::QueueFull(_) => ("rate_limit_error", "rate_limit_exceeded"),
+            Self::Busy(_) => ("service_unavailable", "busy"),
             Self::NoWorker => ("service_unavailable", "no_worker"),
             Self::WorkerUnavailable { .. } => ("service_unavailable", "worker_unavailable"),
             Self::Upstream { .. } => ("server_error", "upstream_error"),
@@ -151,7 +158,9 @@ impl ApiError {
                 );
                 st
             }
-            Self::NoWorker | Self::WorkerUnavailable { .. } => tonic::Status::unavailable(m),
+            Self::Busy(_) | Self::NoWorker | Self::WorkerUnavailable { .. } => {
+                tonic::Status::unavailable(m)
+            }
             Self::Upstream { kind, .. } => tandem_proto::wire::status(*kind, m),
             Self::Internal(_) => tonic::Status::internal(m),
         }
@@ -193,7 +202,7 @@ impl IntoResponse for ApiError {
             tracing::warn!(error = %self, "request failed");
         }
         let mut resp = (self.status(), axum::Json(self.body())).into_response();
-        if let Self::QueueFull(_) | Self::WorkerUnavailable { .. } = self {
+        if let Self::QueueFull(_) | Self::Busy(_) | Self::WorkerUnavailable { .. } = self {
             // In-flight requests last seconds: one is a fair time to wait before retrying.
             resp.headers_mut().insert(
                 axum::http::header::RETRY_AFTER,

@@ -15,6 +15,7 @@ mod front_door;
 mod generate_cli;
 mod grpcurl;
 mod helm;
+mod hostile;
 mod image;
 mod multihost;
 mod prometheus;

@@ -42,6 +42,8 @@ pub fn finish(f: &Finished) -> pb::Finish {
         FinishReason::Length => pb::FinishReason::Length,
         FinishReason::Stop => pb::FinishReason::Stop,
         FinishReason::Cancelled => pb::FinishReason::Cancelled,
+        // Never sent: a stream whose request failed ends with the error's status instead.
+        FinishReason::Error => pb::FinishReason::Unspecified,
     };
     pb::Finish {
         reason: reason as i32,

@@ -135,7 +135,7 @@ const REQUEST_BUCKETS: [f64; 20] = [
 ];
 
 /// The finish reasons requests are counted by, as vLLM names them (Stop, Length, Cancelled).
-const FINISH_REASONS: [&str; 3] = ["stop", "length", "abort"];
+const FINISH_REASONS: [&str; 4] = ["stop", "length", "abort", "error"];
 
 /// The per-request measures and engine gauges an operator's vLLM dashboards chart, with vLLM's
 /// meaning and units under Tandem's prefix (`vllm:time_to_first_token_seconds` is
@@ -153,7 +153,7 @@ pub struct RequestMetrics {
     decode: Histogram,
     prompt_tokens: Counter,
     generation_tokens: Counter,
-    finished: [Counter; 3],
+    finished: [Counter; 4],
 }
 
 impl RequestMetrics {
@@ -196,6 +196,7 @@ impl RequestMetrics {
             FinishReason::Stop => 0,
             FinishReason::Length => 1,
             FinishReason::Cancelled => 2,
+            FinishReason::Error => 3,
         };
         self.finished[i].inc();
     }

@@ -55,6 +55,7 @@ fn reason(r: FinishReason) -> &'static str {
         FinishReason::Length => "length",
         FinishReason::Stop => "stop",
         FinishReason::Cancelled => "cancelled",
+        FinishReason::Error => "error",
     }
 }
 

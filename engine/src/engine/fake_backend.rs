@@ -446,6 +446,7 @@ proptest! {
                         prop_assert_eq!(p.stop.map(|s| s.1), Some(f.index));
                         prop_assert_eq!(&f.output_ids[..], &want[..f.output_ids.len()])
                     }
+                    FinishReason::Error => prop_assert!(false, "no grammar, no error: {f:?}"),
                 }
             }
         }

@@ -48,7 +48,9 @@ pub use types::{
 fn finish_reason(eos: &[u32], max_ctx: usize, s: &Seq, token: u32) -> Option<FinishReason> {
     let p = s.sampler.params();
     let generated = s.tokens.len() - s.prompt_len;
-    if p.stop_token_ids.contains(&token)
+    if s.sampler.grammar_failure().is_some() {
+        Some(FinishReason::Error)
+    } else if p.stop_token_ids.contains(&token)
         || (!p.ignore_eos && eos.contains(&token))
         || s.sampler.grammar_finished()
     {
@@ -166,6 +168,7 @@ impl Seq {
             output_ids: Vec::new(),
             logprobs: Vec::new(),
             finish_reason: reason,
+            error: None,
             cached_prompt_tokens: self.cached_prompt_tokens.unwrap_or(0),
             preemptions: self.preemptions,
             queue_s: since(self.admitted),
@@ -201,6 +204,15 @@ impl Seq {
     fn finished(self, reason: FinishReason) -> Finished {
         let now = Instant::now();
         let since = |t: Option<Instant>| t.map_or(0.0, |t| (t - self.submitted).as_secs_f64());
+        let error = match reason {
+            FinishReason::Error => Some(
+                self.sampler
+                    .grammar_failure()
+                    .unwrap_or("the request failed")
+                    .to_string(),
+            ),
+            _ => None,
+        };
         Finished {
             request: self.id,
             index: self.index,
@@ -208,6 +220,7 @@ impl Seq {
             output_ids: self.tokens[self.prompt_len..].to_vec(),
             logprobs: self.logprobs,
             finish_reason: reason,
+            error,
             cached_prompt_tokens: self.cached_prompt_tokens.unwrap_or(0),
             preemptions: self.preemptions,
             queue_s: since(self.admitted),

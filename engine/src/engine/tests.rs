@@ -547,6 +547,7 @@ proptest! {
                     FinishReason::Cancelled => {
                         prop_assert!(f.output_ids.len() <= r.params.max_tokens as usize)
                     }
+                    FinishReason::Error => prop_assert!(false, "no grammar, no error: {f:?}"),
                     FinishReason::Stop => {
                         prop_assert_eq!(p.stop.map(|s| s.1), Some(f.index), "only the stopped one");
                         prop_assert!(f.output_ids.len() <= r.params.max_tokens as usize)

@@ -171,6 +171,9 @@ pub enum FinishReason {
     Stop,
     /// Cancelled by the client.
     Cancelled,
+    /// The request's grammar could not go on ([`Finished::error`] says why): the output ends
+    /// here rather than leave it, and the request fails with that error.
+    Error,
 }
 
 /// Emitted for every generated token.
@@ -201,6 +204,8 @@ pub struct Finished {
     pub logprobs: Vec<f32>,
     /// Why it stopped.
     pub finish_reason: FinishReason,
+    /// With [`FinishReason::Error`], what went wrong.
+    pub error: Option<String>,
     /// Prompt tokens whose K/V came from the prefix cache at first admission.
     pub cached_prompt_tokens: usize,
     /// Times the request was preempted and recomputed.

@@ -131,9 +131,10 @@ impl Dispatcher {
         let biased: Vec<u32> = sampling.logit_bias.iter().map(|&(t, _)| t).collect();
         self.check_vocabulary(&biased, "logit_bias")?;
         if let Some(g) = &p.grammar {
-            // Compiled here only to be refused here: each worker compiles its own. On the
-            // blocking pool: a large schema takes milliseconds and the vocabulary's index, on
-            // first use, a few hundred, which a thread serving streams must not spend.
+            // Compiled here only to be refused here: each worker compiles its own. The compile
+            // runs on the grammar compiler's own threads; this blocking-pool thread only waits
+            // for it, as a thread serving streams must not (a large schema takes milliseconds,
+            // the vocabulary's index on first use a few hundred).
             let (grammars, grammar) = (self.grammars.clone(), g.grammar.clone());
             tokio::task::spawn_blocking(move || grammars.compile(&grammar).map(drop))
                 .await
@@ -142,6 +143,8 @@ impl Dispatcher {
                     tandem_grammar::GrammarError::Invalid(m) => {
                         ApiError::invalid(format!("{}: {m}", g.param), g.param)
                     }
+                    tandem_grammar::GrammarError::Busy(m) => ApiError::Busy(m),
+                    tandem_grammar::GrammarError::Internal(m) => ApiError::Internal(m),
                     other => ApiError::invalid(other.to_string(), g.param),
                 })?;
         }

@@ -1,0 +1,262 @@
+//! End to end: what a hostile or careless client sends must not take a process down or stall
+//! others. Real `tandem router` and `tandem decode` processes on loopback; each case checks the
+//! answer the client gets and that the processes it reached are the same processes after it.
+
+use crate::common;
+
+use common::*;
+use serde_json::{json, Value};
+use tandem_proto::v1 as api;
+use tandem_proto::worker as wpb;
+
+/// Lark rules `r0` .. `r{n}`, each naming the next: flat text, a deep recursion to compile.
+fn lark_chain(n: usize) -> String {
+    let mut s = String::from("start: r0\n");
+    for i in 0..n {
+        s += &format!("r{i}: r{}\n", i + 1);
+    }
+    s + &format!("r{n}: \"x\"\n")
+}
+
+/// A schema whose definitions `d0` .. `d{n}` each `$ref` the next.
+fn ref_chain(n: usize) -> Value {
+    let mut defs = serde_json::Map::new();
+    for i in 0..n {
+        defs.insert(
+            format!("d{i}"),
+            json!({"$ref": format!("#/$defs/d{}", i + 1)}),
+        );
+    }
+    defs.insert(format!("d{n}"), json!({"type": "integer"}));
+    json!({"$defs": defs, "$ref": "#/$defs/d0"})
+}
+
+/// Peak resident memory of `pid` so far, in MiB (`VmHWM`).
+fn peak_rss_mib(pid: i32) -> f64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        .map_or(0.0, |kb| kb / 1024.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chained_grammars_are_refused_and_every_process_lives() {
+    let (worker, waddr) = start_worker(&[]);
+    let r = start_router(std::slice::from_ref(&waddr), &[]);
+    wait_ready(&r, 1).await;
+    let http = r.http.as_str();
+    let (router_pid, worker_pid) = (r.proc.pid(), worker.pid());
+    let schema = ref_chain(800);
+    let lark = lark_chain(800);
+    let prompt = json!([{"role": "user", "content": "A number, please."}]);
+
+    // Over HTTP, each way a grammar comes in: 400 naming the limit.
+    let bodies = [
+        json!({"messages": prompt, "max_tokens": 4, "guided_json": schema}),
+        json!({"messages": prompt, "max_tokens": 4, "response_format":
+               {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}}),
+        json!({"messages": prompt, "max_tokens": 4, "guided_grammar": lark}),
+    ];
+    for body in bodies {
+        let (s, v) = post(http, "/v1/chat/completions", body).await;
+        assert_eq!(s, 400, "{v}");
+        let m = v["error"]["message"].as_str().unwrap();
+        assert!(m.contains("levels deep, over the limit of 512"), "{m}");
+    }
+    let (s, v) = post(
+        http,
+        "/v1/completions",
+        json!({"prompt": "n =", "max_tokens": 4, "guided_grammar": lark}),
+    )
+    .await;
+    assert_eq!(s, 400, "{v}");
+
+    // Over the router's gRPC API.
+    let mut g = api::generation_client::GenerationClient::connect(r.grpc.clone())
+        .await
+        .unwrap();
+    let req = |kind: api::output_format::Kind| api::GenerateRequest {
+        prompt: Some(api::generate_request::Prompt::Text("n =".into())),
+        sampling: Some(api::SamplingParams {
+            format: Some(api::OutputFormat { kind: Some(kind) }),
+            ..Default::default()
+        }),
+        stopping: Some(api::StoppingCriteria {
+            max_tokens: Some(4),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    for kind in [
+        api::output_format::Kind::Lark(lark.clone()),
+        api::output_format::Kind::JsonSchema(schema.to_string()),
+    ] {
+        let e = g.generate(req(kind)).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+        assert!(e.message().contains("levels deep"), "{e:?}");
+    }
+
+    // Straight to the decode worker, past the router: the worker compiles it itself.
+    let mut d = wpb::decode_client::DecodeClient::connect(format!("http://{waddr}"))
+        .await
+        .unwrap();
+    for kind in [
+        wpb::grammar::Kind::Lark(lark.clone()),
+        wpb::grammar::Kind::JsonSchema(schema.to_string()),
+    ] {
+        let req = wpb::DecodeRequest {
+            request_id: "hostile".into(),
+            prompt_ids: vec![1, 2, 3],
+            sampling: Some(wpb::Sampling {
+                grammar: Some(wpb::Grammar { kind: Some(kind) }),
+                ..Default::default()
+            }),
+            stopping: Some(wpb::Stopping {
+                max_tokens: 4,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let e = match d.generate(req).await {
+            Err(e) => e,
+            Ok(s) => {
+                let mut s = s.into_inner();
+                loop {
+                    match s.message().await {
+                        Err(e) => break e,
+                        Ok(Some(_)) => continue,
+                        Ok(None) => panic!("the worker ran a grammar over the depth limit"),
+                    }
+                }
+            }
+        };
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    }
+
+    // The same processes serve a grammar within the limits.
+    assert!(alive(router_pid) && alive(worker_pid));
+    let (s, v) = post(
+        http,
+        "/v1/chat/completions",
+        json!({"messages": prompt, "max_tokens": 8, "temperature": 0,
+               "guided_json": ref_chain(20)}),
+    )
+    .await;
+    assert_eq!(s, 200, "{v}");
+    let text = v["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(
+        serde_json::from_str::<Value>(text).is_ok_and(|n| n.is_i64()),
+        "{text:?}"
+    );
+    assert_eq!((r.proc.pid(), worker.pid()), (router_pid, worker_pid));
+    assert!(alive(router_pid) && alive(worker_pid));
+    eprintln!(
+        "peak RSS: router {:.0} MiB, decode worker {:.0} MiB",
+        peak_rss_mib(router_pid),
+        peak_rss_mib(worker_pid)
+    );
+}
+
+/// A Lark grammar the parser's item limit ends within fifty `a`s, mid-generation.
+fn items_bomb() -> String {
+    include_str!("../../grammar/tests/data/items_bomb.lark").into()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grammar_that_fails_mid_generation_ends_the_request_with_its_error() {
+    let (_worker, waddr) = start_worker(&[]);
+    let r = start_router(std::slice::from_ref(&waddr), &[]);
+    wait_ready(&r, 1).await;
+    let http = r.http.as_str();
+    // The grammar may end after any `a`: the model is kept from ending it there.
+    let eos = tandem_model::load_text(&model_path())
+        .unwrap()
+        .tokenizer
+        .eos_token_ids;
+    let bias: serde_json::Map<String, Value> =
+        eos.iter().map(|e| (e.to_string(), json!(-100))).collect();
+    let body = |stream: bool| {
+        json!({"prompt": "a", "max_tokens": 300, "temperature": 0, "logit_bias": bias,
+               "guided_grammar": items_bomb(), "stream": stream})
+    };
+
+    // Whole: the client's error, no text.
+    let (s, v) = post(http, "/v1/completions", body(false)).await;
+    assert_eq!(s, 400, "{v}");
+    let m = v["error"]["message"].as_str().unwrap();
+    assert!(m.contains("grammar") && m.contains("max is 2000"), "{m}");
+    // The reason, not the parser's state or the grammar sent back.
+    assert!(m.len() < 400 && !m.contains("<non-verbose"), "{m}");
+
+    // Streamed: the text that was in the grammar, then the error as an event and the end; no
+    // finish reason, as nothing finished.
+    let text = reqwest::Client::new()
+        .post(format!("{http}/v1/completions"))
+        .json(&body(true))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let events = sse_events(&text);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{text}");
+    let parsed: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    let (error, chunks) = parsed.split_last().unwrap();
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("max is 2000")),
+        "{error}"
+    );
+    let streamed: String = chunks
+        .iter()
+        .flat_map(|c| c["choices"].as_array().unwrap().iter())
+        .map(|c| {
+            assert!(c["finish_reason"].is_null(), "{c}");
+            c["text"].as_str().unwrap_or("").to_string()
+        })
+        .collect();
+    assert!(
+        streamed.len() >= 10 && streamed.chars().all(|c| c == 'a'),
+        "{streamed:?}"
+    );
+
+    // gRPC: the stream ends with the error's status.
+    let mut g = api::generation_client::GenerationClient::connect(r.grpc.clone())
+        .await
+        .unwrap();
+    let req = api::GenerateRequest {
+        prompt: Some(api::generate_request::Prompt::Text("a".into())),
+        sampling: Some(api::SamplingParams {
+            temperature: Some(0.0),
+            logit_bias: eos.iter().map(|&e| (e, -100.0)).collect(),
+            format: Some(api::OutputFormat {
+                kind: Some(api::output_format::Kind::Lark(items_bomb())),
+            }),
+            ..Default::default()
+        }),
+        stopping: Some(api::StoppingCriteria {
+            max_tokens: Some(300),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let mut s = g.generate(req).await.unwrap().into_inner();
+    let e = loop {
+        match s.message().await {
+            Ok(Some(m)) => assert_eq!(m.finish_reason, 0, "{m:?}"),
+            Ok(None) => panic!("the stream ended without the grammar's error"),
+            Err(e) => break e,
+        }
+    };
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    assert!(e.message().contains("max is 2000"), "{e:?}");
+    // Nothing is left on the worker.
+    wait_idle(&waddr).await;
+}
