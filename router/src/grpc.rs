@@ -193,7 +193,7 @@ impl pb::generation_server::Generation for GenerationService {
             Some(pb::tokenize_request::Prompt::Chat(c)) => prompt_input(None, Some(c), None)?,
             None => prompt_input(None, None, None)?,
         };
-        let ids = self.d.tokenize(input).map_err(|e| e.grpc())?;
+        let ids = self.d.tokenize(input).await.map_err(|e| e.grpc())?;
         Ok(Response::new(pb::TokenizeResponse {
             token_ids: ids,
             max_context: self.d.model.max_context() as u32,

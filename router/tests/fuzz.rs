@@ -74,13 +74,15 @@ fn harness() -> &'static Harness {
     })
 }
 
-/// Posts `body` and checks the answer: a 4xx with an OpenAI error body, or 503 no_worker.
-fn post(path: &str, body: Vec<u8>) -> Result<(), TestCaseError> {
+/// Sends `method path` with a JSON `body` through the app: the status and the body's bytes.
+fn send(method: &str, path: &str, body: Body) -> (u16, axum::body::Bytes) {
     let h = harness();
-    let (status, bytes) = h.rt.block_on(async {
-        let req = Request::post(path)
+    h.rt.block_on(async {
+        let req = Request::builder()
+            .method(method)
+            .uri(path)
             .header("content-type", "application/json")
-            .body(Body::from(body))
+            .body(body)
             .unwrap();
         let resp = h.app.clone().oneshot(req).await.unwrap();
         let status = resp.status().as_u16();
@@ -88,7 +90,12 @@ fn post(path: &str, body: Vec<u8>) -> Result<(), TestCaseError> {
             .await
             .unwrap();
         (status, bytes)
-    });
+    })
+}
+
+/// Posts `body` and checks the answer: a 4xx with an OpenAI error body, or 503 no_worker.
+fn post(path: &str, body: Vec<u8>) -> Result<(), TestCaseError> {
+    let (status, bytes) = send("POST", path, Body::from(body));
     let v: Value = serde_json::from_slice(&bytes)
         .map_err(|e| TestCaseError::fail(format!("{status}: body is not JSON ({e})")))?;
     prop_assert!(
@@ -443,4 +450,64 @@ fn echo_of_token_ids_outside_the_vocabulary_is_a_client_error() {
         let body = serde_json::json!({"prompt": ids, "echo": true, "max_tokens": 1});
         post("/v1/completions", serde_json::to_vec(&body).unwrap()).unwrap();
     }
+}
+
+/// [`send`] with a JSON value (or nothing): the status and the JSON body.
+fn call(method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
+    let body = body.map_or(Body::empty(), |b| Body::from(b.to_string()));
+    let (status, bytes) = send(method, path, body);
+    (
+        status,
+        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+    )
+}
+
+#[test]
+fn a_method_a_route_does_not_serve_is_a_405_with_an_openai_error_body() {
+    for (method, path) in [
+        ("GET", "/v1/completions"),
+        ("PUT", "/v1/chat/completions"),
+        ("DELETE", "/v1/models"),
+        ("POST", "/health"),
+    ] {
+        let (status, v) = call(method, path, None);
+        assert_eq!(status, 405, "{method} {path}: {v}");
+        assert_eq!(v["error"]["code"], "method_not_allowed", "{v}");
+        assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
+        let m = v["error"]["message"].as_str().unwrap();
+        assert!(m.contains(method) && m.contains(path), "{m}");
+    }
+}
+
+#[test]
+fn samples_count_against_the_queue_and_a_request_larger_than_it_is_refused() {
+    // The harness's queue holds 64 samples: a request of more could never be admitted.
+    let refused = [
+        serde_json::json!({"prompt": "Hi", "n": 65, "max_tokens": 1}),
+        serde_json::json!({"prompt": ["Hi", "Yo"], "n": 40, "max_tokens": 1}),
+        serde_json::json!({"messages": [{"role": "user", "content": "Hi"}], "n": 100,
+                           "max_tokens": 1}),
+    ];
+    for (i, body) in refused.into_iter().enumerate() {
+        let path = if i == 2 {
+            "/v1/chat/completions"
+        } else {
+            "/v1/completions"
+        };
+        let (status, v) = call("POST", path, Some(body));
+        assert_eq!(status, 400, "{v}");
+        assert_eq!(v["error"]["param"], "n", "{v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains("samples"));
+    }
+    // Exactly the queue's worth is admitted (and finds no worker here).
+    let (status, v) = call(
+        "POST",
+        "/v1/completions",
+        Some(serde_json::json!({"prompt": ["Hi", "Yo"], "n": 32, "max_tokens": 1})),
+    );
+    assert_eq!(
+        (status, &v["error"]["code"]),
+        (503, &Value::from("no_worker")),
+        "{v}"
+    );
 }

@@ -41,11 +41,30 @@ fn peak_rss_mib(pid: i32) -> f64 {
         .map_or(0.0, |kb| kb / 1024.0)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn chained_grammars_are_refused_and_every_process_lives() {
+/// A router over one decode worker, both ready.
+async fn one_worker() -> (Proc, String, Router) {
     let (worker, waddr) = start_worker(&[]);
     let r = start_router(std::slice::from_ref(&waddr), &[]);
     wait_ready(&r, 1).await;
+    (worker, waddr, r)
+}
+
+/// Posts `body` to `path` and reads the whole (streamed) answer as text.
+async fn post_text(http: &str, path: &str, body: &Value) -> String {
+    reqwest::Client::new()
+        .post(format!("{http}{path}"))
+        .json(body)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chained_grammars_are_refused_and_every_process_lives() {
+    let (worker, waddr, r) = one_worker().await;
     let http = r.http.as_str();
     let (router_pid, worker_pid) = (r.proc.pid(), worker.pid());
     let schema = ref_chain(800);
@@ -166,9 +185,7 @@ fn items_bomb() -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_grammar_that_fails_mid_generation_ends_the_request_with_its_error() {
-    let (_worker, waddr) = start_worker(&[]);
-    let r = start_router(std::slice::from_ref(&waddr), &[]);
-    wait_ready(&r, 1).await;
+    let (_worker, waddr, r) = one_worker().await;
     let http = r.http.as_str();
     // The grammar may end after any `a`: the model is kept from ending it there.
     let eos = tandem_model::load_text(&model_path())
@@ -192,15 +209,7 @@ async fn a_grammar_that_fails_mid_generation_ends_the_request_with_its_error() {
 
     // Streamed: the text that was in the grammar, then the error as an event and the end; no
     // finish reason, as nothing finished.
-    let text = reqwest::Client::new()
-        .post(format!("{http}/v1/completions"))
-        .json(&body(true))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = post_text(http, "/v1/completions", &body(true)).await;
     let events = sse_events(&text);
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{text}");
     let parsed: Vec<Value> = events[..events.len() - 1]
@@ -259,4 +268,81 @@ async fn a_grammar_that_fails_mid_generation_ends_the_request_with_its_error() {
     assert!(e.message().contains("max is 2000"), "{e:?}");
     // Nothing is left on the worker.
     wait_idle(&waddr).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn huge_prompts_are_refused_unread_and_others_keep_moving() {
+    let (worker, _waddr, r) = one_worker().await;
+    let http = r.http.clone();
+    let c = reqwest::Client::new();
+    // A stream that runs through all of it, to its exact end.
+    let streaming = {
+        let http = http.clone();
+        tokio::spawn(async move {
+            let body = json!({"prompt": "The capital of France is", "max_tokens": 48,
+                              "temperature": 0, "ignore_eos": true, "stream": true});
+            read_stream(&post_text(&http, "/v1/completions", &body).await)
+        })
+    };
+    // Two 30 MB prompts (under the 32 MiB body limit), a text and a chat message: refused by
+    // their length alone, before any tokenizer sees them.
+    let huge = "lorem ipsum ".repeat(2_500_000);
+    let sent = std::time::Instant::now();
+    let (a, b) = tokio::join!(
+        post(
+            &http,
+            "/v1/completions",
+            json!({"prompt": huge, "max_tokens": 1})
+        ),
+        post(
+            &http,
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": huge}], "max_tokens": 1})
+        ),
+    );
+    for (s, v) in [a, b] {
+        assert_eq!(s, 400, "{v}");
+        let m = v["error"]["message"].as_str().unwrap();
+        assert!(m.contains("30000") && m.contains("bytes"), "{m}");
+    }
+    eprintln!("two 30 MB prompts refused in {:?}", sent.elapsed());
+    // Prompts the byte check lets through but the context cannot hold are tokenized off the
+    // async threads, and the router keeps answering meanwhile.
+    let long = (0..60_000).map(|i| format!("w{i} ")).collect::<String>();
+    let longs: Vec<_> = (0..4)
+        .map(|_| {
+            let (c, http, long) = (c.clone(), http.clone(), long.clone());
+            tokio::spawn(async move {
+                let v: Value = c
+                    .post(format!("{http}/v1/completions"))
+                    .json(&json!({"prompt": long, "max_tokens": 1}))
+                    .send()
+                    .await
+                    .unwrap()
+                    .json()
+                    .await
+                    .unwrap();
+                v
+            })
+        })
+        .collect();
+    let asked = std::time::Instant::now();
+    let health = c.get(format!("{http}/health")).send().await.unwrap();
+    assert_eq!(health.status(), 200);
+    eprintln!(
+        "/health answered in {:?} with four long prompts in flight",
+        asked.elapsed()
+    );
+    for l in longs {
+        let v = l.await.unwrap();
+        assert_eq!(v["error"]["code"], "context_length_exceeded", "{v}");
+    }
+    let (text, finish, _) = streaming.await.unwrap();
+    assert_eq!(finish.as_deref(), Some("length"));
+    assert!(!text.is_empty());
+    let (router_mib, worker_mib) = (peak_rss_mib(r.proc.pid()), peak_rss_mib(worker.pid()));
+    eprintln!("peak RSS: router {router_mib:.0} MiB, decode worker {worker_mib:.0} MiB");
+    // Two 30 MB bodies are read whole (that is the body limit's job to bound); nothing more
+    // may be made of them (tokenizing them took the router past 5 GB).
+    assert!(router_mib < 1024.0, "router peak {router_mib:.0} MiB");
 }

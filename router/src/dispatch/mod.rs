@@ -258,14 +258,21 @@ pub struct Dispatcher {
     id_prefix: String,
     /// Compiles requests' grammars to refuse a bad one here, before it is routed.
     grammars: Arc<GrammarCompiler>,
+    /// Prompts being rendered or tokenized now, at most one per core: that work runs on the
+    /// blocking pool, never on the threads that serve streams, and a flood of large prompts
+    /// waits here rather than taking every core and the memory each needs.
+    tokenizing: Arc<tokio::sync::Semaphore>,
+    /// The most bytes one token of the vocabulary stands for: a text longer than the context
+    /// times this cannot fit, whatever its tokens.
+    max_token_bytes: usize,
 }
 
-/// A slot in the router's queue, released on drop.
-struct QueueSlot(Arc<AtomicUsize>);
+/// Slots in the router's queue, one per sample, released on drop.
+struct QueueSlot(Arc<AtomicUsize>, usize);
 
 impl Drop for QueueSlot {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
+        self.0.fetch_sub(self.1, Ordering::SeqCst);
     }
 }
 
@@ -285,8 +292,19 @@ impl Dispatcher {
             model.text.tokenizer.clone(),
             model.text.config.vocab_size,
         ));
+        let max_token_bytes = model
+            .text
+            .tokenizer
+            .vocab_bytes()
+            .ok()
+            .and_then(|v| v.iter().map(|e| e.bytes.len()).max())
+            .unwrap_or(prepare::FALLBACK_TOKEN_BYTES)
+            .max(1);
+        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
         Self {
             grammars,
+            tokenizing: Arc::new(tokio::sync::Semaphore::new(cores.clamp(1, 8))),
+            max_token_bytes,
             model,
             pool,
             prefill_pool,
@@ -304,17 +322,36 @@ impl Dispatcher {
         }
     }
 
-    /// Requests holding a slot in the router's queue now (from [`generate`](Self::generate)
-    /// until their [`Generation`] drops).
+    /// Samples holding a slot in the router's queue now (from [`generate`](Self::generate)
+    /// until their [`Generation`] drops): a request with `n` samples holds `n`.
     pub fn in_flight(&self) -> usize {
         self.queued.load(Ordering::SeqCst)
     }
 
-    /// Sends the request to a worker and returns its stream of chunks.
+    /// Refuses (400) a request whose samples (prompts × `n`) alone are more than the queue
+    /// holds: it could never be admitted, so retrying would not help.
+    pub fn check_samples(&self, samples: usize) -> Result<(), ApiError> {
+        if samples > self.cfg.max_queue {
+            return Err(ApiError::invalid(
+                format!(
+                    "the request asks for {samples} samples (prompts × n), more than the \
+                     router's queue of {}: send fewer prompts or a smaller n",
+                    self.cfg.max_queue
+                ),
+                "n",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Sends the request to a worker and returns its stream of chunks. Its samples take that
+    /// many slots of the queue, so one request of many samples cannot crowd out the rest.
     pub async fn generate(&self, prep: Prepared) -> Result<Generation, ApiError> {
-        let n = self.queued.fetch_add(1, Ordering::SeqCst);
-        let slot = QueueSlot(self.queued.clone());
-        if n >= self.cfg.max_queue {
+        let samples = prep.params.n.max(1) as usize;
+        self.check_samples(samples)?;
+        let before = self.queued.fetch_add(samples, Ordering::SeqCst);
+        let slot = QueueSlot(self.queued.clone(), samples);
+        if before + samples > self.cfg.max_queue {
             self.metrics.refused("queue_full");
             self.metrics.request("refused");
             let e = ApiError::QueueFull(self.cfg.max_queue);

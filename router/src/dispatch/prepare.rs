@@ -5,11 +5,79 @@ use std::sync::atomic::Ordering;
 
 use tandem_types::SamplingParams;
 
-use super::{Dispatcher, GenParams, MaxTokensDefault, Prepared, PromptInput, RequestId};
+use super::{
+    Dispatcher, GenParams, MaxTokensDefault, Prepared, PromptInput, RequestId, ServedModel,
+};
 use crate::error::ApiError;
 
 /// Most stop strings one request may give (each is matched against every piece of text).
 pub const MAX_STOP_STRINGS: usize = 16;
+
+/// Bytes per token assumed for a tokenizer whose vocabulary cannot be read as bytes.
+pub(super) const FALLBACK_TOKEN_BYTES: usize = 256;
+
+/// Refuses (400, naming `param`) a text of more bytes than `limit`: the context's tokens times
+/// the longest token's bytes, so no tokenization of it could fit.
+fn check_bytes(text: &str, limit: usize, param: &'static str) -> Result<(), ApiError> {
+    if text.len() > limit {
+        return Err(ApiError::invalid(
+            format!(
+                "the prompt has {} bytes, more than the model's context could hold in any \
+                 tokens ({limit} bytes at most): shorten it",
+                text.len()
+            ),
+            param,
+        ));
+    }
+    Ok(())
+}
+
+/// [`Dispatcher::tokenize_with`]'s work, on a blocking thread: the text (or the chat rendered
+/// through the template) is measured against `limit` bytes before it is tokenized.
+fn tokenize_in(
+    model: &ServedModel,
+    limit: usize,
+    input: PromptInput,
+    add_special_tokens: Option<bool>,
+    add_generation_prompt: bool,
+) -> Result<Vec<u32>, ApiError> {
+    let m = &model.text;
+    let internal = |e: tandem_model::ModelError| ApiError::Internal(e.to_string());
+    let (text, special, param) = match input {
+        PromptInput::Text(t) => (t, add_special_tokens.unwrap_or(true), "prompt"),
+        PromptInput::Chat(msgs) => {
+            return tokenize_in(
+                model,
+                limit,
+                PromptInput::ChatWithTools(msgs, Vec::new()),
+                add_special_tokens,
+                add_generation_prompt,
+            )
+        }
+        PromptInput::ChatWithTools(msgs, tools) => {
+            if msgs.is_empty() {
+                return Err(ApiError::invalid("messages must not be empty", "messages"));
+            }
+            let t = m.chat_template.as_ref().ok_or_else(|| {
+                ApiError::invalid(
+                    "this model has no chat template: use /v1/completions",
+                    "messages",
+                )
+            })?;
+            let text = t
+                .render_with_tools(
+                    &msgs,
+                    add_generation_prompt,
+                    (!tools.is_empty()).then_some(&tools[..]),
+                )
+                .map_err(|e| ApiError::invalid(e.to_string(), "messages"))?;
+            (text, add_special_tokens.unwrap_or(false), "messages")
+        }
+        PromptInput::Ids(ids) => return Ok(ids),
+    };
+    check_bytes(&text, limit, param)?;
+    m.tokenizer.encode(&text, special).map_err(internal)
+}
 
 impl Dispatcher {
     /// Refuses a model name this router does not serve (empty means the served one).
@@ -22,59 +90,51 @@ impl Dispatcher {
     }
 
     /// The prompt's token ids: text with BOS added, chat rendered through the model's template,
-    /// ids checked against the vocabulary. Refuses (400) an empty or unrenderable chat and an id
-    /// outside the vocabulary.
-    pub fn tokenize(&self, input: PromptInput) -> Result<Vec<u32>, ApiError> {
-        self.tokenize_with(input, None, true)
+    /// ids checked against the vocabulary. Refuses (400) an empty or unrenderable chat, an id
+    /// outside the vocabulary and a text too long for the context to hold whatever its tokens.
+    pub async fn tokenize(&self, input: PromptInput) -> Result<Vec<u32>, ApiError> {
+        self.tokenize_with(input, None, true).await
     }
 
     /// [`Dispatcher::tokenize`] with vLLM's `/tokenize` options: `add_special_tokens` (default:
     /// true for text, false for chat, whose template writes its own) and, for chat,
     /// `add_generation_prompt` (end with the assistant's turn opened, as a generation does).
-    pub fn tokenize_with(
+    ///
+    /// Rendering and tokenizing run on the blocking pool, one prompt per core at a time
+    /// (others wait their turn), and a text is measured before it is tokenized: one with more
+    /// bytes than the context's tokens can stand for is refused unread.
+    pub async fn tokenize_with(
         &self,
         input: PromptInput,
         add_special_tokens: Option<bool>,
         add_generation_prompt: bool,
     ) -> Result<Vec<u32>, ApiError> {
-        let m = &self.model.text;
-        let internal = |e: tandem_model::ModelError| ApiError::Internal(e.to_string());
-        match input {
-            PromptInput::Text(t) => m
-                .tokenizer
-                .encode(&t, add_special_tokens.unwrap_or(true))
-                .map_err(internal),
-            PromptInput::Chat(msgs) => self.tokenize_with(
-                PromptInput::ChatWithTools(msgs, Vec::new()),
+        if let PromptInput::Ids(ids) = input {
+            self.check_vocabulary(&ids, "prompt")?;
+            return Ok(ids);
+        }
+        let _turn = self
+            .tokenizing
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|_| ApiError::Internal("the tokenizer pool is closed".into()))?;
+        let model = self.model.clone();
+        let limit = self
+            .model
+            .max_context()
+            .saturating_mul(self.max_token_bytes);
+        tokio::task::spawn_blocking(move || {
+            tokenize_in(
+                &model,
+                limit,
+                input,
                 add_special_tokens,
                 add_generation_prompt,
-            ),
-            PromptInput::ChatWithTools(msgs, tools) => {
-                if msgs.is_empty() {
-                    return Err(ApiError::invalid("messages must not be empty", "messages"));
-                }
-                let t = m.chat_template.as_ref().ok_or_else(|| {
-                    ApiError::invalid(
-                        "this model has no chat template: use /v1/completions",
-                        "messages",
-                    )
-                })?;
-                let text = t
-                    .render_with_tools(
-                        &msgs,
-                        add_generation_prompt,
-                        (!tools.is_empty()).then_some(&tools[..]),
-                    )
-                    .map_err(|e| ApiError::invalid(e.to_string(), "messages"))?;
-                m.tokenizer
-                    .encode(&text, add_special_tokens.unwrap_or(false))
-                    .map_err(internal)
-            }
-            PromptInput::Ids(ids) => {
-                self.check_vocabulary(&ids, "prompt")?;
-                Ok(ids)
-            }
-        }
+            )
+        })
+        .await
+        .map_err(|e| ApiError::Internal(format!("tokenizing the prompt: {e}")))?
     }
 
     /// Refuses (400, naming `param`) an id outside the model's vocabulary.
@@ -148,7 +208,7 @@ impl Dispatcher {
                     other => ApiError::invalid(other.to_string(), g.param),
                 })?;
         }
-        let prompt = self.tokenize(input)?;
+        let prompt = self.tokenize(input).await?;
         if prompt.is_empty() {
             return Err(ApiError::invalid("the prompt is empty", "prompt"));
         }

@@ -62,12 +62,42 @@ pub fn routes(d: Arc<Dispatcher>, door: &FrontDoor) -> axum::Router {
         .merge(api)
         .merge(metrics)
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn(catch_panic))
         .layer(Extension(BodyLimits {
             max: door.limits.max_body,
             stall: door.limits.body_stall,
             metrics: d.metrics.clone(),
         }))
         .with_state(d)
+}
+
+/// A panic while serving one request is that request's 500 (an OpenAI error body), counted and
+/// logged; the connection and every other request go on.
+async fn catch_panic(req: axum::extract::Request, next: middleware::Next) -> Response {
+    use futures::FutureExt;
+    match std::panic::AssertUnwindSafe(next.run(req))
+        .catch_unwind()
+        .await
+    {
+        Ok(r) => r,
+        Err(p) => {
+            let what = p
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| p.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic".into());
+            tracing::error!(panic = %what, "a request handler panicked");
+            ApiError::Internal(format!("the router failed this request: {what}")).into_response()
+        }
+    }
+}
+
+/// A route asked with a method it does not serve: 405 with an OpenAI error body.
+async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> Response {
+    let body = json!({"error": {"message": format!("{method} is not allowed on {}", uri.path()),
+        "type": "invalid_request_error", "param": null, "code": "method_not_allowed"}});
+    (StatusCode::METHOD_NOT_ALLOWED, Json(body)).into_response()
 }
 
 async fn not_found() -> Response {
@@ -156,11 +186,13 @@ async fn tokenize(
             ))
         }
     };
-    let ids = d.tokenize_with(
-        input,
-        r.add_special_tokens,
-        r.add_generation_prompt.unwrap_or(true),
-    )?;
+    let ids = d
+        .tokenize_with(
+            input,
+            r.add_special_tokens,
+            r.add_generation_prompt.unwrap_or(true),
+        )
+        .await?;
     Ok(Json(
         json!({"count": ids.len(), "max_model_len": d.model.max_context(), "tokens": ids}),
     ))
@@ -219,6 +251,10 @@ fn invalid(d: &Dispatcher, e: ApiError, span: &tracing::Span) -> Response {
 /// Generates each of `preps` (one per choice) and answers in `shape`. If one cannot start, the
 /// ones started are dropped, which cancels them.
 async fn serve(d: Arc<Dispatcher>, preps: Vec<Prepared>, shape: Shape, stream: bool) -> Response {
+    let samples = preps.iter().map(|p| p.params.n.max(1) as usize).sum();
+    if let Err(e) = d.check_samples(samples) {
+        return e.into_response();
+    }
     let mut generations = Vec::with_capacity(preps.len());
     for prep in preps {
         match d.generate(prep).await {
@@ -376,4 +412,44 @@ async fn chat_request(d: &Dispatcher, body: &[u8]) -> Result<(Prepared, Shape, b
         tool_calls: tools.is_some(),
     };
     Ok((prep, shape, r.sampling.stream.unwrap_or(false)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tower::ServiceExt;
+
+    #[tokio::test]
+    async fn a_panicking_handler_is_that_request_s_500_and_the_app_goes_on() {
+        let app = axum::Router::new()
+            .route(
+                "/boom",
+                get(|| async {
+                    if true {
+                        panic!("boom at the handler");
+                    }
+                    "unreached"
+                }),
+            )
+            .route("/fine", get(|| async { "fine" }))
+            .layer(middleware::from_fn(catch_panic));
+        let get = |path: &str| {
+            axum::http::Request::get(path)
+                .body(axum::body::Body::empty())
+                .unwrap()
+        };
+        let resp = app.clone().oneshot(get("/boom")).await.unwrap();
+        assert_eq!(resp.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        let body = axum::body::to_bytes(resp.into_body(), 1 << 16)
+            .await
+            .unwrap();
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["error"]["code"], "internal_error");
+        assert!(v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("boom at the handler"));
+        let resp = app.oneshot(get("/fine")).await.unwrap();
+        assert_eq!(resp.status(), StatusCode::OK);
+    }
 }
