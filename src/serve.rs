@@ -324,6 +324,14 @@ pub fn run_decode(a: DecodeArgs) -> Result<()> {
         Some(_) => Some(a.secret.secret()?),
         None => None,
     };
+    // The secret is also the worker plane's credential: without one, anyone who reaches this
+    // worker's port can call it.
+    let token = secret.as_ref().map(tandem_worker::WorkerToken::from_secret);
+    if token.is_none() {
+        eprintln!(
+            "tandem decode: no TANDEM_KV_SECRET: this worker's RPCs are open to anyone who reaches its port; set the cluster's secret on every process"
+        );
+    }
     if secret.is_some() && a.engine.device != DeviceSpec::Cpu {
         eprintln!(
             "tandem decode: KV transfer into a cache on {} is not supported yet; this worker takes no remote prefills and prefills every request itself",
@@ -386,6 +394,7 @@ pub fn run_decode(a: DecodeArgs) -> Result<()> {
             service,
             deregister_then_drain(registration, drain),
             Duration::from_secs(a.drain_timeout_s),
+            token,
         )
         .await
         .context("decode worker")?;
@@ -396,6 +405,7 @@ pub fn run_decode(a: DecodeArgs) -> Result<()> {
 
 pub fn run_prefill(a: PrefillArgs) -> Result<()> {
     let secret = a.secret.secret()?;
+    let token = tandem_worker::WorkerToken::from_secret(&secret);
     if a.engine.device != DeviceSpec::Cpu {
         anyhow::bail!(
             "a prefill worker sends its KV from a host cache; sending from {} is not supported yet: run prefill workers with --device cpu",
@@ -435,6 +445,7 @@ pub fn run_prefill(a: PrefillArgs) -> Result<()> {
             service,
             deregister_then_drain(registration, drain),
             Duration::from_secs(a.drain_timeout_s),
+            Some(token),
         )
         .await
         .context("prefill worker")?;
@@ -448,14 +459,20 @@ pub struct DeregisterArgs {
     /// The worker's gRPC port on this host (its `--port`).
     #[arg(long)]
     pub port: u16,
+    #[command(flatten)]
+    pub secret: SecretArgs,
 }
 
 /// Asks the worker listening on 127.0.0.1:PORT to leave the cluster; prints its answer.
 pub fn run_deregister(a: DeregisterArgs) -> Result<()> {
     let url = format!("http://127.0.0.1:{}/deregister", a.port);
     runtime(1)?.block_on(async {
-        let resp = reqwest::Client::new()
-            .post(&url)
+        let mut req = reqwest::Client::new().post(&url);
+        if a.secret.kv_secret.is_some() {
+            let token = tandem_worker::WorkerToken::from_secret(&a.secret.secret()?);
+            req = req.header("authorization", token.header());
+        }
+        let resp = req
             .send()
             .await
             .with_context(|| format!("no worker answers at {url}"))?;

@@ -306,9 +306,11 @@ pub fn run(mut a: UpArgs) -> Result<()> {
     let threads = a
         .worker_threads
         .unwrap_or((cores / (a.decode_workers + prefill_workers)).max(1));
-    if prefill_workers > 0 && std::env::var_os("TANDEM_KV_SECRET").is_none() {
-        // One secret for this cluster's workers, handed down in the environment (not argv,
-        // which other users of the machine can read). Set before any thread starts.
+    if std::env::var_os("TANDEM_KV_SECRET").is_none() {
+        // One secret for this cluster, handed down in the environment (not argv, which other
+        // users of the machine can read): the KV handshake's key and the worker plane's
+        // credential, so only this cluster's router and workers can call its workers. Set
+        // before any thread starts.
         std::env::set_var(
             "TANDEM_KV_SECRET",
             tandem_kv_transfer::Secret::random().to_text(),

@@ -449,6 +449,7 @@ pub async fn serve(
     service: DecodeService,
     signal: impl std::future::Future<Output = ()> + Send,
     drain_deadline: Duration,
+    token: Option<tandem_worker::WorkerToken>,
 ) -> Result<(), tonic::transport::Error> {
     let metrics = metrics::DecodeMetrics {
         engine: service.engine.clone(),
@@ -464,6 +465,7 @@ pub async fn serve(
         metrics,
         signal,
         drain_deadline,
+        token,
     )
     .await
 }

@@ -67,6 +67,8 @@ pub struct RemotePrefill {
     sink: Arc<PoolSink>,
     deadlines: Deadlines,
     clients: Mutex<HashMap<String, PrefillClient<Channel>>>,
+    /// The cluster's credential, on every `Prefill` call.
+    token: tandem_worker::WorkerToken,
     /// What remote prefill has done since start.
     pub counts: RemoteCounts,
 }
@@ -95,6 +97,7 @@ impl RemotePrefill {
         let shape = tandem_worker::kv_shape(model, &writers).ok_or_else(|| {
             TransferError::Config("a KV receiver needs the engine's host pools".into())
         })?;
+        let token = tandem_worker::WorkerToken::from_secret(&secret);
         let receiver = KvReceiver::bind_with(bind, secret, Some(shape)).await?;
         let endpoint = format!("{advertise_host}:{}", receiver.local_addr().port());
         Ok(Self {
@@ -104,6 +107,7 @@ impl RemotePrefill {
             sink: Arc::new(unsafe { PoolSink::new(writers) }),
             deadlines,
             clients: Mutex::new(HashMap::new()),
+            token,
             counts: RemoteCounts::default(),
         })
     }
@@ -239,6 +243,7 @@ impl RemotePrefill {
             sampling: Some(sampling.clone()),
         });
         tandem_telemetry::inject(span, call.metadata_mut().as_mut());
+        self.token.attach(&mut call);
         let mut watch = Progress::new(self.deadlines, uncached, Instant::now());
         // Opening the call waits for the worker's admission; it too must not hang.
         let mut updates = tokio::select! {

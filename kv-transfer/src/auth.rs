@@ -68,6 +68,19 @@ impl Secret {
         String::from_utf8_lossy(&self.0).into_owned()
     }
 
+    /// The bearer token of the cluster's worker plane: what every worker RPC (and a worker's
+    /// `/deregister`) must carry as `authorization: Bearer <token>`. Derived from the secret
+    /// (HMAC-SHA256 under its own label, in hex), so the secret itself never crosses the wire
+    /// and a token seen on it opens no KV handshake.
+    pub fn rpc_token(&self) -> String {
+        self.mac(RPC_LABEL, &[])
+            .finalize()
+            .into_bytes()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    }
+
     fn mac(&self, label: &[u8], parts: &[&[u8]]) -> Hmac<Sha256> {
         let mut m = Hmac::<Sha256>::new_from_slice(&self.0).expect("HMAC takes any key length");
         m.update(label);
@@ -80,6 +93,7 @@ impl Secret {
 
 const SENDER_LABEL: &[u8] = b"tandem-kv/1 sender";
 const RECEIVER_LABEL: &[u8] = b"tandem-kv/1 receiver";
+const RPC_LABEL: &[u8] = b"tandem-worker-rpc/1";
 
 fn nonce() -> [u8; NONCE] {
     let mut n = [0u8; NONCE];

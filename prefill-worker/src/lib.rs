@@ -623,12 +623,14 @@ impl Collector for Metrics {
 }
 
 /// Serves `service` (with WorkerControl, grpc.health.v1 and `/metrics`) on `listener` until
-/// `signal`, then drains for up to `drain_deadline`.
+/// `signal`, then drains for up to `drain_deadline`; with `token`, every call of its own needs
+/// the cluster's credential.
 pub async fn serve(
     listener: TcpListener,
     service: PrefillService,
     signal: impl std::future::Future<Output = ()> + Send,
     drain_deadline: Duration,
+    token: Option<tandem_worker::WorkerToken>,
 ) -> Result<(), tonic::transport::Error> {
     let metrics = Metrics(service.shared.clone());
     let control = service.control();
@@ -640,6 +642,7 @@ pub async fn serve(
         metrics,
         signal,
         drain_deadline,
+        token,
     )
     .await
 }

@@ -51,10 +51,13 @@ pub trait Connect: Send + Sync {
 }
 
 /// gRPC over a lazily connected HTTP/2 channel per worker.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct GrpcConnect {
     /// How long opening a connection may take.
     pub connect_timeout: Duration,
+    /// The worker plane's credential (`Bearer <token>`, the token derived from the cluster's
+    /// KV secret), sent on every call; none when the cluster has no secret.
+    pub token: Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>,
 }
 
 impl Connect for GrpcConnect {
@@ -67,30 +70,45 @@ impl Connect for GrpcConnect {
             .keep_alive_timeout(Duration::from_secs(20));
         Ok(Arc::new(GrpcClient {
             channel: endpoint.connect_lazy(),
+            token: self.token.clone(),
         }))
     }
 }
 
 struct GrpcClient {
     channel: Channel,
+    token: Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>,
+}
+
+impl GrpcClient {
+    /// `message` as a call that carries the worker plane's credential.
+    fn call<T>(&self, message: T) -> tonic::Request<T> {
+        let mut call = tonic::Request::new(message);
+        if let Some(t) = &self.token {
+            call.metadata_mut().insert("authorization", t.clone());
+        }
+        call
+    }
 }
 
 #[tonic::async_trait]
 impl WorkerClient for GrpcClient {
     async fn info(&self) -> Result<pb::WorkerInfo, Status> {
         let mut c = WorkerControlClient::new(self.channel.clone());
-        Ok(c.info(pb::InfoRequest {}).await?.into_inner())
+        Ok(c.info(self.call(pb::InfoRequest {})).await?.into_inner())
     }
 
     async fn load(&self) -> Result<pb::LoadReport, Status> {
         let mut c = WorkerControlClient::new(self.channel.clone());
-        Ok(c.load(pb::LoadRequest {}).await?.into_inner())
+        Ok(c.load(self.call(pb::LoadRequest {})).await?.into_inner())
     }
 
     async fn kv_events(&self) -> Result<WorkerStream<pb::KvEventBatch>, Status> {
         let mut c = WorkerControlClient::new(self.channel.clone());
         Ok(Box::pin(
-            c.kv_events(pb::KvEventsRequest {}).await?.into_inner(),
+            c.kv_events(self.call(pb::KvEventsRequest {}))
+                .await?
+                .into_inner(),
         ))
     }
 
@@ -100,7 +118,7 @@ impl WorkerClient for GrpcClient {
     ) -> Result<WorkerStream<pb::DecodeResponse>, Status> {
         let mut c = DecodeClient::new(self.channel.clone());
         // The worker's span hangs from the caller's (the routing decision or a migration).
-        let mut call = tonic::Request::new(request);
+        let mut call = self.call(request);
         tandem_telemetry::inject(&tracing::Span::current(), call.metadata_mut().as_mut());
         Ok(Box::pin(c.generate(call).await?.into_inner()))
     }
@@ -110,6 +128,6 @@ impl WorkerClient for GrpcClient {
         request: pb::StopSamplesRequest,
     ) -> Result<pb::StopSamplesResponse, Status> {
         let mut c = DecodeClient::new(self.channel.clone());
-        Ok(c.stop_samples(request).await?.into_inner())
+        Ok(c.stop_samples(self.call(request)).await?.into_inner())
     }
 }

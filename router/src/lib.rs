@@ -85,6 +85,11 @@ pub struct RouterArgs {
     /// when not given).
     #[arg(long, env = "TANDEM_MODEL")]
     pub model: Option<PathBuf>,
+    /// The cluster's secret (the workers' `TANDEM_KV_SECRET`): the router derives the worker
+    /// plane's credential from it and sends it on every call to a worker. Prefer the
+    /// environment variable to the flag.
+    #[arg(long, env = "TANDEM_KV_SECRET", hide_env_values = true)]
+    pub kv_secret: Option<String>,
     /// The model name clients send (default: the model file's name).
     #[arg(long, env = "TANDEM_SERVED_MODEL_NAME")]
     pub served_model_name: Option<String>,
@@ -197,6 +202,9 @@ pub enum RouterError {
     /// A server failed while running, or its address could not be read back.
     #[error("server: {0}")]
     Serve(String),
+    /// A setting that cannot work (a KV secret too short to be the cluster's).
+    #[error("{0}")]
+    Config(String),
 }
 
 /// Where the router ended up listening.
@@ -236,8 +244,23 @@ pub async fn serve(
         poll_interval: Duration::from_millis(args.poll_ms.max(10)),
         ..Default::default()
     };
+    let token = match &args.kv_secret {
+        Some(s) => {
+            let secret = tandem_kv_transfer::Secret::new(s.as_bytes().to_vec())
+                .map_err(|e| RouterError::Config(e.to_string()))?;
+            let header = format!("Bearer {}", secret.rpc_token());
+            Some(header.parse().map_err(|_| {
+                RouterError::Config("the worker credential is not a header value".into())
+            })?)
+        }
+        None => {
+            tracing::warn!("no TANDEM_KV_SECRET: calling workers without the cluster's credential (workers with a secret will refuse)");
+            None
+        }
+    };
     let connect = Arc::new(GrpcConnect {
         connect_timeout: pool_cfg.connect_timeout,
+        token,
     });
     let pool = WorkerPool::start(
         Role::Decode,

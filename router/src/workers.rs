@@ -314,6 +314,7 @@ impl WorkerPool {
     ) -> Arc<Self> {
         let connect = Arc::new(GrpcConnect {
             connect_timeout: cfg.connect_timeout,
+            token: None,
         });
         Self::spawn_with(role, addrs, cfg, connect)
     }

@@ -626,7 +626,7 @@ async fn parallel_samples(r: &Router, worker: &str, model: &str, tok: &tandem_mo
             .await
             .unwrap();
     let bs = info
-        .info(wpb::InfoRequest {})
+        .info(authed(wpb::InfoRequest {}))
         .await
         .unwrap()
         .into_inner()

@@ -40,7 +40,7 @@ async fn local_reference(decode: &str, ids: &[u32], max_tokens: u32) -> Vec<u32>
         }),
         ..Default::default()
     };
-    let mut s = c.generate(req).await.unwrap().into_inner();
+    let mut s = c.generate(authed(req)).await.unwrap().into_inner();
     let mut out = Vec::new();
     while let Some(m) = s.message().await.unwrap() {
         out.extend(m.tokens.iter().map(|t| t.id));

@@ -41,7 +41,11 @@ async fn mixed(p_tp: usize, d_tp: usize) {
         let mut c = wpb::worker_control_client::WorkerControlClient::connect(url)
             .await
             .unwrap();
-        let info = c.info(wpb::InfoRequest {}).await.unwrap().into_inner();
+        let info = c
+            .info(authed(wpb::InfoRequest {}))
+            .await
+            .unwrap()
+            .into_inner();
         assert_eq!(info.tensor_parallel, tp as u32, "{addr}");
     }
     let kv_heads = tandem_model::load_text(&model_path())

@@ -161,7 +161,13 @@ async fn api_keys_limits_and_stalled_clients() {
     // Probes stay open.
     let (s, _, v) = send(&c, http, "/health", None, None).await;
     assert_eq!((s, v), (200, json!("ok")));
-    assert_eq!(send(&c, http, "/ready", None, None).await.0, 200);
+    // ... but names the workers' addresses only to a caller with a key.
+    let (s, _, v) = send(&c, http, "/ready", None, None).await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["workers"][0]["ready"], true, "{v}");
+    assert!(v["workers"][0].get("addr").is_none(), "{v}");
+    let (_, _, v) = send(&c, http, "/ready", Some("key-two"), None).await;
+    assert_eq!(v["workers"][0]["addr"], waddr.as_str(), "{v}");
 
     // The API needs one of the keys, as a Bearer token.
     let mut unauthorized = 0.0;
@@ -236,20 +242,7 @@ async fn api_keys_limits_and_stalled_clients() {
             text, answer,
             "gRPC and HTTP answer the same greedy request alike"
         );
-        let channel = tonic::transport::Channel::from_shared(r.grpc.clone())
-            .unwrap()
-            .connect()
-            .await
-            .unwrap();
-        let mut h = tonic_health::pb::health_client::HealthClient::new(channel);
-        let st = h
-            .check(tonic_health::pb::HealthCheckRequest {
-                service: String::new(),
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        assert_eq!(st.status, 1, "SERVING");
+        assert_eq!(grpc_health(&r.grpc, "").await, 1, "SERVING");
     }
 
     // Bodies over the limit: 413, whether Content-Length says so or a chunked body grows.

@@ -113,9 +113,35 @@ fn the_chart_lints_renders_valid_objects_and_commands_the_binary_accepts() {
             "PodDisruptionBudget",
             "Secret",
             "Job",
+            "NetworkPolicy",
         ] {
             assert!(kinds.contains(&k), "{ex}: no {k} in {kinds:?}");
         }
+        // The worker plane: each group's ports take the release's router and workers only,
+        // and the router has the secret its credential comes from.
+        for o in objs.iter().filter(|o| o["kind"] == "NetworkPolicy") {
+            let rule = &o["spec"]["ingress"][0];
+            let roles: Vec<&str> = rule["from"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|p| {
+                    p["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
+                        .as_str()
+                        .unwrap()
+                })
+                .collect();
+            assert_eq!(roles, ["router", "decode", "prefill"], "{ex}: {o}");
+            let ports = rule["ports"].as_array().unwrap().len();
+            let decode = o["metadata"]["name"] == "tandem-decode";
+            assert_eq!(ports, if decode { 2 } else { 1 }, "{ex}: {o}");
+        }
+        let router = objs
+            .iter()
+            .find(|o| o["kind"] == "Deployment" && o["metadata"]["name"] == "tandem-router")
+            .unwrap();
+        let env = router["spec"]["template"]["spec"]["containers"][0]["env"].to_string();
+        assert!(env.contains("TANDEM_KV_SECRET"), "{ex}: {env}");
         // Router, decode, prefill and the model fetch.
         assert_eq!(commands_parse(&objs, ex), 4, "{ex}");
         // Workers drain before Kubernetes kills them.

@@ -138,7 +138,7 @@ async fn chained_grammars_are_refused_and_every_process_lives() {
             }),
             ..Default::default()
         };
-        let e = match d.generate(req).await {
+        let e = match d.generate(authed(req)).await {
             Err(e) => e,
             Ok(s) => {
                 let mut s = s.into_inner();
@@ -345,4 +345,98 @@ async fn huge_prompts_are_refused_unread_and_others_keep_moving() {
     // Two 30 MB bodies are read whole (that is the body limit's job to bound); nothing more
     // may be made of them (tokenizing them took the router past 5 GB).
     assert!(router_mib < 1024.0, "router peak {router_mib:.0} MiB");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_worker_plane_needs_the_cluster_s_credential() {
+    let (_decode, daddr, _kv) = start_decode(&[]);
+    let (_prefill, paddr) = start_prefill(&[]);
+    // The router has the cluster's secret (every process the tests start does): it serves.
+    let r = start_router(std::slice::from_ref(&daddr), &[]);
+    wait_ready(&r, 1).await;
+    let (s, v) = post(
+        &r.http,
+        "/v1/completions",
+        json!({"prompt": "Hi", "max_tokens": 2, "temperature": 0}),
+    )
+    .await;
+    assert_eq!(s, 200, "{v}");
+
+    // A call with no credential, and one with another cluster's.
+    fn without<T>(m: T) -> tonic::Request<T> {
+        tonic::Request::new(m)
+    }
+    fn with_forged<T>(m: T) -> tonic::Request<T> {
+        let other = tandem_kv_transfer::Secret::new(b"not-this-cluster-secret".to_vec()).unwrap();
+        let mut r = tonic::Request::new(m);
+        tandem_worker::WorkerToken::from_secret(&other).attach(&mut r);
+        r
+    }
+    let refused = |e: tonic::Status| {
+        assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
+    };
+    for addr in [&daddr, &paddr] {
+        let mut c =
+            wpb::worker_control_client::WorkerControlClient::connect(format!("http://{addr}"))
+                .await
+                .unwrap();
+        refused(c.load(without(wpb::LoadRequest {})).await.unwrap_err());
+        refused(c.info(with_forged(wpb::InfoRequest {})).await.unwrap_err());
+        refused(
+            c.kv_events(without(wpb::KvEventsRequest {}))
+                .await
+                .unwrap_err(),
+        );
+        assert!(c.load(authed(wpb::LoadRequest {})).await.is_ok());
+        // Probes stay open.
+        assert_eq!(
+            grpc_health(&format!("http://{addr}"), "").await,
+            tonic_health::pb::health_check_response::ServingStatus::Serving as i32
+        );
+        // /deregister, even from loopback, needs it too.
+        let resp = reqwest::Client::new()
+            .post(format!("http://{addr}/deregister"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 401);
+    }
+    // Decode straight to the worker, past the router's API keys: refused.
+    let req = || wpb::DecodeRequest {
+        request_id: "direct".into(),
+        prompt_ids: vec![1, 2, 3],
+        sampling: Some(wpb::Sampling::default()),
+        stopping: Some(wpb::Stopping {
+            max_tokens: 2,
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let mut d = wpb::decode_client::DecodeClient::connect(format!("http://{daddr}"))
+        .await
+        .unwrap();
+    refused(d.generate(without(req())).await.unwrap_err());
+    refused(d.generate(with_forged(req())).await.unwrap_err());
+    // Prefill, which would open a KV handshake on the caller's behalf: refused.
+    let mut p = wpb::prefill_client::PrefillClient::connect(format!("http://{paddr}"))
+        .await
+        .unwrap();
+    let prefill = wpb::PrefillRequest {
+        request_id: "relay".into(),
+        prompt_ids: vec![1, 2, 3],
+        destination: Some(wpb::KvDestination {
+            endpoint: "127.0.0.1:9".into(),
+            transfer_id: 1,
+            block_ids: vec![0],
+        }),
+        ..Default::default()
+    };
+    refused(p.prefill(without(prefill)).await.unwrap_err());
+    // With the credential, the worker answers.
+    let mut s = d.generate(authed(req())).await.unwrap().into_inner();
+    let mut tokens = 0;
+    while let Some(m) = s.message().await.unwrap() {
+        tokens += m.tokens.len();
+    }
+    assert_eq!(tokens, 2);
 }

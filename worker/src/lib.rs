@@ -15,6 +15,7 @@
 
 #![deny(missing_docs)]
 
+mod auth;
 mod control;
 pub mod convert;
 mod drain;
@@ -23,6 +24,7 @@ pub mod metrics;
 mod serve;
 pub mod trace;
 
+pub use auth::WorkerToken;
 pub use control::ControlService;
 pub use drain::{Drain, InFlight};
 pub use kv_sink::{kv_shape, PoolSink};

@@ -20,6 +20,9 @@ use crate::ControlService;
 /// `tandem deregister` in the pod) leaves the cluster ahead of the signal: health turns
 /// NOT_SERVING, `Load` reports draining and new requests are refused, while the ones in flight
 /// go on; the drain proper still waits for `signal`.
+///
+/// With a `token`, the worker's own services and `/deregister` need it ([`WorkerToken`]
+/// (crate::WorkerToken)); health, reflection and `/metrics` stay open.
 pub async fn serve(
     listener: TcpListener,
     role: tonic::service::Routes,
@@ -28,6 +31,7 @@ pub async fn serve(
     metrics: impl Collector + Clone,
     signal: impl std::future::Future<Output = ()> + Send,
     drain_deadline: Duration,
+    token: Option<crate::WorkerToken>,
 ) -> Result<(), tonic::transport::Error> {
     let drain = control.drain().clone();
     let control_drain = drain.clone();
@@ -85,7 +89,11 @@ pub async fn serve(
         .route(
             "/deregister",
             axum::routing::post(deregister).with_state(control_drain),
-        );
+        )
+        .layer(axum::middleware::from_fn_with_state(
+            token,
+            crate::auth::require,
+        ));
     tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(10)))
         .tcp_nodelay(true)

@@ -58,7 +58,13 @@ pub fn routes(d: Arc<Dispatcher>, door: &FrontDoor) -> axum::Router {
         .route_layer(keyed(&door.metrics_keys));
     axum::Router::new()
         .route("/health", get(|| async { "ok" }))
-        .route("/ready", get(ready))
+        .route(
+            "/ready",
+            get({
+                let keys = door.api_keys.clone();
+                move |state, headers| ready(state, headers, keys)
+            }),
+        )
         .merge(api)
         .merge(metrics)
         .fallback(not_found)
@@ -120,17 +126,31 @@ async fn metrics(State(d): State<Arc<Dispatcher>>) -> Response {
 /// 200 when at least one decode worker is ready, else 503; the body names the model and lists
 /// what the router knows about each worker (readiness, its requests in flight, the cached blocks
 /// its index holds).
-async fn ready(State(d): State<Arc<Dispatcher>>) -> Response {
+///
+/// The workers' addresses are the worker plane's map: with API keys set, they are listed only
+/// to a caller with a key (probes without one see the counts and states).
+async fn ready(
+    State(d): State<Arc<Dispatcher>>,
+    headers: HeaderMap,
+    keys: Arc<crate::front::ApiKeys>,
+) -> Response {
+    let authorization = headers
+        .get(axum::http::header::AUTHORIZATION)
+        .map(|v| v.as_bytes());
+    let show_addrs = keys.check(authorization).is_ok();
     let describe = |pool: &crate::workers::WorkerPool| -> Vec<Value> {
         pool.all()
             .iter()
             .map(|w| {
-                json!({
-                    "addr": w.addr.as_str(),
+                let mut v = json!({
                     "ready": w.is_ready(),
                     "in_flight": w.in_flight(),
                     "cached_blocks": w.indexed_blocks(),
-                })
+                });
+                if show_addrs {
+                    v["addr"] = json!(w.addr.as_str());
+                }
+                v
             })
             .collect()
     };

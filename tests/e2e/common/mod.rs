@@ -380,11 +380,40 @@ pub async fn wait_router_cached(r: &Router, blocks: u64) {
     }
 }
 
+/// The gRPC health status of `service` ("" for the server) at `url` (`http://host:port`).
+pub async fn grpc_health(url: &str, service: &str) -> i32 {
+    let channel = tonic::transport::Endpoint::from_shared(url.to_string())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    tonic_health::pb::health_client::HealthClient::new(channel)
+        .check(tonic_health::pb::HealthCheckRequest {
+            service: service.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .status
+}
+
+/// `message` as a call to a worker, with the test cluster's credential (derived from
+/// [`KV_SECRET`], which every process the tests start has).
+pub fn authed<T>(message: T) -> tonic::Request<T> {
+    let secret = tandem_kv_transfer::Secret::new(KV_SECRET.as_bytes().to_vec()).unwrap();
+    let mut call = tonic::Request::new(message);
+    tandem_worker::WorkerToken::from_secret(&secret).attach(&mut call);
+    call
+}
+
 pub async fn worker_load(addr: &str) -> wpb::LoadReport {
     let mut c = wpb::worker_control_client::WorkerControlClient::connect(format!("http://{addr}"))
         .await
         .expect("connect to worker");
-    c.load(wpb::LoadRequest {}).await.unwrap().into_inner()
+    c.load(authed(wpb::LoadRequest {}))
+        .await
+        .unwrap()
+        .into_inner()
 }
 
 /// Waits until the worker holds no request and no referenced block.
