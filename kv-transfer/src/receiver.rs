@@ -458,6 +458,27 @@ impl FrameReader {
         Ok(true)
     }
 
+    /// Reads past the next `n` bytes without keeping them: a frame refused by its header alone
+    /// is passed over in the buffer the connection already has, so a header announcing a huge
+    /// payload makes the receiver allocate nothing.
+    async fn skip(&mut self, mut n: usize) -> std::io::Result<()> {
+        let pending = (self.end - self.start).min(n);
+        self.start += pending;
+        n -= pending;
+        while n > 0 {
+            // Everything pending was consumed: read into the whole buffer and drop it.
+            self.start = 0;
+            self.end = 0;
+            let room = self.buf.len().min(n);
+            let got = self.sock.read(&mut self.buf[..room]).await?;
+            if got == 0 {
+                return Err(std::io::ErrorKind::UnexpectedEof.into());
+            }
+            n -= got;
+        }
+        Ok(())
+    }
+
     /// The next `n` bytes (made available by [`Self::fill`]), consumed.
     fn take(&mut self, n: usize) -> &[u8] {
         let at = self.start;
@@ -509,6 +530,48 @@ async fn serve_connection(inner: &Arc<Inner>, mut sock: TcpStream) -> Result<(),
                 return Err(TransferError::Wire(e));
             }
         };
+        // The longest payload this header may announce, judged before a byte of it is read:
+        // a block frame is one layer of one block (or of one rank's heads) of a live grant,
+        // a trace context at most MAX_CONTEXT, an end or abort nothing.
+        let most = match h.kind {
+            FrameKind::Block => {
+                let grants = inner.grants.lock().expect("grants");
+                grants
+                    .get(&h.transfer)
+                    .map_or(0, |g| match g.pieces.is_empty() {
+                        true => g.sink.frame_len(),
+                        false => (0..g.pieces.len())
+                            .map(|p| g.sink.piece_len(p))
+                            .max()
+                            .unwrap_or(0),
+                    })
+            }
+            FrameKind::Context => MAX_CONTEXT,
+            FrameKind::End | FrameKind::Abort => 0,
+        };
+        if h.len as usize > most {
+            let known = inner
+                .grants
+                .lock()
+                .expect("grants")
+                .contains_key(&h.transfer);
+            let counter = match known {
+                true => &inner.rejections.bad_length,
+                false => &inner.rejections.unknown_transfer,
+            };
+            counter.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                transfer = h.transfer,
+                len = h.len,
+                most,
+                "kv frame longer than its transfer allows: passed over unread"
+            );
+            if known {
+                inner.fail(h.transfer, TransferError::Rejected("bad_length"));
+            }
+            r.skip(h.len as usize).await?;
+            continue;
+        }
         r.fill(h.len as usize, false).await?;
         let payload = r.take(h.len as usize);
         match h.kind {

@@ -11,9 +11,12 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use proptest::prelude::*;
+use std::sync::atomic::Ordering;
 use tandem_kv_transfer::auth;
 use tandem_kv_transfer::wire::{checksum, FrameHeader, FrameKind, HEADER_LEN};
-use tandem_kv_transfer::{BlockId, BlockSink, KvReceiver, KvTransport, Secret, TcpTransport};
+use tandem_kv_transfer::{
+    BlockId, BlockSink, KvReceiver, KvTransport, Secret, TcpTransport, TransferError,
+};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 fn secret() -> Secret {
@@ -314,4 +317,46 @@ async fn a_replayed_handshake_is_refused() {
 /// Block ids from their numbers.
 fn ids(blocks: &[u32]) -> Vec<BlockId> {
     blocks.iter().map(|&b| BlockId(b)).collect()
+}
+
+/// A header announcing the wire's largest payload (64 MiB) for a granted transfer, then
+/// nothing: the receiver refuses it by its header alone (a block frame of this grant is one
+/// 256-byte layer), failing the transfer at once instead of waiting to buffer 64 MiB, and the
+/// same connection goes on to carry a good transfer past the announced bytes.
+#[tokio::test]
+async fn a_header_longer_than_its_grant_allows_is_refused_before_its_payload() {
+    let rx = KvReceiver::bind("127.0.0.1:0", secret()).await.unwrap();
+    let sink = Arc::new(MemSink::default());
+    let mut grant = rx.grant_open(&ids(&[0]), sink.clone());
+    let mut s = tokio::net::TcpStream::connect(rx.local_addr())
+        .await
+        .unwrap();
+    auth::connect(&mut s, &secret(), None).await.unwrap();
+    let mut h = FrameHeader::block(grant.id(), 0, 0, &[0u8; FRAME]);
+    h.len = tandem_kv_transfer::wire::MAX_PAYLOAD;
+    s.write_all(&h.encode()).await.unwrap();
+    let failed = grant.wait().await;
+    assert!(
+        matches!(failed, Err(TransferError::Rejected("bad_length"))),
+        "{failed:?}"
+    );
+    assert_eq!(rx.rejections().bad_length.load(Ordering::Relaxed), 1);
+    assert!(sink.written.lock().unwrap().is_empty());
+    // The announced bytes are passed over, not kept: after them the connection is in step.
+    let filler = vec![7u8; 1 << 20];
+    for _ in 0..64 {
+        s.write_all(&filler).await.unwrap();
+    }
+    let other = Arc::new(MemSink::default());
+    let mut good = rx.grant_open(&ids(&[0]), other.clone());
+    for layer in 0..LAYERS {
+        let payload = [9u8; FRAME];
+        let mut b = FrameHeader::block(good.id(), layer, 0, &payload)
+            .encode()
+            .to_vec();
+        b.extend_from_slice(&payload);
+        s.write_all(&b).await.unwrap();
+    }
+    let stats = good.wait().await.unwrap();
+    assert_eq!(stats.frames, u64::from(LAYERS));
 }

@@ -257,6 +257,7 @@ async fn a_cluster_found_through_etcd_follows_joins_deaths_drains_and_etcd_resta
     let port = b_addr.rsplit_once(':').unwrap().1;
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
         .args(["deregister", &format!("--port={port}")])
+        .env("TANDEM_KV_SECRET", KV_SECRET)
         .output()
         .unwrap();
     assert!(

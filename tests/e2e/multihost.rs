@@ -492,6 +492,9 @@ fn render_chart() -> Rendered {
 #[test]
 fn the_chart_runs_across_hosts_and_loses_nothing_when_one_fails() {
     let rendered = render_chart();
+    // The cluster's secret as the chart made it: the test's own calls to workers carry the
+    // credential derived from it.
+    let kv_secret = rendered.secret("tandem-kv", "kv-secret");
     assert_eq!(rendered.replicas("router"), 1);
     assert_eq!(rendered.replicas("decode"), 2);
     assert_eq!(rendered.replicas("prefill"), 2);
@@ -652,16 +655,16 @@ fn the_chart_runs_across_hosts_and_loses_nothing_when_one_fails() {
     let after = migrations();
     assert!(after > before, "the cut-off worker's streams moved");
     net.link("d0", true);
-    let (h, a) = (http.clone(), d0_addr);
+    let (h, a, secret) = (http.clone(), d0_addr, kv_secret.clone());
     block_in(&client_ns, move || async move {
         until("the reconnected worker never became ready", || {
             cluster_ready(&h, 2, 2)
         })
         .await;
         until("the reconnected worker kept requests or KV blocks", || {
-            let a = a.clone();
+            let (a, secret) = (a.clone(), secret.clone());
             async move {
-                let l = worker_load(&a).await;
+                let l = worker_load_by(&a, &secret).await;
                 l.running == 0 && l.waiting == 0 && l.blocks_used == 0 && l.in_flight == 0
             }
         })
@@ -672,17 +675,23 @@ fn the_chart_runs_across_hosts_and_loses_nothing_when_one_fails() {
     let (got, _) = block_in(&client_ns, move || load(h, c, 1, 12));
     assert_eq!(got * 2, all_tokens);
 
-    // Only the worker's own host may make it leave.
+    // Only the worker's own host, with the cluster's credential, may make it leave.
     let a = pods[d0].addr();
+    let token = worker_token(&kv_secret);
     let refused = block_in(&client_ns, move || async move {
-        reqwest::Client::new()
-            .post(format!("http://{a}/deregister"))
+        let c = reqwest::Client::new();
+        let url = format!("http://{a}/deregister");
+        let without = c.post(&url).send().await.unwrap().status();
+        let with = c
+            .post(&url)
+            .header("authorization", token.header())
             .send()
             .await
             .unwrap()
-            .status()
+            .status();
+        (without, with)
     });
-    assert_eq!(refused, 403);
+    assert_eq!((refused.0.as_u16(), refused.1.as_u16()), (401, 403));
 
     // A graceful stop mid-stream, as Kubernetes does it: the chart's preStop hook runs in the
     // pod (the worker leaves: not routed to, its streams go on), the pod leaves the records,
@@ -704,6 +713,8 @@ fn the_chart_runs_across_hosts_and_loses_nothing_when_one_fails() {
             .args(["netns", "exec", &net.ns(&p.host)])
             .arg(env!("CARGO_BIN_EXE_tandem"))
             .args(&pre_stop[1..])
+            // An exec hook runs in the container, with its environment (the cluster's secret).
+            .envs(p.container.env.iter().map(|(k, v)| (k, v)))
             .output()
             .unwrap();
         assert!(o.status.success(), "preStop: {}", output_text(&o));

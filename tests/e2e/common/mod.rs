@@ -400,17 +400,32 @@ pub async fn grpc_health(url: &str, service: &str) -> i32 {
 /// `message` as a call to a worker, with the test cluster's credential (derived from
 /// [`KV_SECRET`], which every process the tests start has).
 pub fn authed<T>(message: T) -> tonic::Request<T> {
-    let secret = tandem_kv_transfer::Secret::new(KV_SECRET.as_bytes().to_vec()).unwrap();
+    authed_by(KV_SECRET, message)
+}
+
+/// `message` as a call to a worker of the cluster whose secret is `secret`.
+pub fn authed_by<T>(secret: &str, message: T) -> tonic::Request<T> {
     let mut call = tonic::Request::new(message);
-    tandem_worker::WorkerToken::from_secret(&secret).attach(&mut call);
+    worker_token(secret).attach(&mut call);
     call
 }
 
+/// The worker plane's credential of the cluster whose secret is `secret`.
+pub fn worker_token(secret: &str) -> tandem_worker::WorkerToken {
+    let secret = tandem_kv_transfer::Secret::new(secret.as_bytes().to_vec()).unwrap();
+    tandem_worker::WorkerToken::from_secret(&secret)
+}
+
 pub async fn worker_load(addr: &str) -> wpb::LoadReport {
+    worker_load_by(addr, KV_SECRET).await
+}
+
+/// [`worker_load`] for a worker of the cluster whose secret is `secret`.
+pub async fn worker_load_by(addr: &str, secret: &str) -> wpb::LoadReport {
     let mut c = wpb::worker_control_client::WorkerControlClient::connect(format!("http://{addr}"))
         .await
         .expect("connect to worker");
-    c.load(authed(wpb::LoadRequest {}))
+    c.load(authed_by(secret, wpb::LoadRequest {}))
         .await
         .unwrap()
         .into_inner()
