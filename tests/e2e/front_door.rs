@@ -90,6 +90,35 @@ async fn read_to_close(s: &mut TcpStream) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
+/// Reads HTTP/2 frames until the router closes the connection (or a minute passes, which fails
+/// the test), answering each PING with its acknowledgement; returns the frame types seen.
+async fn answer_pings_to_close(s: &mut TcpStream) -> Vec<u8> {
+    let mut kinds = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(60), async {
+        let mut head = [0u8; 9];
+        while s.read_exact(&mut head).await.is_ok() {
+            let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+            let mut payload = vec![0u8; len];
+            if s.read_exact(&mut payload).await.is_err() {
+                break;
+            }
+            kinds.push(head[3]);
+            if head[3] == 6 && head[4] & 1 == 0 {
+                let mut ack = head;
+                ack[4] = 1;
+                let _ = s.write_all(&ack).await;
+                let _ = s.write_all(&payload).await;
+            }
+        }
+    })
+    .await;
+    assert!(
+        read.is_ok(),
+        "the router never closed the idle HTTP/2 connection"
+    );
+    kinds
+}
+
 /// The status code of a raw HTTP/1.1 response.
 fn status_of(response: &str) -> u16 {
     response
@@ -282,6 +311,12 @@ async fn api_keys_limits_and_stalled_clients() {
         .await
         .unwrap();
     let mut silent = TcpStream::connect(host(http)).await.unwrap();
+    // An HTTP/2 client that sends its preface and settings, then no request.
+    let mut h2_idle = TcpStream::connect(host(http)).await.unwrap();
+    h2_idle
+        .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+        .await
+        .unwrap();
     // A body that stops half way.
     let mut slow_body = TcpStream::connect(host(http)).await.unwrap();
     slow_body
@@ -304,6 +339,10 @@ async fn api_keys_limits_and_stalled_clients() {
     assert_eq!(v["choices"][0]["text"], answer.as_str());
     assert_eq!(read_to_close(&mut half_head).await, "");
     assert_eq!(read_to_close(&mut silent).await, "");
+    // It answers every PING, as a live client does (the server's keep-alive alone would leave
+    // it open): the router's settings come back, then the close.
+    let frames = answer_pings_to_close(&mut h2_idle).await;
+    assert!(frames.contains(&4), "the server's SETTINGS: {frames:?}");
     let resp = read_to_close(&mut slow_body).await;
     assert_eq!(status_of(&resp), 408, "{resp}");
     assert_eq!(body_of(&resp)["error"]["code"], "request_timeout");

@@ -1,6 +1,8 @@
 //! The accept loop and the HTTP server over accepted connections.
 
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -98,14 +100,33 @@ pub async fn serve_http(
                 None => break,
             },
         };
-        let svc = TowerToHyperService::new(app.clone());
+        // Set when the connection's first request arrives: an HTTP/2 client that sends its
+        // preface (which lifts the opening deadline) and then no request, answering pings
+        // forever, is closed at the header timeout like an HTTP/1 one that sends no head.
+        let began = Arc::new(AtomicBool::new(false));
+        let seen = began.clone();
+        let svc = TowerToHyperService::new(tower::util::MapRequest::new(app.clone(), move |req| {
+            seen.store(true, Ordering::Relaxed);
+            req
+        }));
         let serving = builder
             .serve_connection_with_upgrades(TokioIo::new(conn), svc)
             .into_owned();
         let serving = graceful.watch(serving);
+        let opening = limits.header_timeout;
         tokio::spawn(async move {
-            if let Err(e) = serving.await {
-                tracing::debug!(error = %e, "HTTP connection ended");
+            let idle = async {
+                tokio::time::sleep(opening).await;
+                if began.load(Ordering::Relaxed) {
+                    std::future::pending::<()>().await;
+                }
+            };
+            tokio::select! {
+                r = serving => if let Err(e) = r {
+                    tracing::debug!(error = %e, "HTTP connection ended");
+                },
+                // Dropping the connection closes it.
+                _ = idle => tracing::debug!("connection opened no request within the header timeout: closed"),
             }
         });
     }
