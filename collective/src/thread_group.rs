@@ -694,12 +694,20 @@ mod tests {
             let mut buf = vec![1.0; 3 + r.rank()];
             r.all_reduce_sum(&mut buf)
         });
-        for g in got {
+        // The rank that sees the mismatch says so; the other either sees it too or finds the
+        // group poisoned with that reason, whichever comes first on its thread.
+        for g in &got {
             assert!(
-                matches!(&g, Err(CollectiveError::Shape(m)) if m.contains("different lengths")),
+                matches!(g, Err(CollectiveError::Shape(m) | CollectiveError::Poisoned(m))
+                    if m.contains("different lengths")),
                 "{g:?}"
             );
         }
+        assert!(
+            got.iter()
+                .any(|g| matches!(g, Err(CollectiveError::Shape(_)))),
+            "{got:?}"
+        );
         let mut one = crate::SingleRank;
         let mut buf = [2.0f32, 3.0];
         one.all_reduce_sum(&mut buf).unwrap();
