@@ -58,10 +58,28 @@ fn bench_gpu(a: BenchGpuArgs) -> Result<()> {
         "  copy bandwidth   {:>10.1} GB/s (read + write)",
         r.copy_gb_s
     );
-    println!(
-        "  bf16 GEMM        {:>10.1} TFLOP/s (8192³, f32 accumulation)",
-        r.gemm_tflops
-    );
+    match (r.peak_tflops, r.gemm_of_peak) {
+        (Some(p), Some(f)) => println!(
+            "  bf16 GEMM        {:>10.1} TFLOP/s (8192³, f32 accumulation), {:.1}% of the card's {p:.0}",
+            r.gemm_tflops,
+            100.0 * f
+        ),
+        _ => println!(
+            "  bf16 GEMM        {:>10.1} TFLOP/s (8192³, f32 accumulation; no peak known for this card)",
+            r.gemm_tflops
+        ),
+    }
+    for p in &r.products {
+        let (m, n, k) = p.mnk;
+        println!(
+            "  product {m:>4}×{n:>5}×{k:>5}  {:>9.1} µs  {:>6.0} GB/s  {:>6.1} TFLOP/s  fallback {:>9.1} µs ({:.1}×)",
+            p.us,
+            p.gb_s,
+            p.tflops,
+            p.fallback_us,
+            p.fallback_us / p.us
+        );
+    }
     for d in &r.decode {
         println!(
             "  decode batch {:>3}  {:>8.2} ms/step  roofline {:>6.2} ms  {:>5.1}% of roofline  {:>8.0} tok/s",
@@ -73,10 +91,16 @@ fn bench_gpu(a: BenchGpuArgs) -> Result<()> {
         );
     }
     println!(
-        "  prefill {} tok   {:>10.0} tok/s  MFU {:.1}% of the measured GEMM rate",
+        "  prefill {} tok   {:>10.0} tok/s  MFU {:.1}% ({}), {:.1}% of the measured GEMM rate",
         r.prefill_tokens,
         r.prefill_tok_s,
-        100.0 * r.prefill_mfu
+        100.0 * r.prefill_mfu,
+        if r.peak_tflops.is_some() {
+            "of the card's peak"
+        } else {
+            "of the measured GEMM rate: no peak known"
+        },
+        100.0 * r.prefill_of_gemm
     );
     println!(
         "  decode attention {:>10.1} GB/s  {:.1}% of the copy bandwidth",

@@ -47,6 +47,21 @@ pub struct DecodePoint {
     pub tok_s: f64,
 }
 
+/// One product shape through the pipelined kernels and through the fallback ones.
+#[derive(Clone, Debug, Serialize)]
+pub struct ProductPoint {
+    /// Rows (tokens), output columns, inner dimension.
+    pub mnk: (usize, usize, usize),
+    /// Best microseconds of the pipelined kernel (the one the engine runs).
+    pub us: f64,
+    /// Best microseconds of the fallback kernel (k not a multiple of 8), the baseline.
+    pub fallback_us: f64,
+    /// Weight, input and output bytes over the pipelined time, GB/s.
+    pub gb_s: f64,
+    /// FLOPs (2·m·n·k) over the pipelined time, TFLOP/s.
+    pub tflops: f64,
+}
+
 /// Every figure of the GPU benchmark for one device.
 #[derive(Clone, Debug, Serialize)]
 pub struct GpuReport {
@@ -56,14 +71,23 @@ pub struct GpuReport {
     pub copy_gb_s: f64,
     /// 8192³ bf16 product (f32 accumulation) through the engine's product kernel.
     pub gemm_tflops: f64,
+    /// The card's dense bf16 peak (SMs × top clock × the architecture's rate), where known.
+    pub peak_tflops: Option<f64>,
+    /// `gemm_tflops` over `peak_tflops`.
+    pub gemm_of_peak: Option<f64>,
+    /// Llama-3-8B's products at decode and prefill row counts, against the fallback kernel.
+    pub products: Vec<ProductPoint>,
     /// One point per requested decode batch size, in the order given.
     pub decode: Vec<DecodePoint>,
     /// Tokens in the one prompt the prefill figure is measured on.
     pub prefill_tokens: usize,
     /// Prompt tokens prefilled per second.
     pub prefill_tok_s: f64,
-    /// Projection FLOPs (2 per weight per token) per second over the measured GEMM rate.
+    /// Projection FLOPs (2 per weight per token) per second over the card's peak (MFU); over
+    /// the measured GEMM rate where the peak is unknown.
     pub prefill_mfu: f64,
+    /// The same FLOPs over the measured GEMM rate: how near prefill comes to its own product.
+    pub prefill_of_gemm: f64,
     /// Paged decode attention alone: K and V bytes read per second.
     pub attention_gb_s: f64,
     /// `attention_gb_s` / `copy_gb_s` (the copy counts reads and writes; attention only reads).
@@ -133,6 +157,42 @@ pub fn run(ordinal: usize, batches: &[usize]) -> Result<GpuReport, EngineError> 
     let gemm_tflops = 2.0 * (m as f64).powi(3) / secs / 1e12;
     drop((a, b, out));
 
+    // The model's products (fused q|k|v, o, fused gate|up, down) at decode and prefill row
+    // counts, each against the fallback kernel on the same buffers.
+    let (h, ff) = (c.hidden_size, c.intermediate_size);
+    let qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim;
+    let mut products = Vec::new();
+    for (rows, n, k) in [
+        (1, qkv, h),
+        (1, h, h),
+        (1, 2 * ff, h),
+        (1, h, ff),
+        (16, 2 * ff, h),
+        (64, 2 * ff, h),
+        (256, 2 * ff, h),
+        (2048, 2 * ff, h),
+    ] {
+        let mut x = g.ops.alloc_bf16(rows * k)?;
+        let mut w = g.ops.alloc_bf16(n * k)?;
+        let mut out = g.ops.alloc_bf16(rows * n)?;
+        g.ops.fill_random(&mut x, 8, 1.0)?;
+        g.ops.fill_random(&mut w, 9, 0.02)?;
+        let mnk = (rows, n, k);
+        let us = 1e6 * time(3, 20, || synced(&g.ops, g.ops.gemm(&x, &w, &mut out, mnk)))?;
+        let fallback_us = 1e6
+            * time(3, 20, || {
+                synced(&g.ops, g.ops.gemm_fallback(&x, &w, &mut out, mnk))
+            })?;
+        let bytes = 2.0 * (rows * k + n * k + rows * n) as f64;
+        products.push(ProductPoint {
+            mnk,
+            us,
+            fallback_us,
+            gb_s: bytes / us / 1e3,
+            tflops: 2.0 * (rows * n * k) as f64 / us / 1e6,
+        });
+    }
+
     // Decode steps: every sequence has `context` tokens cached (random KV) and decodes one more.
     let tables: Vec<Vec<u32>> = (0..max_batch)
         .map(|s| ((s * per_seq) as u32..((s + 1) * per_seq) as u32).collect())
@@ -179,7 +239,9 @@ pub fn run(ordinal: usize, batches: &[usize]) -> Result<GpuReport, EngineError> 
     let secs = time(1, 5, || g.forward_greedy(&pbatch).map(|_| ()))?;
     let prefill_tok_s = prefill_tokens as f64 / secs;
     let flops = 2.0 * (g.weight_bytes() / 2) as f64 * prefill_tokens as f64;
-    let prefill_mfu = flops / secs / (gemm_tflops * 1e12);
+    let prefill_of_gemm = flops / secs / (gemm_tflops * 1e12);
+    let peak_tflops = g.ops.gpu.peak_bf16_tflops();
+    let prefill_mfu = flops / secs / (peak_tflops.unwrap_or(gemm_tflops) * 1e12);
 
     // Decode attention alone, one layer's worth over the largest batch.
     let (nq, nkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
@@ -220,10 +282,14 @@ pub fn run(ordinal: usize, batches: &[usize]) -> Result<GpuReport, EngineError> 
         device,
         copy_gb_s,
         gemm_tflops,
+        peak_tflops,
+        gemm_of_peak: peak_tflops.map(|p| gemm_tflops / p),
+        products,
         decode,
         prefill_tokens,
         prefill_tok_s,
         prefill_mfu,
+        prefill_of_gemm,
         attention_gb_s,
         // The copy figure counts reads and writes; attention only reads.
         attention_of_copy: attention_gb_s / copy_gb_s,

@@ -3,6 +3,10 @@
 // rows of one sequence and one head walk the keys 32 at a time with an online softmax, so no
 // score matrix is ever materialized. Causal by absolute position.
 //
+// Every product and sum is an explicit round-to-nearest intrinsic (never left to the compiler's
+// contraction), so the decode kernel below, written for other loads, repeats a row's arithmetic
+// to the bit.
+//
 // The keys are cut at fixed positions (multiples of split_len) into splits, each split a block
 // (flash-decoding, for long contexts); a combine kernel merges a row's splits in order. A row's
 // arithmetic is therefore fixed by its own position alone, never by the batch: the same key
@@ -45,8 +49,9 @@ extern "C" __global__ void paged_attention(AttnParams p) {
     }
     for (int e = threadIdx.x; e < TQ * hd; e += blockDim.x) {
         int r = e / hd, i = e % hd;
-        qs[r][i] = r < rows ? bf16_to_f32(p.q[(first_row + r) * p.q_stride + h * hd + i]) * p.scale
-                            : 0.0f;
+        qs[r][i] = r < rows
+                       ? __fmul_rn(bf16_to_f32(p.q[(first_row + r) * p.q_stride + h * hd + i]), p.scale)
+                       : 0.0f;
     }
     if (threadIdx.x < TQ) {
         row_max[threadIdx.x] = NEG_INF;
@@ -78,7 +83,7 @@ extern "C" __global__ void paged_attention(AttnParams p) {
             float sc = NEG_INF;
             if (r < rows && j < nk && kt + j <= cached + q0 + r) {
                 sc = 0.0f;
-                for (int i = 0; i < hd; i++) sc += qs[r][i] * ks[j][i];
+                for (int i = 0; i < hd; i++) sc = __fmaf_rn(qs[r][i], ks[j][i], sc);
             }
             ps[r][j] = sc;
         }
@@ -94,7 +99,7 @@ extern "C" __global__ void paged_attention(AttnParams p) {
             if (lane == 0) {
                 float a = row_max[r] == NEG_INF ? 0.0f : __expf(row_max[r] - m_new);
                 row_scale[r] = a;
-                row_sum[r] = row_sum[r] * a + sum;
+                row_sum[r] = __fmaf_rn(row_sum[r], a, sum);
                 row_max[r] = m_new;
             }
         }
@@ -104,8 +109,8 @@ extern "C" __global__ void paged_attention(AttnParams p) {
         for (int k = 0; k < TQ; k++) {
             if (k < per) {
                 int r = r0 + k;
-                float a = acc[k] * row_scale[r];
-                for (int j = 0; j < nk; j++) a += ps[r][j] * vs[j][d];
+                float a = __fmul_rn(acc[k], row_scale[r]);
+                for (int j = 0; j < nk; j++) a = __fmaf_rn(ps[r][j], vs[j][d], a);
                 acc[k] = a;
             }
         }
@@ -123,6 +128,145 @@ extern "C" __global__ void paged_attention(AttnParams p) {
                 if (d == 0) {
                     p.part_ml[2 * part] = row_max[r];
                     p.part_ml[2 * part + 1] = row_sum[r];
+                }
+            }
+        }
+    }
+}
+
+// Query heads per KV head the decode kernel serves (more: the tiled kernel takes the rows).
+#define G_MAX 8
+
+// Decode rows (one new token of a sequence): grid (decode tiles, nkv, max_splits), 128 threads.
+// A block takes every query head of one KV head (grouped-query attention reads each key once,
+// not once per query head), loads the keys and values 16 bytes at a time, and fetches the next
+// tile while it works on this one. Warp w takes query heads w and w + 4, lane j key j of the
+// tile for the scores and dimensions j, j + 32, ... for the output. Each row's arithmetic is
+// the tiled kernel's, operation for operation: the same dot products in dimension order, the
+// same tiles of 32 keys at the same positions, the same online softmax and weighted sums.
+extern "C" __global__ void __launch_bounds__(128) paged_attention_decode(AttnParams p) {
+    __shared__ __align__(16) float qs[G_MAX][HD_MAX];
+    // Rows padded by 4 floats: lane j's 16-byte reads of key j fall in distinct bank groups.
+    __shared__ __align__(16) float ks[TK][HD_MAX + 4];
+    __shared__ __align__(16) float vs[TK][HD_MAX];
+    __shared__ float ps[G_MAX][TK];
+    const int s = p.tiles[2 * blockIdx.x];
+    const int kvh = blockIdx.y, hd = p.hd, group = p.nq / p.nkv;
+    const int ctx = p.seq_context[s];
+    const i64 row = p.seq_q_start[s];
+    const int split = blockIdx.z;
+    const int k_begin = split * p.split_len;
+    const int keys = min(ctx, k_begin + p.split_len);
+    if (k_begin >= keys) {
+        return;
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int e = threadIdx.x; e < group * hd; e += blockDim.x) {
+        int hh = e / hd, i = e % hd;
+        qs[hh][i] = __fmul_rn(bf16_to_f32(p.q[row * p.q_stride + (kvh * group + hh) * hd + i]),
+                              p.scale);
+    }
+    // 16-byte chunks of a tile's keys (and as many of its values): TK·hd/8, at most 4 a thread.
+    const int chunks_per_key = hd / 8, chunks = TK * chunks_per_key;
+    uint4 kreg[TK * HD_MAX / 8 / 128], vreg[TK * HD_MAX / 8 / 128];
+    auto fetch = [&](int kt) {
+        int nk = min(TK, keys - kt);
+#pragma unroll
+        for (int u = 0; u < TK * HD_MAX / 8 / 128; u++) {
+            int e = threadIdx.x + u * 128;
+            int j = e / chunks_per_key, c = (e % chunks_per_key) * 8;
+            kreg[u] = make_uint4(0, 0, 0, 0);
+            vreg[u] = make_uint4(0, 0, 0, 0);
+            if (e < chunks && j < nk) {
+                kreg[u] = *(const uint4*)(kv_row(p.k_cache, p, s, kt + j, kvh) + c);
+                vreg[u] = *(const uint4*)(kv_row(p.v_cache, p, s, kt + j, kvh) + c);
+            }
+        }
+    };
+    auto unpack = [](float* dst, uint4 v) {
+        const unsigned w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            dst[2 * i] = __uint_as_float(w[i] << 16);
+            dst[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+        }
+    };
+    float row_max[2] = {NEG_INF, NEG_INF}, row_sum[2] = {0.0f, 0.0f};
+    float acc[2][HD_MAX / 32];
+#pragma unroll
+    for (int hi = 0; hi < 2; hi++)
+#pragma unroll
+        for (int c = 0; c < HD_MAX / 32; c++) acc[hi][c] = 0.0f;
+    const int dims = hd / 32;
+    fetch(k_begin);
+    for (int kt = k_begin; kt < keys; kt += TK) {
+        const int nk = min(TK, keys - kt);
+        __syncthreads();
+#pragma unroll
+        for (int u = 0; u < TK * HD_MAX / 8 / 128; u++) {
+            int e = threadIdx.x + u * 128;
+            if (e < chunks) {
+                int j = e / chunks_per_key, c = (e % chunks_per_key) * 8;
+                unpack(&ks[j][c], kreg[u]);
+                unpack(&vs[j][c], vreg[u]);
+            }
+        }
+        __syncthreads();
+        if (kt + TK < keys) fetch(kt + TK);
+#pragma unroll
+        for (int hi = 0; hi < 2; hi++) {
+            const int hh = warp + 4 * hi;
+            if (hh >= group) break;
+            float sc = NEG_INF;
+            if (lane < nk) {
+                sc = 0.0f;
+                for (int i = 0; i < hd; i += 4) {
+                    float4 qv = *(const float4*)&qs[hh][i];
+                    float4 kv = *(const float4*)&ks[lane][i];
+                    sc = __fmaf_rn(qv.x, kv.x, sc);
+                    sc = __fmaf_rn(qv.y, kv.y, sc);
+                    sc = __fmaf_rn(qv.z, kv.z, sc);
+                    sc = __fmaf_rn(qv.w, kv.w, sc);
+                }
+            }
+            float m_new = fmaxf(row_max[hi], warp_max(sc));
+            float e = sc == NEG_INF ? 0.0f : __expf(sc - m_new);
+            float sum = warp_sum(e);
+            float a = row_max[hi] == NEG_INF ? 0.0f : __expf(row_max[hi] - m_new);
+            row_sum[hi] = __fmaf_rn(row_sum[hi], a, sum);
+            row_max[hi] = m_new;
+            ps[hh][lane] = e;
+            __syncwarp();
+#pragma unroll
+            for (int c = 0; c < HD_MAX / 32; c++) {
+                if (c < dims) {
+                    float o = __fmul_rn(acc[hi][c], a);
+                    for (int j = 0; j < nk; j++) o = __fmaf_rn(ps[hh][j], vs[j][lane + 32 * c], o);
+                    acc[hi][c] = o;
+                }
+            }
+            __syncwarp();
+        }
+    }
+#pragma unroll
+    for (int hi = 0; hi < 2; hi++) {
+        const int hh = warp + 4 * hi;
+        if (hh >= group) break;
+        const int h = kvh * group + hh;
+#pragma unroll
+        for (int c = 0; c < HD_MAX / 32; c++) {
+            if (c < dims) {
+                int d = lane + 32 * c;
+                float o = row_sum[hi] > 0.0f ? acc[hi][c] / row_sum[hi] : 0.0f;
+                if (gridDim.z == 1) {
+                    p.out[row * p.nq * hd + h * hd + d] = f32_to_bf16(o);
+                } else {
+                    i64 part = (row * p.nq + h) * p.max_splits + split;
+                    p.part_out[part * hd + d] = o;
+                    if (d == 0) {
+                        p.part_ml[2 * part] = row_max[hi];
+                        p.part_ml[2 * part + 1] = row_sum[hi];
+                    }
                 }
             }
         }

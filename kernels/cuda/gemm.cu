@@ -23,6 +23,31 @@ __device__ __forceinline__ void mma_bf16_16816(float* c, const unsigned* a, cons
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// A warp's accumulators (MI × NI fragments from row r0, column c0) into out, bf16 or f32.
+// Fragment element e: row g (e < 2) or g + 8, column 2t + (e & 1).
+template <int MI, int NI>
+__device__ __forceinline__ void gemm_store(const float (&acc)[MI][NI][4], void* out, int m, int n,
+                                           int r0, int c0, int f32_out) {
+    int lane = threadIdx.x & 31;
+    int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int i = 0; i < MI; i++)
+#pragma unroll
+        for (int j = 0; j < NI; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int r = r0 + i * 16 + g + (e >> 1) * 8;
+                int c = c0 + j * 8 + 2 * t + (e & 1);
+                if (r < m && c < n) {
+                    if (f32_out) {
+                        ((float*)out)[(i64)r * n + c] = acc[i][j][e];
+                    } else {
+                        ((bf16*)out)[(i64)r * n + c] = f32_to_bf16(acc[i][j][e]);
+                    }
+                }
+            }
+}
+
 // Rows `r0 ..` of a row-major matrix of `rows` × `k` into shared memory (`TR` rows × GEMM_BK
 // values from column k0), zeros outside it.
 template <int TR>
@@ -89,33 +114,196 @@ __device__ __forceinline__ void gemm_tile(const bf16* x, const bf16* w, void* ou
                 for (int j = 0; j < NI; j++) mma_bf16_16816(acc[i][j], a[i], b[j]);
         }
     }
-    // Fragment element e: row g (e < 2) or g + 8, column 2t + (e & 1).
-#pragma unroll
-    for (int i = 0; i < MI; i++)
-#pragma unroll
-        for (int j = 0; j < NI; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int r = m0 + wm * MI * 16 + i * 16 + g + (e >> 1) * 8;
-                int c = n0 + wn * NI * 8 + j * 8 + 2 * t + (e & 1);
-                if (r < m && c < n) {
-                    if (f32_out) {
-                        ((float*)out)[(i64)r * n + c] = acc[i][j][e];
-                    } else {
-                        ((bf16*)out)[(i64)r * n + c] = f32_to_bf16(acc[i][j][e]);
-                    }
-                }
-            }
+    gemm_store<MI, NI>(acc, out, m, n, m0 + wm * MI * 16, n0 + wn * NI * 8, f32_out);
 }
 
-// Up to 16 rows (decode): tiles of 16 × 64, 128 threads; grid (n / 64, m / 16), rounded up.
+// The fallback for k not a multiple of 8 (rows not 16-byte aligned, so no asynchronous copies):
+// up to 16 rows, tiles of 16 × 64, 128 threads; grid (n / 64, m / 16), rounded up.
 extern "C" __global__ void gemm_rows16(const bf16* x, const bf16* w, void* out, int m, int n,
                                        int k, int f32_out) {
     gemm_tile<1, 1, 2>(x, w, out, m, n, k, f32_out);
 }
 
-// More rows: tiles of 64 × 64, 128 threads; grid (n / 64, m / 64), rounded up.
+// The fallback above 16 rows: tiles of 64 × 64, 128 threads; grid (n / 64, m / 64), rounded up.
 extern "C" __global__ void gemm_rows64(const bf16* x, const bf16* w, void* out, int m, int n,
                                        int k, int f32_out) {
     gemm_tile<2, 2, 4>(x, w, out, m, n, k, f32_out);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The pipelined products, for k a multiple of 8 (every model's): tiles stream through shared
+// memory in STAGES asynchronous copies (cp.async) so the next tiles' loads overlap this one's
+// products, and each lane takes its operands for two products with one 16-byte read.
+//
+// One arithmetic for every tiling: k is taken 32 at a time, in increasing order, each 32 through
+// two m16n8k16 products. Lane (g, t) holds k 8t..8t+7 of its row and column: the first product
+// takes k {8t, 8t+1, 8t+2, 8t+3} (t = 0..3) as its 16, the second the other 16 (the same
+// assignment for x and W, so each product still pairs like with like). An output sits at
+// fragment row r mod 16 and column c mod 8 in every tiling, so its bits never depend on m.
+// (The fallback above takes k in another order: whether it runs is a property of k alone.)
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+    unsigned a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// 16 bytes from global to shared memory, or 16 zero bytes (nothing read) when !valid.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
+                 "r"(valid ? 16 : 0));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// The 16-byte chunk c of tile row r sits at chunk swz(r, c): with 8 or more chunks a row, odd
+// rows swap chunk halves (bit 2), so the 8 lanes of a quarter warp (rows g, g + 1, chunks t)
+// read 8 different bank groups. Rows of 4 chunks need no swizzle (two rows fill the 8 groups).
+template <int CPR>
+__device__ __forceinline__ int swz(int r, int c) {
+    return CPR >= 8 ? (c ^ ((r & 1) << 2)) : c;
+}
+
+// Rows r0 .. r0 + TR of a row-major matrix of `rows` × `k` (k a multiple of 8), columns
+// k0 .. k0 + BK, into one shared buffer (swizzled), as 16-byte asynchronous copies; zeros
+// outside the matrix.
+template <int TR, int BK, int THREADS>
+__device__ __forceinline__ void gemm_stage(bf16* dst, const bf16* __restrict__ src, int rows, int k,
+                                           int r0, int k0) {
+    constexpr int CPR = BK / 8;
+#pragma unroll
+    for (int v = threadIdx.x; v < TR * CPR; v += THREADS) {
+        int r = v / CPR, c = v % CPR;
+        int gr = r0 + r, gc = k0 + c * 8;
+        bool ok = gr < rows && gc < k;
+        cp_async16(&dst[r * BK + swz<CPR>(r, c) * 8], ok ? src + (i64)gr * k + gc : src, ok);
+    }
+}
+
+// A block is WARPS_M × WARPS_N warps over a tile of BM = WARPS_M·MI·16 rows and
+// BN = WARPS_N·NI·8 columns; k goes BK at a time through STAGES buffers. M_FAST puts the row
+// tiles on grid x, so the blocks that share a tile of W run side by side (the second reads it
+// from L2).
+//
+// The buffers, (BM + BN)·BK·2·STAGES bytes, are static shared memory up to 48 KiB, else
+// dynamic: the host sets that as the kernel's allowance and passes it at launch (a launch with
+// less traps rather than overrun).
+template <int WARPS_M, int WARPS_N, int MI, int NI, int BK, int STAGES, bool M_FAST>
+__device__ __forceinline__ void gemm_pipe(const bf16* __restrict__ x, const bf16* __restrict__ w,
+                                          void* out, int m, int n, int k, int f32_out) {
+    constexpr int BM = WARPS_M * MI * 16;
+    constexpr int BN = WARPS_N * NI * 8;
+    constexpr int CPR = BK / 8;
+    constexpr int THREADS = WARPS_M * WARPS_N * 32;
+    constexpr int SMEM = (BM + BN) * BK * 2 * STAGES;
+    unsigned char* gemm_smem;
+    if constexpr (SMEM <= 48 * 1024) {
+        __shared__ __align__(16) unsigned char fixed[SMEM];
+        gemm_smem = fixed;
+    } else {
+        extern __shared__ __align__(16) unsigned char dynamic_smem[];
+        unsigned have;
+        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
+        if (have < (unsigned)SMEM) __trap();
+        gemm_smem = dynamic_smem;
+    }
+    bf16 (*sa)[BM * BK] = (bf16 (*)[BM * BK])gemm_smem;
+    bf16 (*sb)[BN * BK] = (bf16 (*)[BN * BK])(gemm_smem + STAGES * BM * BK * 2);
+    const int mt = M_FAST ? blockIdx.x : blockIdx.y;
+    const int nt = M_FAST ? blockIdx.y : blockIdx.x;
+    const int m0 = mt * BM, n0 = nt * BN;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int wm = warp / WARPS_N, wn = warp % WARPS_N;
+    const int g = lane >> 2, t = lane & 3;
+    const int ktiles = (k + BK - 1) / BK;
+
+    auto load = [&](int stage, int kt) {
+        gemm_stage<BM, BK, THREADS>(sa[stage], x, m, k, m0, kt * BK);
+        gemm_stage<BN, BK, THREADS>(sb[stage], w, n, k, n0, kt * BK);
+    };
+
+    float acc[MI][NI][4];
+#pragma unroll
+    for (int i = 0; i < MI; i++)
+#pragma unroll
+        for (int j = 0; j < NI; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[i][j][e] = 0.0f;
+
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++) {
+        if (s < ktiles) load(s, s);
+        cp_async_commit();
+    }
+    for (int kt = 0; kt < ktiles; kt++) {
+        // Tile kt has landed (at most STAGES - 2 later groups still in flight), and every warp
+        // is done with the buffer the next load overwrites (the one read in step kt - 1).
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        {
+            int next = kt + STAGES - 1;
+            if (next < ktiles) load(next % STAGES, next);
+            cp_async_commit();
+        }
+        const bf16* A = sa[kt % STAGES];
+        const bf16* B = sb[kt % STAGES];
+#pragma unroll
+        for (int j = 0; j < BK / 32; j++) {
+            const int c = 4 * j + t;
+            // All of the warp's row fragments, then one column fragment at a time (fewer
+            // registers; each accumulator still takes its two products in order).
+            uint4 af[MI][2];
+#pragma unroll
+            for (int i = 0; i < MI; i++) {
+                int r = wm * MI * 16 + i * 16 + g;
+                af[i][0] = *(const uint4*)&A[r * BK + swz<CPR>(r, c) * 8];
+                af[i][1] = *(const uint4*)&A[(r + 8) * BK + swz<CPR>(r + 8, c) * 8];
+            }
+#pragma unroll
+            for (int jn = 0; jn < NI; jn++) {
+                int r = wn * NI * 8 + jn * 8 + g;
+                const uint4 bfr = *(const uint4*)&B[r * BK + swz<CPR>(r, c) * 8];
+                const unsigned b0[2] = {bfr.x, bfr.y};
+                const unsigned b1[2] = {bfr.z, bfr.w};
+#pragma unroll
+                for (int i = 0; i < MI; i++) {
+                    const unsigned a0[4] = {af[i][0].x, af[i][1].x, af[i][0].y, af[i][1].y};
+                    mma_bf16_16816(acc[i][jn], a0, b0);
+                    const unsigned a1[4] = {af[i][0].z, af[i][1].z, af[i][0].w, af[i][1].w};
+                    mma_bf16_16816(acc[i][jn], a1, b1);
+                }
+            }
+        }
+    }
+    gemm_store<MI, NI>(acc, out, m, n, m0 + wm * MI * 16, n0 + wn * NI * 8, f32_out);
+}
+
+// The tilings, each with its shared memory in bytes (the host's GEMM_PIPES lists the same).
+// Up to 64 rows (decode: the weights streamed once, the rows riding along): tiles of 16 × 32
+// (a warp per 8 columns), k 128 at a time through 4 buffers (48 KiB), 128 threads, grid
+// (m / 16, n / 32) rounded up. (Measured on an H100: 8 buffers, or 64-row tiles above 16 rows,
+// at 96 KiB a block, were slower: fewer blocks an SM.)
+extern "C" __global__ void __launch_bounds__(128)
+    gemm_pipe_small(const bf16* x, const bf16* w, void* out, int m, int n, int k, int f32_out) {
+    gemm_pipe<1, 4, 1, 1, 128, 4, true>(x, w, out, m, n, k, f32_out);
+}
+
+// Up to 128 rows: tiles of 64 × 64 (warps 2 × 2 of 32 × 32), k 64 at a time through 4 buffers
+// (64 KiB), 128 threads, grid (n / 64, m / 64) rounded up.
+extern "C" __global__ void __launch_bounds__(128)
+    gemm_pipe_mid(const bf16* x, const bf16* w, void* out, int m, int n, int k, int f32_out) {
+    gemm_pipe<2, 2, 2, 4, 64, 4, false>(x, w, out, m, n, k, f32_out);
+}
+
+// More (prefill): tiles of 128 × 128 (warps 2 × 4 of 64 × 32), k 64 at a time through 3 buffers
+// (96 KiB), 256 threads (two blocks an SM: at most 128 registers a thread), grid (n / 128,
+// m / 128) rounded up.
+extern "C" __global__ void __launch_bounds__(256, 2)
+    gemm_pipe_large(const bf16* x, const bf16* w, void* out, int m, int n, int k, int f32_out) {
+    gemm_pipe<2, 4, 4, 4, 64, 3, false>(x, w, out, m, n, k, f32_out);
 }

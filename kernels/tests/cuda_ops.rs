@@ -192,16 +192,28 @@ fn products_match_the_cpu() {
         return;
     };
     let mut r = rng(3);
-    for (m, n, k) in [(1, 4096, 4096), (7, 1000, 576), (300, 1536, 4096)] {
+    // Each tiling: up to 64 rows (1, 7, 64), up to 128 (100), above (300); k
+    // with a partial last tile (584, 200), and k not a multiple of 8 (570: the fallback).
+    for (m, n, k) in [
+        (1, 4096, 4096),
+        (7, 1000, 576),
+        (64, 520, 200),
+        (100, 1000, 584),
+        (300, 1536, 4096),
+        (20, 300, 570),
+        (70, 130, 570),
+    ] {
         let (x, xf) = rand_bf16(&mut r, m * k, 1.0);
         let (w, wf) = rand_bf16(&mut r, n * k, 0.05);
         let (xd, wd) = (o.upload(&x).unwrap(), o.upload(&w).unwrap());
         let mut want = vec![0f32; m * n];
+        // Σ|x·w| per output: the scale an f32 sum's rounding is measured against.
+        let mut mag = vec![0f64; m * n];
         for i in 0..m {
             for j in 0..n {
-                want[i * n + j] = (0..k)
-                    .map(|t| xf[i * k + t] as f64 * wf[j * k + t] as f64)
-                    .sum::<f64>() as f32;
+                let terms = (0..k).map(|t| xf[i * k + t] as f64 * wf[j * k + t] as f64);
+                want[i * n + j] = terms.clone().sum::<f64>() as f32;
+                mag[i * n + j] = terms.map(f64::abs).sum();
             }
         }
         let mut out = o.upload(&vec![NAN16; m * n]).unwrap();
@@ -213,11 +225,18 @@ fn products_match_the_cpu() {
         );
         let mut out = o.upload(&vec![f32::NAN; m * n]).unwrap();
         o.gemm(&xd, &wd, &mut out, (m, n, k)).unwrap();
-        assert_close(
-            &format!("gemm f32 out {m}×{n}×{k}"),
-            &o.download(&out).unwrap(),
-            &want,
-        );
+        let got = o.download(&out).unwrap();
+        assert_close(&format!("gemm f32 out {m}×{n}×{k}"), &got, &want);
+        // Every output, not only the whole: f32 accumulation of exact bf16 products is off by
+        // far less than 1e-4 of Σ|x·w|; a wrong tile, row or k step is off by about all of it.
+        for (e, ((g, w), s)) in got.iter().zip(&want).zip(&mag).enumerate() {
+            assert!(
+                ((g - w) as f64).abs() <= 1e-4 * s + 1e-12,
+                "gemm f32 out {m}×{n}×{k}: output ({}, {}) is {g}, want {w} (Σ|x·w| {s})",
+                e / n,
+                e % n
+            );
+        }
     }
 }
 
@@ -411,63 +430,82 @@ fn a_rows_bits_do_not_depend_on_the_batch() {
         return;
     };
     let mut r = rng(11);
-    // Products: a row alone (the 16-row tiling), among 7, 17 and 300 (the 64-row tiling).
-    let (m, n, k) = (300, 1000, 576);
-    let (x, _) = rand_bf16(&mut r, m * k, 1.0);
-    let (w, _) = rand_bf16(&mut r, n * k, 0.05);
-    let wd = o.upload(&w).unwrap();
-    let product = |rows: std::ops::Range<usize>| {
-        let xd = o.upload(&x[rows.start * k..rows.end * k]).unwrap();
-        let mut out = o.upload(&vec![f32::NAN; rows.len() * n]).unwrap();
-        o.gemm(&xd, &wd, &mut out, (rows.len(), n, k)).unwrap();
-        let bits: Vec<u32> = o
-            .download(&out)
-            .unwrap()
+    // Products: rows alone and in groups through every tiling (up to 64 and 128 rows, and
+    // above), against the same rows among 700; and with k
+    // not a multiple of 8 (the fallback's two tilings).
+    for (m, n, k) in [(700, 1000, 576), (300, 1000, 570)] {
+        let (x, _) = rand_bf16(&mut r, m * k, 1.0);
+        let (w, _) = rand_bf16(&mut r, n * k, 0.05);
+        let wd = o.upload(&w).unwrap();
+        let product = |rows: std::ops::Range<usize>| {
+            let xd = o.upload(&x[rows.start * k..rows.end * k]).unwrap();
+            let mut out = o.upload(&vec![f32::NAN; rows.len() * n]).unwrap();
+            o.gemm(&xd, &wd, &mut out, (rows.len(), n, k)).unwrap();
+            let bits: Vec<u32> = o
+                .download(&out)
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect();
+            bits
+        };
+        let all = product(0..m);
+        for rows in [
+            0..1,
+            5..6,
+            299..300,
+            0..7,
+            3..20,
+            100..164,
+            0..100,
+            100..300,
+            1..258,
+            0..300,
+        ] {
+            assert_eq!(
+                product(rows.clone()),
+                all[rows.start * n..rows.end * n],
+                "product {m}×{n}×{k}, rows {rows:?}"
+            );
+        }
+    }
+    // Attention: sequence 0's rows prefilled whole, in chunks (one a single row: the decode
+    // kernel), decoded alone, and beside another sequence's prefill or decode; contexts over
+    // several splits; SmolLM2's heads (3 per KV head of 64) and Llama's (4 per KV head of 128).
+    for dims in [(9, 3, 64), (8, 2, 128)] {
+        let (nq, _, hd) = dims;
+        let long = 2 * DECODE_SPLIT_LEN + 300;
+        let cache = fill_cache(&o, &mut r, &[long, 200], dims);
+        let q: Vec<Vec<u16>> = [long, 200]
             .iter()
-            .map(|v| v.to_bits())
+            .map(|&c| rand_bf16(&mut r, c * nq * hd, 1.0).0)
             .collect();
-        bits
-    };
-    let all = product(0..m);
-    for rows in [0..1, 5..6, 299..300, 0..7, 3..20, 100..164] {
-        assert_eq!(
-            product(rows.clone()),
-            all[rows.start * n..rows.end * n],
-            "product rows {rows:?}"
+        let row = nq * hd;
+        let whole = attend(&o, &cache, &q, &[(0, long, long)], dims);
+        let mut chunked = Vec::new();
+        for (a, b) in [(0, 500), (500, 501), (501, long - 1), (long - 1, long)] {
+            chunked.extend(attend(&o, &cache, &q, &[(0, b - a, b)], dims));
+        }
+        assert!(whole == chunked, "chunks of the prefill, heads {dims:?}");
+        let last = &whole[(long - 1) * row..];
+        let with_prefill = attend(&o, &cache, &q, &[(1, 200, 200), (0, 1, long)], dims);
+        assert!(
+            &with_prefill[200 * row..] == last,
+            "a decode row beside a prefill, heads {dims:?}"
+        );
+        let with_decode = attend(&o, &cache, &q, &[(1, 1, 37), (0, 1, long)], dims);
+        assert!(
+            &with_decode[row..] == last,
+            "a decode row beside another, heads {dims:?}"
+        );
+        // A short sequence's rows beside a long one (several splits in the step) or alone (one).
+        let short_alone = attend(&o, &cache, &q, &[(1, 200, 200)], dims);
+        let beside_long = attend(&o, &cache, &q, &[(0, 1, long), (1, 200, 200)], dims);
+        assert!(
+            beside_long[row..] == short_alone[..],
+            "one split beside several, heads {dims:?}"
         );
     }
-    // Attention: sequence 0's rows prefilled whole, in chunks (one a single row), decoded
-    // alone, and beside another sequence's prefill or decode; contexts over several splits.
-    let dims = (9, 3, 64);
-    let (nq, _, hd) = dims;
-    let long = 2 * DECODE_SPLIT_LEN + 300;
-    let cache = fill_cache(&o, &mut r, &[long, 200], dims);
-    let q: Vec<Vec<u16>> = [long, 200]
-        .iter()
-        .map(|&c| rand_bf16(&mut r, c * nq * hd, 1.0).0)
-        .collect();
-    let row = nq * hd;
-    let whole = attend(&o, &cache, &q, &[(0, long, long)], dims);
-    let mut chunked = Vec::new();
-    for (a, b) in [(0, 500), (500, 501), (501, long - 1), (long - 1, long)] {
-        chunked.extend(attend(&o, &cache, &q, &[(0, b - a, b)], dims));
-    }
-    assert!(whole == chunked, "chunks of the prefill");
-    let last = &whole[(long - 1) * row..];
-    let with_prefill = attend(&o, &cache, &q, &[(1, 200, 200), (0, 1, long)], dims);
-    assert!(
-        &with_prefill[200 * row..] == last,
-        "a decode row beside a prefill"
-    );
-    let with_decode = attend(&o, &cache, &q, &[(1, 1, 37), (0, 1, long)], dims);
-    assert!(&with_decode[row..] == last, "a decode row beside another");
-    // A short sequence's rows beside a long one (several splits in the step) or alone (one).
-    let short_alone = attend(&o, &cache, &q, &[(1, 200, 200)], dims);
-    let beside_long = attend(&o, &cache, &q, &[(0, 1, long), (1, 200, 200)], dims);
-    assert!(
-        beside_long[row..] == short_alone[..],
-        "one split beside several"
-    );
 }
 
 #[test]

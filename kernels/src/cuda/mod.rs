@@ -117,8 +117,35 @@ pub struct Gpu {
     pub arch: Arch,
     /// Total device memory in bytes.
     pub memory_bytes: usize,
+    /// Streaming multiprocessors.
+    pub sm_count: u32,
+    /// The highest SM clock the driver reports, in kHz.
+    pub clock_khz: u32,
     /// The device's primary context.
     pub context: Arc<cudarc::driver::CudaContext>,
+}
+
+/// Dense bf16 tensor-core FLOPs (f32 accumulation) one SM does per clock: the data-centre
+/// parts' published rates (A100 312, H100 SXM 989, L40S 362 TFLOP/s) over their SMs and clocks.
+/// None where we have no figure.
+pub fn bf16_flops_per_sm_clock(arch: Arch) -> Option<f64> {
+    match (arch.major, arch.minor) {
+        (8, 0) => Some(2048.0),
+        (8, _) => Some(1024.0),
+        (9, 0) => Some(4096.0),
+        (10, _) => Some(8192.0),
+        _ => None,
+    }
+}
+
+impl Gpu {
+    /// The card's dense bf16 peak, TFLOP/s: SMs × the highest clock the driver reports × the
+    /// architecture's rate (at the top clock, so at or above the datasheet's figure: a ratio to
+    /// it never flatters).
+    pub fn peak_bf16_tflops(&self) -> Option<f64> {
+        bf16_flops_per_sm_clock(self.arch)
+            .map(|r| r * self.sm_count as f64 * self.clock_khz as f64 * 1e3 / 1e12)
+    }
 }
 
 impl std::fmt::Display for Gpu {
@@ -171,11 +198,15 @@ pub fn open(ordinal: usize) -> Result<Gpu, CudaError> {
     };
     let name = context.name().map_err(driver_err)?;
     let memory_bytes = context.total_mem().map_err(driver_err)?;
+    let sm_count = attr(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
+    let clock_khz = attr(A::CU_DEVICE_ATTRIBUTE_CLOCK_RATE)? as u32;
     Ok(Gpu {
         ordinal,
         name,
         arch,
         memory_bytes,
+        sm_count,
+        clock_khz,
         context,
     })
 }
@@ -436,6 +467,19 @@ mod tests {
             assert!(src.contains("extern \"C\" __global__"), "{name}");
         }
         let all: String = SOURCES.iter().map(|(_, s)| *s).collect();
+        // Each `extern "C" __global__ void [__launch_bounds__(...)] name(`.
+        let kernels: Vec<&str> = all
+            .split("extern \"C\" __global__ void")
+            .skip(1)
+            .map(|d| {
+                let d = d.trim_start();
+                let d = match d.strip_prefix("__launch_bounds__(") {
+                    Some(rest) => rest.split_once(')').map_or("", |(_, r)| r).trim_start(),
+                    None => d,
+                };
+                d.split('(').next().unwrap_or("").trim()
+            })
+            .collect();
         for k in [
             "rms_norm",
             "add_rms_norm",
@@ -446,12 +490,16 @@ mod tests {
             "write_kv",
             "paged_attention",
             "paged_attention_combine",
+            "paged_attention_decode",
             "gemm_rows16",
             "gemm_rows64",
+            "gemm_pipe_small",
+            "gemm_pipe_mid",
+            "gemm_pipe_large",
             "argmax_rows",
             "sample_rows",
         ] {
-            assert!(all.contains(&format!("void {k}(")), "{k}");
+            assert!(kernels.contains(&k), "{k} is not an extern \"C\" kernel");
         }
     }
 }

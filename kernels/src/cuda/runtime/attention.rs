@@ -1,6 +1,7 @@
 //! Paged attention on the device: one packed step's sequences uploaded once ([`AttnBatch`]),
-//! then per layer the tiled kernel (every row, split along the context at fixed positions) and,
-//! where a context has several splits, the combine.
+//! then per layer the tiled kernel over the prompt chunks' rows, the decode kernel over the
+//! single new rows (both split along the context at fixed positions, with the same arithmetic
+//! per row) and, where a context has several splits, the combine.
 
 use cudarc::driver::{
     CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
@@ -17,10 +18,13 @@ pub struct AttnBatch {
     q_start: CudaSlice<i32>,
     q_len: CudaSlice<i32>,
     context: CudaSlice<i32>,
-    /// Tiles: (sequence, first new token) per 16 query rows.
+    /// Tiles: (sequence, first new token) per 16 query rows; first those of sequences with
+    /// several new rows, then the single-row (decode) ones.
     tiles: CudaSlice<i32>,
     /// Number of tiles ([`PREFILL_TILE_ROWS`] query rows of one sequence each).
     pub n_tiles: usize,
+    /// How many of them (the last ones) are single decode rows.
+    pub n_decode_tiles: usize,
     /// Splits of the longest context, and the rows' partial results (kept for the whole step,
     /// so the layers' launches never wait to free them).
     pub splits: usize,
@@ -30,6 +34,9 @@ pub struct AttnBatch {
 
 /// Query rows per prefill attention tile (`TQ` in attention.cu).
 pub const PREFILL_TILE_ROWS: usize = 16;
+
+/// The most query heads per KV head the decode kernel serves (`G_MAX` in attention.cu).
+const DECODE_MAX_GROUP: usize = 8;
 
 impl CudaOps {
     /// Uploads one packed step's sequences: block tables padded to the longest, query ranges,
@@ -56,14 +63,21 @@ impl CudaOps {
         }
         let mut starts = Vec::with_capacity(seqs);
         let mut tiles = Vec::new();
+        let mut decode_tiles = Vec::new();
         let mut row = 0usize;
         for (s, &n) in q_len.iter().enumerate() {
             starts.push(row as i32);
-            for q0 in (0..n).step_by(PREFILL_TILE_ROWS) {
-                tiles.extend([s as i32, q0 as i32]);
+            if n == 1 {
+                decode_tiles.extend([s as i32, 0]);
+            } else {
+                for q0 in (0..n).step_by(PREFILL_TILE_ROWS) {
+                    tiles.extend([s as i32, q0 as i32]);
+                }
             }
             row += n;
         }
+        let n_decode_tiles = decode_tiles.len() / 2;
+        tiles.extend(decode_tiles);
         let n_tiles = tiles.len() / 2;
         if tiles.is_empty() {
             tiles.extend([0, 0]);
@@ -82,11 +96,14 @@ impl CudaOps {
             context: self.upload(&as_i32(context))?,
             tiles: self.upload(&tiles)?,
             n_tiles,
+            n_decode_tiles,
         })
     }
 
-    /// Paged attention of a packed step: the tiled kernel over every row and split, then the
-    /// combine where the longest context has several splits.
+    /// Paged attention of a packed step: the tiled kernel over the chunks' rows, the decode
+    /// kernel over single new rows (the tiled one takes them too where the decode kernel cannot:
+    /// more than 8 query heads per KV head, or heads under 32 values), each over every split,
+    /// then the combine where the longest context has several splits.
     /// `q` holds token rows of `q_stride` values (q heads first); `out` token rows of nq·hd.
     #[allow(clippy::too_many_arguments)]
     pub fn attention(
@@ -132,8 +149,23 @@ impl CudaOps {
         };
         let heads = nq as u32;
         if batch.n_tiles > 0 {
-            let grid = (batch.n_tiles as u32, heads, splits as u32);
-            self.launch_attn(&self.k.attention, &params, grid, 0)?;
+            let decode = if nq / nkv <= DECODE_MAX_GROUP && hd >= 32 {
+                batch.n_decode_tiles
+            } else {
+                0
+            };
+            let tiled = batch.n_tiles - decode;
+            if tiled > 0 {
+                let grid = (tiled as u32, heads, splits as u32);
+                self.launch_attn(&self.k.attention, &params, grid, 0)?;
+            }
+            if decode > 0 {
+                // The same parameters over the tile list's tail.
+                let mut dp = params;
+                dp.tiles += (tiled * 2 * std::mem::size_of::<i32>()) as u64;
+                let grid = (decode as u32, nkv as u32, splits as u32);
+                self.launch_attn(&self.k.attention_decode, &dp, grid, 0)?;
+            }
             if splits > 1 {
                 let grid = (batch.n_tiles as u32, heads, 1);
                 self.launch_attn(&self.k.combine, &params, grid, 0)?;

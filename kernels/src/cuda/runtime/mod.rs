@@ -5,6 +5,7 @@
 
 use std::sync::Arc;
 
+use cudarc::driver::sys::CUfunction_attribute;
 pub use cudarc::driver::CudaSlice;
 use cudarc::driver::{
     CudaFunction, CudaStream, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
@@ -29,8 +30,58 @@ fn shape(msg: String) -> CudaError {
     CudaError::Driver(format!("bad launch: {msg}"))
 }
 
-/// Output columns per block of the product kernels (gemm.cu's tiles).
+/// Output columns per block of the fallback product kernels (gemm.cu's tiles).
 const GEMM_COLS: usize = 64;
+
+/// One tiling of the pipelined products (gemm.cu): its kernel, the most rows it takes, its tile,
+/// threads, whether row tiles run on grid x, and its shared memory, (rows + columns) · k-step ·
+/// 2 bytes · buffers, as the kernel computes it (static up to 48 KiB, else dynamic, where it
+/// traps on less). Every tiling computes each output with the same arithmetic, so the choice by
+/// m never changes a bit.
+struct GemmPipe {
+    name: &'static str,
+    max_m: usize,
+    tile: (usize, usize),
+    threads: u32,
+    m_fast: bool,
+    smem: usize,
+}
+
+const fn pipe(
+    name: &'static str,
+    max_m: usize,
+    (bm, bn, bk, stages): (usize, usize, usize, usize),
+    threads: u32,
+    m_fast: bool,
+) -> GemmPipe {
+    GemmPipe {
+        name,
+        max_m,
+        tile: (bm, bn),
+        threads,
+        m_fast,
+        smem: (bm + bn) * bk * 2 * stages,
+    }
+}
+
+impl GemmPipe {
+    /// The dynamic shared memory a launch passes: none where the buffers fit the 48 KiB a
+    /// kernel may hold statically (the kernel declares them so).
+    const fn dynamic_smem(&self) -> usize {
+        if self.smem <= 48 * 1024 {
+            0
+        } else {
+            self.smem
+        }
+    }
+}
+
+/// By row count, smallest first; the last takes every larger m.
+const GEMM_PIPES: [GemmPipe; 3] = [
+    pipe("gemm_pipe_small", 64, (16, 32, 128, 4), 128, true),
+    pipe("gemm_pipe_mid", 128, (64, 64, 64, 4), 128, false),
+    pipe("gemm_pipe_large", usize::MAX, (128, 128, 64, 3), 256, false),
+];
 
 /// Threads per block of the row kernels.
 const ROW_THREADS: u32 = 256;
@@ -45,8 +96,11 @@ struct Kernels {
     write_kv: CudaFunction,
     combine: CudaFunction,
     attention: CudaFunction,
+    attention_decode: CudaFunction,
     gemm_rows16: CudaFunction,
     gemm_rows64: CudaFunction,
+    /// GEMM_PIPES' kernels, in its order.
+    gemm_pipes: Vec<CudaFunction>,
     argmax: CudaFunction,
     sample: CudaFunction,
 }
@@ -99,8 +153,23 @@ impl CudaOps {
             write_kv: f(1, "write_kv")?,
             combine: f(2, "paged_attention_combine")?,
             attention: f(2, "paged_attention")?,
+            attention_decode: f(2, "paged_attention_decode")?,
             gemm_rows16: f(4, "gemm_rows16")?,
             gemm_rows64: f(4, "gemm_rows64")?,
+            gemm_pipes: GEMM_PIPES
+                .iter()
+                .map(|p| {
+                    let f = f(4, p.name)?;
+                    if p.dynamic_smem() > 0 {
+                        f.set_attribute(
+                            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                            p.dynamic_smem() as i32,
+                        )
+                        .map_err(drv)?;
+                    }
+                    Ok(f)
+                })
+                .collect::<Result<_, CudaError>>()?,
             argmax: f(3, "argmax_rows")?,
             sample: f(3, "sample_rows")?,
         };
@@ -371,7 +440,30 @@ impl CudaOps {
         x: &CudaSlice<u16>,
         w: &CudaSlice<u16>,
         out: &mut CudaSlice<O>,
+        mnk: (usize, usize, usize),
+    ) -> Result<(), CudaError> {
+        self.gemm_on(x, w, out, mnk, false)
+    }
+
+    /// The product through the fallback kernels whatever k is (what runs when k is not a
+    /// multiple of 8): the baseline `tandem bench gpu` sets the pipelined kernels against.
+    pub fn gemm_fallback<O: GemmOut>(
+        &self,
+        x: &CudaSlice<u16>,
+        w: &CudaSlice<u16>,
+        out: &mut CudaSlice<O>,
+        mnk: (usize, usize, usize),
+    ) -> Result<(), CudaError> {
+        self.gemm_on(x, w, out, mnk, true)
+    }
+
+    fn gemm_on<O: GemmOut>(
+        &self,
+        x: &CudaSlice<u16>,
+        w: &CudaSlice<u16>,
+        out: &mut CudaSlice<O>,
         (m, n, k): (usize, usize, usize),
+        fallback: bool,
     ) -> Result<(), CudaError> {
         if x.len() < m * k || w.len() < n * k || out.len() < m * n {
             return Err(shape(format!("gemm {m}×{n}×{k}")));
@@ -383,18 +475,52 @@ impl CudaOps {
         if too_big(m) || too_big(n) || too_big(k) {
             return Err(shape(format!("gemm {m}×{n}×{k}: a side over 2³¹")));
         }
-        // Two tilings, one arithmetic per output (gemm.cu): 16-row tiles for decode-sized
-        // batches, 64-row ones above.
-        let (f, rows) = if m <= 16 {
-            (&self.k.gemm_rows16, 16)
+        // One arithmetic per output whichever tiling runs (gemm.cu): the pipelined kernels
+        // when rows are 16-byte aligned (k a multiple of 8; the choice among them by m changes
+        // no bit), else the fallback (a property of the weight's shape, never of the batch).
+        let cfg = |f, grid: (usize, usize), threads: u32, smem: usize| {
+            let fits = |v: usize, max: usize| v <= max;
+            (
+                f,
+                fits(grid.0, i32::MAX as usize) && fits(grid.1, 65_535),
+                LaunchConfig {
+                    grid_dim: (grid.0 as u32, grid.1 as u32, 1),
+                    block_dim: (threads, 1, 1),
+                    shared_mem_bytes: smem as u32,
+                },
+            )
+        };
+        let (f, fits, cfg) = if fallback || k % 8 != 0 {
+            if m <= 16 {
+                cfg(
+                    &self.k.gemm_rows16,
+                    (n.div_ceil(GEMM_COLS), m.div_ceil(16)),
+                    128,
+                    0,
+                )
+            } else {
+                cfg(
+                    &self.k.gemm_rows64,
+                    (n.div_ceil(GEMM_COLS), m.div_ceil(64)),
+                    128,
+                    0,
+                )
+            }
         } else {
-            (&self.k.gemm_rows64, 64)
+            let i = GEMM_PIPES
+                .iter()
+                .position(|p| m <= p.max_m)
+                .unwrap_or(GEMM_PIPES.len() - 1);
+            let p = &GEMM_PIPES[i];
+            let (mt, nt) = (m.div_ceil(p.tile.0), n.div_ceil(p.tile.1));
+            let grid = if p.m_fast { (mt, nt) } else { (nt, mt) };
+            cfg(&self.k.gemm_pipes[i], grid, p.threads, p.dynamic_smem())
         };
-        let cfg = LaunchConfig {
-            grid_dim: (n.div_ceil(GEMM_COLS) as u32, m.div_ceil(rows) as u32, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        if !fits {
+            return Err(shape(format!(
+                "gemm {m}×{n}×{k}: more tiles than a grid holds"
+            )));
+        }
         let (mi, ni, ki, f32_out) = (m as i32, n as i32, k as i32, O::F32 as i32);
         let s = &self.stream;
         let op = out.device_ptr_mut(s).0;
@@ -460,5 +586,45 @@ impl CudaOps {
         };
         // SAFETY: as above.
         unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::GEMM_PIPES;
+
+    /// Each tiling's table entry against its kernel in gemm.cu: the template arguments give the
+    /// tile, threads, row-tile placement and shared memory the kernel checks at launch.
+    #[test]
+    fn the_product_tilings_match_their_kernels() {
+        let src = include_str!("../../../cuda/gemm.cu");
+        let mut last = 0;
+        for p in &GEMM_PIPES {
+            let body = src
+                .split(&format!("{}(const bf16", p.name))
+                .nth(1)
+                .unwrap_or_else(|| panic!("{} is not in gemm.cu", p.name));
+            let args = body
+                .split("gemm_pipe<")
+                .nth(1)
+                .and_then(|a| a.split('>').next())
+                .unwrap();
+            let v: Vec<&str> = args.split(',').map(str::trim).collect();
+            let n = |i: usize| v[i].parse::<usize>().unwrap();
+            let (wm, wn, mi, ni, bk, stages) = (n(0), n(1), n(2), n(3), n(4), n(5));
+            let (bm, bn) = (wm * mi * 16, wn * ni * 8);
+            assert_eq!(p.tile, (bm, bn), "{}", p.name);
+            assert_eq!(p.threads as usize, wm * wn * 32, "{}", p.name);
+            assert_eq!(p.m_fast, v[6] == "true", "{}", p.name);
+            assert_eq!(p.smem, (bm + bn) * bk * 2 * stages, "{}", p.name);
+            // Within what every sm_80+ part grants a block (sm_86/89: 99 KiB).
+            assert!(p.smem <= 99 * 1024, "{}: {} bytes", p.name, p.smem);
+            // A k-step holds whole 32-wide pairs of products.
+            assert_eq!(bk % 32, 0, "{}", p.name);
+            assert!(p.max_m > last, "ascending row limits");
+            assert!(p.max_m % 16 == 0 || p.max_m == usize::MAX);
+            last = p.max_m;
+        }
+        assert_eq!(last, usize::MAX, "the last tiling takes every larger m");
     }
 }
