@@ -45,6 +45,11 @@ pub enum ApiError {
     /// The body paused for longer than `--body-stall-timeout-ms` (that long).
     #[error("the request body sent nothing for {0:?}: the router stopped waiting for it")]
     BodyTimeout(std::time::Duration),
+    /// The body did not arrive whole within `--body-timeout-ms` (that long).
+    #[error(
+        "the request body did not arrive whole within {0:?}: the router stopped waiting for it"
+    )]
+    BodyDeadline(std::time::Duration),
     /// The router already has `--max-queue` requests in flight (that many).
     #[error("the router already has {0} requests in flight: retry later")]
     QueueFull(usize),
@@ -97,7 +102,7 @@ impl ApiError {
             }
             Self::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             Self::BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
-            Self::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
+            Self::BodyTimeout(_) | Self::BodyDeadline(_) => StatusCode::REQUEST_TIMEOUT,
             Self::QueueFull(_) => StatusCode::TOO_MANY_REQUESTS,
             Self::Busy(_) | Self::NoWorker | Self::WorkerUnavailable { .. } => {
                 StatusCode::SERVICE_UNAVAILABLE
@@ -115,7 +120,9 @@ impl ApiError {
             Self::ModelNotFound(_) => ("invalid_request_error", "model_not_found"),
             Self::Unauthorized(_) => ("invalid_request_error", "invalid_api_key"),
             Self::BodyTooLarge(_) => ("invalid_request_error", "request_too_large"),
-            Self::BodyTimeout(_) => ("invalid_request_error", "request_timeout"),
+            Self::BodyTimeout(_) | Self::BodyDeadline(_) => {
+                ("invalid_request_error", "request_timeout")
+            }
             Self::QueueFull(_) => ("rate_limit_error", "rate_limit_exceeded"),
             Self::Busy(_) => ("service_unavailable", "busy"),
             Self::NoWorker => ("service_unavailable", "no_worker"),
@@ -148,7 +155,7 @@ impl ApiError {
             Self::ModelNotFound(_) => tonic::Status::not_found(m),
             Self::Unauthorized(_) => tonic::Status::unauthenticated(m),
             Self::BodyTooLarge(_) => tonic::Status::resource_exhausted(m),
-            Self::BodyTimeout(_) => tonic::Status::deadline_exceeded(m),
+            Self::BodyTimeout(_) | Self::BodyDeadline(_) => tonic::Status::deadline_exceeded(m),
             Self::QueueFull(_) => {
                 let mut st = tonic::Status::resource_exhausted(m);
                 // gRPC's retry policy waits this long before its next attempt.

@@ -33,11 +33,12 @@ pub struct RouterMetrics {
 pub const OUTCOMES: [&str; 5] = ["ok", "invalid", "refused", "failed", "cancelled"];
 
 /// Why the router turned a request away before it reached a worker.
-pub const REFUSALS: [&str; 5] = [
+pub const REFUSALS: [&str; 6] = [
     "unauthorized",
     "queue_full",
     "body_too_large",
     "body_timeout",
+    "body_budget",
     "no_worker",
 ];
 
@@ -154,7 +155,8 @@ impl RouterMetrics {
     }
 
     /// A request turned away before it reached a worker; `reason` is one of `REFUSALS`
-    /// (`unauthorized`, `queue_full`, `body_too_large`, `body_timeout`, `no_worker`).
+    /// (`unauthorized`, `queue_full`, `body_too_large`, `body_timeout`, `body_budget`,
+    /// `no_worker`).
     pub fn refused(&self, reason: &'static str) {
         debug_assert!(REFUSALS.contains(&reason), "{reason}");
         self.refused.get_or_create(&vec![("reason", reason)]).inc();

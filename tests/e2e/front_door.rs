@@ -520,3 +520,125 @@ async fn tls_serves_the_openai_client_and_grpc_with_keys() {
     .await;
     wait_idle(&waddr).await;
 }
+
+/// A body trickled just faster than the stall timeout still meets the whole-body deadline (408),
+/// and the bodies arriving at once cannot hold more of the router than its in-flight budget: the
+/// one that would pass it is a 503 at once, and the budget comes back when the others go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_and_many_bodies_are_bounded() {
+    let (_w, waddr) = start_worker(&[]);
+    // A whole-body deadline shorter than the stall timeout, which the trickle never meets.
+    let r = start_router(
+        std::slice::from_ref(&waddr),
+        &["--body-stall-timeout-ms=5000", "--body-timeout-ms=1500"],
+    );
+    wait_ready(&r, 1).await;
+    let s = TcpStream::connect(host(&r.http)).await.unwrap();
+    let (mut rd, mut wr) = s.into_split();
+    wr.write_all(
+        b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n\
+          Content-Length: 1000\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    // One byte every 200 ms until the router stops taking them (1000 bytes: 200 s).
+    let trickle = tokio::spawn(async move {
+        for _ in 0..1000 {
+            if wr.write_all(b" ").await.is_err() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    });
+    let mut out = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(60), rd.read_to_end(&mut out)).await;
+    assert!(read.is_ok(), "the router never answered the trickled body");
+    trickle.abort();
+    let resp = String::from_utf8_lossy(&out).into_owned();
+    assert_eq!(status_of(&resp), 408, "{resp}");
+    let err = &body_of(&resp)["error"];
+    assert_eq!(err["code"], "request_timeout", "{resp}");
+    assert!(
+        err["message"]
+            .as_str()
+            .unwrap()
+            .contains("did not arrive whole"),
+        "{resp}"
+    );
+
+    // Bodies of 60 000 bytes under a budget of 128 KiB: two fit, a third does not.
+    let r = start_router(
+        std::slice::from_ref(&waddr),
+        &[
+            "--max-body-bytes=65536",
+            "--max-body-bytes-in-flight=131072",
+            "--body-stall-timeout-ms=120000",
+            "--body-timeout-ms=120000",
+        ],
+    );
+    wait_ready(&r, 1).await;
+    let http = r.http.as_str();
+    let head = b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n\
+                 Content-Length: 60000\r\n\r\n";
+    let mut holders = Vec::new();
+    for _ in 0..2 {
+        let mut s = TcpStream::connect(host(http)).await.unwrap();
+        s.write_all(head).await.unwrap();
+        s.write_all(b"{\"prompt\": ").await.unwrap();
+        holders.push(s);
+    }
+    // A third body, head only: once the two hold their share (they sent their heads first), it
+    // is refused before a byte of it is read. A probe that finds the budget free is waiting for
+    // its body: it is dropped (giving its share back) and sent again.
+    let mut refused = None;
+    for _ in 0..30 {
+        let mut s = TcpStream::connect(host(http)).await.unwrap();
+        s.write_all(head).await.unwrap();
+        let mut out = Vec::new();
+        if tokio::time::timeout(Duration::from_secs(2), s.read_to_end(&mut out))
+            .await
+            .is_ok()
+        {
+            refused = Some(String::from_utf8_lossy(&out).into_owned());
+            break;
+        }
+    }
+    let resp = refused.expect("a third body was never refused while two held the budget");
+    assert_eq!(status_of(&resp), 503, "{resp}");
+    let err = &body_of(&resp)["error"];
+    assert_eq!(err["code"], "busy", "{resp}");
+    assert!(
+        err["message"]
+            .as_str()
+            .unwrap()
+            .contains("--max-body-bytes-in-flight"),
+        "{resp}"
+    );
+    assert!(
+        resp.contains("retry-after: 1") || resp.contains("Retry-After: 1"),
+        "{resp}"
+    );
+
+    // The holders go: their share comes back, and a whole body of the same size is served.
+    drop(holders);
+    let mut body =
+        json!({"prompt": "Once upon a time", "max_tokens": 2, "temperature": 0}).to_string();
+    body.push_str(&" ".repeat(60_000 - body.len()));
+    let request = [
+        &b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n\
+           Connection: close\r\nContent-Length: 60000\r\n\r\n"[..],
+        body.as_bytes(),
+    ]
+    .concat();
+    let mut served = None;
+    for _ in 0..50 {
+        let resp = raw(http, &request).await;
+        if status_of(&resp) != 503 {
+            served = Some(resp);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let resp = served.expect("the budget never came back after the holders closed");
+    assert_eq!(status_of(&resp), 200, "{resp}");
+}

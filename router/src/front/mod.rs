@@ -9,9 +9,11 @@
 //! and timeouts).
 //!
 //! Every limit is on the client's own progress, never on the model's: a head must arrive within
-//! `--header-timeout-ms`, a body must not pause for `--body-stall-timeout-ms`, and a response the
-//! client stops reading is cut off after `--write-stall-timeout-ms` without progress. None of them
-//! holds a queue slot: the router takes one only once the whole body is in.
+//! `--header-timeout-ms`, a body must not pause for `--body-stall-timeout-ms` and must arrive
+//! whole within `--body-timeout-ms`, the bodies arriving at once may hold at most
+//! `--max-body-bytes-in-flight` of the router's memory, and a response the client stops reading
+//! is cut off after `--write-stall-timeout-ms` without progress. None of them holds a queue slot:
+//! the router takes one only once the whole body is in.
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -28,6 +30,8 @@ const DEFAULT_MAX_HEADER_BYTES: usize = 64 << 10;
 const DEFAULT_MAX_HEADERS: usize = 100;
 const DEFAULT_HEADER_TIMEOUT_MS: u64 = 10_000;
 const DEFAULT_BODY_STALL_TIMEOUT_MS: u64 = 10_000;
+const DEFAULT_BODY_TIMEOUT_MS: u64 = 60_000;
+const DEFAULT_MAX_BODY_BYTES_IN_FLIGHT: usize = 256 << 20;
 const DEFAULT_WRITE_STALL_TIMEOUT_MS: u64 = 60_000;
 
 /// The front door's flags (part of `tandem router`'s).
@@ -77,6 +81,18 @@ pub struct FrontDoorArgs {
     /// A request body that sends no byte for this many milliseconds gets 408.
     #[arg(long, env = "TANDEM_BODY_STALL_TIMEOUT_MS", default_value_t = DEFAULT_BODY_STALL_TIMEOUT_MS)]
     pub body_stall_timeout_ms: u64,
+    /// A request body must arrive whole within this many milliseconds, or it gets 408 (a body
+    /// trickled just faster than the stall timeout would otherwise hold its bytes for ever).
+    #[arg(long, env = "TANDEM_BODY_TIMEOUT_MS", default_value_t = DEFAULT_BODY_TIMEOUT_MS)]
+    pub body_timeout_ms: u64,
+    /// Bytes of request bodies the router holds while they arrive, every connection together;
+    /// a body that would pass it gets 503 (busy, retry) at once. At least --max-body-bytes.
+    #[arg(
+        long,
+        env = "TANDEM_MAX_BODY_BYTES_IN_FLIGHT",
+        default_value_t = DEFAULT_MAX_BODY_BYTES_IN_FLIGHT
+    )]
+    pub max_body_bytes_in_flight: usize,
     /// A connection whose client reads nothing of the response for this many milliseconds (its
     /// receive window full) is closed; its request is cancelled.
     #[arg(long, env = "TANDEM_WRITE_STALL_TIMEOUT_MS", default_value_t = DEFAULT_WRITE_STALL_TIMEOUT_MS)]
@@ -96,6 +112,8 @@ impl Default for FrontDoorArgs {
             max_headers: DEFAULT_MAX_HEADERS,
             header_timeout_ms: DEFAULT_HEADER_TIMEOUT_MS,
             body_stall_timeout_ms: DEFAULT_BODY_STALL_TIMEOUT_MS,
+            body_timeout_ms: DEFAULT_BODY_TIMEOUT_MS,
+            max_body_bytes_in_flight: DEFAULT_MAX_BODY_BYTES_IN_FLIGHT,
             write_stall_timeout_ms: DEFAULT_WRITE_STALL_TIMEOUT_MS,
         }
     }
@@ -149,6 +167,10 @@ pub struct Limits {
     pub header_timeout: Duration,
     /// Longest pause allowed within a request body.
     pub body_stall: Duration,
+    /// Longest a request body may take to arrive whole.
+    pub body_deadline: Duration,
+    /// Bytes of request bodies held while they arrive, all connections together.
+    pub body_in_flight: usize,
     /// Longest a response may go without the client reading any of it.
     pub write_stall: Duration,
 }
@@ -191,6 +213,12 @@ impl FrontDoorArgs {
             ("max-headers", self.max_headers as u64, 8),
             ("header-timeout-ms", self.header_timeout_ms, 1),
             ("body-stall-timeout-ms", self.body_stall_timeout_ms, 1),
+            ("body-timeout-ms", self.body_timeout_ms, 1),
+            (
+                "max-body-bytes-in-flight",
+                self.max_body_bytes_in_flight as u64,
+                self.max_body_bytes as u64,
+            ),
             ("write-stall-timeout-ms", self.write_stall_timeout_ms, 1),
         ] {
             if v < min {
@@ -213,6 +241,8 @@ impl FrontDoorArgs {
                 max_headers: self.max_headers,
                 header_timeout: Duration::from_millis(self.header_timeout_ms),
                 body_stall: Duration::from_millis(self.body_stall_timeout_ms),
+                body_deadline: Duration::from_millis(self.body_timeout_ms),
+                body_in_flight: self.max_body_bytes_in_flight,
                 write_stall: Duration::from_millis(self.write_stall_timeout_ms),
             },
             tls,

@@ -83,6 +83,17 @@ fn a_key_file_adds_its_keys_and_an_empty_one_is_refused() {
         zero.resolve(),
         Err(FrontDoorError::TooSmall("header-timeout-ms", 1))
     ));
+    // A budget for bodies in flight that one body of the largest size could not fit.
+    let tight = FrontDoorArgs {
+        max_body_bytes: 1 << 20,
+        max_body_bytes_in_flight: (1 << 20) - 1,
+        ..Default::default()
+    };
+    let e = tight.resolve().err().expect("refused");
+    assert!(
+        matches!(e, FrontDoorError::TooSmall("max-body-bytes-in-flight", n) if n == 1 << 20),
+        "{e}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -113,6 +124,8 @@ fn limits(header: u64, write: u64) -> Limits {
         max_headers: DEFAULT_MAX_HEADERS,
         header_timeout: Duration::from_millis(header),
         body_stall: Duration::from_secs(10),
+        body_deadline: Duration::from_secs(60),
+        body_in_flight: 1 << 24,
         write_stall: Duration::from_millis(write),
     }
 }

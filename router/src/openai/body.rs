@@ -7,16 +7,69 @@ use axum::body::Bytes;
 use axum::extract::FromRequest;
 use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
 
 use crate::error::ApiError;
+use crate::front::Limits;
 use crate::metrics::RouterMetrics;
+
+/// The budget counts bodies in KiB, so that a budget of gigabytes fits a semaphore's permits.
+const BUDGET_UNIT: usize = 1024;
 
 /// The front door's body limits, as a request extension for [`RequestBody`].
 #[derive(Clone)]
 pub(super) struct BodyLimits {
-    pub(super) max: usize,
-    pub(super) stall: Duration,
-    pub(super) metrics: Arc<RouterMetrics>,
+    max: usize,
+    stall: Duration,
+    deadline: Duration,
+    /// `--max-body-bytes-in-flight` in [`BUDGET_UNIT`]s: what the bodies arriving now may hold.
+    budget: Arc<Semaphore>,
+    budget_bytes: usize,
+    metrics: Arc<RouterMetrics>,
+}
+
+impl BodyLimits {
+    pub(super) fn new(limits: &Limits, metrics: Arc<RouterMetrics>) -> Self {
+        let units = (limits.body_in_flight / BUDGET_UNIT).clamp(1, Semaphore::MAX_PERMITS);
+        Self {
+            max: limits.max_body,
+            stall: limits.body_stall,
+            deadline: limits.body_deadline,
+            budget: Arc::new(Semaphore::new(units)),
+            budget_bytes: limits.body_in_flight,
+            metrics,
+        }
+    }
+
+    /// Grows what a body holds of the in-flight budget to cover `bytes` in all, or says the
+    /// budget cannot.
+    fn cover(&self, held: &mut Option<OwnedSemaphorePermit>, bytes: usize) -> Result<(), ()> {
+        let have = held.as_ref().map_or(0, |p| p.num_permits());
+        let want = bytes.div_ceil(BUDGET_UNIT);
+        if want <= have {
+            return Ok(());
+        }
+        let more = u32::try_from(want - have).map_err(|_| ())?;
+        let p = self
+            .budget
+            .clone()
+            .try_acquire_many_owned(more)
+            .map_err(|_| ())?;
+        match held {
+            Some(h) => h.merge(p),
+            None => *held = Some(p),
+        }
+        Ok(())
+    }
+
+    fn spent(&self) -> ApiError {
+        ApiError::Busy(format!(
+            "the request bodies arriving now hold all of the router's {} bytes for them \
+             (--max-body-bytes-in-flight): retry in a moment",
+            self.budget_bytes
+        ))
+    }
 }
 
 /// Reads and drops up to `budget` more bytes of a refused body, so that a client still sending
@@ -33,8 +86,10 @@ async fn drain(body: &mut axum::body::BodyDataStream, budget: usize, stall: Dura
 }
 
 /// A request's whole body, read under the front door's limits: over the size limit is 413 (at
-/// once when `Content-Length` says so), a pause longer than the stall timeout is 408. Nothing
-/// of the router is held while it arrives.
+/// once when `Content-Length` says so), a pause longer than the stall timeout or a body not whole
+/// within the body deadline is 408, and a body the in-flight budget cannot take is 503 (at once
+/// when `Content-Length` says so; the budget comes back when the body is in). Nothing of the
+/// router's queue is held while it arrives.
 pub(super) struct RequestBody(pub(super) Bytes);
 
 impl<S: Send + Sync> FromRequest<S> for RequestBody {
@@ -59,22 +114,42 @@ impl<S: Send + Sync> FromRequest<S> for RequestBody {
             }
             return Err(refuse(ApiError::BodyTooLarge(limits.max), "body_too_large"));
         }
-        let mut buf = Vec::with_capacity(declared.unwrap_or(0) as usize);
+        // What this body holds of the in-flight budget: the declared length up front, else each
+        // chunk as it comes. Dropped (given back) when this returns.
+        let mut held = None;
+        let declared = declared.unwrap_or(0) as usize;
+        if limits.cover(&mut held, declared).is_err() {
+            return Err(refuse(limits.spent(), "body_budget"));
+        }
+        let deadline = Instant::now() + limits.deadline;
+        let mut buf = Vec::with_capacity(declared);
         loop {
-            match tokio::time::timeout(limits.stall, body.next()).await {
-                Err(_) => return Err(refuse(ApiError::BodyTimeout(limits.stall), "body_timeout")),
-                Ok(None) => break,
-                Ok(Some(Err(e))) => {
+            let next = tokio::time::timeout(limits.stall, body.next());
+            match tokio::time::timeout_at(deadline, next).await {
+                Err(_) => {
+                    return Err(refuse(
+                        ApiError::BodyDeadline(limits.deadline),
+                        "body_timeout",
+                    ))
+                }
+                Ok(Err(_)) => {
+                    return Err(refuse(ApiError::BodyTimeout(limits.stall), "body_timeout"))
+                }
+                Ok(Ok(None)) => break,
+                Ok(Ok(Some(Err(e)))) => {
                     return Err(ApiError::InvalidRequest {
                         message: format!("could not read the request body: {e}"),
                         param: None,
                     }
                     .into_response())
                 }
-                Ok(Some(Ok(chunk))) => {
+                Ok(Ok(Some(Ok(chunk)))) => {
                     if buf.len() + chunk.len() > limits.max {
                         drain(&mut body, limits.max, limits.stall).await;
                         return Err(refuse(ApiError::BodyTooLarge(limits.max), "body_too_large"));
+                    }
+                    if limits.cover(&mut held, buf.len() + chunk.len()).is_err() {
+                        return Err(refuse(limits.spent(), "body_budget"));
                     }
                     buf.extend_from_slice(&chunk);
                 }

@@ -70,11 +70,7 @@ pub fn routes(d: Arc<Dispatcher>, door: &FrontDoor) -> axum::Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn(catch_panic))
-        .layer(Extension(BodyLimits {
-            max: door.limits.max_body,
-            stall: door.limits.body_stall,
-            metrics: d.metrics.clone(),
-        }))
+        .layer(Extension(BodyLimits::new(&door.limits, d.metrics.clone())))
         .with_state(d)
 }
 
