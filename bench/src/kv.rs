@@ -99,7 +99,7 @@ async fn one_transfer(
     let t0 = Instant::now();
     let mut grant = rx.grant(blocks, sink, Duration::from_secs(60));
     let mut s = transport
-        .open(&rx.local_addr().to_string())
+        .open(&rx.endpoint(), grant.id())
         .await
         .map_err(|e| e.to_string())?;
     s.send_blocks(grant.id(), frames)

@@ -100,6 +100,9 @@ impl RemotePrefill {
         let token = tandem_worker::WorkerToken::from_secret(&secret);
         let receiver = KvReceiver::bind_with(bind, secret, Some(shape)).await?;
         let endpoint = format!("{advertise_host}:{}", receiver.local_addr().port());
+        // A sender's handshake must name this endpoint: one relayed through another address
+        // is refused.
+        receiver.advertise(endpoint.clone());
         Ok(Self {
             receiver,
             endpoint,

@@ -1,17 +1,29 @@
 //! Peer authentication: mutual challenge-response over a shared secret (HMAC-SHA256), so the
-//! secret never crosses the wire and a peer that does not hold it cannot write a byte.
+//! secret never crosses the wire and a peer that does not hold it cannot write a byte. A
+//! connection is bound to one transfer at one endpoint, and its frames are sealed with a key
+//! derived from the handshake.
 //!
 //! ```text
 //! receiver -> sender   "TKV1" | version u16 | receiver nonce (32 bytes) | shape
-//! sender   -> receiver "TKV1" | version u16 | sender nonce (32) | shape | HMAC(secret, "tandem-kv/1 sender" | rn | sn | rshape | sshape)
-//! receiver -> sender   status u8 (0 ok, 1 refused, 2 caches do not map) | [status 2: reason length u16 | reason]
-//!                      | HMAC(secret, "tandem-kv/1 receiver" | status and reason | sn | rn | sshape | rshape)
+//! sender   -> receiver "TKV1" | version u16 | sender nonce (32) | shape | transfer u64
+//!                      | endpoint length u16 | endpoint
+//!                      | HMAC(secret, "tandem-kv/1 sender" | rn | sn | rshape | sshape | transfer | endpoint)
+//! receiver -> sender   status u8 (0 ok, 1 refused, 2 caches do not map, 3 transfer not granted
+//!                      here) | [status 2, 3: reason length u16 | reason]
+//!                      | HMAC(secret, "tandem-kv/1 receiver" | status and reason | sn | rn | sshape | rshape | transfer | endpoint)
+//! session key          HMAC(secret, "tandem-kv/1 session" | rn | sn | transfer | endpoint)
 //! ```
+//!
+//! The endpoint is the one the sender dialed, as the receiver's grant advertised it; the
+//! receiver admits the connection only for a live grant at that endpoint, so a handshake relayed
+//! through another address, or for another transfer, fails. Every frame header then carries a
+//! tag, HMAC(session key, frame number | header)[..16] (the header holds the payload's xxh3), so
+//! no frame can be injected, replayed or reordered on the connection.
 //!
 //! A shape is a u32 length and a [`KvShape`] (length 0: none given). Both sides check the
 //! other's MAC in constant time. The receiver reads no frame before the sender's MAC checks out
-//! and closes the connection when it does not, or when the two caches cannot exchange blocks
-//! (it says why).
+//! and closes the connection when it does not, when the two caches cannot exchange blocks, or
+//! when it has no such transfer (it says why for the last two).
 
 use hmac::{Hmac, Mac};
 use rand::RngCore;
@@ -19,11 +31,13 @@ use sha2::Sha256;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::shape::{KvShape, MAX_SHAPE};
-use crate::wire::{HELLO_MAGIC, VERSION};
+use crate::wire::{HEADER_LEN, HELLO_MAGIC, TAG_AT, VERSION};
 use crate::TransferError;
 
 const NONCE: usize = 32;
 const MAC: usize = 32;
+/// Longest endpoint a handshake may name, in bytes.
+pub const MAX_ENDPOINT: usize = 1024;
 
 /// The cluster's shared KV secret (`--kv-secret` / `TANDEM_KV_SECRET`).
 #[derive(Clone)]
@@ -94,6 +108,85 @@ impl Secret {
 const SENDER_LABEL: &[u8] = b"tandem-kv/1 sender";
 const RECEIVER_LABEL: &[u8] = b"tandem-kv/1 receiver";
 const RPC_LABEL: &[u8] = b"tandem-worker-rpc/1";
+const SESSION_LABEL: &[u8] = b"tandem-kv/1 session";
+
+/// One authenticated connection: the transfer it is bound to, the peer's cache, and the key its
+/// frame headers are sealed with.
+#[derive(Clone)]
+pub struct Session {
+    transfer: u64,
+    peer: Option<KvShape>,
+    key: Hmac<Sha256>,
+}
+
+impl std::fmt::Debug for Session {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Session")
+            .field("transfer", &self.transfer)
+            .field("peer", &self.peer)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Session {
+    fn new(secret: &Secret, binding: &Binding<'_>, peer: Option<KvShape>) -> Self {
+        let key = secret
+            .mac(
+                SESSION_LABEL,
+                &[
+                    binding.rn,
+                    binding.sn,
+                    &binding.transfer.to_le_bytes(),
+                    binding.endpoint,
+                ],
+            )
+            .finalize()
+            .into_bytes();
+        Self {
+            transfer: binding.transfer,
+            peer,
+            key: Hmac::<Sha256>::new_from_slice(&key).expect("HMAC takes any key length"),
+        }
+    }
+
+    /// The transfer this connection carries.
+    pub fn transfer(&self) -> u64 {
+        self.transfer
+    }
+
+    /// The other side's cache, as it described it (the receiver's, for a sender).
+    pub fn peer(&self) -> Option<&KvShape> {
+        self.peer.as_ref()
+    }
+
+    fn tag(&self, seq: u64, header: &[u8; HEADER_LEN]) -> Hmac<Sha256> {
+        let mut m = self.key.clone();
+        m.update(&seq.to_le_bytes());
+        m.update(&header[..TAG_AT]);
+        m
+    }
+
+    /// Writes frame `seq`'s tag (the connection's frames count from 0) into `header`.
+    pub fn seal(&self, seq: u64, header: &mut [u8; HEADER_LEN]) {
+        let tag = self.tag(seq, header).finalize().into_bytes();
+        header[TAG_AT..].copy_from_slice(&tag[..HEADER_LEN - TAG_AT]);
+    }
+
+    /// Whether `header` carries frame `seq`'s tag (compared in constant time).
+    pub fn verify(&self, seq: u64, header: &[u8; HEADER_LEN]) -> bool {
+        self.tag(seq, header)
+            .verify_truncated_left(&header[TAG_AT..])
+            .is_ok()
+    }
+}
+
+/// What both MACs and the session key bind: the nonces, the transfer and the dialed endpoint.
+struct Binding<'a> {
+    rn: &'a [u8],
+    sn: &'a [u8],
+    transfer: u64,
+    endpoint: &'a [u8],
+}
 
 fn nonce() -> [u8; NONCE] {
     let mut n = [0u8; NONCE];
@@ -156,14 +249,18 @@ fn hello(n: &[u8; NONCE]) -> Vec<u8> {
     b
 }
 
-/// The receiver's half, describing its cache as `shape`. Errors mean the peer is refused (the
-/// caller closes the connection): [`TransferError::Mismatch`] when the two caches cannot
-/// exchange blocks, which the sender is told with the reason.
+/// The receiver's half, describing its cache as `shape`. `admit` is asked, once the sender has
+/// proved the secret, whether the transfer it names is granted here at the endpoint it dialed
+/// (an `Err` is the reason it is not). Errors mean the peer is refused (the caller closes the
+/// connection): [`TransferError::Mismatch`] when the two caches cannot exchange blocks and
+/// [`TransferError::NotGranted`] when the transfer is not admitted, both told to the sender with
+/// the reason.
 pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
     s: &mut S,
     secret: &Secret,
     shape: Option<&KvShape>,
-) -> Result<(), TransferError> {
+    admit: impl FnOnce(u64, &str) -> Result<(), String>,
+) -> Result<Session, TransferError> {
     let rn = nonce();
     let rshape = shape_bytes(shape);
     let mut msg = hello(&rn);
@@ -172,57 +269,104 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
     s.flush().await?;
     let sn = read_hello(s).await?;
     let (sshape, theirs) = read_shape(s).await?;
+    let mut transfer = [0u8; 8];
+    s.read_exact(&mut transfer).await?;
+    let transfer = u64::from_le_bytes(transfer);
+    let mut n = [0u8; 2];
+    s.read_exact(&mut n).await?;
+    let n = u16::from_le_bytes(n) as usize;
+    if n > MAX_ENDPOINT {
+        return Err(TransferError::Handshake(format!(
+            "the peer names an endpoint of {n} bytes, over the {MAX_ENDPOINT}-byte limit"
+        )));
+    }
+    let mut endpoint = vec![0u8; n];
+    s.read_exact(&mut endpoint).await?;
     let mut mac = [0u8; MAC];
     s.read_exact(&mut mac).await?;
+    let binding = Binding {
+        rn: &rn,
+        sn: &sn,
+        transfer,
+        endpoint: &endpoint,
+    };
+    let bound = [&transfer.to_le_bytes()[..], &endpoint];
     if secret
-        .mac(SENDER_LABEL, &[&rn, &sn, &rshape, &sshape])
+        .mac(
+            SENDER_LABEL,
+            &[&rn, &sn, &rshape, &sshape, bound[0], bound[1]],
+        )
         .verify_slice(&mac)
         .is_err()
     {
         let _ = s.write_all(&[1u8; 1 + MAC]).await;
         return Err(TransferError::Unauthenticated);
     }
-    let why = match (shape, &theirs) {
-        (Some(mine), Some(theirs)) => mine.mismatch(theirs),
+    let refusal = match (shape, &theirs) {
+        (Some(mine), Some(theirs)) => mine.mismatch(theirs).map(|w| (2u8, w)),
         _ => None,
-    };
-    // Status, then (status 2) the reason, then the MAC over both and the hello messages.
-    let mut head = vec![if why.is_some() { 2u8 } else { 0 }];
-    if let Some(why) = &why {
+    }
+    .or_else(|| {
+        admit(transfer, &String::from_utf8_lossy(&endpoint))
+            .err()
+            .map(|w| (3u8, w))
+    });
+    // Status, then (status 2 or 3) the reason, then the MAC over both and the hello messages.
+    let mut head = vec![refusal.as_ref().map_or(0, |(st, _)| *st)];
+    if let Some((_, why)) = &refusal {
         let w = &why.as_bytes()[..why.len().min(u16::MAX as usize)];
         head.extend_from_slice(&(w.len() as u16).to_le_bytes());
         head.extend_from_slice(w);
     }
     let mac = secret
-        .mac(RECEIVER_LABEL, &[&head, &sn, &rn, &sshape, &rshape])
+        .mac(
+            RECEIVER_LABEL,
+            &[&head, &sn, &rn, &sshape, &rshape, bound[0], bound[1]],
+        )
         .finalize()
         .into_bytes();
     let mut reply = head;
     reply.extend_from_slice(&mac);
     s.write_all(&reply).await?;
     s.flush().await?;
-    match why {
-        Some(why) => Err(TransferError::Mismatch(why)),
-        None => Ok(()),
+    match refusal {
+        Some((2, why)) => Err(TransferError::Mismatch(why)),
+        Some((_, why)) => Err(TransferError::NotGranted(why)),
+        None => Ok(Session::new(secret, &binding, theirs)),
     }
 }
 
-/// The sender's half, describing its cache as `shape`: proves it holds the secret and checks
-/// that the receiver does too. Returns the receiver's cache, when it described one.
+/// The sender's half, describing its cache as `shape`, for `transfer` at `endpoint` (as the
+/// receiver's grant advertised it, the address this side dialed): proves it holds the secret
+/// and checks that the receiver does too and admits the transfer. The session carries the
+/// receiver's cache, when it described one.
 pub async fn connect<S: AsyncRead + AsyncWrite + Unpin>(
     s: &mut S,
     secret: &Secret,
     shape: Option<&KvShape>,
-) -> Result<Option<KvShape>, TransferError> {
+    transfer: u64,
+    endpoint: &str,
+) -> Result<Session, TransferError> {
+    if endpoint.len() > MAX_ENDPOINT {
+        return Err(TransferError::Config(format!(
+            "a KV endpoint of {} bytes is over the {MAX_ENDPOINT}-byte limit",
+            endpoint.len()
+        )));
+    }
     let rn = read_hello(s).await?;
     let (rshape, theirs) = read_shape(s).await?;
     let sn = nonce();
     let sshape = shape_bytes(shape);
+    let tb = transfer.to_le_bytes();
+    let eb = endpoint.as_bytes();
     let mut msg = hello(&sn);
     msg.extend_from_slice(&sshape);
+    msg.extend_from_slice(&tb);
+    msg.extend_from_slice(&(eb.len() as u16).to_le_bytes());
+    msg.extend_from_slice(eb);
     msg.extend_from_slice(
         &secret
-            .mac(SENDER_LABEL, &[&rn, &sn, &rshape, &sshape])
+            .mac(SENDER_LABEL, &[&rn, &sn, &rshape, &sshape, &tb, eb])
             .finalize()
             .into_bytes(),
     );
@@ -233,14 +377,14 @@ pub async fn connect<S: AsyncRead + AsyncWrite + Unpin>(
     let why = match head[0] {
         0 => None,
         1 => return Err(TransferError::Unauthenticated),
-        2 => {
+        st @ (2 | 3) => {
             let mut n = [0u8; 2];
             s.read_exact(&mut n).await?;
             let mut why = vec![0u8; u16::from_le_bytes(n) as usize];
             s.read_exact(&mut why).await?;
             head.extend_from_slice(&n);
             head.extend_from_slice(&why);
-            Some(String::from_utf8_lossy(&why).into_owned())
+            Some((st, String::from_utf8_lossy(&why).into_owned()))
         }
         other => {
             return Err(TransferError::Handshake(format!(
@@ -251,14 +395,26 @@ pub async fn connect<S: AsyncRead + AsyncWrite + Unpin>(
     let mut mac = [0u8; MAC];
     s.read_exact(&mut mac).await?;
     secret
-        .mac(RECEIVER_LABEL, &[&head, &sn, &rn, &sshape, &rshape])
+        .mac(
+            RECEIVER_LABEL,
+            &[&head, &sn, &rn, &sshape, &rshape, &tb, eb],
+        )
         .verify_slice(&mac)
         .map_err(|_| TransferError::Handshake("the receiver does not hold the KV secret".into()))?;
+    let binding = Binding {
+        rn: &rn,
+        sn: &sn,
+        transfer,
+        endpoint: eb,
+    };
     match why {
-        Some(why) => Err(TransferError::Mismatch(format!(
+        Some((2, why)) => Err(TransferError::Mismatch(format!(
             "the receiver refused: {why}"
         ))),
-        None => Ok(theirs),
+        Some((_, why)) => Err(TransferError::NotGranted(format!(
+            "the receiver refused transfer {transfer:#x} at {endpoint}: {why}"
+        ))),
+        None => Ok(Session::new(secret, &binding, theirs)),
     }
 }
 
@@ -268,19 +424,84 @@ pub async fn connect<S: AsyncRead + AsyncWrite + Unpin>(
 mod tests {
     use super::*;
 
+    const EP: &str = "10.0.0.7:7100";
+    const T: u64 = 0x5eed;
+
+    /// Admits transfer `T` at `EP` only.
+    fn admit(t: u64, ep: &str) -> Result<(), String> {
+        match (t, ep) {
+            (T, EP) => Ok(()),
+            (T, other) => Err(format!("not advertised at {other}")),
+            _ => Err(format!("no grant {t:#x}")),
+        }
+    }
+
     #[tokio::test]
     async fn same_secret_passes_both_ways_and_a_wrong_one_is_refused() {
         let s = Secret::new("0123456789abcdef-cluster").unwrap();
         let (mut a, mut b) = tokio::io::duplex(1024);
-        let (r, c) = tokio::join!(accept(&mut a, &s, None), connect(&mut b, &s, None));
-        r.unwrap();
-        assert_eq!(c.unwrap(), None);
+        let (r, c) = tokio::join!(
+            accept(&mut a, &s, None, admit),
+            connect(&mut b, &s, None, T, EP)
+        );
+        let (r, c) = (r.unwrap(), c.unwrap());
+        assert_eq!((r.transfer(), c.transfer()), (T, T));
+        assert_eq!(c.peer(), None);
+        // Both ends hold the same session key: a header sealed by one checks at the other, as
+        // its own frame number only, and not once altered.
+        let mut h = [7u8; HEADER_LEN];
+        c.seal(3, &mut h);
+        assert!(r.verify(3, &h));
+        assert!(!r.verify(4, &h), "another frame number");
+        let mut bent = h;
+        bent[9] ^= 1;
+        assert!(!r.verify(3, &bent), "an altered header");
 
         let wrong = Secret::new("fedcba9876543210-intruder").unwrap();
         let (mut a, mut b) = tokio::io::duplex(1024);
-        let (r, c) = tokio::join!(accept(&mut a, &s, None), connect(&mut b, &wrong, None));
+        let (r, c) = tokio::join!(
+            accept(&mut a, &s, None, admit),
+            connect(&mut b, &wrong, None, T, EP)
+        );
         assert!(matches!(r, Err(TransferError::Unauthenticated)));
         assert!(matches!(c, Err(TransferError::Unauthenticated)));
+    }
+
+    /// A transfer not granted here, or one named at another endpoint than the receiver's (what a
+    /// handshake relayed through another address names), is refused on both sides with the
+    /// reason; a different session's key opens nothing.
+    #[tokio::test]
+    async fn a_transfer_or_endpoint_not_granted_is_refused_with_the_reason() {
+        let s = Secret::new("0123456789abcdef-cluster").unwrap();
+        for (t, ep, want) in [
+            (T + 1, EP, "no grant 0x5eee"),
+            (T, "10.9.9.9:7100", "not advertised at 10.9.9.9:7100"),
+        ] {
+            let (mut a, mut b) = tokio::io::duplex(1024);
+            let (r, c) = tokio::join!(
+                accept(&mut a, &s, None, admit),
+                connect(&mut b, &s, None, t, ep)
+            );
+            assert!(
+                matches!(&r, Err(TransferError::NotGranted(w)) if w == want),
+                "{r:?}"
+            );
+            let c = c.unwrap_err().to_string();
+            assert!(c.contains("not granted") && c.contains(want), "{c}");
+        }
+        // Two sessions of the same transfer and endpoint have different keys (fresh nonces).
+        let session = || async {
+            let (mut a, mut b) = tokio::io::duplex(1024);
+            let (r, c) = tokio::join!(
+                accept(&mut a, &s, None, admit),
+                connect(&mut b, &s, None, T, EP)
+            );
+            (r.unwrap(), c.unwrap())
+        };
+        let ((r1, _), (_, c2)) = (session().await, session().await);
+        let mut h = [1u8; HEADER_LEN];
+        c2.seal(0, &mut h);
+        assert!(!r1.verify(0, &h), "a frame of another session");
     }
 
     /// A receiver that answers a status this side does not know is refused, not trusted.
@@ -294,11 +515,11 @@ mod tests {
             a.write_all(&msg).await.unwrap();
             let _ = read_hello(&mut a).await.unwrap();
             let _ = read_shape(&mut a).await.unwrap();
-            let mut mac = [0u8; MAC];
-            a.read_exact(&mut mac).await.unwrap();
+            let mut rest = [0u8; 8 + 2 + EP.len() + MAC];
+            a.read_exact(&mut rest).await.unwrap();
             a.write_all(&[7u8; 1 + MAC]).await.unwrap();
         };
-        let (_, c) = tokio::join!(fake, connect(&mut b, &s, None));
+        let (_, c) = tokio::join!(fake, connect(&mut b, &s, None, T, EP));
         let e = c.unwrap_err().to_string();
         assert!(e.contains("unknown status 7"), "{e}");
     }
@@ -323,15 +544,18 @@ mod tests {
         let d = shape("f32", vec![0..1, 1..2, 2..3]);
         let p = shape("f32", vec![0..3]);
         let (mut a, mut b) = tokio::io::duplex(4096);
-        let (r, c) = tokio::join!(accept(&mut a, &s, Some(&d)), connect(&mut b, &s, Some(&p)));
-        r.unwrap();
-        assert_eq!(c.unwrap(), Some(d.clone()));
+        let (r, c) = tokio::join!(
+            accept(&mut a, &s, Some(&d), admit),
+            connect(&mut b, &s, Some(&p), T, EP)
+        );
+        assert_eq!(r.unwrap().peer(), Some(&p));
+        assert_eq!(c.unwrap().peer(), Some(&d));
 
         let int8 = shape("int8", vec![0..3]);
         let (mut a, mut b) = tokio::io::duplex(4096);
         let (r, c) = tokio::join!(
-            accept(&mut a, &s, Some(&d)),
-            connect(&mut b, &s, Some(&int8))
+            accept(&mut a, &s, Some(&d), admit),
+            connect(&mut b, &s, Some(&int8), T, EP)
         );
         let want = "the peer's KV cache dtype is int8, this worker's f32";
         assert!(
@@ -358,12 +582,12 @@ mod tests {
         };
         let (r, _, _) = tokio::join!(
             async {
-                let r = accept(&mut a, &s, Some(&d)).await;
+                let r = accept(&mut a, &s, Some(&d), admit).await;
                 drop(a);
                 r
             },
             async {
-                let c = connect(&mut b, &s, Some(&p)).await;
+                let c = connect(&mut b, &s, Some(&p), T, EP).await;
                 drop(b);
                 c
             },

@@ -39,6 +39,10 @@ pub enum TransferError {
     /// dtype); the text says what differs.
     #[error("kv caches do not map: {0}")]
     Mismatch(String),
+    /// The receiver has no such transfer at the endpoint the sender dialed (never granted,
+    /// already ended, or granted at another endpoint: a relayed handshake); the text says which.
+    #[error("kv transfer not granted: {0}")]
+    NotGranted(String),
     /// A frame header that does not decode.
     #[error("kv wire: {0}")]
     Wire(#[from] wire::WireError),

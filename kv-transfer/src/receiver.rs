@@ -78,6 +78,12 @@ pub struct Rejections {
     pub bad_heads: AtomicU64,
     /// Connections from a sender whose cache cannot map onto this one (refused with the reason).
     pub mismatched: AtomicU64,
+    /// Connections naming a transfer with no live grant here, or another endpoint than this
+    /// receiver's (a relayed handshake): refused with the reason.
+    pub not_granted: AtomicU64,
+    /// Frames whose header tag does not match the connection's session (injected, replayed or
+    /// reordered): the connection is closed and its transfer failed.
+    pub bad_tag: AtomicU64,
 }
 
 impl Rejections {
@@ -95,6 +101,8 @@ impl Rejections {
             ("unauthenticated", l(&self.unauthenticated)),
             ("bad_heads", l(&self.bad_heads)),
             ("mismatched", l(&self.mismatched)),
+            ("not_granted", l(&self.not_granted)),
+            ("bad_tag", l(&self.bad_tag)),
         ]
     }
 
@@ -159,6 +167,8 @@ impl Grant {
 struct Inner {
     secret: Secret,
     shape: Option<KvShape>,
+    /// The endpoint senders are told to dial (`host:port`): a handshake must name it.
+    endpoint: Mutex<String>,
     grants: Mutex<HashMap<u64, Grant>>,
     rejections: Rejections,
     bytes: AtomicU64,
@@ -200,6 +210,7 @@ impl KvReceiver {
         let inner = Arc::new(Inner {
             secret,
             shape,
+            endpoint: Mutex::new(local.to_string()),
             grants: Mutex::new(HashMap::new()),
             rejections: Rejections::default(),
             bytes: AtomicU64::new(0),
@@ -224,6 +235,18 @@ impl KvReceiver {
     /// The address senders connect to.
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Sets the endpoint this receiver's grants are advertised at (`host:port`; the bound
+    /// address until set): a sender's handshake must name it, so one relayed through another
+    /// address is refused.
+    pub fn advertise(&self, endpoint: impl Into<String>) {
+        *self.inner.endpoint.lock().expect("endpoint") = endpoint.into();
+    }
+
+    /// The endpoint senders must name in their handshake.
+    pub fn endpoint(&self) -> String {
+        self.inner.endpoint.lock().expect("endpoint").clone()
     }
 
     /// What this receiver has refused so far, by reason.
@@ -416,18 +439,53 @@ struct FrameReader {
     buf: Vec<u8>,
     start: usize,
     end: usize,
+    /// The receiver and the transfer the connection is bound to: a read waits as long as its
+    /// grant lives (its holder judges the sender's progress), and the connection closes once
+    /// the grant is gone.
+    inner: Arc<Inner>,
+    transfer: u64,
 }
+
+/// How often a waiting read looks whether its connection's grant still lives.
+const LIVENESS_CHECK: Duration = Duration::from_millis(500);
 
 /// Receive buffer per connection: several frames per read call.
 const RECV_BUFFER: usize = 1 << 20;
 
 impl FrameReader {
-    fn new(sock: TcpStream) -> Self {
+    fn new(sock: TcpStream, inner: Arc<Inner>, transfer: u64) -> Self {
         Self {
             sock,
             buf: vec![0; RECV_BUFFER],
             start: 0,
             end: 0,
+            inner,
+            transfer,
+        }
+    }
+
+    /// One read into `buf[from..to]`; an error once the connection's grant is gone.
+    async fn read_at(&mut self, from: usize, to: usize) -> std::io::Result<usize> {
+        loop {
+            match tokio::time::timeout(LIVENESS_CHECK, self.sock.read(&mut self.buf[from..to]))
+                .await
+            {
+                Ok(r) => return r,
+                Err(_) => {
+                    let live = self
+                        .inner
+                        .grants
+                        .lock()
+                        .expect("grants")
+                        .contains_key(&self.transfer);
+                    if !live {
+                        return Err(std::io::Error::new(
+                            std::io::ErrorKind::TimedOut,
+                            "the connection's transfer ended: closing it",
+                        ));
+                    }
+                }
+            }
         }
     }
 
@@ -446,7 +504,7 @@ impl FrameReader {
             }
         }
         while self.end - self.start < need {
-            let n = self.sock.read(&mut self.buf[self.end..]).await?;
+            let n = self.read_at(self.end, self.buf.len()).await?;
             if n == 0 {
                 if at_boundary && self.end == self.start {
                     return Ok(false);
@@ -470,7 +528,7 @@ impl FrameReader {
             self.start = 0;
             self.end = 0;
             let room = self.buf.len().min(n);
-            let got = self.sock.read(&mut self.buf[..room]).await?;
+            let got = self.read_at(0, room).await?;
             if got == 0 {
                 return Err(std::io::ErrorKind::UnexpectedEof.into());
             }
@@ -489,15 +547,35 @@ impl FrameReader {
 
 async fn serve_connection(inner: &Arc<Inner>, mut sock: TcpStream) -> Result<(), TransferError> {
     sock.set_nodelay(true)?;
+    // Admitted only for a live grant, at the endpoint this receiver advertises.
+    let admit = |transfer: u64, endpoint: &str| {
+        let mine = inner.endpoint.lock().expect("endpoint").clone();
+        if endpoint != mine {
+            return Err(format!(
+                "this receiver is advertised at {mine}, not {endpoint}"
+            ));
+        }
+        match inner.grants.lock().expect("grants").contains_key(&transfer) {
+            true => Ok(()),
+            false => Err(format!(
+                "no live grant {transfer:#x} here (never granted, ended or revoked)"
+            )),
+        }
+    };
     let handshake = tokio::time::timeout(
         Duration::from_secs(5),
-        auth::accept(&mut sock, &inner.secret, inner.shape.as_ref()),
+        auth::accept(&mut sock, &inner.secret, inner.shape.as_ref(), admit),
     )
     .await;
-    match handshake {
-        Ok(Ok(())) => {}
+    let session = match handshake {
+        Ok(Ok(session)) => session,
         Ok(Err(e @ TransferError::Mismatch(_))) => {
             inner.rejections.mismatched.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(error = %e, "kv sender refused");
+            return Err(e);
+        }
+        Ok(Err(e @ TransferError::NotGranted(_))) => {
+            inner.rejections.not_granted.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(error = %e, "kv sender refused");
             return Err(e);
         }
@@ -515,13 +593,28 @@ async fn serve_connection(inner: &Arc<Inner>, mut sock: TcpStream) -> Result<(),
                 .fetch_add(1, Ordering::Relaxed);
             return Err(TransferError::Handshake("handshake timed out".into()));
         }
-    }
-    let mut r = FrameReader::new(sock);
+    };
+    let bound = session.transfer();
+    let mut r = FrameReader::new(sock, inner.clone(), bound);
+    let mut seq = 0u64;
     loop {
         if !r.fill(HEADER_LEN, true).await? {
             return Ok(());
         }
         let hb: &[u8; HEADER_LEN] = r.take(HEADER_LEN).try_into().expect("header length");
+        // The tag first: a header not sealed with this session's key as its frame number is
+        // not the sender's, and nothing after it can be trusted.
+        if !session.verify(seq, hb) {
+            inner.rejections.bad_tag.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                transfer = bound,
+                frame = seq,
+                "kv frame tag does not match: closing"
+            );
+            inner.fail(bound, TransferError::Rejected("bad_tag"));
+            return Err(TransferError::Rejected("bad_tag"));
+        }
+        seq += 1;
         let h = match FrameHeader::decode(hb) {
             Ok(h) => h,
             Err(e) => {
@@ -530,6 +623,21 @@ async fn serve_connection(inner: &Arc<Inner>, mut sock: TcpStream) -> Result<(),
                 return Err(TransferError::Wire(e));
             }
         };
+        if h.transfer != bound {
+            // Sealed by the sender, but for another transfer than the one it was admitted for:
+            // counted and passed over.
+            inner
+                .rejections
+                .unknown_transfer
+                .fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                transfer = h.transfer,
+                bound,
+                "kv frame for another transfer than its connection's: passed over"
+            );
+            r.skip(h.len as usize).await?;
+            continue;
+        }
         // The longest payload this header may announce, judged before a byte of it is read:
         // a block frame is one layer of one block (or of one rank's heads) of a live grant,
         // a trace context at most MAX_CONTEXT, an end or abort nothing.

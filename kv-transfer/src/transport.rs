@@ -1,8 +1,8 @@
 //! The sending side (a prefill worker): the [`KvTransport`] seam and its TCP implementation.
 //!
-//! A transport opens an authenticated [`KvStream`] to a receiver's endpoint; the stream writes
-//! block frames (header + payload, checksummed) straight from the caller's memory in vectored
-//! writes, so a prefill chunk's blocks go out as soon as its layers are computed while the next
+//! A transport opens an authenticated [`KvStream`] for one transfer to a receiver's endpoint; the
+//! stream writes block frames (header sealed with the session's key + payload, checksummed)
+//! straight from the caller's memory in vectored writes, so a prefill chunk's blocks go out as soon as its layers are computed while the next
 //! chunk computes. Tests wrap a transport to damage frames in flight; production has TCP (and, on
 //! GPUs, NCCL behind the same trait).
 
@@ -12,7 +12,7 @@ use futures::future::BoxFuture;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
-use crate::auth::{self, Secret};
+use crate::auth::{self, Secret, Session};
 use crate::shape::KvShape;
 use crate::wire::{FrameHeader, FrameKind, HEADER_LEN, MAX_CONTEXT};
 use crate::TransferError;
@@ -20,10 +20,13 @@ use tandem_types::BlockId;
 
 /// Opens streams of KV frames to receivers.
 pub trait KvTransport: Send + Sync {
-    /// An authenticated stream to the receiver at `endpoint` (`host:port`).
+    /// An authenticated stream for `transfer` to the receiver at `endpoint` (`host:port`, as
+    /// the receiver's grant advertised it): the receiver admits it only for that live grant at
+    /// that endpoint.
     fn open<'a>(
         &'a self,
         endpoint: &'a str,
+        transfer: u64,
     ) -> BoxFuture<'a, Result<Box<dyn KvStream>, TransferError>>;
 }
 
@@ -41,7 +44,7 @@ pub struct BlockFrame<'a> {
     pub payload: &'a [u8],
 }
 
-/// One authenticated connection to a receiver. Frames of several transfers may share it.
+/// One authenticated connection to a receiver, bound to the transfer it was opened for.
 pub trait KvStream: Send {
     /// The receiver's cache, as it described it in the handshake (its KV head ranges among
     /// it): None when it gave none, and takes whole-block frames.
@@ -122,27 +125,41 @@ impl KvTransport for TcpTransport {
     fn open<'a>(
         &'a self,
         endpoint: &'a str,
+        transfer: u64,
     ) -> BoxFuture<'a, Result<Box<dyn KvStream>, TransferError>> {
         Box::pin(async move {
             let connect = async {
                 let mut s = TcpStream::connect(endpoint).await?;
                 s.set_nodelay(true)?;
-                let peer = auth::connect(&mut s, &self.secret, self.shape.as_ref()).await?;
-                Ok::<_, TransferError>((s, peer))
+                let session = auth::connect(
+                    &mut s,
+                    &self.secret,
+                    self.shape.as_ref(),
+                    transfer,
+                    endpoint,
+                )
+                .await?;
+                Ok::<_, TransferError>((s, session))
             };
-            let (sock, peer) = tokio::time::timeout(self.connect_timeout, connect)
+            let (sock, session) = tokio::time::timeout(self.connect_timeout, connect)
                 .await
                 .map_err(|_| {
                     TransferError::Handshake(format!("connecting to {endpoint} timed out"))
                 })??;
-            Ok(Box::new(TcpKvStream { sock, peer }) as Box<dyn KvStream>)
+            Ok(Box::new(TcpKvStream {
+                sock,
+                session,
+                seq: 0,
+            }) as Box<dyn KvStream>)
         })
     }
 }
 
 struct TcpKvStream {
     sock: TcpStream,
-    peer: Option<KvShape>,
+    session: Session,
+    /// The number of the next frame: what its tag covers.
+    seq: u64,
 }
 
 /// Writes every byte of `bufs` (in order) with as few vectored writes as the socket allows.
@@ -162,13 +179,33 @@ async fn write_all_vectored(
 }
 
 impl TcpKvStream {
+    /// Refuses frames of another transfer than the connection's.
+    fn bound(&self, transfer: u64) -> Result<(), TransferError> {
+        match transfer == self.session.transfer() {
+            true => Ok(()),
+            false => Err(TransferError::Config(format!(
+                "a KV stream opened for transfer {:#x} cannot carry transfer {transfer:#x}",
+                self.session.transfer()
+            ))),
+        }
+    }
+
+    /// `header`, sealed as the connection's next frame.
+    fn seal(&mut self, header: &FrameHeader) -> [u8; HEADER_LEN] {
+        let mut h = header.encode();
+        self.session.seal(self.seq, &mut h);
+        self.seq += 1;
+        h
+    }
+
     async fn control(
         &mut self,
         kind: FrameKind,
         transfer: u64,
         payload: &[u8],
     ) -> Result<(), TransferError> {
-        let h = FrameHeader::control(kind, transfer, payload).encode();
+        self.bound(transfer)?;
+        let h = self.seal(&FrameHeader::control(kind, transfer, payload));
         let mut slices = [std::io::IoSlice::new(&h), std::io::IoSlice::new(payload)];
         write_all_vectored(&mut self.sock, &mut slices).await
     }
@@ -176,7 +213,7 @@ impl TcpKvStream {
 
 impl KvStream for TcpKvStream {
     fn peer(&self) -> Option<&KvShape> {
-        self.peer.as_ref()
+        self.session.peer()
     }
 
     fn send_blocks<'a>(
@@ -185,6 +222,7 @@ impl KvStream for TcpKvStream {
         frames: &'a [BlockFrame<'a>],
     ) -> BoxFuture<'a, Result<(), TransferError>> {
         Box::pin(async move {
+            self.bound(transfer)?;
             let mut rest = frames;
             while !rest.is_empty() {
                 // A batch: at least one frame, then as many as fit the byte and slice budgets.
@@ -200,9 +238,10 @@ impl KvStream for TcpKvStream {
                 let headers: Vec<[u8; HEADER_LEN]> = batch
                     .iter()
                     .map(|f| {
-                        FrameHeader::block(transfer, f.layer, f.block.0, f.payload)
-                            .heads(f.heads.clone())
-                            .encode()
+                        self.seal(
+                            &FrameHeader::block(transfer, f.layer, f.block.0, f.payload)
+                                .heads(f.heads.clone()),
+                        )
                     })
                     .collect();
                 let mut slices: Vec<std::io::IoSlice<'_>> = headers

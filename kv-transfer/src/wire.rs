@@ -1,6 +1,6 @@
-//! The KV wire format, version 5 (docs/kv-wire.md is the reference; keep the two in step).
+//! The KV wire format, version 6 (docs/kv-wire.md is the reference; keep the two in step).
 //!
-//! After the handshake (see [`crate::auth`]) a connection carries frames, each a fixed 40-byte
+//! After the handshake (see [`crate::auth`]) a connection carries frames, each a fixed 56-byte
 //! little-endian header followed by the payload:
 //!
 //! | offset | size | field |
@@ -16,6 +16,7 @@
 //! | 32 | 2 | first KV head of a block frame |
 //! | 34 | 2 | KV heads of a block frame (0: every head of the block) |
 //! | 36 | 4 | reserved, 0 |
+//! | 40 | 16 | tag: HMAC-SHA256(session key, frame number u64 \| bytes 0..40), first 16 bytes |
 //!
 //! A block frame's payload is one layer of one destination block, of its KV heads
 //! `first..first + heads`, exactly as a pool of those heads lays it out (K then V; for int8,
@@ -26,13 +27,15 @@
 use crate::xxh3::xxh3_64;
 
 /// Protocol version spoken in the handshake.
-pub const VERSION: u16 = 5;
+pub const VERSION: u16 = 6;
 /// First bytes of every handshake message.
 pub const HELLO_MAGIC: [u8; 4] = *b"TKV1";
 /// First bytes of every frame header.
 pub const FRAME_MAGIC: u16 = 0x4B54;
-/// Bytes of every frame header.
-pub const HEADER_LEN: usize = 40;
+/// Bytes of every frame header, its tag included.
+pub const HEADER_LEN: usize = 56;
+/// Where the header's tag starts: bytes before it are what the tag covers.
+pub const TAG_AT: usize = 40;
 /// Largest payload a receiver accepts before even looking at the transfer (a corrupt length
 /// must not make it allocate gigabytes).
 pub const MAX_PAYLOAD: u32 = 64 << 20;
@@ -126,7 +129,7 @@ impl FrameHeader {
         }
     }
 
-    /// The header's bytes.
+    /// The header's bytes, its tag zero ([`crate::auth::Session::seal`] writes it).
     pub fn encode(&self) -> [u8; HEADER_LEN] {
         let mut b = [0u8; HEADER_LEN];
         b[0..2].copy_from_slice(&FRAME_MAGIC.to_le_bytes());

@@ -77,7 +77,7 @@ async fn a_transfer_lands_every_block_intact() {
     let blocks = [3u32, 7, 9];
     let mut grant = rx.grant(&ids(&blocks), sink.clone(), Duration::from_secs(10));
     let t = TcpTransport::new(secret());
-    let mut s = t.open(&rx.local_addr().to_string()).await.unwrap();
+    let mut s = t.open(&rx.endpoint(), grant.id()).await.unwrap();
     for layer in 0..4 {
         for &b in &blocks {
             s.send_block(grant.id(), layer, BlockId(b), &payload(layer, b, 1024))
@@ -103,11 +103,14 @@ async fn a_trace_context_travels_with_its_transfer_and_a_damaged_one_fails_it() 
     let sink = MemSink::new(64, 1);
     let mut grant = rx.grant(&ids(&[2]), sink.clone(), Duration::from_secs(10));
     let t = TcpTransport::new(secret());
-    let mut s = t.open(&rx.local_addr().to_string()).await.unwrap();
+    let mut s = t.open(&rx.endpoint(), grant.id()).await.unwrap();
     let cx = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01\nvendor=abc";
     s.context(grant.id(), cx).await.unwrap();
-    // A context for a transfer nobody granted is counted and harms nothing else.
-    s.context(grant.id() ^ 1, cx).await.unwrap();
+    // A stream carries the transfer it was opened for only.
+    assert!(matches!(
+        s.context(grant.id() ^ 1, cx).await,
+        Err(TransferError::Config(_))
+    ));
     s.send_block(grant.id(), 0, BlockId(2), &payload(0, 2, 64))
         .await
         .unwrap();
@@ -116,8 +119,7 @@ async fn a_trace_context_travels_with_its_transfer_and_a_damaged_one_fails_it() 
     assert_eq!(stats.context.as_deref(), Some(cx));
     assert!(stats.first_frame.is_some());
     assert_eq!((stats.frames, stats.bytes), (1, 64));
-    assert_eq!(rx.rejections().unknown_transfer.load(Ordering::Relaxed), 1);
-    assert_eq!(rx.rejections().total(), 1);
+    assert_eq!(rx.rejections().total(), 0);
     let too_long = "x".repeat(MAX_CONTEXT + 1);
     assert!(matches!(
         s.context(7, &too_long).await,
@@ -129,12 +131,15 @@ async fn a_trace_context_travels_with_its_transfer_and_a_damaged_one_fails_it() 
     let mut raw = tokio::net::TcpStream::connect(rx.local_addr())
         .await
         .unwrap();
-    tandem_kv_transfer::auth::connect(&mut raw, &secret(), None)
-        .await
-        .unwrap();
+    let session =
+        tandem_kv_transfer::auth::connect(&mut raw, &secret(), None, grant.id(), &rx.endpoint())
+            .await
+            .unwrap();
     let mut h = FrameHeader::control(FrameKind::Context, grant.id(), cx.as_bytes());
     h.checksum ^= 1;
-    raw.write_all(&h.encode()).await.unwrap();
+    let mut hb = h.encode();
+    session.seal(0, &mut hb);
+    raw.write_all(&hb).await.unwrap();
     raw.write_all(cx.as_bytes()).await.unwrap();
     assert!(matches!(
         grant.wait().await,
@@ -155,7 +160,7 @@ async fn an_open_grant_counts_its_frames_and_waits_as_long_as_its_holder_does() 
     let mut grant = rx.grant_open(&ids(&[4, 5]), sink.clone());
     assert_eq!(grant.frames_received(), 0);
     let t = TcpTransport::new(secret());
-    let mut s = t.open(&rx.local_addr().to_string()).await.unwrap();
+    let mut s = t.open(&rx.endpoint(), grant.id()).await.unwrap();
     let mut sent = 0;
     for layer in 0..2 {
         for b in [4u32, 5] {
@@ -209,7 +214,7 @@ async fn batched_large_and_trickled_frames_land_intact() {
         .flat_map(|l| blocks.iter().map(move |&b| (l, b, payload(l, b, 24 << 10))))
         .collect();
     let frames = frames_of(&bodies);
-    let mut s = t.open(&rx.local_addr().to_string()).await.unwrap();
+    let mut s = t.open(&rx.endpoint(), grant.id()).await.unwrap();
     s.send_blocks(grant.id(), &frames).await.unwrap();
     s.end(grant.id()).await.unwrap();
     assert_eq!(grant.wait().await.unwrap().frames, 120);
@@ -225,6 +230,7 @@ async fn batched_large_and_trickled_frames_land_intact() {
         .map(|(l, b)| (l, b, payload(l, b, 3 << 20)))
         .collect();
     let frames = frames_of(&bodies);
+    let mut s = t.open(&rx.endpoint(), grant.id()).await.unwrap();
     s.send_blocks(grant.id(), &frames).await.unwrap();
     s.end(grant.id()).await.unwrap();
     grant.wait().await.unwrap();
@@ -239,13 +245,16 @@ async fn batched_large_and_trickled_frames_land_intact() {
         .await
         .unwrap();
     raw.set_nodelay(true).unwrap();
-    tandem_kv_transfer::auth::connect(&mut raw, &secret(), None)
-        .await
-        .unwrap();
+    let session =
+        tandem_kv_transfer::auth::connect(&mut raw, &secret(), None, grant.id(), &rx.endpoint())
+            .await
+            .unwrap();
     let mut bytes = Vec::new();
     for layer in 0..2 {
         let p = payload(layer, 5, 300);
-        bytes.extend_from_slice(&FrameHeader::block(grant.id(), layer, 5, &p).encode());
+        let mut h = FrameHeader::block(grant.id(), layer, 5, &p).encode();
+        session.seal(layer as u64, &mut h);
+        bytes.extend_from_slice(&h);
         bytes.extend_from_slice(&p);
     }
     for piece in bytes.chunks(7) {
@@ -267,7 +276,7 @@ async fn peers_without_the_secret_cannot_write() {
     let sink = MemSink::new(64, 1);
     let grant = rx.grant(&ids(&[1]), sink.clone(), Duration::from_secs(10));
     let wrong = TcpTransport::new(Secret::new("not-the-cluster-secret-xyz").unwrap());
-    let r = wrong.open(&rx.local_addr().to_string()).await;
+    let r = wrong.open(&rx.endpoint(), grant.id()).await;
     assert!(
         matches!(r, Err(TransferError::Unauthenticated)),
         "{:?}",
@@ -302,20 +311,27 @@ struct FlipStream {
     w: tokio::io::BufWriter<tokio::net::TcpStream>,
     nth: usize,
     seen: usize,
+    session: tandem_kv_transfer::auth::Session,
+    seq: u64,
 }
 
 impl KvTransport for Flipper {
     fn open<'a>(
         &'a self,
         endpoint: &'a str,
+        transfer: u64,
     ) -> BoxFuture<'a, Result<Box<dyn KvStream>, TransferError>> {
         Box::pin(async move {
             let mut s = tokio::net::TcpStream::connect(endpoint).await?;
-            tandem_kv_transfer::auth::connect(&mut s, &self.secret, None).await?;
+            let session =
+                tandem_kv_transfer::auth::connect(&mut s, &self.secret, None, transfer, endpoint)
+                    .await?;
             Ok(Box::new(FlipStream {
                 w: tokio::io::BufWriter::new(s),
                 nth: self.nth,
                 seen: 0,
+                session,
+                seq: 0,
             }) as Box<dyn KvStream>)
         })
     }
@@ -323,7 +339,10 @@ impl KvTransport for Flipper {
 
 impl FlipStream {
     async fn frame(&mut self, h: FrameHeader, body: &[u8]) -> Result<(), TransferError> {
-        self.w.write_all(&h.encode()).await?;
+        let mut h = h.encode();
+        self.session.seal(self.seq, &mut h);
+        self.seq += 1;
+        self.w.write_all(&h).await?;
         self.w.write_all(body).await?;
         Ok(())
     }
@@ -389,7 +408,7 @@ async fn a_flipped_byte_is_rejected_counted_and_fails_the_transfer() {
         secret: secret(),
         nth: 2,
     };
-    let mut s = t.open(&rx.local_addr().to_string()).await.unwrap();
+    let mut s = t.open(&rx.endpoint(), grant.id()).await.unwrap();
     for layer in 0..2 {
         for b in [4u32, 5] {
             s.send_block(grant.id(), layer, BlockId(b), &payload(layer, b, 512))
@@ -419,19 +438,43 @@ async fn a_flipped_byte_is_rejected_counted_and_fails_the_transfer() {
     assert_eq!(sink.count(), 1);
 }
 
+/// A connection admitted for `transfer` whose frames the test writes itself, sealed in order.
+async fn sealed_connection(
+    rx: &KvReceiver,
+    transfer: u64,
+) -> (tokio::net::TcpStream, tandem_kv_transfer::auth::Session) {
+    let mut raw = tokio::net::TcpStream::connect(rx.local_addr())
+        .await
+        .unwrap();
+    let session =
+        tandem_kv_transfer::auth::connect(&mut raw, &secret(), None, transfer, &rx.endpoint())
+            .await
+            .unwrap();
+    (raw, session)
+}
+
+/// `h` (its payload `body`) sealed as frame `seq` of `session`.
+fn sealed(
+    session: &tandem_kv_transfer::auth::Session,
+    seq: u64,
+    h: FrameHeader,
+    body: &[u8],
+) -> Vec<u8> {
+    let mut hb = h.encode();
+    session.seal(seq, &mut hb);
+    [&hb[..], body].concat()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_frames_are_refused_by_reason_and_deadlines_expire() {
     let rx = receiver().await;
+    let ep = rx.endpoint();
     let sink = MemSink::new(256, 2);
     let t = TcpTransport::new(secret());
-    let mut s = t.open(&rx.local_addr().to_string()).await.unwrap();
 
-    // Unknown transfer.
-    s.send_block(12345, 0, BlockId(1), &payload(0, 1, 256))
-        .await
-        .unwrap();
     // A block outside the grant.
     let mut g1 = rx.grant(&ids(&[1]), sink.clone(), Duration::from_secs(10));
+    let mut s = t.open(&ep, g1.id()).await.unwrap();
     s.send_block(g1.id(), 0, BlockId(2), &payload(0, 2, 256))
         .await
         .unwrap();
@@ -441,6 +484,7 @@ async fn bad_frames_are_refused_by_reason_and_deadlines_expire() {
     ));
     // A wrong length.
     let mut g2 = rx.grant(&ids(&[1]), sink.clone(), Duration::from_secs(10));
+    let mut s = t.open(&ep, g2.id()).await.unwrap();
     s.send_block(g2.id(), 0, BlockId(1), &payload(0, 1, 200))
         .await
         .unwrap();
@@ -450,6 +494,7 @@ async fn bad_frames_are_refused_by_reason_and_deadlines_expire() {
     ));
     // A layer the pool does not have.
     let mut g3 = rx.grant(&ids(&[1]), sink.clone(), Duration::from_secs(10));
+    let mut s = t.open(&ep, g3.id()).await.unwrap();
     s.send_block(g3.id(), 9, BlockId(1), &payload(9, 1, 256))
         .await
         .unwrap();
@@ -457,17 +502,19 @@ async fn bad_frames_are_refused_by_reason_and_deadlines_expire() {
         g3.wait().await,
         Err(TransferError::Rejected("bad_layer"))
     ));
-    // Half a transfer, then silence: the deadline fails it, and a late frame is unknown.
+    // Half a transfer, then silence: the deadline fails it, and a sender that comes after it
+    // is refused at the handshake.
     let mut g4 = rx.grant(&ids(&[1]), sink.clone(), Duration::from_millis(300));
+    let mut s = t.open(&ep, g4.id()).await.unwrap();
     s.send_block(g4.id(), 0, BlockId(1), &payload(0, 1, 256))
         .await
         .unwrap();
     assert!(matches!(g4.wait().await, Err(TransferError::Expired)));
-    s.send_block(g4.id(), 1, BlockId(1), &payload(1, 1, 256))
-        .await
-        .unwrap();
+    let late = t.open(&ep, g4.id()).await.err().expect("refused");
+    assert!(matches!(late, TransferError::NotGranted(_)), "{late}");
     // An end with blocks missing.
     let mut g5 = rx.grant(&ids(&[1]), sink.clone(), Duration::from_secs(10));
+    let mut s = t.open(&ep, g5.id()).await.unwrap();
     s.end(g5.id()).await.unwrap();
     assert!(matches!(
         g5.wait().await,
@@ -475,17 +522,68 @@ async fn bad_frames_are_refused_by_reason_and_deadlines_expire() {
     ));
     // Abort.
     let mut g6 = rx.grant(&ids(&[1]), sink.clone(), Duration::from_secs(10));
+    let mut s = t.open(&ep, g6.id()).await.unwrap();
     s.abort(g6.id()).await.unwrap();
     assert!(matches!(g6.wait().await, Err(TransferError::Aborted)));
 
+    // A sealed frame for another transfer than the connection's is counted and passed over;
+    // the connection's own transfer goes on.
+    let mut g7 = rx.grant(&ids(&[3]), sink.clone(), Duration::from_secs(10));
+    let (mut raw, session) = sealed_connection(&rx, g7.id()).await;
+    let other = payload(0, 3, 256);
+    let mut bytes = sealed(&session, 0, FrameHeader::block(12345, 0, 3, &other), &other);
+    for layer in 0..2 {
+        let p = payload(layer, 3, 256);
+        bytes.extend(sealed(
+            &session,
+            1 + layer as u64,
+            FrameHeader::block(g7.id(), layer, 3, &p),
+            &p,
+        ));
+    }
+    raw.write_all(&bytes).await.unwrap();
+    g7.wait().await.unwrap();
+    assert_eq!(sink.get(1, 3), Some(payload(1, 3, 256)));
+
+    // A frame whose tag is not its frame number's (replayed, reordered or injected) fails the
+    // transfer and closes the connection before a byte of it is written.
+    let mut g8 = rx.grant(&ids(&[4]), sink.clone(), Duration::from_secs(10));
+    let (mut raw, session) = sealed_connection(&rx, g8.id()).await;
+    let p = payload(0, 4, 256);
+    raw.write_all(&sealed(
+        &session,
+        1,
+        FrameHeader::block(g8.id(), 0, 4, &p),
+        &p,
+    ))
+    .await
+    .unwrap();
+    assert!(matches!(
+        g8.wait().await,
+        Err(TransferError::Rejected("bad_tag"))
+    ));
+    let mut rest = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(30), raw.read_to_end(&mut rest)).await;
+    assert!(closed.is_ok(), "the connection of a bad tag is closed");
+
+    // A connection whose grant goes away (its holder revoked it) is closed, though its sender
+    // says nothing more.
+    let g9 = rx.grant(&ids(&[5]), sink.clone(), Duration::from_secs(60));
+    let (mut raw, _session) = sealed_connection(&rx, g9.id()).await;
+    drop(g9);
+    let closed = tokio::time::timeout(Duration::from_secs(30), raw.read_to_end(&mut rest)).await;
+    assert!(closed.is_ok(), "an idle connection outlived its grant");
+
     let count = |f: &std::sync::atomic::AtomicU64| f.load(Ordering::Relaxed);
     let r = rx.rejections();
-    assert_eq!(count(&r.unknown_transfer), 2);
+    assert_eq!(count(&r.unknown_transfer), 1);
     assert_eq!(count(&r.block_not_granted), 1);
     assert_eq!(count(&r.bad_length), 1);
     assert_eq!(count(&r.bad_layer), 1);
-    // Only g4's first frame was ever written.
-    assert_eq!(sink.count(), 1);
+    assert_eq!(count(&r.not_granted), 1);
+    assert_eq!(count(&r.bad_tag), 1);
+    // g4's first frame and g7's two were written, nothing else.
+    assert_eq!(sink.count(), 3);
 }
 
 /// Block ids from their numbers.
@@ -554,7 +652,7 @@ async fn frames_carry_head_ranges_and_caches_that_do_not_map_are_refused() {
     });
     let mut grant = rx.grant(&ids(&[5]), sink.clone(), Duration::from_secs(10));
     let t = TcpTransport::new(secret()).with_shape(kv_shape("f32", vec![0..3]));
-    let mut s = t.open(&rx.local_addr().to_string()).await.unwrap();
+    let mut s = t.open(&rx.endpoint(), grant.id()).await.unwrap();
     assert_eq!(s.peer(), Some(&shape));
     let bodies: Vec<(u32, std::ops::Range<u16>, Vec<u8>)> = (0..2)
         .flat_map(|layer| {
@@ -584,6 +682,7 @@ async fn frames_carry_head_ranges_and_caches_that_do_not_map_are_refused() {
 
     // Heads 0..2 are no rank's range.
     let mut grant = rx.grant(&ids(&[6]), sink.clone(), Duration::from_secs(10));
+    let mut s = t.open(&rx.endpoint(), grant.id()).await.unwrap();
     let body = payload(0, 0, 16);
     let bad = [BlockFrame {
         layer: 0,
@@ -600,7 +699,7 @@ async fn frames_carry_head_ranges_and_caches_that_do_not_map_are_refused() {
 
     let int8 = TcpTransport::new(secret()).with_shape(kv_shape("int8", vec![0..3]));
     let e = int8
-        .open(&rx.local_addr().to_string())
+        .open(&rx.endpoint(), grant.id())
         .await
         .err()
         .expect("refused")
@@ -617,4 +716,50 @@ async fn frames_carry_head_ranges_and_caches_that_do_not_map_are_refused() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert_eq!(rx.rejections().mismatched.load(Ordering::Relaxed), 1);
+}
+
+/// A handshake relayed through another address (a listener that forwards every byte both ways
+/// to the receiver, as a prefill worker tricked into dialing it would be): the sender's MAC
+/// names the relay's address, not the receiver's, so the receiver refuses it with the reason and
+/// nothing reaches the pool; dialed directly, the same grant lands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handshake_relayed_through_another_address_is_refused() {
+    let rx = receiver().await;
+    let sink = MemSink::new(64, 1);
+    let mut grant = rx.grant(&ids(&[1]), sink.clone(), Duration::from_secs(30));
+    let relay = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let relay_addr = relay.local_addr().unwrap().to_string();
+    let target = rx.local_addr();
+    tokio::spawn(async move {
+        while let Ok((mut inbound, _)) = relay.accept().await {
+            tokio::spawn(async move {
+                let mut out = tokio::net::TcpStream::connect(target).await.unwrap();
+                let _ = tokio::io::copy_bidirectional(&mut inbound, &mut out).await;
+            });
+        }
+    });
+    let t = TcpTransport::new(secret());
+    let e = t
+        .open(&relay_addr, grant.id())
+        .await
+        .err()
+        .expect("a relayed handshake is refused");
+    assert!(matches!(e, TransferError::NotGranted(_)), "{e}");
+    assert!(
+        e.to_string().contains(&format!(
+            "advertised at {}, not {relay_addr}",
+            rx.endpoint()
+        )),
+        "{e}"
+    );
+    assert_eq!(rx.rejections().not_granted.load(Ordering::Relaxed), 1);
+    assert_eq!(sink.count(), 0);
+    // The receiver's own endpoint, as its grants advertise it, is admitted.
+    let mut s = t.open(&rx.endpoint(), grant.id()).await.unwrap();
+    s.send_block(grant.id(), 0, BlockId(1), &payload(0, 1, 64))
+        .await
+        .unwrap();
+    s.end(grant.id()).await.unwrap();
+    grant.wait().await.unwrap();
+    assert_eq!(sink.get(0, 1), Some(payload(0, 1, 64)));
 }

@@ -343,8 +343,11 @@ impl Shared {
         .map_err(|_| Stop::Gone)?;
         let mut kv = KvSpan::new(&prefill, &dest.endpoint, dest.block_ids.len());
         let connecting = Instant::now();
-        let mut conn: Box<dyn KvStream> =
-            self.transport.open(&dest.endpoint).await.map_err(|e| {
+        let mut conn: Box<dyn KvStream> = self
+            .transport
+            .open(&dest.endpoint, dest.transfer_id)
+            .await
+            .map_err(|e| {
                 Status::unavailable(format!(
                     "cannot reach the KV endpoint {}: {e}",
                     dest.endpoint

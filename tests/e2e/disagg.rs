@@ -334,7 +334,10 @@ async fn dead_or_stalled_prefill_workers_and_strangers_lose_nothing() {
         assert!(closed.is_ok(), "the receiver hangs up on a stranger");
     }
     let wrong = TcpTransport::new(Secret::new(b"not-the-cluster-secret".to_vec()).unwrap());
-    assert!(wrong.open(&kvaddr).await.is_err(), "wrong secret refused");
+    assert!(
+        wrong.open(&kvaddr, 1).await.is_err(),
+        "wrong secret refused"
+    );
     let dm = scrape(&daddr).await;
     assert_eq!(
         metric(
@@ -356,19 +359,26 @@ struct Flipper {
 struct FlipStream {
     w: tokio::io::BufWriter<tokio::net::TcpStream>,
     flipped: Arc<AtomicBool>,
+    session: tandem_kv_transfer::auth::Session,
+    seq: u64,
 }
 
 impl KvTransport for Flipper {
     fn open<'a>(
         &'a self,
         endpoint: &'a str,
+        transfer: u64,
     ) -> BoxFuture<'a, Result<Box<dyn KvStream>, TransferError>> {
         Box::pin(async move {
             let mut s = tokio::net::TcpStream::connect(endpoint).await?;
-            tandem_kv_transfer::auth::connect(&mut s, &self.secret, None).await?;
+            let session =
+                tandem_kv_transfer::auth::connect(&mut s, &self.secret, None, transfer, endpoint)
+                    .await?;
             Ok(Box::new(FlipStream {
                 w: tokio::io::BufWriter::new(s),
                 flipped: self.flipped.clone(),
+                session,
+                seq: 0,
             }) as Box<dyn KvStream>)
         })
     }
@@ -377,7 +387,10 @@ impl KvTransport for Flipper {
 impl FlipStream {
     async fn frame(&mut self, h: FrameHeader, body: &[u8]) -> Result<(), TransferError> {
         use tokio::io::AsyncWriteExt;
-        self.w.write_all(&h.encode()).await?;
+        let mut h = h.encode();
+        self.session.seal(self.seq, &mut h);
+        self.seq += 1;
+        self.w.write_all(&h).await?;
         self.w.write_all(body).await?;
         Ok(())
     }
@@ -446,6 +459,7 @@ impl KvTransport for Held {
     fn open<'a>(
         &'a self,
         _endpoint: &'a str,
+        _transfer: u64,
     ) -> BoxFuture<'a, Result<Box<dyn KvStream>, TransferError>> {
         let (gate, held) = (self.gate.clone(), self.held.clone());
         Box::pin(async move { Ok(Box::new(HeldStream { gate, held }) as Box<dyn KvStream>) })
