@@ -11,6 +11,7 @@
 
 use std::sync::{Arc, OnceLock};
 
+mod finite;
 mod limits;
 mod pool;
 
@@ -220,6 +221,14 @@ impl Grammars {
                     GrammarError::Invalid(format!("the JSON schema is not JSON: {e}"))
                 })?;
                 limits::check_schema(&schema)?;
+                if finite::has_finite_instance(&schema) == Some(false) {
+                    return Err(GrammarError::Invalid(
+                        "the JSON schema allows no text a model could write: every instance must \
+                         hold another instance (a `$ref` cycle through required properties or \
+                         non-empty arrays), so none is finite"
+                            .into(),
+                    ));
+                }
                 match &mut schema {
                     Value::Object(o) => {
                         o.entry("x-guidance").or_insert_with(json_options);

@@ -186,6 +186,9 @@ fn bad_grammars_are_refused_with_the_reason() {
         serde_json::json!({"$ref": "#"}),
         serde_json::json!({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
                            "$ref": "#/$defs/a"}),
+        // Infinite-only: every instance must hold another instance.
+        serde_json::json!({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}),
+        serde_json::json!({"type": "array", "items": {"$ref": "#"}, "minItems": 1}),
     ] {
         let m = refused(Grammar::JsonSchema(schema.to_string()));
         assert!(
