@@ -478,34 +478,15 @@ impl CudaOps {
         // One arithmetic per output whichever tiling runs (gemm.cu): the pipelined kernels
         // when rows are 16-byte aligned (k a multiple of 8; the choice among them by m changes
         // no bit), else the fallback (a property of the weight's shape, never of the batch).
-        let cfg = |f, grid: (usize, usize), threads: u32, smem: usize| {
-            let fits = |v: usize, max: usize| v <= max;
-            (
-                f,
-                fits(grid.0, i32::MAX as usize) && fits(grid.1, 65_535),
-                LaunchConfig {
-                    grid_dim: (grid.0 as u32, grid.1 as u32, 1),
-                    block_dim: (threads, 1, 1),
-                    shared_mem_bytes: smem as u32,
-                },
-            )
-        };
-        let (f, fits, cfg) = if fallback || k % 8 != 0 {
-            if m <= 16 {
-                cfg(
-                    &self.k.gemm_rows16,
-                    (n.div_ceil(GEMM_COLS), m.div_ceil(16)),
-                    128,
-                    0,
-                )
+        // (kernel, grid, threads, dynamic shared memory)
+        let (f, grid, threads, smem) = if fallback || k % 8 != 0 {
+            let rows = if m <= 16 { 16 } else { 64 };
+            let f = if m <= 16 {
+                &self.k.gemm_rows16
             } else {
-                cfg(
-                    &self.k.gemm_rows64,
-                    (n.div_ceil(GEMM_COLS), m.div_ceil(64)),
-                    128,
-                    0,
-                )
-            }
+                &self.k.gemm_rows64
+            };
+            (f, (n.div_ceil(GEMM_COLS), m.div_ceil(rows)), 128, 0)
         } else {
             let i = GEMM_PIPES
                 .iter()
@@ -514,13 +495,18 @@ impl CudaOps {
             let p = &GEMM_PIPES[i];
             let (mt, nt) = (m.div_ceil(p.tile.0), n.div_ceil(p.tile.1));
             let grid = if p.m_fast { (mt, nt) } else { (nt, mt) };
-            cfg(&self.k.gemm_pipes[i], grid, p.threads, p.dynamic_smem())
+            (&self.k.gemm_pipes[i], grid, p.threads, p.dynamic_smem())
         };
-        if !fits {
+        if grid.0 > i32::MAX as usize || grid.1 > 65_535 {
             return Err(shape(format!(
                 "gemm {m}×{n}×{k}: more tiles than a grid holds"
             )));
         }
+        let cfg = LaunchConfig {
+            grid_dim: (grid.0 as u32, grid.1 as u32, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
         let (mi, ni, ki, f32_out) = (m as i32, n as i32, k as i32, O::F32 as i32);
         let s = &self.stream;
         let op = out.device_ptr_mut(s).0;
