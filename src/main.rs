@@ -191,6 +191,7 @@ impl EngineArgs {
             num_blocks: self.kv_blocks,
             admission_lookahead: self.admission_lookahead,
             slowdown: test_slowdown()?,
+            panic_at_step: test_panic_at_step()?,
         };
         let backend =
             tandem_engine::backend::on(self.device, &loaded, &cfg, self.weights, self.tp()?)
@@ -217,6 +218,23 @@ fn test_slowdown() -> Result<f64> {
             .ok()
             .filter(|f| f.is_finite() && *f >= 1.0)
             .with_context(|| format!("TANDEM_TEST_SLOWDOWN={v:?} is not a number of at least 1")),
+    }
+}
+
+/// `TANDEM_TEST_PANIC_AT_STEP`: the engine thread panics in that step, as a bug would (the
+/// tests check what a worker does then). Unset in production.
+fn test_panic_at_step() -> Result<Option<u64>> {
+    match std::env::var("TANDEM_TEST_PANIC_AT_STEP") {
+        Err(_) => Ok(None),
+        Ok(v) => v
+            .trim()
+            .parse::<u64>()
+            .ok()
+            .filter(|&n| n >= 1)
+            .map(Some)
+            .with_context(|| {
+                format!("TANDEM_TEST_PANIC_AT_STEP={v:?} is not a step number (from 1)")
+            }),
     }
 }
 

@@ -176,19 +176,46 @@ async fn start_registration(
 
 /// Resolves on SIGINT or SIGTERM, after deleting the worker's card (if it has one): the router
 /// stops sending new requests before the drain begins. A worker that leaves first (`tandem
-/// deregister`, the preStop hook) deletes its card then, and still waits for the signal.
-async fn deregister_then_drain(registration: Option<Registration>, drain: Arc<Drain>) {
+/// deregister`, the preStop hook) deletes its card then, and still waits for the signal. A
+/// worker whose engine fails (its thread panicked: every request it held has its error) deletes
+/// its card and stops at once, for its supervisor to start a new one.
+async fn deregister_then_drain(
+    registration: Option<Registration>,
+    drain: Arc<Drain>,
+    engine: Arc<EngineHandle>,
+) {
     // One listener throughout: a SIGTERM that comes while the card is being deleted still counts.
     let mut signal = std::pin::pin!(shutdown_signal());
     let left_first = tokio::select! {
         _ = &mut signal => false,
         _ = drain.left() => true,
+        why = engine.failed() => {
+            tracing::error!(why, "the engine failed: leaving the cluster and stopping");
+            false
+        }
     };
     if let Some(r) = registration {
         r.deregister().await;
     }
     if left_first {
-        signal.await;
+        tokio::select! {
+            _ = signal => {}
+            _ = engine.failed() => {}
+        }
+    }
+}
+
+/// After the server stopped: an error naming the panic if the engine failed (the process
+/// exits with it, non-zero, so that it is restarted).
+fn engine_outcome(role: &str, engine: &EngineHandle) -> Result<()> {
+    match engine.failure() {
+        Some(why) => anyhow::bail!(
+            "tandem {role}: the engine failed ({why}); stopped so that it is restarted"
+        ),
+        None => {
+            eprintln!("tandem {role}: stopped");
+            Ok(())
+        }
     }
 }
 
@@ -392,14 +419,13 @@ pub fn run_decode(a: DecodeArgs) -> Result<()> {
         tandem_decode_worker::serve(
             listener,
             service,
-            deregister_then_drain(registration, drain),
+            deregister_then_drain(registration, drain, handle.clone()),
             Duration::from_secs(a.drain_timeout_s),
             token,
         )
         .await
         .context("decode worker")?;
-        eprintln!("tandem decode: stopped");
-        Ok(())
+        engine_outcome("decode", &handle)
     })
 }
 
@@ -413,6 +439,7 @@ pub fn run_prefill(a: PrefillArgs) -> Result<()> {
         );
     }
     let (handle, model, kv_dtype) = start_engine(&a.engine)?;
+    let handle = Arc::new(handle);
     let rt = runtime(1)?;
     rt.block_on(async move {
         let (listener, addr, identity) = bind_worker(
@@ -429,7 +456,7 @@ pub fn run_prefill(a: PrefillArgs) -> Result<()> {
         let shape = tandem_worker::kv_shape(&identity.model, &handle.kv_writers())
             .context("a prefill worker sends from a host cache")?;
         let service = PrefillService::new(
-            Arc::new(handle),
+            handle.clone(),
             Arc::new(TcpTransport::new(secret).with_shape(shape)),
             identity,
             PrefillLimits {
@@ -443,14 +470,13 @@ pub fn run_prefill(a: PrefillArgs) -> Result<()> {
         tandem_prefill_worker::serve(
             listener,
             service,
-            deregister_then_drain(registration, drain),
+            deregister_then_drain(registration, drain, handle.clone()),
             Duration::from_secs(a.drain_timeout_s),
             Some(token),
         )
         .await
         .context("prefill worker")?;
-        eprintln!("tandem prefill: stopped");
-        Ok(())
+        engine_outcome("prefill", &handle)
     })
 }
 

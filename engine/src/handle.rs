@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use tokio::sync::mpsc as tmpsc;
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, watch};
 
 use tandem_model::BlockHash;
 
@@ -85,6 +85,8 @@ enum Mode {
 struct Shared {
     stats: Mutex<EngineStats>,
     next_id: AtomicU64,
+    /// The panic that ended the loop, once one has.
+    failure: watch::Sender<Option<String>>,
 }
 
 /// A running engine. Dropping the handle stops the loop (after the current step) and joins it.
@@ -107,6 +109,7 @@ impl EngineHandle {
         let shared = Arc::new(Shared {
             stats: Mutex::new(EngineStats::default()),
             next_id: AtomicU64::new(1),
+            failure: watch::Sender::new(None),
         });
         let loop_shared = shared.clone();
         let thread = std::thread::Builder::new()
@@ -119,7 +122,7 @@ impl EngineHandle {
                         return;
                     }
                 };
-                *loop_shared.stats.lock().expect("stats lock") = engine.stats();
+                *loop_shared.stats() = engine.stats();
                 let _ = ready_tx.send(Ok((
                     engine.limits(),
                     engine
@@ -237,6 +240,9 @@ impl EngineHandle {
     }
 
     fn send_submit(&self, request: Request, mode: Mode) -> Result<RequestStream, EngineError> {
+        if self.failure().is_some() {
+            return Err(EngineError::Stopped);
+        }
         let id = RequestId(self.shared.next_id.fetch_add(1, Ordering::Relaxed));
         let unfinished = request.samples.count;
         let (tx, rx) = tmpsc::unbounded_channel();
@@ -276,7 +282,28 @@ impl EngineHandle {
 
     /// The engine's state after its latest step.
     pub fn stats(&self) -> EngineStats {
-        *self.shared.stats.lock().expect("stats lock")
+        *self.shared.stats()
+    }
+
+    /// Why the engine stopped, if its thread panicked (the panic's message): it then failed
+    /// every request it held with [`EngineError::Failed`] and takes no more.
+    pub fn failure(&self) -> Option<String> {
+        self.shared.failure.borrow().clone()
+    }
+
+    /// Resolves, with the panic's message, once the engine's thread has panicked (never, while
+    /// it runs): a worker stops then, so that its supervisor starts a new one.
+    pub async fn failed(&self) -> String {
+        let mut rx = self.shared.failure.subscribe();
+        let why = rx
+            .wait_for(Option::is_some)
+            .await
+            .map(|why| why.clone().unwrap_or_default());
+        match why {
+            Ok(why) => why,
+            // The sender lives in `shared`, which this handle holds: never.
+            Err(_) => std::future::pending().await,
+        }
     }
 
     /// Subscribes to the prefix cache's changes: a [`KvUpdate::Snapshot`] first, then
@@ -412,86 +439,142 @@ fn run_loop(mut engine: Engine, rx: mpsc::Receiver<Command>, shared: &Shared) {
     let mut sinks: HashMap<RequestId, Sink> = HashMap::new();
     let mut kv_subscribers: Vec<tmpsc::UnboundedSender<KvUpdate>> = Vec::new();
     loop {
-        let mut commands = Vec::new();
-        if !engine.has_work() {
-            match rx.recv() {
-                Ok(c) => commands.push(c),
-                Err(_) => return,
+        // A panic (a bug) leaves the engine's state unknown: its blocks, its running sequences.
+        // Nothing of it is trusted after one; every request it held gets the panic as its error
+        // (a stream that only ended would read as a worker gone, and the router would resume it
+        // elsewhere: a request that makes engines panic would take them all down, one by one).
+        let turn = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            turn(&mut engine, &rx, &mut sinks, &mut kv_subscribers, shared)
+        }));
+        match turn {
+            Ok(true) => {}
+            Ok(false) => return,
+            Err(panic) => {
+                let why = panic_message(panic.as_ref());
+                tracing::error!(
+                    why,
+                    "the engine thread panicked: failing its requests and stopping"
+                );
+                shared.failure.send_replace(Some(why.clone()));
+                let failed = || StreamEvent::Failed(EngineError::Failed(why.clone()));
+                for (_, sink) in sinks.drain() {
+                    let _ = sink.events.send(failed());
+                }
+                // Requests already queued: submissions from now on are refused at the handle.
+                for c in rx.try_iter() {
+                    if let Command::Submit { events, .. } = c {
+                        let _ = events.send(failed());
+                    }
+                }
+                return;
             }
         }
-        commands.extend(rx.try_iter());
-        for c in commands {
-            match c {
-                Command::Submit {
-                    id,
-                    request,
-                    mode,
-                    events,
-                } => {
-                    let request = *request;
-                    let unfinished = request.samples.count;
-                    let added = match mode {
-                        Mode::Local => engine.add(id, request),
-                        Mode::Prefill { skip_tokens } => {
-                            engine.add_prefill(id, request, skip_tokens)
-                        }
-                        Mode::Remote(reply) => match engine.reserve_remote(id, request) {
-                            Ok(Some(r)) => {
-                                if reply.send(Some(r)).is_err() {
-                                    engine.cancel(id);
-                                }
-                                Ok(())
+    }
+}
+
+/// The text of a caught panic's payload (what `panic!` formatted, when it was text).
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    match (panic.downcast_ref::<&str>(), panic.downcast_ref::<String>()) {
+        (Some(s), _) => s.to_string(),
+        (_, Some(s)) => s.clone(),
+        _ => "a panic without a message".to_string(),
+    }
+}
+
+/// One turn of the loop: the commands waiting (blocking for one when there is no work), then
+/// a step. False when the loop should end (shutdown, or every handle gone).
+fn turn(
+    engine: &mut Engine,
+    rx: &mpsc::Receiver<Command>,
+    sinks: &mut HashMap<RequestId, Sink>,
+    kv_subscribers: &mut Vec<tmpsc::UnboundedSender<KvUpdate>>,
+    shared: &Shared,
+) -> bool {
+    let mut commands = Vec::new();
+    if !engine.has_work() {
+        match rx.recv() {
+            Ok(c) => commands.push(c),
+            Err(_) => return false,
+        }
+    }
+    commands.extend(rx.try_iter());
+    for c in commands {
+        match c {
+            Command::Submit {
+                id,
+                request,
+                mode,
+                events,
+            } => {
+                let request = *request;
+                let unfinished = request.samples.count;
+                let added = match mode {
+                    Mode::Local => engine.add(id, request),
+                    Mode::Prefill { skip_tokens } => engine.add_prefill(id, request, skip_tokens),
+                    Mode::Remote(reply) => match engine.reserve_remote(id, request) {
+                        Ok(Some(r)) => {
+                            if reply.send(Some(r)).is_err() {
+                                engine.cancel(id);
                             }
-                            Ok(None) => {
-                                let _ = reply.send(None);
-                                continue;
-                            }
-                            Err(e) => Err(e),
-                        },
-                    };
-                    match added {
-                        Ok(()) => {
-                            sinks.insert(id, Sink { events, unfinished });
+                            Ok(())
                         }
-                        Err(e) => {
-                            let _ = events.send(StreamEvent::Failed(e));
+                        Ok(None) => {
+                            let _ = reply.send(None);
+                            continue;
                         }
+                        Err(e) => Err(e),
+                    },
+                };
+                match added {
+                    Ok(()) => {
+                        sinks.insert(id, Sink { events, unfinished });
                     }
-                }
-                Command::JoinRemote(id, first) => match engine.join_remote(id, first) {
-                    Ok(events) => deliver(&mut engine, &mut sinks, events),
-                    Err(e) => tracing::debug!(error = %e, "join of a request no longer parked"),
-                },
-                Command::PrefillLocally(id) => {
-                    engine.prefill_locally(id);
-                }
-                Command::Cancel(id) => engine.cancel(id),
-                Command::StopSamples(id, indices) => engine.stop_samples(id, &indices),
-                Command::SubscribeKv(tx) => {
-                    publish_kv(&engine, &mut kv_subscribers);
-                    let (last_seq, hashes) = engine.block_manager().snapshot();
-                    let next_seq = last_seq + 1;
-                    if tx.send(KvUpdate::Snapshot { next_seq, hashes }).is_ok() {
-                        kv_subscribers.push(tx);
-                    }
-                }
-                Command::Shutdown => return,
-            }
-        }
-        match engine.step() {
-            Ok((events, _)) => deliver(&mut engine, &mut sinks, events),
-            Err(e) => {
-                tracing::error!(error = %e, "engine step failed; failing its requests");
-                for id in engine.abort_all() {
-                    if let Some(s) = sinks.remove(&id) {
-                        let failed = EngineError::Step(e.to_string());
-                        let _ = s.events.send(StreamEvent::Failed(failed));
+                    Err(e) => {
+                        let _ = events.send(StreamEvent::Failed(e));
                     }
                 }
             }
+            Command::JoinRemote(id, first) => match engine.join_remote(id, first) {
+                Ok(events) => deliver(engine, sinks, events),
+                Err(e) => tracing::debug!(error = %e, "join of a request no longer parked"),
+            },
+            Command::PrefillLocally(id) => {
+                engine.prefill_locally(id);
+            }
+            Command::Cancel(id) => engine.cancel(id),
+            Command::StopSamples(id, indices) => engine.stop_samples(id, &indices),
+            Command::SubscribeKv(tx) => {
+                publish_kv(engine, kv_subscribers);
+                let (last_seq, hashes) = engine.block_manager().snapshot();
+                let next_seq = last_seq + 1;
+                if tx.send(KvUpdate::Snapshot { next_seq, hashes }).is_ok() {
+                    kv_subscribers.push(tx);
+                }
+            }
+            Command::Shutdown => return false,
         }
-        publish_kv(&engine, &mut kv_subscribers);
-        *shared.stats.lock().expect("stats lock") = engine.stats();
+    }
+    match engine.step() {
+        Ok((events, _)) => deliver(engine, sinks, events),
+        Err(e) => {
+            tracing::error!(error = %e, "engine step failed; failing its requests");
+            for id in engine.abort_all() {
+                if let Some(s) = sinks.remove(&id) {
+                    let failed = EngineError::Step(e.to_string());
+                    let _ = s.events.send(StreamEvent::Failed(failed));
+                }
+            }
+        }
+    }
+    publish_kv(engine, kv_subscribers);
+    *shared.stats() = engine.stats();
+    true
+}
+
+impl Shared {
+    /// The stats, whoever held the lock last (it guards a plain copy, whole at every moment).
+    fn stats(&self) -> std::sync::MutexGuard<'_, EngineStats> {
+        self.stats.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -897,5 +980,48 @@ mod tests {
             (0, 0, 0),
             "{st:?}"
         );
+    }
+
+    #[tokio::test]
+    async fn a_panic_on_the_engine_thread_fails_every_request_and_says_why() {
+        // Two requests; the fourth step panics (as a bug would).
+        let h = EngineHandle::spawn(|| {
+            let cfg = crate::EngineConfig {
+                panic_at_step: Some(4),
+                ..config()
+            };
+            Engine::new(tiny_model(3), cfg, vec![])
+        })
+        .unwrap();
+        assert_eq!(h.failure(), None);
+        let mut a = h.submit(req(vec![1, 2, 3], 50)).unwrap();
+        let mut b = h.submit(req(vec![4, 5], 50)).unwrap();
+        // `a` is in every step; `b` from the first step after its submission reached the loop.
+        for (s, made) in [(&mut a, 3..=3), (&mut b, 1..=3)] {
+            let mut tokens = 0;
+            let why = loop {
+                match s.next().await {
+                    Some(StreamEvent::Token(_)) => tokens += 1,
+                    Some(StreamEvent::Failed(EngineError::Failed(why))) => break why,
+                    other => panic!("{other:?}"),
+                }
+            };
+            assert!(why.contains("engine step 4"), "{why}");
+            // Steps 1 to 3 made its tokens; it never finished.
+            assert!(made.contains(&tokens), "{tokens}");
+            assert!(s.is_done());
+            assert!(s.next().await.is_none());
+        }
+        let why = tokio::time::timeout(std::time::Duration::from_secs(60), h.failed())
+            .await
+            .expect("the failure is announced");
+        assert!(why.contains("engine step 4"), "{why}");
+        assert_eq!(h.failure().as_deref(), Some(why.as_str()));
+        // Nothing more is taken; the handle still answers (and drops without hanging).
+        assert!(matches!(
+            h.submit(req(vec![1], 5)),
+            Err(EngineError::Stopped)
+        ));
+        assert_eq!(h.stats().steps, 3);
     }
 }

@@ -136,6 +136,10 @@ pub enum EngineError {
     /// A broken invariant inside the engine: a bug.
     #[error("internal: {0}")]
     Internal(String),
+    /// The engine's thread panicked (a bug; the text is the panic's message): every request it
+    /// held failed with this, and it takes no more. Its worker stops so that it is restarted.
+    #[error("the engine failed and stopped: {0}")]
+    Failed(String),
 }
 
 impl EngineError {
@@ -165,7 +169,8 @@ impl EngineError {
             | Self::Cuda(_)
             | Self::Collective(_)
             | Self::Startup(_)
-            | Self::Internal(_) => ErrorKind::Internal,
+            | Self::Internal(_)
+            | Self::Failed(_) => ErrorKind::Internal,
         }
     }
 }

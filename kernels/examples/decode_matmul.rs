@@ -1,7 +1,8 @@
 //! The products of one batched decode step of a SmolLM2-135M-shaped model (30 layers of Q4_1
 //! q|k|v, o, gate|up and down, a Q8_0 head; 32 activation rows by default, `ROWS` to change):
 //! each layer's weights distinct, as in the model, so they stream from memory as they do in the
-//! engine. Prints the step's product time, its GFLOP/s and the share of this level's FMA peak
+//! engine (`LAYERS=1`: one layer's weights for all 30 and no head, so they stay in cache and the
+//! kernels' arithmetic alone is timed). Prints the step's product time, its GFLOP/s and the share of this level's FMA peak
 //! (measured here). `TANDEM_ISA` picks the level:
 //! `cargo run --release -p tandem-kernels --example decode_matmul`.
 
@@ -35,10 +36,19 @@ fn weight(ty: GgmlType, n: usize, k: usize, seed: usize) -> Weight {
 fn run() {
     let (m, steps) = (env_count("ROWS", 32), env_count("STEPS", 20));
     let layer_shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)];
-    let mut products: Vec<Weight> = (0..30)
+    // `LAYERS` distinct layers' weights, taken in turn by the 30 (fewer: they stay in cache,
+    // which sets what the kernels' arithmetic alone costs against what streaming adds).
+    let distinct = env_count("LAYERS", 30).clamp(1, 30);
+    let layers: Vec<Weight> = (0..distinct)
         .flat_map(|l| layer_shapes.map(|(n, k)| weight(GgmlType::Q4_1, n, k, l * 131 + n)))
         .collect();
-    products.push(weight(GgmlType::Q8_0, 49152, 576, 7));
+    let head = weight(GgmlType::Q8_0, 49152, 576, 7);
+    let mut products: Vec<&Weight> = (0..30 * layer_shapes.len())
+        .map(|i| &layers[i % layers.len()])
+        .collect();
+    if distinct == 30 {
+        products.push(&head);
+    }
     let flops: f64 = products
         .iter()
         .map(|w| 2.0 * (m * w.rows() * w.cols()) as f64)

@@ -99,6 +99,26 @@ pub fn status(kind: ErrorKind, message: impl Into<String>) -> tonic::Status {
     tonic::Status::new(code(kind), message)
 }
 
+/// Metadata on a worker's failed stream whose engine failed (its thread panicked: a bug) while
+/// the request ran. The router reports such a request's error and does not move it to another
+/// worker: if the request itself set the panic off, it would take that worker down too.
+pub const ENGINE_FAILED: &str = "tandem-engine-failed";
+
+/// [`status`], marked [`ENGINE_FAILED`].
+pub fn engine_failed_status(kind: ErrorKind, message: impl Into<String>) -> tonic::Status {
+    let mut s = status(kind, message);
+    s.metadata_mut().insert(
+        ENGINE_FAILED,
+        tonic::metadata::MetadataValue::from_static("1"),
+    );
+    s
+}
+
+/// Whether a failed stream's status says its worker's engine failed ([`ENGINE_FAILED`]).
+pub fn is_engine_failed(s: &tonic::Status) -> bool {
+    s.metadata().get(ENGINE_FAILED).is_some()
+}
+
 /// What a gRPC answer's code says about whose fault it was (the inverse of [`code`]; a code no
 /// Tandem worker sends reads as the kind closest to it).
 pub fn kind(code: tonic::Code) -> ErrorKind {

@@ -179,6 +179,27 @@ async fn chained_grammars_are_refused_and_every_process_lives() {
 }
 
 /// A Lark grammar the parser's item limit ends within fifty `a`s, mid-generation.
+/// A streamed completion that failed: its error event (the last before `[DONE]`) and the text
+/// of the chunks before it, none of which carries a finish reason (nothing finished).
+fn text_then_error(text: &str) -> (Value, String) {
+    let events = sse_events(text);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{text}");
+    let mut parsed: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    let error = parsed.pop().expect("an error event");
+    let streamed = parsed
+        .iter()
+        .flat_map(|c| c["choices"].as_array().unwrap().iter())
+        .map(|c| {
+            assert!(c["finish_reason"].is_null(), "{c}");
+            c["text"].as_str().unwrap_or("").to_string()
+        })
+        .collect();
+    (error, streamed)
+}
+
 fn items_bomb() -> String {
     include_str!("../../grammar/tests/data/items_bomb.lark").into()
 }
@@ -210,27 +231,13 @@ async fn a_grammar_that_fails_mid_generation_ends_the_request_with_its_error() {
     // Streamed: the text that was in the grammar, then the error as an event and the end; no
     // finish reason, as nothing finished.
     let text = post_text(http, "/v1/completions", &body(true)).await;
-    let events = sse_events(&text);
-    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{text}");
-    let parsed: Vec<Value> = events[..events.len() - 1]
-        .iter()
-        .map(|e| serde_json::from_str(e).unwrap())
-        .collect();
-    let (error, chunks) = parsed.split_last().unwrap();
+    let (error, streamed) = text_then_error(&text);
     assert!(
         error["error"]["message"]
             .as_str()
             .is_some_and(|m| m.contains("max is 2000")),
         "{error}"
     );
-    let streamed: String = chunks
-        .iter()
-        .flat_map(|c| c["choices"].as_array().unwrap().iter())
-        .map(|c| {
-            assert!(c["finish_reason"].is_null(), "{c}");
-            c["text"].as_str().unwrap_or("").to_string()
-        })
-        .collect();
     assert!(
         streamed.len() >= 10 && streamed.chars().all(|c| c == 'a'),
         "{streamed:?}"
@@ -268,6 +275,67 @@ async fn a_grammar_that_fails_mid_generation_ends_the_request_with_its_error() {
     assert!(e.message().contains("max is 2000"), "{e:?}");
     // Nothing is left on the worker.
     wait_idle(&waddr).await;
+}
+
+/// A panic on a worker's engine thread (a bug; here the test hook's, in the engine's fourth
+/// step) fails the requests that engine held with the panic's message, and they are not moved to
+/// another worker (if the request set the panic off, it would take that worker down too); the
+/// worker leaves the cluster and exits non-zero, for its supervisor to start a new one (`tandem
+/// up` does: `cluster::up_restarts_a_crashed_worker_and_stops_cleanly`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_engine_fails_its_requests_and_its_worker_stops() {
+    // Both workers would panic in their fourth step: a request moved to the other one would
+    // take it down as well.
+    let hook = [("TANDEM_TEST_PANIC_AT_STEP", "4")];
+    let (a, a_addr, _) = start_decode_env(&[], &hook);
+    let (b, b_addr, _) = start_decode_env(&[], &hook);
+    let r = start_router(&[a_addr, b_addr], &[]);
+    wait_ready(&r, 2).await;
+    let http = r.http.as_str();
+    // Step 1 prefills and samples, steps 2 and 3 decode: three tokens, then the panic.
+    let text = post_text(
+        http,
+        "/v1/completions",
+        &json!({"prompt": "Once upon a time", "max_tokens": 40, "temperature": 0,
+                "stream": true}),
+    )
+    .await;
+    let (error, streamed) = text_then_error(&text);
+    let m = error["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        m.contains("the engine failed") && m.contains("engine step 4"),
+        "{error}"
+    );
+    assert!(!streamed.is_empty(), "{text}");
+    // The worker that held it stops by itself, with a failure; the other was never reached.
+    let (mut failed, mut other) = (a, b);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    let status = loop {
+        if let Ok(Some(s)) = failed.child.try_wait() {
+            break s;
+        }
+        if let Ok(Some(s)) = other.child.try_wait() {
+            std::mem::swap(&mut failed, &mut other);
+            break s;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no worker stopped after its engine failed"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
+    assert!(!status.success(), "{status:?}");
+    // The router lives on and serves the next request on the other worker (two steps, under
+    // its hook's fourth).
+    let (s, v) = post(
+        http,
+        "/v1/completions",
+        json!({"prompt": "Hello", "max_tokens": 2, "temperature": 0}),
+    )
+    .await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 2, "{v}");
+    assert!(alive(other.pid()) && alive(r.proc.pid()));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -18,7 +18,10 @@ pub type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 /// An engine refusal or failure as the gRPC status its kind maps to (one mapping, in
 /// tandem-proto, for every worker): the caller's fault only when it was.
 pub fn status(e: EngineError) -> Status {
-    tandem_proto::wire::status(e.kind(), e.to_string())
+    match e {
+        EngineError::Failed(_) => tandem_proto::wire::engine_failed_status(e.kind(), e.to_string()),
+        e => tandem_proto::wire::status(e.kind(), e.to_string()),
+    }
 }
 
 /// A sampled token (with its log-probability and alternatives) as the worker API sends it.
@@ -181,12 +184,16 @@ mod tests {
             (EngineError::Step("kernel".into()), Code::Internal),
             (EngineError::NotParked(3), Code::Internal),
             (EngineError::Internal("x".into()), Code::Internal),
+            (EngineError::Failed("boom".into()), Code::Internal),
         ];
         for (e, code) in cases {
             let text = e.to_string();
+            let failed = matches!(e, EngineError::Failed(_));
             let s = status(e);
             assert_eq!(s.code(), code, "{text}");
             assert_eq!(s.message(), text);
+            // Only an engine that failed says so (the router does not move such a request).
+            assert_eq!(tandem_proto::wire::is_engine_failed(&s), failed, "{text}");
         }
     }
 }

@@ -23,6 +23,7 @@ use crate::ControlService;
 ///
 /// With a `token`, the worker's own services and `/deregister` need it ([`WorkerToken`]
 /// (crate::WorkerToken)); health, reflection and `/metrics` stay open.
+#[allow(clippy::too_many_arguments)]
 pub async fn serve(
     listener: TcpListener,
     role: tonic::service::Routes,

@@ -30,6 +30,12 @@ impl Engine {
             return Ok((events, StepStats::default()));
         }
         self.stats.steps += 1;
+        if self.config.panic_at_step == Some(self.stats.steps) {
+            panic!(
+                "test hook: a panic in engine step {} (TANDEM_TEST_PANIC_AT_STEP)",
+                self.stats.steps
+            );
+        }
         let t0 = Instant::now();
         // Only the slowdown test hook reads it (a system call, kept off the normal step).
         let cpu0 = if self.config.slowdown > 1.0 {

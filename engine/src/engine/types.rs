@@ -33,6 +33,10 @@ pub struct EngineConfig {
     /// the rest, counted in the step's time), so this machine behaves like one that much slower.
     /// `TANDEM_TEST_SLOWDOWN` sets it for the CLI's engines; 1 in production.
     pub slowdown: f64,
+    /// Test hook: the engine thread panics in this step (counted from 1, steps with work only),
+    /// as a bug would, so the tests can see what a worker does then. `TANDEM_TEST_PANIC_AT_STEP`
+    /// sets it for the CLI's engines; `None` in production.
+    pub panic_at_step: Option<u64>,
 }
 
 impl EngineConfig {
@@ -65,6 +69,7 @@ impl Default for EngineConfig {
             num_blocks: None,
             admission_lookahead: 64,
             slowdown: 1.0,
+            panic_at_step: None,
         }
     }
 }

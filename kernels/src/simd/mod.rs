@@ -484,7 +484,10 @@ pub fn has_quant_x1(ty: GgmlType) -> bool {
 pub fn dot_quant_x1(ty: GgmlType, rows: &[u8], rb: usize, x: &[f32], out: &mut [f32]) {
     let n = out.len();
     assert!(
-        has_quant_x1(ty) && n <= QUANT_X1_ROWS && rows.len() >= n * rb && x.len() % 32 == 0,
+        has_quant_x1(ty)
+            && n <= QUANT_X1_ROWS
+            && rows.len() >= n * rb
+            && x.len().is_multiple_of(32),
         "dot_quant_x1: {n} {ty} rows"
     );
     assert_eq!(ty.bytes_for(x.len()), Some(rb), "dot_quant_x1: row length");

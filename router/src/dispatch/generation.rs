@@ -108,7 +108,8 @@ impl Drop for Generation {
 }
 
 /// Whether a failed stream means its worker is gone (move the request) rather than that the
-/// request itself was refused (report it).
+/// request itself was refused (report it). A worker whose engine failed under the request says
+/// so; that request is reported, not moved (it may be what made the engine fail).
 fn worker_lost(s: &tonic::Status) -> bool {
     matches!(
         s.code(),
@@ -116,7 +117,7 @@ fn worker_lost(s: &tonic::Status) -> bool {
             | tonic::Code::Unknown
             | tonic::Code::Internal
             | tonic::Code::Cancelled
-    )
+    ) && !tandem_proto::wire::is_engine_failed(s)
 }
 
 /// What one wait on the streams gave: which leg, and its message, failure or silence.
