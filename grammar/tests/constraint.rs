@@ -331,3 +331,62 @@ fn a_grammar_that_cannot_go_on_says_so() {
     assert!(at > 10, "{at}");
     assert!(e.to_string().contains("max is 2000"), "{e}");
 }
+
+/// A grammar with as many parses as a text can have (`e: e e | "a"`): the parser's work for
+/// one token grows with the text (its item limits do not bound it), so a long output ends
+/// with the step budget's error (here 20 ms; 1 s by default), or a parser limit, never with
+/// steps that take longer and longer while the rest of the batch waits. The walk takes the
+/// longest run of `a`s the mask allows each time, so the parse grows fastest.
+#[test]
+fn a_grammar_of_unbounded_ambiguity_ends_at_the_step_budget() {
+    let (tok, vocab) = tokenizer();
+    let g = Grammars::new(&tok, vocab).unwrap();
+    let ambiguous = Grammar::Lark("start: e\ne: e e | \"a\"\n".into());
+    // The vocabulary's runs of `a`, longest first.
+    let mut runs: Vec<(usize, u32)> = (1..=16)
+        .filter_map(|n| {
+            let ids = tok.encode(&"a".repeat(n), false).ok()?;
+            (ids.len() == 1).then(|| (n, ids[0]))
+        })
+        .collect();
+    runs.sort_by(|a, b| b.cmp(a));
+    assert!(runs.len() >= 2, "{runs:?}");
+    let mut c = g
+        .compile(&ambiguous)
+        .unwrap()
+        .with_step_budget(std::time::Duration::from_millis(20));
+    let (mut text, mut failed) = (0usize, None);
+    for _ in 0..2000 {
+        let mask = match c.allowed() {
+            Ok(m) => m,
+            Err(e) => {
+                failed = Some(e);
+                break;
+            }
+        };
+        // Every run of `a`s is in the language.
+        assert!(runs.iter().all(|&(_, t)| mask.allows(t)));
+        let (n, t) = runs[0];
+        if let Err(e) = c.consume(t) {
+            failed = Some(e);
+            break;
+        }
+        text += n;
+    }
+    let e = failed.expect("the step budget (or a parser limit) ends it");
+    let m = e.to_string();
+    assert!(
+        matches!(e, GrammarError::Stuck(_))
+            && (m.contains("too ambiguous") || m.contains("max is")),
+        "{m}"
+    );
+    assert!(text > 16, "{text} a's before {m}");
+
+    // The budget is checked on every call: none at all fails the first one.
+    let mut c = g
+        .compile(&ambiguous)
+        .unwrap()
+        .with_step_budget(std::time::Duration::ZERO);
+    let e = c.allowed().err().expect("over a budget of nothing");
+    assert!(e.to_string().contains("too ambiguous"), "{e}");
+}

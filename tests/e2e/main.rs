@@ -12,6 +12,7 @@ mod disagg_tp;
 mod discovery;
 mod dns_discovery;
 mod front_door;
+mod fuzz_corpus;
 mod generate_cli;
 mod grpcurl;
 mod helm;
