@@ -450,7 +450,7 @@ fn run_loop(mut engine: Engine, rx: mpsc::Receiver<Command>, shared: &Shared) {
             Ok(true) => {}
             Ok(false) => return,
             Err(panic) => {
-                let why = panic_message(panic.as_ref());
+                let why = tandem_types::panic_message(panic.as_ref());
                 tracing::error!(
                     why,
                     "the engine thread panicked: failing its requests and stopping"
@@ -469,15 +469,6 @@ fn run_loop(mut engine: Engine, rx: mpsc::Receiver<Command>, shared: &Shared) {
                 return;
             }
         }
-    }
-}
-
-/// The text of a caught panic's payload (what `panic!` formatted, when it was text).
-fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
-    match (panic.downcast_ref::<&str>(), panic.downcast_ref::<String>()) {
-        (Some(s), _) => s.to_string(),
-        (_, Some(s)) => s.clone(),
-        _ => "a panic without a message".to_string(),
     }
 }
 

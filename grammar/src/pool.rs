@@ -65,11 +65,7 @@ pub(crate) fn run<T: Send + 'static>(
     let (tx, rx) = mpsc::sync_channel(1);
     let job: Job = Box::new(move || {
         let out = catch_unwind(AssertUnwindSafe(work)).unwrap_or_else(|p| {
-            let what = p
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| p.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "a panic".into());
+            let what = tandem_types::panic_message(p.as_ref());
             Err(GrammarError::Internal(format!(
                 "the grammar compiler failed: {what}"
             )))

@@ -23,9 +23,39 @@ pub enum ErrorKind {
     Internal,
 }
 
+/// The text of a caught panic's payload: what `panic!` formatted (a `&str` or a `String`), or
+/// `"a panic"` for any other payload. One place for every `catch_unwind` that reports a panic as
+/// a request's error.
+pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic".into())
+}
+
 impl ErrorKind {
     /// Whether the client caused it (and retrying the same request cannot help).
     pub fn is_client_fault(self) -> bool {
         matches!(self, Self::InvalidRequest | Self::TooLarge)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_panic_s_text_is_its_message() {
+        let caught = |f: fn()| std::panic::catch_unwind(f).unwrap_err();
+        assert_eq!(panic_message(caught(|| panic!("plain")).as_ref()), "plain");
+        assert_eq!(
+            panic_message(caught(|| panic!("formatted {}", 7)).as_ref()),
+            "formatted 7"
+        );
+        assert_eq!(
+            panic_message(caught(|| std::panic::panic_any(42u8)).as_ref()),
+            "a panic"
+        );
     }
 }

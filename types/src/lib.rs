@@ -19,6 +19,6 @@ mod error;
 mod ids;
 mod sampling;
 
-pub use error::ErrorKind;
+pub use error::{panic_message, ErrorKind};
 pub use ids::BlockId;
 pub use sampling::{limits, Grammar, SamplingError, SamplingParams, ValidSampling};

@@ -274,11 +274,7 @@ impl Rank {
                             // A panic fails the step like an error, without ending the thread.
                             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(run))
                                 .unwrap_or_else(|p| {
-                                    let what = p
-                                        .downcast_ref::<String>()
-                                        .cloned()
-                                        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                                        .unwrap_or_default();
+                                    let what = tandem_types::panic_message(p.as_ref());
                                     Err(EngineError::Internal(format!(
                                         "rank {rank} panicked: {what}"
                                     )))

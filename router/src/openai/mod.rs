@@ -84,11 +84,7 @@ async fn catch_panic(req: axum::extract::Request, next: middleware::Next) -> Res
     {
         Ok(r) => r,
         Err(p) => {
-            let what = p
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| p.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "a panic".into());
+            let what = tandem_types::panic_message(p.as_ref());
             tracing::error!(panic = %what, "a request handler panicked");
             ApiError::Internal(format!("the router failed this request: {what}")).into_response()
         }
