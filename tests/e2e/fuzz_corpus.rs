@@ -6,7 +6,6 @@
 use crate::common;
 
 #[path = "../../fuzz/src/lib.rs"]
-#[allow(dead_code)]
 mod targets;
 
 #[test]
