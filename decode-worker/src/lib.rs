@@ -261,18 +261,25 @@ fn response_stream(
                 .await;
             span.record(
                 "tandem.prefill.result",
-                if first.is_some() {
-                    "remote"
-                } else {
-                    "local_fallback"
+                match &first {
+                    Ok(Some(_)) => "remote",
+                    Ok(None) => "local_fallback",
+                    Err(_) => "engine_failed",
                 },
             );
             match first {
-                Some(first) => {
+                Ok(Some(first)) => {
                     st.observe.local = false;
                     st.engine.join_remote(&st.stream, first)
                 }
-                None => st.engine.prefill_locally(&st.stream),
+                Ok(None) => st.engine.prefill_locally(&st.stream),
+                // A prefill engine failed under this request: it ends here, with that status
+                // (marked, so the router reports it rather than moving it). Dropping the state
+                // revokes the grant, then cancels the engine request, which frees its blocks.
+                Err(s) => {
+                    st.done = true;
+                    return Some((Err(s), st));
+                }
             }
         }
         let mut next = st.stream.next().await;

@@ -147,8 +147,14 @@ impl RemotePrefill {
     }
 
     /// Fills `reservation` from the candidates in order; the first token on success, `None` when
-    /// every candidate failed. `grant` holds the live attempt's grant: the caller keeps it in a
-    /// place that drops before the engine request, so blocks are revoked before they are freed.
+    /// every candidate failed (the caller prefills locally). `grant` holds the live attempt's
+    /// grant: the caller keeps it in a place that drops before the engine request, so blocks are
+    /// revoked before they are freed.
+    ///
+    /// A prefill worker whose engine failed while it held the request answers with a status
+    /// marked `tandem-engine-failed`: that status is the `Err`, and neither another candidate nor
+    /// this worker's own engine is tried, since the request may be what made the engine fail (the
+    /// router does not move it either).
     pub async fn prefill(
         &self,
         request_id: &str,
@@ -157,7 +163,7 @@ impl RemotePrefill {
         reservation: &Reservation,
         candidates: &[String],
         grant: &mut Option<TransferGrant>,
-    ) -> Option<Sampled> {
+    ) -> Result<Option<Sampled>, tonic::Status> {
         let ask = Ask {
             request_id,
             prompt,
@@ -181,6 +187,12 @@ impl RemotePrefill {
             let result = match &r {
                 Ok(_) => "ok",
                 Err(Attempt::Refused(_)) => "refused",
+                Err(Attempt::EngineFailed(s)) => {
+                    tandem_worker::trace::failed(&span, &s.message());
+                    self.counts.failures[Failure::PrefillError as usize]
+                        .fetch_add(1, Ordering::Relaxed);
+                    "engine_failed"
+                }
                 Err(Attempt::Failed(why, e)) => {
                     tandem_worker::trace::failed(&span, e);
                     self.counts.failures[*why as usize].fetch_add(1, Ordering::Relaxed);
@@ -191,7 +203,13 @@ impl RemotePrefill {
             match r {
                 Ok(first) => {
                     self.counts.transfers_ok.fetch_add(1, Ordering::Relaxed);
-                    return Some(first);
+                    return Ok(Some(first));
+                }
+                Err(Attempt::EngineFailed(s)) => {
+                    self.counts.transfers_failed.fetch_add(1, Ordering::Relaxed);
+                    tracing::error!(request = request_id, prefill = %addr, error = %s.message(), "a prefill worker's engine failed under this request; ending it, not trying another");
+                    *grant = None;
+                    return Err(s);
                 }
                 Err(Attempt::Refused(e)) => {
                     self.counts
@@ -209,7 +227,7 @@ impl RemotePrefill {
         }
         *grant = None;
         self.counts.fallbacks.fetch_add(1, Ordering::Relaxed);
-        None
+        Ok(None)
     }
 
     async fn attempt(
@@ -251,6 +269,7 @@ impl RemotePrefill {
         // Opening the call waits for the worker's admission; it too must not hang.
         let mut updates = tokio::select! {
             r = client.prefill(call) => r.map_err(|s| match s.code() {
+                _ if tandem_proto::wire::is_engine_failed(&s) => Attempt::EngineFailed(s),
                 tonic::Code::ResourceExhausted => Attempt::Refused(s.message().to_string()),
                 tonic::Code::Unavailable => Attempt::Failed(Failure::Unreachable, s.message().to_string()),
                 c => Attempt::Failed(Failure::PrefillError, format!("{c}: {}", s.message())),
@@ -264,7 +283,11 @@ impl RemotePrefill {
             tokio::select! {
                 m = updates.message(), if first.is_none() => {
                     let u = m
-                        .map_err(|s| prefill_error(format!("{}: {}", s.code(), s.message())))?
+                        .map_err(|s| if tandem_proto::wire::is_engine_failed(&s) {
+                            Attempt::EngineFailed(s)
+                        } else {
+                            prefill_error(format!("{}: {}", s.code(), s.message()))
+                        })?
                         .ok_or_else(|| prefill_error("the prefill worker ended the call without a first token"))?;
                     match u.update {
                         Some(pb::prefill_update::Update::Accepted(a)) => watch.accepted(&a, Instant::now()),
@@ -281,7 +304,15 @@ impl RemotePrefill {
                     }
                 }
                 r = g.wait(), if !arrived => {
-                    let stats = r.map_err(|e| Attempt::Failed(Failure::Transfer, e.to_string()))?;
+                    let stats = match r {
+                        Ok(stats) => stats,
+                        // The sender gave up, and its call is about to say why: an engine that
+                        // failed under this request must not be followed by another prefill.
+                        Err(e @ TransferError::Aborted) if first.is_none() => {
+                            return Err(why_aborted(&mut updates, &watch, e).await)
+                        }
+                        Err(e) => return Err(Attempt::Failed(Failure::Transfer, e.to_string())),
+                    };
                     self.counts.duration.observe(granted.elapsed().as_secs_f64());
                     received(span, &stats, reservation.blocks.len());
                     arrived = true;
@@ -335,6 +366,8 @@ enum Attempt {
     Refused(String),
     /// Failed for the reason given, with what went wrong.
     Failed(Failure, String),
+    /// The prefill worker's engine failed while it held the request (its status, marked).
+    EngineFailed(tonic::Status),
 }
 
 /// Why a remote prefill attempt failed, as `tandem_kv_transfer_failures_total` counts it.
@@ -367,6 +400,33 @@ impl Failure {
             Failure::Stalled => "stalled",
             Failure::Transfer => "transfer",
         }
+    }
+}
+
+/// Why a transfer's sender aborted it, as its prefill call ends: an engine failure when the
+/// call's status says so, else the abort itself. Waits no longer than the attempt's progress
+/// deadline.
+async fn why_aborted(
+    updates: &mut tonic::Streaming<pb::PrefillUpdate>,
+    watch: &Progress,
+    aborted: TransferError,
+) -> Attempt {
+    let transfer = || Attempt::Failed(Failure::Transfer, aborted.to_string());
+    let end = async {
+        loop {
+            match updates.message().await {
+                Ok(Some(_)) => continue,
+                Ok(None) => return transfer(),
+                Err(s) if tandem_proto::wire::is_engine_failed(&s) => {
+                    return Attempt::EngineFailed(s)
+                }
+                Err(_) => return transfer(),
+            }
+        }
+    };
+    tokio::select! {
+        a = end => a,
+        _ = tokio::time::sleep_until(watch.give_up_at()) => transfer(),
     }
 }
 

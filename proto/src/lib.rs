@@ -5,7 +5,8 @@
 //! by prefill workers, `WorkerControl` by both), the encoded descriptor set for gRPC reflection,
 //! and the wire's side of the shared words in tandem-types ([`wire`]: a request's sampling to and
 //! from its messages, a failure's kind to and from a gRPC code), so both ends of a call map them
-//! the same way. Does not own any other behaviour: conversions to engine or router types live
+//! the same way; [`guard`], the layer that turns a panic in any call into that call's `INTERNAL`
+//! status. Does not own any other behaviour: conversions to engine or router types live
 //! with those crates.
 //!
 //! Main items: [`v1`] and [`worker`] (the generated messages, clients and servers, documented by
@@ -14,6 +15,7 @@
 
 #![deny(missing_docs)]
 
+pub mod guard;
 pub mod wire;
 
 /// `tandem.v1`, the public API the router serves: the `Generation` service (Generate, Tokenize,

@@ -373,6 +373,8 @@ pub async fn serve(
             tokio_stream::wrappers::ReceiverStream::new(conns).map(Ok::<_, std::io::Error>);
         async move {
             tonic::transport::Server::builder()
+                // A panic in any call is that call's INTERNAL status (tandem_proto::guard).
+                .layer(tandem_proto::guard::CatchPanicLayer)
                 .tcp_nodelay(true)
                 .http2_max_header_list_size(
                     u32::try_from(door.limits.max_header_bytes).unwrap_or(u32::MAX),

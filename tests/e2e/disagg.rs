@@ -239,6 +239,97 @@ async fn a_busy_prefill_worker_refuses_up_front_and_the_prompt_is_prefilled_loca
     wait_idle(&daddr).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_engine_failing_under_a_request_ends_it_and_no_other_engine_runs_it() {
+    // The prefill worker's engine panics in its first step, the one that holds the request. The
+    // request ends with that failure: the decode worker neither tries another candidate nor
+    // prefills it itself, and the router does not move it, since the request may be what made
+    // the engine fail.
+    let hook = [("TANDEM_TEST_PANIC_AT_STEP", "1")];
+    let (mut p, paddr) = start_prefill_env(&[], &hook);
+    let (d, daddr, _kv) = start_decode(&[]);
+    let r = start_router(
+        std::slice::from_ref(&daddr),
+        &[&format!("--prefill-workers={paddr}")],
+    );
+    wait_ready(&r, 1).await;
+    ready_prefill_workers(&r.http, 1).await;
+    let prompt = long_prompt(10, 1200);
+    let mut c = tandem_proto::v1::generation_client::GenerationClient::connect(r.grpc.clone())
+        .await
+        .unwrap();
+    let req = tandem_proto::v1::GenerateRequest {
+        prompt: Some(tandem_proto::v1::generate_request::Prompt::TokenIds(
+            tandem_proto::v1::TokenIds { ids: prompt },
+        )),
+        sampling: Some(tandem_proto::v1::SamplingParams {
+            temperature: Some(0.0),
+            ..Default::default()
+        }),
+        stopping: Some(tandem_proto::v1::StoppingCriteria {
+            max_tokens: Some(4),
+            ignore_eos: true,
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let ended = match c.generate(req).await {
+        Err(s) => Err(s),
+        Ok(r) => {
+            let mut s = r.into_inner();
+            let mut tokens = Vec::new();
+            loop {
+                match s.message().await {
+                    Ok(Some(m)) => tokens.extend(m.token_ids),
+                    Ok(None) => break Ok(tokens),
+                    Err(e) => break Err(e),
+                }
+            }
+        }
+    };
+    let status = ended.expect_err("a request that failed an engine ends with an error");
+    assert_eq!(status.code(), tonic::Code::Internal, "{status:?}");
+    let m = status.message();
+    assert!(
+        m.contains("the engine failed") && m.contains("engine step 1"),
+        "{m}"
+    );
+    // The decode worker ran nothing of it: no local fallback, and every block it reserved is
+    // back.
+    let dm = scrape(&daddr).await;
+    assert_eq!(
+        metric(
+            &dm,
+            r#"tandem_remote_prefill_local_fallbacks_total{reason="all_candidates_failed"}"#
+        ),
+        0.0
+    );
+    assert_eq!(
+        metric(&dm, r#"tandem_kv_transfers_total{result="failed"}"#),
+        1.0
+    );
+    wait_idle(&daddr).await;
+    // The prefill worker stops by itself, with a failure; the decode worker lives on and
+    // serves the next long prompt itself.
+    let end = Instant::now() + Duration::from_secs(120);
+    let exit = loop {
+        if let Ok(Some(s)) = p.child.try_wait() {
+            break s;
+        }
+        assert!(
+            Instant::now() < end,
+            "the failed prefill worker did not stop"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(!exit.success(), "{exit:?}");
+    ready_prefill_workers(&r.http, 0).await;
+    let (out, _) = generate_ids(&r.grpc, &long_prompt(11, 1200), 4).await;
+    assert_eq!(out.len(), 4);
+    assert!(alive(d.pid()) && alive(r.proc.pid()));
+    wait_idle(&daddr).await;
+}
+
 /// Waits until the decode worker has received more KV bytes than `base`.
 async fn wait_transfer_started(daddr: &str, base: f64) {
     let end = Instant::now() + Duration::from_secs(60);

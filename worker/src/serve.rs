@@ -96,6 +96,8 @@ pub async fn serve(
             crate::auth::require,
         ));
     tonic::transport::Server::builder()
+        // A panic in any call is that call's INTERNAL status (tandem_proto::guard).
+        .layer(tandem_proto::guard::CatchPanicLayer)
         .http2_keepalive_interval(Some(Duration::from_secs(10)))
         .tcp_nodelay(true)
         .accept_http1(true)
