@@ -19,12 +19,10 @@ use tandem_bench::load::measure::Slo;
 use tandem_bench::load::run::{HttpTarget, Plan, Target};
 use tandem_bench::load::schedule::{Arrival, Bound, Shape};
 use tandem_bench::load::{agent, execute, report, Bench, Report, Sweep};
+use tandem_discovery::Ready;
 use tandem_engine::{EngineError, EngineHandle};
 
-use crate::up::{
-    router_addrs, sigterm, spawn, wait_for_line, wait_ready, worker_addr, DECODE_READY,
-    ROUTER_READY,
-};
+use crate::up::{router_addrs, sigterm, spawn, wait_for_line, wait_ready};
 use crate::{fetch, EngineArgs};
 
 #[derive(Args)]
@@ -451,14 +449,14 @@ async fn overhead(
     ];
     wargs.extend(engine_args.flags());
     let mut worker = spawn("decode", &wargs)?;
-    let line = wait_for_line(
+    let ready = wait_for_line(
         "decode",
         &mut worker,
-        DECODE_READY,
+        Ready::DECODE,
         Duration::from_secs(300),
     )
     .await?;
-    let waddr = worker_addr(&line);
+    let waddr = ready.grpc().to_string();
     let mut rargs = vec![
         "router".to_string(),
         "--host=127.0.0.1".into(),
@@ -471,14 +469,14 @@ async fn overhead(
         rargs.push(format!("--model={}", m.display()));
     }
     let mut router = spawn("router", &rargs)?;
-    let line = wait_for_line(
+    let ready = wait_for_line(
         "router",
         &mut router,
-        ROUTER_READY,
+        Ready::ROUTER,
         Duration::from_secs(120),
     )
     .await?;
-    let http = format!("http://{}", router_addrs(&line)?.0);
+    let http = format!("http://{}", router_addrs(&ready)?.0);
     wait_ready(&format!("{http}/ready"), Duration::from_secs(60)).await?;
     let model = model_name(&http, &a.served_model).await?;
 

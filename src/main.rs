@@ -27,7 +27,7 @@ pub(crate) struct Cli {
 
 #[derive(Subcommand)]
 pub(crate) enum Command {
-    /// The whole cluster on this machine: a router and decode workers as child processes.
+    /// The whole cluster on this machine: a router, prefill and decode workers as child processes.
     Up(up::UpArgs),
     /// The router: OpenAI-compatible HTTP and gRPC in front of decode workers.
     Router(tandem_router::RouterArgs),
@@ -169,6 +169,8 @@ impl EngineArgs {
             size,
             threads_per_rank: (threads / size).max(1),
             watchdog: std::time::Duration::from_secs_f64(w),
+            max_step_tokens: self.max_batched_tokens,
+            max_step_seqs: self.max_seqs,
         })
     }
 
@@ -190,12 +192,18 @@ impl EngineArgs {
             prefix_caching: !self.no_prefix_caching,
             num_blocks: self.kv_blocks,
             admission_lookahead: self.admission_lookahead,
-            slowdown: test_slowdown()?,
             panic_at_step: test_panic_at_step()?,
         };
-        let backend =
-            tandem_engine::backend::on(self.device, &loaded, &cfg, self.weights, self.tp()?)
+        cfg.check()?;
+        let mut tp = self.tp()?;
+        (tp.max_step_tokens, tp.max_step_seqs) = (cfg.max_batched_tokens, cfg.max_seqs);
+        let mut backend =
+            tandem_engine::device::on(self.device, &loaded, &cfg.pool(), self.weights, tp)
                 .with_context(|| format!("starting the model on {}", self.device))?;
+        let slowdown = test_slowdown()?;
+        if slowdown > 1.0 {
+            backend = Box::new(tandem_engine::backend::Slowed::new(backend, slowdown)?);
+        }
         let grammars = tandem_grammar::GrammarCompiler::new(
             loaded.tokenizer.clone(),
             loaded.config.vocab_size,

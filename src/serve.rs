@@ -13,14 +13,13 @@ use anyhow::{Context, Result};
 use clap::Args;
 use tandem_decode_worker::remote::{Deadlines, RemotePrefill};
 use tandem_decode_worker::{DecodeService, Drain, WorkerIdentity};
-use tandem_discovery::{DiscoverySpec, Role, WorkerCard};
+use tandem_discovery::{DiscoverySpec, Ready, Role, WorkerCard};
 use tandem_engine::{EngineError, EngineHandle};
 use tandem_kernels::cuda::DeviceSpec;
 use tandem_kv_transfer::{Secret, TcpTransport};
 use tandem_prefill_worker::{PrefillLimits, PrefillService};
 use tandem_router::RouterArgs;
 
-use crate::up::{DECODE_READY, PREFILL_READY, ROUTER_READY};
 use crate::{fetch, EngineArgs};
 
 #[derive(Args, Clone, Debug)]
@@ -383,7 +382,6 @@ pub fn run_decode(a: DecodeArgs) -> Result<()> {
         let advertise = a.register.advertise(&a.host);
         let grpc_addr = format!("{advertise}:{}", addr.port());
         let mut service = DecodeService::new(handle.clone(), identity.clone());
-        let mut kv_line = String::from("kv none");
         let mut kv_addr = None;
         if let Some(secret) = secret {
             let advertise = a
@@ -407,13 +405,24 @@ pub fn run_decode(a: DecodeArgs) -> Result<()> {
             }
             .await
             .with_context(|| format!("cannot listen for KV on {}:{}", a.host, a.kv_port))?;
-            kv_line = format!("kv {}", remote.endpoint());
             kv_addr = Some(remote.endpoint().to_string());
             service = service.with_remote(Arc::new(remote));
         }
-        let card = card(Role::Decode, &identity, grpc_addr, kv_addr, handle.limits());
+        let card = card(
+            Role::Decode,
+            &identity,
+            grpc_addr,
+            kv_addr.clone(),
+            handle.limits(),
+        );
         let registration = a.register.register(card).await?;
-        println!("{DECODE_READY} {addr} {kv_line}");
+        println!(
+            "{}",
+            Ready::Decode {
+                grpc: addr.to_string(),
+                kv: kv_addr
+            }
+        );
         std::io::stdout().flush()?;
         let drain = service.control().drain().clone();
         tandem_decode_worker::serve(
@@ -464,7 +473,12 @@ pub fn run_prefill(a: PrefillArgs) -> Result<()> {
             },
         );
         let registration = a.register.register(card).await?;
-        println!("{PREFILL_READY} {addr}");
+        println!(
+            "{}",
+            Ready::Prefill {
+                grpc: addr.to_string()
+            }
+        );
         std::io::stdout().flush()?;
         let drain = service.control().drain().clone();
         tandem_prefill_worker::serve(
@@ -525,7 +539,13 @@ pub fn run_router(a: RouterArgs) -> Result<()> {
             a,
             model,
             |b| {
-                println!("{ROUTER_READY} http {} grpc {}", b.http, b.grpc);
+                println!(
+                    "{}",
+                    Ready::Router {
+                        http: b.http.to_string(),
+                        grpc: b.grpc.to_string()
+                    }
+                );
                 let _ = std::io::stdout().flush();
             },
             shutdown_signal(),

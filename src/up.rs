@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser};
+use tandem_discovery::Ready;
 use tandem_router::PolicyKind;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
@@ -84,23 +85,11 @@ pub struct UpArgs {
     start_timeout_s: u64,
 }
 
-/// What `tandem decode` prints, followed by its address and `kv ADDR|none`, once it listens.
-pub(crate) const DECODE_READY: &str = "tandem decode: listening on";
-/// What `tandem prefill` prints, followed by its address, once it listens.
-pub(crate) const PREFILL_READY: &str = "tandem prefill: listening on";
-
-/// The gRPC address at the start of a worker's ready line.
-pub(crate) fn worker_addr(rest: &str) -> String {
-    rest.split_whitespace().next().unwrap_or("").to_string()
-}
-/// What `tandem router` prints, followed by `http ADDR grpc ADDR`, once it listens.
-pub(crate) const ROUTER_READY: &str = "tandem router:";
-
-/// The (http, grpc) addresses in the rest of a router's ready line.
-pub(crate) fn router_addrs(line: &str) -> Result<(String, String)> {
-    match line.split_whitespace().collect::<Vec<_>>().as_slice() {
-        ["http", h, "grpc", g] => Ok((h.to_string(), g.to_string())),
-        _ => bail!("unexpected router line {line:?}"),
+/// The (http, grpc) addresses of a router's ready line.
+pub(crate) fn router_addrs(ready: &Ready) -> Result<(String, String)> {
+    match ready {
+        Ready::Router { http, grpc } => Ok((http.clone(), grpc.clone())),
+        other => bail!("expected a router's ready line, got {other}"),
     }
 }
 
@@ -185,13 +174,13 @@ pub(crate) fn spawn(name: &str, args: &[String]) -> Result<Child> {
 }
 
 /// Reads the child's stdout until the line starting with `marker`, forwarding everything it
-/// prints with a `[name]` prefix from then on. Returns the rest of the marker line.
+/// prints with a `[name]` prefix from then on. Returns that line, parsed ([`Ready`]).
 pub(crate) async fn wait_for_line(
     name: &str,
     child: &mut Child,
     marker: &str,
     timeout: Duration,
-) -> Result<String> {
+) -> Result<Ready> {
     let stdout = child.stdout.take().context("child stdout")?;
     let stderr = child.stderr.take().context("child stderr")?;
     let tag = name.to_string();
@@ -204,8 +193,8 @@ pub(crate) async fn wait_for_line(
     let mut lines = BufReader::new(stdout).lines();
     let found = tokio::time::timeout(timeout, async {
         while let Ok(Some(l)) = lines.next_line().await {
-            if let Some(rest) = l.strip_prefix(marker) {
-                return Some(rest.trim().to_string());
+            if l.starts_with(marker) {
+                return Some(l);
             }
             println!("[{name}] {l}");
         }
@@ -219,7 +208,8 @@ pub(crate) async fn wait_for_line(
         }
     });
     match found {
-        Ok(Some(rest)) => Ok(rest),
+        Ok(Some(line)) => Ready::parse(&line)
+            .with_context(|| format!("{name} printed a malformed ready line {line:?}")),
         Ok(None) => {
             let status = child.wait().await.ok();
             bail!("{name} exited before it was ready ({status:?}); its log is above")
@@ -382,8 +372,8 @@ async fn supervise(a: UpArgs, model: PathBuf, threads: usize) -> Result<()> {
     let mut procs: Vec<Proc> = Vec::new();
     let mut addrs = [Vec::new(), Vec::new()];
     let roles = [
-        ("prefill", PREFILL_READY, a.prefill_workers.unwrap_or(0)),
-        ("decode", DECODE_READY, a.decode_workers),
+        ("prefill", Ready::PREFILL, a.prefill_workers.unwrap_or(0)),
+        ("decode", Ready::DECODE, a.decode_workers),
     ];
     let mut port = a.worker_base_port;
     for (r, &(role, marker, n)) in roles.iter().enumerate() {
@@ -395,7 +385,10 @@ async fn supervise(a: UpArgs, model: PathBuf, threads: usize) -> Result<()> {
                 port += 1;
             }
             let mut child = spawn(&name, &args.argv())?;
-            let addr = worker_addr(&wait_for_line(&name, &mut child, marker, timeout).await?);
+            let addr = wait_for_line(&name, &mut child, marker, timeout)
+                .await?
+                .grpc()
+                .to_string();
             // Restarts reuse the port the router already knows.
             args.set("port", port_of(&addr));
             eprintln!("{name} listening on {addr}");
@@ -414,14 +407,14 @@ async fn supervise(a: UpArgs, model: PathBuf, threads: usize) -> Result<()> {
     let [prefill_addrs, worker_addrs] = addrs;
     let mut args = router_args(&a, &model_s, &worker_addrs, &prefill_addrs);
     let mut router = spawn("router", &args.argv())?;
-    let line = wait_for_line("router", &mut router, ROUTER_READY, timeout).await?;
-    let (http, grpc) = router_addrs(&line)?;
+    let ready = wait_for_line("router", &mut router, Ready::ROUTER, timeout).await?;
+    let (http, grpc) = router_addrs(&ready)?;
     // A restarted router listens where clients already connect.
     args.set("http-port", port_of(&http))
         .set("grpc-port", port_of(&grpc));
     procs.push(Proc {
         name: "router".into(),
-        marker: ROUTER_READY,
+        marker: Ready::ROUTER,
         args,
         child: Some(router),
         started: Instant::now(),
@@ -445,7 +438,13 @@ async fn supervise(a: UpArgs, model: PathBuf, threads: usize) -> Result<()> {
         "  curl http://{http}/v1/chat/completions -H 'Content-Type: application/json' \\\n    -d '{{\"model\": \"{model_id}\", \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}], \"max_tokens\": 32}}'"
     );
     println!("Ctrl-C stops the cluster.");
-    println!("tandem up: ready http {http} grpc {grpc}");
+    println!(
+        "{}",
+        Ready::Up {
+            http: http.clone(),
+            grpc: grpc.clone()
+        }
+    );
     use std::io::Write;
     let _ = std::io::stdout().flush();
 

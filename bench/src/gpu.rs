@@ -6,13 +6,13 @@
 use std::time::Instant;
 
 use serde::Serialize;
-use tandem_engine::{EngineError, GpuLlama, SeqBatch};
+use tandem_engine::{CudaModel, EngineError, SeqBatch};
 use tandem_kernels::cuda::runtime::CudaOps;
-use tandem_model::LlamaConfig;
+use tandem_model::ModelConfig;
 
 /// Llama-3-8B's shape.
-pub fn llama3_8b() -> LlamaConfig {
-    LlamaConfig {
+pub fn llama3_8b() -> ModelConfig {
+    ModelConfig {
         hidden_size: 4096,
         intermediate_size: 14336,
         num_layers: 32,
@@ -132,7 +132,7 @@ pub fn run(ordinal: usize, batches: &[usize]) -> Result<GpuReport, EngineError> 
     // Blocks: every decode sequence's context (+1 for the new token), and the prefill prompt.
     let per_seq = (context + 1).div_ceil(block);
     let num_blocks = max_batch * per_seq + prefill_tokens.div_ceil(block);
-    let mut g = GpuLlama::random(ordinal, &c, 7, block, num_blocks)?;
+    let mut g = CudaModel::random(ordinal, &c, 7, block, num_blocks)?;
     g.randomize_cache(11)?;
     let device = g.ops.gpu.to_string();
 

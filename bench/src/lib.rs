@@ -191,7 +191,6 @@ pub fn run_engine_bench(
     }
     let decode_ops = profiled.then(|| {
         let weights = engine
-            .backend()
             .cpu_model()
             .map(|m| m.weights_by_op())
             .unwrap_or_default();
@@ -286,7 +285,7 @@ fn param_count(engine: &Engine) -> usize {
 }
 
 /// Weights in the layers' projections (attention and MLP), the head not included.
-pub(crate) fn projection_params(c: &tandem_model::LlamaConfig) -> usize {
+pub(crate) fn projection_params(c: &tandem_model::ModelConfig) -> usize {
     let (h, ff, hd) = (c.hidden_size, c.intermediate_size, c.head_dim);
     let per_layer = h * (c.num_heads * hd) * 2 + h * (c.num_kv_heads * hd) * 2 + 3 * h * ff;
     c.num_layers * per_layer

@@ -8,7 +8,8 @@
 //! `etcd` feature, a worker's [`Registration`] (its card under a lease kept alive on its own
 //! thread, re-registered when the lease is lost, deleted first on drain) and the router's
 //! [`follow`] (list the cluster, then watch it; a broken or compacted watch starts over with a
-//! fresh list).
+//! fresh list); and the [`Ready`] line each process prints once its ports are open, with the one
+//! parser of it that `tandem up` and the tests share.
 //!
 //! Does not own: the router's worker pool or its `Discovery` trait (tandem-router), or a worker's
 //! drain (tandem-worker).
@@ -26,11 +27,13 @@
 mod card;
 #[cfg(feature = "etcd")]
 mod etcd;
+mod ready;
 mod spec;
 
 pub use card::{CardError, ClusterPath, Expect, Refusal, Role, WorkerCard};
 #[cfg(feature = "etcd")]
 pub use etcd::{follow, Cards, Registration, RegistrationStats};
+pub use ready::Ready;
 pub use spec::{DiscoverySpec, SpecError};
 
 /// Why talking to the discovery service failed.

@@ -1,23 +1,21 @@
 //! Where the engine's steps run. The scheduler, block manager and sampler are the same on every
 //! device; they see a [`Backend`]: one packed step's logits (or picks) and the pool's size in
-//! blocks. The CPU model over a host pool ([`CpuBackend`]) and the CUDA model over a device pool
-//! ([`GpuLlama`]) are the two in production; tests drive the scheduler with fakes.
+//! blocks. The devices that implement it are in [`crate::device`]; tests drive the scheduler with
+//! fakes. A backend is built from a [`PoolSize`], not from the scheduler's configuration.
 
-use tandem_kernels::cuda::DeviceSpec;
-use tandem_model::{LlamaConfig, LoadedModel};
+use std::time::Duration;
 
-use crate::engine::{EngineConfig, OpTimes};
-use crate::gpu::GpuLlama;
+use tandem_model::ModelConfig;
+
+use crate::error::EngineError;
+use crate::forward::{OpTimes, SeqBatch};
 use crate::kv_cache::{KvDtype, KvPool};
-use crate::model::{LlamaModel, SeqBatch, WeightFormat};
-use crate::tp::{TpCpuBackend, TpCpuConfig, TpStats};
-use crate::EngineError;
 use tandem_types::BlockId;
 
 /// A device that runs the model's steps over its KV pool.
 pub trait Backend: Send {
     /// The model's shape.
-    fn config(&self) -> &LlamaConfig;
+    fn config(&self) -> &ModelConfig;
 
     /// One packed step over the pool; f32 logits (vocab each) for the sequences that want them,
     /// in order.
@@ -87,9 +85,10 @@ pub trait Backend: Send {
         false
     }
 
-    /// The CPU model, when steps run on the CPU in one rank.
-    fn cpu_model(&self) -> Option<&LlamaModel> {
-        None
+    /// The backend as `Any`, so the layer that knows a concrete backend can reach it (the
+    /// engine's [`crate::Engine::cpu_model`]); by default nothing to reach.
+    fn as_any(&self) -> &dyn std::any::Any {
+        &()
     }
 
     /// Ranks of the tensor-parallel group the steps run on (1: no tensor parallelism).
@@ -122,242 +121,160 @@ pub struct RankPool<'a> {
     pub pool: &'a KvPool,
 }
 
-/// Blocks a pool of `config`'s size holds at `block_bytes` a block: `num_blocks` if given, else
-/// as many as `kv_cache_mb` fits (at least one).
-pub(crate) fn pool_blocks(config: &EngineConfig, block_bytes: usize) -> usize {
-    config
-        .num_blocks
-        .unwrap_or(config.kv_cache_mb * (1 << 20) / block_bytes)
-        .max(1)
+/// Collective time and traffic of a group so far.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TpStats {
+    /// Ranks in the group.
+    pub size: usize,
+    /// Collectives each rank called.
+    pub calls: u64,
+    /// Values each rank contributed to them (f32s).
+    pub values: u64,
+    /// Time the ranks spent inside collectives, the mean over ranks.
+    pub collective: Duration,
 }
 
-/// The CPU model over a host KV pool.
-pub struct CpuBackend {
-    model: LlamaModel,
-    kv: KvPool,
-    /// The latest forward's split by op, while profiling.
-    ops: Option<OpTimes>,
+/// How big a backend's KV pool is, and how it is cut: what a backend is built from (the
+/// scheduler's other settings are none of its business).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PoolSize {
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// The pool's size in MiB, when `num_blocks` is not given.
+    pub kv_cache_mb: usize,
+    /// The pool's size in blocks, overriding `kv_cache_mb`.
+    pub num_blocks: Option<usize>,
+    /// The cache's element type.
+    pub kv_dtype: KvDtype,
 }
 
-impl CpuBackend {
-    /// The CPU model with a pool of the configured size and dtype (`config` checked: see
-    /// [`EngineConfig::check`]).
-    pub fn new(model: LlamaModel, config: &EngineConfig) -> Result<Self, EngineError> {
-        let layout = model.kv_layout(config.block_size);
-        let layers = model.config.num_layers;
-        let block_bytes = KvPool::bytes_per_block(layout, config.kv_dtype, layers);
-        let kv = KvPool::new(
-            layout,
-            config.kv_dtype,
-            layers,
-            pool_blocks(config, block_bytes),
-        )
-        .map_err(|e| EngineError::Startup(format!("allocating the KV pool: {e}")))?;
-        Ok(Self {
-            model,
-            kv,
-            ops: None,
-        })
-    }
-}
-
-impl Backend for CpuBackend {
-    fn config(&self) -> &LlamaConfig {
-        &self.model.config
+impl PoolSize {
+    /// Blocks the pool holds at `block_bytes` a block: `num_blocks` if given, else as many as
+    /// `kv_cache_mb` fits (at least one).
+    pub fn blocks(&self, block_bytes: usize) -> usize {
+        self.num_blocks
+            .unwrap_or(self.kv_cache_mb * (1 << 20) / block_bytes)
+            .max(1)
     }
 
-    fn forward(&mut self, seqs: &[SeqBatch<'_>]) -> Result<Vec<f32>, EngineError> {
-        let times = self.ops.as_mut().map(|t| {
-            *t = OpTimes::default();
-            t
-        });
-        self.model.forward_timed(seqs, &mut self.kv, times)
-    }
-
-    fn profile_ops(&mut self, on: bool) -> bool {
-        self.ops = on.then(OpTimes::default);
-        true
-    }
-
-    fn take_op_times(&mut self) -> Option<OpTimes> {
-        self.ops
-    }
-
-    fn num_blocks(&self) -> usize {
-        self.kv.num_blocks()
-    }
-
-    fn copy_blocks(&mut self, pairs: &[(BlockId, BlockId)]) -> Result<(), EngineError> {
-        for &(from, to) in pairs {
-            self.kv.copy_block(from.0 as usize, to.0 as usize);
+    /// Refuses a pool of blocks of no tokens.
+    pub fn check(&self) -> Result<(), EngineError> {
+        if self.block_size == 0 {
+            return Err(EngineError::Config(
+                "the block size must be positive".into(),
+            ));
         }
         Ok(())
     }
-
-    fn host_pool(&self) -> Option<&KvPool> {
-        Some(&self.kv)
-    }
-
-    fn weight_bytes(&self) -> usize {
-        self.model.weight_bytes()
-    }
-
-    fn kv_bytes_per_token(&self) -> f64 {
-        let kv = &self.kv;
-        KvPool::bytes_per_token(kv.layout, kv.dtype, kv.num_layers)
-    }
-
-    fn kv_dtype_name(&self) -> &'static str {
-        self.kv.dtype.name()
-    }
-
-    fn device(&self) -> String {
-        "cpu".into()
-    }
-
-    fn cpu_model(&self) -> Option<&LlamaModel> {
-        Some(&self.model)
-    }
-
-    fn is_cpu(&self) -> bool {
-        true
-    }
 }
 
-impl GpuLlama {
-    /// `loaded`'s weights in bf16 on CUDA device `ordinal`, with a bf16 pool of the configured
-    /// size. The cache is the model's dtype there: `--kv-dtype int8` is refused.
-    pub fn for_engine(
-        ordinal: usize,
-        loaded: &LoadedModel,
-        config: &EngineConfig,
-    ) -> Result<Self, EngineError> {
-        config.check()?;
-        if config.kv_dtype != KvDtype::F32 {
+/// A test hook around any backend: every forward and block copy takes `factor` times its own
+/// running time, as on a machine that much slower (`TANDEM_TEST_SLOWDOWN`). The tests that run
+/// a cluster through it show that no deadline depends on the machine's speed. It sits outside
+/// the engine's step, so the normal step pays nothing for it.
+pub struct Slowed {
+    inner: Box<dyn Backend>,
+    factor: f64,
+}
+
+impl Slowed {
+    /// `inner` slowed `factor` times; a factor below 1 or not a number is refused.
+    pub fn new(inner: Box<dyn Backend>, factor: f64) -> Result<Self, EngineError> {
+        if !(factor.is_finite() && factor >= 1.0) {
             return Err(EngineError::Config(format!(
-                "--kv-dtype {} is for the CPU cache only; on a CUDA device the cache is bf16 (leave --kv-dtype at its default)",
-                config.kv_dtype
+                "slowdown {factor} must be a number of at least 1"
             )));
         }
-        let c = &loaded.config;
-        let block_bytes = GpuLlama::kv_bytes_per_block(c, config.block_size);
-        let blocks = pool_blocks(config, block_bytes);
-        GpuLlama::from_tensors(ordinal, c, &loaded.tensors, config.block_size, blocks)
-    }
-}
-
-impl Backend for GpuLlama {
-    fn config(&self) -> &LlamaConfig {
-        &self.config
+        Ok(Self { inner, factor })
     }
 
-    fn forward(&mut self, seqs: &[SeqBatch<'_>]) -> Result<Vec<f32>, EngineError> {
-        GpuLlama::forward(self, seqs)
-    }
-
-    fn picks_on_device(&self) -> bool {
-        true
-    }
-
-    fn forward_argmax(&mut self, seqs: &[SeqBatch<'_>]) -> Result<Vec<(u32, f32)>, EngineError> {
-        self.forward_greedy(seqs)
-    }
-
-    fn num_blocks(&self) -> usize {
-        self.num_blocks
-    }
-
-    fn copy_blocks(&mut self, pairs: &[(BlockId, BlockId)]) -> Result<(), EngineError> {
-        GpuLlama::copy_blocks(self, pairs)
-    }
-
-    fn weight_bytes(&self) -> usize {
-        GpuLlama::weight_bytes(self)
-    }
-
-    fn kv_bytes_per_token(&self) -> f64 {
-        GpuLlama::kv_bytes_per_token(self) as f64
-    }
-
-    fn kv_dtype_name(&self) -> &'static str {
-        "bf16"
-    }
-
-    fn device(&self) -> String {
-        self.ops.gpu.to_string()
-    }
-}
-
-/// The backend `device` names for `loaded`: the CPU model with its weights held as `format`
-/// says, split over `tp`'s rank threads when it has more than one, or the model uploaded to a
-/// CUDA device.
-pub fn on(
-    device: DeviceSpec,
-    loaded: &LoadedModel,
-    config: &EngineConfig,
-    format: WeightFormat,
-    tp: TpCpuConfig,
-) -> Result<Box<dyn Backend>, EngineError> {
-    config.check()?;
-    Ok(match device {
-        DeviceSpec::Cpu if tp.size > 1 => Box::new(TpCpuBackend::new(loaded, format, config, tp)?),
-        DeviceSpec::Cpu => Box::new(CpuBackend::new(LlamaModel::new(loaded, format)?, config)?),
-        DeviceSpec::Cuda(_) if tp.size > 1 => {
-            return Err(EngineError::Unsupported(format!(
-                "--tp {} on a CUDA device: the NCCL ranks are not built yet (run --tp 1 on a GPU, or --tp on --device cpu)",
-                tp.size
-            )))
-        }
-        DeviceSpec::Cuda(n) => Box::new(GpuLlama::for_engine(n, loaded, config)?),
-    })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::model::tiny_model;
-    use crate::sampler::Sampler;
-    use tandem_types::ValidSampling;
-
-    /// What a device's argmax step must return: per row, the token and log-probability the
-    /// host sampler would have produced from the logits.
-    #[test]
-    fn argmax_steps_pick_what_the_sampler_would() {
-        let config = EngineConfig {
-            num_blocks: Some(8),
-            ..EngineConfig::default()
+    /// Runs `f`, then sleeps for `factor - 1` times its running time: its wall time, but no
+    /// more than the CPU time the process spent meanwhile, so that a call the process was
+    /// stopped (SIGSTOP) in the middle of is not stretched by the stop.
+    fn slowed<T>(&mut self, f: impl FnOnce(&mut dyn Backend) -> T) -> T {
+        let (t0, cpu0) = (std::time::Instant::now(), process_cpu_seconds());
+        let r = f(self.inner.as_mut());
+        let wall = t0.elapsed().as_secs_f64();
+        let spent = match (cpu0, process_cpu_seconds()) {
+            (Some(a), Some(b)) => wall.min(b - a),
+            _ => wall,
         };
-        let mut b = CpuBackend::new(tiny_model(3), &config).unwrap();
-        assert!(!b.picks_on_device());
-        assert_eq!(b.kv_dtype_name(), "f32");
-        assert_eq!(b.device(), "cpu");
-        let (p0, p1) = ([5u32, 9, 2, 7], [11u32, 3]);
-        let (t0, t1) = ([0u32, 1], [2u32]);
-        let batch = [
-            SeqBatch {
-                tokens: &p0,
-                cached: 0,
-                block_table: &t0,
-                want_logits: true,
-            },
-            SeqBatch {
-                tokens: &p1,
-                cached: 0,
-                block_table: &t1,
-                want_logits: true,
-            },
-        ];
-        let logits = b.forward(&batch).unwrap();
-        let picks = b.forward_argmax(&batch).unwrap();
-        let vocab = b.config().vocab_size;
-        assert_eq!(picks.len(), 2);
-        for (row, &(token, logprob)) in logits.chunks_exact(vocab).zip(&picks) {
-            let mut s = Sampler::new(ValidSampling::default(), &[], None);
-            assert!(s.argmax_only());
-            let want = s.sample(row);
-            assert_eq!((want.token, want.logprob), (token, logprob));
-            let mut a = Sampler::new(ValidSampling::default(), &[], None);
-            assert_eq!(a.accept(token, logprob), want);
-        }
+        std::thread::sleep(Duration::from_secs_f64(spent * (self.factor - 1.0)));
+        r
+    }
+}
+
+impl Backend for Slowed {
+    fn config(&self) -> &ModelConfig {
+        self.inner.config()
+    }
+    fn forward(&mut self, seqs: &[SeqBatch<'_>]) -> Result<Vec<f32>, EngineError> {
+        self.slowed(|b| b.forward(seqs))
+    }
+    fn picks_on_device(&self) -> bool {
+        self.inner.picks_on_device()
+    }
+    fn forward_argmax(&mut self, seqs: &[SeqBatch<'_>]) -> Result<Vec<(u32, f32)>, EngineError> {
+        self.slowed(|b| b.forward_argmax(seqs))
+    }
+    fn num_blocks(&self) -> usize {
+        self.inner.num_blocks()
+    }
+    fn copy_blocks(&mut self, pairs: &[(BlockId, BlockId)]) -> Result<(), EngineError> {
+        self.slowed(|b| b.copy_blocks(pairs))
+    }
+    fn host_pool(&self) -> Option<&KvPool> {
+        self.inner.host_pool()
+    }
+    fn host_pools(&self) -> Vec<RankPool<'_>> {
+        self.inner.host_pools()
+    }
+    fn weight_bytes(&self) -> usize {
+        self.inner.weight_bytes()
+    }
+    fn kv_bytes_per_token(&self) -> f64 {
+        self.inner.kv_bytes_per_token()
+    }
+    fn kv_dtype_name(&self) -> &'static str {
+        self.inner.kv_dtype_name()
+    }
+    fn device(&self) -> String {
+        self.inner.device()
+    }
+    fn is_cpu(&self) -> bool {
+        self.inner.is_cpu()
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self.inner.as_any()
+    }
+    fn tp(&self) -> usize {
+        self.inner.tp()
+    }
+    fn tp_stats(&self) -> Option<TpStats> {
+        self.inner.tp_stats()
+    }
+    fn profile_ops(&mut self, on: bool) -> bool {
+        self.inner.profile_ops(on)
+    }
+    fn take_op_times(&mut self) -> Option<OpTimes> {
+        self.inner.take_op_times()
+    }
+}
+
+/// CPU time used by this process so far, every thread together (Unix).
+fn process_cpu_seconds() -> Option<f64> {
+    #[cfg(unix)]
+    {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: clock_gettime writes one timespec we own.
+        let rc = unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
+        (rc == 0).then_some(ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9)
+    }
+    #[cfg(not(unix))]
+    {
+        None
     }
 }

@@ -1,6 +1,6 @@
 //! The Llama forward, written once against the op set a device provides ([`StepOps`]), and the
 //! model's weights, gathered once by [`TensorName`] whatever a device keeps them as
-//! ([`LlamaWeights`]).
+//! ([`ModelWeights`]).
 //!
 //! A device implements the ops on its own buffers (f32 rows on the CPU, bf16 on a CUDA GPU) for
 //! one packed step: the new tokens of every scheduled sequence one after another, each with its
@@ -8,11 +8,11 @@
 //! layer the norms, projections, attention over the paged cache and MLP with their residuals,
 //! then the final norm and the head over the rows that want logits.
 
-use tandem_model::{LayerTensor, LlamaConfig, TensorName};
+use serde::Serialize;
+use tandem_model::{LayerTensor, ModelConfig, TensorName};
 
-use crate::engine::OpTimes;
-use crate::tp::{Cut, Part, TpShard};
-use crate::EngineError;
+use crate::error::EngineError;
+use crate::shard::{Cut, Part, TpShard};
 
 /// One packed step's operations on a device. The implementor holds the step's inputs (token
 /// ids, positions, cache slots, the sequences' block tables and the rows that want logits) and
@@ -157,7 +157,7 @@ pub(crate) struct LayerWeights<M, V> {
 }
 
 /// A Llama model's weights as a device holds them: matrices `M`, norm vectors `V`.
-pub(crate) struct LlamaWeights<M, V> {
+pub(crate) struct ModelWeights<M, V> {
     pub layers: Vec<LayerWeights<M, V>>,
     /// The token embedding; also the output head when the two are tied.
     pub embed: M,
@@ -166,13 +166,13 @@ pub(crate) struct LlamaWeights<M, V> {
     pub norm: V,
 }
 
-impl<M, V> LlamaWeights<M, V> {
+impl<M, V> ModelWeights<M, V> {
     /// Builds `shard`'s part of every weight of a `c` model: `matrix` makes one matrix from
     /// tensor parts stacked by rows (one part for most; q|k|v and gate|up fused), `vector` one
     /// vector from parts laid end to end (a norm; q|k|v biases fused). A whole shard asks for
     /// whole tensors.
     pub fn build(
-        c: &LlamaConfig,
+        c: &ModelConfig,
         shard: &TpShard,
         mut matrix: impl FnMut(&[Part]) -> Result<M, EngineError>,
         mut vector: impl FnMut(&[Part]) -> Result<V, EngineError>,
@@ -270,8 +270,8 @@ macro_rules! op {
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn forward<D: StepOps>(
     d: &mut D,
-    weights: &LlamaWeights<D::Matrix, D::Vector>,
-    c: &LlamaConfig,
+    weights: &ModelWeights<D::Matrix, D::Vector>,
+    c: &ModelConfig,
     shard: &TpShard,
     tokens: usize,
     logit_rows: usize,
@@ -374,4 +374,159 @@ pub(crate) fn forward<D: StepOps>(
     let mut all = d.alloc_logits(n * c.vocab_size)?;
     op!(times, d, collectives, d.gather_logits(&logits, n, &mut all))?;
     Ok(Some(all))
+}
+
+/// One sequence's part of a step.
+#[derive(Clone, Debug)]
+pub struct SeqBatch<'a> {
+    /// New token ids this step.
+    pub tokens: &'a [u32],
+    /// Tokens already in the cache before this step.
+    pub cached: usize,
+    /// Physical KV block ids in logical order, covering the cached and the new tokens.
+    pub block_table: &'a [u32],
+    /// Whether this step must produce logits for the sequence's last new token.
+    pub want_logits: bool,
+}
+
+/// One sequence's part of a [`PackedStep`] (only sequences with new tokens appear).
+pub(crate) struct PackedSeq<'a> {
+    /// Row of its first new token.
+    pub q_start: usize,
+    pub q_len: usize,
+    /// Tokens in the cache after the step, the new ones included.
+    pub context: usize,
+    pub block_table: &'a [u32],
+}
+
+/// A step's sequences flattened into token rows, checked against the model and the pool: what
+/// every device's forward starts from.
+pub(crate) struct PackedStep<'a> {
+    pub tokens: Vec<u32>,
+    pub positions: Vec<usize>,
+    /// Cache slot (block · block_size + offset) of each token's K/V.
+    pub slots: Vec<usize>,
+    /// Rows whose logits the step returns, in order.
+    pub logit_rows: Vec<usize>,
+    pub seqs: Vec<PackedSeq<'a>>,
+}
+
+impl<'a> PackedStep<'a> {
+    pub fn new(
+        seqs: &[SeqBatch<'a>],
+        vocab: usize,
+        max_pos: usize,
+        block_size: usize,
+        num_blocks: usize,
+    ) -> Result<Self, EngineError> {
+        let t: usize = seqs.iter().map(|s| s.tokens.len()).sum();
+        let mut step = PackedStep {
+            tokens: Vec::with_capacity(t),
+            positions: Vec::with_capacity(t),
+            slots: Vec::with_capacity(t),
+            logit_rows: Vec::new(),
+            seqs: Vec::with_capacity(seqs.len()),
+        };
+        for s in seqs {
+            let q_start = step.tokens.len();
+            let ctx = s.cached + s.tokens.len();
+            if ctx > max_pos {
+                return Err(EngineError::ContextOverflow {
+                    tokens: ctx,
+                    max: max_pos,
+                });
+            }
+            if ctx > s.block_table.len() * block_size
+                || s.block_table.iter().any(|&b| b as usize >= num_blocks)
+            {
+                return Err(EngineError::Internal(format!(
+                    "{ctx} tokens but blocks {:?} of a pool of {num_blocks}",
+                    s.block_table
+                )));
+            }
+            for (i, &tok) in s.tokens.iter().enumerate() {
+                if tok as usize >= vocab {
+                    return Err(EngineError::BadToken { id: tok, vocab });
+                }
+                let p = s.cached + i;
+                step.tokens.push(tok);
+                step.positions.push(p);
+                step.slots
+                    .push(s.block_table[p / block_size] as usize * block_size + p % block_size);
+            }
+            if s.tokens.is_empty() {
+                continue;
+            }
+            if s.want_logits {
+                step.logit_rows.push(step.tokens.len() - 1);
+            }
+            step.seqs.push(PackedSeq {
+                q_start,
+                q_len: s.tokens.len(),
+                context: ctx,
+                block_table: s.block_table,
+            });
+        }
+        Ok(step)
+    }
+}
+
+/// Seconds one step's forward spent in each op (summed over the layers): the split a profile
+/// of the steps reports. Taken around each op as the device finishes it, so the sum is the
+/// forward's time less the gaps between ops.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct OpTimes {
+    /// The token embedding (and its all-reduce across ranks).
+    pub embed: f64,
+    /// RMS norms, with the residual adds they fuse.
+    pub norms: f64,
+    /// The fused q|k|v product (with Qwen's biases and head norms).
+    pub qkv: f64,
+    /// Rotary embedding, the cache writes and attention over the paged cache.
+    pub attention: f64,
+    /// The attention output product.
+    pub o: f64,
+    /// The fused gate|up product.
+    pub gate_up: f64,
+    /// silu(gate) · up.
+    pub silu: f64,
+    /// The down product.
+    pub down: f64,
+    /// The output head (the rows that sample).
+    pub head: f64,
+    /// All-reduces and the logits gather of a tensor-parallel group.
+    pub collectives: f64,
+}
+
+impl OpTimes {
+    /// Each op's name and seconds, in the forward's order.
+    pub fn named(&self) -> [(&'static str, f64); 10] {
+        [
+            ("embed", self.embed),
+            ("norms", self.norms),
+            ("qkv", self.qkv),
+            ("attention", self.attention),
+            ("o", self.o),
+            ("gate_up", self.gate_up),
+            ("silu", self.silu),
+            ("down", self.down),
+            ("head", self.head),
+            ("collectives", self.collectives),
+        ]
+    }
+}
+
+impl std::ops::AddAssign for OpTimes {
+    fn add_assign(&mut self, o: Self) {
+        self.embed += o.embed;
+        self.norms += o.norms;
+        self.qkv += o.qkv;
+        self.attention += o.attention;
+        self.o += o.o;
+        self.gate_up += o.gate_up;
+        self.silu += o.silu;
+        self.down += o.down;
+        self.head += o.head;
+        self.collectives += o.collectives;
+    }
 }

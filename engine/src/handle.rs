@@ -24,9 +24,9 @@ use crate::engine::{
     Engine, EngineStats, Event, Finished, KvChunk, Limits, Request, RequestId, Reservation,
     TokenEvent,
 };
+use crate::error::EngineError;
 use crate::kv_cache::KvPoolWriter;
 use crate::sampler::Sampled;
-use crate::EngineError;
 use tandem_grammar::GrammarCompiler;
 
 /// What a request's stream carries.
@@ -572,10 +572,10 @@ impl Shared {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::device::cpu::tiny_model;
     use crate::engine::tests::config;
     use crate::engine::tests::req;
     use crate::engine::FinishReason;
-    use crate::model::tiny_model;
 
     fn spawn() -> EngineHandle {
         EngineHandle::spawn(|| Engine::new(tiny_model(3), config(), vec![])).unwrap()
@@ -617,17 +617,17 @@ mod tests {
 
     /// The CPU backend behind a [`Gate`].
     struct Gated {
-        inner: crate::backend::CpuBackend,
+        inner: crate::device::cpu::CpuBackend,
         gate: Gate,
     }
 
     impl crate::backend::Backend for Gated {
-        fn config(&self) -> &tandem_model::LlamaConfig {
+        fn config(&self) -> &tandem_model::ModelConfig {
             self.inner.config()
         }
         fn forward(
             &mut self,
-            seqs: &[crate::model::SeqBatch<'_>],
+            seqs: &[crate::forward::SeqBatch<'_>],
         ) -> Result<Vec<f32>, EngineError> {
             self.gate.pass();
             self.inner.forward(seqs)
@@ -661,7 +661,7 @@ mod tests {
         let h = {
             let gate = gate.clone();
             EngineHandle::spawn(move || {
-                let inner = crate::backend::CpuBackend::new(tiny_model(3), &config())?;
+                let inner = crate::device::cpu::CpuBackend::new(tiny_model(3), &config().pool())?;
                 Engine::with_backend(Box::new(Gated { inner, gate }), config(), vec![])
             })
             .unwrap()

@@ -1,9 +1,11 @@
 //! tandem-engine: the model forward over a paged KV cache, and the loop that serves requests.
 //!
-//! Owns: the Llama forward, written once against a device op set and run by the CPU model
-//! ([`LlamaModel`] over tandem-kernels, behind [`CpuBackend`]) and the CUDA model ([`GpuLlama`]);
-//! the [`Backend`] trait the scheduler steps through ([`backend::on`] picks one for a device); the
-//! KV pool ([`KvPool`], f32, f16 or int8), the [`BlockManager`] (ref counts, prefix cache, LRU
+//! Owns: the forward of the Llama family (Llama, Mistral, Qwen2, Qwen3), written once against a
+//! device op set (`StepOps`, in the `forward` module) and run by each device
+//! ([`device`]: [`CpuModel`] over tandem-kernels behind [`CpuBackend`], the same split over
+//! tensor-parallel rank threads in [`TpCpuBackend`], and [`CudaModel`]); the [`Backend`] trait the
+//! scheduler steps through, built from a [`PoolSize`] ([`device::on`] picks one for a device);
+//! the KV pool ([`KvPool`], f32, f16 or int8), the [`BlockManager`] (ref counts, prefix cache, LRU
 //! eviction, events for the router), the [`Sampler`], the [`Engine`] (an iteration-level
 //! scheduler: decode first, chunked prefill within a token budget, preemption by recompute, one
 //! packed forward per step) and the [`EngineHandle`] that runs it on its own thread behind
@@ -13,164 +15,52 @@
 //! Does not own: networking (the workers), file formats and text (tandem-model), or arithmetic
 //! kernels (tandem-kernels).
 //!
+//! The modules, lowest first; each uses only those before it, so the crate reads bottom-up:
+//!
+//! | module | what it holds |
+//! | --- | --- |
+//! | `error` | [`EngineError`] and whose fault each failure is |
+//! | `block_manager`, `kv_cache`, `sampler` | the block bookkeeping, the pool's memory, sampling |
+//! | `shard` | which part of the model a tensor-parallel rank holds ([`TpShard`]) |
+//! | `forward` | the forward over `StepOps`, a step's [`SeqBatch`]es packed into rows, [`OpTimes`] |
+//! | [`backend`] | the [`Backend`] trait, [`PoolSize`], [`RankPool`], [`TpStats`], the slowdown hook |
+//! | [`device`] | `cpu` ([`CpuModel`], [`CpuBackend`]), `tp_cpu`, `cuda`; [`device::on`] |
+//! | `engine` | the scheduler ([`Engine`], [`EngineConfig`], requests, events, stats) |
+//! | `handle` | [`EngineHandle`]: the engine on its own thread, per-request streams |
+//!
 //! Main types: [`Engine`] with its [`EngineConfig`], [`Request`] and [`Event`]s; [`EngineHandle`]
 //! with its [`RequestStream`] of [`StreamEvent`]s; [`EngineError`]. Everything is exported here;
-//! the modules are private except [`backend`].
+//! the modules are private except [`backend`] and [`device`].
 
 #![deny(missing_docs)]
 
+// The modules in layers, lowest first: each uses only those listed before it.
 pub mod backend;
 mod block_manager;
+pub mod device;
 mod engine;
+mod error;
 mod forward;
-mod gpu;
 mod handle;
 mod kv_cache;
-mod model;
 mod sampler;
-pub mod tp;
+mod shard;
+#[cfg(test)]
+mod testing;
 
-pub use backend::{Backend, CpuBackend, RankPool};
+pub use backend::{Backend, PoolSize, RankPool, TpStats};
 pub use block_manager::{BlockCounts, BlockManager, KvEvent, KvEventKind, PoolFull, SeqBlocks};
+pub use device::cpu::{CpuBackend, CpuModel, WeightFormat};
+pub use device::cuda::CudaModel;
+pub use device::tp_cpu::{TpCpuBackend, TpCpuConfig};
 pub use engine::{
     Engine, EngineConfig, EngineStats, Event, FinishReason, Finished, KvChunk, KvPiece, Limits,
-    OpTimes, Request, RequestId, Reservation, Samples, StepStats, TokenEvent,
+    Request, RequestId, Reservation, Samples, StepStats, TokenEvent,
 };
-pub use gpu::GpuLlama;
+pub use error::EngineError;
+pub use forward::{OpTimes, SeqBatch};
 pub use handle::{EngineHandle, KvUpdate, RequestStream, StreamEvent};
 pub use kv_cache::{KvDtype, KvPool, KvPoolWriter};
-pub use model::{LlamaModel, SeqBatch, WeightFormat};
 pub use sampler::{Sampled, Sampler};
+pub use shard::TpShard;
 pub use tandem_types::{BlockId, ErrorKind, SamplingError, SamplingParams, ValidSampling};
-pub use tp::{TpCpuBackend, TpCpuConfig, TpShard, TpStats};
-
-/// Why the engine refused or failed a request, or could not start. [`EngineError::kind`] says
-/// whose fault it is; the workers map that kind, not the text, to a gRPC code.
-#[derive(Debug, thiserror::Error)]
-pub enum EngineError {
-    /// The sampling parameters are invalid.
-    #[error(transparent)]
-    Sampling(#[from] SamplingError),
-    /// The request has no prompt tokens.
-    #[error("the prompt is empty")]
-    EmptyPrompt,
-    /// The output to resume from already reaches `max_tokens`.
-    #[error("{resume} output tokens to resume from leave nothing to generate under max_tokens {max_tokens}")]
-    NothingToResume {
-        /// Output tokens given to resume from.
-        resume: usize,
-        /// The request's output limit in tokens.
-        max_tokens: u32,
-    },
-    /// Prompt and output do not fit the model's context.
-    #[error("prompt and output need {tokens} tokens but the model's context is {max}")]
-    ContextOverflow {
-        /// Tokens the request needs.
-        tokens: usize,
-        /// The model's context in tokens.
-        max: usize,
-    },
-    /// A token id is not in the model's vocabulary.
-    #[error("token id {id} is outside the vocabulary of {vocab}")]
-    BadToken {
-        /// The offending token id.
-        id: u32,
-        /// The vocabulary size.
-        vocab: usize,
-    },
-    /// The request alone needs more KV blocks than the whole pool has.
-    #[error("request needs {need} KV blocks but the pool has only {total}: raise --kv-cache-mb or shorten the request")]
-    TooLargeForCache {
-        /// Blocks the prompt and `max_tokens` of output need.
-        need: usize,
-        /// Blocks in the pool.
-        total: usize,
-    },
-    /// A prefill-mode or remote-prefill request this engine cannot take as asked (a skip that is
-    /// not a whole number of blocks, output to resume): its sender's mistake.
-    #[error("{0}")]
-    BadPlan(String),
-    /// The request's parallel samples (`n`) are out of range or cannot be combined with the
-    /// rest of it.
-    #[error("n: {0}")]
-    Samples(String),
-    /// What this engine was built for cannot serve the request (KV transfer with a device
-    /// cache): the operator's to change.
-    #[error("{0}")]
-    Unsupported(String),
-    /// The engine's configuration makes no engine.
-    #[error("configuration: {0}")]
-    Config(String),
-    /// A remote-prefill join named a request (by id) that is not waiting for remote KV.
-    #[error("request {0} is not waiting for remote KV")]
-    NotParked(u64),
-    /// The engine's loop is gone, so nothing more can be submitted or answered.
-    #[error("the engine has stopped")]
-    Stopped,
-    /// The request's grammar cannot be compiled (the text names the problem), or this model's
-    /// tokenizer cannot serve grammars.
-    #[error("grammar: {0}")]
-    Grammar(#[from] tandem_grammar::GrammarError),
-    /// A step failed, failing every request in it (each gets this copy of the step's error).
-    #[error("the engine step failed: {0}")]
-    Step(String),
-    /// The model's weights cannot be assembled as given.
-    #[error("model: {0}")]
-    Model(String),
-    /// A CPU kernel or weight conversion failed (a shape mismatch, a tensor it cannot read).
-    #[error(transparent)]
-    Kernel(#[from] tandem_kernels::KernelError),
-    /// The model's files or tensors could not be read.
-    #[error(transparent)]
-    Files(#[from] tandem_model::ModelError),
-    /// A CUDA call failed.
-    #[error(transparent)]
-    Cuda(#[from] tandem_kernels::cuda::CudaError),
-    /// A collective between the ranks of a tensor-parallel group failed (a rank stuck or gone,
-    /// buffers that do not agree).
-    #[error("tensor-parallel collective: {0}")]
-    Collective(#[from] tandem_collective::CollectiveError),
-    /// The engine could not be built (the model, the device); the text says why.
-    #[error("{0}")]
-    Startup(String),
-    /// A broken invariant inside the engine: a bug.
-    #[error("internal: {0}")]
-    Internal(String),
-    /// The engine's thread panicked (a bug; the text is the panic's message): every request it
-    /// held failed with this, and it takes no more. Its worker stops so that it is restarted.
-    #[error("the engine failed and stopped: {0}")]
-    Failed(String),
-}
-
-impl EngineError {
-    /// Whose fault this is: the request's ([`ErrorKind::InvalidRequest`], [`ErrorKind::TooLarge`])
-    /// or the server's.
-    pub fn kind(&self) -> ErrorKind {
-        match self {
-            Self::Sampling(_)
-            | Self::EmptyPrompt
-            | Self::NothingToResume { .. }
-            | Self::BadToken { .. }
-            | Self::Samples(_)
-            | Self::BadPlan(_) => ErrorKind::InvalidRequest,
-            Self::ContextOverflow { .. } | Self::TooLargeForCache { .. } => ErrorKind::TooLarge,
-            Self::Unsupported(_) => ErrorKind::Unsupported,
-            Self::Grammar(tandem_grammar::GrammarError::Tokenizer(_)) => ErrorKind::Unsupported,
-            Self::Grammar(tandem_grammar::GrammarError::Busy(_)) => ErrorKind::Busy,
-            Self::Grammar(tandem_grammar::GrammarError::Internal(_)) => ErrorKind::Internal,
-            Self::Grammar(_) => ErrorKind::InvalidRequest,
-            Self::Stopped => ErrorKind::Unavailable,
-            Self::Config(_)
-            | Self::NotParked(_)
-            | Self::Step(_)
-            | Self::Model(_)
-            | Self::Kernel(_)
-            | Self::Files(_)
-            | Self::Cuda(_)
-            | Self::Collective(_)
-            | Self::Startup(_)
-            | Self::Internal(_)
-            | Self::Failed(_) => ErrorKind::Internal,
-        }
-    }
-}

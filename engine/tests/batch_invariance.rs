@@ -11,7 +11,7 @@
 use std::path::{Path, PathBuf};
 
 use proptest::prelude::*;
-use tandem_engine::{KvDtype, KvPool, LlamaModel, SeqBatch, WeightFormat};
+use tandem_engine::{CpuModel, KvDtype, KvPool, SeqBatch, WeightFormat};
 
 const BS: usize = 16;
 
@@ -30,9 +30,9 @@ impl Rng {
     }
 }
 
-fn load(path: &Path, format: WeightFormat) -> LlamaModel {
+fn load(path: &Path, format: WeightFormat) -> CpuModel {
     let m = tandem_model::load(path).unwrap_or_else(|e| panic!("{path:?}: {e}"));
-    LlamaModel::new(&m, format).unwrap()
+    CpuModel::new(&m, format).unwrap()
 }
 
 fn family(name: &str) -> PathBuf {
@@ -61,7 +61,7 @@ struct Plan {
 
 /// The probe's logits after its prompt, and after one more (decode) token, under `plan`.
 fn probe(
-    model: &LlamaModel,
+    model: &CpuModel,
     dtype: KvDtype,
     prompt: &[u32],
     next: u32,
@@ -191,7 +191,7 @@ fn assert_same_bits(what: &str, got: &[f32], want: &[f32], plan: &Plan) {
 
 /// The probe under `trials` random plans against the probe alone, in one chunk, on one thread.
 fn check(
-    model: &LlamaModel,
+    model: &CpuModel,
     seed: u64,
     len: usize,
     trials: usize,

@@ -10,7 +10,7 @@ use std::path::PathBuf;
 
 use golden_support::{greedy_request, ids};
 use serde_json::Value;
-use tandem_engine::{Engine, EngineConfig, KvDtype, KvPool, LlamaModel, SeqBatch, WeightFormat};
+use tandem_engine::{CpuModel, Engine, EngineConfig, KvDtype, KvPool, SeqBatch, WeightFormat};
 
 fn family_dir(family: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -62,7 +62,7 @@ fn reference(family: &str) -> Reference {
 
 /// The model's logits at each of the first `n` positions of `ids`, one token a step (the first
 /// a prefill, then decodes over the cache).
-fn logits_by_position(model: &LlamaModel, ids: &[u32], n: usize) -> Vec<Vec<f32>> {
+fn logits_by_position(model: &CpuModel, ids: &[u32], n: usize) -> Vec<Vec<f32>> {
     let bs = 16;
     let blocks = ids.len().div_ceil(bs);
     let mut kv = KvPool::new(
@@ -100,7 +100,7 @@ fn worst_relative(got: &[Vec<f32>], want: &[Vec<f32>]) -> f32 {
         .fold(0f32, f32::max)
 }
 
-fn greedy(model: LlamaModel, prompt: &[u32], n: usize) -> Vec<u32> {
+fn greedy(model: CpuModel, prompt: &[u32], n: usize) -> Vec<u32> {
     let mut e = Engine::new(
         model,
         EngineConfig {
@@ -141,7 +141,7 @@ fn check(family: &str, positions: Option<usize>, greedy_too: bool) {
         };
         let text = chat.render(&[user], true).unwrap();
         assert!(text.contains(turn), "{path:?}: {text:?}");
-        let model = LlamaModel::new(&loaded, WeightFormat::F32).unwrap();
+        let model = CpuModel::new(&loaded, WeightFormat::F32).unwrap();
         let n = positions.unwrap_or(r.prompt_ids.len());
         let got = logits_by_position(&model, &r.prompt_ids, n);
         let worst = worst_relative(&got, &r.logits[..n]);

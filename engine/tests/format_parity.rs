@@ -7,7 +7,7 @@ use std::path::Path;
 
 use rand::{Rng, SeedableRng};
 use serde_json::json;
-use tandem_engine::{Engine, EngineConfig, LlamaModel, WeightFormat};
+use tandem_engine::{CpuModel, Engine, EngineConfig, WeightFormat};
 use tandem_model::gguf::{self, MetaValue, TensorToWrite};
 use tandem_model::GgmlType;
 
@@ -264,7 +264,7 @@ fn write_hf(dir: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)], tied: bool, 
 fn logits(path: &Path, prompt: &[u32]) -> (Vec<f32>, tandem_model::LoadedModel) {
     let m = tandem_model::load(path).unwrap();
     let mut e = Engine::new(
-        LlamaModel::new(&m, WeightFormat::Native).unwrap(),
+        CpuModel::new(&m, WeightFormat::Native).unwrap(),
         EngineConfig {
             block_size: 4,
             kv_cache_mb: 4,

@@ -8,7 +8,7 @@
 mod golden_support;
 
 use golden_support::*;
-use tandem_engine::{Engine, EngineConfig, GpuLlama, SeqBatch};
+use tandem_engine::{CudaModel, Engine, EngineConfig, SeqBatch};
 
 fn report(test: &str, why: &str) {
     use std::io::Write;
@@ -43,15 +43,15 @@ fn on_gpu<T>(
     }
 }
 
-fn gpu_model(test: &str, num_blocks: usize) -> Option<GpuLlama> {
+fn gpu_model(test: &str, num_blocks: usize) -> Option<CudaModel> {
     on_gpu(test, |m| {
-        GpuLlama::from_tensors(0, &m.config, &m.tensors, BLOCK, num_blocks)
+        CudaModel::from_tensors(0, &m.config, &m.tensors, BLOCK, num_blocks)
     })
 }
 
 fn gpu_engine(test: &str, cfg: EngineConfig) -> Option<Engine> {
     on_gpu(test, |m| {
-        let backend = GpuLlama::for_engine(0, m, &cfg)?;
+        let backend = CudaModel::for_engine(0, m, &cfg.pool())?;
         Engine::with_backend(Box::new(backend), cfg, m.tokenizer.eos_token_ids.clone())
     })
 }
@@ -62,7 +62,7 @@ fn argmax(x: &[f32]) -> u32 {
 
 /// Greedy generation of every prompt together (one packed step per token), each sequence with
 /// its own run of blocks.
-fn generate(g: &mut GpuLlama, prompts: &[Vec<u32>], n_new: &[usize]) -> Vec<Vec<u32>> {
+fn generate(g: &mut CudaModel, prompts: &[Vec<u32>], n_new: &[usize]) -> Vec<Vec<u32>> {
     let vocab = g.config.vocab_size;
     let mut tables = Vec::new();
     let mut next = 0u32;

@@ -8,7 +8,7 @@ use golden_support::*;
 use std::time::Duration;
 use tandem_engine::backend::Backend;
 use tandem_engine::{
-    CpuBackend, Engine, EngineConfig, LlamaModel, SeqBatch, TpCpuBackend, TpCpuConfig, WeightFormat,
+    CpuBackend, CpuModel, Engine, EngineConfig, SeqBatch, TpCpuBackend, TpCpuConfig, WeightFormat,
 };
 
 fn loaded() -> tandem_model::LoadedModel {
@@ -23,8 +23,10 @@ fn tp(size: usize, m: &tandem_model::LoadedModel, cfg: &EngineConfig) -> TpCpuBa
         size,
         threads_per_rank: (cores / size).max(1),
         watchdog: Duration::from_secs(600),
+        max_step_tokens: cfg.max_batched_tokens,
+        max_step_seqs: cfg.max_seqs,
     };
-    TpCpuBackend::new(m, WeightFormat::Native, cfg, setup).unwrap()
+    TpCpuBackend::new(m, WeightFormat::Native, &cfg.pool(), setup).unwrap()
 }
 
 #[test]
@@ -116,8 +118,11 @@ fn tp3_teacher_forced_next_tokens_agree_with_tp1() {
         block_size: bs,
         ..Default::default()
     };
-    let mut one =
-        CpuBackend::new(LlamaModel::new(&m, WeightFormat::Native).unwrap(), &cfg).unwrap();
+    let mut one = CpuBackend::new(
+        CpuModel::new(&m, WeightFormat::Native).unwrap(),
+        &cfg.pool(),
+    )
+    .unwrap();
     let want = teacher_forced(&mut one, &recs, bs);
     drop(one);
     let mut three = tp(3, &m, &cfg);

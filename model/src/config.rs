@@ -87,7 +87,7 @@ impl Family {
 /// The dimensions and settings of a Llama-family model: what its weights' shapes and the forward
 /// pass follow from.
 #[derive(Clone, Debug, PartialEq)]
-pub struct LlamaConfig {
+pub struct ModelConfig {
     /// Width of the residual stream (elements per token).
     pub hidden_size: usize,
     /// Width of the MLP's gate and up projections.
@@ -119,7 +119,7 @@ pub struct LlamaConfig {
     pub sliding_window: Option<usize>,
 }
 
-impl LlamaConfig {
+impl ModelConfig {
     /// Checks that the dimensions describe a model the forward pass can run: none zero, query
     /// heads a multiple of KV heads, an even head dimension.
     pub fn validate(&self) -> Result<(), ModelError> {
@@ -376,7 +376,7 @@ mod tests {
 
     #[test]
     fn hf_config_smollm2_like() {
-        let c = LlamaConfig::from_hf_json(
+        let c = ModelConfig::from_hf_json(
             r#"{"model_type":"llama","hidden_size":576,"intermediate_size":1536,"num_hidden_layers":30,
             "num_attention_heads":9,"num_key_value_heads":3,"vocab_size":49152,"rms_norm_eps":1e-5,
             "rope_theta":100000.0,"tie_word_embeddings":true,"max_position_embeddings":8192}"#,
@@ -397,7 +397,7 @@ mod tests {
     #[test]
     fn sliding_windows_slide_or_cap_by_family() {
         let cfg = |ty: &str, extra: &str| {
-            LlamaConfig::from_hf_json(&format!(
+            ModelConfig::from_hf_json(&format!(
                 r#"{{"model_type":"{ty}","hidden_size":8,"intermediate_size":8,"num_hidden_layers":1,
                 "num_attention_heads":2,"vocab_size":10,"max_position_embeddings":64,
                 "sliding_window":16{extra}}}"#
@@ -413,7 +413,7 @@ mod tests {
         assert_eq!((q.sliding_window, q.max_position_embeddings), (None, 64));
         let q = cfg("qwen2", r#","use_sliding_window":true"#);
         assert_eq!((q.sliding_window, q.max_position_embeddings), (None, 16));
-        assert!(LlamaConfig::from_hf_json(
+        assert!(ModelConfig::from_hf_json(
             r#"{"model_type":"mistral","hidden_size":8,"intermediate_size":8,"num_hidden_layers":1,
             "num_attention_heads":2,"vocab_size":10,"sliding_window":0}"#
         )
@@ -422,7 +422,7 @@ mod tests {
 
     #[test]
     fn llama3_scaling_keeps_high_and_divides_low_frequencies() {
-        let c = LlamaConfig::from_hf_json(
+        let c = ModelConfig::from_hf_json(
             r#"{"model_type":"llama","hidden_size":4096,"intermediate_size":14336,"num_hidden_layers":32,
             "num_attention_heads":32,"num_key_value_heads":8,"vocab_size":128256,"rope_theta":500000.0,
             "rope_scaling":{"factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,
@@ -430,7 +430,7 @@ mod tests {
         )
         .unwrap();
         let f = c.rope_inv_freq();
-        let base = LlamaConfig {
+        let base = ModelConfig {
             rope_scaling: None,
             ..c.clone()
         }
@@ -441,12 +441,12 @@ mod tests {
 
     #[test]
     fn rejects_bad_configs() {
-        assert!(LlamaConfig::from_hf_json("{}").is_err());
-        assert!(LlamaConfig::from_hf_json(
+        assert!(ModelConfig::from_hf_json("{}").is_err());
+        assert!(ModelConfig::from_hf_json(
             r#"{"model_type":"gpt2","hidden_size":8,"intermediate_size":8,"num_hidden_layers":1,"num_attention_heads":2,"vocab_size":10}"#
         )
         .is_err());
-        assert!(LlamaConfig::from_hf_json(
+        assert!(ModelConfig::from_hf_json(
             r#"{"hidden_size":8,"intermediate_size":8,"num_hidden_layers":1,"num_attention_heads":3,"num_key_value_heads":2,"vocab_size":10}"#
         )
         .is_err());

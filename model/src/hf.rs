@@ -9,7 +9,7 @@ use serde_json::Value;
 
 use crate::quant::GgmlType;
 use crate::{
-    ChatTemplate, GenerationDefaults, LlamaConfig, LoadedModel, ModelError, TensorData, TensorName,
+    ChatTemplate, GenerationDefaults, LoadedModel, ModelConfig, ModelError, TensorData, TensorName,
     Tokenizer,
 };
 
@@ -38,7 +38,7 @@ fn token_text(v: Option<&Value>) -> Option<String> {
 pub(crate) fn load_dir(dir: &Path, name: String, weights: bool) -> Result<LoadedModel, ModelError> {
     let cfg_path = dir.join("config.json");
     let cfg_text = std::fs::read_to_string(&cfg_path).map_err(|e| ModelError::io(&cfg_path, e))?;
-    let config = LlamaConfig::from_hf_json(&cfg_text)?;
+    let config = ModelConfig::from_hf_json(&cfg_text)?;
     let cfg_json: Value =
         serde_json::from_str(&cfg_text).map_err(|e| ModelError::Config(e.to_string()))?;
 

@@ -2,7 +2,7 @@
 //!
 //! Owns: reading GGUF (v2/v3, over mmap) and HF directories (config.json, safetensors single or
 //! sharded, tokenizer files, generation config); GGML block formats and their dequantization;
-//! the Llama-family [`LlamaConfig`]; the [`Tokenizer`] (HF `tokenizers`, or built from GGUF
+//! the Llama-family [`ModelConfig`]; the [`Tokenizer`] (HF `tokenizers`, or built from GGUF
 //! metadata) with incremental detokenization; chat templates ([`ChatTemplate`], minijinja); and the
 //! chained block hash ([`hash`]) that the engine's prefix cache and the router's KV index share.
 //!
@@ -13,7 +13,7 @@
 //! already converted to one convention: q/k projection rows in HF order, so the engine applies
 //! HF's `rotate_half` rotary embedding whatever the file format.
 //!
-//! Main types: [`LoadedModel`] (a model read from disk), [`LlamaConfig`] (its dimensions and
+//! Main types: [`LoadedModel`] (a model read from disk), [`ModelConfig`] (its dimensions and
 //! rotary settings), [`TensorData`] (one weight tensor, still in its file encoding) named by
 //! [`TensorName`], [`Tokenizer`] and [`IncrementalDecoder`] (text to token ids and back, streamed),
 //! [`ChatTemplate`] (messages to a prompt), [`BlockHash`] (a KV block's chained prefix hash) and
@@ -35,7 +35,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 pub use chat::{ChatMessage, ChatTemplate};
-pub use config::{Family, LlamaConfig, RopeScaling, SUPPORTED};
+pub use config::{Family, ModelConfig, RopeScaling, SUPPORTED};
 pub use hash::{block_hashes, hash_block, BlockHash};
 pub use names::{LayerTensor, TensorName};
 pub use quant::{dequantize, quantize_q4_1, quantize_q8_0, GgmlType};
@@ -217,7 +217,7 @@ pub struct GenerationDefaults {
 /// (`token_embd.weight`, `blk.N.attn_q.weight`, ..., `output.weight` when not tied).
 pub struct LoadedModel {
     /// The model's dimensions and rotary settings.
-    pub config: LlamaConfig,
+    pub config: ModelConfig,
     /// The model's tokenizer.
     pub tokenizer: Tokenizer,
     /// The chat template the model ships with, if any.
@@ -282,7 +282,7 @@ fn load_with(path: &Path, weights: bool) -> Result<LoadedModel, ModelError> {
 
 fn load_gguf(path: &Path, name: String, weights: bool) -> Result<LoadedModel, ModelError> {
     let g = gguf::GgufFile::open(path)?;
-    let config = LlamaConfig::from_gguf(&g)?;
+    let config = ModelConfig::from_gguf(&g)?;
     let tokenizer = Tokenizer::from_gguf(&g)?;
     let chat_template = match g.get("tokenizer.chat_template").and_then(|v| v.as_str()) {
         Some(src) => Some(ChatTemplate::new(

@@ -1,11 +1,11 @@
 //! The tensors a Llama model is made of, named once: their canonical (GGUF-style) names, the HF
-//! names they are read from, and the shapes a [`LlamaConfig`] implies. The loaders, the shape
+//! names they are read from, and the shapes a [`ModelConfig`] implies. The loaders, the shape
 //! check and every device's weight upload go through [`TensorName`], so no other code spells a
 //! tensor's name.
 
 use std::fmt;
 
-use crate::{Family, LlamaConfig};
+use crate::{Family, ModelConfig};
 
 /// One of a decoder layer's tensors.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -170,7 +170,7 @@ impl TensorName {
 
     /// Row-major shape `config` implies (`[rows, cols]` for a matrix, `[len]` for a vector);
     /// None for [`TensorName::RopeFreqs`], whose length the file decides.
-    pub fn shape(self, c: &LlamaConfig) -> Option<Vec<usize>> {
+    pub fn shape(self, c: &ModelConfig) -> Option<Vec<usize>> {
         let (h, ff) = (c.hidden_size, c.intermediate_size);
         let (q, kv) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
         Some(match self {
@@ -192,7 +192,7 @@ impl TensorName {
     }
 
     /// Every tensor the forward pass of a `config` model reads (the head only when not tied).
-    pub fn required(c: &LlamaConfig) -> Vec<Self> {
+    pub fn required(c: &ModelConfig) -> Vec<Self> {
         let mut all = vec![Self::Embedding, Self::OutputNorm];
         if !c.tie_word_embeddings {
             all.push(Self::Output);
@@ -243,7 +243,7 @@ mod tests {
 
     #[test]
     fn canonical_names_read_back() {
-        let c = LlamaConfig {
+        let c = ModelConfig {
             hidden_size: 8,
             intermediate_size: 16,
             num_layers: 2,
@@ -266,7 +266,7 @@ mod tests {
         }
         // Qwen2's biases, Qwen3's head norms: read back under both names, with their shapes.
         for (family, extra) in [(Family::Qwen2, 3), (Family::Qwen3, 2)] {
-            let c = LlamaConfig {
+            let c = ModelConfig {
                 family,
                 ..c.clone()
             };

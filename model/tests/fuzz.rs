@@ -66,6 +66,42 @@ fn the_sample_weights_load_up_to_the_missing_tokenizer() {
     }
 }
 
+/// What loading fuzzed weights must give: never a model (there is no tokenizer), and a refusal
+/// that says why. Where the reference reader (the safetensors crate on its own) refuses the
+/// file, the loader refuses it as a malformed file naming it; where the reader takes it, the
+/// loader either refuses what it reads (a malformed, unsupported or missing tensor, a config it
+/// contradicts) or reads it all and stops at the missing tokenizer.
+fn refused_as_the_reference_reader_says(b: &[u8]) -> Result<(), TestCaseError> {
+    let err = match load(b) {
+        Ok(_) => {
+            return Err(TestCaseError::fail(
+                "fuzzed weights loaded without a tokenizer",
+            ))
+        }
+        Err(e) => e,
+    };
+    let text = err.to_string();
+    prop_assert!(!text.trim().is_empty(), "an empty refusal");
+    match safetensors::SafeTensors::deserialize(b) {
+        Err(_) => prop_assert!(
+            matches!(&err, ModelError::Format(m) if m.contains("model.safetensors")),
+            "the reference reader refuses this file, the loader said: {err}"
+        ),
+        Ok(_) => prop_assert!(
+            match &err {
+                ModelError::NotFound(p) => p.ends_with("tokenizer.json"),
+                ModelError::Format(_)
+                | ModelError::Unsupported(_)
+                | ModelError::MissingTensor(_)
+                | ModelError::Config(_) => true,
+                _ => false,
+            },
+            "a file the reference reader takes was refused as: {err}"
+        ),
+    }
+    Ok(())
+}
+
 fn template() -> &'static tandem_model::ChatTemplate {
     static T: OnceLock<tandem_model::ChatTemplate> = OnceLock::new();
     T.get_or_init(|| {
@@ -115,8 +151,7 @@ proptest! {
         if let Some(c) = cut {
             b.truncate(c.index(b.len()));
         }
-        // An error or, where the edit hit tensor data only, a load that stops at the tokenizer.
-        let _ = load(&b);
+        refused_as_the_reference_reader_says(&b)?;
     }
 
     #[test]
@@ -127,7 +162,7 @@ proptest! {
         let mut b = (header.len() as u64).to_le_bytes().to_vec();
         b.extend_from_slice(header.as_bytes());
         b.extend(std::iter::repeat_n(7u8, data_len));
-        let _ = load(&b);
+        refused_as_the_reference_reader_says(&b)?;
     }
 
     #[test]

@@ -67,10 +67,10 @@ fn agents_on_two_hosts_add_up_to_one_process_and_a_cut_one_is_reported() {
                 "--kv-port=0",
             ]),
         ),
-        "tandem decode: listening on",
+        Ready::DECODE,
     );
-    let worker = rest.split_whitespace().next().unwrap().to_string();
-    let (_router, line) = spawn_command(
+    let worker = ready_line(&rest).grpc().to_string();
+    let (router_proc, line) = spawn_command(
         tandem_in(
             &server,
             &strings(&[
@@ -83,9 +83,11 @@ fn agents_on_two_hosts_add_up_to_one_process_and_a_cut_one_is_reported() {
                 &format!("--decode-workers={worker}"),
             ]),
         ),
-        "tandem router:",
+        Ready::ROUTER,
     );
-    let http = format!("http://{}", line.split_whitespace().nth(1).unwrap());
+    // Kept to the end of the test: dropping it stops the router.
+    let router = router_at(router_proc, &line);
+    let http = router.http.clone();
     let ready = format!("{http}/ready");
     // The router is ready as seen from a load host (its worker probed).
     block_in(&loaders[0], move || async move {

@@ -1034,8 +1034,8 @@ async fn up_restarts_a_crashed_worker_and_stops_cleanly() {
         "--prefill-workers=1".into(),
         "--disagg-min-tokens=1".into(),
     ];
-    let (mut up, line) = spawn(&args, "tandem up: ready");
-    let http = format!("http://{}", line.split_whitespace().nth(1).unwrap());
+    let (mut up, line) = spawn(&args, Ready::UP);
+    let http = format!("http://{}", up_http(&line));
     let before = children(up.pid());
     assert_eq!(
         before.len(),

@@ -678,7 +678,7 @@ async fn a_prefill_worker_keeps_beating_while_its_link_holds_the_kv() {
 fn engine() -> tandem_engine::EngineHandle {
     tandem_engine::EngineHandle::spawn(|| {
         let loaded = tandem_model::load(&model_path())?;
-        let model = tandem_engine::LlamaModel::new(&loaded, Default::default())?;
+        let model = tandem_engine::CpuModel::new(&loaded, Default::default())?;
         let cfg = tandem_engine::EngineConfig {
             kv_cache_mb: 64,
             ..Default::default()
@@ -911,8 +911,9 @@ fn a_transfer_slower_than_its_prefill_is_waited_for_while_it_moves() {
             &model,
             "--kv-cache-mb=256",
         ]),
-        "tandem prefill: listening on",
+        Ready::PREFILL,
     );
+    let paddr = ready_line(&paddr).grpc().to_string();
     let (_d, line) = start_in(
         &dc,
         &args(&[
@@ -924,9 +925,9 @@ fn a_transfer_slower_than_its_prefill_is_waited_for_while_it_moves() {
             "--kv-port=0",
             "--kv-stall-timeout-ms=2000",
         ]),
-        "tandem decode: listening on",
+        Ready::DECODE,
     );
-    let daddr = line.split_whitespace().next().unwrap().to_string();
+    let daddr = ready_line(&line).grpc().to_string();
     let (router, line) = start_in(
         &dc,
         &args(&[
@@ -940,14 +941,9 @@ fn a_transfer_slower_than_its_prefill_is_waited_for_while_it_moves() {
             &format!("--prefill-workers={paddr}"),
             "--disagg-min-tokens=64",
         ]),
-        "tandem router:",
+        Ready::ROUTER,
     );
-    let parts: Vec<&str> = line.split_whitespace().collect();
-    let r = Router {
-        proc: router,
-        http: format!("http://{}", parts[1]),
-        grpc: format!("http://{}", parts[3]),
-    };
+    let r = router_at(router, &line);
     let per_block = bytes_per_block();
     block_in(&dc, move || async move {
         wait_ready(&r, 1).await;

@@ -46,8 +46,8 @@ fn decode(etcd: &Etcd, env: &[(&str, &str)], extra: &[&str]) -> (Proc, String) {
         format!("--lease-ttl-s={}", ttl_s()),
     ];
     args.extend(extra.iter().map(|s| s.to_string()));
-    let (p, rest) = spawn_env(&args, "tandem decode: listening on", env);
-    (p, rest.split_whitespace().next().unwrap().to_string())
+    let (p, line) = spawn_env(&args, Ready::DECODE, env);
+    (p, ready_line(&line).grpc().to_string())
 }
 
 /// The router's view of its decode workers: address -> ready.

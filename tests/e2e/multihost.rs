@@ -186,12 +186,8 @@ struct Pod {
 /// Starts `c` in namespace `ns`, its stderr appended to `log`; [`Starting::wait`] waits for its
 /// ready line.
 fn start_container(ns: &str, c: &Container, log: &Path) -> Starting {
-    let marker = match c.args[0].as_str() {
-        "router" => "tandem router:",
-        "decode" => "tandem decode: listening on",
-        "prefill" => "tandem prefill: listening on",
-        other => panic!("unknown role {other}"),
-    };
+    let role = c.args[0].as_str();
+    let marker = Ready::marker(role).unwrap_or_else(|| panic!("unknown role {role}"));
     let mut cmd = Command::new("ip");
     cmd.args(["netns", "exec", ns])
         .arg(env!("CARGO_BIN_EXE_tandem"))

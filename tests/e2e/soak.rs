@@ -410,8 +410,8 @@ fn start_up(extra: &[&str]) -> (Proc, String) {
         "--worker-arg=--kv-cache-mb=256".into(),
     ];
     args.extend(extra.iter().map(|s| s.to_string()));
-    let (up, line) = spawn(&args, "tandem up: ready");
-    let http = format!("http://{}", line.split_whitespace().nth(1).unwrap());
+    let (up, line) = spawn(&args, Ready::UP);
+    let http = format!("http://{}", up_http(&line));
     (up, http)
 }
 

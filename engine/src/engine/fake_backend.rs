@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 
 use super::tests::{random_plan, req, run_plan};
 use super::*;
-use crate::model::SeqBatch;
+use crate::forward::SeqBatch;
 use proptest::prelude::*;
 use rand::SeedableRng;
 use tandem_types::{BlockId, SamplingParams};
@@ -39,7 +39,7 @@ fn expected(prompt: &[u32], n: usize) -> Vec<u32> {
 
 /// A device whose cache holds token ids.
 struct TokenCache {
-    config: LlamaConfig,
+    config: ModelConfig,
     block_size: usize,
     slots: Vec<Option<u32>>,
     /// Shared with the test.
@@ -49,7 +49,7 @@ struct TokenCache {
 impl TokenCache {
     fn new(num_blocks: usize, block_size: usize, max_context: usize, steps: StepLog) -> Self {
         Self {
-            config: LlamaConfig {
+            config: ModelConfig {
                 hidden_size: 8,
                 intermediate_size: 8,
                 num_layers: 1,
@@ -87,7 +87,7 @@ impl TokenCache {
 }
 
 impl Backend for TokenCache {
-    fn config(&self) -> &LlamaConfig {
+    fn config(&self) -> &ModelConfig {
         &self.config
     }
 

@@ -24,14 +24,15 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::backend::{Backend, CpuBackend, RankPool};
+use crate::backend::{Backend, RankPool};
 use crate::block_manager::{BlockCounts, BlockManager, KvEvent, SeqBlocks};
+use crate::device::cpu::CpuBackend;
+use crate::device::cpu::CpuModel;
+use crate::error::EngineError;
 use crate::kv_cache::KvPool;
-use crate::model::LlamaModel;
 use crate::sampler::{Sampled, Sampler};
-use crate::EngineError;
 use tandem_grammar::GrammarCompiler;
-use tandem_model::LlamaConfig;
+use tandem_model::ModelConfig;
 use tandem_types::BlockId;
 
 mod offline;
@@ -40,8 +41,8 @@ mod step;
 mod types;
 
 pub use types::{
-    EngineConfig, EngineStats, Event, FinishReason, Finished, KvChunk, KvPiece, Limits, OpTimes,
-    Request, RequestId, Reservation, Samples, StepStats, TokenEvent,
+    EngineConfig, EngineStats, Event, FinishReason, Finished, KvChunk, KvPiece, Limits, Request,
+    RequestId, Reservation, Samples, StepStats, TokenEvent,
 };
 
 /// Why `s` stops after `token` (already appended), if it does.
@@ -258,13 +259,9 @@ pub struct Engine {
 impl Engine {
     /// An engine on the CPU. `eos` lists the token ids that end generation unless a request
     /// ignores EOS.
-    pub fn new(
-        model: LlamaModel,
-        config: EngineConfig,
-        eos: Vec<u32>,
-    ) -> Result<Self, EngineError> {
+    pub fn new(model: CpuModel, config: EngineConfig, eos: Vec<u32>) -> Result<Self, EngineError> {
         config.check()?;
-        let backend = CpuBackend::new(model, &config)?;
+        let backend = CpuBackend::new(model, &config.pool())?;
         Self::with_backend(Box::new(backend), config, eos)
     }
 
@@ -322,13 +319,16 @@ impl Engine {
     }
 
     /// The model's shape.
-    pub fn model_config(&self) -> &LlamaConfig {
+    pub fn model_config(&self) -> &ModelConfig {
         self.backend.config()
     }
 
     /// The CPU model (None on a GPU).
-    pub fn cpu_model(&self) -> Option<&LlamaModel> {
-        self.backend.cpu_model()
+    pub fn cpu_model(&self) -> Option<&CpuModel> {
+        self.backend
+            .as_any()
+            .downcast_ref::<CpuBackend>()
+            .map(CpuBackend::model)
     }
 
     /// The pool's block bookkeeping (counts, prefix cache, events).

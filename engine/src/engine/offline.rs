@@ -1,8 +1,8 @@
 //! Running a batch of requests to its end in this thread: benchmarks and reference checks.
 
 use super::{Engine, Event, Finished, Request, RequestId, StepStats, TokenEvent};
-use crate::model::SeqBatch;
-use crate::EngineError;
+use crate::error::EngineError;
+use crate::forward::SeqBatch;
 use tandem_types::ValidSampling;
 
 impl Engine {

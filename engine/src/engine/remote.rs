@@ -9,9 +9,9 @@ use super::{
     TokenEvent,
 };
 use crate::backend::RankPool;
+use crate::error::EngineError;
 use crate::kv_cache::KvPool;
 use crate::sampler::Sampled;
-use crate::EngineError;
 use tandem_types::BlockId;
 
 impl Engine {

@@ -7,25 +7,24 @@ use std::time::Instant;
 use rayon::prelude::*;
 
 use super::types::RATE_WEIGHT;
-use super::{finish_reason, Engine, Event, FinishReason, Seq, StepStats, TokenEvent};
+use super::{finish_reason, Engine, Event, FinishReason, Finished, Seq, StepStats, TokenEvent};
 use crate::block_manager::PoolFull;
-use crate::model::SeqBatch;
+use crate::error::EngineError;
+use crate::forward::SeqBatch;
 use crate::sampler::Sampled;
-use crate::EngineError;
 
 impl Engine {
     /// One scheduling iteration and one forward. Returns this step's events, in order.
+    ///
+    /// The stages, each its own method: `plan` (drop what was cancelled or
+    /// stopped, schedule, copy shared blocks the step writes), `pack` the planned
+    /// sequences into one batch and `forward` it, `sample` each
+    /// completed sequence's row, `advance` the sequences past their new tokens
+    /// (forking parallel samples off a finished prompt), and `retire` the
+    /// finished while placing the forked.
     pub fn step(&mut self) -> Result<(Vec<Event>, StepStats), EngineError> {
         let mut events = Vec::new();
-        self.drop_cancelled(&mut events);
-        self.drop_stopped(&mut events);
-        let plan = self.schedule();
-        // Copy-on-write: shared blocks the step writes were swapped for fresh ones while it was
-        // scheduled; their contents go over before anything writes them.
-        let copies = std::mem::take(&mut self.copies);
-        if !copies.is_empty() {
-            self.backend.copy_blocks(&copies)?;
-        }
+        let plan = self.plan(&mut events)?;
         if plan.is_empty() {
             return Ok((events, StepStats::default()));
         }
@@ -37,16 +36,42 @@ impl Engine {
             );
         }
         let t0 = Instant::now();
-        // Only the slowdown test hook reads it (a system call, kept off the normal step).
-        let cpu0 = if self.config.slowdown > 1.0 {
-            process_cpu_seconds()
-        } else {
-            None
+        let out = self.forward(&plan)?;
+        let mut stats = StepStats {
+            collective_seconds: out.collective_seconds,
+            collective_values: out.collective_values,
+            ops: self.backend.take_op_times(),
+            ..StepStats::default()
         };
-        let batch: Vec<SeqBatch<'_>> = plan
-            .iter()
+        let rows = self.sample(&plan, &out);
+        let advanced = self.advance(&plan, &out, rows, &mut stats, &mut events);
+        self.retire(advanced, &mut events);
+        stats.seconds = t0.elapsed().as_secs_f64();
+        self.record_timing(&stats);
+        Ok((events, stats))
+    }
+
+    /// Drops what was cancelled or stopped, decides the step's work (`(index into running, new
+    /// tokens)`) and copies the shared blocks it writes.
+    fn plan(&mut self, events: &mut Vec<Event>) -> Result<Vec<(usize, usize)>, EngineError> {
+        self.drop_cancelled(events);
+        self.drop_stopped(events);
+        let plan = self.schedule();
+        // Copy-on-write: shared blocks the step writes were swapped for fresh ones while it was
+        // scheduled; their contents go over before anything writes them.
+        let copies = std::mem::take(&mut self.copies);
+        if !copies.is_empty() {
+            self.backend.copy_blocks(&copies)?;
+        }
+        Ok(plan)
+    }
+
+    /// The planned sequences as the device takes them: each one's new tokens, what it has
+    /// cached, its blocks, and whether it samples.
+    fn pack<'a>(running: &'a [Seq], plan: &[(usize, usize)]) -> Vec<SeqBatch<'a>> {
+        plan.iter()
             .map(|&(i, take)| {
-                let s = &self.running[i];
+                let s = &running[i];
                 SeqBatch {
                     tokens: &s.tokens[s.computed..s.computed + take],
                     cached: s.computed,
@@ -54,15 +79,20 @@ impl Engine {
                     want_logits: s.computed + take == s.tokens.len(),
                 }
             })
-            .collect();
-        // Where the device picks tokens itself and every sampler in the step takes the argmax,
-        // only the picks come back (the logits are rows × vocabulary floats).
+            .collect()
+    }
+
+    /// The packed step through the device: the rows' logits, or only their picks where the
+    /// device picks tokens itself and every sampler in the step takes the argmax (the logits
+    /// are rows × vocabulary floats); and what the step cost in collectives.
+    fn forward(&mut self, plan: &[(usize, usize)]) -> Result<Forwarded, EngineError> {
         let argmax_only = self.backend.picks_on_device()
             && plan.iter().all(|&(i, take)| {
                 let s = &self.running[i];
                 s.computed + take < s.tokens.len() || s.sampler.argmax_only()
             });
         let collective0 = self.backend.tp_stats();
+        let batch = Self::pack(&self.running, plan);
         let (logits, picks) = if argmax_only {
             (Vec::new(), self.backend.forward_argmax(&batch)?)
         } else {
@@ -75,45 +105,54 @@ impl Engine {
             ),
             _ => (0.0, 0),
         };
-        let vocab = self.backend.config().vocab_size;
-        let max_ctx = self.backend.config().max_position_embeddings;
-        let mut stats = StepStats {
+        Ok(Forwarded {
+            logits,
+            picks,
+            vocab: self.backend.config().vocab_size,
             collective_seconds,
             collective_values,
-            ops: self.backend.take_op_times(),
-            ..StepStats::default()
-        };
-        let mut finished = Vec::new();
-        // Samples forked off this step: those that go on, and those whose first token ended them.
-        let mut forked = Vec::new();
-        let mut forked_done = Vec::new();
-        // Every sequence that completes its tokens this step samples one, from its row of logits
-        // (rows in plan order) or the device's pick. The rows are sampled in parallel: each
-        // sampler is its own sequence's, and a row is a whole vocabulary to scan.
+        })
+    }
+
+    /// Every sequence that completes its tokens this step samples one, from its row of logits
+    /// (rows in plan order) or the device's pick. The rows are sampled in parallel: each
+    /// sampler is its own sequence's, and a row is a whole vocabulary to scan.
+    fn sample(&mut self, plan: &[(usize, usize)], out: &Forwarded) -> Rows {
         let mut row_of = vec![None; self.running.len()];
         let mut rows = 0;
-        for &(i, take) in &plan {
+        for &(i, take) in plan {
             let s = &self.running[i];
             if s.computed + take == s.tokens.len() {
                 row_of[i] = Some(rows);
                 rows += 1;
             }
         }
-        let mut sampled: Vec<Option<Sampled>> = self
+        let sampled = self
             .running
             .iter_mut()
             .zip(&row_of)
             .map(|(s, row)| row.map(|r| (&mut s.sampler, r)))
             .collect::<Vec<_>>()
             .into_par_iter()
-            .map(|job| {
-                job.map(|(sampler, r)| match picks.get(r) {
-                    Some(&(token, logprob)) => sampler.accept(token, logprob),
-                    None => sampler.sample(&logits[r * vocab..(r + 1) * vocab]),
-                })
-            })
+            .map(|job| job.map(|(sampler, r)| out.draw(sampler, r)))
             .collect();
-        for &(i, take) in &plan {
+        Rows { row_of, sampled }
+    }
+
+    /// Moves each planned sequence past the tokens it computed (committing its blocks,
+    /// exporting those a prefill hands out) and, where it completed them, past the token it
+    /// sampled; a finished prompt with parallel samples forks them off its row.
+    fn advance(
+        &mut self,
+        plan: &[(usize, usize)],
+        out: &Forwarded,
+        mut rows: Rows,
+        stats: &mut StepStats,
+        events: &mut Vec<Event>,
+    ) -> Advanced {
+        let max_ctx = self.backend.config().max_position_embeddings;
+        let mut done = Advanced::default();
+        for &(i, take) in plan {
             let s = &mut self.running[i];
             let (cached, new) = (s.computed as u64, take as u64);
             stats.attended_keys += new * cached + new * (new + 1) / 2;
@@ -137,18 +176,14 @@ impl Engine {
             if s.computed < s.tokens.len() {
                 continue;
             }
-            let sampled = sampled[i]
+            let sampled = rows.sampled[i]
                 .take()
                 .expect("a sequence that completed its tokens has a row");
             if !s.forks.is_empty() {
                 // The prompt's logits are ready: the request's other samples draw their first
                 // tokens from the same row and go on as sequences of their own.
-                let r = row_of[i].expect("a sequence that samples has a row");
-                let row = |sampler: &mut crate::Sampler| match picks.get(r) {
-                    Some(&(token, logprob)) => sampler.accept(token, logprob),
-                    None => sampler.sample(&logits[r * vocab..(r + 1) * vocab]),
-                };
-                for (child, first) in s.fork_samples(row) {
+                let r = rows.row_of[i].expect("a sequence that samples has a row");
+                for (child, first) in s.fork_samples(|sampler| out.draw(sampler, r)) {
                     let finish = finish_reason(&self.eos, max_ctx, &child, first.token);
                     events.push(Event::Token(TokenEvent {
                         request: child.id,
@@ -157,8 +192,8 @@ impl Engine {
                         finish,
                     }));
                     match finish {
-                        Some(r) => forked_done.push(child.finished(r)),
-                        None => forked.push(child),
+                        Some(r) => done.forked_done.push(child.finished(r)),
+                        None => done.forked.push(child),
                     }
                 }
             }
@@ -173,11 +208,18 @@ impl Engine {
                 finish,
             }));
             if let Some(r) = finish {
-                finished.push((i, r));
+                done.finished.push((i, r));
             }
         }
+        done
+    }
+
+    /// Takes the finished out of the running set (their events in step order, then the forked
+    /// samples that ended at their first token) and places the forked samples that go on.
+    fn retire(&mut self, done: Advanced, events: &mut Vec<Event>) {
         // Highest index first so the earlier indices stay valid, then back in step order.
-        let mut gone: Vec<_> = finished
+        let mut gone: Vec<_> = done
+            .finished
             .iter()
             .rev()
             .map(|&(i, r)| (self.running.remove(i), r))
@@ -187,12 +229,12 @@ impl Engine {
             gone.into_iter()
                 .map(|(s, r)| Event::Finished(s.finished(r))),
         );
-        events.extend(forked_done.into_iter().map(Event::Finished));
+        events.extend(done.forked_done.into_iter().map(Event::Finished));
         // Forked samples run right after their parent: admitted with it, they are older than
         // what came after it (preemption takes the newest first). A sample with no room under max_seqs
         // (its request was admitted alone, wider than the limit) waits as a preempted
         // sequence does, its prompt in the prefix cache.
-        for mut s in forked.into_iter().rev() {
+        for mut s in done.forked.into_iter().rev() {
             if self.running.len() < self.config.max_seqs {
                 let parent = self.running.iter().position(|p| p.id == s.id);
                 let at = parent.map_or(self.running.len(), |p| p + 1);
@@ -203,22 +245,6 @@ impl Engine {
                 self.waiting.push_front(s);
             }
         }
-        if self.config.slowdown > 1.0 {
-            // The step's running time: its wall time, but no more than the CPU time the process
-            // spent meanwhile, so that a step the process was stopped (SIGSTOP) in the middle of
-            // is not stretched by the stop.
-            let wall = t0.elapsed().as_secs_f64();
-            let spent = match (cpu0, process_cpu_seconds()) {
-                (Some(a), Some(b)) => wall.min(b - a),
-                _ => wall,
-            };
-            std::thread::sleep(std::time::Duration::from_secs_f64(
-                spent * (self.config.slowdown - 1.0),
-            ));
-        }
-        stats.seconds = t0.elapsed().as_secs_f64();
-        self.record_timing(&stats);
-        Ok((events, stats))
     }
 
     /// Folds a step's prompt work into the measured prefill rate peers plan their deadlines by.
@@ -407,20 +433,38 @@ impl Engine {
     }
 }
 
-/// CPU time used by this process so far, every thread together (Unix).
-fn process_cpu_seconds() -> Option<f64> {
-    #[cfg(unix)]
-    {
-        let mut ts = libc::timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        };
-        // SAFETY: clock_gettime writes one timespec we own.
-        let rc = unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
-        (rc == 0).then_some(ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9)
+/// What a step's forward gave: the rows' logits (vocabulary each) or the device's picks, and
+/// what the step spent in collectives.
+struct Forwarded {
+    logits: Vec<f32>,
+    picks: Vec<(u32, f32)>,
+    vocab: usize,
+    collective_seconds: f64,
+    collective_values: u64,
+}
+
+impl Forwarded {
+    /// Row `r`'s token for `sampler`: the device's pick, accepted, or a draw from its logits.
+    fn draw(&self, sampler: &mut crate::Sampler, r: usize) -> Sampled {
+        match self.picks.get(r) {
+            Some(&(token, logprob)) => sampler.accept(token, logprob),
+            None => sampler.sample(&self.logits[r * self.vocab..(r + 1) * self.vocab]),
+        }
     }
-    #[cfg(not(unix))]
-    {
-        None
-    }
+}
+
+/// Which row each running sequence samples from (None: it did not complete its tokens), and
+/// what it drew.
+struct Rows {
+    row_of: Vec<Option<usize>>,
+    sampled: Vec<Option<Sampled>>,
+}
+
+/// What advancing the step's sequences left to retire: the running ones that finished (index,
+/// why), the forked samples that go on, and those their first token ended.
+#[derive(Default)]
+struct Advanced {
+    finished: Vec<(usize, FinishReason)>,
+    forked: Vec<Seq>,
+    forked_done: Vec<Finished>,
 }

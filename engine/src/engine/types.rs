@@ -2,9 +2,11 @@
 
 use serde::Serialize;
 
+use crate::backend::PoolSize;
+use crate::error::EngineError;
+use crate::forward::OpTimes;
 use crate::kv_cache::KvDtype;
 use crate::sampler::Sampled;
-use crate::EngineError;
 use tandem_grammar::{Constraint, GrammarCompiler};
 use tandem_types::{BlockId, SamplingError, SamplingParams, ValidSampling};
 
@@ -29,10 +31,6 @@ pub struct EngineConfig {
     /// the first chunk fits). Preemption covers what this misses; on the mixed workload, admitting
     /// without it preempted 39 of 200 requests.
     pub admission_lookahead: usize,
-    /// Test hook: every step takes this many times as long as it computed (the engine sleeps for
-    /// the rest, counted in the step's time), so this machine behaves like one that much slower.
-    /// `TANDEM_TEST_SLOWDOWN` sets it for the CLI's engines; 1 in production.
-    pub slowdown: f64,
     /// Test hook: the engine thread panics in this step (counted from 1, steps with work only),
     /// as a bug would, so the tests can see what a worker does then. `TANDEM_TEST_PANIC_AT_STEP`
     /// sets it for the CLI's engines; `None` in production.
@@ -40,14 +38,18 @@ pub struct EngineConfig {
 }
 
 impl EngineConfig {
+    /// The pool a backend for this engine is built with.
+    pub fn pool(&self) -> PoolSize {
+        PoolSize {
+            block_size: self.block_size,
+            kv_cache_mb: self.kv_cache_mb,
+            num_blocks: self.num_blocks,
+            kv_dtype: self.kv_dtype,
+        }
+    }
+
     /// Refuses sizes that make no engine (before any memory is sized from them).
     pub fn check(&self) -> Result<(), EngineError> {
-        if !(self.slowdown.is_finite() && self.slowdown >= 1.0) {
-            return Err(EngineError::Config(format!(
-                "slowdown {} must be a number of at least 1",
-                self.slowdown
-            )));
-        }
         if self.block_size == 0 || self.max_batched_tokens == 0 || self.max_seqs == 0 {
             return Err(EngineError::Config(
                 "block size, batch budget and max seqs must be positive".into(),
@@ -68,7 +70,6 @@ impl Default for EngineConfig {
             prefix_caching: true,
             num_blocks: None,
             admission_lookahead: 64,
-            slowdown: 1.0,
             panic_at_step: None,
         }
     }
@@ -300,66 +301,6 @@ pub struct StepStats {
     /// The step's forward split by op, when the engine profiles them
     /// ([`crate::Engine::profile_ops`]).
     pub ops: Option<OpTimes>,
-}
-
-/// Seconds one step's forward spent in each op (summed over the layers): the split a profile
-/// of the steps reports. Taken around each op as the device finishes it, so the sum is the
-/// forward's time less the gaps between ops.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
-pub struct OpTimes {
-    /// The token embedding (and its all-reduce across ranks).
-    pub embed: f64,
-    /// RMS norms, with the residual adds they fuse.
-    pub norms: f64,
-    /// The fused q|k|v product (with Qwen's biases and head norms).
-    pub qkv: f64,
-    /// Rotary embedding, the cache writes and attention over the paged cache.
-    pub attention: f64,
-    /// The attention output product.
-    pub o: f64,
-    /// The fused gate|up product.
-    pub gate_up: f64,
-    /// silu(gate) · up.
-    pub silu: f64,
-    /// The down product.
-    pub down: f64,
-    /// The output head (the rows that sample).
-    pub head: f64,
-    /// All-reduces and the logits gather of a tensor-parallel group.
-    pub collectives: f64,
-}
-
-impl OpTimes {
-    /// Each op's name and seconds, in the forward's order.
-    pub fn named(&self) -> [(&'static str, f64); 10] {
-        [
-            ("embed", self.embed),
-            ("norms", self.norms),
-            ("qkv", self.qkv),
-            ("attention", self.attention),
-            ("o", self.o),
-            ("gate_up", self.gate_up),
-            ("silu", self.silu),
-            ("down", self.down),
-            ("head", self.head),
-            ("collectives", self.collectives),
-        ]
-    }
-}
-
-impl std::ops::AddAssign for OpTimes {
-    fn add_assign(&mut self, o: Self) {
-        self.embed += o.embed;
-        self.norms += o.norms;
-        self.qkv += o.qkv;
-        self.attention += o.attention;
-        self.o += o.o;
-        self.gate_up += o.gate_up;
-        self.silu += o.silu;
-        self.down += o.down;
-        self.head += o.head;
-        self.collectives += o.collectives;
-    }
 }
 
 /// The engine's state at a glance.

@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 use serde_json::Value;
-use tandem_engine::{Engine, EngineConfig, LlamaModel, Request, WeightFormat};
+use tandem_engine::{CpuModel, Engine, EngineConfig, Request, WeightFormat};
 
 pub fn golden_dir() -> PathBuf {
     std::env::var_os("TANDEM_GOLDEN")
@@ -22,7 +22,7 @@ pub fn engine(format: WeightFormat, cfg: EngineConfig) -> (Engine, Vec<Value>) {
     );
     let m = tandem_model::load(&p).unwrap();
     let eos = m.tokenizer.eos_token_ids.clone();
-    let e = Engine::new(LlamaModel::new(&m, format).unwrap(), cfg, eos).unwrap();
+    let e = Engine::new(CpuModel::new(&m, format).unwrap(), cfg, eos).unwrap();
     (e, golden_records().1)
 }
 

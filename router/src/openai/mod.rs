@@ -3,8 +3,10 @@
 //!
 //! Field names, response shapes and error bodies follow OpenAI's API, plus the extensions vLLM
 //! users rely on (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`,
-//! `skip_special_tokens`), and batched prompts in `/v1/completions`. Fields it does not serve yet (`logit_bias`, `response_format`, `tools`,
-//! guided decoding, ...) are refused with a 400 naming them, never ignored. Bodies are parsed here rather than by an extractor so that malformed
+//! `skip_special_tokens`, guided decoding), batched prompts in `/v1/completions`, `logit_bias`,
+//! structured outputs (`response_format`) and tools. Fields it does not serve yet (`best_of`
+//! above `n`, the legacy `functions` and `function_call`, `suffix`) are refused with a 400 naming
+//! them, never ignored. Bodies are parsed here rather than by an extractor so that malformed
 //! JSON gets an OpenAI-style 400 like every other refusal. A client that disconnects drops the
 //! response stream, which drops the [`Generation`] and cancels the request on its worker.
 //!

@@ -11,6 +11,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
+pub use tandem_discovery::Ready;
 use tandem_proto::worker as wpb;
 
 /// The KV secret every test cluster shares.
@@ -73,7 +74,8 @@ impl Drop for Proc {
     }
 }
 
-/// Starts `tandem ARGS` and waits for the stdout line starting with `marker`; returns the rest.
+/// Starts `tandem ARGS` and waits for the stdout line starting with `marker`; returns that line
+/// (a role's ready line: read it with [`ready_line`]).
 pub fn spawn(args: &[String], marker: &str) -> (Proc, String) {
     spawn_env(args, marker, &[])
 }
@@ -90,7 +92,7 @@ pub fn spawn_env(args: &[String], marker: &str, env: &[(&str, &str)]) -> (Proc, 
 }
 
 /// Runs `cmd` (its stdout read here) and waits for the stdout line starting with `marker`;
-/// returns the rest of that line.
+/// returns that line.
 pub fn spawn_command(cmd: Command, marker: &str) -> (Proc, String) {
     start_command(cmd, marker).wait()
 }
@@ -106,7 +108,7 @@ impl Starting {
     /// Waits for the process's ready line (the bound only catches one that never prints it).
     pub fn wait(mut self) -> (Proc, String) {
         match self.line.recv_timeout(Duration::from_secs(180)) {
-            Ok(rest) => (self.proc, rest),
+            Ok(line) => (self.proc, line),
             Err(_) => {
                 let status = self.proc.child.try_wait();
                 panic!("{} did not print its ready line ({status:?})", self.what)
@@ -136,11 +138,9 @@ pub fn start_command(mut cmd: Command, marker: &str) -> Starting {
         let mut sent = false;
         for line in BufReader::new(stdout).lines() {
             let Ok(line) = line else { break };
-            if !sent {
-                if let Some(rest) = line.strip_prefix(&wanted) {
-                    let _ = tx.send(rest.trim().to_string());
-                    sent = true;
-                }
+            if !sent && line.starts_with(&wanted) {
+                let _ = tx.send(line.trim().to_string());
+                sent = true;
             }
         }
     });
@@ -173,10 +173,11 @@ pub fn start_decode_env(extra: &[&str], env: &[(&str, &str)]) -> (Proc, String, 
         "--kv-port=0".into(),
     ];
     args.extend(extra.iter().map(|s| s.to_string()));
-    let (p, rest) = spawn_env(&args, "tandem decode: listening on", env);
-    let parts: Vec<&str> = rest.split_whitespace().collect();
-    assert_eq!(parts.get(1), Some(&"kv"), "{rest}");
-    (p, parts[0].to_string(), parts[2].to_string())
+    let (p, line) = spawn_env(&args, Ready::DECODE, env);
+    match ready_line(&line) {
+        Ready::Decode { grpc, kv } => (p, grpc, kv.unwrap_or_else(|| "none".into())),
+        other => panic!("a decode worker printed {other}"),
+    }
 }
 
 pub fn start_prefill(extra: &[&str]) -> (Proc, String) {
@@ -193,7 +194,8 @@ pub fn start_prefill_env(extra: &[&str], env: &[(&str, &str)]) -> (Proc, String)
         "--kv-cache-mb=256".into(),
     ];
     args.extend(extra.iter().map(|s| s.to_string()));
-    spawn_env(&args, "tandem prefill: listening on", env)
+    let (p, line) = spawn_env(&args, Ready::PREFILL, env);
+    (p, ready_line(&line).grpc().to_string())
 }
 
 /// Samples of a Prometheus text page, `name{labels}` -> value. Every sample of a role's page
@@ -286,12 +288,32 @@ pub fn start_router_env(workers: &[String], extra: &[&str], env: &[(&str, &str)]
         args.push(format!("--decode-workers={}", workers.join(",")));
     }
     args.extend(extra.iter().map(|s| s.to_string()));
-    let (proc, line) = spawn_env(&args, "tandem router:", env);
-    let parts: Vec<&str> = line.split_whitespace().collect();
-    Router {
-        proc,
-        http: format!("http://{}", parts[1]),
-        grpc: format!("http://{}", parts[3]),
+    let (proc, line) = spawn_env(&args, Ready::ROUTER, env);
+    router_at(proc, &line)
+}
+
+/// A process's ready line, parsed by the one parser `tandem up` uses too.
+pub fn ready_line(line: &str) -> Ready {
+    Ready::parse(line).unwrap_or_else(|| panic!("not a ready line: {line:?}"))
+}
+
+/// The HTTP address of `tandem up`'s ready line.
+pub fn up_http(line: &str) -> String {
+    match ready_line(line) {
+        Ready::Up { http, .. } => http,
+        other => panic!("tandem up printed {other}"),
+    }
+}
+
+/// The router `proc` whose ready line is `line`.
+pub fn router_at(proc: Proc, line: &str) -> Router {
+    match ready_line(line) {
+        Ready::Router { http, grpc } => Router {
+            proc,
+            http: format!("http://{http}"),
+            grpc: format!("http://{grpc}"),
+        },
+        other => panic!("a router printed {other}"),
     }
 }
 

@@ -18,6 +18,9 @@ pub fn ip(args: &[&str]) {
     );
 }
 
+/// Nets made so far by this process.
+static NETS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
 /// Namespaces joined by a bridge; deleted on drop.
 pub struct Net {
     prefix: String,
@@ -27,7 +30,12 @@ pub struct Net {
 impl Net {
     pub fn new() -> Self {
         let mut net = Self {
-            prefix: format!("tdm{}", std::process::id()),
+            // One name per Net, so tests that run at once in this process do not collide.
+            prefix: format!(
+                "tdm{}n{}",
+                std::process::id(),
+                NETS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            ),
             made: Vec::new(),
         };
         let sw = net.ns("sw");

@@ -1,5 +1,5 @@
 //! Tensor parallelism on the CPU: one process, one thread per rank, each with its share of the
-//! weights ([`LlamaModel::shard_from_tensors`]), its slice of the KV pool (its KV heads) and its
+//! weights ([`CpuModel::shard_from_tensors`]), its slice of the KV pool (its KV heads) and its
 //! own compute pool, exchanging through a [`ThreadGroup`]. The engine's one scheduler drives
 //! them: every step (and every block copy) goes to all ranks, which run it in lockstep, and rank
 //! 0's logits come back.
@@ -15,15 +15,16 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use tandem_collective::{CollectiveError, RankStats, ThreadGroup, ThreadRank};
-use tandem_model::{LlamaConfig, LoadedModel, TensorData};
+use tandem_model::{LoadedModel, ModelConfig, TensorData};
 use tandem_types::BlockId;
 
 use crate::backend::{Backend, RankPool};
-use crate::engine::EngineConfig;
+use crate::backend::{PoolSize, TpStats};
+use crate::device::cpu::{CpuModel, WeightFormat};
+use crate::error::EngineError;
+use crate::forward::SeqBatch;
 use crate::kv_cache::KvPool;
-use crate::model::{LlamaModel, SeqBatch, WeightFormat};
-use crate::tp::TpShard;
-use crate::EngineError;
+use crate::shard::TpShard;
 
 /// How a CPU tensor-parallel group is set up.
 #[derive(Clone, Debug)]
@@ -34,6 +35,11 @@ pub struct TpCpuConfig {
     pub threads_per_rank: usize,
     /// How long a collective waits for its peers before it fails the step.
     pub watchdog: Duration,
+    /// The largest step the scheduler sends: tokens (its batch budget) and sequences (its
+    /// cap). They size the buffer the ranks exchange through.
+    pub max_step_tokens: usize,
+    /// See `max_step_tokens`.
+    pub max_step_seqs: usize,
 }
 
 /// One step's sequences, owned, so every rank thread reads the same copy.
@@ -90,7 +96,7 @@ struct Rank {
 
 /// The CPU model split over a group of rank threads in this process.
 pub struct TpCpuBackend {
-    config: LlamaConfig,
+    config: ModelConfig,
     /// Every rank's pool (another handle on the memory its thread steps through) and its KV
     /// heads: read between steps, never during one.
     pools: Vec<(std::ops::Range<u32>, KvPool)>,
@@ -103,40 +109,27 @@ pub struct TpCpuBackend {
     kv_dtype: &'static str,
 }
 
-/// Collective time and traffic of a group so far.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct TpStats {
-    /// Ranks in the group.
-    pub size: usize,
-    /// Collectives each rank called.
-    pub calls: u64,
-    /// Values each rank contributed to them (f32s).
-    pub values: u64,
-    /// Time the ranks spent inside collectives, the mean over ranks.
-    pub collective: Duration,
-}
-
 impl TpCpuBackend {
     /// `loaded` split over `setup.size` rank threads, with weights held as `format` says and a
-    /// pool of `config`'s size (the whole process's cache: every rank's slice together).
+    /// pool of `pool`'s size (the whole process's cache: every rank's slice together).
     pub fn new(
         loaded: &LoadedModel,
         format: WeightFormat,
-        config: &EngineConfig,
+        pool: &PoolSize,
         setup: TpCpuConfig,
     ) -> Result<Self, EngineError> {
-        Self::from_tensors(&loaded.config, &loaded.tensors, format, config, setup)
+        Self::from_tensors(&loaded.config, &loaded.tensors, format, pool, setup)
     }
 
     /// [`TpCpuBackend::new`] from a model's config and tensors.
     pub fn from_tensors(
-        c: &LlamaConfig,
+        c: &ModelConfig,
         tensors: &BTreeMap<String, TensorData>,
         format: WeightFormat,
-        config: &EngineConfig,
+        pool: &PoolSize,
         setup: TpCpuConfig,
     ) -> Result<Self, EngineError> {
-        config.check()?;
+        pool.check()?;
         if setup.size == 0 || setup.threads_per_rank == 0 {
             return Err(EngineError::Config(
                 "a tensor-parallel group needs at least one rank of at least one thread".into(),
@@ -145,27 +138,27 @@ impl TpCpuBackend {
         let shards = TpShard::plan_all(c, setup.size)?;
         let models = shards
             .into_iter()
-            .map(|s| LlamaModel::shard_from_tensors(c, tensors, format, s))
+            .map(|s| CpuModel::shard_from_tensors(c, tensors, format, s))
             .collect::<Result<Vec<_>, _>>()?;
         let layouts: Vec<_> = models
             .iter()
-            .map(|m| m.kv_layout(config.block_size))
+            .map(|m| m.kv_layout(pool.block_size))
             .collect();
         let block_bytes: usize = layouts
             .iter()
-            .map(|&l| KvPool::bytes_per_block(l, config.kv_dtype, c.num_layers))
+            .map(|&l| KvPool::bytes_per_block(l, pool.kv_dtype, c.num_layers))
             .sum();
-        let num_blocks = crate::backend::pool_blocks(config, block_bytes);
+        let num_blocks = pool.blocks(block_bytes);
         let weight_bytes = models.iter().map(|m| m.weight_bytes()).sum();
         // A step's largest exchange in one round: its activations, or its logits' slices.
-        let capacity = (config.max_batched_tokens * c.hidden_size)
-            .max(config.max_seqs * c.vocab_size.div_ceil(setup.size))
+        let capacity = (setup.max_step_tokens * c.hidden_size)
+            .max(setup.max_step_seqs * c.vocab_size.div_ceil(setup.size))
             .clamp(1 << 12, 1 << 22);
         let group = ThreadGroup::ranks(setup.size, capacity, setup.watchdog);
         let mut ranks = Vec::with_capacity(setup.size);
         let mut pools = Vec::with_capacity(setup.size);
         for ((model, layout), comm) in models.into_iter().zip(layouts).zip(group) {
-            let kv = KvPool::new(layout, config.kv_dtype, c.num_layers, num_blocks)
+            let kv = KvPool::new(layout, pool.kv_dtype, c.num_layers, num_blocks)
                 .map_err(|e| EngineError::Startup(format!("allocating the KV pool: {e}")))?;
             let heads = &model.shard.kv_heads;
             pools.push((heads.start as u32..heads.end as u32, kv.alias()));
@@ -179,8 +172,8 @@ impl TpCpuBackend {
             ranks,
             num_blocks,
             weight_bytes,
-            kv_bytes_per_token: block_bytes as f64 / config.block_size as f64,
-            kv_dtype: config.kv_dtype.name(),
+            kv_bytes_per_token: block_bytes as f64 / pool.block_size as f64,
+            kv_dtype: pool.kv_dtype.name(),
         })
     }
 
@@ -240,7 +233,7 @@ impl TpCpuBackend {
 
 impl Rank {
     fn start(
-        model: LlamaModel,
+        model: CpuModel,
         mut kv: KvPool,
         comm: ThreadRank,
         threads: usize,
@@ -337,7 +330,7 @@ impl Drop for TpCpuBackend {
 }
 
 impl Backend for TpCpuBackend {
-    fn config(&self) -> &LlamaConfig {
+    fn config(&self) -> &ModelConfig {
         &self.config
     }
 
@@ -400,15 +393,17 @@ impl Backend for TpCpuBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::CpuBackend;
+    use crate::device::cpu::CpuBackend;
     use crate::kv_cache::KvDtype;
-    use crate::model::tiny_tensors;
+    use crate::testing::tiny_tensors;
 
     fn setup(size: usize, watchdog: Duration) -> TpCpuConfig {
         TpCpuConfig {
             size,
             threads_per_rank: 1,
             watchdog,
+            max_step_tokens: 2048,
+            max_step_seqs: 256,
         }
     }
 
@@ -459,13 +454,13 @@ mod tests {
     fn split_forward_gives_one_ranks_logits() {
         let (c, tensors) = tiny_tensors(5);
         for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Int8] {
-            let cfg = EngineConfig {
+            let cfg = PoolSize {
                 num_blocks: Some(8),
                 block_size: 4,
                 kv_dtype: dtype,
-                ..EngineConfig::default()
+                kv_cache_mb: 0,
             };
-            let model = LlamaModel::from_tensors(&c, &tensors, WeightFormat::Native).unwrap();
+            let model = CpuModel::from_tensors(&c, &tensors, WeightFormat::Native).unwrap();
             let mut one = CpuBackend::new(model, &cfg).unwrap();
             let want = run(&mut one, 6);
             for (tp, kv_share) in [(2, 1.0), (4, 2.0)] {
@@ -515,10 +510,11 @@ mod tests {
     #[test]
     fn a_stuck_rank_fails_the_step_and_the_group_recovers() {
         let (c, tensors) = tiny_tensors(6);
-        let cfg = EngineConfig {
+        let cfg = PoolSize {
             num_blocks: Some(8),
             block_size: 4,
-            ..EngineConfig::default()
+            kv_dtype: KvDtype::F32,
+            kv_cache_mb: 0,
         };
         // A short watchdog: the stuck rank waits for the timeout (not for a time), so the test
         // does not depend on the machine's speed; the group rebuilt after it keeps the backend's

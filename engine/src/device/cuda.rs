@@ -7,24 +7,26 @@ use std::collections::BTreeMap;
 
 use tandem_kernels::cuda::runtime::{AttnBatch, CudaOps, CudaSlice};
 use tandem_kernels::ops::RopeTable;
-use tandem_model::{LlamaConfig, TensorData, TensorName};
+use tandem_model::{ModelConfig, TensorData, TensorName};
 
-use crate::forward::{self, LlamaWeights, StepOps};
-use crate::model::{PackedStep, SeqBatch};
-use crate::tp::{Part, TpShard};
-use crate::EngineError;
+use crate::backend::{Backend, PoolSize};
+use crate::error::EngineError;
+use crate::forward::{self, ModelWeights, PackedStep, SeqBatch, StepOps};
+use crate::kv_cache::KvDtype;
+use crate::shard::{Part, TpShard};
+use tandem_model::LoadedModel;
 use tandem_types::BlockId;
 
 /// bf16 values as their bits, which is how device buffers hold them.
 type Bf16 = CudaSlice<u16>;
 
 /// A Llama model and its paged bf16 KV pool on one CUDA device.
-pub struct GpuLlama {
+pub struct CudaModel {
     /// The model's shape.
-    pub config: LlamaConfig,
+    pub config: ModelConfig,
     /// The GPU's stream and kernels every step runs through.
     pub ops: CudaOps,
-    weights: LlamaWeights<Bf16, Bf16>,
+    weights: ModelWeights<Bf16, Bf16>,
     cos: CudaSlice<f32>,
     sin: CudaSlice<f32>,
     max_pos: usize,
@@ -43,12 +45,12 @@ fn bf16_bits(v: &[f32]) -> Vec<u16> {
         .collect()
 }
 
-impl GpuLlama {
+impl CudaModel {
     /// Uploads a model's tensors (decoded to f32, rounded to bf16) to device `ordinal` and makes a
     /// KV pool of `num_blocks` blocks of `block_size` tokens.
     pub fn from_tensors(
         ordinal: usize,
-        config: &LlamaConfig,
+        config: &ModelConfig,
         tensors: &BTreeMap<String, TensorData>,
         block_size: usize,
         num_blocks: usize,
@@ -62,7 +64,7 @@ impl GpuLlama {
             }
             Ok(ops.upload(&all)?)
         };
-        let weights = LlamaWeights::build(config, &TpShard::whole(config), up, up)?;
+        let weights = ModelWeights::build(config, &TpShard::whole(config), up, up)?;
         Self::assemble(ops, config, weights, block_size, num_blocks)
     }
 
@@ -70,7 +72,7 @@ impl GpuLlama {
     /// download, no host copy of billions of values).
     pub fn random(
         ordinal: usize,
-        config: &LlamaConfig,
+        config: &ModelConfig,
         seed: u64,
         block_size: usize,
         num_blocks: usize,
@@ -86,7 +88,7 @@ impl GpuLlama {
             ops.fill_random(&mut x, s, scale)?;
             Ok(x)
         };
-        let weights = LlamaWeights::build(
+        let weights = ModelWeights::build(
             config,
             &TpShard::whole(config),
             // The embedding's rows are looked up, not multiplied: unit scale, like the norms.
@@ -107,7 +109,7 @@ impl GpuLlama {
 
     /// The CUDA forward runs Llama and Mistral layers (Mistral's context stopped at its sliding
     /// window); Qwen's biases and head norms are the CPU's for now.
-    fn check_family(config: &LlamaConfig) -> Result<(), EngineError> {
+    fn check_family(config: &ModelConfig) -> Result<(), EngineError> {
         let f = config.family;
         if f.qkv_bias() || f.qk_norm() {
             return Err(EngineError::Unsupported(format!(
@@ -119,8 +121,8 @@ impl GpuLlama {
 
     fn assemble(
         ops: CudaOps,
-        config: &LlamaConfig,
-        weights: LlamaWeights<Bf16, Bf16>,
+        config: &ModelConfig,
+        weights: ModelWeights<Bf16, Bf16>,
         block_size: usize,
         num_blocks: usize,
     ) -> Result<Self, EngineError> {
@@ -187,7 +189,7 @@ impl GpuLlama {
     }
 
     /// Bytes of one block of `block_size` tokens in the bf16 pool, K and V of every layer.
-    pub fn kv_bytes_per_block(c: &LlamaConfig, block_size: usize) -> usize {
+    pub fn kv_bytes_per_block(c: &ModelConfig, block_size: usize) -> usize {
         2 * 2 * c.num_layers * c.num_kv_heads * c.head_dim * block_size
     }
 
@@ -202,7 +204,7 @@ impl GpuLlama {
     }
 
     /// Runs one packed step; returns f32 logits (vocab each) for the sequences with
-    /// `want_logits`, in order, as [`crate::LlamaModel::forward`] does.
+    /// `want_logits`, in order, as [`crate::CpuModel::forward`] does.
     pub fn forward(&mut self, seqs: &[SeqBatch<'_>]) -> Result<Vec<f32>, EngineError> {
         match self.forward_device(seqs)? {
             Some((logits, _)) => Ok(self.ops.download(&logits)?),
@@ -251,7 +253,7 @@ impl GpuLlama {
             return Ok(None);
         }
         let n = step.logit_rows.len();
-        let mut ops = GpuStep::new(
+        let mut ops = CudaStep::new(
             &self.ops,
             c,
             (&self.cos, &self.sin),
@@ -266,7 +268,7 @@ impl GpuLlama {
 
 /// One packed step on a CUDA device: the op set of [`crate::forward`] over the device pool, with
 /// the step's inputs uploaded once.
-struct GpuStep<'a> {
+struct CudaStep<'a> {
     o: &'a CudaOps,
     hidden: usize,
     /// (q heads, kv heads, head dim).
@@ -284,10 +286,10 @@ struct GpuStep<'a> {
     batch: AttnBatch,
 }
 
-impl<'a> GpuStep<'a> {
+impl<'a> CudaStep<'a> {
     fn new(
         o: &'a CudaOps,
-        c: &LlamaConfig,
+        c: &ModelConfig,
         rope: (&'a CudaSlice<f32>, &'a CudaSlice<f32>),
         (k_cache, v_cache): (&'a mut [Bf16], &'a mut [Bf16]),
         block_size: usize,
@@ -321,7 +323,7 @@ impl<'a> GpuStep<'a> {
     }
 }
 
-impl StepOps for GpuStep<'_> {
+impl StepOps for CudaStep<'_> {
     type Act = Bf16;
     type Logits = CudaSlice<f32>;
     type Matrix = Bf16;
@@ -446,5 +448,74 @@ impl StepOps for GpuStep<'_> {
 
     fn finish(&mut self) -> Result<(), EngineError> {
         Ok(self.o.synchronize()?)
+    }
+}
+
+impl CudaModel {
+    /// `loaded`'s weights in bf16 on CUDA device `ordinal`, with a bf16 pool of the configured
+    /// size. The cache is the model's dtype there: `--kv-dtype int8` is refused.
+    pub fn for_engine(
+        ordinal: usize,
+        loaded: &LoadedModel,
+        pool: &PoolSize,
+    ) -> Result<Self, EngineError> {
+        pool.check()?;
+        if pool.kv_dtype != KvDtype::F32 {
+            return Err(EngineError::Config(format!(
+                "--kv-dtype {} is for the CPU cache only; on a CUDA device the cache is bf16 (leave --kv-dtype at its default)",
+                pool.kv_dtype
+            )));
+        }
+        let c = &loaded.config;
+        let block_bytes = CudaModel::kv_bytes_per_block(c, pool.block_size);
+        CudaModel::from_tensors(
+            ordinal,
+            c,
+            &loaded.tensors,
+            pool.block_size,
+            pool.blocks(block_bytes),
+        )
+    }
+}
+
+impl Backend for CudaModel {
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    fn forward(&mut self, seqs: &[SeqBatch<'_>]) -> Result<Vec<f32>, EngineError> {
+        CudaModel::forward(self, seqs)
+    }
+
+    fn picks_on_device(&self) -> bool {
+        true
+    }
+
+    fn forward_argmax(&mut self, seqs: &[SeqBatch<'_>]) -> Result<Vec<(u32, f32)>, EngineError> {
+        self.forward_greedy(seqs)
+    }
+
+    fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    fn copy_blocks(&mut self, pairs: &[(BlockId, BlockId)]) -> Result<(), EngineError> {
+        CudaModel::copy_blocks(self, pairs)
+    }
+
+    fn weight_bytes(&self) -> usize {
+        CudaModel::weight_bytes(self)
+    }
+
+    fn kv_bytes_per_token(&self) -> f64 {
+        CudaModel::kv_bytes_per_token(self) as f64
+    }
+
+    fn kv_dtype_name(&self) -> &'static str {
+        "bf16"
+    }
+
+    fn device(&self) -> String {
+        self.ops.gpu.to_string()
     }
 }

@@ -12,14 +12,15 @@ use rayon::prelude::*;
 use tandem_kernels::ops::{self, RopeTable};
 use tandem_kernels::{paged_attention, write_kv, AttnSpec, KvLayout, Linear, SeqAttn, Weight};
 
-use tandem_model::{LlamaConfig, LoadedModel, TensorData};
+use tandem_model::{LoadedModel, ModelConfig, TensorData};
 
-use crate::engine::OpTimes;
-use crate::forward::{self, LlamaWeights, StepOps};
+use crate::backend::{Backend, PoolSize};
+use crate::error::EngineError;
+use crate::forward::{self, ModelWeights, OpTimes, PackedStep, SeqBatch, StepOps};
 use crate::kv_cache::KvPool;
-use crate::tp::TpShard;
-use crate::EngineError;
+use crate::shard::TpShard;
 use tandem_collective::{Collective, SingleRank};
+use tandem_types::BlockId;
 
 /// How weights are held in memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -44,28 +45,15 @@ impl std::str::FromStr for WeightFormat {
 
 /// A Llama model on the CPU, or one tensor-parallel rank's share of it: its weights in host
 /// memory, run over a [`KvPool`] of its KV heads.
-pub struct LlamaModel {
+pub struct CpuModel {
     /// The model's shape.
-    pub config: LlamaConfig,
+    pub config: ModelConfig,
     /// The part of the model this one holds (all of it outside tensor parallelism).
     pub shard: TpShard,
     /// The model as the shard sees it: its heads, MLP features and vocabulary slice.
-    local: LlamaConfig,
-    weights: LlamaWeights<Linear, Vec<f32>>,
+    local: ModelConfig,
+    weights: ModelWeights<Linear, Vec<f32>>,
     rope: RopeTable,
-}
-
-/// One sequence's part of a step.
-#[derive(Clone, Debug)]
-pub struct SeqBatch<'a> {
-    /// New token ids this step.
-    pub tokens: &'a [u32],
-    /// Tokens already in the cache before this step.
-    pub cached: usize,
-    /// Physical KV block ids in logical order, covering the cached and the new tokens.
-    pub block_table: &'a [u32],
-    /// Whether this step must produce logits for the sequence's last new token.
-    pub want_logits: bool,
 }
 
 /// One matrix of `parts` stacked by rows (a single part is itself).
@@ -125,7 +113,7 @@ fn stack_rows(mut parts: Vec<Weight>) -> Result<Weight, EngineError> {
     }
 }
 
-impl LlamaModel {
+impl CpuModel {
     /// Builds the model from a loaded model file, holding its weights as `format` says.
     pub fn new(m: &LoadedModel, format: WeightFormat) -> Result<Self, EngineError> {
         Self::from_tensors(&m.config, &m.tensors, format)
@@ -133,7 +121,7 @@ impl LlamaModel {
 
     /// Builds the model from its config and tensors under their canonical (GGUF-style) names.
     pub fn from_tensors(
-        config: &LlamaConfig,
+        config: &ModelConfig,
         tensors: &BTreeMap<String, TensorData>,
         format: WeightFormat,
     ) -> Result<Self, EngineError> {
@@ -142,14 +130,14 @@ impl LlamaModel {
 
     /// `shard`'s part of the model from its config and tensors.
     pub fn shard_from_tensors(
-        config: &LlamaConfig,
+        config: &ModelConfig,
         tensors: &BTreeMap<String, TensorData>,
         format: WeightFormat,
         shard: TpShard,
     ) -> Result<Self, EngineError> {
         let c = config.clone();
         let f32w = format == WeightFormat::F32;
-        let weights = LlamaWeights::build(
+        let weights = ModelWeights::build(
             &c,
             &shard,
             |parts| {
@@ -281,7 +269,7 @@ impl LlamaModel {
 /// op's rows split into parallel tasks on the compute pool.
 struct CpuStep<'a> {
     /// The model as this rank sees it (its heads, features and vocabulary slice).
-    c: &'a LlamaConfig,
+    c: &'a ModelConfig,
     /// The whole vocabulary.
     vocab: usize,
     shard: &'a TpShard,
@@ -298,7 +286,7 @@ struct CpuStep<'a> {
 
 impl<'a> CpuStep<'a> {
     fn new(
-        model: &'a LlamaModel,
+        model: &'a CpuModel,
         comm: &'a mut dyn Collective,
         kv: &'a mut KvPool,
         step: &'a PackedStep<'a>,
@@ -568,88 +556,6 @@ impl StepOps for CpuStep<'_> {
     }
 }
 
-/// One sequence's part of a [`PackedStep`] (only sequences with new tokens appear).
-pub(crate) struct PackedSeq<'a> {
-    /// Row of its first new token.
-    pub q_start: usize,
-    pub q_len: usize,
-    /// Tokens in the cache after the step, the new ones included.
-    pub context: usize,
-    pub block_table: &'a [u32],
-}
-
-/// A step's sequences flattened into token rows, checked against the model and the pool: what
-/// every device's forward starts from.
-pub(crate) struct PackedStep<'a> {
-    pub tokens: Vec<u32>,
-    pub positions: Vec<usize>,
-    /// Cache slot (block · block_size + offset) of each token's K/V.
-    pub slots: Vec<usize>,
-    /// Rows whose logits the step returns, in order.
-    pub logit_rows: Vec<usize>,
-    pub seqs: Vec<PackedSeq<'a>>,
-}
-
-impl<'a> PackedStep<'a> {
-    pub fn new(
-        seqs: &[SeqBatch<'a>],
-        vocab: usize,
-        max_pos: usize,
-        block_size: usize,
-        num_blocks: usize,
-    ) -> Result<Self, EngineError> {
-        let t: usize = seqs.iter().map(|s| s.tokens.len()).sum();
-        let mut step = PackedStep {
-            tokens: Vec::with_capacity(t),
-            positions: Vec::with_capacity(t),
-            slots: Vec::with_capacity(t),
-            logit_rows: Vec::new(),
-            seqs: Vec::with_capacity(seqs.len()),
-        };
-        for s in seqs {
-            let q_start = step.tokens.len();
-            let ctx = s.cached + s.tokens.len();
-            if ctx > max_pos {
-                return Err(EngineError::ContextOverflow {
-                    tokens: ctx,
-                    max: max_pos,
-                });
-            }
-            if ctx > s.block_table.len() * block_size
-                || s.block_table.iter().any(|&b| b as usize >= num_blocks)
-            {
-                return Err(EngineError::Internal(format!(
-                    "{ctx} tokens but blocks {:?} of a pool of {num_blocks}",
-                    s.block_table
-                )));
-            }
-            for (i, &tok) in s.tokens.iter().enumerate() {
-                if tok as usize >= vocab {
-                    return Err(EngineError::BadToken { id: tok, vocab });
-                }
-                let p = s.cached + i;
-                step.tokens.push(tok);
-                step.positions.push(p);
-                step.slots
-                    .push(s.block_table[p / block_size] as usize * block_size + p % block_size);
-            }
-            if s.tokens.is_empty() {
-                continue;
-            }
-            if s.want_logits {
-                step.logit_rows.push(step.tokens.len() - 1);
-            }
-            step.seqs.push(PackedSeq {
-                q_start,
-                q_len: s.tokens.len(),
-                context: ctx,
-                block_table: s.block_table,
-            });
-        }
-        Ok(step)
-    }
-}
-
 /// Rows per task of the row-wise work in a step (norms, rotary, activation).
 const ROW_TASK: usize = 16;
 
@@ -662,60 +568,188 @@ fn add_rows(x: &mut [f32], y: &[f32], chunk: usize) {
 
 /// A small random Llama for tests of the engine's bookkeeping (fast enough for property tests).
 #[cfg(test)]
-pub(crate) fn tiny_model(seed: u64) -> LlamaModel {
-    let (c, tensors) = tiny_tensors(seed);
-    LlamaModel::from_tensors(&c, &tensors, WeightFormat::Native).expect("consistent shapes")
+pub(crate) fn tiny_model(seed: u64) -> CpuModel {
+    let (c, tensors) = crate::testing::tiny_tensors(seed);
+    CpuModel::from_tensors(&c, &tensors, WeightFormat::Native).expect("consistent shapes")
 }
 
-/// The config and f32 tensors of [`tiny_model`]: 4 query heads over 2 KV heads, 2 layers.
-#[cfg(test)]
-pub(crate) fn tiny_tensors(seed: u64) -> (LlamaConfig, BTreeMap<String, TensorData>) {
-    use rand::{Rng, SeedableRng};
-    use tandem_model::{GgmlType, LayerTensor, TensorName};
-    let c = tiny_config();
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-    let mut tensors = BTreeMap::new();
-    for name in TensorName::required(&c) {
-        let shape = name.shape(&c).expect("a required tensor has a shape");
-        // Norm weights near 1 in scale, projections smaller so activations stay in range.
-        let scale: f32 = match name {
-            TensorName::Embedding | TensorName::OutputNorm => 1.0,
-            TensorName::Layer(_, LayerTensor::AttnNorm | LayerTensor::FfnNorm) => 1.0,
-            _ => 0.3,
-        };
-        let n: usize = shape.iter().product();
-        let data = (0..n)
-            .flat_map(|_| rng.gen_range(-scale..scale).to_le_bytes())
-            .collect();
-        tensors.insert(
-            name.canonical(),
-            TensorData {
-                ty: GgmlType::F32,
-                shape,
-                data,
-            },
-        );
+/// The CPU model over a host KV pool.
+pub struct CpuBackend {
+    model: CpuModel,
+    kv: KvPool,
+    /// The latest forward's split by op, while profiling.
+    ops: Option<OpTimes>,
+}
+
+impl CpuBackend {
+    /// The model it runs.
+    pub fn model(&self) -> &CpuModel {
+        &self.model
     }
-    (c, tensors)
+
+    /// The CPU model with a pool of `pool`'s size and dtype.
+    pub fn new(model: CpuModel, pool: &PoolSize) -> Result<Self, EngineError> {
+        pool.check()?;
+        let layout = model.kv_layout(pool.block_size);
+        let layers = model.config.num_layers;
+        let block_bytes = KvPool::bytes_per_block(layout, pool.kv_dtype, layers);
+        let kv = KvPool::new(layout, pool.kv_dtype, layers, pool.blocks(block_bytes))
+            .map_err(|e| EngineError::Startup(format!("allocating the KV pool: {e}")))?;
+        Ok(Self {
+            model,
+            kv,
+            ops: None,
+        })
+    }
 }
 
-/// The shape of [`tiny_model`].
+impl Backend for CpuBackend {
+    fn config(&self) -> &ModelConfig {
+        &self.model.config
+    }
+
+    fn forward(&mut self, seqs: &[SeqBatch<'_>]) -> Result<Vec<f32>, EngineError> {
+        let times = self.ops.as_mut().map(|t| {
+            *t = OpTimes::default();
+            t
+        });
+        self.model.forward_timed(seqs, &mut self.kv, times)
+    }
+
+    fn profile_ops(&mut self, on: bool) -> bool {
+        self.ops = on.then(OpTimes::default);
+        true
+    }
+
+    fn take_op_times(&mut self) -> Option<OpTimes> {
+        self.ops
+    }
+
+    fn num_blocks(&self) -> usize {
+        self.kv.num_blocks()
+    }
+
+    fn copy_blocks(&mut self, pairs: &[(BlockId, BlockId)]) -> Result<(), EngineError> {
+        for &(from, to) in pairs {
+            self.kv.copy_block(from.0 as usize, to.0 as usize);
+        }
+        Ok(())
+    }
+
+    fn host_pool(&self) -> Option<&KvPool> {
+        Some(&self.kv)
+    }
+
+    fn weight_bytes(&self) -> usize {
+        self.model.weight_bytes()
+    }
+
+    fn kv_bytes_per_token(&self) -> f64 {
+        let kv = &self.kv;
+        KvPool::bytes_per_token(kv.layout, kv.dtype, kv.num_layers)
+    }
+
+    fn kv_dtype_name(&self) -> &'static str {
+        self.kv.dtype.name()
+    }
+
+    fn device(&self) -> String {
+        "cpu".into()
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
+    fn is_cpu(&self) -> bool {
+        true
+    }
+}
+
 #[cfg(test)]
-pub(crate) fn tiny_config() -> LlamaConfig {
-    LlamaConfig {
-        hidden_size: 32,
-        intermediate_size: 64,
-        num_layers: 2,
-        num_heads: 4,
-        num_kv_heads: 2,
-        head_dim: 8,
-        vocab_size: 97,
-        max_position_embeddings: 256,
-        rms_norm_eps: 1e-5,
-        rope_theta: 10000.0,
-        rope_scaling: None,
-        tie_word_embeddings: true,
-        family: Default::default(),
-        sliding_window: None,
+mod tests {
+    use super::*;
+    use crate::kv_cache::KvDtype;
+    use crate::sampler::Sampler;
+    use tandem_types::ValidSampling;
+
+    /// What a device's argmax step must return: per row, the token and log-probability the
+    /// host sampler would have produced from the logits.
+    #[test]
+    fn argmax_steps_pick_what_the_sampler_would() {
+        let pool = PoolSize {
+            block_size: 16,
+            kv_cache_mb: 0,
+            num_blocks: Some(8),
+            kv_dtype: KvDtype::F32,
+        };
+        let mut b = CpuBackend::new(tiny_model(3), &pool).unwrap();
+        assert!(!b.picks_on_device());
+        assert_eq!(b.kv_dtype_name(), "f32");
+        assert_eq!(b.device(), "cpu");
+        let (p0, p1) = ([5u32, 9, 2, 7], [11u32, 3]);
+        let (t0, t1) = ([0u32, 1], [2u32]);
+        let batch = [
+            SeqBatch {
+                tokens: &p0,
+                cached: 0,
+                block_table: &t0,
+                want_logits: true,
+            },
+            SeqBatch {
+                tokens: &p1,
+                cached: 0,
+                block_table: &t1,
+                want_logits: true,
+            },
+        ];
+        let logits = b.forward(&batch).unwrap();
+        let picks = b.forward_argmax(&batch).unwrap();
+        let vocab = b.config().vocab_size;
+        assert_eq!(picks.len(), 2);
+        for (row, &(token, logprob)) in logits.chunks_exact(vocab).zip(&picks) {
+            let mut s = Sampler::new(ValidSampling::default(), &[], None);
+            assert!(s.argmax_only());
+            let want = s.sample(row);
+            assert_eq!((want.token, want.logprob), (token, logprob));
+            let mut a = Sampler::new(ValidSampling::default(), &[], None);
+            assert_eq!(a.accept(token, logprob), want);
+        }
+    }
+
+    /// The slowdown hook refuses a factor that is not a number of at least 1, and around a
+    /// backend it changes no result, only the time.
+    #[test]
+    fn a_slowed_backend_gives_the_same_logits_and_refuses_bad_factors() {
+        let pool = PoolSize {
+            block_size: 16,
+            kv_cache_mb: 0,
+            num_blocks: Some(8),
+            kv_dtype: KvDtype::F32,
+        };
+        let make = || Box::new(CpuBackend::new(tiny_model(3), &pool).unwrap()) as Box<dyn Backend>;
+        for factor in [0.5, f64::NAN, f64::INFINITY] {
+            assert!(
+                crate::backend::Slowed::new(make(), factor).is_err(),
+                "{factor}"
+            );
+        }
+        let mut plain = make();
+        let mut slowed = crate::backend::Slowed::new(make(), 2.0).unwrap();
+        let (p, t) = ([5u32, 9, 2, 7], [0u32]);
+        let batch = [SeqBatch {
+            tokens: &p,
+            cached: 0,
+            block_table: &t,
+            want_logits: true,
+        }];
+        let want = plain.forward(&batch).unwrap();
+        let got = slowed.forward(&batch).unwrap();
+        assert_eq!(
+            got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            want.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        );
+        assert_eq!(slowed.device(), "cpu");
+        assert!(slowed.as_any().downcast_ref::<CpuBackend>().is_some());
     }
 }

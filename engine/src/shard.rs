@@ -16,17 +16,13 @@
 //! unequal query heads, is refused with the reason: the attention kernels work on whole groups
 //! of query heads per KV head.
 
-mod cpu;
-
-pub use cpu::{TpCpuBackend, TpCpuConfig, TpStats};
-
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::ops::Range;
 
-use tandem_model::{get_tensor, LlamaConfig, TensorData, TensorName};
+use tandem_model::{get_tensor, ModelConfig, TensorData, TensorName};
 
-use crate::EngineError;
+use crate::error::EngineError;
 
 /// One rank's share of a model split over a tensor-parallel group.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -47,7 +43,7 @@ pub struct TpShard {
 
 impl TpShard {
     /// The whole model: a group of one.
-    pub fn whole(c: &LlamaConfig) -> Self {
+    pub fn whole(c: &ModelConfig) -> Self {
         Self {
             rank: 0,
             size: 1,
@@ -59,7 +55,7 @@ impl TpShard {
     }
 
     /// Rank `rank`'s share of `c` split over `size` ranks, or why `c` does not split so.
-    pub fn plan(c: &LlamaConfig, size: usize, rank: usize) -> Result<Self, EngineError> {
+    pub fn plan(c: &ModelConfig, size: usize, rank: usize) -> Result<Self, EngineError> {
         let refuse = |why: String| {
             EngineError::Config(format!("--tp {size} does not fit this model: {why}"))
         };
@@ -107,14 +103,14 @@ impl TpShard {
     }
 
     /// Every rank's share of `c` over `size` ranks.
-    pub fn plan_all(c: &LlamaConfig, size: usize) -> Result<Vec<Self>, EngineError> {
+    pub fn plan_all(c: &ModelConfig, size: usize) -> Result<Vec<Self>, EngineError> {
         (0..size).map(|r| Self::plan(c, size, r)).collect()
     }
 
     /// The model as this rank sees it: its heads, features and vocabulary slice (every other
     /// field as in `c`).
-    pub fn local_config(&self, c: &LlamaConfig) -> LlamaConfig {
-        LlamaConfig {
+    pub fn local_config(&self, c: &ModelConfig) -> ModelConfig {
+        ModelConfig {
             num_heads: self.q_heads.len(),
             num_kv_heads: self.kv_heads.len(),
             intermediate_size: self.ff.len(),
@@ -175,7 +171,7 @@ impl Part {
     }
 
     /// Elements of the part of a tensor of `c`'s shape.
-    pub fn elems(&self, c: &LlamaConfig) -> usize {
+    pub fn elems(&self, c: &ModelConfig) -> usize {
         let shape = self.name.shape(c).unwrap_or_default();
         let whole: usize = shape.iter().product();
         match &self.cut {
@@ -190,13 +186,13 @@ impl Part {
 mod tests {
     use super::*;
 
-    fn config(nq: usize, nkv: usize) -> LlamaConfig {
-        LlamaConfig {
+    fn config(nq: usize, nkv: usize) -> ModelConfig {
+        ModelConfig {
             num_heads: nq,
             num_kv_heads: nkv,
             intermediate_size: 96,
             vocab_size: 100,
-            ..crate::model::tiny_config()
+            ..crate::testing::tiny_config()
         }
     }
 

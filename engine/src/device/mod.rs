@@ -1,0 +1,41 @@
+//! The devices steps run on, each a [`Backend`]: the CPU model over a host pool
+//! ([`cpu::CpuBackend`]), the CPU model split over tensor-parallel rank threads
+//! ([`tp_cpu::TpCpuBackend`]) and the CUDA model over a device pool ([`cuda::CudaModel`]);
+//! [`on`] picks one for a device.
+
+pub(crate) mod cpu;
+pub(crate) mod cuda;
+pub(crate) mod tp_cpu;
+
+use tandem_kernels::cuda::DeviceSpec;
+use tandem_model::LoadedModel;
+
+use crate::backend::{Backend, PoolSize};
+use crate::error::EngineError;
+use cpu::{CpuBackend, CpuModel, WeightFormat};
+use cuda::CudaModel;
+use tp_cpu::{TpCpuBackend, TpCpuConfig};
+
+/// The backend `device` names for `loaded`: the CPU model with its weights held as `format`
+/// says, split over `tp`'s rank threads when it has more than one, or the model uploaded to a
+/// CUDA device.
+pub fn on(
+    device: DeviceSpec,
+    loaded: &LoadedModel,
+    pool: &PoolSize,
+    format: WeightFormat,
+    tp: TpCpuConfig,
+) -> Result<Box<dyn Backend>, EngineError> {
+    pool.check()?;
+    Ok(match device {
+        DeviceSpec::Cpu if tp.size > 1 => Box::new(TpCpuBackend::new(loaded, format, pool, tp)?),
+        DeviceSpec::Cpu => Box::new(CpuBackend::new(CpuModel::new(loaded, format)?, pool)?),
+        DeviceSpec::Cuda(_) if tp.size > 1 => {
+            return Err(EngineError::Unsupported(format!(
+                "--tp {} on a CUDA device: the NCCL ranks are not built yet (run --tp 1 on a GPU, or --tp on --device cpu)",
+                tp.size
+            )))
+        }
+        DeviceSpec::Cuda(n) => Box::new(CudaModel::for_engine(n, loaded, pool)?),
+    })
+}
