@@ -10,7 +10,9 @@
 //! ([`tandem_engine::StreamEvent::Kv`]) and this service pushes exactly the requested ones to the
 //! decode worker over a [`KvTransport`] while the engine computes the next chunk; then it answers
 //! with the first token. A cancelled call (the decode worker gave up or its client left) drops the
-//! engine request and the connection, which stops both compute and transfer.
+//! engine request and the connection, which stops both compute and transfer. Every status it
+//! answers with is made from an [`ErrorKind`] (`tandem_proto::wire::status`), so its codes are
+//! the ones every other path uses for the same fault.
 
 #![deny(missing_docs)]
 
@@ -21,9 +23,11 @@ use std::time::{Duration, Instant, SystemTime};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::DescriptorEncoder;
 use prometheus_client::metrics::histogram::Histogram;
-use tandem_engine::{BlockId, EngineHandle, KvChunk, Request, StreamEvent, ValidSampling};
+use tandem_engine::{
+    BlockId, EngineHandle, ErrorKind, KvChunk, Request, StreamEvent, ValidSampling,
+};
 use tandem_kv_transfer::{BlockFrame, KvShape, KvStream, KvTransport};
-use tandem_proto::wire::sampling_from_wire;
+use tandem_proto::wire::{sampling_from_wire, status as fail};
 use tandem_proto::worker::{self as pb, prefill_server::PrefillServer};
 use tandem_telemetry::OpenTelemetrySpanExt;
 use tandem_worker::convert::{status, BoxStream};
@@ -214,22 +218,25 @@ impl Shared {
         let dest = req
             .destination
             .clone()
-            .ok_or_else(|| Status::invalid_argument("no KV destination"))?;
+            .ok_or_else(|| fail(ErrorKind::InvalidRequest, "no KV destination"))?;
         let bs = self.engine.limits().block_size;
         let cached = req.cached_tokens as usize;
         let prompt_len = req.prompt_ids.len();
         if !cached.is_multiple_of(bs) || cached >= prompt_len {
-            return Err(Status::invalid_argument(format!(
+            return Err(fail(ErrorKind::InvalidRequest, format!(
                 "cached_tokens {cached} must be a multiple of the block size {bs} below the prompt length {prompt_len}"
             )));
         }
         let want_blocks = prompt_len.div_ceil(bs) - cached / bs;
         if dest.block_ids.len() != want_blocks {
-            return Err(Status::invalid_argument(format!(
+            return Err(fail(
+                ErrorKind::InvalidRequest,
+                format!(
                 "{} destination blocks for {} tokens after {cached} cached: {want_blocks} needed",
                 dest.block_ids.len(),
                 prompt_len - cached
-            )));
+            ),
+            ));
         }
         // A prefill samples the first token and stops.
         let one = pb::Stopping {
@@ -250,7 +257,10 @@ impl Shared {
     /// Admits `uncached` tokens unless the queue ahead would hold them past the limit; returns
     /// the admission and the tokens queued ahead of it.
     fn admit(self: &Arc<Self>, uncached: usize) -> Result<(Admitted, u64), Status> {
-        let in_flight = self.drain.enter().map_err(Status::unavailable)?;
+        let in_flight = self
+            .drain
+            .enter()
+            .map_err(|m| fail(ErrorKind::Unavailable, m))?;
         let rate = self.engine.stats().prefill_tokens_per_s;
         let limit = self.limits.max_queue_wait.as_secs_f64();
         let uncached = uncached as u64;
@@ -259,7 +269,7 @@ impl Shared {
             let wait = ahead as f64 / rate;
             if rate > 0.0 && ahead > 0 && wait > limit {
                 self.counts.refused.fetch_add(1, Ordering::Relaxed);
-                return Err(Status::resource_exhausted(format!(
+                return Err(fail(ErrorKind::Busy, format!(
                     "prefill queue full: {ahead} prompt tokens ahead, about {wait:.1} s at {rate:.0} tokens/s (limit {limit:.1} s); try another worker"
                 )));
             }
@@ -348,23 +358,28 @@ impl Shared {
             .open(&dest.endpoint, dest.transfer_id)
             .await
             .map_err(|e| {
-                Status::unavailable(format!(
-                    "cannot reach the KV endpoint {}: {e}",
-                    dest.endpoint
-                ))
+                fail(
+                    ErrorKind::Unavailable,
+                    format!("cannot reach the KV endpoint {}: {e}", dest.endpoint),
+                )
             })?;
         // A receiver whose cache cannot take this one's: the receiver refuses it too when this
         // side describes its cache, but a transport that does not is caught here.
         if let (Some(mine), Some(peer)) = (self.shape.as_ref(), conn.peer()) {
             if let Some(why) = mine.mismatch(peer) {
-                return Err(Status::failed_precondition(format!(
-                    "KV caches do not map ({}): {why}",
-                    dest.endpoint
-                ))
+                return Err(fail(
+                    ErrorKind::Unsupported,
+                    format!("KV caches do not map ({}): {why}", dest.endpoint),
+                )
                 .into());
             }
         }
-        let send_err = |e| Status::unavailable(format!("sending KV to {}: {e}", dest.endpoint));
+        let send_err = |e| {
+            fail(
+                ErrorKind::Unavailable,
+                format!("sending KV to {}: {e}", dest.endpoint),
+            )
+        };
         if let Some(cx) = tandem_telemetry::context_text(&kv.span) {
             conn.context(dest.transfer_id, &cx)
                 .await
@@ -391,10 +406,10 @@ impl Shared {
                         Ok(r) => r,
                         Err(why) => {
                             let _ = conn.abort(dest.transfer_id).await;
-                            return Err(Status::failed_precondition(format!(
-                                "cannot send KV to {}: {why}",
-                                dest.endpoint
-                            ))
+                            return Err(fail(
+                                ErrorKind::Unsupported,
+                                format!("cannot send KV to {}: {why}", dest.endpoint),
+                            )
                             .into());
                         }
                     };
@@ -426,7 +441,7 @@ impl Shared {
                     if let Some(e) = f.error {
                         // The first token's grammar could not go on: the request fails.
                         let _ = conn.abort(dest.transfer_id).await;
-                        return Err(Status::invalid_argument(e).into());
+                        return Err(fail(ErrorKind::InvalidRequest, e).into());
                     }
                     tandem_worker::trace::finished(&server, submitted, &f, false);
                     tandem_telemetry::record_past(
@@ -444,7 +459,8 @@ impl Shared {
                 }
             }
         }
-        let first = first.ok_or_else(|| Status::internal("the engine stopped mid-prefill"))?;
+        let first =
+            first.ok_or_else(|| fail(ErrorKind::Internal, "the engine stopped mid-prefill"))?;
         conn.end(dest.transfer_id).await.map_err(send_err)?;
         self.counts
             .send_duration
