@@ -195,8 +195,7 @@ impl EngineArgs {
             panic_at_step: test_panic_at_step()?,
         };
         cfg.check()?;
-        let mut tp = self.tp()?;
-        (tp.max_step_tokens, tp.max_step_seqs) = (cfg.max_batched_tokens, cfg.max_seqs);
+        let tp = self.tp()?;
         let mut backend =
             tandem_engine::device::on(self.device, &loaded, &cfg.pool(), self.weights, tp)
                 .with_context(|| format!("starting the model on {}", self.device))?;

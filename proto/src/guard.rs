@@ -49,37 +49,23 @@ fn is_grpc<B>(req: &http::Request<B>) -> bool {
         .is_some_and(|v| v.starts_with("application/grpc"))
 }
 
-fn panic_response(grpc: bool, what: &str) -> http::Response<Body> {
+/// The answer to a request whose handler panicked (`p`), logged.
+fn panic_response(
+    grpc: bool,
+    path: &str,
+    p: Box<dyn std::any::Any + Send>,
+) -> http::Response<Body> {
+    let what = tandem_types::panic_message(p.as_ref());
+    tracing::error!(panic = %what, %path, "a gRPC handler panicked");
     if grpc {
-        panicked(what).into_http()
+        panicked(&what).into_http()
     } else {
-        let mut r = http::Response::new(Body::new(http_body_full(format!(
+        let mut r = http::Response::new(Body::new(format!(
             "the server failed this request: {what}\n"
-        ))));
+        )));
         *r.status_mut() = http::StatusCode::INTERNAL_SERVER_ERROR;
         r
     }
-}
-
-/// A body of one chunk.
-fn http_body_full(
-    text: String,
-) -> impl http_body::Body<Data = Bytes, Error = std::convert::Infallible> {
-    struct Once(Option<Bytes>);
-    impl http_body::Body for Once {
-        type Data = Bytes;
-        type Error = std::convert::Infallible;
-        fn poll_frame(
-            mut self: Pin<&mut Self>,
-            _: &mut Context<'_>,
-        ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-            Poll::Ready(self.0.take().map(|b| Ok(Frame::data(b))))
-        }
-        fn is_end_stream(&self) -> bool {
-            self.0.is_none()
-        }
-    }
-    Once(Some(Bytes::from(text)))
 }
 
 impl<S, ReqBody, ResBody> tower::Service<http::Request<ReqBody>> for CatchPanic<S>
@@ -104,11 +90,7 @@ where
         // The handler may panic as it is called, as its future runs, or as its body is polled.
         let fut = match std::panic::catch_unwind(AssertUnwindSafe(|| self.inner.call(req))) {
             Ok(f) => f,
-            Err(p) => {
-                let what = tandem_types::panic_message(p.as_ref());
-                tracing::error!(panic = %what, %path, "a gRPC handler panicked");
-                return Box::pin(std::future::ready(Ok(panic_response(grpc, &what))));
-            }
+            Err(p) => return Box::pin(std::future::ready(Ok(panic_response(grpc, &path, p)))),
         };
         Box::pin(async move {
             match AssertUnwindSafe(fut).catch_unwind().await {
@@ -121,11 +103,7 @@ where
                     })
                 })),
                 Ok(Err(e)) => Err(e),
-                Err(p) => {
-                    let what = tandem_types::panic_message(p.as_ref());
-                    tracing::error!(panic = %what, %path, "a gRPC handler panicked");
-                    Ok(panic_response(grpc, &what))
-                }
+                Err(p) => Ok(panic_response(grpc, &path, p)),
             }
         })
     }

@@ -26,7 +26,7 @@ pub fn on(
     format: WeightFormat,
     tp: TpCpuConfig,
 ) -> Result<Box<dyn Backend>, EngineError> {
-    pool.check()?;
+    // Each backend checks the pool it is given.
     Ok(match device {
         DeviceSpec::Cpu if tp.size > 1 => Box::new(TpCpuBackend::new(loaded, format, pool, tp)?),
         DeviceSpec::Cpu => Box::new(CpuBackend::new(CpuModel::new(loaded, format)?, pool)?),
