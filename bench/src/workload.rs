@@ -5,8 +5,9 @@
 //! - `shared-prefix`: one 500-token system prompt followed by a short question (10–30 tokens) and
 //!   a short answer (16–48 tokens): the case the prefix cache is for.
 //!
-//! Policies:
-//! - `sequential`: one request at a time.
+//! Policies, each one of the engine's schedulers (`Policy::scheduler`) over one submission of
+//! every request at once:
+//! - `sequential`: one request at a time (static batches of one).
 //! - `static`: batches of [`STATIC_BATCH`] run the way a static batcher runs them (one fixed
 //!   batch tensor): every prompt padded to the batch's longest, and every row stepped until the
 //!   batch's longest output is done; only each request's own tokens count as output. The padding
@@ -24,7 +25,9 @@ use std::time::Instant;
 
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
-use tandem_engine::{Engine, EngineError, Finished, Request, StepStats};
+use tandem_engine::{
+    Continuous, Engine, EngineError, Request, Scheduler, StaticBatches, StepStats,
+};
 
 use crate::roofline::Roofline;
 
@@ -119,6 +122,16 @@ impl Policy {
             Self::Static => "static",
             Self::StaticPacked => "static-packed",
             Self::Continuous => "continuous",
+        }
+    }
+
+    /// The engine's scheduler that batches this way (the static policy's padding is in the
+    /// requests it is given).
+    pub fn scheduler(self) -> Box<dyn Scheduler> {
+        match self {
+            Self::Sequential => Box::new(StaticBatches::new(1)),
+            Self::Static | Self::StaticPacked => Box::new(StaticBatches::new(STATIC_BATCH)),
+            Self::Continuous => Box::new(Continuous),
         }
     }
 }
@@ -257,37 +270,32 @@ pub fn run(
         .collect();
     let vocab = engine.model_config().vocab_size as u32;
     let mut pad_rng = rand_chacha::ChaCha8Rng::seed_from_u64(0x5eed);
-    let groups: Vec<Vec<Request>> = match policy {
-        Policy::Sequential => requests.into_iter().map(|r| vec![r]).collect(),
+    let requests: Vec<Request> = match policy {
         Policy::Static => requests
             .chunks(STATIC_BATCH)
-            .map(|c| padded(c, vocab, &mut pad_rng))
+            .flat_map(|c| padded(c, vocab, &mut pad_rng))
             .collect(),
-        Policy::StaticPacked => requests.chunks(STATIC_BATCH).map(|c| c.to_vec()).collect(),
-        Policy::Continuous => vec![requests],
+        _ => requests,
     };
     let cost = StepCost::of(engine);
     let mut steps: Vec<StepStats> = Vec::new();
-    let t0 = Instant::now();
-    // Every request is submitted at t0: latencies under the sequential and static policies
+    // Every request is submitted at t0, so latencies under the sequential and static policies
     // include the time spent waiting for earlier batches.
-    let mut done: Vec<(Finished, f64)> = Vec::with_capacity(n);
-    for g in groups {
-        let offset = t0.elapsed().as_secs_f64();
-        for f in engine.generate(g, |_| {}, |s| steps.push(*s))? {
-            done.push((f, offset));
-        }
-    }
+    let previous = engine.set_scheduler(policy.scheduler());
+    let t0 = Instant::now();
+    let served = engine.generate(requests, |_| {}, |s| steps.push(*s));
+    engine.set_scheduler(previous);
+    let done = served?;
     let wall_s = t0.elapsed().as_secs_f64();
     let after = engine.stats();
-    // `generate` returns its requests in order, and the groups are in order.
+    // `generate` returns its requests in order.
     let output_tokens = done
         .iter()
         .zip(&own_outputs)
-        .map(|((f, _), &own)| f.output_ids.len().min(own))
+        .map(|(f, &own)| f.output_ids.len().min(own))
         .sum();
-    let mut ttft: Vec<f64> = done.iter().map(|(f, o)| f.ttft_s + o).collect();
-    let mut e2e: Vec<f64> = done.iter().map(|(f, o)| f.e2e_s + o).collect();
+    let mut ttft: Vec<f64> = done.iter().map(|f| f.ttft_s).collect();
+    let mut e2e: Vec<f64> = done.iter().map(|f| f.e2e_s).collect();
     let lookups = after.prefix_lookup_tokens - before.prefix_lookup_tokens;
     let hits = after.prefix_hit_tokens - before.prefix_hit_tokens;
     let priced = |decode_only: bool| {

@@ -6,9 +6,9 @@
 //! tensor-parallel rank threads in [`TpCpuBackend`], and [`CudaModel`]); the [`Backend`] trait the
 //! scheduler steps through, built from a [`PoolSize`] ([`device::on`] picks one for a device);
 //! the KV pool ([`KvPool`], f32, f16 or int8), the [`BlockManager`] (ref counts, prefix cache, LRU
-//! eviction, events for the router), the [`Sampler`], the [`Engine`] (an iteration-level
-//! scheduler: decode first, chunked prefill within a token budget, preemption by recompute, one
-//! packed forward per step) and the [`EngineHandle`] that runs it on its own thread behind
+//! eviction, events for the router), the [`Sampler`], the [`Engine`] (one packed forward per
+//! step, planned by a [`Scheduler`]: by default iteration-level, decode first, chunked prefill
+//! within a token budget, preemption by recompute) and the [`EngineHandle`] that runs it on its own thread behind
 //! channels. There is no contiguous-cache path: every token's K/V lives in paged blocks, prefill
 //! and decode alike.
 //!
@@ -25,7 +25,7 @@
 //! | `forward` | the forward over `StepOps`, a step's [`SeqBatch`]es packed into rows, [`OpTimes`] |
 //! | [`backend`] | the [`Backend`] trait, [`PoolSize`], [`RankPool`], [`TpStats`], the slowdown hook |
 //! | [`device`] | `cpu` ([`CpuModel`], [`CpuBackend`]), `tp_cpu`, `cuda`; [`device::on`] |
-//! | `engine` | the scheduler ([`Engine`], [`EngineConfig`], requests, events, stats) |
+//! | `engine` | the engine ([`Engine`], [`EngineConfig`], requests, events, stats), its step in stages, and the [`Scheduler`] seam ([`StepPlan`]; [`Continuous`], [`StaticBatches`]) |
 //! | `handle` | [`EngineHandle`]: the engine on its own thread, per-request streams |
 //!
 //! Main types: [`Engine`] with its [`EngineConfig`], [`Request`] and [`Event`]s; [`EngineHandle`]
@@ -54,8 +54,9 @@ pub use device::cpu::{CpuBackend, CpuModel, WeightFormat};
 pub use device::cuda::CudaModel;
 pub use device::tp_cpu::{TpCpuBackend, TpCpuConfig};
 pub use engine::{
-    Engine, EngineConfig, EngineStats, Event, FinishReason, Finished, KvChunk, KvPiece, Limits,
-    Request, RequestId, Reservation, Samples, StepStats, TokenEvent,
+    Continuous, Engine, EngineConfig, EngineStats, Event, FinishReason, Finished, KvChunk, KvPiece,
+    Limits, Request, RequestId, Reservation, Samples, Scheduler, SeqInfo, StaticBatches, StepPlan,
+    StepStats, TokenEvent,
 };
 pub use error::EngineError;
 pub use forward::{OpTimes, SeqBatch};

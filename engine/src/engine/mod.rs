@@ -1,6 +1,7 @@
 //! The engine: an iteration-level scheduler over one KV pool and one packed forward per step.
 //!
-//! Requests wait in arrival order. Each [`Engine::step`]:
+//! Requests wait in arrival order. Each [`Engine::step`] (under the default [`Continuous`]
+//! scheduler; a [`Scheduler`] decides step 2 and 3, see `schedule`):
 //! 1. drops cancelled sequences (their blocks return to the pool at once);
 //! 2. schedules one token for every running sequence that is decoding, oldest first;
 //! 3. gives the rest of the token budget (`max_batched_tokens`) to prompt chunks: first running
@@ -16,8 +17,9 @@
 //! later. A step never fails for lack of blocks.
 //!
 //! Files: this one holds the engine, its sequences and its core bookkeeping; `types` the public
-//! types (configuration, requests, events, stats, limits); `step` the step loop and the
-//! scheduler; `remote` the remote-prefill lifecycle (both sides); `offline` running a batch to its
+//! types (configuration, requests, events, stats, limits); `schedule` the scheduler seam and its
+//! policies (the mechanics of reserving, admitting and preempting in `StepPlan`); `step` the step
+//! loop in its stages; `remote` the remote-prefill lifecycle (both sides); `offline` running a batch to its
 //! end (benchmarks, the golden checks).
 
 use std::collections::VecDeque;
@@ -37,8 +39,11 @@ use tandem_types::BlockId;
 
 mod offline;
 mod remote;
+mod schedule;
 mod step;
 mod types;
+
+pub use schedule::{Continuous, Scheduler, SeqInfo, StaticBatches, StepPlan};
 
 pub use types::{
     EngineConfig, EngineStats, Event, FinishReason, Finished, KvChunk, KvPiece, Limits, Request,
@@ -252,6 +257,8 @@ pub struct Engine {
     stopped: Vec<(RequestId, u32)>,
     /// Blocks to copy before the next forward (copy-on-write of blocks that samples shared).
     copies: Vec<(BlockId, BlockId)>,
+    /// Decides what runs in each step.
+    scheduler: Box<dyn Scheduler>,
     stats: EngineStats,
     /// First id `generate` gives its requests next time.
     next_batch_id: u64,
@@ -284,6 +291,7 @@ impl Engine {
             cancelled: Vec::new(),
             stopped: Vec::new(),
             copies: Vec::new(),
+            scheduler: Box::new(Continuous),
             stats: EngineStats::default(),
             next_batch_id: 1 << 48,
         })
@@ -294,6 +302,18 @@ impl Engine {
     pub fn with_grammars(mut self, grammars: Arc<GrammarCompiler>) -> Self {
         self.grammars = Some(grammars);
         self
+    }
+
+    /// Schedules the steps from now on with `scheduler` (the default is [`Continuous`]); returns
+    /// the one it replaces. What runs or waits stays where it is: the new policy takes over from
+    /// the next step.
+    pub fn set_scheduler(&mut self, scheduler: Box<dyn Scheduler>) -> Box<dyn Scheduler> {
+        std::mem::replace(&mut self.scheduler, scheduler)
+    }
+
+    /// The name of the policy that schedules the steps.
+    pub fn scheduler_name(&self) -> &'static str {
+        self.scheduler.name()
     }
 
     /// The grammar compiler, if this engine serves grammars.

@@ -1,14 +1,13 @@
-//! One step: drop the cancelled, schedule (decode first, then prompt chunks within the token
-//! budget, preempting by recompute when the pool runs short), run one packed forward, sample,
-//! retire the finished.
+//! One step: drop the cancelled, let the scheduler plan the step (see `schedule`), run one packed
+//! forward, sample, retire the finished.
 
 use std::time::Instant;
 
 use rayon::prelude::*;
 
+use super::schedule::StepPlan;
 use super::types::RATE_WEIGHT;
 use super::{finish_reason, Engine, Event, FinishReason, Finished, Seq, StepStats, TokenEvent};
-use crate::block_manager::PoolFull;
 use crate::error::EngineError;
 use crate::forward::SeqBatch;
 use crate::sampler::Sampled;
@@ -312,124 +311,19 @@ impl Engine {
         }
     }
 
-    /// Decides this step's work: `(index into running, new tokens)`, decodes first.
+    /// Decides this step's work, `(index into running, new tokens)`, through the scheduler.
     fn schedule(&mut self) -> Vec<(usize, usize)> {
-        let mut budget = self.config.max_batched_tokens;
-        let mut plan: Vec<(usize, usize)> = Vec::new();
-        // Decodes, oldest first, then chunks of partly computed prompts (or recomputes).
-        for decoding in [true, false] {
-            let mut i = 0;
-            while i < self.running.len() && budget > 0 {
-                let s = &self.running[i];
-                if (s.pending() == 1) != decoding {
-                    i += 1;
-                    continue;
-                }
-                let take = s.pending().min(budget);
-                if !self.make_room(i, take, &mut plan) {
-                    // `i` itself was preempted: the sequences after it were preempted first, so
-                    // nothing after it is left.
-                    break;
-                }
-                plan.push((i, take));
-                budget -= take;
-                i += 1;
-            }
-        }
-        // New sequences from the head of the queue, while the pool has room for them and for
-        // the running ones to grow a while: admitting into that headroom only buys a preemption
-        // (and a recompute) a few steps later.
-        let mut headroom: usize = self.running.iter().map(|r| self.growth_blocks(r)).sum();
-        while budget > 0 && self.running.len() < self.config.max_seqs {
-            let Some(s) = self.waiting.front_mut() else {
-                break;
-            };
-            // A request with parallel samples is admitted with room for all of them (alone, it
-            // is admitted anyway: otherwise it would never run).
-            if !self.running.is_empty() && self.running.len() + s.width() > self.config.max_seqs {
-                break;
-            }
-            let mut hit = 0;
-            if self.config.prefix_caching && s.blocks.is_empty() {
-                hit = s.blocks.reuse_prefix(&s.tokens);
-                s.computed = hit;
-            }
-            let take = s.pending().min(budget);
-            let own = s.growth_blocks(
-                self.config.block_size,
-                self.config.admission_lookahead,
-                self.backend.config().max_position_embeddings,
-            );
-            let fits = self.running.is_empty() || self.blocks.available() >= own + headroom;
-            if !fits || !s.blocks.reserve(s.computed + take) {
-                // Not now: give the reused blocks back (they stay cached) and keep its place.
-                s.blocks.clear();
-                s.computed = 0;
-                break;
-            }
-            self.stats.prefix_lookup_tokens += s.tokens.len() as u64;
-            self.stats.prefix_hit_tokens += hit as u64;
-            let mut s = self.waiting.pop_front().expect("front exists");
-            s.cached_prompt_tokens.get_or_insert(hit.min(s.prompt_len));
-            s.admitted.get_or_insert_with(Instant::now);
-            headroom += self.growth_blocks(&s);
-            self.running.push(s);
-            plan.push((self.running.len() - 1, take));
-            budget -= take;
-        }
-        plan
-    }
-
-    /// Blocks `s` still needs to hold its whole prompt and `admission_lookahead` more tokens (or
-    /// to finish, if sooner).
-    fn growth_blocks(&self, s: &Seq) -> usize {
-        s.growth_blocks(
-            self.config.block_size,
-            self.config.admission_lookahead,
+        let mut plan = StepPlan::new(
+            &mut self.running,
+            &mut self.waiting,
+            &self.blocks,
+            &mut self.copies,
+            &mut self.stats,
+            &self.config,
             self.backend.config().max_position_embeddings,
-        )
-    }
-
-    /// Ensures `running[i]` has blocks for `take` more tokens (its own copy of a block it shares
-    /// where it writes), preempting the newest running sequences (out of the plan too, if they
-    /// were in it). False if `running[i]` itself had to go.
-    fn make_room(&mut self, i: usize, take: usize, plan: &mut Vec<(usize, usize)>) -> bool {
-        loop {
-            let s = &mut self.running[i];
-            if s.blocks.reserve(s.computed + take) {
-                // The step writes from `computed` on: a block there that a parallel sample
-                // shares is copied first (the rest of the range is in blocks just reserved).
-                match s.blocks.make_writable(s.computed) {
-                    Ok(Some(copy)) => {
-                        self.copies.push(copy);
-                        return true;
-                    }
-                    Ok(None) => return true,
-                    Err(PoolFull) => {}
-                }
-            }
-            // The newest sequence goes. It may be planned already: a sequence that joined
-            // decoding after `i` was admitted (a remote prefill that arrived, a forked sample)
-            // is planned in the decode pass before `i`'s prompt chunk. It is the last index, so
-            // taking it out of the plan leaves every other index as it was.
-            let victim = self.running.len() - 1;
-            plan.retain(|&(p, _)| p != victim);
-            self.preempt(victim);
-            if victim == i {
-                return false;
-            }
-        }
-    }
-
-    /// Releases a running sequence's blocks and puts it at the head of the queue.
-    fn preempt(&mut self, i: usize) {
-        let mut s = self.running.remove(i);
-        s.blocks.clear();
-        s.computed = 0;
-        s.preemptions += 1;
-        self.stats.preemptions += 1;
-        tracing::debug!(request = s.id.0, tokens = s.tokens.len(), "preempted");
-        self.waiting.push_front(s);
+        );
+        self.scheduler.schedule(&mut plan);
+        plan.into_planned()
     }
 }
 

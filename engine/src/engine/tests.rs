@@ -11,7 +11,7 @@ pub(crate) fn req(prompt: Vec<u32>, max_tokens: u32) -> Request {
     Request::greedy(prompt, max_tokens).unwrap()
 }
 
-fn engine(cfg: EngineConfig) -> Engine {
+pub(crate) fn engine(cfg: EngineConfig) -> Engine {
     Engine::new(tiny_model(1), cfg, vec![]).unwrap()
 }
 
@@ -494,7 +494,8 @@ pub(crate) fn run_plan(
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
-    /// Random arrivals, lengths and cancels over a pool small enough to force preemption:
+    /// Random arrivals, lengths and cancels over a pool small enough to force preemption, under
+    /// either scheduling policy:
     /// block states always add up, nothing leaks, every request finishes or is cancelled,
     /// and every request that ran to the end produced the tokens it produces alone.
     #[test]
@@ -506,6 +507,7 @@ proptest! {
         budget in 3usize..48,
         max_seqs in 1usize..6,
         lookahead in prop::sample::select(vec![0usize, 8, 64]),
+        static_size in prop::option::of(1usize..4),
     ) {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
         let cfg = EngineConfig {
@@ -517,6 +519,10 @@ proptest! {
             ..config()
         };
         let mut e = engine(cfg.clone());
+        // The default policy, or static batches of a few requests.
+        if let Some(size) = static_size {
+            e.set_scheduler(Box::new(StaticBatches::new(size)));
+        }
         let plan = random_plan(&e, &mut rng, n, 40, 24, 15, 0.2, 20);
         let (finished, tokens) = run_plan(&mut e, &plan, 40)?;
         let st = e.stats();
