@@ -3,7 +3,8 @@
 //! Owns: the versioned wire format ([`wire`], documented in docs/kv-wire.md: frames with
 //! transfer id, layer, destination block, length and xxh3 checksum), peer authentication by
 //! mutual challenge-response over a shared secret ([`auth`]), the sending seam [`KvTransport`]
-//! with its TCP implementation ([`transport`]), and the receiving endpoint [`KvReceiver`] that
+//! with its TCP implementation ([`transport`]), a sender's chunk cut into the frames a receiver of
+//! any tensor-parallel size takes ([`FramePlan`], rebuilding head ranges with [`regroup`]), and the receiving endpoint [`KvReceiver`] that
 //! writes frames straight into the blocks granted to a transfer, enforces deadlines and counts
 //! every rejected frame by reason ([`receiver`]). Does not own the KV pool (tandem-engine; the
 //! pool is reached through [`BlockSink`]) or the prefill/decode handshake (the workers).
@@ -11,14 +12,20 @@
 #![deny(missing_docs)]
 
 pub mod auth;
+#[cfg(feature = "fault-injection")]
+pub mod fault;
 mod receiver;
+mod regroup;
 pub mod shape;
 mod transport;
 pub mod wire;
 mod xxh3;
 
 pub use auth::Secret;
+#[cfg(feature = "fault-injection")]
+pub use fault::WireFault;
 pub use receiver::{BlockSink, KvReceiver, Rejections, TransferGrant, TransferStats};
+pub use regroup::{FramePlan, HeadsKv, OutgoingChunk};
 pub use shape::{regroup, KvShape};
 pub use tandem_types::BlockId;
 pub use transport::{BlockFrame, KvStream, KvTransport, TcpTransport};

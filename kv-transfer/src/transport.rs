@@ -101,6 +101,8 @@ pub struct TcpTransport {
     secret: Secret,
     shape: Option<KvShape>,
     connect_timeout: Duration,
+    #[cfg(feature = "fault-injection")]
+    fault: Option<crate::fault::WireFault>,
 }
 
 impl TcpTransport {
@@ -110,7 +112,16 @@ impl TcpTransport {
             secret,
             shape: None,
             connect_timeout: Duration::from_secs(3),
+            #[cfg(feature = "fault-injection")]
+            fault: None,
         }
+    }
+
+    /// Damages frames on the wire as `fault` says (tests only: the `fault-injection` feature).
+    #[cfg(feature = "fault-injection")]
+    pub fn with_fault(mut self, fault: crate::fault::WireFault) -> Self {
+        self.fault = Some(fault);
+        self
     }
 
     /// Describes the sender's cache as `shape` in every handshake: a receiver whose cache
@@ -150,6 +161,8 @@ impl KvTransport for TcpTransport {
                 sock,
                 session,
                 seq: 0,
+                #[cfg(feature = "fault-injection")]
+                fault: self.fault.clone(),
             }) as Box<dyn KvStream>)
         })
     }
@@ -160,6 +173,8 @@ struct TcpKvStream {
     session: Session,
     /// The number of the next frame: what its tag covers.
     seq: u64,
+    #[cfg(feature = "fault-injection")]
+    fault: Option<crate::fault::WireFault>,
 }
 
 /// Writes every byte of `bufs` (in order) with as few vectored writes as the socket allows.
@@ -244,10 +259,27 @@ impl KvStream for TcpKvStream {
                         )
                     })
                     .collect();
+                // Under fault injection, a payload damaged after its header took the checksum.
+                #[cfg(feature = "fault-injection")]
+                let damaged: Vec<Option<Vec<u8>>> = batch
+                    .iter()
+                    .map(|f| self.fault.as_ref().and_then(|x| x.damage(f.payload)))
+                    .collect();
+                #[cfg(feature = "fault-injection")]
+                let payload =
+                    |i: usize, f: &'a BlockFrame<'a>| damaged[i].as_deref().unwrap_or(f.payload);
+                #[cfg(not(feature = "fault-injection"))]
+                let payload = |_: usize, f: &'a BlockFrame<'a>| f.payload;
                 let mut slices: Vec<std::io::IoSlice<'_>> = headers
                     .iter()
                     .zip(batch)
-                    .flat_map(|(h, f)| [std::io::IoSlice::new(h), std::io::IoSlice::new(f.payload)])
+                    .enumerate()
+                    .flat_map(|(i, (h, f))| {
+                        [
+                            std::io::IoSlice::new(h),
+                            std::io::IoSlice::new(payload(i, f)),
+                        ]
+                    })
                     .collect();
                 write_all_vectored(&mut self.sock, &mut slices).await?;
                 rest = tail;

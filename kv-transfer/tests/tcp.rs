@@ -9,11 +9,10 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures::future::BoxFuture;
 use tandem_kv_transfer::wire::{FrameHeader, FrameKind, MAX_CONTEXT};
 use tandem_kv_transfer::{
-    BlockFrame, BlockId, BlockSink, KvReceiver, KvStream, KvTransport, Secret, TcpTransport,
-    TransferError,
+    BlockFrame, BlockId, BlockSink, KvReceiver, KvTransport, Secret, TcpTransport, TransferError,
+    WireFault,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -300,114 +299,14 @@ async fn peers_without_the_secret_cannot_write() {
     assert_eq!(rx.bytes_received(), 0);
 }
 
-/// A transport of its own (authenticated TCP, frames written by hand) that flips one byte of the
-/// payload of the `nth` block frame after computing its checksum: corruption on the wire.
-struct Flipper {
-    secret: Secret,
-    nth: usize,
-}
-
-struct FlipStream {
-    w: tokio::io::BufWriter<tokio::net::TcpStream>,
-    nth: usize,
-    seen: usize,
-    session: tandem_kv_transfer::auth::Session,
-    seq: u64,
-}
-
-impl KvTransport for Flipper {
-    fn open<'a>(
-        &'a self,
-        endpoint: &'a str,
-        transfer: u64,
-    ) -> BoxFuture<'a, Result<Box<dyn KvStream>, TransferError>> {
-        Box::pin(async move {
-            let mut s = tokio::net::TcpStream::connect(endpoint).await?;
-            let session =
-                tandem_kv_transfer::auth::connect(&mut s, &self.secret, None, transfer, endpoint)
-                    .await?;
-            Ok(Box::new(FlipStream {
-                w: tokio::io::BufWriter::new(s),
-                nth: self.nth,
-                seen: 0,
-                session,
-                seq: 0,
-            }) as Box<dyn KvStream>)
-        })
-    }
-}
-
-impl FlipStream {
-    async fn frame(&mut self, h: FrameHeader, body: &[u8]) -> Result<(), TransferError> {
-        let mut h = h.encode();
-        self.session.seal(self.seq, &mut h);
-        self.seq += 1;
-        self.w.write_all(&h).await?;
-        self.w.write_all(body).await?;
-        Ok(())
-    }
-}
-
-impl KvStream for FlipStream {
-    fn send_blocks<'a>(
-        &'a mut self,
-        transfer: u64,
-        frames: &'a [BlockFrame<'a>],
-    ) -> BoxFuture<'a, Result<(), TransferError>> {
-        Box::pin(async move {
-            for f in frames {
-                self.seen += 1;
-                let h = FrameHeader::block(transfer, f.layer, f.block.0, f.payload);
-                let mut body = f.payload.to_vec();
-                if self.seen == self.nth {
-                    let mid = body.len() / 2;
-                    body[mid] ^= 0x40;
-                }
-                self.frame(h, &body).await?;
-            }
-            Ok(self.w.flush().await?)
-        })
-    }
-    fn end(&mut self, transfer: u64) -> BoxFuture<'_, Result<(), TransferError>> {
-        Box::pin(async move {
-            self.frame(FrameHeader::control(FrameKind::End, transfer, &[]), &[])
-                .await?;
-            Ok(self.w.flush().await?)
-        })
-    }
-    fn abort(&mut self, transfer: u64) -> BoxFuture<'_, Result<(), TransferError>> {
-        Box::pin(async move {
-            self.frame(FrameHeader::control(FrameKind::Abort, transfer, &[]), &[])
-                .await?;
-            Ok(self.w.flush().await?)
-        })
-    }
-    fn context<'a>(
-        &'a mut self,
-        transfer: u64,
-        context: &'a str,
-    ) -> BoxFuture<'a, Result<(), TransferError>> {
-        Box::pin(async move {
-            let body = context.as_bytes();
-            self.frame(
-                FrameHeader::control(FrameKind::Context, transfer, body),
-                body,
-            )
-            .await?;
-            Ok(self.w.flush().await?)
-        })
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flipped_byte_is_rejected_counted_and_fails_the_transfer() {
     let rx = receiver().await;
     let sink = MemSink::new(512, 2);
     let mut grant = rx.grant(&ids(&[4, 5]), sink.clone(), Duration::from_secs(10));
-    let t = Flipper {
-        secret: secret(),
-        nth: 2,
-    };
+    // The production transport, with the second block frame damaged after its checksum.
+    let fault = WireFault::flip_block_frame(2);
+    let t = TcpTransport::new(secret()).with_fault(fault.clone());
     let mut s = t.open(&rx.endpoint(), grant.id()).await.unwrap();
     for layer in 0..2 {
         for b in [4u32, 5] {
@@ -417,6 +316,7 @@ async fn a_flipped_byte_is_rejected_counted_and_fails_the_transfer() {
         }
     }
     s.end(grant.id()).await.unwrap();
+    assert!(fault.fired());
     let r = grant.wait().await;
     assert!(
         matches!(r, Err(TransferError::Rejected("bad_checksum"))),

@@ -13,8 +13,9 @@ use common::*;
 use futures::future::BoxFuture;
 use futures::StreamExt;
 use serde_json::{json, Value};
-use tandem_kv_transfer::wire::{FrameHeader, FrameKind};
-use tandem_kv_transfer::{BlockFrame, KvStream, KvTransport, Secret, TcpTransport, TransferError};
+use tandem_kv_transfer::{
+    BlockFrame, KvStream, KvTransport, Secret, TcpTransport, TransferError, WireFault,
+};
 use tandem_proto::worker as wpb;
 
 /// Bytes one block of every layer takes on the wire (f32 KV, the workers' default).
@@ -440,100 +441,6 @@ async fn dead_or_stalled_prefill_workers_and_strangers_lose_nothing() {
     assert_eq!(metric(&dm, "tandem_kv_transfer_bytes_total"), bytes);
 }
 
-/// Sends frames like the TCP transport, but flips one payload byte (after the checksum was
-/// taken) of the first block frame it ever sends.
-struct Flipper {
-    secret: Secret,
-    flipped: Arc<AtomicBool>,
-}
-
-struct FlipStream {
-    w: tokio::io::BufWriter<tokio::net::TcpStream>,
-    flipped: Arc<AtomicBool>,
-    session: tandem_kv_transfer::auth::Session,
-    seq: u64,
-}
-
-impl KvTransport for Flipper {
-    fn open<'a>(
-        &'a self,
-        endpoint: &'a str,
-        transfer: u64,
-    ) -> BoxFuture<'a, Result<Box<dyn KvStream>, TransferError>> {
-        Box::pin(async move {
-            let mut s = tokio::net::TcpStream::connect(endpoint).await?;
-            let session =
-                tandem_kv_transfer::auth::connect(&mut s, &self.secret, None, transfer, endpoint)
-                    .await?;
-            Ok(Box::new(FlipStream {
-                w: tokio::io::BufWriter::new(s),
-                flipped: self.flipped.clone(),
-                session,
-                seq: 0,
-            }) as Box<dyn KvStream>)
-        })
-    }
-}
-
-impl FlipStream {
-    async fn frame(&mut self, h: FrameHeader, body: &[u8]) -> Result<(), TransferError> {
-        use tokio::io::AsyncWriteExt;
-        let mut h = h.encode();
-        self.session.seal(self.seq, &mut h);
-        self.seq += 1;
-        self.w.write_all(&h).await?;
-        self.w.write_all(body).await?;
-        Ok(())
-    }
-
-    async fn control(
-        &mut self,
-        kind: FrameKind,
-        transfer: u64,
-        body: &[u8],
-    ) -> Result<(), TransferError> {
-        use tokio::io::AsyncWriteExt;
-        self.frame(FrameHeader::control(kind, transfer, body), body)
-            .await?;
-        Ok(self.w.flush().await?)
-    }
-}
-
-impl KvStream for FlipStream {
-    fn send_blocks<'a>(
-        &'a mut self,
-        transfer: u64,
-        frames: &'a [BlockFrame<'a>],
-    ) -> BoxFuture<'a, Result<(), TransferError>> {
-        Box::pin(async move {
-            use tokio::io::AsyncWriteExt;
-            for f in frames {
-                let h = FrameHeader::block(transfer, f.layer, f.block.0, f.payload);
-                let mut body = f.payload.to_vec();
-                if !self.flipped.swap(true, Ordering::SeqCst) {
-                    let mid = body.len() / 2;
-                    body[mid] ^= 0x10;
-                }
-                self.frame(h, &body).await?;
-            }
-            Ok(self.w.flush().await?)
-        })
-    }
-    fn end(&mut self, transfer: u64) -> BoxFuture<'_, Result<(), TransferError>> {
-        Box::pin(self.control(FrameKind::End, transfer, &[]))
-    }
-    fn abort(&mut self, transfer: u64) -> BoxFuture<'_, Result<(), TransferError>> {
-        Box::pin(self.control(FrameKind::Abort, transfer, &[]))
-    }
-    fn context<'a>(
-        &'a mut self,
-        transfer: u64,
-        context: &'a str,
-    ) -> BoxFuture<'a, Result<(), TransferError>> {
-        Box::pin(self.control(FrameKind::Context, transfer, context.as_bytes()))
-    }
-}
-
 /// A KV transport whose sends wait until the test lets them through (their frames go
 /// nowhere): a link that takes the KV as slowly as the test likes.
 struct Held {
@@ -691,11 +598,11 @@ fn engine() -> tandem_engine::EngineHandle {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flipped_byte_is_rejected_counted_and_the_request_recovers() {
     let secret = Secret::new(KV_SECRET.as_bytes().to_vec()).unwrap();
-    let flipped = Arc::new(AtomicBool::new(false));
-    let paddr = serve_prefill(Arc::new(Flipper {
-        secret: secret.clone(),
-        flipped: flipped.clone(),
-    }))
+    // The production transport, the first block frame it sends damaged after its checksum.
+    let fault = WireFault::flip_block_frame(1);
+    let paddr = serve_prefill(Arc::new(
+        TcpTransport::new(secret.clone()).with_fault(fault.clone()),
+    ))
     .await;
     let decode_engine = Arc::new(engine());
     // SAFETY: the writer is this engine's own.
@@ -758,7 +665,7 @@ async fn a_flipped_byte_is_rejected_counted_and_the_request_recovers() {
     while let Some(m) = s.next().await {
         ids.extend(m.unwrap().tokens.iter().map(|t| t.id));
     }
-    assert!(flipped.load(Ordering::SeqCst));
+    assert!(fault.fired());
     let rx = remote.receiver();
     assert_eq!(rx.rejections().bad_checksum.load(Ordering::Relaxed), 1);
     assert_eq!(remote.counts.transfers_failed.load(Ordering::Relaxed), 1);
