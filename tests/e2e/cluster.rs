@@ -853,27 +853,150 @@ async fn concurrent_streams(r: &Router, model: &str) {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn one_worker_serves_clients_exactly_and_survives_bad_input() {
-    let (_w, waddr) = start_worker(&[]);
-    let r = start_router(std::slice::from_ref(&waddr), &[]);
-    wait_ready(&r, 1).await;
-    let models = models(&r.http).await;
-    let model = models["data"][0]["id"].as_str().unwrap().to_string();
-    let tok = tandem_model::load_text(&model_path()).unwrap().tokenizer;
+/// One decode worker with a router in front of it, shared by the scenarios below: started once,
+/// by the first of them that runs (a cluster's start is most of such a test's time). Each
+/// scenario is a test of its own, so each runs and fails by name.
+struct OneWorker {
+    router: Router,
+    /// The decode worker's gRPC address.
+    worker: String,
+    /// The served model's name.
+    model: String,
+    _worker: Proc,
+}
 
-    openai_python_client(&format!("{}/v1", r.http), &model, &tok, &[]).await;
-    assert!(structured_python_client(&format!("{}/v1", r.http), &model, false).await >= 20);
-    grpc_client(&r, &model, &tok).await;
-    grpc_health_and_reflection(&r).await;
-    stop_strings(&r, &model).await;
-    bad_input(&r, &model).await;
-    tokenize_detokenize(&r, &model, &tok).await;
-    batched_prompts(&r, &model, &tok).await;
-    parallel_samples(&r, &waddr, &model, &tok).await;
-    cancel_mid_stream(&r, &waddr, &model).await;
-    concurrent_streams(&r, &model).await;
-    wait_idle(&waddr).await;
+static ONE_WORKER: tokio::sync::OnceCell<OneWorker> = tokio::sync::OnceCell::const_new();
+/// The scenarios take turns on the cluster: several read the worker's load and need it to
+/// themselves. (A tokio mutex: a scenario that fails does not poison the others' turns.)
+static TURN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// The shared cluster, ready, and this scenario's turn on it; the scenario ends with
+/// [`OneWorker::done`].
+async fn one_worker() -> (tokio::sync::MutexGuard<'static, ()>, &'static OneWorker) {
+    let turn = TURN.lock().await;
+    let c = ONE_WORKER
+        .get_or_init(|| async {
+            // Started from a thread that lives as long as the test binary: the processes die
+            // with the thread that started them (PR_SET_PDEATHSIG), and a test's thread ends
+            // with its test.
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            std::thread::spawn(move || {
+                let (proc, worker) = start_worker(&[]);
+                let router = start_router(std::slice::from_ref(&worker), &[]);
+                let _ = tx.send((proc, worker, router));
+                loop {
+                    std::thread::park();
+                }
+            });
+            let (proc, worker, router) = rx.await.expect("the shared cluster started");
+            wait_ready(&router, 1).await;
+            let model = models(&router.http).await["data"][0]["id"]
+                .as_str()
+                .unwrap()
+                .to_string();
+            OneWorker {
+                router,
+                worker,
+                model,
+                _worker: proc,
+            }
+        })
+        .await;
+    (turn, c)
+}
+
+impl OneWorker {
+    /// The model's tokenizer.
+    fn tokenizer(&self) -> tandem_model::Tokenizer {
+        tandem_model::load_text(&model_path()).unwrap().tokenizer
+    }
+
+    /// After a scenario: the worker holds nothing (no request, no referenced block).
+    async fn done(&self) {
+        wait_idle(&self.worker).await;
+    }
+}
+
+/// The official OpenAI Python client: every golden case, four ways, exact text, finish reason
+/// and usage.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openai_python_client_gets_the_golden_text() {
+    let (_turn, c) = one_worker().await;
+    let url = format!("{}/v1", c.router.http);
+    openai_python_client(&url, &c.model, &c.tokenizer(), &[]).await;
+    c.done().await;
+}
+
+/// Structured outputs through the OpenAI Python client, each answer valid for its schema.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn structured_outputs_through_the_python_client_follow_their_schemas() {
+    let (_turn, c) = one_worker().await;
+    let url = format!("{}/v1", c.router.http);
+    assert!(structured_python_client(&url, &c.model, false).await >= 20);
+    c.done().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_grpc_api_gives_the_golden_tokens() {
+    let (_turn, c) = one_worker().await;
+    grpc_client(&c.router, &c.model, &c.tokenizer()).await;
+    c.done().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_health_says_serving_and_reflection_lists_the_services() {
+    let (_turn, c) = one_worker().await;
+    grpc_health_and_reflection(&c.router).await;
+    c.done().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_string_across_tokens_ends_the_text_before_it() {
+    let (_turn, c) = one_worker().await;
+    stop_strings(&c.router, &c.model).await;
+    c.done().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_gets_a_clear_error_and_the_worker_stays_whole() {
+    let (_turn, c) = one_worker().await;
+    bad_input(&c.router, &c.model).await;
+    c.done().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokenize_and_detokenize_agree_with_the_model() {
+    let (_turn, c) = one_worker().await;
+    tokenize_detokenize(&c.router, &c.model, &c.tokenizer()).await;
+    c.done().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batched_prompts_each_get_what_they_get_alone() {
+    let (_turn, c) = one_worker().await;
+    batched_prompts(&c.router, &c.model, &c.tokenizer()).await;
+    c.done().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seeded_parallel_samples_are_computed_once_and_repeat() {
+    let (_turn, c) = one_worker().await;
+    parallel_samples(&c.router, &c.worker, &c.model, &c.tokenizer()).await;
+    c.done().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_dropped_mid_way_frees_its_blocks() {
+    let (_turn, c) = one_worker().await;
+    cancel_mid_stream(&c.router, &c.worker, &c.model).await;
+    c.done().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_streams_each_get_their_own_text() {
+    let (_turn, c) = one_worker().await;
+    concurrent_streams(&c.router, &c.model).await;
+    c.done().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

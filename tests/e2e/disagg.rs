@@ -247,7 +247,7 @@ async fn a_prefill_engine_failing_under_a_request_ends_it_and_no_other_engine_ru
     // prefills it itself, and the router does not move it, since the request may be what made
     // the engine fail.
     let hook = [("TANDEM_TEST_PANIC_AT_STEP", "1")];
-    let (mut p, paddr) = start_prefill_env(&[], &hook);
+    let (mut p, paddr) = Launch::prefill().env(&hook).spawn_prefill();
     let (d, daddr, _kv) = start_decode(&[]);
     let r = start_router(
         std::slice::from_ref(&daddr),

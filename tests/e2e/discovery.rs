@@ -46,7 +46,7 @@ fn decode(etcd: &Etcd, env: &[(&str, &str)], extra: &[&str]) -> (Proc, String) {
         format!("--lease-ttl-s={}", ttl_s()),
     ];
     args.extend(extra.iter().map(|s| s.to_string()));
-    let (p, line) = spawn_env(&args, Ready::DECODE, env);
+    let (p, line) = Launch::command(&args, Ready::DECODE).env(env).spawn();
     (p, ready_line(&line).grpc().to_string())
 }
 

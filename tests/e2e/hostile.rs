@@ -287,8 +287,8 @@ async fn a_panicking_engine_fails_its_requests_and_its_worker_stops() {
     // Both workers would panic in their fourth step: a request moved to the other one would
     // take it down as well.
     let hook = [("TANDEM_TEST_PANIC_AT_STEP", "4")];
-    let (a, a_addr, _) = start_decode_env(&[], &hook);
-    let (b, b_addr, _) = start_decode_env(&[], &hook);
+    let (a, a_addr, _) = Launch::decode().env(&hook).spawn_decode();
+    let (b, b_addr, _) = Launch::decode().env(&hook).spawn_decode();
     let r = start_router(&[a_addr, b_addr], &[]);
     wait_ready(&r, 2).await;
     let http = r.http.as_str();

@@ -124,16 +124,15 @@ async fn one_trace_spans_router_decode_and_prefill_with_the_kv_transfer_under_th
         ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
         ("OTEL_BSP_SCHEDULE_DELAY", "100"),
     ];
-    let (_p, paddr) = start_prefill_env(&[], &env);
-    let (_d, daddr, _kv) = start_decode_env(&[], &env);
-    let r = start_router_env(
-        std::slice::from_ref(&daddr),
-        &[
+    let (_p, paddr) = Launch::prefill().env(&env).spawn_prefill();
+    let (_d, daddr, _kv) = Launch::decode().env(&env).spawn_decode();
+    let r = Launch::router(std::slice::from_ref(&daddr))
+        .args(&[
             &format!("--prefill-workers={paddr}"),
             "--disagg-min-tokens=64",
-        ],
-        &env,
-    );
+        ])
+        .env(&env)
+        .spawn_router();
     wait_ready(&r, 1).await;
     let model = router_state(&r.http).await["model"]
         .as_str()
@@ -342,9 +341,11 @@ async fn a_migration_is_a_span_and_the_new_workers_request_hangs_from_it() {
         ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
         ("OTEL_BSP_SCHEDULE_DELAY", "100"),
     ];
-    let (d1, a1, _) = start_decode_env(&[], &env);
-    let (d2, a2, _) = start_decode_env(&[], &env);
-    let r = start_router_env(&[a1.clone(), a2.clone()], &[], &env);
+    let (d1, a1, _) = Launch::decode().env(&env).spawn_decode();
+    let (d2, a2, _) = Launch::decode().env(&env).spawn_decode();
+    let r = Launch::router(&[a1.clone(), a2.clone()])
+        .env(&env)
+        .spawn_router();
     wait_ready(&r, 2).await;
     let resp = reqwest::Client::new()
         .post(format!("{}/v1/completions", r.http))
