@@ -17,7 +17,7 @@ use clap::Args;
 use tandem_bench::load::dataset::{Dataset, DatasetSpec, LenDist};
 use tandem_bench::load::measure::Slo;
 use tandem_bench::load::run::{HttpTarget, Plan, Target};
-use tandem_bench::load::schedule::{Arrival, Bound, Shape};
+use tandem_bench::load::schedule::{Arrival, Shape, StopAfter};
 use tandem_bench::load::{agent, execute, report, Bench, Report, Sweep};
 use tandem_discovery::Ready;
 use tandem_engine::{EngineError, EngineHandle};
@@ -254,7 +254,7 @@ impl BenchServeArgs {
         };
         Ok(Plan {
             shape,
-            bound: Bound {
+            bound: StopAfter {
                 requests,
                 duration: self.duration.map(Duration::from_secs_f64),
             },

@@ -16,7 +16,7 @@ use serde_json::{json, Value};
 use tandem_bench::load::dataset::{Dataset, DatasetSpec, LenDist, Prompt};
 use tandem_bench::load::measure::Slo;
 use tandem_bench::load::run::{run, HttpTarget, Plan, Progress, Share, Target, Watch};
-use tandem_bench::load::schedule::{Arrival, Bound, Shape};
+use tandem_bench::load::schedule::{Arrival, Shape, StopAfter};
 use tandem_bench::load::{agent, execute, report, Bench, RunResult};
 
 /// The server's script, by prompt length: 1 → HTTP 503; 2 → the stream closes before its
@@ -98,7 +98,7 @@ fn prompt_len(d: &Dataset, i: usize) -> usize {
 fn plan(shape: Shape, requests: usize) -> Plan {
     Plan {
         shape,
-        bound: Bound {
+        bound: StopAfter {
             requests: Some(requests),
             duration: None,
         },

@@ -479,7 +479,7 @@ struct Progress {
 }
 
 /// The bound on a whole attempt, at the worker's rate.
-struct Bound {
+struct AttemptBound {
     at: Instant,
     /// Seconds it allows, from the start or from the latest frame.
     secs: f64,
@@ -536,7 +536,7 @@ impl Progress {
     /// prompt from the start, or, once KV frames arrive, the prompt from the latest one (the
     /// queue ahead is done then, and what is left is this prompt's computing and sending, which
     /// a slow link may stretch past any bound on computing alone), whichever is later.
-    fn bound(&self) -> Option<Bound> {
+    fn bound(&self) -> Option<AttemptBound> {
         let rate = self.rate?;
         let allowance = |tokens: f64| {
             let secs = self.d.stall.as_secs_f64() + self.d.slack * tokens / rate;
@@ -544,7 +544,7 @@ impl Progress {
         };
         let tokens = self.queued as f64 + self.uncached as f64;
         let secs = allowance(tokens);
-        let whole = Bound {
+        let whole = AttemptBound {
             at: self.started + Duration::from_secs_f64(secs),
             secs,
             tokens,
@@ -558,7 +558,7 @@ impl Progress {
         let secs = allowance(tokens);
         let at = frame + Duration::from_secs_f64(secs);
         Some(if at > whole.at {
-            Bound {
+            AttemptBound {
                 at,
                 secs,
                 tokens,
@@ -586,7 +586,7 @@ impl Progress {
     fn why(&self, now: Instant) -> String {
         match self.bound().filter(|b| b.at <= now) {
             Some(b) => {
-                let Bound {
+                let AttemptBound {
                     secs, tokens, rate, ..
                 } = b;
                 let what = match b.from_frame {

@@ -154,16 +154,9 @@ impl FramePlan {
 mod tests {
     use super::*;
 
+    /// Three ranks of one head each.
     fn shape() -> KvShape {
-        KvShape {
-            model: "m".into(),
-            layers: 2,
-            kv_heads: 3,
-            head_dim: 4,
-            block_size: 2,
-            dtype: "f32".into(),
-            pieces: vec![0..1, 1..2, 2..3],
-        }
+        crate::shape::tests::shape("f32", vec![0..1, 1..2, 2..3])
     }
 
     /// Two blocks from a sender whose three ranks hold one head each: per head, per layer.

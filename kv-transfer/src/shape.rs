@@ -187,10 +187,11 @@ pub fn regroup(shape: &KvShape, have: &[(Range<u32>, &[u8])], want: Range<u32>) 
 #[cfg(test)]
 // Lists of KV head ranges with a single range (every head) are what these tests mean.
 #[allow(clippy::single_range_in_vec_init)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn shape(dtype: &str, pieces: Vec<Range<u32>>) -> KvShape {
+    /// A small cache of 2 layers, 3 KV heads of 4 values and blocks of 2, held as `pieces`.
+    pub(crate) fn shape(dtype: &str, pieces: Vec<Range<u32>>) -> KvShape {
         KvShape {
             model: "m".into(),
             layers: 2,

@@ -54,10 +54,10 @@ pub use client::{Connect, WorkerClient, WorkerStream};
 pub use discovery::Discovery;
 pub use dispatch::{
     Chunk, DispatchConfig, Dispatcher, FinishKind, GenParams, Generation, MaxTokensDefault,
-    Prepared, PromptInput, RequestId, ServedModel, TokenOut, Usage,
+    Prepared, PromptInput, RouterRequestId, ServedModel, TokenOut, Usage,
 };
 pub use error::ApiError;
-pub use front::{ApiKeys, FrontDoor, FrontDoorArgs, FrontDoorError, Limits};
+pub use front::{ApiKeys, ConnLimits, FrontDoor, FrontDoorArgs, FrontDoorError};
 pub use grpc::GenerationService;
 pub use metrics::RouterMetrics;
 pub use openai::routes;
@@ -209,7 +209,7 @@ pub enum RouterError {
 
 /// Where the router ended up listening.
 #[derive(Clone, Copy, Debug)]
-pub struct Bound {
+pub struct Listening {
     /// The OpenAI-compatible HTTP API's address (the real port when 0 was asked for).
     pub http: SocketAddr,
     /// The `tandem.v1.Generation` gRPC API's address.
@@ -228,7 +228,7 @@ async fn bind(host: &str, port: u16) -> Result<TcpListener, RouterError> {
 pub async fn serve(
     args: RouterArgs,
     model: ServedModel,
-    on_bound: impl FnOnce(Bound),
+    on_bound: impl FnOnce(Listening),
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), RouterError> {
     let door = args.door.resolve()?;
@@ -306,7 +306,7 @@ pub async fn serve(
     ));
     let http = bind(&args.host, args.http_port).await?;
     let grpc = bind(&args.host, args.grpc_port).await?;
-    let bound = Bound {
+    let bound = Listening {
         http: http
             .local_addr()
             .map_err(|e| RouterError::Serve(e.to_string()))?,

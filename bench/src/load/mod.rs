@@ -339,7 +339,7 @@ pub async fn execute(bench: &Bench, targets: &[Target], description: String) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use schedule::{Arrival, Bound};
+    use schedule::{Arrival, StopAfter};
 
     #[test]
     fn sweeps_parse_and_set_each_points_shape() {
@@ -358,7 +358,7 @@ mod tests {
                 ramp: None,
                 max_in_flight: Some(4),
             },
-            bound: Bound {
+            bound: StopAfter {
                 requests: Some(10),
                 duration: None,
             },

@@ -16,7 +16,7 @@ use tokio::sync::Semaphore;
 use super::dataset::{Dataset, Message, Prompt, Session, Turn};
 use super::measure::{Gaps, Measured, Record};
 use super::metrics::scrape_gauge;
-use super::schedule::{arrival_times, Bound, Shape};
+use super::schedule::{arrival_times, Shape, StopAfter};
 
 /// Where requests go.
 #[derive(Clone)]
@@ -69,7 +69,7 @@ pub struct Plan {
     /// Closed or open loop.
     pub shape: Shape,
     /// When sending stops.
-    pub bound: Bound,
+    pub bound: StopAfter,
     /// The first sessions are sent but not measured.
     pub warmup: usize,
     /// Seed of the arrival times (the dataset has its own).

@@ -66,14 +66,14 @@ pub enum Shape {
 
 /// When the run stops sending.
 #[derive(Clone, Copy, Debug, Serialize, Deserialize)]
-pub struct Bound {
+pub struct StopAfter {
     /// After this many requests (warmup included).
     pub requests: Option<usize>,
     /// After this long.
     pub duration: Option<Duration>,
 }
 
-impl Bound {
+impl StopAfter {
     /// Whether request `i` (0-based), due `at` after the start, is still sent.
     pub fn admits(&self, i: usize, at: Duration) -> bool {
         self.requests.is_none_or(|n| i < n) && self.duration.is_none_or(|d| at < d)
@@ -87,7 +87,7 @@ pub fn arrival_times(
     rate: f64,
     arrival: Arrival,
     ramp: Option<Duration>,
-    bound: Bound,
+    bound: StopAfter,
     seed: u64,
 ) -> Vec<Duration> {
     assert!(rate > 0.0, "an open loop needs a positive rate");
@@ -132,8 +132,8 @@ pub fn arrival_times(
 mod tests {
     use super::*;
 
-    fn bound(n: usize) -> Bound {
-        Bound {
+    fn bound(n: usize) -> StopAfter {
+        StopAfter {
             requests: Some(n),
             duration: None,
         }
@@ -209,7 +209,7 @@ mod tests {
 
     #[test]
     fn constant_arrivals_are_evenly_spaced_and_bounded_by_duration() {
-        let b = Bound {
+        let b = StopAfter {
             requests: None,
             duration: Some(Duration::from_secs(2)),
         };

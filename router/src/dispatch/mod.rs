@@ -128,16 +128,16 @@ pub enum MaxTokensDefault {
 /// The router's name for one request: unique within the cluster's routers (this process's id
 /// and a counter), sent to the worker and used in the OpenAI response ids and in logs.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct RequestId(String);
+pub struct RouterRequestId(String);
 
-impl RequestId {
+impl RouterRequestId {
     /// The id as text.
     pub fn as_str(&self) -> &str {
         &self.0
     }
 }
 
-impl std::fmt::Display for RequestId {
+impl std::fmt::Display for RouterRequestId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(&self.0)
     }
@@ -146,7 +146,7 @@ impl std::fmt::Display for RequestId {
 /// A request ready for a worker.
 pub struct Prepared {
     /// The id this router gave the request.
-    pub request_id: RequestId,
+    pub request_id: RouterRequestId,
     /// The prompt's token ids (never empty).
     pub prompt: Vec<u32>,
     /// The request's parameters as the API gave them.

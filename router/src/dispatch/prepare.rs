@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use tandem_types::SamplingParams;
 
 use super::{
-    Dispatcher, GenParams, MaxTokensDefault, Prepared, PromptInput, RequestId, ServedModel,
+    Dispatcher, GenParams, MaxTokensDefault, Prepared, PromptInput, RouterRequestId, ServedModel,
 };
 use crate::error::ApiError;
 
@@ -225,7 +225,7 @@ impl Dispatcher {
                 context,
             });
         }
-        let request_id = RequestId(format!(
+        let request_id = RouterRequestId(format!(
             "{}-{}",
             self.id_prefix,
             self.next_id.fetch_add(1, Ordering::Relaxed)

@@ -11,7 +11,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::time::Sleep;
 
-use super::Limits;
+use super::ConnLimits;
 
 /// The bytes of one connection, TLS or not.
 pub(super) enum Wire {
@@ -38,7 +38,7 @@ pub struct Conn {
 pub(super) const OPENING_BYTES: usize = 24;
 
 impl Conn {
-    pub(super) fn new(wire: Wire, limits: &Limits) -> Self {
+    pub(super) fn new(wire: Wire, limits: &ConnLimits) -> Self {
         let tcp = match &wire {
             Wire::Plain(s) => s,
             Wire::Tls(s) => s.get_ref().0,

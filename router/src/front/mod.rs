@@ -156,7 +156,7 @@ pub enum FrontDoorError {
 
 /// How long a client may take, and how much it may send, on every connection.
 #[derive(Clone, Copy, Debug)]
-pub struct Limits {
+pub struct ConnLimits {
     /// Largest request body, in bytes.
     pub max_body: usize,
     /// Largest request head (request line and headers), in bytes.
@@ -182,7 +182,7 @@ pub struct FrontDoor {
     /// Keys `/metrics` requires; empty: open.
     pub metrics_keys: Arc<ApiKeys>,
     /// The limits on every client connection.
-    pub limits: Limits,
+    pub limits: ConnLimits,
     /// HTTP's acceptor (ALPN h2 and http/1.1) and gRPC's (h2 only), when TLS is on.
     pub tls: Option<(TlsAcceptor, TlsAcceptor)>,
 }
@@ -235,7 +235,7 @@ impl FrontDoorArgs {
         Ok(FrontDoor {
             api_keys: Arc::new(ApiKeys::new(&keys)?),
             metrics_keys: Arc::new(ApiKeys::new(&self.metrics_api_keys)?),
-            limits: Limits {
+            limits: ConnLimits {
                 max_body: self.max_body_bytes,
                 max_header_bytes: self.max_header_bytes,
                 max_headers: self.max_headers,

@@ -14,14 +14,14 @@ use tokio::sync::mpsc;
 use tokio_rustls::TlsAcceptor;
 
 use super::conn::{Conn, Wire};
-use super::Limits;
+use super::ConnLimits;
 
 /// Accepts connections until the receiver is dropped. Each TLS handshake runs in its own task
 /// under the header timeout, so a client that stalls it holds nothing but its socket.
 pub fn accept(
     listener: TcpListener,
     tls: Option<TlsAcceptor>,
-    limits: Limits,
+    limits: ConnLimits,
 ) -> mpsc::Receiver<Conn> {
     let (tx, rx) = mpsc::channel(64);
     tokio::spawn(async move {
@@ -72,7 +72,7 @@ pub fn accept(
 pub async fn serve_http(
     mut conns: mpsc::Receiver<Conn>,
     app: axum::Router,
-    limits: Limits,
+    limits: ConnLimits,
     stop: impl Future<Output = ()>,
 ) {
     let mut builder = auto::Builder::new(TokioExecutor::new());

@@ -117,8 +117,8 @@ fn tls_files_that_are_not_pem_are_a_clear_error() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-fn limits(header: u64, write: u64) -> Limits {
-    Limits {
+fn limits(header: u64, write: u64) -> ConnLimits {
+    ConnLimits {
         max_body: 1 << 20,
         max_header_bytes: DEFAULT_MAX_HEADER_BYTES,
         max_headers: DEFAULT_MAX_HEADERS,
@@ -131,7 +131,7 @@ fn limits(header: u64, write: u64) -> Limits {
 }
 
 /// A connected pair: the server side as a [`Conn`], and the client's socket.
-async fn pair(l: Limits) -> (Conn, TcpStream) {
+async fn pair(l: ConnLimits) -> (Conn, TcpStream) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let client = TcpStream::connect(listener.local_addr().unwrap())
         .await

@@ -11,7 +11,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
 use crate::error::ApiError;
-use crate::front::Limits;
+use crate::front::ConnLimits;
 use crate::metrics::RouterMetrics;
 
 /// The budget counts bodies in KiB, so that a budget of gigabytes fits a semaphore's permits.
@@ -30,7 +30,7 @@ pub(super) struct BodyLimits {
 }
 
 impl BodyLimits {
-    pub(super) fn new(limits: &Limits, metrics: Arc<RouterMetrics>) -> Self {
+    pub(super) fn new(limits: &ConnLimits, metrics: Arc<RouterMetrics>) -> Self {
         let units = (limits.body_in_flight / BUDGET_UNIT).clamp(1, Semaphore::MAX_PERMITS);
         Self {
             max: limits.max_body,
