@@ -3,7 +3,7 @@
 //! its header took the checksum, as a bad link or a bad NIC would. Everything else about the
 //! transport (the handshake, sealing, batching) is the production path.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 /// Which frame to damage. Clones share one count, over every stream the transport opens.
@@ -13,6 +13,8 @@ pub struct WireFault {
     nth: usize,
     /// Block frames sent so far.
     seen: Arc<AtomicUsize>,
+    /// Whether the damage was done.
+    done: Arc<AtomicBool>,
 }
 
 impl WireFault {
@@ -21,12 +23,13 @@ impl WireFault {
         Self {
             nth: nth.max(1),
             seen: Arc::default(),
+            done: Arc::default(),
         }
     }
 
-    /// Whether the damage was done.
+    /// Whether the damage was done (a frame with a payload was damaged).
     pub fn fired(&self) -> bool {
-        self.seen.load(Ordering::SeqCst) >= self.nth
+        self.done.load(Ordering::SeqCst)
     }
 
     /// Counts one block frame going out: its damaged payload if it is the one.
@@ -36,6 +39,7 @@ impl WireFault {
             let mut body = payload.to_vec();
             let mid = body.len() / 2;
             body[mid] ^= 0x40;
+            self.done.store(true, Ordering::SeqCst);
             body
         })
     }

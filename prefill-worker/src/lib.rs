@@ -11,9 +11,8 @@
 //! decode worker over a [`KvTransport`] while the engine computes the next chunk; then it answers
 //! with the first token. A cancelled call (the decode worker gave up or its client left) drops the
 //! engine request and the connection, which stops both compute and transfer. Every status it
-//! answers with is made from an [`ErrorKind`] (`tandem_proto::wire::status`), so its codes are
-//! the ones every other path uses for the same fault.
-
+//! answers with is made from an [`tandem_engine::ErrorKind`] (`tandem_proto::wire::status`), so
+//! its codes are the ones every other path uses for the same fault.
 //!
 //! Files, by concern (as in tandem-decode-worker): this one holds the service, its limits and
 //! `serve`; `admission` checks a call and admits it by the queue's expected wait; `push` runs an

@@ -870,7 +870,7 @@ static ONE_WORKER: tokio::sync::OnceCell<OneWorker> = tokio::sync::OnceCell::con
 /// themselves. (A tokio mutex: a scenario that fails does not poison the others' turns.)
 static TURN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-/// The shared cluster, ready, and this scenario's turn on it; the scenario ends with
+/// The shared cluster, ready and idle, and this scenario's turn on it; the scenario ends with
 /// [`OneWorker::done`].
 async fn one_worker() -> (tokio::sync::MutexGuard<'static, ()>, &'static OneWorker) {
     let turn = TURN.lock().await;
@@ -902,6 +902,8 @@ async fn one_worker() -> (tokio::sync::MutexGuard<'static, ()>, &'static OneWork
             }
         })
         .await;
+    // Idle whatever the scenario before did (one that failed did not reach its `done`).
+    wait_idle(&c.worker).await;
     (turn, c)
 }
 

@@ -83,7 +83,10 @@ pub struct StepPlan<'e> {
     max_ctx: usize,
     budget: usize,
     planned: Vec<(usize, usize)>,
-    /// Blocks the running sequences need to grow a while (computed at the first admission).
+    /// Per running sequence, whether it is in `planned`.
+    in_plan: Vec<bool>,
+    /// Blocks the running sequences need to grow a while (computed at the first admission after
+    /// the running set or its reservations last changed).
     headroom: Option<usize>,
 }
 
@@ -100,6 +103,7 @@ impl<'e> StepPlan<'e> {
     ) -> Self {
         Self {
             budget: config.max_batched_tokens,
+            in_plan: vec![false; running.len()],
             running,
             waiting,
             blocks,
@@ -117,7 +121,8 @@ impl<'e> StepPlan<'e> {
         self.planned
     }
 
-    /// Tokens the step may still take (`max_batched_tokens` less what is planned).
+    /// Tokens the step may still take: `max_batched_tokens` less what was planned (the tokens of
+    /// a planned sequence that was then preempted stay spent).
     pub fn budget(&self) -> usize {
         self.budget
     }
@@ -134,7 +139,7 @@ impl<'e> StepPlan<'e> {
 
     /// Whether `running(i)` is in the plan already.
     pub fn is_planned(&self, i: usize) -> bool {
-        self.planned.iter().any(|&(p, _)| p == i)
+        self.in_plan[i]
     }
 
     /// The queue, head first (preempted sequences are at the head).
@@ -156,7 +161,10 @@ impl<'e> StepPlan<'e> {
             return false;
         }
         self.planned.push((i, take));
+        self.in_plan[i] = true;
         self.budget -= take;
+        // Its reservation changed what the pool holds and what it still needs.
+        self.headroom = None;
         true
     }
 
@@ -210,6 +218,7 @@ impl<'e> StepPlan<'e> {
         self.headroom = Some(headroom + s.growth_blocks(block_size, lookahead, max_ctx));
         self.running.push(s);
         self.planned.push((self.running.len() - 1, take));
+        self.in_plan.push(true);
         self.budget -= take;
         true
     }
@@ -239,6 +248,7 @@ impl<'e> StepPlan<'e> {
             let victim = self.running.len() - 1;
             // (Its tokens stay spent from the budget: the step is planned as it was.)
             self.planned.retain(|&(p, _)| p != victim);
+            self.in_plan.pop();
             self.preempt(victim);
             if victim == i {
                 return false;
@@ -331,9 +341,16 @@ impl Scheduler for StaticBatches {
             .chain(plan.waiting().map(|s| s.id))
             .any(|id| members.contains(&id));
         if !alive {
+            // A new batch: what runs already (when this policy took over mid-flight), then the
+            // head of the queue up to the batch's size.
             let mut next: Vec<RequestId> = Vec::with_capacity(self.size);
+            for id in (0..plan.running_len()).map(|i| plan.running(i).id) {
+                if !next.contains(&id) {
+                    next.push(id);
+                }
+            }
             for s in plan.waiting() {
-                if next.len() == self.size {
+                if next.len() >= self.size {
                     break;
                 }
                 if !next.contains(&s.id) {
@@ -344,13 +361,24 @@ impl Scheduler for StaticBatches {
         }
         Continuous::run_running(plan);
         // Members wait at the head of the queue: they were its first when the batch was formed,
-        // later requests queue behind them, and preempted ones go back to the head.
-        while plan
-            .waiting()
-            .next()
-            .is_some_and(|s| self.members.contains(&s.id))
-            && plan.admit()
-        {}
+        // later requests queue behind them, and preempted ones go back to the head. Should the
+        // head be no member with nothing running (a sequence that joined from elsewhere, then
+        // was preempted), it joins the batch: the engine never idles with work queued.
+        loop {
+            let Some(head) = plan.waiting().next() else {
+                break;
+            };
+            let member = self.members.contains(&head.id);
+            if !member && plan.running_len() > 0 {
+                break;
+            }
+            if !plan.admit() {
+                break;
+            }
+            if !member {
+                self.members.push(head.id);
+            }
+        }
     }
 }
 
@@ -509,6 +537,57 @@ mod tests {
         assert_eq!(&order[..3], [(0, false), (1, false), (2, false)]);
         assert_eq!(bits(&done), bits(&continuous));
         assert_eq!(bits(&one), bits(&continuous));
+    }
+
+    /// Switched to mid-flight, over a pool so small that sequences are preempted: what ran
+    /// under the old policy is part of the first batch (were the batch only the waiting one, a
+    /// preempted sequence at the head would wait behind it forever), and everything finishes as
+    /// it would have.
+    #[test]
+    fn static_batches_taking_over_mid_flight_finish_everything() {
+        let cfg = EngineConfig {
+            block_size: 4,
+            num_blocks: Some(12),
+            admission_lookahead: 0,
+            max_seqs: 4,
+            ..config()
+        };
+        // Four run when the policy changes, the fifth waits.
+        let requests = || {
+            (0..5u32)
+                .map(|i| req(vec![3 + i, 4, 5, 6, 7, 8], 12))
+                .collect::<Vec<_>>()
+        };
+        let mut e = engine(cfg.clone());
+        for (i, r) in requests().into_iter().enumerate() {
+            e.add(RequestId(i as u64), r).unwrap();
+        }
+        let mut done = Vec::new();
+        for _ in 0..2 {
+            done.extend(e.step().unwrap().0);
+        }
+        let st = e.stats();
+        assert_eq!((st.running, st.waiting), (4, 1), "before the switch");
+        e.set_scheduler(Box::new(StaticBatches::new(1)));
+        assert_eq!(e.scheduler_name(), "static");
+        let mut steps = 0;
+        while e.has_work() {
+            done.extend(e.step().unwrap().0);
+            steps += 1;
+            assert!(steps < 1000, "no progress");
+        }
+        let mut finished: Vec<Finished> = done
+            .into_iter()
+            .filter_map(|ev| match ev {
+                Event::Finished(f) => Some(f),
+                _ => None,
+            })
+            .collect();
+        finished.sort_by_key(|f| f.request);
+        assert!(e.stats().preemptions > 0, "the pool was short");
+        let (alone, _) = serve(Box::new(Continuous), requests());
+        assert_eq!(bits(&finished), bits(&alone));
+        assert_eq!(e.stats().blocks_used, 0);
     }
 
     #[test]

@@ -197,11 +197,12 @@ impl Launch {
     /// The command, not started.
     pub fn to_command(&self) -> Command {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_tandem"));
-        cmd.args(&self.args)
+        // The test's variables first: the log level and the cluster's secret are always these.
+        cmd.envs(self.env.iter().map(|(k, v)| (k, v)))
+            .args(&self.args)
             .stderr(Stdio::inherit())
             .env("TANDEM_LOG", "warn")
-            .env("TANDEM_KV_SECRET", KV_SECRET)
-            .envs(self.env.iter().map(|(k, v)| (k, v)));
+            .env("TANDEM_KV_SECRET", KV_SECRET);
         cmd
     }
 
