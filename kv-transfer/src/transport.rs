@@ -261,13 +261,17 @@ impl KvStream for TcpKvStream {
                     .collect();
                 // Under fault injection, a payload damaged after its header took the checksum.
                 #[cfg(feature = "fault-injection")]
-                let damaged: Vec<Option<Vec<u8>>> = batch
-                    .iter()
-                    .map(|f| self.fault.as_ref().and_then(|x| x.damage(f.payload)))
-                    .collect();
+                let damaged: Vec<Option<Vec<u8>>> = match &self.fault {
+                    Some(fault) => batch.iter().map(|f| fault.damage(f.payload)).collect(),
+                    None => Vec::new(),
+                };
                 #[cfg(feature = "fault-injection")]
-                let payload =
-                    |i: usize, f: &'a BlockFrame<'a>| damaged[i].as_deref().unwrap_or(f.payload);
+                let payload = |i: usize, f: &'a BlockFrame<'a>| {
+                    damaged
+                        .get(i)
+                        .and_then(|d| d.as_deref())
+                        .unwrap_or(f.payload)
+                };
                 #[cfg(not(feature = "fault-injection"))]
                 let payload = |_: usize, f: &'a BlockFrame<'a>| f.payload;
                 let mut slices: Vec<std::io::IoSlice<'_>> = headers

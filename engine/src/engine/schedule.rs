@@ -12,12 +12,10 @@
 //! joins it until all of it is done: the static batcher the benchmarks compare against; size 1
 //! serves one request at a time).
 
-use std::collections::VecDeque;
 use std::time::Instant;
 
-use super::{EngineConfig, EngineStats, RequestId, Seq};
-use crate::block_manager::{BlockManager, PoolFull};
-use tandem_types::BlockId;
+use super::{Engine, RequestId, Seq};
+use crate::block_manager::PoolFull;
 
 /// Decides what runs in each step. The engine calls [`Scheduler::schedule`] once per step, after
 /// dropping cancelled and stopped sequences; whatever the plan holds when it returns is the
@@ -74,13 +72,8 @@ impl SeqInfo {
 /// [`Scheduler`] builds a step from. Indices into the running set are oldest admission first;
 /// preemption takes the last.
 pub struct StepPlan<'e> {
-    running: &'e mut Vec<Seq>,
-    waiting: &'e mut VecDeque<Seq>,
-    blocks: &'e BlockManager,
-    copies: &'e mut Vec<(BlockId, BlockId)>,
-    stats: &'e mut EngineStats,
-    config: &'e EngineConfig,
-    max_ctx: usize,
+    /// The engine whose step this is (its scheduler is out of it while the plan is made).
+    e: &'e mut Engine,
     budget: usize,
     planned: Vec<(usize, usize)>,
     /// Per running sequence, whether it is in `planned`.
@@ -91,26 +84,11 @@ pub struct StepPlan<'e> {
 }
 
 impl<'e> StepPlan<'e> {
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn new(
-        running: &'e mut Vec<Seq>,
-        waiting: &'e mut VecDeque<Seq>,
-        blocks: &'e BlockManager,
-        copies: &'e mut Vec<(BlockId, BlockId)>,
-        stats: &'e mut EngineStats,
-        config: &'e EngineConfig,
-        max_ctx: usize,
-    ) -> Self {
+    pub(super) fn new(e: &'e mut Engine) -> Self {
         Self {
-            budget: config.max_batched_tokens,
-            in_plan: vec![false; running.len()],
-            running,
-            waiting,
-            blocks,
-            copies,
-            stats,
-            config,
-            max_ctx,
+            budget: e.config.max_batched_tokens,
+            in_plan: vec![false; e.running.len()],
+            e,
             planned: Vec::new(),
             headroom: None,
         }
@@ -129,12 +107,12 @@ impl<'e> StepPlan<'e> {
 
     /// Sequences running (admitted, holding blocks).
     pub fn running_len(&self) -> usize {
-        self.running.len()
+        self.e.running.len()
     }
 
     /// The running sequence at `i` (oldest admission first).
     pub fn running(&self, i: usize) -> SeqInfo {
-        SeqInfo::of(&self.running[i])
+        SeqInfo::of(&self.e.running[i])
     }
 
     /// Whether `running(i)` is in the plan already.
@@ -144,7 +122,7 @@ impl<'e> StepPlan<'e> {
 
     /// The queue, head first (preempted sequences are at the head).
     pub fn waiting(&self) -> impl Iterator<Item = SeqInfo> + '_ {
-        self.waiting.iter().map(SeqInfo::of)
+        self.e.waiting.iter().map(SeqInfo::of)
     }
 
     /// Plans the next chunk of `running(i)`: its pending tokens, as many as the budget allows.
@@ -153,7 +131,7 @@ impl<'e> StepPlan<'e> {
     /// every sequence after it: the running set then ends before `i`. Nothing is planned when
     /// the budget is spent or `i` is planned already.
     pub fn run(&mut self, i: usize) -> bool {
-        let take = self.running[i].pending().min(self.budget);
+        let take = self.e.running[i].pending().min(self.budget);
         if take == 0 || self.is_planned(i) {
             return true;
         }
@@ -176,48 +154,49 @@ impl<'e> StepPlan<'e> {
     /// run), and so is anything when nothing runs. False when nothing was admitted: the head
     /// keeps its place.
     pub fn admit(&mut self) -> bool {
-        if self.budget == 0 || self.running.len() >= self.config.max_seqs {
+        if self.budget == 0 || self.e.running.len() >= self.e.config.max_seqs {
             return false;
         }
         let (block_size, lookahead, max_ctx) = (
-            self.config.block_size,
-            self.config.admission_lookahead,
-            self.max_ctx,
+            self.e.config.block_size,
+            self.e.config.admission_lookahead,
+            self.e.backend.config().max_position_embeddings,
         );
         let headroom = *self.headroom.get_or_insert_with(|| {
-            self.running
+            self.e
+                .running
                 .iter()
                 .map(|r| r.growth_blocks(block_size, lookahead, max_ctx))
                 .sum()
         });
-        let Some(s) = self.waiting.front_mut() else {
+        let Some(s) = self.e.waiting.front_mut() else {
             return false;
         };
-        if !self.running.is_empty() && self.running.len() + s.width() > self.config.max_seqs {
+        if !self.e.running.is_empty() && self.e.running.len() + s.width() > self.e.config.max_seqs {
             return false;
         }
         let mut hit = 0;
-        if self.config.prefix_caching && s.blocks.is_empty() {
+        if self.e.config.prefix_caching && s.blocks.is_empty() {
             hit = s.blocks.reuse_prefix(&s.tokens);
             s.computed = hit;
         }
         let take = s.pending().min(self.budget);
         let own = s.growth_blocks(block_size, lookahead, max_ctx);
-        let fits = self.running.is_empty() || self.blocks.available() >= own + headroom;
+        let fits = self.e.running.is_empty() || self.e.blocks.available() >= own + headroom;
         if !fits || !s.blocks.reserve(s.computed + take) {
             // Not now: give the reused blocks back (they stay cached) and keep its place.
             s.blocks.clear();
             s.computed = 0;
             return false;
         }
-        self.stats.prefix_lookup_tokens += s.tokens.len() as u64;
-        self.stats.prefix_hit_tokens += hit as u64;
-        let mut s = self.waiting.pop_front().expect("front exists");
+        self.e.stats.prefix_lookup_tokens += s.tokens.len() as u64;
+        self.e.stats.prefix_hit_tokens += hit as u64;
+        let mut s = self.e.waiting.pop_front().expect("front exists");
         s.cached_prompt_tokens.get_or_insert(hit.min(s.prompt_len));
         s.admitted.get_or_insert_with(Instant::now);
         self.headroom = Some(headroom + s.growth_blocks(block_size, lookahead, max_ctx));
-        self.running.push(s);
-        self.planned.push((self.running.len() - 1, take));
+        self.e.running.push(s);
+        self.planned.push((self.e.running.len() - 1, take));
         self.in_plan.push(true);
         self.budget -= take;
         true
@@ -228,13 +207,13 @@ impl<'e> StepPlan<'e> {
     /// had to go.
     fn make_room(&mut self, i: usize, take: usize) -> bool {
         loop {
-            let s = &mut self.running[i];
+            let s = &mut self.e.running[i];
             if s.blocks.reserve(s.computed + take) {
                 // The step writes from `computed` on: a block there that a parallel sample
                 // shares is copied first (the rest of the range is in blocks just reserved).
                 match s.blocks.make_writable(s.computed) {
                     Ok(Some(copy)) => {
-                        self.copies.push(copy);
+                        self.e.copies.push(copy);
                         return true;
                     }
                     Ok(None) => return true,
@@ -245,7 +224,7 @@ impl<'e> StepPlan<'e> {
             // decoding after `i` was admitted (a remote prefill that arrived, a forked sample)
             // is planned in the decode pass before `i`'s prompt chunk. It is the last index, so
             // taking it out of the plan leaves every other index as it was.
-            let victim = self.running.len() - 1;
+            let victim = self.e.running.len() - 1;
             // (Its tokens stay spent from the budget: the step is planned as it was.)
             self.planned.retain(|&(p, _)| p != victim);
             self.in_plan.pop();
@@ -258,14 +237,14 @@ impl<'e> StepPlan<'e> {
 
     /// Releases a running sequence's blocks and puts it at the head of the queue.
     fn preempt(&mut self, i: usize) {
-        let mut s = self.running.remove(i);
+        let mut s = self.e.running.remove(i);
         s.blocks.clear();
         s.computed = 0;
         s.preemptions += 1;
-        self.stats.preemptions += 1;
+        self.e.stats.preemptions += 1;
         self.headroom = None;
         tracing::debug!(request = s.id.0, tokens = s.tokens.len(), "preempted");
-        self.waiting.push_front(s);
+        self.e.waiting.push_front(s);
     }
 }
 
@@ -386,7 +365,7 @@ impl Scheduler for StaticBatches {
 mod tests {
     use super::*;
     use crate::engine::tests::{config, engine, req};
-    use crate::engine::{Event, Finished, Request};
+    use crate::engine::{EngineConfig, Event, Finished, Request};
 
     /// A test policy: admits everything it can, then runs only the newest running sequence
     /// (last in, first out), and records the running set it saw at each step.

@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 
-use super::schedule::StepPlan;
+use super::schedule::{Continuous, StepPlan};
 use super::types::RATE_WEIGHT;
 use super::{finish_reason, Engine, Event, FinishReason, Finished, Seq, StepStats, TokenEvent};
 use crate::error::EngineError;
@@ -313,17 +313,14 @@ impl Engine {
 
     /// Decides this step's work, `(index into running, new tokens)`, through the scheduler.
     fn schedule(&mut self) -> Vec<(usize, usize)> {
-        let mut plan = StepPlan::new(
-            &mut self.running,
-            &mut self.waiting,
-            &self.blocks,
-            &mut self.copies,
-            &mut self.stats,
-            &self.config,
-            self.backend.config().max_position_embeddings,
-        );
-        self.scheduler.schedule(&mut plan);
-        plan.into_planned()
+        // The policy plans through the engine itself, so it is out of the engine meanwhile (the
+        // stand-in is a unit struct: no allocation).
+        let mut scheduler = std::mem::replace(&mut self.scheduler, Box::new(Continuous));
+        let mut plan = StepPlan::new(self);
+        scheduler.schedule(&mut plan);
+        let planned = plan.into_planned();
+        self.scheduler = scheduler;
+        planned
     }
 }
 
