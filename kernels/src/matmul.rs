@@ -17,7 +17,7 @@
 
 use rayon::prelude::*;
 
-use crate::simd::{dot_quant_x1, dot_tile, has_quant_x1, QUANT_X1_ROWS, TILE_M, TILE_R, TILE_R1};
+use crate::simd::{dot_quant_x1, dot_tile, has_quant_x1, TILE_M, TILE_R, TILE_R1};
 use crate::{KernelError, Weight};
 
 /// Output rows per rayon task: large enough to amortize scheduling, small enough to balance two
@@ -68,10 +68,7 @@ pub fn matmul(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) -> Result<(), Ke
                 let rb = data.len() / n;
                 // SAFETY: outputs r0.. +rows of the one row are this task's.
                 let o = unsafe { std::slice::from_raw_parts_mut(dst.at(r0), rows) };
-                for (i, o) in o.chunks_mut(QUANT_X1_ROWS).enumerate() {
-                    let at = (r0 + i * QUANT_X1_ROWS) * rb;
-                    dot_quant_x1(*ty, &data[at..at + o.len() * rb], rb, x, o);
-                }
+                dot_quant_x1(*ty, &data[r0 * rb..(r0 + rows) * rb], rb, x, o);
             }
             // The decoded tile lives in a per-thread buffer: allocating it per task would map
             // and unmap pages (and shoot down TLBs on every core) thousands of times a step.

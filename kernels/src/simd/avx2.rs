@@ -282,18 +282,44 @@ unsafe fn hsum_pairs(v: __m256) -> f32 {
     ))
 }
 
-/// Blocks whose scales [`dot_quant_x1`] converts at a time (into a buffer on the stack).
-const X1_BLOCKS: usize = 64;
-
-/// One activation row `x` against `R` split Q4_1 (`q8 = false`) or Q8_0 rows of `rb` bytes at
-/// `rows`, `rb` apart: each block decoded in registers to exactly what [`dequant_q4_1`] /
-/// [`dequant_q8_0`] write, and dotted in [`dot_tile`]'s order (one 8-lane chain per row, `t` in
-/// order, [`hsum_pairs`]): the bits of decoding the rows and calling `dot_tile::<1, R>`, without
-/// the decoded rows' round trip through memory. The f16 scales (and mins) of a run of blocks are
-/// converted eight at a time first: one at a time, each cost as much as the block's nibbles.
+/// One activation row `x` against `n` split Q4_1 (`Q8 = false`) or Q8_0 rows of `rb` bytes at
+/// `rows`, `rb` apart, [`X1_GROUP`] rows at a time ([`x1_group`]); `out` gets the `n` dots.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_quant_x1<const R: usize>(
-    q8: bool,
+pub unsafe fn dot_quant_x1<const Q8: bool>(
+    rows: *const u8,
+    rb: usize,
+    n: usize,
+    x: *const f32,
+    k: usize,
+    out: *mut f32,
+) {
+    let mut r = 0;
+    while r + X1_GROUP <= n {
+        x1_group::<Q8, X1_GROUP>(rows.add(r * rb), rb, x, k, out.add(r));
+        r += X1_GROUP;
+    }
+    match n - r {
+        1 => x1_group::<Q8, 1>(rows.add(r * rb), rb, x, k, out.add(r)),
+        2 => x1_group::<Q8, 2>(rows.add(r * rb), rb, x, k, out.add(r)),
+        3 => x1_group::<Q8, 3>(rows.add(r * rb), rb, x, k, out.add(r)),
+        _ => {}
+    }
+}
+
+/// Weight rows [`dot_quant_x1`] takes at a time: four independent chains, with the decode's
+/// multiply-adds between them, cover the FMA latency.
+const X1_GROUP: usize = 4;
+
+/// One activation row `x` against `R` split rows of `rb` bytes at `rows`, `rb` apart: each block
+/// decoded in registers to exactly what [`dequant_q4_1`] / [`dequant_q8_0`] write, and dotted in
+/// [`dot_tile`]'s order (one 8-lane chain per row, `t` in order, [`hsum_pairs`]): the bits of
+/// decoding the rows and calling `dot_tile::<1, R>`, without the decoded rows' round trip through
+/// memory. Each block's f16 scale (and min) is broadcast and widened where it is used: converting
+/// a run of them into a buffer first cost 10-15% more on Zen 3 (the buffer's reads wait on its
+/// fresh writes, and the run's scales arrive from memory before any of its quants).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn x1_group<const Q8: bool, const R: usize>(
     rows: *const u8,
     rb: usize,
     x: *const f32,
@@ -302,81 +328,56 @@ pub unsafe fn dot_quant_x1<const R: usize>(
 ) {
     let nb = k / 32;
     let mut acc = [_mm256_setzero_ps(); R];
-    // Per row: the run's scales, then (Q4_1) its mins.
-    // Not zeroed (2 KiB a call of four rows of 576 values would cost as much as their dots);
-    // only the slots written below are read.
-    let mut buf = std::mem::MaybeUninit::<[[f32; 2 * X1_BLOCKS]; R]>::uninit();
-    let sc = buf.as_mut_ptr() as *mut f32;
-    for b0 in (0..nb).step_by(X1_BLOCKS) {
-        let len = X1_BLOCKS.min(nb - b0);
-        for r in 0..R {
+    for b in 0..nb {
+        let xb = x.add(b * 32);
+        for (r, a) in acc.iter_mut().enumerate() {
             let row = rows.add(r * rb);
-            let halves = if q8 { 1 } else { 2 };
-            for h in 0..halves {
-                let src = row.add(2 * (h * nb + b0));
-                let dst = sc.add((2 * r + h) * X1_BLOCKS);
-                let mut i = 0;
-                while i + 8 <= len {
-                    _mm256_storeu_ps(
-                        dst.add(i),
-                        _mm256_cvtph_ps(_mm_loadu_si128(src.add(2 * i) as *const __m128i)),
-                    );
-                    i += 8;
+            let d = f16_splat(row.add(2 * b));
+            let wv = if Q8 {
+                let qs = row.add(2 * nb + b * 32);
+                // One request a 64-byte line: two blocks.
+                if b % 2 == 0 {
+                    _mm_prefetch::<_MM_HINT_T0>(qs.wrapping_add(PREFETCH_AHEAD) as *const i8);
                 }
-                while i < len {
-                    *dst.add(i) = f16_load(src.add(2 * i));
-                    i += 1;
+                let q = bytes_i8(qs);
+                [
+                    _mm256_mul_ps(q[0], d),
+                    _mm256_mul_ps(q[1], d),
+                    _mm256_mul_ps(q[2], d),
+                    _mm256_mul_ps(q[3], d),
+                ]
+            } else {
+                let qs = row.add(4 * nb + b * 16);
+                // One request a 64-byte line: four blocks.
+                if b % 4 == 0 {
+                    _mm_prefetch::<_MM_HINT_T0>(qs.wrapping_add(PREFETCH_AHEAD) as *const i8);
                 }
-            }
-        }
-        for b in b0..b0 + len {
-            let xb = x.add(b * 32);
-            let xv = [
-                _mm256_loadu_ps(xb),
-                _mm256_loadu_ps(xb.add(8)),
-                _mm256_loadu_ps(xb.add(16)),
-                _mm256_loadu_ps(xb.add(24)),
-            ];
-            for (r, a) in acc.iter_mut().enumerate() {
-                let row = rows.add(r * rb);
-                let d = _mm256_broadcast_ss(&*sc.add(2 * r * X1_BLOCKS + b - b0));
-                let wv = if q8 {
-                    let qs = row.add(2 * nb + b * 32);
-                    // One request a 64-byte line: two blocks.
-                    if b % 2 == 0 {
-                        _mm_prefetch::<_MM_HINT_T0>(qs.wrapping_add(PREFETCH_AHEAD) as *const i8);
-                    }
-                    let q = bytes_i8(qs);
-                    [
-                        _mm256_mul_ps(q[0], d),
-                        _mm256_mul_ps(q[1], d),
-                        _mm256_mul_ps(q[2], d),
-                        _mm256_mul_ps(q[3], d),
-                    ]
-                } else {
-                    let qs = row.add(4 * nb + b * 16);
-                    // One request a 64-byte line: four blocks.
-                    if b % 4 == 0 {
-                        _mm_prefetch::<_MM_HINT_T0>(qs.wrapping_add(PREFETCH_AHEAD) as *const i8);
-                    }
-                    let m = _mm256_broadcast_ss(&*sc.add((2 * r + 1) * X1_BLOCKS + b - b0));
-                    let q = nibbles(qs);
-                    [
-                        _mm256_fmadd_ps(q[0], d, m),
-                        _mm256_fmadd_ps(q[1], d, m),
-                        _mm256_fmadd_ps(q[2], d, m),
-                        _mm256_fmadd_ps(q[3], d, m),
-                    ]
-                };
-                for (xj, wj) in xv.iter().zip(&wv) {
-                    *a = _mm256_fmadd_ps(*xj, *wj, *a);
-                }
+                let m = f16_splat(row.add(2 * (nb + b)));
+                let q = nibbles(qs);
+                [
+                    _mm256_fmadd_ps(q[0], d, m),
+                    _mm256_fmadd_ps(q[1], d, m),
+                    _mm256_fmadd_ps(q[2], d, m),
+                    _mm256_fmadd_ps(q[3], d, m),
+                ]
+            };
+            // The activations are read again for each row (from L1, as the multiply-adds'
+            // memory operands): held in registers, they left too few for four rows' decoding.
+            for (j, wj) in wv.iter().enumerate() {
+                *a = _mm256_fmadd_ps(_mm256_loadu_ps(xb.add(8 * j)), *wj, *a);
             }
         }
     }
     for (r, a) in acc.iter().enumerate() {
         *out.add(r) = hsum_pairs(*a);
     }
+}
+
+/// The f16 at `p` widened into all eight lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn f16_splat(p: *const u8) -> __m256 {
+    _mm256_cvtph_ps(_mm_set1_epi16((p as *const i16).read_unaligned()))
 }
 
 /// See [`super::dot_tile`]: `M` activation rows against `R` weight rows, one 8-lane accumulator

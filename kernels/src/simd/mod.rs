@@ -467,43 +467,33 @@ fn dequant_split_portable(ty: GgmlType, row: &[u8], out: &mut [f32]) {
     }
 }
 
-/// Weight rows of one [`dot_quant_x1`] call at most.
-pub const QUANT_X1_ROWS: usize = 4;
-
 /// Whether [`dot_quant_x1`] serves rows of `ty` in this process (split Q4_1/Q8_0 rows, AVX2 and
 /// up).
 pub fn has_quant_x1(ty: GgmlType) -> bool {
     is_split(ty) && has_avx2_fma()
 }
 
-/// `out[r] = x · row r` for `out.len()` (at most [`QUANT_X1_ROWS`]) split rows of `ty`, `rb`
-/// bytes each, at `rows`: decoded in registers, the same bits as decoding the rows
-/// ([`dequant_row`]) and taking [`dot_tile`] of them with the one row `x`. Only where
-/// [`has_quant_x1`].
+/// `out[r] = x · row r` for the `out.len()` split rows of `ty`, `rb` bytes each, at `rows`:
+/// decoded in registers, the same bits as decoding the rows ([`dequant_row`]) and taking
+/// [`dot_tile`] of them with the one row `x`. Only where [`has_quant_x1`].
 #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
 pub fn dot_quant_x1(ty: GgmlType, rows: &[u8], rb: usize, x: &[f32], out: &mut [f32]) {
     let n = out.len();
     assert!(
-        has_quant_x1(ty)
-            && n <= QUANT_X1_ROWS
-            && rows.len() >= n * rb
-            && x.len().is_multiple_of(32),
+        has_quant_x1(ty) && rows.len() >= n * rb && x.len().is_multiple_of(32),
         "dot_quant_x1: {n} {ty} rows"
     );
     assert_eq!(ty.bytes_for(x.len()), Some(rb), "dot_quant_x1: row length");
     #[cfg(target_arch = "x86_64")]
     {
-        let q8 = ty == GgmlType::Q8_0;
         let (p, xp, k, o) = (rows.as_ptr(), x.as_ptr(), x.len(), out.as_mut_ptr());
         // SAFETY: the CPU has AVX2, FMA and F16C (has_quant_x1); `rows` holds n rows of rb bytes
         // of k values, `out` n slots (asserted above).
         unsafe {
-            match n {
-                1 => avx2::dot_quant_x1::<1>(q8, p, rb, xp, k, o),
-                2 => avx2::dot_quant_x1::<2>(q8, p, rb, xp, k, o),
-                3 => avx2::dot_quant_x1::<3>(q8, p, rb, xp, k, o),
-                4 => avx2::dot_quant_x1::<4>(q8, p, rb, xp, k, o),
-                _ => {}
+            if ty == GgmlType::Q8_0 {
+                avx2::dot_quant_x1::<true>(p, rb, n, xp, k, o)
+            } else {
+                avx2::dot_quant_x1::<false>(p, rb, n, xp, k, o)
             }
         }
     }
