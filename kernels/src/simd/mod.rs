@@ -296,10 +296,10 @@ pub unsafe fn dot_tile(
         return go!(avx2::dot_tile);
     }
     // SSE2 has 16 registers of 4 lanes: an 8-lane accumulator takes two, and a tile of 4 × 3
-    // outputs spilled most of them (the scalar level's products ran 10-15% slower than the
-    // `gemm` crate it replaced). Its tiles are cut to what fits, 2 × 2 outputs or 1 × 3 for
-    // one activation row; each output is still the same one dot product, so the bits do not
-    // change with the cut.
+    // outputs spilled most of them (the scalar level's prefill and batch-32 decode ran 11-13%
+    // slower than before the batch-invariant products). Its tiles are cut to what fits, 2 × 2
+    // outputs or 1 × 3 for one activation row; each output is still the same one dot product,
+    // so the bits do not change with the cut.
     #[cfg(target_arch = "x86_64")]
     {
         let (tm, tr) = if m == 1 { (1, 3) } else { (2, 2) };
