@@ -67,10 +67,11 @@ fn long_prompt(salt: u32, len: usize) -> Vec<u32> {
     p
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn disaggregated_output_is_exact_and_only_uncached_blocks_move() {
-    let (_p, paddr) = start_prefill(&[]);
-    let (_d, daddr, _kv) = start_decode(&[]);
+/// A prefill worker, a decode worker and a router that prefills every prompt remotely; the
+/// processes, the router and the decode worker's address.
+async fn remote_prefill_cluster() -> (Proc, Proc, Router, String) {
+    let (p, paddr) = start_prefill(&[]);
+    let (d, daddr, _kv) = start_decode(&[]);
     let r = start_router(
         std::slice::from_ref(&daddr),
         &[
@@ -79,6 +80,36 @@ async fn disaggregated_output_is_exact_and_only_uncached_blocks_move() {
         ],
     );
     wait_ready(&r, 1).await;
+    (p, d, r, daddr)
+}
+
+/// Every one of the cluster's `remote` requests was prefilled on the prefill worker and its KV
+/// crossed whole: none prefilled locally, no transfer failed, and the decode worker ends idle.
+async fn all_prefilled_remotely(r: &Router, daddr: &str, remote: f64) {
+    let rm = scrape(&r.http).await;
+    assert_eq!(
+        metric(&rm, r#"tandem_prefill_requests_total{mode="remote"}"#),
+        remote
+    );
+    assert_eq!(
+        metric(&rm, r#"tandem_prefill_requests_total{mode="local"}"#),
+        0.0
+    );
+    let dm = scrape(daddr).await;
+    assert_eq!(
+        metric(&dm, r#"tandem_kv_transfers_total{result="ok"}"#),
+        remote
+    );
+    assert_eq!(
+        metric(&dm, r#"tandem_kv_transfers_total{result="failed"}"#),
+        0.0
+    );
+    wait_idle(daddr).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disaggregated_output_is_exact_and_only_uncached_blocks_move() {
+    let (_p, _d, r, daddr) = remote_prefill_cluster().await;
     let per_block = bytes_per_block();
     let block_tokens = 16usize;
     let recs = golden();
@@ -130,33 +161,21 @@ async fn disaggregated_output_is_exact_and_only_uncached_blocks_move() {
     );
     remote += 1.0;
     assert_eq!(ids, local_reference(&daddr, &turn2, 12).await);
+    all_prefilled_remotely(&r, &daddr, remote).await;
+}
 
-    // Structured outputs across the split: the prefill worker samples the first token under the
-    // grammar (free text there would break every JSON below) and the decode worker goes on from
-    // it. Each schema once, greedy, every answer validated against its schema.
+/// Structured outputs across the split: the prefill worker samples the first token under the
+/// grammar (free text there would break every JSON below) and the decode worker goes on from
+/// it. Each schema once, greedy, every answer validated against its schema. (A test of its own,
+/// on its own cluster, so that it runs beside the golden records above.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn structured_outputs_hold_their_schemas_across_the_split() {
+    let (_p, _d, r, daddr) = remote_prefill_cluster().await;
     let models = models(&r.http).await;
     let model = models["data"][0]["id"].as_str().unwrap();
-    remote += structured_python_client(&format!("{}/v1", r.http), model, true).await as f64;
-
-    let rm = scrape(&r.http).await;
-    assert_eq!(
-        metric(&rm, r#"tandem_prefill_requests_total{mode="remote"}"#),
-        remote
-    );
-    assert_eq!(
-        metric(&rm, r#"tandem_prefill_requests_total{mode="local"}"#),
-        0.0
-    );
-    let dm = scrape(&daddr).await;
-    assert_eq!(
-        metric(&dm, r#"tandem_kv_transfers_total{result="ok"}"#),
-        remote
-    );
-    assert_eq!(
-        metric(&dm, r#"tandem_kv_transfers_total{result="failed"}"#),
-        0.0
-    );
-    wait_idle(&daddr).await;
+    let remote = structured_python_client(&format!("{}/v1", r.http), model, true).await as f64;
+    assert!(remote > 0.0);
+    all_prefilled_remotely(&r, &daddr, remote).await;
 }
 
 /// Waits until the router sees exactly `n` prefill workers ready.
