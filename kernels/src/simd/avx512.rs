@@ -300,3 +300,147 @@ pub unsafe fn dequant_q8_0(row: &[u8], out: &mut [f32]) {
         b0 += cnt;
     }
 }
+
+/// The sixteen lanes of `v` summed as `l_i + l_{i+8}` for each `i < 8`, then those eight as
+/// [`dot_tile`]'s AVX2 tree `((s0+s1)+(s2+s3)) + ((s4+s5)+(s6+s7))`: the reduction of this
+/// level's product order.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn hsum16(v: __m512) -> f32 {
+    let s = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps::<1>(v));
+    let h = _mm256_hadd_ps(s, s);
+    let h = _mm256_hadd_ps(h, h);
+    _mm_cvtss_f32(_mm_add_ss(
+        _mm256_castps256_ps128(h),
+        _mm256_extractf128_ps(h, 1),
+    ))
+}
+
+/// See [`super::dot_tile`]: this level's order is sixteen lanes, lane `l` one FMA chain over
+/// `t ≡ l (mod 16)` in increasing `t`, reduced by [`hsum16`], then the `k mod 16` last terms one
+/// at a time. `M` activation rows against `R` weight rows, one 16-lane accumulator each.
+#[target_feature(enable = "avx512f,avx512dq,avx2,fma")]
+pub unsafe fn dot_tile<const M: usize, const R: usize>(
+    x: *const f32,
+    ldx: usize,
+    w: *const f32,
+    ldw: usize,
+    k: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    let mut acc = [[_mm512_setzero_ps(); R]; M];
+    let k16 = k / 16 * 16;
+    let mut t = 0;
+    while t < k16 {
+        let mut wv = [_mm512_setzero_ps(); R];
+        for (r, v) in wv.iter_mut().enumerate() {
+            *v = _mm512_loadu_ps(w.add(r * ldw + t));
+        }
+        for (a, acc) in acc.iter_mut().enumerate() {
+            let xv = _mm512_loadu_ps(x.add(a * ldx + t));
+            for (c, v) in acc.iter_mut().zip(&wv) {
+                *c = _mm512_fmadd_ps(xv, *v, *c);
+            }
+        }
+        t += 16;
+    }
+    for (a, acc) in acc.iter().enumerate() {
+        for (r, c) in acc.iter().enumerate() {
+            let mut s = hsum16(*c);
+            for t in k16..k {
+                s = (*x.add(a * ldx + t)).mul_add(*w.add(r * ldw + t), s);
+            }
+            *out.add(a * ldo + r) = s;
+        }
+    }
+}
+
+/// The f16 at `p` widened into all sixteen lanes.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,f16c")]
+unsafe fn f16_splat16(p: *const u8) -> __m512 {
+    _mm512_cvtph_ps(_mm256_set1_epi16((p as *const i16).read_unaligned()))
+}
+
+/// Weight rows [`dot_quant_x1`] takes at a time (as at AVX2: four chains cover the FMA latency).
+const X1_GROUP: usize = 4;
+
+/// One activation row `x` against `n` split Q4_1 (`Q8 = false`) or Q8_0 rows of `rb` bytes at
+/// `rows`, `rb` apart; `out` gets the `n` dots, the bits of decoding the rows and taking this
+/// level's [`dot_tile`] of them (see the AVX2 level's `dot_quant_x1`).
+#[target_feature(enable = "avx512f,avx512dq,avx2,fma,f16c")]
+pub unsafe fn dot_quant_x1<const Q8: bool>(
+    rows: *const u8,
+    rb: usize,
+    n: usize,
+    x: *const f32,
+    k: usize,
+    out: *mut f32,
+) {
+    let mut r = 0;
+    while r + X1_GROUP <= n {
+        x1_group::<Q8, X1_GROUP>(rows.add(r * rb), rb, x, k, out.add(r));
+        r += X1_GROUP;
+    }
+    match n - r {
+        1 => x1_group::<Q8, 1>(rows.add(r * rb), rb, x, k, out.add(r)),
+        2 => x1_group::<Q8, 2>(rows.add(r * rb), rb, x, k, out.add(r)),
+        3 => x1_group::<Q8, 3>(rows.add(r * rb), rb, x, k, out.add(r)),
+        _ => {}
+    }
+}
+
+/// `R` rows of [`dot_quant_x1`]: each 32-value block decoded in registers into two 16-lane
+/// vectors (elements 0-15 and 16-31), exactly what this level's dequantization writes, and
+/// multiplied into one accumulator a row, elements 0-15 first: lane `l` takes `t ≡ l (mod 16)`
+/// in increasing `t`, [`dot_tile`]'s order.
+#[inline]
+#[target_feature(enable = "avx512f,avx512dq,avx2,fma,f16c")]
+unsafe fn x1_group<const Q8: bool, const R: usize>(
+    rows: *const u8,
+    rb: usize,
+    x: *const f32,
+    k: usize,
+    out: *mut f32,
+) {
+    let nb = k / 32;
+    let mut acc = [_mm512_setzero_ps(); R];
+    let low = _mm512_set1_epi32(0x0f);
+    for b in 0..nb {
+        let xb = x.add(b * 32);
+        for (r, a) in acc.iter_mut().enumerate() {
+            let row = rows.add(r * rb);
+            let d = f16_splat16(row.add(2 * b));
+            let (w0, w1) = if Q8 {
+                let qs = row.add(2 * nb + b * 32);
+                if b % 2 == 0 {
+                    _mm_prefetch::<_MM_HINT_T0>(qs.wrapping_add(PREFETCH_AHEAD) as *const i8);
+                }
+                let q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(qs as *const __m128i));
+                let q1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(qs.add(16) as *const __m128i));
+                (
+                    _mm512_mul_ps(_mm512_cvtepi32_ps(q0), d),
+                    _mm512_mul_ps(_mm512_cvtepi32_ps(q1), d),
+                )
+            } else {
+                let qs = row.add(4 * nb + b * 16);
+                if b % 4 == 0 {
+                    _mm_prefetch::<_MM_HINT_T0>(qs.wrapping_add(PREFETCH_AHEAD) as *const i8);
+                }
+                let m = f16_splat16(row.add(2 * (nb + b)));
+                // Byte i holds element i (low nibble) and element 16 + i (high nibble).
+                let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(qs as *const __m128i));
+                (
+                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low)), d, m),
+                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v)), d, m),
+                )
+            };
+            *a = _mm512_fmadd_ps(_mm512_loadu_ps(xb), w0, *a);
+            *a = _mm512_fmadd_ps(_mm512_loadu_ps(xb.add(16)), w1, *a);
+        }
+    }
+    for (r, a) in acc.iter().enumerate() {
+        *out.add(r) = hsum16(*a);
+    }
+}

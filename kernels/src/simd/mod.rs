@@ -248,11 +248,13 @@ pub const TILE_R1: usize = 6;
 /// batch-invariant order, see `matmul`'s module doc). `m ≤` [`TILE_M`] and `rows ≤` [`TILE_R`],
 /// or `m = 1` and `rows ≤` [`TILE_R1`].
 ///
-/// Every output is computed the same way: eight lanes, lane `l` one FMA chain over `t ≡ l (mod
-/// 8)` in increasing `t` from zero, reduced as `((l0+l1)+(l2+l3)) + ((l4+l5)+(l6+l7))`, then the
-/// `k mod 8` last terms added one at a time. The AVX-512 and AMX levels run the AVX2 kernel, so
-/// every x86 level from AVX2 up gives the same bits; the portable level has the same order with
-/// its own multiply-add (unfused on x86's SSE2).
+/// Every output is computed one way at a level: at AVX2 (and the portable level, with its own
+/// multiply-add, unfused on x86's SSE2) eight lanes, lane `l` one FMA chain over `t ≡ l (mod 8)`
+/// in increasing `t` from zero, reduced as `((l0+l1)+(l2+l3)) + ((l4+l5)+(l6+l7))`, then the
+/// `k mod 8` last terms added one at a time; at AVX-512 and AMX the same with sixteen lanes
+/// (`l_i + l_{i+8}` first, then that tree, then the `k mod 16` last terms). Running AVX2's
+/// eight lanes there cost 22-41% of every bench figure on Zen 5 against the build before the
+/// batch-invariant products; the levels' bits differ, as attention's and the norms' already did.
 ///
 /// # Safety
 /// `x` holds `m` rows of `k` values `ldx` apart, `w` holds `rows` rows of `k` values `ldw` apart,
@@ -290,6 +292,10 @@ pub unsafe fn dot_tile(
                 _ => panic!("dot_tile: no kernel for {m} activation rows × {rows} weight rows"),
             }
         };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() {
+        return go!(avx512::dot_tile);
     }
     #[cfg(target_arch = "x86_64")]
     if has_avx2_fma() {
@@ -517,10 +523,11 @@ pub fn dot_quant_x1(ty: GgmlType, rows: &[u8], rb: usize, x: &[f32], out: &mut [
         // SAFETY: the CPU has AVX2, FMA and F16C (has_quant_x1); `rows` holds n rows of rb bytes
         // of k values, `out` n slots (asserted above).
         unsafe {
-            if ty == GgmlType::Q8_0 {
-                avx2::dot_quant_x1::<true>(p, rb, n, xp, k, o)
-            } else {
-                avx2::dot_quant_x1::<false>(p, rb, n, xp, k, o)
+            match (has_avx512(), ty == GgmlType::Q8_0) {
+                (true, true) => avx512::dot_quant_x1::<true>(p, rb, n, xp, k, o),
+                (true, false) => avx512::dot_quant_x1::<false>(p, rb, n, xp, k, o),
+                (false, true) => avx2::dot_quant_x1::<true>(p, rb, n, xp, k, o),
+                (false, false) => avx2::dot_quant_x1::<false>(p, rb, n, xp, k, o),
             }
         }
     }
@@ -880,6 +887,9 @@ mod tests {
             // SAFETY: guarded by the feature check.
             unsafe {
                 assert!(close(avx512::dot(&w, &x), wantf));
+                let mut t = [0f32; 1];
+                avx512::dot_tile::<1, 1>(x.as_ptr(), k, w.as_ptr(), k, k, t.as_mut_ptr(), 1);
+                assert!(close(t[0], wantf));
                 let mut o = vec![0f32; k];
                 // Decoding is exact at every level: the products' bits depend on it.
                 avx512::dequant_q4_1(&q41, &mut o);
