@@ -273,7 +273,7 @@ pub unsafe fn exp_shifted_sum(x: &mut [f32], max: f32) -> f32 {
 /// of [`dot_tile`]'s order (the portable level writes the same tree).
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn hsum_pairs(v: __m256) -> f32 {
+pub(super) unsafe fn hsum_pairs(v: __m256) -> f32 {
     let h = _mm256_hadd_ps(v, v); // l0+l1, l2+l3, .., l4+l5, l6+l7, ..
     let h = _mm256_hadd_ps(h, h); // (l0+l1)+(l2+l3) | (l4+l5)+(l6+l7)
     _mm_cvtss_f32(_mm_add_ss(

@@ -305,14 +305,11 @@ pub unsafe fn dequant_q8_0(row: &[u8], out: &mut [f32]) {
 /// [`dot_tile`]'s AVX2 tree `((s0+s1)+(s2+s3)) + ((s4+s5)+(s6+s7))`: the reduction of this
 /// level's product order.
 #[inline]
-#[target_feature(enable = "avx512f,avx2,fma")]
+#[target_feature(enable = "avx512f,avx512dq,avx2,fma")]
 unsafe fn hsum16(v: __m512) -> f32 {
-    let s = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps::<1>(v));
-    let h = _mm256_hadd_ps(s, s);
-    let h = _mm256_hadd_ps(h, h);
-    _mm_cvtss_f32(_mm_add_ss(
-        _mm256_castps256_ps128(h),
-        _mm256_extractf128_ps(h, 1),
+    super::avx2::hsum_pairs(_mm256_add_ps(
+        _mm512_castps512_ps256(v),
+        _mm512_extractf32x8_ps::<1>(v),
     ))
 }
 
