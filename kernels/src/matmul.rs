@@ -1,9 +1,9 @@
 //! `y = x · Wᵀ` for a batch of `m` activation rows.
 //!
 //! **Batch-invariant.** Every output element is one dot product taken in one fixed order (see
-//! [`crate::simd::dot_tile`]: eight lanes, each an FMA chain over the columns in order, reduced
-//! by one fixed tree), whatever `m` is, whichever rows share its register tile and however the
-//! work is split among threads. A row's outputs are therefore the same bits alone or in a batch
+//! [`crate::simd::dot_tile`]: eight lanes at AVX2, sixteen at AVX-512, each an FMA chain over
+//! the columns in order, reduced by one fixed tree), whatever `m` is, whichever rows share its
+//! register tile and however the work is split among threads. A row's outputs are therefore the same bits alone or in a batch
 //! of 64, in a prefill chunk or a decode step: what makes a seeded request give the same
 //! samples whatever else is running. (The earlier kernels took each regime its own way: a fused
 //! `d·Σq·x + m·Σx` dot for one row, two chains per row for a few, a chain per output for many,
@@ -17,7 +17,7 @@
 
 use rayon::prelude::*;
 
-use crate::simd::{dot_quant_x1, dot_tile, has_quant_x1, TILE_M, TILE_R, TILE_R1};
+use crate::simd::{dot_quant_x1, dot_tile, has_quant_x1, tile, TILE_R1};
 use crate::{KernelError, Weight};
 
 /// Output rows per rayon task: large enough to amortize scheduling, small enough to balance two
@@ -26,7 +26,7 @@ const ROWS_PER_TASK: usize = 64;
 
 /// Activation rows up to which a task decodes its weight rows [`SMALL_DECODE`] at a time (the
 /// decoded rows are used at once, from L1); above, the task's whole run is decoded first and the
-/// activations, in blocks of [`TILE_M`] rows, pass over it.
+/// activations, in blocks of the level's [`tile`] rows, pass over it.
 const SMALL_M: usize = 8;
 
 /// Weight rows decoded at a time for few activation rows: 12 rows of 1536 floats are 72 KiB,
@@ -51,8 +51,8 @@ pub fn matmul(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) -> Result<(), Ke
         return Ok(());
     }
     let dst = OutPtr(out.as_mut_ptr());
-    // Tasks own whole register tiles of weight rows (6 rows: both tile widths divide it).
-    let per_task = task_rows(n, TILE_R1);
+    // Tasks own whole register tiles of weight rows: a multiple of both tile widths.
+    let per_task = task_rows(n, task_unit());
     (0..n.div_ceil(per_task)).into_par_iter().for_each(|c| {
         let r0 = c * per_task;
         let rows = per_task.min(n - r0);
@@ -93,7 +93,7 @@ pub fn matmul(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) -> Result<(), Ke
 }
 
 /// Columns `c0.. +rows` of `out` (m × n): the `m` activation rows of `x` against `rows` weight
-/// rows of `k` at `w`, activation rows outermost in blocks of [`TILE_M`], so a block stays in L1
+/// rows of `k` at `w`, activation rows outermost in blocks of the [`tile`]'s, so a block stays in L1
 /// while the weight rows pass.
 ///
 /// # Safety
@@ -109,9 +109,14 @@ unsafe fn multiply(
     n: usize,
     c0: usize,
 ) {
-    let step = if m == 1 { TILE_R1 } else { TILE_R };
-    for a0 in (0..m).step_by(TILE_M) {
-        let ma = TILE_M.min(m - a0);
+    let (tile_m, tile_r) = tile();
+    let step = if m == 1 { TILE_R1 } else { tile_r };
+    // The activation rows in blocks as even as the tile allows (32 rows at 6: 6, 6, 5, 5, 5, 5,
+    // not five of 6 and one of 2, whose short tile loads a weight vector for two multiply-adds).
+    let blocks = m.div_ceil(tile_m);
+    let mut a0 = 0;
+    for b in 0..blocks {
+        let ma = m / blocks + usize::from(b < m % blocks);
         for i0 in (0..rows).step_by(step) {
             let nr = step.min(rows - i0);
             dot_tile(
@@ -126,6 +131,7 @@ unsafe fn multiply(
                 n,
             );
         }
+        a0 += ma;
     }
 }
 
@@ -148,6 +154,19 @@ impl OutPtr {
     pub(crate) unsafe fn at(&self, i: usize) -> *mut f32 {
         self.0.add(i)
     }
+}
+
+/// The weight rows a task's share is a multiple of: the least that both the one-row tile
+/// ([`TILE_R1`]) and this level's [`tile`] divide (6 at AVX2, 12 at AVX-512).
+fn task_unit() -> usize {
+    let r = tile().1;
+    let gcd = |mut a: usize, mut b: usize| {
+        while b != 0 {
+            (a, b) = (b, a % b);
+        }
+        a
+    };
+    TILE_R1 / gcd(TILE_R1, r) * r
 }
 
 /// Output rows per task for a product of `n` rows taken `unit` at a time (a register tile, or one

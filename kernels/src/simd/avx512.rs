@@ -313,10 +313,47 @@ unsafe fn hsum16(v: __m512) -> f32 {
     ))
 }
 
+/// Most accumulators of a [`dot_tile`] (6 × 4, or 1 × 6).
+const MAX_TILE: usize = 24;
+
+/// Eight vectors' [`hsum16`]s at once, in lane order, with the same additions: each vector's
+/// halves `l_i + l_{i+8}` (two vectors' to a register), then neighbouring pairs `l0+l1`,
+/// `l2+l3` and `(l0+l1)+(l2+l3)` within each 128-bit quarter, then the two quarters' sums added.
+/// 24 instructions instead of about a hundred. Only 512-bit forms (`vhaddps` has none): those
+/// can use all 32 registers, where a 6 × 4 tile's accumulators live.
+#[inline]
+#[target_feature(enable = "avx512f,avx512dq,avx512vl,avx2,fma")]
+unsafe fn hsum16x8(v: &[__m512; 8]) -> __m256 {
+    // Vector i's halves' sums in quarters of [i | i + 4].
+    let half = |a: __m512, b: __m512| {
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0x44>(a, b),
+            _mm512_shuffle_f32x4::<0xee>(a, b),
+        )
+    };
+    // Per quarter: [a0+a1, a2+a3, b0+b1, b2+b3].
+    let pairs = |a: __m512, b: __m512| {
+        _mm512_add_ps(
+            _mm512_shuffle_ps::<0x88>(a, b),
+            _mm512_shuffle_ps::<0xdd>(a, b),
+        )
+    };
+    let h = [
+        half(v[0], v[4]),
+        half(v[1], v[5]),
+        half(v[2], v[6]),
+        half(v[3], v[7]),
+    ];
+    // Quarters: [0..3 lanes 0-3 sums], [0..3 lanes 4-7], [4..7 lanes 0-3], [4..7 lanes 4-7].
+    let z = pairs(pairs(h[0], h[1]), pairs(h[2], h[3]));
+    let z = _mm512_shuffle_f32x4::<0xd8>(z, z); // quarters 0, 2, 1, 3
+    _mm256_add_ps(_mm512_castps512_ps256(z), _mm512_extractf32x8_ps::<1>(z))
+}
+
 /// See [`super::dot_tile`]: this level's order is sixteen lanes, lane `l` one FMA chain over
 /// `t ≡ l (mod 16)` in increasing `t`, reduced by [`hsum16`], then the `k mod 16` last terms one
 /// at a time. `M` activation rows against `R` weight rows, one 16-lane accumulator each.
-#[target_feature(enable = "avx512f,avx512dq,avx2,fma")]
+#[target_feature(enable = "avx512f,avx512dq,avx512vl,avx2,fma")]
 pub unsafe fn dot_tile<const M: usize, const R: usize>(
     x: *const f32,
     ldx: usize,
@@ -326,6 +363,7 @@ pub unsafe fn dot_tile<const M: usize, const R: usize>(
     out: *mut f32,
     ldo: usize,
 ) {
+    const { assert!(M * R <= MAX_TILE) };
     let mut acc = [[_mm512_setzero_ps(); R]; M];
     let k16 = k / 16 * 16;
     let mut t = 0;
@@ -342,22 +380,36 @@ pub unsafe fn dot_tile<const M: usize, const R: usize>(
         }
         t += 16;
     }
+    // The tile's sums, eight at a time where it has eight (the same tree as one at a time),
+    // from the accumulators stored in order (indexing them at run time would keep them in
+    // memory through the loop above).
+    let mut flat = std::mem::MaybeUninit::<[__m512; MAX_TILE]>::uninit();
+    let fp = flat.as_mut_ptr() as *mut __m512;
     for (a, acc) in acc.iter().enumerate() {
         for (r, c) in acc.iter().enumerate() {
-            let mut s = hsum16(*c);
+            fp.add(a * R + r).write(*c);
+        }
+    }
+    let mut sums = [[0f32; R]; M];
+    let sp = sums.as_mut_ptr() as *mut f32;
+    let mut i = 0;
+    while i + 8 <= M * R {
+        _mm256_storeu_ps(sp.add(i), hsum16x8(&*(fp.add(i) as *const [__m512; 8])));
+        i += 8;
+    }
+    while i < M * R {
+        *sp.add(i) = hsum16(*fp.add(i));
+        i += 1;
+    }
+    for (a, sums) in sums.iter().enumerate() {
+        for (r, &s) in sums.iter().enumerate() {
+            let mut s = s;
             for t in k16..k {
                 s = (*x.add(a * ldx + t)).mul_add(*w.add(r * ldw + t), s);
             }
             *out.add(a * ldo + r) = s;
         }
     }
-}
-
-/// The f16 at `p` widened into all sixteen lanes.
-#[inline]
-#[target_feature(enable = "avx512f,avx2,f16c")]
-unsafe fn f16_splat16(p: *const u8) -> __m512 {
-    _mm512_cvtph_ps(_mm256_set1_epi16((p as *const i16).read_unaligned()))
 }
 
 /// Weight rows [`dot_quant_x1`] takes at a time (as at AVX2: four chains cover the FMA latency).
@@ -404,38 +456,56 @@ unsafe fn x1_group<const Q8: bool, const R: usize>(
     let nb = k / 32;
     let mut acc = [_mm512_setzero_ps(); R];
     let low = _mm512_set1_epi32(0x0f);
-    for b in 0..nb {
-        let xb = x.add(b * 32);
-        for (r, a) in acc.iter_mut().enumerate() {
+    // Each row's scales (and Q4_1's minimums), sixteen blocks' at a time, widened to f32 in one
+    // conversion and broadcast from memory per block: the same values as widening each alone,
+    // in fewer instructions (one row through the model's products on Zen 5: 3.3 -> 2.9 ms).
+    let (mut dbuf, mut mbuf) = ([[0f32; 16]; R], [[0f32; 16]; R]);
+    let mut b0 = 0;
+    while b0 < nb {
+        let cnt = (nb - b0).min(16);
+        for r in 0..R {
             let row = rows.add(r * rb);
-            let d = f16_splat16(row.add(2 * b));
-            let (w0, w1) = if Q8 {
-                let qs = row.add(2 * nb + b * 32);
-                if b % 2 == 0 {
-                    _mm_prefetch::<_MM_HINT_T0>(qs.wrapping_add(PREFETCH_AHEAD) as *const i8);
-                }
-                let q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(qs as *const __m128i));
-                let q1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(qs.add(16) as *const __m128i));
-                (
-                    _mm512_mul_ps(_mm512_cvtepi32_ps(q0), d),
-                    _mm512_mul_ps(_mm512_cvtepi32_ps(q1), d),
-                )
-            } else {
-                let qs = row.add(4 * nb + b * 16);
-                if b % 4 == 0 {
-                    _mm_prefetch::<_MM_HINT_T0>(qs.wrapping_add(PREFETCH_AHEAD) as *const i8);
-                }
-                let m = f16_splat16(row.add(2 * (nb + b)));
-                // Byte i holds element i (low nibble) and element 16 + i (high nibble).
-                let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(qs as *const __m128i));
-                (
-                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low)), d, m),
-                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v)), d, m),
-                )
-            };
-            *a = _mm512_fmadd_ps(_mm512_loadu_ps(xb), w0, *a);
-            *a = _mm512_fmadd_ps(_mm512_loadu_ps(xb.add(16)), w1, *a);
+            _mm512_storeu_ps(dbuf[r].as_mut_ptr(), f16x16(row.add(2 * b0), cnt));
+            if !Q8 {
+                _mm512_storeu_ps(mbuf[r].as_mut_ptr(), f16x16(row.add(2 * (nb + b0)), cnt));
+            }
         }
+        for i in 0..cnt {
+            let b = b0 + i;
+            let xb = x.add(b * 32);
+            let (x0, x1) = (_mm512_loadu_ps(xb), _mm512_loadu_ps(xb.add(16)));
+            for (r, a) in acc.iter_mut().enumerate() {
+                let row = rows.add(r * rb);
+                let d = _mm512_set1_ps(dbuf[r][i]);
+                let (w0, w1) = if Q8 {
+                    let qs = row.add(2 * nb + b * 32);
+                    if b % 2 == 0 {
+                        _mm_prefetch::<_MM_HINT_T0>(qs.wrapping_add(PREFETCH_AHEAD) as *const i8);
+                    }
+                    let q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(qs as *const __m128i));
+                    let q1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(qs.add(16) as *const __m128i));
+                    (
+                        _mm512_mul_ps(_mm512_cvtepi32_ps(q0), d),
+                        _mm512_mul_ps(_mm512_cvtepi32_ps(q1), d),
+                    )
+                } else {
+                    let qs = row.add(4 * nb + b * 16);
+                    if b % 4 == 0 {
+                        _mm_prefetch::<_MM_HINT_T0>(qs.wrapping_add(PREFETCH_AHEAD) as *const i8);
+                    }
+                    let m = _mm512_set1_ps(mbuf[r][i]);
+                    // Byte i holds element i (low nibble) and element 16 + i (high nibble).
+                    let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(qs as *const __m128i));
+                    (
+                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low)), d, m),
+                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v)), d, m),
+                    )
+                };
+                *a = _mm512_fmadd_ps(x0, w0, *a);
+                *a = _mm512_fmadd_ps(x1, w1, *a);
+            }
+        }
+        b0 += cnt;
     }
     for (r, a) in acc.iter().enumerate() {
         *out.add(r) = hsum16(*a);
