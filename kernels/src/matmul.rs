@@ -1,13 +1,13 @@
 //! `y = x · Wᵀ` for a batch of `m` activation rows.
 //!
 //! **Batch-invariant.** Every output element is one dot product taken in one fixed order (see
-//! [`crate::simd::dot_tile`]: eight lanes at AVX2, sixteen at AVX-512, each an FMA chain over
-//! the columns in order, reduced by one fixed tree), whatever `m` is, whichever rows share its
-//! register tile and however the work is split among threads. A row's outputs are therefore the same bits alone or in a batch
-//! of 64, in a prefill chunk or a decode step: what makes a seeded request give the same
-//! samples whatever else is running. (The earlier kernels took each regime its own way: a fused
-//! `d·Σq·x + m·Σx` dot for one row, two chains per row for a few, a chain per output for many,
-//! the `gemm` crate for dense weights and AMX tiles above 16 rows; each gave other bits.)
+//! [`crate::simd::dot_tile`]: eight lanes at AVX2, sixteen at AVX-512, each an FMA chain over the
+//! columns in order, reduced by one fixed tree), whatever `m` is, whichever rows share its register
+//! tile and however the work is split among threads. A row's outputs are therefore the same bits
+//! alone or in a batch of 64, in a prefill chunk or a decode step: what makes a seeded request give
+//! the same samples whatever else is running. (The earlier kernels took each regime its own way: a
+//! fused `d·Σq·x + m·Σx` dot for one row, two chains per row for a few, a chain per output for
+//! many, the `gemm` crate for dense weights and AMX tiles above 16 rows; each gave other bits.)
 //!
 //! The work is parallel over runs of weight rows (output columns), so each weight is read and
 //! decoded once per call and no task waits on another. A task decodes its quantized rows to f32
@@ -17,7 +17,7 @@
 
 use rayon::prelude::*;
 
-use crate::simd::{dot_quant_x1, dot_tile, has_quant_x1, tile, TILE_R1};
+use crate::simd::{dot_quant_x1, dot_tile, dot_tile_span, has_quant_x1, has_spans, tile, TILE_R1};
 use crate::{KernelError, Weight};
 
 /// Output rows per rayon task: large enough to amortize scheduling, small enough to balance two
@@ -32,6 +32,13 @@ const SMALL_M: usize = 8;
 /// Weight rows decoded at a time for few activation rows: 12 rows of 1536 floats are 72 KiB,
 /// of 576 are 27 KiB.
 const SMALL_DECODE: usize = 12;
+
+/// Most columns a tile takes at a time where the level has [`dot_tile_span`]s. A block of 6
+/// activation rows of the down product's 1536 columns is 36 KiB and each weight tile (24 KiB)
+/// evicted it from L1; in two spans of 768 it is 18 KiB and stays. The down product of 512 rows
+/// on a 2-core Zen 5: 84 -> 70 ms (spans of 384: 75 ms); k up to 768 (q, k, v, o, gate, up)
+/// takes one span, as before.
+const SPAN: usize = 768;
 
 /// `out[m×n] = x[m×k] · Wᵀ` where `W` is `n×k`.
 pub fn matmul(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) -> Result<(), KernelError> {
@@ -114,9 +121,55 @@ unsafe fn multiply(
     // The activation rows in blocks as even as the tile allows (32 rows at 6: 6, 6, 5, 5, 5, 5,
     // not five of 6 and one of 2, whose short tile loads a weight vector for two multiply-adds).
     let blocks = m.div_ceil(tile_m);
+    let spans = if m > 1 && has_spans() {
+        (k / 16).div_ceil(SPAN / 16)
+    } else {
+        1
+    };
     let mut a0 = 0;
     for b in 0..blocks {
         let ma = m / blocks + usize::from(b < m % blocks);
+        if spans > 1 {
+            // Columns in spans of at most SPAN (multiples of 16; the last takes k's tail), each
+            // across all the run's weight rows, the lanes carried between spans per tile.
+            let span = (k / 16).div_ceil(spans) * 16;
+            STATE.with(|s| {
+                let mut s = s.borrow_mut();
+                let per_tile = ma * step * 16;
+                let need = rows.div_ceil(step) * per_tile;
+                if s.len() < need {
+                    s.resize(need, 0.0);
+                }
+                for t0 in (0..k).step_by(span) {
+                    let t1 = if t0 + span >= k / 16 * 16 {
+                        k
+                    } else {
+                        t0 + span
+                    };
+                    for (j, i0) in (0..rows).step_by(step).enumerate() {
+                        dot_tile_span(
+                            x.as_ptr().add(a0 * k),
+                            k,
+                            ma,
+                            w.add(i0 * k),
+                            k,
+                            step.min(rows - i0),
+                            t0,
+                            t1,
+                            k,
+                            s.as_mut_ptr().add(j * per_tile),
+                            dst.at(a0 * n + c0 + i0),
+                            n,
+                        );
+                    }
+                    if t1 == k {
+                        break;
+                    }
+                }
+            });
+            a0 += ma;
+            continue;
+        }
         for i0 in (0..rows).step_by(step) {
             let nr = step.min(rows - i0);
             dot_tile(
@@ -138,6 +191,8 @@ unsafe fn multiply(
 thread_local! {
     /// Decoded weight rows of a task, reused by every task this thread runs.
     static TILE: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// The lanes of a block of activation rows against a task's weight rows, between spans.
+    static STATE: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// `out` shared by tasks that write disjoint elements.
@@ -271,9 +326,18 @@ mod tests {
         };
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(41);
         // 100 rows (tasks end mid-tile), k a multiple of 32 for the quantized formats (75
-        // blocks: past the one-row kernel's run of 64 blocks' scales, not a multiple of 8); the
-        // f32 weight also with k = 37 (a tail past the last 8 lanes).
-        for (fmt, k) in [(0, 96), (0, 37), (1, 96), (2, 128), (1, 2400), (2, 2400)] {
+        // blocks: past the one-row kernel's run of 64 blocks' scales, not a multiple of 8, and
+        // taken in spans at AVX-512); the f32 weight also with k = 37 (a tail past the last 8
+        // lanes) and k = 1601 (spans and a tail).
+        for (fmt, k) in [
+            (0, 96),
+            (0, 37),
+            (0, 1601),
+            (1, 96),
+            (2, 128),
+            (1, 2400),
+            (2, 2400),
+        ] {
             let n = 100;
             let wf = rnd(n * k, 3 + k as u64);
             let w = match fmt {

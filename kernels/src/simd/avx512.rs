@@ -363,11 +363,44 @@ pub unsafe fn dot_tile<const M: usize, const R: usize>(
     out: *mut f32,
     ldo: usize,
 ) {
+    dot_tile_span::<M, R>(x, ldx, w, ldw, 0, k, k, std::ptr::null_mut(), out, ldo)
+}
+
+/// [`dot_tile`] over the columns `t0..t1` only: the lanes start from zero at `t0 = 0` and from
+/// the `M × R` vectors at `state` (row-major) otherwise, and are stored back there unreduced
+/// unless `t1` reaches `k`, when the sums are finished and written as [`dot_tile`] writes them.
+/// Every lane's chain still takes its columns in order, so a product taken in spans has the
+/// bits of one taken whole. `t0` is a multiple of 16.
+///
+/// # Safety
+/// As [`dot_tile`]; `state` holds `M × R` vectors unless the span is the whole of `0..k`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512dq,avx512vl,avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn dot_tile_span<const M: usize, const R: usize>(
+    x: *const f32,
+    ldx: usize,
+    w: *const f32,
+    ldw: usize,
+    t0: usize,
+    t1: usize,
+    k: usize,
+    state: *mut f32,
+    out: *mut f32,
+    ldo: usize,
+) {
     const { assert!(M * R <= MAX_TILE) };
     let mut acc = [[_mm512_setzero_ps(); R]; M];
+    if t0 > 0 {
+        for (a, acc) in acc.iter_mut().enumerate() {
+            for (r, c) in acc.iter_mut().enumerate() {
+                *c = _mm512_loadu_ps(state.add((a * R + r) * 16));
+            }
+        }
+    }
     let k16 = k / 16 * 16;
-    let mut t = 0;
-    while t < k16 {
+    let mut t = t0;
+    while t < t1.min(k16) {
         let mut wv = [_mm512_setzero_ps(); R];
         for (r, v) in wv.iter_mut().enumerate() {
             *v = _mm512_loadu_ps(w.add(r * ldw + t));
@@ -379,6 +412,14 @@ pub unsafe fn dot_tile<const M: usize, const R: usize>(
             }
         }
         t += 16;
+    }
+    if t1 < k {
+        for (a, acc) in acc.iter().enumerate() {
+            for (r, c) in acc.iter().enumerate() {
+                _mm512_storeu_ps(state.add((a * R + r) * 16), *c);
+            }
+        }
+        return;
     }
     // The tile's sums, eight at a time where it has eight (the same tree as one at a time),
     // from the accumulators stored in order (indexing them at run time would keep them in

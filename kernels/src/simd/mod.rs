@@ -377,6 +377,71 @@ pub unsafe fn dot_tile(
     go!(portable::dot_tile)
 }
 
+/// Whether [`dot_tile_span`] runs here (AVX-512 and up).
+pub fn has_spans() -> bool {
+    has_avx512()
+}
+
+/// [`dot_tile`] over the columns `t0..t1` of `k` only, `m` and `rows` within this level's
+/// [`tile`]: the lanes of the `m × rows` outputs carried in `state` (16 floats a lane vector)
+/// from one span to the next, and the sums finished and written at the span that reaches `k`.
+/// The lanes take their columns in order, so the outputs have [`dot_tile`]'s bits; the spans
+/// let the activation rows of a tile stay in L1 while many weight rows pass, when a whole row
+/// of `k` does not fit beside them. `t0` is a multiple of 16. Only where [`has_spans`].
+///
+/// # Safety
+/// As [`dot_tile`]; `state` holds `m × rows × 16` floats, written by the span before this one
+/// of the same outputs unless `t0 = 0`.
+#[allow(clippy::too_many_arguments)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
+pub unsafe fn dot_tile_span(
+    x: *const f32,
+    ldx: usize,
+    m: usize,
+    w: *const f32,
+    ldw: usize,
+    rows: usize,
+    t0: usize,
+    t1: usize,
+    k: usize,
+    state: *mut f32,
+    out: *mut f32,
+    ldo: usize,
+) {
+    assert!(
+        has_spans() && t0.is_multiple_of(16),
+        "dot_tile_span: not here"
+    );
+    #[cfg(target_arch = "x86_64")]
+    match (m, rows) {
+        (1, 1) => avx512::dot_tile_span::<1, 1>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+        (1, 2) => avx512::dot_tile_span::<1, 2>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+        (1, 3) => avx512::dot_tile_span::<1, 3>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+        (1, 4) => avx512::dot_tile_span::<1, 4>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+        (2, 1) => avx512::dot_tile_span::<2, 1>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+        (2, 2) => avx512::dot_tile_span::<2, 2>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+        (2, 3) => avx512::dot_tile_span::<2, 3>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+        (2, 4) => avx512::dot_tile_span::<2, 4>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+        (3, 1) => avx512::dot_tile_span::<3, 1>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+        (3, 2) => avx512::dot_tile_span::<3, 2>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+        (3, 3) => avx512::dot_tile_span::<3, 3>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+        (3, 4) => avx512::dot_tile_span::<3, 4>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+        (4, 1) => avx512::dot_tile_span::<4, 1>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+        (4, 2) => avx512::dot_tile_span::<4, 2>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+        (4, 3) => avx512::dot_tile_span::<4, 3>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+        (4, 4) => avx512::dot_tile_span::<4, 4>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+        (5, 1) => avx512::dot_tile_span::<5, 1>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+        (5, 2) => avx512::dot_tile_span::<5, 2>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+        (5, 3) => avx512::dot_tile_span::<5, 3>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+        (5, 4) => avx512::dot_tile_span::<5, 4>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+        (6, 1) => avx512::dot_tile_span::<6, 1>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+        (6, 2) => avx512::dot_tile_span::<6, 2>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+        (6, 3) => avx512::dot_tile_span::<6, 3>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+        (6, 4) => avx512::dot_tile_span::<6, 4>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+        _ => panic!("dot_tile_span: no kernel for {m} activation rows × {rows} weight rows"),
+    }
+}
+
 /// Independent FMA chains of 8-lane vectors in [`fma_burst`] (AVX2 and portable): enough to
 /// cover the latency of two FMA pipes, few enough to stay in 16 registers with the constants.
 const BURST_CHAINS_8: usize = 12;
