@@ -100,8 +100,8 @@ pub fn matmul(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) -> Result<(), Ke
 }
 
 /// Columns `c0.. +rows` of `out` (m × n): the `m` activation rows of `x` against `rows` weight
-/// rows of `k` at `w`, activation rows outermost in blocks of the [`tile`]'s, so a block stays in L1
-/// while the weight rows pass.
+/// rows of `k` at `w`, activation rows outermost in blocks of the [`tile`]'s, so a block stays in
+/// L1 while the weight rows pass (in spans of columns where rows are long, see [`SPAN`]).
 ///
 /// # Safety
 /// `w` holds `rows` rows of `k`; columns `c0.. +rows` of `out` belong to the caller's task.
