@@ -215,9 +215,9 @@ pub struct BenchEngineArgs {
     /// One JSON line (per run) instead of a table.
     #[arg(long)]
     json: bool,
-    /// Time each op of the decode steps' forward (each op waited for before the next starts)
-    /// and print a step's split: milliseconds, share of the step and, for the products, the
-    /// rate they read their weights at.
+    /// Time each op of the steps' forward (each op waited for before the next starts) and print
+    /// the prefill's split and a decode step's: milliseconds, share and, for the products, the
+    /// rates they read their weights at and compute at.
     #[arg(long)]
     profile: bool,
     /// Also decode under this JSON Schema (a file; bench/schemas/records.json never ends) and
@@ -396,8 +396,21 @@ fn bench_engine(a: BenchEngineArgs) -> Result<()> {
             r.decode_bytes_per_step / 1e6,
             100.0 * r.decode_bw_efficiency
         );
+        if let Some(ops) = &r.prefill_ops {
+            let title = format!(
+                "prefill by op ({} prompt tokens, ms of the whole prefill and share of its {:.2} ms):",
+                r.batch * r.prompt_len,
+                r.prefill_ms
+            );
+            print_ops(&title, ops, r.prefill_ms, &r);
+        }
         if let Some(ops) = &r.decode_ops {
-            print_ops(ops, &r);
+            print_ops(
+                "decode step by op (mean ms a step, share of the p50 step):",
+                ops,
+                r.step_ms_p50,
+                &r,
+            );
         }
     }
     if a.profile && r.decode_ops.is_none() && !a.json {
@@ -406,12 +419,17 @@ fn bench_engine(a: BenchEngineArgs) -> Result<()> {
     Ok(())
 }
 
-/// A decode step's split by op: milliseconds (the mean over the decode steps), share of the
-/// step (p50), and for the products the rates they read their weights at and compute at,
-/// against the copy rate and the FMA peak (one bounds a batch of one, the other a large batch).
-fn print_ops(ops: &[tandem_bench::OpShare], r: &tandem_bench::EngineReport) {
-    let step = r.step_ms_p50.max(1e-9);
-    println!("  decode step by op (mean ms a step, share of the p50 step):");
+/// A split by op (the prefill's or a decode step's): milliseconds, share of `total_ms`, and for
+/// the products the rates they read their weights at and compute at, against the copy rate and
+/// the FMA peak (one bounds a batch of one, the other a large batch or a prompt).
+fn print_ops(
+    title: &str,
+    ops: &[tandem_bench::OpShare],
+    total_ms: f64,
+    r: &tandem_bench::EngineReport,
+) {
+    let step = total_ms.max(1e-9);
+    println!("  {title}");
     for o in ops.iter().filter(|o| o.ms > 0.0) {
         let rate = match o.weight_bytes {
             0 => String::new(),

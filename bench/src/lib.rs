@@ -47,20 +47,23 @@ pub struct EngineBench {
     pub seed: u64,
     /// Every request's output must match this (structured outputs); none: free.
     pub grammar: Option<Grammar>,
-    /// Time each op of the decode steps' forward ([`EngineReport::decode_ops`]).
+    /// Time each op of the steps' forward ([`EngineReport::decode_ops`],
+    /// [`EngineReport::prefill_ops`]).
     pub profile: bool,
 }
 
-/// One op's share of a decode step, from a profile of the steps.
+/// One op's share of a decode step or of the prefill, from a profile of the steps.
 #[derive(Clone, Debug, Serialize)]
 pub struct OpShare {
     /// The op, as [`tandem_engine::OpTimes::named`] names it.
     pub op: &'static str,
-    /// Milliseconds a decode step spends in it (the mean over the decode steps).
+    /// Milliseconds spent in it: a decode step's (the mean over the decode steps), or the whole
+    /// prefill's (the sum over the steps that computed prompt tokens).
     pub ms: f64,
-    /// Bytes of weights it reads a step (products only; 0 for the rest).
+    /// Bytes of weights it reads in those milliseconds, once a step (products only; 0 for the
+    /// rest).
     pub weight_bytes: usize,
-    /// FLOPs a decode step's product does (2 a weight a row; 0 for the rest).
+    /// FLOPs its product does in those milliseconds (2 a weight a row; 0 for the rest).
     pub flops: f64,
 }
 
@@ -123,6 +126,11 @@ pub struct EngineReport {
     pub constrained_tokens: usize,
     /// With a profile: a decode step's time by op, in the forward's order.
     pub decode_ops: Option<Vec<OpShare>>,
+    /// With a profile: the prefill's time by op (every step that computed prompt tokens, and
+    /// any decode rows that shared those steps), in the forward's order.
+    pub prefill_ops: Option<Vec<OpShare>>,
+    /// Milliseconds the steps that computed prompt tokens took, all together.
+    pub prefill_ms: f64,
 }
 
 pub(crate) fn percentile(v: &mut [f64], p: f64) -> f64 {
@@ -159,6 +167,10 @@ pub fn run_engine_bench(
         .collect();
     let profiled = b.profile && engine.profile_ops(true);
     let mut ops = tandem_engine::OpTimes::default();
+    let mut prefill_op_times = tandem_engine::OpTimes::default();
+    // Rows through the projections and through the head in the prefill's steps.
+    let mut prefill_rows = (0usize, 0usize);
+    let mut prefill_steps = 0usize;
     let mut prefill = (0usize, 0f64);
     let mut decode = (0usize, 0f64);
     let mut steps = Vec::new();
@@ -173,6 +185,12 @@ pub fn run_engine_bench(
             if s.prefill_tokens > 0 {
                 prefill.0 += s.prefill_tokens;
                 prefill.1 += s.seconds;
+                prefill_rows.0 += s.prefill_tokens + s.decode_tokens;
+                prefill_rows.1 += s.logit_rows;
+                prefill_steps += 1;
+                if let Some(o) = s.ops {
+                    prefill_op_times += o;
+                }
             } else {
                 decode.0 += s.decode_tokens;
                 decode.1 += s.seconds;
@@ -189,29 +207,44 @@ pub fn run_engine_bench(
     if profiled {
         engine.profile_ops(false);
     }
-    let decode_ops = profiled.then(|| {
-        let weights = engine
-            .cpu_model()
-            .map(|m| m.weights_by_op())
-            .unwrap_or_default();
-        let per_step = 1e3 / steps.len().max(1) as f64;
-        // A decode step's rows: one a sequence, each also a row of the head.
-        let rows = decode.0 as f64 / steps.len().max(1) as f64;
-        ops.named()
-            .into_iter()
-            .map(|(op, s)| {
-                let (bytes, n) = weights
-                    .iter()
-                    .find(|w| w.0 == op)
-                    .map_or((0, 0), |w| (w.1, w.2));
-                OpShare {
-                    op,
-                    ms: s * per_step,
-                    weight_bytes: bytes,
-                    flops: 2.0 * n as f64 * rows,
-                }
-            })
-            .collect()
+    let weights_by_op = engine
+        .cpu_model()
+        .filter(|_| profiled)
+        .map(|m| m.weights_by_op())
+        .unwrap_or_default();
+    // Each op's milliseconds (its seconds × `scale`), weights read in `steps` steps and FLOPs
+    // at `rows` rows a projection and `head_rows` through the head.
+    let shares =
+        |times: &tandem_engine::OpTimes, scale: f64, steps: usize, rows: f64, head_rows: f64| {
+            times
+                .named()
+                .into_iter()
+                .map(|(op, s)| {
+                    let (bytes, n) = weights_by_op
+                        .iter()
+                        .find(|w| w.0 == op)
+                        .map_or((0, 0), |w| (w.1, w.2));
+                    let rows = if op == "head" { head_rows } else { rows };
+                    OpShare {
+                        op,
+                        ms: s * scale,
+                        weight_bytes: bytes * steps,
+                        flops: 2.0 * n as f64 * rows,
+                    }
+                })
+                .collect::<Vec<_>>()
+        };
+    // A decode step's rows: one a sequence, each also a row of the head.
+    let rows = decode.0 as f64 / steps.len().max(1) as f64;
+    let decode_ops = profiled.then(|| shares(&ops, 1e3 / steps.len().max(1) as f64, 1, rows, rows));
+    let prefill_ops = (profiled && prefill.0 > 0).then(|| {
+        shares(
+            &prefill_op_times,
+            1e3,
+            prefill_steps,
+            prefill_rows.0 as f64,
+            prefill_rows.1 as f64,
+        )
     });
     let on_cpu = engine.backend().is_cpu();
     let tp = engine.backend().tp();
@@ -275,6 +308,8 @@ pub fn run_engine_bench(
         },
         constrained_tokens: if b.grammar.is_some() { sampled } else { 0 },
         decode_ops,
+        prefill_ops,
+        prefill_ms: prefill.1 * 1e3,
     })
 }
 

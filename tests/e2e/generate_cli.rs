@@ -205,7 +205,7 @@ fn the_device_flag_runs_on_a_gpu_or_says_why_it_cannot() {
 /// they read (every layer's, once a step) and the work they do, adding up to no more than the
 /// step.
 #[test]
-fn the_engine_bench_profiles_a_decode_step_by_op() {
+fn the_engine_bench_profiles_the_prefill_and_a_decode_step_by_op() {
     let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
         .args([
             "bench",
@@ -279,6 +279,31 @@ fn the_engine_bench_profiles_a_decode_step_by_op() {
     assert!(
         timed <= step_ms,
         "{timed} ms of ops in steps of {step_ms} ms"
+    );
+
+    // The prefill: both prompts (32 tokens) in one step, each projection's FLOPs at 32 rows and
+    // the head's at the two rows that sample, within the prefill's time.
+    let ops = r["prefill_ops"].as_array().expect("a prefill profile");
+    let names: Vec<&str> = ops.iter().map(|o| o["op"].as_str().unwrap()).collect();
+    assert_eq!(
+        names[2..9],
+        ["qkv", "attention", "o", "gate_up", "silu", "down", "head"]
+    );
+    let mut timed = 0.0;
+    for o in ops {
+        let op = o["op"].as_str().unwrap();
+        timed += o["ms"].as_f64().unwrap();
+        let rows = if op == "head" { 2 } else { 32 };
+        assert_eq!(
+            o["flops"].as_f64().unwrap(),
+            (2 * rows * weights(op)) as f64,
+            "prefill {op}"
+        );
+    }
+    let prefill_ms = r["prefill_ms"].as_f64().unwrap();
+    assert!(
+        timed > 0.0 && timed <= prefill_ms,
+        "{timed} ms of ops in a prefill of {prefill_ms} ms"
     );
 }
 
