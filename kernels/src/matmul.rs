@@ -33,11 +33,12 @@ const SMALL_M: usize = 8;
 /// of 576 are 27 KiB.
 const SMALL_DECODE: usize = 12;
 
-/// Most columns a tile takes at a time where the level has [`dot_tile_span`]s. A block of 6
-/// activation rows of the down product's 1536 columns is 36 KiB and each weight tile (24 KiB)
-/// evicted it from L1; in two spans of 768 it is 18 KiB and stays. The down product of 512 rows
-/// on a 2-core Zen 5: 84 -> 70 ms (spans of 384: 75 ms); k up to 768 (q, k, v, o, gate, up)
-/// takes one span, as before.
+/// Most columns a tile takes at a time where the level has [`dot_tile_span`]s (AVX2 and up).
+/// A block of 6 activation rows (AVX-512's tile) of the down product's 1536 columns is 36 KiB
+/// and each weight tile (24 KiB) evicted it from L1; in two spans of 768 it is 18 KiB and stays.
+/// The down product of 512 rows on a 2-core Zen 5: 84 -> 70 ms (spans of 384: 75 ms). AVX2's
+/// 4-row blocks (24 KiB whole) gain about 2% there, where L1 is 48 KiB (Zen 3's is 32). k up to
+/// 768 (q, k, v, o, gate, up) takes one span, as before.
 const SPAN: usize = 768;
 
 /// `out[m×n] = x[m×k] · Wᵀ` where `W` is `n×k`.

@@ -392,10 +392,60 @@ pub unsafe fn dot_tile<const M: usize, const R: usize>(
     out: *mut f32,
     ldo: usize,
 ) {
+    dot_tile_span::<M, R>(x, ldx, w, ldw, 0, k, k, std::ptr::null_mut(), out, ldo)
+}
+
+/// Most accumulators of a [`dot_tile`] (4 × 3, or 1 × 6).
+const MAX_TILE: usize = 12;
+
+/// Eight vectors' [`hsum_pairs`] at once, in lane order, with the same additions: horizontal
+/// adds of neighbouring pairs (`l0+l1`, `l2+l3`, then `(l0+l1)+(l2+l3)` in each half), then
+/// the halves' sums added.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn hsum8x8(v: &[__m256; 8]) -> __m256 {
+    let q0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    let q1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    _mm256_add_ps(
+        _mm256_permute2f128_ps::<0x20>(q0, q1),
+        _mm256_permute2f128_ps::<0x31>(q0, q1),
+    )
+}
+
+/// [`dot_tile`] over the columns `t0..t1` only (see the AVX-512 level's `dot_tile_span`): the
+/// lanes start from zero at `t0 = 0` and from the `M × R` vectors at `state` (16 floats apart,
+/// row-major) otherwise, and are stored back there unreduced unless `t1` reaches `k`. `t0` is a
+/// multiple of 8.
+///
+/// # Safety
+/// As [`dot_tile`]; `state` holds `M × R` vectors 16 floats apart unless the span is `0..k`.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn dot_tile_span<const M: usize, const R: usize>(
+    x: *const f32,
+    ldx: usize,
+    w: *const f32,
+    ldw: usize,
+    t0: usize,
+    t1: usize,
+    k: usize,
+    state: *mut f32,
+    out: *mut f32,
+    ldo: usize,
+) {
+    const { assert!(M * R <= MAX_TILE) };
     let mut acc = [[_mm256_setzero_ps(); R]; M];
+    if t0 > 0 {
+        for (a, acc) in acc.iter_mut().enumerate() {
+            for (r, c) in acc.iter_mut().enumerate() {
+                *c = _mm256_loadu_ps(state.add((a * R + r) * 16));
+            }
+        }
+    }
     let k8 = k / 8 * 8;
-    let mut t = 0;
-    while t < k8 {
+    let mut t = t0;
+    while t < t1.min(k8) {
         let mut wv = [_mm256_setzero_ps(); R];
         for (r, v) in wv.iter_mut().enumerate() {
             *v = _mm256_loadu_ps(w.add(r * ldw + t));
@@ -408,9 +458,37 @@ pub unsafe fn dot_tile<const M: usize, const R: usize>(
         }
         t += 8;
     }
+    if t1 < k {
+        for (a, acc) in acc.iter().enumerate() {
+            for (r, c) in acc.iter().enumerate() {
+                _mm256_storeu_ps(state.add((a * R + r) * 16), *c);
+            }
+        }
+        return;
+    }
+    // The tile's sums, eight at a time where it has eight (the same tree as one at a time),
+    // from the accumulators stored in order.
+    let mut flat = std::mem::MaybeUninit::<[__m256; MAX_TILE]>::uninit();
+    let fp = flat.as_mut_ptr() as *mut __m256;
     for (a, acc) in acc.iter().enumerate() {
         for (r, c) in acc.iter().enumerate() {
-            let mut s = hsum_pairs(*c);
+            fp.add(a * R + r).write(*c);
+        }
+    }
+    let mut sums = [[0f32; R]; M];
+    let sp = sums.as_mut_ptr() as *mut f32;
+    let mut i = 0;
+    while i + 8 <= M * R {
+        _mm256_storeu_ps(sp.add(i), hsum8x8(&*(fp.add(i) as *const [__m256; 8])));
+        i += 8;
+    }
+    while i < M * R {
+        *sp.add(i) = hsum_pairs(*fp.add(i));
+        i += 1;
+    }
+    for (a, sums) in sums.iter().enumerate() {
+        for (r, &s) in sums.iter().enumerate() {
+            let mut s = s;
             for t in k8..k {
                 s = (*x.add(a * ldx + t)).mul_add(*w.add(r * ldw + t), s);
             }

@@ -377,9 +377,9 @@ pub unsafe fn dot_tile(
     go!(portable::dot_tile)
 }
 
-/// Whether [`dot_tile_span`] runs here (AVX-512 and up).
+/// Whether [`dot_tile_span`] runs here (AVX2 and up).
 pub fn has_spans() -> bool {
-    has_avx512()
+    has_avx2_fma()
 }
 
 /// [`dot_tile`] over the columns `t0..t1` of `k` only, `m` and `rows` within this level's
@@ -410,34 +410,52 @@ pub unsafe fn dot_tile_span(
 ) {
     assert!(
         has_spans() && t0.is_multiple_of(16),
-        "dot_tile_span: not here"
+        "dot_tile_span: not at this level, or a span from {t0}"
     );
     #[cfg(target_arch = "x86_64")]
+    if has_avx512() {
+        return match (m, rows) {
+            (1, 1) => avx512::dot_tile_span::<1, 1>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+            (1, 2) => avx512::dot_tile_span::<1, 2>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+            (1, 3) => avx512::dot_tile_span::<1, 3>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+            (1, 4) => avx512::dot_tile_span::<1, 4>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+            (2, 1) => avx512::dot_tile_span::<2, 1>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+            (2, 2) => avx512::dot_tile_span::<2, 2>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+            (2, 3) => avx512::dot_tile_span::<2, 3>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+            (2, 4) => avx512::dot_tile_span::<2, 4>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+            (3, 1) => avx512::dot_tile_span::<3, 1>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+            (3, 2) => avx512::dot_tile_span::<3, 2>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+            (3, 3) => avx512::dot_tile_span::<3, 3>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+            (3, 4) => avx512::dot_tile_span::<3, 4>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+            (4, 1) => avx512::dot_tile_span::<4, 1>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+            (4, 2) => avx512::dot_tile_span::<4, 2>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+            (4, 3) => avx512::dot_tile_span::<4, 3>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+            (4, 4) => avx512::dot_tile_span::<4, 4>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+            (5, 1) => avx512::dot_tile_span::<5, 1>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+            (5, 2) => avx512::dot_tile_span::<5, 2>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+            (5, 3) => avx512::dot_tile_span::<5, 3>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+            (5, 4) => avx512::dot_tile_span::<5, 4>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+            (6, 1) => avx512::dot_tile_span::<6, 1>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+            (6, 2) => avx512::dot_tile_span::<6, 2>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+            (6, 3) => avx512::dot_tile_span::<6, 3>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+            (6, 4) => avx512::dot_tile_span::<6, 4>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+            _ => panic!("dot_tile_span: no kernel for {m} activation rows × {rows} weight rows"),
+        };
+    }
+    #[cfg(target_arch = "x86_64")]
     match (m, rows) {
-        (1, 1) => avx512::dot_tile_span::<1, 1>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
-        (1, 2) => avx512::dot_tile_span::<1, 2>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
-        (1, 3) => avx512::dot_tile_span::<1, 3>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
-        (1, 4) => avx512::dot_tile_span::<1, 4>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
-        (2, 1) => avx512::dot_tile_span::<2, 1>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
-        (2, 2) => avx512::dot_tile_span::<2, 2>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
-        (2, 3) => avx512::dot_tile_span::<2, 3>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
-        (2, 4) => avx512::dot_tile_span::<2, 4>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
-        (3, 1) => avx512::dot_tile_span::<3, 1>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
-        (3, 2) => avx512::dot_tile_span::<3, 2>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
-        (3, 3) => avx512::dot_tile_span::<3, 3>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
-        (3, 4) => avx512::dot_tile_span::<3, 4>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
-        (4, 1) => avx512::dot_tile_span::<4, 1>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
-        (4, 2) => avx512::dot_tile_span::<4, 2>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
-        (4, 3) => avx512::dot_tile_span::<4, 3>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
-        (4, 4) => avx512::dot_tile_span::<4, 4>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
-        (5, 1) => avx512::dot_tile_span::<5, 1>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
-        (5, 2) => avx512::dot_tile_span::<5, 2>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
-        (5, 3) => avx512::dot_tile_span::<5, 3>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
-        (5, 4) => avx512::dot_tile_span::<5, 4>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
-        (6, 1) => avx512::dot_tile_span::<6, 1>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
-        (6, 2) => avx512::dot_tile_span::<6, 2>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
-        (6, 3) => avx512::dot_tile_span::<6, 3>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
-        (6, 4) => avx512::dot_tile_span::<6, 4>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+        (1, 1) => avx2::dot_tile_span::<1, 1>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+        (1, 2) => avx2::dot_tile_span::<1, 2>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+        (1, 3) => avx2::dot_tile_span::<1, 3>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+        (2, 1) => avx2::dot_tile_span::<2, 1>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+        (2, 2) => avx2::dot_tile_span::<2, 2>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+        (2, 3) => avx2::dot_tile_span::<2, 3>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+        (3, 1) => avx2::dot_tile_span::<3, 1>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+        (3, 2) => avx2::dot_tile_span::<3, 2>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+        (3, 3) => avx2::dot_tile_span::<3, 3>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+        (4, 1) => avx2::dot_tile_span::<4, 1>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+        (4, 2) => avx2::dot_tile_span::<4, 2>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
+        (4, 3) => avx2::dot_tile_span::<4, 3>(x, ldx, w, ldw, t0, t1, k, state, out, ldo),
         _ => panic!("dot_tile_span: no kernel for {m} activation rows × {rows} weight rows"),
     }
 }
