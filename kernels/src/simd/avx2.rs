@@ -486,10 +486,33 @@ pub unsafe fn dot_tile_span<const M: usize, const R: usize>(
         *sp.add(i) = hsum_pairs(*fp.add(i));
         i += 1;
     }
+    write_sums(&sums, x, ldx, w, ldw, k8, k, out, ldo);
+}
+
+/// A tile's reduced lane sums finished and written: the columns `from..k` past the last whole
+/// vector added one at a time (fused), then output `(a, r)` stored at `out[a·ldo + r]`. The
+/// last step of this level's and the AVX-512 level's `dot_tile`.
+///
+/// # Safety
+/// As [`dot_tile`], with `from ≤ k`.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn write_sums<const M: usize, const R: usize>(
+    sums: &[[f32; R]; M],
+    x: *const f32,
+    ldx: usize,
+    w: *const f32,
+    ldw: usize,
+    from: usize,
+    k: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
     for (a, sums) in sums.iter().enumerate() {
         for (r, &s) in sums.iter().enumerate() {
             let mut s = s;
-            for t in k8..k {
+            for t in from..k {
                 s = (*x.add(a * ldx + t)).mul_add(*w.add(r * ldw + t), s);
             }
             *out.add(a * ldo + r) = s;

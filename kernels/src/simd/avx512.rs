@@ -442,15 +442,7 @@ pub unsafe fn dot_tile_span<const M: usize, const R: usize>(
         *sp.add(i) = hsum16(*fp.add(i));
         i += 1;
     }
-    for (a, sums) in sums.iter().enumerate() {
-        for (r, &s) in sums.iter().enumerate() {
-            let mut s = s;
-            for t in k16..k {
-                s = (*x.add(a * ldx + t)).mul_add(*w.add(r * ldw + t), s);
-            }
-            *out.add(a * ldo + r) = s;
-        }
-    }
+    super::avx2::write_sums(&sums, x, ldx, w, ldw, k16, k, out, ldo);
 }
 
 /// Weight rows [`dot_quant_x1`] takes at a time (as at AVX2: four chains cover the FMA latency).
