@@ -58,7 +58,7 @@ pub fn available() -> bool {
 /// else by `TANDEM_AMX=1`.
 ///
 /// Off by default: the tiles sum their limb products in another order than the vector kernels'
-/// one order ([`crate::simd::dot_tile`]), and they only pay from 16 rows up, so a row's bits would
+/// one order ([`crate::simd::panel_product`]), and they only pay from 16 rows up, so a row's bits would
 /// depend on whether its batch reached 16 rows: a seeded request would no longer give the same
 /// samples whatever else runs. Turning them on trades that promise for prefill throughput.
 pub fn active() -> bool {
@@ -251,46 +251,6 @@ unsafe fn split3(
     (h0, h1, _mm512_sub_ps(r1, h1))
 }
 
-/// A Q4_1 row in the kernels' split layout (`[d; nb] [m; nb] [qs; nb]`) decoded straight into
-/// limb planes: the values [`crate::simd::dequant_row`] gives (`q·d + m` in one FMA), never
-/// stored as f32.
-///
-/// # Safety
-/// AVX-512F and AVX512-BF16 are available; `row` holds `nb` blocks; the planes hold `32·nb`
-/// values.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx2,fma,f16c,avx512bf16")]
-unsafe fn split_q4_1(row: &[u8], l0: &mut [u16], l1: &mut [u16], l2: &mut [u16]) {
-    use std::arch::x86_64::*;
-    let nb = row.len() / 20;
-    debug_assert!(l0.len() >= 32 * nb && l1.len() >= 32 * nb && l2.len() >= 32 * nb);
-    // Scales and mins of sixteen blocks at a time.
-    let (mut dbuf, mut mbuf) = ([0f32; 16], [0f32; 16]);
-    let (pd, pm, qs) = (
-        row.as_ptr(),
-        row.as_ptr().add(2 * nb),
-        row.as_ptr().add(4 * nb),
-    );
-    let low = _mm512_set1_epi32(0x0f);
-    for b in 0..nb {
-        let i = b % 16;
-        if i == 0 {
-            let cnt = (nb - b).min(16);
-            let mask: __mmask16 = if cnt == 16 { 0xFFFF } else { (1 << cnt) - 1 };
-            let halves = |p: *const u8| _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p.cast()));
-            _mm512_storeu_ps(dbuf.as_mut_ptr(), halves(pd.add(2 * b)));
-            _mm512_storeu_ps(mbuf.as_mut_ptr(), halves(pm.add(2 * b)));
-        }
-        let (d, m) = (_mm512_set1_ps(dbuf[i]), _mm512_set1_ps(mbuf[i]));
-        let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(qs.add(16 * b).cast()));
-        let lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low)), d, m);
-        let hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v)), d, m);
-        let at = 32 * b;
-        let (p0, p1, p2) = (l0.as_mut_ptr(), l1.as_mut_ptr(), l2.as_mut_ptr());
-        store_limbs32(lo, hi, p0.add(at), p1.add(at), p2.add(at));
-    }
-}
-
 /// Weight row `r` of `w` into limb planes (`row` is an f32 scratch of the row's length).
 fn weight_row_limbs(
     w: &Weight,
@@ -300,22 +260,6 @@ fn weight_row_limbs(
     l1: &mut [u16],
     l2: &mut [u16],
 ) {
-    #[cfg(target_arch = "x86_64")]
-    if let Weight::Quant {
-        ty: tandem_model::GgmlType::Q4_1,
-        data,
-        cols,
-        ..
-    } = w
-    {
-        if available() && cols.is_multiple_of(32) {
-            let rb = cols / 32 * 20;
-            // SAFETY: `available` checked the features; the row holds cols/32 blocks and the
-            // planes `cols` values (asserted).
-            assert!(l0.len() >= *cols && l1.len() >= *cols && l2.len() >= *cols);
-            return unsafe { split_q4_1(&data[r * rb..(r + 1) * rb], l0, l1, l2) };
-        }
-    }
     w.row_f32(r, row);
     split_limbs(row, l0, l1, l2);
 }

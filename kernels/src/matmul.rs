@@ -1,45 +1,36 @@
 //! `y = x · Wᵀ` for a batch of `m` activation rows.
 //!
-//! **Batch-invariant.** Every output element is one dot product taken in one fixed order (see
-//! [`crate::simd::dot_tile`]: eight lanes at AVX2, sixteen at AVX-512, each an FMA chain over the
-//! columns in order, reduced by one fixed tree), whatever `m` is, whichever rows share its register
-//! tile and however the work is split among threads. A row's outputs are therefore the same bits
-//! alone or in a batch of 64, in a prefill chunk or a decode step: what makes a seeded request give
-//! the same samples whatever else is running. (The earlier kernels took each regime its own way: a
-//! fused `d·Σq·x + m·Σx` dot for one row, two chains per row for a few, a chain per output for
-//! many, the `gemm` crate for dense weights and AMX tiles above 16 rows; each gave other bits.)
+//! **Batch-invariant.** Every output is one chain of multiply-adds over the columns in order
+//! ([`crate::simd::panel_product`]), whatever `m` is, whichever rows and outputs share its
+//! register tile and however the work is split among threads. A row's outputs are therefore the
+//! same bits alone or in a batch of 64, in a prefill chunk or a decode step: what makes a seeded
+//! request give the same samples whatever else is running. And since no sum crosses vector
+//! lanes, the AVX2 and AVX-512 levels give the same bits too.
 //!
-//! The work is parallel over runs of weight rows (output columns), so each weight is read and
-//! decoded once per call and no task waits on another. A task decodes its quantized rows to f32
-//! in a per-thread tile (a few rows at a time for few activation rows, so they stay in L1; the
-//! whole run for many, so the activations stream past a tile in L2) and multiplies through
-//! [`dot_tile`]. Dense f32 weights are multiplied in place.
+//! The work is parallel over runs of weight rows (output columns), whole panels of sixteen, so
+//! each weight is read and decoded once per call and no task waits on another. A task decodes
+//! its panels to f32 in a per-thread tile, column after column (a few columns at a time for few
+//! activation rows, so they stay in L1; all of them for many, so the activations stream past a
+//! tile in L2), and multiplies through [`panel_product`]. One activation row against Q4_1 or
+//! Q8_0 panels decodes in registers instead ([`dot_quant_x1`], the same bits).
 
 use rayon::prelude::*;
 
-use crate::simd::{dot_quant_x1, dot_tile, dot_tile_span, has_quant_x1, has_spans, tile, TILE_R1};
+use crate::simd::{dot_quant_x1, has_quant_x1, panel_product, MAX_PANELS, PANEL};
 use crate::{KernelError, Weight};
 
-/// Output rows per rayon task: large enough to amortize scheduling, small enough to balance two
-/// to a few dozen cores.
-const ROWS_PER_TASK: usize = 64;
+/// Output rows per rayon task, at most: whole panels, as many as a register tile takes (four
+/// at AVX-512), enough to amortize scheduling, few enough to balance two to a few dozen cores.
+const ROWS_PER_TASK: usize = MAX_PANELS * PANEL;
 
-/// Activation rows up to which a task decodes its weight rows [`SMALL_DECODE`] at a time (the
-/// decoded rows are used at once, from L1); above, the task's whole run is decoded first and the
-/// activations, in blocks of the level's [`tile`] rows, pass over it.
+/// Activation rows up to which a task decodes its panels [`SPAN`] columns at a time (used at
+/// once, from L1); above, all the columns first, and the activations pass over them.
 const SMALL_M: usize = 8;
 
-/// Weight rows decoded at a time for few activation rows: 12 rows of 1536 floats are 72 KiB,
-/// of 576 are 27 KiB.
-const SMALL_DECODE: usize = 12;
-
-/// Most columns a tile takes at a time where the level has [`dot_tile_span`]s (AVX2 and up).
-/// A block of 6 activation rows (AVX-512's tile) of the down product's 1536 columns is 36 KiB
-/// and each weight tile (24 KiB) evicted it from L1; in two spans of 768 it is 18 KiB and stays.
-/// The down product of 512 rows on a 2-core Zen 5: 84 -> 70 ms (spans of 384: 75 ms). AVX2's
-/// 4-row blocks (24 KiB whole) gain about 2% there, where L1 is 48 KiB (Zen 3's is 32). k up to
-/// 768 (q, k, v, o, gate, up) takes one span, as before.
-const SPAN: usize = 768;
+/// Columns decoded at a time for few activation rows (a multiple of the 32-value blocks): four
+/// panels of 128 columns are 32 KiB. 4 rows through the model's products on Zen 5: 64 columns
+/// 3.5 ms (AVX-512) and 6.0 ms (AVX2), 128 3.3 and 5.7, 256 3.7 and 5.8.
+const SPAN: usize = 128;
 
 /// `out[m×n] = x[m×k] · Wᵀ` where `W` is `n×k`.
 pub fn matmul(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) -> Result<(), KernelError> {
@@ -59,40 +50,54 @@ pub fn matmul(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) -> Result<(), Ke
         return Ok(());
     }
     let dst = OutPtr(out.as_mut_ptr());
-    // Tasks own whole register tiles of weight rows: a multiple of both tile widths.
-    let per_task = task_rows(n, task_unit());
+    let per_task = task_rows(n, PANEL);
     (0..n.div_ceil(per_task)).into_par_iter().for_each(|c| {
         let r0 = c * per_task;
         let rows = per_task.min(n - r0);
+        let (p0, np) = (r0 / PANEL, rows.div_ceil(PANEL));
         match w {
-            Weight::F32 { data, .. } => {
-                // SAFETY: rows r0.. +rows of `data` hold k values each; this task's outputs
-                // are columns r0.. +rows of every row of `out`.
-                unsafe { multiply(x, m, data[r0 * k..].as_ptr(), rows, k, dst, n, r0) }
-            }
-            // One activation row (a decode step of one sequence): each weight block decoded in
-            // registers and used at once, the bits of the decoded rows' dot_tile.
+            // One activation row (a decode step of one sequence): each panel block decoded in
+            // registers and used at once.
             Weight::Quant { ty, data, .. } if m == 1 && has_quant_x1(*ty) => {
-                let rb = data.len() / n;
+                let pl = w.panel_bytes();
                 // SAFETY: outputs r0.. +rows of the one row are this task's.
                 let o = unsafe { std::slice::from_raw_parts_mut(dst.at(r0), rows) };
-                dot_quant_x1(*ty, &data[r0 * rb..(r0 + rows) * rb], rb, x, o);
+                dot_quant_x1(*ty, &data[p0 * pl..(p0 + np) * pl], x, o);
             }
             // The decoded tile lives in a per-thread buffer: allocating it per task would map
             // and unmap pages (and shoot down TLBs on every core) thousands of times a step.
-            Weight::Quant { .. } => TILE.with(|t| {
+            _ => TILE.with(|t| {
                 let mut t = t.borrow_mut();
-                let chunk = if m <= SMALL_M { SMALL_DECODE } else { rows };
-                if t.len() < chunk * k {
-                    t.resize(chunk * k, 0.0);
+                let span = if m <= SMALL_M && w.decodes_in_spans() {
+                    SPAN
+                } else {
+                    k
+                };
+                if t.len() < np * span * PANEL {
+                    t.resize(np * span * PANEL, 0.0);
                 }
-                for i0 in (0..rows).step_by(chunk) {
-                    let nr = chunk.min(rows - i0);
-                    for (i, row) in t[..nr * k].chunks_exact_mut(k).enumerate() {
-                        w.row_f32(r0 + i0 + i, row);
+                for t0 in (0..k).step_by(span) {
+                    let t1 = (t0 + span).min(k);
+                    for p in 0..np {
+                        w.panel_f32(p0 + p, t0, t1, &mut t[p * span * PANEL..]);
                     }
-                    // SAFETY: the tile holds nr decoded rows of k; the outputs are this task's.
-                    unsafe { multiply(x, m, t.as_ptr(), nr, k, dst, n, r0 + i0) }
+                    // SAFETY: the tile holds np panels of (t1 - t0) columns, span·16 apart;
+                    // x holds m rows of k; the outputs are columns r0.. +rows of every row,
+                    // this task's (continued from the span before where t0 > 0).
+                    unsafe {
+                        panel_product(
+                            x.as_ptr().add(t0),
+                            k,
+                            m,
+                            t.as_ptr(),
+                            span * PANEL,
+                            rows,
+                            t1 - t0,
+                            t0 > 0,
+                            dst.at(r0),
+                            n,
+                        )
+                    }
                 }
             }),
         }
@@ -100,100 +105,9 @@ pub fn matmul(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) -> Result<(), Ke
     Ok(())
 }
 
-/// Columns `c0.. +rows` of `out` (m × n): the `m` activation rows of `x` against `rows` weight
-/// rows of `k` at `w`, activation rows outermost in blocks of the [`tile`]'s, so a block stays in
-/// L1 while the weight rows pass (in spans of columns where rows are long, see [`SPAN`]).
-///
-/// # Safety
-/// `w` holds `rows` rows of `k`; columns `c0.. +rows` of `out` belong to the caller's task.
-#[allow(clippy::too_many_arguments)]
-unsafe fn multiply(
-    x: &[f32],
-    m: usize,
-    w: *const f32,
-    rows: usize,
-    k: usize,
-    dst: OutPtr,
-    n: usize,
-    c0: usize,
-) {
-    let (tile_m, tile_r) = tile();
-    let step = if m == 1 { TILE_R1 } else { tile_r };
-    // The activation rows in blocks as even as the tile allows (32 rows at 6: 6, 6, 5, 5, 5, 5,
-    // not five of 6 and one of 2, whose short tile loads a weight vector for two multiply-adds).
-    let blocks = m.div_ceil(tile_m);
-    let spans = if m > 1 && has_spans() {
-        (k / 16).div_ceil(SPAN / 16)
-    } else {
-        1
-    };
-    let mut a0 = 0;
-    for b in 0..blocks {
-        let ma = m / blocks + usize::from(b < m % blocks);
-        if spans > 1 {
-            // Columns in spans of at most SPAN (multiples of 16; the last takes k's tail), each
-            // across all the run's weight rows, the lanes carried between spans per tile.
-            let span = (k / 16).div_ceil(spans) * 16;
-            STATE.with(|s| {
-                let mut s = s.borrow_mut();
-                let per_tile = ma * step * 16;
-                let need = rows.div_ceil(step) * per_tile;
-                if s.len() < need {
-                    s.resize(need, 0.0);
-                }
-                for t0 in (0..k).step_by(span) {
-                    let t1 = if t0 + span >= k / 16 * 16 {
-                        k
-                    } else {
-                        t0 + span
-                    };
-                    for (j, i0) in (0..rows).step_by(step).enumerate() {
-                        dot_tile_span(
-                            x.as_ptr().add(a0 * k),
-                            k,
-                            ma,
-                            w.add(i0 * k),
-                            k,
-                            step.min(rows - i0),
-                            t0,
-                            t1,
-                            k,
-                            s.as_mut_ptr().add(j * per_tile),
-                            dst.at(a0 * n + c0 + i0),
-                            n,
-                        );
-                    }
-                    if t1 == k {
-                        break;
-                    }
-                }
-            });
-            a0 += ma;
-            continue;
-        }
-        for i0 in (0..rows).step_by(step) {
-            let nr = step.min(rows - i0);
-            dot_tile(
-                x.as_ptr().add(a0 * k),
-                k,
-                ma,
-                w.add(i0 * k),
-                k,
-                nr,
-                k,
-                dst.at(a0 * n + c0 + i0),
-                n,
-            );
-        }
-        a0 += ma;
-    }
-}
-
 thread_local! {
-    /// Decoded weight rows of a task, reused by every task this thread runs.
+    /// Decoded panels of a task, reused by every task this thread runs.
     static TILE: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
-    /// The lanes of a block of activation rows against a task's weight rows, between spans.
-    static STATE: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// `out` shared by tasks that write disjoint elements.
@@ -212,21 +126,8 @@ impl OutPtr {
     }
 }
 
-/// The weight rows a task's share is a multiple of: the least that both the one-row tile
-/// ([`TILE_R1`]) and this level's [`tile`] divide (6 at AVX2, 12 at AVX-512).
-fn task_unit() -> usize {
-    let r = tile().1;
-    let gcd = |mut a: usize, mut b: usize| {
-        while b != 0 {
-            (a, b) = (b, a % b);
-        }
-        a
-    };
-    TILE_R1 / gcd(TILE_R1, r) * r
-}
-
-/// Output rows per task for a product of `n` rows taken `unit` at a time (a register tile, or one
-/// row): whole units, at most [`ROWS_PER_TASK`] rows, and of the sizes that allows, the one whose
+/// Output rows per task for a product of `n` rows taken `unit` at a time (a panel of sixteen):
+/// whole units, at most [`ROWS_PER_TASK`] rows, and of the sizes that allows, the one whose
 /// tasks, dealt out evenly over the pool's threads, leave the busiest thread the least work
 /// (the largest on a tie). With 64 rows a task, the 576-row projections made 9 tasks, 5 on one of
 /// two threads and 4 on the other; 48 rows make 12, 6 each (the 30 layers' o and down products
@@ -384,12 +285,12 @@ mod tests {
         };
         // (rows, unit, threads, rows a task)
         for (n, unit, threads, want) in [
-            (576, 6, 2, 48),  // 12 tasks, 6 a thread (64 rows: 9 tasks, 5 and 4)
-            (3072, 6, 2, 48), // 64 tasks of 8 tiles, 256 a thread (10 tiles: 52 tasks, 260)
-            (576, 1, 2, 48),  // one row at a time: 12 tasks of 48
-            (576, 6, 16, 36), // 16 tasks, one a thread
-            (5, 6, 2, 6),     // a single short tile
-            (1024, 1, 1, 64), // one thread: the largest tasks that cover it exactly
+            (576, 16, 2, 48),  // 12 tasks, 6 a thread (64 rows: 9 tasks, 5 and 4)
+            (960, 16, 2, 48),  // 20 tasks, 10 a thread (64 rows: 15, 8 and 7)
+            (3072, 16, 2, 64), // 48 tasks, 24 a thread
+            (576, 16, 16, 48), // 12 tasks of 3 panels (9 of 4: 4 panels the busiest's work)
+            (5, 16, 2, 16),    // a single short panel
+            (1024, 16, 1, 64), // one thread: the largest tasks that cover it exactly
         ] {
             let got = pool(threads).install(|| task_rows(n, unit));
             assert_eq!(got, want, "n={n} unit={unit} threads={threads}");

@@ -1,8 +1,9 @@
 //! A weight matrix in the format it is stored in.
 
-use tandem_model::{GgmlType, TensorData};
+use tandem_model::{dequantize, GgmlType, TensorData};
 
 use crate::amx;
+use crate::simd::PANEL;
 use crate::KernelError;
 
 /// A `[rows, cols]` matrix used as `y = x · Wᵀ` (PyTorch's Linear layout: one row per output).
@@ -17,13 +18,14 @@ pub enum Weight {
         /// Input features (values per row).
         cols: usize,
     },
-    /// GGML-quantized rows, kept quantized in memory. Q4_1 and Q8_0 rows are in the kernels'
-    /// split layout (each row's block scales, and Q4_1 mins, before its quants); build with
-    /// [`Weight::quant`] from GGML bytes.
+    /// GGML-quantized rows, kept quantized in memory. Q4_1 and Q8_0 are in the kernels' panels
+    /// of sixteen rows ([`crate::simd::to_panels`]; the last panel padded with zero rows), other
+    /// types in GGML's rows; build with [`Weight::quant`] from GGML bytes.
     Quant {
         /// The quantization type.
         ty: GgmlType,
-        /// rows × (bytes of `cols` elements of `ty`) bytes.
+        /// The panels (`rows` rounded up to sixteen, × the bytes of `cols` values of `ty`), or
+        /// `rows` GGML rows.
         data: Vec<u8>,
         /// Output features.
         rows: usize,
@@ -77,12 +79,11 @@ impl Weight {
                 ggml.len()
             )));
         }
-        let mut data = vec![0u8; ggml.len()];
-        if rb > 0 {
-            for (src, dst) in ggml.chunks_exact(rb).zip(data.chunks_exact_mut(rb)) {
-                crate::simd::split_row(ty, src, dst);
-            }
-        }
+        let data = if crate::simd::is_paneled(ty) {
+            crate::simd::to_panels(ty, ggml, rows, cols)
+        } else {
+            ggml.to_vec()
+        };
         Ok(Self::Quant {
             ty,
             data,
@@ -125,11 +126,162 @@ impl Weight {
     pub fn row_f32(&self, r: usize, out: &mut [f32]) {
         match self {
             Self::F32 { data, cols, .. } => out.copy_from_slice(&data[r * cols..(r + 1) * cols]),
+            Self::Quant { ty, data, cols, .. } if crate::simd::is_paneled(*ty) => {
+                let pl = self.panel_bytes();
+                let p = r / PANEL;
+                crate::simd::dequant_panel_row(
+                    *ty,
+                    &data[p * pl..(p + 1) * pl],
+                    cols / 32,
+                    r % PANEL,
+                    out,
+                );
+            }
             Self::Quant { ty, data, cols, .. } => {
                 let rb = ty.bytes_for(*cols).expect("validated at construction");
-                crate::simd::dequant_row(*ty, &data[r * rb..(r + 1) * rb], out);
+                dequantize(*ty, &data[r * rb..(r + 1) * rb], out)
+                    .expect("row length validated at construction");
             }
         }
+    }
+
+    /// Bytes of one panel of sixteen rows (Q4_1 and Q8_0 weights; 0 for others).
+    pub fn panel_bytes(&self) -> usize {
+        match self {
+            Self::Quant { ty, cols, .. } if crate::simd::is_paneled(*ty) => {
+                cols / 32 * crate::simd::panel_block_bytes(*ty)
+            }
+            _ => 0,
+        }
+    }
+
+    /// Whether [`Weight::panel_f32`] of a few columns costs only those columns (not so for
+    /// quantized types kept in GGML rows, whose rows are decoded whole).
+    pub fn decodes_in_spans(&self) -> bool {
+        match self {
+            Self::F32 { .. } => true,
+            Self::Quant { ty, .. } => crate::simd::is_paneled(*ty),
+        }
+    }
+
+    /// Columns `t0..t1` of rows `16p .. 16p + 16` as f32, column after column: column `t`'s
+    /// sixteen rows at `out[16·(t − t0)..]` (rows past the last are zeros), the layout
+    /// [`crate::simd::panel_product`] multiplies. `t0` and `t1` are multiples of 32 or `t1` is
+    /// `cols` for quantized weights.
+    pub fn panel_f32(&self, p: usize, t0: usize, t1: usize, out: &mut [f32]) {
+        let span = t1 - t0;
+        let out = &mut out[..span * PANEL];
+        match self {
+            Self::F32 { data, rows, cols } => {
+                for j in 0..PANEL {
+                    let r = p * PANEL + j;
+                    if r < *rows {
+                        let row = &data[r * cols + t0..r * cols + t1];
+                        for (i, v) in row.iter().enumerate() {
+                            out[i * PANEL + j] = *v;
+                        }
+                    } else {
+                        for i in 0..span {
+                            out[i * PANEL + j] = 0.0;
+                        }
+                    }
+                }
+            }
+            Self::Quant { ty, data, .. } if crate::simd::is_paneled(*ty) => {
+                let pl = self.panel_bytes();
+                let panel = &data[p * pl..(p + 1) * pl];
+                crate::simd::dequant_panel(*ty, panel, t0 / 32, t1.div_ceil(32), out);
+            }
+            Self::Quant { rows, cols, .. } => {
+                let mut row = vec![0f32; *cols];
+                for j in 0..PANEL {
+                    let r = p * PANEL + j;
+                    if r < *rows {
+                        self.row_f32(r, &mut row);
+                    } else {
+                        row.fill(0.0);
+                    }
+                    for (i, v) in row[t0..t1].iter().enumerate() {
+                        out[i * PANEL + j] = *v;
+                    }
+                }
+            }
+        }
+    }
+
+    /// The GGML bytes of a quantized weight's rows (as [`Weight::quant`] took them).
+    pub fn ggml_bytes(&self) -> Option<Vec<u8>> {
+        let Self::Quant {
+            ty,
+            data,
+            rows,
+            cols,
+        } = self
+        else {
+            return None;
+        };
+        if !crate::simd::is_paneled(*ty) {
+            return Some(data.clone());
+        }
+        let rb = ty.bytes_for(*cols).expect("validated at construction");
+        let mut out = vec![0u8; rows * rb];
+        for (r, row) in out.chunks_exact_mut(rb.max(1)).enumerate().take(*rows) {
+            crate::simd::panel_row_ggml(*ty, data, *cols, r, row);
+        }
+        Some(out)
+    }
+
+    /// The rows of `parts` one after another, as one weight (fused projections: q|k|v, gate|up).
+    /// Parts of one quantized type stay quantized; mixed types (some GGUF mixes quantize q, k and
+    /// v differently) are decoded to f32.
+    pub fn stack(parts: &[Weight]) -> Result<Weight, KernelError> {
+        let Some(first) = parts.first() else {
+            return Err(KernelError::Shape("no weights to stack".into()));
+        };
+        let cols = first.cols();
+        if let Some(p) = parts.iter().find(|p| p.cols() != cols) {
+            return Err(KernelError::Shape(format!(
+                "stacking weights of {cols} and {} columns",
+                p.cols()
+            )));
+        }
+        let rows = parts.iter().map(Weight::rows).sum();
+        let ty = first.dtype();
+        if parts.len() == 1 {
+            return Ok(first.clone());
+        }
+        if ty != GgmlType::F32 && parts.iter().all(|p| p.dtype() == ty) {
+            // Panels whole up to the last part: their bytes one after another.
+            let whole = |p: &Weight| !crate::simd::is_paneled(ty) || p.rows().is_multiple_of(PANEL);
+            if parts[..parts.len() - 1].iter().all(whole) {
+                let mut data = Vec::new();
+                for p in parts {
+                    if let Self::Quant { data: d, .. } = p {
+                        data.extend_from_slice(d);
+                    }
+                }
+                return Ok(Self::Quant {
+                    ty,
+                    data,
+                    rows,
+                    cols,
+                });
+            }
+            let mut ggml = Vec::new();
+            for p in parts {
+                ggml.extend(p.ggml_bytes().expect("a quantized part"));
+            }
+            return Self::quant(ty, &ggml, rows, cols);
+        }
+        let mut data = vec![0f32; rows * cols];
+        let mut r0 = 0;
+        for p in parts {
+            for r in 0..p.rows() {
+                p.row_f32(r, &mut data[(r0 + r) * cols..(r0 + r + 1) * cols]);
+            }
+            r0 += p.rows();
+        }
+        Ok(Self::F32 { data, rows, cols })
     }
 }
 
@@ -180,5 +332,76 @@ impl Linear {
         }
         amx::matmul(x, m, &self.weight, out);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+    use tandem_model::{quantize_q4_1, quantize_q8_0};
+
+    fn rnd(n: usize, seed: u64) -> Vec<f32> {
+        let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        (0..n).map(|_| r.gen_range(-1.0..1.0)).collect()
+    }
+
+    fn rows_of(w: &Weight) -> Vec<f32> {
+        let k = w.cols();
+        let mut d = vec![f32::NAN; w.rows() * k];
+        for r in 0..w.rows() {
+            w.row_f32(r, &mut d[r * k..(r + 1) * k]);
+        }
+        d
+    }
+
+    /// Stacked weights hold their parts' rows in order: panels whole or cut mid-panel (rebuilt
+    /// from GGML bytes), one type or mixed (decoded to f32), and the GGML bytes come back as given.
+    #[test]
+    fn stacks_keep_every_row_and_the_ggml_bytes() {
+        let k = 64;
+        let part = |ty: GgmlType, n: usize, seed: u64| {
+            let wf = rnd(n * k, seed);
+            let ggml = match ty {
+                GgmlType::Q4_1 => quantize_q4_1(&wf),
+                GgmlType::Q8_0 => quantize_q8_0(&wf),
+                _ => {
+                    return Weight::F32 {
+                        data: wf,
+                        rows: n,
+                        cols: k,
+                    }
+                }
+            };
+            let w = Weight::quant(ty, &ggml, n, k).unwrap();
+            assert_eq!(w.ggml_bytes().unwrap(), ggml, "{ty} bytes back");
+            w
+        };
+        for (types, rows) in [
+            ([GgmlType::Q4_1; 3], [32, 16, 48]),
+            ([GgmlType::Q4_1; 3], [37, 16, 5]),
+            ([GgmlType::Q8_0; 3], [16, 21, 9]),
+            ([GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::F32], [20, 16, 3]),
+        ] {
+            let parts: Vec<Weight> = (0..3)
+                .map(|i| part(types[i], rows[i], i as u64 + 1))
+                .collect();
+            let stacked = Weight::stack(&parts).unwrap();
+            assert_eq!(stacked.rows(), rows.iter().sum::<usize>());
+            let want: Vec<f32> = parts.iter().flat_map(rows_of).collect();
+            assert_eq!(rows_of(&stacked), want, "{types:?} {rows:?}");
+            let mixed = types.iter().any(|t| *t != types[0]);
+            assert_eq!(
+                stacked.dtype(),
+                if mixed { GgmlType::F32 } else { types[0] }
+            );
+        }
+        let wide = Weight::F32 {
+            data: vec![0.0; 2 * (k + 1)],
+            rows: 2,
+            cols: k + 1,
+        };
+        assert!(Weight::stack(&[part(GgmlType::F32, 2, 9), wide]).is_err());
+        assert!(Weight::stack(&[]).is_err());
     }
 }

@@ -57,60 +57,8 @@ pub struct CpuModel {
 }
 
 /// One matrix of `parts` stacked by rows (a single part is itself).
-fn stack_rows(mut parts: Vec<Weight>) -> Result<Weight, EngineError> {
-    if parts.len() == 1 {
-        return Ok(parts.pop().expect("one part"));
-    }
-    let cols = parts[0].cols();
-    let rows = parts.iter().map(|w| w.rows()).sum();
-    match &parts[0] {
-        Weight::F32 { .. } => {
-            let mut data = Vec::with_capacity(rows * cols);
-            for p in &parts {
-                match p {
-                    Weight::F32 { data: d, .. } => data.extend_from_slice(d),
-                    _ => {
-                        return Err(EngineError::Model(
-                            "mixed weight types in one fused projection".into(),
-                        ))
-                    }
-                }
-            }
-            Ok(Weight::F32 { data, rows, cols })
-        }
-        Weight::Quant { ty, .. } => {
-            let mut data = Vec::new();
-            for p in &parts {
-                match p {
-                    Weight::Quant { ty: t, data: d, .. } if t == ty => data.extend_from_slice(d),
-                    // Different quant types in q/k/v (some GGUF mixes do this): decode to f32.
-                    _ => {
-                        let dense: Vec<Weight> = parts
-                            .iter()
-                            .map(|w| {
-                                let mut d = vec![0f32; w.rows() * w.cols()];
-                                for r in 0..w.rows() {
-                                    w.row_f32(r, &mut d[r * cols..(r + 1) * cols]);
-                                }
-                                Weight::F32 {
-                                    data: d,
-                                    rows: w.rows(),
-                                    cols,
-                                }
-                            })
-                            .collect();
-                        return stack_rows(dense);
-                    }
-                }
-            }
-            Ok(Weight::Quant {
-                ty: *ty,
-                data,
-                rows,
-                cols,
-            })
-        }
-    }
+fn stack_rows(parts: Vec<Weight>) -> Result<Weight, EngineError> {
+    Weight::stack(&parts).map_err(|e| EngineError::Model(format!("a fused projection: {e}")))
 }
 
 impl CpuModel {

@@ -35,13 +35,6 @@ unsafe fn hsum(v: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn f16_load(p: *const u8) -> f32 {
-    let bits = u16::from_le_bytes([*p, *p.add(1)]);
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
-}
-
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
     let n = a.len();
@@ -86,70 +79,6 @@ pub unsafe fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
     while i < n {
         *py.add(i) += alpha * *px.add(i);
         i += 1;
-    }
-}
-
-/// The 32 nibbles of a Q4_1/Q4_0 block as four vectors of 8 f32 (elements 0-7, 8-15, 16-23, 24-31).
-/// Each 8-byte half is widened straight from memory and split into its low and high nibbles in
-/// 32-bit lanes: two widening shuffles a block instead of six (the 16-byte load, split in bytes
-/// and widened in quarters, was 30% slower on Zen 3: 3.7-4.7 against 2.6-3.3 ns a block).
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn nibbles(qs: *const u8) -> [__m256; 4] {
-    let low = _mm256_set1_epi32(0x0f);
-    let v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(qs as *const __m128i));
-    let v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(qs.add(8) as *const __m128i));
-    [
-        _mm256_cvtepi32_ps(_mm256_and_si256(v0, low)),
-        _mm256_cvtepi32_ps(_mm256_and_si256(v1, low)),
-        _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(v0)),
-        _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(v1)),
-    ]
-}
-
-/// The 32 signed bytes of a Q8_0 block as four vectors of 8 f32, each widened from memory.
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn bytes_i8(qs: *const u8) -> [__m256; 4] {
-    let w = |at: usize| {
-        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
-            qs.add(at) as *const __m128i
-        )))
-    };
-    [w(0), w(8), w(16), w(24)]
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dequant_q4_1(row: &[u8], out: &mut [f32]) {
-    let nb = row.len() / 20;
-    debug_assert!(out.len() >= nb * 32);
-    let (pd, pq, po) = (row.as_ptr(), row.as_ptr().add(4 * nb), out.as_mut_ptr());
-    for b in 0..nb {
-        let d = _mm256_set1_ps(f16_load(pd.add(2 * b)));
-        let m = _mm256_set1_ps(f16_load(pd.add(2 * (nb + b))));
-        // The decoded tile is the first touch of these weights: fetch ahead, as the dots do.
-        _mm_prefetch::<_MM_HINT_T0>(pq.wrapping_add(b * 16 + PREFETCH_AHEAD) as *const i8);
-        let q = nibbles(pq.add(b * 16));
-        let o = po.add(b * 32);
-        for (j, qj) in q.iter().enumerate() {
-            _mm256_storeu_ps(o.add(8 * j), _mm256_fmadd_ps(*qj, d, m));
-        }
-    }
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dequant_q8_0(row: &[u8], out: &mut [f32]) {
-    let nb = row.len() / 34;
-    debug_assert!(out.len() >= nb * 32);
-    let (pd, pq, po) = (row.as_ptr(), row.as_ptr().add(2 * nb), out.as_mut_ptr());
-    for b in 0..nb {
-        let d = _mm256_set1_ps(f16_load(pd.add(2 * b)));
-        _mm_prefetch::<_MM_HINT_T0>(pq.wrapping_add(b * 32 + PREFETCH_AHEAD) as *const i8);
-        let q = bytes_i8(pq.add(b * 32));
-        let o = po.add(b * 32);
-        for (j, qj) in q.iter().enumerate() {
-            _mm256_storeu_ps(o.add(8 * j), _mm256_mul_ps(*qj, d));
-        }
     }
 }
 
@@ -267,257 +196,6 @@ pub unsafe fn exp_shifted_sum(x: &mut [f32], max: f32) -> f32 {
         acc = _mm256_add_ps(acc, e);
     }
     hsum(acc)
-}
-
-/// The eight lanes of `v` summed as `((l0+l1)+(l2+l3)) + ((l4+l5)+(l6+l7))`: the reduction
-/// of [`dot_tile`]'s order (the portable level writes the same tree).
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-pub(super) unsafe fn hsum_pairs(v: __m256) -> f32 {
-    let h = _mm256_hadd_ps(v, v); // l0+l1, l2+l3, .., l4+l5, l6+l7, ..
-    let h = _mm256_hadd_ps(h, h); // (l0+l1)+(l2+l3) | (l4+l5)+(l6+l7)
-    _mm_cvtss_f32(_mm_add_ss(
-        _mm256_castps256_ps128(h),
-        _mm256_extractf128_ps(h, 1),
-    ))
-}
-
-/// One activation row `x` against `n` split Q4_1 (`Q8 = false`) or Q8_0 rows of `rb` bytes at
-/// `rows`, `rb` apart, [`X1_GROUP`] rows at a time ([`x1_group`]); `out` gets the `n` dots.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_quant_x1<const Q8: bool>(
-    rows: *const u8,
-    rb: usize,
-    n: usize,
-    x: *const f32,
-    k: usize,
-    out: *mut f32,
-) {
-    let mut r = 0;
-    while r + X1_GROUP <= n {
-        x1_group::<Q8, X1_GROUP>(rows.add(r * rb), rb, x, k, out.add(r));
-        r += X1_GROUP;
-    }
-    match n - r {
-        1 => x1_group::<Q8, 1>(rows.add(r * rb), rb, x, k, out.add(r)),
-        2 => x1_group::<Q8, 2>(rows.add(r * rb), rb, x, k, out.add(r)),
-        3 => x1_group::<Q8, 3>(rows.add(r * rb), rb, x, k, out.add(r)),
-        _ => {}
-    }
-}
-
-/// Weight rows [`dot_quant_x1`] takes at a time: four independent chains, with the decode's
-/// multiply-adds between them, cover the FMA latency.
-const X1_GROUP: usize = 4;
-
-/// One activation row `x` against `R` split rows of `rb` bytes at `rows`, `rb` apart: each block
-/// decoded in registers to exactly what [`dequant_q4_1`] / [`dequant_q8_0`] write, and dotted in
-/// [`dot_tile`]'s order (one 8-lane chain per row, `t` in order, [`hsum_pairs`]): the bits of
-/// decoding the rows and calling `dot_tile::<1, R>`, without the decoded rows' round trip through
-/// memory. Each block's f16 scale (and min) is broadcast and widened where it is used: converting
-/// a run of them into a buffer first cost 10-15% more on Zen 3 (the buffer's reads wait on its
-/// fresh writes, and the run's scales arrive from memory before any of its quants).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn x1_group<const Q8: bool, const R: usize>(
-    rows: *const u8,
-    rb: usize,
-    x: *const f32,
-    k: usize,
-    out: *mut f32,
-) {
-    let nb = k / 32;
-    let mut acc = [_mm256_setzero_ps(); R];
-    for b in 0..nb {
-        let xb = x.add(b * 32);
-        for (r, a) in acc.iter_mut().enumerate() {
-            let row = rows.add(r * rb);
-            let d = f16_splat(row.add(2 * b));
-            let wv = if Q8 {
-                let qs = row.add(2 * nb + b * 32);
-                // One request a 64-byte line: two blocks.
-                if b % 2 == 0 {
-                    _mm_prefetch::<_MM_HINT_T0>(qs.wrapping_add(PREFETCH_AHEAD) as *const i8);
-                }
-                let q = bytes_i8(qs);
-                [
-                    _mm256_mul_ps(q[0], d),
-                    _mm256_mul_ps(q[1], d),
-                    _mm256_mul_ps(q[2], d),
-                    _mm256_mul_ps(q[3], d),
-                ]
-            } else {
-                let qs = row.add(4 * nb + b * 16);
-                // One request a 64-byte line: four blocks.
-                if b % 4 == 0 {
-                    _mm_prefetch::<_MM_HINT_T0>(qs.wrapping_add(PREFETCH_AHEAD) as *const i8);
-                }
-                let m = f16_splat(row.add(2 * (nb + b)));
-                let q = nibbles(qs);
-                [
-                    _mm256_fmadd_ps(q[0], d, m),
-                    _mm256_fmadd_ps(q[1], d, m),
-                    _mm256_fmadd_ps(q[2], d, m),
-                    _mm256_fmadd_ps(q[3], d, m),
-                ]
-            };
-            // The activations are read again for each row (from L1, as the multiply-adds'
-            // memory operands): held in registers, they left too few for four rows' decoding.
-            for (j, wj) in wv.iter().enumerate() {
-                *a = _mm256_fmadd_ps(_mm256_loadu_ps(xb.add(8 * j)), *wj, *a);
-            }
-        }
-    }
-    for (r, a) in acc.iter().enumerate() {
-        *out.add(r) = hsum_pairs(*a);
-    }
-}
-
-/// The f16 at `p` widened into all eight lanes.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn f16_splat(p: *const u8) -> __m256 {
-    _mm256_cvtph_ps(_mm_set1_epi16((p as *const i16).read_unaligned()))
-}
-
-/// See [`super::dot_tile`]: `M` activation rows against `R` weight rows, one 8-lane accumulator
-/// each; the weight vectors are loaded once a step for every activation row.
-#[target_feature(enable = "avx2,fma")]
-pub unsafe fn dot_tile<const M: usize, const R: usize>(
-    x: *const f32,
-    ldx: usize,
-    w: *const f32,
-    ldw: usize,
-    k: usize,
-    out: *mut f32,
-    ldo: usize,
-) {
-    dot_tile_span::<M, R>(x, ldx, w, ldw, 0, k, k, std::ptr::null_mut(), out, ldo)
-}
-
-/// Most accumulators of a [`dot_tile`] (4 × 3, or 1 × 6).
-const MAX_TILE: usize = 12;
-
-/// Eight vectors' [`hsum_pairs`] at once, in lane order, with the same additions: horizontal
-/// adds of neighbouring pairs (`l0+l1`, `l2+l3`, then `(l0+l1)+(l2+l3)` in each half), then
-/// the halves' sums added.
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn hsum8x8(v: &[__m256; 8]) -> __m256 {
-    let q0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-    let q1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-    _mm256_add_ps(
-        _mm256_permute2f128_ps::<0x20>(q0, q1),
-        _mm256_permute2f128_ps::<0x31>(q0, q1),
-    )
-}
-
-/// [`dot_tile`] over the columns `t0..t1` only (see the AVX-512 level's `dot_tile_span`): the
-/// lanes start from zero at `t0 = 0` and from the `M × R` vectors at `state` (16 floats apart,
-/// row-major) otherwise, and are stored back there unreduced unless `t1` reaches `k`. `t0` is a
-/// multiple of 8.
-///
-/// # Safety
-/// As [`dot_tile`]; `state` holds `M × R` vectors 16 floats apart unless the span is `0..k`.
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn dot_tile_span<const M: usize, const R: usize>(
-    x: *const f32,
-    ldx: usize,
-    w: *const f32,
-    ldw: usize,
-    t0: usize,
-    t1: usize,
-    k: usize,
-    state: *mut f32,
-    out: *mut f32,
-    ldo: usize,
-) {
-    const { assert!(M * R <= MAX_TILE) };
-    let mut acc = [[_mm256_setzero_ps(); R]; M];
-    if t0 > 0 {
-        for (a, acc) in acc.iter_mut().enumerate() {
-            for (r, c) in acc.iter_mut().enumerate() {
-                *c = _mm256_loadu_ps(state.add((a * R + r) * 16));
-            }
-        }
-    }
-    let k8 = k / 8 * 8;
-    let mut t = t0;
-    while t < t1.min(k8) {
-        let mut wv = [_mm256_setzero_ps(); R];
-        for (r, v) in wv.iter_mut().enumerate() {
-            *v = _mm256_loadu_ps(w.add(r * ldw + t));
-        }
-        for (a, acc) in acc.iter_mut().enumerate() {
-            let xv = _mm256_loadu_ps(x.add(a * ldx + t));
-            for (c, v) in acc.iter_mut().zip(&wv) {
-                *c = _mm256_fmadd_ps(xv, *v, *c);
-            }
-        }
-        t += 8;
-    }
-    if t1 < k {
-        for (a, acc) in acc.iter().enumerate() {
-            for (r, c) in acc.iter().enumerate() {
-                _mm256_storeu_ps(state.add((a * R + r) * 16), *c);
-            }
-        }
-        return;
-    }
-    // The tile's sums, eight at a time where it has eight (the same tree as one at a time),
-    // from the accumulators stored in order.
-    let mut flat = std::mem::MaybeUninit::<[__m256; MAX_TILE]>::uninit();
-    let fp = flat.as_mut_ptr() as *mut __m256;
-    for (a, acc) in acc.iter().enumerate() {
-        for (r, c) in acc.iter().enumerate() {
-            fp.add(a * R + r).write(*c);
-        }
-    }
-    let mut sums = [[0f32; R]; M];
-    let sp = sums.as_mut_ptr() as *mut f32;
-    let mut i = 0;
-    while i + 8 <= M * R {
-        _mm256_storeu_ps(sp.add(i), hsum8x8(&*(fp.add(i) as *const [__m256; 8])));
-        i += 8;
-    }
-    while i < M * R {
-        *sp.add(i) = hsum_pairs(*fp.add(i));
-        i += 1;
-    }
-    write_sums(&sums, x, ldx, w, ldw, k8, k, out, ldo);
-}
-
-/// A tile's reduced lane sums finished and written: the columns `from..k` past the last whole
-/// vector added one at a time (fused), then output `(a, r)` stored at `out[a·ldo + r]`. The
-/// last step of this level's and the AVX-512 level's `dot_tile`.
-///
-/// # Safety
-/// As [`dot_tile`], with `from ≤ k`.
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn write_sums<const M: usize, const R: usize>(
-    sums: &[[f32; R]; M],
-    x: *const f32,
-    ldx: usize,
-    w: *const f32,
-    ldw: usize,
-    from: usize,
-    k: usize,
-    out: *mut f32,
-    ldo: usize,
-) {
-    for (a, sums) in sums.iter().enumerate() {
-        for (r, &s) in sums.iter().enumerate() {
-            let mut s = s;
-            for t in from..k {
-                s = (*x.add(a * ldx + t)).mul_add(*w.add(r * ldw + t), s);
-            }
-            *out.add(a * ldo + r) = s;
-        }
-    }
 }
 
 /// 8 cache values at `p` as f32: a plain load, or 8 halves and one conversion.
@@ -675,5 +353,207 @@ pub unsafe fn rotate(a: &mut [f32], b: &mut [f32], c: &[f32], s: &[f32]) {
         a[i] = x0 * c[i] - x1 * s[i];
         b[i] = x1 * c[i] + x0 * s[i];
         i += 1;
+    }
+}
+
+/// Stores the lanes of `v` that hold outputs (`count` of the 8) at `p`.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn store_part(p: *mut f32, count: usize, v: __m256) {
+    if count >= 8 {
+        _mm256_storeu_ps(p, v);
+    } else if count > 0 {
+        _mm256_maskstore_ps(p, lanes(count), v);
+    }
+}
+
+/// See [`super::panel_product`]: `M` activation rows against `P` panels, two 8-lane
+/// accumulators each (rows 0-7 and 8-15 of the panel).
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn panel_tile<const M: usize, const P: usize>(
+    x: *const f32,
+    ldx: usize,
+    w: *const f32,
+    ldp: usize,
+    cols: usize,
+    k: usize,
+    cont: bool,
+    out: *mut f32,
+    ldo: usize,
+) {
+    // Outputs of vector h (8 lanes) of panel p.
+    let count = |p: usize, h: usize| cols.saturating_sub(16 * p + 8 * h).min(8);
+    let mut acc = [[[_mm256_setzero_ps(); 2]; P]; M];
+    if cont {
+        for (a, acc) in acc.iter_mut().enumerate() {
+            for (p, c) in acc.iter_mut().enumerate() {
+                for (h, c) in c.iter_mut().enumerate() {
+                    *c = _mm256_maskload_ps(out.add(a * ldo + 16 * p + 8 * h), lanes(count(p, h)));
+                }
+            }
+        }
+    }
+    for t in 0..k {
+        let mut wv = [[_mm256_setzero_ps(); 2]; P];
+        for (p, v) in wv.iter_mut().enumerate() {
+            let at = w.add(p * ldp + 16 * t);
+            *v = [_mm256_loadu_ps(at), _mm256_loadu_ps(at.add(8))];
+        }
+        for (a, acc) in acc.iter_mut().enumerate() {
+            let xv = _mm256_set1_ps(*x.add(a * ldx + t));
+            for (c, v) in acc.iter_mut().zip(&wv) {
+                c[0] = _mm256_fmadd_ps(xv, v[0], c[0]);
+                c[1] = _mm256_fmadd_ps(xv, v[1], c[1]);
+            }
+        }
+    }
+    for (a, acc) in acc.iter().enumerate() {
+        for (p, c) in acc.iter().enumerate() {
+            for (h, c) in c.iter().enumerate() {
+                store_part(out.add(a * ldo + 16 * p + 8 * h), count(p, h), *c);
+            }
+        }
+    }
+}
+
+/// Two vectors of a panel block's sixteen f16 values at `p` (rows 0-7, 8-15) as f32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn halves16(p: *const u8) -> [__m256; 2] {
+    [
+        _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)),
+        _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)),
+    ]
+}
+
+/// Column pair `c` of a Q4_1 panel block at `blk`, as [column 2c rows 0-7, rows 8-15, column
+/// 2c+1 rows 0-7, rows 8-15], each 8-byte half widened straight from memory.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn nibble_pair(blk: *const u8, c: usize) -> [__m256; 4] {
+    let low = _mm256_set1_epi32(0x0f);
+    let q = blk.add(64 + 16 * c);
+    let v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(q as *const __m128i));
+    let v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(q.add(8) as *const __m128i));
+    [
+        _mm256_cvtepi32_ps(_mm256_and_si256(v0, low)),
+        _mm256_cvtepi32_ps(_mm256_and_si256(v1, low)),
+        _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(v0)),
+        _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(v1)),
+    ]
+}
+
+/// Column `t` of a Q8_0 panel block at `blk`: rows 0-7, rows 8-15.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn bytes_col(blk: *const u8, t: usize) -> [__m256; 2] {
+    let q = blk.add(32 + 16 * t);
+    let w = |at: usize| {
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+            q.add(at) as *const __m128i
+        )))
+    };
+    [w(0), w(8)]
+}
+
+/// See the AVX-512 `dequant_panel`: the same values, eight lanes at a time.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dequant_panel<const Q8: bool>(src: &[u8], out: &mut [f32]) {
+    let pb = if Q8 { 544 } else { 320 };
+    let nb = src.len() / pb;
+    debug_assert!(out.len() >= nb * 32 * 16);
+    let po = out.as_mut_ptr();
+    for b in 0..nb {
+        let blk = src.as_ptr().add(b * pb);
+        for line in (0..pb).step_by(64) {
+            _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(line + PREFETCH_AHEAD) as *const i8);
+        }
+        let d = halves16(blk);
+        let o = po.add(b * 32 * 16);
+        if Q8 {
+            for t in 0..32 {
+                let q = bytes_col(blk, t);
+                _mm256_storeu_ps(o.add(16 * t), _mm256_mul_ps(q[0], d[0]));
+                _mm256_storeu_ps(o.add(16 * t + 8), _mm256_mul_ps(q[1], d[1]));
+            }
+        } else {
+            let m = halves16(blk.add(32));
+            for c in 0..16 {
+                let q = nibble_pair(blk, c);
+                for (i, q) in q.iter().enumerate() {
+                    let h = i % 2;
+                    _mm256_storeu_ps(o.add(32 * c + 8 * i), _mm256_fmadd_ps(*q, d[h], m[h]));
+                }
+            }
+        }
+    }
+}
+
+/// See the AVX-512 `dot_quant_x1`: one activation row against `P` panels decoded in registers,
+/// [`panel_tile`]'s bits.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_quant_x1<const Q8: bool, const P: usize>(
+    panels: *const u8,
+    pl: usize,
+    x: *const f32,
+    k: usize,
+    out: *mut f32,
+    cols: usize,
+) {
+    let pb = if Q8 { 544 } else { 320 };
+    let mut acc = [[_mm256_setzero_ps(); 2]; P];
+    for b in 0..k / 32 {
+        let blk: [*const u8; P] = std::array::from_fn(|p| panels.add(p * pl + b * pb));
+        let mut d = [[_mm256_setzero_ps(); 2]; P];
+        let mut m = [[_mm256_setzero_ps(); 2]; P];
+        for p in 0..P {
+            for line in (0..pb).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(blk[p].wrapping_add(line + PREFETCH_AHEAD) as *const i8);
+            }
+            d[p] = halves16(blk[p]);
+            if !Q8 {
+                m[p] = halves16(blk[p].add(32));
+            }
+        }
+        let xb = x.add(32 * b);
+        if Q8 {
+            for t in 0..32 {
+                let xv = _mm256_set1_ps(*xb.add(t));
+                for p in 0..P {
+                    let q = bytes_col(blk[p], t);
+                    for h in 0..2 {
+                        acc[p][h] = _mm256_fmadd_ps(xv, _mm256_mul_ps(q[h], d[p][h]), acc[p][h]);
+                    }
+                }
+            }
+        } else {
+            for c in 0..16 {
+                let (x0, x1) = (
+                    _mm256_set1_ps(*xb.add(2 * c)),
+                    _mm256_set1_ps(*xb.add(2 * c + 1)),
+                );
+                for p in 0..P {
+                    let q = nibble_pair(blk[p], c);
+                    for h in 0..2 {
+                        let lo = _mm256_fmadd_ps(q[h], d[p][h], m[p][h]);
+                        acc[p][h] = _mm256_fmadd_ps(x0, lo, acc[p][h]);
+                    }
+                    for h in 0..2 {
+                        let hi = _mm256_fmadd_ps(q[2 + h], d[p][h], m[p][h]);
+                        acc[p][h] = _mm256_fmadd_ps(x1, hi, acc[p][h]);
+                    }
+                }
+            }
+        }
+    }
+    for (p, a) in acc.iter().enumerate() {
+        for (h, a) in a.iter().enumerate() {
+            store_part(
+                out.add(16 * p + 8 * h),
+                cols.saturating_sub(16 * p + 8 * h).min(8),
+                *a,
+            );
+        }
     }
 }

@@ -238,309 +238,155 @@ unsafe fn load_kv<T: KvValue>(mask: __mmask16, p: *const T) -> __m512 {
     }
 }
 
-/// Up to 16 f16 values at `p` as f32 lanes (missing lanes zero).
+/// The lanes of panel `p` of a tile that hold outputs (the first `cols` of its panels').
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn f16x16(p: *const u8, count: usize) -> __m512 {
-    // A masked load: lanes past `count` are neither read nor kept (a copy through a stack
-    // buffer would stall the conversion on a failed store forward).
-    let mask = ((1u32 << count) - 1) as __mmask16;
-    _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p as *const i16))
+fn lanes(cols: usize, p: usize) -> __mmask16 {
+    let c = cols.saturating_sub(16 * p).min(16);
+    ((1u32 << c) - 1) as __mmask16
 }
 
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-pub unsafe fn dequant_q4_1(row: &[u8], out: &mut [f32]) {
-    let nb = row.len() / 20;
-    debug_assert!(out.len() >= nb * 32);
-    let (pd, pq, po) = (row.as_ptr(), row.as_ptr().add(4 * nb), out.as_mut_ptr());
-    let low = _mm512_set1_epi32(0x0f);
-    let (mut dbuf, mut mbuf) = ([0f32; 16], [0f32; 16]);
-    let mut b0 = 0;
-    while b0 < nb {
-        let cnt = (nb - b0).min(16);
-        _mm512_storeu_ps(dbuf.as_mut_ptr(), f16x16(pd.add(2 * b0), cnt));
-        _mm512_storeu_ps(mbuf.as_mut_ptr(), f16x16(pd.add(2 * (nb + b0)), cnt));
-        for i in 0..cnt {
-            let b = b0 + i;
-            // The decoded tile is the first touch of these weights: fetch ahead, as the dots do.
-            _mm_prefetch::<_MM_HINT_T0>(pq.add(b * 16 + PREFETCH_AHEAD) as *const i8);
-            let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(pq.add(b * 16) as *const __m128i));
-            let (d, m) = (_mm512_set1_ps(dbuf[i]), _mm512_set1_ps(mbuf[i]));
-            let o = po.add(b * 32);
-            let lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, low));
-            let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v));
-            _mm512_storeu_ps(o, _mm512_fmadd_ps(lo, d, m));
-            _mm512_storeu_ps(o.add(16), _mm512_fmadd_ps(hi, d, m));
-        }
-        b0 += cnt;
-    }
-}
-
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-pub unsafe fn dequant_q8_0(row: &[u8], out: &mut [f32]) {
-    let nb = row.len() / 34;
-    debug_assert!(out.len() >= nb * 32);
-    let (pd, pq, po) = (row.as_ptr(), row.as_ptr().add(2 * nb), out.as_mut_ptr());
-    let mut dbuf = [0f32; 16];
-    let mut b0 = 0;
-    while b0 < nb {
-        let cnt = (nb - b0).min(16);
-        _mm512_storeu_ps(dbuf.as_mut_ptr(), f16x16(pd.add(2 * b0), cnt));
-        for (i, &d) in dbuf[..cnt].iter().enumerate() {
-            let b = b0 + i;
-            let qs = pq.add(b * 32);
-            _mm_prefetch::<_MM_HINT_T0>(qs.add(PREFETCH_AHEAD) as *const i8);
-            let d = _mm512_set1_ps(d);
-            let o = po.add(b * 32);
-            for h in 0..2 {
-                let q = _mm512_cvtepi8_epi32(_mm_loadu_si128(qs.add(16 * h) as *const __m128i));
-                _mm512_storeu_ps(o.add(16 * h), _mm512_mul_ps(_mm512_cvtepi32_ps(q), d));
-            }
-        }
-        b0 += cnt;
-    }
-}
-
-/// The sixteen lanes of `v` summed as `l_i + l_{i+8}` for each `i < 8`, then those eight as
-/// [`dot_tile`]'s AVX2 tree `((s0+s1)+(s2+s3)) + ((s4+s5)+(s6+s7))`: the reduction of this
-/// level's product order.
-#[inline]
-#[target_feature(enable = "avx512f,avx512dq,avx2,fma")]
-unsafe fn hsum16(v: __m512) -> f32 {
-    super::avx2::hsum_pairs(_mm256_add_ps(
-        _mm512_castps512_ps256(v),
-        _mm512_extractf32x8_ps::<1>(v),
-    ))
-}
-
-/// Most accumulators of a [`dot_tile`] (6 × 4, or 1 × 6).
-const MAX_TILE: usize = 24;
-
-/// Eight vectors' [`hsum16`]s at once, in lane order, with the same additions: each vector's
-/// halves `l_i + l_{i+8}` (two vectors' to a register), then neighbouring pairs `l0+l1`,
-/// `l2+l3` and `(l0+l1)+(l2+l3)` within each 128-bit quarter, then the two quarters' sums added.
-/// 24 instructions instead of about a hundred. Only 512-bit forms (`vhaddps` has none): those
-/// can use all 32 registers, where a 6 × 4 tile's accumulators live.
-#[inline]
-#[target_feature(enable = "avx512f,avx512dq,avx512vl,avx2,fma")]
-unsafe fn hsum16x8(v: &[__m512; 8]) -> __m256 {
-    // Vector i's halves' sums in quarters of [i | i + 4].
-    let half = |a: __m512, b: __m512| {
-        _mm512_add_ps(
-            _mm512_shuffle_f32x4::<0x44>(a, b),
-            _mm512_shuffle_f32x4::<0xee>(a, b),
-        )
-    };
-    // Per quarter: [a0+a1, a2+a3, b0+b1, b2+b3].
-    let pairs = |a: __m512, b: __m512| {
-        _mm512_add_ps(
-            _mm512_shuffle_ps::<0x88>(a, b),
-            _mm512_shuffle_ps::<0xdd>(a, b),
-        )
-    };
-    let h = [
-        half(v[0], v[4]),
-        half(v[1], v[5]),
-        half(v[2], v[6]),
-        half(v[3], v[7]),
-    ];
-    // Quarters: [0..3 lanes 0-3 sums], [0..3 lanes 4-7], [4..7 lanes 0-3], [4..7 lanes 4-7].
-    let z = pairs(pairs(h[0], h[1]), pairs(h[2], h[3]));
-    let z = _mm512_shuffle_f32x4::<0xd8>(z, z); // quarters 0, 2, 1, 3
-    _mm256_add_ps(_mm512_castps512_ps256(z), _mm512_extractf32x8_ps::<1>(z))
-}
-
-/// See [`super::dot_tile`]: this level's order is sixteen lanes, lane `l` one FMA chain over
-/// `t ≡ l (mod 16)` in increasing `t`, reduced by [`hsum16`], then the `k mod 16` last terms one
-/// at a time. `M` activation rows against `R` weight rows, one 16-lane accumulator each.
-#[target_feature(enable = "avx512f,avx512dq,avx512vl,avx2,fma")]
-pub unsafe fn dot_tile<const M: usize, const R: usize>(
-    x: *const f32,
-    ldx: usize,
-    w: *const f32,
-    ldw: usize,
-    k: usize,
-    out: *mut f32,
-    ldo: usize,
-) {
-    dot_tile_span::<M, R>(x, ldx, w, ldw, 0, k, k, std::ptr::null_mut(), out, ldo)
-}
-
-/// [`dot_tile`] over the columns `t0..t1` only: the lanes start from zero at `t0 = 0` and from
-/// the `M × R` vectors at `state` (row-major) otherwise, and are stored back there unreduced
-/// unless `t1` reaches `k`, when the sums are finished and written as [`dot_tile`] writes them.
-/// Every lane's chain still takes its columns in order, so a product taken in spans has the
-/// bits of one taken whole. `t0` is a multiple of 16.
-///
-/// # Safety
-/// As [`dot_tile`]; `state` holds `M × R` vectors unless the span is the whole of `0..k`.
-#[inline]
+/// See [`super::panel_product`]: `M` activation rows against `P` panels, one 16-lane
+/// accumulator each; a column's panel vectors are loaded once for every row, and each row's
+/// activation broadcast once for every panel.
 #[target_feature(enable = "avx512f,avx512dq,avx512vl,avx2,fma")]
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn dot_tile_span<const M: usize, const R: usize>(
+pub unsafe fn panel_tile<const M: usize, const P: usize>(
     x: *const f32,
     ldx: usize,
     w: *const f32,
-    ldw: usize,
-    t0: usize,
-    t1: usize,
+    ldp: usize,
+    cols: usize,
     k: usize,
-    state: *mut f32,
+    cont: bool,
     out: *mut f32,
     ldo: usize,
 ) {
-    const { assert!(M * R <= MAX_TILE) };
-    let mut acc = [[_mm512_setzero_ps(); R]; M];
-    if t0 > 0 {
+    let mut acc = [[_mm512_setzero_ps(); P]; M];
+    if cont {
         for (a, acc) in acc.iter_mut().enumerate() {
-            for (r, c) in acc.iter_mut().enumerate() {
-                *c = _mm512_loadu_ps(state.add((a * R + r) * 16));
+            for (p, c) in acc.iter_mut().enumerate() {
+                *c = _mm512_maskz_loadu_ps(lanes(cols, p), out.add(a * ldo + 16 * p));
             }
         }
     }
-    let k16 = k / 16 * 16;
-    let mut t = t0;
-    while t < t1.min(k16) {
-        let mut wv = [_mm512_setzero_ps(); R];
-        for (r, v) in wv.iter_mut().enumerate() {
-            *v = _mm512_loadu_ps(w.add(r * ldw + t));
+    for t in 0..k {
+        let mut wv = [_mm512_setzero_ps(); P];
+        for (p, v) in wv.iter_mut().enumerate() {
+            *v = _mm512_loadu_ps(w.add(p * ldp + 16 * t));
         }
         for (a, acc) in acc.iter_mut().enumerate() {
-            let xv = _mm512_loadu_ps(x.add(a * ldx + t));
+            let xv = _mm512_set1_ps(*x.add(a * ldx + t));
             for (c, v) in acc.iter_mut().zip(&wv) {
                 *c = _mm512_fmadd_ps(xv, *v, *c);
             }
         }
-        t += 16;
     }
-    if t1 < k {
-        for (a, acc) in acc.iter().enumerate() {
-            for (r, c) in acc.iter().enumerate() {
-                _mm512_storeu_ps(state.add((a * R + r) * 16), *c);
-            }
-        }
-        return;
-    }
-    // The tile's sums, eight at a time where it has eight (the same tree as one at a time),
-    // from the accumulators stored in order (indexing them at run time would keep them in
-    // memory through the loop above).
-    let mut flat = std::mem::MaybeUninit::<[__m512; MAX_TILE]>::uninit();
-    let fp = flat.as_mut_ptr() as *mut __m512;
     for (a, acc) in acc.iter().enumerate() {
-        for (r, c) in acc.iter().enumerate() {
-            fp.add(a * R + r).write(*c);
+        for (p, c) in acc.iter().enumerate() {
+            _mm512_mask_storeu_ps(out.add(a * ldo + 16 * p), lanes(cols, p), *c);
         }
     }
-    let mut sums = [[0f32; R]; M];
-    let sp = sums.as_mut_ptr() as *mut f32;
-    let mut i = 0;
-    while i + 8 <= M * R {
-        _mm256_storeu_ps(sp.add(i), hsum16x8(&*(fp.add(i) as *const [__m512; 8])));
-        i += 8;
-    }
-    while i < M * R {
-        *sp.add(i) = hsum16(*fp.add(i));
-        i += 1;
-    }
-    super::avx2::write_sums(&sums, x, ldx, w, ldw, k16, k, out, ldo);
 }
 
-/// Weight rows [`dot_quant_x1`] takes at a time (as at AVX2: four chains cover the FMA latency).
-const X1_GROUP: usize = 4;
-
-/// One activation row `x` against `n` split Q4_1 (`Q8 = false`) or Q8_0 rows of `rb` bytes at
-/// `rows`, `rb` apart; `out` gets the `n` dots, the bits of decoding the rows and taking this
-/// level's [`dot_tile`] of them (see the AVX2 level's `dot_quant_x1`).
-#[target_feature(enable = "avx512f,avx512dq,avx2,fma,f16c")]
-pub unsafe fn dot_quant_x1<const Q8: bool>(
-    rows: *const u8,
-    rb: usize,
-    n: usize,
-    x: *const f32,
-    k: usize,
-    out: *mut f32,
-) {
-    let mut r = 0;
-    while r + X1_GROUP <= n {
-        x1_group::<Q8, X1_GROUP>(rows.add(r * rb), rb, x, k, out.add(r));
-        r += X1_GROUP;
-    }
-    match n - r {
-        1 => x1_group::<Q8, 1>(rows.add(r * rb), rb, x, k, out.add(r)),
-        2 => x1_group::<Q8, 2>(rows.add(r * rb), rb, x, k, out.add(r)),
-        3 => x1_group::<Q8, 3>(rows.add(r * rb), rb, x, k, out.add(r)),
-        _ => {}
-    }
-}
-
-/// `R` rows of [`dot_quant_x1`]: each 32-value block decoded in registers into two 16-lane
-/// vectors (elements 0-15 and 16-31), exactly what this level's dequantization writes, and
-/// multiplied into one accumulator a row, elements 0-15 first: lane `l` takes `t ≡ l (mod 16)`
-/// in increasing `t`, [`dot_tile`]'s order.
-#[inline]
-#[target_feature(enable = "avx512f,avx512dq,avx2,fma,f16c")]
-unsafe fn x1_group<const Q8: bool, const R: usize>(
-    rows: *const u8,
-    rb: usize,
-    x: *const f32,
-    k: usize,
-    out: *mut f32,
-) {
-    let nb = k / 32;
-    let mut acc = [_mm512_setzero_ps(); R];
+/// Panel blocks (Q4_1 when `!Q8`, else Q8_0; see [`super::to_panels`]) decoded column by
+/// column into `out`: `q·d + m` in one FMA (exact: the product has 15 significant bits), `q·d`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+pub unsafe fn dequant_panel<const Q8: bool>(src: &[u8], out: &mut [f32]) {
+    let pb = if Q8 { 544 } else { 320 };
+    let nb = src.len() / pb;
+    debug_assert!(out.len() >= nb * 32 * 16);
     let low = _mm512_set1_epi32(0x0f);
-    // Each row's scales (and Q4_1's minimums), sixteen blocks' at a time, widened to f32 in one
-    // conversion and broadcast from memory per block: the same values as widening each alone,
-    // in fewer instructions (one row through the model's products on Zen 5: 3.3 -> 2.9 ms).
-    let (mut dbuf, mut mbuf) = ([[0f32; 16]; R], [[0f32; 16]; R]);
-    let mut b0 = 0;
-    while b0 < nb {
-        let cnt = (nb - b0).min(16);
-        for r in 0..R {
-            let row = rows.add(r * rb);
-            _mm512_storeu_ps(dbuf[r].as_mut_ptr(), f16x16(row.add(2 * b0), cnt));
-            if !Q8 {
-                _mm512_storeu_ps(mbuf[r].as_mut_ptr(), f16x16(row.add(2 * (nb + b0)), cnt));
+    let po = out.as_mut_ptr();
+    for b in 0..nb {
+        let blk = src.as_ptr().add(b * pb);
+        // The decoded tile is the first touch of these weights: fetch ahead, as the dots do.
+        for line in (0..pb).step_by(64) {
+            _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(line + PREFETCH_AHEAD) as *const i8);
+        }
+        let d = _mm512_cvtph_ps(_mm256_loadu_si256(blk as *const __m256i));
+        let o = po.add(b * 32 * 16);
+        if Q8 {
+            for t in 0..32 {
+                let q =
+                    _mm512_cvtepi8_epi32(_mm_loadu_si128(blk.add(32 + 16 * t) as *const __m128i));
+                _mm512_storeu_ps(o.add(16 * t), _mm512_mul_ps(_mm512_cvtepi32_ps(q), d));
+            }
+        } else {
+            let m = _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(32) as *const __m256i));
+            for c in 0..16 {
+                let v =
+                    _mm512_cvtepu8_epi32(_mm_loadu_si128(blk.add(64 + 16 * c) as *const __m128i));
+                let lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, low));
+                let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v));
+                _mm512_storeu_ps(o.add(32 * c), _mm512_fmadd_ps(lo, d, m));
+                _mm512_storeu_ps(o.add(32 * c + 16), _mm512_fmadd_ps(hi, d, m));
             }
         }
-        for i in 0..cnt {
-            let b = b0 + i;
-            let xb = x.add(b * 32);
-            let (x0, x1) = (_mm512_loadu_ps(xb), _mm512_loadu_ps(xb.add(16)));
-            for (r, a) in acc.iter_mut().enumerate() {
-                let row = rows.add(r * rb);
-                let d = _mm512_set1_ps(dbuf[r][i]);
-                let (w0, w1) = if Q8 {
-                    let qs = row.add(2 * nb + b * 32);
-                    if b % 2 == 0 {
-                        _mm_prefetch::<_MM_HINT_T0>(qs.wrapping_add(PREFETCH_AHEAD) as *const i8);
-                    }
-                    let q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(qs as *const __m128i));
-                    let q1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(qs.add(16) as *const __m128i));
-                    (
-                        _mm512_mul_ps(_mm512_cvtepi32_ps(q0), d),
-                        _mm512_mul_ps(_mm512_cvtepi32_ps(q1), d),
-                    )
-                } else {
-                    let qs = row.add(4 * nb + b * 16);
-                    if b % 4 == 0 {
-                        _mm_prefetch::<_MM_HINT_T0>(qs.wrapping_add(PREFETCH_AHEAD) as *const i8);
-                    }
-                    let m = _mm512_set1_ps(mbuf[r][i]);
-                    // Byte i holds element i (low nibble) and element 16 + i (high nibble).
-                    let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(qs as *const __m128i));
-                    (
-                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low)), d, m),
-                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v)), d, m),
-                    )
-                };
-                *a = _mm512_fmadd_ps(x0, w0, *a);
-                *a = _mm512_fmadd_ps(x1, w1, *a);
-            }
-        }
-        b0 += cnt;
     }
-    for (r, a) in acc.iter().enumerate() {
-        *out.add(r) = hsum16(*a);
+}
+
+/// One activation row `x` (`k` values) against `P` panels (Q4_1 when `!Q8`, else Q8_0) at
+/// `panels`, `pl` bytes apart: each column's sixteen weights a panel decoded in registers to
+/// exactly what [`dequant_panel`] writes and multiplied into the panel's accumulator, column
+/// after column: [`panel_tile`]'s bits. The first `cols` outputs go to `out`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+pub unsafe fn dot_quant_x1<const Q8: bool, const P: usize>(
+    panels: *const u8,
+    pl: usize,
+    x: *const f32,
+    k: usize,
+    out: *mut f32,
+    cols: usize,
+) {
+    let pb = if Q8 { 544 } else { 320 };
+    let low = _mm512_set1_epi32(0x0f);
+    let mut acc = [_mm512_setzero_ps(); P];
+    for b in 0..k / 32 {
+        let blk: [*const u8; P] = std::array::from_fn(|p| panels.add(p * pl + b * pb));
+        let mut d = [_mm512_setzero_ps(); P];
+        let mut m = [_mm512_setzero_ps(); P];
+        for p in 0..P {
+            for line in (0..pb).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(blk[p].wrapping_add(line + PREFETCH_AHEAD) as *const i8);
+            }
+            d[p] = _mm512_cvtph_ps(_mm256_loadu_si256(blk[p] as *const __m256i));
+            if !Q8 {
+                m[p] = _mm512_cvtph_ps(_mm256_loadu_si256(blk[p].add(32) as *const __m256i));
+            }
+        }
+        let xb = x.add(32 * b);
+        if Q8 {
+            for t in 0..32 {
+                let xv = _mm512_set1_ps(*xb.add(t));
+                for p in 0..P {
+                    let q = _mm512_cvtepi8_epi32(_mm_loadu_si128(
+                        blk[p].add(32 + 16 * t) as *const __m128i
+                    ));
+                    let wv = _mm512_mul_ps(_mm512_cvtepi32_ps(q), d[p]);
+                    acc[p] = _mm512_fmadd_ps(xv, wv, acc[p]);
+                }
+            }
+        } else {
+            for c in 0..16 {
+                let (x0, x1) = (
+                    _mm512_set1_ps(*xb.add(2 * c)),
+                    _mm512_set1_ps(*xb.add(2 * c + 1)),
+                );
+                for p in 0..P {
+                    let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(
+                        blk[p].add(64 + 16 * c) as *const __m128i
+                    ));
+                    let lo =
+                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low)), d[p], m[p]);
+                    let hi =
+                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v)), d[p], m[p]);
+                    acc[p] = _mm512_fmadd_ps(x0, lo, acc[p]);
+                    acc[p] = _mm512_fmadd_ps(x1, hi, acc[p]);
+                }
+            }
+        }
+    }
+    for (p, a) in acc.iter().enumerate() {
+        _mm512_mask_storeu_ps(out.add(16 * p), lanes(cols, p), *a);
     }
 }

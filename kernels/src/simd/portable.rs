@@ -82,43 +82,58 @@ pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
     }
 }
 
-/// See [`super::dot_tile`] and the AVX2 `dot_tile`: the same lanes, chains and reduction tree.
+/// See [`super::panel_product`] and the AVX2 `panel_tile`: `M` activation rows against `P`
+/// panels, two 8-lane accumulators each.
 ///
 /// # Safety
-/// As [`super::dot_tile`].
-pub unsafe fn dot_tile<const M: usize, const R: usize>(
+/// As [`super::panel_product`].
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn panel_tile<const M: usize, const P: usize>(
     x: *const f32,
     ldx: usize,
     w: *const f32,
-    ldw: usize,
+    ldp: usize,
+    cols: usize,
     k: usize,
+    cont: bool,
     out: *mut f32,
     ldo: usize,
 ) {
-    let mut acc = [[f32x8::ZERO; R]; M];
-    let k8 = k / 8 * 8;
-    let mut t = 0;
-    while t < k8 {
-        let mut wv = [f32x8::ZERO; R];
-        for (r, v) in wv.iter_mut().enumerate() {
-            *v = ld(w.add(r * ldw + t));
+    let mut acc = [[[f32x8::ZERO; 2]; P]; M];
+    // Outputs of vector h of panel p.
+    let count = |p: usize, h: usize| cols.saturating_sub(16 * p + 8 * h).min(8);
+    if cont {
+        for (a, acc) in acc.iter_mut().enumerate() {
+            for (p, c) in acc.iter_mut().enumerate() {
+                for (h, c) in c.iter_mut().enumerate() {
+                    let mut buf = [0f32; 8];
+                    let at = out.add(a * ldo + 16 * p + 8 * h);
+                    std::ptr::copy_nonoverlapping(at, buf.as_mut_ptr(), count(p, h));
+                    *c = f32x8::new(buf);
+                }
+            }
+        }
+    }
+    for t in 0..k {
+        let mut wv = [[f32x8::ZERO; 2]; P];
+        for (p, v) in wv.iter_mut().enumerate() {
+            let at = w.add(p * ldp + 16 * t);
+            *v = [ld(at), ld(at.add(8))];
         }
         for (a, acc) in acc.iter_mut().enumerate() {
-            let xv = ld(x.add(a * ldx + t));
+            let xv = f32x8::splat(*x.add(a * ldx + t));
             for (c, v) in acc.iter_mut().zip(&wv) {
-                *c = xv.mul_add(*v, *c);
+                c[0] = xv.mul_add(v[0], c[0]);
+                c[1] = xv.mul_add(v[1], c[1]);
             }
         }
-        t += 8;
     }
     for (a, acc) in acc.iter().enumerate() {
-        for (r, c) in acc.iter().enumerate() {
-            let l = c.to_array();
-            let mut s = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
-            for t in k8..k {
-                s += *x.add(a * ldx + t) * *w.add(r * ldw + t);
+        for (p, c) in acc.iter().enumerate() {
+            for (h, c) in c.iter().enumerate() {
+                let at = out.add(a * ldo + 16 * p + 8 * h);
+                std::ptr::copy_nonoverlapping(c.to_array().as_ptr(), at, count(p, h));
             }
-            *out.add(a * ldo + r) = s;
         }
     }
 }
@@ -294,4 +309,34 @@ pub fn fma_burst(rounds: usize) -> f32 {
         }
     }
     acc.iter().fold(f32x8::ZERO, |s, a| s + *a).reduce_add()
+}
+
+/// See the AVX2 `dequant_panel`: the same values (exact, fused or not), eight lanes at a time.
+pub fn dequant_panel<const Q8: bool>(src: &[u8], out: &mut [f32]) {
+    let pb = if Q8 { 544 } else { 320 };
+    let halves =
+        |blk: &[u8], at: usize| f32x8::new(std::array::from_fn(|j| super::f16_at(blk, at + j)));
+    for (blk, o) in src.chunks_exact(pb).zip(out.chunks_exact_mut(32 * 16)) {
+        let d = [halves(blk, 0), halves(blk, 8)];
+        if Q8 {
+            for (t, o) in o.chunks_exact_mut(16).enumerate() {
+                for h in 0..2 {
+                    let q: &[u8] = &blk[32 + 16 * t + 8 * h..][..8];
+                    let v = f32x8::new(std::array::from_fn(|j| q[j] as i8 as f32));
+                    o[8 * h..8 * h + 8].copy_from_slice(&(v * d[h]).to_array());
+                }
+            }
+        } else {
+            let m = [halves(blk, 16), halves(blk, 24)];
+            for (c, o) in o.chunks_exact_mut(32).enumerate() {
+                for h in 0..2 {
+                    let q: &[u8] = &blk[64 + 16 * c + 8 * h..][..8];
+                    let lo = f32x8::new(std::array::from_fn(|j| (q[j] & 0x0f) as f32));
+                    let hi = f32x8::new(std::array::from_fn(|j| (q[j] >> 4) as f32));
+                    o[8 * h..8 * h + 8].copy_from_slice(&(lo * d[h] + m[h]).to_array());
+                    o[16 + 8 * h..24 + 8 * h].copy_from_slice(&(hi * d[h] + m[h]).to_array());
+                }
+            }
+        }
+    }
 }
