@@ -35,12 +35,24 @@ fn weight(ty: GgmlType, n: usize, k: usize, seed: usize) -> Weight {
 
 fn run() {
     let (m, steps) = (env_count("ROWS", 32), env_count("STEPS", 20));
-    let layer_shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)];
+    let all_shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)];
+    // `ONLY=i`: only the i-th of q|k|v, o, gate|up and down (0-3), 30 times.
+    let layer_shapes: Vec<(usize, usize)> = match std::env::var("ONLY")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+    {
+        Some(i) => vec![all_shapes[i.min(3)]],
+        None => all_shapes.to_vec(),
+    };
     // `LAYERS` distinct layers' weights, taken in turn by the 30 (fewer: they stay in cache,
     // which sets what the kernels' arithmetic alone costs against what streaming adds).
     let distinct = env_count("LAYERS", 30).clamp(1, 30);
     let layers: Vec<Weight> = (0..distinct)
-        .flat_map(|l| layer_shapes.map(|(n, k)| weight(GgmlType::Q4_1, n, k, l * 131 + n)))
+        .flat_map(|l| {
+            layer_shapes
+                .iter()
+                .map(move |&(n, k)| weight(GgmlType::Q4_1, n, k, l * 131 + n))
+        })
         .collect();
     let head = weight(GgmlType::Q8_0, 49152, 576, 7);
     let mut products: Vec<&Weight> = (0..30 * layer_shapes.len())

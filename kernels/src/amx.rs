@@ -251,19 +251,6 @@ unsafe fn split3(
     (h0, h1, _mm512_sub_ps(r1, h1))
 }
 
-/// Weight row `r` of `w` into limb planes (`row` is an f32 scratch of the row's length).
-fn weight_row_limbs(
-    w: &Weight,
-    r: usize,
-    row: &mut [f32],
-    l0: &mut [u16],
-    l1: &mut [u16],
-    l2: &mut [u16],
-) {
-    w.row_f32(r, row);
-    split_limbs(row, l0, l1, l2);
-}
-
 /// Tile configuration (palette 1): tiles 0-7 all 16 rows of 64 bytes.
 #[cfg(target_arch = "x86_64")]
 #[repr(C, align(64))]
@@ -300,7 +287,7 @@ pub(crate) fn matmul(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
     let blocks = mp.div_ceil(TOKEN_BLOCK);
     (0..tasks * blocks).into_par_iter().for_each(|task| {
         TASK_BUFFERS.with_borrow_mut(|(row, wbuf)| {
-            row.resize(k, 0.0);
+            row.resize(COLS_PER_TASK * k, 0.0);
             let tiles = (LIMBS * plane).div_ceil(TILE_ELEMS);
             if wbuf.len() < tiles {
                 wbuf.resize(tiles, Tile([0; TILE_ELEMS]));
@@ -315,12 +302,11 @@ pub(crate) fn matmul(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
             };
             let (p0, rest) = wl.split_at_mut(plane);
             let (p1, p2) = rest.split_at_mut(plane);
+            w.rows_f32(r0, rows, row);
             for r in 0..rows {
                 let at = r * k..(r + 1) * k;
-                weight_row_limbs(
-                    w,
-                    r0 + r,
-                    row,
+                split_limbs(
+                    &row[at.clone()],
                     &mut p0[at.clone()],
                     &mut p1[at.clone()],
                     &mut p2[at],

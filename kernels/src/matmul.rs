@@ -16,7 +16,7 @@
 
 use rayon::prelude::*;
 
-use crate::simd::{dot_quant_x1, has_quant_x1, panel_product, MAX_PANELS, PANEL};
+use crate::simd::{dot_quant_x1, has_quant_x1, panel_product, x1_unit, MAX_PANELS, PANEL};
 use crate::{KernelError, Weight};
 
 /// Output rows per rayon task, at most: whole panels, as many as a register tile takes (four
@@ -50,7 +50,13 @@ pub fn matmul(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) -> Result<(), Ke
         return Ok(());
     }
     let dst = OutPtr(out.as_mut_ptr());
-    let per_task = task_rows(n, PANEL);
+    // Whole panels a task; for one row against panels decoded in registers, as many as a call
+    // of that kernel takes best.
+    let unit = match w {
+        Weight::Quant { ty, .. } if m == 1 && has_quant_x1(*ty) => x1_unit() * PANEL,
+        _ => PANEL,
+    };
+    let per_task = task_rows(n, unit);
     (0..n.div_ceil(per_task)).into_par_iter().for_each(|c| {
         let r0 = c * per_task;
         let rows = per_task.min(n - r0);
@@ -59,10 +65,9 @@ pub fn matmul(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) -> Result<(), Ke
             // One activation row (a decode step of one sequence): each panel block decoded in
             // registers and used at once.
             Weight::Quant { ty, data, .. } if m == 1 && has_quant_x1(*ty) => {
-                let pl = w.panel_bytes();
                 // SAFETY: outputs r0.. +rows of the one row are this task's.
                 let o = unsafe { std::slice::from_raw_parts_mut(dst.at(r0), rows) };
-                dot_quant_x1(*ty, &data[p0 * pl..(p0 + np) * pl], x, o);
+                dot_quant_x1(*ty, data, n, p0, x, o);
             }
             // The decoded tile lives in a per-thread buffer: allocating it per task would map
             // and unmap pages (and shoot down TLBs on every core) thousands of times a step.

@@ -18,9 +18,16 @@ pub unsafe fn fma_burst(rounds: usize) -> f32 {
     _mm512_reduce_add_ps(sum)
 }
 
-/// Prefetch distance for the weight stream. Measured on the 2-core VM (batch-1 decode, same
-/// background load): 1 KiB 35 tok/s, 4 KiB 44 tok/s, 8 KiB 30-35 tok/s; no prefetch 16 tok/s.
-const PREFETCH_AHEAD: usize = 4096;
+/// How far ahead the weight stream of a panel being decoded is prefetched (a hint: past the
+/// end of the weights it never faults, and it warms the task's next panels). 4 rows through the
+/// model's products from memory on a 2-core Zen 5: 4 KiB 6.7 ms, 16 KiB 5.8 (32 rows alike).
+const PREFETCH_AHEAD: usize = 16384;
+
+/// The same for each of the panels one row is multiplied against in registers
+/// ([`dot_quant_x1`]), side by side: the model's products of one row from memory, 4 KiB ahead
+/// 3.2-3.5 ms when the streams ran into each other's panels, 2.5 ms with each stream's reach
+/// passing its panel's end into the one the task takes next (2-8 KiB alike).
+const X1_AHEAD: usize = 8192;
 
 #[target_feature(enable = "avx512f,avx2,fma")]
 pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
@@ -291,14 +298,14 @@ pub unsafe fn panel_tile<const M: usize, const P: usize>(
 /// Panel blocks (Q4_1 when `!Q8`, else Q8_0; see [`super::to_panels`]) decoded column by
 /// column into `out`: `q·d + m` in one FMA (exact: the product has 15 significant bits), `q·d`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-pub unsafe fn dequant_panel<const Q8: bool>(src: &[u8], out: &mut [f32]) {
+pub unsafe fn dequant_panel<const Q8: bool>(src: &[u8], stride: usize, nb: usize, out: &mut [f32]) {
     let pb = if Q8 { 544 } else { 320 };
-    let nb = src.len() / pb;
+    debug_assert!(src.len() >= (nb - 1) * stride + pb);
     debug_assert!(out.len() >= nb * 32 * 16);
     let low = _mm512_set1_epi32(0x0f);
     let po = out.as_mut_ptr();
     for b in 0..nb {
-        let blk = src.as_ptr().add(b * pb);
+        let blk = src.as_ptr().add(b * stride);
         // The decoded tile is the first touch of these weights: fetch ahead, as the dots do.
         for line in (0..pb).step_by(64) {
             _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(line + PREFETCH_AHEAD) as *const i8);
@@ -331,7 +338,8 @@ pub unsafe fn dequant_panel<const Q8: bool>(src: &[u8], out: &mut [f32]) {
 /// after column: [`panel_tile`]'s bits. The first `cols` outputs go to `out`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
 pub unsafe fn dot_quant_x1<const Q8: bool, const P: usize>(
-    panels: *const u8,
+    blk0: [*const u8; P],
+    stride: [usize; P],
     pl: usize,
     x: *const f32,
     k: usize,
@@ -342,12 +350,18 @@ pub unsafe fn dot_quant_x1<const Q8: bool, const P: usize>(
     let low = _mm512_set1_epi32(0x0f);
     let mut acc = [_mm512_setzero_ps(); P];
     for b in 0..k / 32 {
-        let blk: [*const u8; P] = std::array::from_fn(|p| panels.add(p * pl + b * pb));
+        let blk: [*const u8; P] = std::array::from_fn(|p| blk0[p].add(b * stride[p]));
         let mut d = [_mm512_setzero_ps(); P];
         let mut m = [_mm512_setzero_ps(); P];
         for p in 0..P {
             for line in (0..pb).step_by(64) {
-                _mm_prefetch::<_MM_HINT_T0>(blk[p].wrapping_add(line + PREFETCH_AHEAD) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(super::ahead(
+                    blk[p].wrapping_add(line),
+                    b * stride[p] + line,
+                    pl,
+                    P,
+                    X1_AHEAD,
+                ));
             }
             d[p] = _mm512_cvtph_ps(_mm256_loadu_si256(blk[p] as *const __m256i));
             if !Q8 {

@@ -489,24 +489,34 @@ pub fn panel_block_bytes(ty: GgmlType) -> usize {
     PANEL * ty.bytes_for(32).expect("a 32-value block type")
 }
 
+/// Where panel `p` of `np` (of `pl` bytes each) lies: the byte offset of its first block and the
+/// distance from one of its blocks to the next (one panel after another, each block after
+/// block; pairs of panels interleaved block by block, so that a row against a pair reads one
+/// stream, changed nothing measurable on Zen 5).
+pub fn panel_at(p: usize, np: usize, pl: usize, pb: usize) -> (usize, usize) {
+    debug_assert!(p < np.max(1));
+    (p * pl, pb)
+}
+
 /// GGML rows (`rows` of `cols` values of `ty`, interleaved blocks) in the kernels' panels: rows
 /// in groups of [`PANEL`] (the last padded with zero rows, which decode to zeros), each group
-/// block after block of 32 columns, and in a block, for Q4_1, the sixteen rows' f16 scales, their
-/// sixteen f16 minimums, then for each pair of columns `(2c, 2c+1)` sixteen bytes, row `j`'s
-/// nibbles at column `2c` (low) and `2c+1` (high); for Q8_0, the sixteen scales, then for each
-/// column sixteen bytes, one a row. So a column's sixteen weights widen into one 16-lane vector
-/// (two of 8 lanes), lane `j` row `j`: the layout of [`panel_product`]'s order, with the bytes of
-/// GGML's blocks.
+/// block after block of 32 columns ([`panel_at`]), and in a block, for Q4_1, the sixteen rows' f16 scales, their sixteen f16
+/// minimums, then for each pair of columns `(2c, 2c+1)` sixteen bytes, row `j`'s nibbles at
+/// column `2c` (low) and `2c+1` (high); for Q8_0, the sixteen scales, then for each column
+/// sixteen bytes, one a row. So a column's sixteen weights widen into one 16-lane vector (two of
+/// 8 lanes), lane `j` row `j`: the layout of [`panel_product`]'s order, with the bytes of GGML's
+/// blocks.
 pub fn to_panels(ty: GgmlType, ggml: &[u8], rows: usize, cols: usize) -> Vec<u8> {
     let rb = ty.bytes_for(cols).expect("whole blocks");
-    let nb = cols / 32;
-    let pb = panel_block_bytes(ty);
-    let mut out = vec![0u8; rows.div_ceil(PANEL) * nb * pb];
+    let (nb, pb) = (cols / 32, panel_block_bytes(ty));
+    let np = rows.div_ceil(PANEL);
+    let mut out = vec![0u8; np * nb * pb];
     for r in 0..rows {
         let (p, j) = (r / PANEL, r % PANEL);
+        let (at, stride) = panel_at(p, np, nb * pb, pb);
         for b in 0..nb {
             let src = &ggml[r * rb + b * (rb / nb)..r * rb + (b + 1) * (rb / nb)];
-            let dst = &mut out[(p * nb + b) * pb..(p * nb + b + 1) * pb];
+            let dst = &mut out[at + b * stride..at + b * stride + pb];
             match ty {
                 GgmlType::Q4_1 => {
                     dst[2 * j..2 * j + 2].copy_from_slice(&src[..2]);
@@ -536,16 +546,33 @@ pub fn to_panels(ty: GgmlType, ggml: &[u8], rows: usize, cols: usize) -> Vec<u8>
     out
 }
 
-/// Row `r` of panels of `ty` (`cols` values a row) back in GGML's bytes.
-pub fn panel_row_ggml(ty: GgmlType, panels: &[u8], cols: usize, r: usize, out: &mut [u8]) {
-    let nb = cols / 32;
-    let (pb, bb) = (
-        panel_block_bytes(ty),
-        ty.bytes_for(32).expect("a block type"),
-    );
-    let (p, j) = (r / PANEL, r % PANEL);
-    for b in 0..nb {
-        let src = &panels[(p * nb + b) * pb..(p * nb + b + 1) * pb];
+/// The panel block of row `r`'s block `b` in panels of `rows` rows of `cols` values of `ty`, and
+/// the row's place `j` in it.
+fn row_block(
+    ty: GgmlType,
+    data: &[u8],
+    rows: usize,
+    cols: usize,
+    r: usize,
+    b: usize,
+) -> (&[u8], usize) {
+    let pb = panel_block_bytes(ty);
+    let (at, stride) = panel_at(r / PANEL, rows.div_ceil(PANEL), cols / 32 * pb, pb);
+    (&data[at + b * stride..at + b * stride + pb], r % PANEL)
+}
+
+/// Row `r` of panels of `ty` (`rows` rows of `cols` values) back in GGML's bytes.
+pub fn panel_row_ggml(
+    ty: GgmlType,
+    data: &[u8],
+    rows: usize,
+    cols: usize,
+    r: usize,
+    out: &mut [u8],
+) {
+    let bb = ty.bytes_for(32).expect("a block type");
+    for b in 0..cols / 32 {
+        let (src, j) = row_block(ty, data, rows, cols, r, b);
         let dst = &mut out[b * bb..(b + 1) * bb];
         match ty {
             GgmlType::Q4_1 => {
@@ -571,12 +598,18 @@ pub(crate) fn f16_at(p: &[u8], i: usize) -> f32 {
     half::f16::from_le_bytes([p[2 * i], p[2 * i + 1]]).to_f32()
 }
 
-/// Row `j` of one panel's `nb` blocks decoded into `out` (`32·nb` values): GGML's values
+/// Row `r` of panels of `ty` (`rows` rows of `cols` values) decoded into `out`: GGML's values
 /// (`q·d + m` and `q·d` are exact in f32, so fused or not they are the same).
-pub fn dequant_panel_row(ty: GgmlType, panel: &[u8], nb: usize, j: usize, out: &mut [f32]) {
-    let pb = panel_block_bytes(ty);
-    for b in 0..nb {
-        let src = &panel[b * pb..(b + 1) * pb];
+pub fn dequant_panel_row(
+    ty: GgmlType,
+    data: &[u8],
+    rows: usize,
+    cols: usize,
+    r: usize,
+    out: &mut [f32],
+) {
+    for b in 0..cols / 32 {
+        let (src, j) = row_block(ty, data, rows, cols, r, b);
         let o = &mut out[32 * b..32 * b + 32];
         match ty {
             GgmlType::Q4_1 => {
@@ -597,38 +630,55 @@ pub fn dequant_panel_row(ty: GgmlType, panel: &[u8], nb: usize, j: usize, out: &
     }
 }
 
-/// Blocks `b0..b1` of one panel of `ty` (at `panel`) decoded column by column: column `t`'s
-/// sixteen rows at `out[16·(t − 32·b0)..]`, the layout [`panel_product`] multiplies.
-pub fn dequant_panel(ty: GgmlType, panel: &[u8], b0: usize, b1: usize, out: &mut [f32]) {
+/// Blocks `b0..b1` of panel `p` of `ty` (panels of `rows` rows of `cols` values in `data`)
+/// decoded column by column: column `t`'s sixteen rows at `out[16·(t − 32·b0)..]`, the layout
+/// [`panel_product`] multiplies.
+#[allow(clippy::too_many_arguments)]
+pub fn dequant_panel(
+    ty: GgmlType,
+    data: &[u8],
+    rows: usize,
+    cols: usize,
+    p: usize,
+    b0: usize,
+    b1: usize,
+    out: &mut [f32],
+) {
     let pb = panel_block_bytes(ty);
+    let (at, stride) = panel_at(p, rows.div_ceil(PANEL), cols / 32 * pb, pb);
+    let nb = b1 - b0;
     assert!(
-        panel.len() >= b1 * pb && out.len() >= (b1 - b0) * 32 * PANEL,
-        "dequant_panel: blocks {b0}..{b1}"
+        b1 <= cols / 32 && out.len() >= nb * 32 * PANEL,
+        "dequant_panel: blocks {b0}..{b1} of {cols} columns"
     );
-    let src = &panel[b0 * pb..b1 * pb];
+    if nb == 0 {
+        return;
+    }
+    let src = &data[at + b0 * stride..at + (b1 - 1) * stride + pb];
     #[cfg(target_arch = "x86_64")]
     {
-        // SAFETY: the CPU has the level's features; the lengths were checked above.
+        // SAFETY: the CPU has the level's features; `src` holds nb blocks `stride` apart and
+        // `out` their values (checked above).
         if has_avx512() {
             return unsafe {
                 match ty {
-                    GgmlType::Q4_1 => avx512::dequant_panel::<false>(src, out),
-                    _ => avx512::dequant_panel::<true>(src, out),
+                    GgmlType::Q4_1 => avx512::dequant_panel::<false>(src, stride, nb, out),
+                    _ => avx512::dequant_panel::<true>(src, stride, nb, out),
                 }
             };
         }
         if has_avx2_fma() {
             return unsafe {
                 match ty {
-                    GgmlType::Q4_1 => avx2::dequant_panel::<false>(src, out),
-                    _ => avx2::dequant_panel::<true>(src, out),
+                    GgmlType::Q4_1 => avx2::dequant_panel::<false>(src, stride, nb, out),
+                    _ => avx2::dequant_panel::<true>(src, stride, nb, out),
                 }
             };
         }
     }
     match ty {
-        GgmlType::Q4_1 => portable::dequant_panel::<false>(src, out),
-        _ => portable::dequant_panel::<true>(src, out),
+        GgmlType::Q4_1 => portable::dequant_panel::<false>(src, stride, nb, out),
+        _ => portable::dequant_panel::<true>(src, stride, nb, out),
     }
 }
 
@@ -637,61 +687,100 @@ pub fn has_quant_x1(ty: GgmlType) -> bool {
     is_paneled(ty) && has_avx2_fma()
 }
 
-/// One activation row `x` against `np ≤` [`MAX_PANELS`] panels of `ty` at `panels` (`k =
-/// x.len()` columns each): `out` gets the first `out.len()` of their outputs, decoded in
-/// registers with [`panel_product`]'s bits (each output one chain over the columns in order),
-/// without the decoded panels' round trip through memory. Only where [`has_quant_x1`].
+/// The byte `dist` ahead of `at` (offset `o` in its panel of `pl` bytes) in the stream of panels
+/// that a kernel reading `streams` panels side by side takes: in the same panel, and past its
+/// end in the panel `streams` further on, which the same reader takes next (not the neighbour,
+/// which another of its streams is reading at the same offset). A prefetch address: a hint,
+/// never dereferenced, so it may point past the weights.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn ahead(at: *const u8, o: usize, pl: usize, streams: usize, dist: usize) -> *const i8 {
+    let skip = if o + dist < pl { 0 } else { (streams - 1) * pl };
+    at.wrapping_add(dist + skip) as *const i8
+}
+
+/// Panels that a [`dot_quant_x1`] call's share is best a multiple of: two at AVX2, which takes
+/// them in pairs (a third alone is two FMA chains, half the rate; the model's down product of
+/// one row in tasks of three panels on Zen 5 took 0.83 ms, in tasks of two 0.72), one at
+/// AVX-512.
+pub fn x1_unit() -> usize {
+    if has_avx512() {
+        1
+    } else {
+        2
+    }
+}
+
+/// One activation row `x` against panels `p0.. p0 + np` (`np ≤` [`MAX_PANELS`]) of `ty`
+/// (panels of `rows` rows of `k = x.len()` values in `data`): `out` gets the first `out.len()`
+/// of their outputs, decoded in registers with [`panel_product`]'s bits (each output one chain
+/// over the columns in order), without the decoded panels' round trip through memory. Only
+/// where [`has_quant_x1`].
 #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
-pub fn dot_quant_x1(ty: GgmlType, panels: &[u8], x: &[f32], out: &mut [f32]) {
+pub fn dot_quant_x1(ty: GgmlType, data: &[u8], rows: usize, p0: usize, x: &[f32], out: &mut [f32]) {
     let (k, cols) = (x.len(), out.len());
     let np = cols.div_ceil(PANEL);
-    let pl = k / 32 * panel_block_bytes(ty);
+    let pb = panel_block_bytes(ty);
+    let (pl, all) = (k / 32 * pb, rows.div_ceil(PANEL));
     assert!(
         has_quant_x1(ty)
             && k.is_multiple_of(32)
             && (1..=MAX_PANELS).contains(&np)
-            && panels.len() >= np * pl,
-        "dot_quant_x1: {cols} outputs of {ty} panels, k = {k}"
+            && p0 + np <= all
+            && data.len() >= all * pl,
+        "dot_quant_x1: {cols} outputs of {ty} panels from {p0}, k = {k}"
     );
     #[cfg(target_arch = "x86_64")]
     {
-        let (p, xp, o) = (panels.as_ptr(), x.as_ptr(), out.as_mut_ptr());
+        let at: [(usize, usize); MAX_PANELS] =
+            std::array::from_fn(|i| panel_at((p0 + i).min(all - 1), all, pl, pb));
+        let blk: [*const u8; MAX_PANELS] = at.map(|(o, _)| data.as_ptr().wrapping_add(o));
+        let stride: [usize; MAX_PANELS] = at.map(|(_, s)| s);
+        let (xp, o) = (x.as_ptr(), out.as_mut_ptr());
         macro_rules! go {
-            ($($f:ident)::+) => {
-                match (ty == GgmlType::Q8_0, np) {
-                    (false, 1) => $($f)::+::<false, 1>(p, pl, xp, k, o, cols),
-                    (false, 2) => $($f)::+::<false, 2>(p, pl, xp, k, o, cols),
-                    (false, 3) => $($f)::+::<false, 3>(p, pl, xp, k, o, cols),
-                    (false, _) => $($f)::+::<false, 4>(p, pl, xp, k, o, cols),
-                    (true, 1) => $($f)::+::<true, 1>(p, pl, xp, k, o, cols),
-                    (true, 2) => $($f)::+::<true, 2>(p, pl, xp, k, o, cols),
-                    (true, 3) => $($f)::+::<true, 3>(p, pl, xp, k, o, cols),
-                    (true, _) => $($f)::+::<true, 4>(p, pl, xp, k, o, cols),
-                }
+            ($l:ident, $q8:literal, $n:literal, $i:expr, $o:expr, $c:expr) => {
+                $l::dot_quant_x1::<$q8, $n>(
+                    blk[$i..$i + $n].try_into().expect("n"),
+                    stride[$i..$i + $n].try_into().expect("n"),
+                    pl,
+                    xp,
+                    k,
+                    $o,
+                    $c,
+                )
             };
         }
-        // SAFETY: the CPU has AVX2, FMA and F16C (has_quant_x1); `panels` holds np panels of pl
-        // bytes for k columns, `out` cols ≤ 16·np slots (asserted above).
+        // SAFETY: the CPU has AVX2, FMA and F16C (has_quant_x1); panels p0.. +np of `data`
+        // hold k/32 blocks each at blk/stride, `out` cols ≤ 16·np slots (asserted above).
         unsafe {
+            let q8 = ty == GgmlType::Q8_0;
             if has_avx512() {
-                go!(avx512::dot_quant_x1)
+                match (q8, np) {
+                    (false, 1) => go!(avx512, false, 1, 0, o, cols),
+                    (false, 2) => go!(avx512, false, 2, 0, o, cols),
+                    (false, 3) => go!(avx512, false, 3, 0, o, cols),
+                    (false, _) => go!(avx512, false, 4, 0, o, cols),
+                    (true, 1) => go!(avx512, true, 1, 0, o, cols),
+                    (true, 2) => go!(avx512, true, 2, 0, o, cols),
+                    (true, 3) => go!(avx512, true, 3, 0, o, cols),
+                    (true, _) => go!(avx512, true, 4, 0, o, cols),
+                }
             } else {
                 // Two panels at a time: four accumulators and the panels' scales and minimums
                 // fit AVX2's 16 registers. Three or four spilled them on every column (the
                 // model's products of one row on Zen 5: 3.45 ms in threes and fours, 3.2 in ones,
                 // 2.6 in twos; the lane-tree order's kernel took 2.9).
-                let q8 = ty == GgmlType::Q8_0;
-                let mut c0 = 0;
-                while c0 < cols {
-                    let c = (cols - c0).min(2 * PANEL);
-                    let (p, o) = (p.add(c0 / PANEL * pl), o.add(c0));
+                let mut i = 0;
+                while i < np {
+                    let c = (cols - i * PANEL).min(2 * PANEL);
+                    let oi = o.add(i * PANEL);
                     match (q8, c > PANEL) {
-                        (false, false) => avx2::dot_quant_x1::<false, 1>(p, pl, xp, k, o, c),
-                        (false, true) => avx2::dot_quant_x1::<false, 2>(p, pl, xp, k, o, c),
-                        (true, false) => avx2::dot_quant_x1::<true, 1>(p, pl, xp, k, o, c),
-                        (true, true) => avx2::dot_quant_x1::<true, 2>(p, pl, xp, k, o, c),
+                        (false, false) => go!(avx2, false, 1, i, oi, c),
+                        (false, true) => go!(avx2, false, 2, i, oi, c),
+                        (true, false) => go!(avx2, true, 1, i, oi, c),
+                        (true, true) => go!(avx2, true, 2, i, oi, c),
                     }
-                    c0 += c;
+                    i += 2;
                 }
             }
         }
@@ -1060,7 +1149,13 @@ mod tests {
     /// panels' product bit for bit. The AVX2 and AVX-512 products give the same bits.
     #[test]
     fn panels_decode_and_multiply_alike_at_every_level() {
-        let (n, k) = (37, 320);
+        // 37 rows: three panels, the last with 5 rows and 11 of padding; 69: five.
+        for n in [37, 69] {
+            panels_at_every_level(n, 320);
+        }
+    }
+
+    fn panels_at_every_level(n: usize, k: usize) {
         let wf = rnd(n * k, 5);
         let x = rnd(k, 6);
         for (ty, ggml) in [
@@ -1069,23 +1164,26 @@ mod tests {
         ] {
             let rb = ty.bytes_for(k).unwrap();
             let panels = to_panels(ty, &ggml, n, k);
-            let pl = k / 32 * panel_block_bytes(ty);
-            assert_eq!(panels.len(), n.div_ceil(PANEL) * pl);
+            let (nb, pb) = (k / 32, panel_block_bytes(ty));
+            let np = n.div_ceil(PANEL);
+            assert_eq!(panels.len(), np * nb * pb);
             let mut dense = vec![0f32; n * k];
             tandem_model::dequantize(ty, &ggml, &mut dense).unwrap();
             let mut back = vec![0u8; rb];
             let mut row = vec![0f32; k];
             for r in 0..n {
-                panel_row_ggml(ty, &panels, k, r, &mut back);
+                panel_row_ggml(ty, &panels, n, k, r, &mut back);
                 assert_eq!(back, ggml[r * rb..(r + 1) * rb], "{ty} row {r} bytes");
-                dequant_panel_row(ty, &panels[(r / PANEL) * pl..], k / 32, r % PANEL, &mut row);
+                dequant_panel_row(ty, &panels, n, k, r, &mut row);
                 assert_eq!(row, dense[r * k..(r + 1) * k], "{ty} row {r} values");
             }
             let want = panels_of(&dense, n, k);
-            let np = n.div_ceil(PANEL);
             let mut dec = vec![f32::NAN; np * k * PANEL];
             for p in 0..np {
-                dequant_panel(ty, &panels[p * pl..], 0, k / 32, &mut dec[p * k * PANEL..]);
+                // In two spans, the second from block 3.
+                let (a, b) = dec[p * k * PANEL..].split_at_mut(3 * 32 * PANEL);
+                dequant_panel(ty, &panels, n, k, p, 0, 3, a);
+                dequant_panel(ty, &panels, n, k, p, 3, nb, b);
             }
             assert_eq!(dec, want, "{ty} dispatched decode");
             let wants: Vec<f32> = (0..n).map(|c| chain(&x, |t| dense[c * k + t])).collect();
@@ -1098,42 +1196,80 @@ mod tests {
                         continue;
                     }
                     let mut dec = vec![f32::NAN; np * k * PANEL];
-                    let mut tile = vec![f32::NAN; n];
-                    let mut x1 = vec![f32::NAN; n];
-                    // SAFETY: guarded by the feature check; np panels of k columns, n outputs
-                    // (at most 16 a panel, MAX_PANELS panels a call).
+                    let mut tile = vec![f32::NAN; np * PANEL];
+                    let mut x1 = vec![f32::NAN; np * PANEL];
+                    // SAFETY: guarded by the feature check; each panel's nb blocks lie at
+                    // panel_at's offset and stride; the outputs hold np panels' sixteen.
                     unsafe {
                         for p in 0..np {
-                            let (src, out) =
-                                (&panels[p * pl..(p + 1) * pl], &mut dec[p * k * PANEL..]);
+                            let (at, stride) = panel_at(p, np, nb * pb, pb);
+                            let (src, out) = (&panels[at..], &mut dec[p * k * PANEL..]);
                             match (level, ty) {
                                 (Isa::Avx2, GgmlType::Q4_1) => {
-                                    avx2::dequant_panel::<false>(src, out)
+                                    avx2::dequant_panel::<false>(src, stride, nb, out)
                                 }
-                                (Isa::Avx2, _) => avx2::dequant_panel::<true>(src, out),
-                                (_, GgmlType::Q4_1) => avx512::dequant_panel::<false>(src, out),
-                                _ => avx512::dequant_panel::<true>(src, out),
+                                (Isa::Avx2, _) => avx2::dequant_panel::<true>(src, stride, nb, out),
+                                (_, GgmlType::Q4_1) => {
+                                    avx512::dequant_panel::<false>(src, stride, nb, out)
+                                }
+                                _ => avx512::dequant_panel::<true>(src, stride, nb, out),
                             }
                         }
-                        let (xp, dp, op, pp) =
-                            (x.as_ptr(), dec.as_ptr(), tile.as_mut_ptr(), panels.as_ptr());
-                        let lp = k * PANEL;
-                        match (level, ty) {
-                            (Isa::Avx2, GgmlType::Q4_1) => {
-                                avx2::panel_tile::<1, 3>(xp, k, dp, lp, n, k, false, op, n);
-                                avx2::dot_quant_x1::<false, 3>(pp, pl, xp, k, x1.as_mut_ptr(), n);
-                            }
-                            (Isa::Avx2, _) => {
-                                avx2::panel_tile::<1, 3>(xp, k, dp, lp, n, k, false, op, n);
-                                avx2::dot_quant_x1::<true, 3>(pp, pl, xp, k, x1.as_mut_ptr(), n);
-                            }
-                            (_, GgmlType::Q4_1) => {
-                                avx512::panel_tile::<1, 3>(xp, k, dp, lp, n, k, false, op, n);
-                                avx512::dot_quant_x1::<false, 3>(pp, pl, xp, k, x1.as_mut_ptr(), n);
-                            }
-                            _ => {
-                                avx512::panel_tile::<1, 3>(xp, k, dp, lp, n, k, false, op, n);
-                                avx512::dot_quant_x1::<true, 3>(pp, pl, xp, k, x1.as_mut_ptr(), n);
+                        let (xp, lp) = (x.as_ptr(), k * PANEL);
+                        let q8 = ty == GgmlType::Q8_0;
+                        // The two-panel kernels on pairs, the one-panel ones on a last panel.
+                        for p in (0..np).step_by(2) {
+                            let (dp, op) =
+                                (dec.as_ptr().add(p * lp), tile.as_mut_ptr().add(p * PANEL));
+                            let ox = x1.as_mut_ptr().add(p * PANEL);
+                            let at: [(usize, usize); 2] = std::array::from_fn(|i| {
+                                panel_at((p + i).min(np - 1), np, nb * pb, pb)
+                            });
+                            let blk = at.map(|(o, _)| panels.as_ptr().add(o));
+                            let st = at.map(|(_, s)| s);
+                            let (b1, s1) = ([blk[0]], [st[0]]);
+                            let c = (np - p).min(2) * PANEL;
+                            match (level, q8, p + 1 < np) {
+                                (Isa::Avx2, false, true) => {
+                                    avx2::panel_tile::<1, 2>(xp, k, dp, lp, c, k, false, op, c);
+                                    avx2::dot_quant_x1::<false, 2>(blk, st, nb * pb, xp, k, ox, c);
+                                }
+                                (Isa::Avx2, true, true) => {
+                                    avx2::panel_tile::<1, 2>(xp, k, dp, lp, c, k, false, op, c);
+                                    avx2::dot_quant_x1::<true, 2>(blk, st, nb * pb, xp, k, ox, c);
+                                }
+                                (Isa::Avx2, false, false) => {
+                                    avx2::panel_tile::<1, 1>(xp, k, dp, lp, c, k, false, op, c);
+                                    avx2::dot_quant_x1::<false, 1>(b1, s1, nb * pb, xp, k, ox, c);
+                                }
+                                (Isa::Avx2, true, false) => {
+                                    avx2::panel_tile::<1, 1>(xp, k, dp, lp, c, k, false, op, c);
+                                    avx2::dot_quant_x1::<true, 1>(b1, s1, nb * pb, xp, k, ox, c);
+                                }
+                                (_, false, true) => {
+                                    avx512::panel_tile::<1, 2>(xp, k, dp, lp, c, k, false, op, c);
+                                    avx512::dot_quant_x1::<false, 2>(
+                                        blk,
+                                        st,
+                                        nb * pb,
+                                        xp,
+                                        k,
+                                        ox,
+                                        c,
+                                    );
+                                }
+                                (_, true, true) => {
+                                    avx512::panel_tile::<1, 2>(xp, k, dp, lp, c, k, false, op, c);
+                                    avx512::dot_quant_x1::<true, 2>(blk, st, nb * pb, xp, k, ox, c);
+                                }
+                                (_, false, false) => {
+                                    avx512::panel_tile::<1, 1>(xp, k, dp, lp, c, k, false, op, c);
+                                    avx512::dot_quant_x1::<false, 1>(b1, s1, nb * pb, xp, k, ox, c);
+                                }
+                                (_, true, false) => {
+                                    avx512::panel_tile::<1, 1>(xp, k, dp, lp, c, k, false, op, c);
+                                    avx512::dot_quant_x1::<true, 1>(b1, s1, nb * pb, xp, k, ox, c);
+                                }
                             }
                         }
                     }
@@ -1162,17 +1298,20 @@ mod tests {
             // Through the dispatch: the process's level.
             if has_quant_x1(ty) {
                 let mut x1 = vec![f32::NAN; n];
-                for p0 in (0..np).step_by(MAX_PANELS) {
-                    let c0 = p0 * PANEL;
-                    let c1 = (c0 + MAX_PANELS * PANEL).min(n);
-                    dot_quant_x1(ty, &panels[p0 * pl..], &x, &mut x1[c0..c1]);
-                }
-                for c in 0..n {
-                    assert_eq!(
-                        x1[c].to_bits(),
-                        wants[c].to_bits(),
-                        "{ty} dispatched one-row output {c}"
-                    );
+                // Every run of panels a task may take: from each panel, one to four.
+                for p0 in 0..np {
+                    for len in 1..=MAX_PANELS.min(np - p0) {
+                        let (c0, c1) = (p0 * PANEL, ((p0 + len) * PANEL).min(n));
+                        x1[c0..c1].fill(f32::NAN);
+                        dot_quant_x1(ty, &panels, n, p0, &x, &mut x1[c0..c1]);
+                        for c in c0..c1 {
+                            assert_eq!(
+                                x1[c].to_bits(),
+                                wants[c].to_bits(),
+                                "{ty} panels {p0}+{len}, output {c}"
+                            );
+                        }
+                    }
                 }
             }
         }

@@ -312,11 +312,12 @@ pub fn fma_burst(rounds: usize) -> f32 {
 }
 
 /// See the AVX2 `dequant_panel`: the same values (exact, fused or not), eight lanes at a time.
-pub fn dequant_panel<const Q8: bool>(src: &[u8], out: &mut [f32]) {
+pub fn dequant_panel<const Q8: bool>(src: &[u8], stride: usize, nb: usize, out: &mut [f32]) {
     let pb = if Q8 { 544 } else { 320 };
     let halves =
         |blk: &[u8], at: usize| f32x8::new(std::array::from_fn(|j| super::f16_at(blk, at + j)));
-    for (blk, o) in src.chunks_exact(pb).zip(out.chunks_exact_mut(32 * 16)) {
+    for (b, o) in out.chunks_exact_mut(32 * 16).take(nb).enumerate() {
+        let blk = &src[b * stride..b * stride + pb];
         let d = [halves(blk, 0), halves(blk, 8)];
         if Q8 {
             for (t, o) in o.chunks_exact_mut(16).enumerate() {
