@@ -139,10 +139,21 @@ fn agents_on_two_hosts_add_up_to_one_process_and_a_cut_one_is_reported() {
     }
     assert_eq!(alone["ok"], 24, "{alone}");
     assert_eq!(alone["output_tokens"], 24 * 8, "{alone}");
-    assert_eq!(
-        alone["itl"]["count"], spread["itl"]["count"],
-        "every gap in the merged histogram"
-    );
+    // Every gap the agents measured is in the merged histogram: one between each two chunks of
+    // a request. (Not the one process's count: a server sends two tokens in one chunk where its
+    // stream fell behind the engine, which depends on the machine's load.)
+    for (run, s) in [("one process", &alone), ("two agents", &spread)] {
+        let chunks = s["output_chunks"].as_u64().unwrap_or(0);
+        assert!(
+            (24..=24 * 8).contains(&chunks),
+            "{run}: {chunks} chunks of 24 × 8 tokens: {s}"
+        );
+        assert_eq!(
+            s["itl"]["count"].as_u64(),
+            Some(chunks - 24),
+            "{run}: every gap in the merged histogram: {s}"
+        );
+    }
 
     // The second load host's cable is pulled while its share runs: that agent goes silent.
     let ns = loaders[0].clone();

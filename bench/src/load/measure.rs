@@ -29,6 +29,10 @@ pub struct Record {
     pub e2e_ms: f64,
     /// The longest gap between two streamed chunks.
     pub itl_max_ms: Option<f64>,
+    /// Streamed chunks that carried output (one token each, or several where the server's
+    /// stream fell behind its engine and sent them together): the gaps are between these.
+    #[serde(default)]
+    pub chunks: usize,
     /// `"ok"`, an HTTP status (`"503"`), or what went wrong (`"connect"`, `"stream"`, ...).
     pub status: String,
     /// The error's text.
@@ -252,6 +256,7 @@ impl Measured {
         let span = (self.wall_s - self.warmup_s).max(1e-9);
         let output_tokens: usize = ok.iter().map(|r| r.output_tokens).sum();
         let input_tokens: usize = ok.iter().map(|r| r.prompt_tokens).sum();
+        let output_chunks: usize = ok.iter().map(|r| r.chunks).sum();
         let met = slo
             .is_set()
             .then(|| measured.iter().filter(|r| slo.met(r)).count());
@@ -264,6 +269,7 @@ impl Measured {
             wall_s: span,
             input_tokens,
             output_tokens,
+            output_chunks,
             output_tok_s: output_tokens as f64 / span,
             total_tok_s: (input_tokens + output_tokens) as f64 / span,
             request_s: ok.len() as f64 / span,
@@ -307,6 +313,10 @@ pub struct Summary {
     pub input_tokens: usize,
     /// Output tokens of the successful requests.
     pub output_tokens: usize,
+    /// The streamed chunks those came in ([`Record::chunks`]): [`Summary::itl`] holds a gap for
+    /// each after a request's first. Fewer than the tokens where a server sent several at once.
+    #[serde(default)]
+    pub output_chunks: usize,
     /// Output tokens per second.
     pub output_tok_s: f64,
     /// Prompt and output tokens per second.
@@ -352,6 +362,8 @@ mod tests {
             ttft_ms: Some(ttft),
             e2e_ms: e2e,
             output_tokens: out,
+            // Two tokens a chunk.
+            chunks: out.div_ceil(2),
             prompt_tokens: 10,
             status: status.into(),
             ..Default::default()
@@ -400,6 +412,8 @@ mod tests {
         assert_eq!(s.goodput_request_s, Some(0.5));
         assert_eq!(s.request_s, 2.0);
         assert_eq!(s.output_tokens, 46 + 36 + 11 + 112);
+        // The successful measured requests' chunks only.
+        assert_eq!(s.output_chunks, 23 + 18 + 6 + 56);
         assert_eq!(s.errors_by_status.get("503"), Some(&1));
         assert_eq!(s.ttft.max, 150.0);
         assert_eq!(m.summary(&Slo::default()).slo_met, None);

@@ -430,6 +430,7 @@ impl Clock {
 
     fn finish(self, mut r: Record) -> (Record, Vec<f64>) {
         r.e2e_ms = self.t0.elapsed().as_secs_f64() * 1e3;
+        r.chunks = usize::from(self.ttft.is_some()) + self.gaps.len();
         r.ttft_ms = self.ttft;
         r.itl_max_ms = self.gaps.iter().copied().reduce(f64::max);
         (r, self.gaps)
