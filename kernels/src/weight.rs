@@ -262,7 +262,8 @@ impl Weight {
     /// The rows of `parts` one after another, as one weight (fused projections: q|k|v, gate|up).
     /// Parts of one quantized type stay quantized; mixed types (some GGUF mixes quantize q, k and
     /// v differently) are decoded to f32.
-    pub fn stack(parts: &[Weight]) -> Result<Weight, KernelError> {
+    /// One part is returned as it is (no copy).
+    pub fn stack(mut parts: Vec<Weight>) -> Result<Weight, KernelError> {
         let Some(first) = parts.first() else {
             return Err(KernelError::Shape("no weights to stack".into()));
         };
@@ -276,14 +277,14 @@ impl Weight {
         let rows = parts.iter().map(Weight::rows).sum();
         let ty = first.dtype();
         if parts.len() == 1 {
-            return Ok(first.clone());
+            return Ok(parts.pop().expect("one part"));
         }
         if ty != GgmlType::F32 && parts.iter().all(|p| p.dtype() == ty) {
             // Whole panels up to the last part: their bytes one after another.
             let whole = |p: &Weight| !crate::simd::is_paneled(ty) || p.rows().is_multiple_of(PANEL);
             if parts[..parts.len() - 1].iter().all(whole) {
                 let mut data = Vec::new();
-                for p in parts {
+                for p in &parts {
                     if let Self::Quant { data: d, .. } = p {
                         data.extend_from_slice(d);
                     }
@@ -414,9 +415,9 @@ mod tests {
             let parts: Vec<Weight> = (0..3)
                 .map(|i| part(types[i], rows[i], i as u64 + 1))
                 .collect();
-            let stacked = Weight::stack(&parts).unwrap();
-            assert_eq!(stacked.rows(), rows.iter().sum::<usize>());
             let want: Vec<f32> = parts.iter().flat_map(rows_of).collect();
+            let stacked = Weight::stack(parts).unwrap();
+            assert_eq!(stacked.rows(), rows.iter().sum::<usize>());
             assert_eq!(rows_of(&stacked), want, "{types:?} {rows:?}");
             let mixed = types.iter().any(|t| *t != types[0]);
             assert_eq!(
@@ -429,8 +430,8 @@ mod tests {
             rows: 2,
             cols: k + 1,
         };
-        assert!(Weight::stack(&[part(GgmlType::F32, 2, 9), wide]).is_err());
-        assert!(Weight::stack(&[]).is_err());
+        assert!(Weight::stack(vec![part(GgmlType::F32, 2, 9), wide]).is_err());
+        assert!(Weight::stack(Vec::new()).is_err());
     }
 
     /// Rows decoded in runs are the rows decoded one at a time, from any row to any row.

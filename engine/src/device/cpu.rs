@@ -58,7 +58,7 @@ pub struct CpuModel {
 
 /// One matrix of `parts` stacked by rows (a single part is itself).
 fn stack_rows(parts: Vec<Weight>) -> Result<Weight, EngineError> {
-    Weight::stack(&parts).map_err(|e| EngineError::Model(format!("a fused projection: {e}")))
+    Weight::stack(parts).map_err(|e| EngineError::Model(format!("a fused projection: {e}")))
 }
 
 impl CpuModel {
