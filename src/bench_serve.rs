@@ -31,16 +31,20 @@ pub struct BenchServeArgs {
     /// against the engine alone.
     #[arg(long)]
     url: Option<String>,
-    /// A second server to run the same schedule against, alternating rounds; ratios are the
-    /// first over the second.
+    /// Another server to run the same schedule against (repeatable: any number of them), each
+    /// in turn, the order reversed every other round; ratios are the first over each other.
     #[arg(long)]
-    compare: Option<String>,
+    compare: Vec<String>,
     /// Model name to send (default: the server's first).
     #[arg(long)]
     served_model: Option<String>,
-    /// Model name to send to --compare (default: its first).
+    /// Model name to send to each --compare, in the same order (default: each server's first).
     #[arg(long)]
-    compare_model: Option<String>,
+    compare_model: Vec<String>,
+    /// Names for the reports, comma-separated: --url's, then each --compare's in order (default:
+    /// their addresses).
+    #[arg(long, value_delimiter = ',')]
+    labels: Vec<String>,
     /// Requests to send (multi-turn: conversations), warmup included. Default 64 unless
     /// --duration bounds the run.
     #[arg(long)]
@@ -375,6 +379,20 @@ fn check_numbers(a: &BenchServeArgs) -> Result<()> {
             a.warmup
         );
     }
+    if a.compare_model.len() > a.compare.len() {
+        bail!(
+            "{} --compare-model for {} --compare: one model name a compared server at most",
+            a.compare_model.len(),
+            a.compare.len()
+        );
+    }
+    if a.labels.len() > 1 + a.compare.len() {
+        bail!(
+            "{} --labels for {} servers (--url and each --compare)",
+            a.labels.len(),
+            1 + a.compare.len()
+        );
+    }
     Ok(())
 }
 
@@ -412,22 +430,24 @@ pub fn run(a: BenchServeArgs) -> Result<()> {
     if let Some(url) = &a.url {
         let url = url.trim_end_matches('/').to_string();
         return rt.block_on(async {
-            let mut targets = vec![Target::Http(HttpTarget::new(
-                &url,
-                &model_name(&url, &a.served_model).await?,
-                in_flight,
-            ))];
-            if let Some(other) = &a.compare {
+            let label = |k: usize| a.labels.get(k).map(String::as_str);
+            let mut targets = vec![Target::Http(
+                HttpTarget::new(&url, &model_name(&url, &a.served_model).await?, in_flight)
+                    .labelled(label(0)),
+            )];
+            for (k, other) in a.compare.iter().enumerate() {
                 let other = other.trim_end_matches('/').to_string();
-                let model = model_name(&other, &a.compare_model).await?;
-                targets.push(Target::Http(HttpTarget::new(&other, &model, in_flight)));
+                let model = model_name(&other, &a.compare_model.get(k).cloned()).await?;
+                targets.push(Target::Http(
+                    HttpTarget::new(&other, &model, in_flight).labelled(label(k + 1)),
+                ));
             }
             let r = execute(&bench, &targets, description).await;
             write_outputs(&a, &r)
         });
     }
-    if a.compare.is_some() || !a.agents.is_empty() {
-        bail!("--compare and --agents need --url");
+    if !a.compare.is_empty() || !a.labels.is_empty() || !a.agents.is_empty() {
+        bail!("--compare, --labels and --agents need --url");
     }
     let mut engine_args = a.engine.clone();
     engine_args.model = Some(path);

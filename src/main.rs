@@ -12,7 +12,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
-use tandem_engine::{Engine, EngineConfig, KvDtype, TpCpuConfig, WeightFormat};
+use tandem_engine::{Engine, EngineConfig, KvDtype, PrefillOrder, TpCpuConfig, WeightFormat};
 
 #[derive(Parser)]
 #[command(
@@ -96,6 +96,17 @@ pub struct EngineArgs {
     /// Most sequences running at once.
     #[arg(long, env = "TANDEM_MAX_SEQS", default_value_t = 256)]
     pub max_seqs: usize,
+    /// Order prompts are computed in: arrival (first come, first served) or shortest (fewest
+    /// prompt tokens left first; a prompt passed over 32 times goes next).
+    #[arg(long, env = "TANDEM_PREFILL_ORDER", default_value = "arrival")]
+    pub prefill_order: PrefillOrder,
+    /// Keep each step within this many milliseconds while prompts are computed: a step's
+    /// tokens are sized from what the engine's steps have cost (so decoding sequences get a
+    /// token about this often, and a burst's prompts finish one by one instead of together).
+    /// 0: off, every step may take --max-batched-tokens. Default: 250 in the serving roles
+    /// (decode and prefill workers), off in generate and the engine benchmarks.
+    #[arg(long, env = "TANDEM_STEP_TARGET_MS")]
+    pub step_target_ms: Option<f64>,
     /// KV cache element type: f32 (exact), f16 (half the bytes, each value rounded to 11
     /// significant bits) or int8 (a byte per value, a scale per token and head).
     #[arg(long, env = "TANDEM_KV_DTYPE", default_value = "f32")]
@@ -131,6 +142,7 @@ impl EngineArgs {
             format!("--kv-cache-mb={}", self.kv_cache_mb),
             format!("--max-batched-tokens={}", self.max_batched_tokens),
             format!("--max-seqs={}", self.max_seqs),
+            format!("--prefill-order={}", self.prefill_order),
             format!("--kv-dtype={}", self.kv_dtype),
             format!("--admission-lookahead={}", self.admission_lookahead),
             format!("--tp={}", self.tp),
@@ -147,6 +159,9 @@ impl EngineArgs {
         }
         if self.no_prefix_caching {
             f.push("--no-prefix-caching".into());
+        }
+        if let Some(t) = self.step_target_ms {
+            f.push(format!("--step-target-ms={t}"));
         }
         f
     }
@@ -174,6 +189,16 @@ impl EngineArgs {
         })
     }
 
+    /// `--step-target-ms` as a duration (none at 0 or unset).
+    pub fn step_target(&self) -> Result<Option<std::time::Duration>> {
+        let ms = self.step_target_ms.unwrap_or(0.0);
+        anyhow::ensure!(
+            ms.is_finite() && ms >= 0.0,
+            "--step-target-ms {ms} must be 0 (off) or a positive number of milliseconds"
+        );
+        Ok((ms > 0.0).then(|| std::time::Duration::from_secs_f64(ms / 1e3)))
+    }
+
     /// Loads the model (fetching the default if needed) and builds an engine.
     pub fn build(&self) -> Result<(Engine, tandem_model::LoadedModel)> {
         tandem_kernels::init_threads(self.threads);
@@ -192,6 +217,8 @@ impl EngineArgs {
             prefix_caching: !self.no_prefix_caching,
             num_blocks: self.kv_blocks,
             admission_lookahead: self.admission_lookahead,
+            prefill_order: self.prefill_order,
+            step_target: self.step_target()?,
             panic_at_step: test_panic_at_step()?,
         };
         cfg.check()?;

@@ -358,3 +358,57 @@ async fn the_html_report_renders_in_a_browser() {
     );
     assert!(red > 200, "{red} pixels of the series colour");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_servers_side_by_side_give_the_first_over_each_other() {
+    let d = dataset(LenDist::Uniform(5, 12), 4);
+    let p = plan(Shape::Closed { concurrency: 4 }, 12);
+    let mut targets = Vec::new();
+    for name in ["tandem", "peer-a", "peer-b"] {
+        let base = fake_server().await;
+        targets.push(Target::Http(
+            HttpTarget::new(&base, "m", 8).labelled(Some(name)),
+        ));
+    }
+    let mut b = bench(d, p, vec![]);
+    b.rounds = 2;
+    let r = execute(&b, &targets, "three".into()).await;
+    assert_eq!(r.targets.len(), 3);
+    assert!(
+        r.targets[1].starts_with("peer-a (http://"),
+        "{:?}",
+        r.targets
+    );
+    // Every target in every round, the same requests to each.
+    assert_eq!(r.runs.len(), 6);
+    for round in 0..2 {
+        let of = |k: usize| {
+            r.runs
+                .iter()
+                .find(|x| x.round == round && x.target_index == k)
+                .unwrap_or_else(|| panic!("target {k} round {round}"))
+        };
+        let first = of(0);
+        assert_eq!(first.summary.ok, 12);
+        for k in 1..3 {
+            let other = of(k);
+            assert_eq!(outcomes(first), outcomes(other));
+            let q = r
+                .ratios
+                .iter()
+                .find(|q| q.round == round && q.against == k)
+                .unwrap_or_else(|| panic!("ratio against {k} round {round}"));
+            let (s, t) = (&first.summary, &other.summary);
+            assert_eq!(q.output_tok_s, s.output_tok_s / t.output_tok_s);
+            assert_eq!(q.ttft_p50, s.ttft.p50 / t.ttft.p50);
+            assert_eq!(q.itl_p99, s.itl.p99 / t.itl.p99);
+            let g = s.goodput_request_s.unwrap() / t.goodput_request_s.unwrap();
+            assert_eq!(q.goodput.map(f64::to_bits), Some(g.to_bits()));
+        }
+    }
+    assert_eq!(r.ratios.len(), 4, "two others, two rounds");
+    let text = report::text(&r);
+    assert!(text.contains("tandem (http://"), "{text}");
+    assert_eq!(text.matches(" / peer-b (").count(), 2, "{text}");
+    assert!(text.contains("goodput "), "{text}");
+}

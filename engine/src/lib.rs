@@ -55,8 +55,8 @@ pub use device::cuda::CudaModel;
 pub use device::tp_cpu::{TpCpuBackend, TpCpuConfig};
 pub use engine::{
     Continuous, Engine, EngineConfig, EngineStats, Event, FinishReason, Finished, KvChunk, KvPiece,
-    Limits, Request, RequestId, Reservation, Samples, Scheduler, SeqInfo, StaticBatches, StepPlan,
-    StepStats, TokenEvent,
+    Limits, PrefillOrder, Request, RequestId, Reservation, Samples, Scheduler, SeqInfo,
+    StaticBatches, StepCost, StepPlan, StepStats, TokenEvent, MAX_PASSED, MIN_PREFILL_CHUNK,
 };
 pub use error::EngineError;
 pub use forward::{OpTimes, SeqBatch};

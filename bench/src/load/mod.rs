@@ -107,14 +107,16 @@ pub struct RunResult {
     pub output: RunOutput,
 }
 
-/// The first target's figures over the second's, for one point and round.
+/// The first target's figures over another's, for one point and round.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Ratio {
     /// Sweep point.
     pub point: Option<f64>,
     /// Round.
     pub round: usize,
-    /// Output tokens per second, first over second (above 1: the first is faster).
+    /// The target the first is divided by (its index in `targets`, 1 or more).
+    pub against: usize,
+    /// Output tokens per second, first over the other (above 1: the first is faster).
     pub output_tok_s: f64,
     /// Median TTFT, first over second (below 1: the first is faster).
     pub ttft_p50: f64,
@@ -124,6 +126,8 @@ pub struct Ratio {
     pub itl_p50: f64,
     /// 99th-percentile inter-token latency.
     pub itl_p99: f64,
+    /// Goodput under the SLO (requests/s), first over the other; absent without an SLO.
+    pub goodput: Option<f64>,
 }
 
 /// Everything a benchmark measured.
@@ -137,7 +141,7 @@ pub struct Report {
     pub targets: Vec<String>,
     /// Every run.
     pub runs: Vec<RunResult>,
-    /// First target over second, when there are two.
+    /// The first target over each other one, per point and round.
     pub ratios: Vec<Ratio>,
     /// Why a sweep stopped early, if it did.
     pub sweep_stopped: Option<String>,
@@ -250,7 +254,8 @@ fn goodput(s: &Summary) -> f64 {
     s.goodput_request_s.unwrap_or(s.request_s)
 }
 
-/// Runs the benchmark against `targets` (one, or two side by side).
+/// Runs the benchmark against `targets` (one, or several side by side: the same schedule to
+/// each in turn, the order reversed every other round; ratios are the first over each other).
 pub async fn execute(bench: &Bench, targets: &[Target], description: String) -> Report {
     let points = match &bench.sweep {
         None => 1,
@@ -292,18 +297,25 @@ pub async fn execute(bench: &Bench, targets: &[Target], description: String) -> 
                 this_round.push(r);
             }
             this_round.sort_by_key(|r| r.target_index);
-            if let [a, b] = &this_round[..] {
+            if let [a, others @ ..] = &this_round[..] {
                 let over = |x: f64, y: f64| if y > 0.0 { x / y } else { f64::NAN };
-                let (s, t) = (&a.summary, &b.summary);
-                ratios.push(Ratio {
-                    point,
-                    round,
-                    output_tok_s: over(s.output_tok_s, t.output_tok_s),
-                    ttft_p50: over(s.ttft.p50, t.ttft.p50),
-                    ttft_p99: over(s.ttft.p99, t.ttft.p99),
-                    itl_p50: over(s.itl.p50, t.itl.p50),
-                    itl_p99: over(s.itl.p99, t.itl.p99),
-                });
+                for b in others {
+                    let (s, t) = (&a.summary, &b.summary);
+                    ratios.push(Ratio {
+                        point,
+                        round,
+                        against: b.target_index,
+                        output_tok_s: over(s.output_tok_s, t.output_tok_s),
+                        ttft_p50: over(s.ttft.p50, t.ttft.p50),
+                        ttft_p99: over(s.ttft.p99, t.ttft.p99),
+                        itl_p50: over(s.itl.p50, t.itl.p50),
+                        itl_p99: over(s.itl.p99, t.itl.p99),
+                        goodput: s
+                            .goodput_request_s
+                            .zip(t.goodput_request_s)
+                            .map(|(x, y)| over(x, y)),
+                    });
+                }
             }
             at_point.extend(this_round);
         }

@@ -7,7 +7,7 @@ use std::fmt::Write as _;
 use plotters::prelude::*;
 
 use super::measure::{Dist, Summary};
-use super::{Report, RunResult};
+use super::{Ratio, Report, RunResult};
 
 /// The text table a terminal shows.
 pub fn text(r: &Report) -> String {
@@ -70,20 +70,28 @@ pub fn text(r: &Report) -> String {
     for q in &r.ratios {
         let _ = writeln!(
             out,
-            "first / second{} round {}: output tok/s {:.3}x  ttft p50 {:.3}x p99 {:.3}x  itl p50 {:.3}x p99 {:.3}x",
+            "{}{} round {}: output tok/s {:.3}x  ttft p50 {:.3}x p99 {:.3}x  itl p50 {:.3}x p99 {:.3}x{}",
+            ratio_name(r, q),
             q.point.map_or(String::new(), |p| format!(" @ {p}")),
             q.round + 1,
             q.output_tok_s,
             q.ttft_p50,
             q.ttft_p99,
             q.itl_p50,
-            q.itl_p99
+            q.itl_p99,
+            q.goodput.map_or(String::new(), |g| format!("  goodput {g:.3}x"))
         );
     }
     if let Some(s) = &r.sweep_stopped {
         let _ = writeln!(out, "sweep stopped: {s}");
     }
     out
+}
+
+/// "first / NAME": whom a ratio divides by.
+fn ratio_name(r: &Report, q: &Ratio) -> String {
+    let name = |k: usize| r.targets.get(k).map_or("?", String::as_str);
+    format!("{} / {}", name(0), name(q.against))
 }
 
 fn dist_cells(d: &Dist) -> String {
@@ -410,12 +418,15 @@ pub fn html(r: &Report) -> Result<String, String> {
     for q in &r.ratios {
         let _ = write!(
             html,
-            "<p>first / second{} round {}: output tok/s {:.3}x, TTFT p50 {:.3}x, ITL p50 {:.3}x</p>",
+            "<p>{}{} round {}: output tok/s {:.3}x, TTFT p50 {:.3}x, ITL p50 {:.3}x{}</p>",
+            escape(&ratio_name(r, q)),
             q.point.map_or(String::new(), |p| format!(" @ {p}")),
             q.round + 1,
             q.output_tok_s,
             q.ttft_p50,
-            q.itl_p50
+            q.itl_p50,
+            q.goodput
+                .map_or(String::new(), |g| format!(", goodput {g:.3}x"))
         );
     }
     if let Some(s) = &r.sweep_stopped {

@@ -31,7 +31,10 @@ impl Target {
     /// How the report names it.
     pub fn name(&self) -> String {
         match self {
-            Self::Http(h) => h.base.clone(),
+            Self::Http(h) => match &h.label {
+                Some(l) => format!("{l} ({})", h.base),
+                None => h.base.clone(),
+            },
             Self::Engine(_) => "engine (in process)".into(),
         }
     }
@@ -44,6 +47,8 @@ pub struct HttpTarget {
     pub base: String,
     /// The `model` field of every request.
     pub model: String,
+    /// What reports call it, beside its address (e.g. the server's name).
+    pub label: Option<String>,
     client: reqwest::Client,
 }
 
@@ -57,8 +62,15 @@ impl HttpTarget {
         Self {
             base: base.trim_end_matches('/').to_string(),
             model: model.to_string(),
+            label: None,
             client,
         }
+    }
+
+    /// The same target, named `label` in reports.
+    pub fn labelled(mut self, label: Option<&str>) -> Self {
+        self.label = label.map(str::to_string);
+        self
     }
 }
 

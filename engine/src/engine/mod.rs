@@ -43,11 +43,14 @@ mod schedule;
 mod step;
 mod types;
 
-pub use schedule::{Continuous, Scheduler, SeqInfo, StaticBatches, StepPlan};
+pub use schedule::{
+    Continuous, Scheduler, SeqInfo, StaticBatches, StepCost, StepPlan, MAX_PASSED,
+    MIN_PREFILL_CHUNK,
+};
 
 pub use types::{
-    EngineConfig, EngineStats, Event, FinishReason, Finished, KvChunk, KvPiece, Limits, Request,
-    RequestId, Reservation, Samples, StepStats, TokenEvent,
+    EngineConfig, EngineStats, Event, FinishReason, Finished, KvChunk, KvPiece, Limits,
+    PrefillOrder, Request, RequestId, Reservation, Samples, StepStats, TokenEvent,
 };
 
 /// Why `s` stops after `token` (already appended), if it does.
@@ -87,6 +90,8 @@ struct Seq {
     first_token: Option<Instant>,
     cached_prompt_tokens: Option<usize>,
     preemptions: u32,
+    /// While waiting: times a prompt behind it was admitted first (shortest-first order).
+    passed: u32,
     /// Prefill mode: `(first prompt block to export, next block to export)`.
     export: Option<(usize, usize)>,
 }
@@ -144,6 +149,7 @@ impl Seq {
                     first_token: Some(Instant::now()),
                     cached_prompt_tokens: self.cached_prompt_tokens,
                     preemptions: self.preemptions,
+                    passed: 0,
                     export: None,
                 };
                 (seq, first)
@@ -259,6 +265,8 @@ pub struct Engine {
     copies: Vec<(BlockId, BlockId)>,
     /// Decides what runs in each step.
     scheduler: Box<dyn Scheduler>,
+    /// What its steps cost (sizes steps under a step target).
+    step_cost: StepCost,
     stats: EngineStats,
     /// First id `generate` gives its requests next time.
     next_batch_id: u64,
@@ -292,6 +300,7 @@ impl Engine {
             stopped: Vec::new(),
             copies: Vec::new(),
             scheduler: Box::new(Continuous),
+            step_cost: StepCost::default(),
             stats: EngineStats::default(),
             next_batch_id: 1 << 48,
         })
@@ -493,6 +502,7 @@ impl Engine {
             first_token: None,
             cached_prompt_tokens: None,
             preemptions: 0,
+            passed: 0,
             export: None,
         }
     }

@@ -14,7 +14,7 @@
 
 use std::time::Instant;
 
-use super::{Engine, RequestId, Seq};
+use super::{Engine, PrefillOrder, RequestId, Seq};
 use crate::block_manager::PoolFull;
 
 /// Decides what runs in each step. The engine calls [`Scheduler::schedule`] once per step, after
@@ -43,6 +43,10 @@ pub struct SeqInfo {
     pub computed: usize,
     /// Sequences it stands for: itself and the samples it has still to fork.
     pub width: usize,
+    /// Times it was preempted (a preempted sequence waits with its generated tokens).
+    pub preemptions: u32,
+    /// Waiting: times a prompt behind it in the queue was admitted first.
+    pub passed: u32,
 }
 
 impl SeqInfo {
@@ -54,6 +58,8 @@ impl SeqInfo {
             prompt_len: s.prompt_len,
             computed: s.computed,
             width: s.width(),
+            preemptions: s.preemptions,
+            passed: s.passed,
         }
     }
 
@@ -86,7 +92,7 @@ pub struct StepPlan<'e> {
 impl<'e> StepPlan<'e> {
     pub(super) fn new(e: &'e mut Engine) -> Self {
         Self {
-            budget: e.config.max_batched_tokens,
+            budget: e.step_budget(),
             in_plan: vec![false; e.running.len()],
             e,
             planned: Vec::new(),
@@ -99,8 +105,9 @@ impl<'e> StepPlan<'e> {
         self.planned
     }
 
-    /// Tokens the step may still take: `max_batched_tokens` less what was planned (the tokens of
-    /// a planned sequence that was then preempted stay spent).
+    /// Tokens the step may still take: the step's budget (`max_batched_tokens`, or less under a
+    /// step target) less what was planned (the tokens of a planned sequence that was then
+    /// preempted stay spent).
     pub fn budget(&self) -> usize {
         self.budget
     }
@@ -123,6 +130,11 @@ impl<'e> StepPlan<'e> {
     /// The queue, head first (preempted sequences are at the head).
     pub fn waiting(&self) -> impl Iterator<Item = SeqInfo> + '_ {
         self.e.waiting.iter().map(SeqInfo::of)
+    }
+
+    /// The engine's prompt order (its configuration's).
+    pub fn prefill_order(&self) -> PrefillOrder {
+        self.e.config.prefill_order
     }
 
     /// Plans the next chunk of `running(i)`: its pending tokens, as many as the budget allows.
@@ -154,6 +166,13 @@ impl<'e> StepPlan<'e> {
     /// run), and so is anything when nothing runs. False when nothing was admitted: the head
     /// keeps its place.
     pub fn admit(&mut self) -> bool {
+        self.admit_at(0)
+    }
+
+    /// Admits the queue's `j`-th sequence as [`StepPlan::admit`] admits the head; each sequence
+    /// before it counts one more pass ([`SeqInfo::passed`]). False when nothing was admitted
+    /// (or there is no `j`-th): every sequence keeps its place.
+    pub fn admit_at(&mut self, j: usize) -> bool {
         if self.budget == 0 || self.e.running.len() >= self.e.config.max_seqs {
             return false;
         }
@@ -169,7 +188,7 @@ impl<'e> StepPlan<'e> {
                 .map(|r| r.growth_blocks(block_size, lookahead, max_ctx))
                 .sum()
         });
-        let Some(s) = self.e.waiting.front_mut() else {
+        let Some(s) = self.e.waiting.get_mut(j) else {
             return false;
         };
         if !self.e.running.is_empty() && self.e.running.len() + s.width() > self.e.config.max_seqs {
@@ -191,7 +210,10 @@ impl<'e> StepPlan<'e> {
         }
         self.e.stats.prefix_lookup_tokens += s.tokens.len() as u64;
         self.e.stats.prefix_hit_tokens += hit as u64;
-        let mut s = self.e.waiting.pop_front().expect("front exists");
+        let mut s = self.e.waiting.remove(j).expect("j-th exists");
+        for passed in self.e.waiting.iter_mut().take(j) {
+            passed.passed += 1;
+        }
         s.cached_prompt_tokens.get_or_insert(hit.min(s.prompt_len));
         s.admitted.get_or_insert_with(Instant::now);
         self.headroom = Some(headroom + s.growth_blocks(block_size, lookahead, max_ctx));
@@ -250,32 +272,77 @@ impl<'e> StepPlan<'e> {
 
 /// Iteration-level batching with chunked prefill (the default): every step, one token for each
 /// decoding sequence, oldest first; then the rest of the budget to prompt chunks (partly
-/// computed prompts and recomputes first, then new sequences from the head of the queue, which
-/// is never skipped, so nothing starves).
+/// computed prompts and recomputes first, then new sequences from the queue), in the engine's
+/// [`PrefillOrder`]: arrival (the head of the queue, never skipped) or shortest remaining first
+/// (a prompt passed over [`MAX_PASSED`] times goes first).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Continuous;
 
 impl Continuous {
-    /// Plans every running sequence, decodes first (oldest first), then prompt chunks, within
-    /// the budget.
+    /// Plans every running sequence, decodes first (oldest first), then prompt chunks (oldest
+    /// first, or fewest tokens left first under [`PrefillOrder::Shortest`]), within the budget.
     pub fn run_running(plan: &mut StepPlan<'_>) {
-        for decoding in [true, false] {
-            let mut i = 0;
-            while i < plan.running_len() && plan.budget() > 0 {
-                if plan.running(i).decoding() != decoding {
-                    i += 1;
-                    continue;
-                }
-                if !plan.run(i) {
-                    // `i` itself was preempted: the sequences after it were preempted first,
-                    // so nothing after it is left.
-                    break;
-                }
-                i += 1;
+        let mut i = 0;
+        while i < plan.running_len() && plan.budget() > 0 {
+            if plan.running(i).decoding() && !plan.run(i) {
+                // `i` itself was preempted: the sequences after it were preempted first,
+                // so nothing after it is left.
+                break;
+            }
+            i += 1;
+        }
+        let mut prompts: Vec<usize> = (0..plan.running_len())
+            .filter(|&i| !plan.running(i).decoding())
+            .collect();
+        if plan.prefill_order() == PrefillOrder::Shortest {
+            prompts.sort_by_key(|&i| (plan.running(i).pending(), i));
+        }
+        for i in prompts {
+            if plan.budget() == 0 {
+                break;
+            }
+            // A preemption takes the newest sequences: what it took is out of the running set.
+            if i < plan.running_len() && !plan.run(i) {
+                // `i` went, and everything admitted after it; earlier prompts may still fit.
+                continue;
             }
         }
     }
+
+    /// Admits from the queue while the plan allows: the head each time, or under
+    /// [`PrefillOrder::Shortest`] the sequence [`Continuous::next_shortest`] picks. Stops at the
+    /// first that cannot be admitted (it keeps its turn).
+    pub fn admit_all(plan: &mut StepPlan<'_>) {
+        loop {
+            let j = match plan.prefill_order() {
+                PrefillOrder::Arrival => 0,
+                PrefillOrder::Shortest => match Self::next_shortest(plan.waiting()) {
+                    Some(j) => j,
+                    None => return,
+                },
+            };
+            if !plan.admit_at(j) {
+                return;
+            }
+        }
+    }
+
+    /// Which waiting sequence goes next in shortest-first order: a preempted one (it held
+    /// blocks and has tokens out, so it resumes first, in queue order), then one passed over
+    /// [`MAX_PASSED`] times (queue order), then the fewest tokens to compute (the earlier on a
+    /// tie).
+    pub fn next_shortest(waiting: impl Iterator<Item = SeqInfo>) -> Option<usize> {
+        waiting
+            .enumerate()
+            .min_by_key(|(j, s)| (s.preemptions == 0, s.passed < MAX_PASSED, s.pending(), *j))
+            .map(|(j, _)| j)
+    }
 }
+
+/// Under [`PrefillOrder::Shortest`], how many later prompts may be admitted before a waiting
+/// one: then it goes first. With 8 requests in flight a prompt waits behind at most this many
+/// shorter ones (about four rounds of the running set).
+pub const MAX_PASSED: u32 = 32;
 
 impl Scheduler for Continuous {
     fn name(&self) -> &'static str {
@@ -284,7 +351,100 @@ impl Scheduler for Continuous {
 
     fn schedule(&mut self, plan: &mut StepPlan<'_>) {
         Self::run_running(plan);
-        while plan.admit() {}
+        Self::admit_all(plan);
+    }
+}
+
+/// Prompt tokens a step may always take beside its decodes, whatever a step target says: prompts
+/// keep moving when decodes alone fill the target.
+pub const MIN_PREFILL_CHUNK: usize = 64;
+
+/// A step's budget before any step was measured, under a step target.
+const FIRST_STEP_TOKENS: usize = 256;
+
+/// What a step costs on this engine, learned from the steps it ran: seconds ≈ `fixed` +
+/// `per_token` × tokens, fitted by least squares with each step's weight decaying by
+/// [`StepCost::DECAY`] per later step (the recent steps count most, so the fit follows the
+/// machine's load). The fixed part is what a step costs whatever its size (reading the weights,
+/// sampling); the per-token part the rows' compute.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct StepCost {
+    w: f64,
+    x: f64,
+    y: f64,
+    xx: f64,
+    xy: f64,
+}
+
+impl StepCost {
+    /// A step's weight a step later.
+    pub const DECAY: f64 = 0.95;
+
+    /// Records a step of `tokens` tokens that took `seconds`.
+    pub fn record(&mut self, tokens: usize, seconds: f64) {
+        if tokens == 0 || !(seconds.is_finite() && seconds >= 0.0) {
+            return;
+        }
+        let (x, d) = (tokens as f64, Self::DECAY);
+        self.w = self.w * d + 1.0;
+        self.x = self.x * d + x;
+        self.y = self.y * d + seconds;
+        self.xx = self.xx * d + x * x;
+        self.xy = self.xy * d + x * seconds;
+    }
+
+    /// `(fixed seconds, seconds per token)`, once a step was recorded. When the recent steps
+    /// were all about one size the line is not determined: the cost is then taken as all per
+    /// token (an overestimate for larger steps, so a budget from it errs short).
+    pub fn fit(&self) -> Option<(f64, f64)> {
+        if self.w == 0.0 {
+            return None;
+        }
+        let (mx, my) = (self.x / self.w, self.y / self.w);
+        let var = self.xx / self.w - mx * mx;
+        let cov = self.xy / self.w - mx * my;
+        // Spread of sizes below a tenth of the mean size: one size, in effect.
+        if var > (0.1 * mx).powi(2) && cov > 0.0 {
+            let per_token = cov / var;
+            let fixed = my - per_token * mx;
+            if fixed >= 0.0 {
+                return Some((fixed, per_token));
+            }
+        }
+        Some((0.0, my / mx))
+    }
+
+    /// Tokens a step may hold to take at most `target` seconds by the fit (none before a step was
+    /// recorded, and 0 where the fixed part alone exceeds it).
+    pub fn tokens_within(&self, target: f64) -> Option<usize> {
+        let (fixed, per_token) = self.fit()?;
+        if per_token <= 0.0 {
+            return Some(usize::MAX);
+        }
+        // (A millionth of a token over: a quotient that is whole but for rounding stays whole.)
+        Some(
+            ((target - fixed).max(0.0) / per_token + 1e-6)
+                .floor()
+                .min(1e12) as usize,
+        )
+    }
+}
+
+impl Engine {
+    /// The next step's token budget: `max_batched_tokens`, or under a step target what fits in
+    /// it by the measured [`StepCost`] (`FIRST_STEP_TOKENS` before any step ran), with room
+    /// for every decoding sequence and [`MIN_PREFILL_CHUNK`] prompt tokens.
+    pub(super) fn step_budget(&self) -> usize {
+        let max = self.config.max_batched_tokens;
+        let Some(target) = self.config.step_target else {
+            return max;
+        };
+        let fits = self
+            .step_cost
+            .tokens_within(target.as_secs_f64())
+            .unwrap_or(FIRST_STEP_TOKENS);
+        let decoding = self.running.iter().filter(|s| s.pending() == 1).count();
+        fits.max(decoding + MIN_PREFILL_CHUNK).min(max)
     }
 }
 
@@ -365,7 +525,7 @@ impl Scheduler for StaticBatches {
 mod tests {
     use super::*;
     use crate::engine::tests::{config, engine, req};
-    use crate::engine::{EngineConfig, Event, Finished, Request};
+    use crate::engine::{EngineConfig, Event, Finished, PrefillOrder, Request};
 
     /// A test policy: admits everything it can, then runs only the newest running sequence
     /// (last in, first out), and records the running set it saw at each step.
@@ -406,7 +566,15 @@ mod tests {
         scheduler: Box<dyn Scheduler>,
         requests: Vec<Request>,
     ) -> (Vec<Finished>, Vec<(u64, bool)>) {
-        let mut e = engine(config());
+        serve_with(config(), scheduler, requests)
+    }
+
+    fn serve_with(
+        cfg: EngineConfig,
+        scheduler: Box<dyn Scheduler>,
+        requests: Vec<Request>,
+    ) -> (Vec<Finished>, Vec<(u64, bool)>) {
+        let mut e = engine(cfg);
         e.set_scheduler(scheduler);
         let mut order = Vec::new();
         for (i, r) in requests.into_iter().enumerate() {
@@ -579,5 +747,214 @@ mod tests {
         let first_of_2 = order.iter().position(|&(r, _)| r == 2).unwrap();
         let ends_before = order[..first_of_2].iter().filter(|e| e.1).count();
         assert_eq!(ends_before, 4, "three samples of request 0 and request 1");
+    }
+
+    /// A waiting sequence as a policy sees it: `pending` tokens to compute.
+    fn waiting(pending: usize, preemptions: u32, passed: u32) -> SeqInfo {
+        SeqInfo {
+            id: RequestId(0),
+            index: 0,
+            len: pending,
+            prompt_len: pending,
+            computed: 0,
+            width: 1,
+            preemptions,
+            passed,
+        }
+    }
+
+    #[test]
+    fn shortest_first_picks_preempted_then_long_passed_then_fewest_tokens() {
+        let pick = |w: &[SeqInfo]| Continuous::next_shortest(w.iter().copied());
+        assert_eq!(pick(&[]), None);
+        assert_eq!(
+            pick(&[waiting(9, 0, 0), waiting(3, 0, 0), waiting(6, 0, 0)]),
+            Some(1)
+        );
+        // A tie goes to the earlier.
+        assert_eq!(
+            pick(&[waiting(9, 0, 0), waiting(3, 0, 0), waiting(3, 0, 0)]),
+            Some(1)
+        );
+        // Preempted first, whatever its length.
+        assert_eq!(pick(&[waiting(3, 0, 0), waiting(90, 1, 0)]), Some(1));
+        // Passed over MAX_PASSED times: next, before shorter ones; one pass fewer: not yet.
+        assert_eq!(
+            pick(&[waiting(900, 0, MAX_PASSED), waiting(3, 0, 0)]),
+            Some(0)
+        );
+        assert_eq!(
+            pick(&[waiting(900, 0, MAX_PASSED - 1), waiting(3, 0, 0)]),
+            Some(1)
+        );
+    }
+
+    #[test]
+    fn shortest_first_serves_the_short_prompt_first_and_counts_the_passes() {
+        // Budget 4: one prompt chunk a step. Prompts of 9, 3 and 6 tokens.
+        let cfg = EngineConfig {
+            max_batched_tokens: 4,
+            prefill_order: PrefillOrder::Shortest,
+            ..config()
+        };
+        let requests = || {
+            vec![
+                req((3..12).collect(), 2),
+                req(vec![20, 21, 22], 2),
+                req((30..36).collect(), 2),
+            ]
+        };
+        let first_tokens = |order: &[(u64, bool)]| {
+            let mut firsts = Vec::new();
+            for &(r, _) in order {
+                if !firsts.contains(&r) {
+                    firsts.push(r);
+                }
+            }
+            firsts
+        };
+        let (short, order) = serve_with(cfg.clone(), Box::new(Continuous), requests());
+        assert_eq!(first_tokens(&order), [1, 2, 0]);
+        let arrival = EngineConfig {
+            prefill_order: PrefillOrder::Arrival,
+            ..cfg.clone()
+        };
+        let (fcfs, order) = serve_with(arrival, Box::new(Continuous), requests());
+        assert_eq!(first_tokens(&order), [0, 1, 2]);
+        assert_eq!(bits(&short), bits(&fcfs), "the order changes no bits");
+
+        // The passes: the first step admits request 1 (3 tokens) and, with the budget's last
+        // token, request 2's first chunk; each passes request 0, ahead of them in the queue.
+        let mut e = engine(cfg);
+        for (i, r) in requests().into_iter().enumerate() {
+            e.add(RequestId(i as u64), r).unwrap();
+        }
+        e.step().unwrap();
+        let queue: Vec<(u64, u32)> = e.waiting.iter().map(|s| (s.id.0, s.passed)).collect();
+        assert_eq!(queue, [(0, 2)]);
+        let running: Vec<u64> = e.running.iter().map(|s| s.id.0).collect();
+        assert_eq!(running, [1, 2]);
+    }
+
+    #[test]
+    fn a_step_cost_fit_recovers_a_line_and_follows_a_change() {
+        let mut c = StepCost::default();
+        assert_eq!(c.fit(), None);
+        assert_eq!(c.tokens_within(0.25), None);
+        // 20 ms a step and 1 ms a token, steps of every size.
+        for n in [1usize, 8, 200, 64, 1, 300, 8, 128] {
+            c.record(n, 0.020 + 0.001 * n as f64);
+        }
+        let (fixed, per_token) = c.fit().unwrap();
+        assert!((fixed - 0.020).abs() < 1e-9, "{fixed}");
+        assert!((per_token - 0.001).abs() < 1e-12, "{per_token}");
+        assert_eq!(c.tokens_within(0.250), Some(230));
+        assert_eq!(
+            c.tokens_within(0.010),
+            Some(0),
+            "the fixed part alone is over"
+        );
+        // All one size: the cost counts as all per token.
+        let mut one = StepCost::default();
+        for _ in 0..5 {
+            one.record(100, 0.2);
+        }
+        let (fixed, per_token) = one.fit().unwrap();
+        assert_eq!(fixed, 0.0);
+        assert!((per_token - 0.002).abs() < 1e-12);
+        assert_eq!(one.tokens_within(0.1), Some(50));
+        // The machine gets twice as slow: after a hundred steps the fit says so.
+        for i in 0..100 {
+            let n = [1usize, 8, 200, 64][i % 4];
+            c.record(n, 2.0 * (0.020 + 0.001 * n as f64));
+        }
+        let (fixed, per_token) = c.fit().unwrap();
+        assert!((fixed - 0.040).abs() < 1e-3, "{fixed}");
+        assert!((per_token - 0.002).abs() < 1e-5, "{per_token}");
+        // Nothing recorded from an empty or unmeasured step.
+        let before = c.fit();
+        c.record(0, 1.0);
+        c.record(10, f64::NAN);
+        assert_eq!(c.fit(), before);
+    }
+
+    #[test]
+    fn a_step_target_sizes_the_budget_from_the_cost_and_keeps_room_for_decodes() {
+        let cfg = EngineConfig {
+            max_batched_tokens: 2048,
+            step_target: Some(std::time::Duration::from_millis(250)),
+            ..config()
+        };
+        let mut e = engine(cfg.clone());
+        assert_eq!(e.step_budget(), FIRST_STEP_TOKENS, "nothing measured yet");
+        for n in [1usize, 8, 200, 64, 300] {
+            e.step_cost.record(n, 0.020 + 0.001 * n as f64);
+        }
+        assert_eq!(e.step_budget(), 230);
+        // A slow machine: the fit leaves no prompt tokens, yet the decodes and a minimum
+        // chunk go in.
+        e.step_cost = StepCost::default();
+        for n in [1usize, 100] {
+            e.step_cost.record(n, 0.3 + 0.01 * n as f64);
+        }
+        assert_eq!(e.step_budget(), MIN_PREFILL_CHUNK);
+        for i in 0..3u32 {
+            e.add(RequestId(u64::from(i)), req(vec![3 + i, 4], 8))
+                .unwrap();
+        }
+        e.step().unwrap();
+        assert_eq!(e.running.iter().filter(|s| s.pending() == 1).count(), 3);
+        e.step_cost = StepCost::default();
+        e.step_cost.record(100, 10.0);
+        assert_eq!(e.step_budget(), 3 + MIN_PREFILL_CHUNK);
+        // Never above max_batched_tokens; without a target, max_batched_tokens.
+        e.step_cost = StepCost::default();
+        e.step_cost.record(100, 0.0001);
+        assert_eq!(e.step_budget(), 2048);
+        let plain = engine(EngineConfig {
+            step_target: None,
+            ..cfg
+        });
+        assert_eq!(plain.step_budget(), 2048);
+    }
+
+    /// Under a step target the step sizes follow the machine, and the bits do not: a run whose
+    /// steps were sized by a target (the fake cost makes each step 64 tokens at most) gives
+    /// every request the same tokens and logprobs as one run under the plain budget.
+    #[test]
+    fn a_step_target_changes_the_steps_not_the_bits() {
+        let long = |k: u32| req((0..150).map(|t| 3 + (t * 7 + k) % 90).collect(), 6);
+        let requests = || (0..4).map(long).collect::<Vec<_>>();
+        let (plain, _) = serve(Box::new(Continuous), requests());
+        let cfg = EngineConfig {
+            step_target: Some(std::time::Duration::from_millis(1)),
+            prefill_order: PrefillOrder::Shortest,
+            ..config()
+        };
+        let mut e = engine(cfg);
+        for (i, r) in requests().into_iter().enumerate() {
+            e.add(RequestId(i as u64), r).unwrap();
+        }
+        let mut done = Vec::new();
+        let mut sizes = Vec::new();
+        while e.has_work() {
+            // A cost the target allows no prompt tokens under: steps are the decodes and
+            // MIN_PREFILL_CHUNK.
+            e.step_cost = StepCost::default();
+            e.step_cost.record(10, 1.0);
+            let (events, st) = e.step().unwrap();
+            sizes.push(st.prefill_tokens + st.decode_tokens);
+            done.extend(events.into_iter().filter_map(|ev| match ev {
+                Event::Finished(f) => Some(f),
+                _ => None,
+            }));
+        }
+        done.sort_by_key(|f| f.request);
+        assert!(
+            sizes.iter().all(|&n| n <= 4 + MIN_PREFILL_CHUNK),
+            "{sizes:?}"
+        );
+        assert!(sizes.len() >= 4 * 150 / MIN_PREFILL_CHUNK, "{sizes:?}");
+        assert_eq!(bits(&done), bits(&plain));
     }
 }

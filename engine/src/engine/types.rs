@@ -31,6 +31,16 @@ pub struct EngineConfig {
     /// the first chunk fits). Preemption covers what this misses; on the mixed workload, admitting
     /// without it preempted 39 of 200 requests.
     pub admission_lookahead: usize,
+    /// Which waiting prompt is admitted first, and which running prompt's chunk goes first.
+    pub prefill_order: PrefillOrder,
+    /// The step time to keep within, when set: each step's token budget is what the engine's
+    /// measure of its own steps ([`StepCost`](super::StepCost)) says fits in it, at most
+    /// `max_batched_tokens` and always room for every decoding sequence plus
+    /// [`MIN_PREFILL_CHUNK`](super::MIN_PREFILL_CHUNK) prompt tokens. Decoding sequences get a
+    /// token each step, so this bounds their inter-token gap while prompts are being computed;
+    /// and a burst's prompts finish one or two a step instead of all together in one long step,
+    /// so the first of them reach their first token sooner. `None`: `max_batched_tokens` only.
+    pub step_target: Option<std::time::Duration>,
     /// Test hook: the engine thread panics in this step (counted from 1, steps with work only),
     /// as a bug would, so the tests can see what a worker does then. `TANDEM_TEST_PANIC_AT_STEP`
     /// sets it for the CLI's engines; `None` in production.
@@ -70,8 +80,45 @@ impl Default for EngineConfig {
             prefix_caching: true,
             num_blocks: None,
             admission_lookahead: 64,
+            prefill_order: PrefillOrder::Arrival,
+            step_target: None,
             panic_at_step: None,
         }
+    }
+}
+
+/// The order prompts are computed in.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PrefillOrder {
+    /// First come, first served (vLLM's): the head of the queue is admitted first, running
+    /// prompts continue oldest admission first.
+    #[default]
+    Arrival,
+    /// Shortest remaining prompt first: of the waiting prompts the one with the fewest tokens to
+    /// compute is admitted first (preempted sequences still go before any new one), and running
+    /// prompts continue fewest remaining first. A prompt passed over
+    /// [`MAX_PASSED`](super::MAX_PASSED) times goes first at the next admission, so a long
+    /// prompt waits behind a bounded number of shorter ones, not forever.
+    Shortest,
+}
+
+impl std::str::FromStr for PrefillOrder {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "arrival" | "fcfs" => Ok(Self::Arrival),
+            "shortest" => Ok(Self::Shortest),
+            o => Err(format!("unknown prefill order {o:?} (arrival|shortest)")),
+        }
+    }
+}
+
+impl std::fmt::Display for PrefillOrder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Arrival => "arrival",
+            Self::Shortest => "shortest",
+        })
     }
 }
 
