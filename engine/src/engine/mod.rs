@@ -44,7 +44,7 @@ mod step;
 mod types;
 
 pub use schedule::{
-    Continuous, Scheduler, SeqInfo, StaticBatches, StepCost, StepPlan, MAX_PASSED,
+    Continuous, Cost, Scheduler, SeqInfo, StaticBatches, StepCost, StepPlan, MAX_PASSED,
     MIN_PREFILL_CHUNK,
 };
 

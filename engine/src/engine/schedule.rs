@@ -81,6 +81,8 @@ pub struct StepPlan<'e> {
     /// The engine whose step this is (its scheduler is out of it while the plan is made).
     e: &'e mut Engine,
     budget: usize,
+    /// Under a step target: the time the step has left.
+    time: Option<TimeLeft>,
     planned: Vec<(usize, usize)>,
     /// Per running sequence, whether it is in `planned`.
     in_plan: Vec<bool>,
@@ -91,8 +93,10 @@ pub struct StepPlan<'e> {
 
 impl<'e> StepPlan<'e> {
     pub(super) fn new(e: &'e mut Engine) -> Self {
+        let (budget, time) = e.step_budget();
         Self {
-            budget: e.step_budget(),
+            budget,
+            time,
             in_plan: vec![false; e.running.len()],
             e,
             planned: Vec::new(),
@@ -143,13 +147,16 @@ impl<'e> StepPlan<'e> {
     /// every sequence after it: the running set then ends before `i`. Nothing is planned when
     /// the budget is spent or `i` is planned already.
     pub fn run(&mut self, i: usize) -> bool {
-        let take = self.e.running[i].pending().min(self.budget);
+        let s = &self.e.running[i];
+        let take = self.chunk(s.computed, s.pending());
         if take == 0 || self.is_planned(i) {
             return true;
         }
         if !self.make_room(i, take) {
             return false;
         }
+        let computed = self.e.running[i].computed;
+        self.charge(computed, take);
         self.planned.push((i, take));
         self.in_plan[i] = true;
         self.budget -= take;
@@ -199,10 +206,10 @@ impl<'e> StepPlan<'e> {
             hit = s.blocks.reuse_prefix(&s.tokens);
             s.computed = hit;
         }
-        let take = s.pending().min(self.budget);
+        let take = Self::chunk_of(self.budget, self.time, s.computed, s.pending());
         let own = s.growth_blocks(block_size, lookahead, max_ctx);
         let fits = self.e.running.is_empty() || self.e.blocks.available() >= own + headroom;
-        if !fits || !s.blocks.reserve(s.computed + take) {
+        if take == 0 || !fits || !s.blocks.reserve(s.computed + take) {
             // Not now: give the reused blocks back (they stay cached) and keep its place.
             s.blocks.clear();
             s.computed = 0;
@@ -211,6 +218,7 @@ impl<'e> StepPlan<'e> {
         self.e.stats.prefix_lookup_tokens += s.tokens.len() as u64;
         self.e.stats.prefix_hit_tokens += hit as u64;
         let mut s = self.e.waiting.remove(j).expect("j-th exists");
+        self.charge(s.computed, take);
         for passed in self.e.waiting.iter_mut().take(j) {
             passed.passed += 1;
         }
@@ -222,6 +230,34 @@ impl<'e> StepPlan<'e> {
         self.in_plan.push(true);
         self.budget -= take;
         true
+    }
+
+    /// Tokens to plan of a sequence with `cached` tokens cached and `pending` to compute: all
+    /// of them within the budget; under a step target, a decode's one token always, a prompt
+    /// chunk what fits in the time left or the floor's prompt tokens, whichever is more.
+    fn chunk(&self, cached: usize, pending: usize) -> usize {
+        Self::chunk_of(self.budget, self.time, cached, pending)
+    }
+
+    fn chunk_of(budget: usize, time: Option<TimeLeft>, cached: usize, pending: usize) -> usize {
+        let most = pending.min(budget);
+        match time {
+            Some(t) if pending > 1 => t
+                .cost
+                .tokens_within(cached, most, t.left)
+                .max(t.floor.min(most)),
+            _ => most,
+        }
+    }
+
+    /// Counts `take` planned tokens of a sequence with `cached` cached against the step's time.
+    fn charge(&mut self, cached: usize, take: usize) {
+        if let Some(t) = &mut self.time {
+            t.left -= t.cost.seconds(cached, take);
+            if take > 1 {
+                t.floor = t.floor.saturating_sub(take);
+            }
+        }
     }
 
     /// Ensures `running[i]` has blocks for `take` more tokens (its own copy of a block it shares
@@ -363,88 +399,168 @@ pub const MIN_PREFILL_CHUNK: usize = 64;
 const FIRST_STEP_TOKENS: usize = 256;
 
 /// What a step costs on this engine, learned from the steps it ran: seconds ≈ `fixed` +
-/// `per_token` × tokens, fitted by least squares with each step's weight decaying by
-/// [`StepCost::DECAY`] per later step (the recent steps count most, so the fit follows the
-/// machine's load). The fixed part is what a step costs whatever its size (reading the weights,
-/// sampling); the per-token part the rows' compute.
+/// `per_token` × tokens + `per_key` × attended keys (a row at position p attends p + 1 keys),
+/// fitted by least squares with each step's weight decaying by [`StepCost::DECAY`] per later
+/// step (the recent steps count most, so the fit follows the machine's load). The fixed part
+/// is what a step costs whatever its size (reading the weights, sampling), the per-token part
+/// the rows' products, the per-key part attention over their context.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct StepCost {
     w: f64,
-    x: f64,
+    /// Weighted sums of tokens (t), keys (k), seconds (y) and their products.
+    t: f64,
+    k: f64,
     y: f64,
-    xx: f64,
-    xy: f64,
+    tt: f64,
+    tk: f64,
+    kk: f64,
+    ty: f64,
+    ky: f64,
+}
+
+/// A fitted [`StepCost`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Cost {
+    /// Seconds a step costs whatever it holds.
+    pub fixed: f64,
+    /// Seconds per token computed.
+    pub per_token: f64,
+    /// Seconds per key attended.
+    pub per_key: f64,
+}
+
+impl Cost {
+    /// Seconds `n` new tokens of a sequence with `cached` tokens in the cache add to a step.
+    pub fn seconds(&self, cached: usize, n: usize) -> f64 {
+        let (p, n) = (cached as f64, n as f64);
+        self.per_token * n + self.per_key * (n * p + n * (n + 1.0) / 2.0)
+    }
+
+    /// The most new tokens (at most `most`) of a sequence with `cached` cached that fit in
+    /// `seconds`.
+    pub fn tokens_within(&self, cached: usize, most: usize, seconds: f64) -> usize {
+        if seconds <= 0.0 || most == 0 {
+            return 0;
+        }
+        // per_key/2 n² + (per_token + per_key (p + 1/2)) n = seconds, for n.
+        let (a, b) = (
+            self.per_key / 2.0,
+            self.per_token + self.per_key * (cached as f64 + 0.5),
+        );
+        let n = if a * most as f64 <= 1e-6 * b {
+            seconds / b
+        } else {
+            (-b + (b * b + 4.0 * a * seconds).sqrt()) / (2.0 * a)
+        };
+        // (A millionth of a token over: a quotient that is whole but for rounding stays whole.)
+        ((n + 1e-6).floor().max(0.0) as usize).min(most)
+    }
 }
 
 impl StepCost {
     /// A step's weight a step later.
     pub const DECAY: f64 = 0.95;
 
-    /// Records a step of `tokens` tokens that took `seconds`.
-    pub fn record(&mut self, tokens: usize, seconds: f64) {
+    /// Records a step of `tokens` tokens attending `keys` keys that took `seconds`.
+    pub fn record(&mut self, tokens: usize, keys: u64, seconds: f64) {
         if tokens == 0 || !(seconds.is_finite() && seconds >= 0.0) {
             return;
         }
-        let (x, d) = (tokens as f64, Self::DECAY);
+        let (t, k, y, d) = (tokens as f64, keys as f64, seconds, Self::DECAY);
         self.w = self.w * d + 1.0;
-        self.x = self.x * d + x;
-        self.y = self.y * d + seconds;
-        self.xx = self.xx * d + x * x;
-        self.xy = self.xy * d + x * seconds;
+        self.t = self.t * d + t;
+        self.k = self.k * d + k;
+        self.y = self.y * d + y;
+        self.tt = self.tt * d + t * t;
+        self.tk = self.tk * d + t * k;
+        self.kk = self.kk * d + k * k;
+        self.ty = self.ty * d + t * y;
+        self.ky = self.ky * d + k * y;
     }
 
-    /// `(fixed seconds, seconds per token)`, once a step was recorded. When the recent steps
-    /// were all about one size the line is not determined: the cost is then taken as all per
-    /// token (an overestimate for larger steps, so a budget from it errs short).
-    pub fn fit(&self) -> Option<(f64, f64)> {
+    /// The fitted cost, once a step was recorded. Where the recent steps do not tell the parts
+    /// apart, fewer parts: keys that move with tokens (or not at all) leave the line in tokens;
+    /// steps all about one size leave all of the cost per token (an overestimate for larger
+    /// steps, so a budget from it errs short).
+    pub fn fit(&self) -> Option<Cost> {
         if self.w == 0.0 {
             return None;
         }
-        let (mx, my) = (self.x / self.w, self.y / self.w);
-        let var = self.xx / self.w - mx * mx;
-        let cov = self.xy / self.w - mx * my;
-        // Spread of sizes below a tenth of the mean size: one size, in effect.
-        if var > (0.1 * mx).powi(2) && cov > 0.0 {
-            let per_token = cov / var;
-            let fixed = my - per_token * mx;
-            if fixed >= 0.0 {
-                return Some((fixed, per_token));
+        let w = self.w;
+        let (mt, mk, my) = (self.t / w, self.k / w, self.y / w);
+        let vt = self.tt / w - mt * mt;
+        let vk = self.kk / w - mk * mk;
+        let ctk = self.tk / w - mt * mk;
+        let cty = self.ty / w - mt * my;
+        let cky = self.ky / w - mk * my;
+        // Both parts: tokens and keys must vary, and not (nearly) together.
+        let spread = vt > (0.1 * mt).powi(2);
+        let det = vt * vk - ctk * ctk;
+        if spread && vk > 0.0 && det > 0.01 * vt * vk {
+            let per_token = (cty * vk - cky * ctk) / det;
+            let per_key = (cky * vt - cty * ctk) / det;
+            let fixed = my - per_token * mt - per_key * mk;
+            if per_token >= 0.0 && per_key >= 0.0 && fixed >= 0.0 {
+                return Some(Cost {
+                    fixed,
+                    per_token,
+                    per_key,
+                });
             }
         }
-        Some((0.0, my / mx))
-    }
-
-    /// Tokens a step may hold to take at most `target` seconds by the fit (none before a step was
-    /// recorded, and 0 where the fixed part alone exceeds it).
-    pub fn tokens_within(&self, target: f64) -> Option<usize> {
-        let (fixed, per_token) = self.fit()?;
-        if per_token <= 0.0 {
-            return Some(usize::MAX);
+        if spread && cty > 0.0 {
+            let per_token = cty / vt;
+            let fixed = my - per_token * mt;
+            if fixed >= 0.0 {
+                return Some(Cost {
+                    fixed,
+                    per_token,
+                    per_key: 0.0,
+                });
+            }
         }
-        // (A millionth of a token over: a quotient that is whole but for rounding stays whole.)
-        Some(
-            ((target - fixed).max(0.0) / per_token + 1e-6)
-                .floor()
-                .min(1e12) as usize,
-        )
+        Some(Cost {
+            fixed: 0.0,
+            per_token: my / mt,
+            per_key: 0.0,
+        })
     }
 }
 
+/// A step's time under a step target, as it is planned.
+#[derive(Clone, Copy, Debug)]
+struct TimeLeft {
+    cost: Cost,
+    /// Seconds of the target not yet planned (negative once over).
+    left: f64,
+    /// Prompt tokens the step may still take whatever the time says ([`MIN_PREFILL_CHUNK`]).
+    floor: usize,
+}
+
 impl Engine {
-    /// The next step's token budget: `max_batched_tokens`, or under a step target what fits in
-    /// it by the measured [`StepCost`] (`FIRST_STEP_TOKENS` before any step ran), with room
-    /// for every decoding sequence and [`MIN_PREFILL_CHUNK`] prompt tokens.
-    pub(super) fn step_budget(&self) -> usize {
+    /// The next step's token budget and, under a step target with a measured cost, its time:
+    /// `max_batched_tokens`, or before any step was measured `FIRST_STEP_TOKENS` with room for
+    /// every decoding sequence and [`MIN_PREFILL_CHUNK`] prompt tokens.
+    fn step_budget(&self) -> (usize, Option<TimeLeft>) {
         let max = self.config.max_batched_tokens;
         let Some(target) = self.config.step_target else {
-            return max;
+            return (max, None);
         };
-        let fits = self
-            .step_cost
-            .tokens_within(target.as_secs_f64())
-            .unwrap_or(FIRST_STEP_TOKENS);
-        let decoding = self.running.iter().filter(|s| s.pending() == 1).count();
-        fits.max(decoding + MIN_PREFILL_CHUNK).min(max)
+        match self.step_cost.fit() {
+            Some(cost) => (
+                max,
+                Some(TimeLeft {
+                    cost,
+                    left: target.as_secs_f64() - cost.fixed,
+                    floor: MIN_PREFILL_CHUNK,
+                }),
+            ),
+            None => {
+                let decoding = self.running.iter().filter(|s| s.pending() == 1).count();
+                let first = FIRST_STEP_TOKENS.max(decoding + MIN_PREFILL_CHUNK);
+                (first.min(max), None)
+            }
+        }
     }
 }
 
@@ -836,86 +952,170 @@ mod tests {
         assert_eq!(running, [1, 2]);
     }
 
+    /// Attended keys of `n` new tokens after `p` cached.
+    fn keys(p: usize, n: usize) -> u64 {
+        (n * p + n * (n + 1) / 2) as u64
+    }
+
     #[test]
-    fn a_step_cost_fit_recovers_a_line_and_follows_a_change() {
+    fn a_step_cost_fit_recovers_its_parts_and_follows_a_change() {
         let mut c = StepCost::default();
         assert_eq!(c.fit(), None);
-        assert_eq!(c.tokens_within(0.25), None);
-        // 20 ms a step and 1 ms a token, steps of every size.
-        for n in [1usize, 8, 200, 64, 1, 300, 8, 128] {
-            c.record(n, 0.020 + 0.001 * n as f64);
+        // 20 ms a step, 1 ms a token, 1 us a key: decode steps of 8 rows over long contexts and
+        // prompt chunks at several depths.
+        let truth = |t: usize, k: u64| 0.020 + 0.001 * t as f64 + 1e-6 * k as f64;
+        let steps = [
+            (8, 8 * 500),
+            (200, keys(0, 200)),
+            (64, keys(1000, 64)),
+            (8, 8 * 2000),
+            (300, keys(300, 300)),
+            (1, 900),
+            (128, keys(0, 128)),
+        ];
+        for &(t, k) in &steps {
+            c.record(t, k, truth(t, k));
         }
-        let (fixed, per_token) = c.fit().unwrap();
-        assert!((fixed - 0.020).abs() < 1e-9, "{fixed}");
-        assert!((per_token - 0.001).abs() < 1e-12, "{per_token}");
-        assert_eq!(c.tokens_within(0.250), Some(230));
-        assert_eq!(
-            c.tokens_within(0.010),
-            Some(0),
-            "the fixed part alone is over"
-        );
+        let f = c.fit().unwrap();
+        assert!((f.fixed - 0.020).abs() < 1e-9, "{f:?}");
+        assert!((f.per_token - 0.001).abs() < 1e-11, "{f:?}");
+        assert!((f.per_key - 1e-6).abs() < 1e-13, "{f:?}");
+        // Keys that move with tokens: the line in tokens.
+        let mut line = StepCost::default();
+        for t in [1usize, 8, 200, 64, 300] {
+            line.record(t, 10 * t as u64, 0.020 + 0.001 * t as f64);
+        }
+        let f = line.fit().unwrap();
+        assert_eq!(f.per_key, 0.0);
+        assert!((f.fixed - 0.020).abs() < 1e-9 && (f.per_token - 0.001).abs() < 1e-12);
         // All one size: the cost counts as all per token.
         let mut one = StepCost::default();
         for _ in 0..5 {
-            one.record(100, 0.2);
+            one.record(100, 5050, 0.2);
         }
-        let (fixed, per_token) = one.fit().unwrap();
-        assert_eq!(fixed, 0.0);
-        assert!((per_token - 0.002).abs() < 1e-12);
-        assert_eq!(one.tokens_within(0.1), Some(50));
+        assert_eq!(
+            one.fit(),
+            Some(Cost {
+                fixed: 0.0,
+                per_token: 0.002,
+                per_key: 0.0
+            })
+        );
         // The machine gets twice as slow: after a hundred steps the fit says so.
         for i in 0..100 {
-            let n = [1usize, 8, 200, 64][i % 4];
-            c.record(n, 2.0 * (0.020 + 0.001 * n as f64));
+            let (t, k) = steps[i % steps.len()];
+            c.record(t, k, 2.0 * truth(t, k));
         }
-        let (fixed, per_token) = c.fit().unwrap();
-        assert!((fixed - 0.040).abs() < 1e-3, "{fixed}");
-        assert!((per_token - 0.002).abs() < 1e-5, "{per_token}");
+        let f = c.fit().unwrap();
+        assert!((f.fixed - 0.040).abs() < 1e-3, "{f:?}");
+        assert!((f.per_token - 0.002).abs() < 1e-5, "{f:?}");
+        assert!((f.per_key - 2e-6).abs() < 1e-7, "{f:?}");
         // Nothing recorded from an empty or unmeasured step.
         let before = c.fit();
-        c.record(0, 1.0);
-        c.record(10, f64::NAN);
+        c.record(0, 0, 1.0);
+        c.record(10, 55, f64::NAN);
         assert_eq!(c.fit(), before);
     }
 
     #[test]
-    fn a_step_target_sizes_the_budget_from_the_cost_and_keeps_room_for_decodes() {
+    fn the_tokens_within_a_time_are_the_most_that_fit() {
+        let flat = Cost {
+            fixed: 0.02,
+            per_token: 0.001,
+            per_key: 0.0,
+        };
+        assert_eq!(flat.tokens_within(0, 10_000, 0.230), 230);
+        assert_eq!(flat.tokens_within(5000, 10_000, 0.230), 230);
+        assert_eq!(flat.tokens_within(0, 100, 0.230), 100, "no more than asked");
+        assert_eq!(flat.tokens_within(0, 100, -0.1), 0);
+        let deep = Cost {
+            per_key: 1e-6,
+            ..flat
+        };
+        for cached in [0usize, 100, 1500, 8000] {
+            for seconds in [0.001, 0.05, 0.23, 1.0] {
+                let n = deep.tokens_within(cached, 100_000, seconds);
+                assert!(
+                    deep.seconds(cached, n) <= seconds + 1e-12,
+                    "{cached} {seconds} {n}"
+                );
+                assert!(
+                    deep.seconds(cached, n + 1) > seconds,
+                    "{cached} {seconds} {n}"
+                );
+            }
+        }
+        // Deeper in a context, fewer tokens fit.
+        assert!(deep.tokens_within(1500, 100_000, 0.23) < deep.tokens_within(0, 100_000, 0.23));
+    }
+
+    #[test]
+    fn a_step_target_sizes_prompt_chunks_by_time_and_keeps_the_decodes() {
+        let target = std::time::Duration::from_millis(250);
         let cfg = EngineConfig {
             max_batched_tokens: 2048,
-            step_target: Some(std::time::Duration::from_millis(250)),
+            step_target: Some(target),
             ..config()
         };
+        let cost = |e: &mut Engine, fixed: f64, per_token: f64, per_key: f64| {
+            e.step_cost = StepCost::default();
+            for (t, k) in [
+                (8, 4000),
+                (200, keys(0, 200)),
+                (64, keys(1000, 64)),
+                (1, 900),
+            ] {
+                let y = fixed + per_token * t as f64 + per_key * k as f64;
+                e.step_cost.record(t, k, y);
+            }
+        };
+        // Before any step: FIRST_STEP_TOKENS.
         let mut e = engine(cfg.clone());
-        assert_eq!(e.step_budget(), FIRST_STEP_TOKENS, "nothing measured yet");
-        for n in [1usize, 8, 200, 64, 300] {
-            e.step_cost.record(n, 0.020 + 0.001 * n as f64);
-        }
-        assert_eq!(e.step_budget(), 230);
-        // A slow machine: the fit leaves no prompt tokens, yet the decodes and a minimum
-        // chunk go in.
-        e.step_cost = StepCost::default();
-        for n in [1usize, 100] {
-            e.step_cost.record(n, 0.3 + 0.01 * n as f64);
-        }
-        assert_eq!(e.step_budget(), MIN_PREFILL_CHUNK);
+        e.add(RequestId(0), req((0..240).map(|t| 3 + t % 90).collect(), 4))
+            .unwrap();
+        let (_, st) = e.step().unwrap();
+        assert_eq!(st.prefill_tokens, 240.min(FIRST_STEP_TOKENS));
+        // A prompt chunk after 100 cached tokens: what fits in the 230 ms left.
+        let mut e = engine(cfg.clone());
+        e.add(RequestId(0), req((0..250).map(|t| 3 + t % 90).collect(), 4))
+            .unwrap();
+        cost(&mut e, 0.02, 0.001, 0.0);
+        let (_, st) = e.step().unwrap();
+        assert_eq!(st.prefill_tokens, 230);
+        // Attention counted: 1 ms a token and 10 us a key leave 136 tokens in 230 ms
+        // (0.001 n + 0.00001 n (n + 1) / 2 <= 0.23).
+        let mut e = engine(cfg.clone());
+        e.add(RequestId(0), req((0..250).map(|t| 3 + t % 90).collect(), 4))
+            .unwrap();
+        cost(&mut e, 0.02, 0.001, 1e-5);
+        let (_, st) = e.step().unwrap();
+        assert_eq!(st.prefill_tokens, 136);
+        // Three decoding, a cost that leaves the prompts no time: the decodes and the floor.
+        let mut e = engine(cfg.clone());
         for i in 0..3u32 {
             e.add(RequestId(u64::from(i)), req(vec![3 + i, 4], 8))
                 .unwrap();
         }
         e.step().unwrap();
-        assert_eq!(e.running.iter().filter(|s| s.pending() == 1).count(), 3);
-        e.step_cost = StepCost::default();
-        e.step_cost.record(100, 10.0);
-        assert_eq!(e.step_budget(), 3 + MIN_PREFILL_CHUNK);
-        // Never above max_batched_tokens; without a target, max_batched_tokens.
-        e.step_cost = StepCost::default();
-        e.step_cost.record(100, 0.0001);
-        assert_eq!(e.step_budget(), 2048);
-        let plain = engine(EngineConfig {
+        e.add(RequestId(9), req((0..200).map(|t| 3 + t % 90).collect(), 4))
+            .unwrap();
+        cost(&mut e, 0.3, 0.01, 0.0);
+        let (_, st) = e.step().unwrap();
+        assert_eq!(
+            (st.decode_tokens, st.prefill_tokens),
+            (3, MIN_PREFILL_CHUNK)
+        );
+        // Without a target, max_batched_tokens.
+        let mut plain = engine(EngineConfig {
             step_target: None,
             ..cfg
         });
-        assert_eq!(plain.step_budget(), 2048);
+        plain
+            .add(RequestId(0), req((0..250).map(|t| 3 + t % 90).collect(), 4))
+            .unwrap();
+        cost(&mut plain, 0.3, 0.01, 0.0);
+        let (_, st) = plain.step().unwrap();
+        assert_eq!(st.prefill_tokens, 250);
     }
 
     /// Under a step target the step sizes follow the machine, and the bits do not: a run whose
@@ -941,7 +1141,7 @@ mod tests {
             // A cost the target allows no prompt tokens under: steps are the decodes and
             // MIN_PREFILL_CHUNK.
             e.step_cost = StepCost::default();
-            e.step_cost.record(10, 1.0);
+            e.step_cost.record(10, 55, 1.0);
             let (events, st) = e.step().unwrap();
             sizes.push(st.prefill_tokens + st.decode_tokens);
             done.extend(events.into_iter().filter_map(|ev| match ev {

@@ -46,8 +46,11 @@ impl Engine {
         let advanced = self.advance(&plan, &out, rows, &mut stats, &mut events);
         self.retire(advanced, &mut events);
         stats.seconds = t0.elapsed().as_secs_f64();
-        self.step_cost
-            .record(plan.iter().map(|&(_, take)| take).sum(), stats.seconds);
+        self.step_cost.record(
+            plan.iter().map(|&(_, take)| take).sum(),
+            stats.attended_keys,
+            stats.seconds,
+        );
         self.record_timing(&stats);
         Ok((events, stats))
     }

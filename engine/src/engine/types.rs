@@ -33,13 +33,14 @@ pub struct EngineConfig {
     pub admission_lookahead: usize,
     /// Which waiting prompt is admitted first, and which running prompt's chunk goes first.
     pub prefill_order: PrefillOrder,
-    /// The step time to keep within, when set: each step's token budget is what the engine's
-    /// measure of its own steps ([`StepCost`](super::StepCost)) says fits in it, at most
-    /// `max_batched_tokens` and always room for every decoding sequence plus
+    /// The step time to keep within, when set: each prompt chunk is what fits in the time the
+    /// step has left by the engine's measure of its own steps ([`StepCost`](super::StepCost):
+    /// a fixed part, a part per token and one per attended key), at most `max_batched_tokens`
+    /// in all, and a step always takes every decoding sequence's token and at least
     /// [`MIN_PREFILL_CHUNK`](super::MIN_PREFILL_CHUNK) prompt tokens. Decoding sequences get a
-    /// token each step, so this bounds their inter-token gap while prompts are being computed;
-    /// and a burst's prompts finish one or two a step instead of all together in one long step,
-    /// so the first of them reach their first token sooner. `None`: `max_batched_tokens` only.
+    /// token about this often while prompts are computed; and a burst's prompts finish one or
+    /// two a step instead of together in one long step, so the first of them reach their first
+    /// token sooner. `None`: `max_batched_tokens` only.
     pub step_target: Option<std::time::Duration>,
     /// Test hook: the engine thread panics in this step (counted from 1, steps with work only),
     /// as a bug would, so the tests can see what a worker does then. `TANDEM_TEST_PANIC_AT_STEP`
