@@ -4,10 +4,12 @@
 //! scheduler; a [`Scheduler`] decides step 2 and 3, see `schedule`):
 //! 1. drops cancelled sequences (their blocks return to the pool at once);
 //! 2. schedules one token for every running sequence that is decoding, oldest first;
-//! 3. gives the rest of the token budget (`max_batched_tokens`) to prompt chunks: first running
-//!    sequences whose prompt is partly done, then new ones from the head of the queue (first come,
-//!    first served: the head is never skipped, so nothing starves), up to `max_seqs` running. A new
-//!    sequence first takes over the longest cached prefix of its tokens from the block manager;
+//! 3. gives the rest of the token budget (`max_batched_tokens`; under a step target, the time
+//!    the step has left by the measured `StepCost`) to prompt chunks: first running sequences
+//!    whose prompt is partly done, then new ones from the queue in the configured `PrefillOrder`
+//!    (arrival by default: the head is never skipped, so nothing starves), up to `max_seqs`
+//!    running. A new sequence first takes over the longest cached prefix of its tokens from the
+//!    block manager;
 //! 4. runs one forward over everything scheduled, samples the sequences whose tokens are all in
 //!    the cache, and retires the finished ones.
 //!

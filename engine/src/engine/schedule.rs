@@ -141,7 +141,8 @@ impl<'e> StepPlan<'e> {
         self.e.config.prefill_order
     }
 
-    /// Plans the next chunk of `running(i)`: its pending tokens, as many as the budget allows.
+    /// Plans the next chunk of `running(i)`: its pending tokens, as many as the budget allows
+    /// (and under a step target, as fit in the step's time left; see `EngineConfig::step_target`).
     /// Where the pool is short, the newest running sequences are preempted (out of the plan too,
     /// if they were in it) until it fits. False when `running(i)` itself had to go, and with it
     /// every sequence after it: the running set then ends before `i`. Nothing is planned when
