@@ -258,11 +258,11 @@ impl SecretArgs {
 
 /// A serving worker's step target unless `--step-target-ms` says otherwise. Measured on 2 cores
 /// of Zen 5 (`scripts/bench-scheduler`, against no target: vLLM's policy of FCFS steps of up to
-/// 2048 tokens): a burst of 8 prompts reaches its first tokens at 0.51-0.54x the median TTFT,
-/// and with long prompts mixed in at 0.15-0.24x with 0.29-0.31x the p99 inter-token gap; output tokens/s
-/// within the rounds' noise. 100 ms bounded the gaps closer (0.12-0.13x) at 1.3-2x the p99 TTFT
-/// under overload.
-const SERVE_STEP_TARGET_MS: f64 = 250.0;
+/// 2048 tokens): a burst of 8 prompts reaches its first tokens at 0.51-0.54x the median TTFT, and
+/// with long prompts mixed in at 0.15-0.24x with 0.29-0.31x the p99 inter-token gap; output
+/// tokens/s within the rounds' noise. 100 ms bounded the gaps closer (0.12-0.13x) at 1.3-2x the
+/// p99 TTFT under overload.
+pub(crate) const SERVE_STEP_TARGET_MS: f64 = 250.0;
 
 /// Loads the engine on its own thread; returns it with the model's name and the cache's dtype.
 fn start_engine(engine: &EngineArgs) -> Result<(EngineHandle, String, String)> {
