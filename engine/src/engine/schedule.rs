@@ -149,7 +149,7 @@ impl<'e> StepPlan<'e> {
     /// the budget is spent or `i` is planned already.
     pub fn run(&mut self, i: usize) -> bool {
         let s = &self.e.running[i];
-        let take = self.chunk(s.computed, s.pending());
+        let take = Self::chunk_of(self.budget, self.time, s.computed, s.pending());
         if take == 0 || self.is_planned(i) {
             return true;
         }
@@ -236,10 +236,6 @@ impl<'e> StepPlan<'e> {
     /// Tokens to plan of a sequence with `cached` tokens cached and `pending` to compute: all
     /// of them within the budget; under a step target, a decode's one token always, a prompt
     /// chunk what fits in the time left or the floor's prompt tokens, whichever is more.
-    fn chunk(&self, cached: usize, pending: usize) -> usize {
-        Self::chunk_of(self.budget, self.time, cached, pending)
-    }
-
     fn chunk_of(budget: usize, time: Option<TimeLeft>, cached: usize, pending: usize) -> usize {
         let most = pending.min(budget);
         match time {
@@ -338,10 +334,11 @@ impl Continuous {
             if plan.budget() == 0 {
                 break;
             }
-            // A preemption takes the newest sequences: what it took is out of the running set.
-            if i < plan.running_len() && !plan.run(i) {
-                // `i` went, and everything admitted after it; earlier prompts may still fit.
-                continue;
+            // A preemption takes the newest sequences (when `run` says `i` went, everything
+            // admitted after it went first): what went is past the running set's end, and the
+            // earlier prompts may still fit.
+            if i < plan.running_len() {
+                plan.run(i);
             }
         }
     }

@@ -47,7 +47,7 @@ impl Engine {
         self.retire(advanced, &mut events);
         stats.seconds = t0.elapsed().as_secs_f64();
         self.step_cost.record(
-            plan.iter().map(|&(_, take)| take).sum(),
+            stats.prefill_tokens + stats.decode_tokens,
             stats.attended_keys,
             stats.seconds,
         );
