@@ -51,33 +51,39 @@ pub fn matmul(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) -> Result<(), Ke
     }
     let dst = OutPtr(out.as_mut_ptr());
     // Whole panels a task; for one row against panels decoded in registers, as many as a call
-    // of that kernel takes best.
-    let unit = match w {
+    // of that kernel takes best. Parts of a stacked weight of several types share one pass.
+    let unit = |w: &Weight| match w {
         Weight::Quant { ty, .. } if m == 1 && has_quant_x1(*ty) => x1_unit() * PANEL,
         _ => PANEL,
     };
-    let per_task = task_rows(n, unit);
-    (0..n.div_ceil(per_task)).into_par_iter().for_each(|c| {
-        let r0 = c * per_task;
-        let rows = per_task.min(n - r0);
+    let parts = w.parts();
+    let tasks: Vec<(&Weight, usize, usize, usize)> = parts
+        .iter()
+        .flat_map(|&(r0, w)| {
+            let per_task = task_rows(w.rows(), unit(w));
+            (0..w.rows().div_ceil(per_task)).map(move |c| {
+                let a = c * per_task;
+                (w, r0, a, per_task.min(w.rows() - a))
+            })
+        })
+        .collect();
+    tasks.into_par_iter().for_each(|(w, base, r0, rows)| {
         let (p0, np) = (r0 / PANEL, rows.div_ceil(PANEL));
+        // This task's outputs: columns base + r0.. +rows of every activation row.
+        let at = base + r0;
         match w {
             // One activation row (a decode step of one sequence): each panel block decoded in
             // registers and used at once.
             Weight::Quant { ty, data, .. } if m == 1 && has_quant_x1(*ty) => {
-                // SAFETY: outputs r0.. +rows of the one row are this task's.
-                let o = unsafe { std::slice::from_raw_parts_mut(dst.at(r0), rows) };
-                dot_quant_x1(*ty, data, n, p0, x, o);
+                // SAFETY: outputs at.. +rows of the one row are this task's.
+                let o = unsafe { std::slice::from_raw_parts_mut(dst.at(at), rows) };
+                dot_quant_x1(*ty, data, w.rows(), p0, x, o);
             }
             // The decoded tile lives in a per-thread buffer: allocating it per task would map
             // and unmap pages (and shoot down TLBs on every core) thousands of times a step.
             _ => TILE.with(|t| {
                 let mut t = t.borrow_mut();
-                let span = if m <= SMALL_M && w.decodes_in_spans() {
-                    SPAN
-                } else {
-                    k
-                };
+                let span = if m <= SMALL_M { SPAN } else { k };
                 if t.len() < np * span * PANEL {
                     t.resize(np * span * PANEL, 0.0);
                 }
@@ -87,7 +93,7 @@ pub fn matmul(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) -> Result<(), Ke
                         w.panel_f32(p0 + p, t0, t1, &mut t[p * span * PANEL..]);
                     }
                     // SAFETY: the tile holds np panels of (t1 - t0) columns, span·16 apart;
-                    // x holds m rows of k; the outputs are columns r0.. +rows of every row,
+                    // x holds m rows of k; the outputs are columns at.. +rows of every row,
                     // this task's (continued from the span before where t0 > 0).
                     unsafe {
                         panel_product(
@@ -99,7 +105,7 @@ pub fn matmul(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) -> Result<(), Ke
                             rows,
                             t1 - t0,
                             t0 > 0,
-                            dst.at(r0),
+                            dst.at(at),
                             n,
                         )
                     }

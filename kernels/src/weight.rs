@@ -1,6 +1,6 @@
 //! A weight matrix in the format it is stored in.
 
-use tandem_model::{dequantize, GgmlType, TensorData};
+use tandem_model::{GgmlType, TensorData};
 
 use crate::amx;
 use crate::simd::PANEL;
@@ -18,10 +18,9 @@ pub enum Weight {
         /// Input features (values per row).
         cols: usize,
     },
-    /// GGML-quantized rows, kept quantized in memory. Q4_1 and Q8_0 are in the kernels' panels
-    /// of sixteen rows ([`crate::simd::to_panels`]; the last panel padded with zero rows), Q4_0
-    /// and Q5_0 are widened to Q8_0 (the same values), other types in GGML's rows; build with
-    /// [`Weight::quant`] from GGML bytes.
+    /// GGML-quantized rows, kept quantized in memory, every type in the kernels' panels of
+    /// sixteen rows ([`crate::simd::to_panels`]; the last panel padded with zero rows); build
+    /// with [`Weight::quant`] from GGML bytes.
     Quant {
         /// The quantization type.
         ty: GgmlType,
@@ -33,38 +32,15 @@ pub enum Weight {
         /// Input features (elements per row, a whole number of blocks).
         cols: usize,
     },
-}
-
-/// Q4_0 or Q5_0 blocks as Q8_0 blocks: each block's f16 scale as it is, each element's integer
-/// (q - 8, or q - 16 with its fifth bit from `qh`) as a signed byte; GGML's element order (the
-/// low nibbles are elements 0-15, the high ones 16-31).
-fn widen_to_q8_0(ty: GgmlType, ggml: &[u8]) -> Vec<u8> {
-    let bs = ty.block_bytes();
-    let mut out = Vec::with_capacity(ggml.len() / bs * 34);
-    for b in ggml.chunks_exact(bs) {
-        out.extend_from_slice(&b[..2]);
-        let mut q = [0i8; 32];
-        match ty {
-            GgmlType::Q4_0 => {
-                for (j, &x) in b[2..18].iter().enumerate() {
-                    q[j] = (x & 0x0f) as i8 - 8;
-                    q[j + 16] = (x >> 4) as i8 - 8;
-                }
-            }
-            GgmlType::Q5_0 => {
-                let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
-                for (j, &x) in b[6..22].iter().enumerate() {
-                    let h0 = (((qh >> j) << 4) & 0x10) as u8;
-                    let h1 = ((qh >> (j + 12)) & 0x10) as u8;
-                    q[j] = ((x & 0x0f) | h0) as i8 - 16;
-                    q[j + 16] = ((x >> 4) | h1) as i8 - 16;
-                }
-            }
-            other => unreachable!("{other} is not widened"),
-        }
-        out.extend(q.iter().map(|&v| v as u8));
-    }
-    out
+    /// Weights of different types stacked by rows (a fused projection of a mixed file: Q4_K_M
+    /// quantizes v apart from q and k), each kept in its own type; every part but the last has
+    /// whole panels of rows. Build with [`Weight::stack`].
+    Parts {
+        /// The parts, their rows one after another.
+        parts: Vec<Weight>,
+        /// Input features.
+        cols: usize,
+    },
 }
 
 impl Weight {
@@ -112,26 +88,12 @@ impl Weight {
                 ggml.len()
             )));
         }
-        // Q4_0 and Q5_0 blocks are small integers times the block's f16 scale, as Q8_0's are:
-        // widened to Q8_0 (the same scale, the integers as bytes) they decode to the same f32
-        // values, bit for bit, and take the Q8_0 kernels (34 bytes a block instead of 18 or 22,
-        // against a generic row decode on every product).
-        let widened;
-        let (ty, ggml) = match ty {
-            GgmlType::Q4_0 | GgmlType::Q5_0 => {
-                widened = widen_to_q8_0(ty, ggml);
-                (GgmlType::Q8_0, &widened[..])
-            }
-            _ => (ty, ggml),
-        };
-        let data = if crate::simd::is_paneled(ty) {
-            crate::simd::to_panels(ty, ggml, rows, cols)
-        } else {
-            ggml.to_vec()
-        };
+        if !crate::simd::is_paneled(ty) {
+            return Err(KernelError::Shape(format!("{ty} is not a quantized type")));
+        }
         Ok(Self::Quant {
             ty,
-            data,
+            data: crate::simd::to_panels(ty, ggml, rows, cols),
             rows,
             cols,
         })
@@ -141,13 +103,14 @@ impl Weight {
     pub fn rows(&self) -> usize {
         match self {
             Self::F32 { rows, .. } | Self::Quant { rows, .. } => *rows,
+            Self::Parts { parts, .. } => parts.iter().map(Weight::rows).sum(),
         }
     }
 
     /// Number of columns: input features.
     pub fn cols(&self) -> usize {
         match self {
-            Self::F32 { cols, .. } | Self::Quant { cols, .. } => *cols,
+            Self::F32 { cols, .. } | Self::Quant { cols, .. } | Self::Parts { cols, .. } => *cols,
         }
     }
 
@@ -156,33 +119,58 @@ impl Weight {
         match self {
             Self::F32 { data, .. } => data.len() * 4,
             Self::Quant { data, .. } => data.len(),
+            Self::Parts { parts, .. } => parts.iter().map(Weight::bytes).sum(),
         }
     }
 
-    /// Storage type of the weights.
+    /// Storage type of the weights (of the first part, for parts of several types).
     pub fn dtype(&self) -> GgmlType {
         match self {
             Self::F32 { .. } => GgmlType::F32,
             Self::Quant { ty, .. } => *ty,
+            Self::Parts { parts, .. } => parts[0].dtype(),
         }
+    }
+
+    /// The parts of a weight stacked from several types, each with its first row; a weight of
+    /// one type is its own one part.
+    pub fn parts(&self) -> Vec<(usize, &Weight)> {
+        match self {
+            Self::Parts { parts, .. } => {
+                let mut r0 = 0;
+                parts
+                    .iter()
+                    .map(|p| {
+                        r0 += p.rows();
+                        (r0 - p.rows(), p)
+                    })
+                    .collect()
+            }
+            w => vec![(0, w)],
+        }
+    }
+
+    /// The part of a stacked weight that row `r` is in, and the row's place in it.
+    fn part_of(parts: &[Weight], mut r: usize) -> (&Weight, usize) {
+        for p in parts {
+            if r < p.rows() {
+                return (p, r);
+            }
+            r -= p.rows();
+        }
+        panic!("row {r} past the stacked weight's rows")
     }
 
     /// Decodes row `r` into `out` (length `cols`).
     pub fn row_f32(&self, r: usize, out: &mut [f32]) {
         match self {
             Self::F32 { data, cols, .. } => out.copy_from_slice(&data[r * cols..(r + 1) * cols]),
-            Self::Quant {
-                ty,
-                data,
-                rows,
-                cols,
-            } if crate::simd::is_paneled(*ty) => {
-                crate::simd::dequant_panel_row(*ty, data, *rows, *cols, r, out);
-            }
             Self::Quant { ty, data, cols, .. } => {
-                let rb = ty.bytes_for(*cols).expect("validated at construction");
-                dequantize(*ty, &data[r * rb..(r + 1) * rb], out)
-                    .expect("row length validated at construction");
+                crate::simd::dequant_panel_row(*ty, data, *cols, r, out);
+            }
+            Self::Parts { parts, .. } => {
+                let (p, r) = Self::part_of(parts, r);
+                p.row_f32(r, out);
             }
         }
     }
@@ -194,11 +182,23 @@ impl Weight {
     pub fn rows_f32(&self, r0: usize, rows: usize, out: &mut [f32]) {
         let k = self.cols();
         let out = &mut out[..rows * k];
-        if !matches!(self, Self::Quant { ty, .. } if crate::simd::is_paneled(*ty)) {
-            for (r, o) in out.chunks_exact_mut(k.max(1)).enumerate() {
-                self.row_f32(r0 + r, o);
+        match self {
+            Self::Quant { .. } => {}
+            Self::F32 { .. } => {
+                for (r, o) in out.chunks_exact_mut(k.max(1)).enumerate() {
+                    self.row_f32(r0 + r, o);
+                }
+                return;
             }
-            return;
+            Self::Parts { .. } => {
+                for (p0, p) in self.parts() {
+                    let (a, b) = (r0.max(p0), (r0 + rows).min(p0 + p.rows()));
+                    if a < b {
+                        p.rows_f32(a - p0, b - a, &mut out[(a - r0) * k..(b - r0) * k]);
+                    }
+                }
+                return;
+            }
         }
         let mut panel = vec![0f32; k * PANEL];
         for p in r0 / PANEL..(r0 + rows).div_ceil(PANEL) {
@@ -213,15 +213,6 @@ impl Weight {
                     *v = panel[t * PANEL + j];
                 }
             }
-        }
-    }
-
-    /// Whether [`Weight::panel_f32`] of a few columns costs only those columns (not so for
-    /// quantized types kept in GGML rows, whose rows are decoded whole).
-    pub fn decodes_in_spans(&self) -> bool {
-        match self {
-            Self::F32 { .. } => true,
-            Self::Quant { ty, .. } => crate::simd::is_paneled(*ty),
         }
     }
 
@@ -253,7 +244,7 @@ impl Weight {
                 data,
                 rows,
                 cols,
-            } if crate::simd::is_paneled(*ty) => {
+            } => {
                 crate::simd::dequant_panel(
                     *ty,
                     data,
@@ -265,19 +256,10 @@ impl Weight {
                     out,
                 );
             }
-            Self::Quant { rows, cols, .. } => {
-                let mut row = vec![0f32; *cols];
-                for j in 0..PANEL {
-                    let r = p * PANEL + j;
-                    if r < *rows {
-                        self.row_f32(r, &mut row);
-                    } else {
-                        row.fill(0.0);
-                    }
-                    for (i, v) in row[t0..t1].iter().enumerate() {
-                        out[i * PANEL + j] = *v;
-                    }
-                }
+            Self::Parts { parts, .. } => {
+                // Every part but the last has whole panels, so a panel is in one part.
+                let (part, r) = Self::part_of(parts, p * PANEL);
+                part.panel_f32(r / PANEL, t0, t1, out);
             }
         }
     }
@@ -293,20 +275,18 @@ impl Weight {
         else {
             return None;
         };
-        if !crate::simd::is_paneled(*ty) {
-            return Some(data.clone());
-        }
         let rb = ty.bytes_for(*cols).expect("validated at construction");
         let mut out = vec![0u8; rows * rb];
         for (r, row) in out.chunks_exact_mut(rb.max(1)).enumerate().take(*rows) {
-            crate::simd::panel_row_ggml(*ty, data, *rows, *cols, r, row);
+            crate::simd::panel_row_ggml(*ty, data, *cols, r, row);
         }
         Some(out)
     }
 
     /// The rows of `parts` one after another, as one weight (fused projections: q|k|v, gate|up).
-    /// Parts of one quantized type stay quantized; mixed types (some GGUF mixes quantize q, k and
-    /// v differently) are decoded to f32.
+    /// Parts of one quantized type stay one weight of that type; parts of several types (GGUF
+    /// mixes quantize v apart from q and k) stay parts, each in its own type, where every part
+    /// but the last has whole panels of rows (else they are decoded to f32).
     /// One part is returned as it is (no copy).
     pub fn stack(mut parts: Vec<Weight>) -> Result<Weight, KernelError> {
         let Some(first) = parts.first() else {
@@ -324,9 +304,10 @@ impl Weight {
         if parts.len() == 1 {
             return Ok(parts.pop().expect("one part"));
         }
-        if ty != GgmlType::F32 && parts.iter().all(|p| p.dtype() == ty) {
+        let whole = |p: &Weight| p.rows().is_multiple_of(PANEL);
+        let quant = |p: &Weight| matches!(p, Self::Quant { .. });
+        if ty != GgmlType::F32 && parts.iter().all(|p| p.dtype() == ty && quant(p)) {
             // Whole panels up to the last part: their bytes one after another.
-            let whole = |p: &Weight| !crate::simd::is_paneled(ty) || p.rows().is_multiple_of(PANEL);
             if parts[..parts.len() - 1].iter().all(whole) {
                 let mut data = Vec::new();
                 for p in &parts {
@@ -346,6 +327,28 @@ impl Weight {
                 ggml.extend(p.ggml_bytes().expect("a quantized part"));
             }
             return Self::quant(ty, &ggml, rows, cols);
+        }
+        // Several types: each part in its own, where the parts' panels do not straddle them.
+        if parts.iter().any(|p| p.dtype() != ty)
+            && parts[..parts.len() - 1].iter().all(whole)
+            && parts.iter().all(|p| !matches!(p, Self::Parts { .. }))
+        {
+            // Neighbours of one type as one part: fewer, longer runs of panels.
+            let mut merged: Vec<Vec<Weight>> = Vec::new();
+            for p in parts {
+                match merged.last_mut() {
+                    Some(run) if run[0].dtype() == p.dtype() => run.push(p),
+                    _ => merged.push(vec![p]),
+                }
+            }
+            let parts = merged
+                .into_iter()
+                .map(Weight::stack)
+                .collect::<Result<Vec<_>, _>>()?;
+            if parts.len() == 1 {
+                return Ok(parts.into_iter().next().expect("one part"));
+            }
+            return Ok(Self::Parts { parts, cols });
         }
         let mut data = vec![0f32; rows * cols];
         let mut r0 = 0;
@@ -429,27 +432,19 @@ mod tests {
         d
     }
 
-    /// Q4_0 and Q5_0 weights are held as Q8_0 and decode to exactly what GGML's decoder gives
-    /// for the file's bytes (random blocks: every integer value, both halves, every bit of
-    /// `qh`), and their products are the f32 products of those values, bit for bit, at one row
-    /// (the fused decode) and at many (the panel product).
+    /// Every quantized type decodes to exactly what GGML's decoder gives for the file's bytes
+    /// (random blocks: every code, every scale bit) and its products are the f32 products of
+    /// those values, bit for bit, at one row (decoded in registers) and at many (the panel
+    /// product), in its own type.
     #[test]
-    fn q4_0_and_q5_0_are_widened_to_q8_0_without_changing_a_value() {
-        let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(45);
-        let (n, k) = (37, 256);
-        for ty in [GgmlType::Q4_0, GgmlType::Q5_0] {
-            let blocks = n * k / 32;
-            let mut ggml = Vec::new();
-            for _ in 0..blocks {
-                // A finite f16 scale in [2^-10, 2), either sign.
-                let d = half::f16::from_f32(r.gen_range(-2.0f32..2.0).max(1e-3));
-                ggml.extend_from_slice(&d.to_le_bytes());
-                ggml.extend((2..ty.block_bytes()).map(|_| r.gen::<u8>()));
-            }
+    fn every_type_multiplies_as_its_decoded_values() {
+        let (n, k) = (37, 512);
+        for ty in crate::simd::fmt::tests::TYPES {
+            let ggml = crate::simd::fmt::tests::random_ggml(ty, n * k, 45 + ty as u64);
             let mut want = vec![f32::NAN; n * k];
-            dequantize(ty, &ggml, &mut want).unwrap();
+            tandem_model::dequantize(ty, &ggml, &mut want).unwrap();
             let w = Weight::quant(ty, &ggml, n, k).unwrap();
-            assert_eq!(w.dtype(), GgmlType::Q8_0);
+            assert_eq!(w.dtype(), ty);
             let got = rows_of(&w);
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&got), bits(&want), "{ty}");
@@ -466,6 +461,47 @@ mod tests {
                 assert_eq!(bits(&a), bits(&b), "{ty} at {m} rows");
             }
         }
+    }
+
+    /// A fused projection of parts of several types (q and k Q5_0, v Q8_0, as Q4_K_M files
+    /// have) keeps each part in its own type and multiplies as the parts' decoded rows.
+    #[test]
+    fn parts_of_several_types_stay_in_their_types() {
+        let k = 256;
+        let part = |ty: GgmlType, n: usize| {
+            let g = crate::simd::fmt::tests::random_ggml(ty, n * k, n as u64);
+            Weight::quant(ty, &g, n, k).unwrap()
+        };
+        let parts = vec![
+            part(GgmlType::Q5_0, 48),
+            part(GgmlType::Q5_0, 16),
+            part(GgmlType::Q8_0, 21),
+        ];
+        let bytes: usize = parts.iter().map(Weight::bytes).sum();
+        let want: Vec<f32> = parts.iter().flat_map(rows_of).collect();
+        let w = Weight::stack(parts).unwrap();
+        assert!(matches!(&w, Weight::Parts { parts, .. } if parts.len() == 2));
+        assert_eq!((w.rows(), w.bytes()), (85, bytes));
+        assert_eq!(rows_of(&w), want);
+        let mut runs = vec![f32::NAN; 30 * k];
+        w.rows_f32(40, 30, &mut runs);
+        assert_eq!(runs, want[40 * k..70 * k]);
+        let dense = Weight::F32 {
+            data: want,
+            rows: 85,
+            cols: k,
+        };
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for m in [1usize, 2, 20] {
+            let x = rnd(m * k, m as u64);
+            let (mut a, mut b) = (vec![f32::NAN; m * 85], vec![0.0; m * 85]);
+            crate::matmul(&x, m, &w, &mut a).unwrap();
+            crate::matmul(&x, m, &dense, &mut b).unwrap();
+            assert_eq!(bits(&a), bits(&b), "{m} rows");
+        }
+        // A part cut mid-panel before another type: decoded to f32.
+        let cut = Weight::stack(vec![part(GgmlType::Q5_0, 20), part(GgmlType::Q8_0, 16)]).unwrap();
+        assert_eq!(cut.dtype(), GgmlType::F32);
     }
 
     /// Stacked weights hold their parts' rows in order: panels whole or cut mid-panel (rebuilt
@@ -508,6 +544,7 @@ mod tests {
                 stacked.dtype(),
                 if mixed { GgmlType::F32 } else { types[0] }
             );
+            assert!(!matches!(stacked, Weight::Parts { .. }));
         }
         let wide = Weight::F32 {
             data: vec![0.0; 2 * (k + 1)],

@@ -1,5 +1,6 @@
 //! AVX2 + FMA + F16C kernels: 8 f32 lanes, 16 vector registers.
 
+use super::fmt::Fmt;
 use super::*;
 
 /// See [`super::fma_burst`].
@@ -433,64 +434,129 @@ unsafe fn halves16(p: *const u8) -> [__m256; 2] {
     ]
 }
 
-/// Column pair `c` of a Q4_1 panel block at `blk`, as [column 2c rows 0-7, rows 8-15, column
-/// 2c+1 rows 0-7, rows 8-15], each 8-byte half widened straight from memory.
+/// The scales and minimums of a sub-block at `sub` (super-block head at `head`) of format `F`,
+/// rows 0-7 and 8-15; for Q6_K, those of columns `16·half ..`.
 #[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn nibble_pair(blk: *const u8, c: usize) -> [__m256; 4] {
-    let low = _mm256_set1_epi32(0x0f);
-    let q = blk.add(64 + 16 * c);
-    let v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(q as *const __m128i));
-    let v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(q.add(8) as *const __m128i));
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn scales<F: Fmt>(head: *const u8, sub: *const u8, half: usize) -> [[__m256; 2]; 2] {
+    let z = _mm256_setzero_ps();
+    let u8s = |p: *const u8| {
+        let v = |at: usize| {
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                p.add(at) as *const __m128i
+            )))
+        };
+        [v(0), v(8)]
+    };
+    if !F::KQ {
+        let m = if F::MIN {
+            halves16(sub.add(32))
+        } else {
+            [z; 2]
+        };
+        return [halves16(sub), m];
+    }
+    let d = halves16(head);
+    let mul =
+        |a: [__m256; 2], b: [__m256; 2]| [_mm256_mul_ps(a[0], b[0]), _mm256_mul_ps(a[1], b[1])];
+    if F::HALVES {
+        let i8s = |at: usize| {
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                sub.add(16 * half + at) as *const __m128i,
+            )))
+        };
+        return [mul(d, [i8s(0), i8s(8)]), [z; 2]];
+    }
     [
-        _mm256_cvtepi32_ps(_mm256_and_si256(v0, low)),
-        _mm256_cvtepi32_ps(_mm256_and_si256(v1, low)),
-        _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(v0)),
-        _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(v1)),
+        mul(d, u8s(sub)),
+        mul(halves16(head.add(32)), u8s(sub.add(16))),
     ]
 }
 
-/// Column `t` of a Q8_0 panel block at `blk`: rows 0-7, rows 8-15.
+/// `v` shifted left by `n` bits (right where `n` is negative).
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn shl(v: __m256i, n: i32) -> __m256i {
+    if n >= 0 {
+        _mm256_sllv_epi32(v, _mm256_set1_epi32(n))
+    } else {
+        _mm256_srlv_epi32(v, _mm256_set1_epi32(-n))
+    }
+}
+
+/// The codes of columns `2c` and `2c+1` of a sub-block's codes at `codes`, less the format's
+/// offset: [column 2c rows 0-7, rows 8-15, column 2c+1 rows 0-7, rows 8-15], each 8-byte half
+/// widened straight from memory.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn bytes_col(blk: *const u8, t: usize) -> [__m256; 2] {
-    let q = blk.add(32 + 16 * t);
-    let w = |at: usize| {
-        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
-            q.add(at) as *const __m128i
-        )))
+unsafe fn pair<F: Fmt>(codes: *const u8, c: usize) -> [__m256i; 4] {
+    let ld = |at: usize| _mm_loadl_epi64(codes.add(at) as *const __m128i);
+    let mut q = if F::BITS == 8 {
+        let w = |at: usize| _mm256_cvtepi8_epi32(ld(at));
+        [w(32 * c), w(32 * c + 8), w(32 * c + 16), w(32 * c + 24)]
+    } else {
+        let low = _mm256_set1_epi32(0x0f);
+        let v0 = _mm256_cvtepu8_epi32(ld(16 * c));
+        let v1 = _mm256_cvtepu8_epi32(ld(16 * c + 8));
+        [
+            _mm256_and_si256(v0, low),
+            _mm256_and_si256(v1, low),
+            _mm256_srli_epi32::<4>(v0),
+            _mm256_srli_epi32::<4>(v1),
+        ]
     };
-    [w(0), w(8)]
+    if F::BITS == 5 || F::BITS == 6 {
+        let (per, mask) = if F::BITS == 5 { (8, 0x10) } else { (4, 0x30) };
+        let w = (F::BITS - 4) as i32;
+        let g = 256 + 16 * (2 * c / per);
+        let hv = [_mm256_cvtepu8_epi32(ld(g)), _mm256_cvtepu8_epi32(ld(g + 8))];
+        for (i, q) in q.iter_mut().enumerate() {
+            let at = w * ((2 * c + i / 2) % per) as i32;
+            let hi = _mm256_and_si256(shl(hv[i % 2], 4 - at), _mm256_set1_epi32(mask));
+            *q = _mm256_or_si256(*q, hi);
+        }
+    }
+    if F::OFFSET != 0 {
+        for q in q.iter_mut() {
+            *q = _mm256_sub_epi32(*q, _mm256_set1_epi32(F::OFFSET));
+        }
+    }
+    q
+}
+
+/// Codes `q` as weights with scales `s` and minimums `m` (see [`super::fmt`]).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn value<F: Fmt>(q: __m256i, s: __m256, m: __m256) -> __m256 {
+    let f = _mm256_cvtepi32_ps(q);
+    match (F::MIN, F::KQ) {
+        (true, true) => _mm256_fmsub_ps(f, s, m),
+        (true, false) => _mm256_fmadd_ps(f, s, m),
+        _ => _mm256_mul_ps(f, s),
+    }
 }
 
 /// See the AVX-512 `dequant_panel`: the same values, eight lanes at a time.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dequant_panel<const Q8: bool>(src: &[u8], stride: usize, nb: usize, out: &mut [f32]) {
-    let pb = if Q8 { 544 } else { 320 };
-    debug_assert!(src.len() >= (nb - 1) * stride + pb);
-    debug_assert!(out.len() >= nb * 32 * 16);
-    let po = out.as_mut_ptr();
-    for b in 0..nb {
-        let blk = src.as_ptr().add(b * stride);
-        for line in (0..pb).step_by(64) {
-            _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(line + PREFETCH_AHEAD) as *const i8);
+pub unsafe fn dequant_panel<F: Fmt>(panel: *const u8, b0: usize, b1: usize, out: *mut f32) {
+    let l = F::L;
+    for b in b0..b1 {
+        let (ho, so) = l.block(b);
+        let (head, sub) = (panel.add(ho), panel.add(so));
+        for line in (0..l.sub()).step_by(64) {
+            _mm_prefetch::<_MM_HINT_T0>(sub.wrapping_add(line + PREFETCH_AHEAD) as *const i8);
         }
-        let d = halves16(blk);
-        let o = po.add(b * 32 * 16);
-        if Q8 {
-            for t in 0..32 {
-                let q = bytes_col(blk, t);
-                _mm256_storeu_ps(o.add(16 * t), _mm256_mul_ps(q[0], d[0]));
-                _mm256_storeu_ps(o.add(16 * t + 8), _mm256_mul_ps(q[1], d[1]));
+        let [mut s, m] = scales::<F>(head, sub, 0);
+        let codes = sub.add(l.scales);
+        let o = out.add((b - b0) * 32 * 16);
+        for c in 0..16 {
+            if F::HALVES && c == 8 {
+                s = scales::<F>(head, sub, 1)[0];
             }
-        } else {
-            let m = halves16(blk.add(32));
-            for c in 0..16 {
-                let q = nibble_pair(blk, c);
-                for (i, q) in q.iter().enumerate() {
-                    let h = i % 2;
-                    _mm256_storeu_ps(o.add(32 * c + 8 * i), _mm256_fmadd_ps(*q, d[h], m[h]));
-                }
+            let q = pair::<F>(codes, c);
+            for (i, q) in q.iter().enumerate() {
+                let h = i % 2;
+                _mm256_storeu_ps(o.add(32 * c + 8 * i), value::<F>(*q, s[h], m[h]));
             }
         }
     }
@@ -499,63 +565,53 @@ pub unsafe fn dequant_panel<const Q8: bool>(src: &[u8], stride: usize, nb: usize
 /// See the AVX-512 `dot_quant_x1`: one activation row against `P` panels decoded in registers,
 /// [`panel_tile`]'s bits.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_quant_x1<const Q8: bool, const P: usize>(
-    blk0: [*const u8; P],
-    stride: [usize; P],
+pub unsafe fn dot_quant_x1<F: Fmt, const P: usize>(
+    panels: [*const u8; P],
     pl: usize,
     x: *const f32,
     k: usize,
     out: *mut f32,
     cols: usize,
 ) {
-    let pb = if Q8 { 544 } else { 320 };
+    let l = F::L;
     let mut acc = [[_mm256_setzero_ps(); 2]; P];
     for b in 0..k / 32 {
-        let blk: [*const u8; P] = std::array::from_fn(|p| blk0[p].add(b * stride[p]));
-        let mut d = [[_mm256_setzero_ps(); 2]; P];
+        let (ho, so) = l.block(b);
+        let from = if b % l.subs == 0 { ho } else { so };
+        let mut s = [[_mm256_setzero_ps(); 2]; P];
         let mut m = [[_mm256_setzero_ps(); 2]; P];
         for p in 0..P {
-            for line in (0..pb).step_by(64) {
+            for line in (from..so + l.sub()).step_by(64) {
                 _mm_prefetch::<_MM_HINT_T0>(super::ahead(
-                    blk[p].wrapping_add(line),
-                    b * stride[p] + line,
+                    panels[p].wrapping_add(line),
+                    line,
                     pl,
                     P,
                     X1_AHEAD,
                 ));
             }
-            d[p] = halves16(blk[p]);
-            if !Q8 {
-                m[p] = halves16(blk[p].add(32));
-            }
+            [s[p], m[p]] = scales::<F>(panels[p].add(ho), panels[p].add(so), 0);
         }
         let xb = x.add(32 * b);
-        if Q8 {
-            for t in 0..32 {
-                let xv = _mm256_set1_ps(*xb.add(t));
+        for c in 0..16 {
+            if F::HALVES && c == 8 {
                 for p in 0..P {
-                    let q = bytes_col(blk[p], t);
-                    for h in 0..2 {
-                        acc[p][h] = _mm256_fmadd_ps(xv, _mm256_mul_ps(q[h], d[p][h]), acc[p][h]);
-                    }
+                    s[p] = scales::<F>(panels[p].add(ho), panels[p].add(so), 1)[0];
                 }
             }
-        } else {
-            for c in 0..16 {
-                let (x0, x1) = (
-                    _mm256_set1_ps(*xb.add(2 * c)),
-                    _mm256_set1_ps(*xb.add(2 * c + 1)),
-                );
-                for p in 0..P {
-                    let q = nibble_pair(blk[p], c);
-                    for h in 0..2 {
-                        let lo = _mm256_fmadd_ps(q[h], d[p][h], m[p][h]);
-                        acc[p][h] = _mm256_fmadd_ps(x0, lo, acc[p][h]);
-                    }
-                    for h in 0..2 {
-                        let hi = _mm256_fmadd_ps(q[2 + h], d[p][h], m[p][h]);
-                        acc[p][h] = _mm256_fmadd_ps(x1, hi, acc[p][h]);
-                    }
+            let (x0, x1) = (
+                _mm256_set1_ps(*xb.add(2 * c)),
+                _mm256_set1_ps(*xb.add(2 * c + 1)),
+            );
+            for p in 0..P {
+                let q = pair::<F>(panels[p].add(so + l.scales), c);
+                for h in 0..2 {
+                    let lo = value::<F>(q[h], s[p][h], m[p][h]);
+                    acc[p][h] = _mm256_fmadd_ps(x0, lo, acc[p][h]);
+                }
+                for h in 0..2 {
+                    let hi = value::<F>(q[2 + h], s[p][h], m[p][h]);
+                    acc[p][h] = _mm256_fmadd_ps(x1, hi, acc[p][h]);
                 }
             }
         }

@@ -1,5 +1,6 @@
 //! AVX-512 kernels (F, BW, VL; F16C and FMA): 16 f32 lanes.
 
+use super::fmt::Fmt;
 use super::*;
 
 /// See [`super::fma_burst`].
@@ -295,108 +296,170 @@ pub unsafe fn panel_tile<const M: usize, const P: usize>(
     }
 }
 
-/// Panel blocks (Q4_1 when `!Q8`, else Q8_0; see [`super::to_panels`]) decoded column by
-/// column into `out`: `q·d + m` in one FMA (exact: the product has 15 significant bits), `q·d`.
+/// The scales and minimums of a sub-block at `sub` (super-block head at `head`) of format `F`,
+/// sixteen rows a vector; for Q6_K, those of columns `16·half ..`.
+#[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-pub unsafe fn dequant_panel<const Q8: bool>(src: &[u8], stride: usize, nb: usize, out: &mut [f32]) {
-    let pb = if Q8 { 544 } else { 320 };
-    debug_assert!(src.len() >= (nb - 1) * stride + pb);
-    debug_assert!(out.len() >= nb * 32 * 16);
-    let low = _mm512_set1_epi32(0x0f);
-    let po = out.as_mut_ptr();
-    for b in 0..nb {
-        let blk = src.as_ptr().add(b * stride);
-        // The decoded tile is the first touch of these weights: fetch ahead, as the dots do.
-        for line in (0..pb).step_by(64) {
-            _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(line + PREFETCH_AHEAD) as *const i8);
-        }
-        let d = _mm512_cvtph_ps(_mm256_loadu_si256(blk as *const __m256i));
-        let o = po.add(b * 32 * 16);
-        if Q8 {
-            for t in 0..32 {
-                let q =
-                    _mm512_cvtepi8_epi32(_mm_loadu_si128(blk.add(32 + 16 * t) as *const __m128i));
-                _mm512_storeu_ps(o.add(16 * t), _mm512_mul_ps(_mm512_cvtepi32_ps(q), d));
-            }
+unsafe fn scales<F: Fmt>(head: *const u8, sub: *const u8, half: usize) -> (__m512, __m512) {
+    let h16 = |p: *const u8| _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i));
+    let u8s = |p: *const u8| {
+        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i)))
+    };
+    if !F::KQ {
+        let m = if F::MIN {
+            h16(sub.add(32))
         } else {
-            let m = _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(32) as *const __m256i));
-            for c in 0..16 {
-                let v =
-                    _mm512_cvtepu8_epi32(_mm_loadu_si128(blk.add(64 + 16 * c) as *const __m128i));
-                let lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, low));
-                let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v));
-                _mm512_storeu_ps(o.add(32 * c), _mm512_fmadd_ps(lo, d, m));
-                _mm512_storeu_ps(o.add(32 * c + 16), _mm512_fmadd_ps(hi, d, m));
+            _mm512_setzero_ps()
+        };
+        return (h16(sub), m);
+    }
+    let d = h16(head);
+    if F::HALVES {
+        let sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(sub.add(16 * half) as *const __m128i));
+        return (
+            _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)),
+            _mm512_setzero_ps(),
+        );
+    }
+    (
+        _mm512_mul_ps(d, u8s(sub)),
+        _mm512_mul_ps(h16(head.add(32)), u8s(sub.add(16))),
+    )
+}
+
+/// `v` shifted left by `n` bits (right where `n` is negative).
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn shl(v: __m512i, n: i32) -> __m512i {
+    if n >= 0 {
+        _mm512_sllv_epi32(v, _mm512_set1_epi32(n))
+    } else {
+        _mm512_srlv_epi32(v, _mm512_set1_epi32(-n))
+    }
+}
+
+/// The codes of columns `2c` and `2c+1` of a sub-block's codes at `codes`, sixteen rows a
+/// vector, less the format's offset.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+unsafe fn pair<F: Fmt>(codes: *const u8, c: usize) -> [__m512i; 2] {
+    let ld = |at: usize| _mm_loadu_si128(codes.add(at) as *const __m128i);
+    let mut q = if F::BITS == 8 {
+        [
+            _mm512_cvtepi8_epi32(ld(32 * c)),
+            _mm512_cvtepi8_epi32(ld(32 * c + 16)),
+        ]
+    } else {
+        let v = _mm512_cvtepu8_epi32(ld(16 * c));
+        [
+            _mm512_and_si512(v, _mm512_set1_epi32(0x0f)),
+            _mm512_srli_epi32::<4>(v),
+        ]
+    };
+    if F::BITS == 5 || F::BITS == 6 {
+        let (per, mask) = if F::BITS == 5 { (8, 0x10) } else { (4, 0x30) };
+        let w = (F::BITS - 4) as i32;
+        let hv = _mm512_cvtepu8_epi32(ld(256 + 16 * (2 * c / per)));
+        for (i, q) in q.iter_mut().enumerate() {
+            let at = w * ((2 * c + i) % per) as i32;
+            let hi = _mm512_and_si512(shl(hv, 4 - at), _mm512_set1_epi32(mask));
+            *q = _mm512_or_si512(*q, hi);
+        }
+    }
+    if F::OFFSET != 0 {
+        for q in q.iter_mut() {
+            *q = _mm512_sub_epi32(*q, _mm512_set1_epi32(F::OFFSET));
+        }
+    }
+    q
+}
+
+/// Codes `q` as weights with scales `s` and minimums `m` (see [`super::fmt`]).
+#[inline]
+#[target_feature(enable = "avx512f,fma")]
+unsafe fn value<F: Fmt>(q: __m512i, s: __m512, m: __m512) -> __m512 {
+    let f = _mm512_cvtepi32_ps(q);
+    match (F::MIN, F::KQ) {
+        (true, true) => _mm512_fmsub_ps(f, s, m),
+        (true, false) => _mm512_fmadd_ps(f, s, m),
+        _ => _mm512_mul_ps(f, s),
+    }
+}
+
+/// Blocks `b0..b1` (32 columns each) of the panel of format `F` at `panel` decoded column by
+/// column into `out` ([`super::dequant_panel`]).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+pub unsafe fn dequant_panel<F: Fmt>(panel: *const u8, b0: usize, b1: usize, out: *mut f32) {
+    let l = F::L;
+    for b in b0..b1 {
+        let (ho, so) = l.block(b);
+        let (head, sub) = (panel.add(ho), panel.add(so));
+        // The decoded tile is the first touch of these weights: fetch ahead, as the dots do.
+        for line in (0..l.sub()).step_by(64) {
+            _mm_prefetch::<_MM_HINT_T0>(sub.wrapping_add(line + PREFETCH_AHEAD) as *const i8);
+        }
+        let (mut s, m) = scales::<F>(head, sub, 0);
+        let codes = sub.add(l.scales);
+        let o = out.add((b - b0) * 32 * 16);
+        for c in 0..16 {
+            if F::HALVES && c == 8 {
+                s = scales::<F>(head, sub, 1).0;
             }
+            let q = pair::<F>(codes, c);
+            _mm512_storeu_ps(o.add(32 * c), value::<F>(q[0], s, m));
+            _mm512_storeu_ps(o.add(32 * c + 16), value::<F>(q[1], s, m));
         }
     }
 }
 
-/// One activation row `x` (`k` values) against `P` panels (Q4_1 when `!Q8`, else Q8_0) at
-/// `panels`, `pl` bytes apart: each column's sixteen weights a panel decoded in registers to
-/// exactly what [`dequant_panel`] writes and multiplied into the panel's accumulator, column
-/// after column: [`panel_tile`]'s bits. The first `cols` outputs go to `out`.
+/// One activation row `x` (`k` values) against `P` panels of format `F` at `panels` (each
+/// `pl` bytes, the panels of one matrix): each column's sixteen weights a panel decoded in
+/// registers to exactly what [`dequant_panel`] writes and multiplied into the panel's
+/// accumulator, column after column: [`panel_tile`]'s bits. The first `cols` outputs go to
+/// `out`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-pub unsafe fn dot_quant_x1<const Q8: bool, const P: usize>(
-    blk0: [*const u8; P],
-    stride: [usize; P],
+pub unsafe fn dot_quant_x1<F: Fmt, const P: usize>(
+    panels: [*const u8; P],
     pl: usize,
     x: *const f32,
     k: usize,
     out: *mut f32,
     cols: usize,
 ) {
-    let pb = if Q8 { 544 } else { 320 };
-    let low = _mm512_set1_epi32(0x0f);
+    let l = F::L;
     let mut acc = [_mm512_setzero_ps(); P];
     for b in 0..k / 32 {
-        let blk: [*const u8; P] = std::array::from_fn(|p| blk0[p].add(b * stride[p]));
-        let mut d = [_mm512_setzero_ps(); P];
+        let (ho, so) = l.block(b);
+        let from = if b % l.subs == 0 { ho } else { so };
+        let mut s = [_mm512_setzero_ps(); P];
         let mut m = [_mm512_setzero_ps(); P];
         for p in 0..P {
-            for line in (0..pb).step_by(64) {
+            for line in (from..so + l.sub()).step_by(64) {
                 _mm_prefetch::<_MM_HINT_T0>(super::ahead(
-                    blk[p].wrapping_add(line),
-                    b * stride[p] + line,
+                    panels[p].wrapping_add(line),
+                    line,
                     pl,
                     P,
                     X1_AHEAD,
                 ));
             }
-            d[p] = _mm512_cvtph_ps(_mm256_loadu_si256(blk[p] as *const __m256i));
-            if !Q8 {
-                m[p] = _mm512_cvtph_ps(_mm256_loadu_si256(blk[p].add(32) as *const __m256i));
-            }
+            (s[p], m[p]) = scales::<F>(panels[p].add(ho), panels[p].add(so), 0);
         }
         let xb = x.add(32 * b);
-        if Q8 {
-            for t in 0..32 {
-                let xv = _mm512_set1_ps(*xb.add(t));
+        for c in 0..16 {
+            if F::HALVES && c == 8 {
                 for p in 0..P {
-                    let q = _mm512_cvtepi8_epi32(_mm_loadu_si128(
-                        blk[p].add(32 + 16 * t) as *const __m128i
-                    ));
-                    let wv = _mm512_mul_ps(_mm512_cvtepi32_ps(q), d[p]);
-                    acc[p] = _mm512_fmadd_ps(xv, wv, acc[p]);
+                    s[p] = scales::<F>(panels[p].add(ho), panels[p].add(so), 1).0;
                 }
             }
-        } else {
-            for c in 0..16 {
-                let (x0, x1) = (
-                    _mm512_set1_ps(*xb.add(2 * c)),
-                    _mm512_set1_ps(*xb.add(2 * c + 1)),
-                );
-                for p in 0..P {
-                    let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(
-                        blk[p].add(64 + 16 * c) as *const __m128i
-                    ));
-                    let lo =
-                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low)), d[p], m[p]);
-                    let hi =
-                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v)), d[p], m[p]);
-                    acc[p] = _mm512_fmadd_ps(x0, lo, acc[p]);
-                    acc[p] = _mm512_fmadd_ps(x1, hi, acc[p]);
-                }
+            let (x0, x1) = (
+                _mm512_set1_ps(*xb.add(2 * c)),
+                _mm512_set1_ps(*xb.add(2 * c + 1)),
+            );
+            for p in 0..P {
+                let q = pair::<F>(panels[p].add(so + l.scales), c);
+                acc[p] = _mm512_fmadd_ps(x0, value::<F>(q[0], s[p], m[p]), acc[p]);
+                acc[p] = _mm512_fmadd_ps(x1, value::<F>(q[1], s[p], m[p]), acc[p]);
             }
         }
     }

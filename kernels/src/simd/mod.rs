@@ -478,161 +478,16 @@ pub fn rotate(a: &mut [f32], b: &mut [f32], c: &[f32], s: &[f32]) {
     }
 }
 
-/// Whether weights of `ty` are stored in panels ([`to_panels`]); others keep GGML's rows.
+/// Whether weights of `ty` are stored in panels ([`fmt::to_panels`]): every quantized type.
 pub fn is_paneled(ty: GgmlType) -> bool {
-    matches!(ty, GgmlType::Q4_1 | GgmlType::Q8_0)
+    fmt::layout(ty).is_some()
 }
 
-/// Bytes of one block of a panel: sixteen rows' 32 values of `ty` (320 for Q4_1, 544 for Q8_0,
-/// sixteen GGML blocks' worth).
-pub fn panel_block_bytes(ty: GgmlType) -> usize {
-    PANEL * ty.bytes_for(32).expect("a 32-value block type")
-}
+pub use fmt::{dequant_panel_row, panel_row_ggml, to_panels};
 
-/// Where panel `p` of `np` (of `pl` bytes each) lies: the byte offset of its first block and the
-/// distance from one of its blocks to the next (one panel after another, each block after
-/// block; pairs of panels interleaved block by block, so that a row against a pair reads one
-/// stream, changed nothing measurable on Zen 5).
-pub fn panel_at(p: usize, np: usize, pl: usize, pb: usize) -> (usize, usize) {
-    debug_assert!(p < np.max(1));
-    (p * pl, pb)
-}
-
-/// GGML rows (`rows` of `cols` values of `ty`, interleaved blocks) in the kernels' panels: rows
-/// in groups of [`PANEL`] (the last padded with zero rows, which decode to zeros), each group
-/// block after block of 32 columns ([`panel_at`]), and in a block, for Q4_1, the sixteen rows' f16 scales, their sixteen f16
-/// minimums, then for each pair of columns `(2c, 2c+1)` sixteen bytes, row `j`'s nibbles at
-/// column `2c` (low) and `2c+1` (high); for Q8_0, the sixteen scales, then for each column
-/// sixteen bytes, one a row. So a column's sixteen weights widen into one 16-lane vector (two of
-/// 8 lanes), lane `j` row `j`: the layout of [`panel_product`]'s order, with the bytes of GGML's
-/// blocks.
-pub fn to_panels(ty: GgmlType, ggml: &[u8], rows: usize, cols: usize) -> Vec<u8> {
-    let rb = ty.bytes_for(cols).expect("whole blocks");
-    let (nb, pb) = (cols / 32, panel_block_bytes(ty));
-    let np = rows.div_ceil(PANEL);
-    let mut out = vec![0u8; np * nb * pb];
-    for r in 0..rows {
-        let (p, j) = (r / PANEL, r % PANEL);
-        let (at, stride) = panel_at(p, np, nb * pb, pb);
-        for b in 0..nb {
-            let src = &ggml[r * rb + b * (rb / nb)..r * rb + (b + 1) * (rb / nb)];
-            let dst = &mut out[at + b * stride..at + b * stride + pb];
-            match ty {
-                GgmlType::Q4_1 => {
-                    dst[2 * j..2 * j + 2].copy_from_slice(&src[..2]);
-                    dst[32 + 2 * j..32 + 2 * j + 2].copy_from_slice(&src[2..4]);
-                    // GGML's byte i holds element i (low) and 16 + i (high).
-                    let q = |t: usize| {
-                        if t < 16 {
-                            src[4 + t] & 0x0f
-                        } else {
-                            src[4 + t - 16] >> 4
-                        }
-                    };
-                    for c in 0..16 {
-                        dst[64 + 16 * c + j] = q(2 * c) | (q(2 * c + 1) << 4);
-                    }
-                }
-                GgmlType::Q8_0 => {
-                    dst[2 * j..2 * j + 2].copy_from_slice(&src[..2]);
-                    for t in 0..32 {
-                        dst[32 + 16 * t + j] = src[2 + t];
-                    }
-                }
-                _ => unreachable!("{ty} is not kept in panels"),
-            }
-        }
-    }
-    out
-}
-
-/// The panel block of row `r`'s block `b` in panels of `rows` rows of `cols` values of `ty`, and
-/// the row's place `j` in it.
-fn row_block(
-    ty: GgmlType,
-    data: &[u8],
-    rows: usize,
-    cols: usize,
-    r: usize,
-    b: usize,
-) -> (&[u8], usize) {
-    let pb = panel_block_bytes(ty);
-    let (at, stride) = panel_at(r / PANEL, rows.div_ceil(PANEL), cols / 32 * pb, pb);
-    (&data[at + b * stride..at + b * stride + pb], r % PANEL)
-}
-
-/// Row `r` of panels of `ty` (`rows` rows of `cols` values) back in GGML's bytes.
-pub fn panel_row_ggml(
-    ty: GgmlType,
-    data: &[u8],
-    rows: usize,
-    cols: usize,
-    r: usize,
-    out: &mut [u8],
-) {
-    let bb = ty.bytes_for(32).expect("a block type");
-    for b in 0..cols / 32 {
-        let (src, j) = row_block(ty, data, rows, cols, r, b);
-        let dst = &mut out[b * bb..(b + 1) * bb];
-        match ty {
-            GgmlType::Q4_1 => {
-                dst[..2].copy_from_slice(&src[2 * j..2 * j + 2]);
-                dst[2..4].copy_from_slice(&src[32 + 2 * j..32 + 2 * j + 2]);
-                let q = |t: usize| (src[64 + 16 * (t / 2) + j] >> (4 * (t % 2))) & 0x0f;
-                for i in 0..16 {
-                    dst[4 + i] = q(i) | (q(16 + i) << 4);
-                }
-            }
-            GgmlType::Q8_0 => {
-                dst[..2].copy_from_slice(&src[2 * j..2 * j + 2]);
-                for t in 0..32 {
-                    dst[2 + t] = src[32 + 16 * t + j];
-                }
-            }
-            _ => unreachable!("{ty} is not kept in panels"),
-        }
-    }
-}
-
-pub(crate) fn f16_at(p: &[u8], i: usize) -> f32 {
-    half::f16::from_le_bytes([p[2 * i], p[2 * i + 1]]).to_f32()
-}
-
-/// Row `r` of panels of `ty` (`rows` rows of `cols` values) decoded into `out`: GGML's values
-/// (`q·d + m` and `q·d` are exact in f32, so fused or not they are the same).
-pub fn dequant_panel_row(
-    ty: GgmlType,
-    data: &[u8],
-    rows: usize,
-    cols: usize,
-    r: usize,
-    out: &mut [f32],
-) {
-    for b in 0..cols / 32 {
-        let (src, j) = row_block(ty, data, rows, cols, r, b);
-        let o = &mut out[32 * b..32 * b + 32];
-        match ty {
-            GgmlType::Q4_1 => {
-                let (d, m) = (f16_at(src, j), f16_at(src, 16 + j));
-                for (t, o) in o.iter_mut().enumerate() {
-                    let q = (src[64 + 16 * (t / 2) + j] >> (4 * (t % 2))) & 0x0f;
-                    *o = q as f32 * d + m;
-                }
-            }
-            GgmlType::Q8_0 => {
-                let d = f16_at(src, j);
-                for (t, o) in o.iter_mut().enumerate() {
-                    *o = src[32 + 16 * t + j] as i8 as f32 * d;
-                }
-            }
-            _ => unreachable!("{ty} is not kept in panels"),
-        }
-    }
-}
-
-/// Blocks `b0..b1` of panel `p` of `ty` (panels of `rows` rows of `cols` values in `data`)
-/// decoded column by column: column `t`'s sixteen rows at `out[16·(t − 32·b0)..]`, the layout
-/// [`panel_product`] multiplies.
+/// Blocks `b0..b1` (32 columns each) of panel `p` of `ty` (panels of `rows` rows of `cols`
+/// values in `data`) decoded column by column: column `t`'s sixteen rows at
+/// `out[16·(t − 32·b0)..]`, the layout [`panel_product`] multiplies.
 #[allow(clippy::too_many_arguments)]
 pub fn dequant_panel(
     ty: GgmlType,
@@ -644,42 +499,43 @@ pub fn dequant_panel(
     b1: usize,
     out: &mut [f32],
 ) {
-    let pb = panel_block_bytes(ty);
-    let (at, stride) = panel_at(p, rows.div_ceil(PANEL), cols / 32 * pb, pb);
-    let nb = b1 - b0;
+    let pl = fmt::layout(ty).expect("a quantized type").panel(cols);
     assert!(
-        b1 <= cols / 32 && out.len() >= nb * 32 * PANEL,
-        "dequant_panel: blocks {b0}..{b1} of {cols} columns"
+        b0 <= b1
+            && b1 <= cols / 32
+            && p < rows.div_ceil(PANEL)
+            && data.len() >= (p + 1) * pl
+            && out.len() >= (b1 - b0) * 32 * PANEL,
+        "dequant_panel: blocks {b0}..{b1} of {cols} columns, panel {p} of {rows} rows"
     );
-    if nb == 0 {
-        return;
-    }
-    let src = &data[at + b0 * stride..at + (b1 - 1) * stride + pb];
+    // SAFETY: the panel's bytes and the outputs are in bounds (asserted above).
+    unsafe { dequant_panel_at(crate::isa::active(), ty, &data[p * pl..], b0, b1, out) }
+}
+
+/// [`dequant_panel`] of one panel (`panel` its bytes) at kernel level `level`.
+///
+/// # Safety
+/// The CPU has `level`'s features; `panel` holds blocks `..b1`, `out` `(b1 − b0)·32·16` values.
+unsafe fn dequant_panel_at(
+    level: Isa,
+    ty: GgmlType,
+    panel: &[u8],
+    b0: usize,
+    b1: usize,
+    out: &mut [f32],
+) {
+    let (src, o) = (panel.as_ptr(), out.as_mut_ptr());
     #[cfg(target_arch = "x86_64")]
     {
-        // SAFETY: the CPU has the level's features; `src` holds nb blocks `stride` apart and
-        // `out` their values (checked above).
-        if has_avx512() {
-            return unsafe {
-                match ty {
-                    GgmlType::Q4_1 => avx512::dequant_panel::<false>(src, stride, nb, out),
-                    _ => avx512::dequant_panel::<true>(src, stride, nb, out),
-                }
-            };
+        if level >= Isa::Avx512 {
+            return fmt::with_fmt!(ty, F => avx512::dequant_panel::<F>(src, b0, b1, o));
         }
-        if has_avx2_fma() {
-            return unsafe {
-                match ty {
-                    GgmlType::Q4_1 => avx2::dequant_panel::<false>(src, stride, nb, out),
-                    _ => avx2::dequant_panel::<true>(src, stride, nb, out),
-                }
-            };
+        if level >= Isa::Avx2 {
+            return fmt::with_fmt!(ty, F => avx2::dequant_panel::<F>(src, b0, b1, o));
         }
     }
-    match ty {
-        GgmlType::Q4_1 => portable::dequant_panel::<false>(src, stride, nb, out),
-        _ => portable::dequant_panel::<true>(src, stride, nb, out),
-    }
+    let _ = level;
+    fmt::with_fmt!(ty, F => portable::dequant_panel::<F>(src, b0, b1, o))
 }
 
 /// Whether [`dot_quant_x1`] serves weights of `ty` in this process (panels, AVX2 and up).
@@ -716,76 +572,86 @@ pub fn x1_unit() -> usize {
 /// of their outputs, decoded in registers with [`panel_product`]'s bits (each output one chain
 /// over the columns in order), without the decoded panels' round trip through memory. Only
 /// where [`has_quant_x1`].
-#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
 pub fn dot_quant_x1(ty: GgmlType, data: &[u8], rows: usize, p0: usize, x: &[f32], out: &mut [f32]) {
     let (k, cols) = (x.len(), out.len());
     let np = cols.div_ceil(PANEL);
-    let pb = panel_block_bytes(ty);
-    let (pl, all) = (k / 32 * pb, rows.div_ceil(PANEL));
+    let l = fmt::layout(ty);
+    let all = rows.div_ceil(PANEL);
     assert!(
         has_quant_x1(ty)
-            && k.is_multiple_of(32)
+            && l.is_some_and(|l| k.is_multiple_of(l.cols()))
             && (1..=MAX_PANELS).contains(&np)
             && p0 + np <= all
-            && data.len() >= all * pl,
+            && data.len() >= all * l.map_or(0, |l| l.panel(k)),
         "dot_quant_x1: {cols} outputs of {ty} panels from {p0}, k = {k}"
     );
+    // SAFETY: AVX2 at least (has_quant_x1); the panels and outputs are in bounds (asserted).
+    unsafe { dot_quant_x1_at(crate::isa::active(), ty, data, all, p0, x, out) }
+}
+
+/// [`dot_quant_x1`] at kernel level `level` (AVX2 or AVX-512).
+///
+/// # Safety
+/// The CPU has `level`'s features; `data` holds `all` panels of `x.len()` columns of `ty`;
+/// `out.len()` outputs from panel `p0` are among them, at most [`MAX_PANELS`] panels' worth.
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
+unsafe fn dot_quant_x1_at(
+    level: Isa,
+    ty: GgmlType,
+    data: &[u8],
+    all: usize,
+    p0: usize,
+    x: &[f32],
+    out: &mut [f32],
+) {
     #[cfg(target_arch = "x86_64")]
     {
-        let at: [(usize, usize); MAX_PANELS] =
-            std::array::from_fn(|i| panel_at((p0 + i).min(all - 1), all, pl, pb));
-        let blk: [*const u8; MAX_PANELS] = at.map(|(o, _)| data.as_ptr().wrapping_add(o));
-        let stride: [usize; MAX_PANELS] = at.map(|(_, s)| s);
+        let (k, cols) = (x.len(), out.len());
+        let np = cols.div_ceil(PANEL);
+        let pl = fmt::layout(ty).expect("a quantized type").panel(k);
+        let at: [*const u8; MAX_PANELS] =
+            std::array::from_fn(|i| data.as_ptr().wrapping_add((p0 + i).min(all - 1) * pl));
         let (xp, o) = (x.as_ptr(), out.as_mut_ptr());
         macro_rules! go {
-            ($l:ident, $q8:literal, $n:literal, $i:expr, $o:expr, $c:expr) => {
-                $l::dot_quant_x1::<$q8, $n>(
-                    blk[$i..$i + $n].try_into().expect("n"),
-                    stride[$i..$i + $n].try_into().expect("n"),
+            ($l:ident, $n:literal, $i:expr, $o:expr, $c:expr) => {
+                fmt::with_fmt!(ty, F => $l::dot_quant_x1::<F, $n>(
+                    at[$i..$i + $n].try_into().expect("n"),
                     pl,
                     xp,
                     k,
                     $o,
                     $c,
-                )
+                ))
             };
         }
-        // SAFETY: the CPU has AVX2, FMA and F16C (has_quant_x1); panels p0.. +np of `data`
-        // hold k/32 blocks each at blk/stride, `out` cols ≤ 16·np slots (asserted above).
-        unsafe {
-            let q8 = ty == GgmlType::Q8_0;
-            if has_avx512() {
-                match (q8, np) {
-                    (false, 1) => go!(avx512, false, 1, 0, o, cols),
-                    (false, 2) => go!(avx512, false, 2, 0, o, cols),
-                    (false, 3) => go!(avx512, false, 3, 0, o, cols),
-                    (false, _) => go!(avx512, false, 4, 0, o, cols),
-                    (true, 1) => go!(avx512, true, 1, 0, o, cols),
-                    (true, 2) => go!(avx512, true, 2, 0, o, cols),
-                    (true, 3) => go!(avx512, true, 3, 0, o, cols),
-                    (true, _) => go!(avx512, true, 4, 0, o, cols),
+        if level >= Isa::Avx512 {
+            match np {
+                1 => go!(avx512, 1, 0, o, cols),
+                2 => go!(avx512, 2, 0, o, cols),
+                3 => go!(avx512, 3, 0, o, cols),
+                _ => go!(avx512, 4, 0, o, cols),
+            }
+        } else {
+            // Two panels at a time: four accumulators and the panels' scales and minimums
+            // fit AVX2's 16 registers. Three or four spilled them on every column (the
+            // model's products of one row on Zen 5: 3.45 ms in threes and fours, 3.2 in ones,
+            // 2.6 in twos; the lane-tree order's kernel took 2.9).
+            let mut i = 0;
+            while i < np {
+                let c = (cols - i * PANEL).min(2 * PANEL);
+                let oi = o.add(i * PANEL);
+                if c > PANEL {
+                    go!(avx2, 2, i, oi, c)
+                } else {
+                    go!(avx2, 1, i, oi, c)
                 }
-            } else {
-                // Two panels at a time: four accumulators and the panels' scales and minimums
-                // fit AVX2's 16 registers. Three or four spilled them on every column (the
-                // model's products of one row on Zen 5: 3.45 ms in threes and fours, 3.2 in ones,
-                // 2.6 in twos; the lane-tree order's kernel took 2.9).
-                let mut i = 0;
-                while i < np {
-                    let c = (cols - i * PANEL).min(2 * PANEL);
-                    let oi = o.add(i * PANEL);
-                    match (q8, c > PANEL) {
-                        (false, false) => go!(avx2, false, 1, i, oi, c),
-                        (false, true) => go!(avx2, false, 2, i, oi, c),
-                        (true, false) => go!(avx2, true, 1, i, oi, c),
-                        (true, true) => go!(avx2, true, 2, i, oi, c),
-                    }
-                    i += 2;
-                }
+                i += 2;
             }
         }
     }
 }
+
+pub mod fmt;
 
 #[cfg(target_arch = "x86_64")]
 mod avx512;
@@ -799,7 +665,6 @@ mod portable;
 mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
-    use tandem_model::{quantize_q4_1, quantize_q8_0};
 
     /// Reference dot product: eight running sums, the order a plain loop vectorizes in.
     fn dot_scalar(a: &[f32], b: &[f32]) -> f32 {
@@ -1151,166 +1016,103 @@ mod tests {
     fn panels_decode_and_multiply_alike_at_every_level() {
         // 37 rows: three panels, the last with 5 rows and 11 of padding; 69: five.
         for n in [37, 69] {
-            panels_at_every_level(n, 320);
+            panels_at_every_level(n, 512);
         }
+        panels_at_every_level(37, 320);
     }
 
+    /// Every panel format at every level this CPU has: the decoded panels are GGML's values bit
+    /// for bit, and the product of one row decoded in registers and the panel product both give
+    /// each output's one fused chain over the columns.
     fn panels_at_every_level(n: usize, k: usize) {
-        let wf = rnd(n * k, 5);
         let x = rnd(k, 6);
-        for (ty, ggml) in [
-            (GgmlType::Q4_1, quantize_q4_1(&wf)),
-            (GgmlType::Q8_0, quantize_q8_0(&wf)),
-        ] {
-            let rb = ty.bytes_for(k).unwrap();
+        for ty in fmt::tests::TYPES {
+            let Some(l) = fmt::layout(ty).filter(|l| k.is_multiple_of(l.cols())) else {
+                continue;
+            };
+            let ggml = fmt::tests::random_ggml(ty, n * k, 5 + ty as u64);
             let panels = to_panels(ty, &ggml, n, k);
-            let (nb, pb) = (k / 32, panel_block_bytes(ty));
-            let np = n.div_ceil(PANEL);
-            assert_eq!(panels.len(), np * nb * pb);
+            let (nb, pl, np) = (k / 32, l.panel(k), n.div_ceil(PANEL));
             let mut dense = vec![0f32; n * k];
             tandem_model::dequantize(ty, &ggml, &mut dense).unwrap();
-            let mut back = vec![0u8; rb];
-            let mut row = vec![0f32; k];
-            for r in 0..n {
-                panel_row_ggml(ty, &panels, n, k, r, &mut back);
-                assert_eq!(back, ggml[r * rb..(r + 1) * rb], "{ty} row {r} bytes");
-                dequant_panel_row(ty, &panels, n, k, r, &mut row);
-                assert_eq!(row, dense[r * k..(r + 1) * k], "{ty} row {r} values");
-            }
             let want = panels_of(&dense, n, k);
-            let mut dec = vec![f32::NAN; np * k * PANEL];
-            for p in 0..np {
-                // In two spans, the second from block 3.
-                let (a, b) = dec[p * k * PANEL..].split_at_mut(3 * 32 * PANEL);
-                dequant_panel(ty, &panels, n, k, p, 0, 3, a);
-                dequant_panel(ty, &panels, n, k, p, 3, nb, b);
-            }
-            assert_eq!(dec, want, "{ty} dispatched decode");
             let wants: Vec<f32> = (0..n).map(|c| chain(&x, |t| dense[c * k + t])).collect();
+            let fused: Vec<f32> = (0..n)
+                .map(|c| (0..k).fold(0f32, |s, t| x[t].mul_add(dense[c * k + t], s)))
+                .collect();
+            let mut levels = vec![Isa::Portable];
             #[cfg(target_arch = "x86_64")]
-            {
-                let cpu = crate::isa::detected();
-                for level in [Isa::Avx2, Isa::Avx512] {
-                    if cpu < level {
-                        eprintln!("no {level:?} on this CPU: its kernels are not tested here");
-                        continue;
-                    }
-                    let mut dec = vec![f32::NAN; np * k * PANEL];
-                    let mut tile = vec![f32::NAN; np * PANEL];
-                    let mut x1 = vec![f32::NAN; np * PANEL];
-                    // SAFETY: guarded by the feature check; each panel's nb blocks lie at
-                    // panel_at's offset and stride; the outputs hold np panels' sixteen.
+            levels.extend([Isa::Avx2, Isa::Avx512]);
+            for level in levels {
+                if crate::isa::detected() < level {
+                    eprintln!("no {level:?} on this CPU: its kernels are not tested here");
+                    continue;
+                }
+                let mut dec = vec![f32::NAN; np * k * PANEL];
+                for p in 0..np {
+                    // In two spans, the second from block 3.
+                    let (a, b) = dec[p * k * PANEL..].split_at_mut(3 * 32 * PANEL);
+                    // SAFETY: the level is on this CPU; panel p's bytes and its outputs.
                     unsafe {
-                        for p in 0..np {
-                            let (at, stride) = panel_at(p, np, nb * pb, pb);
-                            let (src, out) = (&panels[at..], &mut dec[p * k * PANEL..]);
-                            match (level, ty) {
-                                (Isa::Avx2, GgmlType::Q4_1) => {
-                                    avx2::dequant_panel::<false>(src, stride, nb, out)
-                                }
-                                (Isa::Avx2, _) => avx2::dequant_panel::<true>(src, stride, nb, out),
-                                (_, GgmlType::Q4_1) => {
-                                    avx512::dequant_panel::<false>(src, stride, nb, out)
-                                }
-                                _ => avx512::dequant_panel::<true>(src, stride, nb, out),
-                            }
-                        }
-                        let (xp, lp) = (x.as_ptr(), k * PANEL);
-                        let q8 = ty == GgmlType::Q8_0;
-                        // The two-panel kernels on pairs, the one-panel ones on a last panel.
-                        for p in (0..np).step_by(2) {
-                            let (dp, op) =
-                                (dec.as_ptr().add(p * lp), tile.as_mut_ptr().add(p * PANEL));
-                            let ox = x1.as_mut_ptr().add(p * PANEL);
-                            let at: [(usize, usize); 2] = std::array::from_fn(|i| {
-                                panel_at((p + i).min(np - 1), np, nb * pb, pb)
-                            });
-                            let blk = at.map(|(o, _)| panels.as_ptr().add(o));
-                            let st = at.map(|(_, s)| s);
-                            let (b1, s1) = ([blk[0]], [st[0]]);
-                            let c = (np - p).min(2) * PANEL;
-                            match (level, q8, p + 1 < np) {
-                                (Isa::Avx2, false, true) => {
-                                    avx2::panel_tile::<1, 2>(xp, k, dp, lp, c, k, false, op, c);
-                                    avx2::dot_quant_x1::<false, 2>(blk, st, nb * pb, xp, k, ox, c);
-                                }
-                                (Isa::Avx2, true, true) => {
-                                    avx2::panel_tile::<1, 2>(xp, k, dp, lp, c, k, false, op, c);
-                                    avx2::dot_quant_x1::<true, 2>(blk, st, nb * pb, xp, k, ox, c);
-                                }
-                                (Isa::Avx2, false, false) => {
-                                    avx2::panel_tile::<1, 1>(xp, k, dp, lp, c, k, false, op, c);
-                                    avx2::dot_quant_x1::<false, 1>(b1, s1, nb * pb, xp, k, ox, c);
-                                }
-                                (Isa::Avx2, true, false) => {
-                                    avx2::panel_tile::<1, 1>(xp, k, dp, lp, c, k, false, op, c);
-                                    avx2::dot_quant_x1::<true, 1>(b1, s1, nb * pb, xp, k, ox, c);
-                                }
-                                (_, false, true) => {
-                                    avx512::panel_tile::<1, 2>(xp, k, dp, lp, c, k, false, op, c);
-                                    avx512::dot_quant_x1::<false, 2>(
-                                        blk,
-                                        st,
-                                        nb * pb,
-                                        xp,
-                                        k,
-                                        ox,
-                                        c,
-                                    );
-                                }
-                                (_, true, true) => {
-                                    avx512::panel_tile::<1, 2>(xp, k, dp, lp, c, k, false, op, c);
-                                    avx512::dot_quant_x1::<true, 2>(blk, st, nb * pb, xp, k, ox, c);
-                                }
-                                (_, false, false) => {
-                                    avx512::panel_tile::<1, 1>(xp, k, dp, lp, c, k, false, op, c);
-                                    avx512::dot_quant_x1::<false, 1>(b1, s1, nb * pb, xp, k, ox, c);
-                                }
-                                (_, true, false) => {
-                                    avx512::panel_tile::<1, 1>(xp, k, dp, lp, c, k, false, op, c);
-                                    avx512::dot_quant_x1::<true, 1>(b1, s1, nb * pb, xp, k, ox, c);
-                                }
-                            }
-                        }
-                    }
-                    assert_eq!(dec, want, "{ty} decoded at {level:?}");
-                    for c in 0..n {
-                        let fused = {
-                            let mut s = 0f32;
-                            for t in 0..k {
-                                s = x[t].mul_add(dense[c * k + t], s);
-                            }
-                            s
-                        };
-                        assert_eq!(
-                            tile[c].to_bits(),
-                            fused.to_bits(),
-                            "{ty} {level:?} tile output {c}"
-                        );
-                        assert_eq!(
-                            x1[c].to_bits(),
-                            fused.to_bits(),
-                            "{ty} {level:?} one-row output {c}"
-                        );
+                        dequant_panel_at(level, ty, &panels[p * pl..], 0, 3, a);
+                        dequant_panel_at(level, ty, &panels[p * pl..], 3, nb, b);
                     }
                 }
-            }
-            // Through the dispatch: the process's level.
-            if has_quant_x1(ty) {
+                assert_eq!(dec, want, "{ty} decoded at {level:?}");
+                if level == Isa::Portable {
+                    continue;
+                }
                 let mut x1 = vec![f32::NAN; n];
                 // Every run of panels a task may take: from each panel, one to four.
                 for p0 in 0..np {
                     for len in 1..=MAX_PANELS.min(np - p0) {
                         let (c0, c1) = (p0 * PANEL, ((p0 + len) * PANEL).min(n));
                         x1[c0..c1].fill(f32::NAN);
-                        dot_quant_x1(ty, &panels, n, p0, &x, &mut x1[c0..c1]);
+                        // SAFETY: as above; outputs c0..c1 are panels p0.. +len.
+                        unsafe { dot_quant_x1_at(level, ty, &panels, np, p0, &x, &mut x1[c0..c1]) };
                         for c in c0..c1 {
                             assert_eq!(
                                 x1[c].to_bits(),
-                                wants[c].to_bits(),
-                                "{ty} panels {p0}+{len}, output {c}"
+                                fused[c].to_bits(),
+                                "{ty} {level:?} panels {p0}+{len}, output {c}"
                             );
                         }
+                    }
+                }
+            }
+            // Through the dispatch, at the process's level: the decoded panels and their
+            // product, and where the level has it, the one-row product in registers.
+            let mut dec = vec![f32::NAN; np * k * PANEL];
+            for p in 0..np {
+                dequant_panel(ty, &panels, n, k, p, 0, nb, &mut dec[p * k * PANEL..]);
+            }
+            assert_eq!(dec, want, "{ty} dispatched decode");
+            let mut tile = vec![f32::NAN; n];
+            // SAFETY: the decoded panels hold np panels of k columns; n outputs of one row.
+            unsafe {
+                panel_product(
+                    x.as_ptr(),
+                    k,
+                    1,
+                    dec.as_ptr(),
+                    k * PANEL,
+                    n,
+                    k,
+                    false,
+                    tile.as_mut_ptr(),
+                    n,
+                )
+            };
+            let mut x1 = vec![f32::NAN; n];
+            for c in 0..n {
+                assert_eq!(tile[c].to_bits(), wants[c].to_bits(), "{ty} tile {c}");
+            }
+            if has_quant_x1(ty) {
+                for p0 in 0..np {
+                    let (c0, c1) = (p0 * PANEL, ((p0 + MAX_PANELS) * PANEL).min(n));
+                    dot_quant_x1(ty, &panels, n, p0, &x, &mut x1[c0..c1]);
+                    for c in c0..c1 {
+                        assert_eq!(x1[c].to_bits(), wants[c].to_bits(), "{ty} one row {c}");
                     }
                 }
             }

@@ -9,6 +9,7 @@
 use half::slice::HalfFloatSliceExt;
 use wide::f32x8;
 
+use super::fmt::Fmt;
 use super::KvValue;
 
 #[inline(always)]
@@ -312,45 +313,77 @@ pub fn fma_burst(rounds: usize) -> f32 {
     acc.iter().fold(f32x8::ZERO, |s, a| s + *a).reduce_add()
 }
 
-/// See the AVX2 `dequant_panel`: the same values (exact, fused or not), eight lanes at a time.
-pub fn dequant_panel<const Q8: bool>(src: &[u8], stride: usize, nb: usize, out: &mut [f32]) {
-    let pb = if Q8 { 544 } else { 320 };
-    // Sixteen halves converted in one call (F16C where the CPU has it, whatever the level):
-    // one at a time, the conversion took a third of a one-row product at this level.
-    let halves = |blk: &[u8], at: usize| -> [f32x8; 2] {
-        let h: [half::f16; 16] = std::array::from_fn(|j| {
-            half::f16::from_le_bytes([blk[2 * (at + j)], blk[2 * (at + j) + 1]])
-        });
-        let mut f = [0f32; 16];
-        h.convert_to_f32_slice(&mut f);
-        let (lo, hi) = f.split_at(8);
-        [
-            f32x8::new(lo.try_into().expect("8")),
-            f32x8::new(hi.try_into().expect("8")),
-        ]
-    };
-    for (b, o) in out.chunks_exact_mut(32 * 16).take(nb).enumerate() {
-        let blk = &src[b * stride..b * stride + pb];
-        prefetch(blk.as_ptr().wrapping_add(PREFETCH_AHEAD), pb);
-        let d = halves(blk, 0);
-        if Q8 {
-            for (t, o) in o.chunks_exact_mut(16).enumerate() {
-                for h in 0..2 {
-                    let q: [u8; 8] = blk[32 + 16 * t + 8 * h..][..8].try_into().expect("8");
-                    let v = f32x8::new(std::array::from_fn(|j| q[j] as i8 as f32));
-                    o[8 * h..8 * h + 8].copy_from_slice(&(v * d[h]).to_array());
-                }
+/// Sixteen f16 values at `p` as f32, converted in one call (F16C where the CPU has it,
+/// whatever the level: one at a time, the conversion took a third of a one-row product here).
+fn halves16(p: &[u8]) -> [f32; 16] {
+    let h: [half::f16; 16] =
+        std::array::from_fn(|j| half::f16::from_le_bytes([p[2 * j], p[2 * j + 1]]));
+    let mut f = [0f32; 16];
+    h.convert_to_f32_slice(&mut f);
+    f
+}
+
+/// See the AVX-512 `dequant_panel`: the same values (each exact but for one rounding, the same
+/// fused or not), sixteen lanes of plain arithmetic that the compiler vectorizes.
+///
+/// # Safety
+/// `panel` holds blocks `b0..b1` of a panel of format `F`, `out` their `(b1 − b0)·32·16` values.
+pub unsafe fn dequant_panel<F: Fmt>(panel: *const u8, b0: usize, b1: usize, out: *mut f32) {
+    let l = F::L;
+    for b in b0..b1 {
+        let (ho, so) = l.block(b);
+        let head = std::slice::from_raw_parts(panel.add(ho), l.head);
+        let sub = std::slice::from_raw_parts(panel.add(so), l.sub());
+        prefetch(sub.as_ptr().wrapping_add(PREFETCH_AHEAD), l.sub());
+        let o = std::slice::from_raw_parts_mut(out.add((b - b0) * 32 * 16), 32 * 16);
+        let scales = |half: usize| -> ([f32; 16], [f32; 16]) {
+            if !F::KQ {
+                let m = if F::MIN {
+                    halves16(&sub[32..])
+                } else {
+                    [0.0; 16]
+                };
+                return (halves16(sub), m);
             }
-        } else {
-            let m = halves(blk, 16);
-            for (c, o) in o.chunks_exact_mut(32).enumerate() {
-                for h in 0..2 {
-                    let q: [u8; 8] = blk[64 + 16 * c + 8 * h..][..8].try_into().expect("8");
-                    let lo = f32x8::new(std::array::from_fn(|j| (q[j] & 0x0f) as f32));
-                    let hi = f32x8::new(std::array::from_fn(|j| (q[j] >> 4) as f32));
-                    o[8 * h..8 * h + 8].copy_from_slice(&(lo * d[h] + m[h]).to_array());
-                    o[16 + 8 * h..24 + 8 * h].copy_from_slice(&(hi * d[h] + m[h]).to_array());
-                }
+            let d = halves16(head);
+            if F::HALVES {
+                let s = std::array::from_fn(|j| d[j] * sub[16 * half + j] as i8 as f32);
+                return (s, [0.0; 16]);
+            }
+            let dmin = halves16(&head[32..]);
+            (
+                std::array::from_fn(|j| d[j] * sub[j] as f32),
+                std::array::from_fn(|j| dmin[j] * sub[16 + j] as f32),
+            )
+        };
+        let (mut s, m) = scales(0);
+        let codes = &sub[l.scales..];
+        for (t, o) in o.chunks_exact_mut(16).enumerate() {
+            if F::HALVES && t == 16 {
+                s = scales(1).0;
+            }
+            let q: [i32; 16] = std::array::from_fn(|j| {
+                let q = match F::BITS {
+                    8 => codes[16 * t + j] as i8 as i32,
+                    bits => {
+                        let lo = (codes[16 * (t / 2) + j] >> (4 * (t % 2))) & 0x0f;
+                        let hi = match bits {
+                            5 => (codes[256 + 16 * (t / 8) + j] >> (t % 8)) & 1,
+                            6 => (codes[256 + 16 * (t / 4) + j] >> (2 * (t % 4))) & 3,
+                            _ => 0,
+                        };
+                        (lo | (hi << 4)) as i32
+                    }
+                };
+                q - F::OFFSET
+            });
+            for j in 0..16 {
+                let f = q[j] as f32;
+                o[j] = match (F::MIN, F::KQ) {
+                    (true, true) => f * s[j] - m[j],
+                    (true, false) => f * s[j] + m[j],
+                    _ => f * s[j],
+                };
             }
         }
     }
