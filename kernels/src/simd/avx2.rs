@@ -505,14 +505,36 @@ unsafe fn pair<F: Fmt>(codes: *const u8, c: usize) -> [__m256i; 4] {
             _mm256_srli_epi32::<4>(v1),
         ]
     };
-    if F::BITS == 5 || F::BITS == 6 {
-        let (per, mask) = if F::BITS == 5 { (8, 0x10) } else { (4, 0x30) };
-        let w = (F::BITS - 4) as i32;
-        let g = 256 + 16 * (2 * c / per);
+    if F::BITS == 5 {
+        // Column 2c + i/2's mask, shifted up four: lane j of half h takes bit 8h + j + 4.
+        let lane = |h: i32| {
+            _mm256_setr_epi32(
+                8 * h,
+                8 * h + 1,
+                8 * h + 2,
+                8 * h + 3,
+                8 * h + 4,
+                8 * h + 5,
+                8 * h + 6,
+                8 * h + 7,
+            )
+        };
+        let bits = |col: usize| {
+            let m = u16::from_le_bytes([*codes.add(256 + 2 * col), *codes.add(257 + 2 * col)]);
+            _mm256_set1_epi32((m as i32) << 4)
+        };
+        let hv = [bits(2 * c), bits(2 * c + 1)];
+        for (i, q) in q.iter_mut().enumerate() {
+            let hi = _mm256_srlv_epi32(hv[i / 2], lane((i % 2) as i32));
+            *q = _mm256_or_si256(*q, _mm256_and_si256(hi, _mm256_set1_epi32(0x10)));
+        }
+    }
+    if F::BITS == 6 {
+        let g = 256 + 16 * (c / 2);
         let hv = [_mm256_cvtepu8_epi32(ld(g)), _mm256_cvtepu8_epi32(ld(g + 8))];
         for (i, q) in q.iter_mut().enumerate() {
-            let at = w * ((2 * c + i / 2) % per) as i32;
-            let hi = _mm256_and_si256(shl(hv[i % 2], 4 - at), _mm256_set1_epi32(mask));
+            let at = 2 * ((2 * c + i / 2) % 4) as i32;
+            let hi = _mm256_and_si256(shl(hv[i % 2], 4 - at), _mm256_set1_epi32(0x30));
             *q = _mm256_or_si256(*q, hi);
         }
     }

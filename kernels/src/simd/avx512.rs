@@ -356,13 +356,17 @@ unsafe fn pair<F: Fmt>(codes: *const u8, c: usize) -> [__m512i; 2] {
             _mm512_srli_epi32::<4>(v),
         ]
     };
-    if F::BITS == 5 || F::BITS == 6 {
-        let (per, mask) = if F::BITS == 5 { (8, 0x10) } else { (4, 0x30) };
-        let w = (F::BITS - 4) as i32;
-        let hv = _mm512_cvtepu8_epi32(ld(256 + 16 * (2 * c / per)));
+    if F::BITS == 5 {
         for (i, q) in q.iter_mut().enumerate() {
-            let at = w * ((2 * c + i) % per) as i32;
-            let hi = _mm512_and_si512(shl(hv, 4 - at), _mm512_set1_epi32(mask));
+            let k = (codes.add(256 + 4 * c + 2 * i) as *const u16).read_unaligned();
+            *q = _mm512_mask_or_epi32(*q, k, *q, _mm512_set1_epi32(0x10));
+        }
+    }
+    if F::BITS == 6 {
+        let hv = _mm512_cvtepu8_epi32(ld(256 + 16 * (c / 2)));
+        for (i, q) in q.iter_mut().enumerate() {
+            let at = 2 * ((2 * c + i) % 4) as i32;
+            let hi = _mm512_and_si512(shl(hv, 4 - at), _mm512_set1_epi32(0x30));
             *q = _mm512_or_si512(*q, hi);
         }
     }

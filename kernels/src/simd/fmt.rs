@@ -12,9 +12,10 @@
 //! - its codes, unsigned integers (signed bytes for Q8_0): for each pair of columns
 //!   `(2c, 2c+1)`, sixteen bytes, row `j`'s low four bits of column `2c` in the low nibble and
 //!   of `2c+1` in the high one (512 bytes of whole bytes for Q8_0, sixteen a column); then, for
-//!   5-bit codes, their fifth bits: for each eight columns sixteen bytes, bit `i` of row `j`'s
-//!   byte the fifth bit of column `8g+i`; for 6-bit codes, their top two bits: for each four
-//!   columns sixteen bytes, bits `2i, 2i+1` of row `j`'s byte those of column `4g+i`.
+//!   5-bit codes, their fifth bits: for each column a little-endian 16-bit mask, bit `j` row
+//!   `j`'s (AVX-512 ORs it in under that mask, loaded as it is); for 6-bit codes, their top two
+//!   bits: for each four columns sixteen bytes, bits `2i, 2i+1` of row `j`'s byte those of
+//!   column `4g+i`.
 //!
 //! So a column's sixteen weights widen into one 16-lane vector (two of 8 lanes), lane `j` row
 //! `j`, and every type costs what its GGML blocks cost, to a byte per row per super-block.
@@ -393,8 +394,8 @@ fn put(ty: GgmlType, l: &Layout, u: &Unit, j: usize, sb: &mut [u8]) {
                 *nib = (*nib & 0x0f) | ((q[t] & 0x0f) << 4);
             }
             if bits == 5 {
-                let b = &mut codes[256 + 16 * (t / 8) + j];
-                *b = (*b & !(1 << (t % 8))) | (((q[t] >> 4) & 1) << (t % 8));
+                let b = &mut codes[256 + 2 * t + j / 8];
+                *b = (*b & !(1 << (j % 8))) | (((q[t] >> 4) & 1) << (j % 8));
             } else if bits == 6 {
                 let b = &mut codes[256 + 16 * (t / 4) + j];
                 let at = 2 * (t % 4);
@@ -436,7 +437,7 @@ fn get(ty: GgmlType, l: &Layout, j: usize, sb: &[u8]) -> Unit {
                 _ => {
                     let lo = (codes[16 * (t / 2) + j] >> (4 * (t % 2))) & 0x0f;
                     let hi = match bits {
-                        5 => (codes[256 + 16 * (t / 8) + j] >> (t % 8)) & 1,
+                        5 => (codes[256 + 2 * t + j / 8] >> (j % 8)) & 1,
                         6 => (codes[256 + 16 * (t / 4) + j] >> (2 * (t % 4))) & 3,
                         _ => 0,
                     };

@@ -368,7 +368,7 @@ pub unsafe fn dequant_panel<F: Fmt>(panel: *const u8, b0: usize, b1: usize, out:
                     bits => {
                         let lo = (codes[16 * (t / 2) + j] >> (4 * (t % 2))) & 0x0f;
                         let hi = match bits {
-                            5 => (codes[256 + 16 * (t / 8) + j] >> (t % 8)) & 1,
+                            5 => (codes[256 + 2 * t + j / 8] >> (j % 8)) & 1,
                             6 => (codes[256 + 16 * (t / 4) + j] >> (2 * (t % 4))) & 3,
                             _ => 0,
                         };
