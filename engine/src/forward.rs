@@ -133,6 +133,34 @@ pub(crate) trait StepOps {
             "tensor parallelism on this device".into(),
         ))
     }
+    /// A mixture of experts' routing of `rows` rows of `x` (normed): the router's scores, a
+    /// softmax over every expert, the `experts.active` best of each row and their weights
+    /// (renormalized where `experts.norm_topk`). A device that has not built experts refuses.
+    fn route(
+        &mut self,
+        experts: &Experts<Self::Matrix>,
+        x: &Self::Act,
+        rows: usize,
+    ) -> Result<Routing, EngineError> {
+        let _ = (experts, x, rows);
+        Err(EngineError::Unsupported(
+            "mixture-of-experts layers on this device".into(),
+        ))
+    }
+    /// `out` = each row's experts' outputs on its row of `x`, weighted as `routing` says: the
+    /// rows grouped by expert, so that each expert's weights are read once.
+    fn experts(
+        &mut self,
+        experts: &Experts<Self::Matrix>,
+        x: &Self::Act,
+        routing: &Routing,
+        out: &mut Self::Act,
+    ) -> Result<(), EngineError> {
+        let _ = (experts, x, routing, out);
+        Err(EngineError::Unsupported(
+            "mixture-of-experts layers on this device".into(),
+        ))
+    }
     /// Waits for the step's work when nothing is returned (a device that runs ops
     /// asynchronously); nothing on the CPU.
     fn finish(&mut self) -> Result<(), EngineError> {
@@ -151,9 +179,77 @@ pub(crate) struct LayerWeights<M, V> {
     pub qk_norm: Option<(V, V)>,
     pub o: M,
     pub ffn_norm: V,
-    /// gate and up projections stacked by rows.
-    pub gate_up: M,
-    pub down: M,
+    pub mlp: Mlp<M>,
+}
+
+/// A layer's MLP.
+pub(crate) enum Mlp<M> {
+    /// One SwiGLU MLP: gate and up projections stacked by rows, and down.
+    Dense { gate_up: M, down: M },
+    /// A mixture of experts.
+    Experts(Experts<M>),
+}
+
+/// A mixture of experts' weights and routing settings (see [`tandem_model::MoeConfig`]).
+pub(crate) struct Experts<M> {
+    /// The router: a score for each expert.
+    pub router: M,
+    /// Each expert's gate|up (stacked by rows) and down.
+    pub experts: Vec<(M, M)>,
+    /// Experts each row runs.
+    pub active: usize,
+    /// Whether the chosen experts' weights are renormalized to sum to one.
+    pub norm_topk: bool,
+    /// Width of each expert's gate and up.
+    pub ff: usize,
+}
+
+/// Each row's chosen experts and their weights: row `r`'s are at `r·active ..`, best first.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub(crate) struct Routing {
+    pub active: usize,
+    pub expert: Vec<u32>,
+    pub weight: Vec<f32>,
+}
+
+impl Routing {
+    /// Routing of `rows` rows from their router scores (`rows × n` values): a softmax over the
+    /// `n` experts (in f32, its sum in expert order), the `active` largest (the lower index first
+    /// on a tie), renormalized by their sum (best first) where `norm`. Row by row, so a row's
+    /// routing never depends on the others.
+    pub fn from_scores(scores: &[f32], n: usize, active: usize, norm: bool) -> Self {
+        let rows = scores.len() / n.max(1);
+        let mut r = Self {
+            active,
+            expert: Vec::with_capacity(rows * active),
+            weight: Vec::with_capacity(rows * active),
+        };
+        let mut p = vec![0f32; n];
+        let mut order: Vec<u32> = Vec::with_capacity(n);
+        for row in scores.chunks_exact(n) {
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0f32;
+            for (p, &s) in p.iter_mut().zip(row) {
+                *p = (s - max).exp();
+                sum += *p;
+            }
+            for p in p.iter_mut() {
+                *p /= sum;
+            }
+            order.clear();
+            order.extend(0..n as u32);
+            // Stable: equal probabilities keep the lower index first.
+            order.sort_by(|&a, &b| p[b as usize].total_cmp(&p[a as usize]));
+            let top = &order[..active];
+            let total: f32 = top.iter().map(|&e| p[e as usize]).sum();
+            r.expert.extend_from_slice(top);
+            r.weight.extend(top.iter().map(|&e| match norm {
+                true => p[e as usize] / total,
+                false => p[e as usize],
+            }));
+        }
+        r
+    }
 }
 
 /// A Llama model's weights as a device holds them: matrices `M`, norm vectors `V`.
@@ -213,8 +309,33 @@ impl<M, V> ModelWeights<M, V> {
                 },
                 o: matrix(&[cols(n(AttnOutput), q, hd)])?,
                 ffn_norm: vector(&[Part::whole(n(FfnNorm))])?,
-                gate_up: matrix(&[rows(n(FfnGate), ff, 1), rows(n(FfnUp), ff, 1)])?,
-                down: matrix(&[cols(n(FfnDown), ff, 1)])?,
+                mlp: match &c.moe {
+                    None => Mlp::Dense {
+                        gate_up: matrix(&[rows(n(FfnGate), ff, 1), rows(n(FfnUp), ff, 1)])?,
+                        down: matrix(&[cols(n(FfnDown), ff, 1)])?,
+                    },
+                    Some(m) => {
+                        let expert = |t, e| Part {
+                            name: n(t),
+                            cut: Cut::Expert(e),
+                        };
+                        let experts = (0..m.experts)
+                            .map(|e| {
+                                Ok((
+                                    matrix(&[expert(FfnGateExps, e), expert(FfnUpExps, e)])?,
+                                    matrix(&[expert(FfnDownExps, e)])?,
+                                ))
+                            })
+                            .collect::<Result<Vec<_>, EngineError>>()?;
+                        Mlp::Experts(Experts {
+                            router: matrix(&[Part::whole(n(FfnGateInp))])?,
+                            experts,
+                            active: m.active,
+                            norm_topk: m.norm_topk,
+                            ff: m.expert_ff,
+                        })
+                    }
+                },
             });
         }
         let embed = matrix(&[rows(TensorName::Embedding, &shard.vocab, 1)])?;
@@ -240,7 +361,15 @@ impl<M, V> ModelWeights<M, V> {
     pub fn matrices(&self) -> impl Iterator<Item = &M> {
         self.layers
             .iter()
-            .flat_map(|l| [&l.qkv, &l.o, &l.gate_up, &l.down])
+            .flat_map(|l| {
+                let mlp: Vec<&M> = match &l.mlp {
+                    Mlp::Dense { gate_up, down } => vec![gate_up, down],
+                    Mlp::Experts(x) => std::iter::once(&x.router)
+                        .chain(x.experts.iter().flat_map(|(gu, d)| [gu, d]))
+                        .collect(),
+                };
+                [&l.qkv, &l.o].into_iter().chain(mlp)
+            })
             .chain([self.head()])
     }
 }
@@ -331,19 +460,25 @@ pub(crate) fn forward<D: StepOps>(
             norms,
             d.add_rms_norm(&mut x, &proj, &l.ffn_norm, &mut hbuf, t)
         )?;
-        op!(
-            times,
-            d,
-            gate_up,
-            d.matmul(&l.gate_up, &hbuf, (t, 2 * ff, h), &mut gu)
-        )?;
-        op!(times, d, silu, d.silu_mul(&gu, &mut act, t, ff))?;
-        op!(
-            times,
-            d,
-            down,
-            d.matmul(&l.down, &act, (t, h, ff), &mut proj)
-        )?;
+        match &l.mlp {
+            Mlp::Dense { gate_up, down } => {
+                op!(
+                    times,
+                    d,
+                    gate_up,
+                    d.matmul(gate_up, &hbuf, (t, 2 * ff, h), &mut gu)
+                )?;
+                op!(times, d, silu, d.silu_mul(&gu, &mut act, t, ff))?;
+                op!(times, d, down, d.matmul(down, &act, (t, h, ff), &mut proj))?;
+            }
+            Mlp::Experts(x) => {
+                let routing = op!(times, d, router, d.route(x, &hbuf, t))?;
+                if let Some(times) = times.as_deref_mut() {
+                    times.expert_rows += routing.expert.len() as f64;
+                }
+                op!(times, d, experts, d.experts(x, &hbuf, &routing, &mut proj))?;
+            }
+        }
         if tp {
             op!(times, d, collectives, d.all_reduce(&mut proj))?;
         }
@@ -496,11 +631,18 @@ pub struct OpTimes {
     pub head: f64,
     /// All-reduces and the logits gather of a tensor-parallel group.
     pub collectives: f64,
+    /// A mixture of experts' router: scores, softmax and top-k.
+    pub router: f64,
+    /// A mixture of experts' expert products (gate|up, silu, down) and their weighted sum.
+    pub experts: f64,
+    /// Rows the experts computed (each token once for each of its experts, over the layers):
+    /// a count, not seconds.
+    pub expert_rows: f64,
 }
 
 impl OpTimes {
     /// Each op's name and seconds, in the forward's order.
-    pub fn named(&self) -> [(&'static str, f64); 10] {
+    pub fn named(&self) -> [(&'static str, f64); 12] {
         [
             ("embed", self.embed),
             ("norms", self.norms),
@@ -510,6 +652,8 @@ impl OpTimes {
             ("gate_up", self.gate_up),
             ("silu", self.silu),
             ("down", self.down),
+            ("router", self.router),
+            ("experts", self.experts),
             ("head", self.head),
             ("collectives", self.collectives),
         ]
@@ -528,5 +672,39 @@ impl std::ops::AddAssign for OpTimes {
         self.down += o.down;
         self.head += o.head;
         self.collectives += o.collectives;
+        self.router += o.router;
+        self.experts += o.experts;
+        self.expert_rows += o.expert_rows;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Routing;
+
+    /// The best experts after a softmax over all of them, best first, a tie to the lower index,
+    /// renormalized only when asked; each row on its own.
+    #[test]
+    fn routing_takes_the_best_experts_of_each_row() {
+        let scores = [0.0, 1.0, 3.0, 2.0, /* row 2 */ 5.0, 5.0, 0.0, 5.0];
+        let r = Routing::from_scores(&scores, 4, 2, true);
+        assert_eq!(r.expert, vec![2, 3, 0, 1]);
+        let (a, b) = (r.weight[0], r.weight[1]);
+        assert!(
+            (a + b - 1.0).abs() < 1e-6 && (a / b - 1f32.exp()).abs() < 1e-5,
+            "{a} {b}"
+        );
+        assert!((r.weight[2] - 0.5).abs() < 1e-6 && (r.weight[3] - 0.5).abs() < 1e-6);
+        let raw = Routing::from_scores(&scores, 4, 2, false);
+        assert_eq!(raw.expert, r.expert);
+        let z: f32 = [0.0f32, 1.0, 3.0, 2.0]
+            .iter()
+            .map(|x| (x - 3.0).exp())
+            .sum();
+        assert!((raw.weight[0] - 1.0 / z).abs() < 1e-6, "{}", raw.weight[0]);
+        // Row 1 alone routes as it does beside row 2.
+        let alone = Routing::from_scores(&scores[4..], 4, 2, true);
+        assert_eq!(alone.expert, r.expert[2..]);
+        assert_eq!(alone.weight, r.weight[2..]);
     }
 }

@@ -62,6 +62,11 @@ impl TpShard {
         if size == 0 || rank >= size {
             return Err(refuse(format!("rank {rank} of a group of {size}")));
         }
+        if size > 1 && c.moe.is_some() {
+            return Err(refuse(
+                "its MLP is a mixture of experts, whose tensor-parallel split is not built (run it with --tp 1)".into(),
+            ));
+        }
         let (nq, nkv) = (c.num_heads, c.num_kv_heads);
         if !nq.is_multiple_of(size) {
             return Err(refuse(format!(
@@ -134,6 +139,8 @@ pub(crate) enum Cut {
     Rows(Range<usize>),
     /// These columns of every row.
     Cols(Range<usize>),
+    /// One expert's matrix of a tensor of every expert.
+    Expert(usize),
 }
 
 /// A named tensor and the part of it a rank holds.
@@ -167,6 +174,10 @@ impl Part {
             Cut::Whole => Cow::Borrowed(t),
             Cut::Rows(r) => Cow::Owned(t.slice_rows(r.clone()).map_err(cut)?),
             Cut::Cols(r) => Cow::Owned(t.slice_cols(r.clone()).map_err(cut)?),
+            Cut::Expert(e) => Cow::Owned(
+                t.expert(*e)
+                    .map_err(|e| EngineError::Config(format!("{}: {e}", self.name.canonical())))?,
+            ),
         })
     }
 
@@ -178,6 +189,7 @@ impl Part {
             Cut::Whole => whole,
             Cut::Rows(r) => whole / shape[0].max(1) * r.len(),
             Cut::Cols(r) => whole / shape.last().copied().unwrap_or(1).max(1) * r.len(),
+            Cut::Expert(_) => whole / shape[0].max(1),
         }
     }
 }

@@ -53,5 +53,6 @@ pub(crate) fn tiny_config() -> ModelConfig {
         tie_word_embeddings: true,
         family: Default::default(),
         sliding_window: None,
+        moe: None,
     }
 }

@@ -26,7 +26,8 @@ fn markers(family: &str) -> (&'static str, &'static str) {
             "<|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>",
         ),
         "mistral" => ("</s>", "[INST] hi [/INST]"),
-        "qwen2" | "qwen3" => ("<|im_end|>", "<|im_start|>user\nhi<|im_end|>"),
+        "qwen2" | "qwen3" | "qwen3_moe" => ("<|im_end|>", "<|im_start|>user\nhi<|im_end|>"),
+        "mixtral" => ("</s>", "[INST] hi [/INST]"),
         other => panic!("no family {other}"),
     }
 }
@@ -119,6 +120,11 @@ fn greedy(model: CpuModel, prompt: &[u32], n: usize) -> Vec<u32> {
 /// Loads `family` from both of its files and checks logits at the first `positions` positions
 /// and, when `greedy_too`, the greedy continuation.
 fn check(family: &str, positions: Option<usize>, greedy_too: bool) {
+    check_within(family, positions, greedy_too, 1e-4);
+}
+
+/// [`check`] with the logits within `tolerance` of the row's largest.
+fn check_within(family: &str, positions: Option<usize>, greedy_too: bool, tolerance: f32) {
     let r = reference(family);
     let dir = family_dir(family);
     for path in [dir.clone(), dir.join("model.gguf")] {
@@ -146,7 +152,7 @@ fn check(family: &str, positions: Option<usize>, greedy_too: bool) {
         let got = logits_by_position(&model, &r.prompt_ids, n);
         let worst = worst_relative(&got, &r.logits[..n]);
         eprintln!("{family} {path:?}: worst logit difference {worst:.2e} of the row's largest");
-        assert!(worst < 1e-4, "{family} {path:?}: {worst}");
+        assert!(worst < tolerance, "{family} {path:?}: {worst}");
         if greedy_too {
             let out = greedy(model, &r.prompt_ids, r.greedy.len());
             assert_eq!(out, r.greedy, "{family} {path:?}: greedy tokens");
@@ -167,6 +173,86 @@ fn qwen2_matches_hf() {
 #[test]
 fn qwen3_matches_hf() {
     check("qwen3", None, true);
+}
+
+/// A mixture of experts from HF's per-expert tensors and from llama.cpp's merged ones: the
+/// config's experts, and every position's logits within 1e-5 of HF's.
+fn check_moe(family: &str, experts: usize, active: usize, norm: bool) {
+    for path in [family_dir(family), family_dir(family).join("model.gguf")] {
+        let loaded = tandem_model::load(&path).unwrap();
+        let m = loaded.config.moe.as_ref().expect("a mixture of experts");
+        assert_eq!(
+            (m.experts, m.active, m.norm_topk),
+            (experts, active, norm),
+            "{path:?}"
+        );
+        let down = loaded
+            .tensors
+            .get("blk.1.ffn_down_exps.weight")
+            .expect("the merged down tensor");
+        assert_eq!(down.shape, vec![experts, 64, m.expert_ff], "{path:?}");
+    }
+    check_within(family, None, true, 1e-5);
+}
+
+#[test]
+fn qwen3_moe_matches_hf() {
+    check_moe("qwen3_moe", 8, 2, true);
+}
+
+#[test]
+fn mixtral_matches_hf() {
+    check_moe("mixtral", 4, 2, true);
+}
+
+/// A sequence's logits through the experts are the same bits alone and beside other sequences
+/// (whose tokens change which rows each expert computes), prefilled whole or in chunks.
+#[test]
+fn expert_layers_do_not_depend_on_the_batch() {
+    for family in ["qwen3_moe", "mixtral"] {
+        let r = reference(family);
+        let loaded = tandem_model::load(&family_dir(family).join("model.gguf")).unwrap();
+        let model = CpuModel::new(&loaded, WeightFormat::Native).unwrap();
+        let ids = &r.prompt_ids;
+        let other: Vec<u32> = ids.iter().rev().map(|&t| (t * 7 + 3) % 384).collect();
+        let bs = 16;
+        let pool = |blocks| KvPool::new(model.kv_layout(bs), KvDtype::F32, 2, blocks).unwrap();
+        let blocks = ids.len().div_ceil(bs);
+        let t0: Vec<u32> = (0..blocks as u32).collect();
+        let t1: Vec<u32> = (blocks as u32..2 * blocks as u32).collect();
+        let seq = |tokens, cached, table| SeqBatch {
+            tokens,
+            cached,
+            block_table: table,
+            want_logits: true,
+        };
+        let mut kv = pool(blocks);
+        let alone = model.forward(&[seq(ids, 0, &t0)], &mut kv).unwrap();
+        let mut kv = pool(2 * blocks);
+        let both = model
+            .forward(&[seq(&other, 0, &t1), seq(ids, 0, &t0)], &mut kv)
+            .unwrap();
+        let vocab = alone.len();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&both[vocab..]),
+            bits(&alone),
+            "{family}: beside another"
+        );
+        // In two chunks, the second beside the other sequence's first.
+        let mut kv = pool(2 * blocks);
+        let half = ids.len() / 2;
+        let mut first = seq(&ids[..half], 0, &t0);
+        first.want_logits = false;
+        model.forward(&[first], &mut kv).unwrap();
+        let chunked = model
+            .forward(
+                &[seq(&other[..5], 0, &t1), seq(&ids[half..], half, &t0)],
+                &mut kv,
+            )
+            .unwrap();
+        assert_eq!(bits(&chunked[vocab..]), bits(&alone), "{family}: chunked");
+    }
 }
 
 #[test]

@@ -32,7 +32,24 @@ pub enum RopeScaling {
 }
 
 /// The architectures Tandem runs, as configs and GGUF files name them.
-pub const SUPPORTED: &str = "llama (Llama 2/3, SmolLM), mistral, qwen2 (Qwen2, Qwen2.5), qwen3";
+pub const SUPPORTED: &str = "llama (Llama 2/3, SmolLM; with experts, Mixtral's GGUF), mistral, \
+mixtral, qwen2 (Qwen2, Qwen2.5), qwen3, qwen3_moe (GGUF: qwen3moe)";
+
+/// A mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router scores every expert for each token,
+/// the `active` best (after a softmax over all of them) run, and the token's MLP output is their
+/// outputs weighted by their scores (renormalized to sum to one where `norm_topk`). Every expert
+/// is a SwiGLU MLP `expert_ff` wide.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MoeConfig {
+    /// Experts in each layer.
+    pub experts: usize,
+    /// Experts each token runs.
+    pub active: usize,
+    /// Width of each expert's gate and up projections.
+    pub expert_ff: usize,
+    /// Whether the chosen experts' scores are divided by their sum.
+    pub norm_topk: bool,
+}
 
 /// Which family a model is: what its layers have beyond Llama's.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -55,7 +72,9 @@ impl Family {
             "llama" => Ok(Self::Llama),
             "mistral" => Ok(Self::Mistral),
             "qwen2" => Ok(Self::Qwen2),
-            "qwen3" => Ok(Self::Qwen3),
+            // The experts are the config's `moe`; the attention is the family's.
+            "qwen3" | "qwen3_moe" | "qwen3moe" => Ok(Self::Qwen3),
+            "mixtral" => Ok(Self::Mistral),
             other => Err(ModelError::Unsupported(format!(
                 "architecture {other:?}; Tandem runs {SUPPORTED}"
             ))),
@@ -117,6 +136,8 @@ pub struct ModelConfig {
     /// Mistral's sliding window: every layer's query at position `p` attends to the keys at
     /// `p + 1 - window ..= p` only. `None`: to every earlier key.
     pub sliding_window: Option<usize>,
+    /// Every layer's MLP a mixture of experts; None: a dense MLP `intermediate_size` wide.
+    pub moe: Option<MoeConfig>,
 }
 
 impl ModelConfig {
@@ -137,6 +158,14 @@ impl ModelConfig {
                 "{} attention heads is not a multiple of {} KV heads",
                 self.num_heads, self.num_kv_heads
             ));
+        }
+        if let Some(m) = &self.moe {
+            if m.active == 0 || m.active > m.experts || m.expert_ff == 0 {
+                return bad(format!(
+                    "{} active of {} experts, {} wide",
+                    m.active, m.experts, m.expert_ff
+                ));
+            }
         }
         if !self.head_dim.is_multiple_of(2) {
             return bad(format!(
@@ -235,9 +264,35 @@ impl ModelConfig {
             Some("none") | None => None,
             Some(other) => return Err(ModelError::Unsupported(format!("rope scaling {other:?}"))),
         };
+        let ff = req("feed_forward_length");
+        let moe = match req("expert_count") {
+            Ok(experts) if experts > 0 => Some(MoeConfig {
+                experts,
+                active: req("expert_used_count")?,
+                expert_ff: req("expert_feed_forward_length")
+                    .or_else(|_| req("feed_forward_length"))?,
+                // llama.cpp renormalizes for both qwen3moe and llama (Mixtral).
+                norm_topk: g
+                    .get(&key("expert_weights_norm"))
+                    .and_then(|v| v.as_bool())
+                    .unwrap_or(true),
+            }),
+            _ => None,
+        };
+        if g.get(&key("expert_shared_count"))
+            .and_then(|v| v.as_u64())
+            .unwrap_or(0)
+            > 0
+        {
+            return Err(ModelError::Unsupported("shared experts".into()));
+        }
         let cfg = Self {
             hidden_size,
-            intermediate_size: req("feed_forward_length")?,
+            // A mixture of experts may have no dense width.
+            intermediate_size: match &moe {
+                Some(m) => ff.unwrap_or(m.expert_ff),
+                None => ff?,
+            },
             num_layers: req("block_count")?,
             num_heads,
             num_kv_heads,
@@ -253,6 +308,7 @@ impl ModelConfig {
             tie_word_embeddings: g.tensor(&crate::TensorName::Output.canonical()).is_none(),
             family,
             sliding_window,
+            moe,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -262,7 +318,34 @@ impl ModelConfig {
     pub fn from_hf_json(text: &str) -> Result<Self, ModelError> {
         let c: HfConfig = serde_json::from_str(text)
             .map_err(|e| ModelError::Config(format!("config.json: {e}")))?;
-        let family = Family::from_name(c.model_type.as_deref().unwrap_or("llama"))?;
+        let model_type = c.model_type.as_deref().unwrap_or("llama");
+        let family = Family::from_name(model_type)?;
+        let moe = match model_type {
+            "qwen3_moe" => {
+                if c.decoder_sparse_step.unwrap_or(1) != 1
+                    || c.mlp_only_layers.as_ref().is_some_and(|l| !l.is_empty())
+                {
+                    return Err(ModelError::Unsupported(
+                        "dense MLP layers among the experts (mlp_only_layers, decoder_sparse_step)"
+                            .into(),
+                    ));
+                }
+                Some(MoeConfig {
+                    // Qwen's checkpoints say num_experts; transformers 5 writes num_local_experts.
+                    experts: c.num_experts.or(c.num_local_experts).unwrap_or(0),
+                    active: c.num_experts_per_tok.unwrap_or(0),
+                    expert_ff: c.moe_intermediate_size.unwrap_or(0),
+                    norm_topk: c.norm_topk_prob.unwrap_or(false),
+                })
+            }
+            "mixtral" => Some(MoeConfig {
+                experts: c.num_local_experts.or(c.num_experts).unwrap_or(0),
+                active: c.num_experts_per_tok.unwrap_or(0),
+                expert_ff: c.intermediate_size,
+                norm_topk: true,
+            }),
+            _ => None,
+        };
         if c.attention_bias == Some(true) && family != Family::Qwen2 {
             return Err(ModelError::Unsupported(
                 "attention_bias (biases on the attention projections) outside Qwen2".into(),
@@ -342,6 +425,7 @@ impl ModelConfig {
             tie_word_embeddings: c.tie_word_embeddings.unwrap_or(false),
             family,
             sliding_window,
+            moe,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -368,6 +452,13 @@ struct HfConfig {
     use_sliding_window: Option<bool>,
     attention_bias: Option<bool>,
     mlp_bias: Option<bool>,
+    num_experts: Option<usize>,
+    num_local_experts: Option<usize>,
+    num_experts_per_tok: Option<usize>,
+    moe_intermediate_size: Option<usize>,
+    norm_topk_prob: Option<bool>,
+    decoder_sparse_step: Option<usize>,
+    mlp_only_layers: Option<Vec<usize>>,
 }
 
 #[cfg(test)]

@@ -9,8 +9,8 @@ use serde_json::Value;
 
 use crate::quant::GgmlType;
 use crate::{
-    ChatTemplate, GenerationDefaults, LoadedModel, ModelConfig, ModelError, TensorData, TensorName,
-    Tokenizer,
+    ChatTemplate, ExpertPart, GenerationDefaults, LayerTensor, LoadedModel, ModelConfig,
+    ModelError, TensorData, TensorName, Tokenizer,
 };
 
 fn read_json(path: &Path) -> Result<Option<Value>, ModelError> {
@@ -63,6 +63,8 @@ pub(crate) fn load_dir(dir: &Path, name: String, weights: bool) -> Result<Loaded
         None => vec!["model.safetensors".into()],
     };
     let mut tensors = BTreeMap::new();
+    // One expert's matrices at a time, merged below into llama.cpp's tensors of every expert.
+    let mut experts: BTreeMap<String, BTreeMap<usize, TensorData>> = BTreeMap::new();
     for f in files {
         if f.contains('/') || f.contains("..") {
             return Err(ModelError::Format(format!(
@@ -76,8 +78,12 @@ pub(crate) fn load_dir(dir: &Path, name: String, weights: bool) -> Result<Loaded
         let st = safetensors::SafeTensors::deserialize(&map)
             .map_err(|e| ModelError::Format(format!("{}: {e}", path.display())))?;
         for (tname, view) in st.tensors() {
-            let Some(canon) = TensorName::from_hf(&tname) else {
-                continue;
+            let (canon, part) = match TensorName::from_hf(&tname) {
+                Some(c) => (c, None),
+                None => match TensorName::from_hf_expert(&tname) {
+                    Some((c, p)) => (c, Some(p)),
+                    None => continue,
+                },
             };
             let ty = match view.dtype() {
                 safetensors::Dtype::F32 => GgmlType::F32,
@@ -89,15 +95,31 @@ pub(crate) fn load_dir(dir: &Path, name: String, weights: bool) -> Result<Loaded
                     )))
                 }
             };
-            tensors.insert(
-                canon.canonical(),
-                TensorData {
-                    ty,
-                    shape: view.shape().to_vec(),
-                    data: view.data().to_vec(),
-                },
-            );
+            let t = TensorData {
+                ty,
+                shape: view.shape().to_vec(),
+                data: view.data().to_vec(),
+            };
+            match part {
+                None => {
+                    tensors.insert(canon.canonical(), t);
+                }
+                Some(ExpertPart::One(e)) => {
+                    experts.entry(canon.canonical()).or_default().insert(e, t);
+                }
+                Some(ExpertPart::GateUp) => {
+                    let (gate, up) = split_gate_up(&tname, t)?;
+                    let TensorName::Layer(i, _) = canon else {
+                        unreachable!("an expert tensor is a layer's")
+                    };
+                    tensors.insert(canon.canonical(), gate);
+                    tensors.insert(TensorName::layer(i, LayerTensor::FfnUpExps).canonical(), up);
+                }
+            }
         }
+    }
+    for (name, parts) in experts {
+        tensors.insert(name.clone(), merge_experts(&name, parts)?);
     }
 
     let tok_path = dir.join("tokenizer.json");
@@ -170,4 +192,64 @@ pub(crate) fn load_dir(dir: &Path, name: String, weights: bool) -> Result<Loaded
         crate::check_shapes(&model)?;
     }
     Ok(model)
+}
+
+/// Each expert's matrix (expert index to tensor, all of one type and shape), as one tensor of
+/// every expert: `[experts, rows, cols]`, expert after expert.
+fn merge_experts(name: &str, parts: BTreeMap<usize, TensorData>) -> Result<TensorData, ModelError> {
+    let n = parts.len();
+    let first = parts.values().next().expect("at least one expert");
+    let (ty, shape) = (first.ty, first.shape.clone());
+    let mut data = Vec::with_capacity(first.data.len() * n);
+    for (i, (e, t)) in parts.iter().enumerate() {
+        if *e != i {
+            return Err(ModelError::Format(format!(
+                "{name}: expert {i} is missing (the checkpoint has {n} experts' matrices)"
+            )));
+        }
+        if t.ty != ty || t.shape != shape || shape.len() != 2 {
+            return Err(ModelError::Format(format!(
+                "{name}: expert {e} is {} {:?}, expert 0 {ty} {shape:?}",
+                t.ty, t.shape
+            )));
+        }
+        data.extend_from_slice(&t.data);
+    }
+    Ok(TensorData {
+        ty,
+        shape: vec![n, shape[0], shape[1]],
+        data,
+    })
+}
+
+/// transformers' fused gate|up of every expert (`[experts, 2·ff, hidden]`, each expert's gate
+/// rows then its up rows) as the gate and up tensors of every expert.
+fn split_gate_up(name: &str, t: TensorData) -> Result<(TensorData, TensorData), ModelError> {
+    let [e, rows, cols] = t.shape[..] else {
+        return Err(ModelError::Format(format!(
+            "{name} has shape {:?}, expected [experts, 2·ff, hidden]",
+            t.shape
+        )));
+    };
+    if rows % 2 != 0 || !t.data.len().is_multiple_of((e * rows).max(1)) {
+        return Err(ModelError::Format(format!(
+            "{name} has shape {:?}",
+            t.shape
+        )));
+    }
+    let half = t.data.len() / e.max(1) / 2;
+    let (mut gate, mut up) = (
+        Vec::with_capacity(t.data.len() / 2),
+        Vec::with_capacity(t.data.len() / 2),
+    );
+    for x in t.data.chunks_exact(2 * half.max(1)) {
+        gate.extend_from_slice(&x[..half]);
+        up.extend_from_slice(&x[half..]);
+    }
+    let part = |data| TensorData {
+        ty: t.ty,
+        shape: vec![e, rows / 2, cols],
+        data,
+    };
+    Ok((part(gate), part(up)))
 }

@@ -35,9 +35,9 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 pub use chat::{ChatMessage, ChatTemplate};
-pub use config::{Family, ModelConfig, RopeScaling, SUPPORTED};
+pub use config::{Family, ModelConfig, MoeConfig, RopeScaling, SUPPORTED};
 pub use hash::{block_hashes, hash_block, BlockHash};
-pub use names::{LayerTensor, TensorName};
+pub use names::{ExpertPart, LayerTensor, TensorName};
 pub use quant::{dequantize, quantize_q4_1, quantize_q8_0, GgmlType};
 pub use tokenizer::{IncrementalDecoder, Tokenizer, VocabEntry};
 
@@ -141,6 +141,33 @@ impl TensorData {
             ty: self.ty,
             shape: vec![range.len(), cols],
             data: self.data[range.start * rb..range.end * rb].to_vec(),
+        })
+    }
+
+    /// Expert `e`'s matrix of a tensor of every expert (`[experts, rows, cols]`), in the same
+    /// encoding.
+    pub fn expert(&self, e: usize) -> Result<TensorData, ModelError> {
+        let [n, rows, cols] = self.shape[..] else {
+            return Err(ModelError::Format(format!(
+                "a tensor of shape {:?} is not a tensor of experts",
+                self.shape
+            )));
+        };
+        if e >= n {
+            return Err(ModelError::Format(format!("expert {e} of {n}")));
+        }
+        let per = self.data.len() / n.max(1);
+        if per * n != self.data.len() || self.ty.bytes_for(rows * cols) != Some(per) {
+            return Err(ModelError::Format(format!(
+                "{} bytes for {n} experts of {rows}×{cols} {}",
+                self.data.len(),
+                self.ty
+            )));
+        }
+        Ok(TensorData {
+            ty: self.ty,
+            shape: vec![rows, cols],
+            data: self.data[e * per..(e + 1) * per].to_vec(),
         })
     }
 

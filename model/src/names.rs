@@ -5,7 +5,7 @@
 
 use std::fmt;
 
-use crate::{Family, ModelConfig};
+use crate::ModelConfig;
 
 /// One of a decoder layer's tensors.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -38,11 +38,19 @@ pub enum LayerTensor {
     AttnQNorm,
     /// RMS norm of each key head (Qwen3).
     AttnKNorm,
+    /// The router of a mixture of experts: a score for each expert, `[experts, hidden]`.
+    FfnGateInp,
+    /// Every expert's gate projection, `[experts, expert_ff, hidden]` (llama.cpp's merged tensor).
+    FfnGateExps,
+    /// Every expert's up projection, `[experts, expert_ff, hidden]`.
+    FfnUpExps,
+    /// Every expert's down projection, `[experts, hidden, expert_ff]`.
+    FfnDownExps,
 }
 
 impl LayerTensor {
     /// Every layer tensor of any family.
-    pub const ALL: [Self; 14] = [
+    pub const ALL: [Self; 18] = [
         Self::AttnNorm,
         Self::AttnQ,
         Self::AttnK,
@@ -57,11 +65,25 @@ impl LayerTensor {
         Self::AttnVBias,
         Self::AttnQNorm,
         Self::AttnKNorm,
+        Self::FfnGateInp,
+        Self::FfnGateExps,
+        Self::FfnUpExps,
+        Self::FfnDownExps,
     ];
 
-    /// The layer tensors a `family` model has.
-    pub fn of(family: Family) -> Vec<Self> {
-        let mut all = Self::ALL[..9].to_vec();
+    /// The layer tensors a model of config `c` has.
+    pub fn of(c: &ModelConfig) -> Vec<Self> {
+        let family = c.family;
+        let mut all = Self::ALL[..6].to_vec();
+        match c.moe {
+            None => all.extend([Self::FfnGate, Self::FfnUp, Self::FfnDown]),
+            Some(_) => all.extend([
+                Self::FfnGateInp,
+                Self::FfnGateExps,
+                Self::FfnUpExps,
+                Self::FfnDownExps,
+            ]),
+        }
         if family.qkv_bias() {
             all.extend([Self::AttnQBias, Self::AttnKBias, Self::AttnVBias]);
         }
@@ -88,6 +110,10 @@ impl LayerTensor {
             Self::AttnVBias => "attn_v.bias",
             Self::AttnQNorm => "attn_q_norm.weight",
             Self::AttnKNorm => "attn_k_norm.weight",
+            Self::FfnGateInp => "ffn_gate_inp.weight",
+            Self::FfnGateExps => "ffn_gate_exps.weight",
+            Self::FfnUpExps => "ffn_up_exps.weight",
+            Self::FfnDownExps => "ffn_down_exps.weight",
         }
     }
 
@@ -108,8 +134,25 @@ impl LayerTensor {
             Self::AttnVBias => "self_attn.v_proj.bias",
             Self::AttnQNorm => "self_attn.q_norm.weight",
             Self::AttnKNorm => "self_attn.k_norm.weight",
+            // Qwen3-MoE's; Mixtral's is `block_sparse_moe.gate.weight` (see `from_hf`).
+            Self::FfnGateInp => "mlp.gate.weight",
+            // transformers' fused tensors of every expert (its own checkpoints keep one tensor
+            // per expert, see [`TensorName::from_hf_expert`]).
+            Self::FfnGateExps => "mlp.experts.gate_proj",
+            Self::FfnUpExps => "mlp.experts.up_proj",
+            Self::FfnDownExps => "mlp.experts.down_proj",
         }
     }
+}
+
+/// Where an HF tensor goes in a merged expert tensor ([`TensorName::from_hf_expert`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertPart {
+    /// Expert `.0`'s matrix, the merged tensor's slice `.0`.
+    One(usize),
+    /// transformers' fused gate|up of every expert (`[experts, 2·expert_ff, hidden]`): its
+    /// first half of each expert's rows goes to the gate tensor, the second to the up tensor.
+    GateUp,
 }
 
 /// A tensor of a Llama model.
@@ -149,8 +192,38 @@ impl TensorName {
         }
         let (idx, field) = n.strip_prefix("layers.")?.split_once('.')?;
         let idx: usize = idx.parse().ok()?;
+        if field == "block_sparse_moe.gate.weight" {
+            return Some(Self::Layer(idx, LayerTensor::FfnGateInp));
+        }
         let t = LayerTensor::ALL.into_iter().find(|t| t.hf() == field)?;
         Some(Self::Layer(idx, t))
+    }
+
+    /// The merged expert tensor an HF name is part of: one expert's gate, up or down projection
+    /// (Qwen3-MoE `mlp.experts.E.{gate,up,down}_proj.weight`, Mixtral
+    /// `block_sparse_moe.experts.E.{w1,w3,w2}.weight`), or transformers' fused gate|up of every
+    /// expert (`mlp.experts.gate_up_proj`, returned under the gate tensor's name).
+    pub fn from_hf_expert(hf: &str) -> Option<(Self, ExpertPart)> {
+        let n = hf.strip_prefix("model.").unwrap_or(hf);
+        let (idx, field) = n.strip_prefix("layers.")?.split_once('.')?;
+        let idx: usize = idx.parse().ok()?;
+        if field == "mlp.experts.gate_up_proj" {
+            return Some((
+                Self::Layer(idx, LayerTensor::FfnGateExps),
+                ExpertPart::GateUp,
+            ));
+        }
+        let rest = field
+            .strip_prefix("mlp.experts.")
+            .or_else(|| field.strip_prefix("block_sparse_moe.experts."))?;
+        let (e, proj) = rest.split_once('.')?;
+        let t = match proj {
+            "gate_proj.weight" | "w1.weight" => LayerTensor::FfnGateExps,
+            "up_proj.weight" | "w3.weight" => LayerTensor::FfnUpExps,
+            "down_proj.weight" | "w2.weight" => LayerTensor::FfnDownExps,
+            _ => return None,
+        };
+        Some((Self::Layer(idx, t), ExpertPart::One(e.parse().ok()?)))
     }
 
     /// The tensor a canonical name holds (None for names the engine does not use).
@@ -187,6 +260,15 @@ impl TensorName {
                 LayerTensor::AttnQBias => vec![q],
                 LayerTensor::AttnKBias | LayerTensor::AttnVBias => vec![kv],
                 LayerTensor::AttnQNorm | LayerTensor::AttnKNorm => vec![c.head_dim],
+                LayerTensor::FfnGateInp => vec![c.moe.as_ref()?.experts, h],
+                LayerTensor::FfnGateExps | LayerTensor::FfnUpExps => {
+                    let m = c.moe.as_ref()?;
+                    vec![m.experts, m.expert_ff, h]
+                }
+                LayerTensor::FfnDownExps => {
+                    let m = c.moe.as_ref()?;
+                    vec![m.experts, h, m.expert_ff]
+                }
             },
         })
     }
@@ -197,7 +279,7 @@ impl TensorName {
         if !c.tie_word_embeddings {
             all.push(Self::Output);
         }
-        let layer = LayerTensor::of(c.family);
+        let layer = LayerTensor::of(c);
         for i in 0..c.num_layers {
             all.extend(layer.iter().map(|&t| Self::Layer(i, t)));
         }
@@ -220,6 +302,7 @@ impl fmt::Display for TensorName {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Family;
 
     #[test]
     fn hf_names_map_to_canonical_ones() {
@@ -258,6 +341,7 @@ mod tests {
             tie_word_embeddings: false,
             family: Family::Llama,
             sliding_window: None,
+            moe: None,
         };
         let all = TensorName::required(&c);
         assert_eq!(all.len(), 3 + 2 * 9);

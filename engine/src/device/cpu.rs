@@ -133,23 +133,40 @@ impl CpuModel {
     }
 
     /// Each product's weights as one step reads them, summed over the layers: `(name, bytes,
-    /// weights)`, named as [`OpTimes::named`] names the products.
-    pub fn weights_by_op(&self) -> [(&'static str, usize, usize); 5] {
+    /// weights)`, named as [`OpTimes::named`] names the products. A mixture of experts' are the
+    /// `router`'s and the `experts`' (every expert's times the share of them a token runs: what
+    /// one token reads and multiplies by).
+    pub fn weights_by_op(&self) -> Vec<(&'static str, usize, usize)> {
         let size = |l: &Linear| (l.weight().bytes(), l.weight().rows() * l.weight().cols());
-        let sum = |f: fn(&forward::LayerWeights<Linear, Vec<f32>>) -> &Linear| {
-            self.weights.layers.iter().fold((0, 0), |(b, n), l| {
-                let (lb, ln) = size(f(l));
-                (b + lb, n + ln)
-            })
+        let mut by: Vec<(&'static str, usize, usize)> = Vec::new();
+        let mut add = |name, (b, n): (usize, usize)| match by.iter_mut().find(|w| w.0 == name) {
+            Some(w) => {
+                w.1 += b;
+                w.2 += n;
+            }
+            None => by.push((name, b, n)),
         };
-        let op = |name, (b, n): (usize, usize)| (name, b, n);
-        [
-            op("qkv", sum(|l| &l.qkv)),
-            op("o", sum(|l| &l.o)),
-            op("gate_up", sum(|l| &l.gate_up)),
-            op("down", sum(|l| &l.down)),
-            op("head", size(self.weights.head())),
-        ]
+        for l in &self.weights.layers {
+            add("qkv", size(&l.qkv));
+            add("o", size(&l.o));
+            match &l.mlp {
+                forward::Mlp::Dense { gate_up, down } => {
+                    add("gate_up", size(gate_up));
+                    add("down", size(down));
+                }
+                forward::Mlp::Experts(x) => {
+                    add("router", size(&x.router));
+                    let (b, n) = x.experts.iter().fold((0, 0), |(b, n), (gu, d)| {
+                        let (gu, d) = (size(gu), size(d));
+                        (b + gu.0 + d.0, n + gu.1 + d.1)
+                    });
+                    let share = |v: usize| v * x.active / x.experts.len().max(1);
+                    add("experts", (share(b), share(n)));
+                }
+            }
+        }
+        add("head", size(self.weights.head()));
+        by
     }
 
     /// Projections (and the head) whose batched products run on the AMX tiles: none on CPUs
@@ -433,6 +450,91 @@ impl StepOps for CpuStep<'_> {
                     ops::silu_mul(a, u);
                 }
             });
+        Ok(())
+    }
+
+    fn route(
+        &mut self,
+        x: &forward::Experts<Linear>,
+        hidden: &Vec<f32>,
+        rows: usize,
+    ) -> Result<forward::Routing, EngineError> {
+        let (n, h) = (x.experts.len(), self.c.hidden_size);
+        let mut scores = vec![0f32; rows * n];
+        x.router.matmul(&hidden[..rows * h], rows, &mut scores)?;
+        Ok(forward::Routing::from_scores(
+            &scores,
+            n,
+            x.active,
+            x.norm_topk,
+        ))
+    }
+
+    fn experts(
+        &mut self,
+        x: &forward::Experts<Linear>,
+        hidden: &Vec<f32>,
+        routing: &forward::Routing,
+        out: &mut Vec<f32>,
+    ) -> Result<(), EngineError> {
+        let (h, ff, k) = (self.c.hidden_size, x.ff, routing.active);
+        let rows = routing.expert.len() / k.max(1);
+        // Each expert's rows, in row order: (row, its place among the row's experts).
+        let mut by_expert: Vec<Vec<(usize, usize)>> = vec![Vec::new(); x.experts.len()];
+        for (i, &e) in routing.expert.iter().enumerate() {
+            by_expert[e as usize].push((i / k, i % k));
+        }
+        // Every expert with rows runs at once (each product parallel inside): its rows
+        // gathered, gate|up, silu · up, down. A row's outputs do not depend on which other rows
+        // share its expert (the products are batch-invariant).
+        let outs: Vec<(usize, Vec<f32>)> = by_expert
+            .par_iter()
+            .enumerate()
+            .filter(|(_, r)| !r.is_empty())
+            .map(|(e, r)| -> Result<(usize, Vec<f32>), EngineError> {
+                let m = r.len();
+                let mut xs = vec![0f32; m * h];
+                for (dst, &(row, _)) in xs.chunks_exact_mut(h).zip(r) {
+                    dst.copy_from_slice(&hidden[row * h..(row + 1) * h]);
+                }
+                let (gate_up, down) = &x.experts[e];
+                let mut gu = vec![0f32; m * 2 * ff];
+                gate_up.matmul(&xs, m, &mut gu)?;
+                let mut act = vec![0f32; m * ff];
+                for (g2, a) in gu.chunks_exact(2 * ff).zip(act.chunks_exact_mut(ff)) {
+                    let (g, u) = g2.split_at(ff);
+                    a.copy_from_slice(g);
+                    ops::silu_mul(a, u);
+                }
+                let mut y = vec![0f32; m * h];
+                down.matmul(&act, m, &mut y)?;
+                Ok((e, y))
+            })
+            .collect::<Result<_, _>>()?;
+        let mut at: Vec<Option<&[f32]>> = vec![None; x.experts.len()];
+        for (e, y) in &outs {
+            at[*e] = Some(y);
+        }
+        // Each row's sum over its experts in expert order (as transformers adds them), the
+        // weight applied to each expert's output first.
+        let mut next = vec![0usize; x.experts.len()];
+        let mut order: Vec<(u32, usize)> = Vec::with_capacity(k);
+        for (row, o) in out[..rows * h].chunks_exact_mut(h).enumerate() {
+            o.fill(0.0);
+            order.clear();
+            order.extend((0..k).map(|j| (routing.expert[row * k + j], j)));
+            order.sort_unstable();
+            for &(e, j) in &order {
+                let e = e as usize;
+                let y = at[e].expect("an expert with rows ran");
+                let i = next[e];
+                next[e] += 1;
+                let w = routing.weight[row * k + j];
+                for (o, v) in o.iter_mut().zip(&y[i * h..(i + 1) * h]) {
+                    *o += v * w;
+                }
+            }
+        }
         Ok(())
     }
 

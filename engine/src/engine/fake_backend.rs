@@ -64,6 +64,7 @@ impl TokenCache {
                 tie_word_embeddings: true,
                 family: Default::default(),
                 sliding_window: None,
+                moe: None,
             },
             block_size,
             slots: vec![None; num_blocks * block_size],

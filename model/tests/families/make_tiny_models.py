@@ -16,7 +16,7 @@ into `model/tests/families/<family>/`:
 The weights are random but fixed (seeded), the vocabulary is a 384-token byte-level BPE trained
 here on a few sentences, with each family's special tokens.
 
-Usage: python3 make_tiny_models.py OUT_DIR
+Usage: python3 make_tiny_models.py OUT_DIR [FAMILY...]   (every family when none is named)
 """
 
 import json
@@ -117,6 +117,47 @@ FAMILIES = {
             "tie_word_embeddings": False,
         },
     },
+    "qwen3_moe": {
+        "special": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        "bos": None,
+        "eos": "<|im_end|>",
+        "add_bos": False,
+        "template": QWEN_TEMPLATE,
+        "config": {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "rope_theta": 1000000.0,
+            "head_dim": 24,
+            "attention_bias": False,
+            "use_sliding_window": False,
+            "tie_word_embeddings": False,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 48,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+        },
+    },
+    "mixtral": {
+        "special": ["<s>", "</s>", "[INST]", "[/INST]"],
+        "bos": "<s>",
+        "eos": "</s>",
+        "add_bos": True,
+        "template": (
+            "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] "
+            "{{ m['content'] }} [/INST]{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}"
+            "{% endfor %}"
+        ),
+        "config": {
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "rope_theta": 1000000.0,
+            "tie_word_embeddings": False,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+        },
+    },
 }
 
 SHAPE = {
@@ -158,6 +199,51 @@ def gguf_permute(w, n_head):
             .swapaxes(1, 2).reshape(w.shape))
 
 
+def hub_layout(state, model_type):
+    """transformers keeps every expert of a layer in fused tensors (gate|up, down); checkpoints
+    as published keep one tensor per expert and projection, under each family's names."""
+    if model_type not in ("qwen3_moe", "mixtral"):
+        return state
+    out = {}
+    for key, t in state.items():
+        prefix = key.rsplit(".mlp.", 1)[0]
+        moe = "mlp" if model_type == "qwen3_moe" else "block_sparse_moe"
+        names = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+        if model_type == "mixtral":
+            names = {"gate": "w1", "up": "w3", "down": "w2"}
+        if key.endswith(".mlp.experts.gate_up_proj"):
+            ff = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{prefix}.{moe}.experts.{e}.{names['gate']}.weight"] = t[e, :ff].contiguous()
+                out[f"{prefix}.{moe}.experts.{e}.{names['up']}.weight"] = t[e, ff:].contiguous()
+        elif key.endswith(".mlp.experts.down_proj"):
+            for e in range(t.shape[0]):
+                out[f"{prefix}.{moe}.experts.{e}.{names['down']}.weight"] = t[e].contiguous()
+        elif key.endswith(".mlp.gate.weight"):
+            out[f"{prefix}.{moe}.gate.weight"] = t
+        else:
+            out[key] = t
+    return out
+
+
+def routing_margin(model, ids, k):
+    """The smallest gap, over every layer and position, between a token's k-th and (k+1)-th
+    expert probabilities: a near tie could pick different experts on another machine."""
+    gaps = []
+
+    def hook(_m, inp, _out):
+        probs = torch.softmax(torch.nn.functional.linear(inp[0], _m.weight).float(), dim=-1)
+        top = torch.topk(probs.reshape(-1, probs.shape[-1]), k + 1, dim=-1).values
+        gaps.append(float((top[:, k - 1] - top[:, k]).min()))
+
+    hs = [layer.mlp.gate.register_forward_hook(hook) for layer in model.model.layers]
+    with torch.no_grad():
+        model(torch.tensor([ids]))
+    for h in hs:
+        h.remove()
+    return min(gaps)
+
+
 def write_gguf(path, name, cfg, conf, state, tok, fam, arch):
     import gguf
     w = gguf.GGUFWriter(path, arch)
@@ -178,6 +264,12 @@ def write_gguf(path, name, cfg, conf, state, tok, fam, arch):
     window = conf.get("sliding_window")
     if window:
         w.add_sliding_window(window)
+    experts = conf.get("num_experts") or conf.get("num_local_experts")
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(conf["num_experts_per_tok"])
+        if "moe_intermediate_size" in conf:
+            w.add_expert_feed_forward_length(conf["moe_intermediate_size"])
     # Tokenizer, as llama.cpp stores a byte-level BPE ("gpt2").
     vocab = json.loads(tok.to_str())["model"]
     ids = sorted(vocab["vocab"].items(), key=lambda kv: kv[1])
@@ -206,6 +298,18 @@ def write_gguf(path, name, cfg, conf, state, tok, fam, arch):
     }
     for key, t in state.items():
         a = t.detach().to(torch.float32).numpy()
+        if ".mlp.experts." in key or key.endswith(".mlp.gate.weight"):
+            # llama.cpp's merged tensors of every expert ([experts, rows, cols]) and its router.
+            layer = key.split(".")[2]
+            if key.endswith("gate_up_proj"):
+                ff = a.shape[1] // 2
+                w.add_tensor(f"blk.{layer}.ffn_gate_exps.weight", np.ascontiguousarray(a[:, :ff]))
+                w.add_tensor(f"blk.{layer}.ffn_up_exps.weight", np.ascontiguousarray(a[:, ff:]))
+            elif key.endswith("down_proj"):
+                w.add_tensor(f"blk.{layer}.ffn_down_exps.weight", np.ascontiguousarray(a))
+            else:
+                w.add_tensor(f"blk.{layer}.ffn_gate_inp.weight", np.ascontiguousarray(a))
+            continue
         if key == "model.embed_tokens.weight":
             out = "token_embd.weight"
         elif key == "model.norm.weight":
@@ -246,10 +350,12 @@ def write_gguf(path, name, cfg, conf, state, tok, fam, arch):
     w.close()
 
 
-def main(out_root):
+def main(out_root, only):
     from transformers import AutoConfig, AutoModelForCausalLM
     torch.manual_seed(0)
     for family, fam in FAMILIES.items():
+        if only and family not in only:
+            continue
         out = os.path.join(out_root, family)
         os.makedirs(out, exist_ok=True)
         tok = tokenizer_for(fam)
@@ -277,7 +383,8 @@ def main(out_root):
         state = {k: v.contiguous() for k, v in model.state_dict().items()}
         if cfg.tie_word_embeddings:
             state.pop("lm_head.weight", None)
-        save_file(state, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+        save_file(hub_layout(state, conf["model_type"]), os.path.join(out, "model.safetensors"),
+                  metadata={"format": "pt"})
         cfg.save_pretrained(out)
         tcfg = {"chat_template": fam["template"], "eos_token": fam["eos"],
                 "add_bos_token": fam["add_bos"],
@@ -288,8 +395,8 @@ def main(out_root):
             json.dump(tcfg, f, indent=1)
         with open(os.path.join(out, "generation_config.json"), "w") as f:
             json.dump({"eos_token_id": eos}, f, indent=1)
-        arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[
-            conf["model_type"]]
+        arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+                "qwen3_moe": "qwen3moe", "mixtral": "llama"}[conf["model_type"]]
         write_gguf(os.path.join(out, "model.gguf"), family, cfg, conf, model.state_dict(), tok,
                    fam, arch)
         ids = tok.encode(PROMPT).ids
@@ -304,6 +411,11 @@ def main(out_root):
                 nxt = int(model(torch.tensor([seq]), use_cache=False).logits[0, -1].argmax())
                 gen.append(nxt)
                 seq.append(nxt)
+        k = conf.get("num_experts_per_tok")
+        if k:
+            margin = routing_margin(model, ids + gen, k)
+            print(family, "smallest routing margin", margin)
+            assert margin > 1e-4, "a near tie in the routing: pick another seed"
         ref = {
             "family": family,
             "prompt": PROMPT,
@@ -319,4 +431,4 @@ def main(out_root):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "model/tests/families")
+    main(sys.argv[1] if len(sys.argv) > 1 else "model/tests/families", sys.argv[2:])
