@@ -27,6 +27,7 @@ pub fn llama3_8b() -> ModelConfig {
         tie_word_embeddings: false,
         family: Default::default(),
         sliding_window: None,
+        moe: None,
     }
 }
 

@@ -265,8 +265,14 @@ pub fn run_engine_bench(
     } else {
         0.0
     };
-    // 2 FLOPs per weight per token for the projections (the head runs once per sequence).
-    let flops_per_token = 2.0 * param_count(engine) as f64;
+    // 2 FLOPs per weight per token for the projections; the head runs once per sequence
+    // (`prompt_len` tokens a prefill). (Until issue 45's session this counted the head for every
+    // prompt token, which overstated a dense model's prefill fraction by the head's share of
+    // its weights: SmolLM2's 87% was 69%.)
+    let c = engine.model_config();
+    let flops_per_token = 2.0
+        * (projection_params(c) as f64
+            + (c.vocab_size * c.hidden_size) as f64 / b.prompt_len.max(1) as f64);
     Ok(EngineReport {
         batch: b.batch,
         prompt_len: b.prompt_len,
@@ -313,15 +319,14 @@ pub fn run_engine_bench(
     })
 }
 
-/// Weights in the projections and the head: two FLOPs each per token.
-fn param_count(engine: &Engine) -> usize {
-    let c = engine.model_config();
-    projection_params(c) + c.vocab_size * c.hidden_size
-}
-
 /// Weights in the layers' projections (attention and MLP), the head not included.
 pub(crate) fn projection_params(c: &tandem_model::ModelConfig) -> usize {
     let (h, ff, hd) = (c.hidden_size, c.intermediate_size, c.head_dim);
-    let per_layer = h * (c.num_heads * hd) * 2 + h * (c.num_kv_heads * hd) * 2 + 3 * h * ff;
+    // A mixture of experts: the router, and the experts a token runs.
+    let mlp = match &c.moe {
+        None => 3 * h * ff,
+        Some(m) => h * m.experts + 3 * h * m.expert_ff * m.active,
+    };
+    let per_layer = h * (c.num_heads * hd) * 2 + h * (c.num_kv_heads * hd) * 2 + mlp;
     c.num_layers * per_layer
 }

@@ -127,9 +127,10 @@ impl CpuModel {
         }
     }
 
-    /// Bytes of weights one decode step reads (every matrix once; norms are negligible).
+    /// Bytes of weights one decode step of one sequence reads (every matrix once, of a mixture
+    /// of experts the share a token runs; norms are negligible).
     pub fn weight_bytes(&self) -> usize {
-        self.weights.matrices().map(|l| l.weight().bytes()).sum()
+        self.weights_by_op().iter().map(|w| w.1).sum()
     }
 
     /// Each product's weights as one step reads them, summed over the layers: `(name, bytes,
