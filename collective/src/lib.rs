@@ -1,7 +1,8 @@
 //! tandem-collective: what the ranks of one tensor-parallel forward exchange.
 //!
 //! [`Collective`] is the interface a sharded forward calls: an in-place all-reduce (sum), an
-//! all-gather, a broadcast, a barrier, and send/recv between two ranks (for pipeline stages).
+//! all-gather, a broadcast, a barrier, send/recv between two ranks (for pipeline stages), and an
+//! all-to-all of any lengths (expert parallelism's dispatch and combine).
 //! Every rank calls the same collectives in the same order.
 //!
 //! Implementations:
@@ -102,6 +103,22 @@ pub trait Collective {
 
     /// Receives into `buf` what rank `from` sent (the same length).
     fn recv(&mut self, from: usize, buf: &mut [f32]) -> Result<(), CollectiveError>;
+
+    /// Each rank's `send[j]` to rank `j` (any lengths, one a rank, its own included): what every
+    /// rank sent this one, in rank order (`[i]` from rank `i`). The exchange of expert
+    /// parallelism: token rows out to the ranks of their experts, the experts' outputs back.
+    fn all_to_all(&mut self, send: &[Vec<f32>]) -> Result<Vec<Vec<f32>>, CollectiveError>;
+}
+
+/// Refuses an all-to-all whose sends are not one a rank of a group of `size`.
+fn check_sends(send: &[Vec<f32>], size: usize) -> Result<(), CollectiveError> {
+    if send.len() == size {
+        return Ok(());
+    }
+    Err(CollectiveError::Shape(format!(
+        "all_to_all: {} sends in a group of {size}",
+        send.len()
+    )))
 }
 
 /// A group of one: TP 1.
@@ -148,6 +165,11 @@ impl Collective for SingleRank {
 
     fn recv(&mut self, from: usize, _buf: &mut [f32]) -> Result<(), CollectiveError> {
         check_peer(false, 0, from, 1)
+    }
+
+    fn all_to_all(&mut self, send: &[Vec<f32>]) -> Result<Vec<Vec<f32>>, CollectiveError> {
+        check_sends(send, 1)?;
+        Ok(send.to_vec())
     }
 }
 

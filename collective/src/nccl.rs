@@ -251,6 +251,66 @@ impl Collective for NcclRank {
         self.wait("send")
     }
 
+    fn all_to_all(&mut self, send: &[Vec<f32>]) -> Result<Vec<Vec<f32>>, CollectiveError> {
+        self.check()?;
+        crate::check_sends(send, self.size)?;
+        let (size, me) = (self.size, self.rank);
+        // Every rank's lengths first (as bits), then one NCCL group of a send and a receive
+        // per peer.
+        let mine: Vec<f32> = send
+            .iter()
+            .map(|v| f32::from_bits(v.len() as u32))
+            .collect();
+        let mut lens = vec![0f32; size * size];
+        self.all_gather(&mine, &mut lens)?;
+        let from = |i: usize| lens[i * size + me].to_bits() as usize;
+        let ups = send
+            .iter()
+            .enumerate()
+            .map(|(p, v)| match p != me && !v.is_empty() {
+                true => self.upload(v).map(Some),
+                false => Ok(None),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut downs = (0..size)
+            .map(|i| {
+                self.stream
+                    .alloc_zeros::<f32>(from(i).max(1))
+                    .map_err(|e| device("a device buffer", e))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        cudarc::nccl::result::group_start().map_err(|e| device("ncclGroupStart", e))?;
+        for peer in (0..size).filter(|&p| p != me) {
+            if let Some(up) = &ups[peer] {
+                self.comm
+                    .send(up, peer as i32)
+                    .map_err(|e| device("ncclSend", e))?;
+            }
+            if from(peer) > 0 {
+                self.comm
+                    .recv(&mut downs[peer], peer as i32)
+                    .map_err(|e| device("ncclRecv", e))?;
+            }
+        }
+        cudarc::nccl::result::group_end().map_err(|e| device("ncclGroupEnd", e))?;
+        self.wait("all_to_all")?;
+        let mut out = Vec::with_capacity(size);
+        for (i, d) in downs.iter().enumerate() {
+            let mut v = vec![0f32; from(i)];
+            match i == me {
+                true => v.copy_from_slice(&send[me]),
+                false if !v.is_empty() => {
+                    let mut whole = vec![0f32; d.len()];
+                    self.download(d, &mut whole)?;
+                    v.copy_from_slice(&whole[..from(i)]);
+                }
+                false => {}
+            }
+            out.push(v);
+        }
+        Ok(out)
+    }
+
     fn recv(&mut self, from: usize, buf: &mut [f32]) -> Result<(), CollectiveError> {
         self.check()?;
         crate::check_peer(false, self.rank, from, self.size)?;

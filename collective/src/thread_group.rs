@@ -438,6 +438,61 @@ impl Collective for ThreadRank {
         self.exchange("barrier", &[], &[], |_, _, _| ())
     }
 
+    fn all_to_all(&mut self, send: &[Vec<f32>]) -> Result<Vec<Vec<f32>>, CollectiveError> {
+        let since = Instant::now();
+        let (size, me, cap) = (self.shared.size, self.rank, self.shared.capacity);
+        crate::check_sends(send, size)?;
+        let all = self.all_ranks();
+        // A first round of every rank's lengths (as bits: exact), so that each knows where its
+        // part of every other's stream lies and how many rounds the longest stream takes.
+        let mine: Vec<f32> = send
+            .iter()
+            .map(|v| f32::from_bits(v.len() as u32))
+            .collect();
+        let lens: Vec<Vec<usize>> = self.exchange("all_to_all", &mine, &all, |sh, parity, n| {
+            (0..sh.size)
+                .map(|r| {
+                    // SAFETY: every stamp was acquired at this round by `exchange`.
+                    let v = unsafe { sh.values(sh.slot(r, parity), n) };
+                    v.iter().map(|x| x.to_bits() as usize).collect()
+                })
+                .collect()
+        })?;
+        let totals: Vec<usize> = lens.iter().map(|l| l.iter().sum()).collect();
+        // Rank i's values for this rank: `[from, to)` of its stream.
+        let part: Vec<(usize, usize)> = lens
+            .iter()
+            .map(|l| {
+                let from = l[..me].iter().sum::<usize>();
+                (from, from + l[me])
+            })
+            .collect();
+        let stream = send.concat();
+        let rounds = totals.iter().map(|t| t.div_ceil(cap)).max().unwrap_or(0);
+        let mut out: Vec<Vec<f32>> = part
+            .iter()
+            .map(|(a, b)| Vec::with_capacity(b - a))
+            .collect();
+        for k in 0..rounds {
+            let piece = &stream[(k * cap).min(stream.len())..((k + 1) * cap).min(stream.len())];
+            self.exchange("all_to_all", piece, &[], |sh, parity, _| {
+                for (i, o) in out.iter_mut().enumerate() {
+                    let (lo, hi) = (k * cap, ((k + 1) * cap).min(totals[i]));
+                    let (a, b) = (lo.max(part[i].0), hi.min(part[i].1));
+                    if a >= b {
+                        continue;
+                    }
+                    // SAFETY: every stamp was acquired at this round by `exchange`; rank i
+                    // wrote `hi - lo` values this round.
+                    let v = unsafe { sh.values(sh.slot(i, parity), hi - lo) };
+                    o.extend_from_slice(&v[a - lo..b - lo]);
+                }
+            })?;
+        }
+        self.stats.add(stream.len(), since);
+        Ok(out)
+    }
+
     fn send(&mut self, to: usize, buf: &[f32]) -> Result<(), CollectiveError> {
         let sh = &*self.shared;
         sh.check()?;
@@ -497,6 +552,7 @@ impl Collective for ThreadRank {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::SingleRank;
     use proptest::prelude::*;
 
     /// Runs `f` on every rank, each on its own thread; results in rank order.
@@ -641,6 +697,40 @@ mod tests {
             }
         });
         assert_eq!(got[1], vec![[1.0, 2.0], [3.0, 4.0]]);
+    }
+
+    /// Every rank gets exactly what each sent it, in rank order: empty sends, sends longer than
+    /// a slot (several rounds), and a rank's own part, over a few exchanges in a row.
+    #[test]
+    fn all_to_all_delivers_each_ranks_parts() {
+        // What rank `from` sends rank `to` at exchange `x`: a length from 0 to 40 (a slot holds
+        // 16), values naming all three.
+        let part = |x: usize, from: usize, to: usize| -> Vec<f32> {
+            let n = (x * 7 + from * 13 + to * 5) % 41;
+            (0..n)
+                .map(|i| (x * 10000 + from * 1000 + to * 100 + i) as f32)
+                .collect()
+        };
+        for size in [1, 2, 3, 4] {
+            let got = on_ranks(ThreadGroup::ranks(size, 16, WATCHDOG), move |r| {
+                (0..3)
+                    .map(|x| {
+                        let send: Vec<Vec<f32>> =
+                            (0..r.size()).map(|to| part(x, r.rank(), to)).collect();
+                        r.all_to_all(&send).unwrap()
+                    })
+                    .collect::<Vec<_>>()
+            });
+            for (me, rounds) in got.iter().enumerate() {
+                for (x, recv) in rounds.iter().enumerate() {
+                    let want: Vec<Vec<f32>> = (0..size).map(|from| part(x, from, me)).collect();
+                    assert_eq!(recv, &want, "size {size}, rank {me}, exchange {x}");
+                }
+            }
+        }
+        let mut one = SingleRank;
+        assert_eq!(one.all_to_all(&[vec![1.0]]).unwrap(), vec![vec![1.0]]);
+        assert!(one.all_to_all(&[vec![], vec![]]).is_err());
     }
 
     /// Rank 2 never comes: the others fail with the watchdog's error naming it, and the group
