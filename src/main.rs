@@ -126,6 +126,13 @@ pub struct EngineArgs {
     /// (1: no tensor parallelism).
     #[arg(long, env = "TANDEM_TP", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub tp: u32,
+    /// Expert-parallel ranks, for a mixture of experts: its experts split over this many rank
+    /// threads of this process (each holds a block of them and everything else whole; each
+    /// step's sequences are split among the ranks for attention, and every token's rows go to
+    /// the ranks of its experts and back), --threads shared among them. The same bits as 1.
+    /// Not with --tp above 1.
+    #[arg(long, env = "TANDEM_EP", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub ep: u32,
     /// Seconds a tensor-parallel collective waits for its peers before it fails the step
     /// (a stuck rank fails the step with an error instead of hanging the group).
     #[arg(long, env = "TANDEM_TP_WATCHDOG_SECS", default_value_t = 120.0)]
@@ -146,6 +153,7 @@ impl EngineArgs {
             format!("--kv-dtype={}", self.kv_dtype),
             format!("--admission-lookahead={}", self.admission_lookahead),
             format!("--tp={}", self.tp),
+            format!("--ep={}", self.ep),
             format!("--tp-watchdog-secs={}", self.tp_watchdog_secs),
         ];
         if let Some(m) = &self.model {
@@ -174,7 +182,13 @@ impl EngineArgs {
             w.is_finite() && w > 0.0,
             "--tp-watchdog-secs {w} must be a positive number of seconds"
         );
-        let size = self.tp as usize;
+        anyhow::ensure!(
+            self.tp == 1 || self.ep == 1,
+            "--tp {} with --ep {}: a group is tensor-parallel or expert-parallel, not both",
+            self.tp,
+            self.ep
+        );
+        let size = self.tp.max(self.ep) as usize;
         let threads = self.threads.unwrap_or_else(|| {
             std::thread::available_parallelism()
                 .map(|n| n.get())
@@ -186,6 +200,7 @@ impl EngineArgs {
             watchdog: std::time::Duration::from_secs_f64(w),
             max_step_tokens: self.max_batched_tokens,
             max_step_seqs: self.max_seqs,
+            experts: self.ep > 1,
         })
     }
 

@@ -194,8 +194,13 @@ pub(crate) enum Mlp<M> {
 pub(crate) struct Experts<M> {
     /// The router: a score for each expert.
     pub router: M,
-    /// Each expert's gate|up (stacked by rows) and down.
+    /// Each expert's gate|up (stacked by rows) and down: those this rank holds, experts
+    /// `first..`.
     pub experts: Vec<(M, M)>,
+    /// The first expert held.
+    pub first: usize,
+    /// Experts in the layer.
+    pub total: usize,
     /// Experts each row runs.
     pub active: usize,
     /// Whether the chosen experts' weights are renormalized to sum to one.
@@ -319,7 +324,9 @@ impl<M, V> ModelWeights<M, V> {
                             name: n(t),
                             cut: Cut::Expert(e),
                         };
-                        let experts = (0..m.experts)
+                        let experts = shard
+                            .experts
+                            .clone()
                             .map(|e| {
                                 Ok((
                                     matrix(&[expert(FfnGateExps, e), expert(FfnUpExps, e)])?,
@@ -330,6 +337,8 @@ impl<M, V> ModelWeights<M, V> {
                         Mlp::Experts(Experts {
                             router: matrix(&[Part::whole(n(FfnGateInp))])?,
                             experts,
+                            first: shard.experts.start,
+                            total: m.experts,
                             active: m.active,
                             norm_topk: m.norm_topk,
                             ff: m.expert_ff,

@@ -15,6 +15,14 @@
 //! Norms and the rotary table are replicated. A split that would cut a head, or give the ranks
 //! unequal query heads, is refused with the reason: the attention kernels work on whole groups
 //! of query heads per KV head.
+//!
+//! Expert parallelism ([`TpShard::expert_rank`]) splits a mixture of experts' experts instead:
+//! each rank holds a contiguous block of them, and everything else whole. Attention is data
+//! parallel: each rank takes its own sequences of a step (their KV in one pool the ranks share),
+//! every row-wise op keeps its bits whichever rank computes the row, and the experts' rows go to
+//! the ranks that hold them and back (two all-to-alls a layer), so a group of any size gives the
+//! bits of one rank. Tensor-parallel attention would cut each row's sums by ranks and change
+//! them, and all-reduce every layer's activations.
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
@@ -39,6 +47,11 @@ pub struct TpShard {
     pub ff: Range<usize>,
     /// Its slice of the vocabulary (embedding and head rows).
     pub vocab: Range<usize>,
+    /// The experts of a mixture of experts this rank holds (all of them but under expert
+    /// parallelism; empty for a dense model).
+    pub experts: Range<usize>,
+    /// Expert parallelism: this rank's place `(rank, size)` in its group; None outside it.
+    pub ep: Option<(usize, usize)>,
 }
 
 impl TpShard {
@@ -51,7 +64,40 @@ impl TpShard {
             kv_heads: 0..c.num_kv_heads,
             ff: 0..c.intermediate_size,
             vocab: 0..c.vocab_size,
+            experts: 0..c.moe.as_ref().map_or(0, |m| m.experts),
+            ep: None,
         }
+    }
+
+    /// Rank `rank` of an expert-parallel group of `size`: a contiguous block of the experts,
+    /// everything else whole (see the module's description).
+    pub fn expert_rank(c: &ModelConfig, rank: usize, size: usize) -> Result<Self, EngineError> {
+        let refuse = |why: String| {
+            EngineError::Config(format!("--ep {size} does not fit this model: {why}"))
+        };
+        let Some(m) = &c.moe else {
+            return Err(refuse("it has no experts (a dense MLP)".into()));
+        };
+        if size == 0 || rank >= size {
+            return Err(refuse(format!("rank {rank} of a group of {size}")));
+        }
+        if !m.experts.is_multiple_of(size) {
+            return Err(refuse(format!(
+                "its {} experts do not split evenly over {size} ranks",
+                m.experts
+            )));
+        }
+        let per = m.experts / size;
+        Ok(Self {
+            experts: rank * per..(rank + 1) * per,
+            ep: Some((rank, size)),
+            ..Self::whole(c)
+        })
+    }
+
+    /// The rank of an expert-parallel group of `size` that holds expert `e` of `experts`.
+    pub fn expert_owner(e: usize, experts: usize, size: usize) -> usize {
+        e / (experts / size).max(1)
     }
 
     /// Rank `rank`'s share of `c` split over `size` ranks, or why `c` does not split so.
@@ -104,6 +150,8 @@ impl TpShard {
             kv_heads,
             ff: rank * ff..(rank + 1) * ff,
             vocab,
+            experts: 0..c.moe.as_ref().map_or(0, |m| m.experts),
+            ep: None,
         })
     }
 

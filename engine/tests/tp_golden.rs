@@ -25,6 +25,7 @@ fn tp(size: usize, m: &tandem_model::LoadedModel, cfg: &EngineConfig) -> TpCpuBa
         watchdog: Duration::from_secs(600),
         max_step_tokens: cfg.max_batched_tokens,
         max_step_seqs: cfg.max_seqs,
+        experts: false,
     };
     TpCpuBackend::new(m, WeightFormat::Native, &cfg.pool(), setup).unwrap()
 }

@@ -161,7 +161,7 @@ impl CpuModel {
                         let (gu, d) = (size(gu), size(d));
                         (b + gu.0 + d.0, n + gu.1 + d.1)
                     });
-                    let share = |v: usize| v * x.active / x.experts.len().max(1);
+                    let share = |v: usize| v * x.active / x.total.max(1);
                     add("experts", (share(b), share(n)));
                 }
             }
@@ -208,20 +208,43 @@ impl CpuModel {
         comm: &mut dyn Collective,
         times: Option<&mut OpTimes>,
     ) -> Result<Vec<f32>, EngineError> {
-        let c = &self.config;
-        if comm.size() != self.shard.size || comm.rank() != self.shard.rank {
+        let (rank, size) = self.shard.ep.unwrap_or((self.shard.rank, self.shard.size));
+        if comm.size() != size || comm.rank() != rank {
             return Err(EngineError::Internal(format!(
-                "rank {} of {} runs the shard of rank {} of {}",
+                "rank {} of {} runs the shard of rank {rank} of {size}",
                 comm.rank(),
                 comm.size(),
-                self.shard.rank,
-                self.shard.size
             )));
         }
+        if self.shard.ep.is_some() && size > 1 {
+            // Data-parallel attention: this rank's run of the step's sequences (every rank
+            // runs every layer, with no rows if need be: the experts' exchanges are
+            // collectives), then every rank's logits to rank 0, in rank order: the step's.
+            let mine = &seqs[ep_share(seqs, rank, size)];
+            let logits = self.forward_step(mine, kv, comm, times)?;
+            let mut sends = vec![Vec::new(); size];
+            sends[0] = logits;
+            let got = comm.all_to_all(&sends)?;
+            return Ok(got.concat());
+        }
+        self.forward_step(seqs, kv, comm, times)
+    }
+
+    /// One packed step of `seqs` on this shard (see [`Self::forward_rank`]).
+    fn forward_step(
+        &self,
+        seqs: &[SeqBatch<'_>],
+        kv: &mut KvPool,
+        comm: &mut dyn Collective,
+        times: Option<&mut OpTimes>,
+    ) -> Result<Vec<f32>, EngineError> {
+        let c = &self.config;
         let bs = kv.layout.block_size;
         let step = PackedStep::new(seqs, c.vocab_size, self.rope.max_pos(), bs, kv.num_blocks())?;
         let t = step.tokens.len();
-        if t == 0 {
+        // A rank of an expert-parallel group runs even without rows: its experts serve the
+        // others'.
+        if t == 0 && self.shard.ep.is_none_or(|(_, size)| size == 1) {
             return Ok(Vec::new());
         }
         let mut ops = CpuStep::new(self, comm, kv, &step);
@@ -460,7 +483,7 @@ impl StepOps for CpuStep<'_> {
         hidden: &Vec<f32>,
         rows: usize,
     ) -> Result<forward::Routing, EngineError> {
-        let (n, h) = (x.experts.len(), self.c.hidden_size);
+        let (n, h) = (x.total, self.c.hidden_size);
         let mut scores = vec![0f32; rows * n];
         x.router.matmul(&hidden[..rows * h], rows, &mut scores)?;
         Ok(forward::Routing::from_scores(
@@ -478,59 +501,80 @@ impl StepOps for CpuStep<'_> {
         routing: &forward::Routing,
         out: &mut Vec<f32>,
     ) -> Result<(), EngineError> {
-        let (h, ff, k) = (self.c.hidden_size, x.ff, routing.active);
+        let (h, k) = (self.c.hidden_size, routing.active);
         let rows = routing.expert.len() / k.max(1);
-        // Each expert's rows, in row order: (row, its place among the row's experts).
-        let mut by_expert: Vec<Vec<(usize, usize)>> = vec![Vec::new(); x.experts.len()];
-        for (i, &e) in routing.expert.iter().enumerate() {
-            by_expert[e as usize].push((i / k, i % k));
-        }
-        // Every expert with rows runs at once (each product parallel inside): its rows
-        // gathered, gate|up, silu · up, down. A row's outputs do not depend on which other rows
-        // share its expert (the products are batch-invariant).
-        let outs: Vec<(usize, Vec<f32>)> = by_expert
-            .par_iter()
-            .enumerate()
-            .filter(|(_, r)| !r.is_empty())
-            .map(|(e, r)| -> Result<(usize, Vec<f32>), EngineError> {
-                let m = r.len();
-                let mut xs = vec![0f32; m * h];
-                for (dst, &(row, _)) in xs.chunks_exact_mut(h).zip(r) {
-                    dst.copy_from_slice(&hidden[row * h..(row + 1) * h]);
+        let row = |r: usize| &hidden[r * h..(r + 1) * h];
+        // Each (row, choice)'s expert output, in the routing's order.
+        let y: Vec<f32> = match self.shard.ep {
+            Some((me, size)) if size > 1 => {
+                // Dispatch: each choice's row to the rank that holds its expert, tagged with
+                // the expert; the ranks compute what they were sent; combine: the outputs
+                // come back in the order they went.
+                let owner = |e: u32| TpShard::expert_owner(e as usize, x.total, size);
+                let mut sends: Vec<Vec<f32>> = vec![Vec::new(); size];
+                let mut sent: Vec<Vec<usize>> = vec![Vec::new(); size];
+                for (i, &e) in routing.expert.iter().enumerate() {
+                    let d = owner(e);
+                    sends[d].push(f32::from_bits(e));
+                    sends[d].extend_from_slice(row(i / k));
+                    sent[d].push(i);
                 }
-                let (gate_up, down) = &x.experts[e];
-                let mut gu = vec![0f32; m * 2 * ff];
-                gate_up.matmul(&xs, m, &mut gu)?;
-                let mut act = vec![0f32; m * ff];
-                for (g2, a) in gu.chunks_exact(2 * ff).zip(act.chunks_exact_mut(ff)) {
-                    let (g, u) = g2.split_at(ff);
-                    a.copy_from_slice(g);
-                    ops::silu_mul(a, u);
+                let got = self.comm.all_to_all(&sends)?;
+                let items: Vec<(usize, &[f32])> = got
+                    .iter()
+                    .flat_map(|g| g.chunks_exact(h + 1))
+                    .map(|c| (c[0].to_bits() as usize, &c[1..]))
+                    .collect();
+                if let Some((e, _)) = items.iter().find(|(e, _)| owner(*e as u32) != me) {
+                    return Err(EngineError::Internal(format!(
+                        "expert rank {me} was sent a row of expert {e}, which it does not hold"
+                    )));
                 }
-                let mut y = vec![0f32; m * h];
-                down.matmul(&act, m, &mut y)?;
-                Ok((e, y))
-            })
-            .collect::<Result<_, _>>()?;
-        let mut at: Vec<Option<&[f32]>> = vec![None; x.experts.len()];
-        for (e, y) in &outs {
-            at[*e] = Some(y);
-        }
+                let ys = expert_rows(x, h, &items)?;
+                let mut backs = Vec::with_capacity(size);
+                let mut at = 0;
+                for g in &got {
+                    let n = g.len() / (h + 1);
+                    backs.push(ys[at * h..(at + n) * h].to_vec());
+                    at += n;
+                }
+                let back = self.comm.all_to_all(&backs)?;
+                let mut y = vec![0f32; routing.expert.len() * h];
+                for (d, idx) in sent.iter().enumerate() {
+                    if back[d].len() != idx.len() * h {
+                        return Err(EngineError::Internal(format!(
+                            "expert rank {d} returned {} values for {} rows",
+                            back[d].len(),
+                            idx.len()
+                        )));
+                    }
+                    for (&i, v) in idx.iter().zip(back[d].chunks_exact(h)) {
+                        y[i * h..(i + 1) * h].copy_from_slice(v);
+                    }
+                }
+                y
+            }
+            _ => {
+                let items: Vec<(usize, &[f32])> = routing
+                    .expert
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &e)| (e as usize, row(i / k)))
+                    .collect();
+                expert_rows(x, h, &items)?
+            }
+        };
         // Each row's sum over its experts in expert order (as transformers adds them), the
-        // weight applied to each expert's output first.
-        let mut next = vec![0usize; x.experts.len()];
+        // weight applied to each expert's output first: the same bits wherever each ran.
         let mut order: Vec<(u32, usize)> = Vec::with_capacity(k);
-        for (row, o) in out[..rows * h].chunks_exact_mut(h).enumerate() {
+        for (r, o) in out[..rows * h].chunks_exact_mut(h).enumerate() {
             o.fill(0.0);
             order.clear();
-            order.extend((0..k).map(|j| (routing.expert[row * k + j], j)));
+            order.extend((0..k).map(|j| (routing.expert[r * k + j], j)));
             order.sort_unstable();
-            for &(e, j) in &order {
-                let e = e as usize;
-                let y = at[e].expect("an expert with rows ran");
-                let i = next[e];
-                next[e] += 1;
-                let w = routing.weight[row * k + j];
+            for &(_, j) in &order {
+                let i = r * k + j;
+                let w = routing.weight[i];
                 for (o, v) in o.iter_mut().zip(&y[i * h..(i + 1) * h]) {
                     *o += v * w;
                 }
@@ -605,6 +649,83 @@ impl StepOps for CpuStep<'_> {
         }
         Ok(())
     }
+}
+
+/// The sequences of a step that rank `rank` of an expert-parallel group of `size` computes: a
+/// contiguous run, the runs' token counts as even as whole sequences allow (the same split on
+/// every rank, so each knows the others').
+fn ep_share(seqs: &[SeqBatch<'_>], rank: usize, size: usize) -> std::ops::Range<usize> {
+    let total: usize = seqs.iter().map(|s| s.tokens.len()).sum();
+    // Sequence i goes to the rank whose share of the tokens its middle token falls in.
+    let owner =
+        |before: usize, len: usize| ((2 * before + len) * size / (2 * total.max(1))).min(size - 1);
+    let (mut start, mut end, mut before) = (seqs.len(), seqs.len(), 0);
+    for (i, s) in seqs.iter().enumerate() {
+        let o = owner(before, s.tokens.len());
+        if o == rank && start == seqs.len() {
+            start = i;
+        }
+        if o > rank {
+            end = i;
+            break;
+        }
+        before += s.tokens.len();
+    }
+    start.min(end)..end
+}
+
+/// The outputs of experts held here (`x`'s, from `x.first`) for `items` (each an expert and an
+/// input row of `h` values), unweighted, in the items' order: each expert's rows gathered and
+/// run through its gate|up, silu · up and down, every expert with rows at once (each product
+/// parallel inside). A row's output does not depend on which other rows share its expert (the
+/// products are batch-invariant).
+fn expert_rows(
+    x: &forward::Experts<Linear>,
+    h: usize,
+    items: &[(usize, &[f32])],
+) -> Result<Vec<f32>, EngineError> {
+    let held = x.first..x.first + x.experts.len();
+    let mut by_expert: Vec<Vec<usize>> = vec![Vec::new(); x.experts.len()];
+    for (i, (e, _)) in items.iter().enumerate() {
+        if !held.contains(e) {
+            return Err(EngineError::Internal(format!(
+                "a row for expert {e}, outside the experts held here ({held:?})"
+            )));
+        }
+        by_expert[e - x.first].push(i);
+    }
+    let ff = x.ff;
+    let outs: Vec<(usize, Vec<f32>)> = by_expert
+        .par_iter()
+        .enumerate()
+        .filter(|(_, r)| !r.is_empty())
+        .map(|(e, r)| -> Result<(usize, Vec<f32>), EngineError> {
+            let m = r.len();
+            let mut xs = vec![0f32; m * h];
+            for (dst, &i) in xs.chunks_exact_mut(h).zip(r) {
+                dst.copy_from_slice(items[i].1);
+            }
+            let (gate_up, down) = &x.experts[e];
+            let mut gu = vec![0f32; m * 2 * ff];
+            gate_up.matmul(&xs, m, &mut gu)?;
+            let mut act = vec![0f32; m * ff];
+            for (g2, a) in gu.chunks_exact(2 * ff).zip(act.chunks_exact_mut(ff)) {
+                let (g, u) = g2.split_at(ff);
+                a.copy_from_slice(g);
+                ops::silu_mul(a, u);
+            }
+            let mut y = vec![0f32; m * h];
+            down.matmul(&act, m, &mut y)?;
+            Ok((e, y))
+        })
+        .collect::<Result<_, _>>()?;
+    let mut y = vec![0f32; items.len() * h];
+    for (e, ys) in outs {
+        for (&i, v) in by_expert[e].iter().zip(ys.chunks_exact(h)) {
+            y[i * h..(i + 1) * h].copy_from_slice(v);
+        }
+    }
+    Ok(y)
 }
 
 /// Rows per task of the row-wise work in a step (norms, rotary, activation).

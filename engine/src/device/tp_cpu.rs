@@ -4,6 +4,10 @@
 //! them: every step (and every block copy) goes to all ranks, which run it in lockstep, and rank
 //! 0's logits come back.
 //!
+//! With `experts` set, the group is expert-parallel instead ([`TpShard::expert_rank`]): each
+//! rank holds a block of a mixture of experts' experts and everything else whole, the ranks share
+//! one KV pool, and each step's sequences are split among them (attention data-parallel).
+//!
 //! A step that fails on any rank fails as a whole. The ranks are then idle, so the group is
 //! rebuilt before the next step: a poisoned group (a rank that timed out, or gave up) does not
 //! outlive the step it failed.
@@ -40,6 +44,9 @@ pub struct TpCpuConfig {
     pub max_step_tokens: usize,
     /// See `max_step_tokens`.
     pub max_step_seqs: usize,
+    /// Split the experts of a mixture of experts over the ranks (expert parallelism, attention
+    /// data-parallel) instead of the heads and MLP features.
+    pub experts: bool,
 }
 
 /// One step's sequences, owned, so every rank thread reads the same copy.
@@ -135,7 +142,12 @@ impl TpCpuBackend {
                 "a tensor-parallel group needs at least one rank of at least one thread".into(),
             ));
         }
-        let shards = TpShard::plan_all(c, setup.size)?;
+        let shards = match setup.experts {
+            true => (0..setup.size)
+                .map(|r| TpShard::expert_rank(c, r, setup.size))
+                .collect::<Result<Vec<_>, _>>()?,
+            false => TpShard::plan_all(c, setup.size)?,
+        };
         let models = shards
             .into_iter()
             .map(|s| CpuModel::shard_from_tensors(c, tensors, format, s))
@@ -144,7 +156,13 @@ impl TpCpuBackend {
             .iter()
             .map(|m| m.kv_layout(pool.block_size))
             .collect();
-        let block_bytes: usize = layouts
+        // Expert ranks share one pool of every KV head; tensor-parallel ranks each have their
+        // heads' slice.
+        let pooled = match setup.experts {
+            true => &layouts[..1],
+            false => &layouts[..],
+        };
+        let block_bytes: usize = pooled
             .iter()
             .map(|&l| KvPool::bytes_per_block(l, pool.kv_dtype, c.num_layers))
             .sum();
@@ -157,12 +175,33 @@ impl TpCpuBackend {
         let group = ThreadGroup::ranks(setup.size, capacity, setup.watchdog);
         let mut ranks = Vec::with_capacity(setup.size);
         let mut pools = Vec::with_capacity(setup.size);
+        let new_pool = |layout| {
+            KvPool::new(layout, pool.kv_dtype, c.num_layers, num_blocks)
+                .map_err(|e| EngineError::Startup(format!("allocating the KV pool: {e}")))
+        };
+        let shared = match setup.experts {
+            true => Some(new_pool(layouts[0])?),
+            false => None,
+        };
         for ((model, layout), comm) in models.into_iter().zip(layouts).zip(group) {
-            let kv = KvPool::new(layout, pool.kv_dtype, c.num_layers, num_blocks)
-                .map_err(|e| EngineError::Startup(format!("allocating the KV pool: {e}")))?;
+            // Expert ranks write the blocks of their own sequences only, so they share one
+            // pool; block copies are rank 0's.
+            let kv = match &shared {
+                Some(p) => p.alias(),
+                None => new_pool(layout)?,
+            };
             let heads = &model.shard.kv_heads;
-            pools.push((heads.start as u32..heads.end as u32, kv.alias()));
-            ranks.push(Rank::start(model, kv, comm, setup.threads_per_rank)?);
+            if shared.is_none() || pools.is_empty() {
+                pools.push((heads.start as u32..heads.end as u32, kv.alias()));
+            }
+            let copies = shared.is_none() || model.shard.ep.is_some_and(|(r, _)| r == 0);
+            ranks.push(Rank::start(
+                model,
+                kv,
+                comm,
+                setup.threads_per_rank,
+                copies,
+            )?);
         }
         Ok(Self {
             config: c.clone(),
@@ -237,8 +276,9 @@ impl Rank {
         mut kv: KvPool,
         comm: ThreadRank,
         threads: usize,
+        copies: bool,
     ) -> Result<Self, EngineError> {
-        let rank = model.shard.rank;
+        let rank = model.shard.ep.map_or(model.shard.rank, |(r, _)| r);
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(move |i| format!("tp{rank}-{i}"))
@@ -279,7 +319,7 @@ impl Rank {
                             r
                         }
                         Job::Copy(pairs) => {
-                            for &(from, to) in pairs.iter() {
+                            for &(from, to) in pairs.iter().filter(|_| copies) {
                                 kv.copy_block(from.0 as usize, to.0 as usize);
                             }
                             Ok(Vec::new())
@@ -364,11 +404,18 @@ impl Backend for TpCpuBackend {
     }
 
     fn device(&self) -> String {
-        format!("cpu, tp {}", self.ranks.len())
+        match self.setup.experts {
+            true => format!("cpu, ep {}", self.ranks.len()),
+            false => format!("cpu, tp {}", self.ranks.len()),
+        }
     }
 
     fn tp(&self) -> usize {
-        self.ranks.len()
+        // Expert ranks hold every head: their cache is one rank's, as TP 1's.
+        match self.setup.experts {
+            true => 1,
+            false => self.ranks.len(),
+        }
     }
 
     fn is_cpu(&self) -> bool {
@@ -404,6 +451,7 @@ mod tests {
             watchdog,
             max_step_tokens: 2048,
             max_step_seqs: 256,
+            experts: false,
         }
     }
 
