@@ -213,6 +213,15 @@ fn the_chart_lints_renders_valid_objects_and_commands_the_binary_accepts() {
         assert!(decode.contains(flag), "{flag}: {decode}");
     }
     assert!(!args("tandem-prefill").contains("--tp="));
+    // Expert parallelism the same way, on one group.
+    let objs = objects(&render(&["--set-json", "prefill.expertParallel=2"]));
+    assert_eq!(commands_parse(&objs, "ep 2"), 4);
+    let prefill = objs
+        .iter()
+        .find(|o| o["kind"] == "Deployment" && o["metadata"]["name"] == "tandem-prefill")
+        .expect("the prefill group")["spec"]["template"]["spec"]["containers"][0]["args"]
+        .to_string();
+    assert!(prefill.contains("\"--ep=2\""), "{prefill}");
     let router = args("tandem-router");
     assert!(
         router.contains("\"--worker-stall-timeout-ms=20000\""),
@@ -260,6 +269,33 @@ fn bad_values_are_refused_naming_what_is_wrong() {
     ]);
     assert!(!o.status.success(), "TP 65 was accepted");
     assert!(text(&o).contains("tensorParallel"), "{}", text(&o));
+    // Expert and tensor parallelism on one group, or expert parallelism on a GPU: refused.
+    let o = helm(&[
+        "template",
+        "t",
+        c,
+        "--set-json",
+        "decode.expertParallel=2",
+        "--set-json",
+        "decode.tensorParallel=2",
+    ]);
+    assert!(!o.status.success(), "TP and EP together were accepted");
+    assert!(text(&o).contains("not both"), "{}", text(&o));
+    let o = helm(&[
+        "template",
+        "t",
+        c,
+        "--set",
+        "decode.device=cuda",
+        "--set-json",
+        "decode.expertParallel=2",
+    ]);
+    assert!(!o.status.success(), "EP on cuda was accepted");
+    assert!(
+        text(&o).contains("decode.expertParallel 2 on device cuda"),
+        "{}",
+        text(&o)
+    );
     let o = helm(&["template", "t", c, "--set", "discovery.mode=etcd"]);
     assert!(!o.status.success(), "etcd without endpoints was accepted");
     assert!(

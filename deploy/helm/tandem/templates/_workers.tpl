@@ -9,6 +9,13 @@ pods), PodDisruptionBudget. (dict "ctx" $ "role" "decode" "g" .Values.decode) */
 {{- if and (gt (int $g.tensorParallel) 1) (hasPrefix "cuda" $g.device) }}
 {{- fail (printf "%s.tensorParallel %v on device %s: tensor parallelism runs on device cpu in this release (the GPU backend takes one GPU per worker)" $role $g.tensorParallel $g.device) }}
 {{- end }}
+{{- $ep := int (default 1 $g.expertParallel) }}
+{{- if and (gt $ep 1) (hasPrefix "cuda" $g.device) }}
+{{- fail (printf "%s.expertParallel %v on device %s: expert parallelism runs on device cpu in this release" $role $ep $g.device) }}
+{{- end }}
+{{- if and (gt $ep 1) (gt (int $g.tensorParallel) 1) }}
+{{- fail (printf "%s.expertParallel %v with tensorParallel %v: a worker's ranks are tensor-parallel or expert-parallel, not both" $role $ep $g.tensorParallel) }}
+{{- end }}
 apiVersion: apps/v1
 kind: Deployment
 metadata:
@@ -57,6 +64,9 @@ spec:
             {{- end }}
             {{- if gt (int $g.tensorParallel) 1 }}
             - --tp={{ $g.tensorParallel }}
+            {{- end }}
+            {{- if gt $ep 1 }}
+            - --ep={{ $ep }}
             {{- end }}
             {{- if eq $role "decode" }}
             - --kv-port={{ $g.kvPort }}
