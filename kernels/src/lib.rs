@@ -33,7 +33,7 @@ mod weight;
 pub use attention::{
     paged_attention, reference_attention, write_kv, AttnSpec, KvLayout, KvSlab, KvSlabMut, SeqAttn,
 };
-pub use matmul::matmul;
+pub use matmul::{matmul, matmul_many, Product};
 pub use simd::fma_burst;
 pub use weight::{Linear, Weight};
 

@@ -34,86 +34,141 @@ const SPAN: usize = 128;
 
 /// `out[m×n] = x[m×k] · Wᵀ` where `W` is `n×k`.
 pub fn matmul(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) -> Result<(), KernelError> {
-    let (n, k) = (w.rows(), w.cols());
-    if x.len() != m * k || out.len() != m * n {
-        return Err(KernelError::Shape(format!(
-            "matmul: x has {} values for {m}×{k}, out has {} for {m}×{n}",
-            x.len(),
-            out.len()
-        )));
-    }
-    if m == 0 || n == 0 {
-        return Ok(());
-    }
-    if k == 0 {
-        out.fill(0.0);
-        return Ok(());
-    }
-    let dst = OutPtr(out.as_mut_ptr());
-    // Whole panels a task; for one row against panels decoded in registers, as many as a call
-    // of that kernel takes best. Parts of a stacked weight of several types share one pass.
-    let unit = |w: &Weight| match w {
-        Weight::Quant { ty, .. } if m == 1 && has_quant_x1(*ty) => x1_unit() * PANEL,
-        _ => PANEL,
-    };
-    let parts = w.parts();
-    let tasks: Vec<(&Weight, usize, usize, usize)> = parts
-        .iter()
-        .flat_map(|&(r0, w)| {
-            let per_task = task_rows(w.rows(), unit(w));
-            (0..w.rows().div_ceil(per_task)).map(move |c| {
-                let a = c * per_task;
-                (w, r0, a, per_task.min(w.rows() - a))
-            })
-        })
-        .collect();
-    tasks.into_par_iter().for_each(|(w, base, r0, rows)| {
-        let (p0, np) = (r0 / PANEL, rows.div_ceil(PANEL));
-        // This task's outputs: columns base + r0.. +rows of every activation row.
-        let at = base + r0;
-        match w {
-            // One activation row (a decode step of one sequence): each panel block decoded in
-            // registers and used at once.
-            Weight::Quant { ty, data, .. } if m == 1 && has_quant_x1(*ty) => {
-                // SAFETY: outputs at.. +rows of the one row are this task's.
-                let o = unsafe { std::slice::from_raw_parts_mut(dst.at(at), rows) };
-                dot_quant_x1(*ty, data, w.rows(), p0, x, o);
-            }
-            // The decoded tile lives in a per-thread buffer: allocating it per task would map
-            // and unmap pages (and shoot down TLBs on every core) thousands of times a step.
-            _ => TILE.with(|t| {
-                let mut t = t.borrow_mut();
-                let span = if m <= SMALL_M { SPAN } else { k };
-                if t.len() < np * span * PANEL {
-                    t.resize(np * span * PANEL, 0.0);
-                }
-                for t0 in (0..k).step_by(span) {
-                    let t1 = (t0 + span).min(k);
-                    for p in 0..np {
-                        w.panel_f32(p0 + p, t0, t1, &mut t[p * span * PANEL..]);
-                    }
-                    // SAFETY: the tile holds np panels of (t1 - t0) columns, span·16 apart;
-                    // x holds m rows of k; the outputs are columns at.. +rows of every row,
-                    // this task's (continued from the span before where t0 > 0).
-                    unsafe {
-                        panel_product(
-                            x.as_ptr().add(t0),
-                            k,
-                            m,
-                            t.as_ptr(),
-                            span * PANEL,
-                            rows,
-                            t1 - t0,
-                            t0 > 0,
-                            dst.at(at),
-                            n,
-                        )
-                    }
-                }
-            }),
+    matmul_many(&mut [Product { x, m, w, out }])
+}
+
+/// One product of [`matmul_many`]: `out[m×n] = x[m×k] · Wᵀ`.
+pub struct Product<'a> {
+    /// `m` activation rows of `w.cols()` values.
+    pub x: &'a [f32],
+    /// Activation rows.
+    pub m: usize,
+    /// The weight.
+    pub w: &'a Weight,
+    /// `m` rows of `w.rows()` outputs.
+    pub out: &'a mut [f32],
+}
+
+/// A task of one product: its activations, a weight (a part of a stacked one), the output
+/// column its part starts at, its rows of that part, the output and its row length.
+struct Task<'a> {
+    x: &'a [f32],
+    m: usize,
+    w: &'a Weight,
+    base: usize,
+    r0: usize,
+    rows: usize,
+    dst: OutPtr,
+    n: usize,
+}
+
+/// Several products in one parallel pass: their tasks dealt out together, so that many small
+/// products (a mixture of experts' experts) cost one fork and join instead of one each. Each
+/// output has the bits [`matmul`] gives it alone.
+pub fn matmul_many(products: &mut [Product<'_>]) -> Result<(), KernelError> {
+    let mut tasks: Vec<Task<'_>> = Vec::new();
+    for p in products.iter_mut() {
+        let (m, w) = (p.m, p.w);
+        let (n, k) = (w.rows(), w.cols());
+        if p.x.len() != m * k || p.out.len() != m * n {
+            return Err(KernelError::Shape(format!(
+                "matmul: x has {} values for {m}×{k}, out has {} for {m}×{n}",
+                p.x.len(),
+                p.out.len()
+            )));
         }
-    });
+        if m == 0 || n == 0 {
+            continue;
+        }
+        if k == 0 {
+            p.out.fill(0.0);
+            continue;
+        }
+        let dst = OutPtr(p.out.as_mut_ptr());
+        // Whole panels a task; for one row against panels decoded in registers, as many as a
+        // call of that kernel takes best. Parts of a stacked weight of several types share the
+        // pass.
+        let unit = |w: &Weight| match w {
+            Weight::Quant { ty, .. } if m == 1 && has_quant_x1(*ty) => x1_unit() * PANEL,
+            _ => PANEL,
+        };
+        for (base, part) in w.parts() {
+            let per_task = task_rows(part.rows(), unit(part));
+            for c in 0..part.rows().div_ceil(per_task) {
+                let r0 = c * per_task;
+                tasks.push(Task {
+                    x: p.x,
+                    m,
+                    w: part,
+                    base,
+                    r0,
+                    rows: per_task.min(part.rows() - r0),
+                    dst,
+                    n,
+                });
+            }
+        }
+    }
+    tasks.into_par_iter().for_each(run);
     Ok(())
+}
+
+/// One task: outputs `base + r0 .. + rows` of every activation row.
+fn run(t: Task<'_>) {
+    let Task {
+        x,
+        m,
+        w,
+        base,
+        r0,
+        rows,
+        dst,
+        n,
+    } = t;
+    let k = w.cols();
+    let (p0, np) = (r0 / PANEL, rows.div_ceil(PANEL));
+    let at = base + r0;
+    match w {
+        // One activation row (a decode step of one sequence): each panel block decoded in
+        // registers and used at once.
+        Weight::Quant { ty, data, .. } if m == 1 && has_quant_x1(*ty) => {
+            // SAFETY: outputs at.. +rows of the one row are this task's.
+            let o = unsafe { std::slice::from_raw_parts_mut(dst.at(at), rows) };
+            dot_quant_x1(*ty, data, w.rows(), p0, x, o);
+        }
+        // The decoded tile lives in a per-thread buffer: allocating it per task would map and
+        // unmap pages (and shoot down TLBs on every core) thousands of times a step.
+        _ => TILE.with(|tile| {
+            let mut tile = tile.borrow_mut();
+            let span = if m <= SMALL_M { SPAN } else { k };
+            if tile.len() < np * span * PANEL {
+                tile.resize(np * span * PANEL, 0.0);
+            }
+            for t0 in (0..k).step_by(span) {
+                let t1 = (t0 + span).min(k);
+                for p in 0..np {
+                    w.panel_f32(p0 + p, t0, t1, &mut tile[p * span * PANEL..]);
+                }
+                // SAFETY: the tile holds np panels of (t1 - t0) columns, span·16 apart; x
+                // holds m rows of k; the outputs are columns at.. +rows of every row, this
+                // task's (continued from the span before where t0 > 0).
+                unsafe {
+                    panel_product(
+                        x.as_ptr().add(t0),
+                        k,
+                        m,
+                        tile.as_ptr(),
+                        span * PANEL,
+                        rows,
+                        t1 - t0,
+                        t0 > 0,
+                        dst.at(at),
+                        n,
+                    )
+                }
+            }
+        }),
+    }
 }
 
 thread_local! {

@@ -10,7 +10,9 @@ use std::collections::BTreeMap;
 
 use rayon::prelude::*;
 use tandem_kernels::ops::{self, RopeTable};
-use tandem_kernels::{paged_attention, write_kv, AttnSpec, KvLayout, Linear, SeqAttn, Weight};
+use tandem_kernels::{
+    matmul_many, paged_attention, write_kv, AttnSpec, KvLayout, Linear, Product, SeqAttn, Weight,
+};
 
 use tandem_model::{LoadedModel, ModelConfig, TensorData};
 
@@ -695,30 +697,66 @@ fn expert_rows(
         by_expert[e - x.first].push(i);
     }
     let ff = x.ff;
-    let outs: Vec<(usize, Vec<f32>)> = by_expert
-        .par_iter()
-        .enumerate()
-        .filter(|(_, r)| !r.is_empty())
-        .map(|(e, r)| -> Result<(usize, Vec<f32>), EngineError> {
-            let m = r.len();
-            let mut xs = vec![0f32; m * h];
-            for (dst, &i) in xs.chunks_exact_mut(h).zip(r) {
+    // Each expert's rows gathered; then every expert's gate|up in one parallel pass, silu · up,
+    // and every down in another (two forks and joins a layer, however many experts run).
+    let ran: Vec<usize> = (0..by_expert.len())
+        .filter(|&e| !by_expert[e].is_empty())
+        .collect();
+    let xs: Vec<Vec<f32>> = ran
+        .iter()
+        .map(|&e| {
+            let mut xs = vec![0f32; by_expert[e].len() * h];
+            for (dst, &i) in xs.chunks_exact_mut(h).zip(&by_expert[e]) {
                 dst.copy_from_slice(items[i].1);
             }
-            let (gate_up, down) = &x.experts[e];
-            let mut gu = vec![0f32; m * 2 * ff];
-            gate_up.matmul(&xs, m, &mut gu)?;
-            let mut act = vec![0f32; m * ff];
-            for (g2, a) in gu.chunks_exact(2 * ff).zip(act.chunks_exact_mut(ff)) {
+            xs
+        })
+        .collect();
+    let mut gu: Vec<Vec<f32>> = ran
+        .iter()
+        .map(|&e| vec![0f32; by_expert[e].len() * 2 * ff])
+        .collect();
+    let mut products: Vec<Product<'_>> = ran
+        .iter()
+        .zip(&xs)
+        .zip(gu.iter_mut())
+        .map(|((&e, x_e), out)| Product {
+            x: x_e,
+            m: by_expert[e].len(),
+            w: x.experts[e].0.weight(),
+            out,
+        })
+        .collect();
+    matmul_many(&mut products)?;
+    let act: Vec<Vec<f32>> = gu
+        .par_iter()
+        .map(|g| {
+            let mut a = vec![0f32; g.len() / 2];
+            for (g2, a) in g.chunks_exact(2 * ff).zip(a.chunks_exact_mut(ff)) {
                 let (g, u) = g2.split_at(ff);
                 a.copy_from_slice(g);
                 ops::silu_mul(a, u);
             }
-            let mut y = vec![0f32; m * h];
-            down.matmul(&act, m, &mut y)?;
-            Ok((e, y))
+            a
         })
-        .collect::<Result<_, _>>()?;
+        .collect();
+    let mut ys: Vec<Vec<f32>> = ran
+        .iter()
+        .map(|&e| vec![0f32; by_expert[e].len() * h])
+        .collect();
+    let mut products: Vec<Product<'_>> = ran
+        .iter()
+        .zip(&act)
+        .zip(ys.iter_mut())
+        .map(|((&e, a), out)| Product {
+            x: a,
+            m: by_expert[e].len(),
+            w: x.experts[e].1.weight(),
+            out,
+        })
+        .collect();
+    matmul_many(&mut products)?;
+    let outs = ran.into_iter().zip(ys);
     let mut y = vec![0f32; items.len() * h];
     for (e, ys) in outs {
         for (&i, v) in by_expert[e].iter().zip(ys.chunks_exact(h)) {

@@ -439,7 +439,6 @@ unsafe fn halves16(p: *const u8) -> [__m256; 2] {
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn scales<F: Fmt>(head: *const u8, sub: *const u8, half: usize) -> [[__m256; 2]; 2] {
-    let z = _mm256_setzero_ps();
     let u8s = |p: *const u8| {
         let v = |at: usize| {
             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
@@ -448,13 +447,18 @@ unsafe fn scales<F: Fmt>(head: *const u8, sub: *const u8, half: usize) -> [[__m2
         };
         [v(0), v(8)]
     };
+    let off = |s: [__m256; 2]| {
+        let o = _mm256_set1_ps(-(F::OFFSET as f32));
+        [_mm256_mul_ps(s[0], o), _mm256_mul_ps(s[1], o)]
+    };
     if !F::KQ {
+        let s = halves16(sub);
         let m = if F::MIN {
             halves16(sub.add(32))
         } else {
-            [z; 2]
+            off(s)
         };
-        return [halves16(sub), m];
+        return [s, m];
     }
     let d = halves16(head);
     let mul =
@@ -465,7 +469,8 @@ unsafe fn scales<F: Fmt>(head: *const u8, sub: *const u8, half: usize) -> [[__m2
                 sub.add(16 * half + at) as *const __m128i,
             )))
         };
-        return [mul(d, [i8s(0), i8s(8)]), [z; 2]];
+        let s = mul(d, [i8s(0), i8s(8)]);
+        return [s, off(s)];
     }
     [
         mul(d, u8s(sub)),
@@ -484,9 +489,9 @@ unsafe fn shl(v: __m256i, n: i32) -> __m256i {
     }
 }
 
-/// The codes of columns `2c` and `2c+1` of a sub-block's codes at `codes`, less the format's
-/// offset: [column 2c rows 0-7, rows 8-15, column 2c+1 rows 0-7, rows 8-15], each 8-byte half
-/// widened straight from memory.
+/// The codes of columns `2c` and `2c+1` of a sub-block's codes at `codes` (the format's offset
+/// is [`value`]'s): [column 2c rows 0-7, rows 8-15, column 2c+1 rows 0-7, rows 8-15], each
+/// 8-byte half widened straight from memory.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn pair<F: Fmt>(codes: *const u8, c: usize) -> [__m256i; 4] {
@@ -538,15 +543,11 @@ unsafe fn pair<F: Fmt>(codes: *const u8, c: usize) -> [__m256i; 4] {
             *q = _mm256_or_si256(*q, hi);
         }
     }
-    if F::OFFSET != 0 {
-        for q in q.iter_mut() {
-            *q = _mm256_sub_epi32(*q, _mm256_set1_epi32(F::OFFSET));
-        }
-    }
     q
 }
 
-/// Codes `q` as weights with scales `s` and minimums `m` (see [`super::fmt`]).
+/// Codes `q` as weights with scales `s` and minimums `m` (see [`super::fmt`]); for a format
+/// with an offset, `m` is `−offset·s`, as at AVX-512 (the same values).
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn value<F: Fmt>(q: __m256i, s: __m256, m: __m256) -> __m256 {
@@ -554,6 +555,7 @@ unsafe fn value<F: Fmt>(q: __m256i, s: __m256, m: __m256) -> __m256 {
     match (F::MIN, F::KQ) {
         (true, true) => _mm256_fmsub_ps(f, s, m),
         (true, false) => _mm256_fmadd_ps(f, s, m),
+        _ if F::OFFSET != 0 => _mm256_fmadd_ps(f, s, m),
         _ => _mm256_mul_ps(f, s),
     }
 }
@@ -568,12 +570,12 @@ pub unsafe fn dequant_panel<F: Fmt>(panel: *const u8, b0: usize, b1: usize, out:
         for line in (0..l.sub()).step_by(64) {
             _mm_prefetch::<_MM_HINT_T0>(sub.wrapping_add(line + PREFETCH_AHEAD) as *const i8);
         }
-        let [mut s, m] = scales::<F>(head, sub, 0);
+        let [mut s, mut m] = scales::<F>(head, sub, 0);
         let codes = sub.add(l.scales);
         let o = out.add((b - b0) * 32 * 16);
         for c in 0..16 {
             if F::HALVES && c == 8 {
-                s = scales::<F>(head, sub, 1)[0];
+                [s, m] = scales::<F>(head, sub, 1);
             }
             let q = pair::<F>(codes, c);
             for (i, q) in q.iter().enumerate() {
@@ -618,7 +620,7 @@ pub unsafe fn dot_quant_x1<F: Fmt, const P: usize>(
         for c in 0..16 {
             if F::HALVES && c == 8 {
                 for p in 0..P {
-                    s[p] = scales::<F>(panels[p].add(ho), panels[p].add(so), 1)[0];
+                    [s[p], m[p]] = scales::<F>(panels[p].add(ho), panels[p].add(so), 1);
                 }
             }
             let (x0, x1) = (

@@ -20,10 +20,13 @@
 //! So a column's sixteen weights widen into one 16-lane vector (two of 8 lanes), lane `j` row
 //! `j`, and every type costs what its GGML blocks cost, to a byte per row per super-block.
 //!
-//! A weight's value is GGML's, bit for bit (its own decoder, `tandem_model::dequantize`):
-//! `(q − o)·d` (Q4_0, Q5_0 with `o` = 8, 16; Q8_0), `q·d + m` (Q4_1, Q5_1), `(d·sc)·q − dmin·mn`
-//! (Q4_K, Q5_K), `(d·sc)·(q − 32)` (Q6_K). Each product is exact in f32 (at most 23
-//! significant bits), so at most one rounding is left, and fused or not gives the same bits.
+//! A weight's value is GGML's (its own decoder, `tandem_model::dequantize`): `(q − o)·d` (Q4_0,
+//! Q5_0 with `o` = 8, 16; Q8_0), `q·d + m` (Q4_1, Q5_1), `(d·sc)·q − dmin·mn` (Q4_K, Q5_K),
+//! `(d·sc)·(q − 32)` (Q6_K). Each product is exact in f32 (at most 24 significant bits), so at
+//! most one rounding is left, and fused or not gives the same bits. The vector levels take an
+//! offset as `q·s − o·s` in one fused multiply-add, the same value exactly, but for the sign of
+//! a zero (`+0` where GGML may give `−0`), which no product sees: each output's chain starts
+//! from `+0`, and an exact zero added to it leaves `+0`.
 
 use tandem_model::GgmlType;
 
