@@ -336,8 +336,18 @@ fn bench_engine(a: BenchEngineArgs) -> Result<()> {
         let on_cpu = r.device.starts_with("cpu");
         if on_cpu {
             println!(
-                "engine bench: batch {} prompt {} gen {} weights {} threads {} tp {}",
-                r.batch, r.prompt_len, r.gen_len, r.weights, r.threads, r.tp
+                "engine bench: batch {} prompt {} gen {} weights {} threads {} tp {}{}",
+                r.batch,
+                r.prompt_len,
+                r.gen_len,
+                r.weights,
+                r.threads,
+                r.tp,
+                // An expert-parallel group says so (its attention is one rank's: tp 1).
+                r.device
+                    .strip_prefix("cpu, ep ")
+                    .map(|n| format!(" ep {n}"))
+                    .unwrap_or_default()
             );
             println!("  cpu            {}", r.cpu);
             println!(
@@ -410,6 +420,18 @@ fn bench_engine(a: BenchEngineArgs) -> Result<()> {
                 ops,
                 r.step_ms_p50,
                 &r,
+            );
+        }
+        if !r.expert_rows.is_empty() {
+            let rows = &r.expert_rows;
+            let total: u64 = rows.iter().sum();
+            let mean = total as f64 / rows.len() as f64;
+            let max = rows.iter().copied().max().unwrap_or(0);
+            println!(
+                "  expert rows     {total} over {} experts (all layers): min {}, mean {mean:.1}, max {max} (the busiest {:.2}x the mean)",
+                rows.len(),
+                rows.iter().copied().min().unwrap_or(0),
+                if mean > 0.0 { max as f64 / mean } else { 0.0 }
             );
         }
     }

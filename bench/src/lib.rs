@@ -131,6 +131,9 @@ pub struct EngineReport {
     pub prefill_ops: Option<Vec<OpShare>>,
     /// Milliseconds the steps that computed prompt tokens took, all together.
     pub prefill_ms: f64,
+    /// A mixture of experts: rows each expert computed over the run, summed over the layers
+    /// (empty for a dense model).
+    pub expert_rows: Vec<u64>,
 }
 
 pub(crate) fn percentile(v: &mut [f64], p: f64) -> f64 {
@@ -316,6 +319,10 @@ pub fn run_engine_bench(
         decode_ops,
         prefill_ops,
         prefill_ms: prefill.1 * 1e3,
+        expert_rows: engine
+            .expert_load()
+            .map(|l| l.snapshot())
+            .unwrap_or_default(),
     })
 }
 

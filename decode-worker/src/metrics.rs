@@ -7,7 +7,9 @@ use std::sync::Arc;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::DescriptorEncoder;
 use tandem_engine::EngineHandle;
-use tandem_worker::metrics::{counter, engine_metrics, gauge, seconds, RequestMetrics};
+use tandem_worker::metrics::{
+    counter, engine_metrics, expert_metrics, gauge, seconds, RequestMetrics,
+};
 
 use crate::remote::RemotePrefill;
 
@@ -32,6 +34,7 @@ impl Collector for DecodeMetrics {
     fn encode(&self, mut enc: DescriptorEncoder) -> std::fmt::Result {
         let stats = self.engine.stats();
         engine_metrics(&mut enc, &stats, &self.engine.limits())?;
+        expert_metrics(&mut enc, self.engine.expert_load().as_deref())?;
         self.requests.encode(&mut enc, &stats)?;
         let Some(r) = &self.remote else {
             return Ok(());

@@ -101,6 +101,12 @@ pub trait Backend: Send {
         None
     }
 
+    /// A mixture of experts' rows per expert so far (None for a dense model, or a device that
+    /// does not count them).
+    fn expert_load(&self) -> Option<std::sync::Arc<crate::forward::ExpertLoad>> {
+        None
+    }
+
     /// Times each op of every forward from now on (`on`); false when this backend cannot.
     fn profile_ops(&mut self, on: bool) -> bool {
         let _ = on;
@@ -252,6 +258,9 @@ impl Backend for Slowed {
     }
     fn tp_stats(&self) -> Option<TpStats> {
         self.inner.tp_stats()
+    }
+    fn expert_load(&self) -> Option<std::sync::Arc<crate::forward::ExpertLoad>> {
+        self.inner.expert_load()
     }
     fn profile_ops(&mut self, on: bool) -> bool {
         self.inner.profile_ops(on)

@@ -257,6 +257,40 @@ impl Routing {
     }
 }
 
+/// Rows routed to each expert of a mixture of experts since the model was built, summed over its
+/// layers (and over the ranks of a group): what an operator watches for load imbalance. Read
+/// while steps run (atomic counters).
+#[derive(Debug)]
+pub struct ExpertLoad {
+    rows: Vec<std::sync::atomic::AtomicU64>,
+}
+
+impl ExpertLoad {
+    /// Counters for `experts` experts.
+    pub fn new(experts: usize) -> Self {
+        Self {
+            rows: (0..experts).map(|_| Default::default()).collect(),
+        }
+    }
+
+    /// Counts a layer's routing.
+    pub(crate) fn add(&self, r: &Routing) {
+        for &e in &r.expert {
+            if let Some(c) = self.rows.get(e as usize) {
+                c.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Rows each expert has computed so far, in expert order.
+    pub fn snapshot(&self) -> Vec<u64> {
+        self.rows
+            .iter()
+            .map(|c| c.load(std::sync::atomic::Ordering::Relaxed))
+            .collect()
+    }
+}
+
 /// A Llama model's weights as a device holds them: matrices `M`, norm vectors `V`.
 pub(crate) struct ModelWeights<M, V> {
     pub layers: Vec<LayerWeights<M, V>>,

@@ -96,6 +96,7 @@ pub struct EngineHandle {
     limits: Limits,
     kv_writers: Vec<(std::ops::Range<u32>, KvPoolWriter)>,
     grammars: Option<Arc<GrammarCompiler>>,
+    expert_load: Option<Arc<crate::forward::ExpertLoad>>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -131,11 +132,12 @@ impl EngineHandle {
                         .map(|r| (r.heads.clone(), r.pool.writer()))
                         .collect::<Vec<_>>(),
                     engine.grammars().cloned(),
+                    engine.expert_load(),
                 )));
                 run_loop(engine, rx, &loop_shared);
             })
             .map_err(|e| EngineError::Internal(format!("cannot start the engine thread: {e}")))?;
-        let (limits, kv_writers, grammars) = ready_rx
+        let (limits, kv_writers, grammars, expert_load) = ready_rx
             .recv()
             .map_err(|_| EngineError::Internal("engine thread died while starting".into()))??;
         Ok(Self {
@@ -144,8 +146,15 @@ impl EngineHandle {
             limits,
             kv_writers,
             grammars,
+            expert_load,
             thread: Some(thread),
         })
+    }
+
+    /// A mixture of experts' rows per expert so far, in expert order (None for a dense model):
+    /// read from the counters the steps add to, without waiting for the engine's thread.
+    pub fn expert_load(&self) -> Option<Vec<u64>> {
+        self.expert_load.as_ref().map(|l| l.snapshot())
     }
 
     /// What requests are checked against; [`Self::submit`] checks them on the caller's thread.

@@ -59,7 +59,7 @@ pub use engine::{
     StaticBatches, StepCost, StepPlan, StepStats, TokenEvent, MAX_PASSED, MIN_PREFILL_CHUNK,
 };
 pub use error::EngineError;
-pub use forward::{OpTimes, SeqBatch};
+pub use forward::{ExpertLoad, OpTimes, SeqBatch};
 pub use handle::{EngineHandle, KvUpdate, RequestStream, StreamEvent};
 pub use kv_cache::{KvDtype, KvPool, KvPoolWriter};
 pub use sampler::{Sampled, Sampler};

@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use tandem_engine::backend::Backend;
 use tandem_engine::{
-    CpuBackend, CpuModel, Engine, EngineConfig, Request, SeqBatch, TpCpuBackend, TpCpuConfig,
-    WeightFormat,
+    CpuBackend, CpuModel, Engine, EngineConfig, Request, Samples, SamplingParams, SeqBatch,
+    TpCpuBackend, TpCpuConfig, WeightFormat,
 };
 
 fn load(family: &str) -> tandem_model::LoadedModel {
@@ -125,13 +125,26 @@ fn expert_parallel_engines_generate_what_one_rank_does() {
         max_batched_tokens: 24,
         ..EngineConfig::default()
     };
+    // Six greedy requests, and a seeded one sampled at temperature 1 three times (n = 3).
     let requests = || -> Vec<Request> {
-        (0..6u32)
+        let mut r: Vec<Request> = (0..6u32)
             .map(|i| {
                 let prompt: Vec<u32> = (0..5 + 7 * i).map(|t| (t * 13 + i) % 384).collect();
                 Request::greedy(prompt, 12).unwrap()
             })
-            .collect()
+            .collect();
+        let params = SamplingParams {
+            temperature: 1.0,
+            seed: Some(7),
+            max_tokens: 12,
+            ignore_eos: true,
+            ..Default::default()
+        };
+        r.push(Request {
+            samples: Samples { count: 3, first: 0 },
+            ..Request::new((0..20).collect(), params.validate().unwrap())
+        });
+        r
     };
     let run = |b: Box<dyn Backend>| {
         let mut e = Engine::with_backend(b, cfg.clone(), vec![]).unwrap();
@@ -147,6 +160,11 @@ fn expert_parallel_engines_generate_what_one_rank_does() {
         .unwrap(),
     ));
     assert!(want.iter().all(|o| o.len() == 12));
+    assert_eq!(want.len(), 9, "six greedy outputs and three samples");
+    assert!(
+        want[6..].windows(2).any(|w| w[0] != w[1]),
+        "the samples differ"
+    );
     for size in [2, 4] {
         let got = run(Box::new(ep(size, &m, &cfg)));
         assert_eq!(got, want, "ep {size}");

@@ -7,7 +7,9 @@ use std::sync::Arc;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::DescriptorEncoder;
 use prometheus_client::metrics::histogram::Histogram;
-use tandem_worker::metrics::{counter, engine_metrics, gauge, seconds, seconds_counter};
+use tandem_worker::metrics::{
+    counter, engine_metrics, expert_metrics, gauge, seconds, seconds_counter,
+};
 
 use crate::Shared;
 
@@ -63,6 +65,7 @@ impl Collector for Metrics {
         let s = &self.0;
         let stats = s.engine.stats();
         engine_metrics(&mut enc, &stats, &s.engine.limits())?;
+        expert_metrics(&mut enc, s.engine.expert_load().as_deref())?;
         s.requests.encode(&mut enc, &stats)?;
         let c = &s.counts;
         let l = |a: &AtomicU64| a.load(Ordering::Relaxed);

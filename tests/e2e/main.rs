@@ -8,6 +8,7 @@ mod common;
 mod bench_agents;
 mod cluster;
 mod disagg;
+mod disagg_moe;
 mod disagg_tp;
 mod discovery;
 mod dns_discovery;

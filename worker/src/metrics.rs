@@ -110,6 +110,25 @@ pub fn engine_metrics(
     )
 }
 
+/// A mixture of experts' load: rows each expert has computed (summed over the layers), one
+/// sample per expert, labelled by its index. Nothing for a dense model.
+pub fn expert_metrics(enc: &mut DescriptorEncoder, load: Option<&[u64]>) -> std::fmt::Result {
+    let Some(load) = load else {
+        return Ok(());
+    };
+    let mut m = enc.encode_descriptor(
+        "tandem_expert_rows",
+        "Rows each expert of a mixture of experts computed, over the layers",
+        None,
+        MetricType::Counter,
+    )?;
+    for (e, &v) in load.iter().enumerate() {
+        let e = e.to_string();
+        ConstCounter::new(v).encode(m.encode_family(&[("expert", e.as_str())])?)?;
+    }
+    Ok(())
+}
+
 /// Writes a counter of seconds, one sample (`name` gets `_seconds_total` appended).
 pub fn seconds_counter(
     enc: &mut DescriptorEncoder,

@@ -7,6 +7,7 @@
 //! are computed only for the rows that need a next token.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use rayon::prelude::*;
 use tandem_kernels::ops::{self, RopeTable};
@@ -18,7 +19,7 @@ use tandem_model::{LoadedModel, ModelConfig, TensorData};
 
 use crate::backend::{Backend, PoolSize};
 use crate::error::EngineError;
-use crate::forward::{self, ModelWeights, OpTimes, PackedStep, SeqBatch, StepOps};
+use crate::forward::{self, ExpertLoad, ModelWeights, OpTimes, PackedStep, SeqBatch, StepOps};
 use crate::kv_cache::KvPool;
 use crate::shard::TpShard;
 use tandem_collective::{Collective, SingleRank};
@@ -56,6 +57,8 @@ pub struct CpuModel {
     local: ModelConfig,
     weights: ModelWeights<Linear, Vec<f32>>,
     rope: RopeTable,
+    /// Rows routed to each expert (a mixture of experts; shared by a group's ranks).
+    expert_load: Option<Arc<ExpertLoad>>,
 }
 
 /// One matrix of `parts` stacked by rows (a single part is itself).
@@ -110,9 +113,11 @@ impl CpuModel {
             c.rope_position_scale(),
             c.max_position_embeddings,
         );
+        let expert_load = c.moe.as_ref().map(|m| Arc::new(ExpertLoad::new(m.experts)));
         Ok(Self {
             weights,
             rope,
+            expert_load,
             local: shard.local_config(&c),
             shard,
             config: c,
@@ -126,6 +131,18 @@ impl CpuModel {
             block_size,
             num_kv_heads: self.shard.kv_heads.len(),
             head_dim: self.config.head_dim,
+        }
+    }
+
+    /// Rows routed to each expert so far (a mixture of experts).
+    pub fn expert_load(&self) -> Option<Arc<ExpertLoad>> {
+        self.expert_load.clone()
+    }
+
+    /// Counts this model's routing into `load` (the one counter of a group's ranks).
+    pub(crate) fn share_expert_load(&mut self, load: Arc<ExpertLoad>) {
+        if self.expert_load.is_some() {
+            self.expert_load = Some(load);
         }
     }
 
@@ -269,6 +286,8 @@ struct CpuStep<'a> {
     kv: &'a mut KvPool,
     step: &'a PackedStep<'a>,
     attn: Vec<SeqAttn<'a>>,
+    /// Where routed rows are counted (a mixture of experts).
+    load: Option<&'a ExpertLoad>,
     /// The step's rotated queries and keys and its values, split out of the fused q|k|v rows.
     q: Vec<f32>,
     k: Vec<f32>,
@@ -304,6 +323,7 @@ impl<'a> CpuStep<'a> {
             kv,
             step,
             attn,
+            load: model.expert_load.as_deref(),
             q: vec![0f32; t * qd],
             k: vec![0f32; t * kvd],
             v: vec![0f32; t * kvd],
@@ -488,12 +508,11 @@ impl StepOps for CpuStep<'_> {
         let (n, h) = (x.total, self.c.hidden_size);
         let mut scores = vec![0f32; rows * n];
         x.router.matmul(&hidden[..rows * h], rows, &mut scores)?;
-        Ok(forward::Routing::from_scores(
-            &scores,
-            n,
-            x.active,
-            x.norm_topk,
-        ))
+        let routing = forward::Routing::from_scores(&scores, n, x.active, x.norm_topk);
+        if let Some(l) = self.load {
+            l.add(&routing);
+        }
+        Ok(routing)
     }
 
     fn experts(
@@ -869,6 +888,10 @@ impl Backend for CpuBackend {
 
     fn as_any(&self) -> &dyn std::any::Any {
         self
+    }
+
+    fn expert_load(&self) -> Option<Arc<ExpertLoad>> {
+        self.model.expert_load()
     }
 
     fn is_cpu(&self) -> bool {

@@ -114,6 +114,8 @@ pub struct TpCpuBackend {
     weight_bytes: usize,
     kv_bytes_per_token: f64,
     kv_dtype: &'static str,
+    /// Rows routed to each expert, counted by every rank.
+    expert_load: Option<Arc<crate::forward::ExpertLoad>>,
 }
 
 impl TpCpuBackend {
@@ -148,10 +150,17 @@ impl TpCpuBackend {
                 .collect::<Result<Vec<_>, _>>()?,
             false => TpShard::plan_all(c, setup.size)?,
         };
-        let models = shards
+        let mut models = shards
             .into_iter()
             .map(|s| CpuModel::shard_from_tensors(c, tensors, format, s))
             .collect::<Result<Vec<_>, _>>()?;
+        // One count for the group: each rank adds the rows it routes.
+        let expert_load = models.first().and_then(CpuModel::expert_load);
+        if let Some(load) = &expert_load {
+            for m in &mut models {
+                m.share_expert_load(load.clone());
+            }
+        }
         let layouts: Vec<_> = models
             .iter()
             .map(|m| m.kv_layout(pool.block_size))
@@ -213,6 +222,7 @@ impl TpCpuBackend {
             weight_bytes,
             kv_bytes_per_token: block_bytes as f64 / pool.block_size as f64,
             kv_dtype: pool.kv_dtype.name(),
+            expert_load,
         })
     }
 
@@ -416,6 +426,10 @@ impl Backend for TpCpuBackend {
             true => 1,
             false => self.ranks.len(),
         }
+    }
+
+    fn expert_load(&self) -> Option<Arc<crate::forward::ExpertLoad>> {
+        self.expert_load.clone()
     }
 
     fn is_cpu(&self) -> bool {

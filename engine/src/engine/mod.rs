@@ -413,6 +413,11 @@ impl Engine {
         }
     }
 
+    /// A mixture of experts' rows per expert so far (None for a dense model).
+    pub fn expert_load(&self) -> Option<std::sync::Arc<crate::forward::ExpertLoad>> {
+        self.backend.expert_load()
+    }
+
     /// Forgets every cached prefix that no running sequence holds.
     pub fn clear_prefix_cache(&self) {
         self.blocks.clear_cache();

@@ -181,6 +181,14 @@ impl Launch {
         l
     }
 
+    /// Another model file than the test model, for the role's own `--model` flag.
+    pub fn model(mut self, path: &std::path::Path) -> Self {
+        for a in self.args.iter_mut().filter(|a| a.starts_with("--model=")) {
+            *a = format!("--model={}", path.display());
+        }
+        self
+    }
+
     /// More flags, after the role's.
     pub fn args(mut self, extra: &[&str]) -> Self {
         self.args.extend(extra.iter().map(|s| s.to_string()));
