@@ -11,12 +11,15 @@
 //! each weight is read and decoded once per call and no task waits on another. A task decodes
 //! its panels to f32 in a per-thread tile, column after column (a few columns at a time for few
 //! activation rows, so they stay in L1; all of them for many, so the activations stream past a
-//! tile in L2), and multiplies through [`panel_product`]. One activation row against Q4_1 or
-//! Q8_0 panels decodes in registers instead ([`dot_quant_x1`], the same bits).
+//! tile in L2), and multiplies through [`panel_product`]. A few activation rows against
+//! quantized panels decode in registers instead ([`crate::simd::dot_quant_rows`], the same
+//! bits).
 
 use rayon::prelude::*;
 
-use crate::simd::{dot_quant_x1, has_quant_x1, panel_product, x1_unit, MAX_PANELS, PANEL};
+use crate::simd::{
+    dot_quant_rows, fused_rows, has_quant_x1, panel_product, x1_unit, MAX_PANELS, PANEL,
+};
 use crate::{KernelError, Weight};
 
 /// Output rows per rayon task, at most: whole panels, as many as a register tile takes (four
@@ -129,12 +132,11 @@ fn run(t: Task<'_>) {
     let (p0, np) = (r0 / PANEL, rows.div_ceil(PANEL));
     let at = base + r0;
     match w {
-        // One activation row (a decode step of one sequence): each panel block decoded in
-        // registers and used at once.
-        Weight::Quant { ty, data, .. } if m == 1 && has_quant_x1(*ty) => {
-            // SAFETY: outputs at.. +rows of the one row are this task's.
-            let o = unsafe { std::slice::from_raw_parts_mut(dst.at(at), rows) };
-            dot_quant_x1(*ty, data, w.rows(), p0, x, o);
+        // A few activation rows (decode steps of few sequences, an expert's rows): each panel
+        // block decoded in registers once for all of them and used at once.
+        Weight::Quant { ty, data, .. } if m <= fused_rows() && has_quant_x1(*ty) => {
+            // SAFETY: outputs at.. +rows of every row (n apart) are this task's.
+            unsafe { dot_quant_rows(*ty, data, w.rows(), p0, x, m, dst.at(at), n, rows) };
         }
         // The decoded tile lives in a per-thread buffer: allocating it per task would map and
         // unmap pages (and shoot down TLBs on every core) thousands of times a step.

@@ -430,22 +430,25 @@ pub unsafe fn dequant_panel<F: Fmt>(panel: *const u8, b0: usize, b1: usize, out:
     }
 }
 
-/// One activation row `x` (`k` values) against `P` panels of format `F` at `panels` (each
-/// `pl` bytes, the panels of one matrix): each column's sixteen weights a panel decoded in
-/// registers to exactly what [`dequant_panel`] writes and multiplied into the panel's
-/// accumulator, column after column: [`panel_tile`]'s bits. The first `cols` outputs go to
-/// `out`.
+/// `M` activation rows `x` (`k` values each, `ldx` apart) against `P` panels of format `F` at
+/// `panels` (each `pl` bytes, the panels of one matrix): each column's sixteen weights a panel
+/// decoded in registers to exactly what [`dequant_panel`] writes, once for all the rows, and
+/// multiplied into each row's accumulator for the panel, column after column: [`panel_tile`]'s
+/// bits. The first `cols` outputs of each row go to `out` (rows `ldo` apart).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-pub unsafe fn dot_quant_x1<F: Fmt, const P: usize>(
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn dot_quant_xm<F: Fmt, const P: usize, const M: usize>(
     panels: [*const u8; P],
     pl: usize,
     x: *const f32,
+    ldx: usize,
     k: usize,
     out: *mut f32,
+    ldo: usize,
     cols: usize,
 ) {
     let l = F::L;
-    let mut acc = [_mm512_setzero_ps(); P];
+    let mut acc = [[_mm512_setzero_ps(); P]; M];
     for b in 0..k / 32 {
         let (ho, so) = l.block(b);
         let from = if b % l.subs == 0 { ho } else { so };
@@ -463,23 +466,28 @@ pub unsafe fn dot_quant_x1<F: Fmt, const P: usize>(
             }
             (s[p], m[p]) = scales::<F>(panels[p].add(ho), panels[p].add(so), 0);
         }
-        let xb = x.add(32 * b);
         for g in 0..8 {
             if F::HALVES && g == 4 {
                 for p in 0..P {
                     (s[p], m[p]) = scales::<F>(panels[p].add(ho), panels[p].add(so), 1);
                 }
             }
-            let xv: [__m512; 4] = std::array::from_fn(|i| _mm512_set1_ps(*xb.add(4 * g + i)));
+            let t = 32 * b + 4 * g;
             for p in 0..P {
                 let q = quad::<F>(panels[p].add(so + l.scales), g);
-                for (x, q) in xv.iter().zip(q) {
-                    acc[p] = _mm512_fmadd_ps(*x, value::<F>(q, s[p], m[p]), acc[p]);
+                for (i, q) in q.into_iter().enumerate() {
+                    let w = value::<F>(q, s[p], m[p]);
+                    for (a, acc) in acc.iter_mut().enumerate() {
+                        let xv = _mm512_set1_ps(*x.add(a * ldx + t + i));
+                        acc[p] = _mm512_fmadd_ps(xv, w, acc[p]);
+                    }
                 }
             }
         }
     }
-    for (p, a) in acc.iter().enumerate() {
-        _mm512_mask_storeu_ps(out.add(16 * p), lanes(cols, p), *a);
+    for (a, acc) in acc.iter().enumerate() {
+        for (p, c) in acc.iter().enumerate() {
+            _mm512_mask_storeu_ps(out.add(a * ldo + 16 * p), lanes(cols, p), *c);
+        }
     }
 }
