@@ -586,7 +586,7 @@ pub unsafe fn dequant_panel<F: Fmt>(panel: *const u8, b0: usize, b1: usize, out:
     }
 }
 
-/// See the AVX-512 `dot_quant_x1`: one activation row against `P` panels decoded in registers,
+/// See the AVX-512 `dot_quant_xm`: one activation row against `P` panels decoded in registers,
 /// [`panel_tile`]'s bits.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_quant_x1<F: Fmt, const P: usize>(

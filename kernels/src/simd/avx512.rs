@@ -25,7 +25,7 @@ pub unsafe fn fma_burst(rounds: usize) -> f32 {
 const PREFETCH_AHEAD: usize = 16384;
 
 /// The same for each of the panels one row is multiplied against in registers
-/// ([`dot_quant_x1`]), side by side: the model's products of one row from memory, 4 KiB ahead
+/// ([`dot_quant_xm`]), side by side: the model's products of one row from memory, 4 KiB ahead
 /// 3.2-3.5 ms when the streams ran into each other's panels, 2.5 ms with each stream's reach
 /// passing its panel's end into the one the task takes next (2-8 KiB alike).
 const X1_AHEAD: usize = 8192;

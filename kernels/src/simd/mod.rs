@@ -7,9 +7,9 @@
 //! ([`panel_product`]), whatever the batch. (llama.cpp instead rounds activations to 8 bits, which
 //! is faster but no longer matches an f32 reference token for token.)
 //!
-//! Q4_1 and Q8_0 weights are kept in *panels* of sixteen rows (see [`to_panels`]): a column's
-//! sixteen weights side by side, so they widen into one vector whose lanes are sixteen outputs.
-//! Same bytes as GGML's blocks, rearranged.
+//! Quantized weights, every GGML type, are kept in *panels* of sixteen rows (see [`fmt`]): a
+//! column's sixteen weights side by side, so they widen into one vector whose lanes are sixteen
+//! outputs. The bytes of GGML's blocks, rearranged.
 
 use tandem_model::GgmlType;
 
@@ -538,7 +538,7 @@ unsafe fn dequant_panel_at(
     fmt::with_fmt!(ty, F => portable::dequant_panel::<F>(src, b0, b1, o))
 }
 
-/// Whether [`dot_quant_x1`] serves weights of `ty` in this process (panels, AVX2 and up).
+/// Whether [`dot_quant_rows`] serves weights of `ty` in this process (panels, AVX2 and up).
 pub fn has_quant_x1(ty: GgmlType) -> bool {
     is_paneled(ty) && has_avx2_fma()
 }
@@ -555,7 +555,7 @@ fn ahead(at: *const u8, o: usize, pl: usize, streams: usize, dist: usize) -> *co
     at.wrapping_add(dist + skip) as *const i8
 }
 
-/// Panels that a [`dot_quant_x1`] call's share is best a multiple of: two at AVX2, which takes
+/// Panels that a one-row [`dot_quant_rows`] call's share is best a multiple of: two at AVX2, which takes
 /// them in pairs (a third alone is two FMA chains, half the rate; the model's down product of
 /// one row in tasks of three panels on Zen 5 took 0.83 ms, in tasks of two 0.72), one at
 /// AVX-512.
