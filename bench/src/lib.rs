@@ -217,11 +217,19 @@ pub fn run_engine_bench(
         .unwrap_or_default();
     // Each op's milliseconds (its seconds × `scale`), weights read in `steps` steps and FLOPs
     // at `rows` rows a projection and `head_rows` through the head.
+    // The ops this model has: a dense MLP's three, or a mixture of experts' two.
+    let experts = engine.model_config().moe.is_some();
+    let has = move |op: &str| match op {
+        "gate_up" | "silu" | "down" => !experts,
+        "router" | "experts" => experts,
+        _ => true,
+    };
     let shares =
         |times: &tandem_engine::OpTimes, scale: f64, steps: usize, rows: f64, head_rows: f64| {
             times
                 .named()
                 .into_iter()
+                .filter(|(op, _)| has(op))
                 .map(|(op, s)| {
                     let (bytes, n) = weights_by_op
                         .iter()

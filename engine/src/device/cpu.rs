@@ -731,22 +731,30 @@ fn expert_rows(
             xs
         })
         .collect();
-    let mut gu: Vec<Vec<f32>> = ran
-        .iter()
-        .map(|&e| vec![0f32; by_expert[e].len() * 2 * ff])
-        .collect();
-    let mut products: Vec<Product<'_>> = ran
-        .iter()
-        .zip(&xs)
-        .zip(gu.iter_mut())
-        .map(|((&e, x_e), out)| Product {
-            x: x_e,
-            m: by_expert[e].len(),
-            w: x.experts[e].0.weight(),
-            out,
-        })
-        .collect();
-    matmul_many(&mut products)?;
+    // Each expert's product of its rows `inputs[i]` by its gate|up (or its down), `width`
+    // outputs a row, all in one pass.
+    let grouped = |inputs: &[Vec<f32>], down: bool, width: usize| {
+        let mut outs: Vec<Vec<f32>> = ran
+            .iter()
+            .map(|&e| vec![0f32; by_expert[e].len() * width])
+            .collect();
+        let mut products: Vec<Product<'_>> = ran
+            .iter()
+            .zip(inputs)
+            .zip(outs.iter_mut())
+            .map(|((&e, rows), out)| Product {
+                x: rows,
+                m: by_expert[e].len(),
+                w: match down {
+                    false => x.experts[e].0.weight(),
+                    true => x.experts[e].1.weight(),
+                },
+                out,
+            })
+            .collect();
+        matmul_many(&mut products).map(|()| outs)
+    };
+    let gu = grouped(&xs, false, 2 * ff)?;
     let act: Vec<Vec<f32>> = gu
         .par_iter()
         .map(|g| {
@@ -759,22 +767,7 @@ fn expert_rows(
             a
         })
         .collect();
-    let mut ys: Vec<Vec<f32>> = ran
-        .iter()
-        .map(|&e| vec![0f32; by_expert[e].len() * h])
-        .collect();
-    let mut products: Vec<Product<'_>> = ran
-        .iter()
-        .zip(&act)
-        .zip(ys.iter_mut())
-        .map(|((&e, a), out)| Product {
-            x: a,
-            m: by_expert[e].len(),
-            w: x.experts[e].1.weight(),
-            out,
-        })
-        .collect();
-    matmul_many(&mut products)?;
+    let ys = grouped(&act, true, h)?;
     let outs = ran.into_iter().zip(ys);
     let mut y = vec![0f32; items.len() * h];
     for (e, ys) in outs {
