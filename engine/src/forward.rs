@@ -516,9 +516,6 @@ pub(crate) fn forward<D: StepOps>(
             }
             Mlp::Experts(x) => {
                 let routing = op!(times, d, router, d.route(x, &hbuf, t))?;
-                if let Some(times) = times.as_deref_mut() {
-                    times.expert_rows += routing.expert.len() as f64;
-                }
                 op!(times, d, experts, d.experts(x, &hbuf, &routing, &mut proj))?;
             }
         }
@@ -678,9 +675,6 @@ pub struct OpTimes {
     pub router: f64,
     /// A mixture of experts' expert products (gate|up, silu, down) and their weighted sum.
     pub experts: f64,
-    /// Rows the experts computed (each token once for each of its experts, over the layers):
-    /// a count, not seconds.
-    pub expert_rows: f64,
 }
 
 impl OpTimes {
@@ -717,7 +711,6 @@ impl std::ops::AddAssign for OpTimes {
         self.collectives += o.collectives;
         self.router += o.router;
         self.experts += o.experts;
-        self.expert_rows += o.expert_rows;
     }
 }
 

@@ -95,6 +95,12 @@ impl TpShard {
         })
     }
 
+    /// This rank's place `(rank, size)` in the group its steps run in: the expert-parallel
+    /// group's, else the tensor-parallel one's.
+    pub fn group(&self) -> (usize, usize) {
+        self.ep.unwrap_or((self.rank, self.size))
+    }
+
     /// The rank of an expert-parallel group of `size` that holds expert `e` of `experts`.
     pub fn expert_owner(e: usize, experts: usize, size: usize) -> usize {
         e / (experts / size).max(1)

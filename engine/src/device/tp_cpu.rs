@@ -203,7 +203,7 @@ impl TpCpuBackend {
             if shared.is_none() || pools.is_empty() {
                 pools.push((heads.start as u32..heads.end as u32, kv.alias()));
             }
-            let copies = shared.is_none() || model.shard.ep.is_some_and(|(r, _)| r == 0);
+            let copies = shared.is_none() || model.shard.group().0 == 0;
             ranks.push(Rank::start(
                 model,
                 kv,
@@ -288,7 +288,7 @@ impl Rank {
         threads: usize,
         copies: bool,
     ) -> Result<Self, EngineError> {
-        let rank = model.shard.ep.map_or(model.shard.rank, |(r, _)| r);
+        let rank = model.shard.group().0;
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(move |i| format!("tp{rank}-{i}"))

@@ -46,6 +46,28 @@ QWEN_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+# Qwen2, Qwen3 and Qwen3-MoE: the same special tokens and chat format.
+QWEN_TOKENS = {
+    "special": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+    "bos": None,
+    "eos": "<|im_end|>",
+    "add_bos": False,
+    "template": QWEN_TEMPLATE,
+}
+
+# Mistral and Mixtral write turns the same way, with the same special tokens.
+MISTRAL_TOKENS = {
+    "special": ["<s>", "</s>", "[INST]", "[/INST]"],
+    "bos": "<s>",
+    "eos": "</s>",
+    "add_bos": True,
+    "template": (
+        "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] "
+        "{{ m['content'] }} [/INST]{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}"
+        "{% endfor %}"
+    ),
+}
+
 FAMILIES = {
     "llama3": {
         "special": ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
@@ -69,15 +91,7 @@ FAMILIES = {
         },
     },
     "mistral": {
-        "special": ["<s>", "</s>", "[INST]", "[/INST]"],
-        "bos": "<s>",
-        "eos": "</s>",
-        "add_bos": True,
-        "template": (
-            "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] "
-            "{{ m['content'] }} [/INST]{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}"
-            "{% endfor %}"
-        ),
+        **MISTRAL_TOKENS,
         "config": {
             "architectures": ["MistralForCausalLM"],
             "model_type": "mistral",
@@ -88,11 +102,7 @@ FAMILIES = {
         },
     },
     "qwen2": {
-        "special": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        "bos": None,
-        "eos": "<|im_end|>",
-        "add_bos": False,
-        "template": QWEN_TEMPLATE,
+        **QWEN_TOKENS,
         "config": {
             "architectures": ["Qwen2ForCausalLM"],
             "model_type": "qwen2",
@@ -102,11 +112,7 @@ FAMILIES = {
         },
     },
     "qwen3": {
-        "special": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        "bos": None,
-        "eos": "<|im_end|>",
-        "add_bos": False,
-        "template": QWEN_TEMPLATE,
+        **QWEN_TOKENS,
         "config": {
             "architectures": ["Qwen3ForCausalLM"],
             "model_type": "qwen3",
@@ -118,11 +124,7 @@ FAMILIES = {
         },
     },
     "qwen3_moe": {
-        "special": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        "bos": None,
-        "eos": "<|im_end|>",
-        "add_bos": False,
-        "template": QWEN_TEMPLATE,
+        **QWEN_TOKENS,
         "config": {
             "architectures": ["Qwen3MoeForCausalLM"],
             "model_type": "qwen3_moe",
@@ -140,15 +142,7 @@ FAMILIES = {
         },
     },
     "mixtral": {
-        "special": ["<s>", "</s>", "[INST]", "[/INST]"],
-        "bos": "<s>",
-        "eos": "</s>",
-        "add_bos": True,
-        "template": (
-            "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] "
-            "{{ m['content'] }} [/INST]{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}"
-            "{% endfor %}"
-        ),
+        **MISTRAL_TOKENS,
         "config": {
             "architectures": ["MixtralForCausalLM"],
             "model_type": "mixtral",
