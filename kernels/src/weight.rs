@@ -225,19 +225,9 @@ impl Weight {
         let out = &mut out[..span * PANEL];
         match self {
             Self::F32 { data, rows, cols } => {
-                for j in 0..PANEL {
-                    let r = p * PANEL + j;
-                    if r < *rows {
-                        let row = &data[r * cols + t0..r * cols + t1];
-                        for (i, v) in row.iter().enumerate() {
-                            out[i * PANEL + j] = *v;
-                        }
-                    } else {
-                        for i in 0..span {
-                            out[i * PANEL + j] = 0.0;
-                        }
-                    }
-                }
+                let (r0, n) = (p * PANEL, rows.saturating_sub(p * PANEL).min(PANEL));
+                let src = &data[(r0 * cols + t0).min(data.len())..];
+                crate::simd::transpose_panel(src, *cols, n, span, out);
             }
             Self::Quant {
                 ty,

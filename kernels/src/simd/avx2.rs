@@ -3,6 +3,44 @@
 use super::fmt::Fmt;
 use super::*;
 
+/// Half of [`super::transpose_panel`]'s full panel: 8 rows (`ld` apart) of 8 values at `src`
+/// into 8 columns of 8 at `out`, 16 apart (the panel's other half of rows beside them).
+#[target_feature(enable = "avx2")]
+pub unsafe fn transpose8(src: *const f32, ld: usize, out: *mut f32) {
+    let r: [__m256; 8] = std::array::from_fn(|j| _mm256_loadu_ps(src.add(j * ld)));
+    let t: [__m256; 8] = std::array::from_fn(|i| {
+        let (a, b) = (r[i & !1], r[i | 1]);
+        if i % 2 == 0 {
+            _mm256_unpacklo_ps(a, b)
+        } else {
+            _mm256_unpackhi_ps(a, b)
+        }
+    });
+    // u[4g + k]: rows 4g..4g+4 of column k of each 128-bit lane (lane L: column 4L + k).
+    let u: [__m256; 8] = std::array::from_fn(|i| {
+        let (g, k) = (i / 4, i % 4);
+        let (a, b) = (
+            _mm256_castps_pd(t[4 * g + k / 2]),
+            _mm256_castps_pd(t[4 * g + 2 + k / 2]),
+        );
+        _mm256_castpd_ps(if k % 2 == 0 {
+            _mm256_unpacklo_pd(a, b)
+        } else {
+            _mm256_unpackhi_pd(a, b)
+        })
+    });
+    for k in 0..4 {
+        _mm256_storeu_ps(
+            out.add(16 * k),
+            _mm256_permute2f128_ps::<0x20>(u[k], u[4 + k]),
+        );
+        _mm256_storeu_ps(
+            out.add(16 * (4 + k)),
+            _mm256_permute2f128_ps::<0x31>(u[k], u[4 + k]),
+        );
+    }
+}
+
 /// See [`super::fma_burst`].
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn fma_burst(rounds: usize) -> f32 {

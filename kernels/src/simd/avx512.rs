@@ -192,6 +192,49 @@ pub unsafe fn dot_keys_t<T: KvValue, const N: usize>(
     }
 }
 
+/// See [`super::transpose_panel`]: 16 rows (`ld` apart) of 16 values at `src` into 16 columns
+/// of 16 at `out`. Pairs of rows interleave, then pairs of pairs, within each 128-bit lane;
+/// then lanes are gathered across the four groups of four rows.
+#[target_feature(enable = "avx512f")]
+pub unsafe fn transpose16(src: *const f32, ld: usize, out: *mut f32) {
+    let r: [__m512; 16] = std::array::from_fn(|j| _mm512_loadu_ps(src.add(j * ld)));
+    // t[2a], t[2a+1]: rows 2a and 2a+1 interleaved (lane values 0,1 then 2,3).
+    let t: [__m512; 16] = std::array::from_fn(|i| {
+        let (a, b) = (r[i & !1], r[i | 1]);
+        if i % 2 == 0 {
+            _mm512_unpacklo_ps(a, b)
+        } else {
+            _mm512_unpackhi_ps(a, b)
+        }
+    });
+    // u[4g + k]: rows 4g..4g+4 of column k of each 128-bit lane (lane L: column 4L + k).
+    let u: [__m512; 16] = std::array::from_fn(|i| {
+        let (g, k) = (i / 4, i % 4);
+        let (a, b) = (
+            _mm512_castps_pd(t[4 * g + k / 2]),
+            _mm512_castps_pd(t[4 * g + 2 + k / 2]),
+        );
+        _mm512_castpd_ps(if k % 2 == 0 {
+            _mm512_unpacklo_pd(a, b)
+        } else {
+            _mm512_unpackhi_pd(a, b)
+        })
+    });
+    for k in 0..4 {
+        let (u0, u1, u2, u3) = (u[k], u[4 + k], u[8 + k], u[12 + k]);
+        // Lanes 0 and 2 (v) and 1 and 3 (w) of each group, two groups a vector.
+        let v01 = _mm512_shuffle_f32x4::<0x88>(u0, u1);
+        let w01 = _mm512_shuffle_f32x4::<0xDD>(u0, u1);
+        let v23 = _mm512_shuffle_f32x4::<0x88>(u2, u3);
+        let w23 = _mm512_shuffle_f32x4::<0xDD>(u2, u3);
+        let col = |lane: usize| out.add(16 * (4 * lane + k));
+        _mm512_storeu_ps(col(0), _mm512_shuffle_f32x4::<0x88>(v01, v23));
+        _mm512_storeu_ps(col(2), _mm512_shuffle_f32x4::<0xDD>(v01, v23));
+        _mm512_storeu_ps(col(1), _mm512_shuffle_f32x4::<0x88>(w01, w23));
+        _mm512_storeu_ps(col(3), _mm512_shuffle_f32x4::<0xDD>(w01, w23));
+    }
+}
+
 /// `G` heads; `d` is a multiple of 64. Each 64-wide slice of a row is loaded once for all heads
 /// and the `4·G` accumulators stay in registers across the rows.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]

@@ -458,6 +458,56 @@ pub fn scale_row(x: &[f32], w: &[f32], inv: f32, out: &mut [f32]) {
     }
 }
 
+/// Rows `0..rows` (at most [`PANEL`]) of `src`, row `j` at `src[j·ld..]`, `span` values each,
+/// column after column into `out`: `out[16·i + j] = src[j·ld + i]`, rows `rows..16` zeros, the
+/// layout [`panel_product`] multiplies. A copy (every level gives the same values): a full
+/// panel is transposed 16 × 16 (AVX-512) or 8 × 8 (AVX2) in registers, where one value at a
+/// time made a product of one row against an f32 weight run at a third of the memory's rate.
+pub fn transpose_panel(src: &[f32], ld: usize, rows: usize, span: usize, out: &mut [f32]) {
+    assert!(
+        rows <= PANEL
+            && out.len() >= span * PANEL
+            && (rows == 0 || src.len() >= (rows - 1) * ld + span),
+        "transpose_panel: {rows} rows of {span} (stride {ld}) do not fit"
+    );
+    let mut i0 = 0;
+    #[cfg(target_arch = "x86_64")]
+    if rows == PANEL {
+        // SAFETY: the level's features are on this CPU; rows 0..16 hold `span` values from
+        // each start (asserted), and `out` 16 per column.
+        unsafe {
+            if has_avx512() {
+                while i0 + 16 <= span {
+                    avx512::transpose16(src.as_ptr().add(i0), ld, out.as_mut_ptr().add(16 * i0));
+                    i0 += 16;
+                }
+            } else if has_avx2_fma() {
+                while i0 + 8 <= span {
+                    for half in 0..2 {
+                        avx2::transpose8(
+                            src.as_ptr().add(8 * half * ld + i0),
+                            ld,
+                            out.as_mut_ptr().add(16 * i0 + 8 * half),
+                        );
+                    }
+                    i0 += 8;
+                }
+            }
+        }
+    }
+    for j in 0..PANEL {
+        if j < rows {
+            for i in i0..span {
+                out[i * PANEL + j] = src[j * ld + i];
+            }
+        } else {
+            for i in i0..span {
+                out[i * PANEL + j] = 0.0;
+            }
+        }
+    }
+}
+
 /// Rotates pairs `(a[i], b[i])` by the angles whose cosines and sines are `c[i]`, `s[i]`:
 /// `a' = a·c − b·s`, `b' = b·c + a·s`, each product rounded before the sum at every level.
 pub fn rotate(a: &mut [f32], b: &mut [f32], c: &[f32], s: &[f32]) {
@@ -770,6 +820,35 @@ mod portable;
 mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
+
+    /// The transposing copy gives what one value at a time gives, for full
+    /// panels and edges (short rows, spans not a multiple of the register tile).
+    #[test]
+    fn transpose_panel_matches_the_plain_copy() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(41);
+        for (rows, span, ld) in [
+            (16, 128, 2048),
+            (16, 37, 40),
+            (16, 8, 8),
+            (7, 64, 64),
+            (0, 5, 5),
+        ] {
+            let src: Vec<f32> = (0..rows.max(1) * ld)
+                .map(|_| rng.gen_range(-1.0..1.0))
+                .collect();
+            let mut want = vec![f32::NAN; span * PANEL];
+            for i in 0..span {
+                for j in 0..PANEL {
+                    want[i * PANEL + j] = if j < rows { src[j * ld + i] } else { 0.0 };
+                }
+            }
+            // At the process's level (scripts/test runs this at each level the CPU has).
+            let mut got = vec![f32::NAN; span * PANEL];
+            transpose_panel(&src, ld, rows, span, &mut got);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "{rows} rows of {span}");
+        }
+    }
 
     /// Reference dot product: eight running sums, the order a plain loop vectorizes in.
     fn dot_scalar(a: &[f32], b: &[f32]) -> f32 {
