@@ -3,7 +3,8 @@
 //! default) of `CONTEXT` tokens (64), each layer's cache its own slab and each sequence's blocks
 //! scattered over it, as a pool hands them out to sequences growing side by side. Prints the
 //! step's attention time, the rate it reads the cache at, and this machine's read rate beside it
-//! (measured here). `TANDEM_ISA` picks the level:
+//! (measured here). With `QLEN` new tokens per sequence (a prefill: `SEQS=1 CONTEXT=512
+//! QLEN=512`) it prints the flop rate instead. `TANDEM_ISA` picks the level:
 //! `cargo run --release -p tandem-kernels --example decode_attention`.
 
 use std::time::Instant;
@@ -27,6 +28,8 @@ fn run() {
         env_count("CONTEXT", 64),
         env_count("STEPS", 20),
     );
+    // New tokens per sequence: 1 for a decode step, the context for a prefill.
+    let q_len = env_count("QLEN", 1).clamp(1, context);
     let (layers, heads) = (30, 9);
     let layout = KvLayout {
         block_size: 16,
@@ -51,15 +54,15 @@ fn run() {
     }
     let slabs: Vec<&[f32]> = cache.chunks_exact(slab).collect();
     let width = heads * layout.head_dim;
-    let q: Vec<f32> = (0..seqs * width)
+    let q: Vec<f32> = (0..seqs * q_len * width)
         .map(|i| ((i * 31) % 97) as f32 / 97.0 - 0.5)
         .collect();
     let batch: Vec<SeqAttn<'_>> = tables
         .iter()
         .enumerate()
         .map(|(s, t)| SeqAttn {
-            q_start: s,
-            q_len: 1,
+            q_start: s * q_len,
+            q_len,
             context_len: context,
             block_table: t,
         })
@@ -69,7 +72,7 @@ fn run() {
         scale: 0.125,
         window: None,
     };
-    let mut out = vec![0f32; seqs * width];
+    let mut out = vec![0f32; seqs * q_len * width];
     let med = median_secs(steps, || {
         for &slab in &slabs {
             paged_attention(&q, spec, KvSlab::F32(slab), layout, &batch, &mut out).unwrap();
@@ -90,6 +93,17 @@ fn run() {
         (4 * words * 8) as f64 / t.elapsed().as_secs_f64()
     });
     let read: f64 = rates.iter().sum::<f64>() / 1e9;
+    if q_len > 1 {
+        // Scores and weighted values: 4 flops per query head, key seen and dimension.
+        let seen: usize = (context - q_len + 1..=context).sum();
+        let flops = (4 * layers * seqs * heads * seen * layout.head_dim) as f64;
+        println!(
+            "{seqs} sequences, {q_len} new of {context} tokens, {threads} threads: attention {:.2} ms (median of {steps}), {:.1} GFLOP/s",
+            med * 1e3,
+            flops / med / 1e9
+        );
+        return;
+    }
     println!(
         "{seqs} sequences of {context} tokens, {threads} threads: attention of a step {:.2} ms (median of {steps}), cache read at {:.1} GB/s, {:.0}% of the read rate ({read:.1} GB/s)",
         med * 1e3,

@@ -533,9 +533,16 @@ pub fn paged_attention(
         // The run's key and value ranges in the order they are read, fetched a few ahead of
         // use across item boundaries: a decode item reads a few KiB from each of a few blocks
         // scattered in the pool, too little for the hardware prefetcher to find the stream.
-        let mut ahead = Ahead::default();
+        //
+        // A prefill tile reads each range once for many rows' work, long enough for the
+        // prefetcher and the caches: its task asks for nothing (the requests cost a tenth of a
+        // prefill's attention: `examples/decode_attention` with `QLEN`).
+        let mut ahead = Ahead {
+            on: run.iter().any(|(it, _)| it.rows == 1),
+            ..Ahead::default()
+        };
         let (bs, k_len) = (layout.block_size, hd * layout.block_size);
-        for (it, _) in run.iter() {
+        for (it, _) in run.iter().filter(|_| ahead.on) {
             for (j0, j1) in it.segments() {
                 let runs = || block_runs(seqs[it.seq].block_table, bs, j0, j1);
                 let keys = runs().map(|(blk, ..)| (layout.kt_at(blk, it.kvh), k_len));
@@ -631,6 +638,8 @@ const PREFETCH_RANGES: usize = 2;
 /// The cache ranges a task reads, in order, and how far it has asked for them.
 #[derive(Default)]
 struct Ahead {
+    /// Whether the task asks for its ranges at all.
+    on: bool,
     /// (offset, values) of each range.
     ranges: Vec<(usize, usize)>,
     /// Ranges used so far, and ranges requested so far.
@@ -641,6 +650,9 @@ struct Ahead {
 impl Ahead {
     /// The next range is about to be read: request those up to [`PREFETCH_RANGES`] past it.
     fn next(&mut self, cache: &KvSlab<'_>) {
+        if !self.on {
+            return;
+        }
         let until = (self.used + 1 + PREFETCH_RANGES).min(self.ranges.len());
         while self.asked < until {
             let (at, len) = self.ranges[self.asked];
@@ -686,8 +698,10 @@ fn attend_tile(
     let nq = qt.len() / hd;
     let g = nq / it.rows;
     let n = j1 - j0;
-    scores.clear();
-    scores.resize(nq * n, 0.0);
+    // Every score is written below (the runs cover j0..j1), so the buffer is only grown.
+    if scores.len() < nq * n {
+        scores.resize(nq * n, 0.0);
+    }
     for (blk, off, run, at) in block_runs(s.block_table, bs, j0, j1) {
         ahead.next(cache);
         let keys = (
