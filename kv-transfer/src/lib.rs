@@ -6,12 +6,14 @@
 //! with its TCP implementation ([`transport`]), a sender's chunk cut into the frames a receiver of
 //! any tensor-parallel size takes ([`FramePlan`], rebuilding head ranges with [`regroup`]), and the receiving endpoint [`KvReceiver`] that
 //! writes frames straight into the blocks granted to a transfer, enforces deadlines and counts
-//! every rejected frame by reason ([`receiver`]). Does not own the KV pool (tandem-engine; the
+//! every rejected frame by reason ([`receiver`]), and the disk tier that keeps blocks in files
+//! keyed by their prefix hash, checksummed like frames ([`disk`]). Does not own the KV pool (tandem-engine; the
 //! pool is reached through [`BlockSink`]) or the prefill/decode handshake (the workers).
 
 #![deny(missing_docs)]
 
 pub mod auth;
+pub mod disk;
 #[cfg(feature = "fault-injection")]
 pub mod fault;
 mod receiver;
@@ -22,6 +24,7 @@ pub mod wire;
 mod xxh3;
 
 pub use auth::Secret;
+pub use disk::{DiskError, DiskTier, DiskTierConfig, DiskTierStats};
 #[cfg(feature = "fault-injection")]
 pub use fault::WireFault;
 pub use receiver::{BlockSink, KvReceiver, Rejections, TransferGrant, TransferStats};
