@@ -13,7 +13,7 @@ use crate::{bench_serve, fetch, EngineArgs};
 #[derive(Subcommand)]
 pub enum BenchCommand {
     /// Engine throughput (prefill, decode) next to this machine's measured roofline.
-    Engine(BenchEngineArgs),
+    Engine(Box<BenchEngineArgs>),
     /// Load an OpenAI-compatible server (or two side by side) with a dataset and an arrival
     /// process: TTFT, inter-token, TPOT and end-to-end percentiles, throughput, goodput, the
     /// servers' own counters, an HTML report (a local cluster against the engine alone when no
@@ -531,7 +531,7 @@ fn bench_constrained(
 /// Runs one `tandem bench` command.
 pub fn run(what: BenchCommand) -> Result<()> {
     match what {
-        BenchCommand::Engine(a) => bench_engine(a),
+        BenchCommand::Engine(a) => bench_engine(*a),
         BenchCommand::Serve(a) => bench_serve::run(*a),
         BenchCommand::Agent(a) => bench_serve::run_agent(a),
         BenchCommand::KvTransfer(a) => bench_kv(a),

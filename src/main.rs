@@ -121,6 +121,16 @@ pub struct EngineArgs {
     /// Do not reuse KV blocks of identical prompt prefixes across requests.
     #[arg(long, env = "TANDEM_NO_PREFIX_CACHING")]
     pub no_prefix_caching: bool,
+    /// A disk tier under the prefix cache: KV blocks the pool evicts are written here and read
+    /// back (checksummed) for later requests with the same prefix, across restarts too.
+    /// Workers may share the directory: each keeps the blocks of its model and cache layout
+    /// apart.
+    #[arg(long, env = "TANDEM_KV_DISK_DIR")]
+    pub kv_disk_dir: Option<PathBuf>,
+    /// Most GiB of KV blocks this worker keeps in --kv-disk-dir (the least recently used go
+    /// first).
+    #[arg(long, env = "TANDEM_KV_DISK_GB", default_value_t = 16.0)]
+    pub kv_disk_gb: f64,
     /// Tensor-parallel ranks: the model split over this many rank threads of this process,
     /// each with its share of the weights and of the KV heads, and --threads shared among them
     /// (1: no tensor parallelism).
@@ -214,6 +224,32 @@ impl EngineArgs {
         Ok((ms > 0.0).then(|| std::time::Duration::from_secs_f64(ms / 1e3)))
     }
 
+    /// The disk tier's configuration, when `--kv-disk-dir` is given: its blocks are kept for
+    /// this model's file, weight format and kernel level (the bits a block holds depend on
+    /// all three).
+    fn kv_disk(&self, model: &std::path::Path) -> Result<Option<tandem_engine::KvDiskConfig>> {
+        let Some(dir) = &self.kv_disk_dir else {
+            return Ok(None);
+        };
+        anyhow::ensure!(
+            self.kv_disk_gb.is_finite() && self.kv_disk_gb > 0.0,
+            "--kv-disk-gb {} must be a positive number of GiB",
+            self.kv_disk_gb
+        );
+        let identity = format!(
+            "{}|weights {:?}|kernels {}",
+            tandem_model::file_identity(model)
+                .with_context(|| format!("reading {}", model.display()))?,
+            self.weights,
+            tandem_kernels::isa::active().name()
+        );
+        Ok(Some(tandem_engine::KvDiskConfig::new(
+            dir,
+            (self.kv_disk_gb * (1u64 << 30) as f64) as u64,
+            &identity,
+        )))
+    }
+
     /// Loads the model (fetching the default if needed) and builds an engine.
     pub fn build(&self) -> Result<(Engine, tandem_model::LoadedModel)> {
         tandem_kernels::init_threads(self.threads);
@@ -235,6 +271,7 @@ impl EngineArgs {
             prefill_order: self.prefill_order,
             step_target: self.step_target()?,
             panic_at_step: test_panic_at_step()?,
+            kv_disk: self.kv_disk(&path)?,
         };
         cfg.check()?;
         let tp = self.tp()?;

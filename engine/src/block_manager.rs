@@ -76,6 +76,11 @@ struct Inner {
     events: Vec<KvEvent>,
     next_event: u64,
     used: usize,
+    /// Whether evicted blocks are recorded in `spilled` (a disk tier keeps them).
+    spill: bool,
+    /// Cached blocks evicted since the last [`BlockManager::take_spilled`], with their hashes:
+    /// their contents are intact until something writes the block again.
+    spilled: Vec<(BlockHash, BlockId)>,
 }
 
 impl Inner {
@@ -131,6 +136,9 @@ impl Inner {
                         .expect("cached blocks have a hash");
                     self.by_hash.remove(&h);
                     evicted.push(h);
+                    if self.spill {
+                        self.spilled.push((h, b));
+                    }
                     b
                 }
             };
@@ -169,6 +177,8 @@ impl BlockManager {
                 events: Vec::new(),
                 next_event: 0,
                 used: 0,
+                spill: false,
+                spilled: Vec::new(),
             })),
             block_size,
         }
@@ -224,11 +234,52 @@ impl BlockManager {
                 .expect("cached blocks have a hash");
             s.by_hash.remove(&h);
             removed.push(h);
+            if s.spill {
+                s.spilled.push((h, b));
+            }
             s.free.push(b);
         }
         if !removed.is_empty() {
             s.emit(KvEventKind::Removed { hashes: removed });
         }
+    }
+
+    /// Records every cached block evicted from now on (or not), for [`Self::take_spilled`].
+    pub fn set_spill(&self, on: bool) {
+        self.inner.borrow_mut().spill = on;
+    }
+
+    /// The cached blocks evicted since the last call, oldest first, with their hashes. Their
+    /// contents stay as they were until the block is written again: the caller copies them out
+    /// before anything writes a block it allocated since.
+    pub fn take_spilled(&self) -> Vec<(BlockHash, BlockId)> {
+        std::mem::take(&mut self.inner.borrow_mut().spilled)
+    }
+
+    /// Whether a block holding `hash` is in the pool (cached or in use).
+    pub fn holds(&self, hash: BlockHash) -> bool {
+        self.inner.borrow().by_hash.contains_key(&hash)
+    }
+
+    /// Takes a block for contents that come from elsewhere (a disk tier) and caches it under
+    /// `hash` at once, unreferenced and the most recently used: the caller writes its contents
+    /// before anything reads it (after copying out what [`Self::take_spilled`] says was
+    /// evicted for it). `None` when the pool holds `hash` already or has no block to give.
+    pub fn adopt(&self, hash: BlockHash) -> Option<BlockId> {
+        let mut s = self.inner.borrow_mut();
+        if s.by_hash.contains_key(&hash) {
+            return None;
+        }
+        let b = s.allocate(1)?[0];
+        s.hash[b.0 as usize] = Some(hash);
+        s.by_hash.insert(hash, b);
+        // Released at once: cached, at the young end of the LRU order.
+        s.release(b);
+        s.emit(KvEventKind::Stored {
+            parent: None,
+            hashes: vec![hash],
+        });
+        Some(b)
     }
 
     /// An empty block table for a new sequence.

@@ -55,6 +55,8 @@ enum Command {
     Cancel(RequestId),
     StopSamples(RequestId, Vec<u32>),
     SubscribeKv(tmpsc::UnboundedSender<KvUpdate>),
+    /// A block came back from the disk tier (the loop may be waiting for a command).
+    Wake,
     Shutdown,
 }
 
@@ -113,16 +115,23 @@ impl EngineHandle {
             failure: watch::Sender::new(None),
         });
         let loop_shared = shared.clone();
+        let waker = std::sync::Mutex::new(commands.clone());
         let thread = std::thread::Builder::new()
             .name("tandem-engine".into())
             .spawn(move || {
-                let engine = match build() {
+                let mut engine = match build() {
                     Ok(e) => e,
                     Err(e) => {
                         let _ = ready_tx.send(Err(e));
                         return;
                     }
                 };
+                engine.set_disk_wake(Arc::new(move || {
+                    let _ = waker
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .send(Command::Wake);
+                }));
                 *loop_shared.stats() = engine.stats();
                 let _ = ready_tx.send(Ok((
                     engine.limits(),
@@ -496,6 +505,14 @@ fn turn(
             Ok(c) => commands.push(c),
             Err(_) => return false,
         }
+    } else if let Some(until) = engine.waits_on_disk_only() {
+        // Only reads from the disk tier are outstanding: each one wakes the loop, and the
+        // oldest request stops waiting at `until`.
+        match rx.recv_timeout(until.saturating_duration_since(std::time::Instant::now())) {
+            Ok(c) => commands.push(c),
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => return false,
+        }
     }
     commands.extend(rx.try_iter());
     for c in commands {
@@ -551,6 +568,7 @@ fn turn(
                     kv_subscribers.push(tx);
                 }
             }
+            Command::Wake => {}
             Command::Shutdown => return false,
         }
     }

@@ -101,7 +101,7 @@ pub enum DiskError {
 pub type Loaded = (u64, Result<Vec<u8>, DiskError>);
 
 /// Counters of a tier since it was opened, and what it holds now.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
 pub struct DiskTierStats {
     /// Blocks held now.
     pub blocks: u64,

@@ -36,9 +36,63 @@ pub fn block_hashes(tokens: &[u32], block_size: usize) -> Vec<BlockHash> {
         .collect()
 }
 
+/// A short text that names a model's files as they are: each file's name and size and the
+/// xxh3 of its first and last MiB (every file of a directory, in name order). Cheap for files of
+/// any size; two different weights files agree on it only by a collision of all of that.
+pub fn file_identity(path: &std::path::Path) -> std::io::Result<String> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut files = Vec::new();
+    if path.is_dir() {
+        for e in std::fs::read_dir(path)? {
+            let p = e?.path();
+            if p.is_file() {
+                files.push(p);
+            }
+        }
+        files.sort();
+    } else {
+        files.push(path.to_path_buf());
+    }
+    let mut out = String::new();
+    for p in files {
+        let mut f = std::fs::File::open(&p)?;
+        let len = f.metadata()?.len();
+        let mut head = vec![0u8; len.min(1 << 20) as usize];
+        f.read_exact(&mut head)?;
+        let mut tail = vec![0u8; len.min(1 << 20) as usize];
+        f.seek(SeekFrom::Start(len - tail.len() as u64))?;
+        f.read_exact(&mut tail)?;
+        let name = p.file_name().map(|n| n.to_string_lossy().into_owned());
+        out += &format!(
+            "{}:{len}:{:016x}:{:016x};",
+            name.unwrap_or_default(),
+            xxhash_rust::xxh3::xxh3_64(&head),
+            xxhash_rust::xxh3::xxh3_64(&tail)
+        );
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_file_identity_changes_with_the_bytes() {
+        let dir = std::env::temp_dir().join(format!("tandem-identity-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("w.bin");
+        std::fs::write(&p, vec![7u8; 3 << 20]).unwrap();
+        let a = file_identity(&p).unwrap();
+        assert_eq!(a, file_identity(&p).unwrap());
+        let mut bytes = vec![7u8; 3 << 20];
+        bytes[(3 << 20) - 5] = 8;
+        std::fs::write(&p, bytes).unwrap();
+        let b = file_identity(&p).unwrap();
+        assert_ne!(a, b);
+        assert!(file_identity(&dir).unwrap().starts_with("w.bin:3145728:"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn matches_one_shot_xxh3_over_the_documented_bytes() {

@@ -36,7 +36,7 @@ use std::path::{Path, PathBuf};
 
 pub use chat::{ChatMessage, ChatTemplate};
 pub use config::{Family, ModelConfig, MoeConfig, RopeScaling, SUPPORTED};
-pub use hash::{block_hashes, hash_block, BlockHash};
+pub use hash::{block_hashes, file_identity, hash_block, BlockHash};
 pub use names::{ExpertPart, LayerTensor, TensorName};
 pub use quant::{dequantize, quantize_q4_1, quantize_q8_0, GgmlType};
 pub use tokenizer::{IncrementalDecoder, Tokenizer, VocabEntry};

@@ -107,6 +107,94 @@ pub fn engine_metrics(
         "tandem_tp_collective",
         "Time the tensor-parallel ranks spent in collectives (all-reduces and the logits gather, waiting for peers included), the mean over ranks",
         s.collective_seconds,
+    )?;
+    disk_metrics(enc, s)
+}
+
+/// The KV disk tier (`--kv-disk-dir`): what it holds, its traffic and latency, its refusals,
+/// and what the engine did with it. Nothing without a tier.
+fn disk_metrics(enc: &mut DescriptorEncoder, s: &EngineStats) -> std::fmt::Result {
+    let Some(t) = &s.disk_tier else {
+        return Ok(());
+    };
+    let d = &s.disk;
+    gauge(
+        enc,
+        "tandem_kv_disk_blocks",
+        "KV blocks held in the disk tier",
+        &[(&[], t.blocks as i64)],
+    )?;
+    gauge(
+        enc,
+        "tandem_kv_disk_bytes",
+        "Bytes of KV block files in the disk tier, and its capacity",
+        &[
+            (&[("kind", "used")], t.bytes as i64),
+            (&[("kind", "capacity")], t.capacity_bytes as i64),
+        ],
+    )?;
+    gauge(
+        enc,
+        "tandem_kv_disk_waiting_requests",
+        "Requests waiting aside for their prefix's blocks from the disk tier",
+        &[(&[], s.loading as i64)],
+    )?;
+    counter(
+        enc,
+        "tandem_kv_disk_blocks_written",
+        "KV blocks the pool evicted and the disk tier wrote",
+        &[(&[], t.writes)],
+    )?;
+    counter(
+        enc,
+        "tandem_kv_disk_blocks_read",
+        "KV blocks read back from the disk tier into the pool",
+        &[(&[], d.promoted)],
+    )?;
+    counter(
+        enc,
+        "tandem_kv_disk_bytes_moved",
+        "Payload bytes written to and read from the disk tier",
+        &[
+            (&[("direction", "write")], t.write_bytes),
+            (&[("direction", "read")], t.read_bytes),
+        ],
+    )?;
+    seconds_counter(
+        enc,
+        "tandem_kv_disk_write",
+        "Time the disk tier spent writing block files",
+        t.write_seconds,
+    )?;
+    seconds_counter(
+        enc,
+        "tandem_kv_disk_read",
+        "Time the disk tier spent reading and checking block files",
+        t.read_seconds,
+    )?;
+    counter(
+        enc,
+        "tandem_kv_disk_refusals",
+        "KV blocks the disk tier refused or lost, by reason",
+        &[
+            (&[("reason", "checksum")], t.checksum_failures),
+            (&[("reason", "torn_at_start")], t.torn),
+            (&[("reason", "write_error")], t.write_errors),
+            (&[("reason", "queue_full")], t.write_dropped),
+            (&[("reason", "read_failed")], d.load_failures),
+        ],
+    )?;
+    counter(
+        enc,
+        "tandem_kv_disk_evictions",
+        "KV blocks the disk tier removed to keep within its capacity",
+        &[(&[], t.evictions)],
+    )?;
+    counter(
+        enc,
+        "tandem_kv_disk_wait_expired",
+        "Requests that stopped waiting for their blocks from disk and computed them",
+        &[(&[], d.wait_expired)],
     )
 }
 

@@ -39,6 +39,7 @@ use tandem_grammar::GrammarCompiler;
 use tandem_model::ModelConfig;
 use tandem_types::BlockId;
 
+mod disk;
 mod offline;
 mod remote;
 mod schedule;
@@ -50,9 +51,10 @@ pub use schedule::{
     MIN_PREFILL_CHUNK,
 };
 
+pub use disk::DiskCounts;
 pub use types::{
-    EngineConfig, EngineStats, Event, FinishReason, Finished, KvChunk, KvPiece, Limits,
-    PrefillOrder, Request, RequestId, Reservation, Samples, StepStats, TokenEvent,
+    EngineConfig, EngineStats, Event, FinishReason, Finished, KvChunk, KvDiskConfig, KvPiece,
+    Limits, PrefillOrder, Request, RequestId, Reservation, Samples, StepStats, TokenEvent,
 };
 
 /// Why `s` stops after `token` (already appended), if it does.
@@ -96,6 +98,8 @@ struct Seq {
     passed: u32,
     /// Prefill mode: `(first prompt block to export, next block to export)`.
     export: Option<(usize, usize)>,
+    /// Blocks of its prefix being read back from the disk tier (while it waits aside).
+    awaits: Vec<u64>,
 }
 
 impl Seq {
@@ -153,6 +157,7 @@ impl Seq {
                     preemptions: self.preemptions,
                     passed: 0,
                     export: None,
+                    awaits: Vec::new(),
                 };
                 (seq, first)
             })
@@ -265,6 +270,10 @@ pub struct Engine {
     stopped: Vec<(RequestId, u32)>,
     /// Blocks to copy before the next forward (copy-on-write of blocks that samples shared).
     copies: Vec<(BlockId, BlockId)>,
+    /// New requests waiting aside for their prefix's blocks from the disk tier.
+    loading: Vec<Seq>,
+    /// The disk tier under the prefix cache, if configured.
+    disk: Option<disk::Disk>,
     /// Decides what runs in each step.
     scheduler: Box<dyn Scheduler>,
     /// What its steps cost (sizes steps under a step target).
@@ -289,8 +298,18 @@ impl Engine {
         eos: Vec<u32>,
     ) -> Result<Self, EngineError> {
         config.check()?;
+        let blocks = BlockManager::new(backend.num_blocks(), config.block_size);
+        let disk = match &config.kv_disk {
+            Some(c) => {
+                blocks.set_spill(true);
+                Some(disk::Disk::open(c, backend.as_ref(), config.block_size)?)
+            }
+            None => None,
+        };
         Ok(Self {
-            blocks: BlockManager::new(backend.num_blocks(), config.block_size),
+            blocks,
+            disk,
+            loading: Vec::new(),
             backend,
             config,
             eos,
@@ -409,6 +428,9 @@ impl Engine {
                 .backend
                 .tp_stats()
                 .map_or(0.0, |s| s.collective.as_secs_f64()),
+            loading: self.loading.len(),
+            disk: self.disk.as_ref().map(|d| d.stats).unwrap_or_default(),
+            disk_tier: self.disk.as_ref().map(|d| d.tier().stats()),
             ..self.stats
         }
     }
@@ -434,6 +456,7 @@ impl Engine {
             || !self.running.is_empty()
             || !self.cancelled.is_empty()
             || !self.stopped.is_empty()
+            || !self.loading.is_empty()
     }
 
     /// Queues a request.
@@ -441,7 +464,7 @@ impl Engine {
         r.compile(self.grammars.as_deref())?;
         self.validate(&r)?;
         let s = self.new_seq(id, r);
-        self.waiting.push_back(s);
+        self.enqueue(s);
         Ok(())
     }
 
@@ -454,6 +477,7 @@ impl Engine {
         let mut ids: Vec<RequestId> = self.running.drain(..).map(|s| s.id).collect();
         ids.extend(self.waiting.drain(..).map(|s| s.id));
         ids.extend(self.remote.drain(..).map(|s| s.id));
+        ids.extend(self.loading.drain(..).map(|s| s.id));
         // A request's samples are several sequences under one id.
         ids.sort();
         ids.dedup();
@@ -511,6 +535,7 @@ impl Engine {
             preemptions: 0,
             passed: 0,
             export: None,
+            awaits: Vec::new(),
         }
     }
 }

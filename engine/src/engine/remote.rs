@@ -42,6 +42,8 @@ impl Engine {
         if !s.blocks.reserve(s.prompt_len) {
             return Ok(None);
         }
+        // The transfer writes the reserved blocks: what they held goes to the disk tier first.
+        self.spill();
         self.stats.prefix_lookup_tokens += s.prompt_len as u64;
         self.stats.prefix_hit_tokens += hit as u64;
         s.computed = hit;
@@ -149,7 +151,7 @@ impl Engine {
         self.validate(&r)?;
         let mut s = self.new_seq(id, r);
         s.export = Some((skip_tokens / bs, skip_tokens / bs));
-        self.waiting.push_back(s);
+        self.enqueue(s);
         Ok(())
     }
 

@@ -60,7 +60,11 @@ impl Engine {
     fn plan(&mut self, events: &mut Vec<Event>) -> Result<Vec<(usize, usize)>, EngineError> {
         self.drop_cancelled(events);
         self.drop_stopped(events);
+        self.disk_turn()?;
         let plan = self.schedule();
+        // Blocks the schedule evicted from the prefix cache go to the disk tier before the
+        // step (its copies first) writes them.
+        self.spill();
         // Copy-on-write: shared blocks the step writes were swapped for fresh ones while it was
         // scheduled; their contents go over before anything writes them.
         let copies = std::mem::take(&mut self.copies);
@@ -276,6 +280,7 @@ impl Engine {
             };
             self.running = take(std::mem::take(&mut self.running), &mut gone);
             self.remote = take(std::mem::take(&mut self.remote), &mut gone);
+            self.loading = take(std::mem::take(&mut self.loading), &mut gone);
             self.waiting = take(std::mem::take(&mut self.waiting).into(), &mut gone).into();
             gone.sort_by_key(|s| s.index);
             for s in gone {
@@ -295,6 +300,8 @@ impl Engine {
                 self.waiting.remove(i)
             } else if let Some(i) = self.remote.iter().position(mine) {
                 Some(self.remote.remove(i))
+            } else if let Some(i) = self.loading.iter().position(mine) {
+                Some(self.loading.remove(i))
             } else {
                 None
             };

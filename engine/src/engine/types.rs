@@ -46,6 +46,40 @@ pub struct EngineConfig {
     /// as a bug would, so the tests can see what a worker does then. `TANDEM_TEST_PANIC_AT_STEP`
     /// sets it for the CLI's engines; `None` in production.
     pub panic_at_step: Option<u64>,
+    /// A disk tier under the prefix cache (see the `disk` module), or none.
+    pub kv_disk: Option<KvDiskConfig>,
+}
+
+/// Where an engine keeps the KV blocks its pool evicts, and how long a request waits for them.
+#[derive(Clone, Debug)]
+pub struct KvDiskConfig {
+    /// The directory (several engines may share one: each keeps its blocks under the
+    /// fingerprint of what they are).
+    pub dir: std::path::PathBuf,
+    /// Most bytes of block files this engine keeps there.
+    pub capacity_bytes: u64,
+    /// What makes two engines' blocks interchangeable beyond the cache's shape (which the
+    /// engine adds): the model's name and its weights' identity.
+    pub identity: String,
+    /// Longest a new request waits for its prefix's blocks to be read back before it is queued
+    /// anyway (what has not arrived is computed).
+    pub max_wait: std::time::Duration,
+    /// Most bytes of evicted blocks queued for writing (more are dropped, not waited for).
+    pub max_pending_bytes: u64,
+}
+
+impl KvDiskConfig {
+    /// A tier of `capacity_bytes` in `dir` for a model known as `identity`: requests wait up to
+    /// two seconds for their blocks, and up to 256 MiB of evicted blocks queue for writing.
+    pub fn new(dir: impl Into<std::path::PathBuf>, capacity_bytes: u64, identity: &str) -> Self {
+        Self {
+            dir: dir.into(),
+            capacity_bytes,
+            identity: identity.into(),
+            max_wait: std::time::Duration::from_secs(2),
+            max_pending_bytes: 256 << 20,
+        }
+    }
 }
 
 impl EngineConfig {
@@ -84,6 +118,7 @@ impl Default for EngineConfig {
             prefill_order: PrefillOrder::Arrival,
             step_target: None,
             panic_at_step: None,
+            kv_disk: None,
         }
     }
 }
@@ -382,6 +417,12 @@ pub struct EngineStats {
     /// Seconds the tensor-parallel ranks spent in collectives since the engine started (the
     /// mean over ranks; 0 without tensor parallelism).
     pub collective_seconds: f64,
+    /// Requests waiting aside for blocks from the disk tier.
+    pub loading: usize,
+    /// What the engine did with its disk tier (zeros without one).
+    pub disk: super::disk::DiskCounts,
+    /// The disk tier's own counters and contents (none without one).
+    pub disk_tier: Option<tandem_kv_transfer::DiskTierStats>,
 }
 
 /// Weight of the newest step in [`EngineStats::prefill_tokens_per_s`].
