@@ -23,6 +23,10 @@ pub enum BenchCommand {
     Agent(bench_serve::BenchAgentArgs),
     /// KV transfer throughput over loopback against a plain TCP copy of the same bytes.
     KvTransfer(BenchKvArgs),
+    /// Time to first token of a long prompt whose KV is computed, read back from the disk tier
+    /// (from the disk, and from the page cache), or found in the pool; the prefill rate beside
+    /// the tier's read rate.
+    KvTiers(Box<BenchTiersArgs>),
     /// GPU figures for a Llama-3-8B-shaped model with random bf16 weights: copy bandwidth, bf16
     /// GEMM rate, decode step time against the roofline, prefill MFU, decode attention bandwidth.
     Gpu(BenchGpuArgs),
@@ -108,6 +112,153 @@ fn bench_gpu(a: BenchGpuArgs) -> Result<()> {
         100.0 * r.attention_of_copy
     );
     Ok(())
+}
+
+#[derive(Args)]
+pub struct BenchTiersArgs {
+    #[command(flatten)]
+    engine: EngineArgs,
+    /// Prompt lengths to time.
+    #[arg(long, value_delimiter = ',', default_value = "1024,4096")]
+    prompt_tokens: Vec<usize>,
+    /// Rounds per length (medians are reported), each with a prompt of its own.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    #[arg(long)]
+    json: bool,
+}
+
+/// One prompt length's medians (seconds to the first token).
+#[derive(serde::Serialize)]
+struct TierTimes {
+    prompt_tokens: usize,
+    compute_s: f64,
+    disk_s: f64,
+    page_cache_s: f64,
+    pool_s: f64,
+    /// Payload bytes read back per second from the disk (the tier's own count).
+    disk_read_gb_s: f64,
+}
+
+fn bench_tiers(mut a: BenchTiersArgs) -> Result<()> {
+    // The tier in a directory of its own (under --kv-disk-dir when given: put it on the disk
+    // to measure), removed afterwards.
+    let base = a.engine.kv_disk_dir.clone().unwrap_or_else(std::env::temp_dir);
+    std::fs::create_dir_all(&base)?;
+    let dir = tempfile::tempdir_in(&base)?;
+    a.engine.kv_disk_dir = Some(dir.path().to_path_buf());
+    let longest = a.prompt_tokens.iter().copied().max().unwrap_or(0);
+    a.engine.max_batched_tokens = a.engine.max_batched_tokens.max(longest);
+    let (mut engine, loaded) = a.engine.build()?;
+    let vocab = loaded.config.vocab_size as u64;
+    let bs = a.engine.block_size;
+    let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    let ttft = |engine: &mut tandem_engine::Engine, prompt: &[u32]| -> Result<f64> {
+        let r = tandem_engine::Request::greedy(prompt.to_vec(), 1)?;
+        let out = engine.generate(vec![r], |_| {}, |_| {})?;
+        Ok(out[0].ttft_s)
+    };
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let mut rows = Vec::new();
+    for &len in &a.prompt_tokens {
+        anyhow::ensure!(len > bs, "--prompt-tokens {len}: longer than a block, please");
+        let (mut compute, mut disk, mut page, mut pool, mut rates) =
+            (vec![], vec![], vec![], vec![], vec![]);
+        for _ in 0..a.rounds.max(1) {
+            let prompt: Vec<u32> = (0..len).map(|_| (next() % vocab) as u32).collect();
+            compute.push(ttft(&mut engine, &prompt)?);
+            // Out of the pool, onto the disk, and out of the page cache.
+            engine.clear_prefix_cache();
+            let tier = engine.disk_tier().expect("configured");
+            tier.flush();
+            let hashes: Vec<u64> = tandem_model::block_hashes(&prompt[..len - 1], bs)
+                .iter()
+                .map(|h| h.0)
+                .collect();
+            let cold = hashes.iter().all(|&h| drop_cached_pages(&tier.path_of(h)));
+            let before = tier.stats();
+            let t = ttft(&mut engine, &prompt)?;
+            let after = engine.disk_tier().expect("configured").stats();
+            if cold {
+                disk.push(t);
+                rates.push(
+                    (after.read_bytes - before.read_bytes) as f64
+                        / (after.read_seconds - before.read_seconds).max(1e-9)
+                        / 1e9,
+                );
+            }
+            // Again from the page cache (the files were just read).
+            engine.clear_prefix_cache();
+            page.push(ttft(&mut engine, &prompt)?);
+            pool.push(ttft(&mut engine, &prompt)?);
+        }
+        rows.push(TierTimes {
+            prompt_tokens: len,
+            compute_s: median(compute),
+            disk_s: if disk.is_empty() { f64::NAN } else { median(disk) },
+            page_cache_s: median(page),
+            pool_s: median(pool),
+            disk_read_gb_s: if rates.is_empty() { f64::NAN } else { median(rates) },
+        });
+    }
+    if a.json {
+        println!("{}", serde_json::to_string(&rows)?);
+        return Ok(());
+    }
+    let kv_per_token = engine.stats().disk_tier.map_or(0.0, |t| {
+        t.write_bytes as f64 / (t.writes.max(1) * bs as u64) as f64
+    });
+    println!(
+        "kv tiers: {} [{}], {}, KV {:.1} KiB a token, tier in {}",
+        a.engine
+            .model
+            .as_deref()
+            .map_or("the default model".into(), |p| p.display().to_string()),
+        tandem_bench::roofline::cpu_info(),
+        tandem_kernels::isa::summary(),
+        kv_per_token / 1024.0,
+        base.display()
+    );
+    println!("  prompt   computed     disk (read)    page cache   pool      computed / disk");
+    for r in &rows {
+        println!(
+            "  {:>6}   {:>7.1} ms   {:>7.1} ms ({:.2} GB/s)   {:>7.1} ms   {:>6.1} ms   {:.1}x",
+            r.prompt_tokens,
+            r.compute_s * 1e3,
+            r.disk_s * 1e3,
+            r.disk_read_gb_s,
+            r.page_cache_s * 1e3,
+            r.pool_s * 1e3,
+            r.compute_s / r.disk_s
+        );
+    }
+    if rows.iter().any(|r| r.disk_s.is_nan()) {
+        println!("  (disk: the system kept the files in its page cache; the disk column is empty)");
+    }
+    Ok(())
+}
+
+/// Asks the kernel to drop a file's pages from its cache (written back first), so the next
+/// read comes from the disk; false where it cannot say it did.
+fn drop_cached_pages(path: &std::path::Path) -> bool {
+    use std::os::fd::AsRawFd;
+    let Ok(f) = std::fs::File::open(path) else {
+        return false;
+    };
+    if f.sync_all().is_err() {
+        return false;
+    }
+    // SAFETY: a valid descriptor; the advice changes no file contents.
+    unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) == 0 }
 }
 
 #[derive(Args)]
@@ -535,6 +686,7 @@ pub fn run(what: BenchCommand) -> Result<()> {
         BenchCommand::Serve(a) => bench_serve::run(*a),
         BenchCommand::Agent(a) => bench_serve::run_agent(a),
         BenchCommand::KvTransfer(a) => bench_kv(a),
+        BenchCommand::KvTiers(a) => bench_tiers(*a),
         BenchCommand::Gpu(a) => bench_gpu(a),
     }
 }

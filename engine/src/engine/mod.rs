@@ -440,9 +440,11 @@ impl Engine {
         self.backend.expert_load()
     }
 
-    /// Forgets every cached prefix that no running sequence holds.
-    pub fn clear_prefix_cache(&self) {
+    /// Forgets every cached prefix that no running sequence holds (with a disk tier, the blocks
+    /// go there first).
+    pub fn clear_prefix_cache(&mut self) {
         self.blocks.clear_cache();
+        self.spill();
     }
 
     /// Block-manager events since the last call (for the router's prefix index).
