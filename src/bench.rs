@@ -143,7 +143,11 @@ struct TierTimes {
 fn bench_tiers(mut a: BenchTiersArgs) -> Result<()> {
     // The tier in a directory of its own (under --kv-disk-dir when given: put it on the disk
     // to measure), removed afterwards.
-    let base = a.engine.kv_disk_dir.clone().unwrap_or_else(std::env::temp_dir);
+    let base = a
+        .engine
+        .kv_disk_dir
+        .clone()
+        .unwrap_or_else(std::env::temp_dir);
     std::fs::create_dir_all(&base)?;
     let dir = tempfile::tempdir_in(&base)?;
     a.engine.kv_disk_dir = Some(dir.path().to_path_buf());
@@ -170,7 +174,10 @@ fn bench_tiers(mut a: BenchTiersArgs) -> Result<()> {
     };
     let mut rows = Vec::new();
     for &len in &a.prompt_tokens {
-        anyhow::ensure!(len > bs, "--prompt-tokens {len}: longer than a block, please");
+        anyhow::ensure!(
+            len > bs,
+            "--prompt-tokens {len}: longer than a block, please"
+        );
         let (mut compute, mut disk, mut page, mut pool, mut rates) =
             (vec![], vec![], vec![], vec![], vec![]);
         for _ in 0..a.rounds.max(1) {
@@ -204,10 +211,18 @@ fn bench_tiers(mut a: BenchTiersArgs) -> Result<()> {
         rows.push(TierTimes {
             prompt_tokens: len,
             compute_s: median(compute),
-            disk_s: if disk.is_empty() { f64::NAN } else { median(disk) },
+            disk_s: if disk.is_empty() {
+                f64::NAN
+            } else {
+                median(disk)
+            },
             page_cache_s: median(page),
             pool_s: median(pool),
-            disk_read_gb_s: if rates.is_empty() { f64::NAN } else { median(rates) },
+            disk_read_gb_s: if rates.is_empty() {
+                f64::NAN
+            } else {
+                median(rates)
+            },
         });
     }
     if a.json {

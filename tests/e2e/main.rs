@@ -19,6 +19,7 @@ mod grpcurl;
 mod helm;
 mod hostile;
 mod image;
+mod kv_disk;
 mod multihost;
 mod prometheus;
 mod reproducible;

@@ -1,0 +1,91 @@
+//! The KV disk tier through a real worker (`--kv-disk-dir`): a prompt pushed out of a small pool
+//! by others comes back from disk with the same text, the worker's `/metrics` counting the
+//! blocks written and read; and after the worker restarts on the same directory, the prompt is
+//! read back again instead of computed.
+
+use serde_json::{json, Value};
+
+use crate::common;
+
+use common::*;
+
+/// `len` token ids of the default model, a prompt of their own for each `seed`.
+fn prompt(seed: u32, len: u32) -> Vec<u32> {
+    (0..len)
+        .map(|t| 1000 + (t * 7919 + seed * 104_729 + t * t) % 30_000)
+        .collect()
+}
+
+async fn complete(r: &Router, ids: &[u32]) -> String {
+    let model = models(&r.http).await["data"][0]["id"].clone();
+    let (s, v): (u16, Value) = post(
+        &r.http,
+        "/v1/completions",
+        json!({"model": model, "prompt": ids, "max_tokens": 8, "temperature": 0,
+               "ignore_eos": true}),
+    )
+    .await;
+    assert_eq!(s, 200, "{v}");
+    v["choices"][0]["text"].as_str().unwrap().to_string()
+}
+
+/// A worker of 24 blocks (384 tokens) over the tier in `dir`, and its router.
+fn cluster(dir: &std::path::Path) -> (Proc, String, Router) {
+    let disk = format!("--kv-disk-dir={}", dir.display());
+    let (p, worker) = start_worker(&["--kv-blocks=24", &disk, "--kv-disk-gb=1"]);
+    let router = start_router(std::slice::from_ref(&worker), &[]);
+    (p, worker, router)
+}
+
+async fn counter(worker: &str, name: &str) -> f64 {
+    metric(&scrape(worker).await, name)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_pushed_out_of_the_pool_comes_back_from_disk_across_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = prompt(0, 200);
+    let (want, written) = {
+        let (_p, worker, router) = cluster(dir.path());
+        wait_ready(&router, 1).await;
+        let want = complete(&router, &a).await;
+        // Three other prompts of 200 tokens leave nothing of the first in 24 blocks.
+        for seed in 1..4 {
+            complete(&router, &prompt(seed, 200)).await;
+        }
+        // Written behind: wait for the first prompt's 12 full blocks (and more) to land.
+        until("the evicted blocks are written", || async {
+            counter(&worker, "tandem_kv_disk_blocks_written_total").await >= 12.0
+        })
+        .await;
+        assert_eq!(
+            counter(&worker, "tandem_kv_disk_blocks_read_total").await,
+            0.0
+        );
+        let got = complete(&router, &a).await;
+        assert_eq!(got, want);
+        let m = scrape(&worker).await;
+        assert!(
+            metric(&m, "tandem_kv_disk_blocks_read_total") >= 12.0,
+            "{m:?}"
+        );
+        assert_eq!(
+            metric(&m, "tandem_kv_disk_refusals_total{reason=\"checksum\"}"),
+            0.0
+        );
+        assert!(metric(&m, "tandem_kv_disk_bytes_moved_total{direction=\"read\"}") > 0.0);
+        assert!(metric(&m, "tandem_kv_disk_bytes{kind=\"used\"}") > 0.0);
+        assert_eq!(
+            metric(&m, "tandem_kv_disk_bytes{kind=\"capacity\"}"),
+            (1u64 << 30) as f64
+        );
+        (want, metric(&m, "tandem_kv_disk_blocks_written_total"))
+    };
+    assert!(written >= 12.0);
+    // A new worker on the same directory reads the prompt's blocks from its first request.
+    let (_p, worker, router) = cluster(dir.path());
+    wait_ready(&router, 1).await;
+    assert_eq!(complete(&router, &a).await, want);
+    assert!(counter(&worker, "tandem_kv_disk_blocks_read_total").await >= 12.0);
+    assert!(counter(&worker, "tandem_kv_disk_blocks").await >= 12.0);
+}
