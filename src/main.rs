@@ -131,6 +131,10 @@ pub struct EngineArgs {
     /// first).
     #[arg(long, env = "TANDEM_KV_DISK_GB", default_value_t = 16.0)]
     pub kv_disk_gb: f64,
+    /// Other workers write --kv-disk-dir too (a volume a group shares): look for the blocks
+    /// they wrote every few seconds, and read each other's.
+    #[arg(long, env = "TANDEM_KV_DISK_SHARED")]
+    pub kv_disk_shared: bool,
     /// Tensor-parallel ranks: the model split over this many rank threads of this process,
     /// each with its share of the weights and of the KV heads, and --threads shared among them
     /// (1: no tensor parallelism).
@@ -243,11 +247,15 @@ impl EngineArgs {
             self.weights,
             tandem_kernels::isa::active().name()
         );
-        Ok(Some(tandem_engine::KvDiskConfig::new(
+        let mut c = tandem_engine::KvDiskConfig::new(
             dir,
             (self.kv_disk_gb * (1u64 << 30) as f64) as u64,
             &identity,
-        )))
+        );
+        if self.kv_disk_shared {
+            c.rescan = Some(std::time::Duration::from_secs(5));
+        }
+        Ok(Some(c))
     }
 
     /// Loads the model (fetching the default if needed) and builds an engine.

@@ -58,6 +58,10 @@ pub struct DiskTierConfig {
     pub fingerprint: u64,
     /// Most payload bytes queued for the writer; a block offered past it is dropped.
     pub max_pending_bytes: u64,
+    /// For a directory other processes write too (a volume shared by a group of workers): how
+    /// often to look for the blocks they wrote (files are read whole when used, and one that
+    /// another process removed is a miss then). `None`: only this process writes here.
+    pub rescan: Option<Duration>,
 }
 
 impl DiskTierConfig {
@@ -69,6 +73,7 @@ impl DiskTierConfig {
             capacity_bytes,
             fingerprint,
             max_pending_bytes: 256 << 20,
+            rescan: None,
         }
     }
 }
@@ -222,6 +227,10 @@ struct Shared {
     torn: u64,
     /// A stuck disk (tests): file reads and writes wait while it is set.
     stuck: std::sync::atomic::AtomicBool,
+    /// Set when the tier closes (the rescan thread stops).
+    closing: std::sync::atomic::AtomicBool,
+    /// Names this process's temporary files apart from other writers' of a shared directory.
+    nonce: u64,
 }
 
 enum ReadJob {
@@ -255,39 +264,20 @@ impl DiskTier {
     pub fn open(config: DiskTierConfig) -> std::io::Result<Self> {
         let root = config.dir.join(format!("{:016x}", config.fingerprint));
         fs::create_dir_all(root.join("tmp"))?;
-        // Temporary files are writes a crash cut short.
+        // Temporary files are writes a crash cut short (an hour old: a shared directory's other
+        // writers are not cut short).
         for e in fs::read_dir(root.join("tmp"))?.flatten() {
-            let _ = fs::remove_file(e.path());
-        }
-        let mut found: Vec<(SystemTime, u64, u64)> = Vec::new();
-        let mut torn = 0;
-        for sub in fs::read_dir(&root)?.flatten() {
-            let name = sub.file_name();
-            let name = name.to_string_lossy();
-            if name.len() != 2 || !sub.path().is_dir() {
-                continue;
-            }
-            for e in fs::read_dir(sub.path())?.flatten() {
-                let path = e.path();
-                let Some(hash) = path
-                    .file_name()
-                    .and_then(|n| n.to_str())
-                    .and_then(|n| n.strip_suffix(".kvb"))
-                    .and_then(|h| u64::from_str_radix(h, 16).ok())
-                else {
-                    continue;
-                };
-                match check_file(&path, config.fingerprint, hash) {
-                    Ok((len, modified)) => found.push((modified, hash, len)),
-                    Err(why) => {
-                        tracing::warn!(path = %path.display(), why, "a torn KV block file: removed");
-                        let _ = fs::remove_file(&path);
-                        torn += 1;
-                    }
-                }
+            let old = e
+                .metadata()
+                .and_then(|m| m.modified())
+                .ok()
+                .and_then(|t| t.elapsed().ok())
+                .is_none_or(|age| age > Duration::from_secs(3600));
+            if old {
+                let _ = fs::remove_file(e.path());
             }
         }
-        found.sort();
+        let (found, torn) = scan(&root, config.fingerprint, |_| false)?;
         let mut index = Index::default();
         for &(_, hash, len) in &found {
             index.insert(hash, len);
@@ -303,6 +293,8 @@ impl DiskTier {
             recovered,
             torn,
             stuck: Default::default(),
+            closing: Default::default(),
+            nonce: rand::random(),
         });
         shared.evict_over();
         let (wtx, wrx) = mpsc::channel::<(u64, Vec<u8>)>();
@@ -337,12 +329,21 @@ impl DiskTier {
                     }
                 })?,
         ];
-        Ok(Self {
+        let mut tier = Self {
             shared,
             writes: Some(wtx),
             reads: Some(rtx),
             threads,
-        })
+        };
+        if let Some(every) = config.rescan {
+            let s = tier.shared.clone();
+            tier.threads.push(
+                std::thread::Builder::new()
+                    .name("kv-disk-scan".into())
+                    .spawn(move || s.rescan_every(every))?,
+            );
+        }
+        Ok(tier)
     }
 
     /// Whether the tier holds `hash` (written whole; a queued write does not count yet).
@@ -463,6 +464,7 @@ impl DiskTier {
 impl Drop for DiskTier {
     fn drop(&mut self) {
         // Closing the queues ends the threads once they have done what was queued.
+        self.shared.closing.store(true, Ordering::SeqCst);
         self.writes.take();
         self.reads.take();
         for t in self.threads.drain(..) {
@@ -485,6 +487,34 @@ impl Shared {
     fn wait_unstuck(&self) {
         while self.stuck.load(Ordering::SeqCst) {
             std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// Adds the blocks other writers of the directory stored, every `every`, until the tier
+    /// closes.
+    fn rescan_every(&self, every: Duration) {
+        let mut since = Instant::now();
+        while !self.closing.load(Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_millis(50).min(every));
+            if since.elapsed() < every {
+                continue;
+            }
+            since = Instant::now();
+            let known = |h: u64| self.lock().entries.contains_key(&h);
+            match scan(&self.root, self.fingerprint, known) {
+                Ok((found, _)) if !found.is_empty() => {
+                    let mut ix = self.lock();
+                    for (_, hash, len) in found {
+                        if !ix.entries.contains_key(&hash) {
+                            ix.insert(hash, len);
+                        }
+                    }
+                    drop(ix);
+                    self.evict_over();
+                }
+                Ok(_) => {}
+                Err(e) => tracing::warn!(error = %e, "rescanning the KV disk tier"),
+            }
         }
     }
 
@@ -536,8 +566,8 @@ impl Shared {
         }
         static NEXT: AtomicU64 = AtomicU64::new(0);
         let tmp = self.root.join("tmp").join(format!(
-            "{hash:016x}.{}.{}",
-            std::process::id(),
+            "{hash:016x}.{:016x}.{}",
+            self.nonce,
             NEXT.fetch_add(1, Ordering::Relaxed)
         ));
         let header = header(self.fingerprint, hash, payload);
@@ -639,6 +669,47 @@ fn check_bytes(bytes: &[u8], fingerprint: u64, hash: u64, payload: bool) -> Resu
         }
     }
     Ok(len)
+}
+
+/// The block files under `root` whose hashes `skip` does not name, each checked
+/// ([`check_file`]), oldest first: `(modified, hash, bytes)`; and how many were torn (removed).
+fn scan(
+    root: &Path,
+    fingerprint: u64,
+    skip: impl Fn(u64) -> bool,
+) -> std::io::Result<(Vec<(SystemTime, u64, u64)>, u64)> {
+    let mut found = Vec::new();
+    let mut torn = 0;
+    for sub in fs::read_dir(root)?.flatten() {
+        let name = sub.file_name();
+        if name.len() != 2 || !sub.path().is_dir() {
+            continue;
+        }
+        for e in fs::read_dir(sub.path())?.flatten() {
+            let path = e.path();
+            let Some(hash) = path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .and_then(|n| n.strip_suffix(".kvb"))
+                .and_then(|h| u64::from_str_radix(h, 16).ok())
+            else {
+                continue;
+            };
+            if skip(hash) {
+                continue;
+            }
+            match check_file(&path, fingerprint, hash) {
+                Ok((len, modified)) => found.push((modified, hash, len)),
+                Err(why) => {
+                    tracing::warn!(path = %path.display(), why, "a torn KV block file: removed");
+                    let _ = fs::remove_file(&path);
+                    torn += 1;
+                }
+            }
+        }
+    }
+    found.sort();
+    Ok((found, torn))
 }
 
 /// A file found when the tier opens: its header checked and its length matched (the payload is
@@ -766,6 +837,30 @@ mod tests {
         t.set_stuck(false);
         t.flush();
         assert!(t.contains(0) && t.contains(1) && !t.contains(2));
+    }
+
+    #[test]
+    fn tiers_sharing_a_directory_find_each_others_blocks() {
+        let dir = tempfile::tempdir().unwrap();
+        let shared = |d: &Path| {
+            let mut c = DiskTierConfig::new(d, 1 << 20, 3);
+            c.rescan = Some(Duration::from_millis(1));
+            DiskTier::open(c).unwrap()
+        };
+        let (a, b) = (shared(dir.path()), shared(dir.path()));
+        a.put(21, block(21, 700));
+        a.flush();
+        // The other tier's next scan indexes it (bounded only against a scan that never runs).
+        let end = Instant::now() + Duration::from_secs(300);
+        while !b.contains(21) {
+            assert!(Instant::now() < end, "never found");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(b.read(21).unwrap(), block(21, 700));
+        // Removed by the one that wrote it: the other's read is a miss, and its index forgets.
+        fs::remove_file(a.path_of(21)).unwrap();
+        assert_eq!(b.read(21), Err(DiskError::Missing(21)));
+        assert!(!b.contains(21));
     }
 
     #[test]

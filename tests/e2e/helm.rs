@@ -222,6 +222,43 @@ fn the_chart_lints_renders_valid_objects_and_commands_the_binary_accepts() {
         .expect("the prefill group")["spec"]["template"]["spec"]["containers"][0]["args"]
         .to_string();
     assert!(prefill.contains("\"--ep=2\""), "{prefill}");
+    // The disk tier: an emptyDir sized past the tier, or a claim the group shares.
+    let objs = objects(&render(&[
+        "--set-json",
+        "decode.kvDisk={\"enabled\":true,\"sizeGb\":20}",
+        "--set-json",
+        "prefill.kvDisk={\"enabled\":true,\"claimName\":\"kv\",\"shared\":true}",
+    ]));
+    assert_eq!(commands_parse(&objs, "kv disk"), 4);
+    let spec = |name: &str| {
+        objs.iter()
+            .find(|o| o["kind"] == "Deployment" && o["metadata"]["name"] == name)
+            .unwrap_or_else(|| panic!("no {name}"))["spec"]["template"]["spec"]
+            .clone()
+    };
+    let (d, p) = (spec("tandem-decode"), spec("tandem-prefill"));
+    let d_args = d["containers"][0]["args"].to_string();
+    assert!(
+        d_args.contains("\"--kv-disk-dir=/kv-disk\"") && d_args.contains("\"--kv-disk-gb=20\"")
+    );
+    assert!(!d_args.contains("--kv-disk-shared"), "{d_args}");
+    let volume = |s: &Value| {
+        s["volumes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|v| v["name"] == "kv-disk")
+            .cloned()
+            .expect("a kv-disk volume")
+    };
+    assert_eq!(volume(&d)["emptyDir"]["sizeLimit"], "21Gi");
+    assert_eq!(volume(&p)["persistentVolumeClaim"]["claimName"], "kv");
+    assert!(p["containers"][0]["args"]
+        .to_string()
+        .contains("\"--kv-disk-shared\""));
+    assert!(p["containers"][0]["volumeMounts"]
+        .to_string()
+        .contains("/kv-disk"));
     let router = args("tandem-router");
     assert!(
         router.contains("\"--worker-stall-timeout-ms=20000\""),
@@ -272,6 +309,15 @@ fn bad_values_are_refused_naming_what_is_wrong() {
                 "decode.tensorParallel=2",
             ],
             "not both",
+        ),
+        (
+            [
+                "--set-json",
+                "decode.kvDisk.enabled=true",
+                "--set-json",
+                "decode.kvDisk.shared=true",
+            ],
+            "decode.kvDisk.shared needs a claimName",
         ),
     ] {
         let o = helm(&[&["template", "t", c][..], &flags[..]].concat());

@@ -98,6 +98,7 @@ impl Disk {
         let fingerprint = xxhash_rust::xxh3::xxh3_64(what.as_bytes());
         let mut tc = DiskTierConfig::new(&config.dir, config.capacity_bytes, fingerprint);
         tc.max_pending_bytes = config.max_pending_bytes;
+        tc.rescan = config.rescan;
         let tier = DiskTier::open(tc).map_err(|e| {
             EngineError::Config(format!("the KV disk tier at {}: {e}", config.dir.display()))
         })?;

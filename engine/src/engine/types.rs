@@ -66,6 +66,9 @@ pub struct KvDiskConfig {
     pub max_wait: std::time::Duration,
     /// Most bytes of evicted blocks queued for writing (more are dropped, not waited for).
     pub max_pending_bytes: u64,
+    /// Other engines write the directory too (a volume a group of workers shares): how often
+    /// to look for their blocks. `None`: only this engine writes there.
+    pub rescan: Option<std::time::Duration>,
 }
 
 impl KvDiskConfig {
@@ -78,6 +81,7 @@ impl KvDiskConfig {
             identity: identity.into(),
             max_wait: std::time::Duration::from_secs(2),
             max_pending_bytes: 256 << 20,
+            rescan: None,
         }
     }
 }

@@ -10,6 +10,10 @@ pods), PodDisruptionBudget. (dict "ctx" $ "role" "decode" "g" .Values.decode) */
 {{- fail (printf "%s.tensorParallel %v on device %s: tensor parallelism runs on device cpu in this release (the GPU backend takes one GPU per worker)" $role $g.tensorParallel $g.device) }}
 {{- end }}
 {{- $ep := int (default 1 $g.expertParallel) }}
+{{- $disk := default (dict "enabled" false) $g.kvDisk }}
+{{- if and $disk.enabled $disk.shared (not $disk.claimName) }}
+{{- fail (printf "%s.kvDisk.shared needs a claimName: a ReadWriteMany PersistentVolumeClaim the group shares (an emptyDir is each pod's own)" $role) }}
+{{- end }}
 {{- if and (gt $ep 1) (hasPrefix "cuda" $g.device) }}
 {{- fail (printf "%s.expertParallel %v on device %s: expert parallelism runs on device cpu in this release" $role $ep $g.device) }}
 {{- end }}
@@ -67,6 +71,13 @@ spec:
             {{- end }}
             {{- if gt $ep 1 }}
             - --ep={{ $ep }}
+            {{- end }}
+            {{- if $disk.enabled }}
+            - --kv-disk-dir=/kv-disk
+            - --kv-disk-gb={{ $disk.sizeGb }}
+            {{- if $disk.shared }}
+            - --kv-disk-shared
+            {{- end }}
             {{- end }}
             {{- if eq $role "decode" }}
             - --kv-port={{ $g.kvPort }}
@@ -135,6 +146,10 @@ spec:
             - name: shm
               mountPath: /dev/shm
             {{- end }}
+            {{- if $disk.enabled }}
+            - name: kv-disk
+              mountPath: /kv-disk
+            {{- end }}
       volumes:
         - name: models
           persistentVolumeClaim:
@@ -145,6 +160,16 @@ spec:
           emptyDir:
             medium: Memory
             sizeLimit: {{ $g.shmSizeLimit }}
+        {{- end }}
+        {{- if $disk.enabled }}
+        - name: kv-disk
+          {{- if $disk.claimName }}
+          persistentVolumeClaim:
+            claimName: {{ $disk.claimName }}
+          {{- else }}
+          emptyDir:
+            sizeLimit: {{ add (int $disk.sizeGb) 1 }}Gi
+          {{- end }}
         {{- end }}
       {{- with $g.nodeSelector }}
       nodeSelector:
