@@ -671,13 +671,16 @@ fn check_bytes(bytes: &[u8], fingerprint: u64, hash: u64, payload: bool) -> Resu
     Ok(len)
 }
 
+/// A block file found by a scan: its modification time, hash and size.
+type Found = (SystemTime, u64, u64);
+
 /// The block files under `root` whose hashes `skip` does not name, each checked
-/// ([`check_file`]), oldest first: `(modified, hash, bytes)`; and how many were torn (removed).
+/// ([`check_file`]), oldest first; and how many were torn (removed).
 fn scan(
     root: &Path,
     fingerprint: u64,
     skip: impl Fn(u64) -> bool,
-) -> std::io::Result<(Vec<(SystemTime, u64, u64)>, u64)> {
+) -> std::io::Result<(Vec<Found>, u64)> {
     let mut found = Vec::new();
     let mut torn = 0;
     for sub in fs::read_dir(root)?.flatten() {
