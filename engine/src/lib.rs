@@ -25,7 +25,7 @@
 //! | `forward` | the forward over `StepOps`, a step's [`SeqBatch`]es packed into rows, [`OpTimes`] |
 //! | [`backend`] | the [`Backend`] trait, [`PoolSize`], [`RankPool`], [`TpStats`], the slowdown hook |
 //! | [`device`] | `cpu` ([`CpuModel`], [`CpuBackend`]), `tp_cpu`, `cuda`; [`device::on`] |
-//! | `engine` | the engine ([`Engine`], [`EngineConfig`], requests, events, stats), its step in stages, and the [`Scheduler`] seam ([`StepPlan`]; [`Continuous`], [`StaticBatches`]) |
+//! | `engine` | the engine ([`Engine`], [`EngineConfig`], requests, events, stats), its step in stages, the [`Scheduler`] seam ([`StepPlan`]; [`Continuous`], [`StaticBatches`]), and the disk tier under its prefix cache ([`KvDiskConfig`]) |
 //! | `handle` | [`EngineHandle`]: the engine on its own thread, per-request streams |
 //!
 //! Main types: [`Engine`] with its [`EngineConfig`], [`Request`] and [`Event`]s; [`EngineHandle`]
