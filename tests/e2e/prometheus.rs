@@ -83,7 +83,9 @@ async fn expect(prom: &str, q: &str, want: f64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prometheus_scrapes_the_vllm_metric_set_from_every_role_with_the_values_served() {
-    let (_p, paddr) = start_prefill(&[]);
+    // The prefill worker with a disk tier: its families are on the dashboard too.
+    let disk = tempfile::tempdir().unwrap();
+    let (_p, paddr) = start_prefill(&[&format!("--kv-disk-dir={}", disk.path().display())]);
     let (_d, daddr, _kv) = start_decode(&[]);
     let r = start_router(
         std::slice::from_ref(&daddr),
