@@ -47,6 +47,17 @@ pub enum KvEventKind {
         /// The chained hashes evicted.
         hashes: Vec<BlockHash>,
     },
+    /// These block hashes are now in this worker's disk tier (read back instead of computed:
+    /// dearer than the pool, cheaper than recompute).
+    DiskStored {
+        /// The chained hashes written.
+        hashes: Vec<BlockHash>,
+    },
+    /// These block hashes are no longer in this worker's disk tier.
+    DiskRemoved {
+        /// The chained hashes gone.
+        hashes: Vec<BlockHash>,
+    },
 }
 
 /// Counts of blocks by state. `free + cached + used == total` always.
@@ -214,6 +225,20 @@ impl BlockManager {
     /// Events since the last call, in order.
     pub fn drain_events(&self) -> Vec<KvEvent> {
         std::mem::take(&mut self.inner.borrow_mut().events)
+    }
+
+    /// Records a change of the disk tier's contents in the event stream, numbered with the
+    /// pool's own changes (nothing for an empty list).
+    pub fn emit_disk(&self, stored: bool, hashes: Vec<BlockHash>) {
+        if hashes.is_empty() {
+            return;
+        }
+        let kind = if stored {
+            KvEventKind::DiskStored { hashes }
+        } else {
+            KvEventKind::DiskRemoved { hashes }
+        };
+        self.inner.borrow_mut().emit(kind);
     }
 
     /// Every hash cached now, for a snapshot after an event gap, with the last event's number.
@@ -679,6 +704,9 @@ mod tests {
                         }
                         KvEventKind::Removed { hashes } => {
                             for h in hashes { prop_assert!(replay.remove(&h)); }
+                        }
+                        KvEventKind::DiskStored { .. } | KvEventKind::DiskRemoved { .. } => {
+                            prop_assert!(false, "no disk tier here");
                         }
                     }
                 }

@@ -69,6 +69,8 @@ pub enum KvUpdate {
         next_seq: u64,
         /// Every block hash cached now, sorted.
         hashes: Vec<BlockHash>,
+        /// Every block hash in the engine's disk tier now, sorted (none without one).
+        disk_hashes: Vec<BlockHash>,
     },
     /// Changes since the previous update, in sequence order.
     Events(Vec<KvEvent>),
@@ -127,6 +129,7 @@ impl EngineHandle {
                     }
                 };
                 engine.set_disk_wake(Arc::new(move || {
+                    // A block read back, or the tier's contents changed (events to publish).
                     let _ = waker
                         .lock()
                         .unwrap_or_else(|p| p.into_inner())
@@ -564,7 +567,13 @@ fn turn(
                 publish_kv(engine, kv_subscribers);
                 let (last_seq, hashes) = engine.block_manager().snapshot();
                 let next_seq = last_seq + 1;
-                if tx.send(KvUpdate::Snapshot { next_seq, hashes }).is_ok() {
+                let disk_hashes = engine.disk_hashes();
+                let snapshot = KvUpdate::Snapshot {
+                    next_seq,
+                    hashes,
+                    disk_hashes,
+                };
+                if tx.send(snapshot).is_ok() {
                     kv_subscribers.push(tx);
                 }
             }
@@ -853,7 +862,9 @@ mod tests {
         drain(&mut h.submit(req(a.clone(), 2)).unwrap());
         let mut sub = h.subscribe_kv().unwrap();
         let (next_seq, hashes) = match sub.blocking_recv() {
-            Some(KvUpdate::Snapshot { next_seq, hashes }) => (next_seq, hashes),
+            Some(KvUpdate::Snapshot {
+                next_seq, hashes, ..
+            }) => (next_seq, hashes),
             other => panic!("{other:?}"),
         };
         // 40 prompt + 2 output tokens: the first two 16-token blocks are full and cached.

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use tandem_engine::{
-    CpuModel, Engine, EngineConfig, Finished, KvDiskConfig, Request, WeightFormat,
+    CpuModel, Engine, EngineConfig, Finished, KvDiskConfig, KvEventKind, Request, WeightFormat,
 };
 use tandem_model::hash::block_hashes;
 use tandem_types::SamplingParams;
@@ -135,6 +135,20 @@ fn a_damaged_block_is_refused_counted_and_computed() {
     std::fs::write(&path, bytes).unwrap();
     let got = run(&mut e, requests(&p));
     assert_eq!(bits(&got), bits(&want));
+    // The router heard of the blocks written, and of the refused one going.
+    let (mut on_disk, mut gone) = (Vec::new(), Vec::new());
+    for ev in e.drain_kv_events() {
+        match ev.kind {
+            KvEventKind::DiskStored { hashes } => on_disk.extend(hashes),
+            KvEventKind::DiskRemoved { hashes } => gone.extend(hashes),
+            _ => {}
+        }
+    }
+    assert!(block_hashes(&p, BS)[..5]
+        .iter()
+        .all(|h| on_disk.contains(h)));
+    assert_eq!(gone, [h2]);
+    assert!(!e.disk_hashes().contains(&h2));
     let s = e.stats();
     assert_eq!(s.disk_tier.unwrap().checksum_failures, 1);
     assert_eq!(s.disk.load_failures, 1);

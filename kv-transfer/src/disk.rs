@@ -168,6 +168,8 @@ struct Index {
     /// Hashes queued for the writer (not offered again meanwhile).
     queued: std::collections::HashSet<u64>,
     pending_bytes: u64,
+    /// Blocks that came (`true`) or went (`false`) since the last [`DiskTier::take_changes`].
+    changes: Vec<(u64, bool)>,
 }
 
 impl Index {
@@ -181,6 +183,7 @@ impl Index {
     }
 
     fn insert(&mut self, hash: u64, len: u64) {
+        self.changes.push((hash, true));
         self.tick += 1;
         if let Some((old, t)) = self.entries.insert(hash, (len, self.tick)) {
             self.lru.remove(&t);
@@ -195,6 +198,7 @@ impl Index {
             Some((len, t)) => {
                 self.lru.remove(&t);
                 self.bytes -= len;
+                self.changes.push((hash, false));
                 true
             }
             None => false,
@@ -210,6 +214,7 @@ impl Index {
             };
             let (len, _) = self.entries.remove(&hash).expect("indexed");
             self.bytes -= len;
+            self.changes.push((hash, false));
             out.push(hash);
         }
         out
@@ -229,6 +234,8 @@ struct Shared {
     stuck: std::sync::atomic::AtomicBool,
     /// Set when the tier closes (the rescan thread stops).
     closing: std::sync::atomic::AtomicBool,
+    /// Called after the tier's contents change (its owner reports what it holds).
+    notify: Mutex<Option<Arc<dyn Fn() + Send + Sync>>>,
     /// Names this process's temporary files apart from other writers' of a shared directory.
     nonce: u64,
 }
@@ -282,6 +289,7 @@ impl DiskTier {
         for &(_, hash, len) in &found {
             index.insert(hash, len);
         }
+        index.changes.clear();
         let recovered = found.len() as u64;
         let shared = Arc::new(Shared {
             root,
@@ -294,6 +302,7 @@ impl DiskTier {
             torn,
             stuck: Default::default(),
             closing: Default::default(),
+            notify: Mutex::new(None),
             nonce: rand::random(),
         });
         shared.evict_over();
@@ -349,6 +358,23 @@ impl DiskTier {
     /// Whether the tier holds `hash` (written whole; a queued write does not count yet).
     pub fn contains(&self, hash: u64) -> bool {
         self.shared.lock().entries.contains_key(&hash)
+    }
+
+    /// Every block held now (what a snapshot of the tier reports).
+    pub fn hashes(&self) -> Vec<u64> {
+        self.shared.lock().entries.keys().copied().collect()
+    }
+
+    /// The blocks that came (`true`: written, or found written by another process) or went
+    /// (`false`: evicted, refused, gone) since the last call, in order. What the tier held when
+    /// it opened is not a change: [`Self::hashes`] says it.
+    pub fn take_changes(&self) -> Vec<(u64, bool)> {
+        std::mem::take(&mut self.shared.lock().changes)
+    }
+
+    /// Calls `notify` (from the tier's threads) after each change of its contents.
+    pub fn set_notify(&self, notify: Arc<dyn Fn() + Send + Sync>) {
+        *self.shared.notify.lock().unwrap_or_else(|p| p.into_inner()) = Some(notify);
     }
 
     /// Whether `hash` is held or queued: a spill of it would be redundant.
@@ -518,12 +544,26 @@ impl Shared {
         }
     }
 
+    fn notify(&self) {
+        let n = self
+            .notify
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        if let Some(n) = n {
+            n();
+        }
+    }
+
+    /// Removes the least recently used blocks past the capacity, then tells the owner what
+    /// changed (a write or a scan calls it after adding blocks).
     fn evict_over(&self) {
         let gone = self.lock().over(self.capacity);
         for hash in gone {
             let _ = fs::remove_file(self.path(hash));
             self.counters.evictions.fetch_add(1, Ordering::Relaxed);
         }
+        self.notify();
     }
 
     /// The writer thread's work for one block.
@@ -597,6 +637,7 @@ impl Shared {
         if let Err(e) = read {
             // Gone underneath the index (a shared directory's other writer evicted it).
             self.lock().remove(hash);
+            self.notify();
             self.counters.read_misses.fetch_add(1, Ordering::Relaxed);
             return Err(match e.kind() {
                 std::io::ErrorKind::NotFound => DiskError::Missing(hash),
@@ -610,6 +651,7 @@ impl Shared {
             tracing::warn!(path = %path.display(), why, "a corrupt KV block file: removed");
             self.lock().remove(hash);
             let _ = fs::remove_file(&path);
+            self.notify();
             self.counters
                 .checksum_failures
                 .fetch_add(1, Ordering::Relaxed);
@@ -766,6 +808,40 @@ mod tests {
         // Another fingerprint sees nothing of it.
         let other = DiskTier::open(DiskTierConfig::new(dir.path(), 1 << 20, 0xbeef)).unwrap();
         assert!(!other.contains(7));
+    }
+
+    #[test]
+    fn the_tier_reports_what_came_and_went() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = (HEADER + 100) as u64;
+        let t = tier(dir.path(), 2 * file);
+        let told = Arc::new(AtomicU64::new(0));
+        let n = told.clone();
+        t.set_notify(Arc::new(move || {
+            n.fetch_add(1, Ordering::Relaxed);
+        }));
+        for h in [1u64, 2, 3] {
+            t.put(h, block(h, 100));
+            t.flush();
+        }
+        // 3 pushed 1 out; then 2 is damaged and refused on read.
+        let p = t.path_of(2);
+        fs::write(&p, b"garbage").unwrap();
+        assert!(t.read(2).is_err());
+        assert_eq!(
+            t.take_changes(),
+            [(1, true), (2, true), (3, true), (1, false), (2, false)]
+        );
+        assert!(t.take_changes().is_empty());
+        assert!(told.load(Ordering::Relaxed) >= 4);
+        let mut held = t.hashes();
+        held.sort();
+        assert_eq!(held, [3]);
+        // Reopened: what it holds is its contents, not a change.
+        drop(t);
+        let t = tier(dir.path(), 2 * file);
+        assert_eq!(t.hashes(), [3]);
+        assert!(t.take_changes().is_empty());
     }
 
     #[test]

@@ -1,5 +1,5 @@
-//! Which block hashes one decode worker holds in its prefix cache, kept current from the worker's
-//! KV-event stream: a snapshot, then events applied strictly in sequence order. A gap (a lost or
+//! Which block hashes one decode worker holds in its prefix cache, and in its disk tier, kept
+//! current from the worker's KV-event stream: a snapshot, then events applied strictly in sequence order. A gap (a lost or
 //! reordered event) makes the index unusable: the caller drops it and resubscribes for a fresh
 //! snapshot, as DESIGN.md §4 says.
 
@@ -7,6 +7,22 @@ use std::collections::HashSet;
 
 use tandem_model::BlockHash;
 use tandem_proto::worker as pb;
+
+/// A prompt's leading blocks a worker holds, by tier.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Matched {
+    /// In its pool.
+    pub pool: usize,
+    /// In its disk tier (among or after the pooled ones).
+    pub disk: usize,
+}
+
+impl Matched {
+    /// Blocks the worker does not compute.
+    pub fn blocks(&self) -> usize {
+        self.pool + self.disk
+    }
+}
 
 #[derive(Debug, PartialEq, Eq, thiserror::Error)]
 #[error("KV event gap: expected sequence {expected}, got {got}")]
@@ -18,6 +34,8 @@ pub struct Gap {
 #[derive(Debug, Default)]
 pub struct KvIndex {
     hashes: HashSet<u64>,
+    /// Blocks in the worker's disk tier (read back there, not computed).
+    disk: HashSet<u64>,
     /// The next sequence number expected; `None` before the first snapshot.
     next_seq: Option<u64>,
 }
@@ -27,6 +45,7 @@ impl KvIndex {
     pub fn apply(&mut self, batch: pb::KvEventBatch) -> Result<(), Gap> {
         if let Some(s) = batch.snapshot {
             self.hashes = s.block_hashes.into_iter().collect();
+            self.disk = s.disk_block_hashes.into_iter().collect();
             self.next_seq = Some(s.next_seq);
         }
         for e in batch.events {
@@ -46,6 +65,12 @@ impl KvIndex {
                         self.hashes.remove(&h);
                     }
                 }
+                Some(pb::kv_event::Kind::DiskStored(s)) => self.disk.extend(s.block_hashes),
+                Some(pb::kv_event::Kind::DiskRemoved(r)) => {
+                    for h in r.block_hashes {
+                        self.disk.remove(&h);
+                    }
+                }
                 None => {}
             }
         }
@@ -55,19 +80,33 @@ impl KvIndex {
     /// Forgets everything (the stream ended: the worker may have restarted with an empty cache).
     pub fn clear(&mut self) {
         self.hashes.clear();
+        self.disk.clear();
         self.next_seq = None;
     }
 
-    /// How many of the prompt's leading blocks are cached here.
-    pub fn matched_prefix(&self, prompt: &[BlockHash]) -> usize {
-        prompt
-            .iter()
-            .take_while(|h| self.hashes.contains(&h.0))
-            .count()
+    /// How many of the prompt's leading blocks are cached here: in the pool, and past those
+    /// (the worker reads a run of them back) in its disk tier. A block in both counts as pooled.
+    pub fn matched_prefix(&self, prompt: &[BlockHash]) -> Matched {
+        let mut m = Matched::default();
+        for h in prompt {
+            if self.hashes.contains(&h.0) {
+                m.pool += 1;
+            } else if self.disk.contains(&h.0) {
+                m.disk += 1;
+            } else {
+                break;
+            }
+        }
+        m
     }
 
     pub fn len(&self) -> usize {
         self.hashes.len()
+    }
+
+    /// Blocks in the worker's disk tier.
+    pub fn disk_len(&self) -> usize {
+        self.disk.len()
     }
 
     #[cfg(test)]
@@ -97,6 +136,7 @@ mod tests {
             snapshot: Some(pb::KvSnapshot {
                 next_seq: 5,
                 block_hashes: vec![1, 2],
+                disk_block_hashes: vec![],
             }),
             events: vec![stored(5, &[3])],
         })
@@ -112,9 +152,50 @@ mod tests {
         })
         .unwrap();
         let h = |v: &[u64]| v.iter().map(|&x| BlockHash(x)).collect::<Vec<_>>();
-        assert_eq!(ix.matched_prefix(&h(&[1, 3, 2])), 2);
-        assert_eq!(ix.matched_prefix(&h(&[2, 1])), 0);
+        assert_eq!(ix.matched_prefix(&h(&[1, 3, 2])).blocks(), 2);
+        assert_eq!(ix.matched_prefix(&h(&[2, 1])).blocks(), 0);
         assert_eq!(ix.len(), 2);
+    }
+
+    #[test]
+    fn the_disk_tier_extends_a_match_past_the_pool() {
+        let mut ix = KvIndex::default();
+        ix.apply(pb::KvEventBatch {
+            snapshot: Some(pb::KvSnapshot {
+                next_seq: 1,
+                block_hashes: vec![1],
+                disk_block_hashes: vec![2, 9],
+            }),
+            events: vec![pb::KvEvent {
+                seq: 1,
+                kind: Some(pb::kv_event::Kind::DiskStored(pb::KvStored {
+                    parent_hash: None,
+                    block_hashes: vec![3, 1],
+                })),
+            }],
+        })
+        .unwrap();
+        let h = |v: &[u64]| v.iter().map(|&x| BlockHash(x)).collect::<Vec<_>>();
+        // 1 pooled (and on disk: counted once, as pooled), 2 and 3 on disk, 4 nowhere.
+        assert_eq!(
+            ix.matched_prefix(&h(&[1, 2, 3, 4])),
+            Matched { pool: 1, disk: 2 }
+        );
+        ix.apply(pb::KvEventBatch {
+            snapshot: None,
+            events: vec![pb::KvEvent {
+                seq: 2,
+                kind: Some(pb::kv_event::Kind::DiskRemoved(pb::KvRemoved {
+                    block_hashes: vec![3],
+                })),
+            }],
+        })
+        .unwrap();
+        assert_eq!(
+            ix.matched_prefix(&h(&[1, 2, 3, 4])),
+            Matched { pool: 1, disk: 1 }
+        );
+        assert_eq!(ix.matched_prefix(&h(&[9])), Matched { pool: 0, disk: 1 });
     }
 
     #[test]
@@ -124,6 +205,7 @@ mod tests {
             snapshot: Some(pb::KvSnapshot {
                 next_seq: 1,
                 block_hashes: vec![9],
+                disk_block_hashes: vec![],
             }),
             events: vec![stored(1, &[10])],
         })

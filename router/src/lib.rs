@@ -114,6 +114,10 @@ pub struct RouterArgs {
     /// kv-aware: blocks of prefill that one in-flight request on a worker is worth.
     #[arg(long, env = "TANDEM_KV_LOAD_WEIGHT", default_value_t = 1.0)]
     pub kv_load_weight: f64,
+    /// kv-aware: blocks of prefill that reading one block back from a worker's disk tier is
+    /// worth.
+    #[arg(long, env = "TANDEM_KV_DISK_WEIGHT", default_value_t = 0.1)]
+    pub kv_disk_weight: f64,
     /// kv-aware: fall back to least-load when the busiest worker has this many more requests in
     /// flight than the idlest ...
     #[arg(long, env = "TANDEM_BALANCE_ABS", default_value_t = 8)]
@@ -284,6 +288,7 @@ pub async fn serve(
         args.policy,
         KvAwareConfig {
             load_weight: args.kv_load_weight,
+            disk_weight: args.kv_disk_weight,
             balance_abs: args.balance_abs,
             balance_rel: args.balance_rel,
         },

@@ -139,12 +139,17 @@ impl Worker {
         self.client.as_ref()
     }
 
-    /// Leading tokens of `prompt` this worker holds in its prefix cache, as far as the router's
-    /// index knows.
+    /// Leading tokens of `prompt` this worker holds in its prefix cache or its disk tier (it
+    /// computes neither), as far as the router's index knows.
     pub fn cached_prefix_tokens(&self, prompt: &[u32]) -> usize {
         let bs = self.info().map(|i| i.block_size).unwrap_or(16).max(1) as usize;
         let hashes = block_hashes(prompt, bs);
-        self.kv.lock().expect("kv index").matched_prefix(&hashes) * bs
+        self.kv
+            .lock()
+            .expect("kv index")
+            .matched_prefix(&hashes)
+            .blocks()
+            * bs
     }
 
     /// Whether requests may go to it: its Info and Load answered, it passed the pool's check and
@@ -171,6 +176,11 @@ impl Worker {
     /// Blocks the router's index holds for this worker (from its KV-event stream).
     pub fn indexed_blocks(&self) -> usize {
         self.kv.lock().expect("kv index").len()
+    }
+
+    /// Blocks the router's index says the worker holds in its disk tier.
+    pub fn indexed_disk_blocks(&self) -> usize {
+        self.kv.lock().expect("kv index").disk_len()
     }
 
     /// Marks the worker unreachable after a failed call; the monitor brings it back.
@@ -435,7 +445,9 @@ impl WorkerPool {
                         .entry(bs)
                         .or_insert_with(|| block_hashes(prompt, bs as usize));
                     c.prompt_blocks = hashes.len();
-                    c.cached_blocks = w.kv.lock().expect("kv index").matched_prefix(hashes);
+                    let m = w.kv.lock().expect("kv index").matched_prefix(hashes);
+                    c.cached_blocks = m.pool;
+                    c.disk_blocks = m.disk;
                 }
                 c
             })

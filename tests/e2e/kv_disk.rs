@@ -89,3 +89,59 @@ async fn a_prompt_pushed_out_of_the_pool_comes_back_from_disk_across_a_restart()
     assert!(counter(&worker, "tandem_kv_disk_blocks_read_total").await >= 12.0);
     assert!(counter(&worker, "tandem_kv_disk_blocks").await >= 12.0);
 }
+
+/// The router knows which worker holds a prefix on disk (the workers' KV events name the tier):
+/// a prompt pushed out to one worker's disk goes back to that worker, which reads it back.
+/// (With reading back weighed as dear as computing, `--kv-disk-weight=1`, the tie goes to the
+/// other worker and this fails: checked when it was written.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_router_sends_a_prompt_to_the_worker_holding_it_on_disk() {
+    let dirs = [tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap()];
+    let workers: Vec<(Proc, String)> = dirs
+        .iter()
+        .map(|d| {
+            let disk = format!("--kv-disk-dir={}", d.path().display());
+            start_worker(&["--kv-blocks=24", &disk, "--kv-disk-gb=1"])
+        })
+        .collect();
+    let addrs: Vec<String> = workers.iter().map(|(_, a)| a.clone()).collect();
+    let router = start_router(&addrs, &[]);
+    wait_ready(&router, 2).await;
+    let a = prompt(50, 200);
+    let want = complete(&router, &a).await;
+    // Six others, spread over the two workers (no cache to choose by), push it out of the pool.
+    for seed in 51..57 {
+        complete(&router, &prompt(seed, 200)).await;
+    }
+    until(
+        "the router hears of the first prompt's blocks on disk",
+        || async {
+            let v = router_state(&router.http).await;
+            v["workers"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter_map(|w| w["disk_blocks"].as_u64())
+                .max()
+                .unwrap_or(0)
+                >= 12
+        },
+    )
+    .await;
+    let read = || async {
+        let mut r = Vec::new();
+        for w in &addrs {
+            r.push(counter(w, "tandem_kv_disk_blocks_read_total").await);
+        }
+        r
+    };
+    let before = read().await;
+    assert_eq!(complete(&router, &a).await, want);
+    let after = read().await;
+    // One worker read the prompt's 12 full blocks back; the other computed nothing of it.
+    let gained: Vec<f64> = after.iter().zip(&before).map(|(a, b)| a - b).collect();
+    assert!(
+        gained.iter().any(|&g| g >= 12.0) && gained.contains(&0.0),
+        "{gained:?}"
+    );
+}

@@ -63,10 +63,15 @@ pub fn finish(f: &Finished) -> pb::Finish {
 /// A change to the engine's prefix cache (a snapshot or events) as the KvEvents stream sends it.
 pub fn kv_batch(update: KvUpdate) -> pb::KvEventBatch {
     match update {
-        KvUpdate::Snapshot { next_seq, hashes } => pb::KvEventBatch {
+        KvUpdate::Snapshot {
+            next_seq,
+            hashes,
+            disk_hashes,
+        } => pb::KvEventBatch {
             snapshot: Some(pb::KvSnapshot {
                 next_seq,
                 block_hashes: hashes.iter().map(|h| h.0).collect(),
+                disk_block_hashes: disk_hashes.iter().map(|h| h.0).collect(),
             }),
             events: Vec::new(),
         },
@@ -85,6 +90,17 @@ pub fn kv_batch(update: KvUpdate) -> pb::KvEventBatch {
                         }
                         KvEventKind::Removed { hashes } => {
                             pb::kv_event::Kind::Removed(pb::KvRemoved {
+                                block_hashes: hashes.iter().map(|h| h.0).collect(),
+                            })
+                        }
+                        KvEventKind::DiskStored { hashes } => {
+                            pb::kv_event::Kind::DiskStored(pb::KvStored {
+                                parent_hash: None,
+                                block_hashes: hashes.iter().map(|h| h.0).collect(),
+                            })
+                        }
+                        KvEventKind::DiskRemoved { hashes } => {
+                            pb::kv_event::Kind::DiskRemoved(pb::KvRemoved {
                                 block_hashes: hashes.iter().map(|h| h.0).collect(),
                             })
                         }

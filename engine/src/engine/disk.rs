@@ -27,7 +27,7 @@ use std::time::Instant;
 
 use tandem_kv_transfer::disk::Loaded;
 use tandem_kv_transfer::{DiskTier, DiskTierConfig};
-use tandem_model::hash::{hash_block, ROOT};
+use tandem_model::hash::{hash_block, BlockHash, ROOT};
 
 use super::{Engine, KvDiskConfig, Seq};
 use crate::backend::{Backend, RankPool};
@@ -48,6 +48,8 @@ pub(super) struct Disk {
     staged: Vec<(u64, Vec<u8>)>,
     /// Bytes of one block's payload (every rank's heads, every layer).
     payload_len: usize,
+    /// What the event stream has said the tier holds (its snapshot's disk hashes).
+    reported: HashSet<u64>,
     pub(super) stats: DiskCounts,
 }
 
@@ -103,7 +105,9 @@ impl Disk {
             EngineError::Config(format!("the KV disk tier at {}: {e}", config.dir.display()))
         })?;
         let (tx, rx) = mpsc::channel();
+        let reported = tier.hashes().into_iter().collect();
         Ok(Self {
+            reported,
             tier,
             config: config.clone(),
             tx,
@@ -142,8 +146,21 @@ impl Engine {
     /// for commands when only such reads are outstanding).
     pub fn set_disk_wake(&mut self, wake: Arc<dyn Fn() + Send + Sync>) {
         if let Some(d) = &mut self.disk {
+            d.tier.set_notify(wake.clone());
             d.wake = Some(wake);
         }
+    }
+
+    /// The blocks the event stream says the disk tier holds, sorted (for a subscriber's
+    /// snapshot; empty without a tier).
+    pub fn disk_hashes(&self) -> Vec<BlockHash> {
+        let mut h: Vec<BlockHash> = self
+            .disk
+            .iter()
+            .flat_map(|d| d.reported.iter().map(|&h| BlockHash(h)))
+            .collect();
+        h.sort();
+        h
     }
 
     /// The disk tier, if the engine has one.
@@ -213,6 +230,17 @@ impl Engine {
         let Some(d) = self.disk.as_mut() else {
             return Ok(());
         };
+        // What the tier wrote or lost since: events for the router's index.
+        let (mut stored, mut removed) = (Vec::new(), Vec::new());
+        for (h, present) in d.tier.take_changes() {
+            if present && d.reported.insert(h) {
+                stored.push(BlockHash(h));
+            } else if !present && d.reported.remove(&h) {
+                removed.push(BlockHash(h));
+            }
+        }
+        self.blocks.emit_disk(true, stored);
+        self.blocks.emit_disk(false, removed);
         while let Ok((hash, got)) = d.rx.try_recv() {
             d.inflight.remove(&hash);
             match got {
@@ -235,10 +263,10 @@ impl Engine {
         let staged = std::mem::take(&mut d.staged);
         let mut kept = Vec::new();
         for (hash, payload) in staged {
-            let Some(b) = self.blocks.adopt(tandem_model::hash::BlockHash(hash)) else {
+            let Some(b) = self.blocks.adopt(BlockHash(hash)) else {
                 // Held already (computed meanwhile), or the pool has no block to give: the
                 // request computes it.
-                if !self.blocks.holds(tandem_model::hash::BlockHash(hash)) {
+                if !self.blocks.holds(BlockHash(hash)) {
                     kept.push((hash, payload));
                 }
                 continue;

@@ -140,6 +140,7 @@ async fn ready(
                     "ready": w.is_ready(),
                     "in_flight": w.in_flight(),
                     "cached_blocks": w.indexed_blocks(),
+                    "disk_blocks": w.indexed_disk_blocks(),
                 });
                 if show_addrs {
                     v["addr"] = json!(w.addr.as_str());

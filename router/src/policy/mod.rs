@@ -27,6 +27,8 @@ pub struct Candidate {
     /// Leading prompt blocks the worker holds in its prefix cache (only filled in for policies
     /// that say they need it).
     pub cached_blocks: usize,
+    /// Prompt blocks past those that it holds in its disk tier (read back, not computed).
+    pub disk_blocks: usize,
     /// Full blocks in the prompt.
     pub prompt_blocks: usize,
 }
