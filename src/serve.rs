@@ -394,6 +394,7 @@ pub fn run_decode(a: DecodeArgs) -> Result<()> {
         let grpc_addr = format!("{advertise}:{}", addr.port());
         let mut service = DecodeService::new(handle.clone(), identity.clone());
         let mut kv_addr = None;
+        let mut peer = None;
         if let Some(secret) = secret {
             let advertise = a
                 .kv_advertise_host
@@ -405,7 +406,7 @@ pub fn run_decode(a: DecodeArgs) -> Result<()> {
                 RemotePrefill::bind(
                     &format!("{}:{}", a.host, a.kv_port),
                     &advertise,
-                    secret,
+                    secret.clone(),
                     &identity.model,
                     writers,
                     Deadlines {
@@ -418,6 +419,16 @@ pub fn run_decode(a: DecodeArgs) -> Result<()> {
             .with_context(|| format!("cannot listen for KV on {}:{}", a.host, a.kv_port))?;
             kv_addr = Some(remote.endpoint().to_string());
             service = service.with_remote(Arc::new(remote));
+            // Its peers pull the prefixes it holds through the Prefill service on its port: its
+            // engine computes what it lacks of the prompt and pushes every block.
+            let shape = tandem_worker::kv_shape(&identity.model, &handle.kv_writers())
+                .context("a decode worker serves its peers from a host cache")?;
+            peer = Some(PrefillService::new(
+                handle.clone(),
+                Arc::new(TcpTransport::new(secret).with_shape(shape)),
+                identity.clone(),
+                PrefillLimits::default(),
+            ));
         }
         let card = card(
             Role::Decode,
@@ -436,9 +447,13 @@ pub fn run_decode(a: DecodeArgs) -> Result<()> {
         );
         std::io::stdout().flush()?;
         let drain = service.control().drain().clone();
-        tandem_decode_worker::serve(
+        tandem_decode_worker::serve_beside(
             listener,
             service,
+            |routes| match peer {
+                Some(p) => tandem_prefill_worker::beside(p, routes),
+                None => routes,
+            },
             deregister_then_drain(registration, drain, handle.clone()),
             Duration::from_secs(a.drain_timeout_s),
             token,

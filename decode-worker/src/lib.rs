@@ -458,6 +458,19 @@ pub async fn serve(
     drain_deadline: Duration,
     token: Option<tandem_worker::WorkerToken>,
 ) -> Result<(), tonic::transport::Error> {
+    serve_beside(listener, service, |r| r, signal, drain_deadline, token).await
+}
+
+/// [`serve`], with more services on the same port (`beside` adds them to the decode service's
+/// routes): the Prefill service its peers pull prefixes from.
+pub async fn serve_beside(
+    listener: TcpListener,
+    service: DecodeService,
+    beside: impl FnOnce(tonic::service::Routes) -> tonic::service::Routes,
+    signal: impl std::future::Future<Output = ()> + Send,
+    drain_deadline: Duration,
+    token: Option<tandem_worker::WorkerToken>,
+) -> Result<(), tonic::transport::Error> {
     let metrics = metrics::DecodeMetrics {
         engine: service.engine.clone(),
         remote: service.remote.clone(),
@@ -466,7 +479,7 @@ pub async fn serve(
     let control = service.control();
     tandem_worker::serve(
         listener,
-        tonic::service::Routes::new(DecodeServer::new(service)),
+        beside(tonic::service::Routes::new(DecodeServer::new(service))),
         DecodeServer::<DecodeService>::NAME,
         control,
         metrics,

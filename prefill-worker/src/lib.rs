@@ -187,6 +187,12 @@ impl pb::prefill_server::Prefill for PrefillService {
     }
 }
 
+/// `routes` with this service beside them: a decode worker serves Prefill to its peers, which pull
+/// the prefixes it holds (its engine computes only what it lacks and pushes every block).
+pub fn beside(service: PrefillService, routes: tonic::service::Routes) -> tonic::service::Routes {
+    routes.add_service(PrefillServer::new(service))
+}
+
 /// Serves `service` (with WorkerControl, grpc.health.v1 and `/metrics`) on `listener` until
 /// `signal`, then drains for up to `drain_deadline`; with `token`, every call of its own needs
 /// the cluster's credential.

@@ -140,6 +140,10 @@ pub struct RouterArgs {
     /// locally.
     #[arg(long, env = "TANDEM_PREFILL_CAPACITY", default_value_t = 4)]
     pub prefill_capacity: usize,
+    /// Never pull a prompt's KV from another decode worker that holds more of its prefix (in
+    /// its pool or on its disk) than the chosen one; compute it instead.
+    #[arg(long, env = "TANDEM_NO_PEER_PULL")]
+    pub no_peer_pull: bool,
     /// Times a request may move to another decode worker when its worker dies mid-stream.
     #[arg(long, env = "TANDEM_MAX_MIGRATIONS", default_value_t = 2)]
     pub max_migrations: u32,
@@ -303,6 +307,7 @@ pub async fn serve(
             disagg: DisaggConfig {
                 min_tokens: args.disagg_min_tokens,
                 capacity: args.prefill_capacity.max(1),
+                pull_from_peers: !args.no_peer_pull,
                 ..Default::default()
             },
             max_migrations: args.max_migrations,

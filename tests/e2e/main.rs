@@ -21,6 +21,7 @@ mod hostile;
 mod image;
 mod kv_disk;
 mod multihost;
+mod peer_pull;
 mod prometheus;
 mod reproducible;
 mod soak;

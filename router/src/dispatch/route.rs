@@ -42,21 +42,41 @@ impl Route {
         let local = pb::PrefillPlan {
             plan: Some(pb::prefill_plan::Plan::Local(pb::LocalPrefill {})),
         };
-        let Some(pp) = &self.prefill_pool else {
-            return (local, None);
-        };
-        let uncached = prompt.len().saturating_sub(d.cached_prefix_tokens(prompt));
+        let held = d.cached_prefix_tokens(prompt);
+        let uncached = prompt.len().saturating_sub(held);
         if uncached < self.disagg.min_tokens {
             return (local, None);
         }
-        let ready = pp.ready();
-        let cands: Vec<PrefillCandidate> = ready
+        let mut ready = self
+            .prefill_pool
+            .as_ref()
+            .map_or(Vec::new(), |pp| pp.ready());
+        let mut cands: Vec<PrefillCandidate> = ready
             .iter()
             .map(|w| PrefillCandidate {
                 in_flight: w.in_flight(),
                 cached_tokens: w.cached_prefix_tokens(prompt),
             })
             .collect();
+        // Decode peers that hold at least `min_tokens` more of the prompt (in their pool or on
+        // their disk): the KV is pulled from them (their Prefill service computes what they lack
+        // and pushes every block) instead of computed. Their decodes are not prompts queued
+        // before this one, so they count as idle.
+        if self.disagg.pull_from_peers {
+            for w in self.pool.ready() {
+                if w.addr == d.addr {
+                    continue;
+                }
+                let cached = w.cached_prefix_tokens(prompt);
+                if cached >= held + self.disagg.min_tokens {
+                    cands.push(PrefillCandidate {
+                        in_flight: 0,
+                        cached_tokens: cached,
+                    });
+                    ready.push(w);
+                }
+            }
+        }
         let order = disagg::plan(&self.disagg, prompt.len(), uncached, &cands);
         let Some(&first) = order.first() else {
             return (local, None);

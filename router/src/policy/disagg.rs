@@ -29,6 +29,9 @@ pub struct DisaggConfig {
     pub capacity: usize,
     /// Prompt tokens one queued prompt on a prefill worker is worth.
     pub load_tokens: f64,
+    /// Whether a decode worker that holds at least `min_tokens` more of a prompt than the chosen
+    /// one is a candidate too (the KV is pulled from it instead of computed).
+    pub pull_from_peers: bool,
 }
 
 impl Default for DisaggConfig {
@@ -37,6 +40,7 @@ impl Default for DisaggConfig {
             min_tokens: 256,
             capacity: 4,
             load_tokens: 512.0,
+            pull_from_peers: true,
         }
     }
 }
