@@ -139,11 +139,15 @@ impl DecodeService {
 
     /// The WorkerControl service (Info, Load, KvEvents) of this worker.
     pub fn control(&self) -> ControlService {
-        ControlService::new(
+        let c = ControlService::new(
             self.engine.clone(),
             self.identity.clone(),
             self.drain.clone(),
-        )
+        );
+        match &self.remote {
+            Some(r) => c.with_links(r.links.clone()),
+            None => c,
+        }
     }
 }
 

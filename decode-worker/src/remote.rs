@@ -71,6 +71,8 @@ pub struct RemotePrefill {
     token: tandem_worker::WorkerToken,
     /// What remote prefill has done since start.
     pub counts: RemoteCounts,
+    /// The rate each source's transfers arrived at.
+    pub links: Arc<tandem_worker::LinkRates>,
 }
 
 impl RemotePrefill {
@@ -112,6 +114,7 @@ impl RemotePrefill {
             clients: Mutex::new(HashMap::new()),
             token,
             counts: RemoteCounts::default(),
+            links: Arc::default(),
         })
     }
 
@@ -315,6 +318,12 @@ impl RemotePrefill {
                     };
                     self.counts.duration.observe(granted.elapsed().as_secs_f64());
                     received(span, &stats, reservation.blocks.len());
+                    // The link's rate, first frame to last (frames come as the sender computes:
+                    // a pull of a prefix it holds runs at the link's own).
+                    if let Some(first) = stats.first_frame {
+                        let took = first.elapsed().map_or(0.0, |d| d.as_secs_f64());
+                        self.links.record(addr, stats.bytes, took);
+                    }
                     arrived = true;
                 }
                 _ = check.tick() => watch.frames(g.frames_received(), Instant::now()),

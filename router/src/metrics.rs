@@ -18,6 +18,7 @@ use tandem_discovery::Role;
 pub struct RouterMetrics {
     registry: Registry,
     prefill: Family<Labels, Counter>,
+    crossover: Family<Labels, Counter>,
     migrations: Counter,
     refused: Family<Labels, Counter>,
     requests: Family<Labels, Counter>,
@@ -65,6 +66,15 @@ impl RouterMetrics {
             "Requests routed, by where their prompt is prefilled (remote: a prefill worker)",
             prefill.clone(),
         );
+        let crossover = Family::<Labels, Counter>::default();
+        registry.register(
+            "tandem_router_prefill_crossover",
+            "Prompts long enough to prefill elsewhere with somewhere to go (a prefill worker, or a peer holding more of them), by what the measured rates said: remote_faster (a prefill worker or peer, its compute and its link to the decode worker, beats computing there), local_faster (computing there wins), unmeasured (a rate not known yet: the threshold decides)",
+            crossover.clone(),
+        );
+        for said in ["remote_faster", "local_faster", "unmeasured"] {
+            let _ = crossover.get_or_create(&vec![("estimate", said)]);
+        }
         let migrations = Counter::default();
         registry.register(
             "tandem_request_migrations",
@@ -130,6 +140,7 @@ impl RouterMetrics {
         Self {
             registry,
             prefill,
+            crossover,
             migrations,
             refused,
             requests,
@@ -142,6 +153,19 @@ impl RouterMetrics {
 }
 
 impl RouterMetrics {
+    /// What the measured crossover said for a prompt long enough to go remote: the seconds
+    /// computing it on its decode worker would take, and the best candidate's.
+    pub fn prefill_estimate(&self, local_s: Option<f64>, best_remote_s: Option<f64>) {
+        let said = match (local_s, best_remote_s) {
+            (Some(l), Some(r)) if r < l => "remote_faster",
+            (Some(_), Some(_)) => "local_faster",
+            _ => "unmeasured",
+        };
+        self.crossover
+            .get_or_create(&vec![("estimate", said)])
+            .inc();
+    }
+
     /// A request routed, its prompt prefilled on a prefill worker (`remote`) or on its decode
     /// worker.
     pub fn prefill(&self, remote: bool) {

@@ -178,6 +178,11 @@ impl Worker {
         self.kv.lock().expect("kv index").len()
     }
 
+    /// The worker's latest `Load` answer (none before its first).
+    pub fn load_report(&self) -> Option<pb::LoadReport> {
+        self.state.lock().expect("worker state").load.clone()
+    }
+
     /// Blocks the router's index says the worker holds in its disk tier.
     pub fn indexed_disk_blocks(&self) -> usize {
         self.kv.lock().expect("kv index").disk_len()

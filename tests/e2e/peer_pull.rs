@@ -77,6 +77,57 @@ async fn a_prompt_one_decode_worker_holds_is_pulled_by_the_other() {
         metric(&rm, r#"tandem_prefill_requests_total{mode="remote"}"#),
         1.0
     );
+    // Nothing was measured before that pull: the threshold decided.
+    assert_eq!(
+        metric(
+            &rm,
+            r#"tandem_router_prefill_crossover_total{estimate="unmeasured"}"#
+        ),
+        1.0
+    );
+    // The puller measured the link it pulled over, and reports it with its KV size a token.
+    let (w0, w1) = (workers[0].1.clone(), workers[1].1.clone());
+    let (holder, puller) = if gained[1] > 0.0 {
+        (&w0, &w1)
+    } else {
+        (&w1, &w0)
+    };
+    let load = worker_load(puller).await;
+    assert!(load.kv_bytes_per_token > 0.0, "{load:?}");
+    let link = load
+        .kv_links
+        .iter()
+        .find(|l| &l.source == holder)
+        .unwrap_or_else(|| panic!("no link from {holder}: {load:?}"));
+    assert!(link.bytes_per_s > 0.0);
+
+    // Round robin: one unique prompt each (both measure a prefill rate), then a prompt on the
+    // holder and again on the puller, over the link it measured: this time the rates decide.
+    for seed in [20, 21] {
+        complete(&router, &prompt(seed, 200)).await;
+    }
+    until("the router knows both workers' prefill rates", || async {
+        let v = router_state(&router.http).await;
+        v["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|w| w["prefill_tokens_per_s"].as_f64().unwrap_or(0.0) > 0.0)
+    })
+    .await;
+    let q = prompt(22, 200);
+    let want = complete(&router, &q).await;
+    wait_router_cached(&router, 24).await;
+    assert_eq!(complete(&router, &q).await, want);
+    let rm = scrape(&router.http).await;
+    let measured = metric(
+        &rm,
+        r#"tandem_router_prefill_crossover_total{estimate="remote_faster"}"#,
+    ) + metric(
+        &rm,
+        r#"tandem_router_prefill_crossover_total{estimate="local_faster"}"#,
+    );
+    assert_eq!(measured, 1.0, "{rm:?}");
 
     // Without the pull, the second request of a prompt is computed where it lands.
     let (workers, router) = two_workers(false).await;

@@ -7,7 +7,7 @@ use tandem_proto::worker::{self as pb, worker_control_server::WorkerControl};
 use tonic::{Request, Response, Status};
 
 use crate::convert::{kv_event_stream, load_report, worker_info, BoxStream};
-use crate::{Drain, WorkerIdentity};
+use crate::{Drain, LinkRates, WorkerIdentity};
 
 /// Info, Load and KvEvents over a worker's engine. Cheap to clone.
 #[derive(Clone)]
@@ -15,6 +15,7 @@ pub struct ControlService {
     engine: Arc<EngineHandle>,
     identity: WorkerIdentity,
     drain: Arc<Drain>,
+    links: Option<Arc<LinkRates>>,
 }
 
 impl ControlService {
@@ -25,7 +26,14 @@ impl ControlService {
             engine,
             identity,
             drain,
+            links: None,
         }
+    }
+
+    /// Reports `links` (the rates this worker received KV at, by source) in `Load`.
+    pub fn with_links(mut self, links: Arc<LinkRates>) -> Self {
+        self.links = Some(links);
+        self
     }
 
     /// The worker's requests in flight and graceful stop.
@@ -51,11 +59,23 @@ impl WorkerControl for ControlService {
     }
 
     async fn load(&self, _: Request<pb::LoadRequest>) -> Result<Response<pb::LoadReport>, Status> {
-        Ok(Response::new(load_report(
+        let mut r = load_report(
             self.engine.stats(),
             self.drain.in_flight(),
             self.drain.is_draining(),
-        )))
+        );
+        r.kv_bytes_per_token = self.engine.limits().kv_bytes_per_token;
+        if let Some(l) = &self.links {
+            r.kv_links = l
+                .snapshot()
+                .into_iter()
+                .map(|(source, bytes_per_s)| pb::KvLink {
+                    source,
+                    bytes_per_s,
+                })
+                .collect();
+        }
+        Ok(Response::new(r))
     }
 
     async fn kv_events(

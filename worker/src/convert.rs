@@ -139,6 +139,9 @@ pub fn load_report(s: EngineStats, in_flight: usize, draining: bool) -> pb::Load
         preemptions: s.preemptions,
         in_flight: in_flight as u32,
         draining,
+        prefill_tokens_per_s: s.prefill_tokens_per_s,
+        kv_bytes_per_token: 0.0,
+        kv_links: Vec::new(),
     }
 }
 

@@ -8,7 +8,7 @@
 //! one port, then the drain on the shutdown signal); the Prometheus encoders and the engine's own
 //! metrics ([`metrics`]); the engine↔worker API conversions and the one mapping of an engine
 //! failure to a gRPC status ([`convert`]); the KV pool as the destination of a transfer
-//! ([`PoolSink`]); and the spans of a request's trace both roles write ([`trace`]).
+//! ([`PoolSink`]) and the rates its KV links were measured at ([`LinkRates`]); and the spans of a request's trace both roles write ([`trace`]).
 //!
 //! Does not own: either role's own work (tandem-decode-worker's `Generate`,
 //! tandem-prefill-worker's `Prefill`), the engine loop, or routing.
@@ -20,6 +20,7 @@ mod control;
 pub mod convert;
 mod drain;
 mod kv_sink;
+pub mod links;
 pub mod metrics;
 mod serve;
 pub mod trace;
@@ -28,6 +29,7 @@ pub use auth::WorkerToken;
 pub use control::ControlService;
 pub use drain::{Drain, InFlight};
 pub use kv_sink::{kv_shape, PoolSink};
+pub use links::LinkRates;
 pub use serve::serve;
 
 /// What a worker says about itself in `Info`.

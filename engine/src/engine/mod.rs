@@ -394,6 +394,7 @@ impl Engine {
             block_size: self.config.block_size,
             total_blocks: self.blocks.counts().total,
             tensor_parallel: self.backend.tp(),
+            kv_bytes_per_token: self.backend.kv_bytes_per_token(),
         }
     }
 

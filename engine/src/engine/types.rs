@@ -457,6 +457,8 @@ pub struct Limits {
     pub total_blocks: usize,
     /// Tensor-parallel ranks the engine's steps run on.
     pub tensor_parallel: usize,
+    /// Bytes of KV one token takes in the cache (every layer, every rank).
+    pub kv_bytes_per_token: f64,
 }
 
 impl Limits {

@@ -272,6 +272,8 @@ impl Generation {
             tandem.route.cached_tokens = tracing::field::Empty,
             tandem.route.prefill = tracing::field::Empty,
             tandem.route.prefill_candidates = tracing::field::Empty,
+            tandem.route.local_estimate_s = tracing::field::Empty,
+            tandem.route.remote_estimate_s = tracing::field::Empty,
             otel.status_code = tracing::field::Empty,
         );
         self.tried.push(lost);

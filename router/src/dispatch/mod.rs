@@ -387,6 +387,8 @@ impl Dispatcher {
             tandem.route.cached_tokens = tracing::field::Empty,
             tandem.route.prefill = tracing::field::Empty,
             tandem.route.prefill_candidates = tracing::field::Empty,
+            tandem.route.local_estimate_s = tracing::field::Empty,
+            tandem.route.remote_estimate_s = tracing::field::Empty,
         );
         let open = match route
             .open(request.clone(), &[], &mut tried)

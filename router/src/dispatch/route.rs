@@ -56,6 +56,7 @@ impl Route {
             .map(|w| PrefillCandidate {
                 in_flight: w.in_flight(),
                 cached_tokens: w.cached_prefix_tokens(prompt),
+                estimate_s: None,
             })
             .collect();
         // Decode peers that hold at least `min_tokens` more of the prompt (in their pool or on
@@ -72,12 +73,46 @@ impl Route {
                     cands.push(PrefillCandidate {
                         in_flight: 0,
                         cached_tokens: cached,
+                        estimate_s: None,
                     });
                     ready.push(w);
                 }
             }
         }
-        let order = disagg::plan(&self.disagg, prompt.len(), uncached, &cands);
+        // The measured crossover: computing here against each candidate's compute and link.
+        let here = d.load_report();
+        let local_s = here
+            .as_ref()
+            .filter(|l| l.prefill_tokens_per_s > 0.0)
+            .map(|l| uncached as f64 / l.prefill_tokens_per_s);
+        let kv_bytes = here.as_ref().map_or(0.0, |l| l.kv_bytes_per_token);
+        for (c, w) in cands.iter_mut().zip(&ready) {
+            let link = here.as_ref().and_then(|l| {
+                l.kv_links
+                    .iter()
+                    .find(|k| k.source == w.addr.as_str())
+                    .map(|k| k.bytes_per_s)
+            });
+            let rate = w.load_report().map_or(0.0, |l| l.prefill_tokens_per_s);
+            let lacks = prompt.len().saturating_sub(c.cached_tokens);
+            c.estimate_s =
+                disagg::estimate(lacks, rate, prompt.len(), kv_bytes, link.unwrap_or(0.0));
+        }
+        let order = disagg::plan(&self.disagg, prompt.len(), uncached, &cands, local_s);
+        let routing = tracing::Span::current();
+        if let Some(l) = local_s {
+            routing.record("tandem.route.local_estimate_s", l);
+        }
+        let best = cands
+            .iter()
+            .filter_map(|c| c.estimate_s)
+            .min_by(f64::total_cmp);
+        if let Some(r) = best {
+            routing.record("tandem.route.remote_estimate_s", r);
+        }
+        if !cands.is_empty() {
+            self.metrics.prefill_estimate(local_s, best);
+        }
         let Some(&first) = order.first() else {
             return (local, None);
         };

@@ -141,6 +141,7 @@ async fn ready(
                     "in_flight": w.in_flight(),
                     "cached_blocks": w.indexed_blocks(),
                     "disk_blocks": w.indexed_disk_blocks(),
+                    "prefill_tokens_per_s": w.load_report().map_or(0.0, |l| l.prefill_tokens_per_s),
                 });
                 if show_addrs {
                     v["addr"] = json!(w.addr.as_str());

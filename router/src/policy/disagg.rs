@@ -7,14 +7,46 @@
 //! `min_tokens`, and some prefill worker has room (fewer than `capacity` prompts of ours in
 //! flight). Candidates are ordered by the work they would do: the prompt tokens they do not hold
 //! in their own prefix cache, plus `load_weight` blocks' worth per prompt already queued on them.
+//!
+//! Where the rates are known, the crossover is measured rather than fixed: computing the prompt
+//! on the decode worker takes its uncached tokens over its prefill rate; a candidate takes the
+//! longer of computing what it lacks at its rate and moving the prompt's KV over the link the
+//! decode worker measured from it (the push overlaps the compute). A candidate estimated no
+//! faster than computing locally is dropped: the prompt is computed where it decodes.
 
 /// What the decision knows about one ready prefill worker.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct PrefillCandidate {
     /// Prompts this router has sent it that have not produced their first token yet.
     pub in_flight: usize,
     /// Leading prompt tokens it holds in its prefix cache.
     pub cached_tokens: usize,
+    /// Seconds until the decode worker would hold the prompt's KV through this candidate, when
+    /// its prefill rate and its link to the decode worker have been measured.
+    pub estimate_s: Option<f64>,
+}
+
+/// Seconds a prompt's KV takes through a candidate: the longer of computing its `uncached`
+/// tokens at `rate` tokens a second and moving `tokens` tokens' KV (`kv_bytes` a token) at
+/// `link` bytes a second. None while any rate is unknown (0).
+pub fn estimate(
+    uncached: usize,
+    rate: f64,
+    tokens: usize,
+    kv_bytes: f64,
+    link: f64,
+) -> Option<f64> {
+    let compute = if uncached == 0 {
+        0.0
+    } else if rate > 0.0 {
+        uncached as f64 / rate
+    } else {
+        return None;
+    };
+    if link <= 0.0 || kv_bytes <= 0.0 {
+        return None;
+    }
+    Some(compute.max(tokens as f64 * kv_bytes / link))
 }
 
 /// When a prompt is prefilled on a prefill worker, and how the prefill workers are ranked
@@ -46,17 +78,22 @@ impl Default for DisaggConfig {
 }
 
 /// The candidates to try, best first (indices into `candidates`); empty means prefill locally.
+/// `local_s`: the seconds computing the prompt on the decode worker would take, when its rate is
+/// known.
 pub fn plan(
     cfg: &DisaggConfig,
     prompt_tokens: usize,
     uncached_on_decode: usize,
     candidates: &[PrefillCandidate],
+    local_s: Option<f64>,
 ) -> Vec<usize> {
     if uncached_on_decode < cfg.min_tokens.max(1) {
         return Vec::new();
     }
+    let slower =
+        |c: &PrefillCandidate| matches!((c.estimate_s, local_s), (Some(r), Some(l)) if r >= l);
     let mut open: Vec<usize> = (0..candidates.len())
-        .filter(|&i| candidates[i].in_flight < cfg.capacity)
+        .filter(|&i| candidates[i].in_flight < cfg.capacity && !slower(&candidates[i]))
         .collect();
     let cost = |c: &PrefillCandidate| {
         prompt_tokens.saturating_sub(c.cached_tokens) as f64 + cfg.load_tokens * c.in_flight as f64
@@ -74,27 +111,54 @@ pub fn plan(
 mod tests {
     use super::*;
 
+    #[test]
+    fn a_candidate_estimated_no_faster_than_computing_locally_is_dropped() {
+        let cfg = DisaggConfig::default();
+        // 4096 tokens: 2 s locally at 2048 tokens/s.
+        let local = Some(4096.0 / 2048.0);
+        // Holds it all; 4096 tokens × 48 KiB over a 1 Gbit/s link: 1.6 s. Pulled.
+        let fast = estimate(1, 2048.0, 4096, 48.0 * 1024.0, 125e6);
+        assert!((fast.unwrap() - 4096.0 * 48.0 * 1024.0 / 125e6).abs() < 1e-9);
+        // The same over 100 Mbit/s: 16 s. Computed here instead.
+        let slow = estimate(1, 2048.0, 4096, 48.0 * 1024.0, 12.5e6);
+        let cand = |estimate_s| PrefillCandidate {
+            in_flight: 0,
+            cached_tokens: 4095,
+            estimate_s,
+        };
+        assert_eq!(plan(&cfg, 4096, 4096, &[cand(fast)], local), [0]);
+        assert!(plan(&cfg, 4096, 4096, &[cand(slow)], local).is_empty());
+        // Unmeasured (a rate of 0): the threshold alone decides, as before.
+        assert_eq!(estimate(10, 0.0, 4096, 1.0, 1.0), None);
+        assert_eq!(plan(&cfg, 4096, 4096, &[cand(None)], local), [0]);
+        assert_eq!(plan(&cfg, 4096, 4096, &[cand(slow)], None), [0]);
+    }
+
     fn c(in_flight: usize, cached_tokens: usize) -> PrefillCandidate {
         PrefillCandidate {
             in_flight,
             cached_tokens,
+            estimate_s: None,
         }
     }
 
     #[test]
     fn short_or_cached_prompts_stay_local() {
         let cfg = DisaggConfig::default();
-        assert!(plan(&cfg, 200, 200, &[c(0, 0)]).is_empty(), "short");
+        assert!(plan(&cfg, 200, 200, &[c(0, 0)], None).is_empty(), "short");
         assert!(
-            plan(&cfg, 2000, 100, &[c(0, 0)]).is_empty(),
+            plan(&cfg, 2000, 100, &[c(0, 0)], None).is_empty(),
             "long, but the decode worker caches all but 100 tokens"
         );
         assert_eq!(
-            plan(&cfg, 300, 256, &[c(0, 0)]),
+            plan(&cfg, 300, 256, &[c(0, 0)], None),
             vec![0],
             "at the threshold"
         );
-        assert!(plan(&cfg, 300, 300, &[]).is_empty(), "no prefill workers");
+        assert!(
+            plan(&cfg, 300, 300, &[], None).is_empty(),
+            "no prefill workers"
+        );
     }
 
     #[test]
@@ -103,7 +167,7 @@ mod tests {
         // 0: full; 1: idle, nothing cached (cost 1024); 2: idle, a quarter cached (768);
         // 3: one queued (512), all cached (0).
         let cands = [c(4, 0), c(0, 0), c(0, 256), c(1, 1024)];
-        assert_eq!(plan(&cfg, 1024, 1024, &cands), vec![3, 2, 1]);
-        assert!(plan(&cfg, 1024, 1024, &[c(4, 0), c(9, 0)]).is_empty());
+        assert_eq!(plan(&cfg, 1024, 1024, &cands, None), vec![3, 2, 1]);
+        assert!(plan(&cfg, 1024, 1024, &[c(4, 0), c(9, 0)], None).is_empty());
     }
 }
