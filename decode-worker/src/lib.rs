@@ -360,7 +360,7 @@ impl pb::decode_server::Decode for DecodeService {
             .validate()
             .map_err(|e| fail(status(e.into())))?;
         let candidates = match req.prefill.and_then(|p| p.plan) {
-            Some(pb::prefill_plan::Plan::Remote(r)) if req.resume_ids.is_empty() => r.prefill_addrs,
+            Some(pb::prefill_plan::Plan::Remote(r)) => r.prefill_addrs,
             _ => Vec::new(),
         };
         let samples = Samples {
@@ -383,7 +383,15 @@ impl pb::decode_server::Decode for DecodeService {
         let submitted = SystemTime::now();
         let stream = match (&self.remote, candidates.is_empty()) {
             (Some(remote), false) => {
-                let prompt = request.prompt.clone();
+                // The tokens whose KV comes from the candidates: the prompt, and for a request
+                // resumed here the tokens streamed before (their KV is held where they ran, or
+                // computed by the candidate).
+                let prompt: Vec<u32> = request
+                    .prompt
+                    .iter()
+                    .chain(&request.resume)
+                    .copied()
+                    .collect();
                 match self.engine.reserve_remote(request.clone()).await {
                     Ok(Some((stream, reservation))) => {
                         pending = Some(Pending {

@@ -759,6 +759,50 @@ async fn a_decode_worker_killed_mid_stream_is_migrated_seamlessly() {
     .await;
 }
 
+/// Migration that moves KV: a long prompt prefilled on a prefill worker, its decode worker killed
+/// mid-stream; the request resumes on the other decode worker, which takes the KV of the prompt
+/// and of the tokens streamed so far from the prefill worker (it holds the prompt's blocks and
+/// computes only the streamed tokens) instead of computing it all. Same text, one migration.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_migrated_request_takes_its_prompt_s_kv_from_the_prefill_worker() {
+    let (_p, paddr) = start_prefill(&[]);
+    let (mut d1, d1addr, _) = start_decode(&[]);
+    let (mut d2, d2addr, _) = start_decode(&[]);
+    let r = start_router(
+        &[d1addr.clone(), d2addr.clone()],
+        &[
+            &format!("--prefill-workers={paddr}"),
+            "--disagg-min-tokens=64",
+        ],
+    );
+    wait_ready(&r, 2).await;
+    let body = json!({
+        "prompt": "Write a long story about a lighthouse keeper and the sea. ".repeat(12),
+        "max_tokens": 96,
+        "temperature": 0,
+        "ignore_eos": true,
+        "stream": true,
+    });
+    let hits =
+        |m: &std::collections::HashMap<String, f64>| metric(m, "tandem_prefix_cache_hits_total");
+    let hits_before = hits(&scrape(&paddr).await);
+    let victim =
+        hit_the_busy_worker_mid_stream(&r, [(&mut d1, &d1addr), (&mut d2, &d2addr)], body, |p| {
+            p.signal(libc::SIGKILL);
+            p.wait_exit(Duration::from_secs(5));
+        })
+        .await;
+    let survivor = if victim == d1addr { &d2addr } else { &d1addr };
+    // The survivor received KV for the resumed stream (and for the check's uninterrupted run),
+    // and the prefill worker found the prompt in its cache for it.
+    let sm = scrape(survivor).await;
+    assert!(
+        metric(&sm, "tandem_kv_transfer_bytes_total") > 0.0,
+        "{sm:?}"
+    );
+    assert!(hits(&scrape(&paddr).await) - hits_before >= 128.0);
+}
+
 /// A decode worker frozen mid-stream (SIGSTOP) stops its heartbeats: the router leaves it after
 /// `--worker-stall-timeout-ms` and the stream goes on elsewhere, exact. A worker that is only
 /// slow (a long prompt's prefill, and at TANDEM_TEST_SLOWDOWN every step) keeps sending

@@ -28,18 +28,15 @@ impl Engine {
         r.compile(self.grammars.as_deref())?;
         self.validate(&r)?;
         self.check_host_cache()?;
-        if !r.resume.is_empty() {
-            return Err(EngineError::BadPlan(
-                "a resumed request is prefilled where it decodes".into(),
-            ));
-        }
+        // A resumed request (moved here from a worker that died or drained) takes the KV of its
+        // prompt and the tokens already streamed from wherever they are held; see join_remote.
         let mut s = self.new_seq(id, r);
         let hit = if self.config.prefix_caching {
             s.blocks.reuse_prefix(&s.tokens)
         } else {
             0
         };
-        if !s.blocks.reserve(s.prompt_len) {
+        if !s.blocks.reserve(s.tokens.len()) {
             return Ok(None);
         }
         // The transfer writes the reserved blocks: what they held goes to the disk tier first.
@@ -75,6 +72,15 @@ impl Engine {
             .position(|s| s.id == id)
             .ok_or(EngineError::NotParked(id.0))?;
         let mut s = self.remote.remove(i);
+        if s.tokens.len() > s.prompt_len {
+            // Resumed: the KV of every token streamed before the move is here; the last one is
+            // computed again so its logits come from this worker's sampler, which knows the
+            // streamed tokens (penalties, seeded draws). The prefill worker's token is not used.
+            s.computed = s.tokens.len() - 1;
+            s.blocks.commit(&s.tokens, s.computed);
+            self.running.push(s);
+            return Ok(Vec::new());
+        }
         if !s.forks.is_empty() {
             // Parallel samples all draw from the last prompt token's logits, which stayed on
             // the prefill worker: that one token is computed again here (into this request's

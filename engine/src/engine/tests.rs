@@ -352,6 +352,52 @@ fn a_resumed_request_continues_exactly_where_the_first_run_stopped() {
     assert!(e.validate(&sampled(vec![500])).is_err(), "bad token");
 }
 
+/// A resumed request whose KV (its prompt and the tokens streamed before the move) comes from
+/// another engine: the last streamed token is computed again here and the stream goes on with
+/// the tokens of the run that was never moved (seeded sampling with a penalty: the sampler knows
+/// the streamed tokens).
+#[test]
+fn a_resumed_request_takes_its_kv_from_elsewhere_and_continues_exactly() {
+    let prompt: Vec<u32> = (0..37).map(|t| (t * 11 + 3) % 97).collect();
+    let sampled = |resume: Vec<u32>| {
+        let params = SamplingParams {
+            max_tokens: 14,
+            temperature: 0.9,
+            seed: Some(7),
+            frequency_penalty: 0.5,
+            ignore_eos: true,
+            ..Default::default()
+        };
+        Request {
+            resume,
+            ..Request::new(prompt.clone(), params.validate().unwrap())
+        }
+    };
+    let full = engine(config())
+        .generate(vec![sampled(vec![])], |_| {}, |_| {})
+        .unwrap()[0]
+        .output_ids
+        .clone();
+    for k in [1, 6, 13] {
+        let mut decode = engine(config());
+        let id = RequestId(5);
+        let r = decode
+            .reserve_remote(id, sampled(full[..k].to_vec()))
+            .unwrap()
+            .unwrap();
+        // The holder computes (or finds) the KV of every token streamed so far.
+        let held: Vec<u32> = prompt.iter().chain(&full[..k]).copied().collect();
+        let mut holder = engine(config());
+        let (first, kv) = prefill_export(&mut holder, req(held, 1), r.cached_tokens);
+        fill(&decode, &r, &kv);
+        let events = decode.join_remote(id, first).unwrap();
+        assert!(events.is_empty(), "the holder's token is not used");
+        assert_eq!(run_to_end(&mut decode, id), full[k..], "resumed after {k}");
+        check_counts(&decode);
+        assert_eq!(decode.stats().blocks_used, 0);
+    }
+}
+
 fn check_counts(e: &Engine) {
     let st = e.stats();
     assert_eq!(

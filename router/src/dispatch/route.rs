@@ -149,18 +149,11 @@ impl Route {
                 });
             };
             let guard = worker.start_request();
-            // A resumed request is prefilled where it decodes (its prompt is mostly cached
-            // nowhere, and the first token is already out).
-            let (plan, prefill_guard) = if resume.is_empty() {
-                self.plan(&worker, &request.prompt_ids)
-            } else {
-                (
-                    pb::PrefillPlan {
-                        plan: Some(pb::prefill_plan::Plan::Local(pb::LocalPrefill {})),
-                    },
-                    None,
-                )
-            };
+            // A resumed request's KV (its prompt and the tokens streamed before the move) comes
+            // from wherever it is held, as a new prompt's does: the prefill worker that computed
+            // the prompt, a peer, the new worker's own caches; what no one holds is computed.
+            let tokens: Vec<u32> = request.prompt_ids.iter().chain(resume).copied().collect();
+            let (plan, prefill_guard) = self.plan(&worker, &tokens);
             let remote = prefill_guard.is_some();
             let routing = tracing::Span::current();
             if !routing.is_disabled() {
