@@ -8,6 +8,7 @@ use serde_json::{json, Value};
 
 use crate::common;
 
+use common::netns::block_in;
 use common::*;
 
 fn prompt(seed: u32, len: u32) -> Vec<u32> {
@@ -141,4 +142,142 @@ async fn a_prompt_one_decode_worker_holds_is_pulled_by_the_other() {
         metric(&rm, r#"tandem_prefill_requests_total{mode="remote"}"#),
         0.0
     );
+}
+
+/// `tandem ARGS` in network namespace `ns`, ready at the line starting with `marker`.
+fn start_in(ns: &str, args: &[String], marker: &str) -> (Proc, String) {
+    let mut cmd = std::process::Command::new("ip");
+    cmd.args(["netns", "exec", ns])
+        .arg(env!("CARGO_BIN_EXE_tandem"))
+        .args(args)
+        .stderr(std::process::Stdio::inherit())
+        .env("TANDEM_LOG", "warn")
+        .env("TANDEM_KV_SECRET", KV_SECRET);
+    spawn_command(cmd, marker)
+}
+
+/// The measured crossover over a slow link: two decode workers on hosts whose links are shaped to
+/// 20 Mbit/s (a 128-token prompt's KV, 6 MB, takes about 2.4 s to cross; computing it takes a
+/// small part of that on any machine CI runs on). The first pull goes by the threshold (nothing is
+/// measured yet) and measures the link; once each worker has measured its prefill rate, a prompt
+/// held by the other worker is computed where it lands: the estimate said so.
+#[test]
+fn over_a_link_slower_than_computing_the_prompt_is_computed_instead_of_pulled() {
+    use tandem_discovery::Ready;
+    let mut net = common::netns::Net::new();
+    let hosts = [
+        net.host("d0", "10.79.0.2"),
+        net.host("d1", "10.79.0.3"),
+        net.host("rt", "10.79.0.4"),
+    ];
+    for h in &hosts[..2] {
+        let tc = std::process::Command::new("ip")
+            .args([
+                "netns", "exec", h, "tc", "qdisc", "add", "dev", "eth0", "root",
+            ])
+            .args(["tbf", "rate", "20mbit", "burst", "32kbit", "latency", "1s"])
+            .output()
+            .expect("tc (iproute2)");
+        assert!(
+            tc.status.success(),
+            "{}",
+            String::from_utf8_lossy(&tc.stderr)
+        );
+    }
+    let model = format!("--model={}", model_path().display());
+    let args = |a: &[&str]| -> Vec<String> { a.iter().map(|s| s.to_string()).collect() };
+    let mut procs = Vec::new();
+    let mut addrs = Vec::new();
+    for (h, ip) in hosts[..2].iter().zip(["10.79.0.2", "10.79.0.3"]) {
+        let (p, line) = start_in(
+            h,
+            &args(&[
+                "decode",
+                &format!("--host={ip}"),
+                "--port=0",
+                &model,
+                "--kv-cache-mb=256",
+                "--kv-port=0",
+            ]),
+            Ready::DECODE,
+        );
+        procs.push(p);
+        addrs.push(ready_line(&line).grpc().to_string());
+    }
+    let (router, line) = start_in(
+        &hosts[2],
+        &args(&[
+            "router",
+            "--host=127.0.0.1",
+            "--http-port=0",
+            "--grpc-port=0",
+            &model,
+            "--poll-ms=100",
+            &format!("--decode-workers={}", addrs.join(",")),
+            "--policy=round-robin",
+            "--disagg-min-tokens=64",
+        ]),
+        Ready::ROUTER,
+    );
+    let r = router_at(router, &line);
+    block_in(&hosts[2], move || async move {
+        wait_ready(&r, 2).await;
+        let moved = || async {
+            let mut v = Vec::new();
+            for a in &addrs {
+                v.push(metric(&scrape(a).await, "tandem_kv_transfer_bytes_total"));
+            }
+            v
+        };
+        let crossover = |said: &str| {
+            let r = &r;
+            let key = format!(r#"tandem_router_prefill_crossover_total{{estimate="{said}"}}"#);
+            async move { metric(&scrape(&r.http).await, &key) }
+        };
+        // A prompt, then again on the other worker: pulled (nothing measured yet).
+        let a = prompt(30, 128);
+        let want = complete(&r, &a).await;
+        wait_router_cached(&r, 8).await;
+        assert_eq!(complete(&r, &a).await, want);
+        assert_eq!(crossover("unmeasured").await, 1.0);
+        let pulled: f64 = moved().await.iter().sum();
+        assert!(pulled > 0.0);
+        // One unique prompt each: both measure their prefill rates.
+        for seed in [31, 32] {
+            complete(&r, &prompt(seed, 128)).await;
+        }
+        until("the router knows both workers' prefill rates", || async {
+            let v = router_state(&r.http).await;
+            v["workers"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|w| w["prefill_tokens_per_s"].as_f64().unwrap_or(0.0) > 0.0)
+        })
+        .await;
+        // A prompt on the first worker, then on the second, which measured the slow link:
+        // computed there, nothing pulled.
+        let indexed = || async {
+            let v = router_state(&r.http).await;
+            v["workers"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter_map(|w| w["cached_blocks"].as_u64())
+                .sum::<u64>()
+        };
+        let before = indexed().await;
+        let d = prompt(33, 128);
+        let want = complete(&r, &d).await;
+        until("the router indexes the new prompt's blocks", || async {
+            indexed().await >= before + 8
+        })
+        .await;
+        assert_eq!(complete(&r, &d).await, want);
+        assert_eq!(crossover("local_faster").await, 1.0);
+        assert_eq!(crossover("remote_faster").await, 0.0);
+        let total: f64 = moved().await.iter().sum();
+        assert_eq!(total, pulled, "nothing pulled the second time");
+    });
+    drop(procs);
 }
