@@ -165,8 +165,9 @@ struct Index {
     lru: BTreeMap<u64, u64>,
     tick: u64,
     bytes: u64,
-    /// Hashes queued for the writer (not offered again meanwhile).
-    queued: std::collections::HashSet<u64>,
+    /// Blocks queued for the writer, their payloads kept here until written: a block spilled a
+    /// moment ago is read back from memory (not offered again meanwhile, either).
+    queued: HashMap<u64, Arc<Vec<u8>>>,
     pending_bytes: u64,
     /// Blocks that came (`true`) or went (`false`) since the last [`DiskTier::take_changes`].
     changes: Vec<(u64, bool)>,
@@ -251,7 +252,7 @@ enum ReadJob {
 /// A worker's disk tier. Dropping it finishes the queued writes and stops its threads.
 pub struct DiskTier {
     shared: Arc<Shared>,
-    writes: Option<mpsc::Sender<(u64, Vec<u8>)>>,
+    writes: Option<mpsc::Sender<(u64, Arc<Vec<u8>>)>>,
     reads: Option<mpsc::Sender<ReadJob>>,
     threads: Vec<std::thread::JoinHandle<()>>,
 }
@@ -306,7 +307,7 @@ impl DiskTier {
             nonce: rand::random(),
         });
         shared.evict_over();
-        let (wtx, wrx) = mpsc::channel::<(u64, Vec<u8>)>();
+        let (wtx, wrx) = mpsc::channel::<(u64, Arc<Vec<u8>>)>();
         let (rtx, rrx) = mpsc::channel::<ReadJob>();
         let w = shared.clone();
         let r = shared.clone();
@@ -355,9 +356,11 @@ impl DiskTier {
         Ok(tier)
     }
 
-    /// Whether the tier holds `hash` (written whole; a queued write does not count yet).
+    /// Whether the tier holds `hash`: written whole, or queued for writing (a read takes it
+    /// from the queue then).
     pub fn contains(&self, hash: u64) -> bool {
-        self.shared.lock().entries.contains_key(&hash)
+        let ix = self.shared.lock();
+        ix.entries.contains_key(&hash) || ix.queued.contains_key(&hash)
     }
 
     /// Every block held now (what a snapshot of the tier reports).
@@ -379,8 +382,7 @@ impl DiskTier {
 
     /// Whether `hash` is held or queued: a spill of it would be redundant.
     pub fn has_or_queued(&self, hash: u64) -> bool {
-        let ix = self.shared.lock();
-        ix.entries.contains_key(&hash) || ix.queued.contains(&hash)
+        self.contains(hash)
     }
 
     /// Queues a block for writing; false (counted) when it was dropped because the queue is full,
@@ -388,8 +390,8 @@ impl DiskTier {
     pub fn put(&self, hash: u64, payload: Vec<u8>) -> bool {
         let len = payload.len() as u64;
         {
-            let mut ix = self.shared.lock();
-            if ix.entries.contains_key(&hash) || ix.queued.contains(&hash) {
+            let ix = self.shared.lock();
+            if ix.entries.contains_key(&hash) || ix.queued.contains_key(&hash) {
                 return false;
             }
             if ix.pending_bytes + len > self.shared.max_pending {
@@ -400,7 +402,11 @@ impl DiskTier {
                     .fetch_add(1, Ordering::Relaxed);
                 return false;
             }
-            ix.queued.insert(hash);
+        }
+        let payload = Arc::new(payload);
+        {
+            let mut ix = self.shared.lock();
+            ix.queued.insert(hash, payload.clone());
             ix.pending_bytes += len;
         }
         let sent = self
@@ -626,9 +632,24 @@ impl Shared {
     /// One block's payload, checked; a block that fails a check is removed.
     fn read(&self, hash: u64) -> Result<Vec<u8>, DiskError> {
         let t = Instant::now();
-        if !self.lock().entries.contains_key(&hash) {
-            self.counters.read_misses.fetch_add(1, Ordering::Relaxed);
-            return Err(DiskError::Missing(hash));
+        let queued = {
+            let ix = self.lock();
+            if !ix.entries.contains_key(&hash) && !ix.queued.contains_key(&hash) {
+                drop(ix);
+                self.counters.read_misses.fetch_add(1, Ordering::Relaxed);
+                return Err(DiskError::Missing(hash));
+            }
+            ix.queued.get(&hash).cloned()
+        };
+        if let Some(payload) = queued {
+            // Spilled a moment ago and not written yet: the payload is still in memory.
+            let c = &self.counters;
+            c.reads.fetch_add(1, Ordering::Relaxed);
+            c.read_bytes
+                .fetch_add(payload.len() as u64, Ordering::Relaxed);
+            c.read_nanos
+                .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            return Ok(payload.as_ref().clone());
         }
         self.wait_unstuck();
         let path = self.path(hash);
@@ -912,7 +933,10 @@ mod tests {
         let offered: Vec<bool> = (0..4).map(|h| t.put(h, block(h, 1000))).collect();
         assert_eq!(offered, [true, true, false, false]);
         assert_eq!(t.stats().write_dropped, 2);
-        assert!(!t.contains(0));
+        // A queued block is held: read back from memory while the disk is stuck.
+        assert!(t.contains(0) && !t.contains(2));
+        assert_eq!(t.read(1).unwrap(), block(1, 1000));
+        assert!(t.hashes().is_empty(), "nothing written yet");
         t.set_stuck(false);
         t.flush();
         assert!(t.contains(0) && t.contains(1) && !t.contains(2));
