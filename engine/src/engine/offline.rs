@@ -70,6 +70,9 @@ impl Engine {
                 total: self.blocks.available(),
             });
         }
+        // Blocks it took from the prefix cache go to the disk tier before the forward writes
+        // them.
+        self.spill();
         let batch = [SeqBatch {
             tokens: prompt,
             cached: 0,
