@@ -643,12 +643,7 @@ impl Shared {
         };
         if let Some(payload) = queued {
             // Spilled a moment ago and not written yet: the payload is still in memory.
-            let c = &self.counters;
-            c.reads.fetch_add(1, Ordering::Relaxed);
-            c.read_bytes
-                .fetch_add(payload.len() as u64, Ordering::Relaxed);
-            c.read_nanos
-                .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            self.count_read(payload.len(), t);
             return Ok(payload.as_ref().clone());
         }
         self.wait_unstuck();
@@ -684,13 +679,17 @@ impl Shared {
             let _ = f.set_modified(SystemTime::now());
         }
         bytes.drain(..HEADER);
+        self.count_read(bytes.len(), t);
+        Ok(bytes)
+    }
+
+    /// Counts a block of `len` payload bytes read back, begun at `t`.
+    fn count_read(&self, len: usize, t: Instant) {
         let c = &self.counters;
         c.reads.fetch_add(1, Ordering::Relaxed);
-        c.read_bytes
-            .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        c.read_bytes.fetch_add(len as u64, Ordering::Relaxed);
         c.read_nanos
             .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        Ok(bytes)
     }
 }
 

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::netns::{block_in, Net};
+use common::netns::{block_in, start_in, Net};
 use common::*;
 use futures::future::BoxFuture;
 use futures::StreamExt;
@@ -833,19 +833,6 @@ async fn a_frozen_decode_worker_is_left_once_its_heartbeats_stop() {
     victim.signal(libc::SIGCONT);
     let load = wait_idle(&frozen).await;
     assert_eq!(load.running, 0);
-}
-
-/// `tandem ARGS` in network namespace `ns`; the rest of its ready line (the line starting with
-/// `marker`).
-fn start_in(ns: &str, args: &[String], marker: &str) -> (Proc, String) {
-    let mut cmd = std::process::Command::new("ip");
-    cmd.args(["netns", "exec", ns])
-        .arg(env!("CARGO_BIN_EXE_tandem"))
-        .args(args)
-        .stderr(std::process::Stdio::inherit())
-        .env("TANDEM_LOG", "warn")
-        .env("TANDEM_KV_SECRET", KV_SECRET);
-    spawn_command(cmd, marker)
 }
 
 /// The prefill worker on one host, the decode worker and the router on another, and the prefill

@@ -3,31 +3,9 @@
 //! blocks written and read; and after the worker restarts on the same directory, the prompt is
 //! read back again instead of computed.
 
-use serde_json::{json, Value};
-
 use crate::common;
 
 use common::*;
-
-/// `len` token ids of the default model, a prompt of their own for each `seed`.
-fn prompt(seed: u32, len: u32) -> Vec<u32> {
-    (0..len)
-        .map(|t| 1000 + (t * 7919 + seed * 104_729 + t * t) % 30_000)
-        .collect()
-}
-
-async fn complete(r: &Router, ids: &[u32]) -> String {
-    let model = models(&r.http).await["data"][0]["id"].clone();
-    let (s, v): (u16, Value) = post(
-        &r.http,
-        "/v1/completions",
-        json!({"model": model, "prompt": ids, "max_tokens": 8, "temperature": 0,
-               "ignore_eos": true}),
-    )
-    .await;
-    assert_eq!(s, 200, "{v}");
-    v["choices"][0]["text"].as_str().unwrap().to_string()
-}
 
 /// A worker of 24 blocks (384 tokens) over the tier in `dir`, and its router.
 fn cluster(dir: &std::path::Path) -> (Proc, String, Router) {
@@ -44,14 +22,14 @@ async fn counter(worker: &str, name: &str) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prompt_pushed_out_of_the_pool_comes_back_from_disk_across_a_restart() {
     let dir = tempfile::tempdir().unwrap();
-    let a = prompt(0, 200);
+    let a = id_prompt(0, 200);
     let (want, written) = {
         let (_p, worker, router) = cluster(dir.path());
         wait_ready(&router, 1).await;
-        let want = complete(&router, &a).await;
+        let want = complete_ids(&router, &a).await;
         // Three other prompts of 200 tokens leave nothing of the first in 24 blocks.
         for seed in 1..4 {
-            complete(&router, &prompt(seed, 200)).await;
+            complete_ids(&router, &id_prompt(seed, 200)).await;
         }
         // Written behind: wait for the first prompt's 12 full blocks (and more) to land.
         until("the evicted blocks are written", || async {
@@ -62,7 +40,7 @@ async fn a_prompt_pushed_out_of_the_pool_comes_back_from_disk_across_a_restart()
             counter(&worker, "tandem_kv_disk_blocks_read_total").await,
             0.0
         );
-        let got = complete(&router, &a).await;
+        let got = complete_ids(&router, &a).await;
         assert_eq!(got, want);
         let m = scrape(&worker).await;
         assert!(
@@ -85,7 +63,7 @@ async fn a_prompt_pushed_out_of_the_pool_comes_back_from_disk_across_a_restart()
     // A new worker on the same directory reads the prompt's blocks from its first request.
     let (_p, worker, router) = cluster(dir.path());
     wait_ready(&router, 1).await;
-    assert_eq!(complete(&router, &a).await, want);
+    assert_eq!(complete_ids(&router, &a).await, want);
     assert!(counter(&worker, "tandem_kv_disk_blocks_read_total").await >= 12.0);
     assert!(counter(&worker, "tandem_kv_disk_blocks").await >= 12.0);
 }
@@ -107,11 +85,11 @@ async fn the_router_sends_a_prompt_to_the_worker_holding_it_on_disk() {
     let addrs: Vec<String> = workers.iter().map(|(_, a)| a.clone()).collect();
     let router = start_router(&addrs, &[]);
     wait_ready(&router, 2).await;
-    let a = prompt(50, 200);
-    let want = complete(&router, &a).await;
+    let a = id_prompt(50, 200);
+    let want = complete_ids(&router, &a).await;
     // Six others, spread over the two workers (no cache to choose by), push it out of the pool.
     for seed in 51..57 {
-        complete(&router, &prompt(seed, 200)).await;
+        complete_ids(&router, &id_prompt(seed, 200)).await;
     }
     until(
         "the router hears of the first prompt's blocks on disk",
@@ -136,7 +114,7 @@ async fn the_router_sends_a_prompt_to_the_worker_holding_it_on_disk() {
         r
     };
     let before = read().await;
-    assert_eq!(complete(&router, &a).await, want);
+    assert_eq!(complete_ids(&router, &a).await, want);
     let after = read().await;
     // One worker read the prompt's 12 full blocks back; the other computed nothing of it.
     let gained: Vec<f64> = after.iter().zip(&before).map(|(a, b)| a - b).collect();

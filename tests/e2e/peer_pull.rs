@@ -4,31 +4,10 @@
 //! KV plane, and the text is what the holder itself gives. With the pull turned off, the second
 //! worker computes the prompt.
 
-use serde_json::{json, Value};
-
 use crate::common;
 
-use common::netns::block_in;
+use common::netns::{block_in, start_in};
 use common::*;
-
-fn prompt(seed: u32, len: u32) -> Vec<u32> {
-    (0..len)
-        .map(|t| 1000 + (t * 7919 + seed * 104_729 + t * t) % 30_000)
-        .collect()
-}
-
-async fn complete(r: &Router, ids: &[u32]) -> String {
-    let model = models(&r.http).await["data"][0]["id"].clone();
-    let (s, v): (u16, Value) = post(
-        &r.http,
-        "/v1/completions",
-        json!({"model": model, "prompt": ids, "max_tokens": 8, "temperature": 0,
-               "ignore_eos": true}),
-    )
-    .await;
-    assert_eq!(s, 200, "{v}");
-    v["choices"][0]["text"].as_str().unwrap().to_string()
-}
 
 /// Two decode workers behind a round-robin router (so the second request of a prompt goes to
 /// the worker that lacks it), prompts of 64 tokens or more uncached eligible for remote prefill.
@@ -58,12 +37,12 @@ async fn moved(workers: &[(Proc, String, String)]) -> Vec<f64> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prompt_one_decode_worker_holds_is_pulled_by_the_other() {
     let (workers, router) = two_workers(true).await;
-    let p = prompt(7, 200);
-    let want = complete(&router, &p).await;
+    let p = id_prompt(7, 200);
+    let want = complete_ids(&router, &p).await;
     // The router's index hears of the blocks the first worker cached.
     wait_router_cached(&router, 12).await;
     let before = moved(&workers).await;
-    let got = complete(&router, &p).await;
+    let got = complete_ids(&router, &p).await;
     assert_eq!(got, want);
     let after = moved(&workers).await;
     // One worker received the prompt's KV (12 full blocks and the last, partial one), the
@@ -105,21 +84,13 @@ async fn a_prompt_one_decode_worker_holds_is_pulled_by_the_other() {
     // Round robin: one unique prompt each (both measure a prefill rate), then a prompt on the
     // holder and again on the puller, over the link it measured: this time the rates decide.
     for seed in [20, 21] {
-        complete(&router, &prompt(seed, 200)).await;
+        complete_ids(&router, &id_prompt(seed, 200)).await;
     }
-    until("the router knows both workers' prefill rates", || async {
-        let v = router_state(&router.http).await;
-        v["workers"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .all(|w| w["prefill_tokens_per_s"].as_f64().unwrap_or(0.0) > 0.0)
-    })
-    .await;
-    let q = prompt(22, 200);
-    let want = complete(&router, &q).await;
+    wait_prefill_rates(&router).await;
+    let q = id_prompt(22, 200);
+    let want = complete_ids(&router, &q).await;
     wait_router_cached(&router, 24).await;
-    assert_eq!(complete(&router, &q).await, want);
+    assert_eq!(complete_ids(&router, &q).await, want);
     let rm = scrape(&router.http).await;
     let measured = metric(
         &rm,
@@ -132,28 +103,16 @@ async fn a_prompt_one_decode_worker_holds_is_pulled_by_the_other() {
 
     // Without the pull, the second request of a prompt is computed where it lands.
     let (workers, router) = two_workers(false).await;
-    let p = prompt(8, 200);
-    let want = complete(&router, &p).await;
+    let p = id_prompt(8, 200);
+    let want = complete_ids(&router, &p).await;
     wait_router_cached(&router, 12).await;
-    assert_eq!(complete(&router, &p).await, want);
+    assert_eq!(complete_ids(&router, &p).await, want);
     assert_eq!(moved(&workers).await, [0.0, 0.0]);
     let rm = scrape(&router.http).await;
     assert_eq!(
         metric(&rm, r#"tandem_prefill_requests_total{mode="remote"}"#),
         0.0
     );
-}
-
-/// `tandem ARGS` in network namespace `ns`, ready at the line starting with `marker`.
-fn start_in(ns: &str, args: &[String], marker: &str) -> (Proc, String) {
-    let mut cmd = std::process::Command::new("ip");
-    cmd.args(["netns", "exec", ns])
-        .arg(env!("CARGO_BIN_EXE_tandem"))
-        .args(args)
-        .stderr(std::process::Stdio::inherit())
-        .env("TANDEM_LOG", "warn")
-        .env("TANDEM_KV_SECRET", KV_SECRET);
-    spawn_command(cmd, marker)
 }
 
 /// The measured crossover over a slow link: two decode workers on hosts whose links are shaped to
@@ -235,26 +194,18 @@ fn over_a_link_slower_than_computing_the_prompt_is_computed_instead_of_pulled() 
             async move { metric(&scrape(&r.http).await, &key) }
         };
         // A prompt, then again on the other worker: pulled (nothing measured yet).
-        let a = prompt(30, 128);
-        let want = complete(&r, &a).await;
+        let a = id_prompt(30, 128);
+        let want = complete_ids(&r, &a).await;
         wait_router_cached(&r, 8).await;
-        assert_eq!(complete(&r, &a).await, want);
+        assert_eq!(complete_ids(&r, &a).await, want);
         assert_eq!(crossover("unmeasured").await, 1.0);
         let pulled: f64 = moved().await.iter().sum();
         assert!(pulled > 0.0);
         // One unique prompt each: both measure their prefill rates.
         for seed in [31, 32] {
-            complete(&r, &prompt(seed, 128)).await;
+            complete_ids(&r, &id_prompt(seed, 128)).await;
         }
-        until("the router knows both workers' prefill rates", || async {
-            let v = router_state(&r.http).await;
-            v["workers"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .all(|w| w["prefill_tokens_per_s"].as_f64().unwrap_or(0.0) > 0.0)
-        })
-        .await;
+        wait_prefill_rates(&r).await;
         // A prompt on the first worker, then on the second, which measured the slow link:
         // computed there, nothing pulled.
         let indexed = || async {
@@ -267,13 +218,13 @@ fn over_a_link_slower_than_computing_the_prompt_is_computed_instead_of_pulled() 
                 .sum::<u64>()
         };
         let before = indexed().await;
-        let d = prompt(33, 128);
-        let want = complete(&r, &d).await;
+        let d = id_prompt(33, 128);
+        let want = complete_ids(&r, &d).await;
         until("the router indexes the new prompt's blocks", || async {
             indexed().await >= before + 8
         })
         .await;
-        assert_eq!(complete(&r, &d).await, want);
+        assert_eq!(complete_ids(&r, &d).await, want);
         assert_eq!(crossover("local_faster").await, 1.0);
         assert_eq!(crossover("remote_faster").await, 0.0);
         let total: f64 = moved().await.iter().sum();

@@ -319,20 +319,7 @@ fn a_failed_transfer_falls_back_to_a_local_prefill_and_cancel_frees_reservations
 #[test]
 fn a_resumed_request_continues_exactly_where_the_first_run_stopped() {
     let prompt: Vec<u32> = (0..21).map(|t| (t * 13 + 2) % 97).collect();
-    let sampled = |resume: Vec<u32>| {
-        let params = SamplingParams {
-            max_tokens: 14,
-            temperature: 0.9,
-            seed: Some(42),
-            frequency_penalty: 0.5,
-            ignore_eos: true,
-            ..Default::default()
-        };
-        Request {
-            resume,
-            ..Request::new(prompt.clone(), params.validate().unwrap())
-        }
-    };
+    let sampled = |resume: Vec<u32>| seeded_resumed(&prompt, 42, resume);
     let full = engine(config())
         .generate(vec![sampled(vec![])], |_| {}, |_| {})
         .unwrap()[0]
@@ -359,20 +346,7 @@ fn a_resumed_request_continues_exactly_where_the_first_run_stopped() {
 #[test]
 fn a_resumed_request_takes_its_kv_from_elsewhere_and_continues_exactly() {
     let prompt: Vec<u32> = (0..37).map(|t| (t * 11 + 3) % 97).collect();
-    let sampled = |resume: Vec<u32>| {
-        let params = SamplingParams {
-            max_tokens: 14,
-            temperature: 0.9,
-            seed: Some(7),
-            frequency_penalty: 0.5,
-            ignore_eos: true,
-            ..Default::default()
-        };
-        Request {
-            resume,
-            ..Request::new(prompt.clone(), params.validate().unwrap())
-        }
-    };
+    let sampled = |resume: Vec<u32>| seeded_resumed(&prompt, 7, resume);
     let full = engine(config())
         .generate(vec![sampled(vec![])], |_| {}, |_| {})
         .unwrap()[0]
@@ -395,6 +369,23 @@ fn a_resumed_request_takes_its_kv_from_elsewhere_and_continues_exactly() {
         assert_eq!(run_to_end(&mut decode, id), full[k..], "resumed after {k}");
         check_counts(&decode);
         assert_eq!(decode.stats().blocks_used, 0);
+    }
+}
+
+/// 14 tokens after `prompt` at temperature 0.9 with `seed` and a frequency penalty, resumed
+/// after `resume` (the tokens a first run streamed).
+fn seeded_resumed(prompt: &[u32], seed: u64, resume: Vec<u32>) -> Request {
+    let params = SamplingParams {
+        max_tokens: 14,
+        temperature: 0.9,
+        seed: Some(seed),
+        frequency_penalty: 0.5,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    Request {
+        resume,
+        ..Request::new(prompt.to_vec(), params.validate().unwrap())
     }
 }
 

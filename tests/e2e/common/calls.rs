@@ -252,3 +252,38 @@ pub async fn generate_ids(
     }
     (out, usage.expect("usage on the last message"))
 }
+
+/// `len` token ids of the default model, a prompt of their own for each `seed` (none of them
+/// shares a block with another seed's).
+pub fn id_prompt(seed: u32, len: u32) -> Vec<u32> {
+    (0..len)
+        .map(|t| 1000 + (t * 7919 + seed * 104_729 + t * t) % 30_000)
+        .collect()
+}
+
+/// The greedy completion of 8 tokens after token ids `ids`, through the router.
+pub async fn complete_ids(r: &Router, ids: &[u32]) -> String {
+    let model = models(&r.http).await["data"][0]["id"].clone();
+    let (s, v) = post(
+        &r.http,
+        "/v1/completions",
+        serde_json::json!({"model": model, "prompt": ids, "max_tokens": 8, "temperature": 0,
+               "ignore_eos": true}),
+    )
+    .await;
+    assert_eq!(s, 200, "{v}");
+    v["choices"][0]["text"].as_str().unwrap().to_string()
+}
+
+/// Waits until the router's view of every worker has a measured prefill rate.
+pub async fn wait_prefill_rates(r: &Router) {
+    until("the router knows every worker's prefill rate", || async {
+        let v = router_state(&r.http).await;
+        v["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|w| w["prefill_tokens_per_s"].as_f64().unwrap_or(0.0) > 0.0)
+    })
+    .await;
+}

@@ -128,3 +128,15 @@ where
             .block_on(f())
     })
 }
+
+/// `tandem ARGS` in network namespace `ns`, ready at the line starting with `marker`; that line.
+pub fn start_in(ns: &str, args: &[String], marker: &str) -> (super::Proc, String) {
+    let mut cmd = Command::new("ip");
+    cmd.args(["netns", "exec", ns])
+        .arg(env!("CARGO_BIN_EXE_tandem"))
+        .args(args)
+        .stderr(std::process::Stdio::inherit())
+        .env("TANDEM_LOG", "warn")
+        .env("TANDEM_KV_SECRET", super::KV_SECRET);
+    super::spawn_command(cmd, marker)
+}
