@@ -208,9 +208,15 @@ impl KvPool {
 
     /// Copies one layer of one block out in the KV wire layout (values, then int8 scales).
     pub fn read_block(&self, layer: usize, block: usize, out: &mut Vec<u8>) {
+        out.clear();
+        self.append_block(layer, block, out);
+    }
+
+    /// Appends one layer of one block to `out` in the KV wire layout (values, then int8 scales),
+    /// as [`Self::read_block`] gives it: what a KV chunk and a disk tier's block are made of.
+    pub fn append_block(&self, layer: usize, block: usize, out: &mut Vec<u8>) {
         assert!(layer < self.num_layers && block < self.num_blocks);
         let ((vo, vn), (so, sn)) = self.ranges(layer, block);
-        out.clear();
         // SAFETY: in bounds; `&self` excludes engine-side writers, and no transfer writes a block
         // the engine is reading out.
         unsafe {

@@ -27,7 +27,7 @@ use std::time::Instant;
 
 use tandem_kv_transfer::disk::Loaded;
 use tandem_kv_transfer::{DiskTier, DiskTierConfig};
-use tandem_model::hash::{hash_block, BlockHash, ROOT};
+use tandem_model::hash::{block_hashes, BlockHash};
 
 use super::{Engine, KvDiskConfig, Seq};
 use crate::backend::{Backend, RankPool};
@@ -195,11 +195,8 @@ impl Engine {
         };
         // The blocks admission could take over (it leaves the last token to compute).
         let full = s.tokens.len().saturating_sub(1) / bs;
-        let mut parent = ROOT;
         let mut want = Vec::new();
-        for chunk in s.tokens.chunks_exact(bs).take(full) {
-            let h = hash_block(parent, chunk);
-            parent = h;
+        for h in block_hashes(&s.tokens[..full * bs], bs) {
             if self.blocks.holds(h) {
                 continue;
             }
@@ -336,7 +333,6 @@ impl Engine {
         }
         let pools = self.backend.host_pools();
         let pieces = pieces(&pools);
-        let mut tmp = Vec::new();
         for (hash, b) in evicted {
             if d.tier.has_or_queued(hash.0) {
                 continue;
@@ -344,13 +340,7 @@ impl Engine {
             let mut payload = Vec::with_capacity(d.payload_len);
             for rp in &pieces {
                 for layer in 0..rp.pool.num_layers {
-                    match rp.pool.block_bytes(layer, b.0 as usize) {
-                        Some(bytes) => payload.extend_from_slice(bytes),
-                        None => {
-                            rp.pool.read_block(layer, b.0 as usize, &mut tmp);
-                            payload.extend_from_slice(&tmp);
-                        }
-                    }
+                    rp.pool.append_block(layer, b.0 as usize, &mut payload);
                 }
             }
             if d.tier.put(hash.0, payload) {

@@ -185,7 +185,6 @@ impl Engine {
             return None;
         }
         let ids = &s.blocks.ids()[next..upto];
-        let mut tmp = Vec::new();
         let mut pieces: Vec<KvPiece> = Vec::with_capacity(pools.len());
         for rp in pools {
             let heads = rp.heads.clone();
@@ -199,13 +198,7 @@ impl Engine {
                 .map(|layer| {
                     let mut out = Vec::with_capacity(frame_len * ids.len());
                     for &b in ids {
-                        match kv.block_bytes(layer, b as usize) {
-                            Some(bytes) => out.extend_from_slice(bytes),
-                            None => {
-                                kv.read_block(layer, b as usize, &mut tmp);
-                                out.extend_from_slice(&tmp);
-                            }
-                        }
+                        kv.append_block(layer, b as usize, &mut out);
                     }
                     out
                 })
