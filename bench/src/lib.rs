@@ -102,8 +102,8 @@ pub struct EngineReport {
     pub f32_gflops: f64,
     /// This CPU's peak f32 FMA rate, in GFLOP/s (zero on a GPU).
     pub f32_peak_gflops: f64,
-    /// Bytes one decode step must read: all weights once, plus every sequence's KV at the median
-    /// context length.
+    /// Bytes one decode step must read: all weights once (of a mixture of experts, those of the
+    /// experts its rows ran), plus every sequence's KV at the median context length.
     pub decode_bytes_per_step: f64,
     /// decode_bytes_per_step / step_ms_p50 / mem_bw_gb_s.
     pub decode_bw_efficiency: f64,
@@ -181,10 +181,25 @@ pub fn run_engine_bench(
     let mut values = Vec::new();
     let t0 = Instant::now();
     let mut sampled = 0usize;
+    // Experts run (summed over routings) and routings, in the prefill's steps and the decode's.
+    let load = engine.expert_load();
+    let runs = || load.as_ref().map_or((0, 0), |l| l.runs());
+    let mut last_runs = runs();
+    let (mut prefill_runs, mut decode_runs) = ((0u64, 0u64), (0u64, 0u64));
     engine.generate(
         requests,
         |_| sampled += 1,
         |s| {
+            let now = runs();
+            let d = (now.0 - last_runs.0, now.1 - last_runs.1);
+            last_runs = now;
+            let into = if s.prefill_tokens > 0 {
+                &mut prefill_runs
+            } else {
+                &mut decode_runs
+            };
+            into.0 += d.0;
+            into.1 += d.1;
             if s.prefill_tokens > 0 {
                 prefill.0 += s.prefill_tokens;
                 prefill.1 += s.seconds;
@@ -224,30 +239,58 @@ pub fn run_engine_bench(
         "router" | "experts" => experts,
         _ => true,
     };
-    let shares =
-        |times: &tandem_engine::OpTimes, scale: f64, steps: usize, rows: f64, head_rows: f64| {
-            times
-                .named()
-                .into_iter()
-                .filter(|(op, _)| has(op))
-                .map(|(op, s)| {
-                    let (bytes, n) = weights_by_op
-                        .iter()
-                        .find(|w| w.0 == op)
-                        .map_or((0, 0), |w| (w.1, w.2));
-                    let rows = if op == "head" { head_rows } else { rows };
-                    OpShare {
-                        op,
-                        ms: s * scale,
-                        weight_bytes: bytes * steps,
-                        flops: 2.0 * n as f64 * rows,
-                    }
-                })
-                .collect::<Vec<_>>()
-        };
+    // The experts' weights a step reads: the share `weights_by_op` gives (the `active` experts
+    // a row runs) times the experts that ran per routing over `active`.
+    let active = engine
+        .model_config()
+        .moe
+        .as_ref()
+        .map_or(1, |m| m.active.max(1)) as f64;
+    let expert_reads = |(ran, routings): (u64, u64)| match routings {
+        0 => 1.0,
+        n => ran as f64 / n as f64 / active,
+    };
+    let shares = |times: &tandem_engine::OpTimes,
+                  scale: f64,
+                  steps: usize,
+                  rows: f64,
+                  head_rows: f64,
+                  reads: f64| {
+        times
+            .named()
+            .into_iter()
+            .filter(|(op, _)| has(op))
+            .map(|(op, s)| {
+                let (bytes, n) = weights_by_op
+                    .iter()
+                    .find(|w| w.0 == op)
+                    .map_or((0, 0), |w| (w.1, w.2));
+                let rows = if op == "head" { head_rows } else { rows };
+                let bytes = match op {
+                    "experts" => (bytes as f64 * reads).round() as usize,
+                    _ => bytes,
+                };
+                OpShare {
+                    op,
+                    ms: s * scale,
+                    weight_bytes: bytes * steps,
+                    flops: 2.0 * n as f64 * rows,
+                }
+            })
+            .collect::<Vec<_>>()
+    };
     // A decode step's rows: one a sequence, each also a row of the head.
     let rows = decode.0 as f64 / steps.len().max(1) as f64;
-    let decode_ops = profiled.then(|| shares(&ops, 1e3 / steps.len().max(1) as f64, 1, rows, rows));
+    let decode_ops = profiled.then(|| {
+        shares(
+            &ops,
+            1e3 / steps.len().max(1) as f64,
+            1,
+            rows,
+            rows,
+            expert_reads(decode_runs),
+        )
+    });
     let prefill_ops = (profiled && prefill.0 > 0).then(|| {
         shares(
             &prefill_op_times,
@@ -255,6 +298,8 @@ pub fn run_engine_bench(
             prefill_steps,
             prefill_rows.0 as f64,
             prefill_rows.1 as f64,
+            // (Per prefill step: the runs summed over the steps are spread over them.)
+            expert_reads(prefill_runs),
         )
     });
     let on_cpu = engine.backend().is_cpu();
@@ -268,8 +313,14 @@ pub fn run_engine_bench(
     let step_ms_p90 = percentile(&mut steps, 0.9);
     let kv_per_token = engine.backend().kv_bytes_per_token();
     let median_ctx = b.prompt_len as f64 + b.gen_len as f64 / 2.0;
-    let decode_bytes =
-        engine.backend().weight_bytes() as f64 + b.batch as f64 * median_ctx * kv_per_token;
+    // A mixture of experts' step reads the experts its rows ran, more than one row's `active`.
+    let expert_bytes = engine
+        .cpu_model()
+        .and_then(|m| m.weights_by_op().into_iter().find(|w| w.0 == "experts"))
+        .map_or(0.0, |w| w.1 as f64);
+    let decode_bytes = engine.backend().weight_bytes() as f64
+        + expert_bytes * (expert_reads(decode_runs) - 1.0)
+        + b.batch as f64 * median_ctx * kv_per_token;
     let ratio = |x: f64, roof: f64| if roof > 0.0 { x / roof } else { 0.0 };
     let prefill_tok_s = if prefill.1 > 0.0 {
         prefill.0 as f64 / prefill.1

@@ -263,6 +263,9 @@ impl Routing {
 #[derive(Debug)]
 pub struct ExpertLoad {
     rows: Vec<std::sync::atomic::AtomicU64>,
+    /// Experts that ran (had rows) summed over the routings counted, and the routings.
+    runs: std::sync::atomic::AtomicU64,
+    routings: std::sync::atomic::AtomicU64,
 }
 
 impl ExpertLoad {
@@ -270,16 +273,31 @@ impl ExpertLoad {
     pub fn new(experts: usize) -> Self {
         Self {
             rows: (0..experts).map(|_| Default::default()).collect(),
+            runs: Default::default(),
+            routings: Default::default(),
         }
     }
 
     /// Counts a layer's routing.
     pub(crate) fn add(&self, r: &Routing) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let mut ran = vec![false; self.rows.len()];
         for &e in &r.expert {
             if let Some(c) = self.rows.get(e as usize) {
-                c.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                c.fetch_add(1, Relaxed);
+                ran[e as usize] = true;
             }
         }
+        let runs = ran.iter().filter(|&&r| r).count() as u64;
+        self.runs.fetch_add(runs, Relaxed);
+        self.routings.fetch_add(1, Relaxed);
+    }
+
+    /// Experts that ran, summed over the routings so far, and the routings: a step of many
+    /// rows reads more experts' weights than the `active` a row runs.
+    pub fn runs(&self) -> (u64, u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        (self.runs.load(Relaxed), self.routings.load(Relaxed))
     }
 
     /// Rows each expert has computed so far, in expert order.
@@ -742,5 +760,24 @@ mod tests {
         let alone = Routing::from_scores(&scores[4..], 4, 2, true);
         assert_eq!(alone.expert, r.expert[2..]);
         assert_eq!(alone.weight, r.weight[2..]);
+    }
+
+    /// The load counts each expert's rows, and per routing the experts that ran (once each,
+    /// however many rows chose them): what a batched step reads.
+    #[test]
+    fn expert_load_counts_rows_and_the_experts_that_ran() {
+        let load = super::ExpertLoad::new(4);
+        // Rows choose {2, 3} and {0, 1}: four experts ran.
+        let scores = [0.0, 1.0, 3.0, 2.0, /* row 2 */ 5.0, 5.0, 0.0, 5.0];
+        load.add(&Routing::from_scores(&scores, 4, 2, true));
+        // Both rows choose {2, 3}: two ran.
+        load.add(&Routing::from_scores(
+            &[0.0, 1.0, 3.0, 2.0, 0.0, 1.0, 3.0, 2.0],
+            4,
+            2,
+            true,
+        ));
+        assert_eq!(load.snapshot(), vec![1, 1, 3, 3]);
+        assert_eq!(load.runs(), (6, 2));
     }
 }

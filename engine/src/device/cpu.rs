@@ -292,6 +292,8 @@ struct CpuStep<'a> {
     q: Vec<f32>,
     k: Vec<f32>,
     v: Vec<f32>,
+    /// A mixture of experts' buffers, reused by the step's layers.
+    moe: ExpertScratch,
 }
 
 impl<'a> CpuStep<'a> {
@@ -327,6 +329,7 @@ impl<'a> CpuStep<'a> {
             q: vec![0f32; t * qd],
             k: vec![0f32; t * kvd],
             v: vec![0f32; t * kvd],
+            moe: ExpertScratch::default(),
         }
     }
 
@@ -525,8 +528,10 @@ impl StepOps for CpuStep<'_> {
         let (h, k) = (self.c.hidden_size, routing.active);
         let rows = routing.expert.len() / k.max(1);
         let row = |r: usize| &hidden[r * h..(r + 1) * h];
-        // Each (row, choice)'s expert output, in the routing's order.
-        let y: Vec<f32> = match self.shard.ep {
+        let s = &mut self.moe;
+        // Where each (row, choice)'s expert output is: a row of `s.ys` (computed here) or of
+        // `y` (sent back by the rank that computed it).
+        let (y, at): (&[f32], &[usize]) = match self.shard.ep {
             Some((_, size)) if size > 1 => {
                 // Dispatch: each choice's row to the rank that holds its expert, tagged with
                 // the expert; the ranks compute what they were sent; combine: the outputs
@@ -547,16 +552,21 @@ impl StepOps for CpuStep<'_> {
                     .flat_map(|g| g.chunks_exact(h + 1))
                     .map(|c| (c[0].to_bits() as usize, &c[1..]))
                     .collect();
-                let ys = expert_rows(x, h, &items)?;
+                expert_rows(x, h, &items, s)?;
                 let mut backs = Vec::with_capacity(size);
-                let mut at = 0;
+                let mut from = 0;
                 for g in &got {
                     let n = g.len() / (h + 1);
-                    backs.push(ys[at * h..(at + n) * h].to_vec());
-                    at += n;
+                    let mut b = Vec::with_capacity(n * h);
+                    for &j in &s.slot[from..from + n] {
+                        b.extend_from_slice(&s.ys[j * h..(j + 1) * h]);
+                    }
+                    backs.push(b);
+                    from += n;
                 }
                 let back = self.comm.all_to_all(&backs)?;
-                let mut y = vec![0f32; routing.expert.len() * h];
+                s.back.clear();
+                s.back.resize(routing.expert.len() * h, 0.0);
                 for (d, idx) in sent.iter().enumerate() {
                     if back[d].len() != idx.len() * h {
                         return Err(EngineError::Internal(format!(
@@ -566,10 +576,12 @@ impl StepOps for CpuStep<'_> {
                         )));
                     }
                     for (&i, v) in idx.iter().zip(back[d].chunks_exact(h)) {
-                        y[i * h..(i + 1) * h].copy_from_slice(v);
+                        s.back[i * h..(i + 1) * h].copy_from_slice(v);
                     }
                 }
-                y
+                s.slot.clear();
+                s.slot.extend(0..routing.expert.len());
+                (&s.back, &s.slot)
             }
             _ => {
                 let items: Vec<(usize, &[f32])> = routing
@@ -578,25 +590,29 @@ impl StepOps for CpuStep<'_> {
                     .enumerate()
                     .map(|(i, &e)| (e as usize, row(i / k)))
                     .collect();
-                expert_rows(x, h, &items)?
+                expert_rows(x, h, &items, s)?;
+                (&s.ys, &s.slot)
             }
         };
         // Each row's sum over its experts in expert order (as transformers adds them), the
         // weight applied to each expert's output first: the same bits wherever each ran.
-        let mut order: Vec<(u32, usize)> = Vec::with_capacity(k);
-        for (r, o) in out[..rows * h].chunks_exact_mut(h).enumerate() {
-            o.fill(0.0);
-            order.clear();
-            order.extend((0..k).map(|j| (routing.expert[r * k + j], j)));
-            order.sort_unstable();
-            for &(_, j) in &order {
-                let i = r * k + j;
-                let w = routing.weight[i];
-                for (o, v) in o.iter_mut().zip(&y[i * h..(i + 1) * h]) {
-                    *o += v * w;
+        out[..rows * h]
+            .par_chunks_mut(h)
+            .with_min_len(ROW_TASK)
+            .enumerate()
+            .for_each(|(r, o)| {
+                o.fill(0.0);
+                let mut order: Vec<(u32, usize)> =
+                    (0..k).map(|j| (routing.expert[r * k + j], j)).collect();
+                order.sort_unstable();
+                for &(_, j) in &order {
+                    let i = r * k + j;
+                    let w = routing.weight[i];
+                    for (o, v) in o.iter_mut().zip(&y[at[i] * h..(at[i] + 1) * h]) {
+                        *o += v * w;
+                    }
                 }
-            }
-        }
+            });
         Ok(())
     }
 
@@ -692,86 +708,109 @@ fn ep_share(seqs: &[SeqBatch<'_>], rank: usize, size: usize) -> std::ops::Range<
 }
 
 /// The outputs of experts held here (`x`'s, from `x.first`) for `items` (each an expert and an
-/// input row of `h` values), unweighted, in the items' order: each expert's rows gathered and
-/// run through its gate|up, silu · up and down, every expert with rows at once (each product
+/// input row of `h` values), unweighted, into `s.ys` (item `i`'s at row `s.slot[i]`): each
+/// expert's rows gathered and run through its gate|up, silu · up and down, every expert with rows at once (each product
 /// parallel inside). A row's output does not depend on which other rows share its expert (the
 /// products are batch-invariant).
 fn expert_rows(
     x: &forward::Experts<Linear>,
     h: usize,
     items: &[(usize, &[f32])],
-) -> Result<Vec<f32>, EngineError> {
+    s: &mut ExpertScratch,
+) -> Result<(), EngineError> {
     let held = x.first..x.first + x.experts.len();
-    let mut by_expert: Vec<Vec<usize>> = vec![Vec::new(); x.experts.len()];
-    for (i, (e, _)) in items.iter().enumerate() {
+    // Rows of each expert held, then where each expert's run of rows starts: the rows are laid
+    // out expert after expert, in the items' order within an expert.
+    let mut count = vec![0usize; x.experts.len()];
+    for (e, _) in items {
         if !held.contains(e) {
             return Err(EngineError::Internal(format!(
                 "a row for expert {e}, outside the experts held here ({held:?})"
             )));
         }
-        by_expert[e - x.first].push(i);
+        count[e - x.first] += 1;
     }
-    let ff = x.ff;
-    // Each expert's rows gathered; then every expert's gate|up in one parallel pass, silu · up,
-    // and every down in another (two forks and joins a layer, however many experts run).
-    let ran: Vec<usize> = (0..by_expert.len())
-        .filter(|&e| !by_expert[e].is_empty())
-        .collect();
-    let xs: Vec<Vec<f32>> = ran
-        .iter()
-        .map(|&e| {
-            let mut xs = vec![0f32; by_expert[e].len() * h];
-            for (dst, &i) in xs.chunks_exact_mut(h).zip(&by_expert[e]) {
-                dst.copy_from_slice(items[i].1);
+    let mut start = Vec::with_capacity(count.len() + 1);
+    start.push(0);
+    for c in &count {
+        start.push(start.last().copied().unwrap_or(0) + c);
+    }
+    let mut next = start.clone();
+    s.slot.clear();
+    s.slot.extend(items.iter().map(|(e, _)| {
+        let j = next[e - x.first];
+        next[e - x.first] += 1;
+        j
+    }));
+    let mut item_at = vec![0usize; items.len()];
+    for (i, &j) in s.slot.iter().enumerate() {
+        item_at[j] = i;
+    }
+    let (n, ff) = (items.len(), x.ff);
+    // Grown only: every value is written before it is read.
+    for (buf, width) in [
+        (&mut s.xs, h),
+        (&mut s.gu, 2 * ff),
+        (&mut s.act, ff),
+        (&mut s.ys, h),
+    ] {
+        if buf.len() < n * width {
+            buf.resize(n * width, 0.0);
+        }
+    }
+    s.xs[..n * h]
+        .par_chunks_mut(h)
+        .with_min_len(ROW_TASK)
+        .zip(&item_at)
+        .for_each(|(dst, &i)| dst.copy_from_slice(items[i].1));
+    // Every expert's gate|up in one parallel pass, silu · up, and every down in another (two
+    // forks and joins a layer, however many experts run).
+    let grouped = |input: &[f32], k: usize, out: &mut [f32], width: usize, down: bool| {
+        let mut products = Vec::new();
+        let mut rest = out;
+        for (e, c) in count.iter().enumerate() {
+            let (o, r) = std::mem::take(&mut rest).split_at_mut(c * width);
+            rest = r;
+            if *c == 0 {
+                continue;
             }
-            xs
-        })
-        .collect();
-    // Each expert's product of its rows `inputs[i]` by its gate|up (or its down), `width`
-    // outputs a row, all in one pass.
-    let grouped = |inputs: &[Vec<f32>], down: bool, width: usize| {
-        let mut outs: Vec<Vec<f32>> = ran
-            .iter()
-            .map(|&e| vec![0f32; by_expert[e].len() * width])
-            .collect();
-        let mut products: Vec<Product<'_>> = ran
-            .iter()
-            .zip(inputs)
-            .zip(outs.iter_mut())
-            .map(|((&e, rows), out)| Product {
-                x: rows,
-                m: by_expert[e].len(),
+            products.push(Product {
+                x: &input[start[e] * k..start[e + 1] * k],
+                m: *c,
                 w: match down {
                     false => x.experts[e].0.weight(),
                     true => x.experts[e].1.weight(),
                 },
-                out,
-            })
-            .collect();
-        matmul_many(&mut products).map(|()| outs)
-    };
-    let gu = grouped(&xs, false, 2 * ff)?;
-    let act: Vec<Vec<f32>> = gu
-        .par_iter()
-        .map(|g| {
-            let mut a = vec![0f32; g.len() / 2];
-            for (g2, a) in g.chunks_exact(2 * ff).zip(a.chunks_exact_mut(ff)) {
-                let (g, u) = g2.split_at(ff);
-                a.copy_from_slice(g);
-                ops::silu_mul(a, u);
-            }
-            a
-        })
-        .collect();
-    let ys = grouped(&act, true, h)?;
-    let outs = ran.into_iter().zip(ys);
-    let mut y = vec![0f32; items.len() * h];
-    for (e, ys) in outs {
-        for (&i, v) in by_expert[e].iter().zip(ys.chunks_exact(h)) {
-            y[i * h..(i + 1) * h].copy_from_slice(v);
+                out: o,
+            });
         }
-    }
-    Ok(y)
+        matmul_many(&mut products)
+    };
+    grouped(&s.xs[..n * h], h, &mut s.gu[..n * 2 * ff], 2 * ff, false)?;
+    s.act[..n * ff]
+        .par_chunks_mut(ff)
+        .with_min_len(ROW_TASK)
+        .zip(s.gu[..n * 2 * ff].par_chunks(2 * ff))
+        .for_each(|(a, g2)| {
+            let (g, u) = g2.split_at(ff);
+            a.copy_from_slice(g);
+            ops::silu_mul(a, u);
+        });
+    grouped(&s.act[..n * ff], ff, &mut s.ys[..n * h], h, true)?;
+    Ok(())
+}
+
+/// A mixture of experts' buffers for one step's layers: the rows gathered expert after expert
+/// (`xs`), their gate|up outputs (`gu`), activations (`act`) and outputs (`ys`); where each
+/// item's row went (`slot`); and, under expert parallelism, the outputs sent back (`back`).
+#[derive(Default)]
+struct ExpertScratch {
+    xs: Vec<f32>,
+    gu: Vec<f32>,
+    act: Vec<f32>,
+    ys: Vec<f32>,
+    slot: Vec<usize>,
+    back: Vec<f32>,
 }
 
 /// Rows per task of the row-wise work in a step (norms, rotary, activation).
