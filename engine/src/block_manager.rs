@@ -92,6 +92,22 @@ struct Inner {
     /// Cached blocks evicted since the last [`BlockManager::take_spilled`], with their hashes:
     /// their contents are intact until something writes the block again.
     spilled: Vec<(BlockHash, BlockId)>,
+    /// Handed-off sequences' last, partly filled blocks ([`SeqBlocks::park_tail`]), each held
+    /// by one reference of its own.
+    tails: Vec<Tail>,
+}
+
+/// A handed-off sequence's partly filled last block: the K/V of `tokens`, which follow the full
+/// blocks whose chained hash is `parent` ([`ROOT`] for none). A sequence whose tokens continue
+/// that prefix takes it instead of computing them ([`SeqBlocks::reuse_prefix_and_tail`]); it is
+/// shared, so whoever writes it first gets a copy of their own.
+#[derive(Debug)]
+struct Tail {
+    parent: BlockHash,
+    tokens: Vec<u32>,
+    block: BlockId,
+    /// Times a sequence took it.
+    taken: u32,
 }
 
 impl Inner {
@@ -190,6 +206,7 @@ impl BlockManager {
                 used: 0,
                 spill: false,
                 spilled: Vec::new(),
+                tails: Vec::new(),
             })),
             block_size,
         }
@@ -266,6 +283,23 @@ impl BlockManager {
         }
         if !removed.is_empty() {
             s.emit(KvEventKind::Removed { hashes: removed });
+        }
+    }
+
+    /// Parked tails ([`SeqBlocks::park_tail`]) and how many of them a sequence has taken.
+    pub fn tails(&self) -> (usize, usize) {
+        let s = self.inner.borrow();
+        (
+            s.tails.len(),
+            s.tails.iter().filter(|t| t.taken > 0).count(),
+        )
+    }
+
+    /// Lets every parked tail go (its block returns to the pool unless a sequence holds it).
+    pub fn release_tails(&self) {
+        let mut s = self.inner.borrow_mut();
+        for t in std::mem::take(&mut s.tails) {
+            s.release(t.block);
         }
     }
 
@@ -349,7 +383,7 @@ impl SeqBlocks {
 
     /// Takes over the longest run of cached blocks that starts this sequence's `tokens`, leaving
     /// at least one token to compute (its logits are needed). Only for an empty table. Returns
-    /// the number of tokens whose K/V is now in place.
+    /// the number of tokens whose K/V is now in place (whole blocks).
     pub fn reuse_prefix(&mut self, tokens: &[u32]) -> usize {
         assert!(
             self.blocks.is_empty(),
@@ -368,6 +402,69 @@ impl SeqBlocks {
             parent = h;
         }
         self.blocks.len() * bs
+    }
+
+    /// [`Self::reuse_prefix`], then, after the whole blocks, the parked tail ([`Self::park_tail`])
+    /// that holds the most of the tokens that follow them (still leaving one to compute): its
+    /// block is shared, so the caller makes it writable ([`Self::make_writable`]) before the
+    /// step that writes it. Returns the tokens whose K/V is now in place.
+    pub fn reuse_prefix_and_tail(&mut self, tokens: &[u32]) -> usize {
+        let whole = self.reuse_prefix(tokens);
+        let limit = tokens.len().saturating_sub(1);
+        if !whole.is_multiple_of(self.mgr.block_size) || whole >= limit {
+            return whole;
+        }
+        let parent = self.hashes.last().copied().unwrap_or(ROOT);
+        let rest = &tokens[whole..limit];
+        let mut s = self.mgr.inner.borrow_mut();
+        let best = s
+            .tails
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| t.parent == parent)
+            .map(|(i, t)| {
+                let n = t
+                    .tokens
+                    .iter()
+                    .zip(rest)
+                    .take_while(|(a, b)| a == b)
+                    .count();
+                (n, i)
+            })
+            .max();
+        let Some((n, i)) = best.filter(|&(n, _)| n > 0) else {
+            return whole;
+        };
+        let b = s.tails[i].block;
+        s.tails[i].taken += 1;
+        s.take_ref(b);
+        self.blocks.push(b.0);
+        whole + n
+    }
+
+    /// Keeps this sequence's last, partly filled block after the sequence goes (one reference
+    /// of its own, until [`BlockManager::release_tails`]): the K/V of `tokens[..computed]`
+    /// past the last whole block, for a sequence that continues them on another worker and
+    /// pulls them from here ([`Self::reuse_prefix_and_tail`]). The whole blocks before it are
+    /// committed first (they are cached as any are). False when there is no such block.
+    pub fn park_tail(&mut self, tokens: &[u32], computed: usize) -> bool {
+        self.commit(tokens, computed);
+        let bs = self.mgr.block_size;
+        let whole = computed / bs;
+        if computed.is_multiple_of(bs) || self.hashes.len() != whole || whole >= self.blocks.len() {
+            return false;
+        }
+        let block = BlockId(self.blocks[whole]);
+        let parent = self.hashes.last().copied().unwrap_or(ROOT);
+        let mut s = self.mgr.inner.borrow_mut();
+        s.take_ref(block);
+        s.tails.push(Tail {
+            parent,
+            tokens: tokens[whole * bs..computed].to_vec(),
+            block,
+            taken: 0,
+        });
+        true
     }
 
     /// Grows the table to hold `tokens` tokens; false, with nothing taken, if the pool is short.
@@ -499,6 +596,54 @@ mod tests {
             assert_eq!(s.ref_count[b.0 as usize], 0);
             assert!(s.hash[b.0 as usize].is_none());
         }
+    }
+
+    /// A handed-off sequence's partly filled block outlives it and serves the sequence that
+    /// continues its tokens (shared, copied before it is written); one that diverges inside
+    /// it takes as much as matches; releasing the tails frees the block.
+    #[test]
+    fn a_parked_tail_serves_the_sequence_that_continues_it() {
+        let m = BlockManager::new(8, 4);
+        let toks: Vec<u32> = (1..=11).collect();
+        let mut a = m.sequence();
+        assert!(a.reserve(11));
+        // Ten tokens computed: blocks 0-1 whole, block 2 holds two.
+        assert!(a.park_tail(&toks, 10));
+        let tail = a.ids()[2];
+        drop(a);
+        check(&m);
+        assert_eq!(m.counts().used, 1, "only the tail stays referenced");
+        assert_eq!(m.tails(), (1, 0));
+        // The same tokens and one more: all ten in place, the eleventh to compute.
+        let mut b = m.sequence();
+        assert_eq!(b.reuse_prefix_and_tail(&toks), 10);
+        assert_eq!(b.ids()[2], tail);
+        assert_eq!(m.tails(), (1, 1));
+        // Writing position 10 copies the shared block first.
+        let (shared, fresh) = b.make_writable(10).unwrap().expect("a copy");
+        assert_eq!(shared.0, tail);
+        assert_ne!(fresh.0, tail);
+        // Whole-block reuse alone stops at the blocks.
+        let mut c = m.sequence();
+        assert_eq!(c.reuse_prefix(&toks), 8);
+        c.clear();
+        // Diverging after one token of the tail: one token reused.
+        let mut d = m.sequence();
+        let other = [1, 2, 3, 4, 5, 6, 7, 8, 9, 99, 100];
+        assert_eq!(d.reuse_prefix_and_tail(&other), 9);
+        // Another prefix before it: the tail is not theirs.
+        let mut e = m.sequence();
+        let moved = [7, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11];
+        assert_eq!(e.reuse_prefix_and_tail(&moved), 0);
+        // Nothing past a whole block boundary: no tail.
+        let mut f = m.sequence();
+        assert!(f.reserve(8));
+        assert!(!f.park_tail(&toks[..8], 8));
+        drop((b, d, e, f));
+        m.release_tails();
+        check(&m);
+        assert_eq!(m.tails(), (0, 0));
+        assert_eq!(m.counts().used, 0);
     }
 
     #[test]

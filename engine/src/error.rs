@@ -66,6 +66,12 @@ pub enum EngineError {
     /// The engine's loop is gone, so nothing more can be submitted or answered.
     #[error("the engine has stopped")]
     Stopped,
+    /// The worker is draining for shutdown and handed the request over: its K/V stays there
+    /// for the worker that takes it next to pull ([`crate::Engine::hand_off`]).
+    #[error(
+        "this worker is draining: the request moves to another worker, its KV pulled from here"
+    )]
+    HandedOff,
     /// The request's grammar cannot be compiled (the text names the problem), or this model's
     /// tokenizer cannot serve grammars.
     #[error("grammar: {0}")]
@@ -118,7 +124,7 @@ impl EngineError {
             Self::Grammar(tandem_grammar::GrammarError::Busy(_)) => ErrorKind::Busy,
             Self::Grammar(tandem_grammar::GrammarError::Internal(_)) => ErrorKind::Internal,
             Self::Grammar(_) => ErrorKind::InvalidRequest,
-            Self::Stopped => ErrorKind::Unavailable,
+            Self::Stopped | Self::HandedOff => ErrorKind::Unavailable,
             Self::Config(_)
             | Self::NotParked(_)
             | Self::Step(_)

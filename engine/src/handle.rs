@@ -57,6 +57,9 @@ enum Command {
     SubscribeKv(tmpsc::UnboundedSender<KvUpdate>),
     /// A block came back from the disk tier (the loop may be waiting for a command).
     Wake,
+    /// Hand every request over (a drain): they end with [`EngineError::HandedOff`]; the reply
+    /// says how many.
+    HandOff(oneshot::Sender<usize>),
     Shutdown,
 }
 
@@ -299,6 +302,18 @@ impl EngineHandle {
                 .commands
                 .send(Command::StopSamples(id, indices.to_vec()));
         }
+    }
+
+    /// Hands every request over for a drain ([`Engine::hand_off`]): each stream ends with
+    /// [`EngineError::HandedOff`] and the K/V its sequence computed stays in this engine for the
+    /// worker that resumes it to pull. Returns how many requests were handed over (0 when the
+    /// engine has stopped).
+    pub async fn hand_off(&self) -> usize {
+        let (tx, rx) = oneshot::channel();
+        if self.commands.send(Command::HandOff(tx)).is_err() {
+            return 0;
+        }
+        rx.await.unwrap_or(0)
     }
 
     /// The engine's state after its latest step.
@@ -578,6 +593,15 @@ fn turn(
                 }
             }
             Command::Wake => {}
+            Command::HandOff(reply) => {
+                let ids = engine.hand_off();
+                for id in &ids {
+                    if let Some(s) = sinks.remove(id) {
+                        let _ = s.events.send(StreamEvent::Failed(EngineError::HandedOff));
+                    }
+                }
+                let _ = reply.send(ids.len());
+            }
             Command::Shutdown => return false,
         }
     }

@@ -432,6 +432,7 @@ impl Engine {
             loading: self.loading.len(),
             disk: self.disk.as_ref().map(|d| d.stats).unwrap_or_default(),
             disk_tier: self.disk.as_ref().map(|d| d.tier().stats()),
+            parked_tails: self.blocks.tails(),
             ..self.stats
         }
     }
@@ -482,6 +483,32 @@ impl Engine {
         ids.extend(self.remote.drain(..).map(|s| s.id));
         ids.extend(self.loading.drain(..).map(|s| s.id));
         // A request's samples are several sequences under one id.
+        ids.sort();
+        ids.dedup();
+        ids
+    }
+
+    /// Hands every request over to the workers that take them next (a drain for shutdown):
+    /// each running sequence's K/V stays here for them to pull, its whole blocks in the prefix
+    /// cache and its partly filled last block parked ([`crate::SeqBlocks::park_tail`]), and
+    /// every request leaves (queued ones too); returns their ids, for their streams to end with
+    /// [`EngineError::HandedOff`]. Requests added afterwards run as usual.
+    pub fn hand_off(&mut self) -> Vec<RequestId> {
+        self.cancelled.clear();
+        self.stopped.clear();
+        let mut ids = Vec::new();
+        for mut s in self.running.drain(..) {
+            // A sequence that has computed none of its tokens has nothing to park.
+            if s.computed > 0 {
+                s.blocks.park_tail(&s.tokens, s.computed);
+            }
+            ids.push(s.id);
+        }
+        ids.extend(self.waiting.drain(..).map(|s| s.id));
+        ids.extend(self.remote.drain(..).map(|s| s.id));
+        ids.extend(self.loading.drain(..).map(|s| s.id));
+        // Blocks to copy belonged to sequences that are gone.
+        self.copies.clear();
         ids.sort();
         ids.dedup();
         ids

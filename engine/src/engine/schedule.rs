@@ -204,18 +204,28 @@ impl<'e> StepPlan<'e> {
         }
         let mut hit = 0;
         if self.e.config.prefix_caching && s.blocks.is_empty() {
-            hit = s.blocks.reuse_prefix(&s.tokens);
+            // (A handed-off sequence's parked tail too: a peer pulling it from here.)
+            hit = s.blocks.reuse_prefix_and_tail(&s.tokens);
             s.computed = hit;
         }
         let take = Self::chunk_of(self.budget, self.time, s.computed, s.pending());
         let own = s.growth_blocks(block_size, lookahead, max_ctx);
         let fits = self.e.running.is_empty() || self.e.blocks.available() >= own + headroom;
-        if take == 0 || !fits || !s.blocks.reserve(s.computed + take) {
-            // Not now: give the reused blocks back (they stay cached) and keep its place.
-            s.blocks.clear();
-            s.computed = 0;
-            return false;
-        }
+        // A parked tail taken is shared: the step writes a copy of it.
+        let copy = match fits && take > 0 && s.blocks.reserve(s.computed + take) {
+            true => s.blocks.make_writable(s.computed),
+            false => Err(PoolFull),
+        };
+        let copy = match copy {
+            Ok(copy) => copy,
+            Err(PoolFull) => {
+                // Not now: give the reused blocks back (they stay cached) and keep its place.
+                s.blocks.clear();
+                s.computed = 0;
+                return false;
+            }
+        };
+        self.e.copies.extend(copy);
         self.e.stats.prefix_lookup_tokens += s.tokens.len() as u64;
         self.e.stats.prefix_hit_tokens += hit as u64;
         let mut s = self.e.waiting.remove(j).expect("j-th exists");

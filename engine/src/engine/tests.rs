@@ -372,6 +372,77 @@ fn a_resumed_request_takes_its_kv_from_elsewhere_and_continues_exactly() {
     }
 }
 
+/// A drain hands a running sequence over: the engine that resumes it pulls every token's K/V
+/// from the one that ran it (whole blocks from the prefix cache, the partly filled last one
+/// parked), which computes only the last streamed token, never computed before; the blocks
+/// are the bits a fresh computation gives, and the seeded continuation is the uninterrupted
+/// run's.
+#[test]
+fn a_handed_off_sequence_is_pulled_with_nothing_computed_again() {
+    let prompt: Vec<u32> = (0..37).map(|t| (t * 11 + 3) % 97).collect();
+    let sampled = |resume: Vec<u32>| seeded_resumed(&prompt, 7, resume);
+    let full = engine(config())
+        .generate(vec![sampled(vec![])], |_| {}, |_| {})
+        .unwrap()[0]
+        .output_ids
+        .clone();
+    let k = 6;
+    // The worker that drains: the request runs until it has streamed k tokens.
+    let mut old = engine(config());
+    let id = RequestId(5);
+    old.add(id, sampled(vec![])).unwrap();
+    let mut streamed = Vec::new();
+    while streamed.len() < k {
+        for ev in old.step().unwrap().0 {
+            if let Event::Token(t) = ev {
+                streamed.push(t.sampled.token);
+            }
+        }
+    }
+    assert_eq!(streamed, full[..k]);
+    assert_eq!(old.hand_off(), vec![id]);
+    assert!(!old.has_work());
+    // 37 + 5 tokens computed: two whole blocks of 16 cached, ten tokens parked.
+    assert_eq!(old.stats().parked_tails, (1, 0));
+    // The worker that takes it over holds nothing; it pulls from the old one.
+    let mut new = engine(config());
+    let r = new
+        .reserve_remote(id, sampled(streamed.clone()))
+        .unwrap()
+        .unwrap();
+    assert_eq!(r.cached_tokens, 0);
+    let held: Vec<u32> = prompt.iter().chain(&streamed).copied().collect();
+    let before = old.stats().prefix_hit_tokens;
+    let (first, kv) = prefill_export(&mut old, req(held.clone(), 1), r.cached_tokens);
+    assert_eq!(
+        old.stats().prefix_hit_tokens - before,
+        held.len() as u64 - 1,
+        "all but the last streamed token found"
+    );
+    assert_eq!(old.stats().parked_tails, (1, 1));
+    // The bits of a computation from scratch.
+    let (_, fresh) = prefill_export(&mut engine(config()), req(held, 1), 0);
+    let frames = |chunks: &[KvChunk]| -> Vec<Vec<u8>> {
+        chunks
+            .iter()
+            .flat_map(|c| {
+                (0..c.blocks).flat_map(move |j| {
+                    (0..c.layers()).map(move |l| c.pieces[0].frame(l, j).to_vec())
+                })
+            })
+            .collect()
+    };
+    assert_eq!(frames(&kv), frames(&fresh));
+    fill(&new, &r, &kv);
+    assert!(new.join_remote(id, first).unwrap().is_empty());
+    assert_eq!(run_to_end(&mut new, id), full[k..]);
+    assert_eq!(new.stats().blocks_used, 0);
+    // The parked tail is let go; nothing stays held.
+    old.block_manager().release_tails();
+    assert_eq!(old.stats().blocks_used, 0);
+    check_counts(&old);
+}
+
 /// 14 tokens after `prompt` at temperature 0.9 with `seed` and a frequency penalty, resumed
 /// after `resume` (the tokens a first run streamed).
 fn seeded_resumed(prompt: &[u32], seed: u64, resume: Vec<u32>) -> Request {

@@ -427,6 +427,9 @@ pub struct EngineStats {
     pub disk: super::disk::DiskCounts,
     /// The disk tier's own counters and contents (none without one).
     pub disk_tier: Option<tandem_kv_transfer::DiskTierStats>,
+    /// Handed-off sequences' partly filled blocks kept for their pull ([`super::Engine::hand_off`]),
+    /// and how many of them a pull has taken.
+    pub parked_tails: (usize, usize),
 }
 
 /// Weight of the newest step in [`EngineStats::prefill_tokens_per_s`].
