@@ -38,6 +38,13 @@ pub struct DecodeArgs {
     /// Seconds in-flight requests get to finish after SIGTERM before the worker exits anyway.
     #[arg(long, env = "TANDEM_DRAIN_TIMEOUT_S", default_value_t = 30)]
     pub drain_timeout_s: u64,
+    /// On SIGTERM (or `tandem deregister`), hand the running requests over instead of
+    /// finishing them: their streams end, the router resumes them on other decode workers, and
+    /// those pull their KV from here, which serves the pulls for up to this many seconds (it
+    /// stops sooner once every handed-off request has been pulled). 0: no hand-over, the
+    /// requests finish here within --drain-timeout-s. Needs the KV plane (--secret).
+    #[arg(long, env = "TANDEM_HANDOFF_WINDOW_S", default_value_t = 30)]
+    pub handoff_window_s: u64,
     /// Port prefill workers push KV blocks to (0: any free port).
     #[arg(long, env = "TANDEM_KV_PORT", default_value_t = 50300)]
     pub kv_port: u16,
@@ -178,10 +185,14 @@ async fn start_registration(
 /// deregister`, the preStop hook) deletes its card then, and still waits for the signal. A
 /// worker whose engine fails (its thread panicked: every request it held has its error) deletes
 /// its card and stops at once, for its supervisor to start a new one.
+///
+/// With a `handoff`, the worker hands its running requests over first ([`HandOff`]) and
+/// keeps its card while the workers that resume them pull their KV.
 async fn deregister_then_drain(
     registration: Option<Registration>,
     drain: Arc<Drain>,
     engine: Arc<EngineHandle>,
+    handoff: Option<HandOff>,
 ) {
     // One listener throughout: a SIGTERM that comes while the card is being deleted still counts.
     let mut signal = std::pin::pin!(shutdown_signal());
@@ -193,6 +204,11 @@ async fn deregister_then_drain(
             false
         }
     };
+    // (A SIGTERM during the hand-over, as Kubernetes sends one right after the preStop hook,
+    // is kept for below: the window bounds the wait.)
+    if let Some(h) = handoff.filter(|_| engine.failure().is_none()) {
+        h.run(&drain, &engine).await;
+    }
     if let Some(r) = registration {
         r.deregister().await;
     }
@@ -200,6 +216,48 @@ async fn deregister_then_drain(
         tokio::select! {
             _ = signal => {}
             _ = engine.failed() => {}
+        }
+    }
+}
+
+/// A decode worker's hand-over on a drain: its running requests end with a hand-off status
+/// (the router resumes each on another decode worker), and the worker serves the pulls of
+/// their KV through its Prefill service until every one has been pulled, none is in flight,
+/// or `window` passes.
+struct HandOff {
+    /// The Prefill service's calls in flight (the pulls).
+    pulls: Arc<Drain>,
+    window: Duration,
+}
+
+impl HandOff {
+    async fn run(&self, drain: &Drain, engine: &EngineHandle) {
+        // No new requests from here on (Load reports draining); then hand over those that run.
+        drain.leave();
+        let handed = engine.hand_off().await;
+        let (parked, _) = engine.stats().parked_tails;
+        tracing::info!(
+            requests = handed,
+            parked,
+            window_s = self.window.as_secs_f64(),
+            "draining: handed the running requests over; serving the pulls of their KV"
+        );
+        let until = tokio::time::Instant::now() + self.window;
+        let mut tick = tokio::time::interval(Duration::from_millis(50));
+        loop {
+            let (parked, pulled) = engine.stats().parked_tails;
+            if pulled >= parked && self.pulls.in_flight() == 0 {
+                tracing::info!(pulled, "every handed-off request was pulled");
+                return;
+            }
+            if tokio::time::Instant::now() >= until {
+                tracing::warn!(
+                    not_pulled = parked - pulled,
+                    "hand-off window passed: the requests not pulled are computed again where they resumed"
+                );
+                return;
+            }
+            tick.tick().await;
         }
     }
 }
@@ -447,6 +505,14 @@ pub fn run_decode(a: DecodeArgs) -> Result<()> {
         );
         std::io::stdout().flush()?;
         let drain = service.control().drain().clone();
+        // Hand-over needs the peer Prefill service, over which the KV is pulled.
+        let handoff = peer
+            .as_ref()
+            .filter(|_| a.handoff_window_s > 0)
+            .map(|p| HandOff {
+                pulls: p.control().drain().clone(),
+                window: Duration::from_secs(a.handoff_window_s),
+            });
         tandem_decode_worker::serve_beside(
             listener,
             service,
@@ -454,7 +520,7 @@ pub fn run_decode(a: DecodeArgs) -> Result<()> {
                 Some(p) => tandem_prefill_worker::beside(p, routes),
                 None => routes,
             },
-            deregister_then_drain(registration, drain, handle.clone()),
+            deregister_then_drain(registration, drain, handle.clone(), handoff),
             Duration::from_secs(a.drain_timeout_s),
             token,
         )
@@ -510,7 +576,7 @@ pub fn run_prefill(a: PrefillArgs) -> Result<()> {
         tandem_prefill_worker::serve(
             listener,
             service,
-            deregister_then_drain(registration, drain, handle.clone()),
+            deregister_then_drain(registration, drain, handle.clone(), None),
             Duration::from_secs(a.drain_timeout_s),
             Some(token),
         )

@@ -272,9 +272,10 @@ fn response_stream(
                 },
             );
             match first {
-                Ok(Some(first)) => {
+                Ok(Some(pulled)) => {
                     st.observe.local = false;
-                    st.engine.join_remote(&st.stream, first)
+                    st.engine
+                        .join_remote(&st.stream, pulled.first, pulled.source_cached)
                 }
                 Ok(None) => st.engine.prefill_locally(&st.stream),
                 // A prefill engine failed under this request: it ends here, with that status
@@ -342,7 +343,10 @@ impl pb::decode_server::Decode for DecodeService {
         &self,
         request: GrpcRequest<pb::DecodeRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
-        let in_flight = self.drain.enter().map_err(Status::unavailable)?;
+        let in_flight = self
+            .drain
+            .enter()
+            .map_err(tandem_proto::wire::draining_status)?;
         let (metadata, _, req) = request.into_parts();
         let span = trace::server_span(
             "tandem.worker.v1.Decode",

@@ -59,6 +59,17 @@ impl Default for RemoteCounts {
     }
 }
 
+/// A remote prefill that succeeded: the first token the prefill side sampled, and the leading
+/// tokens it found in its own caches rather than computed.
+#[derive(Debug)]
+pub struct Pulled {
+    /// The prefill side's first token.
+    pub first: Sampled,
+    /// Leading prompt tokens the prefill side held (its prefix cache, disk tier, or a
+    /// handed-off sequence's parked blocks).
+    pub source_cached: usize,
+}
+
 /// This worker's KV ingress: the receiver, the address prefill workers reach it at, and the
 /// `Prefill` clients.
 pub struct RemotePrefill {
@@ -166,7 +177,7 @@ impl RemotePrefill {
         reservation: &Reservation,
         candidates: &[String],
         grant: &mut Option<TransferGrant>,
-    ) -> Result<Option<Sampled>, tonic::Status> {
+    ) -> Result<Option<Pulled>, tonic::Status> {
         let ask = Ask {
             request_id,
             prompt,
@@ -239,7 +250,7 @@ impl RemotePrefill {
         ask: &Ask<'_>,
         grant: &mut Option<TransferGrant>,
         span: &tracing::Span,
-    ) -> Result<Sampled, Attempt> {
+    ) -> Result<Pulled, Attempt> {
         let Ask {
             request_id,
             prompt,
@@ -279,7 +290,7 @@ impl RemotePrefill {
             })?.into_inner(),
             _ = tokio::time::sleep_until(watch.give_up_at()) => return Err(watch.stalled(Instant::now())),
         };
-        let mut first: Option<Sampled> = None;
+        let mut first: Option<Pulled> = None;
         let mut arrived = false;
         let mut check = tokio::time::interval(PROGRESS_CHECK);
         while first.is_none() || !arrived {
@@ -297,10 +308,13 @@ impl RemotePrefill {
                         Some(pb::prefill_update::Update::Progress(p)) => watch.beat(&p, Instant::now()),
                         Some(pb::prefill_update::Update::Done(r)) => {
                             let t = r.first_token.ok_or_else(|| prefill_error("the prefill worker sent no first token"))?;
-                            first = Some(Sampled {
-                                token: t.id,
-                                logprob: t.logprob,
-                                top: t.top.iter().map(|x| (x.id, x.logprob)).collect(),
+                            first = Some(Pulled {
+                                first: Sampled {
+                                    token: t.id,
+                                    logprob: t.logprob,
+                                    top: t.top.iter().map(|x| (x.id, x.logprob)).collect(),
+                                },
+                                source_cached: r.found_tokens as usize,
                             });
                         }
                         None => {}

@@ -97,15 +97,16 @@ struct Inner {
     tails: Vec<Tail>,
 }
 
-/// A handed-off sequence's partly filled last block: the K/V of `tokens`, which follow the full
-/// blocks whose chained hash is `parent` ([`ROOT`] for none). A sequence whose tokens continue
-/// that prefix takes it instead of computing them ([`SeqBlocks::reuse_prefix_and_tail`]); it is
-/// shared, so whoever writes it first gets a copy of their own.
+/// A handed-off sequence: the whole blocks whose chained hash is `parent` ([`ROOT`] for none),
+/// then its partly filled last block holding the K/V of `tokens` (no block when it ended on a
+/// whole block). A sequence whose tokens continue that prefix takes the block instead of
+/// computing them ([`SeqBlocks::reuse_prefix_and_tail`]); it is shared, so whoever writes it
+/// first gets a copy of their own.
 #[derive(Debug)]
 struct Tail {
     parent: BlockHash,
     tokens: Vec<u32>,
-    block: BlockId,
+    block: Option<BlockId>,
     /// Times a sequence took it.
     taken: u32,
 }
@@ -286,7 +287,8 @@ impl BlockManager {
         }
     }
 
-    /// Parked tails ([`SeqBlocks::park_tail`]) and how many of them a sequence has taken.
+    /// Handed-off sequences parked ([`SeqBlocks::park_tail`]) and how many of them a sequence
+    /// that continues them has taken.
     pub fn tails(&self) -> (usize, usize) {
         let s = self.inner.borrow();
         (
@@ -299,7 +301,9 @@ impl BlockManager {
     pub fn release_tails(&self) {
         let mut s = self.inner.borrow_mut();
         for t in std::mem::take(&mut s.tails) {
-            s.release(t.block);
+            if let Some(b) = t.block {
+                s.release(b);
+            }
         }
     }
 
@@ -407,15 +411,13 @@ impl SeqBlocks {
     /// [`Self::reuse_prefix`], then, after the whole blocks, the parked tail ([`Self::park_tail`])
     /// that holds the most of the tokens that follow them (still leaving one to compute): its
     /// block is shared, so the caller makes it writable ([`Self::make_writable`]) before the
-    /// step that writes it. Returns the tokens whose K/V is now in place.
+    /// step that writes it. A tail whose every token this sequence continues counts as taken
+    /// (its sequence was pulled). Returns the tokens whose K/V is now in place.
     pub fn reuse_prefix_and_tail(&mut self, tokens: &[u32]) -> usize {
         let whole = self.reuse_prefix(tokens);
         let limit = tokens.len().saturating_sub(1);
-        if !whole.is_multiple_of(self.mgr.block_size) || whole >= limit {
-            return whole;
-        }
         let parent = self.hashes.last().copied().unwrap_or(ROOT);
-        let rest = &tokens[whole..limit];
+        let rest = &tokens[whole.min(limit)..limit];
         let mut s = self.mgr.inner.borrow_mut();
         let best = s
             .tails
@@ -432,32 +434,43 @@ impl SeqBlocks {
                 (n, i)
             })
             .max();
-        let Some((n, i)) = best.filter(|&(n, _)| n > 0) else {
+        let Some((n, i)) = best else {
             return whole;
         };
-        let b = s.tails[i].block;
-        s.tails[i].taken += 1;
+        let t = &mut s.tails[i];
+        if n == t.tokens.len() {
+            t.taken += 1;
+        }
+        let Some(b) = t.block.filter(|_| n > 0) else {
+            return whole;
+        };
         s.take_ref(b);
         self.blocks.push(b.0);
         whole + n
     }
 
-    /// Keeps this sequence's last, partly filled block after the sequence goes (one reference
-    /// of its own, until [`BlockManager::release_tails`]): the K/V of `tokens[..computed]`
-    /// past the last whole block, for a sequence that continues them on another worker and
-    /// pulls them from here ([`Self::reuse_prefix_and_tail`]). The whole blocks before it are
-    /// committed first (they are cached as any are). False when there is no such block.
+    /// Keeps a record of this sequence for a sequence that continues its tokens on another
+    /// worker and pulls their K/V from here ([`Self::reuse_prefix_and_tail`]): its whole blocks
+    /// are committed (cached as any are) and its last, partly filled block is kept (one
+    /// reference of its own, until [`BlockManager::release_tails`]) with the tokens of
+    /// `tokens[..computed]` it holds. False when nothing is computed.
     pub fn park_tail(&mut self, tokens: &[u32], computed: usize) -> bool {
         self.commit(tokens, computed);
         let bs = self.mgr.block_size;
         let whole = computed / bs;
-        if computed.is_multiple_of(bs) || self.hashes.len() != whole || whole >= self.blocks.len() {
+        if computed == 0 || self.hashes.len() != whole {
             return false;
         }
-        let block = BlockId(self.blocks[whole]);
+        let block = self
+            .blocks
+            .get(whole)
+            .filter(|_| !computed.is_multiple_of(bs))
+            .map(|&b| BlockId(b));
         let parent = self.hashes.last().copied().unwrap_or(ROOT);
         let mut s = self.mgr.inner.borrow_mut();
-        s.take_ref(block);
+        if let Some(b) = block {
+            s.take_ref(b);
+        }
         s.tails.push(Tail {
             parent,
             tokens: tokens[whole * bs..computed].to_vec(),
@@ -635,11 +648,20 @@ mod tests {
         let mut e = m.sequence();
         let moved = [7, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11];
         assert_eq!(e.reuse_prefix_and_tail(&moved), 0);
-        // Nothing past a whole block boundary: no tail.
+        // Ending on a whole block: a record and no block, taken by the sequence that goes on
+        // from there.
         let mut f = m.sequence();
         assert!(f.reserve(8));
-        assert!(!f.park_tail(&toks[..8], 8));
-        drop((b, d, e, f));
+        assert!(f.park_tail(&toks[..8], 8));
+        drop(f);
+        assert_eq!(m.tails(), (2, 1));
+        let mut g = m.sequence();
+        assert_eq!(g.reuse_prefix_and_tail(&toks[..9]), 8);
+        assert_eq!(g.ids().len(), 2);
+        assert_eq!(m.tails(), (2, 2));
+        // Nothing computed: nothing to park.
+        assert!(!m.sequence().park_tail(&toks, 0));
+        drop((b, d, e, g));
         m.release_tails();
         check(&m);
         assert_eq!(m.tails(), (0, 0));

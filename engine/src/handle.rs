@@ -50,7 +50,7 @@ enum Command {
         mode: Mode,
         events: tmpsc::UnboundedSender<StreamEvent>,
     },
-    JoinRemote(RequestId, Sampled),
+    JoinRemote(RequestId, Sampled, usize),
     PrefillLocally(RequestId),
     Cancel(RequestId),
     StopSamples(RequestId, Vec<u32>),
@@ -253,9 +253,12 @@ impl EngineHandle {
     }
 
     /// The reserved blocks hold the prompt's KV and `first` is the prefill worker's token: the
-    /// request joins the running batch (its stream goes on from that token).
-    pub fn join_remote(&self, stream: &RequestStream, first: Sampled) {
-        let _ = self.commands.send(Command::JoinRemote(stream.id, first));
+    /// request joins the running batch (its stream goes on from that token). `source_cached`:
+    /// the leading tokens the prefill side found rather than computed ([`Engine::join_remote`]).
+    pub fn join_remote(&self, stream: &RequestStream, first: Sampled, source_cached: usize) {
+        let _ = self
+            .commands
+            .send(Command::JoinRemote(stream.id, first, source_cached));
     }
 
     /// The transfer failed: prefill the reserved request here instead.
@@ -569,7 +572,7 @@ fn turn(
                     }
                 }
             }
-            Command::JoinRemote(id, first) => match engine.join_remote(id, first) {
+            Command::JoinRemote(id, first, held) => match engine.join_remote(id, first, held) {
                 Ok(events) => deliver(engine, sinks, events),
                 Err(e) => tracing::debug!(error = %e, "join of a request no longer parked"),
             },
@@ -600,6 +603,8 @@ fn turn(
                         let _ = s.events.send(StreamEvent::Failed(EngineError::HandedOff));
                     }
                 }
+                // What was parked shows in the stats by the time the caller hears back.
+                *shared.stats() = engine.stats();
                 let _ = reply.send(ids.len());
             }
             Command::Shutdown => return false,
@@ -851,7 +856,7 @@ mod tests {
             }
         }
         assert_eq!(filled, r.blocks.len());
-        decode.join_remote(&stream, first.expect("first token"));
+        decode.join_remote(&stream, first.expect("first token"), 0);
         assert_eq!(drain_async(&mut stream).await, want2);
         // No room: a reservation larger than the pool is refused at validation.
         assert!(decode.reserve_remote(req(vec![1; 5000], 1)).await.is_err());

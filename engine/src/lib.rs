@@ -55,9 +55,9 @@ pub use device::cuda::CudaModel;
 pub use device::tp_cpu::{TpCpuBackend, TpCpuConfig};
 pub use engine::{
     Continuous, Cost, DiskCounts, Engine, EngineConfig, EngineStats, Event, FinishReason, Finished,
-    KvChunk, KvDiskConfig, KvPiece, Limits, PrefillOrder, Request, RequestId, Reservation, Samples,
-    Scheduler, SeqInfo, StaticBatches, StepCost, StepPlan, StepStats, TokenEvent, MAX_PASSED,
-    MIN_PREFILL_CHUNK,
+    KvChunk, KvDiskConfig, KvPiece, Limits, PrefillOrder, Request, RequestId, Reservation,
+    ResumedCounts, Samples, Scheduler, SeqInfo, StaticBatches, StepCost, StepPlan, StepStats,
+    TokenEvent, MAX_PASSED, MIN_PREFILL_CHUNK,
 };
 pub use error::EngineError;
 pub use forward::{ExpertLoad, OpTimes, SeqBatch};

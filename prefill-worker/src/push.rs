@@ -131,6 +131,7 @@ impl Shared {
                 .map_err(send_err)?;
         }
         let mut first = None;
+        let mut found = 0;
         let mut sent = 0u64;
         let mut beat = tokio::time::interval(HEARTBEAT);
         beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -183,6 +184,7 @@ impl Shared {
                 }
                 StreamEvent::Token(t) => first = Some(t),
                 StreamEvent::Finished(f) => {
+                    found = f.cached_prompt_tokens;
                     self.requests.finished(&f);
                     if let Some(e) = f.error {
                         // The first token's grammar could not go on: the request fails.
@@ -221,6 +223,7 @@ impl Shared {
                 first_token: Some(tandem_worker::convert::token(&first)),
                 prefilled_tokens: uncached as u32,
                 cached_tokens: cached as u32,
+                found_tokens: found.max(cached) as u32,
             },
         )))
         .await

@@ -114,6 +114,42 @@ pub fn engine_failed_status(kind: ErrorKind, message: impl Into<String>) -> toni
     s
 }
 
+/// Metadata on a worker's stream that ended because the worker is draining and handed the
+/// request over: the K/V it computed stays there, to be pulled by the worker that resumes it.
+/// The router moves such a request without counting it against its migrations or taking the
+/// worker for dead: it still serves those pulls.
+pub const HANDED_OFF: &str = "tandem-handed-off";
+
+/// An UNAVAILABLE status marked [`HANDED_OFF`].
+pub fn handed_off_status(message: impl Into<String>) -> tonic::Status {
+    let mut s = status(ErrorKind::Unavailable, message);
+    s.metadata_mut()
+        .insert(HANDED_OFF, tonic::metadata::MetadataValue::from_static("1"));
+    s
+}
+
+/// Metadata on a worker's refusal because it is draining for shutdown: the router takes it
+/// for draining (no new requests), not for dead (a peer can still pull the K/V it holds).
+pub const DRAINING: &str = "tandem-draining";
+
+/// An UNAVAILABLE status marked [`DRAINING`].
+pub fn draining_status(message: impl Into<String>) -> tonic::Status {
+    let mut s = status(ErrorKind::Unavailable, message);
+    s.metadata_mut()
+        .insert(DRAINING, tonic::metadata::MetadataValue::from_static("1"));
+    s
+}
+
+/// Whether a refusal says its worker is draining ([`DRAINING`]).
+pub fn is_draining(s: &tonic::Status) -> bool {
+    s.metadata().get(DRAINING).is_some()
+}
+
+/// Whether a failed stream's status says its worker handed the request over ([`HANDED_OFF`]).
+pub fn is_handed_off(s: &tonic::Status) -> bool {
+    s.metadata().get(HANDED_OFF).is_some()
+}
+
 /// Whether a failed stream's status says its worker's engine failed ([`ENGINE_FAILED`]).
 pub fn is_engine_failed(s: &tonic::Status) -> bool {
     s.metadata().get(ENGINE_FAILED).is_some()

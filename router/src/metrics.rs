@@ -20,6 +20,7 @@ pub struct RouterMetrics {
     prefill: Family<Labels, Counter>,
     crossover: Family<Labels, Counter>,
     migrations: Counter,
+    handoffs: Counter,
     refused: Family<Labels, Counter>,
     requests: Family<Labels, Counter>,
     worker_requests: Family<WorkerLabels, Counter>,
@@ -78,8 +79,14 @@ impl RouterMetrics {
         let migrations = Counter::default();
         registry.register(
             "tandem_request_migrations",
-            "Streams moved to another decode worker after theirs failed mid-request",
+            "Streams moved to another decode worker after theirs failed mid-request (hand-overs of a draining worker included)",
             migrations.clone(),
+        );
+        let handoffs = Counter::default();
+        registry.register(
+            "tandem_request_handoffs",
+            "Streams moved to another decode worker because theirs drained and handed them over (their KV pulled from it)",
+            handoffs.clone(),
         );
         let refused = Family::<Labels, Counter>::default();
         registry.register(
@@ -142,6 +149,7 @@ impl RouterMetrics {
             prefill,
             crossover,
             migrations,
+            handoffs,
             refused,
             requests,
             worker_requests,
@@ -173,9 +181,13 @@ impl RouterMetrics {
         self.prefill.get_or_create(&vec![("mode", mode)]).inc();
     }
 
-    /// A stream moved to another decode worker after its worker failed.
-    pub fn migration(&self) {
+    /// A stream moved to another decode worker after its worker failed, or (`handed_off`)
+    /// drained and handed it over.
+    pub fn migration(&self, handed_off: bool) {
         self.migrations.inc();
+        if handed_off {
+            self.handoffs.inc();
+        }
     }
 
     /// A request turned away before it reached a worker; `reason` is one of `REFUSALS`

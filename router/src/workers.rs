@@ -188,6 +188,21 @@ impl Worker {
         self.kv.lock().expect("kv index").disk_len()
     }
 
+    /// Takes the worker for draining at once (it handed a request over), ahead of its next
+    /// load report: no new requests go to it, but it still serves pulls of what it holds.
+    pub fn mark_draining(&self) {
+        if let Some(l) = self.state.lock().expect("worker state").load.as_mut() {
+            l.draining = true;
+        }
+    }
+
+    /// Whether it answers (its Info and Load did, and it passed the pool's check), draining or
+    /// not: a peer the KV it holds can be pulled from.
+    pub fn is_up(&self) -> bool {
+        let s = self.state.lock().expect("worker state");
+        s.ready && s.info.is_some() && s.refused.is_none()
+    }
+
     /// Marks the worker unreachable after a failed call; the monitor brings it back.
     pub fn mark_down(&self) {
         self.state.lock().expect("worker state").ready = false;
@@ -418,6 +433,12 @@ impl WorkerPool {
     /// The workers requests may go to now ([`Worker::is_ready`]).
     pub fn ready(&self) -> Vec<Arc<Worker>> {
         self.all().into_iter().filter(|w| w.is_ready()).collect()
+    }
+
+    /// The workers that answer, draining ones too ([`Worker::is_up`]): where KV can be pulled
+    /// from.
+    pub fn up(&self) -> Vec<Arc<Worker>> {
+        self.all().into_iter().filter(|w| w.is_up()).collect()
     }
 
     /// The worker `policy` picks for `prompt` among the ready ones not in `exclude`.

@@ -801,6 +801,65 @@ async fn a_migrated_request_takes_its_prompt_s_kv_from_the_prefill_worker() {
         "{sm:?}"
     );
     assert!(hits(&scrape(&paddr).await) - hits_before >= 128.0);
+    // Of the resumed request's KV, the prompt's whole blocks were found (at the prefill
+    // worker); only what no one held was computed again: the prompt's last, partly filled
+    // block and the tokens streamed before the kill (fewer than 16 + 96).
+    assert_eq!(metric(&sm, "tandem_resumed_requests_total"), 1.0);
+    let found = metric(&sm, "tandem_resumed_kv_tokens_total{kv=\"found\"}");
+    let again = metric(&sm, "tandem_resumed_kv_tokens_total{kv=\"recomputed\"}");
+    assert!(found >= 128.0 && found % 16.0 == 0.0, "{found}");
+    assert!((10.0..16.0 + 96.0).contains(&again), "{again}");
+}
+
+/// A drained decode worker hands its running request over: SIGTERM mid-stream of a long prompt
+/// (seeded sampling); the request resumes on the other decode worker, which pulls the KV of the
+/// prompt and of every streamed token from the draining one (whole blocks from its cache, the
+/// partly filled last one parked for the pull): nothing is computed again. Same text, one
+/// migration and it a hand-off; the drained worker exits cleanly once it has been pulled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drained_decode_worker_hands_its_requests_over_with_nothing_computed_again() {
+    // The window only bounds a pull that never comes: the worker stops once it is pulled.
+    let (mut d1, d1addr, _) = start_decode(&["--handoff-window-s=600"]);
+    let (mut d2, d2addr, _) = start_decode(&["--handoff-window-s=600"]);
+    let r = start_router(
+        &[d1addr.clone(), d2addr.clone()],
+        &["--disagg-min-tokens=64"],
+    );
+    wait_ready(&r, 2).await;
+    let body = json!({
+        "prompt": "Write a long story about a lighthouse keeper and the sea. ".repeat(12),
+        "max_tokens": 96,
+        "temperature": 0.8,
+        "seed": 7,
+        "ignore_eos": true,
+        "stream": true,
+    });
+    let mut exit = None;
+    let victim =
+        hit_the_busy_worker_mid_stream(&r, [(&mut d1, &d1addr), (&mut d2, &d2addr)], body, |p| {
+            p.signal(libc::SIGTERM);
+            exit = p.wait_exit(Duration::from_secs(600));
+        })
+        .await;
+    assert!(
+        exit.is_some_and(|s| s.success()),
+        "the drained worker stops by itself, cleanly: {exit:?}"
+    );
+    let survivor = if victim == d1addr { &d2addr } else { &d1addr };
+    let sm = scrape(survivor).await;
+    assert_eq!(metric(&sm, "tandem_resumed_requests_total"), 1.0, "{sm:?}");
+    assert_eq!(
+        metric(&sm, "tandem_resumed_kv_tokens_total{kv=\"recomputed\"}"),
+        0.0,
+        "{sm:?}"
+    );
+    // The prompt (about 150 tokens) and the streamed tokens but the last.
+    assert!(metric(&sm, "tandem_resumed_kv_tokens_total{kv=\"found\"}") > 128.0);
+    assert!(metric(&sm, "tandem_kv_transfer_bytes_total") > 0.0);
+    assert_eq!(
+        metric(&scrape(&r.http).await, "tandem_request_handoffs_total"),
+        1.0
+    );
 }
 
 /// A decode worker frozen mid-stream (SIGSTOP) stops its heartbeats: the router leaves it after

@@ -20,6 +20,7 @@ pub type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 pub fn status(e: EngineError) -> Status {
     match e {
         EngineError::Failed(_) => tandem_proto::wire::engine_failed_status(e.kind(), e.to_string()),
+        EngineError::HandedOff => tandem_proto::wire::handed_off_status(e.to_string()),
         e => tandem_proto::wire::status(e.kind(), e.to_string()),
     }
 }

@@ -96,6 +96,31 @@ pub fn engine_metrics(
         "Sequences preempted for lack of KV blocks",
         &[(&[], s.preemptions)],
     )?;
+    let r = &s.resumed;
+    counter(
+        enc,
+        "tandem_resumed_requests",
+        "Requests resumed here after a move from a worker that died or drained",
+        &[(&[], r.requests)],
+    )?;
+    counter(
+        enc,
+        "tandem_resumed_kv_tokens",
+        "Tokens of resumed requests whose KV existed before the move, by whether it was found (here or at the worker pulled from) or computed again",
+        &[
+            (&[("kv", "found")], r.context_tokens - r.recomputed_tokens),
+            (&[("kv", "recomputed")], r.recomputed_tokens),
+        ],
+    )?;
+    gauge(
+        enc,
+        "tandem_kv_parked_tails",
+        "Partly filled KV blocks of handed-off sequences kept for the workers that resume them, by whether one has pulled them",
+        &[
+            (&[("pulled", "no")], (s.parked_tails.0 - s.parked_tails.1) as i64),
+            (&[("pulled", "yes")], s.parked_tails.1 as i64),
+        ],
+    )?;
     gauge(
         enc,
         "tandem_tp_ranks",

@@ -54,7 +54,8 @@ pub use schedule::{
 pub use disk::DiskCounts;
 pub use types::{
     EngineConfig, EngineStats, Event, FinishReason, Finished, KvChunk, KvDiskConfig, KvPiece,
-    Limits, PrefillOrder, Request, RequestId, Reservation, Samples, StepStats, TokenEvent,
+    Limits, PrefillOrder, Request, RequestId, Reservation, ResumedCounts, Samples, StepStats,
+    TokenEvent,
 };
 
 /// Why `s` stops after `token` (already appended), if it does.

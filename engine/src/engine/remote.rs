@@ -61,10 +61,14 @@ impl Engine {
     /// Step two: every reserved block holds its K/V and `first` is the token the prefill worker
     /// sampled. The request joins the running batch (decoding from the next step); its prompt
     /// blocks enter the prefix cache. Returns the first token's events.
+    ///
+    /// `source_cached`: the leading tokens the prefill side found in its caches rather than
+    /// computed (what a resumed request's count of recomputed tokens takes from).
     pub fn join_remote(
         &mut self,
         id: RequestId,
         first: Sampled,
+        source_cached: usize,
     ) -> Result<Vec<Event>, EngineError> {
         let i = self
             .remote
@@ -76,6 +80,10 @@ impl Engine {
             // Resumed: the KV of every token streamed before the move is here; the last one is
             // computed again so its logits come from this worker's sampler, which knows the
             // streamed tokens (penalties, seeded draws). The prefill worker's token is not used.
+            let here = s.cached_prompt_tokens.unwrap_or(0);
+            self.stats
+                .resumed
+                .add(s.tokens.len(), here.max(source_cached));
             s.computed = s.tokens.len() - 1;
             s.blocks.commit(&s.tokens, s.computed);
             self.running.push(s);
@@ -122,6 +130,9 @@ impl Engine {
         match self.remote.iter().position(|s| s.id == id) {
             Some(i) => {
                 let s = self.remote.remove(i);
+                if s.tokens.len() > s.prompt_len {
+                    self.stats.resumed.add(s.tokens.len(), s.computed);
+                }
                 self.waiting.push_front(s);
                 true
             }

@@ -229,6 +229,10 @@ impl<'e> StepPlan<'e> {
         self.e.stats.prefix_lookup_tokens += s.tokens.len() as u64;
         self.e.stats.prefix_hit_tokens += hit as u64;
         let mut s = self.e.waiting.remove(j).expect("j-th exists");
+        if s.admitted.is_none() && s.tokens.len() > s.prompt_len {
+            // Resumed after a move, its K/V computed here from what this worker holds.
+            self.e.stats.resumed.add(s.tokens.len(), hit);
+        }
         self.charge(s.computed, take);
         for passed in self.e.waiting.iter_mut().take(j) {
             passed.passed += 1;

@@ -168,7 +168,7 @@ fn a_remotely_prefilled_request_decodes_like_a_local_one() {
         assert_eq!(r.blocks.len(), 3, "45 tokens in 16-token blocks");
         let (first, kv) = prefill_export(&mut prefill, req(prompt.clone(), 10), 0);
         fill(&decode, &r, &kv);
-        let ev = decode.join_remote(id, first.clone()).unwrap();
+        let ev = decode.join_remote(id, first.clone(), 0).unwrap();
         assert!(matches!(&ev[..], [Event::Token(t)] if t.sampled.token == want[0]));
         let mut got = vec![first.token];
         got.extend(run_to_end(&mut decode, id));
@@ -197,7 +197,7 @@ fn remotely_prefilled_parallel_samples_fork_on_the_decode_side() {
     let r = decode.reserve_remote(id, three).unwrap().expect("room");
     let (first, kv) = prefill_export(&mut prefill, req(prompt.clone(), 8), 0);
     fill(&decode, &r, &kv);
-    assert!(decode.join_remote(id, first).unwrap().is_empty());
+    assert!(decode.join_remote(id, first, 0).unwrap().is_empty());
     let mut got: Vec<Vec<u32>> = vec![Vec::new(); 3];
     let mut ended = 0;
     let mut steps = 0;
@@ -256,7 +256,7 @@ fn a_remote_prefill_sends_only_what_the_decode_cache_lacks() {
     let (first, kv) = prefill_export(&mut prefill, req(prompt.clone(), 8), r.cached_tokens);
     assert!(kv.len() >= 2, "streamed per chunk: {}", kv.len());
     fill(&decode, &r, &kv);
-    decode.join_remote(id, first.clone()).unwrap();
+    decode.join_remote(id, first.clone(), 0).unwrap();
     let mut got = vec![first.token];
     got.extend(run_to_end(&mut decode, id));
     assert_eq!(got, want);
@@ -364,7 +364,7 @@ fn a_resumed_request_takes_its_kv_from_elsewhere_and_continues_exactly() {
         let mut holder = engine(config());
         let (first, kv) = prefill_export(&mut holder, req(held, 1), r.cached_tokens);
         fill(&decode, &r, &kv);
-        let events = decode.join_remote(id, first).unwrap();
+        let events = decode.join_remote(id, first, r.cached_tokens).unwrap();
         assert!(events.is_empty(), "the holder's token is not used");
         assert_eq!(run_to_end(&mut decode, id), full[k..], "resumed after {k}");
         check_counts(&decode);
@@ -414,14 +414,15 @@ fn a_handed_off_sequence_is_pulled_with_nothing_computed_again() {
     let held: Vec<u32> = prompt.iter().chain(&streamed).copied().collect();
     let before = old.stats().prefix_hit_tokens;
     let (first, kv) = prefill_export(&mut old, req(held.clone(), 1), r.cached_tokens);
+    let held_by_old = (old.stats().prefix_hit_tokens - before) as usize;
     assert_eq!(
-        old.stats().prefix_hit_tokens - before,
-        held.len() as u64 - 1,
+        held_by_old,
+        held.len() - 1,
         "all but the last streamed token found"
     );
     assert_eq!(old.stats().parked_tails, (1, 1));
     // The bits of a computation from scratch.
-    let (_, fresh) = prefill_export(&mut engine(config()), req(held, 1), 0);
+    let (_, fresh) = prefill_export(&mut engine(config()), req(held.clone(), 1), 0);
     let frames = |chunks: &[KvChunk]| -> Vec<Vec<u8>> {
         chunks
             .iter()
@@ -434,9 +435,16 @@ fn a_handed_off_sequence_is_pulled_with_nothing_computed_again() {
     };
     assert_eq!(frames(&kv), frames(&fresh));
     fill(&new, &r, &kv);
-    assert!(new.join_remote(id, first).unwrap().is_empty());
+    assert!(new.join_remote(id, first, held_by_old).unwrap().is_empty());
     assert_eq!(run_to_end(&mut new, id), full[k..]);
     assert_eq!(new.stats().blocks_used, 0);
+    // Every token's K/V moved: none computed again.
+    let moved = ResumedCounts {
+        requests: 1,
+        context_tokens: held.len() as u64 - 1,
+        recomputed_tokens: 0,
+    };
+    assert_eq!(new.stats().resumed, moved);
     // The parked tail is let go; nothing stays held.
     old.block_manager().release_tails();
     assert_eq!(old.stats().blocks_used, 0);

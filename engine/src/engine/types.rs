@@ -430,6 +430,33 @@ pub struct EngineStats {
     /// Handed-off sequences' partly filled blocks kept for their pull ([`super::Engine::hand_off`]),
     /// and how many of them a pull has taken.
     pub parked_tails: (usize, usize),
+    /// Requests resumed here after a move, and what their K/V cost.
+    pub resumed: ResumedCounts,
+}
+
+/// What requests resumed on this engine after a move (a worker that died or drained; their
+/// streamed tokens given back) cost: of the tokens whose K/V existed before the move (the
+/// prompt and every streamed token but the last, which was never computed), how many were
+/// computed again, here or by the worker they were pulled from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct ResumedCounts {
+    /// Requests resumed.
+    pub requests: u64,
+    /// Their tokens whose K/V existed before the move.
+    pub context_tokens: u64,
+    /// Of those, the tokens computed again.
+    pub recomputed_tokens: u64,
+}
+
+impl ResumedCounts {
+    /// Counts a resumed sequence of `len` tokens (prompt and streamed) of which `held` leading
+    /// ones were found rather than computed.
+    pub(crate) fn add(&mut self, len: usize, held: usize) {
+        let context = len.saturating_sub(1);
+        self.requests += 1;
+        self.context_tokens += context as u64;
+        self.recomputed_tokens += (context - held.min(context)) as u64;
+    }
 }
 
 /// Weight of the newest step in [`EngineStats::prefill_tokens_per_s`].

@@ -125,6 +125,9 @@ enum Arrival {
     Message(pb::DecodeResponse),
     /// The worker is gone (or silent past the stall deadline): move its samples.
     Lost(ApiError),
+    /// The worker is draining and handed its samples over: move them, pulling their K/V
+    /// from it.
+    HandedOff(ApiError),
     /// The worker refused the request: report it.
     Refused(ApiError),
 }
@@ -173,7 +176,8 @@ impl Generation {
                     Err(e) => return Some(Err(self.fail(e))),
                 },
                 Arrival::Refused(e) => return Some(Err(self.fail(e))),
-                Arrival::Lost(e) => e,
+                Arrival::Lost(e) => (e, false),
+                Arrival::HandedOff(e) => (e, true),
             };
             if let Err(e) = self.migrate(k, failure).await {
                 return Some(Err(self.fail(e)));
@@ -214,6 +218,9 @@ impl Generation {
                     message: "the stream ended without a finish".into(),
                     kind: ErrorKind::Unavailable,
                 }),
+                Ok(Some(Err(s))) if tandem_proto::wire::is_handed_off(&s) => {
+                    Arrival::HandedOff(ApiError::from_worker(&worker, &s))
+                }
                 Ok(Some(Err(s))) if worker_lost(&s) => {
                     Arrival::Lost(ApiError::from_worker(&worker, &s))
                 }
@@ -247,15 +254,27 @@ impl Generation {
             .collect()
     }
 
-    async fn migrate(&mut self, k: usize, failure: ApiError) -> Result<(), ApiError> {
-        if self.migrations_left == 0 {
+    ///
+    /// A hand-over (`handed_off`: the worker drains) is no failure: it does not count against
+    /// `--max-migrations`, and the worker stays up, draining, for the K/V to be pulled from it.
+    async fn migrate(
+        &mut self,
+        k: usize,
+        (failure, handed_off): (ApiError, bool),
+    ) -> Result<(), ApiError> {
+        if !handed_off && self.migrations_left == 0 {
             return Err(failure);
         }
-        self.migrations_left -= 1;
+        if !handed_off {
+            self.migrations_left -= 1;
+        }
         let moving = self.unfinished(k);
         let leg = self.legs.remove(k);
         let lost = leg.worker().clone();
-        leg.guard.worker().mark_down();
+        match handed_off {
+            true => leg.guard.worker().mark_draining(),
+            false => leg.guard.worker().mark_down(),
+        }
         drop(leg);
         let resumed: usize = moving
             .iter()
@@ -294,7 +313,7 @@ impl Generation {
                 })?;
             self.legs.push(Leg::new(opened, vec![i], self.route.stall));
         }
-        self.route.metrics.migration();
+        self.route.metrics.migration(handed_off);
         self.migrations += 1;
         self.span
             .record("tandem.migrations", i64::from(self.migrations));

@@ -62,9 +62,10 @@ impl Route {
         // Decode peers that hold at least `min_tokens` more of the prompt (in their pool or on
         // their disk): the KV is pulled from them (their Prefill service computes what they lack
         // and pushes every block) instead of computed. Their decodes are not prompts queued
-        // before this one, so they count as idle.
+        // before this one, so they count as idle. A draining peer counts too: it holds the
+        // K/V of the requests it handed over until they are pulled.
         if self.disagg.pull_from_peers {
-            for w in self.pool.ready() {
+            for w in self.pool.up() {
                 if w.addr == d.addr {
                     continue;
                 }
@@ -180,6 +181,12 @@ impl Route {
                         guard,
                         prefill_guard,
                     });
+                }
+                Err(s) if tandem_proto::wire::is_draining(&s) => {
+                    // Draining, not dead: it may still serve pulls of what it holds.
+                    tracing::info!(worker = %worker.addr, "worker draining, trying another");
+                    worker.mark_draining();
+                    tried.push(worker.addr.clone());
                 }
                 Err(s) if matches!(s.code(), tonic::Code::Unavailable | tonic::Code::Unknown) => {
                     tracing::warn!(worker = %worker.addr, error = %s, "worker unavailable, trying another");

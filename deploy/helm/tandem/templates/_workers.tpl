@@ -47,9 +47,11 @@ spec:
         runAsNonRoot: true
         runAsUser: 10001
         fsGroup: 10001
-      # preStop, then SIGTERM: the worker deregisters (etcd) and reports NOT_SERVING first, then
-      # lets its requests finish for up to the drain timeout; Kubernetes waits longer than that.
-      terminationGracePeriodSeconds: {{ add $g.drainTimeoutSeconds 15 }}
+      # preStop, then SIGTERM: the worker reports draining and NOT_SERVING first; a decode worker
+      # hands its running requests over and serves the pulls of their KV (up to the hand-off
+      # window), then deregisters (etcd) and lets what is left finish for up to the drain
+      # timeout; Kubernetes waits longer than both.
+      terminationGracePeriodSeconds: {{ add $g.drainTimeoutSeconds (default 0 $g.handoffWindowSeconds) 15 }}
       containers:
         - name: {{ $role }}
           image: {{ include "tandem.image" $ }}
@@ -84,6 +86,7 @@ spec:
             - --kv-advertise-host=$(POD_IP)
             - --kv-stall-timeout-ms={{ int64 $g.kvStallTimeoutMs }}
             - --kv-deadline-slack={{ $g.kvDeadlineSlack }}
+            - --handoff-window-s={{ $g.handoffWindowSeconds }}
             {{- end }}
             {{- if eq $.Values.discovery.mode "etcd" }}
             - --discovery=etcd://{{ join "," $.Values.discovery.etcd.endpoints }}
