@@ -349,9 +349,12 @@ fn worker_args(
         .set("threads", threads)
         .set("worker-id", name);
     if role == "decode" {
+        // Ctrl-C stops every worker at once: no decode worker is left to hand requests over
+        // to, so they finish where they run.
         c.set("kv-port", 0)
             .set("device", a.device)
-            .set("tp", a.decode_tp);
+            .set("tp", a.decode_tp)
+            .set("handoff-window-s", 0);
     } else {
         c.set("tp", a.prefill_tp);
     }
@@ -568,6 +571,10 @@ mod tests {
         assert_eq!(argv.iter().filter(|f| f.starts_with("--port=")).count(), 1);
         assert!(argv.contains(&"--port=40123".to_string()), "{argv:?}");
         assert!(argv.contains(&"--threads=3".to_string()), "{argv:?}");
+        assert!(
+            argv.contains(&"--handoff-window-s=0".to_string()),
+            "{argv:?}"
+        );
         assert_eq!(argv.last().unwrap(), "--kv-dtype=int8");
         match c.check().unwrap() {
             crate::Command::Decode(d) => assert_eq!((d.port, d.engine.tp), (40123, 1)),

@@ -203,6 +203,20 @@ impl Worker {
         s.ready && s.info.is_some() && s.refused.is_none()
     }
 
+    /// Whether it reports draining (or the router took it for draining).
+    pub fn is_draining(&self) -> bool {
+        let s = self.state.lock().expect("worker state");
+        s.load.as_ref().is_some_and(|l| l.draining)
+    }
+
+    /// Stops following it (its monitor and KV-event tasks); false, for `retain`.
+    fn stop(&self) -> bool {
+        for t in self.tasks.lock().expect("tasks").drain(..) {
+            t.abort();
+        }
+        false
+    }
+
     /// Marks the worker unreachable after a failed call; the monitor brings it back.
     pub fn mark_down(&self) {
         self.state.lock().expect("worker state").ready = false;
@@ -330,6 +344,10 @@ impl Drop for InFlightGuard {
 pub struct WorkerPool {
     role: Role,
     workers: RwLock<Vec<Arc<Worker>>>,
+    /// Workers discovery no longer lists that were draining when it dropped them (a
+    /// terminating pod leaves DNS at once): kept, and followed, while they answer, as peers the
+    /// KV of the requests they handed over is pulled from ([`Self::up`]); never sent requests.
+    leaving: RwLock<Vec<Arc<Worker>>>,
     cfg: PoolConfig,
     connect: Arc<dyn Connect>,
     shared: PoolShared,
@@ -371,6 +389,7 @@ impl WorkerPool {
         let pool = Arc::new(Self {
             role,
             workers: RwLock::new(Vec::new()),
+            leaving: RwLock::new(Vec::new()),
             cfg,
             connect,
             shared,
@@ -389,11 +408,17 @@ impl WorkerPool {
 
     fn sync(&self, addrs: &[WorkerAddr]) {
         let mut ws = self.workers.write().expect("workers");
+        let mut leaving = self.leaving.write().expect("leaving workers");
         let mut by_addr: HashMap<WorkerAddr, Arc<Worker>> =
             ws.drain(..).map(|w| (w.addr.clone(), w)).collect();
         for a in addrs {
             if let Some(w) = by_addr.remove(a) {
                 ws.push(w);
+                continue;
+            }
+            // Listed again while leaving: it is one of the pool's again.
+            if let Some(i) = leaving.iter().position(|w| &w.addr == a) {
+                ws.push(leaving.remove(i));
                 continue;
             }
             match self.connect.connect(a) {
@@ -410,14 +435,18 @@ impl WorkerPool {
                 Err(e) => tracing::error!("{e}"),
             }
         }
-        // Workers no longer listed are dropped here (their tasks stop once requests finish).
+        // Workers no longer listed are dropped here (their tasks stop once requests finish),
+        // but a draining one is kept aside while it answers: peers pull what it handed over.
         for (addr, w) in by_addr {
             tracing::info!(worker = %addr, role = self.role.name(), "worker left");
             self.shared.metrics.membership(self.role, "leave");
-            for t in w.tasks.lock().expect("tasks").drain(..) {
-                t.abort();
+            if w.is_up() && w.is_draining() {
+                leaving.push(w);
+                continue;
             }
+            w.stop();
         }
+        leaving.retain(|w| w.is_up() || w.stop());
     }
 
     /// The metrics this pool counts into (shared by every pool of the router).
@@ -435,10 +464,15 @@ impl WorkerPool {
         self.all().into_iter().filter(|w| w.is_ready()).collect()
     }
 
-    /// The workers that answer, draining ones too ([`Worker::is_up`]): where KV can be pulled
-    /// from.
+    /// The workers that answer, draining ones too ([`Worker::is_up`]), and those discovery
+    /// dropped while they drain and that still answer: where KV can be pulled from.
     pub fn up(&self) -> Vec<Arc<Worker>> {
-        self.all().into_iter().filter(|w| w.is_up()).collect()
+        let mut up: Vec<Arc<Worker>> = self.all().into_iter().filter(|w| w.is_up()).collect();
+        let mut leaving = self.leaving.write().expect("leaving workers");
+        // One that stopped answering is gone for good.
+        leaving.retain(|w| w.is_up() || w.stop());
+        up.extend(leaving.iter().cloned());
+        up
     }
 
     /// The worker `policy` picks for `prompt` among the ready ones not in `exclude`.

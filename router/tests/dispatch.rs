@@ -30,6 +30,8 @@ enum Say {
     Finish(pb::FinishReason),
     /// The stream fails with this code (the worker died, or its engine failed).
     Fail(Code),
+    /// The stream ends as a draining worker ends it: handed over.
+    HandOff,
     /// Nothing more, ever (a frozen worker); the stream stays open.
     Silence,
     /// Nothing for this long (a slow step).
@@ -46,6 +48,10 @@ struct FakeWorker {
     stops: Mutex<Vec<pb::StopSamplesRequest>>,
     /// What its Info says its KV block size is.
     block_size: u32,
+    /// Whether its Load says it drains (once it has handed a stream over).
+    draining: std::sync::atomic::AtomicBool,
+    /// Whether it has stopped: its calls fail.
+    gone: std::sync::atomic::AtomicBool,
 }
 
 impl FakeWorker {
@@ -57,6 +63,8 @@ impl FakeWorker {
             calls: Mutex::new(Vec::new()),
             stops: Mutex::new(Vec::new()),
             block_size: 16,
+            draining: Default::default(),
+            gone: Default::default(),
         })
     }
 
@@ -72,6 +80,8 @@ impl FakeWorker {
             calls: Mutex::new(Vec::new()),
             stops: Mutex::new(Vec::new()),
             block_size,
+            draining: Default::default(),
+            gone: Default::default(),
         })
     }
 
@@ -108,7 +118,13 @@ impl WorkerClient for FakeWorker {
     }
 
     async fn load(&self) -> Result<pb::LoadReport, Status> {
-        Ok(pb::LoadReport::default())
+        if self.gone.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(Status::unavailable("stopped"));
+        }
+        Ok(pb::LoadReport {
+            draining: self.draining.load(std::sync::atomic::Ordering::SeqCst),
+            ..Default::default()
+        })
     }
 
     async fn kv_events(&self) -> Result<WorkerStream<pb::KvEventBatch>, Status> {
@@ -126,6 +142,11 @@ impl WorkerClient for FakeWorker {
             calls.len() as u64
         };
         let sends = (self.script)(&request).map_err(|c| Status::new(c, "scripted refusal"))?;
+        if sends.iter().any(|s| matches!(s, Say::HandOff)) {
+            // (A draining worker says so in its Load from the moment it hands over.)
+            self.draining
+                .store(true, std::sync::atomic::Ordering::SeqCst);
+        }
         let prompt_tokens = request.prompt_ids.len() as u32;
         // `Finish` ends the stream with the first sample's finish: a script for several
         // samples ends the others first.
@@ -162,6 +183,7 @@ impl WorkerClient for FakeWorker {
                 ..Default::default()
             }),
             Say::Fail(c) => Err(Status::new(c, "scripted failure")),
+            Say::HandOff => Err(tandem_proto::wire::handed_off_status("draining")),
             Say::Silence | Say::Wait(_) => unreachable!("not a message"),
         };
         let s = futures::stream::unfold(sends.into_iter(), move |mut sends| async move {
@@ -343,6 +365,38 @@ async fn a_worker_lost_mid_stream_is_left_and_the_request_resumes_on_another() {
         let resumed = calls.iter().flatten().find(|c| !c.resume_ids.is_empty());
         assert_eq!(resumed.unwrap().resume_ids, answer[..3]);
     }
+}
+
+/// A draining worker's hand-over is no failure: the request resumes on the other worker even
+/// with no migration allowed, and the draining worker is taken for draining (no new requests),
+/// not for dead (still up, for its KV to be pulled).
+#[tokio::test]
+async fn a_handed_off_stream_resumes_elsewhere_without_spending_a_migration() {
+    let answer = answer_ids().await;
+    let ws = [
+        dies_mid_stream(answer.clone(), 3, Say::HandOff),
+        dies_mid_stream(answer.clone(), 3, Say::HandOff),
+    ];
+    let d = dispatcher(&ws, 0).await;
+    let (text, finish, n) = run(&d, 64).await.unwrap();
+    assert_eq!(text, ANSWER);
+    assert_eq!(finish, FinishKind::Stop);
+    assert_eq!(n as usize, answer.len());
+    let calls: Vec<_> = ws.iter().map(|w| w.calls()).collect();
+    let (from, to) = if calls[0][0].resume_ids.is_empty() {
+        (0, 1)
+    } else {
+        (1, 0)
+    };
+    assert_eq!(calls[from].len(), 1);
+    assert_eq!(calls[to][0].resume_ids, answer[..3]);
+    let name = WorkerAddr::from(format!("w{from}"));
+    let ready: Vec<WorkerAddr> = d.pool.ready().iter().map(|w| w.addr.clone()).collect();
+    let up: Vec<WorkerAddr> = d.pool.up().iter().map(|w| w.addr.clone()).collect();
+    assert!(!ready.contains(&name), "draining: no new requests");
+    assert!(up.contains(&name), "but up, for pulls");
+    assert_eq!(sample(&d, "tandem_request_handoffs_total"), 1.0);
+    assert_eq!(sample(&d, "tandem_request_migrations_total"), 1.0);
 }
 
 #[tokio::test(start_paused = true)]
@@ -626,6 +680,54 @@ async fn workers_that_join_take_requests_and_workers_that_leave_or_do_not_fit_ge
         ),
         5.0
     );
+}
+
+/// A draining worker that discovery drops (a terminating pod leaves DNS at once) stays a peer
+/// KV can be pulled from while it answers, and never takes a request; once it stops answering
+/// it is gone.
+#[tokio::test]
+async fn a_draining_worker_dropped_by_discovery_stays_a_pull_source_while_it_answers() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let answer = answer_ids().await;
+    let w0 = FakeWorker::answering(answer.clone(), 16);
+    let w1 = FakeWorker::answering(answer.clone(), 16);
+    let all: HashMap<WorkerAddr, Arc<FakeWorker>> = [("w0", &w0), ("w1", &w1)]
+        .into_iter()
+        .map(|(a, w)| (WorkerAddr::from(a), w.clone()))
+        .collect();
+    let found = FakeDiscovery::new(&["w0", "w1"]);
+    let shared = PoolShared {
+        metrics: Default::default(),
+        expect: Arc::new(tandem_discovery::Expect::new(vec!["fake".into()], None)),
+    };
+    let cfg = PoolConfig {
+        poll_interval: Duration::from_millis(5),
+        connect_timeout: Duration::from_secs(1),
+    };
+    let pool = WorkerPool::start(
+        Role::Decode,
+        found.decode_workers(),
+        cfg,
+        Arc::new(FakeConnect(all)),
+        shared,
+    );
+    let names = |ws: Vec<Arc<tandem_router::Worker>>| -> Vec<String> {
+        let mut n: Vec<String> = ws.iter().map(|w| w.addr.to_string()).collect();
+        n.sort();
+        n
+    };
+    until("both ready", || pool.ready().len() == 2).await;
+    w0.draining.store(true, SeqCst);
+    until("w0 draining", || names(pool.ready()) == ["w1"]).await;
+    found.leave("w0");
+    until("w0 dropped", || pool.all().len() == 1).await;
+    assert_eq!(names(pool.up()), ["w0", "w1"], "still a pull source");
+    assert_eq!(names(pool.ready()), ["w1"]);
+    w0.gone.store(true, SeqCst);
+    until("w0 gone", || names(pool.up()) == ["w1"]).await;
+    // A worker dropped while not draining is gone at once.
+    found.leave("w1");
+    until("w1 dropped", || pool.up().is_empty()).await;
 }
 
 /// Runs a request for `n` samples to its end: each sample's text and finish, in sample order.
