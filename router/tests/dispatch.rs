@@ -599,18 +599,12 @@ async fn until(what: &str, ok: impl Fn() -> bool) {
     panic!("{what}");
 }
 
-#[tokio::test]
-async fn workers_that_join_take_requests_and_workers_that_leave_or_do_not_fit_get_none() {
-    let answer = answer_ids().await;
-    let w0 = FakeWorker::answering(answer.clone(), 16);
-    let w1 = FakeWorker::answering(answer.clone(), 16);
-    // Its blocks hold 32 tokens; the cluster's (pinned by the first worker) hold 16.
-    let w2 = FakeWorker::answering(answer.clone(), 32);
-    let all: HashMap<WorkerAddr, Arc<FakeWorker>> = [("w0", &w0), ("w1", &w1), ("w2", &w2)]
-        .into_iter()
-        .map(|(a, w)| (WorkerAddr::from(a), w.clone()))
+/// A decode pool following `found`, reaching the fakes `all` by name, polling every 5 ms.
+fn discovered_pool(found: &FakeDiscovery, all: &[(&str, &Arc<FakeWorker>)]) -> Arc<WorkerPool> {
+    let all: HashMap<WorkerAddr, Arc<FakeWorker>> = all
+        .iter()
+        .map(|&(a, w)| (WorkerAddr::from(a), w.clone()))
         .collect();
-    let found = FakeDiscovery::new(&["w0"]);
     let shared = PoolShared {
         metrics: Default::default(),
         expect: Arc::new(tandem_discovery::Expect::new(vec!["fake".into()], None)),
@@ -619,13 +613,24 @@ async fn workers_that_join_take_requests_and_workers_that_leave_or_do_not_fit_ge
         poll_interval: Duration::from_millis(5),
         connect_timeout: Duration::from_secs(1),
     };
-    let pool = WorkerPool::start(
+    WorkerPool::start(
         Role::Decode,
         found.decode_workers(),
         cfg,
         Arc::new(FakeConnect(all)),
         shared,
-    );
+    )
+}
+
+#[tokio::test]
+async fn workers_that_join_take_requests_and_workers_that_leave_or_do_not_fit_get_none() {
+    let answer = answer_ids().await;
+    let w0 = FakeWorker::answering(answer.clone(), 16);
+    let w1 = FakeWorker::answering(answer.clone(), 16);
+    // Its blocks hold 32 tokens; the cluster's (pinned by the first worker) hold 16.
+    let w2 = FakeWorker::answering(answer.clone(), 32);
+    let found = FakeDiscovery::new(&["w0"]);
+    let pool = discovered_pool(&found, &[("w0", &w0), ("w1", &w1), ("w2", &w2)]);
     let policy =
         tandem_router::policy::build(tandem_router::PolicyKind::RoundRobin, Default::default());
     let d = Dispatcher::new(
@@ -691,26 +696,8 @@ async fn a_draining_worker_dropped_by_discovery_stays_a_pull_source_while_it_ans
     let answer = answer_ids().await;
     let w0 = FakeWorker::answering(answer.clone(), 16);
     let w1 = FakeWorker::answering(answer.clone(), 16);
-    let all: HashMap<WorkerAddr, Arc<FakeWorker>> = [("w0", &w0), ("w1", &w1)]
-        .into_iter()
-        .map(|(a, w)| (WorkerAddr::from(a), w.clone()))
-        .collect();
     let found = FakeDiscovery::new(&["w0", "w1"]);
-    let shared = PoolShared {
-        metrics: Default::default(),
-        expect: Arc::new(tandem_discovery::Expect::new(vec!["fake".into()], None)),
-    };
-    let cfg = PoolConfig {
-        poll_interval: Duration::from_millis(5),
-        connect_timeout: Duration::from_secs(1),
-    };
-    let pool = WorkerPool::start(
-        Role::Decode,
-        found.decode_workers(),
-        cfg,
-        Arc::new(FakeConnect(all)),
-        shared,
-    );
+    let pool = discovered_pool(&found, &[("w0", &w0), ("w1", &w1)]);
     let names = |ws: Vec<Arc<tandem_router::Worker>>| -> Vec<String> {
         let mut n: Vec<String> = ws.iter().map(|w| w.addr.to_string()).collect();
         n.sort();
