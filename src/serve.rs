@@ -41,9 +41,11 @@ pub struct DecodeArgs {
     /// On SIGTERM (or `tandem deregister`), hand the running requests over instead of
     /// finishing them: their streams end, the router resumes them on other decode workers, and
     /// those pull their KV from here, which serves the pulls for up to this many seconds (it
-    /// stops sooner once every handed-off request has been pulled). 0: no hand-over, the
-    /// requests finish here within --drain-timeout-s. Needs the KV plane (--secret).
-    #[arg(long, env = "TANDEM_HANDOFF_WINDOW_S", default_value_t = 30)]
+    /// stops sooner once every handed-off request has been pulled). For rolling upgrades, where
+    /// other decode workers stay up (the chart sets 30); a request with nowhere to go fails.
+    /// 0 (the default): no hand-over, the requests finish here within --drain-timeout-s. Needs
+    /// the KV plane (TANDEM_KV_SECRET).
+    #[arg(long, env = "TANDEM_HANDOFF_WINDOW_S", default_value_t = 0)]
     pub handoff_window_s: u64,
     /// Port prefill workers push KV blocks to (0: any free port).
     #[arg(long, env = "TANDEM_KV_PORT", default_value_t = 50300)]
