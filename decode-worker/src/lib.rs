@@ -230,6 +230,8 @@ struct GenState {
     engine: Arc<EngineHandle>,
     stream: RequestStream,
     done: bool,
+    /// A failure that came after tokens not yet sent: it ends the stream after them.
+    failed: Option<Status>,
     observe: Observe,
     _running: RunningEntry,
     _in_flight: InFlight,
@@ -240,6 +242,10 @@ fn response_stream(
     state: GenState,
 ) -> impl Stream<Item = Result<pb::DecodeResponse, Status>> + Send {
     futures::stream::unfold(state, |mut st| async move {
+        if let Some(s) = st.failed.take() {
+            st.done = true;
+            return Some((Err(s), st));
+        }
         if st.done {
             return None;
         }
@@ -297,6 +303,12 @@ fn response_stream(
         while let Some(ev) = next {
             match fold(&mut msg, ev, st.stream.is_done(), &mut st.observe) {
                 Ok(l) => last = l,
+                // Tokens sampled before the failure go out first (a request that moves resumes
+                // after them, not before).
+                Err(e) if !msg.tokens.is_empty() || !msg.finished.is_empty() => {
+                    st.failed = Some(e);
+                    break;
+                }
                 Err(e) => {
                     st.done = true;
                     return Some((Err(e), st));
@@ -429,6 +441,7 @@ impl pb::decode_server::Decode for DecodeService {
                 engine: self.engine.clone(),
                 stream,
                 done: false,
+                failed: None,
                 observe: Observe {
                     metrics: self.requests.clone(),
                     last_token: None,

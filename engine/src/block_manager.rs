@@ -438,7 +438,9 @@ impl SeqBlocks {
             return whole;
         };
         let t = &mut s.tails[i];
-        if n == t.tokens.len() {
+        // Taken: this sequence continues all of it, or is all of it up to its own end (a
+        // caller that heard of fewer of its tokens).
+        if n == t.tokens.len() || n == rest.len() {
             t.taken += 1;
         }
         let Some(b) = t.block.filter(|_| n > 0) else {
@@ -644,6 +646,12 @@ mod tests {
         let mut d = m.sequence();
         let other = [1, 2, 3, 4, 5, 6, 7, 8, 9, 99, 100];
         assert_eq!(d.reuse_prefix_and_tail(&other), 9);
+        // A caller that heard of fewer of its tokens takes what it knows of and counts as its
+        // pull.
+        let mut short = m.sequence();
+        assert_eq!(short.reuse_prefix_and_tail(&toks[..10]), 9);
+        assert_eq!(m.tails(), (1, 1));
+        drop(short);
         // Another prefix before it: the tail is not theirs.
         let mut e = m.sequence();
         let moved = [7, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11];
