@@ -280,7 +280,14 @@ impl Generation {
             .iter()
             .map(|&i| self.samples[i as usize].emitted.len())
             .sum();
-        tracing::warn!(request = %self.request.request_id, worker = %lost, samples = moving.len(), tokens = resumed, error = %failure, "decode worker lost mid-stream; migrating");
+        match handed_off {
+            true => {
+                tracing::info!(request = %self.request.request_id, worker = %lost, samples = moving.len(), tokens = resumed, "decode worker draining handed the request over; resuming it elsewhere")
+            }
+            false => {
+                tracing::warn!(request = %self.request.request_id, worker = %lost, samples = moving.len(), tokens = resumed, error = %failure, "decode worker lost mid-stream; migrating")
+            }
+        }
         let span = tracing::info_span!(
             parent: &self.span,
             "migrate",
