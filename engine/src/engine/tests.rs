@@ -320,11 +320,7 @@ fn a_failed_transfer_falls_back_to_a_local_prefill_and_cancel_frees_reservations
 fn a_resumed_request_continues_exactly_where_the_first_run_stopped() {
     let prompt: Vec<u32> = (0..21).map(|t| (t * 13 + 2) % 97).collect();
     let sampled = |resume: Vec<u32>| seeded_resumed(&prompt, 42, resume);
-    let full = engine(config())
-        .generate(vec![sampled(vec![])], |_| {}, |_| {})
-        .unwrap()[0]
-        .output_ids
-        .clone();
+    let full = uninterrupted(sampled(vec![]));
     assert_eq!(full.len(), 14);
     for k in [1, 6, 13] {
         let got = engine(config())
@@ -347,11 +343,7 @@ fn a_resumed_request_continues_exactly_where_the_first_run_stopped() {
 fn a_resumed_request_takes_its_kv_from_elsewhere_and_continues_exactly() {
     let prompt: Vec<u32> = (0..37).map(|t| (t * 11 + 3) % 97).collect();
     let sampled = |resume: Vec<u32>| seeded_resumed(&prompt, 7, resume);
-    let full = engine(config())
-        .generate(vec![sampled(vec![])], |_| {}, |_| {})
-        .unwrap()[0]
-        .output_ids
-        .clone();
+    let full = uninterrupted(sampled(vec![]));
     for k in [1, 6, 13] {
         let mut decode = engine(config());
         let id = RequestId(5);
@@ -381,11 +373,7 @@ fn a_resumed_request_takes_its_kv_from_elsewhere_and_continues_exactly() {
 fn a_handed_off_sequence_is_pulled_with_nothing_computed_again() {
     let prompt: Vec<u32> = (0..37).map(|t| (t * 11 + 3) % 97).collect();
     let sampled = |resume: Vec<u32>| seeded_resumed(&prompt, 7, resume);
-    let full = engine(config())
-        .generate(vec![sampled(vec![])], |_| {}, |_| {})
-        .unwrap()[0]
-        .output_ids
-        .clone();
+    let full = uninterrupted(sampled(vec![]));
     let k = 6;
     // The worker that drains: the request runs until it has streamed k tokens.
     let mut old = engine(config());
@@ -449,6 +437,15 @@ fn a_handed_off_sequence_is_pulled_with_nothing_computed_again() {
     old.block_manager().release_tails();
     assert_eq!(old.stats().blocks_used, 0);
     check_counts(&old);
+}
+
+/// What `r` generates on a fresh engine, run to its end without a move.
+fn uninterrupted(r: Request) -> Vec<u32> {
+    engine(config())
+        .generate(vec![r], |_| {}, |_| {})
+        .unwrap()
+        .remove(0)
+        .output_ids
 }
 
 /// 14 tokens after `prompt` at temperature 0.9 with `seed` and a frequency penalty, resumed
