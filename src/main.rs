@@ -151,6 +151,20 @@ pub struct EngineArgs {
     /// (a stuck rank fails the step with an error instead of hanging the group).
     #[arg(long, env = "TANDEM_TP_WATCHDOG_SECS", default_value_t = 120.0)]
     pub tp_watchdog_secs: f64,
+    /// Speculative decoding: each decoding sequence's next tokens are proposed cheaply and
+    /// verified in one step, with the outputs it gives without (greedy and seeded alike).
+    /// ngram: prompt lookup over the request's own tokens; suffix: that and a worker-wide
+    /// index of recent outputs (traffic that repeats itself). Off when not given.
+    #[arg(long, env = "TANDEM_SPECULATIVE")]
+    pub speculative: Option<tandem_engine::SpecMethod>,
+    /// Most tokens proposed per sequence and step (with --speculative).
+    #[arg(long, env = "TANDEM_NUM_SPECULATIVE_TOKENS", default_value_t = 4)]
+    pub num_speculative_tokens: usize,
+    /// Verify every proposed token, instead of only those the measured cost of the steps says
+    /// pay (by default a step verifies what is expected to raise its tokens per second, and a
+    /// loaded, compute-bound step decodes plainly).
+    #[arg(long, env = "TANDEM_SPECULATIVE_FIXED")]
+    pub speculative_fixed: bool,
 }
 
 impl EngineArgs {
@@ -185,7 +199,28 @@ impl EngineArgs {
         if let Some(t) = self.step_target_ms {
             f.push(format!("--step-target-ms={t}"));
         }
+        if let Some(s) = &self.speculative {
+            f.push(format!("--speculative={s}"));
+            f.push(format!(
+                "--num-speculative-tokens={}",
+                self.num_speculative_tokens
+            ));
+            if self.speculative_fixed {
+                f.push("--speculative-fixed".into());
+            }
+        }
         f
+    }
+
+    /// Speculative decoding as the flags ask for it (none without --speculative).
+    pub fn speculative(&self) -> Option<tandem_engine::SpecConfig> {
+        self.speculative
+            .clone()
+            .map(|method| tandem_engine::SpecConfig {
+                method,
+                tokens: self.num_speculative_tokens,
+                adaptive: !self.speculative_fixed,
+            })
     }
 
     /// The tensor-parallel group the flags ask for: `--threads` (all cores by default) shared
@@ -280,6 +315,7 @@ impl EngineArgs {
             step_target: self.step_target()?,
             panic_at_step: test_panic_at_step()?,
             kv_disk: self.kv_disk(&path)?,
+            speculative: self.speculative(),
         };
         cfg.check()?;
         let tp = self.tp()?;

@@ -208,7 +208,7 @@ pub fn run(ordinal: usize, batches: &[usize]) -> Result<GpuReport, EngineError> 
                 tokens: &tokens[s],
                 cached: context,
                 block_table: &tables[s],
-                want_logits: true,
+                logits: 1,
             })
             .collect();
         // The step downloads its token ids, so it ends with the device idle.
@@ -235,7 +235,7 @@ pub fn run(ordinal: usize, batches: &[usize]) -> Result<GpuReport, EngineError> 
         tokens: &prompt,
         cached: 0,
         block_table: &ptable,
-        want_logits: true,
+        logits: 1,
     }];
     let secs = time(1, 5, || g.forward_greedy(&pbatch).map(|_| ()))?;
     let prefill_tok_s = prefill_tokens as f64 / secs;

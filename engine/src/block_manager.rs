@@ -573,6 +573,26 @@ impl SeqBlocks {
         Ok(Some((BlockId(b), fresh)))
     }
 
+    /// Releases the blocks past those that hold `tokens` tokens (a speculative step reserved
+    /// them for proposed tokens that were rejected). Only uncommitted blocks can go: the
+    /// committed ones hold computed tokens.
+    pub fn truncate(&mut self, tokens: usize) {
+        let keep = tokens.div_ceil(self.mgr.block_size);
+        assert!(
+            keep >= self.hashes.len(),
+            "truncating committed blocks ({} kept of {} committed)",
+            keep,
+            self.hashes.len()
+        );
+        if keep >= self.blocks.len() {
+            return;
+        }
+        let mut s = self.mgr.inner.borrow_mut();
+        for b in self.blocks.drain(keep..) {
+            s.release(BlockId(b));
+        }
+    }
+
     /// Releases every block (the table is empty afterwards), as dropping would.
     pub fn clear(&mut self) {
         let mut s = self.mgr.inner.borrow_mut();

@@ -578,8 +578,9 @@ pub struct SeqBatch<'a> {
     pub cached: usize,
     /// Physical KV block ids in logical order, covering the cached and the new tokens.
     pub block_table: &'a [u32],
-    /// Whether this step must produce logits for the sequence's last new token.
-    pub want_logits: bool,
+    /// How many of the sequence's last new tokens this step produces logits for (0: none; 1:
+    /// the last, to sample the next token; more: a speculative step verifying proposed tokens).
+    pub logits: usize,
 }
 
 /// One sequence's part of a [`PackedStep`] (only sequences with new tokens appear).
@@ -650,9 +651,9 @@ impl<'a> PackedStep<'a> {
             if s.tokens.is_empty() {
                 continue;
             }
-            if s.want_logits {
-                step.logit_rows.push(step.tokens.len() - 1);
-            }
+            let rows = s.logits.min(s.tokens.len());
+            step.logit_rows
+                .extend(step.tokens.len() - rows..step.tokens.len());
             step.seqs.push(PackedSeq {
                 q_start,
                 q_len: s.tokens.len(),

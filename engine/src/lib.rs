@@ -21,6 +21,7 @@
 //! | --- | --- |
 //! | `error` | [`EngineError`] and whose fault each failure is |
 //! | `block_manager`, `kv_cache`, `sampler` | the block bookkeeping, the pool's memory, sampling |
+//! | [`spec`] | speculative decoding's proposers ([`spec::Proposer`]: n-gram lookup, suffix decoding) |
 //! | `shard` | which part of the model a tensor-parallel rank holds ([`TpShard`]) |
 //! | `forward` | the forward over `StepOps`, a step's [`SeqBatch`]es packed into rows, [`OpTimes`] |
 //! | [`backend`] | the [`Backend`] trait, [`PoolSize`], [`RankPool`], [`TpStats`], the slowdown hook |
@@ -45,6 +46,7 @@ mod handle;
 mod kv_cache;
 mod sampler;
 mod shard;
+pub mod spec;
 #[cfg(test)]
 mod testing;
 
@@ -56,8 +58,8 @@ pub use device::tp_cpu::{TpCpuBackend, TpCpuConfig};
 pub use engine::{
     Continuous, Cost, DiskCounts, Engine, EngineConfig, EngineStats, Event, FinishReason, Finished,
     KvChunk, KvDiskConfig, KvPiece, Limits, PrefillOrder, Request, RequestId, Reservation,
-    ResumedCounts, Samples, Scheduler, SeqInfo, StaticBatches, StepCost, StepPlan, StepStats,
-    TokenEvent, MAX_PASSED, MIN_PREFILL_CHUNK,
+    ResumedCounts, Samples, Scheduler, SeqInfo, SpecCounts, StaticBatches, StepCost, StepPlan,
+    StepStats, TokenEvent, MAX_PASSED, MIN_PREFILL_CHUNK,
 };
 pub use error::EngineError;
 pub use forward::{ExpertLoad, OpTimes, SeqBatch};
@@ -65,4 +67,5 @@ pub use handle::{EngineHandle, KvUpdate, RequestStream, StreamEvent};
 pub use kv_cache::{KvDtype, KvPool, KvPoolWriter};
 pub use sampler::{Sampled, Sampler};
 pub use shard::TpShard;
+pub use spec::{SpecConfig, SpecMethod};
 pub use tandem_types::{BlockId, ErrorKind, SamplingError, SamplingParams, ValidSampling};

@@ -109,7 +109,7 @@ fn probe(
                 tokens: &o.tokens,
                 cached: o.ctx - o.new,
                 block_table: t,
-                want_logits: true,
+                logits: 1,
             })
             .collect();
         // The probe in the middle of the batch, not at an end.
@@ -120,7 +120,7 @@ fn probe(
                 tokens,
                 cached,
                 block_table: tables.last().unwrap(),
-                want_logits: want,
+                logits: usize::from(want),
             },
         );
         let logits = pool.install(|| model.forward(&seqs, kv)).unwrap();

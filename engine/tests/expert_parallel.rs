@@ -53,7 +53,7 @@ fn steps(b: &mut dyn Backend) -> Vec<Vec<f32>> {
         tokens,
         cached,
         block_table: &tables[i],
-        want_logits: true,
+        logits: 1,
     };
     // The first halves of the first two prompts alone.
     let (h0, h1) = (prompts[0].len() / 2, prompts[1].len() / 2);
@@ -72,7 +72,7 @@ fn steps(b: &mut dyn Backend) -> Vec<Vec<f32>> {
                 tokens: &toks[i][..],
                 cached: prompts[i].len() + k,
                 block_table: &tables[i],
-                want_logits: true,
+                logits: 1,
             })
             .collect();
         let logits = b.forward(&batch).unwrap();

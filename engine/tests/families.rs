@@ -80,7 +80,7 @@ fn logits_by_position(model: &CpuModel, ids: &[u32], n: usize) -> Vec<Vec<f32>> 
                 tokens: &ids[i..i + 1],
                 cached: i,
                 block_table: &table,
-                want_logits: true,
+                logits: 1,
             };
             model.forward(&[batch], &mut kv).unwrap()
         })
@@ -224,7 +224,7 @@ fn expert_layers_do_not_depend_on_the_batch() {
             tokens,
             cached,
             block_table: table,
-            want_logits: true,
+            logits: 1,
         };
         let mut kv = pool(blocks);
         let alone = model.forward(&[seq(ids, 0, &t0)], &mut kv).unwrap();
@@ -243,7 +243,7 @@ fn expert_layers_do_not_depend_on_the_batch() {
         let mut kv = pool(2 * blocks);
         let half = ids.len() / 2;
         let mut first = seq(&ids[..half], 0, &t0);
-        first.want_logits = false;
+        first.logits = 0;
         model.forward(&[first], &mut kv).unwrap();
         let chunked = model
             .forward(

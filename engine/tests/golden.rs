@@ -5,7 +5,9 @@ mod golden_support;
 
 use golden_support::*;
 use rand::{Rng, SeedableRng};
-use tandem_engine::{EngineConfig, Event, KvDtype, KvPool, RequestId, WeightFormat};
+use tandem_engine::{
+    EngineConfig, Event, KvDtype, KvPool, RequestId, SpecConfig, SpecMethod, WeightFormat,
+};
 
 #[test]
 fn greedy_tokens_equal_golden_in_one_batch() {
@@ -112,6 +114,55 @@ fn random_arrivals_equal_each_prompt_alone_and_golden() {
     let got: Vec<Vec<u32>> = got.into_iter().map(|o| o.expect("finished")).collect();
     assert_eq!(got, alone, "batched with random arrivals equals alone");
     assert_no_blocks_held(&e);
+}
+
+/// Speculative decoding changes how many tokens a step makes, never which: with each proposer
+/// (every proposal verified, none held back by the policy), every golden record's greedy tokens
+/// are the golden ones, in one continuous batch with chunked prefill (a 64-token budget), then
+/// again with the prompts in the prefix cache, then over a pool so small that growth preempts.
+/// scripts/test runs it at every kernel level.
+#[test]
+fn speculative_greedy_tokens_equal_golden_with_each_proposer() {
+    let (probe, recs) = engine(WeightFormat::Native, EngineConfig::default());
+    let reqs = requests(&recs);
+    for method in [SpecMethod::Ngram, SpecMethod::Suffix] {
+        let spec = SpecConfig {
+            method: method.clone(),
+            tokens: 4,
+            adaptive: false,
+        };
+        let cfg = EngineConfig {
+            max_batched_tokens: 64,
+            speculative: Some(spec),
+            ..EngineConfig::default()
+        };
+        let (mut e, _) = engine(WeightFormat::Native, cfg.clone());
+        for pass in ["cold", "prefix hits"] {
+            let outs: Vec<Vec<u32>> = e
+                .generate(requests(&recs), |_| {}, |_| {})
+                .unwrap()
+                .into_iter()
+                .map(|o| o.output_ids)
+                .collect();
+            assert_eq!(count_exact(&recs, &outs), recs.len(), "{method} {pass}");
+        }
+        let st = e.stats();
+        assert!(st.prefix_hit_tokens > 0, "{st:?}");
+        let c = st.spec;
+        assert!(
+            c.accepted_tokens > 0 && c.accepted_tokens < c.draft_tokens,
+            "{method}: {c:?}"
+        );
+        eprintln!(
+            "{method}: {} of {} proposed tokens accepted",
+            c.accepted_tokens, c.draft_tokens
+        );
+        assert_no_blocks_held(&e);
+        let (mut tight, _) = engine(WeightFormat::Native, preempting(&probe, &cfg, &reqs, true));
+        check_all(&mut tight, &recs);
+        assert!(tight.stats().preemptions > 0, "{method}: no preemption");
+        assert!(tight.stats().spec.accepted_tokens > 0);
+    }
 }
 
 #[test]

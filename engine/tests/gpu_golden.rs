@@ -80,7 +80,7 @@ fn generate(g: &mut CudaModel, prompts: &[Vec<u32>], n_new: &[usize]) -> Vec<Vec
             tokens: p,
             cached: 0,
             block_table: t,
-            want_logits: true,
+            logits: 1,
         })
         .collect();
     // The first tokens through the host's argmax of downloaded logits, the rest through the
@@ -104,7 +104,7 @@ fn generate(g: &mut CudaModel, prompts: &[Vec<u32>], n_new: &[usize]) -> Vec<Vec
                 tokens: tok,
                 cached: prompts[i].len() + outs[i].len() - 1,
                 block_table: &tables[i],
-                want_logits: true,
+                logits: 1,
             })
             .collect();
         let next = g.forward_greedy(&batch).unwrap();
@@ -169,7 +169,7 @@ fn bf16_last_position_logits_near_golden() {
                 tokens: &prompt,
                 cached: 0,
                 block_table: &table,
-                want_logits: true,
+                logits: 1,
             }])
             .unwrap();
         assert_eq!(got.len(), want.len());

@@ -90,7 +90,7 @@ fn teacher_forced(
                     tokens,
                     cached,
                     block_table: table,
-                    want_logits: true,
+                    logits: 1,
                 }
             })
             .collect();

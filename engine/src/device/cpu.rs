@@ -195,7 +195,7 @@ impl CpuModel {
         self.weights.matrices().filter(|l| l.tiles()).count()
     }
 
-    /// Runs one packed step; returns logits (vocab each) for the sequences with `want_logits`, in
+    /// Runs one packed step; returns logits (vocab each) for the rows the sequences ask for (`logits`), in
     /// order.
     ///
     /// The step runs on a thread of the compute pool: its few hundred parallel regions (every
@@ -955,13 +955,13 @@ mod tests {
                 tokens: &p0,
                 cached: 0,
                 block_table: &t0,
-                want_logits: true,
+                logits: 1,
             },
             SeqBatch {
                 tokens: &p1,
                 cached: 0,
                 block_table: &t1,
-                want_logits: true,
+                logits: 1,
             },
         ];
         let logits = b.forward(&batch).unwrap();
@@ -1002,7 +1002,7 @@ mod tests {
             tokens: &p,
             cached: 0,
             block_table: &t,
-            want_logits: true,
+            logits: 1,
         }];
         let want = plain.forward(&batch).unwrap();
         let got = slowed.forward(&batch).unwrap();

@@ -204,7 +204,7 @@ impl CudaModel {
     }
 
     /// Runs one packed step; returns f32 logits (vocab each) for the sequences with
-    /// `want_logits`, in order, as [`crate::CpuModel::forward`] does.
+    /// `logits` rows, in order, as [`crate::CpuModel::forward`] does.
     pub fn forward(&mut self, seqs: &[SeqBatch<'_>]) -> Result<Vec<f32>, EngineError> {
         match self.forward_device(seqs)? {
             Some((logits, _)) => Ok(self.ops.download(&logits)?),

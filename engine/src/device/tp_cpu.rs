@@ -51,7 +51,7 @@ pub struct TpCpuConfig {
 
 /// One step's sequences, owned, so every rank thread reads the same copy.
 struct OwnedBatch {
-    seqs: Vec<(Vec<u32>, usize, Vec<u32>, bool)>,
+    seqs: Vec<(Vec<u32>, usize, Vec<u32>, usize)>,
 }
 
 impl OwnedBatch {
@@ -61,7 +61,7 @@ impl OwnedBatch {
                 .iter()
                 .map(|s| {
                     let (t, b) = (s.tokens.to_vec(), s.block_table.to_vec());
-                    (t, s.cached, b, s.want_logits)
+                    (t, s.cached, b, s.logits)
                 })
                 .collect(),
         }
@@ -74,7 +74,7 @@ impl OwnedBatch {
                 tokens,
                 cached: *cached,
                 block_table: table,
-                want_logits: *want,
+                logits: *want,
             })
             .collect()
     }
@@ -489,7 +489,7 @@ mod tests {
                     tokens: t,
                     cached: *cached,
                     block_table: table,
-                    want_logits: true,
+                    logits: 1,
                 })
                 .collect();
             let logits = b.forward(&batch).unwrap();
@@ -601,7 +601,7 @@ mod tests {
             tokens: &toks,
             cached: 0,
             block_table: &table,
-            want_logits: true,
+            logits: 1,
         }];
         let e = b.forward(&seq).unwrap_err().to_string();
         assert!(e.contains("ranks [1] did not arrive"), "{e}");
@@ -611,7 +611,7 @@ mod tests {
             tokens: &[500],
             cached: 0,
             block_table: &table,
-            want_logits: true,
+            logits: 1,
         }];
         let e = b.forward(&bad).unwrap_err().to_string();
         assert!(e.contains("500"), "{e}");

@@ -110,9 +110,11 @@ impl Backend for TokenCache {
                 self.slots[slot] = Some(t);
                 ctx.push(t);
             }
-            if s.want_logits && !s.tokens.is_empty() {
+            // One row for each of the last `logits` tokens, from the context up to it.
+            let rows = s.logits.min(s.tokens.len());
+            for end in ctx.len() - rows + 1..=ctx.len() {
                 let mut row = vec![0f32; VOCAB];
-                row[next_token(&ctx) as usize] = 1.0;
+                row[next_token(&ctx[..end]) as usize] = 1.0;
                 logits.extend(row);
             }
         }
@@ -453,3 +455,5 @@ proptest! {
         }
     }
 }
+
+mod speculation;

@@ -43,6 +43,7 @@ mod disk;
 mod offline;
 mod remote;
 mod schedule;
+mod speculate;
 mod step;
 mod types;
 
@@ -52,6 +53,8 @@ pub use schedule::{
 };
 
 pub use disk::DiskCounts;
+pub use speculate::SpecCounts;
+use step::Forwarded;
 pub use types::{
     EngineConfig, EngineStats, Event, FinishReason, Finished, KvChunk, KvDiskConfig, KvPiece,
     Limits, PrefillOrder, Request, RequestId, Reservation, ResumedCounts, Samples, StepStats,
@@ -60,16 +63,29 @@ pub use types::{
 
 /// Why `s` stops after `token` (already appended), if it does.
 fn finish_reason(eos: &[u32], max_ctx: usize, s: &Seq, token: u32) -> Option<FinishReason> {
-    let p = s.sampler.params();
-    let generated = s.tokens.len() - s.prompt_len;
-    if s.sampler.grammar_failure().is_some() {
+    let len = s.tokens.len();
+    finish_at(eos, max_ctx, &s.sampler, len - s.prompt_len, len, token)
+}
+
+/// Why a sequence stops after `token`, drawn by `sampler` (which recorded it), if it does:
+/// `generated` output tokens and `len` tokens in all with it.
+fn finish_at(
+    eos: &[u32],
+    max_ctx: usize,
+    sampler: &Sampler,
+    generated: usize,
+    len: usize,
+    token: u32,
+) -> Option<FinishReason> {
+    let p = sampler.params();
+    if sampler.grammar_failure().is_some() {
         Some(FinishReason::Error)
     } else if p.stop_token_ids.contains(&token)
         || (!p.ignore_eos && eos.contains(&token))
-        || s.sampler.grammar_finished()
+        || sampler.grammar_finished()
     {
         Some(FinishReason::Stop)
-    } else if generated >= p.max_tokens as usize || s.tokens.len() >= max_ctx {
+    } else if generated >= p.max_tokens as usize || len >= max_ctx {
         Some(FinishReason::Length)
     } else {
         None
@@ -101,6 +117,12 @@ struct Seq {
     export: Option<(usize, usize)>,
     /// Blocks of its prefix being read back from the disk tier (while it waits aside).
     awaits: Vec<u64>,
+    /// Tokens proposed to follow its last one, verified in the next step (speculation).
+    draft: Vec<u32>,
+    /// The next step's tokens when it verifies a proposal: its last token, then the proposal.
+    window: Vec<u32>,
+    /// Estimated chance that a proposed token is accepted (speculation's policy).
+    accept: f32,
 }
 
 impl Seq {
@@ -159,6 +181,9 @@ impl Seq {
                     passed: 0,
                     export: None,
                     awaits: Vec::new(),
+                    draft: Vec::new(),
+                    window: Vec::new(),
+                    accept: self.accept,
                 };
                 (seq, first)
             })
@@ -282,6 +307,8 @@ pub struct Engine {
     stats: EngineStats,
     /// First id `generate` gives its requests next time.
     next_batch_id: u64,
+    /// Speculative decoding, when configured.
+    spec: Option<speculate::Speculation>,
 }
 impl Engine {
     /// An engine on the CPU. `eos` lists the token ids that end generation unless a request
@@ -299,6 +326,7 @@ impl Engine {
         eos: Vec<u32>,
     ) -> Result<Self, EngineError> {
         config.check()?;
+        let spec = config.speculative.clone().map(speculate::Speculation::new);
         let blocks = BlockManager::new(backend.num_blocks(), config.block_size);
         let disk = match &config.kv_disk {
             Some(c) => {
@@ -325,6 +353,7 @@ impl Engine {
             step_cost: StepCost::default(),
             stats: EngineStats::default(),
             next_batch_id: 1 << 48,
+            spec,
         })
     }
 
@@ -567,6 +596,9 @@ impl Engine {
             passed: 0,
             export: None,
             awaits: Vec::new(),
+            draft: Vec::new(),
+            window: Vec::new(),
+            accept: speculate::PRIOR_ACCEPT,
         }
     }
 }

@@ -77,7 +77,7 @@ impl Engine {
             tokens: prompt,
             cached: 0,
             block_table: blocks.ids(),
-            want_logits: true,
+            logits: 1,
         }];
         self.backend.forward(&batch)
     }

@@ -47,6 +47,9 @@ pub struct SeqInfo {
     pub preemptions: u32,
     /// Waiting: times a prompt behind it in the queue was admitted first.
     pub passed: u32,
+    /// Tokens proposed to follow it (speculation): a decoding sequence's next chunk is its
+    /// last token and these, verified together.
+    pub draft: usize,
 }
 
 impl SeqInfo {
@@ -60,6 +63,7 @@ impl SeqInfo {
             width: s.width(),
             preemptions: s.preemptions,
             passed: s.passed,
+            draft: s.draft.len(),
         }
     }
 
@@ -147,16 +151,26 @@ impl<'e> StepPlan<'e> {
     /// if they were in it) until it fits. False when `running(i)` itself had to go, and with it
     /// every sequence after it: the running set then ends before `i`. Nothing is planned when
     /// the budget is spent or `i` is planned already.
+    ///
+    /// A decoding sequence with a proposal (speculation) runs its last token and as much of the
+    /// proposal as the budget allows (a step target does not cut it: the proposal was sized by
+    /// the same measure of the steps).
     pub fn run(&mut self, i: usize) -> bool {
         let s = &self.e.running[i];
-        let take = Self::chunk_of(self.budget, self.time, s.computed, s.pending());
+        let take = if s.pending() == 1 && !s.draft.is_empty() {
+            (1 + s.draft.len()).min(self.budget)
+        } else {
+            Self::chunk_of(self.budget, self.time, s.computed, s.pending())
+        };
         if take == 0 || self.is_planned(i) {
             return true;
         }
         if !self.make_room(i, take) {
             return false;
         }
-        let computed = self.e.running[i].computed;
+        let s = &mut self.e.running[i];
+        s.draft.truncate(take.saturating_sub(s.pending()));
+        let computed = s.computed;
         self.charge(computed, take);
         self.planned.push((i, take));
         self.in_plan[i] = true;
@@ -309,6 +323,7 @@ impl<'e> StepPlan<'e> {
         let mut s = self.e.running.remove(i);
         s.blocks.clear();
         s.computed = 0;
+        s.draft.clear();
         s.preemptions += 1;
         self.e.stats.preemptions += 1;
         self.headroom = None;
@@ -888,6 +903,7 @@ mod tests {
             width: 1,
             preemptions,
             passed,
+            draft: 0,
         }
     }
 

@@ -61,6 +61,7 @@ impl Engine {
         self.drop_cancelled(events);
         self.drop_stopped(events);
         self.disk_turn()?;
+        self.propose();
         let plan = self.schedule();
         // Blocks the schedule evicted from the prefix cache go to the disk tier before the
         // step (its copies first) writes them.
@@ -74,17 +75,33 @@ impl Engine {
         Ok(plan)
     }
 
-    /// The planned sequences as the device takes them: each one's new tokens, what it has
-    /// cached, its blocks, and whether it samples.
-    fn pack<'a>(running: &'a [Seq], plan: &[(usize, usize)]) -> Vec<SeqBatch<'a>> {
+    /// The planned sequences as the device takes them: each one's new tokens (a verified
+    /// proposal's after its last token), what it has cached, its blocks, and the rows it
+    /// samples from (its last token's, and one per proposed token).
+    fn pack<'a>(running: &'a mut [Seq], plan: &[(usize, usize)]) -> Vec<SeqBatch<'a>> {
+        for &(i, take) in plan {
+            let s = &mut running[i];
+            if take > s.pending() {
+                s.window.clear();
+                s.window.extend(&s.tokens[s.computed..]);
+                s.window.extend(&s.draft[..take - s.pending()]);
+            }
+        }
         plan.iter()
             .map(|&(i, take)| {
                 let s = &running[i];
+                let pending = s.pending();
                 SeqBatch {
-                    tokens: &s.tokens[s.computed..s.computed + take],
+                    tokens: match take > pending {
+                        true => &s.window,
+                        false => &s.tokens[s.computed..s.computed + take],
+                    },
                     cached: s.computed,
                     block_table: s.blocks.ids(),
-                    want_logits: s.computed + take == s.tokens.len(),
+                    logits: match take >= pending {
+                        true => 1 + take - pending,
+                        false => 0,
+                    },
                 }
             })
             .collect()
@@ -100,7 +117,7 @@ impl Engine {
                 s.computed + take < s.tokens.len() || s.sampler.argmax_only()
             });
         let collective0 = self.backend.tp_stats();
-        let batch = Self::pack(&self.running, plan);
+        let batch = Self::pack(&mut self.running, plan);
         let (logits, picks) = if argmax_only {
             (Vec::new(), self.backend.forward_argmax(&batch)?)
         } else {
@@ -122,27 +139,40 @@ impl Engine {
         })
     }
 
-    /// Every sequence that completes its tokens this step samples one, from its row of logits
-    /// (rows in plan order) or the device's pick. The rows are sampled in parallel: each
-    /// sampler is its own sequence's, and a row is a whole vocabulary to scan.
+    /// Every sequence that completes its tokens this step samples one from its row of logits
+    /// (rows in plan order) or the device's pick, and, where it verifies a proposal, goes on
+    /// drawing from the proposal's rows while it draws the proposed tokens
+    /// ([`super::speculate::verify`]). The sequences are sampled in parallel: each sampler is
+    /// its own sequence's, and a row is a whole vocabulary to scan.
     fn sample(&mut self, plan: &[(usize, usize)], out: &Forwarded) -> Rows {
         let mut row_of = vec![None; self.running.len()];
         let mut rows = 0;
         for &(i, take) in plan {
             let s = &self.running[i];
-            if s.computed + take == s.tokens.len() {
-                row_of[i] = Some(rows);
-                rows += 1;
+            if take >= s.pending() {
+                let proposed = take - s.pending();
+                row_of[i] = Some((rows, proposed));
+                rows += 1 + proposed;
             }
         }
+        let ends = (&self.eos[..], self.backend.config().max_position_embeddings);
         let sampled = self
             .running
             .iter_mut()
             .zip(&row_of)
-            .map(|(s, row)| row.map(|r| (&mut s.sampler, r)))
+            .map(|(s, row)| {
+                row.map(|(r, proposed)| {
+                    let len = (s.tokens.len(), s.prompt_len);
+                    (&mut s.sampler, &s.draft[..proposed], r, len)
+                })
+            })
             .collect::<Vec<_>>()
             .into_par_iter()
-            .map(|job| job.map(|(sampler, r)| out.draw(sampler, r)))
+            .map(|job| {
+                job.map(|(sampler, draft, r, len)| {
+                    super::speculate::verify(sampler, draft, out, r, len, ends)
+                })
+            })
             .collect();
         Rows { row_of, sampled }
     }
@@ -162,18 +192,20 @@ impl Engine {
         let mut done = Advanced::default();
         for &(i, take) in plan {
             let s = &mut self.running[i];
+            // Proposed tokens verified after its pending ones (speculation).
+            let proposed = take.saturating_sub(s.pending());
             let (cached, new) = (s.computed as u64, take as u64);
             stats.attended_keys += new * cached + new * (new + 1) / 2;
             stats.context_tokens += cached + new;
-            if s.computed + take == s.tokens.len() {
-                stats.logit_rows += 1;
+            if s.computed + take >= s.tokens.len() {
+                stats.logit_rows += 1 + proposed;
             }
             if s.pending() == 1 && s.computed >= s.prompt_len {
                 stats.decode_tokens += take;
             } else {
                 stats.prefill_tokens += take;
             }
-            s.computed += take;
+            s.computed += take - proposed;
             s.blocks.commit(&s.tokens, s.computed);
             if s.export.is_some() {
                 let pools = self.backend.host_pools();
@@ -190,7 +222,7 @@ impl Engine {
             if !s.forks.is_empty() {
                 // The prompt's logits are ready: the request's other samples draw their first
                 // tokens from the same row and go on as sequences of their own.
-                let r = rows.row_of[i].expect("a sequence that samples has a row");
+                let (r, _) = rows.row_of[i].expect("a sequence that samples has a row");
                 for (child, first) in s.fork_samples(|sampler| out.draw(sampler, r)) {
                     let finish = finish_reason(&self.eos, max_ctx, &child, first.token);
                     events.push(Event::Token(TokenEvent {
@@ -206,16 +238,35 @@ impl Engine {
                 }
             }
             s.first_token.get_or_insert_with(Instant::now);
-            s.tokens.push(sampled.token);
-            s.logprobs.push(sampled.logprob);
-            let finish = finish_reason(&self.eos, max_ctx, s, sampled.token);
-            events.push(Event::Token(TokenEvent {
-                request: s.id,
-                index: s.index,
-                sampled,
-                finish,
-            }));
-            if let Some(r) = finish {
+            let accepted = sampled
+                .iter()
+                .zip(&s.draft[..proposed])
+                .take_while(|((x, _), &d)| x.token == d)
+                .count();
+            let rejected = accepted < proposed && accepted < sampled.len();
+            let emitted = sampled.len();
+            let mut end = None;
+            for (x, finish) in sampled {
+                s.tokens.push(x.token);
+                s.logprobs.push(x.logprob);
+                events.push(Event::Token(TokenEvent {
+                    request: s.id,
+                    index: s.index,
+                    sampled: x,
+                    finish,
+                }));
+                end = end.or(finish);
+            }
+            if proposed > 0 {
+                // Every token emitted but the last continued the proposal: the K/V the step
+                // wrote for it stands. The blocks reserved for the rest go back (their slots
+                // were never committed, so no prefix-cache hash names them).
+                s.computed += emitted - 1;
+                s.blocks.commit(&s.tokens, s.computed);
+                s.blocks.truncate(s.tokens.len());
+                self.count_verified(i, proposed, accepted, rejected);
+            }
+            if let Some(r) = end {
                 done.finished.push((i, r));
             }
         }
@@ -233,6 +284,9 @@ impl Engine {
             .map(|&(i, r)| (self.running.remove(i), r))
             .collect();
         gone.reverse();
+        for (s, _) in &gone {
+            self.learn(&s.tokens, s.prompt_len);
+        }
         events.extend(
             gone.into_iter()
                 .map(|(s, r)| Event::Finished(s.finished(r))),
@@ -338,7 +392,7 @@ impl Engine {
 
 /// What a step's forward gave: the rows' logits (vocabulary each) or the device's picks, and
 /// what the step spent in collectives.
-struct Forwarded {
+pub(super) struct Forwarded {
     logits: Vec<f32>,
     picks: Vec<(u32, f32)>,
     vocab: usize,
@@ -347,8 +401,20 @@ struct Forwarded {
 }
 
 impl Forwarded {
+    /// Rows of logits as a forward gives them (for tests of what is drawn from them).
+    #[cfg(test)]
+    pub(super) fn of_logits(logits: Vec<f32>, vocab: usize) -> Self {
+        Self {
+            logits,
+            picks: Vec::new(),
+            vocab,
+            collective_seconds: 0.0,
+            collective_values: 0,
+        }
+    }
+
     /// Row `r`'s token for `sampler`: the device's pick, accepted, or a draw from its logits.
-    fn draw(&self, sampler: &mut crate::Sampler, r: usize) -> Sampled {
+    pub(super) fn draw(&self, sampler: &mut crate::Sampler, r: usize) -> Sampled {
         match self.picks.get(r) {
             Some(&(token, logprob)) => sampler.accept(token, logprob),
             None => sampler.sample(&self.logits[r * self.vocab..(r + 1) * self.vocab]),
@@ -359,8 +425,10 @@ impl Forwarded {
 /// Which row each running sequence samples from (None: it did not complete its tokens), and
 /// what it drew.
 struct Rows {
-    row_of: Vec<Option<usize>>,
-    sampled: Vec<Option<Sampled>>,
+    /// The first row and the proposed tokens verified after it.
+    row_of: Vec<Option<(usize, usize)>>,
+    /// The tokens drawn, each with why it ends its sequence (if it does).
+    sampled: Vec<Option<super::speculate::Drawn>>,
 }
 
 /// What advancing the step's sequences left to retire: the running ones that finished (index,

@@ -48,6 +48,8 @@ pub struct EngineConfig {
     pub panic_at_step: Option<u64>,
     /// A disk tier under the prefix cache (see the `disk` module), or none.
     pub kv_disk: Option<KvDiskConfig>,
+    /// Speculative decoding (see the `speculate` module), or none.
+    pub speculative: Option<crate::spec::SpecConfig>,
 }
 
 /// Where an engine keeps the KV blocks its pool evicts, and how long a request waits for them.
@@ -104,6 +106,9 @@ impl EngineConfig {
                 "block size, batch budget and max seqs must be positive".into(),
             ));
         }
+        if let Some(s) = &self.speculative {
+            s.check().map_err(EngineError::Config)?;
+        }
         Ok(())
     }
 }
@@ -123,6 +128,7 @@ impl Default for EngineConfig {
             step_target: None,
             panic_at_step: None,
             kv_disk: None,
+            speculative: None,
         }
     }
 }
@@ -432,6 +438,8 @@ pub struct EngineStats {
     pub parked_tails: (usize, usize),
     /// Requests resumed here after a move, and what their K/V cost.
     pub resumed: ResumedCounts,
+    /// What speculative decoding proposed and what was accepted (zeros without it).
+    pub spec: super::SpecCounts,
 }
 
 /// What requests resumed on this engine after a move (a worker that died or drained; their

@@ -1,0 +1,281 @@
+//! Speculative decoding over the token cache: a proposer that knows the fake's next tokens (and
+//! gets some wrong on purpose) shows that verification keeps exactly the tokens the request's
+//! own history makes, gives back the blocks of rejected tokens, cuts proposals at `max_tokens`
+//! and stop tokens, takes the same draws of a seeded stream as decoding without speculation, and
+//! is sized by the measured cost of the steps.
+
+use super::super::tests::{random_plan, run_plan};
+use super::*;
+use crate::spec::{Proposer, SpecConfig, SpecMethod};
+
+/// Proposes the fake's own continuation, with one wrong token at a position that moves with
+/// the sequence's length (`cycle`: some proposals are accepted whole, some in part, some not at
+/// all), or none wrong, or the first wrong (`Wrong::First`).
+#[derive(Clone, Copy)]
+enum Wrong {
+    Cycle,
+    Never,
+    First,
+}
+
+struct Oracle(Wrong);
+
+impl Proposer for Oracle {
+    fn name(&self) -> &'static str {
+        "oracle"
+    }
+
+    fn propose(&self, tokens: &[u32], k: usize, out: &mut Vec<u32>) {
+        let wrong = match self.0 {
+            Wrong::Cycle => Some(tokens.len() % (k + 2)),
+            Wrong::Never => None,
+            Wrong::First => Some(0),
+        };
+        let mut ctx = tokens.to_vec();
+        for j in 0..k {
+            let mut t = next_token(&ctx);
+            if wrong == Some(j) {
+                t = (t + 1) % VOCAB as u32;
+            }
+            out.push(t);
+            ctx.push(t);
+        }
+    }
+}
+
+/// An engine over a token cache of `num_blocks` that speculates `k` tokens with `oracle`.
+fn speculating(num_blocks: usize, cfg: EngineConfig, k: usize, oracle: Wrong) -> (Engine, StepLog) {
+    let (mut e, log) = engine(num_blocks, cfg);
+    let spec = SpecConfig {
+        method: SpecMethod::Ngram,
+        tokens: k,
+        adaptive: false,
+    };
+    e.set_proposer(spec, Box::new(Oracle(oracle)));
+    (e, log)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+    /// The scheduler's own property test with speculation on: random arrivals, lengths,
+    /// cancels, parallel samples and shared prefixes over pools small enough to preempt, and
+    /// proposals of 1 to 6 tokens accepted whole, in part or not at all: every request makes
+    /// exactly the tokens its own history makes, no step holds more rows than the budget, and
+    /// every block is free or cached at the end.
+    #[test]
+    fn speculation_keeps_every_sequence_its_own_tokens_and_blocks(
+        seed in any::<u64>(),
+        n in 1usize..10,
+        block_size in prop::sample::select(vec![1usize, 2, 4, 16]),
+        pool_tokens in 48usize..200,
+        budget in 1usize..64,
+        max_seqs in 1usize..8,
+        k in 1usize..7,
+        adaptive in any::<bool>(),
+        prefix_caching in any::<bool>(),
+    ) {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let cfg = EngineConfig {
+            block_size,
+            max_batched_tokens: budget,
+            max_seqs,
+            admission_lookahead: 0,
+            prefix_caching,
+            ..super::super::tests::config()
+        };
+        let (mut e, log) = speculating(pool_tokens.div_ceil(block_size), cfg, k, Wrong::Cycle);
+        if let Some(s) = &mut e.spec {
+            s.config.adaptive = adaptive;
+        }
+        let plan = random_plan(&e, &mut rng, n, 40, 40, 20, 0.15, 30);
+        let (finished, _) = run_plan(&mut e, &plan, 50)?;
+        for &(rows, _) in log.lock().unwrap().iter() {
+            prop_assert!(rows <= budget, "{} rows over a budget of {}", rows, budget);
+        }
+        let st = e.stats();
+        prop_assert_eq!(st.blocks_used, 0);
+        prop_assert_eq!(st.blocks_free + st.blocks_cached, st.blocks_total);
+        prop_assert!(st.spec.accepted_tokens <= st.spec.draft_tokens);
+        for (i, p) in plan.iter().enumerate() {
+            let r = &p.request;
+            let want = expected(&r.prompt, r.params.max_tokens as usize);
+            for f in &finished[i] {
+                match f.finish_reason {
+                    FinishReason::Length => prop_assert_eq!(&f.output_ids, &want),
+                    _ => prop_assert_eq!(&f.output_ids[..], &want[..f.output_ids.len()]),
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn proposals_are_verified_in_one_step_and_counted_by_position() {
+    let cfg = EngineConfig {
+        block_size: 4,
+        ..super::super::tests::config()
+    };
+    let prompt: Vec<u32> = (0..10).collect();
+    let want = expected(&prompt, 21);
+    // Always right, 4 a step: the prompt's step makes one token, each later step five.
+    let (mut e, log) = speculating(64, cfg.clone(), 4, Wrong::Never);
+    let out = e
+        .generate(vec![req(prompt.clone(), 21)], |_| {}, |_| {})
+        .unwrap();
+    assert_eq!(out[0].output_ids, want);
+    assert_eq!(
+        *log.lock().unwrap(),
+        [(10, 1), (5, 1), (5, 1), (5, 1), (5, 1)]
+    );
+    let c = e.stats().spec;
+    assert_eq!((c.drafts, c.draft_tokens, c.accepted_tokens), (4, 16, 16));
+    assert_eq!(c.accepted_per_position[..5], [4, 4, 4, 4, 0]);
+    // Always wrong at the first: each step makes one token, as without speculation.
+    let (mut e, log) = speculating(64, cfg, 4, Wrong::First);
+    let out = e.generate(vec![req(prompt, 6)], |_| {}, |_| {}).unwrap();
+    assert_eq!(out[0].output_ids, want[..6]);
+    assert_eq!(log.lock().unwrap().len(), 6);
+    let c = e.stats().spec;
+    // (Proposals shrink with the room left under max_tokens: 4, 3, 2, 1, then none.)
+    assert_eq!((c.drafts, c.draft_tokens, c.accepted_tokens), (4, 10, 0));
+}
+
+/// A rejected proposal's blocks go back at once: after every step the sequence holds the
+/// blocks of its computed tokens and at most its last one's, though each step reserved room
+/// for eight more.
+#[test]
+fn rejected_tokens_give_their_blocks_back() {
+    let cfg = EngineConfig {
+        block_size: 2,
+        prefix_caching: false,
+        ..super::super::tests::config()
+    };
+    let (mut e, _) = speculating(64, cfg, 8, Wrong::Cycle);
+    let prompt: Vec<u32> = (0..5).collect();
+    e.add(RequestId(1), req(prompt.clone(), 30)).unwrap();
+    let mut len = prompt.len();
+    while e.has_work() {
+        for ev in e.step().unwrap().0 {
+            if matches!(ev, Event::Token(_)) {
+                len += 1;
+            }
+        }
+        if e.has_work() {
+            let held = e.stats().blocks_used;
+            assert!(
+                (len - 1).div_ceil(2) <= held && held <= len.div_ceil(2),
+                "{held} blocks for {len} tokens"
+            );
+        }
+    }
+    assert_eq!(len, 35);
+    assert_eq!(e.stats().blocks_used, 0);
+    let c = e.stats().spec;
+    assert!(
+        c.accepted_tokens > 0 && c.accepted_tokens < c.draft_tokens,
+        "{c:?}"
+    );
+}
+
+#[test]
+fn max_tokens_and_stop_tokens_cut_a_proposal() {
+    let cfg = super::super::tests::config();
+    let prompt: Vec<u32> = (0..10).collect();
+    let want = expected(&prompt, 12);
+    // Proposals of 8, all right: max_tokens 5 ends the output at 5 all the same.
+    let (mut e, _) = speculating(64, cfg.clone(), 8, Wrong::Never);
+    let out = e
+        .generate(vec![req(prompt.clone(), 5)], |_| {}, |_| {})
+        .unwrap();
+    assert_eq!(out[0].output_ids, want[..5]);
+    assert_eq!(out[0].finish_reason, FinishReason::Length);
+    // A stop token inside an accepted proposal: the output ends on it.
+    let at = (3..12).find(|&i| !want[..i].contains(&want[i])).unwrap();
+    let stopping = Request::new(
+        prompt.clone(),
+        SamplingParams {
+            max_tokens: 12,
+            stop_token_ids: vec![want[at]],
+            ..Default::default()
+        }
+        .validate()
+        .unwrap(),
+    );
+    let out = e.generate(vec![stopping.clone()], |_| {}, |_| {}).unwrap();
+    assert_eq!(out[0].output_ids, want[..=at]);
+    assert_eq!(out[0].finish_reason, FinishReason::Stop);
+    assert_eq!(out[0].logprobs.len(), at + 1);
+    let (mut plain, _) = engine(64, cfg);
+    let alone = plain.generate(vec![stopping], |_| {}, |_| {}).unwrap();
+    assert_eq!(alone[0].output_ids, out[0].output_ids);
+    assert_eq!(e.stats().blocks_used, 0);
+}
+
+/// Tokens and log-probabilities as bits, per sample.
+fn bits(r: &Run) -> Vec<(u32, Vec<(u32, u32)>)> {
+    r.0.iter()
+        .map(|(&i, t)| (i, t.iter().map(|&(t, lp)| (t, lp.to_bits())).collect()))
+        .collect()
+}
+
+/// Sampling at temperature 0.25 (the fake's likeliest token about half the time): with a
+/// seed, every sample's tokens and log-probabilities are the bits decoding without speculation
+/// gives, one sample or several, whatever was accepted.
+#[test]
+fn seeded_samples_are_the_same_bits_with_and_without_speculation() {
+    let cfg = EngineConfig {
+        block_size: 4,
+        ..super::super::tests::config()
+    };
+    let prompt: Vec<u32> = (0..10).collect();
+    for n in [1, 3] {
+        let (mut plain, _) = engine(256, cfg.clone());
+        let want = run(&mut plain, sampled(prompt.clone(), n, 0.25, 11, 40));
+        let (mut e, _) = speculating(256, cfg.clone(), 4, Wrong::Never);
+        let got = run(&mut e, sampled(prompt.clone(), n, 0.25, 11, 40));
+        assert_eq!(bits(&got), bits(&want), "{n} samples");
+        let c = e.stats().spec;
+        assert!(
+            c.accepted_tokens > 0 && c.accepted_tokens < c.draft_tokens,
+            "{c:?}"
+        );
+        assert_eq!(e.stats().blocks_used, 0);
+    }
+}
+
+/// The policy against a cost of 10 ms a step and 1 ms a row: one sequence gains from its
+/// first two proposed tokens at the prior's acceptance (0.5, 0.25 tokens for a millisecond
+/// each against a step of 11 ms for one token), not from the third; forty sequences gain from
+/// none (a row's millisecond is worth more than half a token in a step of 50 ms for forty).
+#[test]
+fn the_policy_verifies_proposals_only_where_they_pay() {
+    let cfg = EngineConfig {
+        max_seqs: 64,
+        ..super::super::tests::config()
+    };
+    let measured = |e: &mut Engine| {
+        e.step_cost = StepCost::default();
+        for t in [1usize, 5, 20, 40, 80] {
+            e.step_cost.record(t, 0, 0.010 + 0.001 * t as f64);
+        }
+    };
+    for (seqs, verified, withheld) in [(1u64, 2u64, 2u64), (40, 0, 160)] {
+        let (mut e, _) = speculating(1024, cfg.clone(), 4, Wrong::Never);
+        if let Some(s) = &mut e.spec {
+            s.config.adaptive = true;
+        }
+        for i in 0..seqs {
+            e.add(RequestId(i), req(vec![1 + i as u32, 2, 3], 20))
+                .unwrap();
+        }
+        e.step().unwrap();
+        measured(&mut e);
+        e.step().unwrap();
+        let c = e.stats().spec;
+        assert_eq!(
+            (c.draft_tokens, c.withheld_tokens),
+            (verified, withheld),
+            "{seqs} sequences: {c:?}"
+        );
+    }
+}

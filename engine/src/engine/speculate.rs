@@ -1,0 +1,336 @@
+//! Speculative decoding in the step: before the scheduler plans a step, every decoding
+//! sequence asks the engine's proposer for up to `k` tokens ([`Engine::propose`]); the policy
+//! keeps those expected to pay ([`Engine::size_drafts`]); the scheduler plans the sequence's
+//! last token and its proposal as one chunk of `1 + k` rows of the packed step, each producing
+//! logits; the sequence's sampler draws from those rows in order and stops at the first draw
+//! that differs from the proposal ([`verify`]); the tokens drawn are emitted, the K/V of the
+//! accepted ones stays, and the blocks reserved past them go back to the pool.
+//!
+//! Why that is exact: every proposer is deterministic (a point mass, see [`crate::spec`]), and
+//! for a point mass the standard rejection rule accepts a proposed token `d` with probability
+//! `p(d)` and otherwise draws from `p` without `d`: exactly what drawing from `p` and comparing
+//! does. Each emitted token is drawn by the sequence's own sampler from the target's row for
+//! its position, with every sampling option applied (penalties counting the tokens accepted
+//! before it, grammar masks, top-k/p, min-p), taking the same draw of the random stream it takes
+//! without speculation. With the batch-invariant numerics a row's logits do not depend on how
+//! many rows the step holds, so greedy and seeded outputs are the bits they are without
+//! speculation, whatever was proposed.
+
+use serde::Serialize;
+
+use super::{finish_at, Engine, FinishReason, Forwarded};
+use crate::sampler::{Sampled, Sampler};
+use crate::spec::{Proposer, SpecConfig, MAX_SPECULATIVE_TOKENS};
+
+/// What speculation did on an engine (zeros without it): the counters vLLM's `spec_decode`
+/// metrics report.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct SpecCounts {
+    /// Proposals verified (one per sequence and step that verified at least one token).
+    pub drafts: u64,
+    /// Proposed tokens verified.
+    pub draft_tokens: u64,
+    /// Of those, accepted: the target drew the proposed token.
+    pub accepted_tokens: u64,
+    /// Accepted tokens by their position in the proposal (0: the first proposed).
+    pub accepted_per_position: [u64; MAX_SPECULATIVE_TOKENS],
+    /// Proposed tokens the policy held back, expected not to pay in their step.
+    pub withheld_tokens: u64,
+}
+
+/// An engine's speculation: its configuration, its proposer.
+pub(super) struct Speculation {
+    pub(super) config: SpecConfig,
+    proposer: Box<dyn Proposer>,
+}
+
+impl Speculation {
+    pub(super) fn new(config: SpecConfig) -> Self {
+        Self {
+            proposer: config.proposer(),
+            config,
+        }
+    }
+}
+
+/// A sequence's acceptance estimate before it verified anything, and where an estimate drifts
+/// back to while its proposals are held back (so a sequence whose text turns repetitive again
+/// is tried again).
+pub(super) const PRIOR_ACCEPT: f32 = 0.5;
+/// Weight of each verified position in a sequence's acceptance estimate.
+const ACCEPT_WEIGHT: f32 = 0.25;
+/// How far an estimate drifts back to [`PRIOR_ACCEPT`] per step its proposal is held back.
+const RELAX: f32 = 0.05;
+
+/// The tokens a sequence drew in a step, each with why it ends the sequence (if it does).
+pub(super) type Drawn = Vec<(Sampled, Option<FinishReason>)>;
+
+/// Draws a sequence's tokens from its rows of logits, `first` on: one from each row while the
+/// token drawn is the proposed one (`draft`, one token per row after the first) and does not
+/// end the sequence; each with why it ends the sequence, if it does. `len` and `prompt_len` are
+/// the sequence's tokens before the draws and its prompt's.
+pub(super) fn verify(
+    sampler: &mut Sampler,
+    draft: &[u32],
+    out: &Forwarded,
+    first: usize,
+    (len, prompt_len): (usize, usize),
+    (eos, max_ctx): (&[u32], usize),
+) -> Drawn {
+    let mut got = Vec::with_capacity(draft.len() + 1);
+    for j in 0..=draft.len() {
+        let x = out.draw(sampler, first + j);
+        let after = len + j + 1;
+        let finish = finish_at(eos, max_ctx, sampler, after - prompt_len, after, x.token);
+        let go_on = finish.is_none() && draft.get(j) == Some(&x.token);
+        got.push((x, finish));
+        if !go_on {
+            break;
+        }
+    }
+    got
+}
+
+impl Engine {
+    /// Proposes tokens for every running sequence that decodes (none for one that forks
+    /// samples, exports its K/V or cannot grow), within what it may still generate, the
+    /// model's context and the step's token budget; then sizes the proposals by the policy.
+    pub(super) fn propose(&mut self) {
+        let Some(spec) = self.spec.as_mut() else {
+            return;
+        };
+        let max_ctx = self.backend.config().max_position_embeddings;
+        // Every running sequence keeps its one token of the budget.
+        let mut spare = self
+            .config
+            .max_batched_tokens
+            .saturating_sub(self.running.len());
+        let mut any = false;
+        for s in &mut self.running {
+            s.draft.clear();
+            if s.pending() != 1
+                || !s.forks.is_empty()
+                || s.export.is_some()
+                || s.sampler.grammar_failure().is_some()
+            {
+                continue;
+            }
+            let generated = s.tokens.len() - s.prompt_len;
+            let room = (s.sampler.params().max_tokens as usize)
+                .saturating_sub(generated + 1)
+                .min(max_ctx.saturating_sub(s.tokens.len() + 1));
+            let k = spec.config.tokens.min(room).min(spare);
+            if k == 0 {
+                continue;
+            }
+            spec.proposer.propose(&s.tokens, k, &mut s.draft);
+            s.draft.truncate(k);
+            spare -= s.draft.len();
+            any |= !s.draft.is_empty();
+        }
+        if any && spec.config.adaptive {
+            self.size_drafts();
+        }
+    }
+
+    /// Keeps the proposed tokens expected to raise the step's tokens per second, by the
+    /// engine's measure of its steps ([`super::StepCost`]): the step's decoding sequences make a
+    /// token each in the time the measure gives them; a proposed token at position `j` of a
+    /// sequence whose tokens are accepted with probability `a` adds `a^j` tokens and its row's
+    /// time. Taking the best first, a token is kept while it raises tokens per second. Where
+    /// the step is compute-bound (many sequences, each row costing its full share) nothing
+    /// pays and the step is plain decoding. Before the steps are measured (or while they have
+    /// all been one size, which does not tell the fixed part from the rows'), everything
+    /// proposed is verified.
+    pub(super) fn size_drafts(&mut self) {
+        let Some(cost) = self.step_cost.fit().filter(|c| c.fixed > 0.0) else {
+            return;
+        };
+        let mut tokens = 0.0;
+        let mut time = cost.fixed;
+        let mut cands = Vec::new();
+        for (i, s) in self.running.iter().enumerate() {
+            if s.pending() != 1 {
+                continue;
+            }
+            tokens += 1.0;
+            time += cost.seconds(s.computed, 1);
+            let mut gain = 1.0f64;
+            for j in 1..=s.draft.len() {
+                gain *= f64::from(s.accept);
+                cands.push((gain, i, j));
+            }
+        }
+        // Best first; a sequence's positions in order (gains fall with j, ties keep j order).
+        cands.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.2.cmp(&b.2)));
+        let mut keep = vec![0usize; self.running.len()];
+        for (gain, i, j) in cands {
+            if keep[i] + 1 != j {
+                continue;
+            }
+            let c = self.running[i].computed;
+            let extra = cost.seconds(c, 1 + j) - cost.seconds(c, j);
+            if gain * time > tokens * extra {
+                keep[i] = j;
+                tokens += gain;
+                time += extra;
+            }
+        }
+        let counts = &mut self.stats.spec;
+        for (s, &k) in self.running.iter_mut().zip(&keep) {
+            if s.draft.len() > k {
+                counts.withheld_tokens += (s.draft.len() - k) as u64;
+                s.draft.truncate(k);
+                if k == 0 {
+                    s.accept += RELAX * (PRIOR_ACCEPT - s.accept);
+                }
+            }
+        }
+    }
+
+    /// Counts a sequence's verified proposal: `proposed` tokens, of which the first `accepted`
+    /// were drawn as proposed, and whether a draw then differed (`rejected`; false when the
+    /// sequence ended first). The sequence's estimate follows.
+    pub(super) fn count_verified(
+        &mut self,
+        i: usize,
+        proposed: usize,
+        accepted: usize,
+        rejected: bool,
+    ) {
+        let c = &mut self.stats.spec;
+        c.drafts += 1;
+        c.draft_tokens += proposed as u64;
+        c.accepted_tokens += accepted as u64;
+        for n in &mut c.accepted_per_position[..accepted] {
+            *n += 1;
+        }
+        let a = &mut self.running[i].accept;
+        for _ in 0..accepted {
+            *a += ACCEPT_WEIGHT * (1.0 - *a);
+        }
+        if rejected {
+            *a -= ACCEPT_WEIGHT * *a;
+        }
+    }
+
+    /// A sequence left the engine at its end: the proposer learns its tokens.
+    pub(super) fn learn(&mut self, tokens: &[u32], prompt_len: usize) {
+        if let Some(spec) = &mut self.spec {
+            spec.proposer.learn(tokens, prompt_len);
+        }
+    }
+
+    /// Speculates from the next step on with `proposer`, sized by `config` (its method names
+    /// the proposer [`EngineConfig::speculative`](super::EngineConfig::speculative) would
+    /// build; a proposer of one's own takes its place here).
+    pub fn set_proposer(&mut self, config: SpecConfig, proposer: Box<dyn Proposer>) {
+        self.config.speculative = Some(config.clone());
+        self.spec = Some(Speculation { config, proposer });
+    }
+
+    /// The proposer's name and most tokens proposed, when the engine speculates.
+    pub fn speculation(&self) -> Option<(&'static str, usize)> {
+        self.spec
+            .as_ref()
+            .map(|s| (s.proposer.name(), s.config.tokens))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tandem_types::SamplingParams;
+
+    /// Pearson's statistic of `counts` against probabilities `p` over `n` draws; a count where
+    /// `p` is 0 is a failure of its own.
+    fn chi_square(counts: &[u64], p: &[f64], n: u64) -> f64 {
+        counts
+            .iter()
+            .zip(p)
+            .map(|(&c, &p)| {
+                assert!(p > 0.0 || c == 0, "a token outside the support was drawn");
+                if p == 0.0 {
+                    0.0
+                } else {
+                    let e = p * n as f64;
+                    (c as f64 - e).powi(2) / e
+                }
+            })
+            .sum()
+    }
+
+    /// The target's distribution of the test's logits at temperature 1, cut to its top-p.
+    fn target(logits: &[f32], top_p: f64) -> Vec<f64> {
+        let z: Vec<f64> = logits.iter().map(|&l| f64::from(l).exp()).collect();
+        let sum: f64 = z.iter().sum();
+        let mut order: Vec<usize> = (0..z.len()).collect();
+        order.sort_by(|&a, &b| z[b].total_cmp(&z[a]));
+        let (mut kept, mut acc) = (vec![false; z.len()], 0.0);
+        for &i in &order {
+            kept[i] = true;
+            acc += z[i] / sum;
+            if acc >= top_p {
+                break;
+            }
+        }
+        let mass: f64 = (0..z.len()).filter(|&i| kept[i]).map(|i| z[i]).sum();
+        (0..z.len())
+            .map(|i| if kept[i] { z[i] / mass } else { 0.0 })
+            .collect()
+    }
+
+    /// The rejection rule, measured: over a six-token vocabulary, 40 000 verifications of a
+    /// two-token proposal draw their first token from the target's distribution (chi-square
+    /// below the 0.1% point of its degrees of freedom, fixed seed), and so does the second
+    /// where the first was accepted, with and without top-p; the first proposed token is
+    /// accepted as often as the target draws it.
+    #[test]
+    fn verified_tokens_follow_the_target_distribution() {
+        let logits = [1.0f32, 3.0, 2.5, -1.0, 0.0, 2.9];
+        let rows: Vec<f32> = logits.iter().cycle().take(3 * 6).copied().collect();
+        let out = Forwarded::of_logits(rows, 6);
+        // 0.1% points of chi-square for 5 and 2 degrees of freedom.
+        for (top_p, draft, critical) in [(1.0, [2u32, 1], 20.52), (0.8, [5, 2], 13.82)] {
+            let p = target(&logits, top_p);
+            let params = SamplingParams {
+                temperature: 1.0,
+                top_p: top_p as f32,
+                seed: Some(7),
+                max_tokens: 1000,
+                ..Default::default()
+            };
+            let mut sampler = Sampler::new(params.validate().unwrap(), &[], None);
+            let n = 40_000u64;
+            let (mut first, mut second, mut accepted) = ([0u64; 6], [0u64; 6], 0u64);
+            for _ in 0..n {
+                let got = verify(&mut sampler, &draft, &out, 0, (10, 5), (&[], 100_000));
+                assert!(!got.is_empty() && got.len() <= 3);
+                first[got[0].0.token as usize] += 1;
+                if got[0].0.token == draft[0] {
+                    accepted += 1;
+                    second[got[1].0.token as usize] += 1;
+                } else {
+                    assert_eq!(got.len(), 1, "nothing is drawn after a rejection");
+                }
+            }
+            let x1 = chi_square(&first, &p, n);
+            let x2 = chi_square(&second, &p, accepted);
+            assert!(
+                x1 < critical,
+                "top-p {top_p}: first tokens {first:?}, chi-square {x1}"
+            );
+            assert!(
+                x2 < critical,
+                "top-p {top_p}: second tokens {second:?}, chi-square {x2}"
+            );
+            let rate = accepted as f64 / n as f64;
+            let sd = (p[draft[0] as usize] * (1.0 - p[draft[0] as usize]) / n as f64).sqrt();
+            assert!(
+                (rate - p[draft[0] as usize]).abs() < 4.0 * sd,
+                "top-p {top_p}: accepted {rate}, target {}",
+                p[draft[0] as usize]
+            );
+        }
+    }
+}
