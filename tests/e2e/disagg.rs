@@ -759,6 +759,57 @@ async fn a_decode_worker_killed_mid_stream_is_migrated_seamlessly() {
     .await;
 }
 
+/// Speculative decoding through the cluster: decode workers that speculate (suffix decoding,
+/// its worker-wide index learning from the records before) after a remote prefill give every
+/// golden record's tokens, and a stream whose worker is killed mid-way resumes on the other,
+/// speculating too, with the text of an uninterrupted run. The workers count what they
+/// proposed and what was accepted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn speculating_decode_workers_stay_exact_across_the_split_and_a_migration() {
+    let spec = ["--speculative=suffix", "--num-speculative-tokens=4"];
+    let (_p, paddr) = start_prefill(&[]);
+    let (mut d1, d1addr, _) = start_decode(&spec);
+    let (mut d2, d2addr, _) = start_decode(&spec);
+    let r = start_router(
+        &[d1addr.clone(), d2addr.clone()],
+        &[
+            &format!("--prefill-workers={paddr}"),
+            "--disagg-min-tokens=1",
+        ],
+    );
+    wait_ready(&r, 2).await;
+    for g in &golden() {
+        let prompt = golden_ids(g, "prompt_ids");
+        let want = golden_ids(g, "generated_ids");
+        let (ids, _) = generate_ids(&r.grpc, &prompt, want.len() as u32).await;
+        assert_eq!(ids, want, "{}: speculating after a remote prefill", g["id"]);
+    }
+    let rm = scrape(&r.http).await;
+    assert_eq!(
+        metric(&rm, r#"tandem_prefill_requests_total{mode="local"}"#),
+        0.0
+    );
+    let counted = |m: &std::collections::HashMap<String, f64>, what: &str| {
+        metric(m, &format!("tandem_spec_decode_num_{what}_total"))
+    };
+    let (m1, m2) = (scrape(&d1addr).await, scrape(&d2addr).await);
+    let accepted = counted(&m1, "accepted_tokens") + counted(&m2, "accepted_tokens");
+    let proposed = counted(&m1, "draft_tokens") + counted(&m2, "draft_tokens");
+    assert!(accepted > 0.0 && accepted <= proposed, "{m1:?} {m2:?}");
+    let body = json!({
+        "prompt": "Write a long story about a lighthouse keeper.",
+        "max_tokens": 120,
+        "temperature": 0,
+        "ignore_eos": true,
+        "stream": true,
+    });
+    hit_the_busy_worker_mid_stream(&r, [(&mut d1, &d1addr), (&mut d2, &d2addr)], body, |p| {
+        p.signal(libc::SIGKILL);
+        p.wait_exit(Duration::from_secs(5));
+    })
+    .await;
+}
+
 /// Migration that moves KV: a long prompt prefilled on a prefill worker, its decode worker killed
 /// mid-stream; the request resumes on the other decode worker, which takes the KV of the prompt
 /// and of the tokens streamed so far from the prefill worker (it holds the prompt's blocks and

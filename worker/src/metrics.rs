@@ -121,6 +121,7 @@ pub fn engine_metrics(
             (&[("pulled", "yes")], s.parked_tails.1 as i64),
         ],
     )?;
+    spec_metrics(enc, s)?;
     gauge(
         enc,
         "tandem_tp_ranks",
@@ -134,6 +135,59 @@ pub fn engine_metrics(
         s.collective_seconds,
     )?;
     disk_metrics(enc, s)
+}
+
+/// Speculative decoding (`--speculative`), in vLLM's `spec_decode` terms: proposals verified,
+/// their tokens, the accepted ones, by position in the proposal (positions up to the last
+/// that ever accepted one), and the tokens the policy held back. Zeros without speculation.
+fn spec_metrics(enc: &mut DescriptorEncoder, s: &EngineStats) -> std::fmt::Result {
+    let c = &s.spec;
+    let counts = [
+        (
+            "tandem_spec_decode_num_drafts",
+            "Speculative proposals verified (one per sequence and step)",
+            c.drafts,
+        ),
+        (
+            "tandem_spec_decode_num_draft_tokens",
+            "Proposed tokens verified",
+            c.draft_tokens,
+        ),
+        (
+            "tandem_spec_decode_num_accepted_tokens",
+            "Proposed tokens accepted (the target drew the proposed token)",
+            c.accepted_tokens,
+        ),
+        (
+            "tandem_spec_decode_num_withheld_tokens",
+            "Proposed tokens not verified: the measured step cost said they would not pay",
+            c.withheld_tokens,
+        ),
+    ];
+    for (name, help, v) in counts {
+        counter(enc, name, help, &[(&[], v)])?;
+    }
+    let last = c
+        .accepted_per_position
+        .iter()
+        .rposition(|&n| n > 0)
+        .unwrap_or(0);
+    let positions: Vec<String> = (0..=last).map(|p| p.to_string()).collect();
+    let labels: Vec<[(&str, &str); 1]> = positions
+        .iter()
+        .map(|p| [("position", p.as_str())])
+        .collect();
+    let samples: Vec<(&[(&str, &str)], u64)> = labels
+        .iter()
+        .zip(&c.accepted_per_position)
+        .map(|(l, &n)| (l.as_slice(), n))
+        .collect();
+    counter(
+        enc,
+        "tandem_spec_decode_num_accepted_tokens_per_pos",
+        "Proposed tokens accepted, by position in the proposal (0: the first proposed)",
+        &samples,
+    )
 }
 
 /// The KV disk tier (`--kv-disk-dir`): what it holds, its traffic and latency, its refusals,
