@@ -25,4 +25,5 @@ mod peer_pull;
 mod prometheus;
 mod reproducible;
 mod soak;
+mod speculative;
 mod tracing;
