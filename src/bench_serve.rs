@@ -70,7 +70,9 @@ pub struct BenchServeArgs {
     /// Run at several points: rate:R1,R2,... or concurrency:C1,C2,...; stops when goodput falls.
     #[arg(long)]
     sweep: Option<Sweep>,
-    /// random, shared-prefix, multi-turn, sharegpt:FILE or trace:FILE (Mooncake JSONL).
+    /// random, shared-prefix, multi-turn, edit (code and text to give back changed: what
+    /// speculative decoding is for), story (free-form: nothing to repeat), sharegpt:FILE or
+    /// trace:FILE (Mooncake JSONL).
     #[arg(long, default_value = "random")]
     dataset: String,
     /// Prompt tokens (random), question tokens (shared-prefix) or tokens per message
@@ -215,11 +217,15 @@ impl BenchServeArgs {
                 input: self.prompt_len,
                 output: self.gen_len,
             },
+            "edit" => DatasetSpec::Edit,
+            "story" => DatasetSpec::Story {
+                output: self.gen_len,
+            },
             other => match other.split_once(':') {
                 Some(("sharegpt", f)) => DatasetSpec::ShareGpt(f.into()),
                 Some(("trace", f)) => DatasetSpec::Trace(f.into()),
                 _ => bail!(
-                    "--dataset {other:?}: datasets are random, shared-prefix, multi-turn, sharegpt:FILE and trace:FILE"
+                    "--dataset {other:?}: datasets are random, shared-prefix, multi-turn, edit, story, sharegpt:FILE and trace:FILE"
                 ),
             },
         })

@@ -1,6 +1,8 @@
 //! What is sent: synthetic prompts of given length distributions, shared prefixes, multi-turn
-//! conversations, ShareGPT files and timestamped traces (Mooncake's JSONL). Every dataset is
-//! deterministic in its seed: session `i` is the same on every run, every agent and every target.
+//! conversations, ShareGPT files, timestamped traces (Mooncake's JSONL), and the two sides of
+//! speculative decoding: edits (a text or a piece of code to give back changed, so the answer
+//! repeats its prompt) and free-form stories (nothing to repeat). Every dataset is deterministic
+//! in its seed: session `i` is the same on every run, every agent and every target.
 
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
@@ -153,6 +155,94 @@ pub enum DatasetSpec {
     /// A Mooncake-style JSONL trace: `timestamp` (ms), `input_length`, `output_length`,
     /// `hash_ids` (512-token blocks: equal ids are equal tokens, so shared prefixes recur).
     Trace(PathBuf),
+    /// Edits: a chat asking for a piece of code (with identifiers that recur through it) with
+    /// one identifier renamed, or a paragraph with its misspellings fixed, given back whole; the
+    /// answer is asked for as many tokens as the text has (and a tenth more). The workload
+    /// speculative decoding is for.
+    Edit,
+    /// Free-form stories: a chat asking for a story on a drawn subject, `output` tokens long.
+    /// Nothing in the prompt to repeat.
+    Story {
+        /// Output tokens.
+        output: LenDist,
+    },
+}
+
+/// Identifiers the edit dataset's code draws from.
+const IDENTS: [&str; 24] = [
+    "total", "count", "values", "result", "index", "items", "buffer", "offset", "limit",
+    "window", "score", "weights", "records", "cursor", "matrix", "prefix", "suffix", "tokens",
+    "queue", "stack", "width", "height", "scale", "delta",
+];
+
+/// Words the edit dataset's prose and the stories' subjects draw from.
+const NOUNS: [&str; 24] = [
+    "lighthouse", "river", "garden", "engine", "market", "bridge", "winter", "library",
+    "harbor", "mountain", "village", "signal", "orchard", "station", "forest", "island",
+    "workshop", "tower", "desert", "canal", "meadow", "factory", "castle", "valley",
+];
+
+/// The edit dataset's code: two functions over the same names, each name used several times.
+fn edit_code(rng: &mut impl Rng) -> (String, String) {
+    use rand::seq::SliceRandom;
+    let mut names: Vec<&str> = IDENTS.to_vec();
+    names.shuffle(rng);
+    let [f, g, a, b, t, i, s, v, new] = [
+        names[0], names[1], names[2], names[3], names[4], names[5], names[6], names[7], names[8],
+    ];
+    let code = format!(
+        "def make_{f}({a}, {b}):\n    {t} = []\n    for {i} in range({a}):\n        if {i} % {b} == 0:\n            {t}.append({i} * {b})\n        else:\n            {t}.append({i} + {b})\n    return {t}\n\n\ndef sum_{g}({t}, {b}):\n    {s} = 0\n    for {v} in {t}:\n        if {v} > {b}:\n            {s} = {s} + {v}\n    return {s}\n\n\ndef report_{f}({a}, {b}):\n    {t} = make_{f}({a}, {b})\n    {s} = sum_{g}({t}, {b})\n    print(\"{t}:\", {t})\n    print(\"{s}:\", {s})\n    return {s}\n"
+    );
+    let ask = format!(
+        "Rename the variable `{t}` to `{new}` everywhere in this Python code. Answer with the whole code and nothing else.\n\n```python\n{code}```"
+    );
+    (ask, code)
+}
+
+/// The edit dataset's prose: sentences about drawn places, every fifth word of a few of them
+/// misspelt (two letters swapped).
+fn edit_prose(rng: &mut impl Rng) -> (String, String) {
+    const SHAPES: [&str; 6] = [
+        "The old {} stood at the edge of the {}, and every morning the people of the {} walked past it.",
+        "Nobody in the {} remembered who had built the {}, but everyone agreed that the {} was older.",
+        "In the evening the light from the {} fell across the {} and reached as far as the {}.",
+        "When the storm came, the {} was closed, the {} was flooded and the {} went dark for a week.",
+        "Children from the {} liked to play near the {} until the keeper of the {} sent them home.",
+        "Every spring a fair was held between the {} and the {}, and traders came from the {}.",
+    ];
+    let mut text = Vec::new();
+    for _ in 0..8 {
+        let shape = SHAPES[rng.gen_range(0..SHAPES.len())];
+        let mut sentence = String::new();
+        for (k, part) in shape.split("{}").enumerate() {
+            if k > 0 {
+                sentence.push_str(NOUNS[rng.gen_range(0..NOUNS.len())]);
+            }
+            sentence.push_str(part);
+        }
+        text.push(sentence);
+    }
+    let clean = text.join(" ");
+    let typo = |w: &str, rng: &mut dyn rand::RngCore| -> String {
+        let c: Vec<char> = w.chars().collect();
+        if c.len() < 5 || !c.iter().all(|c| c.is_ascii_alphabetic()) {
+            return w.to_string();
+        }
+        let j = 1 + (rng.next_u32() as usize) % (c.len() - 3);
+        let mut c = c;
+        c.swap(j, j + 1);
+        c.into_iter().collect()
+    };
+    let words: Vec<String> = clean
+        .split(' ')
+        .enumerate()
+        .map(|(k, w)| if k % 5 == 3 { typo(w, rng) } else { w.to_string() })
+        .collect();
+    let ask = format!(
+        "Fix the spelling mistakes in this text. Answer with the whole corrected text and nothing else.\n\n{}",
+        words.join(" ")
+    );
+    (ask, clean)
 }
 
 /// Tokens of one trace block.
@@ -292,7 +382,8 @@ impl Dataset {
     /// Gives a dataset that came over the wire the receiver's tokenizer. A dataset whose text
     /// was made with a tokenizer refuses to go on without one (its prompts would differ).
     pub fn with_tokenizer(mut self, tokenizer: Option<Tokenizer>) -> Result<Self, String> {
-        let writes_text = matches!(self.spec, DatasetSpec::MultiTurn { .. });
+        // (An edit's answer length is its text counted in the model's tokens.)
+        let writes_text = matches!(self.spec, DatasetSpec::MultiTurn { .. } | DatasetSpec::Edit);
         if writes_text && self.tokenized && tokenizer.is_none() {
             return Err(
                 "this dataset writes its text with the model's tokenizer: start the agent with --model"
@@ -446,6 +537,43 @@ impl Dataset {
                     *a,
                 )
             }
+            DatasetSpec::Edit => {
+                let (ask, answer) = match rng.gen_bool(0.5) {
+                    true => edit_code(&mut rng),
+                    false => edit_prose(&mut rng),
+                };
+                let tokens = self.count_tokens(&answer);
+                one(
+                    Prompt::Chat(vec![Message {
+                        role: "user".into(),
+                        content: ask,
+                    }]),
+                    tokens + tokens / 10,
+                )
+            }
+            DatasetSpec::Story { output } => {
+                const KINDS: [&str; 6] = [
+                    "a long story",
+                    "a fairy tale",
+                    "an adventure story",
+                    "a mystery story",
+                    "a story for children",
+                    "a sad story",
+                ];
+                let kind = KINDS[rng.gen_range(0..KINDS.len())];
+                let (a, b) = (
+                    NOUNS[rng.gen_range(0..NOUNS.len())],
+                    NOUNS[rng.gen_range(0..NOUNS.len())],
+                );
+                let content = format!("Write {kind} about a {a} and a {b}.");
+                one(
+                    Prompt::Chat(vec![Message {
+                        role: "user".into(),
+                        content,
+                    }]),
+                    output.sample(&mut rng),
+                )
+            }
             DatasetSpec::Trace(_) => {
                 let line = &self.trace[i % self.trace.len()];
                 let mut prompt = Vec::with_capacity(line.input_length);
@@ -490,6 +618,55 @@ mod tests {
         match &s.turns[0].prompt {
             Prompt::Tokens(t) => t,
             p => panic!("{p:?}"),
+        }
+    }
+
+    fn chat(s: &Session) -> &str {
+        match &s.turns[0].prompt {
+            Prompt::Chat(m) => &m[0].content,
+            p => panic!("{p:?}"),
+        }
+    }
+
+    /// Edits hold the text they ask back (code whose renamed name recurs, or a paragraph with
+    /// some words misspelt) and ask for as many tokens as it has and a tenth; stories ask for
+    /// the drawn length and hold nothing to repeat. Both are the same for the same seed.
+    #[test]
+    fn edits_hold_what_they_ask_back_and_stories_do_not() {
+        let edits = Dataset::new(DatasetSpec::Edit, 3, 1000, None).unwrap();
+        assert_eq!(edits.session(5), edits.with_seed(3).session(5));
+        let (mut code, mut prose) = (0, 0);
+        for i in 0..40 {
+            let s = edits.session(i);
+            let ask = chat(&s);
+            if let Some((_, rest)) = ask.split_once("```python\n") {
+                code += 1;
+                let body = rest.strip_suffix("```").unwrap();
+                let old = ask.split('`').nth(1).unwrap();
+                assert!(body.matches(old).count() >= 8, "{ask}");
+                let tokens = body.len().div_ceil(4);
+                assert_eq!(s.turns[0].max_tokens, tokens + tokens / 10);
+            } else {
+                prose += 1;
+                let text = ask.split_once("\n\n").unwrap().1;
+                assert!(text.split(' ').count() > 100, "{text}");
+                assert!(s.turns[0].max_tokens > text.len() / 5);
+            }
+        }
+        assert!(code > 10 && prose > 10, "{code} code, {prose} prose");
+        let stories = Dataset::new(
+            DatasetSpec::Story {
+                output: LenDist::Fixed(96),
+            },
+            3,
+            1000,
+            None,
+        )
+        .unwrap();
+        for i in 0..10 {
+            let s = stories.session(i);
+            assert!(chat(&s).starts_with("Write ") && chat(&s).len() < 80);
+            assert_eq!(s.turns[0].max_tokens, 96);
         }
     }
 
