@@ -170,16 +170,37 @@ pub enum DatasetSpec {
 
 /// Identifiers the edit dataset's code draws from.
 const IDENTS: [&str; 24] = [
-    "total", "count", "values", "result", "index", "items", "buffer", "offset", "limit",
-    "window", "score", "weights", "records", "cursor", "matrix", "prefix", "suffix", "tokens",
-    "queue", "stack", "width", "height", "scale", "delta",
+    "total", "count", "values", "result", "index", "items", "buffer", "offset", "limit", "window",
+    "score", "weights", "records", "cursor", "matrix", "prefix", "suffix", "tokens", "queue",
+    "stack", "width", "height", "scale", "delta",
 ];
 
 /// Words the edit dataset's prose and the stories' subjects draw from.
 const NOUNS: [&str; 24] = [
-    "lighthouse", "river", "garden", "engine", "market", "bridge", "winter", "library",
-    "harbor", "mountain", "village", "signal", "orchard", "station", "forest", "island",
-    "workshop", "tower", "desert", "canal", "meadow", "factory", "castle", "valley",
+    "lighthouse",
+    "river",
+    "garden",
+    "engine",
+    "market",
+    "bridge",
+    "winter",
+    "library",
+    "harbor",
+    "mountain",
+    "village",
+    "signal",
+    "orchard",
+    "station",
+    "forest",
+    "island",
+    "workshop",
+    "tower",
+    "desert",
+    "canal",
+    "meadow",
+    "factory",
+    "castle",
+    "valley",
 ];
 
 /// The edit dataset's code: two functions over the same names, each name used several times.
@@ -236,7 +257,13 @@ fn edit_prose(rng: &mut impl Rng) -> (String, String) {
     let words: Vec<String> = clean
         .split(' ')
         .enumerate()
-        .map(|(k, w)| if k % 5 == 3 { typo(w, rng) } else { w.to_string() })
+        .map(|(k, w)| {
+            if k % 5 == 3 {
+                typo(w, rng)
+            } else {
+                w.to_string()
+            }
+        })
         .collect();
     let ask = format!(
         "Fix the spelling mistakes in this text. Answer with the whole corrected text and nothing else.\n\n{}",
