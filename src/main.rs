@@ -154,7 +154,9 @@ pub struct EngineArgs {
     /// Speculative decoding: each decoding sequence's next tokens are proposed cheaply and
     /// verified in one step, with the outputs it gives without (greedy and seeded alike).
     /// ngram: prompt lookup over the request's own tokens; suffix: that and a worker-wide
-    /// index of recent outputs (traffic that repeats itself). Off when not given.
+    /// index of recent outputs (traffic that repeats itself); self:N: a self-draft, the
+    /// model's own first N layers with its head (an early exit over the same KV cache; pays
+    /// only for a model trained to exit early). Off when not given.
     #[arg(long, env = "TANDEM_SPECULATIVE")]
     pub speculative: Option<tandem_engine::SpecMethod>,
     /// Most tokens proposed per sequence and step (with --speculative).

@@ -43,6 +43,21 @@ pub trait Backend: Send {
             .collect())
     }
 
+    /// An early exit: one packed step through the model's first `layers` layers only, then its
+    /// final norm and head (a self-draft's proposals); the K/V of those layers is written as
+    /// the whole model writes it. By default refused.
+    fn forward_layers(
+        &mut self,
+        seqs: &[SeqBatch<'_>],
+        layers: usize,
+    ) -> Result<Vec<f32>, EngineError> {
+        let _ = (seqs, layers);
+        Err(EngineError::Unsupported(format!(
+            "an early exit (a self-draft) on {}",
+            self.device()
+        )))
+    }
+
     /// Blocks in the pool.
     fn num_blocks(&self) -> usize;
 
@@ -222,6 +237,13 @@ impl Backend for Slowed {
     }
     fn forward_argmax(&mut self, seqs: &[SeqBatch<'_>]) -> Result<Vec<(u32, f32)>, EngineError> {
         self.slowed(|b| b.forward_argmax(seqs))
+    }
+    fn forward_layers(
+        &mut self,
+        seqs: &[SeqBatch<'_>],
+        layers: usize,
+    ) -> Result<Vec<f32>, EngineError> {
+        self.slowed(|b| b.forward_layers(seqs, layers))
     }
     fn num_blocks(&self) -> usize {
         self.inner.num_blocks()

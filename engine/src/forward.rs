@@ -465,6 +465,7 @@ pub(crate) fn forward<D: StepOps>(
     shard: &TpShard,
     tokens: usize,
     logit_rows: usize,
+    layers: usize,
     mut times: Option<&mut OpTimes>,
 ) -> Result<Option<D::Logits>, EngineError> {
     let t = tokens;
@@ -483,7 +484,9 @@ pub(crate) fn forward<D: StepOps>(
     if tp {
         op!(times, d, collectives, d.all_reduce(&mut x))?;
     }
-    for (li, l) in weights.layers.iter().enumerate() {
+    // `layers` below the model's: an early exit (a self-draft), its last layer's output
+    // normed and put through the head as the whole model's is.
+    for (li, l) in weights.layers.iter().enumerate().take(layers) {
         if li == 0 {
             op!(times, d, norms, d.rms_norm(&x, &l.attn_norm, &mut hbuf, t))?;
         } else {

@@ -28,6 +28,11 @@ pub enum SpecMethod {
     Ngram,
     /// The request's tokens and a worker-wide index of recent outputs ([`SuffixProposer`]).
     Suffix,
+    /// A self-draft: the target's own first `n` layers with its final norm and head (an early
+    /// exit, LayerSkip-style), proposing greedily. It shares the target's KV cache: those
+    /// layers' K/V for a token are the bits the whole model writes, so drafting needs no pool
+    /// of its own and nothing is computed for the prompt beyond the target's prefill.
+    SelfDraft(usize),
 }
 
 impl std::str::FromStr for SpecMethod {
@@ -37,19 +42,26 @@ impl std::str::FromStr for SpecMethod {
             "ngram" => Ok(Self::Ngram),
             "suffix" => Ok(Self::Suffix),
             o if o.starts_with("draft:") => Err(format!(
-                "--speculative {o}: draft models are not served yet (use ngram or suffix)"
+                "--speculative {o}: separate draft models are not served yet (use ngram, suffix or self:N)"
             )),
-            o => Err(format!("unknown proposer {o:?} (ngram|suffix)")),
+            o => match o.strip_prefix("self:").map(str::parse::<usize>) {
+                Some(Ok(n)) if n > 0 => Ok(Self::SelfDraft(n)),
+                Some(_) => Err(format!(
+                    "--speculative {o}: self:N drafts with the target's first N layers, N at least 1"
+                )),
+                None => Err(format!("unknown proposer {o:?} (ngram|suffix|self:N)")),
+            },
         }
     }
 }
 
 impl std::fmt::Display for SpecMethod {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Self::Ngram => "ngram",
-            Self::Suffix => "suffix",
-        })
+        match self {
+            Self::Ngram => f.write_str("ngram"),
+            Self::Suffix => f.write_str("suffix"),
+            Self::SelfDraft(n) => write!(f, "self:{n}"),
+        }
     }
 }
 
@@ -88,11 +100,13 @@ impl SpecConfig {
         Ok(())
     }
 
-    /// The proposer this configuration names.
-    pub fn proposer(&self) -> Box<dyn Proposer> {
+    /// The proposer this configuration names, where it proposes from tokens alone (a
+    /// self-draft runs the model: the engine drafts with it).
+    pub fn proposer(&self) -> Option<Box<dyn Proposer>> {
         match self.method {
-            SpecMethod::Ngram => Box::new(NgramProposer::default()),
-            SpecMethod::Suffix => Box::new(SuffixProposer::default()),
+            SpecMethod::Ngram => Some(Box::new(NgramProposer::default())),
+            SpecMethod::Suffix => Some(Box::new(SuffixProposer::default())),
+            SpecMethod::SelfDraft(_) => None,
         }
     }
 }
@@ -430,5 +444,13 @@ mod tests {
         assert_eq!(out, [11, 2]);
         assert!("draft:/m".parse::<SpecMethod>().is_err());
         assert_eq!("suffix".parse::<SpecMethod>(), Ok(SpecMethod::Suffix));
+        assert_eq!(
+            "self:12".parse::<SpecMethod>(),
+            Ok(SpecMethod::SelfDraft(12))
+        );
+        assert_eq!(SpecMethod::SelfDraft(12).to_string(), "self:12");
+        for bad in ["self:0", "self:", "self:x", "eagle"] {
+            assert!(bad.parse::<SpecMethod>().is_err(), "{bad}");
+        }
     }
 }

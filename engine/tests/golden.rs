@@ -117,15 +117,20 @@ fn random_arrivals_equal_each_prompt_alone_and_golden() {
 }
 
 /// Speculative decoding changes how many tokens a step makes, never which: with each proposer
-/// (every proposal verified, none held back by the policy), every golden record's greedy tokens
-/// are the golden ones, in one continuous batch with chunked prefill (a 64-token budget), then
-/// again with the prompts in the prefix cache, then over a pool so small that growth preempts.
-/// scripts/test runs it at every kernel level.
+/// (every proposal verified, none held back by the policy; the self-draft is the model's first
+/// 20 of 30 layers), every golden record's greedy tokens are the golden ones, in one continuous
+/// batch with chunked prefill (a 64-token budget), then again with the prompts in the prefix
+/// cache, then over a pool so small that growth preempts. scripts/test runs it at every kernel
+/// level.
 #[test]
 fn speculative_greedy_tokens_equal_golden_with_each_proposer() {
     let (probe, recs) = engine(WeightFormat::Native, EngineConfig::default());
     let reqs = requests(&recs);
-    for method in [SpecMethod::Ngram, SpecMethod::Suffix] {
+    for method in [
+        SpecMethod::Ngram,
+        SpecMethod::Suffix,
+        SpecMethod::SelfDraft(20),
+    ] {
         let spec = SpecConfig {
             method: method.clone(),
             tokens: 4,

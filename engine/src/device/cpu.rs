@@ -216,6 +216,24 @@ impl CpuModel {
         rayon::scope(|_| self.forward_rank(seqs, kv, &mut SingleRank, times))
     }
 
+    /// [`Self::forward`] through the first `layers` layers only, then the final norm and the
+    /// head (an early exit: a self-draft's proposals). It writes those layers' K/V at the
+    /// step's positions, the bits the whole model writes there for the same tokens.
+    pub fn forward_layers(
+        &self,
+        seqs: &[SeqBatch<'_>],
+        kv: &mut KvPool,
+        layers: usize,
+    ) -> Result<Vec<f32>, EngineError> {
+        if self.shard.ep.is_some() || !self.shard.is_whole() {
+            return Err(EngineError::Unsupported(
+                "an early exit on a tensor- or expert-parallel rank".into(),
+            ));
+        }
+        let layers = layers.min(self.weights.layers.len());
+        rayon::scope(|_| self.forward_step_layers(seqs, kv, &mut SingleRank, layers, None))
+    }
+
     /// This shard's part of one packed step, in lockstep with the other ranks of its group
     /// through `comm` (the calls of every rank must be the same steps in the same order): the
     /// whole vocabulary's logits, on every rank. Runs in the caller's compute pool. Each op's
@@ -257,6 +275,19 @@ impl CpuModel {
         comm: &mut dyn Collective,
         times: Option<&mut OpTimes>,
     ) -> Result<Vec<f32>, EngineError> {
+        let layers = self.weights.layers.len();
+        self.forward_step_layers(seqs, kv, comm, layers, times)
+    }
+
+    /// [`Self::forward_step`] through the first `layers` layers.
+    fn forward_step_layers(
+        &self,
+        seqs: &[SeqBatch<'_>],
+        kv: &mut KvPool,
+        comm: &mut dyn Collective,
+        layers: usize,
+        times: Option<&mut OpTimes>,
+    ) -> Result<Vec<f32>, EngineError> {
         let c = &self.config;
         let bs = kv.layout.block_size;
         let step = PackedStep::new(seqs, c.vocab_size, self.rope.max_pos(), bs, kv.num_blocks())?;
@@ -268,7 +299,8 @@ impl CpuModel {
         }
         let mut ops = CpuStep::new(self, comm, kv, &step);
         let n = step.logit_rows.len();
-        let logits = forward::forward(&mut ops, &self.weights, c, &self.shard, t, n, times)?;
+        let logits =
+            forward::forward(&mut ops, &self.weights, c, &self.shard, t, n, layers, times)?;
         Ok(logits.unwrap_or_default())
     }
 }
@@ -871,6 +903,14 @@ impl Backend for CpuBackend {
             t
         });
         self.model.forward_timed(seqs, &mut self.kv, times)
+    }
+
+    fn forward_layers(
+        &mut self,
+        seqs: &[SeqBatch<'_>],
+        layers: usize,
+    ) -> Result<Vec<f32>, EngineError> {
+        self.model.forward_layers(seqs, &mut self.kv, layers)
     }
 
     fn profile_ops(&mut self, on: bool) -> bool {

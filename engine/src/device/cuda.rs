@@ -261,7 +261,17 @@ impl CudaModel {
             self.block_size,
             &step,
         )?;
-        let logits = forward::forward(&mut ops, &self.weights, c, &TpShard::whole(c), t, n, None)?;
+        let layers = self.weights.layers.len();
+        let logits = forward::forward(
+            &mut ops,
+            &self.weights,
+            c,
+            &TpShard::whole(c),
+            t,
+            n,
+            layers,
+            None,
+        )?;
         Ok(logits.map(|l| (l, n)))
     }
 }

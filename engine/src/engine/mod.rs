@@ -304,6 +304,11 @@ pub struct Engine {
     scheduler: Box<dyn Scheduler>,
     /// What its steps cost (sizes steps under a step target).
     step_cost: StepCost,
+    /// What its steps without prompt tokens cost (sizes speculation's proposals: a decode row
+    /// costs what a prompt token costs only where both are compute-bound).
+    decode_cost: StepCost,
+    /// What a self-draft's forwards cost (sizes its proposals before it drafts).
+    draft_cost: StepCost,
     stats: EngineStats,
     /// First id `generate` gives its requests next time.
     next_batch_id: u64,
@@ -321,11 +326,25 @@ impl Engine {
 
     /// An engine whose steps run on `backend` (made with the same `config`).
     pub fn with_backend(
-        backend: Box<dyn Backend>,
+        mut backend: Box<dyn Backend>,
         config: EngineConfig,
         eos: Vec<u32>,
     ) -> Result<Self, EngineError> {
         config.check()?;
+        if let Some(crate::SpecMethod::SelfDraft(n)) =
+            config.speculative.as_ref().map(|s| &s.method)
+        {
+            // A backend that cannot stop early says so on an empty step.
+            backend
+                .forward_layers(&[], *n)
+                .map_err(|e| EngineError::Config(format!("--speculative self:{n}: {e}")))?;
+            let layers = backend.config().num_layers;
+            if *n >= layers {
+                return Err(EngineError::Config(format!(
+                    "--speculative self:{n}: a self-draft takes fewer than the model's {layers} layers"
+                )));
+            }
+        }
         let spec = config.speculative.clone().map(speculate::Speculation::new);
         let blocks = BlockManager::new(backend.num_blocks(), config.block_size);
         let disk = match &config.kv_disk {
@@ -351,6 +370,8 @@ impl Engine {
             copies: Vec::new(),
             scheduler: Box::new(Continuous),
             step_cost: StepCost::default(),
+            decode_cost: StepCost::default(),
+            draft_cost: StepCost::default(),
             stats: EngineStats::default(),
             next_batch_id: 1 << 48,
             spec,

@@ -19,8 +19,10 @@
 use serde::Serialize;
 
 use super::{finish_at, Engine, FinishReason, Forwarded};
+use crate::error::EngineError;
+use crate::forward::SeqBatch;
 use crate::sampler::{Sampled, Sampler};
-use crate::spec::{Proposer, SpecConfig, MAX_SPECULATIVE_TOKENS};
+use crate::spec::{Proposer, SpecConfig, SpecMethod, MAX_SPECULATIVE_TOKENS};
 
 /// What speculation did on an engine (zeros without it): the counters vLLM's `spec_decode`
 /// metrics report.
@@ -38,10 +40,11 @@ pub struct SpecCounts {
     pub withheld_tokens: u64,
 }
 
-/// An engine's speculation: its configuration, its proposer.
+/// An engine's speculation: its configuration, its proposer (none for a self-draft: the
+/// engine drafts with its own model).
 pub(super) struct Speculation {
     pub(super) config: SpecConfig,
-    proposer: Box<dyn Proposer>,
+    proposer: Option<Box<dyn Proposer>>,
 }
 
 impl Speculation {
@@ -94,10 +97,12 @@ pub(super) fn verify(
 impl Engine {
     /// Proposes tokens for every running sequence that decodes (none for one that forks
     /// samples, exports its K/V or cannot grow), within what it may still generate, the
-    /// model's context and the step's token budget; then sizes the proposals by the policy.
-    pub(super) fn propose(&mut self) {
+    /// model's context and the step's token budget, sized by the policy: a proposer of tokens
+    /// proposes first and the policy keeps what pays; a self-draft is sized first (drafting
+    /// costs forwards) and then drafts.
+    pub(super) fn propose(&mut self) -> Result<(), EngineError> {
         let Some(spec) = self.spec.as_mut() else {
-            return;
+            return Ok(());
         };
         let max_ctx = self.backend.config().max_position_embeddings;
         // Every running sequence keeps its one token of the budget.
@@ -105,8 +110,8 @@ impl Engine {
             .config
             .max_batched_tokens
             .saturating_sub(self.running.len());
-        let mut any = false;
-        for s in &mut self.running {
+        let mut room = vec![0usize; self.running.len()];
+        for (s, room) in self.running.iter_mut().zip(&mut room) {
             s.draft.clear();
             if s.pending() != 1
                 || !s.forks.is_empty()
@@ -116,35 +121,64 @@ impl Engine {
                 continue;
             }
             let generated = s.tokens.len() - s.prompt_len;
-            let room = (s.sampler.params().max_tokens as usize)
+            let left = (s.sampler.params().max_tokens as usize)
                 .saturating_sub(generated + 1)
                 .min(max_ctx.saturating_sub(s.tokens.len() + 1));
-            let k = spec.config.tokens.min(room).min(spare);
-            if k == 0 {
-                continue;
-            }
-            spec.proposer.propose(&s.tokens, k, &mut s.draft);
-            s.draft.truncate(k);
-            spare -= s.draft.len();
-            any |= !s.draft.is_empty();
+            *room = spec.config.tokens.min(left).min(spare);
+            spare -= *room;
         }
-        if any && spec.config.adaptive {
-            self.size_drafts();
+        let adaptive = spec.config.adaptive;
+        match (&spec.proposer, spec.config.method.clone()) {
+            (Some(proposer), _) => {
+                for (s, &k) in self.running.iter_mut().zip(&room) {
+                    if k > 0 {
+                        proposer.propose(&s.tokens, k, &mut s.draft);
+                        s.draft.truncate(k);
+                    }
+                }
+                if adaptive {
+                    let offered: Vec<usize> = self.running.iter().map(|s| s.draft.len()).collect();
+                    let keep = self.sizes(&offered, 0.0);
+                    self.withhold(&offered, &keep);
+                    for (s, &k) in self.running.iter_mut().zip(&keep) {
+                        s.draft.truncate(k);
+                    }
+                }
+                Ok(())
+            }
+            (None, SpecMethod::SelfDraft(layers)) => {
+                let keep = match adaptive {
+                    true => {
+                        let per_row = self.draft_row_seconds(&room);
+                        let keep = self.sizes(&room, per_row);
+                        self.withhold(&room, &keep);
+                        keep
+                    }
+                    false => room,
+                };
+                self.draft_self(layers, keep)
+            }
+            (None, m) => Err(EngineError::Internal(format!(
+                "speculation by {m} without a proposer"
+            ))),
         }
     }
 
-    /// Keeps the proposed tokens expected to raise the step's tokens per second, by the
-    /// engine's measure of its steps ([`super::StepCost`]): the step's decoding sequences make a
-    /// token each in the time the measure gives them; a proposed token at position `j` of a
-    /// sequence whose tokens are accepted with probability `a` adds `a^j` tokens and its row's
-    /// time. Taking the best first, a token is kept while it raises tokens per second. Where
-    /// the step is compute-bound (many sequences, each row costing its full share) nothing
-    /// pays and the step is plain decoding. Before the steps are measured (or while they have
-    /// all been one size, which does not tell the fixed part from the rows'), everything
-    /// proposed is verified.
-    pub(super) fn size_drafts(&mut self) {
-        let Some(cost) = self.step_cost.fit().filter(|c| c.fixed > 0.0) else {
-            return;
+    /// How many of `offered[i]` proposed tokens each running sequence verifies: those expected
+    /// to raise the step's tokens per second, by the engine's measure of its decode steps (a
+    /// [`super::StepCost`] of the steps that computed no prompt tokens: a prompt chunk's rows
+    /// are cheaper per token than a decode step's where the decode step is bound by reading
+    /// the weights and the chunk by computing, so the two do not share a line), each token
+    /// also costing `per_token` seconds to propose. The step's decoding sequences make a token
+    /// each in the time the measure gives them; a proposed token at position `j` of a sequence
+    /// whose tokens are accepted with probability `a` adds `a^j` tokens and its row's time.
+    /// Taking the best first, a token is kept while it raises tokens per second. Where the step
+    /// is compute-bound (many sequences, each row costing its full share) nothing pays and the
+    /// step is plain decoding. Before the steps are measured (or while they have all been one
+    /// size, which does not tell the fixed part from the rows'), everything offered is kept.
+    fn sizes(&self, offered: &[usize], per_token: f64) -> Vec<usize> {
+        let Some(cost) = self.decode_cost.fit().filter(|c| c.fixed > 0.0) else {
+            return offered.to_vec();
         };
         let mut tokens = 0.0;
         let mut time = cost.fixed;
@@ -156,7 +190,7 @@ impl Engine {
             tokens += 1.0;
             time += cost.seconds(s.computed, 1);
             let mut gain = 1.0f64;
-            for j in 1..=s.draft.len() {
+            for j in 1..=offered[i] {
                 gain *= f64::from(s.accept);
                 cands.push((gain, i, j));
             }
@@ -169,23 +203,103 @@ impl Engine {
                 continue;
             }
             let c = self.running[i].computed;
-            let extra = cost.seconds(c, 1 + j) - cost.seconds(c, j);
+            let extra = cost.seconds(c, 1 + j) - cost.seconds(c, j) + per_token;
             if gain * time > tokens * extra {
                 keep[i] = j;
                 tokens += gain;
                 time += extra;
             }
         }
-        let counts = &mut self.stats.spec;
-        for (s, &k) in self.running.iter_mut().zip(&keep) {
-            if s.draft.len() > k {
-                counts.withheld_tokens += (s.draft.len() - k) as u64;
-                s.draft.truncate(k);
+        keep
+    }
+
+    /// Counts what the policy held back of what was offered, and lets the estimate of a
+    /// sequence that verifies nothing drift back towards the prior (so it is tried again).
+    fn withhold(&mut self, offered: &[usize], keep: &[usize]) {
+        for ((s, &o), &k) in self.running.iter_mut().zip(offered).zip(keep) {
+            if o > k {
+                self.stats.spec.withheld_tokens += (o - k) as u64;
                 if k == 0 {
                     s.accept += RELAX * (PRIOR_ACCEPT - s.accept);
                 }
             }
         }
+    }
+
+    /// Seconds one more drafted token of one sequence costs, by the measure of the draft
+    /// forwards so far, with their fixed part shared by the sequences that would draft (none
+    /// measured: nothing, so the first drafts are made and measured).
+    fn draft_row_seconds(&self, room: &[usize]) -> f64 {
+        let drafting = room.iter().filter(|&&k| k > 0).count().max(1);
+        self.draft_cost
+            .fit()
+            .map_or(0.0, |c| c.per_token + c.fixed / drafting as f64)
+    }
+
+    /// Drafts `keep[i]` tokens for each running sequence with the model's first `layers`
+    /// layers: forward after forward, each taking every sequence that drafts further one token
+    /// (its last, then its drafts), greedily. Each sequence first gets the blocks for its
+    /// proposal and the verification (a shared block it writes copied first); one the pool
+    /// cannot grow does not draft. The draft's K/V stays where the verification will write the
+    /// same bits for the tokens it accepts.
+    fn draft_self(&mut self, layers: usize, mut keep: Vec<usize>) -> Result<(), EngineError> {
+        let mut copies = Vec::new();
+        for (s, k) in self.running.iter_mut().zip(&mut keep) {
+            if *k == 0 {
+                continue;
+            }
+            let ok = s.blocks.reserve(s.computed + *k + 1)
+                && match s.blocks.make_writable(s.computed) {
+                    Ok(copy) => {
+                        copies.extend(copy);
+                        true
+                    }
+                    Err(crate::PoolFull) => false,
+                };
+            if !ok {
+                *k = 0;
+            }
+        }
+        // Blocks taken from the prefix cache go to the disk tier before anything writes them.
+        self.spill();
+        if !copies.is_empty() {
+            self.backend.copy_blocks(&copies)?;
+        }
+        let mut last: Vec<u32> = self
+            .running
+            .iter()
+            .map(|s| s.tokens.last().copied().unwrap_or(0))
+            .collect();
+        let vocab = self.backend.config().vocab_size;
+        let most = keep.iter().copied().max().unwrap_or(0);
+        for p in 0..most {
+            let drafting: Vec<usize> = (0..keep.len()).filter(|&i| keep[i] > p).collect();
+            let t0 = std::time::Instant::now();
+            let mut keys = 0;
+            let batch: Vec<SeqBatch<'_>> = drafting
+                .iter()
+                .map(|&i| {
+                    let s = &self.running[i];
+                    keys += (s.computed + p + 1) as u64;
+                    SeqBatch {
+                        tokens: std::slice::from_ref(&last[i]),
+                        cached: s.computed + p,
+                        block_table: s.blocks.ids(),
+                        logits: 1,
+                    }
+                })
+                .collect();
+            let logits = self.backend.forward_layers(&batch, layers)?;
+            drop(batch);
+            for (row, &i) in logits.chunks_exact(vocab).zip(&drafting) {
+                let t = tandem_kernels::ops::argmax(row) as u32;
+                self.running[i].draft.push(t);
+                last[i] = t;
+            }
+            self.draft_cost
+                .record(drafting.len(), keys, t0.elapsed().as_secs_f64());
+        }
+        Ok(())
     }
 
     /// Counts a sequence's verified proposal: `proposed` tokens, of which the first `accepted`
@@ -216,8 +330,8 @@ impl Engine {
 
     /// A sequence left the engine at its end: the proposer learns its tokens.
     pub(super) fn learn(&mut self, tokens: &[u32], prompt_len: usize) {
-        if let Some(spec) = &mut self.spec {
-            spec.proposer.learn(tokens, prompt_len);
+        if let Some(p) = self.spec.as_mut().and_then(|s| s.proposer.as_mut()) {
+            p.learn(tokens, prompt_len);
         }
     }
 
@@ -226,14 +340,18 @@ impl Engine {
     /// build; a proposer of one's own takes its place here).
     pub fn set_proposer(&mut self, config: SpecConfig, proposer: Box<dyn Proposer>) {
         self.config.speculative = Some(config.clone());
-        self.spec = Some(Speculation { config, proposer });
+        self.spec = Some(Speculation {
+            config,
+            proposer: Some(proposer),
+        });
     }
 
     /// The proposer's name and most tokens proposed, when the engine speculates.
     pub fn speculation(&self) -> Option<(&'static str, usize)> {
-        self.spec
-            .as_ref()
-            .map(|s| (s.proposer.name(), s.config.tokens))
+        self.spec.as_ref().map(|s| {
+            let name = s.proposer.as_ref().map_or("self-draft", |p| p.name());
+            (name, s.config.tokens)
+        })
     }
 }
 

@@ -51,6 +51,10 @@ impl Engine {
             stats.attended_keys,
             stats.seconds,
         );
+        if stats.prefill_tokens == 0 {
+            self.decode_cost
+                .record(stats.decode_tokens, stats.attended_keys, stats.seconds);
+        }
         self.record_timing(&stats);
         Ok((events, stats))
     }
@@ -61,7 +65,7 @@ impl Engine {
         self.drop_cancelled(events);
         self.drop_stopped(events);
         self.disk_turn()?;
-        self.propose();
+        self.propose()?;
         let plan = self.schedule();
         // Blocks the schedule evicted from the prefix cache go to the disk tier before the
         // step (its copies first) writes them.

@@ -754,3 +754,41 @@ fn oldest_sequences_keep_running_when_the_pool_is_short() {
     assert_eq!(out[0].output_ids, want[0].output_ids);
     assert_eq!(out[1].output_ids, want[1].output_ids);
 }
+
+/// A self-draft (the tiny model's first of its two layers, drafting greedily) changes no
+/// token: greedy runs with it give every request the tokens and log-probabilities of runs
+/// without, bit for bit, and its proposals were verified.
+#[test]
+fn a_self_draft_changes_no_token() {
+    let prompts: Vec<Vec<u32>> = (0..4u32)
+        .map(|i| (0..20u32).map(|t| 3 + (t * 7 + i) % 50).collect())
+        .collect();
+    let run = |speculative| {
+        let mut e = engine(EngineConfig {
+            speculative,
+            ..config()
+        });
+        let reqs = prompts.iter().map(|p| req(p.clone(), 24)).collect();
+        let out = e.generate(reqs, |_| {}, |_| {}).unwrap();
+        let bits: Vec<(Vec<u32>, Vec<u32>)> = out
+            .into_iter()
+            .map(|f| {
+                (
+                    f.output_ids,
+                    f.logprobs.iter().map(|l| l.to_bits()).collect(),
+                )
+            })
+            .collect();
+        assert_eq!(e.stats().blocks_used, 0);
+        (bits, e.stats().spec)
+    };
+    let (plain, _) = run(None);
+    let spec = crate::spec::SpecConfig {
+        method: crate::spec::SpecMethod::SelfDraft(1),
+        tokens: 3,
+        adaptive: false,
+    };
+    let (drafted, counts) = run(Some(spec));
+    assert_eq!(drafted, plain);
+    assert!(counts.drafts > 0 && counts.draft_tokens > 0, "{counts:?}");
+}

@@ -254,9 +254,9 @@ fn the_policy_verifies_proposals_only_where_they_pay() {
         ..super::super::tests::config()
     };
     let measured = |e: &mut Engine| {
-        e.step_cost = StepCost::default();
+        e.decode_cost = StepCost::default();
         for t in [1usize, 5, 20, 40, 80] {
-            e.step_cost.record(t, 0, 0.010 + 0.001 * t as f64);
+            e.decode_cost.record(t, 0, 0.010 + 0.001 * t as f64);
         }
     };
     for (seqs, verified, withheld) in [(1u64, 2u64, 2u64), (40, 0, 160)] {
@@ -278,4 +278,35 @@ fn the_policy_verifies_proposals_only_where_they_pay() {
             "{seqs} sequences: {c:?}"
         );
     }
+}
+
+/// A self-draft needs a backend that can stop after some layers, and fewer layers than the
+/// model has: anything else is refused when the engine is made, saying why.
+#[test]
+fn a_self_draft_is_refused_where_it_cannot_run() {
+    let draft = |n| EngineConfig {
+        speculative: Some(SpecConfig::new(SpecMethod::SelfDraft(n), 4)),
+        ..super::super::tests::config()
+    };
+    let fake = |cfg: EngineConfig| {
+        let b = TokenCache::new(16, cfg.block_size, 512, Default::default());
+        Engine::with_backend(Box::new(b), cfg, vec![])
+    };
+    let e = fake(draft(1))
+        .err()
+        .expect("the token cache cannot stop early");
+    assert!(e.to_string().contains("self:1"), "{e}");
+    assert!(e.to_string().contains("early exit"), "{e}");
+    let model = crate::device::cpu::tiny_model(1);
+    let layers = model.config.num_layers;
+    let e = Engine::new(model, draft(layers), vec![])
+        .err()
+        .expect("as many layers as the model");
+    assert!(
+        e.to_string()
+            .contains(&format!("fewer than the model's {layers} layers")),
+        "{e}"
+    );
+    let model = crate::device::cpu::tiny_model(1);
+    assert!(Engine::new(model, draft(layers - 1), vec![]).is_ok());
 }
