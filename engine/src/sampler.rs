@@ -116,6 +116,19 @@ impl Sampler {
         }
     }
 
+    /// How many of `tokens` the request's grammar allows one after another from where the
+    /// output stands (all of them without a grammar; none once it failed): a proposal is cut
+    /// there before it is verified.
+    pub fn grammar_prefix(&mut self, tokens: &[u32]) -> usize {
+        if self.grammar_failure.is_some() {
+            return 0;
+        }
+        match &mut self.constraint {
+            Some(c) => c.valid_prefix(tokens),
+            None => tokens.len(),
+        }
+    }
+
     /// The sampling parameters it applies.
     pub fn params(&self) -> &ValidSampling {
         &self.params

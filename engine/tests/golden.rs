@@ -120,8 +120,8 @@ fn random_arrivals_equal_each_prompt_alone_and_golden() {
 /// (every proposal verified, none held back by the policy; the self-draft is the model's first
 /// 20 of 30 layers), every golden record's greedy tokens are the golden ones, in one continuous
 /// batch with chunked prefill (a 64-token budget), then again with the prompts in the prefix
-/// cache, then over a pool so small that growth preempts. scripts/test runs it at every kernel
-/// level.
+/// cache, then (the token proposers) over a pool so small that growth preempts. scripts/test
+/// runs it at every kernel level.
 #[test]
 fn speculative_greedy_tokens_equal_golden_with_each_proposer() {
     let (probe, recs) = engine(WeightFormat::Native, EngineConfig::default());
@@ -163,10 +163,15 @@ fn speculative_greedy_tokens_equal_golden_with_each_proposer() {
             c.accepted_tokens, c.draft_tokens
         );
         assert_no_blocks_held(&e);
-        let (mut tight, _) = engine(WeightFormat::Native, preempting(&probe, &cfg, &reqs, true));
-        check_all(&mut tight, &recs);
-        assert!(tight.stats().preemptions > 0, "{method}: no preemption");
-        assert!(tight.stats().spec.accepted_tokens > 0);
+        // (The self-draft's forwards take a tight pool's blocks the same way: one pool is
+        // enough, and the slow levels' runs stay short.)
+        if method != SpecMethod::SelfDraft(20) {
+            let (mut tight, _) =
+                engine(WeightFormat::Native, preempting(&probe, &cfg, &reqs, true));
+            check_all(&mut tight, &recs);
+            assert!(tight.stats().preemptions > 0, "{method}: no preemption");
+            assert!(tight.stats().spec.accepted_tokens > 0);
+        }
     }
 }
 

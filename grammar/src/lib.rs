@@ -414,6 +414,21 @@ impl Constraint {
         r.map_err(|e| GrammarError::Rejected(terse(e)))
     }
 
+    /// How many of `tokens` the grammar allows one after another from where it stands, without
+    /// moving it: speculative decoding's proposals, cut where the output would leave the
+    /// grammar (an end-of-sequence id counts as the grammar's own end). 0 where the grammar
+    /// cannot tell.
+    pub fn valid_prefix(&mut self, tokens: &[u32]) -> usize {
+        let mapped: Vec<u32> = tokens
+            .iter()
+            .map(|t| match self.eos.contains(t) {
+                true => self.eos[0],
+                false => *t,
+            })
+            .collect();
+        self.matcher.validate_tokens(&mapped).unwrap_or(0)
+    }
+
     /// With another budget than [`STEP_BUDGET`] for each mask and advance.
     pub fn with_step_budget(mut self, budget: std::time::Duration) -> Self {
         self.step_budget = budget;

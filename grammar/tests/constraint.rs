@@ -390,3 +390,28 @@ fn a_grammar_of_unbounded_ambiguity_ends_at_the_step_budget() {
     let e = c.allowed().err().expect("over a budget of nothing");
     assert!(e.to_string().contains("too ambiguous"), "{e}");
 }
+
+/// Speculative decoding's proposals are checked against the grammar without moving it: the
+/// tokens the grammar allows in a row from where it stands, and the constraint stays there.
+#[test]
+fn a_proposal_is_cut_where_it_leaves_the_grammar_and_the_constraint_stays() {
+    let (tok, vocab) = tokenizer();
+    let g = Grammars::new(&tok, vocab).unwrap();
+    let mut c = g.compile(&Grammar::Regex("ab+c".into())).unwrap();
+    let ids = |s: &str| tok.encode(s, false).unwrap();
+    let (abb, c_, x) = (ids("abb"), ids("c"), ids("x"));
+    assert_eq!(
+        c.valid_prefix(&[abb.clone(), c_.clone()].concat()),
+        abb.len() + c_.len()
+    );
+    assert_eq!(
+        c.valid_prefix(&[abb.clone(), x.clone(), c_.clone()].concat()),
+        abb.len()
+    );
+    assert_eq!(c.valid_prefix(&x), 0);
+    // Nothing moved: the text is still to come in full.
+    for &t in &abb {
+        c.consume(t).unwrap();
+    }
+    assert_eq!(c.valid_prefix(&[c_.clone(), abb].concat()), c_.len());
+}

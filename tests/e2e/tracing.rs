@@ -125,7 +125,11 @@ async fn one_trace_spans_router_decode_and_prefill_with_the_kv_transfer_under_th
         ("OTEL_BSP_SCHEDULE_DELAY", "100"),
     ];
     let (_p, paddr) = Launch::prefill().env(&env).spawn_prefill();
-    let (_d, daddr, _kv) = Launch::decode().env(&env).spawn_decode();
+    // The decode worker speculates (every proposal verified): its decode span says how much.
+    let (_d, daddr, _kv) = Launch::decode()
+        .args(&["--speculative=ngram", "--speculative-fixed"])
+        .env(&env)
+        .spawn_decode();
     let r = Launch::router(std::slice::from_ref(&daddr))
         .args(&[
             &format!("--prefill-workers={paddr}"),
@@ -202,6 +206,18 @@ async fn one_trace_spans_router_decode_and_prefill_with_the_kv_transfer_under_th
     let decoding = one(&spans, "tandem-decode", "decode");
     assert_eq!(parent_of(&spans, decoding)["span_id"], decode["span_id"]);
     assert_eq!(attr(decoding, "gen_ai.usage.output_tokens"), json!(5));
+    // The repeated sentence is proposed after the first token: each step up to the tokens
+    // left less the one it samples (3, then fewer: 6 in all at most), some or none accepted.
+    let drafted = attr(decoding, "tandem.spec_decode.draft_tokens")
+        .as_i64()
+        .unwrap();
+    let accepted = attr(decoding, "tandem.spec_decode.accepted_tokens")
+        .as_i64()
+        .unwrap();
+    assert!(
+        (1..=6).contains(&drafted) && accepted <= drafted,
+        "{decoding}"
+    );
 
     // The prefill worker: its request under the decode worker's attempt, the prefill under it,
     // the KV transfer under the prefill, and the decode worker's receipt under the transfer.

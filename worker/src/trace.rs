@@ -96,12 +96,19 @@ pub fn finished(span: &tracing::Span, submitted: SystemTime, f: &Finished, local
         }
     }
     if f.ttft_s > 0.0 && output > 1 {
-        tandem_telemetry::record_past(
-            &cx,
-            "decode",
-            at(f.ttft_s),
-            at(f.e2e_s),
-            vec![Attribute::new("gen_ai.usage.output_tokens", output)],
-        );
+        let mut attrs = vec![Attribute::new("gen_ai.usage.output_tokens", output)];
+        // Speculation's share of the decode: proposed tokens verified, and accepted.
+        let (proposed, accepted) = f.spec_tokens;
+        if proposed > 0 {
+            attrs.push(Attribute::new(
+                "tandem.spec_decode.draft_tokens",
+                i64::from(proposed),
+            ));
+            attrs.push(Attribute::new(
+                "tandem.spec_decode.accepted_tokens",
+                i64::from(accepted),
+            ));
+        }
+        tandem_telemetry::record_past(&cx, "decode", at(f.ttft_s), at(f.e2e_s), attrs);
     }
 }

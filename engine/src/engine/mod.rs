@@ -123,6 +123,8 @@ struct Seq {
     window: Vec<u32>,
     /// Estimated chance that a proposed token is accepted (speculation's policy).
     accept: f32,
+    /// Proposed tokens verified for it, and of those the accepted.
+    spec_tokens: (u32, u32),
 }
 
 impl Seq {
@@ -184,6 +186,7 @@ impl Seq {
                     draft: Vec::new(),
                     window: Vec::new(),
                     accept: self.accept,
+                    spec_tokens: (0, 0),
                 };
                 (seq, first)
             })
@@ -216,6 +219,7 @@ impl Seq {
             error: None,
             cached_prompt_tokens: self.cached_prompt_tokens.unwrap_or(0),
             preemptions: self.preemptions,
+            spec_tokens: self.spec_tokens,
             queue_s: since(self.admitted),
             ttft_s: 0.0,
             e2e_s: self.submitted.elapsed().as_secs_f64(),
@@ -268,6 +272,7 @@ impl Seq {
             error,
             cached_prompt_tokens: self.cached_prompt_tokens.unwrap_or(0),
             preemptions: self.preemptions,
+            spec_tokens: self.spec_tokens,
             queue_s: since(self.admitted),
             ttft_s: since(self.first_token),
             e2e_s: (now - self.submitted).as_secs_f64(),
@@ -620,6 +625,7 @@ impl Engine {
             draft: Vec::new(),
             window: Vec::new(),
             accept: speculate::PRIOR_ACCEPT,
+            spec_tokens: (0, 0),
         }
     }
 }

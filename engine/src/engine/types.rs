@@ -309,6 +309,8 @@ pub struct Finished {
     pub cached_prompt_tokens: usize,
     /// Times the request was preempted and recomputed.
     pub preemptions: u32,
+    /// Speculation: tokens proposed for this sample and verified, and of those the accepted.
+    pub spec_tokens: (u32, u32),
     /// Seconds from submission to admission, to the first token, and to the end.
     pub queue_s: f64,
     /// Seconds from submission to the first token sampled here (0 if none was).
