@@ -739,12 +739,9 @@ async fn hit_the_busy_worker_mid_stream(
     victim
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_decode_worker_killed_mid_stream_is_migrated_seamlessly() {
-    let (mut d1, d1addr) = start_worker(&[]);
-    let (mut d2, d2addr) = start_worker(&[]);
-    let r = start_router(&[d1addr.clone(), d2addr.clone()], &[]);
-    wait_ready(&r, 2).await;
+/// A greedy story streamed through `r`, its worker SIGKILLed mid-stream (see
+/// [`hit_the_busy_worker_mid_stream`]).
+async fn kill_the_busy_worker_mid_story(r: &Router, workers: [(&mut Proc, &str); 2]) {
     let body = json!({
         "prompt": "Write a long story about a lighthouse keeper.",
         "max_tokens": 120,
@@ -752,11 +749,20 @@ async fn a_decode_worker_killed_mid_stream_is_migrated_seamlessly() {
         "ignore_eos": true,
         "stream": true,
     });
-    hit_the_busy_worker_mid_stream(&r, [(&mut d1, &d1addr), (&mut d2, &d2addr)], body, |p| {
+    hit_the_busy_worker_mid_stream(r, workers, body, |p| {
         p.signal(libc::SIGKILL);
         p.wait_exit(Duration::from_secs(5));
     })
     .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_worker_killed_mid_stream_is_migrated_seamlessly() {
+    let (mut d1, d1addr) = start_worker(&[]);
+    let (mut d2, d2addr) = start_worker(&[]);
+    let r = start_router(&[d1addr.clone(), d2addr.clone()], &[]);
+    wait_ready(&r, 2).await;
+    kill_the_busy_worker_mid_story(&r, [(&mut d1, &d1addr), (&mut d2, &d2addr)]).await;
 }
 
 /// Speculative decoding through the cluster: decode workers that speculate (suffix decoding,
@@ -796,18 +802,7 @@ async fn speculating_decode_workers_stay_exact_across_the_split_and_a_migration(
     let accepted = counted(&m1, "accepted_tokens") + counted(&m2, "accepted_tokens");
     let proposed = counted(&m1, "draft_tokens") + counted(&m2, "draft_tokens");
     assert!(accepted > 0.0 && accepted <= proposed, "{m1:?} {m2:?}");
-    let body = json!({
-        "prompt": "Write a long story about a lighthouse keeper.",
-        "max_tokens": 120,
-        "temperature": 0,
-        "ignore_eos": true,
-        "stream": true,
-    });
-    hit_the_busy_worker_mid_stream(&r, [(&mut d1, &d1addr), (&mut d2, &d2addr)], body, |p| {
-        p.signal(libc::SIGKILL);
-        p.wait_exit(Duration::from_secs(5));
-    })
-    .await;
+    kill_the_busy_worker_mid_story(&r, [(&mut d1, &d1addr), (&mut d2, &d2addr)]).await;
 }
 
 /// Migration that moves KV: a long prompt prefilled on a prefill worker, its decode worker killed
