@@ -143,12 +143,7 @@ fn speculative_greedy_tokens_equal_golden_with_each_proposer() {
         };
         let (mut e, _) = engine(WeightFormat::Native, cfg.clone());
         for pass in ["cold", "prefix hits"] {
-            let outs: Vec<Vec<u32>> = e
-                .generate(requests(&recs), |_| {}, |_| {})
-                .unwrap()
-                .into_iter()
-                .map(|o| o.output_ids)
-                .collect();
+            let outs = run_all(&mut e, &recs);
             assert_eq!(count_exact(&recs, &outs), recs.len(), "{method} {pass}");
         }
         let st = e.stats();

@@ -47,9 +47,6 @@ pub struct SeqInfo {
     pub preemptions: u32,
     /// Waiting: times a prompt behind it in the queue was admitted first.
     pub passed: u32,
-    /// Tokens proposed to follow it (speculation): a decoding sequence's next chunk is its
-    /// last token and these, verified together.
-    pub draft: usize,
 }
 
 impl SeqInfo {
@@ -63,7 +60,6 @@ impl SeqInfo {
             width: s.width(),
             preemptions: s.preemptions,
             passed: s.passed,
-            draft: s.draft.len(),
         }
     }
 
@@ -903,7 +899,6 @@ mod tests {
             width: 1,
             preemptions,
             passed,
-            draft: 0,
         }
     }
 

@@ -369,14 +369,6 @@ impl Engine {
             proposer: Some(proposer),
         });
     }
-
-    /// The proposer's name and most tokens proposed, when the engine speculates.
-    pub fn speculation(&self) -> Option<(&'static str, usize)> {
-        self.spec.as_ref().map(|s| {
-            let name = s.proposer.as_ref().map_or("self-draft", |p| p.name());
-            (name, s.config.tokens)
-        })
-    }
 }
 
 #[cfg(test)]
