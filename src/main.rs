@@ -156,7 +156,9 @@ pub struct EngineArgs {
     /// ngram: prompt lookup over the request's own tokens; suffix: that and a worker-wide
     /// index of recent outputs (traffic that repeats itself); self:N: a self-draft, the
     /// model's own first N layers with its head (an early exit over the same KV cache; pays
-    /// only for a model trained to exit early). Off when not given.
+    /// only for a model trained to exit early); draft:PATH: a smaller model with the same
+    /// tokenizer (GGUF file or HF directory) run on the CPU beside the target over a KV pool
+    /// of its own, as many blocks as the target's. Off when not given.
     #[arg(long, env = "TANDEM_SPECULATIVE")]
     pub speculative: Option<tandem_engine::SpecMethod>,
     /// Most tokens proposed per sequence and step (with --speculative).
@@ -320,6 +322,17 @@ impl EngineArgs {
             speculative: self.speculative(),
         };
         cfg.check()?;
+        if let Some(tandem_engine::SpecMethod::Draft(draft)) = &self.speculative {
+            // The engine loads the draft's weights; its tokenizer must be the target's.
+            let d = tandem_model::load_text(draft)
+                .with_context(|| format!("loading the draft model {}", draft.display()))?;
+            if let Some(diff) = loaded.tokenizer.vocabulary_difference(&d.tokenizer) {
+                anyhow::bail!(
+                    "--speculative draft:{}: the draft's tokenizer is not the target's ({diff})",
+                    draft.display()
+                );
+            }
+        }
         let tp = self.tp()?;
         let mut backend =
             tandem_engine::device::on(self.device, &loaded, &cfg.pool(), self.weights, tp)

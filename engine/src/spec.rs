@@ -15,6 +15,10 @@
 //! - [`SuffixProposer`]: suffix decoding: the request's own prompt and output as above, plus a
 //!   worker-wide [`SuffixIndex`] of recent outputs (agentic and code-editing traffic repeats
 //!   itself across requests), whichever matches the longer context.
+//!
+//! The two that run a model, a self-draft ([`SpecMethod::SelfDraft`]) and a draft model
+//! ([`SpecMethod::Draft`]), propose the greedy tokens of that model: a point mass too. The
+//! engine runs them (its `speculate` and `draft` modules).
 
 use std::collections::{HashMap, VecDeque};
 
@@ -33,6 +37,11 @@ pub enum SpecMethod {
     /// layers' K/V for a token are the bits the whole model writes, so drafting needs no pool
     /// of its own and nothing is computed for the prompt beyond the target's prefill.
     SelfDraft(usize),
+    /// A draft model: a smaller model with the target's tokenizer (a GGUF file or an HF
+    /// directory), run on the same worker over a paged KV pool of its own, proposing greedily.
+    /// Its K/V for a sequence's tokens is computed on the worker that decodes it (after a
+    /// remote prefill or a migration too), as the sequence first drafts.
+    Draft(std::path::PathBuf),
 }
 
 impl std::str::FromStr for SpecMethod {
@@ -41,15 +50,20 @@ impl std::str::FromStr for SpecMethod {
         match s {
             "ngram" => Ok(Self::Ngram),
             "suffix" => Ok(Self::Suffix),
-            o if o.starts_with("draft:") => Err(format!(
-                "--speculative {o}: separate draft models are not served yet (use ngram, suffix or self:N)"
-            )),
+            o if o.starts_with("draft:") => match &o["draft:".len()..] {
+                "" => Err(format!(
+                    "--speculative {o}: draft:PATH names the draft model's GGUF file or HF directory"
+                )),
+                path => Ok(Self::Draft(path.into())),
+            },
             o => match o.strip_prefix("self:").map(str::parse::<usize>) {
                 Some(Ok(n)) if n > 0 => Ok(Self::SelfDraft(n)),
                 Some(_) => Err(format!(
                     "--speculative {o}: self:N drafts with the target's first N layers, N at least 1"
                 )),
-                None => Err(format!("unknown proposer {o:?} (ngram|suffix|self:N)")),
+                None => Err(format!(
+                    "unknown proposer {o:?} (ngram|suffix|self:N|draft:PATH)"
+                )),
             },
         }
     }
@@ -61,6 +75,7 @@ impl std::fmt::Display for SpecMethod {
             Self::Ngram => f.write_str("ngram"),
             Self::Suffix => f.write_str("suffix"),
             Self::SelfDraft(n) => write!(f, "self:{n}"),
+            Self::Draft(path) => write!(f, "draft:{}", path.display()),
         }
     }
 }
@@ -101,12 +116,12 @@ impl SpecConfig {
     }
 
     /// The proposer this configuration names, where it proposes from tokens alone (a
-    /// self-draft runs the model: the engine drafts with it).
+    /// self-draft or a draft model runs a model: the engine drafts with it).
     pub fn proposer(&self) -> Option<Box<dyn Proposer>> {
         match self.method {
             SpecMethod::Ngram => Some(Box::new(NgramProposer::default())),
             SpecMethod::Suffix => Some(Box::new(SuffixProposer::default())),
-            SpecMethod::SelfDraft(_) => None,
+            SpecMethod::SelfDraft(_) | SpecMethod::Draft(_) => None,
         }
     }
 }
@@ -442,14 +457,21 @@ mod tests {
         out.clear();
         p.propose(&[2, 4, 5, 11, 2, 4, 5], 2, &mut out);
         assert_eq!(out, [11, 2]);
-        assert!("draft:/m".parse::<SpecMethod>().is_err());
+        assert_eq!(
+            "draft:/m/small.gguf".parse::<SpecMethod>(),
+            Ok(SpecMethod::Draft("/m/small.gguf".into()))
+        );
+        assert_eq!(
+            SpecMethod::Draft("/m/small.gguf".into()).to_string(),
+            "draft:/m/small.gguf"
+        );
         assert_eq!("suffix".parse::<SpecMethod>(), Ok(SpecMethod::Suffix));
         assert_eq!(
             "self:12".parse::<SpecMethod>(),
             Ok(SpecMethod::SelfDraft(12))
         );
         assert_eq!(SpecMethod::SelfDraft(12).to_string(), "self:12");
-        for bad in ["self:0", "self:", "self:x", "eagle"] {
+        for bad in ["self:0", "self:", "self:x", "eagle", "draft:"] {
             assert!(bad.parse::<SpecMethod>().is_err(), "{bad}");
         }
     }

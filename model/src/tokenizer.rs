@@ -202,6 +202,19 @@ impl Tokenizer {
         self.inner.decode(ids, skip_special).map_err(tk_err)
     }
 
+    /// Where `other` maps text to ids differently: the first id whose entry differs, or the
+    /// sizes when they differ (None: the same vocabulary, as a draft model must have).
+    pub fn vocabulary_difference(&self, other: &Tokenizer) -> Option<String> {
+        let (a, b) = (self.vocab_size(), other.vocab_size());
+        if a != b {
+            return Some(format!("{a} token ids against {b}"));
+        }
+        (0..a as u32).find_map(|id| {
+            let (x, y) = (self.id_to_token(id), other.id_to_token(id));
+            (x != y).then(|| format!("id {id} is {x:?} against {y:?}"))
+        })
+    }
+
     /// The vocabulary entry of one id (its raw token text, not decoded), if the id exists.
     pub fn id_to_token(&self, id: u32) -> Option<String> {
         self.inner.id_to_token(id)

@@ -40,6 +40,7 @@ use tandem_model::ModelConfig;
 use tandem_types::BlockId;
 
 mod disk;
+mod draft;
 mod offline;
 mod remote;
 mod schedule;
@@ -350,7 +351,15 @@ impl Engine {
                 )));
             }
         }
-        let spec = config.speculative.clone().map(speculate::Speculation::new);
+        let spec = match config.speculative.clone() {
+            Some(c) => Some(speculate::Speculation::new(
+                c,
+                backend.as_ref(),
+                config.block_size,
+                config.kv_dtype,
+            )?),
+            None => None,
+        };
         let blocks = BlockManager::new(backend.num_blocks(), config.block_size);
         let disk = match &config.kv_disk {
             Some(c) => {

@@ -18,7 +18,9 @@
 
 use serde::Serialize;
 
+use super::draft::Drafter;
 use super::{finish_at, Engine, FinishReason, Forwarded};
+use crate::backend::Backend;
 use crate::error::EngineError;
 use crate::forward::SeqBatch;
 use crate::sampler::{Sampled, Sampler};
@@ -40,19 +42,41 @@ pub struct SpecCounts {
     pub withheld_tokens: u64,
 }
 
-/// An engine's speculation: its configuration, its proposer (none for a self-draft: the
-/// engine drafts with its own model).
+/// An engine's speculation: its configuration, its proposer of tokens or its draft model
+/// (neither for a self-draft: the engine drafts with its own model).
 pub(super) struct Speculation {
     pub(super) config: SpecConfig,
     proposer: Option<Box<dyn Proposer>>,
+    pub(super) drafter: Option<Drafter>,
 }
 
 impl Speculation {
-    pub(super) fn new(config: SpecConfig) -> Self {
-        Self {
+    /// Speculation as `config` says for an engine on `target` with blocks of `block_size`
+    /// tokens of `kv_dtype` (a draft model is loaded here, its pool as many blocks as the
+    /// target's).
+    pub(super) fn new(
+        config: SpecConfig,
+        target: &dyn Backend,
+        block_size: usize,
+        kv_dtype: crate::KvDtype,
+    ) -> Result<Self, EngineError> {
+        let drafter = match &config.method {
+            SpecMethod::Draft(path) => Some(Drafter::load(
+                path,
+                (
+                    target.config().vocab_size,
+                    target.num_blocks(),
+                    block_size,
+                    kv_dtype,
+                ),
+            )?),
+            _ => None,
+        };
+        Ok(Self {
             proposer: config.proposer(),
+            drafter,
             config,
-        }
+        })
     }
 }
 
@@ -156,16 +180,21 @@ impl Engine {
                 Ok(())
             }
             (None, SpecMethod::SelfDraft(layers)) => {
-                let keep = match adaptive {
-                    true => {
-                        let per_row = self.draft_row_seconds(&room, layers);
-                        let keep = self.sizes(&room, per_row);
-                        self.withhold(&room, &keep);
-                        keep
-                    }
-                    false => room,
-                };
+                let share = layers as f64 / self.backend.config().num_layers.max(1) as f64;
+                let keep = self.size_drafts(room, share);
                 self.draft_self(layers, keep)
+            }
+            (None, SpecMethod::Draft(_)) => {
+                let share = match &spec.drafter {
+                    Some(d) => d.weight_bytes() as f64 / self.backend.weight_bytes().max(1) as f64,
+                    None => {
+                        return Err(EngineError::Internal(
+                            "speculation by a draft model without one".into(),
+                        ))
+                    }
+                };
+                let keep = self.size_drafts(room, share);
+                self.draft_model(keep)
             }
             (None, m) => Err(EngineError::Internal(format!(
                 "speculation by {m} without a proposer"
@@ -236,16 +265,29 @@ impl Engine {
         }
     }
 
+    /// How many of the `room[i]` tokens each sequence may draft a model (a self-draft or a
+    /// draft model, whose forwards cost `share` of the target's) drafts: all of them without
+    /// the adaptive policy, else what the policy expects to pay, drafting included.
+    fn size_drafts(&mut self, room: Vec<usize>, share: f64) -> Vec<usize> {
+        if !self.spec.as_ref().is_some_and(|s| s.config.adaptive) {
+            return room;
+        }
+        let per_row = self.draft_row_seconds(&room, share);
+        let keep = self.sizes(&room, per_row);
+        self.withhold(&room, &keep);
+        keep
+    }
+
     /// Seconds one more drafted token of one sequence costs, by the measure of the draft
     /// forwards so far, with their fixed part shared by the sequences that would draft; before
-    /// any was measured, the decode steps' measure scaled to the `layers` drafted with (none
-    /// measured either: nothing, so the first drafts are made and measured).
-    fn draft_row_seconds(&self, room: &[usize], layers: usize) -> f64 {
+    /// any was measured, the decode steps' measure scaled by the draft's `share` of the
+    /// target's cost (none measured either: nothing, so the first drafts are made and
+    /// measured).
+    fn draft_row_seconds(&self, room: &[usize], share: f64) -> f64 {
         let drafting = room.iter().filter(|&&k| k > 0).count().max(1) as f64;
         if let Some(c) = self.draft_cost.fit() {
             return c.per_token + c.fixed / drafting;
         }
-        let share = layers as f64 / self.backend.config().num_layers.max(1) as f64;
         self.decode_cost
             .fit()
             .map_or(0.0, |c| share * (c.per_token + c.fixed / drafting))
@@ -352,10 +394,17 @@ impl Engine {
         }
     }
 
-    /// A sequence left the engine at its end: the proposer learns its tokens.
-    pub(super) fn learn(&mut self, tokens: &[u32], prompt_len: usize) {
-        if let Some(p) = self.spec.as_mut().and_then(|s| s.proposer.as_mut()) {
-            p.learn(tokens, prompt_len);
+    /// A sequence left the engine at its end: the proposer learns its tokens; its draft
+    /// model's state gives its blocks back.
+    pub(super) fn learn(&mut self, s: &super::Seq) {
+        let Some(spec) = self.spec.as_mut() else {
+            return;
+        };
+        if let Some(p) = spec.proposer.as_mut() {
+            p.learn(&s.tokens, s.prompt_len);
+        }
+        if let Some(d) = spec.drafter.as_mut() {
+            d.release(&(s.id, s.index));
         }
     }
 
@@ -367,7 +416,45 @@ impl Engine {
         self.spec = Some(Speculation {
             config,
             proposer: Some(proposer),
+            drafter: None,
         });
+    }
+
+    /// Speculates from the next step on with `draft` as the draft model (a backend over a pool
+    /// of its own, of blocks the size of the engine's), sized by `tokens` and `adaptive` as
+    /// [`SpecConfig`] says; `name` labels it (`draft:NAME`). Refused where the draft's
+    /// vocabulary is not the target's.
+    pub fn set_draft_model(
+        &mut self,
+        name: &str,
+        draft: Box<dyn Backend>,
+        tokens: usize,
+        adaptive: bool,
+    ) -> Result<(), EngineError> {
+        let config = SpecConfig {
+            method: SpecMethod::Draft(name.into()),
+            tokens,
+            adaptive,
+        };
+        config.check().map_err(EngineError::Config)?;
+        let drafter = Drafter::new(
+            draft,
+            self.backend.config().vocab_size,
+            self.config.block_size,
+        )?;
+        self.config.speculative = Some(config.clone());
+        self.spec = Some(Speculation {
+            config,
+            proposer: None,
+            drafter: Some(drafter),
+        });
+        Ok(())
+    }
+
+    /// The draft model's pool: blocks free and in all (None without a draft model).
+    #[cfg(test)]
+    pub(crate) fn draft_pool(&self) -> Option<(usize, usize)> {
+        self.spec.as_ref()?.drafter.as_ref().map(Drafter::blocks)
     }
 }
 

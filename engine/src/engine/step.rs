@@ -289,7 +289,7 @@ impl Engine {
             .collect();
         gone.reverse();
         for (s, _) in &gone {
-            self.learn(&s.tokens, s.prompt_len);
+            self.learn(s);
         }
         events.extend(
             gone.into_iter()

@@ -792,3 +792,72 @@ fn a_self_draft_changes_no_token() {
     assert_eq!(drafted, plain);
     assert!(counts.drafts > 0 && counts.draft_tokens > 0, "{counts:?}");
 }
+
+/// A draft model changes no token: with the target itself as its draft (every proposal
+/// accepted: the draft's rows are the target's bits), with a smaller draft (the target's
+/// first layer alone, which the target overrules), and with that draft over a pool too small
+/// for every sequence (states evicted, sequences that cannot draft decoding plainly), greedy
+/// and seeded requests get the tokens and log-probabilities of runs without, bit for bit;
+/// every block of both pools is back when they end.
+#[test]
+fn a_draft_model_changes_no_token_and_gives_its_blocks_back() {
+    use crate::backend::PoolSize;
+    use crate::device::cpu::{CpuBackend, CpuModel, WeightFormat};
+    let prompts: Vec<Vec<u32>> = (0..4u32)
+        .map(|i| (0..20u32).map(|t| 3 + (t * 7 + i) % 50).collect())
+        .collect();
+    let draft = |layers: usize, blocks: usize| {
+        let (mut c, tensors) = crate::testing::tiny_tensors(1);
+        c.num_layers = layers;
+        let model = CpuModel::from_tensors(&c, &tensors, WeightFormat::Native).unwrap();
+        let pool = PoolSize {
+            block_size: config().block_size,
+            kv_cache_mb: 0,
+            num_blocks: Some(blocks),
+            kv_dtype: KvDtype::F32,
+        };
+        Box::new(CpuBackend::new(model, &pool).unwrap()) as Box<dyn Backend>
+    };
+    let run = |draft: Option<Box<dyn Backend>>| {
+        let mut e = engine(config());
+        if let Some(d) = draft {
+            e.set_draft_model("tiny", d, 3, false).unwrap();
+        }
+        let mut reqs: Vec<Request> = prompts.iter().map(|p| req(p.clone(), 24)).collect();
+        reqs.push(seeded_resumed(&prompts[1], 11, Vec::new()));
+        let out = e.generate(reqs, |_| {}, |_| {}).unwrap();
+        let verified: Vec<(u32, u32)> = out.iter().map(|f| f.spec_tokens).collect();
+        let bits: Vec<(Vec<u32>, Vec<u32>)> = out
+            .into_iter()
+            .map(|f| {
+                (
+                    f.output_ids,
+                    f.logprobs.iter().map(|l| l.to_bits()).collect(),
+                )
+            })
+            .collect();
+        assert_eq!(e.stats().blocks_used, 0);
+        if let Some((free, all)) = e.draft_pool() {
+            assert_eq!(free, all, "every draft block is back");
+        }
+        (bits, e.stats().spec, verified)
+    };
+    let (plain, _, _) = run(None);
+    let (same, counts, verified) = run(Some(draft(2, 1000)));
+    assert_eq!(same, plain);
+    // The greedy requests take every proposal (the draft's rows are the target's bits); the
+    // seeded one draws what it draws.
+    for &(proposed, accepted) in &verified[..4] {
+        assert!(proposed > 0 && accepted == proposed, "{verified:?}");
+    }
+    assert!(counts.accepted_tokens < counts.draft_tokens, "{counts:?}");
+    let (small, counts, _) = run(Some(draft(1, 1000)));
+    assert_eq!(small, plain);
+    assert!(counts.draft_tokens > 0, "{counts:?}");
+    assert!(counts.accepted_tokens < counts.draft_tokens, "{counts:?}");
+    // Blocks of 16 tokens: each sequence's draft state needs 2 or 3; 5 blocks hold two.
+    let (short, counts, verified) = run(Some(draft(1, 5)));
+    assert_eq!(short, plain);
+    assert!(counts.draft_tokens > 0, "{counts:?}");
+    assert!(verified.iter().any(|v| v.0 > 0), "{verified:?}");
+}
