@@ -69,6 +69,32 @@ fn tp_2_is_refused_with_the_reason() {
     );
 }
 
+/// A draft model must be there and share the target's tokenizer: refused before anything
+/// runs, saying which and where they differ.
+#[test]
+fn a_draft_model_of_another_tokenizer_or_none_is_refused_with_the_reason() {
+    let other = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/model/tests/families/llama3/model.gguf"
+    );
+    let flag = format!("--speculative=draft:{other}");
+    let (out, ok, err) = generate(&[&flag, "--jsonl"], "{\"prompt\": \"hi\"}\n");
+    assert!(!ok && out.is_empty());
+    assert!(
+        err.contains("the draft's tokenizer is not the target's (49152 token ids against"),
+        "{err}"
+    );
+    let (out, ok, err) = generate(
+        &["--speculative=draft:/nonexistent/draft.gguf", "--jsonl"],
+        "{\"prompt\": \"hi\"}\n",
+    );
+    assert!(!ok && out.is_empty());
+    assert!(
+        err.contains("loading the draft model /nonexistent/draft.gguf"),
+        "{err}"
+    );
+}
+
 fn jsonl_reproduces_golden(extra: &[&str]) {
     let recs = golden();
     // One invocation per output length, prompts given as text, ids and chat messages.

@@ -27,8 +27,28 @@ fn choice(v: &Value) -> (Value, Value, Value) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_speculating_worker_answers_what_a_plain_one_answers() {
+    answers_what_a_plain_worker_answers(&["--speculative=ngram", "--num-speculative-tokens=6"])
+        .await;
+}
+
+/// The same with a draft model (the model's own file, every proposal verified): grammar masks
+/// cut its proposals, stop strings and `max_tokens` end inside them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_speculating_with_a_draft_model_answers_what_a_plain_one_answers() {
+    let draft = format!(
+        "--speculative=draft:{}",
+        tandem_model::default_model_path().display()
+    );
+    answers_what_a_plain_worker_answers(&[&draft, "--speculative-fixed"]).await;
+}
+
+/// A plain worker and one started with `spec`, each behind a router: the structured-output
+/// client's checks pass against the speculating one, and structured, stopped, seeded and
+/// logprob-carrying requests get the same answers from both; the speculating worker's metrics
+/// count what it proposed and accepted, the plain one's nothing.
+async fn answers_what_a_plain_worker_answers(spec: &[&str]) {
     let (_d0, d0addr) = start_worker(&[]);
-    let (_d1, d1addr) = start_worker(&["--speculative=ngram", "--num-speculative-tokens=6"]);
+    let (_d1, d1addr) = start_worker(spec);
     let plain = start_router(std::slice::from_ref(&d0addr), &[]);
     let spec = start_router(std::slice::from_ref(&d1addr), &[]);
     wait_ready(&plain, 1).await;
