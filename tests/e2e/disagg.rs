@@ -777,11 +777,12 @@ async fn a_decode_worker_killed_mid_stream_is_migrated_seamlessly() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn speculating_decode_workers_stay_exact_across_the_split_and_a_migration() {
     let spec = ["--speculative=suffix", "--num-speculative-tokens=4"];
-    let (accepted, proposed) = speculate_across_the_split_and_a_migration(&spec).await;
+    let (accepted, proposed, prefill) = speculate_across_the_split_and_a_migration(&spec).await;
     assert!(
         accepted > 0.0 && accepted <= proposed,
         "{accepted} of {proposed}"
     );
+    assert_eq!(prefill, 0.0, "no draft model, nothing to catch up");
 }
 
 /// The same with a draft model on the decode workers: the model's own file, every proposal
@@ -799,19 +800,25 @@ async fn a_draft_model_on_the_decode_workers_stays_exact_across_the_split_and_a_
         "--num-speculative-tokens=3",
         "--speculative-fixed",
     ];
-    let (accepted, proposed) = speculate_across_the_split_and_a_migration(&spec).await;
+    let (accepted, proposed, prefill) = speculate_across_the_split_and_a_migration(&spec).await;
     let tails = 2.0 * golden().len() as f64;
     assert!(
         accepted > 0.0 && proposed - accepted <= tails,
         "{accepted} of {proposed}"
     );
+    // Every prompt's K/V for the draft was computed on the decode workers.
+    let prompts: usize = golden()
+        .iter()
+        .map(|g| golden_ids(g, "prompt_ids").len())
+        .sum();
+    assert!(prefill >= prompts as f64, "{prefill} of {prompts}");
 }
 
 /// A prefill worker and two decode workers started with `spec`: every golden record's tokens
 /// after a remote prefill, then a stream whose worker is killed mid-way resumed on the other
 /// with the text of an uninterrupted run; the tokens the workers had accepted and proposed
-/// over the records.
-async fn speculate_across_the_split_and_a_migration(spec: &[&str]) -> (f64, f64) {
+/// over the records, and those their draft models computed to catch up.
+async fn speculate_across_the_split_and_a_migration(spec: &[&str]) -> (f64, f64, f64) {
     let (_p, paddr) = start_prefill(&[]);
     let (mut d1, d1addr, _) = start_decode(spec);
     let (mut d2, d2addr, _) = start_decode(spec);
@@ -840,8 +847,9 @@ async fn speculate_across_the_split_and_a_migration(spec: &[&str]) -> (f64, f64)
     let (m1, m2) = (scrape(&d1addr).await, scrape(&d2addr).await);
     let accepted = counted(&m1, "accepted_tokens") + counted(&m2, "accepted_tokens");
     let proposed = counted(&m1, "draft_tokens") + counted(&m2, "draft_tokens");
+    let prefill = counted(&m1, "draft_prefill_tokens") + counted(&m2, "draft_prefill_tokens");
     kill_the_busy_worker_mid_story(&r, [(&mut d1, &d1addr), (&mut d2, &d2addr)]).await;
-    (accepted, proposed)
+    (accepted, proposed, prefill)
 }
 
 /// Migration that moves KV: a long prompt prefilled on a prefill worker, its decode worker killed

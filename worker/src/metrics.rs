@@ -163,6 +163,11 @@ fn spec_metrics(enc: &mut DescriptorEncoder, s: &EngineStats) -> std::fmt::Resul
             "Proposed tokens not verified: the measured step cost said they would not pay",
             c.withheld_tokens,
         ),
+        (
+            "tandem_spec_decode_num_draft_prefill_tokens",
+            "Tokens a draft model computed to catch sequences up (their prompts, and what verification emitted past its proposals), not proposing",
+            c.draft_prefill_tokens,
+        ),
     ];
     for (name, help, v) in counts {
         counter(enc, name, help, &[(&[], v)])?;

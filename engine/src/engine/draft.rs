@@ -48,8 +48,6 @@ pub(super) struct Drafter {
     free: Vec<u32>,
     seqs: HashMap<Key, DraftSeq>,
     step: u64,
-    /// Tokens fed to catch a sequence up (not drafted), in all.
-    pub(super) caught_up: u64,
 }
 
 impl Drafter {
@@ -94,7 +92,6 @@ impl Drafter {
             backend,
             seqs: HashMap::new(),
             step: 0,
-            caught_up: 0,
         })
     }
 
@@ -255,11 +252,10 @@ impl super::Engine {
                 continue;
             }
             budget -= take;
+            // Every token fed but a drafting sequence's last catches up.
+            self.stats.spec.draft_prefill_tokens += (take - usize::from(drafts)) as u64;
             if !drafts {
                 keep[i] = 0;
-                d.caught_up += take as u64;
-            } else {
-                d.caught_up += take as u64 - 1;
             }
             plan.push((i, from, from + take, drafts));
         }

@@ -40,6 +40,10 @@ pub struct SpecCounts {
     pub accepted_per_position: [u64; MAX_SPECULATIVE_TOKENS],
     /// Proposed tokens the policy held back, expected not to pay in their step.
     pub withheld_tokens: u64,
+    /// Tokens a draft model fed to catch sequences up rather than to propose: its K/V for
+    /// their prompts (computed where they decode) and for what verification emitted past
+    /// what it had proposed.
+    pub draft_prefill_tokens: u64,
 }
 
 /// An engine's speculation: its configuration, its proposer of tokens or its draft model
