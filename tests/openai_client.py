@@ -110,7 +110,7 @@ def main():
         client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}])
         print("FAIL unknown model was accepted")
         failed += 1
-    except openai.BadRequestError as e:
+    except openai.NotFoundError as e:
         if e.body.get("code") != "model_not_found":
             print(f"FAIL unknown model body {e.body}")
             failed += 1

@@ -97,9 +97,8 @@ impl ApiError {
     /// The HTTP status this error answers with.
     pub fn status(&self) -> StatusCode {
         match self {
-            Self::InvalidRequest { .. } | Self::ContextLength { .. } | Self::ModelNotFound(_) => {
-                StatusCode::BAD_REQUEST
-            }
+            Self::InvalidRequest { .. } | Self::ContextLength { .. } => StatusCode::BAD_REQUEST,
+            Self::ModelNotFound(_) => StatusCode::NOT_FOUND,
             Self::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             Self::BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             Self::BodyTimeout(_) | Self::BodyDeadline(_) => StatusCode::REQUEST_TIMEOUT,
@@ -286,7 +285,7 @@ mod tests {
                 400,
                 Code::InvalidArgument,
             ),
-            (ApiError::ModelNotFound("m".into()), 400, Code::NotFound),
+            (ApiError::ModelNotFound("m".into()), 404, Code::NotFound),
             (
                 ApiError::Unauthorized("no".into()),
                 401,

@@ -243,7 +243,7 @@ async fn bad_input(r: &Router, model: &str) {
         (
             chat,
             json!({"model": "gpt-17", "messages": msgs}),
-            400,
+            404,
             "model_not_found",
         ),
         (
@@ -521,8 +521,67 @@ async fn tokenize_detokenize(r: &Router, model: &str, tok: &tandem_model::Tokeni
     .await;
     assert_eq!(
         (s, v["error"]["code"].as_str()),
-        (400, Some("model_not_found"))
+        (404, Some("model_not_found"))
     );
+    // As OpenAI refuses them: stream_options without stream, a tool message without the id
+    // of the call it answers.
+    let chat = "/v1/chat/completions";
+    let m = refused(
+        r,
+        model,
+        chat,
+        "stream_options",
+        json!({"include_usage": true}),
+    )
+    .await;
+    assert!(m.contains("only allowed when stream is true"), "{m}");
+    let body = json!({"model": model, "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "tool", "content": "42"},
+    ]});
+    let (s, v) = post(&r.http, chat, body).await;
+    assert_eq!(
+        (s, v["error"]["param"].as_str()),
+        (400, Some("messages")),
+        "{v}"
+    );
+    let m = v["error"]["message"].as_str().unwrap();
+    assert!(m.contains("messages[1].tool_call_id"), "{m}");
+    request_ids(r, model).await;
+}
+
+/// Every response carries an `x-request-id`: a new `req_` id each time, or the client's own,
+/// given back as it came (an answer, a refusal, a route that does not exist alike).
+async fn request_ids(r: &Router, model: &str) {
+    let c = reqwest::Client::new();
+    let id_of = |resp: &reqwest::Response| {
+        resp.headers()
+            .get("x-request-id")
+            .map(|v| v.to_str().unwrap().to_string())
+            .unwrap_or_default()
+    };
+    let mut seen = std::collections::HashSet::new();
+    for path in ["/v1/models", "/v1/nothing-here", "/health"] {
+        let resp = c.get(format!("{}{path}", r.http)).send().await.unwrap();
+        let id = id_of(&resp);
+        assert!(id.starts_with("req_") && id.len() == 36, "{path}: {id:?}");
+        assert!(seen.insert(id), "ids are new each time");
+    }
+    let body = json!({"model": model, "prompt": "hi", "max_tokens": 2});
+    for (status, body) in [
+        (200, body),
+        (404, json!({"model": "gpt-17", "prompt": "hi"})),
+    ] {
+        let resp = c
+            .post(format!("{}/v1/completions", r.http))
+            .header("x-request-id", "trace-abc.123")
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status().as_u16(), status);
+        assert_eq!(id_of(&resp), "trace-abc.123");
+    }
 }
 
 /// A completion with several prompts: one choice per prompt, in order, each what the prompt

@@ -73,7 +73,33 @@ pub fn routes(d: Arc<Dispatcher>, door: &FrontDoor) -> axum::Router {
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn(catch_panic))
         .layer(Extension(BodyLimits::new(&door.limits, d.metrics.clone())))
+        .layer(middleware::from_fn(request_id))
         .with_state(d)
+}
+
+/// Longest `x-request-id` a client may set that is given back as it came.
+const MAX_REQUEST_ID: usize = 128;
+
+/// Every response carries an `x-request-id`, as OpenAI's and Anthropic's do: the client's own
+/// (a proxy's) where it sent a printable one of at most [`MAX_REQUEST_ID`] bytes, else a new
+/// `req_` and 32 random hex digits.
+async fn request_id(req: axum::extract::Request, next: middleware::Next) -> Response {
+    use axum::http::HeaderValue;
+    let given = req
+        .headers()
+        .get("x-request-id")
+        .filter(|v| {
+            let b = v.as_bytes();
+            !b.is_empty() && b.len() <= MAX_REQUEST_ID && b.iter().all(|c| c.is_ascii_graphic())
+        })
+        .cloned();
+    let id = given.unwrap_or_else(|| {
+        let n: u128 = rand::random();
+        HeaderValue::from_str(&format!("req_{n:032x}")).expect("hex is a header value")
+    });
+    let mut resp = next.run(req).await;
+    resp.headers_mut().insert("x-request-id", id);
+    resp
 }
 
 /// A panic while serving one request is that request's 500 (an OpenAI error body), counted and

@@ -82,6 +82,12 @@ impl Sampling {
     }
 
     pub(super) fn params(&self, max_tokens: Option<u64>) -> Result<GenParams, ApiError> {
+        if self.stream_options.is_some() && self.stream != Some(true) {
+            return Err(ApiError::invalid(
+                "stream_options is only allowed when stream is true",
+                "stream_options",
+            ));
+        }
         Ok(GenParams {
             n: self.n()?,
             temperature: self.temperature,
@@ -370,7 +376,14 @@ pub(super) struct ChatRequest {
 
 pub(super) fn chat_messages(msgs: Vec<Message>) -> Result<Vec<ChatMessage>, ApiError> {
     msgs.into_iter()
-        .map(|m| {
+        .enumerate()
+        .map(|(i, m)| {
+            if m.role == "tool" && m.tool_call_id.as_deref().is_none_or(str::is_empty) {
+                return Err(ApiError::invalid(
+                    format!("missing required parameter messages[{i}].tool_call_id: a tool message answers a call by its id"),
+                    "messages",
+                ));
+            }
             let content = match m.content {
                 None => String::new(),
                 Some(Content::Text(t)) => t,
