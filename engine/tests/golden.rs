@@ -163,19 +163,21 @@ fn speculative_greedy_tokens_equal_golden_with_each_proposer() {
             ..EngineConfig::default()
         };
         let small_draft = method == SpecMethod::Draft("first-8-layers".into());
-        let (mut e, _) = match small_draft {
-            true => {
-                let plain = EngineConfig {
-                    speculative: None,
-                    ..cfg.clone()
-                };
-                let (mut e, recs) = engine(WeightFormat::Native, plain);
-                e.set_draft_model("first-8-layers", small(), 4, false)
-                    .unwrap();
-                (e, recs)
+        // An engine of `cfg`; the small draft is set on it (it is no file).
+        let build = |cfg: EngineConfig| {
+            if !small_draft {
+                return engine(WeightFormat::Native, cfg).0;
             }
-            false => engine(WeightFormat::Native, cfg.clone()),
+            let plain = EngineConfig {
+                speculative: None,
+                ..cfg
+            };
+            let mut e = engine(WeightFormat::Native, plain).0;
+            e.set_draft_model("first-8-layers", small(), 4, false)
+                .unwrap();
+            e
         };
+        let mut e = build(cfg.clone());
         for pass in ["cold", "prefix hits"] {
             let outs = run_all(&mut e, &recs);
             assert_eq!(count_exact(&recs, &outs), recs.len(), "{method} {pass}");
@@ -200,12 +202,12 @@ fn speculative_greedy_tokens_equal_golden_with_each_proposer() {
             c.accepted_tokens, c.draft_tokens
         );
         assert_no_blocks_held(&e);
-        // (The self-draft's forwards take a tight pool's blocks the same way, and a draft
-        // model's pool is its own: one tight pool is enough, and the slow levels' runs stay
-        // short.)
-        if matches!(method, SpecMethod::Ngram | SpecMethod::Suffix) {
-            let (mut tight, _) =
-                engine(WeightFormat::Native, preempting(&probe, &cfg, &reqs, true));
+        // (The self-draft's forwards take a tight pool's blocks as the token proposers'
+        // verification does, and the two draft models take the same path: one of each is
+        // enough, and the slow levels' runs stay short. A preempted sequence keeps its draft
+        // model's state while it waits.)
+        if matches!(method, SpecMethod::Ngram | SpecMethod::Suffix) || small_draft {
+            let mut tight = build(preempting(&probe, &cfg, &reqs, true));
             check_all(&mut tight, &recs);
             assert!(tight.stats().preemptions > 0, "{method}: no preemption");
             assert!(tight.stats().spec.accepted_tokens > 0);

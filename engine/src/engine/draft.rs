@@ -135,18 +135,25 @@ impl Drafter {
     /// it fed that `tokens` still starts with, short of the last token (which is fed again for
     /// its logits). The state is kept from eviction in this step.
     pub(super) fn resume(&mut self, key: Key, tokens: &[u32]) -> usize {
+        let keep = self.kept(&key, tokens);
         let step = self.step;
         let s = self.seqs.entry(key).or_default();
         s.used = step;
-        let keep = s
-            .fed
-            .iter()
-            .zip(tokens)
-            .take_while(|(a, b)| a == b)
-            .count()
-            .min(tokens.len().saturating_sub(1));
         s.fed.truncate(keep);
         keep
+    }
+
+    /// Where [`Drafter::resume`] would find the draft's K/V for the sequence ending, changing
+    /// nothing.
+    pub(super) fn kept(&self, key: &Key, tokens: &[u32]) -> usize {
+        self.seqs.get(key).map_or(0, |s| {
+            s.fed
+                .iter()
+                .zip(tokens)
+                .take_while(|(a, b)| a == b)
+                .count()
+                .min(tokens.len().saturating_sub(1))
+        })
     }
 
     /// Gives a sequence blocks for `tokens` tokens, evicting the least recently used states

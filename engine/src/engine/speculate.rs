@@ -175,7 +175,7 @@ impl Engine {
                 }
                 if adaptive {
                     let offered: Vec<usize> = self.running.iter().map(|s| s.draft.len()).collect();
-                    let keep = self.sizes(&offered, 0.0);
+                    let keep = self.sizes(&offered, 0.0, &[]);
                     self.withhold(&offered, &keep);
                     for (s, &k) in self.running.iter_mut().zip(&keep) {
                         s.draft.truncate(k);
@@ -185,7 +185,7 @@ impl Engine {
             }
             (None, SpecMethod::SelfDraft(layers)) => {
                 let share = layers as f64 / self.backend.config().num_layers.max(1) as f64;
-                let keep = self.size_drafts(room, share);
+                let keep = self.size_drafts(room, share, &[]);
                 self.draft_self(layers, keep)
             }
             (None, SpecMethod::Draft(_)) => {
@@ -197,7 +197,8 @@ impl Engine {
                         ))
                     }
                 };
-                let keep = self.size_drafts(room, share);
+                let lag = self.draft_lag();
+                let keep = self.size_drafts(room, share, &lag);
                 self.draft_model(keep)
             }
             (None, m) => Err(EngineError::Internal(format!(
@@ -219,13 +220,22 @@ impl Engine {
     /// is compute-bound (many sequences, each row costing its full share) nothing pays and the
     /// step is plain decoding. Before the steps are measured (or while they have all been one
     /// size, which does not tell the fixed part from the rows'), everything offered is kept.
-    fn sizes(&self, offered: &[usize], per_token: f64) -> Vec<usize> {
+    ///
+    /// A draft model must first catch a sequence up over what it lacks (`lag[i]` tokens; none
+    /// where `lag` is empty): a cost paid once for the steps the sequence drafts in after, so
+    /// its first proposed token bears that cost shared over the steps it has left at the
+    /// rate its proposals are expected to go. A sequence whose drafting would pay for itself
+    /// but not for its catch-up does not draft.
+    fn sizes(&self, offered: &[usize], per_token: f64, lag: &[usize]) -> Vec<usize> {
         let Some(cost) = self.decode_cost.fit().filter(|c| c.fixed > 0.0) else {
             return offered.to_vec();
         };
         let mut tokens = 0.0;
         let mut time = cost.fixed;
         let mut cands = Vec::new();
+        let max_ctx = self.backend.config().max_position_embeddings;
+        let catch_up = self.draft_cost.fit();
+        let mut setup = vec![0.0f64; self.running.len()];
         for (i, s) in self.running.iter().enumerate() {
             if s.pending() != 1 {
                 continue;
@@ -233,9 +243,21 @@ impl Engine {
             tokens += 1.0;
             time += cost.seconds(s.computed, 1);
             let mut gain = 1.0f64;
+            let mut per_step = 1.0f64;
             for j in 1..=offered[i] {
                 gain *= f64::from(s.accept);
+                per_step += gain;
                 cands.push((gain, i, j));
+            }
+            if let Some(&lag) = lag.get(i).filter(|&&l| l > 0 && offered[i] > 0) {
+                let len = s.tokens.len();
+                let seconds =
+                    catch_up.map_or(per_token * lag as f64, |c| c.seconds(len - lag, lag));
+                let left = (s.sampler.params().max_tokens as usize)
+                    .saturating_sub(len - s.prompt_len)
+                    .min(max_ctx.saturating_sub(len))
+                    .max(1);
+                setup[i] = seconds * per_step / left as f64;
             }
         }
         // Best first; a sequence's positions in order (gains fall with j, ties keep j order).
@@ -246,7 +268,10 @@ impl Engine {
                 continue;
             }
             let c = self.running[i].computed;
-            let extra = cost.seconds(c, 1 + j) - cost.seconds(c, j) + per_token;
+            let mut extra = cost.seconds(c, 1 + j) - cost.seconds(c, j) + per_token;
+            if j == 1 {
+                extra += setup[i];
+            }
             if gain * time > MARGIN * tokens * extra {
                 keep[i] = j;
                 tokens += gain;
@@ -254,6 +279,18 @@ impl Engine {
             }
         }
         keep
+    }
+
+    /// Tokens each running sequence's draft-model state lacks before it can draft (none
+    /// without a draft model).
+    fn draft_lag(&self) -> Vec<usize> {
+        let Some(d) = self.spec.as_ref().and_then(|s| s.drafter.as_ref()) else {
+            return Vec::new();
+        };
+        self.running
+            .iter()
+            .map(|s| s.tokens.len() - d.kept(&(s.id, s.index), &s.tokens))
+            .collect()
     }
 
     /// Counts what the policy held back of what was offered, and lets the estimate of a
@@ -272,12 +309,12 @@ impl Engine {
     /// How many of the `room[i]` tokens each sequence may draft a model (a self-draft or a
     /// draft model, whose forwards cost `share` of the target's) drafts: all of them without
     /// the adaptive policy, else what the policy expects to pay, drafting included.
-    fn size_drafts(&mut self, room: Vec<usize>, share: f64) -> Vec<usize> {
+    fn size_drafts(&mut self, room: Vec<usize>, share: f64, lag: &[usize]) -> Vec<usize> {
         if !self.spec.as_ref().is_some_and(|s| s.config.adaptive) {
             return room;
         }
         let per_row = self.draft_row_seconds(&room, share);
-        let keep = self.sizes(&room, per_row);
+        let keep = self.sizes(&room, per_row, lag);
         self.withhold(&room, &keep);
         keep
     }
