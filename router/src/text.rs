@@ -19,6 +19,8 @@ pub struct TextAssembler {
 pub struct Piece {
     pub text: String,
     pub stopped: bool,
+    /// The stop string that ended the output, when one did.
+    pub stop: Option<String>,
 }
 
 impl TextAssembler {
@@ -55,15 +57,17 @@ impl TextAssembler {
         let first_stop = self
             .stops
             .iter()
-            .filter_map(|s| self.pending.find(s.as_str()))
-            .min();
-        if let Some(at) = first_stop {
+            .filter_map(|s| self.pending.find(s.as_str()).map(|at| (at, s)))
+            .min_by_key(|&(at, _)| at);
+        if let Some((at, stop)) = first_stop {
             self.stopped = true;
+            let stop = Some(stop.clone());
             let text = self.pending[..at].to_string();
             self.pending.clear();
             return Piece {
                 text,
                 stopped: true,
+                stop,
             };
         }
         let keep = if all { 0 } else { self.held_back() };
@@ -71,6 +75,7 @@ impl TextAssembler {
         Piece {
             text,
             stopped: false,
+            stop: None,
         }
     }
 

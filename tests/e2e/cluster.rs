@@ -988,6 +988,16 @@ async fn the_openai_python_client_gets_the_golden_text() {
     c.done().await;
 }
 
+/// Anthropic's Messages API through the official Anthropic Python client: text equal to the
+/// chat endpoint's, streamed and whole, stop sequences, tool_use round trips, count_tokens and
+/// errors in Anthropic's shapes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_anthropic_python_client_speaks_the_messages_api() {
+    let (_turn, c) = one_worker().await;
+    assert!(anthropic_python_client(&c.router.http, &c.model, &[]).await >= 16);
+    c.done().await;
+}
+
 /// Structured outputs through the OpenAI Python client, each answer valid for its schema.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn structured_outputs_through_the_python_client_follow_their_schemas() {

@@ -230,6 +230,31 @@ async fn api_keys_limits_and_stalled_clients() {
     let answer = v["choices"][0]["text"].as_str().unwrap().to_string();
     assert!(!answer.is_empty());
 
+    // Anthropic's clients send the key bare, in x-api-key; a wrong one is refused in
+    // Anthropic's shape.
+    for (key, status) in [("key-two", 200), ("key-three", 401)] {
+        let resp = c
+            .post(format!("{http}/v1/messages"))
+            .header("x-api-key", key)
+            .json(&json!({"model": model, "max_tokens": 2,
+                          "messages": [{"role": "user", "content": "Hi"}]}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status().as_u16(), status, "{key}");
+        let v: Value = resp.json().await.unwrap();
+        if status == 200 {
+            assert_eq!(
+                (v["type"].as_str(), v["usage"]["output_tokens"].as_u64()),
+                (Some("message"), Some(2)),
+                "{v}"
+            );
+        } else {
+            assert_eq!(v["error"]["type"], "authentication_error", "{v}");
+            unauthorized += 1.0;
+        }
+    }
+
     // gRPC: the same keys as `authorization` metadata; health needs none.
     {
         use api::generation_client::GenerationClient;
@@ -415,15 +440,15 @@ async fn api_keys_limits_and_stalled_clients() {
     assert_eq!(refused("body_too_large"), 2.0);
     assert_eq!(refused("body_timeout"), 1.0);
     assert_eq!(refused("queue_full"), queue_full);
-    // What passed the front door, by how it ended: four completions and one gRPC generation
-    // answered, the 429s turned away.
+    // What passed the front door, by how it ended: four completions, one message and one gRPC
+    // generation answered, the 429s turned away.
     let outcome = |o: &str| {
         metric(
             &m,
             &format!("tandem_router_requests_total{{outcome=\"{o}\"}}"),
         )
     };
-    assert_eq!(outcome("ok"), 5.0);
+    assert_eq!(outcome("ok"), 6.0);
     assert_eq!(outcome("refused"), queue_full);
     assert_eq!(
         outcome("invalid") + outcome("failed") + outcome("cancelled"),

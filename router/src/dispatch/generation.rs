@@ -406,6 +406,7 @@ impl Generation {
             if piece.stopped {
                 s.done = true;
                 cut.push(t.index);
+                c.stop = piece.stop;
                 c.finish = Some((
                     FinishKind::Stop,
                     Usage {
@@ -432,6 +433,9 @@ impl Generation {
             let at = chunk_of(&mut chunks, f.index);
             let c = &mut chunks[at].1;
             c.text.push_str(&piece.text);
+            if piece.stopped {
+                c.stop = piece.stop;
+            }
             let kind = match pb::FinishReason::try_from(f.reason) {
                 _ if piece.stopped => FinishKind::Stop,
                 Ok(pb::FinishReason::Length) => FinishKind::Length,

@@ -222,6 +222,8 @@ pub struct Chunk {
     pub tokens: Vec<TokenOut>,
     /// On the last chunk: why the output ended, and the request's counts.
     pub finish: Option<(FinishKind, Usage)>,
+    /// On the last chunk of an output a stop string ended: that string.
+    pub stop: Option<String>,
 }
 
 /// The dispatcher's limits.

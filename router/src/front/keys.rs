@@ -55,6 +55,14 @@ impl ApiKeys {
         let Some(token) = token else {
             return Err("the Authorization header must be 'Bearer KEY'".into());
         };
+        self.check_token(token)
+    }
+
+    /// Checks a key as sent bare (Anthropic's `x-api-key` header).
+    pub fn check_token(&self, token: &str) -> Result<(), String> {
+        if self.is_open() {
+            return Ok(());
+        }
         let digest: [u8; 32] = Sha256::digest(token.as_bytes()).into();
         // Every key is compared, so the time taken says nothing of which one came close.
         let matched = self
@@ -94,11 +102,24 @@ pub async fn require_key(
     next: Next,
 ) -> Response {
     let header = req.headers().get(AUTHORIZATION).map(|v| v.as_bytes());
-    match keys.check(header) {
+    // Anthropic's clients send the key bare in x-api-key.
+    let bare = req.headers().get("x-api-key");
+    let checked = match (header, bare) {
+        (None, Some(k)) => match k.to_str() {
+            Ok(k) => keys.check_token(k.trim()),
+            Err(_) => Err("the x-api-key header is not text".into()),
+        },
+        _ => keys.check(header),
+    };
+    match checked {
         Ok(()) => next.run(req).await,
         Err(m) => {
             metrics.refused("unauthorized");
-            let mut resp = ApiError::Unauthorized(m).into_response();
+            let e = ApiError::Unauthorized(m);
+            if req.uri().path().starts_with("/v1/messages") {
+                return crate::openai::anthropic_error(&e);
+            }
+            let mut resp = e.into_response();
             resp.headers_mut()
                 .insert(WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
             resp

@@ -15,6 +15,7 @@
 //! as server-sent events.
 
 mod body;
+mod messages;
 mod request;
 mod response;
 mod tools;
@@ -29,7 +30,9 @@ use axum::routing::{get, post};
 use axum::{middleware, Extension, Json};
 use serde_json::{json, Value};
 
-use crate::dispatch::{Dispatcher, MaxTokensDefault, Prepared, PromptInput, RequestedGrammar};
+use crate::dispatch::{
+    Dispatcher, Generation, MaxTokensDefault, Prepared, PromptInput, RequestedGrammar,
+};
 use crate::error::ApiError;
 use crate::front::{require_key, FrontDoor};
 use crate::trace;
@@ -51,6 +54,8 @@ pub fn routes(d: Arc<Dispatcher>, door: &FrontDoor) -> axum::Router {
     let api = axum::Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/messages", post(messages::messages))
+        .route("/v1/messages/count_tokens", post(messages::count_tokens))
         .route("/v1/models", get(models))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
@@ -127,7 +132,7 @@ async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) ->
 }
 
 async fn not_found() -> Response {
-    let body = json!({"error": {"message": "no such route: the API is under /v1 (completions, chat/completions, models), plus /tokenize and /detokenize", "type": "invalid_request_error", "param": null, "code": "not_found"}});
+    let body = json!({"error": {"message": "no such route: the API is under /v1 (completions, chat/completions, messages, models), plus /tokenize and /detokenize", "type": "invalid_request_error", "param": null, "code": "not_found"}});
     (StatusCode::NOT_FOUND, Json(body)).into_response()
 }
 
@@ -308,6 +313,14 @@ async fn serve(d: Arc<Dispatcher>, preps: Vec<Prepared>, shape: Shape, stream: b
         .await
         .unwrap_or_else(IntoResponse::into_response)
 }
+
+/// Starts one chat request's generation (its samples counted against the router's limit).
+async fn chat_prepared(d: &Dispatcher, prep: Prepared) -> Result<Generation, ApiError> {
+    d.check_samples(prep.params.n.max(1) as usize)?;
+    d.generate(prep).await
+}
+
+pub(crate) use messages::anthropic_error;
 
 /// Prompts one completion request may batch.
 const MAX_BATCHED_PROMPTS: usize = 256;

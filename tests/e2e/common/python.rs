@@ -67,6 +67,42 @@ pub fn python_server_in(netns: Option<&str>, script: &str, args: &[String]) -> P
     Proc { child }
 }
 
+/// Runs `tests/<script>` with `args` (inside `netns` when given), which must succeed; its
+/// standard output (both outputs are printed for the test's log). `who` names the client.
+async fn client_script(netns: Option<&str>, script: &str, args: &[String], who: &str) -> String {
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests")
+        .join(script);
+    let out = tokio::process::Command::from(python_command(netns))
+        .arg(script)
+        .args(args)
+        .output()
+        .await
+        .expect("run python");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    eprintln!("{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{who} client checks failed:\n{stdout}"
+    );
+    stdout
+}
+
+/// Runs tests/anthropic_client.py (the official Anthropic Python client) against the router at
+/// `http` (its root): the Messages API's checks, every one passed; their count.
+pub async fn anthropic_python_client(http: &str, model: &str, extra: &[String]) -> usize {
+    let mut args = vec![format!("--base-url={http}"), format!("--model={model}")];
+    args.extend_from_slice(extra);
+    let stdout = client_script(None, "anthropic_client.py", &args, "Anthropic").await;
+    let last = stdout.lines().last().unwrap_or_default();
+    let (passed, all) = last
+        .split_once(' ')
+        .and_then(|(n, _)| n.split_once('/'))
+        .expect("a count line");
+    assert_eq!(passed, all, "{last}");
+    passed.parse().unwrap()
+}
+
 /// Runs tests/openai_client.py (the official OpenAI Python client) against `base_url`: every
 /// golden case four ways, exact text, finish reason and usage. `extra` goes to the script
 /// (`--api-key=K`, `--ca-cert=PEM`).
@@ -113,23 +149,13 @@ pub async fn openai_python_client_in(
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("cases.json");
     std::fs::write(&path, serde_json::to_string(&cases).unwrap()).unwrap();
-    let script =
-        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/openai_client.py");
-    let out = tokio::process::Command::from(python_command(netns))
-        .arg(script)
-        .arg(format!("--base-url={base_url}"))
-        .arg(format!("--model={model}"))
-        .arg(format!("--cases={}", path.display()))
-        .args(extra)
-        .output()
-        .await
-        .expect("run python");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    eprintln!("{stdout}{}", String::from_utf8_lossy(&out.stderr));
-    assert!(
-        out.status.success(),
-        "OpenAI client checks failed:\n{stdout}"
-    );
+    let mut args = vec![
+        format!("--base-url={base_url}"),
+        format!("--model={model}"),
+        format!("--cases={}", path.display()),
+    ];
+    args.extend_from_slice(extra);
+    let stdout = client_script(netns, "openai_client.py", &args, "OpenAI").await;
     assert!(stdout.contains(&format!(
         "{n}/{n} OpenAI client checks passed",
         n = cases.len() * 4
