@@ -305,6 +305,34 @@ async fn bad_input(r: &Router, model: &str) {
         let m = refused(r, model, path, field, value).await;
         assert!(m.contains("not supported"), "{field}: {m}");
     }
+    // A field the endpoint does not know is refused naming it, as OpenAI refuses one; those that
+    // change nothing here (who calls, tags, the tier, not storing, text out) are taken.
+    for (path, field, value) in [
+        (chat, "reasoning_effort", json!("high")),
+        (chat, "store", json!(true)),
+        (chat, "modalities", json!(["text", "audio"])),
+        ("/v1/completions", "min_tokens", json!(5)),
+        ("/v1/completions", "max_completion_tokens", json!(5)),
+    ] {
+        let mut body = if path == chat {
+            json!({"model": model, "messages": msgs, "max_tokens": 1})
+        } else {
+            json!({"model": model, "prompt": "hi", "max_tokens": 1})
+        };
+        body[field] = value;
+        let (s, v) = post(&r.http, path, body.clone()).await;
+        assert_eq!(s, 400, "{body} -> {v}");
+        let m = v["error"]["message"].as_str().unwrap();
+        assert!(
+            m.contains(&format!("unrecognized request argument supplied: {field}")),
+            "{m}"
+        );
+    }
+    let taken = json!({"model": model, "messages": msgs, "max_tokens": 1, "user": "u",
+        "safety_identifier": "s", "metadata": {"k": "v"}, "service_tier": "auto",
+        "prompt_cache_key": "p", "store": false, "modalities": ["text"]});
+    let (s, v) = post(&r.http, chat, taken).await;
+    assert_eq!(s, 200, "{v}");
     // Structured outputs and logit_bias that cannot be served are refused naming the field and
     // the problem.
     for (path, field, value, says) in [
@@ -884,8 +912,13 @@ async fn concurrent_streams(r: &Router, model: &str) {
         .map(|i| format!("Write a short note number {i} about the sea and the"))
         .collect();
     let body = |p: &str, stream: bool| {
-        json!({"model": model, "prompt": p, "max_tokens": 24, "temperature": 0,
-               "ignore_eos": true, "stream": stream, "stream_options": {"include_usage": true}})
+        let mut b = json!({"model": model, "prompt": p, "max_tokens": 24, "temperature": 0,
+               "ignore_eos": true, "stream": stream});
+        // (Only with stream, as OpenAI takes it.)
+        if stream {
+            b["stream_options"] = json!({"include_usage": true});
+        }
+        b
     };
     let mut want = Vec::new();
     for p in &prompts {

@@ -205,7 +205,21 @@ pub(super) struct NotServed {
     functions: Option<Vec<Value>>,
     function_call: Option<Value>,
     suffix: Option<String>,
+    /// Every field the endpoint does not know: refused unless [`TAKEN`] (or a neutral value).
+    #[serde(flatten)]
+    other: std::collections::BTreeMap<String, Value>,
 }
+
+/// OpenAI fields that change nothing the server does, taken as sent: who the caller is
+/// (`user`, `safety_identifier`), tags (`metadata`), the billing tier (`service_tier`), a prompt
+/// cache routing hint (`prompt_cache_key`: the prefix cache needs none).
+const TAKEN: &[&str] = &[
+    "user",
+    "safety_identifier",
+    "metadata",
+    "service_tier",
+    "prompt_cache_key",
+];
 
 impl NotServed {
     /// Refuses the first field that asks for what is not served (its neutral values pass:
@@ -243,6 +257,25 @@ impl NotServed {
         }
         if self.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
             return refuse("suffix (insertion)", "suffix");
+        }
+        // Anything else is either taken (it changes nothing here), neutral, or refused naming
+        // it, never ignored: ignoring it would answer something else than was asked.
+        for (k, v) in &self.other {
+            let neutral = match k.as_str() {
+                k if TAKEN.contains(&k) => true,
+                // Nothing is stored here to retrieve later.
+                "store" => v.is_null() || *v == Value::Bool(false),
+                "modalities" => v.is_null() || *v == serde_json::json!(["text"]),
+                _ => false,
+            };
+            if !neutral {
+                return Err(ApiError::InvalidRequest {
+                    message: format!(
+                        "unrecognized request argument supplied: {k} (this server does not serve it)"
+                    ),
+                    param: None,
+                });
+            }
         }
         Ok(())
     }
