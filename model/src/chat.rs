@@ -29,6 +29,49 @@ pub struct ChatTemplate {
     bos_token: String,
     eos_token: String,
     takes_tools: bool,
+    tool_calls: ToolCallStyle,
+}
+
+/// How a model family writes its tool calls in its output, which its chat template shows.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ToolCallStyle {
+    /// `<tool_call>{"name", "arguments"}</tool_call>` blocks among the text (Hermes; Qwen's, and
+    /// what a template without tools is told to write).
+    #[default]
+    Hermes,
+    /// `[TOOL_CALLS]` and a JSON list of `{"name", "arguments"}` to the end (Mistral's).
+    Mistral,
+    /// The whole output one or more JSON objects `{"name", "parameters"}` (separated by `;`),
+    /// after an optional `<|python_tag|>` (Llama 3.1's JSON tool calling).
+    Llama3Json,
+}
+
+impl ToolCallStyle {
+    /// The style a chat template's source shows: Mistral's `[TOOL_CALLS]`, Llama 3.1's
+    /// `<|python_tag|>` or `ipython` role, else Hermes.
+    pub fn of_template(source: &str) -> Self {
+        if source.contains("[TOOL_CALLS]") {
+            Self::Mistral
+        } else if source.contains("<|python_tag|>") || source.contains("ipython") {
+            Self::Llama3Json
+        } else {
+            Self::Hermes
+        }
+    }
+}
+
+impl std::str::FromStr for ToolCallStyle {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "hermes" => Ok(Self::Hermes),
+            "mistral" => Ok(Self::Mistral),
+            "llama3_json" => Ok(Self::Llama3Json),
+            o => Err(format!(
+                "unknown tool-call parser {o:?} (hermes, mistral, llama3_json)"
+            )),
+        }
+    }
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -106,7 +149,13 @@ impl ChatTemplate {
             bos_token: bos_token.unwrap_or("").into(),
             eos_token: eos_token.unwrap_or("").into(),
             takes_tools: source.contains("tools"),
+            tool_calls: ToolCallStyle::of_template(source),
         })
+    }
+
+    /// How the model writes tool calls, as its template shows.
+    pub fn tool_call_style(&self) -> ToolCallStyle {
+        self.tool_calls
     }
 
     /// Whether the template renders a `tools` list itself (HF's convention for tool calling);
@@ -169,6 +218,34 @@ mod tests {
                 ..Default::default()
             })
             .collect()
+    }
+
+    /// A template shows its family's tool-call style: Mistral's mark, Llama 3.1's python tag
+    /// or ipython role, else Hermes; the flag's names parse, others are refused naming them.
+    #[test]
+    fn templates_show_their_tool_call_style() {
+        for (source, style) in [
+            (
+                "{% if tools %}[AVAILABLE_TOOLS]{% endif %}[TOOL_CALLS]",
+                ToolCallStyle::Mistral,
+            ),
+            ("{{ '<|python_tag|>' }}", ToolCallStyle::Llama3Json),
+            (
+                "{% if message.role == 'ipython' %}x{% endif %}",
+                ToolCallStyle::Llama3Json,
+            ),
+            (
+                "{% for t in tools %}<tool_call>{% endfor %}",
+                ToolCallStyle::Hermes,
+            ),
+        ] {
+            let t = ChatTemplate::new(source, None, None).unwrap();
+            assert_eq!(t.tool_call_style(), style, "{source}");
+        }
+        assert_eq!("llama3_json".parse(), Ok(ToolCallStyle::Llama3Json));
+        assert_eq!("mistral".parse(), Ok(ToolCallStyle::Mistral));
+        let e = "pythonic".parse::<ToolCallStyle>().unwrap_err();
+        assert!(e.contains("\"pythonic\""), "{e}");
     }
 
     #[test]

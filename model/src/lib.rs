@@ -34,7 +34,7 @@ mod tokenizer;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-pub use chat::{ChatMessage, ChatTemplate};
+pub use chat::{ChatMessage, ChatTemplate, ToolCallStyle};
 pub use config::{Family, ModelConfig, MoeConfig, RopeScaling, SUPPORTED};
 pub use hash::{block_hashes, file_identity, hash_block, BlockHash};
 pub use names::{ExpertPart, LayerTensor, TensorName};

@@ -93,6 +93,12 @@ pub struct RouterArgs {
     /// The model name clients send (default: the model file's name).
     #[arg(long, env = "TANDEM_SERVED_MODEL_NAME")]
     pub served_model_name: Option<String>,
+    /// How the model writes tool calls, which the router parses out of its output with
+    /// `tool_choice: auto`: hermes (`<tool_call>` blocks), mistral (`[TOOL_CALLS]` and a JSON
+    /// list), llama3_json (the output a JSON call). Default: what the chat template shows
+    /// (hermes for a template without tools, which is told to write that).
+    #[arg(long, env = "TANDEM_TOOL_CALL_PARSER")]
+    pub tool_call_parser: Option<tandem_model::ToolCallStyle>,
     /// Address to listen on.
     #[arg(long, env = "TANDEM_HOST", default_value = "0.0.0.0")]
     pub host: String,
@@ -458,8 +464,14 @@ pub fn load_model(
     served_name: Option<String>,
 ) -> Result<ServedModel, tandem_model::ModelError> {
     let text = tandem_model::load_text(path)?;
+    let tool_calls = text
+        .chat_template
+        .as_ref()
+        .map(|t| t.tool_call_style())
+        .unwrap_or_default();
     Ok(ServedModel {
         name: served_name.unwrap_or_else(|| text.name.clone()),
         text,
+        tool_calls,
     })
 }

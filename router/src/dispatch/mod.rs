@@ -44,9 +44,19 @@ pub struct ServedModel {
     pub name: String,
     /// The model file's text side: tokenizer, chat template and config (no weights).
     pub text: LoadedModel,
+    /// How the model writes tool calls (its template's style, or `--tool-call-parser`).
+    pub tool_calls: tandem_model::ToolCallStyle,
 }
 
 impl ServedModel {
+    /// The model with tool calls parsed as `style` says, where given.
+    pub fn with_tool_call_parser(mut self, style: Option<tandem_model::ToolCallStyle>) -> Self {
+        if let Some(s) = style {
+            self.tool_calls = s;
+        }
+        self
+    }
+
     /// The model's context in tokens: prompt and output together must fit it.
     pub fn max_context(&self) -> usize {
         self.text.config.max_position_embeddings

@@ -515,8 +515,9 @@ pub(super) async fn count_tokens(
 struct Msg {
     id: String,
     model: String,
-    /// The request has tools: calls in the output become `tool_use` blocks.
-    tools: bool,
+    /// The request has tools: calls in the output (written in this style) become `tool_use`
+    /// blocks.
+    tools: Option<tandem_model::ToolCallStyle>,
     prompt_tokens: usize,
 }
 
@@ -560,8 +561,8 @@ async fn whole(m: &Msg, mut g: Generation) -> Result<Value, ApiError> {
     let (finish, u) =
         end.ok_or_else(|| ApiError::Internal("stream ended without a finish".into()))?;
     let mut content = Vec::new();
-    let called = if m.tools {
-        let (t, calls) = split_calls(&m.id, &text);
+    let called = if let Some(style) = m.tools {
+        let (t, calls) = split_calls(&m.id, &text, style);
         if let Some(t) = t {
             content.push(json!({"type": "text", "text": t}));
         }
@@ -660,9 +661,11 @@ fn events(m: Msg, g: Generation) -> impl Stream<Item = Result<Event, Infallible>
         fn absorb(&mut self, c: Chunk) {
             let (text, calls) = match &mut self.parser {
                 Some(p) => {
-                    let (mut text, calls) = p.push(&c.text);
+                    let (mut text, mut calls) = p.push(&c.text);
                     if c.finish.is_some() {
-                        text.push_str(&p.finish());
+                        let (rest, more) = p.finish();
+                        text.push_str(&rest);
+                        calls.extend(more);
                     }
                     (text, calls)
                 }
@@ -687,7 +690,7 @@ fn events(m: Msg, g: Generation) -> impl Stream<Item = Result<Event, Infallible>
             }
         }
     }
-    let parser = m.tools.then(|| CallParser::new(&m.id, 0));
+    let parser = m.tools.map(|s| CallParser::new(&m.id, 0, s));
     let st = St {
         m,
         g,

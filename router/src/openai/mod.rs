@@ -380,7 +380,7 @@ async fn completion_request(
         include_usage: r.sampling.include_usage(),
         echoes,
         n: params.n as usize,
-        tool_calls: false,
+        tool_calls: None,
     };
     Ok((preps, shape, r.sampling.stream.unwrap_or(false)))
 }
@@ -416,6 +416,24 @@ fn chat_input(d: &Dispatcher, messages: Vec<ChatMessage>, tools: Option<&Tools>)
     }
 }
 
+/// How a request's tool calls come back in the output (None without tools): in the model's
+/// own style where its template renders the tools and the choice is the model's (`auto`);
+/// Hermes blocks where the tools were described in the conversation (that is the format the
+/// description asks for) or a grammar forces the calls (that is the format it writes).
+fn call_style(d: &Dispatcher, tools: Option<&Tools>) -> Option<tandem_model::ToolCallStyle> {
+    let t = tools?;
+    let takes_tools = d
+        .model
+        .text
+        .chat_template
+        .as_ref()
+        .is_some_and(|t| t.takes_tools());
+    Some(match takes_tools && t.grammar().is_none() {
+        true => d.model.tool_calls,
+        false => tandem_model::ToolCallStyle::Hermes,
+    })
+}
+
 async fn chat_request(d: &Dispatcher, body: &[u8]) -> Result<(Prepared, Shape, bool), ApiError> {
     let r: ChatRequest = parse(body)?;
     r.not_served.check(r.sampling.n()?)?;
@@ -428,6 +446,7 @@ async fn chat_request(d: &Dispatcher, body: &[u8]) -> Result<(Prepared, Shape, b
     let mut params = r
         .sampling
         .params(r.max_completion_tokens.or(r.max_tokens))?;
+    let style = call_style(d, tools.as_ref());
     if let Some(g) = tools.as_ref().and_then(Tools::grammar) {
         if let Some(other) = &params.grammar {
             return Err(ApiError::invalid(
@@ -464,7 +483,7 @@ async fn chat_request(d: &Dispatcher, body: &[u8]) -> Result<(Prepared, Shape, b
         include_usage: r.sampling.include_usage(),
         echoes: vec![None],
         n: prep.params.n as usize,
-        tool_calls: tools.is_some(),
+        tool_calls: style,
     };
     Ok((prep, shape, r.sampling.stream.unwrap_or(false)))
 }

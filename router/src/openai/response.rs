@@ -102,8 +102,9 @@ pub(super) struct Shape {
     pub(super) echoes: Vec<Option<String>>,
     /// Samples per prompt (`n`): choice `p * n + i` is prompt `p`'s sample `i`.
     pub(super) n: usize,
-    /// The request has tools: the model's calls become `tool_calls`, not text.
-    pub(super) tool_calls: bool,
+    /// The request has tools: the model's calls (written in this style) become `tool_calls`,
+    /// not text.
+    pub(super) tool_calls: Option<tandem_model::ToolCallStyle>,
 }
 
 /// Usage of a batch: the sum of its choices' output, each prompt counted once (its first
@@ -198,8 +199,8 @@ pub(super) async fn respond(
                 "finish_reason": finish.as_openai(),
             }),
             Api::Chat => {
-                let (message, reason) = if shape.tool_calls {
-                    let (content, calls) = split_calls(&shape.id, &text);
+                let (message, reason) = if let Some(style) = shape.tool_calls {
+                    let (content, calls) = split_calls(&shape.id, &text, style);
                     let mut m = json!({"role": "assistant", "content": content});
                     let mut reason = finish.as_openai();
                     if !calls.is_empty() {
@@ -293,9 +294,11 @@ impl SseState {
                 let delta = match &mut self.parsers[index] {
                     Some(p) => {
                         let before = p.calls();
-                        let (mut text, calls) = p.push(&c.text);
+                        let (mut text, mut calls) = p.push(&c.text);
                         if finish.is_some() {
-                            text.push_str(&p.finish());
+                            let (rest, more) = p.finish();
+                            text.push_str(&rest);
+                            calls.extend(more);
                         }
                         let mut delta = json!({});
                         if !text.is_empty() {
@@ -397,7 +400,7 @@ fn sse_stream(
             Box::pin(s) as std::pin::Pin<Box<dyn Stream<Item = _> + Send>>
         }));
     let parsers = (0..n)
-        .map(|i| shape.tool_calls.then(|| CallParser::new(&shape.id, i)))
+        .map(|i| shape.tool_calls.map(|s| CallParser::new(&shape.id, i, s)))
         .collect();
     let st = SseState {
         d,

@@ -10,7 +10,7 @@
 //! `parallel_tool_calls: true`) whose arguments validate against the function's schema.
 
 use serde_json::{json, Value};
-use tandem_model::ChatMessage;
+use tandem_model::{ChatMessage, ToolCallStyle};
 use tandem_types::Grammar;
 
 use crate::error::ApiError;
@@ -296,24 +296,112 @@ impl ToolCall {
     }
 }
 
-/// Splits a model's output into text and tool calls as it streams: text is released as soon as
-/// it cannot be the start of a `<tool_call>`, a call once its block closes. A block that does
-/// not hold a call (not JSON, no name) is released as text: nothing the model wrote is lost.
+/// Mistral's mark before its list of calls.
+const MISTRAL: &str = "[TOOL_CALLS]";
+/// Llama 3.1's mark before a call (gone from the text where special tokens are skipped).
+const PYTHON_TAG: &str = "<|python_tag|>";
+
+/// Splits a model's output into text and tool calls as it streams, in the model's style
+/// ([`ToolCallStyle`]). Hermes: text is released as soon as it cannot be the start of a
+/// `<tool_call>`, a call once its block closes. Mistral: text until `[TOOL_CALLS]`, then the
+/// list of calls, parsed at the end. Llama 3.1 JSON: an output that starts as a JSON object
+/// (or with `<|python_tag|>`) is held and parsed at the end, any other is text. What does not
+/// parse as calls (not JSON, no name) is released as text: nothing the model wrote is lost.
 pub(super) struct CallParser {
     /// Text not yet released: a possible start of a block, or an open block.
     held: String,
     calls: usize,
     id_base: String,
+    style: ToolCallStyle,
+    /// Mistral and Llama: the rest of the output is calls, held to its end.
+    capturing: bool,
+    /// Llama: the output was found to be text.
+    text_only: bool,
 }
 
 impl CallParser {
-    /// A parser for one choice; call ids are `call_<request>_<n>`.
-    pub(super) fn new(request_id: &str, choice: usize) -> Self {
+    /// A parser for one choice of a model that writes calls in `style`; call ids are
+    /// `call_<request>_<n>`.
+    pub(super) fn new(request_id: &str, choice: usize, style: ToolCallStyle) -> Self {
         Self {
             held: String::new(),
             calls: 0,
             id_base: format!("call_{}_{choice}", request_id.replace(['-', '.'], "")),
+            style,
+            capturing: false,
+            text_only: false,
         }
+    }
+
+    /// The longest tail of what is held that could still become `mark`: kept back.
+    fn hold_back(&mut self, mark: &str) -> String {
+        let keep = (1..mark.len())
+            .rev()
+            .find(|&k| {
+                self.held.len() >= k
+                    && self.held.is_char_boundary(self.held.len() - k)
+                    && mark.starts_with(&self.held[self.held.len() - k..])
+            })
+            .unwrap_or(0);
+        let cut = self.held.len() - keep;
+        self.held.drain(..cut).collect()
+    }
+
+    /// [`CallParser::push`] for the styles whose calls run to the end of the output.
+    fn push_trailing(&mut self) -> String {
+        if self.capturing {
+            return String::new();
+        }
+        match self.style {
+            ToolCallStyle::Mistral => match self.held.find(MISTRAL) {
+                Some(at) => {
+                    let text = self.held[..at].trim_end().to_string();
+                    self.held.drain(..at + MISTRAL.len());
+                    self.capturing = true;
+                    text
+                }
+                None => self.hold_back(MISTRAL),
+            },
+            _ if self.text_only => std::mem::take(&mut self.held),
+            _ => {
+                let start = self.held.trim_start();
+                if start.is_empty() || PYTHON_TAG.starts_with(start) {
+                    String::new()
+                } else if start.starts_with('{') || start.starts_with(PYTHON_TAG) {
+                    self.capturing = true;
+                    String::new()
+                } else {
+                    self.text_only = true;
+                    std::mem::take(&mut self.held)
+                }
+            }
+        }
+    }
+
+    /// The calls a Mistral list or Llama JSON objects hold; None where any does not parse.
+    fn trailing_calls(&mut self, body: &str) -> Option<Vec<ToolCall>> {
+        let mut values = Vec::new();
+        let mut rest = body.trim_start().trim_start_matches(PYTHON_TAG);
+        loop {
+            rest = rest.trim_start().trim_start_matches(';').trim_start();
+            if rest.is_empty() {
+                break;
+            }
+            let mut it = serde_json::Deserializer::from_str(rest).into_iter::<Value>();
+            let v = it.next()?.ok()?;
+            rest = &rest[it.byte_offset()..];
+            match v {
+                Value::Array(a) => values.extend(a),
+                v => values.push(v),
+            }
+        }
+        let first = self.calls;
+        let calls: Option<Vec<ToolCall>> =
+            values.iter().map(|v| self.call(&v.to_string())).collect();
+        if calls.is_none() {
+            self.calls = first;
+        }
+        calls.filter(|c| !c.is_empty())
     }
 
     /// Calls made so far.
@@ -324,6 +412,9 @@ impl CallParser {
     /// Takes a piece of output; returns the text and the calls it completes.
     pub(super) fn push(&mut self, piece: &str) -> (String, Vec<ToolCall>) {
         self.held.push_str(piece);
+        if self.style != ToolCallStyle::Hermes {
+            return (self.push_trailing(), Vec::new());
+        }
         let mut text = String::new();
         let mut calls = Vec::new();
         loop {
@@ -350,17 +441,7 @@ impl CallParser {
                 }
                 None => {
                     // Keep back the longest tail that could still become "<tool_call>".
-                    let keep = (1..OPEN.len())
-                        .rev()
-                        .find(|&k| {
-                            self.held.len() >= k
-                                && self.held.is_char_boundary(self.held.len() - k)
-                                && OPEN.starts_with(&self.held[self.held.len() - k..])
-                        })
-                        .unwrap_or(0);
-                    let cut = self.held.len() - keep;
-                    text.push_str(&self.held[..cut]);
-                    self.held.drain(..cut);
+                    text.push_str(&self.hold_back(OPEN));
                     break;
                 }
             }
@@ -371,9 +452,21 @@ impl CallParser {
         (text, calls)
     }
 
-    /// The end of the output: whatever is held (an unclosed block) is text.
-    pub(super) fn finish(&mut self) -> String {
-        std::mem::take(&mut self.held)
+    /// The end of the output: the calls a Mistral list or Llama JSON held to the end makes;
+    /// whatever else is held (an unclosed block, what did not parse) is text.
+    pub(super) fn finish(&mut self) -> (String, Vec<ToolCall>) {
+        let held = std::mem::take(&mut self.held);
+        if !self.capturing {
+            return (held, Vec::new());
+        }
+        self.capturing = false;
+        match self.trailing_calls(&held) {
+            Some(calls) => (String::new(), calls),
+            None if self.style == ToolCallStyle::Mistral => {
+                (format!("{MISTRAL}{held}"), Vec::new())
+            }
+            None => (held, Vec::new()),
+        }
     }
 
     fn call(&mut self, body: &str) -> Option<ToolCall> {
@@ -394,11 +487,18 @@ impl CallParser {
     }
 }
 
-/// A whole output split into its text (none when only whitespace is left) and its calls.
-pub(super) fn split_calls(request_id: &str, text: &str) -> (Option<String>, Vec<ToolCall>) {
-    let mut p = CallParser::new(request_id, 0);
-    let (mut out, calls) = p.push(text);
-    out.push_str(&p.finish());
+/// A whole output in `style` split into its text (none when only whitespace is left) and its
+/// calls.
+pub(super) fn split_calls(
+    request_id: &str,
+    text: &str,
+    style: ToolCallStyle,
+) -> (Option<String>, Vec<ToolCall>) {
+    let mut p = CallParser::new(request_id, 0, style);
+    let (mut out, mut calls) = p.push(text);
+    let (rest, more) = p.finish();
+    out.push_str(&rest);
+    calls.extend(more);
     let content = (!out.trim().is_empty()).then(|| out.trim().to_string());
     (content, calls)
 }
@@ -407,22 +507,11 @@ pub(super) fn split_calls(request_id: &str, text: &str) -> (Option<String>, Vec<
 mod tests {
     use super::*;
 
-    #[test]
-    fn calls_are_parsed_out_of_text_in_any_split() {
-        let out = "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"time\", \"arguments\": {}}\n</tool_call>";
-        let (content, calls) = split_calls("r-1", out);
-        assert_eq!(content.as_deref(), Some("Let me check."));
-        assert_eq!(calls.len(), 2);
-        assert_eq!(calls[0].name, "get_weather");
-        assert_eq!(
-            serde_json::from_str::<Value>(&calls[0].arguments).unwrap(),
-            json!({"city": "Paris"})
-        );
-        assert_eq!(calls[1].arguments, "{}");
-        assert_ne!(calls[0].id, calls[1].id);
-        // Streamed a character at a time, the same text and calls come out.
+    /// `out` streamed in pieces of every size in `steps` gives what it gives whole.
+    fn streams_like_whole(out: &str, style: ToolCallStyle) -> (Option<String>, Vec<ToolCall>) {
+        let whole = split_calls("r-1", out, style);
         for step in [1, 2, 3, 7] {
-            let mut p = CallParser::new("r-1", 0);
+            let mut p = CallParser::new("r-1", 0, style);
             let (mut text, mut got) = (String::new(), Vec::new());
             let chars: Vec<char> = out.chars().collect();
             for piece in chars.chunks(step) {
@@ -430,21 +519,85 @@ mod tests {
                 text.push_str(&t);
                 got.extend(c);
             }
-            text.push_str(&p.finish());
-            assert_eq!(text.trim(), "Let me check.", "step {step}");
-            assert_eq!(got, calls, "step {step}");
+            let (t, c) = p.finish();
+            text.push_str(&t);
+            got.extend(c);
+            let text = (!text.trim().is_empty()).then(|| text.trim().to_string());
+            assert_eq!((text, got), whole, "{style:?} step {step}");
+        }
+        whole
+    }
+
+    /// The two calls every style's test output makes.
+    fn two_calls(calls: &[ToolCall]) {
+        assert_eq!(calls.len(), 2);
+        assert_eq!(calls[0].name, "get_weather");
+        assert_eq!(
+            serde_json::from_str::<Value>(&calls[0].arguments).unwrap(),
+            json!({"city": "Paris"})
+        );
+        assert_eq!(
+            (calls[1].name.as_str(), calls[1].arguments.as_str()),
+            ("time", "{}")
+        );
+        assert_ne!(calls[0].id, calls[1].id);
+    }
+
+    #[test]
+    fn calls_are_parsed_out_of_text_in_any_split() {
+        let out = "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"time\", \"arguments\": {}}\n</tool_call>";
+        let (content, calls) = streams_like_whole(out, ToolCallStyle::Hermes);
+        assert_eq!(content.as_deref(), Some("Let me check."));
+        two_calls(&calls);
+    }
+
+    /// Mistral's `[TOOL_CALLS]` list and Llama 3.1's JSON objects (with or without the
+    /// python tag, `;` between them) are calls, streamed or whole; text before Mistral's mark
+    /// is text; what does not parse, or is not at the start of a Llama output, stays text.
+    #[test]
+    fn each_family_s_calls_are_parsed_in_any_split() {
+        let mistral = "Checking. [TOOL_CALLS][{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}, {\"name\": \"time\", \"arguments\": {}}]";
+        let (content, calls) = streams_like_whole(mistral, ToolCallStyle::Mistral);
+        assert_eq!(content.as_deref(), Some("Checking."));
+        two_calls(&calls);
+        for llama in [
+            "{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\"}}; {\"name\": \"time\", \"parameters\": {}}",
+            "<|python_tag|>{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\"}}\n{\"name\": \"time\", \"parameters\": {}}",
+        ] {
+            let (content, calls) = streams_like_whole(llama, ToolCallStyle::Llama3Json);
+            assert_eq!(content, None, "{llama}");
+            two_calls(&calls);
+        }
+        for (style, text) in [
+            (ToolCallStyle::Mistral, "[TOOL_CALLS] not json"),
+            (ToolCallStyle::Mistral, "plain answer [TOOL"),
+            (ToolCallStyle::Llama3Json, "{\"not\": \"a call\"}"),
+            (ToolCallStyle::Llama3Json, "The answer is {\"name\": \"x\"}"),
+            (ToolCallStyle::Llama3Json, "  "),
+        ] {
+            let (content, calls) = streams_like_whole(text, style);
+            assert!(calls.is_empty(), "{style:?} {text}");
+            assert_eq!(
+                content.as_deref(),
+                Some(text.trim()).filter(|t| !t.is_empty())
+            );
         }
     }
 
     #[test]
     fn text_that_is_not_a_call_is_kept() {
-        let (content, calls) = split_calls("r", "a < b and <tool_call>not json</tool_call> <tool");
+        let hermes = ToolCallStyle::Hermes;
+        let (content, calls) = split_calls(
+            "r",
+            "a < b and <tool_call>not json</tool_call> <tool",
+            hermes,
+        );
         assert!(calls.is_empty());
         assert_eq!(
             content.as_deref(),
             Some("a < b and <tool_call>not json</tool_call> <tool")
         );
-        let (content, calls) = split_calls("r", "plain answer");
+        let (content, calls) = split_calls("r", "plain answer", hermes);
         assert_eq!((content.as_deref(), calls.len()), (Some("plain answer"), 0));
     }
 
