@@ -37,6 +37,10 @@ struct DraftSeq {
     table: Vec<u32>,
     /// The tokens whose K/V the table holds, in order.
     fed: Vec<u32>,
+    /// How many of `fed` are known to be the sequence's own tokens (they were its tokens when
+    /// it last resumed, and its tokens only grow): the common prefix is looked for past them,
+    /// so a step compares the tokens fed since, not the whole context.
+    sure: usize,
     /// The step it last drafted in (eviction takes the least recent).
     used: u64,
 }
@@ -140,6 +144,7 @@ impl Drafter {
         let s = self.seqs.entry(key).or_default();
         s.used = step;
         s.fed.truncate(keep);
+        s.sure = keep;
         keep
     }
 
@@ -147,12 +152,13 @@ impl Drafter {
     /// nothing.
     pub(super) fn kept(&self, key: &Key, tokens: &[u32]) -> usize {
         self.seqs.get(key).map_or(0, |s| {
-            s.fed
+            let sure = s.sure.min(tokens.len());
+            let more = s.fed[sure..]
                 .iter()
-                .zip(tokens)
+                .zip(&tokens[sure..])
                 .take_while(|(a, b)| a == b)
-                .count()
-                .min(tokens.len().saturating_sub(1))
+                .count();
+            (sure + more).min(tokens.len().saturating_sub(1))
         })
     }
 
@@ -298,17 +304,13 @@ impl super::Engine {
             let n_rows: usize = rows.iter().map(|r| r.1.len()).sum();
             let logits = d.forward(&rows)?;
             drop(rows);
-            for (row, &i) in logits.chunks_exact(vocab).zip(&drafting) {
-                let t = tandem_kernels::ops::argmax(row) as u32;
-                let s = &mut self.running[i];
-                s.draft.push(t);
-                last[i] = t;
-                // Structured outputs: a token the grammar refuses ends the draft.
-                if s.sampler.grammar_prefix(&s.draft) < s.draft.len() {
-                    s.draft.pop();
-                    keep[i] = s.draft.len();
-                }
-            }
+            Self::take_drafted(
+                &mut self.running,
+                (&logits, vocab),
+                &drafting,
+                &mut last,
+                &mut keep,
+            );
             self.draft_cost
                 .record(n_rows, keys, t0.elapsed().as_secs_f64());
         }

@@ -368,6 +368,7 @@ impl Engine {
             .iter()
             .map(|s| s.tokens.last().copied().unwrap_or(0))
             .collect();
+
         let vocab = self.backend.config().vocab_size;
         let most = keep.iter().copied().max().unwrap_or(0);
         for p in 0..most {
@@ -389,21 +390,41 @@ impl Engine {
                 .collect();
             let logits = self.backend.forward_layers(&batch, layers)?;
             drop(batch);
-            for (row, &i) in logits.chunks_exact(vocab).zip(&drafting) {
-                let t = tandem_kernels::ops::argmax(row) as u32;
-                let s = &mut self.running[i];
-                s.draft.push(t);
-                last[i] = t;
-                // Structured outputs: a token the grammar refuses ends the draft.
-                if s.sampler.grammar_prefix(&s.draft) < s.draft.len() {
-                    s.draft.pop();
-                    keep[i] = s.draft.len();
-                }
-            }
+            Self::take_drafted(
+                &mut self.running,
+                (&logits, vocab),
+                &drafting,
+                &mut last,
+                &mut keep,
+            );
             self.draft_cost
                 .record(drafting.len(), keys, t0.elapsed().as_secs_f64());
         }
         Ok(())
+    }
+
+    /// A draft forward's rows of logits (`vocab` each), one for each of the `running`
+    /// sequences `drafting` (indices, in order): each takes its row's greedy token as its next
+    /// proposed one (the token it feeds next, in `last`), unless its grammar refuses it, which
+    /// ends its draft (`keep` cut to what it has).
+    pub(super) fn take_drafted(
+        running: &mut [super::Seq],
+        (logits, vocab): (&[f32], usize),
+        drafting: &[usize],
+        last: &mut [u32],
+        keep: &mut [usize],
+    ) {
+        for (row, &i) in logits.chunks_exact(vocab).zip(drafting) {
+            let t = tandem_kernels::ops::argmax(row) as u32;
+            let s = &mut running[i];
+            s.draft.push(t);
+            last[i] = t;
+            // Structured outputs: a token the grammar refuses ends the draft.
+            if s.sampler.grammar_prefix(&s.draft) < s.draft.len() {
+                s.draft.pop();
+                keep[i] = s.draft.len();
+            }
+        }
     }
 
     /// Counts a sequence's verified proposal: `proposed` tokens, of which the first `accepted`

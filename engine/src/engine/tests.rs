@@ -755,6 +755,16 @@ fn oldest_sequences_keep_running_when_the_pool_is_short() {
     assert_eq!(out[1].output_ids, want[1].output_ids);
 }
 
+/// Each finished request's tokens and the bits of their log-probabilities.
+fn bits(out: Vec<Finished>) -> Vec<(Vec<u32>, Vec<u32>)> {
+    out.into_iter()
+        .map(|f| {
+            let lp = f.logprobs.iter().map(|l| l.to_bits()).collect();
+            (f.output_ids, lp)
+        })
+        .collect()
+}
+
 /// A self-draft (the tiny model's first of its two layers, drafting greedily) changes no
 /// token: greedy runs with it give every request the tokens and log-probabilities of runs
 /// without, bit for bit, and its proposals were verified.
@@ -770,17 +780,8 @@ fn a_self_draft_changes_no_token() {
         });
         let reqs = prompts.iter().map(|p| req(p.clone(), 24)).collect();
         let out = e.generate(reqs, |_| {}, |_| {}).unwrap();
-        let bits: Vec<(Vec<u32>, Vec<u32>)> = out
-            .into_iter()
-            .map(|f| {
-                (
-                    f.output_ids,
-                    f.logprobs.iter().map(|l| l.to_bits()).collect(),
-                )
-            })
-            .collect();
         assert_eq!(e.stats().blocks_used, 0);
-        (bits, e.stats().spec)
+        (bits(out), e.stats().spec)
     };
     let (plain, _) = run(None);
     let spec = crate::spec::SpecConfig {
@@ -827,20 +828,11 @@ fn a_draft_model_changes_no_token_and_gives_its_blocks_back() {
         reqs.push(seeded_resumed(&prompts[1], 11, Vec::new()));
         let out = e.generate(reqs, |_| {}, |_| {}).unwrap();
         let verified: Vec<(u32, u32)> = out.iter().map(|f| f.spec_tokens).collect();
-        let bits: Vec<(Vec<u32>, Vec<u32>)> = out
-            .into_iter()
-            .map(|f| {
-                (
-                    f.output_ids,
-                    f.logprobs.iter().map(|l| l.to_bits()).collect(),
-                )
-            })
-            .collect();
         assert_eq!(e.stats().blocks_used, 0);
         if let Some((free, all)) = e.draft_pool() {
             assert_eq!(free, all, "every draft block is back");
         }
-        (bits, e.stats().spec, verified)
+        (bits(out), e.stats().spec, verified)
     };
     let (plain, _, _) = run(None);
     let (same, counts, verified) = run(Some(draft(2, 1000)));

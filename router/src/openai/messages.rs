@@ -428,10 +428,15 @@ pub(crate) fn anthropic_error(e: &ApiError) -> Response {
     (status, Json(body)).into_response()
 }
 
+/// The chat request a translated Messages request is.
+fn translated(chat: Value) -> Result<ChatRequest, ApiError> {
+    serde_json::from_value(chat)
+        .map_err(|e| ApiError::Internal(format!("a translated request did not parse: {e}")))
+}
+
 /// The prompt a Messages conversation renders to.
-fn prompt_input(d: &Dispatcher, body: &Value) -> Result<PromptInput, ApiError> {
-    let r: ChatRequest = serde_json::from_value(body.clone())
-        .map_err(|e| ApiError::Internal(format!("a translated request did not parse: {e}")))?;
+fn prompt_input(d: &Dispatcher, body: Value) -> Result<PromptInput, ApiError> {
+    let r = translated(body)?;
     let tools = super::tools::Tools::parse(r.tools.as_deref(), None, None)?;
     Ok(chat_input(d, chat_messages(r.messages)?, tools.as_ref()))
 }
@@ -445,8 +450,7 @@ pub(super) async fn messages(
     let started = async {
         let r: MessagesRequest = parse(&body)?;
         let (chat, stream) = chat_body(r)?;
-        let bytes = serde_json::to_vec(&chat).map_err(|e| ApiError::Internal(e.to_string()))?;
-        let (prep, shape, _) = super::chat_request(&d, &bytes).await?;
+        let (prep, shape, _) = super::chat_prepare(&d, translated(chat)?).await?;
         Ok::<_, ApiError>((prep, shape, stream))
     };
     let (prep, shape, stream) = match started.await {
@@ -502,7 +506,7 @@ pub(super) async fn count_tokens(
         if let Some(t) = tools {
             chat["tools"] = t;
         }
-        let input = prompt_input(&d, &chat)?;
+        let input = prompt_input(&d, chat)?;
         d.tokenize_with(input, None, true).await
     };
     match counted.await {

@@ -403,13 +403,7 @@ async fn chat_completions(
 /// Chat messages as a prompt, with the tools the model may call: rendered by a template that
 /// takes them, or described in a system message for one that does not.
 fn chat_input(d: &Dispatcher, messages: Vec<ChatMessage>, tools: Option<&Tools>) -> PromptInput {
-    let takes_tools = d
-        .model
-        .text
-        .chat_template
-        .as_ref()
-        .is_some_and(|t| t.takes_tools());
-    match (tools, takes_tools) {
+    match (tools, template_takes_tools(d)) {
         (Some(t), true) => PromptInput::ChatWithTools(messages, t.entries()),
         (None, true) => PromptInput::Chat(messages),
         (t, false) => PromptInput::Chat(tools::without_tool_support(messages, t)),
@@ -420,22 +414,29 @@ fn chat_input(d: &Dispatcher, messages: Vec<ChatMessage>, tools: Option<&Tools>)
 /// own style where its template renders the tools and the choice is the model's (`auto`);
 /// Hermes blocks where the tools were described in the conversation (that is the format the
 /// description asks for) or a grammar forces the calls (that is the format it writes).
-fn call_style(d: &Dispatcher, tools: Option<&Tools>) -> Option<tandem_model::ToolCallStyle> {
-    let t = tools?;
-    let takes_tools = d
-        .model
+fn call_style(d: &Dispatcher, forced: bool) -> tandem_model::ToolCallStyle {
+    match template_takes_tools(d) && !forced {
+        true => d.model.tool_calls,
+        false => tandem_model::ToolCallStyle::Hermes,
+    }
+}
+
+/// Whether the model's chat template renders a `tools` list itself.
+fn template_takes_tools(d: &Dispatcher) -> bool {
+    d.model
         .text
         .chat_template
         .as_ref()
-        .is_some_and(|t| t.takes_tools());
-    Some(match takes_tools && t.grammar().is_none() {
-        true => d.model.tool_calls,
-        false => tandem_model::ToolCallStyle::Hermes,
-    })
+        .is_some_and(|t| t.takes_tools())
 }
 
 async fn chat_request(d: &Dispatcher, body: &[u8]) -> Result<(Prepared, Shape, bool), ApiError> {
-    let r: ChatRequest = parse(body)?;
+    chat_prepare(d, parse(body)?).await
+}
+
+/// A parsed chat request, checked and prepared: what it generates, how it answers, whether it
+/// streams.
+async fn chat_prepare(d: &Dispatcher, r: ChatRequest) -> Result<(Prepared, Shape, bool), ApiError> {
     r.not_served.check(r.sampling.n()?)?;
     let tools = Tools::parse(
         r.tools.as_deref(),
@@ -446,8 +447,9 @@ async fn chat_request(d: &Dispatcher, body: &[u8]) -> Result<(Prepared, Shape, b
     let mut params = r
         .sampling
         .params(r.max_completion_tokens.or(r.max_tokens))?;
-    let style = call_style(d, tools.as_ref());
-    if let Some(g) = tools.as_ref().and_then(Tools::grammar) {
+    let forced = tools.as_ref().and_then(Tools::grammar);
+    let style = tools.as_ref().map(|_| call_style(d, forced.is_some()));
+    if let Some(g) = forced {
         if let Some(other) = &params.grammar {
             return Err(ApiError::invalid(
                 format!(
