@@ -499,3 +499,63 @@ impl Follower {
         }
     }
 }
+
+/// Small values kept in etcd under one prefix, each on a lease of its own so that it lives a
+/// fixed time after its last write (the router's stored responses, shared by its replicas).
+#[derive(Clone)]
+pub struct KvStore {
+    client: Client,
+    endpoints: Vec<String>,
+    prefix: String,
+    ttl_s: i64,
+    timeout: Duration,
+}
+
+impl KvStore {
+    /// Reaches etcd at `endpoints` (a read under `prefix` must answer within `timeout`);
+    /// values put live `ttl` (at least a second) after their last write.
+    pub async fn connect(
+        endpoints: Vec<String>,
+        prefix: String,
+        ttl: Duration,
+        timeout: Duration,
+    ) -> Result<Self, DiscoveryError> {
+        let mut client = connect(&endpoints, timeout).await?;
+        let probe = client.get(prefix.clone(), Some(GetOptions::new().with_count_only()));
+        bounded(&endpoints, "read", timeout, probe).await?;
+        Ok(Self {
+            client,
+            endpoints,
+            prefix,
+            ttl_s: i64::try_from(ttl.as_secs().max(1)).unwrap_or(i64::MAX),
+            timeout,
+        })
+    }
+
+    /// Writes `value` under `key`, replacing what was there, for the store's TTL.
+    pub async fn put(&self, key: &str, value: Vec<u8>) -> Result<(), DiscoveryError> {
+        let mut client = self.client.clone();
+        let grant = client.lease_grant(self.ttl_s, None);
+        let lease = bounded(&self.endpoints, "lease grant", self.timeout, grant).await?;
+        let opts = PutOptions::new().with_lease(lease.id());
+        let put = client.put(format!("{}{key}", self.prefix), value, Some(opts));
+        bounded(&self.endpoints, "put", self.timeout, put).await?;
+        Ok(())
+    }
+
+    /// The value under `key`, if one is there.
+    pub async fn get(&self, key: &str) -> Result<Option<Vec<u8>>, DiscoveryError> {
+        let mut client = self.client.clone();
+        let get = client.get(format!("{}{key}", self.prefix), None);
+        let resp = bounded(&self.endpoints, "get", self.timeout, get).await?;
+        Ok(resp.kvs().first().map(|kv| kv.value().to_vec()))
+    }
+
+    /// Removes `key`; whether it was there.
+    pub async fn delete(&self, key: &str) -> Result<bool, DiscoveryError> {
+        let mut client = self.client.clone();
+        let del = client.delete(format!("{}{key}", self.prefix), None);
+        let resp = bounded(&self.endpoints, "delete", self.timeout, del).await?;
+        Ok(resp.deleted() > 0)
+    }
+}

@@ -32,7 +32,7 @@ mod spec;
 
 pub use card::{CardError, ClusterPath, Expect, Refusal, Role, WorkerCard};
 #[cfg(feature = "etcd")]
-pub use etcd::{follow, Cards, Registration, RegistrationStats};
+pub use etcd::{follow, Cards, KvStore, Registration, RegistrationStats};
 pub use ready::Ready;
 pub use spec::{DiscoverySpec, SpecError};
 

@@ -33,6 +33,17 @@ pub enum ApiError {
         /// The model's context in tokens.
         context: usize,
     },
+    /// What the request names (a stored response) is not here. `param` names the field that
+    /// named it (none for a path), `code` the kind of thing missing.
+    #[error("{message}")]
+    NotFound {
+        /// What is missing, for the client.
+        message: String,
+        /// The request field that named it, when one did.
+        param: Option<&'static str>,
+        /// OpenAI's code (`not_found`, `previous_response_not_found`).
+        code: &'static str,
+    },
     /// The request names a model this router does not serve.
     #[error("model {0:?} is not served here: GET /v1/models lists what is")]
     ModelNotFound(String),
@@ -98,7 +109,7 @@ impl ApiError {
     pub fn status(&self) -> StatusCode {
         match self {
             Self::InvalidRequest { .. } | Self::ContextLength { .. } => StatusCode::BAD_REQUEST,
-            Self::ModelNotFound(_) => StatusCode::NOT_FOUND,
+            Self::ModelNotFound(_) | Self::NotFound { .. } => StatusCode::NOT_FOUND,
             Self::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             Self::BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             Self::BodyTimeout(_) | Self::BodyDeadline(_) => StatusCode::REQUEST_TIMEOUT,
@@ -117,6 +128,7 @@ impl ApiError {
             Self::InvalidRequest { .. } => ("invalid_request_error", "invalid_value"),
             Self::ContextLength { .. } => ("invalid_request_error", "context_length_exceeded"),
             Self::ModelNotFound(_) => ("invalid_request_error", "model_not_found"),
+            Self::NotFound { code, .. } => ("invalid_request_error", code),
             Self::Unauthorized(_) => ("invalid_request_error", "invalid_api_key"),
             Self::BodyTooLarge(_) => ("invalid_request_error", "request_too_large"),
             Self::BodyTimeout(_) | Self::BodyDeadline(_) => {
@@ -135,7 +147,7 @@ impl ApiError {
     pub fn body(&self) -> serde_json::Value {
         let (ty, code) = self.kind();
         let param = match self {
-            Self::InvalidRequest { param, .. } => *param,
+            Self::InvalidRequest { param, .. } | Self::NotFound { param, .. } => *param,
             Self::ContextLength { .. } => Some("messages"),
             Self::ModelNotFound(_) => Some("model"),
             _ => None,
@@ -151,7 +163,7 @@ impl ApiError {
             Self::InvalidRequest { .. } | Self::ContextLength { .. } => {
                 tonic::Status::invalid_argument(m)
             }
-            Self::ModelNotFound(_) => tonic::Status::not_found(m),
+            Self::ModelNotFound(_) | Self::NotFound { .. } => tonic::Status::not_found(m),
             Self::Unauthorized(_) => tonic::Status::unauthenticated(m),
             Self::BodyTooLarge(_) => tonic::Status::resource_exhausted(m),
             Self::BodyTimeout(_) | Self::BodyDeadline(_) => tonic::Status::deadline_exceeded(m),

@@ -185,6 +185,18 @@ pub struct RouterArgs {
     /// Who may call and how much a client may hold: API keys, TLS, and the request limits.
     #[command(flatten)]
     pub door: FrontDoorArgs,
+    /// Where the Responses API keeps stored responses (`store: true`, for GET and
+    /// `previous_response_id`): `memory` (this router's, bounded by --responses-store-mb, least
+    /// recently used evicted first) or `etcd://HOST:PORT[,HOST:PORT...]` (shared by every router
+    /// of the cluster, under /tandem/<cluster>/responses/; needs the `etcd` feature).
+    #[arg(long, env = "TANDEM_RESPONSES_STORE", default_value = "memory")]
+    pub responses_store: openai::StoreSpec,
+    /// Memory store: most MiB of stored responses kept.
+    #[arg(long, env = "TANDEM_RESPONSES_STORE_MB", default_value_t = 256)]
+    pub responses_store_mb: u64,
+    /// Seconds a stored response is kept after it was last written.
+    #[arg(long, env = "TANDEM_RESPONSES_TTL_S", default_value_t = 3600, value_parser = clap::value_parser!(u64).range(1..))]
+    pub responses_ttl_s: u64,
 }
 
 /// Why the router could not start or stopped serving; each says what to change.
@@ -320,6 +332,16 @@ pub async fn serve(
             stall: Duration::from_millis(args.worker_stall_timeout_ms),
         },
     ));
+    let store = openai::ResponseStore::open(&openai::StoreConfig {
+        spec: args.responses_store.clone(),
+        max_bytes: args.responses_store_mb.saturating_mul(1 << 20),
+        ttl: Duration::from_secs(args.responses_ttl_s),
+        cluster: args.cluster.clone(),
+        timeout: Duration::from_millis(args.etcd_timeout_ms.max(1)),
+    })
+    .await
+    .map_err(RouterError::Config)?;
+    let responses = openai::Responses::new(store);
     let http = bind(&args.host, args.http_port).await?;
     let grpc = bind(&args.host, args.grpc_port).await?;
     let bound = Listening {
@@ -342,7 +364,7 @@ pub async fn serve(
     };
 
     let (http_tls, grpc_tls) = door.tls.clone().unzip();
-    let app = routes(dispatcher.clone(), &door);
+    let app = routes(dispatcher.clone(), &door, responses);
     let http_task = tokio::spawn(front::serve_http(
         front::accept(http, http_tls, door.limits),
         app,

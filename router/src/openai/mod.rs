@@ -1,5 +1,6 @@
 //! The OpenAI-compatible HTTP API: `/v1/completions`, `/v1/chat/completions` (SSE streaming and
-//! not), `/v1/models`, vLLM's `/tokenize` and `/detokenize`, `/health`, `/ready`.
+//! not), the Responses API (`/v1/responses`), Anthropic's Messages API (`/v1/messages`),
+//! `/v1/models`, vLLM's `/tokenize` and `/detokenize`, `/health`, `/ready`.
 //!
 //! Field names, response shapes and error bodies follow OpenAI's API, plus the extensions vLLM
 //! users rely on (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`,
@@ -12,13 +13,21 @@
 //!
 //! Files: this one holds the routes and handlers; `body` reads a request body under the front
 //! door's limits, `request` the request shapes and their checks, `response` the answers, whole or
-//! as server-sent events.
+//! as server-sent events; `messages` and `responses` translate Anthropic's Messages API and
+//! OpenAI's Responses API to chat requests and answer in their shapes, `store` keeps stored
+//! responses, `tools` reads tool calls out of the output.
 
 mod body;
 mod messages;
 mod request;
 mod response;
+mod responses;
+mod store;
 mod tools;
+
+pub use responses::Responses;
+pub(crate) use store::ResponseStore;
+pub use store::{StoreConfig, StoreSpec};
 
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -47,7 +56,7 @@ use tools::Tools;
 
 /// The HTTP app over `d`: the `/v1` API and `/metrics` behind the door's keys, `/health` and
 /// `/ready` open, bodies read under the door's limits.
-pub fn routes(d: Arc<Dispatcher>, door: &FrontDoor) -> axum::Router {
+pub fn routes(d: Arc<Dispatcher>, door: &FrontDoor, responses: Arc<Responses>) -> axum::Router {
     let keyed = |keys: &Arc<crate::front::ApiKeys>| {
         middleware::from_fn_with_state((keys.clone(), d.metrics.clone()), require_key)
     };
@@ -56,6 +65,17 @@ pub fn routes(d: Arc<Dispatcher>, door: &FrontDoor) -> axum::Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/messages", post(messages::messages))
         .route("/v1/messages/count_tokens", post(messages::count_tokens))
+        .route("/v1/responses", post(responses::create))
+        .route("/v1/responses/input_tokens", post(responses::input_tokens))
+        .route(
+            "/v1/responses/{id}",
+            get(responses::retrieve).delete(responses::delete),
+        )
+        .route("/v1/responses/{id}/cancel", post(responses::cancel))
+        .route(
+            "/v1/responses/{id}/input_items",
+            get(responses::input_items_list),
+        )
         .route("/v1/models", get(models))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
@@ -78,6 +98,7 @@ pub fn routes(d: Arc<Dispatcher>, door: &FrontDoor) -> axum::Router {
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn(catch_panic))
         .layer(Extension(BodyLimits::new(&door.limits, d.metrics.clone())))
+        .layer(Extension(responses))
         .layer(middleware::from_fn(request_id))
         .with_state(d)
 }
@@ -132,7 +153,7 @@ async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) ->
 }
 
 async fn not_found() -> Response {
-    let body = json!({"error": {"message": "no such route: the API is under /v1 (completions, chat/completions, messages, models), plus /tokenize and /detokenize", "type": "invalid_request_error", "param": null, "code": "not_found"}});
+    let body = json!({"error": {"message": "no such route: the API is under /v1 (completions, chat/completions, responses, messages, models), plus /tokenize and /detokenize", "type": "invalid_request_error", "param": null, "code": "not_found"}});
     (StatusCode::NOT_FOUND, Json(body)).into_response()
 }
 

@@ -15,8 +15,8 @@ use crate::dispatch::{Chunk, Dispatcher, FinishKind, Generation, TokenOut, Usage
 use crate::error::ApiError;
 
 /// Per-token log-probability entries, with each token's text.
-struct TokenTexts<'a> {
-    d: &'a Dispatcher,
+pub(super) struct TokenTexts<'a> {
+    pub(super) d: &'a Dispatcher,
 }
 
 impl TokenTexts<'_> {
@@ -29,7 +29,7 @@ impl TokenTexts<'_> {
             .unwrap_or_default()
     }
 
-    fn chat_entry(&self, t: &TokenOut) -> Value {
+    pub(super) fn chat_entry(&self, t: &TokenOut) -> Value {
         let tok = self.text(t.id);
         json!({
             "token": tok,
