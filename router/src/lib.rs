@@ -60,7 +60,7 @@ pub use error::ApiError;
 pub use front::{ApiKeys, ConnLimits, FrontDoor, FrontDoorArgs, FrontDoorError};
 pub use grpc::GenerationService;
 pub use metrics::RouterMetrics;
-pub use openai::routes;
+pub use openai::{routes, Responses, StoreConfig, StoreSpec};
 pub use policy::{Candidate, DisaggConfig, KvAwareConfig, PolicyKind, RoutingPolicy};
 pub use tandem_discovery::DiscoverySpec;
 pub use workers::{InFlightGuard, PoolConfig, PoolShared, Role, Worker, WorkerAddr, WorkerPool};

@@ -67,7 +67,11 @@ fn harness() -> &'static Harness {
         .resolve()
         .unwrap();
         Harness {
-            app: tandem_router::routes(d.clone(), &door),
+            app: tandem_router::routes(
+                d.clone(),
+                &door,
+                tandem_router::Responses::in_memory(16 << 20, std::time::Duration::from_secs(600)),
+            ),
             grpc: tandem_router::GenerationService::new(d),
             rt,
         }
@@ -336,6 +340,61 @@ fn body(chat: bool) -> impl Strategy<Value = Value> {
     })
 }
 
+/// A Responses API body: `input` as a string or items (of each type, with hostile text, or any
+/// JSON), and a few of the API's other fields with any JSON.
+fn responses_body() -> impl Strategy<Value = Value> {
+    use serde_json::json;
+    let roles = vec!["user", "assistant", "system", "developer", "tool", ""];
+    let item = prop_oneof![
+        (prop::sample::select(roles), nasty_string())
+            .prop_map(|(r, t)| json!({"role": r, "content": t})),
+        nasty_string().prop_map(|t| json!({"type": "message", "role": "user",
+            "content": [{"type": "input_text", "text": t}]})),
+        (nasty_string(), nasty_string()).prop_map(|(n, a)| json!({"type": "function_call",
+            "call_id": "c1", "name": n, "arguments": a})),
+        nasty_string().prop_map(|o| json!({"type": "function_call_output", "call_id": "c1",
+            "output": o})),
+        json(),
+    ];
+    let input = prop_oneof![
+        nasty_string().prop_map(Value::from),
+        prop::collection::vec(item, 0..5).prop_map(Value::from),
+        json(),
+    ];
+    let keys = vec![
+        "instructions",
+        "tools",
+        "tool_choice",
+        "text",
+        "max_output_tokens",
+        "temperature",
+        "top_p",
+        "store",
+        "previous_response_id",
+        "background",
+        "include",
+        "reasoning",
+        "truncation",
+        "metadata",
+        "stream",
+        "top_logprobs",
+        "max_tool_calls",
+        "parallel_tool_calls",
+    ];
+    (
+        input,
+        prop::collection::vec((prop::sample::select(keys), json()), 0..4),
+    )
+        .prop_map(|(input, fields)| {
+            let mut o = Map::new();
+            o.insert("input".into(), input);
+            for (k, v) in fields {
+                o.insert(k.into(), v);
+            }
+            Value::Object(o)
+        })
+}
+
 fn grpc_prompt() -> impl Strategy<Value = Option<pb::generate_request::Prompt>> {
     prop_oneof![
         Just(None),
@@ -371,6 +430,11 @@ proptest! {
     #[test]
     fn chat_bodies_get_a_client_error_or_no_worker(b in body(true)) {
         post("/v1/chat/completions", serde_json::to_vec(&b).unwrap())?;
+    }
+
+    #[test]
+    fn responses_bodies_get_a_client_error_or_no_worker(b in responses_body()) {
+        post("/v1/responses", serde_json::to_vec(&b).unwrap())?;
     }
 
     #[test]

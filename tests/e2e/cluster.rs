@@ -1031,6 +1031,17 @@ async fn the_anthropic_python_client_speaks_the_messages_api() {
     c.done().await;
 }
 
+/// The Responses API through the official OpenAI client (create, stream, a function-call round
+/// trip, a `previous_response_id` chain, structured output, retrieve, input items, delete,
+/// background and cancel, input tokens, errors) and through an agent of the OpenAI Agents SDK
+/// with a function tool on its default Responses model.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openai_client_and_the_agents_sdk_speak_the_responses_api() {
+    let (_turn, c) = one_worker().await;
+    assert!(responses_python_client(&c.router.http, &c.model, &[]).await >= 28);
+    c.done().await;
+}
+
 /// Structured outputs through the OpenAI Python client, each answer valid for its schema.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn structured_outputs_through_the_python_client_follow_their_schemas() {

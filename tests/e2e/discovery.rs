@@ -322,3 +322,87 @@ fn an_etcd_that_is_down_at_start_is_a_clear_error() {
         );
     }
 }
+
+/// Two routers with `--responses-store etcd://...` share their stored responses: a response
+/// created through one is retrieved, continued with `previous_response_id` (its conversation
+/// put back together) and deleted through the other, and its key sits under the cluster's
+/// prefix with a lease until then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routers_share_stored_responses_through_etcd() {
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start(dir.path(), free_port());
+    let store = format!("--responses-store=etcd://127.0.0.1:{}", etcd.port);
+    let (_w, addr) = start_worker(&[]);
+    let a = start_router(std::slice::from_ref(&addr), &[&store, "--cluster=shared"]);
+    let b = start_router(std::slice::from_ref(&addr), &[&store, "--cluster=shared"]);
+    wait_ready(&a, 1).await;
+    wait_ready(&b, 1).await;
+    let model = models(&a.http).await["data"][0]["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let (status, first) = post(
+        &a.http,
+        "/v1/responses",
+        json!({"model": model, "input": "My name is Ada. Say hello to me.",
+               "max_output_tokens": 12, "temperature": 0}),
+    )
+    .await;
+    assert_eq!(status, 200, "{first}");
+    let id = first["id"].as_str().unwrap().to_string();
+    assert_eq!(
+        etcd.keys("/tandem/shared/responses/"),
+        vec![format!("/tandem/shared/responses/{id}")]
+    );
+    let got: Value = reqwest::get(format!("{}/v1/responses/{id}", b.http))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(got["output"], first["output"], "{got}");
+    // The follow-up through b is what a whole conversation sent to a gives.
+    let (status, second) = post(
+        &b.http,
+        "/v1/responses",
+        json!({"model": model, "input": "What is my name?", "previous_response_id": id,
+               "max_output_tokens": 12, "temperature": 0}),
+    )
+    .await;
+    assert_eq!(status, 200, "{second}");
+    let said = first["output"][0]["content"][0]["text"].as_str().unwrap();
+    let (status, whole) = post(
+        &a.http,
+        "/v1/responses",
+        json!({"model": model, "store": false, "max_output_tokens": 12, "temperature": 0,
+               "input": [
+                   {"role": "user", "content": "My name is Ada. Say hello to me."},
+                   {"role": "assistant", "content": said},
+                   {"role": "user", "content": "What is my name?"}]}),
+    )
+    .await;
+    assert_eq!(status, 200, "{whole}");
+    assert_eq!(
+        second["output"][0]["content"][0]["text"],
+        whole["output"][0]["content"][0]["text"]
+    );
+    assert_eq!(
+        second["usage"]["input_tokens"], whole["usage"]["input_tokens"],
+        "{second} {whole}"
+    );
+    let deleted = reqwest::Client::new()
+        .delete(format!("{}/v1/responses/{id}", b.http))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(deleted.status(), 200);
+    let gone = reqwest::get(format!("{}/v1/responses/{id}", a.http))
+        .await
+        .unwrap();
+    assert_eq!(gone.status(), 404);
+    assert_eq!(
+        etcd.keys("/tandem/shared/responses/").len(),
+        1,
+        "the second one stays"
+    );
+}

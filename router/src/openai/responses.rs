@@ -61,6 +61,11 @@ impl Responses {
             running: Running::default(),
         })
     }
+
+    /// With a memory store of at most `max_bytes`, entries living `ttl`.
+    pub fn in_memory(max_bytes: u64, ttl: std::time::Duration) -> Arc<Self> {
+        Self::new(ResponseStore::memory(max_bytes, ttl))
+    }
 }
 
 /// `input`: a string (one user message) or items.
@@ -181,6 +186,8 @@ struct CreateRequest {
     repetition_penalty: Option<f32>,
     #[serde(default)]
     seed: Option<u64>,
+    #[serde(default)]
+    ignore_eos: Option<bool>,
 }
 
 /// `include` values served: log-probabilities of the output text, and a reasoning item's
@@ -264,12 +271,14 @@ impl CreateRequest {
         if let Some(t) = &self.text {
             match t.verbosity.as_deref() {
                 None | Some("medium") => {}
-                Some(v) => return Err(bad(
-                    format!(
+                Some(v) => {
+                    return Err(bad(
+                        format!(
                         "text.verbosity {v:?} is not served: this model has one verbosity (medium)"
                     ),
-                    "text",
-                )),
+                        "text",
+                    ))
+                }
             }
         }
         for inc in self.include.iter().flatten() {
@@ -631,6 +640,7 @@ fn chat_body(r: &CreateRequest, conversation: &[Value]) -> Result<Value, ApiErro
         ("min_p", r.min_p.map(|v| json!(v))),
         ("repetition_penalty", r.repetition_penalty.map(|v| json!(v))),
         ("seed", r.seed.map(|v| json!(v))),
+        ("ignore_eos", r.ignore_eos.map(|v| json!(v))),
         (
             "parallel_tool_calls",
             r.parallel_tool_calls.map(|v| json!(v)),

@@ -91,9 +91,27 @@ async fn client_script(netns: Option<&str>, script: &str, args: &[String], who: 
 /// Runs tests/anthropic_client.py (the official Anthropic Python client) against the router at
 /// `http` (its root): the Messages API's checks, every one passed; their count.
 pub async fn anthropic_python_client(http: &str, model: &str, extra: &[String]) -> usize {
+    counted_checks("anthropic_client.py", "Anthropic", http, model, extra).await
+}
+
+/// Runs tests/responses_client.py (the official OpenAI Python client and the OpenAI Agents SDK)
+/// against the router at `http` (its root): the Responses API's checks, every one passed;
+/// their count.
+pub async fn responses_python_client(http: &str, model: &str, extra: &[String]) -> usize {
+    counted_checks("responses_client.py", "Responses", http, model, extra).await
+}
+
+/// A client script that ends with "N/M ... passed": every check passed; their count.
+async fn counted_checks(
+    script: &str,
+    who: &str,
+    http: &str,
+    model: &str,
+    extra: &[String],
+) -> usize {
     let mut args = vec![format!("--base-url={http}"), format!("--model={model}")];
     args.extend_from_slice(extra);
-    let stdout = client_script(None, "anthropic_client.py", &args, "Anthropic").await;
+    let stdout = client_script(None, script, &args, who).await;
     let last = stdout.lines().last().unwrap_or_default();
     let (passed, all) = last
         .split_once(' ')
