@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tandem_discovery::{follow, Cards, ClusterPath, Registration, Role, WorkerCard};
+use tandem_discovery::{follow, Cards, ClusterPath, KvStore, Registration, Role, WorkerCard};
 use tokio::sync::watch;
 
 /// Answers from a local etcd come in milliseconds; this bounds only a broken one.
@@ -280,5 +280,54 @@ async fn an_etcd_that_is_down_at_start_is_a_clear_error() {
     .await
     .unwrap()
     .expect("registration against a down etcd fails");
+    assert!(err.contains(&format!("etcd at 127.0.0.1:{port}")), "{err}");
+}
+
+/// The key-value store (the router's stored responses): values under its prefix, replaced,
+/// read, deleted, and gone by themselves once their lease's TTL has passed since the last
+/// write; a down etcd is a clear error at connect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_kv_store_puts_gets_deletes_and_expires_values() {
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = started(dir.path(), free_port()).await;
+    let kv = KvStore::connect(
+        etcd.endpoints(),
+        "/tandem/kv/responses/".into(),
+        TTL,
+        TIMEOUT,
+    )
+    .await
+    .unwrap();
+    assert_eq!(kv.get("a").await.unwrap(), None);
+    kv.put("a", b"one".to_vec()).await.unwrap();
+    kv.put("b", b"two".to_vec()).await.unwrap();
+    kv.put("a", b"three".to_vec()).await.unwrap();
+    assert_eq!(kv.get("a").await.unwrap().as_deref(), Some(&b"three"[..]));
+    assert_eq!(
+        etcd.ctl(&["get", "--prefix", "--keys-only", "/tandem/kv/responses/"])
+            .split_whitespace()
+            .collect::<Vec<_>>(),
+        ["/tandem/kv/responses/a", "/tandem/kv/responses/b"]
+    );
+    assert!(kv.delete("b").await.unwrap());
+    assert!(!kv.delete("b").await.unwrap());
+    assert_eq!(kv.get("b").await.unwrap(), None);
+    // "a" expires on its own once its lease runs out (etcd's clock; waited for, not timed).
+    let end = Instant::now() + Duration::from_secs(60);
+    while kv.get("a").await.unwrap().is_some() {
+        assert!(Instant::now() < end, "a value outlived its lease by far");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let port = free_port();
+    let err = KvStore::connect(
+        vec![format!("http://127.0.0.1:{port}")],
+        "/x/".into(),
+        TTL,
+        TIMEOUT,
+    )
+    .await
+    .err()
+    .expect("a down etcd")
+    .to_string();
     assert!(err.contains(&format!("etcd at 127.0.0.1:{port}")), "{err}");
 }

@@ -126,13 +126,15 @@ fn router() -> &'static Router {
             }
             .resolve()
             .expect("front door limits");
-            tandem_router::routes(dispatcher, &door)
+            let responses =
+                tandem_router::Responses::in_memory(16 << 20, std::time::Duration::from_secs(600));
+            tandem_router::routes(dispatcher, &door, responses)
         };
         Router { rt, app }
     })
 }
 
-/// A body posted to the completions (first byte even) or chat route gets a client error with
+/// A body posted to the completions, chat or responses route (by the first byte) gets a client error with
 /// an OpenAI error body, or 503 `no_worker` when it is valid: never a 5xx of the router's own
 /// (its panic guard answers a panic with 500).
 pub fn openai_body(data: &[u8]) {
@@ -140,10 +142,10 @@ pub fn openai_body(data: &[u8]) {
     let Some((&kind, body)) = data.split_first() else {
         return;
     };
-    let path = if kind % 2 == 0 {
-        "/v1/completions"
-    } else {
-        "/v1/chat/completions"
+    let path = match kind % 3 {
+        0 => "/v1/completions",
+        1 => "/v1/chat/completions",
+        _ => "/v1/responses",
     };
     let r = router();
     let (status, bytes) = r.rt.block_on(async {

@@ -727,8 +727,8 @@ struct Builder {
     logprobs: bool,
     max_calls: Option<u64>,
     message: Option<OpenMessage>,
-    /// Whitespace held while no message is open and calls may still come (a call-only output
-    /// has no message item).
+    /// With tools: whitespace at the end of the text so far, held until more text follows
+    /// (the message's text is trimmed, as chat's is, and a call-only output has no message).
     held: String,
     output: Vec<Value>,
     calls: u64,
@@ -784,12 +784,20 @@ impl Builder {
             return;
         }
         let mut text = text.to_string();
-        if self.message.is_none() {
-            if self.parser.is_some() && text.trim().is_empty() {
-                self.held.push_str(&text);
+        if self.parser.is_some() {
+            // Leading whitespace is dropped; trailing whitespace waits for more text.
+            let whole = match &self.message {
+                None => text.trim_start().to_string(),
+                Some(_) => std::mem::take(&mut self.held) + &text,
+            };
+            let kept = whole.trim_end().len();
+            self.held = whole[kept..].to_string();
+            text = whole[..kept].to_string();
+            if text.is_empty() {
                 return;
             }
-            text = std::mem::take(&mut self.held) + &text;
+        }
+        if self.message.is_none() {
             let m = OpenMessage {
                 id: new_id("msg"),
                 index: self.output.len(),
@@ -825,6 +833,7 @@ impl Builder {
     }
 
     fn close_message(&mut self, status: &str) {
+        self.held.clear();
         let Some(m) = self.message.take() else {
             return;
         };
@@ -1717,6 +1726,36 @@ mod tests {
         );
         let out = &b.response["output"];
         assert_eq!(out.as_array().unwrap().len(), 1);
+        // With tools, the message's text is trimmed as chat trims it, and its deltas add up
+        // to it.
+        let mut t = Builder::new(
+            None,
+            skeleton(
+                &request(json!({"model": "m", "input": "hi"})).unwrap(),
+                "r",
+                "m",
+                1,
+                true,
+            ),
+            Some(tandem_model::ToolCallStyle::Hermes),
+            None,
+            true,
+        );
+        t.absorb(chunk("  Hello  "));
+        let mut last = chunk(" world \n");
+        last.finish = Some((FinishKind::Stop, Usage::default()));
+        t.absorb(last);
+        let text = t.response["output"][0]["content"][0]["text"]
+            .as_str()
+            .unwrap();
+        assert_eq!(text, "Hello   world");
+        let deltas: String = t
+            .events
+            .iter()
+            .filter(|e| e["type"] == "response.output_text.delta")
+            .map(|e| e["delta"].as_str().unwrap())
+            .collect();
+        assert_eq!(deltas, text);
         assert_eq!(out[0]["type"], "function_call");
         assert_eq!(out[0]["name"], "f");
         assert_eq!(out[0]["arguments"], "{\"x\":1}");
