@@ -627,7 +627,8 @@ pub fn run_router(a: RouterArgs) -> Result<()> {
     };
     let model = tandem_router::load_model(&path, a.served_model_name.clone())
         .with_context(|| format!("loading the tokenizer from {}", path.display()))?
-        .with_tool_call_parser(a.tool_call_parser);
+        .with_tool_call_parser(a.tool_call_parser)
+        .with_reasoning_parser(a.reasoning_parser);
     let rt = runtime(2)?;
     rt.block_on(async move {
         tandem_router::serve(

@@ -30,6 +30,7 @@ pub struct ChatTemplate {
     eos_token: String,
     takes_tools: bool,
     tool_calls: ToolCallStyle,
+    thinks: bool,
 }
 
 /// How a model family writes its tool calls in its output, which its chat template shows.
@@ -149,6 +150,7 @@ impl ChatTemplate {
             bos_token: bos_token.unwrap_or("").into(),
             eos_token: eos_token.unwrap_or("").into(),
             takes_tools: source.contains("tools"),
+            thinks: source.contains("<think>"),
             tool_calls: ToolCallStyle::of_template(source),
         })
     }
@@ -162,6 +164,12 @@ impl ChatTemplate {
     /// for one that does not, the caller describes the tools in the conversation.
     pub fn takes_tools(&self) -> bool {
         self.takes_tools
+    }
+
+    /// Whether the model thinks before it answers, in `<think>...</think>` (its template writes
+    /// the tags: Qwen3's, DeepSeek-R1's).
+    pub fn thinks(&self) -> bool {
+        self.thinks
     }
 
     /// Renders the conversation; with `add_generation_prompt` the text ends where the assistant's
@@ -182,6 +190,20 @@ impl ChatTemplate {
         add_generation_prompt: bool,
         tools: Option<&[serde_json::Value]>,
     ) -> Result<String, ModelError> {
+        self.render_with(messages, add_generation_prompt, tools, &serde_json::Map::new())
+    }
+
+    /// [`ChatTemplate::render_with_tools`] with more variables for the template (vLLM's
+    /// `chat_template_kwargs`: `enable_thinking` for Qwen3's, say). The messages, tools,
+    /// `add_generation_prompt` and the special tokens are the caller's; a variable of the same
+    /// name in `kwargs` does not replace them.
+    pub fn render_with(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        tools: Option<&[serde_json::Value]>,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String, ModelError> {
         if messages.is_empty() {
             return Err(ModelError::Template("messages must not be empty".into()));
         }
@@ -195,6 +217,7 @@ impl ChatTemplate {
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token,
             eos_token => self.eos_token,
+            ..Value::from_serialize(kwargs)
         })
         .map_err(|e| {
             let detail = e
@@ -246,6 +269,49 @@ mod tests {
         assert_eq!("mistral".parse(), Ok(ToolCallStyle::Mistral));
         let e = "pythonic".parse::<ToolCallStyle>().unwrap_err();
         assert!(e.contains("\"pythonic\""), "{e}");
+    }
+
+/// A Qwen3-style template that thinks: ChatML, an earlier answer's thinking dropped, and
+    /// `enable_thinking: false` writing an empty thought into the prompt.
+    pub(crate) const THINKING: &str = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}{{ m['content'].split('</think>')[-1].lstrip('\\n') }}{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}";
+
+    /// Variables beyond the conversation reach the template (vLLM's `chat_template_kwargs`):
+    /// Qwen3's `enable_thinking`; they do not replace the messages. A template with
+    /// `<think>` thinks.
+    #[test]
+    fn template_kwargs_reach_the_template_and_thinking_shows() {
+        let t = ChatTemplate::new(THINKING, None, None).unwrap();
+        assert!(t.thinks());
+        assert!(!ChatTemplate::new("{{ messages }}", None, None).unwrap().thinks());
+        let m = vec![
+            ChatMessage {
+                role: "user".into(),
+                content: "hi".into(),
+                ..Default::default()
+            },
+            ChatMessage {
+                role: "assistant".into(),
+                content: "<think>\nhm\n</think>\n\nhello".into(),
+                ..Default::default()
+            },
+            ChatMessage {
+                role: "user".into(),
+                content: "again".into(),
+                ..Default::default()
+            },
+        ];
+        let on = t.render(&m, true).unwrap();
+        assert_eq!(
+            on,
+            "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhello<|im_end|>\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n"
+        );
+        let mut kw = serde_json::Map::new();
+        kw.insert("enable_thinking".into(), serde_json::json!(false));
+        kw.insert("messages".into(), serde_json::json!([]));
+        let off = t.render_with(&m, true, None, &kw).unwrap();
+        assert_eq!(off, format!("{on}<think>\n\n</think>\n\n"));
+        kw.insert("enable_thinking".into(), serde_json::json!(true));
+        assert_eq!(t.render_with(&m, true, None, &kw).unwrap(), on);
     }
 
     #[test]

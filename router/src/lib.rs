@@ -54,7 +54,7 @@ pub use client::{Connect, WorkerClient, WorkerStream};
 pub use discovery::Discovery;
 pub use dispatch::{
     Chunk, DispatchConfig, Dispatcher, FinishKind, GenParams, Generation, MaxTokensDefault,
-    Prepared, PromptInput, RouterRequestId, ServedModel, TokenOut, Usage,
+    Prepared, PromptInput, ReasoningParser, RouterRequestId, ServedModel, TokenOut, Usage,
 };
 pub use error::ApiError;
 pub use front::{ApiKeys, ConnLimits, FrontDoor, FrontDoorArgs, FrontDoorError};
@@ -99,6 +99,12 @@ pub struct RouterArgs {
     /// (hermes for a template without tools, which is told to write that).
     #[arg(long, env = "TANDEM_TOOL_CALL_PARSER")]
     pub tool_call_parser: Option<tandem_model::ToolCallStyle>,
+    /// How the model's reasoning is told from its answer, and split out (chat's
+    /// `reasoning_content`, Responses reasoning items, Messages thinking blocks): qwen3 or
+    /// deepseek_r1 (`<think>...</think>` before the answer), none. Default: qwen3 where the
+    /// chat template writes `<think>`, else none.
+    #[arg(long, env = "TANDEM_REASONING_PARSER")]
+    pub reasoning_parser: Option<ReasoningParser>,
     /// Address to listen on.
     #[arg(long, env = "TANDEM_HOST", default_value = "0.0.0.0")]
     pub host: String,
@@ -491,9 +497,11 @@ pub fn load_model(
         .as_ref()
         .map(|t| t.tool_call_style())
         .unwrap_or_default();
+    let reasoning = text.chat_template.as_ref().is_some_and(|t| t.thinks());
     Ok(ServedModel {
         name: served_name.unwrap_or_else(|| text.name.clone()),
         text,
         tool_calls,
+        reasoning,
     })
 }

@@ -46,6 +46,31 @@ pub struct ServedModel {
     pub text: LoadedModel,
     /// How the model writes tool calls (its template's style, or `--tool-call-parser`).
     pub tool_calls: tandem_model::ToolCallStyle,
+    /// Whether the model thinks in `<think>...</think>` before it answers, which the APIs
+    /// split out as reasoning (its template shows it, or `--reasoning-parser`).
+    pub reasoning: bool,
+}
+
+/// `--reasoning-parser`: how reasoning is told from the answer in a model's output.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReasoningParser {
+    /// `<think>...</think>` before the answer (Qwen3's, DeepSeek-R1's).
+    Think,
+    /// No reasoning: the whole output is the answer.
+    None,
+}
+
+impl std::str::FromStr for ReasoningParser {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "qwen3" | "deepseek_r1" | "think" => Ok(Self::Think),
+            "none" => Ok(Self::None),
+            o => Err(format!(
+                "unknown reasoning parser {o:?} (qwen3, deepseek_r1, none)"
+            )),
+        }
+    }
 }
 
 impl ServedModel {
@@ -53,6 +78,14 @@ impl ServedModel {
     pub fn with_tool_call_parser(mut self, style: Option<tandem_model::ToolCallStyle>) -> Self {
         if let Some(s) = style {
             self.tool_calls = s;
+        }
+        self
+    }
+
+    /// The model with reasoning split out as `parser` says, where given.
+    pub fn with_reasoning_parser(mut self, parser: Option<ReasoningParser>) -> Self {
+        if let Some(p) = parser {
+            self.reasoning = p == ReasoningParser::Think;
         }
         self
     }
@@ -69,8 +102,13 @@ pub enum PromptInput {
     Text(String),
     /// Rendered through the chat template with the assistant turn opened.
     Chat(Vec<ChatMessage>),
-    /// The same, with the tools the model may call passed to a template that renders them.
-    ChatWithTools(Vec<ChatMessage>, Vec<serde_json::Value>),
+    /// The same, with the tools the model may call passed to a template that renders them
+    /// (none: empty), and more variables for the template (vLLM's `chat_template_kwargs`).
+    ChatWith(
+        Vec<ChatMessage>,
+        Vec<serde_json::Value>,
+        serde_json::Map<String, serde_json::Value>,
+    ),
     /// Token ids, sent as they are once checked against the vocabulary.
     Ids(Vec<u32>),
 }

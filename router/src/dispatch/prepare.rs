@@ -49,12 +49,12 @@ fn tokenize_in(
             return tokenize_in(
                 model,
                 limit,
-                PromptInput::ChatWithTools(msgs, Vec::new()),
+                PromptInput::ChatWith(msgs, Vec::new(), Default::default()),
                 add_special_tokens,
                 add_generation_prompt,
             )
         }
-        PromptInput::ChatWithTools(msgs, tools) => {
+        PromptInput::ChatWith(msgs, tools, kwargs) => {
             if msgs.is_empty() {
                 return Err(ApiError::invalid("messages must not be empty", "messages"));
             }
@@ -65,10 +65,11 @@ fn tokenize_in(
                 )
             })?;
             let text = t
-                .render_with_tools(
+                .render_with(
                     &msgs,
                     add_generation_prompt,
                     (!tools.is_empty()).then_some(&tools[..]),
+                    &kwargs,
                 )
                 .map_err(|e| ApiError::invalid(e.to_string(), "messages"))?;
             (text, add_special_tokens.unwrap_or(false), "messages")

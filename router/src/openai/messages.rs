@@ -22,6 +22,7 @@ use serde_json::{json, Value};
 
 use super::body::RequestBody;
 use super::request::{chat_messages, parse, ChatRequest};
+use super::reasoning::{split_reasoning, ThinkSplitter};
 use super::tools::{split_calls, CallParser, ToolCall};
 use super::{chat_input, chat_prepared};
 use crate::dispatch::{Chunk, Dispatcher, FinishKind, Generation, PromptInput, Usage};
@@ -336,13 +337,22 @@ fn openai_tools(
     Ok((tools.map(Value::Array), choice, parallel))
 }
 
-/// Extended thinking: only `{"type": "disabled"}` is served.
-fn check_thinking(thinking: Option<&Value>) -> Result<(), ApiError> {
-    match thinking {
-        None => Ok(()),
-        Some(t) if t["type"] == "disabled" => Ok(()),
-        Some(_) => Err(bad(
-            "thinking: extended thinking is not served by this model (send it disabled, or not at all)",
+/// Extended thinking, checked against the model: one that thinks thinks when asked
+/// (`enabled`, with its `budget_tokens` taken and `max_tokens` bounding thought and answer
+/// together, or `adaptive`) and not otherwise; one that does not takes only `disabled`. Whether
+/// the model's thinking is on (None: it has none).
+fn check_thinking(thinking: Option<&Value>, reasons: bool) -> Result<Option<bool>, ApiError> {
+    let kind = thinking.map(|t| t["type"].as_str().unwrap_or(""));
+    match (kind, reasons) {
+        (None | Some("disabled"), true) => Ok(Some(false)),
+        (None | Some("disabled"), false) => Ok(None),
+        (Some("enabled" | "adaptive"), true) => Ok(Some(true)),
+        (Some("enabled" | "adaptive"), false) => Err(bad(
+            "thinking: extended thinking is not served by this model: it does not reason (send it disabled, or not at all)",
+            "thinking",
+        )),
+        (Some(other), _) => Err(bad(
+            format!("thinking type {other:?} is not enabled, adaptive or disabled"),
             "thinking",
         )),
     }
@@ -375,11 +385,11 @@ fn response_format(c: Option<&OutputConfig>) -> Result<Option<Value>, ApiError> 
 }
 
 /// The chat request an Anthropic request means, and whether it streams.
-fn chat_body(r: MessagesRequest) -> Result<(Value, bool), ApiError> {
+fn chat_body(r: MessagesRequest, reasons: bool) -> Result<(Value, bool), ApiError> {
     let Some(max_tokens) = r.max_tokens else {
         return Err(bad("max_tokens: field required", "max_tokens"));
     };
-    check_thinking(r.thinking.as_ref())?;
+    let thinking = check_thinking(r.thinking.as_ref(), reasons)?;
     check_speed(r.speed.as_deref())?;
     let messages = openai_messages(r.system.as_ref(), &r.messages)?;
     let (tools, tool_choice, parallel) = openai_tools(r.tools.as_deref(), r.tool_choice.as_ref())?;
@@ -399,6 +409,10 @@ fn chat_body(r: MessagesRequest) -> Result<(Value, bool), ApiError> {
         (
             "response_format",
             response_format(r.output_config.as_ref())?,
+        ),
+        (
+            "chat_template_kwargs",
+            thinking.map(|on| json!({"enable_thinking": on})),
         ),
     ];
     for (k, v) in fields {
@@ -438,7 +452,8 @@ fn translated(chat: Value) -> Result<ChatRequest, ApiError> {
 fn prompt_input(d: &Dispatcher, body: Value) -> Result<PromptInput, ApiError> {
     let r = translated(body)?;
     let tools = super::tools::Tools::parse(r.tools.as_deref(), None, None)?;
-    Ok(chat_input(d, chat_messages(r.messages)?, tools.as_ref()))
+    let kwargs = super::template_kwargs(d, r.chat_template_kwargs, r.reasoning_effort.as_deref())?;
+    Ok(chat_input(d, chat_messages(r.messages)?, tools.as_ref(), kwargs))
 }
 
 pub(super) async fn messages(
@@ -449,7 +464,7 @@ pub(super) async fn messages(
     let span = trace::request_span("POST /v1/messages", "chat", &headers);
     let started = async {
         let r: MessagesRequest = parse(&body)?;
-        let (chat, stream) = chat_body(r)?;
+        let (chat, stream) = chat_body(r, d.model.reasoning)?;
         let (prep, shape, _) = super::chat_prepare(&d, translated(chat)?).await?;
         Ok::<_, ApiError>((prep, shape, stream))
     };
@@ -477,6 +492,7 @@ pub(super) async fn messages(
         ),
         model: shape.model,
         tools: shape.tool_calls,
+        reasoning: shape.reasoning,
         prompt_tokens,
     };
     if stream {
@@ -498,13 +514,16 @@ pub(super) async fn count_tokens(
     let counted = async {
         let r: CountRequest = parse(&body)?;
         d.check_model(&r.model)?;
-        check_thinking(r.thinking.as_ref())?;
+        let thinking = check_thinking(r.thinking.as_ref(), d.model.reasoning)?;
         check_speed(r.speed.as_deref())?;
         let messages = openai_messages(r.system.as_ref(), &r.messages)?;
         let (tools, _, _) = openai_tools(r.tools.as_deref(), r.tool_choice.as_ref())?;
         let mut chat = json!({"model": r.model, "messages": messages});
         if let Some(t) = tools {
             chat["tools"] = t;
+        }
+        if let Some(on) = thinking {
+            chat["chat_template_kwargs"] = json!({"enable_thinking": on});
         }
         let input = prompt_input(&d, chat)?;
         d.tokenize_with(input, None, true).await
@@ -522,6 +541,9 @@ struct Msg {
     /// The request has tools: calls in the output (written in this style) become `tool_use`
     /// blocks.
     tools: Option<tandem_model::ToolCallStyle>,
+    /// The model thinks: its thought is a `thinking` block (`Some(true)`: the prompt opened
+    /// it).
+    reasoning: Option<bool>,
     prompt_tokens: usize,
 }
 
@@ -565,6 +587,13 @@ async fn whole(m: &Msg, mut g: Generation) -> Result<Value, ApiError> {
     let (finish, u) =
         end.ok_or_else(|| ApiError::Internal("stream ended without a finish".into()))?;
     let mut content = Vec::new();
+    if let Some(in_thought) = m.reasoning {
+        let (thought, answer) = split_reasoning(&text, in_thought);
+        if !thought.is_empty() {
+            content.push(thinking_block(&thought));
+        }
+        text = answer;
+    }
     let called = if let Some(style) = m.tools {
         let (t, calls) = split_calls(&m.id, &text, style);
         if let Some(t) = t {
@@ -591,6 +620,11 @@ async fn whole(m: &Msg, mut g: Generation) -> Result<Value, ApiError> {
     }))
 }
 
+/// A thought as Anthropic's `thinking` block (unsigned: the thought is the model's own text).
+fn thinking_block(thought: &str) -> Value {
+    json!({"type": "thinking", "thinking": thought, "signature": ""})
+}
+
 fn event(kind: &'static str, data: Value) -> Event {
     Event::default().event(kind).data(data.to_string())
 }
@@ -604,8 +638,10 @@ fn events(m: Msg, g: Generation) -> impl Stream<Item = Result<Event, Infallible>
         m: Msg,
         g: Generation,
         parser: Option<CallParser>,
-        /// Index of the next block, and whether a text block is open.
+        splitter: Option<ThinkSplitter>,
+        /// Index of the next block, and whether a thinking or a text block is open.
         block: usize,
+        thinking_open: bool,
         text_open: bool,
         calls: usize,
         queue: std::collections::VecDeque<Event>,
@@ -613,10 +649,39 @@ fn events(m: Msg, g: Generation) -> impl Stream<Item = Result<Event, Infallible>
         finished: bool,
     }
     impl St {
+        fn thinking(&mut self, t: &str) {
+            if t.is_empty() {
+                return;
+            }
+            if !self.thinking_open {
+                self.queue.push_back(event(
+                    "content_block_start",
+                    json!({"type": "content_block_start", "index": self.block,
+                        "content_block": thinking_block("")}),
+                ));
+                self.thinking_open = true;
+            }
+            self.queue.push_back(event(
+                "content_block_delta",
+                json!({"type": "content_block_delta", "index": self.block,
+                    "delta": {"type": "thinking_delta", "thinking": t}}),
+            ));
+        }
+        fn close_thinking(&mut self) {
+            if self.thinking_open {
+                self.queue.push_back(event(
+                    "content_block_stop",
+                    json!({"type": "content_block_stop", "index": self.block}),
+                ));
+                self.thinking_open = false;
+                self.block += 1;
+            }
+        }
         fn text(&mut self, t: &str) {
             if t.is_empty() {
                 return;
             }
+            self.close_thinking();
             if !self.text_open {
                 self.queue.push_back(event(
                     "content_block_start",
@@ -642,6 +707,7 @@ fn events(m: Msg, g: Generation) -> impl Stream<Item = Result<Event, Infallible>
             }
         }
         fn call(&mut self, c: &ToolCall) {
+            self.close_thinking();
             self.close_text();
             let mut start = tool_use(c);
             let input = std::mem::replace(&mut start["input"], json!({}));
@@ -663,9 +729,22 @@ fn events(m: Msg, g: Generation) -> impl Stream<Item = Result<Event, Infallible>
             self.calls += 1;
         }
         fn absorb(&mut self, c: Chunk) {
+            let (thought, answer) = match &mut self.splitter {
+                Some(s) => {
+                    let (mut r, mut a) = s.push(&c.text);
+                    if c.finish.is_some() {
+                        let (r2, a2) = s.finish();
+                        r.push_str(&r2);
+                        a.push_str(&a2);
+                    }
+                    (r, a)
+                }
+                None => (String::new(), c.text.clone()),
+            };
+            self.thinking(&thought);
             let (text, calls) = match &mut self.parser {
                 Some(p) => {
-                    let (mut text, mut calls) = p.push(&c.text);
+                    let (mut text, mut calls) = p.push(&answer);
                     if c.finish.is_some() {
                         let (rest, more) = p.finish();
                         text.push_str(&rest);
@@ -673,13 +752,14 @@ fn events(m: Msg, g: Generation) -> impl Stream<Item = Result<Event, Infallible>
                     }
                     (text, calls)
                 }
-                None => (c.text.clone(), Vec::new()),
+                None => (answer, Vec::new()),
             };
             self.text(&text);
             for call in &calls {
                 self.call(call);
             }
             if let Some((finish, u)) = c.finish {
+                self.close_thinking();
                 self.close_text();
                 let (reason, sequence) = stop_reason(finish, c.stop.as_deref(), self.calls > 0);
                 self.queue.push_back(event(
@@ -695,11 +775,14 @@ fn events(m: Msg, g: Generation) -> impl Stream<Item = Result<Event, Infallible>
         }
     }
     let parser = m.tools.map(|s| CallParser::new(&m.id, 0, s));
+    let splitter = m.reasoning.map(ThinkSplitter::new);
     let st = St {
         m,
         g,
         parser,
+        splitter,
         block: 0,
+        thinking_open: false,
         text_open: false,
         calls: 0,
         queue: Default::default(),
@@ -781,7 +864,7 @@ mod tests {
             "tool_choice": {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": true},
         }))
         .unwrap();
-        let (body, stream) = chat_body(r).unwrap();
+        let (body, stream) = chat_body(r, false).unwrap();
         assert!(!stream);
         assert_eq!(
             body["messages"],
@@ -822,7 +905,7 @@ mod tests {
             b[k] = v;
             b
         };
-        let refused = |v: Value| match request(v.clone()).and_then(chat_body) {
+        let refused = |v: Value| match request(v.clone()).and_then(|r| chat_body(r, false)) {
             Err(e) => e.to_string(),
             Ok(_) => panic!("accepted {v}"),
         };
@@ -859,7 +942,7 @@ mod tests {
         let schema = json!({"type": "object"});
         ok["output_config"] =
             json!({"effort": "low", "format": {"type": "json_schema", "schema": schema}});
-        let (body, _) = request(ok).and_then(chat_body).unwrap();
+        let (body, _) = request(ok).and_then(|r| chat_body(r, false)).unwrap();
         assert_eq!(
             body["response_format"],
             json!({"type": "json_schema", "json_schema": {"name": "output", "schema": schema}})

@@ -20,6 +20,7 @@
 mod body;
 mod messages;
 mod request;
+mod reasoning;
 mod response;
 mod responses;
 mod store;
@@ -245,7 +246,7 @@ async fn tokenize(
         (None, Some(msgs)) => {
             // What a chat request with these tools sends, so its count is the request's.
             let tools = Tools::parse(r.tools.as_deref(), None, None)?;
-            chat_input(&d, chat_messages(msgs)?, tools.as_ref())
+            chat_input(&d, chat_messages(msgs)?, tools.as_ref(), Default::default())
         }
         _ => {
             return Err(ApiError::invalid(
@@ -402,6 +403,7 @@ async fn completion_request(
         echoes,
         n: params.n as usize,
         tool_calls: None,
+        reasoning: None,
     };
     Ok((preps, shape, r.sampling.stream.unwrap_or(false)))
 }
@@ -422,12 +424,53 @@ async fn chat_completions(
 }
 
 /// Chat messages as a prompt, with the tools the model may call: rendered by a template that
-/// takes them, or described in a system message for one that does not.
-fn chat_input(d: &Dispatcher, messages: Vec<ChatMessage>, tools: Option<&Tools>) -> PromptInput {
+/// takes them, or described in a system message for one that does not; `kwargs` are more
+/// variables for the template.
+fn chat_input(
+    d: &Dispatcher,
+    messages: Vec<ChatMessage>,
+    tools: Option<&Tools>,
+    kwargs: serde_json::Map<String, Value>,
+) -> PromptInput {
     match (tools, template_takes_tools(d)) {
-        (Some(t), true) => PromptInput::ChatWithTools(messages, t.entries()),
-        (None, true) => PromptInput::Chat(messages),
-        (t, false) => PromptInput::Chat(tools::without_tool_support(messages, t)),
+        (Some(t), true) => PromptInput::ChatWith(messages, t.entries(), kwargs),
+        (None, true) => PromptInput::ChatWith(messages, Vec::new(), kwargs),
+        (t, false) => {
+            PromptInput::ChatWith(tools::without_tool_support(messages, t), Vec::new(), kwargs)
+        }
+    }
+}
+
+/// The template variables a chat request sets: its `chat_template_kwargs`, and for a model
+/// that thinks, `enable_thinking` from `reasoning_effort` (unless the kwargs set it). A model
+/// that does not reason takes no effort but `none`.
+fn template_kwargs(
+    d: &Dispatcher,
+    kwargs: Option<serde_json::Map<String, Value>>,
+    effort: Option<&str>,
+) -> Result<serde_json::Map<String, Value>, ApiError> {
+    let mut kwargs = kwargs.unwrap_or_default();
+    let thinking = match effort {
+        None => None,
+        Some("none" | "minimal") => Some(false),
+        Some("low" | "medium" | "high") => Some(true),
+        Some(other) => {
+            return Err(ApiError::invalid(
+                format!("reasoning_effort {other:?} is not none, minimal, low, medium or high"),
+                "reasoning_effort",
+            ))
+        }
+    };
+    match (thinking, d.model.reasoning) {
+        (Some(true), false) => Err(ApiError::invalid(
+            "reasoning_effort is not supported with this model: it does not reason (send none)",
+            "reasoning_effort",
+        )),
+        (Some(on), true) => {
+            kwargs.entry("enable_thinking").or_insert(json!(on));
+            Ok(kwargs)
+        }
+        _ => Ok(kwargs),
     }
 }
 
@@ -485,7 +528,8 @@ async fn chat_prepare(d: &Dispatcher, r: ChatRequest) -> Result<(Prepared, Shape
             param: "tool_choice",
         });
     }
-    let input = chat_input(d, messages, tools.as_ref());
+    let kwargs = template_kwargs(d, r.chat_template_kwargs, r.reasoning_effort.as_deref())?;
+    let input = chat_input(d, messages, tools.as_ref(), kwargs);
     params.logprobs = r.logprobs.unwrap_or(false);
     params.top_logprobs = r.top_logprobs.unwrap_or(0);
     if params.top_logprobs > 0 && !params.logprobs {
@@ -507,6 +551,10 @@ async fn chat_prepare(d: &Dispatcher, r: ChatRequest) -> Result<(Prepared, Shape
         echoes: vec![None],
         n: prep.params.n as usize,
         tool_calls: style,
+        reasoning: d
+            .model
+            .reasoning
+            .then(|| reasoning::starts_in_thought(d, &prep.prompt)),
     };
     Ok((prep, shape, r.sampling.stream.unwrap_or(false)))
 }

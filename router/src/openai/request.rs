@@ -401,6 +401,13 @@ pub(super) struct ChatRequest {
     pub(super) tool_choice: Option<Value>,
     #[serde(default)]
     pub(super) parallel_tool_calls: Option<bool>,
+    /// More variables for the chat template (vLLM's): `enable_thinking` for Qwen3's, say.
+    #[serde(default)]
+    pub(super) chat_template_kwargs: Option<serde_json::Map<String, Value>>,
+    /// OpenAI's reasoning effort: `none` (or `minimal`) turns a thinking model's thinking off,
+    /// `low`, `medium` and `high` on; a model that does not reason takes only `none`.
+    #[serde(default)]
+    pub(super) reasoning_effort: Option<String>,
     #[serde(flatten)]
     pub(super) sampling: Sampling,
     #[serde(flatten)]

@@ -10,6 +10,7 @@ use axum::Json;
 use futures::{Stream, StreamExt};
 use serde_json::{json, Value};
 
+use super::reasoning::{split_reasoning, ThinkSplitter};
 use super::tools::{split_calls, CallParser};
 use crate::dispatch::{Chunk, Dispatcher, FinishKind, Generation, TokenOut, Usage};
 use crate::error::ApiError;
@@ -105,6 +106,9 @@ pub(super) struct Shape {
     /// The request has tools: the model's calls (written in this style) become `tool_calls`,
     /// not text.
     pub(super) tool_calls: Option<tandem_model::ToolCallStyle>,
+    /// The model thinks: its reasoning is split out of the answer (`Some(true)`: the prompt
+    /// opened the thought).
+    pub(super) reasoning: Option<bool>,
 }
 
 /// Usage of a batch: the sum of its choices' output, each prompt counted once (its first
@@ -199,7 +203,14 @@ pub(super) async fn respond(
                 "finish_reason": finish.as_openai(),
             }),
             Api::Chat => {
-                let (message, reason) = if let Some(style) = shape.tool_calls {
+                let (reasoning, text) = match shape.reasoning {
+                    Some(in_thought) => {
+                        let (r, a) = split_reasoning(&text, in_thought);
+                        (Some(r).filter(|r| !r.is_empty()), a)
+                    }
+                    None => (None, text),
+                };
+                let (mut message, reason) = if let Some(style) = shape.tool_calls {
                     let (content, calls) = split_calls(&shape.id, &text, style);
                     let mut m = json!({"role": "assistant", "content": content});
                     let mut reason = finish.as_openai();
@@ -216,6 +227,9 @@ pub(super) async fn respond(
                         finish.as_openai(),
                     )
                 };
+                if shape.reasoning.is_some() {
+                    message["reasoning_content"] = json!(reasoning);
+                }
                 json!({
                     "index": index,
                     "message": message,
@@ -251,6 +265,8 @@ struct SseState {
     sent: Vec<usize>,
     /// Per choice, when the request has tools: the calls being parsed out of its text.
     parsers: Vec<Option<CallParser>>,
+    /// Per choice, when the model thinks: its reasoning being split from its answer.
+    splitters: Vec<Option<ThinkSplitter>>,
     /// Choices finished, and their usage so far.
     done: usize,
     usage: Usage,
@@ -291,10 +307,22 @@ impl SseState {
             }),
             Api::Chat => {
                 let mut reason = reason;
-                let delta = match &mut self.parsers[index] {
+                let (reasoning, answer) = match &mut self.splitters[index] {
+                    Some(s) => {
+                        let (mut r, mut a) = s.push(&c.text);
+                        if finish.is_some() {
+                            let (r2, a2) = s.finish();
+                            r.push_str(&r2);
+                            a.push_str(&a2);
+                        }
+                        (r, a)
+                    }
+                    None => (String::new(), c.text.clone()),
+                };
+                let mut delta = match &mut self.parsers[index] {
                     Some(p) => {
                         let before = p.calls();
-                        let (mut text, mut calls) = p.push(&c.text);
+                        let (mut text, mut calls) = p.push(&answer);
                         if finish.is_some() {
                             let (rest, more) = p.finish();
                             text.push_str(&rest);
@@ -316,9 +344,14 @@ impl SseState {
                         }
                         delta
                     }
-                    None if c.text.is_empty() && finish.is_some() => json!({}),
-                    None => json!({"content": c.text}),
+                    None if answer.is_empty() && (finish.is_some() || !reasoning.is_empty()) => {
+                        json!({})
+                    }
+                    None => json!({"content": answer}),
                 };
+                if !reasoning.is_empty() {
+                    delta["reasoning_content"] = json!(reasoning);
+                }
                 json!({
                     "index": index,
                     "delta": delta,
@@ -402,12 +435,16 @@ fn sse_stream(
     let parsers = (0..n)
         .map(|i| shape.tool_calls.map(|s| CallParser::new(&shape.id, i, s)))
         .collect();
+    let splitters = (0..n)
+        .map(|_| shape.reasoning.map(ThinkSplitter::new))
+        .collect();
     let st = SseState {
         d,
         chunks,
         shape,
         sent: vec![0; n],
         parsers,
+        splitters,
         done: 0,
         usage: Usage::default(),
         started: false,

@@ -40,6 +40,7 @@ use serde_json::{json, Map, Value};
 
 use super::body::RequestBody;
 use super::request::{chat_messages, parse, ChatRequest};
+use super::reasoning::ThinkSplitter;
 use super::response::TokenTexts;
 use super::store::{ResponseStore, Running, RunningTask, StoredResponse};
 use super::tools::{CallParser, ToolCall, Tools};
@@ -292,7 +293,6 @@ impl CreateRequest {
                 ));
             }
         }
-        check_reasoning(self.reasoning.as_ref())?;
         if let Some(m) = &self.metadata {
             check_metadata(m)?;
         }
@@ -320,12 +320,15 @@ impl CreateRequest {
     }
 }
 
-/// `reasoning`: the models served here do not reason in a separate channel, so only an
-/// absent or `none` effort (and no summary) is served.
-fn check_reasoning(r: Option<&Value>) -> Result<(), ApiError> {
+/// `reasoning`, checked against the model: one that thinks takes an effort (`none` and
+/// `minimal` turn its thinking off, `low`, `medium` and `high` on) and a summary setting (its
+/// reasoning comes back whole, as the reasoning item's content, with no summary); one that does
+/// not reason takes only an absent or `none` effort. The effort, where one was given.
+fn check_reasoning(r: Option<&Value>, reasons: bool) -> Result<Option<String>, ApiError> {
     let Some(r) = r.filter(|r| !r.is_null()) else {
-        return Ok(());
+        return Ok(None);
     };
+    let mut effort = None;
     let Some(obj) = r.as_object() else {
         return Err(bad(
             "reasoning is an object: {\"effort\": ...}",
@@ -335,7 +338,20 @@ fn check_reasoning(r: Option<&Value>) -> Result<(), ApiError> {
     for (k, v) in obj {
         match (k.as_str(), v) {
             (_, Value::Null) => {}
-            ("effort", Value::String(e)) if e == "none" => {}
+            ("effort", Value::String(e)) if e == "none" => effort = Some(e.clone()),
+            ("effort", Value::String(e))
+                if reasons && matches!(e.as_str(), "minimal" | "low" | "medium" | "high") =>
+            {
+                effort = Some(e.clone())
+            }
+            ("summary" | "generate_summary", Value::String(s))
+                if reasons && matches!(s.as_str(), "auto" | "concise" | "detailed") => {}
+            ("effort" | "summary" | "generate_summary", _) if reasons => {
+                return Err(bad(
+                    format!("reasoning.{k} {v} is not served (effort: none, minimal, low, medium, high; summary: auto, concise, detailed)"),
+                    "reasoning",
+                ))
+            }
             ("effort" | "summary" | "generate_summary", _) => {
                 return Err(bad(
                     format!("reasoning.{k} is not supported with this model: it does not reason"),
@@ -350,7 +366,7 @@ fn check_reasoning(r: Option<&Value>) -> Result<(), ApiError> {
             }
         }
     }
-    Ok(())
+    Ok(effort)
 }
 
 fn check_metadata(m: &Map<String, Value>) -> Result<(), ApiError> {
@@ -608,7 +624,12 @@ fn response_format(f: &Value) -> Result<Option<Value>, ApiError> {
 }
 
 /// The chat request `r` means over `conversation`.
-fn chat_body(r: &CreateRequest, conversation: &[Value]) -> Result<Value, ApiError> {
+fn chat_body(
+    r: &CreateRequest,
+    conversation: &[Value],
+    reasons: bool,
+) -> Result<Value, ApiError> {
+    let effort = check_reasoning(r.reasoning.as_ref(), reasons)?;
     let messages = chat_messages_of(r.instructions.as_deref(), conversation)?;
     let mut body = json!({
         "model": r.model.clone().unwrap_or_default(),
@@ -641,6 +662,7 @@ fn chat_body(r: &CreateRequest, conversation: &[Value]) -> Result<Value, ApiErro
         ("repetition_penalty", r.repetition_penalty.map(|v| json!(v))),
         ("seed", r.seed.map(|v| json!(v))),
         ("ignore_eos", r.ignore_eos.map(|v| json!(v))),
+        ("reasoning_effort", effort.map(|v| json!(v))),
         (
             "parallel_tool_calls",
             r.parallel_tool_calls.map(|v| json!(v)),
@@ -683,7 +705,10 @@ fn skeleton(r: &CreateRequest, id: &str, model: &str, created: u64, store: bool)
         "output": [],
         "parallel_tool_calls": r.parallel_tool_calls.unwrap_or(false),
         "previous_response_id": r.previous_response_id,
-        "reasoning": {"effort": null, "summary": null},
+        "reasoning": {
+            "effort": r.reasoning.as_ref().and_then(|v| v.get("effort")).cloned().unwrap_or(Value::Null),
+            "summary": r.reasoning.as_ref().and_then(|v| v.get("summary")).cloned().unwrap_or(Value::Null),
+        },
         "service_tier": "default",
         "store": store,
         "temperature": r.temperature.unwrap_or(1.0),
@@ -699,14 +724,21 @@ fn skeleton(r: &CreateRequest, id: &str, model: &str, created: u64, store: bool)
     })
 }
 
-fn usage(u: &Usage) -> Value {
+fn usage(u: &Usage, reasoning_tokens: u32) -> Value {
     json!({
         "input_tokens": u.prompt_tokens,
         "input_tokens_details": {"cached_tokens": u.cached_prompt_tokens, "cache_write_tokens": 0},
         "output_tokens": u.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": u.prompt_tokens + u.completion_tokens,
     })
+}
+
+/// The reasoning item being written.
+struct OpenReasoning {
+    id: String,
+    index: usize,
+    text: String,
 }
 
 /// The assistant message item being written.
@@ -723,6 +755,11 @@ struct Builder {
     /// For the tokens' texts, where log-probabilities were asked for.
     texts: Option<Arc<Dispatcher>>,
     response: Value,
+    /// The model thinks: its reasoning split out into a reasoning item.
+    splitter: Option<ThinkSplitter>,
+    reasoning: Option<OpenReasoning>,
+    /// Tokens generated inside the thought.
+    reasoning_tokens: u32,
     parser: Option<CallParser>,
     logprobs: bool,
     max_calls: Option<u64>,
@@ -750,6 +787,9 @@ impl Builder {
             logprobs: texts.is_some(),
             texts,
             response,
+            splitter: None,
+            reasoning: None,
+            reasoning_tokens: 0,
             parser: tools.map(|s| CallParser::new(&id, 0, s)),
             max_calls,
             message: None,
@@ -760,6 +800,71 @@ impl Builder {
             events: VecDeque::new(),
             done: false,
         }
+    }
+
+    /// The builder for a model that thinks (`Some(true)`: the prompt opened the thought).
+    fn with_reasoning(mut self, in_thought: Option<bool>) -> Self {
+        self.splitter = in_thought.map(ThinkSplitter::new);
+        self
+    }
+
+    fn reasoning_item(r: &OpenReasoning, status: &str) -> Value {
+        json!({"type": "reasoning", "id": r.id, "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": r.text}]})
+    }
+
+    /// Reasoning text, into the reasoning item (opened at the first).
+    fn reasoning_text(&mut self, text: &str) {
+        if text.is_empty() {
+            return;
+        }
+        if self.reasoning.is_none() {
+            let r = OpenReasoning {
+                id: new_id("rs"),
+                index: self.output.len(),
+                text: String::new(),
+            };
+            let mut item = Self::reasoning_item(&r, "in_progress");
+            item["content"] = json!([]);
+            self.emit(
+                "response.output_item.added",
+                json!({"output_index": r.index, "item": item}),
+            );
+            self.emit(
+                "response.content_part.added",
+                json!({"item_id": r.id, "output_index": r.index, "content_index": 0,
+                    "part": {"type": "reasoning_text", "text": ""}}),
+            );
+            self.reasoning = Some(r);
+        }
+        let r = self.reasoning.as_mut().expect("open");
+        r.text.push_str(text);
+        let (id, index) = (r.id.clone(), r.index);
+        self.emit(
+            "response.reasoning_text.delta",
+            json!({"item_id": id, "output_index": index, "content_index": 0, "delta": text}),
+        );
+    }
+
+    fn close_reasoning(&mut self, status: &str) {
+        let Some(r) = self.reasoning.take() else {
+            return;
+        };
+        let item = Self::reasoning_item(&r, status);
+        self.emit(
+            "response.reasoning_text.done",
+            json!({"item_id": r.id, "output_index": r.index, "content_index": 0, "text": r.text}),
+        );
+        self.emit(
+            "response.content_part.done",
+            json!({"item_id": r.id, "output_index": r.index, "content_index": 0,
+                "part": item["content"][0]}),
+        );
+        self.emit(
+            "response.output_item.done",
+            json!({"output_index": r.index, "item": item}),
+        );
+        self.output.push(item);
     }
 
     fn emit(&mut self, kind: &str, mut v: Value) {
@@ -798,6 +903,7 @@ impl Builder {
             }
         }
         if self.message.is_none() {
+            self.close_reasoning("completed");
             let m = OpenMessage {
                 id: new_id("msg"),
                 index: self.output.len(),
@@ -859,6 +965,7 @@ impl Builder {
         if self.max_calls.is_some_and(|m| self.calls >= m) {
             return;
         }
+        self.close_reasoning("completed");
         self.close_message("completed");
         self.held.clear();
         self.calls += 1;
@@ -904,9 +1011,26 @@ impl Builder {
     }
 
     fn absorb(&mut self, c: Chunk) {
+        // The thought first: what the splitter keeps for the answer goes on below.
+        let (reasoning, answer) = match &mut self.splitter {
+            Some(s) => {
+                if s.thinking() {
+                    self.reasoning_tokens += c.tokens.len() as u32;
+                }
+                let (mut r, mut a) = s.push(&c.text);
+                if c.finish.is_some() {
+                    let (r2, a2) = s.finish();
+                    r.push_str(&r2);
+                    a.push_str(&a2);
+                }
+                (r, a)
+            }
+            None => (String::new(), c.text.clone()),
+        };
+        self.reasoning_text(&reasoning);
         let (text, calls, exact) = match &mut self.parser {
             Some(p) => {
-                let (mut text, mut calls) = p.push(&c.text);
+                let (mut text, mut calls) = p.push(&answer);
                 if c.finish.is_some() {
                     let (rest, more) = p.finish();
                     text.push_str(&rest);
@@ -914,7 +1038,8 @@ impl Builder {
                 }
                 (text, calls, false)
             }
-            None => (c.text.clone(), Vec::new(), true),
+            // A chunk's tokens are the answer's only where none of its text was reasoning.
+            None => (answer, Vec::new(), reasoning.is_empty()),
         };
         let lps = match (&self.texts, exact) {
             (Some(d), true) => {
@@ -943,12 +1068,13 @@ impl Builder {
             ),
             FinishKind::Cancelled => ("cancelled", "incomplete", Value::Null),
         };
+        self.close_reasoning(item_status);
         self.close_message(item_status);
         let mut r = self.snapshot(status);
         r["incomplete_details"] = details;
         r["completed_at"] = json!(now());
         if let Some(u) = u {
-            r["usage"] = usage(u);
+            r["usage"] = usage(u, self.reasoning_tokens);
         }
         let kind = match status {
             "completed" => "response.completed",
@@ -964,6 +1090,7 @@ impl Builder {
 
     /// Ends the response as failed with `e`.
     fn fail(&mut self, e: &ApiError) {
+        self.close_reasoning("incomplete");
         self.close_message("incomplete");
         let body = e.body();
         let code = body["error"]["code"].clone();
@@ -1030,7 +1157,7 @@ async fn start(d: &Arc<Dispatcher>, rs: &Responses, body: &[u8]) -> Result<Start
     let background = r.background.unwrap_or(false);
     let new_items = input_items(r.input.take())?;
     conversation.extend(new_items);
-    let chat = chat_body(&r, &conversation)?;
+    let chat = chat_body(&r, &conversation, d.model.reasoning)?;
     let (prep, shape, _) = super::chat_prepare(d, translated(chat)?).await?;
     let id = new_id("resp");
     let response = skeleton(&r, &id, &shape.model, now(), store);
@@ -1043,7 +1170,8 @@ async fn start(d: &Arc<Dispatcher>, rs: &Responses, body: &[u8]) -> Result<Start
             shape.tool_calls,
             r.max_tool_calls,
             stream,
-        ),
+        )
+        .with_reasoning(shape.reasoning),
         stored_input: store.then_some(conversation),
         stream,
         background,
@@ -1450,9 +1578,11 @@ pub(super) async fn input_tokens(
             );
         }
         conversation.extend(input_items(r.input.take())?);
-        let chat = translated(chat_body(&r, &conversation)?)?;
+        let chat = translated(chat_body(&r, &conversation, d.model.reasoning)?)?;
         let tools = Tools::parse(chat.tools.as_deref(), None, None)?;
-        let input = chat_input(&d, chat_messages(chat.messages)?, tools.as_ref());
+        let kwargs =
+            super::template_kwargs(&d, chat.chat_template_kwargs, chat.reasoning_effort.as_deref())?;
+        let input = chat_input(&d, chat_messages(chat.messages)?, tools.as_ref(), kwargs);
         d.tokenize_with(input, None, true).await
     };
     match counted.await {
@@ -1509,7 +1639,7 @@ mod tests {
         assert!(items
             .iter()
             .all(|i| i["id"].is_string() && i["type"].is_string()));
-        let body = chat_body(&r, &items).unwrap();
+        let body = chat_body(&r, &items, false).unwrap();
         assert_eq!(
             body["messages"],
             json!([
@@ -1567,7 +1697,7 @@ mod tests {
                 Err(e) => return e.to_string(),
                 Ok(i) => i,
             };
-            match chat_body(&r, &items) {
+            match chat_body(&r, &items, false) {
                 Err(e) => e.to_string(),
                 Ok(_) => panic!("accepted {v}"),
             }
@@ -1636,7 +1766,7 @@ mod tests {
         r.check().unwrap();
         assert!(r.logprobs());
         let items = input_items(r.input.take()).unwrap();
-        let body = chat_body(&r, &items).unwrap();
+        let body = chat_body(&r, &items, false).unwrap();
         assert_eq!(body["logprobs"], json!(true));
         assert!(body.get("response_format").is_none());
     }
