@@ -190,7 +190,12 @@ impl ChatTemplate {
         add_generation_prompt: bool,
         tools: Option<&[serde_json::Value]>,
     ) -> Result<String, ModelError> {
-        self.render_with(messages, add_generation_prompt, tools, &serde_json::Map::new())
+        self.render_with(
+            messages,
+            add_generation_prompt,
+            tools,
+            &serde_json::Map::new(),
+        )
     }
 
     /// [`ChatTemplate::render_with_tools`] with more variables for the template (vLLM's
@@ -271,7 +276,7 @@ mod tests {
         assert!(e.contains("\"pythonic\""), "{e}");
     }
 
-/// A Qwen3-style template that thinks: ChatML, an earlier answer's thinking dropped, and
+    /// A Qwen3-style template that thinks: ChatML, an earlier answer's thinking dropped, and
     /// `enable_thinking: false` writing an empty thought into the prompt.
     pub(crate) const THINKING: &str = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}{{ m['content'].split('</think>')[-1].lstrip('\\n') }}{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}";
 
@@ -282,7 +287,9 @@ mod tests {
     fn template_kwargs_reach_the_template_and_thinking_shows() {
         let t = ChatTemplate::new(THINKING, None, None).unwrap();
         assert!(t.thinks());
-        assert!(!ChatTemplate::new("{{ messages }}", None, None).unwrap().thinks());
+        assert!(!ChatTemplate::new("{{ messages }}", None, None)
+            .unwrap()
+            .thinks());
         let m = vec![
             ChatMessage {
                 role: "user".into(),

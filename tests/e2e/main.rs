@@ -23,6 +23,7 @@ mod kv_disk;
 mod multihost;
 mod peer_pull;
 mod prometheus;
+mod reasoning;
 mod reproducible;
 mod soak;
 mod speculative;

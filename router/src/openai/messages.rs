@@ -21,8 +21,8 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::body::RequestBody;
-use super::request::{chat_messages, parse, ChatRequest};
 use super::reasoning::{split_reasoning, ThinkSplitter};
+use super::request::{chat_messages, parse, ChatRequest};
 use super::tools::{split_calls, CallParser, ToolCall};
 use super::{chat_input, chat_prepared};
 use crate::dispatch::{Chunk, Dispatcher, FinishKind, Generation, PromptInput, Usage};
@@ -453,7 +453,12 @@ fn prompt_input(d: &Dispatcher, body: Value) -> Result<PromptInput, ApiError> {
     let r = translated(body)?;
     let tools = super::tools::Tools::parse(r.tools.as_deref(), None, None)?;
     let kwargs = super::template_kwargs(d, r.chat_template_kwargs, r.reasoning_effort.as_deref())?;
-    Ok(chat_input(d, chat_messages(r.messages)?, tools.as_ref(), kwargs))
+    Ok(chat_input(
+        d,
+        chat_messages(r.messages)?,
+        tools.as_ref(),
+        kwargs,
+    ))
 }
 
 pub(super) async fn messages(

@@ -19,8 +19,8 @@
 
 mod body;
 mod messages;
-mod request;
 mod reasoning;
+mod request;
 mod response;
 mod responses;
 mod store;
@@ -236,17 +236,20 @@ async fn tokenize(
     let r: TokenizeRequest = parse(&body)?;
     d.check_model(&r.model)?;
     let input = match (r.prompt, r.messages) {
-        (Some(p), None) if r.tools.is_none() => PromptInput::Text(p),
+        (Some(p), None) if r.tools.is_none() && r.chat_template_kwargs.is_none() => {
+            PromptInput::Text(p)
+        }
         (Some(_), None) => {
             return Err(ApiError::invalid(
-                "tools go with messages, not a prompt",
+                "tools and chat_template_kwargs go with messages, not a prompt",
                 "tools",
             ))
         }
         (None, Some(msgs)) => {
             // What a chat request with these tools sends, so its count is the request's.
             let tools = Tools::parse(r.tools.as_deref(), None, None)?;
-            chat_input(&d, chat_messages(msgs)?, tools.as_ref(), Default::default())
+            let kwargs = r.chat_template_kwargs.unwrap_or_default();
+            chat_input(&d, chat_messages(msgs)?, tools.as_ref(), kwargs)
         }
         _ => {
             return Err(ApiError::invalid(

@@ -328,6 +328,9 @@ pub(super) struct TokenizeRequest {
     /// For messages: end with the assistant's turn opened (default true).
     #[serde(default)]
     pub(super) add_generation_prompt: Option<bool>,
+    /// For messages: more variables for the chat template, as in a chat request.
+    #[serde(default)]
+    pub(super) chat_template_kwargs: Option<serde_json::Map<String, Value>>,
 }
 
 /// vLLM's `POST /detokenize`.

@@ -39,8 +39,8 @@ use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
 use super::body::RequestBody;
-use super::request::{chat_messages, parse, ChatRequest};
 use super::reasoning::ThinkSplitter;
+use super::request::{chat_messages, parse, ChatRequest};
 use super::response::TokenTexts;
 use super::store::{ResponseStore, Running, RunningTask, StoredResponse};
 use super::tools::{CallParser, ToolCall, Tools};
@@ -624,11 +624,7 @@ fn response_format(f: &Value) -> Result<Option<Value>, ApiError> {
 }
 
 /// The chat request `r` means over `conversation`.
-fn chat_body(
-    r: &CreateRequest,
-    conversation: &[Value],
-    reasons: bool,
-) -> Result<Value, ApiError> {
+fn chat_body(r: &CreateRequest, conversation: &[Value], reasons: bool) -> Result<Value, ApiError> {
     let effort = check_reasoning(r.reasoning.as_ref(), reasons)?;
     let messages = chat_messages_of(r.instructions.as_deref(), conversation)?;
     let mut body = json!({
@@ -1580,8 +1576,11 @@ pub(super) async fn input_tokens(
         conversation.extend(input_items(r.input.take())?);
         let chat = translated(chat_body(&r, &conversation, d.model.reasoning)?)?;
         let tools = Tools::parse(chat.tools.as_deref(), None, None)?;
-        let kwargs =
-            super::template_kwargs(&d, chat.chat_template_kwargs, chat.reasoning_effort.as_deref())?;
+        let kwargs = super::template_kwargs(
+            &d,
+            chat.chat_template_kwargs,
+            chat.reasoning_effort.as_deref(),
+        )?;
         let input = chat_input(&d, chat_messages(chat.messages)?, tools.as_ref(), kwargs);
         d.tokenize_with(input, None, true).await
     };
