@@ -27,4 +27,5 @@ mod reasoning;
 mod reproducible;
 mod soak;
 mod speculative;
+mod tool_styles;
 mod tracing;
