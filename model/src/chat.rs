@@ -21,6 +21,12 @@ pub struct ChatMessage {
     /// A tool message: the id of the call it answers.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tool_call_id: Option<String>,
+    /// The speaker's name (OpenAI's `name`), for templates that write it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// An earlier assistant turn's reasoning, for templates that write it (or drop it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
 }
 
 /// A compiled chat template.

@@ -374,11 +374,33 @@ struct ContentPart {
     text: Option<String>,
 }
 
+/// A chat message. Every field OpenAI defines is served or refused naming it; an unknown one
+/// is refused.
 #[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 pub(super) struct Message {
     role: String,
     #[serde(default)]
     content: Option<Content>,
+    /// The speaker's name: passed to the template (most ignore it).
+    #[serde(default)]
+    name: Option<String>,
+    /// An assistant's refusal (its text, where it has no content).
+    #[serde(default)]
+    refusal: Option<String>,
+    /// An earlier answer's reasoning, as this API returned it: passed to the template.
+    #[serde(default, alias = "reasoning")]
+    reasoning_content: Option<String>,
+    /// An earlier answer's citations, as a client sends the answer back: nothing to do.
+    #[serde(default)]
+    #[allow(dead_code)]
+    annotations: Option<Value>,
+    /// An earlier answer's audio: not served (text only).
+    #[serde(default)]
+    audio: Option<Value>,
+    /// The legacy function call: refused (send tool_calls).
+    #[serde(default)]
+    function_call: Option<Value>,
     #[serde(default)]
     tool_calls: Option<Vec<Value>>,
     #[serde(default)]
@@ -427,8 +449,20 @@ pub(super) fn chat_messages(msgs: Vec<Message>) -> Result<Vec<ChatMessage>, ApiE
                     "messages",
                 ));
             }
+            if m.audio.as_ref().is_some_and(|a| !a.is_null()) {
+                return Err(ApiError::invalid(
+                    format!("messages[{i}].audio: audio is not served: this model reads text"),
+                    "messages",
+                ));
+            }
+            if m.function_call.as_ref().is_some_and(|f| !f.is_null()) {
+                return Err(ApiError::invalid(
+                    format!("messages[{i}].function_call: the legacy function_call is not served (send tool_calls)"),
+                    "messages",
+                ));
+            }
             let content = match m.content {
-                None => String::new(),
+                None => m.refusal.clone().unwrap_or_default(),
                 Some(Content::Text(t)) => t,
                 Some(Content::Parts(parts)) => {
                     let mut s = String::new();
@@ -459,7 +493,45 @@ pub(super) fn chat_messages(msgs: Vec<Message>) -> Result<Vec<ChatMessage>, ApiE
                 content,
                 tool_calls,
                 tool_call_id: m.tool_call_id,
+                name: m.name,
+                reasoning_content: m.reasoning_content,
             })
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn messages(v: Value) -> Result<Vec<ChatMessage>, ApiError> {
+        let msgs: Vec<Message> = parse(v.to_string().as_bytes())?;
+        chat_messages(msgs)
+    }
+
+    /// Every field of a chat message is served or refused naming it: a name and an earlier
+    /// answer's reasoning reach the template, a refusal is the assistant's text, citations
+    /// are taken, audio and the legacy function call are refused, and so is an unknown field.
+    #[test]
+    fn every_message_field_is_served_or_refused() {
+        let m = messages(json!([
+            {"role": "user", "content": "hi", "name": "ada"},
+            {"role": "assistant", "content": null, "refusal": "I cannot.", "annotations": []},
+            {"role": "assistant", "content": "4", "reasoning_content": "2+2"},
+            {"role": "assistant", "content": "5", "reasoning": "2+3"},
+        ]))
+        .unwrap();
+        assert_eq!(m[0].name.as_deref(), Some("ada"));
+        assert_eq!(m[1].content, "I cannot.");
+        assert_eq!(m[2].reasoning_content.as_deref(), Some("2+2"));
+        assert_eq!(m[3].reasoning_content.as_deref(), Some("2+3"));
+        let refused = |v: Value| messages(v).unwrap_err().to_string();
+        assert!(refused(json!([{"role": "assistant", "audio": {"id": "a1"}}])).contains("audio"));
+        let legacy =
+            json!([{"role": "assistant", "function_call": {"name": "f", "arguments": "{}"}}]);
+        assert!(refused(legacy).contains("function_call"));
+        let unknown = json!([{"role": "user", "content": "x", "colour": "red"}]);
+        assert!(refused(unknown).contains("unknown field `colour`"));
+    }
 }
