@@ -15,7 +15,8 @@
 //! door's limits, `request` the request shapes and their checks, `response` the answers, whole or
 //! as server-sent events; `messages` and `responses` translate Anthropic's Messages API and
 //! OpenAI's Responses API to chat requests and answer in their shapes, `store` keeps stored
-//! responses, `tools` reads tool calls out of the output.
+//! responses, `tools` reads tool calls out of the output, `reasoning` splits a thinking model's
+//! thought from its answer.
 
 mod body;
 mod messages;
