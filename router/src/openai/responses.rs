@@ -768,6 +768,8 @@ struct Builder {
     streaming: bool,
     events: VecDeque<Value>,
     done: bool,
+    /// Why the response failed, where it did.
+    failure: Option<ApiError>,
 }
 
 impl Builder {
@@ -795,6 +797,7 @@ impl Builder {
             streaming,
             events: VecDeque::new(),
             done: false,
+            failure: None,
         }
     }
 
@@ -1053,16 +1056,19 @@ impl Builder {
         }
     }
 
-    /// Ends the response: how the output ended (None: cancelled by the client).
+    /// Ends the response: how the output ended, and its counts (none: cancelled here, by
+    /// the client's cancel of a background response).
     fn end(&mut self, finish: FinishKind, u: Option<&Usage>) {
-        let (status, item_status, details) = match finish {
-            FinishKind::Stop => ("completed", "completed", Value::Null),
-            FinishKind::Length => (
+        let (status, item_status, details) = match (finish, u) {
+            (FinishKind::Stop, _) => ("completed", "completed", Value::Null),
+            (FinishKind::Length, _) => (
                 "incomplete",
                 "incomplete",
                 json!({"reason": "max_output_tokens"}),
             ),
-            FinishKind::Cancelled => ("cancelled", "incomplete", Value::Null),
+            (FinishKind::Cancelled, None) => ("cancelled", "incomplete", Value::Null),
+            // Cut short by the worker's shutdown: incomplete, and the stream says so.
+            (FinishKind::Cancelled, Some(_)) => ("incomplete", "incomplete", Value::Null),
         };
         self.close_reasoning(item_status);
         self.close_message(item_status);
@@ -1100,12 +1106,13 @@ impl Builder {
         self.emit("response.failed", json!({"response": r}));
         self.response = r;
         self.done = true;
+        self.failure = Some(e.clone());
     }
 }
 
 /// What a create request became before it generates.
 struct Started {
-    g: Generation,
+    prep: crate::dispatch::Prepared,
     builder: Builder,
     /// The conversation to store with the response (none when `store` is false).
     stored_input: Option<Vec<Value>>,
@@ -1157,9 +1164,8 @@ async fn start(d: &Arc<Dispatcher>, rs: &Responses, body: &[u8]) -> Result<Start
     let (prep, shape, _) = super::chat_prepare(d, translated(chat)?).await?;
     let id = new_id("resp");
     let response = skeleton(&r, &id, &shape.model, now(), store);
-    let g = chat_prepared(d, prep).await?;
     Ok(Started {
-        g,
+        prep,
         builder: Builder::new(
             logprobs.then(|| d.clone()),
             response,
@@ -1225,7 +1231,7 @@ pub(super) async fn create(
 ) -> Response {
     let span = trace::request_span("POST /v1/responses", "chat", &headers);
     let Started {
-        g,
+        prep,
         mut builder,
         stored_input,
         stream,
@@ -1233,12 +1239,15 @@ pub(super) async fn create(
     } = match start(&d, &rs, &body).await {
         Ok(s) => s,
         Err(e) => {
-            if e.status().is_client_error() {
-                d.metrics.request("invalid");
-            }
+            d.metrics.request("invalid");
             trace::failed(&span, &e);
             return e.into_response();
         }
+    };
+    let prep = trace::prepared(span, &d.model.name, prep);
+    let g = match chat_prepared(&d, prep).await {
+        Ok(g) => g,
+        Err(e) => return e.into_response(),
     };
     let id = builder.response["id"]
         .as_str()
@@ -1250,14 +1259,18 @@ pub(super) async fn create(
         builder.response = queued.clone();
         keep(&rs, &builder, &stored_input).await;
         let (tx, rx) = tokio::sync::oneshot::channel();
+        // The task runs once it is registered, so that its own removal at its end follows.
+        let (go, registered) = tokio::sync::oneshot::channel::<()>();
         let task_rs = rs.clone();
         let task_id = id.clone();
         let task = tokio::spawn(async move {
+            let _ = registered.await;
             run(&mut builder, g, Some(rx)).await;
             keep(&task_rs, &builder, &stored_input).await;
             task_rs.running.take(&task_id);
         });
         rs.running.insert(id, RunningTask { cancel: tx, task });
+        let _ = go.send(());
         return Json(queued).into_response();
     }
     if stream {
@@ -1267,17 +1280,9 @@ pub(super) async fn create(
     }
     run(&mut builder, g, None).await;
     keep(&rs, &builder, &stored_input).await;
-    if builder.response["status"] == "failed" {
-        let e = &builder.response["error"];
+    if let Some(e) = builder.failure.take() {
         tracing::warn!(response = %id, error = %e, "a response failed");
-        return (
-            axum::http::StatusCode::BAD_GATEWAY,
-            Json(
-                json!({"error": {"message": e["message"], "type": "server_error",
-                "param": null, "code": e["code"]}}),
-            ),
-        )
-            .into_response();
+        return e.into_response();
     }
     Json(builder.response).into_response()
 }

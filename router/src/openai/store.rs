@@ -88,7 +88,7 @@ pub struct StoreConfig {
 pub(crate) enum ResponseStore {
     Memory(moka::sync::Cache<String, Arc<StoredResponse>>),
     #[cfg(feature = "etcd")]
-    Etcd(tandem_discovery::KvStore),
+    Etcd(Box<tandem_discovery::KvStore>),
 }
 
 impl ResponseStore {
@@ -102,7 +102,7 @@ impl ResponseStore {
                 let prefix = format!("/tandem/{}/responses/", cfg.cluster);
                 tandem_discovery::KvStore::connect(endpoints.clone(), prefix, cfg.ttl, cfg.timeout)
                     .await
-                    .map(Self::Etcd)
+                    .map(|kv| Self::Etcd(Box::new(kv)))
                     .map_err(|e| format!("--responses-store: {e}"))
             }
             #[cfg(not(feature = "etcd"))]
