@@ -240,6 +240,10 @@ expect_error("cancel of a response not in background", openai.BadRequestError,
 n = client.responses.input_tokens.count(model=a.model, instructions=system, input=question)
 check("input_tokens", n.input_tokens == r.usage.input_tokens,
       f"{n.input_tokens} vs {r.usage.input_tokens}")
+expect_error("input_tokens refuses what it does not serve", openai.BadRequestError,
+             lambda: client.responses.input_tokens.count(model=a.model, input=question,
+                                                         extra_body={"personality": "friendly"}),
+             lambda b: b["param"] == "personality")
 
 # Errors: the client's typed exceptions, OpenAI's body.
 expect_error("unknown model", openai.NotFoundError,

@@ -307,8 +307,13 @@ async fn bad_input(r: &Router, model: &str) {
     }
     // A field the endpoint does not know is refused naming it, as OpenAI refuses one; those that
     // change nothing here (who calls, tags, the tier, not storing, text out) are taken.
+    // A reasoning effort on a model that does not reason: refused naming it.
+    let m = refused(r, model, chat, "reasoning_effort", json!("high")).await;
+    assert!(
+        m.contains("reasoning_effort") && m.contains("does not reason"),
+        "{m}"
+    );
     for (path, field, value) in [
-        (chat, "reasoning_effort", json!("high")),
         (chat, "store", json!(true)),
         (chat, "modalities", json!(["text", "audio"])),
         ("/v1/completions", "min_tokens", json!(5)),

@@ -1508,6 +1508,7 @@ pub(super) async fn input_items_list(
 /// `POST /v1/responses/input_tokens`: the tokens a request's input would take, without
 /// generating.
 #[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 struct CountRequest {
     #[serde(default)]
     model: Option<String>,
@@ -1532,6 +1533,9 @@ struct CountRequest {
     truncation: Option<String>,
     #[serde(default)]
     conversation: Option<Value>,
+    /// A hosted model's tone preset: not served.
+    #[serde(default)]
+    personality: Option<Value>,
 }
 
 pub(super) async fn input_tokens(
@@ -1541,6 +1545,12 @@ pub(super) async fn input_tokens(
 ) -> Response {
     let counted = async {
         let c: CountRequest = parse(&body)?;
+        if c.personality.as_ref().is_some_and(|p| !p.is_null()) {
+            return Err(bad(
+                "personality is not served by this server",
+                "personality",
+            ));
+        }
         let mut r = CreateRequest {
             model: c.model,
             input: c.input,
