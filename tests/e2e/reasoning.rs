@@ -5,8 +5,6 @@
 //! `thinking` block) equal to chat's, whole and streamed; thinking turned off by each API's
 //! switch writes the empty thought into the prompt.
 
-use std::path::PathBuf;
-
 use crate::common;
 
 use common::*;
@@ -18,26 +16,6 @@ const QWEN3_THINKING: &str = "{% for m in messages %}<|im_start|>{{ m['role'] }}
 
 /// DeepSeek-R1's way: the generation prompt opens the thought.
 const R1_THINKING: &str = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}";
-
-/// The tiny Qwen3's HF directory, copied with `template` as its chat template.
-fn thinking_model(template: &str) -> tempfile::TempDir {
-    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("model/tests/families/qwen3");
-    let dir = tempfile::tempdir().unwrap();
-    for f in [
-        "config.json",
-        "generation_config.json",
-        "model.safetensors",
-        "tokenizer.json",
-    ] {
-        std::fs::copy(src.join(f), dir.path().join(f)).unwrap();
-    }
-    let mut cfg: Value =
-        serde_json::from_str(&std::fs::read_to_string(src.join("tokenizer_config.json")).unwrap())
-            .unwrap();
-    cfg["chat_template"] = json!(template);
-    std::fs::write(dir.path().join("tokenizer_config.json"), cfg.to_string()).unwrap();
-    dir
-}
 
 /// One decode worker and a router serving the model in `dir`; its name.
 async fn serve(dir: &std::path::Path) -> (Proc, Router, String) {
@@ -51,12 +29,6 @@ async fn serve(dir: &std::path::Path) -> (Proc, Router, String) {
         .unwrap()
         .to_string();
     (w, r, model)
-}
-
-async fn ok(http: &str, path: &str, body: Value) -> Value {
-    let (status, v) = post(http, path, body).await;
-    assert_eq!(status, 200, "{path}: {v}");
-    v
 }
 
 /// A streamed request's `data:` payloads (JSON), the closing `[DONE]` left out.
@@ -89,13 +61,13 @@ fn chat_deltas(events: &[Value], field: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_thinking_model_s_reasoning_is_split_from_its_answer() {
-    let dir = thinking_model(QWEN3_THINKING);
+    let dir = qwen3_with_template(QWEN3_THINKING);
     let (_w, r, model) = serve(dir.path()).await;
     let msgs = json!([{"role": "user", "content": "Once upon a time"}]);
     let regex = "<think>\n[a-z ]{4,12}\n</think>\n\n[a-z ]{4,12}";
     let chat = json!({"model": model, "messages": msgs, "max_tokens": 64, "temperature": 0,
                       "guided_regex": regex});
-    let whole = ok(&r.http, "/v1/chat/completions", chat.clone()).await;
+    let whole = post_ok(&r.http, "/v1/chat/completions", chat.clone()).await;
     let m = &whole["choices"][0]["message"];
     let thought = m["reasoning_content"]
         .as_str()
@@ -104,13 +76,13 @@ async fn a_thinking_model_s_reasoning_is_split_from_its_answer() {
     let answer = m["content"].as_str().expect("an answer").to_string();
     assert!(thought.len() >= 4 && answer.len() >= 4, "{m}");
     // The same prompt's raw output is exactly the thought in its tags, then the answer.
-    let tok = ok(
+    let tok = post_ok(
         &r.http,
         "/tokenize",
         json!({"model": model, "messages": msgs}),
     )
     .await;
-    let raw = ok(
+    let raw = post_ok(
         &r.http,
         "/v1/completions",
         json!({"model": model, "prompt": tok["tokens"], "max_tokens": 64, "temperature": 0,
@@ -128,13 +100,13 @@ async fn a_thinking_model_s_reasoning_is_split_from_its_answer() {
 
     // Thinking off: the empty thought is in the prompt, and the output is all answer.
     let off = json!({"enable_thinking": false});
-    let tok_off = ok(
+    let tok_off = post_ok(
         &r.http,
         "/tokenize",
         json!({"model": model, "messages": msgs, "chat_template_kwargs": off}),
     )
     .await;
-    let prompt_off = ok(
+    let prompt_off = post_ok(
         &r.http,
         "/detokenize",
         json!({"model": model, "tokens": tok_off["tokens"]}),
@@ -151,18 +123,18 @@ async fn a_thinking_model_s_reasoning_is_split_from_its_answer() {
     assert!(n_off > tok["count"].as_u64().unwrap());
     let plain = json!({"model": model, "messages": msgs, "max_tokens": 8, "temperature": 0,
                        "guided_regex": "[a-z ]{4,12}", "chat_template_kwargs": off});
-    let v = ok(&r.http, "/v1/chat/completions", plain).await;
+    let v = post_ok(&r.http, "/v1/chat/completions", plain).await;
     assert_eq!(v["choices"][0]["message"]["reasoning_content"], Value::Null);
     assert_eq!(v["usage"]["prompt_tokens"], n_off);
     // Each API's switch turns it off the same way (the same prompt).
-    let v = ok(
+    let v = post_ok(
         &r.http,
         "/v1/chat/completions",
         json!({"model": model, "messages": msgs, "max_tokens": 2, "reasoning_effort": "none"}),
     )
     .await;
     assert_eq!(v["usage"]["prompt_tokens"], n_off, "reasoning_effort none");
-    let v = ok(
+    let v = post_ok(
         &r.http,
         "/v1/responses",
         json!({"model": model, "input": msgs, "max_output_tokens": 2,
@@ -170,14 +142,14 @@ async fn a_thinking_model_s_reasoning_is_split_from_its_answer() {
     )
     .await;
     assert_eq!(v["usage"]["input_tokens"], n_off, "reasoning.effort none");
-    let v = ok(
+    let v = post_ok(
         &r.http,
         "/v1/messages",
         json!({"model": model, "messages": msgs, "max_tokens": 2}),
     )
     .await;
     assert_eq!(v["usage"]["input_tokens"], n_off, "no thinking asked");
-    let v = ok(
+    let v = post_ok(
         &r.http,
         "/v1/messages",
         json!({"model": model, "messages": msgs, "max_tokens": 2,
@@ -191,10 +163,10 @@ async fn a_thinking_model_s_reasoning_is_split_from_its_answer() {
 /// (the tiny model never writes it, so all of it here), the same text through each API.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_api_gives_the_thought_that_chat_gives() {
-    let dir = thinking_model(R1_THINKING);
+    let dir = qwen3_with_template(R1_THINKING);
     let (_w, r, model) = serve(dir.path()).await;
     let msgs = json!([{"role": "user", "content": "Once upon a time"}]);
-    let whole = ok(
+    let whole = post_ok(
         &r.http,
         "/v1/chat/completions",
         json!({"model": model, "messages": msgs, "max_tokens": 12, "temperature": 0}),
@@ -210,7 +182,7 @@ async fn each_api_gives_the_thought_that_chat_gives() {
 
     let body = json!({"model": model, "input": msgs, "max_output_tokens": 12, "temperature": 0,
                       "reasoning": {"effort": "high", "summary": "auto"}});
-    let v = ok(&r.http, "/v1/responses", body.clone()).await;
+    let v = post_ok(&r.http, "/v1/responses", body.clone()).await;
     let out = v["output"].as_array().unwrap();
     assert_eq!(out.len(), 1, "{v}");
     assert_eq!(out[0]["type"], "reasoning");
@@ -232,7 +204,7 @@ async fn each_api_gives_the_thought_that_chat_gives() {
 
     let body = json!({"model": model, "messages": msgs, "max_tokens": 12, "temperature": 0,
                       "thinking": {"type": "enabled", "budget_tokens": 1024}});
-    let v = ok(&r.http, "/v1/messages", body.clone()).await;
+    let v = post_ok(&r.http, "/v1/messages", body.clone()).await;
     assert_eq!(
         v["content"],
         json!([{"type": "thinking", "thinking": thought, "signature": ""}])

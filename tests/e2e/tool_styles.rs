@@ -6,8 +6,6 @@
 //! streamed (the Responses and Messages APIs parse with the same parser, and take no regular
 //! expression to force the format).
 
-use std::path::PathBuf;
-
 use crate::common;
 
 use common::*;
@@ -16,34 +14,9 @@ use serde_json::{json, Value};
 /// ChatML with the tools listed in a system turn, as a template that renders `tools` does.
 const TOOLS_TEMPLATE: &str = "{% if tools %}<|im_start|>system\n{{ tools | tojson }}<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
 
-fn tools_model() -> tempfile::TempDir {
-    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("model/tests/families/qwen3");
-    let dir = tempfile::tempdir().unwrap();
-    for f in [
-        "config.json",
-        "generation_config.json",
-        "model.safetensors",
-        "tokenizer.json",
-    ] {
-        std::fs::copy(src.join(f), dir.path().join(f)).unwrap();
-    }
-    let mut cfg: Value =
-        serde_json::from_str(&std::fs::read_to_string(src.join("tokenizer_config.json")).unwrap())
-            .unwrap();
-    cfg["chat_template"] = json!(TOOLS_TEMPLATE);
-    std::fs::write(dir.path().join("tokenizer_config.json"), cfg.to_string()).unwrap();
-    dir
-}
-
-async fn ok(http: &str, path: &str, body: Value) -> Value {
-    let (status, v) = post(http, path, body).await;
-    assert_eq!(status, 200, "{path}: {v}");
-    v
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_family_s_call_format_is_parsed_into_tool_calls() {
-    let dir = tools_model();
+    let dir = qwen3_with_template(TOOLS_TEMPLATE);
     let (_w, addr, _) = Launch::decode().model(dir.path()).spawn_decode();
     let tools = json!([{"type": "function", "function": {"name": "get_weather",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]);
@@ -77,13 +50,13 @@ async fn each_family_s_call_format_is_parsed_into_tool_calls() {
             .unwrap()
             .to_string();
         // The raw output: the prompt (tools rendered) completed under the same expression.
-        let tok = ok(
+        let tok = post_ok(
             &r.http,
             "/tokenize",
             json!({"model": model, "messages": msgs, "tools": tools}),
         )
         .await;
-        let raw = ok(
+        let raw = post_ok(
             &r.http,
             "/v1/completions",
             json!({"model": model, "prompt": tok["tokens"], "max_tokens": 64,
@@ -98,7 +71,7 @@ async fn each_family_s_call_format_is_parsed_into_tool_calls() {
         let chat = json!({"model": model, "messages": msgs, "tools": tools,
                           "tool_choice": "auto", "max_tokens": 64, "temperature": 0,
                           "guided_regex": regex});
-        let v = ok(&r.http, "/v1/chat/completions", chat.clone()).await;
+        let v = post_ok(&r.http, "/v1/chat/completions", chat.clone()).await;
         let c = &v["choices"][0];
         assert_eq!(c["finish_reason"], "tool_calls", "{parser}: {raw:?} {v}");
         let call = &c["message"]["tool_calls"][0]["function"];

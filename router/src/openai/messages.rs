@@ -735,15 +735,7 @@ fn events(m: Msg, g: Generation) -> impl Stream<Item = Result<Event, Infallible>
         }
         fn absorb(&mut self, c: Chunk) {
             let (thought, answer) = match &mut self.splitter {
-                Some(s) => {
-                    let (mut r, mut a) = s.push(&c.text);
-                    if c.finish.is_some() {
-                        let (r2, a2) = s.finish();
-                        r.push_str(&r2);
-                        a.push_str(&a2);
-                    }
-                    (r, a)
-                }
+                Some(s) => s.feed(&c.text, c.finish.is_some()),
                 None => (String::new(), c.text.clone()),
             };
             self.thinking(&thought);

@@ -59,6 +59,14 @@ impl ThinkSplitter {
         matches!(self.state, State::Thinking { .. })
     }
 
+    /// Drops the newlines the held text starts with (the template's layout next to a tag);
+    /// whether any text is left.
+    fn past_newlines(&mut self) -> bool {
+        let t = self.held.trim_start_matches('\n');
+        self.held = t.to_string();
+        !self.held.is_empty()
+    }
+
     /// Takes the next piece of the output: the reasoning and the answer text it releases.
     pub(super) fn push(&mut self, piece: &str) -> (String, String) {
         self.held.push_str(piece);
@@ -78,12 +86,9 @@ impl ThinkSplitter {
                 }
                 State::Thinking { started } => {
                     if !started {
-                        let t = self.held.trim_start_matches('\n');
-                        if t.is_empty() {
-                            self.held.clear();
+                        if !self.past_newlines() {
                             return (reasoning, answer);
                         }
-                        self.held = t.to_string();
                         self.state = State::Thinking { started: true };
                     }
                     if let Some(i) = self.held.find(CLOSE) {
@@ -102,12 +107,9 @@ impl ThinkSplitter {
                 }
                 State::Answer { started } => {
                     if !started {
-                        let t = self.held.trim_start_matches('\n');
-                        if t.is_empty() {
-                            self.held.clear();
+                        if !self.past_newlines() {
                             return (reasoning, answer);
                         }
-                        self.held = t.to_string();
                         self.state = State::Answer { started: true };
                     }
                     answer.push_str(&self.held);
@@ -116,6 +118,18 @@ impl ThinkSplitter {
                 }
             }
         }
+    }
+
+    /// [`ThinkSplitter::push`], then (`last`: the output ends with this piece)
+    /// [`ThinkSplitter::finish`]: what the piece releases.
+    pub(super) fn feed(&mut self, piece: &str, last: bool) -> (String, String) {
+        let (mut r, mut a) = self.push(piece);
+        if last {
+            let (r2, a2) = self.finish();
+            r.push_str(&r2);
+            a.push_str(&a2);
+        }
+        (r, a)
     }
 
     /// The output has ended: what is still held, released (an unfinished thought is
@@ -132,12 +146,7 @@ impl ThinkSplitter {
 
 /// A whole output split into its reasoning and its answer.
 pub(super) fn split_reasoning(text: &str, in_thought: bool) -> (String, String) {
-    let mut s = ThinkSplitter::new(in_thought);
-    let (mut r, mut a) = s.push(text);
-    let (r2, a2) = s.finish();
-    r.push_str(&r2);
-    a.push_str(&a2);
-    (r, a)
+    ThinkSplitter::new(in_thought).feed(text, true)
 }
 
 /// Whether a prompt leaves the output inside a thought: the template's generation prompt

@@ -308,15 +308,7 @@ impl SseState {
             Api::Chat => {
                 let mut reason = reason;
                 let (reasoning, answer) = match &mut self.splitters[index] {
-                    Some(s) => {
-                        let (mut r, mut a) = s.push(&c.text);
-                        if finish.is_some() {
-                            let (r2, a2) = s.finish();
-                            r.push_str(&r2);
-                            a.push_str(&a2);
-                        }
-                        (r, a)
-                    }
+                    Some(s) => s.feed(&c.text, finish.is_some()),
                     None => (String::new(), c.text.clone()),
                 };
                 let mut delta = match &mut self.parsers[index] {

@@ -1016,13 +1016,7 @@ impl Builder {
                 if s.thinking() {
                     self.reasoning_tokens += c.tokens.len() as u32;
                 }
-                let (mut r, mut a) = s.push(&c.text);
-                if c.finish.is_some() {
-                    let (r2, a2) = s.finish();
-                    r.push_str(&r2);
-                    a.push_str(&a2);
-                }
-                (r, a)
+                s.feed(&c.text, c.finish.is_some())
             }
             None => (String::new(), c.text.clone()),
         };
@@ -1399,10 +1393,7 @@ pub(super) async fn delete(
 ) -> Response {
     // A background response still running is stopped first (its task stores its end, which
     // the delete then removes).
-    if let Some(t) = rs.running.take(&id) {
-        let _ = t.cancel.send(());
-        let _ = t.task.await;
-    }
+    rs.running.stop(&id).await;
     match rs.store.delete(&id).await {
         Ok(true) => {
             Json(json!({"id": id, "object": "response.deleted", "deleted": true})).into_response()
@@ -1416,10 +1407,7 @@ pub(super) async fn cancel(
     Extension(rs): Extension<Arc<Responses>>,
     Path(id): Path<String>,
 ) -> Response {
-    if let Some(t) = rs.running.take(&id) {
-        let _ = t.cancel.send(());
-        let _ = t.task.await;
-    }
+    rs.running.stop(&id).await;
     match rs.store.get(&id).await {
         Ok(Some(r)) if r.response["background"] != true => bad(
             "only a response created with background: true can be cancelled",

@@ -192,6 +192,14 @@ impl Running {
     pub(crate) fn take(&self, id: &str) -> Option<RunningTask> {
         self.tasks.lock().expect("running map").remove(id)
     }
+
+    /// Stops `id` where it runs here, once its task has stored how it ended.
+    pub(crate) async fn stop(&self, id: &str) {
+        if let Some(t) = self.take(id) {
+            let _ = t.cancel.send(());
+            let _ = t.task.await;
+        }
+    }
 }
 
 #[cfg(test)]

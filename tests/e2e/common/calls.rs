@@ -207,6 +207,13 @@ pub async fn post(http: &str, path: &str, body: Value) -> (u16, Value) {
     (status, r.json().await.unwrap_or(Value::Null))
 }
 
+/// [`post`] that must answer 200: the body.
+pub async fn post_ok(http: &str, path: &str, body: Value) -> Value {
+    let (status, v) = post(http, path, body).await;
+    assert_eq!(status, 200, "{path}: {v}");
+    v
+}
+
 /// The router's `GET /v1/models` answer (`data[0]` is the served model).
 pub async fn models(http: &str) -> Value {
     reqwest::get(format!("{http}/v1/models"))

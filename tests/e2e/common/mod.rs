@@ -38,6 +38,27 @@ pub fn golden() -> Vec<Value> {
         .collect()
 }
 
+/// The tiny Qwen3 of the families tests as an HF directory, copied with `template` as its chat
+/// template (a family's template the committed one does not have: thinking, tools).
+pub fn qwen3_with_template(template: &str) -> tempfile::TempDir {
+    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("model/tests/families/qwen3");
+    let dir = tempfile::tempdir().unwrap();
+    for f in [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+    ] {
+        std::fs::copy(src.join(f), dir.path().join(f)).unwrap();
+    }
+    let mut cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("tokenizer_config.json")).unwrap())
+            .unwrap();
+    cfg["chat_template"] = serde_json::json!(template);
+    std::fs::write(dir.path().join("tokenizer_config.json"), cfg.to_string()).unwrap();
+    dir
+}
+
 pub fn model_path() -> PathBuf {
     let p = tandem_model::default_model_path();
     assert!(
