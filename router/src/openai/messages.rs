@@ -21,11 +21,11 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::body::RequestBody;
+use super::chat_prepared;
 use super::reasoning::{split_reasoning, ThinkSplitter};
-use super::request::{chat_messages, parse, ChatRequest};
+use super::request::parse;
 use super::tools::{split_calls, CallParser, ToolCall};
-use super::{chat_input, chat_prepared};
-use crate::dispatch::{Chunk, Dispatcher, FinishKind, Generation, PromptInput, Usage};
+use crate::dispatch::{Chunk, Dispatcher, FinishKind, Generation, Usage};
 use crate::error::ApiError;
 use crate::trace;
 
@@ -442,25 +442,6 @@ pub(crate) fn anthropic_error(e: &ApiError) -> Response {
     (status, Json(body)).into_response()
 }
 
-/// The chat request a translated Messages request is.
-fn translated(chat: Value) -> Result<ChatRequest, ApiError> {
-    serde_json::from_value(chat)
-        .map_err(|e| ApiError::Internal(format!("a translated request did not parse: {e}")))
-}
-
-/// The prompt a Messages conversation renders to.
-fn prompt_input(d: &Dispatcher, body: Value) -> Result<PromptInput, ApiError> {
-    let r = translated(body)?;
-    let tools = super::tools::Tools::parse(r.tools.as_deref(), None, None)?;
-    let kwargs = super::template_kwargs(d, r.chat_template_kwargs, r.reasoning_effort.as_deref())?;
-    Ok(chat_input(
-        d,
-        chat_messages(r.messages)?,
-        tools.as_ref(),
-        kwargs,
-    ))
-}
-
 pub(super) async fn messages(
     State(d): State<Arc<Dispatcher>>,
     headers: HeaderMap,
@@ -470,7 +451,7 @@ pub(super) async fn messages(
     let started = async {
         let r: MessagesRequest = parse(&body)?;
         let (chat, stream) = chat_body(r, d.model.reasoning)?;
-        let (prep, shape, _) = super::chat_prepare(&d, translated(chat)?).await?;
+        let (prep, shape, _) = super::chat_prepare(&d, super::translated(chat)?).await?;
         Ok::<_, ApiError>((prep, shape, stream))
     };
     let (prep, shape, stream) = match started.await {
@@ -530,7 +511,7 @@ pub(super) async fn count_tokens(
         if let Some(on) = thinking {
             chat["chat_template_kwargs"] = json!({"enable_thinking": on});
         }
-        let input = prompt_input(&d, chat)?;
+        let input = super::translated_prompt(&d, chat)?;
         d.tokenize_with(input, None, true).await
     };
     match counted.await {
@@ -888,7 +869,7 @@ mod tests {
             json!({"type": "object"})
         );
         // The translated request is one the chat path takes.
-        let _: ChatRequest = serde_json::from_value(body).unwrap();
+        let _: super::super::request::ChatRequest = serde_json::from_value(body).unwrap();
     }
 
     /// What is malformed or not served is a 400 naming it: an unknown field, a missing

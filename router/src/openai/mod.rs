@@ -348,6 +348,26 @@ async fn chat_prepared(d: &Dispatcher, prep: Prepared) -> Result<Generation, Api
 
 pub(crate) use messages::anthropic_error;
 
+/// The chat request another API's request was translated into (a translation that does not
+/// parse is the router's fault, not the client's).
+fn translated(chat: Value) -> Result<ChatRequest, ApiError> {
+    serde_json::from_value(chat)
+        .map_err(|e| ApiError::Internal(format!("a translated request did not parse: {e}")))
+}
+
+/// The prompt a translated chat request renders to (what the other APIs count).
+fn translated_prompt(d: &Dispatcher, chat: Value) -> Result<PromptInput, ApiError> {
+    let r = translated(chat)?;
+    let tools = Tools::parse(r.tools.as_deref(), None, None)?;
+    let kwargs = template_kwargs(d, r.chat_template_kwargs, r.reasoning_effort.as_deref())?;
+    Ok(chat_input(
+        d,
+        chat_messages(r.messages)?,
+        tools.as_ref(),
+        kwargs,
+    ))
+}
+
 /// Prompts one completion request may batch.
 const MAX_BATCHED_PROMPTS: usize = 256;
 

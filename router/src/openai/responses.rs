@@ -40,11 +40,11 @@ use serde_json::{json, Map, Value};
 
 use super::body::RequestBody;
 use super::reasoning::ThinkSplitter;
-use super::request::{chat_messages, parse, ChatRequest};
+use super::request::parse;
 use super::response::TokenTexts;
 use super::store::{ResponseStore, Running, RunningTask, StoredResponse};
-use super::tools::{CallParser, ToolCall, Tools};
-use super::{chat_input, chat_prepared, now};
+use super::tools::{CallParser, ToolCall};
+use super::{chat_prepared, now};
 use crate::dispatch::{Chunk, Dispatcher, FinishKind, Generation, Usage};
 use crate::error::ApiError;
 use crate::trace;
@@ -672,11 +672,6 @@ fn chat_body(r: &CreateRequest, conversation: &[Value], reasons: bool) -> Result
     Ok(body)
 }
 
-fn translated(chat: Value) -> Result<ChatRequest, ApiError> {
-    serde_json::from_value(chat)
-        .map_err(|e| ApiError::Internal(format!("a translated request did not parse: {e}")))
-}
-
 /// The response object before any output: what the request set, echoed.
 fn skeleton(r: &CreateRequest, id: &str, model: &str, created: u64, store: bool) -> Value {
     let tool_choice = r.tool_choice.clone().unwrap_or(json!("auto"));
@@ -1114,48 +1109,50 @@ struct Started {
     background: bool,
 }
 
+/// The conversation a `previous_response_id` continues: the stored response's input and its
+/// output (none without one). Refuses one not stored, or still in progress.
+async fn previous_conversation(rs: &Responses, prev: Option<&str>) -> Result<Vec<Value>, ApiError> {
+    let Some(prev) = prev else {
+        return Ok(Vec::new());
+    };
+    let Some(p) = rs.store.get(prev).await? else {
+        return Err(ApiError::NotFound {
+            message: format!("Previous response with id {prev:?} not found (it was never stored, was deleted, or expired)"),
+            param: Some("previous_response_id"),
+            code: "previous_response_not_found",
+        });
+    };
+    if matches!(p.status(), "in_progress" | "queued") {
+        return Err(bad(
+            format!("previous response {prev:?} is still in progress: wait for it to complete"),
+            "previous_response_id",
+        ));
+    }
+    let mut c = p.input.clone();
+    c.extend(
+        p.response["output"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .cloned(),
+    );
+    Ok(c)
+}
+
 async fn start(d: &Arc<Dispatcher>, rs: &Responses, body: &[u8]) -> Result<Started, ApiError> {
     let mut r: CreateRequest = parse(body)?;
     r.check()?;
     let model = r.model.clone().unwrap_or_default();
     d.check_model(&model)?;
     let store = r.store.unwrap_or(true);
-    let mut conversation = match &r.previous_response_id {
-        None => Vec::new(),
-        Some(prev) => {
-            let Some(p) = rs.store.get(prev).await? else {
-                return Err(ApiError::NotFound {
-                    message: format!("Previous response with id {prev:?} not found (it was never stored, was deleted, or expired)"),
-                    param: Some("previous_response_id"),
-                    code: "previous_response_not_found",
-                });
-            };
-            if matches!(p.status(), "in_progress" | "queued") {
-                return Err(bad(
-                    format!(
-                        "previous response {prev:?} is still in progress: wait for it to complete"
-                    ),
-                    "previous_response_id",
-                ));
-            }
-            let mut c = p.input.clone();
-            c.extend(
-                p.response["output"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .cloned(),
-            );
-            c
-        }
-    };
+    let mut conversation = previous_conversation(rs, r.previous_response_id.as_deref()).await?;
     let logprobs = r.logprobs();
     let stream = r.stream.unwrap_or(false);
     let background = r.background.unwrap_or(false);
     let new_items = input_items(r.input.take())?;
     conversation.extend(new_items);
     let chat = chat_body(&r, &conversation, d.model.reasoning)?;
-    let (prep, shape, _) = super::chat_prepare(d, translated(chat)?).await?;
+    let (prep, shape, _) = super::chat_prepare(d, super::translated(chat)?).await?;
     let id = new_id("resp");
     let response = skeleton(&r, &id, &shape.model, now(), store);
     Ok(Started {
@@ -1556,36 +1553,12 @@ pub(super) async fn input_tokens(
         if let Some(m) = &r.model {
             d.check_model(m)?;
         }
-        let mut conversation = Vec::new();
-        if let Some(prev) = &r.previous_response_id {
-            let p = rs
-                .store
-                .get(prev)
-                .await?
-                .ok_or_else(|| ApiError::NotFound {
-                    message: format!("Previous response with id {prev:?} not found"),
-                    param: Some("previous_response_id"),
-                    code: "previous_response_not_found",
-                })?;
-            conversation = p.input.clone();
-            conversation.extend(
-                p.response["output"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .cloned(),
-            );
-        }
+        let mut conversation =
+            previous_conversation(&rs, r.previous_response_id.as_deref()).await?;
         conversation.extend(input_items(r.input.take())?);
-        let chat = translated(chat_body(&r, &conversation, d.model.reasoning)?)?;
-        let tools = Tools::parse(chat.tools.as_deref(), None, None)?;
-        let kwargs = super::template_kwargs(
-            &d,
-            chat.chat_template_kwargs,
-            chat.reasoning_effort.as_deref(),
-        )?;
-        let input = chat_input(&d, chat_messages(chat.messages)?, tools.as_ref(), kwargs);
-        d.tokenize_with(input, None, true).await
+        let chat = chat_body(&r, &conversation, d.model.reasoning)?;
+        d.tokenize_with(super::translated_prompt(&d, chat)?, None, true)
+            .await
     };
     match counted.await {
         Ok(ids) => Json(json!({"object": "response.input_tokens", "input_tokens": ids.len()}))
@@ -1669,7 +1642,7 @@ mod tests {
             json!({"type": "json_schema", "json_schema": {"name": "w", "schema": {"type": "object"}}})
         );
         // The translated request is one the chat path takes.
-        let _: ChatRequest = serde_json::from_value(body).unwrap();
+        let _: super::super::request::ChatRequest = serde_json::from_value(body).unwrap();
         // A string input is one user message.
         let items = input_items(Some(Input::Text("hi".into()))).unwrap();
         assert_eq!(
