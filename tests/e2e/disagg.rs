@@ -395,12 +395,10 @@ async fn dead_or_stalled_prefill_workers_and_strangers_lose_nothing() {
         1.0
     );
     wait_idle(&daddr).await;
-    assert_eq!(
-        ids,
-        local_reference(&daddr, &prompt, 16).await,
-        "after a kill -9"
-    );
-    wait_idle(&daddr).await;
+    // Its reference is computed after part 2: a prompt prefilled on the decode worker gives the
+    // router a measured local rate, and the crossover (local against remote estimates, both
+    // measured on a busy machine) could then keep part 2's prompt local.
+    let killed = (prompt, ids);
 
     // 2. The only live prefill worker freezes (SIGSTOP) mid-transfer: its heartbeats stop, the
     //    stall allowance passes and the decode worker prefills locally.
@@ -423,11 +421,25 @@ async fn dead_or_stalled_prefill_workers_and_strangers_lose_nothing() {
         ),
         1.0
     );
+    assert_eq!(
+        metric(
+            &scrape(&r.http).await,
+            r#"tandem_prefill_requests_total{mode="remote"}"#
+        ),
+        2.0,
+        "both prompts were planned remote"
+    );
     wait_idle(&daddr).await;
     assert_eq!(
         ids,
         local_reference(&daddr, &prompt, 16).await,
         "after a stall"
+    );
+    wait_idle(&daddr).await;
+    assert_eq!(
+        killed.1,
+        local_reference(&daddr, &killed.0, 16).await,
+        "after a kill -9"
     );
 
     // 3. Strangers: junk, and a peer with the wrong secret, write nothing.
