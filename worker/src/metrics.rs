@@ -168,6 +168,11 @@ fn spec_metrics(enc: &mut DescriptorEncoder, s: &EngineStats) -> std::fmt::Resul
             "Tokens a draft model computed to catch sequences up (their prompts, and what verification emitted past its proposals), not proposing",
             c.draft_prefill_tokens,
         ),
+        (
+            "tandem_spec_decode_num_plain_steps",
+            "Steps decoded without speculating because speculating steps were measured to make tokens more slowly at that batch size (or to measure plain steps)",
+            c.plain_steps,
+        ),
     ];
     for (name, help, v) in counts {
         counter(enc, name, help, &[(&[], v)])?;

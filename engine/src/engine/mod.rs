@@ -44,6 +44,7 @@ mod draft;
 mod offline;
 mod remote;
 mod schedule;
+mod spec_ab;
 mod speculate;
 mod step;
 mod types;

@@ -19,6 +19,7 @@
 use serde::Serialize;
 
 use super::draft::Drafter;
+use super::spec_ab::{AbCheck, Arm};
 use super::{finish_at, Engine, FinishReason, Forwarded};
 use crate::backend::Backend;
 use crate::error::EngineError;
@@ -44,6 +45,9 @@ pub struct SpecCounts {
     /// their prompts (computed where they decode) and for what verification emitted past
     /// what it had proposed.
     pub draft_prefill_tokens: u64,
+    /// Steps the adaptive policy decoded plainly because steps that speculated were measured
+    /// to make tokens more slowly at their batch size (or to measure plain steps).
+    pub plain_steps: u64,
 }
 
 /// An engine's speculation: its configuration, its proposer of tokens or its draft model
@@ -52,6 +56,11 @@ pub(super) struct Speculation {
     pub(super) config: SpecConfig,
     proposer: Option<Box<dyn Proposer>>,
     pub(super) drafter: Option<Drafter>,
+    /// Speculating steps against plain ones, measured (with the adaptive policy).
+    ab: AbCheck,
+    /// The arm the step being planned took, the sequences it decoded and the proposed tokens
+    /// verified before it (recorded when the step ends).
+    arm: Option<(usize, Arm, u64)>,
 }
 
 impl Speculation {
@@ -80,6 +89,8 @@ impl Speculation {
             proposer: config.proposer(),
             drafter,
             config,
+            ab: AbCheck::default(),
+            arm: None,
         })
     }
 }
@@ -129,6 +140,23 @@ pub(super) fn verify(
 }
 
 impl Engine {
+    /// Records what the step that ends made in `seconds` (from before its proposals) for the
+    /// arm it took, if it decoded only.
+    pub(super) fn record_arm(&mut self, prefill_tokens: usize, tokens: usize, seconds: f64) {
+        let verified = self.stats.spec.draft_tokens;
+        if let Some(spec) = self.spec.as_mut() {
+            if let Some((decoding, arm, before)) = spec.arm.take() {
+                let arm = match verified > before {
+                    true => arm,
+                    false => Arm::Plain,
+                };
+                if prefill_tokens == 0 {
+                    spec.ab.record(decoding, arm, tokens, seconds);
+                }
+            }
+        }
+    }
+
     /// Proposes tokens for every running sequence that decodes (none for one that forks
     /// samples, exports its K/V or cannot grow), within what it may still generate, the
     /// model's context and the step's token budget, sized by the policy: a proposer of tokens
@@ -139,6 +167,24 @@ impl Engine {
             return Ok(());
         };
         let max_ctx = self.backend.config().max_position_embeddings;
+        // With a model drafting (its forwards, its catch-up: a cost the policy's fits can
+        // misjudge), the adaptive policy speculates only at batch sizes where speculating steps
+        // are measured to make tokens faster than plain ones.
+        spec.arm = None;
+        if spec.config.adaptive && spec.proposer.is_none() {
+            let decoding = self.running.iter().filter(|s| s.pending() == 1).count();
+            if decoding > 0 {
+                let arm = spec.ab.arm(decoding);
+                spec.arm = Some((decoding, arm, self.stats.spec.draft_tokens));
+                if arm == Arm::Plain {
+                    self.stats.spec.plain_steps += 1;
+                    for s in &mut self.running {
+                        s.draft.clear();
+                    }
+                    return Ok(());
+                }
+            }
+        }
         // Every running sequence keeps its one token of the budget.
         let mut spare = self
             .config
@@ -225,7 +271,9 @@ impl Engine {
     /// where `lag` is empty): a cost paid once for the steps the sequence drafts in after, so
     /// its first proposed token bears that cost shared over the steps it has left at the
     /// rate its proposals are expected to go. A sequence whose drafting would pay for itself
-    /// but not for its catch-up does not draft.
+    /// but not for its catch-up does not draft, nor does one that lags where the outcome check
+    /// ([`super::spec_ab`]) chose plain decoding for the batch size (no later steps to share
+    /// the catch-up over).
     fn sizes(&self, offered: &[usize], per_token: f64, lag: &[usize]) -> Vec<usize> {
         let Some(cost) = self.decode_cost.fit().filter(|c| c.fixed > 0.0) else {
             return offered.to_vec();
@@ -235,6 +283,11 @@ impl Engine {
         let mut cands = Vec::new();
         let max_ctx = self.backend.config().max_position_embeddings;
         let catch_up = self.draft_cost.fit();
+        let decoding = self.running.iter().filter(|s| s.pending() == 1).count();
+        let catches_up = match self.spec.as_ref() {
+            Some(spec) if spec.config.adaptive => spec.ab.speculating(decoding),
+            _ => true,
+        };
         let mut setup = vec![0.0f64; self.running.len()];
         for (i, s) in self.running.iter().enumerate() {
             if s.pending() != 1 {
@@ -257,7 +310,10 @@ impl Engine {
                     .saturating_sub(len - s.prompt_len)
                     .min(max_ctx.saturating_sub(len))
                     .max(1);
-                setup[i] = seconds * per_step / left as f64;
+                setup[i] = match catches_up {
+                    true => seconds * per_step / left as f64,
+                    false => f64::INFINITY,
+                };
             }
         }
         // Best first; a sequence's positions in order (gains fall with j, ties keep j order).
@@ -479,6 +535,8 @@ impl Engine {
             config,
             proposer: Some(proposer),
             drafter: None,
+            ab: AbCheck::default(),
+            arm: None,
         });
     }
 
@@ -509,6 +567,8 @@ impl Engine {
             config,
             proposer: None,
             drafter: Some(drafter),
+            ab: AbCheck::default(),
+            arm: None,
         });
         Ok(())
     }

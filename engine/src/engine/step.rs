@@ -23,6 +23,7 @@ impl Engine {
     /// finished while placing the forked.
     pub fn step(&mut self) -> Result<(Vec<Event>, StepStats), EngineError> {
         let mut events = Vec::new();
+        let planned = Instant::now();
         let plan = self.plan(&mut events)?;
         if plan.is_empty() {
             return Ok((events, StepStats::default()));
@@ -56,6 +57,11 @@ impl Engine {
                 .record(stats.decode_tokens, stats.attended_keys, stats.seconds);
         }
         self.record_timing(&stats);
+        let made = events
+            .iter()
+            .filter(|e| matches!(e, Event::Token(_)))
+            .count();
+        self.record_arm(stats.prefill_tokens, made, planned.elapsed().as_secs_f64());
         Ok((events, stats))
     }
 

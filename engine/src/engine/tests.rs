@@ -819,10 +819,10 @@ fn a_draft_model_changes_no_token_and_gives_its_blocks_back() {
         };
         Box::new(CpuBackend::new(model, &pool).unwrap()) as Box<dyn Backend>
     };
-    let run = |draft: Option<Box<dyn Backend>>| {
+    let run_with = |draft: Option<Box<dyn Backend>>, adaptive: bool| {
         let mut e = engine(config());
         if let Some(d) = draft {
-            e.set_draft_model("tiny", d, 3, false).unwrap();
+            e.set_draft_model("tiny", d, 3, adaptive).unwrap();
         }
         let mut reqs: Vec<Request> = prompts.iter().map(|p| req(p.clone(), 24)).collect();
         reqs.push(seeded_resumed(&prompts[1], 11, Vec::new()));
@@ -834,6 +834,7 @@ fn a_draft_model_changes_no_token_and_gives_its_blocks_back() {
         }
         (bits(out), e.stats().spec, verified)
     };
+    let run = |draft| run_with(draft, false);
     let (plain, _, _) = run(None);
     let (same, counts, verified) = run(Some(draft(2, 1000)));
     assert_eq!(same, plain);
@@ -852,4 +853,9 @@ fn a_draft_model_changes_no_token_and_gives_its_blocks_back() {
     assert_eq!(short, plain);
     assert!(counts.draft_tokens > 0, "{counts:?}");
     assert!(verified.iter().any(|v| v.0 > 0), "{verified:?}");
+    // Adaptive: at each batch size the first steps speculate and the next ones decode plainly
+    // (whatever the clock then says), and neither changes a token.
+    let (adaptive, counts, _) = run_with(Some(draft(2, 1000)), true);
+    assert_eq!(adaptive, plain);
+    assert!(counts.plain_steps >= 3, "{counts:?}");
 }

@@ -1,0 +1,234 @@
+//! Speculation by a model (a draft model, a self-draft) checked by its outcome, step against
+//! step: whatever the cost model of the policy expects ([`super::Engine::propose`] keeps the
+//! proposals it says pay), a step that speculates must be seen to make tokens faster than a
+//! step that does not, at the same batch. (Proposers of tokens cost nearly nothing to ask and
+//! are left to the cost model alone.)
+//!
+//! For each batch size (the sequences decoding in the step, exact up to 8, then by powers of
+//! two), the tokens per second of the steps that speculated and of those that decoded plainly,
+//! each a moving average over steps that computed no prompt tokens, timed from before the
+//! proposals (a draft model's forwards and catch-up count) to the end of the step. The faster
+//! arm runs; the other is probed so that its measure follows the traffic (the texts, their
+//! acceptance, the contexts' lengths): [`PROBE`] steps after the choice, then at intervals
+//! that double while probes confirm the choice, up to [`MAX_PROBE`] (a probe of a draft model
+//! pays for the catch-up of every sequence it fell behind on, so probes must be rare where
+//! speculation loses), and back to [`PROBE`] when a probe measures better than the choice. A
+//! batch size seen for the first time speculates for [`WARM`] steps and then decodes plainly
+//! for as many. Which arm a step takes changes no output: speculation gives the bits
+//! plain decoding gives.
+
+/// Steps each arm is tried at a batch size before the measures decide (a step that computed
+/// prompt tokens is not measured, one meant to speculate that verified nothing is measured as
+/// plain).
+pub(super) const WARM: u32 = 3;
+/// Steps at a batch size between a choice and the first probe of the other arm.
+pub(super) const PROBE: u32 = 16;
+/// The longest interval between probes.
+pub(super) const MAX_PROBE: u32 = 256;
+/// Weight of the newest step in an arm's tokens per second.
+const WEIGHT: f64 = 0.2;
+
+/// Whether a step speculates.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Arm {
+    Speculate,
+    Plain,
+}
+
+impl Arm {
+    fn other(self) -> Self {
+        match self {
+            Arm::Speculate => Arm::Plain,
+            Arm::Plain => Arm::Speculate,
+        }
+    }
+}
+
+/// One arm's measure at one batch size.
+#[derive(Clone, Copy, Debug, Default)]
+struct Measure {
+    tokens_per_s: f64,
+    steps: u32,
+}
+
+impl Measure {
+    fn record(&mut self, rate: f64) {
+        self.tokens_per_s = match self.steps {
+            0 => rate,
+            _ => WEIGHT * rate + (1.0 - WEIGHT) * self.tokens_per_s,
+        };
+        self.steps = self.steps.saturating_add(1);
+    }
+}
+
+/// Both arms' measures at one batch size, the steps decided there by them, the arm they chose
+/// and when the other is probed next.
+#[derive(Clone, Copy, Debug, Default)]
+struct Bucket {
+    /// Steps decided while the arms are first tried.
+    warm: u32,
+    speculate: Measure,
+    plain: Measure,
+    decided: u32,
+    best: Option<Arm>,
+    interval: u32,
+    next_probe: u32,
+}
+
+impl Bucket {
+    fn arm(&mut self, arm: Arm) -> &mut Measure {
+        match arm {
+            Arm::Speculate => &mut self.speculate,
+            Arm::Plain => &mut self.plain,
+        }
+    }
+}
+
+/// The two arms' measures by batch size.
+#[derive(Debug, Default)]
+pub(super) struct AbCheck {
+    buckets: Vec<Bucket>,
+}
+
+/// The bucket of a step with `decoding` sequences decoding: exact up to 8, then one per power
+/// of two (9-16, 17-32, ...).
+fn bucket(decoding: usize) -> usize {
+    if decoding <= 8 {
+        decoding
+    } else {
+        8 + (usize::BITS - (decoding - 1).leading_zeros()) as usize - 3
+    }
+}
+
+impl AbCheck {
+    fn bucket(&mut self, decoding: usize) -> &mut Bucket {
+        let b = bucket(decoding);
+        if self.buckets.len() <= b {
+            self.buckets.resize(b + 1, Bucket::default());
+        }
+        &mut self.buckets[b]
+    }
+
+    /// The arm a step with `decoding` sequences decoding takes.
+    pub(super) fn arm(&mut self, decoding: usize) -> Arm {
+        let b = self.bucket(decoding);
+        if b.warm < 2 * WARM {
+            b.warm += 1;
+            return match b.warm <= WARM {
+                true => Arm::Speculate,
+                false => Arm::Plain,
+            };
+        }
+        b.decided = b.decided.saturating_add(1);
+        let best = if b.speculate.tokens_per_s >= b.plain.tokens_per_s {
+            Arm::Speculate
+        } else {
+            Arm::Plain
+        };
+        if b.best != Some(best) {
+            b.best = Some(best);
+            b.interval = PROBE;
+            b.next_probe = b.decided.saturating_add(PROBE);
+        }
+        if b.decided >= b.next_probe {
+            b.interval = (2 * b.interval).min(MAX_PROBE);
+            b.next_probe = b.decided.saturating_add(b.interval);
+            return best.other();
+        }
+        best
+    }
+
+    /// Whether steps at `decoding` sequences decoding are expected to go on speculating: while
+    /// speculation is chosen or being tried, not where plain decoding is chosen (its probes
+    /// then measure the sequences a draft model already follows, rather than paying to catch
+    /// up sequences whose drafting is not expected to go on).
+    pub(super) fn speculating(&self, decoding: usize) -> bool {
+        self.buckets
+            .get(bucket(decoding))
+            .is_none_or(|b| b.best != Some(Arm::Plain))
+    }
+
+    /// A step with `decoding` sequences decoding took `arm` and made `tokens` tokens in
+    /// `seconds` (a step that verified no proposal is a plain one, whatever it was meant to
+    /// be).
+    pub(super) fn record(&mut self, decoding: usize, arm: Arm, tokens: usize, seconds: f64) {
+        if tokens == 0 || seconds.is_nan() || seconds <= 0.0 {
+            return;
+        }
+        let rate = tokens as f64 / seconds;
+        let b = self.bucket(decoding);
+        b.arm(arm).record(rate);
+        // A probe that beat the choice's measure: probed again soon, to confirm it.
+        if let Some(best) = b.best.filter(|&c| c != arm) {
+            if rate > b.arm(best).tokens_per_s {
+                b.interval = PROBE;
+                b.next_probe = b.decided.saturating_add(PROBE);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batch_sizes_fall_into_exact_then_doubling_buckets() {
+        let got: Vec<usize> = [1, 2, 8, 9, 16, 17, 32, 33, 64, 65]
+            .iter()
+            .map(|&n| bucket(n))
+            .collect();
+        assert_eq!(got, [1, 2, 8, 9, 9, 10, 10, 11, 11, 12]);
+    }
+
+    /// Each arm is measured first, then the faster one runs, the slower one probed at
+    /// intervals that double from `PROBE` to `MAX_PROBE` while it stays slower, and a measure
+    /// that turns around turns the choice around within a few probes.
+    #[test]
+    fn the_faster_arm_runs_and_the_slower_is_probed() {
+        let mut ab = AbCheck::default();
+        let run = |ab: &mut AbCheck, steps: u32, spec_rate: f64, plain_rate: f64| {
+            let mut took = [0u32; 2];
+            for _ in 0..steps {
+                let arm = ab.arm(8);
+                took[(arm == Arm::Plain) as usize] += 1;
+                let rate = match arm {
+                    Arm::Speculate => spec_rate,
+                    Arm::Plain => plain_rate,
+                };
+                ab.record(8, arm, 8, 8.0 / rate);
+            }
+            took
+        };
+        assert_eq!(run(&mut ab, 2 * WARM, 50.0, 100.0), [WARM, WARM]);
+        // Probes 16, 32, 64, 128, 256 and 256 decided steps apart (the 17th, the 49th, ...).
+        let n = PROBE + 2 * PROBE + 4 * PROBE + 8 * PROBE + 2 * MAX_PROBE;
+        assert_eq!(run(&mut ab, n, 50.0, 100.0), [5, n - 5]);
+        assert_eq!(ab.buckets[8].interval, MAX_PROBE);
+        assert!(!ab.speculating(8) && ab.speculating(30));
+        // Speculation turns faster (the texts repeat themselves now): the next probe sees it,
+        // the one after it comes PROBE steps later, and the moving average crosses over.
+        let [spec, plain] = run(&mut ab, MAX_PROBE + 2 * PROBE + 1, 200.0, 100.0);
+        assert!(
+            spec >= 3 && ab.buckets[8].best == Some(Arm::Speculate),
+            "{spec} {plain}"
+        );
+        let [spec, plain] = run(&mut ab, 4 * PROBE, 200.0, 100.0);
+        assert!(spec >= 4 * PROBE - 2, "{spec} {plain}");
+        assert!(ab.speculating(8));
+        // Another batch size is measured on its own.
+        assert_eq!(ab.arm(3), Arm::Speculate);
+        assert_eq!(ab.buckets[3].speculate.steps, 0);
+        // A batch size where the steps meant to speculate verified nothing (each measured as
+        // plain): plain decoding is chosen once both arms were tried.
+        for _ in 0..2 * WARM {
+            let _ = ab.arm(5);
+            ab.record(5, Arm::Plain, 5, 0.05);
+        }
+        assert_eq!(ab.arm(5), Arm::Plain);
+        // Steps that made nothing or took no time say nothing.
+        ab.record(3, Arm::Speculate, 0, 1.0);
+        ab.record(3, Arm::Speculate, 3, 0.0);
+        assert_eq!(ab.buckets[3].speculate.steps, 0);
+    }
+}
