@@ -271,9 +271,9 @@ impl Engine {
     /// where `lag` is empty): a cost paid once for the steps the sequence drafts in after, so
     /// its first proposed token bears that cost shared over the steps it has left at the
     /// rate its proposals are expected to go. A sequence whose drafting would pay for itself
-    /// but not for its catch-up does not draft, nor does one that lags where the outcome check
-    /// ([`super::spec_ab`]) chose plain decoding for the batch size (no later steps to share
-    /// the catch-up over).
+    /// but not for its catch-up does not draft; where the outcome check ([`super::spec_ab`])
+    /// chose plain decoding for the batch size (no later steps to share a catch-up over), only
+    /// the sequence that lags least may catch up, so that its probe measures drafting.
     fn sizes(&self, offered: &[usize], per_token: f64, lag: &[usize]) -> Vec<usize> {
         let Some(cost) = self.decode_cost.fit().filter(|c| c.fixed > 0.0) else {
             return offered.to_vec();
@@ -287,6 +287,14 @@ impl Engine {
         let catches_up = match self.spec.as_ref() {
             Some(spec) if spec.config.adaptive => spec.ab.speculating(decoding),
             _ => true,
+        };
+        // Where plain decoding is chosen, a probe catches up one sequence at most (the one
+        // that lags least): enough to measure drafting by, not a batch's worth of catch-up.
+        let lone = match catches_up {
+            true => None,
+            false => (0..self.running.len())
+                .filter(|&i| offered[i] > 0 && lag.get(i).is_some_and(|&l| l > 1))
+                .min_by_key(|&i| lag[i]),
         };
         let mut setup = vec![0.0f64; self.running.len()];
         for (i, s) in self.running.iter().enumerate() {
@@ -310,7 +318,7 @@ impl Engine {
                     .saturating_sub(len - s.prompt_len)
                     .min(max_ctx.saturating_sub(len))
                     .max(1);
-                setup[i] = match catches_up {
+                setup[i] = match catches_up || lag <= 1 || lone == Some(i) {
                     true => seconds * per_step / left as f64,
                     false => f64::INFINITY,
                 };
