@@ -11,8 +11,8 @@
 //! arm runs; the other is probed so that its measure follows the traffic (the texts, their
 //! acceptance, the contexts' lengths): [`PROBE`] steps after the choice, then at intervals
 //! that double while probes confirm the choice, up to [`MAX_PROBE`] (a probe of a draft model
-//! pays for the catch-up of every sequence it fell behind on, so probes must be rare where
-//! speculation loses), and back to [`PROBE`] when a probe measures better than the choice. A
+//! pays for catching a sequence up, so probes must be rare where speculation loses), and back
+//! to [`PROBE`] when a probe measures better than the choice. A
 //! batch size seen for the first time speculates for [`WARM`] steps and then decodes plainly
 //! for as many. Which arm a step takes changes no output: speculation gives the bits
 //! plain decoding gives.
@@ -139,9 +139,9 @@ impl AbCheck {
     }
 
     /// Whether steps at `decoding` sequences decoding are expected to go on speculating: while
-    /// speculation is chosen or being tried, not where plain decoding is chosen (its probes
-    /// then measure the sequences a draft model already follows, rather than paying to catch
-    /// up sequences whose drafting is not expected to go on).
+    /// speculation is chosen or being tried, not where plain decoding is chosen (there a probe
+    /// catches up one sequence at most, not every sequence whose drafting is not expected to
+    /// go on).
     pub(super) fn speculating(&self, decoding: usize) -> bool {
         self.buckets
             .get(bucket(decoding))

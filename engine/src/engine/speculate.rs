@@ -283,9 +283,13 @@ impl Engine {
         let mut cands = Vec::new();
         let max_ctx = self.backend.config().max_position_embeddings;
         let catch_up = self.draft_cost.fit();
-        let decoding = self.running.iter().filter(|s| s.pending() == 1).count();
+        // The outcome check's batch size, as `propose` took it for this step.
         let catches_up = match self.spec.as_ref() {
-            Some(spec) if spec.config.adaptive => spec.ab.speculating(decoding),
+            Some(Speculation {
+                arm: Some((decoding, ..)),
+                ab,
+                ..
+            }) => ab.speculating(*decoding),
             _ => true,
         };
         // Where plain decoding is chosen, a probe catches up one sequence at most (the one
