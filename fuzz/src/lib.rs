@@ -118,6 +118,7 @@ fn router() -> &'static Router {
                     disagg: Default::default(),
                     max_migrations: 0,
                     stall: std::time::Duration::from_secs(10),
+                    flow: Default::default(),
                 },
             ));
             let door = tandem_router::FrontDoorArgs {

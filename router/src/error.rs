@@ -7,9 +7,6 @@ use tandem_types::ErrorKind;
 
 use crate::workers::WorkerAddr;
 
-/// What a 429 tells the client to wait, in seconds (`Retry-After`).
-pub const RETRY_AFTER_S: &str = "1";
-
 /// Why a request was refused or failed, in the client's terms. Each variant has one HTTP status
 /// ([`status`](Self::status)), one OpenAI error body ([`body`](Self::body)) and one gRPC code
 /// ([`grpc`](Self::grpc)).
@@ -61,9 +58,28 @@ pub enum ApiError {
         "the request body did not arrive whole within {0:?}: the router stopped waiting for it"
     )]
     BodyDeadline(std::time::Duration),
-    /// The router already has `--max-queue` requests in flight (that many).
+    /// The router already has `--max-queue` requests in flight (that many): overloaded, 503.
     #[error("the router already has {0} requests in flight: retry later")]
     QueueFull(usize),
+    /// The caller's tenant is over one of its quotas (`limit`, the file's field): 429, with
+    /// the time until its bucket holds what the request needs.
+    #[error("tenant {tenant:?} is over its {limit}: retry in {retry_after:.1?}")]
+    OverQuota {
+        /// The tenant's name.
+        tenant: String,
+        /// `requests_per_minute` or `tokens_per_minute`.
+        limit: &'static str,
+        /// When the bucket will hold what the request needs.
+        retry_after: std::time::Duration,
+    },
+    /// The request waited in the router's queue past its wait limit, and was never sent: 503.
+    #[error("the request waited {waited:.1?} in the router's queue, past its limit: retry later")]
+    QueueTimeout {
+        /// How long it waited.
+        waited: std::time::Duration,
+        /// What the queue's recent pace says a retry might wait.
+        retry_after: std::time::Duration,
+    },
     /// A pool of the router's own (grammar compiles, prompt tokenization) is full: the same
     /// request may succeed in a moment.
     #[error("the router is busy: {0}")]
@@ -113,10 +129,12 @@ impl ApiError {
             Self::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             Self::BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             Self::BodyTimeout(_) | Self::BodyDeadline(_) => StatusCode::REQUEST_TIMEOUT,
-            Self::QueueFull(_) => StatusCode::TOO_MANY_REQUESTS,
-            Self::Busy(_) | Self::NoWorker | Self::WorkerUnavailable { .. } => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            Self::OverQuota { .. } => StatusCode::TOO_MANY_REQUESTS,
+            Self::QueueFull(_)
+            | Self::QueueTimeout { .. }
+            | Self::Busy(_)
+            | Self::NoWorker
+            | Self::WorkerUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             Self::Upstream { .. } => StatusCode::BAD_GATEWAY,
             Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -134,7 +152,9 @@ impl ApiError {
             Self::BodyTimeout(_) | Self::BodyDeadline(_) => {
                 ("invalid_request_error", "request_timeout")
             }
-            Self::QueueFull(_) => ("rate_limit_error", "rate_limit_exceeded"),
+            Self::OverQuota { .. } => ("rate_limit_error", "rate_limit_exceeded"),
+            Self::QueueFull(_) => ("service_unavailable", "overloaded"),
+            Self::QueueTimeout { .. } => ("service_unavailable", "queue_timeout"),
             Self::Busy(_) => ("service_unavailable", "busy"),
             Self::NoWorker => ("service_unavailable", "no_worker"),
             Self::WorkerUnavailable { .. } => ("service_unavailable", "worker_unavailable"),
@@ -155,10 +175,34 @@ impl ApiError {
         json!({"error": {"message": self.to_string(), "type": ty, "param": param, "code": code}})
     }
 
-    /// The gRPC status this error answers with; a full queue also carries
+    /// How long the client should wait before it tries again (`Retry-After`), for the answers
+    /// that say to.
+    pub fn retry_after(&self) -> Option<std::time::Duration> {
+        match self {
+            Self::OverQuota { retry_after, .. } | Self::QueueTimeout { retry_after, .. } => {
+                Some(*retry_after)
+            }
+            Self::QueueFull(_) | Self::Busy(_) | Self::WorkerUnavailable { .. } => {
+                Some(std::time::Duration::from_secs(1))
+            }
+            _ => None,
+        }
+    }
+
+    /// The gRPC status this error answers with; the ones to retry later carry
     /// `grpc-retry-pushback-ms`.
     pub fn grpc(&self) -> tonic::Status {
         let m = self.to_string();
+        let pushback = |mut st: tonic::Status, after: Option<std::time::Duration>| {
+            if let Some(d) = after {
+                // gRPC's retry policy waits this long before its next attempt.
+                let ms = d.as_millis().max(1).to_string();
+                if let Ok(v) = ms.parse() {
+                    st.metadata_mut().insert("grpc-retry-pushback-ms", v);
+                }
+            }
+            st
+        };
         match self {
             Self::InvalidRequest { .. } | Self::ContextLength { .. } => {
                 tonic::Status::invalid_argument(m)
@@ -167,14 +211,11 @@ impl ApiError {
             Self::Unauthorized(_) => tonic::Status::unauthenticated(m),
             Self::BodyTooLarge(_) => tonic::Status::resource_exhausted(m),
             Self::BodyTimeout(_) | Self::BodyDeadline(_) => tonic::Status::deadline_exceeded(m),
-            Self::QueueFull(_) => {
-                let mut st = tonic::Status::resource_exhausted(m);
-                // gRPC's retry policy waits this long before its next attempt.
-                st.metadata_mut().insert(
-                    "grpc-retry-pushback-ms",
-                    tonic::metadata::MetadataValue::from_static("1000"),
-                );
-                st
+            Self::OverQuota { .. } => {
+                pushback(tonic::Status::resource_exhausted(m), self.retry_after())
+            }
+            Self::QueueFull(_) | Self::QueueTimeout { .. } => {
+                pushback(tonic::Status::unavailable(m), self.retry_after())
             }
             Self::Busy(_) | Self::NoWorker | Self::WorkerUnavailable { .. } => {
                 tonic::Status::unavailable(m)
@@ -207,6 +248,17 @@ impl ApiError {
     }
 }
 
+impl ApiError {
+    /// `Retry-After` in whole seconds, rounded up (at least 1), for the answers that say to
+    /// retry.
+    pub fn retry_after_header(&self) -> Option<axum::http::HeaderValue> {
+        self.retry_after().map(|d| {
+            let secs = d.as_secs() + u64::from(d.subsec_nanos() > 0);
+            axum::http::HeaderValue::from(secs.max(1))
+        })
+    }
+}
+
 /// A bad sampling field: a 400 naming it as `param`.
 impl From<tandem_types::SamplingError> for ApiError {
     fn from(e: tandem_types::SamplingError) -> Self {
@@ -220,12 +272,9 @@ impl IntoResponse for ApiError {
             tracing::warn!(error = %self, "request failed");
         }
         let mut resp = (self.status(), axum::Json(self.body())).into_response();
-        if let Self::QueueFull(_) | Self::Busy(_) | Self::WorkerUnavailable { .. } = self {
-            // In-flight requests last seconds: one is a fair time to wait before retrying.
-            resp.headers_mut().insert(
-                axum::http::header::RETRY_AFTER,
-                axum::http::HeaderValue::from_static(RETRY_AFTER_S),
-            );
+        if let Some(after) = self.retry_after_header() {
+            resp.headers_mut()
+                .insert(axum::http::header::RETRY_AFTER, after);
         }
         resp
     }
@@ -266,10 +315,23 @@ mod tests {
     fn busy_answers_say_when_to_retry() {
         for e in [from(ErrorKind::Busy), ApiError::QueueFull(4)] {
             let r = e.into_response();
-            assert_eq!(r.headers()[axum::http::header::RETRY_AFTER], RETRY_AFTER_S);
+            assert_eq!(r.headers()[axum::http::header::RETRY_AFTER], "1");
         }
         let r = from(ErrorKind::Internal).into_response();
         assert!(r.headers().get(axum::http::header::RETRY_AFTER).is_none());
+        // A quota's wait is its bucket's, rounded up to whole seconds; gRPC's in milliseconds.
+        let e = ApiError::OverQuota {
+            tenant: "a".into(),
+            limit: "tokens_per_minute",
+            retry_after: std::time::Duration::from_millis(2300),
+        };
+        assert_eq!(
+            e.grpc().metadata().get("grpc-retry-pushback-ms").unwrap(),
+            "2300"
+        );
+        let r = e.into_response();
+        assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(r.headers()[axum::http::header::RETRY_AFTER], "3");
     }
 
     #[test]
@@ -305,7 +367,24 @@ mod tests {
             ),
             (ApiError::BodyTooLarge(1), 413, Code::ResourceExhausted),
             (ApiError::BodyTimeout(d), 408, Code::DeadlineExceeded),
-            (ApiError::QueueFull(1), 429, Code::ResourceExhausted),
+            (ApiError::QueueFull(1), 503, Code::Unavailable),
+            (
+                ApiError::OverQuota {
+                    tenant: "a".into(),
+                    limit: "requests_per_minute",
+                    retry_after: d,
+                },
+                429,
+                Code::ResourceExhausted,
+            ),
+            (
+                ApiError::QueueTimeout {
+                    waited: d,
+                    retry_after: d,
+                },
+                503,
+                Code::Unavailable,
+            ),
             (ApiError::NoWorker, 503, Code::Unavailable),
             (from(ErrorKind::Busy), 503, Code::Unavailable),
             // A worker's failure: gRPC clients retry UNAVAILABLE on their own, so only a lost

@@ -67,7 +67,11 @@ impl pb::generation_server::Generation for GenerationService {
         &self,
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<GenStream>, Status> {
-        let (metadata, _, r) = request.into_parts();
+        let (metadata, extensions, r) = request.into_parts();
+        let caller = extensions
+            .get::<crate::flow::Caller>()
+            .cloned()
+            .unwrap_or_default();
         let (text, chat, ids) = match r.prompt {
             Some(pb::generate_request::Prompt::Text(t)) => (Some(t), None, None),
             Some(pb::generate_request::Prompt::Chat(c)) => (None, Some(c), None),
@@ -120,7 +124,7 @@ impl pb::generation_server::Generation for GenerationService {
                 trace::failed(&span, &e);
                 e.grpc()
             })?;
-        let prep = trace::prepared(span, &d.model.name, prep);
+        let prep = trace::prepared(span, &d.model.name, prep, &caller);
         let request_id = if r.request_id.is_empty() {
             prep.request_id.to_string()
         } else {

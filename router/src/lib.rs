@@ -31,7 +31,7 @@
 //! assert_eq!(least_load.pick(&[busy, idle]), 1);
 //!
 //! // Every refusal has one HTTP status (and one gRPC code).
-//! assert_eq!(ApiError::QueueFull(64).status().as_u16(), 429);
+//! assert_eq!(ApiError::QueueFull(64).status().as_u16(), 503);
 //! ```
 
 #![deny(missing_docs)]
@@ -40,6 +40,7 @@ mod client;
 mod discovery;
 mod dispatch;
 mod error;
+mod flow;
 mod front;
 mod grpc;
 mod kv_index;
@@ -57,6 +58,7 @@ pub use dispatch::{
     Prepared, PromptInput, ReasoningParser, RouterRequestId, ServedModel, TokenOut, Usage,
 };
 pub use error::ApiError;
+pub use flow::{Caller, Flow, FlowConfig, Permit, TenantSpec, TenantTable, Tenants};
 pub use front::{ApiKeys, ConnLimits, FrontDoor, FrontDoorArgs, FrontDoorError};
 pub use grpc::GenerationService;
 pub use metrics::RouterMetrics;
@@ -120,9 +122,20 @@ pub struct RouterArgs {
     /// How a request's decode worker is chosen.
     #[arg(long, env = "TANDEM_POLICY", default_value = "kv-aware")]
     pub policy: PolicyKind,
-    /// Most requests in flight through the router; more are refused with 429.
+    /// Most requests in flight through the router (waiting in its queue or at the workers);
+    /// more are refused with 503 and `Retry-After` (overloaded).
     #[arg(long, env = "TANDEM_MAX_QUEUE", default_value_t = 4096)]
     pub max_queue: usize,
+    /// Most samples this router keeps at each ready decode worker; more wait in the router's
+    /// queue, which dispatches by priority band and, within a band, by tenants' fair shares of
+    /// tokens served. 0: no limit (only a tenant's max_concurrent holds requests back, and the
+    /// engines order what they are sent by priority).
+    #[arg(long, env = "TANDEM_MAX_IN_FLIGHT_PER_WORKER", default_value_t = 0)]
+    pub max_in_flight_per_worker: usize,
+    /// Longest a request waits in the router's queue before it is refused with 503 (before
+    /// any work is done), for tenants that set no max_queue_wait_ms. 0: no limit.
+    #[arg(long, env = "TANDEM_MAX_QUEUE_WAIT_MS", default_value_t = 0)]
+    pub max_queue_wait_ms: u64,
     /// kv-aware: blocks of prefill that one in-flight request on a worker is worth.
     #[arg(long, env = "TANDEM_KV_LOAD_WEIGHT", default_value_t = 1.0)]
     pub kv_load_weight: f64,
@@ -336,8 +349,23 @@ pub async fn serve(
             },
             max_migrations: args.max_migrations,
             stall: Duration::from_millis(args.worker_stall_timeout_ms),
+            flow: FlowConfig {
+                per_worker: (args.max_in_flight_per_worker > 0)
+                    .then_some(args.max_in_flight_per_worker),
+                max_wait: (args.max_queue_wait_ms > 0)
+                    .then(|| Duration::from_millis(args.max_queue_wait_ms)),
+            },
         },
     ));
+    if let Some(tenants) = &door.tenants {
+        dispatcher.flow.configure(&tenants.table());
+        watch_tenants(
+            tenants.clone(),
+            dispatcher.flow.clone(),
+            dispatcher.metrics.clone(),
+            door.tenants_reload,
+        );
+    }
     let store = openai::ResponseStore::open(&openai::StoreConfig {
         spec: args.responses_store.clone(),
         max_bytes: args.responses_store_mb.saturating_mul(1 << 20),
@@ -438,6 +466,39 @@ pub async fn serve(
     h.map_err(|e| RouterError::Serve(e.to_string()))?;
     g.map_err(|e| RouterError::Serve(e.to_string()))??;
     Ok(())
+}
+
+/// Reads the tenants file again every `every` while the router runs: a changed file that
+/// parses takes effect at once, one that does not leaves the tenants as they were.
+fn watch_tenants(
+    tenants: Arc<Tenants>,
+    flow: Arc<Flow>,
+    metrics: Arc<RouterMetrics>,
+    every: Duration,
+) {
+    let weak = Arc::downgrade(&flow);
+    drop(flow);
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick.tick().await;
+        loop {
+            tick.tick().await;
+            let Some(flow) = weak.upgrade() else { return };
+            match tenants.reload() {
+                Ok(None) => {}
+                Ok(Some(table)) => {
+                    flow.configure(&table);
+                    metrics.tenants_reload("ok");
+                    tracing::info!(tenants = table.tenants.len(), "tenants file read again");
+                }
+                Err(e) => {
+                    metrics.tenants_reload("error");
+                    tracing::error!(error = %e, "tenants file not taken: the tenants stay as they were");
+                }
+            }
+        }
+    });
 }
 
 /// The discovery backend `args` choose.

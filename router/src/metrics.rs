@@ -3,12 +3,18 @@
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 type Labels = Vec<(&'static str, &'static str)>;
 type WorkerLabels = Vec<(&'static str, String)>;
+type TenantLabels = Vec<(&'static str, String)>;
+
+/// How a tenant's request fared at the router's queue.
+pub const TENANT_OUTCOMES: [&str; 4] = ["admitted", "over_quota", "queue_timeout", "overloaded"];
 
 use tandem_discovery::Role;
 
@@ -27,6 +33,13 @@ pub struct RouterMetrics {
     membership: Family<Labels, Counter>,
     refused_workers: Family<Labels, Counter>,
     malformed_cards: Counter,
+    tenant_requests: Family<TenantLabels, Counter>,
+    tenant_tokens: Family<TenantLabels, Counter>,
+    tenant_wait: Family<TenantLabels, Histogram>,
+    tenant_queued: Family<TenantLabels, Gauge>,
+    tenant_in_flight: Family<TenantLabels, Gauge>,
+    queued: Gauge,
+    tenant_reloads: Family<Labels, Counter>,
 }
 
 /// How a generation request that passed the front door ended: answered to its finish, refused
@@ -35,9 +48,11 @@ pub struct RouterMetrics {
 pub const OUTCOMES: [&str; 5] = ["ok", "invalid", "refused", "failed", "cancelled"];
 
 /// Why the router turned a request away before it reached a worker.
-pub const REFUSALS: [&str; 6] = [
+pub const REFUSALS: [&str; 8] = [
     "unauthorized",
     "queue_full",
+    "over_quota",
+    "queue_timeout",
     "body_too_large",
     "body_timeout",
     "body_budget",
@@ -130,6 +145,53 @@ impl RouterMetrics {
             "Values under the cluster's etcd prefix that are not worker cards (skipped)",
             malformed_cards.clone(),
         );
+        let tenant_requests = Family::<TenantLabels, Counter>::default();
+        registry.register(
+            "tandem_router_tenant_requests",
+            "Generation requests by tenant and by how they fared at the router's queue: admitted (sent to a worker), over_quota (429), queue_timeout (503 after waiting past the limit), overloaded (503, the router full)",
+            tenant_requests.clone(),
+        );
+        let tenant_tokens = Family::<TenantLabels, Counter>::default();
+        registry.register(
+            "tandem_router_tenant_tokens",
+            "Tokens served by tenant: prompt (at dispatch) and completion (at the finish)",
+            tenant_tokens.clone(),
+        );
+        let tenant_wait = Family::<TenantLabels, Histogram>::new_with_constructor(|| {
+            Histogram::new(exponential_buckets(0.001, 2.0, 17))
+        });
+        registry.register(
+            "tandem_router_tenant_queue_wait_seconds",
+            "Time a tenant's admitted requests waited in the router's queue",
+            tenant_wait.clone(),
+        );
+        let tenant_queued = Family::<TenantLabels, Gauge>::default();
+        registry.register(
+            "tandem_router_tenant_queued_requests",
+            "A tenant's requests waiting in the router's queue now",
+            tenant_queued.clone(),
+        );
+        let tenant_in_flight = Family::<TenantLabels, Gauge>::default();
+        registry.register(
+            "tandem_router_tenant_running_requests",
+            "A tenant's requests dispatched to workers and not finished",
+            tenant_in_flight.clone(),
+        );
+        let queued = Gauge::default();
+        registry.register(
+            "tandem_router_queued_requests",
+            "Requests waiting in the router's queue now (every tenant)",
+            queued.clone(),
+        );
+        let tenant_reloads = Family::<Labels, Counter>::default();
+        registry.register(
+            "tandem_router_tenants_reloads",
+            "Times the tenants file was read again after it changed: ok, or error (the tenants stay as they were)",
+            tenant_reloads.clone(),
+        );
+        for outcome in ["ok", "error"] {
+            let _ = tenant_reloads.get_or_create(&vec![("outcome", outcome)]);
+        }
         for role in Role::ALL {
             for change in ["join", "leave"] {
                 let _ = membership
@@ -156,6 +218,13 @@ impl RouterMetrics {
             membership,
             refused_workers,
             malformed_cards,
+            tenant_requests,
+            tenant_tokens,
+            tenant_wait,
+            tenant_queued,
+            tenant_in_flight,
+            queued,
+            tenant_reloads,
         }
     }
 }
@@ -191,7 +260,7 @@ impl RouterMetrics {
     }
 
     /// A request turned away before it reached a worker; `reason` is one of `REFUSALS`
-    /// (`unauthorized`, `queue_full`, `body_too_large`, `body_timeout`, `body_budget`,
+    /// (`unauthorized`, `queue_full`, `over_quota`, `queue_timeout`, `body_too_large`, `body_timeout`, `body_budget`,
     /// `no_worker`).
     pub fn refused(&self, reason: &'static str) {
         debug_assert!(REFUSALS.contains(&reason), "{reason}");
@@ -236,6 +305,79 @@ impl RouterMetrics {
         self.malformed_cards.inc();
     }
 
+    /// A tenant of the tenants file (its label): its series exist from the start, so a
+    /// dashboard's rate() has something to work on.
+    pub fn tenant_known(&self, tenant: &str) {
+        for outcome in TENANT_OUTCOMES {
+            let _ = self
+                .tenant_requests
+                .get_or_create(&tenant_labels(tenant, "outcome", outcome));
+        }
+        for kind in ["prompt", "completion"] {
+            let _ = self
+                .tenant_tokens
+                .get_or_create(&tenant_labels(tenant, "kind", kind));
+        }
+        let t = vec![("tenant", tenant.to_string())];
+        let _ = self.tenant_queued.get_or_create(&t);
+        let _ = self.tenant_in_flight.get_or_create(&t);
+    }
+
+    /// A request of `tenant` (its label; empty: no tenants, not counted) fared `outcome`, one
+    /// of `TENANT_OUTCOMES`.
+    pub fn tenant_request(&self, tenant: &str, outcome: &'static str) {
+        debug_assert!(TENANT_OUTCOMES.contains(&outcome), "{outcome}");
+        if !tenant.is_empty() {
+            self.tenant_requests
+                .get_or_create(&tenant_labels(tenant, "outcome", outcome))
+                .inc();
+        }
+    }
+
+    /// Tokens served to `tenant`, of `kind` (`prompt` or `completion`).
+    pub fn tenant_tokens(&self, tenant: &str, kind: &'static str, n: u64) {
+        if !tenant.is_empty() {
+            self.tenant_tokens
+                .get_or_create(&tenant_labels(tenant, "kind", kind))
+                .inc_by(n);
+        }
+    }
+
+    /// An admitted request of `tenant` waited `waited` in the queue.
+    pub fn tenant_wait(&self, tenant: &str, waited: std::time::Duration) {
+        if !tenant.is_empty() {
+            self.tenant_wait
+                .get_or_create(&vec![("tenant", tenant.to_string())])
+                .observe(waited.as_secs_f64());
+        }
+    }
+
+    /// A request of `tenant` joined (`+1`) or left (`-1`) the queue.
+    pub fn tenant_queued(&self, tenant: &str, delta: i64) {
+        self.queued.inc_by(delta);
+        if !tenant.is_empty() {
+            self.tenant_queued
+                .get_or_create(&vec![("tenant", tenant.to_string())])
+                .inc_by(delta);
+        }
+    }
+
+    /// A request of `tenant` was dispatched (`+1`) or finished (`-1`).
+    pub fn tenant_in_flight(&self, tenant: &str, delta: i64) {
+        if !tenant.is_empty() {
+            self.tenant_in_flight
+                .get_or_create(&vec![("tenant", tenant.to_string())])
+                .inc_by(delta);
+        }
+    }
+
+    /// The tenants file was read again: `ok` or `error`.
+    pub fn tenants_reload(&self, outcome: &'static str) {
+        self.tenant_reloads
+            .get_or_create(&vec![("outcome", outcome)])
+            .inc();
+    }
+
     /// Every metric in the OpenMetrics text format, as `/metrics` serves it.
     pub fn render(&self) -> String {
         let mut out = String::new();
@@ -244,4 +386,8 @@ impl RouterMetrics {
         }
         out
     }
+}
+
+fn tenant_labels(tenant: &str, key: &'static str, value: &'static str) -> TenantLabels {
+    vec![("tenant", tenant.to_string()), (key, value.to_string())]
 }

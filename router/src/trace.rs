@@ -29,13 +29,22 @@ pub(crate) fn request_span(
         gen_ai.response.finish_reasons = Empty,
         tandem.request_id = Empty,
         tandem.migrations = Empty,
+        tandem.tenant = Empty,
+        tandem.tenant.priority = Empty,
+        tandem.queue.wait_ms = Empty,
     );
     tandem_telemetry::adopt(&span, headers);
     span
 }
 
-/// Records what the request asks for, once it is prepared, and makes `span` its trace.
-pub(crate) fn prepared(span: tracing::Span, model: &str, prep: Prepared) -> Prepared {
+/// Records what the request asks for, once it is prepared, and makes `span` its trace, the
+/// request `caller`'s.
+pub(crate) fn prepared(
+    span: tracing::Span,
+    model: &str,
+    prep: Prepared,
+    caller: &crate::flow::Caller,
+) -> Prepared {
     if !span.is_disabled() {
         span.record("gen_ai.request.model", model);
         span.record("gen_ai.usage.input_tokens", prep.prompt.len() as i64);
@@ -47,7 +56,7 @@ pub(crate) fn prepared(span: tracing::Span, model: &str, prep: Prepared) -> Prep
             span.record("gen_ai.request.max_tokens", m as i64);
         }
     }
-    prep.traced(span)
+    prep.traced(span).for_caller(caller.clone())
 }
 
 /// Marks `span` failed with `e`.

@@ -247,6 +247,7 @@ async fn dispatcher(workers: &[Arc<FakeWorker>], max_migrations: u32) -> Dispatc
             disagg: Default::default(),
             max_migrations,
             stall: Duration::from_secs(10),
+            flow: Default::default(),
         },
     )
 }
@@ -643,6 +644,7 @@ async fn workers_that_join_take_requests_and_workers_that_leave_or_do_not_fit_ge
             disagg: Default::default(),
             max_migrations: 1,
             stall: Duration::from_secs(10),
+            flow: Default::default(),
         },
     );
     until("w0 ready", || pool.ready().len() == 1).await;

@@ -41,6 +41,7 @@ fn dispatcher(rt: &tokio::runtime::Runtime) -> Arc<Dispatcher> {
             disagg: Default::default(),
             max_migrations: 0,
             stall: std::time::Duration::from_secs(10),
+            flow: Default::default(),
         },
     ))
 }

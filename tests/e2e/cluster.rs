@@ -1202,7 +1202,7 @@ async fn queue_limit_no_worker_and_graceful_drain() {
     assert_eq!(v["error"]["code"], "no_worker");
     drop(lonely);
 
-    // Queue limit of one: a second request while the first streams gets 429.
+    // Queue limit of one: a second request while the first streams gets 503 (overloaded).
     let (mut w, waddr) = start_worker(&["--drain-timeout-s=60"]);
     let r = start_router(std::slice::from_ref(&waddr), &["--max-queue=1"]);
     wait_ready(&r, 1).await;
@@ -1225,7 +1225,7 @@ async fn queue_limit_no_worker_and_graceful_drain() {
         .send()
         .await
         .unwrap();
-    assert_eq!(full.status().as_u16(), 429);
+    assert_eq!(full.status().as_u16(), 503);
     assert_eq!(
         full.headers()
             .get("retry-after")
@@ -1233,7 +1233,7 @@ async fn queue_limit_no_worker_and_graceful_drain() {
         Some("1")
     );
     let v: Value = full.json().await.unwrap();
-    assert_eq!(v["error"]["code"], "rate_limit_exceeded");
+    assert_eq!(v["error"]["code"], "overloaded");
     let refused = scrape(&r.http).await;
     assert_eq!(
         metric(

@@ -178,7 +178,7 @@ async fn api_keys_limits_and_stalled_clients() {
             "--header-timeout-ms=1000",
             "--body-stall-timeout-ms=1000",
             // One request at a time: a stalled client that held a slot would make the next
-            // request a 429.
+            // request a 503.
             "--max-queue=1",
         ],
     );
@@ -407,7 +407,8 @@ async fn api_keys_limits_and_stalled_clients() {
         if s == 200 {
             break;
         }
-        assert_eq!(s, 429, "{v}");
+        assert_eq!(s, 503, "{v}");
+        assert_eq!(v["error"]["code"], "overloaded", "{v}");
         queue_full += 1.0;
         assert!(
             Instant::now() < end,
@@ -441,7 +442,7 @@ async fn api_keys_limits_and_stalled_clients() {
     assert_eq!(refused("body_timeout"), 1.0);
     assert_eq!(refused("queue_full"), queue_full);
     // What passed the front door, by how it ended: four completions, one message and one gRPC
-    // generation answered, the 429s turned away.
+    // generation answered, the 503s (overloaded) turned away.
     let outcome = |o: &str| {
         metric(
             &m,

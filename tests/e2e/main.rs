@@ -27,5 +27,6 @@ mod reasoning;
 mod reproducible;
 mod soak;
 mod speculative;
+mod tenants;
 mod tool_styles;
 mod tracing;

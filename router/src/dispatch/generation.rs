@@ -96,11 +96,20 @@ pub struct Generation {
     pub(super) outcome: Option<&'static str>,
     /// The request's span: ends when the generation drops.
     pub(super) span: tracing::Span,
+    /// Its place among the dispatched: given back (with the output tokens, charged to its
+    /// tenant) when it drops.
+    pub(super) permit: crate::flow::Permit,
     pub(super) _slot: QueueSlot,
 }
 
 impl Drop for Generation {
     fn drop(&mut self) {
+        let completion: u64 = self
+            .samples
+            .iter()
+            .map(|s| u64::from(s.completion_tokens))
+            .sum();
+        self.permit.finish(completion);
         self.route
             .metrics
             .request(self.outcome.unwrap_or("cancelled"));

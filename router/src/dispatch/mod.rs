@@ -29,6 +29,7 @@ pub use generation::Generation;
 use generation::{Leg, Sample};
 
 use crate::error::ApiError;
+use crate::flow::{Caller, Flow, FlowConfig};
 use crate::metrics::RouterMetrics;
 use crate::policy::disagg::DisaggConfig;
 use crate::policy::RoutingPolicy;
@@ -203,9 +204,20 @@ pub struct Prepared {
     sampling: ValidSampling,
     /// The request's span (disabled unless the API edge traces it).
     trace: tracing::Span,
+    /// Who it is for (its tenant), from its API key.
+    caller: Caller,
 }
 
 impl Prepared {
+    /// The request, for `caller` (its key's tenant): its quotas, its band in the queue.
+    pub fn for_caller(mut self, caller: Caller) -> Self {
+        if let Some(t) = &caller.tenant {
+            self.trace.record("tandem.tenant", &**t);
+        }
+        self.caller = caller;
+        self
+    }
+
     /// The request, traced under `span`: its routing, migrations and the worker's spans hang
     /// from it, and it records how the request ended.
     pub fn traced(mut self, span: tracing::Span) -> Self {
@@ -285,6 +297,8 @@ pub struct DispatchConfig {
     /// A decode worker's stream that sends nothing, not even its heartbeat, for this long is
     /// given up on as if the worker had died (and the request moves on).
     pub stall: Duration,
+    /// The router's queue: room per worker and the default wait limit.
+    pub flow: FlowConfig,
 }
 
 /// The request path both APIs share: validation and tokenization, the router's queue, the choice
@@ -300,6 +314,8 @@ pub struct Dispatcher {
     pub policy: Arc<dyn RoutingPolicy>,
     /// The router's metrics (the decode pool's registry, shared with every pool).
     pub metrics: Arc<RouterMetrics>,
+    /// The router's queue and its tenants.
+    pub flow: Arc<Flow>,
     cfg: DispatchConfig,
     queued: Arc<AtomicUsize>,
     next_id: AtomicU64,
@@ -351,7 +367,16 @@ impl Dispatcher {
             .unwrap_or(prepare::FALLBACK_TOKEN_BYTES)
             .max(1);
         let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+        let flow = Flow::new(
+            cfg.flow,
+            {
+                let pool = pool.clone();
+                move || pool.ready().len()
+            },
+            metrics.clone(),
+        );
         Self {
+            flow,
             grammars,
             tokenizing: Arc::new(tokio::sync::Semaphore::new(cores.clamp(1, 8))),
             max_token_bytes,
@@ -404,9 +429,38 @@ impl Dispatcher {
         if before + samples > self.cfg.max_queue {
             self.metrics.refused("queue_full");
             self.metrics.request("refused");
+            if let Some(t) = &prep.caller.tenant {
+                // The label is the flow's to give (bounded); the refusal counts under it.
+                let label = self.flow.label(t);
+                self.metrics.tenant_request(&label, "overloaded");
+            }
             let e = ApiError::QueueFull(self.cfg.max_queue);
             trace::failed(&prep.trace, &e);
             return Err(e);
+        }
+        // The tenant's quotas, then its turn in the router's queue.
+        let permit = match self
+            .flow
+            .admit(&prep.caller, samples, prep.prompt.len() as u64)
+            .await
+        {
+            Ok(p) => p,
+            Err(e) => {
+                self.metrics.refused(match e {
+                    ApiError::OverQuota { .. } => "over_quota",
+                    ApiError::QueueTimeout { .. } => "queue_timeout",
+                    _ => "unauthorized",
+                });
+                self.metrics.request("refused");
+                trace::failed(&prep.trace, &e);
+                return Err(e);
+            }
+        };
+        if !prep.trace.is_disabled() {
+            prep.trace
+                .record("tandem.queue.wait_ms", permit.waited().as_secs_f64() * 1e3);
+            prep.trace
+                .record("tandem.tenant.priority", i64::from(permit.priority()));
         }
         let (sampling, stopping) = tandem_proto::wire::sampling_to_wire(&prep.sampling);
         let n = prep.params.n.max(1);
@@ -419,6 +473,7 @@ impl Dispatcher {
             resume_ids: Vec::new(),
             n,
             first_index: 0,
+            priority: permit.priority(),
         };
         let route = Route {
             pool: self.pool.clone(),
@@ -479,6 +534,7 @@ impl Dispatcher {
             migrations: 0,
             outcome: None,
             span: prep.trace,
+            permit,
             _slot: slot,
         })
     }

@@ -239,6 +239,7 @@ impl Dispatcher {
             params,
             sampling,
             trace: tracing::Span::none(),
+            caller: Default::default(),
         })
     }
 }

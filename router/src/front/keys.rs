@@ -12,12 +12,16 @@ use subtle::ConstantTimeEq;
 
 use super::FrontDoorError;
 use crate::error::ApiError;
+use crate::flow::{Caller, Tenants};
 use crate::metrics::RouterMetrics;
 
-/// A set of API keys, kept as SHA-256 digests and compared in constant time. Empty: everything
-/// is allowed.
+/// Who may call: a set of API keys, kept as SHA-256 digests and compared in constant time, or
+/// the tenants file's keys, each naming its tenant. Neither: everything is allowed.
 #[derive(Default)]
-pub struct ApiKeys(Vec<[u8; 32]>);
+pub struct ApiKeys {
+    keys: Vec<[u8; 32]>,
+    tenants: Option<Arc<Tenants>>,
+}
 
 impl ApiKeys {
     /// The set of `keys`; [`FrontDoorError::BadKey`] when one is empty or has whitespace in it.
@@ -31,18 +35,30 @@ impl ApiKeys {
                 }
             })
             .collect::<Result<_, _>>()
-            .map(Self)
+            .map(|keys| Self {
+                keys,
+                tenants: None,
+            })
     }
 
-    /// Whether the set is empty, so every call is allowed.
+    /// The keys of `tenants` (read again as the file changes): each call is its key's tenant's.
+    pub fn of_tenants(tenants: Arc<Tenants>) -> Self {
+        Self {
+            keys: Vec::new(),
+            tenants: Some(tenants),
+        }
+    }
+
+    /// Whether there are no keys, so every call is allowed.
     pub fn is_open(&self) -> bool {
-        self.0.is_empty()
+        self.keys.is_empty() && self.tenants.is_none()
     }
 
-    /// Checks an `Authorization` header's value; the error says what was wrong, never the key.
-    pub fn check(&self, authorization: Option<&[u8]>) -> Result<(), String> {
+    /// Checks an `Authorization` header's value: the caller it makes, or (the error) what was
+    /// wrong, never the key.
+    pub fn check(&self, authorization: Option<&[u8]>) -> Result<Caller, String> {
         if self.is_open() {
-            return Ok(());
+            return Ok(Caller::default());
         }
         let Some(value) = authorization else {
             return Err("no API key given: send it as 'Authorization: Bearer KEY'".into());
@@ -59,32 +75,44 @@ impl ApiKeys {
     }
 
     /// Checks a key as sent bare (Anthropic's `x-api-key` header).
-    pub fn check_token(&self, token: &str) -> Result<(), String> {
+    pub fn check_token(&self, token: &str) -> Result<Caller, String> {
         if self.is_open() {
-            return Ok(());
+            return Ok(Caller::default());
+        }
+        if let Some(tenants) = &self.tenants {
+            // A hash lookup of the key's digest: its time says nothing of the key.
+            return tenants
+                .table()
+                .lookup(token)
+                .map(|t| Caller::tenant(&t.name))
+                .ok_or_else(|| "incorrect API key provided".into());
         }
         let digest: [u8; 32] = Sha256::digest(token.as_bytes()).into();
         // Every key is compared, so the time taken says nothing of which one came close.
         let matched = self
-            .0
+            .keys
             .iter()
             .fold(subtle::Choice::from(0), |acc, k| acc | k.ct_eq(&digest));
         if bool::from(matched) {
-            Ok(())
+            Ok(Caller::default())
         } else {
             Err("incorrect API key provided".into())
         }
     }
 
-    /// The gRPC form of [`check`](Self::check): UNAUTHENTICATED without a valid key.
+    /// The gRPC form of [`check`](Self::check): UNAUTHENTICATED without a valid key; the
+    /// [`Caller`] goes into the request's extensions.
     pub fn interceptor(
         self: Arc<Self>,
         metrics: Arc<RouterMetrics>,
     ) -> impl FnMut(tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> + Clone {
-        move |req: tonic::Request<()>| {
+        move |mut req: tonic::Request<()>| {
             let header = req.metadata().get("authorization").map(|v| v.as_bytes());
             match self.check(header) {
-                Ok(()) => Ok(req),
+                Ok(caller) => {
+                    req.extensions_mut().insert(caller);
+                    Ok(req)
+                }
                 Err(m) => {
                     metrics.refused("unauthorized");
                     Err(ApiError::Unauthorized(m).grpc())
@@ -94,11 +122,11 @@ impl ApiKeys {
     }
 }
 
-/// HTTP middleware: the request goes on only with a valid key (401 with an OpenAI error body
-/// and `WWW-Authenticate: Bearer` otherwise).
+/// HTTP middleware: the request goes on only with a valid key, its [`Caller`] in its
+/// extensions (401 with an OpenAI error body and `WWW-Authenticate: Bearer` otherwise).
 pub async fn require_key(
     State((keys, metrics)): State<(Arc<ApiKeys>, Arc<RouterMetrics>)>,
-    req: Request,
+    mut req: Request,
     next: Next,
 ) -> Response {
     let header = req.headers().get(AUTHORIZATION).map(|v| v.as_bytes());
@@ -112,7 +140,10 @@ pub async fn require_key(
         _ => keys.check(header),
     };
     match checked {
-        Ok(()) => next.run(req).await,
+        Ok(caller) => {
+            req.extensions_mut().insert(caller);
+            next.run(req).await
+        }
         Err(m) => {
             metrics.refused("unauthorized");
             let e = ApiError::Unauthorized(m);

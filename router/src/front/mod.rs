@@ -33,6 +33,7 @@ const DEFAULT_BODY_STALL_TIMEOUT_MS: u64 = 10_000;
 const DEFAULT_BODY_TIMEOUT_MS: u64 = 60_000;
 const DEFAULT_MAX_BODY_BYTES_IN_FLIGHT: usize = 256 << 20;
 const DEFAULT_WRITE_STALL_TIMEOUT_MS: u64 = 60_000;
+const DEFAULT_TENANTS_RELOAD_MS: u64 = 2_000;
 
 /// The front door's flags (part of `tandem router`'s).
 #[derive(Args, Clone, Debug)]
@@ -49,6 +50,16 @@ pub struct FrontDoorArgs {
     /// A file of API keys, one per line (blank lines and lines starting with # are skipped).
     #[arg(long, env = "TANDEM_API_KEY_FILE")]
     pub api_key_file: Option<PathBuf>,
+    /// Tenants (JSON or YAML): `{"tenants": [{"name", "keys": [...], "priority",
+    /// "requests_per_minute", "tokens_per_minute", "max_concurrent", "max_queue_wait_ms",
+    /// "weight"}]}`. Each key is its tenant's; a key in no tenant is refused like a wrong key.
+    /// Read again when it changes (every --tenants-reload-ms), without a restart. Not with
+    /// --api-key or --api-key-file.
+    #[arg(long, env = "TANDEM_TENANTS", conflicts_with_all = ["api_keys", "api_key_file"])]
+    pub tenants: Option<PathBuf>,
+    /// How often the --tenants file is looked at for changes, in milliseconds.
+    #[arg(long, env = "TANDEM_TENANTS_RELOAD_MS", default_value_t = DEFAULT_TENANTS_RELOAD_MS, value_parser = clap::value_parser!(u64).range(1..))]
+    pub tenants_reload_ms: u64,
     /// Key(s) `/metrics` requires, as a Bearer token (repeatable or comma-separated). None:
     /// `/metrics` is open, like `/health` and `/ready`, which always are.
     #[arg(
@@ -104,6 +115,8 @@ impl Default for FrontDoorArgs {
         Self {
             api_keys: Vec::new(),
             api_key_file: None,
+            tenants: None,
+            tenants_reload_ms: DEFAULT_TENANTS_RELOAD_MS,
             metrics_api_keys: Vec::new(),
             tls_cert: None,
             tls_key: None,
@@ -149,6 +162,9 @@ pub enum FrontDoorError {
     /// rustls refused the certificate and key (they do not match, say).
     #[error("TLS configuration: {0}")]
     Tls(String),
+    /// The tenants file cannot be read or does not make tenants (the reason names the file).
+    #[error("{0}")]
+    Tenants(String),
     /// A limit flag is below its minimum: the flag's name (without `--`) and that minimum.
     #[error("--{0} must be at least {1}")]
     TooSmall(&'static str, u64),
@@ -179,6 +195,10 @@ pub struct ConnLimits {
 pub struct FrontDoor {
     /// Keys the API (generation, tokenization, model list) requires; empty: open.
     pub api_keys: Arc<ApiKeys>,
+    /// The tenants, when `--tenants` names a file (their keys are `api_keys`).
+    pub tenants: Option<Arc<crate::flow::Tenants>>,
+    /// How often the tenants file is looked at for changes.
+    pub tenants_reload: Duration,
     /// Keys `/metrics` requires; empty: open.
     pub metrics_keys: Arc<ApiKeys>,
     /// The limits on every client connection.
@@ -232,8 +252,20 @@ impl FrontDoorArgs {
             )),
             _ => None,
         };
+        let tenants = match &self.tenants {
+            Some(path) => Some(Arc::new(
+                crate::flow::Tenants::load(path).map_err(FrontDoorError::Tenants)?,
+            )),
+            None => None,
+        };
+        let api_keys = match &tenants {
+            Some(t) => ApiKeys::of_tenants(t.clone()),
+            None => ApiKeys::new(&keys)?,
+        };
         Ok(FrontDoor {
-            api_keys: Arc::new(ApiKeys::new(&keys)?),
+            api_keys: Arc::new(api_keys),
+            tenants,
+            tenants_reload: Duration::from_millis(self.tenants_reload_ms.max(1)),
             metrics_keys: Arc::new(ApiKeys::new(&self.metrics_api_keys)?),
             limits: ConnLimits {
                 max_body: self.max_body_bytes,

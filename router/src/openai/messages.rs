@@ -11,11 +11,12 @@
 use std::convert::Infallible;
 use std::sync::Arc;
 
+use crate::flow::Caller;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use axum::Json;
+use axum::{Extension, Json};
 use futures::Stream;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -439,15 +440,22 @@ pub(crate) fn anthropic_error(e: &ApiError) -> Response {
     // Anthropic's names for the fields the chat request named.
     let message = e.to_string().replace("stop strings", "stop_sequences");
     let body = json!({"type": "error", "error": {"type": kind, "message": message}});
-    (status, Json(body)).into_response()
+    let mut resp = (status, Json(body)).into_response();
+    if let Some(after) = e.retry_after_header() {
+        resp.headers_mut()
+            .insert(axum::http::header::RETRY_AFTER, after);
+    }
+    resp
 }
 
 pub(super) async fn messages(
     State(d): State<Arc<Dispatcher>>,
+    caller: Option<Extension<Caller>>,
     headers: HeaderMap,
     RequestBody(body): RequestBody,
 ) -> Response {
     let span = trace::request_span("POST /v1/messages", "chat", &headers);
+    let caller = caller.map(|Extension(c)| c).unwrap_or_default();
     let started = async {
         let r: MessagesRequest = parse(&body)?;
         let (chat, stream) = chat_body(r, d.model.reasoning)?;
@@ -463,7 +471,7 @@ pub(super) async fn messages(
         }
     };
     let prompt_tokens = prep.prompt.len();
-    let prep = trace::prepared(span, &d.model.name, prep);
+    let prep = trace::prepared(span, &d.model.name, prep, &caller);
     let g = match chat_prepared(&d, prep).await {
         Ok(g) => g,
         Err(e) => return anthropic_error(&e),
@@ -952,7 +960,16 @@ mod tests {
                 401,
                 "authentication_error",
             ),
-            (ApiError::QueueFull(1), 429, "rate_limit_error"),
+            (ApiError::QueueFull(1), 503, "overloaded_error"),
+            (
+                ApiError::OverQuota {
+                    tenant: "a".into(),
+                    limit: "requests_per_minute",
+                    retry_after: std::time::Duration::from_secs(2),
+                },
+                429,
+                "rate_limit_error",
+            ),
             (ApiError::NoWorker, 503, "overloaded_error"),
             (ApiError::Internal("x".into()), 500, "api_error"),
         ] {

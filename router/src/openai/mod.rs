@@ -45,6 +45,7 @@ use crate::dispatch::{
     Dispatcher, Generation, MaxTokensDefault, Prepared, PromptInput, RequestedGrammar,
 };
 use crate::error::ApiError;
+use crate::flow::Caller;
 use crate::front::{require_key, FrontDoor};
 use crate::trace;
 use body::{BodyLimits, RequestBody};
@@ -297,15 +298,17 @@ fn now() -> u64 {
 
 async fn completions(
     State(d): State<Arc<Dispatcher>>,
+    caller: Option<Extension<Caller>>,
     headers: HeaderMap,
     RequestBody(body): RequestBody,
 ) -> Response {
     let span = trace::request_span("POST /v1/completions", "text_completion", &headers);
+    let caller = caller.map(|Extension(c)| c).unwrap_or_default();
     match completion_request(&d, &body).await {
         Ok((preps, shape, stream)) => {
             let preps = preps
                 .into_iter()
-                .map(|p| trace::prepared(span.clone(), &d.model.name, p))
+                .map(|p| trace::prepared(span.clone(), &d.model.name, p, &caller))
                 .collect();
             serve(d, preps, shape, stream).await
         }
@@ -434,13 +437,15 @@ async fn completion_request(
 
 async fn chat_completions(
     State(d): State<Arc<Dispatcher>>,
+    caller: Option<Extension<Caller>>,
     headers: HeaderMap,
     RequestBody(body): RequestBody,
 ) -> Response {
     let span = trace::request_span("POST /v1/chat/completions", "chat", &headers);
+    let caller = caller.map(|Extension(c)| c).unwrap_or_default();
     match chat_request(&d, &body).await {
         Ok((prep, shape, stream)) => {
-            let prep = trace::prepared(span, &d.model.name, prep);
+            let prep = trace::prepared(span, &d.model.name, prep, &caller);
             serve(d, vec![prep], shape, stream).await
         }
         Err(e) => invalid(&d, e, &span),

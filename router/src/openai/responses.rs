@@ -47,6 +47,7 @@ use super::tools::{CallParser, ToolCall};
 use super::{chat_prepared, now};
 use crate::dispatch::{Chunk, Dispatcher, FinishKind, Generation, Usage};
 use crate::error::ApiError;
+use crate::flow::Caller;
 use crate::trace;
 
 /// The Responses API's state: the stored responses and the background ones running here.
@@ -1217,10 +1218,12 @@ async fn run(
 pub(super) async fn create(
     State(d): State<Arc<Dispatcher>>,
     Extension(rs): Extension<Arc<Responses>>,
+    caller: Option<Extension<Caller>>,
     headers: HeaderMap,
     RequestBody(body): RequestBody,
 ) -> Response {
     let span = trace::request_span("POST /v1/responses", "chat", &headers);
+    let caller = caller.map(|Extension(c)| c).unwrap_or_default();
     let Started {
         prep,
         mut builder,
@@ -1235,7 +1238,7 @@ pub(super) async fn create(
             return e.into_response();
         }
     };
-    let prep = trace::prepared(span, &d.model.name, prep);
+    let prep = trace::prepared(span, &d.model.name, prep, &caller);
     let g = match chat_prepared(&d, prep).await {
         Ok(g) => g,
         Err(e) => return e.into_response(),
