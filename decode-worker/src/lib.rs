@@ -389,6 +389,7 @@ impl pb::decode_server::Decode for DecodeService {
             resume: req.resume_ids,
             constraint: None,
             samples,
+            priority: req.priority,
         };
         let request = self
             .engine

@@ -190,7 +190,7 @@ impl Engine {
     pub(super) fn enqueue(&mut self, mut s: Seq) {
         let bs = self.config.block_size;
         let Some(d) = self.disk.as_mut().filter(|_| self.config.prefix_caching) else {
-            self.waiting.push_back(s);
+            self.queue_back(s);
             return;
         };
         // The blocks admission could take over (it leaves the last token to compute).
@@ -215,7 +215,7 @@ impl Engine {
             d.tier.load(want, d.tx.clone(), d.wake.clone());
         }
         if s.awaits.is_empty() {
-            self.waiting.push_back(s);
+            self.queue_back(s);
         } else {
             self.loading.push(s);
         }
@@ -301,6 +301,7 @@ impl Engine {
         d.staged = kept;
         let now = Instant::now();
         let (inflight, staged) = (&d.inflight, &d.staged);
+        let mut ready = Vec::new();
         let mut i = 0;
         while i < self.loading.len() {
             let s = &mut self.loading[i];
@@ -312,11 +313,13 @@ impl Engine {
                     d.stats.wait_expired += 1;
                     s.awaits.clear();
                 }
-                let s = self.loading.remove(i);
-                self.waiting.push_back(s);
+                ready.push(self.loading.remove(i));
             } else {
                 i += 1;
             }
+        }
+        for s in ready {
+            self.queue_back(s);
         }
         Ok(())
     }

@@ -127,6 +127,10 @@ struct Seq {
     accept: f32,
     /// Proposed tokens verified for it, and of those the accepted.
     spec_tokens: (u32, u32),
+    /// Its request's priority band: the queue and the running set are ordered by it (higher
+    /// first, then by arrival), so admission takes a higher band first and preemption, which
+    /// takes the running set's last, a lower band first.
+    priority: i32,
 }
 
 impl Seq {
@@ -189,6 +193,7 @@ impl Seq {
                     window: Vec::new(),
                     accept: self.accept,
                     spec_tokens: (0, 0),
+                    priority: self.priority,
                 };
                 (seq, first)
             })
@@ -601,6 +606,7 @@ impl Engine {
 
     fn new_seq(&self, id: RequestId, r: Request) -> Seq {
         let Samples { count, first } = r.samples;
+        let priority = r.priority;
         let forks = (first + 1..first + count)
             .map(|i| {
                 let c = r.constraint.as_ref().map(tandem_grammar::Constraint::fork);
@@ -636,7 +642,46 @@ impl Engine {
             window: Vec::new(),
             accept: speculate::PRIOR_ACCEPT,
             spec_tokens: (0, 0),
+            priority,
         }
+    }
+
+    /// Queues `s` behind every waiting sequence of its band or a higher one (a new arrival).
+    fn queue_back(&mut self, s: Seq) {
+        let at = self
+            .waiting
+            .iter()
+            .position(|w| w.priority < s.priority)
+            .unwrap_or(self.waiting.len());
+        self.waiting.insert(at, s);
+    }
+
+    /// Queues `s` ahead of every waiting sequence of its band (one that held blocks: a
+    /// preempted sequence, a fork without room, a failed remote prefill), behind the higher
+    /// bands.
+    fn queue_front(&mut self, s: Seq) {
+        let at = self
+            .waiting
+            .iter()
+            .position(|w| w.priority <= s.priority)
+            .unwrap_or(self.waiting.len());
+        self.waiting.insert(at, s);
+    }
+
+    /// Where a sequence of band `priority` joins the running set: after every sequence of its
+    /// band or a higher one.
+    fn running_slot(&self, priority: i32) -> usize {
+        self.running
+            .iter()
+            .position(|r| r.priority < priority)
+            .unwrap_or(self.running.len())
+    }
+
+    /// Puts `s` into the running set at its band's end; returns its index.
+    fn run_seq(&mut self, s: Seq) -> usize {
+        let at = self.running_slot(s.priority);
+        self.running.insert(at, s);
+        at
     }
 }
 

@@ -86,7 +86,7 @@ impl Engine {
                 .add(s.tokens.len(), here.max(source_cached));
             s.computed = s.tokens.len() - 1;
             s.blocks.commit(&s.tokens, s.computed);
-            self.running.push(s);
+            self.run_seq(s);
             return Ok(Vec::new());
         }
         if !s.forks.is_empty() {
@@ -96,7 +96,7 @@ impl Engine {
             // used.
             s.computed = s.prompt_len - 1;
             s.blocks.commit(&s.tokens, s.computed);
-            self.running.push(s);
+            self.run_seq(s);
             return Ok(Vec::new());
         }
         s.computed = s.prompt_len;
@@ -119,7 +119,9 @@ impl Engine {
         })];
         match finish {
             Some(r) => events.push(Event::Finished(s.finished(r))),
-            None => self.running.push(s),
+            None => {
+                self.run_seq(s);
+            }
         }
         Ok(events)
     }
@@ -133,7 +135,7 @@ impl Engine {
                 if s.tokens.len() > s.prompt_len {
                     self.stats.resumed.add(s.tokens.len(), s.computed);
                 }
-                self.waiting.push_front(s);
+                self.queue_front(s);
                 true
             }
             None => false,

@@ -5,7 +5,8 @@
 //! sequence) and [`StepPlan::admit`] (the head of the queue). The plan does the mechanics every
 //! policy shares and none may get wrong: the token budget, block reservation, copy-on-write of
 //! shared blocks, prefix reuse at admission, admission headroom, and preemption by recompute
-//! (newest first) when the pool runs short. A policy only chooses order and admission.
+//! (the lowest priority band first, newest first within it) when the pool runs short. A policy
+//! only chooses order and admission.
 //!
 //! Policies here: [`Continuous`] (the default: iteration-level batching with chunked prefill,
 //! decodes first) and [`StaticBatches`] (a batch is formed from the head of the queue and nothing
@@ -47,6 +48,8 @@ pub struct SeqInfo {
     pub preemptions: u32,
     /// Waiting: times a prompt behind it in the queue was admitted first.
     pub passed: u32,
+    /// Its request's priority band (higher first).
+    pub priority: i32,
 }
 
 impl SeqInfo {
@@ -60,6 +63,7 @@ impl SeqInfo {
             width: s.width(),
             preemptions: s.preemptions,
             passed: s.passed,
+            priority: s.priority,
         }
     }
 
@@ -75,8 +79,9 @@ impl SeqInfo {
 }
 
 /// A step being planned: the running set, the queue and the pool, with the operations a
-/// [`Scheduler`] builds a step from. Indices into the running set are oldest admission first;
-/// preemption takes the last.
+/// [`Scheduler`] builds a step from. Indices into the running set are by priority band (higher
+/// first), then oldest admission first; preemption takes the last. An admission joins at its
+/// band's end, so the indices of sequences of lower bands move up by one.
 pub struct StepPlan<'e> {
     /// The engine whose step this is (its scheduler is out of it while the plan is made).
     e: &'e mut Engine,
@@ -121,7 +126,7 @@ impl<'e> StepPlan<'e> {
         self.e.running.len()
     }
 
-    /// The running sequence at `i` (oldest admission first).
+    /// The running sequence at `i` (higher bands first, then oldest admission first).
     pub fn running(&self, i: usize) -> SeqInfo {
         SeqInfo::of(&self.e.running[i])
     }
@@ -131,7 +136,8 @@ impl<'e> StepPlan<'e> {
         self.in_plan[i]
     }
 
-    /// The queue, head first (preempted sequences are at the head).
+    /// The queue, head first: higher bands first, and within a band the sequences that held
+    /// blocks (preempted) first, then by arrival.
     pub fn waiting(&self) -> impl Iterator<Item = SeqInfo> + '_ {
         self.e.waiting.iter().map(SeqInfo::of)
     }
@@ -250,9 +256,16 @@ impl<'e> StepPlan<'e> {
         s.cached_prompt_tokens.get_or_insert(hit.min(s.prompt_len));
         s.admitted.get_or_insert_with(Instant::now);
         self.headroom = Some(headroom + s.growth_blocks(block_size, lookahead, max_ctx));
-        self.e.running.push(s);
-        self.planned.push((self.e.running.len() - 1, take));
-        self.in_plan.push(true);
+        // At its band's end of the running set (the set stays ordered by band, so preemption,
+        // which takes the last, takes a lower band first): what was planned after it moves up.
+        let at = self.e.run_seq(s);
+        for (p, _) in &mut self.planned {
+            if *p >= at {
+                *p += 1;
+            }
+        }
+        self.planned.push((at, take));
+        self.in_plan.insert(at, true);
         self.budget -= take;
         true
     }
@@ -324,7 +337,7 @@ impl<'e> StepPlan<'e> {
         self.e.stats.preemptions += 1;
         self.headroom = None;
         tracing::debug!(request = s.id.0, tokens = s.tokens.len(), "preempted");
-        self.e.waiting.push_front(s);
+        self.e.queue_front(s);
     }
 }
 
@@ -899,6 +912,7 @@ mod tests {
             width: 1,
             preemptions,
             passed,
+            priority: 0,
         }
     }
 

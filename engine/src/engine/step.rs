@@ -314,7 +314,7 @@ impl Engine {
             } else {
                 s.blocks.clear();
                 s.computed = 0;
-                self.waiting.push_front(s);
+                self.queue_front(s);
             }
         }
     }

@@ -755,6 +755,65 @@ fn oldest_sequences_keep_running_when_the_pool_is_short() {
     assert_eq!(out[1].output_ids, want[1].output_ids);
 }
 
+/// A higher band's request, queued after a lower band's, is admitted first; a preempted
+/// sequence goes back to the head of its own band, not ahead of a higher one.
+#[test]
+fn a_higher_band_is_admitted_first() {
+    // One sequence at a time: the queue's order is the order they run in.
+    let mut e = engine(EngineConfig {
+        max_seqs: 1,
+        ..config()
+    });
+    let with = |p: i32, r: Request| Request { priority: p, ..r };
+    e.add(RequestId(0), with(0, req((0..6).collect(), 3)))
+        .unwrap();
+    e.add(RequestId(1), with(0, req((10..16).collect(), 3)))
+        .unwrap();
+    e.add(RequestId(2), with(5, req((20..26).collect(), 3)))
+        .unwrap();
+    e.add(RequestId(3), with(-1, req((30..36).collect(), 3)))
+        .unwrap();
+    e.add(RequestId(4), with(5, req((40..46).collect(), 3)))
+        .unwrap();
+    let mut order = Vec::new();
+    while e.has_work() {
+        for ev in e.step().unwrap().0 {
+            if let Event::Finished(f) = ev {
+                order.push(f.request.0);
+            }
+        }
+    }
+    assert_eq!(order, [2, 4, 0, 1, 3]);
+}
+
+/// When the pool runs short, a lower band's sequence is preempted before a higher band's,
+/// though it is the older; each still gets the tokens it gets alone.
+#[test]
+fn a_lower_band_is_preempted_first() {
+    let mut e = engine(EngineConfig {
+        block_size: 4,
+        num_blocks: Some(60),
+        ..config()
+    });
+    let low = Request {
+        priority: -3,
+        ..req((0..10).collect(), 200)
+    };
+    let high = Request {
+        priority: 2,
+        ..req((20..30).collect(), 200)
+    };
+    let out = e
+        .generate(vec![low.clone(), high.clone()], |_| {}, |_| {})
+        .unwrap();
+    assert!(e.stats().preemptions >= 1);
+    assert_eq!(out[1].preemptions, 0, "the higher band is never the victim");
+    assert!(out[0].preemptions >= 1, "the older, lower one is");
+    let mut fresh = engine(config());
+    let want = fresh.generate(vec![low, high], |_| {}, |_| {}).unwrap();
+    assert_eq!(bits(out), bits(want));
+}
+
 /// Each finished request's tokens and the bits of their log-probabilities.
 fn bits(out: Vec<Finished>) -> Vec<(Vec<u32>, Vec<u32>)> {
     out.into_iter()

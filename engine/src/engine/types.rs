@@ -188,6 +188,9 @@ pub struct Request {
     pub constraint: Option<Constraint>,
     /// How many samples of the prompt to generate (OpenAI's `n`), and their numbering.
     pub samples: Samples,
+    /// Its priority band (its tenant's): a higher band is admitted first and preempted last;
+    /// within a band, first come first served. 0 by default; negative is lower.
+    pub priority: i32,
 }
 
 /// Parallel samples of one prompt (OpenAI's `n`). The prompt is computed once; when its last
@@ -228,6 +231,7 @@ impl Request {
             resume: Vec::new(),
             constraint: None,
             samples: Samples::ONE,
+            priority: 0,
         }
     }
 
