@@ -264,6 +264,69 @@ fn the_chart_lints_renders_valid_objects_and_commands_the_binary_accepts() {
         router.contains("\"--worker-stall-timeout-ms=20000\""),
         "{router}"
     );
+
+    // Tenants: the chart makes a Secret of the list, mounts its directory (so the kubelet's
+    // updates reach the router, which reads the file again) and points --tenants at it; the
+    // queue's limits become flags.
+    let objs = objects(&render(&[
+        "--set-json",
+        "router.tenants={\"list\":[{\"name\":\"team-a\",\"keys\":[\"key-a\"],\"priority\":1,\"requests_per_minute\":600},{\"name\":\"team-b\",\"keys\":[\"key-b\"],\"max_concurrent\":4}]}",
+        "--set-json",
+        "router.maxInFlightPerWorker=8",
+        "--set-json",
+        "router.maxQueueWaitMs=30000",
+    ]));
+    assert_eq!(commands_parse(&objs, "tenants"), 4);
+    let secret = objs
+        .iter()
+        .find(|o| o["kind"] == "Secret" && o["metadata"]["name"] == "tandem-tenants")
+        .expect("the tenants Secret");
+    // The file in the Secret is one the router takes, with the tenants of the values.
+    let file = secret["stringData"]["tenants.yaml"].as_str().unwrap();
+    let table = tandem_router::TenantTable::parse(file, false).unwrap();
+    assert_eq!(table.tenants.len(), 2);
+    assert_eq!(
+        (table.tenants[0].priority, table.tenants[0].requests_per_minute),
+        (1, Some(600))
+    );
+    assert_eq!(table.lookup("key-b").unwrap().max_concurrent, Some(4));
+    let router = objs
+        .iter()
+        .find(|o| o["kind"] == "Deployment" && o["metadata"]["name"] == "tandem-router")
+        .unwrap()["spec"]["template"]["spec"]
+        .clone();
+    let router_args = router["containers"][0]["args"].to_string();
+    for flag in [
+        "\"--tenants=/etc/tandem/tenants/tenants.yaml\"",
+        "\"--max-in-flight-per-worker=8\"",
+        "\"--max-queue-wait-ms=30000\"",
+    ] {
+        assert!(router_args.contains(flag), "{flag}: {router_args}");
+    }
+    let mount = router["containers"][0]["volumeMounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["name"] == "tenants")
+        .cloned()
+        .expect("the tenants mount");
+    assert_eq!(mount["mountPath"], "/etc/tandem/tenants");
+    assert!(mount.get("subPath").is_none(), "a subPath is never updated");
+    assert!(router["volumes"]
+        .to_string()
+        .contains("\"secretName\":\"tandem-tenants\""));
+    // An existing Secret instead: no Secret made, the same mount.
+    let objs = objects(&render(&[
+        "--set",
+        "router.tenants.existingSecret=my-tenants",
+    ]));
+    assert!(!objs.iter().any(|o| o["metadata"]["name"] == "tandem-tenants"));
+    assert!(objs.iter().any(|o| o["kind"] == "Deployment"
+        && o["spec"]["template"]["spec"]["volumes"]
+            .to_string()
+            .contains("\"secretName\":\"my-tenants\"")));
+    // No tenants: no flag.
+    assert!(!args("tandem-router").contains("--tenants"));
 }
 
 #[test]
@@ -275,6 +338,7 @@ fn bad_values_are_refused_naming_what_is_wrong() {
         ("decode.replicas=two", "replicas"),
         ("router.policy=fastest", "policy"),
         ("discovery.mode=consul", "mode"),
+        ("router.maxInFlightPerWorker=-1", "maxInFlightPerWorker"),
     ] {
         let o = helm(&["lint", "--strict", c, "--set", set]);
         assert!(!o.status.success(), "{set} was accepted");

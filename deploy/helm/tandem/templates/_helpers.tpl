@@ -56,3 +56,13 @@ _grpc._tcp.{{ include "tandem.fullname" .ctx }}-{{ .role }}.{{ .ctx.Release.Name
 {{- end }}
 {{- end }}
 {{- end -}}
+
+{{/* The Secret holding the router's tenants.yaml: the given one, the chart's made from
+router.tenants.list, or empty (no tenants). */}}
+{{- define "tandem.tenantsSecretName" -}}
+{{- if .Values.router.tenants.existingSecret -}}
+{{- .Values.router.tenants.existingSecret -}}
+{{- else if .Values.router.tenants.list -}}
+{{- printf "%s-tenants" (include "tandem.fullname" .) -}}
+{{- end -}}
+{{- end -}}
