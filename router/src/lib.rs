@@ -6,7 +6,9 @@
 //! [`ServedModel`] from [`load_model`]; the [`Dispatcher`], the path both APIs share (validate,
 //! tokenize, pick a worker, stream its tokens back as text, move a request whose worker dies);
 //! the two API surfaces over it ([`routes`] for HTTP, [`GenerationService`] for gRPC) behind the
-//! [`FrontDoor`] (API keys, TLS, client limits); the routing [`policy`] implementations (one file
+//! [`FrontDoor`] (API keys, TLS, client limits); the [`Flow`] controller (tenants from
+//! `--tenants`, their quotas, and the router's queue by priority band and fair share); the
+//! routing [`policy`] implementations (one file
 //! each behind [`RoutingPolicy`]); the [`WorkerPool`]s with what the router knows of each
 //! [`Worker`] (readiness, load, a prefix-cache index fed by its KV events); the [`Discovery`] seam
 //! the pools follow (static lists, etcd cards or Kubernetes DNS, chosen by [`DiscoverySpec`]);
