@@ -286,7 +286,10 @@ fn the_chart_lints_renders_valid_objects_and_commands_the_binary_accepts() {
     let table = tandem_router::TenantTable::parse(file, false).unwrap();
     assert_eq!(table.tenants.len(), 2);
     assert_eq!(
-        (table.tenants[0].priority, table.tenants[0].requests_per_minute),
+        (
+            table.tenants[0].priority,
+            table.tenants[0].requests_per_minute
+        ),
         (1, Some(600))
     );
     assert_eq!(table.lookup("key-b").unwrap().max_concurrent, Some(4));
@@ -320,7 +323,9 @@ fn the_chart_lints_renders_valid_objects_and_commands_the_binary_accepts() {
         "--set",
         "router.tenants.existingSecret=my-tenants",
     ]));
-    assert!(!objs.iter().any(|o| o["metadata"]["name"] == "tandem-tenants"));
+    assert!(!objs
+        .iter()
+        .any(|o| o["metadata"]["name"] == "tandem-tenants"));
     assert!(objs.iter().any(|o| o["kind"] == "Deployment"
         && o["spec"]["template"]["spec"]["volumes"]
             .to_string()

@@ -99,6 +99,49 @@ async fn tenants_get_their_quotas_bands_and_live_changes() {
     // The other tenants are untouched by the flooder's quota.
     let (s, _, v) = complete(&c, http, "key-batch", 2).await;
     assert_eq!(s, 200, "{v}");
+    // gRPC callers are the same tenants: the flooder is over quota there too, told when to
+    // come back; another tenant is served, a key in no tenant refused.
+    {
+        use tandem_proto::v1 as api;
+        let mut g = api::generation_client::GenerationClient::connect(r.grpc.clone())
+            .await
+            .unwrap();
+        let req = |key: &str| {
+            let mut req = tonic::Request::new(api::GenerateRequest {
+                prompt: Some(api::generate_request::Prompt::Text(
+                    "Once upon a time".into(),
+                )),
+                stopping: Some(api::StoppingCriteria {
+                    max_tokens: Some(2),
+                    ignore_eos: true,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            });
+            req.metadata_mut()
+                .insert("authorization", format!("Bearer {key}").parse().unwrap());
+            req
+        };
+        let e = g.generate(req("key-flood")).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e:?}");
+        let pushback: u64 = e
+            .metadata()
+            .get("grpc-retry-pushback-ms")
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!((1..=10_000).contains(&pushback), "{pushback} ms");
+        let e = g.generate(req("key-nobody")).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
+        let mut s = g.generate(req("key-vip")).await.unwrap().into_inner();
+        let mut tokens = 0;
+        while let Some(m) = s.message().await.unwrap() {
+            tokens += m.token_ids.len();
+        }
+        assert_eq!(tokens, 2);
+    }
     tokio::time::sleep(Duration::from_secs(retry)).await;
     let (s, _, v) = complete(&c, http, "key-flood", 2).await;
     assert_eq!(s, 200, "honouring Retry-After succeeds: {v}");
@@ -196,14 +239,15 @@ async fn tenants_get_their_quotas_bands_and_live_changes() {
         )
     };
     assert!(req("flood", "over_quota") >= 2.0);
-    assert_eq!(req("vip", "admitted"), 1.0);
+    assert_eq!(req("vip", "admitted"), 2.0, "one over HTTP, one over gRPC");
     assert_eq!(req("batch", "admitted"), 5.0);
     assert_eq!(
         metric(
             &m,
             "tandem_router_tenant_tokens_total{tenant=\"vip\",kind=\"completion\"}"
         ),
-        4.0
+        6.0,
+        "4 over HTTP, 2 over gRPC"
     );
     assert_eq!(
         metric(&m, "tandem_router_tenants_reloads_total{outcome=\"ok\"}"),
