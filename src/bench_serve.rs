@@ -124,6 +124,9 @@ pub struct BenchServeArgs {
     /// A request that receives nothing for this many seconds fails as a stall.
     #[arg(long, default_value_t = 120.0)]
     stall_timeout: f64,
+    /// API key sent to every server as `Authorization: Bearer` (a tenant's, with --tenants).
+    #[arg(long, env = "OPENAI_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
     /// One JSON line per run (and the ratios) instead of a table.
     #[arg(long)]
     json: bool,
@@ -170,11 +173,16 @@ pub fn run_agent(a: BenchAgentArgs) -> Result<()> {
     })
 }
 
-async fn model_name(url: &str, given: &Option<String>) -> Result<String> {
+async fn model_name(url: &str, given: &Option<String>, key: Option<&str>) -> Result<String> {
     if let Some(m) = given {
         return Ok(m.clone());
     }
-    let v: serde_json::Value = reqwest::get(format!("{url}/v1/models"))
+    let mut req = reqwest::Client::new().get(format!("{url}/v1/models"));
+    if let Some(k) = key {
+        req = req.bearer_auth(k);
+    }
+    let v: serde_json::Value = req
+        .send()
         .await
         .with_context(|| format!("{url}/v1/models"))?
         .json()
@@ -438,14 +446,26 @@ pub fn run(a: BenchServeArgs) -> Result<()> {
         return rt.block_on(async {
             let label = |k: usize| a.labels.get(k).map(String::as_str);
             let mut targets = vec![Target::Http(
-                HttpTarget::new(&url, &model_name(&url, &a.served_model).await?, in_flight)
-                    .labelled(label(0)),
+                HttpTarget::new(
+                    &url,
+                    &model_name(&url, &a.served_model, a.api_key.as_deref()).await?,
+                    in_flight,
+                )
+                .labelled(label(0))
+                .with_key(a.api_key.as_deref()),
             )];
             for (k, other) in a.compare.iter().enumerate() {
                 let other = other.trim_end_matches('/').to_string();
-                let model = model_name(&other, &a.compare_model.get(k).cloned()).await?;
+                let model = model_name(
+                    &other,
+                    &a.compare_model.get(k).cloned(),
+                    a.api_key.as_deref(),
+                )
+                .await?;
                 targets.push(Target::Http(
-                    HttpTarget::new(&other, &model, in_flight).labelled(label(k + 1)),
+                    HttpTarget::new(&other, &model, in_flight)
+                        .labelled(label(k + 1))
+                        .with_key(a.api_key.as_deref()),
                 ));
             }
             let r = execute(&bench, &targets, description).await;
@@ -509,7 +529,7 @@ async fn overhead(
     .await?;
     let http = format!("http://{}", router_addrs(&ready)?.0);
     wait_ready(&format!("{http}/ready"), Duration::from_secs(60)).await?;
-    let model = model_name(&http, &a.served_model).await?;
+    let model = model_name(&http, &a.served_model, None).await?;
 
     let build_args = engine_args.clone();
     let handle = Arc::new(

@@ -66,6 +66,8 @@ struct WorkerState {
     ready: bool,
     /// Why the router does not use this worker (its Info failed the pool's check).
     refused: Option<Refusal>,
+    /// This router's own count of its requests there when the latest load report came.
+    own_at_report: usize,
 }
 
 /// A worker, named by the address it serves on (`host:port`): what discovery reports, what the
@@ -173,6 +175,21 @@ impl Worker {
         self.in_flight.load(Ordering::Relaxed)
     }
 
+    /// Requests on it from every router: what its latest load report counted in flight (every
+    /// router's requests), moved by what this router started or ended there since; never below
+    /// this router's own count. Several routers in front of the same workers so balance by
+    /// what each worker holds, not by their own shares of it.
+    pub fn load(&self) -> usize {
+        let own = self.in_flight();
+        let s = self.state.lock().expect("worker state");
+        match &s.load {
+            Some(r) => (r.in_flight as usize + own)
+                .saturating_sub(s.own_at_report)
+                .max(own),
+            None => own,
+        }
+    }
+
     /// Blocks the router's index holds for this worker (from its KV-event stream).
     pub fn indexed_blocks(&self) -> usize {
         self.kv.lock().expect("kv index").len()
@@ -268,8 +285,10 @@ impl Worker {
             let ok = ok
                 && match self.client.load().await {
                     Ok(r) => {
+                        let own = self.in_flight();
                         let mut s = self.state.lock().expect("worker state");
                         s.load = Some(r);
+                        s.own_at_report = own;
                         if !s.ready {
                             tracing::info!(worker = %self.addr, role, "worker ready");
                         }
@@ -495,7 +514,7 @@ impl WorkerPool {
             .iter()
             .map(|w| {
                 let mut c = Candidate {
-                    load: w.in_flight(),
+                    load: w.load(),
                     assigned: w.assigned.load(Ordering::Relaxed),
                     ..Default::default()
                 };

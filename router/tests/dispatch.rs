@@ -52,6 +52,8 @@ struct FakeWorker {
     draining: std::sync::atomic::AtomicBool,
     /// Whether it has stopped: its calls fail.
     gone: std::sync::atomic::AtomicBool,
+    /// What its Load says it holds in flight (other routers' requests, say).
+    reported: std::sync::atomic::AtomicU32,
 }
 
 impl FakeWorker {
@@ -65,6 +67,7 @@ impl FakeWorker {
             block_size: 16,
             draining: Default::default(),
             gone: Default::default(),
+            reported: Default::default(),
         })
     }
 
@@ -82,6 +85,7 @@ impl FakeWorker {
             block_size,
             draining: Default::default(),
             gone: Default::default(),
+            reported: Default::default(),
         })
     }
 
@@ -123,6 +127,7 @@ impl WorkerClient for FakeWorker {
         }
         Ok(pb::LoadReport {
             draining: self.draining.load(std::sync::atomic::Ordering::SeqCst),
+            in_flight: self.reported.load(std::sync::atomic::Ordering::SeqCst),
             ..Default::default()
         })
     }
@@ -888,4 +893,42 @@ async fn two_routers_give_their_requests_different_ids() {
     assert_ne!(a1, a2);
     assert_ne!(prefix(&a1), prefix(&b1), "{a1} {b1}");
     assert_ne!(a1, b1);
+}
+
+/// Several routers in front of the same workers: each balances by what the workers report they
+/// hold (every router's requests), not by its own share alone.
+#[tokio::test]
+async fn load_counts_what_other_routers_sent() {
+    let answer = answer_ids().await;
+    let (w0, w1) = (
+        FakeWorker::answering(answer.clone(), 16),
+        FakeWorker::answering(answer, 16),
+    );
+    let d = dispatcher(&[w0.clone(), w1.clone()], 0).await;
+    let busy = |w: &FakeWorker, n: u32| {
+        w.reported.store(n, std::sync::atomic::Ordering::SeqCst);
+    };
+    // Another router keeps 10 requests on w0: this one sends everything to w1.
+    busy(&w0, 10);
+    let polled = |w: &Arc<FakeWorker>, n: usize| {
+        let addr = if Arc::ptr_eq(w, &w0) { "w0" } else { "w1" };
+        d.pool
+            .all()
+            .into_iter()
+            .find(|x| x.addr.as_str() == addr)
+            .is_some_and(|x| x.load() == n)
+    };
+    until("w0's report", || polled(&w0, 10)).await;
+    for _ in 0..4 {
+        run(&d, 4).await.unwrap();
+    }
+    assert_eq!((w0.calls().len(), w1.calls().len()), (0, 4));
+    // Now w1 is the busy one.
+    busy(&w0, 0);
+    busy(&w1, 10);
+    until("w1's report", || polled(&w1, 10) && polled(&w0, 0)).await;
+    for _ in 0..3 {
+        run(&d, 4).await.unwrap();
+    }
+    assert_eq!((w0.calls().len(), w1.calls().len()), (3, 4));
 }

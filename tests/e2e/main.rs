@@ -25,6 +25,7 @@ mod peer_pull;
 mod prometheus;
 mod reasoning;
 mod reproducible;
+mod routers;
 mod soak;
 mod speculative;
 mod tenants;

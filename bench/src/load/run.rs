@@ -49,6 +49,8 @@ pub struct HttpTarget {
     pub model: String,
     /// What reports call it, beside its address (e.g. the server's name).
     pub label: Option<String>,
+    /// The API key sent as `Authorization: Bearer`, when the server wants one.
+    pub key: Option<String>,
     client: reqwest::Client,
 }
 
@@ -63,8 +65,15 @@ impl HttpTarget {
             base: base.trim_end_matches('/').to_string(),
             model: model.to_string(),
             label: None,
+            key: None,
             client,
         }
+    }
+
+    /// The same target, called with API key `key` (a tenant's, say).
+    pub fn with_key(mut self, key: Option<&str>) -> Self {
+        self.key = key.map(str::to_string);
+        self
     }
 
     /// The same target, named `label` in reports.
@@ -497,7 +506,13 @@ async fn http_turn(
         }
     };
     let url = format!("{}{path}", h.base);
-    let send = || tokio::time::timeout(stall, h.client.post(&url).json(&body).send());
+    let send = || {
+        let mut req = h.client.post(&url).json(&body);
+        if let Some(k) = &h.key {
+            req = req.bearer_auth(k);
+        }
+        tokio::time::timeout(stall, req.send())
+    };
     let mut sent = send().await;
     if let Ok(Err(e)) = &sent {
         // A pooled connection the server had closed while idle (servers close keep-alive

@@ -20,7 +20,8 @@ pub use round_robin::RoundRobin;
 /// What a policy knows about one ready worker.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Candidate {
-    /// Requests this router has in flight on the worker.
+    /// Requests on the worker from every router (its load report, moved by this router's own
+    /// starts and ends since).
     pub load: usize,
     /// Requests this router has ever sent it (breaks ties so equal choices spread).
     pub assigned: u64,
