@@ -321,6 +321,7 @@ impl RouterMetrics {
         let t = vec![("tenant", tenant.to_string())];
         let _ = self.tenant_queued.get_or_create(&t);
         let _ = self.tenant_in_flight.get_or_create(&t);
+        let _ = self.tenant_wait.get_or_create(&t);
     }
 
     /// A request of `tenant` (its label; empty: no tenants, not counted) fared `outcome`, one

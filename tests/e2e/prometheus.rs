@@ -265,10 +265,20 @@ async fn prometheus_scrapes_the_vllm_metric_set_from_every_role_with_the_values_
     )
     .await;
 
-    // Every metric the Grafana dashboard charts is one some role of this cluster exports.
+    // Every metric the Grafana dashboard charts is one some role of this cluster exports (a
+    // router with tenants exports theirs: one without has no tenant to show).
+    let tenants = tempfile::tempdir().unwrap();
+    let file = tenants.path().join("tenants.yaml");
+    std::fs::write(&file, "tenants: [{name: a, keys: [key-a]}]").unwrap();
+    let tr = start_router(
+        std::slice::from_ref(&daddr),
+        &[&format!("--tenants={}", file.display())],
+    );
+    wait_ready(&tr, 1).await;
     let mut families = std::collections::HashSet::new();
     for addr in [
         r.http.clone(),
+        tr.http.clone(),
         format!("http://{daddr}"),
         format!("http://{paddr}"),
     ] {
