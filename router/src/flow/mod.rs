@@ -320,7 +320,7 @@ impl Flow {
     ) -> Result<Permit, ApiError> {
         let key: Arc<str> = caller.tenant.clone().unwrap_or_else(|| "".into());
         let now = Instant::now();
-        let (seq, rx, max_wait, label) = {
+        let (seq, rx, max_wait, label, priority) = {
             let mut guard = self.lock();
             let st = &mut *guard;
             if !st.live.contains_key(&key) {
@@ -332,7 +332,7 @@ impl Flow {
                 st.live.insert(key.clone(), Live::new(String::new()));
             }
             let live = st.live.get_mut(&key).expect("inserted");
-            let label = live.label.clone();
+            let (label, priority) = (live.label.clone(), live.priority);
             // Quotas: a request a minute, and its prompt's tokens a minute (output tokens are
             // charged at its finish).
             let mut short: Option<(&'static str, Duration)> = None;
@@ -390,7 +390,7 @@ impl Flow {
             st.waiting += 1;
             self.metrics.tenant_queued(&label, 1);
             self.pump(st);
-            (seq, rx, max_wait, label)
+            (seq, rx, max_wait, label, priority)
         };
         let mut waiting = Waiting {
             flow: self.clone(),
@@ -432,14 +432,8 @@ impl Flow {
             samples,
             completion: 0,
             waited,
-            priority: self.priority(caller),
+            priority,
         })
-    }
-
-    /// `caller`'s priority band (0 for the anonymous caller and a removed tenant).
-    pub fn priority(&self, caller: &Caller) -> i32 {
-        let key: Arc<str> = caller.tenant.clone().unwrap_or_else(|| "".into());
-        self.lock().live.get(&key).map_or(0, |l| l.priority)
     }
 
     /// Dispatches waiting requests while there is room: the highest band first, within it the
