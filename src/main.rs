@@ -107,6 +107,14 @@ pub struct EngineArgs {
     /// (decode and prefill workers), off in generate and the engine benchmarks.
     #[arg(long, env = "TANDEM_STEP_TARGET_MS")]
     pub step_target_ms: Option<f64>,
+    /// Keep decoding streams' inter-token gaps near this many milliseconds: a step that holds a
+    /// decoding sequence takes only the prompt tokens that fit in this time by the engine's
+    /// measure of its steps (16 at least, so prompts keep moving); a step with no stream
+    /// decoding keeps --step-target-ms. The router sends a prompt to a prefill worker when
+    /// computing it here would take longer than this while streams decode. 0: off (the
+    /// default).
+    #[arg(long, env = "TANDEM_ITL_TARGET_MS")]
+    pub itl_target_ms: Option<f64>,
     /// KV cache element type: f32 (exact), f16 (half the bytes, each value rounded to 11
     /// significant bits) or int8 (a byte per value, a scale per token and head).
     #[arg(long, env = "TANDEM_KV_DTYPE", default_value = "f32")]
@@ -203,6 +211,9 @@ impl EngineArgs {
         if let Some(t) = self.step_target_ms {
             f.push(format!("--step-target-ms={t}"));
         }
+        if let Some(t) = self.itl_target_ms {
+            f.push(format!("--itl-target-ms={t}"));
+        }
         if let Some(s) = &self.speculative {
             f.push(format!("--speculative={s}"));
             f.push(format!(
@@ -259,12 +270,12 @@ impl EngineArgs {
 
     /// `--step-target-ms` as a duration (none at 0 or unset).
     pub fn step_target(&self) -> Result<Option<std::time::Duration>> {
-        let ms = self.step_target_ms.unwrap_or(0.0);
-        anyhow::ensure!(
-            ms.is_finite() && ms >= 0.0,
-            "--step-target-ms {ms} must be 0 (off) or a positive number of milliseconds"
-        );
-        Ok((ms > 0.0).then(|| std::time::Duration::from_secs_f64(ms / 1e3)))
+        target("--step-target-ms", self.step_target_ms)
+    }
+
+    /// `--itl-target-ms` as a duration (none at 0 or unset).
+    pub fn itl_target(&self) -> Result<Option<std::time::Duration>> {
+        target("--itl-target-ms", self.itl_target_ms)
     }
 
     /// The disk tier's configuration, when `--kv-disk-dir` is given: its blocks are kept for
@@ -317,6 +328,7 @@ impl EngineArgs {
             admission_lookahead: self.admission_lookahead,
             prefill_order: self.prefill_order,
             step_target: self.step_target()?,
+            itl_target: self.itl_target()?,
             panic_at_step: test_panic_at_step()?,
             kv_disk: self.kv_disk(&path)?,
             speculative: self.speculative(),
@@ -447,4 +459,15 @@ fn main() {
         eprintln!("error: {e:#}");
         std::process::exit(1);
     }
+}
+
+/// A millisecond target flag as a duration: none at 0 or unset, refused when negative or not a
+/// number.
+fn target(flag: &str, ms: Option<f64>) -> Result<Option<std::time::Duration>> {
+    let ms = ms.unwrap_or(0.0);
+    anyhow::ensure!(
+        ms.is_finite() && ms >= 0.0,
+        "{flag} {ms} must be 0 (off) or a positive number of milliseconds"
+    );
+    Ok((ms > 0.0).then(|| std::time::Duration::from_secs_f64(ms / 1e3)))
 }

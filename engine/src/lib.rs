@@ -59,7 +59,7 @@ pub use engine::{
     Continuous, Cost, DiskCounts, Engine, EngineConfig, EngineStats, Event, FinishReason, Finished,
     KvChunk, KvDiskConfig, KvPiece, Limits, PrefillOrder, Request, RequestId, Reservation,
     ResumedCounts, Samples, Scheduler, SeqInfo, SpecCounts, StaticBatches, StepCost, StepPlan,
-    StepStats, TokenEvent, MAX_PASSED, MIN_PREFILL_CHUNK,
+    StepStats, TokenEvent, MAX_PASSED, MIN_ITL_PREFILL_CHUNK, MIN_PREFILL_CHUNK,
 };
 pub use error::EngineError;
 pub use forward::{ExpertLoad, OpTimes, SeqBatch};

@@ -143,6 +143,8 @@ pub fn load_report(s: EngineStats, in_flight: usize, draining: bool) -> pb::Load
         prefill_tokens_per_s: s.prefill_tokens_per_s,
         kv_bytes_per_token: 0.0,
         kv_links: Vec::new(),
+        decoding: s.decoding as u32,
+        itl_target_ms: s.itl_target_ms,
     }
 }
 

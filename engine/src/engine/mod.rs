@@ -51,7 +51,7 @@ mod types;
 
 pub use schedule::{
     Continuous, Cost, Scheduler, SeqInfo, StaticBatches, StepCost, StepPlan, MAX_PASSED,
-    MIN_PREFILL_CHUNK,
+    MIN_ITL_PREFILL_CHUNK, MIN_PREFILL_CHUNK,
 };
 
 pub use disk::DiskCounts;
@@ -484,6 +484,15 @@ impl Engine {
         } = self.blocks.counts();
         EngineStats {
             running: self.running.len(),
+            decoding: self
+                .running
+                .iter()
+                .filter(|s| s.computed >= s.prompt_len)
+                .count(),
+            itl_target_ms: self
+                .config
+                .itl_target
+                .map_or(0.0, |t| t.as_secs_f64() * 1e3),
             waiting: self.waiting.len(),
             blocks_total: total,
             blocks_free: free,

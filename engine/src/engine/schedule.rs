@@ -431,6 +431,11 @@ impl Scheduler for Continuous {
 /// keep moving when decodes alone fill the target.
 pub const MIN_PREFILL_CHUNK: usize = 64;
 
+/// Prompt tokens a step with decoding sequences may always take under an ITL target
+/// (`EngineConfig::itl_target`): the prompts' pace when the decodes alone fill the target, so a
+/// prompt's first token stays bounded (a 200-token prompt in at most 13 such steps).
+pub const MIN_ITL_PREFILL_CHUNK: usize = 16;
+
 /// A step's budget before any step was measured, under a step target.
 const FIRST_STEP_TOKENS: usize = 256;
 
@@ -577,9 +582,20 @@ impl Engine {
     /// The next step's token budget and, under a step target with a measured cost, its time:
     /// `max_batched_tokens`, or before any step was measured `FIRST_STEP_TOKENS` with room for
     /// every decoding sequence and [`MIN_PREFILL_CHUNK`] prompt tokens.
+    ///
+    /// With an ITL target and a decoding sequence running, the step's time is the shorter of
+    /// the two targets and its prompt floor [`MIN_ITL_PREFILL_CHUNK`].
     fn step_budget(&self) -> (usize, Option<TimeLeft>) {
         let max = self.config.max_batched_tokens;
-        let Some(target) = self.config.step_target else {
+        let decoding = self.running.iter().filter(|s| s.pending() == 1).count();
+        let (target, floor) = match (self.config.step_target, self.config.itl_target) {
+            (step, Some(itl)) if decoding > 0 => (
+                Some(step.map_or(itl, |s| s.min(itl))),
+                MIN_ITL_PREFILL_CHUNK,
+            ),
+            (step, _) => (step, MIN_PREFILL_CHUNK),
+        };
+        let Some(target) = target else {
             return (max, None);
         };
         match self.step_cost.fit() {
@@ -588,12 +604,11 @@ impl Engine {
                 Some(TimeLeft {
                     cost,
                     left: target.as_secs_f64() - cost.fixed,
-                    floor: MIN_PREFILL_CHUNK,
+                    floor,
                 }),
             ),
             None => {
-                let decoding = self.running.iter().filter(|s| s.pending() == 1).count();
-                let first = FIRST_STEP_TOKENS.max(decoding + MIN_PREFILL_CHUNK);
+                let first = FIRST_STEP_TOKENS.max(decoding + floor);
                 (first.min(max), None)
             }
         }
@@ -1193,5 +1208,73 @@ mod tests {
         );
         assert!(sizes.len() >= 4 * 150 / MIN_PREFILL_CHUNK, "{sizes:?}");
         assert_eq!(bits(&done), bits(&plain));
+    }
+
+    #[test]
+    fn an_itl_target_bounds_prompt_work_only_while_streams_decode() {
+        let cfg = EngineConfig {
+            max_batched_tokens: 2048,
+            step_target: Some(std::time::Duration::from_millis(150)),
+            itl_target: Some(std::time::Duration::from_millis(50)),
+            ..config()
+        };
+        // 10 ms a step, 1 ms a token.
+        let cost = |e: &mut Engine| {
+            e.step_cost = StepCost::default();
+            for t in [8, 200, 64, 1] {
+                e.step_cost.record(t, 0, 0.01 + 0.001 * t as f64);
+            }
+        };
+        let prompt = || req((0..200).map(|t| 3 + t % 90).collect(), 4);
+        // Nothing decoding: the step target's 140 ms.
+        let mut e = engine(cfg.clone());
+        e.add(RequestId(0), prompt()).unwrap();
+        cost(&mut e);
+        let (_, st) = e.step().unwrap();
+        assert_eq!((st.decode_tokens, st.prefill_tokens), (0, 140));
+        assert_eq!(e.stats().itl_target_ms, 50.0);
+        // Three streams decoding: 50 ms less 10 fixed and 3 for the decodes leave 37 tokens.
+        let mut e = engine(cfg.clone());
+        for i in 0..3u32 {
+            e.add(RequestId(u64::from(i)), req(vec![3 + i, 4], 8))
+                .unwrap();
+        }
+        e.step().unwrap();
+        assert_eq!(e.stats().decoding, 3);
+        e.add(RequestId(9), prompt()).unwrap();
+        cost(&mut e);
+        let (_, st) = e.step().unwrap();
+        assert_eq!((st.decode_tokens, st.prefill_tokens), (3, 37));
+        // Decodes that fill the target alone: the floor keeps the prompt moving.
+        let mut e = engine(EngineConfig {
+            itl_target: Some(std::time::Duration::from_millis(5)),
+            ..cfg.clone()
+        });
+        for i in 0..3u32 {
+            e.add(RequestId(u64::from(i)), req(vec![3 + i, 4], 8))
+                .unwrap();
+        }
+        e.step().unwrap();
+        e.add(RequestId(9), prompt()).unwrap();
+        cost(&mut e);
+        let (_, st) = e.step().unwrap();
+        assert_eq!(
+            (st.decode_tokens, st.prefill_tokens),
+            (3, MIN_ITL_PREFILL_CHUNK)
+        );
+        // An ITL target longer than the step target: the step target.
+        let mut e = engine(EngineConfig {
+            itl_target: Some(std::time::Duration::from_millis(500)),
+            ..cfg
+        });
+        for i in 0..3u32 {
+            e.add(RequestId(u64::from(i)), req(vec![3 + i, 4], 8))
+                .unwrap();
+        }
+        e.step().unwrap();
+        e.add(RequestId(9), prompt()).unwrap();
+        cost(&mut e);
+        let (_, st) = e.step().unwrap();
+        assert_eq!((st.decode_tokens, st.prefill_tokens), (3, 137));
     }
 }

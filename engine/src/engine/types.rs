@@ -42,6 +42,13 @@ pub struct EngineConfig {
     /// two a step instead of together in one long step, so the first of them reach their first
     /// token sooner. `None`: `max_batched_tokens` only.
     pub step_target: Option<std::time::Duration>,
+    /// The inter-token gap to keep decoding sequences within, when set: a step that holds a
+    /// decoding sequence is planned to this time (or the step target, if that is shorter), so
+    /// prompt work mixed into decode steps is bounded by it; a step with no decoding sequence
+    /// keeps the step target (or `max_batched_tokens`), so a prompt alone is computed at full
+    /// speed. Prompts keep moving whatever it says: each step takes at least
+    /// [`MIN_ITL_PREFILL_CHUNK`](super::MIN_ITL_PREFILL_CHUNK) prompt tokens. `None`: off.
+    pub itl_target: Option<std::time::Duration>,
     /// Test hook: the engine thread panics in this step (counted from 1, steps with work only),
     /// as a bug would, so the tests can see what a worker does then. `TANDEM_TEST_PANIC_AT_STEP`
     /// sets it for the CLI's engines; `None` in production.
@@ -126,6 +133,7 @@ impl Default for EngineConfig {
             admission_lookahead: 64,
             prefill_order: PrefillOrder::Arrival,
             step_target: None,
+            itl_target: None,
             panic_at_step: None,
             kv_disk: None,
             speculative: None,
@@ -407,6 +415,10 @@ pub struct StepStats {
 pub struct EngineStats {
     /// Sequences admitted and stepping.
     pub running: usize,
+    /// Of those, the ones past their prompt (a token a step).
+    pub decoding: usize,
+    /// The ITL target it schedules to (`EngineConfig::itl_target`), in milliseconds; 0: none.
+    pub itl_target_ms: f64,
     /// Requests queued for admission (including preempted ones).
     pub waiting: usize,
     /// KV blocks in the pool.

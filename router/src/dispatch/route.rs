@@ -44,7 +44,16 @@ impl Route {
         };
         let held = d.cached_prefix_tokens(prompt);
         let uncached = prompt.len().saturating_sub(held);
-        if uncached < self.disagg.min_tokens {
+        let here = d.load_report();
+        let threshold = here.as_ref().map_or(self.disagg.min_tokens, |l| {
+            disagg::min_tokens(
+                &self.disagg,
+                l.decoding,
+                l.itl_target_ms,
+                l.prefill_tokens_per_s,
+            )
+        });
+        if uncached < threshold {
             return (local, None);
         }
         let mut ready = self
@@ -81,7 +90,6 @@ impl Route {
             }
         }
         // The measured crossover: computing here against each candidate's compute and link.
-        let here = d.load_report();
         let local_s = here
             .as_ref()
             .filter(|l| l.prefill_tokens_per_s > 0.0)
@@ -99,7 +107,14 @@ impl Route {
             c.estimate_s =
                 disagg::estimate(lacks, rate, prompt.len(), kv_bytes, link.unwrap_or(0.0));
         }
-        let order = disagg::plan(&self.disagg, prompt.len(), uncached, &cands, local_s);
+        let order = disagg::plan(
+            &self.disagg,
+            threshold,
+            prompt.len(),
+            uncached,
+            &cands,
+            local_s,
+        );
         let routing = tracing::Span::current();
         if let Some(l) = local_s {
             routing.record("tandem.route.local_estimate_s", l);

@@ -77,17 +77,43 @@ impl Default for DisaggConfig {
     }
 }
 
+/// The threshold of uncached tokens above which a prompt may go to a prefill worker, for a
+/// decode worker with `decoding` streams decoding, an ITL target of `itl_target_ms` (0: none)
+/// and a measured prefill rate of `tokens_per_s` (0: unmeasured): `min_tokens`, or, while
+/// streams decode under a target, the tokens it computes within one target if fewer. A prompt
+/// longer than that, computed there, would hold its streams' gaps past the target (or, as the
+/// engine chunks it to keep them, wait several steps for its own first token).
+pub fn min_tokens(
+    cfg: &DisaggConfig,
+    decoding: u32,
+    itl_target_ms: f64,
+    tokens_per_s: f64,
+) -> usize {
+    let min = cfg.min_tokens.max(1);
+    if decoding == 0 || !(itl_target_ms > 0.0) || !(tokens_per_s > 0.0) {
+        return min;
+    }
+    let within = (tokens_per_s * itl_target_ms / 1e3).ceil();
+    if within >= min as f64 {
+        min
+    } else {
+        (within as usize).max(1)
+    }
+}
+
 /// The candidates to try, best first (indices into `candidates`); empty means prefill locally.
 /// `local_s`: the seconds computing the prompt on the decode worker would take, when its rate is
 /// known.
+/// `threshold`: [`min_tokens`]'s answer for the decode worker.
 pub fn plan(
     cfg: &DisaggConfig,
+    threshold: usize,
     prompt_tokens: usize,
     uncached_on_decode: usize,
     candidates: &[PrefillCandidate],
     local_s: Option<f64>,
 ) -> Vec<usize> {
-    if uncached_on_decode < cfg.min_tokens.max(1) {
+    if uncached_on_decode < threshold.max(1) {
         return Vec::new();
     }
     let slower =
@@ -126,12 +152,21 @@ mod tests {
             cached_tokens: 4095,
             estimate_s,
         };
-        assert_eq!(plan(&cfg, 4096, 4096, &[cand(fast)], local), [0]);
-        assert!(plan(&cfg, 4096, 4096, &[cand(slow)], local).is_empty());
+        assert_eq!(
+            plan(&cfg, cfg.min_tokens, 4096, 4096, &[cand(fast)], local),
+            [0]
+        );
+        assert!(plan(&cfg, cfg.min_tokens, 4096, 4096, &[cand(slow)], local).is_empty());
         // Unmeasured (a rate of 0): the threshold alone decides, as before.
         assert_eq!(estimate(10, 0.0, 4096, 1.0, 1.0), None);
-        assert_eq!(plan(&cfg, 4096, 4096, &[cand(None)], local), [0]);
-        assert_eq!(plan(&cfg, 4096, 4096, &[cand(slow)], None), [0]);
+        assert_eq!(
+            plan(&cfg, cfg.min_tokens, 4096, 4096, &[cand(None)], local),
+            [0]
+        );
+        assert_eq!(
+            plan(&cfg, cfg.min_tokens, 4096, 4096, &[cand(slow)], None),
+            [0]
+        );
     }
 
     fn c(in_flight: usize, cached_tokens: usize) -> PrefillCandidate {
@@ -145,18 +180,21 @@ mod tests {
     #[test]
     fn short_or_cached_prompts_stay_local() {
         let cfg = DisaggConfig::default();
-        assert!(plan(&cfg, 200, 200, &[c(0, 0)], None).is_empty(), "short");
         assert!(
-            plan(&cfg, 2000, 100, &[c(0, 0)], None).is_empty(),
+            plan(&cfg, cfg.min_tokens, 200, 200, &[c(0, 0)], None).is_empty(),
+            "short"
+        );
+        assert!(
+            plan(&cfg, cfg.min_tokens, 2000, 100, &[c(0, 0)], None).is_empty(),
             "long, but the decode worker caches all but 100 tokens"
         );
         assert_eq!(
-            plan(&cfg, 300, 256, &[c(0, 0)], None),
+            plan(&cfg, cfg.min_tokens, 300, 256, &[c(0, 0)], None),
             vec![0],
             "at the threshold"
         );
         assert!(
-            plan(&cfg, 300, 300, &[], None).is_empty(),
+            plan(&cfg, cfg.min_tokens, 300, 300, &[], None).is_empty(),
             "no prefill workers"
         );
     }
@@ -167,7 +205,31 @@ mod tests {
         // 0: full; 1: idle, nothing cached (cost 1024); 2: idle, a quarter cached (768);
         // 3: one queued (512), all cached (0).
         let cands = [c(4, 0), c(0, 0), c(0, 256), c(1, 1024)];
-        assert_eq!(plan(&cfg, 1024, 1024, &cands, None), vec![3, 2, 1]);
-        assert!(plan(&cfg, 1024, 1024, &[c(4, 0), c(9, 0)], None).is_empty());
+        assert_eq!(
+            plan(&cfg, cfg.min_tokens, 1024, 1024, &cands, None),
+            vec![3, 2, 1]
+        );
+        assert!(plan(&cfg, cfg.min_tokens, 1024, 1024, &[c(4, 0), c(9, 0)], None).is_empty());
+    }
+
+    #[test]
+    fn under_an_itl_target_a_prompt_longer_than_one_target_goes_remote_while_streams_decode() {
+        let cfg = DisaggConfig::default();
+        // 1000 tokens/s, a 70 ms target: 70 tokens fit in one target.
+        assert_eq!(min_tokens(&cfg, 3, 70.0, 1000.0), 70);
+        // No stream decoding, no target or no measure: the configured threshold.
+        assert_eq!(min_tokens(&cfg, 0, 70.0, 1000.0), 256);
+        assert_eq!(min_tokens(&cfg, 3, 0.0, 1000.0), 256);
+        assert_eq!(min_tokens(&cfg, 3, 70.0, 0.0), 256);
+        assert_eq!(min_tokens(&cfg, 3, f64::NAN, 1000.0), 256);
+        // A fast worker: more than the threshold fits in a target; the threshold stays.
+        assert_eq!(min_tokens(&cfg, 3, 70.0, 10_000.0), 256);
+        // Never below one token.
+        assert_eq!(min_tokens(&cfg, 3, 0.001, 1.0), 1);
+        // A 200-token prompt: local while nothing decodes, remote while streams decode.
+        let idle = min_tokens(&cfg, 0, 70.0, 1000.0);
+        let busy = min_tokens(&cfg, 2, 70.0, 1000.0);
+        assert!(plan(&cfg, idle, 200, 200, &[c(0, 0)], Some(0.2)).is_empty());
+        assert_eq!(plan(&cfg, busy, 200, 200, &[c(0, 0)], Some(0.2)), [0]);
     }
 }
