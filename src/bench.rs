@@ -27,6 +27,9 @@ pub enum BenchCommand {
     /// (from the disk, and from the page cache), or found in the pool; the prefill rate beside
     /// the tier's read rate.
     KvTiers(Box<BenchTiersArgs>),
+    /// A worker kind's profile for `tandem plan`: its prefill rate and its decode step's time
+    /// by batch size, measured with the engine the workers run, saved as JSON.
+    Profile(Box<crate::plan::BenchProfileArgs>),
     /// GPU figures for a Llama-3-8B-shaped model with random bf16 weights: copy bandwidth, bf16
     /// GEMM rate, decode step time against the roofline, prefill MFU, decode attention bandwidth.
     Gpu(BenchGpuArgs),
@@ -703,5 +706,6 @@ pub fn run(what: BenchCommand) -> Result<()> {
         BenchCommand::KvTransfer(a) => bench_kv(a),
         BenchCommand::KvTiers(a) => bench_tiers(*a),
         BenchCommand::Gpu(a) => bench_gpu(a),
+        BenchCommand::Profile(a) => crate::plan::bench_profile(*a),
     }
 }

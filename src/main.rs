@@ -5,6 +5,7 @@ mod bench;
 mod bench_serve;
 mod fetch;
 mod generate;
+mod plan;
 mod serve;
 mod up;
 
@@ -45,6 +46,9 @@ pub(crate) enum Command {
         #[command(subcommand)]
         what: bench::BenchCommand,
     },
+    /// How many prefill and decode workers a load needs to meet TTFT and ITL targets at least
+    /// cost, from measured profiles (`tandem bench profile`) and a queueing model.
+    Plan(plan::PlanArgs),
     /// Manage model files.
     Model {
         #[command(subcommand)]
@@ -111,8 +115,8 @@ pub struct EngineArgs {
     /// decoding sequence takes only the prompt tokens that fit in this time by the engine's
     /// measure of its steps (16 at least, so prompts keep moving); a step with no stream
     /// decoding keeps --step-target-ms. The router sends a prompt to a prefill worker when
-    /// computing it here would take longer than this while streams decode. 0: off (the
-    /// default).
+    /// computing it here would take longer than this while streams decode. 0: off. Default:
+    /// 100 in the serving roles, off in generate and the engine benchmarks.
     #[arg(long, env = "TANDEM_ITL_TARGET_MS")]
     pub itl_target_ms: Option<f64>,
     /// KV cache element type: f32 (exact), f16 (half the bytes, each value rounded to 11
@@ -445,6 +449,7 @@ fn main() {
         Command::Deregister(a) => serve::run_deregister(a),
         Command::Generate(a) => generate::run(a),
         Command::Bench { what } => bench::run(what),
+        Command::Plan(a) => plan::run(a),
         Command::Model {
             what: ModelCommand::Fetch { force },
         } => fetch::fetch_default(force).map(|p| println!("{}", p.display())),

@@ -23,6 +23,7 @@ pub mod collective;
 pub mod gpu;
 pub mod kv;
 pub mod load;
+pub mod plan;
 pub mod roofline;
 
 pub mod workload;

@@ -90,7 +90,12 @@ pub fn min_tokens(
     tokens_per_s: f64,
 ) -> usize {
     let min = cfg.min_tokens.max(1);
-    if decoding == 0 || !(itl_target_ms > 0.0) || !(tokens_per_s > 0.0) {
+    if decoding == 0
+        || itl_target_ms.is_nan()
+        || itl_target_ms <= 0.0
+        || tokens_per_s.is_nan()
+        || tokens_per_s <= 0.0
+    {
         return min;
     }
     let within = (tokens_per_s * itl_target_ms / 1e3).ceil();
