@@ -447,6 +447,44 @@ fn the_optional_monitoring_and_autoscaling_render() {
         .as_str()
         .unwrap();
     assert!(query.contains("tandem_num_requests_waiting"), "{query}");
+    // The planner's targets: decode scales on the mean inter-token gap, prefill on the TTFT's
+    // 90th percentile, each a Value metric against its target (tests/e2e/prometheus.rs runs
+    // the queries against a real Prometheus).
+    let latency = |name: &str| -> (String, String) {
+        let o = objs
+            .iter()
+            .find(|o| o["kind"] == "ScaledObject" && o["metadata"]["name"] == name)
+            .unwrap();
+        let t = &o["spec"]["triggers"][1];
+        assert_eq!(t["metricType"], "Value", "{name}");
+        (
+            t["metadata"]["query"].as_str().unwrap().to_string(),
+            t["metadata"]["threshold"].as_str().unwrap().to_string(),
+        )
+    };
+    let (itl, at) = latency("tandem-decode");
+    assert!(
+        itl.contains("tandem_inter_token_latency_seconds_sum"),
+        "{itl}"
+    );
+    assert_eq!(at, "100");
+    let (ttft, at) = latency("tandem-prefill");
+    assert!(ttft.contains("histogram_quantile(0.9"), "{ttft}");
+    assert_eq!(at, "2000");
+    // A target of 0 leaves only the queue trigger.
+    let off = objects(&render(&[
+        on[4],
+        on[5],
+        on[6],
+        on[7],
+        "--set",
+        "autoscaling.decode.itlTargetMs=0",
+    ]));
+    let decode = off
+        .iter()
+        .find(|o| o["kind"] == "ScaledObject" && o["metadata"]["name"] == "tandem-decode")
+        .unwrap();
+    assert_eq!(decode["spec"]["triggers"].as_array().unwrap().len(), 1);
     // The dashboard the chart ships is deploy/grafana/tandem.json.
     let cm = objs.iter().find(|o| o["kind"] == "ConfigMap").unwrap();
     let shipped: Value = serde_json::from_str(cm["data"]["tandem.json"].as_str().unwrap()).unwrap();

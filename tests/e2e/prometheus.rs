@@ -110,6 +110,37 @@ async fn prometheus_scrapes_the_vllm_metric_set_from_every_role_with_the_values_
         .unwrap()
         .to_string();
 
+    // The chart's KEDA latency triggers, read from a render (the namespace matcher dropped: this
+    // Prometheus scrapes without one): before any request they say 0 (nothing to scale for).
+    let scalers: Vec<(String, String)> = helm_objects(&[
+        "--set",
+        "autoscaling.enabled=true",
+        "--set",
+        "autoscaling.prometheusAddress=http://prometheus:9090",
+        "--set",
+        "prefill.replicas=1",
+        "--set",
+        "autoscaling.window=10m",
+    ])
+    .iter()
+    .filter(|o| o["kind"] == "ScaledObject")
+    .flat_map(|o| o["spec"]["triggers"].as_array().unwrap().clone())
+    .filter(|t| t["metricType"] == "Value")
+    .map(|t| {
+        (
+            t["metadata"]["query"]
+                .as_str()
+                .unwrap()
+                .replace(",namespace=\"default\"", ""),
+            t["metadata"]["threshold"].as_str().unwrap().to_string(),
+        )
+    })
+    .collect();
+    assert_eq!(scalers.len(), 2, "the ITL and TTFT triggers");
+    for (q, _) in &scalers {
+        expect(&prom, q, 0.0).await;
+    }
+
     // Short prompts prefill on the decode worker, long ones (>= 64 tokens) on the prefill worker.
     let long = "The history of the city is long and full of events. ".repeat(12);
     let again = format!("Once more, and slowly: {long}");
@@ -321,4 +352,42 @@ async fn prometheus_scrapes_the_vllm_metric_set_from_every_role_with_the_values_
         }
     }
     assert!(charted >= 20, "{charted}");
+
+    // Now the latency triggers read served requests: a mean gap (ms) no longer than all the
+    // requests took, a TTFT percentile above 0. (The families appeared with the first requests'
+    // values, which a rate does not see: two more requests, now that they are scraped.)
+    for p in ["Hello again", long.as_str()] {
+        let (status, body) = post(
+            &r.http,
+            "/v1/completions",
+            json!({"model": model, "prompt": p, "max_tokens": 4, "temperature": 0,
+                   "ignore_eos": true}),
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+    }
+    expect(
+        &prom,
+        &d("tandem_e2e_request_latency_seconds_count"),
+        requests + 2.0,
+    )
+    .await;
+    let e2e = query(&prom, &d("tandem_e2e_request_latency_seconds_sum"))
+        .await
+        .unwrap();
+    for (q, threshold) in &scalers {
+        let end = Instant::now() + Duration::from_secs(120);
+        let v = loop {
+            match query(&prom, q).await {
+                Some(v) if v > 0.0 => break v,
+                got => assert!(Instant::now() < end, "{q}: Prometheus says {got:?}"),
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        };
+        assert!(
+            v.is_finite() && v <= 1000.0 * e2e,
+            "{q}: {v} ms, e2e sum {e2e} s"
+        );
+        assert!(threshold.parse::<f64>().unwrap() > 0.0, "{q}: {threshold}");
+    }
 }
