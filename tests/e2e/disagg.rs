@@ -197,6 +197,66 @@ async fn ready_prefill_workers(http: &str, n: usize) {
     }
 }
 
+/// Waits until the router's view of its one decode worker passes `ok`.
+async fn until_decode_worker(http: &str, what: &str, ok: impl Fn(&Value) -> bool) {
+    let end = Instant::now() + Duration::from_secs(120);
+    loop {
+        let v = router_state(http).await;
+        if ok(&v["workers"][0]) {
+            return;
+        }
+        assert!(Instant::now() < end, "{what}: {v}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_an_itl_target_a_prompt_goes_to_a_prefill_worker_while_streams_decode() {
+    // A decode worker held to a 1 ms ITL target: any prompt of more than a few tokens takes
+    // longer than that to compute there. The disaggregation threshold stays at its 256.
+    let (_p, paddr) = start_prefill(&[]);
+    let (_d, daddr, _kv) = start_decode(&["--itl-target-ms=1"]);
+    let r = start_router(
+        std::slice::from_ref(&daddr),
+        &[&format!("--prefill-workers={paddr}")],
+    );
+    wait_ready(&r, 1).await;
+    ready_prefill_workers(&r.http, 1).await;
+    let counts = |m: &std::collections::HashMap<String, f64>| {
+        (
+            metric(m, r#"tandem_prefill_requests_total{mode="local"}"#),
+            metric(m, r#"tandem_prefill_requests_total{mode="remote"}"#),
+        )
+    };
+    // Nothing decoding: a 100-token prompt is computed where it decodes (and the worker
+    // measures its prefill rate on it).
+    let quiet = long_prompt(1, 100);
+    let (alone, _) = generate_ids(&r.grpc, &quiet, 2).await;
+    assert_eq!(counts(&scrape(&r.http).await), (1.0, 0.0));
+    until_decode_worker(&r.http, "measured, idle", |w| {
+        w["prefill_tokens_per_s"].as_f64().unwrap() > 0.0
+            && w["decoding"] == 0
+            && w["itl_target_ms"] == 1.0
+    })
+    .await;
+    // A stream that keeps decoding (a short prompt: computed locally too).
+    let stream = tokio::spawn({
+        let grpc = r.grpc.clone();
+        async move { generate_ids(&grpc, &long_prompt(2, 8), 4000).await }
+    });
+    until_decode_worker(&r.http, "a stream decoding", |w| w["decoding"] == 1).await;
+    assert_eq!(counts(&scrape(&r.http).await), (2.0, 0.0));
+    // Now the same length of prompt goes to the prefill worker, and gives the same tokens.
+    let busy = long_prompt(3, 100);
+    let (out, _) = generate_ids(&r.grpc, &busy, 2).await;
+    assert_eq!(counts(&scrape(&r.http).await), (2.0, 1.0));
+    stream.abort();
+    let _ = stream.await;
+    wait_idle(&daddr).await;
+    assert_eq!(out, local_reference(&daddr, &busy, 2).await);
+    assert_eq!(alone, local_reference(&daddr, &quiet, 2).await);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_busy_prefill_worker_refuses_up_front_and_the_prompt_is_prefilled_locally_at_once() {
     // A prefill worker that queues at most 1 ms of work (at its measured rate) and computes in

@@ -197,6 +197,8 @@ async fn ready(
                     "cached_blocks": w.indexed_blocks(),
                     "disk_blocks": w.indexed_disk_blocks(),
                     "prefill_tokens_per_s": w.load_report().map_or(0.0, |l| l.prefill_tokens_per_s),
+                    "decoding": w.load_report().map_or(0, |l| l.decoding),
+                    "itl_target_ms": w.load_report().map_or(0.0, |l| l.itl_target_ms),
                 });
                 if show_addrs {
                     v["addr"] = json!(w.addr.as_str());
