@@ -260,32 +260,15 @@ mod tests {
             output: (64, 64),
         };
         // 20 prompts of 200 tokens a second on one 1000 token/s worker: the queue only grows.
-        let sim = simulate(
-            &p,
-            &p,
-            &load,
-            Shape {
-                prefill: 0,
-                decode: 1,
-            },
-            50.0,
-            1000,
-            1,
-        );
+        let one = Shape {
+            prefill: 0,
+            decode: 1,
+        };
+        let run = || simulate(&p, &p, &load, one, 50.0, 1000, 1);
+        let sim = run();
         assert!(sim.ttft_p90_ms > 10_000.0, "{sim:?}");
         // The same seed, the same figures.
-        let again = simulate(
-            &p,
-            &p,
-            &load,
-            Shape {
-                prefill: 0,
-                decode: 1,
-            },
-            50.0,
-            1000,
-            1,
-        );
+        let again = run();
         assert_eq!(sim.ttft_p90_ms, again.ttft_p90_ms);
         assert_eq!(sim.itl_ms, again.itl_ms);
     }

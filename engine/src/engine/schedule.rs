@@ -1226,6 +1226,13 @@ mod tests {
             }
         };
         let prompt = || req((0..200).map(|t| 3 + t % 90).collect(), 4);
+        let three_decoding = |e: &mut Engine| {
+            for i in 0..3u32 {
+                e.add(RequestId(u64::from(i)), req(vec![3 + i, 4], 8))
+                    .unwrap();
+            }
+            e.step().unwrap();
+        };
         // Nothing decoding: the step target's 140 ms.
         let mut e = engine(cfg.clone());
         e.add(RequestId(0), prompt()).unwrap();
@@ -1235,11 +1242,7 @@ mod tests {
         assert_eq!(e.stats().itl_target_ms, 50.0);
         // Three streams decoding: 50 ms less 10 fixed and 3 for the decodes leave 37 tokens.
         let mut e = engine(cfg.clone());
-        for i in 0..3u32 {
-            e.add(RequestId(u64::from(i)), req(vec![3 + i, 4], 8))
-                .unwrap();
-        }
-        e.step().unwrap();
+        three_decoding(&mut e);
         assert_eq!(e.stats().decoding, 3);
         e.add(RequestId(9), prompt()).unwrap();
         cost(&mut e);
@@ -1250,11 +1253,7 @@ mod tests {
             itl_target: Some(std::time::Duration::from_millis(5)),
             ..cfg.clone()
         });
-        for i in 0..3u32 {
-            e.add(RequestId(u64::from(i)), req(vec![3 + i, 4], 8))
-                .unwrap();
-        }
-        e.step().unwrap();
+        three_decoding(&mut e);
         e.add(RequestId(9), prompt()).unwrap();
         cost(&mut e);
         let (_, st) = e.step().unwrap();
@@ -1267,11 +1266,7 @@ mod tests {
             itl_target: Some(std::time::Duration::from_millis(500)),
             ..cfg
         });
-        for i in 0..3u32 {
-            e.add(RequestId(u64::from(i)), req(vec![3 + i, 4], 8))
-                .unwrap();
-        }
-        e.step().unwrap();
+        three_decoding(&mut e);
         e.add(RequestId(9), prompt()).unwrap();
         cost(&mut e);
         let (_, st) = e.step().unwrap();
