@@ -369,7 +369,6 @@ fn router_args(a: &UpArgs, model: &str, decode: &[String], prefill: &[String]) -
         .set("grpc-port", a.grpc_port)
         .set("model", model)
         .set("decode-workers", decode.join(","))
-        .set("prefill-workers", prefill.join(","))
         .set("disagg-min-tokens", a.disagg_min_tokens)
         .set(
             "policy",
@@ -379,6 +378,10 @@ fn router_args(a: &UpArgs, model: &str, decode: &[String], prefill: &[String]) -
                 PolicyKind::KvAware => "kv-aware",
             },
         );
+    // None: no flag (an empty list would read as one worker with an empty address).
+    if !prefill.is_empty() {
+        c.set("prefill-workers", prefill.join(","));
+    }
     c
 }
 
@@ -579,6 +582,31 @@ mod tests {
         match c.check().unwrap() {
             crate::Command::Decode(d) => assert_eq!((d.port, d.engine.tp), (40123, 1)),
             _ => panic!("not a decode line"),
+        }
+    }
+
+    /// With no prefill workers the router gets no --prefill-workers flag (an empty one read as
+    /// a worker with an empty address); with some, their list.
+    #[test]
+    fn the_router_gets_prefill_workers_only_when_there_are_some() {
+        let a = up(&[]);
+        let none = router_args(&a, "/m.gguf", &["127.0.0.1:1".into()], &[]).argv();
+        assert!(
+            !none.iter().any(|f| f.starts_with("--prefill-workers")),
+            "{none:?}"
+        );
+        let some = router_args(
+            &a,
+            "/m.gguf",
+            &["127.0.0.1:1".into()],
+            &["127.0.0.1:2".into(), "127.0.0.1:3".into()],
+        );
+        assert!(some
+            .argv()
+            .contains(&"--prefill-workers=127.0.0.1:2,127.0.0.1:3".to_string()));
+        match some.check().unwrap() {
+            crate::Command::Router(r) => assert_eq!(r.prefill_workers.len(), 2),
+            _ => panic!("not a router line"),
         }
     }
 

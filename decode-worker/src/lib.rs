@@ -218,6 +218,7 @@ struct Pending {
     request_id: String,
     prompt: Vec<u32>,
     sampling: pb::Sampling,
+    priority: i32,
     reservation: Reservation,
     candidates: Vec<String>,
 }
@@ -263,6 +264,7 @@ fn response_stream(
                     &p.request_id,
                     &p.prompt,
                     p.sampling,
+                    p.priority,
                     &p.reservation,
                     &p.candidates,
                     &mut st.grant,
@@ -416,6 +418,7 @@ impl pb::decode_server::Decode for DecodeService {
                             request_id: req.request_id.clone(),
                             prompt,
                             sampling: req.sampling.unwrap_or_default(),
+                            priority: req.priority,
                             reservation,
                             candidates,
                         });

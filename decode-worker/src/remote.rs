@@ -174,6 +174,7 @@ impl RemotePrefill {
         request_id: &str,
         prompt: &[u32],
         sampling: pb::Sampling,
+        priority: i32,
         reservation: &Reservation,
         candidates: &[String],
         grant: &mut Option<TransferGrant>,
@@ -182,6 +183,7 @@ impl RemotePrefill {
             request_id,
             prompt,
             sampling: &sampling,
+            priority,
             reservation,
         };
         for addr in candidates {
@@ -255,6 +257,7 @@ impl RemotePrefill {
             request_id,
             prompt,
             sampling,
+            priority,
             reservation,
         } = *ask;
         let mut client = self
@@ -276,6 +279,7 @@ impl RemotePrefill {
                 block_ids: reservation.blocks.iter().map(|b| b.0).collect(),
             }),
             sampling: Some(sampling.clone()),
+            priority,
         });
         tandem_telemetry::inject(span, call.metadata_mut().as_mut());
         self.token.attach(&mut call);
@@ -380,6 +384,7 @@ struct Ask<'a> {
     request_id: &'a str,
     prompt: &'a [u32],
     sampling: &'a pb::Sampling,
+    priority: i32,
     reservation: &'a Reservation,
 }
 

@@ -67,6 +67,7 @@ impl Shared {
             uncached,
             sampling,
         } = checked;
+        let priority = req.priority;
         let bs = self.engine.limits().block_size;
         let server = tracing::Span::current();
         let prefill = tracing::info_span!(
@@ -80,7 +81,10 @@ impl Shared {
         let submitted = SystemTime::now();
         let request = self
             .engine
-            .compile(Request::new(req.prompt_ids, sampling))
+            .compile(Request {
+                priority,
+                ..Request::new(req.prompt_ids, sampling)
+            })
             .await
             .map_err(status)?;
         let mut stream = self

@@ -641,6 +641,7 @@ async fn a_prefill_worker_keeps_beating_while_its_link_holds_the_kv() {
             block_ids: (0..4).collect(),
         }),
         sampling: Some(wpb::Sampling::default()),
+        priority: 0,
     };
     let mut updates = c.prefill(req).await.unwrap().into_inner();
     use wpb::prefill_update::Update;
@@ -1165,4 +1166,64 @@ fn a_transfer_slower_than_its_prefill_is_waited_for_while_it_moves() {
         );
         wait_idle(&daddr).await;
     });
+}
+
+/// A decode request's priority band reaches its prefill worker: of two prompts queued there
+/// behind a long one, the higher band's is computed first (though it came second).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_higher_band_is_prefilled_first_on_the_prefill_worker() {
+    // 32-token steps: the long prompt holds every step's budget, so the others wait in its queue.
+    let (_p, paddr) = start_prefill(&["--max-batched-tokens=32", "--max-queue-wait-ms=600000"]);
+    let (_d, daddr, _kv) = start_decode(&[]);
+    let send = |id: &str, prompt: Vec<u32>, priority: i32| {
+        let (daddr, paddr, id) = (daddr.clone(), paddr.clone(), id.to_string());
+        tokio::spawn(async move {
+            let mut c = wpb::decode_client::DecodeClient::connect(format!("http://{daddr}"))
+                .await
+                .unwrap();
+            let req = wpb::DecodeRequest {
+                request_id: id,
+                prompt_ids: prompt,
+                sampling: Some(wpb::Sampling::default()),
+                stopping: Some(wpb::Stopping {
+                    max_tokens: 1,
+                    ignore_eos: true,
+                    ..Default::default()
+                }),
+                prefill: Some(wpb::PrefillPlan {
+                    plan: Some(wpb::prefill_plan::Plan::Remote(wpb::RemotePrefill {
+                        prefill_addrs: vec![paddr],
+                    })),
+                }),
+                priority,
+                ..Default::default()
+            };
+            let mut s = c.generate(authed(req)).await.unwrap().into_inner();
+            while s.message().await.unwrap().is_some() {}
+            Instant::now()
+        })
+    };
+    let until = |what: &'static str, key: &'static str, want: f64| {
+        let paddr = paddr.clone();
+        async move {
+            let end = Instant::now() + Duration::from_secs(120);
+            loop {
+                let got = metric(&scrape(&paddr).await, key);
+                if got == want {
+                    return;
+                }
+                assert!(Instant::now() < end, "{what}: {key} {got}");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    };
+    let a = send("a", long_prompt(1, 4000), 0);
+    until("the long prompt runs", "tandem_num_requests_running", 1.0).await;
+    let b = send("b", long_prompt(2, 200), 0);
+    until("the low band waits", "tandem_num_requests_waiting", 1.0).await;
+    let c = send("c", long_prompt(3, 200), 5);
+    until("both wait", "tandem_num_requests_waiting", 2.0).await;
+    let (_, tb, tc) = (a.await.unwrap(), b.await.unwrap(), c.await.unwrap());
+    assert!(tc < tb, "the higher band came second and was served first");
+    wait_idle(&daddr).await;
 }
