@@ -261,11 +261,13 @@ fn response_stream(
             let first = p
                 .remote
                 .prefill(
-                    &p.request_id,
-                    &p.prompt,
-                    p.sampling,
-                    p.priority,
-                    &p.reservation,
+                    remote::Ask {
+                        request_id: &p.request_id,
+                        prompt: &p.prompt,
+                        sampling: &p.sampling,
+                        priority: p.priority,
+                        reservation: &p.reservation,
+                    },
                     &p.candidates,
                     &mut st.grant,
                 )

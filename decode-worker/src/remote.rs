@@ -171,21 +171,11 @@ impl RemotePrefill {
     /// router does not move it either).
     pub async fn prefill(
         &self,
-        request_id: &str,
-        prompt: &[u32],
-        sampling: pb::Sampling,
-        priority: i32,
-        reservation: &Reservation,
+        ask: Ask<'_>,
         candidates: &[String],
         grant: &mut Option<TransferGrant>,
     ) -> Result<Option<Pulled>, tonic::Status> {
-        let ask = Ask {
-            request_id,
-            prompt,
-            sampling: &sampling,
-            priority,
-            reservation,
-        };
+        let Ask { request_id, .. } = ask;
         for addr in candidates {
             let span = tracing::info_span!(
                 "prefill_attempt",
@@ -380,12 +370,17 @@ fn received(attempt: &tracing::Span, stats: &TransferStats, blocks: usize) {
 
 /// What every candidate is asked for.
 #[derive(Clone, Copy)]
-struct Ask<'a> {
-    request_id: &'a str,
-    prompt: &'a [u32],
-    sampling: &'a pb::Sampling,
-    priority: i32,
-    reservation: &'a Reservation,
+pub struct Ask<'a> {
+    /// The request's id.
+    pub request_id: &'a str,
+    /// Its whole prompt.
+    pub prompt: &'a [u32],
+    /// Its sampling (for the first token).
+    pub sampling: &'a pb::Sampling,
+    /// Its priority band.
+    pub priority: i32,
+    /// The blocks reserved for it here, and how many leading tokens they hold already.
+    pub reservation: &'a Reservation,
 }
 
 /// How one candidate's attempt ended, when it did not succeed.
