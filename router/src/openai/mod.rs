@@ -191,14 +191,15 @@ async fn ready(
         pool.all()
             .iter()
             .map(|w| {
+                let load = w.load_report().unwrap_or_default();
                 let mut v = json!({
                     "ready": w.is_ready(),
                     "in_flight": w.in_flight(),
                     "cached_blocks": w.indexed_blocks(),
                     "disk_blocks": w.indexed_disk_blocks(),
-                    "prefill_tokens_per_s": w.load_report().map_or(0.0, |l| l.prefill_tokens_per_s),
-                    "decoding": w.load_report().map_or(0, |l| l.decoding),
-                    "itl_target_ms": w.load_report().map_or(0.0, |l| l.itl_target_ms),
+                    "prefill_tokens_per_s": load.prefill_tokens_per_s,
+                    "decoding": load.decoding,
+                    "itl_target_ms": load.itl_target_ms,
                 });
                 if show_addrs {
                     v["addr"] = json!(w.addr.as_str());
