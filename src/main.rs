@@ -1,6 +1,7 @@
 //! `tandem`: one binary, a subcommand per role. This file wires the crates together; each
 //! subcommand's flags are one clap struct, and every flag also reads a `TANDEM_*` variable.
 
+mod autoscale;
 mod bench;
 mod bench_serve;
 mod fetch;

@@ -23,6 +23,7 @@ use tokio::process::{Child, Command};
 
 use tandem_kernels::cuda::DeviceSpec;
 
+use crate::autoscale::{self, Action, AutoscaleArgs, Bounds, Decider, Role, Totals, Window};
 use crate::fetch;
 use crate::serve::shutdown_signal;
 
@@ -85,6 +86,8 @@ pub struct UpArgs {
     /// Seconds to wait for a child to start (model load included).
     #[arg(long, env = "TANDEM_START_TIMEOUT_S", default_value_t = 300)]
     start_timeout_s: u64,
+    #[command(flatten)]
+    scale: AutoscaleArgs,
 }
 
 /// The (http, grpc) addresses of a router's ready line.
@@ -145,6 +148,10 @@ impl ChildArgs {
 /// One supervised child.
 struct Proc {
     name: String,
+    /// A worker's role; None for the router.
+    role: Option<Role>,
+    /// A worker's gRPC address (empty for the router).
+    addr: String,
     /// The line it prints when ready.
     marker: &'static str,
     args: ChildArgs,
@@ -152,6 +159,60 @@ struct Proc {
     started: Instant,
     backoff: Duration,
     restarts: u32,
+    /// When the autoscaler began draining it.
+    draining: Option<Instant>,
+}
+
+impl Proc {
+    fn new(
+        name: String,
+        role: Option<Role>,
+        marker: &'static str,
+        args: ChildArgs,
+        child: Child,
+    ) -> Self {
+        Self {
+            name,
+            role,
+            addr: String::new(),
+            marker,
+            args,
+            child: Some(child),
+            started: Instant::now(),
+            backoff: Duration::from_secs(1),
+            restarts: 0,
+            draining: None,
+        }
+    }
+}
+
+/// Starts worker `name` of `role` on `port` (0: any) and waits for its ready line; restarts
+/// reuse the port it got.
+async fn start_worker(
+    a: &UpArgs,
+    role: Role,
+    model: &str,
+    name: String,
+    port: u16,
+    threads: usize,
+    timeout: Duration,
+) -> Result<Proc> {
+    let marker = match role {
+        Role::Prefill => Ready::PREFILL,
+        Role::Decode => Ready::DECODE,
+    };
+    let mut args = worker_args(a, role.name(), model, &name, threads);
+    args.set("port", port);
+    let mut child = spawn(&name, &args.argv())?;
+    let addr = wait_for_line(&name, &mut child, marker, timeout)
+        .await?
+        .grpc()
+        .to_string();
+    args.set("port", port_of(&addr));
+    eprintln!("{name} listening on {addr}");
+    let mut p = Proc::new(name, Some(role), marker, args, child);
+    p.addr = addr;
+    Ok(p)
 }
 
 pub(crate) fn spawn(name: &str, args: &[String]) -> Result<Child> {
@@ -286,7 +347,9 @@ pub fn run(mut a: UpArgs) -> Result<()> {
     a.prefill_workers = Some(prefill_workers);
     // The pass-through flags, checked with each role's parser before anything starts.
     let placeholder = ["127.0.0.1:1".to_string()];
-    if let crate::Command::Router(r) = router_args(&a, "x", &placeholder, &placeholder).check()? {
+    if let crate::Command::Router(r) =
+        router_args(&a, "x", &placeholder, &placeholder, None).check()?
+    {
         if r.door.tls_cert.is_some() {
             bail!(
                 "--tls-cert: tandem up watches its router over plain HTTP on this machine; for TLS run `tandem router --tls-cert ... --tls-key ...` with its workers (docs: README, Security)"
@@ -296,13 +359,40 @@ pub fn run(mut a: UpArgs) -> Result<()> {
     for role in ["prefill", "decode"] {
         worker_args(&a, role, "x", "w", 1).check()?;
     }
+    if a.scale.autoscale {
+        a.scale.check().map_err(anyhow::Error::msg)?;
+        for p in [&a.scale.profile, &a.scale.prefill_profile]
+            .into_iter()
+            .flatten()
+        {
+            autoscale::read_profile(p)?;
+        }
+        if a.scale.prefill_profile.is_some() && a.scale.profile.is_none() {
+            bail!("--autoscale-prefill-profile needs --autoscale-profile (the decode workers')");
+        }
+    }
     let model = match &a.model {
         Some(p) => p.clone(),
         None => fetch::ensure_default_model()?,
     };
-    let threads = a
-        .worker_threads
-        .unwrap_or((cores / (a.decode_workers + prefill_workers)).max(1));
+    // Threads: as given; else the cores shared by the workers there can be at most (the
+    // autoscaler's bounds when given), else by those started.
+    let most = match (a.scale.autoscale, a.scale.max_decode) {
+        (true, Some(d)) => {
+            d.max(a.decode_workers) + a.scale.max_prefill.unwrap_or(0).max(prefill_workers)
+        }
+        _ => a.decode_workers + prefill_workers,
+    };
+    let threads = a.worker_threads.unwrap_or((cores / most).max(1));
+    if a.scale.autoscale {
+        let b = scale_bounds(&a, threads);
+        if b.decode.1 == b.decode.0 && b.prefill.1 == b.prefill.0 {
+            eprintln!(
+                "autoscale: nothing to scale: {} decode worker(s) of {threads} thread(s) take the {cores} cores; set --max-decode-workers (and --worker-threads) to let it add workers",
+                b.decode.0
+            );
+        }
+    }
     if std::env::var_os("TANDEM_KV_SECRET").is_none() {
         // One secret for this cluster, handed down in the environment (not argv, which other
         // users of the machine can read): the KV handshake's key and the worker plane's
@@ -361,14 +451,20 @@ fn worker_args(
     c
 }
 
-/// The router's command line, pointed at the workers.
-fn router_args(a: &UpArgs, model: &str, decode: &[String], prefill: &[String]) -> ChildArgs {
+/// The router's command line, pointed at the workers: their lists, or the worker-list file
+/// the autoscaler keeps (`list`).
+fn router_args(
+    a: &UpArgs,
+    model: &str,
+    decode: &[String],
+    prefill: &[String],
+    list: Option<&std::path::Path>,
+) -> ChildArgs {
     let mut c = ChildArgs::new("router", &a.router_args);
     c.set("host", &a.host)
         .set("http-port", a.http_port)
         .set("grpc-port", a.grpc_port)
         .set("model", model)
-        .set("decode-workers", decode.join(","))
         .set("disagg-min-tokens", a.disagg_min_tokens)
         .set(
             "policy",
@@ -378,6 +474,11 @@ fn router_args(a: &UpArgs, model: &str, decode: &[String], prefill: &[String]) -
                 PolicyKind::KvAware => "kv-aware",
             },
         );
+    if let Some(path) = list {
+        c.set("discovery", format!("file:{}", path.display()));
+        return c;
+    }
+    c.set("decode-workers", decode.join(","));
     // None: no flag (an empty list would read as one worker with an empty address).
     if !prefill.is_empty() {
         c.set("prefill-workers", prefill.join(","));
@@ -397,57 +498,53 @@ async fn supervise(a: UpArgs, model: PathBuf, threads: usize) -> Result<()> {
     let timeout = Duration::from_secs(a.start_timeout_s);
     let model_s = model.display().to_string();
     let mut procs: Vec<Proc> = Vec::new();
-    let mut addrs = [Vec::new(), Vec::new()];
-    let roles = [
-        ("prefill", Ready::PREFILL, a.prefill_workers.unwrap_or(0)),
-        ("decode", Ready::DECODE, a.decode_workers),
-    ];
+    let prefill_n = a.prefill_workers.unwrap_or(0);
     let mut port = a.worker_base_port;
-    for (r, &(role, marker, n)) in roles.iter().enumerate() {
+    for (role, n) in [(Role::Prefill, prefill_n), (Role::Decode, a.decode_workers)] {
         for i in 0..n {
-            let name = format!("{role}-{i}");
-            let mut args = worker_args(&a, role, &model_s, &name, threads);
-            args.set("port", port);
+            let name = format!("{}-{i}", role.name());
+            procs.push(start_worker(&a, role, &model_s, name, port, threads, timeout).await?);
             if port != 0 {
                 port += 1;
             }
-            let mut child = spawn(&name, &args.argv())?;
-            let addr = wait_for_line(&name, &mut child, marker, timeout)
-                .await?
-                .grpc()
-                .to_string();
-            // Restarts reuse the port the router already knows.
-            args.set("port", port_of(&addr));
-            eprintln!("{name} listening on {addr}");
-            addrs[r].push(addr);
-            procs.push(Proc {
-                name,
-                marker,
-                args,
-                child: Some(child),
-                started: Instant::now(),
-                backoff: Duration::from_secs(1),
-                restarts: 0,
-            });
         }
     }
-    let [prefill_addrs, worker_addrs] = addrs;
-    let mut args = router_args(&a, &model_s, &worker_addrs, &prefill_addrs);
+    let addrs = |role| -> Vec<String> {
+        procs
+            .iter()
+            .filter(|p| p.role == Some(role))
+            .map(|p| p.addr.clone())
+            .collect()
+    };
+    let (prefill_addrs, worker_addrs) = (addrs(Role::Prefill), addrs(Role::Decode));
+    // With the autoscaler, the router follows a worker-list file it keeps.
+    let list_dir = match a.scale.autoscale {
+        true => Some(tempfile::Builder::new().prefix("tandem-up-").tempdir()?),
+        false => None,
+    };
+    let list = list_dir.as_ref().map(|d| d.path().join("workers.json"));
+    if let Some(path) = &list {
+        tandem_discovery::WorkerList {
+            decode: worker_addrs.clone(),
+            prefill: prefill_addrs.clone(),
+        }
+        .write(path)
+        .with_context(|| format!("writing {}", path.display()))?;
+    }
+    let mut args = router_args(&a, &model_s, &worker_addrs, &prefill_addrs, list.as_deref());
     let mut router = spawn("router", &args.argv())?;
     let ready = wait_for_line("router", &mut router, Ready::ROUTER, timeout).await?;
     let (http, grpc) = router_addrs(&ready)?;
     // A restarted router listens where clients already connect.
     args.set("http-port", port_of(&http))
         .set("grpc-port", port_of(&grpc));
-    procs.push(Proc {
-        name: "router".into(),
-        marker: Ready::ROUTER,
+    procs.push(Proc::new(
+        "router".into(),
+        None,
+        Ready::ROUTER,
         args,
-        child: Some(router),
-        started: Instant::now(),
-        backoff: Duration::from_secs(1),
-        restarts: 0,
-    });
+        router,
+    ));
     wait_ready(&format!("http://{http}/ready"), timeout).await?;
     // /ready is open even when the API needs a key.
     let served = reqwest::get(format!("http://{http}/ready"))
@@ -457,8 +554,8 @@ async fn supervise(a: UpArgs, model: PathBuf, threads: usize) -> Result<()> {
     let model_id = served["model"].as_str().unwrap_or("").to_string();
     println!();
     println!(
-        "Tandem is up: router http://{http} (OpenAI API), gRPC {grpc}, {} prefill and {} decode worker(s)",
-        a.prefill_workers.unwrap_or(0), a.decode_workers
+        "Tandem is up: router http://{http} (OpenAI API), gRPC {grpc}, {prefill_n} prefill and {} decode worker(s)",
+        a.decode_workers
     );
     println!("Try:");
     println!(
@@ -475,12 +572,23 @@ async fn supervise(a: UpArgs, model: PathBuf, threads: usize) -> Result<()> {
     use std::io::Write;
     let _ = std::io::stdout().flush();
 
+    let mut scaler = match list {
+        Some(path) => Some(Scaler::new(&a, path, &http, threads)?),
+        None => None,
+    };
     let stop = shutdown_signal();
     tokio::pin!(stop);
     loop {
         tokio::select! {
             _ = &mut stop => break,
             _ = tokio::time::sleep(Duration::from_millis(250)) => {}
+        }
+        if let Some(sc) = scaler.as_mut() {
+            if sc.due() {
+                if let Err(e) = sc.tick(&mut procs, &a, &model_s, threads, timeout).await {
+                    eprintln!("tandem up: autoscale: {e:#}");
+                }
+            }
         }
         for p in procs.iter_mut() {
             let exited = match p.child.as_mut() {
@@ -512,6 +620,8 @@ async fn supervise(a: UpArgs, model: PathBuf, threads: usize) -> Result<()> {
                         }
                         p.child = Some(c);
                         p.started = Instant::now();
+                        // A drained worker that crashed and came back is no longer leaving.
+                        p.draining = None;
                     }
                     Err(e) => eprintln!("tandem up: {e:#}"),
                 }
@@ -536,8 +646,337 @@ async fn supervise(a: UpArgs, model: PathBuf, threads: usize) -> Result<()> {
             }
         }
     }
+    drop(list_dir);
     eprintln!("tandem up: stopped");
     Ok(())
+}
+
+/// The autoscaler's state in `tandem up` ([`crate::autoscale`]).
+struct Scaler {
+    cfg: AutoscaleArgs,
+    bounds: Bounds,
+    /// The worker-list file the router follows.
+    list: PathBuf,
+    /// The router's metrics page.
+    metrics_url: String,
+    window: Window,
+    decider: Decider,
+    /// The profiles from files (prefill, decode); None: from the workers' step costs.
+    files: Option<(tandem_bench::plan::Profile, tandem_bench::plan::Profile)>,
+    /// The next worker number of each role.
+    next: [usize; 2],
+    last: Option<Instant>,
+    token: tandem_worker::WorkerToken,
+    http: reqwest::Client,
+    threads: usize,
+    /// What it last said, to say it again only when it changes.
+    said: String,
+}
+
+/// A worker's numbers as the autoscaler reads them.
+struct Seen {
+    load: tandem_proto::worker::LoadReport,
+    info: Option<tandem_proto::worker::WorkerInfo>,
+}
+
+impl Scaler {
+    fn new(a: &UpArgs, list: PathBuf, router_http: &str, threads: usize) -> Result<Self> {
+        let cfg = a.scale.clone();
+        let files = match &cfg.profile {
+            Some(d) => {
+                let decode = autoscale::read_profile(d)?;
+                let prefill = match &cfg.prefill_profile {
+                    Some(p) => autoscale::read_profile(p)?,
+                    None => decode.clone(),
+                };
+                Some((prefill, decode))
+            }
+            None => None,
+        };
+        let secret = std::env::var("TANDEM_KV_SECRET").context("the cluster's KV secret")?;
+        let secret = tandem_kv_transfer::Secret::new(secret.into_bytes())
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let bounds = scale_bounds(a, threads);
+        eprintln!(
+            "tandem up: autoscale: {}-{} decode and {}-{} prefill workers of {threads} thread(s), targets TTFT p90 {} ms, ITL {} ms, profile {}",
+            bounds.decode.0,
+            bounds.decode.1,
+            bounds.prefill.0,
+            bounds.prefill.1,
+            cfg.ttft_ms,
+            cfg.itl_ms,
+            cfg.profile
+                .as_ref()
+                .map_or("from the workers' step costs".to_string(), |p| p.display().to_string()),
+        );
+        Ok(Self {
+            bounds,
+            list,
+            metrics_url: format!("http://{router_http}/metrics"),
+            window: Window::new(Duration::from_secs_f64(cfg.window_s)),
+            decider: Decider::new(Duration::from_secs_f64(cfg.down_after_s)),
+            files,
+            next: [a.prefill_workers.unwrap_or(0), a.decode_workers],
+            last: None,
+            token: tandem_worker::WorkerToken::from_secret(&secret),
+            http: reqwest::Client::builder()
+                .timeout(Duration::from_secs(5))
+                .build()?,
+            threads,
+            said: String::new(),
+            cfg,
+        })
+    }
+
+    fn due(&self) -> bool {
+        self.last
+            .is_none_or(|t| t.elapsed().as_secs_f64() >= self.cfg.interval_s)
+    }
+
+    /// The worker's Info (when asked) and Load, over its control service.
+    async fn seen(&self, addr: &str, info: bool) -> Result<Seen> {
+        use tandem_proto::worker::{
+            worker_control_client::WorkerControlClient, InfoRequest, LoadRequest,
+        };
+        let mut c = WorkerControlClient::connect(format!("http://{addr}")).await?;
+        let mut call = tonic::Request::new(LoadRequest {});
+        self.token.attach(&mut call);
+        let load = c.load(call).await?.into_inner();
+        let info = match info {
+            true => {
+                let mut call = tonic::Request::new(InfoRequest {});
+                self.token.attach(&mut call);
+                Some(c.info(call).await?.into_inner())
+            }
+            false => None,
+        };
+        Ok(Seen { load, info })
+    }
+
+    /// Rewrites the worker list from the workers that serve.
+    fn publish(&self, procs: &[Proc]) -> Result<()> {
+        let of = |role| {
+            procs
+                .iter()
+                .filter(|p| p.role == Some(role) && p.draining.is_none())
+                .map(|p| p.addr.clone())
+                .collect()
+        };
+        tandem_discovery::WorkerList {
+            decode: of(Role::Decode),
+            prefill: of(Role::Prefill),
+        }
+        .write(&self.list)
+        .with_context(|| format!("writing {}", self.list.display()))
+    }
+
+    async fn tick(
+        &mut self,
+        procs: &mut Vec<Proc>,
+        a: &UpArgs,
+        model: &str,
+        threads: usize,
+        timeout: Duration,
+    ) -> Result<()> {
+        self.last = Some(Instant::now());
+        let page = self
+            .http
+            .get(&self.metrics_url)
+            .send()
+            .await?
+            .error_for_status()?
+            .text()
+            .await?;
+        self.window.push(Instant::now(), Totals::parse(&page));
+
+        // The workers now; drains that are done end here.
+        let mut seen: Vec<Option<Seen>> = Vec::new();
+        for p in procs.iter() {
+            let s = match p.role {
+                Some(Role::Decode) if self.files.is_none() => self.seen(&p.addr, true).await.ok(),
+                Some(_) => self.seen(&p.addr, false).await.ok(),
+                None => None,
+            };
+            seen.push(s);
+        }
+        let mut i = 0;
+        while i < procs.len() {
+            let Some(since) = procs[i].draining else {
+                i += 1;
+                continue;
+            };
+            let idle = seen[i].as_ref().is_none_or(|s| {
+                s.load.in_flight == 0 && s.load.running == 0 && s.load.waiting == 0
+            });
+            let late = since.elapsed().as_secs_f64() >= self.cfg.drain_timeout_s;
+            if !(idle || late) {
+                i += 1;
+                continue;
+            }
+            let mut p = procs.remove(i);
+            seen.remove(i);
+            let status = match p.child.as_mut() {
+                Some(c) => {
+                    sigterm(c);
+                    match tokio::time::timeout(Duration::from_secs(40), c.wait()).await {
+                        Ok(s) => s.map(|s| s.to_string()).unwrap_or_else(|e| e.to_string()),
+                        Err(_) => {
+                            let _ = c.kill().await;
+                            "killed: it did not stop in time".to_string()
+                        }
+                    }
+                }
+                None => "not running".to_string(),
+            };
+            eprintln!(
+                "tandem up: autoscale: {} drained in {:.1} s{} and stopped ({status})",
+                p.name,
+                since.elapsed().as_secs_f64(),
+                if idle {
+                    ""
+                } else {
+                    " (the drain timeout passed)"
+                }
+            );
+        }
+
+        let Some(load) = self.window.observed() else {
+            return Ok(());
+        };
+        let profiles = match &self.files {
+            Some(f) => Some(f.clone()),
+            None => self.live_profile(&seen, &load),
+        };
+        let Some((prefill, decode)) = profiles else {
+            return Ok(());
+        };
+        let (want, estimate) =
+            autoscale::wanted(&prefill, &decode, &load, &self.cfg.targets(), &self.bounds);
+        let serving = |role| {
+            procs
+                .iter()
+                .filter(|p| p.role == Some(role) && p.draining.is_none())
+                .count()
+        };
+        let have = tandem_bench::plan::Shape {
+            prefill: serving(Role::Prefill),
+            decode: serving(Role::Decode),
+        };
+        let waiting = Role::BOTH.map(|role| {
+            procs.iter().zip(&seen).any(|(p, s)| {
+                p.role == Some(role) && s.as_ref().is_some_and(|s| s.load.waiting > 0)
+            })
+        });
+        let said = format!(
+            "{:.2} req/s, {:.0} prompt and {:.0} output tokens a request: plan {} prefill + {} decode{}",
+            load.rate,
+            load.prompt_mean,
+            load.output_mean,
+            want.prefill,
+            want.decode,
+            estimate.map_or(String::new(), |e| format!(
+                " (TTFT p90 {:.0} ms, ITL {:.0} ms by the model)",
+                e.ttft_p90_ms, e.itl_ms
+            ))
+        );
+        let actions = self.decider.decide(Instant::now(), have, want, waiting);
+        if said != self.said && (!actions.is_empty() || want != have) {
+            eprintln!("tandem up: autoscale: {said}");
+            self.said = said;
+        }
+        for action in actions {
+            match action {
+                Action::Start(role, n) => {
+                    for _ in 0..n {
+                        let name = format!("{}-{}", role.name(), self.next[role as usize]);
+                        self.next[role as usize] += 1;
+                        let p = start_worker(a, role, model, name, 0, threads, timeout).await?;
+                        eprintln!("tandem up: autoscale: {} started", p.name);
+                        procs.push(p);
+                        self.publish(procs)?;
+                    }
+                }
+                Action::Drain(role) => {
+                    // The one with the least to finish; among equals the newest.
+                    let pick = procs
+                        .iter()
+                        .enumerate()
+                        .zip(&seen)
+                        .filter(|((_, p), _)| p.role == Some(role) && p.draining.is_none())
+                        .min_by_key(|((i, _), s)| {
+                            let busy = s.as_ref().map_or(0, |s| s.load.in_flight + s.load.running);
+                            (busy, std::cmp::Reverse(*i))
+                        })
+                        .map(|((i, _), _)| i);
+                    let Some(i) = pick else { continue };
+                    let url = format!("http://{}/deregister", procs[i].addr);
+                    let answer = self
+                        .http
+                        .post(&url)
+                        .header("authorization", self.token.header())
+                        .send()
+                        .await
+                        .and_then(|r| r.error_for_status());
+                    if let Err(e) = answer {
+                        eprintln!(
+                            "tandem up: autoscale: {}: {e}; not draining it",
+                            procs[i].name
+                        );
+                        continue;
+                    }
+                    procs[i].draining = Some(Instant::now());
+                    self.publish(procs)?;
+                    eprintln!(
+                        "tandem up: autoscale: draining {} (it finishes its requests first)",
+                        procs[i].name
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Profiles from the decode workers' own fitted step costs (the first that has one),
+    /// for the lengths seen; None before any worker timed a step.
+    fn live_profile(
+        &self,
+        seen: &[Option<Seen>],
+        load: &autoscale::Observed,
+    ) -> Option<(tandem_bench::plan::Profile, tandem_bench::plan::Profile)> {
+        let context = load.prompt_mean + load.output_mean / 2.0;
+        let per_stream = (load.prompt_mean + load.output_mean).max(1.0);
+        seen.iter().flatten().find_map(|s| {
+            let info = s.info.as_ref()?;
+            let l = &s.load;
+            let tokens = f64::from(info.total_blocks) * f64::from(info.block_size.max(1));
+            let max_batch = ((tokens / per_stream) as usize).max(1);
+            let p = tandem_bench::plan::Profile::from_step_cost(
+                "live",
+                self.threads,
+                [l.step_fixed_ms, l.step_token_ms, l.step_key_ms],
+                l.prefill_tokens_per_s,
+                load.prompt_mean,
+                context,
+                max_batch,
+            )?;
+            Some((p.clone(), p))
+        })
+    }
+}
+
+/// The autoscaler's bounds: from the flags given, and the cores for the most decode workers.
+fn scale_bounds(a: &UpArgs, threads: usize) -> Bounds {
+    let cores = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    let prefill = a.prefill_workers.unwrap_or(0);
+    let max_prefill = a.scale.max_prefill.unwrap_or(prefill).max(prefill);
+    let fit = (cores / threads.max(1)).saturating_sub(max_prefill);
+    let max_decode = a.scale.max_decode.unwrap_or(fit).max(a.decode_workers);
+    Bounds {
+        prefill: (prefill, max_prefill),
+        decode: (a.decode_workers, max_decode),
+    }
 }
 
 #[cfg(test)]
@@ -590,7 +1029,7 @@ mod tests {
     #[test]
     fn the_router_gets_prefill_workers_only_when_there_are_some() {
         let a = up(&[]);
-        let none = router_args(&a, "/m.gguf", &["127.0.0.1:1".into()], &[]).argv();
+        let none = router_args(&a, "/m.gguf", &["127.0.0.1:1".into()], &[], None).argv();
         assert!(
             !none.iter().any(|f| f.starts_with("--prefill-workers")),
             "{none:?}"
@@ -600,6 +1039,7 @@ mod tests {
             "/m.gguf",
             &["127.0.0.1:1".into()],
             &["127.0.0.1:2".into(), "127.0.0.1:3".into()],
+            None,
         );
         assert!(some
             .argv()
@@ -638,7 +1078,7 @@ mod tests {
         };
         assert!(e.to_string().contains("--no-such-flag"), "{e}");
         let a = up(&["--router-arg=--max-queue=lots"]);
-        let Err(e) = router_args(&a, "/m", &["127.0.0.1:1".into()], &[]).check() else {
+        let Err(e) = router_args(&a, "/m", &["127.0.0.1:1".into()], &[], None).check() else {
             panic!("a bad value was accepted");
         };
         assert!(e.to_string().contains("max-queue"), "{e}");
@@ -650,7 +1090,7 @@ mod tests {
             "--router-arg=--tls-cert=/c.pem",
             "--router-arg=--tls-key=/k.pem",
         ]);
-        match router_args(&a, "/m", &["127.0.0.1:1".into()], &[])
+        match router_args(&a, "/m", &["127.0.0.1:1".into()], &[], None)
             .check()
             .unwrap()
         {

@@ -3,7 +3,8 @@
 //! Owns: the [`WorkerCard`] a worker publishes about itself (role, gRPC and KV addresses, model,
 //! block size, KV dtype, tensor-parallel size, version); the key layout of a cluster in etcd
 //! ([`ClusterPath`]: `/tandem/<cluster>/<role>/<worker-id>`, built and parsed in one place); the
-//! `--discovery` choice ([`DiscoverySpec`]: static, etcd or Kubernetes DNS); the check a router
+//! `--discovery` choice ([`DiscoverySpec`]: static, a worker-list file, etcd or Kubernetes DNS) and
+//! the list file's format ([`WorkerList`]); the check a router
 //! makes before it sends a worker traffic ([`Expect`]: same model, same block size); and, with the
 //! `etcd` feature, a worker's [`Registration`] (its card under a lease kept alive on its own
 //! thread, re-registered when the lease is lost, deleted first on drain) and the router's
@@ -27,12 +28,14 @@
 mod card;
 #[cfg(feature = "etcd")]
 mod etcd;
+mod list;
 mod ready;
 mod spec;
 
 pub use card::{CardError, ClusterPath, Expect, Refusal, Role, WorkerCard};
 #[cfg(feature = "etcd")]
 pub use etcd::{follow, Cards, KvStore, Registration, RegistrationStats};
+pub use list::WorkerList;
 pub use ready::Ready;
 pub use spec::{DiscoverySpec, SpecError};
 

@@ -15,11 +15,17 @@ pub enum DiscoverySpec {
     /// The router re-resolves the names given in `--decode-workers` and `--prefill-workers`
     /// (a headless Service's `name:port`) through DNS: one worker per address.
     K8s,
+    /// The router reads the workers from a JSON file (`file:PATH`, a
+    /// [`WorkerList`](crate::WorkerList)) and reads it again whenever it changes.
+    File {
+        /// The list file.
+        path: std::path::PathBuf,
+    },
 }
 
 /// A `--discovery` value that is none of the three.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
-#[error("--discovery {0:?}: expected static, k8s or etcd://HOST:PORT[,HOST:PORT...]")]
+#[error("--discovery {0:?}: expected static, k8s, file:PATH or etcd://HOST:PORT[,HOST:PORT...]")]
 pub struct SpecError(pub String);
 
 impl FromStr for DiscoverySpec {
@@ -30,6 +36,12 @@ impl FromStr for DiscoverySpec {
             "static" => return Ok(Self::Static),
             "k8s" | "kubernetes" => return Ok(Self::K8s),
             _ => {}
+        }
+        if let Some(path) = s.strip_prefix("file:") {
+            if path.is_empty() {
+                return Err(SpecError(s.into()));
+            }
+            return Ok(Self::File { path: path.into() });
         }
         let rest = s
             .strip_prefix("etcd://")
@@ -57,6 +69,7 @@ impl std::fmt::Display for DiscoverySpec {
         match self {
             Self::Static => f.write_str("static"),
             Self::K8s => f.write_str("k8s"),
+            Self::File { path } => write!(f, "file:{}", path.display()),
             Self::Etcd { endpoints } => {
                 let hosts: Vec<&str> = endpoints
                     .iter()
@@ -84,7 +97,22 @@ mod tests {
             }
         );
         assert_eq!(e.to_string(), "etcd://127.0.0.1:2379,etcd-1:2379");
-        for bad in ["etcd://", "etcd://host", "etcd://:2379", "consul://x:1", ""] {
+        let f: DiscoverySpec = "file:/run/tandem/workers.json".parse().unwrap();
+        assert_eq!(
+            f,
+            DiscoverySpec::File {
+                path: "/run/tandem/workers.json".into()
+            }
+        );
+        assert_eq!(f.to_string(), "file:/run/tandem/workers.json");
+        for bad in [
+            "etcd://",
+            "etcd://host",
+            "etcd://:2379",
+            "consul://x:1",
+            "",
+            "file:",
+        ] {
             let err = bad.parse::<DiscoverySpec>().unwrap_err();
             assert!(err.to_string().contains("expected static, k8s"), "{bad}");
         }

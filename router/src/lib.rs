@@ -80,7 +80,7 @@ use futures::StreamExt;
 use tokio::net::TcpListener;
 
 use crate::client::GrpcConnect;
-use crate::discovery::{DnsDiscovery, DnsResolver, Published};
+use crate::discovery::{DnsDiscovery, DnsResolver, FileDiscovery, Published};
 
 /// `tandem router` flags.
 #[derive(Args, Clone, Debug)]
@@ -180,7 +180,9 @@ pub struct RouterArgs {
     #[arg(long, env = "TANDEM_WORKER_STALL_TIMEOUT_MS", default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub worker_stall_timeout_ms: u64,
     /// How workers are found: `static` (the --decode-workers and --prefill-workers lists),
-    /// `etcd://HOST:PORT[,HOST:PORT...]` (workers register their cards there), or `k8s` (the
+    /// `file:PATH` (a JSON file `{"decode": ["host:port", ...], "prefill": [...]}`, read
+    /// again when it changes), `etcd://HOST:PORT[,HOST:PORT...]` (workers register their
+    /// cards there), or `k8s` (the
     /// two lists name headless Services, re-resolved through DNS: `name:port` for A records,
     /// `_grpc._tcp.name...` without a port for SRV records).
     #[arg(long, env = "TANDEM_DISCOVERY", default_value = "static")]
@@ -199,6 +201,9 @@ pub struct RouterArgs {
     /// k8s: how often the Services' DNS names are resolved again, in milliseconds.
     #[arg(long, env = "TANDEM_DNS_REFRESH_MS", default_value_t = 2_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub dns_refresh_ms: u64,
+    /// file:PATH: how often the worker-list file is read again, in milliseconds.
+    #[arg(long, env = "TANDEM_FILE_REFRESH_MS", default_value_t = 500, value_parser = clap::value_parser!(u64).range(1..))]
+    pub file_refresh_ms: u64,
     /// Tokens per KV block the cluster's workers use; a worker with another is refused, as is
     /// one serving another model (default: the first worker's block size).
     #[arg(long, env = "TANDEM_BLOCK_SIZE")]
@@ -243,6 +248,9 @@ pub enum RouterError {
     /// The front door's flags make no front door (an unreadable key file, a bad certificate).
     #[error(transparent)]
     FrontDoor(#[from] FrontDoorError),
+    /// The worker-list file of file discovery could not be read at start.
+    #[error("file discovery: {0}")]
+    File(String),
     /// The DNS resolver for k8s discovery could not start.
     #[error("k8s discovery: {0}")]
     Dns(String),
@@ -509,8 +517,9 @@ async fn discover(
     shared: PoolShared,
 ) -> Result<Box<dyn Discovery>, RouterError> {
     let addrs = |v: &[String]| v.iter().map(|a| WorkerAddr::from(a.as_str())).collect();
-    // Static and k8s discovery start from the command line's lists; etcd finds the workers.
-    let listed = !matches!(args.discovery, DiscoverySpec::Etcd { .. });
+    // Static and k8s discovery start from the command line's lists; etcd and a list file name
+    // the workers themselves.
+    let listed = matches!(args.discovery, DiscoverySpec::Static | DiscoverySpec::K8s);
     if listed && args.decode_workers.is_empty() {
         return Err(RouterError::NoWorkers);
     }
@@ -527,6 +536,10 @@ async fn discover(
                 Arc::new(DnsResolver::new(args.dns_server).map_err(RouterError::Dns)?),
             )
             .await,
+        )),
+        DiscoverySpec::File { path } => Ok(Box::new(
+            FileDiscovery::start(path.clone(), Duration::from_millis(args.file_refresh_ms))
+                .map_err(RouterError::File)?,
         )),
         #[cfg(feature = "etcd")]
         DiscoverySpec::Etcd { endpoints } => {

@@ -40,6 +40,8 @@ pub struct RouterMetrics {
     tenant_in_flight: Family<TenantLabels, Gauge>,
     queued: Gauge,
     tenant_reloads: Family<Labels, Counter>,
+    admitted: Counter,
+    tokens: Family<Labels, Counter>,
 }
 
 /// How a generation request that passed the front door ended: answered to its finish, refused
@@ -183,6 +185,21 @@ impl RouterMetrics {
             "Requests waiting in the router's queue now (every tenant)",
             queued.clone(),
         );
+        let admitted = Counter::default();
+        registry.register(
+            "tandem_router_admitted_requests",
+            "Generation requests admitted past the router's queue and sent to workers (every tenant, and callers of none): the offered load a planner sizes the workers for",
+            admitted.clone(),
+        );
+        let tokens = Family::<Labels, Counter>::default();
+        registry.register(
+            "tandem_router_tokens",
+            "Tokens served (every tenant, and callers of none): prompt (at dispatch) and completion (at the finish)",
+            tokens.clone(),
+        );
+        for kind in ["prompt", "completion"] {
+            let _ = tokens.get_or_create(&vec![("kind", kind)]);
+        }
         let tenant_reloads = Family::<Labels, Counter>::default();
         registry.register(
             "tandem_router_tenants_reloads",
@@ -225,6 +242,8 @@ impl RouterMetrics {
             tenant_in_flight,
             queued,
             tenant_reloads,
+            admitted,
+            tokens,
         }
     }
 }
@@ -324,10 +343,13 @@ impl RouterMetrics {
         let _ = self.tenant_wait.get_or_create(&t);
     }
 
-    /// A request of `tenant` (its label; empty: no tenants, not counted) fared `outcome`, one
-    /// of `TENANT_OUTCOMES`.
+    /// A request of `tenant` (its label; empty: no tenants, counted only in the totals) fared
+    /// `outcome`, one of `TENANT_OUTCOMES`.
     pub fn tenant_request(&self, tenant: &str, outcome: &'static str) {
         debug_assert!(TENANT_OUTCOMES.contains(&outcome), "{outcome}");
+        if outcome == "admitted" {
+            self.admitted.inc();
+        }
         if !tenant.is_empty() {
             self.tenant_requests
                 .get_or_create(&tenant_labels(tenant, "outcome", outcome))
@@ -335,8 +357,10 @@ impl RouterMetrics {
         }
     }
 
-    /// Tokens served to `tenant`, of `kind` (`prompt` or `completion`).
+    /// Tokens served to `tenant` (empty: counted only in the totals), of `kind` (`prompt` or
+    /// `completion`).
     pub fn tenant_tokens(&self, tenant: &str, kind: &'static str, n: u64) {
+        self.tokens.get_or_create(&vec![("kind", kind)]).inc_by(n);
         if !tenant.is_empty() {
             self.tenant_tokens
                 .get_or_create(&tenant_labels(tenant, "kind", kind))

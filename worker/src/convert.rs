@@ -145,6 +145,9 @@ pub fn load_report(s: EngineStats, in_flight: usize, draining: bool) -> pb::Load
         kv_links: Vec::new(),
         decoding: s.decoding as u32,
         itl_target_ms: s.itl_target_ms,
+        step_fixed_ms: s.step_cost_ms[0],
+        step_token_ms: s.step_cost_ms[1],
+        step_key_ms: s.step_cost_ms[2],
     }
 }
 

@@ -83,6 +83,51 @@ impl Profile {
         Ok(())
     }
 
+    /// A profile from a worker's own fitted step cost, as it reports it (`Load`'s
+    /// `step_*_ms`: a step's fixed milliseconds, per token computed, per key attended), for
+    /// streams holding `context` tokens of KV on average, up to `max_batch` of them: decode
+    /// steps at batches 1, 2, 4, ... `max_batch` of `fixed + b (token + key × context)`, and
+    /// prompts at `prefill_tokens_per_s` when the worker measured one (else one token's cost
+    /// with half a prompt of `prompt` tokens attended). None before the worker timed a step.
+    pub fn from_step_cost(
+        kind: &str,
+        cores: usize,
+        step_ms: [f64; 3],
+        prefill_tokens_per_s: f64,
+        prompt: f64,
+        context: f64,
+        max_batch: usize,
+    ) -> Option<Self> {
+        let [fixed, token, key] = step_ms;
+        if !(fixed >= 0.0 && token > 0.0 && key >= 0.0) || max_batch == 0 {
+            return None;
+        }
+        let row = token + key * context.max(0.0);
+        let mut batches: Vec<usize> = std::iter::successors(Some(1usize), |b| Some(b * 2))
+            .take_while(|&b| b < max_batch)
+            .collect();
+        batches.push(max_batch);
+        let prefill_tokens_per_s = if prefill_tokens_per_s > 0.0 {
+            prefill_tokens_per_s
+        } else {
+            1e3 / (token + key * prompt.max(0.0) / 2.0)
+        };
+        let p = Self {
+            kind: kind.to_string(),
+            cores: cores.max(1),
+            prefill_tokens_per_s,
+            decode: batches
+                .into_iter()
+                .map(|b| DecodePoint {
+                    batch: b,
+                    step_ms: fixed + b as f64 * row,
+                })
+                .collect(),
+            max_batch,
+        };
+        p.check().ok().map(|_| p)
+    }
+
     /// Milliseconds of a decode step of `b` streams (fractional: a mean batch).
     pub fn step_ms(&self, b: f64) -> f64 {
         let d = &self.decode;
@@ -236,6 +281,42 @@ pub fn plan(
     Plan { best, tried }
 }
 
+/// The shape to run within `prefill` and `decode` workers (each `(least, most)`): the
+/// cheapest of `plan`'s shapes in those bounds that meets `targets`, or, when none does, the
+/// one that comes closest (the lowest TTFT, then ITL: the most capacity the bounds allow).
+pub fn within(
+    plan: &Plan,
+    targets: &Targets,
+    prefill: (usize, usize),
+    decode: (usize, usize),
+) -> Option<Estimate> {
+    let inside = |e: &&Estimate| {
+        (prefill.0..=prefill.1).contains(&e.shape.prefill)
+            && (decode.0..=decode.1).contains(&e.shape.decode)
+    };
+    let cheapest = plan
+        .tried
+        .iter()
+        .filter(inside)
+        .filter(|e| e.meets(targets))
+        .min_by(|a, b| {
+            a.cores
+                .cmp(&b.cores)
+                .then(a.itl_ms.total_cmp(&b.itl_ms))
+                .then(a.ttft_p90_ms.total_cmp(&b.ttft_p90_ms))
+        });
+    cheapest
+        .or_else(|| {
+            plan.tried.iter().filter(inside).min_by(|a, b| {
+                a.ttft_p90_ms
+                    .total_cmp(&b.ttft_p90_ms)
+                    .then(a.itl_ms.total_cmp(&b.itl_ms))
+                    .then(b.cores.cmp(&a.cores))
+            })
+        })
+        .copied()
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
@@ -275,6 +356,60 @@ pub(crate) mod tests {
         let mut bad = zen4();
         bad.decode.swap(0, 1);
         assert!(bad.check().unwrap_err().contains("ascend"));
+    }
+
+    #[test]
+    fn a_profile_from_a_fitted_step_cost() {
+        let p =
+            Profile::from_step_cost("live", 2, [6.0, 1.5, 0.001], 0.0, 200.0, 500.0, 40).unwrap();
+        let batches: Vec<usize> = p.decode.iter().map(|d| d.batch).collect();
+        assert_eq!(batches, [1, 2, 4, 8, 16, 32, 40]);
+        // 6 ms fixed, 1.5 + 0.5 ms a row.
+        assert!((p.step_ms(1.0) - 8.0).abs() < 1e-9);
+        assert!((p.step_ms(40.0) - 86.0).abs() < 1e-9);
+        // No measured prefill rate: a token's cost with half the prompt attended.
+        assert!((p.prefill_tokens_per_s - 1e3 / 1.6).abs() < 1e-9);
+        let measured =
+            Profile::from_step_cost("live", 2, [6.0, 1.5, 0.0], 700.0, 200.0, 0.0, 1).unwrap();
+        assert_eq!(measured.prefill_tokens_per_s, 700.0);
+        assert_eq!(measured.decode.len(), 1);
+        // Not timed yet, or nonsense: none.
+        assert!(Profile::from_step_cost("live", 2, [0.0; 3], 0.0, 1.0, 1.0, 8).is_none());
+        assert!(
+            Profile::from_step_cost("live", 2, [1.0, f64::NAN, 0.0], 0.0, 1.0, 1.0, 8).is_none()
+        );
+        assert!(Profile::from_step_cost("live", 2, [1.0, 1.0, 0.0], 0.0, 1.0, 1.0, 0).is_none());
+    }
+
+    #[test]
+    fn within_bounds_the_cheapest_that_meets_else_the_most_capacity() {
+        let p = zen4();
+        let t = Targets {
+            ttft_p90_ms: 1500.0,
+            itl_ms: 50.0,
+        };
+        let heavy = Load {
+            rate: 6.0,
+            prompt: (190, 210),
+            output: (64, 64),
+        };
+        let plan = super::plan(&p, &p, &heavy, &t, 8);
+        let best = plan.best.unwrap();
+        // Bounds that hold the plan's best: the same shape.
+        let got = within(&plan, &t, (0, 8), (1, 8)).unwrap();
+        assert_eq!(got.shape, best.shape);
+        // Bounds too tight to meet the targets: the most capacity they allow.
+        let tight = within(&plan, &t, (0, 0), (1, 2)).unwrap();
+        assert!(!tight.meets(&t));
+        assert_eq!(
+            tight.shape,
+            Shape {
+                prefill: 0,
+                decode: 2
+            }
+        );
+        // Empty bounds: none.
+        assert!(within(&plan, &t, (0, 0), (9, 9)).is_none());
     }
 
     #[test]

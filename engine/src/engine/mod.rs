@@ -513,6 +513,9 @@ impl Engine {
             disk: self.disk.as_ref().map(|d| d.stats).unwrap_or_default(),
             disk_tier: self.disk.as_ref().map(|d| d.tier().stats()),
             parked_tails: self.blocks.tails(),
+            step_cost_ms: self.step_cost.fit().map_or([0.0; 3], |c| {
+                [c.fixed * 1e3, c.per_token * 1e3, c.per_key * 1e3]
+            }),
             ..self.stats
         }
     }

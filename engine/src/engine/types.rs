@@ -442,6 +442,9 @@ pub struct EngineStats {
     /// Prompt tokens computed a second, averaged over recent steps that computed any (0 before the
     /// first such step).
     pub prefill_tokens_per_s: f64,
+    /// The fitted step cost ([`crate::Cost`]) in milliseconds: fixed a step, per token
+    /// computed, per key attended (zeros before the first step was timed).
+    pub step_cost_ms: [f64; 3],
     /// Seconds the tensor-parallel ranks spent in collectives since the engine started (the
     /// mean over ranks; 0 without tensor parallelism).
     pub collective_seconds: f64,

@@ -3,13 +3,15 @@
 //! joins, a vanished one leaves, and the pool's own probes decide readiness).
 //!
 //! Backends, chosen by `--discovery`, each giving [`Published`] lists: fixed ones (the command
-//! line's), [`etcd`](EtcdDiscovery) (workers' cards in etcd, with the `etcd` feature) and
+//! line's), a [worker-list file](FileDiscovery) read again when it changes (`tandem up
+//! --autoscale` keeps one), [`etcd`](EtcdDiscovery) (workers' cards in etcd, with the `etcd` feature) and
 //! [`dns`](DnsDiscovery) (a headless Kubernetes Service's DNS records, re-resolved
 //! periodically).
 
 mod dns;
 #[cfg(feature = "etcd")]
 mod etcd;
+mod file;
 
 use tokio::sync::watch;
 
@@ -18,6 +20,7 @@ use crate::workers::WorkerAddr;
 pub use dns::{DnsDiscovery, DnsResolver};
 #[cfg(feature = "etcd")]
 pub use etcd::EtcdDiscovery;
+pub use file::FileDiscovery;
 
 /// A source of the cluster's worker addresses.
 pub trait Discovery: Send + Sync {

@@ -195,11 +195,16 @@ async fn ready(
                 let mut v = json!({
                     "ready": w.is_ready(),
                     "in_flight": w.in_flight(),
+                    "draining": w.is_draining(),
+                    "running": load.running,
+                    "waiting": load.waiting,
+                    "blocks_used": load.blocks_used,
                     "cached_blocks": w.indexed_blocks(),
                     "disk_blocks": w.indexed_disk_blocks(),
                     "prefill_tokens_per_s": load.prefill_tokens_per_s,
                     "decoding": load.decoding,
                     "itl_target_ms": load.itl_target_ms,
+                    "step_cost_ms": [load.step_fixed_ms, load.step_token_ms, load.step_key_ms],
                 });
                 if show_addrs {
                     v["addr"] = json!(w.addr.as_str());
