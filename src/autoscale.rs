@@ -2,10 +2,12 @@
 //! cluster's own numbers, starting and draining local workers to the shape it asks for.
 //!
 //! Every interval `up` reads the router's counters (`tandem_router_admitted_requests`,
-//! `tandem_router_tokens`) and keeps them for a window: the arrival rate and the mean prompt
-//! and output lengths over it are the load. The profiles are the files given
-//! (`--autoscale-profile`, from `tandem bench profile`), or, without one, each worker's own
-//! fitted step cost as it reports it in `Load` ([`Profile::from_step_cost`]). The plan's
+//! `tandem_router_tokens`, `tandem_router_requests`) and keeps them for a window: the arrival
+//! rate and the mean prompt length of the requests admitted over it, and the mean output length
+//! of those that finished over it (the last known when none did), are the load. The profiles
+//! are the files given (`--autoscale-profile`, from `tandem bench profile`), or, without one,
+//! each worker's own fitted step cost as it reports it in `Load` ([`Profile::from_step_cost`]).
+//! The plan's
 //! cheapest shape within the bounds that meets the TTFT and ITL targets is the wanted one
 //! ([`plan::within`]): a role below it gets workers at once; a role above it for
 //! `--scale-down-after-s` (with nothing waiting on its workers) has one drained: it leaves the
@@ -114,6 +116,8 @@ pub struct Totals {
     pub prompt: f64,
     /// Completion tokens served.
     pub completion: f64,
+    /// Requests admitted that finished (answered, failed or cancelled).
+    pub finished: f64,
 }
 
 impl Totals {
@@ -140,6 +144,13 @@ impl Totals {
                 "tandem_router_tokens_total" if labels.contains("kind=\"completion\"") => {
                     t.completion += v
                 }
+                "tandem_router_requests_total"
+                    if ["ok", "failed", "cancelled"]
+                        .iter()
+                        .any(|o| labels.contains(&format!("outcome=\"{o}\""))) =>
+                {
+                    t.finished += v
+                }
                 _ => {}
             }
         }
@@ -162,8 +173,9 @@ pub struct Observed {
 pub struct Window {
     span: Duration,
     samples: VecDeque<(Instant, Totals)>,
-    /// The last lengths seen, kept through a quiet window.
-    lengths: Option<(f64, f64)>,
+    /// The last mean prompt and output lengths seen, kept through a quiet window.
+    prompt: Option<f64>,
+    output: Option<f64>,
 }
 
 impl Window {
@@ -171,7 +183,8 @@ impl Window {
         Self {
             span,
             samples: VecDeque::new(),
-            lengths: None,
+            prompt: None,
+            output: None,
         }
     }
 
@@ -192,7 +205,8 @@ impl Window {
         }
     }
 
-    /// The load between the window's first and last readings (None with fewer than two).
+    /// The load between the window's first and last readings (None with fewer than two, or
+    /// while no request has finished yet: its output length is not known).
     pub fn observed(&mut self) -> Option<Observed> {
         let (t0, a) = *self.samples.front()?;
         let (t1, b) = *self.samples.back()?;
@@ -202,13 +216,16 @@ impl Window {
         }
         let n = b.admitted - a.admitted;
         if n > 0.0 {
-            self.lengths = Some(((b.prompt - a.prompt) / n, (b.completion - a.completion) / n));
+            self.prompt = Some((b.prompt - a.prompt) / n);
         }
-        let (prompt_mean, output_mean) = self.lengths.unwrap_or((1.0, 1.0));
+        let done = b.finished - a.finished;
+        if done > 0.0 {
+            self.output = Some((b.completion - a.completion) / done);
+        }
         Some(Observed {
             rate: n / dt,
-            prompt_mean,
-            output_mean,
+            prompt_mean: self.prompt.unwrap_or(1.0),
+            output_mean: self.output?,
         })
     }
 }
@@ -346,6 +363,9 @@ tandem_router_admitted_requests_total 12
 tandem_router_tokens_total{kind="prompt"} 2400
 tandem_router_tokens_total{kind="completion"} 640
 tandem_router_tenant_tokens_total{tenant="a",kind="prompt"} 99
+tandem_router_requests_total{role="router",outcome="ok"} 9
+tandem_router_requests_total{role="router",outcome="cancelled"} 1
+tandem_router_requests_total{role="router",outcome="invalid"} 5
 # EOF
 "#;
 
@@ -356,7 +376,8 @@ tandem_router_tenant_tokens_total{tenant="a",kind="prompt"} 99
             Totals {
                 admitted: 12.0,
                 prompt: 2400.0,
-                completion: 640.0
+                completion: 640.0,
+                finished: 10.0,
             }
         );
         assert_eq!(Totals::parse("garbage\n{}\n"), Totals::default());
@@ -366,11 +387,12 @@ tandem_router_tenant_tokens_total{tenant="a",kind="prompt"} 99
         t0 + Duration::from_secs_f64(s)
     }
 
-    fn totals(admitted: f64, prompt: f64, completion: f64) -> Totals {
+    fn totals(admitted: f64, prompt: f64, completion: f64, finished: f64) -> Totals {
         Totals {
             admitted,
             prompt,
             completion,
+            finished,
         }
     }
 
@@ -378,21 +400,24 @@ tandem_router_tenant_tokens_total{tenant="a",kind="prompt"} 99
     fn the_window_measures_the_rate_and_lengths_and_forgets_old_traffic() {
         let t0 = Instant::now();
         let mut w = Window::new(Duration::from_secs(10));
-        w.push(t0, totals(0.0, 0.0, 0.0));
+        w.push(t0, totals(0.0, 0.0, 0.0, 0.0));
         assert_eq!(w.observed(), None);
-        w.push(at(t0, 5.0), totals(10.0, 2000.0, 500.0));
+        // Admitted, none finished: the output length is not known yet.
+        w.push(at(t0, 2.0), totals(4.0, 800.0, 0.0, 0.0));
+        assert_eq!(w.observed(), None);
+        w.push(at(t0, 5.0), totals(10.0, 2000.0, 500.0, 5.0));
         let o = w.observed().unwrap();
-        assert_eq!((o.rate, o.prompt_mean, o.output_mean), (2.0, 200.0, 50.0));
+        assert_eq!((o.rate, o.prompt_mean, o.output_mean), (2.0, 200.0, 100.0));
         // Quiet for longer than the window: no rate, the last lengths kept.
-        w.push(at(t0, 10.0), totals(10.0, 2000.0, 500.0));
-        w.push(at(t0, 20.0), totals(10.0, 2000.0, 500.0));
-        w.push(at(t0, 30.0), totals(10.0, 2000.0, 500.0));
+        w.push(at(t0, 10.0), totals(10.0, 2000.0, 1000.0, 10.0));
+        w.push(at(t0, 20.0), totals(10.0, 2000.0, 1000.0, 10.0));
+        w.push(at(t0, 30.0), totals(10.0, 2000.0, 1000.0, 10.0));
         let o = w.observed().unwrap();
-        assert_eq!((o.rate, o.prompt_mean, o.output_mean), (0.0, 200.0, 50.0));
+        assert_eq!((o.rate, o.prompt_mean, o.output_mean), (0.0, 200.0, 100.0));
         // A restarted router (its counters back to zero) starts the window over.
-        w.push(at(t0, 31.0), totals(1.0, 10.0, 0.0));
+        w.push(at(t0, 31.0), totals(1.0, 10.0, 0.0, 0.0));
         assert_eq!(w.observed(), None);
-        w.push(at(t0, 32.0), totals(3.0, 50.0, 8.0));
+        w.push(at(t0, 32.0), totals(3.0, 50.0, 8.0, 2.0));
         let o = w.observed().unwrap();
         assert_eq!((o.rate, o.prompt_mean, o.output_mean), (2.0, 20.0, 4.0));
     }
@@ -440,6 +465,7 @@ tandem_router_tenant_tokens_total{tenant="a",kind="prompt"} 99
         // Idle and light: the least; a burst of 8 a second: both workers.
         assert_eq!(wanted(&p, &p, &seen(0.0), &t, &b).0, shape(1));
         assert_eq!(wanted(&p, &p, &seen(1.0), &t, &b).0, shape(1));
+        assert_eq!(wanted(&p, &p, &seen(4.0), &t, &b).0, shape(2));
         assert_eq!(wanted(&p, &p, &seen(8.0), &t, &b).0, shape(2));
         // Past what two can do: still two (the bound).
         let (s, e) = wanted(&p, &p, &seen(100.0), &t, &b);

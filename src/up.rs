@@ -669,8 +669,8 @@ struct Scaler {
     token: tandem_worker::WorkerToken,
     http: reqwest::Client,
     threads: usize,
-    /// What it last said, to say it again only when it changes.
-    said: String,
+    /// The (wanted, serving) shapes it last reported, to report again only on a change.
+    said: Option<(tandem_bench::plan::Shape, tandem_bench::plan::Shape)>,
 }
 
 /// A worker's numbers as the autoscaler reads them.
@@ -723,7 +723,7 @@ impl Scaler {
                 .timeout(Duration::from_secs(5))
                 .build()?,
             threads,
-            said: String::new(),
+            said: None,
             cfg,
         })
     }
@@ -880,10 +880,12 @@ impl Scaler {
             ))
         );
         let actions = self.decider.decide(Instant::now(), have, want, waiting);
-        if said != self.said && (!actions.is_empty() || want != have) {
+        // Said when it acts, and when the plan or the pools change (not every tick).
+        let changed = self.said != Some((want, have));
+        if !actions.is_empty() || (changed && (self.said.is_some() || want != have)) {
             eprintln!("tandem up: autoscale: {said}");
-            self.said = said;
         }
+        self.said = Some((want, have));
         for action in actions {
             match action {
                 Action::Start(role, n) => {
@@ -1048,6 +1050,59 @@ mod tests {
             crate::Command::Router(r) => assert_eq!(r.prefill_workers.len(), 2),
             _ => panic!("not a router line"),
         }
+    }
+
+    /// With the autoscaler the router follows the worker-list file up keeps, and the bounds
+    /// come from the flags.
+    #[test]
+    fn with_the_autoscaler_the_router_follows_the_worker_list_file() {
+        let a = up(&[
+            "--autoscale",
+            "--max-decode-workers=3",
+            "--decode-workers=2",
+        ]);
+        let list = std::path::Path::new("/run/tandem-up/workers.json");
+        let c = router_args(&a, "/m", &["127.0.0.1:1".into()], &[], Some(list));
+        let argv = c.argv();
+        assert!(
+            argv.contains(&"--discovery=file:/run/tandem-up/workers.json".to_string()),
+            "{argv:?}"
+        );
+        assert!(
+            !argv.iter().any(|f| f.starts_with("--decode-workers")),
+            "{argv:?}"
+        );
+        match c.check().unwrap() {
+            crate::Command::Router(r) => assert_eq!(
+                r.discovery,
+                tandem_router::DiscoverySpec::File { path: list.into() }
+            ),
+            _ => panic!("not a router line"),
+        }
+        let b = scale_bounds(&a, 1);
+        assert_eq!((b.decode, b.prefill), ((2, 3), (0, 0)));
+        // A maximum below the start is the start.
+        let a = up(&[
+            "--autoscale",
+            "--max-decode-workers=1",
+            "--decode-workers=2",
+            "--prefill-workers=1",
+            "--max-prefill-workers=2",
+        ]);
+        let b = scale_bounds(&a, 1);
+        assert_eq!((b.decode, b.prefill), ((2, 2), (1, 2)));
+        for bad in [
+            "--autoscale-interval-s=0",
+            "--autoscale-window-s=-1",
+            "--scale-down-after-s=nan",
+        ] {
+            let a = up(&["--autoscale", bad]);
+            assert!(a.scale.check().is_err(), "{bad}");
+        }
+        assert!(up(&["--autoscale", "--scale-down-after-s=0"])
+            .scale
+            .check()
+            .is_ok());
     }
 
     /// Prefill and decode workers get their own tensor-parallel sizes.

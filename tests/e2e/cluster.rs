@@ -1340,3 +1340,140 @@ async fn up_restarts_a_crashed_worker_and_stops_cleanly() {
         assert!(!alive(k), "child {k} outlived tandem up");
     }
 }
+
+/// `tandem up --autoscale`: a step in load makes the plan (on a fixed, slow profile, so the
+/// shape depends on the offered load alone, not on this machine's speed) ask for a second
+/// decode worker, which up starts and the router joins; under the trickle that follows it asks
+/// for one, and up drains the second (it leaves the router's pool, finishes its requests, and
+/// only then stops). Every request of both phases is answered in full and no KV block stays
+/// held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_autoscale_adds_a_decode_worker_under_a_load_step_and_drains_it_under_a_trickle() {
+    let dir = tempfile::tempdir().unwrap();
+    let profile = dir.path().join("slow.json");
+    // 200 prompt tokens a second; 50 ms decode steps alone, 100 ms at 8 streams.
+    let slow = json!({
+        "kind": "slow", "cores": 1, "prefill_tokens_per_s": 200.0,
+        "decode": [{"batch": 1, "step_ms": 50.0}, {"batch": 8, "step_ms": 100.0}],
+        "max_batch": 8
+    });
+    std::fs::write(&profile, slow.to_string()).unwrap();
+    let args: Vec<String> = vec![
+        "up".into(),
+        format!("--model={}", model_path().display()),
+        "--http-port=0".into(),
+        "--grpc-port=0".into(),
+        "--decode-workers=1".into(),
+        "--prefill-workers=0".into(),
+        "--worker-threads=1".into(),
+        "--autoscale".into(),
+        "--max-decode-workers=2".into(),
+        format!("--autoscale-profile={}", profile.display()),
+        "--autoscale-interval-s=0.2".into(),
+        "--autoscale-window-s=2".into(),
+        "--scale-down-after-s=2".into(),
+    ];
+    let (mut up, line) = spawn(&args, Ready::UP);
+    let http = format!("http://{}", up_http(&line));
+    let serving = |v: &Value| {
+        v["workers"].as_array().map_or(0, |ws| {
+            ws.iter()
+                .filter(|w| w["ready"] == true && w["draining"] == false)
+                .count()
+        })
+    };
+    assert_eq!(serving(&router_state(&http).await), 1);
+    assert_eq!(
+        children(up.pid()).len(),
+        2,
+        "a router and one decode worker"
+    );
+
+    // Requests at `every` apart until `done` holds; then every answer.
+    async fn load_until<F, Fut>(
+        http: &str,
+        every: Duration,
+        first: usize,
+        done: F,
+    ) -> Vec<(u16, Value)>
+    where
+        F: Fn() -> Fut,
+        Fut: std::future::Future<Output = bool>,
+    {
+        let mut sent = Vec::new();
+        let end = Instant::now() + Duration::from_secs(300);
+        let mut i = first;
+        while !done().await {
+            assert!(
+                Instant::now() < end,
+                "the cluster did not get there under load"
+            );
+            let http = http.to_string();
+            sent.push(tokio::spawn(async move {
+                post(
+                    &http,
+                    "/v1/completions",
+                    json!({"prompt": format!("Request {i}: the capital of France is"),
+                           "max_tokens": 16, "temperature": 0, "ignore_eos": true}),
+                )
+                .await
+            }));
+            i += 1;
+            tokio::time::sleep(every).await;
+        }
+        let mut answers = Vec::new();
+        for s in sent {
+            answers.push(s.await.unwrap());
+        }
+        answers
+    }
+    let check = |answers: &[(u16, Value)]| {
+        for (s, v) in answers {
+            assert_eq!(*s, 200, "{v}");
+            assert_eq!(v["usage"]["completion_tokens"], 16, "{v}");
+        }
+    };
+
+    // 4 requests a second (16 output tokens each): more than one slow worker keeps within
+    // the ITL target by the profile, so the plan wants two.
+    let burst = load_until(&http, Duration::from_millis(250), 0, || async {
+        serving(&router_state(&http).await) == 2
+    })
+    .await;
+    check(&burst);
+    assert_eq!(
+        children(up.pid()).len(),
+        3,
+        "a router and two decode workers"
+    );
+
+    // One a second: one worker is enough; the second is drained under this traffic.
+    let pid = up.pid();
+    let trickle = load_until(&http, Duration::from_secs(1), 1000, || async {
+        serving(&router_state(&http).await) == 1 && children(pid).len() == 2
+    })
+    .await;
+    assert!(!trickle.is_empty());
+    check(&trickle);
+
+    // No KV block left held on the worker that stays.
+    until(
+        "the remaining worker holds no request and no block",
+        || async {
+            let v = router_state(&http).await;
+            let ws = v["workers"].as_array().cloned().unwrap_or_default();
+            ws.len() == 1
+                && ws[0]["running"] == 0
+                && ws[0]["waiting"] == 0
+                && ws[0]["in_flight"] == 0
+                && ws[0]["blocks_used"] == 0
+        },
+    )
+    .await;
+
+    up.signal(libc::SIGINT);
+    let status = up
+        .wait_exit(Duration::from_secs(60))
+        .expect("up exits on Ctrl-C");
+    assert!(status.success(), "{status:?}");
+}
