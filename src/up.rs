@@ -596,6 +596,15 @@ async fn supervise(a: UpArgs, model: PathBuf, threads: usize) -> Result<()> {
                 None => None,
             };
             if let Some(status) = exited {
+                if p.draining.is_some() {
+                    // It was leaving: the autoscaler takes it out at its next look.
+                    eprintln!(
+                        "tandem up: {} exited while draining ({status}); not restarted",
+                        p.name
+                    );
+                    p.child = None;
+                    continue;
+                }
                 if p.started.elapsed() > Duration::from_secs(60) {
                     p.backoff = Duration::from_secs(1);
                 }
@@ -620,8 +629,6 @@ async fn supervise(a: UpArgs, model: PathBuf, threads: usize) -> Result<()> {
                         }
                         p.child = Some(c);
                         p.started = Instant::now();
-                        // A drained worker that crashed and came back is no longer leaving.
-                        p.draining = None;
                     }
                     Err(e) => eprintln!("tandem up: {e:#}"),
                 }
@@ -733,8 +740,15 @@ impl Scaler {
             .is_none_or(|t| t.elapsed().as_secs_f64() >= self.cfg.interval_s)
     }
 
-    /// The worker's Info (when asked) and Load, over its control service.
+    /// The worker's Info (when asked) and Load, over its control service; an error when it
+    /// does not answer within 2 s (a hung worker must not hold the loop).
     async fn seen(&self, addr: &str, info: bool) -> Result<Seen> {
+        tokio::time::timeout(Duration::from_secs(2), self.ask(addr, info))
+            .await
+            .map_err(|_| anyhow::anyhow!("{addr} did not answer within 2 s"))?
+    }
+
+    async fn ask(&self, addr: &str, info: bool) -> Result<Seen> {
         use tandem_proto::worker::{
             worker_control_client::WorkerControlClient, InfoRequest, LoadRequest,
         };

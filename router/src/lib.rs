@@ -134,6 +134,12 @@ pub struct RouterArgs {
     /// engines order what they are sent by priority).
     #[arg(long, env = "TANDEM_MAX_IN_FLIGHT_PER_WORKER", default_value_t = 0)]
     pub max_in_flight_per_worker: usize,
+    /// Routers behind one Service that share the tenants' limits: each enforces its share (a
+    /// tenant's requests and tokens a minute over N, its max_concurrent over N rounded up), so
+    /// N replicas together hold a tenant to about its quota when the Service spreads the load
+    /// evenly (the chart sets router.replicas). 1: this router's limits are the tenants'.
+    #[arg(long, env = "TANDEM_ROUTER_REPLICAS", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    pub router_replicas: u32,
     /// Longest a request waits in the router's queue before it is refused with 503 (before
     /// any work is done), for tenants that set no max_queue_wait_ms. 0: no limit.
     #[arg(long, env = "TANDEM_MAX_QUEUE_WAIT_MS", default_value_t = 0)]
@@ -364,6 +370,7 @@ pub async fn serve(
                     .then_some(args.max_in_flight_per_worker),
                 max_wait: (args.max_queue_wait_ms > 0)
                     .then(|| Duration::from_millis(args.max_queue_wait_ms)),
+                replicas: args.router_replicas,
             },
         },
     ));

@@ -334,6 +334,80 @@ fn the_chart_lints_renders_valid_objects_and_commands_the_binary_accepts() {
     assert!(!args("tandem-router").contains("--tenants"));
 }
 
+/// Stored responses: each router's own by default; one etcd store shared by the replicas
+/// when there are several and etcd is known; etcd without endpoints refused. Several replicas
+/// share the tenants' limits.
+#[test]
+fn several_routers_share_the_responses_store_and_the_tenants_limits() {
+    let router_args = |extra: &[&str]| {
+        let objs = objects(&render(extra));
+        objs.iter()
+            .find(|o| o["kind"] == "Deployment" && o["metadata"]["name"] == "tandem-router")
+            .unwrap()["spec"]["template"]["spec"]["containers"][0]["args"]
+            .to_string()
+    };
+    let one = router_args(&[]);
+    assert!(!one.contains("--responses-store"), "{one}");
+    assert!(!one.contains("--router-replicas"), "{one}");
+    assert!(one.contains("\"--responses-ttl-s=3600\""), "{one}");
+    // Several replicas, no etcd known: each its own (memory).
+    let no_etcd = router_args(&["--set", "router.replicas=3"]);
+    assert!(!no_etcd.contains("--responses-store"), "{no_etcd}");
+    // Several replicas with discovery's etcd: the store there, under the cluster's prefix.
+    let shared = router_args(&[
+        "--set",
+        "router.replicas=3",
+        "--set-json",
+        r#"discovery.etcd.endpoints=["etcd-0:2379","etcd-1:2379"]"#,
+    ]);
+    for flag in [
+        "\"--responses-store=etcd://etcd-0:2379,etcd-1:2379\"",
+        "\"--cluster=tandem\"",
+        "\"--discovery=k8s\"",
+        "\"--router-replicas=3\"",
+    ] {
+        assert!(shared.contains(flag), "{flag}: {shared}");
+    }
+    // Asked for by name with endpoints of its own, and a TTL.
+    let named = router_args(&[
+        "--set",
+        "router.responses.store=etcd",
+        "--set-json",
+        r#"router.responses.etcdEndpoints=["store:2379"]"#,
+        "--set",
+        "router.responses.ttlSeconds=600",
+    ]);
+    assert!(
+        named.contains("\"--responses-store=etcd://store:2379\""),
+        "{named}"
+    );
+    assert!(named.contains("\"--responses-ttl-s=600\""), "{named}");
+    // Memory by name even with several replicas and etcd.
+    let memory = router_args(&[
+        "--set",
+        "router.replicas=2",
+        "--set",
+        "router.responses.store=memory",
+        "--set-json",
+        r#"discovery.etcd.endpoints=["etcd-0:2379"]"#,
+    ]);
+    assert!(!memory.contains("--responses-store"), "{memory}");
+    let c = chart();
+    let o = helm(&[
+        "template",
+        "t",
+        c.to_str().unwrap(),
+        "--set",
+        "router.responses.store=etcd",
+    ]);
+    assert!(!o.status.success(), "etcd without endpoints was accepted");
+    assert!(
+        text(&o).contains("router.responses.etcdEndpoints"),
+        "{}",
+        text(&o)
+    );
+}
+
 #[test]
 fn bad_values_are_refused_naming_what_is_wrong() {
     let c = chart();

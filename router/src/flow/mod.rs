@@ -59,6 +59,9 @@ pub struct FlowConfig {
     pub per_worker: Option<usize>,
     /// Longest a request waits in the queue, for a tenant that sets none. None: no limit.
     pub max_wait: Option<Duration>,
+    /// Routers sharing the tenants' limits (`--router-replicas`; 0 or 1: this one alone): each
+    /// enforces its share, a tenant's rates over N and its concurrency over N rounded up.
+    pub replicas: u32,
 }
 
 /// A token bucket of `per_min` a minute: holds at most a minute's worth, refilled evenly.
@@ -147,7 +150,10 @@ impl Live {
         }
     }
 
-    fn set(&mut self, spec: &TenantSpec, label: String, now: Instant) {
+    /// Takes `spec`'s limits, this router's `share`-th of them (rates over `share`,
+    /// concurrency over `share` rounded up).
+    fn set(&mut self, spec: &TenantSpec, label: String, now: Instant, share: u32) {
+        let n = share.max(1);
         fn bucket(b: &mut Option<Bucket>, per_min: Option<f64>, now: Instant) {
             *b = match (b.take(), per_min) {
                 (Some(mut old), Some(p)) => {
@@ -161,16 +167,17 @@ impl Live {
         self.label = label;
         self.priority = spec.priority;
         self.weight = spec.weight;
-        self.max_concurrent = spec.max_concurrent;
+        self.max_concurrent = spec.max_concurrent.map(|m| m.div_ceil(n).max(1));
         self.max_wait = spec.max_queue_wait_ms.map(Duration::from_millis);
         bucket(
             &mut self.requests,
-            spec.requests_per_minute.map(f64::from),
+            spec.requests_per_minute
+                .map(|r| f64::from(r) / f64::from(n)),
             now,
         );
         bucket(
             &mut self.tokens,
-            spec.tokens_per_minute.map(|t| t as f64),
+            spec.tokens_per_minute.map(|t| t as f64 / f64::from(n)),
             now,
         );
         self.retired = false;
@@ -278,7 +285,7 @@ impl Flow {
             st.live
                 .entry(spec.name.as_str().into())
                 .or_insert_with(|| Live::new(label.clone()))
-                .set(spec, label, now);
+                .set(spec, label, now, self.cfg.replicas);
         }
         st.live
             .retain(|_, l| !(l.retired && l.in_flight == 0 && l.queue.is_empty()));

@@ -22,6 +22,7 @@ fn flow(per_worker: Option<usize>, tenants: Vec<TenantSpec>) -> Arc<Flow> {
         FlowConfig {
             per_worker,
             max_wait: None,
+            replicas: 1,
         },
         || 1,
         Arc::new(RouterMetrics::default()),
@@ -84,6 +85,69 @@ async fn a_request_quota_refuses_with_the_wait_its_bucket_needs_and_then_admits(
         f.admit(&caller, 1, 10).await.is_ok(),
         "the wait it was told"
     );
+}
+
+/// One of three routers sharing a tenant's limits enforces a third of its rates and of its
+/// concurrency rounded up.
+#[tokio::test(start_paused = true)]
+async fn a_router_of_several_enforces_its_share_of_a_tenant_s_limits() {
+    let mut a = spec("a", 0);
+    a.requests_per_minute = Some(6);
+    a.tokens_per_minute = Some(3000);
+    a.max_concurrent = Some(4);
+    let f = Flow::new(
+        FlowConfig {
+            replicas: 3,
+            ..Default::default()
+        },
+        || 1,
+        Arc::new(RouterMetrics::default()),
+    );
+    f.configure(&TenantTable::new(vec![a]).unwrap());
+    let caller = Caller::tenant("a");
+    // A third of 6 a minute: 2 now, and the next one a bucket of 2 a minute's 30 s away.
+    let p1 = f.admit(&caller, 1, 10).await.unwrap();
+    let p2 = f.admit(&caller, 1, 10).await.unwrap();
+    let Err(ApiError::OverQuota {
+        limit, retry_after, ..
+    }) = f.admit(&caller, 1, 10).await
+    else {
+        panic!("a third request in the minute must be over this router's share");
+    };
+    assert_eq!(limit, "requests_per_minute");
+    assert_eq!(retry_after, Duration::from_secs(30));
+    drop((p1, p2));
+    // A third of 3000 tokens a minute: after 600, a 500-token prompt is over it (a router
+    // holding the whole 3000 would take it).
+    tokio::time::advance(Duration::from_secs(60)).await;
+    let big = f.admit(&caller, 1, 600).await.unwrap();
+    let Err(ApiError::OverQuota { limit, .. }) = f.admit(&caller, 1, 500).await else {
+        panic!("1100 tokens are over a 1000-token share");
+    };
+    assert_eq!(limit, "tokens_per_minute");
+    drop(big);
+    // Concurrency: 4 over 3, rounded up: 2 run, a third waits.
+    let mut b = spec("b", 0);
+    b.max_concurrent = Some(4);
+    let f = Flow::new(
+        FlowConfig {
+            replicas: 3,
+            ..Default::default()
+        },
+        || 1,
+        Arc::new(RouterMetrics::default()),
+    );
+    f.configure(&TenantTable::new(vec![b]).unwrap());
+    let caller = Caller::tenant("b");
+    let _p = f.admit(&caller, 1, 10).await.unwrap();
+    let _q = f.admit(&caller, 1, 10).await.unwrap();
+    let third = tokio::spawn({
+        let f = f.clone();
+        async move { f.admit(&Caller::tenant("b"), 1, 10).await.map(|_| ()) }
+    });
+    settle().await;
+    assert!(!third.is_finished(), "a third concurrent request must wait");
+    third.abort();
 }
 
 #[tokio::test(start_paused = true)]
@@ -291,6 +355,7 @@ async fn without_tenants_every_caller_shares_one_unlimited_queue() {
         FlowConfig {
             per_worker: Some(2),
             max_wait: Some(Duration::from_secs(1)),
+            replicas: 1,
         },
         || 1,
         Arc::new(RouterMetrics::default()),
