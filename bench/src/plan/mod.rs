@@ -271,14 +271,17 @@ pub fn plan(
     let best = tried
         .iter()
         .filter(|e| e.meets(targets))
-        .min_by(|a, b| {
-            a.cores
-                .cmp(&b.cores)
-                .then(a.itl_ms.total_cmp(&b.itl_ms))
-                .then(a.ttft_p90_ms.total_cmp(&b.ttft_p90_ms))
-        })
+        .min_by(|a, b| cheaper(a, b))
         .copied();
     Plan { best, tried }
+}
+
+/// The plan's order: fewer cores first, then the lower ITL, then the lower TTFT.
+fn cheaper(a: &Estimate, b: &Estimate) -> std::cmp::Ordering {
+    a.cores
+        .cmp(&b.cores)
+        .then(a.itl_ms.total_cmp(&b.itl_ms))
+        .then(a.ttft_p90_ms.total_cmp(&b.ttft_p90_ms))
 }
 
 /// The shape to run within `prefill` and `decode` workers (each `(least, most)`): the
@@ -299,12 +302,7 @@ pub fn within(
         .iter()
         .filter(inside)
         .filter(|e| e.meets(targets))
-        .min_by(|a, b| {
-            a.cores
-                .cmp(&b.cores)
-                .then(a.itl_ms.total_cmp(&b.itl_ms))
-                .then(a.ttft_p90_ms.total_cmp(&b.ttft_p90_ms))
-        });
+        .min_by(|a, b| cheaper(a, b));
     cheapest
         .or_else(|| {
             plan.tried.iter().filter(inside).min_by(|a, b| {
