@@ -8,7 +8,8 @@
 //! with exponential backoff (reset once it has stayed up a minute) while the others keep serving.
 //! Ctrl-C (or SIGTERM) sends SIGTERM to every child, waits for them to drain, and exits. Children
 //! also get SIGKILL from the kernel if `tandem up` itself dies (Linux parent-death signal), so no
-//! orphan keeps a port.
+//! orphan keeps a port. With `--autoscale` the router follows a worker-list file `up` keeps, and
+//! [`crate::autoscale`]'s planner starts and drains workers to the load the router sees.
 
 use std::path::PathBuf;
 use std::process::Stdio;
