@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser};
 use tandem_discovery::Ready;
+use tandem_proto::worker::LoadReport;
 use tandem_router::PolicyKind;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
@@ -185,6 +186,30 @@ impl Proc {
             draining: None,
         }
     }
+}
+
+impl Proc {
+    /// Whether it is a worker of `role` that takes requests (not draining).
+    fn serves(&self, role: Role) -> bool {
+        self.role == Some(role) && self.draining.is_none()
+    }
+}
+
+/// Writes the worker-list file the router follows: the workers that take requests.
+fn write_worker_list(path: &std::path::Path, procs: &[Proc]) -> Result<()> {
+    let of = |role| {
+        procs
+            .iter()
+            .filter(|p| p.serves(role))
+            .map(|p| p.addr.clone())
+            .collect()
+    };
+    tandem_discovery::WorkerList {
+        decode: of(Role::Decode),
+        prefill: of(Role::Prefill),
+    }
+    .write(path)
+    .with_context(|| format!("writing {}", path.display()))
 }
 
 /// Starts worker `name` of `role` on `port` (0: any) and waits for its ready line; restarts
@@ -525,12 +550,7 @@ async fn supervise(a: UpArgs, model: PathBuf, threads: usize) -> Result<()> {
     };
     let list = list_dir.as_ref().map(|d| d.path().join("workers.json"));
     if let Some(path) = &list {
-        tandem_discovery::WorkerList {
-            decode: worker_addrs.clone(),
-            prefill: prefill_addrs.clone(),
-        }
-        .write(path)
-        .with_context(|| format!("writing {}", path.display()))?;
+        write_worker_list(path, &procs)?;
     }
     let mut args = router_args(&a, &model_s, &worker_addrs, &prefill_addrs, list.as_deref());
     let mut router = spawn("router", &args.argv())?;
@@ -586,7 +606,7 @@ async fn supervise(a: UpArgs, model: PathBuf, threads: usize) -> Result<()> {
         }
         if let Some(sc) = scaler.as_mut() {
             if sc.due() {
-                if let Err(e) = sc.tick(&mut procs, &a, &model_s, threads, timeout).await {
+                if let Err(e) = sc.tick(&mut procs, &a, &model_s, timeout).await {
                     eprintln!("tandem up: autoscale: {e:#}");
                 }
             }
@@ -677,14 +697,10 @@ struct Scaler {
     token: tandem_worker::WorkerToken,
     http: reqwest::Client,
     threads: usize,
+    /// Each decode worker's Info (constant for its life), asked once, by address.
+    infos: std::collections::HashMap<String, tandem_proto::worker::WorkerInfo>,
     /// The (wanted, serving) shapes it last reported, to report again only on a change.
     said: Option<(tandem_bench::plan::Shape, tandem_bench::plan::Shape)>,
-}
-
-/// A worker's numbers as the autoscaler reads them.
-struct Seen {
-    load: tandem_proto::worker::LoadReport,
-    info: Option<tandem_proto::worker::WorkerInfo>,
 }
 
 impl Scaler {
@@ -731,6 +747,7 @@ impl Scaler {
                 .timeout(Duration::from_secs(5))
                 .build()?,
             threads,
+            infos: Default::default(),
             said: None,
             cfg,
         })
@@ -741,48 +758,34 @@ impl Scaler {
             .is_none_or(|t| t.elapsed().as_secs_f64() >= self.cfg.interval_s)
     }
 
-    /// The worker's Info (when asked) and Load, over its control service; an error when it
-    /// does not answer within 2 s (a hung worker must not hold the loop).
-    async fn seen(&self, addr: &str, info: bool) -> Result<Seen> {
+    /// The worker's Load (and its Info when `info` and not known yet), over its control
+    /// service; an error when it does not answer within 2 s (a hung worker must not hold the
+    /// loop).
+    async fn seen(&mut self, addr: &str, info: bool) -> Result<LoadReport> {
         tokio::time::timeout(Duration::from_secs(2), self.ask(addr, info))
             .await
             .map_err(|_| anyhow::anyhow!("{addr} did not answer within 2 s"))?
     }
 
-    async fn ask(&self, addr: &str, info: bool) -> Result<Seen> {
+    async fn ask(&mut self, addr: &str, info: bool) -> Result<LoadReport> {
         use tandem_proto::worker::{
             worker_control_client::WorkerControlClient, InfoRequest, LoadRequest,
         };
         let mut c = WorkerControlClient::connect(format!("http://{addr}")).await?;
+        if info && !self.infos.contains_key(addr) {
+            let mut call = tonic::Request::new(InfoRequest {});
+            self.token.attach(&mut call);
+            let i = c.info(call).await?.into_inner();
+            self.infos.insert(addr.to_string(), i);
+        }
         let mut call = tonic::Request::new(LoadRequest {});
         self.token.attach(&mut call);
-        let load = c.load(call).await?.into_inner();
-        let info = match info {
-            true => {
-                let mut call = tonic::Request::new(InfoRequest {});
-                self.token.attach(&mut call);
-                Some(c.info(call).await?.into_inner())
-            }
-            false => None,
-        };
-        Ok(Seen { load, info })
+        Ok(c.load(call).await?.into_inner())
     }
 
     /// Rewrites the worker list from the workers that serve.
     fn publish(&self, procs: &[Proc]) -> Result<()> {
-        let of = |role| {
-            procs
-                .iter()
-                .filter(|p| p.role == Some(role) && p.draining.is_none())
-                .map(|p| p.addr.clone())
-                .collect()
-        };
-        tandem_discovery::WorkerList {
-            decode: of(Role::Decode),
-            prefill: of(Role::Prefill),
-        }
-        .write(&self.list)
-        .with_context(|| format!("writing {}", self.list.display()))
+        write_worker_list(&self.list, procs)
     }
 
     async fn tick(
@@ -790,7 +793,6 @@ impl Scaler {
         procs: &mut Vec<Proc>,
         a: &UpArgs,
         model: &str,
-        threads: usize,
         timeout: Duration,
     ) -> Result<()> {
         self.last = Some(Instant::now());
@@ -805,11 +807,11 @@ impl Scaler {
         self.window.push(Instant::now(), Totals::parse(&page));
 
         // The workers now; drains that are done end here.
-        let mut seen: Vec<Option<Seen>> = Vec::new();
+        let mut seen: Vec<Option<LoadReport>> = Vec::new();
+        let live = self.files.is_none();
         for p in procs.iter() {
             let s = match p.role {
-                Some(Role::Decode) if self.files.is_none() => self.seen(&p.addr, true).await.ok(),
-                Some(_) => self.seen(&p.addr, false).await.ok(),
+                Some(role) => self.seen(&p.addr, live && role == Role::Decode).await.ok(),
                 None => None,
             };
             seen.push(s);
@@ -820,9 +822,9 @@ impl Scaler {
                 i += 1;
                 continue;
             };
-            let idle = seen[i].as_ref().is_none_or(|s| {
-                s.load.in_flight == 0 && s.load.running == 0 && s.load.waiting == 0
-            });
+            let idle = seen[i]
+                .as_ref()
+                .is_none_or(|l| l.in_flight == 0 && l.running == 0 && l.waiting == 0);
             let late = since.elapsed().as_secs_f64() >= self.cfg.drain_timeout_s;
             if !(idle || late) {
                 i += 1;
@@ -830,6 +832,7 @@ impl Scaler {
             }
             let mut p = procs.remove(i);
             seen.remove(i);
+            self.infos.remove(&p.addr);
             let status = match p.child.as_mut() {
                 Some(c) => {
                     sigterm(c);
@@ -860,27 +863,23 @@ impl Scaler {
         };
         let profiles = match &self.files {
             Some(f) => Some(f.clone()),
-            None => self.live_profile(&seen, &load),
+            None => self.live_profile(procs, &seen, &load),
         };
         let Some((prefill, decode)) = profiles else {
             return Ok(());
         };
         let (want, estimate) =
             autoscale::wanted(&prefill, &decode, &load, &self.cfg.targets(), &self.bounds);
-        let serving = |role| {
-            procs
-                .iter()
-                .filter(|p| p.role == Some(role) && p.draining.is_none())
-                .count()
-        };
+        let serving = |role| procs.iter().filter(|p| p.serves(role)).count();
         let have = tandem_bench::plan::Shape {
             prefill: serving(Role::Prefill),
             decode: serving(Role::Decode),
         };
         let waiting = Role::BOTH.map(|role| {
-            procs.iter().zip(&seen).any(|(p, s)| {
-                p.role == Some(role) && s.as_ref().is_some_and(|s| s.load.waiting > 0)
-            })
+            procs
+                .iter()
+                .zip(&seen)
+                .any(|(p, s)| p.role == Some(role) && s.as_ref().is_some_and(|l| l.waiting > 0))
         });
         let said = format!(
             "{:.2} req/s, {:.0} prompt and {:.0} output tokens a request: plan {} prefill + {} decode{}",
@@ -907,7 +906,8 @@ impl Scaler {
                     for _ in 0..n {
                         let name = format!("{}-{}", role.name(), self.next[role as usize]);
                         self.next[role as usize] += 1;
-                        let p = start_worker(a, role, model, name, 0, threads, timeout).await?;
+                        let p =
+                            start_worker(a, role, model, name, 0, self.threads, timeout).await?;
                         eprintln!("tandem up: autoscale: {} started", p.name);
                         procs.push(p);
                         self.publish(procs)?;
@@ -919,9 +919,9 @@ impl Scaler {
                         .iter()
                         .enumerate()
                         .zip(&seen)
-                        .filter(|((_, p), _)| p.role == Some(role) && p.draining.is_none())
+                        .filter(|((_, p), _)| p.serves(role))
                         .min_by_key(|((i, _), s)| {
-                            let busy = s.as_ref().map_or(0, |s| s.load.in_flight + s.load.running);
+                            let busy = s.as_ref().map_or(0, |l| l.in_flight + l.running);
                             (busy, std::cmp::Reverse(*i))
                         })
                         .map(|((i, _), _)| i);
@@ -957,14 +957,14 @@ impl Scaler {
     /// for the lengths seen; None before any worker timed a step.
     fn live_profile(
         &self,
-        seen: &[Option<Seen>],
+        procs: &[Proc],
+        seen: &[Option<LoadReport>],
         load: &autoscale::Observed,
     ) -> Option<(tandem_bench::plan::Profile, tandem_bench::plan::Profile)> {
         let context = load.prompt_mean + load.output_mean / 2.0;
         let per_stream = (load.prompt_mean + load.output_mean).max(1.0);
-        seen.iter().flatten().find_map(|s| {
-            let info = s.info.as_ref()?;
-            let l = &s.load;
+        procs.iter().zip(seen).find_map(|(p, l)| {
+            let (info, l) = (self.infos.get(&p.addr)?, l.as_ref()?);
             let tokens = f64::from(info.total_blocks) * f64::from(info.block_size.max(1));
             let max_batch = ((tokens / per_stream) as usize).max(1);
             let p = tandem_bench::plan::Profile::from_step_cost(

@@ -36,35 +36,30 @@ impl FileDiscovery {
             tick.tick().await;
             loop {
                 tick.tick().await;
-                let read = tokio::fs::read_to_string(&path)
-                    .await
-                    .map_err(|e| format!("reading {}: {e}", path.display()));
-                let text = match read {
+                let text = match tokio::fs::read_to_string(&path).await {
                     Ok(t) if t == seen => continue,
-                    Ok(t) => t,
-                    Err(e) => {
-                        if failing.as_ref() != Some(&e) {
-                            tracing::error!("worker list: {e}; keeping the last lists");
-                            failing = Some(e);
-                        }
-                        continue;
-                    }
+                    Ok(t) => Ok(t),
+                    Err(e) => Err(format!("reading {}: {e}", path.display())),
                 };
-                match WorkerList::parse(&text) {
+                let list = text.as_deref().map_err(Clone::clone).and_then(|t| {
+                    WorkerList::parse(t).map_err(|e| format!("{}: {e}", path.display()))
+                });
+                match list {
                     Ok(list) => {
                         publish(&decode_tx, addrs(&list.decode));
                         publish(&prefill_tx, addrs(&list.prefill));
                         failing = None;
                     }
-                    Err(e) => {
-                        let e = format!("{}: {e}", path.display());
-                        if failing.as_ref() != Some(&e) {
-                            tracing::error!("worker list: {e}; keeping the last lists");
-                            failing = Some(e);
-                        }
+                    Err(e) if failing.as_ref() != Some(&e) => {
+                        tracing::error!("worker list: {e}; keeping the last lists");
+                        failing = Some(e);
                     }
+                    Err(_) => {}
                 }
-                seen = text;
+                // A file read (good or bad) is not read again until it changes.
+                if let Ok(t) = text {
+                    seen = t;
+                }
             }
         });
         Ok(lists.kept_by(task))
