@@ -209,6 +209,7 @@ pub fn run(ordinal: usize, batches: &[usize]) -> Result<GpuReport, EngineError> 
                 cached: context,
                 block_table: &tables[s],
                 logits: 1,
+                lora: None,
             })
             .collect();
         // The step downloads its token ids, so it ends with the device idle.
@@ -236,6 +237,7 @@ pub fn run(ordinal: usize, batches: &[usize]) -> Result<GpuReport, EngineError> 
         cached: 0,
         block_table: &ptable,
         logits: 1,
+        lora: None,
     }];
     let secs = time(1, 5, || g.forward_greedy(&pbatch).map(|_| ()))?;
     let prefill_tok_s = prefill_tokens as f64 / secs;

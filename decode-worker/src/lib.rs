@@ -394,6 +394,7 @@ impl pb::decode_server::Decode for DecodeService {
             constraint: None,
             samples,
             priority: req.priority,
+            adapter: None,
         };
         let request = self
             .engine

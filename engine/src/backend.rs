@@ -100,6 +100,12 @@ pub trait Backend: Send {
         false
     }
 
+    /// Whether steps can run sequences with LoRA adapters (rows of several adapters and of
+    /// the base in one step).
+    fn supports_lora(&self) -> bool {
+        false
+    }
+
     /// The backend as `Any`, so the layer that knows a concrete backend can reach it (the
     /// engine's [`crate::Engine::cpu_model`]); by default nothing to reach.
     fn as_any(&self) -> &dyn std::any::Any {
@@ -271,6 +277,9 @@ impl Backend for Slowed {
     }
     fn is_cpu(&self) -> bool {
         self.inner.is_cpu()
+    }
+    fn supports_lora(&self) -> bool {
+        self.inner.supports_lora()
     }
     fn as_any(&self) -> &dyn std::any::Any {
         self.inner.as_any()

@@ -347,10 +347,18 @@ impl BlockManager {
 
     /// An empty block table for a new sequence.
     pub fn sequence(&self) -> SeqBlocks {
+        self.sequence_from(ROOT)
+    }
+
+    /// An empty block table for a new sequence whose hash chain starts from `root`
+    /// ([`tandem_model::chain_root`]: a LoRA adapter's sequences share blocks only with each
+    /// other).
+    pub fn sequence_from(&self, root: BlockHash) -> SeqBlocks {
         SeqBlocks {
             mgr: self.clone(),
             blocks: Vec::new(),
             hashes: Vec::new(),
+            root,
         }
     }
 }
@@ -367,9 +375,16 @@ pub struct SeqBlocks {
     blocks: Vec<u32>,
     /// Hash of logical block i, for the committed (full and computed) blocks.
     hashes: Vec<BlockHash>,
+    /// The parent of its first block.
+    root: BlockHash,
 }
 
 impl SeqBlocks {
+    /// The parent of its first block ([`BlockManager::sequence_from`]).
+    pub fn root(&self) -> BlockHash {
+        self.root
+    }
+
     /// Physical block ids in logical order (the block table).
     pub fn ids(&self) -> &[u32] {
         &self.blocks
@@ -396,7 +411,7 @@ impl SeqBlocks {
         let bs = self.mgr.block_size;
         let full = tokens.len().saturating_sub(1) / bs;
         let mut s = self.mgr.inner.borrow_mut();
-        let mut parent = ROOT;
+        let mut parent = self.root;
         for chunk in tokens.chunks_exact(bs).take(full) {
             let h = hash_block(parent, chunk);
             let Some(&b) = s.by_hash.get(&h) else { break };
@@ -416,7 +431,7 @@ impl SeqBlocks {
     pub fn reuse_prefix_and_tail(&mut self, tokens: &[u32]) -> usize {
         let whole = self.reuse_prefix(tokens);
         let limit = tokens.len().saturating_sub(1);
-        let parent = self.hashes.last().copied().unwrap_or(ROOT);
+        let parent = self.hashes.last().copied().unwrap_or(self.root);
         let rest = &tokens[whole.min(limit)..limit];
         let mut s = self.mgr.inner.borrow_mut();
         let best = s
@@ -468,7 +483,7 @@ impl SeqBlocks {
             .get(whole)
             .filter(|_| !computed.is_multiple_of(bs))
             .map(|&b| BlockId(b));
-        let parent = self.hashes.last().copied().unwrap_or(ROOT);
+        let parent = self.hashes.last().copied().unwrap_or(self.root);
         let mut s = self.mgr.inner.borrow_mut();
         if let Some(b) = block {
             s.take_ref(b);
@@ -517,7 +532,7 @@ impl SeqBlocks {
         let mut stored = Vec::new();
         for i in first..full {
             let h = hash_block(
-                self.hashes.last().copied().unwrap_or(ROOT),
+                self.hashes.last().copied().unwrap_or(self.root),
                 &tokens[i * bs..(i + 1) * bs],
             );
             self.hashes.push(h);
@@ -550,6 +565,7 @@ impl SeqBlocks {
             mgr: self.mgr.clone(),
             blocks: self.blocks.clone(),
             hashes: self.hashes.clone(),
+            root: self.root,
         }
     }
 

@@ -9,7 +9,7 @@
 //! then the final norm and the head over the rows that want logits.
 
 use serde::Serialize;
-use tandem_model::{LayerTensor, ModelConfig, TensorName};
+use tandem_model::{LayerTensor, LoraAdapter, ModelConfig, TensorName};
 
 use crate::error::EngineError;
 use crate::shard::{Cut, Part, TpShard};
@@ -93,6 +93,22 @@ pub(crate) trait StepOps {
         rows: usize,
         ff: usize,
     ) -> Result<(), EngineError>;
+    /// Adds each LoRA adapter's low-rank product to its rows of projection `site`'s output `out`
+    /// (from `x`, the projection's input), layer `layer`: `out += scale · B·(A·x)` for every
+    /// pair the adapter has there, the rows of one adapter together so that its A and B are
+    /// read once. Only called for a step with adapters; a device that has not built them refuses.
+    fn lora(
+        &mut self,
+        layer: usize,
+        site: LoraSite,
+        x: &Self::Act,
+        out: &mut Self::Act,
+    ) -> Result<(), EngineError> {
+        let _ = (layer, site, x, out);
+        Err(EngineError::Unsupported(
+            "LoRA adapters on this device".into(),
+        ))
+    }
     /// `x += delta` over all rows, then the rows that want logits, normed by `w`, into `out` in
     /// order. `scratch` (as large as `x`) may hold every row's norm on the way.
     fn final_norm(
@@ -166,6 +182,26 @@ pub(crate) trait StepOps {
     fn finish(&mut self) -> Result<(), EngineError> {
         Ok(())
     }
+}
+
+/// A projection of a layer whose output LoRA adapters add to, as the forward fuses them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum LoraSite {
+    /// The fused q|k|v product (the adapter's q, k and v pairs).
+    Qkv,
+    /// The attention output.
+    O,
+    /// The fused gate|up product.
+    GateUp,
+    /// The down product.
+    Down,
+}
+
+/// One adapter's rows of a packed step.
+pub(crate) struct LoraRows<'a> {
+    pub adapter: &'a LoraAdapter,
+    /// Its sequences' token rows, in step order.
+    pub rows: Vec<std::ops::Range<usize>>,
 }
 
 /// One decoder layer's weights as a device holds them.
@@ -466,6 +502,7 @@ pub(crate) fn forward<D: StepOps>(
     tokens: usize,
     logit_rows: usize,
     layers: usize,
+    lora: bool,
     mut times: Option<&mut OpTimes>,
 ) -> Result<Option<D::Logits>, EngineError> {
     let t = tokens;
@@ -504,6 +541,9 @@ pub(crate) fn forward<D: StepOps>(
             qkv,
             d.matmul(&l.qkv, &hbuf, (t, qd + 2 * kvd, h), &mut qkv)
         )?;
+        if lora {
+            op!(times, d, lora, d.lora(li, LoraSite::Qkv, &hbuf, &mut qkv))?;
+        }
         if l.qkv_bias.is_some() || l.qk_norm.is_some() {
             let norms = l.qk_norm.as_ref().map(|(q, k)| (q, k));
             op!(
@@ -515,6 +555,9 @@ pub(crate) fn forward<D: StepOps>(
         }
         op!(times, d, attention, d.attention(li, &mut qkv, &mut att))?;
         op!(times, d, o, d.matmul(&l.o, &att, (t, h, qd), &mut proj))?;
+        if lora {
+            op!(times, d, lora, d.lora(li, LoraSite::O, &att, &mut proj))?;
+        }
         if tp {
             op!(times, d, collectives, d.all_reduce(&mut proj))?;
         }
@@ -532,8 +575,19 @@ pub(crate) fn forward<D: StepOps>(
                     gate_up,
                     d.matmul(gate_up, &hbuf, (t, 2 * ff, h), &mut gu)
                 )?;
+                if lora {
+                    op!(times, d, lora, d.lora(li, LoraSite::GateUp, &hbuf, &mut gu))?;
+                }
                 op!(times, d, silu, d.silu_mul(&gu, &mut act, t, ff))?;
                 op!(times, d, down, d.matmul(down, &act, (t, h, ff), &mut proj))?;
+                if lora {
+                    op!(times, d, lora, d.lora(li, LoraSite::Down, &act, &mut proj))?;
+                }
+            }
+            Mlp::Experts(_) if lora => {
+                return Err(EngineError::Unsupported(
+                    "LoRA adapters on a mixture-of-experts model".into(),
+                ))
             }
             Mlp::Experts(x) => {
                 let routing = op!(times, d, router, d.route(x, &hbuf, t))?;
@@ -584,6 +638,8 @@ pub struct SeqBatch<'a> {
     /// How many of the sequence's last new tokens this step produces logits for (0: none; 1:
     /// the last, to sample the next token; more: a speculative step verifying proposed tokens).
     pub logits: usize,
+    /// The LoRA adapter the sequence runs with (None: the base model).
+    pub lora: Option<&'a LoraAdapter>,
 }
 
 /// One sequence's part of a [`PackedStep`] (only sequences with new tokens appear).
@@ -606,6 +662,8 @@ pub(crate) struct PackedStep<'a> {
     /// Rows whose logits the step returns, in order.
     pub logit_rows: Vec<usize>,
     pub seqs: Vec<PackedSeq<'a>>,
+    /// The rows of each adapter the step runs, in order of first appearance (empty: none).
+    pub lora: Vec<LoraRows<'a>>,
 }
 
 impl<'a> PackedStep<'a> {
@@ -623,6 +681,7 @@ impl<'a> PackedStep<'a> {
             slots: Vec::with_capacity(t),
             logit_rows: Vec::new(),
             seqs: Vec::with_capacity(seqs.len()),
+            lora: Vec::new(),
         };
         for s in seqs {
             let q_start = step.tokens.len();
@@ -663,6 +722,16 @@ impl<'a> PackedStep<'a> {
                 context: ctx,
                 block_table: s.block_table,
             });
+            if let Some(a) = s.lora {
+                let rows = q_start..q_start + s.tokens.len();
+                match step.lora.iter_mut().find(|g| std::ptr::eq(g.adapter, a)) {
+                    Some(g) => g.rows.push(rows),
+                    None => step.lora.push(LoraRows {
+                        adapter: a,
+                        rows: vec![rows],
+                    }),
+                }
+            }
         }
         Ok(step)
     }
@@ -697,11 +766,13 @@ pub struct OpTimes {
     pub router: f64,
     /// A mixture of experts' expert products (gate|up, silu, down) and their weighted sum.
     pub experts: f64,
+    /// LoRA adapters' low-rank products.
+    pub lora: f64,
 }
 
 impl OpTimes {
     /// Each op's name and seconds, in the forward's order.
-    pub fn named(&self) -> [(&'static str, f64); 12] {
+    pub fn named(&self) -> [(&'static str, f64); 13] {
         [
             ("embed", self.embed),
             ("norms", self.norms),
@@ -713,6 +784,7 @@ impl OpTimes {
             ("down", self.down),
             ("router", self.router),
             ("experts", self.experts),
+            ("lora", self.lora),
             ("head", self.head),
             ("collectives", self.collectives),
         ]
@@ -733,6 +805,7 @@ impl std::ops::AddAssign for OpTimes {
         self.collectives += o.collectives;
         self.router += o.router;
         self.experts += o.experts;
+        self.lora += o.lora;
     }
 }
 

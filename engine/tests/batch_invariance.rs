@@ -110,6 +110,7 @@ fn probe(
                 cached: o.ctx - o.new,
                 block_table: t,
                 logits: 1,
+                lora: None,
             })
             .collect();
         // The probe in the middle of the batch, not at an end.
@@ -121,6 +122,7 @@ fn probe(
                 cached,
                 block_table: tables.last().unwrap(),
                 logits: usize::from(want),
+                lora: None,
             },
         );
         let logits = pool.install(|| model.forward(&seqs, kv)).unwrap();

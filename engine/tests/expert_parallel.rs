@@ -54,6 +54,7 @@ fn steps(b: &mut dyn Backend) -> Vec<Vec<f32>> {
         cached,
         block_table: &tables[i],
         logits: 1,
+        lora: None,
     };
     // The first halves of the first two prompts alone.
     let (h0, h1) = (prompts[0].len() / 2, prompts[1].len() / 2);
@@ -73,6 +74,7 @@ fn steps(b: &mut dyn Backend) -> Vec<Vec<f32>> {
                 cached: prompts[i].len() + k,
                 block_table: &tables[i],
                 logits: 1,
+                lora: None,
             })
             .collect();
         let logits = b.forward(&batch).unwrap();

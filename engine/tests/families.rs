@@ -81,6 +81,7 @@ fn logits_by_position(model: &CpuModel, ids: &[u32], n: usize) -> Vec<Vec<f32>> 
                 cached: i,
                 block_table: &table,
                 logits: 1,
+                lora: None,
             };
             model.forward(&[batch], &mut kv).unwrap()
         })
@@ -225,6 +226,7 @@ fn expert_layers_do_not_depend_on_the_batch() {
             cached,
             block_table: table,
             logits: 1,
+            lora: None,
         };
         let mut kv = pool(blocks);
         let alone = model.forward(&[seq(ids, 0, &t0)], &mut kv).unwrap();

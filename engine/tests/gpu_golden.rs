@@ -81,6 +81,7 @@ fn generate(g: &mut CudaModel, prompts: &[Vec<u32>], n_new: &[usize]) -> Vec<Vec
             cached: 0,
             block_table: t,
             logits: 1,
+            lora: None,
         })
         .collect();
     // The first tokens through the host's argmax of downloaded logits, the rest through the
@@ -105,6 +106,7 @@ fn generate(g: &mut CudaModel, prompts: &[Vec<u32>], n_new: &[usize]) -> Vec<Vec
                 cached: prompts[i].len() + outs[i].len() - 1,
                 block_table: &tables[i],
                 logits: 1,
+                lora: None,
             })
             .collect();
         let next = g.forward_greedy(&batch).unwrap();
@@ -170,6 +172,7 @@ fn bf16_last_position_logits_near_golden() {
                 cached: 0,
                 block_table: &table,
                 logits: 1,
+                lora: None,
             }])
             .unwrap();
         assert_eq!(got.len(), want.len());

@@ -91,6 +91,7 @@ fn teacher_forced(
                     cached,
                     block_table: table,
                     logits: 1,
+                    lora: None,
                 }
             })
             .collect();

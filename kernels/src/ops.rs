@@ -174,3 +174,64 @@ mod tests {
         assert!((g[1] - 2.0 / (1.0 + (-2f32).exp())).abs() < 1e-6);
     }
 }
+
+/// One LoRA pair's part of a projection's output (see [`lora_add`]): `rows` of the output get
+/// `scale · B·(A·x)` in columns `off..off + out`.
+pub struct LoraJob<'a> {
+    /// `rank × in`, row-major (PEFT's `lora_A`).
+    pub a: &'a [f32],
+    /// `rank × out`, row-major (PEFT's `lora_B` transposed).
+    pub bt: &'a [f32],
+    /// The pair's rank.
+    pub rank: usize,
+    /// What `B·(A·x)` is multiplied by.
+    pub scale: f32,
+    /// The first output column the pair's outputs land in (q, k and v share one fused output).
+    pub off: usize,
+    /// The rows it applies to.
+    pub rows: &'a [usize],
+}
+
+/// Adds every job's low-rank product to its rows of `out` (rows of `n` values) from the same
+/// rows of `x` (rows of `k` values): `out[row, off + o] += scale · Σⱼ B[o, j] · (A[j] · x[row])`,
+/// the sum over `j` in order, then scaled, then added, as PEFT computes it.
+///
+/// Every row's values are one sequence of the same operations whatever else the call holds
+/// (which jobs, how many rows, how the rows are split over threads): batch-invariant. The rows
+/// of all jobs run as one parallel region; the rows of one job on a thread reuse its A and B
+/// from cache (BGMV-style: the pair is read from memory once per step, not once per row).
+pub fn lora_add(jobs: &[LoraJob<'_>], x: &[f32], k: usize, out: &mut [f32], n: usize) {
+    use crate::simd::{axpy, dot_f32};
+    let total: usize = jobs
+        .iter()
+        .map(|j| j.rows.len() * j.bt.len() / j.rank.max(1))
+        .sum();
+    let mut delta = vec![0f32; total];
+    let mut tasks: Vec<(&LoraJob<'_>, usize, &mut [f32])> = Vec::new();
+    let mut rest = delta.as_mut_slice();
+    for j in jobs {
+        let width = j.bt.len() / j.rank.max(1);
+        for &row in j.rows {
+            let (mine, tail) = rest.split_at_mut(width);
+            tasks.push((j, row, mine));
+            rest = tail;
+        }
+    }
+    tasks
+        .par_iter_mut()
+        .for_each_init(Vec::new, |t: &mut Vec<f32>, (j, row, d)| {
+            let xr = &x[*row * k..][..k];
+            t.clear();
+            t.extend(j.a.chunks_exact(k).map(|aj| dot_f32(xr, aj)));
+            let width = d.len();
+            for (tj, bj) in t.iter().zip(j.bt.chunks_exact(width)) {
+                axpy(*tj, bj, d);
+            }
+        });
+    for (j, row, d) in tasks {
+        let o = &mut out[row * n + j.off..][..d.len()];
+        for (o, &dv) in o.iter_mut().zip(d.iter()) {
+            *o += dv * j.scale;
+        }
+    }
+}

@@ -1,7 +1,8 @@
 //! Prefix-cache block hashing, shared by the engine's block manager and the router's KV index.
 //!
 //! A block's hash chains its parent's: `xxh3_64(parent_hash as u64 LE ‖ token ids as u32 LE)`, with
-//! parent 0 for the first block. Two sequences share a block hash only if they share every token
+//! parent 0 for the first block (the chain of a sequence run with a LoRA adapter starts from the
+//! adapter's content hash instead: [`chain_root`]). Two sequences share a block hash only if they share every token
 //! up to the end of that block, so a hash names a whole prefix.
 
 use xxhash_rust::xxh3::Xxh3;
@@ -23,10 +24,22 @@ pub fn hash_block(parent: BlockHash, tokens: &[u32]) -> BlockHash {
     BlockHash(h.digest())
 }
 
+/// The hash a sequence's chain starts from: [`ROOT`] for the base model, a LoRA adapter's
+/// content hash for a sequence that runs with it. A block's K/V depends on the adapter, so the
+/// same tokens under two adapters (or one and the base) share no block.
+pub fn chain_root(adapter: Option<u64>) -> BlockHash {
+    adapter.map_or(ROOT, BlockHash)
+}
+
 /// Chained hashes of every full block of `tokens`; a trailing partial block has none.
 pub fn block_hashes(tokens: &[u32], block_size: usize) -> Vec<BlockHash> {
+    block_hashes_from(ROOT, tokens, block_size)
+}
+
+/// [`block_hashes`] of a chain that starts from `root` ([`chain_root`]).
+pub fn block_hashes_from(root: BlockHash, tokens: &[u32], block_size: usize) -> Vec<BlockHash> {
     assert!(block_size > 0, "block size must be positive");
-    let mut parent = ROOT;
+    let mut parent = root;
     tokens
         .chunks_exact(block_size)
         .map(|b| {

@@ -16,7 +16,8 @@
 //! Main types: [`LoadedModel`] (a model read from disk), [`ModelConfig`] (its dimensions and
 //! rotary settings), [`TensorData`] (one weight tensor, still in its file encoding) named by
 //! [`TensorName`], [`Tokenizer`] and [`IncrementalDecoder`] (text to token ids and back, streamed),
-//! [`ChatTemplate`] (messages to a prompt), [`BlockHash`] (a KV block's chained prefix hash) and
+//! [`ChatTemplate`] (messages to a prompt), [`LoraAdapter`] (a PEFT LoRA adapter checked against
+//! its base, [`load_lora`]), [`BlockHash`] (a KV block's chained prefix hash) and
 //! [`ModelError`]. Two modules are public as namespaces: [`gguf`] (a GGUF reader, and a writer for
 //! tests and tools) and [`hash`] (the block hash the engine and the router must compute alike).
 
@@ -27,6 +28,7 @@ mod config;
 pub mod gguf;
 pub mod hash;
 mod hf;
+mod lora;
 mod names;
 mod quant;
 mod tokenizer;
@@ -36,7 +38,8 @@ use std::path::{Path, PathBuf};
 
 pub use chat::{ChatMessage, ChatTemplate, ToolCallStyle};
 pub use config::{Family, ModelConfig, MoeConfig, RopeScaling, SUPPORTED};
-pub use hash::{block_hashes, file_identity, hash_block, BlockHash};
+pub use hash::{block_hashes, block_hashes_from, chain_root, file_identity, hash_block, BlockHash};
+pub use lora::{load_lora, LoraAdapter, LoraLayer, LoraPair, LoraTarget};
 pub use names::{ExpertPart, LayerTensor, TensorName};
 pub use quant::{dequantize, quantize_q4_1, quantize_q8_0, GgmlType};
 pub use tokenizer::{IncrementalDecoder, Tokenizer, VocabEntry};
@@ -73,6 +76,10 @@ pub enum ModelError {
     /// A tensor the forward pass needs is not in the file (the canonical name).
     #[error("tensor {0} is missing from the model file")]
     MissingTensor(String),
+    /// A LoRA adapter is missing, malformed or does not fit the base model; the message says
+    /// which file and why.
+    #[error("LoRA adapter {0}")]
+    Adapter(String),
 }
 
 impl ModelError {

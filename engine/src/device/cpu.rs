@@ -19,7 +19,9 @@ use tandem_model::{LoadedModel, ModelConfig, TensorData};
 
 use crate::backend::{Backend, PoolSize};
 use crate::error::EngineError;
-use crate::forward::{self, ExpertLoad, ModelWeights, OpTimes, PackedStep, SeqBatch, StepOps};
+use crate::forward::{
+    self, ExpertLoad, LoraSite, ModelWeights, OpTimes, PackedStep, SeqBatch, StepOps,
+};
 use crate::kv_cache::KvPool;
 use crate::shard::TpShard;
 use tandem_collective::{Collective, SingleRank};
@@ -299,8 +301,18 @@ impl CpuModel {
         }
         let mut ops = CpuStep::new(self, comm, kv, &step);
         let n = step.logit_rows.len();
-        let logits =
-            forward::forward(&mut ops, &self.weights, c, &self.shard, t, n, layers, times)?;
+        let lora = !step.lora.is_empty();
+        let logits = forward::forward(
+            &mut ops,
+            &self.weights,
+            c,
+            &self.shard,
+            t,
+            n,
+            layers,
+            lora,
+            times,
+        )?;
         Ok(logits.unwrap_or_default())
     }
 }
@@ -648,6 +660,55 @@ impl StepOps for CpuStep<'_> {
         Ok(())
     }
 
+    fn lora(
+        &mut self,
+        layer: usize,
+        site: LoraSite,
+        x: &Vec<f32>,
+        out: &mut Vec<f32>,
+    ) -> Result<(), EngineError> {
+        use tandem_model::LoraTarget::*;
+        if !self.shard.is_whole() {
+            return Err(EngineError::Unsupported(
+                "LoRA adapters on a tensor-parallel rank".into(),
+            ));
+        }
+        let c = self.c;
+        let (h, ff) = (c.hidden_size, c.intermediate_size);
+        let (qd, kvd) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+        // The projection's input width, its (fused) output's, and where each pair's outputs
+        // start in it.
+        let (k, n, parts) = match site {
+            LoraSite::Qkv => (h, qd + 2 * kvd, vec![(Q, 0), (K, qd), (V, qd + kvd)]),
+            LoraSite::O => (qd, h, vec![(O, 0)]),
+            LoraSite::GateUp => (h, 2 * ff, vec![(Gate, 0), (Up, ff)]),
+            LoraSite::Down => (ff, h, vec![(Down, 0)]),
+        };
+        let rows: Vec<Vec<usize>> = self
+            .step
+            .lora
+            .iter()
+            .map(|g| g.rows.iter().flat_map(|r| r.clone()).collect())
+            .collect();
+        let mut jobs = Vec::new();
+        for (g, rows) in self.step.lora.iter().zip(&rows) {
+            for &(target, off) in &parts {
+                if let Some(p) = g.adapter.pair(layer, target) {
+                    jobs.push(ops::LoraJob {
+                        a: &p.a,
+                        bt: &p.bt,
+                        rank: p.rank,
+                        scale: p.scale,
+                        off,
+                        rows,
+                    });
+                }
+            }
+        }
+        ops::lora_add(&jobs, x, k, out, n);
+        Ok(())
+    }
+
     fn final_norm(
         &mut self,
         x: &mut Vec<f32>,
@@ -962,6 +1023,11 @@ impl Backend for CpuBackend {
         self.model.expert_load()
     }
 
+    fn supports_lora(&self) -> bool {
+        let m = &self.model;
+        m.shard.is_whole() && m.config.moe.is_none()
+    }
+
     fn is_cpu(&self) -> bool {
         true
     }
@@ -996,12 +1062,14 @@ mod tests {
                 cached: 0,
                 block_table: &t0,
                 logits: 1,
+                lora: None,
             },
             SeqBatch {
                 tokens: &p1,
                 cached: 0,
                 block_table: &t1,
                 logits: 1,
+                lora: None,
             },
         ];
         let logits = b.forward(&batch).unwrap();
@@ -1043,6 +1111,7 @@ mod tests {
             cached: 0,
             block_table: &t,
             logits: 1,
+            lora: None,
         }];
         let want = plain.forward(&batch).unwrap();
         let got = slowed.forward(&batch).unwrap();

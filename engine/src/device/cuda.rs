@@ -270,6 +270,7 @@ impl CudaModel {
             t,
             n,
             layers,
+            !step.lora.is_empty(),
             None,
         )?;
         Ok(logits.map(|l| (l, n)))

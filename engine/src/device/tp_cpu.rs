@@ -75,6 +75,7 @@ impl OwnedBatch {
                 cached: *cached,
                 block_table: table,
                 logits: *want,
+                lora: None,
             })
             .collect()
     }
@@ -490,6 +491,7 @@ mod tests {
                     cached: *cached,
                     block_table: table,
                     logits: 1,
+                    lora: None,
                 })
                 .collect();
             let logits = b.forward(&batch).unwrap();
@@ -602,6 +604,7 @@ mod tests {
             cached: 0,
             block_table: &table,
             logits: 1,
+            lora: None,
         }];
         let e = b.forward(&seq).unwrap_err().to_string();
         assert!(e.contains("ranks [1] did not arrive"), "{e}");
@@ -612,6 +615,7 @@ mod tests {
             cached: 0,
             block_table: &table,
             logits: 1,
+            lora: None,
         }];
         let e = b.forward(&bad).unwrap_err().to_string();
         assert!(e.contains("500"), "{e}");

@@ -27,7 +27,7 @@ use std::time::Instant;
 
 use tandem_kv_transfer::disk::Loaded;
 use tandem_kv_transfer::{DiskTier, DiskTierConfig};
-use tandem_model::hash::{block_hashes, BlockHash};
+use tandem_model::hash::{block_hashes_from, BlockHash};
 
 use super::{Engine, KvDiskConfig, Seq};
 use crate::backend::{Backend, RankPool};
@@ -196,7 +196,7 @@ impl Engine {
         // The blocks admission could take over (it leaves the last token to compute).
         let full = s.tokens.len().saturating_sub(1) / bs;
         let mut want = Vec::new();
-        for h in block_hashes(&s.tokens[..full * bs], bs) {
+        for h in block_hashes_from(s.blocks.root(), &s.tokens[..full * bs], bs) {
             if self.blocks.holds(h) {
                 continue;
             }

@@ -204,6 +204,7 @@ impl Drafter {
                     cached: s.fed.len(),
                     block_table: &s.table,
                     logits: usize::from(*logits),
+                    lora: None,
                 }
             })
             .collect();

@@ -131,6 +131,8 @@ struct Seq {
     /// first, then by arrival), so admission takes a higher band first and preemption, which
     /// takes the running set's last, a lower band first.
     priority: i32,
+    /// The LoRA adapter it runs with.
+    adapter: Option<std::sync::Arc<tandem_model::LoraAdapter>>,
 }
 
 impl Seq {
@@ -194,6 +196,7 @@ impl Seq {
                     accept: self.accept,
                     spec_tokens: (0, 0),
                     priority: self.priority,
+                    adapter: self.adapter.clone(),
                 };
                 (seq, first)
             })
@@ -471,7 +474,23 @@ impl Engine {
 
     /// Checks a request against the model and the pool before it is queued.
     pub fn validate(&self, r: &Request) -> Result<(), EngineError> {
-        self.limits().validate(r)
+        self.limits().validate(r)?;
+        if let Some(a) = &r.adapter {
+            if !self.backend.supports_lora() {
+                return Err(EngineError::Unsupported(format!(
+                    "LoRA adapter {:?}: this backend ({}) runs the base model only",
+                    a.name,
+                    self.backend.device()
+                )));
+            }
+            if !a.fits(self.backend.config()) {
+                return Err(EngineError::Unsupported(format!(
+                    "LoRA adapter {:?} was read for another base model",
+                    a.name
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// Queue, pool and throughput figures now.
@@ -630,6 +649,8 @@ impl Engine {
             sampler.record(t);
         }
         let prompt_len = r.prompt.len();
+        let root = tandem_model::chain_root(r.adapter.as_ref().map(|a| a.content_hash));
+        let adapter = r.adapter;
         let mut tokens = r.prompt;
         tokens.extend(&r.resume);
         Seq {
@@ -640,7 +661,7 @@ impl Engine {
             sampler,
             tokens,
             computed: 0,
-            blocks: self.blocks.sequence(),
+            blocks: self.blocks.sequence_from(root),
             logprobs: Vec::new(),
             submitted: Instant::now(),
             admitted: None,
@@ -655,6 +676,7 @@ impl Engine {
             accept: speculate::PRIOR_ACCEPT,
             spec_tokens: (0, 0),
             priority,
+            adapter,
         }
     }
 

@@ -59,10 +59,21 @@ impl Engine {
 
     /// Last-position logits of a prompt (one prefill, nothing kept): for checks against a reference.
     pub fn prompt_logits(&mut self, prompt: &[u32]) -> Result<Vec<f32>, EngineError> {
-        self.validate(&Request::new(
+        self.prompt_logits_with(prompt, None)
+    }
+
+    /// [`Self::prompt_logits`] with a LoRA adapter (None: the base model).
+    pub fn prompt_logits_with(
+        &mut self,
+        prompt: &[u32],
+        adapter: Option<&std::sync::Arc<tandem_model::LoraAdapter>>,
+    ) -> Result<Vec<f32>, EngineError> {
+        let mut r = Request::new(
             prompt.to_vec(),
             ValidSampling::greedy(std::num::NonZeroU32::MIN),
-        ))?;
+        );
+        r.adapter = adapter.cloned();
+        self.validate(&r)?;
         let mut blocks = self.blocks.sequence();
         if !blocks.reserve(prompt.len()) {
             return Err(EngineError::TooLargeForCache {
@@ -78,6 +89,7 @@ impl Engine {
             cached: 0,
             block_table: blocks.ids(),
             logits: 1,
+            lora: adapter.map(|a| &**a),
         }];
         self.backend.forward(&batch)
     }

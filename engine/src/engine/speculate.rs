@@ -453,6 +453,7 @@ impl Engine {
                         cached: s.computed + p,
                         block_table: s.blocks.ids(),
                         logits: 1,
+                        lora: s.adapter.as_deref(),
                     }
                 })
                 .collect();

@@ -112,6 +112,7 @@ impl Engine {
                         true => 1 + take - pending,
                         false => 0,
                     },
+                    lora: s.adapter.as_deref(),
                 }
             })
             .collect()

@@ -199,6 +199,10 @@ pub struct Request {
     /// Its priority band (its tenant's): a higher band is admitted first and preempted last;
     /// within a band, first come first served. 0 by default; negative is lower.
     pub priority: i32,
+    /// The LoRA adapter it runs with (None: the base model). Its sequences' block hashes start
+    /// from the adapter's content hash, so they share a cached prefix only with the same
+    /// adapter's.
+    pub adapter: Option<std::sync::Arc<tandem_model::LoraAdapter>>,
 }
 
 /// Parallel samples of one prompt (OpenAI's `n`). The prompt is computed once; when its last
@@ -240,6 +244,7 @@ impl Request {
             constraint: None,
             samples: Samples::ONE,
             priority: 0,
+            adapter: None,
         }
     }
 
