@@ -394,6 +394,23 @@ pub struct BenchEngineArgs {
     /// is reported with their ratio.
     #[arg(long)]
     json_schema: Option<PathBuf>,
+    /// Also decode with this many random LoRA adapters (PEFT files written to a temporary
+    /// directory and read back as `--lora` reads them), the batch spread over them round-robin,
+    /// and compare with the base: the runs alternate, twice each, best of each reported with
+    /// their ratio, beside each adapter's read time and memory.
+    #[arg(long, default_value_t = 0)]
+    loras: usize,
+    /// The random adapters' rank.
+    #[arg(long, default_value_t = 16)]
+    lora_rank: usize,
+    /// The random adapters' target modules (comma-separated among q_proj, k_proj, v_proj,
+    /// o_proj, gate_proj, up_proj, down_proj; default all seven).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+    )]
+    lora_targets: Vec<String>,
 }
 
 /// Serves a workload under each policy (and, for shared-prefix, continuous without the prefix
@@ -493,10 +510,14 @@ fn bench_engine(a: BenchEngineArgs) -> Result<()> {
         seed: a.seed,
         grammar: None,
         profile: a.profile,
+        adapters: Vec::new(),
     };
     let weights = format!("{:?}", a.engine.weights).to_lowercase();
     if let Some(path) = &a.json_schema {
         return bench_constrained(&a, &mut engine, b, &weights, path);
+    }
+    if a.loras > 0 {
+        return bench_lora(&a, &mut engine, b, &weights);
     }
     let r = tandem_bench::run_engine_bench(&mut engine, &b, &weights)?;
     if a.json {
@@ -690,6 +711,88 @@ fn bench_constrained(
             held / free,
             held,
             free,
+            tandem_bench::roofline::cpu_info().model,
+            tandem_kernels::simd_level()
+        );
+    }
+    Ok(())
+}
+
+/// The base against `a.loras` random adapters (see [`BenchEngineArgs::loras`]).
+fn bench_lora(
+    a: &BenchEngineArgs,
+    engine: &mut Engine,
+    b: tandem_bench::EngineBench,
+    weights: &str,
+) -> Result<()> {
+    use tandem_model::LoraTarget;
+    let c = engine.model_config().clone();
+    let targets = a
+        .lora_targets
+        .iter()
+        .map(|m| {
+            LoraTarget::ALL
+                .into_iter()
+                .find(|t| t.module() == m)
+                .ok_or_else(|| anyhow::anyhow!("--lora-targets: unknown module {m:?}"))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let tmp = tempfile::tempdir()?;
+    let mut adapters = Vec::new();
+    let mut read_s = Vec::new();
+    for i in 0..a.loras {
+        let dir = tmp.path().join(format!("lora-{i}"));
+        let rank = a.lora_rank;
+        tandem_model::write_random_lora(&dir, &c, rank, 2.0 * rank as f32, &targets, i as u64)?;
+        let t0 = std::time::Instant::now();
+        let ad = tandem_model::load_lora(&format!("lora-{i}"), &dir, &c, rank)?;
+        read_s.push(t0.elapsed().as_secs_f64());
+        adapters.push(std::sync::Arc::new(ad));
+    }
+    let with = tandem_bench::EngineBench {
+        adapters: adapters.clone(),
+        ..b.clone()
+    };
+    let (mut base, mut lora) = (0f64, 0f64);
+    for round in 0..2 {
+        for (run, best) in [(&b, &mut base), (&with, &mut lora)] {
+            engine.clear_prefix_cache();
+            let r = tandem_bench::run_engine_bench(engine, run, weights)?;
+            if a.json {
+                println!("{}", serde_json::to_string(&r)?);
+            } else {
+                println!(
+                    "round {round} {:<16} decode {:>8.1} tok/s  step p50 {:>7.2} ms",
+                    match run.adapters.len() {
+                        0 => "base".to_string(),
+                        n => format!("{n} adapters"),
+                    },
+                    r.decode_tok_s,
+                    r.step_ms_p50,
+                );
+            }
+            *best = best.max(r.decode_tok_s);
+        }
+    }
+    if !a.json {
+        let bytes = adapters[0].bytes();
+        let mean_ms = 1e3 * read_s.iter().sum::<f64>() / read_s.len() as f64;
+        println!(
+            "adapter: rank {}, {} targets, {:.2} MB in memory (f32), read and checked in {:.1} ms (mean of {})",
+            a.lora_rank,
+            targets.len(),
+            bytes as f64 / 1e6,
+            mean_ms,
+            read_s.len()
+        );
+        println!(
+            "batch {} over {} adapters / base decode = {:.3} ({:.1} / {:.1} tok/s, best of 2 each; weights {}; cpu {}; kernels {})",
+            b.batch,
+            a.loras,
+            lora / base,
+            lora,
+            base,
+            weights,
             tandem_bench::roofline::cpu_info().model,
             tandem_kernels::simd_level()
         );

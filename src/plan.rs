@@ -220,6 +220,7 @@ pub fn bench_profile(a: BenchProfileArgs) -> Result<()> {
             seed: batch as u64,
             grammar: None,
             profile: false,
+            adapters: Vec::new(),
         };
         let r = tandem_bench::run_engine_bench(&mut engine, &b, &weights)?;
         engine.clear_prefix_cache();

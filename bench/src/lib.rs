@@ -51,6 +51,9 @@ pub struct EngineBench {
     /// Time each op of the steps' forward ([`EngineReport::decode_ops`],
     /// [`EngineReport::prefill_ops`]).
     pub profile: bool,
+    /// LoRA adapters the requests run with, request `i` with adapter `i mod len` (none: the
+    /// base model).
+    pub adapters: Vec<std::sync::Arc<tandem_model::LoraAdapter>>,
 }
 
 /// One op's share of a decode step or of the prefill, from a profile of the steps.
@@ -162,11 +165,15 @@ pub fn run_engine_bench(
     .validate()?;
     // Random ids above the special-token range: realistic attention and no early stop.
     let requests: Vec<Request> = (0..b.batch)
-        .map(|_| {
+        .map(|i| {
             let prompt = (0..b.prompt_len)
                 .map(|_| rng.gen_range(100..vocab))
                 .collect();
-            Request::new(prompt, params.clone())
+            let mut r = Request::new(prompt, params.clone());
+            if !b.adapters.is_empty() {
+                r.adapter = Some(b.adapters[i % b.adapters.len()].clone());
+            }
+            r
         })
         .collect();
     let profiled = b.profile && engine.profile_ops(true);
@@ -235,9 +242,11 @@ pub fn run_engine_bench(
     // at `rows` rows a projection and `head_rows` through the head.
     // The ops this model has: a dense MLP's three, or a mixture of experts' two.
     let experts = engine.model_config().moe.is_some();
+    let lora = !b.adapters.is_empty();
     let has = move |op: &str| match op {
         "gate_up" | "silu" | "down" => !experts,
         "router" | "experts" => experts,
+        "lora" => lora,
         _ => true,
     };
     // The experts' weights a step reads: the share `weights_by_op` gives (the `active` experts

@@ -39,7 +39,7 @@ use std::path::{Path, PathBuf};
 pub use chat::{ChatMessage, ChatTemplate, ToolCallStyle};
 pub use config::{Family, ModelConfig, MoeConfig, RopeScaling, SUPPORTED};
 pub use hash::{block_hashes, block_hashes_from, chain_root, file_identity, hash_block, BlockHash};
-pub use lora::{load_lora, LoraAdapter, LoraLayer, LoraPair, LoraTarget};
+pub use lora::{load_lora, write_random_lora, LoraAdapter, LoraLayer, LoraPair, LoraTarget};
 pub use names::{ExpertPart, LayerTensor, TensorName};
 pub use quant::{dequantize, quantize_q4_1, quantize_q8_0, GgmlType};
 pub use tokenizer::{IncrementalDecoder, Tokenizer, VocabEntry};

@@ -505,6 +505,79 @@ pub fn load_lora(
     })
 }
 
+/// Writes a random LoRA adapter for a `base` model into `dir` as PEFT saves one
+/// (`adapter_config.json` and `adapter_model.safetensors`, f32): rank `rank`, `lora_alpha`
+/// `alpha`, the pairs of `targets` in every layer, A of scale `1/√in` and B of 0.05 (both
+/// nonzero: PEFT's own initialization leaves B zero, a no-op), from `seed`. For benchmarks and
+/// tests that need adapters of a model no committed adapter fits.
+pub fn write_random_lora(
+    dir: &Path,
+    base: &ModelConfig,
+    rank: usize,
+    alpha: f32,
+    targets: &[LoraTarget],
+    seed: u64,
+) -> Result<(), ModelError> {
+    std::fs::create_dir_all(dir).map_err(|e| bad(dir, e))?;
+    // splitmix64, then a sum of uniforms: roughly normal, and no dependency for test weights.
+    let mut state = seed;
+    let mut normal = move || {
+        let mut u = || {
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 24) as f32
+        };
+        (0..4).map(|_| u()).sum::<f32>() - 2.0
+    };
+    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    for layer in 0..base.num_layers {
+        for &t in targets {
+            let (inp, out) = t.dims(base);
+            let name = |half: &str| {
+                format!(
+                    "base_model.model.model.layers.{layer}.{}.{half}.weight",
+                    t.path()
+                )
+            };
+            let a_scale = 1.0 / (inp as f32).sqrt() * 1.7;
+            let a: Vec<u8> = (0..rank * inp)
+                .flat_map(|_| (normal() * a_scale).to_le_bytes())
+                .collect();
+            let b: Vec<u8> = (0..out * rank)
+                .flat_map(|_| (normal() * 0.05 * 1.7).to_le_bytes())
+                .collect();
+            tensors.push((name("lora_A"), vec![rank, inp], a));
+            tensors.push((name("lora_B"), vec![out, rank], b));
+        }
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .map(|(n, shape, data)| {
+            let v =
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), data)
+                    .map_err(|e| bad(dir, e))?;
+            Ok((n.clone(), v))
+        })
+        .collect::<Result<_, ModelError>>()?;
+    let st = dir.join("adapter_model.safetensors");
+    safetensors::tensor::serialize_to_file(views, None, &st).map_err(|e| bad(&st, e))?;
+    let cfg = serde_json::json!({
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "use_rslora": false,
+        "use_dora": false,
+        "target_modules": targets.iter().map(|t| t.module()).collect::<Vec<_>>(),
+    });
+    let path = dir.join("adapter_config.json");
+    std::fs::write(&path, cfg.to_string()).map_err(|e| bad(&path, e))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
