@@ -63,6 +63,8 @@ pub struct DecodeArgs {
     #[arg(long, env = "TANDEM_KV_DEADLINE_SLACK", default_value_t = 4.0)]
     pub kv_deadline_slack: f64,
     #[command(flatten)]
+    pub lora: LoraArgs,
+    #[command(flatten)]
     pub secret: SecretArgs,
     #[command(flatten)]
     pub register: RegisterArgs,
@@ -88,6 +90,8 @@ pub struct PrefillArgs {
     /// prefill is refused with RESOURCE_EXHAUSTED, so its decode worker goes elsewhere at once.
     #[arg(long, env = "TANDEM_MAX_QUEUE_WAIT_MS", default_value_t = 10_000)]
     pub max_queue_wait_ms: u64,
+    #[command(flatten)]
+    pub lora: LoraArgs,
     #[command(flatten)]
     pub secret: SecretArgs,
     #[command(flatten)]
@@ -331,7 +335,16 @@ pub(crate) const SERVE_STEP_TARGET_MS: f64 = 250.0;
 pub(crate) const SERVE_ITL_TARGET_MS: f64 = 100.0;
 
 /// Loads the engine on its own thread; returns it with the model's name and the cache's dtype.
-fn start_engine(engine: &EngineArgs) -> Result<(EngineHandle, String, String)> {
+/// What a started engine serves: its model's name and shape, its KV element type, and whether
+/// its device runs LoRA adapters.
+struct Started {
+    model: String,
+    kv_dtype: String,
+    config: tandem_model::ModelConfig,
+    lora: bool,
+}
+
+fn start_engine(engine: &EngineArgs) -> Result<(EngineHandle, Started)> {
     let model_path = match &engine.model {
         Some(p) => p.clone(),
         None => fetch::ensure_default_model()?,
@@ -347,15 +360,76 @@ fn start_engine(engine: &EngineArgs) -> Result<(EngineHandle, String, String)> {
         let (engine, loaded) = engine_args
             .build()
             .map_err(|e| EngineError::Startup(format!("{e:#}")))?;
-        let kv_dtype = engine.backend().kv_dtype_name().to_string();
-        let _ = name_tx.send((loaded.name.clone(), kv_dtype));
+        let _ = name_tx.send(Started {
+            model: loaded.name.clone(),
+            kv_dtype: engine.backend().kv_dtype_name().to_string(),
+            config: engine.model_config().clone(),
+            lora: engine.backend().supports_lora(),
+        });
         Ok(engine)
     })
     .map_err(|e| anyhow::anyhow!("{e}"))?;
-    let (model, kv_dtype) = name_rx
+    let started = name_rx
         .recv()
         .context("engine thread died while starting")?;
-    Ok((handle, model, kv_dtype))
+    Ok((handle, started))
+}
+
+/// The LoRA adapters a worker serves.
+#[derive(Args, Clone, Debug)]
+pub struct LoraArgs {
+    /// A LoRA adapter to serve from the start, NAME=PATH (a PEFT directory with
+    /// adapter_config.json and adapter_model.safetensors); repeatable (or comma-separated in
+    /// TANDEM_LORAS). Requests select one by naming it as their `model`; more are loaded at run
+    /// time with POST /v1/load_lora_adapter.
+    #[arg(long = "lora", env = "TANDEM_LORAS", value_delimiter = ',')]
+    pub loras: Vec<String>,
+    /// The largest adapter rank accepted.
+    #[arg(long, env = "TANDEM_MAX_LORA_RANK", default_value_t = 64)]
+    pub max_lora_rank: usize,
+    /// Adapters held in memory at once; past it the least recently used one no request holds
+    /// is dropped and read again from its path when next asked for.
+    #[arg(long, env = "TANDEM_MAX_LORAS", default_value_t = 8)]
+    pub max_loras: usize,
+}
+
+impl LoraArgs {
+    /// The worker's adapters, those of `--lora` read and checked against the engine's model
+    /// (any bad one stops the worker with its reason).
+    fn registry(&self, started: &Started) -> Result<Arc<tandem_worker::Loras>> {
+        if !started.lora {
+            if !self.loras.is_empty() {
+                anyhow::bail!("--lora: this worker's device runs the base model only (LoRA adapters run on the CPU, one rank)");
+            }
+            return Ok(Arc::new(tandem_worker::Loras::none(started.config.clone())));
+        }
+        if self.max_loras == 0 {
+            anyhow::bail!("--max-loras must be at least 1");
+        }
+        let l =
+            tandem_worker::Loras::new(started.config.clone(), self.max_lora_rank, self.max_loras);
+        for spec in &self.loras {
+            let (name, path) = spec
+                .split_once('=')
+                .ok_or_else(|| anyhow::anyhow!("--lora {spec:?}: expected NAME=PATH"))?;
+            if name == started.model {
+                anyhow::bail!("--lora {spec:?}: the base model's name");
+            }
+            let t0 = std::time::Instant::now();
+            let info = l
+                .load(name, std::path::Path::new(path))
+                .map_err(|e| anyhow::anyhow!("--lora {spec:?}: {e}"))?;
+            tracing::info!(
+                adapter = name,
+                path,
+                rank = info.rank,
+                bytes = info.bytes,
+                ms = t0.elapsed().as_secs_f64() * 1e3,
+                "LoRA adapter loaded"
+            );
+        }
+        Ok(Arc::new(l))
+    }
 }
 
 /// Resolves when the process gets SIGINT or SIGTERM.
@@ -397,8 +471,8 @@ async fn bind_worker(
     port: u16,
     role: &str,
     worker_id: Option<String>,
-    model: String,
-    kv_dtype: String,
+    started: Started,
+    loras: Arc<tandem_worker::Loras>,
 ) -> Result<(
     tokio::net::TcpListener,
     std::net::SocketAddr,
@@ -410,8 +484,9 @@ async fn bind_worker(
     let addr = listener.local_addr()?;
     let identity = WorkerIdentity {
         worker_id: worker_id.unwrap_or_else(|| format!("{role}-{}", addr.port())),
-        model,
-        kv_dtype,
+        model: started.model,
+        kv_dtype: started.kv_dtype,
+        loras,
     };
     Ok((listener, addr, identity))
 }
@@ -443,7 +518,8 @@ pub fn run_decode(a: DecodeArgs) -> Result<()> {
         );
         secret = None;
     }
-    let (handle, model, kv_dtype) = start_engine(&a.engine)?;
+    let (handle, started) = start_engine(&a.engine)?;
+    let loras = a.lora.registry(&started)?;
     let writers = handle.kv_writers();
     let handle = Arc::new(handle);
     let rt = runtime(1)?;
@@ -453,8 +529,8 @@ pub fn run_decode(a: DecodeArgs) -> Result<()> {
             a.port,
             "decode",
             a.worker_id.clone(),
-            model,
-            kv_dtype,
+            started,
+            loras,
         )
         .await?;
         let advertise = a.register.advertise(&a.host);
@@ -548,7 +624,8 @@ pub fn run_prefill(a: PrefillArgs) -> Result<()> {
             a.engine.device
         );
     }
-    let (handle, model, kv_dtype) = start_engine(&a.engine)?;
+    let (handle, started) = start_engine(&a.engine)?;
+    let loras = a.lora.registry(&started)?;
     let handle = Arc::new(handle);
     let rt = runtime(1)?;
     rt.block_on(async move {
@@ -557,8 +634,8 @@ pub fn run_prefill(a: PrefillArgs) -> Result<()> {
             a.port,
             "prefill",
             a.worker_id.clone(),
-            model,
-            kv_dtype,
+            started,
+            loras,
         )
         .await?;
         let grpc_addr = format!("{}:{}", a.register.advertise(&a.host), addr.port());

@@ -89,6 +89,8 @@ pub struct UpArgs {
     #[arg(long, env = "TANDEM_START_TIMEOUT_S", default_value_t = 300)]
     start_timeout_s: u64,
     #[command(flatten)]
+    lora: crate::serve::LoraArgs,
+    #[command(flatten)]
     scale: AutoscaleArgs,
 }
 
@@ -463,7 +465,12 @@ fn worker_args(
         .set("port", 0)
         .set("model", model)
         .set("threads", threads)
-        .set("worker-id", name);
+        .set("worker-id", name)
+        .set("max-lora-rank", a.lora.max_lora_rank)
+        .set("max-loras", a.lora.max_loras);
+    if !a.lora.loras.is_empty() {
+        c.set("lora", a.lora.loras.join(","));
+    }
     if role == "decode" {
         // Ctrl-C stops every worker at once: no decode worker is left to hand requests over
         // to, so they finish where they run.

@@ -219,6 +219,7 @@ struct Pending {
     prompt: Vec<u32>,
     sampling: pb::Sampling,
     priority: i32,
+    lora: Option<pb::LoraRef>,
     reservation: Reservation,
     candidates: Vec<String>,
 }
@@ -266,6 +267,7 @@ fn response_stream(
                         prompt: &p.prompt,
                         sampling: &p.sampling,
                         priority: p.priority,
+                        lora: p.lora.as_ref(),
                         reservation: &p.reservation,
                     },
                     &p.candidates,
@@ -387,6 +389,14 @@ impl pb::decode_server::Decode for DecodeService {
             count: req.n.max(1),
             first: req.first_index,
         };
+        let adapter = match &req.lora {
+            None => None,
+            Some(l) => Some(
+                tandem_worker::Loras::resolve(&self.identity.loras, l)
+                    .await
+                    .map_err(fail)?,
+            ),
+        };
         let request = Request {
             prompt: req.prompt_ids,
             params,
@@ -394,7 +404,7 @@ impl pb::decode_server::Decode for DecodeService {
             constraint: None,
             samples,
             priority: req.priority,
-            adapter: None,
+            adapter,
         };
         let request = self
             .engine
@@ -422,6 +432,7 @@ impl pb::decode_server::Decode for DecodeService {
                             prompt,
                             sampling: req.sampling.unwrap_or_default(),
                             priority: req.priority,
+                            lora: req.lora.clone(),
                             reservation,
                             candidates,
                         });

@@ -248,6 +248,7 @@ impl RemotePrefill {
             prompt,
             sampling,
             priority,
+            lora,
             reservation,
         } = *ask;
         let mut client = self
@@ -270,6 +271,7 @@ impl RemotePrefill {
             }),
             sampling: Some(sampling.clone()),
             priority,
+            lora: lora.cloned(),
         });
         tandem_telemetry::inject(span, call.metadata_mut().as_mut());
         self.token.attach(&mut call);
@@ -379,6 +381,8 @@ pub struct Ask<'a> {
     pub sampling: &'a pb::Sampling,
     /// Its priority band.
     pub priority: i32,
+    /// Its LoRA adapter (the prefill worker must run the same weights).
+    pub lora: Option<&'a pb::LoraRef>,
     /// The blocks reserved for it here, and how many leading tokens they hold already.
     pub reservation: &'a Reservation,
 }

@@ -78,11 +78,22 @@ impl Shared {
             tandem.prefill.cached_tokens = cached as i64,
             tandem.prefill.queued_tokens_ahead = ahead as i64,
         );
+        // The decode worker runs the same adapter: the same name and the same weights (content
+        // hash), or the prompt is refused here.
+        let adapter = match &req.lora {
+            None => None,
+            Some(l) => Some(
+                tandem_worker::Loras::resolve(&self.identity.loras, l)
+                    .await
+                    .map_err(Stop::Failed)?,
+            ),
+        };
         let submitted = SystemTime::now();
         let request = self
             .engine
             .compile(Request {
                 priority,
+                adapter,
                 ..Request::new(req.prompt_ids, sampling)
             })
             .await

@@ -42,6 +42,16 @@ pub trait WorkerClient: Send + Sync {
         &self,
         request: pb::StopSamplesRequest,
     ) -> Result<pb::StopSamplesResponse, Status>;
+    /// Has the worker read a LoRA adapter and serve it.
+    async fn load_lora(&self, request: pb::LoadLoraRequest) -> Result<pb::LoraInfo, Status> {
+        let _ = request;
+        Err(Status::unimplemented("LoadLora"))
+    }
+    /// Has the worker stop serving a LoRA adapter.
+    async fn unload_lora(&self, name: &str) -> Result<(), Status> {
+        let _ = name;
+        Err(Status::unimplemented("UnloadLora"))
+    }
 }
 
 /// Makes the client of a worker at an address (called once per address discovery reports).
@@ -129,5 +139,18 @@ impl WorkerClient for GrpcClient {
     ) -> Result<pb::StopSamplesResponse, Status> {
         let mut c = DecodeClient::new(self.channel.clone());
         Ok(c.stop_samples(self.call(request)).await?.into_inner())
+    }
+
+    async fn load_lora(&self, request: pb::LoadLoraRequest) -> Result<pb::LoraInfo, Status> {
+        let mut c = WorkerControlClient::new(self.channel.clone());
+        Ok(c.load_lora(self.call(request)).await?.into_inner())
+    }
+
+    async fn unload_lora(&self, name: &str) -> Result<(), Status> {
+        let mut c = WorkerControlClient::new(self.channel.clone());
+        let name = name.to_string();
+        c.unload_lora(self.call(pb::UnloadLoraRequest { name }))
+            .await?;
+        Ok(())
     }
 }

@@ -42,6 +42,8 @@ pub struct RouterMetrics {
     tenant_reloads: Family<Labels, Counter>,
     admitted: Counter,
     tokens: Family<Labels, Counter>,
+    lora_requests: Family<WorkerLabels, Counter>,
+    lora_placements: Counter,
 }
 
 /// How a generation request that passed the front door ended: answered to its finish, refused
@@ -200,6 +202,18 @@ impl RouterMetrics {
         for kind in ["prompt", "completion"] {
             let _ = tokens.get_or_create(&vec![("kind", kind)]);
         }
+        let lora_requests = Family::<WorkerLabels, Counter>::default();
+        registry.register(
+            "tandem_router_lora_requests",
+            "Generation requests admitted by the LoRA adapter they run with (lora_adapter; the base model's are not counted here)",
+            lora_requests.clone(),
+        );
+        let lora_placements = Counter::default();
+        registry.register(
+            "tandem_router_lora_placements",
+            "LoRA adapters the router had a decode worker load because no ready worker served a request's adapter",
+            lora_placements.clone(),
+        );
         let tenant_reloads = Family::<Labels, Counter>::default();
         registry.register(
             "tandem_router_tenants_reloads",
@@ -244,11 +258,25 @@ impl RouterMetrics {
             tenant_reloads,
             admitted,
             tokens,
+            lora_requests,
+            lora_placements,
         }
     }
 }
 
 impl RouterMetrics {
+    /// A request admitted with LoRA adapter `name`.
+    pub fn lora_request(&self, name: &str) {
+        self.lora_requests
+            .get_or_create(&vec![("lora_adapter", name.to_string())])
+            .inc();
+    }
+
+    /// A decode worker loaded an adapter for a request that no ready worker served.
+    pub fn lora_placed(&self) {
+        self.lora_placements.inc();
+    }
+
     /// What the measured crossover said for a prompt long enough to go remote: the seconds
     /// computing it on its decode worker would take, and the best candidate's.
     pub fn prefill_estimate(&self, local_s: Option<f64>, best_remote_s: Option<f64>) {

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 
-use tandem_model::block_hashes;
+use tandem_model::{block_hashes_from, chain_root, BlockHash};
 use tandem_proto::worker as pb;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -68,6 +68,30 @@ struct WorkerState {
     refused: Option<Refusal>,
     /// This router's own count of its requests there when the latest load report came.
     own_at_report: usize,
+}
+
+/// Where the block-hash chain of a request run with `lora` starts (the base's root for none):
+/// the worker's engine hashes its blocks from the adapter's content hash.
+pub fn lora_root(lora: Option<&pb::LoraRef>) -> BlockHash {
+    chain_root(lora.map(|l| l.content_hash).filter(|&h| h != 0))
+}
+
+/// Every LoRA adapter the workers of `pools` report, by name: the first report of each name
+/// (workers serving one name with other weights are told apart by content hash when routing).
+pub fn served_loras<'a>(
+    pools: impl IntoIterator<Item = &'a WorkerPool>,
+) -> std::collections::BTreeMap<String, pb::LoraInfo> {
+    let mut out = std::collections::BTreeMap::new();
+    for p in pools {
+        for w in p.up() {
+            if let Some(r) = w.load_report() {
+                for i in r.loras {
+                    out.entry(i.name.clone()).or_insert(i);
+                }
+            }
+        }
+    }
+    out
 }
 
 /// A worker, named by the address it serves on (`host:port`): what discovery reports, what the
@@ -141,17 +165,46 @@ impl Worker {
         self.client.as_ref()
     }
 
-    /// Leading tokens of `prompt` this worker holds in its prefix cache or its disk tier (it
-    /// computes neither), as far as the router's index knows.
-    pub fn cached_prefix_tokens(&self, prompt: &[u32]) -> usize {
+    /// Leading tokens of `prompt` (run with `lora`, or the base) this worker holds in its
+    /// prefix cache or its disk tier (it computes neither), as far as the router's index knows.
+    pub fn cached_prefix_tokens(&self, prompt: &[u32], lora: Option<&pb::LoraRef>) -> usize {
         let bs = self.info().map(|i| i.block_size).unwrap_or(16).max(1) as usize;
-        let hashes = block_hashes(prompt, bs);
+        let hashes = block_hashes_from(lora_root(lora), prompt, bs);
         self.kv
             .lock()
             .expect("kv index")
             .matched_prefix(&hashes)
             .blocks()
             * bs
+    }
+
+    /// Whether it serves `lora` (by name, and by content hash where the reference has one), as
+    /// its latest load report (or a load this router asked for since) says; always for the base.
+    pub fn serves(&self, lora: Option<&pb::LoraRef>) -> bool {
+        let Some(l) = lora else { return true };
+        let s = self.state.lock().expect("worker state");
+        s.load.as_ref().is_some_and(|r| {
+            r.loras.iter().any(|i| {
+                i.name == l.name && (l.content_hash == 0 || i.content_hash == l.content_hash)
+            })
+        })
+    }
+
+    /// Records that the worker serves the adapter `info` describes (it answered a LoadLora),
+    /// until its next load report says what it serves.
+    pub fn note_lora(&self, info: pb::LoraInfo) {
+        let mut s = self.state.lock().expect("worker state");
+        let r = s.load.get_or_insert_with(Default::default);
+        r.loras.retain(|i| i.name != info.name);
+        r.loras.push(info);
+    }
+
+    /// Records that the worker no longer serves adapter `name`, until its next load report.
+    pub fn forget_lora(&self, name: &str) {
+        let mut s = self.state.lock().expect("worker state");
+        if let Some(r) = s.load.as_mut() {
+            r.loras.retain(|i| i.name != name);
+        }
     }
 
     /// Whether requests may go to it: its Info and Load answered, it passed the pool's check and
@@ -494,17 +547,19 @@ impl WorkerPool {
         up
     }
 
-    /// The worker `policy` picks for `prompt` among the ready ones not in `exclude`.
+    /// The worker `policy` picks for `prompt` run with `lora` (None: the base) among the ready
+    /// ones not in `exclude` that serve it.
     pub fn pick(
         &self,
         policy: &dyn RoutingPolicy,
         prompt: &[u32],
+        lora: Option<&pb::LoraRef>,
         exclude: &[WorkerAddr],
     ) -> Option<Arc<Worker>> {
         let ready: Vec<Arc<Worker>> = self
             .ready()
             .into_iter()
-            .filter(|w| !exclude.contains(&w.addr))
+            .filter(|w| !exclude.contains(&w.addr) && w.serves(lora))
             .collect();
         if ready.is_empty() {
             return None;
@@ -522,7 +577,7 @@ impl WorkerPool {
                     let bs = w.info().map(|i| i.block_size).unwrap_or(16).max(1);
                     let hashes = hashes_by_block_size
                         .entry(bs)
-                        .or_insert_with(|| block_hashes(prompt, bs as usize));
+                        .or_insert_with(|| block_hashes_from(lora_root(lora), prompt, bs as usize));
                     c.prompt_blocks = hashes.len();
                     let m = w.kv.lock().expect("kv index").matched_prefix(hashes);
                     c.cached_blocks = m.pool;

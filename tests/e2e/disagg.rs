@@ -601,6 +601,7 @@ async fn serve_prefill(transport: Arc<dyn KvTransport>) -> String {
             worker_id: "p".into(),
             model: "m".into(),
             kv_dtype: "f32".into(),
+            loras: no_loras(),
         },
         Default::default(),
     );
@@ -642,6 +643,7 @@ async fn a_prefill_worker_keeps_beating_while_its_link_holds_the_kv() {
         }),
         sampling: Some(wpb::Sampling::default()),
         priority: 0,
+        lora: None,
     };
     let mut updates = c.prefill(req).await.unwrap().into_inner();
     use wpb::prefill_update::Update;
@@ -676,6 +678,12 @@ async fn a_prefill_worker_keeps_beating_while_its_link_holds_the_kv() {
             other => panic!("{other:?}"),
         }
     }
+}
+
+/// A worker's adapters: none.
+fn no_loras() -> Arc<tandem_worker::Loras> {
+    let c = tandem_model::load_text(&model_path()).unwrap().config;
+    Arc::new(tandem_worker::Loras::none(c))
 }
 
 fn engine() -> tandem_engine::EngineHandle {
@@ -722,6 +730,7 @@ async fn a_flipped_byte_is_rejected_counted_and_the_request_recovers() {
             worker_id: "d".into(),
             model: "m".into(),
             kv_dtype: "f32".into(),
+            loras: no_loras(),
         },
     );
     let decode = decode.with_remote(remote.clone());

@@ -65,6 +65,7 @@ impl WorkerControl for ControlService {
             self.drain.is_draining(),
         );
         r.kv_bytes_per_token = self.engine.limits().kv_bytes_per_token;
+        r.loras = self.identity.loras.list();
         if let Some(l) = &self.links {
             r.kv_links = l
                 .snapshot()
@@ -76,6 +77,36 @@ impl WorkerControl for ControlService {
                 .collect();
         }
         Ok(Response::new(r))
+    }
+
+    async fn load_lora(
+        &self,
+        req: Request<pb::LoadLoraRequest>,
+    ) -> Result<Response<pb::LoraInfo>, Status> {
+        let r = req.into_inner();
+        let loras = self.identity.loras.clone();
+        let path = std::path::PathBuf::from(&r.path);
+        let info = tokio::task::spawn_blocking(move || loras.load(&r.name, &path))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))??;
+        tracing::info!(
+            adapter = %info.name,
+            path = %info.path,
+            rank = info.rank,
+            bytes = info.bytes,
+            "LoRA adapter loaded"
+        );
+        Ok(Response::new(info))
+    }
+
+    async fn unload_lora(
+        &self,
+        req: Request<pb::UnloadLoraRequest>,
+    ) -> Result<Response<pb::UnloadLoraResponse>, Status> {
+        let name = req.into_inner().name;
+        self.identity.loras.unload(&name)?;
+        tracing::info!(adapter = %name, "LoRA adapter unloaded");
+        Ok(Response::new(pb::UnloadLoraResponse {}))
     }
 
     async fn kv_events(

@@ -148,6 +148,7 @@ pub fn load_report(s: EngineStats, in_flight: usize, draining: bool) -> pb::Load
         step_fixed_ms: s.step_cost_ms[0],
         step_token_ms: s.step_cost_ms[1],
         step_key_ms: s.step_cost_ms[2],
+        loras: Vec::new(),
     }
 }
 

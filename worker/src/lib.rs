@@ -8,7 +8,8 @@
 //! one port, then the drain on the shutdown signal); the Prometheus encoders and the engine's own
 //! metrics ([`metrics`]); the engine↔worker API conversions and the one mapping of an engine
 //! failure to a gRPC status ([`convert`]); the KV pool as the destination of a transfer
-//! ([`PoolSink`]) and the rates its KV links were measured at ([`LinkRates`]); and the spans of a request's trace both roles write ([`trace`]).
+//! ([`PoolSink`]) and the rates its KV links were measured at ([`LinkRates`]); the LoRA adapters
+//! it serves ([`Loras`]); and the spans of a request's trace both roles write ([`trace`]).
 //!
 //! Does not own: either role's own work (tandem-decode-worker's `Generate`,
 //! tandem-prefill-worker's `Prefill`), the engine loop, or routing.
@@ -21,6 +22,7 @@ pub mod convert;
 mod drain;
 mod kv_sink;
 pub mod links;
+mod lora;
 pub mod metrics;
 mod serve;
 pub mod trace;
@@ -30,6 +32,7 @@ pub use control::ControlService;
 pub use drain::{Drain, InFlight};
 pub use kv_sink::{kv_shape, PoolSink};
 pub use links::LinkRates;
+pub use lora::{LoraError, Loras};
 pub use serve::serve;
 
 /// What a worker says about itself in `Info`.
@@ -41,4 +44,6 @@ pub struct WorkerIdentity {
     pub model: String,
     /// The KV cache's element type, as `--kv-dtype` names it.
     pub kv_dtype: String,
+    /// The LoRA adapters it serves.
+    pub loras: std::sync::Arc<Loras>,
 }

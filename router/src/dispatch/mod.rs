@@ -206,6 +206,8 @@ pub struct Prepared {
     trace: tracing::Span,
     /// Who it is for (its tenant), from its API key.
     caller: Caller,
+    /// The LoRA adapter its `model` names (None: the base model).
+    pub lora: Option<pb::LoraRef>,
 }
 
 impl Prepared {
@@ -474,7 +476,11 @@ impl Dispatcher {
             n,
             first_index: 0,
             priority: permit.priority(),
+            lora: prep.lora.clone(),
         };
+        if let Some(l) = &prep.lora {
+            self.metrics.lora_request(&l.name);
+        }
         let route = Route {
             pool: self.pool.clone(),
             prefill_pool: self.prefill_pool.clone(),

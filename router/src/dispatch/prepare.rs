@@ -3,6 +3,7 @@
 
 use std::sync::atomic::Ordering;
 
+use tandem_proto::worker as pb;
 use tandem_types::SamplingParams;
 
 use super::{
@@ -83,11 +84,120 @@ fn tokenize_in(
 impl Dispatcher {
     /// Refuses a model name this router does not serve (empty means the served one).
     pub fn check_model(&self, model: &str) -> Result<(), ApiError> {
+        self.resolve_model(model).map(drop)
+    }
+
+    /// The LoRA adapter `model` names (None for the base model, or empty), as the workers
+    /// report serving it; a name neither the base's nor any adapter's is not found.
+    pub fn resolve_model(&self, model: &str) -> Result<Option<pb::LoraRef>, ApiError> {
         if model.is_empty() || model == self.model.name {
-            Ok(())
-        } else {
-            Err(ApiError::ModelNotFound(model.to_string()))
+            return Ok(None);
         }
+        match self.loras().remove(model) {
+            Some(i) => Ok(Some(pb::LoraRef {
+                name: i.name,
+                content_hash: i.content_hash,
+            })),
+            None => Err(ApiError::ModelNotFound(model.to_string())),
+        }
+    }
+
+    /// Has every worker up (decode and prefill) read the adapter at `path` and serve it as
+    /// `name`: vLLM's `/v1/load_lora_adapter`. The path is each worker's (a volume they all
+    /// mount). A bad adapter is refused with the workers' reason, and kept nowhere.
+    pub async fn load_lora(&self, name: &str, path: &str) -> Result<pb::LoraInfo, ApiError> {
+        if name.is_empty() || name == self.model.name {
+            return Err(ApiError::invalid(
+                format!("lora_name {name:?}: an adapter needs a name of its own"),
+                "lora_name",
+            ));
+        }
+        let workers: Vec<_> = self
+            .pool
+            .up()
+            .into_iter()
+            .chain(self.prefill_pool.iter().flat_map(|p| p.up()))
+            .collect();
+        if workers.is_empty() {
+            return Err(ApiError::NoWorker);
+        }
+        let req = pb::LoadLoraRequest {
+            name: name.to_string(),
+            path: path.to_string(),
+        };
+        let calls = workers.iter().map(|w| w.client().load_lora(req.clone()));
+        let mut loaded = None;
+        let mut failed = Vec::new();
+        for (w, r) in workers.iter().zip(futures::future::join_all(calls).await) {
+            match r {
+                Ok(info) => {
+                    w.note_lora(info.clone());
+                    loaded.get_or_insert(info);
+                }
+                Err(e) => failed.push((w.addr.clone(), e)),
+            }
+        }
+        if let Some((addr, e)) = failed.first() {
+            let refused =
+                |c| matches!(c, tonic::Code::InvalidArgument | tonic::Code::AlreadyExists);
+            if refused(e.code()) {
+                // What is wrong is the adapter (or its name): the client's to fix.
+                for w in workers
+                    .iter()
+                    .filter(|w| !failed.iter().any(|(a, _)| *a == w.addr))
+                {
+                    let _ = w.client().unload_lora(name).await;
+                    w.forget_lora(name);
+                }
+                return Err(ApiError::invalid(e.message().to_string(), "lora_path"));
+            }
+            tracing::warn!(adapter = name, worker = %addr, error = %e.message(), "a worker did not load the LoRA adapter");
+        }
+        loaded.ok_or_else(|| {
+            let (worker, e) = failed.swap_remove(0);
+            ApiError::Upstream {
+                worker,
+                message: e.message().to_string(),
+                kind: tandem_types::ErrorKind::Unavailable,
+            }
+        })
+    }
+
+    /// Has every worker up stop serving adapter `name` (vLLM's `/v1/unload_lora_adapter`):
+    /// requests running with it finish; new ones are refused. Not found when none served it.
+    pub async fn unload_lora(&self, name: &str) -> Result<(), ApiError> {
+        let workers: Vec<_> = self
+            .pool
+            .up()
+            .into_iter()
+            .chain(self.prefill_pool.iter().flat_map(|p| p.up()))
+            .collect();
+        let calls = workers.iter().map(|w| w.client().unload_lora(name));
+        let mut found = false;
+        for (w, r) in workers.iter().zip(futures::future::join_all(calls).await) {
+            match r {
+                Ok(()) => found = true,
+                Err(e) if e.code() == tonic::Code::NotFound => {}
+                Err(e) => {
+                    tracing::warn!(adapter = name, worker = %w.addr, error = %e.message(), "a worker did not unload the LoRA adapter")
+                }
+            }
+            w.forget_lora(name);
+        }
+        match found {
+            true => Ok(()),
+            false => Err(ApiError::NotFound {
+                message: format!("LoRA adapter {name:?} is not loaded"),
+                param: Some("lora_name"),
+                code: "not_found",
+            }),
+        }
+    }
+
+    /// Every LoRA adapter a worker of this router's pools serves, by name.
+    pub fn loras(&self) -> std::collections::BTreeMap<String, pb::LoraInfo> {
+        let pools = std::iter::once(&*self.pool).chain(self.prefill_pool.as_deref());
+        crate::workers::served_loras(pools)
     }
 
     /// The prompt's token ids: text with BOS added, chat rendered through the model's template,
@@ -158,7 +268,7 @@ impl Dispatcher {
         params: GenParams,
         default_max: MaxTokensDefault,
     ) -> Result<Prepared, ApiError> {
-        self.check_model(model)?;
+        let lora = self.resolve_model(model)?;
         let p = &params;
         // OpenAI's defaults where the body leaves a field out; the one check every layer shares.
         let mut sampling = SamplingParams {
@@ -240,6 +350,7 @@ impl Dispatcher {
             sampling,
             trace: tracing::Span::none(),
             caller: Default::default(),
+            lora,
         })
     }
 }

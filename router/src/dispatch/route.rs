@@ -32,17 +32,19 @@ pub(super) struct Opened {
 }
 
 impl Route {
-    /// The prefill plan for `prompt` on decode worker `d`: remote with ordered candidates when
-    /// the disaggregation policy says so, else local.
+    /// The prefill plan for `prompt` (run with `lora`) on decode worker `d`: remote with
+    /// ordered candidates (those that serve the adapter) when the disaggregation policy says
+    /// so, else local.
     pub(super) fn plan(
         &self,
         d: &Worker,
         prompt: &[u32],
+        lora: Option<&pb::LoraRef>,
     ) -> (pb::PrefillPlan, Option<InFlightGuard>) {
         let local = pb::PrefillPlan {
             plan: Some(pb::prefill_plan::Plan::Local(pb::LocalPrefill {})),
         };
-        let held = d.cached_prefix_tokens(prompt);
+        let held = d.cached_prefix_tokens(prompt, lora);
         let uncached = prompt.len().saturating_sub(held);
         let here = d.load_report();
         let threshold = here.as_ref().map_or(self.disagg.min_tokens, |l| {
@@ -56,15 +58,18 @@ impl Route {
         if uncached < threshold {
             return (local, None);
         }
-        let mut ready = self
+        let mut ready: Vec<Arc<Worker>> = self
             .prefill_pool
             .as_ref()
-            .map_or(Vec::new(), |pp| pp.ready());
+            .map_or(Vec::new(), |pp| pp.ready())
+            .into_iter()
+            .filter(|w| w.serves(lora))
+            .collect();
         let mut cands: Vec<PrefillCandidate> = ready
             .iter()
             .map(|w| PrefillCandidate {
                 in_flight: w.in_flight(),
-                cached_tokens: w.cached_prefix_tokens(prompt),
+                cached_tokens: w.cached_prefix_tokens(prompt, lora),
                 estimate_s: None,
             })
             .collect();
@@ -75,10 +80,10 @@ impl Route {
         // K/V of the requests it handed over until they are pulled.
         if self.disagg.pull_from_peers {
             for w in self.pool.up() {
-                if w.addr == d.addr {
+                if w.addr == d.addr || !w.serves(lora) {
                     continue;
                 }
-                let cached = w.cached_prefix_tokens(prompt);
+                let cached = w.cached_prefix_tokens(prompt, lora);
                 if cached >= held + self.disagg.min_tokens {
                     cands.push(PrefillCandidate {
                         in_flight: 0,
@@ -141,6 +146,52 @@ impl Route {
         (plan, Some(guard))
     }
 
+    /// Loads adapter `l` onto the ready decode worker (not in `tried`) the policy picks for
+    /// `prompt`, from the path a worker that serves it read it from: that worker, or None when
+    /// no worker is ready. No worker serving it anywhere: the model is not found.
+    async fn place_lora(
+        &self,
+        prompt: &[u32],
+        l: &pb::LoraRef,
+        tried: &[WorkerAddr],
+    ) -> Result<Option<Arc<Worker>>, ApiError> {
+        let pools = std::iter::once(&*self.pool).chain(self.prefill_pool.as_deref());
+        let Some(known) = crate::workers::served_loras(pools)
+            .remove(&l.name)
+            .filter(|i| l.content_hash == 0 || i.content_hash == l.content_hash)
+        else {
+            return Err(ApiError::ModelNotFound(l.name.clone()));
+        };
+        let Some(w) = self.pool.pick(self.policy.as_ref(), prompt, None, tried) else {
+            return Ok(None);
+        };
+        let req = pb::LoadLoraRequest {
+            name: l.name.clone(),
+            path: known.path.clone(),
+        };
+        match w.client().load_lora(req).await {
+            Ok(info) if l.content_hash == 0 || info.content_hash == l.content_hash => {
+                tracing::info!(adapter = %l.name, worker = %w.addr, "LoRA adapter loaded where the request goes");
+                self.metrics.lora_placed();
+                w.note_lora(info);
+                Ok(Some(w))
+            }
+            Ok(info) => Err(ApiError::Upstream {
+                worker: w.addr.clone(),
+                message: format!(
+                    "LoRA adapter {:?} at {} has other weights there (content hash {:016x})",
+                    l.name, known.path, info.content_hash
+                ),
+                kind: tandem_types::ErrorKind::Internal,
+            }),
+            Err(e) => Err(ApiError::Upstream {
+                worker: w.addr.clone(),
+                message: format!("loading LoRA adapter {:?}: {}", l.name, e.message()),
+                kind: tandem_types::ErrorKind::Unavailable,
+            }),
+        }
+    }
+
     /// Opens `request` (with `resume` as the tokens already streamed) on a ready decode worker
     /// not in `tried`, trying the next one when a worker is unreachable.
     pub(super) async fn open(
@@ -151,10 +202,17 @@ impl Route {
     ) -> Result<Opened, ApiError> {
         request.resume_ids = resume.to_vec();
         loop {
-            let Some(worker) = self
+            let lora = request.lora.as_ref();
+            let picked = self
                 .pool
-                .pick(self.policy.as_ref(), &request.prompt_ids, tried)
-            else {
+                .pick(self.policy.as_ref(), &request.prompt_ids, lora, tried);
+            let picked = match (picked, lora) {
+                (Some(w), _) => Some(w),
+                // No ready worker serves the adapter: load it on the one the policy picks.
+                (None, Some(l)) => self.place_lora(&request.prompt_ids, l, tried).await?,
+                (None, None) => None,
+            };
+            let Some(worker) = picked else {
                 return Err(match tried.last() {
                     None => ApiError::NoWorker,
                     Some(last) => ApiError::Upstream {
@@ -169,12 +227,13 @@ impl Route {
             // from wherever it is held, as a new prompt's does: the prefill worker that computed
             // the prompt, a peer, the new worker's own caches; what no one holds is computed.
             let tokens: Vec<u32> = request.prompt_ids.iter().chain(resume).copied().collect();
-            let (plan, prefill_guard) = self.plan(&worker, &tokens);
+            let (plan, prefill_guard) = self.plan(&worker, &tokens, request.lora.as_ref());
             let remote = prefill_guard.is_some();
             let routing = tracing::Span::current();
             if !routing.is_disabled() {
                 routing.record("tandem.route.worker", worker.addr.as_str());
-                let cached = worker.cached_prefix_tokens(&request.prompt_ids) as i64;
+                let cached =
+                    worker.cached_prefix_tokens(&request.prompt_ids, request.lora.as_ref()) as i64;
                 routing.record("tandem.route.cached_tokens", cached);
                 routing.record(
                     "tandem.route.prefill",

@@ -80,6 +80,8 @@ pub fn routes(d: Arc<Dispatcher>, door: &FrontDoor, responses: Arc<Responses>) -
             get(responses::input_items_list),
         )
         .route("/v1/models", get(models))
+        .route("/v1/load_lora_adapter", post(load_lora_adapter))
+        .route("/v1/unload_lora_adapter", post(unload_lora_adapter))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route_layer(keyed(&door.api_keys));
@@ -226,16 +228,68 @@ async fn ready(
 }
 
 async fn models(State(d): State<Arc<Dispatcher>>) -> Json<Value> {
-    Json(json!({
-        "object": "list",
-        "data": [{
-            "id": d.model.name,
+    let base = &d.model.name;
+    let mut data = vec![json!({
+        "id": base,
+        "object": "model",
+        "created": 0,
+        "owned_by": "tandem",
+        "root": base,
+        "parent": null,
+        "max_model_len": d.model.max_context(),
+    })];
+    // The LoRA adapters the workers serve, as vLLM lists them: their base as parent.
+    for (name, i) in d.loras() {
+        data.push(json!({
+            "id": name,
             "object": "model",
             "created": 0,
             "owned_by": "tandem",
+            "root": i.path,
+            "parent": base,
             "max_model_len": d.model.max_context(),
-        }]
-    }))
+        }));
+    }
+    Json(json!({"object": "list", "data": data}))
+}
+
+/// vLLM's `/v1/load_lora_adapter` body.
+#[derive(serde::Deserialize)]
+struct LoadLora {
+    lora_name: String,
+    lora_path: String,
+}
+
+/// vLLM's `/v1/unload_lora_adapter` body.
+#[derive(serde::Deserialize)]
+struct UnloadLora {
+    lora_name: String,
+}
+
+/// Has every worker read a LoRA adapter and serve it under `lora_name`.
+async fn load_lora_adapter(
+    State(d): State<Arc<Dispatcher>>,
+    RequestBody(body): RequestBody,
+) -> Result<String, ApiError> {
+    let r: LoadLora = parse(&body)?;
+    let info = d.load_lora(&r.lora_name, &r.lora_path).await?;
+    Ok(format!(
+        "Success: LoRA adapter '{}' added successfully (rank {}, {} bytes).",
+        info.name, info.rank, info.bytes
+    ))
+}
+
+/// Has every worker stop serving a LoRA adapter (its running requests finish).
+async fn unload_lora_adapter(
+    State(d): State<Arc<Dispatcher>>,
+    RequestBody(body): RequestBody,
+) -> Result<String, ApiError> {
+    let r: UnloadLora = parse(&body)?;
+    d.unload_lora(&r.lora_name).await?;
+    Ok(format!(
+        "Success: LoRA adapter '{}' removed successfully.",
+        r.lora_name
+    ))
 }
 
 /// vLLM's `/tokenize`: `{"count", "max_model_len", "tokens"}`.
