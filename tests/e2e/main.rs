@@ -20,6 +20,7 @@ mod helm;
 mod hostile;
 mod image;
 mod kv_disk;
+mod lora;
 mod multihost;
 mod peer_pull;
 mod prometheus;
