@@ -208,12 +208,20 @@ impl pb::generation_server::Generation for GenerationService {
         &self,
         _: Request<pb::ListModelsRequest>,
     ) -> Result<Response<pb::ListModelsResponse>, Status> {
+        let max_context = self.d.model.max_context() as u32;
+        let base = pb::Model {
+            id: self.d.model.name.clone(),
+            max_context,
+            owned_by: "tandem".into(),
+        };
+        // Then the LoRA adapters the workers serve, by name.
+        let adapters = self.d.loras().into_keys().map(|id| pb::Model {
+            id,
+            max_context,
+            owned_by: "tandem".into(),
+        });
         Ok(Response::new(pb::ListModelsResponse {
-            models: vec![pb::Model {
-                id: self.d.model.name.clone(),
-                max_context: self.d.model.max_context() as u32,
-                owned_by: "tandem".into(),
-            }],
+            models: std::iter::once(base).chain(adapters).collect(),
         }))
     }
 }

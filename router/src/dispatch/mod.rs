@@ -211,6 +211,11 @@ pub struct Prepared {
 }
 
 impl Prepared {
+    /// The model it runs, as responses name it: its LoRA adapter's name, or `base`'s.
+    pub fn model_name(&self, base: &str) -> String {
+        self.lora.as_ref().map_or(base, |l| &l.name).to_string()
+    }
+
     /// The request, for `caller` (its key's tenant): its quotas, its band in the queue.
     pub fn for_caller(mut self, caller: Caller) -> Self {
         if let Some(t) = &caller.tenant {

@@ -485,7 +485,7 @@ async fn completion_request(
     let shape = Shape {
         api: Api::Completion,
         id: format!("cmpl-{}", preps[0].request_id),
-        model: d.model.name.clone(),
+        model: preps[0].model_name(&d.model.name),
         created: now(),
         logprobs: preps[0].params.logprobs,
         include_usage: r.sampling.include_usage(),
@@ -635,7 +635,7 @@ async fn chat_prepare(d: &Dispatcher, r: ChatRequest) -> Result<(Prepared, Shape
     let shape = Shape {
         api: Api::Chat,
         id: format!("chatcmpl-{}", prep.request_id),
-        model: d.model.name.clone(),
+        model: prep.model_name(&d.model.name),
         created: now(),
         logprobs: prep.params.logprobs,
         include_usage: r.sampling.include_usage(),
