@@ -126,55 +126,6 @@ pub fn log_sum_exp(x: &[f32], scratch: &mut [f32]) -> f32 {
     max + crate::simd::exp_shifted_sum(scratch, max).ln()
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn rms_norm_values() {
-        let x = [1.0f32, 2.0, 3.0, 4.0];
-        let w = [1.0f32, 1.0, 2.0, 0.5];
-        let mut out = [0f32; 4];
-        rms_norm(&x, &w, 0.0, &mut out);
-        let r = (30.0f32 / 4.0).sqrt();
-        assert!((out[0] - 1.0 / r).abs() < 1e-6);
-        assert!((out[2] - 6.0 / r).abs() < 1e-6);
-        assert!((out[3] - 2.0 / r).abs() < 1e-6);
-    }
-
-    #[test]
-    fn rope_rotates_pairs_half_apart() {
-        let inv = [1.0f32, 0.5];
-        let t = RopeTable::new(&inv, 1.0, 4);
-        let mut x = vec![1.0f32, 0.0, 0.0, 1.0];
-        rope(&mut x, &[2], 1, &t);
-        // pair (x0, x2) rotated by 2 rad, pair (x1, x3) by 1 rad
-        assert!((x[0] - 2f32.cos()).abs() < 1e-6 && (x[2] - 2f32.sin()).abs() < 1e-6);
-        assert!((x[1] + 1f32.sin()).abs() < 1e-6 && (x[3] - 1f32.cos()).abs() < 1e-6);
-        let mut y = vec![0.3f32, -0.2, 0.9, 0.1];
-        let before = y.clone();
-        rope(&mut y, &[0], 1, &t);
-        assert_eq!(y, before, "position 0 is the identity");
-    }
-
-    #[test]
-    fn logits_helpers() {
-        assert_eq!(argmax(&[1.0, 3.0, 3.0, 2.0]), 1);
-        let mut p = [1.0f32, 2.0, 3.0];
-        softmax(&mut p);
-        assert!((p.iter().sum::<f32>() - 1.0).abs() < 1e-6);
-        let mut l = [0f32; 3];
-        log_softmax(&[1.0, 2.0, 3.0], &mut l);
-        for i in 0..3 {
-            assert!((l[i] - p[i].ln()).abs() < 1e-6);
-        }
-        let mut g = [0.0f32, 2.0];
-        silu_mul(&mut g, &[3.0, 1.0]);
-        assert_eq!(g[0], 0.0);
-        assert!((g[1] - 2.0 / (1.0 + (-2f32).exp())).abs() < 1e-6);
-    }
-}
-
 /// One LoRA pair's part of a projection's output (see [`lora_add`]): `rows` of the output get
 /// `scale · B·(A·x)` in columns `off..off + out`.
 pub struct LoraJob<'a> {
@@ -233,5 +184,54 @@ pub fn lora_add(jobs: &[LoraJob<'_>], x: &[f32], k: usize, out: &mut [f32], n: u
         for (o, &dv) in o.iter_mut().zip(d.iter()) {
             *o += dv * j.scale;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rms_norm_values() {
+        let x = [1.0f32, 2.0, 3.0, 4.0];
+        let w = [1.0f32, 1.0, 2.0, 0.5];
+        let mut out = [0f32; 4];
+        rms_norm(&x, &w, 0.0, &mut out);
+        let r = (30.0f32 / 4.0).sqrt();
+        assert!((out[0] - 1.0 / r).abs() < 1e-6);
+        assert!((out[2] - 6.0 / r).abs() < 1e-6);
+        assert!((out[3] - 2.0 / r).abs() < 1e-6);
+    }
+
+    #[test]
+    fn rope_rotates_pairs_half_apart() {
+        let inv = [1.0f32, 0.5];
+        let t = RopeTable::new(&inv, 1.0, 4);
+        let mut x = vec![1.0f32, 0.0, 0.0, 1.0];
+        rope(&mut x, &[2], 1, &t);
+        // pair (x0, x2) rotated by 2 rad, pair (x1, x3) by 1 rad
+        assert!((x[0] - 2f32.cos()).abs() < 1e-6 && (x[2] - 2f32.sin()).abs() < 1e-6);
+        assert!((x[1] + 1f32.sin()).abs() < 1e-6 && (x[3] - 1f32.cos()).abs() < 1e-6);
+        let mut y = vec![0.3f32, -0.2, 0.9, 0.1];
+        let before = y.clone();
+        rope(&mut y, &[0], 1, &t);
+        assert_eq!(y, before, "position 0 is the identity");
+    }
+
+    #[test]
+    fn logits_helpers() {
+        assert_eq!(argmax(&[1.0, 3.0, 3.0, 2.0]), 1);
+        let mut p = [1.0f32, 2.0, 3.0];
+        softmax(&mut p);
+        assert!((p.iter().sum::<f32>() - 1.0).abs() < 1e-6);
+        let mut l = [0f32; 3];
+        log_softmax(&[1.0, 2.0, 3.0], &mut l);
+        for i in 0..3 {
+            assert!((l[i] - p[i].ln()).abs() < 1e-6);
+        }
+        let mut g = [0.0f32, 2.0];
+        silu_mul(&mut g, &[3.0, 1.0]);
+        assert_eq!(g[0], 0.0);
+        assert!((g[1] - 2.0 / (1.0 + (-2f32).exp())).abs() < 1e-6);
     }
 }

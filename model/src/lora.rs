@@ -370,8 +370,9 @@ pub fn load_lora(
     }
     let bytes = std::fs::read(&st_path).map_err(|e| bad(&st_path, e))?;
     let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| bad(&st_path, e))?;
-    let mut layers: Vec<[(Option<Vec<f32>>, Option<Vec<f32>>, usize); 7]> =
-        (0..base.num_layers).map(|_| Default::default()).collect();
+    // Per layer and target: A, B and their rank, as the tensors come.
+    type Halves = (Option<Vec<f32>>, Option<Vec<f32>>, usize);
+    let mut layers: Vec<[Halves; 7]> = (0..base.num_layers).map(|_| Default::default()).collect();
     let mut rank = 0;
     for (tname, view) in st.tensors() {
         let (layer, target, is_a) = parse_name(&tname).ok_or_else(|| {

@@ -64,7 +64,7 @@ async fn check_reference(
     );
 }
 
-async fn load_lora_on(addr: &str, name: &str, path: &PathBuf) -> wpb::LoraInfo {
+async fn load_lora_on(addr: &str, name: &str, path: &std::path::Path) -> wpb::LoraInfo {
     let mut c = wpb::worker_control_client::WorkerControlClient::connect(format!("http://{addr}"))
         .await
         .unwrap();
