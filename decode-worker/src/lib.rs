@@ -522,6 +522,7 @@ pub async fn serve_beside(
         engine: service.engine.clone(),
         remote: service.remote.clone(),
         requests: service.requests.clone(),
+        loras: service.identity.loras.clone(),
     };
     let control = service.control();
     tandem_worker::serve(

@@ -22,6 +22,8 @@ pub struct DecodeMetrics {
     pub remote: Option<Arc<RemotePrefill>>,
     /// Per-request measures in vLLM's terms.
     pub requests: Arc<RequestMetrics>,
+    /// The LoRA adapters it serves.
+    pub loras: Arc<tandem_worker::Loras>,
 }
 
 impl std::fmt::Debug for DecodeMetrics {
@@ -36,6 +38,7 @@ impl Collector for DecodeMetrics {
         engine_metrics(&mut enc, &stats, &self.engine.limits())?;
         expert_metrics(&mut enc, self.engine.expert_load().as_deref())?;
         self.requests.encode(&mut enc, &stats)?;
+        self.loras.encode(&mut enc)?;
         let Some(r) = &self.remote else {
             return Ok(());
         };

@@ -67,6 +67,7 @@ impl Collector for Metrics {
         engine_metrics(&mut enc, &stats, &s.engine.limits())?;
         expert_metrics(&mut enc, s.engine.expert_load().as_deref())?;
         s.requests.encode(&mut enc, &stats)?;
+        s.identity.loras.encode(&mut enc)?;
         let c = &s.counts;
         let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
         counter(

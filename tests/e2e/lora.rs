@@ -139,6 +139,20 @@ async fn adapters_are_served_routed_loaded_and_unloaded_through_the_cluster() {
         3.0
     );
     assert!(metric(&after, "tandem_prefill_requests_total{mode=\"remote\"}") >= 1.0);
+    // The workers count their adapters' requests: alpha's three on A, the remote one on the
+    // prefill worker.
+    let wa = scrape(&a_addr).await;
+    assert_eq!(
+        metric(&wa, "tandem_lora_requests_total{lora_adapter=\"alpha\"}"),
+        3.0
+    );
+    assert_eq!(metric(&wa, "tandem_lora_adapters{state=\"resident\"}"), 1.0);
+    assert!(
+        metric(
+            &scrape(&paddr).await,
+            "tandem_lora_requests_total{lora_adapter=\"alpha\"}"
+        ) >= 1.0
+    );
     // The base model is served as before, on either worker.
     let (status, body) = complete(&http, &base, &reference("alpha", 0).0, 8).await;
     assert_eq!(status, 200, "{body}");

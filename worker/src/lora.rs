@@ -76,6 +76,8 @@ struct Entry {
     weights: Option<Arc<LoraAdapter>>,
     /// When it was last asked for (a counter).
     used: u64,
+    /// Requests that asked for it.
+    requests: u64,
 }
 
 impl Entry {
@@ -179,6 +181,7 @@ impl Loras {
             base_model: a.base_model.clone().unwrap_or_default(),
             weights: None,
             used: 0,
+            requests: 0,
         });
         e.used = *tick;
         if e.weights.is_none() {
@@ -214,6 +217,7 @@ impl Loras {
                 });
             }
             e.used = now;
+            e.requests += 1;
             if let Some(w) = &e.weights {
                 return Ok(w.clone());
             }
@@ -256,6 +260,52 @@ impl Loras {
         self.lock().0.iter().map(|(n, e)| info(n, e)).collect()
     }
 
+    /// Writes the adapters' metrics: how many are served and resident, and per adapter the
+    /// requests that asked for it and those running with it now.
+    pub fn encode(
+        &self,
+        enc: &mut prometheus_client::encoding::DescriptorEncoder,
+    ) -> std::fmt::Result {
+        use crate::metrics::{counter, gauge};
+        let list = self.list();
+        let resident = list.iter().filter(|i| i.resident).count() as i64;
+        gauge(
+            enc,
+            "tandem_lora_adapters",
+            "LoRA adapters this worker serves (served), and of those the ones in memory (resident)",
+            &[
+                (&[("state", "served")], list.len() as i64),
+                (&[("state", "resident")], resident),
+            ],
+        )?;
+        let labels: Vec<[(&str, &str); 1]> = list
+            .iter()
+            .map(|i| [("lora_adapter", i.name.as_str())])
+            .collect();
+        let requests: Vec<(&[(&str, &str)], u64)> = labels
+            .iter()
+            .zip(&list)
+            .map(|(l, i)| (&l[..], i.requests))
+            .collect();
+        counter(
+            enc,
+            "tandem_lora_requests",
+            "Requests that asked for each LoRA adapter here since it was loaded",
+            &requests,
+        )?;
+        let running: Vec<(&[(&str, &str)], i64)> = labels
+            .iter()
+            .zip(&list)
+            .map(|(l, i)| (&l[..], i64::from(i.in_use)))
+            .collect();
+        gauge(
+            enc,
+            "tandem_lora_running_requests",
+            "Requests holding each LoRA adapter now (running or queued here)",
+            &running,
+        )
+    }
+
     /// Adapters served.
     pub fn len(&self) -> usize {
         self.lock().0.len()
@@ -277,6 +327,7 @@ fn info(name: &str, e: &Entry) -> pb::LoraInfo {
         resident: e.weights.is_some(),
         in_use: e.in_use() as u32,
         base_model: e.base_model.clone(),
+        requests: e.requests,
     }
 }
 
