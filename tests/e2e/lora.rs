@@ -278,3 +278,73 @@ async fn adapters_are_served_routed_loaded_and_unloaded_through_the_cluster() {
         "the second request went where gamma was"
     );
 }
+
+/// A stream run with an adapter, its decode worker killed mid-stream: it resumes on the other
+/// decode worker with the same adapter (loaded there from the path the prefill worker read it
+/// from), and its text is the text of the stream uninterrupted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_migrated_stream_keeps_its_adapter() {
+    let alpha = format!("--lora=alpha={}", adapter_dir("alpha").display());
+    let (_p, paddr) = start_prefill(&[&alpha]);
+    let (mut a, a_addr) = start_worker(&[&alpha]);
+    let (_b, b_addr) = start_worker(&[]);
+    let r = start_router(
+        &[a_addr, b_addr.clone()],
+        &[&format!("--prefill-workers={paddr}")],
+    );
+    wait_ready(&r, 2).await;
+    let http = r.http.clone();
+    until("alpha listed", || async {
+        models(&http).await["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|m| m["id"] == "alpha")
+    })
+    .await;
+    let (prompt, _) = reference("alpha", 1);
+    let body = json!({"model": "alpha", "prompt": prompt, "max_tokens": 40, "temperature": 0,
+                      "ignore_eos": true});
+    let (status, whole) = post(&http, "/v1/completions", body.clone()).await;
+    assert_eq!(status, 200, "{whole}");
+    let want = whole["choices"][0]["text"].as_str().unwrap().to_string();
+
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let resp = reqwest::Client::new()
+        .post(format!("{http}/v1/completions"))
+        .json(&streamed)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut chunks = resp.bytes_stream();
+    let (mut raw, mut killed) = (String::new(), false);
+    while let Some(c) = chunks.next().await {
+        raw += std::str::from_utf8(&c.unwrap()).unwrap();
+        if !killed && sse_events(&raw).len() >= 10 {
+            // Alpha's stream runs on A, the one decode worker that serves it.
+            a.signal(libc::SIGKILL);
+            a.wait_exit(std::time::Duration::from_secs(5));
+            killed = true;
+        }
+    }
+    assert!(killed, "the stream ended before A could be killed");
+    let events = sse_events(&raw);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{raw}");
+    let mut text = String::new();
+    for e in &events[..events.len() - 1] {
+        let v: Value = serde_json::from_str(e).unwrap();
+        assert!(v.get("error").is_none(), "{v}");
+        text += v["choices"][0]["text"].as_str().unwrap();
+    }
+    assert_eq!(text, want, "the migrated stream's text");
+    let m = scrape(&http).await;
+    assert!(metric(&m, "tandem_request_migrations_total") >= 1.0);
+    assert_eq!(metric(&m, "tandem_router_lora_placements_total"), 1.0);
+    assert!(worker_load(&b_addr)
+        .await
+        .loras
+        .iter()
+        .any(|i| i.name == "alpha"));
+}
