@@ -65,6 +65,22 @@ fn max_rel(got: &[f32], want: &[f32]) -> f32 {
         / scale
 }
 
+/// Adapter `name`'s greedy continuations of its prompts, in one batch, are PEFT's.
+fn check_greedy(e: &mut tandem_engine::Engine, name: &str, a: &Arc<LoraAdapter>) {
+    let cases = reference(name);
+    let reqs = cases
+        .iter()
+        .map(|c| {
+            let n = c.greedy.len() as u32;
+            with_adapter(greedy_request(c.prompt.clone(), n), Some(a))
+        })
+        .collect();
+    let outs = e.generate(reqs, |_| {}, |_| {}).unwrap();
+    for (o, c) in outs.iter().zip(&cases) {
+        assert_eq!(o.output_ids, c.greedy, "{name}: greedy tokens");
+    }
+}
+
 fn with_adapter(mut r: Request, a: Option<&Arc<LoraAdapter>>) -> Request {
     r.adapter = a.cloned();
     r
@@ -84,17 +100,7 @@ fn each_adapter_alone_equals_hf_peft_in_float32() {
             let base = e.prompt_logits(&case.prompt).unwrap();
             assert!(max_rel(&base, &case.logits) > 1e-3, "{name}: no effect");
         }
-        let reqs = reference(name)
-            .iter()
-            .map(|c| {
-                let n = c.greedy.len() as u32;
-                with_adapter(greedy_request(c.prompt.clone(), n), Some(&a))
-            })
-            .collect();
-        let outs = e.generate(reqs, |_| {}, |_| {}).unwrap();
-        for (o, c) in outs.iter().zip(reference(name)) {
-            assert_eq!(o.output_ids, c.greedy, "{name}: greedy tokens");
-        }
+        check_greedy(&mut e, name, &a);
     }
     assert_no_blocks_held(&e);
 }
@@ -113,17 +119,7 @@ fn each_adapter_on_the_quantized_weights_gives_peft_s_tokens() {
             eprintln!("{name} prompt {i}: relative L2 {rel:.2e}");
             assert!(rel < 1e-3, "{name} prompt {i}: {rel}");
         }
-        let reqs = cases
-            .iter()
-            .map(|c| {
-                let n = c.greedy.len() as u32;
-                with_adapter(greedy_request(c.prompt.clone(), n), Some(&a))
-            })
-            .collect();
-        let outs = e.generate(reqs, |_| {}, |_| {}).unwrap();
-        for (o, c) in outs.iter().zip(&cases) {
-            assert_eq!(o.output_ids, c.greedy, "{name}: greedy tokens");
-        }
+        check_greedy(&mut e, name, &a);
     }
 }
 

@@ -64,6 +64,18 @@ async fn check_reference(
     );
 }
 
+/// Waits until the router lists adapter `name` (it learns it from the workers' load reports).
+async fn wait_listed(http: &str, name: &str) {
+    until(&format!("{name} listed"), || async {
+        models(http).await["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|m| m["id"] == name)
+    })
+    .await;
+}
+
 async fn load_lora_on(addr: &str, name: &str, path: &std::path::Path) -> wpb::LoraInfo {
     let mut c = wpb::worker_control_client::WorkerControlClient::connect(format!("http://{addr}"))
         .await
@@ -94,14 +106,7 @@ async fn adapters_are_served_routed_loaded_and_unloaded_through_the_cluster() {
     wait_ready(&r, 2).await;
     let http = r.http.clone();
     // The router learns what each worker serves from its load reports.
-    until("alpha listed", || async {
-        models(&http).await["data"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|m| m["id"] == "alpha")
-    })
-    .await;
+    wait_listed(&http, "alpha").await;
     let listed = models(&http).await;
     let base = listed["data"][0]["id"].as_str().unwrap().to_string();
     let a = listed["data"]
@@ -245,14 +250,7 @@ async fn adapters_are_served_routed_loaded_and_unloaded_through_the_cluster() {
     // An adapter only the prefill worker serves: the router loads it on the decode worker its
     // request goes to, from the same path.
     load_lora_on(&paddr, "gamma", &adapter_dir("gamma")).await;
-    until("gamma listed", || async {
-        models(&http).await["data"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|m| m["id"] == "gamma")
-    })
-    .await;
+    wait_listed(&http, "gamma").await;
     check_reference(&http, "gamma", "gamma", 0, &tok).await;
     let m = scrape(&http).await;
     assert_eq!(metric(&m, "tandem_router_lora_placements_total"), 1.0);
@@ -294,14 +292,7 @@ async fn a_migrated_stream_keeps_its_adapter() {
     );
     wait_ready(&r, 2).await;
     let http = r.http.clone();
-    until("alpha listed", || async {
-        models(&http).await["data"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|m| m["id"] == "alpha")
-    })
-    .await;
+    wait_listed(&http, "alpha").await;
     let (prompt, _) = reference("alpha", 1);
     let body = json!({"model": "alpha", "prompt": prompt, "max_tokens": 40, "temperature": 0,
                       "ignore_eos": true});

@@ -112,12 +112,7 @@ impl Dispatcher {
                 "lora_name",
             ));
         }
-        let workers: Vec<_> = self
-            .pool
-            .up()
-            .into_iter()
-            .chain(self.prefill_pool.iter().flat_map(|p| p.up()))
-            .collect();
+        let workers = self.workers_up();
         if workers.is_empty() {
             return Err(ApiError::NoWorker);
         }
@@ -166,12 +161,7 @@ impl Dispatcher {
     /// Has every worker up stop serving adapter `name` (vLLM's `/v1/unload_lora_adapter`):
     /// requests running with it finish; new ones are refused. Not found when none served it.
     pub async fn unload_lora(&self, name: &str) -> Result<(), ApiError> {
-        let workers: Vec<_> = self
-            .pool
-            .up()
-            .into_iter()
-            .chain(self.prefill_pool.iter().flat_map(|p| p.up()))
-            .collect();
+        let workers = self.workers_up();
         let calls = workers.iter().map(|w| w.client().unload_lora(name));
         let mut found = false;
         for (w, r) in workers.iter().zip(futures::future::join_all(calls).await) {
@@ -192,6 +182,12 @@ impl Dispatcher {
                 code: "not_found",
             }),
         }
+    }
+
+    /// Every worker up, decode then prefill.
+    fn workers_up(&self) -> Vec<std::sync::Arc<crate::workers::Worker>> {
+        let prefill = self.prefill_pool.iter().flat_map(|p| p.up());
+        self.pool.up().into_iter().chain(prefill).collect()
     }
 
     /// Every LoRA adapter a worker of this router's pools serves, by name.
