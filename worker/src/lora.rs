@@ -162,14 +162,18 @@ impl Loras {
         let a = self.read(name, path)?;
         let mut g = self.lock();
         let (map, tick) = &mut *g;
-        if let Some(e) = map.get(name) {
-            if e.hash != a.content_hash {
+        let resident = match map.get(name) {
+            Some(e) if e.hash != a.content_hash => {
                 return Err(LoraError::Exists {
                     name: name.into(),
                     path: e.path.display().to_string(),
-                });
+                })
             }
-        } else {
+            Some(e) => e.weights.is_some(),
+            None => false,
+        };
+        // Served but dropped from memory, or new: it needs a resident slot.
+        if !resident {
             self.make_room(map)?;
         }
         *tick += 1;
@@ -382,6 +386,10 @@ mod tests {
                 ("c".into(), true, 0)
             ]
         );
+        // Loading b again while it is out of memory takes a slot like any other: c leaves.
+        l.load("b", &t.path().join("b")).unwrap();
+        let resident: Vec<bool> = l.list().iter().map(|i| i.resident).collect();
+        assert_eq!(resident, vec![true, true, false]);
         // b is read back on demand (c, unheld, makes room); a wrong hash is refused.
         let b = l.get("b", 0).unwrap();
         assert!(matches!(
