@@ -374,7 +374,10 @@ pub fn load_lora(
     type Halves = (Option<Vec<f32>>, Option<Vec<f32>>, usize);
     let mut layers: Vec<[Halves; 7]> = (0..base.num_layers).map(|_| Default::default()).collect();
     let mut rank = 0;
-    for (tname, view) in st.tensors() {
+    // In name order: the same adapter is refused with the same reason every time.
+    let mut tensors = st.tensors();
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    for (tname, view) in tensors {
         let (layer, target, is_a) = parse_name(&tname).ok_or_else(|| {
             bad(
                 &st_path,
