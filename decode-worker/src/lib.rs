@@ -389,14 +389,12 @@ impl pb::decode_server::Decode for DecodeService {
             count: req.n.max(1),
             first: req.first_index,
         };
-        let adapter = match &req.lora {
-            None => None,
-            Some(l) => Some(
-                tandem_worker::Loras::resolve(&self.identity.loras, l)
-                    .await
-                    .map_err(fail)?,
-            ),
-        };
+        let adapter = self
+            .identity
+            .loras
+            .resolve(req.lora.as_ref())
+            .await
+            .map_err(fail)?;
         let request = Request {
             prompt: req.prompt_ids,
             params,

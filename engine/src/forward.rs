@@ -201,7 +201,7 @@ pub(crate) enum LoraSite {
 pub(crate) struct LoraRows<'a> {
     pub adapter: &'a LoraAdapter,
     /// Its sequences' token rows, in step order.
-    pub rows: Vec<std::ops::Range<usize>>,
+    pub rows: Vec<usize>,
 }
 
 /// One decoder layer's weights as a device holds them.
@@ -725,10 +725,10 @@ impl<'a> PackedStep<'a> {
             if let Some(a) = s.lora {
                 let rows = q_start..q_start + s.tokens.len();
                 match step.lora.iter_mut().find(|g| std::ptr::eq(g.adapter, a)) {
-                    Some(g) => g.rows.push(rows),
+                    Some(g) => g.rows.extend(rows),
                     None => step.lora.push(LoraRows {
                         adapter: a,
-                        rows: vec![rows],
+                        rows: rows.collect(),
                     }),
                 }
             }

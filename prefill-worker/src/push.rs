@@ -80,14 +80,12 @@ impl Shared {
         );
         // The decode worker runs the same adapter: the same name and the same weights (content
         // hash), or the prompt is refused here.
-        let adapter = match &req.lora {
-            None => None,
-            Some(l) => Some(
-                tandem_worker::Loras::resolve(&self.identity.loras, l)
-                    .await
-                    .map_err(Stop::Failed)?,
-            ),
-        };
+        let adapter = self
+            .identity
+            .loras
+            .resolve(req.lora.as_ref())
+            .await
+            .map_err(Stop::Failed)?;
         let submitted = SystemTime::now();
         let request = self
             .engine

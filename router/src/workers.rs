@@ -84,10 +84,8 @@ pub fn served_loras<'a>(
     let mut out = std::collections::BTreeMap::new();
     for p in pools {
         for w in p.up() {
-            if let Some(r) = w.load_report() {
-                for i in r.loras {
-                    out.entry(i.name.clone()).or_insert(i);
-                }
+            for i in w.loras() {
+                out.entry(i.name.clone()).or_insert(i);
             }
         }
     }
@@ -188,6 +186,13 @@ impl Worker {
                 i.name == l.name && (l.content_hash == 0 || i.content_hash == l.content_hash)
             })
         })
+    }
+
+    /// The LoRA adapters its latest load report lists (with those this router had it load
+    /// since).
+    pub fn loras(&self) -> Vec<pb::LoraInfo> {
+        let s = self.state.lock().expect("worker state");
+        s.load.as_ref().map_or(Vec::new(), |r| r.loras.clone())
     }
 
     /// Records that the worker serves the adapter `info` describes (it answered a LoadLora),

@@ -248,14 +248,19 @@ impl Loras {
         }
     }
 
-    /// The adapter a request names ([`Self::get`]), read from its files off the async threads
-    /// when it is not resident.
-    pub async fn resolve(self: &Arc<Self>, l: &pb::LoraRef) -> Result<Arc<LoraAdapter>, Status> {
+    /// The adapter a request names, if it names one ([`Self::get`]), read from its files off
+    /// the async threads when it is not resident.
+    pub async fn resolve(
+        self: &Arc<Self>,
+        l: Option<&pb::LoraRef>,
+    ) -> Result<Option<Arc<LoraAdapter>>, Status> {
+        let Some(l) = l else { return Ok(None) };
         let loras = self.clone();
         let (name, hash) = (l.name.clone(), l.content_hash);
         tokio::task::spawn_blocking(move || loras.get(&name, hash))
             .await
             .map_err(|e| Status::internal(e.to_string()))?
+            .map(Some)
             .map_err(Status::from)
     }
 

@@ -684,14 +684,8 @@ impl StepOps for CpuStep<'_> {
             LoraSite::GateUp => (h, 2 * ff, vec![(Gate, 0), (Up, ff)]),
             LoraSite::Down => (ff, h, vec![(Down, 0)]),
         };
-        let rows: Vec<Vec<usize>> = self
-            .step
-            .lora
-            .iter()
-            .map(|g| g.rows.iter().flat_map(|r| r.clone()).collect())
-            .collect();
         let mut jobs = Vec::new();
-        for (g, rows) in self.step.lora.iter().zip(&rows) {
+        for g in &self.step.lora {
             for &(target, off) in &parts {
                 if let Some(p) = g.adapter.pair(layer, target) {
                     jobs.push(ops::LoraJob {
@@ -700,7 +694,7 @@ impl StepOps for CpuStep<'_> {
                         rank: p.rank,
                         scale: p.scale,
                         off,
-                        rows,
+                        rows: &g.rows,
                     });
                 }
             }
