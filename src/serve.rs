@@ -15,7 +15,6 @@ use tandem_decode_worker::remote::{Deadlines, RemotePrefill};
 use tandem_decode_worker::{DecodeService, Drain, WorkerIdentity};
 use tandem_discovery::{DiscoverySpec, Ready, Role, WorkerCard};
 use tandem_engine::{EngineError, EngineHandle};
-use tandem_kernels::cuda::DeviceSpec;
 use tandem_kv_transfer::{Secret, TcpTransport};
 use tandem_prefill_worker::{PrefillLimits, PrefillService};
 use tandem_router::RouterArgs;
@@ -499,7 +498,7 @@ pub fn run_decode(a: DecodeArgs) -> Result<()> {
         );
     }
     // A secret is needed only to take remote plans; without one this worker prefills everything.
-    let mut secret = match a.secret.kv_secret {
+    let secret = match a.secret.kv_secret {
         Some(_) => Some(a.secret.secret()?),
         None => None,
     };
@@ -511,16 +510,9 @@ pub fn run_decode(a: DecodeArgs) -> Result<()> {
             "tandem decode: no TANDEM_KV_SECRET: this worker's RPCs are open to anyone who reaches its port; set the cluster's secret on every process"
         );
     }
-    if secret.is_some() && a.engine.device != DeviceSpec::Cpu {
-        eprintln!(
-            "tandem decode: KV transfer into a cache on {} is not supported yet; this worker takes no remote prefills and prefills every request itself",
-            a.engine.device
-        );
-        secret = None;
-    }
     let (handle, started) = start_engine(&a.engine)?;
     let loras = a.lora.registry(&started)?;
-    let writers = handle.kv_writers();
+    let target = tandem_worker::KvTarget::of(&handle);
     let handle = Arc::new(handle);
     let rt = runtime(1)?;
     rt.block_on(async move {
@@ -543,7 +535,9 @@ pub fn run_decode(a: DecodeArgs) -> Result<()> {
                 .kv_advertise_host
                 .clone()
                 .unwrap_or_else(|| advertise.clone());
-            // SAFETY: the writer is this engine's, and RemotePrefill grants only blocks the
+            let target =
+                target.context("KV transfers reach neither a host pool nor a device pool of this engine")?;
+            // SAFETY: the target is this engine's, and RemotePrefill grants only blocks the
             // engine reserved and parked for a remote prefill.
             let remote = unsafe {
                 RemotePrefill::bind(
@@ -551,7 +545,7 @@ pub fn run_decode(a: DecodeArgs) -> Result<()> {
                     &advertise,
                     secret.clone(),
                     &identity.model,
-                    writers,
+                    target.clone(),
                     Deadlines {
                         stall: Duration::from_millis(a.kv_stall_timeout_ms),
                         slack: a.kv_deadline_slack,
@@ -564,8 +558,9 @@ pub fn run_decode(a: DecodeArgs) -> Result<()> {
             service = service.with_remote(Arc::new(remote));
             // Its peers pull the prefixes it holds through the Prefill service on its port: its
             // engine computes what it lacks of the prompt and pushes every block.
-            let shape = tandem_worker::kv_shape(&identity.model, &handle.kv_writers())
-                .context("a decode worker serves its peers from a host cache")?;
+            let shape = target
+                .shape(&identity.model)
+                .context("a decode worker serves its peers from its KV pool")?;
             peer = Some(PrefillService::new(
                 handle.clone(),
                 Arc::new(TcpTransport::new(secret).with_shape(shape)),
@@ -618,12 +613,6 @@ pub fn run_decode(a: DecodeArgs) -> Result<()> {
 pub fn run_prefill(a: PrefillArgs) -> Result<()> {
     let secret = a.secret.secret()?;
     let token = tandem_worker::WorkerToken::from_secret(&secret);
-    if a.engine.device != DeviceSpec::Cpu {
-        anyhow::bail!(
-            "a prefill worker sends its KV from a host cache; sending from {} is not supported yet: run prefill workers with --device cpu",
-            a.engine.device
-        );
-    }
     let (handle, started) = start_engine(&a.engine)?;
     let loras = a.lora.registry(&started)?;
     let handle = Arc::new(handle);
@@ -640,8 +629,9 @@ pub fn run_prefill(a: PrefillArgs) -> Result<()> {
         .await?;
         let grpc_addr = format!("{}:{}", a.register.advertise(&a.host), addr.port());
         let card = card(Role::Prefill, &identity, grpc_addr, None, handle.limits());
-        let shape = tandem_worker::kv_shape(&identity.model, &handle.kv_writers())
-            .context("a prefill worker sends from a host cache")?;
+        let shape = tandem_worker::KvTarget::of(&handle)
+            .and_then(|t| t.shape(&identity.model))
+            .context("a prefill worker sends from its engine's KV pool (host or device)")?;
         let service = PrefillService::new(
             handle.clone(),
             Arc::new(TcpTransport::new(secret).with_shape(shape)),

@@ -43,13 +43,19 @@ pub struct UpArgs {
     decode_workers: usize,
     /// Prefill workers to start (0: every prompt is prefilled where it decodes). Default on the
     /// CPU: 1 on a machine of at least 8 cores, 0 below (the roles would split too few cores:
-    /// one decode worker with every core serves more); 0 on a GPU (KV transfer from and into a
-    /// GPU cache is not built yet).
+    /// one decode worker with every core serves more); 0 when decode workers run on a GPU (a
+    /// GPU decode worker prefills faster than a CPU prefill worker would; ask for them, on a
+    /// device with --prefill-device).
     #[arg(long = "prefill-workers", env = "TANDEM_UP_PREFILL_WORKERS")]
     prefill_workers: Option<usize>,
     /// Where decode workers run: cpu, or a CUDA GPU (cuda, cuda:N).
     #[arg(long, env = "TANDEM_DEVICE", default_value = "cpu")]
     device: DeviceSpec,
+    /// Where prefill workers run: cpu, or a CUDA GPU (cuda, cuda:N). Their KV reaches decode
+    /// workers on either device: a GPU's cache goes through page-locked staging, and a
+    /// receiver converts f32 to bf16 (or back) where the two caches differ.
+    #[arg(long = "prefill-device", env = "TANDEM_PREFILL_DEVICE", default_value = "cpu")]
+    prefill_device: DeviceSpec,
     /// Prompts with at least this many uncached tokens are prefilled on a prefill worker.
     #[arg(long, env = "TANDEM_DISAGG_MIN_TOKENS", default_value_t = 256)]
     disagg_min_tokens: usize,
@@ -361,10 +367,6 @@ pub fn run(mut a: UpArgs) -> Result<()> {
     let prefill_workers = match (a.prefill_workers, a.device) {
         (None, DeviceSpec::Cpu) => default_cpu_prefill_workers(cores),
         (None, DeviceSpec::Cuda(_)) => 0,
-        (Some(n), DeviceSpec::Cuda(_)) if n > 0 => bail!(
-            "--prefill-workers {n} with --device {}: KV transfer into a GPU cache is not built yet; leave --prefill-workers unset (0 on a GPU)",
-            a.device
-        ),
         (Some(n), _) => n,
     };
     if a.prefill_workers.is_none() && a.device == DeviceSpec::Cpu && prefill_workers == 0 {
@@ -479,7 +481,7 @@ fn worker_args(
             .set("tp", a.decode_tp)
             .set("handoff-window-s", 0);
     } else {
-        c.set("tp", a.prefill_tp);
+        c.set("device", a.prefill_device).set("tp", a.prefill_tp);
     }
     c
 }

@@ -14,15 +14,15 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use prometheus_client::metrics::histogram::Histogram;
-use tandem_engine::{KvPoolWriter, Reservation, Sampled};
+use tandem_engine::{Reservation, Sampled};
 use tandem_kv_transfer::{
-    BlockSink, KvReceiver, Secret, TransferError, TransferGrant, TransferStats,
+    KvReceiver, Secret, TransferError, TransferGrant, TransferStats,
 };
 use tandem_proto::worker::{self as pb, prefill_client::PrefillClient};
 use tandem_telemetry::Attribute;
 use tonic::transport::{Channel, Endpoint};
 
-use tandem_worker::PoolSink;
+use tandem_worker::{KvSink, KvTarget};
 
 /// How remote prefills ended, counted since start.
 #[derive(Debug)]
@@ -75,7 +75,7 @@ pub struct Pulled {
 pub struct RemotePrefill {
     receiver: KvReceiver,
     endpoint: String,
-    sink: Arc<PoolSink>,
+    sink: KvSink,
     deadlines: Deadlines,
     clients: Mutex<HashMap<String, PrefillClient<Channel>>>,
     /// The cluster's credential, on every `Prefill` call.
@@ -91,23 +91,23 @@ impl RemotePrefill {
     /// to `advertise_host` and the bound port. Each attempt lives while the prefill worker makes
     /// progress, within `deadlines`.
     ///
-    /// The receiver describes the cache `writers` write into (every tensor-parallel rank's pool
-    /// of a worker serving `model`, as `EngineHandle::kv_writers` gives them) in its handshake:
-    /// senders with a cache that does not map are refused with the reason, and the others send
-    /// each rank's KV heads.
+    /// The receiver describes `target` (every tensor-parallel rank's pool of a worker serving
+    /// `model`, or its device's pool, as `KvTarget::of` gives them) in its handshake: senders
+    /// with a cache that does not map are refused with the reason, and the others send each
+    /// rank's KV heads (converted here where the two caches store other float types).
     ///
     /// # Safety
-    /// `writers` must belong to the engine whose reservations are passed to [`Self::prefill`]:
+    /// `target` must belong to the engine whose reservations are passed to [`Self::prefill`]:
     /// only reserved (parked) blocks are ever granted, which the engine leaves alone.
     pub async unsafe fn bind(
         bind: &str,
         advertise_host: &str,
         secret: Secret,
         model: &str,
-        writers: Vec<(std::ops::Range<u32>, KvPoolWriter)>,
+        target: KvTarget,
         deadlines: Deadlines,
     ) -> Result<Self, TransferError> {
-        let shape = tandem_worker::kv_shape(model, &writers).ok_or_else(|| {
+        let shape = target.shape(model).ok_or_else(|| {
             TransferError::Config("a KV receiver needs the engine's host pools".into())
         })?;
         let token = tandem_worker::WorkerToken::from_secret(&secret);
@@ -120,7 +120,7 @@ impl RemotePrefill {
             receiver,
             endpoint,
             // SAFETY: forwarded to the caller (see above).
-            sink: Arc::new(unsafe { PoolSink::new(writers) }),
+            sink: unsafe { KvSink::new(target) },
             deadlines,
             clients: Mutex::new(HashMap::new()),
             token,
@@ -257,7 +257,7 @@ impl RemotePrefill {
         let granted = Instant::now();
         let g = grant.insert(
             self.receiver
-                .grant_open(&reservation.blocks, self.sink.clone() as Arc<dyn BlockSink>),
+                .grant_open(&reservation.blocks, self.sink.block_sink()),
         );
         let uncached = prompt.len() - reservation.cached_tokens;
         let mut call = tonic::Request::new(pb::PrefillRequest {

@@ -83,6 +83,12 @@ pub trait Backend: Send {
             .collect()
     }
 
+    /// The device's KV pool as KV transfers reach it (through page-locked staging), when the
+    /// cache lives on a device rather than in host pools.
+    fn device_kv(&self) -> Option<std::sync::Arc<dyn crate::device::staging::DeviceKv>> {
+        None
+    }
+
     /// Bytes of weights one decode step reads.
     fn weight_bytes(&self) -> usize;
 
@@ -262,6 +268,9 @@ impl Backend for Slowed {
     }
     fn host_pools(&self) -> Vec<RankPool<'_>> {
         self.inner.host_pools()
+    }
+    fn device_kv(&self) -> Option<std::sync::Arc<dyn crate::device::staging::DeviceKv>> {
+        self.inner.device_kv()
     }
     fn weight_bytes(&self) -> usize {
         self.inner.weight_bytes()

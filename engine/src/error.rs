@@ -91,6 +91,9 @@ pub enum EngineError {
     /// A CUDA call failed.
     #[error(transparent)]
     Cuda(#[from] tandem_kernels::cuda::CudaError),
+    /// A copy between a device's KV pool and host staging memory failed (the text says why).
+    #[error("device KV copy: {0}")]
+    Device(String),
     /// A collective between the ranks of a tensor-parallel group failed (a rank stuck or gone,
     /// buffers that do not agree).
     #[error("tensor-parallel collective: {0}")]
@@ -132,6 +135,7 @@ impl EngineError {
             | Self::Kernel(_)
             | Self::Files(_)
             | Self::Cuda(_)
+            | Self::Device(_)
             | Self::Collective(_)
             | Self::Startup(_)
             | Self::Internal(_)

@@ -54,6 +54,7 @@ pub use backend::{Backend, PoolSize, RankPool, TpStats};
 pub use block_manager::{BlockCounts, BlockManager, KvEvent, KvEventKind, PoolFull, SeqBlocks};
 pub use device::cpu::{CpuBackend, CpuModel, WeightFormat};
 pub use device::cuda::CudaModel;
+pub use device::staging::{DeviceKv, DeviceKvFormat, DeviceSink, InFlight, Pinned};
 pub use device::tp_cpu::{TpCpuBackend, TpCpuConfig};
 pub use engine::{
     Continuous, Cost, DiskCounts, Engine, EngineConfig, EngineStats, Event, FinishReason, Finished,

@@ -300,3 +300,172 @@ fn the_engine_runs_unchanged_on_the_gpu() {
         recs.len()
     );
 }
+
+/// Runs `r` in prefill mode on `e`: its first token and the KV chunks it emitted, in order.
+fn prefill_export(
+    e: &mut Engine,
+    r: tandem_engine::Request,
+) -> (tandem_engine::Sampled, Vec<tandem_engine::KvChunk>) {
+    let id = tandem_engine::RequestId(1 << 40);
+    e.add_prefill(id, r, 0).unwrap();
+    let (mut first, mut chunks) = (None, Vec::new());
+    while e.has_work() {
+        for ev in e.step().unwrap().0 {
+            match ev {
+                tandem_engine::Event::Kv(c) => chunks.push(c),
+                tandem_engine::Event::Token(t) => first = Some(t.sampled),
+                tandem_engine::Event::Finished(_) => {}
+            }
+        }
+    }
+    (first.expect("a first token"), chunks)
+}
+
+/// Writes `chunks` (frames in the device's element type) into `e`'s reserved blocks through a
+/// DeviceSink, settles it, joins the request and decodes it to the end.
+fn import_and_decode(
+    e: &mut Engine,
+    r: tandem_engine::Request,
+    first: tandem_engine::Sampled,
+    chunks: &[tandem_engine::KvChunk],
+    convert: Option<tandem_kv_transfer::Float>,
+) -> Vec<u32> {
+    use tandem_kv_transfer::BlockSink;
+    let id = tandem_engine::RequestId(7);
+    let res = e.reserve_remote(id, r).unwrap().expect("room");
+    let dev = e.backend().device_kv().expect("a GPU pool");
+    // SAFETY: only the reservation's blocks are written, which the engine leaves alone.
+    let sink = unsafe { tandem_engine::DeviceSink::new(dev) };
+    let mut wire = Vec::new();
+    for c in chunks {
+        for j in 0..c.blocks {
+            for layer in 0..c.layers() {
+                let frame = c.pieces[0].frame(layer, j);
+                let frame = match convert {
+                    Some(from) => {
+                        tandem_kv_transfer::convert_values(
+                            from,
+                            frame,
+                            tandem_kv_transfer::Float::Bf16,
+                            &mut wire,
+                        );
+                        &wire[..]
+                    }
+                    None => frame,
+                };
+                sink.write(layer as u32, res.blocks[c.first + j], frame);
+            }
+        }
+    }
+    sink.settle().unwrap();
+    let mut out = vec![first.token];
+    for ev in e.join_remote(id, first, 0).unwrap() {
+        if let tandem_engine::Event::Token(t) = ev {
+            assert_eq!(t.sampled.token, out[0]);
+        }
+    }
+    while e.has_work() {
+        for ev in e.step().unwrap().0 {
+            if let tandem_engine::Event::Token(t) = ev {
+                if t.request == id {
+                    out.push(t.sampled.token);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// KV through the GPU's staging paths (pinned memory, async copies on the copy stream, events):
+/// a GPU prefill engine's exported blocks, imported into another GPU engine's pool, decode to
+/// exactly the tokens a local GPU prefill gives (the bf16 bits travel unchanged); a CPU prefill
+/// engine's f32 blocks, converted to bf16 as a receiver does and imported, read back out of the
+/// GPU pool as exactly those bf16 frames, and decode to the end with nothing leaked.
+#[test]
+fn kv_moves_into_and_out_of_the_gpu_pool_through_staging() {
+    let test = "kv_moves_into_and_out_of_the_gpu_pool_through_staging";
+    let cfg = EngineConfig {
+        max_batched_tokens: 64,
+        ..EngineConfig::default()
+    };
+    let Some(mut local) = gpu_engine(test, cfg.clone()) else {
+        return;
+    };
+    let (_, recs) = golden_records();
+    let r = requests(&recs).remove(0);
+    let want = local.generate(vec![r.clone()], |_| {}, |_| {}).unwrap()[0]
+        .output_ids
+        .clone();
+    drop(local);
+    let Some(mut prefill) = gpu_engine(test, cfg.clone()) else {
+        return;
+    };
+    let (first, chunks) = prefill_export(&mut prefill, r.clone());
+    assert!(chunks.len() >= 2, "a chunked prompt exports as it goes");
+    assert_no_blocks_held(&prefill);
+    drop(prefill);
+    let Some(mut decode) = gpu_engine(test, cfg.clone()) else {
+        return;
+    };
+    let got = import_and_decode(&mut decode, r.clone(), first, &chunks, None);
+    assert_eq!(got, want, "GPU to GPU: the local prefill's tokens");
+    assert_no_blocks_held(&decode);
+
+    let p = tandem_model::default_model_path();
+    let m = tandem_model::load(&p).unwrap();
+    let model = tandem_engine::CpuModel::new(&m, Default::default()).unwrap();
+    let mut cpu = Engine::new(model, cfg.clone(), m.tokenizer.eos_token_ids.clone()).unwrap();
+    let (first, chunks) = prefill_export(&mut cpu, r.clone());
+    decode.clear_prefix_cache();
+    let got = import_and_decode(
+        &mut decode,
+        r.clone(),
+        first,
+        &chunks,
+        Some(tandem_kv_transfer::Float::F32),
+    );
+    assert_eq!(got.len(), want.len(), "CPU to GPU: decoded to the end");
+    assert_no_blocks_held(&decode);
+    // What the GPU pool held is the CPU's values in bf16: read a prompt's blocks back out.
+    let id = tandem_engine::RequestId(8);
+    let res = decode.reserve_remote(id, r.clone()).unwrap().expect("room");
+    let dev = decode.backend().device_kv().unwrap();
+    {
+        use tandem_kv_transfer::BlockSink;
+        // SAFETY: the reservation's blocks, which the engine leaves alone.
+        let sink = unsafe { tandem_engine::DeviceSink::new(dev.clone()) };
+        let mut wire = Vec::new();
+        let c = &chunks[0];
+        for j in 0..c.blocks {
+            for layer in 0..c.layers() {
+                tandem_kv_transfer::convert_values(
+                    tandem_kv_transfer::Float::F32,
+                    c.pieces[0].frame(layer, j),
+                    tandem_kv_transfer::Float::Bf16,
+                    &mut wire,
+                );
+                sink.write(layer as u32, res.blocks[j], &wire);
+            }
+        }
+        sink.settle().unwrap();
+        let back = tandem_engine::device::staging::export_staged(
+            &*dev,
+            &res.blocks[..c.blocks],
+            &mut None,
+        )
+        .unwrap();
+        for (layer, bytes) in back.iter().enumerate() {
+            let mut want = Vec::new();
+            tandem_kv_transfer::convert_values(
+                tandem_kv_transfer::Float::F32,
+                &c.pieces[0].layers[layer],
+                tandem_kv_transfer::Float::Bf16,
+                &mut want,
+            );
+            assert_eq!(bytes, &want, "layer {layer} read back from the GPU pool");
+        }
+    }
+    decode.cancel(id);
+    let _ = decode.step().unwrap();
+    assert_no_blocks_held(&decode);
+}

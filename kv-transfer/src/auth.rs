@@ -557,7 +557,7 @@ mod tests {
             accept(&mut a, &s, Some(&d), admit),
             connect(&mut b, &s, Some(&int8), T, EP)
         );
-        let want = "the peer's KV cache dtype is int8, this worker's f32";
+        let want = "the peer's KV cache dtype is int8, this worker's f32 (frames convert between f32, f16 and bf16 only)";
         assert!(
             matches!(&r, Err(TransferError::Mismatch(w)) if w == want),
             "{r:?}"

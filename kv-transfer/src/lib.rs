@@ -29,7 +29,7 @@ pub use disk::{DiskError, DiskTier, DiskTierConfig, DiskTierStats};
 pub use fault::WireFault;
 pub use receiver::{BlockSink, KvReceiver, Rejections, TransferGrant, TransferStats};
 pub use regroup::{FramePlan, HeadsKv, OutgoingChunk};
-pub use shape::{regroup, KvShape};
+pub use shape::{convert_values, regroup, Float, KvShape};
 pub use tandem_types::BlockId;
 pub use transport::{BlockFrame, KvStream, KvTransport, TcpTransport};
 
@@ -56,6 +56,10 @@ pub enum TransferError {
     /// A frame header that does not decode.
     #[error("kv wire: {0}")]
     Wire(#[from] wire::WireError),
+    /// The receiving sink could not store what arrived (a device copy failed); the text says
+    /// why.
+    #[error("kv blocks could not be stored: {0}")]
+    Sink(String),
     /// The receiver refused a frame; the reason names the check.
     #[error("a frame was rejected ({0})")]
     Rejected(&'static str),

@@ -23,7 +23,7 @@ use tokio::time::Instant;
 use tandem_types::BlockId;
 
 use crate::auth::{self, Secret};
-use crate::shape::KvShape;
+use crate::shape::{convert_values, Float, KvShape};
 use crate::wire::{checksum, FrameHeader, FrameKind, HEADER_LEN, MAX_CONTEXT};
 use crate::TransferError;
 use std::ops::Range;
@@ -52,6 +52,22 @@ pub trait BlockSink: Send + Sync {
     fn write_piece(&self, layer: u32, block: BlockId, piece: usize, payload: &[u8]) {
         let _ = piece;
         self.write(layer, block, payload)
+    }
+    /// Waits until every write so far has reached the blocks: a sink that stores
+    /// asynchronously (a GPU's cache, through staging buffers) finishes its copies here. A grant
+    /// settles its sink before its transfer is reported complete and when it is dropped, so a
+    /// block is never handed back to the engine (or freed) with a copy into it still in flight.
+    fn settle(&self) -> Result<(), String> {
+        Ok(())
+    }
+}
+
+/// The frame length a sender of `conv`'s first type sends for a sink piece of `sink_len` bytes
+/// of its second type (the sink's own length without a conversion).
+fn wire_len(sink_len: usize, conv: Option<(Float, Float)>) -> usize {
+    match conv {
+        None => sink_len,
+        Some((from, to)) => sink_len / to.bytes() * from.bytes(),
     }
 }
 
@@ -292,6 +308,7 @@ impl KvReceiver {
         let pieces = sink.pieces();
         let per_block = layers * pieces.len().max(1);
         let (tx, rx) = oneshot::channel();
+        let sink_kept = sink.clone();
         let mut map = HashMap::new();
         for &b in blocks {
             map.insert(b, vec![false; per_block]);
@@ -326,6 +343,7 @@ impl KvReceiver {
             deadline,
             rx: Some(rx),
             inner: self.inner.clone(),
+            sink: sink_kept,
         }
     }
 }
@@ -336,6 +354,8 @@ pub struct TransferGrant {
     deadline: Option<Instant>,
     rx: Option<oneshot::Receiver<Result<TransferStats, TransferError>>>,
     inner: Arc<Inner>,
+    /// The grant's sink, settled when the transfer completes and when the grant is dropped.
+    sink: Arc<dyn BlockSink>,
 }
 
 impl TransferGrant {
@@ -365,13 +385,20 @@ impl TransferGrant {
         };
         self.rx = None;
         self.inner.grants.lock().expect("grants").remove(&self.id);
-        r
+        // Complete once the sink holds it all, not when the last frame was handed to it.
+        let settled = self.sink.settle().map_err(TransferError::Sink);
+        r.and_then(|stats| settled.map(|()| stats))
     }
 }
 
 impl Drop for TransferGrant {
     fn drop(&mut self) {
+        // No frame reaches the sink for this grant once it is gone from the map; the copies
+        // already handed to it finish before the blocks go back to their owner.
         self.inner.grants.lock().expect("grants").remove(&self.id);
+        if let Err(e) = self.sink.settle() {
+            tracing::error!(transfer = self.id, error = %e, "KV copies into revoked blocks failed");
+        }
     }
 }
 
@@ -382,7 +409,13 @@ enum Verdict {
     Reject(&'static str, Option<TransferError>),
 }
 
-fn judge(r: &Rejections, grants: &HashMap<u64, Grant>, h: &FrameHeader, payload: &[u8]) -> Verdict {
+fn judge(
+    r: &Rejections,
+    grants: &HashMap<u64, Grant>,
+    h: &FrameHeader,
+    payload: &[u8],
+    conv: Option<(Float, Float)>,
+) -> Verdict {
     let Some(g) = grants.get(&h.transfer) else {
         r.unknown_transfer.fetch_add(1, Ordering::Relaxed);
         return Verdict::Reject("unknown transfer", None);
@@ -414,10 +447,13 @@ fn judge(r: &Rejections, grants: &HashMap<u64, Grant>, h: &FrameHeader, payload:
         r.bad_heads.fetch_add(1, Ordering::Relaxed);
         return Verdict::Reject("bad heads", Some(TransferError::Rejected("bad_heads")));
     };
-    let want = match g.pieces.is_empty() {
-        true => g.sink.frame_len(),
-        false => g.sink.piece_len(piece),
-    };
+    let want = wire_len(
+        match g.pieces.is_empty() {
+            true => g.sink.frame_len(),
+            false => g.sink.piece_len(piece),
+        },
+        conv,
+    );
     if payload.len() != want {
         r.bad_length.fetch_add(1, Ordering::Relaxed);
         return Verdict::Reject("bad length", Some(TransferError::Rejected("bad_length")));
@@ -595,6 +631,14 @@ async fn serve_connection(inner: &Arc<Inner>, mut sock: TcpStream) -> Result<(),
         }
     };
     let bound = session.transfer();
+    // A sender whose cache stores another float type: its frames' values are converted to
+    // this cache's type before they are written (the checksum covers them as sent).
+    let conv = inner
+        .shape
+        .as_ref()
+        .zip(session.peer())
+        .and_then(|(mine, peer)| mine.conversion_from(peer));
+    let mut converted = Vec::new();
     let mut r = FrameReader::new(sock, inner.clone(), bound);
     let mut seq = 0u64;
     loop {
@@ -647,9 +691,9 @@ async fn serve_connection(inner: &Arc<Inner>, mut sock: TcpStream) -> Result<(),
                 grants
                     .get(&h.transfer)
                     .map_or(0, |g| match g.pieces.is_empty() {
-                        true => g.sink.frame_len(),
+                        true => wire_len(g.sink.frame_len(), conv),
                         false => (0..g.pieces.len())
-                            .map(|p| g.sink.piece_len(p))
+                            .map(|p| wire_len(g.sink.piece_len(p), conv))
                             .max()
                             .unwrap_or(0),
                     })
@@ -687,14 +731,21 @@ async fn serve_connection(inner: &Arc<Inner>, mut sock: TcpStream) -> Result<(),
                 // The write happens under the lock: a grant revoked (and its blocks freed by the
                 // engine) can never see a late write.
                 let mut grants = inner.grants.lock().expect("grants");
-                match judge(&inner.rejections, &grants, &h, payload) {
+                match judge(&inner.rejections, &grants, &h, payload, conv) {
                     Verdict::Write(piece) => {
                         let g = grants.get_mut(&h.transfer).expect("judged");
+                        let values = match conv {
+                            None => payload,
+                            Some((from, to)) => {
+                                convert_values(from, payload, to, &mut converted);
+                                &converted
+                            }
+                        };
                         match g.pieces.is_empty() {
-                            true => g.sink.write(h.layer, BlockId(h.block), payload),
+                            true => g.sink.write(h.layer, BlockId(h.block), values),
                             false => g
                                 .sink
-                                .write_piece(h.layer, BlockId(h.block), piece, payload),
+                                .write_piece(h.layer, BlockId(h.block), piece, values),
                         }
                         inner
                             .bytes

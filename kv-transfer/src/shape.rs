@@ -3,8 +3,10 @@
 //! ranks hold (the head ranges its block frames must carry).
 //!
 //! A sender and a receiver whose caches cannot map onto each other (another model, head size,
-//! layer count, KV heads, block size or element type) refuse each other at the handshake with
-//! the reason, before any frame flows. Tensor-parallel sizes may differ: a block frame carries a
+//! layer count, KV heads or block size, or an element type a frame cannot convert from) refuse
+//! each other at the handshake with the reason, before any frame flows. The floating-point types
+//! (a CPU cache's f32 and f16, a GPU cache's bf16) convert value by value at the receiver
+//! ([`KvShape::conversion_from`], [`convert_values`]); int8 maps onto int8 only. Tensor-parallel sizes may differ: a block frame carries a
 //! range of KV heads, and the receiver names the ranges its ranks hold (see [`crate::wire`]).
 
 use std::ops::Range;
@@ -24,7 +26,7 @@ pub struct KvShape {
     pub head_dim: u32,
     /// Token slots per block.
     pub block_size: u32,
-    /// The cache's element type: `f32`, `f16` or `int8`.
+    /// The cache's element type: `f32`, `f16`, `bf16` (a GPU's cache) or `int8`.
     pub dtype: String,
     /// The distinct KV head ranges of the worker's tensor-parallel ranks, in head order (one
     /// range of every head without tensor parallelism). A receiver takes block frames of
@@ -32,15 +34,86 @@ pub struct KvShape {
     pub pieces: Vec<Range<u32>>,
 }
 
+/// Bytes of one stored value of a cache of `dtype` (int8's scales aside).
+pub fn value_bytes(dtype: &str) -> usize {
+    match dtype {
+        "f32" => 4,
+        "f16" | "bf16" => 2,
+        _ => 1,
+    }
+}
+
+/// The floating-point element types a frame's values convert between at a receiver: a CPU
+/// cache's f32 or f16 and a GPU cache's bf16. A frame of these is its values only (no scales),
+/// laid out alike whatever the type, so a conversion is value by value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Float {
+    /// IEEE single precision.
+    F32,
+    /// IEEE half precision.
+    F16,
+    /// bfloat16: f32's exponent, 8 significant bits.
+    Bf16,
+}
+
+impl Float {
+    /// The type a cache's dtype name stores, if it is one of these.
+    pub fn of(dtype: &str) -> Option<Self> {
+        match dtype {
+            "f32" => Some(Self::F32),
+            "f16" => Some(Self::F16),
+            "bf16" => Some(Self::Bf16),
+            _ => None,
+        }
+    }
+
+    /// Bytes per value.
+    pub fn bytes(self) -> usize {
+        match self {
+            Self::F32 => 4,
+            Self::F16 | Self::Bf16 => 2,
+        }
+    }
+
+    /// The value at `b` (little-endian, [`Self::bytes`] long) as f32: exact for every type.
+    fn read(self, b: &[u8]) -> f32 {
+        match self {
+            Self::F32 => f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+            Self::F16 => half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32(),
+            Self::Bf16 => half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32(),
+        }
+    }
+
+    /// Writes `v` rounded to this type (to nearest, ties to even: what the devices' own cache
+    /// writes do) at `b`.
+    fn write(self, v: f32, b: &mut [u8]) {
+        match self {
+            Self::F32 => b.copy_from_slice(&v.to_le_bytes()),
+            Self::F16 => b.copy_from_slice(&half::f16::from_f32(v).to_bits().to_le_bytes()),
+            Self::Bf16 => b.copy_from_slice(&half::bf16::from_f32(v).to_bits().to_le_bytes()),
+        }
+    }
+}
+
+/// `src`'s values of type `from` as values of type `to`, in `dst` (cleared first). A value that
+/// does not fit the narrower type becomes its infinity, as a cast does.
+pub fn convert_values(from: Float, src: &[u8], to: Float, dst: &mut Vec<u8>) {
+    let n = src.len() / from.bytes();
+    dst.clear();
+    dst.resize(n * to.bytes(), 0);
+    for (s, d) in src
+        .chunks_exact(from.bytes())
+        .zip(dst.chunks_exact_mut(to.bytes()))
+    {
+        to.write(from.read(s), d);
+    }
+}
+
 impl KvShape {
     /// Bytes of one layer of one block holding `heads` of the KV heads: K and V values, and for
     /// int8 their f32 scales, one per slot of each head (the frame layout of docs/kv-wire.md).
     pub fn frame_len(&self, heads: usize) -> usize {
-        let per_value = match self.dtype.as_str() {
-            "f32" => 4,
-            "f16" => 2,
-            _ => 1,
-        };
+        let per_value = value_bytes(&self.dtype);
         let values = 2 * heads * self.block_size as usize * self.head_dim as usize;
         values * per_value + self.scaled() as usize * 2 * heads * self.scale_bytes()
     }
@@ -77,10 +150,22 @@ impl KvShape {
         if self.block_size != peer.block_size {
             return differ("KV block size", &self.block_size, &peer.block_size);
         }
-        if self.dtype != peer.dtype {
-            return differ("KV cache dtype", &self.dtype, &peer.dtype);
+        if self.dtype != peer.dtype && Float::of(&self.dtype).zip(Float::of(&peer.dtype)).is_none() {
+            return Some(format!(
+                "the peer's KV cache dtype is {}, this worker's {} (frames convert between f32, f16 and bf16 only)",
+                peer.dtype, self.dtype
+            ));
         }
         None
+    }
+
+    /// The conversion a receiver of this shape applies to the values of a sender of `peer`'s
+    /// frames: None when they store the same type (the bytes are written as they came).
+    pub fn conversion_from(&self, peer: &KvShape) -> Option<(Float, Float)> {
+        if self.dtype == peer.dtype {
+            return None;
+        }
+        Float::of(&peer.dtype).zip(Float::of(&self.dtype))
     }
 
     /// The shape's bytes in a handshake message (a length, then the fields).
@@ -226,7 +311,24 @@ pub(crate) mod tests {
         let a = shape("f32", vec![0..3]);
         assert_eq!(a.mismatch(&shape("f32", vec![0..1, 1..2, 2..3])), None);
         let e = a.mismatch(&shape("int8", vec![0..3])).unwrap();
-        assert_eq!(e, "the peer's KV cache dtype is int8, this worker's f32");
+        assert_eq!(
+            e,
+            "the peer's KV cache dtype is int8, this worker's f32 (frames convert between f32, f16 and bf16 only)"
+        );
+        // The float types map onto each other: the receiver converts.
+        for (mine, peer) in [("bf16", "f32"), ("f32", "bf16"), ("f16", "bf16")] {
+            let m = shape(mine, vec![0..3]);
+            let p = shape(peer, vec![0..3]);
+            assert_eq!(m.mismatch(&p), None, "{mine} <- {peer}");
+            assert_eq!(
+                m.conversion_from(&p),
+                Some((Float::of(peer).unwrap(), Float::of(mine).unwrap()))
+            );
+        }
+        assert_eq!(a.conversion_from(&a), None);
+        assert!(shape("int8", vec![0..3])
+            .mismatch(&shape("bf16", vec![0..3]))
+            .is_some());
         let e = a
             .mismatch(&KvShape {
                 head_dim: 8,
@@ -248,6 +350,49 @@ pub(crate) mod tests {
             })
             .unwrap();
         assert!(e.contains("model is other"), "{e}");
+    }
+
+    /// Conversions round to nearest, ties to even, as the devices' cache writes do: bf16 keeps
+    /// f32's top 16 bits, rounded; widening is exact, so narrowing what was widened gives the
+    /// same bits back; what overflows f16 becomes infinity.
+    #[test]
+    fn values_convert_rounding_to_nearest_even() {
+        let vals: [f32; 6] = [
+            1.0,
+            -2.5,
+            // 1 + 2^-8 sits halfway between two bf16 values: ties go to the even one (1.0).
+            1.0 + 1.0 / 256.0,
+            // 1 + 3·2^-8: halfway again, now up to the even 1 + 2^-6.
+            1.0 + 3.0 / 256.0,
+            1.0e30,
+            f32::from_bits(0x3f80_8001),
+        ];
+        let src: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let mut bf = Vec::new();
+        convert_values(Float::F32, &src, Float::Bf16, &mut bf);
+        let bits: Vec<u16> = bf
+            .chunks_exact(2)
+            .map(|b| u16::from_le_bytes([b[0], b[1]]))
+            .collect();
+        assert_eq!(bits, [0x3f80, 0xc020, 0x3f80, 0x3f82, 0x714a, 0x3f81]);
+        let mut wide = Vec::new();
+        convert_values(Float::Bf16, &bf, Float::F32, &mut wide);
+        let back: Vec<u32> = wide
+            .chunks_exact(4)
+            .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        assert_eq!(back, bits.iter().map(|&b| (b as u32) << 16).collect::<Vec<_>>());
+        let mut again = Vec::new();
+        convert_values(Float::F32, &wide, Float::Bf16, &mut again);
+        assert_eq!(again, bf);
+        let mut h = Vec::new();
+        convert_values(Float::Bf16, &bf, Float::F16, &mut h);
+        let h: Vec<f32> = h
+            .chunks_exact(2)
+            .map(|b| half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32())
+            .collect();
+        assert_eq!(h[..4], [1.0, -2.5, 1.0, 1.015625]);
+        assert_eq!(h[4], f32::INFINITY);
     }
 
     /// A whole block split into per-head frames and joined again is the block; a two-head

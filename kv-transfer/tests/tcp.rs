@@ -671,3 +671,102 @@ async fn a_handshake_relayed_through_another_address_is_refused() {
     grant.wait().await.unwrap();
     assert_eq!(sink.get(0, 1), Some(payload(0, 1, 64)));
 }
+
+/// A sink that stores asynchronously, as a GPU's does: writes wait in flight until the sink
+/// settles.
+#[derive(Default)]
+struct SettlingSink {
+    frame_len: usize,
+    in_flight: Mutex<Vec<((u32, u32), Vec<u8>)>>,
+    stored: Mutex<HashMap<(u32, u32), Vec<u8>>>,
+    settles: std::sync::atomic::AtomicUsize,
+}
+
+impl BlockSink for SettlingSink {
+    fn frame_len(&self) -> usize {
+        self.frame_len
+    }
+    fn layers(&self) -> u32 {
+        2
+    }
+    fn write(&self, layer: u32, block: BlockId, payload: &[u8]) {
+        self.in_flight
+            .lock()
+            .unwrap()
+            .push(((layer, block.0), payload.to_vec()));
+    }
+    fn settle(&self) -> Result<(), String> {
+        self.settles.fetch_add(1, Ordering::Relaxed);
+        let mut stored = self.stored.lock().unwrap();
+        stored.extend(self.in_flight.lock().unwrap().drain(..));
+        Ok(())
+    }
+}
+
+/// A receiver with a bf16 cache (a GPU's) takes an f32 sender's frames (a CPU's), converting
+/// each value to nearest-even bf16 after checking the frame as sent; a frame of the receiver's
+/// own length from that sender is a bad length; the transfer completes only once the sink has
+/// settled its copies, and a revoked grant settles them before its blocks go back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn float_frames_convert_at_the_receiver_and_grants_settle_their_sink() {
+    let shape = kv_shape("bf16", vec![0..3]);
+    let rx = KvReceiver::bind_with("127.0.0.1:0", secret(), Some(shape))
+        .await
+        .unwrap();
+    // 2 · 3 heads · 2 slots · 4 values.
+    let values = 48;
+    let sink = Arc::new(SettlingSink {
+        frame_len: values * 2,
+        ..Default::default()
+    });
+    let mut grant = rx.grant(&ids(&[4]), sink.clone(), Duration::from_secs(10));
+    let t = TcpTransport::new(secret()).with_shape(kv_shape("f32", vec![0..3]));
+    let f32s = |layer: u32| -> Vec<f32> {
+        (0..values)
+            .map(|i| (i as f32 - 20.5) * 0.37 + layer as f32 / 3.0)
+            .collect()
+    };
+    let mut s = t.open(&rx.endpoint(), grant.id()).await.unwrap();
+    for layer in 0..2 {
+        let body: Vec<u8> = f32s(layer).iter().flat_map(|v| v.to_le_bytes()).collect();
+        s.send_block(grant.id(), layer, BlockId(4), &body).await.unwrap();
+    }
+    let stats = grant.wait().await.unwrap();
+    assert_eq!((stats.frames, stats.bytes), (2, 2 * values as u64 * 4));
+    assert!(sink.in_flight.lock().unwrap().is_empty(), "completed before settling");
+    assert!(sink.settles.load(Ordering::Relaxed) >= 1);
+    for layer in 0..2 {
+        let want: Vec<u8> = f32s(layer)
+            .iter()
+            .flat_map(|&v| half::bf16::from_f32(v).to_bits().to_le_bytes())
+            .collect();
+        assert_eq!(sink.stored.lock().unwrap()[&(layer, 4)], want, "layer {layer}");
+    }
+
+    // The receiver's own frame length is not what an f32 sender sends.
+    let mut grant = rx.grant(&ids(&[5]), sink.clone(), Duration::from_secs(10));
+    let mut s = t.open(&rx.endpoint(), grant.id()).await.unwrap();
+    s.send_block(grant.id(), 0, BlockId(5), &vec![0u8; values * 2])
+        .await
+        .unwrap();
+    assert!(matches!(
+        grant.wait().await,
+        Err(TransferError::Rejected("bad_length"))
+    ));
+
+    // Half a transfer, then the grant is revoked: what reached the sink is settled by then.
+    let grant = rx.grant(&ids(&[6]), sink.clone(), Duration::from_secs(10));
+    let mut s = t.open(&rx.endpoint(), grant.id()).await.unwrap();
+    let body: Vec<u8> = f32s(0).iter().flat_map(|v| v.to_le_bytes()).collect();
+    s.send_block(grant.id(), 0, BlockId(6), &body).await.unwrap();
+    for _ in 0..1000 {
+        if !sink.in_flight.lock().unwrap().is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(sink.in_flight.lock().unwrap().len(), 1);
+    drop(grant);
+    assert!(sink.in_flight.lock().unwrap().is_empty());
+    assert!(sink.stored.lock().unwrap().contains_key(&(0, 6)));
+}

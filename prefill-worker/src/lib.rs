@@ -99,7 +99,7 @@ impl PrefillService {
         limits: PrefillLimits,
     ) -> Self {
         let requests = RequestMetrics::new();
-        let shape = tandem_worker::kv_shape(&identity.model, &engine.kv_writers());
+        let shape = tandem_worker::KvTarget::of(&engine).and_then(|t| t.shape(&identity.model));
         Self {
             shared: Arc::new(Shared {
                 shape,

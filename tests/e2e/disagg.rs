@@ -594,8 +594,16 @@ impl KvStream for HeldStream {
 /// A prefill worker service in this process over its own engine, sending KV through
 /// `transport`; its address.
 async fn serve_prefill(transport: Arc<dyn KvTransport>) -> String {
+    serve_prefill_on(engine(), transport).await
+}
+
+/// [`serve_prefill`] over `engine`.
+async fn serve_prefill_on(
+    engine: tandem_engine::EngineHandle,
+    transport: Arc<dyn KvTransport>,
+) -> String {
     let prefill = tandem_prefill_worker::PrefillService::new(
-        Arc::new(engine()),
+        Arc::new(engine),
         transport,
         tandem_decode_worker::WorkerIdentity {
             worker_id: "p".into(),
@@ -687,14 +695,29 @@ fn no_loras() -> Arc<tandem_worker::Loras> {
 }
 
 fn engine() -> tandem_engine::EngineHandle {
-    tandem_engine::EngineHandle::spawn(|| {
+    engine_on(None)
+}
+
+/// The default model's engine; with `device_delay`, its pool reached only through the host
+/// fake of a device (every batch of copies that late), as a GPU's is.
+fn engine_on(device_delay: Option<Duration>) -> tandem_engine::EngineHandle {
+    tandem_engine::EngineHandle::spawn(move || {
         let loaded = tandem_model::load(&model_path())?;
         let model = tandem_engine::CpuModel::new(&loaded, Default::default())?;
         let cfg = tandem_engine::EngineConfig {
             kv_cache_mb: 64,
             ..Default::default()
         };
-        tandem_engine::Engine::new(model, cfg, loaded.tokenizer.eos_token_ids.clone())
+        let eos = loaded.tokenizer.eos_token_ids.clone();
+        let cpu = Box::new(tandem_engine::CpuBackend::new(model, &cfg.pool())?);
+        match device_delay {
+            None => tandem_engine::Engine::with_backend(cpu, cfg, eos),
+            Some(delay) => tandem_engine::Engine::with_backend(
+                Box::new(tandem_engine::device::fake::FakeDeviceBackend::new(cpu, delay)?),
+                cfg,
+                eos,
+            ),
+        }
     })
     .unwrap()
 }
@@ -717,7 +740,7 @@ async fn a_flipped_byte_is_rejected_counted_and_the_request_recovers() {
                 "127.0.0.1",
                 secret,
                 "m",
-                decode_engine.kv_writers(),
+                tandem_worker::KvTarget::of(&decode_engine).unwrap(),
                 Default::default(),
             )
         }
@@ -778,6 +801,96 @@ async fn a_flipped_byte_is_rejected_counted_and_the_request_recovers() {
     assert_eq!(remote.counts.fallbacks.load(Ordering::Relaxed), 0);
     assert_eq!(ids, local_reference(&daddr, &prompt, 12).await);
     wait_idle(&daddr).await;
+}
+
+/// The KV staging paths a GPU worker takes, with the host fake of the device (copies complete
+/// 3 ms late, on a thread of their own): a prefill worker whose cache is behind the device
+/// exports through page-locked staging, a decode worker whose cache is behind it imports through
+/// staging slots settled before the request joins; each pairing with a plain CPU worker and with
+/// each other. The tokens are those of the decode worker prefilling locally, the transfer
+/// succeeds first time, and every byte of the prompt's blocks reached the decode side's pool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_moves_through_device_staging_on_either_side_exactly() {
+    let delay = Some(Duration::from_millis(3));
+    for (prefill_dev, decode_dev) in [(None, delay), (delay, None), (delay, delay)] {
+        let secret = Secret::new(KV_SECRET.as_bytes().to_vec()).unwrap();
+        let paddr =
+            serve_prefill_on(engine_on(prefill_dev), Arc::new(TcpTransport::new(secret.clone())))
+                .await;
+        let decode_engine = Arc::new(engine_on(decode_dev));
+        assert_eq!(decode_engine.kv_writers().is_empty(), decode_dev.is_some());
+        // SAFETY: the target is this engine's own.
+        let remote = Arc::new(
+            unsafe {
+                tandem_decode_worker::remote::RemotePrefill::bind(
+                    "127.0.0.1:0",
+                    "127.0.0.1",
+                    secret,
+                    "m",
+                    tandem_worker::KvTarget::of(&decode_engine).unwrap(),
+                    Default::default(),
+                )
+            }
+            .await
+            .unwrap(),
+        );
+        let decode = tandem_decode_worker::DecodeService::new(
+            decode_engine,
+            tandem_decode_worker::WorkerIdentity {
+                worker_id: "d".into(),
+                model: "m".into(),
+                kv_dtype: "f32".into(),
+                loras: no_loras(),
+            },
+        )
+        .with_remote(remote.clone());
+        let dl = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let daddr = dl.local_addr().unwrap().to_string();
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(wpb::worker_control_server::WorkerControlServer::new(
+                    decode.control(),
+                ))
+                .add_service(wpb::decode_server::DecodeServer::new(decode))
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(dl)),
+        );
+        // 300 tokens: 19 blocks of 16, the last partial.
+        let prompt = long_prompt(4, 300);
+        let mut c = wpb::decode_client::DecodeClient::connect(format!("http://{daddr}"))
+            .await
+            .unwrap();
+        let req = wpb::DecodeRequest {
+            request_id: "staged".into(),
+            prompt_ids: prompt.clone(),
+            sampling: Some(wpb::Sampling::default()),
+            stopping: Some(wpb::Stopping {
+                max_tokens: 12,
+                ignore_eos: true,
+                ..Default::default()
+            }),
+            prefill: Some(wpb::PrefillPlan {
+                plan: Some(wpb::prefill_plan::Plan::Remote(wpb::RemotePrefill {
+                    prefill_addrs: vec![paddr],
+                })),
+            }),
+            ..Default::default()
+        };
+        let mut s = c.generate(req).await.unwrap().into_inner();
+        let mut ids = Vec::new();
+        while let Some(m) = s.next().await {
+            ids.extend(m.unwrap().tokens.iter().map(|t| t.id));
+        }
+        let case = format!("prefill on a device: {}, decode on a device: {}", prefill_dev.is_some(), decode_dev.is_some());
+        assert_eq!(remote.counts.transfers_ok.load(Ordering::Relaxed), 1, "{case}");
+        assert_eq!(remote.counts.fallbacks.load(Ordering::Relaxed), 0, "{case}");
+        assert_eq!(remote.receiver().rejections().total(), 0, "{case}");
+        // SmolLM2-135M: 30 layers, 3 KV heads of 64, f32: 2 · 3 · 64 · 16 · 4 bytes a frame.
+        let frame = 2 * 3 * 64 * 16 * 4;
+        assert_eq!(remote.rank_bytes(), [19 * 30 * frame as u64], "{case}");
+        assert_eq!(ids.len(), 12, "{case}");
+        assert_eq!(ids, local_reference(&daddr, &prompt, 12).await, "{case}");
+        wait_idle(&daddr).await;
+    }
 }
 
 /// Streams `body` through a router over two decode workers (`workers`, with their addresses),

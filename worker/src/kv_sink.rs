@@ -1,11 +1,99 @@
 //! The KV pools as the destination of transfers: a [`BlockSink`] over the writers of every
-//! tensor-parallel rank's pool, and the [`KvShape`] a worker describes its cache with.
+//! tensor-parallel rank's pool, or over a device's pool through staging ([`KvTarget`],
+//! [`KvSink`]), and the [`KvShape`] a worker describes its cache with.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
-use tandem_engine::{BlockId, KvPoolWriter};
+use tandem_engine::{BlockId, DeviceKv, DeviceSink, EngineHandle, KvPoolWriter};
 use tandem_kv_transfer::{BlockSink, KvShape};
+
+/// Where a worker's KV lives, as transfers reach it: its engine's host pools (each
+/// tensor-parallel rank's writer with its KV heads) or a device's pool (a GPU's, through
+/// page-locked staging).
+#[derive(Clone)]
+pub enum KvTarget {
+    /// The host pools' writers, in rank order.
+    Host(Vec<(Range<u32>, KvPoolWriter)>),
+    /// A device's pool.
+    Device(Arc<dyn DeviceKv>),
+}
+
+impl KvTarget {
+    /// The engine's cache: its host pools if it has them, else its device's pool; None when
+    /// transfers cannot reach it.
+    pub fn of(engine: &EngineHandle) -> Option<Self> {
+        let writers = engine.kv_writers();
+        match (writers.is_empty(), engine.kv_device()) {
+            (false, _) => Some(Self::Host(writers)),
+            (true, Some(d)) => Some(Self::Device(d)),
+            (true, None) => None,
+        }
+    }
+
+    /// The cache as the KV handshake describes it, for a worker serving `model`.
+    pub fn shape(&self, model: &str) -> Option<KvShape> {
+        match self {
+            Self::Host(w) => kv_shape(model, w),
+            Self::Device(d) => {
+                let f = d.format();
+                let heads = f.layout.num_kv_heads as u32;
+                Some(KvShape {
+                    model: model.to_string(),
+                    layers: f.layers as u32,
+                    kv_heads: heads,
+                    head_dim: f.layout.head_dim as u32,
+                    block_size: f.layout.block_size as u32,
+                    dtype: f.dtype_name().to_string(),
+                    pieces: vec![0..heads],
+                })
+            }
+        }
+    }
+}
+
+/// A receiver's sink over a [`KvTarget`].
+pub enum KvSink {
+    /// Straight into the host pools.
+    Pool(Arc<PoolSink>),
+    /// Into a device's pool through staging slots.
+    Device(Arc<DeviceSink>),
+}
+
+impl KvSink {
+    /// The sink over `target`.
+    ///
+    /// # Safety
+    /// As [`PoolSink::new`]: every block granted to a transfer with this sink must be left
+    /// alone by the engine until that grant has ended, and no block may be granted to two
+    /// transfers at once.
+    pub unsafe fn new(target: KvTarget) -> Self {
+        match target {
+            // SAFETY: forwarded to the caller.
+            KvTarget::Host(w) => Self::Pool(Arc::new(unsafe { PoolSink::new(w) })),
+            // SAFETY: forwarded to the caller.
+            KvTarget::Device(d) => Self::Device(Arc::new(unsafe { DeviceSink::new(d) })),
+        }
+    }
+
+    /// The sink as grants take it.
+    pub fn block_sink(&self) -> Arc<dyn BlockSink> {
+        match self {
+            Self::Pool(p) => p.clone(),
+            Self::Device(d) => d.clone(),
+        }
+    }
+
+    /// Bytes written into each tensor-parallel rank's pool so far, in rank order (one device
+    /// pool: one rank).
+    pub fn rank_bytes(&self) -> Vec<u64> {
+        match self {
+            Self::Pool(p) => p.rank_bytes(),
+            Self::Device(d) => vec![d.bytes()],
+        }
+    }
+}
 
 /// The ranks (by number) whose pools hold one range of heads, and their writers.
 type Replicas = Vec<(usize, KvPoolWriter)>;

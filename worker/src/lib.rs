@@ -30,7 +30,7 @@ pub mod trace;
 pub use auth::WorkerToken;
 pub use control::ControlService;
 pub use drain::{Drain, InFlight};
-pub use kv_sink::{kv_shape, PoolSink};
+pub use kv_sink::{kv_shape, KvSink, KvTarget, PoolSink};
 pub use links::LinkRates;
 pub use lora::{LoraError, Loras};
 pub use serve::serve;

@@ -4,12 +4,16 @@
 
 use std::cell::Cell;
 use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 
-use tandem_kernels::cuda::runtime::{AttnBatch, CudaOps, CudaSlice};
+use tandem_kernels::cuda::runtime::{AttnBatch, CopyEvent, CopyStream, CudaOps, CudaSlice, PinnedHost};
+use tandem_kernels::KvLayout;
+use tandem_kv_transfer::Float;
 use tandem_kernels::ops::RopeTable;
 use tandem_model::{ModelConfig, TensorData, TensorName};
 
 use crate::backend::{Backend, PoolSize};
+use crate::device::staging::{Completion, DeviceKv, DeviceKvFormat, InFlight, Pinned, PinnedMem};
 use crate::error::EngineError;
 use crate::forward::{self, ModelWeights, PackedStep, SeqBatch, StepOps};
 use crate::kv_cache::KvDtype;
@@ -37,6 +41,8 @@ pub struct CudaModel {
     pub block_size: usize,
     /// KV blocks in the device pool.
     pub num_blocks: usize,
+    /// The pool as KV transfers reach it.
+    kv: Arc<CudaKv>,
 }
 
 fn bf16_bits(v: &[f32]) -> Vec<u16> {
@@ -151,7 +157,9 @@ impl CudaModel {
             k_cache.push(ops.alloc_bf16(per_layer)?);
             v_cache.push(ops.alloc_bf16(per_layer)?);
         }
+        let kv = Arc::new(CudaKv::new(&ops, &c, &k_cache, &v_cache, block_size, num_blocks)?);
         Ok(Self {
+            kv,
             cos: ops.upload(cos)?,
             sin: ops.upload(sin)?,
             max_pos: rope.max_pos(),
@@ -526,7 +534,177 @@ impl Backend for CudaModel {
         "bf16"
     }
 
+    fn device_kv(&self) -> Option<Arc<dyn DeviceKv>> {
+        Some(self.kv.clone())
+    }
+
     fn device(&self) -> String {
         self.ops.gpu.to_string()
+    }
+}
+
+impl Drop for CudaModel {
+    fn drop(&mut self) {
+        // The caches are freed after this: no copy may still run into or out of them.
+        self.kv.retire();
+    }
+}
+
+/// The CUDA pool as KV transfers reach it ([`DeviceKv`]): each layer's K and V allocations by
+/// device address, copied through page-locked memory on a stream of their own.
+pub(crate) struct CudaKv {
+    fmt: DeviceKvFormat,
+    copies: CopyStream,
+    /// Per layer, where its K and V allocations start; None once the model is gone (copies are
+    /// queued under this lock, so none starts after the caches are freed).
+    addrs: Mutex<Option<Vec<(u64, u64)>>>,
+}
+
+impl CudaKv {
+    fn new(
+        ops: &CudaOps,
+        c: &ModelConfig,
+        k: &[Bf16],
+        v: &[Bf16],
+        block_size: usize,
+        num_blocks: usize,
+    ) -> Result<Self, EngineError> {
+        let copies = CopyStream::new(ops)?;
+        let addrs = k
+            .iter()
+            .zip(v)
+            .map(|(k, v)| (copies.address(k), copies.address(v)))
+            .collect();
+        Ok(Self {
+            fmt: DeviceKvFormat {
+                layout: KvLayout {
+                    block_size,
+                    num_kv_heads: c.num_kv_heads,
+                    head_dim: c.head_dim,
+                },
+                layers: c.num_layers,
+                blocks: num_blocks,
+                dtype: Float::Bf16,
+                // write_kv stores K as [block][kv head][slot][dim].
+                k_transposed: false,
+            },
+            copies,
+            addrs: Mutex::new(Some(addrs)),
+        })
+    }
+
+    /// Waits for every copy and refuses any later one: the caches are about to be freed.
+    fn retire(&self) {
+        let mut a = self.addrs.lock().unwrap_or_else(|p| p.into_inner());
+        if let Err(e) = self.copies.synchronize() {
+            tracing::error!(error = %e, "KV copies failed as the device pool was freed");
+        }
+        *a = None;
+    }
+
+    /// Queues a copy of each frame between the pool and `buf` (frame after frame) and records
+    /// its completion.
+    fn queue(
+        &self,
+        mut buf: Pinned,
+        frames: &[(usize, usize)],
+        upload: bool,
+    ) -> Result<InFlight, EngineError> {
+        let n = self.fmt.frame_bytes();
+        let half = n / 2;
+        if frames.len() * n > buf.len() {
+            return Err(EngineError::Internal(format!(
+                "{} frames of {n} bytes do not fit a staging buffer of {}",
+                frames.len(),
+                buf.len()
+            )));
+        }
+        let guard = self.addrs.lock().unwrap_or_else(|p| p.into_inner());
+        let addrs = guard
+            .as_ref()
+            .ok_or_else(|| EngineError::Device("the device's KV pool is gone".into()))?;
+        if let Some(&(l, b)) = frames
+            .iter()
+            .find(|&&(l, b)| l >= addrs.len() || b >= self.fmt.blocks)
+        {
+            return Err(EngineError::Internal(format!(
+                "layer {l} block {b} outside the device pool"
+            )));
+        }
+        // After the steps queued so far: an export reads what they computed, an import lands in
+        // blocks no step of theirs still writes.
+        let queued = self.copies.after_compute().and_then(|()| {
+            for (i, &(layer, block)) in frames.iter().enumerate() {
+                let (k, v) = addrs[layer];
+                let at = (block * half) as u64;
+                let frame = &mut buf.bytes_mut()[i * n..(i + 1) * n];
+                let (fk, fv) = frame.split_at_mut(half);
+                // SAFETY: (layer, block) is inside the pool (checked above), whose allocations
+                // outlive every copy (`retire` waits for them under this lock); the buffer
+                // travels in the InFlight that waits for the event recorded below (or, on an
+                // error, outlives the wait below), and the blocks' owner leaves them alone
+                // until then (DeviceKv's contract).
+                unsafe {
+                    match upload {
+                        true => {
+                            self.copies.to_device(k + at, fk)?;
+                            self.copies.to_device(v + at, fv)?;
+                        }
+                        false => {
+                            self.copies.to_host(fk, k + at)?;
+                            self.copies.to_host(fv, v + at)?;
+                        }
+                    }
+                }
+            }
+            Ok(())
+        });
+        if let Err(e) = queued {
+            // Copies queued before the failure must finish before the buffer is freed.
+            let _ = self.copies.synchronize();
+            return Err(e.into());
+        }
+        let done = self.copies.record()?;
+        Ok(InFlight::new(buf, Box::new(CudaDone(done))))
+    }
+}
+
+struct CudaPinned(PinnedHost);
+
+impl PinnedMem for CudaPinned {
+    fn bytes(&self) -> &[u8] {
+        self.0.bytes()
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        self.0.bytes_mut()
+    }
+}
+
+struct CudaDone(CopyEvent);
+
+impl Completion for CudaDone {
+    fn ready(&self) -> Result<bool, String> {
+        self.0.ready().map_err(|e| e.to_string())
+    }
+    fn wait(&self) -> Result<(), String> {
+        self.0.wait().map_err(|e| e.to_string())
+    }
+}
+
+impl DeviceKv for CudaKv {
+    fn format(&self) -> DeviceKvFormat {
+        self.fmt
+    }
+
+    fn pinned(&self, bytes: usize) -> Result<Pinned, EngineError> {
+        Ok(Pinned::new(Box::new(CudaPinned(self.copies.pinned(bytes)?))))
+    }
+
+    fn download(&self, frames: &[(usize, usize)], buf: Pinned) -> Result<InFlight, EngineError> {
+        self.queue(buf, frames, false)
+    }
+
+    unsafe fn upload(&self, buf: Pinned, frames: &[(usize, usize)]) -> Result<InFlight, EngineError> {
+        self.queue(buf, frames, true)
     }
 }

@@ -5,6 +5,9 @@
 
 pub(crate) mod cpu;
 pub(crate) mod cuda;
+#[cfg(any(test, feature = "fake-device"))]
+pub mod fake;
+pub mod staging;
 pub(crate) mod tp_cpu;
 
 use tandem_kernels::cuda::DeviceSpec;

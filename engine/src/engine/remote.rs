@@ -8,7 +8,8 @@ use super::{
     finish_reason, Engine, Event, KvChunk, KvPiece, Request, RequestId, Reservation, Seq,
     TokenEvent,
 };
-use crate::backend::RankPool;
+use crate::backend::Backend;
+use crate::device::staging::{export_staged, Pinned};
 use crate::error::EngineError;
 use crate::kv_cache::KvPool;
 use crate::sampler::Sampled;
@@ -174,9 +175,9 @@ impl Engine {
         Ok(())
     }
 
-    /// KV transfers read and write the host pools; a GPU's cache has none yet.
+    /// KV transfers read and write the host pools, or a device's pool through staging.
     fn check_host_cache(&self) -> Result<(), EngineError> {
-        match self.backend.host_pools().is_empty() {
+        match self.backend.host_pools().is_empty() && self.backend.device_kv().is_none() {
             false => Ok(()),
             true => Err(EngineError::Unsupported(format!(
                 "KV transfer to or from a {} cache is not supported: run prefill and decode workers that exchange KV with --device cpu",
@@ -186,20 +187,29 @@ impl Engine {
     }
 
     /// The prompt blocks of a prefill-mode `s` that are complete now and not yet exported, copied
-    /// out of every rank's pool (the last, partial block once the whole prompt is computed).
-    pub(super) fn export_ready(pools: &[RankPool<'_>], bs: usize, s: &mut Seq) -> Option<KvChunk> {
-        let (skip, next) = s.export?;
+    /// out of every rank's pool, or out of a device's pool through `staging` (the last, partial
+    /// block once the whole prompt is computed).
+    pub(super) fn export_ready(
+        backend: &dyn Backend,
+        staging: &mut Option<Pinned>,
+        bs: usize,
+        s: &mut Seq,
+    ) -> Result<Option<KvChunk>, EngineError> {
+        let Some((skip, next)) = s.export else {
+            return Ok(None);
+        };
         let upto = if s.computed >= s.prompt_len {
             s.prompt_len.div_ceil(bs)
         } else {
             s.computed / bs
         };
         if upto <= next {
-            return None;
+            return Ok(None);
         }
         let ids = &s.blocks.ids()[next..upto];
-        let mut pieces: Vec<KvPiece> = Vec::with_capacity(pools.len());
-        for rp in pools {
+        let pools = backend.host_pools();
+        let mut pieces: Vec<KvPiece> = Vec::with_capacity(pools.len().max(1));
+        for rp in &pools {
             let heads = rp.heads.clone();
             // A replicated range goes once.
             if pieces.iter().any(|p| p.heads == heads) {
@@ -222,12 +232,24 @@ impl Engine {
                 frame_len,
             });
         }
+        if pools.is_empty() {
+            let dev = backend.device_kv().ok_or_else(|| {
+                EngineError::Internal("a prefill-mode sequence on a backend without a KV pool to export".into())
+            })?;
+            let fmt = dev.format();
+            let blocks: Vec<BlockId> = ids.iter().map(|&b| BlockId(b)).collect();
+            pieces.push(KvPiece {
+                heads: 0..fmt.layout.num_kv_heads as u32,
+                layers: export_staged(&*dev, &blocks, staging)?,
+                frame_len: fmt.frame_bytes(),
+            });
+        }
         s.export = Some((skip, upto));
-        Some(KvChunk {
+        Ok(Some(KvChunk {
             request: s.id,
             first: next - skip,
             blocks: upto - next,
             pieces,
-        })
+        }))
     }
 }

@@ -44,7 +44,7 @@ impl Engine {
             ..StepStats::default()
         };
         let rows = self.sample(&plan, &out);
-        let advanced = self.advance(&plan, &out, rows, &mut stats, &mut events);
+        let advanced = self.advance(&plan, &out, rows, &mut stats, &mut events)?;
         self.retire(advanced, &mut events);
         stats.seconds = t0.elapsed().as_secs_f64();
         self.step_cost.record(
@@ -198,7 +198,7 @@ impl Engine {
         mut rows: Rows,
         stats: &mut StepStats,
         events: &mut Vec<Event>,
-    ) -> Advanced {
+    ) -> Result<Advanced, EngineError> {
         let max_ctx = self.backend.config().max_position_embeddings;
         let mut done = Advanced::default();
         for &(i, take) in plan {
@@ -219,8 +219,8 @@ impl Engine {
             s.computed += take - proposed;
             s.blocks.commit(&s.tokens, s.computed);
             if s.export.is_some() {
-                let pools = self.backend.host_pools();
-                if let Some(chunk) = Self::export_ready(&pools, self.config.block_size, s) {
+                let bs = self.config.block_size;
+                if let Some(chunk) = Self::export_ready(&*self.backend, &mut self.staging, bs, s)? {
                     events.push(Event::Kv(chunk));
                 }
             }
@@ -281,7 +281,7 @@ impl Engine {
                 done.finished.push((i, r));
             }
         }
-        done
+        Ok(done)
     }
 
     /// Takes the finished out of the running set (their events in step order, then the forked

@@ -178,6 +178,78 @@ fn a_remotely_prefilled_request_decodes_like_a_local_one() {
     }
 }
 
+/// An engine on the tiny model whose pool is reached only through the host fake of a device,
+/// copies completing `ms` late.
+fn on_fake_device(cfg: EngineConfig, ms: u64) -> Engine {
+    let cpu = CpuBackend::new(tiny_model(1), &cfg.pool()).unwrap();
+    let b = crate::device::fake::FakeDeviceBackend::new(
+        Box::new(cpu),
+        std::time::Duration::from_millis(ms),
+    )
+    .unwrap();
+    Engine::with_backend(Box::new(b), cfg, vec![]).unwrap()
+}
+
+/// The staging paths a GPU worker's KV takes, on the host fake: a prefill engine whose pool is
+/// behind the device exports the same chunks, byte for byte, as one over a host pool (in
+/// chunked prefill, so several chunks); a decode engine behind the device takes them through a
+/// DeviceSink (settled before it joins) and decodes what a local prefill does; neither leaks a
+/// block.
+#[test]
+fn a_device_pool_exports_and_imports_kv_through_staging_exactly() {
+    use tandem_kv_transfer::BlockSink;
+    let prompt: Vec<u32> = (0..45).map(|t| (t * 13 + 2) % 97).collect();
+    for dtype in [KvDtype::F32, KvDtype::F16] {
+        let cfg = EngineConfig {
+            kv_dtype: dtype,
+            max_batched_tokens: 20,
+            ..config()
+        };
+        let want = engine(cfg.clone())
+            .generate(vec![req(prompt.clone(), 10)], |_| {}, |_| {})
+            .unwrap()[0]
+            .output_ids
+            .clone();
+        let (first_host, host) = prefill_export(&mut engine(cfg.clone()), req(prompt.clone(), 10), 0);
+        let mut prefill = on_fake_device(cfg.clone(), 2);
+        assert!(prefill.kv_pool().is_none());
+        let (first, kv) = prefill_export(&mut prefill, req(prompt.clone(), 10), 0);
+        assert_eq!(first.token, first_host.token);
+        assert_eq!(kv.len(), host.len());
+        assert!(kv.len() >= 3, "chunked: {} chunks", kv.len());
+        for (a, b) in kv.iter().zip(&host) {
+            assert_eq!((a.first, a.blocks, a.pieces.len()), (b.first, b.blocks, 1));
+            assert_eq!(a.pieces[0].heads, b.pieces[0].heads);
+            assert_eq!(a.pieces[0].layers, b.pieces[0].layers, "{dtype:?}");
+        }
+        assert_eq!(prefill.stats().blocks_used, 0);
+
+        let mut decode = on_fake_device(cfg.clone(), 2);
+        let dev = decode.backend().device_kv().expect("a device pool");
+        // SAFETY: the blocks written are the reservation's, which the engine leaves alone.
+        let sink = unsafe { crate::DeviceSink::new(dev) };
+        let id = RequestId(9);
+        let r = decode
+            .reserve_remote(id, req(prompt.clone(), 10))
+            .unwrap()
+            .expect("room");
+        for c in &kv {
+            for j in 0..c.blocks {
+                for layer in 0..c.layers() {
+                    sink.write(layer as u32, r.blocks[c.first + j], c.pieces[0].frame(layer, j));
+                }
+            }
+        }
+        sink.settle().unwrap();
+        decode.join_remote(id, first.clone(), 0).unwrap();
+        let mut got = vec![first.token];
+        got.extend(run_to_end(&mut decode, id));
+        assert_eq!(got, want, "{dtype:?}");
+        check_counts(&decode);
+        assert_eq!(decode.stats().blocks_used, 0);
+    }
+}
+
 #[test]
 fn remotely_prefilled_parallel_samples_fork_on_the_decode_side() {
     // Greedy, so every sample is the local answer; the decode side computes the prompt's last

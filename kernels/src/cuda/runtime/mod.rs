@@ -16,8 +16,10 @@ use super::nvrtc::{cache_dir, compile_cached, Image};
 use super::{open, program_text, AttnParams, CudaError, Gpu, SOURCES};
 
 mod attention;
+mod copies;
 
 pub use attention::{AttnBatch, PREFILL_TILE_ROWS};
+pub use copies::{CopyEvent, CopyStream, PinnedHost};
 
 // SAFETY: plain old data, laid out as the device's struct (checked by the layout probe test).
 unsafe impl DeviceRepr for AttnParams {}
