@@ -95,6 +95,11 @@ pub struct EngineArgs {
     /// KV cache size in MiB.
     #[arg(long, env = "TANDEM_KV_CACHE_MB", default_value_t = 1024)]
     pub kv_cache_mb: usize,
+    /// On a GPU: the share of the device's memory this worker may hold (weights, KV pool and
+    /// the rest, as vLLM's flag of that name), the pool taking what the weights leave of it;
+    /// overrides --kv-cache-mb. Refused on the CPU.
+    #[arg(long, env = "TANDEM_GPU_MEMORY_FRACTION")]
+    pub gpu_memory_fraction: Option<f64>,
     /// Token budget of one forward pass.
     #[arg(long, env = "TANDEM_MAX_BATCHED_TOKENS", default_value_t = 2048)]
     pub max_batched_tokens: usize,
@@ -209,6 +214,9 @@ impl EngineArgs {
         }
         if let Some(b) = self.kv_blocks {
             f.push(format!("--kv-blocks={b}"));
+        }
+        if let Some(g) = self.gpu_memory_fraction {
+            f.push(format!("--gpu-memory-fraction={g}"));
         }
         if self.no_prefix_caching {
             f.push("--no-prefix-caching".into());
@@ -325,6 +333,7 @@ impl EngineArgs {
         let cfg = EngineConfig {
             block_size: self.block_size,
             kv_cache_mb: self.kv_cache_mb,
+            gpu_memory_fraction: self.gpu_memory_fraction,
             max_batched_tokens: self.max_batched_tokens,
             max_seqs: self.max_seqs,
             kv_dtype: self.kv_dtype,

@@ -1050,6 +1050,25 @@ mod tests {
         }
     }
 
+    /// Decode workers run where --device says and prefill workers where --prefill-device says
+    /// (the CPU unless asked): a GPU cluster with prefill workers is a valid plan, and each
+    /// child's line is one its command accepts.
+    #[test]
+    fn each_role_runs_on_its_own_device() {
+        let a = up(&["--device=cuda:0", "--prefill-workers=1", "--prefill-device=cuda:1"]);
+        let d = worker_args(&a, "decode", "/m.gguf", "decode-0", 2);
+        let p = worker_args(&a, "prefill", "/m.gguf", "prefill-0", 2);
+        assert!(d.argv().contains(&"--device=cuda:0".to_string()));
+        assert!(p.argv().contains(&"--device=cuda:1".to_string()));
+        match p.check().unwrap() {
+            crate::Command::Prefill(p) => assert_eq!(p.engine.device.to_string(), "cuda:1"),
+            _ => panic!("not a prefill line"),
+        }
+        let cpu = up(&["--device=cuda", "--prefill-workers=1"]);
+        let p = worker_args(&cpu, "prefill", "/m.gguf", "prefill-0", 2);
+        assert!(p.argv().contains(&"--device=cpu".to_string()), "{:?}", p.argv());
+    }
+
     /// With no prefill workers the router gets no --prefill-workers flag (an empty one read as
     /// a worker with an empty address); with some, their list.
     #[test]

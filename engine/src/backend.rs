@@ -169,7 +169,7 @@ pub struct TpStats {
 
 /// How big a backend's KV pool is, and how it is cut: what a backend is built from (the
 /// scheduler's other settings are none of its business).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct PoolSize {
     /// Tokens per KV block.
     pub block_size: usize,
@@ -179,6 +179,10 @@ pub struct PoolSize {
     pub num_blocks: Option<usize>,
     /// The cache's element type.
     pub kv_dtype: KvDtype,
+    /// On a GPU: the share of the device's memory this worker may hold (weights, pool and the
+    /// rest), the pool taking what the weights leave of it; overrides `kv_cache_mb`. Refused
+    /// on the CPU.
+    pub gpu_memory_fraction: Option<f64>,
 }
 
 impl PoolSize {
@@ -190,12 +194,19 @@ impl PoolSize {
             .max(1)
     }
 
-    /// Refuses a pool of blocks of no tokens.
+    /// Refuses a pool of blocks of no tokens, and a memory fraction outside (0, 1].
     pub fn check(&self) -> Result<(), EngineError> {
         if self.block_size == 0 {
             return Err(EngineError::Config(
                 "the block size must be positive".into(),
             ));
+        }
+        if let Some(f) = self.gpu_memory_fraction {
+            if !(f > 0.0 && f <= 1.0) {
+                return Err(EngineError::Config(format!(
+                    "--gpu-memory-fraction {f} must be above 0 and at most 1"
+                )));
+            }
         }
         Ok(())
     }

@@ -142,6 +142,7 @@ fn speculative_greedy_tokens_equal_golden_with_each_proposer() {
             kv_cache_mb: 0,
             num_blocks: Some(512),
             kv_dtype: KvDtype::F32,
+            gpu_memory_fraction: None,
         };
         Box::new(CpuBackend::new(model, &pool).unwrap()) as Box<dyn tandem_engine::Backend>
     };

@@ -1043,6 +1043,7 @@ mod tests {
             kv_cache_mb: 0,
             num_blocks: Some(8),
             kv_dtype: KvDtype::F32,
+            gpu_memory_fraction: None,
         };
         let mut b = CpuBackend::new(tiny_model(3), &pool).unwrap();
         assert!(!b.picks_on_device());
@@ -1089,6 +1090,7 @@ mod tests {
             kv_cache_mb: 0,
             num_blocks: Some(8),
             kv_dtype: KvDtype::F32,
+            gpu_memory_fraction: None,
         };
         let make = || Box::new(CpuBackend::new(tiny_model(3), &pool).unwrap()) as Box<dyn Backend>;
         for factor in [0.5, f64::NAN, f64::INFINITY] {

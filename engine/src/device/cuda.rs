@@ -61,6 +61,18 @@ impl CudaModel {
         block_size: usize,
         num_blocks: usize,
     ) -> Result<Self, EngineError> {
+        Self::upload_then_pool(ordinal, config, tensors, block_size, |_| Ok(num_blocks))
+    }
+
+    /// Uploads the weights, then makes a pool of as many blocks as `blocks` decides from the
+    /// device once the weights are on it.
+    fn upload_then_pool(
+        ordinal: usize,
+        config: &ModelConfig,
+        tensors: &BTreeMap<String, TensorData>,
+        block_size: usize,
+        blocks: impl FnOnce(&CudaOps) -> Result<usize, EngineError>,
+    ) -> Result<Self, EngineError> {
         Self::check_family(config)?;
         let ops = CudaOps::new(ordinal)?;
         let up = |parts: &[Part]| -> Result<Bf16, EngineError> {
@@ -71,6 +83,8 @@ impl CudaModel {
             Ok(ops.upload(&all)?)
         };
         let weights = ModelWeights::build(config, &TpShard::whole(config), up, up)?;
+        ops.synchronize()?;
+        let num_blocks = blocks(&ops)?;
         Self::assemble(ops, config, weights, block_size, num_blocks)
     }
 
@@ -487,13 +501,15 @@ impl CudaModel {
         }
         let c = &loaded.config;
         let block_bytes = CudaModel::kv_bytes_per_block(c, pool.block_size);
-        CudaModel::from_tensors(
-            ordinal,
-            c,
-            &loaded.tensors,
-            pool.block_size,
-            pool.blocks(block_bytes),
-        )
+        CudaModel::upload_then_pool(ordinal, c, &loaded.tensors, pool.block_size, |ops| {
+            match pool.gpu_memory_fraction {
+                None => Ok(pool.blocks(block_bytes)),
+                Some(f) => {
+                    let (free, total) = ops.memory()?;
+                    blocks_for_fraction(f, free, total, block_bytes)
+                }
+            }
+        })
     }
 }
 
@@ -541,6 +557,30 @@ impl Backend for CudaModel {
     fn device(&self) -> String {
         self.ops.gpu.to_string()
     }
+}
+
+/// The pool's blocks under `--gpu-memory-fraction f`: what `f` of the device's `total` bytes
+/// leaves once everything held now (`total - free`: the weights, the kernels, other processes)
+/// is counted, in blocks of `block_bytes`; refused when that is not one block.
+fn blocks_for_fraction(
+    f: f64,
+    free: usize,
+    total: usize,
+    block_bytes: usize,
+) -> Result<usize, EngineError> {
+    let mib = |b: f64| b / (1u64 << 20) as f64;
+    let budget = f * total as f64 - (total - free.min(total)) as f64;
+    let blocks = (budget.max(0.0) / block_bytes as f64) as usize;
+    if blocks == 0 {
+        return Err(EngineError::Config(format!(
+            "--gpu-memory-fraction {f}: {:.0} MiB of the device's {:.0} MiB, but {:.0} MiB is held already (the weights and anything else on it): no room for one KV block of {:.2} MiB",
+            mib(f * total as f64),
+            mib(total as f64),
+            mib((total - free.min(total)) as f64),
+            mib(block_bytes as f64)
+        )));
+    }
+    Ok(blocks)
 }
 
 impl Drop for CudaModel {
@@ -706,5 +746,28 @@ impl DeviceKv for CudaKv {
 
     unsafe fn upload(&self, buf: Pinned, frames: &[(usize, usize)]) -> Result<InFlight, EngineError> {
         self.queue(buf, frames, true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The pool takes what the fraction leaves after everything held, in whole blocks; a
+    /// fraction the weights already fill is refused saying how much is held.
+    #[test]
+    fn a_memory_fraction_sizes_the_pool_after_what_is_held() {
+        let gib = 1usize << 30;
+        let mib = 1usize << 20;
+        // 80 GiB, 16 GiB held: 0.9 of 80 is 72, less 16 leaves 56 GiB of 2 MiB blocks.
+        assert_eq!(
+            blocks_for_fraction(0.9, 64 * gib, 80 * gib, 2 * mib).unwrap(),
+            56 * 512
+        );
+        assert_eq!(blocks_for_fraction(1.0, 10 * mib, 10 * mib, 3 * mib).unwrap(), 3);
+        let e = blocks_for_fraction(0.2, 64 * gib, 80 * gib, 2 * mib)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("16384 MiB of the device's 81920 MiB, but 16384 MiB is held"), "{e}");
     }
 }

@@ -30,6 +30,11 @@ pub fn on(
     tp: TpCpuConfig,
 ) -> Result<Box<dyn Backend>, EngineError> {
     // Each backend checks the pool it is given.
+    if pool.gpu_memory_fraction.is_some() && device == DeviceSpec::Cpu {
+        return Err(EngineError::Config(
+            "--gpu-memory-fraction sizes a GPU's KV pool: on the CPU, size it with --kv-cache-mb".into(),
+        ));
+    }
     Ok(match device {
         DeviceSpec::Cpu if tp.size > 1 => Box::new(TpCpuBackend::new(loaded, format, pool, tp)?),
         DeviceSpec::Cpu => Box::new(CpuBackend::new(CpuModel::new(loaded, format)?, pool)?),

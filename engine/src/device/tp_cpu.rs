@@ -522,6 +522,7 @@ mod tests {
                 num_blocks: Some(8),
                 block_size: 4,
                 kv_dtype: dtype,
+                gpu_memory_fraction: None,
                 kv_cache_mb: 0,
             };
             let model = CpuModel::from_tensors(&c, &tensors, WeightFormat::Native).unwrap();
@@ -578,6 +579,7 @@ mod tests {
             num_blocks: Some(8),
             block_size: 4,
             kv_dtype: KvDtype::F32,
+            gpu_memory_fraction: None,
             kv_cache_mb: 0,
         };
         // A short watchdog: the stuck rank waits for the timeout (not for a time), so the test

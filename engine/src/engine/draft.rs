@@ -71,6 +71,7 @@ impl Drafter {
             kv_cache_mb: 0,
             num_blocks: Some(blocks),
             kv_dtype,
+            gpu_memory_fraction: None,
         };
         let backend = CpuBackend::new(model, &pool).map_err(|e| what(&e))?;
         Self::new(Box::new(backend), vocab, block_size).map_err(|e| what(&e))
@@ -330,6 +331,7 @@ mod tests {
             kv_cache_mb: 0,
             num_blocks: Some(blocks),
             kv_dtype: KvDtype::F32,
+            gpu_memory_fraction: None,
         };
         let backend = CpuBackend::new(tiny_model(1), &pool).unwrap();
         Drafter::new(Box::new(backend), 97, 16).unwrap()
@@ -385,6 +387,7 @@ mod tests {
             kv_cache_mb: 0,
             num_blocks: Some(4),
             kv_dtype: KvDtype::F32,
+            gpu_memory_fraction: None,
         };
         let backend = CpuBackend::new(tiny_model(1), &pool).unwrap();
         let e = Drafter::new(Box::new(backend), 49152, 16).err().unwrap();

@@ -947,6 +947,7 @@ fn a_draft_model_changes_no_token_and_gives_its_blocks_back() {
             kv_cache_mb: 0,
             num_blocks: Some(blocks),
             kv_dtype: KvDtype::F32,
+            gpu_memory_fraction: None,
         };
         Box::new(CpuBackend::new(model, &pool).unwrap()) as Box<dyn Backend>
     };

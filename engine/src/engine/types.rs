@@ -17,6 +17,9 @@ pub struct EngineConfig {
     pub block_size: usize,
     /// KV pool size in MiB.
     pub kv_cache_mb: usize,
+    /// On a GPU: the share of its memory this engine may hold, the KV pool taking what the
+    /// weights leave (overrides `kv_cache_mb`).
+    pub gpu_memory_fraction: Option<f64>,
     /// Element type of the KV cache.
     pub kv_dtype: KvDtype,
     /// Token budget of one forward (prompt chunks plus decode tokens).
@@ -103,6 +106,7 @@ impl EngineConfig {
             kv_cache_mb: self.kv_cache_mb,
             num_blocks: self.num_blocks,
             kv_dtype: self.kv_dtype,
+            gpu_memory_fraction: self.gpu_memory_fraction,
         }
     }
 
@@ -125,6 +129,7 @@ impl Default for EngineConfig {
         Self {
             block_size: 16,
             kv_cache_mb: 1024,
+            gpu_memory_fraction: None,
             kv_dtype: KvDtype::F32,
             max_batched_tokens: 2048,
             max_seqs: 256,

@@ -191,6 +191,13 @@ impl CudaOps {
         self.stream.clone_dtoh(dev).map_err(drv)
     }
 
+    /// The device's free and total memory in bytes, as the driver reports them now (after what
+    /// this process and others hold).
+    pub fn memory(&self) -> Result<(usize, usize), CudaError> {
+        self.gpu.context.bind_to_thread().map_err(drv)?;
+        cudarc::driver::result::mem_get_info().map_err(drv)
+    }
+
     /// Waits until everything queued on the stream has finished.
     pub fn synchronize(&self) -> Result<(), CudaError> {
         self.stream.synchronize().map_err(drv)
