@@ -16,6 +16,7 @@ use serde_json::{json, Value};
 use tandem_kv_transfer::{
     BlockFrame, KvStream, KvTransport, Secret, TcpTransport, TransferError, WireFault,
 };
+use tandem_engine::device::fake::{FakeDevice, FakeDeviceBackend};
 use tandem_proto::worker as wpb;
 
 /// Bytes one block of every layer takes on the wire (f32 KV, the workers' default).
@@ -701,7 +702,15 @@ fn engine() -> tandem_engine::EngineHandle {
 /// The default model's engine; with `device_delay`, its pool reached only through the host
 /// fake of a device (every batch of copies that late), as a GPU's is.
 fn engine_on(device_delay: Option<Duration>) -> tandem_engine::EngineHandle {
-    tandem_engine::EngineHandle::spawn(move || {
+    engine_and_device(device_delay).0
+}
+
+/// [`engine_on`], and the fake device where there is one.
+fn engine_and_device(
+    device_delay: Option<Duration>,
+) -> (tandem_engine::EngineHandle, Option<Arc<FakeDevice>>) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let handle = tandem_engine::EngineHandle::spawn(move || {
         let loaded = tandem_model::load(&model_path())?;
         let model = tandem_engine::CpuModel::new(&loaded, Default::default())?;
         let cfg = tandem_engine::EngineConfig {
@@ -712,14 +721,94 @@ fn engine_on(device_delay: Option<Duration>) -> tandem_engine::EngineHandle {
         let cpu = Box::new(tandem_engine::CpuBackend::new(model, &cfg.pool())?);
         match device_delay {
             None => tandem_engine::Engine::with_backend(cpu, cfg, eos),
-            Some(delay) => tandem_engine::Engine::with_backend(
-                Box::new(tandem_engine::device::fake::FakeDeviceBackend::new(cpu, delay)?),
-                cfg,
-                eos,
-            ),
+            Some(delay) => {
+                let b = FakeDeviceBackend::new(cpu, delay)?;
+                let _ = tx.send(b.fake().clone());
+                tandem_engine::Engine::with_backend(Box::new(b), cfg, eos)
+            }
         }
     })
-    .unwrap()
+    .unwrap();
+    (handle, rx.try_recv().ok())
+}
+
+/// A decode worker service in this process over `engine`, taking remote prefills into its
+/// cache (host pools or a device's) with `secret`: its KV ingress and its address.
+async fn serve_decode_with_remote(
+    engine: tandem_engine::EngineHandle,
+    secret: Secret,
+) -> (Arc<tandem_decode_worker::remote::RemotePrefill>, String) {
+    let engine = Arc::new(engine);
+    // SAFETY: the target is this engine's own.
+    let remote = Arc::new(
+        unsafe {
+            tandem_decode_worker::remote::RemotePrefill::bind(
+                "127.0.0.1:0",
+                "127.0.0.1",
+                secret,
+                "m",
+                tandem_worker::KvTarget::of(&engine).unwrap(),
+                Default::default(),
+            )
+        }
+        .await
+        .unwrap(),
+    );
+    let decode = tandem_decode_worker::DecodeService::new(
+        engine,
+        tandem_decode_worker::WorkerIdentity {
+            worker_id: "d".into(),
+            model: "m".into(),
+            kv_dtype: "f32".into(),
+            loras: no_loras(),
+        },
+    )
+    .with_remote(remote.clone());
+    let dl = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let daddr = dl.local_addr().unwrap().to_string();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(wpb::worker_control_server::WorkerControlServer::new(
+                decode.control(),
+            ))
+            .add_service(wpb::decode_server::DecodeServer::new(decode))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(dl)),
+    );
+    (remote, daddr)
+}
+
+/// Greedy `max_tokens` of `prompt` from the decode worker at `daddr`, prefilled on the prefill
+/// workers `prefill_addrs` (in order) where they can.
+async fn remote_greedy(
+    daddr: &str,
+    id: &str,
+    prompt: &[u32],
+    max_tokens: u32,
+    prefill_addrs: Vec<String>,
+) -> Vec<u32> {
+    let mut c = wpb::decode_client::DecodeClient::connect(format!("http://{daddr}"))
+        .await
+        .unwrap();
+    let req = wpb::DecodeRequest {
+        request_id: id.into(),
+        prompt_ids: prompt.to_vec(),
+        sampling: Some(wpb::Sampling::default()),
+        stopping: Some(wpb::Stopping {
+            max_tokens,
+            ignore_eos: true,
+            ..Default::default()
+        }),
+        prefill: Some(wpb::PrefillPlan {
+            plan: Some(wpb::prefill_plan::Plan::Remote(wpb::RemotePrefill { prefill_addrs })),
+        }),
+        ..Default::default()
+    };
+    let mut s = c.generate(req).await.unwrap().into_inner();
+    let mut ids = Vec::new();
+    while let Some(m) = s.next().await {
+        ids.extend(m.unwrap().tokens.iter().map(|t| t.id));
+    }
+    ids
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -731,68 +820,10 @@ async fn a_flipped_byte_is_rejected_counted_and_the_request_recovers() {
         TcpTransport::new(secret.clone()).with_fault(fault.clone()),
     ))
     .await;
-    let decode_engine = Arc::new(engine());
-    // SAFETY: the writer is this engine's own.
-    let remote = Arc::new(
-        unsafe {
-            tandem_decode_worker::remote::RemotePrefill::bind(
-                "127.0.0.1:0",
-                "127.0.0.1",
-                secret,
-                "m",
-                tandem_worker::KvTarget::of(&decode_engine).unwrap(),
-                Default::default(),
-            )
-        }
-        .await
-        .unwrap(),
-    );
-    let decode = tandem_decode_worker::DecodeService::new(
-        decode_engine,
-        tandem_decode_worker::WorkerIdentity {
-            worker_id: "d".into(),
-            model: "m".into(),
-            kv_dtype: "f32".into(),
-            loras: no_loras(),
-        },
-    );
-    let decode = decode.with_remote(remote.clone());
-    let dl = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let daddr = dl.local_addr().unwrap().to_string();
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(wpb::worker_control_server::WorkerControlServer::new(
-                decode.control(),
-            ))
-            .add_service(wpb::decode_server::DecodeServer::new(decode))
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(dl)),
-    );
+    let (remote, daddr) = serve_decode_with_remote(engine(), secret).await;
     let prompt = long_prompt(3, 300);
-    let mut c = wpb::decode_client::DecodeClient::connect(format!("http://{daddr}"))
-        .await
-        .unwrap();
     // The same prefill worker twice: the first attempt is damaged, the second is clean.
-    let req = wpb::DecodeRequest {
-        request_id: "flip".into(),
-        prompt_ids: prompt.clone(),
-        sampling: Some(wpb::Sampling::default()),
-        stopping: Some(wpb::Stopping {
-            max_tokens: 12,
-            ignore_eos: true,
-            ..Default::default()
-        }),
-        prefill: Some(wpb::PrefillPlan {
-            plan: Some(wpb::prefill_plan::Plan::Remote(wpb::RemotePrefill {
-                prefill_addrs: vec![paddr.clone(), paddr],
-            })),
-        }),
-        ..Default::default()
-    };
-    let mut s = c.generate(req).await.unwrap().into_inner();
-    let mut ids = Vec::new();
-    while let Some(m) = s.next().await {
-        ids.extend(m.unwrap().tokens.iter().map(|t| t.id));
-    }
+    let ids = remote_greedy(&daddr, "flip", &prompt, 12, vec![paddr.clone(), paddr]).await;
     assert!(fault.fired());
     let rx = remote.receiver();
     assert_eq!(rx.rejections().bad_checksum.load(Ordering::Relaxed), 1);
@@ -817,70 +848,17 @@ async fn kv_moves_through_device_staging_on_either_side_exactly() {
         let paddr =
             serve_prefill_on(engine_on(prefill_dev), Arc::new(TcpTransport::new(secret.clone())))
                 .await;
-        let decode_engine = Arc::new(engine_on(decode_dev));
+        let decode_engine = engine_on(decode_dev);
         assert_eq!(decode_engine.kv_writers().is_empty(), decode_dev.is_some());
-        // SAFETY: the target is this engine's own.
-        let remote = Arc::new(
-            unsafe {
-                tandem_decode_worker::remote::RemotePrefill::bind(
-                    "127.0.0.1:0",
-                    "127.0.0.1",
-                    secret,
-                    "m",
-                    tandem_worker::KvTarget::of(&decode_engine).unwrap(),
-                    Default::default(),
-                )
-            }
-            .await
-            .unwrap(),
-        );
-        let decode = tandem_decode_worker::DecodeService::new(
-            decode_engine,
-            tandem_decode_worker::WorkerIdentity {
-                worker_id: "d".into(),
-                model: "m".into(),
-                kv_dtype: "f32".into(),
-                loras: no_loras(),
-            },
-        )
-        .with_remote(remote.clone());
-        let dl = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let daddr = dl.local_addr().unwrap().to_string();
-        tokio::spawn(
-            tonic::transport::Server::builder()
-                .add_service(wpb::worker_control_server::WorkerControlServer::new(
-                    decode.control(),
-                ))
-                .add_service(wpb::decode_server::DecodeServer::new(decode))
-                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(dl)),
-        );
+        let (remote, daddr) = serve_decode_with_remote(decode_engine, secret).await;
         // 300 tokens: 19 blocks of 16, the last partial.
         let prompt = long_prompt(4, 300);
-        let mut c = wpb::decode_client::DecodeClient::connect(format!("http://{daddr}"))
-            .await
-            .unwrap();
-        let req = wpb::DecodeRequest {
-            request_id: "staged".into(),
-            prompt_ids: prompt.clone(),
-            sampling: Some(wpb::Sampling::default()),
-            stopping: Some(wpb::Stopping {
-                max_tokens: 12,
-                ignore_eos: true,
-                ..Default::default()
-            }),
-            prefill: Some(wpb::PrefillPlan {
-                plan: Some(wpb::prefill_plan::Plan::Remote(wpb::RemotePrefill {
-                    prefill_addrs: vec![paddr],
-                })),
-            }),
-            ..Default::default()
-        };
-        let mut s = c.generate(req).await.unwrap().into_inner();
-        let mut ids = Vec::new();
-        while let Some(m) = s.next().await {
-            ids.extend(m.unwrap().tokens.iter().map(|t| t.id));
-        }
-        let case = format!("prefill on a device: {}, decode on a device: {}", prefill_dev.is_some(), decode_dev.is_some());
+        let ids = remote_greedy(&daddr, "staged", &prompt, 12, vec![paddr]).await;
+        let case = format!(
+            "prefill on a device: {}, decode on a device: {}",
+            prefill_dev.is_some(),
+            decode_dev.is_some()
+        );
         assert_eq!(remote.counts.transfers_ok.load(Ordering::Relaxed), 1, "{case}");
         assert_eq!(remote.counts.fallbacks.load(Ordering::Relaxed), 0, "{case}");
         assert_eq!(remote.receiver().rejections().total(), 0, "{case}");
@@ -891,6 +869,34 @@ async fn kv_moves_through_device_staging_on_either_side_exactly() {
         assert_eq!(ids, local_reference(&daddr, &prompt, 12).await, "{case}");
         wait_idle(&daddr).await;
     }
+}
+
+/// A decode worker whose device copies fail (a GPU gone bad) fails the transfer when it settles
+/// its staging, revokes the grant and prefills the prompt itself: the tokens are those of a
+/// local prefill and no block is left held; once the copies work again, the next transfer
+/// succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_device_copy_fails_the_transfer_and_the_prompt_is_prefilled_locally() {
+    let secret = Secret::new(KV_SECRET.as_bytes().to_vec()).unwrap();
+    let paddr = serve_prefill(Arc::new(TcpTransport::new(secret.clone()))).await;
+    let (engine, fake) = engine_and_device(Some(Duration::from_millis(1)));
+    let fake = fake.expect("a fake device");
+    let (remote, daddr) = serve_decode_with_remote(engine, secret).await;
+    fake.fail_copies(Some("device lost"));
+    let prompt = long_prompt(6, 280);
+    let ids = remote_greedy(&daddr, "lost", &prompt, 10, vec![paddr.clone()]).await;
+    assert_eq!(remote.counts.transfers_failed.load(Ordering::Relaxed), 1);
+    assert_eq!(remote.counts.fallbacks.load(Ordering::Relaxed), 1);
+    assert_eq!(remote.counts.transfers_ok.load(Ordering::Relaxed), 0);
+    wait_idle(&daddr).await;
+    fake.fail_copies(None);
+    let want = local_reference(&daddr, &prompt, 10).await;
+    assert_eq!(ids, want);
+    let other = long_prompt(7, 280);
+    let again = remote_greedy(&daddr, "back", &other, 10, vec![paddr]).await;
+    assert_eq!(remote.counts.transfers_ok.load(Ordering::Relaxed), 1);
+    assert_eq!(again, local_reference(&daddr, &other, 10).await);
+    wait_idle(&daddr).await;
 }
 
 /// Streams `body` through a router over two decode workers (`workers`, with their addresses),
