@@ -672,12 +672,15 @@ async fn a_handshake_relayed_through_another_address_is_refused() {
     assert_eq!(sink.get(0, 1), Some(payload(0, 1, 64)));
 }
 
+/// A frame written at (layer, block).
+type Written = ((u32, u32), Vec<u8>);
+
 /// A sink that stores asynchronously, as a GPU's does: writes wait in flight until the sink
 /// settles.
 #[derive(Default)]
 struct SettlingSink {
     frame_len: usize,
-    in_flight: Mutex<Vec<((u32, u32), Vec<u8>)>>,
+    in_flight: Mutex<Vec<Written>>,
     stored: Mutex<HashMap<(u32, u32), Vec<u8>>>,
     settles: std::sync::atomic::AtomicUsize,
 }

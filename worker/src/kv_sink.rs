@@ -46,7 +46,7 @@ impl KvTarget {
                     head_dim: f.layout.head_dim as u32,
                     block_size: f.layout.block_size as u32,
                     dtype: f.dtype_name().to_string(),
-                    pieces: vec![0..heads],
+                    pieces: std::iter::once(0..heads).collect(),
                 })
             }
         }

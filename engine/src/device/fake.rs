@@ -32,9 +32,12 @@ impl PinnedMem for HostMem {
     }
 }
 
+/// How a batch of copies ended (None: not yet).
+type Outcome = Option<Result<(), String>>;
+
 /// An event: set by the copy thread once the copies before it are done.
 #[derive(Clone, Default)]
-struct Event(Arc<(Mutex<Option<Result<(), String>>>, Condvar)>);
+struct Event(Arc<(Mutex<Outcome>, Condvar)>);
 
 impl Event {
     fn set(&self, r: Result<(), String>) {

@@ -395,7 +395,8 @@ impl BlockSink for DeviceSink {
     }
 
     fn pieces(&self) -> Vec<Range<u32>> {
-        vec![0..self.fmt.layout.num_kv_heads as u32]
+        // One range: every KV head (no tensor parallelism on a device yet).
+        std::iter::once(0..self.fmt.layout.num_kv_heads as u32).collect()
     }
 
     fn settle(&self) -> Result<(), String> {
@@ -503,7 +504,7 @@ mod tests {
         let dst = FakeDevice::new(fmt, Duration::from_millis(2));
         // SAFETY: the fake's blocks belong to this test alone.
         let sink = unsafe { DeviceSink::new(dst.clone()) };
-        assert_eq!(sink.pieces(), [0..2]);
+        assert_eq!(sink.pieces(), std::iter::once(0..2).collect::<Vec<_>>());
         assert_eq!(sink.frame_len(), n);
         let to = [BlockId(0), BlockId(5)];
         for (layer, bytes) in layers.iter().enumerate() {
