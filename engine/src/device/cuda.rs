@@ -652,25 +652,11 @@ impl CudaKv {
     ) -> Result<InFlight, EngineError> {
         let n = self.fmt.frame_bytes();
         let half = n / 2;
-        if frames.len() * n > buf.len() {
-            return Err(EngineError::Internal(format!(
-                "{} frames of {n} bytes do not fit a staging buffer of {}",
-                frames.len(),
-                buf.len()
-            )));
-        }
+        self.fmt.check_copy(frames, buf.len())?;
         let guard = self.addrs.lock().unwrap_or_else(|p| p.into_inner());
         let addrs = guard
             .as_ref()
             .ok_or_else(|| EngineError::Device("the device's KV pool is gone".into()))?;
-        if let Some(&(l, b)) = frames
-            .iter()
-            .find(|&&(l, b)| l >= addrs.len() || b >= self.fmt.blocks)
-        {
-            return Err(EngineError::Internal(format!(
-                "layer {l} block {b} outside the device pool"
-            )));
-        }
         // After the steps queued so far: an export reads what they computed, an import lands in
         // blocks no step of theirs still writes.
         let queued = self.copies.after_compute().and_then(|()| {
@@ -679,7 +665,7 @@ impl CudaKv {
                 let at = (block * half) as u64;
                 let frame = &mut buf.bytes_mut()[i * n..(i + 1) * n];
                 let (fk, fv) = frame.split_at_mut(half);
-                // SAFETY: (layer, block) is inside the pool (checked above), whose allocations
+                // SAFETY: (layer, block) is inside the pool (check_copy), whose allocations
                 // outlive every copy (`retire` waits for them under this lock); the buffer
                 // travels in the InFlight that waits for the event recorded below (or, on an
                 // error, outlives the wait below), and the blocks' owner leaves them alone

@@ -201,20 +201,8 @@ impl FakeDevice {
         frames: &[(usize, usize)],
         upload: bool,
     ) -> Result<InFlight, EngineError> {
-        let fmt = self.shared.fmt;
-        let n = fmt.frame_bytes();
-        if frames.len() * n > buf.len() {
-            return Err(EngineError::Internal(format!(
-                "{} frames of {n} bytes do not fit a staging buffer of {}",
-                frames.len(),
-                buf.len()
-            )));
-        }
-        if let Some(&(l, b)) = frames.iter().find(|&&(l, b)| l >= fmt.layers || b >= fmt.blocks) {
-            return Err(EngineError::Internal(format!(
-                "layer {l} block {b} outside the device pool"
-            )));
-        }
+        let n = self.shared.fmt.frame_bytes();
+        self.shared.fmt.check_copy(frames, buf.len())?;
         let raw = Raw(buf.as_mut_ptr(), buf.len());
         let frames = frames.to_vec();
         let shared = self.shared.clone();

@@ -67,6 +67,25 @@ impl DeviceKvFormat {
         layer < self.layers && block < self.blocks
     }
 
+    /// Refuses copies of `frames` through a staging buffer of `buf` bytes where a frame is
+    /// outside the pool or they do not all fit: what every [`DeviceKv`] checks before it
+    /// queues a copy.
+    pub fn check_copy(&self, frames: &[(usize, usize)], buf: usize) -> Result<(), EngineError> {
+        let n = self.frame_bytes();
+        if frames.len() * n > buf {
+            return Err(EngineError::Internal(format!(
+                "{} frames of {n} bytes do not fit a staging buffer of {buf}",
+                frames.len()
+            )));
+        }
+        match frames.iter().find(|&&(l, b)| !self.holds(l, b)) {
+            Some((l, b)) => Err(EngineError::Internal(format!(
+                "layer {l} block {b} outside the device pool"
+            ))),
+            None => Ok(()),
+        }
+    }
+
     /// Copies one frame from the device's layout (`src`) into the wire's (`dst`), or back
     /// (`to_wire` false): the same bytes, K's two inner axes swapped where the device keeps K
     /// untransposed.
@@ -228,11 +247,7 @@ pub fn export_staged(
     let fmt = dev.format();
     let frame = fmt.frame_bytes();
     let frames = frames_of(fmt.layers, blocks);
-    if let Some(&(layer, block)) = frames.iter().find(|&&(l, b)| !fmt.holds(l, b)) {
-        return Err(EngineError::Internal(format!(
-            "export of layer {layer} block {block} outside the device pool"
-        )));
-    }
+    fmt.check_copy(&frames, usize::MAX)?;
     let need = frames.len() * frame;
     let buf = match staging.take() {
         Some(b) if b.len() >= need => b,
