@@ -151,3 +151,45 @@ async fn caches_that_do_not_map_are_refused_at_the_handshake_and_prefilled_local
     );
     wait_idle(&daddr).await;
 }
+
+/// A prefill worker with an f16 cache fills a decode worker's f32 one of another TP size: the
+/// handshake accepts the float types, the prefill side sends each decode rank's heads in f16
+/// (half the bytes of f32), and the decode side widens every value (exactly) as it writes it.
+/// The answer is the golden one and nothing was refused or prefilled again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_f16_prefill_cache_fills_an_f32_decode_cache_converted_at_the_receiver() {
+    let (_p, paddr) = start_prefill(&["--kv-dtype=f16"]);
+    let (_d, daddr, _kv) = start_decode(&["--tp=3"]);
+    let r = start_router(
+        std::slice::from_ref(&daddr),
+        &[
+            &format!("--prefill-workers={paddr}"),
+            "--disagg-min-tokens=1",
+        ],
+    );
+    wait_ready(&r, 1).await;
+    let g = &golden()[0];
+    let want = ids(g, "generated_ids");
+    let prompt = ids(g, "prompt_ids");
+    let (got, _) = generate_ids(&r.grpc, &prompt, want.len() as u32).await;
+    assert_eq!(got, want);
+    let dm = scrape(&daddr).await;
+    assert_eq!(
+        metric(&dm, r#"tandem_kv_transfers_total{result="ok"}"#),
+        1.0
+    );
+    assert_eq!(
+        metric(
+            &dm,
+            r#"tandem_kv_transfer_rejected_frames_total{reason="mismatched"}"#
+        ),
+        0.0
+    );
+    // The prompt's blocks in f16 as sent: every layer, K and V of 3 heads of 64 per slot.
+    let blocks = prompt.len().div_ceil(16) as f64;
+    assert_eq!(
+        metric(&dm, "tandem_kv_transfer_bytes_total"),
+        blocks * 30.0 * (2 * 3 * 16 * 64 * 2) as f64
+    );
+    wait_idle(&daddr).await;
+}
