@@ -235,36 +235,51 @@ fn frames_of(layers: usize, blocks: &[BlockId]) -> Vec<(usize, usize)> {
         .collect()
 }
 
-/// Copies `blocks` (every layer) out of `dev`'s pool through `staging` (grown when too small,
-/// kept for the next call) and returns, per layer, the blocks' frames back to back in the wire's
-/// layout: what a [`crate::KvChunk`] piece of every KV head holds. Ordered after the steps the
-/// device has been given, so the blocks are the computed ones; waits for the copies.
+/// The most page-locked memory an export stages through at once: a longer chunk goes in
+/// batches of frames (a prompt chunk of an 8B model is hundreds of MiB of KV).
+const EXPORT_STAGING: usize = 32 << 20;
+
+/// Copies `blocks` (every layer) out of `dev`'s pool through `staging` (grown when too small, up
+/// to [`EXPORT_STAGING`] or one frame, kept for the next call) and returns, per layer, the
+/// blocks' frames back to back in the wire's layout: what a [`crate::KvChunk`] piece of every KV
+/// head holds. Ordered after the steps the device has been given, so the blocks are the computed
+/// ones; waits for the copies.
 pub fn export_staged(
     dev: &dyn DeviceKv,
     blocks: &[BlockId],
     staging: &mut Option<Pinned>,
 ) -> Result<Vec<Vec<u8>>, EngineError> {
+    export_staged_within(dev, blocks, staging, EXPORT_STAGING)
+}
+
+/// [`export_staged`] through at most `cap` bytes of staging at once.
+fn export_staged_within(
+    dev: &dyn DeviceKv,
+    blocks: &[BlockId],
+    staging: &mut Option<Pinned>,
+    cap: usize,
+) -> Result<Vec<Vec<u8>>, EngineError> {
     let fmt = dev.format();
     let frame = fmt.frame_bytes();
     let frames = frames_of(fmt.layers, blocks);
     fmt.check_copy(&frames, usize::MAX)?;
-    let need = frames.len() * frame;
-    let buf = match staging.take() {
-        Some(b) if b.len() >= need => b,
-        _ => dev.pinned(need.max(frame))?,
+    let want = (frames.len() * frame).min(cap.max(frame));
+    let mut buf = match staging.take() {
+        Some(b) if b.len() >= want => b,
+        _ => dev.pinned(want)?,
     };
-    let buf = dev.download(&frames, buf)?.wait()?;
+    let per_batch = buf.len() / frame;
     let n = blocks.len() * frame;
-    let layers = (0..fmt.layers)
-        .map(|layer| {
-            let mut out = vec![0u8; n];
-            let src = &buf.bytes()[layer * n..(layer + 1) * n];
-            for (s, d) in src.chunks_exact(frame).zip(out.chunks_exact_mut(frame)) {
-                fmt.relayout(s, d, true);
-            }
-            out
-        })
-        .collect();
+    let mut layers = vec![vec![0u8; n]; fmt.layers];
+    for (i, batch) in frames.chunks(per_batch).enumerate() {
+        buf = dev.download(batch, buf)?.wait()?;
+        for (j, src) in buf.bytes().chunks_exact(frame).take(batch.len()).enumerate() {
+            // Frame k of the export: layer k / blocks, block k % blocks.
+            let k = i * per_batch + j;
+            let at = (k % blocks.len()) * frame;
+            fmt.relayout(src, &mut layers[k / blocks.len()][at..at + frame], true);
+        }
+    }
     *staging = Some(buf);
     Ok(layers)
 }
@@ -283,7 +298,9 @@ struct SinkState {
     free: Vec<Pinned>,
     /// Slots made so far (at most [`SLOTS`]).
     made: usize,
-    /// The first copy that failed since the last settle.
+    /// The first copy that failed since the last settle (the sink is the worker's, shared by
+    /// its transfers: a settle reports a failure of any, which fails that transfer too; a device
+    /// whose copies fail is broken for all of them).
     failed: Option<String>,
 }
 
@@ -489,7 +506,7 @@ mod tests {
         let mut staging = None;
         let layers = export_staged(&*src, &blocks, &mut staging).unwrap();
         let kept = staging.as_ref().map(Pinned::len);
-        assert!(kept.unwrap() >= 6 * fmt.frame_bytes());
+        assert_eq!(kept, Some(6 * fmt.frame_bytes()));
         let (l, n, e) = (fmt.layout, fmt.frame_bytes(), 2);
         let (slots, dim) = (l.block_size, l.head_dim);
         assert_eq!(layers.len(), fmt.layers);
@@ -515,6 +532,13 @@ mod tests {
         // A second export reuses the staging buffer.
         export_staged(&*src, &blocks[..1], &mut staging).unwrap();
         assert_eq!(staging.as_ref().map(Pinned::len), kept);
+        // Through a buffer of 4 frames (two batches and a part of one) or of one: the same.
+        for cap in [4 * n, n, 1] {
+            let mut small = None;
+            let again = export_staged_within(&*src, &blocks, &mut small, cap).unwrap();
+            assert_eq!(again, layers, "cap {cap}");
+            assert_eq!(small.map(|b| b.len()), Some(cap.max(n)));
+        }
 
         let dst = FakeDevice::new(fmt, Duration::from_millis(2));
         // SAFETY: the fake's blocks belong to this test alone.
