@@ -657,9 +657,15 @@ impl CudaKv {
         let addrs = guard
             .as_ref()
             .ok_or_else(|| EngineError::Device("the device's KV pool is gone".into()))?;
-        // After the steps queued so far: an export reads what they computed, an import lands in
-        // blocks no step of theirs still writes.
-        let queued = self.copies.after_compute().and_then(|()| {
+        // An export goes after the steps queued so far: it reads what they computed. An import
+        // does not wait for them: its blocks are reserved, so no step queued reads or writes
+        // them (a freed block's last step finished before it was freed: every step ends with
+        // the host reading its results), and its copies overlap the steps.
+        let ordered = match upload {
+            true => Ok(()),
+            false => self.copies.after_compute(),
+        };
+        let queued = ordered.and_then(|()| {
             for (i, &(layer, block)) in frames.iter().enumerate() {
                 let (k, v) = addrs[layer];
                 let at = (block * half) as u64;
