@@ -95,9 +95,10 @@ pub struct EngineArgs {
     /// KV cache size in MiB.
     #[arg(long, env = "TANDEM_KV_CACHE_MB", default_value_t = 1024)]
     pub kv_cache_mb: usize,
-    /// On a GPU: the share of the device's memory this worker may hold (weights, KV pool and
-    /// the rest, as vLLM's flag of that name), the pool taking what the weights leave of it;
-    /// overrides --kv-cache-mb. Refused on the CPU.
+    /// On a GPU: size the KV pool so that the weights, the pool and whatever else the device
+    /// holds when it is sized fill this share of its memory (as vLLM's flag of that name); a
+    /// step's activations come on top, so leave them room (0.9 leaves a tenth). Overrides
+    /// --kv-cache-mb. Refused on the CPU.
     #[arg(long, env = "TANDEM_GPU_MEMORY_FRACTION")]
     pub gpu_memory_fraction: Option<f64>,
     /// Token budget of one forward pass.

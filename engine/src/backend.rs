@@ -179,9 +179,9 @@ pub struct PoolSize {
     pub num_blocks: Option<usize>,
     /// The cache's element type.
     pub kv_dtype: KvDtype,
-    /// On a GPU: the share of the device's memory this worker may hold (weights, pool and the
-    /// rest), the pool taking what the weights leave of it; overrides `kv_cache_mb`. Refused
-    /// on the CPU.
+    /// On a GPU: the pool takes what this share of the device's memory leaves once everything
+    /// held when it is sized (the weights, other processes) is counted; a step's activations
+    /// come on top. Overrides `kv_cache_mb`. Refused on the CPU.
     pub gpu_memory_fraction: Option<f64>,
 }
 

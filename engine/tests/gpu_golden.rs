@@ -357,7 +357,7 @@ fn import_and_decode(
             }
         }
     }
-    sink.settle().unwrap();
+    sink.settle(&res.blocks).unwrap();
     let mut out = vec![first.token];
     for ev in e.join_remote(id, first, 0).unwrap() {
         if let tandem_engine::Event::Token(t) = ev {
@@ -404,14 +404,14 @@ fn kv_moves_into_and_out_of_the_gpu_pool_through_staging() {
     let Some(mut prefill) = gpu_engine(test, cfg.clone()) else {
         return;
     };
-    let (first, chunks) = prefill_export(&mut prefill, r.clone());
-    assert!(chunks.len() >= 2, "a chunked prompt exports as it goes");
+    let (first, gpu_chunks) = prefill_export(&mut prefill, r.clone());
+    assert!(gpu_chunks.len() >= 2, "a chunked prompt exports as it goes");
     assert_no_blocks_held(&prefill);
     drop(prefill);
     let Some(mut decode) = gpu_engine(test, cfg.clone()) else {
         return;
     };
-    let got = import_and_decode(&mut decode, r.clone(), first, &chunks, None);
+    let got = import_and_decode(&mut decode, r.clone(), first, &gpu_chunks, None);
     assert_eq!(got, want, "GPU to GPU: the local prefill's tokens");
     assert_no_blocks_held(&decode);
 
@@ -420,6 +420,27 @@ fn kv_moves_into_and_out_of_the_gpu_pool_through_staging() {
     let model = tandem_engine::CpuModel::new(&m, Default::default()).unwrap();
     let mut cpu = Engine::new(model, cfg.clone(), m.tokenizer.eos_token_ids.clone()).unwrap();
     let (first, chunks) = prefill_export(&mut cpu, r.clone());
+    // The GPU's exported frames are in the wire's layout: every layer's K and V near the CPU's
+    // (bf16 activations drift a little; a K left untransposed, or any other layout slip, puts
+    // unrelated values side by side, a relative error near 1.4).
+    assert_eq!(chunks.len(), gpu_chunks.len());
+    for (c, g) in chunks.iter().zip(&gpu_chunks) {
+        for layer in 0..c.layers() {
+            let cpu: Vec<f32> = c.pieces[0].layers[layer]
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect();
+            let gpu: Vec<f32> = g.pieces[0].layers[layer]
+                .chunks_exact(2)
+                .map(|b| half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32())
+                .collect();
+            assert_eq!(cpu.len(), gpu.len());
+            let diff: f64 = cpu.iter().zip(&gpu).map(|(a, b)| ((a - b) as f64).powi(2)).sum();
+            let norm: f64 = cpu.iter().map(|a| (*a as f64).powi(2)).sum();
+            let rel = (diff / norm).sqrt();
+            assert!(rel < 0.1, "chunk at block {} layer {layer}: relative L2 {rel}", c.first);
+        }
+    }
     decode.clear_prefix_cache();
     let got = import_and_decode(
         &mut decode,
@@ -461,7 +482,7 @@ fn kv_moves_into_and_out_of_the_gpu_pool_through_staging() {
                 sink.write(layer as u32, res.blocks[j], &wire);
             }
         }
-        sink.settle().unwrap();
+        sink.settle(&res.blocks).unwrap();
         let back = tandem_engine::device::staging::export_staged(
             &*dev,
             &res.blocks[..c.blocks],

@@ -304,6 +304,15 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
     }
     let refusal = match (shape, &theirs) {
         (Some(mine), Some(theirs)) => mine.mismatch(theirs).map(|w| (2u8, w)),
+        // Frames of f16 and bf16 are the same length: a receiver of either must know which
+        // the sender stores to convert them.
+        (Some(mine), None) if mine.dtype == "f16" || mine.dtype == "bf16" => Some((
+            2u8,
+            format!(
+                "the peer did not describe its KV cache; a receiver of {} frames must know the sender's element type",
+                mine.dtype
+            ),
+        )),
         _ => None,
     }
     .or_else(|| {
@@ -567,6 +576,26 @@ mod tests {
             c.contains("the receiver refused") && c.contains(want),
             "{c}"
         );
+
+        // A receiver of bf16 frames refuses a sender that says nothing of its cache (its f16
+        // frames would pass as bf16); an f32 receiver takes one (lengths tell the types apart).
+        let bf16 = shape("bf16", vec![0..3]);
+        let (mut a, mut b) = tokio::io::duplex(4096);
+        let (r, c) = tokio::join!(
+            accept(&mut a, &s, Some(&bf16), admit),
+            connect(&mut b, &s, None, T, EP)
+        );
+        assert!(
+            matches!(&r, Err(TransferError::Mismatch(w)) if w.contains("did not describe its KV cache")),
+            "{r:?}"
+        );
+        assert!(c.is_err());
+        let (mut a, mut b) = tokio::io::duplex(4096);
+        let (r, c) = tokio::join!(
+            accept(&mut a, &s, Some(&d), admit),
+            connect(&mut b, &s, None, T, EP)
+        );
+        assert!(r.is_ok() && c.is_ok());
 
         // A man in the middle that rewrites the receiver's shape: the sender's MAC covers the
         // shape it saw, so the receiver refuses it.

@@ -53,11 +53,13 @@ pub trait BlockSink: Send + Sync {
         let _ = piece;
         self.write(layer, block, payload)
     }
-    /// Waits until every write so far has reached the blocks: a sink that stores
-    /// asynchronously (a GPU's cache, through staging buffers) finishes its copies here. A grant
-    /// settles its sink before its transfer is reported complete and when it is dropped, so a
+    /// Waits until every write so far has reached the blocks, and says whether any write into
+    /// `blocks` (a grant's) failed: a sink that stores asynchronously (a GPU's cache, through
+    /// staging buffers) finishes its copies here. A grant settles its sink with its blocks
+    /// before its transfer is reported complete, or when it is dropped without that, so a
     /// block is never handed back to the engine (or freed) with a copy into it still in flight.
-    fn settle(&self) -> Result<(), String> {
+    fn settle(&self, blocks: &[BlockId]) -> Result<(), String> {
+        let _ = blocks;
         Ok(())
     }
 }
@@ -344,6 +346,8 @@ impl KvReceiver {
             rx: Some(rx),
             inner: self.inner.clone(),
             sink: sink_kept,
+            blocks: blocks.to_vec(),
+            settled: false,
         }
     }
 }
@@ -354,8 +358,11 @@ pub struct TransferGrant {
     deadline: Option<Instant>,
     rx: Option<oneshot::Receiver<Result<TransferStats, TransferError>>>,
     inner: Arc<Inner>,
-    /// The grant's sink, settled when the transfer completes and when the grant is dropped.
+    /// The grant's sink and blocks, settled when the transfer completes, or when the grant is
+    /// dropped before.
     sink: Arc<dyn BlockSink>,
+    blocks: Vec<BlockId>,
+    settled: bool,
 }
 
 impl TransferGrant {
@@ -386,7 +393,8 @@ impl TransferGrant {
         self.rx = None;
         self.inner.grants.lock().expect("grants").remove(&self.id);
         // Complete once the sink holds it all, not when the last frame was handed to it.
-        let settled = self.sink.settle().map_err(TransferError::Sink);
+        let settled = self.sink.settle(&self.blocks).map_err(TransferError::Sink);
+        self.settled = true;
         r.and_then(|stats| settled.map(|()| stats))
     }
 }
@@ -396,8 +404,10 @@ impl Drop for TransferGrant {
         // No frame reaches the sink for this grant once it is gone from the map; the copies
         // already handed to it finish before the blocks go back to their owner.
         self.inner.grants.lock().expect("grants").remove(&self.id);
-        if let Err(e) = self.sink.settle() {
-            tracing::error!(transfer = self.id, error = %e, "KV copies into revoked blocks failed");
+        if !self.settled {
+            if let Err(e) = self.sink.settle(&self.blocks) {
+                tracing::warn!(transfer = self.id, error = %e, "KV copies into revoked blocks failed");
+            }
         }
     }
 }

@@ -698,7 +698,8 @@ impl BlockSink for SettlingSink {
             .unwrap()
             .push(((layer, block.0), payload.to_vec()));
     }
-    fn settle(&self) -> Result<(), String> {
+    fn settle(&self, blocks: &[BlockId]) -> Result<(), String> {
+        assert!(!blocks.is_empty(), "a grant settles with its blocks");
         self.settles.fetch_add(1, Ordering::Relaxed);
         let mut stored = self.stored.lock().unwrap();
         stored.extend(self.in_flight.lock().unwrap().drain(..));

@@ -691,13 +691,14 @@ impl CudaKv {
             }
             Ok(())
         });
-        if let Err(e) = queued {
-            // Copies queued before the failure must finish before the buffer is freed.
-            let _ = self.copies.synchronize();
-            return Err(e.into());
+        match queued.and_then(|()| self.copies.record()) {
+            Ok(done) => Ok(InFlight::new(buf, Box::new(CudaDone(done)))),
+            Err(e) => {
+                // Copies queued before the failure must finish before the buffer is freed.
+                let _ = self.copies.synchronize();
+                Err(e.into())
+            }
         }
-        let done = self.copies.record()?;
-        Ok(InFlight::new(buf, Box::new(CudaDone(done))))
     }
 }
 

@@ -19,7 +19,7 @@
 //!   blocks are revoked (event-ordered completion: no block reaches the engine, or is freed,
 //!   with a copy into it in flight).
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -190,8 +190,9 @@ impl InFlight {
 
     /// Waits for the copies; the buffer back, or why they failed (the buffer is freed then).
     pub fn wait(mut self) -> Result<Pinned, EngineError> {
-        self.done.wait().map_err(EngineError::Device)?;
-        Ok(self.buf.take().expect("a buffer until waited for"))
+        let done = self.done.wait().map_err(EngineError::Device);
+        let buf = self.buf.take().expect("a buffer until waited for");
+        done.map(|()| buf)
     }
 }
 
@@ -260,6 +261,9 @@ fn export_staged_within(
     cap: usize,
 ) -> Result<Vec<Vec<u8>>, EngineError> {
     let fmt = dev.format();
+    if blocks.is_empty() {
+        return Ok(vec![Vec::new(); fmt.layers]);
+    }
     let frame = fmt.frame_bytes();
     let frames = frames_of(fmt.layers, blocks);
     fmt.check_copy(&frames, usize::MAX)?;
@@ -289,19 +293,31 @@ const SLOT_FRAMES: usize = 64;
 /// Staging slots a [`DeviceSink`] keeps: one filling while the others' uploads run.
 const SLOTS: usize = 4;
 
+/// Uploads queued, with the blocks their frames go to.
+type Upload = (InFlight, Vec<usize>);
+
 struct SinkState {
     /// The slot being filled, and the frames in it so far.
     filling: Option<(Pinned, Vec<(usize, usize)>)>,
     /// Uploads queued, oldest first.
-    in_flight: VecDeque<InFlight>,
+    in_flight: VecDeque<Upload>,
     /// Slots whose uploads are done.
     free: Vec<Pinned>,
-    /// Slots made so far (at most [`SLOTS`]).
+    /// Slots made and not lost to a failure (at most [`SLOTS`]).
     made: usize,
-    /// The first copy that failed since the last settle (the sink is the worker's, shared by
-    /// its transfers: a settle reports a failure of any, which fails that transfer too; a device
-    /// whose copies fail is broken for all of them).
-    failed: Option<String>,
+    /// Blocks a frame of which could not be staged or uploaded, with the first reason, until
+    /// the settle of the transfer they were granted to reports them. The sink is the worker's,
+    /// shared by its transfers: each transfer hears of its own blocks' failures only.
+    failed: HashMap<usize, String>,
+}
+
+impl SinkState {
+    /// Notes that `blocks` lost a frame, for `why`.
+    fn fail(&mut self, blocks: impl IntoIterator<Item = usize>, why: &str) {
+        for b in blocks {
+            self.failed.entry(b).or_insert_with(|| why.to_string());
+        }
+    }
 }
 
 /// A [`BlockSink`] into a device's pool: received frames (whole blocks of every KV head, in the
@@ -331,7 +347,7 @@ impl DeviceSink {
                 in_flight: VecDeque::new(),
                 free: Vec::new(),
                 made: 0,
-                failed: None,
+                failed: HashMap::new(),
             }),
             bytes: AtomicU64::new(0),
         }
@@ -351,35 +367,56 @@ impl DeviceSink {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Waits for the oldest upload: its slot back, or its blocks noted as failed (and the slot
+    /// gone with it).
+    fn finish_oldest(&self, st: &mut SinkState) -> Option<Pinned> {
+        let (up, blocks) = st.in_flight.pop_front()?;
+        match up.wait() {
+            Ok(buf) => Some(buf),
+            Err(e) => {
+                st.made -= 1;
+                st.fail(blocks, &e.to_string());
+                None
+            }
+        }
+    }
+
     /// A slot to fill: a free one, a new one while fewer than [`SLOTS`] exist, else the oldest
     /// upload's once it is done.
     fn slot(&self, st: &mut SinkState) -> Result<Pinned, EngineError> {
-        if let Some(b) = st.free.pop() {
-            return Ok(b);
+        loop {
+            if let Some(b) = st.free.pop() {
+                return Ok(b);
+            }
+            if st.made < SLOTS {
+                let b = self.dev.pinned(SLOT_FRAMES * self.fmt.frame_bytes())?;
+                st.made += 1;
+                return Ok(b);
+            }
+            if st.in_flight.is_empty() {
+                return Err(EngineError::Internal("every staging slot is lost".into()));
+            }
+            if let Some(b) = self.finish_oldest(st) {
+                return Ok(b);
+            }
         }
-        if st.made < SLOTS {
-            st.made += 1;
-            return self.dev.pinned(SLOT_FRAMES * self.fmt.frame_bytes());
-        }
-        let oldest = st
-            .in_flight
-            .pop_front()
-            .ok_or_else(|| EngineError::Internal("a staging slot is lost".into()))?;
-        oldest.wait().inspect_err(|_| {
-            // The slot went with its failed copy: another may be made.
-            st.made -= 1;
-        })
     }
 
-    /// Queues the filling slot's upload.
-    fn flush(&self, st: &mut SinkState) -> Result<(), EngineError> {
+    /// Queues the filling slot's upload; where it cannot be queued, its blocks are noted as
+    /// failed and the slot is gone.
+    fn flush(&self, st: &mut SinkState) {
         if let Some((buf, frames)) = st.filling.take() {
+            let blocks: Vec<usize> = frames.iter().map(|&(_, b)| b).collect();
             // SAFETY: the frames are of blocks granted to live transfers (`new`'s contract);
             // the grant settles this sink before the blocks go back to the engine.
-            let up = unsafe { self.dev.upload(buf, &frames) }?;
-            st.in_flight.push_back(up);
+            match unsafe { self.dev.upload(buf, &frames) } {
+                Ok(up) => st.in_flight.push_back((up, blocks)),
+                Err(e) => {
+                    st.made -= 1;
+                    st.fail(blocks, &e.to_string());
+                }
+            }
         }
-        Ok(())
     }
 
     fn stage(&self, layer: usize, block: usize, payload: &[u8]) -> Result<(), EngineError> {
@@ -403,7 +440,7 @@ impl DeviceSink {
             .relayout(payload, &mut buf.bytes_mut()[at..at + frame], false);
         frames.push((layer, block));
         if frames.len() == SLOT_FRAMES {
-            self.flush(&mut st)?;
+            self.flush(&mut st);
         }
         self.bytes.fetch_add(frame as u64, Ordering::Relaxed);
         Ok(())
@@ -422,7 +459,7 @@ impl BlockSink for DeviceSink {
     fn write(&self, layer: u32, block: BlockId, payload: &[u8]) {
         if let Err(e) = self.stage(layer as usize, block.index(), payload) {
             tracing::error!(error = %e, "a KV frame could not be staged for the device");
-            self.state().failed.get_or_insert(e.to_string());
+            self.state().fail([block.index()], &e.to_string());
         }
     }
 
@@ -431,22 +468,21 @@ impl BlockSink for DeviceSink {
         std::iter::once(0..self.fmt.layout.num_kv_heads as u32).collect()
     }
 
-    fn settle(&self) -> Result<(), String> {
+    fn settle(&self, blocks: &[BlockId]) -> Result<(), String> {
         let mut st = self.state();
-        if let Err(e) = self.flush(&mut st) {
-            st.failed.get_or_insert(e.to_string());
-        }
-        while let Some(up) = st.in_flight.pop_front() {
-            match up.wait() {
-                Ok(buf) => st.free.push(buf),
-                Err(e) => {
-                    // The slot went with its failed copy: another may be made.
-                    st.made -= 1;
-                    st.failed.get_or_insert(e.to_string());
-                }
+        self.flush(&mut st);
+        while !st.in_flight.is_empty() {
+            if let Some(buf) = self.finish_oldest(&mut st) {
+                st.free.push(buf);
             }
         }
-        match st.failed.take() {
+        let mut first = None;
+        for b in blocks {
+            if let Some(why) = st.failed.remove(&b.index()) {
+                first.get_or_insert(format!("block {}: {why}", b.index()));
+            }
+        }
+        match first {
             Some(e) => Err(e),
             None => Ok(()),
         }
@@ -552,7 +588,7 @@ mod tests {
             }
         }
         assert_eq!(dst.frame(0, 0), vec![0; n], "nothing is uploaded before the slot fills or settles");
-        sink.settle().unwrap();
+        sink.settle(&to).unwrap();
         for layer in 0..fmt.layers {
             for (from, to) in blocks.iter().zip(&to) {
                 assert_eq!(dst.frame(layer, to.index()), src.frame(layer, from.index()));
@@ -584,7 +620,7 @@ mod tests {
                 sink.write(layer as u32, *b, &bytes[j * n..(j + 1) * n]);
             }
         }
-        sink.settle().unwrap();
+        sink.settle(&blocks).unwrap();
         for layer in 0..fmt.layers {
             for b in 0..120 {
                 assert_eq!(dst.frame(layer, b), src.frame(layer, b), "layer {layer} block {b}");
@@ -593,11 +629,13 @@ mod tests {
         assert_eq!(sink.state().made, SLOTS);
     }
 
-    /// A copy that fails (a device gone) fails the settle that waits for it, with the reason,
-    /// and the sink works again once the device does; a frame of the wrong size is refused at
-    /// the next settle. An export through a failing device is an error, not a hang.
+    /// A copy that fails (a device gone) fails the settle of the transfer whose blocks it
+    /// carried, with the reason, and no other transfer's; the sink works again once the device
+    /// does (no staging slot is lost for good); a frame of the wrong size or outside the pool is
+    /// refused at its transfer's settle. An export through a failing device is an error, not a
+    /// hang, and an export of no blocks is empty.
     #[test]
-    fn failed_copies_fail_the_settle_and_the_export() {
+    fn failed_copies_fail_their_own_transfer_only() {
         let fmt = gpu_format(4);
         let dst = FakeDevice::new(fmt, Duration::from_millis(1));
         // SAFETY: the fake's blocks belong to this test alone.
@@ -605,21 +643,36 @@ mod tests {
         let n = fmt.frame_bytes();
         let frame = vec![7u8; n];
         dst.fail_copies(Some("device lost"));
-        sink.write(0, BlockId(1), &frame);
-        assert_eq!(sink.settle().unwrap_err(), "device KV copy: device lost");
+        // More slots' worth of failing uploads than the sink has slots.
+        for _ in 0..(SLOTS + 1) * SLOT_FRAMES {
+            sink.write(0, BlockId(1), &frame);
+        }
+        // Another transfer's blocks hear nothing of it; block 1's transfer does.
+        sink.settle(&[BlockId(3)]).unwrap();
+        assert_eq!(
+            sink.settle(&[BlockId(0), BlockId(1)]).unwrap_err(),
+            "block 1: device KV copy: device lost"
+        );
+        // Reported once: a later settle of the same blocks finds nothing left.
+        sink.settle(&[BlockId(1)]).unwrap();
         assert!(matches!(
             export_staged(&*dst, &[BlockId(0)], &mut None),
             Err(EngineError::Device(e)) if e == "device lost"
         ));
         dst.fail_copies(None);
         sink.write(0, BlockId(1), &frame);
-        sink.settle().unwrap();
+        sink.settle(&[BlockId(1)]).unwrap();
         assert_eq!(dst.frame(0, 1), frame);
         sink.write(0, BlockId(2), &frame[1..]);
-        assert!(sink.settle().unwrap_err().contains("bytes for layer 0 block 2"));
+        assert!(sink
+            .settle(&[BlockId(2)])
+            .unwrap_err()
+            .contains("bytes for layer 0 block 2"));
         sink.write(0, BlockId(9), &frame);
-        assert!(sink.settle().unwrap_err().contains("block 9"));
+        assert!(sink.settle(&[BlockId(9)]).unwrap_err().contains("block 9"));
         assert!(export_staged(&*dst, &[BlockId(4)], &mut None).is_err());
+        let none = export_staged(&*dst, &[], &mut None).unwrap();
+        assert_eq!(none, vec![Vec::<u8>::new(); fmt.layers]);
     }
 
     /// A CPU cache's f32 frame (K transposed), converted by a receiver to bf16 and staged into a
@@ -638,7 +691,7 @@ mod tests {
         let mut wire = Vec::new();
         tandem_kv_transfer::convert_values(Float::F32, &cpu_frame, Float::Bf16, &mut wire);
         sink.write(1, BlockId(1), &wire);
-        sink.settle().unwrap();
+        sink.settle(&[BlockId(1)]).unwrap();
         let got = dst.frame(1, 1);
         let (slots, dim) = (l.block_size, l.head_dim);
         let bf = |v: f32| half::bf16::from_f32(v).to_bits().to_le_bytes();

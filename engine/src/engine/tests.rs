@@ -240,7 +240,7 @@ fn a_device_pool_exports_and_imports_kv_through_staging_exactly() {
                 }
             }
         }
-        sink.settle().unwrap();
+        sink.settle(&r.blocks).unwrap();
         decode.join_remote(id, first.clone(), 0).unwrap();
         let mut got = vec![first.token];
         got.extend(run_to_end(&mut decode, id));
