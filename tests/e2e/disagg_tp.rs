@@ -110,13 +110,12 @@ async fn prefill_tp3_to_decode_tp3_gives_the_golden_tokens() {
     mixed(3, 3).await;
 }
 
-/// A prefill worker with an int8 cache cannot fill an f32 one: the decode worker refuses its
-/// KV connection at the handshake (the reason, naming the dtypes, is checked in the
-/// kv-transfer tests) and prefills the prompt itself; the answer is still the golden one.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn caches_that_do_not_map_are_refused_at_the_handshake_and_prefilled_locally() {
-    let (_p, paddr) = start_prefill(&["--kv-dtype=int8"]);
-    let (_d, daddr, _kv) = start_decode(&["--tp=3"]);
+/// A prefill worker started with `prefill_flag`, a decode worker of 3 ranks (f32) and a router
+/// that sends every prompt to the prefill worker: the first golden record's greedy tokens come
+/// back exactly. The processes (kept alive while held) and the decode worker's address.
+async fn golden_through_a_prefill_worker(prefill_flag: &str) -> ((Proc, Proc, Router), String) {
+    let (p, paddr) = start_prefill(&[prefill_flag]);
+    let (d, daddr, _kv) = start_decode(&["--tp=3"]);
     let r = start_router(
         std::slice::from_ref(&daddr),
         &[
@@ -128,7 +127,16 @@ async fn caches_that_do_not_map_are_refused_at_the_handshake_and_prefilled_local
     let g = &golden()[0];
     let want = ids(g, "generated_ids");
     let (got, _) = generate_ids(&r.grpc, &ids(g, "prompt_ids"), want.len() as u32).await;
-    assert_eq!(got, want);
+    assert_eq!(got, want, "{prefill_flag}");
+    ((p, d, r), daddr)
+}
+
+/// A prefill worker with an int8 cache cannot fill an f32 one: the decode worker refuses its
+/// KV connection at the handshake (the reason, naming the dtypes, is checked in the
+/// kv-transfer tests) and prefills the prompt itself; the answer is still the golden one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn caches_that_do_not_map_are_refused_at_the_handshake_and_prefilled_locally() {
+    let (_procs, daddr) = golden_through_a_prefill_worker("--kv-dtype=int8").await;
     let dm = scrape(&daddr).await;
     assert_eq!(
         metric(
@@ -158,21 +166,8 @@ async fn caches_that_do_not_map_are_refused_at_the_handshake_and_prefilled_local
 /// The answer is the golden one and nothing was refused or prefilled again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_f16_prefill_cache_fills_an_f32_decode_cache_converted_at_the_receiver() {
-    let (_p, paddr) = start_prefill(&["--kv-dtype=f16"]);
-    let (_d, daddr, _kv) = start_decode(&["--tp=3"]);
-    let r = start_router(
-        std::slice::from_ref(&daddr),
-        &[
-            &format!("--prefill-workers={paddr}"),
-            "--disagg-min-tokens=1",
-        ],
-    );
-    wait_ready(&r, 1).await;
-    let g = &golden()[0];
-    let want = ids(g, "generated_ids");
-    let prompt = ids(g, "prompt_ids");
-    let (got, _) = generate_ids(&r.grpc, &prompt, want.len() as u32).await;
-    assert_eq!(got, want);
+    let (_procs, daddr) = golden_through_a_prefill_worker("--kv-dtype=f16").await;
+    let prompt = ids(&golden()[0], "prompt_ids");
     let dm = scrape(&daddr).await;
     assert_eq!(
         metric(&dm, r#"tandem_kv_transfers_total{result="ok"}"#),
