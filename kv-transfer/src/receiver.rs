@@ -392,14 +392,8 @@ impl TransferGrant {
         };
         self.rx = None;
         self.inner.grants.lock().expect("grants").remove(&self.id);
-        // Complete once the sink holds it all, not when the last frame was handed to it. A
-        // device's sink waits for its copies there: on the blocking pool, not on a thread that
-        // serves the runtime's other tasks.
-        let (sink, blocks) = (self.sink.clone(), self.blocks.clone());
-        let settled = tokio::task::spawn_blocking(move || sink.settle(&blocks))
-            .await
-            .map_err(|e| TransferError::Sink(format!("settling the sink: {e}")))
-            .and_then(|r| r.map_err(TransferError::Sink));
+        // Complete once the sink holds it all, not when the last frame was handed to it.
+        let settled = self.sink.settle(&self.blocks).map_err(TransferError::Sink);
         self.settled = true;
         r.and_then(|stats| settled.map(|()| stats))
     }
