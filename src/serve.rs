@@ -535,8 +535,9 @@ pub fn run_decode(a: DecodeArgs) -> Result<()> {
                 .kv_advertise_host
                 .clone()
                 .unwrap_or_else(|| advertise.clone());
-            let target =
-                target.context("KV transfers reach neither a host pool nor a device pool of this engine")?;
+            let target = target.context(
+                "KV transfers reach neither a host pool nor a device pool of this engine",
+            )?;
             // SAFETY: the target is this engine's, and RemotePrefill grants only blocks the
             // engine reserved and parked for a remote prefill.
             let remote = unsafe {

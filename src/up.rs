@@ -54,7 +54,11 @@ pub struct UpArgs {
     /// Where prefill workers run: cpu, or a CUDA GPU (cuda, cuda:N). Their KV reaches decode
     /// workers on either device: a GPU's cache goes through page-locked staging, and a
     /// receiver converts f32 to bf16 (or back) where the two caches differ.
-    #[arg(long = "prefill-device", env = "TANDEM_PREFILL_DEVICE", default_value = "cpu")]
+    #[arg(
+        long = "prefill-device",
+        env = "TANDEM_PREFILL_DEVICE",
+        default_value = "cpu"
+    )]
     prefill_device: DeviceSpec,
     /// Prompts with at least this many uncached tokens are prefilled on a prefill worker.
     #[arg(long, env = "TANDEM_DISAGG_MIN_TOKENS", default_value_t = 256)]
@@ -1055,7 +1059,11 @@ mod tests {
     /// child's line is one its command accepts.
     #[test]
     fn each_role_runs_on_its_own_device() {
-        let a = up(&["--device=cuda:0", "--prefill-workers=1", "--prefill-device=cuda:1"]);
+        let a = up(&[
+            "--device=cuda:0",
+            "--prefill-workers=1",
+            "--prefill-device=cuda:1",
+        ]);
         let d = worker_args(&a, "decode", "/m.gguf", "decode-0", 2);
         let p = worker_args(&a, "prefill", "/m.gguf", "prefill-0", 2);
         assert!(d.argv().contains(&"--device=cuda:0".to_string()));
@@ -1066,7 +1074,11 @@ mod tests {
         }
         let cpu = up(&["--device=cuda", "--prefill-workers=1"]);
         let p = worker_args(&cpu, "prefill", "/m.gguf", "prefill-0", 2);
-        assert!(p.argv().contains(&"--device=cpu".to_string()), "{:?}", p.argv());
+        assert!(
+            p.argv().contains(&"--device=cpu".to_string()),
+            "{:?}",
+            p.argv()
+        );
     }
 
     /// With no prefill workers the router gets no --prefill-workers flag (an empty one read as

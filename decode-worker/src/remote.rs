@@ -15,9 +15,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use prometheus_client::metrics::histogram::Histogram;
 use tandem_engine::{Reservation, Sampled};
-use tandem_kv_transfer::{
-    KvReceiver, Secret, TransferError, TransferGrant, TransferStats,
-};
+use tandem_kv_transfer::{KvReceiver, Secret, TransferError, TransferGrant, TransferStats};
 use tandem_proto::worker::{self as pb, prefill_client::PrefillClient};
 use tandem_telemetry::Attribute;
 use tonic::transport::{Channel, Endpoint};

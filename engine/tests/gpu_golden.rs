@@ -435,10 +435,18 @@ fn kv_moves_into_and_out_of_the_gpu_pool_through_staging() {
                 .map(|b| half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32())
                 .collect();
             assert_eq!(cpu.len(), gpu.len());
-            let diff: f64 = cpu.iter().zip(&gpu).map(|(a, b)| ((a - b) as f64).powi(2)).sum();
+            let diff: f64 = cpu
+                .iter()
+                .zip(&gpu)
+                .map(|(a, b)| ((a - b) as f64).powi(2))
+                .sum();
             let norm: f64 = cpu.iter().map(|a| (*a as f64).powi(2)).sum();
             let rel = (diff / norm).sqrt();
-            assert!(rel < 0.1, "chunk at block {} layer {layer}: relative L2 {rel}", c.first);
+            assert!(
+                rel < 0.1,
+                "chunk at block {} layer {layer}: relative L2 {rel}",
+                c.first
+            );
         }
     }
     decode.clear_prefix_cache();
@@ -459,7 +467,10 @@ fn kv_moves_into_and_out_of_the_gpu_pool_through_staging() {
         "CPU prefill into the GPU pool: the first {same} of {} tokens as the GPU's own prefill",
         want.len()
     );
-    assert!(!got.is_empty() && got.len() <= want.len(), "CPU to GPU: {got:?}");
+    assert!(
+        !got.is_empty() && got.len() <= want.len(),
+        "CPU to GPU: {got:?}"
+    );
     assert_no_blocks_held(&decode);
     // What the GPU pool held is the CPU's values in bf16: read a prompt's blocks back out.
     let id = tandem_engine::RequestId(8);

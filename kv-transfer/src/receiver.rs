@@ -753,9 +753,7 @@ async fn serve_connection(inner: &Arc<Inner>, mut sock: TcpStream) -> Result<(),
                         };
                         match g.pieces.is_empty() {
                             true => g.sink.write(h.layer, BlockId(h.block), values),
-                            false => g
-                                .sink
-                                .write_piece(h.layer, BlockId(h.block), piece, values),
+                            false => g.sink.write_piece(h.layer, BlockId(h.block), piece, values),
                         }
                         inner
                             .bytes

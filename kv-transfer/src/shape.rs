@@ -150,7 +150,8 @@ impl KvShape {
         if self.block_size != peer.block_size {
             return differ("KV block size", &self.block_size, &peer.block_size);
         }
-        if self.dtype != peer.dtype && Float::of(&self.dtype).zip(Float::of(&peer.dtype)).is_none() {
+        if self.dtype != peer.dtype && Float::of(&self.dtype).zip(Float::of(&peer.dtype)).is_none()
+        {
             return Some(format!(
                 "the peer's KV cache dtype is {}, this worker's {} (frames convert between f32, f16 and bf16 only)",
                 peer.dtype, self.dtype
@@ -381,7 +382,10 @@ pub(crate) mod tests {
             .chunks_exact(4)
             .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
             .collect();
-        assert_eq!(back, bits.iter().map(|&b| (b as u32) << 16).collect::<Vec<_>>());
+        assert_eq!(
+            back,
+            bits.iter().map(|&b| (b as u32) << 16).collect::<Vec<_>>()
+        );
         let mut again = Vec::new();
         convert_values(Float::F32, &wide, Float::Bf16, &mut again);
         assert_eq!(again, bf);

@@ -733,18 +733,27 @@ async fn float_frames_convert_at_the_receiver_and_grants_settle_their_sink() {
     let mut s = t.open(&rx.endpoint(), grant.id()).await.unwrap();
     for layer in 0..2 {
         let body: Vec<u8> = f32s(layer).iter().flat_map(|v| v.to_le_bytes()).collect();
-        s.send_block(grant.id(), layer, BlockId(4), &body).await.unwrap();
+        s.send_block(grant.id(), layer, BlockId(4), &body)
+            .await
+            .unwrap();
     }
     let stats = grant.wait().await.unwrap();
     assert_eq!((stats.frames, stats.bytes), (2, 2 * values as u64 * 4));
-    assert!(sink.in_flight.lock().unwrap().is_empty(), "completed before settling");
+    assert!(
+        sink.in_flight.lock().unwrap().is_empty(),
+        "completed before settling"
+    );
     assert!(sink.settles.load(Ordering::Relaxed) >= 1);
     for layer in 0..2 {
         let want: Vec<u8> = f32s(layer)
             .iter()
             .flat_map(|&v| half::bf16::from_f32(v).to_bits().to_le_bytes())
             .collect();
-        assert_eq!(sink.stored.lock().unwrap()[&(layer, 4)], want, "layer {layer}");
+        assert_eq!(
+            sink.stored.lock().unwrap()[&(layer, 4)],
+            want,
+            "layer {layer}"
+        );
     }
 
     // The receiver's own frame length is not what an f32 sender sends.
@@ -762,7 +771,9 @@ async fn float_frames_convert_at_the_receiver_and_grants_settle_their_sink() {
     let grant = rx.grant(&ids(&[6]), sink.clone(), Duration::from_secs(10));
     let mut s = t.open(&rx.endpoint(), grant.id()).await.unwrap();
     let body: Vec<u8> = f32s(0).iter().flat_map(|v| v.to_le_bytes()).collect();
-    s.send_block(grant.id(), 0, BlockId(6), &body).await.unwrap();
+    s.send_block(grant.id(), 0, BlockId(6), &body)
+        .await
+        .unwrap();
     for _ in 0..1000 {
         if !sink.in_flight.lock().unwrap().is_empty() {
             break;

@@ -13,10 +13,10 @@ use common::*;
 use futures::future::BoxFuture;
 use futures::StreamExt;
 use serde_json::{json, Value};
+use tandem_engine::device::fake::{FakeDevice, FakeDeviceBackend};
 use tandem_kv_transfer::{
     BlockFrame, KvStream, KvTransport, Secret, TcpTransport, TransferError, WireFault,
 };
-use tandem_engine::device::fake::{FakeDevice, FakeDeviceBackend};
 use tandem_proto::worker as wpb;
 
 /// Bytes one block of every layer takes on the wire (f32 KV, the workers' default).
@@ -799,7 +799,9 @@ async fn remote_greedy(
             ..Default::default()
         }),
         prefill: Some(wpb::PrefillPlan {
-            plan: Some(wpb::prefill_plan::Plan::Remote(wpb::RemotePrefill { prefill_addrs })),
+            plan: Some(wpb::prefill_plan::Plan::Remote(wpb::RemotePrefill {
+                prefill_addrs,
+            })),
         }),
         ..Default::default()
     };
@@ -845,9 +847,11 @@ async fn kv_moves_through_device_staging_on_either_side_exactly() {
     let delay = Some(Duration::from_millis(3));
     for (prefill_dev, decode_dev) in [(None, delay), (delay, None), (delay, delay)] {
         let secret = Secret::new(KV_SECRET.as_bytes().to_vec()).unwrap();
-        let paddr =
-            serve_prefill_on(engine_on(prefill_dev), Arc::new(TcpTransport::new(secret.clone())))
-                .await;
+        let paddr = serve_prefill_on(
+            engine_on(prefill_dev),
+            Arc::new(TcpTransport::new(secret.clone())),
+        )
+        .await;
         let decode_engine = engine_on(decode_dev);
         assert_eq!(decode_engine.kv_writers().is_empty(), decode_dev.is_some());
         let (remote, daddr) = serve_decode_with_remote(decode_engine, secret).await;
@@ -859,7 +863,11 @@ async fn kv_moves_through_device_staging_on_either_side_exactly() {
             prefill_dev.is_some(),
             decode_dev.is_some()
         );
-        assert_eq!(remote.counts.transfers_ok.load(Ordering::Relaxed), 1, "{case}");
+        assert_eq!(
+            remote.counts.transfers_ok.load(Ordering::Relaxed),
+            1,
+            "{case}"
+        );
         assert_eq!(remote.counts.fallbacks.load(Ordering::Relaxed), 0, "{case}");
         assert_eq!(remote.receiver().rejections().total(), 0, "{case}");
         // SmolLM2-135M: 30 layers, 3 KV heads of 64, f32: 2 · 3 · 64 · 16 · 4 bytes a frame.

@@ -6,10 +6,12 @@ use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
-use tandem_kernels::cuda::runtime::{AttnBatch, CopyEvent, CopyStream, CudaOps, CudaSlice, PinnedHost};
+use tandem_kernels::cuda::runtime::{
+    AttnBatch, CopyEvent, CopyStream, CudaOps, CudaSlice, PinnedHost,
+};
+use tandem_kernels::ops::RopeTable;
 use tandem_kernels::KvLayout;
 use tandem_kv_transfer::Float;
-use tandem_kernels::ops::RopeTable;
 use tandem_model::{ModelConfig, TensorData, TensorName};
 
 use crate::backend::{Backend, PoolSize};
@@ -171,7 +173,9 @@ impl CudaModel {
             k_cache.push(ops.alloc_bf16(per_layer)?);
             v_cache.push(ops.alloc_bf16(per_layer)?);
         }
-        let kv = Arc::new(CudaKv::new(&ops, &c, &k_cache, &v_cache, block_size, num_blocks)?);
+        let kv = Arc::new(CudaKv::new(
+            &ops, &c, &k_cache, &v_cache, block_size, num_blocks,
+        )?);
         Ok(Self {
             kv,
             cos: ops.upload(cos)?,
@@ -501,15 +505,19 @@ impl CudaModel {
         }
         let c = &loaded.config;
         let block_bytes = CudaModel::kv_bytes_per_block(c, pool.block_size);
-        CudaModel::upload_then_pool(ordinal, c, &loaded.tensors, pool.block_size, |ops| {
-            match pool.gpu_memory_fraction {
+        CudaModel::upload_then_pool(
+            ordinal,
+            c,
+            &loaded.tensors,
+            pool.block_size,
+            |ops| match pool.gpu_memory_fraction {
                 None => Ok(pool.blocks(block_bytes)),
                 Some(f) => {
                     let (free, total) = ops.memory()?;
                     blocks_for_fraction(f, free, total, block_bytes)
                 }
-            }
-        })
+            },
+        )
     }
 }
 
@@ -730,14 +738,20 @@ impl DeviceKv for CudaKv {
     }
 
     fn pinned(&self, bytes: usize) -> Result<Pinned, EngineError> {
-        Ok(Pinned::new(Box::new(CudaPinned(self.copies.pinned(bytes)?))))
+        Ok(Pinned::new(Box::new(CudaPinned(
+            self.copies.pinned(bytes)?,
+        ))))
     }
 
     fn download(&self, frames: &[(usize, usize)], buf: Pinned) -> Result<InFlight, EngineError> {
         self.queue(buf, frames, false)
     }
 
-    unsafe fn upload(&self, buf: Pinned, frames: &[(usize, usize)]) -> Result<InFlight, EngineError> {
+    unsafe fn upload(
+        &self,
+        buf: Pinned,
+        frames: &[(usize, usize)],
+    ) -> Result<InFlight, EngineError> {
         self.queue(buf, frames, true)
     }
 }
@@ -757,10 +771,16 @@ mod tests {
             blocks_for_fraction(0.9, 64 * gib, 80 * gib, 2 * mib).unwrap(),
             56 * 512
         );
-        assert_eq!(blocks_for_fraction(1.0, 10 * mib, 10 * mib, 3 * mib).unwrap(), 3);
+        assert_eq!(
+            blocks_for_fraction(1.0, 10 * mib, 10 * mib, 3 * mib).unwrap(),
+            3
+        );
         let e = blocks_for_fraction(0.2, 64 * gib, 80 * gib, 2 * mib)
             .unwrap_err()
             .to_string();
-        assert!(e.contains("16384 MiB of the device's 81920 MiB, but 16384 MiB is held"), "{e}");
+        assert!(
+            e.contains("16384 MiB of the device's 81920 MiB, but 16384 MiB is held"),
+            "{e}"
+        );
     }
 }

@@ -252,7 +252,11 @@ impl DeviceKv for FakeDevice {
         self.queue(buf, frames, false)
     }
 
-    unsafe fn upload(&self, buf: Pinned, frames: &[(usize, usize)]) -> Result<InFlight, EngineError> {
+    unsafe fn upload(
+        &self,
+        buf: Pinned,
+        frames: &[(usize, usize)],
+    ) -> Result<InFlight, EngineError> {
         self.queue(buf, frames, true)
     }
 }

@@ -32,7 +32,8 @@ pub fn on(
     // Each backend checks the pool it is given.
     if pool.gpu_memory_fraction.is_some() && device == DeviceSpec::Cpu {
         return Err(EngineError::Config(
-            "--gpu-memory-fraction sizes a GPU's KV pool: on the CPU, size it with --kv-cache-mb".into(),
+            "--gpu-memory-fraction sizes a GPU's KV pool: on the CPU, size it with --kv-cache-mb"
+                .into(),
         ));
     }
     Ok(match device {

@@ -226,7 +226,11 @@ pub trait DeviceKv: Send + Sync {
     /// Nothing may read or write these blocks until the copies are waited for, and the engine
     /// must not be handed them before then: they must be reserved for a transfer the engine is
     /// waiting on (as for [`crate::KvPoolWriter::write`]).
-    unsafe fn upload(&self, buf: Pinned, frames: &[(usize, usize)]) -> Result<InFlight, EngineError>;
+    unsafe fn upload(
+        &self,
+        buf: Pinned,
+        frames: &[(usize, usize)],
+    ) -> Result<InFlight, EngineError>;
 }
 
 /// The frames of `layers` × `blocks`, layer-major: how a chunk's pieces hold them.
@@ -277,7 +281,12 @@ fn export_staged_within(
     let mut layers = vec![vec![0u8; n]; fmt.layers];
     for (i, batch) in frames.chunks(per_batch).enumerate() {
         buf = dev.download(batch, buf)?.wait()?;
-        for (j, src) in buf.bytes().chunks_exact(frame).take(batch.len()).enumerate() {
+        for (j, src) in buf
+            .bytes()
+            .chunks_exact(frame)
+            .take(batch.len())
+            .enumerate()
+        {
             // Frame k of the export: layer k / blocks, block k % blocks.
             let k = i * per_batch + j;
             let at = (k % blocks.len()) * frame;
@@ -587,7 +596,11 @@ mod tests {
                 sink.write_piece(layer as u32, *b, 0, &bytes[j * n..(j + 1) * n]);
             }
         }
-        assert_eq!(dst.frame(0, 0), vec![0; n], "nothing is uploaded before the slot fills or settles");
+        assert_eq!(
+            dst.frame(0, 0),
+            vec![0; n],
+            "nothing is uploaded before the slot fills or settles"
+        );
         sink.settle(&to).unwrap();
         for layer in 0..fmt.layers {
             for (from, to) in blocks.iter().zip(&to) {
@@ -623,7 +636,11 @@ mod tests {
         sink.settle(&blocks).unwrap();
         for layer in 0..fmt.layers {
             for b in 0..120 {
-                assert_eq!(dst.frame(layer, b), src.frame(layer, b), "layer {layer} block {b}");
+                assert_eq!(
+                    dst.frame(layer, b),
+                    src.frame(layer, b),
+                    "layer {layer} block {b}"
+                );
             }
         }
         assert_eq!(sink.state().made, SLOTS);
@@ -686,7 +703,9 @@ mod tests {
         // SAFETY: the fake's blocks belong to this test alone.
         let sink = unsafe { DeviceSink::new(dst.clone()) };
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
-        let values: Vec<f32> = (0..l.block_floats()).map(|_| rng.gen_range(-4.0..4.0)).collect();
+        let values: Vec<f32> = (0..l.block_floats())
+            .map(|_| rng.gen_range(-4.0..4.0))
+            .collect();
         let cpu_frame: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
         let mut wire = Vec::new();
         tandem_kv_transfer::convert_values(Float::F32, &cpu_frame, Float::Bf16, &mut wire);
@@ -701,7 +720,10 @@ mod tests {
                 for d in 0..dim {
                     let base = h * slots * dim;
                     // The CPU's K: [head][dim][slot]; the GPU's: [head][slot][dim].
-                    assert_eq!(at(&got, base + s * dim + d, 2), bf(values[base + d * slots + s]));
+                    assert_eq!(
+                        at(&got, base + s * dim + d, 2),
+                        bf(values[base + d * slots + s])
+                    );
                     let v = half_values + base + s * dim + d;
                     assert_eq!(at(&got, v, 2), bf(values[v]));
                 }

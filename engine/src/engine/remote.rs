@@ -234,7 +234,9 @@ impl Engine {
         }
         if pools.is_empty() {
             let dev = backend.device_kv().ok_or_else(|| {
-                EngineError::Internal("a prefill-mode sequence on a backend without a KV pool to export".into())
+                EngineError::Internal(
+                    "a prefill-mode sequence on a backend without a KV pool to export".into(),
+                )
             })?;
             let fmt = dev.format();
             let blocks: Vec<BlockId> = ids.iter().map(|&b| BlockId(b)).collect();

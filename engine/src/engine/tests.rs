@@ -210,7 +210,8 @@ fn a_device_pool_exports_and_imports_kv_through_staging_exactly() {
             .unwrap()[0]
             .output_ids
             .clone();
-        let (first_host, host) = prefill_export(&mut engine(cfg.clone()), req(prompt.clone(), 10), 0);
+        let (first_host, host) =
+            prefill_export(&mut engine(cfg.clone()), req(prompt.clone(), 10), 0);
         let mut prefill = on_fake_device(cfg.clone(), 2);
         assert!(prefill.kv_pool().is_none());
         let (first, kv) = prefill_export(&mut prefill, req(prompt.clone(), 10), 0);
@@ -236,7 +237,11 @@ fn a_device_pool_exports_and_imports_kv_through_staging_exactly() {
         for c in &kv {
             for j in 0..c.blocks {
                 for layer in 0..c.layers() {
-                    sink.write(layer as u32, r.blocks[c.first + j], c.pieces[0].frame(layer, j));
+                    sink.write(
+                        layer as u32,
+                        r.blocks[c.first + j],
+                        c.pieces[0].frame(layer, j),
+                    );
                 }
             }
         }
