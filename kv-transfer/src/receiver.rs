@@ -651,6 +651,7 @@ async fn serve_connection(inner: &Arc<Inner>, mut sock: TcpStream) -> Result<(),
     let mut converted = Vec::new();
     let mut r = FrameReader::new(sock, inner.clone(), bound);
     let mut seq = 0u64;
+    let mut ended_told = false;
     loop {
         if !r.fill(HEADER_LEN, true).await? {
             return Ok(());
@@ -722,12 +723,22 @@ async fn serve_connection(inner: &Arc<Inner>, mut sock: TcpStream) -> Result<(),
                 false => &inner.rejections.unknown_transfer,
             };
             counter.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(
-                transfer = h.transfer,
-                len = h.len,
-                most,
-                "kv frame longer than its transfer allows: passed over unread"
-            );
+            if known {
+                tracing::warn!(
+                    transfer = h.transfer,
+                    len = h.len,
+                    most,
+                    "kv frame longer than its transfer allows: passed over unread"
+                );
+            } else if !ended_told {
+                // A failed or revoked transfer's sender goes on until it hears: its frames are
+                // counted one by one, and told of once.
+                ended_told = true;
+                tracing::warn!(
+                    transfer = h.transfer,
+                    "kv frames after their transfer ended (failed or revoked): passing them over"
+                );
+            }
             if known {
                 inner.fail(h.transfer, TransferError::Rejected("bad_length"));
             }

@@ -603,6 +603,7 @@ async fn serve_prefill_on(
     engine: tandem_engine::EngineHandle,
     transport: Arc<dyn KvTransport>,
 ) -> String {
+    capture_worker_logs();
     let prefill = tandem_prefill_worker::PrefillService::new(
         Arc::new(engine),
         transport,
@@ -738,6 +739,7 @@ async fn serve_decode_with_remote(
     engine: tandem_engine::EngineHandle,
     secret: Secret,
 ) -> (Arc<tandem_decode_worker::remote::RemotePrefill>, String) {
+    capture_worker_logs();
     let engine = Arc::new(engine);
     // SAFETY: the target is this engine's own.
     let remote = Arc::new(
@@ -826,14 +828,56 @@ async fn a_flipped_byte_is_rejected_counted_and_the_request_recovers() {
     let prompt = long_prompt(3, 300);
     // The same prefill worker twice: the first attempt is damaged, the second is clean.
     let ids = remote_greedy(&daddr, "flip", &prompt, 12, vec![paddr.clone(), paddr]).await;
-    assert!(fault.fired());
+    let seen = ingress(&remote);
+    assert!(fault.fired(), "{seen}");
     let rx = remote.receiver();
-    assert_eq!(rx.rejections().bad_checksum.load(Ordering::Relaxed), 1);
-    assert_eq!(remote.counts.transfers_failed.load(Ordering::Relaxed), 1);
-    assert_eq!(remote.counts.transfers_ok.load(Ordering::Relaxed), 1);
-    assert_eq!(remote.counts.fallbacks.load(Ordering::Relaxed), 0);
-    assert_eq!(ids, local_reference(&daddr, &prompt, 12).await);
+    assert_eq!(
+        rx.rejections().bad_checksum.load(Ordering::Relaxed),
+        1,
+        "{seen}"
+    );
+    assert_eq!(
+        remote.counts.transfers_failed.load(Ordering::Relaxed),
+        1,
+        "{seen}"
+    );
+    assert_eq!(
+        remote.counts.transfers_ok.load(Ordering::Relaxed),
+        1,
+        "{seen}"
+    );
+    assert_eq!(remote.counts.fallbacks.load(Ordering::Relaxed), 0, "{seen}");
+    assert_eq!(ids, local_reference(&daddr, &prompt, 12).await, "{seen}");
     wait_idle(&daddr).await;
+}
+
+/// What a decode worker's KV ingress counted: each attempt's end, failures by reason and the
+/// receiver's rejections (a failed assertion on one of them says what happened instead).
+fn ingress(remote: &tandem_decode_worker::remote::RemotePrefill) -> String {
+    use tandem_decode_worker::remote::Failure;
+    let c = &remote.counts;
+    let l = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+    let failures: Vec<_> = Failure::ALL
+        .iter()
+        .map(|f| format!("{}={}", f.as_str(), l(&c.failures[*f as usize])))
+        .collect();
+    let rejected: Vec<_> = remote
+        .receiver()
+        .rejections()
+        .snapshot()
+        .into_iter()
+        .filter(|(_, n)| *n > 0)
+        .map(|(why, n)| format!("{why}={n}"))
+        .collect();
+    format!(
+        "attempts: ok {}, failed {}, refused {}; fallbacks {}; failures: {}; frames rejected: [{}]",
+        l(&c.transfers_ok),
+        l(&c.transfers_failed),
+        l(&c.transfers_refused),
+        l(&c.fallbacks),
+        failures.join(" "),
+        rejected.join(" ")
+    )
 }
 
 /// The KV staging paths a GPU worker takes, with the host fake of the device (copies complete

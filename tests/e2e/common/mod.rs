@@ -24,6 +24,20 @@ use std::path::PathBuf;
 
 use serde_json::Value;
 
+/// Warnings and errors of the workers a test runs in its own process, written through the test
+/// harness's capture: a test that fails shows why its workers gave up (a failed attempt, a
+/// refused frame), one that passes shows nothing. Installed once per test binary.
+pub fn capture_worker_logs() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new("warn"))
+            .with_test_writer()
+            .with_ansi(false)
+            .try_init();
+    });
+}
+
 /// The KV secret every test cluster shares.
 pub const KV_SECRET: &str = "test-kv-secret-0123456789";
 
