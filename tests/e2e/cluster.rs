@@ -1477,3 +1477,36 @@ async fn up_autoscale_adds_a_decode_worker_under_a_load_step_and_drains_it_under
         .expect("up exits on Ctrl-C");
     assert!(status.success(), "{status:?}");
 }
+
+/// scripts/cluster-check, the GPU check's cluster stage (a GPU decode worker taking KV from a
+/// CPU and a GPU prefill worker), run here with every role on the CPU so that the script itself
+/// is exercised where no GPU is: every golden prompt prefilled remotely, its KV moved, and the
+/// texts those of the decode worker prefilling itself.
+#[test]
+fn the_gpu_checks_cluster_stage_passes_on_the_cpu() {
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/cluster-check");
+    let out = std::process::Command::new(python())
+        .arg(&script)
+        .arg(format!("--tandem={}", env!("CARGO_BIN_EXE_tandem")))
+        .arg(format!("--golden={}", golden_file().display()))
+        .args(["--device=cpu", "--prefill-devices=cpu", "--records=0"])
+        .arg(format!("--up-arg=--model={}", model_path().display()))
+        .arg("--up-arg=--worker-threads=1")
+        .output()
+        .expect("run scripts/cluster-check");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let n = golden().len();
+    assert!(
+        out.status.success(),
+        "{:?}\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let want = format!(
+        "cluster cpu prefill -> cpu decode: pass ({n} requests, {n} prefilled remotely, {n} KV transfers, {n}/{n} texts equal the local prefill's)"
+    );
+    assert!(
+        stdout.lines().any(|l| l == want),
+        "{want:?} not in\n{stdout}"
+    );
+}

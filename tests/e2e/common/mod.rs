@@ -41,11 +41,16 @@ pub fn capture_worker_logs() {
 /// The KV secret every test cluster shares.
 pub const KV_SECRET: &str = "test-kv-secret-0123456789";
 
-pub fn golden() -> Vec<Value> {
-    let dir = std::env::var_os("TANDEM_GOLDEN")
+/// The golden records' file (`$TANDEM_GOLDEN`, else `../shared/golden`).
+pub fn golden_file() -> PathBuf {
+    std::env::var_os("TANDEM_GOLDEN")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/golden"));
-    std::fs::read_to_string(dir.join("smollm2_greedy.jsonl"))
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/golden"))
+        .join("smollm2_greedy.jsonl")
+}
+
+pub fn golden() -> Vec<Value> {
+    std::fs::read_to_string(golden_file())
         .expect("golden file")
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
