@@ -612,7 +612,9 @@ async fn supervise(a: UpArgs, model: PathBuf, threads: usize) -> Result<()> {
     };
     let stop = shutdown_signal();
     tokio::pin!(stop);
-    loop {
+    // `stop` completes once: whichever wait sees it leaves this loop, not just the one around it
+    // (polled again after completing, the signal's future would panic).
+    'watch: loop {
         tokio::select! {
             _ = &mut stop => break,
             _ = tokio::time::sleep(Duration::from_millis(250)) => {}
@@ -650,7 +652,7 @@ async fn supervise(a: UpArgs, model: PathBuf, threads: usize) -> Result<()> {
                 );
                 p.child = None;
                 tokio::select! {
-                    _ = &mut stop => break,
+                    _ = &mut stop => break 'watch,
                     _ = tokio::time::sleep(p.backoff) => {}
                 }
                 p.backoff = (p.backoff * 2).min(Duration::from_secs(30));
