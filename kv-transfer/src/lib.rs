@@ -6,7 +6,8 @@
 //! with its TCP implementation ([`transport`]), a sender's chunk cut into the frames a receiver of
 //! any tensor-parallel size takes ([`FramePlan`], rebuilding head ranges with [`regroup`]), and the receiving endpoint [`KvReceiver`] that
 //! writes frames straight into the blocks granted to a transfer, enforces deadlines and counts
-//! every rejected frame by reason ([`receiver`]), and the disk tier that keeps blocks in files
+//! every rejected frame by reason ([`receiver`]), payload links beside a connection (NCCL between
+//! GPUs, thread ranks in tests: [`link`]), and the disk tier that keeps blocks in files
 //! keyed by their prefix hash, checksummed like frames ([`disk`]). Does not own the KV pool (tandem-engine; the
 //! pool is reached through [`BlockSink`]) or the prefill/decode handshake (the workers).
 
@@ -16,6 +17,7 @@ pub mod auth;
 pub mod disk;
 #[cfg(feature = "fault-injection")]
 pub mod fault;
+pub mod link;
 mod receiver;
 mod regroup;
 pub mod shape;
@@ -27,6 +29,7 @@ pub use auth::Secret;
 pub use disk::{DiskError, DiskTier, DiskTierConfig, DiskTierStats};
 #[cfg(feature = "fault-injection")]
 pub use fault::WireFault;
+pub use link::{LinkFabric, LinkKind, NcclFabric, PairLink, ThreadFabric};
 pub use receiver::{BlockSink, KvReceiver, Rejections, TransferGrant, TransferStats};
 pub use regroup::{FramePlan, HeadsKv, OutgoingChunk};
 pub use shape::{convert_values, regroup, Float, KvShape};
@@ -78,6 +81,10 @@ pub enum TransferError {
     /// The receiver's holder revoked the grant (the request went away).
     #[error("the transfer was revoked")]
     Closed,
+    /// A payload link between the two sides failed (its rank could not be built, a peer did
+    /// not come within the watchdog, a message of another length); the text says which.
+    #[error("kv payload link: {0}")]
+    Link(String),
     /// The transfer's configuration is unusable (a bad secret, an unusable address).
     #[error("{0}")]
     Config(String),
