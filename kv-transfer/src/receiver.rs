@@ -730,6 +730,7 @@ async fn serve_connection(inner: &Arc<Inner>, mut sock: TcpStream) -> Result<(),
                     most,
                     "kv frame longer than its transfer allows: passed over unread"
                 );
+                inner.fail(h.transfer, TransferError::Rejected("bad_length"));
             } else if !ended_told {
                 // A failed or revoked transfer's sender goes on until it hears: its frames are
                 // counted one by one, and told of once.
@@ -738,9 +739,6 @@ async fn serve_connection(inner: &Arc<Inner>, mut sock: TcpStream) -> Result<(),
                     transfer = h.transfer,
                     "kv frames after their transfer ended (failed or revoked): passing them over"
                 );
-            }
-            if known {
-                inner.fail(h.transfer, TransferError::Rejected("bad_length"));
             }
             r.skip(h.len as usize).await?;
             continue;
