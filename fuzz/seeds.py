@@ -36,7 +36,7 @@ put("openai_body", "not_json", b"\x00{\"prompt\": ")
 
 # kv_wire: a frame header (magic, then fields) and a hello (magic, version, junk for the MAC).
 put("kv_wire", "frame_header", struct.pack("<H", 0x4B54) + bytes(range(54)))
-put("kv_wire", "hello", b"TKV1" + struct.pack("<H", 6) + bytes(64))
+put("kv_wire", "hello", b"TKV1" + struct.pack("<H", 7) + bytes(64))
 put("kv_wire", "empty", b"")
 
 

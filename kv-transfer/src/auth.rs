@@ -6,11 +6,11 @@
 //! ```text
 //! receiver -> sender   "TKV1" | version u16 | receiver nonce (32 bytes) | shape
 //! sender   -> receiver "TKV1" | version u16 | sender nonce (32) | shape | transfer u64
-//!                      | endpoint length u16 | endpoint
-//!                      | HMAC(secret, "tandem-kv/1 sender" | rn | sn | rshape | sshape | transfer | endpoint)
+//!                      | endpoint length u16 | endpoint | link offer
+//!                      | HMAC(secret, "tandem-kv/1 sender" | rn | sn | rshape | sshape | transfer | endpoint | offer)
 //! receiver -> sender   status u8 (0 ok, 1 refused, 2 caches do not map, 3 transfer not granted
-//!                      here) | [status 2, 3: reason length u16 | reason]
-//!                      | HMAC(secret, "tandem-kv/1 receiver" | status and reason | sn | rn | sshape | rshape | transfer | endpoint)
+//!                      here) | [status 2, 3: reason length u16 | reason] | link answer u8
+//!                      | HMAC(secret, "tandem-kv/1 receiver" | status, reason and answer | sn | rn | sshape | rshape | transfer | endpoint | offer)
 //! session key          HMAC(secret, "tandem-kv/1 session" | rn | sn | transfer | endpoint)
 //! ```
 //!
@@ -19,6 +19,12 @@
 //! through another address, or for another transfer, fails. Every frame header then carries a
 //! tag, HMAC(session key, frame number | header)[..16] (the header holds the payload's xxh3), so
 //! no frame can be injected, replayed or reordered on the connection.
+//!
+//! A link offer is a [`LinkKind`] byte (0: none) and, after a kind, the pair's id
+//! ([`LINK_ID`] bytes): the sender offers to carry block payloads on a payload link beside the
+//! connection (NCCL between two GPUs, see [`crate::link`]); the receiver answers 1 when it joined
+//! the pair as its rank, 0 when it declines (no fabric of that kind, a refused connection) and the
+//! connection carries every payload itself.
 //!
 //! A shape is a u32 length and a [`KvShape`] (length 0: none given). Both sides check the
 //! other's MAC in constant time. The receiver reads no frame before the sender's MAC checks out
@@ -30,6 +36,7 @@ use rand::RngCore;
 use sha2::Sha256;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
+use crate::link::{LinkKind, LINK_ID};
 use crate::shape::{KvShape, MAX_SHAPE};
 use crate::wire::{HEADER_LEN, HELLO_MAGIC, TAG_AT, VERSION};
 use crate::TransferError;
@@ -117,6 +124,7 @@ pub struct Session {
     transfer: u64,
     peer: Option<KvShape>,
     key: Hmac<Sha256>,
+    link: Option<(LinkKind, [u8; LINK_ID])>,
 }
 
 impl std::fmt::Debug for Session {
@@ -124,6 +132,7 @@ impl std::fmt::Debug for Session {
         f.debug_struct("Session")
             .field("transfer", &self.transfer)
             .field("peer", &self.peer)
+            .field("link", &self.link.map(|(k, _)| k))
             .finish_non_exhaustive()
     }
 }
@@ -146,7 +155,14 @@ impl Session {
             transfer: binding.transfer,
             peer,
             key: Hmac::<Sha256>::new_from_slice(&key).expect("HMAC takes any key length"),
+            link: None,
         }
+    }
+
+    /// The payload link both sides joined in the handshake (its kind and pair id), if any:
+    /// block frames may then carry their payloads on it.
+    pub fn link(&self) -> Option<(LinkKind, [u8; LINK_ID])> {
+        self.link
     }
 
     /// The transfer this connection carries.
@@ -222,6 +238,35 @@ async fn read_shape<S: AsyncRead + Unpin>(
     Ok((raw, shape))
 }
 
+/// A link offer as the handshake carries it: a kind byte (0: none), then the pair's id.
+fn offer_bytes(offer: Option<(LinkKind, [u8; LINK_ID])>) -> Vec<u8> {
+    match offer {
+        None => vec![0],
+        Some((kind, id)) => {
+            let mut b = vec![kind as u8];
+            b.extend_from_slice(&id);
+            b
+        }
+    }
+}
+
+/// Reads a link offer: its bytes as sent (for the MACs), and the kind byte and id when one was
+/// made (a kind this side does not know still carries an id, and is declined).
+async fn read_offer<S: AsyncRead + Unpin>(
+    s: &mut S,
+) -> Result<(Vec<u8>, Option<(u8, [u8; LINK_ID])>), TransferError> {
+    let mut kind = [0u8];
+    s.read_exact(&mut kind).await?;
+    if kind[0] == 0 {
+        return Ok((kind.to_vec(), None));
+    }
+    let mut id = [0u8; LINK_ID];
+    s.read_exact(&mut id).await?;
+    let mut raw = kind.to_vec();
+    raw.extend_from_slice(&id);
+    Ok((raw, Some((kind[0], id))))
+}
+
 async fn read_hello<S: AsyncRead + Unpin>(s: &mut S) -> Result<[u8; NONCE], TransferError> {
     let mut head = [0u8; 6];
     s.read_exact(&mut head).await?;
@@ -261,6 +306,20 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
     shape: Option<&KvShape>,
     admit: impl FnOnce(u64, &str) -> Result<(), String>,
 ) -> Result<Session, TransferError> {
+    accept_linked(s, secret, shape, admit, |_, _| false).await
+}
+
+/// [`accept`], where a sender may offer a payload link: `join` is asked, once the connection is
+/// admitted, to join the offered pair (its kind and id) as the receiver's rank, and says
+/// whether it did; the answer goes back under this side's MAC, and the session names the link
+/// when it was joined.
+pub async fn accept_linked<S: AsyncRead + AsyncWrite + Unpin>(
+    s: &mut S,
+    secret: &Secret,
+    shape: Option<&KvShape>,
+    admit: impl FnOnce(u64, &str) -> Result<(), String>,
+    join: impl FnOnce(LinkKind, [u8; LINK_ID]) -> bool,
+) -> Result<Session, TransferError> {
     let rn = nonce();
     let rshape = shape_bytes(shape);
     let mut msg = hello(&rn);
@@ -282,6 +341,7 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
     }
     let mut endpoint = vec![0u8; n];
     s.read_exact(&mut endpoint).await?;
+    let (offer_raw, offer) = read_offer(s).await?;
     let mut mac = [0u8; MAC];
     s.read_exact(&mut mac).await?;
     let binding = Binding {
@@ -294,7 +354,7 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
     if secret
         .mac(
             SENDER_LABEL,
-            &[&rn, &sn, &rshape, &sshape, bound[0], bound[1]],
+            &[&rn, &sn, &rshape, &sshape, bound[0], bound[1], &offer_raw],
         )
         .verify_slice(&mac)
         .is_err()
@@ -320,17 +380,28 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
             .err()
             .map(|w| (3u8, w))
     });
-    // Status, then (status 2 or 3) the reason, then the MAC over both and the hello messages.
+    // The offered link, joined only on a connection admitted, of a kind this side knows.
+    let link = match (&refusal, offer) {
+        (None, Some((kind, id))) => LinkKind::from_byte(kind)
+            .filter(|&kind| join(kind, id))
+            .map(|kind| (kind, id)),
+        _ => None,
+    };
+    // Status, then (status 2 or 3) the reason, then the link answer, then the MAC over them and
+    // the hello messages.
     let mut head = vec![refusal.as_ref().map_or(0, |(st, _)| *st)];
     if let Some((_, why)) = &refusal {
         let w = &why.as_bytes()[..why.len().min(u16::MAX as usize)];
         head.extend_from_slice(&(w.len() as u16).to_le_bytes());
         head.extend_from_slice(w);
     }
+    head.push(link.is_some() as u8);
     let mac = secret
         .mac(
             RECEIVER_LABEL,
-            &[&head, &sn, &rn, &sshape, &rshape, bound[0], bound[1]],
+            &[
+                &head, &sn, &rn, &sshape, &rshape, bound[0], bound[1], &offer_raw,
+            ],
         )
         .finalize()
         .into_bytes();
@@ -341,7 +412,10 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
     match refusal {
         Some((2, why)) => Err(TransferError::Mismatch(why)),
         Some((_, why)) => Err(TransferError::NotGranted(why)),
-        None => Ok(Session::new(secret, &binding, theirs)),
+        None => Ok(Session {
+            link,
+            ..Session::new(secret, &binding, theirs)
+        }),
     }
 }
 
@@ -355,6 +429,20 @@ pub async fn connect<S: AsyncRead + AsyncWrite + Unpin>(
     shape: Option<&KvShape>,
     transfer: u64,
     endpoint: &str,
+) -> Result<Session, TransferError> {
+    connect_linked(s, secret, shape, transfer, endpoint, None).await
+}
+
+/// [`connect`], offering the payload link `offer` names (its kind and the pair's id, made by this
+/// side's fabric): the session names it when the receiver joined it, and none when the receiver
+/// declined (the connection then carries every payload itself).
+pub async fn connect_linked<S: AsyncRead + AsyncWrite + Unpin>(
+    s: &mut S,
+    secret: &Secret,
+    shape: Option<&KvShape>,
+    transfer: u64,
+    endpoint: &str,
+    offer: Option<(LinkKind, [u8; LINK_ID])>,
 ) -> Result<Session, TransferError> {
     if endpoint.len() > MAX_ENDPOINT {
         return Err(TransferError::Config(format!(
@@ -373,9 +461,11 @@ pub async fn connect<S: AsyncRead + AsyncWrite + Unpin>(
     msg.extend_from_slice(&tb);
     msg.extend_from_slice(&(eb.len() as u16).to_le_bytes());
     msg.extend_from_slice(eb);
+    let ob = offer_bytes(offer);
+    msg.extend_from_slice(&ob);
     msg.extend_from_slice(
         &secret
-            .mac(SENDER_LABEL, &[&rn, &sn, &rshape, &sshape, &tb, eb])
+            .mac(SENDER_LABEL, &[&rn, &sn, &rshape, &sshape, &tb, eb, &ob])
             .finalize()
             .into_bytes(),
     );
@@ -401,12 +491,15 @@ pub async fn connect<S: AsyncRead + AsyncWrite + Unpin>(
             )))
         }
     };
+    let mut answer = [0u8];
+    s.read_exact(&mut answer).await?;
+    head.push(answer[0]);
     let mut mac = [0u8; MAC];
     s.read_exact(&mut mac).await?;
     secret
         .mac(
             RECEIVER_LABEL,
-            &[&head, &sn, &rn, &sshape, &rshape, &tb, eb],
+            &[&head, &sn, &rn, &sshape, &rshape, &tb, eb, &ob],
         )
         .verify_slice(&mac)
         .map_err(|_| TransferError::Handshake("the receiver does not hold the KV secret".into()))?;
@@ -423,7 +516,26 @@ pub async fn connect<S: AsyncRead + AsyncWrite + Unpin>(
         Some((_, why)) => Err(TransferError::NotGranted(format!(
             "the receiver refused transfer {transfer:#x} at {endpoint}: {why}"
         ))),
-        None => Ok(Session::new(secret, &binding, theirs)),
+        None => {
+            let link = match (answer[0], offer) {
+                (0, _) => None,
+                (1, Some(offer)) => Some(offer),
+                (a, _) => {
+                    return Err(TransferError::Handshake(format!(
+                        "the receiver answered a link offer with {a}{}",
+                        if offer.is_none() {
+                            " though none was made"
+                        } else {
+                            ""
+                        }
+                    )))
+                }
+            };
+            Ok(Session {
+                link,
+                ..Session::new(secret, &binding, theirs)
+            })
+        }
     }
 }
 
@@ -524,7 +636,7 @@ mod tests {
             a.write_all(&msg).await.unwrap();
             let _ = read_hello(&mut a).await.unwrap();
             let _ = read_shape(&mut a).await.unwrap();
-            let mut rest = [0u8; 8 + 2 + EP.len() + MAC];
+            let mut rest = [0u8; 8 + 2 + EP.len() + 1 + MAC];
             a.read_exact(&mut rest).await.unwrap();
             a.write_all(&[7u8; 1 + MAC]).await.unwrap();
         };
@@ -617,6 +729,95 @@ mod tests {
             },
             async {
                 let c = connect(&mut b, &s, Some(&p), T, EP).await;
+                drop(b);
+                c
+            },
+            relay
+        );
+        assert!(matches!(r, Err(TransferError::Unauthenticated)), "{r:?}");
+    }
+
+    /// A link offer crosses under both MACs: the receiver joins it as offered (kind and id) and
+    /// both sessions name it; a receiver that does not join, a kind it does not know, or a
+    /// connection it refuses answers no, and the offer is never put to `join` for a refused one.
+    /// An offer altered in flight fails the sender's MAC.
+    #[tokio::test]
+    async fn a_link_offer_is_joined_or_declined_under_both_macs() {
+        let s = Secret::new("0123456789abcdef-cluster").unwrap();
+        let id = [0x5a; LINK_ID];
+        for (kind, joins, t, want) in [
+            (LinkKind::Threads as u8, true, T, true),
+            (LinkKind::Nccl as u8, false, T, false),
+            (9, true, T, false),
+            (LinkKind::Threads as u8, true, T + 1, false),
+        ] {
+            let (mut a, mut b) = tokio::io::duplex(4096);
+            let mut asked = None;
+            let join = |k: LinkKind, i: [u8; LINK_ID]| {
+                asked = Some((k, i));
+                joins
+            };
+            // The sender's own half, with a raw kind byte (a kind this build may not know).
+            let offer = async {
+                let rn = read_hello(&mut b).await.unwrap();
+                let (rshape, _) = read_shape(&mut b).await.unwrap();
+                let sn = nonce();
+                let (sshape, tb, eb) = (shape_bytes(None), t.to_le_bytes(), EP.as_bytes());
+                let mut ob = vec![kind];
+                ob.extend_from_slice(&id);
+                let mut msg = hello(&sn);
+                for part in [&sshape[..], &tb, &(eb.len() as u16).to_le_bytes(), eb, &ob] {
+                    msg.extend_from_slice(part);
+                }
+                let mac = s.mac(SENDER_LABEL, &[&rn, &sn, &rshape, &sshape, &tb, eb, &ob]);
+                msg.extend_from_slice(&mac.finalize().into_bytes());
+                b.write_all(&msg).await.unwrap();
+            };
+            let (r, ()) = tokio::join!(accept_linked(&mut a, &s, None, admit, join), offer);
+            match want {
+                true => {
+                    assert_eq!(r.unwrap().link(), Some((LinkKind::Threads, id)));
+                    assert_eq!(asked, Some((LinkKind::Threads, id)));
+                }
+                false => {
+                    assert_eq!(r.map(|s| s.link()).unwrap_or(None), None);
+                    assert_eq!(asked.is_some(), kind == LinkKind::Nccl as u8, "kind {kind}");
+                }
+            }
+        }
+
+        // Through the sender's own half: joined, and declined.
+        for joins in [true, false] {
+            let (mut a, mut b) = tokio::io::duplex(4096);
+            let (r, c) = tokio::join!(
+                accept_linked(&mut a, &s, None, admit, |_, _| joins),
+                connect_linked(&mut b, &s, None, T, EP, Some((LinkKind::Nccl, id)))
+            );
+            let want = joins.then_some((LinkKind::Nccl, id));
+            assert_eq!((r.unwrap().link(), c.unwrap().link()), (want, want));
+        }
+
+        // A relay that rewrites the offered id: the receiver's MAC check fails.
+        let (mut a, mut mid_a) = tokio::io::duplex(4096);
+        let (mut mid_b, mut b) = tokio::io::duplex(4096);
+        let relay = async {
+            let mut first = vec![0u8; 6 + NONCE + 4];
+            mid_a.read_exact(&mut first).await.unwrap();
+            mid_b.write_all(&first).await.unwrap();
+            let mut msg = vec![0u8; 6 + NONCE + 4 + 8 + 2 + EP.len() + 1 + LINK_ID + MAC];
+            mid_b.read_exact(&mut msg).await.unwrap();
+            msg[6 + NONCE + 4 + 8 + 2 + EP.len() + 1] ^= 1;
+            mid_a.write_all(&msg).await.unwrap();
+            let _ = tokio::io::copy_bidirectional(&mut mid_a, &mut mid_b).await;
+        };
+        let (r, _, _) = tokio::join!(
+            async {
+                let r = accept_linked(&mut a, &s, None, admit, |_, _| true).await;
+                drop(a);
+                r
+            },
+            async {
+                let c = connect_linked(&mut b, &s, None, T, EP, Some((LinkKind::Nccl, id))).await;
                 drop(b);
                 c
             },

@@ -70,6 +70,11 @@ pub trait LinkFabric: Send + Sync {
     fn offer(&self) -> Result<[u8; LINK_ID], TransferError>;
     /// This side's end of the pair `id` names, as `rank` (0: the sender, 1: the receiver).
     fn join(&self, id: [u8; LINK_ID], rank: usize) -> Result<PairLink, TransferError>;
+    /// Gives up an offered pair that will not be joined (the receiver declined it, the
+    /// handshake failed).
+    fn withdraw(&self, id: [u8; LINK_ID]) {
+        let _ = id;
+    }
 }
 
 fn link_error(e: impl std::fmt::Display) -> TransferError {
@@ -312,6 +317,10 @@ impl LinkFabric for ThreadFabric {
         }
         drop(pending);
         PairLink::start(LinkKind::Threads, move || Ok(r))
+    }
+
+    fn withdraw(&self, id: [u8; LINK_ID]) {
+        self.pending.lock().expect("pending").remove(&id);
     }
 }
 

@@ -23,6 +23,7 @@ use tokio::time::Instant;
 use tandem_types::BlockId;
 
 use crate::auth::{self, Secret};
+use crate::link::{LinkFabric, PairLink};
 use crate::shape::{convert_values, Float, KvShape};
 use crate::wire::{checksum, FrameHeader, FrameKind, HEADER_LEN, MAX_CONTEXT};
 use crate::TransferError;
@@ -102,6 +103,10 @@ pub struct Rejections {
     /// Frames whose header tag does not match the connection's session (injected, replayed or
     /// reordered): the connection is closed and its transfer failed.
     pub bad_tag: AtomicU64,
+    /// Block frames whose payload did not come over the connection's payload link (the link
+    /// failed or timed out, or the frame named a link the connection does not have): the
+    /// connection is closed and its transfer failed.
+    pub link_failed: AtomicU64,
 }
 
 impl Rejections {
@@ -121,6 +126,7 @@ impl Rejections {
             ("mismatched", l(&self.mismatched)),
             ("not_granted", l(&self.not_granted)),
             ("bad_tag", l(&self.bad_tag)),
+            ("link_failed", l(&self.link_failed)),
         ]
     }
 
@@ -190,6 +196,10 @@ struct Inner {
     grants: Mutex<HashMap<u64, Grant>>,
     rejections: Rejections,
     bytes: AtomicU64,
+    /// Of those, the bytes that came on payload links.
+    link_bytes: AtomicU64,
+    /// What payload links offered by senders are joined with (none: every offer is declined).
+    link: Mutex<Option<Arc<dyn LinkFabric>>>,
 }
 
 impl Inner {
@@ -232,6 +242,8 @@ impl KvReceiver {
             grants: Mutex::new(HashMap::new()),
             rejections: Rejections::default(),
             bytes: AtomicU64::new(0),
+            link_bytes: AtomicU64::new(0),
+            link: Mutex::new(None),
         });
         let weak = Arc::downgrade(&inner);
         tokio::spawn(async move {
@@ -262,6 +274,13 @@ impl KvReceiver {
         *self.inner.endpoint.lock().expect("endpoint") = endpoint.into();
     }
 
+    /// Joins the payload links senders offer that `fabric` can make (the same kind): their
+    /// block payloads then come on the link, their headers over the connection. Without one,
+    /// every offer is declined.
+    pub fn join_links(&self, fabric: Arc<dyn LinkFabric>) {
+        *self.inner.link.lock().expect("link") = Some(fabric);
+    }
+
     /// The endpoint senders must name in their handshake.
     pub fn endpoint(&self) -> String {
         self.inner.endpoint.lock().expect("endpoint").clone()
@@ -275,6 +294,11 @@ impl KvReceiver {
     /// Payload bytes written into granted blocks so far.
     pub fn bytes_received(&self) -> u64 {
         self.inner.bytes.load(Ordering::Relaxed)
+    }
+
+    /// Of [`Self::bytes_received`], the bytes that came on payload links.
+    pub fn link_bytes_received(&self) -> u64 {
+        self.inner.link_bytes.load(Ordering::Relaxed)
     }
 
     /// Grants not yet completed, failed or revoked.
@@ -591,6 +615,21 @@ impl FrameReader {
     }
 }
 
+/// Takes a link payload of `len` bytes for the connection bound to `bound`, failing that
+/// transfer when it does not come.
+async fn from_link(
+    inner: &Inner,
+    bound: u64,
+    end: &PairLink,
+    len: usize,
+) -> Result<Vec<u8>, TransferError> {
+    end.recv(len).await.inspect_err(|e| {
+        inner.rejections.link_failed.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(transfer = bound, error = %e, "kv payload link failed: closing");
+        inner.fail(bound, TransferError::Rejected("link_failed"));
+    })
+}
+
 async fn serve_connection(inner: &Arc<Inner>, mut sock: TcpStream) -> Result<(), TransferError> {
     sock.set_nodelay(true)?;
     // Admitted only for a live grant, at the endpoint this receiver advertises.
@@ -608,9 +647,27 @@ async fn serve_connection(inner: &Arc<Inner>, mut sock: TcpStream) -> Result<(),
             )),
         }
     };
+    // A sender's offered link, joined where this receiver has a fabric of its kind.
+    let fabric = inner.link.lock().expect("link").clone();
+    let mut link: Option<PairLink> = None;
+    let join = |kind, id| {
+        let Some(f) = fabric.as_ref().filter(|f| f.kind() == kind) else {
+            return false;
+        };
+        match f.join(id, 1) {
+            Ok(end) => {
+                link = Some(end);
+                true
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, link = kind.name(), "kv payload link declined");
+                false
+            }
+        }
+    };
     let handshake = tokio::time::timeout(
         Duration::from_secs(5),
-        auth::accept(&mut sock, &inner.secret, inner.shape.as_ref(), admit),
+        auth::accept_linked(&mut sock, &inner.secret, inner.shape.as_ref(), admit, join),
     )
     .await;
     let session = match handshake {
@@ -678,6 +735,22 @@ async fn serve_connection(inner: &Arc<Inner>, mut sock: TcpStream) -> Result<(),
                 return Err(TransferError::Wire(e));
             }
         };
+        // A payload on the link: only a block frame's, only on a connection that joined one.
+        let link = match (h.on_link, &link) {
+            (false, _) => None,
+            (true, Some(end)) if h.kind == FrameKind::Block => Some(end),
+            (true, _) => {
+                inner.rejections.link_failed.fetch_add(1, Ordering::Relaxed);
+                let e = TransferError::Link(format!(
+                    "a {:?} frame names a payload link this connection does not have",
+                    h.kind
+                ));
+                tracing::warn!(transfer = bound, error = %e, "kv frame refused: closing");
+                inner.fail(bound, TransferError::Rejected("link_failed"));
+                return Err(e);
+            }
+        };
+
         if h.transfer != bound {
             // Sealed by the sender, but for another transfer than the one it was admitted for:
             // counted and passed over.
@@ -690,7 +763,10 @@ async fn serve_connection(inner: &Arc<Inner>, mut sock: TcpStream) -> Result<(),
                 bound,
                 "kv frame for another transfer than its connection's: passed over"
             );
-            r.skip(h.len as usize).await?;
+            match link {
+                Some(end) => drop(from_link(inner, bound, end, h.len as usize).await?),
+                None => r.skip(h.len as usize).await?,
+            }
             continue;
         }
         // The longest payload this header may announce, judged before a byte of it is read:
@@ -740,11 +816,25 @@ async fn serve_connection(inner: &Arc<Inner>, mut sock: TcpStream) -> Result<(),
                     "kv frames after their transfer ended (failed or revoked): passing them over"
                 );
             }
-            r.skip(h.len as usize).await?;
+            // A link payload is taken and dropped (the length is at most MAX_PAYLOAD, and the
+            // header is the authenticated sender's), so the link stays in step with the headers.
+            match link {
+                Some(end) => drop(from_link(inner, bound, end, h.len as usize).await?),
+                None => r.skip(h.len as usize).await?,
+            }
             continue;
         }
-        r.fill(h.len as usize, false).await?;
-        let payload = r.take(h.len as usize);
+        let linked;
+        let payload: &[u8] = match link {
+            Some(end) => {
+                linked = from_link(inner, bound, end, h.len as usize).await?;
+                &linked
+            }
+            None => {
+                r.fill(h.len as usize, false).await?;
+                r.take(h.len as usize)
+            }
+        };
         match h.kind {
             FrameKind::Block => {
                 // The write happens under the lock: a grant revoked (and its blocks freed by the
@@ -767,6 +857,11 @@ async fn serve_connection(inner: &Arc<Inner>, mut sock: TcpStream) -> Result<(),
                         inner
                             .bytes
                             .fetch_add(payload.len() as u64, Ordering::Relaxed);
+                        if h.on_link {
+                            inner
+                                .link_bytes
+                                .fetch_add(payload.len() as u64, Ordering::Relaxed);
+                        }
                         g.heard();
                         g.frames += 1;
                         g.bytes += payload.len() as u64;

@@ -6,6 +6,7 @@
 //! chunk computes. Tests wrap a transport to damage frames in flight; production has TCP (and, on
 //! GPUs, NCCL behind the same trait).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
@@ -13,6 +14,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
 use crate::auth::{self, Secret, Session};
+use crate::link::{LinkFabric, PairLink};
 use crate::shape::KvShape;
 use crate::wire::{FrameHeader, FrameKind, HEADER_LEN, MAX_CONTEXT};
 use crate::TransferError;
@@ -96,10 +98,12 @@ const WRITE_BATCH: usize = 256 << 10;
 /// Most frames (two slices each) in one vectored write, within every platform's IOV_MAX.
 const WRITE_BATCH_FRAMES: usize = 256;
 
-/// KV frames over TCP, authenticated with the cluster secret.
+/// KV frames over TCP, authenticated with the cluster secret; block payloads on a payload link
+/// beside the connection where this side has a fabric and the receiver joins its offer.
 pub struct TcpTransport {
     secret: Secret,
     shape: Option<KvShape>,
+    link: Option<Arc<dyn LinkFabric>>,
     connect_timeout: Duration,
     #[cfg(feature = "fault-injection")]
     fault: Option<crate::fault::WireFault>,
@@ -111,6 +115,7 @@ impl TcpTransport {
         Self {
             secret,
             shape: None,
+            link: None,
             connect_timeout: Duration::from_secs(3),
             #[cfg(feature = "fault-injection")]
             fault: None,
@@ -130,6 +135,26 @@ impl TcpTransport {
         self.shape = Some(shape);
         self
     }
+
+    /// Offers a payload link of `fabric` in every handshake: block payloads travel on it where
+    /// the receiver joins (it has a fabric of the same kind), over the connection otherwise.
+    pub fn with_link(mut self, fabric: Arc<dyn LinkFabric>) -> Self {
+        self.link = Some(fabric);
+        self
+    }
+
+    /// A pair's id to offer, if this side has a fabric and it can make one (a fabric that
+    /// cannot is passed over: the connection carries the payloads).
+    fn offer(&self) -> Option<(Arc<dyn LinkFabric>, [u8; crate::link::LINK_ID])> {
+        let fabric = self.link.clone()?;
+        match fabric.offer() {
+            Ok(id) => Some((fabric, id)),
+            Err(e) => {
+                tracing::warn!(error = %e, link = fabric.kind().name(), "no KV payload link offered");
+                None
+            }
+        }
+    }
 }
 
 impl KvTransport for TcpTransport {
@@ -139,27 +164,43 @@ impl KvTransport for TcpTransport {
         transfer: u64,
     ) -> BoxFuture<'a, Result<Box<dyn KvStream>, TransferError>> {
         Box::pin(async move {
+            let offer = self.offer();
             let connect = async {
                 let mut s = TcpStream::connect(endpoint).await?;
                 s.set_nodelay(true)?;
-                let session = auth::connect(
+                let session = auth::connect_linked(
                     &mut s,
                     &self.secret,
                     self.shape.as_ref(),
                     transfer,
                     endpoint,
+                    offer.as_ref().map(|(f, id)| (f.kind(), *id)),
                 )
                 .await?;
                 Ok::<_, TransferError>((s, session))
             };
-            let (sock, session) = tokio::time::timeout(self.connect_timeout, connect)
+            let connected = tokio::time::timeout(self.connect_timeout, connect)
                 .await
                 .map_err(|_| {
                     TransferError::Handshake(format!("connecting to {endpoint} timed out"))
-                })??;
+                })
+                .and_then(|r| r);
+            // The offered pair: joined as rank 0 where the receiver joined it, given up otherwise.
+            let link = match (&connected, offer) {
+                (Ok((_, session)), Some((fabric, id))) if session.link().is_some() => {
+                    Some(fabric.join(id, 0)?)
+                }
+                (_, Some((fabric, id))) => {
+                    fabric.withdraw(id);
+                    None
+                }
+                (_, None) => None,
+            };
+            let (sock, session) = connected?;
             Ok(Box::new(TcpKvStream {
                 sock,
                 session,
+                link,
                 seq: 0,
                 #[cfg(feature = "fault-injection")]
                 fault: self.fault.clone(),
@@ -171,6 +212,8 @@ impl KvTransport for TcpTransport {
 struct TcpKvStream {
     sock: TcpStream,
     session: Session,
+    /// The payload link both sides joined: block payloads go on it, their headers on `sock`.
+    link: Option<PairLink>,
     /// The number of the next frame: what its tag covers.
     seq: u64,
     #[cfg(feature = "fault-injection")]
@@ -250,13 +293,13 @@ impl KvStream for TcpKvStream {
                     take += 1;
                 }
                 let (batch, tail) = rest.split_at(take);
+                let on_link = self.link.is_some();
                 let headers: Vec<[u8; HEADER_LEN]> = batch
                     .iter()
                     .map(|f| {
-                        self.seal(
-                            &FrameHeader::block(transfer, f.layer, f.block.0, f.payload)
-                                .heads(f.heads.clone()),
-                        )
+                        let h = FrameHeader::block(transfer, f.layer, f.block.0, f.payload)
+                            .heads(f.heads.clone());
+                        self.seal(&if on_link { h.via_link() } else { h })
                     })
                     .collect();
                 // Under fault injection, a payload damaged after its header took the checksum.
@@ -274,6 +317,19 @@ impl KvStream for TcpKvStream {
                 };
                 #[cfg(not(feature = "fault-injection"))]
                 let payload = |_: usize, f: &'a BlockFrame<'a>| f.payload;
+                if let Some(link) = &self.link {
+                    // The sealed headers on the connection, then each payload on the link in
+                    // the same order: the receiver takes a payload from the link as it reads
+                    // its header.
+                    let mut slices: Vec<std::io::IoSlice<'_>> =
+                        headers.iter().map(|h| std::io::IoSlice::new(h)).collect();
+                    write_all_vectored(&mut self.sock, &mut slices).await?;
+                    for (i, f) in batch.iter().enumerate() {
+                        link.send(payload(i, f).to_vec()).await?;
+                    }
+                    rest = tail;
+                    continue;
+                }
                 let mut slices: Vec<std::io::IoSlice<'_>> = headers
                     .iter()
                     .zip(batch)

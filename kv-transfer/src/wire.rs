@@ -1,4 +1,4 @@
-//! The KV wire format, version 6 (docs/kv-wire.md is the reference; keep the two in step).
+//! The KV wire format, version 7 (docs/kv-wire.md is the reference; keep the two in step).
 //!
 //! After the handshake (see [`crate::auth`]) a connection carries frames, each a fixed 56-byte
 //! little-endian header followed by the payload:
@@ -7,7 +7,7 @@
 //! |---|---|---|
 //! | 0 | 2 | magic `0x4B54` ("TK") |
 //! | 2 | 1 | kind: 1 block, 2 end of transfer, 3 abort, 4 trace context |
-//! | 3 | 1 | reserved, 0 |
+//! | 3 | 1 | flags: bit 0, the payload travels on the connection's payload link (other bits 0) |
 //! | 4 | 4 | layer |
 //! | 8 | 8 | transfer id |
 //! | 16 | 4 | destination block id |
@@ -22,12 +22,15 @@
 //! `first..first + heads`, exactly as a pool of those heads lays it out (K then V; for int8,
 //! values then per-head scales): a receiver whose tensor-parallel ranks each hold some heads
 //! takes a frame per rank's heads. End and abort frames carry no payload; their layer, block
-//! and head fields are 0.
+//! and head fields are 0. A block frame flagged as on the link has its payload sent on the
+//! connection's payload link ([`crate::link`]) instead of after its header: the header (its
+//! length and checksum under the connection's tag) still comes over TCP, and the receiver takes
+//! exactly that length from the link before it judges the frame.
 
 use crate::xxh3::xxh3_64;
 
 /// Protocol version spoken in the handshake.
-pub const VERSION: u16 = 6;
+pub const VERSION: u16 = 7;
 /// First bytes of every handshake message.
 pub const HELLO_MAGIC: [u8; 4] = *b"TKV1";
 /// First bytes of every frame header.
@@ -76,6 +79,9 @@ pub struct FrameHeader {
     pub head_start: u16,
     /// The KV heads a block frame carries (0: every head of the block).
     pub head_count: u16,
+    /// The payload travels on the connection's payload link, not after the header (block
+    /// frames of a connection whose handshake joined a link only).
+    pub on_link: bool,
 }
 
 /// A header that does not decode.
@@ -104,7 +110,14 @@ impl FrameHeader {
             checksum: checksum(payload),
             head_start: 0,
             head_count: 0,
+            on_link: false,
         }
+    }
+
+    /// The same header, its payload sent on the connection's payload link.
+    pub fn via_link(mut self) -> Self {
+        self.on_link = true;
+        self
     }
 
     /// The header of a block frame carrying KV heads `heads` (all of them when `heads` is
@@ -126,6 +139,7 @@ impl FrameHeader {
             checksum: checksum(payload),
             head_start: 0,
             head_count: 0,
+            on_link: false,
         }
     }
 
@@ -134,6 +148,7 @@ impl FrameHeader {
         let mut b = [0u8; HEADER_LEN];
         b[0..2].copy_from_slice(&FRAME_MAGIC.to_le_bytes());
         b[2] = self.kind as u8;
+        b[3] = self.on_link as u8;
         b[4..8].copy_from_slice(&self.layer.to_le_bytes());
         b[8..16].copy_from_slice(&self.transfer.to_le_bytes());
         b[16..20].copy_from_slice(&self.block.to_le_bytes());
@@ -173,6 +188,7 @@ impl FrameHeader {
             checksum: u64_at(24),
             head_start: u16_at(32),
             head_count: u16_at(34),
+            on_link: b[3] & 1 == 1,
         })
     }
 }
@@ -190,7 +206,8 @@ mod tests {
     proptest! {
         #[test]
         fn headers_round_trip(kind in 1u8..=4, layer: u32, transfer: u64, block: u32,
-                              len in 0u32..=MAX_PAYLOAD, sum: u64, head_start: u16, head_count: u16) {
+                              len in 0u32..=MAX_PAYLOAD, sum: u64, head_start: u16, head_count: u16,
+                        on_link: bool) {
             let h = FrameHeader {
                 kind: match kind {
                     1 => FrameKind::Block,
@@ -198,7 +215,7 @@ mod tests {
                     3 => FrameKind::Abort,
                     _ => FrameKind::Context,
                 },
-                layer, transfer, block, len, checksum: sum, head_start, head_count,
+                layer, transfer, block, len, checksum: sum, head_start, head_count, on_link,
             };
             prop_assert_eq!(FrameHeader::decode(&h.encode()), Ok(h));
         }
@@ -215,7 +232,8 @@ mod tests {
         let h = FrameHeader::block(0x0102030405060708, 7, 9, b"abc");
         let b = h.encode();
         assert_eq!(&b[0..2], &[0x54, 0x4B]);
-        assert_eq!(b[2], 1);
+        assert_eq!((b[2], b[3]), (1, 0));
+        assert_eq!(h.via_link().encode()[3], 1);
         assert_eq!(&b[4..8], &7u32.to_le_bytes());
         assert_eq!(&b[8..16], &0x0102030405060708u64.to_le_bytes());
         assert_eq!(&b[16..20], &9u32.to_le_bytes());

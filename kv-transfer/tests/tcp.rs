@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use tandem_kv_transfer::wire::{FrameHeader, FrameKind, MAX_CONTEXT};
 use tandem_kv_transfer::{
-    BlockFrame, BlockId, BlockSink, KvReceiver, KvTransport, Secret, TcpTransport, TransferError,
-    WireFault,
+    BlockFrame, BlockId, BlockSink, KvReceiver, KvTransport, LinkFabric, LinkKind, Secret,
+    TcpTransport, ThreadFabric, TransferError, WireFault,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -299,14 +299,27 @@ async fn peers_without_the_secret_cannot_write() {
     assert_eq!(rx.bytes_received(), 0);
 }
 
+/// Over the connection, and with the payloads on a payload link.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flipped_byte_is_rejected_counted_and_fails_the_transfer() {
+    for linked in [false, true] {
+        flipped_byte(linked).await;
+    }
+}
+
+async fn flipped_byte(linked: bool) {
     let rx = receiver().await;
+    let fabric = ThreadFabric::new(Duration::from_secs(30));
+    if linked {
+        rx.join_links(fabric.clone());
+    }
     let sink = MemSink::new(512, 2);
     let mut grant = rx.grant(&ids(&[4, 5]), sink.clone(), Duration::from_secs(10));
     // The production transport, with the second block frame damaged after its checksum.
     let fault = WireFault::flip_block_frame(2);
-    let t = TcpTransport::new(secret()).with_fault(fault.clone());
+    let t = TcpTransport::new(secret())
+        .with_fault(fault.clone())
+        .with_link(fabric.clone());
     let mut s = t.open(&rx.endpoint(), grant.id()).await.unwrap();
     for layer in 0..2 {
         for b in [4u32, 5] {
@@ -336,6 +349,112 @@ async fn a_flipped_byte_is_rejected_counted_and_fails_the_transfer() {
     }
     assert_eq!(rx.rejections().unknown_transfer.load(Ordering::Relaxed), 2);
     assert_eq!(sink.count(), 1);
+    // On a link, the frames passed over took their payloads from it: the link stayed in step
+    // (nothing failed on it), and only the first frame's bytes were written.
+    assert_eq!(rx.rejections().link_failed.load(Ordering::Relaxed), 0);
+    assert_eq!(
+        rx.link_bytes_received(),
+        if linked { 512 } else { 0 },
+        "linked: {linked}"
+    );
+    assert_eq!(fabric.pending(), 0, "linked: {linked}");
+}
+
+/// Block payloads on a payload link (two thread ranks of this process, standing where NCCL's two
+/// GPUs would): every byte lands and is counted as the link's, lengths that are not whole words
+/// included, and the headers still come over the connection. A receiver with no fabric declines
+/// the offer, and the same transfer goes whole over the connection; either way the sender's
+/// offered pair is joined or withdrawn, never left behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn payloads_on_a_link_land_intact_and_a_declined_offer_goes_over_the_connection() {
+    let fabric = ThreadFabric::new(Duration::from_secs(30));
+    for joins in [true, false] {
+        let rx = receiver().await;
+        if joins {
+            rx.join_links(fabric.clone());
+        }
+        let sink = MemSink::new(1002, 3);
+        let blocks = [1u32, 6, 8];
+        let mut grant = rx.grant(&ids(&blocks), sink.clone(), Duration::from_secs(30));
+        let t = TcpTransport::new(secret()).with_link(fabric.clone());
+        let mut s = t.open(&rx.endpoint(), grant.id()).await.unwrap();
+        let bodies: Vec<(u32, u32, Vec<u8>)> = (0..3)
+            .flat_map(|l| blocks.iter().map(move |&b| (l, b, payload(l, b, 1002))))
+            .collect();
+        s.send_blocks(grant.id(), &frames_of(&bodies))
+            .await
+            .unwrap();
+        s.end(grant.id()).await.unwrap();
+        let stats = grant.wait().await.unwrap();
+        assert_eq!((stats.frames, stats.bytes), (9, 9 * 1002));
+        for (layer, block, p) in &bodies {
+            assert_eq!(sink.get(*layer, *block).as_ref(), Some(p));
+        }
+        assert_eq!(rx.bytes_received(), 9 * 1002);
+        assert_eq!(
+            rx.link_bytes_received(),
+            if joins { 9 * 1002 } else { 0 },
+            "joins: {joins}"
+        );
+        assert_eq!(rx.rejections().total(), 0);
+        assert_eq!(fabric.pending(), 0, "joins: {joins}");
+    }
+}
+
+/// A header whose payload never comes on the link fails its transfer at the link's watchdog,
+/// counted as `link_failed`, and the connection closes; a header naming a link its connection
+/// does not have is refused the same way at once. Nothing reaches the pool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_link_payload_that_never_comes_fails_the_transfer() {
+    let fabric = ThreadFabric::new(Duration::from_millis(300));
+    let rx = receiver().await;
+    rx.join_links(fabric.clone());
+    let sink = MemSink::new(64, 1);
+    let body = payload(0, 2, 64);
+    let link_failed = || rx.rejections().link_failed.load(Ordering::Relaxed);
+
+    let mut grant = rx.grant(&ids(&[2]), sink.clone(), Duration::from_secs(600));
+    let mut raw = tokio::net::TcpStream::connect(rx.local_addr())
+        .await
+        .unwrap();
+    let id = fabric.offer().unwrap();
+    let session = tandem_kv_transfer::auth::connect_linked(
+        &mut raw,
+        &secret(),
+        None,
+        grant.id(),
+        &rx.endpoint(),
+        Some((LinkKind::Threads, id)),
+    )
+    .await
+    .unwrap();
+    assert_eq!(session.link(), Some((LinkKind::Threads, id)));
+    let _silent = fabric.join(id, 0).unwrap();
+    let h = FrameHeader::block(grant.id(), 0, 2, &body).via_link();
+    raw.write_all(&sealed(&session, 0, h, &[])).await.unwrap();
+    let r = grant.wait().await;
+    assert!(
+        matches!(r, Err(TransferError::Rejected("link_failed"))),
+        "{r:?}"
+    );
+    assert_eq!(link_failed(), 1);
+    let mut rest = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(600), raw.read_to_end(&mut rest)).await;
+    assert!(matches!(closed, Ok(Ok(0))), "{closed:?}");
+
+    let mut grant = rx.grant(&ids(&[2]), sink.clone(), Duration::from_secs(600));
+    let (mut raw, session) = sealed_connection(&rx, grant.id()).await;
+    assert_eq!(session.link(), None);
+    let h = FrameHeader::block(grant.id(), 0, 2, &body).via_link();
+    raw.write_all(&sealed(&session, 0, h, &body)).await.unwrap();
+    let r = grant.wait().await;
+    assert!(
+        matches!(r, Err(TransferError::Rejected("link_failed"))),
+        "{r:?}"
+    );
+    assert_eq!(link_failed(), 2);
+    assert_eq!(sink.count(), 0, "nothing may reach the pool");
+    assert_eq!((rx.bytes_received(), rx.link_bytes_received()), (0, 0));
 }
 
 /// A connection admitted for `transfer` whose frames the test writes itself, sealed in order.
