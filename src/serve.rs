@@ -15,7 +15,8 @@ use tandem_decode_worker::remote::{Deadlines, RemotePrefill};
 use tandem_decode_worker::{DecodeService, Drain, WorkerIdentity};
 use tandem_discovery::{DiscoverySpec, Ready, Role, WorkerCard};
 use tandem_engine::{EngineError, EngineHandle};
-use tandem_kv_transfer::{Secret, TcpTransport};
+use tandem_kernels::cuda::DeviceSpec;
+use tandem_kv_transfer::{LinkFabric, NcclFabric, Secret, TcpTransport};
 use tandem_prefill_worker::{PrefillLimits, PrefillService};
 use tandem_router::RouterArgs;
 
@@ -66,6 +67,8 @@ pub struct DecodeArgs {
     #[command(flatten)]
     pub secret: SecretArgs,
     #[command(flatten)]
+    pub link: KvLinkArgs,
+    #[command(flatten)]
     pub register: RegisterArgs,
 }
 
@@ -93,6 +96,8 @@ pub struct PrefillArgs {
     pub lora: LoraArgs,
     #[command(flatten)]
     pub secret: SecretArgs,
+    #[command(flatten)]
+    pub link: KvLinkArgs,
     #[command(flatten)]
     pub register: RegisterArgs,
 }
@@ -310,6 +315,69 @@ pub struct SecretArgs {
     pub kv_secret: Option<String>,
 }
 
+/// Where KV block payloads travel between two GPU workers (`--kv-link`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvLinkMode {
+    /// On an NCCL link where this worker runs on a GPU and NCCL loads; TCP otherwise.
+    Auto,
+    /// On an NCCL link, refused at start where this worker cannot make one.
+    Nccl,
+    /// Always over the TCP connection.
+    Off,
+}
+
+impl std::str::FromStr for KvLinkMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "nccl" => Ok(Self::Nccl),
+            "off" => Ok(Self::Off),
+            _ => Err(format!("unknown KV link {s:?} (auto, nccl or off)")),
+        }
+    }
+}
+
+#[derive(Args, Clone, Debug)]
+pub struct KvLinkArgs {
+    /// Where KV block payloads travel between GPU workers: `auto` offers (prefill) and joins
+    /// (decode) an NCCL link beside each KV connection when this worker runs on a GPU and NCCL
+    /// loads, the payloads then going GPU to GPU while headers, checksums and deadlines stay on
+    /// the TCP connection (a peer that cannot join keeps to TCP); `nccl` the same, refused at
+    /// start where this worker cannot make NCCL links; `off` TCP only.
+    #[arg(long, env = "TANDEM_KV_LINK", default_value = "auto")]
+    pub kv_link: KvLinkMode,
+    /// Milliseconds an NCCL link waits for its peer's side of a payload before the transfer
+    /// fails (and is retried or prefilled locally).
+    #[arg(long, env = "TANDEM_KV_LINK_WATCHDOG_MS", default_value_t = 30_000)]
+    pub kv_link_watchdog_ms: u64,
+}
+
+impl KvLinkArgs {
+    /// The fabric this worker offers or joins payload links with, on `device`; None: TCP only.
+    fn fabric(&self, device: DeviceSpec, role: &str) -> Result<Option<Arc<dyn LinkFabric>>> {
+        let ordinal = match (self.kv_link, device) {
+            (KvLinkMode::Off, _) | (KvLinkMode::Auto, DeviceSpec::Cpu) => return Ok(None),
+            (KvLinkMode::Nccl, DeviceSpec::Cpu) => anyhow::bail!(
+                "--kv-link nccl: NCCL links join GPUs, and this worker runs on the CPU (--device cpu)"
+            ),
+            (_, DeviceSpec::Cuda(n)) => n,
+        };
+        let watchdog = Duration::from_millis(self.kv_link_watchdog_ms.max(1));
+        match NcclFabric::new(ordinal, watchdog) {
+            Ok(f) => {
+                eprintln!("tandem {role}: KV payloads between GPUs on NCCL links (cuda:{ordinal})");
+                Ok(Some(Arc::new(f)))
+            }
+            Err(e) if self.kv_link == KvLinkMode::Auto => {
+                eprintln!("tandem {role}: KV payloads over TCP only: {e}");
+                Ok(None)
+            }
+            Err(e) => anyhow::bail!("--kv-link nccl: {e}"),
+        }
+    }
+}
+
 impl SecretArgs {
     fn secret(&self) -> Result<Secret> {
         let text = self.kv_secret.as_deref().context(
@@ -510,6 +578,10 @@ pub fn run_decode(a: DecodeArgs) -> Result<()> {
             "tandem decode: no TANDEM_KV_SECRET: this worker's RPCs are open to anyone who reaches its port; set the cluster's secret on every process"
         );
     }
+    let link = match secret {
+        Some(_) => a.link.fabric(a.engine.device, "decode")?,
+        None => None,
+    };
     let (handle, started) = start_engine(&a.engine)?;
     let loras = a.lora.registry(&started)?;
     let target = tandem_worker::KvTarget::of(&handle);
@@ -555,6 +627,9 @@ pub fn run_decode(a: DecodeArgs) -> Result<()> {
             }
             .await
             .with_context(|| format!("cannot listen for KV on {}:{}", a.host, a.kv_port))?;
+            if let Some(f) = &link {
+                remote.receiver().join_links(f.clone());
+            }
             kv_addr = Some(remote.endpoint().to_string());
             service = service.with_remote(Arc::new(remote));
             // Its peers pull the prefixes it holds through the Prefill service on its port: its
@@ -562,9 +637,13 @@ pub fn run_decode(a: DecodeArgs) -> Result<()> {
             let shape = target
                 .shape(&identity.model)
                 .context("a decode worker serves its peers from its KV pool")?;
+            let mut transport = TcpTransport::new(secret).with_shape(shape);
+            if let Some(f) = link {
+                transport = transport.with_link(f);
+            }
             peer = Some(PrefillService::new(
                 handle.clone(),
-                Arc::new(TcpTransport::new(secret).with_shape(shape)),
+                Arc::new(transport),
                 identity.clone(),
                 PrefillLimits::default(),
             ));
@@ -614,6 +693,7 @@ pub fn run_decode(a: DecodeArgs) -> Result<()> {
 pub fn run_prefill(a: PrefillArgs) -> Result<()> {
     let secret = a.secret.secret()?;
     let token = tandem_worker::WorkerToken::from_secret(&secret);
+    let link = a.link.fabric(a.engine.device, "prefill")?;
     let (handle, started) = start_engine(&a.engine)?;
     let loras = a.lora.registry(&started)?;
     let handle = Arc::new(handle);
@@ -633,9 +713,13 @@ pub fn run_prefill(a: PrefillArgs) -> Result<()> {
         let shape = tandem_worker::KvTarget::of(&handle)
             .and_then(|t| t.shape(&identity.model))
             .context("a prefill worker sends from its engine's KV pool (host or device)")?;
+        let mut transport = TcpTransport::new(secret).with_shape(shape);
+        if let Some(f) = link {
+            transport = transport.with_link(f);
+        }
         let service = PrefillService::new(
             handle.clone(),
-            Arc::new(TcpTransport::new(secret).with_shape(shape)),
+            Arc::new(transport),
             identity,
             PrefillLimits {
                 max_queue_wait: Duration::from_millis(a.max_queue_wait_ms),

@@ -55,6 +55,12 @@ impl Collector for DecodeMetrics {
             "KV payload bytes received into granted blocks",
             &[(&[], rx.bytes_received())],
         )?;
+        counter(
+            &mut enc,
+            "tandem_kv_link_bytes",
+            "Of the KV payload bytes received, those that came on a payload link beside the connection (NCCL between GPUs)",
+            &[(&[], rx.link_bytes_received())],
+        )?;
         let ranks: Vec<(String, u64)> = r
             .rank_bytes()
             .into_iter()

@@ -15,7 +15,7 @@ use futures::StreamExt;
 use serde_json::{json, Value};
 use tandem_engine::device::fake::{FakeDevice, FakeDeviceBackend};
 use tandem_kv_transfer::{
-    BlockFrame, KvStream, KvTransport, Secret, TcpTransport, TransferError, WireFault,
+    BlockFrame, KvStream, KvTransport, Secret, TcpTransport, ThreadFabric, TransferError, WireFault,
 };
 use tandem_proto::worker as wpb;
 
@@ -920,6 +920,108 @@ async fn kv_moves_through_device_staging_on_either_side_exactly() {
         assert_eq!(ids.len(), 12, "{case}");
         assert_eq!(ids, local_reference(&daddr, &prompt, 12).await, "{case}");
         wait_idle(&daddr).await;
+    }
+}
+
+/// KV payloads on a payload link between two workers whose caches sit behind the host fake of
+/// a device, as two GPU workers' go on NCCL (two thread ranks of this process stand for the two
+/// GPUs' NCCL ranks: one card cannot hold both). The prefill worker's first attempt has its
+/// first payload damaged on the link: that attempt fails (`bad_checksum`), the retry joins a
+/// fresh link and succeeds, every byte that reached the decode pool came on a link, and the
+/// tokens are a local prefill's. A decode worker that has no fabric declines the same offer and
+/// takes the prompt over TCP, as exactly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_payloads_go_on_a_link_between_device_workers_exactly() {
+    let delay = Some(Duration::from_millis(3));
+    let fabric = ThreadFabric::new(Duration::from_secs(120));
+    let secret = Secret::new(KV_SECRET.as_bytes().to_vec()).unwrap();
+    let fault = WireFault::flip_block_frame(1);
+    let paddr = serve_prefill_on(
+        engine_on(delay),
+        Arc::new(
+            TcpTransport::new(secret.clone())
+                .with_fault(fault.clone())
+                .with_link(fabric.clone()),
+        ),
+    )
+    .await;
+    for joins in [true, false] {
+        let (remote, daddr) = serve_decode_with_remote(engine_on(delay), secret.clone()).await;
+        if joins {
+            remote.receiver().join_links(fabric.clone());
+        }
+        let prompt = long_prompt(8 + joins as u32, 300);
+        let ids = remote_greedy(&daddr, "linked", &prompt, 12, vec![paddr.clone(); 2]).await;
+        let seen = format!("joins: {joins}; {}", ingress(&remote));
+        let c = &remote.counts;
+        let rx = remote.receiver();
+        // The fault fires once, on the first case's first attempt.
+        let failed = joins as u64;
+        assert!(fault.fired(), "{seen}");
+        assert_eq!(
+            rx.rejections().bad_checksum.load(Ordering::Relaxed),
+            failed,
+            "{seen}"
+        );
+        assert_eq!(c.transfers_failed.load(Ordering::Relaxed), failed, "{seen}");
+        assert_eq!(c.transfers_ok.load(Ordering::Relaxed), 1, "{seen}");
+        assert_eq!(c.fallbacks.load(Ordering::Relaxed), 0, "{seen}");
+        assert_eq!(
+            rx.rejections().link_failed.load(Ordering::Relaxed),
+            0,
+            "{seen}"
+        );
+        // SmolLM2-135M: 30 layers, 3 KV heads of 64, f32; 300 tokens: 19 blocks of 16.
+        let prompt_bytes = 19 * 30 * (2 * 3 * 64 * 16 * 4) as u64;
+        assert_eq!(remote.rank_bytes(), [prompt_bytes], "{seen}");
+        assert_eq!(
+            rx.link_bytes_received(),
+            if joins { prompt_bytes } else { 0 },
+            "{seen}"
+        );
+        assert_eq!(ids.len(), 12, "{seen}");
+        assert_eq!(ids, local_reference(&daddr, &prompt, 12).await, "{seen}");
+        wait_idle(&daddr).await;
+    }
+    assert_eq!(
+        fabric.pending(),
+        0,
+        "every offered pair joined or withdrawn"
+    );
+}
+
+/// `--kv-link nccl` on a CPU worker, and a link mode that does not exist, are refused at start
+/// with the reason, before a model is loaded or a port opened.
+#[test]
+fn a_kv_link_a_worker_cannot_make_is_refused_at_start() {
+    for (role, args, want) in [
+        (
+            "prefill",
+            &["--kv-link", "nccl"][..],
+            "--kv-link nccl: NCCL links join GPUs, and this worker runs on the CPU (--device cpu)",
+        ),
+        (
+            "decode",
+            &["--kv-link", "nccl"][..],
+            "--kv-link nccl: NCCL links join GPUs, and this worker runs on the CPU (--device cpu)",
+        ),
+        (
+            "prefill",
+            &["--kv-link", "infiniband"][..],
+            "unknown KV link \"infiniband\" (auto, nccl or off)",
+        ),
+    ] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
+            .arg(role)
+            .args(args)
+            .args(["--port", "0", "--kv-port", "0"][..if role == "decode" { 4 } else { 2 }].iter())
+            .env("TANDEM_KV_SECRET", KV_SECRET)
+            .env("TANDEM_MODEL", "/nonexistent/model.gguf")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{role} {args:?}: {err}");
+        assert!(err.contains(want), "{role} {args:?}: {err}");
     }
 }
 

@@ -195,6 +195,8 @@ fn the_chart_lints_renders_valid_objects_and_commands_the_binary_accepts() {
         "decode.kvDeadlineSlack=2.5",
         "--set-json",
         "router.workerStallTimeoutMs=20000",
+        "--set-json",
+        "decode.kvLink=\"off\"",
     ]));
     assert_eq!(commands_parse(&objs, "tp 3"), 4);
     let args = |name: &str| {
@@ -209,10 +211,12 @@ fn the_chart_lints_renders_valid_objects_and_commands_the_binary_accepts() {
         "\"--tp=3\"",
         "\"--kv-stall-timeout-ms=7000\"",
         "\"--kv-deadline-slack=2.5\"",
+        "\"--kv-link=off\"",
     ] {
         assert!(decode.contains(flag), "{flag}: {decode}");
     }
     assert!(!args("tandem-prefill").contains("--tp="));
+    assert!(args("tandem-prefill").contains("\"--kv-link=auto\""));
     // Expert parallelism the same way, on one group.
     let objs = objects(&render(&["--set-json", "prefill.expertParallel=2"]));
     assert_eq!(commands_parse(&objs, "ep 2"), 4);
@@ -418,6 +422,7 @@ fn bad_values_are_refused_naming_what_is_wrong() {
         ("router.policy=fastest", "policy"),
         ("discovery.mode=consul", "mode"),
         ("router.maxInFlightPerWorker=-1", "maxInFlightPerWorker"),
+        ("prefill.kvLink=rdma", "kvLink"),
     ] {
         let o = helm(&["lint", "--strict", c, "--set", set]);
         assert!(!o.status.success(), "{set} was accepted");

@@ -63,6 +63,7 @@ spec:
             - --advertise-host=$(POD_IP)
             - --worker-id=$(POD_NAME)
             - --device={{ $g.device }}
+            - --kv-link={{ $g.kvLink }}
             - --kv-cache-mb={{ $g.kvCacheMb }}
             - --drain-timeout-s={{ $g.drainTimeoutSeconds }}
             {{- if gt (int $g.threads) 0 }}
