@@ -41,6 +41,17 @@ fn unavailable() -> CollectiveError {
     )
 }
 
+/// The UUID of CUDA device `ordinal`: what tells two workers' GPUs apart (NCCL refuses a
+/// communicator with two ranks on one device, so two workers sharing a card cannot link).
+pub fn device_uuid(ordinal: usize) -> Result<[u8; 16], CollectiveError> {
+    if !available() {
+        return Err(unavailable());
+    }
+    let ctx = CudaContext::new(ordinal).map_err(|e| device("opening the device", e))?;
+    let uuid = ctx.uuid().map_err(|e| device("cuDeviceGetUuid", e))?;
+    Ok(uuid.bytes.map(|c| c as u8))
+}
+
 /// The id every rank of one NCCL group starts from.
 #[derive(Clone, Copy, Debug)]
 pub struct NcclId(Id);

@@ -21,10 +21,10 @@
 //! no frame can be injected, replayed or reordered on the connection.
 //!
 //! A link offer is a [`LinkKind`] byte (0: none) and, after a kind, the pair's id
-//! ([`LINK_ID`] bytes): the sender offers to carry block payloads on a payload link beside the
+//! ([`LINK_ID`] bytes) and the sender's device ([`LINK_DEVICE`] bytes, zeros for none): the sender offers to carry block payloads on a payload link beside the
 //! connection (NCCL between two GPUs, see [`crate::link`]); the receiver answers 1 when it joined
-//! the pair as its rank, 0 when it declines (no fabric of that kind, a refused connection) and the
-//! connection carries every payload itself.
+//! the pair as its rank, 0 when it declines (no fabric of that kind, its own device, a refused
+//! connection) and the connection carries every payload itself.
 //!
 //! A shape is a u32 length and a [`KvShape`] (length 0: none given). Both sides check the
 //! other's MAC in constant time. The receiver reads no frame before the sender's MAC checks out
@@ -36,7 +36,7 @@ use rand::RngCore;
 use sha2::Sha256;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-use crate::link::{LinkKind, LINK_ID};
+use crate::link::{LinkKind, LinkOffer, LINK_DEVICE, LINK_ID};
 use crate::shape::{KvShape, MAX_SHAPE};
 use crate::wire::{HEADER_LEN, HELLO_MAGIC, TAG_AT, VERSION};
 use crate::TransferError;
@@ -124,7 +124,7 @@ pub struct Session {
     transfer: u64,
     peer: Option<KvShape>,
     key: Hmac<Sha256>,
-    link: Option<(LinkKind, [u8; LINK_ID])>,
+    link: Option<LinkOffer>,
 }
 
 impl std::fmt::Debug for Session {
@@ -132,7 +132,7 @@ impl std::fmt::Debug for Session {
         f.debug_struct("Session")
             .field("transfer", &self.transfer)
             .field("peer", &self.peer)
-            .field("link", &self.link.map(|(k, _)| k))
+            .field("link", &self.link.map(|o| o.kind))
             .finish_non_exhaustive()
     }
 }
@@ -159,9 +159,9 @@ impl Session {
         }
     }
 
-    /// The payload link both sides joined in the handshake (its kind and pair id), if any:
-    /// block frames may then carry their payloads on it.
-    pub fn link(&self) -> Option<(LinkKind, [u8; LINK_ID])> {
+    /// The payload link both sides joined in the handshake (as the sender offered it), if
+    /// any: block frames may then carry their payloads on it.
+    pub fn link(&self) -> Option<LinkOffer> {
         self.link
     }
 
@@ -238,23 +238,20 @@ async fn read_shape<S: AsyncRead + Unpin>(
     Ok((raw, shape))
 }
 
-/// A link offer as the handshake carries it: a kind byte (0: none), then the pair's id.
-fn offer_bytes(offer: Option<(LinkKind, [u8; LINK_ID])>) -> Vec<u8> {
+/// A link offer as the handshake carries it: a kind byte (0: none), then the pair's id and the
+/// sender's device.
+fn offer_bytes(offer: Option<&LinkOffer>) -> Vec<u8> {
     match offer {
         None => vec![0],
-        Some((kind, id)) => {
-            let mut b = vec![kind as u8];
-            b.extend_from_slice(&id);
-            b
-        }
+        Some(o) => [&[o.kind as u8][..], &o.id, &o.device].concat(),
     }
 }
 
-/// Reads a link offer: its bytes as sent (for the MACs), and the kind byte and id when one was
-/// made (a kind this side does not know still carries an id, and is declined).
+/// Reads a link offer: its bytes as sent (for the MACs), and the offer when one was made of a
+/// kind this side knows (another kind still carries an id and a device, and is declined).
 async fn read_offer<S: AsyncRead + Unpin>(
     s: &mut S,
-) -> Result<(Vec<u8>, Option<(u8, [u8; LINK_ID])>), TransferError> {
+) -> Result<(Vec<u8>, Option<LinkOffer>), TransferError> {
     let mut kind = [0u8];
     s.read_exact(&mut kind).await?;
     if kind[0] == 0 {
@@ -262,9 +259,11 @@ async fn read_offer<S: AsyncRead + Unpin>(
     }
     let mut id = [0u8; LINK_ID];
     s.read_exact(&mut id).await?;
-    let mut raw = kind.to_vec();
-    raw.extend_from_slice(&id);
-    Ok((raw, Some((kind[0], id))))
+    let mut device = [0u8; LINK_DEVICE];
+    s.read_exact(&mut device).await?;
+    let raw = [&kind[..], &id, &device].concat();
+    let offer = LinkKind::from_byte(kind[0]).map(|kind| LinkOffer { kind, id, device });
+    Ok((raw, offer))
 }
 
 async fn read_hello<S: AsyncRead + Unpin>(s: &mut S) -> Result<[u8; NONCE], TransferError> {
@@ -306,19 +305,19 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
     shape: Option<&KvShape>,
     admit: impl FnOnce(u64, &str) -> Result<(), String>,
 ) -> Result<Session, TransferError> {
-    accept_linked(s, secret, shape, admit, |_, _| false).await
+    accept_linked(s, secret, shape, admit, |_| false).await
 }
 
 /// [`accept`], where a sender may offer a payload link: `join` is asked, once the connection is
-/// admitted, to join the offered pair (its kind and id) as the receiver's rank, and says
-/// whether it did; the answer goes back under this side's MAC, and the session names the link
+/// admitted, to join the offered pair (of a kind this side knows) as the receiver's rank, and
+/// says whether it did; the answer goes back under this side's MAC, and the session names the link
 /// when it was joined.
 pub async fn accept_linked<S: AsyncRead + AsyncWrite + Unpin>(
     s: &mut S,
     secret: &Secret,
     shape: Option<&KvShape>,
     admit: impl FnOnce(u64, &str) -> Result<(), String>,
-    join: impl FnOnce(LinkKind, [u8; LINK_ID]) -> bool,
+    join: impl FnOnce(&LinkOffer) -> bool,
 ) -> Result<Session, TransferError> {
     let rn = nonce();
     let rshape = shape_bytes(shape);
@@ -382,9 +381,7 @@ pub async fn accept_linked<S: AsyncRead + AsyncWrite + Unpin>(
     });
     // The offered link, joined only on a connection admitted, of a kind this side knows.
     let link = match (&refusal, offer) {
-        (None, Some((kind, id))) => LinkKind::from_byte(kind)
-            .filter(|&kind| join(kind, id))
-            .map(|kind| (kind, id)),
+        (None, Some(offer)) => Some(offer).filter(|o| join(o)),
         _ => None,
     };
     // Status, then (status 2 or 3) the reason, then the link answer, then the MAC over them and
@@ -442,7 +439,7 @@ pub async fn connect_linked<S: AsyncRead + AsyncWrite + Unpin>(
     shape: Option<&KvShape>,
     transfer: u64,
     endpoint: &str,
-    offer: Option<(LinkKind, [u8; LINK_ID])>,
+    offer: Option<LinkOffer>,
 ) -> Result<Session, TransferError> {
     if endpoint.len() > MAX_ENDPOINT {
         return Err(TransferError::Config(format!(
@@ -461,7 +458,7 @@ pub async fn connect_linked<S: AsyncRead + AsyncWrite + Unpin>(
     msg.extend_from_slice(&tb);
     msg.extend_from_slice(&(eb.len() as u16).to_le_bytes());
     msg.extend_from_slice(eb);
-    let ob = offer_bytes(offer);
+    let ob = offer_bytes(offer.as_ref());
     msg.extend_from_slice(&ob);
     msg.extend_from_slice(
         &secret
@@ -745,6 +742,8 @@ mod tests {
     async fn a_link_offer_is_joined_or_declined_under_both_macs() {
         let s = Secret::new("0123456789abcdef-cluster").unwrap();
         let id = [0x5a; LINK_ID];
+        let device = [0xd7; LINK_DEVICE];
+        let offer = |kind| LinkOffer { kind, id, device };
         for (kind, joins, t, want) in [
             (LinkKind::Threads as u8, true, T, true),
             (LinkKind::Nccl as u8, false, T, false),
@@ -753,18 +752,17 @@ mod tests {
         ] {
             let (mut a, mut b) = tokio::io::duplex(4096);
             let mut asked = None;
-            let join = |k: LinkKind, i: [u8; LINK_ID]| {
-                asked = Some((k, i));
+            let join = |o: &LinkOffer| {
+                asked = Some(*o);
                 joins
             };
             // The sender's own half, with a raw kind byte (a kind this build may not know).
-            let offer = async {
+            let sender = async {
                 let rn = read_hello(&mut b).await.unwrap();
                 let (rshape, _) = read_shape(&mut b).await.unwrap();
                 let sn = nonce();
                 let (sshape, tb, eb) = (shape_bytes(None), t.to_le_bytes(), EP.as_bytes());
-                let mut ob = vec![kind];
-                ob.extend_from_slice(&id);
+                let ob = [&[kind][..], &id, &device].concat();
                 let mut msg = hello(&sn);
                 for part in [&sshape[..], &tb, &(eb.len() as u16).to_le_bytes(), eb, &ob] {
                     msg.extend_from_slice(part);
@@ -773,11 +771,11 @@ mod tests {
                 msg.extend_from_slice(&mac.finalize().into_bytes());
                 b.write_all(&msg).await.unwrap();
             };
-            let (r, ()) = tokio::join!(accept_linked(&mut a, &s, None, admit, join), offer);
+            let (r, ()) = tokio::join!(accept_linked(&mut a, &s, None, admit, join), sender);
             match want {
                 true => {
-                    assert_eq!(r.unwrap().link(), Some((LinkKind::Threads, id)));
-                    assert_eq!(asked, Some((LinkKind::Threads, id)));
+                    assert_eq!(r.unwrap().link(), Some(offer(LinkKind::Threads)));
+                    assert_eq!(asked, Some(offer(LinkKind::Threads)));
                 }
                 false => {
                     assert_eq!(r.map(|s| s.link()).unwrap_or(None), None);
@@ -790,10 +788,10 @@ mod tests {
         for joins in [true, false] {
             let (mut a, mut b) = tokio::io::duplex(4096);
             let (r, c) = tokio::join!(
-                accept_linked(&mut a, &s, None, admit, |_, _| joins),
-                connect_linked(&mut b, &s, None, T, EP, Some((LinkKind::Nccl, id)))
+                accept_linked(&mut a, &s, None, admit, |_| joins),
+                connect_linked(&mut b, &s, None, T, EP, Some(offer(LinkKind::Nccl)))
             );
-            let want = joins.then_some((LinkKind::Nccl, id));
+            let want = joins.then_some(offer(LinkKind::Nccl));
             assert_eq!((r.unwrap().link(), c.unwrap().link()), (want, want));
         }
 
@@ -804,7 +802,8 @@ mod tests {
             let mut first = vec![0u8; 6 + NONCE + 4];
             mid_a.read_exact(&mut first).await.unwrap();
             mid_b.write_all(&first).await.unwrap();
-            let mut msg = vec![0u8; 6 + NONCE + 4 + 8 + 2 + EP.len() + 1 + LINK_ID + MAC];
+            let mut msg =
+                vec![0u8; 6 + NONCE + 4 + 8 + 2 + EP.len() + 1 + LINK_ID + LINK_DEVICE + MAC];
             mid_b.read_exact(&mut msg).await.unwrap();
             msg[6 + NONCE + 4 + 8 + 2 + EP.len() + 1] ^= 1;
             mid_a.write_all(&msg).await.unwrap();
@@ -812,12 +811,12 @@ mod tests {
         };
         let (r, _, _) = tokio::join!(
             async {
-                let r = accept_linked(&mut a, &s, None, admit, |_, _| true).await;
+                let r = accept_linked(&mut a, &s, None, admit, |_| true).await;
                 drop(a);
                 r
             },
             async {
-                let c = connect_linked(&mut b, &s, None, T, EP, Some((LinkKind::Nccl, id))).await;
+                let c = connect_linked(&mut b, &s, None, T, EP, Some(offer(LinkKind::Nccl))).await;
                 drop(b);
                 c
             },

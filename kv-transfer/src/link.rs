@@ -32,6 +32,8 @@ use crate::TransferError;
 
 /// Bytes of a pair's id (an NCCL unique id's size).
 pub const LINK_ID: usize = 128;
+/// Bytes of a fabric's device identity (a CUDA device UUID's size); all zeros: no device.
+pub const LINK_DEVICE: usize = 16;
 
 /// The kind of a fabric, as the handshake names it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -62,10 +64,27 @@ impl LinkKind {
     }
 }
 
+/// A sender's offer of a payload link, as its handshake carries it (under its MAC).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LinkOffer {
+    /// The sender's fabric.
+    pub kind: LinkKind,
+    /// The pair's id, made by the sender's fabric.
+    pub id: [u8; LINK_ID],
+    /// The device the sender's rank runs on (zeros: none).
+    pub device: [u8; LINK_DEVICE],
+}
+
 /// What a worker makes payload links with.
 pub trait LinkFabric: Send + Sync {
     /// Its kind: a peer offering another kind's link is declined (the connection stays TCP).
     fn kind(&self) -> LinkKind;
+    /// The device its ranks run on (a GPU's UUID; zeros: none). A peer offering a link from
+    /// the same device is declined: one device cannot hold both ranks of a pair (NCCL refuses
+    /// it), as when a prefill and a decode worker share a card.
+    fn device(&self) -> [u8; LINK_DEVICE] {
+        [0; LINK_DEVICE]
+    }
     /// A new pair's id, made by the sender.
     fn offer(&self) -> Result<[u8; LINK_ID], TransferError>;
     /// This side's end of the pair `id` names, as `rank` (0: the sender, 1: the receiver).
@@ -233,6 +252,7 @@ fn recv_exact<C: Collective>(c: &mut C, peer: usize, len: usize) -> Result<Vec<u
 /// NCCL links on one GPU of this worker: a communicator of two ranks per connection.
 pub struct NcclFabric {
     ordinal: usize,
+    uuid: [u8; LINK_DEVICE],
     watchdog: Duration,
 }
 
@@ -246,13 +266,22 @@ impl NcclFabric {
                     .into(),
             ));
         }
-        Ok(Self { ordinal, watchdog })
+        let uuid = tandem_collective::nccl::device_uuid(ordinal).map_err(link_error)?;
+        Ok(Self {
+            ordinal,
+            uuid,
+            watchdog,
+        })
     }
 }
 
 impl LinkFabric for NcclFabric {
     fn kind(&self) -> LinkKind {
         LinkKind::Nccl
+    }
+
+    fn device(&self) -> [u8; LINK_DEVICE] {
+        self.uuid
     }
 
     fn offer(&self) -> Result<[u8; LINK_ID], TransferError> {
@@ -271,14 +300,22 @@ impl LinkFabric for NcclFabric {
 /// keeps both ranks under a fresh id until each side joins.
 pub struct ThreadFabric {
     watchdog: Duration,
+    device: [u8; LINK_DEVICE],
     pending: Mutex<HashMap<[u8; LINK_ID], [Option<ThreadRank>; 2]>>,
 }
 
 impl ThreadFabric {
     /// A fabric whose links wait at most `watchdog` for a peer's message.
     pub fn new(watchdog: Duration) -> Arc<Self> {
+        Self::on_device(watchdog, [0; LINK_DEVICE])
+    }
+
+    /// [`ThreadFabric::new`], its ranks said to run on `device` (as two workers sharing one
+    /// GPU would: a receiver declines an offer from its own device).
+    pub fn on_device(watchdog: Duration, device: [u8; LINK_DEVICE]) -> Arc<Self> {
         Arc::new(Self {
             watchdog,
+            device,
             pending: Mutex::default(),
         })
     }
@@ -292,6 +329,10 @@ impl ThreadFabric {
 impl LinkFabric for ThreadFabric {
     fn kind(&self) -> LinkKind {
         LinkKind::Threads
+    }
+
+    fn device(&self) -> [u8; LINK_DEVICE] {
+        self.device
     }
 
     fn offer(&self) -> Result<[u8; LINK_ID], TransferError> {

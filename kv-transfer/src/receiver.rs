@@ -650,17 +650,22 @@ async fn serve_connection(inner: &Arc<Inner>, mut sock: TcpStream) -> Result<(),
     // A sender's offered link, joined where this receiver has a fabric of its kind.
     let fabric = inner.link.lock().expect("link").clone();
     let mut link: Option<PairLink> = None;
-    let join = |kind, id| {
-        let Some(f) = fabric.as_ref().filter(|f| f.kind() == kind) else {
+    let join = |offer: &crate::LinkOffer| {
+        let Some(f) = fabric.as_ref().filter(|f| f.kind() == offer.kind) else {
             return false;
         };
-        match f.join(id, 1) {
+        // Both ranks on one device (a prefill and a decode worker sharing a GPU): NCCL refuses
+        // such a pair, so the connection keeps the payloads.
+        if offer.device != [0; crate::link::LINK_DEVICE] && offer.device == f.device() {
+            return false;
+        }
+        match f.join(offer.id, 1) {
             Ok(end) => {
                 link = Some(end);
                 true
             }
             Err(e) => {
-                tracing::warn!(error = %e, link = kind.name(), "kv payload link declined");
+                tracing::warn!(error = %e, link = offer.kind.name(), "kv payload link declined");
                 false
             }
         }

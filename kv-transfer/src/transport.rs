@@ -6,15 +6,16 @@
 //! chunk computes. Tests wrap a transport to damage frames in flight; production has TCP (and, on
 //! GPUs, NCCL behind the same trait).
 
-use std::sync::Arc;
-use std::time::Duration;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
 use crate::auth::{self, Secret, Session};
-use crate::link::{LinkFabric, PairLink};
+use crate::link::{LinkFabric, LinkOffer, PairLink};
 use crate::shape::KvShape;
 use crate::wire::{FrameHeader, FrameKind, HEADER_LEN, MAX_CONTEXT};
 use crate::TransferError;
@@ -98,12 +99,18 @@ const WRITE_BATCH: usize = 256 << 10;
 /// Most frames (two slices each) in one vectored write, within every platform's IOV_MAX.
 const WRITE_BATCH_FRAMES: usize = 256;
 
+/// How long a receiver whose payload link failed gets its payloads over TCP before a link is
+/// offered to it again.
+const UNLINKED_FOR: Duration = Duration::from_secs(600);
+
 /// KV frames over TCP, authenticated with the cluster secret; block payloads on a payload link
 /// beside the connection where this side has a fabric and the receiver joins its offer.
 pub struct TcpTransport {
     secret: Secret,
     shape: Option<KvShape>,
     link: Option<Arc<dyn LinkFabric>>,
+    /// Receivers whose payload link failed, and until when they get payloads over TCP.
+    unlinked: Arc<Mutex<HashMap<String, Instant>>>,
     connect_timeout: Duration,
     #[cfg(feature = "fault-injection")]
     fault: Option<crate::fault::WireFault>,
@@ -116,6 +123,7 @@ impl TcpTransport {
             secret,
             shape: None,
             link: None,
+            unlinked: Arc::default(),
             connect_timeout: Duration::from_secs(3),
             #[cfg(feature = "fault-injection")]
             fault: None,
@@ -143,12 +151,29 @@ impl TcpTransport {
         self
     }
 
-    /// A pair's id to offer, if this side has a fabric and it can make one (a fabric that
-    /// cannot is passed over: the connection carries the payloads).
-    fn offer(&self) -> Option<(Arc<dyn LinkFabric>, [u8; crate::link::LINK_ID])> {
+    /// A link to offer `endpoint`, if this side has a fabric, it can make a pair, and no link
+    /// to that receiver failed lately (the connection carries the payloads otherwise).
+    fn offer(&self, endpoint: &str) -> Option<(Arc<dyn LinkFabric>, LinkOffer)> {
         let fabric = self.link.clone()?;
+        {
+            let mut unlinked = self.unlinked.lock().expect("unlinked");
+            match unlinked.get(endpoint) {
+                Some(&until) if Instant::now() < until => return None,
+                Some(_) => {
+                    unlinked.remove(endpoint);
+                }
+                None => {}
+            }
+        }
         match fabric.offer() {
-            Ok(id) => Some((fabric, id)),
+            Ok(id) => Some((
+                fabric.clone(),
+                LinkOffer {
+                    kind: fabric.kind(),
+                    id,
+                    device: fabric.device(),
+                },
+            )),
             Err(e) => {
                 tracing::warn!(error = %e, link = fabric.kind().name(), "no KV payload link offered");
                 None
@@ -164,7 +189,7 @@ impl KvTransport for TcpTransport {
         transfer: u64,
     ) -> BoxFuture<'a, Result<Box<dyn KvStream>, TransferError>> {
         Box::pin(async move {
-            let offer = self.offer();
+            let offer = self.offer(endpoint);
             let connect = async {
                 let mut s = TcpStream::connect(endpoint).await?;
                 s.set_nodelay(true)?;
@@ -174,7 +199,7 @@ impl KvTransport for TcpTransport {
                     self.shape.as_ref(),
                     transfer,
                     endpoint,
-                    offer.as_ref().map(|(f, id)| (f.kind(), *id)),
+                    offer.as_ref().map(|(_, o)| *o),
                 )
                 .await?;
                 Ok::<_, TransferError>((s, session))
@@ -187,11 +212,11 @@ impl KvTransport for TcpTransport {
                 .and_then(|r| r);
             // The offered pair: joined as rank 0 where the receiver joined it, given up otherwise.
             let link = match (&connected, offer) {
-                (Ok((_, session)), Some((fabric, id))) if session.link().is_some() => {
-                    Some(fabric.join(id, 0)?)
+                (Ok((_, session)), Some((fabric, o))) if session.link().is_some() => {
+                    Some(fabric.join(o.id, 0)?)
                 }
-                (_, Some((fabric, id))) => {
-                    fabric.withdraw(id);
+                (_, Some((fabric, o))) => {
+                    fabric.withdraw(o.id);
                     None
                 }
                 (_, None) => None,
@@ -201,6 +226,8 @@ impl KvTransport for TcpTransport {
                 sock,
                 session,
                 link,
+                endpoint: endpoint.to_string(),
+                unlinked: self.unlinked.clone(),
                 seq: 0,
                 #[cfg(feature = "fault-injection")]
                 fault: self.fault.clone(),
@@ -214,6 +241,9 @@ struct TcpKvStream {
     session: Session,
     /// The payload link both sides joined: block payloads go on it, their headers on `sock`.
     link: Option<PairLink>,
+    /// The receiver's endpoint, and where its link is marked failed when it fails.
+    endpoint: String,
+    unlinked: Arc<Mutex<HashMap<String, Instant>>>,
     /// The number of the next frame: what its tag covers.
     seq: u64,
     #[cfg(feature = "fault-injection")]
@@ -325,7 +355,21 @@ impl KvStream for TcpKvStream {
                         headers.iter().map(|h| std::io::IoSlice::new(h)).collect();
                     write_all_vectored(&mut self.sock, &mut slices).await?;
                     for (i, f) in batch.iter().enumerate() {
-                        link.send(payload(i, f).to_vec()).await?;
+                        if let Err(e) = link.send(payload(i, f).to_vec()).await {
+                            // The transfer fails (and is retried); the next ones to this
+                            // receiver go over TCP for a while rather than fail the same way.
+                            tracing::warn!(
+                                endpoint = %self.endpoint,
+                                error = %e,
+                                "KV payload link failed: payloads to this receiver go over TCP for {} s",
+                                UNLINKED_FOR.as_secs()
+                            );
+                            self.unlinked
+                                .lock()
+                                .expect("unlinked")
+                                .insert(self.endpoint.clone(), Instant::now() + UNLINKED_FOR);
+                            return Err(e);
+                        }
                     }
                     rest = tail;
                     continue;

@@ -9,10 +9,11 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use tandem_kv_transfer::link::LINK_ID;
 use tandem_kv_transfer::wire::{FrameHeader, FrameKind, MAX_CONTEXT};
 use tandem_kv_transfer::{
-    BlockFrame, BlockId, BlockSink, KvReceiver, KvTransport, LinkFabric, LinkKind, Secret,
-    TcpTransport, ThreadFabric, TransferError, WireFault,
+    BlockFrame, BlockId, BlockSink, KvReceiver, KvTransport, LinkFabric, LinkKind, LinkOffer,
+    PairLink, Secret, TcpTransport, ThreadFabric, TransferError, WireFault,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -365,13 +366,17 @@ async fn flipped_byte(linked: bool) {
 /// included, and the headers still come over the connection. A receiver with no fabric declines
 /// the offer, and the same transfer goes whole over the connection; either way the sender's
 /// offered pair is joined or withdrawn, never left behind.
+/// An offer from the receiver's own device (two workers sharing a GPU, where NCCL would refuse
+/// the pair) is declined the same way.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn payloads_on_a_link_land_intact_and_a_declined_offer_goes_over_the_connection() {
-    let fabric = ThreadFabric::new(Duration::from_secs(30));
-    for joins in [true, false] {
+    let plain = ThreadFabric::new(Duration::from_secs(30));
+    let one_gpu = ThreadFabric::on_device(Duration::from_secs(30), [0x42; 16]);
+    for (fabric, receiver_has_one) in [(&plain, true), (&plain, false), (&one_gpu, true)] {
+        let joins = receiver_has_one && fabric.device() == [0; 16];
         let rx = receiver().await;
-        if joins {
-            rx.join_links(fabric.clone());
+        if receiver_has_one {
+            rx.join_links((*fabric).clone());
         }
         let sink = MemSink::new(1002, 3);
         let blocks = [1u32, 6, 8];
@@ -401,6 +406,72 @@ async fn payloads_on_a_link_land_intact_and_a_declined_offer_goes_over_the_conne
     }
 }
 
+/// A fabric whose sender ends cannot build their rank (an NCCL initialisation that fails on the
+/// prefill side); the receiver's ends are real thread ranks.
+struct BrokenSenderFabric(Arc<ThreadFabric>);
+
+impl LinkFabric for BrokenSenderFabric {
+    fn kind(&self) -> LinkKind {
+        LinkKind::Threads
+    }
+    fn offer(&self) -> Result<[u8; LINK_ID], TransferError> {
+        self.0.offer()
+    }
+    fn join(&self, id: [u8; LINK_ID], rank: usize) -> Result<PairLink, TransferError> {
+        if rank == 1 {
+            return self.0.join(id, 1);
+        }
+        self.0.withdraw(id);
+        PairLink::start::<tandem_collective::ThreadRank, _>(LinkKind::Threads, || {
+            Err(tandem_collective::CollectiveError::Device(
+                "ncclCommInitRank: unhandled system error".into(),
+            ))
+        })
+    }
+    fn withdraw(&self, id: [u8; LINK_ID]) {
+        self.0.withdraw(id)
+    }
+}
+
+/// A link that fails on the sender's side fails that transfer on both sides (the receiver's at
+/// its link's watchdog, `link_failed`), and the next transfer to the same receiver is offered
+/// no link: it goes whole over TCP instead of failing the same way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_link_fails_its_transfer_and_that_receiver_then_gets_tcp() {
+    let threads = ThreadFabric::new(Duration::from_millis(300));
+    let rx = receiver().await;
+    rx.join_links(threads.clone());
+    let t = TcpTransport::new(secret()).with_link(Arc::new(BrokenSenderFabric(threads.clone())));
+    let sink = MemSink::new(256, 1);
+
+    let mut grant = rx.grant(&ids(&[1]), sink.clone(), Duration::from_secs(600));
+    let mut s = t.open(&rx.endpoint(), grant.id()).await.unwrap();
+    let e = s
+        .send_block(grant.id(), 0, BlockId(1), &payload(0, 1, 256))
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("unhandled system error"), "{e}");
+    let r = grant.wait().await;
+    assert!(
+        matches!(r, Err(TransferError::Rejected("link_failed"))),
+        "{r:?}"
+    );
+    drop(s);
+
+    let mut grant = rx.grant(&ids(&[2]), sink.clone(), Duration::from_secs(600));
+    let mut s = t.open(&rx.endpoint(), grant.id()).await.unwrap();
+    s.send_block(grant.id(), 0, BlockId(2), &payload(0, 2, 256))
+        .await
+        .unwrap();
+    s.end(grant.id()).await.unwrap();
+    grant.wait().await.unwrap();
+    assert_eq!(sink.get(0, 2), Some(payload(0, 2, 256)));
+    assert_eq!((rx.bytes_received(), rx.link_bytes_received()), (256, 0));
+    assert_eq!(rx.rejections().link_failed.load(Ordering::Relaxed), 1);
+    assert_eq!(threads.pending(), 0);
+}
+
 /// A header whose payload never comes on the link fails its transfer at the link's watchdog,
 /// counted as `link_failed`, and the connection closes; a header naming a link its connection
 /// does not have is refused the same way at once. Nothing reaches the pool.
@@ -417,18 +488,23 @@ async fn a_link_payload_that_never_comes_fails_the_transfer() {
     let mut raw = tokio::net::TcpStream::connect(rx.local_addr())
         .await
         .unwrap();
-    let id = fabric.offer().unwrap();
+    let offer = LinkOffer {
+        kind: LinkKind::Threads,
+        id: fabric.offer().unwrap(),
+        device: fabric.device(),
+    };
+    let id = offer.id;
     let session = tandem_kv_transfer::auth::connect_linked(
         &mut raw,
         &secret(),
         None,
         grant.id(),
         &rx.endpoint(),
-        Some((LinkKind::Threads, id)),
+        Some(offer),
     )
     .await
     .unwrap();
-    assert_eq!(session.link(), Some((LinkKind::Threads, id)));
+    assert_eq!(session.link(), Some(offer));
     let _silent = fabric.join(id, 0).unwrap();
     let h = FrameHeader::block(grant.id(), 0, 2, &body).via_link();
     raw.write_all(&sealed(&session, 0, h, &[])).await.unwrap();
