@@ -20,11 +20,14 @@
 //! tag, HMAC(session key, frame number | header)[..16] (the header holds the payload's xxh3), so
 //! no frame can be injected, replayed or reordered on the connection.
 //!
-//! A link offer is a [`LinkKind`] byte (0: none) and, after a kind, the pair's id
-//! ([`LINK_ID`] bytes) and the sender's device ([`LINK_DEVICE`] bytes, zeros for none): the sender offers to carry block payloads on a payload link beside the
+//! A link offer is a [`LinkKind`] byte (0: none) and, after a kind, a flags byte (bit 0: a pair
+//! joined before, offered again), the pair's id ([`LINK_ID`] bytes) and the sender's device
+//! ([`LINK_DEVICE`] bytes, zeros for none): the sender offers to carry block payloads on a payload link beside the
 //! connection (NCCL between two GPUs, see [`crate::link`]); the receiver answers 1 when it joined
-//! the pair as its rank, 0 when it declines (no fabric of that kind, its own device, a refused
-//! connection) and the connection carries every payload itself.
+//! the pair as its rank (or took its idle end of a pair offered again), 0 when it declines (no
+//! fabric of that kind, its own device, a refused connection, a pair it no longer has) and 2 when
+//! a pair offered again is still busy with the connection before; on 0 and 2 the connection
+//! carries every payload itself.
 //!
 //! A shape is a u32 length and a [`KvShape`] (length 0: none given). Both sides check the
 //! other's MAC in constant time. The receiver reads no frame before the sender's MAC checks out
@@ -36,7 +39,7 @@ use rand::RngCore;
 use sha2::Sha256;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-use crate::link::{LinkKind, LinkOffer, LINK_DEVICE, LINK_ID};
+use crate::link::{LinkAnswer, LinkKind, LinkOffer, LINK_DEVICE, LINK_ID};
 use crate::shape::{KvShape, MAX_SHAPE};
 use crate::wire::{HEADER_LEN, HELLO_MAGIC, TAG_AT, VERSION};
 use crate::TransferError;
@@ -125,6 +128,7 @@ pub struct Session {
     peer: Option<KvShape>,
     key: Hmac<Sha256>,
     link: Option<LinkOffer>,
+    answer: LinkAnswer,
 }
 
 impl std::fmt::Debug for Session {
@@ -156,7 +160,13 @@ impl Session {
             peer,
             key: Hmac::<Sha256>::new_from_slice(&key).expect("HMAC takes any key length"),
             link: None,
+            answer: LinkAnswer::Declined,
         }
+    }
+
+    /// How the receiver answered this side's link offer (declined where none was made).
+    pub fn link_answer(&self) -> LinkAnswer {
+        self.answer
     }
 
     /// The payload link both sides joined in the handshake (as the sender offered it), if
@@ -238,12 +248,12 @@ async fn read_shape<S: AsyncRead + Unpin>(
     Ok((raw, shape))
 }
 
-/// A link offer as the handshake carries it: a kind byte (0: none), then the pair's id and the
-/// sender's device.
+/// A link offer as the handshake carries it: a kind byte (0: none), then flags, the pair's id
+/// and the sender's device.
 fn offer_bytes(offer: Option<&LinkOffer>) -> Vec<u8> {
     match offer {
         None => vec![0],
-        Some(o) => [&[o.kind as u8][..], &o.id, &o.device].concat(),
+        Some(o) => [&[o.kind as u8, o.reuse as u8][..], &o.id, &o.device].concat(),
     }
 }
 
@@ -257,12 +267,19 @@ async fn read_offer<S: AsyncRead + Unpin>(
     if kind[0] == 0 {
         return Ok((kind.to_vec(), None));
     }
+    let mut flags = [0u8];
+    s.read_exact(&mut flags).await?;
     let mut id = [0u8; LINK_ID];
     s.read_exact(&mut id).await?;
     let mut device = [0u8; LINK_DEVICE];
     s.read_exact(&mut device).await?;
-    let raw = [&kind[..], &id, &device].concat();
-    let offer = LinkKind::from_byte(kind[0]).map(|kind| LinkOffer { kind, id, device });
+    let raw = [&kind[..], &flags, &id, &device].concat();
+    let offer = LinkKind::from_byte(kind[0]).map(|kind| LinkOffer {
+        kind,
+        id,
+        device,
+        reuse: flags[0] & 1 == 1,
+    });
     Ok((raw, offer))
 }
 
@@ -305,19 +322,19 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
     shape: Option<&KvShape>,
     admit: impl FnOnce(u64, &str) -> Result<(), String>,
 ) -> Result<Session, TransferError> {
-    accept_linked(s, secret, shape, admit, |_| false).await
+    accept_linked(s, secret, shape, admit, |_| LinkAnswer::Declined).await
 }
 
 /// [`accept`], where a sender may offer a payload link: `join` is asked, once the connection is
-/// admitted, to join the offered pair (of a kind this side knows) as the receiver's rank, and
-/// says whether it did; the answer goes back under this side's MAC, and the session names the link
-/// when it was joined.
+/// admitted, to join the offered pair (of a kind this side knows) as the receiver's rank, or take
+/// its idle end of a pair offered again, and answers; the answer goes back under this side's
+/// MAC, and the session names the link when it was joined.
 pub async fn accept_linked<S: AsyncRead + AsyncWrite + Unpin>(
     s: &mut S,
     secret: &Secret,
     shape: Option<&KvShape>,
     admit: impl FnOnce(u64, &str) -> Result<(), String>,
-    join: impl FnOnce(&LinkOffer) -> bool,
+    join: impl FnOnce(&LinkOffer) -> LinkAnswer,
 ) -> Result<Session, TransferError> {
     let rn = nonce();
     let rshape = shape_bytes(shape);
@@ -380,10 +397,15 @@ pub async fn accept_linked<S: AsyncRead + AsyncWrite + Unpin>(
             .map(|w| (3u8, w))
     });
     // The offered link, joined only on a connection admitted, of a kind this side knows.
-    let link = match (&refusal, offer) {
-        (None, Some(offer)) => Some(offer).filter(|o| join(o)),
-        _ => None,
+    let answer = match (&refusal, &offer) {
+        (None, Some(o)) => match join(o) {
+            // Busy is an answer to a pair offered again only.
+            LinkAnswer::Busy if !o.reuse => LinkAnswer::Declined,
+            a => a,
+        },
+        _ => LinkAnswer::Declined,
     };
+    let link = offer.filter(|_| answer == LinkAnswer::Joined);
     // Status, then (status 2 or 3) the reason, then the link answer, then the MAC over them and
     // the hello messages.
     let mut head = vec![refusal.as_ref().map_or(0, |(st, _)| *st)];
@@ -392,7 +414,7 @@ pub async fn accept_linked<S: AsyncRead + AsyncWrite + Unpin>(
         head.extend_from_slice(&(w.len() as u16).to_le_bytes());
         head.extend_from_slice(w);
     }
-    head.push(link.is_some() as u8);
+    head.push(answer as u8);
     let mac = secret
         .mac(
             RECEIVER_LABEL,
@@ -411,6 +433,7 @@ pub async fn accept_linked<S: AsyncRead + AsyncWrite + Unpin>(
         Some((_, why)) => Err(TransferError::NotGranted(why)),
         None => Ok(Session {
             link,
+            answer,
             ..Session::new(secret, &binding, theirs)
         }),
     }
@@ -514,9 +537,10 @@ pub async fn connect_linked<S: AsyncRead + AsyncWrite + Unpin>(
             "the receiver refused transfer {transfer:#x} at {endpoint}: {why}"
         ))),
         None => {
-            let link = match (answer[0], offer) {
-                (0, _) => None,
-                (1, Some(offer)) => Some(offer),
+            let answer = match (answer[0], offer) {
+                (0, _) => LinkAnswer::Declined,
+                (1, Some(_)) => LinkAnswer::Joined,
+                (2, Some(o)) if o.reuse => LinkAnswer::Busy,
                 (a, _) => {
                     return Err(TransferError::Handshake(format!(
                         "the receiver answered a link offer with {a}{}",
@@ -529,7 +553,8 @@ pub async fn connect_linked<S: AsyncRead + AsyncWrite + Unpin>(
                 }
             };
             Ok(Session {
-                link,
+                link: offer.filter(|_| answer == LinkAnswer::Joined),
+                answer,
                 ..Session::new(secret, &binding, theirs)
             })
         }
@@ -743,7 +768,12 @@ mod tests {
         let s = Secret::new("0123456789abcdef-cluster").unwrap();
         let id = [0x5a; LINK_ID];
         let device = [0xd7; LINK_DEVICE];
-        let offer = |kind| LinkOffer { kind, id, device };
+        let offer = |kind| LinkOffer {
+            kind,
+            id,
+            device,
+            reuse: false,
+        };
         for (kind, joins, t, want) in [
             (LinkKind::Threads as u8, true, T, true),
             (LinkKind::Nccl as u8, false, T, false),
@@ -754,7 +784,10 @@ mod tests {
             let mut asked = None;
             let join = |o: &LinkOffer| {
                 asked = Some(*o);
-                joins
+                match joins {
+                    true => LinkAnswer::Joined,
+                    false => LinkAnswer::Declined,
+                }
             };
             // The sender's own half, with a raw kind byte (a kind this build may not know).
             let sender = async {
@@ -762,7 +795,7 @@ mod tests {
                 let (rshape, _) = read_shape(&mut b).await.unwrap();
                 let sn = nonce();
                 let (sshape, tb, eb) = (shape_bytes(None), t.to_le_bytes(), EP.as_bytes());
-                let ob = [&[kind][..], &id, &device].concat();
+                let ob = [&[kind, 0][..], &id, &device].concat();
                 let mut msg = hello(&sn);
                 for part in [&sshape[..], &tb, &(eb.len() as u16).to_le_bytes(), eb, &ob] {
                     msg.extend_from_slice(part);
@@ -788,11 +821,49 @@ mod tests {
         for joins in [true, false] {
             let (mut a, mut b) = tokio::io::duplex(4096);
             let (r, c) = tokio::join!(
-                accept_linked(&mut a, &s, None, admit, |_| joins),
+                accept_linked(&mut a, &s, None, admit, |_| match joins {
+                    true => LinkAnswer::Joined,
+                    false => LinkAnswer::Declined,
+                }),
                 connect_linked(&mut b, &s, None, T, EP, Some(offer(LinkKind::Nccl)))
             );
             let want = joins.then_some(offer(LinkKind::Nccl));
             assert_eq!((r.unwrap().link(), c.unwrap().link()), (want, want));
+        }
+
+        // A pair offered again: taken, gone, or busy (which a fresh offer cannot be told).
+        let again = LinkOffer {
+            reuse: true,
+            ..offer(LinkKind::Nccl)
+        };
+        for (o, said, want) in [
+            (again, LinkAnswer::Joined, LinkAnswer::Joined),
+            (again, LinkAnswer::Declined, LinkAnswer::Declined),
+            (again, LinkAnswer::Busy, LinkAnswer::Busy),
+            (
+                offer(LinkKind::Nccl),
+                LinkAnswer::Busy,
+                LinkAnswer::Declined,
+            ),
+        ] {
+            let (mut a, mut b) = tokio::io::duplex(4096);
+            let mut seen = None;
+            let (r, c) = tokio::join!(
+                accept_linked(&mut a, &s, None, admit, |o| {
+                    seen = Some(o.reuse);
+                    said
+                }),
+                connect_linked(&mut b, &s, None, T, EP, Some(o))
+            );
+            let (r, c) = (r.unwrap(), c.unwrap());
+            assert_eq!(seen, Some(o.reuse));
+            assert_eq!(
+                (r.link_answer(), c.link_answer()),
+                (want, want),
+                "{o:?} {said:?}"
+            );
+            let joined = (want == LinkAnswer::Joined).then_some(o);
+            assert_eq!((r.link(), c.link()), (joined, joined));
         }
 
         // A relay that rewrites the offered id: the receiver's MAC check fails.
@@ -803,15 +874,15 @@ mod tests {
             mid_a.read_exact(&mut first).await.unwrap();
             mid_b.write_all(&first).await.unwrap();
             let mut msg =
-                vec![0u8; 6 + NONCE + 4 + 8 + 2 + EP.len() + 1 + LINK_ID + LINK_DEVICE + MAC];
+                vec![0u8; 6 + NONCE + 4 + 8 + 2 + EP.len() + 2 + LINK_ID + LINK_DEVICE + MAC];
             mid_b.read_exact(&mut msg).await.unwrap();
-            msg[6 + NONCE + 4 + 8 + 2 + EP.len() + 1] ^= 1;
+            msg[6 + NONCE + 4 + 8 + 2 + EP.len() + 2] ^= 1;
             mid_a.write_all(&msg).await.unwrap();
             let _ = tokio::io::copy_bidirectional(&mut mid_a, &mut mid_b).await;
         };
         let (r, _, _) = tokio::join!(
             async {
-                let r = accept_linked(&mut a, &s, None, admit, |_| true).await;
+                let r = accept_linked(&mut a, &s, None, admit, |_| LinkAnswer::Joined).await;
                 drop(a);
                 r
             },

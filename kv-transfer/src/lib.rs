@@ -29,7 +29,7 @@ pub use auth::Secret;
 pub use disk::{DiskError, DiskTier, DiskTierConfig, DiskTierStats};
 #[cfg(feature = "fault-injection")]
 pub use fault::WireFault;
-pub use link::{LinkFabric, LinkKind, LinkOffer, NcclFabric, PairLink, ThreadFabric};
+pub use link::{LinkAnswer, LinkFabric, LinkKind, LinkOffer, NcclFabric, PairLink, ThreadFabric};
 pub use receiver::{BlockSink, KvReceiver, Rejections, TransferGrant, TransferStats};
 pub use regroup::{FramePlan, HeadsKv, OutgoingChunk};
 pub use shape::{convert_values, regroup, Float, KvShape};

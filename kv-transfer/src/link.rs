@@ -73,6 +73,25 @@ pub struct LinkOffer {
     pub id: [u8; LINK_ID],
     /// The device the sender's rank runs on (zeros: none).
     pub device: [u8; LINK_DEVICE],
+    /// The pair is one both sides joined on an earlier connection, offered again: the receiver
+    /// takes its idle end of it instead of joining a new pair (an NCCL communicator is made once
+    /// per pair of ranks, not once per transfer).
+    pub reuse: bool,
+}
+
+/// A receiver's answer to a link offer (under its MAC).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum LinkAnswer {
+    /// Not taken: this connection carries every payload; a reused pair is gone on the receiver
+    /// (the sender drops its end too).
+    Declined = 0,
+    /// Joined (or, for a reuse, taken): payloads come on the link.
+    Joined = 1,
+    /// A reused pair still busy on the receiver with the connection before (it has not read
+    /// that connection's end yet): this connection carries every payload, and the sender keeps
+    /// its end for the next.
+    Busy = 2,
 }
 
 /// What a worker makes payload links with.
@@ -301,6 +320,7 @@ impl LinkFabric for NcclFabric {
 pub struct ThreadFabric {
     watchdog: Duration,
     device: [u8; LINK_DEVICE],
+    offered: std::sync::atomic::AtomicU64,
     pending: Mutex<HashMap<[u8; LINK_ID], [Option<ThreadRank>; 2]>>,
 }
 
@@ -316,8 +336,14 @@ impl ThreadFabric {
         Arc::new(Self {
             watchdog,
             device,
+            offered: Default::default(),
             pending: Mutex::default(),
         })
+    }
+
+    /// Pairs offered so far.
+    pub fn offered(&self) -> u64 {
+        self.offered.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Pairs offered and not yet joined by both sides.
@@ -338,6 +364,8 @@ impl LinkFabric for ThreadFabric {
     fn offer(&self) -> Result<[u8; LINK_ID], TransferError> {
         let mut id = [0u8; LINK_ID];
         rand::rngs::OsRng.fill_bytes(&mut id);
+        self.offered
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut ranks = ThreadGroup::ranks(2, 1, self.watchdog).into_iter();
         let pair = [ranks.next(), ranks.next()];
         self.pending.lock().expect("pending").insert(id, pair);

@@ -23,7 +23,7 @@ use tokio::time::Instant;
 use tandem_types::BlockId;
 
 use crate::auth::{self, Secret};
-use crate::link::{LinkFabric, PairLink};
+use crate::link::{LinkAnswer, LinkFabric, LinkOffer, PairLink, LINK_DEVICE, LINK_ID};
 use crate::shape::{convert_values, Float, KvShape};
 use crate::wire::{checksum, FrameHeader, FrameKind, HEADER_LEN, MAX_CONTEXT};
 use crate::TransferError;
@@ -198,8 +198,93 @@ struct Inner {
     bytes: AtomicU64,
     /// Of those, the bytes that came on payload links.
     link_bytes: AtomicU64,
-    /// What payload links offered by senders are joined with (none: every offer is declined).
-    link: Mutex<Option<Arc<dyn LinkFabric>>>,
+    /// The payload links senders offer, and the pairs joined.
+    links: Mutex<ReceiverLinks>,
+}
+
+/// Most payload links a receiver keeps (each an NCCL communicator holding device buffers); past
+/// it, the one idle longest is dropped for a new one, or the offer declined when none is idle.
+const MAX_LINKS: usize = 64;
+/// How long an idle link is kept for its sender's next connection.
+const IDLE_LINK_FOR: Duration = Duration::from_secs(600);
+
+/// A receiver's payload links: the fabric it joins senders' offers with (none: every offer is
+/// declined), and every pair joined, by id: idle since when, or busy with a connection (None).
+#[derive(Default)]
+struct ReceiverLinks {
+    fabric: Option<Arc<dyn LinkFabric>>,
+    pairs: HashMap<[u8; LINK_ID], Option<(PairLink, Instant)>>,
+}
+
+impl ReceiverLinks {
+    /// The answer to `offer`, and this side's end of the pair when it is taken.
+    fn answer(&mut self, offer: &LinkOffer) -> (LinkAnswer, Option<PairLink>) {
+        let Some(f) = self.fabric.clone().filter(|f| f.kind() == offer.kind) else {
+            return (LinkAnswer::Declined, None);
+        };
+        // Both ranks on one device (a prefill and a decode worker sharing a GPU): NCCL refuses
+        // such a pair, so the connection keeps the payloads.
+        if offer.device != [0; LINK_DEVICE] && offer.device == f.device() {
+            return (LinkAnswer::Declined, None);
+        }
+        let now = Instant::now();
+        self.pairs.retain(|_, p| {
+            p.as_ref()
+                .is_none_or(|(_, since)| now.duration_since(*since) < IDLE_LINK_FOR)
+        });
+        if offer.reuse {
+            return match self.pairs.get_mut(&offer.id) {
+                None => (LinkAnswer::Declined, None),
+                Some(None) => (LinkAnswer::Busy, None),
+                Some(idle) => (LinkAnswer::Joined, idle.take().map(|(end, _)| end)),
+            };
+        }
+        if self.pairs.contains_key(&offer.id) {
+            return (LinkAnswer::Declined, None);
+        }
+        if self.pairs.len() >= MAX_LINKS {
+            let longest_idle = self
+                .pairs
+                .iter()
+                .filter_map(|(id, p)| p.as_ref().map(|(_, since)| (*since, *id)))
+                .min();
+            match longest_idle {
+                Some((_, id)) => drop(self.pairs.remove(&id)),
+                None => return (LinkAnswer::Declined, None),
+            }
+        }
+        match f.join(offer.id, 1) {
+            Ok(end) => {
+                self.pairs.insert(offer.id, None);
+                (LinkAnswer::Joined, Some(end))
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, link = offer.kind.name(), "kv payload link declined");
+                (LinkAnswer::Declined, None)
+            }
+        }
+    }
+}
+
+/// A connection's hold on its payload link: idle again when the connection ends in step (every
+/// payload whose header it read taken from the link), dropped and forgotten otherwise.
+struct LinkLease {
+    inner: Arc<Inner>,
+    id: [u8; LINK_ID],
+    end: Option<PairLink>,
+    in_step: bool,
+}
+
+impl Drop for LinkLease {
+    fn drop(&mut self) {
+        let mut links = self.inner.links.lock().expect("links");
+        match (self.end.take(), self.in_step) {
+            (Some(end), true) => {
+                links.pairs.insert(self.id, Some((end, Instant::now())));
+            }
+            _ => drop(links.pairs.remove(&self.id)),
+        }
+    }
 }
 
 impl Inner {
@@ -243,7 +328,7 @@ impl KvReceiver {
             rejections: Rejections::default(),
             bytes: AtomicU64::new(0),
             link_bytes: AtomicU64::new(0),
-            link: Mutex::new(None),
+            links: Mutex::default(),
         });
         let weak = Arc::downgrade(&inner);
         tokio::spawn(async move {
@@ -278,7 +363,19 @@ impl KvReceiver {
     /// block payloads then come on the link, their headers over the connection. Without one,
     /// every offer is declined.
     pub fn join_links(&self, fabric: Arc<dyn LinkFabric>) {
-        *self.inner.link.lock().expect("link") = Some(fabric);
+        self.inner.links.lock().expect("links").fabric = Some(fabric);
+    }
+
+    /// Payload links joined and idle, kept for their senders' next connections.
+    pub fn idle_links(&self) -> usize {
+        let links = self.inner.links.lock().expect("links");
+        links.pairs.values().filter(|p| p.is_some()).count()
+    }
+
+    /// Payload links held by a connection now.
+    pub fn busy_links(&self) -> usize {
+        let links = self.inner.links.lock().expect("links");
+        links.pairs.values().filter(|p| p.is_none()).count()
     }
 
     /// The endpoint senders must name in their handshake.
@@ -616,18 +713,36 @@ impl FrameReader {
 }
 
 /// Takes a link payload of `len` bytes for the connection bound to `bound`, failing that
-/// transfer when it does not come.
+/// transfer when it does not come. As a read of the connection does, it waits as long as the
+/// transfer's grant lives: once the grant is gone (a sender that stopped mid-frame, whose
+/// attempt its decode worker gave up) the connection closes, its link given up, instead of
+/// waiting out the link's watchdog.
 async fn from_link(
     inner: &Inner,
     bound: u64,
     end: &PairLink,
     len: usize,
 ) -> Result<Vec<u8>, TransferError> {
-    end.recv(len).await.inspect_err(|e| {
-        inner.rejections.link_failed.fetch_add(1, Ordering::Relaxed);
-        tracing::warn!(transfer = bound, error = %e, "kv payload link failed: closing");
-        inner.fail(bound, TransferError::Rejected("link_failed"));
-    })
+    let recv = end.recv(len);
+    tokio::pin!(recv);
+    loop {
+        match tokio::time::timeout(LIVENESS_CHECK, &mut recv).await {
+            Ok(r) => {
+                return r.inspect_err(|e| {
+                    inner.rejections.link_failed.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(transfer = bound, error = %e, "kv payload link failed: closing");
+                    inner.fail(bound, TransferError::Rejected("link_failed"));
+                })
+            }
+            Err(_) if !inner.grants.lock().expect("grants").contains_key(&bound) => {
+                return Err(TransferError::Link(
+                    "the connection's transfer ended while a payload was awaited on the link: closing it"
+                        .into(),
+                ))
+            }
+            Err(_) => {}
+        }
+    }
 }
 
 async fn serve_connection(inner: &Arc<Inner>, mut sock: TcpStream) -> Result<(), TransferError> {
@@ -647,28 +762,20 @@ async fn serve_connection(inner: &Arc<Inner>, mut sock: TcpStream) -> Result<(),
             )),
         }
     };
-    // A sender's offered link, joined where this receiver has a fabric of its kind.
-    let fabric = inner.link.lock().expect("link").clone();
-    let mut link: Option<PairLink> = None;
-    let join = |offer: &crate::LinkOffer| {
-        let Some(f) = fabric.as_ref().filter(|f| f.kind() == offer.kind) else {
-            return false;
-        };
-        // Both ranks on one device (a prefill and a decode worker sharing a GPU): NCCL refuses
-        // such a pair, so the connection keeps the payloads.
-        if offer.device != [0; crate::link::LINK_DEVICE] && offer.device == f.device() {
-            return false;
+    // A sender's offered link: joined, or taken idle, where this receiver has a fabric of its
+    // kind; the connection holds it until it ends.
+    let mut lease: Option<LinkLease> = None;
+    let join = |offer: &LinkOffer| {
+        let (answer, end) = inner.links.lock().expect("links").answer(offer);
+        if let Some(end) = end {
+            lease = Some(LinkLease {
+                inner: inner.clone(),
+                id: offer.id,
+                end: Some(end),
+                in_step: false,
+            });
         }
-        match f.join(offer.id, 1) {
-            Ok(end) => {
-                link = Some(end);
-                true
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, link = offer.kind.name(), "kv payload link declined");
-                false
-            }
-        }
+        answer
     };
     let handshake = tokio::time::timeout(
         Duration::from_secs(5),
@@ -716,8 +823,14 @@ async fn serve_connection(inner: &Arc<Inner>, mut sock: TcpStream) -> Result<(),
     let mut ended_told = false;
     loop {
         if !r.fill(HEADER_LEN, true).await? {
+            // Ended between frames: every payload its headers announced was taken from the
+            // link, which can serve the sender's next connection.
+            if let Some(lease) = lease.as_mut() {
+                lease.in_step = true;
+            }
             return Ok(());
         }
+        let conn_link = lease.as_ref().and_then(|l| l.end.as_ref());
         let hb: &[u8; HEADER_LEN] = r.take(HEADER_LEN).try_into().expect("header length");
         // The tag first: a header not sealed with this session's key as its frame number is
         // not the sender's, and nothing after it can be trusted.
@@ -741,7 +854,7 @@ async fn serve_connection(inner: &Arc<Inner>, mut sock: TcpStream) -> Result<(),
             }
         };
         // A payload on the link: only a block frame's, only on a connection that joined one.
-        let link = match (h.on_link, &link) {
+        let link = match (h.on_link, conn_link) {
             (false, _) => None,
             (true, Some(end)) if h.kind == FrameKind::Block => Some(end),
             (true, _) => {
@@ -942,5 +1055,123 @@ async fn serve_connection(inner: &Arc<Inner>, mut sock: TcpStream) -> Result<(),
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::link::{LinkKind, ThreadFabric};
+
+    fn offer(fabric: &ThreadFabric, reuse: bool, id: [u8; LINK_ID]) -> LinkOffer {
+        LinkOffer {
+            kind: fabric.kind(),
+            id,
+            device: [0; LINK_DEVICE],
+            reuse,
+        }
+    }
+
+    /// A receiver's links: a new pair is joined and busy; offered again it is busy until its
+    /// connection gives it back in step, then taken; one given back out of step is gone (offered
+    /// again: declined); an offer from its own device, of another kind or with no fabric is
+    /// declined; past the bound the longest idle is dropped, and with every pair busy a new one
+    /// is declined.
+    #[tokio::test]
+    async fn links_are_joined_kept_idle_taken_again_and_bounded() {
+        let inner = Arc::new(Inner {
+            secret: Secret::random(),
+            shape: None,
+            endpoint: Mutex::new(String::new()),
+            grants: Mutex::default(),
+            rejections: Rejections::default(),
+            bytes: AtomicU64::new(0),
+            link_bytes: AtomicU64::new(0),
+            links: Mutex::default(),
+        });
+        let fabric = ThreadFabric::new(Duration::from_secs(30));
+        let answer = |o: &LinkOffer| inner.links.lock().unwrap().answer(o);
+        let lease = |id, end| LinkLease {
+            inner: inner.clone(),
+            id,
+            end,
+            in_step: false,
+        };
+        let id = fabric.offer().unwrap();
+        assert_eq!(
+            answer(&offer(&fabric, false, id)).0,
+            LinkAnswer::Declined,
+            "no fabric"
+        );
+        inner.links.lock().unwrap().fabric = Some(fabric.clone());
+
+        let (a, end) = answer(&offer(&fabric, false, id));
+        assert_eq!((a, end.is_some()), (LinkAnswer::Joined, true));
+        assert_eq!(answer(&offer(&fabric, true, id)).0, LinkAnswer::Busy);
+        assert_eq!(
+            answer(&offer(&fabric, false, id)).0,
+            LinkAnswer::Declined,
+            "joined already"
+        );
+        let mut held = lease(id, end);
+        held.in_step = true;
+        drop(held);
+        let (a, end) = answer(&offer(&fabric, true, id));
+        assert_eq!((a, end.is_some()), (LinkAnswer::Joined, true));
+        drop(lease(id, end));
+        assert_eq!(
+            answer(&offer(&fabric, true, id)).0,
+            LinkAnswer::Declined,
+            "given back out of step"
+        );
+
+        let own = ThreadFabric::on_device(Duration::from_secs(30), [9; LINK_DEVICE]);
+        inner.links.lock().unwrap().fabric = Some(own.clone());
+        let mine = LinkOffer {
+            device: [9; LINK_DEVICE],
+            ..offer(&own, false, own.offer().unwrap())
+        };
+        assert_eq!(answer(&mine).0, LinkAnswer::Declined, "its own device");
+        let nccl = LinkOffer {
+            kind: LinkKind::Nccl,
+            ..offer(&own, false, [1; LINK_ID])
+        };
+        assert_eq!(answer(&nccl).0, LinkAnswer::Declined, "another kind");
+
+        inner.links.lock().unwrap().fabric = Some(fabric.clone());
+        let mut leases = Vec::new();
+        for _ in 0..MAX_LINKS {
+            let id = fabric.offer().unwrap();
+            let (a, end) = answer(&offer(&fabric, false, id));
+            assert_eq!(a, LinkAnswer::Joined);
+            leases.push(lease(id, end));
+        }
+        let extra = fabric.offer().unwrap();
+        assert_eq!(
+            answer(&offer(&fabric, false, extra)).0,
+            LinkAnswer::Declined,
+            "all busy"
+        );
+        let first = leases[0].id;
+        for l in &mut leases {
+            l.in_step = true;
+        }
+        drop(leases);
+        // The first made the longest idle, whatever the clock's resolution.
+        if let Some(Some((_, since))) = inner.links.lock().unwrap().pairs.get_mut(&first) {
+            *since = since.checked_sub(Duration::from_secs(1)).unwrap_or(*since);
+        }
+        assert_eq!(inner.links.lock().unwrap().pairs.len(), MAX_LINKS);
+        assert_eq!(
+            answer(&offer(&fabric, false, extra)).0,
+            LinkAnswer::Joined,
+            "one idle dropped"
+        );
+        assert_eq!(inner.links.lock().unwrap().pairs.len(), MAX_LINKS);
+        assert_eq!(
+            answer(&offer(&fabric, true, first)).0,
+            LinkAnswer::Declined,
+            "the longest idle went"
+        );
     }
 }

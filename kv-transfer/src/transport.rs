@@ -15,7 +15,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
 use crate::auth::{self, Secret, Session};
-use crate::link::{LinkFabric, LinkOffer, PairLink};
+use crate::link::{LinkAnswer, LinkFabric, LinkOffer, PairLink};
 use crate::shape::KvShape;
 use crate::wire::{FrameHeader, FrameKind, HEADER_LEN, MAX_CONTEXT};
 use crate::TransferError;
@@ -102,15 +102,132 @@ const WRITE_BATCH_FRAMES: usize = 256;
 /// How long a receiver whose payload link failed gets its payloads over TCP before a link is
 /// offered to it again.
 const UNLINKED_FOR: Duration = Duration::from_secs(600);
+/// Idle links kept per receiver (each an NCCL communicator holding device buffers): as many as
+/// transfers to one receiver commonly run at once.
+const IDLE_LINKS_PER_RECEIVER: usize = 8;
+/// How long an idle link is kept for its receiver.
+const IDLE_LINK_FOR: Duration = Duration::from_secs(600);
+
+/// A sender's payload links: its fabric, the pairs joined and idle per receiver (offered again
+/// before a new one is made), and the receivers whose link failed lately.
+struct SenderLinks {
+    fabric: Arc<dyn LinkFabric>,
+    state: Mutex<SenderLinkState>,
+}
+
+#[derive(Default)]
+struct SenderLinkState {
+    idle: HashMap<String, Vec<(LinkOffer, PairLink, Instant)>>,
+    unlinked: HashMap<String, Instant>,
+}
+
+/// What one connection offers: a pair, and this side's end of it when it is offered again.
+struct Offered {
+    offer: LinkOffer,
+    end: Option<PairLink>,
+}
+
+impl SenderLinks {
+    /// What to offer `endpoint`: an idle pair of it, or a new one; none where a link to it
+    /// failed lately or the fabric cannot make a pair (the connection carries the payloads).
+    fn offer(&self, endpoint: &str) -> Option<Offered> {
+        let now = Instant::now();
+        {
+            let mut st = self.state.lock().expect("links");
+            if st.unlinked.get(endpoint).is_some_and(|&until| now < until) {
+                return None;
+            }
+            st.unlinked.remove(endpoint);
+            for ends in st.idle.values_mut() {
+                ends.retain(|(_, _, since)| now.duration_since(*since) < IDLE_LINK_FOR);
+            }
+            st.idle.retain(|_, ends| !ends.is_empty());
+            if let Some((offer, end, _)) = st.idle.get_mut(endpoint).and_then(Vec::pop) {
+                return Some(Offered {
+                    offer,
+                    end: Some(end),
+                });
+            }
+        }
+        match self.fabric.offer() {
+            Ok(id) => Some(Offered {
+                offer: LinkOffer {
+                    kind: self.fabric.kind(),
+                    id,
+                    device: self.fabric.device(),
+                    reuse: false,
+                },
+                end: None,
+            }),
+            Err(e) => {
+                tracing::warn!(error = %e, link = self.fabric.kind().name(), "no KV payload link offered");
+                None
+            }
+        }
+    }
+
+    /// This side's end of the pair after the handshake answered `answer` (an error: no answer).
+    fn settle(
+        &self,
+        endpoint: &str,
+        offered: Offered,
+        answer: Option<LinkAnswer>,
+    ) -> Result<Option<(LinkOffer, PairLink)>, TransferError> {
+        let Offered { offer, end } = offered;
+        match (answer, end) {
+            (Some(LinkAnswer::Joined), Some(end)) => Ok(Some((offer, end))),
+            (Some(LinkAnswer::Joined), None) => Ok(Some((
+                LinkOffer {
+                    reuse: true,
+                    ..offer
+                },
+                self.fabric.join(offer.id, 0)?,
+            ))),
+            // Still busy with the connection before on the receiver: kept for the next.
+            (Some(LinkAnswer::Busy), Some(end)) => {
+                self.idle(endpoint, offer, end);
+                Ok(None)
+            }
+            // Declined, or no answer: a new pair is given up, a reused one dropped (the receiver
+            // no longer has it, or may not).
+            (_, None) => {
+                self.fabric.withdraw(offer.id);
+                Ok(None)
+            }
+            (_, Some(_)) => Ok(None),
+        }
+    }
+
+    /// Keeps `end` for `endpoint`'s next connection (beyond the per-receiver bound, dropped).
+    fn idle(&self, endpoint: &str, offer: LinkOffer, end: PairLink) {
+        let mut st = self.state.lock().expect("links");
+        let ends = st.idle.entry(endpoint.to_string()).or_default();
+        if ends.len() < IDLE_LINKS_PER_RECEIVER {
+            ends.push((offer, end, Instant::now()));
+        }
+    }
+
+    /// Gives links to `endpoint` up for a while after one failed.
+    fn failed(&self, endpoint: &str, e: &TransferError) {
+        tracing::warn!(
+            endpoint,
+            error = %e,
+            "KV payload link failed: payloads to this receiver go over TCP for {} s",
+            UNLINKED_FOR.as_secs()
+        );
+        let mut st = self.state.lock().expect("links");
+        st.idle.remove(endpoint);
+        st.unlinked
+            .insert(endpoint.to_string(), Instant::now() + UNLINKED_FOR);
+    }
+}
 
 /// KV frames over TCP, authenticated with the cluster secret; block payloads on a payload link
 /// beside the connection where this side has a fabric and the receiver joins its offer.
 pub struct TcpTransport {
     secret: Secret,
     shape: Option<KvShape>,
-    link: Option<Arc<dyn LinkFabric>>,
-    /// Receivers whose payload link failed, and until when they get payloads over TCP.
-    unlinked: Arc<Mutex<HashMap<String, Instant>>>,
+    link: Option<Arc<SenderLinks>>,
     connect_timeout: Duration,
     #[cfg(feature = "fault-injection")]
     fault: Option<crate::fault::WireFault>,
@@ -123,7 +240,6 @@ impl TcpTransport {
             secret,
             shape: None,
             link: None,
-            unlinked: Arc::default(),
             connect_timeout: Duration::from_secs(3),
             #[cfg(feature = "fault-injection")]
             fault: None,
@@ -145,40 +261,28 @@ impl TcpTransport {
     }
 
     /// Offers a payload link of `fabric` in every handshake: block payloads travel on it where
-    /// the receiver joins (it has a fabric of the same kind), over the connection otherwise.
+    /// the receiver joins (it has a fabric of the same kind), over the connection otherwise. A
+    /// link outlives its connection: once a transfer ends with it in step, it is offered again
+    /// to the same receiver (an NCCL communicator is made once per pair, not per transfer).
     pub fn with_link(mut self, fabric: Arc<dyn LinkFabric>) -> Self {
-        self.link = Some(fabric);
+        self.link = Some(Arc::new(SenderLinks {
+            fabric,
+            state: Mutex::default(),
+        }));
         self
     }
 
-    /// A link to offer `endpoint`, if this side has a fabric, it can make a pair, and no link
-    /// to that receiver failed lately (the connection carries the payloads otherwise).
-    fn offer(&self, endpoint: &str) -> Option<(Arc<dyn LinkFabric>, LinkOffer)> {
-        let fabric = self.link.clone()?;
-        {
-            let mut unlinked = self.unlinked.lock().expect("unlinked");
-            match unlinked.get(endpoint) {
-                Some(&until) if Instant::now() < until => return None,
-                Some(_) => {
-                    unlinked.remove(endpoint);
-                }
-                None => {}
-            }
-        }
-        match fabric.offer() {
-            Ok(id) => Some((
-                fabric.clone(),
-                LinkOffer {
-                    kind: fabric.kind(),
-                    id,
-                    device: fabric.device(),
-                },
-            )),
-            Err(e) => {
-                tracing::warn!(error = %e, link = fabric.kind().name(), "no KV payload link offered");
-                None
-            }
-        }
+    /// Links joined and idle, kept to be offered again (over every receiver).
+    pub fn idle_links(&self) -> usize {
+        self.link.as_ref().map_or(0, |l| {
+            l.state
+                .lock()
+                .expect("links")
+                .idle
+                .values()
+                .map(Vec::len)
+                .sum()
+        })
     }
 }
 
@@ -189,7 +293,7 @@ impl KvTransport for TcpTransport {
         transfer: u64,
     ) -> BoxFuture<'a, Result<Box<dyn KvStream>, TransferError>> {
         Box::pin(async move {
-            let offer = self.offer(endpoint);
+            let offered = self.link.as_ref().and_then(|l| l.offer(endpoint));
             let connect = async {
                 let mut s = TcpStream::connect(endpoint).await?;
                 s.set_nodelay(true)?;
@@ -199,7 +303,7 @@ impl KvTransport for TcpTransport {
                     self.shape.as_ref(),
                     transfer,
                     endpoint,
-                    offer.as_ref().map(|(_, o)| *o),
+                    offered.as_ref().map(|o| o.offer),
                 )
                 .await?;
                 Ok::<_, TransferError>((s, session))
@@ -210,24 +314,22 @@ impl KvTransport for TcpTransport {
                     TransferError::Handshake(format!("connecting to {endpoint} timed out"))
                 })
                 .and_then(|r| r);
-            // The offered pair: joined as rank 0 where the receiver joined it, given up otherwise.
-            let link = match (&connected, offer) {
-                (Ok((_, session)), Some((fabric, o))) if session.link().is_some() => {
-                    Some(fabric.join(o.id, 0)?)
+            // The offered pair: this side's end where the receiver took it.
+            let link = match (&self.link, offered) {
+                (Some(links), Some(offered)) => {
+                    let answer = connected.as_ref().ok().map(|(_, s)| s.link_answer());
+                    links.settle(endpoint, offered, answer)?
                 }
-                (_, Some((fabric, o))) => {
-                    fabric.withdraw(o.id);
-                    None
-                }
-                (_, None) => None,
+                _ => None,
             };
             let (sock, session) = connected?;
             Ok(Box::new(TcpKvStream {
                 sock,
                 session,
                 link,
+                links: self.link.clone(),
+                in_step: true,
                 endpoint: endpoint.to_string(),
-                unlinked: self.unlinked.clone(),
                 seq: 0,
                 #[cfg(feature = "fault-injection")]
                 fault: self.fault.clone(),
@@ -239,11 +341,16 @@ impl KvTransport for TcpTransport {
 struct TcpKvStream {
     sock: TcpStream,
     session: Session,
-    /// The payload link both sides joined: block payloads go on it, their headers on `sock`.
-    link: Option<PairLink>,
-    /// The receiver's endpoint, and where its link is marked failed when it fails.
+    /// The payload link both sides took (as it is offered again): block payloads go on it,
+    /// their headers on `sock`.
+    link: Option<(LinkOffer, PairLink)>,
+    /// Where the link goes back, idle, when the stream is dropped with it in step.
+    links: Option<Arc<SenderLinks>>,
+    /// Every payload whose header went out went on the link too (no send interrupted or
+    /// failed): the link may serve the receiver's next transfer.
+    in_step: bool,
+    /// The receiver's endpoint.
     endpoint: String,
-    unlinked: Arc<Mutex<HashMap<String, Instant>>>,
     /// The number of the next frame: what its tag covers.
     seq: u64,
     #[cfg(feature = "fault-injection")]
@@ -264,6 +371,16 @@ async fn write_all_vectored(
         std::io::IoSlice::advance_slices(&mut bufs, n);
     }
     Ok(())
+}
+
+impl Drop for TcpKvStream {
+    fn drop(&mut self) {
+        if let (Some((offer, end)), Some(links), true) =
+            (self.link.take(), &self.links, self.in_step)
+        {
+            links.idle(&self.endpoint, offer, end);
+        }
+    }
 }
 
 impl TcpKvStream {
@@ -347,10 +464,11 @@ impl KvStream for TcpKvStream {
                 };
                 #[cfg(not(feature = "fault-injection"))]
                 let payload = |_: usize, f: &'a BlockFrame<'a>| f.payload;
-                if let Some(link) = &self.link {
+                if let Some((_, link)) = &self.link {
                     // The sealed headers on the connection, then each payload on the link in
                     // the same order: the receiver takes a payload from the link as it reads
-                    // its header.
+                    // its header. Out of step until every one of them is sent.
+                    self.in_step = false;
                     let mut slices: Vec<std::io::IoSlice<'_>> =
                         headers.iter().map(|h| std::io::IoSlice::new(h)).collect();
                     write_all_vectored(&mut self.sock, &mut slices).await?;
@@ -358,19 +476,13 @@ impl KvStream for TcpKvStream {
                         if let Err(e) = link.send(payload(i, f).to_vec()).await {
                             // The transfer fails (and is retried); the next ones to this
                             // receiver go over TCP for a while rather than fail the same way.
-                            tracing::warn!(
-                                endpoint = %self.endpoint,
-                                error = %e,
-                                "KV payload link failed: payloads to this receiver go over TCP for {} s",
-                                UNLINKED_FOR.as_secs()
-                            );
-                            self.unlinked
-                                .lock()
-                                .expect("unlinked")
-                                .insert(self.endpoint.clone(), Instant::now() + UNLINKED_FOR);
+                            if let Some(links) = &self.links {
+                                links.failed(&self.endpoint, &e);
+                            }
                             return Err(e);
                         }
                     }
+                    self.in_step = true;
                     rest = tail;
                     continue;
                 }

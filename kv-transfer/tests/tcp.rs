@@ -403,6 +403,39 @@ async fn payloads_on_a_link_land_intact_and_a_declined_offer_goes_over_the_conne
         );
         assert_eq!(rx.rejections().total(), 0);
         assert_eq!(fabric.pending(), 0, "joins: {joins}");
+        // The pair outlives its connection on both sides, and the next transfer to the same
+        // receiver takes it again instead of making a new one.
+        drop(s);
+        assert_eq!(t.idle_links(), joins as usize);
+        wait_until(|| rx.idle_links() == joins as usize).await;
+        let offered = fabric.offered();
+        let mut grant = rx.grant(&ids(&[2]), sink.clone(), Duration::from_secs(30));
+        let mut s = t.open(&rx.endpoint(), grant.id()).await.unwrap();
+        let bodies: Vec<(u32, u32, Vec<u8>)> =
+            (0..3).map(|l| (l, 2, payload(l, 2, 1002))).collect();
+        s.send_blocks(grant.id(), &frames_of(&bodies))
+            .await
+            .unwrap();
+        s.end(grant.id()).await.unwrap();
+        grant.wait().await.unwrap();
+        assert_eq!(sink.get(2, 2), Some(payload(2, 2, 1002)));
+        assert_eq!(
+            rx.link_bytes_received(),
+            if joins { 12 * 1002 } else { 0 },
+            "joins: {joins}"
+        );
+        // (A receiver that declined is offered a new pair each time.)
+        assert_eq!(fabric.offered() - offered, !joins as u64, "joins: {joins}");
+        assert_eq!(fabric.pending(), 0, "joins: {joins}");
+    }
+}
+
+/// Waits (at most ten minutes: a bound for a broken build, not a timing) until `ok`.
+async fn wait_until(ok: impl Fn() -> bool) {
+    let end = std::time::Instant::now() + Duration::from_secs(600);
+    while !ok() {
+        assert!(std::time::Instant::now() < end, "never came");
+        tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
 
@@ -492,6 +525,7 @@ async fn a_link_payload_that_never_comes_fails_the_transfer() {
         kind: LinkKind::Threads,
         id: fabric.offer().unwrap(),
         device: fabric.device(),
+        reuse: false,
     };
     let id = offer.id;
     let session = tandem_kv_transfer::auth::connect_linked(
@@ -531,6 +565,45 @@ async fn a_link_payload_that_never_comes_fails_the_transfer() {
     assert_eq!(link_failed(), 2);
     assert_eq!(sink.count(), 0, "nothing may reach the pool");
     assert_eq!((rx.bytes_received(), rx.link_bytes_received()), (0, 0));
+
+    // A payload awaited on a link whose watchdog is far off: once the grant is revoked (its
+    // holder gave the sender up), the connection closes and its link is dropped, not kept busy.
+    let patient = ThreadFabric::new(Duration::from_secs(3600));
+    rx.join_links(patient.clone());
+    let grant = rx.grant(&ids(&[2]), sink.clone(), Duration::from_secs(600));
+    let mut raw = tokio::net::TcpStream::connect(rx.local_addr())
+        .await
+        .unwrap();
+    let offer = LinkOffer {
+        kind: LinkKind::Threads,
+        id: patient.offer().unwrap(),
+        device: patient.device(),
+        reuse: false,
+    };
+    let session = tandem_kv_transfer::auth::connect_linked(
+        &mut raw,
+        &secret(),
+        None,
+        grant.id(),
+        &rx.endpoint(),
+        Some(offer),
+    )
+    .await
+    .unwrap();
+    let _stopped = patient.join(offer.id, 0).unwrap();
+    let h = FrameHeader::block(grant.id(), 0, 2, &body).via_link();
+    raw.write_all(&sealed(&session, 0, h, &[])).await.unwrap();
+    wait_until(|| rx.busy_links() == 1).await;
+    drop(grant);
+    let closed = tokio::time::timeout(Duration::from_secs(600), raw.read_to_end(&mut rest)).await;
+    assert!(matches!(closed, Ok(Ok(0))), "{closed:?}");
+    wait_until(|| rx.busy_links() == 0).await;
+    assert_eq!(rx.idle_links(), 0, "a link out of step is not kept");
+    assert_eq!(
+        link_failed(),
+        2,
+        "a revoked transfer's link is not a failure"
+    );
 }
 
 /// A connection admitted for `transfer` whose frames the test writes itself, sealed in order.

@@ -925,18 +925,19 @@ async fn kv_moves_through_device_staging_on_either_side_exactly() {
 
 /// KV payloads on a payload link between two workers whose caches sit behind the host fake of
 /// a device, as two GPU workers' go on NCCL (two thread ranks of this process stand for the two
-/// GPUs' NCCL ranks: one card cannot hold both). The prefill worker's first attempt has its
-/// first payload damaged on the link: that attempt fails (`bad_checksum`), the retry joins a
-/// fresh link and succeeds, every byte that reached the decode pool came on a link, and the
-/// tokens are a local prefill's. A decode worker that has no fabric declines the same offer and
-/// takes the prompt over TCP, as exactly.
+/// GPUs' NCCL ranks: one card cannot hold both). The first prefill worker has its first payload
+/// damaged on the link: that attempt fails (`bad_checksum`) and the second prefill worker's
+/// succeeds on a link of its own; every byte that reached the decode pool came on a link, and the
+/// tokens are a local prefill's. The next prompt from the same prefill worker takes the same link
+/// again (no new pair is made). A decode worker that has no fabric declines the offers and takes
+/// its prompts over TCP, as exactly.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_payloads_go_on_a_link_between_device_workers_exactly() {
     let delay = Some(Duration::from_millis(3));
     let fabric = ThreadFabric::new(Duration::from_secs(120));
     let secret = Secret::new(KV_SECRET.as_bytes().to_vec()).unwrap();
     let fault = WireFault::flip_block_frame(1);
-    let paddr = serve_prefill_on(
+    let damaging = serve_prefill_on(
         engine_on(delay),
         Arc::new(
             TcpTransport::new(secret.clone())
@@ -945,13 +946,19 @@ async fn kv_payloads_go_on_a_link_between_device_workers_exactly() {
         ),
     )
     .await;
+    let clean = serve_prefill_on(
+        engine_on(delay),
+        Arc::new(TcpTransport::new(secret.clone()).with_link(fabric.clone())),
+    )
+    .await;
     for joins in [true, false] {
         let (remote, daddr) = serve_decode_with_remote(engine_on(delay), secret.clone()).await;
         if joins {
             remote.receiver().join_links(fabric.clone());
         }
         let prompt = long_prompt(8 + joins as u32, 300);
-        let ids = remote_greedy(&daddr, "linked", &prompt, 12, vec![paddr.clone(); 2]).await;
+        let plan = vec![damaging.clone(), clean.clone()];
+        let ids = remote_greedy(&daddr, "linked", &prompt, 12, plan).await;
         let seen = format!("joins: {joins}; {}", ingress(&remote));
         let c = &remote.counts;
         let rx = remote.receiver();
@@ -974,13 +981,21 @@ async fn kv_payloads_go_on_a_link_between_device_workers_exactly() {
         // SmolLM2-135M: 30 layers, 3 KV heads of 64, f32; 300 tokens: 19 blocks of 16.
         let prompt_bytes = 19 * 30 * (2 * 3 * 64 * 16 * 4) as u64;
         assert_eq!(remote.rank_bytes(), [prompt_bytes], "{seen}");
-        assert_eq!(
-            rx.link_bytes_received(),
-            if joins { prompt_bytes } else { 0 },
-            "{seen}"
-        );
+        let on_link = |prompts: u64| if joins { prompts * prompt_bytes } else { 0 };
+        assert_eq!(rx.link_bytes_received(), on_link(1), "{seen}");
         assert_eq!(ids.len(), 12, "{seen}");
         assert_eq!(ids, local_reference(&daddr, &prompt, 12).await, "{seen}");
+
+        // Another prompt from the clean worker, once its link is idle on both sides (the
+        // damaging worker's, cut or drained, is dropped or idle too).
+        wait_until(|| rx.busy_links() == 0 && rx.idle_links() >= joins as usize).await;
+        let offered = fabric.offered();
+        let other = long_prompt(20 + joins as u32, 300);
+        let ids = remote_greedy(&daddr, "again", &other, 12, vec![clean.clone()]).await;
+        assert_eq!(c.transfers_ok.load(Ordering::Relaxed), 2, "{seen}");
+        assert_eq!(rx.link_bytes_received(), on_link(2), "{seen}");
+        assert_eq!(fabric.offered() - offered, !joins as u64, "{seen}");
+        assert_eq!(ids, local_reference(&daddr, &other, 12).await, "{seen}");
         wait_idle(&daddr).await;
     }
     assert_eq!(
@@ -988,6 +1003,15 @@ async fn kv_payloads_go_on_a_link_between_device_workers_exactly() {
         0,
         "every offered pair joined or withdrawn"
     );
+}
+
+/// Waits (at most ten minutes: a bound for a broken build, not a timing) until `ok`.
+async fn wait_until(ok: impl Fn() -> bool) {
+    let end = Instant::now() + Duration::from_secs(600);
+    while !ok() {
+        assert!(Instant::now() < end, "never came");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
 }
 
 /// `--kv-link nccl` on a CPU worker, and a link mode that does not exist, are refused at start
