@@ -505,6 +505,42 @@ async fn a_failed_link_fails_its_transfer_and_that_receiver_then_gets_tcp() {
     assert_eq!(threads.pending(), 0);
 }
 
+/// A connection admitted for `transfer` whose frames the test writes itself, with a new pair
+/// of `fabric` offered and joined on both sides: the connection, its session and the sender's
+/// end of the link (which sends nothing unless told).
+async fn linked_connection(
+    rx: &KvReceiver,
+    fabric: &ThreadFabric,
+    transfer: u64,
+) -> (
+    tokio::net::TcpStream,
+    tandem_kv_transfer::auth::Session,
+    PairLink,
+) {
+    let mut raw = tokio::net::TcpStream::connect(rx.local_addr())
+        .await
+        .unwrap();
+    let offer = LinkOffer {
+        kind: LinkKind::Threads,
+        id: fabric.offer().unwrap(),
+        device: fabric.device(),
+        reuse: false,
+    };
+    let session = tandem_kv_transfer::auth::connect_linked(
+        &mut raw,
+        &secret(),
+        None,
+        transfer,
+        &rx.endpoint(),
+        Some(offer),
+    )
+    .await
+    .unwrap();
+    assert_eq!(session.link(), Some(offer));
+    let end = fabric.join(offer.id, 0).unwrap();
+    (raw, session, end)
+}
+
 /// A header whose payload never comes on the link fails its transfer at the link's watchdog,
 /// counted as `link_failed`, and the connection closes; a header naming a link its connection
 /// does not have is refused the same way at once. Nothing reaches the pool.
@@ -518,28 +554,7 @@ async fn a_link_payload_that_never_comes_fails_the_transfer() {
     let link_failed = || rx.rejections().link_failed.load(Ordering::Relaxed);
 
     let mut grant = rx.grant(&ids(&[2]), sink.clone(), Duration::from_secs(600));
-    let mut raw = tokio::net::TcpStream::connect(rx.local_addr())
-        .await
-        .unwrap();
-    let offer = LinkOffer {
-        kind: LinkKind::Threads,
-        id: fabric.offer().unwrap(),
-        device: fabric.device(),
-        reuse: false,
-    };
-    let id = offer.id;
-    let session = tandem_kv_transfer::auth::connect_linked(
-        &mut raw,
-        &secret(),
-        None,
-        grant.id(),
-        &rx.endpoint(),
-        Some(offer),
-    )
-    .await
-    .unwrap();
-    assert_eq!(session.link(), Some(offer));
-    let _silent = fabric.join(id, 0).unwrap();
+    let (mut raw, session, _silent) = linked_connection(&rx, &fabric, grant.id()).await;
     let h = FrameHeader::block(grant.id(), 0, 2, &body).via_link();
     raw.write_all(&sealed(&session, 0, h, &[])).await.unwrap();
     let r = grant.wait().await;
@@ -571,26 +586,7 @@ async fn a_link_payload_that_never_comes_fails_the_transfer() {
     let patient = ThreadFabric::new(Duration::from_secs(3600));
     rx.join_links(patient.clone());
     let grant = rx.grant(&ids(&[2]), sink.clone(), Duration::from_secs(600));
-    let mut raw = tokio::net::TcpStream::connect(rx.local_addr())
-        .await
-        .unwrap();
-    let offer = LinkOffer {
-        kind: LinkKind::Threads,
-        id: patient.offer().unwrap(),
-        device: patient.device(),
-        reuse: false,
-    };
-    let session = tandem_kv_transfer::auth::connect_linked(
-        &mut raw,
-        &secret(),
-        None,
-        grant.id(),
-        &rx.endpoint(),
-        Some(offer),
-    )
-    .await
-    .unwrap();
-    let _stopped = patient.join(offer.id, 0).unwrap();
+    let (mut raw, session, _stopped) = linked_connection(&rx, &patient, grant.id()).await;
     let h = FrameHeader::block(grant.id(), 0, 2, &body).via_link();
     raw.write_all(&sealed(&session, 0, h, &[])).await.unwrap();
     wait_until(|| rx.busy_links() == 1).await;
