@@ -578,10 +578,12 @@ pub fn run_decode(a: DecodeArgs) -> Result<()> {
             "tandem decode: no TANDEM_KV_SECRET: this worker's RPCs are open to anyone who reaches its port; set the cluster's secret on every process"
         );
     }
-    let link = match secret {
-        Some(_) => a.link.fabric(a.engine.device, "decode")?,
-        None => None,
-    };
+    // Checked even without a secret (which leaves this worker no KV plane to use it on), so a
+    // link the worker cannot make is refused alike.
+    let link = a
+        .link
+        .fabric(a.engine.device, "decode")?
+        .filter(|_| secret.is_some());
     let (handle, started) = start_engine(&a.engine)?;
     let loras = a.lora.registry(&started)?;
     let target = tandem_worker::KvTarget::of(&handle);

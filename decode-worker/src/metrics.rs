@@ -61,6 +61,19 @@ impl Collector for DecodeMetrics {
             "Of the KV payload bytes received, those that came on a payload link beside the connection (NCCL between GPUs)",
             &[(&[], rx.link_bytes_received())],
         )?;
+        let answers = rx.link_answers();
+        let samples: Vec<([(&str, &str); 1], u64)> = answers
+            .iter()
+            .map(|(a, n)| ([("answer", a.name())], *n))
+            .collect();
+        let samples: Vec<(&[(&str, &str)], u64)> =
+            samples.iter().map(|(l, n)| (&l[..], *n)).collect();
+        counter(
+            &mut enc,
+            "tandem_kv_link_offers",
+            "Payload links prefill workers offered, by this worker's answer: joined (payloads on the link), busy (a pair still in use: that transfer over TCP), declined (no room or a pair gone), never (no fabric of the kind, or the same device)",
+            &samples,
+        )?;
         let ranks: Vec<(String, u64)> = r
             .rank_bytes()
             .into_iter()

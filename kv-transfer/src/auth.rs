@@ -25,9 +25,10 @@
 //! ([`LINK_DEVICE`] bytes, zeros for none): the sender offers to carry block payloads on a payload link beside the
 //! connection (NCCL between two GPUs, see [`crate::link`]); the receiver answers 1 when it joined
 //! the pair as its rank (or took its idle end of a pair offered again), 0 when it declines (no
-//! fabric of that kind, its own device, a refused connection, a pair it no longer has) and 2 when
-//! a pair offered again is still busy with the connection before; on 0 and 2 the connection
-//! carries every payload itself.
+//! a refused connection, a pair it no longer has, no room), 2 when a pair offered again is still
+//! busy with the connection before, and 3 when it will never take this sender's links (no
+//! fabric of that kind, its own device); on all but 1 the connection carries every payload
+//! itself.
 //!
 //! A shape is a u32 length and a [`KvShape`] (length 0: none given). Both sides check the
 //! other's MAC in constant time. The receiver reads no frame before the sender's MAC checks out
@@ -322,7 +323,10 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
     shape: Option<&KvShape>,
     admit: impl FnOnce(u64, &str) -> Result<(), String>,
 ) -> Result<Session, TransferError> {
-    accept_linked(s, secret, shape, admit, |_| LinkAnswer::Declined).await
+    accept_linked(s, secret, shape, admit, async |_: &LinkOffer| {
+        LinkAnswer::Declined
+    })
+    .await
 }
 
 /// [`accept`], where a sender may offer a payload link: `join` is asked, once the connection is
@@ -334,7 +338,7 @@ pub async fn accept_linked<S: AsyncRead + AsyncWrite + Unpin>(
     secret: &Secret,
     shape: Option<&KvShape>,
     admit: impl FnOnce(u64, &str) -> Result<(), String>,
-    join: impl FnOnce(&LinkOffer) -> LinkAnswer,
+    join: impl AsyncFnOnce(&LinkOffer) -> LinkAnswer,
 ) -> Result<Session, TransferError> {
     let rn = nonce();
     let rshape = shape_bytes(shape);
@@ -398,7 +402,7 @@ pub async fn accept_linked<S: AsyncRead + AsyncWrite + Unpin>(
     });
     // The offered link, joined only on a connection admitted, of a kind this side knows.
     let answer = match (&refusal, &offer) {
-        (None, Some(o)) => match join(o) {
+        (None, Some(o)) => match join(o).await {
             // Busy is an answer to a pair offered again only.
             LinkAnswer::Busy if !o.reuse => LinkAnswer::Declined,
             a => a,
@@ -541,6 +545,7 @@ pub async fn connect_linked<S: AsyncRead + AsyncWrite + Unpin>(
                 (0, _) => LinkAnswer::Declined,
                 (1, Some(_)) => LinkAnswer::Joined,
                 (2, Some(o)) if o.reuse => LinkAnswer::Busy,
+                (3, Some(_)) => LinkAnswer::Never,
                 (a, _) => {
                     return Err(TransferError::Handshake(format!(
                         "the receiver answered a link offer with {a}{}",
@@ -782,7 +787,7 @@ mod tests {
         ] {
             let (mut a, mut b) = tokio::io::duplex(4096);
             let mut asked = None;
-            let join = |o: &LinkOffer| {
+            let join = async |o: &LinkOffer| {
                 asked = Some(*o);
                 match joins {
                     true => LinkAnswer::Joined,
@@ -821,7 +826,7 @@ mod tests {
         for joins in [true, false] {
             let (mut a, mut b) = tokio::io::duplex(4096);
             let (r, c) = tokio::join!(
-                accept_linked(&mut a, &s, None, admit, |_| match joins {
+                accept_linked(&mut a, &s, None, admit, async |_: &LinkOffer| match joins {
                     true => LinkAnswer::Joined,
                     false => LinkAnswer::Declined,
                 }),
@@ -849,7 +854,7 @@ mod tests {
             let (mut a, mut b) = tokio::io::duplex(4096);
             let mut seen = None;
             let (r, c) = tokio::join!(
-                accept_linked(&mut a, &s, None, admit, |o| {
+                accept_linked(&mut a, &s, None, admit, async |o: &LinkOffer| {
                     seen = Some(o.reuse);
                     said
                 }),
@@ -882,7 +887,10 @@ mod tests {
         };
         let (r, _, _) = tokio::join!(
             async {
-                let r = accept_linked(&mut a, &s, None, admit, |_| LinkAnswer::Joined).await;
+                let r = accept_linked(&mut a, &s, None, admit, async |_: &LinkOffer| {
+                    LinkAnswer::Joined
+                })
+                .await;
                 drop(a);
                 r
             },

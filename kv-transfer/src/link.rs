@@ -17,8 +17,11 @@
 //! link is a thread of its own that builds its rank there and serves the end's sends and
 //! receives in order, and [`PairLink`] is the handle to it. Building an NCCL rank waits for the
 //! peer's (NCCL's initialisation is collective), so `join` returns at once and a rank that could
-//! not be built fails the end's first operation. Messages keep their boundaries: a receive names
-//! the length the matching send sent (the frame header's), and a receive of another length fails.
+//! not be built fails the end's first operation. Each operation, the rank's building included,
+//! is bounded: one not answered within twice the fabric's watchdog fails, and the end with it
+//! (a rank whose peer never joins leaves its thread waiting in NCCL's initialisation, which has
+//! no watchdog of its own; its sender then gives links to that receiver up for a while).
+//! Messages keep their boundaries: a receive names the length the matching send sent (the frame header's), and a receive of another length fails.
 
 use std::collections::HashMap;
 use std::sync::{mpsc, Arc, Mutex};
@@ -92,6 +95,24 @@ pub enum LinkAnswer {
     /// that connection's end yet): this connection carries every payload, and the sender keeps
     /// its end for the next.
     Busy = 2,
+    /// Never taken from this sender: the receiver has no fabric of the offer's kind, or its
+    /// fabric is on the offer's device. The sender offers that receiver no more links.
+    Never = 3,
+}
+
+impl LinkAnswer {
+    /// Every answer, in the order of their values.
+    pub const ALL: [LinkAnswer; 4] = [Self::Declined, Self::Joined, Self::Busy, Self::Never];
+
+    /// Its name, for metrics.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Declined => "declined",
+            Self::Joined => "joined",
+            Self::Busy => "busy",
+            Self::Never => "never",
+        }
+    }
 }
 
 /// What a worker makes payload links with.
@@ -130,6 +151,10 @@ enum Op {
 pub struct PairLink {
     ops: mpsc::Sender<Op>,
     kind: LinkKind,
+    /// How long an operation may take, from being asked to being answered.
+    bound: Duration,
+    /// Why the end is given up, once an operation overran its bound.
+    broken: Mutex<Option<String>>,
 }
 
 impl std::fmt::Debug for PairLink {
@@ -161,8 +186,9 @@ fn from_words(words: &[f32], len: usize) -> Vec<u8> {
 
 impl PairLink {
     /// An end whose rank `make` builds on the end's own thread; its peer is the group's other
-    /// rank.
-    pub fn start<C, F>(kind: LinkKind, make: F) -> Result<Self, TransferError>
+    /// rank. An operation (the first one's wait for the rank included) not answered within
+    /// twice `watchdog` fails, and every later one with it.
+    pub fn start<C, F>(kind: LinkKind, watchdog: Duration, make: F) -> Result<Self, TransferError>
     where
         C: Collective,
         F: FnOnce() -> Result<C, tandem_collective::CollectiveError> + Send + 'static,
@@ -172,7 +198,38 @@ impl PairLink {
             .name(format!("tandem-kv-link-{}", kind.name()))
             .spawn(move || serve(make, rx))
             .map_err(link_error)?;
-        Ok(Self { ops: tx, kind })
+        Ok(Self {
+            ops: tx,
+            kind,
+            bound: watchdog.saturating_mul(2),
+            broken: Mutex::default(),
+        })
+    }
+
+    /// Waits for an operation's answer within the bound, giving the end up when it overruns.
+    async fn answer<T>(
+        &self,
+        what: &str,
+        rx: oneshot::Receiver<Result<T, TransferError>>,
+    ) -> Result<T, TransferError> {
+        match tokio::time::timeout(self.bound, rx).await {
+            Ok(r) => r.map_err(|_| gone())?,
+            Err(_) => {
+                let why = format!(
+                    "a {what} on the link was not answered within {} ms (its rank never built, or its peer never came)",
+                    self.bound.as_millis()
+                );
+                *self.broken.lock().expect("broken") = Some(why.clone());
+                Err(TransferError::Link(why))
+            }
+        }
+    }
+
+    fn check(&self) -> Result<(), TransferError> {
+        match self.broken.lock().expect("broken").clone() {
+            Some(why) => Err(TransferError::Link(why)),
+            None => Ok(()),
+        }
     }
 
     /// The fabric it was made by.
@@ -182,16 +239,18 @@ impl PairLink {
 
     /// Sends `bytes` to the peer, which receives them with a [`PairLink::recv`] of their length.
     pub async fn send(&self, bytes: Vec<u8>) -> Result<(), TransferError> {
+        self.check()?;
         let (tx, rx) = oneshot::channel();
         self.ops.send(Op::Send(bytes, tx)).map_err(|_| gone())?;
-        rx.await.map_err(|_| gone())?
+        self.answer("send", rx).await
     }
 
     /// Receives the peer's next message, which must be `len` bytes long.
     pub async fn recv(&self, len: usize) -> Result<Vec<u8>, TransferError> {
+        self.check()?;
         let (tx, rx) = oneshot::channel();
         self.ops.send(Op::Recv(len, tx)).map_err(|_| gone())?;
-        rx.await.map_err(|_| gone())?
+        self.answer("receive", rx).await
     }
 }
 
@@ -309,7 +368,7 @@ impl LinkFabric for NcclFabric {
 
     fn join(&self, id: [u8; LINK_ID], rank: usize) -> Result<PairLink, TransferError> {
         let (ordinal, watchdog) = (self.ordinal, self.watchdog);
-        PairLink::start(LinkKind::Nccl, move || {
+        PairLink::start(LinkKind::Nccl, watchdog, move || {
             NcclRank::new(ordinal, rank, 2, NcclId::from_bytes(&id), watchdog)
         })
     }
@@ -385,7 +444,7 @@ impl LinkFabric for ThreadFabric {
             pending.remove(&id);
         }
         drop(pending);
-        PairLink::start(LinkKind::Threads, move || Ok(r))
+        PairLink::start(LinkKind::Threads, self.watchdog, move || Ok(r))
     }
 
     fn withdraw(&self, id: [u8; LINK_ID]) {
@@ -459,10 +518,32 @@ mod tests {
         assert_eq!(fabric.pending(), 1, "rank 0 still to join");
     }
 
+    /// An end whose rank is never built (an NCCL initialisation whose peer never joins, which
+    /// has no watchdog of its own): its first operation fails at twice the watchdog, and every
+    /// later one at once.
+    #[tokio::test]
+    async fn a_rank_never_built_fails_its_operations_within_the_bound() {
+        let (hold, held) = std::sync::mpsc::channel::<()>();
+        let end = PairLink::start::<ThreadRank, _>(
+            LinkKind::Nccl,
+            Duration::from_millis(50),
+            move || {
+                let _ = held.recv();
+                Err(tandem_collective::CollectiveError::Device("never".into()))
+            },
+        )
+        .unwrap();
+        let e = end.send(vec![1]).await.unwrap_err().to_string();
+        assert!(e.contains("not answered within 100 ms"), "{e}");
+        let e = end.recv(1).await.unwrap_err().to_string();
+        assert!(e.contains("not answered within 100 ms"), "{e}");
+        drop(hold);
+    }
+
     /// An end whose rank could not be built fails each operation with why.
     #[tokio::test]
     async fn a_rank_that_could_not_be_built_fails_every_operation() {
-        let end = PairLink::start::<ThreadRank, _>(LinkKind::Nccl, || {
+        let end = PairLink::start::<ThreadRank, _>(LinkKind::Nccl, WATCHDOG, || {
             Err(tandem_collective::CollectiveError::Device("no GPU".into()))
         })
         .unwrap();

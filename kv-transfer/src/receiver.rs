@@ -200,6 +200,8 @@ struct Inner {
     link_bytes: AtomicU64,
     /// The payload links senders offer, and the pairs joined.
     links: Mutex<ReceiverLinks>,
+    /// Link offers answered, by answer (in [`LinkAnswer::ALL`]'s order).
+    link_answers: [AtomicU64; 4],
 }
 
 /// Most payload links a receiver keeps (each an NCCL communicator holding device buffers); past
@@ -207,6 +209,11 @@ struct Inner {
 const MAX_LINKS: usize = 64;
 /// How long an idle link is kept for its sender's next connection.
 const IDLE_LINK_FOR: Duration = Duration::from_secs(600);
+/// How often idle links past [`IDLE_LINK_FOR`] are dropped.
+const LINK_SWEEP: Duration = Duration::from_secs(60);
+/// How long an offer of a pair still busy with its connection before waits for that connection
+/// to give it back (the sender's previous transfer just ended: its end is read at once).
+const BUSY_WAIT: Duration = Duration::from_secs(2);
 
 /// A receiver's payload links: the fabric it joins senders' offers with (none: every offer is
 /// declined), and every pair joined, by id: idle since when, or busy with a connection (None).
@@ -220,18 +227,14 @@ impl ReceiverLinks {
     /// The answer to `offer`, and this side's end of the pair when it is taken.
     fn answer(&mut self, offer: &LinkOffer) -> (LinkAnswer, Option<PairLink>) {
         let Some(f) = self.fabric.clone().filter(|f| f.kind() == offer.kind) else {
-            return (LinkAnswer::Declined, None);
+            return (LinkAnswer::Never, None);
         };
         // Both ranks on one device (a prefill and a decode worker sharing a GPU): NCCL refuses
         // such a pair, so the connection keeps the payloads.
         if offer.device != [0; LINK_DEVICE] && offer.device == f.device() {
-            return (LinkAnswer::Declined, None);
+            return (LinkAnswer::Never, None);
         }
-        let now = Instant::now();
-        self.pairs.retain(|_, p| {
-            p.as_ref()
-                .is_none_or(|(_, since)| now.duration_since(*since) < IDLE_LINK_FOR)
-        });
+        self.sweep();
         if offer.reuse {
             return match self.pairs.get_mut(&offer.id) {
                 None => (LinkAnswer::Declined, None),
@@ -263,6 +266,15 @@ impl ReceiverLinks {
                 (LinkAnswer::Declined, None)
             }
         }
+    }
+
+    /// Drops the pairs idle past [`IDLE_LINK_FOR`].
+    fn sweep(&mut self) {
+        let now = Instant::now();
+        self.pairs.retain(|_, p| {
+            p.as_ref()
+                .is_none_or(|(_, since)| now.duration_since(*since) < IDLE_LINK_FOR)
+        });
     }
 }
 
@@ -329,6 +341,16 @@ impl KvReceiver {
             bytes: AtomicU64::new(0),
             link_bytes: AtomicU64::new(0),
             links: Mutex::default(),
+            link_answers: Default::default(),
+        });
+        // Idle links are dropped once past their time even where no offer comes to do it.
+        let weak = Arc::downgrade(&inner);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(LINK_SWEEP).await;
+                let Some(inner) = weak.upgrade() else { return };
+                inner.links.lock().expect("links").sweep();
+            }
         });
         let weak = Arc::downgrade(&inner);
         tokio::spawn(async move {
@@ -370,6 +392,19 @@ impl KvReceiver {
     pub fn idle_links(&self) -> usize {
         let links = self.inner.links.lock().expect("links");
         links.pairs.values().filter(|p| p.is_some()).count()
+    }
+
+    /// Link offers answered since start, by answer.
+    pub fn link_answers(&self) -> Vec<(LinkAnswer, u64)> {
+        LinkAnswer::ALL
+            .iter()
+            .map(|&a| {
+                (
+                    a,
+                    self.inner.link_answers[a as usize].load(Ordering::Relaxed),
+                )
+            })
+            .collect()
     }
 
     /// Payload links held by a connection now.
@@ -765,8 +800,18 @@ async fn serve_connection(inner: &Arc<Inner>, mut sock: TcpStream) -> Result<(),
     // A sender's offered link: joined, or taken idle, where this receiver has a fabric of its
     // kind; the connection holds it until it ends.
     let mut lease: Option<LinkLease> = None;
-    let join = |offer: &LinkOffer| {
-        let (answer, end) = inner.links.lock().expect("links").answer(offer);
+    let join = async |offer: &LinkOffer| {
+        let give_up = Instant::now() + BUSY_WAIT;
+        let (answer, end) = loop {
+            let (answer, end) = inner.links.lock().expect("links").answer(offer);
+            // A pair offered again the moment its sender's transfer ended: the connection
+            // before is reading its last frames and gives the pair back at once.
+            if answer != LinkAnswer::Busy || Instant::now() >= give_up {
+                break (answer, end);
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        };
+        inner.link_answers[answer as usize].fetch_add(1, Ordering::Relaxed);
         if let Some(end) = end {
             lease = Some(LinkLease {
                 inner: inner.clone(),
@@ -1088,6 +1133,7 @@ mod tests {
             bytes: AtomicU64::new(0),
             link_bytes: AtomicU64::new(0),
             links: Mutex::default(),
+            link_answers: Default::default(),
         });
         let fabric = ThreadFabric::new(Duration::from_secs(30));
         let answer = |o: &LinkOffer| inner.links.lock().unwrap().answer(o);
@@ -1100,7 +1146,7 @@ mod tests {
         let id = fabric.offer().unwrap();
         assert_eq!(
             answer(&offer(&fabric, false, id)).0,
-            LinkAnswer::Declined,
+            LinkAnswer::Never,
             "no fabric"
         );
         inner.links.lock().unwrap().fabric = Some(fabric.clone());
@@ -1131,12 +1177,12 @@ mod tests {
             device: [9; LINK_DEVICE],
             ..offer(&own, false, own.offer().unwrap())
         };
-        assert_eq!(answer(&mine).0, LinkAnswer::Declined, "its own device");
+        assert_eq!(answer(&mine).0, LinkAnswer::Never, "its own device");
         let nccl = LinkOffer {
             kind: LinkKind::Nccl,
             ..offer(&own, false, [1; LINK_ID])
         };
-        assert_eq!(answer(&nccl).0, LinkAnswer::Declined, "another kind");
+        assert_eq!(answer(&nccl).0, LinkAnswer::Never, "another kind");
 
         inner.links.lock().unwrap().fabric = Some(fabric.clone());
         let mut leases = Vec::new();

@@ -6,7 +6,7 @@
 //! chunk computes. Tests wrap a transport to damage frames in flight; production has TCP (and, on
 //! GPUs, NCCL behind the same trait).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -107,24 +107,44 @@ const UNLINKED_FOR: Duration = Duration::from_secs(600);
 const IDLE_LINKS_PER_RECEIVER: usize = 8;
 /// How long an idle link is kept for its receiver.
 const IDLE_LINK_FOR: Duration = Duration::from_secs(600);
+/// How often idle links past [`IDLE_LINK_FOR`] are dropped.
+const LINK_SWEEP: Duration = Duration::from_secs(60);
 
 /// A sender's payload links: its fabric, the pairs joined and idle per receiver (offered again
 /// before a new one is made), and the receivers whose link failed lately.
 struct SenderLinks {
     fabric: Arc<dyn LinkFabric>,
     state: Mutex<SenderLinkState>,
+    /// Whether the task dropping idle links past their time runs.
+    sweeping: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Default)]
 struct SenderLinkState {
+    /// Idle pairs per receiver, the longest idle first.
     idle: HashMap<String, Vec<(LinkOffer, PairLink, Instant)>>,
+    /// Receivers offered no link until then: one failed, or a new pair was declined.
     unlinked: HashMap<String, Instant>,
+    /// Receivers that never take this sender's links (no fabric of its kind, its own device):
+    /// an offer made to them would be left behind (an NCCL id keeps a thread and a socket
+    /// waiting for ranks that never come).
+    never: HashSet<String>,
 }
 
 /// What one connection offers: a pair, and this side's end of it when it is offered again.
 struct Offered {
     offer: LinkOffer,
     end: Option<PairLink>,
+}
+
+impl SenderLinkState {
+    /// Drops the idle pairs past [`IDLE_LINK_FOR`].
+    fn sweep(&mut self, now: Instant) {
+        for ends in self.idle.values_mut() {
+            ends.retain(|(_, _, since)| now.duration_since(*since) < IDLE_LINK_FOR);
+        }
+        self.idle.retain(|_, ends| !ends.is_empty());
+    }
 }
 
 impl SenderLinks {
@@ -134,15 +154,16 @@ impl SenderLinks {
         let now = Instant::now();
         {
             let mut st = self.state.lock().expect("links");
-            if st.unlinked.get(endpoint).is_some_and(|&until| now < until) {
+            if st.never.contains(endpoint)
+                || st.unlinked.get(endpoint).is_some_and(|&until| now < until)
+            {
                 return None;
             }
             st.unlinked.remove(endpoint);
-            for ends in st.idle.values_mut() {
-                ends.retain(|(_, _, since)| now.duration_since(*since) < IDLE_LINK_FOR);
-            }
-            st.idle.retain(|_, ends| !ends.is_empty());
-            if let Some((offer, end, _)) = st.idle.get_mut(endpoint).and_then(Vec::pop) {
+            st.sweep(now);
+            // The longest idle first: the one the receiver surely gave back.
+            if let Some(ends) = st.idle.get_mut(endpoint).filter(|e| !e.is_empty()) {
+                let (offer, end, _) = ends.remove(0);
                 return Some(Offered {
                     offer,
                     end: Some(end),
@@ -188,14 +209,57 @@ impl SenderLinks {
                 self.idle(endpoint, offer, end);
                 Ok(None)
             }
-            // Declined, or no answer: a new pair is given up, a reused one dropped (the receiver
-            // no longer has it, or may not).
+            (Some(LinkAnswer::Never), end) => {
+                tracing::info!(
+                    endpoint,
+                    link = self.fabric.kind().name(),
+                    "this KV receiver takes no payload links from here (no fabric of this kind, or the same device): TCP only"
+                );
+                if end.is_none() {
+                    self.fabric.withdraw(offer.id);
+                }
+                let mut st = self.state.lock().expect("links");
+                st.idle.remove(endpoint);
+                st.never.insert(endpoint.to_string());
+                Ok(None)
+            }
+            // A new pair declined (no room, its join failed): none offered for a while, each
+            // offer made and not taken being left behind.
+            (Some(LinkAnswer::Declined), None) => {
+                self.fabric.withdraw(offer.id);
+                self.state
+                    .lock()
+                    .expect("links")
+                    .unlinked
+                    .insert(endpoint.to_string(), Instant::now() + UNLINKED_FOR);
+                Ok(None)
+            }
+            // No answer: a new pair is given up; a reused one (declined: the receiver no longer
+            // has it; or no answer) dropped.
             (_, None) => {
                 self.fabric.withdraw(offer.id);
                 Ok(None)
             }
             (_, Some(_)) => Ok(None),
         }
+    }
+
+    /// Starts the task that drops idle links past their time, once.
+    fn sweep_from_now_on(self: &Arc<Self>) {
+        if self
+            .sweeping
+            .swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
+            return;
+        }
+        let weak = Arc::downgrade(self);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(LINK_SWEEP).await;
+                let Some(links) = weak.upgrade() else { return };
+                links.state.lock().expect("links").sweep(Instant::now());
+            }
+        });
     }
 
     /// Keeps `end` for `endpoint`'s next connection (beyond the per-receiver bound, dropped).
@@ -268,6 +332,7 @@ impl TcpTransport {
         self.link = Some(Arc::new(SenderLinks {
             fabric,
             state: Mutex::default(),
+            sweeping: Default::default(),
         }));
         self
     }
@@ -293,7 +358,10 @@ impl KvTransport for TcpTransport {
         transfer: u64,
     ) -> BoxFuture<'a, Result<Box<dyn KvStream>, TransferError>> {
         Box::pin(async move {
-            let offered = self.link.as_ref().and_then(|l| l.offer(endpoint));
+            let offered = self.link.as_ref().and_then(|l| {
+                l.sweep_from_now_on();
+                l.offer(endpoint)
+            });
             let connect = async {
                 let mut s = TcpStream::connect(endpoint).await?;
                 s.set_nodelay(true)?;

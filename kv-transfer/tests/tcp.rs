@@ -424,8 +424,12 @@ async fn payloads_on_a_link_land_intact_and_a_declined_offer_goes_over_the_conne
             if joins { 12 * 1002 } else { 0 },
             "joins: {joins}"
         );
-        // (A receiver that declined is offered a new pair each time.)
-        assert_eq!(fabric.offered() - offered, !joins as u64, "joins: {joins}");
+        // (A receiver that will never take one is offered none again.)
+        assert_eq!(fabric.offered() - offered, 0, "joins: {joins}");
+        let answered: Vec<u64> = rx.link_answers().iter().map(|(_, n)| *n).collect();
+        // Declined, joined, busy, never: two joins, or one offer declined for good.
+        let want = if joins { [0, 2, 0, 0] } else { [0, 0, 0, 1] };
+        assert_eq!(answered, want, "joins: {joins}");
         assert_eq!(fabric.pending(), 0, "joins: {joins}");
     }
 }
@@ -455,11 +459,15 @@ impl LinkFabric for BrokenSenderFabric {
             return self.0.join(id, 1);
         }
         self.0.withdraw(id);
-        PairLink::start::<tandem_collective::ThreadRank, _>(LinkKind::Threads, || {
-            Err(tandem_collective::CollectiveError::Device(
-                "ncclCommInitRank: unhandled system error".into(),
-            ))
-        })
+        PairLink::start::<tandem_collective::ThreadRank, _>(
+            LinkKind::Threads,
+            Duration::from_secs(30),
+            || {
+                Err(tandem_collective::CollectiveError::Device(
+                    "ncclCommInitRank: unhandled system error".into(),
+                ))
+            },
+        )
     }
     fn withdraw(&self, id: [u8; LINK_ID]) {
         self.0.withdraw(id)
