@@ -135,6 +135,28 @@ fn the_chart_lints_renders_valid_objects_and_commands_the_binary_accepts() {
             let ports = rule["ports"].as_array().unwrap().len();
             let decode = o["metadata"]["name"] == "tandem-decode";
             assert_eq!(ports, if decode { 2 } else { 1 }, "{ex}: {o}");
+            // GPU groups take NCCL payload links from the release's workers, on every port.
+            let every_port: Vec<&serde_json::Value> = o["spec"]["ingress"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|r| r.get("ports").is_none())
+                .collect();
+            let gpu = ex.contains("gpu");
+            assert_eq!(every_port.len(), gpu as usize, "{ex}: {o}");
+            if let Some(r) = every_port.first() {
+                let roles: Vec<&str> = r["from"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|p| {
+                        p["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
+                            .as_str()
+                            .unwrap()
+                    })
+                    .collect();
+                assert_eq!(roles, ["decode", "prefill"], "{ex}: {o}");
+            }
         }
         let router = objs
             .iter()
