@@ -119,9 +119,8 @@ fn the_chart_lints_renders_valid_objects_and_commands_the_binary_accepts() {
         }
         // The worker plane: each group's ports take the release's router and workers only,
         // and the router has the secret its credential comes from.
-        for o in objs.iter().filter(|o| o["kind"] == "NetworkPolicy") {
-            let rule = &o["spec"]["ingress"][0];
-            let roles: Vec<&str> = rule["from"]
+        let roles = |rule: &serde_json::Value| -> Vec<String> {
+            rule["from"]
                 .as_array()
                 .unwrap()
                 .iter()
@@ -129,9 +128,13 @@ fn the_chart_lints_renders_valid_objects_and_commands_the_binary_accepts() {
                     p["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
                         .as_str()
                         .unwrap()
+                        .to_string()
                 })
-                .collect();
-            assert_eq!(roles, ["router", "decode", "prefill"], "{ex}: {o}");
+                .collect()
+        };
+        for o in objs.iter().filter(|o| o["kind"] == "NetworkPolicy") {
+            let rule = &o["spec"]["ingress"][0];
+            assert_eq!(roles(rule), ["router", "decode", "prefill"], "{ex}: {o}");
             let ports = rule["ports"].as_array().unwrap().len();
             let decode = o["metadata"]["name"] == "tandem-decode";
             assert_eq!(ports, if decode { 2 } else { 1 }, "{ex}: {o}");
@@ -145,17 +148,7 @@ fn the_chart_lints_renders_valid_objects_and_commands_the_binary_accepts() {
             let gpu = ex.contains("gpu");
             assert_eq!(every_port.len(), gpu as usize, "{ex}: {o}");
             if let Some(r) = every_port.first() {
-                let roles: Vec<&str> = r["from"]
-                    .as_array()
-                    .unwrap()
-                    .iter()
-                    .map(|p| {
-                        p["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
-                            .as_str()
-                            .unwrap()
-                    })
-                    .collect();
-                assert_eq!(roles, ["decode", "prefill"], "{ex}: {o}");
+                assert_eq!(roles(r), ["decode", "prefill"], "{ex}: {o}");
             }
         }
         let router = objs
