@@ -348,20 +348,29 @@ pub struct KvLinkArgs {
     #[arg(long, env = "TANDEM_KV_LINK", default_value = "auto")]
     pub kv_link: KvLinkMode,
     /// Milliseconds an NCCL link waits for its peer's side of a payload before the transfer
-    /// fails (and is retried or prefilled locally).
+    /// fails (and is retried or prefilled locally); a link's setup and any one operation are
+    /// given up after twice this.
     #[arg(long, env = "TANDEM_KV_LINK_WATCHDOG_MS", default_value_t = 30_000)]
     pub kv_link_watchdog_ms: u64,
 }
 
 impl KvLinkArgs {
-    /// The fabric this worker offers or joins payload links with, on `device`; None: TCP only.
-    fn fabric(&self, device: DeviceSpec, role: &str) -> Result<Option<Arc<dyn LinkFabric>>> {
-        let ordinal = match (self.kv_link, device) {
-            (KvLinkMode::Off, _) | (KvLinkMode::Auto, DeviceSpec::Cpu) => return Ok(None),
+    /// The GPU this worker's links would run on, if any; refused where `nccl` was asked on the
+    /// CPU.
+    fn ordinal(&self, device: DeviceSpec) -> Result<Option<usize>> {
+        match (self.kv_link, device) {
+            (KvLinkMode::Off, _) | (KvLinkMode::Auto, DeviceSpec::Cpu) => Ok(None),
             (KvLinkMode::Nccl, DeviceSpec::Cpu) => anyhow::bail!(
                 "--kv-link nccl: NCCL links join GPUs, and this worker runs on the CPU (--device cpu)"
             ),
-            (_, DeviceSpec::Cuda(n)) => n,
+            (_, DeviceSpec::Cuda(n)) => Ok(Some(n)),
+        }
+    }
+
+    /// The fabric this worker offers or joins payload links with, on `device`; None: TCP only.
+    fn fabric(&self, device: DeviceSpec, role: &str) -> Result<Option<Arc<dyn LinkFabric>>> {
+        let Some(ordinal) = self.ordinal(device)? else {
+            return Ok(None);
         };
         let watchdog = Duration::from_millis(self.kv_link_watchdog_ms.max(1));
         match NcclFabric::new(ordinal, watchdog) {
@@ -578,12 +587,12 @@ pub fn run_decode(a: DecodeArgs) -> Result<()> {
             "tandem decode: no TANDEM_KV_SECRET: this worker's RPCs are open to anyone who reaches its port; set the cluster's secret on every process"
         );
     }
-    // Checked even without a secret (which leaves this worker no KV plane to use it on), so a
-    // link the worker cannot make is refused alike.
-    let link = a
-        .link
-        .fabric(a.engine.device, "decode")?
-        .filter(|_| secret.is_some());
+    // Without a secret this worker has no KV plane to use links on; a link mode it could not
+    // make is refused alike.
+    let link = match secret {
+        Some(_) => a.link.fabric(a.engine.device, "decode")?,
+        None => a.link.ordinal(a.engine.device).map(|_| None)?,
+    };
     let (handle, started) = start_engine(&a.engine)?;
     let loras = a.lora.registry(&started)?;
     let target = tandem_worker::KvTarget::of(&handle);

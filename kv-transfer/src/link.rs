@@ -67,6 +67,12 @@ impl LinkKind {
     }
 }
 
+/// How long a receiver offered a pair still busy with the connection before waits for that
+/// connection to give it back (the sender's previous transfer just ended, so its end is read at
+/// once) before it answers busy; a sender offering a pair again allows its handshake this long
+/// more.
+pub const BUSY_WAIT: Duration = Duration::from_secs(1);
+
 /// A sender's offer of a payload link, as its handshake carries it (under its MAC).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LinkOffer {

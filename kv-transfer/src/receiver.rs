@@ -23,7 +23,7 @@ use tokio::time::Instant;
 use tandem_types::BlockId;
 
 use crate::auth::{self, Secret};
-use crate::link::{LinkAnswer, LinkFabric, LinkOffer, PairLink, LINK_DEVICE, LINK_ID};
+use crate::link::{LinkAnswer, LinkFabric, LinkOffer, PairLink, BUSY_WAIT, LINK_DEVICE, LINK_ID};
 use crate::shape::{convert_values, Float, KvShape};
 use crate::wire::{checksum, FrameHeader, FrameKind, HEADER_LEN, MAX_CONTEXT};
 use crate::TransferError;
@@ -211,9 +211,6 @@ const MAX_LINKS: usize = 64;
 const IDLE_LINK_FOR: Duration = Duration::from_secs(600);
 /// How often idle links past [`IDLE_LINK_FOR`] are dropped.
 const LINK_SWEEP: Duration = Duration::from_secs(60);
-/// How long an offer of a pair still busy with its connection before waits for that connection
-/// to give it back (the sender's previous transfer just ended: its end is read at once).
-const BUSY_WAIT: Duration = Duration::from_secs(2);
 
 /// A receiver's payload links: the fabric it joins senders' offers with (none: every offer is
 /// declined), and every pair joined, by id: idle since when, or busy with a connection (None).
@@ -809,7 +806,7 @@ async fn serve_connection(inner: &Arc<Inner>, mut sock: TcpStream) -> Result<(),
             if answer != LinkAnswer::Busy || Instant::now() >= give_up {
                 break (answer, end);
             }
-            tokio::time::sleep(Duration::from_millis(2)).await;
+            tokio::time::sleep(Duration::from_millis(5)).await;
         };
         inner.link_answers[answer as usize].fetch_add(1, Ordering::Relaxed);
         if let Some(end) = end {

@@ -6,7 +6,7 @@
 //! chunk computes. Tests wrap a transport to damage frames in flight; production has TCP (and, on
 //! GPUs, NCCL behind the same trait).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -15,7 +15,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
 use crate::auth::{self, Secret, Session};
-use crate::link::{LinkAnswer, LinkFabric, LinkOffer, PairLink};
+use crate::link::{LinkAnswer, LinkFabric, LinkOffer, PairLink, BUSY_WAIT};
 use crate::shape::KvShape;
 use crate::wire::{FrameHeader, FrameKind, HEADER_LEN, MAX_CONTEXT};
 use crate::TransferError;
@@ -109,6 +109,22 @@ const IDLE_LINKS_PER_RECEIVER: usize = 8;
 const IDLE_LINK_FOR: Duration = Duration::from_secs(600);
 /// How often idle links past [`IDLE_LINK_FOR`] are dropped.
 const LINK_SWEEP: Duration = Duration::from_secs(60);
+/// How long a receiver that answered it never takes this sender's links is offered none (a
+/// worker restarted at its address may take them).
+const NEVER_FOR: Duration = Duration::from_secs(3600);
+/// How long a receiver that declined a new pair (no room, its join failed) is offered none.
+const DECLINED_FOR: Duration = Duration::from_secs(60);
+
+/// What a handshake said of a link offer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Reply {
+    /// The receiver's answer.
+    Answered(LinkAnswer),
+    /// The connection was refused (status 2 or 3): the offer was not looked at.
+    Refused,
+    /// No answer came (the connection or its handshake failed).
+    Unanswered,
+}
 
 /// A sender's payload links: its fabric, the pairs joined and idle per receiver (offered again
 /// before a new one is made), and the receivers whose link failed lately.
@@ -123,12 +139,11 @@ struct SenderLinks {
 struct SenderLinkState {
     /// Idle pairs per receiver, the longest idle first.
     idle: HashMap<String, Vec<(LinkOffer, PairLink, Instant)>>,
-    /// Receivers offered no link until then: one failed, or a new pair was declined.
+    /// Receivers offered no link until then: one failed, a new pair was declined, or the
+    /// receiver never takes this sender's links (no fabric of its kind, its own device). An
+    /// offer not taken is left behind (an NCCL id keeps a thread and a socket waiting for
+    /// ranks that never come), so none is made to them.
     unlinked: HashMap<String, Instant>,
-    /// Receivers that never take this sender's links (no fabric of its kind, its own device):
-    /// an offer made to them would be left behind (an NCCL id keeps a thread and a socket
-    /// waiting for ranks that never come).
-    never: HashSet<String>,
 }
 
 /// What one connection offers: a pair, and this side's end of it when it is offered again.
@@ -154,9 +169,7 @@ impl SenderLinks {
         let now = Instant::now();
         {
             let mut st = self.state.lock().expect("links");
-            if st.never.contains(endpoint)
-                || st.unlinked.get(endpoint).is_some_and(|&until| now < until)
-            {
+            if st.unlinked.get(endpoint).is_some_and(|&until| now < until) {
                 return None;
             }
             st.unlinked.remove(endpoint);
@@ -187,55 +200,60 @@ impl SenderLinks {
         }
     }
 
-    /// This side's end of the pair after the handshake answered `answer` (an error: no answer).
+    /// This side's end of the pair after the handshake's `reply`.
     fn settle(
         &self,
         endpoint: &str,
         offered: Offered,
-        answer: Option<LinkAnswer>,
+        reply: Reply,
     ) -> Result<Option<(LinkOffer, PairLink)>, TransferError> {
         let Offered { offer, end } = offered;
-        match (answer, end) {
-            (Some(LinkAnswer::Joined), Some(end)) => Ok(Some((offer, end))),
-            (Some(LinkAnswer::Joined), None) => Ok(Some((
+        let stop_offers = |what: &str, secs: Duration| {
+            tracing::info!(
+                endpoint,
+                link = self.fabric.kind().name(),
+                "this KV receiver {what}: no payload link offered to it for {} s",
+                secs.as_secs()
+            );
+            let mut st = self.state.lock().expect("links");
+            st.idle.remove(endpoint);
+            st.unlinked
+                .insert(endpoint.to_string(), Instant::now() + secs);
+        };
+        match (reply, end) {
+            (Reply::Answered(LinkAnswer::Joined), Some(end)) => Ok(Some((offer, end))),
+            (Reply::Answered(LinkAnswer::Joined), None) => Ok(Some((
                 LinkOffer {
                     reuse: true,
                     ..offer
                 },
                 self.fabric.join(offer.id, 0)?,
             ))),
-            // Still busy with the connection before on the receiver: kept for the next.
-            (Some(LinkAnswer::Busy), Some(end)) => {
+            // Still busy with the connection before on the receiver, or not looked at (the
+            // connection was refused): kept for the next.
+            (Reply::Answered(LinkAnswer::Busy) | Reply::Refused, Some(end)) => {
                 self.idle(endpoint, offer, end);
                 Ok(None)
             }
-            (Some(LinkAnswer::Never), end) => {
-                tracing::info!(
-                    endpoint,
-                    link = self.fabric.kind().name(),
-                    "this KV receiver takes no payload links from here (no fabric of this kind, or the same device): TCP only"
-                );
+            (Reply::Answered(LinkAnswer::Never), end) => {
                 if end.is_none() {
                     self.fabric.withdraw(offer.id);
                 }
-                let mut st = self.state.lock().expect("links");
-                st.idle.remove(endpoint);
-                st.never.insert(endpoint.to_string());
+                stop_offers(
+                    "takes no payload links from here (no fabric of this kind, or the same device)",
+                    NEVER_FOR,
+                );
                 Ok(None)
             }
             // A new pair declined (no room, its join failed): none offered for a while, each
             // offer made and not taken being left behind.
-            (Some(LinkAnswer::Declined), None) => {
+            (Reply::Answered(LinkAnswer::Declined), None) => {
                 self.fabric.withdraw(offer.id);
-                self.state
-                    .lock()
-                    .expect("links")
-                    .unlinked
-                    .insert(endpoint.to_string(), Instant::now() + UNLINKED_FOR);
+                stop_offers("declined a new payload link", DECLINED_FOR);
                 Ok(None)
             }
-            // No answer: a new pair is given up; a reused one (declined: the receiver no longer
-            // has it; or no answer) dropped.
+            // A new pair not answered, or refused with its connection: given up. A reused one
+            // declined (the receiver no longer has it) or not answered: dropped.
             (_, None) => {
                 self.fabric.withdraw(offer.id);
                 Ok(None)
@@ -376,7 +394,10 @@ impl KvTransport for TcpTransport {
                 .await?;
                 Ok::<_, TransferError>((s, session))
             };
-            let connected = tokio::time::timeout(self.connect_timeout, connect)
+            // A pair offered again may wait on the receiver for its previous connection.
+            let reusing = offered.as_ref().is_some_and(|o| o.offer.reuse);
+            let limit = self.connect_timeout + if reusing { BUSY_WAIT } else { Duration::ZERO };
+            let connected = tokio::time::timeout(limit, connect)
                 .await
                 .map_err(|_| {
                     TransferError::Handshake(format!("connecting to {endpoint} timed out"))
@@ -385,8 +406,14 @@ impl KvTransport for TcpTransport {
             // The offered pair: this side's end where the receiver took it.
             let link = match (&self.link, offered) {
                 (Some(links), Some(offered)) => {
-                    let answer = connected.as_ref().ok().map(|(_, s)| s.link_answer());
-                    links.settle(endpoint, offered, answer)?
+                    let reply = match &connected {
+                        Ok((_, s)) => Reply::Answered(s.link_answer()),
+                        Err(TransferError::NotGranted(_) | TransferError::Mismatch(_)) => {
+                            Reply::Refused
+                        }
+                        Err(_) => Reply::Unanswered,
+                    };
+                    links.settle(endpoint, offered, reply)?
                 }
                 _ => None,
             };
@@ -595,5 +622,95 @@ impl KvStream for TcpKvStream {
             self.control(FrameKind::Context, transfer, context.as_bytes())
                 .await
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::link::ThreadFabric;
+
+    fn links(fabric: &Arc<ThreadFabric>) -> SenderLinks {
+        SenderLinks {
+            fabric: fabric.clone(),
+            state: Mutex::default(),
+            sweeping: Default::default(),
+        }
+    }
+
+    const EP: &str = "10.0.0.9:7300";
+
+    /// Every reply to a new pair and to one offered again: joined (kept, then offered again,
+    /// the longest idle first), busy and refused (kept), declined and unanswered (a new pair
+    /// withdrawn, a reused end dropped), never and a declined new pair (no offer for a while);
+    /// no pair is ever left offered on the fabric.
+    #[tokio::test]
+    async fn each_reply_keeps_drops_or_withdraws_the_pair() {
+        let fabric = ThreadFabric::new(Duration::from_secs(30));
+        let l = links(&fabric);
+        let joined = |l: &SenderLinks| {
+            let o = l.offer(EP).unwrap();
+            assert!(!o.offer.reuse);
+            // The receiver's end, joined as it would be.
+            let theirs = fabric.join(o.offer.id, 1).unwrap();
+            let (offer, end) = l
+                .settle(EP, o, Reply::Answered(LinkAnswer::Joined))
+                .unwrap()
+                .unwrap();
+            (offer, end, theirs)
+        };
+        let (first, end1, _t1) = joined(&l);
+        let (second, end2, _t2) = joined(&l);
+        assert!(
+            first.reuse && second.reuse,
+            "a joined pair is offered again as such"
+        );
+        l.idle(EP, first, end1);
+        l.idle(EP, second, end2);
+        // The longest idle first; busy and refused keep it (behind the other).
+        let o = l.offer(EP).unwrap();
+        assert_eq!((o.offer.id, o.offer.reuse), (first.id, true));
+        assert!(l
+            .settle(EP, o, Reply::Answered(LinkAnswer::Busy))
+            .unwrap()
+            .is_none());
+        let o = l.offer(EP).unwrap();
+        assert_eq!(o.offer.id, second.id);
+        assert!(l.settle(EP, o, Reply::Refused).unwrap().is_none());
+        let ids: Vec<_> = l.state.lock().unwrap().idle[EP]
+            .iter()
+            .map(|(o, _, _)| o.id)
+            .collect();
+        assert_eq!(ids, [first.id, second.id]);
+        // Declined or unanswered, a reused end is dropped.
+        for reply in [Reply::Answered(LinkAnswer::Declined), Reply::Unanswered] {
+            let o = l.offer(EP).unwrap();
+            assert!(o.offer.reuse);
+            assert!(l.settle(EP, o, reply).unwrap().is_none());
+        }
+        assert!(l.state.lock().unwrap().idle[EP].is_empty());
+        // A new pair refused or unanswered is withdrawn, and offers go on.
+        for reply in [Reply::Refused, Reply::Unanswered] {
+            let o = l.offer(EP).unwrap();
+            assert!(!o.offer.reuse);
+            assert!(l.settle(EP, o, reply).unwrap().is_none());
+            assert_eq!(fabric.pending(), 0);
+        }
+        // Declined or never: withdrawn, and no more offers to that receiver for a while.
+        for (reply, secs) in [
+            (LinkAnswer::Declined, DECLINED_FOR),
+            (LinkAnswer::Never, NEVER_FOR),
+        ] {
+            let l = links(&fabric);
+            let o = l.offer(EP).unwrap();
+            assert!(l.settle(EP, o, Reply::Answered(reply)).unwrap().is_none());
+            assert_eq!(fabric.pending(), 0);
+            assert!(l.offer(EP).is_none(), "{reply:?}");
+            let other = l.offer("10.0.0.10:7300").expect("another receiver");
+            fabric.withdraw(other.offer.id);
+            let until = l.state.lock().unwrap().unlinked[EP];
+            let left = until.saturating_duration_since(Instant::now());
+            assert!(left > secs / 2 && left <= secs, "{reply:?}: {left:?}");
+        }
     }
 }
