@@ -598,7 +598,10 @@ async fn serve_prefill(transport: Arc<dyn KvTransport>) -> String {
     serve_prefill_on(engine(), transport).await
 }
 
-/// [`serve_prefill`] over `engine`.
+/// [`serve_prefill`] over `engine`. Its admission takes up to an hour of queued work: these
+/// workers' tests check transfers, not admission (`a_busy_prefill_worker_refuses_...` does),
+/// and on a machine 10x slower a retry sent to the worker while its first attempt's prompt still
+/// counts as queued was refused by the default 10 s (seen in the slowed disaggregation run).
 async fn serve_prefill_on(
     engine: tandem_engine::EngineHandle,
     transport: Arc<dyn KvTransport>,
@@ -613,7 +616,9 @@ async fn serve_prefill_on(
             kv_dtype: "f32".into(),
             loras: no_loras(),
         },
-        Default::default(),
+        tandem_prefill_worker::PrefillLimits {
+            max_queue_wait: Duration::from_secs(3600),
+        },
     );
     let pl = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let paddr = pl.local_addr().unwrap().to_string();
