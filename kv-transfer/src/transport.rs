@@ -215,10 +215,7 @@ impl SenderLinks {
                 "this KV receiver {what}: no payload link offered to it for {} s",
                 secs.as_secs()
             );
-            let mut st = self.state.lock().expect("links");
-            st.idle.remove(endpoint);
-            st.unlinked
-                .insert(endpoint.to_string(), Instant::now() + secs);
+            self.unlink(endpoint, secs);
         };
         match (reply, end) {
             (Reply::Answered(LinkAnswer::Joined), Some(end)) => Ok(Some((offer, end))),
@@ -297,10 +294,15 @@ impl SenderLinks {
             "KV payload link failed: payloads to this receiver go over TCP for {} s",
             UNLINKED_FOR.as_secs()
         );
+        self.unlink(endpoint, UNLINKED_FOR);
+    }
+
+    /// Drops `endpoint`'s idle links and offers it none for `secs`.
+    fn unlink(&self, endpoint: &str, secs: Duration) {
         let mut st = self.state.lock().expect("links");
         st.idle.remove(endpoint);
         st.unlinked
-            .insert(endpoint.to_string(), Instant::now() + UNLINKED_FOR);
+            .insert(endpoint.to_string(), Instant::now() + secs);
     }
 }
 
