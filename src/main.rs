@@ -156,7 +156,8 @@ pub struct EngineArgs {
     pub kv_disk_shared: bool,
     /// Tensor-parallel ranks: the model split over this many rank threads of this process,
     /// each with its share of the weights and of the KV heads, and --threads shared among them
-    /// (1: no tensor parallelism).
+    /// (1: no tensor parallelism). With --device cuda:N, a rank per GPU on GPUs N to
+    /// N + tp - 1, exchanging through NCCL.
     #[arg(long, env = "TANDEM_TP", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub tp: u32,
     /// Expert-parallel ranks, for a mixture of experts: its experts split over this many rank

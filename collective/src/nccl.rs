@@ -13,13 +13,17 @@
 //! aborted when it is dropped), instead of hanging the step.
 //!
 //! [`Collective`] is implemented on host buffers (copied to the device and back), so the same
-//! tests run the CPU ranks and these; the GPU forward calls [`NcclRank::all_reduce_device`] on
-//! its own device buffers.
+//! tests run the CPU ranks and these. The GPU forward ([`NcclRank::on_stream`], on its own
+//! compute stream) queues its gathers on its device buffers behind its kernels with the
+//! `_queued` calls, which do not wait, and waits once a step under the watchdog
+//! ([`NcclRank::wait_queued`]).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use cudarc::driver::{
+    CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop,
+};
 use cudarc::nccl::safe::{Comm, Id, NcclType, ReduceOp};
 
 use crate::{Collective, CollectiveError};
@@ -78,6 +82,58 @@ impl NcclId {
     }
 }
 
+/// The element type NCCL sums bf16 device buffers as: they hold bf16 values as their `u16`
+/// bits (the kernels' convention), which NCCL must not add as integers.
+struct Bf16;
+
+impl NcclType for Bf16 {
+    fn as_nccl_type() -> cudarc::nccl::sys::ncclDataType_t {
+        cudarc::nccl::sys::ncclDataType_t::ncclBfloat16
+    }
+}
+
+/// A `u16` device buffer seen as bf16 values by NCCL.
+struct AsBf16<'a>(&'a mut CudaSlice<u16>);
+
+impl DeviceSlice<Bf16> for AsBf16<'_> {
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+    fn stream(&self) -> &Arc<CudaStream> {
+        DeviceSlice::<u16>::stream(self.0)
+    }
+}
+
+impl DevicePtrMut<Bf16> for AsBf16<'_> {
+    fn device_ptr_mut<'a>(
+        &'a mut self,
+        stream: &'a CudaStream,
+    ) -> (cudarc::driver::sys::CUdeviceptr, SyncOnDrop<'a>) {
+        self.0.device_ptr_mut(stream)
+    }
+}
+
+/// A `u16` device buffer read as bf16 values by NCCL.
+struct AsBf16Ref<'a>(&'a CudaSlice<u16>);
+
+impl DeviceSlice<Bf16> for AsBf16Ref<'_> {
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+    fn stream(&self) -> &Arc<CudaStream> {
+        DeviceSlice::<u16>::stream(self.0)
+    }
+}
+
+impl DevicePtr<Bf16> for AsBf16Ref<'_> {
+    fn device_ptr<'a>(
+        &'a self,
+        stream: &'a CudaStream,
+    ) -> (cudarc::driver::sys::CUdeviceptr, SyncOnDrop<'a>) {
+        self.0.device_ptr(stream)
+    }
+}
+
 /// One rank of an NCCL group, on the thread that made it.
 pub struct NcclRank {
     comm: Comm,
@@ -102,13 +158,29 @@ impl NcclRank {
         if !available() {
             return Err(unavailable());
         }
+        let ctx = CudaContext::new(ordinal).map_err(|e| device("opening the device", e))?;
+        let stream = ctx.new_stream().map_err(|e| device("a stream", e))?;
+        Self::on_stream(stream, rank, size, id, watchdog)
+    }
+
+    /// Rank `rank` of a group of `size` whose collectives are queued on `stream` (a forward's
+    /// own stream: they are then ordered with its kernels, with no wait between them), joining
+    /// the group `id` names. As [`NcclRank::new`]: on the rank's thread, every rank calling it.
+    pub fn on_stream(
+        stream: Arc<CudaStream>,
+        rank: usize,
+        size: usize,
+        id: NcclId,
+        watchdog: Duration,
+    ) -> Result<Self, CollectiveError> {
+        if !available() {
+            return Err(unavailable());
+        }
         if rank >= size {
             return Err(CollectiveError::Shape(format!(
                 "rank {rank} of a group of {size}"
             )));
         }
-        let ctx = CudaContext::new(ordinal).map_err(|e| device("opening the device", e))?;
-        let stream = ctx.new_stream().map_err(|e| device("a stream", e))?;
         let comm = Comm::from_rank(stream.clone(), rank, size, id.0)
             .map_err(|e| device("ncclCommInitRank", e))?;
         Ok(Self {
@@ -137,6 +209,65 @@ impl NcclRank {
             .all_reduce_in_place(buf, &ReduceOp::Sum)
             .map_err(|e| device("ncclAllReduce", e))?;
         self.wait("all_reduce")
+    }
+
+    /// Every rank's `mine` (bf16 values as their bits) into `out` (`size` × its length, rank
+    /// after rank), queued on the rank's stream: the stream's later work sees it;
+    /// [`NcclRank::wait_queued`] waits for it.
+    pub fn all_gather_bf16_queued(
+        &mut self,
+        mine: &CudaSlice<u16>,
+        out: &mut CudaSlice<u16>,
+    ) -> Result<(), CollectiveError> {
+        self.check()?;
+        self.check_gather(mine.len(), out.len())?;
+        self.comm
+            .all_gather(&AsBf16Ref(mine), &mut AsBf16(out))
+            .map(|_| ())
+            .map_err(|e| device("ncclAllGather", e))
+    }
+
+    fn check_gather(&self, mine: usize, out: usize) -> Result<(), CollectiveError> {
+        match out == self.size * mine {
+            true => Ok(()),
+            false => Err(CollectiveError::Shape(format!(
+                "all_gather: {} ranks × {mine} values into {out}",
+                self.size
+            ))),
+        }
+    }
+
+    /// Every rank's `mine` into `out` (`size` × its length, rank after rank), queued as
+    /// [`NcclRank::all_gather_bf16_queued`] is.
+    pub fn all_gather_f32_queued(
+        &mut self,
+        mine: &CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CollectiveError> {
+        self.check()?;
+        self.check_gather(mine.len(), out.len())?;
+        self.comm
+            .all_gather(mine, out)
+            .map(|_| ())
+            .map_err(|e| device("ncclAllGather", e))
+    }
+
+    /// Waits under the watchdog for everything queued on the rank's stream so far, its
+    /// collectives included: a peer that never comes fails this with a timeout (and poisons
+    /// the rank) instead of hanging the caller's next copy to the host.
+    pub fn wait_queued(&mut self) -> Result<(), CollectiveError> {
+        self.check()?;
+        self.wait("a step's collectives")
+    }
+
+    /// Poisons the rank: every later collective on it fails at once with `why`.
+    pub fn poison(&mut self, why: String) {
+        self.poisoned.get_or_insert(why);
+    }
+
+    /// Whether an earlier failure poisoned the rank.
+    pub fn poisoned(&self) -> bool {
+        self.poisoned.is_some()
     }
 
     fn check(&self) -> Result<(), CollectiveError> {
@@ -215,14 +346,7 @@ impl Collective for NcclRank {
 
     fn all_gather(&mut self, mine: &[f32], out: &mut [f32]) -> Result<(), CollectiveError> {
         self.check()?;
-        if out.len() != self.size * mine.len() {
-            return Err(CollectiveError::Shape(format!(
-                "all_gather: {} ranks × {} values into {}",
-                self.size,
-                mine.len(),
-                out.len()
-            )));
-        }
+        self.check_gather(mine.len(), out.len())?;
         let src = self.upload(mine)?;
         let mut dst = self
             .stream

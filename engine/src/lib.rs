@@ -56,6 +56,7 @@ pub use device::cpu::{CpuBackend, CpuModel, WeightFormat};
 pub use device::cuda::CudaModel;
 pub use device::staging::{DeviceKv, DeviceKvFormat, DeviceSink, InFlight, Pinned};
 pub use device::tp_cpu::{TpCpuBackend, TpCpuConfig};
+pub use device::tp_cuda::TpCudaBackend;
 pub use engine::{
     Continuous, Cost, DiskCounts, Engine, EngineConfig, EngineStats, Event, FinishReason, Finished,
     KvChunk, KvDiskConfig, KvPiece, Limits, PrefillOrder, Request, RequestId, Reservation,

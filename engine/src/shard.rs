@@ -147,8 +147,9 @@ impl TpShard {
             )));
         }
         let ff = c.intermediate_size / size;
-        let v = c.vocab_size.div_ceil(size);
-        let vocab = (rank * v).min(c.vocab_size)..((rank + 1) * v).min(c.vocab_size);
+        let (_, pieces) = vocab_pieces(c.vocab_size, size);
+        let (from, len) = pieces[rank];
+        let vocab = from..from + len;
         Ok(Self {
             rank,
             size,
@@ -182,6 +183,20 @@ impl TpShard {
     pub fn is_whole(&self) -> bool {
         self.size == 1
     }
+}
+
+/// How a vocabulary of `vocab` tokens splits over `size` ranks: the slice each rank holds but
+/// the last (`vocab / size` rounded up), and each rank's `(first token, tokens)`; the last slice
+/// is shorter where the division is not even (or empty). Gathers pad every slice to the first's.
+pub(crate) fn vocab_pieces(vocab: usize, size: usize) -> (usize, Vec<(usize, usize)>) {
+    let chunk = vocab.div_ceil(size.max(1));
+    let pieces = (0..size)
+        .map(|r| {
+            let from = (r * chunk).min(vocab);
+            (from, ((r + 1) * chunk).min(vocab) - from)
+        })
+        .collect();
+    (chunk, pieces)
 }
 
 /// Which part of a tensor a rank loads.
@@ -251,6 +266,22 @@ impl Part {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Slices of a vocabulary over ranks: equal but the last, which is shorter where the
+    /// division is not even, or empty; every token in exactly one.
+    #[test]
+    fn the_vocabulary_splits_into_equal_slices_but_the_last() {
+        assert_eq!(
+            vocab_pieces(100, 4),
+            (25, vec![(0, 25), (25, 25), (50, 25), (75, 25)])
+        );
+        assert_eq!(vocab_pieces(49152, 1), (49152, vec![(0, 49152)]));
+        assert_eq!(vocab_pieces(10, 3), (4, vec![(0, 4), (4, 4), (8, 2)]));
+        assert_eq!(
+            vocab_pieces(9, 4),
+            (3, vec![(0, 3), (3, 3), (6, 3), (9, 0)])
+        );
+    }
 
     fn config(nq: usize, nkv: usize) -> ModelConfig {
         ModelConfig {

@@ -515,3 +515,71 @@ fn kv_moves_into_and_out_of_the_gpu_pool_through_staging() {
     let _ = decode.step().unwrap();
     assert_no_blocks_held(&decode);
 }
+
+/// Tensor parallelism over two GPUs (NCCL, a rank thread each): the engine over the split model
+/// gives the same tokens in a continuous batch as each request alone (its all-reduce sums the
+/// ranks' partial sums in rank order, so its bits do not follow the batch), and its greedy
+/// tokens are reported against the golden records and against one GPU's. A block copy and the
+/// pool's every block come back. Needs two GPUs: with fewer it says so and returns, even under
+/// TANDEM_REQUIRE_GPU (scripts/gpu-check reports it n/a).
+#[test]
+fn tensor_parallel_ranks_on_two_gpus_serve_the_engine() {
+    let test = "tensor_parallel_ranks_on_two_gpus_serve_the_engine";
+    let gpus = tandem_kernels::cuda::device_count();
+    if gpus < 2 {
+        report(test, &format!("needs 2 GPUs, this machine has {gpus}"));
+        return;
+    }
+    let setup = tandem_engine::TpCpuConfig {
+        size: 2,
+        threads_per_rank: 1,
+        watchdog: std::time::Duration::from_secs(60),
+        max_step_tokens: 2048,
+        max_step_seqs: 256,
+        experts: false,
+    };
+    let cfg = EngineConfig::default();
+    let Some(mut e) = on_gpu(test, |m| {
+        let b = tandem_engine::TpCudaBackend::new(0, m, &cfg.pool(), &setup)?;
+        Engine::with_backend(Box::new(b), cfg.clone(), m.tokenizer.eos_token_ids.clone())
+    }) else {
+        return;
+    };
+    assert_eq!(e.backend().tp(), 2);
+    assert!(
+        e.backend().device().ends_with(", tp 2"),
+        "{}",
+        e.backend().device()
+    );
+    let (_, recs) = golden_records();
+    let mut alone = Vec::new();
+    for r in requests(&recs) {
+        e.clear_prefix_cache();
+        let out = e.generate(vec![r], |_| {}, |_| {}).unwrap();
+        alone.push(out[0].output_ids.clone());
+    }
+    e.clear_prefix_cache();
+    let together = run_all(&mut e, &recs);
+    assert_no_blocks_held(&e);
+    assert_eq!(
+        together, alone,
+        "TP 2: the continuous batch equals each alone"
+    );
+    let exact = count_exact(&recs, &together);
+    drop(e);
+    let one = gpu_engine(test, EngineConfig::default()).map(|mut e| run_all(&mut e, &recs));
+    let one = one.expect("one GPU's engine where two ran");
+    let same = one.iter().zip(&together).filter(|(a, b)| a == b).count();
+    let one_exact = count_exact(&recs, &one);
+    use std::io::Write;
+    let _ = writeln!(
+        std::io::stderr(),
+        "GPU TP 2: {exact} of {} golden records token-exact (one GPU: {one_exact}); {same} equal one GPU's tokens",
+        recs.len()
+    );
+    // bf16 sums cut at other places than one GPU's may flip a near-tie or two, no more.
+    assert!(
+        exact + 2 >= one_exact,
+        "TP 2: {exact} golden records exact against one GPU's {one_exact}"
+    );
+}

@@ -71,12 +71,42 @@ extern "C" __global__ void silu_mul(const bf16* __restrict__ gu, bf16* __restric
     }
 }
 
-// out[t] = table[ids[t]]; one block per token. Ids were checked against the vocabulary on the host.
+// out[t] = table[ids[t]], or zeros where ids[t] is negative (a token outside a tensor-parallel
+// rank's slice of the vocabulary); one block per token. Ids were checked against the vocabulary
+// on the host.
 extern "C" __global__ void embedding(const int* __restrict__ ids, const bf16* __restrict__ table,
                                      bf16* __restrict__ out, int d) {
-    const bf16* src = table + (i64)ids[blockIdx.x] * d;
+    const int id = ids[blockIdx.x];
     bf16* dst = out + (i64)blockIdx.x * d;
+    if (id < 0) {
+        for (int i = threadIdx.x; i < d; i += blockDim.x) dst[i] = f32_to_bf16(0.0f);
+        return;
+    }
+    const bf16* src = table + (i64)id * d;
     for (int i = threadIdx.x; i < d; i += blockDim.x) dst[i] = src[i];
+}
+
+// out[i] = the sum of parts[r][i] over the ranks r = 0..size in rank order, in f32, rounded to
+// bf16 once: a tensor-parallel all-reduce made of an all-gather and this, whose bits are the
+// same on every rank and do not depend on the step's row count (NCCL's own reduction may order
+// its sums by the message's size).
+extern "C" __global__ void sum_ranks(const bf16* __restrict__ parts, int size, i64 n,
+                                     bf16* __restrict__ out) {
+    for (i64 e = (i64)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (i64)gridDim.x * blockDim.x) {
+        float s = 0.0f;
+        for (int r = 0; r < size; r++) s += bf16_to_f32(parts[(i64)r * n + e]);
+        out[e] = f32_to_bf16(s);
+    }
+}
+
+// dst[r][i] = src[r][i] for i < cols, rows of src_ld and dst_ld f32 values; one block per row.
+// Lays a tensor-parallel rank's logits out padded for the gather, and the gathered slices out
+// row after row.
+extern "C" __global__ void copy_cols_f32(const float* __restrict__ src, int src_ld,
+                                         float* __restrict__ dst, int dst_ld, int cols) {
+    const float* s = src + (i64)blockIdx.x * src_ld;
+    float* o = dst + (i64)blockIdx.x * dst_ld;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) o[i] = s[i];
 }
 
 // x[i] = bf16(scale · u) with u uniform in [-1, 1) from a hash of (seed, i): random weights and

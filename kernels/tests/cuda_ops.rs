@@ -171,6 +171,63 @@ fn rotary_silu_and_embedding_match_the_cpu() {
         want,
         "embedding is a copy"
     );
+    // A tensor-parallel rank's lookup: another rank's token (-1) gives a row of zeros.
+    let some: Vec<i32> = ids
+        .iter()
+        .map(|&i| if i % 3 == 0 { -1 } else { i })
+        .collect();
+    let mut out = o.upload(&vec![NAN16; t * d]).unwrap();
+    o.embedding(&o.upload(&some).unwrap(), &td, &mut out, d)
+        .unwrap();
+    let want: Vec<f32> = some
+        .iter()
+        .flat_map(|&i| match i {
+            -1 => vec![0.0; d],
+            i => tabf[i as usize * d..(i as usize + 1) * d].to_vec(),
+        })
+        .collect();
+    assert_eq!(
+        to_f32(&o.download(&out).unwrap()),
+        want,
+        "zeros off the slice"
+    );
+}
+
+/// Rows copied between strided buffers: a tensor-parallel rank's logits padded for the gather,
+/// and the gathered slices laid out row after row.
+#[test]
+fn strided_rows_copy_exactly() {
+    let Some(o) = ops("strided_rows_copy_exactly") else {
+        return;
+    };
+    let (rows, src_ld, dst_ld, cols) = (5, 7, 11, 6);
+    let src: Vec<f32> = (0..(2 + rows * src_ld)).map(|i| i as f32 * 0.5).collect();
+    let mut dst = o.upload(&vec![f32::NAN; 3 + rows * dst_ld]).unwrap();
+    o.copy_cols(
+        (&o.upload(&src).unwrap(), 2, src_ld),
+        (&mut dst, 3, dst_ld),
+        rows,
+        cols,
+    )
+    .unwrap();
+    let got = o.download(&dst).unwrap();
+    for (i, v) in got.iter().enumerate() {
+        let (r, c) = ((i.max(3) - 3) / dst_ld, (i.max(3) - 3) % dst_ld);
+        match i >= 3 && c < cols && r < rows {
+            true => assert_eq!(*v, src[2 + r * src_ld + c], "at {i}"),
+            false => assert!(v.is_nan(), "{i} was written"),
+        }
+    }
+    // A copy past either buffer's end is refused on the host.
+    let e = o
+        .copy_cols(
+            (&o.upload(&src).unwrap(), 4, src_ld),
+            (&mut dst, 3, dst_ld),
+            rows,
+            cols,
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("bad launch"), "{e}");
 }
 
 /// HF's cos/sin tables as the engine builds them (f32 angles, f64 trig).
@@ -564,4 +621,27 @@ fn sampling_is_greedy_at_zero_and_follows_the_distribution_above() {
         (frac - 0.75).abs() < 0.03,
         "second token drawn {frac:.3} of the time"
     );
+}
+
+/// A tensor-parallel all-reduce's sum of the gathered partial sums: rank after rank in f32,
+/// rounded to bf16 once, whatever the length.
+#[test]
+fn ranks_sum_in_rank_order_rounded_once() {
+    let Some(o) = ops("ranks_sum_in_rank_order_rounded_once") else {
+        return;
+    };
+    let mut r = rng(41);
+    for (size, n) in [(2, 1), (3, 1000), (4, 70_001)] {
+        let (parts, f) = rand_bf16(&mut r, size * n, 3.0);
+        let mut out = o.upload(&vec![NAN16; n]).unwrap();
+        o.sum_ranks(&o.upload(&parts).unwrap(), size, &mut out)
+            .unwrap();
+        let want: Vec<u16> = (0..n)
+            .map(|i| {
+                let s = (0..size).fold(0f32, |s, k| s + f[k * n + i]);
+                half::bf16::from_f32(s).to_bits()
+            })
+            .collect();
+        assert_eq!(o.download(&out).unwrap(), want, "{size} ranks of {n}");
+    }
 }

@@ -23,7 +23,7 @@ use crate::forward::{
     self, ExpertLoad, LoraSite, ModelWeights, OpTimes, PackedStep, SeqBatch, StepOps,
 };
 use crate::kv_cache::KvPool;
-use crate::shard::TpShard;
+use crate::shard::{vocab_pieces, TpShard};
 use tandem_collective::{Collective, SingleRank};
 use tandem_types::BlockId;
 
@@ -748,7 +748,7 @@ impl StepOps for CpuStep<'_> {
         // Each rank's rows padded to an equal slice of the vocabulary, gathered rank after
         // rank, then laid out row after row.
         let (vocab, size) = (self.vocab, self.shard.size);
-        let chunk = vocab.div_ceil(size);
+        let (chunk, pieces) = vocab_pieces(vocab, size);
         let mine = self.shard.vocab.len();
         let mut padded = vec![0f32; rows * chunk];
         for (p, l) in padded
@@ -759,9 +759,7 @@ impl StepOps for CpuStep<'_> {
         }
         let mut all = vec![0f32; size * rows * chunk];
         self.comm.all_gather(&padded, &mut all)?;
-        for r in 0..size {
-            let from = (r * chunk).min(vocab);
-            let len = ((r + 1) * chunk).min(vocab) - from;
+        for (r, (from, len)) in pieces.into_iter().enumerate() {
             let part = &all[r * rows * chunk..(r + 1) * rows * chunk];
             for (o, p) in out.chunks_exact_mut(vocab).zip(part.chunks_exact(chunk)) {
                 o[from..from + len].copy_from_slice(&p[..len]);

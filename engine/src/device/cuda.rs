@@ -15,11 +15,13 @@ use tandem_kv_transfer::Float;
 use tandem_model::{ModelConfig, TensorData, TensorName};
 
 use crate::backend::{Backend, PoolSize};
+use crate::device::ranks::StepOut;
 use crate::device::staging::{Completion, DeviceKv, DeviceKvFormat, InFlight, Pinned, PinnedMem};
 use crate::error::EngineError;
 use crate::forward::{self, ModelWeights, PackedStep, SeqBatch, StepOps};
 use crate::kv_cache::KvDtype;
-use crate::shard::{Part, TpShard};
+use crate::shard::{vocab_pieces, Part, TpShard};
+use tandem_collective::{Collective, NcclRank};
 use tandem_model::LoadedModel;
 use tandem_types::BlockId;
 
@@ -30,6 +32,9 @@ type Bf16 = CudaSlice<u16>;
 pub struct CudaModel {
     /// The model's shape.
     pub config: ModelConfig,
+    /// The part of the model this device holds: the whole, or a tensor-parallel rank's share
+    /// (its heads and their slice of the pool, its MLP features, its slice of the vocabulary).
+    pub shard: TpShard,
     /// The GPU's stream and kernels every step runs through.
     pub ops: CudaOps,
     weights: ModelWeights<Bf16, Bf16>,
@@ -63,18 +68,19 @@ impl CudaModel {
         block_size: usize,
         num_blocks: usize,
     ) -> Result<Self, EngineError> {
-        Self::upload_then_pool(ordinal, config, tensors, block_size, |_| Ok(num_blocks))
+        let shard = TpShard::whole(config);
+        let (ops, weights) = Self::upload(ordinal, config, tensors, &shard)?;
+        Self::assemble(ops, config, shard, weights, block_size, num_blocks)
     }
 
-    /// Uploads the weights, then makes a pool of as many blocks as `blocks` decides from the
-    /// device once the weights are on it.
-    fn upload_then_pool(
+    /// `shard`'s part of a model's tensors (decoded to f32, rounded to bf16) uploaded to device
+    /// `ordinal`: the device's ops and the weights, waited for.
+    pub(crate) fn upload(
         ordinal: usize,
         config: &ModelConfig,
         tensors: &BTreeMap<String, TensorData>,
-        block_size: usize,
-        blocks: impl FnOnce(&CudaOps) -> Result<usize, EngineError>,
-    ) -> Result<Self, EngineError> {
+        shard: &TpShard,
+    ) -> Result<(CudaOps, ModelWeights<Bf16, Bf16>), EngineError> {
         Self::check_family(config)?;
         let ops = CudaOps::new(ordinal)?;
         let up = |parts: &[Part]| -> Result<Bf16, EngineError> {
@@ -84,10 +90,9 @@ impl CudaModel {
             }
             Ok(ops.upload(&all)?)
         };
-        let weights = ModelWeights::build(config, &TpShard::whole(config), up, up)?;
+        let weights = ModelWeights::build(config, shard, up, up)?;
         ops.synchronize()?;
-        let num_blocks = blocks(&ops)?;
-        Self::assemble(ops, config, weights, block_size, num_blocks)
+        Ok((ops, weights))
     }
 
     /// A model of `config`'s shape with random weights made on the device (benchmarks: no
@@ -126,7 +131,8 @@ impl CudaModel {
             },
             |parts| rnd(parts, 1.0),
         )?;
-        Self::assemble(ops, config, weights, block_size, num_blocks)
+        let shard = TpShard::whole(config);
+        Self::assemble(ops, config, shard, weights, block_size, num_blocks)
     }
 
     /// The CUDA forward runs Llama and Mistral layers (Mistral's context stopped at its sliding
@@ -141,9 +147,10 @@ impl CudaModel {
         Ok(())
     }
 
-    fn assemble(
+    pub(crate) fn assemble(
         ops: CudaOps,
         config: &ModelConfig,
+        shard: TpShard,
         weights: ModelWeights<Bf16, Bf16>,
         block_size: usize,
         num_blocks: usize,
@@ -166,7 +173,9 @@ impl CudaModel {
             c.max_position_embeddings,
         );
         let (cos, sin) = rope.tables();
-        let per_layer = num_blocks * c.num_kv_heads * block_size * c.head_dim;
+        // The pool holds this device's KV heads.
+        let local = shard.local_config(&c);
+        let per_layer = num_blocks * local.num_kv_heads * block_size * c.head_dim;
         let mut k_cache = Vec::with_capacity(c.num_layers);
         let mut v_cache = Vec::with_capacity(c.num_layers);
         for _ in 0..c.num_layers {
@@ -174,7 +183,7 @@ impl CudaModel {
             v_cache.push(ops.alloc_bf16(per_layer)?);
         }
         let kv = Arc::new(CudaKv::new(
-            &ops, &c, &k_cache, &v_cache, block_size, num_blocks,
+            &ops, &local, &k_cache, &v_cache, block_size, num_blocks,
         )?);
         Ok(Self {
             kv,
@@ -188,13 +197,14 @@ impl CudaModel {
             block_size,
             num_blocks,
             config: c,
+            shard,
         })
     }
 
     /// Copies each `(from, to)` block's K and V, every layer (copy-on-write of a shared block).
     pub fn copy_blocks(&mut self, pairs: &[(BlockId, BlockId)]) -> Result<(), EngineError> {
         let c = &self.config;
-        let len = c.num_kv_heads * self.block_size * c.head_dim;
+        let len = self.shard.kv_heads.len() * self.block_size * c.head_dim;
         for &(from, to) in pairs {
             let (from, to) = (from.0 as usize * len, to.0 as usize * len);
             for cache in self.k_cache.iter_mut().chain(self.v_cache.iter_mut()) {
@@ -209,9 +219,9 @@ impl CudaModel {
         2 * self.weights.matrices().map(|m| m.len()).sum::<usize>()
     }
 
-    /// Bytes of K and V per token of context, all layers.
+    /// Bytes of K and V per token of context, all layers (this device's heads).
     pub fn kv_bytes_per_token(&self) -> usize {
-        Self::kv_bytes_per_block(&self.config, 1)
+        Self::kv_bytes_per_block(&self.shard.local_config(&self.config), 1)
     }
 
     /// Bytes of one block of `block_size` tokens in the bf16 pool, K and V of every layer.
@@ -232,7 +242,7 @@ impl CudaModel {
     /// Runs one packed step; returns f32 logits (vocab each) for the sequences with
     /// `logits` rows, in order, as [`crate::CpuModel::forward`] does.
     pub fn forward(&mut self, seqs: &[SeqBatch<'_>]) -> Result<Vec<f32>, EngineError> {
-        match self.forward_device(seqs)? {
+        match self.forward_device(seqs, None)? {
             Some((logits, _)) => Ok(self.ops.download(&logits)?),
             None => Ok(Vec::new()),
         }
@@ -244,13 +254,18 @@ impl CudaModel {
         &mut self,
         seqs: &[SeqBatch<'_>],
     ) -> Result<Vec<(u32, f32)>, EngineError> {
-        let Some((logits, n)) = self.forward_device(seqs)? else {
+        let Some((logits, n)) = self.forward_device(seqs, None)? else {
             return Ok(Vec::new());
         };
+        self.argmax(&logits, n)
+    }
+
+    /// Each of `n` rows of logits' argmax and its log-probability, picked on the device.
+    fn argmax(&self, logits: &CudaSlice<f32>, n: usize) -> Result<Vec<(u32, f32)>, EngineError> {
         let mut ids = self.ops.upload(&vec![-1i32; n])?;
         let mut logprobs = self.ops.alloc_f32(n)?;
         self.ops
-            .argmax(&logits, n, self.config.vocab_size, &mut ids, &mut logprobs)?;
+            .argmax(logits, n, self.config.vocab_size, &mut ids, &mut logprobs)?;
         let ids = self.ops.download(&ids)?;
         let logprobs = self.ops.download(&logprobs)?;
         Ok(ids
@@ -260,11 +275,30 @@ impl CudaModel {
             .collect())
     }
 
+    /// One packed step of a tensor-parallel rank, in lockstep with its group's other ranks
+    /// through `comm`: rank 0's logits (or picks), nothing from the others.
+    pub(crate) fn forward_rank(
+        &mut self,
+        seqs: &[SeqBatch<'_>],
+        picks: bool,
+        comm: &mut NcclRank,
+    ) -> Result<StepOut, EngineError> {
+        let rank = self.shard.rank;
+        let out = self.forward_device(seqs, Some(comm))?;
+        Ok(match (out, rank, picks) {
+            (Some((logits, n)), 0, true) => StepOut::Picks(self.argmax(&logits, n)?),
+            (Some((logits, _)), 0, false) => StepOut::Logits(self.ops.download(&logits)?),
+            _ => StepOut::Logits(Vec::new()),
+        })
+    }
+
     /// The step's logits left on the device, with their row count; None when no sequence wants
-    /// them (after the step has finished).
+    /// them (after the step has finished). A tensor-parallel rank exchanges through `comm` and
+    /// waits for its collectives under the group's watchdog before returning.
     fn forward_device(
         &mut self,
         seqs: &[SeqBatch<'_>],
+        comm: Option<&mut NcclRank>,
     ) -> Result<Option<(CudaSlice<f32>, usize)>, EngineError> {
         let c = &self.config;
         let step = PackedStep::new(
@@ -282,23 +316,29 @@ impl CudaModel {
         let mut ops = CudaStep::new(
             &self.ops,
             c,
+            &self.shard,
             (&self.cos, &self.sin),
             (&mut self.k_cache, &mut self.v_cache),
             self.block_size,
             &step,
+            comm,
         )?;
         let layers = self.weights.layers.len();
         let logits = forward::forward(
             &mut ops,
             &self.weights,
             c,
-            &TpShard::whole(c),
+            &self.shard,
             t,
             n,
             layers,
             !step.lora.is_empty(),
             None,
         )?;
+        if let Some(comm) = ops.comm.as_mut() {
+            // A peer that never comes fails the step here, not in the copy of the logits.
+            comm.wait_queued()?;
+        }
         Ok(logits.map(|l| (l, n)))
     }
 }
@@ -321,17 +361,35 @@ struct CudaStep<'a> {
     /// None when no row wants logits (the step ends before the head).
     logit_rows: Option<CudaSlice<i32>>,
     batch: AttnBatch,
+    /// A tensor-parallel rank's group.
+    comm: Option<&'a mut NcclRank>,
+    /// The rank's slice of the vocabulary (all of it for the whole model) and the whole's size.
+    vocab: (std::ops::Range<usize>, usize),
+    /// The step's token ids as indices into the rank's slice of the embedding (-1: another
+    /// rank's token); None for the whole model, which looks up `ids`.
+    local_ids: Option<CudaSlice<i32>>,
 }
 
 impl<'a> CudaStep<'a> {
+    #[allow(clippy::too_many_arguments)]
     fn new(
         o: &'a CudaOps,
         c: &ModelConfig,
+        shard: &TpShard,
         rope: (&'a CudaSlice<f32>, &'a CudaSlice<f32>),
         (k_cache, v_cache): (&'a mut [Bf16], &'a mut [Bf16]),
         block_size: usize,
         step: &PackedStep<'_>,
+        comm: Option<&'a mut NcclRank>,
     ) -> Result<Self, EngineError> {
+        if shard.is_whole() != comm.is_none() {
+            return Err(EngineError::Internal(format!(
+                "a CUDA step of rank {} of {} with{} a group",
+                shard.rank,
+                shard.size,
+                if comm.is_some() { "" } else { "out" }
+            )));
+        }
         let i32s = |v: &[usize]| v.iter().map(|&x| x as i32).collect::<Vec<i32>>();
         let ids: Vec<i32> = step.tokens.iter().map(|&x| x as i32).collect();
         let slots: Vec<i64> = step.slots.iter().map(|&s| s as i64).collect();
@@ -342,10 +400,14 @@ impl<'a> CudaStep<'a> {
             true => None,
             false => Some(o.upload(&i32s(&step.logit_rows))?),
         };
+        let local_ids = match shard.is_whole() {
+            true => None,
+            false => Some(o.upload(&vocab_slice_ids(&step.tokens, &shard.vocab))?),
+        };
         Ok(Self {
             o,
             hidden: c.hidden_size,
-            heads: (c.num_heads, c.num_kv_heads, c.head_dim),
+            heads: (shard.q_heads.len(), shard.kv_heads.len(), c.head_dim),
             eps: c.rms_norm_eps,
             rope,
             k_cache,
@@ -355,7 +417,10 @@ impl<'a> CudaStep<'a> {
             positions: o.upload(&i32s(&step.positions))?,
             slots: o.upload(&slots)?,
             logit_rows,
-            batch: o.attn_batch(&tables, &q_len, &context, (c.num_heads, c.head_dim))?,
+            batch: o.attn_batch(&tables, &q_len, &context, (shard.q_heads.len(), c.head_dim))?,
+            comm,
+            vocab: (shard.vocab.clone(), c.vocab_size),
+            local_ids,
         })
     }
 }
@@ -375,7 +440,10 @@ impl StepOps for CudaStep<'_> {
     }
 
     fn embed(&mut self, table: &Bf16, out: &mut Bf16) -> Result<(), EngineError> {
-        Ok(self.o.embedding(&self.ids, table, out, self.hidden)?)
+        // A rank's slice: its tokens' rows, zeros for the others (the all-reduce that follows
+        // adds the one rank's row that holds each token).
+        let ids = self.local_ids.as_ref().unwrap_or(&self.ids);
+        Ok(self.o.embedding(ids, table, out, self.hidden)?)
     }
 
     fn rms_norm(
@@ -483,9 +551,65 @@ impl StepOps for CudaStep<'_> {
         Ok(self.o.gemm(x, w, out, mnk)?)
     }
 
-    fn finish(&mut self) -> Result<(), EngineError> {
-        Ok(self.o.synchronize()?)
+    fn all_reduce(&mut self, x: &mut Bf16) -> Result<(), EngineError> {
+        let comm = self.comm.as_mut().ok_or_else(|| {
+            EngineError::Internal("an all-reduce in a step of the whole model".into())
+        })?;
+        // Every rank's partial sums gathered, then summed in rank order (not NCCL's
+        // all-reduce): the same bits on every rank, whatever the step's row count.
+        let mut parts = self.o.alloc_bf16(comm.size() * x.len())?;
+        comm.all_gather_bf16_queued(x, &mut parts)?;
+        Ok(self.o.sum_ranks(&parts, comm.size(), x)?)
     }
+
+    fn gather_logits(
+        &mut self,
+        local: &CudaSlice<f32>,
+        rows: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), EngineError> {
+        let o = self.o;
+        let comm = self.comm.as_mut().ok_or_else(|| {
+            EngineError::Internal("a gather of logits in a step of the whole model".into())
+        })?;
+        // Each rank's rows padded to an equal slice of the vocabulary, gathered rank after
+        // rank, then laid out row after row: as the CPU's ranks do (the same slices).
+        let (mine, vocab) = (self.vocab.0.len(), self.vocab.1);
+        let (chunk, pieces) = vocab_pieces(vocab, comm.size());
+        let mut padded = o.alloc_f32(rows * chunk)?;
+        o.copy_cols((local, 0, mine.max(1)), (&mut padded, 0, chunk), rows, mine)?;
+        let mut all = o.alloc_f32(comm.size() * rows * chunk)?;
+        comm.all_gather_f32_queued(&padded, &mut all)?;
+        for (r, &(from, len)) in pieces.iter().enumerate() {
+            o.copy_cols(
+                (&all, r * rows * chunk, chunk),
+                (out, from, vocab),
+                rows,
+                len,
+            )?;
+        }
+        Ok(())
+    }
+
+    fn finish(&mut self) -> Result<(), EngineError> {
+        match self.comm.as_mut() {
+            // Waited for under the group's watchdog: a peer that never comes fails the step.
+            Some(comm) => Ok(comm.wait_queued()?),
+            None => Ok(self.o.synchronize()?),
+        }
+    }
+}
+
+/// `tokens` as indices into the rows `vocab` of a rank's slice of the embedding, -1 for a token
+/// outside it (the embedding kernel gives it zeros).
+fn vocab_slice_ids(tokens: &[u32], vocab: &std::ops::Range<usize>) -> Vec<i32> {
+    tokens
+        .iter()
+        .map(|&t| match vocab.contains(&(t as usize)) {
+            true => (t as usize - vocab.start) as i32,
+            false => -1,
+        })
+        .collect()
 }
 
 impl CudaModel {
@@ -505,19 +629,17 @@ impl CudaModel {
         }
         let c = &loaded.config;
         let block_bytes = CudaModel::kv_bytes_per_block(c, pool.block_size);
-        CudaModel::upload_then_pool(
-            ordinal,
-            c,
-            &loaded.tensors,
-            pool.block_size,
-            |ops| match pool.gpu_memory_fraction {
-                None => Ok(pool.blocks(block_bytes)),
-                Some(f) => {
-                    let (free, total) = ops.memory()?;
-                    blocks_for_fraction(f, free, total, block_bytes)
-                }
-            },
-        )
+        let shard = TpShard::whole(c);
+        let (ops, weights) = CudaModel::upload(ordinal, c, &loaded.tensors, &shard)?;
+        // The pool takes what the weights leave.
+        let num_blocks = match pool.gpu_memory_fraction {
+            None => pool.blocks(block_bytes),
+            Some(f) => {
+                let (free, total) = ops.memory()?;
+                blocks_for_fraction(f, free, total, block_bytes)?
+            }
+        };
+        CudaModel::assemble(ops, c, shard, weights, pool.block_size, num_blocks)
     }
 }
 
@@ -570,7 +692,7 @@ impl Backend for CudaModel {
 /// The pool's blocks under `--gpu-memory-fraction f`: what `f` of the device's `total` bytes
 /// leaves once everything held now (`total - free`: the weights, the kernels, other processes)
 /// is counted, in blocks of `block_bytes`; refused when that is not one block.
-fn blocks_for_fraction(
+pub(crate) fn blocks_for_fraction(
     f: f64,
     free: usize,
     total: usize,
@@ -759,6 +881,17 @@ impl DeviceKv for CudaKv {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A rank's embedding looks up its own tokens by their row in its slice, and gives the
+    /// others zeros.
+    #[test]
+    fn a_rank_looks_up_its_slice_of_the_vocabulary() {
+        assert_eq!(
+            vocab_slice_ids(&[0, 24, 25, 49, 50, 99], &(25..50)),
+            vec![-1, -1, 0, 24, -1, -1]
+        );
+        assert_eq!(vocab_slice_ids(&[3, 7], &(0..8)), vec![3, 7]);
+    }
 
     /// The pool takes what the fraction leaves after everything held, in whole blocks; a
     /// fraction the weights already fill is refused saying how much is held.

@@ -1,14 +1,17 @@
 //! The devices steps run on, each a [`Backend`]: the CPU model over a host pool
 //! ([`cpu::CpuBackend`]), the CPU model split over tensor-parallel rank threads
-//! ([`tp_cpu::TpCpuBackend`]) and the CUDA model over a device pool ([`cuda::CudaModel`]);
+//! ([`tp_cpu::TpCpuBackend`]), the CUDA model over a device pool ([`cuda::CudaModel`]) and
+//! split over GPUs, a rank thread each ([`tp_cuda::TpCudaBackend`]);
 //! [`on`] picks one for a device.
 
 pub(crate) mod cpu;
 pub(crate) mod cuda;
 #[cfg(any(test, feature = "fake-device"))]
 pub mod fake;
+pub(crate) mod ranks;
 pub mod staging;
 pub(crate) mod tp_cpu;
+pub(crate) mod tp_cuda;
 
 use tandem_kernels::cuda::DeviceSpec;
 use tandem_model::LoadedModel;
@@ -18,6 +21,7 @@ use crate::error::EngineError;
 use cpu::{CpuBackend, CpuModel, WeightFormat};
 use cuda::CudaModel;
 use tp_cpu::{TpCpuBackend, TpCpuConfig};
+use tp_cuda::TpCudaBackend;
 
 /// The backend `device` names for `loaded`: the CPU model with its weights held as `format`
 /// says, split over `tp`'s rank threads when it has more than one, or the model uploaded to a
@@ -39,12 +43,7 @@ pub fn on(
     Ok(match device {
         DeviceSpec::Cpu if tp.size > 1 => Box::new(TpCpuBackend::new(loaded, format, pool, tp)?),
         DeviceSpec::Cpu => Box::new(CpuBackend::new(CpuModel::new(loaded, format)?, pool)?),
-        DeviceSpec::Cuda(_) if tp.size > 1 => {
-            return Err(EngineError::Unsupported(format!(
-                "--tp {} on a CUDA device: the NCCL ranks are not built yet (run --tp 1 on a GPU, or --tp on --device cpu)",
-                tp.size
-            )))
-        }
+        DeviceSpec::Cuda(n) if tp.size > 1 => Box::new(TpCudaBackend::new(n, loaded, pool, &tp)?),
         DeviceSpec::Cuda(n) => Box::new(CudaModel::for_engine(n, loaded, pool)?),
     })
 }

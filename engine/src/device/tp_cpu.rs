@@ -1,30 +1,24 @@
 //! Tensor parallelism on the CPU: one process, one thread per rank, each with its share of the
 //! weights ([`CpuModel::shard_from_tensors`]), its slice of the KV pool (its KV heads) and its
-//! own compute pool, exchanging through a [`ThreadGroup`]. The engine's one scheduler drives
-//! them: every step (and every block copy) goes to all ranks, which run it in lockstep, and rank
-//! 0's logits come back.
+//! own compute pool, exchanging through a [`ThreadGroup`]. The ranks run in lockstep as a
+//! [`RankGroup`] (rank threads, a failed step's group rebuilt), which the GPUs' ranks share.
 //!
 //! With `experts` set, the group is expert-parallel instead ([`TpShard::expert_rank`]): each
 //! rank holds a block of a mixture of experts' experts and everything else whole, the ranks share
 //! one KV pool, and each step's sequences are split among them (attention data-parallel).
-//!
-//! A step that fails on any rank fails as a whole. The ranks are then idle, so the group is
-//! rebuilt before the next step: a poisoned group (a rank that timed out, or gave up) does not
-//! outlive the step it failed.
 
 use std::collections::BTreeMap;
-use std::sync::mpsc;
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::Duration;
 
-use tandem_collective::{CollectiveError, RankStats, ThreadGroup, ThreadRank};
+use tandem_collective::{RankStats, ThreadGroup, ThreadRank};
 use tandem_model::{LoadedModel, ModelConfig, TensorData};
 use tandem_types::BlockId;
 
 use crate::backend::{Backend, RankPool};
 use crate::backend::{PoolSize, TpStats};
 use crate::device::cpu::{CpuModel, WeightFormat};
+use crate::device::ranks::{RankGroup, RankWork, StepOut};
 use crate::error::EngineError;
 use crate::forward::SeqBatch;
 use crate::kv_cache::KvPool;
@@ -49,57 +43,54 @@ pub struct TpCpuConfig {
     pub experts: bool,
 }
 
-/// One step's sequences, owned, so every rank thread reads the same copy.
-struct OwnedBatch {
-    seqs: Vec<(Vec<u32>, usize, Vec<u32>, usize)>,
+/// A CPU rank: its shard of the model, its slice of the pool and its compute threads.
+struct CpuRank {
+    model: CpuModel,
+    kv: KvPool,
+    pool: rayon::ThreadPool,
+    /// Whether block copies are this rank's (expert ranks share one pool: rank 0 copies).
+    copies: bool,
 }
 
-impl OwnedBatch {
-    fn new(seqs: &[SeqBatch<'_>]) -> Self {
-        Self {
-            seqs: seqs
-                .iter()
-                .map(|s| {
-                    let (t, b) = (s.tokens.to_vec(), s.block_table.to_vec());
-                    (t, s.cached, b, s.logits)
-                })
-                .collect(),
+impl RankWork for CpuRank {
+    type Comm = ThreadRank;
+    type Join = ThreadRank;
+
+    fn rank(&self) -> usize {
+        self.model.shard.group().0
+    }
+
+    fn join(&mut self, join: ThreadRank) -> Result<ThreadRank, EngineError> {
+        Ok(join)
+    }
+
+    fn step(
+        &mut self,
+        seqs: &[SeqBatch<'_>],
+        _picks: bool,
+        comm: &mut ThreadRank,
+    ) -> Result<StepOut, EngineError> {
+        let (model, kv) = (&self.model, &mut self.kv);
+        self.pool
+            .install(|| model.forward_rank(seqs, kv, comm, None))
+            .map(StepOut::Logits)
+    }
+
+    fn copy(&mut self, pairs: &[(BlockId, BlockId)]) -> Result<(), EngineError> {
+        for &(from, to) in pairs.iter().filter(|_| self.copies) {
+            self.kv.copy_block(from.0 as usize, to.0 as usize);
         }
+        Ok(())
     }
 
-    fn batches(&self) -> Vec<SeqBatch<'_>> {
-        self.seqs
-            .iter()
-            .map(|(tokens, cached, table, want)| SeqBatch {
-                tokens,
-                cached: *cached,
-                block_table: table,
-                logits: *want,
-                lora: None,
-            })
-            .collect()
+    fn abort(comm: &mut ThreadRank, why: String) {
+        comm.abort(why);
     }
-}
 
-enum Job {
-    Step(Arc<OwnedBatch>),
-    Copy(Arc<Vec<(BlockId, BlockId)>>),
-    /// A fresh rank of a new group, after a failed step.
-    Regroup(ThreadRank),
-    /// Test hook: the rank takes no job until its group has been given up, as a stuck rank.
     #[cfg(test)]
-    StallUntilPoisoned,
-    /// Test hook: the rank's next step panics inside its forward.
-    #[cfg(test)]
-    PanicNext,
-}
-
-/// A rank thread as the backend sees it.
-struct Rank {
-    jobs: mpsc::Sender<Job>,
-    done: mpsc::Receiver<Result<Vec<f32>, EngineError>>,
-    stats: Arc<RankStats>,
-    thread: Option<JoinHandle<()>>,
+    fn poisoned(comm: &ThreadRank) -> bool {
+        comm.poisoned()
+    }
 }
 
 /// The CPU model split over a group of rank threads in this process.
@@ -109,8 +100,9 @@ pub struct TpCpuBackend {
     /// heads: read between steps, never during one.
     pools: Vec<(std::ops::Range<u32>, KvPool)>,
     setup: TpCpuConfig,
-    capacity: usize,
-    ranks: Vec<Rank>,
+    group: RankGroup<CpuRank>,
+    /// Each rank's collective costs, counted on across rebuilt groups.
+    stats: Vec<Arc<RankStats>>,
     num_blocks: usize,
     weight_bytes: usize,
     kv_bytes_per_token: f64,
@@ -182,8 +174,7 @@ impl TpCpuBackend {
         let capacity = (setup.max_step_tokens * c.hidden_size)
             .max(setup.max_step_seqs * c.vocab_size.div_ceil(setup.size))
             .clamp(1 << 12, 1 << 22);
-        let group = ThreadGroup::ranks(setup.size, capacity, setup.watchdog);
-        let mut ranks = Vec::with_capacity(setup.size);
+        let mut works = Vec::with_capacity(setup.size);
         let mut pools = Vec::with_capacity(setup.size);
         let new_pool = |layout| {
             KvPool::new(layout, pool.kv_dtype, c.num_layers, num_blocks)
@@ -193,7 +184,7 @@ impl TpCpuBackend {
             true => Some(new_pool(layouts[0])?),
             false => None,
         };
-        for ((model, layout), comm) in models.into_iter().zip(layouts).zip(group) {
+        for (model, layout) in models.into_iter().zip(layouts) {
             // Expert ranks write the blocks of their own sequences only, so they share one
             // pool; block copies are rank 0's.
             let kv = match &shared {
@@ -204,21 +195,39 @@ impl TpCpuBackend {
             if shared.is_none() || pools.is_empty() {
                 pools.push((heads.start as u32..heads.end as u32, kv.alias()));
             }
-            let copies = shared.is_none() || model.shard.group().0 == 0;
-            ranks.push(Rank::start(
+            let rank = model.shard.group().0;
+            let copies = shared.is_none() || rank == 0;
+            let threads = rayon::ThreadPoolBuilder::new()
+                .num_threads(setup.threads_per_rank)
+                .thread_name(move |i| format!("tp{rank}-{i}"))
+                .build()
+                .map_err(|e| EngineError::Startup(format!("rank {rank}'s compute pool: {e}")))?;
+            works.push(CpuRank {
                 model,
                 kv,
-                comm,
-                setup.threads_per_rank,
+                pool: threads,
                 copies,
-            )?);
+            });
         }
+        let stats: Vec<Arc<RankStats>> = (0..setup.size).map(|_| Arc::default()).collect();
+        let counted = stats.clone();
+        let (size, watchdog) = (setup.size, setup.watchdog);
+        let group = RankGroup::start(
+            works,
+            Box::new(move || {
+                Ok(ThreadGroup::ranks(size, capacity, watchdog)
+                    .into_iter()
+                    .zip(&counted)
+                    .map(|(r, s)| r.counting_into(s.clone()))
+                    .collect())
+            }),
+        )?;
         Ok(Self {
             config: c.clone(),
             pools,
-            capacity,
             setup,
-            ranks,
+            group,
+            stats,
             num_blocks,
             weight_bytes,
             kv_bytes_per_token: block_bytes as f64 / pool.block_size as f64,
@@ -229,153 +238,13 @@ impl TpCpuBackend {
 
     /// Collective costs so far.
     pub fn stats(&self) -> TpStats {
-        let n = self.ranks.len().max(1) as u32;
-        let total: Duration = self.ranks.iter().map(|r| r.stats.time()).sum();
+        let n = self.stats.len().max(1) as u32;
+        let total: Duration = self.stats.iter().map(|s| s.time()).sum();
         TpStats {
-            size: self.ranks.len(),
-            calls: self.ranks.first().map_or(0, |r| r.stats.calls()),
-            values: self.ranks.first().map_or(0, |r| r.stats.values()),
+            size: self.stats.len(),
+            calls: self.stats.first().map_or(0, |s| s.calls()),
+            values: self.stats.first().map_or(0, |s| s.values()),
             collective: total / n,
-        }
-    }
-
-    /// Sends `job(rank)` to every rank and waits for all their answers: rank 0's result, or the
-    /// step's first real error (a peer's timeout or poisoning is a consequence, not a cause).
-    /// After a failure the group is rebuilt.
-    fn all(&mut self, job: impl Fn() -> Job) -> Result<Vec<f32>, EngineError> {
-        let gone = |i| EngineError::Step(format!("tensor-parallel rank {i} has stopped"));
-        // Every rank that took the job is waited for, even when another could not take it:
-        // none may still be running when this returns.
-        let sent: Vec<bool> = self
-            .ranks
-            .iter()
-            .map(|r| r.jobs.send(job()).is_ok())
-            .collect();
-        let mut results: Vec<Result<Vec<f32>, EngineError>> = Vec::with_capacity(self.ranks.len());
-        for (i, (r, &sent)) in self.ranks.iter().zip(&sent).enumerate() {
-            results.push(match sent {
-                true => r.done.recv().unwrap_or_else(|_| Err(gone(i))),
-                false => Err(gone(i)),
-            });
-        }
-        if results.iter().all(|r| r.is_ok()) {
-            return results.swap_remove(0);
-        }
-        let consequence =
-            |e: &EngineError| matches!(e, EngineError::Collective(CollectiveError::Poisoned(_)));
-        let err = results
-            .iter()
-            .filter_map(|r| r.as_ref().err())
-            .find(|e| !consequence(e))
-            .or_else(|| results.iter().find_map(|r| r.as_ref().err()))
-            .map(|e| EngineError::Step(e.to_string()))
-            .unwrap_or_else(|| EngineError::Internal("a failed step with no error".into()));
-        let group = ThreadGroup::ranks(self.ranks.len(), self.capacity, self.setup.watchdog);
-        for (r, comm) in self.ranks.iter().zip(group) {
-            // A rank that is gone fails the next step by itself.
-            let _ = r
-                .jobs
-                .send(Job::Regroup(comm.counting_into(r.stats.clone())));
-        }
-        Err(err)
-    }
-}
-
-impl Rank {
-    fn start(
-        model: CpuModel,
-        mut kv: KvPool,
-        comm: ThreadRank,
-        threads: usize,
-        copies: bool,
-    ) -> Result<Self, EngineError> {
-        let rank = model.shard.group().0;
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .thread_name(move |i| format!("tp{rank}-{i}"))
-            .build()
-            .map_err(|e| EngineError::Startup(format!("rank {rank}'s compute pool: {e}")))?;
-        let (jobs, inbox) = mpsc::channel::<Job>();
-        let (reply, done) = mpsc::channel();
-        let stats = comm.stats();
-        let thread = std::thread::Builder::new()
-            .name(format!("tp-rank-{rank}"))
-            .spawn(move || {
-                let mut comm = comm;
-                #[cfg(test)]
-                let mut panic_next = false;
-                while let Ok(job) = inbox.recv() {
-                    let out = match job {
-                        Job::Step(batch) => {
-                            let seqs = batch.batches();
-                            #[cfg(test)]
-                            let panics = std::mem::take(&mut panic_next);
-                            let run = || {
-                                #[cfg(test)]
-                                assert!(!panics, "a test asked for it");
-                                pool.install(|| model.forward_rank(&seqs, &mut kv, &mut comm, None))
-                            };
-                            // A panic fails the step like an error, without ending the thread.
-                            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(run))
-                                .unwrap_or_else(|p| {
-                                    let what = tandem_types::panic_message(p.as_ref());
-                                    Err(EngineError::Internal(format!(
-                                        "rank {rank} panicked: {what}"
-                                    )))
-                                });
-                            if let Err(e) = &r {
-                                // The others must not wait for this rank's next collective.
-                                comm.abort(format!("rank {rank} failed: {e}"));
-                            }
-                            r
-                        }
-                        Job::Copy(pairs) => {
-                            for &(from, to) in pairs.iter().filter(|_| copies) {
-                                kv.copy_block(from.0 as usize, to.0 as usize);
-                            }
-                            Ok(Vec::new())
-                        }
-                        Job::Regroup(fresh) => {
-                            comm = fresh;
-                            continue;
-                        }
-                        #[cfg(test)]
-                        Job::StallUntilPoisoned => {
-                            while !comm.poisoned() {
-                                std::thread::sleep(Duration::from_millis(1));
-                            }
-                            continue;
-                        }
-                        #[cfg(test)]
-                        Job::PanicNext => {
-                            panic_next = true;
-                            continue;
-                        }
-                    };
-                    if reply.send(out).is_err() {
-                        return;
-                    }
-                }
-            })
-            .map_err(|e| EngineError::Startup(format!("starting rank {rank}'s thread: {e}")))?;
-        Ok(Self {
-            jobs,
-            done,
-            stats,
-            thread: Some(thread),
-        })
-    }
-}
-
-impl Drop for TpCpuBackend {
-    fn drop(&mut self) {
-        for r in &mut self.ranks {
-            // Closing the channel ends the rank's loop.
-            let (closed, _) = mpsc::channel();
-            drop(std::mem::replace(&mut r.jobs, closed));
-            if let Some(t) = r.thread.take() {
-                let _ = t.join();
-            }
         }
     }
 }
@@ -386,8 +255,12 @@ impl Backend for TpCpuBackend {
     }
 
     fn forward(&mut self, seqs: &[SeqBatch<'_>]) -> Result<Vec<f32>, EngineError> {
-        let batch = Arc::new(OwnedBatch::new(seqs));
-        self.all(|| Job::Step(batch.clone()))
+        match self.group.step(seqs, false)? {
+            StepOut::Logits(l) => Ok(l),
+            StepOut::Picks(_) => Err(EngineError::Internal(
+                "a CPU rank picked tokens it was not asked for".into(),
+            )),
+        }
     }
 
     fn num_blocks(&self) -> usize {
@@ -395,11 +268,7 @@ impl Backend for TpCpuBackend {
     }
 
     fn copy_blocks(&mut self, pairs: &[(BlockId, BlockId)]) -> Result<(), EngineError> {
-        if pairs.is_empty() {
-            return Ok(());
-        }
-        let pairs = Arc::new(pairs.to_vec());
-        self.all(|| Job::Copy(pairs.clone())).map(|_| ())
+        self.group.copy(pairs)
     }
 
     fn weight_bytes(&self) -> usize {
@@ -416,8 +285,8 @@ impl Backend for TpCpuBackend {
 
     fn device(&self) -> String {
         match self.setup.experts {
-            true => format!("cpu, ep {}", self.ranks.len()),
-            false => format!("cpu, tp {}", self.ranks.len()),
+            true => format!("cpu, ep {}", self.group.size()),
+            false => format!("cpu, tp {}", self.group.size()),
         }
     }
 
@@ -425,7 +294,7 @@ impl Backend for TpCpuBackend {
         // Expert ranks hold every head: their cache is one rank's, as TP 1's.
         match self.setup.experts {
             true => 1,
-            false => self.ranks.len(),
+            false => self.group.size(),
         }
     }
 
@@ -594,12 +463,14 @@ mod tests {
         )
         .unwrap();
         let want = run(&mut b, 1);
-        let group = ThreadGroup::ranks(2, b.capacity, Duration::from_millis(100));
-        for (r, comm) in b.ranks.iter().zip(group) {
-            let comm = comm.counting_into(r.stats.clone());
-            r.jobs.send(Job::Regroup(comm)).unwrap();
-        }
-        b.ranks[1].jobs.send(Job::StallUntilPoisoned).unwrap();
+        let group = ThreadGroup::ranks(2, 1 << 12, Duration::from_millis(100));
+        let joins = group
+            .into_iter()
+            .zip(&b.stats)
+            .map(|(r, s)| r.counting_into(s.clone()))
+            .collect();
+        b.group.join_with(joins).unwrap();
+        b.group.stall(1);
         let (toks, table) = ([5u32, 9, 2], [0u32]);
         let seq = [SeqBatch {
             tokens: &toks,
@@ -624,7 +495,7 @@ mod tests {
         assert_eq!(run(&mut b, 1), want);
         // A rank that panics fails the step with the panic's message (it aborts the group, so
         // its peer does not wait for the watchdog), and lives on for the next step.
-        b.ranks[0].jobs.send(Job::PanicNext).unwrap();
+        b.group.panic_next(0);
         let e = b.forward(&seq).unwrap_err().to_string();
         assert!(e.contains("rank 0 panicked: a test asked for it"), "{e}");
         assert_eq!(run(&mut b, 1), want);

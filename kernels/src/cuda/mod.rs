@@ -168,6 +168,14 @@ pub fn driver_present() -> bool {
     unsafe { cudarc::driver::sys::is_culib_present() }
 }
 
+/// CUDA devices here: 0 without a driver (or where it cannot count them).
+pub fn device_count() -> usize {
+    if !driver_present() || cudarc::driver::result::init().is_err() {
+        return 0;
+    }
+    cudarc::driver::CudaContext::device_count().map_or(0, |n| n.max(0) as usize)
+}
+
 /// Whether NVRTC can be loaded here.
 pub fn nvrtc_present() -> bool {
     // SAFETY: as above.
@@ -395,6 +403,7 @@ mod tests {
             eprintln!("a CUDA driver is present: the no-driver path is not exercised here");
             return;
         }
+        assert_eq!(device_count(), 0);
         let e = open(0).err().expect("no driver, no device");
         assert!(matches!(e, CudaError::NoDriver), "{e}");
         assert!(e.to_string().contains("no CUDA driver"), "{e}");
@@ -486,6 +495,8 @@ mod tests {
             "qkv_rope",
             "silu_mul",
             "embedding",
+            "copy_cols_f32",
+            "sum_ranks",
             "fill_random",
             "write_kv",
             "paged_attention",

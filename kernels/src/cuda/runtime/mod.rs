@@ -94,6 +94,8 @@ struct Kernels {
     qkv_rope: CudaFunction,
     silu_mul: CudaFunction,
     embedding: CudaFunction,
+    copy_cols: CudaFunction,
+    sum_ranks: CudaFunction,
     fill_random: CudaFunction,
     write_kv: CudaFunction,
     combine: CudaFunction,
@@ -151,6 +153,8 @@ impl CudaOps {
             qkv_rope: f(0, "qkv_rope")?,
             silu_mul: f(0, "silu_mul")?,
             embedding: f(0, "embedding")?,
+            copy_cols: f(0, "copy_cols_f32")?,
+            sum_ranks: f(0, "sum_ranks")?,
             fill_random: f(0, "fill_random")?,
             write_kv: f(1, "write_kv")?,
             combine: f(2, "paged_attention_combine")?,
@@ -317,7 +321,8 @@ impl CudaOps {
         unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
     }
 
-    /// `out[t] = table[ids[t]]`; ids are checked against the table on the host by the caller.
+    /// `out[t] = table[ids[t]]`, zeros for a negative id; ids are checked against the table on
+    /// the host by the caller.
     pub fn embedding(
         &self,
         ids: &CudaSlice<i32>,
@@ -334,6 +339,76 @@ impl CudaOps {
         b.arg(ids).arg(table).arg(out).arg(&di);
         // SAFETY: as above.
         unsafe { b.launch(Self::rows(t)) }.map(|_| ()).map_err(drv)
+    }
+
+    /// `out[i]` = the sum over ranks, in rank order, of `parts`' `size` runs of `out.len()`
+    /// bf16 values each (f32 sums, rounded once).
+    pub fn sum_ranks(
+        &self,
+        parts: &CudaSlice<u16>,
+        size: usize,
+        out: &mut CudaSlice<u16>,
+    ) -> Result<(), CudaError> {
+        let n = out.len();
+        if parts.len() < size * n || size == 0 {
+            return Err(shape(format!(
+                "a sum of {size} runs of {n} values from {}",
+                parts.len()
+            )));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let (si, ni) = (size as i32, n as i64);
+        let mut b = self.stream.launch_builder(&self.k.sum_ranks);
+        b.arg(parts).arg(&si).arg(&ni).arg(out);
+        let cfg = LaunchConfig {
+            grid_dim: (
+                n.div_ceil(ROW_THREADS as usize).clamp(1, 65535) as u32,
+                1,
+                1,
+            ),
+            block_dim: (ROW_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the kernel reads parts[..size·n] and writes out[..n], checked above.
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
+    }
+
+    /// `dst[r][..cols] = src[r][..cols]` for `rows` rows, `src` rows `src_ld` values apart
+    /// from `src_at` on, `dst` rows `dst_ld` apart from `dst_at` on (f32).
+    #[allow(clippy::too_many_arguments)]
+    pub fn copy_cols(
+        &self,
+        (src, src_at, src_ld): (&CudaSlice<f32>, usize, usize),
+        (dst, dst_at, dst_ld): (&mut CudaSlice<f32>, usize, usize),
+        rows: usize,
+        cols: usize,
+    ) -> Result<(), CudaError> {
+        let end = |at: usize, ld: usize| at + rows.saturating_sub(1) * ld + cols;
+        if rows == 0 || cols == 0 {
+            return Ok(());
+        }
+        if cols > src_ld
+            || cols > dst_ld
+            || end(src_at, src_ld) > src.len()
+            || end(dst_at, dst_ld) > dst.len()
+        {
+            return Err(shape(format!(
+                "copy of {rows}×{cols} from {src_at} (rows {src_ld} apart) of {} into {dst_at} (rows {dst_ld} apart) of {}",
+                src.len(),
+                dst.len()
+            )));
+        }
+        let (s, d) = (src.slice(src_at..), dst.slice_mut(dst_at..));
+        let (sl, dl, c) = (src_ld as i32, dst_ld as i32, cols as i32);
+        let mut d = d;
+        let mut b = self.stream.launch_builder(&self.k.copy_cols);
+        b.arg(&s).arg(&sl).arg(&mut d).arg(&dl).arg(&c);
+        // SAFETY: rows and columns checked against both buffers above.
+        unsafe { b.launch(Self::rows(rows)) }
+            .map(|_| ())
+            .map_err(drv)
     }
 
     /// Fills `x` with bf16 values uniform in ±`scale`, made on the device from `seed`.

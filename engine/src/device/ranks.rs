@@ -1,0 +1,496 @@
+//! A tensor-parallel group's rank threads, driven in lockstep by the engine's one scheduler:
+//! every step (and every block copy) goes to all ranks, which run it at once, exchanging through
+//! their group's collectives, and rank 0's result comes back. What a rank holds and how it
+//! exchanges is its [`RankWork`]: the CPU's ranks ([`super::tp_cpu`]) and the GPUs'
+//! ([`super::tp_cuda`]) share this logic, so the CPU's tests exercise the GPUs' too.
+//!
+//! A step that fails on any rank fails as a whole. The ranks are then idle, so the group is
+//! rebuilt before the next step: a poisoned group (a rank that timed out, or gave up) does not
+//! outlive the step it failed. A rank that panics fails its step like an error and lives on.
+
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use tandem_collective::CollectiveError;
+use tandem_types::BlockId;
+
+use crate::error::EngineError;
+use crate::forward::SeqBatch;
+
+/// What a rank gives back for a step: logits (rank 0's are the step's; other ranks may give
+/// none), or each logit row's pick where the device picks (greedy decoding on a GPU).
+pub(crate) enum StepOut {
+    /// f32 logits, rows of the whole vocabulary.
+    Logits(Vec<f32>),
+    /// Each logit row's argmax and its log-probability.
+    Picks(Vec<(u32, f32)>),
+}
+
+/// One rank's share of a group: its part of the model and of the KV pool, run on its thread.
+pub(crate) trait RankWork: Send + 'static {
+    /// The rank's handle on its group's collectives, made on the rank's thread (an NCCL
+    /// communicator stays on the thread that made it).
+    type Comm;
+    /// What a new group hands each rank to make its handle from.
+    type Join: Send + 'static;
+
+    /// This rank's place in its group.
+    fn rank(&self) -> usize;
+    /// Joins a (new) group: collective where the group's setup is (NCCL's), so every rank
+    /// is asked at once.
+    fn join(&mut self, join: Self::Join) -> Result<Self::Comm, EngineError>;
+    /// One packed step of `seqs` in lockstep with the group's other ranks: logits, or picks
+    /// where `picks` asks for them.
+    fn step(
+        &mut self,
+        seqs: &[SeqBatch<'_>],
+        picks: bool,
+        comm: &mut Self::Comm,
+    ) -> Result<StepOut, EngineError>;
+    /// Copies blocks within this rank's part of the pool (copy-on-write).
+    fn copy(&mut self, pairs: &[(BlockId, BlockId)]) -> Result<(), EngineError>;
+    /// Gives the group up after this rank failed, so that its peers do not wait for it.
+    fn abort(comm: &mut Self::Comm, why: String);
+    /// Whether the group has been given up (tests).
+    #[cfg(test)]
+    fn poisoned(comm: &Self::Comm) -> bool;
+}
+
+/// One step's sequences, owned, so every rank thread reads the same copy.
+pub(crate) struct OwnedBatch {
+    seqs: Vec<(Vec<u32>, usize, Vec<u32>, usize)>,
+}
+
+impl OwnedBatch {
+    pub(crate) fn new(seqs: &[SeqBatch<'_>]) -> Self {
+        Self {
+            seqs: seqs
+                .iter()
+                .map(|s| {
+                    let (t, b) = (s.tokens.to_vec(), s.block_table.to_vec());
+                    (t, s.cached, b, s.logits)
+                })
+                .collect(),
+        }
+    }
+
+    fn batches(&self) -> Vec<SeqBatch<'_>> {
+        self.seqs
+            .iter()
+            .map(|(tokens, cached, table, want)| SeqBatch {
+                tokens,
+                cached: *cached,
+                block_table: table,
+                logits: *want,
+                lora: None,
+            })
+            .collect()
+    }
+}
+
+enum Job<J> {
+    Step {
+        batch: Arc<OwnedBatch>,
+        picks: bool,
+    },
+    Copy(Arc<Vec<(BlockId, BlockId)>>),
+    /// Joins a new group (at the start, and after a failed step).
+    Join(J),
+    /// Test hook: the rank takes no job until its group has been given up, as a stuck rank.
+    #[cfg(test)]
+    StallUntilPoisoned,
+    /// Test hook: the rank's next step panics.
+    #[cfg(test)]
+    PanicNext,
+}
+
+/// A rank thread as the group sees it.
+struct Rank<J> {
+    jobs: mpsc::Sender<Job<J>>,
+    done: mpsc::Receiver<Result<StepOut, EngineError>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// Makes a new group: what each rank, in order, joins it with.
+pub(crate) type Regroup<J> = Box<dyn FnMut() -> Result<Vec<J>, EngineError> + Send>;
+
+/// The rank threads of one group.
+pub(crate) struct RankGroup<W: RankWork> {
+    ranks: Vec<Rank<W::Join>>,
+    regroup: Regroup<W::Join>,
+}
+
+impl<W: RankWork> RankGroup<W> {
+    /// A thread for each of `works` (rank 0 first), joined into a group `regroup` makes; a
+    /// rank that cannot join fails the start with its reason.
+    pub(crate) fn start(works: Vec<W>, regroup: Regroup<W::Join>) -> Result<Self, EngineError> {
+        let mut ranks = Vec::with_capacity(works.len());
+        for (i, w) in works.into_iter().enumerate() {
+            if w.rank() != i {
+                return Err(EngineError::Internal(format!(
+                    "rank {} started as rank {i} of its group",
+                    w.rank()
+                )));
+            }
+            ranks.push(Rank::start(w)?);
+        }
+        let mut g = Self { ranks, regroup };
+        g.join_all()?;
+        Ok(g)
+    }
+
+    /// Ranks in the group.
+    pub(crate) fn size(&self) -> usize {
+        self.ranks.len()
+    }
+
+    /// Every rank joins a new group; the first rank's failure to, if any.
+    fn join_all(&mut self) -> Result<(), EngineError> {
+        let joins = (self.regroup)()?;
+        if joins.len() != self.ranks.len() {
+            return Err(EngineError::Internal(format!(
+                "a new group of {} for {} ranks",
+                joins.len(),
+                self.ranks.len()
+            )));
+        }
+        self.send_all(joins.into_iter().map(Job::Join).collect())
+            .map(|_| ())
+    }
+
+    /// Runs a step on every rank: rank 0's result.
+    pub(crate) fn step(
+        &mut self,
+        seqs: &[SeqBatch<'_>],
+        picks: bool,
+    ) -> Result<StepOut, EngineError> {
+        let batch = Arc::new(OwnedBatch::new(seqs));
+        let jobs = (0..self.ranks.len())
+            .map(|_| Job::Step {
+                batch: batch.clone(),
+                picks,
+            })
+            .collect();
+        self.all(jobs)
+    }
+
+    /// Copies blocks on every rank.
+    pub(crate) fn copy(&mut self, pairs: &[(BlockId, BlockId)]) -> Result<(), EngineError> {
+        if pairs.is_empty() {
+            return Ok(());
+        }
+        let pairs = Arc::new(pairs.to_vec());
+        let jobs = (0..self.ranks.len())
+            .map(|_| Job::Copy(pairs.clone()))
+            .collect();
+        self.all(jobs).map(|_| ())
+    }
+
+    /// Sends each rank its job and waits for every answer: rank 0's result, or the first
+    /// real error. Every rank that took its job is waited for, even when another could not
+    /// take its own: none may still be running when this returns.
+    fn send_all(&mut self, jobs: Vec<Job<W::Join>>) -> Result<StepOut, EngineError> {
+        let gone = |i| EngineError::Step(format!("tensor-parallel rank {i} has stopped"));
+        let sent: Vec<bool> = self
+            .ranks
+            .iter()
+            .zip(jobs)
+            .map(|(r, job)| r.jobs.send(job).is_ok())
+            .collect();
+        let mut results: Vec<Result<StepOut, EngineError>> = Vec::with_capacity(sent.len());
+        for (i, (r, &sent)) in self.ranks.iter().zip(&sent).enumerate() {
+            results.push(match sent {
+                true => r.done.recv().unwrap_or_else(|_| Err(gone(i))),
+                false => Err(gone(i)),
+            });
+        }
+        if results.iter().all(|r| r.is_ok()) {
+            return results.swap_remove(0);
+        }
+        // A peer's poisoning is a consequence, not a cause.
+        let consequence =
+            |e: &EngineError| matches!(e, EngineError::Collective(CollectiveError::Poisoned(_)));
+        let cause = |r: &Result<StepOut, EngineError>| r.as_ref().is_err_and(|e| !consequence(e));
+        let at = results
+            .iter()
+            .position(cause)
+            .or_else(|| results.iter().position(Result::is_err));
+        Err(match at.map(|i| results.swap_remove(i)) {
+            // A step's or a join's own error as it is; anything else fails the step.
+            Some(Err(e @ (EngineError::Step(_) | EngineError::Startup(_)))) => e,
+            Some(Err(e)) => EngineError::Step(e.to_string()),
+            _ => EngineError::Internal("a failed step with no error".into()),
+        })
+    }
+
+    /// [`Self::send_all`], then, after a failure, a new group (whose own failure leaves the
+    /// ranks without one: the next step fails saying why, and tries again).
+    fn all(&mut self, jobs: Vec<Job<W::Join>>) -> Result<StepOut, EngineError> {
+        let out = self.send_all(jobs);
+        if out.is_err() {
+            if let Err(e) = self.join_all() {
+                tracing::error!(error = %e, "rebuilding a tensor-parallel group after a failed step");
+            }
+        }
+        out
+    }
+
+    /// Test hook: every rank joins the group of `joins` instead of the group's own next.
+    #[cfg(test)]
+    pub(crate) fn join_with(&mut self, joins: Vec<W::Join>) -> Result<(), EngineError> {
+        self.send_all(joins.into_iter().map(Job::Join).collect())
+            .map(|_| ())
+    }
+
+    /// Test hook: rank `rank` takes no job until its group is given up.
+    #[cfg(test)]
+    pub(crate) fn stall(&self, rank: usize) {
+        self.ranks[rank]
+            .jobs
+            .send(Job::StallUntilPoisoned)
+            .expect("a live rank");
+    }
+
+    /// Test hook: rank `rank`'s next step panics.
+    #[cfg(test)]
+    pub(crate) fn panic_next(&self, rank: usize) {
+        self.ranks[rank]
+            .jobs
+            .send(Job::PanicNext)
+            .expect("a live rank");
+    }
+}
+
+impl<J: Send + 'static> Rank<J> {
+    fn start<W: RankWork<Join = J>>(mut work: W) -> Result<Self, EngineError> {
+        let rank = work.rank();
+        let (jobs, inbox) = mpsc::channel::<Job<J>>();
+        let (reply, done) = mpsc::channel();
+        let thread = std::thread::Builder::new()
+            .name(format!("tp-rank-{rank}"))
+            .spawn(move || {
+                // The rank's group, or why it has none.
+                let mut comm: Result<W::Comm, String> = Err("it has not joined one".into());
+                #[cfg(test)]
+                let mut panic_next = false;
+                while let Ok(job) = inbox.recv() {
+                    let out = match job {
+                        Job::Step { batch, picks } => {
+                            let seqs = batch.batches();
+                            #[cfg(test)]
+                            let panics = std::mem::take(&mut panic_next);
+                            match &mut comm {
+                                Err(why) => Err(EngineError::Step(format!(
+                                    "tensor-parallel rank {rank} has no group: {why}"
+                                ))),
+                                Ok(c) => {
+                                    let run = || {
+                                        #[cfg(test)]
+                                        assert!(!panics, "a test asked for it");
+                                        work.step(&seqs, picks, c)
+                                    };
+                                    let r = caught(rank, run);
+                                    if let Err(e) = &r {
+                                        // The others must not wait for this rank's next
+                                        // collective.
+                                        W::abort(c, format!("rank {rank} failed: {e}"));
+                                    }
+                                    r
+                                }
+                            }
+                        }
+                        Job::Copy(pairs) => {
+                            caught(rank, || work.copy(&pairs)).map(|()| StepOut::Logits(Vec::new()))
+                        }
+                        Job::Join(j) => {
+                            // The old group goes first (an NCCL communicator is aborted,
+                            // which may panic in its bindings: caught as the join's failure).
+                            let old =
+                                std::mem::replace(&mut comm, Err("it is joining a new one".into()));
+                            let joined = caught(rank, || {
+                                drop(old);
+                                work.join(j)
+                            });
+                            let out = match &joined {
+                                Ok(_) => Ok(StepOut::Logits(Vec::new())),
+                                Err(e) => Err(EngineError::Startup(format!(
+                                    "tensor-parallel rank {rank} could not join its group: {e}"
+                                ))),
+                            };
+                            comm = joined.map_err(|e| e.to_string());
+                            out
+                        }
+                        #[cfg(test)]
+                        Job::StallUntilPoisoned => {
+                            while !comm.as_ref().is_ok_and(|c| W::poisoned(c)) {
+                                std::thread::sleep(std::time::Duration::from_millis(1));
+                            }
+                            continue;
+                        }
+                        #[cfg(test)]
+                        Job::PanicNext => {
+                            panic_next = true;
+                            continue;
+                        }
+                    };
+                    if reply.send(out).is_err() {
+                        return;
+                    }
+                }
+            })
+            .map_err(|e| EngineError::Startup(format!("starting rank {rank}'s thread: {e}")))?;
+        Ok(Self {
+            jobs,
+            done,
+            thread: Some(thread),
+        })
+    }
+}
+
+/// `f`'s result, a panic in it an error naming the rank.
+fn caught<T>(rank: usize, f: impl FnOnce() -> Result<T, EngineError>) -> Result<T, EngineError> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|p| {
+        let what = tandem_types::panic_message(p.as_ref());
+        Err(EngineError::Internal(format!(
+            "rank {rank} panicked: {what}"
+        )))
+    })
+}
+
+impl<W: RankWork> Drop for RankGroup<W> {
+    fn drop(&mut self) {
+        for r in &mut self.ranks {
+            // Closing the channel ends the rank's loop.
+            let (closed, _) = mpsc::channel();
+            drop(std::mem::replace(&mut r.jobs, closed));
+            if let Some(t) = r.thread.take() {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use super::*;
+
+    /// A rank of a fake group: its step answers its rank's number, fails on token 999, and
+    /// it joins a group whose join says it may.
+    struct Fake {
+        rank: usize,
+    }
+
+    impl RankWork for Fake {
+        type Comm = ();
+        type Join = Result<(), String>;
+
+        fn rank(&self) -> usize {
+            self.rank
+        }
+
+        fn join(&mut self, join: Self::Join) -> Result<(), EngineError> {
+            join.map_err(EngineError::Device)
+        }
+
+        fn step(
+            &mut self,
+            seqs: &[SeqBatch<'_>],
+            _picks: bool,
+            _comm: &mut (),
+        ) -> Result<StepOut, EngineError> {
+            match seqs[0].tokens[0] {
+                999 => Err(EngineError::Step(format!("rank {} refused 999", self.rank))),
+                _ => Ok(StepOut::Logits(vec![self.rank as f32; 2])),
+            }
+        }
+
+        fn copy(&mut self, _pairs: &[(BlockId, BlockId)]) -> Result<(), EngineError> {
+            Ok(())
+        }
+
+        fn abort(_comm: &mut (), _why: String) {}
+
+        fn poisoned(_comm: &()) -> bool {
+            false
+        }
+    }
+
+    fn step(g: &mut RankGroup<Fake>, token: u32) -> Result<Vec<f32>, String> {
+        let (tokens, table) = ([token], [0u32]);
+        let seq = [SeqBatch {
+            tokens: &tokens,
+            cached: 0,
+            block_table: &table,
+            logits: 1,
+            lora: None,
+        }];
+        match g.step(&seq, false).map_err(|e| e.to_string())? {
+            StepOut::Logits(l) => Ok(l),
+            StepOut::Picks(_) => Err("picks".into()),
+        }
+    }
+
+    /// A rank that cannot join fails the start naming itself and the reason; a group that
+    /// cannot be rebuilt after a failed step leaves the ranks without one, so that the next
+    /// step fails saying why, and is tried again after it.
+    #[test]
+    fn a_group_that_cannot_be_made_fails_its_steps_with_the_reason_until_it_can() {
+        let works = || (0..3).map(|rank| Fake { rank }).collect::<Vec<_>>();
+        let refuse = |r: usize| -> Regroup<Result<(), String>> {
+            Box::new(move || {
+                Ok((0..3)
+                    .map(|i| match i == r {
+                        true => Err("no such device".into()),
+                        false => Ok(()),
+                    })
+                    .collect())
+            })
+        };
+        let e = RankGroup::start(works(), refuse(1))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            e.contains("tensor-parallel rank 1 could not join its group: ")
+                && e.contains("no such device"),
+            "{e}"
+        );
+        let broken = Arc::new(AtomicBool::new(false));
+        let b = broken.clone();
+        let mut g = RankGroup::start(
+            works(),
+            Box::new(move || {
+                Ok((0..3)
+                    .map(|i| match i == 2 && b.load(Ordering::SeqCst) {
+                        true => Err("the fabric is down".into()),
+                        false => Ok(()),
+                    })
+                    .collect())
+            }),
+        )
+        .unwrap();
+        assert_eq!(g.size(), 3);
+        // Rank 0's answer is the step's.
+        assert_eq!(step(&mut g, 5).unwrap(), vec![0.0; 2]);
+        // Every rank refuses; the step's error is the first rank's.
+        broken.store(true, Ordering::SeqCst);
+        assert_eq!(
+            step(&mut g, 999).unwrap_err(),
+            "the engine step failed: rank 0 refused 999"
+        );
+        let e = step(&mut g, 5).unwrap_err();
+        assert!(
+            e.contains("tensor-parallel rank 2 has no group: ") && e.contains("the fabric is down"),
+            "{e}"
+        );
+        broken.store(false, Ordering::SeqCst);
+        // The failed step rebuilt the group again, and this time it could.
+        let e = step(&mut g, 5).unwrap_err();
+        assert!(e.contains("rank 2 has no group"), "{e}");
+        assert_eq!(step(&mut g, 5).unwrap(), vec![0.0; 2]);
+        g.copy(&[(BlockId(1), BlockId(2))]).unwrap();
+    }
+}

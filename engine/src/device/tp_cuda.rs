@@ -1,0 +1,233 @@
+//! Tensor parallelism on CUDA GPUs: one rank thread per GPU, each with its share of the model in
+//! bf16 ([`CudaModel`] of a [`TpShard`]: its query and KV heads and their slice of the pool, its
+//! MLP features, its slice of the vocabulary), exchanging through NCCL on the rank's own compute
+//! stream: an all-reduce of the embedding and of each row-parallel product, and a gather of the
+//! logits. The ranks run in lockstep as a [`RankGroup`], the logic the CPU's ranks test.
+//!
+//! Rank `r` runs on device `first + r`. Each rank's collectives are queued behind its kernels,
+//! and a step waits for them under the group's watchdog (`--tp-watchdog-secs`): a rank that never
+//! comes fails the step on its peers with a timeout rather than hanging them, and the group is
+//! rebuilt (a fresh NCCL id, every rank's communicator made again; the old ones aborted).
+//!
+//! What runs here without a GPU: the group's logic (through the CPU's ranks), the shards'
+//! split, the vocabulary's gather layout. What needs GPUs: everything in this file's
+//! [`RankWork`]; `scripts/gpu-check` runs it where two or more are lent.
+
+use std::time::Duration;
+
+use tandem_collective::{nccl, NcclId, NcclRank};
+use tandem_model::{LoadedModel, ModelConfig};
+use tandem_types::BlockId;
+
+use crate::backend::{Backend, PoolSize};
+use crate::device::cuda::{blocks_for_fraction, CudaModel};
+use crate::device::ranks::{RankGroup, RankWork, StepOut};
+use crate::device::tp_cpu::TpCpuConfig;
+use crate::error::EngineError;
+use crate::forward::SeqBatch;
+use crate::kv_cache::KvDtype;
+use crate::shard::TpShard;
+
+/// A GPU rank: its shard of the model and of the pool, on its device.
+struct CudaRank {
+    model: CudaModel,
+    watchdog: Duration,
+}
+
+impl RankWork for CudaRank {
+    type Comm = NcclRank;
+    type Join = NcclId;
+
+    fn rank(&self) -> usize {
+        self.model.shard.rank
+    }
+
+    fn join(&mut self, id: NcclId) -> Result<NcclRank, EngineError> {
+        let (rank, size) = (self.model.shard.rank, self.model.shard.size);
+        Ok(NcclRank::on_stream(
+            self.model.ops.stream.clone(),
+            rank,
+            size,
+            id,
+            self.watchdog,
+        )?)
+    }
+
+    fn step(
+        &mut self,
+        seqs: &[SeqBatch<'_>],
+        picks: bool,
+        comm: &mut NcclRank,
+    ) -> Result<StepOut, EngineError> {
+        self.model.forward_rank(seqs, picks, comm)
+    }
+
+    fn copy(&mut self, pairs: &[(BlockId, BlockId)]) -> Result<(), EngineError> {
+        self.model.copy_blocks(pairs)
+    }
+
+    fn abort(comm: &mut NcclRank, why: String) {
+        comm.poison(why);
+    }
+
+    #[cfg(test)]
+    fn poisoned(comm: &NcclRank) -> bool {
+        comm.poisoned()
+    }
+}
+
+/// A model split over the GPUs `first..first + size`, a rank thread each.
+pub struct TpCudaBackend {
+    config: ModelConfig,
+    group: RankGroup<CudaRank>,
+    num_blocks: usize,
+    weight_bytes: usize,
+    kv_bytes_per_token: f64,
+    device: String,
+}
+
+impl TpCudaBackend {
+    /// `loaded` split over `setup.size` GPUs from CUDA device `first` on, with a bf16 pool of
+    /// `pool`'s size on each (every rank the same number of blocks, each of its heads).
+    pub fn new(
+        first: usize,
+        loaded: &LoadedModel,
+        pool: &PoolSize,
+        setup: &TpCpuConfig,
+    ) -> Result<Self, EngineError> {
+        pool.check()?;
+        let size = setup.size;
+        if setup.experts {
+            return Err(EngineError::Unsupported(
+                "--ep on a CUDA device: expert parallelism runs on --device cpu".into(),
+            ));
+        }
+        if pool.kv_dtype != KvDtype::F32 {
+            return Err(EngineError::Config(format!(
+                "--kv-dtype {} is for the CPU cache only; on a CUDA device the cache is bf16 (leave --kv-dtype at its default)",
+                pool.kv_dtype
+            )));
+        }
+        let last = first + size - 1;
+        for ordinal in [first, last] {
+            tandem_kernels::cuda::open(ordinal).map_err(|e| {
+                EngineError::Startup(format!(
+                    "--tp {size} from cuda:{first} puts its ranks on GPUs {first} to {last}: {e}"
+                ))
+            })?;
+        }
+        if !nccl::available() {
+            return Err(EngineError::Unsupported(format!(
+                "--tp {size} on CUDA needs NCCL: no libnccl was found on the library path"
+            )));
+        }
+        let c = &loaded.config;
+        let shards = TpShard::plan_all(c, size)?;
+        let mut uploaded = Vec::with_capacity(size);
+        for (r, shard) in shards.into_iter().enumerate() {
+            let up = CudaModel::upload(first + r, c, &loaded.tensors, &shard).map_err(|e| {
+                EngineError::Startup(format!(
+                    "--tp {size} from cuda:{first} puts rank {r} on cuda:{}: {e}",
+                    first + r
+                ))
+            })?;
+            uploaded.push((shard, up));
+        }
+        // Every rank holds the same blocks, each of its own heads.
+        let block_bytes =
+            |s: &TpShard| CudaModel::kv_bytes_per_block(&s.local_config(c), pool.block_size);
+        let num_blocks = match pool.gpu_memory_fraction {
+            None => pool.blocks(uploaded.iter().map(|(s, _)| block_bytes(s)).sum()),
+            Some(f) => {
+                let mut least = usize::MAX;
+                for (s, (ops, _)) in &uploaded {
+                    let (free, total) = ops.memory()?;
+                    least = least.min(blocks_for_fraction(f, free, total, block_bytes(s))?);
+                }
+                least
+            }
+        };
+        let mut works = Vec::with_capacity(size);
+        for (shard, (ops, weights)) in uploaded {
+            let model = CudaModel::assemble(ops, c, shard, weights, pool.block_size, num_blocks)?;
+            works.push(CudaRank {
+                model,
+                watchdog: setup.watchdog,
+            });
+        }
+        let weight_bytes = works.iter().map(|w| w.model.weight_bytes()).sum();
+        let kv_bytes_per_token = works
+            .iter()
+            .map(|w| w.model.kv_bytes_per_token() as f64)
+            .sum();
+        let device = format!("{}, tp {size}", works[0].model.ops.gpu);
+        let config = works[0].model.config.clone();
+        let group = RankGroup::start(works, Box::new(move || Ok(vec![NcclId::new()?; size])))?;
+        Ok(Self {
+            config,
+            group,
+            num_blocks,
+            weight_bytes,
+            kv_bytes_per_token,
+            device,
+        })
+    }
+}
+
+impl Backend for TpCudaBackend {
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    fn forward(&mut self, seqs: &[SeqBatch<'_>]) -> Result<Vec<f32>, EngineError> {
+        match self.group.step(seqs, false)? {
+            StepOut::Logits(l) => Ok(l),
+            StepOut::Picks(_) => Err(EngineError::Internal(
+                "rank 0 picked tokens when logits were asked for".into(),
+            )),
+        }
+    }
+
+    fn picks_on_device(&self) -> bool {
+        true
+    }
+
+    fn forward_argmax(&mut self, seqs: &[SeqBatch<'_>]) -> Result<Vec<(u32, f32)>, EngineError> {
+        match self.group.step(seqs, true)? {
+            StepOut::Picks(p) => Ok(p),
+            // No row wanted logits.
+            StepOut::Logits(l) if l.is_empty() => Ok(Vec::new()),
+            StepOut::Logits(_) => Err(EngineError::Internal(
+                "rank 0 gave logits when picks were asked for".into(),
+            )),
+        }
+    }
+
+    fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    fn copy_blocks(&mut self, pairs: &[(BlockId, BlockId)]) -> Result<(), EngineError> {
+        self.group.copy(pairs)
+    }
+
+    fn weight_bytes(&self) -> usize {
+        self.weight_bytes
+    }
+
+    fn kv_bytes_per_token(&self) -> f64 {
+        self.kv_bytes_per_token
+    }
+
+    fn kv_dtype_name(&self) -> &'static str {
+        "bf16"
+    }
+
+    fn device(&self) -> String {
+        self.device.clone()
+    }
+
+    fn tp(&self) -> usize {
+        self.group.size()
+    }
+}
