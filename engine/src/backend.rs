@@ -84,9 +84,18 @@ pub trait Backend: Send {
     }
 
     /// The device's KV pool as KV transfers reach it (through page-locked staging), when the
-    /// cache lives on a device rather than in host pools.
+    /// cache lives on one device rather than in host pools.
     fn device_kv(&self) -> Option<std::sync::Arc<dyn crate::device::staging::DeviceKv>> {
         None
+    }
+
+    /// Every rank's device pool with the KV heads it holds, in rank order (the one device's
+    /// pool of every head without tensor parallelism); empty when the cache is in host pools.
+    fn device_pools(&self) -> Vec<DevicePool> {
+        self.device_kv()
+            .map(|d| (0..d.format().layout.num_kv_heads as u32, d))
+            .into_iter()
+            .collect()
     }
 
     /// Bytes of weights one decode step reads.
@@ -145,6 +154,13 @@ pub trait Backend: Send {
         None
     }
 }
+
+/// One tensor-parallel rank's device KV pool, as transfers reach it, and the model's KV heads
+/// it holds.
+pub type DevicePool = (
+    std::ops::Range<u32>,
+    std::sync::Arc<dyn crate::device::staging::DeviceKv>,
+);
 
 /// One tensor-parallel rank's host KV pool: the model's KV heads `heads` of every block.
 pub struct RankPool<'a> {
@@ -282,6 +298,9 @@ impl Backend for Slowed {
     }
     fn device_kv(&self) -> Option<std::sync::Arc<dyn crate::device::staging::DeviceKv>> {
         self.inner.device_kv()
+    }
+    fn device_pools(&self) -> Vec<DevicePool> {
+        self.inner.device_pools()
     }
     fn weight_bytes(&self) -> usize {
         self.inner.weight_bytes()

@@ -102,7 +102,7 @@ pub struct EngineHandle {
     shared: Arc<Shared>,
     limits: Limits,
     kv_writers: Vec<(std::ops::Range<u32>, KvPoolWriter)>,
-    kv_device: Option<Arc<dyn crate::DeviceKv>>,
+    kv_devices: Vec<crate::DevicePool>,
     grammars: Option<Arc<GrammarCompiler>>,
     expert_load: Option<Arc<crate::forward::ExpertLoad>>,
     thread: Option<JoinHandle<()>>,
@@ -147,14 +147,14 @@ impl EngineHandle {
                         .iter()
                         .map(|r| (r.heads.clone(), r.pool.writer()))
                         .collect::<Vec<_>>(),
-                    engine.backend().device_kv(),
+                    engine.backend().device_pools(),
                     engine.grammars().cloned(),
                     engine.expert_load(),
                 )));
                 run_loop(engine, rx, &loop_shared);
             })
             .map_err(|e| EngineError::Internal(format!("cannot start the engine thread: {e}")))?;
-        let (limits, kv_writers, kv_device, grammars, expert_load) = ready_rx
+        let (limits, kv_writers, kv_devices, grammars, expert_load) = ready_rx
             .recv()
             .map_err(|_| EngineError::Internal("engine thread died while starting".into()))??;
         Ok(Self {
@@ -162,7 +162,7 @@ impl EngineHandle {
             shared,
             limits,
             kv_writers,
-            kv_device,
+            kv_devices,
             grammars,
             expert_load,
             thread: Some(thread),
@@ -196,10 +196,11 @@ impl EngineHandle {
         self.kv_writers.clone()
     }
 
-    /// The device's KV pool, for transfers into it through staging (see
-    /// [`crate::DeviceSink`]), when the cache is on a device rather than in host pools.
-    pub fn kv_device(&self) -> Option<Arc<dyn crate::DeviceKv>> {
-        self.kv_device.clone()
+    /// Every rank's device KV pool with its KV heads, in rank order, for transfers into them
+    /// through staging (see [`crate::DeviceSink`]), when the cache is on devices rather than
+    /// in host pools (empty otherwise).
+    pub fn kv_devices(&self) -> Vec<crate::DevicePool> {
+        self.kv_devices.clone()
     }
 
     /// The request with its grammar compiled on tokio's blocking pool, for async callers to

@@ -50,7 +50,7 @@ pub mod spec;
 #[cfg(test)]
 mod testing;
 
-pub use backend::{Backend, PoolSize, RankPool, TpStats};
+pub use backend::{Backend, DevicePool, PoolSize, RankPool, TpStats};
 pub use block_manager::{BlockCounts, BlockManager, KvEvent, KvEventKind, PoolFull, SeqBlocks};
 pub use device::cpu::{CpuBackend, CpuModel, WeightFormat};
 pub use device::cuda::CudaModel;

@@ -711,20 +711,46 @@ fn engine_on(device_delay: Option<Duration>) -> tandem_engine::EngineHandle {
     engine_and_device(device_delay).0
 }
 
-/// [`engine_on`], and the fake device where there is one.
+/// [`engine_on`], and the (first rank's) fake device where there is one.
 fn engine_and_device(
+    device_delay: Option<Duration>,
+) -> (tandem_engine::EngineHandle, Option<Arc<FakeDevice>>) {
+    engine_tp_and_device(1, device_delay)
+}
+
+/// [`engine_and_device`] over `tp` tensor-parallel ranks (with a device, a fake device per
+/// rank's pool, as GPUs a rank each).
+fn engine_tp_and_device(
+    tp: usize,
     device_delay: Option<Duration>,
 ) -> (tandem_engine::EngineHandle, Option<Arc<FakeDevice>>) {
     let (tx, rx) = std::sync::mpsc::channel();
     let handle = tandem_engine::EngineHandle::spawn(move || {
         let loaded = tandem_model::load(&model_path())?;
-        let model = tandem_engine::CpuModel::new(&loaded, Default::default())?;
         let cfg = tandem_engine::EngineConfig {
             kv_cache_mb: 64,
             ..Default::default()
         };
         let eos = loaded.tokenizer.eos_token_ids.clone();
-        let cpu = Box::new(tandem_engine::CpuBackend::new(model, &cfg.pool())?);
+        let cpu: Box<dyn tandem_engine::Backend> = match tp {
+            1 => {
+                let model = tandem_engine::CpuModel::new(&loaded, Default::default())?;
+                Box::new(tandem_engine::CpuBackend::new(model, &cfg.pool())?)
+            }
+            _ => Box::new(tandem_engine::TpCpuBackend::new(
+                &loaded,
+                Default::default(),
+                &cfg.pool(),
+                tandem_engine::TpCpuConfig {
+                    size: tp,
+                    threads_per_rank: 1,
+                    watchdog: Duration::from_secs(600),
+                    max_step_tokens: cfg.max_batched_tokens,
+                    max_step_seqs: cfg.max_seqs,
+                    experts: false,
+                },
+            )?),
+        };
         match device_delay {
             None => tandem_engine::Engine::with_backend(cpu, cfg, eos),
             Some(delay) => {
@@ -924,6 +950,52 @@ async fn kv_moves_through_device_staging_on_either_side_exactly() {
         assert_eq!(remote.rank_bytes(), [19 * 30 * frame as u64], "{case}");
         assert_eq!(ids.len(), 12, "{case}");
         assert_eq!(ids, local_reference(&daddr, &prompt, 12).await, "{case}");
+        wait_idle(&daddr).await;
+    }
+}
+
+/// Tensor-parallel caches behind devices, a fake device per rank's pool as a GPU per rank (as
+/// `--tp` on CUDA has them): a prefill worker of 3 ranks exports each rank's KV heads through
+/// its own staging, a decode worker of 3 takes each piece into its rank's pool, and a worker of
+/// one rank on either side splits or joins the heads. The transfer succeeds first time, every
+/// decode rank received exactly its heads' bytes, and the tokens are the golden ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_moves_between_tensor_parallel_device_pools_exactly() {
+    let delay = Some(Duration::from_millis(1));
+    for (p_tp, d_tp) in [(3, 1), (1, 3), (3, 3)] {
+        let secret = Secret::new(KV_SECRET.as_bytes().to_vec()).unwrap();
+        let paddr = serve_prefill_on(
+            engine_tp_and_device(p_tp, delay).0,
+            Arc::new(TcpTransport::new(secret.clone())),
+        )
+        .await;
+        let decode_engine = engine_tp_and_device(d_tp, delay).0;
+        assert!(decode_engine.kv_writers().is_empty());
+        assert_eq!(decode_engine.kv_devices().len(), d_tp);
+        let (remote, daddr) = serve_decode_with_remote(decode_engine, secret).await;
+        let g = golden()
+            .into_iter()
+            .find(|g| g["id"] == "dev_long_history")
+            .unwrap();
+        let (prompt, want) = (
+            golden_ids(&g, "prompt_ids"),
+            golden_ids(&g, "generated_ids"),
+        );
+        let blocks = prompt.len().div_ceil(16) as u64;
+        let ids = remote_greedy(&daddr, "tp-staged", &prompt, want.len() as u32, vec![paddr]).await;
+        let case = format!("prefill tp {p_tp} -> decode tp {d_tp}");
+        assert_eq!(
+            remote.counts.transfers_ok.load(Ordering::Relaxed),
+            1,
+            "{case}"
+        );
+        assert_eq!(remote.counts.fallbacks.load(Ordering::Relaxed), 0, "{case}");
+        assert_eq!(remote.receiver().rejections().total(), 0, "{case}");
+        // SmolLM2-135M: 30 layers, 3 KV heads of 64, f32: 2 · 64 · 16 · 4 bytes a head's frame.
+        let head_frame = 2 * 64 * 16 * 4;
+        let share = blocks * 30 * (3 / d_tp) as u64 * head_frame;
+        assert_eq!(remote.rank_bytes(), vec![share; d_tp], "{case}");
+        assert_eq!(ids, want, "{case}: the golden tokens");
         wait_idle(&daddr).await;
     }
 }

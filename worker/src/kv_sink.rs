@@ -1,34 +1,35 @@
 //! The KV pools as the destination of transfers: a [`BlockSink`] over the writers of every
-//! tensor-parallel rank's pool, or over a device's pool through staging ([`KvTarget`],
+//! tensor-parallel rank's pool, host or device (a GPU's, through staging) ([`KvTarget`],
 //! [`KvSink`]), and the [`KvShape`] a worker describes its cache with.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use tandem_engine::{BlockId, DeviceKv, DeviceSink, EngineHandle, KvPoolWriter};
+use tandem_engine::{BlockId, DevicePool, DeviceSink, EngineHandle, KvPoolWriter};
 use tandem_kv_transfer::{BlockSink, KvShape};
 
 /// Where a worker's KV lives, as transfers reach it: its engine's host pools (each
-/// tensor-parallel rank's writer with its KV heads) or a device's pool (a GPU's, through
-/// page-locked staging).
+/// tensor-parallel rank's writer with its KV heads) or its devices' pools (each rank's GPU pool
+/// with its KV heads, through page-locked staging).
 #[derive(Clone)]
 pub enum KvTarget {
     /// The host pools' writers, in rank order.
     Host(Vec<(Range<u32>, KvPoolWriter)>),
-    /// A device's pool.
-    Device(Arc<dyn DeviceKv>),
+    /// The device pools, in rank order.
+    Device(Vec<DevicePool>),
 }
 
 impl KvTarget {
-    /// The engine's cache: its host pools if it has them, else its device's pool; None when
+    /// The engine's cache: its host pools if it has them, else its devices' pools; None when
     /// transfers cannot reach it.
     pub fn of(engine: &EngineHandle) -> Option<Self> {
         let writers = engine.kv_writers();
-        match (writers.is_empty(), engine.kv_device()) {
+        let devices = engine.kv_devices();
+        match (writers.is_empty(), devices.is_empty()) {
             (false, _) => Some(Self::Host(writers)),
-            (true, Some(d)) => Some(Self::Device(d)),
-            (true, None) => None,
+            (true, false) => Some(Self::Device(devices)),
+            (true, true) => None,
         }
     }
 
@@ -37,29 +38,22 @@ impl KvTarget {
         match self {
             Self::Host(w) => kv_shape(model, w),
             Self::Device(d) => {
-                let f = d.format();
-                let heads = f.layout.num_kv_heads as u32;
-                Some(KvShape {
-                    model: model.to_string(),
-                    layers: f.layers as u32,
-                    kv_heads: heads,
-                    head_dim: f.layout.head_dim as u32,
-                    block_size: f.layout.block_size as u32,
-                    dtype: f.dtype_name().to_string(),
-                    pieces: std::iter::once(0..heads).collect(),
-                })
+                let f = d.first()?.1.format();
+                Some(shape_of(
+                    model,
+                    d.iter().map(|(h, _)| h),
+                    f.layers,
+                    (f.layout.head_dim, f.layout.block_size),
+                    f.dtype_name(),
+                ))
             }
         }
     }
 }
 
-/// A receiver's sink over a [`KvTarget`].
-pub enum KvSink {
-    /// Straight into the host pools.
-    Pool(Arc<PoolSink>),
-    /// Into a device's pool through staging slots.
-    Device(Arc<DeviceSink>),
-}
+/// A receiver's sink over a [`KvTarget`]: the frames of each distinct KV head range of its
+/// ranks, written into every rank that holds it.
+pub struct KvSink(Arc<PoolSink>);
 
 impl KvSink {
     /// The sink over `target`.
@@ -69,37 +63,52 @@ impl KvSink {
     /// alone by the engine until that grant has ended, and no block may be granted to two
     /// transfers at once.
     pub unsafe fn new(target: KvTarget) -> Self {
-        match target {
+        Self(Arc::new(match target {
             // SAFETY: forwarded to the caller.
-            KvTarget::Host(w) => Self::Pool(Arc::new(unsafe { PoolSink::new(w) })),
+            KvTarget::Host(w) => unsafe { PoolSink::new(w) },
             // SAFETY: forwarded to the caller.
-            KvTarget::Device(d) => Self::Device(Arc::new(unsafe { DeviceSink::new(d) })),
-        }
+            KvTarget::Device(d) => unsafe { PoolSink::devices(d) },
+        }))
     }
 
     /// The sink as grants take it.
     pub fn block_sink(&self) -> Arc<dyn BlockSink> {
+        self.0.clone()
+    }
+
+    /// Bytes written into each tensor-parallel rank's pool so far, in rank order.
+    pub fn rank_bytes(&self) -> Vec<u64> {
+        self.0.rank_bytes()
+    }
+}
+
+/// How one rank's pool is written: straight into host memory, or through a device's staging.
+enum RankWriter {
+    Host(KvPoolWriter),
+    Device(DeviceSink),
+}
+
+impl RankWriter {
+    fn frame_bytes(&self) -> usize {
         match self {
-            Self::Pool(p) => p.clone(),
-            Self::Device(d) => d.clone(),
+            Self::Host(w) => w.frame_bytes(),
+            Self::Device(d) => d.format().frame_bytes(),
         }
     }
 
-    /// Bytes written into each tensor-parallel rank's pool so far, in rank order (one device
-    /// pool: one rank).
-    pub fn rank_bytes(&self) -> Vec<u64> {
+    fn num_layers(&self) -> usize {
         match self {
-            Self::Pool(p) => p.rank_bytes(),
-            Self::Device(d) => vec![d.bytes()],
+            Self::Host(w) => w.num_layers(),
+            Self::Device(d) => d.format().layers,
         }
     }
 }
 
 /// The ranks (by number) whose pools hold one range of heads, and their writers.
-type Replicas = Vec<(usize, KvPoolWriter)>;
+type Replicas = Vec<(usize, RankWriter)>;
 
-/// Writes received frames straight into the engine's KV pools: one piece per distinct KV head
-/// range of its ranks, written into every rank that holds it.
+/// Writes received frames into the engine's KV pools, host or device: one piece per distinct KV
+/// head range of its ranks, written into every rank that holds it.
 pub struct PoolSink {
     /// Per distinct head range, the ranks (by number) whose pools hold it.
     ranks: Vec<(Range<u32>, Replicas)>,
@@ -116,6 +125,30 @@ impl PoolSink {
     /// read, written, freed or shared) until that grant has ended, and no block may be granted
     /// to two transfers at once: the receiver writes granted blocks from its own threads.
     pub unsafe fn new(writers: Vec<(Range<u32>, KvPoolWriter)>) -> Self {
+        Self::over(
+            writers
+                .into_iter()
+                .map(|(h, w)| (h, RankWriter::Host(w)))
+                .collect(),
+        )
+    }
+
+    /// A sink over each rank's device pool with its KV heads, as `EngineHandle::kv_devices`
+    /// gives them: frames staged and uploaded, and waited for when a grant settles.
+    ///
+    /// # Safety
+    /// As [`PoolSink::new`].
+    pub unsafe fn devices(pools: Vec<DevicePool>) -> Self {
+        Self::over(
+            pools
+                .into_iter()
+                // SAFETY: forwarded to the caller.
+                .map(|(h, d)| (h, RankWriter::Device(unsafe { DeviceSink::new(d) })))
+                .collect(),
+        )
+    }
+
+    fn over(writers: Vec<(Range<u32>, RankWriter)>) -> Self {
         let bytes = writers.iter().map(|_| AtomicU64::new(0)).collect();
         let mut ranks: Vec<(Range<u32>, Replicas)> = Vec::new();
         for (rank, (heads, w)) in writers.into_iter().enumerate() {
@@ -164,12 +197,32 @@ impl BlockSink for PoolSink {
     fn write_piece(&self, layer: u32, block: BlockId, piece: usize, payload: &[u8]) {
         for (rank, w) in &self.ranks[piece].1 {
             self.bytes[*rank].fetch_add(payload.len() as u64, Ordering::Relaxed);
-            // SAFETY: the receiver calls this only for blocks granted to a live transfer, after
-            // checking layer, block, heads and length; `new`'s contract keeps the engine off them.
-            if let Err(e) = unsafe { w.write(layer as usize, block.index(), payload) } {
-                tracing::error!(error = %e, "KV frame passed the receiver's checks but not the pool's");
+            match w {
+                // SAFETY: the receiver calls this only for blocks granted to a live transfer,
+                // after checking layer, block, heads and length; `new`'s contract keeps the
+                // engine off them.
+                RankWriter::Host(w) => {
+                    if let Err(e) = unsafe { w.write(layer as usize, block.index(), payload) } {
+                        tracing::error!(error = %e, "KV frame passed the receiver's checks but not the pool's");
+                    }
+                }
+                // A frame that cannot be staged fails its block, reported when it settles.
+                RankWriter::Device(d) => d.write(layer, block, payload),
             }
         }
+    }
+
+    fn settle(&self, blocks: &[BlockId]) -> Result<(), String> {
+        // Every device's copies are waited for, even after one failed.
+        let mut first = None;
+        for (rank, w) in self.ranks.iter().flat_map(|(_, r)| r) {
+            if let RankWriter::Device(d) = w {
+                if let Err(e) = d.settle(blocks) {
+                    first.get_or_insert(format!("rank {rank}'s device pool: {e}"));
+                }
+            }
+        }
+        first.map_or(Ok(()), Err)
     }
 }
 
@@ -177,23 +230,40 @@ impl BlockSink for PoolSink {
 /// worker serving `model`, as its KV handshake describes it; None without a host cache.
 pub fn kv_shape(model: &str, writers: &[(Range<u32>, KvPoolWriter)]) -> Option<KvShape> {
     let (_, first) = writers.first()?;
-    let layout = first.layout();
+    Some(shape_of(
+        model,
+        writers.iter().map(|(h, _)| h),
+        first.num_layers(),
+        (first.layout().head_dim, first.layout().block_size),
+        first.dtype().name(),
+    ))
+}
+
+/// A cache of ranks holding `heads` each (replicas counted once), as the KV handshake
+/// describes it.
+fn shape_of<'a>(
+    model: &str,
+    heads: impl Iterator<Item = &'a Range<u32>>,
+    layers: usize,
+    (head_dim, block_size): (usize, usize),
+    dtype: &str,
+) -> KvShape {
     let mut pieces: Vec<Range<u32>> = Vec::new();
-    for (h, _) in writers {
+    for h in heads {
         if !pieces.contains(h) {
             pieces.push(h.clone());
         }
     }
     pieces.sort_by_key(|h| h.start);
-    Some(KvShape {
+    KvShape {
         model: model.to_string(),
-        layers: first.num_layers() as u32,
+        layers: layers as u32,
         kv_heads: pieces.iter().map(|h| h.end).max().unwrap_or(0),
-        head_dim: layout.head_dim as u32,
-        block_size: layout.block_size as u32,
-        dtype: first.dtype().name().to_string(),
+        head_dim: head_dim as u32,
+        block_size: block_size as u32,
+        dtype: dtype.to_string(),
         pieces,
-    })
+    }
 }
 
 #[cfg(test)]

@@ -49,7 +49,7 @@ pub struct CudaModel {
     /// KV blocks in the device pool.
     pub num_blocks: usize,
     /// The pool as KV transfers reach it.
-    kv: Arc<CudaKv>,
+    pub(crate) kv: Arc<CudaKv>,
 }
 
 fn bf16_bits(v: &[f32]) -> Vec<u16> {

@@ -261,31 +261,35 @@ impl DeviceKv for FakeDevice {
     }
 }
 
-/// A backend whose pool is reached through the fake device only: it steps as `inner` does (a
-/// CPU backend) but offers no host pool, so KV transfers into and out of it take the staging
-/// paths a GPU's take.
+/// A backend whose pools are reached through fake devices only: it steps as `inner` does (a
+/// CPU backend, or a tensor-parallel group of CPU ranks, a fake device per rank's pool as a
+/// GPU per rank) but offers no host pool, so KV transfers into and out of it take the staging
+/// paths GPUs' take.
 pub struct FakeDeviceBackend {
     inner: Box<dyn Backend>,
-    device: Arc<FakeDevice>,
+    /// Each rank's pool behind its fake device, with its KV heads, in rank order.
+    devices: Vec<(std::ops::Range<u32>, Arc<FakeDevice>)>,
 }
 
 impl FakeDeviceBackend {
-    /// `inner`'s pool behind a fake device whose copies complete `delay` late.
+    /// Each of `inner`'s pools behind a fake device whose copies complete `delay` late.
     pub fn new(inner: Box<dyn Backend>, delay: Duration) -> Result<Self, EngineError> {
-        let pools = inner.host_pools();
-        let [rp] = &pools[..] else {
+        let devices = inner
+            .host_pools()
+            .iter()
+            .map(|rp| Ok((rp.heads.clone(), FakeDevice::over_pool(rp.pool, delay)?)))
+            .collect::<Result<Vec<_>, EngineError>>()?;
+        if devices.is_empty() {
             return Err(EngineError::Unsupported(
-                "a fake device over a backend without exactly one host pool".into(),
+                "a fake device over a backend without a host pool".into(),
             ));
-        };
-        let device = FakeDevice::over_pool(rp.pool, delay)?;
-        drop(pools);
-        Ok(Self { inner, device })
+        }
+        Ok(Self { inner, devices })
     }
 
-    /// The fake device.
+    /// The first rank's fake device.
     pub fn fake(&self) -> &Arc<FakeDevice> {
-        &self.device
+        &self.devices[0].1
     }
 }
 
@@ -316,7 +320,16 @@ impl Backend for FakeDeviceBackend {
         Vec::new()
     }
     fn device_kv(&self) -> Option<Arc<dyn DeviceKv>> {
-        Some(self.device.clone())
+        match &self.devices[..] {
+            [(_, d)] => Some(d.clone()),
+            _ => None,
+        }
+    }
+    fn device_pools(&self) -> Vec<crate::DevicePool> {
+        self.devices
+            .iter()
+            .map(|(h, d)| (h.clone(), d.clone() as Arc<dyn DeviceKv>))
+            .collect()
     }
     fn weight_bytes(&self) -> usize {
         self.inner.weight_bytes()

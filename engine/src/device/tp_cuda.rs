@@ -9,9 +9,14 @@
 //! comes fails the step on its peers with a timeout rather than hanging them, and the group is
 //! rebuilt (a fresh NCCL id, every rank's communicator made again; the old ones aborted).
 //!
+//! KV transfers reach each rank's pool ([`Backend::device_pools`]): a prefill group exports
+//! each rank's heads as a piece through its own staging, a decode group takes each piece into
+//! the pool of every rank that holds those heads, whatever the other side's size.
+//!
 //! What runs here without a GPU: the group's logic (through the CPU's ranks), the shards'
-//! split, the vocabulary's gather layout. What needs GPUs: everything in this file's
-//! [`RankWork`]; `scripts/gpu-check` runs it where two or more are lent.
+//! split, the vocabulary's gather layout, and the transfers into and out of per-rank device
+//! pools (through the host fake of a device per rank). What needs GPUs: this file's
+//! [`RankWork`] and the kernels it calls; `scripts/gpu-check` runs them where two are lent.
 
 use std::time::Duration;
 
@@ -19,9 +24,12 @@ use tandem_collective::{nccl, NcclId, NcclRank};
 use tandem_model::{LoadedModel, ModelConfig};
 use tandem_types::BlockId;
 
-use crate::backend::{Backend, PoolSize};
+use std::sync::Arc;
+
+use crate::backend::{Backend, DevicePool, PoolSize};
 use crate::device::cuda::{blocks_for_fraction, CudaModel};
 use crate::device::ranks::{RankGroup, RankWork, StepOut};
+use crate::device::staging::DeviceKv;
 use crate::device::tp_cpu::TpCpuConfig;
 use crate::error::EngineError;
 use crate::forward::SeqBatch;
@@ -84,6 +92,8 @@ pub struct TpCudaBackend {
     weight_bytes: usize,
     kv_bytes_per_token: f64,
     device: String,
+    /// Each rank's pool, with its KV heads, as KV transfers reach it.
+    pools: Vec<DevicePool>,
 }
 
 impl TpCudaBackend {
@@ -161,6 +171,14 @@ impl TpCudaBackend {
             .map(|w| w.model.kv_bytes_per_token() as f64)
             .sum();
         let device = format!("{}, tp {size}", works[0].model.ops.gpu);
+        let pools = works
+            .iter()
+            .map(|w| {
+                let h = &w.model.shard.kv_heads;
+                let kv: Arc<dyn DeviceKv> = w.model.kv.clone();
+                (h.start as u32..h.end as u32, kv)
+            })
+            .collect();
         let config = works[0].model.config.clone();
         let group = RankGroup::start(works, Box::new(move || Ok(vec![NcclId::new()?; size])))?;
         Ok(Self {
@@ -170,6 +188,7 @@ impl TpCudaBackend {
             weight_bytes,
             kv_bytes_per_token,
             device,
+            pools,
         })
     }
 }
@@ -229,5 +248,9 @@ impl Backend for TpCudaBackend {
 
     fn tp(&self) -> usize {
         self.group.size()
+    }
+
+    fn device_pools(&self) -> Vec<DevicePool> {
+        self.pools.clone()
     }
 }

@@ -330,7 +330,7 @@ pub struct Engine {
     /// Speculative decoding, when configured.
     spec: Option<speculate::Speculation>,
     /// The page-locked buffer a device's blocks are exported through (kept between exports).
-    staging: Option<crate::device::staging::Pinned>,
+    staging: Vec<Option<crate::device::staging::Pinned>>,
 }
 impl Engine {
     /// An engine on the CPU. `eos` lists the token ids that end generation unless a request
@@ -400,7 +400,7 @@ impl Engine {
             stats: EngineStats::default(),
             next_batch_id: 1 << 48,
             spec,
-            staging: None,
+            staging: Vec::new(),
         })
     }
 

@@ -177,7 +177,7 @@ impl Engine {
 
     /// KV transfers read and write the host pools, or a device's pool through staging.
     fn check_host_cache(&self) -> Result<(), EngineError> {
-        match self.backend.host_pools().is_empty() && self.backend.device_kv().is_none() {
+        match self.backend.host_pools().is_empty() && self.backend.device_pools().is_empty() {
             false => Ok(()),
             true => Err(EngineError::Unsupported(format!(
                 "KV transfer to or from a {} cache is not supported: run prefill and decode workers that exchange KV with --device cpu",
@@ -187,11 +187,11 @@ impl Engine {
     }
 
     /// The prompt blocks of a prefill-mode `s` that are complete now and not yet exported, copied
-    /// out of every rank's pool, or out of a device's pool through `staging` (the last, partial
-    /// block once the whole prompt is computed).
+    /// out of every rank's pool, or out of every rank's device pool through its `staging` buffer
+    /// (the last, partial block once the whole prompt is computed).
     pub(super) fn export_ready(
         backend: &dyn Backend,
-        staging: &mut Option<Pinned>,
+        staging: &mut Vec<Option<Pinned>>,
         bs: usize,
         s: &mut Seq,
     ) -> Result<Option<KvChunk>, EngineError> {
@@ -233,18 +233,25 @@ impl Engine {
             });
         }
         if pools.is_empty() {
-            let dev = backend.device_kv().ok_or_else(|| {
-                EngineError::Internal(
+            let devices = backend.device_pools();
+            if devices.is_empty() {
+                return Err(EngineError::Internal(
                     "a prefill-mode sequence on a backend without a KV pool to export".into(),
-                )
-            })?;
-            let fmt = dev.format();
+                ));
+            }
+            staging.resize_with(devices.len(), || None);
             let blocks: Vec<BlockId> = ids.iter().map(|&b| BlockId(b)).collect();
-            pieces.push(KvPiece {
-                heads: 0..fmt.layout.num_kv_heads as u32,
-                layers: export_staged(&*dev, &blocks, staging)?,
-                frame_len: fmt.frame_bytes(),
-            });
+            for ((heads, dev), staging) in devices.into_iter().zip(staging.iter_mut()) {
+                // A replicated range goes once.
+                if pieces.iter().any(|p| p.heads == heads) {
+                    continue;
+                }
+                pieces.push(KvPiece {
+                    heads,
+                    layers: export_staged(&*dev, &blocks, staging)?,
+                    frame_len: dev.format().frame_bytes(),
+                });
+            }
         }
         s.export = Some((skip, upto));
         Ok(Some(KvChunk {
