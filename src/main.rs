@@ -168,7 +168,8 @@ pub struct EngineArgs {
     #[arg(long, env = "TANDEM_EP", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub ep: u32,
     /// Seconds a tensor-parallel collective waits for its peers before it fails the step
-    /// (a stuck rank fails the step with an error instead of hanging the group).
+    /// (a stuck rank fails the step with an error instead of hanging the group); on GPUs, where
+    /// a step's collectives are queued behind its kernels, how long a step's wait for them lasts.
     #[arg(long, env = "TANDEM_TP_WATCHDOG_SECS", default_value_t = 120.0)]
     pub tp_watchdog_secs: f64,
     /// Speculative decoding: each decoding sequence's next tokens are proposed cheaply and

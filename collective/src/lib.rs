@@ -22,7 +22,7 @@
 pub mod nccl;
 mod thread_group;
 
-pub use nccl::{NcclId, NcclRank};
+pub use nccl::{GroupAbort, NcclId, NcclRank};
 pub use thread_group::{RankStats, ThreadGroup, ThreadRank};
 
 use std::time::Duration;

@@ -134,8 +134,31 @@ impl DevicePtr<Bf16> for AsBf16Ref<'_> {
     }
 }
 
+/// What the ranks of one group in one process share: set by the first rank that gives the
+/// group up, with why, so that the others' waits end at once instead of at their watchdogs (an
+/// NCCL collective a peer never joins does not end by itself).
+#[derive(Clone, Debug, Default)]
+pub struct GroupAbort(Arc<std::sync::Mutex<Option<String>>>);
+
+impl GroupAbort {
+    /// Gives the group up (the first reason is kept).
+    pub fn set(&self, why: String) {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_or_insert(why);
+    }
+
+    /// Why the group was given up, if it was.
+    pub fn get(&self) -> Option<String> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
+
 /// One rank of an NCCL group, on the thread that made it.
 pub struct NcclRank {
+    /// Shared with the group's other ranks in this process, where they are threads of one.
+    abort: Option<GroupAbort>,
     comm: Comm,
     stream: Arc<CudaStream>,
     rank: usize,
@@ -160,18 +183,20 @@ impl NcclRank {
         }
         let ctx = CudaContext::new(ordinal).map_err(|e| device("opening the device", e))?;
         let stream = ctx.new_stream().map_err(|e| device("a stream", e))?;
-        Self::on_stream(stream, rank, size, id, watchdog)
+        Self::on_stream(stream, rank, size, id, watchdog, None)
     }
 
     /// Rank `rank` of a group of `size` whose collectives are queued on `stream` (a forward's
     /// own stream: they are then ordered with its kernels, with no wait between them), joining
     /// the group `id` names. As [`NcclRank::new`]: on the rank's thread, every rank calling it.
+    /// `abort`, where the group's ranks are threads of one process, is shared by them all.
     pub fn on_stream(
         stream: Arc<CudaStream>,
         rank: usize,
         size: usize,
         id: NcclId,
         watchdog: Duration,
+        abort: Option<GroupAbort>,
     ) -> Result<Self, CollectiveError> {
         if !available() {
             return Err(unavailable());
@@ -181,9 +206,15 @@ impl NcclRank {
                 "rank {rank} of a group of {size}"
             )));
         }
+        // NCCL takes the rank's device from the thread's current context: the stream's.
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(|e| device("making the stream's device current", e))?;
         let comm = Comm::from_rank(stream.clone(), rank, size, id.0)
             .map_err(|e| device("ncclCommInitRank", e))?;
         Ok(Self {
+            abort,
             comm,
             stream,
             rank,
@@ -260,8 +291,12 @@ impl NcclRank {
         self.wait("a step's collectives")
     }
 
-    /// Poisons the rank: every later collective on it fails at once with `why`.
+    /// Gives the group up: every later collective on this rank fails at once with `why`, and
+    /// so do the waits of the ranks sharing its [`GroupAbort`].
     pub fn poison(&mut self, why: String) {
+        if let Some(a) = &self.abort {
+            a.set(why.clone());
+        }
         self.poisoned.get_or_insert(why);
     }
 
@@ -290,6 +325,10 @@ impl NcclRank {
                 Ok(false) => {}
                 Err(e) => return Err(device(op, e)),
             }
+            if let Some(why) = self.abort.as_ref().and_then(GroupAbort::get) {
+                self.poisoned.get_or_insert(why.clone());
+                return Err(CollectiveError::Poisoned(why));
+            }
             let waited = start.elapsed();
             if waited > self.watchdog {
                 // Which peers are missing NCCL does not say; the others' watchdogs name
@@ -301,6 +340,9 @@ impl NcclRank {
                     waited,
                 };
                 self.poisoned = Some(e.to_string());
+                if let Some(a) = &self.abort {
+                    a.set(e.to_string());
+                }
                 return Err(e);
             }
             std::thread::sleep(Duration::from_micros(20));

@@ -148,6 +148,12 @@ impl TpShard {
         }
         let ff = c.intermediate_size / size;
         let (_, pieces) = vocab_pieces(c.vocab_size, size);
+        if pieces.iter().any(|&(_, len)| len == 0) {
+            return Err(refuse(format!(
+                "its vocabulary of {} tokens leaves a rank no slice of it",
+                c.vocab_size
+            )));
+        }
         let (from, len) = pieces[rank];
         let vocab = from..from + len;
         Ok(Self {
@@ -281,6 +287,21 @@ mod tests {
             vocab_pieces(9, 4),
             (3, vec![(0, 3), (3, 3), (6, 3), (9, 0)])
         );
+        // A split that would leave a rank no slice is refused.
+        let c = ModelConfig {
+            vocab_size: 9,
+            ..config(4, 4)
+        };
+        let e = TpShard::plan_all(&c, 4).unwrap_err().to_string();
+        assert!(
+            e.contains("vocabulary of 9 tokens leaves a rank no slice"),
+            "{e}"
+        );
+        let c = ModelConfig {
+            vocab_size: 9,
+            ..config(3, 3)
+        };
+        assert_eq!(TpShard::plan_all(&c, 3).unwrap()[2].vocab, 6..9);
     }
 
     fn config(nq: usize, nkv: usize) -> ModelConfig {

@@ -208,13 +208,19 @@ impl<W: RankWork> RankGroup<W> {
         if results.iter().all(|r| r.is_ok()) {
             return results.swap_remove(0);
         }
-        // A peer's poisoning is a consequence, not a cause.
-        let consequence =
+        // A peer's poisoning is a consequence, not a cause; so is a peer's timeout where a rank
+        // failed by itself (it gave up without coming to the collective its peers waited in).
+        let poisoned =
             |e: &EngineError| matches!(e, EngineError::Collective(CollectiveError::Poisoned(_)));
-        let cause = |r: &Result<StepOut, EngineError>| r.as_ref().is_err_and(|e| !consequence(e));
+        let timeout =
+            |e: &EngineError| matches!(e, EngineError::Collective(CollectiveError::Timeout { .. }));
+        let is = |r: &Result<StepOut, EngineError>, f: &dyn Fn(&EngineError) -> bool| {
+            r.as_ref().is_err_and(f)
+        };
         let at = results
             .iter()
-            .position(cause)
+            .position(|r| is(r, &|e| !poisoned(e) && !timeout(e)))
+            .or_else(|| results.iter().position(|r| is(r, &timeout)))
             .or_else(|| results.iter().position(Result::is_err));
         Err(match at.map(|i| results.swap_remove(i)) {
             // A step's or a join's own error as it is; anything else fails the step.
@@ -304,14 +310,18 @@ impl<J: Send + 'static> Rank<J> {
                             caught(rank, || work.copy(&pairs)).map(|()| StepOut::Logits(Vec::new()))
                         }
                         Job::Join(j) => {
-                            // The old group goes first (an NCCL communicator is aborted,
-                            // which may panic in its bindings: caught as the join's failure).
+                            // The old group goes first (an NCCL communicator is aborted, which
+                            // may panic in its bindings: logged, and the join goes ahead, for
+                            // a group's setup waits for every rank).
                             let old =
                                 std::mem::replace(&mut comm, Err("it is joining a new one".into()));
-                            let joined = caught(rank, || {
+                            if let Err(e) = caught(rank, || {
                                 drop(old);
-                                work.join(j)
-                            });
+                                Ok(())
+                            }) {
+                                tracing::error!(error = %e, rank, "leaving a tensor-parallel group");
+                            }
+                            let joined = caught(rank, || work.join(j));
                             let out = match &joined {
                                 Ok(_) => Ok(StepOut::Logits(Vec::new())),
                                 Err(e) => Err(EngineError::Startup(format!(

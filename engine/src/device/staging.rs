@@ -473,7 +473,8 @@ impl BlockSink for DeviceSink {
     }
 
     fn pieces(&self) -> Vec<Range<u32>> {
-        // One range: every KV head (no tensor parallelism on a device yet).
+        // One range: every KV head of this device's pool (a tensor-parallel group's pools are
+        // each a sink's, under the worker's sink of every rank).
         std::iter::once(0..self.fmt.layout.num_kv_heads as u32).collect()
     }
 

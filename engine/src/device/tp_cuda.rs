@@ -20,7 +20,7 @@
 
 use std::time::Duration;
 
-use tandem_collective::{nccl, NcclId, NcclRank};
+use tandem_collective::{nccl, GroupAbort, NcclId, NcclRank};
 use tandem_model::{LoadedModel, ModelConfig};
 use tandem_types::BlockId;
 
@@ -44,13 +44,14 @@ struct CudaRank {
 
 impl RankWork for CudaRank {
     type Comm = NcclRank;
-    type Join = NcclId;
+    /// The group's id and the flag its ranks give it up with.
+    type Join = (NcclId, GroupAbort);
 
     fn rank(&self) -> usize {
         self.model.shard.rank
     }
 
-    fn join(&mut self, id: NcclId) -> Result<NcclRank, EngineError> {
+    fn join(&mut self, (id, abort): (NcclId, GroupAbort)) -> Result<NcclRank, EngineError> {
         let (rank, size) = (self.model.shard.rank, self.model.shard.size);
         Ok(NcclRank::on_stream(
             self.model.ops.stream.clone(),
@@ -58,6 +59,7 @@ impl RankWork for CudaRank {
             size,
             id,
             self.watchdog,
+            Some(abort),
         )?)
     }
 
@@ -120,11 +122,18 @@ impl TpCudaBackend {
         }
         let last = first + size - 1;
         for ordinal in [first, last] {
-            tandem_kernels::cuda::open(ordinal).map_err(|e| {
+            let gpu = tandem_kernels::cuda::open(ordinal).map_err(|e| {
                 EngineError::Startup(format!(
                     "--tp {size} from cuda:{first} puts its ranks on GPUs {first} to {last}: {e}"
                 ))
             })?;
+            // A step's buffers are freed while its collectives may still wait on a peer: only
+            // stream-ordered frees keep the wait under the watchdog instead of inside a free.
+            if !gpu.memory_pools {
+                return Err(EngineError::Unsupported(format!(
+                    "--tp {size} on {gpu}: the device has no stream-ordered memory pools, which tensor parallelism on CUDA needs"
+                )));
+            }
         }
         if !nccl::available() {
             return Err(EngineError::Unsupported(format!(
@@ -180,7 +189,10 @@ impl TpCudaBackend {
             })
             .collect();
         let config = works[0].model.config.clone();
-        let group = RankGroup::start(works, Box::new(move || Ok(vec![NcclId::new()?; size])))?;
+        let group = RankGroup::start(
+            works,
+            Box::new(move || Ok(vec![(NcclId::new()?, GroupAbort::default()); size])),
+        )?;
         Ok(Self {
             config,
             group,

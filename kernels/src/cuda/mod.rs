@@ -121,6 +121,9 @@ pub struct Gpu {
     pub sm_count: u32,
     /// The highest SM clock the driver reports, in kHz.
     pub clock_khz: u32,
+    /// Whether the device has stream-ordered memory pools: freeing a buffer then queues its
+    /// release behind the stream's work instead of waiting for the stream.
+    pub memory_pools: bool,
     /// The device's primary context.
     pub context: Arc<cudarc::driver::CudaContext>,
 }
@@ -208,7 +211,9 @@ pub fn open(ordinal: usize) -> Result<Gpu, CudaError> {
     let memory_bytes = context.total_mem().map_err(driver_err)?;
     let sm_count = attr(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
     let clock_khz = attr(A::CU_DEVICE_ATTRIBUTE_CLOCK_RATE)? as u32;
+    let memory_pools = attr(A::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED)? != 0;
     Ok(Gpu {
+        memory_pools,
         ordinal,
         name,
         arch,
