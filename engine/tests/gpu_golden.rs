@@ -582,27 +582,49 @@ fn two_sequences(b: &mut dyn tandem_engine::Backend, steps: usize) -> (Vec<f32>,
 /// - with three GPUs, SmolLM2 over three ranks under the engine: the continuous batch equals each
 ///   request alone, and its golden tokens are reported against one GPU's.
 ///
-/// With fewer GPUs it says so and returns, even under TANDEM_REQUIRE_GPU (scripts/gpu-check
-/// reports it n/a).
+/// On one GPU, a group of one rank (its thread, NCCL's setup, the step's wait) gives one GPU's
+/// bits; with fewer GPUs than a part needs it says so and returns, even under
+/// TANDEM_REQUIRE_GPU (scripts/gpu-check reports it n/a).
 #[test]
 fn tensor_parallel_ranks_on_gpus_match_one_gpu() {
     let test = "tensor_parallel_ranks_on_gpus_match_one_gpu";
-    let gpus = tandem_kernels::cuda::device_count();
-    if gpus < 2 {
-        report(test, &format!("needs 2 GPUs, this machine has {gpus}"));
-        return;
-    }
     let tiny =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../model/tests/families/llama3");
-    let m = tandem_model::load(&tiny).unwrap();
     let pool = EngineConfig {
         block_size: BLOCK,
         num_blocks: Some(8),
         ..EngineConfig::default()
     }
     .pool();
-    let mut one = CudaModel::for_engine(0, &m, &pool).unwrap();
+    let Some((m, mut one)) = on_gpu(test, |_| {
+        let m = tandem_model::load(&tiny).unwrap();
+        let one = CudaModel::for_engine(0, &m, &pool)?;
+        Ok((m, one))
+    }) else {
+        return;
+    };
     let (want, _) = two_sequences(&mut one, 6);
+    // A group of one rank on one GPU: the rank thread, NCCL's setup on the rank's device and
+    // the step's wait under the watchdog, with one GPU's bits (nothing is exchanged).
+    match tandem_engine::TpCudaBackend::new(0, &m, &pool, &tp_setup(1)) {
+        Ok(mut g) => {
+            let (got, _) = two_sequences(&mut g, 6);
+            assert_eq!(
+                got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                "a group of one gives one GPU's bits"
+            );
+        }
+        Err(e) if !tandem_collective::nccl::available() => {
+            report(test, &format!("no NCCL here: {e}"))
+        }
+        Err(e) => panic!("a group of one on GPU 0: {e}"),
+    }
+    let gpus = tandem_kernels::cuda::device_count();
+    if gpus < 2 {
+        report(test, &format!("TP 2 needs 2 GPUs, this machine has {gpus}"));
+        return;
+    }
     let mut tp = tandem_engine::TpCudaBackend::new(0, &m, &pool, &tp_setup(2)).unwrap();
     assert_eq!((tp.tp(), tp.num_blocks()), (2, 8));
     assert!(tp.device().ends_with(", tp 2"), "{}", tp.device());
