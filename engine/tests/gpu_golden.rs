@@ -201,6 +201,24 @@ fn bf16_last_position_logits_near_golden() {
     assert_eq!(checked, 3, "three golden logit files");
 }
 
+/// Every record's greedy tokens run alone (a cold prefix cache each), then all in one
+/// continuous batch; no block is left held.
+fn alone_and_together(
+    e: &mut Engine,
+    recs: &[serde_json::Value],
+) -> (Vec<Vec<u32>>, Vec<Vec<u32>>) {
+    let mut alone = Vec::new();
+    for r in requests(recs) {
+        e.clear_prefix_cache();
+        let out = e.generate(vec![r], |_| {}, |_| {}).unwrap();
+        alone.push(out[0].output_ids.clone());
+    }
+    e.clear_prefix_cache();
+    let together = run_all(e, recs);
+    assert_no_blocks_held(e);
+    (alone, together)
+}
+
 #[test]
 fn the_engine_runs_unchanged_on_the_gpu() {
     let test = "the_engine_runs_unchanged_on_the_gpu";
@@ -209,15 +227,7 @@ fn the_engine_runs_unchanged_on_the_gpu() {
     };
     assert_eq!(e.backend().kv_dtype_name(), "bf16");
     let (_, recs) = golden_records();
-    let mut alone = Vec::new();
-    for r in requests(&recs) {
-        e.clear_prefix_cache();
-        let out = e.generate(vec![r], |_| {}, |_| {}).unwrap();
-        alone.push(out[0].output_ids.clone());
-    }
-    e.clear_prefix_cache();
-    let together = run_all(&mut e, &recs);
-    assert_no_blocks_held(&e);
+    let (alone, together) = alone_and_together(&mut e, &recs);
     let exact = count_exact(&recs, &together);
     use std::io::Write;
     let _ = writeln!(
@@ -678,15 +688,7 @@ fn tensor_parallel_ranks_on_gpus_match_one_gpu() {
         return;
     };
     let (_, recs) = golden_records();
-    let mut alone = Vec::new();
-    for r in requests(&recs) {
-        e.clear_prefix_cache();
-        let out = e.generate(vec![r], |_| {}, |_| {}).unwrap();
-        alone.push(out[0].output_ids.clone());
-    }
-    e.clear_prefix_cache();
-    let together = run_all(&mut e, &recs);
-    assert_no_blocks_held(&e);
+    let (alone, together) = alone_and_together(&mut e, &recs);
     assert_eq!(
         together, alone,
         "TP 3: the continuous batch equals each alone"
