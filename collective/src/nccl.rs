@@ -305,9 +305,15 @@ impl NcclRank {
         self.poisoned.is_some()
     }
 
+    /// Fails once this rank, or a peer sharing its [`GroupAbort`], has given the group up: a
+    /// rank stops queuing work behind a collective that will never finish.
     fn check(&self) -> Result<(), CollectiveError> {
-        match &self.poisoned {
-            Some(why) => Err(CollectiveError::Poisoned(why.clone())),
+        let why = self
+            .poisoned
+            .clone()
+            .or_else(|| self.abort.as_ref().and_then(GroupAbort::get));
+        match why {
+            Some(why) => Err(CollectiveError::Poisoned(why)),
             None => Ok(()),
         }
     }

@@ -121,7 +121,7 @@ impl TpCudaBackend {
             )));
         }
         let last = first + size - 1;
-        for ordinal in [first, last] {
+        for ordinal in first..=last {
             let gpu = tandem_kernels::cuda::open(ordinal).map_err(|e| {
                 EngineError::Startup(format!(
                     "--tp {size} from cuda:{first} puts its ranks on GPUs {first} to {last}: {e}"
