@@ -175,6 +175,28 @@ impl<W: RankWork> RankGroup<W> {
         self.all(jobs)
     }
 
+    /// A step's logits (rank 0's).
+    pub(crate) fn logits(&mut self, seqs: &[SeqBatch<'_>]) -> Result<Vec<f32>, EngineError> {
+        match self.step(seqs, false)? {
+            StepOut::Logits(l) => Ok(l),
+            StepOut::Picks(_) => Err(EngineError::Internal(
+                "rank 0 picked tokens when logits were asked for".into(),
+            )),
+        }
+    }
+
+    /// A step's picks, each logit row's argmax (rank 0's, picked on its device).
+    pub(crate) fn picks(&mut self, seqs: &[SeqBatch<'_>]) -> Result<Vec<(u32, f32)>, EngineError> {
+        match self.step(seqs, true)? {
+            StepOut::Picks(p) => Ok(p),
+            // No row wanted logits.
+            StepOut::Logits(l) if l.is_empty() => Ok(Vec::new()),
+            StepOut::Logits(_) => Err(EngineError::Internal(
+                "rank 0 gave logits when picks were asked for".into(),
+            )),
+        }
+    }
+
     /// Copies blocks on every rank.
     pub(crate) fn copy(&mut self, pairs: &[(BlockId, BlockId)]) -> Result<(), EngineError> {
         if pairs.is_empty() {

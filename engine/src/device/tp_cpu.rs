@@ -255,12 +255,7 @@ impl Backend for TpCpuBackend {
     }
 
     fn forward(&mut self, seqs: &[SeqBatch<'_>]) -> Result<Vec<f32>, EngineError> {
-        match self.group.step(seqs, false)? {
-            StepOut::Logits(l) => Ok(l),
-            StepOut::Picks(_) => Err(EngineError::Internal(
-                "a CPU rank picked tokens it was not asked for".into(),
-            )),
-        }
+        self.group.logits(seqs)
     }
 
     fn num_blocks(&self) -> usize {

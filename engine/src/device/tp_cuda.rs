@@ -211,12 +211,7 @@ impl Backend for TpCudaBackend {
     }
 
     fn forward(&mut self, seqs: &[SeqBatch<'_>]) -> Result<Vec<f32>, EngineError> {
-        match self.group.step(seqs, false)? {
-            StepOut::Logits(l) => Ok(l),
-            StepOut::Picks(_) => Err(EngineError::Internal(
-                "rank 0 picked tokens when logits were asked for".into(),
-            )),
-        }
+        self.group.logits(seqs)
     }
 
     fn picks_on_device(&self) -> bool {
@@ -224,14 +219,7 @@ impl Backend for TpCudaBackend {
     }
 
     fn forward_argmax(&mut self, seqs: &[SeqBatch<'_>]) -> Result<Vec<(u32, f32)>, EngineError> {
-        match self.group.step(seqs, true)? {
-            StepOut::Picks(p) => Ok(p),
-            // No row wanted logits.
-            StepOut::Logits(l) if l.is_empty() => Ok(Vec::new()),
-            StepOut::Logits(_) => Err(EngineError::Internal(
-                "rank 0 gave logits when picks were asked for".into(),
-            )),
-        }
+        self.group.picks(seqs)
     }
 
     fn num_blocks(&self) -> usize {
