@@ -510,6 +510,7 @@ mod tests {
             "gemm_rows16",
             "gemm_rows64",
             "gemm_pipe_small",
+            "gemm_pipe_small_deep",
             "gemm_pipe_mid",
             "gemm_pipe_large",
             "argmax_rows",
