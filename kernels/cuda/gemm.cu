@@ -287,21 +287,12 @@ __device__ __forceinline__ void gemm_pipe(const bf16* __restrict__ x, const bf16
 // Up to 64 rows (decode: the weights streamed once, the rows riding along): tiles of 16 × 32
 // (a warp per 8 columns), k 128 at a time through 4 buffers (48 KiB), 128 threads, grid
 // (m / 16, n / 32) rounded up. (Measured on an H100: 8 buffers, or 64-row tiles above 16 rows,
-// at 96 KiB a block, were slower: fewer blocks an SM.)
+// at 96 KiB a block, were slower: fewer blocks an SM. On an H200, 8 buffers only where the
+// weight has few column tiles, one block an SM, were slower too: 1×4096×4096 in 34.1 µs
+// against 29.3, 1×4096×14336 in 90.4 against 77.5.)
 extern "C" __global__ void __launch_bounds__(128)
     gemm_pipe_small(const bf16* x, const bf16* w, void* out, int m, int n, int k, int f32_out) {
     gemm_pipe<1, 4, 1, 1, 128, 4, true>(x, w, out, m, n, k, f32_out);
-}
-
-// The small tiling for a weight of few column tiles (n / 32 at most twice the SMs, as in a
-// hidden-size output: a block or two an SM): k through 8 buffers (96 KiB) instead of 4, so an
-// SM keeps 7 tiles of W in flight instead of 3. (Four blocks an SM hold 12 where n is large;
-// one block of 4 buffers alone left the copy engine idle for most of each tile's latency.)
-// The same arithmetic as every tiling: chosen by the weight's shape, it changes no bit.
-extern "C" __global__ void __launch_bounds__(128)
-    gemm_pipe_small_deep(const bf16* x, const bf16* w, void* out, int m, int n, int k,
-                         int f32_out) {
-    gemm_pipe<1, 4, 1, 1, 128, 8, true>(x, w, out, m, n, k, f32_out);
 }
 
 // Up to 128 rows: tiles of 64 × 64 (warps 2 × 2 of 32 × 32), k 64 at a time through 4 buffers

@@ -510,7 +510,6 @@ mod tests {
             "gemm_rows16",
             "gemm_rows64",
             "gemm_pipe_small",
-            "gemm_pipe_small_deep",
             "gemm_pipe_mid",
             "gemm_pipe_large",
             "argmax_rows",

@@ -85,13 +85,6 @@ const GEMM_PIPES: [GemmPipe; 3] = [
     pipe("gemm_pipe_large", usize::MAX, (128, 128, 64, 3), 256, false),
 ];
 
-/// The first tiling with deeper buffering, for weights of at most [`DEEP_TILES_PER_SM`] column
-/// tiles an SM (the products into the hidden size, where few blocks share an SM).
-const GEMM_DEEP: GemmPipe = pipe("gemm_pipe_small_deep", 64, (16, 32, 128, 8), 128, true);
-
-/// Column tiles an SM up to which a product of at most 64 rows runs [`GEMM_DEEP`].
-const DEEP_TILES_PER_SM: usize = 2;
-
 /// Threads per block of the row kernels.
 const ROW_THREADS: u32 = 256;
 
@@ -112,7 +105,6 @@ struct Kernels {
     gemm_rows64: CudaFunction,
     /// GEMM_PIPES' kernels, in its order.
     gemm_pipes: Vec<CudaFunction>,
-    gemm_deep: CudaFunction,
     argmax: CudaFunction,
     sample: CudaFunction,
 }
@@ -155,17 +147,6 @@ impl CudaOps {
             modules.push(gpu.context.load_module(ptx).map_err(drv)?);
         }
         let f = |m: usize, name: &str| modules[m].load_function(name).map_err(drv);
-        let pipe_fn = |p: &GemmPipe| {
-            let f = f(4, p.name)?;
-            if p.dynamic_smem() > 0 {
-                f.set_attribute(
-                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    p.dynamic_smem() as i32,
-                )
-                .map_err(drv)?;
-            }
-            Ok::<_, CudaError>(f)
-        };
         let k = Kernels {
             rms_norm: f(0, "rms_norm")?,
             add_rms_norm: f(0, "add_rms_norm")?,
@@ -181,8 +162,20 @@ impl CudaOps {
             attention_decode: f(2, "paged_attention_decode")?,
             gemm_rows16: f(4, "gemm_rows16")?,
             gemm_rows64: f(4, "gemm_rows64")?,
-            gemm_pipes: GEMM_PIPES.iter().map(pipe_fn).collect::<Result<_, _>>()?,
-            gemm_deep: pipe_fn(&GEMM_DEEP)?,
+            gemm_pipes: GEMM_PIPES
+                .iter()
+                .map(|p| {
+                    let f = f(4, p.name)?;
+                    if p.dynamic_smem() > 0 {
+                        f.set_attribute(
+                            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                            p.dynamic_smem() as i32,
+                        )
+                        .map_err(drv)?;
+                    }
+                    Ok(f)
+                })
+                .collect::<Result<_, CudaError>>()?,
             argmax: f(3, "argmax_rows")?,
             sample: f(3, "sample_rows")?,
         };
@@ -583,18 +576,10 @@ impl CudaOps {
                 .iter()
                 .position(|p| m <= p.max_m)
                 .unwrap_or(GEMM_PIPES.len() - 1);
-            // Few column tiles (a property of the weight and the device): deeper buffering.
-            let deep = i == 0
-                && n.div_ceil(GEMM_DEEP.tile.1)
-                    <= DEEP_TILES_PER_SM * self.gpu.sm_count.max(1) as usize;
-            let (p, f) = if deep {
-                (&GEMM_DEEP, &self.k.gemm_deep)
-            } else {
-                (&GEMM_PIPES[i], &self.k.gemm_pipes[i])
-            };
+            let p = &GEMM_PIPES[i];
             let (mt, nt) = (m.div_ceil(p.tile.0), n.div_ceil(p.tile.1));
             let grid = if p.m_fast { (mt, nt) } else { (nt, mt) };
-            (f, grid, p.threads, p.dynamic_smem())
+            (&self.k.gemm_pipes[i], grid, p.threads, p.dynamic_smem())
         };
         if grid.0 > i32::MAX as usize || grid.1 > 65_535 {
             return Err(shape(format!(
@@ -676,7 +661,7 @@ impl CudaOps {
 
 #[cfg(test)]
 mod tests {
-    use super::{GEMM_DEEP, GEMM_PIPES};
+    use super::GEMM_PIPES;
 
     /// Each tiling's table entry against its kernel in gemm.cu: the template arguments give the
     /// tile, threads, row-tile placement and shared memory the kernel checks at launch.
@@ -684,7 +669,7 @@ mod tests {
     fn the_product_tilings_match_their_kernels() {
         let src = include_str!("../../../cuda/gemm.cu");
         let mut last = 0;
-        for (i, p) in GEMM_PIPES.iter().chain([&GEMM_DEEP]).enumerate() {
+        for p in &GEMM_PIPES {
             let body = src
                 .split(&format!("{}(const bf16", p.name))
                 .nth(1)
@@ -706,24 +691,10 @@ mod tests {
             assert!(p.smem <= 99 * 1024, "{}: {} bytes", p.name, p.smem);
             // A k-step holds whole 32-wide pairs of products.
             assert_eq!(bk % 32, 0, "{}", p.name);
+            assert!(p.max_m > last, "ascending row limits");
             assert!(p.max_m % 16 == 0 || p.max_m == usize::MAX);
-            if i < GEMM_PIPES.len() {
-                assert!(p.max_m > last, "ascending row limits");
-                last = p.max_m;
-            }
+            last = p.max_m;
         }
-        // The deep tiling stands in for the first: the same rows, tile and placement.
-        let first = &GEMM_PIPES[0];
-        assert_eq!(
-            (
-                GEMM_DEEP.max_m,
-                GEMM_DEEP.tile,
-                GEMM_DEEP.threads,
-                GEMM_DEEP.m_fast
-            ),
-            (first.max_m, first.tile, first.threads, first.m_fast)
-        );
-        assert!(GEMM_DEEP.smem > first.smem);
         assert_eq!(last, usize::MAX, "the last tiling takes every larger m");
     }
 }
