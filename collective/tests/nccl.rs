@@ -41,7 +41,10 @@ fn on_ranks<T: Send + 'static>(
     watchdog: Duration,
     f: impl Fn(&mut NcclRank) -> T + Send + Sync + Clone + 'static,
 ) -> Vec<T> {
+    // The setup's times go to stderr (gpu-check keeps them): a slow NCCL start shows where.
+    let t = std::time::Instant::now();
     let id = NcclId::new().unwrap();
+    eprintln!("NCCL id made in {:.1?}", t.elapsed());
     // Across processes the id travels as bytes: these ranks take it the same way.
     let bytes = id.to_bytes();
     let handles: Vec<_> = (0..n)
@@ -49,8 +52,16 @@ fn on_ranks<T: Send + 'static>(
             let f = f.clone();
             std::thread::spawn(move || {
                 let id = NcclId::from_bytes(&bytes);
+                let t = std::time::Instant::now();
                 let mut r = NcclRank::new(rank, rank, n, id, watchdog).unwrap();
-                f(&mut r)
+                eprintln!("NCCL rank {rank} of {n} joined in {:.1?}", t.elapsed());
+                let t = std::time::Instant::now();
+                let out = f(&mut r);
+                eprintln!(
+                    "NCCL rank {rank} of {n} ran its calls in {:.1?}",
+                    t.elapsed()
+                );
+                out
             })
         })
         .collect();
