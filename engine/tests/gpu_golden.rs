@@ -494,6 +494,8 @@ fn kv_moves_into_and_out_of_the_gpu_pool_through_staging() {
         "{} blocks reserved",
         res.blocks.len()
     );
+    // The reservation's block j is the prompt's block j: the chunk must start at the first.
+    assert_eq!(chunks[0].first, 0);
     let dev = decode.backend().device_kv().unwrap();
     {
         use tandem_kv_transfer::BlockSink;
@@ -637,6 +639,10 @@ fn tensor_parallel_ranks_on_gpus_match_one_gpu() {
             );
         }
         Err(e) if !tandem_collective::nccl::available() => {
+            assert!(
+                std::env::var_os("TANDEM_REQUIRE_GPU").is_none(),
+                "{test}: TANDEM_REQUIRE_GPU is set but NCCL is missing: {e}"
+            );
             report(test, &format!("no NCCL here: {e}"));
             return;
         }
