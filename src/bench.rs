@@ -96,6 +96,17 @@ fn bench_gpu(a: BenchGpuArgs) -> Result<()> {
             100.0 * d.of_roofline,
             d.tok_s
         );
+        let ops: Vec<String> = d
+            .ops_ms
+            .iter()
+            .map(|(n, ms)| format!("{n} {ms:.2}"))
+            .collect();
+        println!(
+            "    one step's device ms ({:.2} profiled): {}, waiting for the host {:.2}",
+            d.profiled_ms,
+            ops.join(", "),
+            d.gaps_ms
+        );
     }
     println!(
         "  prefill {} tok   {:>10.0} tok/s  MFU {:.1}% ({}), {:.1}% of the measured GEMM rate",

@@ -46,6 +46,14 @@ pub struct DecodePoint {
     pub of_roofline: f64,
     /// Tokens generated per second, all sequences together.
     pub tok_s: f64,
+    /// Where one step's device time goes (an event around each op; the events cost a little):
+    /// milliseconds by op, summed over the layers, in the order the ops first ran.
+    pub ops_ms: Vec<(String, f64)>,
+    /// Milliseconds of that step the device waited for the host between ops (launches, host
+    /// work).
+    pub gaps_ms: f64,
+    /// The profiled step's device milliseconds, from before its first op to its last's end.
+    pub profiled_ms: f64,
 }
 
 /// One product shape through the pipelined kernels and through the fallback ones.
@@ -216,6 +224,11 @@ pub fn run(ordinal: usize, batches: &[usize]) -> Result<GpuReport, EngineError> 
         let secs = time(2, 10, || g.forward_greedy(&batch).map(|_| ()))?;
         let bytes = g.weight_bytes() as f64 + (bsz * (context + 1) * g.kv_bytes_per_token()) as f64;
         let roofline_ms = bytes / (copy_gb_s * 1e9) * 1e3;
+        // Untimed figures first: a profile that fails (its events) costs only its own line.
+        let prof = g.profile_greedy(&batch).unwrap_or_else(|e| {
+            eprintln!("decode batch {bsz}: no profile of a step: {e}");
+            Default::default()
+        });
         decode.push(DecodePoint {
             batch: bsz,
             context,
@@ -223,6 +236,13 @@ pub fn run(ordinal: usize, batches: &[usize]) -> Result<GpuReport, EngineError> 
             roofline_ms,
             of_roofline: roofline_ms / (secs * 1e3),
             tok_s: bsz as f64 / secs,
+            ops_ms: prof
+                .ops
+                .iter()
+                .map(|&(n, ms)| (n.to_string(), ms))
+                .collect(),
+            gaps_ms: prof.gaps_ms,
+            profiled_ms: prof.span_ms,
         });
     }
 

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use tandem_kernels::cuda::runtime::{
-    AttnBatch, CopyEvent, CopyStream, CudaOps, CudaSlice, PinnedHost,
+    AttnBatch, CopyEvent, CopyStream, CudaOps, CudaSlice, OpTimer, OpTimes, PinnedHost,
 };
 use tandem_kernels::ops::RopeTable;
 use tandem_kernels::KvLayout;
@@ -242,7 +242,7 @@ impl CudaModel {
     /// Runs one packed step; returns f32 logits (vocab each) for the sequences with
     /// `logits` rows, in order, as [`crate::CpuModel::forward`] does.
     pub fn forward(&mut self, seqs: &[SeqBatch<'_>]) -> Result<Vec<f32>, EngineError> {
-        match self.forward_device(seqs, None)? {
+        match self.forward_device(seqs, None, None)?.0 {
             Some((logits, _)) => Ok(self.ops.download(&logits)?),
             None => Ok(Vec::new()),
         }
@@ -254,10 +254,26 @@ impl CudaModel {
         &mut self,
         seqs: &[SeqBatch<'_>],
     ) -> Result<Vec<(u32, f32)>, EngineError> {
-        let Some((logits, n)) = self.forward_device(seqs, None)? else {
+        let Some((logits, n)) = self.forward_device(seqs, None, None)?.0 else {
             return Ok(Vec::new());
         };
         self.argmax(&logits, n)
+    }
+
+    /// [`Self::forward_greedy`] with an event before and after each op: where the step's device
+    /// time goes, by op, and how long the device waited for the host between ops (benchmarks).
+    pub fn profile_greedy(&mut self, seqs: &[SeqBatch<'_>]) -> Result<OpTimes, EngineError> {
+        let timer = self.ops.op_timer()?;
+        let (out, timer) = self.forward_device(seqs, None, Some(timer))?;
+        let mut timer =
+            timer.ok_or_else(|| EngineError::Internal("a step lost its timer".into()))?;
+        if let Some((logits, n)) = out {
+            timer.begin(&self.ops.stream, "pick")?;
+            let picks = self.argmax(&logits, n);
+            timer.end(&self.ops.stream)?;
+            picks?;
+        }
+        Ok(timer.finish()?)
     }
 
     /// Each of `n` rows of logits' argmax and its log-probability, picked on the device.
@@ -284,7 +300,7 @@ impl CudaModel {
         comm: &mut NcclRank,
     ) -> Result<StepOut, EngineError> {
         let rank = self.shard.rank;
-        let out = self.forward_device(seqs, Some(comm))?;
+        let (out, _) = self.forward_device(seqs, Some(comm), None)?;
         Ok(match (out, rank, picks) {
             (Some((logits, n)), 0, true) => StepOut::Picks(self.argmax(&logits, n)?),
             (Some((logits, _)), 0, false) => StepOut::Logits(self.ops.download(&logits)?),
@@ -294,12 +310,15 @@ impl CudaModel {
 
     /// The step's logits left on the device, with their row count; None when no sequence wants
     /// them (after the step has finished). A tensor-parallel rank exchanges through `comm` and
-    /// waits for its collectives under the group's watchdog before returning.
+    /// waits for its collectives under the group's watchdog before returning. `timer`, given
+    /// back, marks each op.
+    #[allow(clippy::type_complexity)]
     fn forward_device(
         &mut self,
         seqs: &[SeqBatch<'_>],
         comm: Option<&mut NcclRank>,
-    ) -> Result<Option<(CudaSlice<f32>, usize)>, EngineError> {
+        timer: Option<OpTimer>,
+    ) -> Result<(Option<(CudaSlice<f32>, usize)>, Option<OpTimer>), EngineError> {
         let c = &self.config;
         let step = PackedStep::new(
             seqs,
@@ -310,7 +329,7 @@ impl CudaModel {
         )?;
         let t = step.tokens.len();
         if t == 0 {
-            return Ok(None);
+            return Ok((None, timer));
         }
         let n = step.logit_rows.len();
         let mut ops = CudaStep::new(
@@ -323,6 +342,7 @@ impl CudaModel {
             &step,
             comm,
         )?;
+        ops.timer = timer;
         let layers = self.weights.layers.len();
         let logits = forward::forward(
             &mut ops,
@@ -339,7 +359,7 @@ impl CudaModel {
             // A peer that never comes fails the step here, not in the copy of the logits.
             comm.wait_queued()?;
         }
-        Ok(logits.map(|l| (l, n)))
+        Ok((logits.map(|l| (l, n)), ops.timer.take()))
     }
 }
 
@@ -368,6 +388,8 @@ struct CudaStep<'a> {
     /// The step's token ids as indices into the rank's slice of the embedding (-1: another
     /// rank's token); None for the whole model, which looks up `ids`.
     local_ids: Option<CudaSlice<i32>>,
+    /// Events around each op, where a benchmark asks where the time goes.
+    timer: Option<OpTimer>,
 }
 
 impl<'a> CudaStep<'a> {
@@ -420,7 +442,24 @@ impl<'a> CudaStep<'a> {
             comm,
             vocab: (shard.vocab.clone(), c.vocab_size),
             local_ids,
+            timer: None,
         })
+    }
+
+    /// Runs `f`, an op called `what`, between two of the timer's events where there is one.
+    fn timed<T>(
+        &mut self,
+        what: &'static str,
+        f: impl FnOnce(&mut Self) -> Result<T, EngineError>,
+    ) -> Result<T, EngineError> {
+        if let Some(t) = self.timer.as_mut() {
+            t.begin(&self.o.stream, what)?;
+        }
+        let out = f(self)?;
+        if let Some(t) = self.timer.as_mut() {
+            t.end(&self.o.stream)?;
+        }
+        Ok(out)
     }
 }
 
@@ -441,8 +480,10 @@ impl StepOps for CudaStep<'_> {
     fn embed(&mut self, table: &Bf16, out: &mut Bf16) -> Result<(), EngineError> {
         // A rank's slice: its tokens' rows, zeros for the others (the all-reduce that follows
         // adds the one rank's row that holds each token).
-        let ids = self.local_ids.as_ref().unwrap_or(&self.ids);
-        Ok(self.o.embedding(ids, table, out, self.hidden)?)
+        self.timed("embedding", |s| {
+            let ids = s.local_ids.as_ref().unwrap_or(&s.ids);
+            Ok(s.o.embedding(ids, table, out, s.hidden)?)
+        })
     }
 
     fn rms_norm(
@@ -452,7 +493,7 @@ impl StepOps for CudaStep<'_> {
         out: &mut Bf16,
         rows: usize,
     ) -> Result<(), EngineError> {
-        Ok(self.o.rms_norm(x, w, out, rows, self.eps)?)
+        self.timed("norms", |s| Ok(s.o.rms_norm(x, w, out, rows, s.eps)?))
     }
 
     fn add_rms_norm(
@@ -463,7 +504,9 @@ impl StepOps for CudaStep<'_> {
         out: &mut Bf16,
         rows: usize,
     ) -> Result<(), EngineError> {
-        Ok(self.o.add_rms_norm(x, delta, w, out, rows, self.eps)?)
+        self.timed("norms", |s| {
+            Ok(s.o.add_rms_norm(x, delta, w, out, rows, s.eps)?)
+        })
     }
 
     fn matmul(
@@ -473,7 +516,7 @@ impl StepOps for CudaStep<'_> {
         mnk: (usize, usize, usize),
         out: &mut Bf16,
     ) -> Result<(), EngineError> {
-        Ok(self.o.gemm(x, w, out, mnk)?)
+        self.timed("products", |s| Ok(s.o.gemm(x, w, out, mnk)?))
     }
 
     fn attention(
@@ -484,34 +527,31 @@ impl StepOps for CudaStep<'_> {
     ) -> Result<(), EngineError> {
         let (nq, nkv, hd) = self.heads;
         let t = self.slots.len();
-        let o = self.o;
-        o.qkv_rope(
-            qkv,
-            &self.positions,
-            self.rope.0,
-            self.rope.1,
-            t,
-            self.heads,
-        )?;
-        o.write_kv(
-            qkv,
-            &self.slots,
-            &mut self.k_cache[layer],
-            &mut self.v_cache[layer],
-            self.heads,
-            self.block_size,
-        )?;
-        o.attention(
-            &mut self.batch,
-            qkv,
-            (nq + 2 * nkv) * hd,
-            &self.k_cache[layer],
-            &self.v_cache[layer],
-            out,
-            self.heads,
-            self.block_size,
-        )?;
-        Ok(())
+        self.timed("rotary", |s| {
+            Ok(s.o.qkv_rope(qkv, &s.positions, s.rope.0, s.rope.1, t, s.heads)?)
+        })?;
+        self.timed("kv writes", |s| {
+            Ok(s.o.write_kv(
+                qkv,
+                &s.slots,
+                &mut s.k_cache[layer],
+                &mut s.v_cache[layer],
+                s.heads,
+                s.block_size,
+            )?)
+        })?;
+        self.timed("attention", |s| {
+            Ok(s.o.attention(
+                &mut s.batch,
+                qkv,
+                (nq + 2 * nkv) * hd,
+                &s.k_cache[layer],
+                &s.v_cache[layer],
+                out,
+                s.heads,
+                s.block_size,
+            )?)
+        })
     }
 
     fn silu_mul(
@@ -521,7 +561,7 @@ impl StepOps for CudaStep<'_> {
         rows: usize,
         ff: usize,
     ) -> Result<(), EngineError> {
-        Ok(self.o.silu_mul(gate_up, out, rows, ff)?)
+        self.timed("silu·mul", |s| Ok(s.o.silu_mul(gate_up, out, rows, ff)?))
     }
 
     fn final_norm(
@@ -532,12 +572,14 @@ impl StepOps for CudaStep<'_> {
         scratch: &mut Bf16,
         out: &mut Bf16,
     ) -> Result<(), EngineError> {
-        let rows = self.logit_rows.as_ref().ok_or_else(|| {
-            EngineError::Internal("the final norm of a step with no logit rows".into())
-        })?;
         let t = self.slots.len();
-        self.o.add_rms_norm(x, delta, w, scratch, t, self.eps)?;
-        Ok(self.o.gather_rows(rows, scratch, out, self.hidden)?)
+        self.timed("norms", |s| {
+            let rows = s.logit_rows.as_ref().ok_or_else(|| {
+                EngineError::Internal("the final norm of a step with no logit rows".into())
+            })?;
+            s.o.add_rms_norm(x, delta, w, scratch, t, s.eps)?;
+            Ok(s.o.gather_rows(rows, scratch, out, s.hidden)?)
+        })
     }
 
     fn head(
@@ -547,7 +589,7 @@ impl StepOps for CudaStep<'_> {
         mnk: (usize, usize, usize),
         out: &mut CudaSlice<f32>,
     ) -> Result<(), EngineError> {
-        Ok(self.o.gemm(x, w, out, mnk)?)
+        self.timed("lm head", |s| Ok(s.o.gemm(x, w, out, mnk)?))
     }
 
     fn all_reduce(&mut self, x: &mut Bf16) -> Result<(), EngineError> {

@@ -17,9 +17,11 @@ use super::{open, program_text, AttnParams, CudaError, Gpu, SOURCES};
 
 mod attention;
 mod copies;
+mod timer;
 
 pub use attention::{AttnBatch, PREFILL_TILE_ROWS};
 pub use copies::{CopyEvent, CopyStream, PinnedHost};
+pub use timer::{tally, OpTimer, OpTimes};
 
 // SAFETY: plain old data, laid out as the device's struct (checked by the layout probe test).
 unsafe impl DeviceRepr for AttnParams {}
