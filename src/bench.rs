@@ -96,17 +96,20 @@ fn bench_gpu(a: BenchGpuArgs) -> Result<()> {
             100.0 * d.of_roofline,
             d.tok_s
         );
-        let ops: Vec<String> = d
-            .ops_ms
-            .iter()
-            .map(|(n, ms)| format!("{n} {ms:.2}"))
-            .collect();
-        println!(
-            "    one step's device ms ({:.2} profiled): {}, waiting for the host {:.2}",
-            d.profiled_ms,
-            ops.join(", "),
-            d.gaps_ms
-        );
+        if !d.ops_ms.is_empty() {
+            let ops: Vec<String> = d
+                .ops_ms
+                .iter()
+                .map(|(n, ms)| format!("{n} {ms:.2}"))
+                .collect();
+            println!(
+                "    a step on the device {:.2} ms: {}, between ops {:.2}; paced by the host {:.2} ms",
+                d.device_ms,
+                ops.join(", "),
+                d.device_gaps_ms,
+                d.paced_ms
+            );
+        }
     }
     println!(
         "  prefill {} tok   {:>10.0} tok/s  MFU {:.1}% ({}), {:.1}% of the measured GEMM rate",

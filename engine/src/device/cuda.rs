@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use tandem_kernels::cuda::runtime::{
-    AttnBatch, CopyEvent, CopyStream, CudaOps, CudaSlice, OpTimer, OpTimes, PinnedHost,
+    AttnBatch, CopyEvent, CopyStream, CudaOps, CudaSlice, OpTimer, PinnedHost, StepProfile,
 };
 use tandem_kernels::ops::RopeTable;
 use tandem_kernels::KvLayout;
@@ -260,15 +260,25 @@ impl CudaModel {
         self.argmax(&logits, n)
     }
 
-    /// [`Self::forward_greedy`] with an event before and after each op: where the step's device
-    /// time goes, by op, and how long the device waited for the host between ops (benchmarks).
-    pub fn profile_greedy(&mut self, seqs: &[SeqBatch<'_>]) -> Result<OpTimes, EngineError> {
-        let timer = self.ops.op_timer()?;
+    /// [`Self::forward_greedy`] with an event before and after each op (benchmarks): the step's
+    /// device time by op (see [`OpTimer`] for what a span holds). `lead`, where given, queues
+    /// work on the stream first, so that the device is still busy with it while the host queues
+    /// the whole step: the spans are then the ops' own device time.
+    pub fn profile_greedy(
+        &mut self,
+        seqs: &[SeqBatch<'_>],
+        lead: Option<&mut dyn FnMut(&CudaOps) -> Result<(), EngineError>>,
+    ) -> Result<StepProfile, EngineError> {
+        if let Some(lead) = lead {
+            lead(&self.ops)?;
+        }
+        // About ten ops a layer, and the step's own.
+        let timer = self.ops.op_timer(10 * self.weights.layers.len() + 8)?;
         let (out, timer) = self.forward_device(seqs, None, Some(timer))?;
         let mut timer =
             timer.ok_or_else(|| EngineError::Internal("a step lost its timer".into()))?;
         if let Some((logits, n)) = out {
-            timer.begin(&self.ops.stream, "pick")?;
+            timer.begin(&self.ops.stream, "pick and download")?;
             let picks = self.argmax(&logits, n);
             timer.end(&self.ops.stream)?;
             picks?;
@@ -332,6 +342,11 @@ impl CudaModel {
             return Ok((None, timer));
         }
         let n = step.logit_rows.len();
+        // The step's inputs (ids, positions, slots, the attention batch) go up first.
+        let mut timer = timer;
+        if let Some(t) = timer.as_mut() {
+            t.begin(&self.ops.stream, "inputs")?;
+        }
         let mut ops = CudaStep::new(
             &self.ops,
             c,
@@ -342,6 +357,9 @@ impl CudaModel {
             &step,
             comm,
         )?;
+        if let Some(t) = timer.as_mut() {
+            t.end(&self.ops.stream)?;
+        }
         ops.timer = timer;
         let layers = self.weights.layers.len();
         let logits = forward::forward(

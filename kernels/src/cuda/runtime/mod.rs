@@ -21,7 +21,7 @@ mod timer;
 
 pub use attention::{AttnBatch, PREFILL_TILE_ROWS};
 pub use copies::{CopyEvent, CopyStream, PinnedHost};
-pub use timer::{tally, OpTimer, OpTimes};
+pub use timer::{tally, OpTimer, StepProfile};
 
 // SAFETY: plain old data, laid out as the device's struct (checked by the layout probe test).
 unsafe impl DeviceRepr for AttnParams {}
