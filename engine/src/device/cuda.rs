@@ -58,6 +58,9 @@ fn bf16_bits(v: &[f32]) -> Vec<u16> {
         .collect()
 }
 
+/// Work a profiled step queues on the stream ahead of itself ([`CudaModel::profile_greedy`]).
+pub type LeadWork<'a> = &'a mut dyn FnMut(&CudaOps) -> Result<(), EngineError>;
+
 impl CudaModel {
     /// Uploads a model's tensors (decoded to f32, rounded to bf16) to device `ordinal` and makes a
     /// KV pool of `num_blocks` blocks of `block_size` tokens.
@@ -267,7 +270,7 @@ impl CudaModel {
     pub fn profile_greedy(
         &mut self,
         seqs: &[SeqBatch<'_>],
-        lead: Option<&mut dyn FnMut(&CudaOps) -> Result<(), EngineError>>,
+        lead: Option<LeadWork<'_>>,
     ) -> Result<StepProfile, EngineError> {
         if let Some(lead) = lead {
             lead(&self.ops)?;
