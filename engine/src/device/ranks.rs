@@ -7,6 +7,12 @@
 //! A step that fails on any rank fails as a whole. The ranks are then idle, so the group is
 //! rebuilt before the next step: a poisoned group (a rank that timed out, or gave up) does not
 //! outlive the step it failed. A rank that panics fails its step like an error and lives on.
+//!
+//! A group's setup can wait for every rank without a bound of its own (NCCL's does), so a rank
+//! that cannot join would leave its peers waiting for it for good. The group stops waiting as
+//! soon as a rank says it could not join: the join fails with that rank's reason, and the ranks
+//! still in the setup take no job, and fail every step at once saying so, until they come out of
+//! it.
 
 use std::sync::mpsc;
 use std::sync::Arc;
@@ -110,6 +116,9 @@ struct Rank<J> {
     jobs: mpsc::Sender<Job<J>>,
     done: mpsc::Receiver<Result<StepOut, EngineError>>,
     thread: Option<JoinHandle<()>>,
+    /// Left in a group's setup that another rank could not join: its answer to that join is
+    /// still to come, and it takes no job before.
+    owes: bool,
 }
 
 /// Makes a new group: what each rank, in order, joins it with.
@@ -209,24 +218,83 @@ impl<W: RankWork> RankGroup<W> {
         self.all(jobs).map(|_| ())
     }
 
+    /// The first rank still in the setup of a group another rank could not join; each rank
+    /// that has since come out of it is taken back (its late answer dropped).
+    fn stuck(&mut self) -> Option<usize> {
+        let mut first = None;
+        for (i, r) in self.ranks.iter_mut().enumerate().filter(|(_, r)| r.owes) {
+            match r.done.try_recv() {
+                Err(mpsc::TryRecvError::Empty) => {
+                    first.get_or_insert(i);
+                }
+                // Its answer to that join, or a thread that has ended (its next job says so).
+                Ok(_) | Err(mpsc::TryRecvError::Disconnected) => r.owes = false,
+            }
+        }
+        first
+    }
+
     /// Sends each rank its job and waits for every answer: rank 0's result, or the first
     /// real error. Every rank that took its job is waited for, even when another could not
-    /// take its own: none may still be running when this returns.
+    /// take its own: none may still be running when this returns. Except in a join: there a
+    /// rank that could not join ends the wait, and the ranks still in the group's setup are
+    /// left there, owing their answers (see [`Self::stuck`]).
     fn send_all(&mut self, jobs: Vec<Job<W::Join>>) -> Result<StepOut, EngineError> {
+        if let Some(i) = self.stuck() {
+            return Err(EngineError::Step(format!(
+                "tensor-parallel rank {i} is still in the setup of a group that another rank \
+                 could not join"
+            )));
+        }
+        let joining = matches!(jobs.first(), Some(Job::Join(_)));
         let gone = |i| EngineError::Step(format!("tensor-parallel rank {i} has stopped"));
-        let sent: Vec<bool> = self
+        let mut answers: Vec<Option<Result<StepOut, EngineError>>> = self
             .ranks
             .iter()
             .zip(jobs)
-            .map(|(r, job)| r.jobs.send(job).is_ok())
+            .enumerate()
+            .map(|(i, (r, job))| r.jobs.send(job).is_err().then(|| Err(gone(i))))
             .collect();
-        let mut results: Vec<Result<StepOut, EngineError>> = Vec::with_capacity(sent.len());
-        for (i, (r, &sent)) in self.ranks.iter().zip(&sent).enumerate() {
-            results.push(match sent {
-                true => r.done.recv().unwrap_or_else(|_| Err(gone(i))),
-                false => Err(gone(i)),
-            });
+        if !joining {
+            for (i, r) in self.ranks.iter().enumerate() {
+                if answers[i].is_none() {
+                    answers[i] = Some(r.done.recv().unwrap_or_else(|_| Err(gone(i))));
+                }
+            }
+        } else {
+            // Polled, so that the first rank that could not join ends the wait.
+            while answers.iter().any(Option::is_none)
+                && !answers.iter().any(|a| matches!(a, Some(Err(_))))
+            {
+                for (i, r) in self.ranks.iter().enumerate() {
+                    if answers[i].is_none() {
+                        let wait = std::time::Duration::from_millis(1);
+                        match r.done.recv_timeout(wait) {
+                            Ok(a) => answers[i] = Some(a),
+                            Err(mpsc::RecvTimeoutError::Timeout) => {}
+                            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                                answers[i] = Some(Err(gone(i)))
+                            }
+                        }
+                    }
+                }
+            }
+            let left: Vec<usize> = (0..answers.len())
+                .filter(|&i| answers[i].is_none())
+                .collect();
+            if !left.is_empty() {
+                tracing::error!(
+                    ranks = ?left,
+                    "tensor-parallel ranks left in the setup of a group another rank could not join"
+                );
+            }
+            for &i in &left {
+                self.ranks[i].owes = true;
+            }
         }
+        // The answers that came (a rank left in a setup gave none).
+        let mut results: Vec<Result<StepOut, EngineError>> =
+            answers.into_iter().flatten().collect();
         if results.iter().all(|r| r.is_ok()) {
             return results.swap_remove(0);
         }
@@ -376,6 +444,7 @@ impl<J: Send + 'static> Rank<J> {
             jobs,
             done,
             thread: Some(thread),
+            owes: false,
         })
     }
 }
@@ -392,11 +461,14 @@ fn caught<T>(rank: usize, f: impl FnOnce() -> Result<T, EngineError>) -> Result<
 
 impl<W: RankWork> Drop for RankGroup<W> {
     fn drop(&mut self) {
+        self.stuck();
         for r in &mut self.ranks {
             // Closing the channel ends the rank's loop.
             let (closed, _) = mpsc::channel();
             drop(std::mem::replace(&mut r.jobs, closed));
-            if let Some(t) = r.thread.take() {
+            // A rank still in a group's setup may never come out of it: it is left to end by
+            // itself (its loop ends once it does), not waited for.
+            if let Some(t) = r.thread.take().filter(|_| !r.owes) {
                 let _ = t.join();
             }
         }
@@ -410,21 +482,37 @@ mod tests {
     use super::*;
 
     /// A rank of a fake group: its step answers its rank's number, fails on token 999, and
-    /// it joins a group whose join says it may.
+    /// it joins a group as the group's join says.
     struct Fake {
         rank: usize,
     }
 
+    /// How a fake rank's join goes.
+    enum FakeJoin {
+        Ok,
+        Refuse(String),
+        /// Waits, as a collective setup does for a peer, until the sender is dropped; then
+        /// refuses.
+        Hang(mpsc::Receiver<()>),
+    }
+
     impl RankWork for Fake {
         type Comm = ();
-        type Join = Result<(), String>;
+        type Join = FakeJoin;
 
         fn rank(&self) -> usize {
             self.rank
         }
 
         fn join(&mut self, join: Self::Join) -> Result<(), EngineError> {
-            join.map_err(EngineError::Device)
+            match join {
+                FakeJoin::Ok => Ok(()),
+                FakeJoin::Refuse(why) => Err(EngineError::Device(why)),
+                FakeJoin::Hang(until) => {
+                    let _ = until.recv();
+                    Err(EngineError::Device("the setup was given up".into()))
+                }
+            }
         }
 
         fn step(
@@ -471,12 +559,12 @@ mod tests {
     #[test]
     fn a_group_that_cannot_be_made_fails_its_steps_with_the_reason_until_it_can() {
         let works = || (0..3).map(|rank| Fake { rank }).collect::<Vec<_>>();
-        let refuse = |r: usize| -> Regroup<Result<(), String>> {
+        let refuse = |r: usize| -> Regroup<FakeJoin> {
             Box::new(move || {
                 Ok((0..3)
                     .map(|i| match i == r {
-                        true => Err("no such device".into()),
-                        false => Ok(()),
+                        true => FakeJoin::Refuse("no such device".into()),
+                        false => FakeJoin::Ok,
                     })
                     .collect())
             })
@@ -497,8 +585,8 @@ mod tests {
             Box::new(move || {
                 Ok((0..3)
                     .map(|i| match i == 2 && b.load(Ordering::SeqCst) {
-                        true => Err("the fabric is down".into()),
-                        false => Ok(()),
+                        true => FakeJoin::Refuse("the fabric is down".into()),
+                        false => FakeJoin::Ok,
                     })
                     .collect())
             }),
@@ -523,6 +611,83 @@ mod tests {
         let e = step(&mut g, 5).unwrap_err();
         assert!(e.contains("rank 2 has no group"), "{e}");
         assert_eq!(step(&mut g, 5).unwrap(), vec![0.0; 2]);
+        g.copy(&[(BlockId(1), BlockId(2))]).unwrap();
+    }
+
+    /// Ranks left waiting in a group's setup for a peer that could not join (NCCL's setup
+    /// waits for every rank): the start fails at once with the peer's reason rather than
+    /// waiting for them, and dropping the group does not wait either. In a running group, a
+    /// rebuild that leaves ranks in the setup fails each later step at once, saying so, until
+    /// they come out of it; then the group is rebuilt and steps again.
+    #[test]
+    fn ranks_left_in_a_setup_that_a_peer_refused_hold_nothing_up() {
+        let works = || (0..3).map(|rank| Fake { rank }).collect::<Vec<_>>();
+        // The plan for the next joins: rank 1 refuses, the others hang until released.
+        let hang = Arc::new(std::sync::Mutex::new(Vec::<mpsc::Sender<()>>::new()));
+        let failing = Arc::new(AtomicBool::new(true));
+        let regroup = |hang: Arc<std::sync::Mutex<Vec<mpsc::Sender<()>>>>,
+                       failing: Arc<AtomicBool>|
+         -> Regroup<FakeJoin> {
+            Box::new(move || {
+                Ok((0..3)
+                    .map(|i| match (failing.load(Ordering::SeqCst), i) {
+                        (false, _) => FakeJoin::Ok,
+                        (true, 1) => FakeJoin::Refuse("out of device memory".into()),
+                        (true, _) => {
+                            let (tx, rx) = mpsc::channel();
+                            hang.lock().unwrap().push(tx);
+                            FakeJoin::Hang(rx)
+                        }
+                    })
+                    .collect())
+            })
+        };
+        let e = RankGroup::start(works(), regroup(hang.clone(), failing.clone()))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            e.contains("tensor-parallel rank 1 could not join its group: ")
+                && e.contains("out of device memory"),
+            "{e}"
+        );
+        // Ranks 0 and 2 still wait in that setup (the failed start's group was dropped without
+        // waiting for them); released, their threads end.
+        assert_eq!(hang.lock().unwrap().len(), 2);
+        hang.lock().unwrap().clear();
+
+        failing.store(false, Ordering::SeqCst);
+        let mut g = RankGroup::start(works(), regroup(hang.clone(), failing.clone())).unwrap();
+        assert_eq!(step(&mut g, 5).unwrap(), vec![0.0; 2]);
+        // A failed step's rebuild is refused by rank 1 and leaves 0 and 2 in its setup.
+        failing.store(true, Ordering::SeqCst);
+        assert_eq!(
+            step(&mut g, 999).unwrap_err(),
+            "the engine step failed: rank 0 refused 999"
+        );
+        assert_eq!(hang.lock().unwrap().len(), 2);
+        for _ in 0..3 {
+            let e = step(&mut g, 5).unwrap_err();
+            assert!(
+                e.contains("tensor-parallel rank 0 is still in the setup of a group"),
+                "{e}"
+            );
+        }
+        // Out of the setup (refused), the ranks answer the old join, are taken back, have no
+        // group for one more step (which rebuilds it) and then step again.
+        failing.store(false, Ordering::SeqCst);
+        hang.lock().unwrap().clear();
+        // (Each try while they are still coming out fails at once: a pause, and again.)
+        let got = loop {
+            match step(&mut g, 5) {
+                Ok(l) => break l,
+                Err(e) if e.contains("is still in the setup") => {
+                    std::thread::sleep(std::time::Duration::from_millis(1))
+                }
+                Err(e) => assert!(e.contains("has no group"), "{e}"),
+            }
+        };
+        assert_eq!(got, vec![0.0; 2]);
         g.copy(&[(BlockId(1), BlockId(2))]).unwrap();
     }
 }
