@@ -156,6 +156,11 @@ impl<W: RankWork> RankGroup<W> {
 
     /// Every rank joins a new group; the first rank's failure to, if any.
     fn join_all(&mut self) -> Result<(), EngineError> {
+        // No new group while ranks are still in an old one's setup (making one is not free:
+        // an NCCL id opens a socket for ranks that would never come).
+        if let Some(i) = self.stuck() {
+            return Err(still_in_setup(i));
+        }
         let joins = (self.regroup)()?;
         if joins.len() != self.ranks.len() {
             return Err(EngineError::Internal(format!(
@@ -228,7 +233,13 @@ impl<W: RankWork> RankGroup<W> {
                     first.get_or_insert(i);
                 }
                 // Its answer to that join, or a thread that has ended (its next job says so).
-                Ok(_) | Err(mpsc::TryRecvError::Disconnected) => r.owes = false,
+                Ok(answer) => {
+                    if let Err(e) = answer {
+                        tracing::warn!(rank = i, error = %e, "a tensor-parallel rank came out of a group's setup");
+                    }
+                    r.owes = false;
+                }
+                Err(mpsc::TryRecvError::Disconnected) => r.owes = false,
             }
         }
         first
@@ -241,10 +252,7 @@ impl<W: RankWork> RankGroup<W> {
     /// left there, owing their answers (see [`Self::stuck`]).
     fn send_all(&mut self, jobs: Vec<Job<W::Join>>) -> Result<StepOut, EngineError> {
         if let Some(i) = self.stuck() {
-            return Err(EngineError::Step(format!(
-                "tensor-parallel rank {i} is still in the setup of a group that another rank \
-                 could not join"
-            )));
+            return Err(still_in_setup(i));
         }
         let joining = matches!(jobs.first(), Some(Job::Join(_)));
         let gone = |i| EngineError::Step(format!("tensor-parallel rank {i} has stopped"));
@@ -447,6 +455,14 @@ impl<J: Send + 'static> Rank<J> {
             owes: false,
         })
     }
+}
+
+/// Why a group takes no job: rank `i` is still in a setup another rank could not join.
+fn still_in_setup(i: usize) -> EngineError {
+    EngineError::Step(format!(
+        "tensor-parallel rank {i} is still in the setup of a group that another rank could not \
+         join"
+    ))
 }
 
 /// `f`'s result, a panic in it an error naming the rank.
@@ -673,6 +689,8 @@ mod tests {
                 "{e}"
             );
         }
+        // No new group was made meanwhile (its setup would have waited too).
+        assert_eq!(hang.lock().unwrap().len(), 2);
         // Out of the setup (refused), the ranks answer the old join, are taken back, have no
         // group for one more step (which rebuilds it) and then step again.
         failing.store(false, Ordering::SeqCst);
