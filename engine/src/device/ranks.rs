@@ -103,6 +103,9 @@ enum Job<J> {
     Copy(Arc<Vec<(BlockId, BlockId)>>),
     /// Joins a new group (at the start, and after a failed step).
     Join(J),
+    /// Leaves the group just joined, which another rank could not join, so that the next step
+    /// fails at once rather than at a collective that rank never comes to.
+    Leave(String),
     /// Test hook: the rank takes no job until its group has been given up, as a stuck rank.
     #[cfg(test)]
     StallUntilPoisoned,
@@ -299,6 +302,19 @@ impl<W: RankWork> RankGroup<W> {
             for &i in &left {
                 self.ranks[i].owes = true;
             }
+            // The ranks that did join leave again: a group missing a rank would only fail at
+            // its first collective, after the watchdog.
+            if let Some(Some(Err(e))) = answers.iter().find(|a| matches!(a, Some(Err(_)))) {
+                for (i, r) in self.ranks.iter().enumerate() {
+                    if matches!(answers[i], Some(Ok(_))) {
+                        // The refusal names its rank ("rank N could not join its group").
+                        let why = e.to_string();
+                        if r.jobs.send(Job::Leave(why)).is_ok() {
+                            let _ = r.done.recv();
+                        }
+                    }
+                }
+            }
         }
         // The answers that came (a rank left in a setup gave none).
         let mut results: Vec<Result<StepOut, EngineError>> =
@@ -406,6 +422,16 @@ impl<J: Send + 'static> Rank<J> {
                         }
                         Job::Copy(pairs) => {
                             caught(rank, || work.copy(&pairs)).map(|()| StepOut::Logits(Vec::new()))
+                        }
+                        Job::Leave(why) => {
+                            let old = std::mem::replace(&mut comm, Err(why));
+                            if let Err(e) = caught(rank, || {
+                                drop(old);
+                                Ok(())
+                            }) {
+                                tracing::error!(error = %e, rank, "leaving a tensor-parallel group");
+                            }
+                            Ok(StepOut::Logits(Vec::new()))
                         }
                         Job::Join(j) => {
                             // The old group goes first (an NCCL communicator is aborted, which
@@ -617,15 +643,20 @@ mod tests {
             step(&mut g, 999).unwrap_err(),
             "the engine step failed: rank 0 refused 999"
         );
+        // Ranks 0 and 1 joined the rebuilt group but left it again, for rank 2 could not: the
+        // step fails at once on rank 0, saying why.
         let e = step(&mut g, 5).unwrap_err();
         assert!(
-            e.contains("tensor-parallel rank 2 has no group: ") && e.contains("the fabric is down"),
+            e.contains(
+                "tensor-parallel rank 0 has no group: tensor-parallel rank 2 could not join its \
+                 group: "
+            ) && e.contains("the fabric is down"),
             "{e}"
         );
         broken.store(false, Ordering::SeqCst);
         // The failed step rebuilt the group again, and this time it could.
         let e = step(&mut g, 5).unwrap_err();
-        assert!(e.contains("rank 2 has no group"), "{e}");
+        assert!(e.contains("rank 0 has no group"), "{e}");
         assert_eq!(step(&mut g, 5).unwrap(), vec![0.0; 2]);
         g.copy(&[(BlockId(1), BlockId(2))]).unwrap();
     }
