@@ -439,29 +439,14 @@ impl<J: Send + 'static> Rank<J> {
                             caught(rank, || work.copy(&pairs)).map(|()| StepOut::Logits(Vec::new()))
                         }
                         Job::Leave(why) => {
-                            let old = std::mem::replace(&mut comm, Err(why.clone()));
-                            if let Err(e) = caught(rank, || {
-                                if let Ok(mut c) = old {
-                                    W::abort(&mut c, why);
-                                }
-                                Ok(())
-                            }) {
-                                tracing::error!(error = %e, rank, "leaving a tensor-parallel group");
-                            }
+                            leave_group::<W>(rank, &mut comm, why, true);
                             Ok(StepOut::Logits(Vec::new()))
                         }
                         Job::Join(j) => {
-                            // The old group goes first (an NCCL communicator is aborted, which
-                            // may panic in its bindings: logged, and the join goes ahead, for
-                            // a group's setup waits for every rank).
-                            let old =
-                                std::mem::replace(&mut comm, Err("it is joining a new one".into()));
-                            if let Err(e) = caught(rank, || {
-                                drop(old);
-                                Ok(())
-                            }) {
-                                tracing::error!(error = %e, rank, "leaving a tensor-parallel group");
-                            }
+                            // The old group goes first (a failure to leave is logged, and the
+                            // join goes ahead, for a group's setup waits for every rank).
+                            let why = "it is joining a new one".to_string();
+                            leave_group::<W>(rank, &mut comm, why, false);
                             let joined = caught(rank, || work.join(j));
                             let out = match &joined {
                                 Ok(_) => Ok(StepOut::Logits(Vec::new())),
@@ -506,6 +491,25 @@ fn still_in_setup(i: usize) -> EngineError {
         "tensor-parallel rank {i} is still in the setup of a group that another rank could not \
          join"
     ))
+}
+
+/// Leaves a rank's group (given up first where `abort`), which it then has not for `why`.
+/// Dropping an NCCL communicator aborts it, which may panic in its bindings: that is logged.
+fn leave_group<W: RankWork>(
+    rank: usize,
+    comm: &mut Result<W::Comm, String>,
+    why: String,
+    abort: bool,
+) {
+    let old = std::mem::replace(comm, Err(why.clone()));
+    if let Err(e) = caught(rank, || {
+        if let (Ok(mut c), true) = (old, abort) {
+            W::abort(&mut c, why);
+        }
+        Ok(())
+    }) {
+        tracing::error!(error = %e, rank, "leaving a tensor-parallel group");
+    }
 }
 
 /// `f`'s result, a panic in it an error naming the rank.
