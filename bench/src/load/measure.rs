@@ -57,6 +57,23 @@ impl Record {
     }
 }
 
+/// Output tokens after the first over the seconds from first token to last, over the requests
+/// with two tokens or more (0 where there are none).
+fn decode_rate(ok: &[&Record]) -> f64 {
+    let (mut tokens, mut ms) = (0usize, 0.0f64);
+    for r in ok {
+        if let (Some(ttft), true) = (r.ttft_ms, r.output_tokens > 1) {
+            tokens += r.output_tokens - 1;
+            ms += r.e2e_ms - ttft;
+        }
+    }
+    if ms > 0.0 {
+        tokens as f64 / (ms / 1e3)
+    } else {
+        0.0
+    }
+}
+
 /// Latency targets a request must all meet to count towards goodput.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Slo {
@@ -271,6 +288,7 @@ impl Measured {
             output_tokens,
             output_chunks,
             output_tok_s: output_tokens as f64 / span,
+            decode_tok_s: decode_rate(&ok),
             total_tok_s: (input_tokens + output_tokens) as f64 / span,
             request_s: ok.len() as f64 / span,
             slo_met: met,
@@ -319,6 +337,11 @@ pub struct Summary {
     pub output_chunks: usize,
     /// Output tokens per second.
     pub output_tok_s: f64,
+    /// A stream's decode rate: the successful requests' output tokens after their first over
+    /// the time from first token to last, summed over requests (what speculative decoding
+    /// speeds up; the first token's wait is the prefill's, the same with or without it).
+    #[serde(default)]
+    pub decode_tok_s: f64,
     /// Prompt and output tokens per second.
     pub total_tok_s: f64,
     /// Successful requests per second.
@@ -416,6 +439,9 @@ mod tests {
         assert_eq!(s.output_chunks, 23 + 18 + 6 + 56);
         assert_eq!(s.errors_by_status.get("503"), Some(&1));
         assert_eq!(s.ttft.max, 150.0);
+        // Tokens after the first over first-to-last seconds, over the successful requests:
+        // (45 + 35 + 10 + 111) tokens in (450 + 350 + 550 + 1110) ms.
+        assert_eq!(s.decode_tok_s, 201.0 / 2.46);
         assert_eq!(m.summary(&Slo::default()).slo_met, None);
         assert!("ttft=0".parse::<Slo>().is_err());
         assert!("latency=5".parse::<Slo>().unwrap_err().contains("ttft"));

@@ -118,6 +118,9 @@ pub struct Ratio {
     pub against: usize,
     /// Output tokens per second, first over the other (above 1: the first is faster).
     pub output_tok_s: f64,
+    /// A stream's decode rate ([`measure::Summary::decode_tok_s`]), first over the other.
+    #[serde(default)]
+    pub decode_tok_s: f64,
     /// Median TTFT, first over second (below 1: the first is faster).
     pub ttft_p50: f64,
     /// 99th-percentile TTFT.
@@ -306,6 +309,7 @@ pub async fn execute(bench: &Bench, targets: &[Target], description: String) -> 
                         round,
                         against: b.target_index,
                         output_tok_s: over(s.output_tok_s, t.output_tok_s),
+                        decode_tok_s: over(s.decode_tok_s, t.decode_tok_s),
                         ttft_p50: over(s.ttft.p50, t.ttft.p50),
                         ttft_p99: over(s.ttft.p99, t.ttft.p99),
                         itl_p50: over(s.itl.p50, t.itl.p50),

@@ -19,12 +19,13 @@ pub fn text(r: &Report) -> String {
         let point = run.point.map_or(String::new(), |p| format!(" @ {p}"));
         let _ = writeln!(
             out,
-            "{}{point} round {}: {} req ({} failed)  {:.1} out tok/s  {:.2} req/s{}  ttft p50/p99 {:.1}/{:.1} ms  itl p50/p99 {:.1}/{:.1} ms  tpot p50 {:.1} ms  e2e p50/p99 {:.0}/{:.0} ms",
+            "{}{point} round {}: {} req ({} failed)  {:.1} out tok/s  {:.1} decode tok/s a stream  {:.2} req/s{}  ttft p50/p99 {:.1}/{:.1} ms  itl p50/p99 {:.1}/{:.1} ms  tpot p50 {:.1} ms  e2e p50/p99 {:.0}/{:.0} ms",
             run.target,
             run.round + 1,
             s.requests,
             s.errors,
             s.output_tok_s,
+            s.decode_tok_s,
             s.request_s,
             s.goodput_request_s.map_or(String::new(), |g| format!(" (goodput {g:.2})")),
             s.ttft.p50,
@@ -70,11 +71,12 @@ pub fn text(r: &Report) -> String {
     for q in &r.ratios {
         let _ = writeln!(
             out,
-            "{}{} round {}: output tok/s {:.3}x  ttft p50 {:.3}x p99 {:.3}x  itl p50 {:.3}x p99 {:.3}x{}",
+            "{}{} round {}: output tok/s {:.3}x  decode tok/s {:.3}x  ttft p50 {:.3}x p99 {:.3}x  itl p50 {:.3}x p99 {:.3}x{}",
             ratio_name(r, q),
             q.point.map_or(String::new(), |p| format!(" @ {p}")),
             q.round + 1,
             q.output_tok_s,
+            q.decode_tok_s,
             q.ttft_p50,
             q.ttft_p99,
             q.itl_p50,
@@ -103,7 +105,7 @@ fn dist_cells(d: &Dist) -> String {
 
 /// One CSV row per run.
 pub fn csv(r: &Report) -> String {
-    let mut out = String::from("target,point,round,requests,ok,errors,output_tokens,output_tok_s,total_tok_s,request_s,goodput_request_s,wall_s");
+    let mut out = String::from("target,point,round,requests,ok,errors,output_tokens,output_tok_s,decode_tok_s,total_tok_s,request_s,goodput_request_s,wall_s");
     for m in ["ttft", "itl", "tpot", "e2e"] {
         for q in ["mean", "p50", "p90", "p95", "p99", "max"] {
             let _ = write!(out, ",{m}_ms_{q}");
@@ -114,7 +116,7 @@ pub fn csv(r: &Report) -> String {
         let s: &Summary = &run.summary;
         let _ = writeln!(
             out,
-            "{},{},{},{},{},{},{},{:.3},{:.3},{:.4},{},{:.3},{},{},{},{}",
+            "{},{},{},{},{},{},{},{:.3},{:.3},{:.3},{:.4},{},{:.3},{},{},{},{}",
             run.target.replace(',', ";"),
             run.point.map_or(String::new(), |p| p.to_string()),
             run.round + 1,
@@ -123,6 +125,7 @@ pub fn csv(r: &Report) -> String {
             s.errors,
             s.output_tokens,
             s.output_tok_s,
+            s.decode_tok_s,
             s.total_tok_s,
             s.request_s,
             s.goodput_request_s
@@ -418,11 +421,12 @@ pub fn html(r: &Report) -> Result<String, String> {
     for q in &r.ratios {
         let _ = write!(
             html,
-            "<p>{}{} round {}: output tok/s {:.3}x, TTFT p50 {:.3}x, ITL p50 {:.3}x{}</p>",
+            "<p>{}{} round {}: output tok/s {:.3}x, decode tok/s {:.3}x, TTFT p50 {:.3}x, ITL p50 {:.3}x{}</p>",
             escape(&ratio_name(r, q)),
             q.point.map_or(String::new(), |p| format!(" @ {p}")),
             q.round + 1,
             q.output_tok_s,
+            q.decode_tok_s,
             q.ttft_p50,
             q.itl_p50,
             q.goodput

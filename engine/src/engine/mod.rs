@@ -123,8 +123,8 @@ struct Seq {
     draft: Vec<u32>,
     /// The next step's tokens when it verifies a proposal: its last token, then the proposal.
     window: Vec<u32>,
-    /// Estimated chance that a proposed token is accepted (speculation's policy).
-    accept: f32,
+    /// Estimated chances that its proposed tokens are accepted (speculation's policy).
+    accept: speculate::Acceptance,
     /// Proposed tokens verified for it, and of those the accepted.
     spec_tokens: (u32, u32),
     /// Its request's priority band: the queue and the running set are ordered by it (higher
@@ -676,7 +676,7 @@ impl Engine {
             awaits: Vec::new(),
             draft: Vec::new(),
             window: Vec::new(),
-            accept: speculate::PRIOR_ACCEPT,
+            accept: speculate::Acceptance::default(),
             spec_tokens: (0, 0),
             priority,
             adapter,

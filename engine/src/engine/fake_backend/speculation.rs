@@ -280,6 +280,37 @@ fn the_policy_verifies_proposals_only_where_they_pay() {
     }
 }
 
+/// The policy weighs each position by its own acceptance: a sequence whose first proposed token
+/// was accepted every other time, but whose later ones always were once reached (pooled
+/// estimate 0.67; first position 0.44, then 0.88, 0.91, 0.93), verifies all four of its
+/// tokens at 10 ms a step and 1 ms a row; by the pooled estimate alone the fourth would not
+/// pay (0.67⁴ = 0.20 of a token for a millisecond, where the step makes 2.43 tokens in 14 ms
+/// and the margin asks 1.25 times that rate).
+#[test]
+fn the_policy_weighs_each_position_by_its_own_acceptance() {
+    let history = super::super::speculate::Acceptance::after(4, &[4, 0, 4, 0, 4, 0, 4, 0]);
+    for (accept, verified) in [(history, 4u64), (history.pooled_only(), 3)] {
+        let (mut e, _) = speculating(1024, super::super::tests::config(), 4, Wrong::Never);
+        if let Some(s) = &mut e.spec {
+            s.config.adaptive = true;
+        }
+        e.add(RequestId(0), req(vec![1, 2, 3], 20)).unwrap();
+        e.step().unwrap();
+        e.decode_cost = StepCost::default();
+        for t in [1usize, 5, 20, 40, 80] {
+            e.decode_cost.record(t, 0, 0.010 + 0.001 * t as f64);
+        }
+        e.running[0].accept = accept;
+        e.step().unwrap();
+        let c = e.stats().spec;
+        assert_eq!(
+            (c.draft_tokens, c.withheld_tokens),
+            (verified, 4 - verified),
+            "{accept:?}: {c:?}"
+        );
+    }
+}
+
 /// A self-draft needs a backend that can stop after some layers, and fewer layers than the
 /// model has: anything else is refused when the engine is made, saying why.
 #[test]
