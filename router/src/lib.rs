@@ -464,7 +464,8 @@ pub async fn serve(
             tonic::transport::Server::builder()
                 // A panic in any call is that call's INTERNAL status (tandem_proto::guard).
                 .layer(tandem_proto::guard::CatchPanicLayer)
-                .tcp_nodelay(true)
+                // No `tcp_nodelay` here: the builder applies it only to a listener it binds;
+                // `front::accept` sets it on every connection it hands over.
                 .http2_max_header_list_size(
                     u32::try_from(door.limits.max_header_bytes).unwrap_or(u32::MAX),
                 )
