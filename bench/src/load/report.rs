@@ -402,16 +402,17 @@ pub fn html(r: &Report) -> Result<String, String> {
         escape(&r.description),
         escape(&r.client_cpu)
     );
-    html.push_str("<table><tr><th>run</th><th>requests</th><th>failed</th><th>out tok/s</th><th>req/s</th><th>goodput req/s</th><th>TTFT p50/p99 ms</th><th>ITL p50/p99 ms</th><th>TPOT p50 ms</th><th>E2E p50/p99 ms</th></tr>");
+    html.push_str("<table><tr><th>run</th><th>requests</th><th>failed</th><th>out tok/s</th><th>decode tok/s a stream</th><th>req/s</th><th>goodput req/s</th><th>TTFT p50/p99 ms</th><th>ITL p50/p99 ms</th><th>TPOT p50 ms</th><th>E2E p50/p99 ms</th></tr>");
     for run in &r.runs {
         let s = &run.summary;
         let _ = write!(
             html,
-            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{:.1}</td><td>{:.2}</td><td>{}</td><td>{:.1} / {:.1}</td><td>{:.1} / {:.1}</td><td>{:.1}</td><td>{:.0} / {:.0}</td></tr>",
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{:.1}</td><td>{:.1}</td><td>{:.2}</td><td>{}</td><td>{:.1} / {:.1}</td><td>{:.1} / {:.1}</td><td>{:.1}</td><td>{:.0} / {:.0}</td></tr>",
             escape(&run_name(run, many_rounds)),
             s.requests,
             s.errors,
             s.output_tok_s,
+            s.decode_tok_s,
             s.request_s,
             s.goodput_request_s.map_or("-".into(), |g| format!("{g:.2}")),
             s.ttft.p50, s.ttft.p99, s.itl.p50, s.itl.p99, s.tpot.p50, s.e2e.p50, s.e2e.p99

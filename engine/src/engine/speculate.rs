@@ -111,7 +111,7 @@ const RELAX: f32 = 0.05;
 /// the same at every position: the first token after a miss is a guess, the fourth of a run
 /// that held is likelier. n-gram proposals on the `edit` workload with four tokens always
 /// verified (2 cores of Zen 4): 73% of first tokens accepted, then 77%, 88% and 89% of those
-/// reached; one pooled rate (80%) makes the fourth look half as likely as it is.
+/// reached; one pooled rate (80%) overrates the first position and underrates the later ones.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Acceptance {
     pooled: f32,
@@ -167,6 +167,16 @@ impl Acceptance {
         }
     }
 
+    /// Positions `from..to` were offered but held back: their own estimates drift towards the
+    /// pooled one (a position lowered by a miss would otherwise stay there, never verified
+    /// again to show it recovered).
+    fn relax_from(&mut self, from: usize, to: usize) {
+        let pooled = self.pooled;
+        for a in self.at[from..to].iter_mut().filter(|a| **a >= 0.0) {
+            *a += RELAX * (pooled - *a);
+        }
+    }
+
     /// Held back a step: every estimate drifts towards the prior.
     fn relax(&mut self) {
         self.pooled += RELAX * (PRIOR_ACCEPT - self.pooled);
@@ -175,6 +185,7 @@ impl Acceptance {
         }
     }
 }
+
 /// How much more a proposed token must be expected to give than the step's tokens per second
 /// before it is verified: the cost model is a line through steps of other sizes and its
 /// acceptance estimates are estimates, so a token that only breaks even by them is not worth
@@ -331,8 +342,9 @@ impl Engine {
     /// are cheaper per token than a decode step's where the decode step is bound by reading
     /// the weights and the chunk by computing, so the two do not share a line), each token
     /// also costing `per_token` seconds to propose. The step's decoding sequences make a token
-    /// each in the time the measure gives them; a proposed token at position `j` of a sequence
-    /// whose tokens are accepted with probability `a` adds `a^j` tokens and its row's time.
+    /// each in the time the measure gives them; a proposed token adds the product of its
+    /// sequence's estimates for the positions up to and including its own ([`Acceptance`]) in
+    /// tokens, and its row's time.
     /// Taking the best first, a token is kept while it raises tokens per second by a margin
     /// (`MARGIN`). Where the step
     /// is compute-bound (many sequences, each row costing its full share) nothing pays and the
@@ -441,6 +453,8 @@ impl Engine {
                 self.stats.spec.withheld_tokens += (o - k) as u64;
                 if k == 0 {
                     s.accept.relax();
+                } else {
+                    s.accept.relax_from(k, o);
                 }
             }
         }
@@ -614,6 +628,11 @@ impl Engine {
     /// the proposer [`EngineConfig::speculative`](super::EngineConfig::speculative) would
     /// build; a proposer of one's own takes its place here).
     pub fn set_proposer(&mut self, config: SpecConfig, proposer: Box<dyn Proposer>) {
+        assert!(
+            (1..=MAX_SPECULATIVE_TOKENS).contains(&config.tokens),
+            "{} proposed tokens: 1 to {MAX_SPECULATIVE_TOKENS}",
+            config.tokens
+        );
         self.config.speculative = Some(config.clone());
         self.spec = Some(Speculation {
             config,
@@ -705,6 +724,26 @@ mod tests {
         (0..z.len())
             .map(|i| if kept[i] { z[i] / mass } else { 0.0 })
             .collect()
+    }
+
+    /// A position's estimate moves only with its own outcomes; one held back drifts towards the
+    /// pooled estimate, and one never verified is the pooled estimate.
+    #[test]
+    fn each_position_keeps_its_own_estimate() {
+        // Four proposals of four: all accepted, then a miss at the fourth token, twice.
+        let mut a = Acceptance::after(4, &[4, 3, 4, 3]);
+        let (first, fourth) = (a.at(0), a.at(3));
+        assert_eq!(
+            first,
+            0.5 + 0.25 * 0.5 + 0.25 * 0.375 + 0.25 * 0.28125 + 0.25 * 0.2109375
+        );
+        assert!(fourth < first, "{fourth} {first}");
+        assert_eq!(a.at(5), a.pooled, "never verified");
+        a.relax_from(3, 4);
+        assert_eq!(a.at(0), first);
+        assert_eq!(a.at(3), fourth + RELAX * (a.pooled - fourth));
+        a.relax();
+        assert_eq!(a.at(0), first + RELAX * (PRIOR_ACCEPT - first));
     }
 
     /// The rejection rule, measured: over a six-token vocabulary, 40 000 verifications of a
