@@ -58,6 +58,8 @@ pub(super) struct Speculation {
     pub(super) drafter: Option<Drafter>,
     /// Speculating steps against plain ones, measured (with the adaptive policy).
     ab: AbCheck,
+    /// What the sequences' proposals were accepted at, by position: where a sequence starts.
+    pub(super) recent: Acceptance,
     /// The arm the step being planned took, the sequences it decoded and the proposed tokens
     /// verified before it (recorded when the step ends).
     arm: Option<(usize, Arm, u64)>,
@@ -91,6 +93,7 @@ impl Speculation {
             config,
             ab: AbCheck::default(),
             arm: None,
+            recent: Acceptance::recent(),
         })
     }
 }
@@ -103,6 +106,9 @@ const PRIOR_ACCEPT: f32 = 0.5;
 const ACCEPT_WEIGHT: f32 = 0.25;
 /// How far an estimate drifts back to [`PRIOR_ACCEPT`] per step its proposal is held back.
 const RELAX: f32 = 0.05;
+/// Weight of each verified position in the worker's recent acceptance, the estimate a sequence
+/// starts from.
+const RECENT_WEIGHT: f32 = 0.02;
 
 /// A sequence's estimates of how likely its proposed tokens are to be accepted, for the
 /// policy: `pooled`, each verified token's outcome alike, and `at[j]`, the chance that the
@@ -112,10 +118,17 @@ const RELAX: f32 = 0.05;
 /// that held is likelier. n-gram proposals on the `edit` workload with four tokens always
 /// verified (2 cores of Zen 4): 73% of first tokens accepted, then 77%, 88% and 89% of those
 /// reached; one pooled rate (80%) overrates the first position and underrates the later ones.
+///
+/// A sequence starts from the worker's recent acceptance (`fresh` until then): what the
+/// sequences before it were accepted at each position, a slow average over all of them, so a
+/// worker serving edits verifies four tokens from a sequence's first step and one serving
+/// free text few (from the prior, 0.5 at every position, each request relearned its rates
+/// over its first steps).
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Acceptance {
     pooled: f32,
     at: [f32; MAX_SPECULATIVE_TOKENS],
+    fresh: bool,
 }
 
 impl Default for Acceptance {
@@ -123,13 +136,14 @@ impl Default for Acceptance {
         Self {
             pooled: PRIOR_ACCEPT,
             at: [-1.0; MAX_SPECULATIVE_TOKENS],
+            fresh: true,
         }
     }
 }
 
 impl Acceptance {
     /// The chance that the token at position `j` is accepted, those before it having been.
-    fn at(&self, j: usize) -> f32 {
+    pub(super) fn at(&self, j: usize) -> f32 {
         match self.at[j] {
             a if a >= 0.0 => a,
             _ => self.pooled,
@@ -138,10 +152,24 @@ impl Acceptance {
 
     /// The token at position `j` was verified, and `accepted` or not.
     fn observe(&mut self, j: usize, accepted: bool) {
+        self.observe_weighted(j, accepted, ACCEPT_WEIGHT);
+    }
+
+    /// [`Self::observe`] with the outcome weighing `w`.
+    fn observe_weighted(&mut self, j: usize, accepted: bool, w: f32) {
         let x = if accepted { 1.0 } else { 0.0 };
         let start = self.at(j);
-        self.at[j] = start + ACCEPT_WEIGHT * (x - start);
-        self.pooled += ACCEPT_WEIGHT * (x - self.pooled);
+        self.at[j] = start + w * (x - start);
+        self.pooled += w * (x - self.pooled);
+        self.fresh = false;
+    }
+
+    /// The worker's recent acceptance before anything was verified: the prior.
+    fn recent() -> Self {
+        Self {
+            fresh: false,
+            ..Self::default()
+        }
     }
 
     /// The estimates after proposals of `proposed` tokens each, of which the first `accepted[i]`
@@ -163,7 +191,7 @@ impl Acceptance {
     pub(super) fn pooled_only(&self) -> Self {
         Self {
             pooled: self.pooled,
-            ..Self::default()
+            ..Self::recent()
         }
     }
 
@@ -250,6 +278,12 @@ impl Engine {
             return Ok(());
         };
         let max_ctx = self.backend.config().max_position_embeddings;
+        // A sequence that decodes starts from the worker's recent acceptance.
+        for s in self.running.iter_mut() {
+            if s.accept.fresh && s.pending() == 1 {
+                s.accept = spec.recent;
+            }
+        }
         // With a model drafting (its forwards, its catch-up: a cost the policy's fits can
         // misjudge), the adaptive policy speculates only at batch sizes where speculating steps
         // are measured to make tokens faster than plain ones.
@@ -602,11 +636,18 @@ impl Engine {
         let s = &mut self.running[i];
         s.spec_tokens.0 += proposed as u32;
         s.spec_tokens.1 += accepted as u32;
+        let mut recent = self.spec.as_mut().map(|sp| &mut sp.recent);
         for j in 0..accepted {
             s.accept.observe(j, true);
+            if let Some(r) = recent.as_deref_mut() {
+                r.observe_weighted(j, true, RECENT_WEIGHT);
+            }
         }
         if rejected {
             s.accept.observe(accepted, false);
+            if let Some(r) = recent {
+                r.observe_weighted(accepted, false, RECENT_WEIGHT);
+            }
         }
     }
 
@@ -640,6 +681,7 @@ impl Engine {
             drafter: None,
             ab: AbCheck::default(),
             arm: None,
+            recent: Acceptance::recent(),
         });
     }
 
@@ -672,6 +714,7 @@ impl Engine {
             drafter: Some(drafter),
             ab: AbCheck::default(),
             arm: None,
+            recent: Acceptance::recent(),
         });
         Ok(())
     }

@@ -311,6 +311,38 @@ fn the_policy_weighs_each_position_by_its_own_acceptance() {
     }
 }
 
+/// A sequence starts from the worker's recent acceptance: on a worker whose earlier requests
+/// had every proposed token accepted, a new request's first proposal is verified whole (four
+/// tokens at 10 ms a step and 1 ms a row), where a fresh worker's prior (0.5 at every position)
+/// verifies two.
+#[test]
+fn a_sequence_starts_from_the_worker_s_recent_acceptance() {
+    let first_proposal = |warm_up: u64| {
+        let (mut e, _) = speculating(1024, super::super::tests::config(), 4, Wrong::Never);
+        if let Some(s) = &mut e.spec {
+            s.config.adaptive = true;
+        }
+        let earlier: Vec<Request> = (0..warm_up)
+            .map(|i| req(vec![9 + i as u32, 2, 3], 200))
+            .collect();
+        e.generate(earlier, |_| {}, |_| {}).unwrap();
+        let recent = e.spec.as_ref().map(|s| s.recent.at(3)).unwrap();
+        e.add(RequestId(99), req(vec![1, 2, 3], 20)).unwrap();
+        e.step().unwrap();
+        e.decode_cost = StepCost::default();
+        for t in [1usize, 5, 20, 40, 80] {
+            e.decode_cost.record(t, 0, 0.010 + 0.001 * t as f64);
+        }
+        let before = e.stats().spec.draft_tokens;
+        e.step().unwrap();
+        (e.stats().spec.draft_tokens - before, recent)
+    };
+    assert_eq!(first_proposal(0), (2, 0.5));
+    let (verified, recent) = first_proposal(6);
+    assert!(recent > 0.9, "{recent}");
+    assert_eq!(verified, 4);
+}
+
 /// A self-draft needs a backend that can stop after some layers, and fewer layers than the
 /// model has: anything else is refused when the engine is made, saying why.
 #[test]
