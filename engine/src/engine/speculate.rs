@@ -98,16 +98,16 @@ impl Speculation {
     }
 }
 
-/// A sequence's acceptance estimate before it verified anything, and where an estimate drifts
-/// back to while its proposals are held back (so a sequence whose text turns repetitive again
-/// is tried again).
+/// The worker's recent acceptance before anything was verified (where a sequence starts), and
+/// where an estimate drifts back to while its proposals are held back (so a sequence whose text
+/// turns repetitive again is tried again).
 const PRIOR_ACCEPT: f32 = 0.5;
 /// Weight of each verified position in a sequence's acceptance estimate.
 const ACCEPT_WEIGHT: f32 = 0.25;
 /// How far an estimate drifts back to [`PRIOR_ACCEPT`] per step its proposal is held back.
 const RELAX: f32 = 0.05;
 /// Weight of each verified position in the worker's recent acceptance, the estimate a sequence
-/// starts from.
+/// starts from: an exponential average over about the last 50 verified positions.
 const RECENT_WEIGHT: f32 = 0.02;
 
 /// A sequence's estimates of how likely its proposed tokens are to be accepted, for the
@@ -120,7 +120,8 @@ const RECENT_WEIGHT: f32 = 0.02;
 /// reached; one pooled rate (80%) overrates the first position and underrates the later ones.
 ///
 /// A sequence starts from the worker's recent acceptance (`fresh` until then): what the
-/// sequences before it were accepted at each position, a slow average over all of them, so a
+/// sequences before it were accepted at each position, an exponential average over about the
+/// last 50 positions verified (so sequences that verify many tokens weigh most), so a
 /// worker serving edits verifies four tokens from a sequence's first step and one serving
 /// free text few (from the prior, 0.5 at every position, each request relearned its rates
 /// over its first steps).
@@ -618,7 +619,7 @@ impl Engine {
 
     /// Counts a sequence's verified proposal: `proposed` tokens, of which the first `accepted`
     /// were drawn as proposed, and whether a draw then differed (`rejected`; false when the
-    /// sequence ended first). The sequence's estimate follows.
+    /// sequence ended first). The sequence's estimates and the worker's recent ones follow.
     pub(super) fn count_verified(
         &mut self,
         i: usize,
