@@ -151,13 +151,17 @@ impl Acceptance {
         }
     }
 
-    /// The token at position `j` was verified, and `accepted` or not.
-    fn observe(&mut self, j: usize, accepted: bool) {
-        self.observe_weighted(j, accepted, ACCEPT_WEIGHT);
+    /// A proposal was verified: its first `accepted` tokens were accepted and, where
+    /// `rejected`, the next was not; each outcome weighs `w`.
+    fn verified(&mut self, accepted: usize, rejected: bool, w: f32) {
+        (0..accepted).for_each(|j| self.observe(j, true, w));
+        if rejected {
+            self.observe(accepted, false, w);
+        }
     }
 
-    /// [`Self::observe`] with the outcome weighing `w`.
-    fn observe_weighted(&mut self, j: usize, accepted: bool, w: f32) {
+    /// The token at position `j` was verified, and `accepted` or not; the outcome weighs `w`.
+    fn observe(&mut self, j: usize, accepted: bool, w: f32) {
         let x = if accepted { 1.0 } else { 0.0 };
         let start = self.at(j);
         self.at[j] = start + w * (x - start);
@@ -179,10 +183,7 @@ impl Acceptance {
     pub(super) fn after(proposed: usize, accepted: &[usize]) -> Self {
         let mut a = Self::default();
         for &n in accepted {
-            (0..n).for_each(|j| a.observe(j, true));
-            if n < proposed {
-                a.observe(n, false);
-            }
+            a.verified(n, n < proposed, ACCEPT_WEIGHT);
         }
         a
     }
@@ -637,18 +638,9 @@ impl Engine {
         let s = &mut self.running[i];
         s.spec_tokens.0 += proposed as u32;
         s.spec_tokens.1 += accepted as u32;
-        let mut recent = self.spec.as_mut().map(|sp| &mut sp.recent);
-        for j in 0..accepted {
-            s.accept.observe(j, true);
-            if let Some(r) = recent.as_deref_mut() {
-                r.observe_weighted(j, true, RECENT_WEIGHT);
-            }
-        }
-        if rejected {
-            s.accept.observe(accepted, false);
-            if let Some(r) = recent {
-                r.observe_weighted(accepted, false, RECENT_WEIGHT);
-            }
+        s.accept.verified(accepted, rejected, ACCEPT_WEIGHT);
+        if let Some(sp) = self.spec.as_mut() {
+            sp.recent.verified(accepted, rejected, RECENT_WEIGHT);
         }
     }
 

@@ -243,6 +243,23 @@ fn seeded_samples_are_the_same_bits_with_and_without_speculation() {
     }
 }
 
+/// The decode steps measured at 10 ms and 1 ms a row.
+fn cost_10_ms_a_step_and_1_a_row(e: &mut Engine) {
+    e.decode_cost = StepCost::default();
+    for t in [1usize, 5, 20, 40, 80] {
+        e.decode_cost.record(t, 0, 0.010 + 0.001 * t as f64);
+    }
+}
+
+/// An engine proposing four tokens, always right, sized by the adaptive policy.
+fn adaptive() -> Engine {
+    let (mut e, _) = speculating(1024, super::super::tests::config(), 4, Wrong::Never);
+    if let Some(s) = &mut e.spec {
+        s.config.adaptive = true;
+    }
+    e
+}
+
 /// The policy against a cost of 10 ms a step and 1 ms a row: one sequence gains from its
 /// first two proposed tokens at the prior's acceptance (0.5, 0.25 tokens for a millisecond
 /// each against a step of 11 ms for one token), not from the third; forty sequences gain from
@@ -252,12 +269,6 @@ fn the_policy_verifies_proposals_only_where_they_pay() {
     let cfg = EngineConfig {
         max_seqs: 64,
         ..super::super::tests::config()
-    };
-    let measured = |e: &mut Engine| {
-        e.decode_cost = StepCost::default();
-        for t in [1usize, 5, 20, 40, 80] {
-            e.decode_cost.record(t, 0, 0.010 + 0.001 * t as f64);
-        }
     };
     for (seqs, verified, withheld) in [(1u64, 2u64, 2u64), (40, 0, 160)] {
         let (mut e, _) = speculating(1024, cfg.clone(), 4, Wrong::Never);
@@ -269,7 +280,7 @@ fn the_policy_verifies_proposals_only_where_they_pay() {
                 .unwrap();
         }
         e.step().unwrap();
-        measured(&mut e);
+        cost_10_ms_a_step_and_1_a_row(&mut e);
         e.step().unwrap();
         let c = e.stats().spec;
         assert_eq!(
@@ -290,16 +301,10 @@ fn the_policy_verifies_proposals_only_where_they_pay() {
 fn the_policy_weighs_each_position_by_its_own_acceptance() {
     let history = super::super::speculate::Acceptance::after(4, &[4, 0, 4, 0, 4, 0, 4, 0]);
     for (accept, verified) in [(history, 4u64), (history.pooled_only(), 3)] {
-        let (mut e, _) = speculating(1024, super::super::tests::config(), 4, Wrong::Never);
-        if let Some(s) = &mut e.spec {
-            s.config.adaptive = true;
-        }
+        let mut e = adaptive();
         e.add(RequestId(0), req(vec![1, 2, 3], 20)).unwrap();
         e.step().unwrap();
-        e.decode_cost = StepCost::default();
-        for t in [1usize, 5, 20, 40, 80] {
-            e.decode_cost.record(t, 0, 0.010 + 0.001 * t as f64);
-        }
+        cost_10_ms_a_step_and_1_a_row(&mut e);
         e.running[0].accept = accept;
         e.step().unwrap();
         let c = e.stats().spec;
@@ -318,10 +323,7 @@ fn the_policy_weighs_each_position_by_its_own_acceptance() {
 #[test]
 fn a_sequence_starts_from_the_worker_s_recent_acceptance() {
     let first_proposal = |warm_up: u64| {
-        let (mut e, _) = speculating(1024, super::super::tests::config(), 4, Wrong::Never);
-        if let Some(s) = &mut e.spec {
-            s.config.adaptive = true;
-        }
+        let mut e = adaptive();
         let earlier: Vec<Request> = (0..warm_up)
             .map(|i| req(vec![9 + i as u32, 2, 3], 200))
             .collect();
@@ -329,10 +331,7 @@ fn a_sequence_starts_from_the_worker_s_recent_acceptance() {
         let recent = e.spec.as_ref().map(|s| s.recent.at(3)).unwrap();
         e.add(RequestId(99), req(vec![1, 2, 3], 20)).unwrap();
         e.step().unwrap();
-        e.decode_cost = StepCost::default();
-        for t in [1usize, 5, 20, 40, 80] {
-            e.decode_cost.record(t, 0, 0.010 + 0.001 * t as f64);
-        }
+        cost_10_ms_a_step_and_1_a_row(&mut e);
         let before = e.stats().spec.draft_tokens;
         e.step().unwrap();
         (e.stats().spec.draft_tokens - before, recent)
