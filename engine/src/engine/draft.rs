@@ -275,6 +275,8 @@ impl super::Engine {
             plan.push((i, from, from + take, drafts));
         }
         let vocab = self.backend.config().vocab_size;
+        let max_ctx = self.backend.config().max_position_embeddings;
+        let mut catch_up = 0.0;
         let mut last: Vec<u32> = vec![0; self.running.len()];
         let most = keep.iter().copied().max().unwrap_or(0);
         for p in 0..most.max(usize::from(!plan.is_empty())) {
@@ -306,6 +308,10 @@ impl super::Engine {
             let n_rows: usize = rows.iter().map(|r| r.1.len()).sum();
             let logits = d.forward(&rows)?;
             drop(rows);
+            if p == 0 {
+                catch_up =
+                    Self::charge_catch_up(&mut self.running, &plan, t0.elapsed(), n_rows, max_ctx);
+            }
             Self::take_drafted(
                 &mut self.running,
                 (&logits, vocab),
@@ -316,7 +322,34 @@ impl super::Engine {
             self.draft_cost
                 .record(n_rows, keys, t0.elapsed().as_secs_f64());
         }
+        if let Some(spec) = self.spec.as_mut() {
+            spec.catch_up += catch_up;
+        }
         Ok(())
+    }
+
+    /// Shares the `elapsed` time of a first draft forward of `rows` rows among the sequences
+    /// of `plan` by the tokens each fed to catch up (all it fed but a drafting sequence's
+    /// last): each sequence's share is charged to the tokens it may still make
+    /// (`Seq::draft_overhead`). Returns the seconds spent catching up.
+    fn charge_catch_up(
+        running: &mut [super::Seq],
+        plan: &[(usize, usize, usize, bool)],
+        elapsed: std::time::Duration,
+        rows: usize,
+        max_ctx: usize,
+    ) -> f64 {
+        let mut spent = 0.0;
+        for &(i, from, to, drafts) in plan {
+            let fed = to - from - usize::from(drafts);
+            if fed > 0 {
+                let share = elapsed.as_secs_f64() * fed as f64 / rows.max(1) as f64;
+                let s = &mut running[i];
+                s.draft_overhead += share / s.left(max_ctx) as f64;
+                spent += share;
+            }
+        }
+        spent
     }
 }
 

@@ -127,6 +127,10 @@ struct Seq {
     accept: speculate::Acceptance,
     /// Proposed tokens verified for it, and of those the accepted.
     spec_tokens: (u32, u32),
+    /// Seconds of a draft model's catch-up charged to each token it makes in a step that
+    /// speculates: each catch-up's time shared over the tokens it may still make then (the
+    /// outcome check's measure, [`spec_ab`]).
+    draft_overhead: f64,
     /// Its request's priority band: the queue and the running set are ordered by it (higher
     /// first, then by arrival), so admission takes a higher band first and preemption, which
     /// takes the running set's last, a lower band first.
@@ -138,6 +142,16 @@ struct Seq {
 impl Seq {
     fn pending(&self) -> usize {
         self.tokens.len() - self.computed
+    }
+
+    /// Tokens it may still generate (at least one): what `max_tokens` and the model's context
+    /// `max_ctx` leave.
+    fn left(&self, max_ctx: usize) -> usize {
+        let len = self.tokens.len();
+        (self.sampler.params().max_tokens as usize)
+            .saturating_sub(len - self.prompt_len)
+            .min(max_ctx.saturating_sub(len))
+            .max(1)
     }
 
     /// Blocks still needed to hold the whole prompt and `lookahead` more tokens (or to finish,
@@ -195,6 +209,7 @@ impl Seq {
                     window: Vec::new(),
                     accept: self.accept,
                     spec_tokens: (0, 0),
+                    draft_overhead: 0.0,
                     priority: self.priority,
                     adapter: self.adapter.clone(),
                 };
@@ -678,6 +693,7 @@ impl Engine {
             window: Vec::new(),
             accept: speculate::Acceptance::default(),
             spec_tokens: (0, 0),
+            draft_overhead: 0.0,
             priority,
             adapter,
         }

@@ -7,9 +7,13 @@
 //! For each batch size (the sequences decoding in the step, exact up to 8, then by powers of
 //! two), the tokens per second of the steps that speculated and of those that decoded plainly,
 //! each a moving average over steps that computed no prompt tokens, timed from before the
-//! proposals (a draft model's forwards and catch-up count) to the end of the step. The faster
-//! arm runs; the other is probed so that its measure follows the traffic (the texts, their
-//! acceptance, the contexts' lengths): [`PROBE`] steps after the choice, then at intervals
+//! proposals (a draft model's forwards count) to the end of the step. A draft model's
+//! catch-up (its K/V for a prompt, or for tokens decoded while it did not draft) is paid once
+//! for the tokens a sequence makes after it: its time is taken out of the step and charged,
+//! shared over the tokens the sequence may still make, to the steps that speculate
+//! ([`super::Engine::record_arm`]). The faster arm runs; the other is probed so that its
+//! measure follows the traffic (the texts, their acceptance, the contexts' lengths):
+//! [`PROBE`] steps after the choice, then at intervals
 //! that double while probes confirm the choice, up to [`MAX_PROBE`] (a probe of a draft model
 //! pays for catching a sequence up, so probes must be rare where speculation loses), and back
 //! to [`PROBE`] when a probe measures better than the choice. A
@@ -136,6 +140,18 @@ impl AbCheck {
             return best.other();
         }
         best
+    }
+
+    /// The tokens per second measured for `arm` at `decoding` sequences decoding (a test's
+    /// view).
+    #[cfg(test)]
+    pub(super) fn rate(&self, decoding: usize, arm: Arm) -> f64 {
+        self.buckets
+            .get(bucket(decoding))
+            .map_or(0.0, |b| match arm {
+                Arm::Speculate => b.speculate.tokens_per_s,
+                Arm::Plain => b.plain.tokens_per_s,
+            })
     }
 
     /// Whether steps at `decoding` sequences decoding are expected to go on speculating: while

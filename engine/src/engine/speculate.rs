@@ -57,12 +57,15 @@ pub(super) struct Speculation {
     proposer: Option<Box<dyn Proposer>>,
     pub(super) drafter: Option<Drafter>,
     /// Speculating steps against plain ones, measured (with the adaptive policy).
-    ab: AbCheck,
+    pub(super) ab: AbCheck,
     /// What the sequences' proposals were accepted at, by position: where a sequence starts.
     pub(super) recent: Acceptance,
     /// The arm the step being planned took, the sequences it decoded and the proposed tokens
     /// verified before it (recorded when the step ends).
-    arm: Option<(usize, Arm, u64)>,
+    pub(super) arm: Option<(usize, Arm, u64)>,
+    /// Seconds the step's draft forwards spent catching sequences up (charged to the
+    /// sequences' later tokens instead, `Seq::draft_overhead`).
+    pub(super) catch_up: f64,
 }
 
 impl Speculation {
@@ -87,14 +90,24 @@ impl Speculation {
             )?),
             _ => None,
         };
-        Ok(Self {
-            proposer: config.proposer(),
-            drafter,
+        Ok(Self::with(config.proposer(), drafter, config))
+    }
+
+    /// Speculation by `proposer` or `drafter` as `config` says, nothing measured yet.
+    fn with(
+        proposer: Option<Box<dyn Proposer>>,
+        drafter: Option<Drafter>,
+        config: SpecConfig,
+    ) -> Self {
+        Self {
             config,
+            proposer,
+            drafter,
             ab: AbCheck::default(),
             arm: None,
+            catch_up: 0.0,
             recent: Acceptance::recent(),
-        })
+        }
     }
 }
 
@@ -254,8 +267,19 @@ pub(super) fn verify(
 
 impl Engine {
     /// Records what the step that ends made in `seconds` (from before its proposals) for the
-    /// arm it took, if it decoded only.
-    pub(super) fn record_arm(&mut self, prefill_tokens: usize, tokens: usize, seconds: f64) {
+    /// arm it took, if it decoded only: the time its draft model spent catching sequences up
+    /// taken out, and where it speculated, `charge` put in (the shares of catch-ups the tokens
+    /// it made bear, [`Self::draft_charge`]). So a catch-up weighs on the measure of
+    /// speculation as it weighs on the tokens it serves, not all on one step: a probe of
+    /// speculation where plain decoding was chosen would otherwise pay, in its one step, for
+    /// catching a sequence up over every token decoded plainly, and never measure faster.
+    pub(super) fn record_arm(
+        &mut self,
+        prefill_tokens: usize,
+        tokens: usize,
+        seconds: f64,
+        charge: f64,
+    ) {
         let verified = self.stats.spec.draft_tokens;
         if let Some(spec) = self.spec.as_mut() {
             if let Some((decoding, arm, before)) = spec.arm.take() {
@@ -263,11 +287,48 @@ impl Engine {
                     true => arm,
                     false => Arm::Plain,
                 };
+                let seconds = seconds - spec.catch_up
+                    + match arm {
+                        Arm::Speculate => charge,
+                        Arm::Plain => 0.0,
+                    };
                 if prefill_tokens == 0 {
                     spec.ab.record(decoding, arm, tokens, seconds);
                 }
             }
         }
+    }
+
+    /// The catch-up seconds the tokens of `events` bear (their sequences'
+    /// `Seq::draft_overhead` each) where the step speculates with a draft model; nothing
+    /// otherwise. Call it before the sequences that finished retire.
+    pub(super) fn draft_charge(&self, events: &[super::Event]) -> f64 {
+        if !matches!(
+            self.spec,
+            Some(Speculation {
+                arm: Some((_, Arm::Speculate, _)),
+                drafter: Some(_),
+                ..
+            })
+        ) {
+            return 0.0;
+        }
+        let owing: Vec<_> = self
+            .running
+            .iter()
+            .filter(|s| s.draft_overhead > 0.0)
+            .map(|s| ((s.id, s.index), s.draft_overhead))
+            .collect();
+        events
+            .iter()
+            .filter_map(|e| match e {
+                super::Event::Token(t) => owing
+                    .iter()
+                    .find(|(key, _)| *key == (t.request, t.index))
+                    .map(|&(_, seconds)| seconds),
+                _ => None,
+            })
+            .sum()
     }
 
     /// Proposes tokens for every running sequence that decodes (none for one that forks
@@ -290,6 +351,7 @@ impl Engine {
         // misjudge), the adaptive policy speculates only at batch sizes where speculating steps
         // are measured to make tokens faster than plain ones.
         spec.arm = None;
+        spec.catch_up = 0.0;
         if spec.config.adaptive && spec.proposer.is_none() {
             let decoding = self.running.iter().filter(|s| s.pending() == 1).count();
             if decoding > 0 {
@@ -438,10 +500,7 @@ impl Engine {
                 let len = s.tokens.len();
                 let seconds =
                     catch_up.map_or(per_token * lag as f64, |c| c.seconds(len - lag, lag));
-                let left = (s.sampler.params().max_tokens as usize)
-                    .saturating_sub(len - s.prompt_len)
-                    .min(max_ctx.saturating_sub(len))
-                    .max(1);
+                let left = s.left(max_ctx);
                 setup[i] = match catches_up || lag <= 1 || lone == Some(i) {
                     true => seconds * per_step / left as f64,
                     false => f64::INFINITY,
@@ -668,14 +727,7 @@ impl Engine {
             config.tokens
         );
         self.config.speculative = Some(config.clone());
-        self.spec = Some(Speculation {
-            config,
-            proposer: Some(proposer),
-            drafter: None,
-            ab: AbCheck::default(),
-            arm: None,
-            recent: Acceptance::recent(),
-        });
+        self.spec = Some(Speculation::with(Some(proposer), None, config));
     }
 
     /// Speculates from the next step on with `draft` as the draft model (a backend over a pool
@@ -701,14 +753,7 @@ impl Engine {
             self.config.block_size,
         )?;
         self.config.speculative = Some(config.clone());
-        self.spec = Some(Speculation {
-            config,
-            proposer: None,
-            drafter: Some(drafter),
-            ab: AbCheck::default(),
-            arm: None,
-            recent: Acceptance::recent(),
-        });
+        self.spec = Some(Speculation::with(None, Some(drafter), config));
         Ok(())
     }
 

@@ -45,6 +45,7 @@ impl Engine {
         };
         let rows = self.sample(&plan, &out);
         let advanced = self.advance(&plan, &out, rows, &mut stats, &mut events)?;
+        let charge = self.draft_charge(&events);
         self.retire(advanced, &mut events);
         stats.seconds = t0.elapsed().as_secs_f64();
         self.step_cost.record(
@@ -61,7 +62,12 @@ impl Engine {
             .iter()
             .filter(|e| matches!(e, Event::Token(_)))
             .count();
-        self.record_arm(stats.prefill_tokens, made, planned.elapsed().as_secs_f64());
+        self.record_arm(
+            stats.prefill_tokens,
+            made,
+            planned.elapsed().as_secs_f64(),
+            charge,
+        );
         Ok((events, stats))
     }
 

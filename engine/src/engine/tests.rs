@@ -936,26 +936,92 @@ fn a_self_draft_changes_no_token() {
 /// for every sequence (states evicted, sequences that cannot draft decoding plainly), greedy
 /// and seeded requests get the tokens and log-probabilities of runs without, bit for bit;
 /// every block of both pools is back when they end.
-#[test]
-fn a_draft_model_changes_no_token_and_gives_its_blocks_back() {
+/// A draft model: the tiny model's first `layers` layers (its own weights, so a draft of the
+/// target), over a pool of `blocks` blocks.
+fn tiny_draft(layers: usize, blocks: usize) -> Box<dyn Backend> {
     use crate::backend::PoolSize;
     use crate::device::cpu::{CpuBackend, CpuModel, WeightFormat};
+    let (mut c, tensors) = crate::testing::tiny_tensors(1);
+    c.num_layers = layers;
+    let model = CpuModel::from_tensors(&c, &tensors, WeightFormat::Native).unwrap();
+    let pool = PoolSize {
+        block_size: config().block_size,
+        kv_cache_mb: 0,
+        num_blocks: Some(blocks),
+        kv_dtype: KvDtype::F32,
+        gpu_memory_fraction: None,
+    };
+    Box::new(CpuBackend::new(model, &pool).unwrap())
+}
+
+/// A draft model's catch-up is charged to the tokens it serves, not to the step it runs in:
+/// a sequence's first decode step feeds its prompt to the draft model, and that forward's
+/// time, shared by the rows fed to catch up, is taken out of the step's measure and spread
+/// over the tokens the sequence may still make; each step that speculates bears the shares
+/// of the tokens it made.
+#[test]
+fn a_draft_model_s_catch_up_is_charged_to_the_tokens_it_serves() {
+    use super::spec_ab::Arm;
+    let mut e = engine(config());
+    e.set_draft_model("tiny", tiny_draft(2, 1000), 3, true)
+        .unwrap();
+    let prompt: Vec<u32> = (0..40u32).map(|t| 3 + (t * 7) % 50).collect();
+    e.add(RequestId(1), req(prompt, 30)).unwrap();
+    // The prompt's step samples the first token; nothing decodes, nothing drafts.
+    e.step().unwrap();
+    assert_eq!(e.running[0].draft_overhead, 0.0);
+    // The first decode step speculates (the outcome check tries speculation first): the draft
+    // model catches up over the prompt (40 tokens) and drafts from the first token.
+    let t0 = Instant::now();
+    let (events, _) = e.step().unwrap();
+    let wall = t0.elapsed().as_secs_f64();
+    let made = events
+        .iter()
+        .filter(|e| matches!(e, Event::Token(_)))
+        .count();
+    let spec = e.spec.as_ref().unwrap();
+    let caught_up = spec.catch_up;
+    assert_eq!(e.stats().spec.draft_prefill_tokens, 40);
+    assert!(
+        caught_up > 0.0 && caught_up < wall,
+        "{caught_up} of {wall} s"
+    );
+    // Shared over the 29 tokens it could still make after its first.
+    let s = &e.running[0];
+    let overhead = s.draft_overhead;
+    assert!(
+        (overhead * 29.0 - caught_up).abs() <= 1e-12 * caught_up,
+        "{overhead} {caught_up}"
+    );
+    // The step is measured without the catch-up, with the charge of the tokens it made: at
+    // least as fast as its wall time less that, however the clock went.
+    assert!(
+        made > 1,
+        "the draft is the target's own first layers: {made} tokens"
+    );
+    let rate = spec.ab.rate(1, Arm::Speculate);
+    let floor = made as f64 / (wall - caught_up + made as f64 * overhead);
+    assert!(rate >= floor, "{rate} tok/s measured, {floor} at least");
+    // A later step catches up at most over a proposal's last token (verification accepted
+    // it, the draft model never fed it), charged the same way over what is left then.
+    e.step().unwrap();
+    let spec = e.spec.as_ref().unwrap();
+    let left = (29 - made) as f64;
+    let added = e.running[0].draft_overhead - overhead;
+    assert!(spec.catch_up < caught_up, "{} {caught_up}", spec.catch_up);
+    assert!(
+        (added * left - spec.catch_up).abs() <= 1e-9 * caught_up,
+        "{added} {}",
+        spec.catch_up
+    );
+}
+
+#[test]
+fn a_draft_model_changes_no_token_and_gives_its_blocks_back() {
     let prompts: Vec<Vec<u32>> = (0..4u32)
         .map(|i| (0..20u32).map(|t| 3 + (t * 7 + i) % 50).collect())
         .collect();
-    let draft = |layers: usize, blocks: usize| {
-        let (mut c, tensors) = crate::testing::tiny_tensors(1);
-        c.num_layers = layers;
-        let model = CpuModel::from_tensors(&c, &tensors, WeightFormat::Native).unwrap();
-        let pool = PoolSize {
-            block_size: config().block_size,
-            kv_cache_mb: 0,
-            num_blocks: Some(blocks),
-            kv_dtype: KvDtype::F32,
-            gpu_memory_fraction: None,
-        };
-        Box::new(CpuBackend::new(model, &pool).unwrap()) as Box<dyn Backend>
-    };
+    let draft = tiny_draft;
     let run_with = |draft: Option<Box<dyn Backend>>, adaptive: bool| {
         let mut e = engine(config());
         if let Some(d) = draft {
