@@ -62,7 +62,7 @@ pub(super) struct Speculation {
     pub(super) recent: Acceptance,
     /// The arm the step being planned took, the sequences it decoded and the proposed tokens
     /// verified before it (recorded when the step ends).
-    pub(super) arm: Option<(usize, Arm, u64)>,
+    arm: Option<(usize, Arm, u64)>,
     /// Seconds the step's draft forwards spent catching sequences up (charged to the
     /// sequences' later tokens instead, `Seq::draft_overhead`).
     pub(super) catch_up: f64,
@@ -271,7 +271,7 @@ impl Engine {
     /// taken out, and where it speculated, `charge` put in (the shares of catch-ups the tokens
     /// it made bear, [`Self::draft_charge`]). So a catch-up weighs on the measure of
     /// speculation as it weighs on the tokens it serves, not all on one step: a probe of
-    /// speculation where plain decoding was chosen would otherwise pay, in its one step, for
+    /// speculation where plain decoding was chosen would otherwise pay, in its first step, for
     /// catching a sequence up over every token decoded plainly, and never measure faster.
     pub(super) fn record_arm(
         &mut self,
@@ -283,6 +283,7 @@ impl Engine {
         let verified = self.stats.spec.draft_tokens;
         if let Some(spec) = self.spec.as_mut() {
             if let Some((decoding, arm, before)) = spec.arm.take() {
+                spec.ab.spent(decoding, arm, seconds, spec.catch_up);
                 let arm = match verified > before {
                     true => arm,
                     false => Arm::Plain,
@@ -300,8 +301,9 @@ impl Engine {
     }
 
     /// The catch-up seconds the tokens of `events` bear (their sequences'
-    /// `Seq::draft_overhead` each) where the step speculates with a draft model; nothing
-    /// otherwise. Call it before the sequences that finished retire.
+    /// `Seq::draft_overhead` each, for the sequences that drafted in the step) where the step
+    /// speculates with a draft model; nothing otherwise. Call it before the sequences that
+    /// finished retire.
     pub(super) fn draft_charge(&self, events: &[super::Event]) -> f64 {
         if !matches!(
             self.spec,
@@ -316,7 +318,7 @@ impl Engine {
         let owing: Vec<_> = self
             .running
             .iter()
-            .filter(|s| s.draft_overhead > 0.0)
+            .filter(|s| s.draft_overhead > 0.0 && !s.draft.is_empty())
             .map(|s| ((s.id, s.index), s.draft_overhead))
             .collect();
         events
@@ -454,17 +456,11 @@ impl Engine {
     /// its first proposed token bears that cost shared over the steps it has left at the
     /// rate its proposals are expected to go. A sequence whose drafting would pay for itself
     /// but not for its catch-up does not draft; where the outcome check ([`super::spec_ab`])
-    /// chose plain decoding for the batch size (no later steps to share a catch-up over), only
-    /// the sequence that lags least may catch up, so that its probe measures drafting.
+    /// has not chosen speculation for the batch size (while it tries the arms or probes, a
+    /// catch-up is wasted if plain decoding is chosen), only the sequence that lags least may
+    /// catch up, and none where that one lags a token at most, so that the step measures
+    /// drafting at the least cost (before the decode steps are measured too).
     fn sizes(&self, offered: &[usize], per_token: f64, lag: &[usize]) -> Vec<usize> {
-        let Some(cost) = self.decode_cost.fit().filter(|c| c.fixed > 0.0) else {
-            return offered.to_vec();
-        };
-        let mut tokens = 0.0;
-        let mut time = cost.fixed;
-        let mut cands = Vec::new();
-        let max_ctx = self.backend.config().max_position_embeddings;
-        let catch_up = self.draft_cost.fit();
         // The outcome check's batch size, as `propose` took it for this step.
         let catches_up = match self.spec.as_ref() {
             Some(Speculation {
@@ -474,14 +470,29 @@ impl Engine {
             }) => ab.speculating(*decoding),
             _ => true,
         };
-        // Where plain decoding is chosen, a probe catches up one sequence at most (the one
-        // that lags least): enough to measure drafting by, not a batch's worth of catch-up.
+        // Where speculation is not chosen (the arms being tried, or plain chosen), a step
+        // catches up one sequence at most (the one that lags least): enough to measure
+        // drafting by, not a batch's worth of catch-up. (None where the one that lags least is
+        // caught up already: it drafts, nothing catches up.)
         let lone = match catches_up {
             true => None,
             false => (0..self.running.len())
-                .filter(|&i| offered[i] > 0 && lag.get(i).is_some_and(|&l| l > 1))
-                .min_by_key(|&i| lag[i]),
+                .filter(|&i| offered[i] > 0 && i < lag.len())
+                .min_by_key(|&i| lag[i])
+                .filter(|&i| lag[i] > 1),
         };
+        // A sequence that may not catch up does not draft.
+        let may = |i: usize| catches_up || lone == Some(i) || lag.get(i).is_none_or(|&l| l <= 1);
+        let Some(cost) = self.decode_cost.fit().filter(|c| c.fixed > 0.0) else {
+            return (0..offered.len())
+                .map(|i| if may(i) { offered[i] } else { 0 })
+                .collect();
+        };
+        let mut tokens = 0.0;
+        let mut time = cost.fixed;
+        let mut cands = Vec::new();
+        let max_ctx = self.backend.config().max_position_embeddings;
+        let catch_up = self.draft_cost.fit();
         let mut setup = vec![0.0f64; self.running.len()];
         for (i, s) in self.running.iter().enumerate() {
             if s.pending() != 1 {
@@ -501,7 +512,7 @@ impl Engine {
                 let seconds =
                     catch_up.map_or(per_token * lag as f64, |c| c.seconds(len - lag, lag));
                 let left = s.left(max_ctx);
-                setup[i] = match catches_up || lag <= 1 || lone == Some(i) {
+                setup[i] = match may(i) {
                     true => seconds * per_step / left as f64,
                     false => f64::INFINITY,
                 };
