@@ -236,6 +236,11 @@ impl super::Engine {
     /// catch-up does not fit the step's token budget feeds what fits and drafts from a later
     /// step; one the draft pool cannot hold does not draft.
     pub(super) fn draft_model(&mut self, mut keep: Vec<usize>) -> Result<(), EngineError> {
+        let typical = self
+            .spec
+            .as_ref()
+            .and_then(|s| s.typical_output)
+            .map_or(usize::MAX, |t| t.round() as usize);
         let Some(d) = self.spec.as_mut().and_then(|s| s.drafter.as_mut()) else {
             return Ok(());
         };
@@ -309,8 +314,12 @@ impl super::Engine {
             let logits = d.forward(&rows)?;
             drop(rows);
             if p == 0 {
+                // What it may still make, and no more than sequences have made on average (a
+                // request without `max_tokens` may make the whole context).
                 catch_up =
-                    Self::charge_catch_up(&mut self.running, &plan, t0.elapsed(), n_rows, max_ctx);
+                    Self::charge_catch_up(&mut self.running, &plan, (t0.elapsed(), n_rows), |s| {
+                        s.left(max_ctx).min(typical)
+                    });
             }
             Self::take_drafted(
                 &mut self.running,
@@ -330,14 +339,13 @@ impl super::Engine {
 
     /// Shares the `elapsed` time of a first draft forward of `rows` rows among the sequences
     /// of `plan` by the tokens each fed to catch up (all it fed but a drafting sequence's
-    /// last): each sequence's share is charged to the tokens it may still make
-    /// (`Seq::draft_overhead`). Returns the seconds spent catching up.
+    /// last): each sequence's share is charged to the `ahead(sequence)` tokens it is expected
+    /// to make still (`Seq::draft_overhead`). Returns the seconds spent catching up.
     fn charge_catch_up(
         running: &mut [super::Seq],
         plan: &[(usize, usize, usize, bool)],
-        elapsed: std::time::Duration,
-        rows: usize,
-        max_ctx: usize,
+        (elapsed, rows): (std::time::Duration, usize),
+        ahead: impl Fn(&super::Seq) -> usize,
     ) -> f64 {
         let mut spent = 0.0;
         for &(i, from, to, drafts) in plan {
@@ -345,7 +353,7 @@ impl super::Engine {
             if fed > 0 {
                 let share = elapsed.as_secs_f64() * fed as f64 / rows.max(1) as f64;
                 let s = &mut running[i];
-                s.draft_overhead += share / s.left(max_ctx) as f64;
+                s.draft_overhead += share / ahead(s).max(1) as f64;
                 spent += share;
             }
         }

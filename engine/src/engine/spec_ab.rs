@@ -11,7 +11,8 @@
 //! proposals (a draft model's forwards count) to the end of the step. A draft model's
 //! catch-up (its K/V for a prompt, or for tokens decoded while it did not draft) is paid once
 //! for the tokens a sequence makes after it: its time is taken out of the step and charged,
-//! shared over the tokens the sequence may still make, to the steps that speculate
+//! shared over the tokens the sequence may still make (no more than finished sequences made
+//! on average), to the steps that speculate
 //! ([`super::Engine::record_arm`]). The faster arm runs; the other is probed, [`PROBE_RUN`]
 //! steps in a row, so that its measure follows the traffic (the texts, their acceptance, the
 //! contexts' lengths): [`PROBE`] steps after the choice, then at intervals that double while
@@ -296,7 +297,7 @@ mod tests {
 
     /// Each arm is measured first, then the faster one runs, the slower one probed at
     /// intervals that double from `PROBE` to `MAX_PROBE` while it stays slower, and a measure
-    /// that turns around turns the choice around within a few probes.
+    /// that turns around turns the choice around within a probe.
     #[test]
     fn the_faster_arm_runs_and_the_slower_is_probed() {
         let mut ab = AbCheck::default();

@@ -66,6 +66,9 @@ pub(super) struct Speculation {
     /// Seconds the step's draft forwards spent catching sequences up (charged to the
     /// sequences' later tokens instead, `Seq::draft_overhead`).
     pub(super) catch_up: f64,
+    /// Tokens the sequences that finished generated, a moving average (none before one
+    /// finished): the most tokens a catch-up is shared over.
+    pub(super) typical_output: Option<f64>,
 }
 
 impl Speculation {
@@ -106,6 +109,7 @@ impl Speculation {
             ab: AbCheck::default(),
             arm: None,
             catch_up: 0.0,
+            typical_output: None,
             recent: Acceptance::recent(),
         }
     }
@@ -119,6 +123,8 @@ const PRIOR_ACCEPT: f32 = 0.5;
 const ACCEPT_WEIGHT: f32 = 0.25;
 /// How far an estimate drifts back to [`PRIOR_ACCEPT`] per step its proposal is held back.
 const RELAX: f32 = 0.05;
+/// Weight of each finished sequence in the typical output length (about the last 20).
+const OUTPUT_WEIGHT: f64 = 0.05;
 /// Weight of each verified position in the worker's recent acceptance, the estimate a sequence
 /// starts from: an exponential average over about the last 50 verified positions.
 const RECENT_WEIGHT: f32 = 0.02;
@@ -449,7 +455,8 @@ impl Engine {
     /// (`MARGIN`). Where the step
     /// is compute-bound (many sequences, each row costing its full share) nothing pays and the
     /// step is plain decoding. Before the steps are measured (or while they have all been one
-    /// size, which does not tell the fixed part from the rows'), everything offered is kept.
+    /// size, which does not tell the fixed part from the rows'), everything offered is kept
+    /// (but for the catch-up rule below).
     ///
     /// A draft model must first catch a sequence up over what it lacks (`lag[i]` tokens; none
     /// where `lag` is empty): a cost paid once for the steps the sequence drafts in after, so
@@ -726,6 +733,11 @@ impl Engine {
         if let Some(d) = spec.drafter.as_mut() {
             d.release(&(s.id, s.index));
         }
+        let made = (s.tokens.len() - s.prompt_len) as f64;
+        spec.typical_output = Some(
+            spec.typical_output
+                .map_or(made, |t| t + OUTPUT_WEIGHT * (made - t)),
+        );
     }
 
     /// Speculates from the next step on with `proposer`, sized by `config` (its method names

@@ -1014,6 +1014,51 @@ fn a_draft_model_s_catch_up_is_charged_to_the_tokens_it_serves() {
     );
 }
 
+/// Where speculation is not chosen (a batch size's first steps here), one sequence catches up
+/// at most: of three prompts that start decoding together, the draft model is fed one. And a
+/// catch-up is shared over no more tokens than the sequences that finished made on average.
+#[test]
+fn one_sequence_catches_up_where_speculation_is_not_chosen() {
+    let mut e = engine(config());
+    e.set_draft_model("tiny", tiny_draft(2, 1000), 3, true)
+        .unwrap();
+    let prompt = |n: u32| -> Vec<u32> { (0..40u32).map(|t| 3 + (t * 7 + n) % 50).collect() };
+    for n in 0..3u32 {
+        e.add(RequestId(u64::from(n)), req(prompt(n), 12)).unwrap();
+    }
+    // The prompts' step, then the first decode step of three.
+    e.step().unwrap();
+    e.step().unwrap();
+    assert_eq!(e.stats().spec.draft_prefill_tokens, 40);
+    // The one caught up lags a token or two after; the others are not fed.
+    e.step().unwrap();
+    assert!(
+        e.stats().spec.draft_prefill_tokens <= 42,
+        "{:?}",
+        e.stats().spec
+    );
+    while !e.running.is_empty() {
+        e.step().unwrap();
+    }
+    // Three sequences made 12 tokens each: a request that may make 30 is charged its catch-up
+    // as if it made 12 (on a fresh engine, where its first decode step speculates).
+    assert_eq!(e.spec.as_ref().unwrap().typical_output, Some(12.0));
+    let mut e = engine(config());
+    e.set_draft_model("tiny", tiny_draft(2, 1000), 3, true)
+        .unwrap();
+    e.spec.as_mut().unwrap().typical_output = Some(12.0);
+    e.add(RequestId(3), req(prompt(3), 30)).unwrap();
+    e.step().unwrap();
+    e.step().unwrap();
+    let caught_up = e.spec.as_ref().unwrap().catch_up;
+    let overhead = e.running[0].draft_overhead;
+    assert!(caught_up > 0.0);
+    assert!(
+        (overhead * 12.0 - caught_up).abs() <= 1e-12 * caught_up,
+        "{overhead} {caught_up}"
+    );
+}
+
 /// A draft model changes no token: with the target itself as its draft (every proposal
 /// accepted: the draft's rows are the target's bits), with a smaller draft (the target's
 /// first layer alone, which the target overrules), and with that draft over a pool too small
