@@ -236,11 +236,7 @@ impl super::Engine {
     /// catch-up does not fit the step's token budget feeds what fits and drafts from a later
     /// step; one the draft pool cannot hold does not draft.
     pub(super) fn draft_model(&mut self, mut keep: Vec<usize>) -> Result<(), EngineError> {
-        let typical = self
-            .spec
-            .as_ref()
-            .and_then(|s| s.typical_output)
-            .map_or(usize::MAX, |t| t.round() as usize);
+        let typical = self.spec.as_ref().and_then(|s| s.typical_output);
         let Some(d) = self.spec.as_mut().and_then(|s| s.drafter.as_mut()) else {
             return Ok(());
         };
@@ -314,11 +310,9 @@ impl super::Engine {
             let logits = d.forward(&rows)?;
             drop(rows);
             if p == 0 {
-                // What it may still make, and no more than sequences have made on average (a
-                // request without `max_tokens` may make the whole context).
                 catch_up =
                     Self::charge_catch_up(&mut self.running, &plan, (t0.elapsed(), n_rows), |s| {
-                        s.left(max_ctx).min(typical)
+                        super::speculate::ahead(s.left(max_ctx), typical)
                     });
             }
             Self::take_drafted(
@@ -353,7 +347,7 @@ impl super::Engine {
             if fed > 0 {
                 let share = elapsed.as_secs_f64() * fed as f64 / rows.max(1) as f64;
                 let s = &mut running[i];
-                s.draft_overhead += share / ahead(s).max(1) as f64;
+                s.draft_overhead += share / ahead(s) as f64;
                 spent += share;
             }
         }

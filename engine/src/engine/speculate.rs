@@ -129,6 +129,15 @@ const OUTPUT_WEIGHT: f64 = 0.05;
 /// starts from: an exponential average over about the last 50 verified positions.
 const RECENT_WEIGHT: f32 = 0.02;
 
+/// The tokens a sequence's draft catch-up is shared over, for the policy's estimate as for the
+/// charge: the `left` it may still make, and no more than finished sequences made on average
+/// (`typical`; a request without `max_tokens` may make the whole context).
+pub(super) fn ahead(left: usize, typical: Option<f64>) -> usize {
+    typical
+        .map_or(left, |t| left.min(t.round() as usize))
+        .max(1)
+}
+
 /// A sequence's estimates of how likely its proposed tokens are to be accepted, for the
 /// policy: `pooled`, each verified token's outcome alike, and `at[j]`, the chance that the
 /// token at position `j` of a proposal is accepted once the ones before it were (negative
@@ -500,6 +509,7 @@ impl Engine {
         let mut cands = Vec::new();
         let max_ctx = self.backend.config().max_position_embeddings;
         let catch_up = self.draft_cost.fit();
+        let typical = self.spec.as_ref().and_then(|s| s.typical_output);
         let mut setup = vec![0.0f64; self.running.len()];
         for (i, s) in self.running.iter().enumerate() {
             if s.pending() != 1 {
@@ -518,7 +528,7 @@ impl Engine {
                 let len = s.tokens.len();
                 let seconds =
                     catch_up.map_or(per_token * lag as f64, |c| c.seconds(len - lag, lag));
-                let left = s.left(max_ctx);
+                let left = ahead(s.left(max_ctx), typical);
                 setup[i] = match may(i) {
                     true => seconds * per_step / left as f64,
                     false => f64::INFINITY,
