@@ -457,6 +457,8 @@ pub struct StepCost {
     kk: f64,
     ty: f64,
     ky: f64,
+    /// The last fit that told the fixed part from the rows' ([`StepCost::parts`]).
+    parts: Option<Cost>,
 }
 
 /// A fitted [`StepCost`].
@@ -517,6 +519,17 @@ impl StepCost {
         self.kk = self.kk * d + k * k;
         self.ty = self.ty * d + t * y;
         self.ky = self.ky * d + k * y;
+        if let Some(c) = self.fit().filter(|c| c.fixed > 0.0) {
+            self.parts = Some(c);
+        }
+    }
+
+    /// The fitted cost with its fixed part told from the rows': the fit where the recent
+    /// steps tell them apart, else the last fit that did (steps all of one size, as a worker
+    /// decoding a steady batch runs them, say nothing new of the parts); None before any fit
+    /// did.
+    pub fn parts(&self) -> Option<Cost> {
+        self.fit().filter(|c| c.fixed > 0.0).or(self.parts)
     }
 
     /// The fitted cost, once a step was recorded. Where the recent steps do not tell the parts
@@ -1053,6 +1066,22 @@ mod tests {
                 per_key: 0.0
             })
         );
+        assert_eq!(one.parts(), None, "no fit told the parts apart");
+        // Steps of several sizes, then only one size for long: the fit loses the parts, and
+        // the last fit that told them apart stands.
+        let mut steady = StepCost::default();
+        for t in [1usize, 2, 4, 8, 3, 6] {
+            steady.record(t, 0, 0.020 + 0.001 * t as f64);
+        }
+        let told = steady.parts().unwrap();
+        assert!((told.fixed - 0.020).abs() < 1e-9, "{told:?}");
+        for _ in 0..1000 {
+            steady.record(8, 0, 0.028);
+        }
+        assert_eq!(steady.fit().unwrap().fixed, 0.0);
+        let kept = steady.parts().unwrap();
+        assert!((kept.fixed - 0.020).abs() < 1e-6, "{kept:?}");
+        assert!((kept.per_token - 0.001).abs() < 1e-6, "{kept:?}");
         // The machine gets twice as slow: after a hundred steps the fit says so.
         for i in 0..100 {
             let (t, k) = steps[i % steps.len()];

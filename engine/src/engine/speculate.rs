@@ -297,19 +297,31 @@ impl Engine {
     ) {
         let verified = self.stats.spec.draft_tokens;
         if let Some(spec) = self.spec.as_mut() {
-            if let Some((decoding, arm, before)) = spec.arm.take() {
-                spec.ab.spent(decoding, arm, seconds, spec.catch_up);
+            if let Some((decoding, meant, before)) = spec.arm.take() {
+                spec.ab.spent(decoding, meant, seconds, spec.catch_up);
                 let arm = match verified > before {
-                    true => arm,
+                    true => meant,
                     false => Arm::Plain,
                 };
-                let seconds = seconds - spec.catch_up
+                let measured = seconds - spec.catch_up
                     + match arm {
                         Arm::Speculate => charge,
                         Arm::Plain => 0.0,
                     };
+                tracing::debug!(
+                    decoding,
+                    meant = ?meant,
+                    arm = ?arm,
+                    prefill_tokens,
+                    tokens,
+                    verified = verified - before,
+                    seconds,
+                    catch_up = spec.catch_up,
+                    charge,
+                    "speculation step"
+                );
                 if prefill_tokens == 0 {
-                    spec.ab.record(decoding, arm, tokens, seconds);
+                    spec.ab.record(decoding, arm, tokens, measured);
                 }
             }
         }
@@ -419,7 +431,7 @@ impl Engine {
                 }
                 if adaptive {
                     let offered: Vec<usize> = self.running.iter().map(|s| s.draft.len()).collect();
-                    let keep = self.sizes(&offered, 0.0, &[]);
+                    let keep = self.sizes(&offered, &[], &[]);
                     self.withhold(&offered, &keep);
                     for (s, &k) in self.running.iter_mut().zip(&keep) {
                         s.draft.truncate(k);
@@ -456,7 +468,8 @@ impl Engine {
     /// [`super::StepCost`] of the steps that computed no prompt tokens: a prompt chunk's rows
     /// are cheaper per token than a decode step's where the decode step is bound by reading
     /// the weights and the chunk by computing, so the two do not share a line), each token
-    /// also costing `per_token` seconds to propose. The step's decoding sequences make a token
+    /// also costing seconds to propose, `per_token[j - 1]` the `j`-th of a sequence (nothing
+    /// past its end). The step's decoding sequences make a token
     /// each in the time the measure gives them; a proposed token adds the product of its
     /// sequence's estimates for the positions up to and including its own ([`Acceptance`]) in
     /// tokens, and its row's time.
@@ -476,7 +489,7 @@ impl Engine {
     /// catch-up is wasted if plain decoding is chosen), only the sequence that lags least may
     /// catch up, and none where that one lags a token at most, so that the step measures
     /// drafting at the least cost (before the decode steps are measured too).
-    fn sizes(&self, offered: &[usize], per_token: f64, lag: &[usize]) -> Vec<usize> {
+    fn sizes(&self, offered: &[usize], per_token: &[f64], lag: &[usize]) -> Vec<usize> {
         // The outcome check's batch size, as `propose` took it for this step.
         let catches_up = match self.spec.as_ref() {
             Some(Speculation {
@@ -499,7 +512,7 @@ impl Engine {
         };
         // A sequence that may not catch up does not draft.
         let may = |i: usize| catches_up || lone == Some(i) || lag.get(i).is_none_or(|&l| l <= 1);
-        let Some(cost) = self.decode_cost.fit().filter(|c| c.fixed > 0.0) else {
+        let Some(cost) = self.decode_cost.parts() else {
             return (0..offered.len())
                 .map(|i| if may(i) { offered[i] } else { 0 })
                 .collect();
@@ -508,7 +521,7 @@ impl Engine {
         let mut time = cost.fixed;
         let mut cands = Vec::new();
         let max_ctx = self.backend.config().max_position_embeddings;
-        let catch_up = self.draft_cost.fit();
+        let catch_up = self.draft_cost.parts().or_else(|| self.draft_cost.fit());
         let typical = self.spec.as_ref().and_then(|s| s.typical_output);
         let mut setup = vec![0.0f64; self.running.len()];
         for (i, s) in self.running.iter().enumerate() {
@@ -526,8 +539,8 @@ impl Engine {
             }
             if let Some(&lag) = lag.get(i).filter(|&&l| l > 0 && offered[i] > 0) {
                 let len = s.tokens.len();
-                let seconds =
-                    catch_up.map_or(per_token * lag as f64, |c| c.seconds(len - lag, lag));
+                let first = per_token.first().copied().unwrap_or(0.0);
+                let seconds = catch_up.map_or(first * lag as f64, |c| c.seconds(len - lag, lag));
                 let left = ahead(s.left(max_ctx), typical);
                 setup[i] = match may(i) {
                     true => seconds * per_step / left as f64,
@@ -543,7 +556,8 @@ impl Engine {
                 continue;
             }
             let c = self.running[i].computed;
-            let mut extra = cost.seconds(c, 1 + j) - cost.seconds(c, j) + per_token;
+            let mut extra = cost.seconds(c, 1 + j) - cost.seconds(c, j)
+                + per_token.get(j - 1).copied().unwrap_or(0.0);
             if j == 1 {
                 extra += setup[i];
             }
@@ -586,28 +600,64 @@ impl Engine {
     /// How many of the `room[i]` tokens each sequence may draft a model (a self-draft or a
     /// draft model, whose forwards cost `share` of the target's) drafts: all of them without
     /// the adaptive policy, else what the policy expects to pay, drafting included.
-    fn size_drafts(&mut self, room: Vec<usize>, share: f64, lag: &[usize]) -> Vec<usize> {
+    ///
+    /// The `j`-th drafted token of every sequence comes from one forward, whose fixed part
+    /// (reading the draft's weights) the sequences drafting `j` tokens or more share: sized
+    /// first as if every sequence that may draft did, then again with each forward shared by
+    /// those the sizing kept, until the counts hold. (Priced as if all drafted, one sequence
+    /// kept alone beside plain decodes would pay a forward over the whole draft for a share of
+    /// it.)
+    pub(super) fn size_drafts(
+        &mut self,
+        room: Vec<usize>,
+        share: f64,
+        lag: &[usize],
+    ) -> Vec<usize> {
         if !self.spec.as_ref().is_some_and(|s| s.config.adaptive) {
             return room;
         }
-        let per_row = self.draft_row_seconds(&room, share);
-        let keep = self.sizes(&room, per_row, lag);
+        let at_least = |k: &[usize]| -> Vec<usize> {
+            let depth = room.iter().copied().max().unwrap_or(0);
+            (1..=depth)
+                .map(|j| k.iter().filter(|&&n| n >= j).count().max(1))
+                .collect()
+        };
+        let mut sharing = at_least(&room);
+        let mut keep;
+        loop {
+            let per_token: Vec<f64> = sharing
+                .iter()
+                .map(|&n| self.draft_row_seconds(n, share))
+                .collect();
+            keep = self.sizes(&room, &per_token, lag);
+            // Fewer sharing a forward only raises its tokens' price: the counts fall until
+            // they hold, a few rounds at most.
+            let kept: Vec<usize> = at_least(&keep)
+                .iter()
+                .zip(&sharing)
+                .map(|(&k, &s)| k.min(s))
+                .collect();
+            if kept == sharing {
+                break;
+            }
+            sharing = kept;
+        }
         self.withhold(&room, &keep);
         keep
     }
 
     /// Seconds one more drafted token of one sequence costs, by the measure of the draft
-    /// forwards so far, with their fixed part shared by the sequences that would draft; before
-    /// any was measured, the decode steps' measure scaled by the draft's `share` of the
-    /// target's cost (none measured either: nothing, so the first drafts are made and
-    /// measured).
-    fn draft_row_seconds(&self, room: &[usize], share: f64) -> f64 {
-        let drafting = room.iter().filter(|&&k| k > 0).count().max(1) as f64;
-        if let Some(c) = self.draft_cost.fit() {
+    /// forwards so far, with their fixed part shared by the `drafting` sequences of its
+    /// forward; before any was measured, the decode steps' measure scaled by the draft's
+    /// `share` of the target's cost (none measured either: nothing, so the first drafts are
+    /// made and measured).
+    fn draft_row_seconds(&self, drafting: usize, share: f64) -> f64 {
+        let drafting = drafting.max(1) as f64;
+        if let Some(c) = self.draft_cost.parts().or_else(|| self.draft_cost.fit()) {
             return c.per_token + c.fixed / drafting;
         }
         self.decode_cost
-            .fit()
+            .parts()
             .map_or(0.0, |c| share * (c.per_token + c.fixed / drafting))
     }
 
