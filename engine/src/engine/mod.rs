@@ -337,7 +337,8 @@ pub struct Engine {
     /// What its steps without prompt tokens cost (sizes speculation's proposals: a decode row
     /// costs what a prompt token costs only where both are compute-bound).
     decode_cost: StepCost,
-    /// What a self-draft's forwards cost (sizes its proposals before it drafts).
+    /// What a draft model's or a self-draft's forwards cost (sizes its proposals before it
+    /// drafts).
     draft_cost: StepCost,
     stats: EngineStats,
     /// First id `generate` gives its requests next time.

@@ -457,8 +457,10 @@ pub struct StepCost {
     kk: f64,
     ty: f64,
     ky: f64,
-    /// The last fit that told the fixed part from the rows' ([`StepCost::parts`]).
+    /// The last fit that told the fixed part from the rows' ([`StepCost::parts`]), and the
+    /// steps recorded since.
     parts: Option<Cost>,
+    since_parts: u32,
 }
 
 /// A fitted [`StepCost`].
@@ -519,17 +521,21 @@ impl StepCost {
         self.kk = self.kk * d + k * k;
         self.ty = self.ty * d + t * y;
         self.ky = self.ky * d + k * y;
-        if let Some(c) = self.fit().filter(|c| c.fixed > 0.0) {
-            self.parts = Some(c);
+        match self.fit().filter(|c| c.fixed > 0.0) {
+            Some(c) => (self.parts, self.since_parts) = (Some(c), 0),
+            None => self.since_parts = self.since_parts.saturating_add(1),
         }
     }
 
     /// The fitted cost with its fixed part told from the rows': the fit where the recent
-    /// steps tell them apart, else the last fit that did (steps all of one size, as a worker
-    /// decoding a steady batch runs them, say nothing new of the parts); None before any fit
-    /// did.
-    pub fn parts(&self) -> Option<Cost> {
-        self.fit().filter(|c| c.fixed > 0.0).or(self.parts)
+    /// steps tell them apart, else the last fit that did, if that was at most `steps` steps
+    /// ago (steps all of one size, as a worker decoding a steady batch runs them, do not tell
+    /// the parts apart); None before any fit did. (A policy that sizes steps by the parts
+    /// and takes what it is offered without them varies the steps' sizes, and the fit tells
+    /// the parts again: so parts learned under another load, where a step's rows cost
+    /// otherwise, do not hold it for good.)
+    pub fn parts_within(&self, steps: u32) -> Option<Cost> {
+        self.parts.filter(|_| self.since_parts <= steps)
     }
 
     /// The fitted cost, once a step was recorded. Where the recent steps do not tell the parts
@@ -1066,22 +1072,37 @@ mod tests {
                 per_key: 0.0
             })
         );
-        assert_eq!(one.parts(), None, "no fit told the parts apart");
-        // Steps of several sizes, then only one size for long: the fit loses the parts, and
-        // the last fit that told them apart stands.
+        assert_eq!(
+            one.parts_within(u32::MAX),
+            None,
+            "no fit told the parts apart"
+        );
+        // Steps of several sizes, then only one size: once the fit loses the parts, the last
+        // fit that told them apart stands for as many steps as asked, and then no longer; a
+        // step of another size and the fit tells them again.
         let mut steady = StepCost::default();
         for t in [1usize, 2, 4, 8, 3, 6] {
             steady.record(t, 0, 0.020 + 0.001 * t as f64);
         }
-        let told = steady.parts().unwrap();
+        let told = steady.parts_within(0).unwrap();
         assert!((told.fixed - 0.020).abs() < 1e-9, "{told:?}");
-        for _ in 0..1000 {
+        let mut n = 0;
+        while steady.fit().unwrap().fixed > 0.0 {
+            steady.record(8, 0, 0.028);
+            n += 1;
+            assert!(n < 1000, "the fit never lost its parts");
+        }
+        for _ in 1..32 {
             steady.record(8, 0, 0.028);
         }
-        assert_eq!(steady.fit().unwrap().fixed, 0.0);
-        let kept = steady.parts().unwrap();
+        let kept = steady.parts_within(32).unwrap();
         assert!((kept.fixed - 0.020).abs() < 1e-6, "{kept:?}");
         assert!((kept.per_token - 0.001).abs() < 1e-6, "{kept:?}");
+        assert_eq!(steady.parts_within(31), None);
+        assert_eq!(steady.parts_within(u32::MAX), Some(kept));
+        steady.record(1, 0, 0.021);
+        let again = steady.parts_within(0).unwrap();
+        assert!((again.fixed - 0.020).abs() < 1e-6, "{again:?}");
         // The machine gets twice as slow: after a hundred steps the fit says so.
         for i in 0..100 {
             let (t, k) = steps[i % steps.len()];

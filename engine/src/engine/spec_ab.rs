@@ -22,9 +22,11 @@
 //! size: the budget is the worker's) ran fifty times what that one spent catching up
 //! ([`PROBE_BUDGET`]). Where speculation is not chosen, a step that speculates catches up one
 //! sequence at most ([`super::Engine::propose`]), so a probe at a batch of many measures
-//! one sequence drafting beside plain decodes: speculation is chosen there only where that
-//! pays already. A batch size seen for the first time
-//! speculates for [`WARM`] steps and then decodes plainly for as many. Which arm a step takes
+//! one sequence drafting beside plain decodes, and only where the policy expects that one to
+//! pay for the draft forwards it then runs alone (else the probe's steps verify nothing and
+//! count as plain): speculation is chosen there only where that pays already. A batch size
+//! seen for the first time is meant to speculate for [`WARM`] steps (the policy may hold
+//! every proposal back) and then decodes plainly for as many. Which arm a step takes
 //! changes no output: speculation gives the bits plain decoding gives.
 
 /// Steps each arm is tried at a batch size before the measures decide (a step that computed

@@ -244,6 +244,11 @@ impl Acceptance {
     }
 }
 
+/// Steps a proposer's proposals are sized by the decode steps' last parts after the steps stop
+/// telling them apart ([`StepCost::parts_within`](super::StepCost::parts_within)); past that
+/// everything offered is verified, so the steps' sizes vary and the parts are learned again.
+const PROPOSER_PARTS: u32 = 32;
+
 /// How much more a proposed token must be expected to give than the step's tokens per second
 /// before it is verified: the cost model is a line through steps of other sizes and its
 /// acceptance estimates are estimates, so a token that only breaks even by them is not worth
@@ -476,9 +481,10 @@ impl Engine {
     /// Taking the best first, a token is kept while it raises tokens per second by a margin
     /// (`MARGIN`). Where the step
     /// is compute-bound (many sequences, each row costing its full share) nothing pays and the
-    /// step is plain decoding. Before the steps are measured (or while they have all been one
-    /// size, which does not tell the fixed part from the rows'), everything offered is kept
-    /// (but for the catch-up rule below).
+    /// step is plain decoding. Before any fit of the steps told their fixed part from their
+    /// rows' (and, for a proposer, where the last that did is more than [`PROPOSER_PARTS`]
+    /// steps old: the steps since were all one size), everything offered is kept (but for the
+    /// catch-up rule below).
     ///
     /// A draft model must first catch a sequence up over what it lacks (`lag[i]` tokens; none
     /// where `lag` is empty): a cost paid once for the steps the sequence drafts in after, so
@@ -512,7 +518,15 @@ impl Engine {
         };
         // A sequence that may not catch up does not draft.
         let may = |i: usize| catches_up || lone == Some(i) || lag.get(i).is_none_or(|&l| l <= 1);
-        let Some(cost) = self.decode_cost.parts() else {
+        // The decode steps' parts, the last that were told apart: a model drafting is checked
+        // by its outcome, whatever the parts say; proposals of a proposer are sized by the
+        // parts alone, from at most `PROPOSER_PARTS` steps ago (the steps a proposer leaves
+        // plain are all one size, and parts from another load would keep it plain for good).
+        let checked = matches!(self.spec, Some(Speculation { arm: Some(_), .. }));
+        let Some(cost) = self.decode_cost.parts_within(match checked {
+            true => u32::MAX,
+            false => PROPOSER_PARTS,
+        }) else {
             return (0..offered.len())
                 .map(|i| if may(i) { offered[i] } else { 0 })
                 .collect();
@@ -521,7 +535,10 @@ impl Engine {
         let mut time = cost.fixed;
         let mut cands = Vec::new();
         let max_ctx = self.backend.config().max_position_embeddings;
-        let catch_up = self.draft_cost.parts().or_else(|| self.draft_cost.fit());
+        let catch_up = self
+            .draft_cost
+            .parts_within(u32::MAX)
+            .or_else(|| self.draft_cost.fit());
         let typical = self.spec.as_ref().and_then(|s| s.typical_output);
         let mut setup = vec![0.0f64; self.running.len()];
         for (i, s) in self.running.iter().enumerate() {
@@ -653,11 +670,15 @@ impl Engine {
     /// made and measured).
     fn draft_row_seconds(&self, drafting: usize, share: f64) -> f64 {
         let drafting = drafting.max(1) as f64;
-        if let Some(c) = self.draft_cost.parts().or_else(|| self.draft_cost.fit()) {
+        if let Some(c) = self
+            .draft_cost
+            .parts_within(u32::MAX)
+            .or_else(|| self.draft_cost.fit())
+        {
             return c.per_token + c.fixed / drafting;
         }
         self.decode_cost
-            .parts()
+            .parts_within(u32::MAX)
             .map_or(0.0, |c| share * (c.per_token + c.fixed / drafting))
     }
 
