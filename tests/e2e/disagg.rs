@@ -1415,14 +1415,16 @@ async fn a_drained_decode_worker_hands_its_requests_over_with_nothing_computed_a
 /// `--worker-stall-timeout-ms` and the stream goes on elsewhere, exact. A worker that is only
 /// slow (a long prompt's prefill, and at TANDEM_TEST_SLOWDOWN every step) keeps sending
 /// heartbeats and is never left: exactly one migration. Thawed, the frozen worker frees the
-/// abandoned request's blocks.
+/// abandoned request's blocks. The stall timeout is five heartbeats (a second each): with 1.5 s
+/// a worker only slow was once left, its heartbeat late by half a second while the 10x-slow
+/// suite's workers shared two cores.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_decode_worker_is_left_once_its_heartbeats_stop() {
     let (mut d1, d1addr) = start_worker(&[]);
     let (mut d2, d2addr) = start_worker(&[]);
     let r = start_router(
         &[d1addr.clone(), d2addr.clone()],
-        &["--worker-stall-timeout-ms=1500"],
+        &["--worker-stall-timeout-ms=5000"],
     );
     wait_ready(&r, 2).await;
     let body = json!({

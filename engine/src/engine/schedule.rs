@@ -457,8 +457,8 @@ pub struct StepCost {
     kk: f64,
     ty: f64,
     ky: f64,
-    /// The last fit that told the fixed part from the rows' ([`StepCost::parts`]), and the
-    /// steps recorded since.
+    /// The last fit that told the fixed part from the rows' ([`StepCost::parts_within`]), and
+    /// the steps recorded since.
     parts: Option<Cost>,
     since_parts: u32,
 }

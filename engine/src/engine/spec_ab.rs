@@ -21,8 +21,9 @@
 //! speculation loses: one waits besides until the plain steps since the last (at any batch
 //! size: the budget is the worker's) ran fifty times what that one spent catching up
 //! ([`PROBE_BUDGET`]). Where speculation is not chosen, a step that speculates catches up one
-//! sequence at most ([`super::Engine::propose`]), so a probe at a batch of many measures
-//! one sequence drafting beside plain decodes, and only where the policy expects that one to
+//! sequence at most ([`super::Engine::propose`]), so a probe of a draft model at a batch of
+//! many measures one sequence drafting beside plain decodes (a self-draft catches nothing
+//! up: every sequence may draft), and only where the policy expects that one to
 //! pay for the draft forwards it then runs alone (else the probe's steps verify nothing and
 //! count as plain): speculation is chosen there only where that pays already. A batch size
 //! seen for the first time is meant to speculate for [`WARM`] steps (the policy may hold

@@ -483,8 +483,8 @@ impl Engine {
     /// is compute-bound (many sequences, each row costing its full share) nothing pays and the
     /// step is plain decoding. Before any fit of the steps told their fixed part from their
     /// rows' (and, for a proposer, where the last that did is more than [`PROPOSER_PARTS`]
-    /// steps old: the steps since were all one size), everything offered is kept (but for the
-    /// catch-up rule below).
+    /// steps old: no fit since told them apart, the steps being of about one size), everything
+    /// offered is kept (but for the catch-up rule below).
     ///
     /// A draft model must first catch a sequence up over what it lacks (`lag[i]` tokens; none
     /// where `lag` is empty): a cost paid once for the steps the sequence drafts in after, so
@@ -518,10 +518,14 @@ impl Engine {
         };
         // A sequence that may not catch up does not draft.
         let may = |i: usize| catches_up || lone == Some(i) || lag.get(i).is_none_or(|&l| l <= 1);
-        // The decode steps' parts, the last that were told apart: a model drafting is checked
-        // by its outcome, whatever the parts say; proposals of a proposer are sized by the
-        // parts alone, from at most `PROPOSER_PARTS` steps ago (the steps a proposer leaves
-        // plain are all one size, and parts from another load would keep it plain for good).
+        // The decode steps' parts, the last that were told apart: for a model drafting,
+        // whatever their age (its outcome check stops speculation they let through, and with
+        // no parts a probe at a batch of many would draft one sequence alone at a loss; but
+        // parts that hold every draft back keep its batch size plain until the batch changes
+        // or a step of another size teaches them again); a proposer's proposals, sized by the
+        // parts alone, by parts from at most `PROPOSER_PARTS` steps ago (the steps a proposer
+        // leaves plain are all one size, and parts from another load would keep it plain for
+        // good).
         let checked = matches!(self.spec, Some(Speculation { arm: Some(_), .. }));
         let Some(cost) = self.decode_cost.parts_within(match checked {
             true => u32::MAX,
@@ -620,8 +624,8 @@ impl Engine {
     ///
     /// The `j`-th drafted token of every sequence comes from one forward, whose fixed part
     /// (reading the draft's weights) the sequences drafting `j` tokens or more share: sized
-    /// first as if every sequence that may draft did, then again with each forward shared by
-    /// those the sizing kept, until the counts hold. (Priced as if all drafted, one sequence
+    /// first as if every sequence offered room did, then again with each forward shared by
+    /// those the sizing kept, until those counts no longer fall. (Priced as if all drafted, one sequence
     /// kept alone beside plain decodes would pay a forward over the whole draft for a share of
     /// it.)
     pub(super) fn size_drafts(
@@ -665,9 +669,9 @@ impl Engine {
 
     /// Seconds one more drafted token of one sequence costs, by the measure of the draft
     /// forwards so far, with their fixed part shared by the `drafting` sequences of its
-    /// forward; before any was measured, the decode steps' measure scaled by the draft's
-    /// `share` of the target's cost (none measured either: nothing, so the first drafts are
-    /// made and measured).
+    /// forward; before any was measured, the decode steps' parts scaled by the draft's `share`
+    /// of the target's cost (no parts either: nothing, and the sizing then keeps what was
+    /// offered, so the first drafts are made and measured).
     fn draft_row_seconds(&self, drafting: usize, share: f64) -> f64 {
         let drafting = drafting.max(1) as f64;
         if let Some(c) = self
