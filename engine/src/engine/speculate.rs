@@ -245,9 +245,11 @@ impl Acceptance {
 }
 
 /// Steps a proposer's proposals are sized by the decode steps' last parts after the steps stop
-/// telling them apart ([`StepCost::parts_within`](super::StepCost::parts_within)); past that
-/// everything offered is verified, so the steps' sizes vary and the parts are learned again.
-const PROPOSER_PARTS: u32 = 32;
+/// telling them apart ([`StepCost::parts_within`](super::StepCost::parts_within)): none, the
+/// current fit's parts only; without them everything offered is verified, so the steps' sizes
+/// vary and the parts are learned again. (At 32 steps, an n-gram worker's first requests, sized
+/// by parts from its first few steps, once verified 8 tokens and withheld 192.)
+const PROPOSER_PARTS: u32 = 0;
 
 /// How much more a proposed token must be expected to give than the step's tokens per second
 /// before it is verified: the cost model is a line through steps of other sizes and its
