@@ -564,10 +564,25 @@ impl Shared {
     /// Removes the least recently used blocks past the capacity, then tells the owner what
     /// changed (a write or a scan calls it after adding blocks).
     fn evict_over(&self) {
-        let gone = self.lock().over(self.capacity);
+        let gone = self.over(&mut self.lock());
+        self.remove_files(gone);
+    }
+
+    /// Takes the least recently used blocks past the capacity out of the index, counted as
+    /// evicted under the same lock (the stats never see a block gone but not counted); their
+    /// files are removed after, by [`Self::remove_files`].
+    fn over(&self, ix: &mut Index) -> Vec<u64> {
+        let gone = ix.over(self.capacity);
+        self.counters
+            .evictions
+            .fetch_add(gone.len() as u64, Ordering::Relaxed);
+        gone
+    }
+
+    /// Removes evicted blocks' files, then tells the owner what changed.
+    fn remove_files(&self, gone: Vec<u64>) {
         for hash in gone {
             let _ = fs::remove_file(self.path(hash));
-            self.counters.evictions.fetch_add(1, Ordering::Relaxed);
         }
         self.notify();
     }
@@ -582,25 +597,29 @@ impl Shared {
         } else {
             self.write_file(hash, payload)
         };
+        // The block leaves the queue, is indexed, counted and what it pushes past the
+        // capacity evicted under one lock: `flush` returns once the queue is empty, and the
+        // stats it is followed by then hold the write whole.
         let mut ix = self.lock();
         ix.queued.remove(&hash);
         ix.pending_bytes -= payload.len() as u64;
+        let c = &self.counters;
         match result {
             Ok(()) => {
                 ix.insert(hash, len);
-                drop(ix);
-                let c = &self.counters;
                 c.writes.fetch_add(1, Ordering::Relaxed);
                 c.write_bytes
                     .fetch_add(payload.len() as u64, Ordering::Relaxed);
                 c.write_nanos
                     .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
-                self.evict_over();
+                let gone = self.over(&mut ix);
+                drop(ix);
+                self.remove_files(gone);
             }
             Err(e) => {
+                c.write_errors.fetch_add(1, Ordering::Relaxed);
                 drop(ix);
                 tracing::warn!(hash = format!("{hash:016x}"), error = %e, "a KV block was not written to disk");
-                self.counters.write_errors.fetch_add(1, Ordering::Relaxed);
             }
         }
     }

@@ -541,10 +541,7 @@ impl Engine {
         let mut time = cost.fixed;
         let mut cands = Vec::new();
         let max_ctx = self.backend.config().max_position_embeddings;
-        let catch_up = self
-            .draft_cost
-            .parts_within(u32::MAX)
-            .or_else(|| self.draft_cost.fit());
+        let catch_up = self.draft_fit();
         let typical = self.spec.as_ref().and_then(|s| s.typical_output);
         let mut setup = vec![0.0f64; self.running.len()];
         for (i, s) in self.running.iter().enumerate() {
@@ -627,9 +624,9 @@ impl Engine {
     /// The `j`-th drafted token of every sequence comes from one forward, whose fixed part
     /// (reading the draft's weights) the sequences drafting `j` tokens or more share: sized
     /// first as if every sequence offered room did, then again with each forward shared by
-    /// those the sizing kept, until those counts no longer fall. (Priced as if all drafted, one sequence
-    /// kept alone beside plain decodes would pay a forward over the whole draft for a share of
-    /// it.)
+    /// those the sizing kept, until those counts no longer fall. (Priced as if all drafted, one
+    /// sequence kept alone beside plain decodes would pay a forward over the whole draft for a
+    /// share of it.)
     pub(super) fn size_drafts(
         &mut self,
         room: Vec<usize>,
@@ -653,8 +650,8 @@ impl Engine {
                 .map(|&n| self.draft_row_seconds(n, share))
                 .collect();
             keep = self.sizes(&room, &per_token, lag);
-            // Fewer sharing a forward only raises its tokens' price: the counts fall until
-            // they hold, a few rounds at most.
+            // Fewer sharing a forward only raises its tokens' price: the counts only
+            // fall, so the loop ends.
             let kept: Vec<usize> = at_least(&keep)
                 .iter()
                 .zip(&sharing)
@@ -676,16 +673,20 @@ impl Engine {
     /// offered, so the first drafts are made and measured).
     fn draft_row_seconds(&self, drafting: usize, share: f64) -> f64 {
         let drafting = drafting.max(1) as f64;
-        if let Some(c) = self
-            .draft_cost
-            .parts_within(u32::MAX)
-            .or_else(|| self.draft_cost.fit())
-        {
+        if let Some(c) = self.draft_fit() {
             return c.per_token + c.fixed / drafting;
         }
         self.decode_cost
             .parts_within(u32::MAX)
             .map_or(0.0, |c| share * (c.per_token + c.fixed / drafting))
+    }
+
+    /// The draft forwards' parts, the last told apart whatever their age, else their current
+    /// fit.
+    fn draft_fit(&self) -> Option<super::Cost> {
+        self.draft_cost
+            .parts_within(u32::MAX)
+            .or_else(|| self.draft_cost.fit())
     }
 
     /// Drafts `keep[i]` tokens for each running sequence with the model's first `layers`
