@@ -30,8 +30,9 @@ const ROWS_PER_TASK: usize = MAX_PANELS * PANEL;
 /// registers, group after group, rather than into a tile, where the level's fused kernel takes
 /// several rows (AVX-512's 8). The model's decode steps on 2 cores of Zen 5 (AVX-512), tile
 /// against groups: 12 rows 19.5 and 14.7 ms, 16 rows 23.7 and 17.8, 24 rows 32.0 and 27.6, 32
-/// rows 39.4 and 39.0. AVX2's fused kernel takes one row: decoding again for each costs more
-/// than the tile (2 rows 9.1 ms against 11.1, 4 rows 11.6 against 20.5).
+/// rows 39.4 and 39.0. AVX2's fused kernel takes four rows at most, and from five on the tile
+/// is as fast or faster than registers (see [`fused_rows`]): decoding again for each group
+/// would cost more still, so AVX2 has no groups.
 const FUSED_GROUPS: usize = 4;
 
 /// Activation rows up to which a quantized product decodes in registers (0: never).

@@ -618,14 +618,19 @@ pub fn x1_unit() -> usize {
 }
 
 /// Activation rows that [`dot_quant_rows`] takes in one call at this process's level (eight at
-/// AVX-512, one at AVX2, none below): up to this many rows decode each weight in registers once
+/// AVX-512, four at AVX2, none below): up to this many rows decode each weight in registers once
 /// for all of them instead of through a decoded tile in memory. (A mixture of experts' batch of
-/// 32 on Zen 5, about two rows an expert: 71 tok/s through the tile, 97 with four rows fused.)
+/// 32 on Zen 5, about two rows an expert: 71 tok/s through the tile, 97 with four rows fused.
+/// AVX2 on Zen 4, the model's products of a decode step (`decode_matmul`, four rounds each,
+/// tile against registers): 2 rows 12.6-16.0 ms against 11.1-13.6, 3 rows 19.1-22.0 against
+/// 11.4-13.1, 4 rows 13.9-18.1 against 11.9-14.9; from five rows on the registers were no
+/// faster (5 and 6 rows) or slower (8 rows: 22.2-22.7 against 25.0-30.1), the rows'
+/// accumulators and broadcasts spilling from AVX2's 16 registers.)
 pub fn fused_rows() -> usize {
     if has_avx512() {
         8
     } else if has_avx2_fma() {
-        1
+        4
     } else {
         0
     }
@@ -694,7 +699,7 @@ pub unsafe fn dot_quant_rows(
     }
 }
 
-/// [`dot_quant_rows`] at kernel level `level` (AVX2: one row; AVX-512: up to eight).
+/// [`dot_quant_rows`] at kernel level `level` (AVX2: up to four rows; AVX-512: up to eight).
 ///
 /// # Safety
 /// The CPU has `level`'s features; `data` holds `all` panels of `k` columns of `ty`; the `cols`
@@ -785,6 +790,24 @@ unsafe fn dot_quant_rows_at(
                     (_, false) => xm!(1, 4, i, oi, c),
                 }
                 i += 2;
+            }
+        } else if m > 1 {
+            // Panel by panel, half a panel at a time (see the kernel).
+            for i in 0..np {
+                let c = (cols - i * PANEL).min(PANEL);
+                let oi = o.add(i * PANEL);
+                macro_rules! xm2 {
+                    ($m:literal) => {
+                        fmt::with_fmt!(ty, F => avx2::dot_quant_xm::<F, $m>(
+                            at[i], pl, xp, k, k, oi, ldo, c,
+                        ))
+                    };
+                }
+                match m {
+                    2 => xm2!(2),
+                    3 => xm2!(3),
+                    _ => xm2!(4),
+                }
             }
         } else {
             // Two panels at a time: four accumulators and the panels' scales and minimums
@@ -1198,8 +1221,9 @@ mod tests {
     /// panels' product bit for bit. The AVX2 and AVX-512 products give the same bits.
     #[test]
     fn panels_decode_and_multiply_alike_at_every_level() {
-        // 37 rows: three panels, the last with 5 rows and 11 of padding; 69: five.
-        for n in [37, 69] {
+        // 37 rows: three panels, the last with 5 rows and 11 of padding; 44: its last with 12
+        // (AVX2's half panels: a whole one and a part); 69: five.
+        for n in [37, 44, 69] {
             panels_at_every_level(n, 512);
         }
         panels_at_every_level(37, 320);
