@@ -30,16 +30,31 @@ const ROWS_PER_TASK: usize = MAX_PANELS * PANEL;
 /// registers, group after group, rather than into a tile, where the level's fused kernel takes
 /// several rows (AVX-512's 8). The model's decode steps on 2 cores of Zen 5 (AVX-512), tile
 /// against groups: 12 rows 19.5 and 14.7 ms, 16 rows 23.7 and 17.8, 24 rows 32.0 and 27.6, 32
-/// rows 39.4 and 39.0. AVX2's fused kernel takes four rows at most, and from five on the tile
-/// is as fast or faster than registers (see [`fused_rows`]): decoding again for each group
-/// would cost more still, so AVX2 has no groups.
+/// rows 39.4 and 39.0.
 const FUSED_GROUPS: usize = 4;
 
-/// Activation rows up to which a quantized product decodes in registers (0: never).
-fn fused_most() -> usize {
+/// Activation rows up to which AVX2 (whose fused kernel takes four, see [`fused_rows`]) decodes
+/// in registers, in groups of [`AVX2_GROUP`] above four. The model's decode-step products on
+/// Zen 4 at AVX2 (`decode_matmul`, three rounds alternated): 5 rows through the tile 17.0-23.6
+/// ms, in groups of three (3 + 2) 14.9-16.4, of four (4 + 1) 19.3-20.5; 6 rows 15.9-19.9, in
+/// threes 14.8-16.5, in twos 17.7-30.6, four and two 18.8-25.7; 8 rows 22.6-24.1, in fours
+/// 25.2-26.7; 4 rows in one call 12.6-13.2, in twos 15.1-16.1.
+const AVX2_FUSED_MOST: usize = 6;
+
+/// See [`AVX2_FUSED_MOST`].
+const AVX2_GROUP: usize = 3;
+
+/// The rows of each group in which a quantized product of `m` activation rows decodes in
+/// registers, or `None` where it goes through a decoded tile.
+fn fused_group(m: usize) -> Option<usize> {
     match fused_rows() {
-        r if r >= 8 => FUSED_GROUPS * r,
-        r => r,
+        r if r >= 8 => (m <= FUSED_GROUPS * r).then_some(r),
+        r if r >= 4 => match m {
+            _ if m <= r => Some(r),
+            _ if m <= AVX2_FUSED_MOST => Some(AVX2_GROUP),
+            _ => None,
+        },
+        _ => None,
     }
 }
 
@@ -148,15 +163,19 @@ fn run(t: Task<'_>) {
     let k = w.cols();
     let (p0, np) = (r0 / PANEL, rows.div_ceil(PANEL));
     let at = base + r0;
-    match w {
+    let group = match w {
+        Weight::Quant { ty, .. } if has_quant_x1(*ty) => fused_group(m),
+        _ => None,
+    };
+    match (w, group) {
         // A few activation rows (decode steps of few sequences, an expert's rows): each panel
-        // block decoded in registers once for all of them and used at once; up to
-        // FUSED_GROUPS times as many in groups of that many, each group decoding the task's
-        // panels again (from L1 and L2: a task's panels are tens of KiB).
-        Weight::Quant { ty, data, .. } if m <= fused_most() && has_quant_x1(*ty) => {
+        // block decoded in registers once for all of them and used at once; a few times as
+        // many in groups, each group decoding the task's panels again (from L1 and L2: a
+        // task's panels are tens of KiB).
+        (Weight::Quant { ty, data, .. }, Some(group)) => {
             let k = w.cols();
-            for g0 in (0..m).step_by(fused_rows()) {
-                let mg = fused_rows().min(m - g0);
+            for g0 in (0..m).step_by(group) {
+                let mg = group.min(m - g0);
                 // SAFETY: outputs at.. +rows of every row (n apart) are this task's.
                 unsafe {
                     dot_quant_rows(
@@ -175,7 +194,7 @@ fn run(t: Task<'_>) {
         }
         // The decoded tile lives in a per-thread buffer: allocating it per task would map and
         // unmap pages (and shoot down TLBs on every core) thousands of times a step.
-        _ => TILE.with(|tile| {
+        (_, _) => TILE.with(|tile| {
             let mut tile = tile.borrow_mut();
             let span = if m <= SMALL_M { SPAN } else { k };
             if tile.len() < np * span * PANEL {
@@ -357,8 +376,13 @@ mod tests {
             let probe = rnd(k, 99);
             let mut alone = vec![0f32; n];
             matmul(&probe, 1, &w, &mut alone).unwrap();
-            for trial in 0..12 {
-                let m = rng.gen_range(1..=70);
+            // Two to eight rows each once (every group the levels' fused kernels take), then
+            // twelve row counts at random.
+            for trial in 0..19 {
+                let m = match trial {
+                    0..7 => trial as usize + 2,
+                    _ => rng.gen_range(1..=70),
+                };
                 let at = rng.gen_range(0..m);
                 let mut x = rnd(m * k, 1000 + trial);
                 x[at * k..(at + 1) * k].copy_from_slice(&probe);

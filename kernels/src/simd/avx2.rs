@@ -689,14 +689,15 @@ pub unsafe fn dot_quant_x1<F: Fmt, const P: usize>(
     }
 }
 
-/// `M` activation rows `x` (`k` values each, `ldx` apart) against one panel of format `F` at
-/// `panel` decoded in registers, half a panel (eight of its sixteen weight rows) at a time: each
-/// column's eight weights decoded to exactly what [`dequant_panel`] writes, once for all the
-/// rows, and multiplied into each row's accumulator, column after column: [`panel_tile`]'s bits.
-/// Half a panel keeps `M` accumulators, a scale and a minimum, the codes and a broadcast
-/// within the 16 registers up to eight rows (a whole panel's two halves fit two rows only). The
-/// second half reads the panel's bytes again, from L1. The first `cols` outputs of each row go
-/// to `out` (rows `ldo` apart).
+/// `M` (≤ 4) activation rows `x` (`k` values each, `ldx` apart) against one panel of format `F`
+/// at `panel` decoded in registers: each column's sixteen weights decoded to exactly what
+/// [`dequant_panel`] writes, once for all the rows, and multiplied into each row's two
+/// accumulators, column after column: [`panel_tile`]'s bits. The first `cols` outputs of each row
+/// go to `out` (rows `ldo` apart). From three rows on, the accumulators, the scales and minimums,
+/// the codes and the weights outgrow the 16 registers a little; the model's decode-step products
+/// on Zen 4 (`decode_matmul`, four rounds) still took 8.4-12.0 ms for 2 rows, 8.7-9.9 for 3 and
+/// 12.1-13.6 for 4, where half a panel at a time (eight accumulators' room, each column's codes
+/// decoded and the rows' values broadcast twice) took 12.6-13.8, 12.0-13.7 and 12.0-15.4.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn dot_quant_xm<F: Fmt, const M: usize>(
@@ -710,47 +711,48 @@ pub unsafe fn dot_quant_xm<F: Fmt, const M: usize>(
     cols: usize,
 ) {
     let l = F::L;
-    for h in 0..2 {
-        if cols <= 8 * h {
-            break;
+    let mut acc = [[_mm256_setzero_ps(); 2]; M];
+    for b in 0..k / 32 {
+        let (ho, so) = l.block(b);
+        let from = if b % l.subs == 0 { ho } else { so };
+        for line in (from..so + l.sub()).step_by(64) {
+            _mm_prefetch::<_MM_HINT_T0>(super::ahead(
+                panel.wrapping_add(line),
+                line,
+                pl,
+                1,
+                X1_AHEAD,
+            ));
         }
-        let mut acc = [_mm256_setzero_ps(); M];
-        for b in 0..k / 32 {
-            let (ho, so) = l.block(b);
-            if h == 0 {
-                let from = if b % l.subs == 0 { ho } else { so };
-                for line in (from..so + l.sub()).step_by(64) {
-                    _mm_prefetch::<_MM_HINT_T0>(super::ahead(
-                        panel.wrapping_add(line),
-                        line,
-                        pl,
-                        1,
-                        X1_AHEAD,
-                    ));
-                }
+        let [mut s, mut m] = scales::<F>(panel.add(ho), panel.add(so), 0);
+        let codes = panel.add(so + l.scales);
+        for c in 0..16 {
+            if F::HALVES && c == 8 {
+                [s, m] = scales::<F>(panel.add(ho), panel.add(so), 1);
             }
-            let [s, m] = scales::<F>(panel.add(ho), panel.add(so), 0);
-            let (mut s, mut m) = (s[h], m[h]);
-            let codes = panel.add(so + l.scales);
-            for c in 0..16 {
-                if F::HALVES && c == 8 {
-                    let [s1, m1] = scales::<F>(panel.add(ho), panel.add(so), 1);
-                    (s, m) = (s1[h], m1[h]);
-                }
-                // Columns 2c and 2c+1, this half's rows: codes 2i + h of the pair.
-                let q = pair::<F>(codes, c);
-                for i in 0..2 {
-                    let w = value::<F>(q[2 * i + h], s, m);
-                    let t = 32 * b + 2 * c + i;
-                    for (a, acc) in acc.iter_mut().enumerate() {
-                        *acc = _mm256_fmadd_ps(_mm256_set1_ps(*x.add(a * ldx + t)), w, *acc);
-                    }
+            // Columns 2c and 2c+1: codes 2i (rows 0-7) and 2i+1 (rows 8-15) of column 2c+i.
+            let q = pair::<F>(codes, c);
+            for i in 0..2 {
+                let t = 32 * b + 2 * c + i;
+                let w = [
+                    value::<F>(q[2 * i], s[0], m[0]),
+                    value::<F>(q[2 * i + 1], s[1], m[1]),
+                ];
+                for (a, acc) in acc.iter_mut().enumerate() {
+                    let xv = _mm256_set1_ps(*x.add(a * ldx + t));
+                    acc[0] = _mm256_fmadd_ps(xv, w[0], acc[0]);
+                    acc[1] = _mm256_fmadd_ps(xv, w[1], acc[1]);
                 }
             }
         }
-        let count = cols.saturating_sub(8 * h).min(8);
-        for (a, acc) in acc.iter().enumerate() {
-            store_part(out.add(a * ldo + 8 * h), count, *acc);
+    }
+    for (a, acc) in acc.iter().enumerate() {
+        for (h, v) in acc.iter().enumerate() {
+            store_part(
+                out.add(a * ldo + 8 * h),
+                cols.saturating_sub(8 * h).min(8),
+                *v,
+            );
         }
     }
 }

@@ -621,11 +621,10 @@ pub fn x1_unit() -> usize {
 /// AVX-512, four at AVX2, none below): up to this many rows decode each weight in registers once
 /// for all of them instead of through a decoded tile in memory. (A mixture of experts' batch of
 /// 32 on Zen 5, about two rows an expert: 71 tok/s through the tile, 97 with four rows fused.
-/// AVX2 on Zen 4, the model's products of a decode step (`decode_matmul`, four rounds each,
-/// tile against registers): 2 rows 12.6-16.0 ms against 11.1-13.6, 3 rows 19.1-22.0 against
-/// 11.4-13.1, 4 rows 13.9-18.1 against 11.9-14.9; from five rows on the registers were no
-/// faster (5 and 6 rows) or slower (8 rows: 22.2-22.7 against 25.0-30.1), the rows'
-/// accumulators and broadcasts spilling from AVX2's 16 registers.)
+/// AVX2 on Zen 4, the model's products of a decode step (`decode_matmul`, rounds alternated),
+/// tile against registers: 2 rows 12.6-16.0 ms against 8.4-12.0, 3 rows 17.3-22.0 against
+/// 8.7-9.9, 4 rows 13.9-18.1 against 12.1-13.6 (the one row's 8.0-11.1). More rows go in
+/// groups, see `matmul`'s `AVX2_FUSED_MOST`.)
 pub fn fused_rows() -> usize {
     if has_avx512() {
         8
@@ -792,14 +791,14 @@ unsafe fn dot_quant_rows_at(
                 i += 2;
             }
         } else if m > 1 {
-            // Panel by panel, half a panel at a time (see the kernel).
-            for i in 0..np {
+            // Panel by panel: two panels' accumulators would not fit the 16 registers.
+            for (i, &panel) in at.iter().enumerate().take(np) {
                 let c = (cols - i * PANEL).min(PANEL);
                 let oi = o.add(i * PANEL);
                 macro_rules! xm2 {
                     ($m:literal) => {
                         fmt::with_fmt!(ty, F => avx2::dot_quant_xm::<F, $m>(
-                            at[i], pl, xp, k, k, oi, ldo, c,
+                            panel, pl, xp, k, k, oi, ldo, c,
                         ))
                     };
                 }
@@ -1222,7 +1221,7 @@ mod tests {
     #[test]
     fn panels_decode_and_multiply_alike_at_every_level() {
         // 37 rows: three panels, the last with 5 rows and 11 of padding; 44: its last with 12
-        // (AVX2's half panels: a whole one and a part); 69: five.
+        // (eight of them a vector: a whole one and a part); 69: five.
         for n in [37, 44, 69] {
             panels_at_every_level(n, 512);
         }
