@@ -18,7 +18,8 @@
 use rayon::prelude::*;
 
 use crate::simd::{
-    dot_quant_rows, fused_rows, has_quant_x1, panel_product, x1_unit, MAX_PANELS, PANEL,
+    dot_quant_rows, fused_rows, has_avx2_fma, has_avx512, has_quant_x1, panel_product, x1_unit,
+    MAX_PANELS, PANEL,
 };
 use crate::{KernelError, Weight};
 
@@ -26,35 +27,39 @@ use crate::{KernelError, Weight};
 /// at AVX-512), enough to amortize scheduling, few enough to balance two to a few dozen cores.
 const ROWS_PER_TASK: usize = MAX_PANELS * PANEL;
 
-/// Groups of [`fused_rows`] activation rows up to which a quantized product decodes in
-/// registers, group after group, rather than into a tile, where the level's fused kernel takes
-/// several rows (AVX-512's 8). The model's decode steps on 2 cores of Zen 5 (AVX-512), tile
+/// At AVX-512, groups of [`fused_rows`] (8) activation rows up to which a quantized product
+/// decodes in registers, group after group, rather than into a tile (AVX2: see
+/// [`AVX2_FUSED_MOST`]). The model's decode steps on 2 cores of Zen 5 (AVX-512), tile
 /// against groups: 12 rows 19.5 and 14.7 ms, 16 rows 23.7 and 17.8, 24 rows 32.0 and 27.6, 32
 /// rows 39.4 and 39.0.
 const FUSED_GROUPS: usize = 4;
 
 /// Activation rows up to which AVX2 (whose fused kernel takes four, see [`fused_rows`]) decodes
 /// in registers, in groups of [`AVX2_GROUP`] above four. The model's decode-step products on
-/// Zen 4 at AVX2 (`decode_matmul`, three rounds alternated): 5 rows through the tile 17.0-23.6
+/// Zen 4 at AVX2 (`decode_matmul`, its Q4_1 and Q8_0 weights, three rounds alternated): 5 rows through the tile 17.0-23.6
 /// ms, in groups of three (3 + 2) 14.9-16.4, of four (4 + 1) 19.3-20.5; 6 rows 15.9-19.9, in
 /// threes 14.8-16.5, in twos 17.7-30.6, four and two 18.8-25.7; 8 rows 22.6-24.1, in fours
 /// 25.2-26.7; 4 rows in one call 12.6-13.2, in twos 15.1-16.1.
 const AVX2_FUSED_MOST: usize = 6;
 
-/// See [`AVX2_FUSED_MOST`].
+/// See [`AVX2_FUSED_MOST`]: at most the four rows AVX2's kernel takes.
 const AVX2_GROUP: usize = 3;
+const _: () = assert!(AVX2_GROUP <= 4);
 
 /// The rows of each group in which a quantized product of `m` activation rows decodes in
 /// registers, or `None` where it goes through a decoded tile.
 fn fused_group(m: usize) -> Option<usize> {
-    match fused_rows() {
-        r if r >= 8 => (m <= FUSED_GROUPS * r).then_some(r),
-        r if r >= 4 => match m {
+    let r = fused_rows();
+    if has_avx512() {
+        (m <= FUSED_GROUPS * r).then_some(r)
+    } else if has_avx2_fma() {
+        match m {
             _ if m <= r => Some(r),
             _ if m <= AVX2_FUSED_MOST => Some(AVX2_GROUP),
             _ => None,
-        },
-        _ => None,
+        }
+    } else {
+        None
     }
 }
 
@@ -383,7 +388,11 @@ mod tests {
                     0..7 => trial as usize + 2,
                     _ => rng.gen_range(1..=70),
                 };
-                let at = rng.gen_range(0..m);
+                // The small counts' probe is the last row: in the last group of registers.
+                let at = match trial {
+                    0..7 => m - 1,
+                    _ => rng.gen_range(0..m),
+                };
                 let mut x = rnd(m * k, 1000 + trial);
                 x[at * k..(at + 1) * k].copy_from_slice(&probe);
                 let threads = [1, 2, 3][trial as usize % 3];

@@ -621,10 +621,10 @@ pub fn x1_unit() -> usize {
 /// AVX-512, four at AVX2, none below): up to this many rows decode each weight in registers once
 /// for all of them instead of through a decoded tile in memory. (A mixture of experts' batch of
 /// 32 on Zen 5, about two rows an expert: 71 tok/s through the tile, 97 with four rows fused.
-/// AVX2 on Zen 4, the model's products of a decode step (`decode_matmul`, rounds alternated),
-/// tile against registers: 2 rows 12.6-16.0 ms against 8.4-12.0, 3 rows 17.3-22.0 against
-/// 8.7-9.9, 4 rows 13.9-18.1 against 12.1-13.6 (the one row's 8.0-11.1). More rows go in
-/// groups, see `matmul`'s `AVX2_FUSED_MOST`.)
+/// AVX2 on Zen 4, the model's products of a decode step (`decode_matmul`, its Q4_1 and Q8_0
+/// weights, rounds alternated), tile against registers: 2 rows 12.6-16.0 ms against 8.4-12.0,
+/// 3 rows 17.3-22.0 against 8.7-9.9, 4 rows 13.9-18.1 against 12.1-13.6 (the one row's
+/// 8.0-11.1). More rows go in groups, see `matmul`'s `AVX2_FUSED_MOST`.)
 pub fn fused_rows() -> usize {
     if has_avx512() {
         8
@@ -805,7 +805,8 @@ unsafe fn dot_quant_rows_at(
                 match m {
                     2 => xm2!(2),
                     3 => xm2!(3),
-                    _ => xm2!(4),
+                    4 => xm2!(4),
+                    _ => unreachable!("dot_quant_rows: {m} rows at AVX2 (four at most)"),
                 }
             }
         } else {
@@ -1216,8 +1217,8 @@ mod tests {
     }
 
     /// Panels keep GGML's bytes (row by row back to them exactly), decode to GGML's values at
-    /// every level this CPU has, and one row against them in registers gives the decoded
-    /// panels' product bit for bit. The AVX2 and AVX-512 products give the same bits.
+    /// every level this CPU has, and one row or a few against them in registers give the
+    /// decoded panels' product bit for bit. The AVX2 and AVX-512 products give the same bits.
     #[test]
     fn panels_decode_and_multiply_alike_at_every_level() {
         // 37 rows: three panels, the last with 5 rows and 11 of padding; 44: its last with 12
@@ -1298,6 +1299,38 @@ mod tests {
                                 "{ty} {level:?} panels {p0}+{len}, output {c}"
                             );
                         }
+                    }
+                }
+                // Two rows up to as many as the level's kernel takes in one call, from each
+                // panel: each row's outputs its own chain's bits.
+                let most = if level >= Isa::Avx512 { 8 } else { 4 };
+                for m in 2..=most {
+                    let xs: Vec<f32> = (0..m).flat_map(|a| rnd(k, 60 + a as u64)).collect();
+                    let mut got = vec![f32::NAN; m * n];
+                    for p0 in 0..np {
+                        let (c0, c1) = (p0 * PANEL, ((p0 + MAX_PANELS) * PANEL).min(n));
+                        // SAFETY: as above; rows of n outputs, this call's c0..c1 of each.
+                        unsafe {
+                            dot_quant_rows_at(
+                                level,
+                                ty,
+                                &panels,
+                                np,
+                                p0,
+                                &xs,
+                                m,
+                                got.as_mut_ptr().add(c0),
+                                n,
+                                c1 - c0,
+                            )
+                        };
+                    }
+                    for (i, g) in got.iter().enumerate() {
+                        let (a, c) = (i / n, i % n);
+                        // Fused, as the level's kernels are (whatever level the process runs).
+                        let want =
+                            (0..k).fold(0f32, |s, t| xs[a * k + t].mul_add(dense[c * k + t], s));
+                        assert_eq!(g.to_bits(), want.to_bits(), "{ty} {level:?} {m} rows, {i}");
                     }
                 }
             }
