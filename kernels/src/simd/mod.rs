@@ -1229,6 +1229,33 @@ mod tests {
         panels_at_every_level(37, 320);
     }
 
+    /// Two activation rows up to `most` against every panel of `n` rows of `k` columns, as a
+    /// task takes them (up to [`MAX_PANELS`] from each panel): `product(xs, m, p0, out, cols)`
+    /// writes `cols` outputs from panel `p0` of each of `m` rows of `n` outputs at `out`, the
+    /// first row's at `out`. Each output is its row's one fused chain over the columns (the
+    /// multi-row kernels exist only at levels that fuse), bit for bit.
+    fn check_row_products(
+        (n, k): (usize, usize),
+        dense: &[f32],
+        most: usize,
+        what: &str,
+        product: impl Fn(&[f32], usize, usize, *mut f32, usize),
+    ) {
+        for m in 2..=most {
+            let xs: Vec<f32> = (0..m).flat_map(|a| rnd(k, 60 + a as u64)).collect();
+            let mut got = vec![f32::NAN; m * n];
+            for p0 in 0..n.div_ceil(PANEL) {
+                let (c0, c1) = (p0 * PANEL, ((p0 + MAX_PANELS) * PANEL).min(n));
+                product(&xs, m, p0, got.as_mut_ptr().wrapping_add(c0), c1 - c0);
+            }
+            for (i, g) in got.iter().enumerate() {
+                let (a, c) = (i / n, i % n);
+                let want = (0..k).fold(0f32, |s, t| xs[a * k + t].mul_add(dense[c * k + t], s));
+                assert_eq!(g.to_bits(), want.to_bits(), "{what}: {m} rows, output {i}");
+            }
+        }
+    }
+
     /// Every panel format at every level this CPU has: the decoded panels are GGML's values bit
     /// for bit, and the product of one row decoded in registers and the panel product both give
     /// each output's one fused chain over the columns.
@@ -1301,38 +1328,13 @@ mod tests {
                         }
                     }
                 }
-                // Two rows up to as many as the level's kernel takes in one call, from each
-                // panel: each row's outputs its own chain's bits.
+                // Two rows up to as many as the level's kernel takes in one call.
                 let most = if level >= Isa::Avx512 { 8 } else { 4 };
-                for m in 2..=most {
-                    let xs: Vec<f32> = (0..m).flat_map(|a| rnd(k, 60 + a as u64)).collect();
-                    let mut got = vec![f32::NAN; m * n];
-                    for p0 in 0..np {
-                        let (c0, c1) = (p0 * PANEL, ((p0 + MAX_PANELS) * PANEL).min(n));
-                        // SAFETY: as above; rows of n outputs, this call's c0..c1 of each.
-                        unsafe {
-                            dot_quant_rows_at(
-                                level,
-                                ty,
-                                &panels,
-                                np,
-                                p0,
-                                &xs,
-                                m,
-                                got.as_mut_ptr().add(c0),
-                                n,
-                                c1 - c0,
-                            )
-                        };
-                    }
-                    for (i, g) in got.iter().enumerate() {
-                        let (a, c) = (i / n, i % n);
-                        // Fused, as the level's kernels are (whatever level the process runs).
-                        let want =
-                            (0..k).fold(0f32, |s, t| xs[a * k + t].mul_add(dense[c * k + t], s));
-                        assert_eq!(g.to_bits(), want.to_bits(), "{ty} {level:?} {m} rows, {i}");
-                    }
-                }
+                let what = format!("{ty} {level:?}");
+                check_row_products((n, k), &dense, most, &what, |xs, m, p0, out, cols| {
+                    // SAFETY: the level is on this CPU; the panels; `out` as the helper says.
+                    unsafe { dot_quant_rows_at(level, ty, &panels, np, p0, xs, m, out, n, cols) }
+                });
             }
             // Through the dispatch, at the process's level: the decoded panels and their
             // product, and where the level has it, the one-row product in registers.
@@ -1363,33 +1365,11 @@ mod tests {
             }
             // A few rows at once, each row's outputs its own chain's bits.
             if has_quant_x1(ty) && fused_rows() > 1 {
-                for m in 2..=fused_rows() {
-                    let xs: Vec<f32> = (0..m).flat_map(|a| rnd(k, 60 + a as u64)).collect();
-                    let want: Vec<f32> = (0..m * n)
-                        .map(|i| chain(&xs[i / n * k..(i / n + 1) * k], |t| dense[i % n * k + t]))
-                        .collect();
-                    let mut got = vec![f32::NAN; m * n];
-                    for p0 in 0..np {
-                        let (c0, c1) = (p0 * PANEL, ((p0 + MAX_PANELS) * PANEL).min(n));
-                        // SAFETY: rows of n outputs; this call's are c0..c1 of each.
-                        unsafe {
-                            dot_quant_rows(
-                                ty,
-                                &panels,
-                                n,
-                                p0,
-                                &xs,
-                                m,
-                                got.as_mut_ptr().add(c0),
-                                n,
-                                c1 - c0,
-                            )
-                        };
-                    }
-                    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                        assert_eq!(g.to_bits(), w.to_bits(), "{ty} {m} rows, output {i}");
-                    }
-                }
+                let (most, what) = (fused_rows(), format!("{ty} dispatched"));
+                check_row_products((n, k), &dense, most, &what, |xs, m, p0, out, cols| {
+                    // SAFETY: `out` as the helper says.
+                    unsafe { dot_quant_rows(ty, &panels, n, p0, xs, m, out, n, cols) }
+                });
             }
             if has_quant_x1(ty) {
                 for p0 in 0..np {
