@@ -126,10 +126,40 @@ fn random_arrivals_equal_each_prompt_alone_and_golden() {
 /// (the token proposers) over a pool so small that growth preempts. The model as its own draft
 /// proposes what the target draws, its rows (catch-up chunks and single tokens) the bits of the
 /// target's: nothing is rejected, and only what follows a sequence's last token goes
-/// unaccepted. scripts/test runs it at every kernel level.
+/// unaccepted. scripts/test runs these at every kernel level. One test a proposer, so the
+/// proposers' runs (the slowest of this file) can go side by side.
 #[test]
-fn speculative_greedy_tokens_equal_golden_with_each_proposer() {
-    let (probe, recs) = engine(WeightFormat::Native, EngineConfig::default());
+fn speculative_greedy_tokens_equal_golden_with_ngram() {
+    speculative_golden(SpecMethod::Ngram);
+}
+
+/// See [`speculative_greedy_tokens_equal_golden_with_ngram`].
+#[test]
+fn speculative_greedy_tokens_equal_golden_with_suffix() {
+    speculative_golden(SpecMethod::Suffix);
+}
+
+/// See [`speculative_greedy_tokens_equal_golden_with_ngram`].
+#[test]
+fn speculative_greedy_tokens_equal_golden_with_self_draft() {
+    speculative_golden(SpecMethod::SelfDraft(20));
+}
+
+/// See [`speculative_greedy_tokens_equal_golden_with_ngram`]: the model's own file as its draft.
+#[test]
+fn speculative_greedy_tokens_equal_golden_with_the_model_as_draft() {
+    speculative_golden(SpecMethod::Draft(tandem_model::default_model_path()));
+}
+
+/// See [`speculative_greedy_tokens_equal_golden_with_ngram`]: the model's first 8 layers as a
+/// draft model of their own.
+#[test]
+fn speculative_greedy_tokens_equal_golden_with_a_small_draft() {
+    speculative_golden(SpecMethod::Draft("first-8-layers".into()));
+}
+
+fn speculative_golden(method: SpecMethod) {
+    let recs = golden_records().1;
     let reqs = requests(&recs);
     let path = tandem_model::default_model_path();
     let small = || {
@@ -146,73 +176,65 @@ fn speculative_greedy_tokens_equal_golden_with_each_proposer() {
         };
         Box::new(CpuBackend::new(model, &pool).unwrap()) as Box<dyn tandem_engine::Backend>
     };
-    for method in [
-        SpecMethod::Ngram,
-        SpecMethod::Suffix,
-        SpecMethod::SelfDraft(20),
-        SpecMethod::Draft(path.clone()),
-        SpecMethod::Draft("first-8-layers".into()),
-    ] {
-        let spec = SpecConfig {
-            method: method.clone(),
-            tokens: 4,
-            adaptive: false,
-        };
-        let cfg = EngineConfig {
-            max_batched_tokens: 64,
-            speculative: Some(spec),
-            ..EngineConfig::default()
-        };
-        let small_draft = method == SpecMethod::Draft("first-8-layers".into());
-        // An engine of `cfg`; the small draft is set on it (it is no file).
-        let build = |cfg: EngineConfig| {
-            if !small_draft {
-                return engine(WeightFormat::Native, cfg).0;
-            }
-            let plain = EngineConfig {
-                speculative: None,
-                ..cfg
-            };
-            let mut e = engine(WeightFormat::Native, plain).0;
-            e.set_draft_model("first-8-layers", small(), 4, false)
-                .unwrap();
-            e
-        };
-        let mut e = build(cfg.clone());
-        for pass in ["cold", "prefix hits"] {
-            let outs = run_all(&mut e, &recs);
-            assert_eq!(count_exact(&recs, &outs), recs.len(), "{method} {pass}");
+    let spec = SpecConfig {
+        method: method.clone(),
+        tokens: 4,
+        adaptive: false,
+    };
+    let cfg = EngineConfig {
+        max_batched_tokens: 64,
+        speculative: Some(spec),
+        ..EngineConfig::default()
+    };
+    let small_draft = method == SpecMethod::Draft("first-8-layers".into());
+    // An engine of `cfg`; the small draft is set on it (it is no file).
+    let build = |cfg: EngineConfig| {
+        if !small_draft {
+            return engine(WeightFormat::Native, cfg).0;
         }
-        let st = e.stats();
-        assert!(st.prefix_hit_tokens > 0, "{st:?}");
-        let c = st.spec;
-        if method == SpecMethod::Draft(path.clone()) {
-            assert!(c.draft_tokens > 0, "{c:?}");
-            assert!(
-                c.draft_tokens - c.accepted_tokens <= 3 * 2 * recs.len() as u64,
-                "{method}: {c:?}"
-            );
-        } else {
-            assert!(
-                c.accepted_tokens > 0 && c.accepted_tokens < c.draft_tokens,
-                "{method}: {c:?}"
-            );
-        }
-        eprintln!(
-            "{method}: {} of {} proposed tokens accepted",
-            c.accepted_tokens, c.draft_tokens
+        let plain = EngineConfig {
+            speculative: None,
+            ..cfg
+        };
+        let mut e = engine(WeightFormat::Native, plain).0;
+        e.set_draft_model("first-8-layers", small(), 4, false)
+            .unwrap();
+        e
+    };
+    let mut e = build(cfg.clone());
+    for pass in ["cold", "prefix hits"] {
+        let outs = run_all(&mut e, &recs);
+        assert_eq!(count_exact(&recs, &outs), recs.len(), "{method} {pass}");
+    }
+    let st = e.stats();
+    assert!(st.prefix_hit_tokens > 0, "{st:?}");
+    let c = st.spec;
+    if method == SpecMethod::Draft(path.clone()) {
+        assert!(c.draft_tokens > 0, "{c:?}");
+        assert!(
+            c.draft_tokens - c.accepted_tokens <= 3 * 2 * recs.len() as u64,
+            "{method}: {c:?}"
         );
-        assert_no_blocks_held(&e);
-        // (The self-draft's forwards take a tight pool's blocks as the token proposers'
-        // verification does, and the two draft models take the same path: one of each is
-        // enough, and the slow levels' runs stay short. A preempted sequence keeps its draft
-        // model's state while it waits.)
-        if matches!(method, SpecMethod::Ngram | SpecMethod::Suffix) || small_draft {
-            let mut tight = build(preempting(&probe, &cfg, &reqs, true));
-            check_all(&mut tight, &recs);
-            assert!(tight.stats().preemptions > 0, "{method}: no preemption");
-            assert!(tight.stats().spec.accepted_tokens > 0);
-        }
+    } else {
+        assert!(
+            c.accepted_tokens > 0 && c.accepted_tokens < c.draft_tokens,
+            "{method}: {c:?}"
+        );
+    }
+    eprintln!(
+        "{method}: {} of {} proposed tokens accepted",
+        c.accepted_tokens, c.draft_tokens
+    );
+    assert_no_blocks_held(&e);
+    // (The self-draft's forwards take a tight pool's blocks as the token proposers'
+    // verification does, and the two draft models take the same path: one of each is
+    // enough, and the slow levels' runs stay short. A preempted sequence keeps its draft
+    // model's state while it waits.)
+    if matches!(method, SpecMethod::Ngram | SpecMethod::Suffix) || small_draft {
+        let mut tight = build(preempting(&e, &cfg, &reqs, true));
+        check_all(&mut tight, &recs);
+        assert!(tight.stats().preemptions > 0, "{method}: no preemption");
+        assert!(tight.stats().spec.accepted_tokens > 0);
     }
 }
 
