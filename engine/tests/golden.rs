@@ -155,8 +155,11 @@ fn speculative_greedy_tokens_equal_golden_with_the_model_as_draft() {
 /// draft model of their own.
 #[test]
 fn speculative_greedy_tokens_equal_golden_with_a_small_draft() {
-    speculative_golden(SpecMethod::Draft("first-8-layers".into()));
+    speculative_golden(SpecMethod::Draft(SMALL_DRAFT.into()));
 }
+
+/// The name the 8-layer draft is set under (it is no file).
+const SMALL_DRAFT: &str = "first-8-layers";
 
 fn speculative_golden(method: SpecMethod) {
     let recs = golden_records().1;
@@ -186,7 +189,7 @@ fn speculative_golden(method: SpecMethod) {
         speculative: Some(spec),
         ..EngineConfig::default()
     };
-    let small_draft = method == SpecMethod::Draft("first-8-layers".into());
+    let small_draft = method == SpecMethod::Draft(SMALL_DRAFT.into());
     // An engine of `cfg`; the small draft is set on it (it is no file).
     let build = |cfg: EngineConfig| {
         if !small_draft {
@@ -197,8 +200,7 @@ fn speculative_golden(method: SpecMethod) {
             ..cfg
         };
         let mut e = engine(WeightFormat::Native, plain).0;
-        e.set_draft_model("first-8-layers", small(), 4, false)
-            .unwrap();
+        e.set_draft_model(SMALL_DRAFT, small(), 4, false).unwrap();
         e
     };
     let mut e = build(cfg.clone());
