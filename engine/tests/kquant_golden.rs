@@ -1,9 +1,9 @@
-//! The golden checks on the files users download: SmolLM2 requantized by llama.cpp's
-//! `llama-quantize` to Q4_K_M, Q5_K_M, Q6_K and Q4_0 (scripts/kquant-golden makes them, and beside
-//! each a copy with every quantized tensor dequantized to f32 by gguf-py, the decoder HF
-//! transformers loads GGUF with). Each file's greedy tokens for the golden prompts, from the
-//! native kernels (each tensor in its own type), equal the tokens of its f32 copy, whose path
-//! (f32 weights) the golden checks hold to HF transformers' float32 run.
+//! The golden checks on the files users download: SmolLM2 requantized by llama.cpp's quantizer
+//! (what `llama-quantize` runs) to Q4_K_M, Q5_K_M, Q6_K and Q4_0 (scripts/kquant-golden makes
+//! them, and beside each a copy with every quantized tensor dequantized to f32 by gguf-py, the
+//! decoder HF transformers loads GGUF with). Each file's greedy tokens for the golden prompts,
+//! from the native kernels (each tensor in its own type), equal the tokens of its f32 copy, whose
+//! path (f32 weights) the golden checks hold to HF transformers' float32 run.
 
 mod golden_support;
 
