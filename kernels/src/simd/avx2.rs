@@ -64,8 +64,7 @@ pub unsafe fn fma_burst(rounds: usize) -> f32 {
 /// level's.
 const PREFETCH_AHEAD: usize = 16384;
 
-/// The same for the panels rows are multiplied against in registers ([`dot_quant_x1`],
-/// [`dot_quant_xm`]): the
+/// The same for the panels rows are multiplied against in registers ([`dot_quant_xm`]): the
 /// model's products of one row from memory at AVX2 on Zen 5, 2-8 KiB ahead 3.8-4.1 ms (the
 /// lane-tree kernel on rows, 4 KiB ahead: 4.2).
 const X1_AHEAD: usize = 8192;
@@ -621,71 +620,6 @@ pub unsafe fn dequant_panel<F: Fmt>(panel: *const u8, b0: usize, b1: usize, out:
                 let h = i % 2;
                 _mm256_storeu_ps(o.add(32 * c + 8 * i), value::<F>(*q, s[h], m[h]));
             }
-        }
-    }
-}
-
-/// See the AVX-512 `dot_quant_xm`: one activation row against `P` panels decoded in registers,
-/// [`panel_tile`]'s bits.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_quant_x1<F: Fmt, const P: usize>(
-    panels: [*const u8; P],
-    pl: usize,
-    x: *const f32,
-    k: usize,
-    out: *mut f32,
-    cols: usize,
-) {
-    let l = F::L;
-    let mut acc = [[_mm256_setzero_ps(); 2]; P];
-    for b in 0..k / 32 {
-        let (ho, so) = l.block(b);
-        let from = if b % l.subs == 0 { ho } else { so };
-        let mut s = [[_mm256_setzero_ps(); 2]; P];
-        let mut m = [[_mm256_setzero_ps(); 2]; P];
-        for p in 0..P {
-            for line in (from..so + l.sub()).step_by(64) {
-                _mm_prefetch::<_MM_HINT_T0>(super::ahead(
-                    panels[p].wrapping_add(line),
-                    line,
-                    pl,
-                    P,
-                    X1_AHEAD,
-                ));
-            }
-            [s[p], m[p]] = scales::<F>(panels[p].add(ho), panels[p].add(so), 0);
-        }
-        let xb = x.add(32 * b);
-        for c in 0..16 {
-            if F::HALVES && c == 8 {
-                for p in 0..P {
-                    [s[p], m[p]] = scales::<F>(panels[p].add(ho), panels[p].add(so), 1);
-                }
-            }
-            let (x0, x1) = (
-                _mm256_set1_ps(*xb.add(2 * c)),
-                _mm256_set1_ps(*xb.add(2 * c + 1)),
-            );
-            for p in 0..P {
-                let q = pair::<F>(panels[p].add(so + l.scales), c);
-                for h in 0..2 {
-                    let lo = value::<F>(q[h], s[p][h], m[p][h]);
-                    acc[p][h] = _mm256_fmadd_ps(x0, lo, acc[p][h]);
-                }
-                for h in 0..2 {
-                    let hi = value::<F>(q[2 + h], s[p][h], m[p][h]);
-                    acc[p][h] = _mm256_fmadd_ps(x1, hi, acc[p][h]);
-                }
-            }
-        }
-    }
-    for (p, a) in acc.iter().enumerate() {
-        for (h, a) in a.iter().enumerate() {
-            store_part(
-                out.add(16 * p + 8 * h),
-                cols.saturating_sub(16 * p + 8 * h).min(8),
-                *a,
-            );
         }
     }
 }

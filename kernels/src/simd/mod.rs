@@ -605,10 +605,9 @@ fn ahead(at: *const u8, o: usize, pl: usize, streams: usize, dist: usize) -> *co
     at.wrapping_add(dist + skip) as *const i8
 }
 
-/// Panels that a one-row [`dot_quant_rows`] call's share is best a multiple of: two at AVX2, which takes
-/// them in pairs (a third alone is two FMA chains, half the rate; the model's down product of
-/// one row in tasks of three panels on Zen 5 took 0.83 ms, in tasks of two 0.72), one at
-/// AVX-512.
+/// Panels that a one-row [`dot_quant_rows`] call's share is best a multiple of: two at AVX2
+/// (which takes them one at a time: a share of one panel, twice the tasks, was no faster on
+/// Zen 3), one at AVX-512.
 pub fn x1_unit() -> usize {
     if has_avx512() {
         1
@@ -726,18 +725,6 @@ unsafe fn dot_quant_rows_at(
         let at: [*const u8; MAX_PANELS] =
             std::array::from_fn(|i| data.as_ptr().wrapping_add((p0 + i).min(all - 1) * pl));
         let (xp, o) = (x.as_ptr(), out);
-        macro_rules! x1 {
-            ($l:ident, $n:literal, $i:expr, $o:expr, $c:expr) => {
-                fmt::with_fmt!(ty, F => $l::dot_quant_x1::<F, $n>(
-                    at[$i..$i + $n].try_into().expect("n"),
-                    pl,
-                    xp,
-                    k,
-                    $o,
-                    $c,
-                ))
-            };
-        }
         macro_rules! xm {
             ($n:literal, $m:literal, $i:expr, $o:expr, $c:expr) => {
                 fmt::with_fmt!(ty, F => avx512::dot_quant_xm::<F, $n, $m>(
@@ -790,8 +777,14 @@ unsafe fn dot_quant_rows_at(
                 }
                 i += 2;
             }
-        } else if m > 1 {
-            // Panel by panel: two panels' accumulators would not fit the 16 registers.
+        } else {
+            // Panel by panel, one to four rows (two panels' accumulators for more than one row
+            // would not fit the 16 registers). One row took two panels at a time in a kernel
+            // of its own (four accumulators) until the model's one-row decode-step products
+            // on Zen 3 (`decode_matmul`, its Q4_1 and Q8_0 weights, rounds alternated) took
+            // 13.1-13.7 ms that way on one thread against 11.3-11.8 panel by panel, and on two
+            // threads 7.1-8.4 against 6.0-6.6 (the same bits: each output one chain over the
+            // columns in order either way).
             for (i, &panel) in at.iter().enumerate().take(np) {
                 let c = (cols - i * PANEL).min(PANEL);
                 let oi = o.add(i * PANEL);
@@ -803,27 +796,12 @@ unsafe fn dot_quant_rows_at(
                     };
                 }
                 match m {
+                    1 => xm2!(1),
                     2 => xm2!(2),
                     3 => xm2!(3),
                     4 => xm2!(4),
                     _ => unreachable!("dot_quant_rows: {m} rows at AVX2 (four at most)"),
                 }
-            }
-        } else {
-            // Two panels at a time: four accumulators and the panels' scales and minimums
-            // fit AVX2's 16 registers. Three or four spilled them on every column (the
-            // model's products of one row on Zen 5: 3.45 ms in threes and fours, 3.2 in ones,
-            // 2.6 in twos; the lane-tree order's kernel took 2.9).
-            let mut i = 0;
-            while i < np {
-                let c = (cols - i * PANEL).min(2 * PANEL);
-                let oi = o.add(i * PANEL);
-                if c > PANEL {
-                    x1!(avx2, 2, i, oi, c)
-                } else {
-                    x1!(avx2, 1, i, oi, c)
-                }
-                i += 2;
             }
         }
     }
