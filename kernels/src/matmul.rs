@@ -125,9 +125,9 @@ pub fn matmul_many(products: &mut [Product<'_>]) -> Result<(), KernelError> {
             continue;
         }
         let dst = OutPtr(p.out.as_mut_ptr());
-        // Whole panels a task; for one row against panels decoded in registers, as many as a
-        // call of that kernel takes best. Parts of a stacked weight of several types share the
-        // pass.
+        // Whole panels a task; for one row against panels decoded in registers, shares of
+        // the size that schedules best (see `x1_unit`). Parts of a stacked weight of several
+        // types share the pass.
         let unit = |w: &Weight| match w {
             Weight::Quant { ty, .. } if m == 1 && has_quant_x1(*ty) => x1_unit() * PANEL,
             _ => PANEL,

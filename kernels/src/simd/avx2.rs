@@ -64,9 +64,10 @@ pub unsafe fn fma_burst(rounds: usize) -> f32 {
 /// level's.
 const PREFETCH_AHEAD: usize = 16384;
 
-/// The same for the panels rows are multiplied against in registers ([`dot_quant_xm`]): the
-/// model's products of one row from memory at AVX2 on Zen 5, 2-8 KiB ahead 3.8-4.1 ms (the
-/// lane-tree kernel on rows, 4 KiB ahead: 4.2).
+/// The same for the panels rows are multiplied against in registers ([`dot_quant_xm`]). Tuned
+/// on the former one-row kernel, which took two panels at a time: the model's products of one
+/// row from memory at AVX2 on Zen 5, 2-8 KiB ahead 3.8-4.1 ms (the lane-tree kernel on rows,
+/// 4 KiB ahead: 4.2).
 const X1_AHEAD: usize = 8192;
 
 #[inline]

@@ -606,8 +606,8 @@ fn ahead(at: *const u8, o: usize, pl: usize, streams: usize, dist: usize) -> *co
 }
 
 /// Panels that a one-row [`dot_quant_rows`] call's share is best a multiple of: two at AVX2
-/// (which takes them one at a time: a share of one panel, twice the tasks, was no faster on
-/// Zen 3), one at AVX-512.
+/// (whose kernel takes them one at a time; a unit of one, shares of one to four panels, was no
+/// faster on Zen 3), one at AVX-512.
 pub fn x1_unit() -> usize {
     if has_avx512() {
         1
