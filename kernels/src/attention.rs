@@ -20,6 +20,7 @@
 
 use rayon::prelude::*;
 
+use crate::matmul::OutPtr;
 use crate::simd::{
     axpy, axpy_rows_group, dot_keys_t, exp_shifted_sum, max_f32, AXPY_GROUP_MAX, KEYS_T_TILE,
 };
@@ -520,7 +521,17 @@ pub fn paged_attention(
     let gw = group * hd;
     let seg_len = |it: &Item| it.rows * group * (2 + hd);
     let part_len = |it: &Item| seg_len(it) * (it.s1 - it.s0);
-    let mut parts = vec![0f32; items.iter().map(part_len).sum()];
+    //
+    // The buffer is the calling thread's, kept from call to call up to [`KEPT_PARTS`] values:
+    // a prefill chunk's partials are megabytes, and a fresh zeroed buffer every layer cost a
+    // few percent of a prefill's attention. (Taken out while in use, so a call nested in this
+    // one's parallel loop makes its own.) Every value the merge reads is written by
+    // `attend_tile` first.
+    let mut parts = PARTS.with(|p| p.take());
+    let total: usize = items.iter().map(part_len).sum();
+    if parts.len() < total {
+        parts.resize(total, 0.0);
+    }
     let mut jobs: Vec<(&Item, &mut [f32])> = Vec::with_capacity(items.len());
     let mut rest = &mut parts[..];
     for it in &items {
@@ -577,25 +588,51 @@ pub fn paged_attention(
     });
     // Rows without a sequence stay zero; the others are overwritten by the merge below.
     out.fill(0.0);
-    let parts: Vec<(&Item, &[f32])> = jobs.into_iter().map(|(it, part)| (it, &*part)).collect();
+    let done: Vec<(&Item, &[f32])> = jobs.into_iter().map(|(it, part)| (it, &*part)).collect();
+    // The merge, a tile and KV head at a time (its items are consecutive), in parallel: each
+    // writes its own rows' heads of that KV head. Which thread merges changes no bit.
+    let mut groups = Vec::new();
     let mut k = 0;
-    let mut segs: Vec<&[f32]> = Vec::new();
-    while k < items.len() {
-        let (row, kvh) = (items[k].row, items[k].kvh);
-        let mut e = k;
-        segs.clear();
-        while e < items.len() && items[e].row == row && items[e].kvh == kvh {
-            segs.extend(parts[e].1.chunks_exact(seg_len(parts[e].0)));
-            e += 1;
-        }
-        let nq = items[k].rows * group;
-        for r in 0..items[k].rows {
-            let at = (row + r) * width + kvh * gw;
-            merge_parts(&segs, nq, r * group, group, hd, &mut out[at..at + gw]);
-        }
+    while k < done.len() {
+        let e = k + done[k..]
+            .iter()
+            .take_while(|(it, _)| it.row == done[k].0.row && it.kvh == done[k].0.kvh)
+            .count();
+        groups.push(&done[k..e]);
         k = e;
     }
+    let dst = OutPtr(out.as_mut_ptr());
+    groups.par_iter().for_each(|group_items| {
+        let first = group_items[0].0;
+        let segs: Vec<&[f32]> = group_items
+            .iter()
+            .flat_map(|(it, part)| part.chunks_exact(seg_len(it)))
+            .collect();
+        let nq = first.rows * group;
+        for r in 0..first.rows {
+            let at = (first.row + r) * width + first.kvh * gw;
+            // SAFETY: `at..at + gw` is inside `out` (rows of the batch, checked above) and is
+            // this tile's row r for this KV head: no other group writes it.
+            let o = unsafe { std::slice::from_raw_parts_mut(dst.at(at), gw) };
+            merge_parts(&segs, nq, r * group, group, hd, o);
+        }
+    });
+    drop(groups);
+    drop(done);
+    if parts.len() <= KEPT_PARTS {
+        PARTS.with(|p| p.replace(parts));
+    }
     Ok(())
+}
+
+/// Most partial-softmax values a thread keeps between calls (16 MiB): a 512-token prefill
+/// chunk's are 2.4 MiB; a long chunk over a long context may need far more once, and gives it
+/// back.
+const KEPT_PARTS: usize = 4 << 20;
+
+thread_local! {
+    /// [`paged_attention`]'s partial softmaxes, kept for the thread's next call.
+    static PARTS: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
 /// Keys per segment of a row's context: the fixed cut points of its partial softmaxes (see
