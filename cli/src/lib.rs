@@ -183,14 +183,33 @@ pub struct EngineArgs {
     /// of its own, as many blocks as the target's. Off when not given.
     #[arg(long, env = "TANDEM_SPECULATIVE")]
     pub speculative: Option<tandem_engine::SpecMethod>,
-    /// Most tokens proposed per sequence and step (with --speculative).
-    #[arg(long, env = "TANDEM_NUM_SPECULATIVE_TOKENS", default_value_t = 4)]
-    pub num_speculative_tokens: usize,
+    /// Most tokens proposed per sequence and step (with --speculative). Default: 2 on the CPU
+    /// at the AVX2 kernel level, 4 elsewhere (see [`default_speculative_tokens`]).
+    #[arg(long, env = "TANDEM_NUM_SPECULATIVE_TOKENS")]
+    pub num_speculative_tokens: Option<usize>,
     /// Verify every proposed token, instead of only those the measured cost of the steps says
     /// pay (by default a step verifies what is expected to raise its tokens per second, and a
     /// loaded, compute-bound step decodes plainly).
     #[arg(long, env = "TANDEM_SPECULATIVE_FIXED")]
     pub speculative_fixed: bool,
+}
+
+/// Most tokens a sequence proposes a step unless `--num-speculative-tokens` says: 2 on the CPU
+/// at the AVX2 kernel level, 4 elsewhere. What a verify step costs follows the product kernels'
+/// paths by row count. At AVX2 a one-sequence step of up to three rows decodes each weight once
+/// in registers for all of them, and a fourth row costs almost a step more: the model's
+/// products on a 2-core Zen 3 (`decode_matmul`) take 6.2 ms for one row, 6.4 for two, 7.8 for
+/// three, 12.4 for four and 13.5 for five. One edit stream there (`tandem bench serve --dataset
+/// edit --concurrency 1`, suffix proposer, two rounds, decode tokens/s over plain decoding):
+/// 2 tokens 1.42x and 1.84x, 3 tokens 1.38x and 1.71x (1.40x and 1.70x in another run, beside
+/// 4 tokens' 1.38x and 1.62x). AVX-512 fuses up to eight rows, and 4 was measured there; the
+/// portable level and GPUs keep it.
+pub fn default_speculative_tokens(device: &tandem_kernels::cuda::DeviceSpec) -> usize {
+    use tandem_kernels::isa::{active, Isa};
+    match (device, active()) {
+        (tandem_kernels::cuda::DeviceSpec::Cpu, Isa::Avx2) => 2,
+        _ => 4,
+    }
 }
 
 impl EngineArgs {
@@ -233,10 +252,9 @@ impl EngineArgs {
         }
         if let Some(s) = &self.speculative {
             f.push(format!("--speculative={s}"));
-            f.push(format!(
-                "--num-speculative-tokens={}",
-                self.num_speculative_tokens
-            ));
+            if let Some(k) = self.num_speculative_tokens {
+                f.push(format!("--num-speculative-tokens={k}"));
+            }
             if self.speculative_fixed {
                 f.push("--speculative-fixed".into());
             }
@@ -250,7 +268,9 @@ impl EngineArgs {
             .clone()
             .map(|method| tandem_engine::SpecConfig {
                 method,
-                tokens: self.num_speculative_tokens,
+                tokens: self
+                    .num_speculative_tokens
+                    .unwrap_or_else(|| default_speculative_tokens(&self.device)),
                 adaptive: !self.speculative_fixed,
             })
     }
@@ -490,4 +510,41 @@ fn target(flag: &str, ms: Option<f64>) -> Result<Option<std::time::Duration>> {
         "{flag} {ms} must be 0 (off) or a positive number of milliseconds"
     );
     Ok((ms > 0.0).then(|| std::time::Duration::from_secs_f64(ms / 1e3)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tandem_kernels::cuda::DeviceSpec;
+    use tandem_kernels::isa::{active, Isa};
+
+    /// Two tokens a proposal on the CPU at AVX2, four at every other level and on a GPU; a
+    /// worker started by `up` without the flag works the default out itself, and an explicit
+    /// count is passed on and used.
+    #[test]
+    fn the_speculative_tokens_default_follows_the_kernel_level() {
+        let cpu = default_speculative_tokens(&DeviceSpec::Cpu);
+        assert_eq!(cpu, if active() == Isa::Avx2 { 2 } else { 4 });
+        assert_eq!(default_speculative_tokens(&DeviceSpec::Cuda(0)), 4);
+        let parse = |extra: &[&str]| {
+            #[derive(Parser)]
+            struct Cli {
+                #[command(flatten)]
+                engine: EngineArgs,
+            }
+            let args = ["tandem", "--speculative=ngram"].iter().chain(extra);
+            Cli::try_parse_from(args).unwrap().engine
+        };
+        let default = parse(&[]);
+        assert!(!default
+            .flags()
+            .iter()
+            .any(|f| f.starts_with("--num-speculative-tokens")));
+        assert_eq!(default.speculative().unwrap().tokens, cpu);
+        let three = parse(&["--num-speculative-tokens=3"]);
+        assert!(three
+            .flags()
+            .contains(&"--num-speculative-tokens=3".to_string()));
+        assert_eq!(three.speculative().unwrap().tokens, 3);
+    }
 }

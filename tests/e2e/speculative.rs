@@ -46,7 +46,14 @@ async fn a_worker_speculating_with_a_draft_model_answers_what_a_plain_one_answer
         "--speculative=draft:{}",
         tandem_model::default_model_path().display()
     );
-    answers_what_a_plain_worker_answers(&[&draft, "--speculative-fixed"]).await;
+    // Four tokens a proposal at every kernel level (AVX2's default is two), so that stops and
+    // `max_tokens` fall inside proposals as often.
+    answers_what_a_plain_worker_answers(&[
+        &draft,
+        "--num-speculative-tokens=4",
+        "--speculative-fixed",
+    ])
+    .await;
 }
 
 /// A plain worker and one started with `spec`, each behind a router: the structured-output
