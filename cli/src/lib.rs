@@ -199,7 +199,8 @@ pub struct EngineArgs {
 /// paths by row count. At AVX2 a one-sequence step of up to three rows decodes each weight once
 /// in registers for all of them, and a fourth row costs almost a step more: the model's
 /// products on a 2-core Zen 3 (`decode_matmul`) take 6.2 ms for one row, 6.4 for two, 7.8 for
-/// three, 12.4 for four and 13.5 for five. One edit stream there (`tandem bench serve --dataset
+/// three, 12.4 for four (about 11 since its kernel keeps every accumulator in a register) and
+/// 13.5 for five. One edit stream there (`tandem bench serve --dataset
 /// edit --concurrency 1`, suffix proposer, two rounds, decode tokens/s over plain decoding):
 /// 2 tokens 1.42x and 1.84x, 3 tokens 1.38x and 1.71x (1.40x and 1.70x in another run, beside
 /// 4 tokens' 1.38x and 1.62x). AVX-512 fuses up to eight rows, and 4 was measured there; the
