@@ -196,8 +196,9 @@ pub struct EngineArgs {
 
 /// Most tokens a sequence proposes a step unless `--num-speculative-tokens` says: 2 on the CPU
 /// at the AVX2 kernel level, 4 elsewhere. What a verify step costs follows the product kernels'
-/// paths by row count. At AVX2 a one-sequence step of up to three rows decodes each weight once
-/// in registers for all of them, and a fourth row costs almost a step more: the model's
+/// paths by row count. At AVX2 a one-sequence step of up to three rows costs little more than
+/// one (each weight decoded once in registers for all of them), and a fourth row almost a step
+/// more (its kernel has too few registers for four rows' accumulators and the weights): the model's
 /// products on a 2-core Zen 3 (`decode_matmul`) take 6.2 ms for one row, 6.4 for two, 7.8 for
 /// three, 12.4 for four (about 11 since its kernel keeps every accumulator in a register) and
 /// 13.5 for five. One edit stream there (`tandem bench serve --dataset
@@ -527,14 +528,20 @@ mod tests {
         let cpu = default_speculative_tokens(&DeviceSpec::Cpu);
         assert_eq!(cpu, if active() == Isa::Avx2 { 2 } else { 4 });
         assert_eq!(default_speculative_tokens(&DeviceSpec::Cuda(0)), 4);
+        // The flags alone: no TANDEM_* variable of the test's environment is read.
         let parse = |extra: &[&str]| {
+            use clap::{CommandFactory, FromArgMatches};
             #[derive(Parser)]
             struct Cli {
                 #[command(flatten)]
                 engine: EngineArgs,
             }
             let args = ["tandem", "--speculative=ngram"].iter().chain(extra);
-            Cli::try_parse_from(args).unwrap().engine
+            let m = Cli::command()
+                .mut_args(|a| a.env(None))
+                .try_get_matches_from(args)
+                .unwrap();
+            Cli::from_arg_matches(&m).unwrap().engine
         };
         let default = parse(&[]);
         assert!(!default

@@ -452,7 +452,8 @@ pub fn paged_attention(
     for (si, s) in seqs.iter().enumerate() {
         if s.q_len > s.context_len
             || s.context_len > s.block_table.len() * layout.block_size
-            || s.q_start + s.q_len > rows
+            || s.q_len > rows
+            || s.q_start > rows - s.q_len
         {
             return Err(KernelError::Shape(format!(
                 "sequence {si}: {} new of {} tokens with {} blocks of {}",
@@ -470,6 +471,18 @@ pub fn paged_attention(
                 "sequence {si}: block table points outside the cache"
             )));
         }
+    }
+    // Each output row is one sequence's (the merge below writes rows from several threads).
+    let mut spans: Vec<(usize, usize)> = seqs
+        .iter()
+        .filter(|s| s.q_len > 0)
+        .map(|s| (s.q_start, s.q_start + s.q_len))
+        .collect();
+    spans.sort_unstable();
+    if spans.windows(2).any(|w| w[1].0 < w[0].1) {
+        return Err(KernelError::Shape(
+            "paged_attention: two sequences share query rows".into(),
+        ));
     }
     // Work items: one per (tile of query rows, KV head, run of segments). A tile is up to `tile`
     // consecutive rows of one sequence, and the query heads that share a KV head are done
@@ -522,12 +535,12 @@ pub fn paged_attention(
     let seg_len = |it: &Item| it.rows * group * (2 + hd);
     let part_len = |it: &Item| seg_len(it) * (it.s1 - it.s0);
     //
-    // The buffer is the calling thread's, kept from call to call up to [`KEPT_PARTS`] values:
-    // a prefill chunk's partials are megabytes, and a fresh zeroed buffer every layer cost a
-    // few percent of a prefill's attention. (Taken out while in use, so a call nested in this
-    // one's parallel loop makes its own.) Every value the merge reads is written by
-    // `attend_tile` first.
-    let mut parts = PARTS.with(|p| p.take());
+    // The buffer is kept from call to call, one for the process, up to [`KEPT_PARTS`] values: a
+    // prefill chunk's partials are megabytes, and a fresh zeroed buffer every layer cost a few
+    // percent of a prefill's attention. (Taken out while in use, so a call beside this one, a
+    // tensor-parallel rank's, or nested in its parallel loop makes its own.) Every value the
+    // merge reads is written by `attend_tile` first.
+    let mut parts = std::mem::take(&mut *PARTS.lock().unwrap_or_else(|e| e.into_inner()));
     let total: usize = items.iter().map(part_len).sum();
     if parts.len() < total {
         parts.resize(total, 0.0);
@@ -601,7 +614,7 @@ pub fn paged_attention(
         groups.push(&done[k..e]);
         k = e;
     }
-    let dst = OutPtr(out.as_mut_ptr());
+    let (dst, len) = (OutPtr(out.as_mut_ptr()), out.len());
     groups.par_iter().for_each(|group_items| {
         let first = group_items[0].0;
         let segs: Vec<&[f32]> = group_items
@@ -611,8 +624,9 @@ pub fn paged_attention(
         let nq = first.rows * group;
         for r in 0..first.rows {
             let at = (first.row + r) * width + first.kvh * gw;
-            // SAFETY: `at..at + gw` is inside `out` (rows of the batch, checked above) and is
-            // this tile's row r for this KV head: no other group writes it.
+            assert!(at + gw <= len, "merge outside the output");
+            // SAFETY: `at..at + gw` is inside `out` (asserted) and is this tile's row r for
+            // this KV head: no other group writes it (a row is one sequence's, checked above).
             let o = unsafe { std::slice::from_raw_parts_mut(dst.at(at), gw) };
             merge_parts(&segs, nq, r * group, group, hd, o);
         }
@@ -620,20 +634,21 @@ pub fn paged_attention(
     drop(groups);
     drop(done);
     if parts.len() <= KEPT_PARTS {
-        PARTS.with(|p| p.replace(parts));
+        let mut kept = PARTS.lock().unwrap_or_else(|e| e.into_inner());
+        if kept.len() < parts.len() {
+            *kept = parts;
+        }
     }
     Ok(())
 }
 
-/// Most partial-softmax values a thread keeps between calls (16 MiB): a 512-token prefill
+/// Most partial-softmax values kept between calls (16 MiB): a 512-token prefill
 /// chunk's are 2.4 MiB; a long chunk over a long context may need far more once, and gives it
 /// back.
 const KEPT_PARTS: usize = 4 << 20;
 
-thread_local! {
-    /// [`paged_attention`]'s partial softmaxes, kept for the thread's next call.
-    static PARTS: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
-}
+/// [`paged_attention`]'s partial softmaxes, kept for the next call.
+static PARTS: std::sync::Mutex<Vec<f32>> = std::sync::Mutex::new(Vec::new());
 
 /// Keys per segment of a row's context: the fixed cut points of its partial softmaxes (see
 /// [`paged_attention`]). Long enough that a prefill row's merge is a small part of its work
@@ -1352,6 +1367,48 @@ mod tests {
             paged_attention(&q, spec, KvSlab::F32(&cache), layout, &s, &mut out).unwrap();
             let want = &v[(ctx - q_len) * 2..];
             assert_eq!(out, want, "{q_len} rows");
+        }
+    }
+
+    /// Sequences whose query rows overlap, or reach past the batch (however large the start),
+    /// are refused: every output row is one sequence's.
+    #[test]
+    fn overlapping_or_outlying_query_rows_are_refused() {
+        let layout = KvLayout {
+            block_size: 4,
+            num_kv_heads: 1,
+            head_dim: 2,
+        };
+        let cache = vec![0f32; 2 * layout.block_floats()];
+        let table = [0u32, 1];
+        let spec = AttnSpec {
+            n_heads: 1,
+            scale: 1.0,
+            window: None,
+        };
+        let seq = |q_start, q_len| SeqAttn {
+            q_start,
+            q_len,
+            context_len: 4,
+            block_table: &table,
+        };
+        let (q, mut out) = (vec![1f32; 4 * 2], vec![0f32; 4 * 2]);
+        let mut run = |seqs: &[SeqAttn<'_>]| {
+            paged_attention(&q, spec, KvSlab::F32(&cache), layout, seqs, &mut out)
+        };
+        assert!(run(&[seq(0, 2), seq(2, 2)]).is_ok());
+        assert!(run(&[seq(2, 2), seq(0, 0), seq(0, 2)]).is_ok());
+        for bad in [
+            vec![seq(0, 3), seq(1, 2)],
+            vec![seq(2, 2), seq(1, 2)],
+            vec![seq(usize::MAX, 1)],
+            vec![seq(3, 2)],
+        ] {
+            let err = run(&bad).unwrap_err().to_string();
+            assert!(
+                err.contains("share query rows") || err.contains("new of"),
+                "{err}"
+            );
         }
     }
 }

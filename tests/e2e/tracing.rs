@@ -207,7 +207,8 @@ async fn one_trace_spans_router_decode_and_prefill_with_the_kv_transfer_under_th
     assert_eq!(parent_of(&spans, decoding)["span_id"], decode["span_id"]);
     assert_eq!(attr(decoding, "gen_ai.usage.output_tokens"), json!(5));
     // The repeated sentence is proposed after the first token: each step up to the tokens
-    // left less the one it samples (3, then fewer: 6 in all at most), some or none accepted.
+    // left less the one it samples (at most the proposal length, 3 then fewer: 6 in all at
+    // most), some or none accepted.
     let drafted = attr(decoding, "tandem.spec_decode.draft_tokens")
         .as_i64()
         .unwrap();
