@@ -601,19 +601,11 @@ pub fn paged_attention(
     });
     // Rows without a sequence stay zero; the others are overwritten by the merge below.
     out.fill(0.0);
-    let done: Vec<(&Item, &[f32])> = jobs.into_iter().map(|(it, part)| (it, &*part)).collect();
     // The merge, a tile and KV head at a time (its items are consecutive), in parallel: each
     // writes its own rows' heads of that KV head. Which thread merges changes no bit.
-    let mut groups = Vec::new();
-    let mut k = 0;
-    while k < done.len() {
-        let e = k + done[k..]
-            .iter()
-            .take_while(|(it, _)| it.row == done[k].0.row && it.kvh == done[k].0.kvh)
-            .count();
-        groups.push(&done[k..e]);
-        k = e;
-    }
+    let groups: Vec<_> = jobs
+        .chunk_by(|(a, _), (b, _)| a.row == b.row && a.kvh == b.kvh)
+        .collect();
     let (dst, len) = (OutPtr(out.as_mut_ptr()), out.len());
     groups.par_iter().for_each(|group_items| {
         let first = group_items[0].0;
@@ -632,7 +624,7 @@ pub fn paged_attention(
         }
     });
     drop(groups);
-    drop(done);
+    drop(jobs);
     if parts.len() <= KEPT_PARTS {
         let mut kept = PARTS.lock().unwrap_or_else(|e| e.into_inner());
         if kept.len() < parts.len() {
