@@ -128,40 +128,48 @@ fn random_arrivals_equal_each_prompt_alone_and_golden() {
 /// target's: nothing is rejected, and only what follows a sequence's last token goes
 /// unaccepted. scripts/test runs these at every kernel level. One test a proposer, so the
 /// proposers' runs (the slowest of this file) can go side by side.
+///
+/// The token proposers and the model as its own draft propose four tokens a step (the model as
+/// draft has every one accepted: the deep positions' path). The self-draft and the 8-layer draft
+/// propose two: of four, their third and fourth were never accepted (the cold pass on a Zen 3:
+/// 8 layers 17 and 2 accepted at the first two positions, 0 and 0 at the others, of 1177
+/// proposed; the self-draft 61, 9, 1, 0 of 1482), so they were forwards and verified rows
+/// spent on nothing: at the portable level, two fifths of the suite's slowest tests.
 #[test]
 fn speculative_greedy_tokens_equal_golden_with_ngram() {
-    speculative_golden(SpecMethod::Ngram);
+    speculative_golden(SpecMethod::Ngram, 4);
 }
 
 /// See [`speculative_greedy_tokens_equal_golden_with_ngram`].
 #[test]
 fn speculative_greedy_tokens_equal_golden_with_suffix() {
-    speculative_golden(SpecMethod::Suffix);
+    speculative_golden(SpecMethod::Suffix, 4);
 }
 
 /// See [`speculative_greedy_tokens_equal_golden_with_ngram`].
 #[test]
 fn speculative_greedy_tokens_equal_golden_with_self_draft() {
-    speculative_golden(SpecMethod::SelfDraft(20));
+    speculative_golden(SpecMethod::SelfDraft(20), 2);
 }
 
 /// See [`speculative_greedy_tokens_equal_golden_with_ngram`]: the model's own file as its draft.
 #[test]
 fn speculative_greedy_tokens_equal_golden_with_the_model_as_draft() {
-    speculative_golden(SpecMethod::Draft(tandem_model::default_model_path()));
+    speculative_golden(SpecMethod::Draft(tandem_model::default_model_path()), 4);
 }
 
 /// See [`speculative_greedy_tokens_equal_golden_with_ngram`]: the model's first 8 layers as a
 /// draft model of their own.
 #[test]
 fn speculative_greedy_tokens_equal_golden_with_a_small_draft() {
-    speculative_golden(SpecMethod::Draft(SMALL_DRAFT.into()));
+    speculative_golden(SpecMethod::Draft(SMALL_DRAFT.into()), 2);
 }
 
 /// The name the 8-layer draft is set under (it is no file).
 const SMALL_DRAFT: &str = "first-8-layers";
 
-fn speculative_golden(method: SpecMethod) {
+/// [`speculative_greedy_tokens_equal_golden_with_ngram`] with `method` proposing `tokens` a step.
+fn speculative_golden(method: SpecMethod, tokens: usize) {
     let recs = golden_records().1;
     let reqs = requests(&recs);
     let path = tandem_model::default_model_path();
@@ -181,7 +189,7 @@ fn speculative_golden(method: SpecMethod) {
     };
     let spec = SpecConfig {
         method: method.clone(),
-        tokens: 4,
+        tokens,
         adaptive: false,
     };
     let cfg = EngineConfig {
@@ -200,7 +208,8 @@ fn speculative_golden(method: SpecMethod) {
             ..cfg
         };
         let mut e = engine(WeightFormat::Native, plain).0;
-        e.set_draft_model(SMALL_DRAFT, small(), 4, false).unwrap();
+        e.set_draft_model(SMALL_DRAFT, small(), tokens, false)
+            .unwrap();
         e
     };
     let mut e = build(cfg.clone());
@@ -214,7 +223,7 @@ fn speculative_golden(method: SpecMethod) {
     if method == SpecMethod::Draft(path.clone()) {
         assert!(c.draft_tokens > 0, "{c:?}");
         assert!(
-            c.draft_tokens - c.accepted_tokens <= 3 * 2 * recs.len() as u64,
+            c.draft_tokens - c.accepted_tokens <= (tokens as u64 - 1) * 2 * recs.len() as u64,
             "{method}: {c:?}"
         );
     } else {
