@@ -1297,8 +1297,9 @@ mod tests {
         }]
     }
 
+    /// Bad tables, an empty window, and query rows shared between sequences or outside the batch.
     #[test]
-    fn bad_tables_are_errors() {
+    fn bad_tables_and_rows_are_errors() {
         let layout = KvLayout {
             block_size: 2,
             num_kv_heads: 1,
@@ -1324,6 +1325,32 @@ mod tests {
         };
         let err = paged_attention(&q, empty, slab, layout, &one_row(&[0], 1), &mut out);
         assert!(err.unwrap_err().to_string().contains("window of 0"));
+        // Sequences whose query rows overlap, or reach past the batch (however large the
+        // start): every output row is one sequence's.
+        let table = [0u32, 1];
+        let seq = |q_start, q_len| SeqAttn {
+            q_start,
+            q_len,
+            context_len: 4,
+            block_table: &table,
+        };
+        let (q, mut out) = (vec![1f32; 4 * 4], vec![0f32; 4 * 4]);
+        let mut run =
+            |seqs: &[SeqAttn<'_>]| paged_attention(&q, spec, slab, layout, seqs, &mut out);
+        assert!(run(&[seq(0, 2), seq(2, 2)]).is_ok());
+        assert!(run(&[seq(2, 2), seq(0, 0), seq(0, 2)]).is_ok());
+        for bad in [
+            vec![seq(0, 3), seq(1, 2)],
+            vec![seq(2, 2), seq(1, 2)],
+            vec![seq(usize::MAX, 1)],
+            vec![seq(3, 2)],
+        ] {
+            let err = run(&bad).unwrap_err().to_string();
+            assert!(
+                err.contains("share query rows") || err.contains("new of"),
+                "{err}"
+            );
+        }
     }
 
     /// A window of one key: each row's output is its own value row, however long the context and
@@ -1359,48 +1386,6 @@ mod tests {
             paged_attention(&q, spec, KvSlab::F32(&cache), layout, &s, &mut out).unwrap();
             let want = &v[(ctx - q_len) * 2..];
             assert_eq!(out, want, "{q_len} rows");
-        }
-    }
-
-    /// Sequences whose query rows overlap, or reach past the batch (however large the start),
-    /// are refused: every output row is one sequence's.
-    #[test]
-    fn overlapping_or_outlying_query_rows_are_refused() {
-        let layout = KvLayout {
-            block_size: 4,
-            num_kv_heads: 1,
-            head_dim: 2,
-        };
-        let cache = vec![0f32; 2 * layout.block_floats()];
-        let table = [0u32, 1];
-        let spec = AttnSpec {
-            n_heads: 1,
-            scale: 1.0,
-            window: None,
-        };
-        let seq = |q_start, q_len| SeqAttn {
-            q_start,
-            q_len,
-            context_len: 4,
-            block_table: &table,
-        };
-        let (q, mut out) = (vec![1f32; 4 * 2], vec![0f32; 4 * 2]);
-        let mut run = |seqs: &[SeqAttn<'_>]| {
-            paged_attention(&q, spec, KvSlab::F32(&cache), layout, seqs, &mut out)
-        };
-        assert!(run(&[seq(0, 2), seq(2, 2)]).is_ok());
-        assert!(run(&[seq(2, 2), seq(0, 0), seq(0, 2)]).is_ok());
-        for bad in [
-            vec![seq(0, 3), seq(1, 2)],
-            vec![seq(2, 2), seq(1, 2)],
-            vec![seq(usize::MAX, 1)],
-            vec![seq(3, 2)],
-        ] {
-            let err = run(&bad).unwrap_err().to_string();
-            assert!(
-                err.contains("share query rows") || err.contains("new of"),
-                "{err}"
-            );
         }
     }
 }
