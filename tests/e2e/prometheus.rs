@@ -64,6 +64,19 @@ async fn query(prom: &str, q: &str) -> Option<f64> {
     result[0]["value"][1].as_str()?.parse().ok()
 }
 
+/// The value of `q` once Prometheus has one (a scrape that failed, say one slower than the
+/// 1 s timeout on a loaded machine, leaves the target's series stale until the next one).
+async fn value(prom: &str, q: &str) -> f64 {
+    let end = Instant::now() + Duration::from_secs(120);
+    loop {
+        if let Some(v) = query(prom, q).await {
+            return v;
+        }
+        assert!(Instant::now() < end, "{q}: Prometheus has no value");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
 /// Waits until Prometheus answers `q` with `want` (it scrapes every second; the bound only
 /// catches a value that never comes), and says what it last saw otherwise.
 async fn expect(prom: &str, q: &str, want: f64) {
@@ -172,7 +185,16 @@ async fn prometheus_scrapes_the_vllm_metric_set_from_every_role_with_the_values_
         &scrape(&r.http).await,
         "tandem_prefill_requests_total{mode=\"remote\"}",
     );
-    assert_eq!(remote, 2.0, "the two long prompts prefill remotely");
+    // The first long prompt goes remote (the prefill worker's rate and link are not measured
+    // yet, so only the length decides); the second too, unless the measured crossover (the
+    // decode worker's own rate against the prefill worker's and the link's) says computing it
+    // where it decodes is sooner, which a loaded machine's noisy first measurements may. What
+    // follows counts what the router chose.
+    assert!(
+        remote == 1.0 || remote == 2.0,
+        "{remote} remote prefills of the two long prompts; the router's view: {}",
+        router_state(&r.http).await
+    );
 
     let d = |name: &str| format!("{name}{{role=\"decode\",model_name=\"{model}\"}}");
     let p = |name: &str| format!("{name}{{role=\"prefill\",model_name=\"{model}\"}}");
@@ -205,29 +227,19 @@ async fn prometheus_scrapes_the_vllm_metric_set_from_every_role_with_the_values_
             requests,
         )
         .await;
-        let sum = query(&prom, &d(&format!("{h}_sum"))).await.unwrap();
+        let sum = value(&prom, &d(&format!("{h}_sum"))).await;
         assert!(sum >= 0.0, "{h}_sum {sum}");
     }
     expect(&prom, &d("tandem_inter_token_latency_seconds_count"), gaps).await;
-    let ttft = query(&prom, &d("tandem_time_to_first_token_seconds_sum"))
-        .await
-        .unwrap();
-    let e2e = query(&prom, &d("tandem_e2e_request_latency_seconds_sum"))
-        .await
-        .unwrap();
+    let ttft = value(&prom, &d("tandem_time_to_first_token_seconds_sum")).await;
+    let e2e = value(&prom, &d("tandem_e2e_request_latency_seconds_sum")).await;
     assert!(ttft > 0.0 && ttft <= e2e, "ttft {ttft} e2e {e2e}");
     expect(&prom, &d("tandem_num_requests_running"), 0.0).await;
     expect(&prom, &d("tandem_num_requests_waiting"), 0.0).await;
-    let usage = query(&prom, &d("tandem_kv_cache_usage_perc"))
-        .await
-        .unwrap();
+    let usage = value(&prom, &d("tandem_kv_cache_usage_perc")).await;
     assert!((0.0..=1.0).contains(&usage), "{usage}");
-    let queries = query(&prom, &d("tandem_prefix_cache_queries_total"))
-        .await
-        .unwrap();
-    let hits = query(&prom, &d("tandem_prefix_cache_hits_total"))
-        .await
-        .unwrap();
+    let queries = value(&prom, &d("tandem_prefix_cache_queries_total")).await;
+    let hits = value(&prom, &d("tandem_prefix_cache_hits_total")).await;
     assert!(
         queries >= prompt_tokens - 1.0 && hits <= queries,
         "{queries} {hits}"
@@ -256,9 +268,7 @@ async fn prometheus_scrapes_the_vllm_metric_set_from_every_role_with_the_values_
         remote,
     )
     .await;
-    let kv_secs = query(&prom, &d("tandem_kv_transfer_duration_seconds_sum"))
-        .await
-        .unwrap();
+    let kv_secs = value(&prom, &d("tandem_kv_transfer_duration_seconds_sum")).await;
     assert!(kv_secs > 0.0, "{kv_secs}");
     expect(
         &prom,
@@ -372,9 +382,7 @@ async fn prometheus_scrapes_the_vllm_metric_set_from_every_role_with_the_values_
         requests + 2.0,
     )
     .await;
-    let e2e = query(&prom, &d("tandem_e2e_request_latency_seconds_sum"))
-        .await
-        .unwrap();
+    let e2e = value(&prom, &d("tandem_e2e_request_latency_seconds_sum")).await;
     for (q, threshold) in &scalers {
         let end = Instant::now() + Duration::from_secs(120);
         let v = loop {
