@@ -64,34 +64,32 @@ async fn query(prom: &str, q: &str) -> Option<f64> {
     result[0]["value"][1].as_str()?.parse().ok()
 }
 
-/// The value of `q` once Prometheus has one (a scrape that failed, say one slower than the
-/// 1 s timeout on a loaded machine, leaves the target's series stale until the next one).
-async fn value(prom: &str, q: &str) -> f64 {
+/// The first value of `q` that `ok` accepts (`want` says which, for the failure). Prometheus
+/// scrapes every second, and a scrape that failed (one slower than the 1 s timeout on a loaded
+/// machine) leaves the target's series stale until the next; the bound only catches a value
+/// that never comes, and says what it last saw.
+async fn wait_for(prom: &str, q: &str, want: &str, ok: impl Fn(f64) -> bool) -> f64 {
     let end = Instant::now() + Duration::from_secs(120);
     loop {
-        if let Some(v) = query(prom, q).await {
-            return v;
+        match query(prom, q).await {
+            Some(v) if ok(v) => return v,
+            got => assert!(
+                Instant::now() < end,
+                "{q}: Prometheus says {got:?}, want {want}"
+            ),
         }
-        assert!(Instant::now() < end, "{q}: Prometheus has no value");
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
 }
 
-/// Waits until Prometheus answers `q` with `want` (it scrapes every second; the bound only
-/// catches a value that never comes), and says what it last saw otherwise.
+/// The value of `q` once Prometheus has one.
+async fn value(prom: &str, q: &str) -> f64 {
+    wait_for(prom, q, "a value", |_| true).await
+}
+
+/// Waits until Prometheus answers `q` with `want`.
 async fn expect(prom: &str, q: &str, want: f64) {
-    let end = Instant::now() + Duration::from_secs(120);
-    loop {
-        let got = query(prom, q).await;
-        if got == Some(want) {
-            return;
-        }
-        assert!(
-            Instant::now() < end,
-            "{q}: Prometheus says {got:?}, want {want}"
-        );
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
+    wait_for(prom, q, &want.to_string(), |v| v == want).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -403,14 +401,7 @@ async fn prometheus_scrapes_the_vllm_metric_set_from_every_role_with_the_values_
     .await;
     let e2e = value(&prom, &d("tandem_e2e_request_latency_seconds_sum")).await;
     for (q, threshold) in &scalers {
-        let end = Instant::now() + Duration::from_secs(120);
-        let v = loop {
-            match query(&prom, q).await {
-                Some(v) if v > 0.0 => break v,
-                got => assert!(Instant::now() < end, "{q}: Prometheus says {got:?}"),
-            }
-            tokio::time::sleep(Duration::from_millis(250)).await;
-        };
+        let v = wait_for(&prom, q, "above 0", |v| v > 0.0).await;
         assert!(
             v.is_finite() && v <= 1000.0 * e2e,
             "{q}: {v} ms, e2e sum {e2e} s"
