@@ -3,7 +3,8 @@
 //! Owns: what one request asks of the sampler and when it stops ([`SamplingParams`] as given,
 //! [`ValidSampling`] once checked, [`SamplingError`] naming the one field that is wrong, and the
 //! [`limits`] those checks use) whose fault a failure is ([`ErrorKind`]) and what names a KV block ([`BlockId`]), so that every edge
-//! (HTTP, the public gRPC API, the worker API) maps a failure the same way.
+//! (HTTP, the public gRPC API, the worker API) maps a failure the same way; and the one scheduling
+//! figure the router plans by as the engine keeps it ([`MIN_ITL_PREFILL_CHUNK`]).
 //!
 //! A request is checked once where it enters: the router builds a [`ValidSampling`] from the
 //! OpenAI or gRPC body, a worker builds one from the worker API's message (a trust boundary of its
@@ -22,3 +23,11 @@ mod sampling;
 pub use error::{panic_message, ErrorKind};
 pub use ids::BlockId;
 pub use sampling::{limits, Grammar, SamplingError, SamplingParams, ValidSampling};
+
+/// Prompt tokens an engine step with decoding sequences always takes under an ITL target,
+/// whatever the target leaves: the prompts' pace when the decodes alone fill the target, so a
+/// prompt's first token stays bounded (a 200-token prompt in at most 13 such steps). A prompt of
+/// at most this many uncached tokens is computed in the decode worker's next step whatever it
+/// runs, so the router never sends one to a prefill worker on the ITL target's account: the
+/// move would only add a round trip and a KV transfer to its first token.
+pub const MIN_ITL_PREFILL_CHUNK: usize = 16;

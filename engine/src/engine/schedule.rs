@@ -432,9 +432,8 @@ impl Scheduler for Continuous {
 pub const MIN_PREFILL_CHUNK: usize = 64;
 
 /// Prompt tokens a step with decoding sequences may always take under an ITL target
-/// (`EngineConfig::itl_target`): the prompts' pace when the decodes alone fill the target, so a
-/// prompt's first token stays bounded (a 200-token prompt in at most 13 such steps).
-pub const MIN_ITL_PREFILL_CHUNK: usize = 16;
+/// (`EngineConfig::itl_target`); the router's disaggregation threshold plans by it too.
+pub use tandem_types::MIN_ITL_PREFILL_CHUNK;
 
 /// A step's budget before any step was measured, under a step target.
 const FIRST_STEP_TOKENS: usize = 256;

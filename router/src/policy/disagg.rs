@@ -14,6 +14,8 @@
 //! decode worker measured from it (the push overlaps the compute). A candidate estimated no
 //! faster than computing locally is dropped: the prompt is computed where it decodes.
 
+use tandem_types::MIN_ITL_PREFILL_CHUNK;
+
 /// What the decision knows about one ready prefill worker.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct PrefillCandidate {
@@ -83,6 +85,13 @@ impl Default for DisaggConfig {
 /// streams decode under a target, the tokens it computes within one target if fewer. A prompt
 /// longer than that, computed there, would hold its streams' gaps past the target (or, as the
 /// engine chunks it to keep them, wait several steps for its own first token).
+///
+/// Never below [`MIN_ITL_PREFILL_CHUNK`] on the target's account (only a configured
+/// `min_tokens` may be lower): the decode worker's engine computes that many prompt tokens in
+/// its next step whatever the target leaves, so a shorter prompt gains nothing remote. (The
+/// rate is an average over recent steps' prompt tokens, and a step of a few tokens measures
+/// mostly the step's fixed cost: on a loaded machine it said a 4-token prompt would not fit in
+/// a 100 ms target, and the prompt went to a prefill worker.)
 pub fn min_tokens(
     cfg: &DisaggConfig,
     decoding: u32,
@@ -102,7 +111,7 @@ pub fn min_tokens(
     if within >= min as f64 {
         min
     } else {
-        (within as usize).max(1)
+        (within as usize).max(MIN_ITL_PREFILL_CHUNK).min(min)
     }
 }
 
@@ -229,8 +238,21 @@ mod tests {
         assert_eq!(min_tokens(&cfg, 3, f64::NAN, 1000.0), 256);
         // A fast worker: more than the threshold fits in a target; the threshold stays.
         assert_eq!(min_tokens(&cfg, 3, 70.0, 10_000.0), 256);
-        // Never below one token.
-        assert_eq!(min_tokens(&cfg, 3, 0.001, 1.0), 1);
+        // Never below the engine's prompt floor under a target: a rate measured on steps of a
+        // few prompt tokens (3 tokens in a 60 ms step: 50 tokens/s) would say 5 tokens.
+        assert_eq!(MIN_ITL_PREFILL_CHUNK, 16);
+        assert_eq!(min_tokens(&cfg, 3, 100.0, 50.0), 16);
+        assert_eq!(min_tokens(&cfg, 3, 0.001, 1.0), 16);
+        assert!(plan(&cfg, 16, 4, 4, &[c(0, 0)], Some(0.08)).is_empty());
+        assert!(plan(&cfg, 16, 15, 15, &[c(0, 0)], Some(0.3)).is_empty());
+        assert_eq!(plan(&cfg, 16, 16, 16, &[c(0, 0)], Some(0.3)), [0]);
+        // Unless the configured threshold is lower: it is the operator's floor.
+        let low = DisaggConfig {
+            min_tokens: 4,
+            ..cfg
+        };
+        assert_eq!(min_tokens(&low, 3, 0.001, 1.0), 4);
+        assert_eq!(min_tokens(&low, 0, 70.0, 1000.0), 4);
         // A 200-token prompt: local while nothing decodes, remote while streams decode.
         let idle = min_tokens(&cfg, 0, 70.0, 1000.0);
         let busy = min_tokens(&cfg, 2, 70.0, 1000.0);
