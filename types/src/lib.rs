@@ -27,7 +27,7 @@ pub use sampling::{limits, Grammar, SamplingError, SamplingParams, ValidSampling
 /// Prompt tokens an engine step with decoding sequences always takes under an ITL target,
 /// whatever the target leaves: the prompts' pace when the decodes alone fill the target, so a
 /// prompt's first token stays bounded (a 200-token prompt in at most 13 such steps). A prompt of
-/// at most this many uncached tokens is computed in the decode worker's next step whatever it
-/// runs, so the router never sends one to a prefill worker on the ITL target's account: the
-/// move would only add a round trip and a KV transfer to its first token.
+/// fewer uncached tokens is computed in the decode worker's next step whatever it runs, so the
+/// router never sends one to a prefill worker on the ITL target's account: the move would only
+/// add a round trip and a KV transfer to its first token.
 pub const MIN_ITL_PREFILL_CHUNK: usize = 16;
