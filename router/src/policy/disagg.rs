@@ -107,12 +107,8 @@ pub fn min_tokens(
     {
         return min;
     }
-    let within = (tokens_per_s * itl_target_ms / 1e3).ceil();
-    if within >= min as f64 {
-        min
-    } else {
-        (within as usize).max(MIN_ITL_PREFILL_CHUNK).min(min)
-    }
+    let within = (tokens_per_s * itl_target_ms / 1e3).ceil() as usize;
+    within.max(MIN_ITL_PREFILL_CHUNK).min(min)
 }
 
 /// The candidates to try, best first (indices into `candidates`); empty means prefill locally.
