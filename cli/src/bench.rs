@@ -685,9 +685,9 @@ fn round_line(round: u32, r: &tandem_bench::EngineReport) -> String {
     )
 }
 
-/// The round whose prefill did best against its own peak in the middle of the rounds (the
-/// lower middle of an even count); by the prefill rate alone where no peak was measured (a
-/// GPU).
+/// The middle round (the lower middle of an even count) with the rounds ordered by their
+/// prefill's share of their own FMA peak; by the prefill rate alone where no peak was measured
+/// (a GPU).
 fn median_round(mut reports: Vec<tandem_bench::EngineReport>) -> tandem_bench::EngineReport {
     let key = |r: &tandem_bench::EngineReport| match r.prefill_flop_efficiency {
         e if e > 0.0 => e,
