@@ -21,6 +21,24 @@ __device__ __forceinline__ const bf16* kv_row(const bf16* cache, const AttnParam
     return cache + (((i64)blk * p.nkv + kvh) * p.block_size + key % p.block_size) * p.hd;
 }
 
+// q · k over hd dimensions as four running sums, dimension i in sum i mod 4 (in increasing i),
+// added as (s0 + s1) + (s2 + s3): four chains of dependent products rather than one. Both
+// kernels take every score this way.
+__device__ __forceinline__ float dot4(const float* q, const float* k, int hd) {
+    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+    int i = 0;
+    for (; i + 4 <= hd; i += 4) {
+        s0 = __fmaf_rn(q[i], k[i], s0);
+        s1 = __fmaf_rn(q[i + 1], k[i + 1], s1);
+        s2 = __fmaf_rn(q[i + 2], k[i + 2], s2);
+        s3 = __fmaf_rn(q[i + 3], k[i + 3], s3);
+    }
+    // Heads of 1 or 2 values (hd divides 128).
+    if (i < hd) s0 = __fmaf_rn(q[i], k[i], s0);
+    if (i + 1 < hd) s1 = __fmaf_rn(q[i + 1], k[i + 1], s1);
+    return __fadd_rn(__fadd_rn(s0, s1), __fadd_rn(s2, s3));
+}
+
 #define TQ 16
 #define TK 32
 #define HD_MAX 128
@@ -82,8 +100,7 @@ extern "C" __global__ void paged_attention(AttnParams p) {
             int r = e / TK, j = e % TK;
             float sc = NEG_INF;
             if (r < rows && j < nk && kt + j <= cached + q0 + r) {
-                sc = 0.0f;
-                for (int i = 0; i < hd; i++) sc = __fmaf_rn(qs[r][i], ks[j][i], sc);
+                sc = dot4(qs[r], ks[j], hd);
             }
             ps[r][j] = sc;
         }
@@ -142,7 +159,7 @@ extern "C" __global__ void paged_attention(AttnParams p) {
 // not once per query head), loads the keys and values 16 bytes at a time, and fetches the next
 // tile while it works on this one. Warp w takes query heads w and w + 4, lane j key j of the
 // tile for the scores and dimensions j, j + 32, ... for the output. Each row's arithmetic is
-// the tiled kernel's, operation for operation: the same dot products in dimension order, the
+// the tiled kernel's, operation for operation: the same dot products (dot4's four sums), the
 // same tiles of 32 keys at the same positions, the same online softmax and weighted sums.
 extern "C" __global__ void __launch_bounds__(128) paged_attention_decode(AttnParams p) {
     __shared__ __align__(16) float qs[G_MAX][HD_MAX];
@@ -219,15 +236,17 @@ extern "C" __global__ void __launch_bounds__(128) paged_attention_decode(AttnPar
             if (hh >= group) break;
             float sc = NEG_INF;
             if (lane < nk) {
-                sc = 0.0f;
+                // dot4's arithmetic (hd is a multiple of 4 here), 16 bytes at a time.
+                float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
                 for (int i = 0; i < hd; i += 4) {
                     float4 qv = *(const float4*)&qs[hh][i];
                     float4 kv = *(const float4*)&ks[lane][i];
-                    sc = __fmaf_rn(qv.x, kv.x, sc);
-                    sc = __fmaf_rn(qv.y, kv.y, sc);
-                    sc = __fmaf_rn(qv.z, kv.z, sc);
-                    sc = __fmaf_rn(qv.w, kv.w, sc);
+                    s0 = __fmaf_rn(qv.x, kv.x, s0);
+                    s1 = __fmaf_rn(qv.y, kv.y, s1);
+                    s2 = __fmaf_rn(qv.z, kv.z, s2);
+                    s3 = __fmaf_rn(qv.w, kv.w, s3);
                 }
+                sc = __fadd_rn(__fadd_rn(s0, s1), __fadd_rn(s2, s3));
             }
             float m_new = fmaxf(row_max[hi], warp_max(sc));
             float e = sc == NEG_INF ? 0.0f : __expf(sc - m_new);
@@ -237,12 +256,17 @@ extern "C" __global__ void __launch_bounds__(128) paged_attention_decode(AttnPar
             row_max[hi] = m_new;
             ps[hh][lane] = e;
             __syncwarp();
+            // Each output dimension's sum takes the keys in order, as the tiled kernel's; the
+            // dimensions' sums run side by side.
 #pragma unroll
             for (int c = 0; c < HD_MAX / 32; c++) {
-                if (c < dims) {
-                    float o = __fmul_rn(acc[hi][c], a);
-                    for (int j = 0; j < nk; j++) o = __fmaf_rn(ps[hh][j], vs[j][lane + 32 * c], o);
-                    acc[hi][c] = o;
+                if (c < dims) acc[hi][c] = __fmul_rn(acc[hi][c], a);
+            }
+            for (int j = 0; j < nk; j++) {
+                const float pj = ps[hh][j];
+#pragma unroll
+                for (int c = 0; c < HD_MAX / 32; c++) {
+                    if (c < dims) acc[hi][c] = __fmaf_rn(pj, vs[j][lane + 32 * c], acc[hi][c]);
                 }
             }
             __syncwarp();

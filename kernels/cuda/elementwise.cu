@@ -2,6 +2,35 @@
 // RMS norm (optionally fused with the residual add), rotary embedding of q and k in the fused qkv
 // rows, SiLU·mul of the fused gate/up rows, and the embedding gather.
 
+// 8 bf16 values (16 bytes) to f32 and back.
+__device__ __forceinline__ void unpack8(float* f, uint4 v) {
+    const unsigned u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        f[2 * i] = __uint_as_float(u[i] << 16);
+        f[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
+    }
+}
+
+__device__ __forceinline__ uint4 pack8(const float* f) {
+    unsigned u[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        u[i] = (unsigned)f32_to_bf16(f[2 * i]) | ((unsigned)f32_to_bf16(f[2 * i + 1]) << 16);
+    }
+    return make_uint4(u[0], u[1], u[2], u[3]);
+}
+
+// The norms' vector path: a row of d values (d a multiple of 8, at most 8 · NORM_CHUNKS ·
+// blockDim.x) read once, 16 bytes at a time, and kept in registers between the sum of squares
+// and the scaling; thread t takes chunks t, t + blockDim.x, ... Otherwise the scalar loops.
+// Which path runs, and so the order of the sum, follows from d alone, never from the row count.
+#define NORM_CHUNKS 4
+
+__device__ __forceinline__ bool norm_vector(int d) {
+    return (d & 7) == 0 && d <= 8 * NORM_CHUNKS * (int)blockDim.x;
+}
+
 // out = x / sqrt(mean(x²) + eps) · w; one block per row.
 extern "C" __global__ void rms_norm(const bf16* __restrict__ x, const bf16* __restrict__ w,
                                     bf16* __restrict__ out, int d, float eps) {
@@ -9,6 +38,32 @@ extern "C" __global__ void rms_norm(const bf16* __restrict__ x, const bf16* __re
     const bf16* xr = x + (i64)blockIdx.x * d;
     bf16* orow = out + (i64)blockIdx.x * d;
     float ss = 0.0f;
+    if (norm_vector(d)) {
+        const int chunks = d / 8;
+        float v[NORM_CHUNKS][8];
+#pragma unroll
+        for (int u = 0; u < NORM_CHUNKS; u++) {
+            int c = threadIdx.x + u * blockDim.x;
+            if (c < chunks) {
+                unpack8(v[u], *(const uint4*)(xr + 8 * c));
+#pragma unroll
+                for (int i = 0; i < 8; i++) ss += v[u][i] * v[u][i];
+            }
+        }
+        float inv = rsqrtf(block_sum(ss, scratch) / d + eps);
+#pragma unroll
+        for (int u = 0; u < NORM_CHUNKS; u++) {
+            int c = threadIdx.x + u * blockDim.x;
+            if (c < chunks) {
+                float wv[8], o[8];
+                unpack8(wv, *(const uint4*)(w + 8 * c));
+#pragma unroll
+                for (int i = 0; i < 8; i++) o[i] = wv[i] * (v[u][i] * inv);
+                *(uint4*)(orow + 8 * c) = pack8(o);
+            }
+        }
+        return;
+    }
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
         float v = bf16_to_f32(xr[i]);
         ss += v * v;
@@ -29,6 +84,39 @@ extern "C" __global__ void add_rms_norm(bf16* __restrict__ residual, const bf16*
     const bf16* dl = delta + (i64)blockIdx.x * d;
     bf16* orow = out + (i64)blockIdx.x * d;
     float ss = 0.0f;
+    if (norm_vector(d)) {
+        const int chunks = d / 8;
+        float v[NORM_CHUNKS][8];
+#pragma unroll
+        for (int u = 0; u < NORM_CHUNKS; u++) {
+            int c = threadIdx.x + u * blockDim.x;
+            if (c < chunks) {
+                float a[8], b[8];
+                unpack8(a, *(const uint4*)(r + 8 * c));
+                unpack8(b, *(const uint4*)(dl + 8 * c));
+#pragma unroll
+                for (int i = 0; i < 8; i++) a[i] = a[i] + b[i];
+                const uint4 sum = pack8(a);
+                *(uint4*)(r + 8 * c) = sum;
+                unpack8(v[u], sum);
+#pragma unroll
+                for (int i = 0; i < 8; i++) ss += v[u][i] * v[u][i];
+            }
+        }
+        float inv = rsqrtf(block_sum(ss, scratch) / d + eps);
+#pragma unroll
+        for (int u = 0; u < NORM_CHUNKS; u++) {
+            int c = threadIdx.x + u * blockDim.x;
+            if (c < chunks) {
+                float wv[8], o[8];
+                unpack8(wv, *(const uint4*)(w + 8 * c));
+#pragma unroll
+                for (int i = 0; i < 8; i++) o[i] = wv[i] * (v[u][i] * inv);
+                *(uint4*)(orow + 8 * c) = pack8(o);
+            }
+        }
+        return;
+    }
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
         bf16 s = f32_to_bf16(bf16_to_f32(r[i]) + bf16_to_f32(dl[i]));
         r[i] = s;

@@ -289,7 +289,10 @@ __device__ __forceinline__ void gemm_pipe(const bf16* __restrict__ x, const bf16
 // (m / 16, n / 32) rounded up. (Measured on an H100: 8 buffers, or 64-row tiles above 16 rows,
 // at 96 KiB a block, were slower: fewer blocks an SM. On an H200, 8 buffers only where the
 // weight has few column tiles, one block an SM, were slower too: 1×4096×4096 in 34.1 µs
-// against 29.3, 1×4096×14336 in 90.4 against 77.5.)
+// against 29.3, 1×4096×14336 in 90.4 against 77.5. And on the H200, 2026-12-04: tiles of 16 × 16
+// for up to 16 rows, 64 threads and 6 buffers, twice the blocks, were slower at every shape:
+// 1×4096×4096 in 33.8 µs against 29.5, 1×6144×4096 38.4 against 34.8, 1×4096×14336 84.9 against
+// 78.8, 1×28672×4096 125.3 against 72.1.)
 extern "C" __global__ void __launch_bounds__(128)
     gemm_pipe_small(const bf16* x, const bf16* w, void* out, int m, int n, int k, int f32_out) {
     gemm_pipe<1, 4, 1, 1, 128, 4, true>(x, w, out, m, n, k, f32_out);
