@@ -31,6 +31,31 @@ __device__ __forceinline__ bool norm_vector(int d) {
     return (d & 7) == 0 && d <= 8 * NORM_CHUNKS * (int)blockDim.x;
 }
 
+// f(u, c) for this thread's chunks c of a row of `chunks` (its u-th: chunk threadIdx.x +
+// u · blockDim.x), unrolled so that arrays indexed by u stay in registers.
+template <typename F>
+__device__ __forceinline__ void norm_chunks(int chunks, F f) {
+#pragma unroll
+    for (int u = 0; u < NORM_CHUNKS; u++) {
+        int c = threadIdx.x + u * blockDim.x;
+        if (c < chunks) f(u, c);
+    }
+}
+
+// The vector path's second half: this thread's chunks of the row (in registers) times inv and
+// the weights, stored 16 bytes at a time.
+__device__ __forceinline__ void norm_scale(const float (&v)[NORM_CHUNKS][8],
+                                           const bf16* __restrict__ w, bf16* __restrict__ orow,
+                                           int chunks, float inv) {
+    norm_chunks(chunks, [&](int u, int c) {
+        float wv[8], o[8];
+        unpack8(wv, *(const uint4*)(w + 8 * c));
+#pragma unroll
+        for (int i = 0; i < 8; i++) o[i] = wv[i] * (v[u][i] * inv);
+        *(uint4*)(orow + 8 * c) = pack8(o);
+    });
+}
+
 // out = x / sqrt(mean(x²) + eps) · w; one block per row.
 extern "C" __global__ void rms_norm(const bf16* __restrict__ x, const bf16* __restrict__ w,
                                     bf16* __restrict__ out, int d, float eps) {
@@ -41,27 +66,12 @@ extern "C" __global__ void rms_norm(const bf16* __restrict__ x, const bf16* __re
     if (norm_vector(d)) {
         const int chunks = d / 8;
         float v[NORM_CHUNKS][8];
+        norm_chunks(chunks, [&](int u, int c) {
+            unpack8(v[u], *(const uint4*)(xr + 8 * c));
 #pragma unroll
-        for (int u = 0; u < NORM_CHUNKS; u++) {
-            int c = threadIdx.x + u * blockDim.x;
-            if (c < chunks) {
-                unpack8(v[u], *(const uint4*)(xr + 8 * c));
-#pragma unroll
-                for (int i = 0; i < 8; i++) ss += v[u][i] * v[u][i];
-            }
-        }
-        float inv = rsqrtf(block_sum(ss, scratch) / d + eps);
-#pragma unroll
-        for (int u = 0; u < NORM_CHUNKS; u++) {
-            int c = threadIdx.x + u * blockDim.x;
-            if (c < chunks) {
-                float wv[8], o[8];
-                unpack8(wv, *(const uint4*)(w + 8 * c));
-#pragma unroll
-                for (int i = 0; i < 8; i++) o[i] = wv[i] * (v[u][i] * inv);
-                *(uint4*)(orow + 8 * c) = pack8(o);
-            }
-        }
+            for (int i = 0; i < 8; i++) ss += v[u][i] * v[u][i];
+        });
+        norm_scale(v, w, orow, chunks, rsqrtf(block_sum(ss, scratch) / d + eps));
         return;
     }
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
@@ -87,34 +97,19 @@ extern "C" __global__ void add_rms_norm(bf16* __restrict__ residual, const bf16*
     if (norm_vector(d)) {
         const int chunks = d / 8;
         float v[NORM_CHUNKS][8];
+        norm_chunks(chunks, [&](int u, int c) {
+            float a[8], b[8];
+            unpack8(a, *(const uint4*)(r + 8 * c));
+            unpack8(b, *(const uint4*)(dl + 8 * c));
 #pragma unroll
-        for (int u = 0; u < NORM_CHUNKS; u++) {
-            int c = threadIdx.x + u * blockDim.x;
-            if (c < chunks) {
-                float a[8], b[8];
-                unpack8(a, *(const uint4*)(r + 8 * c));
-                unpack8(b, *(const uint4*)(dl + 8 * c));
+            for (int i = 0; i < 8; i++) a[i] = a[i] + b[i];
+            const uint4 sum = pack8(a);
+            *(uint4*)(r + 8 * c) = sum;
+            unpack8(v[u], sum);
 #pragma unroll
-                for (int i = 0; i < 8; i++) a[i] = a[i] + b[i];
-                const uint4 sum = pack8(a);
-                *(uint4*)(r + 8 * c) = sum;
-                unpack8(v[u], sum);
-#pragma unroll
-                for (int i = 0; i < 8; i++) ss += v[u][i] * v[u][i];
-            }
-        }
-        float inv = rsqrtf(block_sum(ss, scratch) / d + eps);
-#pragma unroll
-        for (int u = 0; u < NORM_CHUNKS; u++) {
-            int c = threadIdx.x + u * blockDim.x;
-            if (c < chunks) {
-                float wv[8], o[8];
-                unpack8(wv, *(const uint4*)(w + 8 * c));
-#pragma unroll
-                for (int i = 0; i < 8; i++) o[i] = wv[i] * (v[u][i] * inv);
-                *(uint4*)(orow + 8 * c) = pack8(o);
-            }
-        }
+            for (int i = 0; i < 8; i++) ss += v[u][i] * v[u][i];
+        });
+        norm_scale(v, w, orow, chunks, rsqrtf(block_sum(ss, scratch) / d + eps));
         return;
     }
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
