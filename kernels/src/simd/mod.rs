@@ -237,7 +237,11 @@ pub const PANEL: usize = 16;
 /// AVX-512's register tile: up to 6 activation rows × 4 panels, 24 accumulators, four weight
 /// vectors and a broadcast activation in its 32 registers. 512 rows of the model's gate|up
 /// product on one Zen 5 core: 97% of the FMA peak, where the lane-tree order's 6 × 4 tile of
-/// dot products (each summed across sixteen lanes at its end) reached 78%.
+/// dot products (each summed across sixteen lanes at its end) reached 78%. On a 2-core Intel
+/// Xeon with AMX (two 512-bit FMA ports a core) the same product reaches 63-68% of its peak with
+/// this tile, 8 × 3 or 12 × 2 alike (fewer panel loads a multiply-add: not the panels' traffic
+/// from L2), and blocking the decoded panels in k to keep them in L1 was slower (`decode_matmul`,
+/// `ROWS=512`, 2026-12-04).
 const TILE_512: (usize, usize) = (6, 4);
 
 /// AVX2's: up to 6 activation rows × one panel (two 8-lane vectors): 12 accumulators, two
