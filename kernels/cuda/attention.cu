@@ -200,14 +200,6 @@ extern "C" __global__ void __launch_bounds__(128) paged_attention_decode(AttnPar
             }
         }
     };
-    auto unpack = [](float* dst, uint4 v) {
-        const unsigned w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            dst[2 * i] = __uint_as_float(w[i] << 16);
-            dst[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-        }
-    };
     float row_max[2] = {NEG_INF, NEG_INF}, row_sum[2] = {0.0f, 0.0f};
     float acc[2][HD_MAX / 32];
 #pragma unroll
@@ -224,8 +216,8 @@ extern "C" __global__ void __launch_bounds__(128) paged_attention_decode(AttnPar
             int e = threadIdx.x + u * 128;
             if (e < chunks) {
                 int j = e / chunks_per_key, c = (e % chunks_per_key) * 8;
-                unpack(&ks[j][c], kreg[u]);
-                unpack(&vs[j][c], vreg[u]);
+                unpack8(&ks[j][c], kreg[u]);
+                unpack8(&vs[j][c], vreg[u]);
             }
         }
         __syncthreads();

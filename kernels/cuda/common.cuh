@@ -19,6 +19,25 @@ __device__ __forceinline__ bf16 f32_to_bf16(float f) {
     return (bf16)(u >> 16);
 }
 
+// 8 bf16 values (16 bytes) to f32 and back.
+__device__ __forceinline__ void unpack8(float* f, uint4 v) {
+    const unsigned u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        f[2 * i] = __uint_as_float(u[i] << 16);
+        f[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
+    }
+}
+
+__device__ __forceinline__ uint4 pack8(const float* f) {
+    unsigned u[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        u[i] = (unsigned)f32_to_bf16(f[2 * i]) | ((unsigned)f32_to_bf16(f[2 * i + 1]) << 16);
+    }
+    return make_uint4(u[0], u[1], u[2], u[3]);
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;

@@ -2,25 +2,6 @@
 // RMS norm (optionally fused with the residual add), rotary embedding of q and k in the fused qkv
 // rows, SiLU·mul of the fused gate/up rows, and the embedding gather.
 
-// 8 bf16 values (16 bytes) to f32 and back.
-__device__ __forceinline__ void unpack8(float* f, uint4 v) {
-    const unsigned u[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        f[2 * i] = __uint_as_float(u[i] << 16);
-        f[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
-    }
-}
-
-__device__ __forceinline__ uint4 pack8(const float* f) {
-    unsigned u[4];
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        u[i] = (unsigned)f32_to_bf16(f[2 * i]) | ((unsigned)f32_to_bf16(f[2 * i + 1]) << 16);
-    }
-    return make_uint4(u[0], u[1], u[2], u[3]);
-}
-
 // The norms' vector path: a row of d values (d a multiple of 8, at most 8 · NORM_CHUNKS ·
 // blockDim.x) read once, 16 bytes at a time, and kept in registers between the sum of squares
 // and the scaling; thread t takes chunks t, t + blockDim.x, ... Otherwise the scalar loops.
