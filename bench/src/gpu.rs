@@ -185,6 +185,12 @@ pub fn run(ordinal: usize, batches: &[usize]) -> Result<GpuReport, EngineError> 
         (64, 2 * ff, h),
         (256, 2 * ff, h),
         (2048, 2 * ff, h),
+        // Products in k-segments (gemm_segment) at each tiling's row counts.
+        (16, h, h),
+        (64, h, h),
+        (256, h, h),
+        (2048, h, h),
+        (2048, h, ff),
     ] {
         let mut x = g.ops.alloc_bf16(rows * k)?;
         let mut w = g.ops.alloc_bf16(n * k)?;

@@ -4,8 +4,10 @@
 // Batch-invariant by construction: every output is one accumulator that takes the k columns
 // 16 at a time in increasing order through the same instruction, at the same place in its
 // 16×8 fragment (tiles start at multiples of 16 rows and 8 columns), whatever the row count and
-// whichever of the two tilings runs. No split of k, so no partial sums to merge. (The vendor
-// library picks its kernel, and a split of k, by the shape: a row's bits changed with the batch.)
+// whichever of the tilings runs. Where k is cut into segments (below, the pipelined kernels) the
+// cut is the weight's shape's alone, and every tiling adds the segments' sums in the same order.
+// (The vendor library picks its kernel, and a split of k, by the whole shape, m included: a
+// row's bits changed with the batch.)
 //
 // A block is 4 warps over a tile of BM rows × 64 columns, k taken 32 at a time through shared
 // memory: WARPS_M warps down the rows (MI fragments of 16 rows each), 4 / WARPS_M across the
@@ -142,6 +144,22 @@ extern "C" __global__ void gemm_rows64(const bf16* x, const bf16* w, void* out, 
 // fragment row r mod 16 and column c mod 8 in every tiling, so its bits never depend on m.
 // (The fallback above takes k in another order: whether it runs is a property of k alone.)
 
+// k in segments (a property of the weight's shape, from the host's gemm_segment, never of m):
+// with few column tiles a decode's product is a few hundred blocks on a hundred-odd SMs, too few
+// loads in flight to draw the memory's bandwidth, so k is cut into segments of `seg` values (a
+// multiple of 128, so of every BK) each summed from zero, and an output is the segments' sums
+// added in increasing order to zero: ((0 + s0) + s1) + ... (a single segment's sum is stored as
+// it is, whichever tiling). Every tiling computes
+// exactly that: the small one, for a few rows, runs a block per segment (grid z) and the last of
+// a tile's blocks to finish adds their partial sums, read back from `part`, in order (SEG_SPLIT);
+// the others, and the small one for more rows (grid z of 1), walk the segments in turn, folding
+// each into a second set of accumulators (SEG_FOLD). SEG_NONE, the
+// large tiling's two-blocks-an-SM form, takes one segment only (the host runs its SEG_FOLD twin
+// otherwise: the second set does not fit its 128 registers).
+#define SEG_SPLIT 0
+#define SEG_FOLD 1
+#define SEG_NONE 2
+
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
     unsigned a;
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
@@ -185,6 +203,61 @@ __device__ __forceinline__ void gemm_stage(bf16* dst, const bf16* __restrict__ s
     }
 }
 
+// SEG_SPLIT's end: this block's partial sums (segment blockIdx.z) into part[z][m][n]; the last
+// of the tile's gridDim.z blocks to finish (its counter, which it puts back to 0 for the next
+// launch) adds the partials in segment order and stores the outputs.
+template <int MI, int NI>
+__device__ __forceinline__ void gemm_split_finish(const float (&acc)[MI][NI][4], void* out, int m,
+                                                  int n, int r0, int c0, int f32_out,
+                                                  float* __restrict__ part, unsigned* count) {
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const i64 plane = (i64)m * n;
+    float* mine = part + blockIdx.z * plane;
+#pragma unroll
+    for (int i = 0; i < MI; i++)
+#pragma unroll
+        for (int j = 0; j < NI; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int r = r0 + i * 16 + g + (e >> 1) * 8;
+                int c = c0 + j * 8 + 2 * t + (e & 1);
+                if (r < m && c < n) __stcg(&mine[(i64)r * n + c], acc[i][j][e]);
+            }
+    // The partials visible device-wide before the count says they are there.
+    __threadfence();
+    __syncthreads();
+    int last = 0;
+    if (threadIdx.x == 0) {
+        const unsigned tile = blockIdx.y * gridDim.x + blockIdx.x;
+        last = atomicAdd(&count[tile], 1u) == gridDim.z - 1;
+        if (last) count[tile] = 0;
+    }
+    // (No shared flag: the small tiling's buffers fill the 48 KiB a block holds statically.)
+    if (!__syncthreads_or(last)) return;
+    __threadfence();
+#pragma unroll
+    for (int i = 0; i < MI; i++)
+#pragma unroll
+        for (int j = 0; j < NI; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int r = r0 + i * 16 + g + (e >> 1) * 8;
+                int c = c0 + j * 8 + 2 * t + (e & 1);
+                if (r < m && c < n) {
+                    const i64 o = (i64)r * n + c;
+                    // From zero, as the folding tilings' sum.
+                    float v = 0.0f;
+                    for (unsigned z = 0; z < gridDim.z; z++) v += __ldcg(&part[z * plane + o]);
+                    if (f32_out) {
+                        ((float*)out)[o] = v;
+                    } else {
+                        ((bf16*)out)[o] = f32_to_bf16(v);
+                    }
+                }
+            }
+}
+
 // A block is WARPS_M × WARPS_N warps over a tile of BM = WARPS_M·MI·16 rows and
 // BN = WARPS_N·NI·8 columns; k goes BK at a time through STAGES buffers. M_FAST puts the row
 // tiles on grid x, so the blocks that share a tile of W run side by side (the second reads it
@@ -193,9 +266,10 @@ __device__ __forceinline__ void gemm_stage(bf16* dst, const bf16* __restrict__ s
 // The buffers, (BM + BN)·BK·2·STAGES bytes, are static shared memory up to 48 KiB, else
 // dynamic: the host sets that as the kernel's allowance and passes it at launch (a launch with
 // less traps rather than overrun).
-template <int WARPS_M, int WARPS_N, int MI, int NI, int BK, int STAGES, bool M_FAST>
+template <int WARPS_M, int WARPS_N, int MI, int NI, int BK, int STAGES, bool M_FAST, int SEGS>
 __device__ __forceinline__ void gemm_pipe(const bf16* __restrict__ x, const bf16* __restrict__ w,
-                                          void* out, int m, int n, int k, int f32_out) {
+                                          void* out, int m, int n, int k, int f32_out, int seg,
+                                          float* __restrict__ part, unsigned* count) {
     constexpr int BM = WARPS_M * MI * 16;
     constexpr int BN = WARPS_N * NI * 8;
     constexpr int CPR = BK / 8;
@@ -221,6 +295,16 @@ __device__ __forceinline__ void gemm_pipe(const bf16* __restrict__ x, const bf16
     const int wm = warp / WARPS_N, wn = warp % WARPS_N;
     const int g = lane >> 2, t = lane & 3;
     const int ktiles = (k + BK - 1) / BK;
+    // Tiles a segment; one segment when seg >= k.
+    if (seg < k && (seg <= 0 || seg % BK != 0)) __trap();
+    const int lt = seg >= k ? ktiles : seg / BK;
+    if (SEGS == SEG_NONE && lt < ktiles) __trap();
+    // This block's tiles: a segment (SEG_SPLIT over grid z), else all, folding the segments
+    // (SEG_SPLIT too where the grid has one z: the host's choice for more than a few rows).
+    const bool split = SEGS == SEG_SPLIT && gridDim.z > 1;
+    const bool walk = SEGS == SEG_FOLD || (SEGS == SEG_SPLIT && !split);
+    const int kb = split ? (int)blockIdx.z * lt : 0;
+    const int ke = split ? min(ktiles, kb + lt) : ktiles;
 
     auto load = [&](int stage, int kt) {
         gemm_stage<BM, BK, THREADS>(sa[stage], x, m, k, m0, kt * BK);
@@ -235,23 +319,46 @@ __device__ __forceinline__ void gemm_pipe(const bf16* __restrict__ x, const bf16
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[i][j][e] = 0.0f;
 
+    // The sums of the segments done (from zero, as the split's reduction).
+    float tot[SEGS == SEG_NONE ? 1 : MI][SEGS == SEG_NONE ? 1 : NI][4];
+#pragma unroll
+    for (int i = 0; i < (SEGS == SEG_NONE ? 1 : MI); i++)
+#pragma unroll
+        for (int j = 0; j < (SEGS == SEG_NONE ? 1 : NI); j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) tot[i][j][e] = 0.0f;
+    auto fold = [&]() {
+#pragma unroll
+        for (int i = 0; i < MI; i++)
+#pragma unroll
+            for (int j = 0; j < NI; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    if constexpr (SEGS != SEG_NONE) tot[i][j][e] += acc[i][j][e];
+                    acc[i][j][e] = 0.0f;
+                }
+    };
+
 #pragma unroll
     for (int s = 0; s < STAGES - 1; s++) {
-        if (s < ktiles) load(s, s);
+        if (kb + s < ke) load(s, kb + s);
         cp_async_commit();
     }
-    for (int kt = 0; kt < ktiles; kt++) {
+    for (int kt = kb; kt < ke; kt++) {
+        if constexpr (SEGS != SEG_NONE) {
+            if (walk && kt > 0 && kt % lt == 0) fold();
+        }
         // Tile kt has landed (at most STAGES - 2 later groups still in flight), and every warp
         // is done with the buffer the next load overwrites (the one read in step kt - 1).
         cp_async_wait<STAGES - 2>();
         __syncthreads();
         {
             int next = kt + STAGES - 1;
-            if (next < ktiles) load(next % STAGES, next);
+            if (next < ke) load((next - kb) % STAGES, next);
             cp_async_commit();
         }
-        const bf16* A = sa[kt % STAGES];
-        const bf16* B = sb[kt % STAGES];
+        const bf16* A = sa[(kt - kb) % STAGES];
+        const bf16* B = sb[(kt - kb) % STAGES];
 #pragma unroll
         for (int j = 0; j < BK / 32; j++) {
             const int c = 4 * j + t;
@@ -280,7 +387,20 @@ __device__ __forceinline__ void gemm_pipe(const bf16* __restrict__ x, const bf16
             }
         }
     }
-    gemm_store<MI, NI>(acc, out, m, n, m0 + wm * MI * 16, n0 + wn * NI * 8, f32_out);
+    const int r0 = m0 + wm * MI * 16, c0 = n0 + wn * NI * 8;
+    if constexpr (SEGS == SEG_NONE) {
+        gemm_store<MI, NI>(acc, out, m, n, r0, c0, f32_out);
+    } else {
+        if (lt >= ktiles) {
+            // One segment: its sum as it is (0 + x would turn a -0 into +0), as SEG_NONE's.
+            gemm_store<MI, NI>(acc, out, m, n, r0, c0, f32_out);
+        } else if (split) {
+            gemm_split_finish<MI, NI>(acc, out, m, n, r0, c0, f32_out, part, count);
+        } else {
+            fold();
+            gemm_store<MI, NI>(tot, out, m, n, r0, c0, f32_out);
+        }
+    }
 }
 
 // The tilings, each with its shared memory in bytes (the host's GEMM_PIPES lists the same).
@@ -293,22 +413,41 @@ __device__ __forceinline__ void gemm_pipe(const bf16* __restrict__ x, const bf16
 // for up to 16 rows, 64 threads and 6 buffers, twice the blocks, were slower at every shape:
 // 1×4096×4096 in 33.8 µs against 29.5, 1×6144×4096 38.4 against 34.8, 1×4096×14336 84.9 against
 // 78.8, 1×28672×4096 125.3 against 72.1.)
+// k in segments, a block each (grid (m / 16, n / 32, segments)) for up to GEMM_SPLIT_MAX_ROWS
+// rows, on the H200 (2026-12-04, one segment's block per 4 of k's 1024 there): 1×4096×4096 in
+// 21.3 µs against 30.8, 1×4096×14336 43.2 against 78.9, 1×6144×4096 (3 segments) 33.1 against
+// 35.3; a Llama-3-8B decode step of 1 row 7.49 ms against 8.85, of 16 rows 8.16 against 9.33.
+// The same split for 64 rows was slower (a step 23.07 ms against 21.82: the partial sums'
+// traffic grows with the rows), hence the walk above 16 rows.
 extern "C" __global__ void __launch_bounds__(128)
-    gemm_pipe_small(const bf16* x, const bf16* w, void* out, int m, int n, int k, int f32_out) {
-    gemm_pipe<1, 4, 1, 1, 128, 4, true>(x, w, out, m, n, k, f32_out);
+    gemm_pipe_small(const bf16* x, const bf16* w, void* out, int m, int n, int k, int f32_out,
+                    int seg, float* part, unsigned* count) {
+    gemm_pipe<1, 4, 1, 1, 128, 4, true, SEG_SPLIT>(x, w, out, m, n, k, f32_out, seg, part, count);
 }
 
 // Up to 128 rows: tiles of 64 × 64 (warps 2 × 2 of 32 × 32), k 64 at a time through 4 buffers
 // (64 KiB), 128 threads, grid (n / 64, m / 64) rounded up.
 extern "C" __global__ void __launch_bounds__(128)
-    gemm_pipe_mid(const bf16* x, const bf16* w, void* out, int m, int n, int k, int f32_out) {
-    gemm_pipe<2, 2, 2, 4, 64, 4, false>(x, w, out, m, n, k, f32_out);
+    gemm_pipe_mid(const bf16* x, const bf16* w, void* out, int m, int n, int k, int f32_out,
+                    int seg, float* part, unsigned* count) {
+    gemm_pipe<2, 2, 2, 4, 64, 4, false, SEG_FOLD>(x, w, out, m, n, k, f32_out, seg, part, count);
 }
 
 // More (prefill): tiles of 128 × 128 (warps 2 × 4 of 64 × 32), k 64 at a time through 3 buffers
 // (96 KiB), 256 threads (two blocks an SM: at most 128 registers a thread), grid (n / 128,
 // m / 128) rounded up.
 extern "C" __global__ void __launch_bounds__(256, 2)
-    gemm_pipe_large(const bf16* x, const bf16* w, void* out, int m, int n, int k, int f32_out) {
-    gemm_pipe<2, 4, 4, 4, 64, 3, false>(x, w, out, m, n, k, f32_out);
+    gemm_pipe_large(const bf16* x, const bf16* w, void* out, int m, int n, int k, int f32_out,
+                    int seg, float* part, unsigned* count) {
+    gemm_pipe<2, 4, 4, 4, 64, 3, false, SEG_NONE>(x, w, out, m, n, k, f32_out, seg, part, count);
+}
+
+// The large tiling for k in more than one segment: its second set of accumulators wants more
+// than 128 registers a thread (200), so one block an SM. (Its first form, 255 registers and
+// spilling, made a 2048-token prefill 6% slower than one segment did, 5 444 tok/s against
+// 5 772, and a 256-row decode step's products 7%, 29.74 ms against 27.77.)
+extern "C" __global__ void __launch_bounds__(256, 1)
+    gemm_pipe_large_seg(const bf16* x, const bf16* w, void* out, int m, int n, int k, int f32_out,
+                        int seg, float* part, unsigned* count) {
+    gemm_pipe<2, 4, 4, 4, 64, 3, false, SEG_FOLD>(x, w, out, m, n, k, f32_out, seg, part, count);
 }

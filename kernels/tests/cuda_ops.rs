@@ -6,7 +6,7 @@
 use half::bf16;
 use rand::{Rng, SeedableRng};
 use tandem_kernels::cuda::runtime::CudaOps;
-use tandem_kernels::cuda::{driver_present, DECODE_SPLIT_LEN};
+use tandem_kernels::cuda::{driver_present, gemm_segment, DECODE_SPLIT_LEN};
 
 const NAN16: u16 = 0x7fc1;
 
@@ -245,14 +245,29 @@ fn table_parts(inv: &[f32], max_pos: usize) -> (Vec<f32>, Vec<f32>) {
 
 #[test]
 fn products_match_the_cpu() {
+    // The segments the shapes below are chosen for.
+    for ((n, k), segs) in [
+        ((4096usize, 4096usize), 4),
+        ((1536, 4096), 4),
+        ((512, 2048), 2),
+        ((256, 2056), 2),
+        ((512, 4096), 4),
+        ((1000, 584), 1),
+    ] {
+        assert_eq!(k.div_ceil(gemm_segment(n, k)), segs, "{n}×{k}");
+    }
     let Some(o) = ops("products_match_the_cpu") else {
         return;
     };
     let mut r = rng(3);
     // Each tiling: up to 64 rows (1, 7, 64), up to 128 (100), above (300); k
-    // with a partial last tile (584, 200), and k not a multiple of 8 (570: the fallback).
+    // with a partial last tile (584, 200), and k not a multiple of 8 (570: the fallback); k in
+    // segments (gemm_segment) through each tiling: 4 of 1024 (1×4096×4096, 300×1536×4096), 2 of
+    // 1024 (100×512×2048), 2 of 1152 the second with a partial last tile (33×256×2056).
     for (m, n, k) in [
         (1, 4096, 4096),
+        (100, 512, 2048),
+        (33, 256, 2056),
         (7, 1000, 576),
         (64, 520, 200),
         (100, 1000, 584),
@@ -488,9 +503,10 @@ fn a_rows_bits_do_not_depend_on_the_batch() {
     };
     let mut r = rng(11);
     // Products: rows alone and in groups through every tiling (up to 64 and 128 rows, and
-    // above), against the same rows among 700; and with k
+    // above), against the same rows among 700; with k in 4 segments (each tiling's own way of
+    // taking them: a block each, or in turn); and with k
     // not a multiple of 8 (the fallback's two tilings).
-    for (m, n, k) in [(700, 1000, 576), (300, 1000, 570)] {
+    for (m, n, k) in [(700, 1000, 576), (300, 512, 4096), (300, 1000, 570)] {
         let (x, _) = rand_bf16(&mut r, m * k, 1.0);
         let (w, _) = rand_bf16(&mut r, n * k, 0.05);
         let wd = o.upload(&w).unwrap();

@@ -376,6 +376,38 @@ pub fn decode_splits(ctx: usize) -> usize {
     ctx.div_ceil(DECODE_SPLIT_LEN).max(1)
 }
 
+/// Output columns a block of the small-row product tiling covers (gemm.cu's gemm_pipe_small).
+pub const GEMM_SMALL_COLS: usize = 32;
+
+/// Blocks a small-row product aims for when k is cut into segments: four an SM of a 132-SM part
+/// (H100, H200), what gemm_pipe_small's 48 KiB of buffers let an SM hold.
+pub const GEMM_SEG_BLOCKS: usize = 512;
+
+/// The most rows the small tiling runs a block per k-segment for (above, a block walks the
+/// segments: the partial sums' traffic grows with the rows, the weight's does not). Either way
+/// the same bits.
+pub const GEMM_SPLIT_MAX_ROWS: usize = 16;
+
+/// The shortest k-segment: 8 of the small tiling's k-steps, so its 4-deep pipeline fills.
+pub const GEMM_SEG_MIN: usize = 1024;
+
+/// The k-segment of a product with a weight of `n` × `k` (gemm.cu: each segment summed from zero,
+/// the sums added in order): a multiple of 128 (every tiling's k-step divides it), or `k` itself
+/// (one segment) where the weight's column tiles alone give the blocks, where k is short, or
+/// where k is not a multiple of 8 (the fallback kernels, which take k whole). A function of the
+/// weight's shape only, so a row's bits never depend on the batch.
+pub fn gemm_segment(n: usize, k: usize) -> usize {
+    if k % 8 != 0 {
+        return k;
+    }
+    let want = GEMM_SEG_BLOCKS.div_ceil(n.div_ceil(GEMM_SMALL_COLS).max(1));
+    let segs = want.min(k / GEMM_SEG_MIN);
+    if segs <= 1 {
+        return k;
+    }
+    k.div_ceil(segs).next_multiple_of(128)
+}
+
 /// Batch sizes decode steps are captured as CUDA graphs for: a step of `n` sequences replays the
 /// graph of the smallest bucket ≥ n, its extra rows padded (their cache slots negative, so nothing
 /// is written). Fine steps where padding costs most, coarse ones above.
@@ -429,6 +461,42 @@ mod tests {
             assert!(GRAPH_BUCKETS.iter().all(|&o| o >= b || o < n));
             // Padding stays under half the bucket.
             assert!((b - n) * 2 < b, "{n} in {b}");
+        }
+    }
+
+    #[test]
+    fn product_segments_follow_the_weight() {
+        // Llama-3-8B's decode products: the narrow ones cut into 4 (q·k·v into 3), the wide
+        // gate·up whole; SmolLM2's k is too short to cut.
+        assert_eq!(gemm_segment(4096, 4096), 1024);
+        assert_eq!(gemm_segment(4096, 14336), 3584);
+        assert_eq!(gemm_segment(6144, 4096), 1408);
+        assert_eq!(gemm_segment(28672, 4096), 4096);
+        assert_eq!(gemm_segment(128256, 4096), 4096);
+        assert_eq!(gemm_segment(576, 576), 576);
+        assert_eq!(gemm_segment(1536, 576), 576);
+        assert_eq!(gemm_segment(576, 1536), 1536);
+        assert_eq!(gemm_segment(300, 570), 570);
+        assert_eq!(gemm_segment(512, 4099), 4099);
+        for n in [
+            1, 31, 32, 100, 576, 1000, 4096, 5120, 8192, 16383, 16384, 20000,
+        ] {
+            for k in [8, 1000, 1024, 2048, 2056, 4096, 4104, 14336, 28672] {
+                let seg = gemm_segment(n, k);
+                let segs = k.div_ceil(seg);
+                if segs == 1 {
+                    assert!(seg >= k, "{n}×{k}");
+                    continue;
+                }
+                assert_eq!(seg % 128, 0, "{n}×{k}");
+                assert!(seg >= GEMM_SEG_MIN, "{n}×{k}");
+                // No more blocks than the aim (give or take a segment), none empty.
+                let tiles = n.div_ceil(GEMM_SMALL_COLS);
+                assert!(tiles * (segs - 1) < GEMM_SEG_BLOCKS, "{n}×{k}");
+                assert!((segs - 1) * seg < k, "{n}×{k}");
+                // What the small tiling's partial sums take: within the device's workspace.
+                assert!(segs * n <= 2 * GEMM_SEG_BLOCKS * GEMM_SMALL_COLS, "{n}×{k}");
+            }
         }
     }
 
@@ -512,6 +580,7 @@ mod tests {
             "gemm_pipe_small",
             "gemm_pipe_mid",
             "gemm_pipe_large",
+            "gemm_pipe_large_seg",
             "argmax_rows",
             "sample_rows",
         ] {

@@ -8,12 +8,15 @@ use std::sync::Arc;
 use cudarc::driver::sys::CUfunction_attribute;
 pub use cudarc::driver::CudaSlice;
 use cudarc::driver::{
-    CudaFunction, CudaStream, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 
 use super::nvrtc::{cache_dir, compile_cached, Image};
-use super::{open, program_text, AttnParams, CudaError, Gpu, SOURCES};
+use super::{
+    gemm_segment, open, program_text, AttnParams, CudaError, Gpu, GEMM_SEG_BLOCKS, GEMM_SMALL_COLS,
+    GEMM_SPLIT_MAX_ROWS, SOURCES,
+};
 
 mod attention;
 mod copies;
@@ -41,9 +44,11 @@ const GEMM_COLS: usize = 64;
 /// threads, whether row tiles run on grid x, and its shared memory, (rows + columns) · k-step ·
 /// 2 bytes · buffers, as the kernel computes it (static up to 48 KiB, else dynamic, where it
 /// traps on less). Every tiling computes each output with the same arithmetic, so the choice by
-/// m never changes a bit.
+/// m never changes a bit. `segmented`: the kernel run instead when k is in more than one segment
+/// (gemm.cu's SEG_NONE tiling's SEG_FOLD twin), None where the kernel itself takes segments.
 struct GemmPipe {
     name: &'static str,
+    segmented: Option<&'static str>,
     max_m: usize,
     tile: (usize, usize),
     threads: u32,
@@ -53,6 +58,7 @@ struct GemmPipe {
 
 const fn pipe(
     name: &'static str,
+    segmented: Option<&'static str>,
     max_m: usize,
     (bm, bn, bk, stages): (usize, usize, usize, usize),
     threads: u32,
@@ -60,6 +66,7 @@ const fn pipe(
 ) -> GemmPipe {
     GemmPipe {
         name,
+        segmented,
         max_m,
         tile: (bm, bn),
         threads,
@@ -82,10 +89,24 @@ impl GemmPipe {
 
 /// By row count, smallest first; the last takes every larger m.
 const GEMM_PIPES: [GemmPipe; 3] = [
-    pipe("gemm_pipe_small", 64, (16, 32, 128, 4), 128, true),
-    pipe("gemm_pipe_mid", 128, (64, 64, 64, 4), 128, false),
-    pipe("gemm_pipe_large", usize::MAX, (128, 128, 64, 3), 256, false),
+    pipe("gemm_pipe_small", None, 64, (16, 32, 128, 4), 128, true),
+    pipe("gemm_pipe_mid", None, 128, (64, 64, 64, 4), 128, false),
+    pipe(
+        "gemm_pipe_large",
+        Some("gemm_pipe_large_seg"),
+        usize::MAX,
+        (128, 128, 64, 3),
+        256,
+        false,
+    ),
 ];
+
+/// The small tiling's partial sums of a product in segments: at most 64 rows × segments × n
+/// (gemm_segment keeps segments · n within twice the blocks' columns).
+const GEMM_PART_FLOATS: usize = 64 * 2 * GEMM_SEG_BLOCKS * GEMM_SMALL_COLS;
+
+/// Its per-tile counters: at most 4 row tiles (64 rows) × GEMM_SEG_BLOCKS column tiles.
+const GEMM_COUNTERS: usize = 4 * GEMM_SEG_BLOCKS;
 
 /// Threads per block of the row kernels.
 const ROW_THREADS: u32 = 256;
@@ -105,8 +126,8 @@ struct Kernels {
     attention_decode: CudaFunction,
     gemm_rows16: CudaFunction,
     gemm_rows64: CudaFunction,
-    /// GEMM_PIPES' kernels, in its order.
-    gemm_pipes: Vec<CudaFunction>,
+    /// GEMM_PIPES' kernels, in its order, each with its `segmented` twin.
+    gemm_pipes: Vec<(CudaFunction, Option<CudaFunction>)>,
     argmax: CudaFunction,
     sample: CudaFunction,
 }
@@ -118,6 +139,10 @@ pub struct CudaOps {
     /// The stream every op is queued on, in order.
     pub stream: Arc<CudaStream>,
     k: Kernels,
+    /// The products' workspace for k in segments (gemm.cu's SEG_SPLIT): partial sums, and a
+    /// counter per tile that each launch leaves at zero.
+    gemm_part: CudaSlice<f32>,
+    gemm_count: CudaSlice<u32>,
 }
 
 /// Element types a product can write: bf16 bits or f32.
@@ -167,21 +192,32 @@ impl CudaOps {
             gemm_pipes: GEMM_PIPES
                 .iter()
                 .map(|p| {
-                    let f = f(4, p.name)?;
-                    if p.dynamic_smem() > 0 {
-                        f.set_attribute(
-                            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                            p.dynamic_smem() as i32,
-                        )
-                        .map_err(drv)?;
-                    }
-                    Ok(f)
+                    let load = |name: &str| {
+                        let f = f(4, name)?;
+                        if p.dynamic_smem() > 0 {
+                            f.set_attribute(
+                                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                p.dynamic_smem() as i32,
+                            )
+                            .map_err(drv)?;
+                        }
+                        Ok::<_, CudaError>(f)
+                    };
+                    Ok((load(p.name)?, p.segmented.map(load).transpose()?))
                 })
                 .collect::<Result<_, CudaError>>()?,
             argmax: f(3, "argmax_rows")?,
             sample: f(3, "sample_rows")?,
         };
-        Ok(Self { gpu, stream, k })
+        let gemm_part = stream.alloc_zeros::<f32>(GEMM_PART_FLOATS).map_err(drv)?;
+        let gemm_count = stream.alloc_zeros::<u32>(GEMM_COUNTERS).map_err(drv)?;
+        Ok(Self {
+            gpu,
+            stream,
+            k,
+            gemm_part,
+            gemm_count,
+        })
     }
 
     /// Copies `host` into a new device buffer.
@@ -564,6 +600,9 @@ impl CudaOps {
         // One arithmetic per output whichever tiling runs (gemm.cu): the pipelined kernels
         // when rows are 16-byte aligned (k a multiple of 8; the choice among them by m changes
         // no bit), else the fallback (a property of the weight's shape, never of the batch).
+        // k's segment (gemm_segment: the weight's shape alone), for the pipelined kernels.
+        let seg = gemm_segment(n, k);
+        let segs = k.div_ceil(seg);
         // (kernel, grid, threads, dynamic shared memory)
         let (f, grid, threads, smem) = if fallback || k % 8 != 0 {
             let rows = if m <= 16 { 16 } else { 64 };
@@ -572,7 +611,7 @@ impl CudaOps {
             } else {
                 &self.k.gemm_rows64
             };
-            (f, (n.div_ceil(GEMM_COLS), m.div_ceil(rows)), 128, 0)
+            (f, (n.div_ceil(GEMM_COLS), m.div_ceil(rows), 1), 128, 0)
         } else {
             let i = GEMM_PIPES
                 .iter()
@@ -580,16 +619,51 @@ impl CudaOps {
                 .unwrap_or(GEMM_PIPES.len() - 1);
             let p = &GEMM_PIPES[i];
             let (mt, nt) = (m.div_ceil(p.tile.0), n.div_ceil(p.tile.1));
-            let grid = if p.m_fast { (mt, nt) } else { (nt, mt) };
-            (&self.k.gemm_pipes[i], grid, p.threads, p.dynamic_smem())
+            let (grid, f) = match &self.k.gemm_pipes[i] {
+                // A block per segment for a few rows, its partial sums in the workspace.
+                (f, None) if i == 0 => {
+                    let z = if m <= GEMM_SPLIT_MAX_ROWS { segs } else { 1 };
+                    if z > 1
+                        && (z * m * n > self.gemm_part.len() || mt * nt > self.gemm_count.len())
+                    {
+                        return Err(shape(format!(
+                            "gemm {m}×{n}×{k}: {segs} segments outgrow the workspace"
+                        )));
+                    }
+                    ((mt, nt, z), f)
+                }
+                (f, None) => ((nt, mt, 1), f),
+                (f, Some(twin)) => ((nt, mt, 1), if segs > 1 { twin } else { f }),
+            };
+            debug_assert_eq!(p.m_fast, i == 0, "only the small tiling splits by segment");
+            (f, grid, p.threads, p.dynamic_smem())
         };
-        if grid.0 > i32::MAX as usize || grid.1 > 65_535 {
+        let seg = (!(fallback || k % 8 != 0)).then_some(seg);
+        self.launch_gemm(f, grid, threads, smem, x, w, out, (m, n, k), seg)
+    }
+
+    /// One product kernel's launch; `seg`: the k-segment the pipelined kernels take (None: a
+    /// fallback kernel, which takes k whole).
+    #[allow(clippy::too_many_arguments)]
+    fn launch_gemm<O: GemmOut>(
+        &self,
+        f: &CudaFunction,
+        grid: (usize, usize, usize),
+        threads: u32,
+        smem: usize,
+        x: &CudaSlice<u16>,
+        w: &CudaSlice<u16>,
+        out: &mut CudaSlice<O>,
+        (m, n, k): (usize, usize, usize),
+        seg: Option<usize>,
+    ) -> Result<(), CudaError> {
+        if grid.0 > i32::MAX as usize || grid.1 > 65_535 || grid.2 > 65_535 {
             return Err(shape(format!(
                 "gemm {m}×{n}×{k}: more tiles than a grid holds"
             )));
         }
         let cfg = LaunchConfig {
-            grid_dim: (grid.0 as u32, grid.1 as u32, 1),
+            grid_dim: (grid.0 as u32, grid.1 as u32, grid.2 as u32),
             block_dim: (threads, 1, 1),
             shared_mem_bytes: smem as u32,
         };
@@ -604,8 +678,15 @@ impl CudaOps {
             .arg(&ni)
             .arg(&ki)
             .arg(&f32_out);
-        // SAFETY: the buffers hold at least m·k, n·k and m·n values (checked above); the kernel
-        // reads and writes inside those bounds only.
+        let segi = seg.map(|s| s.min(k) as i32).unwrap_or(0);
+        let part = self.gemm_part.device_ptr(s).0;
+        let count = self.gemm_count.device_ptr(s).0;
+        if seg.is_some() {
+            b.arg(&segi).arg(&part).arg(&count);
+        }
+        // SAFETY: the buffers hold at least m·k, n·k and m·n values (checked by the caller), the
+        // workspace the partial sums of a split launch (checked there too); the kernel reads and
+        // writes inside those bounds only.
         unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
     }
 
@@ -663,7 +744,7 @@ impl CudaOps {
 
 #[cfg(test)]
 mod tests {
-    use super::GEMM_PIPES;
+    use super::{GEMM_COUNTERS, GEMM_PART_FLOATS, GEMM_PIPES, GEMM_SEG_BLOCKS, GEMM_SMALL_COLS};
 
     /// Each tiling's table entry against its kernel in gemm.cu: the template arguments give the
     /// tile, threads, row-tile placement and shared memory the kernel checks at launch.
@@ -671,17 +752,33 @@ mod tests {
     fn the_product_tilings_match_their_kernels() {
         let src = include_str!("../../../cuda/gemm.cu");
         let mut last = 0;
-        for p in &GEMM_PIPES {
+        let template_args = |name: &str| -> Vec<String> {
             let body = src
-                .split(&format!("{}(const bf16", p.name))
+                .split(&format!("{name}(const bf16"))
                 .nth(1)
-                .unwrap_or_else(|| panic!("{} is not in gemm.cu", p.name));
+                .unwrap_or_else(|| panic!("{name} is not in gemm.cu"));
             let args = body
                 .split("gemm_pipe<")
                 .nth(1)
                 .and_then(|a| a.split('>').next())
                 .unwrap();
-            let v: Vec<&str> = args.split(',').map(str::trim).collect();
+            args.split(',').map(|a| a.trim().to_string()).collect()
+        };
+        for p in &GEMM_PIPES {
+            let v = template_args(p.name);
+            // How it takes k's segments: the small tiling a block each (it alone puts row tiles
+            // on grid x), the others in turn, but for a twin-pair's two-blocks-an-SM form.
+            let segs = match p.segmented {
+                Some(twin) => {
+                    let t = template_args(twin);
+                    assert_eq!(t[..7], v[..7], "{twin} is {}'s tiling", p.name);
+                    assert_eq!(t[7], "SEG_FOLD", "{twin}");
+                    "SEG_NONE"
+                }
+                None if p.m_fast => "SEG_SPLIT",
+                None => "SEG_FOLD",
+            };
+            assert_eq!(v[7], segs, "{}", p.name);
             let n = |i: usize| v[i].parse::<usize>().unwrap();
             let (wm, wn, mi, ni, bk, stages) = (n(0), n(1), n(2), n(3), n(4), n(5));
             let (bm, bn) = (wm * mi * 16, wn * ni * 8);
@@ -693,10 +790,18 @@ mod tests {
             assert!(p.smem <= 99 * 1024, "{}: {} bytes", p.name, p.smem);
             // A k-step holds whole 32-wide pairs of products.
             assert_eq!(bk % 32, 0, "{}", p.name);
+            // k-segments (multiples of 128) start on a k-step.
+            assert_eq!(128 % bk, 0, "{}", p.name);
             assert!(p.max_m > last, "ascending row limits");
             assert!(p.max_m % 16 == 0 || p.max_m == usize::MAX);
             last = p.max_m;
         }
         assert_eq!(last, usize::MAX, "the last tiling takes every larger m");
+        // The small tiling's segments: gemm_segment counts its column tiles, and its partial
+        // sums and counters fit the workspace.
+        let small = &GEMM_PIPES[0];
+        assert_eq!(small.tile.1, GEMM_SMALL_COLS);
+        assert!(small.max_m.div_ceil(small.tile.0) * GEMM_SEG_BLOCKS <= GEMM_COUNTERS);
+        assert!(small.max_m * 2 * GEMM_SEG_BLOCKS * GEMM_SMALL_COLS <= GEMM_PART_FLOATS);
     }
 }
