@@ -415,8 +415,9 @@ __device__ __forceinline__ void gemm_pipe(const bf16* __restrict__ x, const bf16
 // 78.8, 1×28672×4096 125.3 against 72.1.)
 // k in segments, a block each (grid (m / 16, n / 32, segments)) for up to GEMM_SPLIT_MAX_ROWS
 // rows, on the H200 (2026-12-04, one segment's block per 4 of k's 1024 there): 1×4096×4096 in
-// 21.3 µs against 30.8, 1×4096×14336 43.2 against 78.9, 1×6144×4096 (3 segments) 33.1 against
-// 35.3; a Llama-3-8B decode step of 1 row 7.49 ms against 8.85, of 16 rows 8.16 against 9.33.
+// 21.3 µs against 30.8, 1×4096×14336 43.2 against 78.9, 1×6144×4096 (3 segments; k whole now,
+// see GEMM_SEG_FEWEST) 33.1 against 35.3; a Llama-3-8B decode step of 1 row 7.49 ms against
+// 8.85, of 16 rows 8.16 against 9.33.
 // The same split for 64 rows was slower (a step 23.07 ms against 21.82: the partial sums'
 // traffic grows with the rows), hence the walk above 16 rows.
 extern "C" __global__ void __launch_bounds__(128)
@@ -445,7 +446,8 @@ extern "C" __global__ void __launch_bounds__(256, 2)
 // The large tiling for k in more than one segment: its second set of accumulators wants more
 // than 128 registers a thread (200), so one block an SM. (Its first form, 255 registers and
 // spilling, made a 2048-token prefill 6% slower than one segment did, 5 444 tok/s against
-// 5 772, and a 256-row decode step's products 7%, 29.74 ms against 27.77.)
+// 5 772, a 256-row decode step's products 7%, 29.74 ms against 27.77, and the 8192³ product
+// 26%, 167 TFLOP/s against 226, then in 2 segments.)
 extern "C" __global__ void __launch_bounds__(256, 1)
     gemm_pipe_large_seg(const bf16* x, const bf16* w, void* out, int m, int n, int k, int f32_out,
                         int seg, float* part, unsigned* count) {

@@ -391,18 +391,24 @@ pub const GEMM_SPLIT_MAX_ROWS: usize = 16;
 /// The shortest k-segment: 8 of the small tiling's k-steps, so its 4-deep pipeline fills.
 pub const GEMM_SEG_MIN: usize = 1024;
 
+/// k is cut only where the column tiles are at most this fraction (1 / it) of the aim: a
+/// product with more tiles (Llama-3-8B's q·k·v, 192: 3 segments, 1×6144×4096 in 33.1 µs against 35.3 on an
+/// H200) gains little at decode, while at prefill's row counts every segmented product runs
+/// the large tiling's one-block-an-SM twin (see gemm.cu).
+pub const GEMM_SEG_FEWEST: usize = 4;
+
 /// The k-segment of a product with a weight of `n` × `k` (gemm.cu: each segment summed from zero,
 /// the sums added in order): a multiple of 128 (every tiling's k-step divides it), or `k` itself
-/// (one segment) where the weight's column tiles alone give the blocks, where k is short, or
+/// (one segment) where the weight's column tiles alone give most of the blocks, where k is short, or
 /// where k is not a multiple of 8 (the fallback kernels, which take k whole). A function of the
 /// weight's shape only, so a row's bits never depend on the batch.
 pub fn gemm_segment(n: usize, k: usize) -> usize {
     if k % 8 != 0 {
         return k;
     }
-    let want = GEMM_SEG_BLOCKS.div_ceil(n.div_ceil(GEMM_SMALL_COLS).max(1));
-    let segs = want.min(k / GEMM_SEG_MIN);
-    if segs <= 1 {
+    let tiles = n.div_ceil(GEMM_SMALL_COLS).max(1);
+    let segs = GEMM_SEG_BLOCKS.div_ceil(tiles).min(k / GEMM_SEG_MIN);
+    if tiles * GEMM_SEG_FEWEST > GEMM_SEG_BLOCKS || segs <= 1 {
         return k;
     }
     k.div_ceil(segs).next_multiple_of(128)
@@ -466,11 +472,16 @@ mod tests {
 
     #[test]
     fn product_segments_follow_the_weight() {
-        // Llama-3-8B's decode products: the narrow ones cut into 4 (q·k·v into 3), the wide
-        // gate·up whole; SmolLM2's k is too short to cut.
+        // Llama-3-8B's decode products: o and down cut into 4, q·k·v and the wide gate·up
+        // whole; SmolLM2's k is too short to cut; Llama-3-70B's under 8-way tensor parallelism
+        // (o: 8192 × 1024, down: 8192 × 3584) and its q·k·v (1280 × 8192) as far as k allows.
         assert_eq!(gemm_segment(4096, 4096), 1024);
         assert_eq!(gemm_segment(4096, 14336), 3584);
-        assert_eq!(gemm_segment(6144, 4096), 1408);
+        assert_eq!(gemm_segment(6144, 4096), 4096);
+        assert_eq!(gemm_segment(8192, 8192), 8192);
+        assert_eq!(gemm_segment(8192, 1024), 1024);
+        assert_eq!(gemm_segment(8192, 3584), 3584);
+        assert_eq!(gemm_segment(1280, 8192), 1024);
         assert_eq!(gemm_segment(28672, 4096), 4096);
         assert_eq!(gemm_segment(128256, 4096), 4096);
         assert_eq!(gemm_segment(576, 576), 576);
@@ -490,8 +501,10 @@ mod tests {
                 }
                 assert_eq!(seg % 128, 0, "{n}×{k}");
                 assert!(seg >= GEMM_SEG_MIN, "{n}×{k}");
-                // No more blocks than the aim (give or take a segment), none empty.
+                // No more blocks than the aim (give or take a segment), none empty; only where
+                // the tiles alone are at most a quarter of it.
                 let tiles = n.div_ceil(GEMM_SMALL_COLS);
+                assert!(tiles * GEMM_SEG_FEWEST <= GEMM_SEG_BLOCKS, "{n}×{k}");
                 assert!(tiles * (segs - 1) < GEMM_SEG_BLOCKS, "{n}×{k}");
                 assert!((segs - 1) * seg < k, "{n}×{k}");
                 // What the small tiling's partial sums take: within the device's workspace.
