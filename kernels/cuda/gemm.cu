@@ -303,6 +303,8 @@ __device__ __forceinline__ void gemm_pipe(const bf16* __restrict__ x, const bf16
     // (SEG_SPLIT too where the grid has one z: the host's choice for more than a few rows).
     const bool split = SEGS == SEG_SPLIT && gridDim.z > 1;
     const bool walk = SEGS == SEG_FOLD || (SEGS == SEG_SPLIT && !split);
+    // (A split's grid has a block per segment, no more: the partial sums read back are theirs.)
+    if (split && (int)gridDim.z != (ktiles + lt - 1) / lt) __trap();
     const int kb = split ? (int)blockIdx.z * lt : 0;
     const int ke = split ? min(ktiles, kb + lt) : ktiles;
 
