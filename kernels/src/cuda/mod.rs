@@ -403,7 +403,7 @@ pub const GEMM_SEG_FEWEST: usize = 4;
 /// where k is not a multiple of 8 (the fallback kernels, which take k whole). A function of the
 /// weight's shape only, so a row's bits never depend on the batch.
 pub fn gemm_segment(n: usize, k: usize) -> usize {
-    if k % 8 != 0 {
+    if !k.is_multiple_of(8) {
         return k;
     }
     let tiles = n.div_ceil(GEMM_SMALL_COLS).max(1);
