@@ -25,13 +25,13 @@ __device__ __forceinline__ void mma_bf16_16816(float* c, const unsigned* a, cons
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// A warp's accumulators (MI × NI fragments from row r0, column c0) into out, bf16 or f32.
-// Fragment element e: row g (e < 2) or g + 8, column 2t + (e & 1).
-template <int MI, int NI>
-__device__ __forceinline__ void gemm_store(const float (&acc)[MI][NI][4], void* out, int m, int n,
-                                           int r0, int c0, int f32_out) {
-    int lane = threadIdx.x & 31;
-    int g = lane >> 2, t = lane & 3;
+// Each of a warp's accumulator elements (MI × NI fragments from row r0, column c0) inside the
+// m × n output: f(i, j, e, offset). Fragment element e: row g (e < 2) or g + 8, column
+// 2t + (e & 1).
+template <int MI, int NI, typename F>
+__device__ __forceinline__ void gemm_frags(int m, int n, int r0, int c0, F f) {
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int i = 0; i < MI; i++)
 #pragma unroll
@@ -40,14 +40,26 @@ __device__ __forceinline__ void gemm_store(const float (&acc)[MI][NI][4], void* 
             for (int e = 0; e < 4; e++) {
                 int r = r0 + i * 16 + g + (e >> 1) * 8;
                 int c = c0 + j * 8 + 2 * t + (e & 1);
-                if (r < m && c < n) {
-                    if (f32_out) {
-                        ((float*)out)[(i64)r * n + c] = acc[i][j][e];
-                    } else {
-                        ((bf16*)out)[(i64)r * n + c] = f32_to_bf16(acc[i][j][e]);
-                    }
-                }
+                if (r < m && c < n) f(i, j, e, (i64)r * n + c);
             }
+}
+
+// One output value, bf16 or f32.
+__device__ __forceinline__ void gemm_put(void* out, i64 o, float v, int f32_out) {
+    if (f32_out) {
+        ((float*)out)[o] = v;
+    } else {
+        ((bf16*)out)[o] = f32_to_bf16(v);
+    }
+}
+
+// A warp's accumulators into out.
+template <int MI, int NI>
+__device__ __forceinline__ void gemm_store(const float (&acc)[MI][NI][4], void* out, int m, int n,
+                                           int r0, int c0, int f32_out) {
+    gemm_frags<MI, NI>(m, n, r0, c0, [&](int i, int j, int e, i64 o) {
+        gemm_put(out, o, acc[i][j][e], f32_out);
+    });
 }
 
 // Rows `r0 ..` of a row-major matrix of `rows` × `k` into shared memory (`TR` rows × GEMM_BK
@@ -210,20 +222,10 @@ template <int MI, int NI>
 __device__ __forceinline__ void gemm_split_finish(const float (&acc)[MI][NI][4], void* out, int m,
                                                   int n, int r0, int c0, int f32_out,
                                                   float* __restrict__ part, unsigned* count) {
-    const int lane = threadIdx.x & 31;
-    const int g = lane >> 2, t = lane & 3;
     const i64 plane = (i64)m * n;
     float* mine = part + blockIdx.z * plane;
-#pragma unroll
-    for (int i = 0; i < MI; i++)
-#pragma unroll
-        for (int j = 0; j < NI; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int r = r0 + i * 16 + g + (e >> 1) * 8;
-                int c = c0 + j * 8 + 2 * t + (e & 1);
-                if (r < m && c < n) __stcg(&mine[(i64)r * n + c], acc[i][j][e]);
-            }
+    gemm_frags<MI, NI>(m, n, r0, c0,
+                       [&](int i, int j, int e, i64 o) { __stcg(&mine[o], acc[i][j][e]); });
     // The partials visible device-wide before the count says they are there.
     __threadfence();
     __syncthreads();
@@ -236,26 +238,12 @@ __device__ __forceinline__ void gemm_split_finish(const float (&acc)[MI][NI][4],
     // (No shared flag: the small tiling's buffers fill the 48 KiB a block holds statically.)
     if (!__syncthreads_or(last)) return;
     __threadfence();
-#pragma unroll
-    for (int i = 0; i < MI; i++)
-#pragma unroll
-        for (int j = 0; j < NI; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int r = r0 + i * 16 + g + (e >> 1) * 8;
-                int c = c0 + j * 8 + 2 * t + (e & 1);
-                if (r < m && c < n) {
-                    const i64 o = (i64)r * n + c;
-                    // From zero, as the folding tilings' sum.
-                    float v = 0.0f;
-                    for (unsigned z = 0; z < gridDim.z; z++) v += __ldcg(&part[z * plane + o]);
-                    if (f32_out) {
-                        ((float*)out)[o] = v;
-                    } else {
-                        ((bf16*)out)[o] = f32_to_bf16(v);
-                    }
-                }
-            }
+    gemm_frags<MI, NI>(m, n, r0, c0, [&](int, int, int, i64 o) {
+        // From zero, as the folding tilings' sum.
+        float v = 0.0f;
+        for (unsigned z = 0; z < gridDim.z; z++) v += __ldcg(&part[z * plane + o]);
+        gemm_put(out, o, v, f32_out);
+    });
 }
 
 // A block is WARPS_M × WARPS_N warps over a tile of BM = WARPS_M·MI·16 rows and
