@@ -392,16 +392,16 @@ pub const GEMM_SPLIT_MAX_ROWS: usize = 16;
 pub const GEMM_SEG_MIN: usize = 1024;
 
 /// k is cut only where the column tiles are at most this fraction (1 / it) of the aim: a
-/// product with more tiles (Llama-3-8B's q·k·v, 192: 3 segments, 1×6144×4096 in 33.1 µs against 35.3 on an
-/// H200) gains little at decode, while at prefill's row counts every segmented product runs
-/// the large tiling's one-block-an-SM twin (see gemm.cu).
+/// product with more tiles (Llama-3-8B's q·k·v, 192: 3 segments, 1×6144×4096 in 33.1 µs against
+/// 35.3 on an H200) gains little at decode, while at prefill's row counts every segmented
+/// product runs the large tiling's one-block-an-SM twin (see gemm.cu).
 pub const GEMM_SEG_FEWEST: usize = 4;
 
 /// The k-segment of a product with a weight of `n` × `k` (gemm.cu: each segment summed from zero,
 /// the sums added in order): a multiple of 128 (every tiling's k-step divides it), or `k` itself
-/// (one segment) where the weight's column tiles alone give most of the blocks, where k is short, or
-/// where k is not a multiple of 8 (the fallback kernels, which take k whole). A function of the
-/// weight's shape only, so a row's bits never depend on the batch.
+/// (one segment) where the weight's column tiles alone give most of the blocks, where k is
+/// short, or where k is not a multiple of 8 (the fallback kernels, which take k whole). A
+/// function of the weight's shape only, so a row's bits never depend on the batch.
 pub fn gemm_segment(n: usize, k: usize) -> usize {
     if !k.is_multiple_of(8) {
         return k;
