@@ -404,12 +404,12 @@ __device__ __forceinline__ void gemm_pipe(const bf16* __restrict__ x, const bf16
 // 1×4096×4096 in 33.8 µs against 29.5, 1×6144×4096 38.4 against 34.8, 1×4096×14336 84.9 against
 // 78.8, 1×28672×4096 125.3 against 72.1.)
 // k in segments, a block each (grid (m / 16, n / 32, segments)) for up to GEMM_SPLIT_MAX_ROWS
-// rows, on the H200 (2026-12-04, one segment's block per 4 of k's 1024 there): 1×4096×4096 in
-// 21.3 µs against 30.8, 1×4096×14336 43.2 against 78.9, 1×6144×4096 (3 segments; k whole now,
-// see GEMM_SEG_FEWEST) 33.1 against 35.3; a Llama-3-8B decode step of 1 row 7.49 ms against
-// 8.85, of 16 rows 8.16 against 9.33.
-// The same split for 64 rows was slower (a step 23.07 ms against 21.82: the partial sums'
-// traffic grows with the rows), hence the walk above 16 rows.
+// rows, on the H200 (2026-12-04, 4 segments for o and down, in the segments' first form, the
+// split then taken up to 64 rows): 1×4096×4096 in 21.3 µs against 30.8, 1×4096×14336 43.2
+// against 78.9, 1×6144×4096 (3 segments; k whole now, see GEMM_SEG_FEWEST) 33.1 against 35.3;
+// a Llama-3-8B decode step of 1 row 7.49 ms against 8.85, of 16 rows 8.16 against 9.33. The
+// split for 64 rows was slower (a step 23.07 ms against 21.82: the partial sums' traffic grows
+// with the rows), hence the walk above 16 rows.
 extern "C" __global__ void __launch_bounds__(128)
     gemm_pipe_small(const bf16* x, const bf16* w, void* out, int m, int n, int k, int f32_out,
                     int seg, float* part, unsigned* count) {
