@@ -25,6 +25,17 @@ __device__ __forceinline__ void mma_bf16_16816(float* c, const unsigned* a, cons
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// f(i, j, e) for each element e of each of a warp's MI × NI accumulator fragments.
+template <int MI, int NI, typename F>
+__device__ __forceinline__ void gemm_each(F f) {
+#pragma unroll
+    for (int i = 0; i < MI; i++)
+#pragma unroll
+        for (int j = 0; j < NI; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) f(i, j, e);
+}
+
 // Each of a warp's accumulator elements (MI × NI fragments from row r0, column c0) inside the
 // m × n output: f(i, j, e, offset). Fragment element e: row g (e < 2) or g + 8, column
 // 2t + (e & 1).
@@ -32,16 +43,11 @@ template <int MI, int NI, typename F>
 __device__ __forceinline__ void gemm_frags(int m, int n, int r0, int c0, F f) {
     const int lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int i = 0; i < MI; i++)
-#pragma unroll
-        for (int j = 0; j < NI; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int r = r0 + i * 16 + g + (e >> 1) * 8;
-                int c = c0 + j * 8 + 2 * t + (e & 1);
-                if (r < m && c < n) f(i, j, e, (i64)r * n + c);
-            }
+    gemm_each<MI, NI>([&](int i, int j, int e) {
+        int r = r0 + i * 16 + g + (e >> 1) * 8;
+        int c = c0 + j * 8 + 2 * t + (e & 1);
+        if (r < m && c < n) f(i, j, e, (i64)r * n + c);
+    });
 }
 
 // One output value, bf16 or f32.
@@ -94,12 +100,7 @@ __device__ __forceinline__ void gemm_tile(const bf16* x, const bf16* w, void* ou
     int wm = warp / WARPS_N, wn = warp % WARPS_N;
     int g = lane >> 2, t = lane & 3;
     float acc[MI][NI][4];
-#pragma unroll
-    for (int i = 0; i < MI; i++)
-#pragma unroll
-        for (int j = 0; j < NI; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) acc[i][j][e] = 0.0f;
+    gemm_each<MI, NI>([&](int i, int j, int e) { acc[i][j][e] = 0.0f; });
     for (int k0 = 0; k0 < k; k0 += GEMM_BK) {
         __syncthreads();
         gemm_load_tile<BM>(as, x, m, k, m0, k0);
@@ -301,32 +302,15 @@ __device__ __forceinline__ void gemm_pipe(const bf16* __restrict__ x, const bf16
         gemm_stage<BN, BK, THREADS>(sb[stage], w, n, k, n0, kt * BK);
     };
 
-    float acc[MI][NI][4];
-#pragma unroll
-    for (int i = 0; i < MI; i++)
-#pragma unroll
-        for (int j = 0; j < NI; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) acc[i][j][e] = 0.0f;
-
-    // The sums of the segments done (from zero, as the split's reduction).
-    float tot[SEGS == SEG_NONE ? 1 : MI][SEGS == SEG_NONE ? 1 : NI][4];
-#pragma unroll
-    for (int i = 0; i < (SEGS == SEG_NONE ? 1 : MI); i++)
-#pragma unroll
-        for (int j = 0; j < (SEGS == SEG_NONE ? 1 : NI); j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) tot[i][j][e] = 0.0f;
+    // The accumulators, and the sums of the segments done (from zero, as the split's
+    // reduction; never read, so compiled away, where SEG_NONE takes k whole).
+    float acc[MI][NI][4], tot[MI][NI][4];
+    gemm_each<MI, NI>([&](int i, int j, int e) { acc[i][j][e] = tot[i][j][e] = 0.0f; });
     auto fold = [&]() {
-#pragma unroll
-        for (int i = 0; i < MI; i++)
-#pragma unroll
-            for (int j = 0; j < NI; j++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    if constexpr (SEGS != SEG_NONE) tot[i][j][e] += acc[i][j][e];
-                    acc[i][j][e] = 0.0f;
-                }
+        gemm_each<MI, NI>([&](int i, int j, int e) {
+            tot[i][j][e] += acc[i][j][e];
+            acc[i][j][e] = 0.0f;
+        });
     };
 
 #pragma unroll

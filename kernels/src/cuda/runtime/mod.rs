@@ -140,9 +140,10 @@ pub struct CudaOps {
     pub stream: Arc<CudaStream>,
     k: Kernels,
     /// The products' workspace for k in segments (gemm.cu's SEG_SPLIT): partial sums, and a
-    /// counter per tile that each launch leaves at zero.
-    gemm_part: CudaSlice<f32>,
-    gemm_count: CudaSlice<u32>,
+    /// counter per tile that each launch leaves at zero; owned here, and their device addresses
+    /// taken once (only this stream's kernels touch them, so launches need no event for them).
+    _gemm_ws: (CudaSlice<f32>, CudaSlice<u32>),
+    gemm_ws_ptrs: (u64, u64),
 }
 
 /// Element types a product can write: bf16 bits or f32.
@@ -209,14 +210,15 @@ impl CudaOps {
             argmax: f(3, "argmax_rows")?,
             sample: f(3, "sample_rows")?,
         };
-        let gemm_part = stream.alloc_zeros::<f32>(GEMM_PART_FLOATS).map_err(drv)?;
-        let gemm_count = stream.alloc_zeros::<u32>(GEMM_COUNTERS).map_err(drv)?;
+        let part = stream.alloc_zeros::<f32>(GEMM_PART_FLOATS).map_err(drv)?;
+        let count = stream.alloc_zeros::<u32>(GEMM_COUNTERS).map_err(drv)?;
+        let gemm_ws_ptrs = (part.device_ptr(&stream).0, count.device_ptr(&stream).0);
         Ok(Self {
             gpu,
             stream,
             k,
-            gemm_part,
-            gemm_count,
+            _gemm_ws: (part, count),
+            gemm_ws_ptrs,
         })
     }
 
@@ -623,9 +625,7 @@ impl CudaOps {
                 // A block per segment for a few rows, its partial sums in the workspace.
                 (f, None) if i == 0 => {
                     let z = if m <= GEMM_SPLIT_MAX_ROWS { segs } else { 1 };
-                    if z > 1
-                        && (z * m * n > self.gemm_part.len() || mt * nt > self.gemm_count.len())
-                    {
+                    if z > 1 && (z * m * n > GEMM_PART_FLOATS || mt * nt > GEMM_COUNTERS) {
                         return Err(shape(format!(
                             "gemm {m}×{n}×{k}: {segs} segments outgrow the workspace"
                         )));
@@ -679,10 +679,9 @@ impl CudaOps {
             .arg(&ki)
             .arg(&f32_out);
         let segi = seg.map(|s| s.min(k) as i32).unwrap_or(0);
-        let part = self.gemm_part.device_ptr(s).0;
-        let count = self.gemm_count.device_ptr(s).0;
+        let (part, count) = &self.gemm_ws_ptrs;
         if seg.is_some() {
-            b.arg(&segi).arg(&part).arg(&count);
+            b.arg(&segi).arg(part).arg(count);
         }
         // SAFETY: the buffers hold at least m·k, n·k and m·n values (checked by the caller), the
         // workspace the partial sums of a split launch (checked there too); the kernel reads and
