@@ -31,6 +31,11 @@ pub(crate) trait StepOps {
     fn alloc(&self, len: usize) -> Result<Self::Act, EngineError>;
     /// A logits buffer of `len` values.
     fn alloc_logits(&self, len: usize) -> Result<Self::Logits, EngineError>;
+    /// The step's activation buffers once it is done with them, in the order it allocated
+    /// them: dropped, unless the device keeps them (a CUDA graph's, which it replays over).
+    fn keep(&mut self, bufs: Vec<Self::Act>) {
+        drop(bufs);
+    }
     /// `out[t] = table[token t]`.
     fn embed(&mut self, table: &Self::Matrix, out: &mut Self::Act) -> Result<(), EngineError>;
     /// `out = rms_norm(x) · w`, `rows` rows.
@@ -601,6 +606,7 @@ pub(crate) fn forward<D: StepOps>(
     let n = logit_rows;
     if n == 0 {
         d.finish()?;
+        d.keep(vec![x, hbuf, qkv, att, proj, gu, act]);
         return Ok(None);
     }
     let mut last = d.alloc(n * h)?;
@@ -619,6 +625,7 @@ pub(crate) fn forward<D: StepOps>(
         d.head(weights.head(), &last, (n, vocab, h), &mut logits)
     )?;
     if !tp {
+        d.keep(vec![x, hbuf, qkv, att, proj, gu, act, last]);
         return Ok(Some(logits));
     }
     let mut all = d.alloc_logits(n * c.vocab_size)?;

@@ -2,13 +2,15 @@
 //! and the op set of [`crate::forward`] in bf16 with f32 accumulation. Block ids and tables are
 //! the block manager's, so the scheduler is the same on either device.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use tandem_kernels::cuda::runtime::{
-    AttnBatch, CopyEvent, CopyStream, CudaOps, CudaSlice, OpTimer, PinnedHost, StepProfile,
+    AttnBatch, CopyEvent, CopyStream, CudaOps, CudaSlice, OpTimer, PinnedHost, StepGraph,
+    StepProfile,
 };
+use tandem_kernels::cuda::{graph_bucket, table_blocks, GRAPH_MAX_CONTEXT};
 use tandem_kernels::ops::RopeTable;
 use tandem_kernels::KvLayout;
 use tandem_kv_transfer::Float;
@@ -50,6 +52,105 @@ pub struct CudaModel {
     pub num_blocks: usize,
     /// The pool as KV transfers reach it.
     pub(crate) kv: Arc<CudaKv>,
+    /// Decode steps captured as CUDA graphs.
+    graphs: DecodeGraphs,
+}
+
+/// Decode steps as CUDA graphs, one a batch-size bucket ([`GRAPH_BUCKETS`]), each captured at
+/// its bucket's first step and replayed after: a step is then a few input copies and one
+/// launch, not hundreds of launches the host queues one by one (a Llama-3-8B step is about ten
+/// kernels a layer, each a few microseconds at batch 1). A step's rows are padded to its
+/// bucket, which changes no row's bits (every kernel's arithmetic for a row is fixed by the
+/// row alone, see `forward`). Steps with prompt tokens, proposals to verify, adapters, a longer
+/// context than [`GRAPH_MAX_CONTEXT`] or more sequences than the largest bucket run eagerly, as
+/// do a tensor-parallel rank's steps and profiled ones. Each graph keeps its step's buffers:
+/// about a step's activations and logits at its bucket's rows, on top of the pool.
+struct DecodeGraphs {
+    /// Whether decode steps run as graphs (off: `--enforce-eager`, or once a capture failed).
+    on: bool,
+    /// The longest context a graph serves.
+    max_context: usize,
+    /// By their rows.
+    graphs: BTreeMap<usize, DecodeGraph>,
+}
+
+/// One bucket's graph and the buffers it was captured over.
+struct DecodeGraph {
+    inp: StepInputs,
+    /// The forward's activation buffers, in the order it allocates them.
+    _acts: Vec<Bf16>,
+    logits: CudaSlice<f32>,
+    graph: StepGraph,
+}
+
+/// A decode step padded to the rows of its graph: sequence i in row i, each one new token that
+/// samples; rows past the sequences pad (token 0 at position 0, no cache slot, no context).
+#[derive(Debug, PartialEq)]
+struct GraphStep {
+    /// The bucket.
+    rows: usize,
+    ids: Vec<i32>,
+    positions: Vec<i32>,
+    slots: Vec<i64>,
+    /// `rows` rows of `max_blocks` entries: the blocks a row's context spans, then zeros.
+    tables: Vec<i32>,
+    context: Vec<i32>,
+}
+
+/// The graph step `step` runs as, or None where it runs eagerly (see [`DecodeGraphs`]).
+fn graph_step(step: &PackedStep<'_>, max_context: usize, block_size: usize) -> Option<GraphStep> {
+    let n = step.seqs.len();
+    let decode = |s: &forward::PackedSeq<'_>| s.q_len == 1 && s.context <= max_context;
+    if n == 0
+        || !step.lora.is_empty()
+        || step.tokens.len() != n
+        || step.logit_rows.len() != n
+        || !step.seqs.iter().all(decode)
+    {
+        return None;
+    }
+    let rows = graph_bucket(n)?;
+    let max_blocks = table_blocks(max_context, block_size);
+    let pad = |v: Vec<_>, fill, rows| {
+        let mut v: Vec<_> = v;
+        v.resize(rows, fill);
+        v
+    };
+    let mut tables = vec![0i32; rows * max_blocks];
+    for (i, s) in step.seqs.iter().enumerate() {
+        let spans = s.context.div_ceil(block_size);
+        for (d, &b) in tables[i * max_blocks..][..spans]
+            .iter_mut()
+            .zip(s.block_table)
+        {
+            *d = b as i32;
+        }
+    }
+    Some(GraphStep {
+        rows,
+        ids: pad(step.tokens.iter().map(|&t| t as i32).collect(), 0, rows),
+        positions: pad(step.positions.iter().map(|&p| p as i32).collect(), 0, rows),
+        slots: step
+            .slots
+            .iter()
+            .map(|&s| s as i64)
+            .chain(std::iter::repeat(-1))
+            .take(rows)
+            .collect(),
+        tables,
+        context: pad(
+            step.seqs.iter().map(|s| s.context as i32).collect(),
+            0,
+            rows,
+        ),
+    })
+}
+
+/// Where a step's logits are: its own buffer, or the rows of the graph it ran as (its own
+/// first, padding after).
+enum StepLogits {
+    Own(CudaSlice<f32>),
+    Graph(usize),
 }
 
 fn bf16_bits(v: &[f32]) -> Vec<u16> {
@@ -199,9 +300,30 @@ impl CudaModel {
             v_cache,
             block_size,
             num_blocks,
+            graphs: DecodeGraphs {
+                on: true,
+                max_context: GRAPH_MAX_CONTEXT.min(rope.max_pos()),
+                graphs: BTreeMap::new(),
+            },
             config: c,
             shard,
         })
+    }
+
+    /// Whether decode steps run as CUDA graphs (on by default; off: every step runs eagerly,
+    /// `--enforce-eager`; graphs captured before are kept for when they are on again).
+    pub fn set_graphs(&mut self, on: bool) {
+        self.graphs.on = on;
+    }
+
+    /// Whether decode steps run as CUDA graphs (off when asked, or once a capture failed).
+    pub fn graphs_on(&self) -> bool {
+        self.graphs.on
+    }
+
+    /// The graphs captured so far, by their rows.
+    pub fn graph_rows(&self) -> Vec<usize> {
+        self.graphs.graphs.keys().copied().collect()
     }
 
     /// Copies each `(from, to)` block's K and V, every layer (copy-on-write of a shared block).
@@ -246,8 +368,29 @@ impl CudaModel {
     /// `logits` rows, in order, as [`crate::CpuModel::forward`] does.
     pub fn forward(&mut self, seqs: &[SeqBatch<'_>]) -> Result<Vec<f32>, EngineError> {
         match self.forward_device(seqs, None, None)?.0 {
-            Some((logits, _)) => Ok(self.ops.download(&logits)?),
+            Some((logits, n)) => {
+                let len = n * self.config.vocab_size;
+                Ok(self.ops.download_prefix(self.logits(&logits)?, len)?)
+            }
             None => Ok(Vec::new()),
+        }
+    }
+
+    /// The buffer a step's logits are in.
+    fn logits<'a>(&'a self, l: &'a StepLogits) -> Result<&'a CudaSlice<f32>, EngineError> {
+        match l {
+            StepLogits::Own(b) => Ok(b),
+            StepLogits::Graph(rows) => {
+                self.graphs
+                    .graphs
+                    .get(rows)
+                    .map(|g| &g.logits)
+                    .ok_or_else(|| {
+                        EngineError::Internal(format!(
+                            "no graph of {rows} rows holds a step's logits"
+                        ))
+                    })
+            }
         }
     }
 
@@ -260,7 +403,7 @@ impl CudaModel {
         let Some((logits, n)) = self.forward_device(seqs, None, None)?.0 else {
             return Ok(Vec::new());
         };
-        self.argmax(&logits, n)
+        self.argmax(self.logits(&logits)?, n)
     }
 
     /// [`Self::forward_greedy`] with an event before and after each op (benchmarks): the step's
@@ -282,7 +425,7 @@ impl CudaModel {
             timer.ok_or_else(|| EngineError::Internal("a step lost its timer".into()))?;
         if let Some((logits, n)) = out {
             timer.begin(&self.ops.stream, "pick and download")?;
-            let picks = self.argmax(&logits, n);
+            let picks = self.argmax(self.logits(&logits)?, n);
             timer.end(&self.ops.stream)?;
             picks?;
         }
@@ -315,8 +458,11 @@ impl CudaModel {
         let rank = self.shard.rank;
         let (out, _) = self.forward_device(seqs, Some(comm), None)?;
         Ok(match (out, rank, picks) {
-            (Some((logits, n)), 0, true) => StepOut::Picks(self.argmax(&logits, n)?),
-            (Some((logits, _)), 0, false) => StepOut::Logits(self.ops.download(&logits)?),
+            (Some((logits, n)), 0, true) => StepOut::Picks(self.argmax(self.logits(&logits)?, n)?),
+            (Some((logits, n)), 0, false) => {
+                let len = n * self.config.vocab_size;
+                StepOut::Logits(self.ops.download_prefix(self.logits(&logits)?, len)?)
+            }
             _ => StepOut::Logits(Vec::new()),
         })
     }
@@ -331,11 +477,10 @@ impl CudaModel {
         seqs: &[SeqBatch<'_>],
         comm: Option<&mut NcclRank>,
         timer: Option<OpTimer>,
-    ) -> Result<(Option<(CudaSlice<f32>, usize)>, Option<OpTimer>), EngineError> {
-        let c = &self.config;
+    ) -> Result<(Option<(StepLogits, usize)>, Option<OpTimer>), EngineError> {
         let step = PackedStep::new(
             seqs,
-            c.vocab_size,
+            self.config.vocab_size,
             self.max_pos,
             self.block_size,
             self.num_blocks,
@@ -345,6 +490,25 @@ impl CudaModel {
             return Ok((None, timer));
         }
         let n = step.logit_rows.len();
+        if comm.is_none() && timer.is_none() && self.graphs.on {
+            if let Some(g) = graph_step(&step, self.graphs.max_context, self.block_size) {
+                match self.run_graph(&g) {
+                    Ok(()) => return Ok((Some((StepLogits::Graph(g.rows), n)), None)),
+                    Err(e) => {
+                        // Whatever the graph's first pass wrote into the cache, the eager step
+                        // below writes again with the same bits.
+                        tracing::warn!(
+                            error = %e,
+                            rows = g.rows,
+                            "a decode step's CUDA graph failed: decode steps run eagerly from now on"
+                        );
+                        self.graphs.on = false;
+                        self.graphs.graphs.clear();
+                    }
+                }
+            }
+        }
+        let c = &self.config;
         // The step's inputs (ids, positions, slots, the attention batch) go up first.
         let mut timer = timer;
         if let Some(t) = timer.as_mut() {
@@ -380,8 +544,117 @@ impl CudaModel {
             // A peer that never comes fails the step here, not in the copy of the logits.
             comm.wait_queued()?;
         }
-        Ok((logits.map(|l| (l, n)), ops.timer.take()))
+        Ok((logits.map(|l| (StepLogits::Own(l), n)), ops.timer.take()))
     }
+
+    /// Runs a decode step as its bucket's graph: the step's inputs copied into the graph's
+    /// buffers, then one launch. A bucket's first step makes the graph: the buffers, a pass that
+    /// runs the step eagerly over them (its results are this step's), then the capture of the
+    /// same forward over the same buffers, which runs nothing.
+    fn run_graph(&mut self, g: &GraphStep) -> Result<(), EngineError> {
+        if let Some(graph) = self.graphs.graphs.get_mut(&g.rows) {
+            fill_graph_inputs(&self.ops, &mut graph.inp, g)?;
+            return Ok(graph.graph.launch()?);
+        }
+        let c = &self.config;
+        let rows = g.rows;
+        let heads = (self.shard.q_heads.len(), c.head_dim);
+        let mut inp = StepInputs {
+            ids: self.ops.upload(&vec![0i32; rows])?,
+            positions: self.ops.upload(&vec![0i32; rows])?,
+            slots: self.ops.upload(&vec![-1i64; rows])?,
+            logit_rows: Some(self.ops.upload(&(0..rows as i32).collect::<Vec<_>>())?),
+            batch: self.ops.decode_attn_batch(
+                rows,
+                self.graphs.max_context,
+                self.block_size,
+                heads,
+            )?,
+            local_ids: None,
+        };
+        fill_graph_inputs(&self.ops, &mut inp, g)?;
+        let layers = self.weights.layers.len();
+        let mut pass = |inp: StepInputs, scratch: Scratch, capture: bool| {
+            let mut step = CudaStep::with_inputs(
+                &self.ops,
+                c,
+                &self.shard,
+                (&self.cos, &self.sin),
+                (&mut self.k_cache, &mut self.v_cache),
+                self.block_size,
+                inp,
+                scratch,
+                None,
+            );
+            let weights = &self.weights;
+            let shard = &self.shard;
+            let mut run = || {
+                forward::forward(
+                    &mut step, weights, c, shard, rows, rows, layers, false, None,
+                )?
+                .ok_or_else(|| EngineError::Internal("a decode graph made no logits".into()))
+            };
+            let (logits, graph) = match capture {
+                true => {
+                    let (l, g) = self.ops.capture(&mut run)?;
+                    (l, Some(g))
+                }
+                false => (run()?, None),
+            };
+            Ok::<_, EngineError>((logits, graph, step.inp, step.scratch.into_inner()))
+        };
+        let (logits, _, inp, kept) = pass(inp, Scratch::Record(Vec::new()), false)?;
+        let Scratch::Record(acts) = kept else {
+            return Err(EngineError::Internal(
+                "a graph's first pass lost its buffers".into(),
+            ));
+        };
+        let replay = Scratch::Replay {
+            acts: acts.into(),
+            logits: Some(logits),
+            kept: Vec::new(),
+        };
+        let (logits, graph, inp, kept) = pass(inp, replay, true)?;
+        let (Scratch::Replay { acts, kept, .. }, Some(graph)) = (kept, graph) else {
+            return Err(EngineError::Internal(
+                "a graph's capture lost its buffers".into(),
+            ));
+        };
+        if !acts.is_empty() {
+            return Err(EngineError::Internal(format!(
+                "a graph's capture left {} of its first pass's buffers unused",
+                acts.len()
+            )));
+        }
+        let bytes = kept.iter().map(|b| 2 * b.len()).sum::<usize>() + 4 * logits.len();
+        tracing::info!(
+            rows,
+            mib = bytes as f64 / (1u64 << 20) as f64,
+            "captured a decode step's CUDA graph"
+        );
+        self.graphs.graphs.insert(
+            rows,
+            DecodeGraph {
+                inp,
+                _acts: kept,
+                logits,
+                graph,
+            },
+        );
+        Ok(())
+    }
+}
+
+/// A graph step's inputs into a graph's buffers, in stream order (after the previous step).
+fn fill_graph_inputs(
+    ops: &CudaOps,
+    inp: &mut StepInputs,
+    g: &GraphStep,
+) -> Result<(), EngineError> {
+    ops.write(&mut inp.ids, &g.ids)?;
+    ops.write(&mut inp.positions, &g.positions)?;
+    ops.write(&mut inp.slots, &g.slots)?;
+    Ok(ops.refill_decode_batch(&mut inp.batch, &g.tables, &g.context)?)
 }
 
 /// One packed step on a CUDA device: the op set of [`crate::forward`] over the device pool, with
@@ -396,21 +669,44 @@ struct CudaStep<'a> {
     k_cache: &'a mut [Bf16],
     v_cache: &'a mut [Bf16],
     block_size: usize,
-    ids: CudaSlice<i32>,
-    positions: CudaSlice<i32>,
-    slots: CudaSlice<i64>,
-    /// None when no row wants logits (the step ends before the head).
-    logit_rows: Option<CudaSlice<i32>>,
-    batch: AttnBatch,
+    inp: StepInputs,
     /// A tensor-parallel rank's group.
     comm: Option<&'a mut NcclRank>,
     /// The rank's slice of the vocabulary (all of it for the whole model) and the whole's size.
     vocab: (std::ops::Range<usize>, usize),
+    /// Where the forward's buffers come from.
+    scratch: RefCell<Scratch>,
+    /// Events around each op, where a benchmark asks where the time goes.
+    timer: Option<OpTimer>,
+}
+
+/// A step's inputs on the device: what its ops read besides the weights and the cache.
+struct StepInputs {
+    ids: CudaSlice<i32>,
+    positions: CudaSlice<i32>,
+    /// Cache slots (negative: a padding row, written nowhere).
+    slots: CudaSlice<i64>,
+    /// None when no row wants logits (the step ends before the head).
+    logit_rows: Option<CudaSlice<i32>>,
+    batch: AttnBatch,
     /// The step's token ids as indices into the rank's slice of the embedding (-1: another
     /// rank's token); None for the whole model, which looks up `ids`.
     local_ids: Option<CudaSlice<i32>>,
-    /// Events around each op, where a benchmark asks where the time goes.
-    timer: Option<OpTimer>,
+}
+
+/// Where a step's activation and logits buffers come from.
+enum Scratch {
+    /// Allocated for the step, freed after it.
+    Fresh,
+    /// Allocated, and kept once the forward is done with them (a graph's first pass).
+    Record(Vec<Bf16>),
+    /// The recorded buffers handed out again in the order they were allocated (a graph's
+    /// capture, in which nothing may be allocated), and given back into `kept`.
+    Replay {
+        acts: std::collections::VecDeque<Bf16>,
+        logits: Option<CudaSlice<f32>>,
+        kept: Vec<Bf16>,
+    },
 }
 
 impl<'a> CudaStep<'a> {
@@ -446,7 +742,41 @@ impl<'a> CudaStep<'a> {
             true => None,
             false => Some(o.upload(&vocab_slice_ids(&step.tokens, &shard.vocab))?),
         };
-        Ok(Self {
+        let inp = StepInputs {
+            ids: o.upload(&ids)?,
+            positions: o.upload(&i32s(&step.positions))?,
+            slots: o.upload(&slots)?,
+            logit_rows,
+            batch: o.attn_batch(&tables, &q_len, &context, (shard.q_heads.len(), c.head_dim))?,
+            local_ids,
+        };
+        Ok(Self::with_inputs(
+            o,
+            c,
+            shard,
+            rope,
+            (k_cache, v_cache),
+            block_size,
+            inp,
+            Scratch::Fresh,
+            comm,
+        ))
+    }
+
+    /// A step over inputs already on the device, its buffers from `scratch`.
+    #[allow(clippy::too_many_arguments)]
+    fn with_inputs(
+        o: &'a CudaOps,
+        c: &ModelConfig,
+        shard: &TpShard,
+        rope: (&'a CudaSlice<f32>, &'a CudaSlice<f32>),
+        (k_cache, v_cache): (&'a mut [Bf16], &'a mut [Bf16]),
+        block_size: usize,
+        inp: StepInputs,
+        scratch: Scratch,
+        comm: Option<&'a mut NcclRank>,
+    ) -> Self {
+        Self {
             o,
             hidden: c.hidden_size,
             heads: (shard.q_heads.len(), shard.kv_heads.len(), c.head_dim),
@@ -455,16 +785,12 @@ impl<'a> CudaStep<'a> {
             k_cache,
             v_cache,
             block_size,
-            ids: o.upload(&ids)?,
-            positions: o.upload(&i32s(&step.positions))?,
-            slots: o.upload(&slots)?,
-            logit_rows,
-            batch: o.attn_batch(&tables, &q_len, &context, (shard.q_heads.len(), c.head_dim))?,
+            inp,
             comm,
             vocab: (shard.vocab.clone(), c.vocab_size),
-            local_ids,
+            scratch: RefCell::new(scratch),
             timer: None,
-        })
+        }
     }
 
     /// Runs `f`, an op called `what`, between two of the timer's events where there is one.
@@ -491,18 +817,43 @@ impl StepOps for CudaStep<'_> {
     type Vector = Bf16;
 
     fn alloc(&self, len: usize) -> Result<Bf16, EngineError> {
-        Ok(self.o.alloc_bf16(len)?)
+        match &mut *self.scratch.borrow_mut() {
+            Scratch::Replay { acts, .. } => match acts.pop_front() {
+                Some(b) if b.len() == len => Ok(b),
+                b => Err(EngineError::Internal(format!(
+                    "a graph capture asked for {len} values where its first pass had {:?}",
+                    b.map(|b| b.len())
+                ))),
+            },
+            _ => Ok(self.o.alloc_bf16(len)?),
+        }
     }
 
     fn alloc_logits(&self, len: usize) -> Result<CudaSlice<f32>, EngineError> {
-        Ok(self.o.alloc_f32(len)?)
+        match &mut *self.scratch.borrow_mut() {
+            Scratch::Replay { logits, .. } => match logits.take() {
+                Some(l) if l.len() == len => Ok(l),
+                l => Err(EngineError::Internal(format!(
+                    "a graph capture asked for {len} logits where its first pass had {:?}",
+                    l.map(|l| l.len())
+                ))),
+            },
+            _ => Ok(self.o.alloc_f32(len)?),
+        }
+    }
+
+    fn keep(&mut self, bufs: Vec<Bf16>) {
+        match self.scratch.get_mut() {
+            Scratch::Fresh => drop(bufs),
+            Scratch::Record(kept) | Scratch::Replay { kept, .. } => kept.extend(bufs),
+        }
     }
 
     fn embed(&mut self, table: &Bf16, out: &mut Bf16) -> Result<(), EngineError> {
         // A rank's slice: its tokens' rows, zeros for the others (the all-reduce that follows
         // adds the one rank's row that holds each token).
         self.timed("embedding", |s| {
-            let ids = s.local_ids.as_ref().unwrap_or(&s.ids);
+            let ids = s.inp.local_ids.as_ref().unwrap_or(&s.inp.ids);
             Ok(s.o.embedding(ids, table, out, s.hidden)?)
         })
     }
@@ -547,14 +898,14 @@ impl StepOps for CudaStep<'_> {
         out: &mut Bf16,
     ) -> Result<(), EngineError> {
         let (nq, nkv, hd) = self.heads;
-        let t = self.slots.len();
+        let t = self.inp.slots.len();
         self.timed("rotary", |s| {
-            Ok(s.o.qkv_rope(qkv, &s.positions, s.rope.0, s.rope.1, t, s.heads)?)
+            Ok(s.o.qkv_rope(qkv, &s.inp.positions, s.rope.0, s.rope.1, t, s.heads)?)
         })?;
         self.timed("kv writes", |s| {
             Ok(s.o.write_kv(
                 qkv,
-                &s.slots,
+                &s.inp.slots,
                 &mut s.k_cache[layer],
                 &mut s.v_cache[layer],
                 s.heads,
@@ -563,7 +914,7 @@ impl StepOps for CudaStep<'_> {
         })?;
         self.timed("attention", |s| {
             Ok(s.o.attention(
-                &mut s.batch,
+                &mut s.inp.batch,
                 qkv,
                 (nq + 2 * nkv) * hd,
                 &s.k_cache[layer],
@@ -593,9 +944,9 @@ impl StepOps for CudaStep<'_> {
         scratch: &mut Bf16,
         out: &mut Bf16,
     ) -> Result<(), EngineError> {
-        let t = self.slots.len();
+        let t = self.inp.slots.len();
         self.timed("norms", |s| {
-            let rows = s.logit_rows.as_ref().ok_or_else(|| {
+            let rows = s.inp.logit_rows.as_ref().ok_or_else(|| {
                 EngineError::Internal("the final norm of a step with no logit rows".into())
             })?;
             s.o.add_rms_norm(x, delta, w, scratch, t, s.eps)?;
@@ -943,6 +1294,95 @@ impl DeviceKv for CudaKv {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn seq<'a>(tokens: &'a [u32], cached: usize, table: &'a [u32], logits: usize) -> SeqBatch<'a> {
+        SeqBatch {
+            tokens,
+            cached,
+            block_table: table,
+            logits,
+            lora: None,
+        }
+    }
+
+    /// A decode step of three sequences runs in the graph of four rows: each sequence's token,
+    /// position, slot, context and the blocks its context spans in its row, the fourth row
+    /// padding that writes no slot and attends to nothing.
+    #[test]
+    fn a_decode_step_is_padded_to_its_graphs_rows() {
+        let (t1, t2, t3) = ([7u32], [8u32], [9u32]);
+        let (b1, b2, b3) = ([4u32, 9, 2], [5u32], [6u32, 3, 11, 12]);
+        let seqs = [
+            seq(&t1, 20, &b1, 1),
+            seq(&t2, 0, &b2, 1),
+            // A table longer than its context needs: only the blocks it spans go in.
+            seq(&t3, 16, &b3, 1),
+        ];
+        let step = PackedStep::new(&seqs, 100, 64, 16, 16).unwrap();
+        // Room for 64 tokens: four blocks a row.
+        let g = graph_step(&step, 64, 16).unwrap();
+        assert_eq!(g.rows, 4);
+        assert_eq!(g.ids, vec![7, 8, 9, 0]);
+        assert_eq!(g.positions, vec![20, 0, 16, 0]);
+        assert_eq!(g.slots, vec![9 * 16 + 4, 5 * 16, 3 * 16, -1]);
+        assert_eq!(g.context, vec![21, 1, 17, 0]);
+        #[rustfmt::skip]
+        assert_eq!(g.tables, vec![
+            4, 9, 0, 0,
+            5, 0, 0, 0,
+            6, 3, 0, 0,
+            0, 0, 0, 0,
+        ]);
+        // Each bucket's size, up to the largest.
+        for (n, rows) in [(1, 1), (2, 2), (5, 8), (17, 24), (256, 256)] {
+            let toks = vec![[1u32]; n];
+            let seqs: Vec<_> = toks.iter().map(|t| seq(t, 3, &b2, 1)).collect();
+            let step = PackedStep::new(&seqs, 100, 64, 16, 16).unwrap();
+            assert_eq!(graph_step(&step, 64, 16).map(|g| g.rows), Some(rows), "{n}");
+        }
+    }
+
+    /// Everything but one sampled token for each of at most 256 sequences within the graphs'
+    /// context runs eagerly.
+    #[test]
+    fn steps_a_graph_cannot_replay_run_eagerly() {
+        let (one, two) = ([1u32], [1u32, 2]);
+        let table = [0u32, 1, 2, 3];
+        let eager = |seqs: &[SeqBatch<'_>], max_context: usize| {
+            let step = PackedStep::new(seqs, 100, 64, 16, 16).unwrap();
+            graph_step(&step, max_context, 16).is_none()
+        };
+        assert!(!eager(&[seq(&one, 5, &table, 1)], 64));
+        // A prompt chunk, or proposals to verify.
+        assert!(eager(
+            &[seq(&one, 5, &table, 1), seq(&two, 0, &table, 1)],
+            64
+        ));
+        assert!(eager(&[seq(&two, 5, &table, 2)], 64));
+        // A token that samples nothing.
+        assert!(eager(&[seq(&one, 5, &table, 0)], 64));
+        // A context past the graphs' (33 tokens where they hold 32).
+        assert!(eager(&[seq(&one, 32, &table, 1)], 32));
+        assert!(!eager(&[seq(&one, 31, &table, 1)], 32));
+        // More sequences than the largest bucket.
+        let toks = vec![[1u32]; 257];
+        let seqs: Vec<_> = toks.iter().map(|t| seq(t, 3, &table, 1)).collect();
+        assert!(eager(&seqs, 64));
+        // An adapter's rows.
+        let a = tandem_model::LoraAdapter {
+            name: "a".into(),
+            path: "a".into(),
+            rank: 1,
+            alpha: 1.0,
+            targets: Vec::new(),
+            base_model: None,
+            content_hash: 1,
+            layers: Vec::new(),
+        };
+        let mut s = seq(&one, 5, &table, 1);
+        s.lora = Some(&a);
+        assert!(eager(&[s], 64));
+    }
 
     /// A rank's embedding looks up its own tokens by their row in its slice, and gives the
     /// others zeros.

@@ -421,6 +421,16 @@ pub const GRAPH_BUCKETS: &[usize] = &[
     1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256,
 ];
 
+/// Longest context a decode step's graph serves: its attention is captured with this context's
+/// splits (each graph holds their partial results) and block-table rows of this many tokens,
+/// most of which a shorter context leaves idle; a step with a longer context runs eagerly.
+pub const GRAPH_MAX_CONTEXT: usize = 8192;
+
+/// Block-table entries a context of `context` tokens spans, at least one.
+pub fn table_blocks(context: usize, block_size: usize) -> usize {
+    context.div_ceil(block_size.max(1)).max(1)
+}
+
 /// The graph bucket a decode step of `n` sequences runs in; None above the largest (run eagerly).
 pub fn graph_bucket(n: usize) -> Option<usize> {
     GRAPH_BUCKETS.iter().copied().find(|&b| b >= n.max(1))

@@ -8,7 +8,7 @@ use cudarc::driver::{
 };
 
 use super::{drv, shape, CudaOps};
-use crate::cuda::{decode_splits, AttnParams, CudaError, DECODE_SPLIT_LEN};
+use crate::cuda::{decode_splits, table_blocks, AttnParams, CudaError, DECODE_SPLIT_LEN};
 
 /// Sequences of a packed attention call, on the device (built by [`CudaOps::attn_batch`]).
 pub struct AttnBatch {
@@ -98,6 +98,70 @@ impl CudaOps {
             n_tiles,
             n_decode_tiles,
         })
+    }
+
+    /// A batch of `rows` decode rows (one new token a sequence, row i sequence i) whose buffers
+    /// stay put: a decode step's CUDA graph reads them at the addresses it was captured with,
+    /// and each replay rewrites only the block tables and context lengths
+    /// ([`Self::refill_decode_batch`]). The tables have room for `max_context` tokens and the
+    /// partial results for that context's splits, which every launch takes (a row's bits are
+    /// those of any other split count: its own splits are fixed by its position, and a row of
+    /// one split is copied by the combine, not merged). Until refilled, every row attends to
+    /// nothing.
+    pub fn decode_attn_batch(
+        &self,
+        rows: usize,
+        max_context: usize,
+        block_size: usize,
+        (nq, hd): (usize, usize),
+    ) -> Result<AttnBatch, CudaError> {
+        let rows = rows.max(1);
+        let max_blocks = table_blocks(max_context, block_size);
+        let splits = decode_splits(max_context);
+        let parts = if splits > 1 { rows * nq * splits } else { 1 };
+        let starts: Vec<i32> = (0..rows as i32).collect();
+        let tiles: Vec<i32> = (0..rows as i32).flat_map(|s| [s, 0]).collect();
+        Ok(AttnBatch {
+            splits,
+            part_out: self.stream.alloc_zeros::<f32>(parts * hd).map_err(drv)?,
+            part_ml: self.stream.alloc_zeros::<f32>(parts * 2).map_err(drv)?,
+            max_blocks,
+            block_tables: self
+                .stream
+                .alloc_zeros::<i32>(rows * max_blocks)
+                .map_err(drv)?,
+            q_start: self.upload(&starts)?,
+            q_len: self.upload(&vec![1i32; rows])?,
+            context: self.stream.alloc_zeros::<i32>(rows).map_err(drv)?,
+            tiles: self.upload(&tiles)?,
+            n_tiles: rows,
+            n_decode_tiles: rows,
+        })
+    }
+
+    /// A [`Self::decode_attn_batch`]'s rows for this step: each row's block table (`max_blocks`
+    /// entries a row) and context length (0: a row that attends to nothing), copied into its
+    /// buffers in stream order.
+    pub fn refill_decode_batch(
+        &self,
+        batch: &mut AttnBatch,
+        block_tables: &[i32],
+        context: &[i32],
+    ) -> Result<(), CudaError> {
+        let rows = batch.n_tiles;
+        if batch.n_decode_tiles != rows
+            || context.len() != rows
+            || block_tables.len() != rows * batch.max_blocks
+        {
+            return Err(shape(format!(
+                "a decode batch of {rows} rows and {} blocks a row refilled with {} tables and {} contexts",
+                batch.max_blocks,
+                block_tables.len(),
+                context.len()
+            )));
+        }
+        self.write(&mut batch.block_tables, block_tables)?;
+        self.write(&mut batch.context, context)
     }
 
     /// Paged attention of a packed step: the tiled kernel over the chunks' rows, the decode

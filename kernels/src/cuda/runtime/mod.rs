@@ -146,6 +146,22 @@ pub struct CudaOps {
     gemm_ws_ptrs: (u64, u64),
 }
 
+/// A step captured as a CUDA graph ([`CudaOps::capture`]): replayed on the stream it was
+/// captured on, over the buffers it was captured with.
+pub struct StepGraph(cudarc::driver::CudaGraph);
+
+// SAFETY: a graph is used (launched, dropped) only by its owner, which `&mut` or ownership
+// serializes: the driver asks that no two threads touch one graph at once, not that it stay on
+// the thread that made it (each call binds the context to the calling thread first).
+unsafe impl Send for StepGraph {}
+
+impl StepGraph {
+    /// Queues the whole step on its stream, in one call.
+    pub fn launch(&self) -> Result<(), CudaError> {
+        self.0.launch().map_err(drv)
+    }
+}
+
 /// Element types a product can write: bf16 bits or f32.
 pub trait GemmOut {
     /// Whether the product writes f32 (else bf16 bits).
@@ -225,6 +241,73 @@ impl CudaOps {
     /// Copies `host` into a new device buffer.
     pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>, CudaError> {
         self.stream.clone_htod(host).map_err(drv)
+    }
+
+    /// Copies `host` into `dev`, which holds exactly as many values, in stream order.
+    pub fn write<T: DeviceRepr>(
+        &self,
+        dev: &mut CudaSlice<T>,
+        host: &[T],
+    ) -> Result<(), CudaError> {
+        if dev.len() != host.len() {
+            return Err(shape(format!(
+                "a copy of {} values into a buffer of {}",
+                host.len(),
+                dev.len()
+            )));
+        }
+        self.stream.memcpy_htod(host, dev).map_err(drv)
+    }
+
+    /// The first `len` values of a device buffer, into a new host vector.
+    pub fn download_prefix<T: DeviceRepr + Default + Clone>(
+        &self,
+        dev: &CudaSlice<T>,
+        len: usize,
+    ) -> Result<Vec<T>, CudaError> {
+        if len > dev.len() {
+            return Err(shape(format!("{len} values of a buffer of {}", dev.len())));
+        }
+        self.stream.clone_dtoh(&dev.slice(0..len)).map_err(drv)
+    }
+
+    /// Captures what `queue` queues on the stream as a CUDA graph, without running it: every
+    /// buffer it touches must be allocated before (no allocation, free, copy from the host or
+    /// wait may happen inside a capture) and outlive the graph, which reads and writes them at
+    /// these addresses on each [`StepGraph::launch`]. The context's event tracking is paused
+    /// meanwhile: it would make the stream wait on events recorded outside the capture, which a
+    /// capture refuses. This stream's work is ordered by the stream itself, and the copy
+    /// streams order theirs with explicit events ([`CopyStream`]), so nothing depends on it.
+    pub fn capture<T, E: From<CudaError>>(
+        &self,
+        queue: impl FnOnce() -> Result<T, E>,
+    ) -> Result<(T, StepGraph), E> {
+        let ctx = &self.gpu.context;
+        let mode = cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+        // SAFETY: turned back on below whatever happens; no buffer is created meanwhile (each
+        // would lack events for good), and the capture itself orders this stream's work.
+        unsafe { ctx.disable_event_tracking() };
+        let out = match self.stream.begin_capture(mode) {
+            Ok(()) => {
+                let queued = queue();
+                // Ended whether or not the queueing failed, so the stream leaves capture mode.
+                let graph = self
+                    .stream
+                    .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
+                match (queued, graph) {
+                    (Ok(v), Ok(Some(g))) => Ok((v, StepGraph(g))),
+                    (Err(e), _) => Err(e),
+                    (Ok(_), Ok(None)) => {
+                        Err(CudaError::Driver("a capture made no graph".into()).into())
+                    }
+                    (Ok(_), Err(e)) => Err(drv(e).into()),
+                }
+            }
+            Err(e) => Err(drv(e).into()),
+        };
+        // SAFETY: as before the capture.
+        unsafe { ctx.enable_event_tracking() };
+        out
     }
 
     /// Copies a device buffer into a new host vector.
