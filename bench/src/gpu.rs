@@ -38,8 +38,11 @@ pub struct DecodePoint {
     pub batch: usize,
     /// Tokens already cached per sequence.
     pub context: usize,
-    /// Best milliseconds per decode step.
+    /// Best milliseconds per decode step (replayed as a CUDA graph).
     pub step_ms: f64,
+    /// Best milliseconds per decode step with every kernel launched by the host (no graph,
+    /// as `--enforce-eager` runs).
+    pub eager_ms: f64,
     /// (weights + every sequence's KV) / measured copy bandwidth.
     pub roofline_ms: f64,
     /// roofline_ms / step_ms.
@@ -236,8 +239,13 @@ pub fn run(ordinal: usize, batches: &[usize]) -> Result<GpuReport, EngineError> 
                 lora: None,
             })
             .collect();
-        // The step downloads its token ids, so it ends with the device idle.
+        // The step downloads its token ids, so it ends with the device idle. Its graph is
+        // captured in the first warm-up round.
         let secs = time(2, 10, || g.forward_greedy(&batch).map(|_| ()))?;
+        g.set_graphs(false);
+        let eager = time(2, 10, || g.forward_greedy(&batch).map(|_| ()));
+        g.set_graphs(true);
+        let eager_secs = eager?;
         let bytes = g.weight_bytes() as f64 + (bsz * (context + 1) * g.kv_bytes_per_token()) as f64;
         let roofline_ms = bytes / (copy_gb_s * 1e9) * 1e3;
         // Untimed figures first: a profile that fails (its events) costs only its own line.
@@ -261,6 +269,7 @@ pub fn run(ordinal: usize, batches: &[usize]) -> Result<GpuReport, EngineError> 
             batch: bsz,
             context,
             step_ms: secs * 1e3,
+            eager_ms: eager_secs * 1e3,
             roofline_ms,
             of_roofline: roofline_ms / (secs * 1e3),
             tok_s: bsz as f64 / secs,

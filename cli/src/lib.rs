@@ -102,6 +102,12 @@ pub struct EngineArgs {
     /// --kv-cache-mb. Refused on the CPU.
     #[arg(long, env = "TANDEM_GPU_MEMORY_FRACTION")]
     pub gpu_memory_fraction: Option<f64>,
+    /// On a GPU: launch every kernel of every step from the host, capturing no CUDA graphs (as
+    /// vLLM's flag of that name). By default a decode step of up to 256 sequences and contexts
+    /// up to 8192 tokens runs as its batch-size bucket's graph, captured at the bucket's first
+    /// step. The CPU runs every step eagerly either way.
+    #[arg(long, env = "TANDEM_ENFORCE_EAGER")]
+    pub enforce_eager: bool,
     /// Token budget of one forward pass.
     #[arg(long, env = "TANDEM_MAX_BATCHED_TOKENS", default_value_t = 2048)]
     pub max_batched_tokens: usize,
@@ -246,6 +252,9 @@ impl EngineArgs {
         if self.no_prefix_caching {
             f.push("--no-prefix-caching".into());
         }
+        if self.enforce_eager {
+            f.push("--enforce-eager".into());
+        }
         if let Some(t) = self.step_target_ms {
             f.push(format!("--step-target-ms={t}"));
         }
@@ -386,9 +395,15 @@ impl EngineArgs {
             }
         }
         let tp = self.tp()?;
-        let mut backend =
-            tandem_engine::device::on(self.device, &loaded, &cfg.pool(), self.weights, tp)
-                .with_context(|| format!("starting the model on {}", self.device))?;
+        let mut backend = tandem_engine::device::on(
+            self.device,
+            &loaded,
+            &cfg.pool(),
+            self.weights,
+            tp,
+            self.enforce_eager,
+        )
+        .with_context(|| format!("starting the model on {}", self.device))?;
         let slowdown = test_slowdown()?;
         if slowdown > 1.0 {
             backend = Box::new(tandem_engine::backend::Slowed::new(backend, slowdown)?);

@@ -145,6 +145,84 @@ fn bf16_greedy_tokens_against_golden_and_batched_equals_alone() {
     }
 }
 
+/// Decode steps replayed as CUDA graphs give the eager steps' bits: logits and picks, at batch
+/// sizes that fill a bucket (1) and that pad one (3 in 4, 5 in 8, 12 in 16), over contexts of
+/// one split and of two (past 512 tokens, where the graphs take 16 splits and the eager step
+/// two), each bucket's first step (the pass that records, then the capture) and later ones
+/// (replays with new inputs).
+#[test]
+fn decode_graphs_give_the_eager_steps_bits() {
+    let test = "decode_graphs_give_the_eager_steps_bits";
+    let Some(mut g) = gpu_model(test, 1024) else {
+        return;
+    };
+    let vocab = g.config.vocab_size;
+    let lens = [5usize, 40, 130, 300, 520, 700, 9, 17, 64, 200, 511, 513];
+    let rounds = 3;
+    let prompts: Vec<Vec<u32>> = lens
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| (0..n).map(|j| ((i * 37 + j * 11) % vocab) as u32).collect())
+        .collect();
+    let mut tables = Vec::new();
+    let mut next = 0u32;
+    for &n in &lens {
+        let blocks = (n + rounds).div_ceil(BLOCK) as u32;
+        tables.push((next..next + blocks).collect::<Vec<u32>>());
+        next += blocks;
+    }
+    // The prompts in one eager step (a graph takes decode steps only).
+    let prefill: Vec<SeqBatch> = prompts
+        .iter()
+        .zip(&tables)
+        .map(|(p, t)| SeqBatch {
+            tokens: p,
+            cached: 0,
+            block_table: t,
+            logits: 1,
+            lora: None,
+        })
+        .collect();
+    g.forward(&prefill).unwrap();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+    for round in 0..rounds {
+        let toks: Vec<[u32; 1]> = (0..lens.len())
+            .map(|i| [((round * 13 + i * 7) % vocab) as u32])
+            .collect();
+        for bsz in [1, 3, 5, 12] {
+            // Each sequence's token of this round, again at each batch size: the same cache
+            // slot written with the same bits.
+            let batch: Vec<SeqBatch> = (0..bsz)
+                .map(|i| SeqBatch {
+                    tokens: &toks[i],
+                    cached: lens[i] + round,
+                    block_table: &tables[i],
+                    logits: 1,
+                    lora: None,
+                })
+                .collect();
+            g.set_graphs(true);
+            let graph_logits = g.forward(&batch).unwrap();
+            let graph_picks = g.forward_greedy(&batch).unwrap();
+            // A capture or replay that fails turns graphs off (the step then runs eagerly).
+            assert!(
+                g.graphs_on(),
+                "round {round}, batch {bsz}: a graph failed (see the log)"
+            );
+            g.set_graphs(false);
+            let eager_logits = g.forward(&batch).unwrap();
+            let eager_picks = g.forward_greedy(&batch).unwrap();
+            assert_eq!(graph_logits.len(), bsz * vocab);
+            assert!(
+                bits(&graph_logits) == bits(&eager_logits),
+                "round {round}, batch {bsz}: a graph's logits differ from the eager step's"
+            );
+            assert_eq!(graph_picks, eager_picks, "round {round}, batch {bsz}");
+        }
+    }
+    assert_eq!(g.graph_rows(), vec![1, 4, 8, 16]);
+}
+
 #[test]
 fn bf16_last_position_logits_near_golden() {
     let test = "bf16_last_position_logits_near_golden";

@@ -25,13 +25,14 @@ use tp_cuda::TpCudaBackend;
 
 /// The backend `device` names for `loaded`: the CPU model with its weights held as `format`
 /// says, split over `tp`'s rank threads when it has more than one, or the model uploaded to a
-/// CUDA device.
+/// CUDA device, whose decode steps run as CUDA graphs unless `eager`.
 pub fn on(
     device: DeviceSpec,
     loaded: &LoadedModel,
     pool: &PoolSize,
     format: WeightFormat,
     tp: TpCpuConfig,
+    eager: bool,
 ) -> Result<Box<dyn Backend>, EngineError> {
     // Each backend checks the pool it is given.
     if pool.gpu_memory_fraction.is_some() && device == DeviceSpec::Cpu {
@@ -44,6 +45,10 @@ pub fn on(
         DeviceSpec::Cpu if tp.size > 1 => Box::new(TpCpuBackend::new(loaded, format, pool, tp)?),
         DeviceSpec::Cpu => Box::new(CpuBackend::new(CpuModel::new(loaded, format)?, pool)?),
         DeviceSpec::Cuda(n) if tp.size > 1 => Box::new(TpCudaBackend::new(n, loaded, pool, &tp)?),
-        DeviceSpec::Cuda(n) => Box::new(CudaModel::for_engine(n, loaded, pool)?),
+        DeviceSpec::Cuda(n) => {
+            let mut m = CudaModel::for_engine(n, loaded, pool)?;
+            m.set_graphs(!eager);
+            Box::new(m)
+        }
     })
 }
