@@ -574,7 +574,7 @@ impl CudaModel {
         };
         fill_graph_inputs(&self.ops, &mut inp, g)?;
         let layers = self.weights.layers.len();
-        let mut pass = |inp: StepInputs, scratch: Scratch, capture: bool| {
+        let mut pass = |inp: StepInputs, scratch: Scratch<Bf16, CudaSlice<f32>>, capture: bool| {
             let mut step = CudaStep::with_inputs(
                 &self.ops,
                 c,
@@ -603,29 +603,11 @@ impl CudaModel {
             };
             Ok::<_, EngineError>((logits, graph, step.inp, step.scratch.into_inner()))
         };
-        let (logits, _, inp, kept) = pass(inp, Scratch::Record(Vec::new()), false)?;
-        let Scratch::Record(acts) = kept else {
-            return Err(EngineError::Internal(
-                "a graph's first pass lost its buffers".into(),
-            ));
-        };
-        let replay = Scratch::Replay {
-            acts: acts.into(),
-            logits: Some(logits),
-            kept: Vec::new(),
-        };
-        let (logits, graph, inp, kept) = pass(inp, replay, true)?;
-        let (Scratch::Replay { acts, kept, .. }, Some(graph)) = (kept, graph) else {
-            return Err(EngineError::Internal(
-                "a graph's capture lost its buffers".into(),
-            ));
-        };
-        if !acts.is_empty() {
-            return Err(EngineError::Internal(format!(
-                "a graph's capture left {} of its first pass's buffers unused",
-                acts.len()
-            )));
-        }
+        let (logits, _, inp, recorded) = pass(inp, Scratch::Record(Vec::new()), false)?;
+        let replay = Scratch::replay(recorded, logits)?;
+        let (logits, graph, inp, replayed) = pass(inp, replay, true)?;
+        let kept = replayed.replayed()?;
+        let graph = graph.ok_or_else(|| EngineError::Internal("a capture made no graph".into()))?;
         let bytes = kept.iter().map(|b| 2 * b.len()).sum::<usize>() + 4 * logits.len();
         tracing::info!(
             rows,
@@ -675,7 +657,7 @@ struct CudaStep<'a> {
     /// The rank's slice of the vocabulary (all of it for the whole model) and the whole's size.
     vocab: (std::ops::Range<usize>, usize),
     /// Where the forward's buffers come from.
-    scratch: RefCell<Scratch>,
+    scratch: RefCell<Scratch<Bf16, CudaSlice<f32>>>,
     /// Events around each op, where a benchmark asks where the time goes.
     timer: Option<OpTimer>,
 }
@@ -694,19 +676,105 @@ struct StepInputs {
     local_ids: Option<CudaSlice<i32>>,
 }
 
-/// Where a step's activation and logits buffers come from.
-enum Scratch {
+/// Where a step's activation (`A`) and logits (`L`) buffers come from.
+enum Scratch<A, L> {
     /// Allocated for the step, freed after it.
     Fresh,
     /// Allocated, and kept once the forward is done with them (a graph's first pass).
-    Record(Vec<Bf16>),
+    Record(Vec<A>),
     /// The recorded buffers handed out again in the order they were allocated (a graph's
     /// capture, in which nothing may be allocated), and given back into `kept`.
     Replay {
-        acts: std::collections::VecDeque<Bf16>,
-        logits: Option<CudaSlice<f32>>,
-        kept: Vec<Bf16>,
+        acts: std::collections::VecDeque<A>,
+        logits: Option<L>,
+        kept: Vec<A>,
     },
+}
+
+/// A device buffer's length in values.
+trait Buffer {
+    fn values(&self) -> usize;
+}
+
+impl<T> Buffer for CudaSlice<T> {
+    fn values(&self) -> usize {
+        self.len()
+    }
+}
+
+impl<A: Buffer, L: Buffer> Scratch<A, L> {
+    /// A recorded pass's buffers, to hand out again in order.
+    fn replay(recorded: Self, logits: L) -> Result<Self, EngineError> {
+        match recorded {
+            Scratch::Record(acts) => Ok(Scratch::Replay {
+                acts: acts.into(),
+                logits: Some(logits),
+                kept: Vec::new(),
+            }),
+            _ => Err(EngineError::Internal(
+                "a graph's first pass kept no buffers".into(),
+            )),
+        }
+    }
+
+    /// An activation buffer of `len` values: the next recorded one when replaying (which must
+    /// have that length), else `alloc`'s.
+    fn act(
+        &mut self,
+        len: usize,
+        alloc: impl FnOnce() -> Result<A, EngineError>,
+    ) -> Result<A, EngineError> {
+        match self {
+            Scratch::Replay { acts, .. } => match acts.pop_front() {
+                Some(b) if b.values() == len => Ok(b),
+                b => Err(EngineError::Internal(format!(
+                    "a graph capture asked for {len} values where its first pass had {:?}",
+                    b.map(|b| b.values())
+                ))),
+            },
+            _ => alloc(),
+        }
+    }
+
+    /// A logits buffer of `len` values, as [`Self::act`].
+    fn logits(
+        &mut self,
+        len: usize,
+        alloc: impl FnOnce() -> Result<L, EngineError>,
+    ) -> Result<L, EngineError> {
+        match self {
+            Scratch::Replay { logits, .. } => match logits.take() {
+                Some(l) if l.values() == len => Ok(l),
+                l => Err(EngineError::Internal(format!(
+                    "a graph capture asked for {len} logits where its first pass had {:?}",
+                    l.map(|l| l.values())
+                ))),
+            },
+            _ => alloc(),
+        }
+    }
+
+    /// The forward's buffers, done with: dropped, or kept.
+    fn keep(&mut self, bufs: Vec<A>) {
+        match self {
+            Scratch::Fresh => drop(bufs),
+            Scratch::Record(kept) | Scratch::Replay { kept, .. } => kept.extend(bufs),
+        }
+    }
+
+    /// A replay's buffers once the forward gave them all back, in allocation order.
+    fn replayed(self) -> Result<Vec<A>, EngineError> {
+        match self {
+            Scratch::Replay { acts, kept, .. } if acts.is_empty() => Ok(kept),
+            Scratch::Replay { acts, .. } => Err(EngineError::Internal(format!(
+                "a graph's capture left {} of its first pass's buffers unused",
+                acts.len()
+            ))),
+            _ => Err(EngineError::Internal(
+                "a graph's capture kept no buffers".into(),
+            )),
+        }
+    }
 }
 
 impl<'a> CudaStep<'a> {
@@ -773,7 +841,7 @@ impl<'a> CudaStep<'a> {
         (k_cache, v_cache): (&'a mut [Bf16], &'a mut [Bf16]),
         block_size: usize,
         inp: StepInputs,
-        scratch: Scratch,
+        scratch: Scratch<Bf16, CudaSlice<f32>>,
         comm: Option<&'a mut NcclRank>,
     ) -> Self {
         Self {
@@ -817,36 +885,17 @@ impl StepOps for CudaStep<'_> {
     type Vector = Bf16;
 
     fn alloc(&self, len: usize) -> Result<Bf16, EngineError> {
-        match &mut *self.scratch.borrow_mut() {
-            Scratch::Replay { acts, .. } => match acts.pop_front() {
-                Some(b) if b.len() == len => Ok(b),
-                b => Err(EngineError::Internal(format!(
-                    "a graph capture asked for {len} values where its first pass had {:?}",
-                    b.map(|b| b.len())
-                ))),
-            },
-            _ => Ok(self.o.alloc_bf16(len)?),
-        }
+        let alloc = || Ok(self.o.alloc_bf16(len)?);
+        self.scratch.borrow_mut().act(len, alloc)
     }
 
     fn alloc_logits(&self, len: usize) -> Result<CudaSlice<f32>, EngineError> {
-        match &mut *self.scratch.borrow_mut() {
-            Scratch::Replay { logits, .. } => match logits.take() {
-                Some(l) if l.len() == len => Ok(l),
-                l => Err(EngineError::Internal(format!(
-                    "a graph capture asked for {len} logits where its first pass had {:?}",
-                    l.map(|l| l.len())
-                ))),
-            },
-            _ => Ok(self.o.alloc_f32(len)?),
-        }
+        let alloc = || Ok(self.o.alloc_f32(len)?);
+        self.scratch.borrow_mut().logits(len, alloc)
     }
 
     fn keep(&mut self, bufs: Vec<Bf16>) {
-        match self.scratch.get_mut() {
-            Scratch::Fresh => drop(bufs),
-            Scratch::Record(kept) | Scratch::Replay { kept, .. } => kept.extend(bufs),
-        }
+        self.scratch.get_mut().keep(bufs);
     }
 
     fn embed(&mut self, table: &Bf16, out: &mut Bf16) -> Result<(), EngineError> {
@@ -1340,6 +1389,64 @@ mod tests {
             let step = PackedStep::new(&seqs, 100, 64, 16, 16).unwrap();
             assert_eq!(graph_step(&step, 64, 16).map(|g| g.rows), Some(rows), "{n}");
         }
+    }
+
+    impl Buffer for Vec<u16> {
+        fn values(&self) -> usize {
+            self.len()
+        }
+    }
+
+    /// A graph's first pass keeps every buffer the forward allocates; its capture gets the
+    /// same buffers back in the same order (the same memory: nothing allocated) and keeps them
+    /// again; a capture that asks for other sizes, or leaves a buffer unused, is refused.
+    #[test]
+    fn a_capture_gets_the_first_passs_buffers_back_in_order() {
+        type S = Scratch<Vec<u16>, Vec<u16>>;
+        let fresh = |n: usize| move || Ok(vec![0u16; n]);
+        let never = || -> Result<Vec<u16>, EngineError> { panic!("a replay allocated") };
+        // The first pass: three activations and the logits, as a forward allocates them.
+        let mut rec = S::Record(Vec::new());
+        let acts: Vec<Vec<u16>> = [4, 6, 4]
+            .iter()
+            .map(|&n| rec.act(n, fresh(n)).unwrap())
+            .collect();
+        let at: Vec<*const u16> = acts.iter().map(|b| b.as_ptr()).collect();
+        let logits = rec.logits(10, fresh(10)).unwrap();
+        let logits_at = logits.as_ptr();
+        rec.keep(acts);
+        // The capture.
+        let mut rep = S::replay(rec, logits).unwrap();
+        let acts: Vec<Vec<u16>> = [4, 6, 4]
+            .iter()
+            .map(|&n| rep.act(n, never).unwrap())
+            .collect();
+        assert_eq!(acts.iter().map(|b| b.as_ptr()).collect::<Vec<_>>(), at);
+        let logits = rep.logits(10, never).unwrap();
+        assert_eq!(logits.as_ptr(), logits_at);
+        rep.keep(acts);
+        let kept = rep.replayed().unwrap();
+        assert_eq!(kept.iter().map(|b| b.as_ptr()).collect::<Vec<_>>(), at);
+        // Another size than the first pass's, a buffer left over, or no first pass: refused.
+        let mut rec = S::Record(Vec::new());
+        let acts = vec![rec.act(4, fresh(4)).unwrap(), rec.act(6, fresh(6)).unwrap()];
+        rec.keep(acts);
+        let mut rep = S::replay(rec, vec![0; 10]).unwrap();
+        assert!(rep.act(6, never).is_err());
+        assert!(rep.logits(11, never).is_err());
+        let mut rec = S::Record(Vec::new());
+        let acts = vec![rec.act(4, fresh(4)).unwrap(), rec.act(6, fresh(6)).unwrap()];
+        rec.keep(acts);
+        let mut rep = S::replay(rec, vec![0; 10]).unwrap();
+        let one = rep.act(4, never).unwrap();
+        rep.keep(vec![one]);
+        assert!(rep.replayed().is_err());
+        assert!(S::replay(S::Fresh, vec![0; 10]).is_err());
+        // An eager step's buffers are allocated each time and dropped.
+        let mut eager = S::Fresh;
+        let b = eager.act(3, fresh(3)).unwrap();
+        eager.keep(vec![b]);
+        assert!(eager.replayed().is_err());
     }
 
     /// Everything but one sampled token for each of at most 256 sequences within the graphs'
