@@ -60,6 +60,21 @@ fn argmax(x: &[f32]) -> u32 {
     tandem_kernels::ops::argmax(x) as u32
 }
 
+/// Every prompt whole in one step, each into its table's blocks, each sampling its last row.
+fn whole_prompts<'a>(prompts: &'a [Vec<u32>], tables: &'a [Vec<u32>]) -> Vec<SeqBatch<'a>> {
+    prompts
+        .iter()
+        .zip(tables)
+        .map(|(p, t)| SeqBatch {
+            tokens: p,
+            cached: 0,
+            block_table: t,
+            logits: 1,
+            lora: None,
+        })
+        .collect()
+}
+
 /// Greedy generation of every prompt together (one packed step per token), each sequence with
 /// its own run of blocks.
 fn generate(g: &mut CudaModel, prompts: &[Vec<u32>], n_new: &[usize]) -> Vec<Vec<u32>> {
@@ -73,17 +88,7 @@ fn generate(g: &mut CudaModel, prompts: &[Vec<u32>], n_new: &[usize]) -> Vec<Vec
     }
     let mut outs: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
     // Prefill, then one token per step for the sequences still going.
-    let batch: Vec<SeqBatch> = prompts
-        .iter()
-        .zip(&tables)
-        .map(|(p, t)| SeqBatch {
-            tokens: p,
-            cached: 0,
-            block_table: t,
-            logits: 1,
-            lora: None,
-        })
-        .collect();
+    let batch = whole_prompts(prompts, &tables);
     // The first tokens through the host's argmax of downloaded logits, the rest through the
     // device's: both paths are checked against the reference.
     let logits = g.forward(&batch).unwrap();
@@ -172,18 +177,7 @@ fn decode_graphs_give_the_eager_steps_bits() {
         next += blocks;
     }
     // The prompts in one eager step (a graph takes decode steps only).
-    let prefill: Vec<SeqBatch> = prompts
-        .iter()
-        .zip(&tables)
-        .map(|(p, t)| SeqBatch {
-            tokens: p,
-            cached: 0,
-            block_table: t,
-            logits: 1,
-            lora: None,
-        })
-        .collect();
-    g.forward(&prefill).unwrap();
+    g.forward(&whole_prompts(&prompts, &tables)).unwrap();
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
     for round in 0..rounds {
         let toks: Vec<[u32; 1]> = (0..lens.len())

@@ -702,6 +702,18 @@ impl<T> Buffer for CudaSlice<T> {
     }
 }
 
+/// A recorded buffer handed out again, which must be there and hold the `len` values (`what`)
+/// asked for.
+fn again<B: Buffer>(b: Option<B>, len: usize, what: &str) -> Result<B, EngineError> {
+    match b {
+        Some(b) if b.values() == len => Ok(b),
+        b => Err(EngineError::Internal(format!(
+            "a graph capture asked for {len} {what} where its first pass had {:?}",
+            b.map(|b| b.values())
+        ))),
+    }
+}
+
 impl<A: Buffer, L: Buffer> Scratch<A, L> {
     /// A recorded pass's buffers, to hand out again in order.
     fn replay(recorded: Self, logits: L) -> Result<Self, EngineError> {
@@ -725,13 +737,7 @@ impl<A: Buffer, L: Buffer> Scratch<A, L> {
         alloc: impl FnOnce() -> Result<A, EngineError>,
     ) -> Result<A, EngineError> {
         match self {
-            Scratch::Replay { acts, .. } => match acts.pop_front() {
-                Some(b) if b.values() == len => Ok(b),
-                b => Err(EngineError::Internal(format!(
-                    "a graph capture asked for {len} values where its first pass had {:?}",
-                    b.map(|b| b.values())
-                ))),
-            },
+            Scratch::Replay { acts, .. } => again(acts.pop_front(), len, "values"),
             _ => alloc(),
         }
     }
@@ -743,13 +749,7 @@ impl<A: Buffer, L: Buffer> Scratch<A, L> {
         alloc: impl FnOnce() -> Result<L, EngineError>,
     ) -> Result<L, EngineError> {
         match self {
-            Scratch::Replay { logits, .. } => match logits.take() {
-                Some(l) if l.values() == len => Ok(l),
-                l => Err(EngineError::Internal(format!(
-                    "a graph capture asked for {len} logits where its first pass had {:?}",
-                    l.map(|l| l.values())
-                ))),
-            },
+            Scratch::Replay { logits, .. } => again(logits.take(), len, "logits"),
             _ => alloc(),
         }
     }
