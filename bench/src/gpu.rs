@@ -105,6 +105,10 @@ pub struct GpuReport {
     pub prefill_mfu: f64,
     /// The same FLOPs over the measured GEMM rate: how near prefill comes to its own product.
     pub prefill_of_gemm: f64,
+    /// Where the prefill step's device time goes: milliseconds by op (an event around each),
+    /// summed over the layers, in the order the ops first ran. Empty where the profile failed
+    /// (said on stderr).
+    pub prefill_ops_ms: Vec<(String, f64)>,
     /// Paged decode attention alone: K and V bytes read per second.
     pub attention_gb_s: f64,
     /// `attention_gb_s` / `copy_gb_s` (the copy counts reads and writes; attention only reads).
@@ -303,6 +307,14 @@ pub fn run(ordinal: usize, batches: &[usize]) -> Result<GpuReport, EngineError> 
     let prefill_of_gemm = flops / secs / (gemm_tflops * 1e12);
     let peak_tflops = g.ops.gpu.peak_bf16_tflops();
     let prefill_mfu = flops / secs / (peak_tflops.unwrap_or(gemm_tflops) * 1e12);
+    // A step this long leaves the host's queueing far behind: no work needs to lead it.
+    let prefill_ops_ms = match g.profile_greedy(&pbatch, None) {
+        Ok(p) => p.ops.iter().map(|&(n, ms)| (n.to_string(), ms)).collect(),
+        Err(e) => {
+            eprintln!("prefill: no profile of the step: {e}");
+            Vec::new()
+        }
+    };
 
     // Decode attention alone, one layer's worth over the largest batch.
     let (nq, nkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
@@ -351,6 +363,7 @@ pub fn run(ordinal: usize, batches: &[usize]) -> Result<GpuReport, EngineError> 
         prefill_tok_s,
         prefill_mfu,
         prefill_of_gemm,
+        prefill_ops_ms,
         attention_gb_s,
         // The copy figure counts reads and writes; attention only reads.
         attention_of_copy: attention_gb_s / copy_gb_s,

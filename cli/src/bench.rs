@@ -87,25 +87,29 @@ fn bench_gpu(a: BenchGpuArgs) -> Result<()> {
             p.fallback_us / p.us
         );
     }
+    let named = |ops: &[(String, f64)], digits: usize| -> String {
+        let ops: Vec<String> = ops
+            .iter()
+            .map(|(n, ms)| format!("{n} {ms:.digits$}"))
+            .collect();
+        ops.join(", ")
+    };
     for d in &r.decode {
         println!(
-            "  decode batch {:>3}  {:>8.2} ms/step  roofline {:>6.2} ms  {:>5.1}% of roofline  {:>8.0} tok/s",
+            "  decode batch {:>3}  {:>8.2} ms/step  roofline {:>6.2} ms  {:>5.1}% of roofline  {:>8.0} tok/s  (a CUDA graph; eager {:.2} ms, {:.1}%)",
             d.batch,
             d.step_ms,
             d.roofline_ms,
             100.0 * d.of_roofline,
-            d.tok_s
+            d.tok_s,
+            d.eager_ms,
+            100.0 * d.roofline_ms / d.eager_ms
         );
         if !d.ops_ms.is_empty() {
-            let ops: Vec<String> = d
-                .ops_ms
-                .iter()
-                .map(|(n, ms)| format!("{n} {ms:.2}"))
-                .collect();
             println!(
-                "    a step on the device {:.2} ms: {}, between ops {:.2}; paced by the host {:.2} ms",
+                "    an eager step on the device {:.2} ms: {}, between ops {:.2}; paced by the host {:.2} ms",
                 d.device_ms,
-                ops.join(", "),
+                named(&d.ops_ms, 2),
                 d.device_gaps_ms,
                 d.paced_ms
             );
@@ -123,6 +127,12 @@ fn bench_gpu(a: BenchGpuArgs) -> Result<()> {
         },
         100.0 * r.prefill_of_gemm
     );
+    if !r.prefill_ops_ms.is_empty() {
+        println!(
+            "    the prefill step on the device, ms: {}",
+            named(&r.prefill_ops_ms, 1)
+        );
+    }
     println!(
         "  decode attention {:>10.1} GB/s  {:.1}% of the copy bandwidth",
         r.attention_gb_s,
