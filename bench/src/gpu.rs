@@ -38,8 +38,10 @@ pub struct DecodePoint {
     pub batch: usize,
     /// Tokens already cached per sequence.
     pub context: usize,
-    /// Best milliseconds per decode step (replayed as a CUDA graph).
+    /// Best milliseconds per decode step (replayed as a CUDA graph where `graph`).
     pub step_ms: f64,
+    /// Whether the timed steps replayed a CUDA graph (else a capture failed: the log says why).
+    pub graph: bool,
     /// Best milliseconds per decode step with every kernel launched by the host (no graph,
     /// as `--enforce-eager` runs).
     pub eager_ms: f64,
@@ -245,7 +247,9 @@ pub fn run(ordinal: usize, batches: &[usize]) -> Result<GpuReport, EngineError> 
             .collect();
         // The step downloads its token ids, so it ends with the device idle. Its graph is
         // captured in the first warm-up round.
+        let replays = g.graph_replays();
         let secs = time(2, 10, || g.forward_greedy(&batch).map(|_| ()))?;
+        let graph = g.graph_replays() > replays;
         g.set_graphs(false);
         let eager = time(2, 10, || g.forward_greedy(&batch).map(|_| ()));
         g.set_graphs(true);
@@ -273,6 +277,7 @@ pub fn run(ordinal: usize, batches: &[usize]) -> Result<GpuReport, EngineError> 
             batch: bsz,
             context,
             step_ms: secs * 1e3,
+            graph,
             eager_ms: eager_secs * 1e3,
             roofline_ms,
             of_roofline: roofline_ms / (secs * 1e3),

@@ -96,12 +96,13 @@ fn bench_gpu(a: BenchGpuArgs) -> Result<()> {
     };
     for d in &r.decode {
         println!(
-            "  decode batch {:>3}  {:>8.2} ms/step  roofline {:>6.2} ms  {:>5.1}% of roofline  {:>8.0} tok/s  (a CUDA graph; eager {:.2} ms, {:.1}%)",
+            "  decode batch {:>3}  {:>8.2} ms/step  roofline {:>6.2} ms  {:>5.1}% of roofline  {:>8.0} tok/s  ({}; eager {:.2} ms, {:.1}%)",
             d.batch,
             d.step_ms,
             d.roofline_ms,
             100.0 * d.of_roofline,
             d.tok_s,
+            if d.graph { "a CUDA graph" } else { "no graph: its capture failed" },
             d.eager_ms,
             100.0 * d.roofline_ms / d.eager_ms
         );

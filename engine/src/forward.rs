@@ -36,6 +36,10 @@ pub(crate) trait StepOps {
     fn keep(&mut self, bufs: Vec<Self::Act>) {
         drop(bufs);
     }
+    /// A logits buffer the step made but does not return (it failed): dropped, as [`Self::keep`].
+    fn keep_logits(&mut self, logits: Self::Logits) {
+        drop(logits);
+    }
     /// `out[t] = table[token t]`.
     fn embed(&mut self, table: &Self::Matrix, out: &mut Self::Act) -> Result<(), EngineError>;
     /// `out = rms_norm(x) · w`, `rows` rows.
@@ -511,43 +515,118 @@ pub(crate) fn forward<D: StepOps>(
     mut times: Option<&mut OpTimes>,
 ) -> Result<Option<D::Logits>, EngineError> {
     let t = tokens;
+    let (h, hd) = (c.hidden_size, c.head_dim);
+    let ff = shard.ff.len();
+    let (qd, kvd) = (shard.q_heads.len() * hd, shard.kv_heads.len() * hd);
+    let n = logit_rows;
+    // Every buffer first, and every one back to the device however the step ends (a CUDA
+    // graph's capture hands out buffers it keeps, which must never be freed inside it).
+    let sizes = [
+        t * h,
+        t * h,
+        t * (qd + 2 * kvd),
+        t * qd,
+        t * h,
+        t * 2 * ff,
+        t * ff,
+        n * h,
+    ];
+    let mut bufs = Vec::with_capacity(sizes.len());
+    for len in sizes.into_iter().take(if n > 0 { 8 } else { 7 }) {
+        match d.alloc(len) {
+            Ok(b) => bufs.push(b),
+            Err(e) => {
+                d.keep(bufs);
+                return Err(e);
+            }
+        }
+    }
+    let logits = match n {
+        0 => None,
+        _ => match d.alloc_logits(n * shard.vocab.len()) {
+            Ok(l) => Some(l),
+            Err(e) => {
+                d.keep(bufs);
+                return Err(e);
+            }
+        },
+    };
+    let mut logits = logits;
+    let out = layers_and_head(
+        d,
+        weights,
+        c,
+        shard,
+        t,
+        n,
+        layers,
+        lora,
+        &mut times,
+        &mut bufs,
+        &mut logits,
+    );
+    d.keep(bufs);
+    match out {
+        Ok(all) => Ok(all.or(logits)),
+        Err(e) => {
+            if let Some(l) = logits {
+                d.keep_logits(l);
+            }
+            Err(e)
+        }
+    }
+}
+
+/// [`forward`]'s ops over its buffers (`x, hbuf, qkv, att, proj, gu, act` and, where rows want
+/// logits, `last`) into `logits`: None, or a tensor-parallel group's gathered logits (then
+/// `logits` holds this rank's slice).
+#[allow(clippy::too_many_arguments)]
+fn layers_and_head<D: StepOps>(
+    d: &mut D,
+    weights: &ModelWeights<D::Matrix, D::Vector>,
+    c: &ModelConfig,
+    shard: &TpShard,
+    t: usize,
+    n: usize,
+    layers: usize,
+    lora: bool,
+    times: &mut Option<&mut OpTimes>,
+    bufs: &mut [D::Act],
+    logits: &mut Option<D::Logits>,
+) -> Result<Option<D::Logits>, EngineError> {
     let tp = !shard.is_whole();
     let (h, hd) = (c.hidden_size, c.head_dim);
     let ff = shard.ff.len();
     let (qd, kvd) = (shard.q_heads.len() * hd, shard.kv_heads.len() * hd);
-    let mut x = d.alloc(t * h)?;
-    let mut hbuf = d.alloc(t * h)?;
-    let mut qkv = d.alloc(t * (qd + 2 * kvd))?;
-    let mut att = d.alloc(t * qd)?;
-    let mut proj = d.alloc(t * h)?;
-    let mut gu = d.alloc(t * 2 * ff)?;
-    let mut act = d.alloc(t * ff)?;
-    op!(times, d, embed, d.embed(&weights.embed, &mut x))?;
+    let [x, hbuf, qkv, att, proj, gu, act, rest @ ..] = bufs else {
+        return Err(EngineError::Internal("a step without its buffers".into()));
+    };
+    op!(times, d, embed, d.embed(&weights.embed, x))?;
     if tp {
-        op!(times, d, collectives, d.all_reduce(&mut x))?;
+        op!(times, d, collectives, d.all_reduce(x))?;
     }
     // `layers` below the model's: an early exit (a self-draft), its last layer's output
     // normed and put through the head as the whole model's is.
     for (li, l) in weights.layers.iter().enumerate().take(layers) {
         if li == 0 {
-            op!(times, d, norms, d.rms_norm(&x, &l.attn_norm, &mut hbuf, t))?;
+            op!(times, d, norms, d.rms_norm(x, &l.attn_norm, hbuf, t))?;
         } else {
             // The previous layer's MLP output joins the residual here.
             op!(
                 times,
                 d,
                 norms,
-                d.add_rms_norm(&mut x, &proj, &l.attn_norm, &mut hbuf, t)
+                d.add_rms_norm(x, proj, &l.attn_norm, hbuf, t)
             )?;
         }
         op!(
             times,
             d,
             qkv,
-            d.matmul(&l.qkv, &hbuf, (t, qd + 2 * kvd, h), &mut qkv)
+            d.matmul(&l.qkv, hbuf, (t, qd + 2 * kvd, h), qkv)
         )?;
         if lora {
-            op!(times, d, lora, d.lora(li, LoraSite::Qkv, &hbuf, &mut qkv))?;
+            op!(times, d, lora, d.lora(li, LoraSite::Qkv, hbuf, qkv))?;
         }
         if l.qkv_bias.is_some() || l.qk_norm.is_some() {
             let norms = l.qk_norm.as_ref().map(|(q, k)| (q, k));
@@ -555,22 +634,22 @@ pub(crate) fn forward<D: StepOps>(
                 times,
                 d,
                 qkv,
-                d.qkv_extras(&mut qkv, l.qkv_bias.as_ref(), norms, t)
+                d.qkv_extras(qkv, l.qkv_bias.as_ref(), norms, t)
             )?;
         }
-        op!(times, d, attention, d.attention(li, &mut qkv, &mut att))?;
-        op!(times, d, o, d.matmul(&l.o, &att, (t, h, qd), &mut proj))?;
+        op!(times, d, attention, d.attention(li, qkv, att))?;
+        op!(times, d, o, d.matmul(&l.o, att, (t, h, qd), proj))?;
         if lora {
-            op!(times, d, lora, d.lora(li, LoraSite::O, &att, &mut proj))?;
+            op!(times, d, lora, d.lora(li, LoraSite::O, att, proj))?;
         }
         if tp {
-            op!(times, d, collectives, d.all_reduce(&mut proj))?;
+            op!(times, d, collectives, d.all_reduce(proj))?;
         }
         op!(
             times,
             d,
             norms,
-            d.add_rms_norm(&mut x, &proj, &l.ffn_norm, &mut hbuf, t)
+            d.add_rms_norm(x, proj, &l.ffn_norm, hbuf, t)
         )?;
         match &l.mlp {
             Mlp::Dense { gate_up, down } => {
@@ -578,15 +657,15 @@ pub(crate) fn forward<D: StepOps>(
                     times,
                     d,
                     gate_up,
-                    d.matmul(gate_up, &hbuf, (t, 2 * ff, h), &mut gu)
+                    d.matmul(gate_up, hbuf, (t, 2 * ff, h), gu)
                 )?;
                 if lora {
-                    op!(times, d, lora, d.lora(li, LoraSite::GateUp, &hbuf, &mut gu))?;
+                    op!(times, d, lora, d.lora(li, LoraSite::GateUp, hbuf, gu))?;
                 }
-                op!(times, d, silu, d.silu_mul(&gu, &mut act, t, ff))?;
-                op!(times, d, down, d.matmul(down, &act, (t, h, ff), &mut proj))?;
+                op!(times, d, silu, d.silu_mul(gu, act, t, ff))?;
+                op!(times, d, down, d.matmul(down, act, (t, h, ff), proj))?;
                 if lora {
-                    op!(times, d, lora, d.lora(li, LoraSite::Down, &act, &mut proj))?;
+                    op!(times, d, lora, d.lora(li, LoraSite::Down, act, proj))?;
                 }
             }
             Mlp::Experts(_) if lora => {
@@ -595,41 +674,36 @@ pub(crate) fn forward<D: StepOps>(
                 ))
             }
             Mlp::Experts(x) => {
-                let routing = op!(times, d, router, d.route(x, &hbuf, t))?;
-                op!(times, d, experts, d.experts(x, &hbuf, &routing, &mut proj))?;
+                let routing = op!(times, d, router, d.route(x, hbuf, t))?;
+                op!(times, d, experts, d.experts(x, hbuf, &routing, proj))?;
             }
         }
         if tp {
-            op!(times, d, collectives, d.all_reduce(&mut proj))?;
+            op!(times, d, collectives, d.all_reduce(proj))?;
         }
     }
-    let n = logit_rows;
-    if n == 0 {
+    let (Some(last), Some(logits)) = (rest.first_mut(), logits.as_mut()) else {
         d.finish()?;
-        d.keep(vec![x, hbuf, qkv, att, proj, gu, act]);
         return Ok(None);
-    }
-    let mut last = d.alloc(n * h)?;
+    };
     op!(
         times,
         d,
         norms,
-        d.final_norm(&mut x, &proj, &weights.norm, &mut hbuf, &mut last)
+        d.final_norm(x, proj, &weights.norm, hbuf, last)
     )?;
     let vocab = shard.vocab.len();
-    let mut logits = d.alloc_logits(n * vocab)?;
     op!(
         times,
         d,
         head,
-        d.head(weights.head(), &last, (n, vocab, h), &mut logits)
+        d.head(weights.head(), last, (n, vocab, h), logits)
     )?;
     if !tp {
-        d.keep(vec![x, hbuf, qkv, att, proj, gu, act, last]);
-        return Ok(Some(logits));
+        return Ok(None);
     }
     let mut all = d.alloc_logits(n * c.vocab_size)?;
-    op!(times, d, collectives, d.gather_logits(&logits, n, &mut all))?;
+    op!(times, d, collectives, d.gather_logits(logits, n, &mut all))?;
     Ok(Some(all))
 }
 

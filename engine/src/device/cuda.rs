@@ -66,12 +66,16 @@ pub struct CudaModel {
 /// do a tensor-parallel rank's steps and profiled ones. Each graph keeps its step's buffers:
 /// about a step's activations and logits at its bucket's rows, on top of the pool.
 struct DecodeGraphs {
-    /// Whether decode steps run as graphs (off: `--enforce-eager`, or once a capture failed).
+    /// Whether decode steps run as graphs (off: `--enforce-eager`).
     on: bool,
     /// The longest context a graph serves.
     max_context: usize,
     /// By their rows.
     graphs: BTreeMap<usize, DecodeGraph>,
+    /// Buckets whose graph failed (to be made, or to run): their steps run eagerly from then on.
+    failed: std::collections::BTreeSet<usize>,
+    /// Steps run by replaying a graph.
+    replays: u64,
 }
 
 /// One bucket's graph and the buffers it was captured over.
@@ -304,6 +308,8 @@ impl CudaModel {
                 on: true,
                 max_context: GRAPH_MAX_CONTEXT.min(rope.max_pos()),
                 graphs: BTreeMap::new(),
+                failed: Default::default(),
+                replays: 0,
             },
             config: c,
             shard,
@@ -316,7 +322,7 @@ impl CudaModel {
         self.graphs.on = on;
     }
 
-    /// Whether decode steps run as CUDA graphs (off when asked, or once a capture failed).
+    /// Whether decode steps run as CUDA graphs (off when asked).
     pub fn graphs_on(&self) -> bool {
         self.graphs.on
     }
@@ -324,6 +330,17 @@ impl CudaModel {
     /// The graphs captured so far, by their rows.
     pub fn graph_rows(&self) -> Vec<usize> {
         self.graphs.graphs.keys().copied().collect()
+    }
+
+    /// The buckets whose graph failed, whose steps run eagerly (the log says why).
+    pub fn graph_failures(&self) -> Vec<usize> {
+        self.graphs.failed.iter().copied().collect()
+    }
+
+    /// How many steps ran by replaying a graph (a bucket's first step, which makes it, is not
+    /// one).
+    pub fn graph_replays(&self) -> u64 {
+        self.graphs.replays
     }
 
     /// Copies each `(from, to)` block's K and V, every layer (copy-on-write of a shared block).
@@ -491,19 +508,23 @@ impl CudaModel {
         }
         let n = step.logit_rows.len();
         if comm.is_none() && timer.is_none() && self.graphs.on {
-            if let Some(g) = graph_step(&step, self.graphs.max_context, self.block_size) {
+            let g = graph_step(&step, self.graphs.max_context, self.block_size)
+                .filter(|g| !self.graphs.failed.contains(&g.rows));
+            if let Some(g) = g {
                 match self.run_graph(&g) {
                     Ok(()) => return Ok((Some((StepLogits::Graph(g.rows), n)), None)),
                     Err(e) => {
-                        // Whatever the graph's first pass wrote into the cache, the eager step
-                        // below writes again with the same bits.
+                        // A stream left in a capture would fail everything after: then so
+                        // does this step. Else whatever the graph's pass wrote into the cache,
+                        // the eager step below writes again with the same bits.
+                        self.ops.leave_capture()?;
                         tracing::warn!(
                             error = %e,
                             rows = g.rows,
-                            "a decode step's CUDA graph failed: decode steps run eagerly from now on"
+                            "a decode step's CUDA graph failed: steps of this batch size run eagerly from now on"
                         );
-                        self.graphs.on = false;
-                        self.graphs.graphs.clear();
+                        self.graphs.graphs.remove(&g.rows);
+                        self.graphs.failed.insert(g.rows);
                     }
                 }
             }
@@ -554,7 +575,9 @@ impl CudaModel {
     fn run_graph(&mut self, g: &GraphStep) -> Result<(), EngineError> {
         if let Some(graph) = self.graphs.graphs.get_mut(&g.rows) {
             fill_graph_inputs(&self.ops, &mut graph.inp, g)?;
-            return Ok(graph.graph.launch()?);
+            graph.graph.launch()?;
+            self.graphs.replays += 1;
+            return Ok(());
         }
         let c = &self.config;
         let rows = g.rows;
@@ -608,11 +631,12 @@ impl CudaModel {
         let (logits, graph, inp, replayed) = pass(inp, replay, true)?;
         let kept = replayed.replayed()?;
         let graph = graph.ok_or_else(|| EngineError::Internal("a capture made no graph".into()))?;
-        let bytes = kept.iter().map(|b| 2 * b.len()).sum::<usize>() + 4 * logits.len();
+        let bytes =
+            kept.iter().map(|b| 2 * b.len()).sum::<usize>() + 4 * logits.len() + inp.batch.bytes();
         tracing::info!(
             rows,
             mib = bytes as f64 / (1u64 << 20) as f64,
-            "captured a decode step's CUDA graph"
+            "captured a decode step's CUDA graph (mib: the buffers it keeps)"
         );
         self.graphs.graphs.insert(
             rows,
@@ -702,11 +726,12 @@ impl<T> Buffer for CudaSlice<T> {
     }
 }
 
-/// A recorded buffer handed out again, which must be there and hold the `len` values (`what`)
-/// asked for.
-fn again<B: Buffer>(b: Option<B>, len: usize, what: &str) -> Result<B, EngineError> {
-    match b {
-        Some(b) if b.values() == len => Ok(b),
+/// Whether the next recorded buffer (`next`) can be handed out for `len` values (`what`): it
+/// must be there and hold that many. One that does not stays where it is (a buffer dropped
+/// inside a capture would be freed there, which a capture refuses).
+fn again<B: Buffer>(next: Option<&B>, len: usize, what: &str) -> Result<(), EngineError> {
+    match next {
+        Some(b) if b.values() == len => Ok(()),
         b => Err(EngineError::Internal(format!(
             "a graph capture asked for {len} {what} where its first pass had {:?}",
             b.map(|b| b.values())
@@ -737,7 +762,10 @@ impl<A: Buffer, L: Buffer> Scratch<A, L> {
         alloc: impl FnOnce() -> Result<A, EngineError>,
     ) -> Result<A, EngineError> {
         match self {
-            Scratch::Replay { acts, .. } => again(acts.pop_front(), len, "values"),
+            Scratch::Replay { acts, .. } => {
+                again(acts.front(), len, "values")?;
+                Ok(acts.pop_front().expect("checked"))
+            }
             _ => alloc(),
         }
     }
@@ -749,7 +777,10 @@ impl<A: Buffer, L: Buffer> Scratch<A, L> {
         alloc: impl FnOnce() -> Result<L, EngineError>,
     ) -> Result<L, EngineError> {
         match self {
-            Scratch::Replay { logits, .. } => again(logits.take(), len, "logits"),
+            Scratch::Replay { logits, .. } => {
+                again(logits.as_ref(), len, "logits")?;
+                Ok(logits.take().expect("checked"))
+            }
             _ => alloc(),
         }
     }
@@ -759,6 +790,14 @@ impl<A: Buffer, L: Buffer> Scratch<A, L> {
         match self {
             Scratch::Fresh => drop(bufs),
             Scratch::Record(kept) | Scratch::Replay { kept, .. } => kept.extend(bufs),
+        }
+    }
+
+    /// The logits buffer of a forward that failed: dropped, or kept (a replay's goes back).
+    fn keep_logits(&mut self, l: L) {
+        match self {
+            Scratch::Replay { logits, .. } => *logits = Some(l),
+            _ => drop(l),
         }
     }
 
@@ -896,6 +935,10 @@ impl StepOps for CudaStep<'_> {
 
     fn keep(&mut self, bufs: Vec<Bf16>) {
         self.scratch.get_mut().keep(bufs);
+    }
+
+    fn keep_logits(&mut self, logits: CudaSlice<f32>) {
+        self.scratch.get_mut().keep_logits(logits);
     }
 
     fn embed(&mut self, table: &Bf16, out: &mut Bf16) -> Result<(), EngineError> {
@@ -1432,8 +1475,17 @@ mod tests {
         let acts = vec![rec.act(4, fresh(4)).unwrap(), rec.act(6, fresh(6)).unwrap()];
         rec.keep(acts);
         let mut rep = S::replay(rec, vec![0; 10]).unwrap();
+        // Refused without dropping anything (inside a capture a drop would be a free): the
+        // buffers stay to be handed out as recorded.
         assert!(rep.act(6, never).is_err());
         assert!(rep.logits(11, never).is_err());
+        assert_eq!(rep.act(4, never).unwrap().len(), 4);
+        let l = rep.logits(10, never).unwrap();
+        let l_at = l.as_ptr();
+        // A forward that fails gives its logits back with its buffers.
+        rep.keep_logits(l);
+        let again = rep.logits(10, never).unwrap();
+        assert_eq!(again.as_ptr(), l_at);
         let mut rec = S::Record(Vec::new());
         let acts = vec![rec.act(4, fresh(4)).unwrap(), rec.act(6, fresh(6)).unwrap()];
         rec.keep(acts);

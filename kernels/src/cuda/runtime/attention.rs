@@ -32,6 +32,19 @@ pub struct AttnBatch {
     part_ml: CudaSlice<f32>,
 }
 
+impl AttnBatch {
+    /// Device bytes the batch holds.
+    pub fn bytes(&self) -> usize {
+        4 * (self.block_tables.len()
+            + self.q_start.len()
+            + self.q_len.len()
+            + self.context.len()
+            + self.tiles.len()
+            + self.part_out.len()
+            + self.part_ml.len())
+    }
+}
+
 /// Query rows per prefill attention tile (`TQ` in attention.cu).
 pub const PREFILL_TILE_ROWS: usize = 16;
 

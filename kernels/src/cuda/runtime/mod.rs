@@ -275,39 +275,78 @@ impl CudaOps {
     /// buffer it touches must be allocated before (no allocation, free, copy from the host or
     /// wait may happen inside a capture) and outlive the graph, which reads and writes them at
     /// these addresses on each [`StepGraph::launch`]. The context's event tracking is paused
-    /// meanwhile: it would make the stream wait on events recorded outside the capture, which a
-    /// capture refuses. This stream's work is ordered by the stream itself, and the copy
-    /// streams order theirs with explicit events ([`CopyStream`]), so nothing depends on it.
+    /// meanwhile, for the whole context (cudarc keeps one flag): it would make the stream wait
+    /// on events recorded outside the capture, which a capture refuses. This stream's work is
+    /// ordered by the stream itself, and the copy streams order theirs with explicit events on
+    /// raw addresses ([`CopyStream`]), so no other user of the context depends on it. Whatever
+    /// happens, the stream leaves capture mode before this returns, or it says it could not
+    /// ([`Self::leave_capture`]).
     pub fn capture<T, E: From<CudaError>>(
         &self,
         queue: impl FnOnce() -> Result<T, E>,
     ) -> Result<(T, StepGraph), E> {
         let ctx = &self.gpu.context;
         let mode = cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+        // cudarc keeps an error a drop met for the next call on the context, which returns it:
+        // one stored before would fail the capture's first call, so it is reported here.
+        ctx.check_err().map_err(drv)?;
         // SAFETY: turned back on below whatever happens; no buffer is created meanwhile (each
         // would lack events for good), and the capture itself orders this stream's work.
         unsafe { ctx.disable_event_tracking() };
         let out = match self.stream.begin_capture(mode) {
             Ok(()) => {
                 let queued = queue();
-                // Ended whether or not the queueing failed, so the stream leaves capture mode.
+                // An error stored during the capture (a failed free of a buffer the queueing
+                // dropped on its way out, another thread's) would make cudarc's end_capture
+                // return before ending anything: taken first.
+                let stored = ctx.check_err();
                 let graph = self
                     .stream
                     .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
-                match (queued, graph) {
-                    (Ok(v), Ok(Some(g))) => Ok((v, StepGraph(g))),
-                    (Err(e), _) => Err(e),
-                    (Ok(_), Ok(None)) => {
+                match (queued, stored, graph) {
+                    (Ok(v), Ok(()), Ok(Some(g))) => Ok((v, StepGraph(g))),
+                    (Err(e), _, _) => Err(e),
+                    (Ok(_), Err(e), _) | (Ok(_), _, Err(e)) => Err(drv(e).into()),
+                    (Ok(_), _, Ok(None)) => {
                         Err(CudaError::Driver("a capture made no graph".into()).into())
                     }
-                    (Ok(_), Err(e)) => Err(drv(e).into()),
                 }
             }
             Err(e) => Err(drv(e).into()),
         };
         // SAFETY: as before the capture.
         unsafe { ctx.enable_event_tracking() };
-        out
+        match (out, self.leave_capture()) {
+            (out, Ok(())) => out,
+            (_, Err(stuck)) => Err(stuck.into()),
+        }
+    }
+
+    /// Ends a capture left open on the stream (one that failed before its end), discarding its
+    /// graph: a stream in capture mode fails every later call. An error only where it stays
+    /// in capture mode. Raw driver calls: cudarc's return a stored error before calling.
+    pub fn leave_capture(&self) -> Result<(), CudaError> {
+        use cudarc::driver::result::{graph, stream};
+        use cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE as NONE;
+        let s = self.stream.cu_stream();
+        // SAFETY: the live stream of these ops, on its context (bound by the calls before).
+        let capturing = || unsafe { stream::is_capturing(s) }.map(|st| st != NONE);
+        if !capturing().map_err(drv)? {
+            return Ok(());
+        }
+        // SAFETY: as above; an invalidated capture ends with an error and no graph, a valid
+        // one with a graph nobody instantiated, destroyed here.
+        if let Ok(g) = unsafe { stream::end_capture(s) } {
+            if !g.is_null() {
+                unsafe { graph::destroy(g) }.map_err(drv)?;
+            }
+        }
+        match capturing().map_err(drv)? {
+            false => Ok(()),
+            true => Err(CudaError::Driver(
+                "the compute stream is stuck in a failed graph capture".into(),
+            )),
+        }
     }
 
     /// Copies a device buffer into a new host vector.
