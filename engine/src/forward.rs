@@ -541,7 +541,7 @@ pub(crate) fn forward<D: StepOps>(
             }
         }
     }
-    let logits = match n {
+    let mut logits = match n {
         0 => None,
         _ => match d.alloc_logits(n * shard.vocab.len()) {
             Ok(l) => Some(l),
@@ -551,7 +551,6 @@ pub(crate) fn forward<D: StepOps>(
             }
         },
     };
-    let mut logits = logits;
     let out = layers_and_head(
         d,
         weights,

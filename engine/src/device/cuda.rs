@@ -63,8 +63,8 @@ pub struct CudaModel {
 /// bucket, which changes no row's bits (every kernel's arithmetic for a row is fixed by the
 /// row alone, see `forward`). Steps with prompt tokens, proposals to verify, adapters, a longer
 /// context than [`GRAPH_MAX_CONTEXT`] or more sequences than the largest bucket run eagerly, as
-/// do a tensor-parallel rank's steps and profiled ones. Each graph keeps its step's buffers:
-/// about a step's activations and logits at its bucket's rows, on top of the pool.
+/// do a tensor-parallel rank's steps and profiled ones. Each graph keeps its step's buffers (a
+/// step's activations, logits and attention partials at its bucket's rows), on top of the pool.
 struct DecodeGraphs {
     /// Whether decode steps run as graphs (off: `--enforce-eager`).
     on: bool,
@@ -115,8 +115,7 @@ fn graph_step(step: &PackedStep<'_>, max_context: usize, block_size: usize) -> O
     }
     let rows = graph_bucket(n)?;
     let max_blocks = table_blocks(max_context, block_size);
-    let pad = |v: Vec<_>, fill, rows| {
-        let mut v: Vec<_> = v;
+    let pad = |mut v: Vec<i32>, fill: i32| {
         v.resize(rows, fill);
         v
     };
@@ -132,8 +131,8 @@ fn graph_step(step: &PackedStep<'_>, max_context: usize, block_size: usize) -> O
     }
     Some(GraphStep {
         rows,
-        ids: pad(step.tokens.iter().map(|&t| t as i32).collect(), 0, rows),
-        positions: pad(step.positions.iter().map(|&p| p as i32).collect(), 0, rows),
+        ids: pad(step.tokens.iter().map(|&t| t as i32).collect(), 0),
+        positions: pad(step.positions.iter().map(|&p| p as i32).collect(), 0),
         slots: step
             .slots
             .iter()
@@ -142,11 +141,7 @@ fn graph_step(step: &PackedStep<'_>, max_context: usize, block_size: usize) -> O
             .take(rows)
             .collect(),
         tables,
-        context: pad(
-            step.seqs.iter().map(|s| s.context as i32).collect(),
-            0,
-            rows,
-        ),
+        context: pad(step.seqs.iter().map(|s| s.context as i32).collect(), 0),
     })
 }
 
