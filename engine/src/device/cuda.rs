@@ -380,12 +380,15 @@ impl CudaModel {
     /// `logits` rows, in order, as [`crate::CpuModel::forward`] does.
     pub fn forward(&mut self, seqs: &[SeqBatch<'_>]) -> Result<Vec<f32>, EngineError> {
         match self.forward_device(seqs, None, None)?.0 {
-            Some((logits, n)) => {
-                let len = n * self.config.vocab_size;
-                Ok(self.ops.download_prefix(self.logits(&logits)?, len)?)
-            }
+            Some((logits, n)) => self.download_logits(&logits, n),
             None => Ok(Vec::new()),
         }
+    }
+
+    /// A step's `n` rows of logits, on the host.
+    fn download_logits(&self, l: &StepLogits, n: usize) -> Result<Vec<f32>, EngineError> {
+        let len = n * self.config.vocab_size;
+        Ok(self.ops.download_prefix(self.logits(l)?, len)?)
     }
 
     /// The buffer a step's logits are in.
@@ -471,10 +474,7 @@ impl CudaModel {
         let (out, _) = self.forward_device(seqs, Some(comm), None)?;
         Ok(match (out, rank, picks) {
             (Some((logits, n)), 0, true) => StepOut::Picks(self.argmax(self.logits(&logits)?, n)?),
-            (Some((logits, n)), 0, false) => {
-                let len = n * self.config.vocab_size;
-                StepOut::Logits(self.ops.download_prefix(self.logits(&logits)?, len)?)
-            }
+            (Some((logits, n)), 0, false) => StepOut::Logits(self.download_logits(&logits, n)?),
             _ => StepOut::Logits(Vec::new()),
         })
     }
@@ -577,20 +577,20 @@ impl CudaModel {
         let c = &self.config;
         let rows = g.rows;
         let heads = (self.shard.q_heads.len(), c.head_dim);
-        let mut inp = StepInputs {
-            ids: self.ops.upload(&vec![0i32; rows])?,
-            positions: self.ops.upload(&vec![0i32; rows])?,
-            slots: self.ops.upload(&vec![-1i64; rows])?,
+        let inp = StepInputs {
+            ids: self.ops.upload(&g.ids)?,
+            positions: self.ops.upload(&g.positions)?,
+            slots: self.ops.upload(&g.slots)?,
             logit_rows: Some(self.ops.upload(&(0..rows as i32).collect::<Vec<_>>())?),
             batch: self.ops.decode_attn_batch(
-                rows,
+                &g.tables,
+                &g.context,
                 self.graphs.max_context,
                 self.block_size,
                 heads,
             )?,
             local_ids: None,
         };
-        fill_graph_inputs(&self.ops, &mut inp, g)?;
         let layers = self.weights.layers.len();
         let mut pass = |inp: StepInputs, scratch: Scratch<Bf16, CudaSlice<f32>>, capture: bool| {
             let mut step = CudaStep::with_inputs(

@@ -45,6 +45,19 @@ impl AttnBatch {
     }
 }
 
+/// An [`AttnBatch`]'s values on the host, before they go up.
+struct BatchHost<'a> {
+    /// The tables, `max_blocks` entries a sequence, and that count.
+    block_tables: (&'a [i32], usize),
+    q_start: &'a [i32],
+    q_len: &'a [i32],
+    context: &'a [i32],
+    /// (sequence, first new token) pairs, how many, and how many of them (the last) decode.
+    tiles: (&'a [i32], usize, usize),
+    /// Query rows in all.
+    rows: usize,
+}
+
 /// Query rows per prefill attention tile (`TQ` in attention.cu).
 pub const PREFILL_TILE_ROWS: usize = 16;
 
@@ -97,59 +110,83 @@ impl CudaOps {
         }
         let as_i32 = |v: &[usize]| v.iter().map(|&x| x as i32).collect::<Vec<i32>>();
         let splits = decode_splits(context.iter().copied().max().unwrap_or(0));
-        let parts = if splits > 1 { row * nq * splits } else { 1 };
+        self.batch_on_device(
+            BatchHost {
+                block_tables: (&bt, max_blocks),
+                q_start: &starts,
+                q_len: &as_i32(q_len),
+                context: &as_i32(context),
+                tiles: (&tiles, n_tiles, n_decode_tiles),
+                rows: row,
+            },
+            splits,
+            (nq, hd),
+        )
+    }
+
+    /// A batch's host side uploaded, with room for the partial results of `splits` splits of
+    /// each row's heads.
+    fn batch_on_device(
+        &self,
+        h: BatchHost<'_>,
+        splits: usize,
+        (nq, hd): (usize, usize),
+    ) -> Result<AttnBatch, CudaError> {
+        let parts = if splits > 1 { h.rows * nq * splits } else { 1 };
         Ok(AttnBatch {
             splits,
             part_out: self.stream.alloc_zeros::<f32>(parts * hd).map_err(drv)?,
             part_ml: self.stream.alloc_zeros::<f32>(parts * 2).map_err(drv)?,
-            max_blocks,
-            block_tables: self.upload(&bt)?,
-            q_start: self.upload(&starts)?,
-            q_len: self.upload(&as_i32(q_len))?,
-            context: self.upload(&as_i32(context))?,
-            tiles: self.upload(&tiles)?,
-            n_tiles,
-            n_decode_tiles,
+            max_blocks: h.block_tables.1,
+            block_tables: self.upload(h.block_tables.0)?,
+            q_start: self.upload(h.q_start)?,
+            q_len: self.upload(h.q_len)?,
+            context: self.upload(h.context)?,
+            tiles: self.upload(h.tiles.0)?,
+            n_tiles: h.tiles.1,
+            n_decode_tiles: h.tiles.2,
         })
     }
 
-    /// A batch of `rows` decode rows (one new token a sequence, row i sequence i) whose buffers
-    /// stay put: a decode step's CUDA graph reads them at the addresses it was captured with,
-    /// and each replay rewrites only the block tables and context lengths
-    /// ([`Self::refill_decode_batch`]). The tables have room for `max_context` tokens and the
-    /// partial results for that context's splits, which every launch takes (a row's bits are
-    /// those of any other split count: its own splits are fixed by its position, and a row of
-    /// one split is copied by the combine, not merged). Until refilled, every row attends to
-    /// nothing.
+    /// A batch of decode rows (one new token a sequence, row i sequence i) whose buffers stay
+    /// put: a decode step's CUDA graph reads them at the addresses it was captured with, and
+    /// each replay rewrites only the block tables and context lengths
+    /// ([`Self::refill_decode_batch`]). It starts with this step's: each row's block table
+    /// (`table_blocks(max_context, block_size)` entries a row) and context length (0: a row
+    /// that attends to nothing). The partial results have room for `max_context`'s splits,
+    /// which every launch takes (a row's bits are those of any other split count: its own
+    /// splits are fixed by its position, and a row of one split is copied by the combine, not
+    /// merged).
     pub fn decode_attn_batch(
         &self,
-        rows: usize,
+        block_tables: &[i32],
+        context: &[i32],
         max_context: usize,
         block_size: usize,
-        (nq, hd): (usize, usize),
+        heads: (usize, usize),
     ) -> Result<AttnBatch, CudaError> {
-        let rows = rows.max(1);
+        let rows = context.len();
         let max_blocks = table_blocks(max_context, block_size);
-        let splits = decode_splits(max_context);
-        let parts = if splits > 1 { rows * nq * splits } else { 1 };
+        if rows == 0 || block_tables.len() != rows * max_blocks {
+            return Err(shape(format!(
+                "a decode batch of {rows} rows with {} table entries for {max_blocks} a row",
+                block_tables.len()
+            )));
+        }
         let starts: Vec<i32> = (0..rows as i32).collect();
         let tiles: Vec<i32> = (0..rows as i32).flat_map(|s| [s, 0]).collect();
-        Ok(AttnBatch {
-            splits,
-            part_out: self.stream.alloc_zeros::<f32>(parts * hd).map_err(drv)?,
-            part_ml: self.stream.alloc_zeros::<f32>(parts * 2).map_err(drv)?,
-            max_blocks,
-            block_tables: self
-                .stream
-                .alloc_zeros::<i32>(rows * max_blocks)
-                .map_err(drv)?,
-            q_start: self.upload(&starts)?,
-            q_len: self.upload(&vec![1i32; rows])?,
-            context: self.stream.alloc_zeros::<i32>(rows).map_err(drv)?,
-            tiles: self.upload(&tiles)?,
-            n_tiles: rows,
-            n_decode_tiles: rows,
-        })
+        self.batch_on_device(
+            BatchHost {
+                block_tables: (block_tables, max_blocks),
+                q_start: &starts,
+                q_len: &vec![1; rows],
+                context,
+                tiles: (&tiles, rows, rows),
+                rows,
+            },
+            decode_splits(max_context),
+            heads,
+        )
     }
 
     /// A [`Self::decode_attn_batch`]'s rows for this step: each row's block table (`max_blocks`
