@@ -444,6 +444,7 @@ pub unsafe fn panel_tile<const M: usize, const P: usize>(
         let mut wv = [[_mm256_setzero_ps(); 2]; P];
         for (p, v) in wv.iter_mut().enumerate() {
             let at = w.add(p * ldp + 16 * t);
+            _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(16 * super::PANEL_AHEAD) as *const i8);
             *v = [_mm256_loadu_ps(at), _mm256_loadu_ps(at.add(8))];
         }
         for (a, acc) in acc.iter_mut().enumerate() {

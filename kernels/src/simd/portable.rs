@@ -120,6 +120,7 @@ pub unsafe fn panel_tile<const M: usize, const P: usize>(
         let mut wv = [[f32x8::ZERO; 2]; P];
         for (p, v) in wv.iter_mut().enumerate() {
             let at = w.add(p * ldp + 16 * t);
+            prefetch(at.wrapping_add(16 * super::PANEL_AHEAD) as *const u8, 64);
             *v = [ld(at), ld(at.add(8))];
         }
         for (a, acc) in acc.iter_mut().enumerate() {
