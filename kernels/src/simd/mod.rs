@@ -241,7 +241,8 @@ pub const PANEL: usize = 16;
 /// Xeon with AMX (two 512-bit FMA ports a core) the same product reaches 63-68% of its peak with
 /// this tile, 8 × 3 or 12 × 2 alike (fewer panel loads a multiply-add: not the panels' traffic
 /// from L2), and blocking the decoded panels in k to keep them in L1 was slower (`decode_matmul`,
-/// `ROWS=512`, 2026-12-04).
+/// `ROWS=512`, 2026-12-04); asking for the panels' lines ahead ([`PANEL_AHEAD`]) took it to
+/// 69-73% (`ROWS=256 LAYERS=1`).
 const TILE_512: (usize, usize) = (6, 4);
 
 /// AVX2's: up to 6 activation rows × one panel (two 8-lane vectors): 12 accumulators, two
