@@ -323,10 +323,9 @@ pub unsafe fn panel_tile<const M: usize, const P: usize>(
     for t in 0..k {
         let mut wv = [_mm512_setzero_ps(); P];
         for (p, v) in wv.iter_mut().enumerate() {
-            _mm_prefetch::<_MM_HINT_T0>(
-                w.wrapping_add(p * ldp + 16 * (t + super::PANEL_AHEAD)) as *const i8
-            );
-            *v = _mm512_loadu_ps(w.add(p * ldp + 16 * t));
+            let at = w.add(p * ldp + 16 * t);
+            _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(16 * super::PANEL_AHEAD) as *const i8);
+            *v = _mm512_loadu_ps(at);
         }
         for (a, acc) in acc.iter_mut().enumerate() {
             let xv = _mm512_set1_ps(*x.add(a * ldx + t));
