@@ -500,20 +500,24 @@ pub fn paged_attention(
     let target = 4 * rayon::current_num_threads();
     let tiles: usize = seqs.iter().map(|s| s.q_len.div_ceil(tile)).sum();
     let pairs = tiles * kvh_n;
+    //
+    // A sequence's items run KV head by KV head, so the tiles a task takes in turn read the same
+    // head's keys and values (a 2048-token context's are 1 MiB a head, 3 MiB for the model's
+    // three); a decode row's heads follow each other, reading the same blocks.
     let mut items = Vec::new();
     for (si, s) in seqs.iter().enumerate() {
-        for i0 in (0..s.q_len).step_by(tile) {
-            let rows = tile.min(s.q_len - i0);
-            let first_pos = s.context_len - s.q_len + i0;
-            let (lo, hi) = (spec.first_key(first_pos), first_pos + rows);
-            // Segments with a key some row of the tile sees.
-            let (s0, s1) = (lo / SEGMENT, hi.div_ceil(SEGMENT));
-            let per_item = if pairs >= target || rows > 1 {
-                s1 - s0
-            } else {
-                (s1 - s0).div_ceil(target.div_ceil(pairs)).max(1)
-            };
-            for kvh in 0..kvh_n {
+        for kvh in 0..kvh_n {
+            for i0 in (0..s.q_len).step_by(tile) {
+                let rows = tile.min(s.q_len - i0);
+                let first_pos = s.context_len - s.q_len + i0;
+                let (lo, hi) = (spec.first_key(first_pos), first_pos + rows);
+                // Segments with a key some row of the tile sees.
+                let (s0, s1) = (lo / SEGMENT, hi.div_ceil(SEGMENT));
+                let per_item = if pairs >= target || rows > 1 {
+                    s1 - s0
+                } else {
+                    (s1 - s0).div_ceil(target.div_ceil(pairs)).max(1)
+                };
                 for g0 in (s0..s1).step_by(per_item) {
                     items.push(Item {
                         row: s.q_start + i0,
@@ -524,22 +528,26 @@ pub fn paged_attention(
                         s0: g0,
                         s1: (g0 + per_item).min(s1),
                         hi,
+                        whole: per_item >= s1 - s0,
                     });
                 }
             }
         }
     }
-    // Each item's partial softmaxes, one per segment (maxes, sums, outputs), in one buffer
-    // carved into disjoint slices; the tasks take runs of consecutive items.
+    // Each item's partial softmaxes, one per segment (maxes, sums, outputs). A whole item (a
+    // tile's every segment: every prefill tile) keeps them in its task's scratch and merges them
+    // into its rows there, while they are in cache. Those of split items (a decode row's
+    // segments over several items) go to one buffer carved into disjoint slices, merged after
+    // every task is done. The tasks take runs of consecutive items.
     let gw = group * hd;
     let seg_len = |it: &Item| it.rows * group * (2 + hd);
-    let part_len = |it: &Item| seg_len(it) * (it.s1 - it.s0);
+    let segs_len = |it: &Item| seg_len(it) * (it.s1 - it.s0);
+    let part_len = |it: &Item| if it.whole { 0 } else { segs_len(it) };
     //
-    // The buffer is kept from call to call, one for the process, up to [`KEPT_PARTS`] values: a
-    // prefill chunk's partials are megabytes, and a fresh zeroed buffer every layer cost a few
-    // percent of a prefill's attention. (Taken out while in use, so a call beside this one, a
-    // tensor-parallel rank's, or nested in its parallel loop makes its own.) Every value the
-    // merge reads is written by `attend_tile` first.
+    // The buffer is kept from call to call, one for the process, up to [`KEPT_PARTS`] values (a
+    // fresh zeroed buffer every layer cost a few percent of attention). (Taken out while in
+    // use, so a call beside this one, a tensor-parallel rank's, or nested in its parallel loop
+    // makes its own.) Every value a merge reads is written by `attend_tile` first.
     let mut parts = std::mem::take(&mut *PARTS.lock().unwrap_or_else(|e| e.into_inner()));
     let total: usize = items.iter().map(part_len).sum();
     if parts.len() < total {
@@ -552,6 +560,22 @@ pub fn paged_attention(
         jobs.push((it, mine));
         rest = after;
     }
+    // Rows without a sequence stay zero; the others are written by the merges.
+    out.fill(0.0);
+    let (dst, len) = (OutPtr(out.as_mut_ptr()), out.len());
+    // Writes the merged rows of the tile and KV head of `first` from its partials `segs`.
+    let merge = |first: &Item, segs: &[&[f32]]| {
+        let nq = first.rows * group;
+        for r in 0..first.rows {
+            let at = (first.row + r) * width + first.kvh * gw;
+            assert!(at + gw <= len, "merge outside the output");
+            // SAFETY: `at..at + gw` is inside `out` (asserted) and is this tile's row r for
+            // this KV head: no other merge writes it (a row is one sequence's, checked above,
+            // and a tile and KV head are one whole item's or one group of split items').
+            let o = unsafe { std::slice::from_raw_parts_mut(dst.at(at), gw) };
+            merge_parts(segs, nq, r * group, group, hd, o);
+        }
+    };
     let per_task = items.len().div_ceil(target).clamp(1, MAX_ITEMS_PER_TASK);
     jobs.par_chunks_mut(per_task).for_each(|run| {
         // The run's key and value ranges in the order they are read, fetched a few ahead of
@@ -576,52 +600,108 @@ pub fn paged_attention(
                 ahead.ranges.extend(values);
             }
         }
-        let mut bufs = TileBufs::default();
-        for (it, part) in run.iter_mut() {
-            // The tile's query vectors, row after row, each row's grouped heads contiguous.
-            bufs.qt.clear();
+        // The tiles' query vectors, tile after tile and row after row, each row's grouped heads
+        // contiguous.
+        let mut qt = Vec::new();
+        let mut qts = Vec::with_capacity(run.len());
+        for (it, _) in run.iter() {
+            let at0 = qt.len();
             for r in it.row..it.row + it.rows {
                 let at = r * width + it.kvh * gw;
-                bufs.qt.extend_from_slice(&q[at..at + gw]);
+                qt.extend_from_slice(&q[at..at + gw]);
             }
-            for ((j0, j1), part) in it.segments().zip(part.chunks_exact_mut(seg_len(it))) {
-                attend_tile(
-                    &cache,
-                    layout,
-                    &seqs[it.seq],
-                    it,
-                    (j0, j1),
-                    spec,
-                    &mut bufs,
-                    &mut ahead,
-                    part,
-                );
+            qts.push(at0..qt.len());
+        }
+        // (item, segment) in the order they run. Prefill tiles go segment by segment, each
+        // segment for every tile of the run that sees it: a segment's keys and values (128 KiB
+        // a head of the model) are read from memory once for the run, and from L2 after, where
+        // tile after tile over the whole context read each block-head from L3 (a 2048-token
+        // context is 3 MiB a layer). Decode items, whose ranges are asked for ahead in item
+        // order, go item by item. Each (item, segment) is computed alone: the order changes no
+        // bit.
+        let order: Vec<(usize, usize)> = if ahead.on {
+            run.iter()
+                .enumerate()
+                .flat_map(|(i, (it, _))| (it.s0..it.s1).map(move |g| (i, g)))
+                .collect()
+        } else {
+            let g0 = run.iter().map(|(it, _)| it.s0).min().unwrap_or(0);
+            let g1 = run.iter().map(|(it, _)| it.s1).max().unwrap_or(0);
+            (g0..g1)
+                .flat_map(|g| {
+                    run.iter()
+                        .enumerate()
+                        .filter(move |(_, (it, _))| (it.s0..it.s1).contains(&g))
+                        .map(move |(i, _)| (i, g))
+                })
+                .collect()
+        };
+        // The whole items' partials, item after item, in this thread's kept scratch.
+        let mut local = LOCAL_PARTS.with(|c| std::mem::take(&mut *c.borrow_mut()));
+        let mut at = Vec::with_capacity(run.len());
+        let mut need = 0;
+        for (it, _) in run.iter() {
+            at.push(need);
+            if it.whole {
+                need += segs_len(it);
             }
         }
+        if local.len() < need {
+            local.resize(need, 0.0);
+        }
+        let mut bufs = TileBufs::default();
+        for (i, g) in order {
+            let (it, part) = &mut run[i];
+            let len = seg_len(it);
+            let part = if it.whole {
+                &mut local[at[i]..at[i] + segs_len(it)]
+            } else {
+                &mut part[..]
+            };
+            attend_tile(
+                &cache,
+                layout,
+                &seqs[it.seq],
+                it,
+                it.segment(g),
+                spec,
+                &qt[qts[i].clone()],
+                &mut bufs,
+                &mut ahead,
+                &mut part[(g - it.s0) * len..][..len],
+            );
+        }
+        for (i, (it, _)) in run.iter().enumerate().filter(|(_, (it, _))| it.whole) {
+            let segs: Vec<&[f32]> = local[at[i]..at[i] + segs_len(it)]
+                .chunks_exact(seg_len(it))
+                .collect();
+            merge(it, &segs);
+        }
+        if local.len() <= KEPT_PARTS {
+            LOCAL_PARTS.with(|c| {
+                let mut kept = c.borrow_mut();
+                if kept.len() < local.len() {
+                    *kept = local;
+                }
+            });
+        }
     });
-    // Rows without a sequence stay zero; the others are overwritten by the merge below.
-    out.fill(0.0);
-    // The merge, a tile and KV head at a time (its items are consecutive), in parallel: each
-    // writes its own rows' heads of that KV head. Which thread merges changes no bit.
+    // The split items' merge, a tile and KV head at a time (its items are consecutive), in
+    // parallel: each writes its own rows' heads of that KV head. Which thread merges changes no
+    // bit, nor does where a partial was kept.
     let groups: Vec<_> = jobs
-        .chunk_by(|(a, _), (b, _)| a.row == b.row && a.kvh == b.kvh)
+        .iter()
+        .filter(|(it, _)| !it.whole)
+        .collect::<Vec<_>>()
+        .chunk_by(|a, b| a.0.row == b.0.row && a.0.kvh == b.0.kvh)
+        .map(|g| g.to_vec())
         .collect();
-    let (dst, len) = (OutPtr(out.as_mut_ptr()), out.len());
     groups.par_iter().for_each(|group_items| {
-        let first = group_items[0].0;
         let segs: Vec<&[f32]> = group_items
             .iter()
             .flat_map(|(it, part)| part.chunks_exact(seg_len(it)))
             .collect();
-        let nq = first.rows * group;
-        for r in 0..first.rows {
-            let at = (first.row + r) * width + first.kvh * gw;
-            assert!(at + gw <= len, "merge outside the output");
-            // SAFETY: `at..at + gw` is inside `out` (asserted) and is this tile's row r for
-            // this KV head: no other group writes it (a row is one sequence's, checked above).
-            let o = unsafe { std::slice::from_raw_parts_mut(dst.at(at), gw) };
-            merge_parts(&segs, nq, r * group, group, hd, o);
-        }
+        merge(group_items[0].0, &segs);
     });
     drop(groups);
     drop(jobs);
@@ -634,13 +714,19 @@ pub fn paged_attention(
     Ok(())
 }
 
-/// Most partial-softmax values kept between calls (16 MiB): a 512-token prefill
-/// chunk's are 2.4 MiB; a long chunk over a long context may need far more once, and gives it
-/// back.
+/// Most partial-softmax values kept between calls (16 MiB), in the process's buffer of split
+/// items and in each thread's scratch for whole ones. A task's whole items need about 50 KB a
+/// segment (16 tiles of 12 query vectors): 400 KB over a 2048-token context. The split items'
+/// are a few values a decode row and segment.
 const KEPT_PARTS: usize = 4 << 20;
 
-/// [`paged_attention`]'s partial softmaxes, kept for the next call.
+/// [`paged_attention`]'s partial softmaxes of split items, kept for the next call.
 static PARTS: std::sync::Mutex<Vec<f32>> = std::sync::Mutex::new(Vec::new());
+
+thread_local! {
+    /// A task's partial softmaxes of whole items, kept for the next task on this thread.
+    static LOCAL_PARTS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
 
 /// Keys per segment of a row's context: the fixed cut points of its partial softmaxes (see
 /// [`paged_attention`]). Long enough that a prefill row's merge is a small part of its work
@@ -661,13 +747,20 @@ struct Item {
     s1: usize,
     /// One past the tile's last row's position: no key from here is seen.
     hi: usize,
+    /// Whether the item computes every segment of its tile and KV head (its task merges them).
+    whole: bool,
 }
 
 impl Item {
     /// The key ranges of the item's segments, in order: each starts at its segment's first key
     /// (so vector lanes line up with absolute positions) and ends at the segment's end or `hi`.
     fn segments(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
-        (self.s0..self.s1).map(|g| (g * SEGMENT, ((g + 1) * SEGMENT).min(self.hi)))
+        (self.s0..self.s1).map(|g| self.segment(g))
+    }
+
+    /// The key range of segment `g`, one of the item's.
+    fn segment(&self, g: usize) -> (usize, usize) {
+        (g * SEGMENT, ((g + 1) * SEGMENT).min(self.hi))
     }
 }
 
@@ -710,15 +803,13 @@ impl Ahead {
 /// A task's working buffers, reused by its items.
 #[derive(Default)]
 struct TileBufs {
-    /// The tile's query vectors.
-    qt: Vec<f32>,
     /// Scores, then probabilities, of each query vector against the item's keys.
     scores: Vec<f32>,
     /// Int8 values converted to f32.
     conv: Vec<f32>,
 }
 
-/// Softmax attention of a tile's `nq` query vectors (`bufs.qt`, nq×hd; vector `r·g + h` is head
+/// Softmax attention of a tile's `nq` query vectors (`qt`, nq×hd; vector `r·g + h` is head
 /// `h` of the tile's row `r`) over keys `j0..j1` of one KV head, one segment, each row masked
 /// causally at its own position (and below its window's first key). Writes, per vector, the
 /// segment's max, the sum of exponentials and the unnormalized output into `part` (`nq × (2 +
@@ -733,12 +824,13 @@ fn attend_tile(
     it: &Item,
     (j0, j1): (usize, usize),
     spec: AttnSpec,
+    qt: &[f32],
     bufs: &mut TileBufs,
     ahead: &mut Ahead,
     part: &mut [f32],
 ) {
     let (hd, bs, scale) = (layout.head_dim, layout.block_size, spec.scale);
-    let TileBufs { qt, scores, conv } = bufs;
+    let TileBufs { scores, conv } = bufs;
     let nq = qt.len() / hd;
     let g = nq / it.rows;
     let n = j1 - j0;
