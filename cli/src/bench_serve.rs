@@ -477,14 +477,11 @@ pub fn run(a: BenchServeArgs) -> Result<()> {
     }
     let mut engine_args = a.engine.clone();
     engine_args.model = Some(path);
-    // The worker and the engine in this process schedule alike: the serving roles' step and ITL
-    // targets unless the flags set them.
+    // The worker and the engine in this process schedule alike: the serving roles' step target
+    // (and no ITL target) unless the flags set them.
     engine_args
         .step_target_ms
         .get_or_insert(crate::serve::SERVE_STEP_TARGET_MS);
-    engine_args
-        .itl_target_ms
-        .get_or_insert(crate::serve::SERVE_ITL_TARGET_MS);
     rt.block_on(overhead(&a, &engine_args, bench, description))
 }
 

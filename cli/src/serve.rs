@@ -404,11 +404,14 @@ impl SecretArgs {
 /// p99 TTFT under overload.
 pub(crate) const SERVE_STEP_TARGET_MS: f64 = 250.0;
 
-/// The serving roles' ITL target, ms (`--itl-target-ms`): on the Poisson sweep of
-/// `scripts/bench-serve-peer` (2 cores of a Zen 4, 200-token prompts, 64 output tokens) it cut the
-/// inter-token gap's p99 from 247-305 ms to 103-124 ms at 1-4 requests a second, TTFT p50 within
-/// 0.83-1.0x; 50 cut it further (64-84 ms) at 1.2-2.3x the TTFT p50.
-pub(crate) const SERVE_ITL_TARGET_MS: f64 = 100.0;
+// The serving roles set no ITL target (`--itl-target-ms`) of their own: the step target above
+// already bounds a decoding stream's gaps (at about 250 ms), and a tighter one costs the first
+// tokens, the output and the goodput. On the Poisson sweep of `scripts/bench-serve-peer` (2 cores of an
+// Intel Xeon with AMX, 200-token prompts, 64 output tokens, 2026-12-05) 100 ms cut the gaps' p99
+// from 197-262 ms to 103-117 ms but took the TTFT p50 to 1.10-1.40x at 1-8 requests a second,
+// the output to 0.89-0.92x at 4 and 8, and the goodput at 8 to 0.66x (and every step of a busy
+// worker to the target, the ITL p50 to 1.1-2.0x); with none, Tandem's gaps' p99 stayed below
+// vLLM's CPU build's (238-769 ms) at every rate.
 
 /// Loads the engine on its own thread; returns it with the model's name and the cache's dtype.
 /// What a started engine serves: its model's name and shape, its KV element type, and whether
@@ -430,7 +433,6 @@ fn start_engine(engine: &EngineArgs) -> Result<(EngineHandle, Started)> {
     engine_args
         .step_target_ms
         .get_or_insert(SERVE_STEP_TARGET_MS);
-    engine_args.itl_target_ms.get_or_insert(SERVE_ITL_TARGET_MS);
     let (name_tx, name_rx) = std::sync::mpsc::channel();
     let handle = EngineHandle::spawn(move || {
         let (engine, loaded) = engine_args
