@@ -372,7 +372,9 @@ unsafe fn scales<F: Fmt>(head: *const u8, sub: *const u8, half: usize) -> (__m51
 }
 
 /// The codes of columns `2c` and `2c+1` of a sub-block's codes at `codes`, sixteen rows a
-/// vector, but for 6-bit codes' top bits ([`quad`]'s) and the format's offset ([`value`]'s).
+/// vector, but for 6-bit codes' top bits ([`quad`]'s) and the format's offset ([`value`]'s). A
+/// 4-bit format's column `2c` keeps column `2c+1`'s code above its low four bits: [`value`]
+/// reads only those.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
 unsafe fn pair<F: Fmt>(codes: *const u8, c: usize) -> [__m512i; 2] {
@@ -385,7 +387,11 @@ unsafe fn pair<F: Fmt>(codes: *const u8, c: usize) -> [__m512i; 2] {
     } else {
         let v = _mm512_cvtepu8_epi32(ld(16 * c));
         [
-            _mm512_and_si512(v, _mm512_set1_epi32(0x0f)),
+            if F::BITS == 4 {
+                v
+            } else {
+                _mm512_and_si512(v, _mm512_set1_epi32(0x0f))
+            },
             _mm512_srli_epi32::<4>(v),
         ]
     };
@@ -429,10 +435,22 @@ unsafe fn quad<F: Fmt>(codes: *const u8, g: usize) -> [__m512i; 4] {
 /// (every term is exact and so is the difference), in one instruction instead of two. Only a
 /// zero may take the other sign, which no product chain can see: it starts from +0, and an
 /// exact zero added to +0 is +0 whatever its sign.
+///
+/// A 4-bit code becomes its float by a lookup in one register (`vpermps` reads the low four
+/// bits of each lane, so [`pair`] need not mask them): the value `vcvtdq2ps` gives, without the
+/// mask, and on the other vector port (Intel runs both instructions on one port each, the
+/// conversion on the multiply-adds' first).
 #[inline]
 #[target_feature(enable = "avx512f,fma")]
 unsafe fn value<F: Fmt>(q: __m512i, s: __m512, m: __m512) -> __m512 {
-    let f = _mm512_cvtepi32_ps(q);
+    let f = if F::BITS == 4 {
+        let codes = _mm512_setr_ps(
+            0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
+        );
+        _mm512_permutexvar_ps(q, codes)
+    } else {
+        _mm512_cvtepi32_ps(q)
+    };
     match (F::MIN, F::KQ) {
         (true, true) => _mm512_fmsub_ps(f, s, m),
         (true, false) => _mm512_fmadd_ps(f, s, m),
