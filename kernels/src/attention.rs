@@ -535,9 +535,10 @@ pub fn paged_attention(
         }
     }
     // Each item's partial softmaxes, one per segment (maxes, sums, outputs). A whole item (a
-    // tile's every segment: every prefill tile) keeps them in its task's scratch and merges them
-    // into its rows there, while they are in cache. Those of split items (a decode row's
-    // segments over several items) go to one buffer carved into disjoint slices, merged after
+    // tile whose segments are not spread over several items: every tile of more than one row)
+    // keeps them in its task's scratch and merges them into its rows there, while they are in
+    // cache. Those of split items (a one-row tile's segments over several items, so that a
+    // long decode row has every core) go to one buffer carved into disjoint slices, merged after
     // every task is done. The tasks take runs of consecutive items.
     let gw = group * hd;
     let seg_len = |it: &Item| it.rows * group * (2 + hd);
@@ -677,7 +678,7 @@ pub fn paged_attention(
                 .collect();
             merge(it, &segs);
         }
-        if local.len() <= KEPT_PARTS {
+        if local.len() <= KEPT_LOCAL_PARTS {
             LOCAL_PARTS.with(|c| {
                 let mut kept = c.borrow_mut();
                 if kept.len() < local.len() {
@@ -714,11 +715,17 @@ pub fn paged_attention(
     Ok(())
 }
 
-/// Most partial-softmax values kept between calls (16 MiB), in the process's buffer of split
-/// items and in each thread's scratch for whole ones. A task's whole items need about 50 KB a
-/// segment (16 tiles of 12 query vectors): 400 KB over a 2048-token context. The split items'
-/// are a few values a decode row and segment.
+/// Most partial-softmax values the process keeps between calls (16 MiB) in its buffer of split
+/// items: `group × (2 + head_dim)` values a decode row and segment (198 for the model's heads),
+/// up to a few hundred KB a step.
 const KEPT_PARTS: usize = 4 << 20;
+
+/// Most values each thread keeps between tasks (2 MiB) in its scratch of whole items: a task's
+/// need about 50 KB a segment at 64-value heads (16 tiles of 12 query vectors), 400 KB over a
+/// 2048-token context, 1.6 MB over 8192. A task over a longer context makes a scratch of its own
+/// and drops it (zeroed for each layer: slower, not wrong), so that no thread of any pool holds
+/// more than this for good.
+const KEPT_LOCAL_PARTS: usize = 1 << 19;
 
 /// [`paged_attention`]'s partial softmaxes of split items, kept for the next call.
 static PARTS: std::sync::Mutex<Vec<f32>> = std::sync::Mutex::new(Vec::new());
