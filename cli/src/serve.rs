@@ -406,12 +406,12 @@ pub(crate) const SERVE_STEP_TARGET_MS: f64 = 250.0;
 
 // The serving roles set no ITL target (`--itl-target-ms`) of their own: the step target above
 // already bounds a decoding stream's gaps (at about 250 ms), and a tighter one costs the first
-// tokens, the output and the goodput. On the Poisson sweep of `scripts/bench-serve-peer` (2 cores of an
-// Intel Xeon with AMX, 200-token prompts, 64 output tokens, 2026-12-05) 100 ms cut the gaps' p99
-// from 197-262 ms to 103-117 ms but took the TTFT p50 to 1.10-1.40x at 1-8 requests a second,
-// the output to 0.89-0.92x at 4 and 8, and the goodput at 8 to 0.66x (and every step of a busy
-// worker to the target, the ITL p50 to 1.1-2.0x); with none, Tandem's gaps' p99 stayed below
-// vLLM's CPU build's (238-769 ms) at every rate.
+// tokens, the output and the goodput. On the Poisson sweep of `scripts/bench-serve-peer` (2
+// cores of an Intel Xeon with AMX, 200-token prompts, 64 output tokens, 2026-12-05) 100 ms cut
+// the gaps' p99 from 197-258 ms to 103-117 ms at 1-4 requests a second but took the TTFT p50 to
+// 1.10-1.40x at 1-8, the output to 0.89-0.92x at 4 and 8, the goodput at 8 to 0.66x, and the
+// ITL p50 to 1.1-2.0x (every step of a busy worker held near the target); with none, Tandem's
+// gaps' p99 stayed below vLLM's CPU build's (238-769 ms) at every rate.
 
 /// Loads the engine on its own thread; returns it with the model's name and the cache's dtype.
 /// What a started engine serves: its model's name and shape, its KV element type, and whether
