@@ -691,11 +691,8 @@ pub fn paged_attention(
     // parallel: each writes its own rows' heads of that KV head. Which thread merges changes no
     // bit, nor does where a partial was kept.
     let groups: Vec<_> = jobs
-        .iter()
-        .filter(|(it, _)| !it.whole)
-        .collect::<Vec<_>>()
-        .chunk_by(|a, b| a.0.row == b.0.row && a.0.kvh == b.0.kvh)
-        .map(|g| g.to_vec())
+        .chunk_by(|(a, _), (b, _)| a.row == b.row && a.kvh == b.kvh)
+        .filter(|g| !g[0].0.whole)
         .collect();
     groups.par_iter().for_each(|group_items| {
         let segs: Vec<&[f32]> = group_items
