@@ -129,8 +129,8 @@ pub struct EngineArgs {
     /// decoding sequence takes only the prompt tokens that fit in this time by the engine's
     /// measure of its steps (16 at least, so prompts keep moving); a step with no stream
     /// decoding keeps --step-target-ms. The router sends a prompt to a prefill worker when
-    /// computing it here would take longer than this while streams decode. 0: off. Default:
-    /// 100 in the serving roles, off in generate and the engine benchmarks.
+    /// computing it here would take longer than this while streams decode. 0 or unset: off
+    /// (the serving roles then keep their gaps with --step-target-ms alone).
     #[arg(long, env = "TANDEM_ITL_TARGET_MS")]
     pub itl_target_ms: Option<f64>,
     /// KV cache element type: f32 (exact), f16 (half the bytes, each value rounded to 11

@@ -21,6 +21,7 @@
 
 #![deny(missing_docs)]
 
+mod aligned;
 pub mod amx;
 mod attention;
 pub mod cuda;

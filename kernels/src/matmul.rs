@@ -17,6 +17,7 @@
 
 use rayon::prelude::*;
 
+use crate::aligned::AlignedF32;
 use crate::simd::{
     dot_quant_rows, fused_rows, has_avx2_fma, has_avx512, has_quant_x1, panel_product, x1_unit,
     MAX_PANELS, PANEL,
@@ -233,8 +234,9 @@ fn run(t: Task<'_>) {
 }
 
 thread_local! {
-    /// Decoded panels of a task, reused by every task this thread runs.
-    static TILE: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// Decoded panels of a task, reused by every task this thread runs; on a cache line, so
+    /// that no load of a panel vector straddles two ([`crate::aligned`]).
+    static TILE: std::cell::RefCell<AlignedF32> = const { std::cell::RefCell::new(AlignedF32::new()) };
 }
 
 /// `out` shared by tasks that write disjoint elements.
