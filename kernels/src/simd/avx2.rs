@@ -440,7 +440,8 @@ pub unsafe fn panel_tile<const M: usize, const P: usize>(
             }
         }
     }
-    for t in 0..k {
+    // One column of the panels: 2·P vector loads, M broadcasts, 2·M·P multiply-adds.
+    let column = |acc: &mut [[[__m256; 2]; P]; M], t: usize| {
         let mut wv = [[_mm256_setzero_ps(); 2]; P];
         for (p, v) in wv.iter_mut().enumerate() {
             let at = w.add(p * ldp + 16 * t);
@@ -454,6 +455,18 @@ pub unsafe fn panel_tile<const M: usize, const P: usize>(
                 c[1] = _mm256_fmadd_ps(xv, v[1], c[1]);
             }
         }
+    };
+    // Columns a few at a time ([`super::PANEL_UNROLL`]), in order.
+    let mut t = 0;
+    while t + super::PANEL_UNROLL <= k {
+        for u in 0..super::PANEL_UNROLL {
+            column(&mut acc, t + u);
+        }
+        t += super::PANEL_UNROLL;
+    }
+    while t < k {
+        column(&mut acc, t);
+        t += 1;
     }
     for (a, acc) in acc.iter().enumerate() {
         for (p, c) in acc.iter().enumerate() {
