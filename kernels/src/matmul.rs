@@ -32,8 +32,12 @@ const ROWS_PER_TASK: usize = MAX_PANELS * PANEL;
 /// decodes in registers, group after group, rather than into a tile (AVX2: see
 /// [`AVX2_FUSED_MOST`]). The model's decode steps on 2 cores of Zen 5 (AVX-512), tile
 /// against groups: 12 rows 19.5 and 14.7 ms, 16 rows 23.7 and 17.8, 24 rows 32.0 and 27.6, 32
-/// rows 39.4 and 39.0.
-const FUSED_GROUPS: usize = 4;
+/// rows 39.4 and 39.0. On 2 cores of an Intel Xeon (AVX-512, `decode_matmul`, 2026-12-05,
+/// after the tile's aligned panels and four-column turns): 12 rows 19.4-20.8 and 17.4-17.8,
+/// 16 rows 23.3-26.4 and 21.0-21.3, 18-22 rows within 5% either way, 24 rows 29.6-31.3 and
+/// 31.8-32.9, 26-28 rows 31.5-36.9 and 35.1-39.9, 32 rows 36.0-38.3 and 42.7-42.9: three
+/// groups, where Zen 5 still favoured groups at 24 and Intel the tile past it.
+const FUSED_GROUPS: usize = 3;
 
 /// Activation rows up to which AVX2 (whose fused kernel takes four, see [`fused_rows`]) decodes
 /// in registers, in groups of [`AVX2_GROUP`] above four. The model's decode-step products on
