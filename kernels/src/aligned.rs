@@ -1,6 +1,6 @@
 //! f32 scratch that starts on a cache line.
 //!
-//! The products' decoded panels and attention's partials are read sixty-four bytes at a time.
+//! The products' decoded panels are read sixty-four bytes at a time.
 //! A `Vec<f32>` starts wherever the allocator puts it: sixteen bytes past a line for a large
 //! buffer of glibc's, so that every vector load of it straddles two lines. Which address a
 //! thread's scratch got changed from run to run, and with it a 200-row product of the model's

@@ -35,8 +35,10 @@ const ROWS_PER_TASK: usize = MAX_PANELS * PANEL;
 /// rows 39.4 and 39.0. On 2 cores of an Intel Xeon (AVX-512, `decode_matmul`, 2026-12-05,
 /// after the tile's aligned panels and four-column turns): 12 rows 19.4-20.8 and 17.4-17.8,
 /// 16 rows 23.3-26.4 and 21.0-21.3, 18-22 rows within 5% either way, 24 rows 29.6-31.3 and
-/// 31.8-32.9, 26-28 rows 31.5-36.9 and 35.1-39.9, 32 rows 36.0-38.3 and 42.7-42.9: three
-/// groups, where Zen 5 still favoured groups at 24 and Intel the tile past it.
+/// 31.8-32.9, 26-28 rows 31.5-36.9 and 35.1-39.9, 32 rows 36.0-38.3 and 42.7-42.9. Three
+/// groups: Intel favours the tile from 24 rows on (by 5% at 24, 8-16% above), Zen 5 groups at
+/// 24 (by 14%, before the tile's changes) and neither at 32; 25-31 rows were not measured on
+/// Zen 5 with the faster tile.
 const FUSED_GROUPS: usize = 3;
 
 /// Activation rows up to which AVX2 (whose fused kernel takes four, see [`fused_rows`]) decodes

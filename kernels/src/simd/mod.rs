@@ -242,8 +242,10 @@ pub const PANEL: usize = 16;
 /// this tile, 8 × 3 or 12 × 2 alike (fewer panel loads a multiply-add: not the panels' traffic
 /// from L2), and blocking the decoded panels in k to keep them in L1 was slower (`decode_matmul`,
 /// `ROWS=512`, 2026-12-04); asking for the panels' lines ahead ([`PANEL_AHEAD`]) took it to
-/// 69-73% (`ROWS=256 LAYERS=1`), and starting the decoded panels on a cache line (the matmul's
-/// scratch, [`crate::aligned`]) to 75-77%, where one thread alone makes 81% of a core's.
+/// 69-73% (`ROWS=256 LAYERS=1`). Starting the decoded panels on a cache line (the matmul's
+/// scratch, [`crate::aligned`]) and four columns a turn ([`PANEL_UNROLL`]) took those products
+/// from 190-191 ms to 170-172 (2026-12-05): one thread alone then reaches 82% of its core's
+/// FMA peak, two 75-78% of theirs.
 const TILE_512: (usize, usize) = (6, 4);
 
 /// AVX2's: up to 6 activation rows × one panel (two 8-lane vectors): 12 accumulators, two
