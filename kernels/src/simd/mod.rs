@@ -265,9 +265,10 @@ const TILE_PORTABLE: (usize, usize) = (2, 1);
 /// gave the same there.
 pub(crate) const PANEL_AHEAD: usize = 8;
 
-/// Columns a register tile multiplies in one turn of its loop (each column's multiply-adds
-/// still in column order, so the bits are those of one at a time): the loads of four columns'
-/// panel vectors in flight together. The model's products of a 256-row prefill on 2 cores of
+/// Columns the AVX-512 and AVX2 register tiles multiply in one turn of their loops (each
+/// column's multiply-adds still in column order, so the bits are those of one at a time): the
+/// loads of four columns' panel vectors in flight together. (The portable level's SSE2 tile, in
+/// 16 registers, was 2-3% slower so and keeps one column a turn.) The model's products of a 256-row prefill on 2 cores of
 /// an Intel Xeon (AVX-512, `decode_matmul ROWS=256 LAYERS=1`, binaries alternated, 3 runs):
 /// one column a turn 178-184 ms, two 175-176, four 170-172, eight 174-176; 512 rows 366 ->
 /// 343-349 ms; one thread 82% of a core's FMA peak instead of 78%.
