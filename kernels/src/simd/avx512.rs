@@ -335,18 +335,7 @@ pub unsafe fn panel_tile<const M: usize, const P: usize>(
             }
         }
     };
-    // Columns a few at a time ([`super::PANEL_UNROLL`]), in order.
-    let mut t = 0;
-    while t + super::PANEL_UNROLL <= k {
-        for u in 0..super::PANEL_UNROLL {
-            column(&mut acc, t + u);
-        }
-        t += super::PANEL_UNROLL;
-    }
-    while t < k {
-        column(&mut acc, t);
-        t += 1;
-    }
+    in_turns!(k, t => column(&mut acc, t));
     for (a, acc) in acc.iter().enumerate() {
         for (p, c) in acc.iter().enumerate() {
             _mm512_mask_storeu_ps(out.add(a * ldo + 16 * p), lanes(cols, p), *c);

@@ -274,6 +274,28 @@ pub(crate) const PANEL_AHEAD: usize = 8;
 /// 343-349 ms; one thread 82% of a core's FMA peak instead of 78%.
 pub(crate) const PANEL_UNROLL: usize = 4;
 
+/// Runs `$body` for `$t = 0, 1, …, $k − 1` in order, [`PANEL_UNROLL`] columns a turn of the
+/// loop (the AVX-512 and AVX2 tiles' column loop). A macro, so the loop is written in place: a
+/// function taking the column as a closure, though inlined, measured 1-3% slower.
+macro_rules! in_turns {
+    ($k:expr, $t:ident => $body:expr) => {{
+        let k = $k;
+        let mut start = 0;
+        while start + $crate::simd::PANEL_UNROLL <= k {
+            for u in 0..$crate::simd::PANEL_UNROLL {
+                let $t = start + u;
+                $body;
+            }
+            start += $crate::simd::PANEL_UNROLL;
+        }
+        while start < k {
+            let $t = start;
+            $body;
+            start += 1;
+        }
+    }};
+}
+
 /// Most panels of one kernel call (AVX-512's tile; a task's weight rows).
 pub const MAX_PANELS: usize = 4;
 
