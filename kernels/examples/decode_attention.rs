@@ -93,19 +93,24 @@ fn run() {
         (4 * words * 8) as f64 / t.elapsed().as_secs_f64()
     });
     let read: f64 = rates.iter().sum::<f64>() / 1e9;
+    // The output's bits (FNV-1a of the last layer's): a kernel change meant to keep them can be
+    // checked against the binary before it.
+    let bits = out.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, x| {
+        (h ^ u64::from(x.to_bits())).wrapping_mul(0x100_0000_01b3)
+    });
     if q_len > 1 {
         // Scores and weighted values: 4 flops per query head, key seen and dimension.
         let seen: usize = (context - q_len + 1..=context).sum();
         let flops = (4 * layers * seqs * heads * seen * layout.head_dim) as f64;
         println!(
-            "{seqs} sequences, {q_len} new of {context} tokens, {threads} threads: attention {:.2} ms (median of {steps}), {:.1} GFLOP/s",
+            "{seqs} sequences, {q_len} new of {context} tokens, {threads} threads: attention {:.2} ms (median of {steps}), {:.1} GFLOP/s, output bits {bits:016x}",
             med * 1e3,
             flops / med / 1e9
         );
         return;
     }
     println!(
-        "{seqs} sequences of {context} tokens, {threads} threads: attention of a step {:.2} ms (median of {steps}), cache read at {:.1} GB/s, {:.0}% of the read rate ({read:.1} GB/s)",
+        "{seqs} sequences of {context} tokens, {threads} threads: attention of a step {:.2} ms (median of {steps}), cache read at {:.1} GB/s, {:.0}% of the read rate ({read:.1} GB/s), output bits {bits:016x}",
         med * 1e3,
         bytes / med / 1e9,
         100.0 * bytes / med / 1e9 / read

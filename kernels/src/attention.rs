@@ -852,30 +852,29 @@ fn attend_tile(
         );
         cache.dot_keys(layout, qt, nq, keys, scale, &mut scores[at..], n, conv);
     }
-    // Causal mask: row r sees keys up to its own position, and from its window's first key.
+    // Row r sees keys from its window's first key up to its own position. The softmax runs
+    // over the row up to its last key seen (lanes line up with the keys as over the whole row,
+    // and masked keys would add exp(-inf) = +0 to their lanes: the same bits); the keys after
+    // it get weight 0 without being read back, and the window's first unseen keys -inf.
     for r in 0..it.rows {
         let pos = it.first_pos + r;
-        let first_masked = (pos + 1).max(j0);
-        let first_seen = spec.first_key(pos).clamp(j0, j1);
+        let end = (pos + 1).clamp(j0, j1) - j0;
+        let first_seen = spec.first_key(pos).clamp(j0, j1) - j0;
         for v in r * g..(r + 1) * g {
             let row = &mut scores[v * n..(v + 1) * n];
-            row[..first_seen - j0].fill(f32::NEG_INFINITY);
-            if first_masked < j1 {
-                row[first_masked - j0..].fill(f32::NEG_INFINITY);
-            }
+            let (seen, after) = row.split_at_mut(end);
+            seen[..first_seen.min(end)].fill(f32::NEG_INFINITY);
+            let max = max_f32(seen);
+            part[v] = max;
+            part[nq + v] = if max == f32::NEG_INFINITY {
+                // No key of this segment is seen: weights of exactly zero.
+                seen.fill(0.0);
+                0.0
+            } else {
+                exp_shifted_sum(seen, max)
+            };
+            after.fill(0.0);
         }
-    }
-    for v in 0..nq {
-        let sc = &mut scores[v * n..(v + 1) * n];
-        let max = max_f32(sc);
-        part[v] = max;
-        part[nq + v] = if max == f32::NEG_INFINITY {
-            // No key of this segment is seen: weights of exactly zero.
-            sc.fill(0.0);
-            0.0
-        } else {
-            exp_shifted_sum(sc, max)
-        };
     }
     let acc = &mut part[2 * nq..];
     acc.fill(0.0);
