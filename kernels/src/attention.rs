@@ -127,35 +127,49 @@ impl KvSlab<'_> {
         }
     }
 
-    /// Adds `run` value rows of one head (from offset `at`) weighted by the probabilities of
-    /// the query vectors to their accumulators: `acc[v] += Σ_t p[v·stride + t] · row t`. f32 and
-    /// f16 rows are read in place; int8 rows are decoded (each row's scale, from `scale_at`,
-    /// applied) into `scratch` first.
-    #[allow(clippy::too_many_arguments)]
+    /// Adds runs of value rows of one head, each `(at, run, scale_at)`: `run` rows from offset
+    /// `at` (up to [`VALUE_RUNS`] runs, row `t` counting on from run to run), weighted by the
+    /// probabilities of the query vectors, to their accumulators: `acc[v] += Σ_t p[v·stride +
+    /// t] · row t`. f32 and f16 rows are read in place; int8 rows are decoded (each row's scale,
+    /// from `scale_at`, applied) into `scratch` first.
     fn accumulate_rows(
         &self,
         layout: KvLayout,
-        at: usize,
-        run: usize,
-        scale_at: usize,
-        p: &[f32],
-        stride: usize,
+        runs: &[(usize, usize, usize)],
+        (p, stride): (&[f32], usize),
         acc: &mut [f32],
         scratch: &mut Vec<f32>,
     ) {
-        let (n, hd) = (run * layout.head_dim, layout.head_dim);
+        fn go<T: crate::simd::KvValue>(
+            data: &[T],
+            runs: &[(usize, usize, usize)],
+            hd: usize,
+            (p, stride): (&[f32], usize),
+            acc: &mut [f32],
+        ) {
+            let mut rows: [&[T]; VALUE_RUNS] = [&[]; VALUE_RUNS];
+            for (r, &(at, run, _)) in rows.iter_mut().zip(runs) {
+                *r = &data[at..at + run * hd];
+            }
+            accumulate_group(p, stride, &rows[..runs.len()], acc, hd)
+        }
+        assert!(runs.len() <= VALUE_RUNS, "accumulate_rows: too many runs");
+        let hd = layout.head_dim;
         match self {
-            Self::F32(d) => accumulate_group(p, stride, &d[at..at + n], acc, hd),
-            Self::F16(d) => accumulate_group(p, stride, &d[at..at + n], acc, hd),
+            Self::F32(d) => go(d, runs, hd, (p, stride), acc),
+            Self::F16(d) => go(d, runs, hd, (p, stride), acc),
             Self::Int8 { data, scales } => {
                 scratch.clear();
-                for (row, &sc) in data[at..at + n]
-                    .chunks_exact(hd)
-                    .zip(&scales[scale_at..scale_at + run])
-                {
-                    scratch.extend(row.iter().map(|&q| q as f32 * sc));
+                for &(at, run, scale_at) in runs {
+                    for (row, &sc) in data[at..at + run * hd]
+                        .chunks_exact(hd)
+                        .zip(&scales[scale_at..scale_at + run])
+                    {
+                        scratch.extend(row.iter().map(|&q| q as f32 * sc));
+                    }
                 }
-                accumulate_group(p, stride, scratch, acc, hd)
+                let rows = scratch.len() / hd;
+                go(scratch, &[(0, rows, 0)], hd, (p, stride), acc)
             }
         }
     }
@@ -181,33 +195,55 @@ impl KvSlab<'_> {
         }
     }
 
-    /// Scores of the tile's `nq` query vectors (`qt`) against `run` keys of one block-head: the
-    /// head's transposed keys start at `at` (their slot 0 scale at `scale_at`), the run at slot
-    /// `off`. f32 and f16 keys are read in place; int8 keys are decoded (each slot's scale
-    /// applied) into `scratch` first.
+    /// Scores of the tile's `nq` query vectors (`qt`, nq×head_dim) against
+    /// one or two runs of keys, each of one block-head: `(at, off, run, scale_at)`, the head's
+    /// transposed keys from `at` (their slot 0 scale at `scale_at`), the run's `run` keys from
+    /// slot `off`; the second run's scores follow the first's in each row of `out`. f32 and f16
+    /// keys are read in place; int8 keys are decoded (each slot's scale applied) into `scratch`
+    /// first.
     #[allow(clippy::too_many_arguments)]
     fn dot_keys(
         &self,
         layout: KvLayout,
         qt: &[f32],
         nq: usize,
-        (at, off, run, scale_at): (usize, usize, usize, usize),
+        keys: &[(usize, usize, usize, usize)],
         scale: f32,
         out: &mut [f32],
         ldo: usize,
         scratch: &mut Vec<f32>,
     ) {
         let (n, bs) = (layout.head_dim * layout.block_size, layout.block_size);
+        fn go<T: crate::simd::KvValue>(
+            data: &[T],
+            keys: &[(usize, usize, usize, usize)],
+            n: usize,
+            args: (&[f32], usize, usize, f32, &mut [f32], usize),
+        ) {
+            let (qt, nq, bs, scale, out, ldo) = args;
+            let mut runs: [(&[T], usize); 2] = [(&[], 0); 2];
+            for (r, &(at, off, run, _)) in runs.iter_mut().zip(keys) {
+                *r = (&data[at + off..at + n], run);
+            }
+            dot_keys_t(qt, nq, &runs[..keys.len()], bs, scale, out, ldo)
+        }
+        assert!(keys.len() <= 2, "dot_keys: at most two runs a call");
+        let args = (qt, nq, bs, scale, out, ldo);
         match self {
-            Self::F32(d) => dot_keys_t(qt, nq, &d[at + off..at + n], bs, run, scale, out, ldo),
-            Self::F16(d) => dot_keys_t(qt, nq, &d[at + off..at + n], bs, run, scale, out, ldo),
+            Self::F32(d) => go(d, keys, n, args),
+            Self::F16(d) => go(d, keys, n, args),
             Self::Int8 { data, scales } => {
+                // Each run's block-head decoded whole, one after another.
                 scratch.clear();
-                let sc = &scales[scale_at..scale_at + bs];
-                for dim in data[at..at + n].chunks_exact(bs) {
-                    scratch.extend(dim.iter().zip(sc).map(|(&q, &s)| q as f32 * s));
+                let mut local = [(0, 0, 0, 0); 2];
+                for (l, &(at, off, run, scale_at)) in local.iter_mut().zip(keys) {
+                    *l = (scratch.len(), off, run, 0);
+                    let sc = &scales[scale_at..scale_at + bs];
+                    for dim in data[at..at + n].chunks_exact(bs) {
+                        scratch.extend(dim.iter().zip(sc).map(|(&q, &s)| q as f32 * s));
+                    }
                 }
-                dot_keys_t(qt, nq, &scratch[off..], bs, run, scale, out, ldo)
+                go(scratch, &local[..keys.len()], n, args)
             }
         }
     }
@@ -217,7 +253,7 @@ impl KvSlab<'_> {
 fn accumulate_group<T: crate::simd::KvValue>(
     p: &[f32],
     stride: usize,
-    rows: &[T],
+    rows: &[&[T]],
     acc: &mut [f32],
     hd: usize,
 ) {
@@ -768,6 +804,9 @@ impl Item {
     }
 }
 
+/// Most blocks' values one call of the value kernel takes (see [`attend_tile`]).
+const VALUE_RUNS: usize = 4;
+
 /// Most consecutive work items one task takes.
 const MAX_ITEMS_PER_TASK: usize = 16;
 
@@ -842,14 +881,22 @@ fn attend_tile(
     if scores.len() < nq * n {
         scores.resize(nq * n, 0.0);
     }
-    for (blk, off, run, at) in block_runs(s.block_table, bs, j0, j1) {
+    // Two blocks' keys a call (the AVX-512 kernel's pieces go in pairs).
+    let mut runs = block_runs(s.block_table, bs, j0, j1);
+    while let Some((blk, off, run, at)) = runs.next() {
+        let key = |blk, off, run| {
+            let kt = layout.kt_at(blk, it.kvh);
+            (kt, off, run, layout.scale_at(blk, 0, it.kvh))
+        };
         ahead.next(cache);
-        let keys = (
-            layout.kt_at(blk, it.kvh),
-            off,
-            run,
-            layout.scale_at(blk, 0, it.kvh),
-        );
+        let mut keys = [key(blk, off, run); 2];
+        let mut count = 1;
+        if let Some((blk, off, run, _)) = runs.next() {
+            ahead.next(cache);
+            keys[1] = key(blk, off, run);
+            count = 2;
+        }
+        let keys = &keys[..count];
         cache.dot_keys(layout, qt, nq, keys, scale, &mut scores[at..], n, conv);
     }
     // Row r sees keys from its window's first key up to its own position. The softmax runs
@@ -878,18 +925,19 @@ fn attend_tile(
     }
     let acc = &mut part[2 * nq..];
     acc.fill(0.0);
-    for (blk, off, run, at) in block_runs(s.block_table, bs, j0, j1) {
-        ahead.next(cache);
-        cache.accumulate_rows(
-            layout,
-            layout.v_at(blk, it.kvh, off),
-            run,
-            layout.scale_at(blk, 1, it.kvh) + off,
-            &scores[at..],
-            n,
-            acc,
-            conv,
-        );
+    // A few blocks' values a call: the accumulators stay in registers across them, and the
+    // blocks (4 KiB a head of the model each) stay in L1 for the tile's second register group.
+    let mut runs = block_runs(s.block_table, bs, j0, j1).peekable();
+    while let Some(&(.., at)) = runs.peek() {
+        let mut values = [(0, 0, 0); VALUE_RUNS];
+        let mut count = 0;
+        while let Some((blk, off, run, _)) = runs.next_if(|_| count < VALUE_RUNS) {
+            ahead.next(cache);
+            let v_at = layout.v_at(blk, it.kvh, off);
+            values[count] = (v_at, run, layout.scale_at(blk, 1, it.kvh) + off);
+            count += 1;
+        }
+        cache.accumulate_rows(layout, &values[..count], (&scores[at..], n), acc, conv);
     }
 }
 

@@ -64,7 +64,7 @@ pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
 #[cfg(test)]
 pub fn axpy_rows(p: &[f32], rows: &[f32], acc: &mut [f32]) {
     debug_assert_eq!(rows.len(), p.len() * acc.len());
-    axpy_rows_group(p, p.len(), rows, acc, 1)
+    axpy_rows_group(p, p.len(), &[rows], acc, 1)
 }
 
 /// A KV cache value the attention kernels read in place: f32, or f16 widened as it is loaded
@@ -92,84 +92,151 @@ impl KvValue for half::f16 {
     }
 }
 
-/// Most query vectors [`dot_keys_t`] keeps in registers at once.
+/// Query vectors an attention tile holds ([`dot_keys_t`] takes them a register tile at a time).
 pub const KEYS_T_TILE: usize = 12;
 
-/// Scores of `nq` query vectors against `n` keys stored transposed:
-/// `out[v·ldo + j] = scale · Σ_i q[v·d + i] · kt[i·ld + j]` for `v < nq`, `j < n`, where `d =
-/// q.len() / nq` and column `j` of `kt` (stride `ld` between dimensions) is key `j`. Each
-/// 16-key row of `kt` is loaded once for up to [`KEYS_T_TILE`] queries and multiplied with one
-/// broadcast element of each: no horizontal sums, one FMA per query and key per dimension.
+/// Scores of `nq` query vectors (rows of `d = q.len() / nq`) against runs of keys stored
+/// transposed. Run `r` is `runs[r] = (kt, n)`: `n` keys, dimension `i` of key `j` at
+/// `kt[i·ld + j]`, and its scores go to `out[v·ldo + o + j]`, where `o` is the keys of the runs
+/// before it (a segment's blocks, one after another in one row of scores). Computed `scale ·
+/// Σ_i q[v·d + i] · kt[i·ld + j]`, each score one multiply-add chain over the dimensions in
+/// order at every level, sixteen keys a vector: no horizontal sums, and neither the runs'
+/// cuts nor the register tiles change a bit. A key vector is loaded once for a register tile
+/// of queries, and each query element is broadcast once for the keys of two 16-key pieces at
+/// AVX-512 (of one at the other levels).
 #[allow(clippy::too_many_arguments)]
 pub fn dot_keys_t<T: KvValue>(
     q: &[f32],
     nq: usize,
-    kt: &[T],
+    runs: &[(&[T], usize)],
     ld: usize,
-    n: usize,
     scale: f32,
     out: &mut [f32],
     ldo: usize,
 ) {
+    let n: usize = runs.iter().map(|r| r.1).sum();
     if nq == 0 || n == 0 {
         return;
     }
     let d = q.len() / nq;
+    assert!(
+        q.len() == nq * d && out.len() >= (nq - 1) * ldo + n,
+        "dot_keys_t: {nq} queries of {d} against {n} keys do not fit"
+    );
     if d == 0 {
         (0..nq).for_each(|v| out[v * ldo..v * ldo + n].fill(0.0));
         return;
     }
-    assert!(
-        n <= ld && kt.len() >= (d - 1) * ld + n && out.len() >= (nq - 1) * ldo + n,
-        "dot_keys_t: {nq} queries of {d} against {n} keys (stride {ld}) do not fit"
-    );
-    // Query tiles the level's registers hold: AVX-512 has 32 of 16 lanes (two accumulator sets
-    // per query), the others 16 (or NEON's 32) of 8 lanes in pairs.
-    let tiles: &[usize] = if has_avx512() {
-        &[12, 8, 6, 4, 3, 2, 1]
-    } else {
-        &[6, 4, 3, 2, 1]
-    };
+    for &(kt, len) in runs {
+        assert!(
+            len <= ld && kt.len() >= (d - 1) * ld + len,
+            "dot_keys_t: a run of {len} keys (stride {ld}) does not fit"
+        );
+    }
+    // The runs cut into pieces of at most 16 keys: (keys, count, first score column), handed
+    // to the level's kernel one at a time, or two at a time at AVX-512.
     let level = crate::isa::active();
+    let pairs = matches!(level, Isa::Avx512 | Isa::Amx);
+    let mut held: Option<(*const T, usize, usize)> = None;
+    let mut o = 0;
+    for &(kt, len) in runs {
+        for j0 in (0..len).step_by(16) {
+            let piece = (kt[j0..].as_ptr(), (len - j0).min(16), o + j0);
+            match held.take() {
+                Some(first) => key_pieces(level, q, nq, d, [first, piece], ld, scale, out, ldo),
+                None if pairs => held = Some(piece),
+                None => key_pieces(
+                    level,
+                    q,
+                    nq,
+                    d,
+                    [piece, (piece.0, 0, 0)],
+                    ld,
+                    scale,
+                    out,
+                    ldo,
+                ),
+            }
+        }
+        o += len;
+    }
+    // A lone last piece goes with itself, its second copy masked off (no lane read or written).
+    if let Some(p) = held {
+        key_pieces(level, q, nq, d, [p, (p.0, 0, p.2)], ld, scale, out, ldo);
+    }
+}
+
+/// [`dot_keys_t`]'s scores against two pieces of up to 16 keys, `(keys, count, first score
+/// column)` (only the first at levels below AVX-512, where the second is empty), for register
+/// tiles of the queries in turn.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+fn key_pieces<T: KvValue>(
+    level: Isa,
+    q: &[f32],
+    nq: usize,
+    d: usize,
+    pieces: [(*const T, usize, usize); 2],
+    ld: usize,
+    scale: f32,
+    out: &mut [f32],
+    ldo: usize,
+) {
+    let [a, b] = pieces;
     let mut v0 = 0;
     while v0 < nq {
-        let take = *tiles.iter().find(|&&t| t <= nq - v0).expect("1 fits");
-        for j0 in (0..n).step_by(16) {
-            let cols = (n - j0).min(16);
-            // SAFETY: the level's features are on this CPU (`isa::active`). Rows `i < d` of `kt`
-            // hold `cols` keys from `j0` (checked above; lanes past them are not read); `out`
-            // rows `v0..v0+take` hold `cols` slots from `j0`.
-            unsafe {
-                let (qp, kp, op) = (
-                    q.as_ptr().add(v0 * d),
-                    kt.as_ptr().add(j0),
-                    out.as_mut_ptr().add(v0 * ldo + j0),
-                );
+        // SAFETY: the level's features are on this CPU (`isa::active`); rows `i < d` of each
+        // piece hold its count of keys (checked by `dot_keys_t`; lanes past them are not read);
+        // `q` holds `nq` rows of `d`; `out` rows `v0..v0+take` hold each piece's count of slots
+        // from its column (`n` in all, checked by `dot_keys_t`).
+        unsafe {
+            let (qp, op) = (q.as_ptr().add(v0 * d), out.as_mut_ptr().add(v0 * ldo));
+            #[cfg(target_arch = "x86_64")]
+            if matches!(level, Isa::Avx512 | Isa::Amx) {
+                // Up to 12 queries over two pieces: 24 accumulators.
+                let take = (nq - v0).min(12);
+                let (kt, cols, at) = ([a.0, b.0], [a.1, b.1], [op.add(a.2), op.add(b.2)]);
                 macro_rules! go {
-                    ($m:ident :: $f:ident $(, $full:expr)?) => {
+                    ($full:literal: $($t:literal)*) => {
                         match take {
-                            12 => $m::$f::<T, 12 $(, $full)?>(qp, d, kp, ld, cols, scale, op, ldo),
-                            8 => $m::$f::<T, 8 $(, $full)?>(qp, d, kp, ld, cols, scale, op, ldo),
-                            6 => $m::$f::<T, 6 $(, $full)?>(qp, d, kp, ld, cols, scale, op, ldo),
-                            4 => $m::$f::<T, 4 $(, $full)?>(qp, d, kp, ld, cols, scale, op, ldo),
-                            3 => $m::$f::<T, 3 $(, $full)?>(qp, d, kp, ld, cols, scale, op, ldo),
-                            2 => $m::$f::<T, 2 $(, $full)?>(qp, d, kp, ld, cols, scale, op, ldo),
-                            _ => $m::$f::<T, 1 $(, $full)?>(qp, d, kp, ld, cols, scale, op, ldo),
+                            $($t => avx512::dot_keys_t::<T, $t, $full>(qp, d, kt, ld, cols, scale, at, ldo),)*
+                            _ => unreachable!("at most 12 queries a tile"),
                         }
                     };
                 }
-                match level {
-                    #[cfg(target_arch = "x86_64")]
-                    Isa::Avx512 | Isa::Amx => go!(avx512::dot_keys_t),
-                    #[cfg(target_arch = "x86_64")]
-                    Isa::Avx2 if cols == 16 => go!(avx2::dot_keys_t, true),
-                    #[cfg(target_arch = "x86_64")]
-                    Isa::Avx2 => go!(avx2::dot_keys_t, false),
-                    _ => go!(portable::dot_keys_t),
+                if a.1 == 16 && b.1 == 16 {
+                    go!(true: 1 2 3 4 5 6 7 8 9 10 11 12);
+                } else {
+                    go!(false: 1 2 3 4 5 6 7 8 9 10 11 12);
                 }
+                v0 += take;
+                continue;
             }
+            let take = *[6, 4, 3, 2, 1]
+                .iter()
+                .find(|&&t| t <= nq - v0)
+                .expect("1 fits");
+            let (kp, cols, op) = (a.0, a.1, op.add(a.2));
+            macro_rules! go {
+                ($m:ident :: $f:ident $(, $full:expr)?) => {
+                    match take {
+                        6 => $m::$f::<T, 6 $(, $full)?>(qp, d, kp, ld, cols, scale, op, ldo),
+                        4 => $m::$f::<T, 4 $(, $full)?>(qp, d, kp, ld, cols, scale, op, ldo),
+                        3 => $m::$f::<T, 3 $(, $full)?>(qp, d, kp, ld, cols, scale, op, ldo),
+                        2 => $m::$f::<T, 2 $(, $full)?>(qp, d, kp, ld, cols, scale, op, ldo),
+                        _ => $m::$f::<T, 1 $(, $full)?>(qp, d, kp, ld, cols, scale, op, ldo),
+                    }
+                };
+            }
+            match level {
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx2 if cols == 16 => go!(avx2::dot_keys_t, true),
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx2 => go!(avx2::dot_keys_t, false),
+                _ => go!(portable::dot_keys_t),
+            }
+            v0 += take;
         }
-        v0 += take;
     }
 }
 
@@ -177,33 +244,38 @@ pub fn dot_keys_t<T: KvValue>(
 pub const AXPY_GROUP_MAX: usize = 6;
 
 /// [`axpy_rows`] for `g` heads sharing the rows: `acc[h] += Σ_t p[h·stride + t] · rows[t]` with
-/// `acc` g×d.
+/// `acc` g×d, the rows given as runs (each whole rows of `d`: a segment's blocks), row `t`
+/// counting on from run to run. Each output is one chain over the rows in order; the
+/// accumulators stay in registers across the runs.
 pub fn axpy_rows_group<T: KvValue>(
     p: &[f32],
     stride: usize,
-    rows: &[T],
+    runs: &[&[T]],
     acc: &mut [f32],
     g: usize,
 ) {
     let d = acc.len() / g;
-    let n = rows.len() / d;
+    let n: usize = runs.iter().map(|r| r.len() / d.max(1)).sum();
     assert!(
-        g > 0 && rows.len() == n * d && p.len() >= (g - 1) * stride + n,
+        g > 0
+            && d > 0
+            && runs.iter().all(|r| r.len().is_multiple_of(d))
+            && p.len() >= (g - 1) * stride + n,
         "axpy_rows_group: {g} heads of {d} over {n} rows do not fit"
     );
     macro_rules! go {
         ($m:ident :: $f:ident) => {
-            // SAFETY: the level's features are on this CPU (`isa::active`); `rows` holds `n` rows
-            // of `d` (a multiple of the kernel's width), `acc` g rows of `d`, and `p` the
-            // probabilities of every head for every row (asserted above).
+            // SAFETY: the level's features are on this CPU (`isa::active`); each run holds
+            // whole rows of `d` (a multiple of the kernel's width), `acc` g rows of `d`, and `p`
+            // the probabilities of every head for each of the `n` rows (asserted above).
             unsafe {
                 match g {
-                    1 => return $m::$f::<T, 1>(p, stride, rows, acc),
-                    2 => return $m::$f::<T, 2>(p, stride, rows, acc),
-                    3 => return $m::$f::<T, 3>(p, stride, rows, acc),
-                    4 => return $m::$f::<T, 4>(p, stride, rows, acc),
-                    5 => return $m::$f::<T, 5>(p, stride, rows, acc),
-                    6 => return $m::$f::<T, 6>(p, stride, rows, acc),
+                    1 => return $m::$f::<T, 1>(p, stride, runs, acc),
+                    2 => return $m::$f::<T, 2>(p, stride, runs, acc),
+                    3 => return $m::$f::<T, 3>(p, stride, runs, acc),
+                    4 => return $m::$f::<T, 4>(p, stride, runs, acc),
+                    5 => return $m::$f::<T, 5>(p, stride, runs, acc),
+                    6 => return $m::$f::<T, 6>(p, stride, runs, acc),
                     _ => {}
                 }
             }
@@ -221,7 +293,8 @@ pub fn axpy_rows_group<T: KvValue>(
     // Head sizes that are not a multiple of 16 (no model of ours has one) and more than 6 heads.
     for h in 0..g {
         let acc = &mut acc[h * d..(h + 1) * d];
-        for (t, row) in rows.chunks_exact(d).enumerate() {
+        let rows = runs.iter().flat_map(|r| r.chunks_exact(d));
+        for (t, row) in rows.enumerate() {
             let w = p[h * stride + t];
             for (a, x) in acc.iter_mut().zip(row) {
                 *a += w * x.to_f32();
@@ -950,7 +1023,7 @@ mod tests {
         for n in [all.len(), 1, 15, 17, 33] {
             let keys = &all[all.len() - n..];
             let mut out = vec![f32::NAN; n];
-            dot_keys_t(&[1.0], 1, keys, n, n, 1.0, &mut out, n);
+            dot_keys_t(&[1.0], 1, &[(keys, n)], n, 1.0, &mut out, n);
             for (h, &f) in keys.iter().zip(&out) {
                 // A sum with +0 makes -0 into +0; every other value is bit-exact.
                 assert_eq!(f, h.to_f32(), "{h}");
@@ -973,16 +1046,16 @@ mod tests {
                 let q = rnd(nq * d, 3);
                 let (kh, kw) = half_of(rnd((d - 1) * ld + n, 4));
                 let (mut a, mut b) = (vec![0f32; nq * n], vec![0f32; nq * n]);
-                dot_keys_t(&q, nq, &kh, ld, n, 0.125, &mut a, n);
-                dot_keys_t(&q, nq, &kw, ld, n, 0.125, &mut b, n);
+                dot_keys_t(&q, nq, &[(&kh[..], n)], ld, 0.125, &mut a, n);
+                dot_keys_t(&q, nq, &[(&kw[..], n)], ld, 0.125, &mut b, n);
                 assert_eq!(a, b, "scores nq={nq} n={n}");
                 let (vh, vw) = half_of(rnd(n * d, 5));
                 let p = rnd(nq * n, 6);
                 let g = nq.min(AXPY_GROUP_MAX);
                 let mut acc_h = rnd(g * d, 7);
                 let mut acc_w = acc_h.clone();
-                axpy_rows_group(&p, n, &vh, &mut acc_h, g);
-                axpy_rows_group(&p, n, &vw, &mut acc_w, g);
+                axpy_rows_group(&p, n, &[&vh[..]], &mut acc_h, g);
+                axpy_rows_group(&p, n, &[&vw[..]], &mut acc_w, g);
                 assert_eq!(acc_h, acc_w, "values g={g} n={n}");
             }
         }
@@ -1093,7 +1166,7 @@ mod tests {
                     let kt = rnd((d - 1) * ld + n, 12 + n as u64);
                     let ldo = n + 3;
                     let mut out = vec![f32::NAN; nq * ldo];
-                    dot_keys_t(&q, nq, &kt, ld, n, 0.25, &mut out, ldo);
+                    dot_keys_t(&q, nq, &[(&kt[..], n)], ld, 0.25, &mut out, ldo);
                     let mut portable = vec![f32::NAN; nq * ldo];
                     dot_keys_t_scalar(&q, nq, &kt, ld, n, 0.25, &mut portable, ldo);
                     for (o, p) in out.iter().zip(&portable) {
@@ -1119,6 +1192,52 @@ mod tests {
         }
     }
 
+    /// Runs of keys from separate buffers (a segment's blocks) give each run's scores, after
+    /// the runs before it in each row, the same bits as the runs one at a time: a run's
+    /// pairing with its neighbours changes no score.
+    #[test]
+    fn key_runs_score_as_alone() {
+        let (d, ld) = (64, 16);
+        for nq in [1, 3, 6, 7, 12, 13] {
+            for lens in [
+                &[16, 16][..],
+                &[16, 16, 5],
+                &[3],
+                &[16, 9, 16, 16, 1],
+                &[0, 16, 0],
+            ] {
+                let q = rnd(nq * d, 21);
+                let keys: Vec<Vec<f32>> = (0..lens.len())
+                    .map(|r| rnd((d - 1) * ld + 16, 22 + r as u64))
+                    .collect();
+                let runs: Vec<(&[f32], usize)> =
+                    keys.iter().zip(lens).map(|(k, &l)| (&k[..], l)).collect();
+                let n: usize = lens.iter().sum();
+                let ldo = n + 1;
+                let mut out = vec![f32::NAN; nq * ldo];
+                dot_keys_t(&q, nq, &runs, ld, 0.125, &mut out, ldo);
+                let mut o = 0;
+                for &(k, l) in &runs {
+                    let mut alone = vec![f32::NAN; nq * l.max(1)];
+                    dot_keys_t(&q, nq, &[(k, l)], ld, 0.125, &mut alone, l.max(1));
+                    let mut want = vec![f32::NAN; nq * l.max(1)];
+                    dot_keys_t_scalar(&q, nq, k, ld, l, 0.125, &mut want, l.max(1));
+                    for v in 0..nq {
+                        for j in 0..l {
+                            let got = out[v * ldo + o + j];
+                            assert_eq!(got.to_bits(), alone[v * l + j].to_bits(), "{lens:?}");
+                            assert!(close(got, want[v * l + j]), "nq={nq} {lens:?} v={v}");
+                        }
+                    }
+                    o += l;
+                }
+                for v in 0..nq {
+                    assert!(out[v * ldo + n].is_nan(), "wrote past the keys");
+                }
+            }
+        }
+    }
+
     #[test]
     fn grouped_value_runs_match_per_head() {
         for d in [16, 64, 128] {
@@ -1129,7 +1248,14 @@ mod tests {
                     let p = rnd(g * stride, 9);
                     let mut acc = rnd(g * d, 10);
                     let before = acc.clone();
-                    axpy_rows_group(&p, stride, &rows, &mut acc, g);
+                    axpy_rows_group(&p, stride, &[&rows[..]], &mut acc, g);
+                    // The rows cut into runs anywhere: the same bits.
+                    for cut in [0, n / 2, n.saturating_sub(1), n] {
+                        let mut split = before.clone();
+                        let (a, b) = rows.split_at(cut * d);
+                        axpy_rows_group(&p, stride, &[a, &[], b], &mut split, g);
+                        assert_eq!(split, acc, "d={d} g={g} n={n} cut={cut}");
+                    }
                     for h in 0..g {
                         let mut want_acc = before[h * d..(h + 1) * d].to_vec();
                         axpy_rows(&p[h * stride..h * stride + n], &rows, &mut want_acc);

@@ -190,26 +190,30 @@ pub unsafe fn dot_keys_t<T: KvValue, const N: usize>(
 pub unsafe fn axpy_rows_g<T: KvValue, const G: usize>(
     p: &[f32],
     stride: usize,
-    rows: &[T],
+    runs: &[&[T]],
     acc: &mut [f32],
 ) {
     let d = acc.len() / G;
-    let n = rows.len() / d;
-    let (pp, pr, pa) = (p.as_ptr(), rows.as_ptr(), acc.as_mut_ptr());
+    let (pp, pa) = (p.as_ptr(), acc.as_mut_ptr());
     for c in (0..d).step_by(16) {
         let mut a = [[f32x8::ZERO; 2]; G];
         for (h, ah) in a.iter_mut().enumerate() {
             ah[0] = ld(pa.add(h * d + c));
             ah[1] = ld(pa.add(h * d + c + 8));
         }
-        for t in 0..n {
-            let r = pr.add(t * d + c);
-            let (v0, v1) = (ld_kv(r), ld_kv(r.add(8)));
-            for (h, ah) in a.iter_mut().enumerate() {
-                let w = f32x8::splat(*pp.add(h * stride + t));
-                ah[0] = w.mul_add(v0, ah[0]);
-                ah[1] = w.mul_add(v1, ah[1]);
+        let mut t0 = 0;
+        for rows in runs {
+            let (pr, n) = (rows.as_ptr(), rows.len() / d);
+            for t in 0..n {
+                let r = pr.add(t * d + c);
+                let (v0, v1) = (ld_kv(r), ld_kv(r.add(8)));
+                for (h, ah) in a.iter_mut().enumerate() {
+                    let w = f32x8::splat(*pp.add(h * stride + t0 + t));
+                    ah[0] = w.mul_add(v0, ah[0]);
+                    ah[1] = w.mul_add(v1, ah[1]);
+                }
             }
+            t0 += n;
         }
         for (h, ah) in a.iter().enumerate() {
             st(pa.add(h * d + c), ah[0]);
