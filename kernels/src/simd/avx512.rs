@@ -170,20 +170,20 @@ pub unsafe fn dot_keys_t<T: KvValue, const N: usize, const FULL: bool>(
         true => [!0; 2],
         false => cols.map(|c| if c >= 16 { 0xFFFF } else { (1u16 << c) - 1 }),
     };
-    let mut acc = [[_mm512_setzero_ps(); N]; 2];
+    let mut acc = [[_mm512_setzero_ps(); 2]; N];
     for i in 0..d {
         let k = [0, 1].map(|p| load_kv(mask[p], kt[p].add(i * ld)));
-        for v in 0..N {
-            let a = _mm512_set1_ps(*q.add(v * d + i));
+        for (v, a) in acc.iter_mut().enumerate() {
+            let qv = _mm512_set1_ps(*q.add(v * d + i));
             for p in 0..2 {
-                acc[p][v] = _mm512_fmadd_ps(a, k[p], acc[p][v]);
+                a[p] = _mm512_fmadd_ps(qv, k[p], a[p]);
             }
         }
     }
     let s = _mm512_set1_ps(scale);
     for p in 0..2 {
-        for v in 0..N {
-            _mm512_mask_storeu_ps(out[p].add(v * ldo), mask[p], _mm512_mul_ps(acc[p][v], s));
+        for (v, a) in acc.iter().enumerate() {
+            _mm512_mask_storeu_ps(out[p].add(v * ldo), mask[p], _mm512_mul_ps(a[p], s));
         }
     }
 }
