@@ -15,8 +15,9 @@
 //! The work is tiled like a small matmul. A tile is up to [`KEYS_T_TILE`] query vectors sharing
 //! one KV head: the grouped heads of a few consecutive rows of one sequence (a decode row alone
 //! when there is one new token). Scores come from the transposed keys, 16 keys per vector
-//! register and one broadcast query element per FMA, so there are no horizontal sums; the values
-//! are then accumulated for all the tile's vectors with each value row loaded once.
+//! register and each broadcast query element multiplied with a block's keys (two blocks' at
+//! AVX-512), so there are no horizontal sums; the values are then accumulated for all the tile's
+//! vectors with each value row loaded once, a few blocks a call.
 
 use rayon::prelude::*;
 
@@ -195,12 +196,11 @@ impl KvSlab<'_> {
         }
     }
 
-    /// Scores of the tile's `nq` query vectors (`qt`, nq×head_dim) against
-    /// one or two runs of keys, each of one block-head: `(at, off, run, scale_at)`, the head's
-    /// transposed keys from `at` (their slot 0 scale at `scale_at`), the run's `run` keys from
-    /// slot `off`; the second run's scores follow the first's in each row of `out`. f32 and f16
-    /// keys are read in place; int8 keys are decoded (each slot's scale applied) into `scratch`
-    /// first.
+    /// Scores of the tile's `nq` query vectors (`qt`, nq×head_dim) against one or two runs of
+    /// keys, each of one block-head: `(at, off, run, scale_at)`, the head's transposed keys from
+    /// `at` (their slot 0 scale at `scale_at`), the run's `run` keys from slot `off`; the second
+    /// run's scores follow the first's in each row of `out`. f32 and f16 keys are read in place;
+    /// int8 keys are decoded (each slot's scale applied) into `scratch` first.
     #[allow(clippy::too_many_arguments)]
     fn dot_keys(
         &self,
