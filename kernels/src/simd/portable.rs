@@ -186,7 +186,8 @@ pub unsafe fn dot_keys_t<T: KvValue, const N: usize>(
 /// See the AVX2 `axpy_rows_g`: `G` heads, `d` a multiple of 16.
 ///
 /// # Safety
-/// `p` holds `(G-1)·stride + n` probabilities for the `n = rows.len() / d` rows.
+/// Each run holds whole rows of `d`; `p` holds `(G-1)·stride + n` probabilities for the `n`
+/// rows of all the runs together.
 pub unsafe fn axpy_rows_g<T: KvValue, const G: usize>(
     p: &[f32],
     stride: usize,
