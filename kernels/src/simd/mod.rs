@@ -138,31 +138,26 @@ pub fn dot_keys_t<T: KvValue>(
     let level = crate::isa::active();
     let pairs = cfg!(target_arch = "x86_64") && matches!(level, Isa::Avx512 | Isa::Amx);
     let mut held: Option<(*const T, usize, usize)> = None;
+    // A piece alone: a second copy of it masked off (no lane read or written).
+    let alone = |p: (*const T, usize, usize)| [p, (p.0, 0, p.2)];
     let mut o = 0;
     for &(kt, len) in runs {
         for j0 in (0..len).step_by(16) {
             let piece = (kt[j0..].as_ptr(), (len - j0).min(16), o + j0);
-            match held.take() {
-                Some(first) => key_pieces(level, q, nq, d, [first, piece], ld, scale, out, ldo),
-                None if pairs => held = Some(piece),
-                None => key_pieces(
-                    level,
-                    q,
-                    nq,
-                    d,
-                    [piece, (piece.0, 0, 0)],
-                    ld,
-                    scale,
-                    out,
-                    ldo,
-                ),
-            }
+            let two = match held.take() {
+                Some(first) => [first, piece],
+                None if pairs => {
+                    held = Some(piece);
+                    continue;
+                }
+                None => alone(piece),
+            };
+            key_pieces(level, q, nq, d, two, ld, scale, out, ldo);
         }
         o += len;
     }
-    // A lone last piece goes with itself, its second copy masked off (no lane read or written).
     if let Some(p) = held {
-        key_pieces(level, q, nq, d, [p, (p.0, 0, p.2)], ld, scale, out, ldo);
+        key_pieces(level, q, nq, d, alone(p), ld, scale, out, ldo);
     }
 }
 
