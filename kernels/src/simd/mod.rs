@@ -868,8 +868,10 @@ unsafe fn dot_quant_rows_at(
             // Two rows: two panels at a time. Three to eight: one panel at a time (the model's
             // decode-step products on 2 cores of Zen 4, `decode_matmul`, four runs alternated:
             // 3 rows 6.8-7.6 ms two panels at a time against 6.0-6.1 one, 4 rows 8.0-8.2
-            // against 6.9-7.2 (one run 8.1), 2 rows 5.7-6.8 against 5.7-6.8; the same bits,
-            // each output one chain over the columns in order either way).
+            // against 6.9-7.2 (one run 8.1), 2 rows 5.7-6.8 against 5.7-6.8; five rows two
+            // panels at a time 9.9-10.1 against 9.1-9.2, eight 16.1-16.2 against 12.0-13.1;
+            // not measured on Intel's cores or Zen 5's). The same bits either way: each output
+            // is one chain over the columns in order.
             let mut i = 0;
             while i < np {
                 if m > 2 {
