@@ -872,29 +872,22 @@ unsafe fn dot_quant_rows_at(
             // panels at a time 9.9-10.1 against 9.1-9.2, eight 16.1-16.2 against 12.0-13.1;
             // not measured on Intel's cores or Zen 5's). The same bits either way: each output
             // is one chain over the columns in order.
+            let step = if m == 2 { 2 } else { 1 };
             let mut i = 0;
             while i < np {
-                if m > 2 {
-                    let c = (cols - i * PANEL).min(PANEL);
-                    let oi = o.add(i * PANEL);
-                    match m {
-                        3 => xm!(1, 3, i, oi, c),
-                        4 => xm!(1, 4, i, oi, c),
-                        5 => xm!(1, 5, i, oi, c),
-                        6 => xm!(1, 6, i, oi, c),
-                        7 => xm!(1, 7, i, oi, c),
-                        _ => xm!(1, 8, i, oi, c),
-                    }
-                    i += 1;
-                    continue;
-                }
-                let c = (cols - i * PANEL).min(2 * PANEL);
+                let c = (cols - i * PANEL).min(step * PANEL);
                 let oi = o.add(i * PANEL);
-                match c > PANEL {
-                    true => xm!(2, 2, i, oi, c),
-                    false => xm!(1, 2, i, oi, c),
+                match (m, c > PANEL) {
+                    (2, true) => xm!(2, 2, i, oi, c),
+                    (2, false) => xm!(1, 2, i, oi, c),
+                    (3, _) => xm!(1, 3, i, oi, c),
+                    (4, _) => xm!(1, 4, i, oi, c),
+                    (5, _) => xm!(1, 5, i, oi, c),
+                    (6, _) => xm!(1, 6, i, oi, c),
+                    (7, _) => xm!(1, 7, i, oi, c),
+                    _ => xm!(1, 8, i, oi, c),
                 }
-                i += 2;
+                i += step;
             }
         } else {
             // Panel by panel, one to four rows (two panels' accumulators for more than one row
