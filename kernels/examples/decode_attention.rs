@@ -4,14 +4,17 @@
 //! scattered over it, as a pool hands them out to sequences growing side by side. Prints the
 //! step's attention time, the rate it reads the cache at, and this machine's read rate beside it
 //! (measured here). With `QLEN` new tokens per sequence (a prefill: `SEQS=1 CONTEXT=512
-//! QLEN=512`) it prints the flop rate instead. `TANDEM_ISA` picks the level:
+//! QLEN=512`) it prints the flop rate instead. `COLD=1` reads a layer's weights' worth of memory
+//! before each layer's call (untimed), so the cache comes from memory as in a served step.
+//! `TANDEM_ISA` picks the level:
 //! `cargo run --release -p tandem-kernels --example decode_attention`.
 
+use rayon::prelude::*;
 use std::time::Instant;
 
 mod common;
 
-use common::{env_count, median_secs};
+use common::{env_count, median_timed};
 use tandem_kernels::{paged_attention, AttnSpec, KvLayout, KvSlab, SeqAttn};
 
 fn main() {
@@ -73,10 +76,25 @@ fn run() {
         window: None,
     };
     let mut out = vec![0f32; seqs * q_len * width];
-    let med = median_secs(steps, || {
+    // `COLD=1`: before each layer's call, read a layer's worth of the model's weights (3.5 MB,
+    // untimed, on every thread), as a served step does between its attentions, so the cache comes from memory
+    // as it does there (a step's weights are 100 MB: no layer's cache is still in L3) and not
+    // from a cache that holds it between steps.
+    let cold = env_count("COLD", 0) > 0;
+    let weights: Vec<u64> = (0..(7usize << 19) as u64).collect();
+    let med = median_timed(steps, || {
+        let mut spent = std::time::Duration::ZERO;
         for &slab in &slabs {
+            if cold {
+                // Read by every thread, as the products do (a thread left idle would sleep).
+                let sum = |b: &[u64]| b.iter().fold(0u64, |a, &x| a.wrapping_add(x));
+                std::hint::black_box(weights.par_chunks(1 << 14).map(sum).sum::<u64>());
+            }
+            let t = Instant::now();
             paged_attention(&q, spec, KvSlab::F32(slab), layout, &batch, &mut out).unwrap();
+            spent += t.elapsed();
         }
+        spent
     });
     let bytes = (layers * seqs * context * 2 * layout.num_kv_heads * layout.head_dim * 4) as f64;
     // The rate every thread at once reads a buffer larger than any cache.

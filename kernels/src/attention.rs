@@ -529,8 +529,10 @@ pub fn paged_attention(
     // is computed alone (lanes aligned to its first key, keys a row may not see masked to
     // exact zeros) and the partials are merged in segment order by one formula. So a row gives
     // the same bits in a prefill tile of 12 rows, a chunk of one, or a decode step among 64
-    // others. Only how segments are grouped into items follows the batch: a decode row alone
-    // has one item per segment so every core has work (flash-decoding), other tiles one item.
+    // others. Only how segments are grouped into items follows the batch: where the tiles and
+    // KV heads are fewer than the cores' share of work (a decode row alone, a few rows of
+    // proposed tokens to verify), a tile's segments are spread over items so every core has
+    // work (flash-decoding); otherwise a tile is one item.
     let kvh_n = layout.num_kv_heads;
     let tile = (KEYS_T_TILE / group).max(1);
     let target = 4 * rayon::current_num_threads();
@@ -540,16 +542,23 @@ pub fn paged_attention(
     // A sequence's items run KV head by KV head, so the tiles a task takes in turn read the same
     // head's keys and values (a 2048-token context's are 1 MiB a head, 3 MiB for the model's
     // three); a decode row's heads follow each other, reading the same blocks.
+    //
+    // Where there are fewer tiles and KV heads than the cores' share of work, every tile's
+    // segments are spread over items (a decode row alone, a verification of a few proposed
+    // tokens): its items then go segment by segment, each segment's for every tile of the
+    // sequence in turn, so that a task's tiles read a segment's keys and values from memory
+    // once between them.
     let mut items = Vec::new();
     for (si, s) in seqs.iter().enumerate() {
         for kvh in 0..kvh_n {
+            let first = items.len();
             for i0 in (0..s.q_len).step_by(tile) {
                 let rows = tile.min(s.q_len - i0);
                 let first_pos = s.context_len - s.q_len + i0;
                 let (lo, hi) = (spec.first_key(first_pos), first_pos + rows);
                 // Segments with a key some row of the tile sees.
                 let (s0, s1) = (lo / SEGMENT, hi.div_ceil(SEGMENT));
-                let per_item = if pairs >= target || rows > 1 {
+                let per_item = if pairs >= target {
                     s1 - s0
                 } else {
                     (s1 - s0).div_ceil(target.div_ceil(pairs)).max(1)
@@ -568,14 +577,18 @@ pub fn paged_attention(
                     });
                 }
             }
+            if pairs < target {
+                // (Stable: a tile's items stay in segment order.)
+                items[first..].sort_by_key(|it| it.s0);
+            }
         }
     }
     // Each item's partial softmaxes, one per segment (maxes, sums, outputs). A whole item (a
-    // tile whose segments are not spread over several items: every tile of more than one row)
-    // keeps them in its task's scratch and merges them into its rows there, while they are in
-    // cache. Those of split items (a one-row tile's segments over several items, so that a
-    // long decode row has every core) go to one buffer carved into disjoint slices, merged after
-    // every task is done. The tasks take runs of consecutive items.
+    // tile whose segments are not spread over several items) keeps them in its task's scratch
+    // and merges them into its rows there, while they are in cache. Those of split items (a
+    // few-tile batch's, so that a long decode row has every core) go to one buffer carved into
+    // disjoint slices, merged after every task is done. The tasks take runs of consecutive
+    // items.
     let gw = group * hd;
     let seg_len = |it: &Item| it.rows * group * (2 + hd);
     let segs_len = |it: &Item| seg_len(it) * (it.s1 - it.s0);
@@ -619,11 +632,13 @@ pub fn paged_attention(
         // use across item boundaries: a decode item reads a few KiB from each of a few blocks
         // scattered in the pool, too little for the hardware prefetcher to find the stream.
         //
-        // A prefill tile reads each range once for many rows' work, long enough for the
-        // prefetcher and the caches: its task asks for nothing (the requests cost a tenth of a
-        // prefill's attention: `examples/decode_attention` with `QLEN`).
+        // So does a split item's task (a few rows alone, their tiles taking a segment in turn:
+        // the rows of proposed tokens to verify). A prefill tile reads each range once for many
+        // rows' work, long enough for the prefetcher and the caches: its task asks for nothing
+        // (the requests cost a tenth of a prefill's attention: `examples/decode_attention` with
+        // `QLEN`).
         let mut ahead = Ahead {
-            on: run.iter().any(|(it, _)| it.rows == 1),
+            on: run.iter().any(|(it, _)| it.rows == 1 || !it.whole),
             ..Ahead::default()
         };
         let (bs, k_len) = (layout.block_size, hd * layout.block_size);
@@ -726,9 +741,14 @@ pub fn paged_attention(
     // The split items' merge, a tile and KV head at a time (its items are consecutive), in
     // parallel: each writes its own rows' heads of that KV head. Which thread merges changes no
     // bit, nor does where a partial was kept.
-    let groups: Vec<_> = jobs
+    let mut split: Vec<(&Item, &[f32])> = jobs
+        .iter()
+        .filter(|(it, _)| !it.whole)
+        .map(|(it, part)| (*it, &part[..]))
+        .collect();
+    split.sort_by_key(|(it, _)| (it.row, it.kvh, it.s0));
+    let groups: Vec<_> = split
         .chunk_by(|(a, _), (b, _)| a.row == b.row && a.kvh == b.kvh)
-        .filter(|g| !g[0].0.whole)
         .collect();
     groups.par_iter().for_each(|group_items| {
         let segs: Vec<&[f32]> = group_items
@@ -738,6 +758,7 @@ pub fn paged_attention(
         merge(group_items[0].0, &segs);
     });
     drop(groups);
+    drop(split);
     drop(jobs);
     if parts.len() <= KEPT_PARTS {
         let mut kept = PARTS.lock().unwrap_or_else(|e| e.into_inner());
@@ -1135,7 +1156,8 @@ mod tests {
         #![proptest_config(ProptestConfig::with_cases(24))]
         /// Batch invariance: a sequence's attention rows are the same bits computed all at
         /// once, in random chunks (chunked prefill, a prefix hit: each chunk's rows written to
-        /// the cache just before it runs, as a step does), one row at a time (decode), alone or
+        /// the cache just before it runs, as a step does), the last few rows (a verification),
+        /// one row at a time (decode), alone or
         /// among random other sequences, on 1 to 3 threads, for f32, f16 and int8 caches, with
         /// and without a window, across the segment cuts.
         #[test]
@@ -1203,8 +1225,15 @@ mod tests {
             let last = q_len - 1;
             let alone = run(&full, last, q_len, false, 2, &mut rng);
             let among = run(&growing, last, q_len, true, 3, &mut rng);
+            // The last few rows alone on two threads (a verification of proposed tokens, its
+            // tiles spread over the cores segment by segment).
+            let few_from = q_len.saturating_sub(rng.gen_range(2..=6));
+            let few = run(&full, few_from, q_len, false, 2, &mut rng);
             for (i, (x, y)) in whole.iter().zip(&chunked).enumerate() {
                 prop_assert_eq!(x.to_bits(), y.to_bits(), "row {} value {}: whole {} chunked {}", i / width, i % width, x, y);
+            }
+            for (i, (x, y)) in whole[few_from * width..].iter().zip(&few).enumerate() {
+                prop_assert_eq!(x.to_bits(), y.to_bits(), "row {} value {}: whole {} few alone {}", few_from + i / width, i % width, x, y);
             }
             let tail = &whole[last * width..];
             for (i, ((x, y), z)) in tail.iter().zip(&alone).zip(&among).enumerate() {
