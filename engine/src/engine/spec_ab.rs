@@ -1,8 +1,10 @@
-//! Speculation by a model (a draft model, a self-draft) checked by its outcome, step against
-//! step: whatever the cost model of the policy expects ([`super::Engine::propose`] keeps the
-//! proposals it says pay), a step that speculates must be seen to make tokens faster than a
-//! step that does not, at the same batch. (Proposers of tokens cost nearly nothing to ask and
-//! are left to the cost model alone.)
+//! Speculation checked by its outcome, step against step: whatever the cost model of the
+//! policy expects ([`super::Engine::propose`] keeps the proposals it says pay), a step that
+//! speculates must be seen to make tokens faster than a step that does not, at the same batch.
+//! A model drafting costs forwards and catch-ups the cost model can misjudge; a proposer's
+//! tokens cost nearly nothing to ask, but the rows they add cost what the cost model's line
+//! through steps of other sizes may not say (a row past eight takes the products to another
+//! kernel, a row of a verification costs compute where a decode row costs reading its cache).
 //!
 //! For each batch size (the sequences decoding in the step, exact up to 8, then by powers of
 //! two), the tokens per second of the steps that speculated and of those that decoded plainly,

@@ -383,12 +383,13 @@ impl Engine {
                 s.accept = spec.recent;
             }
         }
-        // With a model drafting (its forwards, its catch-up: a cost the policy's fits can
-        // misjudge), the adaptive policy speculates only at batch sizes where speculating steps
-        // are measured to make tokens faster than plain ones.
+        // The adaptive policy speculates only at batch sizes where speculating steps are
+        // measured to make tokens faster than plain ones: the policy's fits can misjudge a
+        // model drafting (its forwards, its catch-up), and the rows a proposer's tokens add
+        // where the step's cost does not grow in a line with its rows.
         spec.arm = None;
         spec.catch_up = 0.0;
-        if spec.config.adaptive && spec.proposer.is_none() {
+        if spec.config.adaptive {
             let decoding = self.running.iter().filter(|s| s.pending() == 1).count();
             if decoding > 0 {
                 let arm = spec.ab.arm(decoding);
@@ -528,7 +529,14 @@ impl Engine {
         // parts alone, by parts from at most `PROPOSER_PARTS` steps ago (the steps a proposer
         // leaves plain are all one size, and parts from another load would keep it plain for
         // good).
-        let checked = matches!(self.spec, Some(Speculation { arm: Some(_), .. }));
+        let checked = matches!(
+            self.spec,
+            Some(Speculation {
+                arm: Some(_),
+                proposer: None,
+                ..
+            })
+        );
         let Some(cost) = self.decode_cost.parts_within(match checked {
             true => u32::MAX,
             false => PROPOSER_PARTS,

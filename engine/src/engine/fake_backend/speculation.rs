@@ -291,6 +291,38 @@ fn the_policy_verifies_proposals_only_where_they_pay() {
     }
 }
 
+/// A proposer's speculation is checked by its outcome as a draft model's is: at a batch size
+/// where steps that speculated were measured to make tokens more slowly than plain ones, the
+/// steps decode plainly whatever the policy's cost model expects (here every proposal pays by
+/// it: always accepted, 10 ms a step and 1 ms a row); where they were measured faster, they
+/// verify what is proposed.
+#[test]
+fn a_proposer_s_speculation_is_checked_by_its_outcome() {
+    use super::super::spec_ab::{Arm, WARM};
+    for (spec_rate, plain_rate) in [(1.0, 1000.0), (1000.0, 1.0)] {
+        let mut e = adaptive();
+        e.add(RequestId(0), req(vec![1, 2, 3], 40)).unwrap();
+        e.step().unwrap();
+        cost_10_ms_a_step_and_1_a_row(&mut e);
+        // The batch of one past its first tries of each arm, each arm measured.
+        if let Some(s) = &mut e.spec {
+            for _ in 0..2 * WARM {
+                s.ab.arm(1);
+            }
+            s.ab.record(1, Arm::Speculate, 1, 1.0 / spec_rate);
+            s.ab.record(1, Arm::Plain, 1, 1.0 / plain_rate);
+        }
+        for _ in 0..4 {
+            e.step().unwrap();
+        }
+        let c = e.stats().spec;
+        match spec_rate > plain_rate {
+            true => assert!(c.draft_tokens >= 4 && c.plain_steps == 0, "{c:?}"),
+            false => assert_eq!((c.draft_tokens, c.plain_steps), (0, 4), "{c:?}"),
+        }
+    }
+}
+
 /// A model's draft forward reads its weights whoever drafts: the sequences that draft share its
 /// fixed part. At 10 ms a decode step and 0.2 ms a row, and 4 ms a draft forward and 0.05 ms a
 /// row, eight sequences whose proposals are always accepted each draft (a token costs 0.75 ms
