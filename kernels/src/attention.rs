@@ -738,8 +738,8 @@ pub fn paged_attention(
             });
         }
     });
-    // The split items' merge, a tile and KV head at a time (its items are consecutive), in
-    // parallel: each writes its own rows' heads of that KV head. Which thread merges changes no
+    // The split items' merge, a tile and KV head at a time (its items gathered in segment
+    // order), in parallel: each writes its own rows' heads of that KV head. Which thread merges changes no
     // bit, nor does where a partial was kept.
     let mut split: Vec<(&Item, &[f32])> = jobs
         .iter()
@@ -1157,9 +1157,9 @@ mod tests {
         /// Batch invariance: a sequence's attention rows are the same bits computed all at
         /// once, in random chunks (chunked prefill, a prefix hit: each chunk's rows written to
         /// the cache just before it runs, as a step does), the last few rows (a verification),
-        /// one row at a time (decode), alone or
-        /// among random other sequences, on 1 to 3 threads, for f32, f16 and int8 caches, with
-        /// and without a window, across the segment cuts.
+        /// one row at a time (decode), alone or among random other sequences, on 1 to 3
+        /// threads, for f32, f16 and int8 caches, with and without a window, across the segment
+        /// cuts.
         #[test]
         fn a_sequences_rows_do_not_depend_on_the_batch(
             seed in any::<u64>(),
