@@ -4,13 +4,13 @@
 //! scattered over it, as a pool hands them out to sequences growing side by side. Prints the
 //! step's attention time, the rate it reads the cache at, and this machine's read rate beside it
 //! (measured here). With `QLEN` new tokens per sequence (a prefill: `SEQS=1 CONTEXT=512
-//! QLEN=512`) it prints the flop rate instead. `COLD=1` reads a layer's weights' worth of memory
-//! before each layer's call (untimed), so the cache comes from memory as in a served step.
+//! QLEN=512`) it prints the flop rate instead. `COLD=1` reads 28 MiB of other memory before
+//! each layer's call (untimed), so the cache comes from memory as in a served step.
 //! `TANDEM_ISA` picks the level:
 //! `cargo run --release -p tandem-kernels --example decode_attention`.
 
 use rayon::prelude::*;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 mod common;
 
@@ -76,18 +76,22 @@ fn run() {
         window: None,
     };
     let mut out = vec![0f32; seqs * q_len * width];
-    // `COLD=1`: before each layer's call, read a layer's worth of the model's weights (3.5 MB,
-    // untimed, on every thread), as a served step does between its attentions, so the cache comes from memory
-    // as it does there (a step's weights are 100 MB: no layer's cache is still in L3) and not
-    // from a cache that holds it between steps.
+    // `COLD=1`: before each layer's call, read 28 MiB (untimed, on every thread), so the cache
+    // comes from memory as in a served step, where 100 MB of weights pass between one step's
+    // use of a layer's cache and the next's. Reading just a layer's weights (3.5 MB) left part
+    // of the cache in L3 on a Zen 4 (32 MiB): one row over 364 tokens 0.54-1.03 ms, where 28
+    // MiB gives 0.99-1.27 ms and the engine's profile 0.98 (`bench engine --profile`).
     let cold = env_count("COLD", 0) > 0;
-    let weights: Vec<u64> = (0..(7usize << 19) as u64).collect();
+    let weights: Vec<u64> = match cold {
+        true => (0..(7u64 << 19)).collect(),
+        false => Vec::new(),
+    };
+    let sum = |b: &[u64]| b.iter().fold(0u64, |a, &x| a.wrapping_add(x));
     let med = median_timed(steps, || {
-        let mut spent = std::time::Duration::ZERO;
+        let mut spent = Duration::ZERO;
         for &slab in &slabs {
             if cold {
                 // Read by every thread, as the products do (a thread left idle would sleep).
-                let sum = |b: &[u64]| b.iter().fold(0u64, |a, &x| a.wrapping_add(x));
                 std::hint::black_box(weights.par_chunks(1 << 14).map(sum).sum::<u64>());
             }
             let t = Instant::now();

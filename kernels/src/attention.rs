@@ -739,8 +739,8 @@ pub fn paged_attention(
         }
     });
     // The split items' merge, a tile and KV head at a time (its items gathered in segment
-    // order), in parallel: each writes its own rows' heads of that KV head. Which thread merges changes no
-    // bit, nor does where a partial was kept.
+    // order), in parallel: each writes its own rows' heads of that KV head. Which thread merges
+    // changes no bit, nor does where a partial was kept.
     let mut split: Vec<(&Item, &[f32])> = jobs
         .iter()
         .filter(|(it, _)| !it.whole)
