@@ -93,11 +93,21 @@ pub enum Prompt {
 pub struct Turn {
     /// What it sends.
     pub prompt: Prompt,
-    /// Output tokens asked for (EOS ignored, so every request does the same work everywhere).
+    /// Output tokens asked for: all of them where `ignore_eos`, at most that many otherwise.
     pub max_tokens: usize,
+    /// Whether the server is asked to go on past the model's end of sequence, so that every
+    /// request does the same work on every server (every dataset but `edit`, whose answer is a
+    /// text given back, which ends where the model ends it, as a user's would).
+    #[serde(default = "eos_ignored")]
+    pub ignore_eos: bool,
     /// One of a mixed workload's long requests.
     #[serde(default)]
     pub long: bool,
+}
+
+/// A turn's `ignore_eos` where a saved one has none (from before the field).
+fn eos_ignored() -> bool {
+    true
 }
 
 /// A unit of work: one request, or a conversation whose turns go one after another, each
@@ -489,6 +499,7 @@ impl Dataset {
             turns: vec![Turn {
                 prompt,
                 max_tokens,
+                ignore_eos: true,
                 long: false,
             }],
         };
@@ -506,6 +517,7 @@ impl Dataset {
                         turns: vec![Turn {
                             prompt,
                             max_tokens: *long_output,
+                            ignore_eos: true,
                             long: true,
                         }],
                     };
@@ -549,6 +561,7 @@ impl Dataset {
                                 content,
                             }]),
                             max_tokens: output.sample(&mut rng),
+                            ignore_eos: true,
                             long: false,
                         }
                     })
@@ -569,14 +582,22 @@ impl Dataset {
                     true => edit_code(&mut rng),
                     false => edit_prose(&mut rng),
                 };
+                // Room for the answer and a tenth more; the answer ends where the model ends
+                // it: past its end of sequence a model writes what no user receives, and
+                // nothing there repeats the text (on the default model a quarter of the tokens
+                // of a run that ignored it).
                 let tokens = self.count_tokens(&answer);
-                one(
-                    Prompt::Chat(vec![Message {
-                        role: "user".into(),
-                        content: ask,
-                    }]),
-                    tokens + tokens / 10,
-                )
+                Session {
+                    turns: vec![Turn {
+                        prompt: Prompt::Chat(vec![Message {
+                            role: "user".into(),
+                            content: ask,
+                        }]),
+                        max_tokens: tokens + tokens / 10,
+                        ignore_eos: false,
+                        long: false,
+                    }],
+                }
             }
             DatasetSpec::Story { output } => {
                 const KINDS: [&str; 6] = [
@@ -673,11 +694,13 @@ mod tests {
                 assert!(body.matches(old).count() >= 8, "{ask}");
                 let tokens = body.len().div_ceil(4);
                 assert_eq!(s.turns[0].max_tokens, tokens + tokens / 10);
+                assert!(!s.turns[0].ignore_eos);
             } else {
                 prose += 1;
                 let text = ask.split_once("\n\n").unwrap().1;
                 assert!(text.split(' ').count() > 100, "{text}");
                 assert!(s.turns[0].max_tokens > text.len() / 5);
+                assert!(!s.turns[0].ignore_eos);
             }
         }
         assert!(code > 10 && prose > 10, "{code} code, {prose} prose");
@@ -694,6 +717,7 @@ mod tests {
             let s = stories.session(i);
             assert!(chat(&s).starts_with("Write ") && chat(&s).len() < 80);
             assert_eq!(s.turns[0].max_tokens, 96);
+            assert!(s.turns[0].ignore_eos);
         }
     }
 

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
-use tandem_engine::{EngineHandle, Request, StreamEvent};
+use tandem_engine::{EngineHandle, Request, SamplingParams, StreamEvent};
 use tokio::sync::Semaphore;
 
 use super::dataset::{Dataset, Message, Prompt, Session, Turn};
@@ -487,7 +487,8 @@ async fn http_turn(
 ) -> (Record, Vec<f64>) {
     let mut clock = Clock::new();
     let mut body = json!({
-        "model": h.model, "max_tokens": t.max_tokens, "temperature": 0, "ignore_eos": true,
+        "model": h.model, "max_tokens": t.max_tokens, "temperature": 0,
+        "ignore_eos": t.ignore_eos,
         "stream": true, "stream_options": {"include_usage": true},
     });
     let (path, chat) = match &t.prompt {
@@ -625,7 +626,14 @@ async fn engine_turn(
         );
         return clock.finish(r);
     };
-    let submitted = Request::greedy(prompt.clone(), t.max_tokens as u32)
+    let params = SamplingParams {
+        max_tokens: t.max_tokens as u32,
+        ignore_eos: t.ignore_eos,
+        ..Default::default()
+    };
+    let submitted = params
+        .validate()
+        .map(|p| Request::new(prompt.clone(), p))
         .map_err(Into::into)
         .and_then(|r| engine.submit(r));
     let mut stream = match submitted {
@@ -652,5 +660,59 @@ async fn engine_turn(
             }
             Ok(Some(StreamEvent::Kv(_))) => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What a turn sends: its `max_tokens` and whether the server is to ignore the end of
+    /// sequence (an edit's answer ends where the model ends it; every other turn runs to its
+    /// length), to a server that records each body and streams one token.
+    #[tokio::test]
+    async fn a_turn_asks_for_its_length_and_its_end_of_sequence() {
+        use axum::routing::post;
+        let bodies: Arc<Mutex<Vec<Value>>> = Arc::default();
+        let seen = bodies.clone();
+        let app = axum::Router::new().route(
+            "/v1/chat/completions",
+            post(move |axum::Json(body): axum::Json<Value>| {
+                let seen = seen.clone();
+                async move {
+                    seen.lock().unwrap().push(body);
+                    "data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\ndata: [DONE]\n\n"
+                }
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        let target = HttpTarget::new(&base, "m", 1);
+        let progress = Progress::default();
+        for ignore_eos in [false, true] {
+            let turn = Turn {
+                prompt: Prompt::Chat(vec![Message {
+                    role: "user".into(),
+                    content: "Fix this.".into(),
+                }]),
+                max_tokens: 7,
+                ignore_eos,
+                long: false,
+            };
+            let stall = Duration::from_secs(60);
+            let (rec, _) = http_turn(&target, &turn, &mut Vec::new(), stall, &progress).await;
+            assert_eq!((rec.status.as_str(), rec.output_tokens), ("ok", 1), "{rec:?}");
+        }
+        let bodies = bodies.lock().unwrap();
+        let asked: Vec<(Value, Value)> = bodies
+            .iter()
+            .map(|b| (b["max_tokens"].clone(), b["ignore_eos"].clone()))
+            .collect();
+        assert_eq!(
+            asked,
+            [(json!(7), json!(false)), (json!(7), json!(true))],
+            "{bodies:?}"
+        );
     }
 }
