@@ -583,9 +583,9 @@ impl Dataset {
                     false => edit_prose(&mut rng),
                 };
                 // Room for the answer and a tenth more; the answer ends where the model ends
-                // it: past its end of sequence a model writes what no user receives, and
-                // nothing there repeats the text (on the default model a quarter of the tokens
-                // of a run that ignored it).
+                // it: past its end of sequence a model writes what no user receives, text that
+                // repeats little (on the default model a quarter of the tokens of a run that
+                // ignored it).
                 let tokens = self.count_tokens(&answer);
                 Session {
                     turns: vec![Turn {
