@@ -71,8 +71,9 @@ pub struct BenchServeArgs {
     #[arg(long)]
     sweep: Option<Sweep>,
     /// random, shared-prefix, multi-turn, edit (code and text to give back changed: what
-    /// speculative decoding is for), story (free-form: nothing to repeat), sharegpt:FILE or
-    /// trace:FILE (Mooncake JSONL).
+    /// speculative decoding is for; each answer ends at the model's end of sequence, where every
+    /// other dataset's requests run to their length), story (free-form: nothing to repeat),
+    /// sharegpt:FILE or trace:FILE (Mooncake JSONL).
     #[arg(long, default_value = "random")]
     dataset: String,
     /// Prompt tokens (random), question tokens (shared-prefix) or tokens per message

@@ -2,7 +2,9 @@
 //! conversations, ShareGPT files, timestamped traces (Mooncake's JSONL), and the two sides of
 //! speculative decoding: edits (a text or a piece of code to give back changed, so the answer
 //! repeats its prompt) and free-form stories (nothing to repeat). Every dataset is deterministic
-//! in its seed: session `i` is the same on every run, every agent and every target.
+//! in its seed: session `i` is the same on every run, every agent and every target. Requests ask
+//! the server to go on past the end of sequence, so that each does the same work everywhere,
+//! except an edit's: its answer ends where the model ends it.
 
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
