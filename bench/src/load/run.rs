@@ -702,7 +702,11 @@ mod tests {
             };
             let stall = Duration::from_secs(60);
             let (rec, _) = http_turn(&target, &turn, &mut Vec::new(), stall, &progress).await;
-            assert_eq!((rec.status.as_str(), rec.output_tokens), ("ok", 1), "{rec:?}");
+            assert_eq!(
+                (rec.status.as_str(), rec.output_tokens),
+                ("ok", 1),
+                "{rec:?}"
+            );
         }
         let bodies = bodies.lock().unwrap();
         let asked: Vec<(Value, Value)> = bodies
