@@ -589,17 +589,15 @@ impl Dataset {
                 // repeats little (on the default model a quarter of the tokens of a run that
                 // ignored it).
                 let tokens = self.count_tokens(&answer);
-                Session {
-                    turns: vec![Turn {
-                        prompt: Prompt::Chat(vec![Message {
-                            role: "user".into(),
-                            content: ask,
-                        }]),
-                        max_tokens: tokens + tokens / 10,
-                        ignore_eos: false,
-                        long: false,
-                    }],
-                }
+                let mut session = one(
+                    Prompt::Chat(vec![Message {
+                        role: "user".into(),
+                        content: ask,
+                    }]),
+                    tokens + tokens / 10,
+                );
+                session.turns[0].ignore_eos = false;
+                session
             }
             DatasetSpec::Story { output } => {
                 const KINDS: [&str; 6] = [
