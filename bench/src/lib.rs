@@ -67,7 +67,9 @@ pub struct OpShare {
     /// Bytes of weights it reads in those milliseconds, once a step (products only; 0 for the
     /// rest).
     pub weight_bytes: usize,
-    /// FLOPs its product does in those milliseconds (2 a weight a row; 0 for the rest).
+    /// FLOPs it does in those milliseconds: a product's 2 a weight a row; the prefill's
+    /// attention, its prompts' causal scores and weighted values ([`prompt_attention_flops`]);
+    /// 0 for the rest.
     pub flops: f64,
 }
 
@@ -265,7 +267,8 @@ pub fn run_engine_bench(
                   steps: usize,
                   rows: f64,
                   head_rows: f64,
-                  reads: f64| {
+                  reads: f64,
+                  attention_flops: f64| {
         times
             .named()
             .into_iter()
@@ -284,7 +287,10 @@ pub fn run_engine_bench(
                     op,
                     ms: s * scale,
                     weight_bytes: bytes * steps,
-                    flops: 2.0 * n as f64 * rows,
+                    flops: match op {
+                        "attention" => attention_flops,
+                        _ => 2.0 * n as f64 * rows,
+                    },
                 }
             })
             .collect::<Vec<_>>()
@@ -299,6 +305,9 @@ pub fn run_engine_bench(
             rows,
             rows,
             expert_reads(decode_runs),
+            // (A decode step's attention reads the cache: its rate against the FMA peak says
+            // nothing.)
+            0.0,
         )
     });
     let prefill_ops = (profiled && prefill.0 > 0).then(|| {
@@ -310,6 +319,10 @@ pub fn run_engine_bench(
             prefill_rows.1 as f64,
             // (Per prefill step: the runs summed over the steps are spread over them.)
             expert_reads(prefill_runs),
+            // The prompts' own attention (their random tokens share no prefix). Decode rows
+            // that shared a prefill step (a batch whose prompts took several steps) are not
+            // counted: the rate is a floor there.
+            b.batch as f64 * prompt_attention_flops(engine.model_config(), b.prompt_len),
         )
     });
     let on_cpu = engine.backend().is_cpu();
@@ -395,6 +408,17 @@ pub fn run_engine_bench(
     })
 }
 
+/// FLOPs of a prompt's causal attention computed whole: each of its `len` tokens' scores against
+/// the keys it sees (itself and those before it, within the model's sliding window) and the
+/// sum of their values weighted by the probabilities, two FLOPs a multiply-add, every query head
+/// of every layer.
+pub fn prompt_attention_flops(c: &tandem_model::ModelConfig, len: usize) -> f64 {
+    let keys: usize = (0..len)
+        .map(|p| c.sliding_window.map_or(p + 1, |w| (p + 1).min(w)))
+        .sum();
+    (c.num_layers * c.num_heads) as f64 * (2 * 2 * c.head_dim) as f64 * keys as f64
+}
+
 /// Weights in the layers' projections (attention and MLP), the head not included.
 pub(crate) fn projection_params(c: &tandem_model::ModelConfig) -> usize {
     let (h, ff, hd) = (c.hidden_size, c.intermediate_size, c.head_dim);
@@ -405,4 +429,46 @@ pub(crate) fn projection_params(c: &tandem_model::ModelConfig) -> usize {
     };
     let per_layer = h * (c.num_heads * hd) * 2 + h * (c.num_kv_heads * hd) * 2 + mlp;
     c.num_layers * per_layer
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn smollm2(window: Option<usize>) -> tandem_model::ModelConfig {
+        let mut c = tandem_model::ModelConfig::from_hf_json(
+            &serde_json::json!({
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": 576,
+                "intermediate_size": 1536,
+                "num_hidden_layers": 30,
+                "num_attention_heads": 9,
+                "num_key_value_heads": 3,
+                "head_dim": 64,
+                "vocab_size": 49152,
+                "max_position_embeddings": 8192,
+                "rms_norm_eps": 1e-5,
+                "rope_theta": 100000.0,
+                "tie_word_embeddings": true
+            })
+            .to_string(),
+        )
+        .unwrap();
+        c.sliding_window = window;
+        c
+    }
+
+    #[test]
+    fn a_prompts_attention_counts_the_keys_each_token_sees() {
+        // 512 tokens see 1 + 2 + … + 512 keys: 131,328. Each key costs a score and a weighted
+        // value, 64 multiply-adds each, for 9 heads in 30 layers.
+        let per_key = 30.0 * 9.0 * 4.0 * 64.0;
+        let c = smollm2(None);
+        assert_eq!(prompt_attention_flops(&c, 512), per_key * 131_328.0);
+        assert_eq!(prompt_attention_flops(&c, 0), 0.0);
+        // A window of 4: the first tokens see 1, 2, 3 keys, every later one 4.
+        let c = smollm2(Some(4));
+        assert_eq!(prompt_attention_flops(&c, 10), per_key * (1 + 2 + 3 + 4 * 7) as f64);
+    }
 }

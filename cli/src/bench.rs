@@ -722,6 +722,15 @@ fn print_ops(
     println!("  {title}");
     for o in ops.iter().filter(|o| o.ms > 0.0) {
         let rate = match o.weight_bytes {
+            // The prefill's attention: no weights, FLOPs against the peak.
+            0 if o.flops > 0.0 => {
+                let gflop_s = o.flops / (o.ms / 1e3) / 1e9;
+                format!(
+                    "  {:>59}{gflop_s:>6.1} GFLOP/s ({:>2.0}% of the FMA peak)",
+                    "",
+                    100.0 * gflop_s / r.f32_peak_gflops.max(1e-9)
+                )
+            }
             0 => String::new(),
             b => {
                 let secs = o.ms / 1e3;
