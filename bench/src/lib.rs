@@ -469,6 +469,9 @@ mod tests {
         assert_eq!(prompt_attention_flops(&c, 0), 0.0);
         // A window of 4: the first tokens see 1, 2, 3 keys, every later one 4.
         let c = smollm2(Some(4));
-        assert_eq!(prompt_attention_flops(&c, 10), per_key * (1 + 2 + 3 + 4 * 7) as f64);
+        assert_eq!(
+            prompt_attention_flops(&c, 10),
+            per_key * (1 + 2 + 3 + 4 * 7) as f64
+        );
     }
 }

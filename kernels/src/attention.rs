@@ -129,7 +129,7 @@ impl KvSlab<'_> {
     }
 
     /// Adds runs of value rows of one head, each `(at, run, scale_at)`: `run` rows from offset
-    /// `at` (up to [`VALUE_RUNS`] runs, row `t` counting on from run to run), weighted by the
+    /// `at` (up to [`RUNS_A_CALL`] runs, row `t` counting on from run to run), weighted by the
     /// probabilities of the query vectors, to their accumulators: `acc[v] += Σ_t p[v·stride +
     /// t] · row t`. f32 and f16 rows are read in place; int8 rows are decoded (each row's scale,
     /// from `scale_at`, applied) into `scratch` first.
@@ -148,13 +148,13 @@ impl KvSlab<'_> {
             (p, stride): (&[f32], usize),
             acc: &mut [f32],
         ) {
-            let mut rows: [&[T]; VALUE_RUNS] = [&[]; VALUE_RUNS];
+            let mut rows: [&[T]; RUNS_A_CALL] = [&[]; RUNS_A_CALL];
             for (r, &(at, run, _)) in rows.iter_mut().zip(runs) {
                 *r = &data[at..at + run * hd];
             }
             accumulate_group(p, stride, &rows[..runs.len()], acc, hd)
         }
-        assert!(runs.len() <= VALUE_RUNS, "accumulate_rows: too many runs");
+        assert!(runs.len() <= RUNS_A_CALL, "accumulate_rows: too many runs");
         let hd = layout.head_dim;
         match self {
             Self::F32(d) => go(d, runs, hd, (p, stride), acc),
@@ -196,11 +196,12 @@ impl KvSlab<'_> {
         }
     }
 
-    /// Scores of the tile's `nq` query vectors (`qt`, nq×head_dim) against one or two runs of
-    /// keys, each of one block-head: `(at, off, run, scale_at)`, the head's transposed keys from
-    /// `at` (their slot 0 scale at `scale_at`), the run's `run` keys from slot `off`; the second
-    /// run's scores follow the first's in each row of `out`. f32 and f16 keys are read in place;
-    /// int8 keys are decoded (each slot's scale applied) into `scratch` first.
+    /// Scores of the tile's `nq` query vectors (`qt`, nq×head_dim) against up to
+    /// [`RUNS_A_CALL`] runs of keys, each of one block-head: `(at, off, run, scale_at)`, the
+    /// head's transposed keys from `at` (their slot 0 scale at `scale_at`), the run's `run` keys
+    /// from slot `off`; each run's scores follow the one's before in each row of `out`. f32 and
+    /// f16 keys are read in place; int8 keys are decoded (each slot's scale applied) into
+    /// `scratch` first.
     #[allow(clippy::too_many_arguments)]
     fn dot_keys(
         &self,
@@ -221,13 +222,13 @@ impl KvSlab<'_> {
             args: (&[f32], usize, usize, f32, &mut [f32], usize),
         ) {
             let (qt, nq, bs, scale, out, ldo) = args;
-            let mut runs: [(&[T], usize); 2] = [(&[], 0); 2];
+            let mut runs: [(&[T], usize); RUNS_A_CALL] = [(&[], 0); RUNS_A_CALL];
             for (r, &(at, off, run, _)) in runs.iter_mut().zip(keys) {
                 *r = (&data[at + off..at + n], run);
             }
             dot_keys_t(qt, nq, &runs[..keys.len()], bs, scale, out, ldo)
         }
-        assert!(keys.len() <= 2, "dot_keys: at most two runs a call");
+        assert!(keys.len() <= RUNS_A_CALL, "dot_keys: too many runs");
         let args = (qt, nq, bs, scale, out, ldo);
         match self {
             Self::F32(d) => go(d, keys, n, args),
@@ -235,7 +236,7 @@ impl KvSlab<'_> {
             Self::Int8 { data, scales } => {
                 // Each run's block-head decoded whole, one after another.
                 scratch.clear();
-                let mut local = [(0, 0, 0, 0); 2];
+                let mut local = [(0, 0, 0, 0); RUNS_A_CALL];
                 for (l, &(at, off, run, scale_at)) in local.iter_mut().zip(keys) {
                     *l = (scratch.len(), off, run, 0);
                     let sc = &scales[scale_at..scale_at + bs];
@@ -610,8 +611,13 @@ pub fn paged_attention(
         jobs.push((it, mine));
         rest = after;
     }
-    // Rows without a sequence stay zero; the others are written by the merges.
-    out.fill(0.0);
+    // Rows without a sequence are zeroed; the others are written by the merges (zeroing the
+    // whole output first cost a 2048-token prefill 5 MB of stores a layer).
+    let mut from = 0;
+    for &(a, b) in spans.iter().chain(std::iter::once(&(rows, rows))) {
+        out[from * width..a * width].fill(0.0);
+        from = b;
+    }
     let (dst, len) = (OutPtr(out.as_mut_ptr()), out.len());
     // Writes the merged rows of the tile and KV head of `first` from its partials `segs`.
     let merge = |first: &Item, segs: &[&[f32]]| {
@@ -825,8 +831,14 @@ impl Item {
     }
 }
 
-/// Most blocks' values one call of the value kernel takes (see [`attend_tile`]).
+/// Most blocks' values one call of the value kernel takes where a task asks for its ranges
+/// ahead (see [`attend_tile`]).
 const VALUE_RUNS: usize = 4;
+
+/// Most runs of keys or values (a block-head's each) one call of [`KvSlab::dot_keys`] or
+/// [`KvSlab::accumulate_rows`] takes: a whole segment's at the default block size, which a
+/// prefill tile hands over in one call of each.
+const RUNS_A_CALL: usize = 16;
 
 /// Most consecutive work items one task takes.
 const MAX_ITEMS_PER_TASK: usize = 16;
@@ -902,20 +914,25 @@ fn attend_tile(
     if scores.len() < nq * n {
         scores.resize(nq * n, 0.0);
     }
-    // Two blocks' keys a call (the AVX-512 kernel's pieces go in pairs).
-    let mut runs = block_runs(s.block_table, bs, j0, j1);
-    while let Some((blk, off, run, at)) = runs.next() {
-        let key = |blk, off, run| {
-            let kt = layout.kt_at(blk, it.kvh);
-            (kt, off, run, layout.scale_at(blk, 0, it.kvh))
-        };
-        ahead.next(cache);
-        let mut keys = [key(blk, off, run); 2];
-        let mut count = 1;
-        if let Some((blk, off, run, _)) = runs.next() {
+    // Keys a call: where the task asks for its ranges ahead (a decode row's), two blocks (the
+    // AVX-512 kernel's pieces go in pairs), each asked for as it comes; otherwise (a prefill
+    // tile's, from L2) a segment's blocks at once, the calls' overhead spread over them (at
+    // 2048 tokens on Zen 4, two blocks a call spent a tenth of attention's time between the
+    // kernels).
+    let (key_runs, value_runs) = if ahead.on {
+        (2, VALUE_RUNS)
+    } else {
+        (RUNS_A_CALL, RUNS_A_CALL)
+    };
+    let mut runs = block_runs(s.block_table, bs, j0, j1).peekable();
+    while let Some(&(.., at)) = runs.peek() {
+        let mut keys = [(0, 0, 0, 0); RUNS_A_CALL];
+        let mut count = 0;
+        while let Some((blk, off, run, _)) = runs.next_if(|_| count < key_runs) {
             ahead.next(cache);
-            keys[1] = key(blk, off, run);
-            count = 2;
+            let kt = layout.kt_at(blk, it.kvh);
+            keys[count] = (kt, off, run, layout.scale_at(blk, 0, it.kvh));
+            count += 1;
         }
         let keys = &keys[..count];
         cache.dot_keys(layout, qt, nq, keys, scale, &mut scores[at..], n, conv);
@@ -946,13 +963,14 @@ fn attend_tile(
     }
     let acc = &mut part[2 * nq..];
     acc.fill(0.0);
-    // A few blocks' values a call: the accumulators stay in registers across them, and the
-    // blocks (4 KiB a head of the model each) stay in L1 for the tile's second register group.
+    // A few blocks' values a call where ranges are asked for ahead: the accumulators stay in
+    // registers across them, and the blocks (4 KiB a head of the model each) stay in L1 for the
+    // tile's second register group. A prefill tile's segment at once.
     let mut runs = block_runs(s.block_table, bs, j0, j1).peekable();
     while let Some(&(.., at)) = runs.peek() {
-        let mut values = [(0, 0, 0); VALUE_RUNS];
+        let mut values = [(0, 0, 0); RUNS_A_CALL];
         let mut count = 0;
-        while let Some((blk, off, run, _)) = runs.next_if(|_| count < VALUE_RUNS) {
+        while let Some((blk, off, run, _)) = runs.next_if(|_| count < value_runs) {
             ahead.next(cache);
             let v_at = layout.v_at(blk, it.kvh, off);
             values[count] = (v_at, run, layout.scale_at(blk, 1, it.kvh) + off);

@@ -204,7 +204,7 @@ pub unsafe fn axpy_rows_g<T: KvValue, const G: usize>(
         }
         let mut t0 = 0;
         for rows in runs {
-            let (pr, n) = (rows.as_ptr(), rows.len() / d);
+            let (pr, n) = (rows.as_ptr(), super::rows_of(rows.len(), d));
             for t in 0..n {
                 let r = pr.add(t * d + c);
                 let (v0, v1) = (ld_kv(r), ld_kv(r.add(8)));
