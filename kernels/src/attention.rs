@@ -529,7 +529,7 @@ pub fn paged_attention(
     // [`SEGMENT`], whatever the tile, the batch or the threads; each segment's partial softmax
     // is computed alone (lanes aligned to its first key, keys a row may not see masked to
     // exact zeros) and the partials are merged in segment order by one formula. So a row gives
-    // the same bits in a prefill tile of 12 rows, a chunk of one, or a decode step among 64
+    // the same bits in a prefill tile of 8 rows, a chunk of one, or a decode step among 64
     // others. Only how segments are grouped into items follows the batch: where the tiles and
     // KV heads are fewer than the cores' share of work (a decode row alone, a few rows of
     // proposed tokens to verify), a tile's segments are spread over items so every core has
@@ -781,7 +781,7 @@ pub fn paged_attention(
 const KEPT_PARTS: usize = 4 << 20;
 
 /// Most values each thread keeps between tasks (2 MiB) in its scratch of whole items: a task's
-/// need about 50 KB a segment at 64-value heads (16 tiles of 12 query vectors), 400 KB over a
+/// need about 50 KB a segment at 64-value heads (8 tiles of 24 query vectors), 400 KB over a
 /// 2048-token context, 1.6 MB over 8192. A task over a longer context makes a scratch of its own
 /// and drops it (zeroed for each layer: slower, not wrong), so that no thread of any pool holds
 /// more than this for good.
@@ -840,8 +840,9 @@ const VALUE_RUNS: usize = 4;
 /// prefill tile hands over in one call of each.
 const RUNS_A_CALL: usize = 16;
 
-/// Most consecutive work items one task takes.
-const MAX_ITEMS_PER_TASK: usize = 16;
+/// Most consecutive work items one task takes: 64 rows of a sequence for a KV head at 3
+/// query heads a KV head, as before tiles grew from 12 query vectors to 24 (16 items then).
+const MAX_ITEMS_PER_TASK: usize = 8;
 
 /// How many cache ranges (a block-head's keys or a run of its values, a few KiB each) are
 /// requested ahead of the one in use. Measured with `examples/decode_attention` on a 2-core
