@@ -68,8 +68,9 @@ pub struct OpShare {
     /// rest).
     pub weight_bytes: usize,
     /// FLOPs it does in those milliseconds: a product's 2 a weight a row; the prefill's
-    /// attention, its prompts' causal scores and weighted values ([`prompt_attention_flops`]);
-    /// 0 for the rest.
+    /// attention, its prompts' causal scores and weighted values ([`prompt_attention_flops`]),
+    /// whose milliseconds include the rotary embedding and the cache writes (so its rate is a
+    /// floor); 0 for the rest.
     pub flops: f64,
 }
 
