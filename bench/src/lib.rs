@@ -436,40 +436,29 @@ pub(crate) fn projection_params(c: &tandem_model::ModelConfig) -> usize {
 mod tests {
     use super::*;
 
-    fn smollm2(window: Option<usize>) -> tandem_model::ModelConfig {
-        let mut c = tandem_model::ModelConfig::from_hf_json(
-            &serde_json::json!({
-                "architectures": ["LlamaForCausalLM"],
-                "model_type": "llama",
-                "hidden_size": 576,
-                "intermediate_size": 1536,
-                "num_hidden_layers": 30,
-                "num_attention_heads": 9,
-                "num_key_value_heads": 3,
-                "head_dim": 64,
-                "vocab_size": 49152,
-                "max_position_embeddings": 8192,
-                "rms_norm_eps": 1e-5,
-                "rope_theta": 100000.0,
-                "tie_word_embeddings": true
-            })
-            .to_string(),
-        )
-        .unwrap();
-        c.sliding_window = window;
-        c
+    /// Two layers of four query heads of 8 (over two KV heads), with a sliding window or not.
+    fn small(window: Option<usize>) -> tandem_model::ModelConfig {
+        let mut c = serde_json::json!({"architectures": ["MistralForCausalLM"], "model_type": "mistral",
+            "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100});
+        if let Some(w) = window {
+            c["sliding_window"] = w.into();
+        }
+        tandem_model::ModelConfig::from_hf_json(&c.to_string()).unwrap()
     }
 
     #[test]
     fn a_prompts_attention_counts_the_keys_each_token_sees() {
         // 512 tokens see 1 + 2 + … + 512 keys: 131,328. Each key costs a score and a weighted
-        // value, 64 multiply-adds each, for 9 heads in 30 layers.
-        let per_key = 30.0 * 9.0 * 4.0 * 64.0;
-        let c = smollm2(None);
+        // value, 8 multiply-adds each, for 4 heads in 2 layers.
+        let per_key = 2.0 * 4.0 * 4.0 * 8.0;
+        let c = small(None);
+        assert_eq!((c.head_dim, c.sliding_window), (8, None));
         assert_eq!(prompt_attention_flops(&c, 512), per_key * 131_328.0);
         assert_eq!(prompt_attention_flops(&c, 0), 0.0);
         // A window of 4: the first tokens see 1, 2, 3 keys, every later one 4.
-        let c = smollm2(Some(4));
+        let c = small(Some(4));
+        assert_eq!(c.sliding_window, Some(4));
         assert_eq!(
             prompt_attention_flops(&c, 10),
             per_key * (1 + 2 + 3 + 4 * 7) as f64
