@@ -307,8 +307,11 @@ fn the_engine_bench_profiles_the_prefill_and_a_decode_step_by_op() {
         "{timed} ms of ops in steps of {step_ms} ms"
     );
 
-    // The prefill: both prompts (32 tokens) in one step, each projection's FLOPs at 32 rows and
-    // the head's at the two rows that sample, within the prefill's time.
+    // The prefill: both prompts (32 tokens) in one step, each projection's FLOPs at 32 rows, the
+    // head's at the two rows that sample, and attention's the prompts' causal scores and
+    // weighted values (each of a prompt's 16 tokens against itself and the tokens before it:
+    // 136 keys, 4 FLOPs a head dimension each, for every query head of every layer), within the
+    // prefill's time.
     let ops = r["prefill_ops"].as_array().expect("a prefill profile");
     let names: Vec<&str> = ops.iter().map(|o| o["op"].as_str().unwrap()).collect();
     assert_eq!(
@@ -320,11 +323,11 @@ fn the_engine_bench_profiles_the_prefill_and_a_decode_step_by_op() {
         let op = o["op"].as_str().unwrap();
         timed += o["ms"].as_f64().unwrap();
         let rows = if op == "head" { 2 } else { 32 };
-        assert_eq!(
-            o["flops"].as_f64().unwrap(),
-            (2 * rows * weights(op)) as f64,
-            "prefill {op}"
-        );
+        let flops = match op {
+            "attention" => 2 * m.num_layers * m.num_heads * 4 * hd * 136,
+            _ => 2 * rows * weights(op),
+        };
+        assert_eq!(o["flops"].as_f64().unwrap(), flops as f64, "prefill {op}");
     }
     let prefill_ms = r["prefill_ms"].as_f64().unwrap();
     assert!(
