@@ -721,27 +721,30 @@ fn print_ops(
     let step = total_ms.max(1e-9);
     println!("  {title}");
     for o in ops.iter().filter(|o| o.ms > 0.0) {
-        let rate = match o.weight_bytes {
-            // The prefill's attention: no weights, FLOPs against the peak.
-            0 if o.flops > 0.0 => {
-                let gflop_s = o.flops / (o.ms / 1e3) / 1e9;
-                format!(
-                    "  {:>59}{gflop_s:>6.1} GFLOP/s ({:>2.0}% of the FMA peak)",
-                    "",
-                    100.0 * gflop_s / r.f32_peak_gflops.max(1e-9)
-                )
-            }
+        let secs = o.ms / 1e3;
+        // The weights a product reads, at what rate (blank where an op has none, so the FLOP
+        // rates line up).
+        let reads = match o.weight_bytes {
             0 => String::new(),
             b => {
-                let secs = o.ms / 1e3;
-                let (gb_s, gflop_s) = (b as f64 / secs / 1e9, o.flops / secs / 1e9);
+                let gb_s = b as f64 / secs / 1e9;
                 format!(
-                    "  {:>6.1} MB of weights at {gb_s:>5.1} GB/s ({:>2.0}% of the copy rate), {gflop_s:>6.1} GFLOP/s ({:>2.0}% of the FMA peak)",
+                    "{:>6.1} MB of weights at {gb_s:>5.1} GB/s ({:>2.0}% of the copy rate), ",
                     b as f64 / 1e6,
-                    100.0 * gb_s / r.mem_bw_gb_s.max(1e-9),
+                    100.0 * gb_s / r.mem_bw_gb_s.max(1e-9)
+                )
+            }
+        };
+        // A product's FLOPs, or the prefill's attention's.
+        let rate = match o.flops {
+            f if f > 0.0 => {
+                let gflop_s = f / secs / 1e9;
+                format!(
+                    "  {reads:>59}{gflop_s:>6.1} GFLOP/s ({:>2.0}% of the FMA peak)",
                     100.0 * gflop_s / r.f32_peak_gflops.max(1e-9)
                 )
             }
+            _ => String::new(),
         };
         println!(
             "    {:<12} {:>8.2} ms {:>5.1}%{rate}",
