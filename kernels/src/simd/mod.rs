@@ -341,7 +341,14 @@ const TILE_512: (usize, usize) = (6, 4);
 const TILE_AVX2: (usize, usize) = (6, 1);
 
 /// The portable level's: SSE2's 16 registers of 4 lanes hold 2 × 1 panels' accumulators (four
-/// 8-lane vectors) beside the weights.
+/// 8-lane vectors) beside the weights. Against the unspilled peak ([`BURST_CHAINS_PORTABLE`])
+/// the model's 512-row products reach 68-74% of it on a 2-core Zen 4 (`decode_matmul`,
+/// `TANDEM_ISA=scalar ROWS=512 LAYERS=1`, 2026-12-06); 3 × 1 reached 50-54% (its accumulators
+/// leave no room for the weights), and four columns a turn changed nothing. SSE2's operations
+/// overwrite an operand, so each multiply-add needs a copy or a load beside it: a column's 16
+/// multiplies and adds come with 15 other operations (loads, the broadcasts, copies and the
+/// loop's), and 31 operations at the front end's 6 a cycle, against the pipes' 4 cycles, bound
+/// the tile to about 77% of the peak.
 const TILE_PORTABLE: (usize, usize) = (2, 1);
 
 /// Columns ahead of the one a register tile multiplies whose panel lines it asks L1 for (a
@@ -512,9 +519,20 @@ unsafe fn panel_tile(
     go!(portable; (1, 1), (1, 2), (2, 1))
 }
 
-/// Independent FMA chains of 8-lane vectors in [`fma_burst`] (AVX2 and portable): enough to
-/// cover the latency of two FMA pipes, few enough to stay in 16 registers with the constants.
+/// Independent FMA chains of 8-lane vectors in AVX2's [`fma_burst`]: enough to cover the
+/// latency of two FMA pipes, few enough to stay in 16 registers with the constants.
 const BURST_CHAINS_8: usize = 12;
+
+/// The portable level's chains of 8-lane vectors. On x86-64 each is two SSE2 registers and each
+/// step a multiply and an add, 6 cycles deep on Zen 4: seven chains (14 registers and the two
+/// constants) keep both multiply and both add pipes busy. Twelve, as AVX2's, spilled to the
+/// stack, and the peak read 64-89 GFLOP/s on a 2-core Zen 4 where seven read 103-108
+/// (`decode_matmul`, `TANDEM_ISA=scalar`, 2026-12-06): products measured against it looked
+/// closer to the peak than they were. NEON's 32 registers hold twelve (fused, 4 cycles deep).
+#[cfg(target_arch = "x86_64")]
+const BURST_CHAINS_PORTABLE: usize = 7;
+#[cfg(not(target_arch = "x86_64"))]
+const BURST_CHAINS_PORTABLE: usize = 12;
 
 /// Runs `rounds` rounds of independent vector FMAs held in registers on this thread and returns
 /// the floating-point operations done: timed on every thread at once, the machine's peak f32 rate,
@@ -531,7 +549,7 @@ pub fn fma_burst(rounds: usize) -> u64 {
         return rounds as u64 * BURST_CHAINS_8 as u64 * 16;
     }
     std::hint::black_box(portable::fma_burst(rounds));
-    rounds as u64 * BURST_CHAINS_8 as u64 * 16
+    rounds as u64 * BURST_CHAINS_PORTABLE as u64 * 16
 }
 
 /// The largest value of `x` (`-∞` when empty; NaNs are skipped, as `f32::max` does).

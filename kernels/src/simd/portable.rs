@@ -309,7 +309,7 @@ pub fn exp_shifted_sum(x: &mut [f32], max: f32) -> f32 {
 
 /// See [`super::fma_burst`]: independent vector multiply-adds, as many as fit the registers.
 pub fn fma_burst(rounds: usize) -> f32 {
-    let mut acc = [f32x8::ONE; super::BURST_CHAINS_8];
+    let mut acc = [f32x8::ONE; super::BURST_CHAINS_PORTABLE];
     let (b, c) = (f32x8::splat(0.999_999), f32x8::splat(1e-7));
     for _ in 0..rounds {
         for a in acc.iter_mut() {
