@@ -613,8 +613,10 @@ pub fn scale_row(x: &[f32], w: &[f32], inv: f32, out: &mut [f32]) {
 /// Rows `0..rows` (at most [`PANEL`]) of `src`, row `j` at `src[j·ld..]`, `span` values each,
 /// column after column into `out`: `out[16·i + j] = src[j·ld + i]`, rows `rows..16` zeros, the
 /// layout [`panel_product`] multiplies. A copy (every level gives the same values): a full
-/// panel is transposed 16 × 16 (AVX-512) or 8 × 8 (AVX2) in registers, where one value at a
-/// time made a product of one row against an f32 weight run at a third of the memory's rate.
+/// panel is transposed 16 × 16 (AVX-512), 8 × 8 (AVX2) or 4 × 4 (portable) in registers, where
+/// one value at a time made a product of one row against an f32 weight run at a third of the
+/// memory's rate (and at the portable level took 16% of a k-quant golden check's time, whose
+/// reference runs on f32 weights).
 pub fn transpose_panel(src: &[f32], ld: usize, rows: usize, span: usize, out: &mut [f32]) {
     assert!(
         rows <= PANEL
@@ -645,6 +647,16 @@ pub fn transpose_panel(src: &[f32], ld: usize, rows: usize, span: usize, out: &m
                     i0 += 8;
                 }
             }
+        }
+    }
+    if rows == PANEL && i0 == 0 {
+        // The portable level (and x86 below AVX2): 4 × 4 blocks in registers.
+        while i0 + 4 <= span {
+            // SAFETY: as above.
+            unsafe {
+                portable::transpose4(src.as_ptr().add(i0), ld, out.as_mut_ptr().add(16 * i0))
+            };
+            i0 += 4;
         }
     }
     for j in 0..PANEL {

@@ -141,6 +141,25 @@ pub unsafe fn panel_tile<const M: usize, const P: usize>(
     }
 }
 
+/// See [`super::transpose_panel`]: columns `0..4` of 16 rows (`ld` apart) at `src` into 4
+/// columns of 16 at `out`, 4 × 4 blocks at a time.
+///
+/// # Safety
+/// Rows `j < 16` hold 4 values at `src + j·ld`; `out` has 64 writable values.
+pub unsafe fn transpose4(src: *const f32, ld: usize, out: *mut f32) {
+    use wide::f32x4;
+    for g in 0..4 {
+        let rows: [f32x4; 4] = std::array::from_fn(|r| {
+            f32x4::new(std::ptr::read_unaligned(
+                src.add((4 * g + r) * ld) as *const [f32; 4]
+            ))
+        });
+        for (c, col) in f32x4::transpose(rows).iter().enumerate() {
+            std::ptr::write_unaligned(out.add(16 * c + 4 * g) as *mut [f32; 4], col.to_array());
+        }
+    }
+}
+
 /// See the AVX2 `dot_keys_t`: `N` queries against `cols ≤ 16` transposed keys.
 ///
 /// # Safety
