@@ -652,7 +652,8 @@ pub fn transpose_panel(src: &[f32], ld: usize, rows: usize, span: usize, out: &m
     if rows == PANEL && i0 == 0 {
         // The portable level (and x86 below AVX2): 4 × 4 blocks in registers.
         while i0 + 4 <= span {
-            // SAFETY: as above.
+            // SAFETY: rows 0..16 hold `span` values from each start (asserted) and `out` 16 a
+            // column, so columns i0..i0 + 4 ≤ span are in both.
             unsafe {
                 portable::transpose4(src.as_ptr().add(i0), ld, out.as_mut_ptr().add(16 * i0))
             };
