@@ -121,8 +121,10 @@ pub struct EngineArgs {
     /// Keep each step within this many milliseconds while prompts are computed: a step's
     /// tokens are sized from what the engine's steps have cost (so decoding sequences get a
     /// token about this often, and a burst's prompts finish one by one instead of together).
-    /// 0: off, every step may take --max-batched-tokens. Default: 250 in the serving roles
-    /// (decode and prefill workers), off in generate and the engine benchmarks.
+    /// A prompt of up to 256 tokens is never cut by it: where such a chunk takes longer (a slow
+    /// machine), a step with one takes that long. 0: off, every step may take
+    /// --max-batched-tokens. Default: 250 in the serving roles (decode and prefill workers),
+    /// off in generate and the engine benchmarks.
     #[arg(long, env = "TANDEM_STEP_TARGET_MS")]
     pub step_target_ms: Option<f64>,
     /// Keep decoding streams' inter-token gaps near this many milliseconds: a step that holds a
@@ -377,6 +379,7 @@ impl EngineArgs {
             admission_lookahead: self.admission_lookahead,
             prefill_order: self.prefill_order,
             step_target: self.step_target()?,
+            step_target_whole: crate::serve::STEP_TARGET_WHOLE_TOKENS,
             itl_target: self.itl_target()?,
             panic_at_step: test_panic_at_step()?,
             kv_disk: self.kv_disk(&path)?,

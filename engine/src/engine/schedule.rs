@@ -606,25 +606,33 @@ impl Engine {
     fn step_budget(&self) -> (usize, Option<TimeLeft>) {
         let max = self.config.max_batched_tokens;
         let decoding = self.running.iter().filter(|s| s.pending() == 1).count();
-        let (target, floor) = match (self.config.step_target, self.config.itl_target) {
+        let (target, floor, whole) = match (self.config.step_target, self.config.itl_target) {
             (step, Some(itl)) if decoding > 0 => (
                 Some(step.map_or(itl, |s| s.min(itl))),
                 MIN_ITL_PREFILL_CHUNK,
+                0,
             ),
-            (step, _) => (step, MIN_PREFILL_CHUNK),
+            (step, _) => (step, MIN_PREFILL_CHUNK, self.config.step_target_whole),
         };
         let Some(target) = target else {
             return (max, None);
         };
         match self.step_cost.fit() {
-            Some(cost) => (
-                max,
-                Some(TimeLeft {
-                    cost,
-                    left: target.as_secs_f64() - cost.fixed,
-                    floor,
-                }),
-            ),
+            Some(cost) => {
+                // The time `whole` prompt tokens take beside the decodes, if that is longer.
+                let step = match whole {
+                    0 => 0.0,
+                    n => {
+                        let decodes: f64 = (self.running.iter())
+                            .filter(|s| s.pending() == 1)
+                            .map(|s| cost.seconds(s.computed, 1))
+                            .sum();
+                        cost.seconds(0, n) + decodes
+                    }
+                };
+                let left = (target.as_secs_f64() - cost.fixed).max(step);
+                (max, Some(TimeLeft { cost, left, floor }))
+            }
             None => {
                 let first = FIRST_STEP_TOKENS.max(decoding + floor);
                 (first.min(max), None)
@@ -1217,6 +1225,47 @@ mod tests {
         cost(&mut plain, 0.3, 0.01, 0.0);
         let (_, st) = plain.step().unwrap();
         assert_eq!(st.prefill_tokens, 250);
+    }
+
+    /// A step target shorter than `step_target_whole` prompt tokens cost does not cut a prompt
+    /// of that many: the step takes as long as they do; a longer prompt's chunk is that many.
+    #[test]
+    fn a_step_target_leaves_a_short_prompt_whole_on_a_slow_machine() {
+        let cfg = |whole| EngineConfig {
+            max_batched_tokens: 2048,
+            step_target: Some(std::time::Duration::from_millis(250)),
+            step_target_whole: whole,
+            ..config()
+        };
+        // 20 ms a step and 3 ms a token: 76 prompt tokens fit in 250 ms, 128 take 384.
+        let first_chunk = |whole: usize, prompt: u32, decoding: u32| {
+            let mut e = engine(cfg(whole));
+            for i in 0..decoding {
+                e.add(RequestId(u64::from(i) + 100), req(vec![3 + i, 4], 8))
+                    .unwrap();
+            }
+            if decoding > 0 {
+                e.step().unwrap();
+            }
+            e.add(
+                RequestId(0),
+                req((0..prompt).map(|t| 3 + t % 90).collect(), 4),
+            )
+            .unwrap();
+            e.step_cost = StepCost::default();
+            for t in [8, 200, 64, 1] {
+                e.step_cost.record(t, 0, 0.02 + 0.003 * t as f64);
+            }
+            let (_, st) = e.step().unwrap();
+            (st.decode_tokens, st.prefill_tokens)
+        };
+        assert_eq!(first_chunk(0, 100, 0), (0, 76));
+        assert_eq!(first_chunk(128, 100, 0), (0, 100));
+        assert_eq!(first_chunk(128, 200, 0), (0, 128));
+        // Beside three decodes, the time for 128 prompt tokens and the decodes.
+        assert_eq!(first_chunk(128, 200, 3), (3, 128));
+        // A target long enough for them: the target's own chunk.
+        assert_eq!(first_chunk(50, 200, 0), (0, 76));
     }
 
     /// Under a step target the step sizes follow the machine, and the bits do not: a run whose

@@ -45,6 +45,11 @@ pub struct EngineConfig {
     /// two a step instead of together in one long step, so the first of them reach their first
     /// token sooner. `None`: `max_batched_tokens` only.
     pub step_target: Option<std::time::Duration>,
+    /// Under a step target, the prompt tokens it never cuts: a step's time is at least what
+    /// this many prompt tokens beside its decodes cost by the engine's measure, so a prompt of
+    /// up to this many is computed in one step even where the target is shorter than that (a
+    /// slow machine's). 0: the target alone. (An ITL target is not widened by it.)
+    pub step_target_whole: usize,
     /// The inter-token gap to keep decoding sequences within, when set: a step that holds a
     /// decoding sequence is planned to this time (or the step target, if that is shorter), so
     /// prompt work mixed into decode steps is bounded by it; a step with no decoding sequence
@@ -138,6 +143,7 @@ impl Default for EngineConfig {
             admission_lookahead: 64,
             prefill_order: PrefillOrder::Arrival,
             step_target: None,
+            step_target_whole: 0,
             itl_target: None,
             panic_at_step: None,
             kv_disk: None,
