@@ -407,11 +407,12 @@ pub(crate) const SERVE_STEP_TARGET_MS: f64 = 250.0;
 /// Prompt tokens a step target never cuts (`EngineConfig::step_target_whole`): a step holding
 /// a prompt chunk may take as long as this many tokens cost. On 2 cores of Zen 4 a 200-token
 /// prompt took 260-330 ms in the server, just over the 250 ms target, so every prompt was
-/// computed in two steps, each shared with its neighbours' heads and tails; under Poisson
-/// arrivals of 200-token prompts (`tandem bench serve --sweep rate:2,4`, 2026-12-06, targets
-/// side by side) the TTFT p50 at 250 ms was 1.35-1.67x that at 350 ms and the goodput at 4
-/// requests a second 0.68-0.76x, where the p99 gap was 0.77-0.98x. Where 256 tokens fit in the
-/// target (a faster machine) nothing changes.
+/// computed in two steps, each shared with a neighbour's head or tail. Under Poisson arrivals
+/// of 200-token prompts there (`tandem bench serve --compare`, this rule's binary beside the
+/// plain target's, 2026-12-06) it gave 0.83-0.94x the TTFT p50 at 2 requests a second and the
+/// same at 4, and on a burst with a 1500-token prompt every 4th 1.10x the output with the p99
+/// gap 376 ms against 282. Where 256 tokens fit in the target (a faster machine) nothing
+/// changes.
 pub(crate) const STEP_TARGET_WHOLE_TOKENS: usize = 256;
 
 // The serving roles set no ITL target (`--itl-target-ms`) of their own: the step target above
