@@ -76,6 +76,11 @@ pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
     crate::simd::silu_mul(gate, up);
 }
 
+/// `out[i] = silu(gate[i]) · up[i]`: [`silu_mul`]'s bits, without overwriting `gate`.
+pub fn silu_mul_to(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    crate::simd::silu_mul_to(gate, up, out);
+}
+
 /// Gathers embedding rows for `ids` into `out` (ids.len() × dim). Ids must be < table rows.
 pub fn embedding(ids: &[u32], table: &Weight, out: &mut [f32]) {
     let d = table.cols();

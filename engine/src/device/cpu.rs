@@ -539,8 +539,7 @@ impl StepOps for CpuStep<'_> {
             .for_each(|(src, dst)| {
                 for (g2, a) in src.chunks_exact(2 * ff).zip(dst.chunks_exact_mut(ff)) {
                     let (g, u) = g2.split_at(ff);
-                    a.copy_from_slice(g);
-                    ops::silu_mul(a, u);
+                    ops::silu_mul_to(g, u, a);
                 }
             });
         Ok(())
@@ -878,8 +877,7 @@ fn expert_rows(
         .zip(s.gu[..n * 2 * ff].par_chunks(2 * ff))
         .for_each(|(a, g2)| {
             let (g, u) = g2.split_at(ff);
-            a.copy_from_slice(g);
-            ops::silu_mul(a, u);
+            ops::silu_mul_to(g, u, a);
         });
     grouped(&s.act[..n * ff], ff, &mut s.ys[..n * h], h, true)?;
     Ok(())

@@ -198,28 +198,28 @@ pub unsafe fn max_f32(x: &[f32]) -> f32 {
         .fold(f32::NEG_INFINITY, f32::max)
 }
 
+/// `out[i] = silu(gate[i]) · up[i]` over `n` values; `out` may be `gate` (each vector is read
+/// before it is written).
 #[target_feature(enable = "avx2,fma")]
-pub unsafe fn silu_mul(gate: &mut [f32], up: &[f32]) {
+pub unsafe fn silu_mul(gate: *const f32, up: *const f32, out: *mut f32, n: usize) {
     let one = _mm256_set1_ps(1.0);
     let silu = |v: __m256, u: __m256| {
         let e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), v));
         _mm256_mul_ps(_mm256_div_ps(v, _mm256_add_ps(one, e)), u)
     };
-    let n8 = gate.len() / 8 * 8;
+    let n8 = n / 8 * 8;
     for i in (0..n8).step_by(8) {
-        let g = gate.as_mut_ptr().add(i);
-        let r = silu(_mm256_loadu_ps(g), _mm256_loadu_ps(up.as_ptr().add(i)));
-        _mm256_storeu_ps(g, r);
+        let r = silu(_mm256_loadu_ps(gate.add(i)), _mm256_loadu_ps(up.add(i)));
+        _mm256_storeu_ps(out.add(i), r);
     }
-    let rest = gate.len() - n8;
+    let rest = n - n8;
     if rest > 0 {
         let k = lanes(rest);
-        let g = gate.as_mut_ptr().add(n8);
         let r = silu(
-            _mm256_maskload_ps(g, k),
-            _mm256_maskload_ps(up.as_ptr().add(n8), k),
+            _mm256_maskload_ps(gate.add(n8), k),
+            _mm256_maskload_ps(up.add(n8), k),
         );
-        _mm256_maskstore_ps(g, k, r);
+        _mm256_maskstore_ps(out.add(n8), k, r);
     }
 }
 

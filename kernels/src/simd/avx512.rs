@@ -100,28 +100,28 @@ pub unsafe fn max_f32(x: &[f32]) -> f32 {
     _mm512_reduce_max_ps(m).max(tail)
 }
 
+/// `out[i] = silu(gate[i]) · up[i]` over `n` values; `out` may be `gate` (each vector is read
+/// before it is written).
 #[target_feature(enable = "avx512f,avx2,fma")]
-pub unsafe fn silu_mul(gate: &mut [f32], up: &[f32]) {
+pub unsafe fn silu_mul(gate: *const f32, up: *const f32, out: *mut f32, n: usize) {
     let one = _mm512_set1_ps(1.0);
     let silu = |v: __m512, u: __m512| {
         let e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), v));
         _mm512_mul_ps(_mm512_div_ps(v, _mm512_add_ps(one, e)), u)
     };
-    let n16 = gate.len() / 16 * 16;
+    let n16 = n / 16 * 16;
     for i in (0..n16).step_by(16) {
-        let g = gate.as_mut_ptr().add(i);
-        let r = silu(_mm512_loadu_ps(g), _mm512_loadu_ps(up.as_ptr().add(i)));
-        _mm512_storeu_ps(g, r);
+        let r = silu(_mm512_loadu_ps(gate.add(i)), _mm512_loadu_ps(up.add(i)));
+        _mm512_storeu_ps(out.add(i), r);
     }
-    let rest = gate.len() - n16;
+    let rest = n - n16;
     if rest > 0 {
         let k: __mmask16 = ((1u32 << rest) - 1) as u16;
-        let g = gate.as_mut_ptr().add(n16);
         let r = silu(
-            _mm512_maskz_loadu_ps(k, g),
-            _mm512_maskz_loadu_ps(k, up.as_ptr().add(n16)),
+            _mm512_maskz_loadu_ps(k, gate.add(n16)),
+            _mm512_maskz_loadu_ps(k, up.add(n16)),
         );
-        _mm512_mask_storeu_ps(g, k, r);
+        _mm512_mask_storeu_ps(out.add(n16), k, r);
     }
 }
 

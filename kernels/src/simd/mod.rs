@@ -568,15 +568,35 @@ pub fn max_f32(x: &[f32]) -> f32 {
 /// `gate[i] = silu(gate[i]) · up[i]`, silu(v) = v / (1 + e^-v) (the vector `exp` is within 2 ulp).
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
     assert_eq!(gate.len(), up.len(), "silu_mul operands");
+    let p = gate.as_mut_ptr();
+    // SAFETY: both slices have gate.len() values; the kernels read each vector of `gate`
+    // before they write it.
+    unsafe { silu_mul_raw(p, up.as_ptr(), p, gate.len()) }
+}
+
+/// `out[i] = silu(gate[i]) · up[i]`, the same bits as [`silu_mul`] in place.
+pub fn silu_mul_to(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    assert!(
+        gate.len() == up.len() && gate.len() == out.len(),
+        "silu_mul_to operands"
+    );
+    // SAFETY: the three slices have out.len() values.
+    unsafe { silu_mul_raw(gate.as_ptr(), up.as_ptr(), out.as_mut_ptr(), out.len()) }
+}
+
+/// # Safety
+/// `gate` and `up` readable and `out` writable for `n` values; `out` is `gate` or apart from it.
+unsafe fn silu_mul_raw(gate: *const f32, up: *const f32, out: *mut f32, n: usize) {
     #[cfg(target_arch = "x86_64")]
     if has_avx512() {
-        // SAFETY: the CPU supports the features; both slices have gate.len() elements.
-        return unsafe { avx512::silu_mul(gate, up) };
+        // SAFETY: the CPU supports the features; the caller's promise on the pointers.
+        return unsafe { avx512::silu_mul(gate, up, out, n) };
     } else if has_avx2_fma() {
         // SAFETY: as above.
-        return unsafe { avx2::silu_mul(gate, up) };
+        return unsafe { avx2::silu_mul(gate, up, out, n) };
     }
-    portable::silu_mul(gate, up)
+    // SAFETY: the caller's promise.
+    unsafe { portable::silu_mul(gate, up, out, n) }
 }
 
 /// `x[i] = exp(x[i] - max)`, returning `Σ x[i]` (the softmax numerators and denominator).
@@ -1147,6 +1167,11 @@ mod tests {
                 let tol = 8.0 * f32::EPSILON as f64 * w.abs() + 1e-37;
                 assert!((*v as f64 - w).abs() <= tol, "silu({x}) = {v}, want {w}");
             }
+            // Into another buffer: the same bits as in place, and `gate` untouched.
+            let mut to = vec![f32::NAN; g.len()];
+            silu_mul_to(&g, &u, &mut to);
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&to), bits(&got), "n={n}");
         }
     }
 

@@ -284,23 +284,31 @@ fn exp8(x: f32x8) -> f32x8 {
     }))
 }
 
-pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
+/// `out[i] = silu(gate[i]) · up[i]` over `n` values; `out` may be `gate` (each vector is read
+/// before it is written).
+///
+/// # Safety
+/// `gate` and `up` are readable and `out` writable for `n` values.
+pub unsafe fn silu_mul(gate: *const f32, up: *const f32, out: *mut f32, n: usize) {
     let silu = |v: f32x8, u: f32x8| v / (f32x8::ONE + exp8(-v)) * u;
-    let n8 = gate.len() / 8 * 8;
-    // SAFETY: 8 values at i < n8 of both (the caller checked the lengths agree).
+    let n8 = n / 8 * 8;
+    // SAFETY: 8 values at i < n8 of each (the caller's promise).
     unsafe {
         for i in (0..n8).step_by(8) {
-            let g = gate.as_mut_ptr().add(i);
-            st(g, silu(ld(g), ld(up.as_ptr().add(i))));
+            st(out.add(i), silu(ld(gate.add(i)), ld(up.add(i))));
         }
     }
-    let rest = gate.len() - n8;
+    let rest = n - n8;
     if rest > 0 {
         let (mut g, mut u) = ([0f32; 8], [0f32; 8]);
-        g[..rest].copy_from_slice(&gate[n8..]);
-        u[..rest].copy_from_slice(&up[n8..]);
-        let r = silu(f32x8::new(g), f32x8::new(u)).to_array();
-        gate[n8..].copy_from_slice(&r[..rest]);
+        // SAFETY: `rest` values from n8 of each (the caller's promise); `g` and `u` are copies,
+        // so `out` may be `gate`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(gate.add(n8), g.as_mut_ptr(), rest);
+            std::ptr::copy_nonoverlapping(up.add(n8), u.as_mut_ptr(), rest);
+            let r = silu(f32x8::new(g), f32x8::new(u)).to_array();
+            std::ptr::copy_nonoverlapping(r.as_ptr(), out.add(n8), rest);
+        }
     }
 }
 
