@@ -338,6 +338,9 @@ struct CpuStep<'a> {
     v: Vec<f32>,
     /// A mixture of experts' buffers, reused by the step's layers.
     moe: ExpertScratch,
+    /// How many rows go on after [`StepOps::keep_logit_rows`] (the rows that want logits),
+    /// moved to the top of the step's buffers; None: every row.
+    kept: Option<usize>,
 }
 
 impl<'a> CpuStep<'a> {
@@ -374,6 +377,7 @@ impl<'a> CpuStep<'a> {
             k: vec![0f32; t * kvd],
             v: vec![0f32; t * kvd],
             moe: ExpertScratch::default(),
+            kept: None,
         }
     }
 
@@ -435,10 +439,11 @@ impl StepOps for CpuStep<'_> {
         delta: &Vec<f32>,
         w: &Vec<f32>,
         out: &mut Vec<f32>,
-        _rows: usize,
+        rows: usize,
     ) -> Result<(), EngineError> {
-        add_rows(x, delta, ROW_TASK * self.c.hidden_size);
-        self.norm(x, w, out);
+        let len = rows * self.c.hidden_size;
+        add_rows(&mut x[..len], &delta[..len], ROW_TASK * self.c.hidden_size);
+        self.norm(&x[..len], w, &mut out[..len]);
         Ok(())
     }
 
@@ -446,10 +451,11 @@ impl StepOps for CpuStep<'_> {
         &mut self,
         w: &Linear,
         x: &Vec<f32>,
-        (rows, _, _): (usize, usize, usize),
+        (rows, n, k): (usize, usize, usize),
         out: &mut Vec<f32>,
     ) -> Result<(), EngineError> {
-        Ok(w.matmul(x, rows, out)?)
+        // (The step's buffers have room for every row; after `keep_logit_rows` fewer go on.)
+        Ok(w.matmul(&x[..rows * k], rows, &mut out[..rows * n])?)
     }
 
     fn qkv_extras(
@@ -521,7 +527,42 @@ impl StepOps for CpuStep<'_> {
             scale: 1.0 / (hd as f32).sqrt(),
             window: c.sliding_window,
         };
-        paged_attention(&self.q, spec, cache.as_ref(), layout, &self.attn, out)?;
+        let Some(n) = self.kept else {
+            paged_attention(&self.q, spec, cache.as_ref(), layout, &self.attn, out)?;
+            return Ok(());
+        };
+        // Only the rows that want logits: each sequence's last ones, moved up in order (a
+        // row's output is the same whatever rows are beside it).
+        let rows = &self.step.logit_rows;
+        let mut q = Vec::with_capacity(n * qd);
+        for &r in rows {
+            q.extend_from_slice(&self.q[r * qd..(r + 1) * qd]);
+        }
+        let mut seqs = Vec::new();
+        let mut at = 0;
+        for s in &self.attn {
+            let end = s.q_start + s.q_len;
+            let wanted = rows[at..]
+                .iter()
+                .take_while(|&&r| r >= s.q_start && r < end)
+                .count();
+            if wanted > 0 {
+                seqs.push(SeqAttn {
+                    q_start: at,
+                    q_len: wanted,
+                    ..*s
+                });
+            }
+            at += wanted;
+        }
+        if at != n {
+            return Err(EngineError::Internal(
+                "the rows that want logits are not their sequences' last".into(),
+            ));
+        }
+        if n > 0 {
+            paged_attention(&q, spec, cache.as_ref(), layout, &seqs, &mut out[..n * qd])?;
+        }
         Ok(())
     }
 
@@ -529,13 +570,13 @@ impl StepOps for CpuStep<'_> {
         &mut self,
         gate_up: &Vec<f32>,
         out: &mut Vec<f32>,
-        _rows: usize,
+        rows: usize,
         ff: usize,
     ) -> Result<(), EngineError> {
         let rt = ROW_TASK;
-        gate_up
+        gate_up[..rows * 2 * ff]
             .par_chunks(rt * 2 * ff)
-            .zip(out.par_chunks_mut(rt * ff))
+            .zip(out[..rows * ff].par_chunks_mut(rt * ff))
             .for_each(|(src, dst)| {
                 for (g2, a) in src.chunks_exact(2 * ff).zip(dst.chunks_exact_mut(ff)) {
                     let (g, u) = g2.split_at(ff);
@@ -702,6 +743,24 @@ impl StepOps for CpuStep<'_> {
         Ok(())
     }
 
+    fn keep_logit_rows(&mut self, x: &mut Vec<f32>) -> Result<Option<usize>, EngineError> {
+        let rows = &self.step.logit_rows;
+        let (n, h) = (rows.len(), self.c.hidden_size);
+        // A group of ranks keeps every row (their collectives are of whole buffers).
+        if n == self.step.tokens.len()
+            || !self.shard.is_whole()
+            || self.shard.ep.is_some_and(|(_, size)| size > 1)
+        {
+            return Ok(None);
+        }
+        // Rows only move up (`rows` ascends), so each is read before it is overwritten.
+        for (i, &r) in rows.iter().enumerate() {
+            x.copy_within(r * h..(r + 1) * h, i * h);
+        }
+        self.kept = Some(n);
+        Ok(Some(n))
+    }
+
     fn final_norm(
         &mut self,
         x: &mut Vec<f32>,
@@ -711,6 +770,14 @@ impl StepOps for CpuStep<'_> {
         out: &mut Vec<f32>,
     ) -> Result<(), EngineError> {
         let h = self.c.hidden_size;
+        if let Some(n) = self.kept {
+            // Only the rows that want logits are left, at the top.
+            add_rows(&mut x[..n * h], &delta[..n * h], ROW_TASK * h);
+            for (i, o) in out.chunks_exact_mut(h).take(n).enumerate() {
+                ops::rms_norm(&x[i * h..(i + 1) * h], w, self.c.rms_norm_eps, o);
+            }
+            return Ok(());
+        }
         add_rows(x, delta, ROW_TASK * h);
         // Only the rows that want logits: a decode step's tokens all do, a prefill chunk's one.
         for (i, &r) in self.step.logit_rows.iter().enumerate() {
@@ -1074,6 +1141,80 @@ mod tests {
             assert_eq!((want.token, want.logprob), (token, logprob));
             let mut a = Sampler::new(ValidSampling::default(), &[], None);
             assert_eq!(a.accept(token, logprob), want);
+        }
+    }
+
+    /// The last layer goes on only with the rows that want logits: those rows' logits have the
+    /// bits they have where every row wants them, and the rows left behind still leave their
+    /// keys and values in the cache (a step after one that wanted no logits at all, a prompt's
+    /// chunk before its last, reads the same cache).
+    #[test]
+    fn the_last_layer_keeps_only_the_rows_that_want_logits_and_changes_no_bit() {
+        let pool = PoolSize {
+            block_size: 16,
+            kv_cache_mb: 0,
+            num_blocks: Some(8),
+            kv_dtype: KvDtype::F32,
+            gpu_memory_fraction: None,
+        };
+        let p0: Vec<u32> = (0..20).map(|i| (i * 7 + 3) % 50).collect();
+        let p1 = [11u32, 3, 40, 8, 21];
+        let (t0, t1) = ([0u32, 1], [2u32]);
+        let step = |logits: [usize; 2]| {
+            let mut b = CpuBackend::new(tiny_model(5), &pool).unwrap();
+            let batch = [
+                SeqBatch {
+                    tokens: &p0,
+                    cached: 0,
+                    block_table: &t0,
+                    logits: logits[0],
+                    lora: None,
+                },
+                SeqBatch {
+                    tokens: &p1,
+                    cached: 0,
+                    block_table: &t1,
+                    logits: logits[1],
+                    lora: None,
+                },
+            ];
+            let got = b.forward(&batch).unwrap();
+            // One more token for each: it reads every key and value the step cached.
+            let next = [
+                SeqBatch {
+                    tokens: &[4],
+                    cached: p0.len(),
+                    block_table: &t0,
+                    logits: 1,
+                    lora: None,
+                },
+                SeqBatch {
+                    tokens: &[9],
+                    cached: p1.len(),
+                    block_table: &t1,
+                    logits: 1,
+                    lora: None,
+                },
+            ];
+            let after = b.forward(&next).unwrap();
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            (bits(&got), bits(&after))
+        };
+        let vocab = tiny_model(5).config.vocab_size;
+        let row = |all: &[u32], r: usize| all[r * vocab..(r + 1) * vocab].to_vec();
+        // Every row wants logits: nothing is left behind.
+        let (all, after_all) = step([p0.len(), p1.len()]);
+        assert_eq!(all.len(), (p0.len() + p1.len()) * vocab);
+        for (logits, rows) in [
+            ([1, 1], vec![19, 24]),
+            ([0, 3], vec![22, 23, 24]),
+            ([2, 0], vec![18, 19]),
+            ([0, 0], vec![]),
+        ] {
+            let (got, after) = step(logits);
+            let want: Vec<u32> = rows.iter().flat_map(|&r| row(&all, r)).collect();
+            assert_eq!(got, want, "{logits:?}");
+            assert_eq!(after, after_all, "the step after {logits:?}");
         }
     }
 
