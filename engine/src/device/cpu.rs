@@ -746,11 +746,10 @@ impl StepOps for CpuStep<'_> {
     fn keep_logit_rows(&mut self, x: &mut Vec<f32>) -> Result<Option<usize>, EngineError> {
         let rows = &self.step.logit_rows;
         let (n, h) = (rows.len(), self.c.hidden_size);
-        // A group of ranks keeps every row (their collectives are of whole buffers).
-        if n == self.step.tokens.len()
-            || !self.shard.is_whole()
-            || self.shard.ep.is_some_and(|(_, size)| size > 1)
-        {
+        // An expert-parallel group keeps every row: its ranks run different rows, and the
+        // experts' exchanges are of each rank's rows. (A tensor-parallel group's ranks run the
+        // same rows and keep the same ones.)
+        if n == self.step.tokens.len() || self.shard.ep.is_some_and(|(_, size)| size > 1) {
             return Ok(None);
         }
         // Rows only move up (`rows` ascends), so each is read before it is overwritten.
@@ -802,7 +801,10 @@ impl StepOps for CpuStep<'_> {
     }
 
     fn all_reduce(&mut self, x: &mut Vec<f32>) -> Result<(), EngineError> {
-        Ok(self.comm.all_reduce_sum(x)?)
+        // After `keep_logit_rows` the only rows left are the kept ones, at the top (each
+        // value is summed over the ranks in rank order, however long the buffer: the same bits).
+        let len = self.kept.map_or(x.len(), |n| n * self.c.hidden_size);
+        Ok(self.comm.all_reduce_sum(&mut x[..len])?)
     }
 
     fn gather_logits(

@@ -434,6 +434,53 @@ mod tests {
         }
     }
 
+    /// A group's last layer goes on only with the rows that want logits, as one rank's does:
+    /// those rows' logits, and the next step's (which reads every row's cached keys and
+    /// values), have the bits of a step whose every row wants logits.
+    #[test]
+    fn a_group_keeps_only_the_rows_that_want_logits_and_changes_no_bit() {
+        let (c, tensors) = tiny_tensors(5);
+        let cfg = PoolSize {
+            num_blocks: Some(8),
+            block_size: 16,
+            kv_dtype: KvDtype::F32,
+            gpu_memory_fraction: None,
+            kv_cache_mb: 0,
+        };
+        let p0: Vec<u32> = (0..20).map(|i| (i * 7 + 3) % 50).collect();
+        let p1 = [11u32, 3, 40, 8, 21];
+        let (t0, t1) = ([0u32, 1], [2u32]);
+        let vocab = c.vocab_size;
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        let step = |logits: [usize; 2]| {
+            let setup = setup(2, Duration::from_secs(60));
+            let mut b = TpCpuBackend::from_tensors(&c, &tensors, WeightFormat::Native, &cfg, setup)
+                .unwrap();
+            let seq = |tokens, cached, table, logits| SeqBatch {
+                tokens,
+                cached,
+                block_table: table,
+                logits,
+                lora: None,
+            };
+            let got = b
+                .forward(&[seq(&p0, 0, &t0, logits[0]), seq(&p1, 0, &t1, logits[1])])
+                .unwrap();
+            let next = [seq(&[4], p0.len(), &t0, 1), seq(&[9], p1.len(), &t1, 1)];
+            (bits(&got), bits(&b.forward(&next).unwrap()))
+        };
+        let (all, after_all) = step([p0.len(), p1.len()]);
+        for (logits, rows) in [([1, 1], [19, 24]), ([0, 2], [23, 24])] {
+            let (got, after) = step(logits);
+            let want: Vec<u32> = rows
+                .iter()
+                .flat_map(|&r| all[r * vocab..(r + 1) * vocab].to_vec())
+                .collect();
+            assert_eq!(got, want, "{logits:?}");
+            assert_eq!(after, after_all, "the step after {logits:?}");
+        }
+    }
+
     /// A rank that does not come to a collective fails the step with the watchdog's error,
     /// naming it; the group is rebuilt, and the next step is right again.
     #[test]
