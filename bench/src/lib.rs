@@ -263,6 +263,18 @@ pub fn run_engine_bench(
         0 => 1.0,
         n => ran as f64 / n as f64 / active,
     };
+    // The CPU device's last layer runs its output product and MLP only for the rows that want
+    // logits (not in an expert-parallel group, nor with adapters): those ops' FLOPs at `rows`
+    // rows a layer but the last, `head_rows` there.
+    let on_cpu = engine.backend().is_cpu();
+    let layers = engine.model_config().num_layers.max(1) as f64;
+    let prunes = on_cpu && !lora && !engine.backend().device().contains(", ep ");
+    let layer_rows = move |op: &str, rows: f64, head_rows: f64| match op {
+        "o" | "gate_up" | "down" | "router" | "experts" if prunes => {
+            rows * (layers - 1.0) / layers + head_rows / layers
+        }
+        _ => rows,
+    };
     let shares = |times: &tandem_engine::OpTimes,
                   scale: f64,
                   steps: usize,
@@ -279,7 +291,11 @@ pub fn run_engine_bench(
                     .iter()
                     .find(|w| w.0 == op)
                     .map_or((0, 0), |w| (w.1, w.2));
-                let rows = if op == "head" { head_rows } else { rows };
+                let rows = if op == "head" {
+                    head_rows
+                } else {
+                    layer_rows(op, rows, head_rows)
+                };
                 let bytes = match op {
                     "experts" => (bytes as f64 * reads).round() as usize,
                     _ => bytes,
@@ -323,10 +339,14 @@ pub fn run_engine_bench(
             // The prompts' own attention (their random tokens share no prefix). Decode rows
             // that shared a prefill step (a batch whose prompts took several steps) are not
             // counted: the rate is a floor there.
-            b.batch as f64 * prompt_attention_flops(engine.model_config(), b.prompt_len),
+            b.batch as f64
+                * prompt_attention_flops(engine.model_config(), b.prompt_len)
+                * match prunes {
+                    true => pruned_attention_share(engine.model_config(), b.prompt_len),
+                    false => 1.0,
+                },
         )
     });
-    let on_cpu = engine.backend().is_cpu();
     let tp = engine.backend().tp();
     let roof = if on_cpu {
         roofline::measure()
@@ -355,10 +375,16 @@ pub fn run_engine_bench(
     // (`prompt_len` tokens a prefill). (Until issue 45's session this counted the head for every
     // prompt token, which overstated a dense model's prefill fraction by the head's share of
     // its weights: SmolLM2's 87% was 69%.)
+    // Where the last layer keeps only the rows that want logits, its output product and MLP
+    // run once a prompt too.
     let c = engine.model_config();
+    let once = match prunes {
+        true => last_layer_kept_params(c) as f64,
+        false => 0.0,
+    };
     let flops_per_token = 2.0
-        * (projection_params(c) as f64
-            + (c.vocab_size * c.hidden_size) as f64 / b.prompt_len.max(1) as f64);
+        * (projection_params(c) as f64 - once
+            + ((c.vocab_size * c.hidden_size) as f64 + once) / b.prompt_len.max(1) as f64);
     Ok(EngineReport {
         batch: b.batch,
         prompt_len: b.prompt_len,
@@ -421,6 +447,31 @@ pub fn prompt_attention_flops(c: &tandem_model::ModelConfig, len: usize) -> f64 
 }
 
 /// Weights in the layers' projections (attention and MLP), the head not included.
+/// The share of a prompt's attention FLOPs ([`prompt_attention_flops`]) computed where the last
+/// layer attends only its last row: every layer's keys but the last's, where one row's.
+pub fn pruned_attention_share(c: &tandem_model::ModelConfig, len: usize) -> f64 {
+    let keys: usize = (0..len)
+        .map(|p| c.sliding_window.map_or(p + 1, |w| (p + 1).min(w)))
+        .sum();
+    if keys == 0 {
+        return 1.0;
+    }
+    let last = c.sliding_window.map_or(len, |w| len.min(w));
+    let l = c.num_layers.max(1) as f64;
+    ((l - 1.0) * keys as f64 + last as f64) / (l * keys as f64)
+}
+
+/// A layer's weights past its q|k|v product (the output product and the MLP, or the router
+/// and the experts a token runs): what the last layer runs only for the rows that want logits.
+fn last_layer_kept_params(c: &tandem_model::ModelConfig) -> usize {
+    let (h, hd) = (c.hidden_size, c.head_dim);
+    let mlp = match &c.moe {
+        None => 3 * h * c.intermediate_size,
+        Some(m) => h * m.experts + 3 * h * m.expert_ff * m.active,
+    };
+    h * (c.num_heads * hd) + mlp
+}
+
 pub(crate) fn projection_params(c: &tandem_model::ModelConfig) -> usize {
     let (h, ff, hd) = (c.hidden_size, c.intermediate_size, c.head_dim);
     // A mixture of experts: the router, and the experts a token runs.
@@ -463,5 +514,19 @@ mod tests {
             prompt_attention_flops(&c, 10),
             per_key * (1 + 2 + 3 + 4 * 7) as f64
         );
+    }
+
+    #[test]
+    fn a_last_layer_of_one_row_counts_that_rows_keys_and_weights_alone() {
+        // Two layers: the first attends 1 + … + 10 = 55 keys, the last the last row's 10.
+        let c = small(None);
+        assert_eq!(pruned_attention_share(&c, 10), (55.0 + 10.0) / (2.0 * 55.0));
+        assert_eq!(pruned_attention_share(&c, 1), 1.0);
+        assert_eq!(pruned_attention_share(&c, 0), 1.0);
+        // Within a window of 4: the first layer 1 + 2 + 3 + 4·7 = 34 keys, the last row 4.
+        let c = small(Some(4));
+        assert_eq!(pruned_attention_share(&c, 10), (34.0 + 4.0) / (2.0 * 34.0));
+        // The output product (32 × 32) and the MLP (3 × 32 × 64) of a layer.
+        assert_eq!(last_layer_kept_params(&c), 32 * 32 + 3 * 32 * 64);
     }
 }
