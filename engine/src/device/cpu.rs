@@ -1099,17 +1099,22 @@ mod tests {
     use crate::sampler::Sampler;
     use tandem_types::ValidSampling;
 
-    /// What a device's argmax step must return: per row, the token and log-probability the
-    /// host sampler would have produced from the logits.
-    #[test]
-    fn argmax_steps_pick_what_the_sampler_would() {
-        let pool = PoolSize {
+    /// A pool of eight f32 blocks of 16 slots.
+    fn pool_of_8() -> PoolSize {
+        PoolSize {
             block_size: 16,
             kv_cache_mb: 0,
             num_blocks: Some(8),
             kv_dtype: KvDtype::F32,
             gpu_memory_fraction: None,
-        };
+        }
+    }
+
+    /// What a device's argmax step must return: per row, the token and log-probability the
+    /// host sampler would have produced from the logits.
+    #[test]
+    fn argmax_steps_pick_what_the_sampler_would() {
+        let pool = pool_of_8();
         let mut b = CpuBackend::new(tiny_model(3), &pool).unwrap();
         assert!(!b.picks_on_device());
         assert_eq!(b.kv_dtype_name(), "f32");
@@ -1152,13 +1157,7 @@ mod tests {
     /// chunk before its last, reads the same cache).
     #[test]
     fn the_last_layer_keeps_only_the_rows_that_want_logits_and_changes_no_bit() {
-        let pool = PoolSize {
-            block_size: 16,
-            kv_cache_mb: 0,
-            num_blocks: Some(8),
-            kv_dtype: KvDtype::F32,
-            gpu_memory_fraction: None,
-        };
+        let pool = pool_of_8();
         let p0: Vec<u32> = (0..20).map(|i| (i * 7 + 3) % 50).collect();
         let p1 = [11u32, 3, 40, 8, 21];
         let (t0, t1) = ([0u32, 1], [2u32]);
@@ -1224,13 +1223,7 @@ mod tests {
     /// backend it changes no result, only the time.
     #[test]
     fn a_slowed_backend_gives_the_same_logits_and_refuses_bad_factors() {
-        let pool = PoolSize {
-            block_size: 16,
-            kv_cache_mb: 0,
-            num_blocks: Some(8),
-            kv_dtype: KvDtype::F32,
-            gpu_memory_fraction: None,
-        };
+        let pool = pool_of_8();
         let make = || Box::new(CpuBackend::new(tiny_model(3), &pool).unwrap()) as Box<dyn Backend>;
         for factor in [0.5, f64::NAN, f64::INFINITY] {
             assert!(
