@@ -269,11 +269,12 @@ pub fn run_engine_bench(
     let on_cpu = engine.backend().is_cpu();
     let layers = engine.model_config().num_layers.max(1) as f64;
     let prunes = on_cpu && !lora && !engine.backend().device().contains(", ep ");
-    let layer_rows = move |op: &str, rows: f64, head_rows: f64| match op {
+    // (Summed over the layers and divided after, so that whole counts stay whole.)
+    let op_flops = move |op: &str, n: f64, rows: f64, head_rows: f64| match op {
         "o" | "gate_up" | "down" | "router" | "experts" if prunes => {
-            rows * (layers - 1.0) / layers + head_rows / layers
+            2.0 * n * (rows * (layers - 1.0) + head_rows) / layers
         }
-        _ => rows,
+        _ => 2.0 * n * rows,
     };
     let shares = |times: &tandem_engine::OpTimes,
                   scale: f64,
@@ -291,11 +292,7 @@ pub fn run_engine_bench(
                     .iter()
                     .find(|w| w.0 == op)
                     .map_or((0, 0), |w| (w.1, w.2));
-                let rows = if op == "head" {
-                    head_rows
-                } else {
-                    layer_rows(op, rows, head_rows)
-                };
+                let rows = if op == "head" { head_rows } else { rows };
                 let bytes = match op {
                     "experts" => (bytes as f64 * reads).round() as usize,
                     _ => bytes,
@@ -306,7 +303,7 @@ pub fn run_engine_bench(
                     weight_bytes: bytes * steps,
                     flops: match op {
                         "attention" => attention_flops,
-                        _ => 2.0 * n as f64 * rows,
+                        _ => op_flops(op, n as f64, rows, head_rows),
                     },
                 }
             })
@@ -340,10 +337,9 @@ pub fn run_engine_bench(
             // that shared a prefill step (a batch whose prompts took several steps) are not
             // counted: the rate is a floor there.
             b.batch as f64
-                * prompt_attention_flops(engine.model_config(), b.prompt_len)
                 * match prunes {
-                    true => pruned_attention_share(engine.model_config(), b.prompt_len),
-                    false => 1.0,
+                    true => pruned_prompt_attention_flops(engine.model_config(), b.prompt_len),
+                    false => prompt_attention_flops(engine.model_config(), b.prompt_len),
                 },
         )
     });
@@ -447,18 +443,15 @@ pub fn prompt_attention_flops(c: &tandem_model::ModelConfig, len: usize) -> f64 
 }
 
 /// Weights in the layers' projections (attention and MLP), the head not included.
-/// The share of a prompt's attention FLOPs ([`prompt_attention_flops`]) computed where the last
-/// layer attends only its last row: every layer's keys but the last's, where one row's.
-pub fn pruned_attention_share(c: &tandem_model::ModelConfig, len: usize) -> f64 {
+/// [`prompt_attention_flops`] where the last layer attends the prompt's last row alone: every
+/// layer's keys but the last's, where that row's.
+pub fn pruned_prompt_attention_flops(c: &tandem_model::ModelConfig, len: usize) -> f64 {
     let keys: usize = (0..len)
         .map(|p| c.sliding_window.map_or(p + 1, |w| (p + 1).min(w)))
         .sum();
-    if keys == 0 {
-        return 1.0;
-    }
     let last = c.sliding_window.map_or(len, |w| len.min(w));
-    let l = c.num_layers.max(1) as f64;
-    ((l - 1.0) * keys as f64 + last as f64) / (l * keys as f64)
+    let per_key = (c.num_heads * 2 * 2 * c.head_dim) as f64;
+    per_key * (c.num_layers.saturating_sub(1) * keys + last.min(keys)) as f64
 }
 
 /// A layer's weights past its q|k|v product (the output product and the MLP, or the router
@@ -518,14 +511,25 @@ mod tests {
 
     #[test]
     fn a_last_layer_of_one_row_counts_that_rows_keys_and_weights_alone() {
-        // Two layers: the first attends 1 + … + 10 = 55 keys, the last the last row's 10.
+        // Two layers: the first attends 1 + … + 10 = 55 keys, the last the last row's 10; each
+        // key of a layer 8 multiply-adds for its score and 8 for its value, for 4 heads.
+        let per_key = 4.0 * 4.0 * 8.0;
         let c = small(None);
-        assert_eq!(pruned_attention_share(&c, 10), (55.0 + 10.0) / (2.0 * 55.0));
-        assert_eq!(pruned_attention_share(&c, 1), 1.0);
-        assert_eq!(pruned_attention_share(&c, 0), 1.0);
+        assert_eq!(
+            pruned_prompt_attention_flops(&c, 10),
+            per_key * (55.0 + 10.0)
+        );
+        assert_eq!(
+            pruned_prompt_attention_flops(&c, 1),
+            prompt_attention_flops(&c, 1)
+        );
+        assert_eq!(pruned_prompt_attention_flops(&c, 0), 0.0);
         // Within a window of 4: the first layer 1 + 2 + 3 + 4·7 = 34 keys, the last row 4.
         let c = small(Some(4));
-        assert_eq!(pruned_attention_share(&c, 10), (34.0 + 4.0) / (2.0 * 34.0));
+        assert_eq!(
+            pruned_prompt_attention_flops(&c, 10),
+            per_key * (34.0 + 4.0)
+        );
         // The output product (32 × 32) and the MLP (3 × 32 × 64) of a layer.
         assert_eq!(last_layer_kept_params(&c), 32 * 32 + 3 * 32 * 64);
     }

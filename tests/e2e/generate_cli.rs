@@ -307,10 +307,12 @@ fn the_engine_bench_profiles_the_prefill_and_a_decode_step_by_op() {
         "{timed} ms of ops in steps of {step_ms} ms"
     );
 
-    // The prefill: both prompts (32 tokens) in one step, each projection's FLOPs at 32 rows, the
-    // head's at the two rows that sample, and attention's the prompts' causal scores and
-    // weighted values (each of a prompt's 16 tokens against itself and the tokens before it:
-    // 136 keys, 4 FLOPs a head dimension each, for every query head of every layer), within the
+    // The prefill: both prompts (32 tokens) in one step, each projection's FLOPs at 32 rows (in
+    // the last layer, the output product's and the MLP's at the two rows that sample: the others
+    // stop there once their keys and values are cached), the head's at those two rows, and
+    // attention's the prompts' causal scores and weighted values (each of a prompt's 16 tokens
+    // against itself and the tokens before it: 136 keys, 4 FLOPs a head dimension each, for
+    // every query head of every layer but the last, where the last token's 16 keys), within the
     // prefill's time.
     let ops = r["prefill_ops"].as_array().expect("a prefill profile");
     let names: Vec<&str> = ops.iter().map(|o| o["op"].as_str().unwrap()).collect();
@@ -322,10 +324,12 @@ fn the_engine_bench_profiles_the_prefill_and_a_decode_step_by_op() {
     for o in ops {
         let op = o["op"].as_str().unwrap();
         timed += o["ms"].as_f64().unwrap();
-        let rows = if op == "head" { 2 } else { 32 };
+        let layers = m.num_layers;
         let flops = match op {
-            "attention" => 2 * m.num_layers * m.num_heads * 4 * hd * 136,
-            _ => 2 * rows * weights(op),
+            "attention" => 2 * m.num_heads * 4 * hd * ((layers - 1) * 136 + 16),
+            "head" => 2 * 2 * weights(op),
+            "o" | "gate_up" | "down" => 2 * weights(op) / layers * (32 * (layers - 1) + 2),
+            _ => 2 * 32 * weights(op),
         };
         assert_eq!(o["flops"].as_f64().unwrap(), flops as f64, "prefill {op}");
     }
