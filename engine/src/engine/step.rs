@@ -293,14 +293,22 @@ impl Engine {
     /// Takes the finished out of the running set (their events in step order, then the forked
     /// samples that ended at their first token) and places the forked samples that go on.
     fn retire(&mut self, done: Advanced, events: &mut Vec<Event>) {
-        // Highest index first so the earlier indices stay valid, then back in step order.
-        let mut gone: Vec<_> = done
-            .finished
-            .iter()
-            .rev()
-            .map(|&(i, r)| (self.running.remove(i), r))
+        // Highest index first so the lower indices stay valid, then back in step order. (The
+        // step's order is the plan's, which need not ascend: a sequence admitted in a higher
+        // band than one planned before it is inserted below it. Two of them finishing in one
+        // step, taken in the plan's order reversed, removed the wrong one and then one past
+        // the end.)
+        let mut by_index: Vec<usize> = (0..done.finished.len()).collect();
+        by_index.sort_unstable_by_key(|&k| std::cmp::Reverse(done.finished[k].0));
+        let mut taken: Vec<Option<Seq>> = (0..done.finished.len()).map(|_| None).collect();
+        for k in by_index {
+            taken[k] = Some(self.running.remove(done.finished[k].0));
+        }
+        let gone: Vec<_> = taken
+            .into_iter()
+            .zip(&done.finished)
+            .map(|(s, &(_, r))| (s.expect("each finished sequence is taken once"), r))
             .collect();
-        gone.reverse();
         for (s, _) in &gone {
             self.learn(s);
         }

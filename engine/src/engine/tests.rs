@@ -863,6 +863,40 @@ fn a_higher_band_is_admitted_first() {
     assert_eq!(order, [2, 4, 0, 1, 3]);
 }
 
+/// A higher band's prompt admitted beside a lower band's decode goes in below it in the running
+/// set, after it in the plan; both finishing in that step leave the set whole (taken in the
+/// plan's order reversed, the lower index went first and the engine panicked: "removal index
+/// (is 1) should be < len (is 1)").
+#[test]
+fn two_finishing_out_of_index_order_in_one_step_both_leave() {
+    let mut e = engine(config());
+    let low = Request {
+        priority: 0,
+        ..req((0..6).collect(), 2)
+    };
+    let high = Request {
+        priority: 5,
+        ..req((20..26).collect(), 1)
+    };
+    e.add(RequestId(0), low).unwrap();
+    // The low band's prompt and first token.
+    let (first, _) = e.step().unwrap();
+    assert!(first.iter().all(|ev| !matches!(ev, Event::Finished(_))));
+    e.add(RequestId(1), high).unwrap();
+    // Its last token and the high band's only one, in one step.
+    let (second, _) = e.step().unwrap();
+    let done: Vec<(u64, usize)> = second
+        .iter()
+        .filter_map(|ev| match ev {
+            Event::Finished(f) => Some((f.request.0, f.output_ids.len())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(done, [(0, 2), (1, 1)], "in step order");
+    assert!(!e.has_work());
+    assert_eq!(e.stats().blocks_used, 0);
+}
+
 /// When the pool runs short, a lower band's sequence is preempted before a higher band's,
 /// though it is the older; each still gets the tokens it gets alone.
 #[test]
