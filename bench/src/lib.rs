@@ -263,12 +263,11 @@ pub fn run_engine_bench(
         0 => 1.0,
         n => ran as f64 / n as f64 / active,
     };
-    // The CPU device's last layer runs its output product and MLP only for the rows that want
-    // logits (not in an expert-parallel group, nor with adapters): those ops' FLOPs at `rows`
-    // rows a layer but the last, `head_rows` there.
-    let on_cpu = engine.backend().is_cpu();
+    // A pruning device's last layer runs its output product and MLP only for the rows that
+    // want logits (not with adapters): those ops' FLOPs at `rows` rows a layer but the last,
+    // `head_rows` there.
     let layers = engine.model_config().num_layers.max(1) as f64;
-    let prunes = on_cpu && !lora && !engine.backend().device().contains(", ep ");
+    let prunes = engine.backend().prunes_last_layer() && !lora;
     // (Summed over the layers and divided after, so that whole counts stay whole.)
     let op_flops = move |op: &str, n: f64, rows: f64, head_rows: f64| match op {
         "o" | "gate_up" | "down" | "router" | "experts" if prunes => {
@@ -344,7 +343,7 @@ pub fn run_engine_bench(
         )
     });
     let tp = engine.backend().tp();
-    let roof = if on_cpu {
+    let roof = if engine.backend().is_cpu() {
         roofline::measure()
     } else {
         roofline::Roofline::default()

@@ -115,6 +115,13 @@ pub trait Backend: Send {
         false
     }
 
+    /// Whether a step's last layer runs its output product, MLP and attention outputs only
+    /// for the rows that want logits (`StepOps::keep_logit_rows`) where no adapter runs; by
+    /// default every row goes on to the end.
+    fn prunes_last_layer(&self) -> bool {
+        false
+    }
+
     /// Whether steps can run sequences with LoRA adapters (rows of several adapters and of
     /// the base in one step).
     fn supports_lora(&self) -> bool {
@@ -316,6 +323,9 @@ impl Backend for Slowed {
     }
     fn is_cpu(&self) -> bool {
         self.inner.is_cpu()
+    }
+    fn prunes_last_layer(&self) -> bool {
+        self.inner.prunes_last_layer()
     }
     fn supports_lora(&self) -> bool {
         self.inner.supports_lora()

@@ -655,13 +655,13 @@ fn layers_and_head<D: StepOps>(
                 d.qkv_extras(qkv, l.qkv_bias.as_ref(), norms, t)
             )?;
         }
-        if li == last && !lora && n < t {
-            if let Some(kept) = d.keep_logit_rows(x)? {
-                m = kept;
-            }
-        }
+        let kept = match li == last && !lora && n < t {
+            true => d.keep_logit_rows(x)?,
+            false => None,
+        };
+        m = kept.unwrap_or(m);
         op!(times, d, attention, d.attention(li, qkv, att))?;
-        if m < t && m == 0 {
+        if kept == Some(0) {
             // No row wants logits (a prompt's chunk before its last): its keys and values,
             // cached, were all the last layer had to give. (A step of no rows goes through
             // every layer: an expert-parallel rank's experts serve the other ranks' rows.)

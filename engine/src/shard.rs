@@ -189,6 +189,12 @@ impl TpShard {
     pub fn is_whole(&self) -> bool {
         self.size == 1
     }
+
+    /// Whether this rank is one of an expert-parallel group of more than one (whose ranks
+    /// run different rows).
+    pub fn is_expert_parallel(&self) -> bool {
+        self.ep.is_some_and(|(_, size)| size > 1)
+    }
 }
 
 /// How a vocabulary of `vocab` tokens splits over `size` ranks: the slice each rank holds but

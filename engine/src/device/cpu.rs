@@ -749,7 +749,7 @@ impl StepOps for CpuStep<'_> {
         // An expert-parallel group keeps every row: its ranks run different rows, and the
         // experts' exchanges are of each rank's rows. (A tensor-parallel group's ranks run the
         // same rows and keep the same ones.)
-        if n == self.step.tokens.len() || self.shard.ep.is_some_and(|(_, size)| size > 1) {
+        if n == self.step.tokens.len() || self.shard.is_expert_parallel() {
             return Ok(None);
         }
         // Rows only move up (`rows` ascends), so each is read before it is overwritten.
@@ -1089,6 +1089,10 @@ impl Backend for CpuBackend {
 
     fn is_cpu(&self) -> bool {
         true
+    }
+
+    fn prunes_last_layer(&self) -> bool {
+        !self.model.shard.is_expert_parallel()
     }
 }
 

@@ -301,6 +301,11 @@ impl Backend for TpCpuBackend {
         true
     }
 
+    fn prunes_last_layer(&self) -> bool {
+        // An expert-parallel group's ranks run different rows: they keep every row.
+        !self.setup.experts
+    }
+
     fn host_pools(&self) -> Vec<RankPool<'_>> {
         self.pools
             .iter()

@@ -298,23 +298,19 @@ impl Engine {
         // band than one planned before it is inserted below it. Two of them finishing in one
         // step, taken in the plan's order reversed, removed the wrong one and then one past
         // the end.)
-        let mut by_index: Vec<usize> = (0..done.finished.len()).collect();
-        by_index.sort_unstable_by_key(|&k| std::cmp::Reverse(done.finished[k].0));
-        let mut taken: Vec<Option<Seq>> = (0..done.finished.len()).map(|_| None).collect();
-        for k in by_index {
-            taken[k] = Some(self.running.remove(done.finished[k].0));
-        }
-        let gone: Vec<_> = taken
+        let mut order: Vec<_> = done.finished.iter().enumerate().collect();
+        order.sort_unstable_by_key(|&(_, &(index, _))| std::cmp::Reverse(index));
+        let mut gone: Vec<_> = order
             .into_iter()
-            .zip(&done.finished)
-            .map(|(s, &(_, r))| (s.expect("each finished sequence is taken once"), r))
+            .map(|(k, &(index, r))| (k, self.running.remove(index), r))
             .collect();
-        for (s, _) in &gone {
+        gone.sort_unstable_by_key(|&(k, ..)| k);
+        for (_, s, _) in &gone {
             self.learn(s);
         }
         events.extend(
             gone.into_iter()
-                .map(|(s, r)| Event::Finished(s.finished(r))),
+                .map(|(_, s, r)| Event::Finished(s.finished(r))),
         );
         events.extend(done.forked_done.into_iter().map(Event::Finished));
         // Forked samples run right after their parent: admitted with it, they are older than
