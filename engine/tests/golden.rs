@@ -12,7 +12,7 @@ use tandem_engine::{
 
 #[test]
 fn greedy_tokens_equal_golden_in_one_batch() {
-    let (mut e, recs) = engine(WeightFormat::Native, EngineConfig::default());
+    let (mut e, recs) = engine(WeightFormat::Native, golden_config());
     check_all(&mut e, &recs);
 }
 
@@ -25,7 +25,7 @@ fn greedy_tokens_equal_golden_with_small_blocks_and_chunked_prefill() {
             EngineConfig {
                 block_size: bs,
                 max_batched_tokens: 37,
-                ..Default::default()
+                ..golden_config()
             },
         );
         check_all(&mut e, &recs);
@@ -48,7 +48,7 @@ fn the_golden_checks_run_at_the_requested_kernel_level() {
 
 #[test]
 fn prompts_run_on_the_amx_tiles_only_where_switched_on() {
-    let (e, _) = engine(WeightFormat::Native, EngineConfig::default());
+    let (e, _) = engine(WeightFormat::Native, golden_config());
     let model = e.cpu_model().expect("the golden engine runs on the CPU");
     // Off by default (they are not batch-invariant); TANDEM_AMX=1 turns them on.
     if tandem_kernels::amx::active() {
@@ -63,19 +63,19 @@ fn prompts_run_on_the_amx_tiles_only_where_switched_on() {
 
 #[test]
 fn f32_weights_give_the_same_tokens() {
-    let (mut e, recs) = engine(WeightFormat::F32, EngineConfig::default());
+    let (mut e, recs) = engine(WeightFormat::F32, golden_config());
     check_all(&mut e, &recs);
 }
 
 #[test]
 fn last_position_logits_within_1e_3() {
-    let (mut e, _) = engine(WeightFormat::Native, EngineConfig::default());
+    let (mut e, _) = engine(WeightFormat::Native, golden_config());
     check_lastpos_logits(&mut e, "");
 }
 
 #[test]
 fn random_arrivals_equal_each_prompt_alone_and_golden() {
-    let (mut e, recs) = engine(WeightFormat::Native, EngineConfig::default());
+    let (mut e, recs) = engine(WeightFormat::Native, golden_config());
     // Each prompt alone (the prefix cache is cleared so nothing is shared).
     let mut alone = Vec::new();
     for r in requests(&recs) {
@@ -237,7 +237,7 @@ fn speculative_golden(method: SpecMethod, tokens: usize, runs: Runs) {
         c.num_layers = 8;
         let model = CpuModel::from_tensors(&c, &m.tensors, WeightFormat::Native).unwrap();
         let pool = PoolSize {
-            block_size: EngineConfig::default().block_size,
+            block_size: golden_config().block_size,
             kv_cache_mb: 0,
             num_blocks: Some(512),
             kv_dtype: KvDtype::F32,
@@ -253,7 +253,7 @@ fn speculative_golden(method: SpecMethod, tokens: usize, runs: Runs) {
     let cfg = EngineConfig {
         max_batched_tokens: 64,
         speculative: Some(spec),
-        ..EngineConfig::default()
+        ..golden_config()
     };
     let small_draft = method == SpecMethod::Draft(SMALL_DRAFT.into());
     // An engine of `cfg`; the small draft is set on it (it is no file).
@@ -317,7 +317,7 @@ fn speculative_golden(method: SpecMethod, tokens: usize, runs: Runs) {
 
 #[test]
 fn preempted_sequences_recompute_the_same_tokens() {
-    let cfg = EngineConfig::default();
+    let cfg = golden_config();
     let (probe, recs) = engine(WeightFormat::Native, cfg.clone());
     let reqs = requests(&recs);
     for prefix_caching in [false, true] {
@@ -370,7 +370,7 @@ fn preempting(
 /// chunks beside other sequences, and its sampler resumes where it stopped.
 #[test]
 fn seeded_samples_are_the_same_after_preemption() {
-    let cfg = EngineConfig::default();
+    let cfg = golden_config();
     let sampled = |recs: &[serde_json::Value]| -> Vec<tandem_engine::Request> {
         recs.iter()
             .enumerate()
@@ -416,7 +416,7 @@ fn seeded_samples_are_the_same_after_preemption() {
 
 #[test]
 fn prefix_cache_hits_recompute_fewer_tokens_and_keep_tokens_exact() {
-    let (mut e, recs) = engine(WeightFormat::Native, EngineConfig::default());
+    let (mut e, recs) = engine(WeightFormat::Native, golden_config());
     let mut prefill = [0usize; 2];
     for p in &mut prefill {
         let outs = e
@@ -473,7 +473,7 @@ fn cache_against_golden(dtype: KvDtype) -> (usize, usize, usize) {
         WeightFormat::Native,
         EngineConfig {
             kv_dtype: dtype,
-            ..Default::default()
+            ..golden_config()
         },
     );
     let outs = run_all(&mut e, &recs);

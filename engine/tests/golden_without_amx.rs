@@ -4,13 +4,13 @@
 mod golden_support;
 
 use golden_support::*;
-use tandem_engine::{EngineConfig, WeightFormat};
+use tandem_engine::WeightFormat;
 
 #[test]
 fn greedy_tokens_equal_golden_without_amx() {
     tandem_kernels::amx::set_enabled(false);
     for format in [WeightFormat::Native, WeightFormat::F32] {
-        let (mut e, recs) = engine(format, EngineConfig::default());
+        let (mut e, recs) = engine(format, golden_config());
         check_all(&mut e, &recs);
     }
 }

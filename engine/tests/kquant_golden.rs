@@ -10,7 +10,7 @@ mod golden_support;
 use std::path::PathBuf;
 
 use golden_support::*;
-use tandem_engine::{CpuModel, Engine, EngineConfig, WeightFormat};
+use tandem_engine::{CpuModel, Engine, WeightFormat};
 use tandem_model::GgmlType;
 
 /// The folder scripts/kquant-golden fills: `TANDEM_KQUANTS`, or `kquants` in the model cache.
@@ -36,7 +36,7 @@ fn engine_for(path: &std::path::Path) -> (Engine, tandem_model::LoadedModel) {
     let eos = m.tokenizer.eos_token_ids.clone();
     let e = Engine::new(
         CpuModel::new(&m, WeightFormat::Native).unwrap(),
-        EngineConfig::default(),
+        golden_config(),
         eos,
     )
     .unwrap();

@@ -9,9 +9,9 @@ mod golden_support;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use golden_support::{assert_no_blocks_held, engine, greedy_request, ids};
+use golden_support::{assert_no_blocks_held, engine, golden_config, greedy_request, ids};
 use serde_json::Value;
-use tandem_engine::{CpuModel, EngineConfig, KvDtype, KvPool, Request, SeqBatch, WeightFormat};
+use tandem_engine::{CpuModel, KvDtype, KvPool, Request, SeqBatch, WeightFormat};
 use tandem_model::LoraAdapter;
 
 const ADAPTERS: [&str; 4] = ["alpha", "beta", "gamma", "delta"];
@@ -88,7 +88,7 @@ fn with_adapter(mut r: Request, a: Option<&Arc<LoraAdapter>>) -> Request {
 
 #[test]
 fn each_adapter_alone_equals_hf_peft_in_float32() {
-    let (mut e, _) = engine(WeightFormat::F32, EngineConfig::default());
+    let (mut e, _) = engine(WeightFormat::F32, golden_config());
     for name in ADAPTERS {
         let a = adapter(name);
         for (i, case) in reference(name).iter().enumerate() {
@@ -109,7 +109,7 @@ fn each_adapter_alone_equals_hf_peft_in_float32() {
 /// logits as close to PEFT's as the base's are to HF's (the golden check's bound).
 #[test]
 fn each_adapter_on_the_quantized_weights_gives_peft_s_tokens() {
-    let (mut e, _) = engine(WeightFormat::Native, EngineConfig::default());
+    let (mut e, _) = engine(WeightFormat::Native, golden_config());
     for name in ADAPTERS {
         let a = adapter(name);
         let cases = reference(name);
@@ -156,7 +156,7 @@ fn sampled(
 
 #[test]
 fn four_adapters_and_the_base_in_one_batch_give_each_row_its_solo_bits() {
-    let (mut e, _) = engine(WeightFormat::Native, EngineConfig::default());
+    let (mut e, _) = engine(WeightFormat::Native, golden_config());
     let prompts: Vec<Vec<u32>> = reference("alpha").into_iter().map(|c| c.prompt).collect();
     let mut jobs = Vec::new();
     for p in &prompts {
@@ -236,7 +236,7 @@ fn a_packed_step_of_mixed_adapters_equals_each_sequence_alone() {
 
 #[test]
 fn a_prefix_is_reused_within_an_adapter_and_never_across_adapters() {
-    let (mut e, _) = engine(WeightFormat::Native, EngineConfig::default());
+    let (mut e, _) = engine(WeightFormat::Native, golden_config());
     let prompt = reference("alpha").remove(1).prompt;
     assert!(prompt.len() > 2 * 16, "a prompt of several blocks");
     let (alpha, beta) = (adapter("alpha"), adapter("beta"));

@@ -33,7 +33,7 @@ fn tp(size: usize, m: &tandem_model::LoadedModel, cfg: &EngineConfig) -> TpCpuBa
 #[test]
 fn tp3_generates_the_golden_tokens_in_one_batch() {
     let m = loaded();
-    let cfg = EngineConfig::default();
+    let cfg = golden_config();
     let b = tp(3, &m, &cfg);
     assert_eq!(b.device(), "cpu, tp 3");
     let mut e = Engine::with_backend(Box::new(b), cfg, m.tokenizer.eos_token_ids.clone()).unwrap();
@@ -48,7 +48,7 @@ fn tp3_generates_the_golden_tokens_in_one_batch() {
 #[test]
 fn tp3_last_position_logits_within_1e_3() {
     let m = loaded();
-    let cfg = EngineConfig::default();
+    let cfg = golden_config();
     let b = tp(3, &m, &cfg);
     let mut e = Engine::with_backend(Box::new(b), cfg, m.tokenizer.eos_token_ids.clone()).unwrap();
     check_lastpos_logits(&mut e, "tp 3 ");

@@ -13,6 +13,19 @@ pub fn golden_dir() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/golden"))
 }
 
+/// The engine settings the golden checks start from: the defaults, but a KV pool sized for the
+/// golden records rather than a server's 1 GiB. All twelve at once take about 80 MiB of f32
+/// cache; 256 MiB leaves room for the admission lookahead and the prefix cache's kept blocks, so
+/// nothing preempts where a check expects a roomy pool. (An engine faults its whole pool in when
+/// it is made: a GiB cost 0.5-2.7 s of kernel time in a test process on the 2-core test VMs,
+/// and these binaries make dozens of engines at each kernel level.)
+pub fn golden_config() -> EngineConfig {
+    EngineConfig {
+        kv_cache_mb: 256,
+        ..EngineConfig::default()
+    }
+}
+
 pub fn engine(format: WeightFormat, cfg: EngineConfig) -> (Engine, Vec<Value>) {
     let p = tandem_model::default_model_path();
     assert!(
