@@ -400,7 +400,8 @@ fn samples_wider_than_max_seqs_wait_their_turn() {
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
-    /// Random arrivals, lengths, cancels and shared prefixes over pools small enough to preempt:
+    /// Random arrivals, lengths, cancels, priority bands and shared prefixes over pools small
+    /// enough to preempt, prompts in arrival order or shortest first:
     /// every request that runs to its end makes exactly the tokens its own history makes, no
     /// step holds more rows than the budget or more sequences than max_seqs, the pool's counts
     /// add up after every step and every block is free or cached at the end.
@@ -414,6 +415,7 @@ proptest! {
         max_seqs in 1usize..8,
         lookahead in prop::sample::select(vec![0usize, 8, 64]),
         prefix_caching in any::<bool>(),
+        shortest_first in any::<bool>(),
     ) {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
         let cfg = EngineConfig {
@@ -422,6 +424,10 @@ proptest! {
             max_seqs,
             admission_lookahead: lookahead,
             prefix_caching,
+            prefill_order: match shortest_first {
+                true => PrefillOrder::Shortest,
+                false => PrefillOrder::Arrival,
+            },
             ..super::tests::config()
         };
         let (mut e, log) = engine(pool_tokens.div_ceil(block_size), cfg);

@@ -565,7 +565,8 @@ pub(crate) struct Planned {
 pub(crate) type Plan = Vec<Planned>;
 
 /// Up to `n` greedy requests the engine takes (prompts of fewer than `max_prompt` tokens from a
-/// three-token alphabet, so prefixes are shared often; fewer than `max_out` output tokens),
+/// three-token alphabet, so prefixes are shared often; fewer than `max_out` output tokens; half
+/// of them in priority bands from -2 to 2),
 /// arriving within `arrive_within` steps, a `cancel_p` share of them cancelled within
 /// `cancel_within` steps of arriving, and the same share of those with parallel samples having
 /// one sample stopped within that time.
@@ -589,6 +590,11 @@ pub(crate) fn random_plan(
         // request's own, so a sample that reads another's K/V shows).
         if rng.gen_bool(0.25) {
             r.samples.count = rng.gen_range(2..5);
+        }
+        // Half in a band of their own (tenants' priorities): a higher band is admitted first
+        // and preempted last, so a step's plan need not follow the running set's order.
+        if rng.gen_bool(0.5) {
+            r.priority = rng.gen_range(-2..=2);
         }
         if e.validate(&r).is_err() {
             continue;

@@ -395,7 +395,18 @@ fn a_sequence_starts_from_the_worker_s_recent_acceptance() {
         let earlier: Vec<Request> = (0..warm_up)
             .map(|i| req(vec![9 + i as u32, 2, 3], 200))
             .collect();
+        // The earlier requests verify every proposal whole: under the adaptive policy, what
+        // they verify would follow the step-against-step check's and the cost model's
+        // measures of the fake's microseconds, which a busy machine changes (plain steps
+        // measured faster, fewer verifications, a lower recent acceptance).
+        let adapt = |e: &mut Engine, on: bool| {
+            if let Some(s) = &mut e.spec {
+                s.config.adaptive = on;
+            }
+        };
+        adapt(&mut e, false);
         e.generate(earlier, |_| {}, |_| {}).unwrap();
+        adapt(&mut e, true);
         let recent = e.spec.as_ref().map(|s| s.recent.at(3)).unwrap();
         e.add(RequestId(99), req(vec![1, 2, 3], 20)).unwrap();
         e.step().unwrap();
