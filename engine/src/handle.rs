@@ -1035,7 +1035,7 @@ mod tests {
             }
         }
         assert_eq!(n, 3);
-        for _ in 0..200 {
+        for _ in 0..2000 {
             let st = h.stats();
             if st.running == 0 && st.waiting == 0 {
                 break;

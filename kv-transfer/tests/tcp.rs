@@ -675,8 +675,9 @@ async fn bad_frames_are_refused_by_reason_and_deadlines_expire() {
         Err(TransferError::Rejected("bad_layer"))
     ));
     // Half a transfer, then silence: the deadline fails it, and a sender that comes after it
-    // is refused at the handshake.
-    let mut g4 = rx.grant(&ids(&[1]), sink.clone(), Duration::from_millis(300));
+    // is refused at the handshake. (Two seconds: the connection, its handshake and the first
+    // block must land before it, which a busy machine can hold up for a few hundred ms.)
+    let mut g4 = rx.grant(&ids(&[1]), sink.clone(), Duration::from_secs(2));
     let mut s = t.open(&ep, g4.id()).await.unwrap();
     s.send_block(g4.id(), 0, BlockId(1), &payload(0, 1, 256))
         .await

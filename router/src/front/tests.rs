@@ -160,7 +160,9 @@ async fn a_client_that_never_reads_is_cut_off_after_the_write_stall() {
 
 #[tokio::test]
 async fn a_slow_reader_that_keeps_reading_is_never_cut_off() {
-    let (mut conn, mut client) = pair(limits(10_000, 1000)).await;
+    // A write stall limit of 10 s against the reader's pauses of 20 ms: only a reader that
+    // stops would meet it, not a machine that holds the test up for a second.
+    let (mut conn, mut client) = pair(limits(10_000, 10_000)).await;
     let total = 8usize << 20;
     let reader = tokio::spawn(async move {
         let mut buf = vec![0u8; 4096];
