@@ -147,11 +147,13 @@ async fn tenants_get_their_quotas_bands_and_live_changes() {
     assert_eq!(s, 200, "honouring Retry-After succeeds: {v}");
 
     // A long request runs, three more of the batch tenant's wait behind it, then the vip's
-    // arrives: it goes as soon as the long one finishes, before the queue it found.
+    // arrives: it goes as soon as the long one finishes, before the queue it found. (Long
+    // enough that the four are queued, each seen in the router's metrics, before it ends,
+    // on a fast machine whose scrapes a busy one holds up: 128 tokens.)
     let long = {
         let c = c.clone();
         let http = http.to_string();
-        tokio::spawn(async move { complete(&c, &http, "key-batch", 48).await })
+        tokio::spawn(async move { complete(&c, &http, "key-batch", 128).await })
     };
     let end = Instant::now() + Duration::from_secs(60);
     while metric(
