@@ -159,6 +159,11 @@ pub struct EngineArgs {
     /// first).
     #[arg(long, env = "TANDEM_KV_DISK_GB", default_value_t = 16.0)]
     pub kv_disk_gb: f64,
+    /// Most milliseconds a request waits for its prefix's blocks to be read back from
+    /// --kv-disk-dir; what has not arrived by then it computes (a slow or busy volume holds a
+    /// prompt up no longer than this).
+    #[arg(long, env = "TANDEM_KV_DISK_MAX_WAIT_MS", default_value_t = 2000)]
+    pub kv_disk_max_wait_ms: u64,
     /// Other workers write --kv-disk-dir too (a volume a group shares): look for the blocks
     /// they wrote every few seconds, and read each other's.
     #[arg(long, env = "TANDEM_KV_DISK_SHARED")]
@@ -352,6 +357,7 @@ impl EngineArgs {
             (self.kv_disk_gb * (1u64 << 30) as f64) as u64,
             &identity,
         );
+        c.max_wait = std::time::Duration::from_millis(self.kv_disk_max_wait_ms);
         if self.kv_disk_shared {
             c.rescan = Some(std::time::Duration::from_secs(5));
         }
@@ -538,6 +544,22 @@ mod tests {
     use tandem_kernels::cuda::DeviceSpec;
     use tandem_kernels::isa::{active, Isa};
 
+    /// The engine's flags from `args` alone: no TANDEM_* variable of the test's environment
+    /// is read.
+    fn parse(args: &[&str]) -> EngineArgs {
+        use clap::{CommandFactory, FromArgMatches};
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            engine: EngineArgs,
+        }
+        let m = Cli::command()
+            .mut_args(|a| a.env(None))
+            .try_get_matches_from(["tandem"].iter().chain(args))
+            .unwrap();
+        Cli::from_arg_matches(&m).unwrap().engine
+    }
+
     /// Two tokens a proposal on the CPU at AVX2, four at every other level and on a GPU; a
     /// worker started by `up` without the flag works the default out itself, and an explicit
     /// count is passed on and used.
@@ -546,20 +568,13 @@ mod tests {
         let cpu = default_speculative_tokens(&DeviceSpec::Cpu);
         assert_eq!(cpu, if active() == Isa::Avx2 { 2 } else { 4 });
         assert_eq!(default_speculative_tokens(&DeviceSpec::Cuda(0)), 4);
-        // The flags alone: no TANDEM_* variable of the test's environment is read.
         let parse = |extra: &[&str]| {
-            use clap::{CommandFactory, FromArgMatches};
-            #[derive(Parser)]
-            struct Cli {
-                #[command(flatten)]
-                engine: EngineArgs,
-            }
-            let args = ["tandem", "--speculative=ngram"].iter().chain(extra);
-            let m = Cli::command()
-                .mut_args(|a| a.env(None))
-                .try_get_matches_from(args)
-                .unwrap();
-            Cli::from_arg_matches(&m).unwrap().engine
+            let args: Vec<&str> = ["--speculative=ngram"]
+                .iter()
+                .chain(extra)
+                .copied()
+                .collect();
+            parse(&args)
         };
         let default = parse(&[]);
         assert!(!default
@@ -572,5 +587,22 @@ mod tests {
             .flags()
             .contains(&"--num-speculative-tokens=3".to_string()));
         assert_eq!(three.speculative().unwrap().tokens, 3);
+    }
+
+    /// The disk tier's wait for a prefix's blocks is 2 s unless the flag says otherwise; no
+    /// tier without a directory.
+    #[test]
+    fn the_disk_tier_waits_as_long_as_its_flag_says() {
+        let dir = tempfile::tempdir().unwrap();
+        let model = dir.path().join("model.gguf");
+        std::fs::write(&model, b"GGUF").unwrap();
+        let disk = format!("--kv-disk-dir={}", dir.path().join("kv").display());
+        let wait = |args: &[&str]| parse(args).kv_disk(&model).unwrap().map(|c| c.max_wait);
+        assert_eq!(wait(&[]), None);
+        assert_eq!(wait(&[&disk]), Some(std::time::Duration::from_secs(2)));
+        assert_eq!(
+            wait(&[&disk, "--kv-disk-max-wait-ms=250"]),
+            Some(std::time::Duration::from_millis(250))
+        );
     }
 }

@@ -7,10 +7,15 @@ use crate::common;
 
 use common::*;
 
+/// Requests wait for their blocks from disk as long as the read takes (the default gives up
+/// after 2 s and computes them): the tests count blocks read back, which a read slowed by a
+/// busy machine must not turn into blocks computed.
+const PATIENT: &str = "--kv-disk-max-wait-ms=600000";
+
 /// A worker of 24 blocks (384 tokens) over the tier in `dir`, and its router.
 fn cluster(dir: &std::path::Path) -> (Proc, String, Router) {
     let disk = format!("--kv-disk-dir={}", dir.display());
-    let (p, worker) = start_worker(&["--kv-blocks=24", &disk, "--kv-disk-gb=1"]);
+    let (p, worker) = start_worker(&["--kv-blocks=24", &disk, "--kv-disk-gb=1", PATIENT]);
     let router = start_router(std::slice::from_ref(&worker), &[]);
     (p, worker, router)
 }
@@ -51,6 +56,11 @@ async fn a_prompt_pushed_out_of_the_pool_comes_back_from_disk_across_a_restart()
             metric(&m, "tandem_kv_disk_refusals_total{reason=\"checksum\"}"),
             0.0
         );
+        assert_eq!(
+            m.get("tandem_kv_disk_wait_expired_total"),
+            Some(&0.0),
+            "no request stopped waiting for its blocks"
+        );
         assert!(metric(&m, "tandem_kv_disk_bytes_moved_total{direction=\"read\"}") > 0.0);
         assert!(metric(&m, "tandem_kv_disk_bytes{kind=\"used\"}") > 0.0);
         assert_eq!(
@@ -79,7 +89,7 @@ async fn the_router_sends_a_prompt_to_the_worker_holding_it_on_disk() {
         .iter()
         .map(|d| {
             let disk = format!("--kv-disk-dir={}", d.path().display());
-            start_worker(&["--kv-blocks=24", &disk, "--kv-disk-gb=1"])
+            start_worker(&["--kv-blocks=24", &disk, "--kv-disk-gb=1", PATIENT])
         })
         .collect();
     let addrs: Vec<String> = workers.iter().map(|(_, a)| a.clone()).collect();
