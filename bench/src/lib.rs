@@ -435,43 +435,51 @@ pub fn run_engine_bench(
 /// sum of their values weighted by the probabilities, two FLOPs a multiply-add, every query head
 /// of every layer.
 pub fn prompt_attention_flops(c: &tandem_model::ModelConfig, len: usize) -> f64 {
-    let keys: usize = (0..len)
-        .map(|p| c.sliding_window.map_or(p + 1, |w| (p + 1).min(w)))
-        .sum();
-    (c.num_layers * c.num_heads) as f64 * (2 * 2 * c.head_dim) as f64 * keys as f64
+    key_flops(c) * (c.num_layers * prompt_keys(c, len)) as f64
 }
 
-/// Weights in the layers' projections (attention and MLP), the head not included.
 /// [`prompt_attention_flops`] where the last layer attends the prompt's last row alone: every
 /// layer's keys but the last's, where that row's.
 pub fn pruned_prompt_attention_flops(c: &tandem_model::ModelConfig, len: usize) -> f64 {
-    let keys: usize = (0..len)
-        .map(|p| c.sliding_window.map_or(p + 1, |w| (p + 1).min(w)))
-        .sum();
+    let keys = prompt_keys(c, len);
     let last = c.sliding_window.map_or(len, |w| len.min(w));
-    let per_key = (c.num_heads * 2 * 2 * c.head_dim) as f64;
-    per_key * (c.num_layers.saturating_sub(1) * keys + last.min(keys)) as f64
+    key_flops(c) * (c.num_layers.saturating_sub(1) * keys + last.min(keys)) as f64
+}
+
+/// The keys a prompt's `len` tokens see in one layer, summed: each itself and those before it,
+/// within the model's sliding window.
+fn prompt_keys(c: &tandem_model::ModelConfig, len: usize) -> usize {
+    (0..len)
+        .map(|p| c.sliding_window.map_or(p + 1, |w| (p + 1).min(w)))
+        .sum()
+}
+
+/// FLOPs of one key seen by one token in one layer: its score and its weighted value, a
+/// multiply-add a head dimension each, for every query head.
+fn key_flops(c: &tandem_model::ModelConfig) -> f64 {
+    (c.num_heads * 2 * 2 * c.head_dim) as f64
 }
 
 /// A layer's weights past its q|k|v product (the output product and the MLP, or the router
 /// and the experts a token runs): what the last layer runs only for the rows that want logits.
 fn last_layer_kept_params(c: &tandem_model::ModelConfig) -> usize {
-    let (h, hd) = (c.hidden_size, c.head_dim);
-    let mlp = match &c.moe {
-        None => 3 * h * c.intermediate_size,
-        Some(m) => h * m.experts + 3 * h * m.expert_ff * m.active,
-    };
-    h * (c.num_heads * hd) + mlp
+    c.hidden_size * (c.num_heads * c.head_dim) + mlp_params(c)
 }
 
-pub(crate) fn projection_params(c: &tandem_model::ModelConfig) -> usize {
-    let (h, ff, hd) = (c.hidden_size, c.intermediate_size, c.head_dim);
-    // A mixture of experts: the router, and the experts a token runs.
-    let mlp = match &c.moe {
-        None => 3 * h * ff,
+/// A layer's MLP weights a token runs: the dense MLP's, or a mixture of experts' router and
+/// the experts a token runs.
+fn mlp_params(c: &tandem_model::ModelConfig) -> usize {
+    let h = c.hidden_size;
+    match &c.moe {
+        None => 3 * h * c.intermediate_size,
         Some(m) => h * m.experts + 3 * h * m.expert_ff * m.active,
-    };
-    let per_layer = h * (c.num_heads * hd) * 2 + h * (c.num_kv_heads * hd) * 2 + mlp;
+    }
+}
+
+/// Weights in the layers' projections (attention and MLP), the head not included.
+pub(crate) fn projection_params(c: &tandem_model::ModelConfig) -> usize {
+    let (h, hd) = (c.hidden_size, c.head_dim);
+    let per_layer = h * (c.num_heads * hd) * 2 + h * (c.num_kv_heads * hd) * 2 + mlp_params(c);
     c.num_layers * per_layer
 }
 
