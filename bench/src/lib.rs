@@ -441,17 +441,19 @@ pub fn prompt_attention_flops(c: &tandem_model::ModelConfig, len: usize) -> f64 
 /// [`prompt_attention_flops`] where the last layer attends the prompt's last row alone: every
 /// layer's keys but the last's, where that row's.
 pub fn pruned_prompt_attention_flops(c: &tandem_model::ModelConfig, len: usize) -> f64 {
-    let keys = prompt_keys(c, len);
-    let last = c.sliding_window.map_or(len, |w| len.min(w));
-    key_flops(c) * (c.num_layers.saturating_sub(1) * keys + last.min(keys)) as f64
+    let last = len.checked_sub(1).map_or(0, |p| row_keys(c, p));
+    key_flops(c) * (c.num_layers.saturating_sub(1) * prompt_keys(c, len) + last) as f64
 }
 
-/// The keys a prompt's `len` tokens see in one layer, summed: each itself and those before it,
-/// within the model's sliding window.
+/// The keys a prompt's `len` tokens see in one layer, summed.
 fn prompt_keys(c: &tandem_model::ModelConfig, len: usize) -> usize {
-    (0..len)
-        .map(|p| c.sliding_window.map_or(p + 1, |w| (p + 1).min(w)))
-        .sum()
+    (0..len).map(|p| row_keys(c, p)).sum()
+}
+
+/// The keys the token at position `p` sees in one layer: itself and those before it, within the
+/// model's sliding window.
+fn row_keys(c: &tandem_model::ModelConfig, p: usize) -> usize {
+    c.sliding_window.map_or(p + 1, |w| (p + 1).min(w))
 }
 
 /// FLOPs of one key seen by one token in one layer: its score and its weighted value, a
