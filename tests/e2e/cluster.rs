@@ -1276,6 +1276,7 @@ async fn up_restarts_a_crashed_worker_and_stops_cleanly() {
         "--decode-workers=1".into(),
         "--prefill-workers=1".into(),
         "--disagg-min-tokens=1".into(),
+        format!("--worker-arg=--kv-cache-mb={TEST_POOL_MB}"),
     ];
     let (mut up, line) = spawn(&args, Ready::UP);
     let http = format!("http://{}", up_http(&line));
@@ -1389,6 +1390,7 @@ async fn up_autoscale_adds_a_decode_worker_under_a_load_step_and_drains_it_under
         "--autoscale-interval-s=0.2".into(),
         "--autoscale-window-s=2".into(),
         "--scale-down-after-s=2".into(),
+        format!("--worker-arg=--kv-cache-mb={TEST_POOL_MB}"),
     ];
     let (mut up, line) = spawn(&args, Ready::UP);
     let http = format!("http://{}", up_http(&line));
@@ -1509,6 +1511,9 @@ fn the_gpu_checks_cluster_stage_passes_on_the_cpu() {
         .args(["--device=cpu", "--prefill-devices=cpu", "--records=0"])
         .arg(format!("--up-arg=--model={}", model_path().display()))
         .arg("--up-arg=--worker-threads=1")
+        .arg(format!(
+            "--up-arg=--worker-arg=--kv-cache-mb={TEST_POOL_MB}"
+        ))
         .output()
         .expect("run scripts/cluster-check");
     let stdout = String::from_utf8_lossy(&out.stdout);

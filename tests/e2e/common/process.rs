@@ -112,9 +112,15 @@ pub fn start_command(mut cmd: Command, marker: &str) -> Starting {
     }
 }
 
+/// The KV pool of a test's worker, in MiB: 364 blocks of 16 tokens of the test model's f32 cache,
+/// room for a request that reserves the model's whole context (4,096 tokens, 256 blocks; several
+/// tests send one). Not the default gigabyte: a worker faults its whole pool in at start, which
+/// cost 2.8 CPU-s of kernel time a start at 1 GiB and 0.6 at this size (2-core Zen 3).
+pub const TEST_POOL_MB: usize = 256;
+
 /// One `tandem` process to start: a role's flags for tests (loopback, ephemeral ports, the test
-/// model, a small KV pool), then the test's own flags and environment. Every process gets the
-/// test cluster's [`KV_SECRET`] and quiet logs.
+/// model, a [`TEST_POOL_MB`] KV pool), then the test's own flags and environment. Every process
+/// gets the test cluster's [`KV_SECRET`] and quiet logs.
 #[derive(Clone, Debug)]
 pub struct Launch {
     args: Vec<String>,
@@ -140,7 +146,7 @@ impl Launch {
                 "--host=127.0.0.1".into(),
                 "--port=0".into(),
                 format!("--model={}", model_path().display()),
-                "--kv-cache-mb=256".into(),
+                format!("--kv-cache-mb={TEST_POOL_MB}"),
                 "--kv-port=0".into(),
             ],
             Ready::DECODE,
@@ -155,7 +161,7 @@ impl Launch {
                 "--host=127.0.0.1".into(),
                 "--port=0".into(),
                 format!("--model={}", model_path().display()),
-                "--kv-cache-mb=256".into(),
+                format!("--kv-cache-mb={TEST_POOL_MB}"),
             ],
             Ready::PREFILL,
         )
