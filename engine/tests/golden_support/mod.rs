@@ -5,7 +5,8 @@
 use std::path::PathBuf;
 
 use serde_json::Value;
-use tandem_engine::{CpuModel, Engine, EngineConfig, Request, WeightFormat};
+use tandem_engine::backend::Backend;
+use tandem_engine::{CpuBackend, CpuModel, Engine, EngineConfig, Request, SeqBatch, WeightFormat};
 
 pub fn golden_dir() -> PathBuf {
     std::env::var_os("TANDEM_GOLDEN")
@@ -138,4 +139,111 @@ pub fn check_lastpos_logits(e: &mut Engine, label: &str) {
         checked += 1;
     }
     assert_eq!(checked, 3, "three golden logit files");
+}
+
+/// Decode steps after the prefill in [`teacher_forced_logits`].
+pub const DECODE_STEPS: usize = 4;
+
+/// The records the bit-for-bit check feeds: of the golden prompts up to 64 tokens, the shortest
+/// and the longest (1 and 51 tokens), each with its golden tokens after it.
+pub fn short_records() -> Vec<Value> {
+    let mut recs: Vec<_> = golden_records()
+        .1
+        .into_iter()
+        .filter(|r| ids(&r["prompt_ids"]).len() <= 64)
+        .collect();
+    recs.sort_by_key(|r| ids(&r["prompt_ids"]).len());
+    let longest = recs.pop().unwrap();
+    vec![recs.swap_remove(0), longest]
+}
+
+/// The model's logits (its weights in `format`) for each record's prompt and golden tokens, both records in each step: a
+/// prefill of all but the last [`DECODE_STEPS`] tokens with logits at every position, then one
+/// token a step with the last position's. Every row, in order, and the vocabulary's size.
+pub fn teacher_forced_logits(
+    m: &tandem_model::LoadedModel,
+    format: WeightFormat,
+    recs: &[Value],
+) -> (Vec<f32>, usize) {
+    let bs = 16;
+    let seqs: Vec<Vec<u32>> = recs
+        .iter()
+        .map(|r| [ids(&r["prompt_ids"]), ids(&r["generated_ids"])].concat())
+        .collect();
+    let tables: Vec<Vec<u32>> = seqs
+        .iter()
+        .scan(0u32, |next, s| {
+            let n = s.len().div_ceil(bs) as u32;
+            *next += n;
+            Some((*next - n..*next).collect())
+        })
+        .collect();
+    let cfg = EngineConfig {
+        num_blocks: Some(tables.iter().map(Vec::len).sum()),
+        block_size: bs,
+        ..Default::default()
+    };
+    let mut b = CpuBackend::new(CpuModel::new(m, format).unwrap(), &cfg.pool()).unwrap();
+    let vocab = b.config().vocab_size;
+    let mut out = Vec::new();
+    for step in 0..=DECODE_STEPS {
+        let batch: Vec<SeqBatch<'_>> = seqs
+            .iter()
+            .zip(&tables)
+            .map(|(s, table)| {
+                let first = s.len() - DECODE_STEPS;
+                let (tokens, cached) = match step {
+                    0 => (&s[..first], 0),
+                    _ => (&s[first + step - 1..first + step], first + step - 1),
+                };
+                SeqBatch {
+                    tokens,
+                    cached,
+                    block_table: table,
+                    logits: tokens.len(),
+                    lora: None,
+                }
+            })
+            .collect();
+        out.extend(b.forward(&batch).unwrap());
+    }
+    (out, vocab)
+}
+
+/// `got` and `want`, [`teacher_forced_logits`]' rows for `recs`, are equal bit for bit; a
+/// difference names its logit and row, `label` and how each side was computed.
+pub fn assert_same_bits(
+    got: &[f32],
+    want: &[f32],
+    vocab: usize,
+    recs: &[Value],
+    label: &str,
+    got_from: &str,
+    want_from: &str,
+) {
+    // A row for every token of the records.
+    let rows = recs
+        .iter()
+        .map(|r| ids(&r["prompt_ids"]).len() + ids(&r["generated_ids"]).len())
+        .sum::<usize>();
+    assert!(
+        rows > 2 * DECODE_STEPS && vocab > 0,
+        "{rows} rows of {vocab}"
+    );
+    assert_eq!((got.len(), want.len()), (rows * vocab, rows * vocab));
+    if let Some(i) = (0..got.len()).find(|&i| got[i].to_bits() != want[i].to_bits()) {
+        panic!(
+            "{label}: logit {} of row {} of {rows} is {} {got_from} and {} {want_from}",
+            i % vocab,
+            i / vocab,
+            got[i],
+            want[i]
+        );
+    }
+    let names: Vec<String> = recs.iter().map(|r| r["id"].to_string()).collect();
+    eprintln!(
+        "{label}: {rows} rows of {vocab} logits equal bit for bit (records {}; kernels {})",
+        names.join(", "),
+        tandem_kernels::isa::active().name()
+    );
 }
