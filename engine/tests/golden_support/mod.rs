@@ -157,9 +157,10 @@ pub fn short_records() -> Vec<Value> {
     vec![recs.swap_remove(0), longest]
 }
 
-/// The model's logits (its weights in `format`) for each record's prompt and golden tokens, both records in each step: a
-/// prefill of all but the last [`DECODE_STEPS`] tokens with logits at every position, then one
-/// token a step with the last position's. Every row, in order, and the vocabulary's size.
+/// The model's logits (its weights in `format`) for each record's prompt and golden tokens, all
+/// records in each step: a prefill of all but the last [`DECODE_STEPS`] tokens with logits at
+/// every position, then one token a step with the last position's. Every row, in order, and the
+/// vocabulary's size.
 pub fn teacher_forced_logits(
     m: &tandem_model::LoadedModel,
     format: WeightFormat,
