@@ -74,7 +74,7 @@ fn f32_weights_give_the_same_tokens() {
 /// decode of every record.)
 #[test]
 fn f32_weights_give_the_native_logits_bit_for_bit() {
-    let m = tandem_model::load(&tandem_model::default_model_path()).unwrap();
+    let m = default_model();
     let recs = short_records();
     let (got, vocab) = teacher_forced_logits(&m, WeightFormat::F32, &recs);
     let (want, _) = teacher_forced_logits(&m, WeightFormat::Native, &recs);

@@ -11,12 +11,6 @@ use tandem_engine::{
     CpuBackend, CpuModel, Engine, EngineConfig, SeqBatch, TpCpuBackend, TpCpuConfig, WeightFormat,
 };
 
-fn loaded() -> tandem_model::LoadedModel {
-    let p = tandem_model::default_model_path();
-    assert!(p.exists(), "model not found at {}", p.display());
-    tandem_model::load(&p).unwrap()
-}
-
 fn tp(size: usize, m: &tandem_model::LoadedModel, cfg: &EngineConfig) -> TpCpuBackend {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let setup = TpCpuConfig {
@@ -32,7 +26,7 @@ fn tp(size: usize, m: &tandem_model::LoadedModel, cfg: &EngineConfig) -> TpCpuBa
 
 #[test]
 fn tp3_generates_the_golden_tokens_in_one_batch() {
-    let m = loaded();
+    let m = default_model();
     let cfg = golden_config();
     let b = tp(3, &m, &cfg);
     assert_eq!(b.device(), "cpu, tp 3");
@@ -47,7 +41,7 @@ fn tp3_generates_the_golden_tokens_in_one_batch() {
 
 #[test]
 fn tp3_last_position_logits_within_1e_3() {
-    let m = loaded();
+    let m = default_model();
     let cfg = golden_config();
     let b = tp(3, &m, &cfg);
     let mut e = Engine::with_backend(Box::new(b), cfg, m.tokenizer.eos_token_ids.clone()).unwrap();
@@ -108,7 +102,7 @@ fn teacher_forced(
 /// where one rank's two best logits are closer than the two runs' own difference there.
 #[test]
 fn tp3_teacher_forced_next_tokens_agree_with_tp1() {
-    let m = loaded();
+    let m = default_model();
     let recs = golden_records().1;
     let bs = 16;
     let blocks: usize = recs

@@ -27,14 +27,19 @@ pub fn golden_config() -> EngineConfig {
     }
 }
 
-pub fn engine(format: WeightFormat, cfg: EngineConfig) -> (Engine, Vec<Value>) {
+/// The default model, loaded (an error that says how to fetch it where it is missing).
+pub fn default_model() -> tandem_model::LoadedModel {
     let p = tandem_model::default_model_path();
     assert!(
         p.exists(),
         "model not found at {}: run `tandem model fetch` (scripts/test does)",
         p.display()
     );
-    let m = tandem_model::load(&p).unwrap();
+    tandem_model::load(&p).unwrap()
+}
+
+pub fn engine(format: WeightFormat, cfg: EngineConfig) -> (Engine, Vec<Value>) {
+    let m = default_model();
     let eos = m.tokenizer.eos_token_ids.clone();
     let e = Engine::new(CpuModel::new(&m, format).unwrap(), cfg, eos).unwrap();
     (e, golden_records().1)
