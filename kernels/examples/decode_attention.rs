@@ -4,8 +4,11 @@
 //! scattered over it, as a pool hands them out to sequences growing side by side. Prints the
 //! step's attention time, the rate it reads the cache at, and this machine's read rate beside it
 //! (measured here). With `QLEN` new tokens per sequence (a prefill: `SEQS=1 CONTEXT=512
-//! QLEN=512`) it prints the flop rate instead. `COLD=1` reads 28 MiB of other memory before
-//! each layer's call (untimed), so the cache comes from memory as in a served step.
+//! QLEN=512`) it prints the flop rate instead, and its share of the FMA peak measured beside it.
+//! `COLD=1` reads 28 MiB of other memory before each layer's call (untimed), so the cache comes
+//! from memory as in a served step. `LAYERS` (30) layers of cache: with `LAYERS=1` a layer's
+//! cache stays in the CPU's caches from call to call, a measure of the kernel alone that the
+//! machine's memory does not move.
 //! `TANDEM_ISA` picks the level:
 //! `cargo run --release -p tandem-kernels --example decode_attention`.
 
@@ -33,7 +36,7 @@ fn run() {
     );
     // New tokens per sequence: 1 for a decode step, the context for a prefill.
     let q_len = env_count("QLEN", 1).clamp(1, context);
-    let (layers, heads) = (30, 9);
+    let (layers, heads) = (env_count("LAYERS", 30).max(1), 9);
     let layout = KvLayout {
         block_size: 16,
         num_kv_heads: 3,
@@ -124,15 +127,26 @@ fn run() {
         // Scores and weighted values: 4 flops per query head, key seen and dimension.
         let seen: usize = (context - q_len + 1..=context).sum();
         let flops = (4 * layers * seqs * heads * seen * layout.head_dim) as f64;
+        // The FMA peak of every thread at once, as `tandem bench engine` measures it.
+        let peak = (0..5)
+            .map(|_| {
+                let t = Instant::now();
+                let f: u64 = rayon::broadcast(|_| tandem_kernels::fma_burst(1 << 23))
+                    .into_iter()
+                    .sum();
+                f as f64 / t.elapsed().as_secs_f64() / 1e9
+            })
+            .fold(0f64, f64::max);
         println!(
-            "{seqs} sequences, {q_len} new of {context} tokens, {threads} threads: attention {:.2} ms (median of {steps}), {:.1} GFLOP/s, output bits {bits:016x}",
+            "{seqs} sequences, {q_len} new of {context} tokens, {layers} layers, {threads} threads: attention {:.2} ms (median of {steps}), {:.1} GFLOP/s = {:.0}% of the FMA peak ({peak:.1} GFLOP/s), output bits {bits:016x}",
             med * 1e3,
-            flops / med / 1e9
+            flops / med / 1e9,
+            100.0 * flops / med / 1e9 / peak
         );
         return;
     }
     println!(
-        "{seqs} sequences of {context} tokens, {threads} threads: attention of a step {:.2} ms (median of {steps}), cache read at {:.1} GB/s, {:.0}% of the read rate ({read:.1} GB/s), output bits {bits:016x}",
+        "{seqs} sequences of {context} tokens, {layers} layers, {threads} threads: attention of a step {:.2} ms (median of {steps}), cache read at {:.1} GB/s, {:.0}% of the read rate ({read:.1} GB/s), output bits {bits:016x}",
         med * 1e3,
         bytes / med / 1e9,
         100.0 * bytes / med / 1e9 / read
