@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 mod common;
 
-use common::{env_count, median_timed};
+use common::{env_count, fma_peak, median_timed};
 use tandem_kernels::{paged_attention, AttnSpec, KvLayout, KvSlab, SeqAttn};
 
 fn main() {
@@ -127,16 +127,7 @@ fn run() {
         // Scores and weighted values: 4 flops per query head, key seen and dimension.
         let seen: usize = (context - q_len + 1..=context).sum();
         let flops = (4 * layers * seqs * heads * seen * layout.head_dim) as f64;
-        // The FMA peak of every thread at once, as `tandem bench engine` measures it.
-        let peak = (0..5)
-            .map(|_| {
-                let t = Instant::now();
-                let f: u64 = rayon::broadcast(|_| tandem_kernels::fma_burst(1 << 23))
-                    .into_iter()
-                    .sum();
-                f as f64 / t.elapsed().as_secs_f64() / 1e9
-            })
-            .fold(0f64, f64::max);
+        let peak = fma_peak();
         println!(
             "{seqs} sequences, {q_len} new of {context} tokens, {layers} layers, {threads} threads: attention {:.2} ms (median of {steps}), {:.1} GFLOP/s = {:.0}% of the FMA peak ({peak:.1} GFLOP/s), output bits {bits:016x}",
             med * 1e3,

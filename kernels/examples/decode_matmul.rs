@@ -6,12 +6,10 @@
 //! (measured here). `TANDEM_ISA` picks the level:
 //! `cargo run --release -p tandem-kernels --example decode_matmul`.
 
-use std::time::Instant;
-
 mod common;
 
-use common::{env_count, median_secs};
-use tandem_kernels::{fma_burst, matmul, Weight};
+use common::{env_count, fma_peak, median_secs};
+use tandem_kernels::{matmul, Weight};
 use tandem_model::{quantize_q4_1, quantize_q8_0, GgmlType};
 
 fn main() {
@@ -80,10 +78,7 @@ fn run() {
         }
     });
     let threads = rayon::current_num_threads();
-    let rounds = 5_000_000usize;
-    let t = Instant::now();
-    let burst: u64 = rayon::broadcast(|_| fma_burst(rounds)).iter().sum();
-    let peak = burst as f64 / t.elapsed().as_secs_f64() / 1e9;
+    let peak = fma_peak();
     println!(
         "{m} rows, {threads} threads: products of a step {:.2} ms (median of {steps}), {:.1} GFLOP/s, {:.0}% of the FMA peak ({peak:.1} GFLOP/s)",
         med * 1e3,

@@ -29,3 +29,18 @@ pub fn median_timed(steps: usize, mut step: impl FnMut() -> Duration) -> f64 {
     times.sort_by(f64::total_cmp);
     times[steps / 2]
 }
+
+/// The FMA peak of every thread of the pool at once, in GFLOP/s: the best of five bursts, as
+/// `tandem bench engine` measures it.
+#[allow(dead_code)]
+pub fn fma_peak() -> f64 {
+    (0..5)
+        .map(|_| {
+            let t = Instant::now();
+            let flops: u64 = rayon::broadcast(|_| tandem_kernels::fma_burst(1 << 23))
+                .into_iter()
+                .sum();
+            flops as f64 / t.elapsed().as_secs_f64() / 1e9
+        })
+        .fold(0f64, f64::max)
+}
