@@ -46,7 +46,11 @@ const FUSED_GROUPS: usize = 3;
 /// Zen 4 at AVX2 (`decode_matmul`, its Q4_1 and Q8_0 weights, three rounds alternated): 5 rows through the tile 17.0-23.6
 /// ms, in groups of three (3 + 2) 14.9-16.4, of four (4 + 1) 19.3-20.5; 6 rows 15.9-19.9, in
 /// threes 14.8-16.5, in twos 17.7-30.6, four and two 18.8-25.7; 8 rows 22.6-24.1, in fours
-/// 25.2-26.7; 4 rows in one call 12.6-13.2, in twos 15.1-16.1.
+/// 25.2-26.7; 4 rows in one call 12.6-13.2, in twos 15.1-16.1. On a 2-core Zen 3 (2026-12-07,
+/// two rounds alternated, the VM's speed moving each figure 10-20% from minute to minute): 7 rows
+/// through the tile 23.0-24.6 ms, in threes 22.8-23.6; 8 rows 23.3-23.9 and 20.8-21.1; 9 rows
+/// 23.0-23.6 and 21.8-22.7; 12 rows 25.8-27.8 and 32.5-33.4. Threes up to 9 rows would gain
+/// up to a tenth there; not measured in threes on Zen 4, so left at 6.
 const AVX2_FUSED_MOST: usize = 6;
 
 /// See [`AVX2_FUSED_MOST`]: at most the four rows AVX2's kernel takes.

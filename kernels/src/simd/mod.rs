@@ -337,7 +337,10 @@ const TILE_512: (usize, usize) = (6, 4);
 
 /// AVX2's: up to 6 activation rows × one panel (two 8-lane vectors): 12 accumulators, two
 /// weight vectors and a broadcast activation in its 16 registers. With fewer rows, more panels
-/// (at most 12 accumulators).
+/// (at most 12 accumulators). Tiles of 3 rows × 2 panels instead (the same accumulators, fewer
+/// broadcasts a weight vector) took the model's decode-step products of 8 to 24 rows from
+/// memory 1.2-1.7x as long on a 2-core Zen 3 (`decode_matmul`, two rounds alternated,
+/// 2026-12-07).
 const TILE_AVX2: (usize, usize) = (6, 1);
 
 /// The portable level's: SSE2's 16 registers of 4 lanes hold 2 × 1 panels' accumulators (four
@@ -348,7 +351,9 @@ const TILE_AVX2: (usize, usize) = (6, 1);
 /// overwrite an operand, so each multiply-add needs a copy or a load beside it: a column's 16
 /// multiplies and adds come with 15 other operations (loads, the broadcasts, copies and the
 /// loop's), and 31 operations at the front end's 6 a cycle, against the pipes' 4 cycles, bound
-/// the tile to about 77% of the peak.
+/// the tile to about 77% of the peak. A 2-core Zen 3 reaches 46-48% (47-51% on one thread;
+/// 2026-12-07), and decoding the panels 128 or 256 columns at a time for all the rows (so that
+/// they stay in L1) did not move it.
 const TILE_PORTABLE: (usize, usize) = (2, 1);
 
 /// Columns ahead of the one a register tile multiplies whose panel lines it asks L1 for (a
@@ -965,7 +970,13 @@ unsafe fn dot_quant_rows_at(
             // on Zen 3 (`decode_matmul`, its Q4_1 and Q8_0 weights, rounds alternated) took
             // 13.1-13.7 ms that way on one thread against 11.3-11.8 panel by panel, and on two
             // threads 7.1-8.4 against 6.0-6.6 (the same bits: each output one chain over the
-            // columns in order either way).
+            // columns in order either way). That kernel kept one of its accumulators on the
+            // stack; written again with none there (each use of a scale read from memory), on
+            // a Zen 3 (2026-12-07) it took the o product's 30 layers in L2 on one thread in
+            // 0.73-0.75 ms against 0.84-0.87 panel by panel, but decode at batch 1 (`tandem
+            // bench engine`, four rounds alternated) ran at 95-119 tok/s against 102-116: the
+            // weights' stream from memory, not the chains, sets a served step. Two rows already
+            // cost what one does (5.3 ms, the model's products in cache).
             for (i, &panel) in at.iter().enumerate().take(np) {
                 let c = (cols - i * PANEL).min(PANEL);
                 let oi = o.add(i * PANEL);
