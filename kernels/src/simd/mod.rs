@@ -337,10 +337,10 @@ const TILE_512: (usize, usize) = (6, 4);
 
 /// AVX2's: up to 6 activation rows × one panel (two 8-lane vectors): 12 accumulators, two
 /// weight vectors and a broadcast activation in its 16 registers. With fewer rows, more panels
-/// (at most 12 accumulators). Tiles of 3 rows × 2 panels instead (the same accumulators, fewer
-/// broadcasts a weight vector) took the model's decode-step products of 8 to 24 rows from
-/// memory 1.2-1.7x as long on a 2-core Zen 3 (`decode_matmul`, two rounds alternated,
-/// 2026-12-07).
+/// (at most 12 accumulators). Tiles of 3 rows × 2 panels instead (the same 12 accumulators, half
+/// the broadcasts and twice the weight loads a column) took the model's decode-step products of
+/// 8 to 24 rows from memory 1.2-1.9x as long on a 2-core Zen 3 (`decode_matmul`, two rounds
+/// alternated, 2026-12-07).
 const TILE_AVX2: (usize, usize) = (6, 1);
 
 /// The portable level's: SSE2's 16 registers of 4 lanes hold 2 × 1 panels' accumulators (four
@@ -351,8 +351,8 @@ const TILE_AVX2: (usize, usize) = (6, 1);
 /// overwrite an operand, so each multiply-add needs a copy or a load beside it: a column's 16
 /// multiplies and adds come with 15 other operations (loads, the broadcasts, copies and the
 /// loop's), and 31 operations at the front end's 6 a cycle, against the pipes' 4 cycles, bound
-/// the tile to about 77% of the peak. A 2-core Zen 3 reaches 46-48% (47-51% on one thread;
-/// 2026-12-07), and decoding the panels 128 or 256 columns at a time for all the rows (so that
+/// the tile to about 77% of the peak. A 2-core Zen 3 reaches 37-48% (47-51% on one thread;
+/// 512 rows, 2026-12-07), and decoding the panels 128 or 256 columns at a time for all the rows (so that
 /// they stay in L1) did not move it.
 const TILE_PORTABLE: (usize, usize) = (2, 1);
 
@@ -974,9 +974,9 @@ unsafe fn dot_quant_rows_at(
             // stack; written again with none there (each use of a scale read from memory), on
             // a Zen 3 (2026-12-07) it took the o product's 30 layers in L2 on one thread in
             // 0.73-0.75 ms against 0.84-0.87 panel by panel, but decode at batch 1 (`tandem
-            // bench engine`, four rounds alternated) ran at 95-119 tok/s against 102-116: the
-            // weights' stream from memory, not the chains, sets a served step. Two rows already
-            // cost what one does (5.3 ms, the model's products in cache).
+            // bench engine`, four rounds alternated) ran at 95-119 tok/s against 102-116, the
+            // kernel's gain in L2 not seen in a step whose weights come from memory. Two rows
+            // already cost what one does (5.3 ms, the model's products in cache).
             for (i, &panel) in at.iter().enumerate().take(np) {
                 let c = (cols - i * PANEL).min(PANEL);
                 let oi = o.add(i * PANEL);
