@@ -451,13 +451,9 @@ pub unsafe fn panel_product(
     ldo: usize,
 ) {
     let (tm, tp) = tile_for(m);
-    // The activation rows in blocks as even as the tile allows (32 rows at 6: 6, 6, 5, 5, 5, 5,
-    // not five of 6 and one of 2).
-    let blocks = m.div_ceil(tm);
     let panels = cols.div_ceil(PANEL);
     let mut a0 = 0;
-    for b in 0..blocks {
-        let ma = m / blocks + usize::from(b < m % blocks);
+    for ma in row_blocks(m, tm) {
         // Panels in groups as even as the tile allows, too.
         let groups = panels.div_ceil(tp);
         let mut p0 = 0;
@@ -481,6 +477,46 @@ pub unsafe fn panel_product(
         }
         a0 += ma;
     }
+}
+
+/// The rows of each register tile [`panel_product`] cuts `m` activation rows into, at most `tm`
+/// each: blocks as even as the tile allows (32 rows at 6: 6, 6, 5, 5, 5, 5, not five of 6 and
+/// one of 2), and at AVX2 maybe a last block of 2 or 3 rows (below).
+///
+/// AVX2's tile of 4 rows takes one panel, 8 accumulators: as many chains as two FMA pipes of 4
+/// cycles' latency need, with nothing to spare (5 rows hold 10, 6 rows 12, and 2 or 3 rows take
+/// three or two panels, 12). So at AVX2 no block has 4 rows where others can do: 8 rows go
+/// 5 + 3, not 4 + 4; 7 go 5 + 2; 13 go 5 + 5 + 3 (every count from 5 on gets blocks of 5 or 6
+/// and at most one of 2 or 3). The model's decode-step products (`decode_matmul`, `LAYERS=1`)
+/// on a 2-core Zen 3, three builds alternated: 7 rows 14.62-14.64 ms as 4 + 3, 13.96-14.13 as
+/// 5 + 2; 8 rows 16.13-16.20 as 4 + 4, 15.16-15.30 as 6 + 2, 14.36-15.10 as 5 + 3; 13 rows
+/// 20.89-21.22 as 5 + 4 + 4, 19.31-19.43 as 5 + 5 + 3; 14 rows 20.92-20.93 as 5 + 5 + 4,
+/// 20.45-20.46 as 6 + 5 + 3; 19 rows 26.23-26.42 as 5 + 5 + 5 + 4, 25.72-26.24 as 6 + 5 + 5 +
+/// 3. As built (three rounds alternated with the build before): 7 rows 14.93-15.17 ms against
+/// 14.20-14.38, 8 rows 16.68-16.94 against 14.45-14.46, 13 rows 21.18-21.37 against
+/// 19.09-19.16, 24 and 64 rows unchanged; from memory (`LAYERS=30`, with the head) 8 rows
+/// 21.78-21.81 against 19.17-19.28, 13 rows 27.23-27.41 against 24.39-25.03. Decode in the
+/// engine (`tandem bench engine --batch B --prompt-len 64 --gen-len 64`, two rounds alternated,
+/// tok/s): batch 7 297-300 against 317-318, 8 288 against 346, 9 359-366 against 383, 13 374
+/// against 434-436, 19 441-442 against 451-455; 16 (6 + 5 + 5 either way) 462-474 and 465-472.
+/// Which rows share a tile changes no bit.
+fn row_blocks(m: usize, tm: usize) -> impl Iterator<Item = usize> {
+    let avx2 = cfg!(target_arch = "x86_64") && has_avx2_fma() && !has_avx512();
+    // The last block's rows (0: none), where the others would otherwise hold 4.
+    let tail = if !avx2 || tm != TILE_AVX2.0 || m <= tm || m >= 5 * m.div_ceil(tm) {
+        0
+    } else {
+        // 3 rows (two panels a tile) where the rest splits into blocks of 5 or 6, else 2.
+        [3, 2]
+            .into_iter()
+            .find(|&t| m - t >= 5 * (m - t).div_ceil(tm))
+            .unwrap_or(0)
+    };
+    let even = m - tail;
+    let blocks = even.div_ceil(tm);
+    (0..blocks)
+        .map(move |b| even / blocks + usize::from(b < even % blocks))
+        .chain((tail > 0).then_some(tail))
 }
 
 /// One register tile of [`panel_product`]: `m` rows and `np` panels within this level's tile,
@@ -1396,16 +1432,57 @@ mod tests {
         p
     }
 
-    /// Every tile shape the dispatch serves (every row count up to two tiles' and panel count up
-    /// to [`MAX_PANELS`], partial panels), whole and in spans of columns, gives each output the
-    /// bits of the one chain: the tiles cannot drift apart, and a span boundary changes nothing.
+    /// [`row_blocks`] covers every row once, no block past the tile, and at AVX2 (tile of 6
+    /// rows) no block of 4 or 1 from 5 rows on: blocks of 5 or 6 and at most one of 2 or 3, last.
+    #[test]
+    fn row_blocks_cover_the_rows_in_tiles_of_five_or_six_at_avx2() {
+        let avx2 = cfg!(target_arch = "x86_64") && has_avx2_fma() && !has_avx512();
+        for tm in 1..=6 {
+            for m in 1..=400 {
+                let sizes: Vec<usize> = row_blocks(m, tm).collect();
+                assert_eq!(sizes.iter().sum::<usize>(), m, "m={m} tm={tm}: {sizes:?}");
+                assert!(
+                    sizes.iter().all(|&b| (1..=tm).contains(&b)),
+                    "m={m} tm={tm}: {sizes:?}"
+                );
+                let even = |s: &[usize]| s.iter().max().unwrap() - s.iter().min().unwrap() <= 1;
+                if avx2 && tm == 6 && m >= 5 {
+                    let (last, head) = sizes.split_last().unwrap();
+                    let fives = |s: &[usize]| s.iter().all(|&b| b == 5 || b == 6);
+                    assert!(
+                        (fives(&sizes) && even(&sizes))
+                            || ([2, 3].contains(last) && fives(head) && even(head)),
+                        "m={m}: {sizes:?}"
+                    );
+                    assert!(sizes.len() <= m.div_ceil(6) + 1, "m={m}: {sizes:?}");
+                } else {
+                    assert!(
+                        even(&sizes) && sizes.len() == m.div_ceil(tm),
+                        "m={m} tm={tm}: {sizes:?}"
+                    );
+                }
+            }
+        }
+        if avx2 {
+            let cut = |m| row_blocks(m, 6).collect::<Vec<_>>();
+            assert_eq!(cut(8), [5, 3]);
+            assert_eq!(cut(7), [5, 2]);
+            assert_eq!(cut(13), [5, 5, 3]);
+            assert_eq!(cut(32), [6, 6, 5, 5, 5, 5]);
+        }
+    }
+
+    /// Every tile shape the dispatch serves (every row count up to two tiles' and more, each way
+    /// [`row_blocks`] cuts them, and panel count up to [`MAX_PANELS`], partial panels), whole and
+    /// in spans of columns, gives each output the bits of the one chain: the tiles cannot drift
+    /// apart, and a span boundary changes nothing.
     #[test]
     fn every_tile_shape_gives_one_chain_per_output() {
         for k in [1, 16, 37, 320, 577] {
             let n = MAX_PANELS * PANEL;
-            let (x, w) = (rnd(13 * k, k as u64), rnd(n * k, 7 * k as u64));
+            let (x, w) = (rnd(19 * k, k as u64), rnd(n * k, 7 * k as u64));
             let wp = panels_of(&w, n, k);
-            for m in 1..=13 {
+            for m in (1..=14).chain([19]) {
                 for cols in [1, 5, 16, 17, 31, 33, 48, 63, 64] {
                     let ldo = cols + 3;
                     let mut whole = vec![f32::NAN; m * ldo];
