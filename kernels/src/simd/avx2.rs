@@ -64,10 +64,10 @@ pub unsafe fn fma_burst(rounds: usize) -> f32 {
 /// level's.
 const PREFETCH_AHEAD: usize = 16384;
 
-/// The same for the panels rows are multiplied against in registers ([`dot_quant_xm`]). Tuned
-/// on the former one-row kernel, which took two panels at a time: the model's products of one
-/// row from memory at AVX2 on Zen 5, 2-8 KiB ahead 3.8-4.1 ms (the lane-tree kernel on rows,
-/// 4 KiB ahead: 4.2).
+/// The same for the panels rows are multiplied against in registers ([`dot_quant_xm`],
+/// [`dot_quant_x1p`]). Tuned on a former one-row kernel, which took two panels at a time: the
+/// model's products of one row from memory at AVX2 on Zen 5, 2-8 KiB ahead 3.8-4.1 ms (the
+/// lane-tree kernel on rows, 4 KiB ahead: 4.2).
 const X1_AHEAD: usize = 8192;
 
 #[inline]
@@ -706,6 +706,72 @@ pub unsafe fn dot_quant_xm<F: Fmt, const M: usize>(
             store_part(
                 out.add(a * ldo + 8 * h),
                 cols.saturating_sub(8 * h).min(8),
+                *v,
+            );
+        }
+    }
+}
+
+/// One activation row `x` (`k` values) against the `P` panels at `panels` of format `F`, decoded
+/// in registers: [`dot_quant_xm`]'s one row, the same bits, with `P` panels' chains side by side
+/// (2·P accumulators) so that each column's multiply-adds do not wait on the last column's.
+/// The scales and minimums of the panels' current sub-block wait in a buffer on the stack and
+/// are read from it at each use (they would not fit the registers beside the accumulators).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_quant_x1p<F: Fmt, const P: usize>(
+    panels: [*const u8; P],
+    pl: usize,
+    x: *const f32,
+    k: usize,
+    out: *mut f32,
+    cols: usize,
+) {
+    let l = F::L;
+    let mut acc = [[_mm256_setzero_ps(); 2]; P];
+    let mut sm = [[[_mm256_setzero_ps(); 2]; 2]; P];
+    for b in 0..k / 32 {
+        let (ho, so) = l.block(b);
+        let from = if b % l.subs == 0 { ho } else { so };
+        for (p, &panel) in panels.iter().enumerate() {
+            for line in (from..so + l.sub()).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(super::ahead(
+                    panel.wrapping_add(line),
+                    line,
+                    pl,
+                    P,
+                    X1_AHEAD,
+                ));
+            }
+            sm[p] = scales::<F>(panel.add(ho), panel.add(so), 0);
+        }
+        let xb = x.add(32 * b);
+        for c in 0..16 {
+            if F::HALVES && c == 8 {
+                for (p, &panel) in panels.iter().enumerate() {
+                    sm[p] = scales::<F>(panel.add(ho), panel.add(so), 1);
+                }
+            }
+            let mut q = [[_mm256_setzero_si256(); 4]; P];
+            for (p, &panel) in panels.iter().enumerate() {
+                q[p] = pair::<F>(panel.add(so + l.scales), c);
+            }
+            for i in 0..2 {
+                let xv = _mm256_set1_ps(*xb.add(2 * c + i));
+                for p in 0..P {
+                    let at = |j: usize, h: usize| std::ptr::read_volatile(&sm[p][j][h]);
+                    let w0 = value::<F>(q[p][2 * i], at(0, 0), at(1, 0));
+                    let w1 = value::<F>(q[p][2 * i + 1], at(0, 1), at(1, 1));
+                    acc[p][0] = _mm256_fmadd_ps(xv, w0, acc[p][0]);
+                    acc[p][1] = _mm256_fmadd_ps(xv, w1, acc[p][1]);
+                }
+            }
+        }
+    }
+    for (p, acc) in acc.iter().enumerate() {
+        for (h, v) in acc.iter().enumerate() {
+            store_part(
+                out.add(16 * p + 8 * h),
+                cols.saturating_sub(16 * p + 8 * h).min(8),
                 *v,
             );
         }

@@ -1000,20 +1000,38 @@ unsafe fn dot_quant_rows_at(
                 i += step;
             }
         } else {
-            // Panel by panel, one to four rows (two panels' accumulators for more than one row
-            // would not fit the 16 registers). One row took two panels at a time in a kernel
-            // of its own (four accumulators) until the model's one-row decode-step products
-            // on Zen 3 (`decode_matmul`, its Q4_1 and Q8_0 weights, rounds alternated) took
-            // 13.1-13.7 ms that way on one thread against 11.3-11.8 panel by panel, and on two
-            // threads 7.1-8.4 against 6.0-6.6 (the same bits: each output one chain over the
-            // columns in order either way). That kernel kept one of its accumulators on the
-            // stack; written again with none there (each use of a scale read from memory), on
-            // a Zen 3 (2026-12-07) it took the o product's 30 layers in L2 on one thread in
-            // 0.73-0.75 ms against 0.84-0.87 panel by panel, but decode at batch 1 (`tandem
-            // bench engine`, four rounds alternated) ran at 95-119 tok/s against 102-116, the
-            // kernel's gain in L2 not seen in a step whose weights come from memory. Two rows
-            // already cost what one does (5.3 ms, the model's products in cache).
-            for (i, &panel) in at.iter().enumerate().take(np) {
+            // One row of 4-bit codes: two panels at a time (four accumulators, so a column's
+            // multiply-adds do not wait on the last column's), the same bits as panel by panel
+            // (each output one chain over the columns in order). One row against 2048 × 2048
+            // matrices from memory on a 2-core Zen 3 (`decode_types`, two rounds alternated,
+            // 2026-12-07), panel by panel against two at a time: Q4_0 1.38-1.39 ms against
+            // 1.27-1.29, Q4_1 1.39 against 1.27-1.30, Q4_K 1.43-1.45 against 1.34-1.39; but
+            // Q5_0, Q5_1 and Q5_K 2.04-2.21 against 2.20-2.32 (their fifth bits' operations
+            // outgrow the registers), Q6_K and Q8_0 within 3% either way, so those stay panel
+            // by panel. The model's Q4_1 products of a decode step at batch 1 in the engine
+            // (`tandem bench engine --batch 1 --prompt-len 32 --gen-len 128 --profile`, three
+            // rounds alternated): 4.61-5.16 ms against 4.30-4.34, the head (Q8_0) 1.19-1.23
+            // both; decode 155 tok/s against 158-162. (A first two-panel one-row kernel, for every format,
+            // kept an accumulator on the stack and was slower than panel by panel: 13.1-13.7 ms
+            // against 11.3-11.8 on one thread. This one, with none there, was measured once
+            // before in the engine at batch 1 in four rounds that the VM's speed moved by a
+            // fifth, 95-119 tok/s against 102-116, and not taken then.)
+            //
+            // Two to four rows (or one of other formats, or a last odd panel) go panel by
+            // panel: two panels' accumulators for more than one row would not fit the 16
+            // registers. Two rows already cost about what one does (the model's products in
+            // cache).
+            let mut p = 0;
+            if m == 1 && fmt::with_fmt!(ty, F => <F as fmt::Fmt>::BITS == 4) {
+                while p + 1 < np {
+                    let c = (cols - p * PANEL).min(2 * PANEL);
+                    fmt::with_fmt!(ty, F => avx2::dot_quant_x1p::<F, 2>(
+                        [at[p], at[p + 1]], pl, xp, k, o.add(p * PANEL), c,
+                    ));
+                    p += 2;
+                }
+            }
+            for (i, &panel) in at.iter().enumerate().take(np).skip(p) {
                 let c = (cols - i * PANEL).min(PANEL);
                 let oi = o.add(i * PANEL);
                 macro_rules! xm2 {
