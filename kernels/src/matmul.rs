@@ -42,20 +42,21 @@ const ROWS_PER_TASK: usize = MAX_PANELS * PANEL;
 const FUSED_GROUPS: usize = 3;
 
 /// Activation rows up to which AVX2 (whose fused kernel takes four, see [`fused_rows`]) decodes
-/// in registers, in groups of [`AVX2_GROUP`] above four. The model's decode-step products on
-/// Zen 4 at AVX2 (`decode_matmul`, its Q4_1 and Q8_0 weights, three rounds alternated): 5 rows through the tile 17.0-23.6
-/// ms, in groups of three (3 + 2) 14.9-16.4, of four (4 + 1) 19.3-20.5; 6 rows 15.9-19.9, in
-/// threes 14.8-16.5, in twos 17.7-30.6, four and two 18.8-25.7; 8 rows 22.6-24.1, in fours
-/// 25.2-26.7; 4 rows in one call 12.6-13.2, in twos 15.1-16.1. On a 2-core Zen 3 (2026-12-07,
-/// two rounds alternated, the VM's speed moving each figure 10-20% from minute to minute): 7 rows
-/// through the tile 23.0-24.6 ms, in threes 22.8-23.6; 8 rows 23.3-23.9 and 20.8-21.1; 9 rows
-/// 23.0-23.6 and 21.8-22.7; 12 rows 25.8-27.8 and 32.5-33.4. Threes up to 9 rows would gain
-/// up to a tenth there; not measured in threes on Zen 4, so left at 6.
-const AVX2_FUSED_MOST: usize = 6;
-
-/// See [`AVX2_FUSED_MOST`]: at most the four rows AVX2's kernel takes.
-const AVX2_GROUP: usize = 3;
-const _: () = assert!(AVX2_GROUP <= 4);
+/// in registers: in `⌈m/4⌉` groups as even as can be (5 rows 3 + 2, 6 3 + 3, 7 4 + 3, 8 4 + 4).
+/// The model's decode-step products on a 2-core Zen 3 (`decode_matmul`, 2026-12-07, after the
+/// four-row kernel stopped copying its scales through the stack, two rounds alternated, the
+/// weights in cache): 5 rows in threes 10.2-10.3 ms, through the tile 9.7, 4 + 1 11.0; 6 rows in
+/// threes 11.3, tile 10.7-11.0, 4 + 2 11.8-12.0; 7 rows tile 14.1-14.2, 4 + 3 12.7; 8 rows tile
+/// 14.1-14.3, fours 14.0; from memory (with the head) 7 rows tile 18.8-19.1 against 16.1-16.8 in
+/// 4 + 3, 8 rows 19.1-19.2 against 17.7-18.0 in fours. On Zen 4 at AVX2 (three rounds, before
+/// that change, when four rows cost 1.3-1.4x three): 5 rows through the tile 17.0-23.6 ms, in
+/// threes 14.9-16.4, 4 + 1 19.3-20.5; 6 rows 15.9-19.9, in threes 14.8-16.5, in twos 17.7-30.6;
+/// 8 rows 22.6-24.1, in fours 25.2-26.7. So five and six rows stay in threes (the tile's 3-5%
+/// on Zen 3 against its 10-30% loss on Zen 4), and seven and eight go in fours. Decode in the
+/// engine on that Zen 3 (`tandem bench engine --batch B --prompt-len 64 --gen-len 64`, two
+/// rounds alternated with the build before, tok/s): batch 4 286-300 against 331, 7 300-312
+/// against 363-367 (then through the tile), 8 330-350 against 366-374.
+const AVX2_FUSED_MOST: usize = 8;
 
 /// The rows of each group in which a quantized product of `m` activation rows decodes in
 /// registers, or `None` where it goes through a decoded tile.
@@ -64,14 +65,15 @@ fn fused_group(m: usize) -> Option<usize> {
     if has_avx512() {
         (m <= FUSED_GROUPS * r).then_some(r)
     } else if has_avx2_fma() {
-        match m {
-            _ if m <= r => Some(r),
-            _ if m <= AVX2_FUSED_MOST => Some(AVX2_GROUP),
-            _ => None,
-        }
+        avx2_group(m, r)
     } else {
         None
     }
+}
+
+/// AVX2's [`fused_group`] for `m` rows where its kernel takes `r`.
+fn avx2_group(m: usize, r: usize) -> Option<usize> {
+    (m <= AVX2_FUSED_MOST).then(|| m.div_ceil(m.div_ceil(r).max(1)))
 }
 
 /// Activation rows up to which a task decodes its panels [`SPAN`] columns at a time (used at
@@ -312,6 +314,16 @@ mod tests {
         o
     }
 
+    /// AVX2's fused groups: one call up to four rows, then `⌈m/4⌉` groups as even as can be,
+    /// never a group of one; above eight rows the tile.
+    #[test]
+    fn avx2_groups_of_rows_are_even_and_never_one_row_beside_others() {
+        let groups: Vec<_> = (1..=9).map(|m| avx2_group(m, 4)).collect();
+        let want = [1, 2, 3, 4, 3, 3, 4, 4].map(Some);
+        assert_eq!(groups[..8], want);
+        assert_eq!(groups[8], None);
+    }
+
     #[test]
     fn all_paths_match_naive() {
         // 98 rows: the last task has 34, so its last 4-row tile is short.
@@ -338,7 +350,7 @@ mod tests {
                 w.row_f32(r, &mut row);
                 assert_eq!(row, dense[r * k..(r + 1) * k], "{:?} row {r}", w.dtype());
             }
-            for m in [1, 2, 3, 5, 9, 12, 13, 33, 70] {
+            for m in [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 33, 70] {
                 let x = rnd(m * k, m as u64);
                 // Poisoned, so an element no path writes fails.
                 let mut out = vec![f32::NAN; m * n];

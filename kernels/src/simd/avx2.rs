@@ -632,6 +632,32 @@ pub unsafe fn dequant_panel<F: Fmt>(panel: *const u8, b0: usize, b1: usize, out:
     }
 }
 
+/// Columns `t` and `t + 1` of `M` activation rows (`ldx` apart at `x`) into their accumulators:
+/// the columns' codes `q` (see [`pair`]) decoded with the scales and minimums `sm(0, h)` and
+/// `sm(1, h)` of rows `8h..8h + 8`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn two_columns<F: Fmt, const M: usize>(
+    q: [__m256i; 4],
+    sm: impl Fn(usize, usize) -> __m256,
+    x: *const f32,
+    ldx: usize,
+    t: usize,
+    acc: &mut [[__m256; 2]; M],
+) {
+    for i in 0..2 {
+        let w = [
+            value::<F>(q[2 * i], sm(0, 0), sm(1, 0)),
+            value::<F>(q[2 * i + 1], sm(0, 1), sm(1, 1)),
+        ];
+        for (a, acc) in acc.iter_mut().enumerate() {
+            let xv = _mm256_set1_ps(*x.add(a * ldx + t + i));
+            acc[0] = _mm256_fmadd_ps(xv, w[0], acc[0]);
+            acc[1] = _mm256_fmadd_ps(xv, w[1], acc[1]);
+        }
+    }
+}
+
 /// `M` (≤ 4) activation rows `x` (`k` values each, `ldx` apart) against one panel of format `F`
 /// at `panel` decoded in registers: each column's sixteen weights decoded to exactly what
 /// [`dequant_panel`] writes, once for all the rows, and multiplied into each row's two
@@ -655,6 +681,14 @@ pub unsafe fn dot_quant_xm<F: Fmt, const M: usize>(
 ) {
     let l = F::L;
     let mut acc = [[_mm256_setzero_ps(); 2]; M];
+    // From four rows on, the current sub-block's scales and minimums are read from this buffer
+    // at each use, so that the registers they would hold keep every accumulator (left to the
+    // compiler, the scales were copied from stack slot to stack slot every column and some
+    // codes went to the stack and back: 4 rows of the model's decode products on a 2-core Zen 3
+    // took 9.03-9.07 ms with the weights in cache, against 6.96-7.06 read from here, and 5.8
+    // for 3 rows; 2 and 3 rows read from here took 5.2-6.0 and 6.3-6.5 ms against 4.8 and
+    // 5.9 in registers).
+    let mut kept = [[_mm256_setzero_ps(); 2]; 2];
     for b in 0..k / 32 {
         let (ho, so) = l.block(b);
         let from = if b % l.subs == 0 { ho } else { so };
@@ -667,37 +701,23 @@ pub unsafe fn dot_quant_xm<F: Fmt, const M: usize>(
                 X1_AHEAD,
             ));
         }
-        let [mut s, mut m] = scales::<F>(panel.add(ho), panel.add(so), 0);
+        let mut sm = scales::<F>(panel.add(ho), panel.add(so), 0);
         let codes = panel.add(so + l.scales);
         for c in 0..16 {
             if F::HALVES && c == 8 {
-                [s, m] = scales::<F>(panel.add(ho), panel.add(so), 1);
+                sm = scales::<F>(panel.add(ho), panel.add(so), 1);
             }
             // Columns 2c and 2c+1: codes 2i (rows 0-7) and 2i+1 (rows 8-15) of column 2c+i.
             let q = pair::<F>(codes, c);
-            // Four rows: the scales and minimums read from memory at each use, so that the
-            // registers they would hold keep every accumulator (left to the compiler, one of
-            // them went to the stack and back every column, a store-to-load latency on the
-            // chain: 4 rows of the model's decode products on a 2-core Zen 3 took 10.1 ms
-            // with the weights in cache, against 5.8 for 3 rows).
-            let (s, m) = if M >= 4 {
-                let sm = [s, m];
-                let at = |i: usize, h: usize| std::ptr::read_volatile(&sm[i][h]);
-                ([at(0, 0), at(0, 1)], [at(1, 0), at(1, 1)])
-            } else {
-                (s, m)
-            };
-            for i in 0..2 {
-                let t = 32 * b + 2 * c + i;
-                let w = [
-                    value::<F>(q[2 * i], s[0], m[0]),
-                    value::<F>(q[2 * i + 1], s[1], m[1]),
-                ];
-                for (a, acc) in acc.iter_mut().enumerate() {
-                    let xv = _mm256_set1_ps(*x.add(a * ldx + t));
-                    acc[0] = _mm256_fmadd_ps(xv, w[0], acc[0]);
-                    acc[1] = _mm256_fmadd_ps(xv, w[1], acc[1]);
+            let t = 32 * b + 2 * c;
+            if M >= 4 {
+                if c == 0 || (F::HALVES && c == 8) {
+                    kept = sm;
                 }
+                let at = |j: usize, h: usize| std::ptr::read_volatile(&kept[j][h]);
+                two_columns::<F, M>(q, at, x, ldx, t, &mut acc);
+            } else {
+                two_columns::<F, M>(q, |j, h| sm[j][h], x, ldx, t, &mut acc);
             }
         }
     }

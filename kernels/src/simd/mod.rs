@@ -499,7 +499,9 @@ pub unsafe fn panel_product(
 /// engine (`tandem bench engine --batch B --prompt-len 64 --gen-len 64`, two rounds alternated,
 /// tok/s): batch 7 297-300 against 317-318, 8 288 against 346, 9 359-366 against 383, 13 374
 /// against 434-436, 19 441-442 against 451-455; 16 (6 + 5 + 5 either way) 462-474 and 465-472.
-/// Which rows share a tile changes no bit.
+/// (Since then 7 and 8 rows of quantized weights decode in registers at AVX2, see `matmul`'s
+/// `AVX2_FUSED_MOST`; f32 weights and longer products still come here.) Which rows share a
+/// tile changes no bit.
 fn row_blocks(m: usize, tm: usize) -> impl Iterator<Item = usize> {
     let avx2 = cfg!(target_arch = "x86_64") && has_avx2_fma() && !has_avx512();
     // The last block's rows (0: none), where the others would otherwise hold 4.
