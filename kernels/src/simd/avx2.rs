@@ -632,6 +632,33 @@ pub unsafe fn dequant_panel<F: Fmt>(panel: *const u8, b0: usize, b1: usize, out:
     }
 }
 
+/// Asks L1 for the lines [`X1_AHEAD`] bytes past those of block `b` of the panel at `panel` (of
+/// `pl` bytes; with its super-block's head where `b` starts one), in a stream of panels that a
+/// kernel reads `streams` at a time (see `ahead`). Returns the block's head and sub-block
+/// offsets.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn ask_ahead<F: Fmt>(
+    panel: *const u8,
+    pl: usize,
+    b: usize,
+    streams: usize,
+) -> (usize, usize) {
+    let l = F::L;
+    let (ho, so) = l.block(b);
+    let from = if b.is_multiple_of(l.subs) { ho } else { so };
+    for line in (from..so + l.sub()).step_by(64) {
+        _mm_prefetch::<_MM_HINT_T0>(super::ahead(
+            panel.wrapping_add(line),
+            line,
+            pl,
+            streams,
+            X1_AHEAD,
+        ));
+    }
+    (ho, so)
+}
+
 /// Columns `t` and `t + 1` of `M` activation rows (`ldx` apart at `x`) into their accumulators:
 /// the columns' codes `q` (see [`pair`]) decoded with the scales and minimums `sm(0, h)` and
 /// `sm(1, h)` of rows `8h..8h + 8`.
@@ -690,17 +717,7 @@ pub unsafe fn dot_quant_xm<F: Fmt, const M: usize>(
     // 5.9 in registers).
     let mut kept = [[_mm256_setzero_ps(); 2]; 2];
     for b in 0..k / 32 {
-        let (ho, so) = l.block(b);
-        let from = if b % l.subs == 0 { ho } else { so };
-        for line in (from..so + l.sub()).step_by(64) {
-            _mm_prefetch::<_MM_HINT_T0>(super::ahead(
-                panel.wrapping_add(line),
-                line,
-                pl,
-                1,
-                X1_AHEAD,
-            ));
-        }
+        let (ho, so) = ask_ahead::<F>(panel, pl, b, 1);
         let mut sm = scales::<F>(panel.add(ho), panel.add(so), 0);
         let codes = panel.add(so + l.scales);
         for c in 0..16 {
@@ -751,17 +768,8 @@ pub unsafe fn dot_quant_x1p<F: Fmt, const P: usize>(
     let mut sm = [[[_mm256_setzero_ps(); 2]; 2]; P];
     for b in 0..k / 32 {
         let (ho, so) = l.block(b);
-        let from = if b % l.subs == 0 { ho } else { so };
         for (p, &panel) in panels.iter().enumerate() {
-            for line in (from..so + l.sub()).step_by(64) {
-                _mm_prefetch::<_MM_HINT_T0>(super::ahead(
-                    panel.wrapping_add(line),
-                    line,
-                    pl,
-                    P,
-                    X1_AHEAD,
-                ));
-            }
+            ask_ahead::<F>(panel, pl, b, P);
             sm[p] = scales::<F>(panel.add(ho), panel.add(so), 0);
         }
         let xb = x.add(32 * b);

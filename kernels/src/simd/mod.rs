@@ -453,7 +453,8 @@ pub unsafe fn panel_product(
     let (tm, tp) = tile_for(m);
     let panels = cols.div_ceil(PANEL);
     let mut a0 = 0;
-    for ma in row_blocks(m, tm) {
+    let avx2 = cfg!(target_arch = "x86_64") && has_avx2_fma() && !has_avx512();
+    for ma in row_blocks(m, tm, avx2) {
         // Panels in groups as even as the tile allows, too.
         let groups = panels.div_ceil(tp);
         let mut p0 = 0;
@@ -481,7 +482,8 @@ pub unsafe fn panel_product(
 
 /// The rows of each register tile [`panel_product`] cuts `m` activation rows into, at most `tm`
 /// each: blocks as even as the tile allows (32 rows at 6: 6, 6, 5, 5, 5, 5, not five of 6 and
-/// one of 2), and at AVX2 maybe a last block of 2 or 3 rows (below).
+/// one of 2), and at AVX2 (`avx2`: the level's tile is AVX2's) maybe a last block of 2 or 3 rows
+/// (below).
 ///
 /// AVX2's tile of 4 rows takes one panel, 8 accumulators: as many chains as two FMA pipes of 4
 /// cycles' latency need, with nothing to spare (5 rows hold 10, 6 rows 12, and 2 or 3 rows take
@@ -502,8 +504,7 @@ pub unsafe fn panel_product(
 /// (Since then 7 and 8 rows of quantized weights decode in registers at AVX2, see `matmul`'s
 /// `AVX2_FUSED_MOST`; f32 weights and longer products still come here.) Which rows share a
 /// tile changes no bit.
-fn row_blocks(m: usize, tm: usize) -> impl Iterator<Item = usize> {
-    let avx2 = cfg!(target_arch = "x86_64") && has_avx2_fma() && !has_avx512();
+fn row_blocks(m: usize, tm: usize, avx2: bool) -> impl Iterator<Item = usize> {
     // The last block's rows (0: none), where the others would otherwise hold 4.
     let tail = if !avx2 || tm != TILE_AVX2.0 || m <= tm || m >= 5 * m.div_ceil(tm) {
         0
@@ -1013,11 +1014,11 @@ unsafe fn dot_quant_rows_at(
             // by panel. The model's Q4_1 products of a decode step at batch 1 in the engine
             // (`tandem bench engine --batch 1 --prompt-len 32 --gen-len 128 --profile`, three
             // rounds alternated): 4.61-5.16 ms against 4.30-4.34, the head (Q8_0) 1.19-1.23
-            // both; decode 155 tok/s against 158-162. (A first two-panel one-row kernel, for every format,
-            // kept an accumulator on the stack and was slower than panel by panel: 13.1-13.7 ms
-            // against 11.3-11.8 on one thread. This one, with none there, was measured once
-            // before in the engine at batch 1 in four rounds that the VM's speed moved by a
-            // fifth, 95-119 tok/s against 102-116, and not taken then.)
+            // both; decode 155 tok/s against 158-162. (A first two-panel one-row kernel, for
+            // every format, kept an accumulator on the stack and was slower than panel by
+            // panel: 13.1-13.7 ms against 11.3-11.8 on one thread. This one, with none there,
+            // was measured once before in the engine at batch 1 in four rounds that the VM's
+            // speed moved by a fifth, 95-119 tok/s against 102-116, and not taken then.)
             //
             // Two to four rows (or one of other formats, or a last odd panel) go panel by
             // panel: two panels' accumulators for more than one row would not fit the 16
@@ -1456,40 +1457,37 @@ mod tests {
     /// rows) no block of 4 or 1 from 5 rows on: blocks of 5 or 6 and at most one of 2 or 3, last.
     #[test]
     fn row_blocks_cover_the_rows_in_tiles_of_five_or_six_at_avx2() {
-        let avx2 = cfg!(target_arch = "x86_64") && has_avx2_fma() && !has_avx512();
-        for tm in 1..=6 {
-            for m in 1..=400 {
-                let sizes: Vec<usize> = row_blocks(m, tm).collect();
-                assert_eq!(sizes.iter().sum::<usize>(), m, "m={m} tm={tm}: {sizes:?}");
+        let tiles = (1..=6).flat_map(|tm| [(false, tm), (true, tm)]);
+        for ((avx2, tm), m) in tiles.flat_map(|t| (1..=400).map(move |m| (t, m))) {
+            let sizes: Vec<usize> = row_blocks(m, tm, avx2).collect();
+            assert_eq!(sizes.iter().sum::<usize>(), m, "m={m} tm={tm}: {sizes:?}");
+            assert!(
+                sizes.iter().all(|&b| (1..=tm).contains(&b)),
+                "m={m} tm={tm}: {sizes:?}"
+            );
+            let even = |s: &[usize]| s.iter().max().unwrap() - s.iter().min().unwrap() <= 1;
+            if avx2 && tm == 6 && m >= 5 {
+                let (last, head) = sizes.split_last().unwrap();
+                let fives = |s: &[usize]| s.iter().all(|&b| b == 5 || b == 6);
                 assert!(
-                    sizes.iter().all(|&b| (1..=tm).contains(&b)),
-                    "m={m} tm={tm}: {sizes:?}"
+                    (fives(&sizes) && even(&sizes))
+                        || ([2, 3].contains(last) && fives(head) && even(head)),
+                    "m={m}: {sizes:?}"
                 );
-                let even = |s: &[usize]| s.iter().max().unwrap() - s.iter().min().unwrap() <= 1;
-                if avx2 && tm == 6 && m >= 5 {
-                    let (last, head) = sizes.split_last().unwrap();
-                    let fives = |s: &[usize]| s.iter().all(|&b| b == 5 || b == 6);
-                    assert!(
-                        (fives(&sizes) && even(&sizes))
-                            || ([2, 3].contains(last) && fives(head) && even(head)),
-                        "m={m}: {sizes:?}"
-                    );
-                    assert!(sizes.len() <= m.div_ceil(6) + 1, "m={m}: {sizes:?}");
-                } else {
-                    assert!(
-                        even(&sizes) && sizes.len() == m.div_ceil(tm),
-                        "m={m} tm={tm}: {sizes:?}"
-                    );
-                }
+                assert!(sizes.len() <= m.div_ceil(6) + 1, "m={m}: {sizes:?}");
+            } else {
+                assert!(
+                    even(&sizes) && sizes.len() == m.div_ceil(tm),
+                    "m={m} tm={tm} avx2={avx2}: {sizes:?}"
+                );
             }
         }
-        if avx2 {
-            let cut = |m| row_blocks(m, 6).collect::<Vec<_>>();
-            assert_eq!(cut(8), [5, 3]);
-            assert_eq!(cut(7), [5, 2]);
-            assert_eq!(cut(13), [5, 5, 3]);
-            assert_eq!(cut(32), [6, 6, 5, 5, 5, 5]);
-        }
+        let cut = |m| row_blocks(m, 6, true).collect::<Vec<_>>();
+        assert_eq!(cut(8), [5, 3]);
+        assert_eq!(cut(7), [5, 2]);
+        assert_eq!(cut(13), [5, 5, 3]);
+        assert_eq!(cut(32), [6, 6, 5, 5, 5, 5]);
+        assert_eq!(row_blocks(8, 6, false).collect::<Vec<_>>(), [4, 4]);
     }
 
     /// Every tile shape the dispatch serves (every row count up to two tiles' and more, each way
