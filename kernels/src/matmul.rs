@@ -51,8 +51,9 @@ const FUSED_GROUPS: usize = 3;
 /// 4 + 3, 8 rows 19.1-19.2 against 17.7-18.0 in fours. On Zen 4 at AVX2 (three rounds, before
 /// that change, when four rows cost 1.3-1.4x three): 5 rows through the tile 17.0-23.6 ms, in
 /// threes 14.9-16.4, 4 + 1 19.3-20.5; 6 rows 15.9-19.9, in threes 14.8-16.5, in twos 17.7-30.6;
-/// 8 rows 22.6-24.1, in fours 25.2-26.7. So five and six rows stay in threes (the tile's 3-5%
-/// on Zen 3 against its 10-30% loss on Zen 4), and seven and eight go in fours. Decode in the
+/// 8 rows 22.6-24.1, in fours 25.2-26.7. From memory on the Zen 3 (with the head) five rows took
+/// 12.9-13.0 ms in threes against 13.5 through the tile, six 14.2-14.5 against 14.8-15.3. So five
+/// and six rows stay in threes, and seven and eight go in fours. Decode in the
 /// engine on that Zen 3 (`tandem bench engine --batch B --prompt-len 64 --gen-len 64`, two
 /// rounds alternated with the build before, tok/s): batch 4 286-300 against 331, 7 300-312
 /// against 363-367 (then through the tile), 8 330-350 against 366-374.
