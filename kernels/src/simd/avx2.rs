@@ -709,12 +709,13 @@ pub unsafe fn dot_quant_xm<F: Fmt, const M: usize>(
     let l = F::L;
     let mut acc = [[_mm256_setzero_ps(); 2]; M];
     // From four rows on, the current sub-block's scales and minimums are read from this buffer
-    // at each use, so that the registers they would hold keep every accumulator (left to the
-    // compiler, the scales were copied from stack slot to stack slot every column and some
-    // codes went to the stack and back: 4 rows of the model's decode products on a 2-core Zen 3
-    // took 9.03-9.07 ms with the weights in cache, against 6.96-7.06 read from here, and 5.8
-    // for 3 rows; 2 and 3 rows read from here took 5.2-6.0 and 6.3-6.5 ms against 4.8 and
-    // 5.9 in registers).
+    // at each use, so that the registers they would hold keep every accumulator. (Left in
+    // registers, one of the accumulators went to the stack and back every column: 10.1 ms for
+    // 4 rows of the model's decode products on a 2-core Zen 3. Read into a fresh local array
+    // every column, as until 2026-12-07, the scales were copied from stack slot to stack slot
+    // every column and two code vectors spilled: 9.03-9.07 ms with the weights in cache,
+    // against 6.96-7.06 read from this buffer, and 5.8 for 3 rows. 2 and 3 rows read from here
+    // took 5.2-6.0 and 6.3-6.5 ms against 4.8 and 5.9 in registers.)
     let mut kept = [[_mm256_setzero_ps(); 2]; 2];
     for b in 0..k / 32 {
         let (ho, so) = ask_ahead::<F>(panel, pl, b, 1);
