@@ -716,22 +716,21 @@ pub unsafe fn dot_quant_xm<F: Fmt, const M: usize>(
     // every column and two code vectors spilled: 9.03-9.07 ms with the weights in cache,
     // against 6.96-7.06 read from this buffer, and 5.8 for 3 rows. 2 and 3 rows read from here
     // took 5.2-6.0 and 6.3-6.5 ms against 4.8 and 5.9 in registers.)
-    let mut kept = [[_mm256_setzero_ps(); 2]; 2];
+    let mut kept: [[__m256; 2]; 2];
     for b in 0..k / 32 {
         let (ho, so) = ask_ahead::<F>(panel, pl, b, 1);
         let mut sm = scales::<F>(panel.add(ho), panel.add(so), 0);
+        kept = sm;
         let codes = panel.add(so + l.scales);
         for c in 0..16 {
             if F::HALVES && c == 8 {
                 sm = scales::<F>(panel.add(ho), panel.add(so), 1);
+                kept = sm;
             }
             // Columns 2c and 2c+1: codes 2i (rows 0-7) and 2i+1 (rows 8-15) of column 2c+i.
             let q = pair::<F>(codes, c);
             let t = 32 * b + 2 * c;
             if M >= 4 {
-                if c == 0 || (F::HALVES && c == 8) {
-                    kept = sm;
-                }
                 let at = |j: usize, h: usize| std::ptr::read_volatile(&kept[j][h]);
                 two_columns::<F, M>(q, at, x, ldx, t, &mut acc);
             } else {
