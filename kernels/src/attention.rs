@@ -831,6 +831,10 @@ impl Item {
     }
 }
 
+/// Lanes of the widest vector [`exp_shifted_sum`] sums in (AVX-512's; the others' divide it): a
+/// row's exponentials started this many keys later put every key in the same lane.
+const EXP_LANES: usize = 16;
+
 /// Most blocks' values one call of the value kernel takes where a task asks for its ranges
 /// ahead (see [`attend_tile`]).
 const VALUE_RUNS: usize = 4;
@@ -949,15 +953,21 @@ fn attend_tile(
         for v in r * g..(r + 1) * g {
             let row = &mut scores[v * n..(v + 1) * n];
             let (seen, after) = row.split_at_mut(end);
-            seen[..first_seen.min(end)].fill(f32::NEG_INFINITY);
-            let max = max_f32(seen);
+            let masked = first_seen.min(end);
+            let max = max_f32(&seen[masked..]);
+            // The window's unseen keys: whole vectors of them (of any level's lanes) would add
+            // +0 to each lane of the sum, so they get their zeros without exponentials (which
+            // take a slower path for −∞); the rest of a vector is −∞.
+            let skip = masked / EXP_LANES * EXP_LANES;
+            seen[..skip].fill(0.0);
+            seen[skip..masked].fill(f32::NEG_INFINITY);
             part[v] = max;
             part[nq + v] = if max == f32::NEG_INFINITY {
                 // No key of this segment is seen: weights of exactly zero.
                 seen.fill(0.0);
                 0.0
             } else {
-                exp_shifted_sum(seen, max)
+                exp_shifted_sum(&mut seen[skip..], max)
             };
             after.fill(0.0);
         }

@@ -129,13 +129,46 @@ pub unsafe fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
 }
 
 /// `exp` of 8 lanes, computed as the AVX-512 `exp16` does (`x = n·ln2 + r`, Cephes' degree-7
-/// polynomial for `e^r`, within 2 ulp), with `2^n` applied as two powers of two that are both
-/// normal numbers: a result in the subnormal range is rounded once, as `vscalefps` rounds it, and
-/// a large `x` gives +∞.
+/// polynomial for `e^r`, within 2 ulp), with `2^n` applied in one multiply where it is a normal
+/// number for every lane (`-126 ≤ n ≤ 127`: the product is rounded once, as `vscalefps` rounds
+/// it) and otherwise as two powers of two that are both normal ([`exp8_far`]), so a result in
+/// the subnormal range is still rounded once and a large `x` gives +∞.
+///
+/// The test and its branch cost less than the clamps and the second power of two they skip (8 of
+/// the 30 operations of a vector, several of them on the chain from `x` to the result): on a
+/// 2-core Zen 3, [`crate::ops::log_sum_exp`] of 256 values (in a loop) took 0.69-0.70 ns a value before and
+/// 0.58 after, and a 512-token prefill's attention on one thread (`examples/decode_attention`)
+/// 4.72-5.16 ms before, 4.62-4.95 after (six runs each, alternated).
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn exp8(x: __m256) -> __m256 {
-    // n stays within [-150, 145], so both halves of it are normal exponents.
+unsafe fn exp8<const NONPOSITIVE: bool>(x: __m256) -> __m256 {
+    let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
+        x,
+        _mm256_set1_ps(std::f32::consts::LOG2_E),
+    ));
+    // (NaN compares as out of range: the far path clamps it as before.)
+    let low = _mm256_cmp_ps::<_CMP_NGE_UQ>(n, _mm256_set1_ps(-126.0));
+    let far = if NONPOSITIVE {
+        low
+    } else {
+        _mm256_or_ps(low, _mm256_cmp_ps::<_CMP_GT_OQ>(n, _mm256_set1_ps(127.0)))
+    };
+    if _mm256_movemask_ps(far) != 0 {
+        return exp8_far(x);
+    }
+    let pow2 = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+        _mm256_cvtps_epi32(n),
+        _mm256_set1_epi32(127),
+    ));
+    _mm256_mul_ps(exp_reduced(x, n), _mm256_castsi256_ps(pow2))
+}
+
+/// [`exp8`] of any lanes: `x` clamped to [-104, 100] (so `n` stays within [-150, 145]) and
+/// `2^n` applied as two powers of two that are both normal numbers.
+#[inline]
+#[cold]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn exp8_far(x: __m256) -> __m256 {
     let x = _mm256_min_ps(
         _mm256_max_ps(x, _mm256_set1_ps(-104.0)),
         _mm256_set1_ps(100.0),
@@ -144,6 +177,22 @@ unsafe fn exp8(x: __m256) -> __m256 {
         x,
         _mm256_set1_ps(std::f32::consts::LOG2_E),
     ));
+    let e = exp_reduced(x, n);
+    let ni = _mm256_cvtps_epi32(n);
+    let h = _mm256_srai_epi32::<1>(ni);
+    let pow2 = |k: __m256i| {
+        _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(
+            k,
+            _mm256_set1_epi32(127),
+        )))
+    };
+    _mm256_mul_ps(_mm256_mul_ps(e, pow2(h)), pow2(_mm256_sub_epi32(ni, h)))
+}
+
+/// `e^r` for `r = x − n·ln2` (ln2 in two parts), by the polynomial.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn exp_reduced(x: __m256, n: __m256) -> __m256 {
     let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
     let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
     let mut p = _mm256_set1_ps(1.987_569_1e-4);
@@ -156,20 +205,11 @@ unsafe fn exp8(x: __m256) -> __m256 {
     ] {
         p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
     }
-    let e = _mm256_fmadd_ps(
+    _mm256_fmadd_ps(
         _mm256_mul_ps(p, r),
         r,
         _mm256_add_ps(r, _mm256_set1_ps(1.0)),
-    );
-    let ni = _mm256_cvtps_epi32(n);
-    let h = _mm256_srai_epi32::<1>(ni);
-    let pow2 = |k: __m256i| {
-        _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(
-            k,
-            _mm256_set1_epi32(127),
-        )))
-    };
-    _mm256_mul_ps(_mm256_mul_ps(e, pow2(h)), pow2(_mm256_sub_epi32(ni, h)))
+    )
 }
 
 /// Lanes `0..count` set (as `maskload` reads a mask: the sign bit of each 32-bit lane).
@@ -204,7 +244,7 @@ pub unsafe fn max_f32(x: &[f32]) -> f32 {
 pub unsafe fn silu_mul(gate: *const f32, up: *const f32, out: *mut f32, n: usize) {
     let one = _mm256_set1_ps(1.0);
     let silu = |v: __m256, u: __m256| {
-        let e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), v));
+        let e = exp8::<false>(_mm256_sub_ps(_mm256_setzero_ps(), v));
         _mm256_mul_ps(_mm256_div_ps(v, _mm256_add_ps(one, e)), u)
     };
     let n8 = n / 8 * 8;
@@ -229,7 +269,7 @@ pub unsafe fn exp_shifted_sum(x: &mut [f32], max: f32) -> f32 {
     let mut acc = _mm256_setzero_ps();
     let mut chunks = x.chunks_exact_mut(8);
     for c in &mut chunks {
-        let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(c.as_ptr()), m));
+        let e = exp8::<true>(_mm256_sub_ps(_mm256_loadu_ps(c.as_ptr()), m));
         _mm256_storeu_ps(c.as_mut_ptr(), e);
         acc = _mm256_add_ps(acc, e);
     }
@@ -237,7 +277,7 @@ pub unsafe fn exp_shifted_sum(x: &mut [f32], max: f32) -> f32 {
     if !rest.is_empty() {
         let k = lanes(rest.len());
         let v = _mm256_maskload_ps(rest.as_ptr(), k);
-        let e = _mm256_and_ps(exp8(_mm256_sub_ps(v, m)), _mm256_castsi256_ps(k));
+        let e = _mm256_and_ps(exp8::<true>(_mm256_sub_ps(v, m)), _mm256_castsi256_ps(k));
         _mm256_maskstore_ps(rest.as_mut_ptr(), k, e);
         acc = _mm256_add_ps(acc, e);
     }

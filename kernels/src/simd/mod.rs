@@ -1268,6 +1268,50 @@ mod tests {
         assert_eq!(y[1], 1.0);
     }
 
+    /// Each lane's exponential is its own: the same bits beside lanes that take the far path
+    /// (a result below the normal range, a large argument, −∞, NaN) as beside lanes that do not,
+    /// so a score's weight does not depend on the scores it is computed with.
+    #[test]
+    fn exp_lanes_do_not_depend_on_their_neighbours() {
+        let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(17);
+        // Around 2^-126 (x = -87.34) and the clamp (-104) from both sides, and the far values.
+        let mut near: Vec<f32> = vec![0.0, -0.0, -1e-30, -87.0, -87.3, -87.33, -87.335];
+        near.extend((0..40).map(|_| r.gen_range(-87.3f32..0.0)));
+        // (-88.0 to -89.0 also put silu's e^88 to e^89 on both sides of 2^128.)
+        let mut far: Vec<f32> = vec![-87.35, -87.4, -87.7, -88.0, -88.3, -88.38, -88.4, -88.5];
+        far.extend([-89.0, -100.0, -103.9, -104.0, -104.5, -150.0]);
+        far.extend([f32::NEG_INFINITY, f32::NAN]);
+        far.extend((0..20).map(|_| r.gen_range(-110.0f32..-87.34)));
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        for &v in near.iter().chain(&far) {
+            let mut alone = [v; 8];
+            exp_shifted_sum(&mut alone, 0.0);
+            for lane in 0..8 {
+                for others in [&near, &far] {
+                    let mut x: Vec<f32> = (0..8)
+                        .map(|i| others[(i * 7 + lane) % others.len()])
+                        .collect();
+                    x[lane] = v;
+                    exp_shifted_sum(&mut x, 0.0);
+                    assert_eq!(
+                        x[lane].to_bits(),
+                        alone[0].to_bits(),
+                        "exp({v}) in lane {lane}"
+                    );
+                }
+            }
+            // silu's exponential, of -v: large arguments (2^128 and up) take the far path too.
+            for w in [v, -v] {
+                let g = [w, 0.5, -89.0, 1.0, 95.0, -3.0, 100.0, 7.0];
+                let mut mixed = [0f32; 8];
+                silu_mul_to(&g, &[1.0; 8], &mut mixed);
+                let mut one = [0f32; 8];
+                silu_mul_to(&[w; 8], &[1.0; 8], &mut one);
+                assert_eq!(bits(&mixed[..1]), bits(&one[..1]), "silu({w})");
+            }
+        }
+    }
+
     #[test]
     fn value_runs_match_scalar() {
         for d in [4, 16, 48, 64, 128] {
