@@ -136,9 +136,10 @@ pub unsafe fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
 ///
 /// The test and its branch cost less than the clamps and the second power of two they skip (8 of
 /// the 30 operations of a vector, several of them on the chain from `x` to the result): on a
-/// 2-core Zen 3, [`crate::ops::log_sum_exp`] of 256 values (in a loop) took 0.69-0.70 ns a value before and
-/// 0.58 after, and a 512-token prefill's attention on one thread (`examples/decode_attention`)
-/// 4.72-5.16 ms before, 4.62-4.95 after (six runs each, alternated).
+/// 2-core Zen 3, [`crate::ops::log_sum_exp`] of 256 values (in a loop) took 0.69-0.70 ns a
+/// value before and 0.58 after, and a 512-token prefill's attention on one thread
+/// (`examples/decode_attention`) 4.72-5.16 ms before, 4.62-4.95 after (six runs each,
+/// alternated).
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn exp8<const NONPOSITIVE: bool>(x: __m256) -> __m256 {
