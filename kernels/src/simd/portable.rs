@@ -7,7 +7,7 @@
 //! the same independent chains to schedule.
 
 use half::slice::HalfFloatSliceExt;
-use wide::f32x8;
+use wide::{f32x8, i32x8};
 
 use super::fmt::Fmt;
 use super::KvValue;
@@ -275,13 +275,11 @@ fn exp8(x: f32x8) -> f32x8 {
         p = p.mul_add(r, f32x8::splat(c));
     }
     let e = (p * r).mul_add(r, r + f32x8::ONE);
-    let (e, n) = (e.to_array(), n.to_array());
-    let pow2 = |k: i32| f32::from_bits(((k + 127) as u32) << 23);
-    f32x8::new(std::array::from_fn(|i| {
-        let ni = n[i] as i32;
-        let h = ni >> 1;
-        e[i] * pow2(h) * pow2(ni - h)
-    }))
+    // (n is a whole number within [-150, 145]: its conversion is exact.)
+    let ni = n.fast_round_int();
+    let h = ni >> 1;
+    let pow2 = |k: i32x8| -> f32x8 { bytemuck::cast((k + i32x8::splat(127)) << 23) };
+    e * pow2(h) * pow2(ni - h)
 }
 
 /// `out[i] = silu(gate[i]) · up[i]` over `n` values; `out` may be `gate` (each vector is read
