@@ -304,6 +304,42 @@ pub fn write_kv(
             k.len()
         )));
     }
+    write_kv_with(cache, layout, slots, |t| {
+        (&k[t * row..(t + 1) * row], &v[t * row..(t + 1) * row])
+    })
+}
+
+/// [`write_kv`] of rows `stride` apart in `kv` (token t's at `t·stride`), each a K row and then
+/// its V row (kv_heads·head_dim values each): the keys and values inside fused q|k|v rows, read
+/// where they are.
+pub fn write_kv_strided(
+    cache: &mut KvSlabMut<'_>,
+    layout: KvLayout,
+    kv: &[f32],
+    stride: usize,
+    slots: &[usize],
+) -> Result<(), KernelError> {
+    let row = layout.num_kv_heads * layout.head_dim;
+    let n = slots.len();
+    if stride < 2 * row || (n > 0 && kv.len() < (n - 1) * stride + 2 * row) {
+        return Err(KernelError::Shape(format!(
+            "write_kv: {n} slots' K and V rows {stride} apart need more than {} values",
+            kv.len()
+        )));
+    }
+    write_kv_with(cache, layout, slots, |t| {
+        let at = t * stride;
+        (&kv[at..at + row], &kv[at + row..at + 2 * row])
+    })
+}
+
+/// The writes of [`write_kv`], token t's K and V rows from `kv(t)` (their lengths checked).
+fn write_kv_with<'k>(
+    cache: &mut KvSlabMut<'_>,
+    layout: KvLayout,
+    slots: &[usize],
+    kv: impl Fn(usize) -> (&'k [f32], &'k [f32]) + Sync,
+) -> Result<(), KernelError> {
     let (bs, bf) = (layout.block_size, layout.block_floats());
     let len = cache.as_ref().len();
     if let Some(&slot) = slots.iter().find(|&&s| (s / bs + 1) * bf > len) {
@@ -322,13 +358,8 @@ pub fn write_kv(
     let blocks: Vec<usize> = groups.iter().map(|g| slots[g[0]] / bs).collect();
     let write = |mut block: KvBlockMut<'_>, rows: &[usize]| {
         for &t in rows {
-            write_row(
-                &mut block,
-                layout,
-                slots[t] % bs,
-                &k[t * row..(t + 1) * row],
-                &v[t * row..(t + 1) * row],
-            );
+            let (k, v) = kv(t);
+            write_row(&mut block, layout, slots[t] % bs, k, v);
         }
     };
     match cache {
@@ -467,6 +498,28 @@ pub fn paged_attention(
     seqs: &[SeqAttn<'_>],
     out: &mut [f32],
 ) -> Result<(), KernelError> {
+    let width = spec.n_heads * layout.head_dim;
+    if q.len() != out.len() {
+        return Err(KernelError::Shape(
+            "paged_attention: q and out differ".into(),
+        ));
+    }
+    paged_attention_strided(q, width, spec, cache, layout, seqs, out)
+}
+
+/// [`paged_attention`] of queries that are the first n_heads·head_dim values of rows `q_stride`
+/// apart (row r's at `r·q_stride`): the queries inside fused q|k|v rows, read where they are.
+/// `out` is packed (rows × n_heads·head_dim), its rows those of `q`; the bits are those of the
+/// same queries packed.
+pub fn paged_attention_strided(
+    q: &[f32],
+    q_stride: usize,
+    spec: AttnSpec,
+    cache: KvSlab<'_>,
+    layout: KvLayout,
+    seqs: &[SeqAttn<'_>],
+    out: &mut [f32],
+) -> Result<(), KernelError> {
     let n_heads = spec.n_heads;
     if spec.window == Some(0) {
         return Err(KernelError::Shape("a sliding window of 0 keys".into()));
@@ -480,11 +533,17 @@ pub fn paged_attention(
         )));
     }
     let group = n_heads / layout.num_kv_heads;
-    let rows = q.len() / width;
-    if q.len() != out.len() || !q.len().is_multiple_of(width) {
+    if width == 0 || !out.len().is_multiple_of(width) {
         return Err(KernelError::Shape(
-            "paged_attention: q and out differ".into(),
+            "paged_attention: the output is not whole rows".into(),
         ));
+    }
+    let rows = out.len() / width;
+    if q_stride < width || (rows > 0 && q.len() < (rows - 1) * q_stride + width) {
+        return Err(KernelError::Shape(format!(
+            "paged_attention: {rows} query rows {q_stride} apart need more than {} values",
+            q.len()
+        )));
     }
     for (si, s) in seqs.iter().enumerate() {
         if s.q_len > s.context_len
@@ -665,7 +724,7 @@ pub fn paged_attention(
         for (it, _) in run.iter() {
             let at0 = qt.len();
             for r in it.row..it.row + it.rows {
-                let at = r * width + it.kvh * gw;
+                let at = r * q_stride + it.kvh * gw;
                 qt.extend_from_slice(&q[at..at + gw]);
             }
             qts.push(at0..qt.len());
@@ -1486,6 +1545,121 @@ mod tests {
         assert_eq!(scales[7], 0.0);
         assert_eq!(data[3], 127);
         assert_eq!(&data[8 + 6..8 + 8], &[0, 0]);
+    }
+
+    /// Queries, keys and values read in place from fused q|k|v rows (the strided forms) give the
+    /// bits of the same rows packed: the cache each write leaves, for every cache type, and the
+    /// attention rows over it (two sequences, a prefill chunk and a decode row, 1 and 3 threads).
+    /// Buffers too short for their rows are errors that write nothing.
+    #[test]
+    fn fused_rows_read_in_place_give_the_packed_rows_bits() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+        let layout = KvLayout {
+            block_size: 4,
+            num_kv_heads: 2,
+            head_dim: 8,
+        };
+        let spec = AttnSpec {
+            n_heads: 4,
+            scale: 0.35,
+            window: None,
+        };
+        let (qd, kw) = (
+            spec.n_heads * layout.head_dim,
+            layout.num_kv_heads * layout.head_dim,
+        );
+        // A stride wider than the row, as a padded buffer's.
+        let w = qd + 2 * kw + 3;
+        // Sequence 0: 9 new tokens over 3 cached; sequence 1: one new token over 13.
+        let (ctxs, news) = ([12usize, 14], [9usize, 1]);
+        for dtype in 0..3 {
+            let mut packed = TestCache::new(&mut rng, layout, &ctxs, dtype, ctxs[0]);
+            let tables = packed.tables.clone();
+            let fused: Vec<f32> = (0..10 * w).map(|_| rng.gen_range(-2.0..2.0)).collect();
+            let mut slots: Vec<usize> = Vec::new();
+            for (s, (&ctx, &new)) in ctxs.iter().zip(&news).enumerate() {
+                slots.extend((ctx - new..ctx).map(|p| tables[s][p / 4] as usize * 4 + p % 4));
+            }
+            let mut strided = TestCache {
+                f32s: packed.f32s.clone(),
+                f16s: packed.f16s.clone(),
+                i8s: packed.i8s.clone(),
+                scales: packed.scales.clone(),
+                tables: tables.clone(),
+                probe: Default::default(),
+                dtype,
+            };
+            let rows = |a: usize, b: usize| -> Vec<f32> {
+                (0..10)
+                    .flat_map(|t| fused[t * w + a..t * w + b].to_vec())
+                    .collect()
+            };
+            let (q, k, v) = (rows(0, qd), rows(qd, qd + kw), rows(qd + kw, qd + 2 * kw));
+            write_kv(&mut packed.slab_mut(), layout, &k, &v, &slots).unwrap();
+            write_kv_strided(&mut strided.slab_mut(), layout, &fused[qd..], w, &slots).unwrap();
+            let bits = |c: &TestCache| -> Vec<u32> {
+                let f = c.f32s.iter().chain(&c.scales).map(|x| x.to_bits());
+                let h = c.f16s.iter().map(|x| x.to_bits() as u32);
+                f.chain(h)
+                    .chain(c.i8s.iter().map(|&x| x as u8 as u32))
+                    .collect()
+            };
+            assert_eq!(bits(&packed), bits(&strided), "cache type {dtype}");
+            assert!(bits(&packed).iter().any(|&b| b != 0));
+            let seqs = [
+                SeqAttn {
+                    q_start: 0,
+                    q_len: 9,
+                    context_len: 12,
+                    block_table: &tables[0],
+                },
+                SeqAttn {
+                    q_start: 9,
+                    q_len: 1,
+                    context_len: 14,
+                    block_table: &tables[1],
+                },
+            ];
+            for threads in [1, 3] {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap();
+                let (mut a, mut b) = (vec![0f32; 10 * qd], vec![0f32; 10 * qd]);
+                pool.install(|| {
+                    paged_attention(&q, spec, packed.slab(), layout, &seqs, &mut a).unwrap();
+                    let c = strided.slab();
+                    paged_attention_strided(&fused, w, spec, c, layout, &seqs, &mut b).unwrap();
+                });
+                let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&a), bits(&b), "cache type {dtype}, {threads} threads");
+                assert!(a.iter().any(|&x| x != 0.0));
+            }
+        }
+        // Too short for the rows, or a stride narrower than a row: errors, nothing written.
+        let mut cache = vec![0f32; 8 * layout.block_floats()];
+        let fused = vec![1f32; 3 * w];
+        let short = &fused[qd..3 * w - 1 - 3];
+        let mut slab = KvSlabMut::F32(&mut cache);
+        assert!(write_kv_strided(&mut slab, layout, short, w, &[0, 1, 2]).is_err());
+        assert!(write_kv_strided(&mut slab, layout, &fused[qd..], 2 * kw - 1, &[0]).is_err());
+        assert!(cache.iter().all(|&x| x == 0.0), "nothing is written");
+        let table = [0u32];
+        let one = one_row(&table, 1);
+        let slab = KvSlab::F32(&cache);
+        let mut out = vec![0f32; 3 * qd];
+        let seq = |q_start| SeqAttn { q_start, ..one[0] };
+        let run = |q: &[f32], stride, out: &mut [f32]| {
+            paged_attention_strided(q, stride, spec, slab, layout, &[seq(2)], out)
+        };
+        assert!(run(&fused, w, &mut out).is_ok());
+        let err = run(&fused[..2 * w + qd - 1], w, &mut out).unwrap_err();
+        assert!(err.to_string().contains("3 query rows"), "{err}");
+        assert!(run(&fused, qd - 1, &mut out).is_err());
+        assert!(
+            run(&fused, w, &mut out[..qd + 1]).is_err(),
+            "not whole rows"
+        );
     }
 
     /// One sequence of one new token over `context_len` tokens in `table`'s blocks.
