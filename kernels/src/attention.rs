@@ -1644,6 +1644,9 @@ mod tests {
         assert!(write_kv_strided(&mut slab, layout, short, w, &[0, 1, 2]).is_err());
         assert!(write_kv_strided(&mut slab, layout, &fused[qd..], 2 * kw - 1, &[0]).is_err());
         assert!(cache.iter().all(|&x| x == 0.0), "nothing is written");
+        // No rows: nothing to read.
+        let mut slab = KvSlabMut::F32(&mut cache);
+        assert!(write_kv_strided(&mut slab, layout, &[], w, &[]).is_ok());
         let table = [0u32];
         let one = one_row(&table, 1);
         let slab = KvSlab::F32(&cache);

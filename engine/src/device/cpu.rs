@@ -519,7 +519,9 @@ impl StepOps for CpuStep<'_> {
             });
         let layout = self.kv.layout;
         let mut cache = self.kv.layer_mut(layer);
-        write_kv_strided(&mut cache, layout, &qkv[qd..], qkv_w, &self.step.slots)?;
+        // (A step of no rows, an expert-parallel rank's, has no values at all.)
+        let kv = qkv.get(qd..).unwrap_or_default();
+        write_kv_strided(&mut cache, layout, kv, qkv_w, &self.step.slots)?;
         let spec = AttnSpec {
             n_heads: c.num_heads,
             scale: 1.0 / (hd as f32).sqrt(),
