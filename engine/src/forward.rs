@@ -102,6 +102,21 @@ pub(crate) trait StepOps {
         rows: usize,
         ff: usize,
     ) -> Result<(), EngineError>;
+    /// `out = silu(gate) · up` of the product `x · wᵀ` (`(m, ff, k)`: `w` stacks `ff` gate rows
+    /// over `ff` up rows): [`StepOps::matmul`] into `gate_up` and [`StepOps::silu_mul`] of it,
+    /// unless a device does both in one pass with the same bits (the CPU: the product's halves
+    /// never leave its threads' caches; `gate_up` is then left as it was).
+    fn gate_up_silu(
+        &mut self,
+        w: &Self::Matrix,
+        x: &Self::Act,
+        (m, ff, k): (usize, usize, usize),
+        gate_up: &mut Self::Act,
+        out: &mut Self::Act,
+    ) -> Result<(), EngineError> {
+        self.matmul(w, x, (m, 2 * ff, k), gate_up)?;
+        self.silu_mul(gate_up, out, m, ff)
+    }
     /// Adds each LoRA adapter's low-rank product to its rows of projection `site`'s output `out`
     /// (from `x`, the projection's input), layer `layer`: `out += scale · B·(A·x)` for every
     /// pair the adapter has there, the rows of one adapter together so that its A and B are
@@ -682,16 +697,25 @@ fn layers_and_head<D: StepOps>(
         )?;
         match &l.mlp {
             Mlp::Dense { gate_up, down } => {
-                op!(
-                    times,
-                    d,
-                    gate_up,
-                    d.matmul(gate_up, hbuf, (m, 2 * ff, h), gu)
-                )?;
                 if lora {
+                    // The adapters add to the product before silu·mul: two passes.
+                    op!(
+                        times,
+                        d,
+                        gate_up,
+                        d.matmul(gate_up, hbuf, (m, 2 * ff, h), gu)
+                    )?;
                     op!(times, d, lora, d.lora(li, LoraSite::GateUp, hbuf, gu))?;
+                    op!(times, d, silu, d.silu_mul(gu, act, m, ff))?;
+                } else {
+                    // (Timed as the product where a device fuses them.)
+                    op!(
+                        times,
+                        d,
+                        gate_up,
+                        d.gate_up_silu(gate_up, hbuf, (m, ff, h), gu, act)
+                    )?;
                 }
-                op!(times, d, silu, d.silu_mul(gu, act, m, ff))?;
                 op!(times, d, down, d.matmul(down, act, (m, h, ff), proj))?;
                 if lora {
                     op!(times, d, lora, d.lora(li, LoraSite::Down, act, proj))?;

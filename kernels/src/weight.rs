@@ -400,6 +400,28 @@ impl Linear {
         amx::matmul(x, m, &self.weight, out);
         Ok(())
     }
+
+    /// `out[m×ff] = silu(x·Gᵀ) · (x·Uᵀ)` of a weight that stacks the gate rows over the up rows
+    /// ([`crate::matmul_silu`]); through the AMX tiles where [`Linear::matmul`] would use them.
+    pub fn matmul_silu(&self, x: &[f32], m: usize, out: &mut [f32]) -> Result<(), KernelError> {
+        if !(self.tiles && m >= AMX_MIN_ROWS && amx::active()) {
+            return crate::matmul_silu(x, m, &self.weight, out);
+        }
+        let n = self.weight.rows();
+        let ff = n / 2;
+        if !n.is_multiple_of(2) || out.len() != m * ff {
+            return Err(KernelError::Shape(format!(
+                "matmul_silu: out has {} values for {m}×{ff}, the weight {n} rows",
+                out.len()
+            )));
+        }
+        let mut gate_up = vec![0f32; m * n];
+        self.matmul(x, m, &mut gate_up)?;
+        for (g, o) in gate_up.chunks_exact(n).zip(out.chunks_exact_mut(ff)) {
+            crate::simd::silu_mul_to(&g[..ff], &g[ff..], o);
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
