@@ -246,13 +246,13 @@ pub fn matmul_silu(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) -> Result<(
     Ok(())
 }
 
-/// Activation rows from which a caller gains by [`matmul_silu`] over the product and a
-/// separate silu·mul: below, gate|up (at most 8 rows of 2·1536 values for the default model,
+/// Activation rows from which [`crate::Linear::matmul_silu`] takes [`matmul_silu`]'s one pass
+/// over the product and a separate silu·mul: below, gate|up (at most 8 rows of 2·1536 values for the default model,
 /// 98 KiB) stays in L2 between the passes, and the decode kernels' task sizes were tuned for
 /// the product alone. The model's 512-token prefill on a 2-core Zen 4 (`tandem bench engine
 /// --profile`, six rounds alternated): gate|up and silu·mul 251.9-283.6 ms in two passes,
 /// 241.3-259.7 in one; the prefill 799-882 tok/s and 842-906.
-pub const MATMUL_SILU_MIN_ROWS: usize = SMALL_M + 1;
+pub(crate) const MATMUL_SILU_MIN_ROWS: usize = SMALL_M + 1;
 
 thread_local! {
     /// A task's gate and up outputs in [`matmul_silu`], reused by every task this thread runs.
@@ -562,6 +562,7 @@ mod tests {
                 _ => Weight::stack(vec![quant(GgmlType::Q4_1, &g, ff), f32w(u, ff)]).unwrap(),
             };
             let name = format!("case {case}, ff {ff}");
+            let lin = crate::Linear::new(w.clone());
             // (A gate of 40 rows is not whole panels: the two are stacked decoded, one weight.)
             assert_eq!(matches!(w, Weight::Parts { .. }), case == 3 && ff == 48);
             for (i, m) in [1, 3, 8, 9, 33, 70].into_iter().enumerate() {
@@ -582,6 +583,31 @@ mod tests {
                     "{name}, {m} rows, {threads} threads"
                 );
                 assert!(want.iter().all(|v| v.is_finite() && *v != 0.0), "{name}");
+                // `Linear`'s, in one pass or (below 9 rows, or on the AMX tiles where
+                // `TANDEM_AMX=1` turns them on) two through the buffer given.
+                let tiles = lin.tiles() && m >= crate::weight::AMX_MIN_ROWS && crate::amx::active();
+                if tiles {
+                    lin.matmul(&x, m, &mut gate_up).unwrap();
+                    for (gu, o) in gate_up.chunks_exact(2 * ff).zip(want.chunks_exact_mut(ff)) {
+                        crate::ops::silu_mul_to(&gu[..ff], &gu[ff..], o);
+                    }
+                }
+                let mut buf = vec![f32::NAN; m * 2 * ff + 5];
+                let mut got = vec![f32::NAN; m * ff];
+                lin.matmul_silu(&x, m, &mut buf, &mut got).unwrap();
+                assert_eq!(bits(&got), bits(&want), "{name}, {m} rows, Linear");
+                let two_passes = !buf[0].is_nan();
+                assert_eq!(
+                    two_passes,
+                    m < MATMUL_SILU_MIN_ROWS || tiles,
+                    "{name}, {m} rows"
+                );
+                let short = lin.matmul_silu(&x, m, &mut buf[..m * 2 * ff - 1], &mut got);
+                assert_eq!(
+                    short.is_err(),
+                    two_passes,
+                    "{name}, {m} rows: a short buffer"
+                );
             }
         }
         let w = f32w(vec![0.0; 3 * k], 3);

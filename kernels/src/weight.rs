@@ -2,7 +2,10 @@
 
 use tandem_model::{GgmlType, TensorData};
 
+use rayon::prelude::*;
+
 use crate::amx;
+use crate::matmul::MATMUL_SILU_MIN_ROWS;
 use crate::simd::PANEL;
 use crate::KernelError;
 
@@ -401,28 +404,47 @@ impl Linear {
         Ok(())
     }
 
-    /// `out[m×ff] = silu(x·Gᵀ) · (x·Uᵀ)` of a weight that stacks the gate rows over the up rows
-    /// ([`crate::matmul_silu`]); through the AMX tiles where [`Linear::matmul`] would use them.
-    pub fn matmul_silu(&self, x: &[f32], m: usize, out: &mut [f32]) -> Result<(), KernelError> {
-        if !(self.tiles && m >= AMX_MIN_ROWS && amx::active()) {
+    /// `out[m×ff] = silu(x·Gᵀ) · (x·Uᵀ)` of a weight that stacks `ff` gate rows over `ff` up
+    /// rows: in one pass ([`crate::matmul_silu`]) from [`MATMUL_SILU_MIN_ROWS`] rows, else (and
+    /// on the AMX tiles, where [`Linear::matmul`] would use them) the product into `gate_up` (room
+    /// for `m × 2ff` values; left as it was after one pass) and silu·mul of its rows. The same
+    /// bits either way.
+    pub fn matmul_silu(
+        &self,
+        x: &[f32],
+        m: usize,
+        gate_up: &mut [f32],
+        out: &mut [f32],
+    ) -> Result<(), KernelError> {
+        let tiles = self.tiles && m >= AMX_MIN_ROWS && amx::active();
+        if m >= MATMUL_SILU_MIN_ROWS && !tiles {
             return crate::matmul_silu(x, m, &self.weight, out);
         }
         let n = self.weight.rows();
         let ff = n / 2;
-        if !n.is_multiple_of(2) || out.len() != m * ff {
+        if !n.is_multiple_of(2) || out.len() != m * ff || gate_up.len() < m * n {
             return Err(KernelError::Shape(format!(
-                "matmul_silu: out has {} values for {m}×{ff}, the weight {n} rows",
-                out.len()
+                "matmul_silu: out has {} values for {m}×{ff} and gate|up room for {}, the weight {n} rows",
+                out.len(),
+                gate_up.len()
             )));
         }
-        let mut gate_up = vec![0f32; m * n];
-        self.matmul(x, m, &mut gate_up)?;
-        for (g, o) in gate_up.chunks_exact(n).zip(out.chunks_exact_mut(ff)) {
-            crate::simd::silu_mul_to(&g[..ff], &g[ff..], o);
-        }
+        let gate_up = &mut gate_up[..m * n];
+        self.matmul(x, m, gate_up)?;
+        gate_up
+            .par_chunks(SILU_ROWS * n)
+            .zip(out.par_chunks_mut(SILU_ROWS * ff))
+            .for_each(|(g, o)| {
+                for (g, o) in g.chunks_exact(n).zip(o.chunks_exact_mut(ff)) {
+                    crate::simd::silu_mul_to(&g[..ff], &g[ff..], o);
+                }
+            });
         Ok(())
     }
 }
+
+/// Rows a task of [`Linear::matmul_silu`]'s separate silu·mul takes.
+const SILU_ROWS: usize = 16;
 
 #[cfg(test)]
 mod tests {

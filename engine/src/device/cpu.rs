@@ -13,7 +13,7 @@ use rayon::prelude::*;
 use tandem_kernels::ops::{self, RopeTable};
 use tandem_kernels::{
     matmul_many, paged_attention_strided, write_kv_strided, AttnSpec, KvLayout, Linear, Product,
-    SeqAttn, Weight, MATMUL_SILU_MIN_ROWS,
+    SeqAttn, Weight,
 };
 
 use tandem_model::{LoadedModel, ModelConfig, TensorData};
@@ -604,11 +604,7 @@ impl StepOps for CpuStep<'_> {
     ) -> Result<(), EngineError> {
         // One pass where gate|up would leave the caches between two (a 512-token prefill of
         // the default model wrote and read back 6.3 MB of it a layer; see `matmul_silu`).
-        if m < MATMUL_SILU_MIN_ROWS {
-            self.matmul(w, x, (m, 2 * ff, k), gate_up)?;
-            return self.silu_mul(gate_up, out, m, ff);
-        }
-        Ok(w.matmul_silu(&x[..m * k], m, &mut out[..m * ff])?)
+        Ok(w.matmul_silu(&x[..m * k], m, gate_up, &mut out[..m * ff])?)
     }
 
     fn route(
