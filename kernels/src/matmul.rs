@@ -209,9 +209,7 @@ pub fn matmul_silu(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) -> Result<(
     let Some(runs) = runs else {
         let mut gate_up = vec![0f32; m * n];
         matmul(x, m, w, &mut gate_up)?;
-        for (g, o) in gate_up.chunks_exact(n).zip(out.chunks_exact_mut(ff)) {
-            crate::simd::silu_mul_to(&g[..ff], &g[ff..], o);
-        }
+        silu_rows(&gate_up, ff, out);
         return Ok(());
     };
     let dst = OutPtr(out.as_mut_ptr());
@@ -253,6 +251,22 @@ pub fn matmul_silu(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) -> Result<(
 /// --profile`, six rounds alternated): gate|up and silu·mul 251.9-283.6 ms in two passes,
 /// 241.3-259.7 in one; the prefill 799-882 tok/s and 842-906.
 pub(crate) const MATMUL_SILU_MIN_ROWS: usize = SMALL_M + 1;
+
+/// `out = silu(gate) · up` of rows of [gate | up], `ff` wide each half, [`SILU_ROWS`] rows a
+/// task: the separate pass of a product and silu·mul.
+pub(crate) fn silu_rows(gate_up: &[f32], ff: usize, out: &mut [f32]) {
+    gate_up
+        .par_chunks(SILU_ROWS * 2 * ff)
+        .zip(out.par_chunks_mut(SILU_ROWS * ff))
+        .for_each(|(g, o)| {
+            for (g, o) in g.chunks_exact(2 * ff).zip(o.chunks_exact_mut(ff)) {
+                crate::simd::silu_mul_to(&g[..ff], &g[ff..], o);
+            }
+        });
+}
+
+/// Rows a task of [`silu_rows`] takes.
+const SILU_ROWS: usize = 16;
 
 thread_local! {
     /// A task's gate and up outputs in [`matmul_silu`], reused by every task this thread runs.

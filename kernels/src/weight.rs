@@ -2,10 +2,8 @@
 
 use tandem_model::{GgmlType, TensorData};
 
-use rayon::prelude::*;
-
 use crate::amx;
-use crate::matmul::MATMUL_SILU_MIN_ROWS;
+use crate::matmul::{silu_rows, MATMUL_SILU_MIN_ROWS};
 use crate::simd::PANEL;
 use crate::KernelError;
 
@@ -431,20 +429,10 @@ impl Linear {
         }
         let gate_up = &mut gate_up[..m * n];
         self.matmul(x, m, gate_up)?;
-        gate_up
-            .par_chunks(SILU_ROWS * n)
-            .zip(out.par_chunks_mut(SILU_ROWS * ff))
-            .for_each(|(g, o)| {
-                for (g, o) in g.chunks_exact(n).zip(o.chunks_exact_mut(ff)) {
-                    crate::simd::silu_mul_to(&g[..ff], &g[ff..], o);
-                }
-            });
+        silu_rows(gate_up, ff, out);
         Ok(())
     }
 }
-
-/// Rows a task of [`Linear::matmul_silu`]'s separate silu·mul takes.
-const SILU_ROWS: usize = 16;
 
 #[cfg(test)]
 mod tests {
