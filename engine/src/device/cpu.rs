@@ -12,8 +12,8 @@ use std::sync::Arc;
 use rayon::prelude::*;
 use tandem_kernels::ops::{self, RopeTable};
 use tandem_kernels::{
-    matmul_many, paged_attention_strided, write_kv_strided, AttnSpec, KvLayout, Linear, Product,
-    SeqAttn, Weight,
+    matmul_many, paged_attention, paged_attention_strided, write_kv_strided, AttnSpec, KvLayout,
+    Linear, Product, SeqAttn, Weight,
 };
 
 use tandem_model::{LoadedModel, ModelConfig, TensorData};
@@ -561,15 +561,7 @@ impl StepOps for CpuStep<'_> {
             ));
         }
         if n > 0 {
-            paged_attention_strided(
-                &q,
-                qd,
-                spec,
-                cache.as_ref(),
-                layout,
-                &seqs,
-                &mut out[..n * qd],
-            )?;
+            paged_attention(&q, spec, cache.as_ref(), layout, &seqs, &mut out[..n * qd])?;
         }
         Ok(())
     }
