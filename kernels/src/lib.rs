@@ -35,7 +35,7 @@ pub use attention::{
     paged_attention, paged_attention_strided, reference_attention, write_kv, write_kv_strided,
     AttnSpec, KvLayout, KvSlab, KvSlabMut, SeqAttn,
 };
-pub use matmul::{matmul, matmul_many, matmul_silu, Product};
+pub use matmul::{matmul, matmul_many, matmul_silu, silu_rows, Product};
 pub use simd::fma_burst;
 pub use weight::{Linear, Weight};
 

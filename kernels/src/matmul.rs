@@ -253,8 +253,24 @@ pub fn matmul_silu(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) -> Result<(
 pub(crate) const MATMUL_SILU_MIN_ROWS: usize = SMALL_M + 1;
 
 /// `out = silu(gate) · up` of rows of [gate | up], `ff` wide each half, [`SILU_ROWS`] rows a
-/// task: the separate pass of a product and silu·mul.
-pub(crate) fn silu_rows(gate_up: &[f32], ff: usize, out: &mut [f32]) {
+/// task: the separate pass of a product and silu·mul (each value [`crate::ops::silu_mul_to`]'s,
+/// so the bits of [`matmul_silu`]'s one pass). Panics where `gate_up` is not twice `out`, or
+/// `out` not whole rows of `ff`.
+pub fn silu_rows(gate_up: &[f32], ff: usize, out: &mut [f32]) {
+    assert!(
+        gate_up.len() == 2 * out.len() && (ff > 0 || out.is_empty()),
+        "silu_rows: {} gate|up values for {} outputs",
+        gate_up.len(),
+        out.len()
+    );
+    if out.is_empty() {
+        return;
+    }
+    assert!(
+        out.len().is_multiple_of(ff),
+        "silu_rows: {} outputs are not rows of {ff}",
+        out.len()
+    );
     gate_up
         .par_chunks(SILU_ROWS * 2 * ff)
         .zip(out.par_chunks_mut(SILU_ROWS * ff))
@@ -652,6 +668,32 @@ mod tests {
             assert_eq!(got, want, "n={n} unit={unit} threads={threads}");
             assert!(got % unit == 0 && got <= ROWS_PER_TASK.max(unit));
         }
+    }
+
+    /// The separate silu·mul: each row's values are `silu_mul_to`'s of its halves, whatever the
+    /// rows a task takes; a buffer that is not twice the output, or an output that is not whole
+    /// rows, is refused.
+    #[test]
+    fn silu_rows_gives_each_rows_silu_mul() {
+        let ff = 24;
+        for rows in [0, 1, SILU_ROWS - 1, SILU_ROWS, 2 * SILU_ROWS + 3] {
+            let gate_up = rnd(rows * 2 * ff, rows as u64);
+            let mut out = vec![f32::NAN; rows * ff];
+            silu_rows(&gate_up, ff, &mut out);
+            for (g, o) in gate_up.chunks_exact(2 * ff).zip(out.chunks_exact(ff)) {
+                let mut want = vec![0f32; ff];
+                crate::ops::silu_mul_to(&g[..ff], &g[ff..], &mut want);
+                assert_eq!(
+                    o.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    "{rows} rows"
+                );
+            }
+        }
+        let short = std::panic::catch_unwind(|| silu_rows(&[1.0; 47], ff, &mut [0.0; 24]));
+        assert!(short.is_err());
+        let ragged = std::panic::catch_unwind(|| silu_rows(&[1.0; 60], ff, &mut [0.0; 30]));
+        assert!(ragged.is_err());
     }
 
     #[test]

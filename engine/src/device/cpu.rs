@@ -573,16 +573,7 @@ impl StepOps for CpuStep<'_> {
         rows: usize,
         ff: usize,
     ) -> Result<(), EngineError> {
-        let rt = ROW_TASK;
-        gate_up[..rows * 2 * ff]
-            .par_chunks(rt * 2 * ff)
-            .zip(out[..rows * ff].par_chunks_mut(rt * ff))
-            .for_each(|(src, dst)| {
-                for (g2, a) in src.chunks_exact(2 * ff).zip(dst.chunks_exact_mut(ff)) {
-                    let (g, u) = g2.split_at(ff);
-                    ops::silu_mul_to(g, u, a);
-                }
-            });
+        tandem_kernels::silu_rows(&gate_up[..rows * 2 * ff], ff, &mut out[..rows * ff]);
         Ok(())
     }
 
