@@ -420,9 +420,9 @@ fn write_group<'k, T: Copy>(
 /// f32 or f16 `block` (its values, from the block's start), in order: a slot given twice keeps
 /// its later row. Each value row is written whole; the keys, stored transposed, a dimension at a
 /// time for all the rows, so the slots of one dimension (a cache line of 16 at f32) are written
-/// together. Written one value of one row at a time (each through a match on the cache type), the
-/// rows took 6% of a 512-token prefill's attention, 0.40% of its samples; written so, 0.15% (`perf`,
-/// `tandem bench engine --batch 8 --prompt-len 512`, a 2-core Zen 4).
+/// together. Written one value of one row at a time (each through a match on the cache type),
+/// the rows took 6% of a 512-token prefill's attention, 0.40% of its samples; written so, 0.15%
+/// (`perf`, `tandem bench engine --batch 8 --prompt-len 512`, a 2-core Zen 4).
 fn write_rows<T: Copy>(
     block: &mut [T],
     layout: KvLayout,
