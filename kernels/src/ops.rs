@@ -223,6 +223,41 @@ mod tests {
         assert_eq!(y, before, "position 0 is the identity");
     }
 
+    /// Every head of every row, at head sizes whose halves fill whole vectors, leave a tail or
+    /// are shorter than one (the vector loop and its scalar tail): bits equal to the formula
+    /// computed a pair at a time, each row at its own position.
+    #[test]
+    fn rope_gives_each_pair_its_rotation() {
+        for half in [1, 3, 8, 16, 20, 32, 40, 64] {
+            let inv: Vec<f32> = (0..half).map(|i| 1.0 / (1.0 + i as f32)).collect();
+            let t = RopeTable::new(&inv, 1.0, 64);
+            let (heads, rows) = (5, 3);
+            let x: Vec<f32> = (0..rows * heads * 2 * half)
+                .map(|i| ((i * 37) % 101) as f32 / 50.0 - 1.0)
+                .collect();
+            let pos = [7, 0, 63];
+            let mut got = x.clone();
+            rope(&mut got, &pos, heads, &t);
+            let (cos, sin) = t.tables();
+            for (r, p) in pos.iter().enumerate() {
+                for h in 0..heads {
+                    let at = (r * heads + h) * 2 * half;
+                    for i in 0..half {
+                        let (c, s) = (cos[p * half + i], sin[p * half + i]);
+                        let (a, b) = (x[at + i], x[at + half + i]);
+                        let want = [a * c - b * s, b * c + a * s];
+                        let have = [got[at + i], got[at + half + i]];
+                        assert_eq!(
+                            have.map(f32::to_bits),
+                            want.map(f32::to_bits),
+                            "half {half}, row {r}, head {h}, pair {i}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn logits_helpers() {
         assert_eq!(argmax(&[1.0, 3.0, 3.0, 2.0]), 1);

@@ -511,10 +511,9 @@ impl StepOps for CpuStep<'_> {
             .par_chunks_mut(ROW_TASK * qkv_w)
             .zip(self.step.positions.par_chunks(ROW_TASK))
             .for_each(|(rows, pos)| {
+                // A row's query heads and key heads are one run of heads, rotated together.
                 for (row, p) in rows.chunks_exact_mut(qkv_w).zip(pos.chunks(1)) {
-                    let (q, kv) = row.split_at_mut(qd);
-                    ops::rope(q, p, c.num_heads, rope);
-                    ops::rope(&mut kv[..kvd], p, c.num_kv_heads, rope);
+                    ops::rope(&mut row[..qd + kvd], p, c.num_heads + c.num_kv_heads, rope);
                 }
             });
         let layout = self.kv.layout;
