@@ -304,9 +304,13 @@ pub fn write_kv(
             k.len()
         )));
     }
-    write_kv_with(cache, layout, slots, |t| {
-        (&k[t * row..(t + 1) * row], &v[t * row..(t + 1) * row])
-    })
+    write_kv_with(
+        cache,
+        layout,
+        slots,
+        |_| (),
+        |t| (&k[t * row..(t + 1) * row], &v[t * row..(t + 1) * row]),
+    )
 }
 
 /// [`write_kv`] of rows `stride` apart in `kv` (token t's at `t·stride`), each a K row and then
@@ -327,17 +331,70 @@ pub fn write_kv_strided(
             kv.len()
         )));
     }
-    write_kv_with(cache, layout, slots, |t| {
-        let at = t * stride;
-        (&kv[at..at + row], &kv[at + row..at + 2 * row])
-    })
+    write_kv_with(
+        cache,
+        layout,
+        slots,
+        |_| (),
+        |t| {
+            let at = t * stride;
+            (&kv[at..at + row], &kv[at + row..at + 2 * row])
+        },
+    )
 }
 
-/// The writes of [`write_kv`], token t's K and V rows from `kv(t)` (their lengths checked).
+/// [`write_kv_strided`] of fused q|k|v rows that `prepare` finishes in place first: token t's
+/// row is `qkv[t·stride..]`, its queries the first `k_at` values, then its K row and its V row
+/// (kv_heads·head_dim values each); `prepare(t, row)` gets those `k_at + 2·kv_heads·head_dim`
+/// values (to rotate its queries and keys) once, from the task that writes the row's block,
+/// just before the row's keys and values are read. One pass over the rows where a pass of
+/// its own before the writes read each row from memory twice, and one parallel loop fewer.
+pub fn prepare_and_write_kv(
+    cache: &mut KvSlabMut<'_>,
+    layout: KvLayout,
+    qkv: &mut [f32],
+    stride: usize,
+    k_at: usize,
+    slots: &[usize],
+    prepare: impl Fn(usize, &mut [f32]) + Sync,
+) -> Result<(), KernelError> {
+    let row = layout.num_kv_heads * layout.head_dim;
+    let (n, width) = (slots.len(), k_at + 2 * row);
+    if stride < width || (n > 0 && qkv.len() < (n - 1) * stride + width) {
+        return Err(KernelError::Shape(format!(
+            "write_kv: {n} rows of {width} q|k|v values {stride} apart need more than {}",
+            qkv.len()
+        )));
+    }
+    let rows = OutPtr(qkv.as_mut_ptr());
+    write_kv_with(
+        cache,
+        layout,
+        slots,
+        // SAFETY: row t is inside `qkv` (checked above), which this call borrows mutably
+        // throughout; each token is one block's and so one task's (`write_kv_with`), which
+        // prepares it once and then reads it: no other reference to the row exists meanwhile.
+        |t| {
+            prepare(t, unsafe {
+                std::slice::from_raw_parts_mut(rows.at(t * stride), width)
+            })
+        },
+        |t| {
+            // SAFETY: as above; the row was prepared, and is only read from here on.
+            let at = unsafe { std::slice::from_raw_parts(rows.at(t * stride + k_at), 2 * row) };
+            at.split_at(row)
+        },
+    )
+}
+
+/// The writes of [`write_kv`], token t's K and V rows from `kv(t)` (their lengths checked),
+/// each token's `prepare(t)` called first by the task that writes its block (each token is in
+/// exactly one block's task).
 fn write_kv_with<'k>(
     cache: &mut KvSlabMut<'_>,
     layout: KvLayout,
     slots: &[usize],
+    prepare: impl Fn(usize) + Sync,
     kv: impl Fn(usize) -> (&'k [f32], &'k [f32]) + Sync,
 ) -> Result<(), KernelError> {
     let (bs, bf) = (layout.block_size, layout.block_floats());
@@ -361,20 +418,32 @@ fn write_kv_with<'k>(
         let (k, v) = kv(t);
         (slots[t] % bs, k, v)
     };
+    let prepare_rows = |rows: &[usize]| rows.iter().for_each(|&t| prepare(t));
     match cache {
-        KvSlabMut::F32(d) => carve(d, bf, &blocks)
-            .into_par_iter()
-            .zip(groups)
-            .for_each(|(b, rows)| write_group(b, layout, rows, &token, |x| x)),
-        KvSlabMut::F16(d) => carve(d, bf, &blocks)
-            .into_par_iter()
-            .zip(groups)
-            .for_each(|(b, rows)| write_group(b, layout, rows, &token, half::f16::from_f32)),
+        KvSlabMut::F32(d) => {
+            carve(d, bf, &blocks)
+                .into_par_iter()
+                .zip(groups)
+                .for_each(|(b, rows)| {
+                    prepare_rows(rows);
+                    write_group(b, layout, rows, &token, |x| x)
+                })
+        }
+        KvSlabMut::F16(d) => {
+            carve(d, bf, &blocks)
+                .into_par_iter()
+                .zip(groups)
+                .for_each(|(b, rows)| {
+                    prepare_rows(rows);
+                    write_group(b, layout, rows, &token, half::f16::from_f32)
+                })
+        }
         KvSlabMut::Int8 { data, scales } => carve(data, bf, &blocks)
             .into_par_iter()
             .zip(carve(scales, layout.block_scales(), &blocks))
             .zip(groups)
             .for_each(|((data, scales), rows)| {
+                prepare_rows(rows);
                 for &t in rows {
                     let (k, v) = kv(t);
                     write_int8_row(data, scales, layout, slots[t] % bs, k, v);
@@ -1607,6 +1676,116 @@ mod tests {
         assert_eq!(scales[7], 0.0);
         assert_eq!(data[3], 127);
         assert_eq!(&data[8 + 6..8 + 8], &[0, 0]);
+    }
+
+    /// The pass that prepares fused q|k|v rows and writes them: every row prepared exactly once,
+    /// and the rows and the cache (each cache type) as a preparation of every row and then
+    /// `write_kv_strided` leave them, over rows of three blocks with a slot given twice, at 1
+    /// and 3 threads. A buffer too short for its rows is refused, nothing prepared or written.
+    #[test]
+    fn prepare_and_write_kv_prepares_each_row_once_before_its_write() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+        let layout = KvLayout {
+            block_size: 4,
+            num_kv_heads: 2,
+            head_dim: 8,
+        };
+        let (qd, kw) = (24, 16);
+        let (w, n) = (qd + 2 * kw + 3, 11);
+        let fused: Vec<f32> = (0..n * w).map(|_| rng.gen_range(-2.0..2.0)).collect();
+        // Blocks 5, 2 and 7; slot 21 twice (the later row wins).
+        let slots = [20, 21, 22, 23, 8, 9, 10, 28, 29, 30, 21];
+        // Touches queries, keys and values, differently for each row.
+        let prep = |t: usize, row: &mut [f32]| {
+            assert_eq!(row.len(), qd + 2 * kw);
+            for (i, x) in row.iter_mut().enumerate() {
+                *x = *x * 1.5 + (t * 7 + i) as f32 / 64.0;
+            }
+        };
+        let mut want_rows = fused.clone();
+        for t in 0..n {
+            prep(t, &mut want_rows[t * w..t * w + qd + 2 * kw]);
+        }
+        let blocks = 8;
+        let bits = |c: &TestCache| -> Vec<u32> {
+            let f = c.f32s.iter().chain(&c.scales).map(|x| x.to_bits());
+            let h = c.f16s.iter().map(|x| x.to_bits() as u32);
+            f.chain(h)
+                .chain(c.i8s.iter().map(|&x| x as u8 as u32))
+                .collect()
+        };
+        let empty = |dtype| TestCache {
+            f32s: vec![0.0; blocks * layout.block_floats()],
+            f16s: vec![half::f16::ZERO; blocks * layout.block_floats()],
+            i8s: vec![0; blocks * layout.block_floats()],
+            scales: vec![0.0; blocks * layout.block_scales()],
+            tables: Vec::new(),
+            probe: Default::default(),
+            dtype,
+        };
+        for dtype in 0..3 {
+            let mut want = empty(dtype);
+            write_kv_strided(&mut want.slab_mut(), layout, &want_rows[qd..], w, &slots).unwrap();
+            assert!(bits(&want).iter().any(|&b| b != 0));
+            for threads in [1, 3] {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap();
+                let (mut got, mut rows) = (empty(dtype), fused.clone());
+                let calls: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+                pool.install(|| {
+                    prepare_and_write_kv(
+                        &mut got.slab_mut(),
+                        layout,
+                        &mut rows,
+                        w,
+                        qd,
+                        &slots,
+                        |t, row| {
+                            calls[t].fetch_add(1, Ordering::Relaxed);
+                            prep(t, row)
+                        },
+                    )
+                })
+                .unwrap();
+                assert!(
+                    calls.iter().all(|c| c.load(Ordering::Relaxed) == 1),
+                    "each row once"
+                );
+                let b = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    b(&rows),
+                    b(&want_rows),
+                    "cache type {dtype}, {threads} threads"
+                );
+                assert_eq!(
+                    bits(&got),
+                    bits(&want),
+                    "cache type {dtype}, {threads} threads"
+                );
+            }
+        }
+        // One value short of the last row: refused before anything is prepared or written.
+        let mut cache = empty(0);
+        let mut rows = fused.clone();
+        let short = (n - 1) * w + qd + 2 * kw - 1;
+        let touched = AtomicUsize::new(0);
+        let r = prepare_and_write_kv(
+            &mut cache.slab_mut(),
+            layout,
+            &mut rows[..short],
+            w,
+            qd,
+            &slots,
+            |_, _| {
+                touched.fetch_add(1, Ordering::Relaxed);
+            },
+        );
+        assert!(r.is_err());
+        assert_eq!(touched.load(Ordering::Relaxed), 0);
+        assert!(cache.f32s.iter().all(|&x| x == 0.0), "nothing is written");
     }
 
     /// Queries, keys and values read in place from fused q|k|v rows (the strided forms) give the

@@ -32,8 +32,8 @@ mod simd;
 mod weight;
 
 pub use attention::{
-    paged_attention, paged_attention_strided, reference_attention, write_kv, write_kv_strided,
-    AttnSpec, KvLayout, KvSlab, KvSlabMut, SeqAttn,
+    paged_attention, paged_attention_strided, prepare_and_write_kv, reference_attention, write_kv,
+    write_kv_strided, AttnSpec, KvLayout, KvSlab, KvSlabMut, SeqAttn,
 };
 pub use matmul::{matmul, matmul_many, matmul_silu, silu_rows, Product};
 pub use simd::fma_burst;

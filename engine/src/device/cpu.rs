@@ -12,8 +12,8 @@ use std::sync::Arc;
 use rayon::prelude::*;
 use tandem_kernels::ops::{self, RopeTable};
 use tandem_kernels::{
-    matmul_many, paged_attention, paged_attention_strided, write_kv_strided, AttnSpec, KvLayout,
-    Linear, Product, SeqAttn, Weight,
+    matmul_many, paged_attention, paged_attention_strided, prepare_and_write_kv, AttnSpec,
+    KvLayout, Linear, Product, SeqAttn, Weight,
 };
 
 use tandem_model::{LoadedModel, ModelConfig, TensorData};
@@ -498,29 +498,36 @@ impl StepOps for CpuStep<'_> {
         // The queries and keys rotated where they are, in the fused rows, which the cache
         // writes and attention then read in place (copying them out first, into buffers of
         // their own, cost a 512-token prefill of the model 1.5-2 ms of its 85 ms of attention
-        // on a 2-core Zen 3).
+        // on a 2-core Zen 3). Each row is rotated by the task that writes its keys and values
+        // into the cache, just before: one pass over the rows, not a pass of its own first.
         let t = self.step.positions.len();
+        if self.step.slots.len() != t {
+            return Err(EngineError::Internal(format!(
+                "{} cache slots for {t} rows",
+                self.step.slots.len()
+            )));
+        }
         if qkv.len() < t * qkv_w {
             return Err(EngineError::Internal(format!(
                 "{} q|k|v values for {t} rows of {qkv_w}",
                 qkv.len()
             )));
         }
-        let rope = self.rope;
-        qkv[..t * qkv_w]
-            .par_chunks_mut(ROW_TASK * qkv_w)
-            .zip(self.step.positions.par_chunks(ROW_TASK))
-            .for_each(|(rows, pos)| {
-                // A row's query heads and key heads are one run of heads, rotated together.
-                for (row, p) in rows.chunks_exact_mut(qkv_w).zip(pos.chunks(1)) {
-                    ops::rope(&mut row[..qd + kvd], p, c.num_heads + c.num_kv_heads, rope);
-                }
-            });
+        let (rope, positions) = (self.rope, &self.step.positions);
         let layout = self.kv.layout;
         let mut cache = self.kv.layer_mut(layer);
-        // (A step of no rows, an expert-parallel rank's, has no values at all.)
-        let kv = qkv.get(qd..).unwrap_or_default();
-        write_kv_strided(&mut cache, layout, kv, qkv_w, &self.step.slots)?;
+        // A row's query heads and key heads are one run of heads, rotated together. (A step
+        // of no rows, an expert-parallel rank's, has no values at all.)
+        let heads = c.num_heads + c.num_kv_heads;
+        prepare_and_write_kv(
+            &mut cache,
+            layout,
+            &mut qkv[..t * qkv_w],
+            qkv_w,
+            qd,
+            &self.step.slots,
+            |t, row| ops::rope(&mut row[..qd + kvd], &positions[t..t + 1], heads, rope),
+        )?;
         let spec = AttnSpec {
             n_heads: c.num_heads,
             scale: 1.0 / (hd as f32).sqrt(),
