@@ -517,7 +517,7 @@ impl StepOps for CpuStep<'_> {
         let layout = self.kv.layout;
         let mut cache = self.kv.layer_mut(layer);
         // A row's query heads and key heads are one run of heads, rotated together. (A step
-        // of no rows, an expert-parallel rank's, has no values at all.)
+        // of no rows, an expert-parallel rank's, prepares and writes nothing.)
         let heads = c.num_heads + c.num_kv_heads;
         prepare_and_write_kv(
             &mut cache,
