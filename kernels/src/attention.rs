@@ -1365,6 +1365,15 @@ mod tests {
             }
         }
 
+        /// Every value and scale of every cache type, as bits.
+        fn bits(&self) -> Vec<u32> {
+            let f = self.f32s.iter().chain(&self.scales).map(|x| x.to_bits());
+            let h = self.f16s.iter().map(|x| x.to_bits() as u32);
+            f.chain(h)
+                .chain(self.i8s.iter().map(|&x| x as u8 as u32))
+                .collect()
+        }
+
         fn slab(&self) -> KvSlab<'_> {
             match self.dtype {
                 0 => KvSlab::F32(&self.f32s),
@@ -1735,13 +1744,6 @@ mod tests {
             prep(t, &mut want_rows[t * w..t * w + qd + 2 * kw]);
         }
         let blocks = 8;
-        let bits = |c: &TestCache| -> Vec<u32> {
-            let f = c.f32s.iter().chain(&c.scales).map(|x| x.to_bits());
-            let h = c.f16s.iter().map(|x| x.to_bits() as u32);
-            f.chain(h)
-                .chain(c.i8s.iter().map(|&x| x as u8 as u32))
-                .collect()
-        };
         let empty = |dtype| TestCache {
             f32s: vec![0.0; blocks * layout.block_floats()],
             f16s: vec![half::f16::ZERO; blocks * layout.block_floats()],
@@ -1754,7 +1756,7 @@ mod tests {
         for dtype in 0..3 {
             let mut want = empty(dtype);
             write_kv_strided(&mut want.slab_mut(), layout, &want_rows[qd..], w, &slots).unwrap();
-            assert!(bits(&want).iter().any(|&b| b != 0));
+            assert!(want.bits().iter().any(|&b| b != 0));
             for threads in [1, 3] {
                 let pool = rayon::ThreadPoolBuilder::new()
                     .num_threads(threads)
@@ -1788,8 +1790,8 @@ mod tests {
                     "cache type {dtype}, {threads} threads"
                 );
                 assert_eq!(
-                    bits(&got),
-                    bits(&want),
+                    got.bits(),
+                    want.bits(),
                     "cache type {dtype}, {threads} threads"
                 );
             }
@@ -1865,15 +1867,8 @@ mod tests {
             let (q, k, v) = (rows(0, qd), rows(qd, qd + kw), rows(qd + kw, qd + 2 * kw));
             write_kv(&mut packed.slab_mut(), layout, &k, &v, &slots).unwrap();
             write_kv_strided(&mut strided.slab_mut(), layout, &fused[qd..], w, &slots).unwrap();
-            let bits = |c: &TestCache| -> Vec<u32> {
-                let f = c.f32s.iter().chain(&c.scales).map(|x| x.to_bits());
-                let h = c.f16s.iter().map(|x| x.to_bits() as u32);
-                f.chain(h)
-                    .chain(c.i8s.iter().map(|&x| x as u8 as u32))
-                    .collect()
-            };
-            assert_eq!(bits(&packed), bits(&strided), "cache type {dtype}");
-            assert!(bits(&packed).iter().any(|&b| b != 0));
+            assert_eq!(packed.bits(), strided.bits(), "cache type {dtype}");
+            assert!(packed.bits().iter().any(|&b| b != 0));
             let seqs = [
                 SeqAttn {
                     q_start: 0,
