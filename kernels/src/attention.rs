@@ -362,7 +362,7 @@ pub fn prepare_and_write_kv(
     let (n, width) = (slots.len(), k_at + 2 * row);
     if stride < width || (n > 0 && qkv.len() < (n - 1) * stride + width) {
         return Err(KernelError::Shape(format!(
-            "write_kv: {n} rows of {width} q|k|v values {stride} apart need more than {}",
+            "prepare_and_write_kv: {n} rows of {width} values {stride} apart need more than {}",
             qkv.len()
         )));
     }

@@ -247,9 +247,9 @@ pub fn matmul_silu(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) -> Result<(
 /// Activation rows from which [`crate::Linear::matmul_silu`] takes [`matmul_silu`]'s one pass
 /// over the product and a separate silu·mul: below, gate|up (at most 8 rows of 2·1536 values
 /// for the default model, 98 KiB) stays in L2 between the passes, and the decode kernels' task
-/// sizes were tuned for the product alone. The model's 512-token prefill on a 2-core Zen 4 (`tandem bench engine
-/// --profile`, six rounds alternated): gate|up and silu·mul 251.9-283.6 ms in two passes,
-/// 241.3-259.7 in one; the prefill 799-882 tok/s and 842-906.
+/// sizes were tuned for the product alone. The model's 512-token prefill on a 2-core Zen 4
+/// (`tandem bench engine --profile`, six rounds alternated): gate|up and silu·mul
+/// 251.9-283.6 ms in two passes, 241.3-259.7 in one; the prefill 799-882 tok/s and 842-906.
 pub(crate) const MATMUL_SILU_MIN_ROWS: usize = SMALL_M + 1;
 
 /// `out = silu(gate) · up` of rows of [gate | up], `ff` wide each half, [`SILU_ROWS`] rows a
