@@ -23,7 +23,7 @@ use rayon::prelude::*;
 
 use crate::matmul::OutPtr;
 use crate::simd::{
-    axpy, axpy_rows_group, dot_keys_t, exp_shifted_sum, max_f32, AXPY_GROUP_MAX, KEYS_T_TILE,
+    axpy, axpy_group, axpy_rows_group, dot_keys_t, exp_shifted_sum, max_f32, KEYS_T_TILE,
 };
 use crate::KernelError;
 
@@ -258,9 +258,9 @@ fn accumulate_group<T: crate::simd::KvValue>(
     acc: &mut [f32],
     hd: usize,
 ) {
-    let nq = acc.len() / hd;
-    for v0 in (0..nq).step_by(AXPY_GROUP_MAX) {
-        let take = (nq - v0).min(AXPY_GROUP_MAX);
+    let (nq, group) = (acc.len() / hd, axpy_group());
+    for v0 in (0..nq).step_by(group) {
+        let take = (nq - v0).min(group);
         axpy_rows_group(
             &p[v0 * stride..],
             stride,

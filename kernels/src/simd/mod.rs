@@ -213,9 +213,10 @@ fn key_pieces<T: KvValue>(
                 continue;
             }
             debug_assert_eq!(b.1, 0, "one piece a call below AVX-512");
+            let most = if sse2_only() { SSE2_QUERIES } else { 6 };
             let take = *[6, 4, 3, 2, 1]
                 .iter()
-                .find(|&&t| t <= nq - v0)
+                .find(|&&t| t <= (nq - v0).min(most))
                 .expect("1 fits");
             let (kp, cols, op) = (a.0, a.1, op.add(a.2));
             macro_rules! go {
@@ -243,6 +244,32 @@ fn key_pieces<T: KvValue>(
 
 /// Most heads [`axpy_rows_group`] keeps in registers at once (more fall back to one at a time).
 pub const AXPY_GROUP_MAX: usize = 6;
+
+/// Heads a call of [`axpy_rows_group`] takes at this level: [`AXPY_GROUP_MAX`], or at the
+/// portable level on x86-64 [`SSE2_QUERIES`].
+pub fn axpy_group() -> usize {
+    if sse2_only() {
+        SSE2_QUERIES
+    } else {
+        AXPY_GROUP_MAX
+    }
+}
+
+/// The query vectors (or heads) the attention kernels keep in registers at once at the portable
+/// level on x86-64: each takes four SSE2 registers of accumulators for 16 keys (or values), and
+/// two (8 accumulators, beside four key vectors, a broadcast and a product) fit SSE2's 16. The
+/// AVX2 kernels' six (12 registers there, 24 here) spilled to the stack. A 512-token prefill's
+/// attention on a 2-core Zen 4 (`decode_attention`, `TANDEM_ISA=scalar`, two rounds alternated,
+/// 2026-12-07): 212-222 ms with six, 195-206 with two, 239-241 with three, 247-252 with one; in
+/// the engine (`tandem bench engine --prompt-len 512 --profile`) 215-227 ms, 36-37% of the FMA
+/// peak, against 196-207, 39-41%. The same bits: the tile does not change a chain.
+pub const SSE2_QUERIES: usize = 2;
+
+/// Whether this process runs the portable kernels on x86-64 (SSE2's 16 registers of 4 lanes).
+#[inline]
+fn sse2_only() -> bool {
+    cfg!(target_arch = "x86_64") && !has_avx2_fma()
+}
 
 /// Whole rows of `d` (> 0) values in `len`: a shift where `d` is a power of two, as every
 /// model's head size is. The value kernels count each run's rows at every call (AVX2 once for
@@ -1420,6 +1447,59 @@ mod tests {
                 for v in 0..nq {
                     assert!(out[v * ldo + n].is_nan(), "wrote past the keys");
                 }
+            }
+        }
+    }
+
+    /// How many query vectors (or heads) a register tile takes (the level's: six at AVX2, two
+    /// at SSE2, twelve over two pieces at AVX-512) changes no score and no weighted value: a
+    /// tile's outputs have the bits of each query or head alone.
+    #[test]
+    fn query_tiles_change_no_bit() {
+        let (d, ld, n) = (64, 32, 29);
+        let kt = rnd((d - 1) * ld + n, 31);
+        let rows = rnd(n * d, 32);
+        for nq in 1..=13 {
+            let q = rnd(nq * d, 33);
+            let mut all = vec![0f32; nq * n];
+            dot_keys_t(&q, nq, &[(&kt[..], n)], ld, 0.125, &mut all, n);
+            let p = rnd(nq * n, 34);
+            let mut acc = rnd(nq * d, 35);
+            let before = acc.clone();
+            for v0 in (0..nq).step_by(AXPY_GROUP_MAX) {
+                let g = (nq - v0).min(AXPY_GROUP_MAX);
+                axpy_rows_group(
+                    &p[v0 * n..],
+                    n,
+                    &[&rows[..]],
+                    &mut acc[v0 * d..][..g * d],
+                    g,
+                );
+            }
+            for v in 0..nq {
+                let mut one = vec![0f32; n];
+                dot_keys_t(
+                    &q[v * d..(v + 1) * d],
+                    1,
+                    &[(&kt[..], n)],
+                    ld,
+                    0.125,
+                    &mut one,
+                    n,
+                );
+                let bits = |x: &[f32]| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&all[v * n..(v + 1) * n]),
+                    bits(&one),
+                    "scores nq={nq} v={v}"
+                );
+                let mut alone = before[v * d..(v + 1) * d].to_vec();
+                axpy_rows_group(&p[v * n..(v + 1) * n], n, &[&rows[..]], &mut alone, 1);
+                assert_eq!(
+                    bits(&acc[v * d..(v + 1) * d]),
+                    bits(&alone),
+                    "values nq={nq} v={v}"
+                );
             }
         }
     }
