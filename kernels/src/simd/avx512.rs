@@ -146,17 +146,20 @@ pub unsafe fn exp_shifted_sum(x: &mut [f32], max: f32) -> f32 {
     _mm512_reduce_add_ps(acc)
 }
 
-/// `N` (up to 12) query vectors against two pieces of up to 16 keys each, stored transposed
-/// (dimension `i` of piece `p`'s keys at `kt[p] + i·ld`, its lanes past `cols[p]` neither read
-/// nor written; all 16 when `FULL`, so the loads are unmasked): `2·N` accumulators, one chain
-/// over the dimensions in order per query and piece (the other levels' order), each query
-/// element (rows of `d` at `q`) broadcast once for both pieces. Piece `p`'s scores of query `v`
-/// go to `out[p] + v·ldo`. Two pieces a call, where one piece a call loaded a broadcast for
-/// each multiply-add: 12 queries over 2 × 16 keys in L1 on one core of the Intel Xeon
-/// (`decode_attention`'s tiles) 148-150 -> 175-181 GFLOP/s.
+/// `N` (up to 12) query vectors against `PIECES` (two, or the first alone) pieces of up to 16
+/// keys each, stored transposed (dimension `i` of piece `p`'s keys at `kt[p] + i·ld`, its lanes
+/// past `cols[p]` neither read nor written; all 16 when `FULL`, so the loads are unmasked):
+/// `PIECES·N` accumulators, one chain over the dimensions in order per query and piece (the
+/// other levels' order), each query element (rows of `d` at `q`) broadcast once for both
+/// pieces. Piece `p`'s scores of query `v` go to `out[p] + v·ldo`. Two pieces a call, where one
+/// piece a call loaded a broadcast for each multiply-add: 12 queries over 2 × 16 keys in L1 on
+/// one core of the Intel Xeon (`decode_attention`'s tiles) 148-150 -> 175-181 GFLOP/s. A run's
+/// odd last piece goes alone: with a masked-off second piece beside it, half of its call's
+/// multiply-adds were of zero lanes (the scores against the values' samples, a 200-token
+/// prefill on a 2-core Zen 4, `perf` of `decode_attention`: 1.10-1.12 -> 1.00-1.07).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn dot_keys_t<T: KvValue, const N: usize, const FULL: bool>(
+pub unsafe fn dot_keys_t<T: KvValue, const N: usize, const FULL: bool, const PIECES: usize>(
     q: *const f32,
     d: usize,
     kt: [*const T; 2],
@@ -170,18 +173,18 @@ pub unsafe fn dot_keys_t<T: KvValue, const N: usize, const FULL: bool>(
         true => [!0; 2],
         false => cols.map(|c| if c >= 16 { 0xFFFF } else { (1u16 << c) - 1 }),
     };
-    let mut acc = [[_mm512_setzero_ps(); 2]; N];
+    let mut acc = [[_mm512_setzero_ps(); PIECES]; N];
     for i in 0..d {
-        let k = [0, 1].map(|p| load_kv(mask[p], kt[p].add(i * ld)));
+        let k: [__m512; PIECES] = std::array::from_fn(|p| load_kv(mask[p], kt[p].add(i * ld)));
         for (v, a) in acc.iter_mut().enumerate() {
             let qv = _mm512_set1_ps(*q.add(v * d + i));
-            for p in 0..2 {
+            for p in 0..PIECES {
                 a[p] = _mm512_fmadd_ps(qv, k[p], a[p]);
             }
         }
     }
     let s = _mm512_set1_ps(scale);
-    for p in 0..2 {
+    for p in 0..PIECES {
         for (v, a) in acc.iter().enumerate() {
             _mm512_mask_storeu_ps(out[p].add(v * ldo), mask[p], _mm512_mul_ps(a[p], s));
         }

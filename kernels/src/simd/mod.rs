@@ -143,7 +143,7 @@ pub fn dot_keys_t<T: KvValue>(
     let level = crate::isa::active();
     let pairs = cfg!(target_arch = "x86_64") && matches!(level, Isa::Avx512 | Isa::Amx);
     let mut held: Option<(*const T, usize, usize)> = None;
-    // A piece alone: a second copy of it masked off (no lane read or written).
+    // A piece alone: a second copy of it of no keys, which the kernels leave out.
     let alone = |p: (*const T, usize, usize)| [p, (p.0, 0, p.2)];
     let mut o = 0;
     for &(kt, len) in runs {
@@ -197,17 +197,20 @@ fn key_pieces<T: KvValue>(
                 let take = (nq - v0).min(12);
                 let (kt, cols, at) = ([a.0, b.0], [a.1, b.1], [op.add(a.2), op.add(b.2)]);
                 macro_rules! go {
-                    ($full:literal: $($t:literal)*) => {
+                    ($full:literal, $pieces:literal: $($t:literal)*) => {
                         match take {
-                            $($t => avx512::dot_keys_t::<T, $t, $full>(qp, d, kt, ld, cols, scale, at, ldo),)*
+                            $($t => avx512::dot_keys_t::<T, $t, $full, $pieces>(qp, d, kt, ld, cols, scale, at, ldo),)*
                             _ => unreachable!("at most 12 queries a register tile"),
                         }
                     };
                 }
-                if a.1 == 16 && b.1 == 16 {
-                    go!(true: 1 2 3 4 5 6 7 8 9 10 11 12);
-                } else {
-                    go!(false: 1 2 3 4 5 6 7 8 9 10 11 12);
+                // A piece alone (a run's odd last one) takes half the multiply-adds, not a
+                // second piece's of masked-off lanes: half a prefill's tiles end so at 8 rows.
+                match (a.1, b.1) {
+                    (16, 16) => go!(true, 2: 1 2 3 4 5 6 7 8 9 10 11 12),
+                    (16, 0) => go!(true, 1: 1 2 3 4 5 6 7 8 9 10 11 12),
+                    (_, 0) => go!(false, 1: 1 2 3 4 5 6 7 8 9 10 11 12),
+                    _ => go!(false, 2: 1 2 3 4 5 6 7 8 9 10 11 12),
                 }
                 v0 += take;
                 continue;
