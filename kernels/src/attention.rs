@@ -23,7 +23,8 @@ use rayon::prelude::*;
 
 use crate::matmul::OutPtr;
 use crate::simd::{
-    axpy, axpy_group, axpy_rows_group, dot_keys_t, exp_shifted_sum, max_f32, KEYS_T_TILE,
+    axpy, axpy_group, axpy_rows_group, axpy_rows_group_to, dot_keys_t, exp_shifted_sum, max_f32,
+    Finish, KEYS_T_TILE,
 };
 use crate::KernelError;
 
@@ -133,32 +134,42 @@ impl KvSlab<'_> {
     /// probabilities of the query vectors, to their accumulators: `acc[v] += Σ_t p[v·stride +
     /// t] · row t`. f32 and f16 rows are read in place; int8 rows are decoded (each row's scale,
     /// from `scale_at`, applied) into `scratch` first.
-    fn accumulate_rows(
+    ///
+    /// With `fin`, the sums start from zero and go normalized to the output rows instead (see
+    /// [`accumulate_group`]).
+    ///
+    /// # Safety
+    /// As [`accumulate_group`]'s where `fin` is given.
+    unsafe fn accumulate_rows(
         &self,
         layout: KvLayout,
         runs: &[(usize, usize, usize)],
         (p, stride): (&[f32], usize),
         acc: &mut [f32],
         scratch: &mut Vec<f32>,
+        fin: Option<Finish<'_>>,
     ) {
-        fn go<T: crate::simd::KvValue>(
+        unsafe fn go<T: crate::simd::KvValue>(
             data: &[T],
             runs: &[(usize, usize, usize)],
             hd: usize,
             (p, stride): (&[f32], usize),
             acc: &mut [f32],
+            fin: Option<Finish<'_>>,
         ) {
             let mut rows: [&[T]; RUNS_A_CALL] = [&[]; RUNS_A_CALL];
             for (r, &(at, run, _)) in rows.iter_mut().zip(runs) {
                 *r = &data[at..at + run * hd];
             }
-            accumulate_group(p, stride, &rows[..runs.len()], acc, hd)
+            // SAFETY: the caller's promise on `fin`.
+            unsafe { accumulate_group(p, stride, &rows[..runs.len()], acc, hd, fin) }
         }
         assert!(runs.len() <= RUNS_A_CALL, "accumulate_rows: too many runs");
         let hd = layout.head_dim;
+        // SAFETY (the calls of `go`): the caller's promise on `fin`.
         match self {
-            Self::F32(d) => go(d, runs, hd, (p, stride), acc),
-            Self::F16(d) => go(d, runs, hd, (p, stride), acc),
+            Self::F32(d) => unsafe { go(d, runs, hd, (p, stride), acc, fin) },
+            Self::F16(d) => unsafe { go(d, runs, hd, (p, stride), acc, fin) },
             Self::Int8 { data, scales } => {
                 scratch.clear();
                 for &(at, run, scale_at) in runs {
@@ -170,7 +181,7 @@ impl KvSlab<'_> {
                     }
                 }
                 let rows = scratch.len() / hd;
-                go(scratch, &[(0, rows, 0)], hd, (p, stride), acc)
+                unsafe { go(scratch, &[(0, rows, 0)], hd, (p, stride), acc, fin) }
             }
         }
     }
@@ -251,23 +262,31 @@ impl KvSlab<'_> {
 }
 
 /// [`axpy_rows_group`] for all of `acc`'s vectors (`acc.len() / hd`), a register group at a time.
-fn accumulate_group<T: crate::simd::KvValue>(
+/// With `fin` (a factor and an output row for each vector), [`axpy_rows_group_to`]: the sums
+/// from zero, normalized into the output rows, `acc` left alone.
+///
+/// # Safety
+/// Where `fin` is given: as [`axpy_rows_group_to`]'s, for each vector.
+unsafe fn accumulate_group<T: crate::simd::KvValue>(
     p: &[f32],
     stride: usize,
     rows: &[&[T]],
     acc: &mut [f32],
     hd: usize,
+    fin: Option<Finish<'_>>,
 ) {
     let (nq, group) = (acc.len() / hd, axpy_group());
     for v0 in (0..nq).step_by(group) {
         let take = (nq - v0).min(group);
-        axpy_rows_group(
-            &p[v0 * stride..],
-            stride,
-            rows,
-            &mut acc[v0 * hd..(v0 + take) * hd],
-            take,
-        );
+        let (p, acc) = (&p[v0 * stride..], &mut acc[v0 * hd..(v0 + take) * hd]);
+        match fin {
+            None => axpy_rows_group(p, stride, rows, acc, take),
+            Some(f) => {
+                let (inv, out) = (&f.inv[v0..v0 + take], &f.out[v0..v0 + take]);
+                // SAFETY: the caller's promise.
+                unsafe { axpy_rows_group_to(p, stride, rows, acc, take, Finish { inv, out }) }
+            }
+        }
     }
 }
 
@@ -877,6 +896,8 @@ pub fn paged_attention_strided(
             local.resize(need, 0.0);
         }
         let mut bufs = TileBufs::default();
+        // The items whose value kernel wrote their outputs (no merge left to do).
+        let mut written = vec![false; run.len()];
         for (i, g) in order {
             let (it, part) = &mut run[i];
             if it.whole && g + 1 == it.s1 {
@@ -893,13 +914,19 @@ pub fn paged_attention_strided(
                     }
                 }
             }
-            let len = seg_len(it);
+            let seg = seg_len(it);
             let part = if it.whole {
                 &mut local[at[i]..at[i] + segs_len(it)]
             } else {
                 &mut part[..]
             };
-            attend_tile(
+            // A whole item of one segment: its value kernel may write the outputs itself.
+            let to = (it.whole && it.s1 - it.s0 == 1).then_some(TileOut {
+                dst: &dst,
+                width,
+                len,
+            });
+            written[i] = attend_tile(
                 &cache,
                 layout,
                 &seqs[it.seq],
@@ -909,10 +936,15 @@ pub fn paged_attention_strided(
                 &qt[qts[i].clone()],
                 &mut bufs,
                 &mut ahead,
-                &mut part[(g - it.s0) * len..][..len],
+                &mut part[(g - it.s0) * seg..][..seg],
+                to,
             );
         }
-        for (i, (it, _)) in run.iter().enumerate().filter(|(_, (it, _))| it.whole) {
+        let merged = run
+            .iter()
+            .enumerate()
+            .filter(|&(i, (it, _))| it.whole && !written[i]);
+        for (i, (it, _)) in merged {
             let segs: Vec<&[f32]> = local[at[i]..at[i] + segs_len(it)]
                 .chunks_exact(seg_len(it))
                 .collect();
@@ -1071,6 +1103,19 @@ struct TileBufs {
     scores: Vec<f32>,
     /// Int8 values converted to f32.
     conv: Vec<f32>,
+    /// Each query vector's `1 / sum` and output row, where the value kernel writes the tile's
+    /// outputs itself.
+    inv: Vec<f32>,
+    outs: Vec<*mut f32>,
+}
+
+/// The output a tile of one segment is written to by its value kernel (see [`attend_tile`]):
+/// `len` values, rows `width` apart.
+#[derive(Clone, Copy)]
+struct TileOut<'o> {
+    dst: &'o OutPtr,
+    width: usize,
+    len: usize,
 }
 
 /// Softmax attention of a tile's `nq` query vectors (`qt`, nq×hd; vector `r·g + h` is head
@@ -1080,6 +1125,10 @@ struct TileBufs {
 /// hd)` values: maxes, then sums, then outputs); a vector that sees no key of the segment gets
 /// max −∞, sum 0 and output 0, which the merge weighs by exactly 0. `ahead` holds the ranges
 /// this reads, in order (keys, then values).
+///
+/// Given `to` (the item is its tile's only segment), the outputs, normalized as the merge of
+/// one partial would, go to the tile's rows of the output instead where one call of the value
+/// kernel takes the segment; returns whether they did (then `part` holds no outputs).
 #[allow(clippy::too_many_arguments)]
 fn attend_tile(
     cache: &KvSlab<'_>,
@@ -1092,9 +1141,15 @@ fn attend_tile(
     bufs: &mut TileBufs,
     ahead: &mut Ahead,
     part: &mut [f32],
-) {
+    to: Option<TileOut<'_>>,
+) -> bool {
     let (hd, bs, scale) = (layout.head_dim, layout.block_size, spec.scale);
-    let TileBufs { scores, conv } = bufs;
+    let TileBufs {
+        scores,
+        conv,
+        inv,
+        outs,
+    } = bufs;
     let nq = qt.len() / hd;
     let g = nq / it.rows;
     let n = j1 - j0;
@@ -1155,8 +1210,29 @@ fn attend_tile(
             after.fill(0.0);
         }
     }
-    let acc = &mut part[2 * nq..];
-    acc.fill(0.0);
+    // Where the item is the tile's only segment and its values take one call, that call writes
+    // the tile's outputs (`to`), normalized as the merge of one partial would: the
+    // accumulators start at zero in registers and go straight to the output rows, not to the
+    // partials and back through the merge.
+    let value_calls = block_runs(s.block_table, bs, j0, j1)
+        .count()
+        .div_ceil(value_runs);
+    let to = to.filter(|_| value_calls == 1);
+    let (stats, acc) = part.split_at_mut(2 * nq);
+    if let Some(to) = to {
+        inv.clear();
+        outs.clear();
+        for v in 0..nq {
+            // The merge's factor, 1 / sum (every row of a one-segment tile sees a key).
+            inv.push(1.0 / stats[nq + v]);
+            let at = (it.row + v / g) * to.width + it.kvh * g * hd + (v % g) * hd;
+            assert!(at + hd <= to.len, "attention output outside the output");
+            // SAFETY: inside the output (asserted); the row's head is this tile's alone.
+            outs.push(unsafe { to.dst.at(at) });
+        }
+    } else {
+        acc.fill(0.0);
+    }
     // A few blocks' values a call where ranges are asked for ahead: the accumulators stay in
     // registers across them, and the blocks (4 KiB a head of the model each) stay in L1 for the
     // tile's second register group. A prefill tile's segment at once.
@@ -1170,8 +1246,19 @@ fn attend_tile(
             values[count] = (v_at, run, layout.scale_at(blk, 1, it.kvh) + off);
             count += 1;
         }
-        cache.accumulate_rows(layout, &values[..count], (&scores[at..], n), acc, conv);
+        let fin = to.map(|_| Finish {
+            inv: &inv[..],
+            out: &outs[..],
+        });
+        // SAFETY: each output row's head of `outs` has `hd` values inside the output (asserted
+        // above), written by this tile alone (its rows are one sequence's, and the tile and KV
+        // head one item's), and read by no one until the call returns.
+        unsafe {
+            let p = (&scores[at..], n);
+            cache.accumulate_rows(layout, &values[..count], p, acc, conv, fin);
+        }
     }
+    to.is_some()
 }
 
 /// Asks for the cache lines of `len` f32 values at `p` (a hint: nothing is read or written).

@@ -365,12 +365,13 @@ pub unsafe fn axpy_rows_g<T: KvValue, const G: usize>(
     stride: usize,
     runs: &[&[T]],
     acc: &mut [f32],
+    fin: Option<super::Finish<'_>>,
 ) {
     let d = acc.len() / G;
     let (pp, pa) = (p.as_ptr(), acc.as_mut_ptr());
     for c in (0..d).step_by(16) {
         let mut a = [[_mm256_setzero_ps(); 2]; G];
-        for (h, ah) in a.iter_mut().enumerate() {
+        for (h, ah) in a.iter_mut().enumerate().filter(|_| fin.is_none()) {
             ah[0] = _mm256_loadu_ps(pa.add(h * d + c));
             ah[1] = _mm256_loadu_ps(pa.add(h * d + c + 8));
         }
@@ -389,8 +390,16 @@ pub unsafe fn axpy_rows_g<T: KvValue, const G: usize>(
             t0 += n;
         }
         for (h, ah) in a.iter().enumerate() {
-            _mm256_storeu_ps(pa.add(h * d + c), ah[0]);
-            _mm256_storeu_ps(pa.add(h * d + c + 8), ah[1]);
+            let Some(f) = fin else {
+                _mm256_storeu_ps(pa.add(h * d + c), ah[0]);
+                _mm256_storeu_ps(pa.add(h * d + c + 8), ah[1]);
+                continue;
+            };
+            let inv = _mm256_set1_ps(f.inv[h]);
+            for (j, v) in ah.iter().enumerate() {
+                let y = _mm256_add_ps(_mm256_mul_ps(*v, inv), _mm256_setzero_ps());
+                _mm256_storeu_ps(f.out[h].add(c + 8 * j), y);
+            }
         }
     }
 }

@@ -242,12 +242,13 @@ pub unsafe fn axpy_rows_g<T: KvValue, const G: usize>(
     stride: usize,
     runs: &[&[T]],
     acc: &mut [f32],
+    fin: Option<super::Finish<'_>>,
 ) {
     let d = acc.len() / G;
     let (pp, pa) = (p.as_ptr(), acc.as_mut_ptr());
     for c in (0..d).step_by(64) {
         let mut a = [[_mm512_setzero_ps(); 4]; G];
-        for (h, ah) in a.iter_mut().enumerate() {
+        for (h, ah) in a.iter_mut().enumerate().filter(|_| fin.is_none()) {
             for (j, v) in ah.iter_mut().enumerate() {
                 *v = _mm512_loadu_ps(pa.add(h * d + c + 16 * j));
             }
@@ -273,8 +274,16 @@ pub unsafe fn axpy_rows_g<T: KvValue, const G: usize>(
             t0 += n;
         }
         for (h, ah) in a.iter().enumerate() {
+            let Some(f) = fin else {
+                for (j, v) in ah.iter().enumerate() {
+                    _mm512_storeu_ps(pa.add(h * d + c + 16 * j), *v);
+                }
+                continue;
+            };
+            let inv = _mm512_set1_ps(f.inv[h]);
             for (j, v) in ah.iter().enumerate() {
-                _mm512_storeu_ps(pa.add(h * d + c + 16 * j), *v);
+                let y = _mm512_add_ps(_mm512_mul_ps(*v, inv), _mm512_setzero_ps());
+                _mm512_storeu_ps(f.out[h].add(c + 16 * j), y);
             }
         }
     }

@@ -298,6 +298,52 @@ pub fn axpy_rows_group<T: KvValue>(
     acc: &mut [f32],
     g: usize,
 ) {
+    // SAFETY: no output is written outside `acc`.
+    unsafe { rows_group(p, stride, runs, acc, g, None) }
+}
+
+/// Where [`axpy_rows_group_to`] writes head `h`'s sums: `out[h][i] = sum_i · inv[h] + 0` (a
+/// normalized attention output; `+ 0` makes a zero +0).
+#[derive(Clone, Copy)]
+pub struct Finish<'a> {
+    pub inv: &'a [f32],
+    pub out: &'a [*mut f32],
+}
+
+/// [`axpy_rows_group`] from zeros, its sums written to `fin` (each head's `d` values times its
+/// factor) instead of `acc`, which is neither read nor written (it gives `d`): the bits of
+/// [`axpy_rows_group`] over a zeroed `acc` and then `acc[h][i] · inv[h] + 0`, without the
+/// accumulators' trips through memory.
+///
+/// # Safety
+/// `fin.inv` and `fin.out` have `g` entries, and each `fin.out[h]` is valid for writes of `d`
+/// values that nothing else reads or writes meanwhile.
+pub unsafe fn axpy_rows_group_to<T: KvValue>(
+    p: &[f32],
+    stride: usize,
+    runs: &[&[T]],
+    acc: &mut [f32],
+    g: usize,
+    fin: Finish<'_>,
+) {
+    assert!(
+        fin.inv.len() == g && fin.out.len() == g,
+        "axpy_rows_group_to: {g} heads"
+    );
+    // SAFETY: the caller's promise on `fin`.
+    unsafe { rows_group(p, stride, runs, acc, g, Some(fin)) }
+}
+
+/// # Safety
+/// As [`axpy_rows_group_to`] where `fin` is given.
+unsafe fn rows_group<T: KvValue>(
+    p: &[f32],
+    stride: usize,
+    runs: &[&[T]],
+    acc: &mut [f32],
+    g: usize,
+    fin: Option<Finish<'_>>,
+) {
     let d = acc.len() / g.max(1);
     let n: usize = runs.iter().map(|r| rows_of(r.len(), d.max(1))).sum();
     assert!(
@@ -311,15 +357,16 @@ pub fn axpy_rows_group<T: KvValue>(
         ($m:ident :: $f:ident) => {
             // SAFETY: the level's features are on this CPU (`isa::active`); each run holds
             // whole rows of `d` (a multiple of the kernel's width), `acc` g rows of `d`, and `p`
-            // the probabilities of every head for each of the `n` rows (asserted above).
+            // the probabilities of every head for each of the `n` rows (asserted above); the
+            // caller's promise on `fin`.
             unsafe {
                 match g {
-                    1 => return $m::$f::<T, 1>(p, stride, runs, acc),
-                    2 => return $m::$f::<T, 2>(p, stride, runs, acc),
-                    3 => return $m::$f::<T, 3>(p, stride, runs, acc),
-                    4 => return $m::$f::<T, 4>(p, stride, runs, acc),
-                    5 => return $m::$f::<T, 5>(p, stride, runs, acc),
-                    6 => return $m::$f::<T, 6>(p, stride, runs, acc),
+                    1 => return $m::$f::<T, 1>(p, stride, runs, acc, fin),
+                    2 => return $m::$f::<T, 2>(p, stride, runs, acc, fin),
+                    3 => return $m::$f::<T, 3>(p, stride, runs, acc, fin),
+                    4 => return $m::$f::<T, 4>(p, stride, runs, acc, fin),
+                    5 => return $m::$f::<T, 5>(p, stride, runs, acc, fin),
+                    6 => return $m::$f::<T, 6>(p, stride, runs, acc, fin),
                     _ => {}
                 }
             }
@@ -335,6 +382,9 @@ pub fn axpy_rows_group<T: KvValue>(
         go!(portable::axpy_rows_g);
     }
     // Head sizes that are not a multiple of 16 (no model of ours has one) and more than 6 heads.
+    if fin.is_some() {
+        acc.fill(0.0);
+    }
     for h in 0..g {
         let acc = &mut acc[h * d..(h + 1) * d];
         let rows = runs.iter().flat_map(|r| r.chunks_exact(d));
@@ -342,6 +392,13 @@ pub fn axpy_rows_group<T: KvValue>(
             let w = p[h * stride + t];
             for (a, x) in acc.iter_mut().zip(row) {
                 *a += w * x.to_f32();
+            }
+        }
+        if let Some(f) = fin {
+            // SAFETY: the caller's promise: `d` values at `f.out[h]` are this call's.
+            let out = unsafe { std::slice::from_raw_parts_mut(f.out[h], d) };
+            for (o, a) in out.iter_mut().zip(acc.iter()) {
+                *o = a * f.inv[h] + 0.0;
             }
         }
     }
@@ -1503,6 +1560,55 @@ mod tests {
                     bits(&alone),
                     "values nq={nq} v={v}"
                 );
+            }
+        }
+    }
+
+    /// The sums written straight to the output rows, normalized, have the bits of the sums
+    /// taken into zeroed accumulators and normalized after (the merge of one partial), at every
+    /// head count and head size (the fallback's too), and nothing else is written.
+    #[test]
+    fn value_sums_written_out_equal_the_merged_ones() {
+        for d in [8, 16, 64, 128] {
+            for g in 1..=7 {
+                let (n, stride) = (21, 23);
+                let rows = rnd(n * d, 41);
+                let p = rnd(g * stride, 42);
+                let inv: Vec<f32> = rnd(g, 43).iter().map(|x| 1.0 / (x + 2.0)).collect();
+                let mut want = vec![0f32; g * d];
+                axpy_rows_group(&p, stride, &[&rows[..7 * d], &rows[7 * d..]], &mut want, g);
+                for (h, w) in want.chunks_exact_mut(d).enumerate() {
+                    w.iter_mut().for_each(|x| *x = *x * inv[h] + 0.0);
+                }
+                // Output rows 3 values apart, with NaN between and around them.
+                let ld = d + 3;
+                let mut out = vec![f32::NAN; g * ld + 3];
+                let outs: Vec<*mut f32> = (0..g).map(|h| out[3 + h * ld..].as_mut_ptr()).collect();
+                let mut acc = vec![f32::NAN; g * d];
+                let fin = Finish {
+                    inv: &inv,
+                    out: &outs,
+                };
+                let runs = [&rows[..7 * d], &rows[7 * d..]];
+                // SAFETY: each output row has `d` values of its own in `out`.
+                unsafe { axpy_rows_group_to(&p, stride, &runs, &mut acc, g, fin) };
+                for h in 0..g {
+                    let got: Vec<u32> =
+                        out[3 + h * ld..][..d].iter().map(|x| x.to_bits()).collect();
+                    let w: Vec<u32> = want[h * d..][..d].iter().map(|x| x.to_bits()).collect();
+                    assert_eq!(got, w, "d={d} g={g} h={h}");
+                }
+                let untouched = (0..out.len()).filter(|i| *i < 3 || (i - 3) % ld >= d);
+                assert!(
+                    untouched.into_iter().all(|i| out[i].is_nan()),
+                    "d={d} g={g}"
+                );
+                if d.is_multiple_of(16) && g <= AXPY_GROUP_MAX {
+                    assert!(
+                        acc.iter().all(|x| x.is_nan()),
+                        "the kernels leave acc alone"
+                    );
+                }
             }
         }
     }

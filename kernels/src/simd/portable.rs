@@ -212,12 +212,13 @@ pub unsafe fn axpy_rows_g<T: KvValue, const G: usize>(
     stride: usize,
     runs: &[&[T]],
     acc: &mut [f32],
+    fin: Option<super::Finish<'_>>,
 ) {
     let d = acc.len() / G;
     let (pp, pa) = (p.as_ptr(), acc.as_mut_ptr());
     for c in (0..d).step_by(16) {
         let mut a = [[f32x8::ZERO; 2]; G];
-        for (h, ah) in a.iter_mut().enumerate() {
+        for (h, ah) in a.iter_mut().enumerate().filter(|_| fin.is_none()) {
             ah[0] = ld(pa.add(h * d + c));
             ah[1] = ld(pa.add(h * d + c + 8));
         }
@@ -236,8 +237,15 @@ pub unsafe fn axpy_rows_g<T: KvValue, const G: usize>(
             t0 += n;
         }
         for (h, ah) in a.iter().enumerate() {
-            st(pa.add(h * d + c), ah[0]);
-            st(pa.add(h * d + c + 8), ah[1]);
+            let Some(f) = fin else {
+                st(pa.add(h * d + c), ah[0]);
+                st(pa.add(h * d + c + 8), ah[1]);
+                continue;
+            };
+            let inv = f32x8::splat(f.inv[h]);
+            for (j, v) in ah.iter().enumerate() {
+                st(f.out[h].add(c + 8 * j), *v * inv + f32x8::ZERO);
+            }
         }
     }
 }
