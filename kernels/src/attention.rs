@@ -901,11 +901,12 @@ pub fn paged_attention_strided(
         for (i, g) in order {
             let (it, part) = &mut run[i];
             if it.whole && g + 1 == it.s1 {
-                // The rows this item's merge will write, asked for as its last segment starts:
-                // the output has left the caches since the layer before read it, and the
-                // merges' stores waited on it (11% of a 200-token prefill's attention samples;
-                // asked for, 7% less attention against the products' samples: `perf`, `tandem
-                // bench engine --prompt-len 200 --rounds 25`, a 2-core Zen 4).
+                // The rows this item's merge (or value kernel) will write, asked for as its last
+                // segment starts: the output has left the caches since the layer before read
+                // it, and the merges' stores waited on it (11% of a 200-token prefill's
+                // attention samples; asked for, 7% less attention against the products'
+                // samples: `perf`, `tandem bench engine --prompt-len 200 --rounds 25`, a 2-core
+                // Zen 4).
                 for r in it.row..it.row + it.rows {
                     let at = r * width + it.kvh * gw;
                     if at + gw <= len {
